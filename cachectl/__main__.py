@@ -1,0 +1,3 @@
+from cachectl.cli import main
+
+main()

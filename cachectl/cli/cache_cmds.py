@@ -1,0 +1,114 @@
+"""`cachectl cache`: register caches and set their policies."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+import click
+
+from cachectl import caches
+from cachectl.cli.render import emit, json_option, size, stdout, table
+from cachectl.context import Context
+from cachectl.index import CacheInfo
+from cachectl.permissions import parse_writers
+from cachectl.units import format_duration, parse_duration, parse_size
+
+
+def _policy(max_size: str | None, max_entry_size: str | None, env_max_size: str | None,
+            retention: str | None, writers: str | None, service_writes: str | None,
+            group: str | None) -> dict[str, Any]:
+    return {
+        "max_size": parse_size(max_size) if max_size else None,
+        "max_entry_size": parse_size(max_entry_size) if max_entry_size else None,
+        "env_max_size": parse_size(env_max_size) if env_max_size else None,
+        "retention_seconds": int(parse_duration(retention).total_seconds()) if retention else None,
+        "writers": parse_writers(writers),
+        "service_writes": service_writes,
+        "group": group,
+    }
+
+
+def _policy_options(fn: Any) -> Any:
+    options = [
+        click.option("--max-size", metavar="SIZE", help="Total size limit enforced by gc, e.g. 50GiB."),
+        click.option("--max-entry-size", metavar="SIZE", help="Largest entry kept, e.g. 500MB."),
+        click.option("--env-max-size", metavar="SIZE", help="Size limit per environment."),
+        click.option("--retention", metavar="DUR", help="Default age for prune, e.g. 30d."),
+        click.option("--writers", metavar="LIST", help="Users and @groups allowed to write, e.g. alice,@mlops ('' = anyone)."),
+        click.option("--service-writes", type=click.Choice(["allow", "deny"]),
+                     help="May services write entries on a miss? (default: deny for gs:// and s3://, allow locally)"),
+        click.option("--group", metavar="GROUP", help="Local disk: make the tree group-owned and setgid (2775)."),
+    ]
+    for option in reversed(options):
+        fn = option(fn)
+    return fn
+
+
+def _print_caches(items: list[CacheInfo]) -> None:
+    rows = [
+        (c.name, c.root_url, size(c.max_size), size(c.max_entry_size),
+         format_duration(timedelta(seconds=c.retention_seconds)) if c.retention_seconds else "-",
+         ",".join(c.writers) or "anyone", c.effective_service_writes)
+        for c in items
+    ]
+    stdout.print(table(None, ["cache", "root", "max size", "max entry", "retention", "writers", "service writes"], rows))
+
+
+@click.group("cache")
+def cache_group() -> None:
+    """Register caches (a root URL plus a policy)."""
+
+
+@cache_group.command("add")
+@click.argument("name")
+@click.argument("url")
+@_policy_options
+@json_option
+@click.pass_obj
+def add(ctx: Context, name: str, url: str, as_json: bool, **opts: Any) -> None:
+    """Register cache NAME rooted at URL (a path, file://, gs://bucket/prefix, s3://bucket/prefix)."""
+    info = caches.add_cache(ctx, name, url, **_policy(**opts))
+    emit(info, as_json, lambda c: stdout.print(f"added cache {c.name} at {c.root_url}"))
+
+
+@cache_group.command("list")
+@json_option
+@click.pass_obj
+def list_(ctx: Context, as_json: bool) -> None:
+    """List registered caches and their policies."""
+    ctx.cache("default")  # the embedded default exists from first use
+    emit(ctx.index.list_caches(), as_json, _print_caches)
+
+
+@cache_group.command("set")
+@click.argument("name")
+@click.option("--url", "root_url", metavar="URL", help="Move the cache's root (files are not moved).")
+@_policy_options
+@json_option
+@click.pass_obj
+def set_(ctx: Context, name: str, root_url: str | None, as_json: bool, **opts: Any) -> None:
+    """Change a cache's policy."""
+    policy = _policy(**opts)
+    if root_url:
+        policy["root_url"] = root_url
+    info = caches.set_cache(ctx, name, **policy)
+    emit(info, as_json, lambda c: _print_caches([c]))
+
+
+@cache_group.command("rm")
+@click.argument("name")
+@click.option("--purge", is_flag=True, help="Also delete every namespace of the cache from storage.")
+@click.option("--dry-run", is_flag=True, help="Show what would be removed.")
+@json_option
+@click.pass_obj
+def rm(ctx: Context, name: str, purge: bool, dry_run: bool, as_json: bool) -> None:
+    """Unregister a cache (refuses a non-empty cache unless --purge)."""
+    result = caches.remove_cache(ctx, name, purge=purge, dry_run=dry_run)
+    verb = "would remove" if dry_run else "removed"
+    emit(result, as_json, lambda r: stdout.print(
+        f"{verb} cache {r.name}" + (f" and {r.environments} environment(s), {r.entries} entries, {size(r.bytes)}" if r.purged else "")))
+
+
+def register(cli: click.Group) -> None:
+    cli.add_command(cache_group)

@@ -1,0 +1,86 @@
+"""`cachectl fingerprint`, `path`, `env`, `exec`: this machine's environment and namespace."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import sys
+
+import click
+
+from cachectl.cli.render import emit, json_option, stdout, table
+from cachectl.context import Context
+from cachectl.service_env import ServiceEnv, service_env
+
+
+@click.command("fingerprint")
+@json_option
+@click.pass_obj
+def fingerprint(ctx: Context, as_json: bool) -> None:
+    """Show this machine's environment: everything in JAX's cache key but the program."""
+    env = ctx.environment()
+    data = {"digest": env.digest, "namespace": env.namespace, **env.to_dict()}
+
+    def human(d: dict) -> None:
+        rows = [(k, " ".join(v) if isinstance(v, list) else v) for k, v in d.items()]
+        stdout.print(table(None, ["field", "value"], rows))
+
+    emit(data, as_json, human)
+
+
+@click.command("path")
+@json_option
+@click.pass_obj
+def path(ctx: Context, as_json: bool) -> None:
+    """Print the managed namespace for this environment (created if missing)."""
+    cache = ctx.cache()
+    ns, _ = ctx.namespace(cache)
+    emit(ns, as_json, lambda n: click.echo(n.url))
+
+
+def _format_env(result: ServiceEnv, fmt: str) -> str:
+    if fmt == "json":
+        return json.dumps(result.variables, indent=2) + "\n"
+    if fmt == "dotenv":
+        return "".join(f"{k}={v}\n" for k, v in result.variables.items())
+    return "".join(f"export {k}={shlex.quote(v)}\n" for k, v in result.variables.items())
+
+
+@click.command("env")
+@click.option("--format", "fmt", type=click.Choice(["sh", "json", "dotenv"]), default="sh", show_default=True)
+@click.option("--readonly/--writable", default=None, help="Read the cache but never write it (default: the cache's policy).")
+@click.pass_obj
+def env(ctx: Context, fmt: str, readonly: bool | None) -> None:
+    """Print the variables a service needs to hit this environment's namespace.
+
+    \b
+    eval "$(cachectl env)"      # sh
+    cachectl env --format dotenv > service.env
+    """
+    click.echo(_format_env(service_env(ctx, readonly=readonly), fmt), nl=False)
+
+
+@click.command("exec", context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
+@click.option("--readonly/--writable", default=None, help="Read the cache but never write it (default: the cache's policy).")
+@click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
+@click.pass_obj
+def exec_(ctx: Context, readonly: bool | None, command: tuple[str, ...]) -> None:
+    """Run COMMAND with the environment `cachectl env` prints (for services that cannot call activate()).
+
+    \b
+    cachectl exec -- python serve.py --port 8000
+    """
+    result = service_env(ctx, readonly=readonly)
+    environ = {**os.environ, **result.variables}
+    sys.stdout.flush()
+    try:
+        os.execvpe(command[0], list(command), environ)
+    except FileNotFoundError:
+        click.echo(f"cachectl: error: command not found: {command[0]}", err=True)
+        sys.exit(2)
+
+
+def register(cli: click.Group) -> None:
+    for cmd in (fingerprint, path, env, exec_):
+        cli.add_command(cmd)

@@ -1,0 +1,52 @@
+"""`cachectl sync`: reconcile storage and index."""
+
+from __future__ import annotations
+
+import click
+
+from cachectl.cli.render import emit, json_option, stdout, table
+from cachectl.lifecycle.sync import SyncResult, sync
+
+
+def _print(result: SyncResult) -> None:
+    plan = result.plan
+    verb = "would" if result.dry_run else "did"
+    rows = []
+    for ns in plan.namespaces:
+        if ns.problem:
+            rows.append((ns.namespace, "skipped", ns.problem))
+            continue
+        if ns.new_environment:
+            rows.append((ns.namespace, "add environment", ns.digest[:16] if ns.digest else "-"))
+        for label, items in (("index entry", ns.add), ("update entry", ns.update), ("drop row", ns.drop)):
+            for e in items:
+                rows.append((ns.namespace, label, e.key))
+    for ns in plan.environments_gone:
+        rows.append((ns, "mark environment deleted", "namespace gone from storage"))
+    if rows:
+        stdout.print(table(f"sync {plan.cache} ({plan.root})", ["namespace", "action", "detail"], rows[:200]))
+        if len(rows) > 200:
+            stdout.print(f"... and {len(rows) - 200} more")
+    stdout.print(
+        f"sync {verb}: {result.environments_added} environment(s) added, {result.entries_added} entries indexed, "
+        f"{result.entries_updated} updated, {result.rows_dropped} rows dropped, "
+        f"{result.environments_marked_deleted} environment(s) marked deleted ({result.duration_s:.2f}s)"
+    )
+
+
+@click.command("sync")
+@click.option("--dry-run", is_flag=True, help="Show what would change without changing anything.")
+@json_option
+@click.pass_obj
+def sync_cmd(ctx, dry_run: bool, as_json: bool) -> None:
+    """Reconcile storage and index.
+
+    Indexes entries any JAX process wrote into a namespace, drops index rows
+    whose files are gone, and rebuilds environments from their env.json.
+    """
+    result = sync(ctx, ctx.cache(), dry_run=dry_run)
+    emit(result, as_json, _print)
+
+
+def register(cli: click.Group) -> None:
+    cli.add_command(sync_cmd)

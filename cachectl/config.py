@@ -1,0 +1,116 @@
+"""Settings: flags > CACHECTL_* environment > config file > XDG defaults.
+
+The embedded default needs no setup: an SQLite index under the XDG data dir
+and a cache named ``default`` under the XDG cache dir, created on first use.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from cachectl.errors import BadInput
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+DEFAULT_CACHE = "default"
+ENV_PREFIX = "CACHECTL_"
+_FILE_KEYS = {"db", "cache", "server", "token_file", "root", "readonly", "default_root"}
+
+
+def _xdg(var: str, fallback: str) -> Path:
+    value = os.environ.get(var)
+    return Path(value) if value else Path.home() / fallback
+
+
+def data_dir() -> Path:
+    return _xdg("XDG_DATA_HOME", ".local/share") / "cachectl"
+
+
+def cache_dir() -> Path:
+    return _xdg("XDG_CACHE_HOME", ".cache") / "cachectl"
+
+
+def config_path() -> Path:
+    explicit = os.environ.get(ENV_PREFIX + "CONFIG")
+    return Path(explicit) if explicit else _xdg("XDG_CONFIG_HOME", ".config") / "cachectl" / "config.toml"
+
+
+@dataclass(frozen=True)
+class Settings:
+    db: str
+    cache: str
+    default_root: str
+    root: str | None = None
+    server: str | None = None
+    token: str | None = None
+    readonly: bool | None = None
+    db_is_default: bool = False
+    config_file: str | None = None
+
+    def with_overrides(self, **overrides: Any) -> Settings:
+        return replace(self, **{k: v for k, v in overrides.items() if v is not None})
+
+
+def _parse_bool(name: str, value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off", ""):
+        return False
+    raise BadInput(f"bad boolean {value!r} for {name}: use true or false")
+
+
+def _read_file(path: Path) -> dict[str, Any]:
+    if not path.exists():
+        return {}
+    try:
+        data = tomllib.loads(path.read_text())
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise BadInput(f"config file {path} is not valid TOML: {exc}") from exc
+    unknown = set(data) - _FILE_KEYS
+    if unknown:
+        raise BadInput(f"config file {path}: unknown key(s) {', '.join(sorted(unknown))}; known: {', '.join(sorted(_FILE_KEYS))}")
+    return data
+
+
+def load_settings(*, db: str | None = None, cache: str | None = None, server: str | None = None,
+                  token: str | None = None, root: str | None = None,
+                  readonly: bool | None = None) -> Settings:
+    """Resolve settings in precedence order: arguments, environment, file, defaults."""
+    path = config_path()
+    file_values = _read_file(path)
+    env = os.environ
+
+    def pick(name: str, arg: Any) -> Any:
+        if arg is not None:
+            return arg
+        if env.get(ENV_PREFIX + name.upper()):
+            return env[ENV_PREFIX + name.upper()]
+        return file_values.get(name)
+
+    default_db = f"sqlite:///{data_dir() / 'index.db'}"
+    chosen_db = pick("db", db)
+    token_value = pick("token", token)
+    if token_value is None and file_values.get("token_file"):
+        token_value = Path(file_values["token_file"]).expanduser().read_text().strip()
+    ro = pick("readonly", readonly)
+    return Settings(
+        db=chosen_db or default_db,
+        db_is_default=not chosen_db,
+        cache=pick("cache", cache) or DEFAULT_CACHE,
+        default_root=str(file_values.get("default_root") or cache_dir() / DEFAULT_CACHE),
+        root=pick("root", root),
+        server=pick("server", server),
+        token=token_value,
+        readonly=None if ro is None else _parse_bool("CACHECTL_READONLY", ro),
+        config_file=str(path) if file_values else None,
+    )

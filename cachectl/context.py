@@ -1,0 +1,51 @@
+"""The resolved settings, index and stores one command works with."""
+
+from __future__ import annotations
+
+from functools import cached_property
+
+from cachectl.config import DEFAULT_CACHE, Settings, load_settings
+from cachectl.fingerprint import Environment, current_environment
+from cachectl.index import CacheInfo, EnvironmentInfo, Index, open_index
+from cachectl.namespace import Namespace, ensure_namespace, namespace_of
+from cachectl.store import Store, normalize_url
+
+
+class Context:
+    """Opens the index lazily, so commands that need none never touch it."""
+
+    def __init__(self, settings: Settings | None = None) -> None:
+        self.settings = settings or load_settings()
+
+    @cached_property
+    def index(self) -> Index:
+        return open_index(self.settings.db)
+
+    def cache(self, name: str | None = None) -> CacheInfo:
+        """A cache by name; the embedded ``default`` is created on first use."""
+        name = name or self.settings.cache
+        if name == DEFAULT_CACHE:
+            return self.index.ensure_cache(name, normalize_url(self.settings.default_root))
+        return self.index.get_cache(name)
+
+    def store(self, cache: CacheInfo) -> Store:
+        return Store(cache.root_url, cache.storage_options)
+
+    def environment(self) -> Environment:
+        return current_environment()
+
+    def namespace(self, cache: CacheInfo, env: Environment | None = None, *,
+                  create: bool = True) -> tuple[Namespace, EnvironmentInfo | None]:
+        """This environment's namespace in ``cache``; created and recorded if asked."""
+        env = env or self.environment()
+        store = self.store(cache)
+        ns = namespace_of(store, cache.name, env)
+        info = None
+        if create:
+            ensure_namespace(store, env, group=cache.group)
+            info = self.index.ensure_environment(cache.name, env)
+        return ns, info
+
+    def close(self) -> None:
+        if "index" in self.__dict__:
+            self.index.close()

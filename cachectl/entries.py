@@ -1,0 +1,133 @@
+"""The on-disk format of JAX cache entries, and what else lives in a namespace.
+
+A JAX entry is ``<module>-<64 hex>-cache`` holding compress(4-byte big-endian
+compile seconds + serialized executable), zstd or zlib (DESIGN.md §1). JAX also
+leaves ``-atime`` sidecars and a ``.lockfile`` when its own size limit is on,
+and XLA sub-cache directories when XLA caches are enabled.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import re
+import zlib
+from dataclasses import dataclass
+
+ENV_FILE = "env.json"
+CACHE_SUFFIX = "-cache"
+ATIME_SUFFIX = "-atime"
+LOCKFILE = ".lockfile"
+XLA_SUBCACHE_DIRS = ("xla_gpu_per_fusion_autotune_cache_dir", "xla_gpu_kernel_cache_file")
+
+_KEY_RE = re.compile(r"^(?P<module>.+)-(?P<hash>[0-9a-f]{64})$")
+_ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
+_TIME_BYTES = 4
+# A compile time above a week in a 4-byte header means the bytes are not a JAX entry.
+_MAX_SANE_COMPILE_SECONDS = 7 * 24 * 3600
+
+
+class Kind(enum.Enum):
+    ENTRY = "entry"
+    ATIME = "atime"
+    LOCKFILE = "lockfile"
+    ENV = "env"
+    XLA_SUBCACHE = "xla-subcache"
+    TEMP = "temp"
+    OTHER = "other"
+
+
+@dataclass(frozen=True)
+class EntryName:
+    """A parsed entry file name: ``key`` is what JAX logs and hashes files by."""
+
+    key: str
+    module: str
+
+    @property
+    def filename(self) -> str:
+        return self.key + CACHE_SUFFIX
+
+
+@dataclass(frozen=True)
+class Header:
+    compression: str
+    compile_seconds: int
+    executable_bytes: int
+
+
+class CorruptEntry(ValueError):
+    """Bytes that do not decompress into a JAX entry."""
+
+
+def parse_key(key: str) -> EntryName | None:
+    match = _KEY_RE.match(key)
+    return EntryName(key, match["module"]) if match else None
+
+
+def classify(relpath: str) -> Kind:
+    """What a file inside a namespace is (``relpath`` relative to the namespace)."""
+    parts = relpath.split("/")
+    if len(parts) > 1:
+        return Kind.XLA_SUBCACHE if parts[0] in XLA_SUBCACHE_DIRS else Kind.OTHER
+    name = parts[0]
+    if name == ENV_FILE:
+        return Kind.ENV
+    if name == LOCKFILE:
+        return Kind.LOCKFILE
+    if name.startswith(".tmp-"):
+        return Kind.TEMP
+    if name.endswith(CACHE_SUFFIX) and parse_key(name[: -len(CACHE_SUFFIX)]):
+        return Kind.ENTRY
+    if name.endswith(ATIME_SUFFIX) and parse_key(name[: -len(ATIME_SUFFIX)]):
+        return Kind.ATIME
+    return Kind.OTHER
+
+
+def parse_entry_filename(name: str) -> EntryName | None:
+    """The entry a ``-cache`` file name holds, or None for anything else."""
+    if not name.endswith(CACHE_SUFFIX):
+        return None
+    return parse_key(name[: -len(CACHE_SUFFIX)])
+
+
+def decompress(data: bytes) -> tuple[str, bytes]:
+    """Decompress by magic bytes, so a reader need not know the writer's library."""
+    if data[:4] == _ZSTD_MAGIC:
+        try:
+            import zstandard
+        except ImportError as exc:  # pragma: no cover - zstandard is a dependency
+            raise CorruptEntry("zstd entry but the zstandard module is not installed") from exc
+        try:
+            return "zstandard", zstandard.ZstdDecompressor().decompress(data, max_output_size=1 << 34)
+        except zstandard.ZstdError as exc:
+            raise CorruptEntry(f"zstd data is corrupt: {exc}") from exc
+    try:
+        return "zlib", zlib.decompress(data)
+    except zlib.error as exc:
+        raise CorruptEntry(f"not zstd or zlib data: {exc}") from exc
+
+
+def read_header(data: bytes) -> Header:
+    """Decompress an entry and check its header is plausible."""
+    compression, raw = decompress(data)
+    if len(raw) <= _TIME_BYTES:
+        raise CorruptEntry("entry too short to hold a header and an executable")
+    seconds = int.from_bytes(raw[:_TIME_BYTES], "big")
+    if seconds > _MAX_SANE_COMPILE_SECONDS:
+        raise CorruptEntry(f"implausible compile time in header: {seconds} s")
+    return Header(compression, seconds, len(raw) - _TIME_BYTES)
+
+
+def sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def make_entry(executable: bytes, compile_seconds: int = 1, compression: str = "zstandard") -> bytes:
+    """Build entry bytes in JAX's format (for imports, tests and benchmarks)."""
+    raw = int(compile_seconds).to_bytes(_TIME_BYTES, "big") + executable
+    if compression == "zstandard":
+        import zstandard
+
+        return zstandard.ZstdCompressor().compress(raw)
+    return zlib.compress(raw)

@@ -1,0 +1,148 @@
+"""Engines and schema migrations for SQLite and PostgreSQL indexes."""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import create_engine, event, inspect
+from sqlalchemy.engine import Engine, make_url
+from sqlalchemy.exc import ArgumentError, OperationalError, SQLAlchemyError
+
+from cachectl.errors import BadInput, Unreachable
+
+log = logging.getLogger(__name__)
+
+CONNECT_TIMEOUT_S = 5
+SQLITE_BUSY_TIMEOUT_MS = 30_000
+
+
+def migrations_dir() -> Path:
+    """Where Alembic's scripts live: the installed cachectl_migrations package."""
+    import cachectl_migrations
+
+    return Path(cachectl_migrations.__file__).parent
+
+
+def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
+    # WAL lets readers and one writer work at once across processes; the busy
+    # timeout makes concurrent writers wait instead of failing.
+    cur = dbapi_conn.cursor()
+    cur.execute("PRAGMA journal_mode=WAL")
+    cur.execute(f"PRAGMA busy_timeout={SQLITE_BUSY_TIMEOUT_MS}")
+    cur.execute("PRAGMA foreign_keys=ON")
+    cur.execute("PRAGMA synchronous=NORMAL")
+    cur.close()
+
+
+def _sqlite_begin(conn: Any) -> None:
+    # pysqlite's own transaction handling defers BEGIN; issue it ourselves so
+    # IMMEDIATE can be asked for (the lifecycle lease relies on it).
+    conn.exec_driver_sql("BEGIN IMMEDIATE" if conn.info.get("immediate") else "BEGIN")
+
+
+def make_engine(url: str) -> Engine:
+    """An engine with the settings that make the index safe to share."""
+    try:
+        parsed = make_url(url)
+    except ArgumentError as exc:
+        raise BadInput(f"bad index URL {url!r}: use sqlite:///PATH or postgresql+psycopg://USER@HOST/DB") from exc
+    backend = parsed.get_backend_name()
+    if backend == "sqlite":
+        if parsed.database and parsed.database != ":memory:":
+            Path(parsed.database).expanduser().parent.mkdir(parents=True, exist_ok=True)
+        engine = create_engine(url, connect_args={"timeout": SQLITE_BUSY_TIMEOUT_MS / 1000, "isolation_level": None})
+        event.listen(engine, "connect", _sqlite_pragmas)
+        event.listen(engine, "begin", _sqlite_begin)
+        return engine
+    if backend == "postgresql":
+        if parsed.drivername == "postgresql":
+            parsed = parsed.set(drivername="postgresql+psycopg")
+        return create_engine(
+            parsed, pool_pre_ping=True, connect_args={"connect_timeout": CONNECT_TIMEOUT_S}
+        )
+    raise BadInput(f"unsupported index database {backend!r} in {url!r}: use sqlite:/// or postgresql+psycopg://")
+
+
+def _alembic_config(engine: Engine, connection: Any = None) -> Any:
+    from alembic.config import Config
+
+    cfg = Config()
+    cfg.set_main_option("script_location", str(migrations_dir()))
+    cfg.set_main_option("sqlalchemy.url", engine.url.render_as_string(hide_password=False).replace("%", "%%"))
+    if connection is not None:
+        cfg.attributes["connection"] = connection
+    return cfg
+
+
+def head_revision() -> str:
+    from alembic.config import Config
+    from alembic.script import ScriptDirectory
+
+    cfg = Config()
+    cfg.set_main_option("script_location", str(migrations_dir()))
+    head = ScriptDirectory.from_config(cfg).get_current_head()
+    assert head is not None
+    return head
+
+
+def current_revision(engine: Engine) -> str | None:
+    from alembic.runtime.migration import MigrationContext
+
+    try:
+        with engine.connect() as conn:
+            return MigrationContext.configure(conn).get_current_revision()
+    except OperationalError as exc:
+        raise Unreachable(f"index {safe_url(engine)} is unreachable: {_first_line(exc)}") from exc
+
+
+def upgrade(engine: Engine, revision: str = "head") -> None:
+    from alembic import command
+
+    try:
+        with engine.begin() as conn:
+            command.upgrade(_alembic_config(engine, conn), revision)
+    except OperationalError as exc:
+        raise Unreachable(f"index {safe_url(engine)} is unreachable: {_first_line(exc)}") from exc
+
+
+def ensure_schema(engine: Engine, auto_migrate: bool) -> None:
+    """Check the schema is at head; migrate SQLite files automatically."""
+    current = current_revision(engine)
+    head = head_revision()
+    if current == head:
+        return
+    if auto_migrate:
+        log.info("migrating index %s from %s to %s", safe_url(engine), current, head)
+        upgrade(engine)
+        return
+    if current is None and _has_tables(engine):
+        raise BadInput(f"index {safe_url(engine)} has tables but no cachectl schema version")
+    raise BadInput(
+        f"index {safe_url(engine)} is at schema revision {current or 'none'}, not {head}: "
+        f"run `cachectl db upgrade --db {safe_url(engine)}`"
+    )
+
+
+def _has_tables(engine: Engine) -> bool:
+    try:
+        return bool(inspect(engine).get_table_names())
+    except SQLAlchemyError:
+        return False
+
+
+def safe_url(engine_or_url: Engine | str) -> str:
+    """The URL without its password, for messages and logs."""
+    url = engine_or_url.url if isinstance(engine_or_url, Engine) else make_url(engine_or_url)
+    return url.render_as_string(hide_password=True)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(getattr(exc, "orig", None) or exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def default_sqlite_url(data_dir: Path) -> str:
+    return f"sqlite:///{os.path.join(data_dir, 'index.db')}"

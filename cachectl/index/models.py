@@ -1,0 +1,223 @@
+"""SQLAlchemy 2 models of the index: the schema Alembic migrations create.
+
+Every fingerprint field is its own column so prune and doctor can query them;
+entries are indexed for the queries prune and gc run (by environment and
+time, by function).
+"""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+from typing import Any
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    Boolean,
+    DateTime,
+    ForeignKey,
+    Index,
+    Integer,
+    String,
+    Text,
+    TypeDecorator,
+    UniqueConstraint,
+)
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
+
+
+class UTCDateTime(TypeDecorator[datetime]):
+    """Timezone-aware UTC on every backend (SQLite keeps no zone of its own)."""
+
+    impl = DateTime(timezone=True)
+    cache_ok = True
+
+    def process_bind_param(self, value: datetime | None, dialect: Any) -> datetime | None:
+        if value is None:
+            return None
+        if value.tzinfo is None:
+            value = value.replace(tzinfo=timezone.utc)
+        value = value.astimezone(timezone.utc)
+        return value.replace(tzinfo=None) if dialect.name == "sqlite" else value
+
+    def process_result_value(self, value: datetime | None, dialect: Any) -> datetime | None:
+        if value is None:
+            return None
+        return value.replace(tzinfo=timezone.utc) if value.tzinfo is None else value.astimezone(timezone.utc)
+
+
+def utcnow() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+class Base(DeclarativeBase):
+    pass
+
+
+class Cache(Base):
+    __tablename__ = "caches"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    name: Mapped[str] = mapped_column(String(128), unique=True)
+    root_url: Mapped[str] = mapped_column(Text)
+    max_size_bytes: Mapped[int | None] = mapped_column(BigInteger)
+    max_entry_size_bytes: Mapped[int | None] = mapped_column(BigInteger)
+    env_max_size_bytes: Mapped[int | None] = mapped_column(BigInteger)
+    retention_seconds: Mapped[int | None] = mapped_column(BigInteger)
+    keep_versions: Mapped[int | None] = mapped_column(Integer)
+    writers: Mapped[list[str]] = mapped_column(JSON, default=list)
+    service_writes: Mapped[str | None] = mapped_column(String(8))
+    group_name: Mapped[str | None] = mapped_column(String(64))
+    storage_options: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    updated_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow, onupdate=utcnow)
+
+    environments: Mapped[list[Environment]] = relationship(back_populates="cache")
+
+
+class Environment(Base):
+    __tablename__ = "environments"
+    __table_args__ = (UniqueConstraint("cache_id", "digest", name="uq_environments_cache_digest"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    cache_id: Mapped[int] = mapped_column(ForeignKey("caches.id", ondelete="CASCADE"), index=True)
+    digest: Mapped[str] = mapped_column(String(64))
+    namespace: Mapped[str] = mapped_column(Text)
+    jax_version: Mapped[str] = mapped_column(String(64))
+    jaxlib_version: Mapped[str] = mapped_column(String(64))
+    backend: Mapped[str] = mapped_column(String(32))
+    platform_version: Mapped[str] = mapped_column(Text)
+    device_kind: Mapped[str] = mapped_column(String(128))
+    device_count: Mapped[int] = mapped_column(Integer)
+    process_count: Mapped[int] = mapped_column(Integer)
+    topology: Mapped[str] = mapped_column(String(256))
+    xla_flags: Mapped[list[str]] = mapped_column(JSON, default=list)
+    compression: Mapped[str] = mapped_column(String(32))
+    enable_xla_caches: Mapped[str] = mapped_column(String(256))
+    include_metadata_in_key: Mapped[bool] = mapped_column(Boolean)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    last_seen_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    deleted_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+
+    cache: Mapped[Cache] = relationship(back_populates="environments")
+
+
+class Entry(Base):
+    __tablename__ = "entries"
+    __table_args__ = (
+        UniqueConstraint("environment_id", "key", name="uq_entries_env_key"),
+        Index("ix_entries_env_last_access", "environment_id", "last_access_at"),
+        Index("ix_entries_env_created", "environment_id", "created_at"),
+        Index("ix_entries_created", "created_at"),
+        Index("ix_entries_function", "function"),
+        Index("ix_entries_warm_run", "warm_run_id"),
+    )
+
+    id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True)
+    environment_id: Mapped[int] = mapped_column(ForeignKey("environments.id", ondelete="CASCADE"))
+    key: Mapped[str] = mapped_column(String(512))
+    module: Mapped[str] = mapped_column(String(512))
+    size_bytes: Mapped[int] = mapped_column(BigInteger)
+    sha256: Mapped[str] = mapped_column(String(64))
+    compile_time_ms: Mapped[int | None] = mapped_column(BigInteger)
+    origin: Mapped[str] = mapped_column(String(16))
+    function: Mapped[str | None] = mapped_column(String(256))
+    bucket: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+    warm_run_id: Mapped[int | None] = mapped_column(ForeignKey("warm_runs.id", ondelete="SET NULL"))
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    last_access_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    hit_count: Mapped[int] = mapped_column(BigInteger, default=0)
+
+
+class WarmRun(Base):
+    __tablename__ = "warm_runs"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    environment_id: Mapped[int] = mapped_column(ForeignKey("environments.id", ondelete="CASCADE"), index=True)
+    manifest_digest: Mapped[str] = mapped_column(String(64))
+    manifest_path: Mapped[str | None] = mapped_column(Text)
+    host: Mapped[str] = mapped_column(String(256))
+    user: Mapped[str] = mapped_column(String(128))
+    status: Mapped[str] = mapped_column(String(16), default="running")
+    started_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    finished_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    heartbeat_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    buckets: Mapped[int] = mapped_column(Integer, default=0)
+    compiled: Mapped[int] = mapped_column(Integer, default=0)
+    cached: Mapped[int] = mapped_column(Integer, default=0)
+    failed: Mapped[int] = mapped_column(Integer, default=0)
+
+
+class AuditRecord(Base):
+    """Append-only: who did what to which cache, with counts and bytes."""
+
+    __tablename__ = "audit_log"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow, index=True)
+    actor: Mapped[str] = mapped_column(String(256))
+    operation: Mapped[str] = mapped_column(String(64))
+    cache_name: Mapped[str | None] = mapped_column(String(128), index=True)
+    entries: Mapped[int] = mapped_column(BigInteger, default=0)
+    bytes: Mapped[int] = mapped_column(BigInteger, default=0)
+    duration_ms: Mapped[int | None] = mapped_column(BigInteger)
+    details: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+
+
+class Lease(Base):
+    """A named lock with expiry, so a crashed holder never blocks forever."""
+
+    __tablename__ = "leases"
+
+    name: Mapped[str] = mapped_column(String(256), primary_key=True)
+    holder: Mapped[str] = mapped_column(String(256))
+    acquired_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    expires_at: Mapped[datetime] = mapped_column(UTCDateTime)
+
+
+class TelemetryRecord(Base):
+    """One flush of one process's counters for one environment."""
+
+    __tablename__ = "telemetry"
+    __table_args__ = (Index("ix_telemetry_env_at", "environment_id", "at"),)
+
+    id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True)
+    environment_id: Mapped[int] = mapped_column(ForeignKey("environments.id", ondelete="CASCADE"))
+    at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    process: Mapped[str] = mapped_column(String(256))
+    function: Mapped[str | None] = mapped_column(String(512))
+    requests: Mapped[int] = mapped_column(BigInteger, default=0)
+    hits: Mapped[int] = mapped_column(BigInteger, default=0)
+    misses: Mapped[int] = mapped_column(BigInteger, default=0)
+    writes: Mapped[int] = mapped_column(BigInteger, default=0)
+    saved_seconds: Mapped[float] = mapped_column(default=0.0)
+    dropped: Mapped[int] = mapped_column(BigInteger, default=0)
+
+
+class Token(Base):
+    __tablename__ = "tokens"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    name: Mapped[str] = mapped_column(String(128), unique=True)
+    role: Mapped[str] = mapped_column(String(16))
+    caches: Mapped[list[str] | None] = mapped_column(JSON)
+    token_hash: Mapped[str] = mapped_column(String(128), unique=True)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    expires_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    revoked_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    last_used_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+
+
+class Job(Base):
+    __tablename__ = "jobs"
+
+    id: Mapped[str] = mapped_column(String(36), primary_key=True)
+    cache_name: Mapped[str] = mapped_column(String(128), index=True)
+    kind: Mapped[str] = mapped_column(String(32))
+    status: Mapped[str] = mapped_column(String(16))
+    params: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+    result: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+    error: Mapped[str | None] = mapped_column(Text)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    started_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    finished_at: Mapped[datetime | None] = mapped_column(UTCDateTime)

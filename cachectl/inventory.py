@@ -1,0 +1,52 @@
+"""What a cache holds: environments, entries and totals, straight from the index."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+
+from cachectl.context import Context
+from cachectl.index import CacheInfo, EntryInfo, EnvironmentInfo
+
+
+@dataclass(frozen=True)
+class EnvironmentListing:
+    cache: str
+    root: str
+    environments: list[EnvironmentInfo]
+
+
+@dataclass(frozen=True)
+class EntryListing:
+    cache: str
+    environment: EnvironmentInfo
+    entries: list[EntryInfo]
+
+
+@dataclass(frozen=True)
+class CacheTotals:
+    cache: CacheInfo
+    environments: int
+    entries: int
+    bytes: int
+    last_access_at: datetime | None
+    per_environment: list[EnvironmentInfo]
+
+
+def list_environments(ctx: Context, cache: CacheInfo) -> EnvironmentListing:
+    return EnvironmentListing(cache.name, cache.root_url, ctx.index.environment_stats(cache.name))
+
+
+def list_entries(ctx: Context, cache: CacheInfo, env_prefix: str) -> EntryListing:
+    env = ctx.index.find_environment(cache.name, env_prefix)
+    return EntryListing(cache.name, env, ctx.index.list_entries(env.id))
+
+
+def cache_totals(ctx: Context, caches: list[CacheInfo]) -> list[CacheTotals]:
+    out = []
+    for cache in caches:
+        envs = ctx.index.environment_stats(cache.name)
+        accesses = [e.last_access_at for e in envs if e.last_access_at]
+        out.append(CacheTotals(cache, len(envs), sum(e.entries for e in envs), sum(e.bytes for e in envs),
+                               max(accesses) if accesses else None, envs))
+    return out

@@ -1,0 +1,279 @@
+"""One storage abstraction over fsspec for every cache root.
+
+Local paths, ``file://``, ``gs://``, ``s3://`` and ``memory://`` all go through
+the same Store. Dispatch happens once, on the URL's protocol; callers never
+branch on schemes. Listing is one recursive call with sizes and times (no
+per-file stat round trips on object stores); deletes are batched so s3fs sends
+DeleteObjects of up to 1000 keys and gcsfs uses batch requests.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import posixpath
+import tempfile
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from typing import Any
+
+import fsspec
+from fsspec.core import split_protocol
+
+from cachectl.errors import BadInput, Unreachable
+
+# Protocols cachectl manages, mapped to their canonical fsspec name.
+_PROTOCOLS = {
+    None: "file",
+    "file": "file",
+    "local": "file",
+    "s3": "s3",
+    "s3a": "s3",
+    "gs": "gcs",
+    "gcs": "gcs",
+    "memory": "memory",
+}
+# The scheme JAX (through etils epath) understands for each protocol.
+_URL_SCHEME = {"s3": "s3", "gcs": "gs", "memory": "memory"}
+
+DELETE_BATCH = 1000
+
+
+@dataclass(frozen=True)
+class FileInfo:
+    """One stored file, relative to the store's root."""
+
+    path: str
+    size: int
+    mtime: datetime | None
+
+
+def normalize_url(url: str) -> str:
+    """Canonical form of a root URL; raises BadInput for schemes we do not manage."""
+    if not url or not url.strip():
+        raise BadInput("empty storage URL: give a local path, file://, gs://, s3:// or memory:// URL")
+    url = url.strip()
+    protocol, path = split_protocol(url)
+    if protocol not in _PROTOCOLS:
+        raise BadInput(
+            f"unsupported storage URL scheme {protocol + '://'!r} in {url!r}: "
+            "use a local path, file://, gs://, s3:// or memory://"
+        )
+    kind = _PROTOCOLS[protocol]
+    if kind == "file":
+        return os.path.abspath(os.path.expanduser(path))
+    path = path.strip("/")
+    if not path:
+        raise BadInput(f"storage URL {url!r} names no bucket: use e.g. {protocol}://bucket/prefix")
+    return f"{_URL_SCHEME[kind]}://{path}"
+
+
+def _mtime(info: dict[str, Any]) -> datetime | None:
+    """Modification time across backends (local mtime, S3 LastModified, GCS updated)."""
+    for key in ("mtime", "LastModified", "updated", "created"):
+        value = info.get(key)
+        if value is None:
+            continue
+        if isinstance(value, datetime):
+            return value if value.tzinfo else value.replace(tzinfo=timezone.utc)
+        if isinstance(value, (int, float)):
+            return datetime.fromtimestamp(float(value), tz=timezone.utc)
+        if isinstance(value, str):
+            try:
+                return datetime.fromisoformat(value.replace("Z", "+00:00"))
+            except ValueError:
+                continue
+    return None
+
+
+def _storage_options(kind: str, options: dict[str, Any] | None) -> dict[str, Any]:
+    opts = dict(options or {})
+    if kind == "gcs" and os.environ.get("STORAGE_EMULATOR_HOST") and "token" not in opts:
+        opts["token"] = "anon"
+    if kind == "s3" and os.environ.get("AWS_ENDPOINT_URL") and "endpoint_url" not in opts:
+        opts.setdefault("client_kwargs", {}).setdefault("endpoint_url", os.environ["AWS_ENDPOINT_URL"])
+    if kind in ("s3", "gcs"):
+        # Endpoints and credentials come from the environment; a cached instance
+        # could carry an endpoint from before the environment changed.
+        opts["skip_instance_cache"] = True
+    return opts
+
+
+class Store:
+    """A cache root on some filesystem, addressed by paths relative to it."""
+
+    def __init__(self, url: str, storage_options: dict[str, Any] | None = None) -> None:
+        self.url = normalize_url(url)
+        protocol, path = split_protocol(self.url)
+        self.kind = _PROTOCOLS[protocol]
+        self.fs = fsspec.filesystem(self.kind, **_storage_options(self.kind, storage_options))
+        self.root = path if self.kind == "file" else path.strip("/")
+        if self.kind == "memory":
+            self.root = "/" + self.root
+
+    @property
+    def is_local(self) -> bool:
+        return self.kind == "file"
+
+    def _full(self, rel: str) -> str:
+        rel = rel.strip("/")
+        if ".." in rel.split("/"):
+            raise BadInput(f"path {rel!r} escapes the cache root")
+        return posixpath.join(self.root, rel) if rel else self.root
+
+    def _rel(self, full: str) -> str:
+        full = full.rstrip("/")
+        if self.kind == "memory" and not full.startswith("/"):
+            full = "/" + full
+        root = self.root.rstrip("/")
+        return full[len(root) :].lstrip("/") if full.startswith(root) else full
+
+    def url_for(self, rel: str = "") -> str:
+        """The URL a JAX process (or a person) uses for this path."""
+        full = self._full(rel)
+        if self.kind == "file":
+            return full
+        if self.kind == "memory":
+            return "memory://" + full.lstrip("/")
+        return f"{_URL_SCHEME[self.kind]}://{full}"
+
+    def check_reachable(self) -> None:
+        """Fail with one line if the root cannot be reached (bad bucket, no endpoint)."""
+        try:
+            if self.kind == "file":
+                return
+            bucket = self.root.split("/", 1)[0] if self.kind in ("s3", "gcs") else self.root
+            if self.kind in ("s3", "gcs") and not self.fs.exists(bucket):
+                raise Unreachable(f"bucket {bucket!r} of {self.url} does not exist or is not accessible")
+        except Unreachable:
+            raise
+        except Exception as exc:  # noqa: BLE001 - any client error is "unreachable" here
+            raise Unreachable(f"storage {self.url} is unreachable: {type(exc).__name__}: {exc}") from exc
+
+    def list(self, rel: str = "") -> list[FileInfo]:
+        """Every file under ``rel``, recursively, in one listing call."""
+        full = self._full(rel)
+        try:
+            found = self.fs.find(full, detail=True, withdirs=False)
+        except FileNotFoundError:
+            return []
+        return [
+            FileInfo(self._rel(name), int(info.get("size") or 0), _mtime(info))
+            for name, info in sorted(found.items())
+            if info.get("type", "file") != "directory"
+        ]
+
+    def iter_dirs(self, rel: str = "") -> Iterator[str]:
+        """Immediate subdirectories of ``rel`` (relative paths)."""
+        try:
+            items = self.fs.ls(self._full(rel), detail=True)
+        except FileNotFoundError:
+            return
+        for info in items:
+            if info.get("type") == "directory":
+                yield self._rel(info["name"])
+
+    def exists(self, rel: str) -> bool:
+        return bool(self.fs.exists(self._full(rel)))
+
+    def size(self, rel: str) -> int:
+        return int(self.fs.size(self._full(rel)))
+
+    def read_bytes(self, rel: str) -> bytes:
+        return bytes(self.fs.cat_file(self._full(rel)))
+
+    def open(self, rel: str, mode: str = "rb") -> Any:
+        return self.fs.open(self._full(rel), mode)
+
+    def makedirs(self, rel: str, mode: int | None = None) -> None:
+        """Create a directory; on local disk with an explicit mode (umask ignored)."""
+        full = self._full(rel)
+        if self.kind != "file":
+            return  # object stores have no directories
+        missing = []
+        path = full
+        while not os.path.isdir(path):
+            missing.append(path)
+            parent = os.path.dirname(path)
+            if parent == path:
+                break
+            path = parent
+        os.makedirs(full, exist_ok=True)
+        if mode is not None:
+            for created in missing:
+                os.chmod(created, mode)
+
+    def write_bytes(self, rel: str, data: bytes, *, mode: int = 0o644) -> None:
+        """Write atomically: readers see the old file or the new one, never half."""
+        full = self._full(rel)
+        if self.kind != "file":
+            self.fs.pipe_file(full, data)  # an object PUT is atomic
+            return
+        directory = os.path.dirname(full)
+        os.makedirs(directory, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=directory)
+        try:
+            with os.fdopen(fd, "wb") as fh:
+                fh.write(data)
+                fh.flush()
+                os.fsync(fh.fileno())
+            os.chmod(tmp, mode)
+            os.replace(tmp, full)
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+            raise
+
+    def delete(self, rels: Iterable[str], batch_size: int = DELETE_BATCH) -> int:
+        """Delete files in batches (one rm call per batch); missing files are fine."""
+        deleted = 0
+        batch: list[str] = []
+        for rel in rels:
+            batch.append(self._full(rel))
+            if len(batch) >= batch_size:
+                deleted += self._delete_batch(batch)
+                batch = []
+        if batch:
+            deleted += self._delete_batch(batch)
+        return deleted
+
+    def _delete_batch(self, paths: list[str]) -> int:
+        if self.kind == "file":
+            count = 0
+            for path in paths:
+                try:
+                    os.remove(path)
+                    count += 1
+                except FileNotFoundError:
+                    pass
+            return count
+        try:
+            self.fs.rm(paths)
+        except FileNotFoundError:
+            # Some backends refuse the whole batch when one path is gone: retry
+            # with what is left, so a re-run after a crash finishes the job.
+            remaining = [p for p in paths if self.fs.exists(p)]
+            if remaining:
+                self.fs.rm(remaining)
+        return len(paths)
+
+    def delete_tree(self, rel: str) -> None:
+        """Remove a whole directory (a namespace) in one recursive call."""
+        full = self._full(rel)
+        if not rel.strip("/"):
+            raise BadInput("refusing to delete a cache root as a tree")
+        with contextlib.suppress(FileNotFoundError):
+            self.fs.rm(full, recursive=True)
+        if self.kind == "file" and os.path.isdir(full):
+            import shutil
+
+            shutil.rmtree(full, ignore_errors=True)
+
+    def move(self, src: str, dst: str) -> None:
+        """Move a file (rename on local disk, copy + delete on object stores)."""
+        if self.kind == "file":
+            os.makedirs(os.path.dirname(self._full(dst)), exist_ok=True)
+            os.replace(self._full(src), self._full(dst))
+        else:
+            self.fs.mv(self._full(src), self._full(dst))
