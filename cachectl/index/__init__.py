@@ -140,12 +140,19 @@ class Index:
         self.engine.dispose()
 
     @contextmanager
-    def session(self) -> Iterator[Session]:
+    def session(self, *, write: bool = True) -> Iterator[Session]:
+        """A transaction; ``write=False`` lets SQLite readers run deferred."""
+        token = db.sqlite_immediate.set(write)
         try:
             with self._sessions.begin() as session:
                 yield session
         except OperationalError as exc:
             raise Unreachable(f"index {self.url} failed: {db._first_line(exc)}") from exc
+        finally:
+            db.sqlite_immediate.reset(token)
+
+    def read_session(self) -> Any:
+        return self.session(write=False)
 
     # -- caches ---------------------------------------------------------------
 
@@ -170,7 +177,7 @@ class Index:
                 return self.get_cache(name)  # another process created it first
 
     def get_cache(self, name: str) -> CacheInfo:
-        with self.session() as s:
+        with self.read_session() as s:
             row = s.scalar(select(Cache).where(Cache.name == name))
             if row is None:
                 known = ", ".join(s.scalars(select(Cache.name).order_by(Cache.name))) or "none"
@@ -178,7 +185,7 @@ class Index:
             return _cache_info(row)
 
     def list_caches(self) -> list[CacheInfo]:
-        with self.session() as s:
+        with self.read_session() as s:
             return [_cache_info(r) for r in s.scalars(select(Cache).order_by(Cache.name))]
 
     def update_cache(self, name: str, **policy: Any) -> CacheInfo:
@@ -239,7 +246,7 @@ class Index:
 
     def environment_stats(self, cache: str, *, include_deleted: bool = False) -> list[EnvironmentInfo]:
         """Environments of a cache with entry counts, bytes and last access."""
-        with self.session() as s:
+        with self.read_session() as s:
             cache_row = self._cache_row(s, cache)
             agg = (
                 select(
@@ -295,18 +302,18 @@ class Index:
     # -- entries --------------------------------------------------------------
 
     def list_entries(self, env_id: int) -> list[EntryInfo]:
-        with self.session() as s:
+        with self.read_session() as s:
             rows = s.scalars(select(Entry).where(Entry.environment_id == env_id).order_by(Entry.key))
             return [_entry_info(r) for r in rows]
 
     def entry_keys(self, env_id: int) -> dict[str, tuple[int, str]]:
         """key -> (size, sha256) for one environment: what sync diffs against."""
-        with self.session() as s:
+        with self.read_session() as s:
             q = select(Entry.key, Entry.size_bytes, Entry.sha256).where(Entry.environment_id == env_id)
             return {k: (size, sha) for k, size, sha in s.execute(q)}
 
     def get_entry(self, env_id: int, key: str) -> EntryInfo | None:
-        with self.session() as s:
+        with self.read_session() as s:
             row = s.scalar(select(Entry).where(Entry.environment_id == env_id, Entry.key == key))
             return _entry_info(row) if row else None
 
@@ -384,7 +391,7 @@ class Index:
 
     def audit_log(self, cache: str | None = None, since: timedelta | None = None,
                   limit: int = 100) -> list[AuditInfo]:
-        with self.session() as s:
+        with self.read_session() as s:
             q = select(AuditRecord).order_by(AuditRecord.at.desc(), AuditRecord.id.desc()).limit(limit)
             if cache:
                 q = q.where(AuditRecord.cache_name == cache)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+from contextvars import ContextVar
 from pathlib import Path
 from typing import Any
 
@@ -37,10 +38,17 @@ def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
     cur.close()
 
 
+# Write transactions on SQLite begin IMMEDIATE: two deferred transactions that
+# both read and then write deadlock, and SQLite fails one at once instead of
+# waiting out the busy timeout. Read-only work clears this to run deferred.
+sqlite_immediate: ContextVar[bool] = ContextVar("sqlite_immediate", default=True)
+
+
 def _sqlite_begin(conn: Any) -> None:
     # pysqlite's own transaction handling defers BEGIN; issue it ourselves so
-    # IMMEDIATE can be asked for (the lifecycle lease relies on it).
-    conn.exec_driver_sql("BEGIN IMMEDIATE" if conn.info.get("immediate") else "BEGIN")
+    # IMMEDIATE can be asked for (the lifecycle lease relies on it too).
+    immediate = conn.info.get("immediate") or sqlite_immediate.get()
+    conn.exec_driver_sql("BEGIN IMMEDIATE" if immediate else "BEGIN")
 
 
 def make_engine(url: str) -> Engine:

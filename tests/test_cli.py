@@ -1,0 +1,187 @@
+"""The core CLI: output contracts, bad input, permissions and config precedence."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import subprocess
+import sys
+
+import pytest
+from click.testing import CliRunner
+
+from cachectl.cli import cli
+from cachectl.config import load_settings
+
+
+def run(*args: str, code: int = 0) -> str:
+    result = CliRunner().invoke(cli, list(args))
+    assert result.exit_code == code, (result.exit_code, result.output, result.exception)
+    return result.output
+
+
+def cachectl(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """The installed entry point in a real process: what users and scripts see."""
+    return subprocess.run([sys.executable, "-m", "cachectl", *args], capture_output=True, text=True,
+                          env={**os.environ, **(env or {})}, timeout=120)
+
+
+def test_embedded_default_needs_no_setup(tmp_path) -> None:
+    path = run("path").strip()
+    assert path.startswith(os.environ["XDG_CACHE_HOME"])
+    assert os.path.exists(os.path.join(path, "env.json"))
+    assert os.path.exists(os.path.join(os.environ["XDG_DATA_HOME"], "cachectl", "index.db"))
+    mode = stat.S_IMODE(os.stat(path).st_mode)
+    assert not mode & stat.S_IWOTH and not mode & stat.S_IWGRP
+    listing = json.loads(run("ls", "--json"))
+    assert listing["cache"] == "default" and len(listing["environments"]) == 1
+
+
+def test_fingerprint_json_and_env_formats() -> None:
+    fp = json.loads(run("fingerprint", "--json"))
+    assert {"digest", "namespace", "jax_version", "backend", "xla_flags", "compression"} <= set(fp)
+    variables = json.loads(run("env", "--format", "json"))
+    assert variables["JAX_PERSISTENT_CACHE_ENABLE_XLA_CACHES"] == "none"
+    assert variables["JAX_COMPILATION_CACHE_MAX_SIZE"] == "-1"
+    assert variables["JAX_COMPILATION_CACHE_DIR"].endswith(fp["namespace"])
+    assert "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" not in variables
+    sh = run("env")
+    assert sh.startswith("export JAX_COMPILATION_CACHE_DIR=")
+    ro = json.loads(run("env", "--format", "json", "--readonly"))
+    assert float(ro["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"]) >= 1e9
+    dotenv = run("env", "--format", "dotenv")
+    assert "JAX_COMPILATION_CACHE_DIR=" in dotenv.splitlines()[0]
+
+
+def test_exec_runs_with_the_service_environment(tmp_path) -> None:
+    proc = cachectl("exec", "--", sys.executable, "-c",
+                    "import os; print(os.environ['JAX_COMPILATION_CACHE_DIR'])")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == cachectl("path").stdout.strip()
+
+
+def test_cache_lifecycle(tmp_path) -> None:
+    root = tmp_path / "team"
+    out = json.loads(run("cache", "add", "team", str(root), "--max-size", "50GiB", "--max-entry-size", "500MB",
+                         "--retention", "30d", "--json"))
+    assert out["max_size"] == 50 * 1024**3 and out["max_entry_size"] == 500 * 1000**2
+    assert out["retention_seconds"] == 30 * 86400
+    run("cache", "set", "team", "--max-size", "1GiB")
+    caches = {c["name"]: c for c in json.loads(run("cache", "list", "--json"))}
+    assert caches["team"]["max_size"] == 1024**3 and "default" in caches
+    run("--cache", "team", "path")
+    err = run("cache", "rm", "team", code=2)
+    assert "--purge" in err
+    namespaces = list(root.glob("jax-*"))
+    assert namespaces
+    dry = json.loads(run("cache", "rm", "team", "--purge", "--dry-run", "--json"))
+    assert dry["environments"] == 1 and list(root.glob("jax-*"))
+    run("cache", "rm", "team", "--purge")
+    assert not list(root.glob("jax-*/*/*"))
+    assert "team" not in {c["name"] for c in json.loads(run("cache", "list", "--json"))}
+
+
+BAD_INPUT = [
+    (["cache", "add", "x", "ftp://host/path"], "unsupported storage URL scheme"),
+    (["cache", "add", "x", "/tmp/x", "--max-size", "lots"], "bad size"),
+    (["cache", "add", "x", "/tmp/x", "--retention", "30 days"], "bad duration"),
+    (["cache", "add", "bad name!", "/tmp/x"], "bad cache name"),
+    (["--cache", "missing", "path"], "no cache named 'missing'"),
+    (["--cache", "missing", "ls"], "no cache named 'missing'"),
+    (["--db", "postgresql+psycopg://nobody@127.0.0.1:1/none", "ls"], "unreachable"),
+    (["--db", "mysql://x/y", "ls"], "unsupported index database"),
+    (["--db", "not a url", "ls"], "bad index URL"),
+    (["ls", "--env", "zz"], "bad environment digest prefix"),
+    (["ls", "--env", "0000000000000000000"], "no environment"),
+    (["cache", "add", "x", "s3://"], "names no bucket"),
+]
+
+
+@pytest.mark.parametrize(("args", "message"), BAD_INPUT, ids=[" ".join(a) for a, _ in BAD_INPUT])
+def test_bad_input_is_one_line_exit_2(args: list[str], message: str) -> None:
+    proc = cachectl(*args)
+    assert proc.returncode == 2, (proc.stdout, proc.stderr)
+    assert message in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
+    assert not proc.stdout.strip()
+
+
+def test_bad_input_writes_nothing(tmp_path) -> None:
+    run("cache", "add", "x", str(tmp_path / "never"), "--max-size", "huge", code=2)
+    assert not (tmp_path / "never").exists()
+    assert "x" not in {c["name"] for c in json.loads(run("cache", "list", "--json"))}
+
+
+def test_corrupt_env_json_is_bad_input(tmp_path) -> None:
+    path = run("path").strip()
+    with open(os.path.join(path, "env.json"), "w") as fh:
+        fh.write("{not json")
+    proc = cachectl("path")
+    assert proc.returncode == 2 and "corrupt" in proc.stderr and "Traceback" not in proc.stderr
+    assert open(os.path.join(path, "env.json")).read() == "{not json"  # left for a person to inspect
+
+
+def test_writers_policy_refuses_others_with_exit_4(tmp_path) -> None:
+    run("cache", "add", "locked", str(tmp_path / "locked"), "--writers", "alice,@nosuchgroup")
+    proc = cachectl("--cache", "locked", "sync")
+    assert proc.returncode == 4, proc.stderr
+    assert "may not sync" in proc.stderr and "alice" in proc.stderr
+    proc = cachectl("cache", "set", "locked", "--max-size", "1GiB")
+    assert proc.returncode == 4
+    import getpass
+
+    run("cache", "add", "mine", str(tmp_path / "mine"), "--writers", getpass.getuser())
+    run("--cache", "mine", "sync")
+
+
+def test_group_shared_tree_is_setgid(tmp_path) -> None:
+    import grp
+
+    group = grp.getgrgid(os.getgid()).gr_name
+    run("cache", "add", "shared", str(tmp_path / "shared"), "--group", group)
+    path = run("--cache", "shared", "path").strip()
+    for directory in (tmp_path / "shared", path):
+        st = os.stat(directory)
+        assert stat.S_IMODE(st.st_mode) == 0o2775, oct(st.st_mode)
+        assert st.st_gid == grp.getgrnam(group).gr_gid
+    run("cache", "add", "nogroup", str(tmp_path / "ng"), "--group", "no-such-group-xyz", code=2)
+
+
+def test_db_commands(tmp_path) -> None:
+    db = f"sqlite:///{tmp_path}/fresh.db"
+    current = json.loads(run("--db", db, "db", "current", "--json"))
+    assert current["current"] is None and not current["up_to_date"]
+    run("--db", db, "db", "upgrade")
+    current = json.loads(run("--db", db, "db", "current", "--json"))
+    assert current["up_to_date"]
+
+
+def test_config_precedence(tmp_path, monkeypatch) -> None:
+    cfg = tmp_path / "config.toml"
+    cfg.write_text('db = "sqlite:///from-file.db"\ncache = "file-cache"\n')
+    monkeypatch.setenv("CACHECTL_CONFIG", str(cfg))
+    assert load_settings().cache == "file-cache"
+    assert load_settings().db == "sqlite:///from-file.db"
+    monkeypatch.setenv("CACHECTL_CACHE", "env-cache")
+    assert load_settings().cache == "env-cache"
+    assert load_settings(cache="flag-cache").cache == "flag-cache"
+    cfg.write_text('nonsense = 1\n')
+    proc = cachectl("ls")
+    assert proc.returncode == 2 and "unknown key" in proc.stderr
+
+
+def test_help_reads_well() -> None:
+    out = run("--help")
+    for command in ("cache", "db", "env", "exec", "fingerprint", "ls", "path", "stats", "sync"):
+        assert command in out
+    assert "Exit codes" in out
+    proc = cachectl("--help")
+    assert proc.returncode == 0
+
+
+def test_stats_json() -> None:
+    run("path")
+    stats = json.loads(run("stats", "--json"))
+    assert stats[0]["cache"]["name"] == "default" and stats[0]["environments"] == 1

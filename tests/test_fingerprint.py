@@ -1,0 +1,91 @@
+"""The environment fingerprint against the installed JAX, in fresh processes."""
+
+from __future__ import annotations
+
+import json
+import os
+
+from infra import run_py
+
+from cachectl.fingerprint import (
+    Environment,
+    current_environment,
+    excluded_xla_flags,
+    normalized_xla_flags,
+)
+
+NAMESPACE_SNIPPET = """
+import json, cachectl
+a = cachectl.activate()
+print(json.dumps({"path": a.path, "digest": a.digest, "namespace": a.namespace}))
+"""
+
+
+def _activate_in_fresh_process(extra_env: dict[str, str] | None = None) -> dict:
+    proc = run_py(NAMESPACE_SNIPPET, env=extra_env)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_digest_is_stable_and_canonical() -> None:
+    env = current_environment()
+    again = Environment.from_dict(json.loads(env.env_json()))
+    assert again == env and again.digest == env.digest
+    assert env.namespace.startswith(f"jax-{env.jax_version}/{env.backend}-")
+    assert env.namespace.endswith("/" + env.digest[:16])
+    assert env.enable_xla_caches == "none"
+
+
+def test_flags_normalized_like_jax() -> None:
+    flags = normalized_xla_flags(
+        {"XLA_FLAGS": "--xla_b=1 --xla_dump_to=/tmp/d --xla_a=2", "LIBTPU_INIT_ARGS": "--xla_tpu_x=3"},
+        argv=["prog", "--xla_c=4", "--other"],
+    )
+    assert flags == ("--xla_a=2", "--xla_b=1", "--xla_c=4", "--xla_tpu_x=3")
+
+
+def test_exclusion_list_comes_from_installed_jax() -> None:
+    from jax._src import cache_key
+
+    assert excluded_xla_flags() == tuple(cache_key.xla_flags_to_exclude_from_cache_key)
+
+
+def test_two_processes_same_environment_same_path() -> None:
+    first = _activate_in_fresh_process()
+    second = _activate_in_fresh_process()
+    assert first == second
+    assert os.path.exists(os.path.join(first["path"], "env.json"))
+
+
+def test_key_flag_changes_namespace_excluded_flag_does_not(tmp_path) -> None:
+    base = _activate_in_fresh_process()
+    keyed = _activate_in_fresh_process({"XLA_FLAGS": "--xla_cpu_enable_fast_math=true"})
+    dumped = _activate_in_fresh_process({"XLA_FLAGS": f"--xla_dump_to={tmp_path}/dump"})
+    assert keyed["digest"] != base["digest"] and keyed["path"] != base["path"]
+    assert dumped["digest"] == base["digest"] and dumped["path"] == base["path"]
+
+
+KEYS_SNIPPET = """
+import os, jax, jax.numpy as jnp
+cache_dir, mode = os.environ["T_CACHE_DIR"], os.environ["T_XLA_CACHES"]
+jax.config.update("jax_compilation_cache_dir", cache_dir)
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+if mode != "default":
+    jax.config.update("jax_persistent_cache_enable_xla_caches", mode)
+jax.jit(lambda x: jnp.tanh(x) @ x.T)(jnp.ones((8, 8))).block_until_ready()
+print(" ".join(sorted(f for f in os.listdir(cache_dir) if f.startswith("jit__lambda") and f.endswith("-cache"))))
+"""
+
+
+def _keys(cache_dir: str, xla_caches: str) -> str:
+    proc = run_py(KEYS_SNIPPET, env={"T_CACHE_DIR": cache_dir, "T_XLA_CACHES": xla_caches})
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout.strip().splitlines()[-1]
+
+
+def test_fact1_keys_path_independent_only_without_xla_caches(tmp_path) -> None:
+    """DESIGN.md fact 1, pinned against the installed JAX."""
+    managed = [_keys(str(tmp_path / d), "none") for d in ("c1", "c2")]
+    assert managed[0] and managed[0] == managed[1]
+    default = [_keys(str(tmp_path / d), "default") for d in ("d1", "d2")]
+    assert default[0] and default[0] != default[1]

@@ -1,0 +1,168 @@
+"""The one index suite, run against SQLite and a real PostgreSQL server."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from datetime import datetime, timedelta, timezone
+
+import pytest
+from sqlalchemy import inspect
+
+from cachectl.errors import BadInput, NotFound
+from cachectl.fingerprint import Environment
+from cachectl.index import NewEntry, open_index
+from cachectl.index import db as index_db
+
+ENV = Environment(
+    jax_version="0.10.2", jaxlib_version="0.10.2", backend="cpu", platform_version="cpu",
+    device_kind="cpu", device_count=1, process_count=1, topology="abc", xla_flags=(),
+    compression="zstandard", enable_xla_caches="none", include_metadata_in_key=False,
+)
+
+
+def entry(i: int, **kw) -> NewEntry:
+    return NewEntry(key=f"jit_f-{i:064x}", module="jit_f", size=100 + i, sha256=f"{i:064x}",
+                    origin="warm", **kw)
+
+
+@pytest.fixture
+def index(db_url: str):
+    engine = index_db.make_engine(db_url)
+    index_db.upgrade(engine)
+    idx = open_index(db_url)
+    yield idx
+    idx.close()
+    engine.dispose()
+
+
+def test_migrations_upgrade_from_empty(db_url: str) -> None:
+    engine = index_db.make_engine(db_url)
+    assert index_db.current_revision(engine) is None
+    index_db.upgrade(engine)
+    assert index_db.current_revision(engine) == index_db.head_revision()
+    tables = set(inspect(engine).get_table_names())
+    assert {"caches", "environments", "entries", "audit_log", "warm_runs", "leases"} <= tables
+    index_db.upgrade(engine)  # idempotent
+    engine.dispose()
+
+
+def test_caches(index) -> None:
+    index.add_cache("prod", "s3://bucket/prod", max_size=10, writers=["alice", "@mlops"])
+    with pytest.raises(BadInput):
+        index.add_cache("prod", "s3://bucket/other")
+    info = index.get_cache("prod")
+    assert info.max_size == 10 and info.writers == ("alice", "@mlops")
+    assert info.effective_service_writes == "deny"
+    index.update_cache("prod", max_entry_size=5, service_writes="allow")
+    assert index.get_cache("prod").max_entry_size == 5
+    assert index.get_cache("prod").effective_service_writes == "allow"
+    assert [c.name for c in index.list_caches()] == ["prod"]
+    with pytest.raises(NotFound):
+        index.get_cache("nope")
+    index.remove_cache("prod")
+    assert index.list_caches() == []
+
+
+def test_environments_are_unique_per_cache(index) -> None:
+    index.add_cache("a", "/tmp/a")
+    index.add_cache("b", "/tmp/b")
+    first = index.ensure_environment("a", ENV)
+    again = index.ensure_environment("a", ENV)
+    other = index.ensure_environment("b", ENV)
+    assert first.id == again.id != other.id
+    assert first.environment == ENV
+    assert first.namespace == ENV.namespace
+
+
+def test_concurrent_ensure_environment(index) -> None:
+    index.add_cache("a", "/tmp/a")
+    ids: list[int] = []
+    errors: list[BaseException] = []
+
+    def worker() -> None:
+        try:
+            ids.append(index.ensure_environment("a", ENV).id)
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker) for _ in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and len(set(ids)) == 1
+
+
+def test_entries_upsert_list_delete(index) -> None:
+    index.add_cache("a", "/tmp/a")
+    env = index.ensure_environment("a", ENV)
+    assert index.upsert_entries(env.id, [entry(i) for i in range(1200)]) == (1200, 0)
+    assert index.upsert_entries(env.id, [entry(i) for i in range(1200)]) == (0, 0)
+    changed = dataclasses.replace(entry(5), size=1, sha256="f" * 64, function="decode", bucket={"batch": 4})
+    assert index.upsert_entries(env.id, [changed]) == (0, 1)
+    got = index.get_entry(env.id, changed.key)
+    assert got is not None and got.size == 1 and got.function == "decode" and got.bucket == {"batch": 4}
+    keys = index.entry_keys(env.id)
+    assert len(keys) == 1200 and keys[changed.key] == (1, "f" * 64)
+    assert index.delete_entries(env.id, [entry(i).key for i in range(600)]) == 600
+    assert index.delete_entries(env.id, [entry(i).key for i in range(600)]) == 0
+    assert len(index.list_entries(env.id)) == 600
+
+
+def test_environment_stats_and_prefix_lookup(index) -> None:
+    index.add_cache("a", "/tmp/a")
+    env = index.ensure_environment("a", ENV)
+    other = index.ensure_environment("a", dataclasses.replace(ENV, jax_version="0.9.0"))
+    index.upsert_entries(env.id, [entry(1), entry(2)])
+    at = datetime(2030, 1, 1, tzinfo=timezone.utc)
+    assert index.record_hits(env.id, {entry(1).key: (3, at)}) == 1
+    stats = {e.digest: e for e in index.environment_stats("a")}
+    assert stats[env.digest].entries == 2 and stats[env.digest].bytes == 101 + 102
+    assert stats[env.digest].last_access_at == at
+    assert stats[other.digest].entries == 0
+    assert index.find_environment("a", env.digest[:12]).id == env.id
+    with pytest.raises(NotFound):
+        index.find_environment("a", "0" * 20 if not env.digest.startswith("0" * 20) else "1" * 20)
+    with pytest.raises(BadInput):
+        index.find_environment("a", "xyz!")
+    hit = index.get_entry(env.id, entry(1).key)
+    assert hit is not None and hit.hit_count == 3 and hit.last_access_at == at
+    index.mark_environment_deleted(other.id)
+    assert [e.digest for e in index.environment_stats("a")] == [env.digest]
+
+
+def test_ambiguous_prefix(index) -> None:
+    index.add_cache("a", "/tmp/a")
+    digests = set()
+    version = 0
+    # Find two environments whose digests share a first hex digit.
+    while True:
+        e = index.ensure_environment("a", dataclasses.replace(ENV, jax_version=f"0.{version}"))
+        version += 1
+        if e.digest[0] in digests:
+            break
+        digests.add(e.digest[0])
+    with pytest.raises(BadInput, match="matches"):
+        index.find_environment("a", e.digest[0])
+
+
+def test_audit_log(index) -> None:
+    index.audit("prune", cache="a", entries=3, nbytes=300, duration_ms=5, details={"why": "test"})
+    log = index.audit_log(cache="a", since=timedelta(hours=1))
+    assert len(log) == 1 and log[0].operation == "prune" and log[0].bytes == 300
+    assert "@" in log[0].actor
+
+
+def test_timestamps_are_utc_aware(index) -> None:
+    index.add_cache("a", "/tmp/a")
+    env = index.ensure_environment("a", ENV)
+    index.upsert_entries(env.id, [entry(1)])
+    e = index.list_entries(env.id)[0]
+    assert e.created_at is not None and e.created_at.tzinfo is not None
+    assert abs(e.created_at - datetime.now(timezone.utc)) < timedelta(minutes=5)
+
+
+def test_postgres_needs_explicit_upgrade(pg_url: str) -> None:
+    with pytest.raises(BadInput, match="cachectl db upgrade"):
+        open_index(pg_url)

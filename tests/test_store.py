@@ -1,0 +1,101 @@
+"""The one storage suite, run against local disk, memory://, S3 (moto) and GCS (emulator)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from cachectl.errors import BadInput
+from cachectl.store import Store, normalize_url
+
+
+def test_write_read_list_with_sizes_and_times(storage_root: str) -> None:
+    store = Store(storage_root)
+    store.write_bytes("ns/a/one-cache", b"x" * 10)
+    store.write_bytes("ns/a/two-cache", b"y" * 20)
+    store.write_bytes("ns/b/env.json", b"{}")
+    listing = {f.path: f for f in store.list("ns")}
+    assert set(listing) == {"ns/a/one-cache", "ns/a/two-cache", "ns/b/env.json"}
+    assert listing["ns/a/one-cache"].size == 10
+    assert listing["ns/a/two-cache"].size == 20
+    assert all(f.mtime is not None for f in listing.values())
+    assert store.read_bytes("ns/a/two-cache") == b"y" * 20
+    assert store.exists("ns/a/one-cache")
+    assert not store.exists("ns/a/missing-cache")
+    assert store.list("nothing-here") == []
+
+
+def test_overwrite_is_whole(storage_root: str) -> None:
+    store = Store(storage_root)
+    store.write_bytes("f", b"old contents")
+    store.write_bytes("f", b"new")
+    assert store.read_bytes("f") == b"new"
+    assert [f.path for f in store.list("")] == ["f"]  # no temp files left behind
+
+
+def test_batched_delete_is_idempotent(storage_root: str) -> None:
+    store = Store(storage_root)
+    paths = [f"ns/e{i:03d}-cache" for i in range(25)]
+    for p in paths:
+        store.write_bytes(p, b"1")
+    store.delete(paths[:10] + ["ns/never-existed-cache"], batch_size=4)
+    assert {f.path for f in store.list("ns")} == set(paths[10:])
+    store.delete(paths, batch_size=7)  # the first ten are gone already: fine
+    assert store.list("ns") == []
+
+
+def test_delete_tree_removes_a_namespace_only(storage_root: str) -> None:
+    store = Store(storage_root)
+    store.write_bytes("jax-1/cpu/aaa/k-cache", b"1")
+    store.write_bytes("jax-1/cpu/aaa/env.json", b"{}")
+    store.write_bytes("jax-1/cpu/bbb/k-cache", b"2")
+    store.delete_tree("jax-1/cpu/aaa")
+    assert [f.path for f in store.list("")] == ["jax-1/cpu/bbb/k-cache"]
+    store.delete_tree("jax-1/cpu/aaa")  # again: nothing to do
+    with pytest.raises(BadInput):
+        store.delete_tree("")
+
+
+def test_move(storage_root: str) -> None:
+    store = Store(storage_root)
+    store.write_bytes("ns/k-cache", b"data")
+    store.move("ns/k-cache", ".quarantine/t/ns/k-cache")
+    assert not store.exists("ns/k-cache")
+    assert store.read_bytes(".quarantine/t/ns/k-cache") == b"data"
+
+
+def test_paths_cannot_escape_the_root(storage_root: str) -> None:
+    store = Store(storage_root)
+    with pytest.raises(BadInput):
+        store.write_bytes("../escape", b"x")
+
+
+def test_url_for_round_trips(storage_root: str) -> None:
+    store = Store(storage_root)
+    store.write_bytes("ns/file", b"abc")
+    again = Store(store.url_for("ns"))
+    assert again.read_bytes("file") == b"abc"
+
+
+def test_local_write_is_atomic_and_leaves_no_temp(tmp_path) -> None:
+    store = Store(str(tmp_path / "root"))
+    store.write_bytes("d/f", b"1" * 1000)
+    assert os.listdir(tmp_path / "root" / "d") == ["f"]
+    assert oct(os.stat(tmp_path / "root" / "d" / "f").st_mode & 0o777) == "0o644"
+
+
+@pytest.mark.parametrize(
+    "url",
+    ["ftp://host/x", "hdfs://nn/cache", "", "s3://", "gs:///"],
+)
+def test_bad_urls_are_bad_input(url: str) -> None:
+    with pytest.raises(BadInput) as info:
+        normalize_url(url)
+    assert "\n" not in str(info.value)
+
+
+def test_url_normalization(tmp_path) -> None:
+    assert normalize_url(f"file://{tmp_path}") == str(tmp_path)
+    assert normalize_url("gcs://bucket/p/") == "gs://bucket/p"
+    assert normalize_url("s3a://bucket/p") == "s3://bucket/p"
