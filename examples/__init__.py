@@ -1,0 +1,1 @@
+"""Examples: a small real model (``examples.lm``) and the manifest that warms it."""

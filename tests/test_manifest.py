@@ -1,0 +1,1000 @@
+"""Manifest schema, validation messages, bucket expansion, sharding and real compiles of the example."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from cachectl.errors import BadInput, EnvironmentMismatch
+from cachectl.manifest import (
+    Bucket,
+    Target,
+    build_call,
+    check_imports,
+    expand,
+    is_jitted,
+    jit_function,
+    jit_options,
+    load_manifest,
+    manifest_digest,
+    parse_manifest,
+    parse_shard,
+    resolve_callable,
+    select_shard,
+)
+from examples import lm
+
+REPO = Path(__file__).resolve().parents[1]
+EXAMPLE = REPO / "examples" / "manifest.yaml"
+
+
+def write(tmp_path: Path, text: str, name: str = "manifest.yaml") -> Path:
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(text).lstrip("\n"))
+    return path
+
+
+def run_python(code: str, env_extra: dict[str, str], cwd: Path) -> str:
+    """Run code in a fresh interpreter: JAX's device count and cache are fixed per process."""
+    env = {**os.environ, **env_extra, "PYTHONPATH": str(REPO)}
+    proc = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        env=env,
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return proc.stdout
+
+
+# --------------------------------------------------------------------------- the example
+
+
+def test_example_expands_to_eleven_buckets_in_declared_order() -> None:
+    manifest = load_manifest(EXAMPLE)
+    buckets = expand(manifest)
+    assert [str(b) for b in buckets] == [
+        "prefill[batch=1,seq=32]",
+        "prefill[batch=1,seq=64]",
+        "prefill[batch=1,seq=128]",
+        "prefill[batch=4,seq=32]",
+        "prefill[batch=4,seq=64]",
+        "prefill[batch=4,seq=128]",
+        "prefill[batch=8,seq=32]",
+        "prefill[batch=8,seq=64]",  # {batch: 8, seq: 128} is excluded
+        "decode_step[batch=1]",
+        "decode_step[batch=4]",
+        "decode_step[batch=8]",
+    ]
+    assert [b.index for b in buckets] == list(range(11))
+    assert len({b.id for b in buckets}) == 11
+    assert manifest.target == Target(backend="cpu")
+    assert manifest.names == ["prefill", "decode_step"]
+
+
+def test_bucket_id_is_stable_and_ignores_axis_order() -> None:
+    a = Bucket("prefill", {"batch": 4, "seq": 128}, 5)
+    b = Bucket("prefill", {"seq": 128, "batch": 4}, 0)
+    assert a.id == b.id
+    # Pinned: the id is recorded in indexes, so it must not drift between releases.
+    canon = json.dumps(["prefill", [["batch", 4], ["seq", 128]]], separators=(",", ":"))
+    assert a.id == hashlib.sha256(canon.encode()).hexdigest()[:16]
+    assert a.label == "batch=4,seq=128" and b.label == "seq=128,batch=4"
+    assert Bucket("f", {"sampling": "greedy", "on": True}, 0).label == "sampling=greedy,on=true"
+    assert Bucket("f", {}, 0).label == "" and str(Bucket("f", {}, 0)) == "f[]"
+
+
+def test_build_call_matches_the_model(tmp_path: Path) -> None:
+    manifest = load_manifest(EXAMPLE)
+    check_imports(manifest)
+    by_name = {str(b): b for b in expand(manifest)}
+
+    prefill = manifest.function("prefill")
+    args, kwargs = build_call(prefill, by_name["prefill[batch=4,seq=64]"])
+    assert kwargs == {}
+    params, tokens = args
+    assert tokens == jax.ShapeDtypeStruct((4, 64), jnp.int32)
+    assert jax.tree.structure(params) == jax.tree.structure(lm.param_specs())
+    assert all(isinstance(leaf, jax.ShapeDtypeStruct) for leaf in jax.tree.leaves(params))
+    assert jit_options(prefill) == {}
+
+    decode = manifest.function("decode_step")
+    assert jit_options(decode) == {"static_argnames": ("sampling",), "donate_argnums": (1,)}
+    args, kwargs = build_call(decode, by_name["decode_step[batch=8]"])
+    assert kwargs == {"sampling": "greedy"}
+    _, kv, token, pos, key = args
+    # The manifest repeats the model's numbers; keep them in step.
+    assert kv == jax.ShapeDtypeStruct(lm.kv_cache_shape(8), lm.KV_DTYPE)
+    assert token.shape == (8, 1) and pos.shape == () and pos.dtype == jnp.int32
+    assert key == jax.ShapeDtypeStruct((2,), jnp.uint32)
+    with pytest.raises(ValueError, match="belongs to"):
+        build_call(prefill, by_name["decode_step[batch=8]"])
+
+
+def test_compile_one_example_bucket_and_run_it() -> None:
+    manifest = load_manifest(EXAMPLE)
+    decode = manifest.function("decode_step")
+    bucket = next(b for b in expand(manifest) if str(b) == "decode_step[batch=1]")
+    args, kwargs = build_call(decode, bucket)
+    fn = jit_function(decode)
+    assert is_jitted(fn) and not is_jitted(lm.decode_step)
+    compiled = fn.lower(*args, **kwargs).compile()
+
+    params = lm.init_params(jax.random.key(0))
+    cache = lm.init_kv_cache(1)
+    token, cache = compiled(
+        params, cache, jnp.array([[7]], jnp.int32), jnp.int32(0), jax.random.PRNGKey(0)
+    )
+    assert token.shape == (1, 1) and token.dtype == jnp.int32
+    assert 0 <= int(token[0, 0]) < lm.CONFIG.vocab
+    assert cache.shape == lm.kv_cache_shape(1)
+
+
+def test_warmed_programs_are_the_ones_a_service_compiles(tmp_path: Path) -> None:
+    """The point of a manifest: a service calling the real functions hits what warm wrote."""
+    cache_env = {
+        "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "cache"),
+        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+        "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1",
+        "JAX_PERSISTENT_CACHE_ENABLE_XLA_CACHES": "none",
+        "JAX_PLATFORMS": "cpu",
+    }
+    warm = f"""
+        from cachectl.manifest import load_manifest, expand, build_call, check_imports, jit_function
+        m = load_manifest({str(EXAMPLE)!r})
+        check_imports(m)
+        for b in expand(m):
+            if str(b) in ("prefill[batch=1,seq=32]", "decode_step[batch=4]"):
+                spec = m.function(b.function)
+                args, kwargs = build_call(spec, b)
+                jit_function(spec).lower(*args, **kwargs).compile()
+    """
+    run_python(warm, cache_env, tmp_path)
+    written = sorted(p.name.split("-")[0] for p in (tmp_path / "cache").glob("*-cache"))
+    assert written == ["jit_decode_step", "jit_prefill"]  # and nothing else compiled
+
+    serve = """
+        import jax, jax.numpy as jnp
+        from examples import lm
+        counts = {}
+        jax.monitoring.register_event_listener(lambda e, **kw: counts.__setitem__(e, counts.get(e, 0) + 1))
+        params = lm.init_params(jax.random.key(0))
+        prefill = jax.jit(lm.prefill)
+        decode = jax.jit(lm.decode_step, static_argnames=["sampling"], donate_argnums=[1])
+        logits, _ = prefill(params, jnp.zeros((1, 32), jnp.int32))
+        token, _ = decode(params, lm.init_kv_cache(4), jnp.zeros((4, 1), jnp.int32),
+                          jnp.int32(32), jax.random.PRNGKey(0))
+        token.block_until_ready()
+        print(counts.get("/jax/compilation_cache/cache_hits", 0))
+    """
+    # Only the two warmed programs are in the cache, so two hits means both were found.
+    assert run_python(serve, cache_env, tmp_path).strip() == "2"
+
+
+def test_lm_prefill_then_decode_is_consistent() -> None:
+    """The kv cache is right: decoding one token equals prefilling one token more."""
+    params = lm.init_params(jax.random.key(0))
+    tokens = jax.random.randint(jax.random.key(1), (2, 17), 0, lm.CONFIG.vocab, jnp.int32)
+    prefill = jax.jit(lm.prefill)
+    decode = jax.jit(lm.decode_step, static_argnames=["sampling"], donate_argnums=[1])
+
+    full_logits, _ = prefill(params, tokens)
+    logits, cache = prefill(params, tokens[:, :16])
+    assert logits.shape == (2, lm.CONFIG.vocab) and logits.dtype == jnp.float32
+    assert cache.shape == lm.kv_cache_shape(2) and cache.dtype == lm.KV_DTYPE
+    step_logits, _ = jax.jit(lm.decode_logits)(params, cache, tokens[:, 16:17], jnp.int32(16))
+    np.testing.assert_allclose(step_logits, full_logits, atol=2e-3, rtol=2e-3)
+
+    token = tokens[:, 16:17]
+    key = jax.random.PRNGKey(0)
+    for pos in range(16, 20):
+        sampling = "greedy" if pos % 2 else "sample"
+        token, cache = decode(params, cache, token, jnp.int32(pos), key, sampling=sampling)
+        key = jax.random.fold_in(key, pos)
+        assert token.shape == (2, 1) and token.dtype == jnp.int32
+        assert bool(((token >= 0) & (token < lm.CONFIG.vocab)).all())
+    with pytest.raises(ValueError, match="sampling"):
+        lm.decode_step(params, cache, token, jnp.int32(0), key, sampling="beam")
+
+
+# --------------------------------------------------------------------------- buckets and shards
+
+SMALL = """
+version: 1
+functions:
+  - fn: m:f
+    args: [{shape: [batch, seq], dtype: float32}]
+    buckets:
+      batch: [1, 2, 4]
+      seq: [8, 16]
+    exclude:
+      - {batch: 4, seq: 16}
+      - {batch: 2}
+"""
+
+
+def test_exclude_drops_every_matching_combination(tmp_path: Path) -> None:
+    buckets = expand(load_manifest(write(tmp_path, SMALL)))
+    assert [b.label for b in buckets] == [
+        "batch=1,seq=8",
+        "batch=1,seq=16",
+        "batch=4,seq=8",
+    ]
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 11, 12])
+def test_shards_partition_the_buckets(n: int) -> None:
+    buckets = expand(load_manifest(EXAMPLE))
+    shards = [select_shard(buckets, i, n) for i in range(1, n + 1)]
+    ids = [b.id for shard in shards for b in shard]
+    assert sorted(ids) == sorted(b.id for b in buckets)  # union is everything, nothing twice
+    assert len(set(ids)) == len(ids)
+    sizes = [len(s) for s in shards]
+    assert max(sizes) - min(sizes) <= 1
+    assert select_shard(buckets, 1, n) == select_shard(list(buckets), 1, n)  # deterministic
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"), [("1/1", (1, 1)), ("2/4", (2, 4)), (" 4 / 4 ", (4, 4))]
+)
+def test_parse_shard(text: str, expected: tuple[int, int]) -> None:
+    assert parse_shard(text) == expected
+
+
+@pytest.mark.parametrize("text", ["0/4", "5/4", "1/0", "2", "a/b", "-1/4", "1/2/3", ""])
+def test_parse_shard_rejects(text: str) -> None:
+    with pytest.raises(BadInput, match="--shard"):
+        parse_shard(text)
+
+
+def test_select_shard_rejects_out_of_range() -> None:
+    with pytest.raises(BadInput):
+        select_shard([], 0, 2)
+
+
+def test_function_without_axes_is_one_bucket(tmp_path: Path) -> None:
+    path = write(tmp_path, "version: 1\nfunctions:\n  - fn: m:f\n    args: [{value: 3}]\n")
+    assert [str(b) for b in expand(load_manifest(path))] == ["f[]"]
+
+
+def test_weak_type_and_static_values(tmp_path: Path) -> None:
+    """A service passing a Python int gets a weakly typed scalar: weak_type: true matches it."""
+    path = write(
+        tmp_path,
+        """
+        version: 1
+        functions:
+          - fn: m:f
+            jit: {static_argnums: [1]}
+            args:
+              - {shape: [], dtype: int32, weak_type: true}
+              - {value: [1, [2, 3]]}
+            kwargs: {opts: [a, b], none: null}
+        """,
+    )
+    manifest = load_manifest(path)
+    args, kwargs = build_call(manifest.functions[0], expand(manifest)[0])
+    assert args[0] == jax.ShapeDtypeStruct((), jnp.int32, weak_type=True)
+    assert args[1] == (1, (2, 3))  # hashable, as jax.jit needs for static values
+    assert kwargs == {"opts": ("a", "b"), "none": None}
+
+
+def test_anchors_and_merge_keys_keep_lines(tmp_path: Path) -> None:
+    path = write(
+        tmp_path,
+        """
+        version: 1
+        functions:
+          - &base
+            fn: m:f
+            args: [{shape: [batch], dtype: int8}]
+            buckets: {batch: [1, 2]}
+          - <<: *base
+            name: g
+            buckets: {batch: [4, 8]}
+          - <<: *base
+            name: h
+            buckets: {batch: [3], size: [1]}
+            args: [{shape: [batch, sizes], dtype: int8}]
+        """,
+    )
+    with pytest.raises(
+        BadInput, match=r"manifest.yaml:13: functions\[2\].args\[0\].shape\[1\]: unknown axis"
+    ):
+        load_manifest(path)
+    path.write_text(path.read_text().replace("sizes", "size"))
+    assert [str(b) for b in expand(load_manifest(path))] == [
+        "f[batch=1]",
+        "f[batch=2]",
+        "g[batch=4]",
+        "g[batch=8]",
+        "h[batch=3,size=1]",
+    ]
+
+
+def test_example_resolves_from_any_directory(tmp_path: Path) -> None:
+    """examples/ is a package: its root is searched, so cwd and PYTHONPATH need not hold it."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "cachectl").symlink_to(REPO / "cachectl")
+    code = f"""
+        import sys
+        from cachectl.manifest import load_manifest, check_imports
+        assert not any(p.rstrip("/") == {str(REPO)!r} for p in sys.path)
+        print(sorted(check_imports(load_manifest({str(EXAMPLE)!r}))))
+    """
+    env = {**os.environ, "PYTHONPATH": str(site)}
+    proc = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert proc.stdout.strip() == "['decode_step', 'prefill']"
+
+
+def test_kwargs_axis_takes_the_bucket_value(tmp_path: Path) -> None:
+    (tmp_path / "cm_kwaxis.py").write_text(
+        "import jax.numpy as jnp\n"
+        "def f(x, scale=1.0, mode='a'):\n"
+        "    return x * scale if mode == 'a' else x\n"
+    )
+    path = write(
+        tmp_path,
+        """
+        version: 1
+        functions:
+          - fn: cm_kwaxis:f
+            jit: {static_argnames: mode}
+            args: [{shape: [4], dtype: float32}]
+            kwargs: {mode: {axis: mode}, scale: 2.5}
+            buckets: {mode: [a, b]}
+        """,
+    )
+    manifest = load_manifest(path)
+    check_imports(manifest)
+    spec = manifest.functions[0]
+    assert jit_options(spec) == {"static_argnames": ("mode",)}
+    calls = [build_call(spec, b) for b in expand(manifest)]
+    assert [kw for _, kw in calls] == [{"mode": "a", "scale": 2.5}, {"mode": "b", "scale": 2.5}]
+    for args, kwargs in calls:
+        jit_function(spec).lower(*args, **kwargs).compile()
+
+
+def test_pytree_function_gets_the_bucket_values_it_names(tmp_path: Path) -> None:
+    (tmp_path / "cm_pytree_args.py").write_text(
+        "import jax, jax.numpy as jnp, numpy as np\n"
+        "def cache(batch):\n"
+        "    return [(jax.ShapeDtypeStruct((batch, 8), jnp.bfloat16), np.zeros((batch,), np.float64))]\n"
+        "def step(c, scale):\n"
+        "    return [(k * scale, v) for k, v in c]\n"
+    )
+    path = write(
+        tmp_path,
+        """
+        version: 1
+        functions:
+          - fn: cm_pytree_args:step
+            args:
+              - {pytree: cm_pytree_args:cache}
+              - {value: 2}
+            buckets: {batch: [2, 3]}
+        """,
+    )
+    manifest = load_manifest(path)
+    spec = manifest.functions[0]
+    (args, _), _ = [build_call(spec, b) for b in expand(manifest)]
+    k, v = args[0][0]
+    assert k == jax.ShapeDtypeStruct((2, 8), jnp.bfloat16)
+    assert v == jax.ShapeDtypeStruct((2,), jnp.float32)  # canonicalized, as jit would
+    assert args[1] == 2
+    jit_function(spec).lower(*args).compile()
+
+
+def test_already_jitted_function_is_lowered_as_is(tmp_path: Path) -> None:
+    (tmp_path / "cm_prejitted.py").write_text(
+        "import functools, jax, jax.numpy as jnp\n"
+        "class Model:\n"
+        "    @staticmethod\n"
+        "    @functools.partial(jax.jit, static_argnames=['n'])\n"
+        "    def step(x, n=1):\n"
+        "        return x * n\n"
+    )
+    path = write(
+        tmp_path,
+        """
+        version: 1
+        functions:
+          - fn: cm_prejitted:Model.step
+            args: [{shape: [3], dtype: float32}]
+            kwargs: {n: 2}
+        """,
+    )
+    manifest = load_manifest(path)
+    resolved = check_imports(manifest)
+    spec = manifest.functions[0]
+    assert spec.name == "step"
+    assert is_jitted(resolved["step"])
+    assert jit_function(spec) is resolved["step"]
+    args, kwargs = build_call(spec, expand(manifest)[0])
+    jit_function(spec).lower(*args, **kwargs).compile()
+
+
+def test_modules_resolve_from_path_dirs_and_the_manifest_dir(tmp_path: Path) -> None:
+    libdir = tmp_path / "lib"
+    libdir.mkdir()
+    (libdir / "cm_on_path.py").write_text("def f(x):\n    return x\n")
+    (tmp_path / "cm_beside.py").write_text("def g(x):\n    return x\n")
+    path = write(
+        tmp_path,
+        """
+        version: 1
+        functions:
+          - {fn: cm_on_path:f, args: [{value: 1}]}
+          - {fn: cm_beside:g, args: [{value: 1}]}
+        """,
+    )
+    manifest = load_manifest(path)
+    with pytest.raises(BadInput, match=r"manifest.yaml:3: functions\[0\].fn: cannot import"):
+        check_imports(manifest)
+    assert set(check_imports(manifest, [libdir])) == {"f", "g"}
+    assert resolve_callable("cm_on_path:f", [libdir])(5) == 5
+    with pytest.raises(BadInput, match="no attribute 'ff'; did you mean 'f'"):
+        resolve_callable("cm_on_path:ff", [libdir])
+
+
+def test_manifest_digest_and_missing_file(tmp_path: Path) -> None:
+    assert manifest_digest(EXAMPLE) == hashlib.sha256(EXAMPLE.read_bytes()).hexdigest()
+    with pytest.raises(BadInput, match="nope.yaml: cannot read manifest"):
+        load_manifest(tmp_path / "nope.yaml")
+
+
+def test_target_mismatches() -> None:
+    target = Target(backend="gpu", device_kind="NVIDIA H100*", device_count=8)
+    assert target.mismatches("gpu", "NVIDIA H100 80GB HBM3", 8) == []
+    problems = target.mismatches("cpu", "cpu", 1)
+    assert len(problems) == 3 and "backend is cpu" in problems[0]
+
+
+def test_parse_manifest_from_text() -> None:
+    manifest = parse_manifest("version: 1\nfunctions: [{fn: 'a.b:c', args: []}]\n", name="inline")
+    assert manifest.path == "inline" and manifest.functions[0].name == "c"
+    with pytest.raises(BadInput, match=r"^inline:2: functions\[0\]\.fn: "):
+        parse_manifest("version: 1\nfunctions: [{fn: 'abc'}]\n", name="inline")
+
+
+# --------------------------------------------------------------------------- malformed manifests
+
+# (id, manifest text, line the message must name, text it must contain)
+MALFORMED = [
+    (
+        "bad-yaml",
+        """
+        version: 1
+        functions:
+          - fn: m:f
+            args: [{shape: [batch, 1, dtype: int32}
+        """,
+        4,
+        "invalid YAML",
+    ),
+    (
+        "duplicate-key",
+        """
+        version: 1
+        functions:
+          - fn: m:f
+            buckets: {batch: [1]}
+            buckets: {batch: [2]}
+        """,
+        5,
+        "duplicate key 'buckets' (first given on line 4)",
+    ),
+    ("not-a-mapping", "- version: 1\n", 1, "a manifest is a mapping"),
+    ("version-2", "version: 2\nfunctions: [{fn: m:f}]\n", 1, "unsupported manifest version 2"),
+    ("version-string", "version: '1'\nfunctions: [{fn: m:f}]\n", 1, "expected an integer"),
+    ("missing-version", "functions: [{fn: m:f}]\n", 1, "version: required field missing"),
+    (
+        "unknown-top-field",
+        """
+        version: 1
+        functons: []
+        """,
+        2,
+        "unknown field 'functons' (did you mean 'functions'?",
+    ),
+    ("empty-functions", "version: 1\nfunctions: []\n", 2, "functions: must not be empty"),
+    (
+        "unknown-arg-field",
+        """
+        version: 1
+        functions:
+          - fn: m:f
+            args:
+              - {shape: [1], dtype: int32}
+              - shapes: [2]
+        """,
+        6,
+        "functions[0].args[1].shapes: unknown field 'shapes' (did you mean 'shape'?",
+    ),
+    (
+        "missing-fn",
+        """
+        version: 1
+        functions:
+          - fn: m:f
+          - name: decode
+            args: []
+        """,
+        4,
+        "functions[1].fn: required field missing",
+    ),
+    (
+        "bad-fn-ref",
+        """
+        version: 1
+        functions:
+          - name: f
+            fn: examples.lm.decode_step
+        """,
+        4,
+        "functions[0].fn: 'examples.lm.decode_step' is not of the form module:attribute",
+    ),
+    (
+        "unknown-axis-in-shape",
+        """
+        version: 1
+        functions:
+          - fn: m:f
+            args:
+              - {shape: [batch, seqlen], dtype: int32}
+            buckets:
+              batch: [1]
+        """,
+        5,
+        "functions[0].args[0].shape[1]: unknown axis 'seqlen' (declared axes: batch)",
+    ),
+    (
+        "bad-dtype",
+        """
+        version: 1
+        functions:
+          - fn: m:f
+            args:
+              - {shape: [1], dtype: int32}
+              - {shape: [1], dtype: int32}
+              - shape: [4]
+                dtype: bfloat61
+        """,
+        8,
+        "functions[0].args[2].dtype: unknown dtype 'bfloat61' (use a numpy/jax dtype name "
+        "such as bfloat16, float32, int32)",
+    ),
+    (
+        "object-dtype",
+        "version: 1\nfunctions:\n  - fn: m:f\n    args: [{shape: [1], dtype: object}]\n",
+        4,
+        "unknown dtype 'object'",
+    ),
+    (
+        "shape-without-dtype",
+        "version: 1\nfunctions:\n  - fn: m:f\n    args:\n      - {shape: [1]}\n",
+        5,
+        "args[0].dtype: required field missing",
+    ),
+    (
+        "shape-and-pytree",
+        "version: 1\nfunctions:\n  - fn: m:f\n    args:\n      - {shape: [1], dtype: int8, pytree: m:p}\n",
+        5,
+        "exactly one of shape (with dtype), pytree or value",
+    ),
+    (
+        "negative-dim",
+        "version: 1\nfunctions:\n  - fn: m:f\n    args:\n      - shape:\n        - 2\n        - -1\n        dtype: int8\n",
+        7,
+        "args[0].shape[1]: a dimension is a non-negative int or an axis name",
+    ),
+    (
+        "axis-not-a-list",
+        """
+        version: 1
+        functions:
+          - fn: m:f
+            buckets:
+              batch: 4
+        """,
+        5,
+        "functions[0].buckets.batch: expected a list, got int 4",
+    ),
+    (
+        "axis-empty",
+        "version: 1\nfunctions:\n  - fn: m:f\n    buckets:\n      batch: []\n",
+        5,
+        "non-empty list",
+    ),
+    (
+        "shape-axis-with-strings",
+        """
+        version: 1
+        functions:
+          - fn: m:f
+            args: [{shape: [batch], dtype: int8}]
+            buckets:
+              batch: [1, two]
+        """,
+        6,
+        "buckets.batch[1]: axis 'batch' is used in a shape, so its values must be non-negative ints",
+    ),
+    (
+        "axis-duplicate-value",
+        "version: 1\nfunctions:\n  - fn: m:f\n    buckets:\n      batch: [1, 2, 1]\n",
+        5,
+        "duplicate value 1 in axis 'batch'",
+    ),
+    (
+        "exclude-unknown-axis",
+        """
+        version: 1
+        functions:
+          - fn: m:f
+            buckets: {batch: [1, 2]}
+            exclude:
+              - {batch: 1}
+              - {bach: 2}
+        """,
+        7,
+        "functions[0].exclude[1].bach: unknown axis 'bach' (declared axes: batch)",
+    ),
+    (
+        "exclude-unknown-value",
+        "version: 1\nfunctions:\n  - fn: m:f\n    buckets: {batch: [1, 2]}\n    exclude:\n      - {batch: 16}\n",
+        6,
+        "16 is not a value of axis 'batch' ([1, 2])",
+    ),
+    (
+        "exclude-everything",
+        "version: 1\nfunctions:\n  - fn: m:f\n    buckets: {batch: [1]}\n    exclude:\n      - {batch: 1}\n",
+        5,
+        "exclude removes every bucket",
+    ),
+    (
+        "kwargs-unknown-axis",
+        """
+        version: 1
+        functions:
+          - fn: m:f
+            buckets: {batch: [1]}
+            kwargs:
+              sampling: {axis: mode}
+        """,
+        6,
+        "functions[0].kwargs.sampling.axis: unknown axis 'mode' (declared axes: batch)",
+    ),
+    (
+        "kwargs-bad-mapping",
+        "version: 1\nfunctions:\n  - fn: m:f\n    kwargs:\n      opts: {a: 1}\n",
+        5,
+        "a keyword value is a static literal or {axis: NAME}",
+    ),
+    (
+        "sharding-without-mesh",
+        """
+        version: 1
+        functions:
+          - fn: m:f
+            args:
+              - {shape: [8, 4], dtype: float32, sharding: [data, null]}
+        """,
+        5,
+        "functions[0].args[0].sharding: sharding needs a mesh",
+    ),
+    (
+        "sharding-unknown-mesh-axis",
+        """
+        version: 1
+        functions:
+          - fn: m:f
+            mesh: {axes: {data: 4}}
+            args:
+              - shape: [8, 4]
+                dtype: float32
+                sharding: [data, model]
+        """,
+        8,
+        "args[0].sharding[1]: unknown mesh axis 'model' (mesh axes: data)",
+    ),
+    (
+        "sharding-not-divisible",
+        """
+        version: 1
+        functions:
+          - fn: m:f
+            mesh: {axes: {data: 4}}
+            args:
+              - shape: [batch, 4]
+                dtype: float32
+                sharding: [data]
+            buckets: {batch: [4, 6]}
+        """,
+        8,
+        "dimension 0 (batch=6) does not divide by 4",
+    ),
+    (
+        "mesh-size-zero",
+        "version: 1\nfunctions:\n  - fn: m:f\n    mesh:\n      axes: {data: 0}\n",
+        5,
+        "mesh axis 'data' must have a positive size",
+    ),
+    (
+        "mesh-larger-than-target",
+        "version: 1\ntarget: {backend: cpu, device_count: 2}\nfunctions:\n  - fn: m:f\n    mesh:\n      axes: {data: 4}\n",
+        6,
+        "the mesh needs 4 devices but target.device_count is 2",
+    ),
+    (
+        "target-backend",
+        "version: 1\ntarget:\n  backend: cuda\nfunctions: [{fn: m:f}]\n",
+        3,
+        "target.backend: input should be 'cpu', 'gpu' or 'tpu'",
+    ),
+    (
+        "duplicate-function-name",
+        """
+        version: 1
+        functions:
+          - fn: a:step
+          - fn: b:step
+        """,
+        4,
+        "duplicate function name 'step' (also on line 3)",
+    ),
+    (
+        "donate-out-of-range",
+        """
+        version: 1
+        functions:
+          - fn: m:f
+            jit:
+              donate_argnums: [3]
+            args: [{shape: [1], dtype: int8}]
+        """,
+        5,
+        "jit.donate_argnums[0]: 3 is out of range",
+    ),
+    (
+        "static-argnum-on-array",
+        "version: 1\nfunctions:\n  - fn: m:f\n    jit: {static_argnums: 0}\n    args: [{shape: [1], dtype: int8}]\n",
+        4,
+        "give it as {value: ...}",
+    ),
+    (
+        "unknown-jit-option",
+        "version: 1\nfunctions:\n  - fn: m:f\n    jit:\n      static_argname: [x]\n",
+        5,
+        "unknown field 'static_argname' (did you mean 'static_argnames'?",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("text", "line", "needle"),
+    [pytest.param(t, ln, n, id=i) for i, t, ln, n in MALFORMED],
+)
+def test_malformed_manifest_names_file_line_and_field(
+    tmp_path: Path, text: str, line: int, needle: str
+) -> None:
+    path = write(tmp_path, text, name="bad-manifest.yaml")
+    with pytest.raises(BadInput) as info:
+        load_manifest(path)
+    message = str(info.value)
+    assert message.startswith(f"{path}:{line}: "), message
+    assert needle in message, message
+    assert "\n" not in message
+    assert info.value.exit_code == 2
+
+
+def test_several_problems_report_the_first_and_count_the_rest(tmp_path: Path) -> None:
+    path = write(
+        tmp_path,
+        """
+        version: 1
+        functions:
+          - fn: m:f
+            args:
+              - {shape: [nope], dtype: int8}
+              - {shape: [1], dtype: bfloat61}
+              - {shape: [1], dtype: float33}
+        """,
+    )
+    with pytest.raises(BadInput, match=r"manifest.yaml:6: .*bfloat61.* \(and 1 more problem\)$"):
+        load_manifest(path)  # type errors first (schema), then cross-field ones
+
+
+# Problems only visible once user code is imported: check_imports reports them, same format.
+IMPORT_ERRORS = [
+    (
+        "unimportable-module",
+        {},
+        "version: 1\nfunctions:\n  - name: f\n    fn: cm_no_such_module:f\n",
+        4,
+        "functions[0].fn: cannot import 'cm_no_such_module': no module named 'cm_no_such_module'",
+    ),
+    (
+        "missing-attribute",
+        {"cm_attr.py": "def decode_step(x):\n    return x\n"},
+        "version: 1\nfunctions:\n  - fn: cm_attr:decode_stp\n    args: [{value: 1}]\n",
+        3,
+        "'cm_attr' has no attribute 'decode_stp'; did you mean 'decode_step'?",
+    ),
+    (
+        "module-raises",
+        {"cm_raises.py": "raise RuntimeError('boom')\n"},
+        "version: 1\nfunctions:\n  - fn: cm_raises:f\n",
+        3,
+        "importing 'cm_raises' failed: RuntimeError: boom",
+    ),
+    (
+        "module-missing-dependency",
+        {"cm_dep.py": "import cm_not_installed_dep\n"},
+        "version: 1\nfunctions:\n  - fn: cm_dep:f\n",
+        3,
+        "importing 'cm_dep' failed: ModuleNotFoundError",
+    ),
+    (
+        "not-callable",
+        {"cm_const.py": "f = 3\n"},
+        "version: 1\nfunctions:\n  - fn: cm_const:f\n",
+        3,
+        "cm_const:f is not callable: it is int 3",
+    ),
+    (
+        "unimportable-pytree",
+        {"cm_pt.py": "def f(p):\n    return p\n"},
+        "version: 1\nfunctions:\n  - fn: cm_pt:f\n    args:\n      - {pytree: cm_pt:params}\n",
+        5,
+        "functions[0].args[0].pytree: 'cm_pt' has no attribute 'params'",
+    ),
+    (
+        "string-kwarg-not-static",
+        {"cm_static.py": "def f(x, mode='a'):\n    return x\n"},
+        "version: 1\nfunctions:\n  - fn: cm_static:f\n    args: [{shape: [1], dtype: int8}]\n    kwargs:\n      mode: b\n",
+        6,
+        "kwargs.mode: 'mode' is not an array or number, so jax.jit must treat it as static",
+    ),
+    (
+        "jitted-with-options",
+        {"cm_jitted.py": "import jax\n@jax.jit\ndef f(x):\n    return x\n"},
+        "version: 1\nfunctions:\n  - fn: cm_jitted:f\n    jit: {donate_argnums: 0}\n    args: [{shape: [1], dtype: int8}]\n",
+        4,
+        "cm_jitted:f is already jitted",
+    ),
+    (
+        "signature-mismatch",
+        {"cm_sig.py": "def f(a, b, c):\n    return a\n"},
+        "version: 1\nfunctions:\n  - fn: cm_sig:f\n    args:\n      - {shape: [1], dtype: int8}\n      - {shape: [1], dtype: int8}\n",
+        4,
+        "functions[0].args: the arguments do not fit cm_sig:f(a, b, c): missing a required argument: 'c'",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("files", "text", "line", "needle"),
+    [pytest.param(f, t, ln, n, id=i) for i, f, t, ln, n in IMPORT_ERRORS],
+)
+def test_import_problems_name_file_line_and_field(
+    tmp_path: Path, files: dict[str, str], text: str, line: int, needle: str
+) -> None:
+    for name, body in files.items():
+        (tmp_path / name).write_text(body)
+    path = write(tmp_path, text)
+    manifest = load_manifest(path)  # loading imports nothing
+    with pytest.raises(BadInput) as info:
+        check_imports(manifest)
+    message = str(info.value)
+    assert message.startswith(f"{path}:{line}: "), message
+    assert needle in message, message
+    assert info.value.exit_code == 2
+
+
+def test_pytree_function_that_raises(tmp_path: Path) -> None:
+    (tmp_path / "cm_pt_raises.py").write_text(
+        "def f(p):\n    return p\ndef params():\n    raise OSError('no checkpoint')\n"
+    )
+    path = write(
+        tmp_path,
+        "version: 1\nfunctions:\n  - fn: cm_pt_raises:f\n    args:\n      - {pytree: cm_pt_raises:params}\n",
+    )
+    manifest = load_manifest(path)
+    with pytest.raises(
+        BadInput, match=r"manifest.yaml:5: .*params\(\) raised OSError: no checkpoint"
+    ):
+        build_call(manifest.functions[0], expand(manifest)[0])
+
+
+# --------------------------------------------------------------------------- several devices
+
+MESH_MANIFEST = """
+version: 1
+target: {backend: cpu}
+functions:
+  - fn: cm_sharded:step
+    mesh: {axes: {data: 4}}
+    args:
+      - {shape: [batch, 16], dtype: float32, sharding: [data, null]}
+      - {pytree: cm_sharded:weights}
+    buckets: {batch: [4, 8]}
+  - name: big
+    fn: cm_sharded:step
+    mesh: {axes: {data: 2, model: 4}}
+    args:
+      - {shape: [8, 16], dtype: float32, sharding: [[data, model]]}
+      - {pytree: cm_sharded:weights}
+"""
+
+MESH_MODULE = """
+import jax, jax.numpy as jnp
+def weights():
+    return {"w": jax.ShapeDtypeStruct((16, 4), jnp.float32), "b": jnp.zeros((4,))}
+def step(x, p):
+    return jnp.tanh(x @ p["w"] + p["b"]).sum(0)
+"""
+
+
+def test_mesh_and_sharding_on_four_cpu_devices(tmp_path: Path) -> None:
+    (tmp_path / "cm_sharded.py").write_text(MESH_MODULE)
+    write(tmp_path, MESH_MANIFEST)
+    code = """
+        import jax
+        from jax.sharding import NamedSharding, PartitionSpec as P
+        from cachectl.errors import EnvironmentMismatch
+        from cachectl.manifest import load_manifest, expand, build_call, check_imports, jit_function
+        assert jax.device_count() == 4
+        m = load_manifest("manifest.yaml")
+        check_imports(m)
+        buckets = expand(m)
+        spec = m.function("step")
+        for b in buckets:
+            if b.function != "step":
+                continue
+            (x, params), kwargs = build_call(spec, b)
+            assert isinstance(x.sharding, NamedSharding), x
+            assert x.sharding.spec == P("data", None) and dict(x.sharding.mesh.shape) == {"data": 4}
+            assert all(leaf.sharding.spec == P() for leaf in jax.tree.leaves(params))
+            compiled = jit_function(spec).lower(x, params, **kwargs).compile()
+            assert compiled.input_shardings[0][0].spec == P("data", None)
+            print("compiled", b, x.shape)
+        try:
+            build_call(m.function("big"), buckets[-1])
+        except EnvironmentMismatch as exc:
+            print("mismatch", exc.exit_code, exc)
+    """
+    out = run_python(code, {"XLA_FLAGS": "--xla_force_host_platform_device_count=4"}, tmp_path)
+    assert "compiled step[batch=4] (4, 16)" in out
+    assert "compiled step[batch=8] (8, 16)" in out
+    assert "mismatch 3 manifest.yaml:12: functions[1].mesh.axes: the mesh needs 8 devices" in out
+
+
+def test_mesh_needs_enough_devices_here(tmp_path: Path) -> None:
+    (tmp_path / "cm_sharded_one.py").write_text(MESH_MODULE)
+    path = write(tmp_path, MESH_MANIFEST.replace("cm_sharded", "cm_sharded_one"))
+    manifest = load_manifest(path)
+    if jax.device_count() >= 4:
+        pytest.skip("this process already has 4 devices")
+    with pytest.raises(EnvironmentMismatch, match="the mesh needs 4 devices"):
+        build_call(manifest.function("step"), expand(manifest)[0])
