@@ -120,7 +120,8 @@ def test_corrupt_env_json_is_bad_input(tmp_path) -> None:
         fh.write("{not json")
     proc = cachectl("path")
     assert proc.returncode == 2 and "corrupt" in proc.stderr and "Traceback" not in proc.stderr
-    assert open(os.path.join(path, "env.json")).read() == "{not json"  # left for a person to inspect
+    with open(os.path.join(path, "env.json")) as fh:
+        assert fh.read() == "{not json"  # left for a person to inspect
 
 
 def test_writers_policy_refuses_others_with_exit_4(tmp_path) -> None:
