@@ -27,6 +27,26 @@ class RemovedCache:
     dry_run: bool
 
 
+# Option names that carry credentials: those come from the environment, never the index.
+_SECRET_HINTS = ("secret", "password", "token", "credential", "key_id", "access_key", "session")
+
+
+def parse_storage_options(pairs: tuple[str, ...] | list[str]) -> dict[str, Any]:
+    """``endpoint_url=http://...`` pairs -> fsspec storage options, refusing secrets."""
+    options: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            raise BadInput(f"bad storage option {pair!r}: use KEY=VALUE, e.g. endpoint_url=http://127.0.0.1:9000")
+        if any(hint in key.lower() for hint in _SECRET_HINTS):
+            raise BadInput(f"storage option {key!r} looks like a credential: the index never stores secrets; "
+                           "set it in the environment (AWS_*, GOOGLE_APPLICATION_CREDENTIALS) instead")
+        lowered = value.strip().lower()
+        options[key] = {"true": True, "false": False}.get(lowered, value)
+    return options
+
+
 def _check_name(name: str) -> None:
     if not _NAME_RE.match(name):
         raise BadInput(f"bad cache name {name!r}: use letters, digits, '.', '_' or '-' (at most 128)")

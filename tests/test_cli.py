@@ -186,3 +186,12 @@ def test_stats_json() -> None:
     run("path")
     stats = json.loads(run("stats", "--json"))
     assert stats[0]["cache"]["name"] == "default" and stats[0]["environments"] == 1
+
+
+def test_storage_options_never_hold_secrets(tmp_path) -> None:
+    out = json.loads(run("cache", "add", "opts", str(tmp_path / "o"), "--storage-option", "auto_mkdir=true",
+                         "--json"))
+    assert out["storage_options"] == {"auto_mkdir": True}
+    err = run("cache", "add", "leaky", "s3://b/p", "--storage-option", "secret=hunter2", code=2)
+    assert "credential" in err and "hunter2" not in json.dumps(json.loads(run("cache", "list", "--json")))
+    run("cache", "add", "bad", str(tmp_path / "b"), "--storage-option", "novalue", code=2)

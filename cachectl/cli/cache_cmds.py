@@ -8,6 +8,7 @@ from typing import Any
 import click
 
 from cachectl import caches
+from cachectl.caches import parse_storage_options
 from cachectl.cli.render import emit, json_option, size, stdout, table
 from cachectl.context import Context
 from cachectl.index import CacheInfo
@@ -17,8 +18,9 @@ from cachectl.units import format_duration, parse_duration, parse_size
 
 def _policy(max_size: str | None, max_entry_size: str | None, env_max_size: str | None,
             retention: str | None, writers: str | None, service_writes: str | None,
-            group: str | None) -> dict[str, Any]:
+            group: str | None, storage_option: tuple[str, ...] = ()) -> dict[str, Any]:
     return {
+        "storage_options": parse_storage_options(storage_option) if storage_option else None,
         "max_size": parse_size(max_size) if max_size else None,
         "max_entry_size": parse_size(max_entry_size) if max_entry_size else None,
         "env_max_size": parse_size(env_max_size) if env_max_size else None,
@@ -39,6 +41,9 @@ def _policy_options(fn: Any) -> Any:
         click.option("--service-writes", type=click.Choice(["allow", "deny"]),
                      help="May services write entries on a miss? (default: deny for gs:// and s3://, allow locally)"),
         click.option("--group", metavar="GROUP", help="Local disk: make the tree group-owned and setgid (2775)."),
+        click.option("--storage-option", multiple=True, metavar="KEY=VALUE",
+                     help="fsspec option for the root, e.g. endpoint_url=http://minio:9000 (no secrets: "
+                          "credentials come from the environment)."),
     ]
     for option in reversed(options):
         fn = option(fn)
