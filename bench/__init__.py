@@ -1,0 +1,1 @@
+"""Benchmarks; results go to BENCHMARKS.md."""

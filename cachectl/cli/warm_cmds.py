@@ -1,0 +1,218 @@
+"""`cachectl warm` and `cachectl warm-check`: compile a manifest, then prove a service hits it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import click
+from rich.markup import escape
+
+from cachectl.cli.render import print_json, size, stderr, stdout, table
+from cachectl.context import Context
+from cachectl.errors import EnvironmentMismatch
+from cachectl.manifest import parse_shard
+from cachectl.warm import (
+    CACHED,
+    COMPILED,
+    DEFAULT_EXECUTOR,
+    EXECUTORS,
+    HIT,
+    CheckReport,
+    WarmReport,
+    check,
+    default_jobs,
+    warm,
+)
+
+_STATUS_STYLE = {COMPILED: "green", CACHED: "cyan", HIT: "green"}
+
+
+def _plain(values: dict[str, Any]) -> str:
+    return ",".join(f"{k}={v}" for k, v in values.items())
+
+
+def _bucket_text(values: dict[str, Any]) -> str:
+    return escape(_plain(values)) or "-"
+
+
+def _key_text(key: str | None) -> str:
+    """The hash part of a key, shortened: enough to find the file."""
+    return (key or "-").rsplit("-", 1)[-1][:12]
+
+
+def _seconds(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
+def _styled(status: str) -> str:
+    style = _STATUS_STYLE.get(status, "red" if status in ("failed", "too-large", "miss") else "")
+    return f"[{style}]{status}[/{style}]" if style else status
+
+
+def _print_warm(report: WarmReport) -> None:
+    if report.dry_run:
+        rows = [(escape(b.function), _bucket_text(b.bucket)) for b in report.buckets]
+        stdout.print(table(f"warm --dry-run: {len(rows)} bucket(s) for {report.namespace}",
+                           ["function", "bucket"], rows))
+        if report.target_problems:
+            stdout.print("target: [red]does not match[/red]: " + escape("; ".join(report.target_problems)))
+        else:
+            stdout.print("target: matches this machine")
+        return
+    rows = [
+        (escape(b.function), _bucket_text(b.bucket), _styled(b.status), _key_text(b.key),
+         _seconds(b.compile_seconds), size(b.bytes), escape(b.error or ""))
+        for b in report.buckets
+    ]
+    stdout.print(table(f"warm {report.manifest} -> {report.namespace}",
+                       ["function", "bucket", "status", "key", "compile s", "size", "error"], rows,
+                       justify_right=("compile s", "size")))
+    s = report.summary
+    stdout.print(
+        f"{s.buckets} bucket(s): {s.compiled} compiled, {s.cached} cached, {s.failed} failed; "
+        f"compile {s.compile_seconds:.1f}s, wall {s.wall_seconds:.1f}s "
+        f"({report.jobs} {report.executor} job(s), warm run {report.run_id})",
+        highlight=False,
+    )
+
+
+def _print_check(report: CheckReport) -> None:
+    rows = [(escape(b.function), _bucket_text(b.bucket), _styled(b.status), _key_text(b.key),
+             _seconds(b.seconds), escape(b.error or "")) for b in report.buckets]
+    stdout.print(table(f"coverage of {report.namespace} (fresh read-only process)",
+                       ["function", "bucket", "status", "key", "load s", "error"], rows,
+                       justify_right=("load s",)))
+    stdout.print(f"coverage: {report.hits}/{len(report.buckets)} buckets hit ({report.coverage:.1f}%)",
+                 highlight=False)
+
+
+class _Progress:
+    """A rich progress bar on stderr when it is a terminal; nothing otherwise."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.bar: Any = None
+        self.task: Any = None
+        if enabled:
+            from rich.progress import (
+                BarColumn,
+                MofNCompleteColumn,
+                Progress,
+                TextColumn,
+                TimeElapsedColumn,
+            )
+
+            self.bar = Progress(TextColumn("warm"), BarColumn(), MofNCompleteColumn(),
+                                TimeElapsedColumn(), TextColumn("{task.description}"),
+                                console=stderr, transient=True)
+
+    def __enter__(self) -> _Progress:
+        if self.bar is not None:
+            self.bar.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+
+    def __call__(self, result: Any, done: int, total: int) -> None:
+        if self.bar is None:
+            return
+        if self.task is None:
+            self.task = self.bar.add_task("", total=total)
+        self.bar.update(self.task, completed=done,
+                        description=escape(f"{result.function}[{_plain(result.bucket)}] {result.status}"))
+
+
+def _shard(text: str | None) -> tuple[int, int] | None:
+    return parse_shard(text) if text else None
+
+
+_common = [
+    click.argument("manifest", type=click.Path(dir_okay=False)),
+    click.option("--cache", "cache_name", metavar="NAME",
+                 help="Cache to fill (default: the manifest's 'cache:', else the global --cache)."),
+    click.option("--shard", metavar="I/N", help="Only the I-th of N deterministic shares of the buckets."),
+    click.option("--path", "paths", multiple=True, metavar="DIR",
+                 help="Add DIR to the import path (repeatable); the manifest's directory is always added."),
+    click.option("--json", "as_json", is_flag=True, help="Print the report as JSON."),
+]
+
+
+def _with_common(fn: Any) -> Any:
+    for option in reversed(_common):
+        fn = option(fn)
+    return fn
+
+
+def _run_check(ctx: Context, manifest: str, cache_name: str | None, shard: str | None,
+               paths: tuple[str, ...], as_json: bool) -> None:
+    report = check(ctx, manifest, cache=cache_name, shard=_shard(shard), paths=paths)
+    if as_json:
+        print_json(report.to_json())
+    else:
+        _print_check(report)
+    if not report.ok:
+        click.echo(f"cachectl: error: coverage {report.coverage:.1f}% is below 100%: "
+                   f"{len(report.buckets) - report.hits} bucket(s) would compile in a service", err=True)
+        raise click.exceptions.Exit(1)
+
+
+@click.command("warm")
+@_with_common
+@click.option("-j", "--jobs", type=click.IntRange(min=1), metavar="N",
+              help=f"Buckets compiled at once (default: the cores here, {default_jobs()}).")
+@click.option("--executor", type=click.Choice(EXECUTORS), default=DEFAULT_EXECUTOR, show_default=True,
+              help="Compile concurrently in threads of this process or in spawned processes.")
+@click.option("--fail-fast", is_flag=True, help="Stop at the first failing bucket.")
+@click.option("--dry-run", is_flag=True, help="List the buckets and check the target; compile nothing.")
+@click.option("--check", "check_only", is_flag=True,
+              help="Compile nothing: prove coverage in a fresh read-only process (= `cachectl warm-check`).")
+@click.pass_obj
+def warm_cmd(ctx: Context, manifest: str, cache_name: str | None, shard: str | None,
+             paths: tuple[str, ...], as_json: bool, jobs: int | None, executor: str, fail_fast: bool,
+             dry_run: bool, check_only: bool) -> None:
+    """Compile every function x shape bucket of MANIFEST into this environment's namespace.
+
+    Run it on the hardware the service runs on: afterwards the service's first
+    request of every bucket is a cache hit. Buckets already in the cache are
+    reported 'cached' and not recompiled.
+
+    \b
+    cachectl warm examples/manifest.yaml
+    cachectl warm manifest.yaml --shard 2/4 --jobs 8
+    cachectl warm-check manifest.yaml      # prove it: 100% hits in a fresh process
+    """
+    if check_only:
+        _run_check(ctx, manifest, cache_name, shard, paths, as_json)
+        return
+    with _Progress(enabled=stderr.is_terminal and not dry_run) as progress:
+        report = warm(ctx, manifest, cache=cache_name, jobs=jobs, shard=_shard(shard), paths=paths,
+                      fail_fast=fail_fast, dry_run=dry_run, executor=executor, progress=progress)
+    if as_json:
+        print_json(report.to_json())
+    else:
+        _print_warm(report)
+    if report.target_problems:
+        raise EnvironmentMismatch("this machine does not match the manifest's target: "
+                                  + "; ".join(report.target_problems))
+    if report.summary.failed:
+        click.echo(f"cachectl: error: {report.summary.failed} of {report.summary.buckets} bucket(s) "
+                   "failed; see the error column", err=True)
+        raise click.exceptions.Exit(1)
+
+
+@click.command("warm-check")
+@_with_common
+@click.pass_obj
+def warm_check_cmd(ctx: Context, manifest: str, cache_name: str | None, shard: str | None,
+                   paths: tuple[str, ...], as_json: bool) -> None:
+    """Prove coverage: in a fresh process, activate the cache read-only and load every bucket.
+
+    Reports hit or miss per bucket and the coverage; exits 1 below 100%.
+    """
+    _run_check(ctx, manifest, cache_name, shard, paths, as_json)
+
+
+def register(cli: click.Group) -> None:
+    cli.add_command(warm_cmd)
+    cli.add_command(warm_check_cmd)
