@@ -1,0 +1,190 @@
+"""Shared fixtures: real PostgreSQL, S3 (moto) and GCS (gcp-storage-emulator) on loopback.
+
+Fixtures (see tests/infra.py for what was found about each service):
+
+  isolated_home   autouse. XDG_DATA_HOME / XDG_CACHE_HOME / XDG_CONFIG_HOME /
+                  XDG_STATE_HOME -> fresh dirs under tmp_path; every CACHECTL_*
+                  and JAX_* variable removed. Yields the tmp "home" Path.
+  moto_server     session. infra.Server for moto's S3 API (.url, .port, .env).
+  s3_env          function. Sets AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID,
+                  AWS_SECRET_ACCESS_KEY, AWS_DEFAULT_REGION; yields that dict.
+  s3_bucket       function. A fresh bucket on moto; yields "s3://<bucket>".
+  gcs_server      session. infra.Server for gcp-storage-emulator (plus the
+                  objects.move call gcsfs's mv() uses; see infra.gcs_emulator_main).
+  gcs_env         function. Sets STORAGE_EMULATOR_HOST (and the process-wide
+                  GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT=false, NO_GCE_CHECK=true);
+                  yields that dict.
+  gcs_bucket      function. A fresh bucket on the emulator; yields "gs://<bucket>".
+  pg_url          function. A fresh PostgreSQL database (dropped afterwards);
+                  yields its SQLAlchemy URL "postgresql+psycopg://...".
+  sqlite_url      function. "sqlite:///<tmp_path>/index.db".
+  db_url          function, parametrized [sqlite, postgresql]: one of the two.
+  storage_root    function, parametrized [local, memory, s3, gcs]: a fresh root
+                  URL: <tmp_path>/cache, memory://cachectl-test-<id>,
+                  s3://<fresh bucket>/cachectl, gs://<fresh bucket>/cachectl.
+
+Servers start lazily, the first time a test asks for them, and stop at the
+end of the session. Set CACHECTL_TEST_PG_URL (scripts/test does) for the
+PostgreSQL fixtures; CACHECTL_TEST_NO_PG=1 skips them instead of failing.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import infra  # noqa: E402
+
+# Before anything imports gcsfs or google.auth (they read some of these at import).
+infra.configure_process_env()
+
+# Read once: isolated_home removes every CACHECTL_* variable from each test's
+# environment, these two included.
+PG_ADMIN_URL = os.environ.get("CACHECTL_TEST_PG_URL") or None
+NO_PG = os.environ.get("CACHECTL_TEST_NO_PG") == "1"
+
+
+# ------------------------------------------------------------ environment
+
+
+@pytest.fixture(autouse=True)
+def isolated_home(tmp_path_factory, monkeypatch):
+    """Point XDG dirs at a fresh tmp dir and drop CACHECTL_*/JAX_* variables."""
+    home = tmp_path_factory.mktemp("home")
+    for var, sub in (
+        ("XDG_DATA_HOME", "data"),
+        ("XDG_CACHE_HOME", "cache"),
+        ("XDG_CONFIG_HOME", "config"),
+        ("XDG_STATE_HOME", "state"),
+    ):
+        (home / sub).mkdir()
+        monkeypatch.setenv(var, str(home / sub))
+    for var in list(os.environ):
+        if var.startswith(("CACHECTL_", "JAX_")):
+            monkeypatch.delenv(var)
+    yield home
+
+
+def _set_env(monkeypatch, values: dict[str, str]) -> None:
+    for key, value in values.items():
+        monkeypatch.setenv(key, value)
+    infra.clear_fsspec_instance_caches()
+
+
+# -------------------------------------------------------------------- S3
+
+
+@pytest.fixture(scope="session")
+def moto_server(tmp_path_factory):
+    server = infra.start_moto(tmp_path_factory.mktemp("moto-logs"))
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def s3_env(moto_server, monkeypatch):
+    env = dict(moto_server.env)
+    _set_env(monkeypatch, env)
+    yield env
+    infra.clear_fsspec_instance_caches()
+
+
+@pytest.fixture
+def s3_bucket(s3_env):
+    name = infra.unique_name()
+    infra.create_s3_bucket(s3_env["AWS_ENDPOINT_URL"], name)
+    yield f"s3://{name}"
+
+
+# ------------------------------------------------------------------- GCS
+
+
+@pytest.fixture(scope="session")
+def gcs_server(tmp_path_factory):
+    server = infra.start_gcs_emulator(tmp_path_factory.mktemp("gcs-logs"))
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def gcs_env(gcs_server, monkeypatch):
+    env = dict(gcs_server.env)
+    _set_env(monkeypatch, env)
+    yield env
+    infra.clear_fsspec_instance_caches()
+
+
+@pytest.fixture
+def gcs_bucket(gcs_env):
+    name = infra.unique_name()
+    infra.create_gcs_bucket(gcs_env["STORAGE_EMULATOR_HOST"], name)
+    yield f"gs://{name}"
+
+
+# -------------------------------------------------------------- databases
+
+
+@pytest.fixture(scope="session")
+def pg_admin_url():
+    """CACHECTL_TEST_PG_URL, checked once: the database new test databases are made from."""
+    if PG_ADMIN_URL is None:
+        if NO_PG:
+            pytest.skip("PostgreSQL tests skipped: CACHECTL_TEST_NO_PG=1")
+        pytest.fail(
+            "CACHECTL_TEST_PG_URL is not set. Run the tests through scripts/test, which "
+            "installs and starts PostgreSQL, or export CACHECTL_TEST_PG_URL="
+            "postgresql+psycopg://USER:PASS@127.0.0.1:PORT/DB (a role with CREATEDB), "
+            "or set CACHECTL_TEST_NO_PG=1 to skip the PostgreSQL tests.",
+            pytrace=False,
+        )
+    try:
+        infra.pg_check(PG_ADMIN_URL)
+    except Exception as exc:
+        pytest.fail(f"cannot connect to CACHECTL_TEST_PG_URL: {exc}", pytrace=False)
+    return PG_ADMIN_URL
+
+
+@pytest.fixture
+def pg_url(pg_admin_url):
+    name = infra.unique_name("cachectl_t").replace("-", "_")
+    url = infra.pg_create_database(pg_admin_url, name)
+    yield url
+    infra.pg_drop_database(pg_admin_url, name)
+
+
+@pytest.fixture
+def sqlite_url(tmp_path):
+    return f"sqlite:///{tmp_path / 'index.db'}"
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def db_url(request):
+    name = {"sqlite": "sqlite_url", "postgresql": "pg_url"}[request.param]
+    return request.getfixturevalue(name)
+
+
+# ---------------------------------------------------------------- storage
+
+
+@pytest.fixture(params=["local", "memory", "s3", "gcs"])
+def storage_root(request, tmp_path):
+    kind = request.param
+    if kind == "local":
+        yield str(tmp_path / "cache")
+    elif kind == "memory":
+        import fsspec
+
+        url = f"memory://{infra.unique_name()}"
+        yield url
+        fs = fsspec.filesystem("memory")
+        if fs.exists(url):
+            fs.rm(url, recursive=True)
+    elif kind == "s3":
+        yield request.getfixturevalue("s3_bucket") + "/cachectl"
+    else:
+        yield request.getfixturevalue("gcs_bucket") + "/cachectl"
