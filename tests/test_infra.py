@@ -18,22 +18,32 @@ import sys
 import pytest
 from infra import LOOPBACK, run_py
 
-# Set while this module is collected, i.e. before any fixture runs:
-# isolated_home must hide them from every test.
-os.environ["CACHECTL_INFRA_PROBE"] = "leaked"
-os.environ["JAX_INFRA_PROBE"] = "leaked"
+PROBES = ("CACHECTL_INFRA_PROBE", "JAX_INFRA_PROBE")
 
 
-def test_isolated_home(isolated_home):
-    for var, sub in (("XDG_DATA_HOME", "data"), ("XDG_CACHE_HOME", "cache"),
-                     ("XDG_CONFIG_HOME", "config"), ("XDG_STATE_HOME", "state")):
-        assert os.environ[var] == str(isolated_home / sub)
-        assert os.path.isdir(os.environ[var])
-    leaked = [v for v in os.environ if v.startswith(("CACHECTL_", "JAX_"))]
-    assert leaked == []
-    platformdirs = pytest.importorskip("platformdirs")
-    assert platformdirs.user_cache_dir("cachectl").startswith(str(isolated_home))
-    assert platformdirs.user_config_dir("cachectl").startswith(str(isolated_home))
+@pytest.fixture(scope="class")
+def leaked_env():
+    # Class scope: set up before the function-scoped isolated_home runs,
+    # like a variable exported in the shell that started pytest.
+    for var in PROBES:
+        os.environ[var] = "leaked"
+    yield
+    for var in PROBES:
+        os.environ.pop(var, None)
+
+
+@pytest.mark.usefixtures("leaked_env")
+class TestIsolatedHome:
+    def test_hides_cachectl_and_jax_vars_and_isolates_xdg(self, isolated_home):
+        for var, sub in (("XDG_DATA_HOME", "data"), ("XDG_CACHE_HOME", "cache"),
+                         ("XDG_CONFIG_HOME", "config"), ("XDG_STATE_HOME", "state")):
+            assert os.environ[var] == str(isolated_home / sub)
+            assert os.path.isdir(os.environ[var])
+        leaked = [v for v in os.environ if v.startswith(("CACHECTL_", "JAX_"))]
+        assert leaked == []
+        platformdirs = pytest.importorskip("platformdirs")
+        assert platformdirs.user_cache_dir("cachectl").startswith(str(isolated_home))
+        assert platformdirs.user_config_dir("cachectl").startswith(str(isolated_home))
 
 
 def test_run_py_gets_env_overrides_and_removals(isolated_home, monkeypatch):
