@@ -1,0 +1,49 @@
+"""What every benchmark shares: statistics, machine details, the BENCHMARKS.md writer."""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+BENCHMARKS = REPO / "BENCHMARKS.md"
+
+
+def stats(values: list[float]) -> dict[str, float]:
+    """Median and min-max: what we quote on shared, noisy machines."""
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
+
+
+def machine() -> dict[str, Any]:
+    try:
+        import jax
+
+        jax_version, backend = jax.__version__, jax.default_backend()
+    except Exception:  # noqa: BLE001 - benchmarks report what they can
+        jax_version, backend = "?", "?"
+    load = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    return {"cores": os.cpu_count(), "python": platform.python_version(), "jax": jax_version,
+            "backend": backend, "load_average": load}
+
+
+def machine_line(info: dict[str, Any] | None = None) -> str:
+    m = info or machine()
+    return (f"Machine: {m['cores']} cores (shared), Python {m['python']}, jax {m['jax']} ({m['backend']}), "
+            f"load average {m['load_average']} at the start.")
+
+
+def write_section(heading: str, text: str, path: Path = BENCHMARKS) -> None:
+    """Replace (or append) one ``## heading`` section, leaving the others alone."""
+    existing = path.read_text() if path.exists() else "# Benchmarks\n\n"
+    lines = existing.splitlines(keepends=True)
+    start = next((i for i, line in enumerate(lines) if line.strip() == heading), None)
+    if start is None:
+        body = existing.rstrip("\n") + "\n\n" + text
+    else:
+        end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), len(lines))
+        tail = "".join(lines[end:])
+        body = "".join(lines[:start]) + text + ("\n" + tail if tail else "")
+    path.write_text(body)
