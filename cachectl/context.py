@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 from functools import cached_property
+from typing import TYPE_CHECKING
 
 from cachectl.config import DEFAULT_CACHE, Settings, load_settings
 from cachectl.fingerprint import Environment, current_environment
 from cachectl.index import CacheInfo, EnvironmentInfo, Index, open_index
 from cachectl.namespace import Namespace, ensure_namespace, namespace_of
 from cachectl.store import Store, normalize_url
+
+if TYPE_CHECKING:
+    from cachectl.client import ServerClient
 
 
 class Context:
@@ -18,7 +22,19 @@ class Context:
         self.settings = settings or load_settings()
 
     @cached_property
+    def remote(self) -> ServerClient | None:
+        """The cachectl server's client when CACHECTL_SERVER is set (server mode), else None."""
+        from cachectl.client import client_from_settings
+
+        return client_from_settings(self.settings)
+
+    @cached_property
     def index(self) -> Index:
+        if self.remote is not None:
+            # Server mode: reads and warm registration go over HTTP (cachectl.client).
+            from cachectl.client import RemoteIndex
+
+            return RemoteIndex(self.remote)  # type: ignore[return-value]
         return open_index(self.settings.db)
 
     def cache(self, name: str | None = None) -> CacheInfo:
@@ -49,3 +65,5 @@ class Context:
     def close(self) -> None:
         if "index" in self.__dict__:
             self.index.close()
+        if self.__dict__.get("remote") is not None:
+            self.remote.close()

@@ -9,17 +9,24 @@ asked for something contradictory (JAX already compiled with another cache).
 from __future__ import annotations
 
 import logging
-import warnings
+import os
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from cachectl.config import DEFAULT_CACHE, load_settings
-from cachectl.errors import BadInput, CachectlError
+from cachectl.errors import BadInput, CachectlError, Unreachable
 from cachectl.fingerprint import MANAGED_JAX_CONFIG, Environment, current_environment
 from cachectl.namespace import ensure_namespace
 from cachectl.store import Store, normalize_url
 
+if TYPE_CHECKING:
+    from cachectl.index import CacheInfo, Index
+    from cachectl.mirror import PullResult
+
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 # Set min_compile_time this high and JAX reads the cache but never writes it (fact 4).
 READONLY_MIN_COMPILE_SECS = 1e9
@@ -41,6 +48,9 @@ class Activation:
     indexed: bool
     telemetry: str | None = None
     warning: str | None = None
+    mirror: str | None = None
+    pull: PullResult | None = None
+    compiled_before: bool = False
 
     @property
     def active(self) -> bool:
@@ -77,72 +87,219 @@ def _initialized_cache_dir() -> str | None:
     return str(getattr(cache, "_path", "") or "") or None
 
 
-def apply_jax_config(config: dict[str, Any]) -> None:
-    """Set JAX's config; refuse if JAX already opened a different cache directory."""
-    import jax
-    from jax._src import compilation_cache as cc
-
-    wanted = config["jax_compilation_cache_dir"]
+def _check_not_opened_elsewhere(wanted: str) -> None:
     opened = _initialized_cache_dir()
     if opened is not None and opened.rstrip("/") != str(wanted).rstrip("/"):
         raise ActivationError(
             f"JAX already compiled with the persistent cache at {opened}; call cachectl.activate() "
             "before the first jax.jit compile (or use `cachectl exec`)"
         )
+
+
+def apply_jax_config(config: dict[str, Any]) -> None:
+    """Set JAX's config; refuse if JAX already opened a different cache directory."""
+    import jax
+    from jax._src import compilation_cache as cc
+
+    _check_not_opened_elsewhere(config["jax_compilation_cache_dir"])
+    opened = _initialized_cache_dir()
     for name, value in config.items():
         jax.config.update(name, value)
     if opened is None:
         cc.reset_cache()  # let JAX open the new directory at its next compile
 
 
+
+
+def _jax_compiled_already() -> bool:
+    """True once JAX compiled anything in this process (it checks its cache on the first compile)."""
+    from jax._src import compilation_cache as cc
+
+    return bool(getattr(cc, "_cache_checked", False))
+
+
+# botocore's defaults (5 attempts with backoff, per operation) make an
+# unreachable bucket cost JAX ~25 s at its first compile; one attempt with a
+# short connect timeout fails in ~1.5 s. s3fs keeps its own retries for
+# throttling and dropped connections. Only set when the process has no s3
+# config of its own; CACHECTL_S3_FAIL_FAST=0 leaves botocore's defaults.
+_FAIL_FAST_S3 = {"connect_timeout": 3, "retries": {"max_attempts": 1}}
+
+
+def fail_fast_options(root_url: str, options: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Storage options for a quick probe: one attempt, short connect timeout (s3 only)."""
+    opts = dict(options or {})
+    if root_url.startswith("s3://"):
+        opts.setdefault("config_kwargs", dict(_FAIL_FAST_S3))
+    return opts
+
+
+def _fail_fast_object_store(root_url: str) -> None:
+    """Bound how long JAX's own object-store client waits on an unreachable bucket."""
+    if not root_url.startswith("s3://"):
+        return
+    if os.environ.get("CACHECTL_S3_FAIL_FAST", "1").strip().lower() in ("0", "false", "no"):
+        return
+    import fsspec.config
+
+    conf = fsspec.config.conf.setdefault("s3", {})
+    conf.setdefault("config_kwargs", dict(_FAIL_FAST_S3))
+
+
+def _quick_index(url: str) -> Index:
+    """The index without Alembic's schema check (importing Alembic alone costs ~0.5 s at start)."""
+    from cachectl.index import Index
+    from cachectl.index.db import make_engine
+
+    return Index(make_engine(url))
+
+
+def _missing_schema(exc: Exception) -> bool:
+    text = str(exc).lower()
+    return "no such table" in text or "undefinedtable" in text or ("does not exist" in text and "relation" in text)
+
+
+def index_with(url: str, first: Callable[[Index], T]) -> tuple[Index, T]:
+    """Open the index cheaply and run ``first`` on it; migrate a schema-less SQLite file once.
+
+    The caller owns (and closes) the returned index.
+    """
+    index = _quick_index(url)
+    try:
+        return index, first(index)
+    except Exception as exc:
+        index.close()
+        if not _missing_schema(exc):
+            raise
+    from cachectl.index import open_index
+
+    index = open_index(url)  # a new SQLite file: create the schema, then retry
+    try:
+        return index, first(index)
+    except Exception:
+        index.close()
+        raise
+
+
+def _open_index(settings: Any, problems: list[str]) -> tuple[Index | None, CacheInfo | None]:
+    """The index and this cache's policy; a failure becomes one problem line.
+
+    A service only reads its cache's row and records its environment, so the
+    schema is checked (and an SQLite file migrated) only when a table is missing.
+    """
+    try:
+        if settings.server:  # server mode (CACHECTL_SERVER): the index is behind the HTTP API
+            from cachectl.client import remote_index_for_service
+
+            remote = remote_index_for_service(settings)
+            try:
+                return remote, remote.get_cache(settings.cache)  # type: ignore[return-value]
+            except Exception:
+                remote.close()
+                raise
+        if settings.cache == DEFAULT_CACHE:
+            root = normalize_url(settings.default_root)
+            index, info = index_with(settings.db, lambda i: i.ensure_cache(settings.cache, root))
+        else:
+            index, info = index_with(settings.db, lambda i: i.get_cache(settings.cache))
+        return index, info
+    except Unreachable as exc:
+        problems.append(f"index unavailable ({exc.message})")
+    except CachectlError as exc:
+        problems.append(exc.message)
+    except Exception as exc:  # noqa: BLE001 - a service must start anyway
+        problems.append(f"index unavailable ({type(exc).__name__}: {exc})".splitlines()[0])
+    return None, None
+
+
 def activate(cache: str | None = None, *, root: str | None = None, readonly: bool | None = None,
+             telemetry: bool = True, mirror: str | os.PathLike[str] | None = None,
              db: str | None = None) -> Activation:
     """Resolve this process's namespace and point JAX's persistent cache at it.
 
+    Call it before the first compile. ``readonly`` defaults to the cache's
+    policy (``--service-writes``; deny for gs:// and s3://), overridden by the
+    argument or ``CACHECTL_READONLY``. With ``mirror=DIR`` the namespace's
+    verified entries are pulled to DIR first and JAX reads DIR (writes there
+    stay local until `cachectl push`). ``telemetry`` installs the hit/miss
+    collector that flushes to the index in the background.
+
     With only a root URL (argument or ``CACHECTL_ROOT``) no index is needed; if
     the index is unreachable the process still activates and logs one warning.
+    With a root *and* a mode (``readonly`` or ``CACHECTL_READONLY``) the index
+    is not consulted at all before JAX starts (the policy only supplies
+    defaults): the environment is recorded by the telemetry thread, and
+    ``Activation.indexed`` is False.
+    Nothing here raises for a broken index or bucket; the only error is asking
+    for a different cache directory than the one JAX already opened.
     """
     settings = load_settings(db=db, cache=cache, root=root, readonly=readonly)
     cache_name = settings.cache
     env = current_environment()
+    compiled_before = _jax_compiled_already()
     problems: list[str] = []
-    cache_info = None
-    index = None
-    try:
-        from cachectl.index import open_index
-
-        index = open_index(settings.db)
-        if cache_name == DEFAULT_CACHE:
-            cache_info = index.ensure_cache(cache_name, normalize_url(settings.default_root))
-        else:
-            cache_info = index.get_cache(cache_name)
-    except CachectlError as exc:
-        problems.append(f"index unavailable ({exc.message})")
-    except Exception as exc:  # noqa: BLE001 - a service must start anyway
-        problems.append(f"index unavailable ({type(exc).__name__}: {exc})")
+    # Root and mode both given: nothing is needed from the index before JAX can
+    # start, so skip it (and the SQLAlchemy import, ~40% of JAX's own import
+    # time); the environment is recorded from a background thread instead.
+    deferred = settings.root is not None and settings.readonly is not None and mirror is None
+    index, cache_info = (None, None) if deferred else _open_index(settings, problems)
 
     root_url = settings.root or (cache_info.root_url if cache_info else None)
     if root_url is None and cache_name == DEFAULT_CACHE:
         root_url = settings.default_root
     if root_url is None:
-        message = f"cachectl: cache {cache_name!r} not activated: {'; '.join(problems)}; set CACHECTL_ROOT to run without the index"
+        message = (f"cachectl: cache {cache_name!r} not activated: {'; '.join(problems)}; "
+                   "set CACHECTL_ROOT to run without the index")
         _warn(message)
-        return Activation(cache_name, "", "", env.digest, False, False, warning=message)
+        return Activation(cache_name, "", "", env.digest, False, False, warning=message,
+                          compiled_before=compiled_before)
+
+    try:
+        root_url = normalize_url(root_url)
+    except CachectlError as exc:
+        message = f"cachectl: cache {cache_name!r} not activated: {exc.message}"
+        _warn(message)
+        return Activation(cache_name, "", "", env.digest, False, False, warning=message,
+                          compiled_before=compiled_before)
 
     if settings.readonly is not None:
         ro = settings.readonly
-    elif cache_info is not None:
+    elif mirror is not None:
+        ro = False  # a mirror is local: writes stay there until `cachectl push`
+    elif cache_info is not None and cache_info.root_url == root_url:
         ro = cache_info.effective_service_writes == "deny"
+    else:  # no policy for this root (no index, or CACHECTL_ROOT overrides it): object stores read only
+        ro = root_url.startswith(("s3://", "gs://"))
+
+    options = dict(cache_info.storage_options) if cache_info else {}
+    _fail_fast_object_store(root_url)
+    store: Store | None = None
+    if mirror is None:
+        try:
+            store = Store(root_url, options)
+            path = store.url_for(env.namespace)
+        except Exception as exc:  # noqa: BLE001 - JAX gets the URL and warns itself if it cannot use it
+            problems.append(f"storage client for {root_url} failed ({type(exc).__name__}: {exc})".splitlines()[0])
+            path = f"{root_url.rstrip('/')}/{env.namespace}"
     else:
-        ro = normalize_url(root_url).startswith(("s3://", "gs://"))
-
-    store = Store(root_url, cache_info.storage_options if cache_info else None)
-    path = store.url_for(env.namespace)
+        path = os.path.abspath(os.path.expanduser(os.fspath(mirror)))
     try:
-        ensure_namespace(store, env, group=cache_info.group if cache_info else None)
-    except Exception as exc:  # noqa: BLE001 - JAX itself will warn if the dir is unusable
-        problems.append(f"could not prepare namespace {path} ({type(exc).__name__}: {exc})")
+        _check_not_opened_elsewhere(path)
+    except ActivationError:
+        if index is not None:
+            index.close()
+        raise
 
+    pulled = None
+    if mirror is not None:
+        # The object-store client is built only if the mirror lacks something.
+        pulled = _prepare_mirror(index, cache_info, env, lambda: Store(root_url, options), path, problems)
+    elif not ro and store is not None:
+        _prepare_namespace(root_url, fail_fast_options(root_url, options), env, cache_info, problems)
+
+    if compiled_before and _initialized_cache_dir() is None:
+        problems.append("JAX compiled before cachectl.activate(): those programs were not read from "
+                        "or written to the managed cache; call activate() before the first jax.jit")
     apply_jax_config(jax_config_for(path, env, ro))
 
     indexed = False
@@ -152,13 +309,110 @@ def activate(cache: str | None = None, *, root: str | None = None, readonly: boo
             indexed = True
         except Exception as exc:  # noqa: BLE001
             problems.append(f"could not record environment ({exc})")
+
+    target = None
+    if telemetry:
+        target = _start_telemetry(settings, cache_name, env, problems)
+    elif deferred and not settings.server:
+        threading.Thread(target=_record_environment, args=(settings.db, cache_name, env, _default_root(settings)),
+                         name="cachectl-record-env", daemon=True).start()
+    if index is not None:
+        index.close()
+
     warning = None
     if problems:
         warning = "cachectl: " + "; ".join(problems)
         _warn(warning)
-    return Activation(cache_name, env.namespace, path, env.digest, ro, indexed, warning=warning)
+    return Activation(cache_name, env.namespace, path, env.digest, ro, indexed, telemetry=target,
+                      warning=warning, mirror=path if mirror is not None else None, pull=pulled,
+                      compiled_before=compiled_before)
+
+
+def _prepare_namespace(root_url: str, options: dict[str, Any], env: Environment,
+                       cache_info: CacheInfo | None, problems: list[str]) -> None:
+    """Create the namespace and its env.json for a writer (bounded on object stores)."""
+    try:
+        store = Store(root_url, options)
+        ensure_namespace(store, env, group=cache_info.group if cache_info else None)
+    except Exception as exc:  # noqa: BLE001 - JAX itself will warn if the dir is unusable
+        message = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
+        problems.append(f"could not prepare namespace {root_url}/{env.namespace} ({message})")
+
+
+def _prepare_mirror(index: Index | None, cache_info: CacheInfo | None, env: Environment,
+                    store: Callable[[], Store], directory: str, problems: list[str]) -> PullResult | None:
+    """Pull verified entries into the mirror; on any failure keep what the mirror holds."""
+    from cachectl.mirror import prepare_mirror_dir, pull_namespace
+
+    def keep_local(reason: str) -> None:
+        problems.append(f"mirror {directory} not refreshed ({reason})")
+        try:
+            prepare_mirror_dir(directory, env)
+        except Exception as exc:  # noqa: BLE001
+            problems.append(f"mirror {directory} unusable ({exc})")
+
+    if index is None or cache_info is None:
+        keep_local("the index is needed to verify entries")
+        return None
+    try:
+        result = pull_namespace(index, cache_info, env, directory, store=store, skip_storage_if_complete=True)
+    except CachectlError as exc:
+        keep_local(exc.message)
+        return None
+    except Exception as exc:  # noqa: BLE001 - bucket down: serve from what is local
+        keep_local(f"{type(exc).__name__}: {exc}".splitlines()[0][:300])
+        return None
+    if result.refused:
+        problems.append(f"mirror {directory}: refused {len(result.refused)} entr"
+                        f"{'y' if len(result.refused) == 1 else 'ies'} that did not match the index "
+                        f"(e.g. {result.refused[0].key}: {result.refused[0].reason}); see `cachectl pull`")
+    if result.failed:
+        problems.append(f"mirror {directory}: {len(result.failed)} entries failed to copy "
+                        f"({result.failed[0].reason})")
+    return result
+
+
+def _default_root(settings: Any) -> str | None:
+    """Where the embedded default cache is created if the index has none yet."""
+    if settings.cache != DEFAULT_CACHE:
+        return None
+    try:
+        return normalize_url(settings.default_root)
+    except CachectlError:
+        return None
+
+
+def _record_environment(db_url: str, cache_name: str, env: Environment, create_cache_at: str | None) -> None:
+    """Record this environment in the index, off the start path; failures only logged."""
+    def record(index: Index) -> None:
+        if create_cache_at:
+            index.ensure_cache(cache_name, create_cache_at)
+        index.ensure_environment(cache_name, env)
+
+    try:
+        index, _ = index_with(db_url, record)
+        index.close()
+    except Exception as exc:  # noqa: BLE001 - best effort
+        log.debug("cachectl: could not record environment %s: %s", env.digest[:16], exc)
+
+
+def _start_telemetry(settings: Any, cache_name: str, env: Environment, problems: list[str]) -> str | None:
+    try:
+        from cachectl import telemetry
+
+        if settings.server:  # server mode: batches go to POST /api/v1/telemetry
+            from cachectl.client import ServerSink, service_client
+
+            sink = ServerSink(service_client(settings))
+        else:
+            sink = telemetry.IndexSink(settings.db, cache_name, env, create_cache_at=_default_root(settings))
+        telemetry.start(cache=cache_name, environment=env, sink=sink)
+        return sink.describe()
+    except Exception as exc:  # noqa: BLE001 - telemetry is optional
+        problems.append(f"telemetry off ({type(exc).__name__}: {exc})")
+        return None
 
 
 def _warn(message: str) -> None:
+    """One warning, through logging (its last-resort handler prints it if none is set up)."""
     log.warning(message)
-    warnings.warn(message, RuntimeWarning, stacklevel=3)

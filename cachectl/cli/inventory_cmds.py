@@ -6,6 +6,8 @@ import click
 
 from cachectl import inventory
 from cachectl.cli.render import emit, json_option, size, stdout, table, when
+from cachectl.index.telemetry_queries import TelemetryStats, UsageRow, telemetry_stats
+from cachectl.units import parse_duration
 
 
 def _print_environments(listing: inventory.EnvironmentListing) -> None:
@@ -57,12 +59,49 @@ def _print_totals(items: list[inventory.CacheTotals]) -> None:
             _print_environments(inventory.EnvironmentListing(t.cache.name, t.cache.root_url, t.per_environment))
 
 
+def _print_usage(u: TelemetryStats) -> None:
+    def rate(r: UsageRow) -> str:
+        return f"{r.hit_rate:.0%}" if r.hit_rate is not None else "-"
+
+    right = ("procs", "requests", "hits", "hit rate", "misses", "writes", "saved")
+    env_rows = [(r.environment[:16], r.processes, r.requests, r.hits, rate(r), r.misses, r.writes,
+                 f"{r.saved_seconds:.1f}s") for r in u.environments]
+    stdout.print(table(f"cache {u.cache}: service telemetry since {when(u.since)} UTC",
+                       ["environment", "procs", "requests", "hits", "hit rate", "misses", "writes", "saved"],
+                       env_rows, justify_right=right))
+    if u.functions:
+        several = len(u.environments) > 1
+        fn_rows = [((r.function or "(unattributed)") + (f" @{r.environment[:8]}" if several else ""),
+                    r.requests, r.hits, rate(r), r.misses, r.writes, f"{r.saved_seconds:.1f}s")
+                   for r in u.functions]
+        stdout.print(table("per function", ["function", "requests", "hits", "hit rate", "misses", "writes", "saved"],
+                           fn_rows, justify_right=right))
+    dropped = sum(r.dropped for r in u.environments)
+    if dropped:
+        stdout.print(f"{dropped} telemetry events were dropped by services (buffer full or index down)")
+
+
 @click.command("stats")
 @click.option("--all", "all_caches", is_flag=True, help="Every registered cache, not just --cache.")
+@click.option("--since", metavar="DUR",
+              help="Service telemetry over this window instead: hit rate, misses, writes and compile "
+                   "time saved per environment and function, e.g. 24h.")
 @json_option
 @click.pass_obj
-def stats(ctx, all_caches: bool, as_json: bool) -> None:
-    """Totals per cache and per environment."""
+def stats(ctx, all_caches: bool, since: str | None, as_json: bool) -> None:
+    """Totals per cache and per environment; with --since, hits and misses from services."""
+    if since is not None:
+        window = parse_duration(since)
+        caches = ctx.index.list_caches() if all_caches else [ctx.cache()]
+        if ctx.remote is not None:  # server mode (CACHECTL_SERVER)
+            from cachectl import client
+
+            result = [client.telemetry_stats(ctx, c.name, since) for c in caches]
+        else:
+            result = [telemetry_stats(ctx.index, c.name, window) for c in caches]
+        emit(result if all_caches else result[0], as_json,
+             lambda r: [_print_usage(u) for u in (r if isinstance(r, list) else [r])])
+        return
     caches = ctx.index.list_caches() if all_caches else [ctx.cache()]
     emit(inventory.cache_totals(ctx, caches), as_json, _print_totals)
 

@@ -1,0 +1,340 @@
+"""Service-side benchmarks: activate() at start, telemetry on the hit path, verified mirror vs s3://.
+
+    python bench/service.py [--quick] [--json]
+
+Every measurement runs JAX in fresh processes (the persistent cache is
+process-wide state), alternating the variants so drift from other load on the
+machine hits both alike, and reports medians. Everything is local: a
+temporary directory, an SQLite index and, for the mirror, a moto S3 server on
+127.0.0.1. ``run(quick)`` returns the numbers as a dict.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from pathlib import Path
+from typing import Any
+
+PROGRAMS = """
+import jax, jax.numpy as jnp
+x = jnp.ones((64,))
+fns = [jax.jit(lambda v, c=float(i): jnp.sin(v) * c + c) for i in range({k})]
+"""
+
+WARM = """
+import cachectl, json, jax
+a = cachectl.activate({target}, readonly=False, telemetry=False)
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+""" + PROGRAMS + """
+for f in fns:
+    f(x).block_until_ready()
+print(json.dumps({{"path": a.path}}))
+"""
+
+# Whole-process start: plain JAX pointed at the same namespace vs cachectl.activate().
+START_PLAIN = """
+import time; t0 = time.perf_counter()
+import jax, jax.numpy as jnp
+for k, v in {config!r}.items():
+    jax.config.update(k, v)
+t1 = time.perf_counter()
+""" + PROGRAMS + """
+for f in fns:
+    f(x).block_until_ready()
+import json; print(json.dumps({{"setup_s": t1 - t0}}))
+"""
+
+START_MANAGED = """
+import time; t0 = time.perf_counter()
+import jax, jax.numpy as jnp, cachectl
+a = cachectl.activate({target})
+t1 = time.perf_counter()
+""" + PROGRAMS + """
+for f in fns:
+    f(x).block_until_ready()
+from cachectl import telemetry
+s = telemetry.current().stats()
+import json; print(json.dumps({{"setup_s": t1 - t0, "hits": s.hits, "requests": s.requests}}))
+"""
+
+# Hit path: one process, every program a persistent-cache hit; the collector is
+# installed for every other compile (parity flips per rep), so both sides share
+# the process, the machine's load and the program mix.
+HIT_PATH = """
+import time, json, cachectl
+from cachectl import telemetry
+a = cachectl.activate({target}, readonly=True, telemetry=False)
+""" + PROGRAMS + """
+lowered = [f.lower(x) for f in fns]
+collector = telemetry.Collector(cache="bench", environment_digest=a.digest, sink=None)  # no flusher thread
+order = []
+for i, low in enumerate(lowered):
+    on = (i + {parity}) % 2 == 0
+    if on:
+        collector.install()
+    t = time.perf_counter(); low.compile(); dt = time.perf_counter() - t
+    if on:
+        collector.uninstall(flush=False)
+    order.append((on, dt))
+s = collector.stats()
+print(json.dumps({{"order": order, "hits": s.hits, "requests": s.requests}}))
+"""
+
+# Service start against s3:// (moto): direct reads vs a verified local mirror.
+S3_SERVICE = """
+import time; t0 = time.perf_counter()
+import jax, jax.numpy as jnp, cachectl
+a = cachectl.activate("remote"{mirror_arg})
+t1 = time.perf_counter()
+""" + PROGRAMS + """
+for f in fns:
+    f(x).block_until_ready()
+t2 = time.perf_counter()
+from cachectl import telemetry
+s = telemetry.current().stats()
+import json
+print(json.dumps({{"activate_s": t1 - t0, "compile_s": t2 - t1, "hits": s.hits, "requests": s.requests,
+                  "copied": a.pull.copied if a.pull else None, "warning": a.warning}}))
+"""
+
+
+def _py(code: str, env: dict[str, str], timeout: float = 300) -> tuple[dict, float]:
+    started = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True,
+                          text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+    wall = time.perf_counter() - started
+    if proc.returncode != 0:
+        raise RuntimeError(f"benchmark process failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1]), wall
+
+
+def _med(values: list[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+def _base_env(tmp: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("CACHECTL_", "JAX_"))}
+    for var in ("XDG_DATA_HOME", "XDG_CACHE_HOME", "XDG_CONFIG_HOME"):
+        path = tmp / var.lower()
+        path.mkdir(exist_ok=True)
+        env[var] = str(path)
+    env["CACHECTL_DB"] = f"sqlite:///{tmp}/index.db"
+    env["CACHECTL_TELEMETRY_INTERVAL"] = "3600"  # only the exit flush, like a short-lived job
+    return env
+
+
+def bench_activation(tmp: Path, reps: int, k: int) -> dict[str, Any]:
+    """Whole-process wall time, all hits on one warmed namespace: plain JAX, activate() by cache
+    name (reads the policy from the index), and activate() with CACHECTL_ROOT + CACHECTL_READONLY
+    (the index is left to the background thread)."""
+    env = _base_env(tmp)
+    root = str(tmp / "local-cache")
+    _py(f"""
+    from cachectl.context import Context
+    from cachectl.caches import add_cache
+    add_cache(Context(), "bench", {root!r}, service_writes="deny")
+    print("{{}}")
+    """, env)
+    warm, _ = _py(WARM.format(k=k, target="'bench'"), env)
+    config = {"jax_compilation_cache_dir": warm["path"], "jax_persistent_cache_enable_xla_caches": "none",
+              "jax_compilation_cache_max_size": -1, "jax_persistent_cache_min_compile_time_secs": 1e9}
+    deferred_env = {**env, "CACHECTL_ROOT": root, "CACHECTL_READONLY": "1", "CACHECTL_CACHE": "bench"}
+    variants = {
+        "plain": (START_PLAIN.format(k=k, config=config), env),
+        "managed": (START_MANAGED.format(k=k, target="'bench'"), env),
+        "managed_root_and_mode": (START_MANAGED.format(k=k, target=""), deferred_env),
+    }
+    walls: dict[str, list[float]] = {name: [] for name in variants}
+    setups: dict[str, list[float]] = {name: [] for name in variants}
+    hits: dict[str, Any] = {}
+    for _ in range(reps):
+        for name, (code, venv) in variants.items():
+            out, wall = _py(code, venv)
+            walls[name].append(wall)
+            setups[name].append(out["setup_s"])
+            if "hits" in out:
+                hits[name] = (out["hits"], out["requests"])
+    plain = _med(walls["plain"])
+    result: dict[str, Any] = {"programs": k, "reps": reps}
+    for name in variants:
+        result[name] = {"process_s": round(_med(walls[name]), 3), "ratio_vs_plain": round(_med(walls[name]) / plain, 3),
+                        "import_and_setup_s": round(_med(setups[name]), 3),
+                        "setup_extra_vs_plain_s": round(_med(setups[name]) - _med(setups["plain"]), 3),
+                        "hits_requests": hits.get(name)}
+    return result
+
+
+def bench_hooks(n: int) -> dict[str, Any]:
+    """The collector's own cost per hit: JAX's event + log calls with and without it installed."""
+    import logging
+
+    from jax import monitoring
+
+    from cachectl import telemetry
+
+    logger = logging.getLogger(telemetry.COMPILER_LOGGER)
+    key = "jit_f-" + "ab" * 32
+
+    def one_hit() -> None:  # exactly what compiler.py does on a persistent-cache hit
+        monitoring.record_event(telemetry.EVENT_REQUESTS)
+        logger.log(logging.DEBUG, "Persistent compilation cache hit for '%s' with key %r", "jit_f", key)
+        monitoring.record_event(telemetry.EVENT_HITS)
+        monitoring.record_event_duration_secs(telemetry.EVENT_SAVED, 0.5)
+        monitoring.record_event_duration_secs(telemetry.EVENT_RETRIEVAL, 0.001)
+
+    def timed() -> float:
+        best = float("inf")
+        for _ in range(5):
+            t = time.perf_counter()
+            for _ in range(n):
+                one_hit()
+            best = min(best, (time.perf_counter() - t) / n)
+        return best
+
+    without = timed()
+    collector = telemetry.Collector(cache="b", environment_digest="0" * 64, sink=telemetry.MemorySink(),
+                                    interval_s=3600)
+    collector.install()
+    try:
+        with_ = timed()
+    finally:
+        collector.uninstall(flush=False)
+    return {"calls": n, "without_us": round(without * 1e6, 2), "with_us": round(with_ * 1e6, 2),
+            "overhead_us_per_hit": round((with_ - without) * 1e6, 2)}
+
+
+def bench_hit_path(tmp: Path, reps: int, k: int) -> dict[str, Any]:
+    """Per-compile latency of persistent-cache hits, with vs without the collector installed."""
+    env = _base_env(tmp)
+    root = str(tmp / "hit-cache")
+    target = f"root={root!r}"
+    _py(WARM.format(k=k, target=target), env)
+    without: list[float] = []
+    with_: list[float] = []
+    pair_ratios: list[float] = []
+    hits = requests = 0
+    for rep in range(reps):
+        out, _ = _py(HIT_PATH.format(k=k, target=target, parity=rep % 2), env)
+        order = out["order"]
+        for on, dt in order:
+            (with_ if on else without).append(dt)
+        # Adjacent compiles see the same machine load: compare them pairwise.
+        for (a_on, a), (_b_on, b) in zip(order[::2], order[1::2], strict=False):
+            pair_ratios.append(a / b if a_on else b / a)
+        hits += out["hits"]
+        requests += out["requests"]
+    return {
+        "programs": k, "reps": reps, "compiles_with": len(with_), "compiles_without": len(without),
+        "without_ms_median": round(_med(without) * 1e3, 3), "with_ms_median": round(_med(with_) * 1e3, 3),
+        "ratio": round(_med(with_) / _med(without), 3),
+        "paired_ratio_median": round(_med(pair_ratios), 3),
+        "collector_saw_hits_of_requests": [hits, requests],
+        "hooks": bench_hooks(20000),
+    }
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start_moto(log: Path) -> tuple[subprocess.Popen, str]:
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                            stdout=log.open("wb"), stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+            return proc, f"http://127.0.0.1:{port}"
+        except OSError:
+            time.sleep(0.1)
+    proc.kill()
+    raise RuntimeError(f"moto did not start; see {log}")
+
+
+def bench_mirror(tmp: Path, reps: int, k: int) -> dict[str, Any]:
+    """Service start reading s3:// on moto directly vs through a verified local mirror."""
+    moto, url = _start_moto(tmp / "moto.log")
+    try:
+        env = _base_env(tmp)
+        env.update({"AWS_ENDPOINT_URL": url, "AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench",
+                    "AWS_DEFAULT_REGION": "us-east-1", "AWS_EC2_METADATA_DISABLED": "true",
+                    "NO_PROXY": "127.0.0.1,localhost", "no_proxy": "127.0.0.1,localhost"})
+        setup = f"""
+        import boto3, json
+        from cachectl.context import Context
+        from cachectl.caches import add_cache
+        boto3.client("s3", endpoint_url={url!r}).create_bucket(Bucket="bench")
+        add_cache(Context(), "remote", "s3://bench/cache")
+        print("{{}}")
+        """
+        _py(setup, env)
+        _py(WARM.format(k=k, target="'remote'"), env)
+        _py("""
+        from cachectl.context import Context
+        from cachectl.lifecycle.sync import sync
+        ctx = Context(); r = sync(ctx, ctx.cache("remote")); print('{"added": %d}' % r.entries_added)
+        """, env)
+        rows: dict[str, list[dict]] = {"direct": [], "mirror_cold": [], "mirror_warm": []}
+        walls: dict[str, list[float]] = {name: [] for name in rows}
+        for rep in range(reps):
+            for name, arg in (("direct", ""), ("mirror_cold", f", mirror={str(tmp / f'cold-{rep}')!r}"),
+                              ("mirror_warm", f", mirror={str(tmp / 'warm-mirror')!r}")):
+                if name == "mirror_warm" and rep == 0:  # fill it once, untimed
+                    _py(S3_SERVICE.format(k=k, mirror_arg=arg), env)
+                out, wall = _py(S3_SERVICE.format(k=k, mirror_arg=arg), env)
+                rows[name].append(out)
+                walls[name].append(wall)
+        result: dict[str, Any] = {"programs": k, "reps": reps}
+        for name in rows:
+            result[name] = {
+                "process_s": round(_med(walls[name]), 3),
+                "activate_s": round(_med([r["activate_s"] for r in rows[name]]), 3),
+                "compile_all_s": round(_med([r["compile_s"] for r in rows[name]]), 3),
+                "hits_requests": (rows[name][-1]["hits"], rows[name][-1]["requests"]),
+                "copied": rows[name][-1]["copied"],
+            }
+        result["ratio_mirror_cold_vs_direct"] = round(_med(walls["mirror_cold"]) / _med(walls["direct"]), 3)
+        result["ratio_mirror_warm_vs_direct"] = round(_med(walls["mirror_warm"]) / _med(walls["direct"]), 3)
+        return result
+    finally:
+        moto.terminate()
+        moto.wait(10)
+
+
+def run(quick: bool = False) -> dict[str, Any]:
+    """All service benchmarks; ``quick`` uses fewer repetitions and programs."""
+    reps = 2 if quick else 4
+    k = 10 if quick else 30
+    started = time.perf_counter()
+    load_before = os.getloadavg()
+    with tempfile.TemporaryDirectory(prefix="cachectl-bench-service-") as d:
+        tmp = Path(d)
+        for sub in ("a", "h", "m"):
+            (tmp / sub).mkdir()
+        out: dict[str, Any] = {
+            "activation": bench_activation(tmp / "a", reps, k),
+            "hit_path": bench_hit_path(tmp / "h", reps, 2 * k),
+            "mirror": bench_mirror(tmp / "m", 2 if quick else 3, k),
+        }
+    out["quick"] = quick
+    out["cpus"] = os.cpu_count()
+    out["load_average_before_after"] = [[round(x, 2) for x in load_before],
+                                        [round(x, 2) for x in os.getloadavg()]]
+    out["total_s"] = round(time.perf_counter() - started, 1)
+    return out
+
+
+if __name__ == "__main__":
+    result = run(quick="--quick" in sys.argv)
+    print(json.dumps(result, indent=2))

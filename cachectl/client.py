@@ -1,0 +1,575 @@
+"""The cachectl server's HTTP client, used when CACHECTL_SERVER (and CACHECTL_TOKEN) are set.
+
+The server answers with the library's own dataclasses as JSON; ``from_jsonable``
+rebuilds them, so the CLI prints exactly what it prints in direct mode, and
+server errors come back as the same CachectlError (same message, same exit
+code). ``RemoteIndex`` stands in for :class:`cachectl.index.Index` for the
+calls that listing, stats and warm registration make, so those commands run
+unchanged; prune, gc and verify run as server jobs (``run_job``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import logging
+import time
+import types
+import typing
+from collections.abc import Iterable, Iterator
+from datetime import datetime, timedelta
+from typing import Any, TypeVar
+
+from cachectl.errors import (
+    BadInput,
+    CachectlError,
+    EnvironmentMismatch,
+    NotFound,
+    OperationFailed,
+    PermissionDenied,
+    Unreachable,
+)
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+API = "/api/v1"
+DEFAULT_TIMEOUT_S = 30.0
+PAGE = 1000
+_ERRORS: dict[str, type[CachectlError]] = {
+    "BadInput": BadInput, "NotFound": NotFound, "Unreachable": Unreachable,
+    "OperationFailed": OperationFailed, "LeaseHeld": OperationFailed,
+    "EnvironmentMismatch": EnvironmentMismatch, "PermissionDenied": PermissionDenied,
+}
+
+
+# -- JSON -> dataclasses ------------------------------------------------------------
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def from_jsonable(tp: Any, data: Any) -> Any:
+    """Rebuild a value of type ``tp`` from what ``render.to_jsonable`` made of it."""
+    if data is None or tp is Any or tp is object:
+        return data
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        options = [a for a in typing.get_args(tp) if a is not type(None)]
+        for option in options:
+            try:
+                return from_jsonable(option, data)
+            except (TypeError, ValueError, KeyError):
+                continue
+        return data
+    if dataclasses.is_dataclass(tp):
+        hints = _hints(tp)
+        values = {f.name: from_jsonable(hints.get(f.name, Any), data[f.name])
+                  for f in dataclasses.fields(tp) if f.init and f.name in data}
+        return tp(**values)
+    if origin in (list, typing.Sequence) or tp is list:
+        (item,) = typing.get_args(tp) or (Any,)
+        return [from_jsonable(item, v) for v in data]
+    if origin is tuple:
+        args = typing.get_args(tp)
+        if len(args) == 2 and args[1] is Ellipsis:
+            return tuple(from_jsonable(args[0], v) for v in data)
+        return tuple(from_jsonable(a, v) for a, v in zip(args, data, strict=False))
+    if origin is dict or tp is dict:
+        key_t, value_t = typing.get_args(tp) or (Any, Any)
+        return {from_jsonable(key_t, k): from_jsonable(value_t, v) for k, v in data.items()}
+    if tp is datetime:
+        if not isinstance(data, str):
+            raise TypeError("datetime")
+        return datetime.fromisoformat(data)
+    if tp is timedelta:
+        return timedelta(seconds=float(data))
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        return tp(data)
+    if tp is float and isinstance(data, int):
+        return float(data)
+    if isinstance(tp, type) and tp in (int, str, bool, float) and not isinstance(data, tp):
+        raise TypeError(f"expected {tp.__name__}")
+    return data
+
+
+# -- the HTTP client -------------------------------------------------------------------
+
+
+def _message(response: Any) -> tuple[str, str | None]:
+    try:
+        body = response.json()
+    except ValueError:
+        return (response.text or response.reason_phrase or f"HTTP {response.status_code}").strip()[:500], None
+    detail = body.get("detail") if isinstance(body, dict) else None
+    if isinstance(detail, list):  # pydantic validation errors
+        parts = []
+        for err in detail[:5]:
+            where = ".".join(str(p) for p in err.get("loc", ()) if p != "body")
+            parts.append(f"{where}: {err.get('msg')}" if where else str(err.get("msg")))
+        detail = "; ".join(parts)
+    return str(detail or f"HTTP {response.status_code}"), body.get("error") if isinstance(body, dict) else None
+
+
+class ServerClient:
+    """One server, one token; connections are pooled for the client's lifetime."""
+
+    def __init__(self, url: str, token: str | None, *, timeout: Any = DEFAULT_TIMEOUT_S,
+                 transport: Any = None) -> None:
+        import httpx
+
+        if not url.startswith(("http://", "https://")):
+            raise BadInput(f"bad CACHECTL_SERVER {url!r}: use http://HOST:PORT or https://HOST")
+        self.url = url.rstrip("/")
+        headers = {"user-agent": "cachectl-client"}
+        if token:
+            headers["authorization"] = f"Bearer {token}"
+        self._http = httpx.Client(base_url=self.url, headers=headers, timeout=timeout, transport=transport,
+                                  trust_env=False)
+
+    def close(self) -> None:
+        self._http.close()
+
+    def request(self, method: str, path: str, *, json: Any = None, params: dict[str, Any] | None = None,
+                content: bytes | None = None, headers: dict[str, str] | None = None) -> Any:
+        """Send; raise the CachectlError the server's status and error name stand for."""
+        import httpx
+
+        if params:
+            params = {k: v for k, v in params.items() if v is not None}
+        for attempt in (1, 2):
+            try:
+                response = self._http.request(method, path, json=json, params=params, content=content,
+                                              headers=headers)
+                break
+            except httpx.RemoteProtocolError as exc:
+                # A pooled connection the server closed as we sent: safe to resend a read once.
+                if attempt == 2 or method not in ("GET", "HEAD"):
+                    raise Unreachable(f"server {self.url} dropped the connection: {exc}") from exc
+            except httpx.HTTPError as exc:
+                raise Unreachable(f"server {self.url} is unreachable: {type(exc).__name__}: {exc}") from exc
+        if response.status_code < 400:
+            return response
+        message, name = _message(response)
+        status = response.status_code
+        if status == 401:
+            raise PermissionDenied(f"server {self.url} refused the token ({message}): check CACHECTL_TOKEN")
+        if name in _ERRORS:
+            raise _ERRORS[name](message)
+        if status == 403:
+            raise PermissionDenied(message)
+        if status == 404:
+            raise NotFound(message)
+        if status in (400, 413, 422):
+            raise BadInput(message)
+        if status == 409:
+            raise OperationFailed(message)
+        if status in (502, 503, 504):
+            raise Unreachable(f"server {self.url}: {message}")
+        raise OperationFailed(f"server {self.url} failed: {message}")
+
+    def get(self, path: str, **params: Any) -> Any:
+        return self.request("GET", path, params=params).json()
+
+    # -- caches, environments, entries ---------------------------------------------
+
+    def list_caches(self) -> list[Any]:
+        from cachectl.index.records import CacheInfo
+
+        return from_jsonable(list[CacheInfo], _without_redacted(self.get(f"{API}/caches")))
+
+    def get_cache(self, name: str) -> Any:
+        from cachectl.index.records import CacheInfo
+
+        return from_jsonable(CacheInfo, _without_redacted(self.get(f"{API}/caches/{_seg(name)}")))
+
+    def environments(self, cache: str, *, include_deleted: bool = False) -> list[Any]:
+        from cachectl.index.records import EnvironmentInfo
+
+        data = self.get(f"{API}/caches/{_seg(cache)}/environments", include_deleted=include_deleted or None)
+        return from_jsonable(list[EnvironmentInfo], data)
+
+    def environment(self, cache: str, prefix: str) -> Any:
+        from cachectl.index.records import EnvironmentInfo
+
+        return from_jsonable(EnvironmentInfo, self.get(f"{API}/caches/{_seg(cache)}/environments/{_seg(prefix)}"))
+
+    def iter_entries(self, cache: str, digest: str, **filters: Any) -> Iterator[Any]:
+        """Every entry of an environment, page by page."""
+        from cachectl.index.records import EntryInfo
+
+        offset = 0
+        while True:
+            page = self.get(f"{API}/caches/{_seg(cache)}/environments/{digest}/entries",
+                            limit=PAGE, offset=offset, **filters)
+            for item in page["items"]:
+                yield from_jsonable(EntryInfo, item)
+            if page.get("next_offset") is None:
+                return
+            offset = page["next_offset"]
+
+    def resolve(self, cache: str, env: Any, *, create: bool = True) -> dict[str, Any]:
+        body = {**env.to_dict(), "create": create}
+        return self.request("POST", f"{API}/caches/{_seg(cache)}/resolve", json=body).json()
+
+    def register_entries(self, cache: str, digest: str, entries: Iterable[Any],
+                         warm_run_id: int | None = None) -> tuple[int, int]:
+        items = []
+        for e in entries:
+            items.append({"key": e.key, "size": e.size, "sha256": e.sha256, "origin": e.origin,
+                          "compile_time_ms": e.compile_time_ms, "function": e.function, "bucket": e.bucket})
+            warm_run_id = warm_run_id or e.warm_run_id
+        if not items:
+            return 0, 0
+        body: dict[str, Any] = {"entries": items}
+        if warm_run_id is not None:
+            body["warm_run_id"] = warm_run_id
+        data = self.request("POST", f"{API}/caches/{_seg(cache)}/environments/{digest}/entries", json=body).json()
+        return int(data["inserted"]), int(data["updated"])
+
+    def upload_entry(self, cache: str, digest: str, key: str, data: bytes) -> Any:
+        from cachectl.entries import sha256
+        from cachectl.index.records import EntryInfo
+
+        response = self.request("PUT", f"{API}/caches/{_seg(cache)}/environments/{digest}/entries/{_seg(key)}",
+                                content=data, headers={"content-type": "application/octet-stream",
+                                                       "x-cachectl-sha256": sha256(data)})
+        return from_jsonable(EntryInfo, response.json())
+
+    def download_entry(self, cache: str, digest: str, key: str) -> bytes:
+        return self.request("GET", f"{API}/caches/{_seg(cache)}/environments/{digest}/entries/{_seg(key)}").content
+
+    def audit(self, cache: str, operation: str, *, entries: int = 0, nbytes: int = 0,
+              duration_ms: int | None = None, details: dict[str, Any] | None = None, who: str | None = None) -> None:
+        from cachectl.cli.render import to_jsonable
+
+        body = {"operation": operation, "actor": who, "entries": entries, "bytes": nbytes,
+                "duration_ms": duration_ms, "details": to_jsonable(details or {})}
+        self.request("POST", f"{API}/caches/{_seg(cache)}/audit", json=body)
+
+    # -- warm runs --------------------------------------------------------------------
+
+    def start_warm_run(self, cache: str, digest: str, *, manifest_digest: str, manifest_path: str | None,
+                       buckets: int) -> Any:
+        import getpass
+        import socket
+
+        from cachectl.index.warm_runs import WarmRunInfo
+
+        try:
+            user = getpass.getuser()
+        except Exception:  # noqa: BLE001 - no passwd entry in some containers
+            user = "unknown"
+        body = {"manifest_digest": manifest_digest, "manifest_path": manifest_path, "buckets": buckets,
+                "host": socket.gethostname(), "user": user}
+        data = self.request("POST", f"{API}/caches/{_seg(cache)}/environments/{digest}/warm-runs", json=body).json()
+        return from_jsonable(WarmRunInfo, data)
+
+    def update_warm_run(self, cache: str, run_id: int, **body: Any) -> Any:
+        from cachectl.index.warm_runs import WarmRunInfo
+
+        data = self.request("PATCH", f"{API}/caches/{_seg(cache)}/warm-runs/{int(run_id)}",
+                            json={k: v for k, v in body.items() if v is not None}).json()
+        return from_jsonable(WarmRunInfo, data)
+
+    # -- telemetry ----------------------------------------------------------------------
+
+    def send_telemetry(self, batches: Iterable[Any]) -> dict[str, Any]:
+        wire = [telemetry_wire(b) for b in batches]
+        return self.request("POST", f"{API}/telemetry", json={"batches": wire}).json()
+
+    # -- jobs ---------------------------------------------------------------------------
+
+    def start_job(self, cache: str, kind: str, params: dict[str, Any]) -> dict[str, Any]:
+        return self.request("POST", f"{API}/caches/{_seg(cache)}/{kind}", json=params).json()
+
+    def job(self, job_id: str) -> dict[str, Any]:
+        return self.get(f"{API}/jobs/{_seg(job_id)}")
+
+    def wait_job(self, job_id: str, *, poll_s: float = 0.2, timeout_s: float | None = None) -> dict[str, Any]:
+        """Poll until the job finishes (backing off to 2 s between polls)."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            job = self.job(job_id)
+            if job["status"] in ("succeeded", "failed"):
+                return job
+            if deadline is not None and time.monotonic() > deadline:
+                raise OperationFailed(f"job {job_id} still {job['status']} after {timeout_s:.0f}s: "
+                                      f"see GET {API}/jobs/{job_id}")
+            time.sleep(poll_s)
+            poll_s = min(poll_s * 1.5, 2.0)
+
+    def run_job(self, cache: str, kind: str, params: dict[str, Any], result_type: type[T]) -> T:
+        """Start a job, wait for it, and return its result as the library's own type."""
+        job = self.wait_job(self.start_job(cache, kind, params)["id"])
+        if job["status"] == "failed":
+            result = job.get("result") or {}
+            error = _ERRORS.get(result.get("error", ""))
+            message = job.get("error") or "job failed"
+            if error is not None:
+                raise error(message)
+            raise CachectlError(message, exit_code=int(result.get("exit_code") or 1))
+        return from_jsonable(result_type, job["result"])
+
+    # -- tokens -------------------------------------------------------------------------
+
+    def create_token(self, name: str, role: str, caches: list[str] | None, expires: str | None) -> Any:
+        from cachectl.tokens import CreatedToken
+
+        body = {"name": name, "role": role, "caches": caches or None, "expires": expires}
+        return from_jsonable(CreatedToken, self.request("POST", f"{API}/tokens", json=body).json())
+
+    def list_tokens(self) -> list[Any]:
+        from cachectl.tokens import TokenInfo
+
+        return from_jsonable(list[TokenInfo], self.get(f"{API}/tokens"))
+
+    def revoke_token(self, name: str) -> Any:
+        from cachectl.tokens import TokenInfo
+
+        return from_jsonable(TokenInfo, self.request("DELETE", f"{API}/tokens/{_seg(name)}").json())
+
+
+REDACTED = "<redacted>"
+
+
+def _without_redacted(value: Any) -> Any:
+    """Drop the storage options the server withheld: this host uses its own credentials instead."""
+    if isinstance(value, dict):
+        return {k: _without_redacted(v) for k, v in value.items() if v != REDACTED}
+    if isinstance(value, list):
+        return [_without_redacted(v) for v in value]
+    return value
+
+
+def _seg(value: str) -> str:
+    """One URL path segment: '/' and friends are escaped, so nothing can climb the path."""
+    from urllib.parse import quote
+
+    return quote(str(value), safe="")
+
+
+def telemetry_wire(batch: Any) -> dict[str, Any]:
+    """A cachectl.telemetry.TelemetryBatch as the server's /telemetry body expects it."""
+    return {
+        "process": batch.process, "cache": batch.cache, "environment_digest": batch.environment_digest,
+        "started_at": batch.started_at.isoformat(), "ended_at": batch.ended_at.isoformat(),
+        "functions": [{"function": fn, "requests": c.requests, "hits": c.hits, "writes": c.writes,
+                       "saved_seconds": float(c.saved_seconds), "retrieval_seconds": float(c.retrieval_seconds)}
+                      for fn, c in batch.functions.items()],
+        "hit_keys": [{"key": k, "count": n, "at": at.isoformat()} for k, (n, at) in batch.hit_keys.items()],
+        "dropped": batch.dropped,
+    }
+
+
+class ServerSink:
+    """Telemetry sink for activate(): batches go to POST /api/v1/telemetry."""
+
+    def __init__(self, client: ServerClient) -> None:
+        self.client = client
+
+    def describe(self) -> str:
+        return f"server {self.client.url}"
+
+    def write(self, batch: Any) -> None:
+        self.client.send_telemetry([batch])
+
+
+# -- RemoteIndex -------------------------------------------------------------------------
+
+
+class RemoteIndex:
+    """The part of :class:`cachectl.index.Index` the CLI's reads and warm registration use, over HTTP.
+
+    Environment ids are the server's; the (cache, digest) each id belongs to is
+    remembered from the records this object returned, which is how calls that
+    take only an id (list_entries, upsert_entries) find their URL.
+    """
+
+    is_remote = True
+    dialect = "remote"
+
+    def __init__(self, client: ServerClient) -> None:
+        self.client = client
+        self._envs: dict[int, tuple[str, str]] = {}
+        self._runs: dict[int, str] = {}
+
+    @property
+    def url(self) -> str:
+        return self.client.url
+
+    def close(self) -> None:
+        self.client.close()
+
+    def _remember(self, envs: Iterable[Any]) -> None:
+        for e in envs:
+            self._envs[e.id] = (e.cache, e.digest)
+
+    def _env(self, env_id: int) -> tuple[str, str]:
+        try:
+            return self._envs[env_id]
+        except KeyError:
+            raise NotFound(f"environment id {env_id} is not known to this client: look it up first") from None
+
+    def unsupported(self, what: str) -> CachectlError:
+        return BadInput(f"{what} is not available through the server ({self.url}): "
+                        "unset CACHECTL_SERVER and use --db on a host with index access")
+
+    # caches
+    def list_caches(self) -> list[Any]:
+        return self.client.list_caches()
+
+    def get_cache(self, name: str) -> Any:
+        return self.client.get_cache(name)
+
+    def ensure_cache(self, name: str, root_url: str) -> Any:
+        return self.client.get_cache(name)  # the server's caches are the server's to create
+
+    def add_cache(self, *_args: Any, **_kwargs: Any) -> Any:
+        raise self.unsupported("adding a cache")
+
+    def update_cache(self, *_args: Any, **_kwargs: Any) -> Any:
+        raise self.unsupported("changing a cache")
+
+    def remove_cache(self, *_args: Any, **_kwargs: Any) -> Any:
+        raise self.unsupported("removing a cache")
+
+    # environments
+    def environment_stats(self, cache: str, *, include_deleted: bool = False) -> list[Any]:
+        envs = self.client.environments(cache, include_deleted=include_deleted)
+        self._remember(envs)
+        return envs
+
+    def find_environment(self, cache: str, prefix: str, *, include_deleted: bool = False) -> Any:
+        if include_deleted:
+            from cachectl.index import Index
+
+            return Index.find_environment(self, cache, prefix, include_deleted=True)  # type: ignore[arg-type]
+        env = self.client.environment(cache, prefix)
+        self._remember([env])
+        return env
+
+    get_environment = find_environment
+
+    def ensure_environment(self, cache: str, env: Any) -> Any:
+        from cachectl.index.records import EnvironmentInfo
+
+        data = self.client.resolve(cache, env, create=True)
+        if not data.get("environment"):
+            raise PermissionDenied(f"the server did not create environment {env.digest[:16]} in cache {cache!r}: "
+                                   "a writer token is needed")
+        info = from_jsonable(EnvironmentInfo, data["environment"])
+        self._remember([info])
+        return info
+
+    def mark_environment_deleted(self, env_id: int) -> None:
+        raise self.unsupported("deleting an environment")
+
+    # entries
+    def list_entries(self, env_id: int) -> list[Any]:
+        cache, digest = self._env(env_id)
+        return list(self.client.iter_entries(cache, digest))
+
+    def entry_keys(self, env_id: int) -> dict[str, tuple[int, str]]:
+        return {e.key: (e.size, e.sha256) for e in self.list_entries(env_id)}
+
+    def get_entry(self, env_id: int, key: str) -> Any:
+        cache, digest = self._env(env_id)
+        for e in self.client.iter_entries(cache, digest, key_prefix=key):
+            if e.key == key:
+                return e
+        return None
+
+    def upsert_entries(self, env_id: int, entries: Iterable[Any]) -> tuple[int, int]:
+        cache, digest = self._env(env_id)
+        return self.client.register_entries(cache, digest, list(entries))
+
+    def delete_entries(self, *_args: Any, **_kwargs: Any) -> int:
+        raise self.unsupported("deleting entries")
+
+    def record_hits(self, *_args: Any, **_kwargs: Any) -> int:
+        raise self.unsupported("recording hits directly (telemetry goes to POST /api/v1/telemetry)")
+
+    # warm runs (cachectl.index.warm_runs dispatches here for a remote index)
+    def start_warm_run(self, environment_id: int, *, manifest_digest: str, manifest_path: str | None,
+                       buckets: int) -> Any:
+        cache, digest = self._env(environment_id)
+        run = self.client.start_warm_run(cache, digest, manifest_digest=manifest_digest,
+                                         manifest_path=manifest_path, buckets=buckets)
+        self._runs[run.id] = cache
+        return run
+
+    def _run_cache(self, run_id: int) -> str:
+        try:
+            return self._runs[run_id]
+        except KeyError:
+            raise NotFound(f"warm run {run_id} was not started by this client") from None
+
+    def heartbeat_warm_run(self, run_id: int, *, compiled: int | None = None, cached: int | None = None,
+                           failed: int | None = None) -> None:
+        self.client.update_warm_run(self._run_cache(run_id), run_id, compiled=compiled, cached=cached,
+                                    failed=failed)
+
+    def finish_warm_run(self, run_id: int, status: str, *, compiled: int, cached: int, failed: int) -> Any:
+        return self.client.update_warm_run(self._run_cache(run_id), run_id, status=status, compiled=compiled,
+                                           cached=cached, failed=failed)
+
+    # audit
+    def audit(self, operation: str, *, cache: str | None, entries: int = 0, nbytes: int = 0,
+              duration_ms: int | None = None, details: dict[str, Any] | None = None, who: str | None = None) -> None:
+        if cache is None:
+            return
+        from cachectl.index import actor
+
+        self.client.audit(cache, operation, entries=entries, nbytes=nbytes, duration_ms=duration_ms,
+                          details=details, who=who or actor())
+
+    def audit_log(self, *_args: Any, **_kwargs: Any) -> list[Any]:
+        raise self.unsupported("reading the audit log")
+
+
+# A service's activate() must not wait long on a server that is down: it warns and
+# runs as plain JAX would.
+SERVICE_TIMEOUT_S = 10.0
+SERVICE_CONNECT_TIMEOUT_S = 3.0
+
+
+def service_client(settings: Any) -> ServerClient:
+    """A client with short timeouts, for activate() and its telemetry."""
+    import httpx
+
+    return ServerClient(settings.server, settings.token,
+                        timeout=httpx.Timeout(SERVICE_TIMEOUT_S, connect=SERVICE_CONNECT_TIMEOUT_S))
+
+
+def remote_index_for_service(settings: Any) -> RemoteIndex:
+    return RemoteIndex(service_client(settings))
+
+
+def client_from_settings(settings: Any) -> ServerClient | None:
+    """The client for CACHECTL_SERVER / CACHECTL_TOKEN, or None in direct mode."""
+    if not getattr(settings, "server", None):
+        return None
+    return ServerClient(settings.server, settings.token)
+
+
+# -- server-mode dispatch for commands that run as jobs -----------------------------------
+
+
+def run_lifecycle(ctx: Any, kind: str, params: dict[str, Any]) -> Any:
+    """prune/gc/verify as a server job on ctx's cache; returns the library's own result type."""
+    from cachectl.lifecycle.gc import GcResult
+    from cachectl.lifecycle.plan import LifecycleResult
+    from cachectl.lifecycle.verify import VerifyResult
+
+    result_type = {"prune": LifecycleResult, "gc": GcResult, "verify": VerifyResult}[kind]
+    body = {k: v for k, v in params.items() if v is not None and v is not False}
+    return ctx.remote.run_job(ctx.settings.cache, kind, body, result_type)
+
+
+def telemetry_stats(ctx: Any, cache: str, since: str) -> Any:
+    """`cachectl stats --since` in server mode."""
+    from cachectl.index.telemetry_queries import TelemetryStats
+
+    return from_jsonable(TelemetryStats, ctx.remote.get(f"{API}/caches/{_seg(cache)}/telemetry", since=since))

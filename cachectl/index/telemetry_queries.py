@@ -1,0 +1,118 @@
+"""Telemetry in the index: what services write on each flush, and the stats over a window.
+
+A flush writes one ``telemetry`` row per (process, environment, function) that
+saw activity, and adds the hit counts and last-access times it learned to the
+entries it hit (object stores keep no access times; JAX writes ``-atime``
+files only with its own size limit on). Stats aggregate in the database.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import TYPE_CHECKING
+
+from sqlalchemy import func, select
+
+from cachectl.index import Index
+from cachectl.index.models import Cache, TelemetryRecord, utcnow
+from cachectl.index.models import Environment as EnvRow
+
+if TYPE_CHECKING:
+    from cachectl.telemetry import TelemetryBatch
+
+
+@dataclass(frozen=True)
+class UsageRow:
+    """Counters summed over a window, for one environment or one function in it."""
+
+    environment: str
+    namespace: str
+    function: str | None
+    processes: int
+    requests: int
+    hits: int
+    misses: int
+    writes: int
+    saved_seconds: float
+    dropped: int
+
+    __json_extra__ = ("hit_rate",)
+
+    @property
+    def hit_rate(self) -> float | None:
+        return self.hits / self.requests if self.requests else None
+
+
+@dataclass(frozen=True)
+class TelemetryStats:
+    cache: str
+    since: datetime
+    window_seconds: float
+    environments: list[UsageRow]
+    functions: list[UsageRow]
+
+
+def record_telemetry(index: Index, env_id: int, batch: TelemetryBatch) -> int:
+    """Store one flush; returns how many telemetry rows were written."""
+    at = batch.ended_at
+    rows = [
+        {"environment_id": env_id, "at": at, "process": batch.process, "function": fn,
+         "requests": c.requests, "hits": c.hits, "misses": c.misses, "writes": c.writes,
+         "saved_seconds": float(c.saved_seconds), "dropped": 0}
+        for fn, c in batch.functions.items()
+        if c.requests or c.hits or c.writes
+    ]
+    if batch.dropped:
+        if rows:
+            rows[0]["dropped"] = batch.dropped
+        else:
+            rows.append({"environment_id": env_id, "at": at, "process": batch.process, "function": None,
+                         "requests": 0, "hits": 0, "misses": 0, "writes": 0, "saved_seconds": 0.0,
+                         "dropped": batch.dropped})
+    if rows:
+        with index.session() as s:
+            s.execute(TelemetryRecord.__table__.insert(), rows)
+    if batch.hit_keys:
+        index.record_hits(env_id, dict(batch.hit_keys))
+    return len(rows)
+
+
+def telemetry_stats(index: Index, cache: str, since: timedelta) -> TelemetryStats:
+    """Hit rate, misses, writes and compile time saved per environment and function."""
+    start = utcnow() - since
+    with index.session() as s:
+        cache_id = s.scalar(select(Cache.id).where(Cache.name == cache))
+        if cache_id is None:
+            index.get_cache(cache)  # raises the standard NotFound
+        cols = (
+            func.count(func.distinct(TelemetryRecord.process)),
+            func.coalesce(func.sum(TelemetryRecord.requests), 0),
+            func.coalesce(func.sum(TelemetryRecord.hits), 0),
+            func.coalesce(func.sum(TelemetryRecord.misses), 0),
+            func.coalesce(func.sum(TelemetryRecord.writes), 0),
+            func.coalesce(func.sum(TelemetryRecord.saved_seconds), 0.0),
+            func.coalesce(func.sum(TelemetryRecord.dropped), 0),
+        )
+        base = (
+            select(EnvRow.digest, EnvRow.namespace)
+            .join(TelemetryRecord, TelemetryRecord.environment_id == EnvRow.id)
+            .where(EnvRow.cache_id == cache_id, TelemetryRecord.at >= start)
+        )
+        per_env = s.execute(
+            base.add_columns(*cols).group_by(EnvRow.digest, EnvRow.namespace).order_by(EnvRow.namespace)
+        ).all()
+        per_fn = s.execute(
+            base.add_columns(TelemetryRecord.function, *cols)
+            .group_by(EnvRow.digest, EnvRow.namespace, TelemetryRecord.function)
+            .order_by(EnvRow.namespace, TelemetryRecord.function)
+        ).all()
+
+    def row(digest: str, namespace: str, fn: str | None, values: tuple) -> UsageRow:
+        procs, req, hits, misses, writes, saved, dropped = values
+        return UsageRow(digest, namespace, fn, int(procs), int(req), int(hits), int(misses),
+                        int(writes), float(saved), int(dropped))
+
+    envs = [row(r[0], r[1], None, tuple(r[2:])) for r in per_env]
+    fns = [row(r[0], r[1], r[2], tuple(r[3:])) for r in per_fn if r[2] is not None or int(r[4])]
+    return TelemetryStats(cache, start, since.total_seconds(), envs, fns)

@@ -1,0 +1,408 @@
+"""A verified local mirror of one namespace: `cachectl pull` and `cachectl push`.
+
+JAX reading every entry from an object store costs a round trip per program,
+and the cache is trusted: whoever can write it can run code in every process
+that reads it (DESIGN.md fact 7). ``pull`` copies this environment's entries
+to a local directory, but only entries the index knows whose sha256 matches
+the index; anything else found in the bucket is reported, never copied.
+Managed keys are path-independent (fact 1), so the mirror hits exactly what
+warm wrote. ``push`` uploads what a local run wrote back to the shared
+namespace, for writers only, and records it in the index.
+
+A mirror directory holds the JAX files directly (JAX is pointed at it) plus the
+``env.json`` of the environment it mirrors, so push knows where entries belong.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import tempfile
+import time
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TypeVar
+
+from cachectl.context import Context
+from cachectl.entries import (
+    CACHE_SUFFIX,
+    ENV_FILE,
+    CorruptEntry,
+    Kind,
+    classify,
+    parse_entry_filename,
+    read_header,
+    sha256,
+)
+from cachectl.errors import BadInput, NotFound
+from cachectl.fingerprint import Environment
+from cachectl.index import CacheInfo, Index, NewEntry
+from cachectl.namespace import ensure_namespace
+from cachectl.permissions import check_writer
+from cachectl.store import Store
+
+DEFAULT_WORKERS = 8
+FILE_MODE = 0o644
+DIR_MODE = 0o755
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class EntryProblem:
+    """One entry that was not copied, and why (in words a person can act on)."""
+
+    key: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class PullResult:
+    cache: str
+    environment: str
+    namespace: str
+    source: str
+    dest: str
+    indexed: int
+    copied: int
+    present: int
+    bytes_copied: int
+    refused: list[EntryProblem] = field(default_factory=list)
+    missing: list[str] = field(default_factory=list)
+    failed: list[EntryProblem] = field(default_factory=list)
+    duration_s: float = 0.0
+    dry_run: bool = False
+    storage_listed: bool = True
+
+    __json_extra__ = ("ok",)
+
+    @property
+    def ok(self) -> bool:
+        """No entry was refused or failed to copy (missing ones are the index's business)."""
+        return not self.refused and not self.failed
+
+
+@dataclass(frozen=True)
+class PushResult:
+    cache: str
+    environment: str
+    namespace: str
+    source: str
+    dest: str
+    uploaded: int
+    bytes_uploaded: int
+    already_shared: int
+    conflicts: list[EntryProblem] = field(default_factory=list)
+    refused: list[EntryProblem] = field(default_factory=list)
+    failed: list[EntryProblem] = field(default_factory=list)
+    duration_s: float = 0.0
+    dry_run: bool = False
+
+    __json_extra__ = ("ok",)
+
+    @property
+    def ok(self) -> bool:
+        return not self.refused and not self.failed
+
+
+def _parallel(fn: Callable[[str], T], items: Iterable[str], workers: int) -> list[tuple[str, T | Exception]]:
+    """Run ``fn`` over items in a thread pool; exceptions come back as values."""
+    items = list(items)
+
+    def guarded(item: str) -> tuple[str, T | Exception]:
+        try:
+            return item, fn(item)
+        except Exception as exc:  # noqa: BLE001 - reported per entry
+            return item, exc
+
+    if len(items) <= 1 or workers <= 1:
+        return [guarded(i) for i in items]
+    with ThreadPoolExecutor(max_workers=min(workers, len(items)), thread_name_prefix="cachectl-mirror") as pool:
+        return list(pool.map(guarded, items))
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.chmod(tmp, FILE_MODE)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+def _error(exc: Exception) -> str:
+    return f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
+
+
+def read_mirror_env(directory: Path) -> Environment | None:
+    """The environment a mirror directory says it holds, or None if it has no env.json."""
+    path = directory / ENV_FILE
+    try:
+        data = json.loads(path.read_text())
+        return Environment.from_dict(data)
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, TypeError, KeyError) as exc:
+        raise BadInput(f"corrupt {path}: {exc}; remove it or use another directory") from exc
+
+
+def prepare_mirror_dir(dest: str | os.PathLike[str], env: Environment) -> Path:
+    """Create the mirror directory for ``env``; refuse one that mirrors another environment."""
+    directory = Path(dest).expanduser().absolute()
+    if directory.exists() and not directory.is_dir():
+        raise BadInput(f"mirror {directory} exists and is not a directory: give a directory path")
+    existing = read_mirror_env(directory) if directory.exists() else None
+    if existing is not None and existing.digest != env.digest:
+        raise BadInput(
+            f"mirror {directory} holds environment {existing.digest[:16]}, not this one ({env.digest[:16]}): "
+            "pull into another directory (one per environment)"
+        )
+    if existing is None and directory.is_dir() and any(
+            classify(p.name) is Kind.ENTRY for p in directory.iterdir() if p.is_file()):
+        raise BadInput(
+            f"mirror {directory} already holds JAX entries but no {ENV_FILE}, so nobody knows their "
+            "environment: pull into an empty directory"
+        )
+    directory.mkdir(parents=True, exist_ok=True, mode=DIR_MODE)
+    if existing is None:
+        _atomic_write(directory / ENV_FILE, env.env_json().encode())
+    return directory
+
+
+class _Tampered(Exception):
+    """An object whose bytes no longer match the sha256 the index recorded."""
+
+
+def _local_state(directory: Path, expected: dict[str, tuple[int, str]],
+                 verify_existing: bool) -> tuple[int, list[str]]:
+    """(entries already in the mirror, keys to fetch): a size check, or a re-hash if asked."""
+    present = 0
+    todo: list[str] = []
+    for key in sorted(expected):
+        size, digest = expected[key]
+        local = directory / (key + CACHE_SUFFIX)
+        try:
+            st = local.stat()
+        except FileNotFoundError:
+            todo.append(key)
+            continue
+        if st.st_size == size and (not verify_existing or sha256(local.read_bytes()) == digest):
+            present += 1
+        else:
+            todo.append(key)
+    return present, todo
+
+
+def pull_namespace(index: Index, cache: CacheInfo, env: Environment, dest: str | os.PathLike[str], *,
+                   workers: int = DEFAULT_WORKERS, dry_run: bool = False, verify_existing: bool = False,
+                   store: Store | Callable[[], Store] | None = None,
+                   skip_storage_if_complete: bool = False) -> PullResult:
+    """Copy ``env``'s verified entries from ``cache`` to ``dest`` (the library behind pull).
+
+    ``skip_storage_if_complete`` (what activate(mirror=) uses): when the mirror
+    already holds every indexed entry, storage is not contacted at all, so a
+    restart reads only local disk and never even loads the object-store client.
+    `cachectl pull` always lists storage, to report objects the index lacks.
+    """
+    started = time.monotonic()
+    ns = env.namespace
+    try:
+        info = index.find_environment(cache.name, env.digest)
+    except NotFound as exc:
+        raise NotFound(
+            f"environment {env.digest[:16]} is not in cache {cache.name!r}, so there is nothing "
+            "verified to pull: warm it here first, or run `cachectl doctor` to see why it differs"
+        ) from exc
+    expected = index.entry_keys(info.id)
+
+    directory = Path(dest).expanduser().absolute()
+    if not dry_run:
+        directory = prepare_mirror_dir(directory, env)
+    else:
+        existing = read_mirror_env(directory) if directory.is_dir() else None
+        if existing is not None and existing.digest != env.digest:
+            raise BadInput(f"mirror {directory} holds environment {existing.digest[:16]}, not this one "
+                           f"({env.digest[:16]}): pull into another directory")
+    present, todo = _local_state(directory, expected, verify_existing)
+    if skip_storage_if_complete and not todo:
+        return PullResult(
+            cache=cache.name, environment=env.digest, namespace=ns,
+            source=f"{cache.root_url.rstrip('/')}/{ns}", dest=str(directory), indexed=len(expected),
+            copied=0, present=present, bytes_copied=0, duration_s=time.monotonic() - started,
+            dry_run=dry_run, storage_listed=False,
+        )
+
+    if store is None:
+        store = Store(cache.root_url, cache.storage_options)
+    elif not isinstance(store, Store):
+        store = store()
+    source = store.url_for(ns)
+    listed: dict[str, int] = {}
+    for f in store.list(ns):
+        name = f.path[len(ns):].lstrip("/") if f.path.startswith(ns) else f.path
+        if classify(name) is Kind.ENTRY:
+            parsed = parse_entry_filename(name)
+            assert parsed is not None
+            listed[parsed.key] = f.size
+    refused = [EntryProblem(k, "in storage but not in the index: not copied (run `cachectl verify` or "
+                               "`cachectl sync` if it is legitimate)")
+               for k in sorted(set(listed) - set(expected))]
+    missing = sorted(set(expected) - set(listed))
+    todo = [k for k in todo if k in listed]
+
+    copied = nbytes = 0
+    failed: list[EntryProblem] = []
+    if dry_run:
+        copied = len(todo)
+        nbytes = sum(expected[k][0] for k in todo)
+    else:
+        fs_store = store
+
+        def fetch(key: str) -> int:
+            data = fs_store.read_bytes(f"{ns}/{key}{CACHE_SUFFIX}")
+            got = sha256(data)
+            want = expected[key][1]
+            if got != want:
+                raise _Tampered(f"sha256 {got[:16]}… in storage, {want[:16]}… in the index: not copied "
+                                "(the object changed after it was recorded; run `cachectl verify`)")
+            _atomic_write(directory / (key + CACHE_SUFFIX), data)
+            return len(data)
+
+        for key, outcome in _parallel(fetch, todo, workers):
+            if isinstance(outcome, _Tampered):
+                refused.append(EntryProblem(key, str(outcome)))
+            elif isinstance(outcome, FileNotFoundError):
+                missing.append(key)  # deleted between listing and reading
+            elif isinstance(outcome, Exception):
+                failed.append(EntryProblem(key, _error(outcome)))
+            else:
+                copied += 1
+                nbytes += outcome
+    return PullResult(
+        cache=cache.name, environment=env.digest, namespace=ns, source=source, dest=str(directory),
+        indexed=len(expected), copied=copied, present=present, bytes_copied=nbytes,
+        refused=sorted(refused, key=lambda p: p.key), missing=sorted(missing), failed=failed,
+        duration_s=time.monotonic() - started, dry_run=dry_run,
+    )
+
+
+def pull(ctx: Context, dest: str | os.PathLike[str], *, cache: CacheInfo | None = None,
+         env: Environment | None = None, workers: int = DEFAULT_WORKERS, dry_run: bool = False,
+         verify_existing: bool = False) -> PullResult:
+    """`cachectl pull --to DIR`: this environment's verified entries, copied locally."""
+    cache = cache or ctx.cache()
+    env = env or ctx.environment()
+    return pull_namespace(ctx.index, cache, env, dest, workers=workers, dry_run=dry_run,
+                          verify_existing=verify_existing, store=ctx.store(cache))
+
+
+def push(ctx: Context, src: str | os.PathLike[str], *, cache: CacheInfo | None = None,
+         workers: int = DEFAULT_WORKERS, dry_run: bool = False) -> PushResult:
+    """`cachectl push --from DIR`: upload entries a local run wrote, and index them (origin "push").
+
+    Only writers may push (exit 4 otherwise). Entries already shared are
+    skipped; a key the index holds with other bytes is a conflict and is left
+    alone; bytes that are not a JAX entry are refused.
+    """
+    started = time.monotonic()
+    cache = cache or ctx.cache()
+    directory = Path(src).expanduser().absolute()
+    if not directory.is_dir():
+        raise BadInput(f"--from {directory} is not a directory: give the mirror directory a run wrote to")
+    env = read_mirror_env(directory)
+    if env is None:
+        raise BadInput(
+            f"{directory} has no {ENV_FILE}, so the environment of its entries is unknown: "
+            "push only directories made by `cachectl pull` or `cachectl.activate(mirror=...)`"
+        )
+    if not dry_run:
+        check_writer(cache, "push to")
+    store = ctx.store(cache)
+    ns = env.namespace
+    if dry_run:
+        try:
+            expected = ctx.index.entry_keys(ctx.index.find_environment(cache.name, env.digest).id)
+        except NotFound:
+            expected = {}
+    else:
+        info = ctx.index.ensure_environment(cache.name, env)
+        expected = ctx.index.entry_keys(info.id)
+
+    local: list[str] = []
+    for path in sorted(directory.iterdir()):
+        if path.is_file() and classify(path.name) is Kind.ENTRY:
+            parsed = parse_entry_filename(path.name)
+            assert parsed is not None
+            local.append(parsed.key)
+
+    already = 0
+    conflicts: list[EntryProblem] = []
+    refused: list[EntryProblem] = []
+    failed: list[EntryProblem] = []
+    candidates: list[tuple[str, bytes, int]] = []
+    for key in local:
+        try:
+            data = (directory / (key + CACHE_SUFFIX)).read_bytes()
+        except OSError as exc:
+            failed.append(EntryProblem(key, _error(exc)))
+            continue
+        if key in expected:
+            if expected[key][1] == sha256(data):
+                already += 1
+            else:
+                conflicts.append(EntryProblem(key, "the shared namespace holds other bytes for this key: kept theirs"))
+            continue
+        try:
+            header = read_header(data)
+        except CorruptEntry as exc:
+            refused.append(EntryProblem(key, f"not a JAX cache entry ({exc}): not uploaded"))
+            continue
+        candidates.append((key, data, header.compile_seconds))
+
+    uploaded = nbytes = 0
+    if dry_run:
+        uploaded = len(candidates)
+        nbytes = sum(len(d) for _, d, _ in candidates)
+    elif candidates:
+        ensure_namespace(store, env, group=cache.group)
+        by_key = {k: (d, s) for k, d, s in candidates}
+
+        def upload(key: str) -> int:
+            data = by_key[key][0]
+            store.write_bytes(f"{ns}/{key}{CACHE_SUFFIX}", data)
+            return len(data)
+
+        rows = []
+        for key, outcome in _parallel(upload, list(by_key), workers):
+            if isinstance(outcome, Exception):
+                failed.append(EntryProblem(key, _error(outcome)))
+                continue
+            data, seconds = by_key[key]
+            parsed = parse_entry_filename(key + CACHE_SUFFIX)
+            assert parsed is not None
+            rows.append(NewEntry(key=key, module=parsed.module, size=len(data), sha256=sha256(data),
+                                 origin="push", compile_time_ms=seconds * 1000))
+            uploaded += 1
+            nbytes += len(data)
+        ctx.index.upsert_entries(info.id, rows)
+    duration = time.monotonic() - started
+    if not dry_run:
+        ctx.index.audit("push", cache=cache.name, entries=uploaded, nbytes=nbytes,
+                        duration_ms=int(duration * 1000),
+                        details={"environment": env.digest, "source": str(directory),
+                                 "already_shared": already, "conflicts": len(conflicts),
+                                 "refused": len(refused), "failed": len(failed)})
+    return PushResult(
+        cache=cache.name, environment=env.digest, namespace=ns, source=str(directory),
+        dest=store.url_for(ns), uploaded=uploaded, bytes_uploaded=nbytes, already_shared=already,
+        conflicts=conflicts, refused=refused, failed=failed, duration_s=duration, dry_run=dry_run,
+    )
