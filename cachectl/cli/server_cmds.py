@@ -1,0 +1,136 @@
+"""`cachectl serve` and `cachectl token`: run the HTTP server, manage its bearer tokens."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import click
+
+from cachectl import tokens
+from cachectl.cli.render import emit, json_option, stdout, table, when
+from cachectl.context import Context
+from cachectl.errors import BadInput
+from cachectl.units import parse_duration
+
+KEEP_ALIVE_S = 75
+
+
+@click.command("serve")
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
+@click.option("--port", default=8700, show_default=True, type=click.IntRange(0, 65535), help="TCP port.")
+@click.option("--db", "serve_db", metavar="URL", help="Index database (default: the global --db / CACHECTL_DB).")
+@click.option("--maintenance-interval", metavar="DUR",
+              help="Enforce each cache's policy (retention, keep_versions, max_size) every DUR, e.g. 1h; "
+                   "off by default. [env: CACHECTL_SERVER_MAINTENANCE_INTERVAL]")
+@click.option("--public-metrics", is_flag=True, default=None,
+              help="Serve /metrics without a token. [env: CACHECTL_SERVER_METRICS_PUBLIC]")
+@click.option("--public-dashboard", is_flag=True, default=None,
+              help="Serve the dashboard at / read-only without a token. [env: CACHECTL_SERVER_DASHBOARD_PUBLIC]")
+@click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info",
+              show_default=True)
+@click.pass_obj
+def serve(ctx: Context, host: str, port: int, serve_db: str | None, maintenance_interval: str | None,
+          public_metrics: bool | None, public_dashboard: bool | None, log_level: str) -> None:
+    """Run the cachectl server (FastAPI on uvicorn) over the index.
+
+    Stateless: run several replicas over one PostgreSQL index behind a load
+    balancer. Tokens come from `cachectl token create` on the same index.
+
+    \b
+    API:       /api/v1/... (Bearer token), spec at /openapi.json
+    Health:    /healthz (alive), /readyz (index and storage reachable)
+    Metrics:   /metrics (unscoped reader token, or --public-metrics)
+    Dashboard: / (sign in at /login with a reader token, kept in an HttpOnly
+               cookie; or --public-dashboard for a read-only view)
+    """
+    import logging
+
+    try:
+        import uvicorn
+
+        from cachectl_server.app import create_app
+        from cachectl_server.config import load_server_settings, parse_interval
+    except ImportError as exc:
+        raise BadInput(f"the server needs its extra: pip install 'cachectl[server]' ({exc.name} is missing)") from exc
+    settings = load_server_settings(
+        db=serve_db or ctx.settings.db,
+        maintenance_interval_s=parse_interval(maintenance_interval) if maintenance_interval else None,
+        metrics_public=public_metrics, dashboard_public=public_dashboard,
+    )
+    app = create_app(settings)
+    level = getattr(logging, log_level.upper())
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True)
+    # uvicorn's own access log prints query strings: ours (route templates only) replaces it.
+    # Keep idle connections longer than load balancers do (60 s is common): a client must never
+    # send on a connection the server is closing at that moment.
+    uvicorn.run(app, host=host, port=port, log_level=log_level, access_log=False, log_config=None,
+                server_header=False, timeout_keep_alive=KEEP_ALIVE_S)
+
+
+def _print_tokens(items: list[tokens.TokenInfo]) -> None:
+    rows = [(t.name, t.role, ",".join(t.caches) if t.caches is not None else "all", when(t.created_at),
+             when(t.expires_at), when(t.last_used_at),
+             "revoked" if t.revoked_at else ("active" if t.active else "expired")) for t in items]
+    stdout.print(table(None, ["name", "role", "caches", "created", "expires", "last used", "status"], rows))
+
+
+@click.group("token")
+def token_group() -> None:
+    """Bearer tokens for the server: reader, writer or admin, optionally scoped to caches."""
+
+
+@token_group.command("create")
+@click.option("--name", required=True, help="A unique name (shown in logs and 403 messages, never the secret).")
+@click.option("--role", required=True, type=click.Choice(tokens.ROLES),
+              help="reader: list, stats, resolve, download, telemetry; writer: also upload and register "
+                   "entries and warm runs; admin: also prune, gc, verify, policy and tokens.")
+@click.option("--cache", "caches", multiple=True, metavar="NAME", help="Limit the token to this cache (repeatable).")
+@click.option("--expires", metavar="DUR", help="Expire after DUR, e.g. 90d (default: never).")
+@json_option
+@click.pass_obj
+def token_create(ctx: Context, name: str, role: str, caches: tuple[str, ...], expires: str | None,
+                 as_json: bool) -> None:
+    """Create a token; the secret is printed once, alone on the last line (only its hash is stored)."""
+    if ctx.remote is not None:
+        created = ctx.remote.create_token(name, role, list(caches) or None, expires)
+    else:
+        created = tokens.create_token(ctx.index, name, role, list(caches) or None,
+                                      parse_duration(expires) if expires else None)
+        ctx.index.audit("token-create", cache=None, details={"name": name, "role": role, "caches": list(caches)})
+
+    def human(c: tokens.CreatedToken) -> None:
+        scope = ", ".join(c.info.caches) if c.info.caches else "all caches"
+        until = f", expires {when(c.info.expires_at)} UTC" if c.info.expires_at else ""
+        click.echo(f"created {c.info.role} token {c.info.name!r} for {scope}{until}")
+        click.echo("store it now: it is not shown again")
+        click.echo(c.token)
+
+    emit(created, as_json, human)
+
+
+@token_group.command("list")
+@json_option
+@click.pass_obj
+def token_list(ctx: Context, as_json: bool) -> None:
+    """List tokens (names, roles, scopes, expiry; never secrets)."""
+    items = ctx.remote.list_tokens() if ctx.remote is not None else tokens.list_tokens(ctx.index)
+    emit(items, as_json, _print_tokens)
+
+
+@token_group.command("revoke")
+@click.argument("name")
+@json_option
+@click.pass_obj
+def token_revoke(ctx: Context, name: str, as_json: bool) -> None:
+    """Revoke a token by name; the server refuses it from the next request on."""
+    if ctx.remote is not None:
+        info = ctx.remote.revoke_token(name)
+    else:
+        info = tokens.revoke_token(ctx.index, name)
+        ctx.index.audit("token-revoke", cache=None, details={"name": name})
+    emit(info, as_json, lambda t: stdout.print(f"revoked token {t.name!r}"))
+
+
+def register(cli: Any) -> None:
+    cli.add_command(serve)
+    cli.add_command(token_group)

@@ -1,0 +1,307 @@
+"""Index queries the server needs beyond the core Index: pages, jobs, telemetry series.
+
+Kept out of index/__init__.py so the core layer stays small; every function
+takes an Index and uses its session(), returning typed records.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime, timedelta, timezone
+from typing import Any
+
+from sqlalchemy import func, literal_column, select, update
+
+from cachectl.errors import NotFound
+from cachectl.index import (
+    CacheInfo,
+    EntryInfo,
+    EnvironmentInfo,
+    Index,
+    _cache_info,
+    _entry_info,
+    _env_info,
+)
+from cachectl.index.models import Cache, Entry, Job, TelemetryRecord, utcnow
+from cachectl.index.models import Environment as EnvRow
+
+QUEUED = "queued"
+RUNNING = "running"
+SUCCEEDED = "succeeded"
+FAILED = "failed"
+ACTIVE_STATUSES = (QUEUED, RUNNING)
+
+
+# -- the entry hot path ----------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Located:
+    """A cache, one of its environments (without totals) and, if asked, one entry's recorded row."""
+
+    cache: CacheInfo
+    environment: EnvironmentInfo
+    entry: EntryInfo | None
+
+
+def locate(index: Index, cache: str, prefix: str, key: str | None = None) -> Located:
+    """Cache + environment (+ entry) in one query: what every entry GET/HEAD/PUT needs.
+
+    Index.find_environment computes every environment's totals to pick one;
+    here only a unique digest-prefix match is looked up. Anything else (unknown
+    cache, no or several matches, a bad prefix) is left to the Index calls, so
+    errors read exactly as in direct mode.
+    """
+    prefix = prefix.strip().lower()
+    if prefix and all(c in "0123456789abcdef" for c in prefix):
+        columns: list[Any] = [Cache, EnvRow]
+        q = (select(*columns).join(EnvRow, EnvRow.cache_id == Cache.id)
+             .where(Cache.name == cache, EnvRow.digest.startswith(prefix), EnvRow.deleted_at.is_(None)).limit(2))
+        with index.session() as s:
+            rows = s.execute(q).all()
+            if len(rows) == 1:
+                cache_row, env_row = rows[0]
+                entry = None
+                if key is not None:
+                    found = s.scalar(select(Entry).where(Entry.environment_id == env_row.id, Entry.key == key))
+                    entry = _entry_info(found) if found is not None else None
+                return Located(_cache_info(cache_row), _env_info(env_row, cache), entry)
+    info = index.get_cache(cache)  # raises the standard errors
+    env = index.find_environment(cache, prefix)
+    return Located(info, env, index.get_entry(env.id, key) if key is not None else None)
+
+
+def environment_cache(index: Index, env_id: int) -> str | None:
+    """The name of the cache an environment (by id) belongs to."""
+    with index.session() as s:
+        return s.scalar(select(Cache.name).join(EnvRow, EnvRow.cache_id == Cache.id).where(EnvRow.id == env_id))
+
+
+# -- entries ------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class EntryPage:
+    items: list[EntryInfo]
+    total: int
+    limit: int
+    offset: int
+
+    @property
+    def next_offset(self) -> int | None:
+        following = self.offset + len(self.items)
+        return following if following < self.total else None
+
+    __json_extra__ = ("next_offset",)
+
+
+def entries_page(index: Index, env_id: int, *, limit: int = 100, offset: int = 0,
+                 module: str | None = None, function: str | None = None, origin: str | None = None,
+                 key_prefix: str | None = None, created_after: datetime | None = None,
+                 unused_since: datetime | None = None, order: str = "key") -> EntryPage:
+    """One page of an environment's entries, filtered; ordered by key (stable) or recency."""
+    conditions: list[Any] = [Entry.environment_id == env_id]
+    if module:
+        conditions.append(Entry.module == module)
+    if function:
+        conditions.append(Entry.function == function)
+    if origin:
+        conditions.append(Entry.origin == origin)
+    if key_prefix:
+        conditions.append(Entry.key.startswith(key_prefix, autoescape=True))
+    if created_after:
+        conditions.append(Entry.created_at >= created_after)
+    if unused_since:
+        conditions.append(func.coalesce(Entry.last_access_at, Entry.created_at) < unused_since)
+    ordering = {
+        "key": (Entry.key,),
+        "-created": (Entry.created_at.desc(), Entry.key),
+        "-size": (Entry.size_bytes.desc(), Entry.key),
+        "-hits": (Entry.hit_count.desc(), Entry.key),
+    }[order]
+    with index.session() as s:
+        total = s.scalar(select(func.count(Entry.id)).where(*conditions)) or 0
+        rows = s.scalars(select(Entry).where(*conditions).order_by(*ordering).limit(limit).offset(offset))
+        return EntryPage([_entry_info(r) for r in rows], int(total), limit, offset)
+
+
+def cache_usage(index: Index, cache: str) -> tuple[int, int]:
+    """(entries, bytes) of a cache's live environments, in one query."""
+    with index.session() as s:
+        q = (
+            select(func.count(Entry.id), func.coalesce(func.sum(Entry.size_bytes), 0))
+            .join(EnvRow, EnvRow.id == Entry.environment_id)
+            .join(Cache, Cache.id == EnvRow.cache_id)
+            .where(Cache.name == cache, EnvRow.deleted_at.is_(None))
+        )
+        n, b = s.execute(q).one()
+        return int(n or 0), int(b or 0)
+
+
+def environment_usage(index: Index, env_id: int) -> tuple[int, int]:
+    with index.session() as s:
+        q = select(func.count(Entry.id), func.coalesce(func.sum(Entry.size_bytes), 0)).where(
+            Entry.environment_id == env_id)
+        n, b = s.execute(q).one()
+        return int(n or 0), int(b or 0)
+
+
+# -- jobs -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class JobInfo:
+    id: str
+    cache: str
+    kind: str
+    status: str
+    params: dict[str, Any]
+    result: dict[str, Any] | None
+    error: str | None
+    created_at: datetime | None
+    started_at: datetime | None
+    finished_at: datetime | None
+
+
+def _job(row: Job) -> JobInfo:
+    return JobInfo(row.id, row.cache_name, row.kind, row.status, dict(row.params or {}),
+                   dict(row.result) if row.result is not None else None, row.error,
+                   row.created_at, row.started_at, row.finished_at)
+
+
+def create_job(index: Index, cache: str, kind: str, params: dict[str, Any]) -> JobInfo:
+    with index.session() as s:
+        row = Job(id=str(uuid.uuid4()), cache_name=cache, kind=kind, status=QUEUED, params=params)
+        s.add(row)
+        s.flush()
+        return _job(row)
+
+
+def get_job(index: Index, job_id: str) -> JobInfo:
+    with index.session() as s:
+        row = s.get(Job, job_id)
+        if row is None:
+            raise NotFound(f"no job {job_id!r}")
+        return _job(row)
+
+
+def list_jobs(index: Index, *, cache: str | None = None, caches: Sequence[str] | None = None,
+              limit: int = 50) -> list[JobInfo]:
+    with index.session() as s:
+        q = select(Job).order_by(Job.created_at.desc()).limit(limit)
+        if cache is not None:
+            q = q.where(Job.cache_name == cache)
+        if caches is not None:
+            q = q.where(Job.cache_name.in_(list(caches)))
+        return [_job(r) for r in s.scalars(q)]
+
+
+def active_jobs(index: Index, cache: str) -> list[JobInfo]:
+    with index.session() as s:
+        q = select(Job).where(Job.cache_name == cache, Job.status.in_(ACTIVE_STATUSES))
+        return [_job(r) for r in s.scalars(q)]
+
+
+def set_job_status(index: Index, job_id: str, status: str, *, result: dict[str, Any] | None = None,
+                   error: str | None = None) -> None:
+    values: dict[str, Any] = {"status": status}
+    if status == RUNNING:
+        values["started_at"] = utcnow()
+    if status in (SUCCEEDED, FAILED):
+        values["finished_at"] = utcnow()
+        values["result"] = result
+        values["error"] = error
+    with index.session() as s:
+        s.execute(update(Job).where(Job.id == job_id).values(**values))
+
+
+def last_scheduled_job(index: Index, cache: str, schedule: str) -> JobInfo | None:
+    """The newest job the scheduler started for ``schedule`` (params.scheduled): what says a run is not due."""
+    with index.session() as s:
+        q = select(Job).where(Job.cache_name == cache).order_by(Job.created_at.desc()).limit(200)
+        for row in s.scalars(q):
+            if (row.params or {}).get("scheduled") == schedule:
+                return _job(row)
+        return None
+
+
+# -- telemetry ------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TelemetryPoint:
+    at: datetime
+    requests: int
+    hits: int
+    misses: int
+
+
+def _bucket_expr(dialect: str, column: Any, hours: bool) -> Any:
+    if dialect == "postgresql":
+        return func.date_trunc("hour" if hours else "day", column)
+    fmt = "%Y-%m-%d %H:00:00" if hours else "%Y-%m-%d 00:00:00"
+    return func.strftime(literal_column(f"'{fmt}'"), column)
+
+
+def _as_datetime(value: Any) -> datetime:
+    if isinstance(value, datetime):
+        return value if value.tzinfo else value.replace(tzinfo=timezone.utc)
+    return datetime.fromisoformat(str(value)).replace(tzinfo=timezone.utc)
+
+
+def telemetry_series(index: Index, cache: str, *, since: timedelta = timedelta(days=7),
+                     hourly: bool = True) -> list[TelemetryPoint]:
+    """Requests, hits and misses per hour (or day) for a cache, oldest first."""
+    bucket = _bucket_expr(index.dialect, TelemetryRecord.at, hourly).label("bucket")
+    with index.session() as s:
+        q = (
+            select(bucket, func.sum(TelemetryRecord.requests), func.sum(TelemetryRecord.hits),
+                   func.sum(TelemetryRecord.misses))
+            .join(EnvRow, EnvRow.id == TelemetryRecord.environment_id)
+            .join(Cache, Cache.id == EnvRow.cache_id)
+            .where(Cache.name == cache, TelemetryRecord.at >= utcnow() - since)
+            .group_by(bucket).order_by(bucket)
+        )
+        return [TelemetryPoint(_as_datetime(b), int(r or 0), int(h or 0), int(m or 0)) for b, r, h, m in s.execute(q)]
+
+
+def hit_rates(index: Index, cache: str) -> dict[int, tuple[int, int, int]]:
+    """environment id -> (requests, hits, misses) over all recorded telemetry."""
+    with index.session() as s:
+        q = (
+            select(TelemetryRecord.environment_id, func.sum(TelemetryRecord.requests),
+                   func.sum(TelemetryRecord.hits), func.sum(TelemetryRecord.misses))
+            .join(EnvRow, EnvRow.id == TelemetryRecord.environment_id)
+            .join(Cache, Cache.id == EnvRow.cache_id)
+            .where(Cache.name == cache)
+            .group_by(TelemetryRecord.environment_id)
+        )
+        return {env: (int(r or 0), int(h or 0), int(m or 0)) for env, r, h, m in s.execute(q)}
+
+
+@dataclass(frozen=True)
+class BytesPoint:
+    at: datetime
+    added_bytes: int
+    total_bytes: int
+
+
+def bytes_series(index: Index, cache: str, *, hourly: bool = False) -> list[BytesPoint]:
+    """Bytes of the entries held now, by when they were created (cumulative), oldest first."""
+    bucket = _bucket_expr(index.dialect, Entry.created_at, hourly).label("bucket")
+    with index.session() as s:
+        q = (
+            select(bucket, func.sum(Entry.size_bytes))
+            .join(EnvRow, EnvRow.id == Entry.environment_id)
+            .join(Cache, Cache.id == EnvRow.cache_id)
+            .where(Cache.name == cache, EnvRow.deleted_at.is_(None))
+            .group_by(bucket).order_by(bucket)
+        )
+        total = 0
+        out = []
+        for b, added in s.execute(q):
+            total += int(added or 0)
+            out.append(BytesPoint(_as_datetime(b), int(added or 0), total))
+        return out

@@ -1,0 +1,135 @@
+"""The FastAPI app factory: ``create_app(settings | db_url)``.
+
+Tests build apps with it directly (TestClient) or through ``cachectl serve``
+(uvicorn); deployments run several replicas of the same factory over one
+PostgreSQL index. All state that matters is in the index.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, HTTPException, Request
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import JSONResponse, Response
+
+from cachectl import __version__
+from cachectl.errors import (
+    BadInput,
+    CachectlError,
+    EnvironmentMismatch,
+    NotFound,
+    OperationFailed,
+    PermissionDenied,
+    Unreachable,
+)
+from cachectl.index import open_index
+
+from . import api, dashboard, entries
+from .auth import PUBLIC, ROLE_KEY, identify, route, unauthorized
+from .config import ServerSettings
+from .jobs import JobRunner
+from .maintenance import Scheduler
+from .metrics import Metrics, MetricsMiddleware
+from .state import ServerState
+
+log = logging.getLogger("cachectl.server")
+
+
+def status_for(exc: CachectlError) -> int:
+    """The HTTP status of a library error (the client maps it back to the same exit code)."""
+    if isinstance(exc, NotFound):
+        return 404
+    if isinstance(exc, Unreachable):
+        return 503
+    if isinstance(exc, BadInput):
+        return 400
+    if isinstance(exc, PermissionDenied):
+        return 403
+    if isinstance(exc, (EnvironmentMismatch, OperationFailed)):
+        return 409
+    return 500
+
+
+def _openapi(app: FastAPI) -> dict[str, Any]:
+    """OpenAPI with a bearer scheme on every non-public operation."""
+    if app.openapi_schema:
+        return app.openapi_schema
+    schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
+    schema.setdefault("components", {}).setdefault("securitySchemes", {})["bearer"] = {
+        "type": "http", "scheme": "bearer", "description": "A token from `cachectl token create`",
+    }
+    for methods in schema.get("paths", {}).values():
+        for operation in methods.values():
+            if isinstance(operation, dict) and operation.get(ROLE_KEY, PUBLIC) != PUBLIC:
+                operation["security"] = [{"bearer": []}]
+    app.openapi_schema = schema
+    return schema
+
+
+def create_app(settings: ServerSettings | str, **overrides: Any) -> FastAPI:
+    """Build the app over the index at ``settings.db`` (or a bare index URL)."""
+    if isinstance(settings, str):
+        settings = ServerSettings(db=settings)
+    settings = settings.with_overrides(**overrides)
+    index = open_index(settings.db)
+    metrics = Metrics(index)
+    state = ServerState(settings, index, metrics)
+    state.jobs = JobRunner(state, settings.job_workers)
+    if settings.maintenance_interval_s:
+        state.maintenance = Scheduler(state, settings.maintenance_interval_s,
+                                      initial_delay_s=settings.maintenance_initial_delay_s)
+
+    @asynccontextmanager
+    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        if state.maintenance is not None:
+            state.maintenance.start()
+        try:
+            yield
+        finally:
+            if state.maintenance is not None:
+                state.maintenance.stop()
+            state.jobs.shutdown()
+
+    app = FastAPI(
+        title="cachectl",
+        version=__version__,
+        description="Shared JAX persistent compilation caches over HTTP: the cachectl library behind tokens.",
+        lifespan=lifespan,
+        # The spec is at /openapi.json; FastAPI's /docs and /redoc pages load scripts from a CDN.
+        docs_url=None, redoc_url=None,
+    )
+    app.state.cachectl = state
+
+    @app.exception_handler(CachectlError)
+    async def library_error(_request: Request, exc: CachectlError) -> JSONResponse:
+        return JSONResponse({"detail": exc.message, "error": type(exc).__name__}, status_code=status_for(exc))
+
+    @app.exception_handler(Exception)
+    async def unexpected(_request: Request, exc: Exception) -> JSONResponse:
+        log.error("unhandled %s", type(exc).__name__, exc_info=exc)
+        return JSONResponse({"detail": f"internal error ({type(exc).__name__}); see the server log"},
+                            status_code=500)
+
+    app.include_router(api.health)
+    app.include_router(api.router)
+    app.include_router(entries.router)
+    app.include_router(dashboard.router)
+
+    @route(app.router, "GET", "/metrics", role="reader", scope="global", enforce=False,
+           summary="Prometheus metrics (public when configured)", response_class=Response)
+    async def metrics_endpoint(request: Request) -> Response:
+        if not settings.metrics_public:
+            token = await identify(request)
+            if token is None:
+                raise unauthorized()
+            if not token.allows("reader") or token.caches is not None:
+                raise HTTPException(403, f"token {token.name!r} may not read metrics: it needs an unscoped token")
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
+    app.add_middleware(MetricsMiddleware, metrics=metrics)
+    return app

@@ -1,0 +1,156 @@
+"""Who is calling: bearer tokens checked against the index, roles and cache scopes.
+
+Each route declares the role it needs and how cache scope applies, through
+``route()``; the declaration is both the check and the route's OpenAPI
+metadata (``x-cachectl-role`` / ``x-cachectl-scope``), so tests can walk the
+route table. Failures never echo the token: 401 says only that the token is
+missing, unknown, expired or revoked; 403 names the token's *name* and role.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from fastapi import APIRouter, Depends, HTTPException, Request
+from starlette.concurrency import run_in_threadpool
+
+from cachectl.tokens import ROLES, InvalidToken, TokenInfo, authenticate, hash_token
+
+PUBLIC = "public"
+ROLE_KEY = "x-cachectl-role"
+SCOPE_KEY = "x-cachectl-scope"
+# How a token's cache scope applies to a route:
+#   cache  - the route's {cache} must be in the scope;
+#   any    - any token with the role; the handler shows only caches in scope;
+#   object - any token with the role; the handler checks the cache of the object
+#            the request names (a job's cache, each telemetry batch's cache);
+#   global - only tokens without a cache scope (tokens, metrics: they span caches).
+SCOPES = ("cache", "any", "object", "global")
+COOKIE_NAME = "cachectl_token"
+UNAUTHORIZED = "missing, unknown, expired or revoked token: send 'Authorization: Bearer <token>'"
+
+
+class TokenCache:
+    """Valid tokens seen in the last ``ttl_s`` seconds, by hash: one index query per token per
+    ``ttl_s`` instead of one per request. A token revoked on another replica (or with the CLI)
+    is refused at the latest ``ttl_s`` later; revoked through this replica's API, at once.
+    Expiry is checked on every use. ``ttl_s=0`` turns caching off."""
+
+    MAX = 10_000
+
+    def __init__(self, ttl_s: float) -> None:
+        self.ttl_s = ttl_s
+        self._items: dict[str, tuple[TokenInfo, float]] = {}
+        self._lock = threading.Lock()
+
+    def get(self, token: str) -> TokenInfo | None:
+        if self.ttl_s <= 0:
+            return None
+        key = hash_token(token)
+        with self._lock:
+            item = self._items.get(key)
+        if item is None or item[1] < time.monotonic() or not item[0].active:
+            return None
+        return item[0]
+
+    def put(self, token: str, info: TokenInfo) -> None:
+        if self.ttl_s <= 0:
+            return
+        with self._lock:
+            if len(self._items) >= self.MAX:
+                self._items.clear()
+            self._items[hash_token(token)] = (info, time.monotonic() + self.ttl_s)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._items.clear()
+
+
+def bearer_token(request: Request) -> str | None:
+    header = request.headers.get("authorization")
+    if not header:
+        return None
+    scheme, _, value = header.partition(" ")
+    if scheme.lower() != "bearer" or not value.strip():
+        return None
+    return value.strip()
+
+
+def unauthorized() -> HTTPException:
+    return HTTPException(401, UNAUTHORIZED, headers={"WWW-Authenticate": 'Bearer realm="cachectl"'})
+
+
+def forbidden(token: TokenInfo, what: str) -> HTTPException:
+    return HTTPException(403, f"token {token.name!r} (role {token.role}) may not {what}")
+
+
+async def identify(request: Request, *, allow_cookie: bool = False) -> TokenInfo | None:
+    """The caller's token, None when none was sent; 401 for a bad one."""
+    token = bearer_token(request)
+    if token is None and allow_cookie:
+        token = request.cookies.get(COOKIE_NAME) or None
+    if token is None:
+        return None
+    state = request.app.state.cachectl
+    cached = state.tokens.get(token)
+    if cached is not None:
+        return cached
+    try:
+        info = await run_in_threadpool(authenticate, state.index, token)
+    except InvalidToken:
+        raise unauthorized() from None
+    state.tokens.put(token, info)
+    return info
+
+
+def check_cache(token: TokenInfo, role: str, cache: str) -> None:
+    """403 unless ``token`` holds ``role`` for ``cache``."""
+    if not token.allows(role, cache):
+        if not token.allows(role):
+            raise forbidden(token, f"do this: it needs role {role}")
+        raise forbidden(token, f"act on cache {cache!r}: it is scoped to {', '.join(token.caches or ())}")
+
+
+def require(role: str, scope: str = "cache") -> Callable[..., Any]:
+    """A dependency: the request's token, checked for ``role`` and ``scope``."""
+    if role not in ROLES:
+        raise ValueError(role)
+    if scope not in SCOPES:
+        raise ValueError(scope)
+
+    async def dependency(request: Request) -> TokenInfo:
+        token = await identify(request)
+        if token is None:
+            raise unauthorized()
+        if not token.allows(role):
+            raise forbidden(token, f"do this: it needs role {role}")
+        if scope == "cache":
+            check_cache(token, role, request.path_params.get("cache", ""))
+        elif scope == "global" and token.caches is not None:
+            raise forbidden(token, "do this: it needs a token without a cache scope")
+        request.state.token = token
+        return token
+
+    return dependency
+
+
+def current_token(request: Request) -> TokenInfo:
+    return request.state.token
+
+
+def route(router: APIRouter, method: str, path: str, *, role: str, scope: str = "cache",
+          enforce: bool = True, **kwargs: Any) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Declare a route with the role it needs; public routes skip authentication.
+
+    ``enforce=False`` records the role but leaves the check to the handler
+    (the dashboard and /metrics, which can be configured public).
+    """
+    extra = {ROLE_KEY: role, SCOPE_KEY: scope if role != PUBLIC else PUBLIC}
+    extra.update(kwargs.pop("openapi_extra", None) or {})
+    dependencies = list(kwargs.pop("dependencies", None) or [])
+    if role != PUBLIC and enforce:
+        dependencies.insert(0, Depends(require(role, scope)))
+    return router.api_route(path, methods=[method], dependencies=dependencies, openapi_extra=extra, **kwargs)

@@ -1,0 +1,85 @@
+"""How one server process is configured: a dataclass, filled from flags and CACHECTL_SERVER_* env.
+
+Deployments run several stateless replicas over one PostgreSQL index, so
+nothing here is per-replica state: every replica can be started the same way.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, replace
+from typing import Any
+
+from cachectl.config import load_settings
+from cachectl.errors import BadInput
+from cachectl.units import parse_duration, parse_size
+
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 8700
+# The largest body the server accepts for one entry when the cache sets no
+# max entry size: the whole entry is held in memory while it is checked.
+DEFAULT_MAX_UPLOAD = 2 * 1024**3
+# A compressed entry may not expand beyond this while the server checks it.
+DEFAULT_MAX_DECOMPRESSED = 8 * 1024**3
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    """Everything create_app() needs; defaults suit tests and a first deployment."""
+
+    db: str
+    # Scheduled maintenance (prune + gc per cache policy); None = off.
+    maintenance_interval_s: float | None = None
+    # First scheduled tick this long after start (None: min(60 s, interval)).
+    maintenance_initial_delay_s: float | None = None
+    # Serve /metrics without a token (Prometheus scrapers on a private network).
+    metrics_public: bool = False
+    # Serve the dashboard read-only without a token.
+    dashboard_public: bool = False
+    max_upload_bytes: int = DEFAULT_MAX_UPLOAD
+    max_decompressed_bytes: int = DEFAULT_MAX_DECOMPRESSED
+    # Background workers for prune/gc/verify jobs in this replica.
+    job_workers: int = 2
+    # Mark cookies Secure (set when served behind HTTPS).
+    secure_cookies: bool = False
+    # Seconds a valid token is trusted without asking the index again (0 = ask every time):
+    # a token revoked elsewhere is refused by this replica at most this much later.
+    token_cache_s: float = 2.0
+
+    def with_overrides(self, **overrides: Any) -> ServerSettings:
+        return replace(self, **{k: v for k, v in overrides.items() if v is not None})
+
+
+def _flag(name: str) -> bool | None:
+    value = os.environ.get(name)
+    if value is None or value == "":
+        return None
+    text = value.strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off"):
+        return False
+    raise BadInput(f"bad boolean {value!r} for {name}: use true or false")
+
+
+def parse_interval(text: str | None) -> float | None:
+    """``1h`` -> 3600.0; ``off``/``0``/empty -> None (no scheduled maintenance)."""
+    if text is None or text.strip().lower() in ("", "0", "off", "none"):
+        return None
+    return parse_duration(text).total_seconds()
+
+
+def load_server_settings(db: str | None = None, **overrides: Any) -> ServerSettings:
+    """Flags > CACHECTL_SERVER_* / CACHECTL_* environment > defaults."""
+    env = os.environ
+    settings = ServerSettings(
+        db=load_settings(db=db).db,
+        maintenance_interval_s=parse_interval(env.get("CACHECTL_SERVER_MAINTENANCE_INTERVAL")),
+        maintenance_initial_delay_s=parse_interval(env.get("CACHECTL_SERVER_MAINTENANCE_DELAY")),
+        metrics_public=bool(_flag("CACHECTL_SERVER_METRICS_PUBLIC")),
+        dashboard_public=bool(_flag("CACHECTL_SERVER_DASHBOARD_PUBLIC")),
+        secure_cookies=bool(_flag("CACHECTL_SERVER_SECURE_COOKIES")),
+    )
+    if env.get("CACHECTL_SERVER_MAX_UPLOAD"):
+        settings = replace(settings, max_upload_bytes=parse_size(env["CACHECTL_SERVER_MAX_UPLOAD"]))
+    return settings.with_overrides(**overrides)

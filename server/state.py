@@ -1,0 +1,51 @@
+"""What one app instance holds: settings, the index, a store per cache root, metrics, jobs.
+
+Nothing here is authoritative: caches, tokens, jobs and leases live in the
+index, so replicas behind a load balancer agree without talking to each other.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+from cachectl.config import load_settings
+from cachectl.context import Context
+from cachectl.index import CacheInfo, Index
+from cachectl.store import Store
+
+from .auth import TokenCache
+from .config import ServerSettings
+from .metrics import Metrics
+
+
+@dataclass
+class ServerState:
+    settings: ServerSettings
+    index: Index
+    metrics: Metrics
+    ctx: Context = field(init=False)
+    _stores: dict[str, Store] = field(default_factory=dict, init=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, init=False)
+    tokens: TokenCache = field(init=False)
+    jobs: Any = None  # server.jobs.JobRunner, set by create_app
+    maintenance: Any = None  # server.maintenance.Scheduler, set by create_app
+
+    def __post_init__(self) -> None:
+        # One Context shared by every request, so library functions that take a
+        # Context use this app's index (engine and connection pool).
+        self.ctx = Context(load_settings(db=self.settings.db))
+        self.ctx.__dict__["index"] = self.index
+        self.ctx.__dict__["remote"] = None  # the server is direct mode, even with CACHECTL_SERVER set
+        self.tokens = TokenCache(self.settings.token_cache_s)
+
+    def store(self, cache: CacheInfo) -> Store:
+        """One Store per root and options: object-store clients are costly to build."""
+        key = cache.root_url + "\0" + json.dumps(cache.storage_options, sort_keys=True, default=str)
+        with self._lock:
+            store = self._stores.get(key)
+            if store is None:
+                store = self._stores[key] = Store(cache.root_url, cache.storage_options)
+            return store
