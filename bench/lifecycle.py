@@ -1,0 +1,547 @@
+"""Benchmark prune, gc and verify at scale, against plain `find`/`du` in the same run.
+
+Three parts:
+
+* local disk, N entries (100,000; --quick 20,000) in 6 environments (3 JAX
+  versions x 2 hardware kinds): `sync` indexes them; `verify` reads them all;
+  `prune --superseded --keep 1` deletes 4 of 6 namespaces; `gc` evicts half
+  of what is left by LRU. Each is planned (dry run) and executed; the same
+  work is done on an identical copy of the tree with plain tools:
+  ``find … -print0 | xargs -0 sha256sum`` (read everything),
+  ``find DIR -delete`` (namespaces), ``du -sb`` + ``find -printf | sort |
+  head | xargs rm`` (size accounting and LRU eviction);
+* S3 on a moto server: objects written straight into namespaces and indexed,
+  then prune and gc run while every s3fs call is counted (a counting wrapper
+  around ``S3FileSystem._call_s3``): DeleteObjects calls against the ideal
+  ceil(objects / 1000);
+* planning queries on SQLite and PostgreSQL over 1,000,000 entry rows
+  (--quick 200,000), bulk-inserted directly (COPY on PostgreSQL).
+
+Run: ``python bench/lifecycle.py [--quick] [--no-write]``; importable as
+``bench.lifecycle.run(quick)``. Writes the ``## Lifecycle`` section of
+BENCHMARKS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import io
+import json
+import math
+import os
+import platform
+import random
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from contextlib import contextmanager
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+BENCHMARKS = REPO / "BENCHMARKS.md"
+SECTION = "## Lifecycle"
+sys.path.insert(0, str(REPO / "tests"))  # tests/infra.py: the moto server and PostgreSQL helpers
+
+import infra  # noqa: E402
+
+infra.configure_process_env()
+
+from sqlalchemy import bindparam, text, update  # noqa: E402
+
+from cachectl.config import load_settings  # noqa: E402
+from cachectl.context import Context  # noqa: E402
+from cachectl.entries import make_entry  # noqa: E402
+from cachectl.fingerprint import Environment  # noqa: E402
+from cachectl.index import NewEntry, open_index  # noqa: E402
+from cachectl.index.lifecycle_queries import (  # noqa: E402
+    environments,
+    plan_evictions,
+    selected_totals,
+)
+from cachectl.index.models import Entry  # noqa: E402
+from cachectl.lifecycle.gc import gc  # noqa: E402
+from cachectl.lifecycle.prune import criteria, plan_prune, prune  # noqa: E402
+from cachectl.lifecycle.sync import sync  # noqa: E402
+from cachectl.lifecycle.verify import verify  # noqa: E402
+from cachectl.namespace import ensure_namespace  # noqa: E402
+from cachectl.store import Store  # noqa: E402
+
+CACHE = "bench"
+# The plain-tools baselines, as the table shows them (run on a copy of the tree).
+BASELINE_COMMANDS = {
+    "hash": "find ROOT -name '*-cache' -print0 | xargs -0 sha256sum",
+    "delete": "find ROOT/jax-0.8.0 ROOT/jax-0.9.1 -delete",
+    "du": "du -sb ROOT",
+    "lru": "du -sb ROOT; find ROOT -name '*-cache' -printf '%A@ %p\\n' | sort -n | head -n K | cut -d' ' -f2- | xargs rm -f",
+}
+VERSIONS = ("0.8.0", "0.9.1", "0.10.2")
+HARDWARE = (("cpu", "cpu", 1), ("gpu", "NVIDIA H100", 8))
+
+
+def fake_env(version: str, backend: str, kind: str, count: int) -> Environment:
+    return Environment(jax_version=version, jaxlib_version=version, backend=backend, platform_version=backend,
+                       device_kind=kind, device_count=count, process_count=1, topology=f"{kind}:{count}",
+                       xla_flags=(), compression="zstandard", enable_xla_caches="none",
+                       include_metadata_in_key=False)
+
+
+def all_envs() -> list[Environment]:
+    return [fake_env(v, b, k, c) for v in VERSIONS for b, k, c in HARDWARE]
+
+
+def _blobs(rng: random.Random, n: int = 64) -> list[bytes]:
+    """Valid entries of 256 B - 2 KiB payload, reused across keys (content is not what we measure)."""
+    return [make_entry(rng.randbytes(rng.randint(256, 2048)), compile_seconds=rng.randint(1, 30))
+            for _ in range(n)]
+
+
+def _key(env: Environment, i: int) -> str:
+    return f"jit_f{i % 50}-{hashlib.sha256(f'{env.digest}:{i}'.encode()).hexdigest()}"
+
+
+@contextmanager
+def timed(out: dict[str, float], name: str):
+    os.sync()  # dirty pages from earlier steps are flushed before, not during, each timed step
+    t0 = time.perf_counter()
+    yield
+    out[name] = round(time.perf_counter() - t0, 3)
+
+
+def _sh(cmd: str) -> float:
+    os.sync()
+    t0 = time.perf_counter()
+    subprocess.run(["bash", "-c", cmd], check=True, stdout=subprocess.DEVNULL)
+    return round(time.perf_counter() - t0, 3)
+
+
+def _context(db: str) -> Context:
+    return Context(load_settings(db=db, cache=CACHE))
+
+
+# ------------------------------------------------------------------ local disk
+
+
+def bench_local(n: int, work: Path) -> dict[str, Any]:
+    rng = random.Random(1)
+    blobs = _blobs(rng)
+    root, copy = work / "cache", work / "baseline"
+    root.mkdir()
+    envs = all_envs()
+    per_env = n // len(envs)
+    store = Store(str(root))
+    t0 = time.perf_counter()
+    total_bytes = 0
+    for env in envs:
+        ensure_namespace(store, env)
+        ns = root / env.namespace
+        for i in range(per_env):
+            data = blobs[i % len(blobs)]
+            (ns / f"{_key(env, i)}-cache").write_bytes(data)
+            total_bytes += len(data)
+    setup_s = time.perf_counter() - t0
+    subprocess.run(["cp", "-a", str(root), str(copy)], check=True)
+    db = f"sqlite:///{work / 'index.db'}"
+    ctx = _context(db)
+    ctx.index.add_cache(CACHE, str(root))
+    cache = ctx.cache()
+    t: dict[str, float] = {}
+    base: dict[str, float] = {}
+
+    with timed(t, "sync"):
+        synced = sync(ctx, cache)
+    assert synced.entries_added == per_env * len(envs), synced.entries_added
+    _spread_times(ctx, rng)
+    base["hash"] = _sh(f"find {copy} -name '*-cache' -print0 | xargs -0 sha256sum >/dev/null")
+    with timed(t, "verify"):
+        verified = verify(ctx, cache)
+    assert not verified.plan.findings, verified.plan.counts
+
+    crit = criteria(superseded=True, keep=1)
+    with timed(t, "prune_plan"):
+        pplan = plan_prune(ctx, cache, crit)
+    with timed(t, "prune_total"):
+        pruned = prune(ctx, cache, crit)
+    assert pruned.execution is not None
+    old_dirs = " ".join(str(copy / f"jax-{v}") for v in VERSIONS[:-1])
+    base["delete"] = _sh(f"find {old_dirs} -delete")
+
+    left = sum(e.bytes for e in environments(ctx.index, CACHE))
+    limit = left // 2
+    with timed(t, "gc_plan"):
+        gplan = gc(ctx, cache, max_size=limit, dry_run=True)
+    with timed(t, "gc_total"):
+        gres = gc(ctx, cache, max_size=limit)
+    assert gres.execution is not None
+    evicted = gres.execution.entries_deleted
+    base["du"] = _sh(f"du -sb {copy} >/dev/null")
+    base["lru"] = _sh(
+        f"du -sb {copy} >/dev/null && find {copy} -name '*-cache' -printf '%A@ %p\\n' | sort -n "
+        f"| head -n {evicted} | cut -d' ' -f2- | xargs -d '\\n' rm -f")
+    remaining_files = int(subprocess.run(["bash", "-c", f"find {copy} -name '*-cache' | wc -l"],
+                                         capture_output=True, text=True, check=True).stdout)
+    ctx.close()
+    return {
+        "entries": per_env * len(envs), "environments": len(envs), "bytes": total_bytes,
+        "write_files_s": round(setup_s, 1),
+        "cachectl_s": t, "baseline_s": base,
+        "prune": {"namespaces": pruned.execution.namespaces_deleted, "entries": pruned.execution.entries_deleted,
+                  "storage_calls": pruned.execution.storage_calls, "planning_s": round(pruned.planning_s, 3),
+                  "dry_run_entries": pplan.entry_count,
+                  "execute_s": round(pruned.execution.duration_s, 3)},
+        "gc": {"entries": evicted, "storage_calls": gres.execution.storage_calls,
+               "planning_s": round(gres.planning_s, 3), "dry_run_planning_s": round(gplan.planning_s, 3),
+               "execute_s": round(gres.execution.duration_s, 3), "max_size": limit},
+        "baseline_entries_left": remaining_files,
+        "verify_entries": verified.plan.entries_checked,
+    }
+
+
+def _spread_times(ctx: Context, rng: random.Random) -> None:
+    """sync stamps every entry 'now': spread creation and access times as a real cache has them."""
+    now = datetime.now(timezone.utc)
+    with ctx.index.session() as s:
+        ids = [i for (i,) in s.execute(text("SELECT id FROM entries"))]
+        params = [{"i": i, "c": now - timedelta(minutes=rng.randint(0, 90 * 1440)),
+                   "a": now - timedelta(minutes=rng.randint(0, 1440)) if rng.random() < 0.3 else None}
+                  for i in ids]
+        s.connection().execute(
+            update(Entry).where(Entry.id == bindparam("i")).values(created_at=bindparam("c"),
+                                                                   last_access_at=bindparam("a")),
+            params)
+
+
+# ---------------------------------------------------------------------- S3
+
+
+@contextmanager
+def counting_s3_calls():
+    """Count every S3 API call s3fs makes, by operation name (a measurement hook only)."""
+    import s3fs
+
+    counts: Counter[str] = Counter()
+    original = s3fs.S3FileSystem._call_s3
+
+    async def counting(self, method, *args, **kwargs):
+        counts[method if isinstance(method, str) else getattr(method, "__name__", "?")] += 1
+        return await original(self, method, *args, **kwargs)
+
+    s3fs.S3FileSystem._call_s3 = counting
+    try:
+        yield counts
+    finally:
+        s3fs.S3FileSystem._call_s3 = original
+
+
+def bench_s3(n: int, work: Path) -> dict[str, Any]:
+    server = infra.start_moto(work / "logs")
+    saved = {k: os.environ.get(k) for k in server.env}
+    os.environ.update(server.env)
+    infra.clear_fsspec_instance_caches()
+    try:
+        bucket = infra.unique_name("lc-bench")
+        infra.create_s3_bucket(server.url, bucket)
+        root = f"s3://{bucket}/cache"
+        rng = random.Random(2)
+        blobs = _blobs(rng, 16)
+        envs = [fake_env(v, "cpu", "cpu", 1) for v in VERSIONS]
+        per_env = n // len(envs)
+        ctx = _context(f"sqlite:///{work / 's3-index.db'}")
+        ctx.index.add_cache(CACHE, root)
+        cache = ctx.cache()
+        store = ctx.store(cache)
+        t0 = time.perf_counter()
+        for env in envs:
+            ensure_namespace(store, env)
+            info = ctx.index.ensure_environment(CACHE, env)
+            files, rows = {}, []
+            for i in range(per_env):
+                data = blobs[i % len(blobs)]
+                key = _key(env, i)
+                files[store._full(f"{env.namespace}/{key}-cache")] = data
+                rows.append(NewEntry(key=key, module=f"jit_f{i % 50}", size=len(data),
+                                     sha256=hashlib.sha256(data).hexdigest(), origin="warm",
+                                     created_at=datetime.now(timezone.utc) - timedelta(minutes=per_env - i)))
+            store.fs.pipe(files, batch_size=64)
+            ctx.index.upsert_entries(info.id, rows)
+        write_s = time.perf_counter() - t0
+        with counting_s3_calls() as counts:
+            t1 = time.perf_counter()
+            pruned = prune(ctx, cache, criteria(superseded=True, keep=1))
+            prune_s = time.perf_counter() - t1
+            prune_calls = dict(counts)
+            counts.clear()
+            limit = sum(e.bytes for e in environments(ctx.index, CACHE)) // 2
+            t2 = time.perf_counter()
+            gres = gc(ctx, cache, max_size=limit)
+            gc_s = time.perf_counter() - t2
+            gc_calls = dict(counts)
+        assert pruned.execution and gres.execution
+        left = len([f for f in store.list("") if f.path.endswith("-cache")])
+        ctx.close()
+        pruned_n = pruned.execution.entries_deleted
+        gc_n = gres.execution.entries_deleted
+        return {
+            "entries": per_env * len(envs), "write_s": round(write_s, 1),
+            "prune": {"namespaces": pruned.execution.namespaces_deleted, "objects": pruned_n,
+                      "delete_objects_calls": prune_calls.get("delete_objects", 0),
+                      # each namespace: its entries plus env.json, ceil(objects / 1000) calls
+                      "ideal_calls": 2 * math.ceil((per_env + 1) / 1000),
+                      "all_calls": {k: v for k, v in prune_calls.items() if v},
+                      "seconds": round(prune_s, 2)},
+            "gc": {"objects": gc_n, "delete_objects_calls": gc_calls.get("delete_objects", 0),
+                   "ideal_calls": math.ceil(gc_n / 1000),
+                   "all_calls": {k: v for k, v in gc_calls.items() if v},
+                   "seconds": round(gc_s, 2)},
+            "objects_left": left,
+        }
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        infra.clear_fsspec_instance_caches()
+        server.stop()
+
+
+# --------------------------------------------------------- planning at 1M rows
+
+
+_FILL_SQLITE = """
+WITH RECURSIVE seq(i) AS (SELECT 0 UNION ALL SELECT i + 1 FROM seq WHERE i + 1 < :n)
+INSERT INTO entries (environment_id, key, module, size_bytes, sha256, compile_time_ms, origin, function,
+                     created_at, last_access_at, hit_count)
+SELECT :env0 + i / :per, printf('jit_f%d-%064x', i % 200, i), printf('jit_f%d', i % 200),
+       1000 + abs(random()) % 999000, :sha, 1000 + abs(random()) % 119000, 'warm', printf('f%d', i % 200),
+       strftime('%Y-%m-%d %H:%M:%f000', :now, '-' || (abs(random()) % 129600) || ' minutes'),
+       CASE WHEN abs(random()) % 10 < 3
+            THEN strftime('%Y-%m-%d %H:%M:%f000', :now, '-' || (abs(random()) % 14400) || ' minutes') END,
+       0
+FROM seq
+"""
+
+_FILL_POSTGRES = """
+INSERT INTO entries (environment_id, key, module, size_bytes, sha256, compile_time_ms, origin, function,
+                     created_at, last_access_at, hit_count)
+SELECT :env0 + i / :per, 'jit_f' || (i % 200) || '-' || lpad(to_hex(i), 64, '0'), 'jit_f' || (i % 200),
+       1000 + floor(random() * 999000)::bigint, :sha, 1000 + floor(random() * 119000)::bigint, 'warm',
+       'f' || (i % 200),
+       now() - make_interval(mins => floor(random() * 129600)::int),
+       CASE WHEN random() < 0.3 THEN now() - make_interval(mins => floor(random() * 14400)::int) END,
+       0
+FROM generate_series(0, :n - 1) AS i
+"""
+
+
+def _fill(db: str, n: int) -> tuple[Any, float]:
+    """n entry rows spread over 18 environments, generated inside the database (no Python per row)."""
+    index = open_index(db, auto_migrate=True)
+    index.add_cache(CACHE, "memory://bench-planning")
+    env_ids = [index.ensure_environment(CACHE, fake_env(v, b, k, c)).id
+               for v in ("0.6.0", "0.7.0", *VERSIONS, "0.11.0") for b, k, c in HARDWARE + (("tpu", "TPU v5", 4),)]
+    assert env_ids == list(range(env_ids[0], env_ids[0] + len(env_ids))), "a fresh index numbers them in order"
+    t0 = time.perf_counter()
+    n -= n % len(env_ids)
+    params = {"n": n, "env0": env_ids[0], "per": n // len(env_ids), "sha": "0" * 64,
+              "now": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M:%S")}
+    if index.dialect == "postgresql":
+        params.pop("now")
+        with index.engine.begin() as conn:
+            conn.execute(text(_FILL_POSTGRES), params)
+    else:
+        raw = index.engine.raw_connection()  # autocommit driver connection: pragmas outside a transaction
+        try:
+            # Bench setup only: the fill need not survive a power cut.
+            raw.execute("PRAGMA synchronous=OFF")
+            raw.execute("PRAGMA cache_size=-262144")
+            raw.execute("BEGIN")
+            raw.execute(_FILL_SQLITE, params)
+            raw.execute("COMMIT")
+            raw.execute("PRAGMA synchronous=NORMAL")
+        finally:
+            raw.close()
+    with index.engine.connect() as conn:
+        conn.execution_options(isolation_level="AUTOCOMMIT").exec_driver_sql("ANALYZE")
+    return index, time.perf_counter() - t0
+
+
+def _best(fn, reps: int = 2) -> tuple[float, Any]:
+    """Best of ``reps`` runs; a query slower than 3 s runs once (the machine is shared)."""
+    best, out = float("inf"), None
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        out = fn()
+        best = min(best, time.perf_counter() - t0)
+        if best > 3:
+            break
+    return round(best, 3), out
+
+
+def bench_planning(db: str, n: int, work: Path) -> dict[str, Any]:
+    index, fill_s = _fill(db, n)
+    ctx = _context(db)
+    ctx.__dict__["index"] = index
+    cache = ctx.cache()
+    total = sum(e.bytes for e in environments(index, CACHE))
+    ids = [e.id for e in environments(index, CACHE)]
+    cutoff = datetime.now(timezone.utc) - timedelta(days=80)
+    q: dict[str, Any] = {}
+    q["environment totals (GROUP BY)"], envs = _best(lambda: environments(index, CACHE))
+    q["prune --superseded --keep 1: plan"], p1 = _best(lambda: plan_prune(ctx, cache, criteria(superseded=True)))
+    q["prune --older-than 80d: selected totals (GROUP BY)"], _ = _best(
+        lambda: selected_totals(index, ids, created_before=cutoff))
+    q["prune --older-than 80d: plan (streams the selected rows)"], p2 = _best(
+        lambda: plan_prune(ctx, cache, criteria(older_than="80d")))
+    q["prune --unused-for 80d: plan"], p3 = _best(lambda: plan_prune(ctx, cache, criteria(unused_for="80d")))
+    q["gc lru, evict 10%: plan_evictions"], g1 = _best(
+        lambda: plan_evictions(index, CACHE, policy="lru", max_bytes=int(total * 0.9), env_max_bytes=None))
+    q["gc cost, evict 10%: plan_evictions"], g2 = _best(
+        lambda: plan_evictions(index, CACHE, policy="cost", max_bytes=int(total * 0.9), env_max_bytes=None))
+    env_max = int(max(e.bytes for e in envs) * 0.8)
+    q["gc lru, evict 10% + env_max_size: plan_evictions"], g3 = _best(
+        lambda: plan_evictions(index, CACHE, policy="lru", max_bytes=int(total * 0.9), env_max_bytes=env_max))
+    out = {
+        "rows": n, "environments": len(envs), "fill_s": round(fill_s, 1), "query_s": q,
+        "selected": {
+            "prune --superseded": p1.entry_count, "prune --older-than 80d": p2.entry_count,
+            "prune --unused-for 80d": p3.entry_count, "gc lru": len(g1[0]), "gc cost": len(g2[0]),
+            "gc lru + env_max": len(g3[0]),
+        },
+    }
+    index.close()
+    return out
+
+
+# --------------------------------------------------------------------- driver
+
+
+def run(quick: bool = False) -> dict[str, Any]:
+    """All three parts; quick mode uses 20k local entries, 3k S3 objects, 200k planning rows."""
+    n_local = 20_000 if quick else 100_000
+    n_s3 = 3_000 if quick else 6_000  # moto takes ~20 ms per PUT here: writing is the cost
+    n_rows = 200_000 if quick else 1_000_000
+    started = time.perf_counter()
+    result: dict[str, Any] = {
+        "quick": quick, "python": platform.python_version(), "load_before": os.getloadavg(),
+    }
+    with tempfile.TemporaryDirectory(prefix="cachectl-bench-lc-") as tmp:
+        work = Path(tmp)
+        for sub in ("local", "s3", "sqlite"):
+            (work / sub).mkdir()
+        result["local"] = bench_local(n_local, work / "local")
+        shutil.rmtree(work / "local", ignore_errors=True)
+        result["s3"] = bench_s3(n_s3, work / "s3")
+        result["planning"] = {"sqlite": bench_planning(f"sqlite:///{work / 'sqlite' / 'index.db'}", n_rows, work)}
+        pg_admin = os.environ.get("CACHECTL_BENCH_PG_URL") or os.environ.get("CACHECTL_TEST_PG_URL")
+        if pg_admin:
+            name = infra.unique_name("cachectl_bench").replace("-", "_")
+            url = infra.pg_create_database(pg_admin, name)
+            try:
+                result["planning"]["postgresql"] = bench_planning(url, n_rows, work)
+            finally:
+                infra.pg_drop_database(pg_admin, name)
+        else:
+            result["planning"]["postgresql"] = "skipped: set CACHECTL_TEST_PG_URL"
+    result["load_after"] = os.getloadavg()
+    result["total_s"] = round(time.perf_counter() - started, 1)
+    return result
+
+
+def markdown(r: dict[str, Any]) -> str:
+    loc, s3 = r["local"], r["s3"]
+    out = io.StringIO()
+    w = out.write
+    w(f"{SECTION}\n\nProduced by:\n\n```\npython bench/lifecycle.py{' --quick' if r['quick'] else ''}\n```\n\n")
+    w(f"Machine: 2 shared cores (other engineers were running tests; load average "
+      f"{' '.join(f'{x:.2f}' for x in r['load_before'])} before, "
+      f"{' '.join(f'{x:.2f}' for x in r['load_after'])} after), Python {r['python']}, one run, total "
+      f"{r['total_s']} s. Entries are fake but valid JAX entries (`make_entry`, 256 B - 2 KiB payloads).\n\n")
+    w(f"### Local disk, {loc['entries']:,} entries in {loc['environments']} environments "
+      f"({loc['bytes'] / 2**20:.0f} MiB), SQLite index\n\n")
+    w("| step | cachectl s | plain tools on an identical copy | s |\n|---|---|---|---|\n")
+    c, b = loc["cachectl_s"], loc["baseline_s"]
+    cmd = {k: f"`{v}`".replace("|", "\\|") for k, v in BASELINE_COMMANDS.items()}
+    w(f"| `sync` (one listing; read + sha256 every file; index) | {c['sync']} | {cmd['hash']} | {b['hash']} |\n")
+    w(f"| `verify` ({loc['verify_entries']:,} entries: read, sha256, decompress, header) | {c['verify']} | "
+      f"{cmd['hash']} | {b['hash']} |\n")
+    p = loc["prune"]
+    w(f"| `prune --superseded --keep 1` plan only (`--dry-run`) | {c['prune_plan']} | | |\n")
+    w(f"| `prune --superseded --keep 1` plan + execute: {p['namespaces']} namespaces, {p['entries']:,} entries, "
+      f"{p['storage_calls']} storage calls | {c['prune_total']} | {cmd['delete']} | {b['delete']} |\n")
+    g = loc["gc"]
+    w(f"| `gc --max-size` (LRU) plan only (`--dry-run`) | {c['gc_plan']} | {cmd['du']} (only learns the size) | "
+      f"{b['du']} |\n")
+    w(f"| `gc --max-size` plan + execute: {g['entries']:,} entries evicted, {g['storage_calls']} storage calls | "
+      f"{c['gc_total']} | {cmd['lru']} | {b['lru']} |\n\n")
+    w(f"Writing the {loc['entries']:,} files took {loc['write_files_s']} s (not timed above). "
+      f"After gc the plain-tools copy holds {loc['baseline_entries_left']:,} entries, the same count as cachectl leaves.\n\n")
+    w("Planning reads only the index: the dry runs above never list or stat storage. Prune deletes each "
+      "namespace with one recursive delete; gc deletes entries in batches of up to 1000 paths, one `rm` "
+      "call per batch, storage first and the index after each batch.\n\n")
+    w(f"### S3 (moto server), {s3['entries']:,} objects, every s3fs call counted\n\n")
+    w("| step | objects deleted | DeleteObjects calls | ideal (ceil(N/1000) per unit) | all S3 calls | s |\n"
+      "|---|---|---|---|---|---|\n")
+    for part, label in ((s3["prune"], f"`prune --superseded` ({s3['prune']['namespaces']} namespaces)"),
+                        (s3["gc"], "`gc --max-size` (LRU)")):
+        calls = ", ".join(f"{k} {v}" for k, v in sorted(part["all_calls"].items()))
+        w(f"| {label} | {part['objects']:,} | {part['delete_objects_calls']} | {part['ideal_calls']} | {calls} | "
+          f"{part['seconds']} |\n")
+    w(f"\nObjects are written with one PUT each ({s3['write_s']} s for {s3['entries']:,} on moto here: the "
+      "reason this part is smaller than the local one); the count of delete calls does not depend on speed. "
+      "prune's other calls are the listings its recursive deletes make; gc's are one HEAD + LIST looking for "
+      "a `.lockfile` (JAX sidecars are deleted with their entries only where one exists).\n\n")
+    for dialect in ("sqlite", "postgresql"):
+        pl = r["planning"][dialect]
+        if isinstance(pl, str):
+            w(f"### Planning queries, {dialect}: {pl}\n\n")
+            continue
+        w(f"### Planning queries, {dialect}, {pl['rows']:,} entry rows in {pl['environments']} environments\n\n")
+        w(f"Rows generated inside the database in {pl['fill_s']} s (random sizes 1 kB - 1 MB, created over 90 days, "
+          "30% with a last access). Best of 2 runs (one run when the first took over 3 s); times include building "
+          "the Python plan objects.\n\n| query | s | rows selected |\n|---|---|---|\n")
+        sel = pl["selected"]
+        picks = {"superseded": sel["prune --superseded"], "older-than 80d: plan": sel["prune --older-than 80d"],
+                 "unused-for": sel["prune --unused-for 80d"], "gc lru, evict 10%: plan": sel["gc lru"],
+                 "gc cost": sel["gc cost"], "env_max": sel["gc lru + env_max"]}
+        for qname, secs in pl["query_s"].items():
+            n = next((f"{v:,}" for k, v in picks.items() if k in qname), "")
+            w(f"| {qname} | {secs} | {n} |\n")
+        w("\n")
+    return out.getvalue()
+
+
+def write_section(text: str, path: Path = BENCHMARKS) -> None:
+    """Replace (or append) the ``## Lifecycle`` section, leaving other sections alone."""
+    existing = path.read_text() if path.exists() else "# Benchmarks\n\n"
+    lines = existing.splitlines(keepends=True)
+    start = next((i for i, line in enumerate(lines) if line.strip() == SECTION), None)
+    if start is None:
+        body = existing.rstrip("\n") + "\n\n" + text
+    else:
+        end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), len(lines))
+        tail = "".join(lines[end:])
+        body = "".join(lines[:start]) + text + ("\n" + tail if tail else "")
+    path.write_text(body)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="20k local entries, 3k S3 objects, 200k planning rows")
+    parser.add_argument("--no-write", action="store_true", help="do not update BENCHMARKS.md")
+    args = parser.parse_args(argv)
+    result = run(quick=args.quick)
+    print(json.dumps(result, indent=2, default=str))
+    if not args.no_write:
+        write_section(markdown(result))
+        print(f"wrote the {SECTION!r} section of {BENCHMARKS}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,148 @@
+"""`cachectl gc`: keep a cache under its size limits, evicting by policy.
+
+JAX's own limit costs O(entries) per write and does not work on object
+stores (DESIGN.md fact 2), so managed services run without it and gc
+enforces ``max_size`` (and ``env_max_size`` per environment) from the index.
+Policies: ``lru`` evicts the least recently used first; ``cost`` evicts what
+is cheapest to recompile per byte first (GreedyDual-Size style, decayed by
+time since last use). Environments with a warm in progress, and with
+--protect-warm the entries of each environment's newest finished warm run,
+are never evicted.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from datetime import datetime
+
+from cachectl.context import Context
+from cachectl.errors import BadInput
+from cachectl.index import CacheInfo
+from cachectl.index.lifecycle_queries import (
+    environments,
+    newest_finished_warm_runs,
+    plan_evictions,
+    warms_in_progress,
+)
+from cachectl.index.models import utcnow
+from cachectl.lifecycle import lease as leases
+from cachectl.lifecycle.plan import (
+    DeletionPlan,
+    ExecutionResult,
+    PlannedEntry,
+    Protected,
+    execute_plan,
+)
+from cachectl.permissions import check_writer
+from cachectl.store import DELETE_BATCH, Store
+from cachectl.units import format_size, parse_size
+
+POLICIES = ("lru", "cost")
+
+
+@dataclass
+class GcPlan:
+    """The deletion plan plus the sizes it is measured against."""
+
+    deletion: DeletionPlan
+    policy: str
+    max_size: int | None
+    env_max_size: int | None
+    bytes_before: int
+    bytes_after: int
+    over_limit_after: int  # bytes still over max_size after the plan: all of it protected
+
+
+@dataclass(frozen=True)
+class GcResult:
+    plan: GcPlan
+    execution: ExecutionResult | None
+    dry_run: bool
+    planning_s: float
+
+
+def _limits(cache: CacheInfo, max_size: str | int | None) -> tuple[int | None, int | None]:
+    limit = cache.max_size
+    if max_size is not None:
+        limit = parse_size(max_size)
+        if limit <= 0:
+            raise BadInput(f"--max-size must be positive, got {max_size!r}")
+    if limit is None and cache.env_max_size is None:
+        raise BadInput(
+            f"cache {cache.name!r} has no size limit: set one with "
+            f"`cachectl cache set {cache.name} --max-size 50GiB`, or pass --max-size for this run"
+        )
+    return limit, cache.env_max_size
+
+
+def plan_gc(ctx: Context, cache: CacheInfo, *, policy: str = "lru", max_size: str | int | None = None,
+            protect_warm: bool = False, now: datetime | None = None, store: Store | None = None) -> GcPlan:
+    """Build the eviction plan from the index alone."""
+    if policy not in POLICIES:
+        raise BadInput(f"bad --policy {policy!r}: use lru or cost")
+    limit, env_limit = _limits(cache, max_size)
+    now = now or utcnow()
+    store = store or ctx.store(cache)
+    envs = environments(ctx.index, cache.name)
+    by_id = {e.id: e for e in envs}
+    criteria: dict[str, object] = {"policy": policy, "max_size": limit, "env_max_size": env_limit,
+                                   "protect_warm": protect_warm}
+    deletion = DeletionPlan("gc", cache.name, store.url, criteria)
+    warming = warms_in_progress(ctx.index, list(by_id), now=now)
+    for env_id, w in warming.items():
+        e = by_id[env_id]
+        deletion.protected.append(Protected(e.namespace, f"warm run {w.run_id} in progress on {w.user}@{w.host}",
+                                            e.entries, e.bytes))
+    runs = newest_finished_warm_runs(ctx.index, list(by_id)) if protect_warm else {}
+    for env_id, run_id in sorted(runs.items()):
+        if env_id not in warming:
+            deletion.protected.append(Protected(by_id[env_id].namespace, f"newest warm run {run_id}"))
+    evictions, totals = plan_evictions(
+        ctx.index, cache.name, policy=policy, max_bytes=limit, env_max_bytes=env_limit,
+        exclude_env_ids=sorted(warming), protect_warm_runs=sorted(runs.values()), now=now,
+        bytes_total=sum(e.bytes for e in envs), env_bytes={e.id: e.bytes for e in envs},
+    )
+    for ev in evictions:
+        why = (f"last used {ev.score[:16].replace('T', ' ')}" if isinstance(ev.score, str)
+               else f"cost score {ev.score:.4g}")
+        deletion.entries.append(PlannedEntry(ev.environment_id, by_id[ev.environment_id].namespace, ev.key,
+                                             ev.size, f"{ev.reason}; {why}"))
+    before = totals["bytes_before"]
+    after = before - deletion.bytes_to_free
+    over = max(0, after - limit) if limit is not None else 0
+    if over:
+        deletion.notes.append(f"still {format_size(over)} over max_size after evicting every unprotected entry")
+    if env_limit is not None:
+        freed_by_env: dict[int, int] = {}
+        for e in deletion.entries:
+            freed_by_env[e.environment_id] = freed_by_env.get(e.environment_id, 0) + e.size
+        for e in envs:
+            left = e.bytes - freed_by_env.get(e.id, 0)
+            if left > env_limit:
+                deletion.notes.append(f"{e.namespace}: still {format_size(left - env_limit)} over env_max_size "
+                                      "(the rest is protected)")
+    return GcPlan(deletion, policy, limit, env_limit, before, after, over)
+
+
+def gc(ctx: Context, cache: CacheInfo, *, policy: str = "lru", max_size: str | int | None = None,
+       protect_warm: bool = False, dry_run: bool = False, batch_size: int = DELETE_BATCH,
+       now: datetime | None = None) -> GcResult:
+    """Plan, and unless ``dry_run``, execute under the cache's lifecycle lease."""
+    if dry_run:
+        started = time.monotonic()
+        plan = plan_gc(ctx, cache, policy=policy, max_size=max_size, protect_warm=protect_warm, now=now)
+        return GcResult(plan, None, True, time.monotonic() - started)
+    # Bad input fails before the lease is taken or anything is touched.
+    if policy not in POLICIES:
+        raise BadInput(f"bad --policy {policy!r}: use lru or cost")
+    _limits(cache, max_size)
+    check_writer(cache, "gc")
+    store = ctx.store(cache)
+    with leases.held(ctx.index, cache.name, "gc") as lease:
+        started = time.monotonic()
+        plan = plan_gc(ctx, cache, policy=policy, max_size=max_size, protect_warm=protect_warm, now=now,
+                       store=store)
+        planning = time.monotonic() - started
+        execution = execute_plan(ctx.index, store, plan.deletion, lease=lease, batch_size=batch_size)
+    return GcResult(plan, execution, False, planning)

@@ -1,0 +1,230 @@
+"""Deletion plans and the one engine that carries them out, for prune and gc.
+
+A plan is built from index queries only, shown (table or JSON), and stops
+there on --dry-run. Execution deletes from storage first and from the index
+second, batch by batch: a namespace as one recursive delete, entries in
+batches of at most 1000 paths, one ``rm`` call per batch (S3 DeleteObjects of
+up to 1000 keys; GCS batch requests). A run killed between the two steps
+leaves index rows whose files are gone, never files without rows, and the
+same selection re-run finishes the job (deleting a missing file is a no-op);
+`cachectl sync` reconciles anything else.
+"""
+
+from __future__ import annotations
+
+import os
+import posixpath
+import signal
+import time
+from collections import defaultdict
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from cachectl.entries import ATIME_SUFFIX, CACHE_SUFFIX, LOCKFILE
+from cachectl.index import Index
+from cachectl.index.lifecycle_queries import delete_entry_rows
+from cachectl.lifecycle.lease import Lease
+from cachectl.store import DELETE_BATCH, Store
+
+# Test hooks, read only by the executor: kill this process (SIGKILL) right
+# after the Nth storage batch, before the index learns of it — the worst
+# moment to crash; and sleep after each batch, so a test can overlap runs.
+CRASH_HOOK = "CACHECTL_TEST_CRASH_AFTER_BATCHES"
+DELAY_HOOK = "CACHECTL_TEST_BATCH_DELAY_S"
+
+
+@dataclass(frozen=True, slots=True)
+class PlannedEntry:
+    """One entry file to delete (plus its -atime sidecar where JAX eviction is on)."""
+
+    environment_id: int
+    namespace: str
+    key: str
+    size: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class PlannedNamespace:
+    """A namespace deleted as one unit; its environment row is marked deleted."""
+
+    environment_id: int
+    digest: str
+    namespace: str
+    jax_version: str
+    entries: int
+    bytes: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class Protected:
+    """Something the plan leaves alone on purpose, and why."""
+
+    namespace: str
+    reason: str
+    entries: int = 0
+    bytes: int = 0
+
+
+@dataclass
+class DeletionPlan:
+    """What prune or gc will delete: namespaces whole, entries one by one."""
+
+    operation: str
+    cache: str
+    root: str
+    criteria: dict[str, Any]
+    namespaces: list[PlannedNamespace] = field(default_factory=list)
+    entries: list[PlannedEntry] = field(default_factory=list)
+    protected: list[Protected] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    __json_extra__ = ("entry_count", "bytes_to_free")
+
+    @property
+    def entry_count(self) -> int:
+        return sum(n.entries for n in self.namespaces) + len(self.entries)
+
+    @property
+    def bytes_to_free(self) -> int:
+        return sum(n.bytes for n in self.namespaces) + sum(e.size for e in self.entries)
+
+    @property
+    def empty(self) -> bool:
+        return not (self.namespaces or self.entries)
+
+
+@dataclass(frozen=True)
+class ExecutionResult:
+    namespaces_deleted: int
+    entries_deleted: int
+    bytes_freed: int
+    storage_calls: int
+    index_rows_removed: int
+    duration_s: float
+
+
+def _hook_int(name: str) -> int:
+    try:
+        return int(os.environ.get(name, "0") or 0)
+    except ValueError:
+        return 0
+
+
+def _hook_float(name: str) -> float:
+    try:
+        return float(os.environ.get(name, "0") or 0)
+    except ValueError:
+        return 0.0
+
+
+class _Hooks:
+    def __init__(self) -> None:
+        self.crash_after = _hook_int(CRASH_HOOK)
+        self.delay = _hook_float(DELAY_HOOK)
+        self.batches = 0
+
+    def after_storage_batch(self) -> None:
+        self.batches += 1
+        if self.crash_after and self.batches >= self.crash_after:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def after_batch(self) -> None:
+        if self.delay:
+            time.sleep(self.delay)
+
+
+def _entry_batches(entries: Sequence[PlannedEntry], sidecar_ns: set[str],
+                   batch_size: int) -> Iterator[tuple[list[PlannedEntry], list[str]]]:
+    """Entries grouped so each batch holds at most ``batch_size`` paths."""
+    batch: list[PlannedEntry] = []
+    paths: list[str] = []
+    for e in entries:
+        mine = [f"{e.namespace}/{e.key}{CACHE_SUFFIX}"]
+        if e.namespace in sidecar_ns:
+            mine.append(f"{e.namespace}/{e.key}{ATIME_SUFFIX}")
+        if paths and len(paths) + len(mine) > batch_size:
+            yield batch, paths
+            batch, paths = [], []
+        batch.append(e)
+        paths.extend(mine)
+    if batch:
+        yield batch, paths
+
+
+def _remove_empty_parents(store: Store, namespace: str) -> None:
+    """Local disk: drop the jax-*/hw-* directories a namespace delete left empty."""
+    if not store.is_local:
+        return
+    parent = posixpath.dirname(namespace)
+    while parent:
+        try:
+            os.rmdir(store.url_for(parent))
+        except OSError:
+            return
+        parent = posixpath.dirname(parent)
+
+
+def execute_plan(index: Index, store: Store, plan: DeletionPlan, *, lease: Lease | None = None,
+                 batch_size: int = DELETE_BATCH) -> ExecutionResult:
+    """Carry out a plan: storage first, then the index, batch by batch; then audit it."""
+    batch_size = max(1, min(batch_size, DELETE_BATCH))
+    started = time.monotonic()
+    hooks = _Hooks()
+    calls = rows = ns_done = entries_done = freed = 0
+    for ns in plan.namespaces:
+        store.delete_tree(ns.namespace)
+        calls += 1
+        hooks.after_storage_batch()
+        _remove_empty_parents(store, ns.namespace)
+        index.mark_environment_deleted(ns.environment_id)
+        rows += ns.entries
+        ns_done += 1
+        entries_done += ns.entries
+        freed += ns.bytes
+        hooks.after_batch()
+        if lease:
+            lease.check()
+    # Sidecars exist only where JAX's own eviction ran (it leaves a .lockfile).
+    sidecar_ns = {n for n in {e.namespace for e in plan.entries} if store.exists(f"{n}/{LOCKFILE}")}
+    for batch, paths in _entry_batches(plan.entries, sidecar_ns, batch_size):
+        store.delete(paths, batch_size=len(paths))  # one rm call for the whole batch
+        calls += 1
+        hooks.after_storage_batch()
+        by_env: dict[int, list[str]] = defaultdict(list)
+        for e in batch:
+            by_env[e.environment_id].append(e.key)
+        rows += delete_entry_rows(index, by_env)
+        entries_done += len(batch)
+        freed += sum(e.size for e in batch)
+        hooks.after_batch()
+        if lease:
+            lease.check()
+    duration = time.monotonic() - started
+    result = ExecutionResult(ns_done, entries_done, freed, calls, rows, duration)
+    index.audit(
+        plan.operation, cache=plan.cache, entries=entries_done, nbytes=freed,
+        duration_ms=int(duration * 1000),
+        details={
+            "criteria": plan.criteria,
+            "namespaces_deleted": ns_done,
+            "namespaces": [n.namespace for n in plan.namespaces[:100]],
+            "entries_deleted": entries_done,
+            "storage_calls": calls,
+            "index_rows_removed": rows,
+            "protected": [f"{p.namespace}: {p.reason}" for p in plan.protected[:100]],
+        },
+    )
+    return result
+
+
+@dataclass(frozen=True)
+class LifecycleResult:
+    """A plan and, unless it was a dry run, what executing it did."""
+
+    plan: DeletionPlan
+    execution: ExecutionResult | None
+    dry_run: bool
+    planning_s: float

@@ -1,0 +1,252 @@
+"""`cachectl prune`: delete what selectors name, planned from the index.
+
+Selectors combine with AND. Environment-level ones (--jax-version,
+--superseded, --env) pick namespaces; entry-level ones (--older-than,
+--unused-for, --function) pick entries inside them. A namespace whose every
+entry is picked goes as one unit (one recursive delete, environment row
+marked deleted). Environments with a warm in progress are left alone.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+
+from packaging.specifiers import InvalidSpecifier, SpecifierSet
+from packaging.version import InvalidVersion, Version
+
+from cachectl.context import Context
+from cachectl.errors import BadInput
+from cachectl.index import CacheInfo
+from cachectl.index.lifecycle_queries import (
+    EnvSummary,
+    environments,
+    iter_selected_entries,
+    selected_totals,
+    warms_in_progress,
+)
+from cachectl.index.models import utcnow
+from cachectl.lifecycle import lease as leases
+from cachectl.lifecycle.plan import (
+    DeletionPlan,
+    LifecycleResult,
+    PlannedEntry,
+    PlannedNamespace,
+    Protected,
+    execute_plan,
+)
+from cachectl.permissions import check_writer
+from cachectl.store import DELETE_BATCH, Store
+from cachectl.units import format_duration, parse_duration
+
+
+@dataclass(frozen=True)
+class PruneCriteria:
+    """Validated selectors; build with criteria() so bad input fails before anything runs."""
+
+    older_than: timedelta | None = None
+    unused_for: timedelta | None = None
+    jax_version: str | None = None
+    superseded: bool = False
+    keep: int | None = None
+    env: str | None = None
+    function: str | None = None
+    from_retention: bool = False
+
+    @property
+    def any(self) -> bool:
+        return any((self.older_than, self.unused_for, self.jax_version, self.superseded,
+                    self.env, self.function))
+
+    @property
+    def entry_level(self) -> bool:
+        return any((self.older_than, self.unused_for, self.function))
+
+
+def _specifier(text: str) -> SpecifierSet:
+    try:
+        spec = SpecifierSet(text.strip())
+    except InvalidSpecifier as exc:
+        raise BadInput(f"bad --jax-version {text!r}: use a PEP 440 specifier such as '<0.10' or '>=0.4,<0.5'") from exc
+    if not str(spec):
+        raise BadInput("empty --jax-version: use a PEP 440 specifier such as '<0.10'")
+    return spec
+
+
+def criteria(*, older_than: str | timedelta | None = None, unused_for: str | timedelta | None = None,
+             jax_version: str | None = None, superseded: bool = False, keep: int | None = None,
+             env: str | None = None, function: str | None = None) -> PruneCriteria:
+    """Parse and check selectors: one-line BadInput (exit 2) for anything unusable."""
+    def duration(flag: str, value: str | timedelta | None) -> timedelta | None:
+        if value is None or isinstance(value, timedelta):
+            return value
+        parsed = parse_duration(value)
+        if parsed.total_seconds() <= 0:
+            raise BadInput(f"{flag} must be positive, got {value!r}")
+        return parsed
+
+    if jax_version is not None:
+        _specifier(jax_version)
+    if keep is not None and not superseded:
+        raise BadInput("--keep only goes with --superseded: e.g. `cachectl prune --superseded --keep 2`")
+    if keep is not None and keep < 1:
+        raise BadInput(f"--keep must be at least 1, got {keep}")
+    if function is not None and not function.strip():
+        raise BadInput("empty --function: give a function name as `cachectl ls` shows it")
+    if env is not None and not env.strip():
+        raise BadInput("empty --env: give a digest prefix from `cachectl ls`")
+    return PruneCriteria(duration("--older-than", older_than), duration("--unused-for", unused_for),
+                         jax_version, superseded, keep, env, function)
+
+
+def _version(text: str) -> Version | None:
+    try:
+        return Version(text)
+    except InvalidVersion:
+        return None
+
+
+def superseded_envs(envs: list[EnvSummary], keep: int) -> dict[int, str]:
+    """environment id -> reason, for all but the newest ``keep`` JAX versions of each hardware group.
+
+    A group is one backend, device kind, device count and set of XLA flags:
+    the environments an upgrade replaces are the older versions inside it.
+    """
+    groups: dict[tuple[object, ...], list[EnvSummary]] = defaultdict(list)
+    for e in envs:
+        groups[(e.backend, e.device_kind, e.device_count, e.xla_flags)].append(e)
+    out: dict[int, str] = {}
+    for members in groups.values():
+        versions = sorted({v for e in members if (v := _version(e.jax_version)) is not None}, reverse=True)
+        kept = versions[:keep]
+        if len(versions) <= keep:
+            continue
+        newest = ", ".join(str(v) for v in kept)
+        for e in members:
+            v = _version(e.jax_version)
+            if v is not None and v not in kept:
+                out[e.id] = f"jax {e.jax_version} superseded (keeping {newest})"
+    return out
+
+
+def plan_prune(ctx: Context, cache: CacheInfo, crit: PruneCriteria, *,
+               now: datetime | None = None, store: Store | None = None) -> DeletionPlan:
+    """Build the prune plan from index queries alone."""
+    now = now or utcnow()
+    store = store or ctx.store(cache)
+    if not crit.any:
+        if not cache.retention_seconds:
+            raise BadInput(
+                "prune needs a selector (--older-than, --unused-for, --jax-version, --superseded, --env, "
+                f"--function), or a retention on the cache: `cachectl cache set {cache.name} --retention 30d`"
+            )
+        crit = PruneCriteria(older_than=timedelta(seconds=cache.retention_seconds), from_retention=True)
+    keep = crit.keep or cache.keep_versions or 1
+    plan = DeletionPlan("prune", cache.name, store.url, _criteria_dict(crit, keep))
+    if crit.from_retention:
+        plan.notes.append(f"no selector given: using the cache's retention, --older-than "
+                          f"{format_duration(crit.older_than)}")
+    all_envs = environments(ctx.index, cache.name)
+    env_reasons: dict[int, list[str]] = {e.id: [] for e in all_envs}
+    candidates = list(all_envs)
+    if crit.env:
+        target = ctx.index.find_environment(cache.name, crit.env)  # unknown/ambiguous: exit 2
+        candidates = [e for e in candidates if e.id == target.id]
+        for e in candidates:
+            env_reasons[e.id].append(f"environment {e.digest[:16]}")
+    if crit.jax_version:
+        spec = _specifier(crit.jax_version)
+        kept = []
+        for e in candidates:
+            v = _version(e.jax_version)
+            if v is None:
+                plan.notes.append(f"{e.namespace}: jax version {e.jax_version!r} is not PEP 440; not matched")
+            elif spec.contains(v, prereleases=True):
+                kept.append(e)
+                env_reasons[e.id].append(f"jax {e.jax_version} matches {spec}")
+        candidates = kept
+    if crit.superseded:
+        old = superseded_envs(all_envs, keep)
+        candidates = [e for e in candidates if e.id in old]
+        for e in candidates:
+            env_reasons[e.id].append(old[e.id])
+
+    warming = warms_in_progress(ctx.index, [e.id for e in candidates], now=now)
+    for e in candidates:
+        if e.id in warming:
+            w = warming[e.id]
+            plan.protected.append(Protected(e.namespace, f"warm run {w.run_id} in progress on {w.user}@{w.host}",
+                                            e.entries, e.bytes))
+    candidates = [e for e in candidates if e.id not in warming]
+
+    created_before = now - crit.older_than if crit.older_than else None
+    unused_before = now - crit.unused_for if crit.unused_for else None
+    entry_reasons = []
+    if created_before:
+        entry_reasons.append(f"created before {created_before:%Y-%m-%d %H:%M}")
+    if unused_before:
+        entry_reasons.append(f"unused since {unused_before:%Y-%m-%d %H:%M}")
+    if crit.function:
+        entry_reasons.append(f"function {crit.function}")
+
+    by_id = {e.id: e for e in candidates}
+    if crit.entry_level:
+        picked = selected_totals(ctx.index, list(by_id), created_before=created_before,
+                                 unused_before=unused_before, function=crit.function)
+        whole = [by_id[i] for i, (n, _b) in picked.items() if n == by_id[i].entries]
+        partial = sorted(i for i, (n, _b) in picked.items() if n < by_id[i].entries)
+    else:
+        whole, partial = candidates, []
+    for e in sorted(whole, key=lambda e: e.namespace):
+        reason = "; ".join(env_reasons[e.id] + entry_reasons) or "selected"
+        if crit.entry_level:
+            reason += "; every entry selected"
+        plan.namespaces.append(PlannedNamespace(e.id, e.digest, e.namespace, e.jax_version,
+                                                e.entries, e.bytes, reason))
+    if partial:
+        reason = "; ".join(entry_reasons)
+        for ref in iter_selected_entries(ctx.index, partial, created_before=created_before,
+                                         unused_before=unused_before, function=crit.function):
+            plan.entries.append(PlannedEntry(ref.environment_id, by_id[ref.environment_id].namespace,
+                                             ref.key, ref.size, reason))
+        plan.entries.sort(key=lambda e: (e.namespace, e.key))
+    return plan
+
+
+def _criteria_dict(crit: PruneCriteria, keep: int) -> dict[str, object]:
+    out: dict[str, object] = {}
+    if crit.older_than:
+        out["older_than"] = format_duration(crit.older_than)
+    if crit.unused_for:
+        out["unused_for"] = format_duration(crit.unused_for)
+    if crit.jax_version:
+        out["jax_version"] = crit.jax_version
+    if crit.superseded:
+        out["superseded"] = True
+        out["keep"] = keep
+    if crit.env:
+        out["env"] = crit.env
+    if crit.function:
+        out["function"] = crit.function
+    if crit.from_retention:
+        out["from_retention"] = True
+    return out
+
+
+def prune(ctx: Context, cache: CacheInfo, crit: PruneCriteria, *, dry_run: bool = False,
+          batch_size: int = DELETE_BATCH, now: datetime | None = None) -> LifecycleResult:
+    """Plan, and unless ``dry_run``, execute under the cache's lifecycle lease."""
+    if dry_run:
+        started = time.monotonic()
+        plan = plan_prune(ctx, cache, crit, now=now)
+        return LifecycleResult(plan, None, True, time.monotonic() - started)
+    check_writer(cache, "prune")
+    store = ctx.store(cache)
+    with leases.held(ctx.index, cache.name, "prune") as lease:
+        started = time.monotonic()
+        plan = plan_prune(ctx, cache, crit, now=now, store=store)
+        planning = time.monotonic() - started
+        execution = execute_plan(ctx.index, store, plan, lease=lease, batch_size=batch_size)
+    return LifecycleResult(plan, execution, False, planning)

@@ -1,0 +1,338 @@
+"""`cachectl verify`: every indexed entry exists, matches its checksum and decompresses.
+
+One recursive listing of the root, then every indexed entry is read (in a
+thread pool: on object stores each read is a round trip), hashed and its
+header checked. Files in a namespace the index does not know are "unknown
+writer" findings. With --quarantine, unknown, corrupt and mismatched files
+move to ``<root>/.quarantine/<UTC timestamp>/<namespace>/<file>`` (outside
+every namespace, so JAX never reads them) and their index rows go; with
+--repair (implied by --quarantine) JAX's sidecars are fixed: an ``-atime``
+without its ``-cache`` is deleted, a ``-cache`` without its ``-atime`` in a
+namespace where JAX's own eviction runs (a ``.lockfile`` exists) gets a
+fresh one, and rows of missing files are dropped. Any finding means exit 1.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter, defaultdict
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+
+from cachectl.context import Context
+from cachectl.entries import (
+    ATIME_SUFFIX,
+    CACHE_SUFFIX,
+    CorruptEntry,
+    Kind,
+    classify,
+    parse_entry_filename,
+    read_header,
+    sha256,
+)
+from cachectl.errors import BadInput
+from cachectl.index import CacheInfo
+from cachectl.index.lifecycle_queries import (
+    WARM_HEARTBEAT_WINDOW,
+    delete_entry_rows,
+    entry_digests,
+    environments,
+    warms_in_progress,
+)
+from cachectl.index.models import utcnow
+from cachectl.lifecycle import lease as leases
+from cachectl.lifecycle.lease import Lease
+from cachectl.lifecycle.sync import _group_by_namespace
+from cachectl.namespace import QUARANTINE_DIR, read_env_json
+from cachectl.permissions import check_writer
+from cachectl.store import FileInfo, Store
+from cachectl.units import format_duration
+
+# Kinds of finding, and what --quarantine / --repair does about each.
+MISSING = "missing"            # index row, no file: row dropped (repair)
+CORRUPT = "corrupt"            # does not decompress / header insane: quarantined
+MISMATCH = "mismatch"          # decompresses, but size or sha256 differ from the index: quarantined
+UNKNOWN = "unknown-writer"     # a file in a namespace the index does not know: quarantined
+ORPHAN_ATIME = "orphan-atime"  # -atime without -cache: deleted (repair)
+MISSING_ATIME = "missing-atime"  # -cache without -atime where JAX eviction is on: written (repair)
+BAD_ENV = "bad-env-json"       # env.json unreadable or for another environment: reported
+UNINDEXED_NAMESPACE = "unindexed-namespace"  # a whole namespace the index lacks: `cachectl sync`
+MISSING_NAMESPACE = "missing-namespace"      # an indexed namespace with no files: `cachectl sync`
+
+QUARANTINE, DROP_ROW, DELETE_ATIME, WRITE_ATIME = "quarantine", "drop-row", "delete-atime", "write-atime"
+# An unknown file younger than this may be a writer's between its storage
+# write and its index row: reported, not quarantined (verify --min-age).
+RECENT_GRACE = WARM_HEARTBEAT_WINDOW
+
+
+@dataclass(frozen=True, slots=True)
+class Finding:
+    kind: str
+    namespace: str
+    path: str  # relative to the cache root
+    detail: str
+    action: str = ""  # what execution does about it ("" = nothing)
+    environment_id: int | None = None
+    key: str | None = None
+
+
+@dataclass
+class VerifyPlan:
+    cache: str
+    root: str
+    entries_checked: int = 0
+    bytes_read: int = 0
+    files_listed: int = 0
+    namespaces: int = 0
+    findings: list[Finding] = field(default_factory=list)
+    quarantine_dir: str | None = None
+
+    __json_extra__ = ("counts",)
+
+    @property
+    def counts(self) -> dict[str, int]:
+        return dict(Counter(f.kind for f in self.findings))
+
+
+@dataclass(frozen=True)
+class VerifyResult:
+    plan: VerifyPlan
+    quarantined: int
+    atimes_deleted: int
+    atimes_written: int
+    rows_dropped: int
+    dry_run: bool
+    duration_s: float
+
+    __json_extra__ = ("ok",)
+
+    @property
+    def ok(self) -> bool:
+        return not self.plan.findings
+
+
+def _check_entry(store: Store, path: str, size: int, digest: str) -> tuple[str | None, str, int]:
+    """(kind or None, detail, bytes read) for one indexed entry file."""
+    try:
+        data = store.read_bytes(path)
+    except FileNotFoundError:
+        return MISSING, "file is gone", 0
+    problems = []
+    corrupt = None
+    try:
+        read_header(data)
+    except CorruptEntry as exc:
+        corrupt = str(exc)
+    if len(data) != size:
+        problems.append(f"{len(data)} bytes, index says {size}")
+    if sha256(data) != digest:
+        problems.append("sha256 differs from the index")
+    if corrupt:
+        return CORRUPT, "; ".join([corrupt, *problems]), len(data)
+    if problems:
+        return MISMATCH, "; ".join(problems), len(data)
+    return None, "", len(data)
+
+
+def _workers(store: Store) -> int:
+    # Object store reads wait on the network: overlap them. Local reads of
+    # small files are bound by Python's per-file work under the GIL, where
+    # threads measured slower than one loop (bench/lifecycle.py).
+    return 1 if store.is_local else 32
+
+
+def plan_verify(ctx: Context, cache: CacheInfo, *, env_prefix: str | None = None, quarantine: bool = False,
+                repair: bool = False, now: datetime | None = None, lease: Lease | None = None,
+                workers: int | None = None, min_age: timedelta = RECENT_GRACE,
+                store: Store | None = None) -> VerifyPlan:
+    """Check storage against the index; findings carry the action execution would take."""
+    now = now or utcnow()
+    repair = repair or quarantine
+    store = store or ctx.store(cache)
+    store.check_reachable()
+    plan = VerifyPlan(cache.name, store.url)
+    if quarantine:
+        plan.quarantine_dir = f"{QUARANTINE_DIR}/{now:%Y%m%dT%H%M%SZ}"
+    envs = {e.namespace: e for e in environments(ctx.index, cache.name)}
+    if env_prefix:
+        target = ctx.index.find_environment(cache.name, env_prefix)
+        envs = {ns: e for ns, e in envs.items() if e.id == target.id}
+        listing = store.list(target.namespace)  # paths stay relative to the root
+    else:
+        listing = store.list("")
+    plan.files_listed = len(listing)
+    groups, _strays = _group_by_namespace(listing)
+    warming = warms_in_progress(ctx.index, [e.id for e in envs.values()], now=now)
+    checks: list[tuple[str, str, int, str, int]] = []  # (namespace, key, size, sha, env id)
+    atime_needed: dict[str, list[tuple[str, str]]] = {}
+
+    def act(action: str) -> str:
+        return action if (quarantine if action == QUARANTINE else repair) else ""
+
+    for ns in sorted(set(groups) | set(envs)):
+        files = groups.get(ns, [])
+        env = envs.get(ns)
+        if env is None:
+            plan.findings.append(Finding(UNINDEXED_NAMESPACE, ns, ns,
+                                         f"{len(files)} file(s) in a namespace the index does not know: "
+                                         "run `cachectl sync` to adopt it"))
+            continue
+        plan.namespaces += 1
+        if not files:
+            if env.entries:
+                plan.findings.append(Finding(MISSING_NAMESPACE, ns, ns,
+                                             f"indexed with {env.entries} entries but no files in storage: "
+                                             "run `cachectl sync`", environment_id=env.id))
+            continue
+        indexed = entry_digests(ctx.index, env.id)
+        names = {rel: info for rel, info in files}
+        has_lockfile = any(classify(rel) is Kind.LOCKFILE for rel in names)
+        entry_keys: set[str] = set()
+        for rel, info in sorted(names.items()):
+            kind = classify(rel)
+            path = f"{ns}/{rel}"
+            if kind is Kind.ENTRY:
+                parsed = parse_entry_filename(rel)
+                assert parsed is not None
+                entry_keys.add(parsed.key)
+                if parsed.key in indexed:
+                    size, digest = indexed[parsed.key]
+                    checks.append((ns, parsed.key, size, digest, env.id))
+                else:
+                    plan.findings.append(_unknown(ns, path, info, now, min_age, env.id in warming,
+                                                  act(QUARANTINE), env.id, parsed.key))
+            elif kind is Kind.ATIME:
+                key = rel[: -len(ATIME_SUFFIX)]
+                if f"{key}{CACHE_SUFFIX}" not in names:
+                    plan.findings.append(Finding(ORPHAN_ATIME, ns, path, "-atime without its -cache",
+                                                 act(DELETE_ATIME), env.id, key))
+            elif kind is Kind.ENV:
+                try:
+                    found = read_env_json(store, ns)
+                    if found.digest != env.digest:
+                        plan.findings.append(Finding(BAD_ENV, ns, path,
+                                                     f"describes environment {found.digest[:16]}, index says {env.digest[:16]}"))
+                except (BadInput, FileNotFoundError) as exc:
+                    plan.findings.append(Finding(BAD_ENV, ns, path, str(exc)))
+            elif kind is Kind.OTHER:
+                plan.findings.append(_unknown(ns, path, info, now, min_age, env.id in warming,
+                                                  act(QUARANTINE), env.id, None))
+        for key in sorted(set(indexed) - entry_keys):
+            plan.findings.append(Finding(MISSING, ns, f"{ns}/{key}{CACHE_SUFFIX}", "indexed, but no file in storage",
+                                         act(DROP_ROW), env.id, key))
+        if has_lockfile:
+            atime_needed[ns] = [(key, f"{ns}/{key}{CACHE_SUFFIX}") for key in sorted(entry_keys)
+                                if f"{key}{ATIME_SUFFIX}" not in names]
+
+    bad: set[str] = set()
+    workers = workers or _workers(store)
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        def check(c: tuple[str, str, int, str, int]) -> tuple[str | None, str, int]:
+            return _check_entry(store, f"{c[0]}/{c[1]}{CACHE_SUFFIX}", c[2], c[3])
+
+        results = pool.map(check, checks) if workers > 1 else map(check, checks)
+        for (ns, key, _size, _sha, env_id), (kind, detail, nread) in zip(checks, results, strict=True):
+            plan.entries_checked += 1
+            plan.bytes_read += nread
+            if lease is not None:
+                lease.check()
+            if kind is None:
+                continue
+            path = f"{ns}/{key}{CACHE_SUFFIX}"
+            bad.add(path)
+            action = act(DROP_ROW) if kind == MISSING else act(QUARANTINE)
+            plan.findings.append(Finding(kind, ns, path, detail, action, env_id, key))
+    unknown = {f.path for f in plan.findings if f.kind == UNKNOWN}
+    for ns, items in atime_needed.items():
+        for key, path in items:
+            if path not in bad and path not in unknown:
+                plan.findings.append(Finding(MISSING_ATIME, ns, f"{ns}/{key}{ATIME_SUFFIX}",
+                                             "-cache without -atime while JAX eviction is on (.lockfile): "
+                                             "JAX's size limit fails on it", act(WRITE_ATIME), envs[ns].id, key))
+    plan.findings.sort(key=lambda f: (f.namespace, f.path, f.kind))
+    return plan
+
+
+def _unknown(ns: str, path: str, info: FileInfo, now: datetime, min_age: timedelta, warming: bool,
+             action: str, env_id: int, key: str | None) -> Finding:
+    detail = "not in the index (unknown writer; `cachectl sync` adopts entries services wrote)"
+    if warming:
+        return Finding(UNKNOWN, ns, path, detail + "; warm in progress: not quarantined", "", env_id, key)
+    if action and info.mtime is not None and now - info.mtime < min_age:
+        return Finding(UNKNOWN, ns, path, detail + f"; younger than --min-age {format_duration(min_age)}: "
+                       "not quarantined", "", env_id, key)
+    return Finding(UNKNOWN, ns, path, detail, action, env_id, key)
+
+
+def execute_verify(ctx: Context, cache: CacheInfo, plan: VerifyPlan, *, started: float,
+                   store: Store | None = None) -> VerifyResult:
+    """Move, delete, write and drop what the findings say; then audit."""
+    store = store or ctx.store(cache)
+    by_action: dict[str, list[Finding]] = defaultdict(list)
+    for f in plan.findings:
+        if f.action:
+            by_action[f.action].append(f)
+    moved: list[str] = []
+    rows: dict[int, list[str]] = defaultdict(list)
+    to_move = by_action[QUARANTINE]
+    if to_move:
+        assert plan.quarantine_dir is not None
+
+        def move(f: Finding) -> str | None:
+            try:
+                store.move(f.path, f"{plan.quarantine_dir}/{f.path}")
+                return f.path
+            except FileNotFoundError:
+                return None
+
+        with ThreadPoolExecutor(max_workers=_workers(store)) as pool:
+            moved = [p for p in pool.map(move, to_move) if p]
+        for f in to_move:
+            if f.kind in (CORRUPT, MISMATCH) and f.environment_id is not None and f.key:
+                rows[f.environment_id].append(f.key)
+        # A moved entry's -atime would be an orphan: remove it with the entry.
+        store.delete(f"{f.namespace}/{f.key}{ATIME_SUFFIX}" for f in to_move if f.key)
+    for f in by_action[DROP_ROW]:
+        if f.environment_id is not None and f.key:
+            rows[f.environment_id].append(f.key)
+    dropped = delete_entry_rows(ctx.index, rows) if rows else 0
+    orphans = [f.path for f in by_action[DELETE_ATIME]]
+    if orphans:
+        store.delete(orphans)
+    written = 0
+    for f in by_action[WRITE_ATIME]:
+        store.write_bytes(f.path, time.time_ns().to_bytes(8, "little"))
+        written += 1
+    duration = time.monotonic() - started
+    ctx.index.audit(
+        "verify", cache=cache.name, entries=plan.entries_checked, nbytes=plan.bytes_read,
+        duration_ms=int(duration * 1000),
+        details={"findings": plan.counts, "quarantined": len(moved), "quarantine_dir": plan.quarantine_dir,
+                 "moved": moved[:200], "atimes_deleted": len(orphans), "atimes_written": written,
+                 "rows_dropped": dropped},
+    )
+    return VerifyResult(plan, len(moved), len(orphans), written, dropped, False, duration)
+
+
+def verify(ctx: Context, cache: CacheInfo, *, env_prefix: str | None = None, quarantine: bool = False,
+           repair: bool = False, dry_run: bool = False, now: datetime | None = None,
+           min_age: timedelta = RECENT_GRACE) -> VerifyResult:
+    """Check; with quarantine/repair (and not a dry run) fix, under the cache's lifecycle lease."""
+    started = time.monotonic()
+    store = ctx.store(cache)
+    mutating = (quarantine or repair) and not dry_run
+    if not mutating:
+        plan = plan_verify(ctx, cache, env_prefix=env_prefix, quarantine=quarantine, repair=repair, now=now,
+                           min_age=min_age, store=store)
+        if dry_run:
+            return VerifyResult(plan, 0, 0, 0, 0, True, time.monotonic() - started)
+        duration = time.monotonic() - started
+        ctx.index.audit("verify", cache=cache.name, entries=plan.entries_checked, nbytes=plan.bytes_read,
+                        duration_ms=int(duration * 1000), details={"findings": plan.counts})
+        return VerifyResult(plan, 0, 0, 0, 0, False, duration)
+    check_writer(cache, "quarantine or repair")
+    with leases.held(ctx.index, cache.name, "verify") as lease:
+        plan = plan_verify(ctx, cache, env_prefix=env_prefix, quarantine=quarantine, repair=repair, now=now,
+                           lease=lease, min_age=min_age, store=store)
+        return execute_verify(ctx, cache, plan, started=started, store=store)
