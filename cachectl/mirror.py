@@ -15,10 +15,8 @@ A mirror directory holds the JAX files directly (JAX is pointed at it) plus the
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import tempfile
 import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -125,18 +123,8 @@ def _parallel(fn: Callable[[str], T], items: Iterable[str], workers: int) -> lis
 
 
 def _atomic_write(path: Path, data: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.chmod(tmp, FILE_MODE)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
+    """Readers of the mirror (JAX) see a whole entry or none: the Store's atomic write."""
+    Store(str(path.parent)).write_bytes(path.name, data, mode=FILE_MODE)
 
 
 def _error(exc: Exception) -> str:
