@@ -30,6 +30,10 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+from bench.common import write_section  # noqa: E402
+
 MANIFEST = REPO / "examples" / "manifest.yaml"
 BENCHMARKS = REPO / "BENCHMARKS.md"
 SECTION = "## Warm"
@@ -278,20 +282,6 @@ def markdown(result: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_section(text: str, path: Path = BENCHMARKS) -> None:
-    """Replace (or append) the ``## Warm`` section, leaving other sections alone."""
-    existing = path.read_text() if path.exists() else "# Benchmarks\n\n"
-    lines = existing.splitlines(keepends=True)
-    start = next((i for i, line in enumerate(lines) if line.strip() == SECTION), None)
-    if start is None:
-        body = existing.rstrip("\n") + "\n\n" + text
-    else:
-        end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), len(lines))
-        tail = "".join(lines[end:])
-        body = "".join(lines[:start]) + text + ("\n" + tail if tail else "")
-    path.write_text(body)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="one repetition")
@@ -301,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
     result = run(quick=args.quick, reps=args.reps)
     print(json.dumps({k: v for k, v in result.items() if k != "samples"}, indent=2))
     if not args.no_write:
-        write_section(markdown(result))
+        write_section(SECTION, markdown(result))
         print(f"wrote the {SECTION!r} section of {BENCHMARKS}", file=sys.stderr)
     return 0
 
