@@ -111,6 +111,8 @@ class Entry(Base):
         Index("ix_entries_created", "created_at"),
         Index("ix_entries_function", "function"),
         Index("ix_entries_warm_run", "warm_run_id"),
+        # Covers the per-environment totals (count, bytes) every plan starts from.
+        Index("ix_entries_env_size", "environment_id", "size_bytes"),
     )
 
     id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True)
