@@ -47,9 +47,12 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 BENCHMARKS = REPO / "BENCHMARKS.md"
 SECTION = "## Lifecycle"
+sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tests"))  # tests/infra.py: the moto server and PostgreSQL helpers
 
 import infra  # noqa: E402
+
+from bench.common import write_section  # noqa: E402
 
 # gcsfs imported first (a suite running several benches) makes this raise: this bench uses no GCS.
 with contextlib.suppress(RuntimeError):
@@ -532,20 +535,6 @@ def markdown(r: dict[str, Any]) -> str:
     return out.getvalue()
 
 
-def write_section(text: str, path: Path = BENCHMARKS) -> None:
-    """Replace (or append) the ``## Lifecycle`` section, leaving other sections alone."""
-    existing = path.read_text() if path.exists() else "# Benchmarks\n\n"
-    lines = existing.splitlines(keepends=True)
-    start = next((i for i, line in enumerate(lines) if line.strip() == SECTION), None)
-    if start is None:
-        body = existing.rstrip("\n") + "\n\n" + text
-    else:
-        end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), len(lines))
-        tail = "".join(lines[end:])
-        body = "".join(lines[:start]) + text + ("\n" + tail if tail else "")
-    path.write_text(body)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="20k local entries, 3k S3 objects, 200k planning rows")
@@ -554,7 +543,7 @@ def main(argv: list[str] | None = None) -> int:
     result = run(quick=args.quick)
     print(json.dumps(result, indent=2, default=str))
     if not args.no_write:
-        write_section(markdown(result))
+        write_section(SECTION, markdown(result))
         print(f"wrote the {SECTION!r} section of {BENCHMARKS}", file=sys.stderr)
     return 0
 
