@@ -37,9 +37,10 @@ def main(argv: list[str] | None = None) -> int:
     print(machine_line(info), file=sys.stderr)
     results: dict[str, object] = {"machine": info, "quick": args.quick}
     failed = []
+    sections: dict[str, str] = {}
     started = time.monotonic()
-    for name in names:
-        module = importlib.import_module(f"bench.{name}")
+    modules = [importlib.import_module(f"bench.{name}") for name in names]
+    for name, module in zip(names, modules, strict=True):
         print(f"bench: {name} ...", file=sys.stderr, flush=True)
         t0 = time.monotonic()
         try:
@@ -50,8 +51,9 @@ def main(argv: list[str] | None = None) -> int:
             continue
         results[name] = result
         print(f"bench: {name} done in {time.monotonic() - t0:.0f}s", file=sys.stderr, flush=True)
+        sections[module.SECTION] = module.markdown(result)
         if not args.no_write:
-            write_section(module.SECTION, module.markdown(result))
+            write_section(module.SECTION, sections[module.SECTION])  # kept even if a later part fails
     total = time.monotonic() - started
     if not args.no_write:
         command = "python -m bench" + (" --quick" if args.quick else "")
@@ -61,7 +63,12 @@ def main(argv: list[str] | None = None) -> int:
             "noisy: each table quotes medians with min–max and the ratio of two sides measured in the same "
             "run, alternating; compare ratios, not absolute times.\n"
         )
-        write_section("## How these numbers were made", header)
+        if not args.only and not failed:
+            # A whole run: rewrite the file in the suite's order, from this run alone.
+            body = "# Benchmarks\n\n" + header + "\n" + "\n".join(sections[m.SECTION] for m in modules)
+            BENCHMARKS.write_text(body)
+        else:
+            write_section("## How these numbers were made", header)
         print(f"bench: wrote {BENCHMARKS}", file=sys.stderr)
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(results, indent=2, default=str))

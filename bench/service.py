@@ -324,7 +324,8 @@ def run(quick: bool = False) -> dict[str, Any]:
             (tmp / sub).mkdir()
         out: dict[str, Any] = {
             "activation": bench_activation(tmp / "a", reps, k),
-            "hit_path": bench_hit_path(tmp / "h", reps, 2 * k),
+            # Hits cost milliseconds: more samples are cheap and the ratio needs them.
+            "hit_path": bench_hit_path(tmp / "h", max(reps, 4), 60),
             "mirror": bench_mirror(tmp / "m", 2 if quick else 3, k),
         }
     out["quick"] = quick

@@ -125,13 +125,13 @@ _SAMPLES = (
 def run(quick: bool = False, reps: int | None = None, budget_s: float = BUDGET_SECONDS) -> dict[str, Any]:
     """Run the benchmark; returns every sample and the summary numbers.
 
-    Up to 3 repetitions (``quick``: 1); another starts only if the one before
+    Up to 3 repetitions (``quick``: 2); another starts only if the one before
     suggests it fits in ``budget_s``, since the machine is shared. Every sample
     records wall time, CPU time and the load average when it started.
     """
     from cachectl.warm import default_jobs
 
-    max_reps = reps or (1 if quick else 3)
+    max_reps = reps or (2 if quick else 3)
     jobs = default_jobs()
     samples: dict[str, list[float]] = {k: [] for k in _SAMPLES}
     checks: list[str] = []
@@ -284,8 +284,8 @@ def markdown(result: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="one repetition")
-    parser.add_argument("--reps", type=int, help="repetitions (default 3, --quick 1)")
+    parser.add_argument("--quick", action="store_true", help="two repetitions")
+    parser.add_argument("--reps", type=int, help="repetitions (default 3, --quick 2)")
     parser.add_argument("--no-write", action="store_true", help="do not update BENCHMARKS.md")
     args = parser.parse_args(argv)
     result = run(quick=args.quick, reps=args.reps)
