@@ -10,7 +10,7 @@ import getpass
 import socket
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from datetime import datetime, timedelta
+from datetime import datetime, timedelta, timezone
 from typing import Any
 
 from sqlalchemy import delete, func, select, update
@@ -268,9 +268,7 @@ class Index:
                 q = q.where(EnvRow.deleted_at.is_(None))
             out = []
             for row, n, b, la in s.execute(q):
-                if la is not None and la.tzinfo is None:
-                    from datetime import timezone
-
+                if la is not None and la.tzinfo is None:  # SQLite's MAX() loses the column type
                     la = la.replace(tzinfo=timezone.utc)
                 out.append(_env_info(row, cache, n, b, la))
             return out
