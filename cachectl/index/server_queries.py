@@ -59,7 +59,7 @@ def locate(index: Index, cache: str, prefix: str, key: str | None = None) -> Loc
         columns: list[Any] = [Cache, EnvRow]
         q = (select(*columns).join(EnvRow, EnvRow.cache_id == Cache.id)
              .where(Cache.name == cache, EnvRow.digest.startswith(prefix), EnvRow.deleted_at.is_(None)).limit(2))
-        with index.session() as s:
+        with index.read_session() as s:
             rows = s.execute(q).all()
             if len(rows) == 1:
                 cache_row, env_row = rows[0]
@@ -75,7 +75,7 @@ def locate(index: Index, cache: str, prefix: str, key: str | None = None) -> Loc
 
 def environment_cache(index: Index, env_id: int) -> str | None:
     """The name of the cache an environment (by id) belongs to."""
-    with index.session() as s:
+    with index.read_session() as s:
         return s.scalar(select(Cache.name).join(EnvRow, EnvRow.cache_id == Cache.id).where(EnvRow.id == env_id))
 
 
@@ -121,7 +121,7 @@ def entries_page(index: Index, env_id: int, *, limit: int = 100, offset: int = 0
         "-size": (Entry.size_bytes.desc(), Entry.key),
         "-hits": (Entry.hit_count.desc(), Entry.key),
     }[order]
-    with index.session() as s:
+    with index.read_session() as s:
         total = s.scalar(select(func.count(Entry.id)).where(*conditions)) or 0
         rows = s.scalars(select(Entry).where(*conditions).order_by(*ordering).limit(limit).offset(offset))
         return EntryPage([_entry_info(r) for r in rows], int(total), limit, offset)
@@ -129,7 +129,7 @@ def entries_page(index: Index, env_id: int, *, limit: int = 100, offset: int = 0
 
 def cache_usage(index: Index, cache: str) -> tuple[int, int]:
     """(entries, bytes) of a cache's live environments, in one query."""
-    with index.session() as s:
+    with index.read_session() as s:
         q = (
             select(func.count(Entry.id), func.coalesce(func.sum(Entry.size_bytes), 0))
             .join(EnvRow, EnvRow.id == Entry.environment_id)
@@ -141,7 +141,7 @@ def cache_usage(index: Index, cache: str) -> tuple[int, int]:
 
 
 def environment_usage(index: Index, env_id: int) -> tuple[int, int]:
-    with index.session() as s:
+    with index.read_session() as s:
         q = select(func.count(Entry.id), func.coalesce(func.sum(Entry.size_bytes), 0)).where(
             Entry.environment_id == env_id)
         n, b = s.execute(q).one()
@@ -180,7 +180,7 @@ def create_job(index: Index, cache: str, kind: str, params: dict[str, Any]) -> J
 
 
 def get_job(index: Index, job_id: str) -> JobInfo:
-    with index.session() as s:
+    with index.read_session() as s:
         row = s.get(Job, job_id)
         if row is None:
             raise NotFound(f"no job {job_id!r}")
@@ -189,7 +189,7 @@ def get_job(index: Index, job_id: str) -> JobInfo:
 
 def list_jobs(index: Index, *, cache: str | None = None, caches: Sequence[str] | None = None,
               limit: int = 50) -> list[JobInfo]:
-    with index.session() as s:
+    with index.read_session() as s:
         q = select(Job).order_by(Job.created_at.desc()).limit(limit)
         if cache is not None:
             q = q.where(Job.cache_name == cache)
@@ -199,7 +199,7 @@ def list_jobs(index: Index, *, cache: str | None = None, caches: Sequence[str] |
 
 
 def active_jobs(index: Index, cache: str) -> list[JobInfo]:
-    with index.session() as s:
+    with index.read_session() as s:
         q = select(Job).where(Job.cache_name == cache, Job.status.in_(ACTIVE_STATUSES))
         return [_job(r) for r in s.scalars(q)]
 
@@ -219,7 +219,7 @@ def set_job_status(index: Index, job_id: str, status: str, *, result: dict[str, 
 
 def last_scheduled_job(index: Index, cache: str, schedule: str) -> JobInfo | None:
     """The newest job the scheduler started for ``schedule`` (params.scheduled): what says a run is not due."""
-    with index.session() as s:
+    with index.read_session() as s:
         q = select(Job).where(Job.cache_name == cache).order_by(Job.created_at.desc()).limit(200)
         for row in s.scalars(q):
             if (row.params or {}).get("scheduled") == schedule:
@@ -255,7 +255,7 @@ def telemetry_series(index: Index, cache: str, *, since: timedelta = timedelta(d
                      hourly: bool = True) -> list[TelemetryPoint]:
     """Requests, hits and misses per hour (or day) for a cache, oldest first."""
     bucket = _bucket_expr(index.dialect, TelemetryRecord.at, hourly).label("bucket")
-    with index.session() as s:
+    with index.read_session() as s:
         q = (
             select(bucket, func.sum(TelemetryRecord.requests), func.sum(TelemetryRecord.hits),
                    func.sum(TelemetryRecord.misses))
@@ -269,7 +269,7 @@ def telemetry_series(index: Index, cache: str, *, since: timedelta = timedelta(d
 
 def hit_rates(index: Index, cache: str) -> dict[int, tuple[int, int, int]]:
     """environment id -> (requests, hits, misses) over all recorded telemetry."""
-    with index.session() as s:
+    with index.read_session() as s:
         q = (
             select(TelemetryRecord.environment_id, func.sum(TelemetryRecord.requests),
                    func.sum(TelemetryRecord.hits), func.sum(TelemetryRecord.misses))
@@ -291,7 +291,7 @@ class BytesPoint:
 def bytes_series(index: Index, cache: str, *, hourly: bool = False) -> list[BytesPoint]:
     """Bytes of the entries held now, by when they were created (cumulative), oldest first."""
     bucket = _bucket_expr(index.dialect, Entry.created_at, hourly).label("bucket")
-    with index.session() as s:
+    with index.read_session() as s:
         q = (
             select(bucket, func.sum(Entry.size_bytes))
             .join(EnvRow, EnvRow.id == Entry.environment_id)

@@ -81,7 +81,7 @@ def record_telemetry(index: Index, env_id: int, batch: TelemetryBatch) -> int:
 def telemetry_stats(index: Index, cache: str, since: timedelta) -> TelemetryStats:
     """Hit rate, misses, writes and compile time saved per environment and function."""
     start = utcnow() - since
-    with index.session() as s:
+    with index.read_session() as s:
         cache_id = s.scalar(select(Cache.id).where(Cache.name == cache))
         if cache_id is None:
             index.get_cache(cache)  # raises the standard NotFound

@@ -119,7 +119,7 @@ def finish_run(index: Index, run_id: int, status: str, *, compiled: int, cached:
 
 
 def get_run(index: Index, run_id: int) -> WarmRunInfo:
-    with index.session() as s:
+    with index.read_session() as s:
         row = s.get(WarmRun, run_id)
         if row is None:
             raise NotFound(f"no warm run {run_id}: see `cachectl warm-runs`")
@@ -129,7 +129,7 @@ def get_run(index: Index, run_id: int) -> WarmRunInfo:
 def list_runs(index: Index, *, cache: str | None = None, environment_id: int | None = None,
               status: str | None = None, limit: int = 50) -> list[WarmRunInfo]:
     """Newest first, optionally for one cache, environment or status."""
-    with index.session() as s:
+    with index.read_session() as s:
         q = select(WarmRun).order_by(WarmRun.started_at.desc(), WarmRun.id.desc()).limit(limit)
         if environment_id is not None:
             q = q.where(WarmRun.environment_id == environment_id)
