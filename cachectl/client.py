@@ -474,6 +474,10 @@ class RemoteIndex:
     def entry_keys(self, env_id: int) -> dict[str, tuple[int, str]]:
         return {e.key: (e.size, e.sha256) for e in self.list_entries(env_id)}
 
+    def aot_keys(self, env_id: int) -> dict[str, tuple[int, str]]:
+        return {e.key: (e.aot_size, e.aot_sha256) for e in self.list_entries(env_id)
+                if getattr(e, "aot_sha256", None)}
+
     def get_entry(self, env_id: int, key: str) -> Any:
         cache, digest = self._env(env_id)
         for e in self.client.iter_entries(cache, digest, key_prefix=key):

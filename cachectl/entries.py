@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 ENV_FILE = "env.json"
 CACHE_SUFFIX = "-cache"
+# cachectl's stored executable for the entry of the same key (cachectl/aot.py).
+AOT_SUFFIX = "-aot"
 ATIME_SUFFIX = "-atime"
 LOCKFILE = ".lockfile"
 XLA_SUBCACHE_DIRS = ("xla_gpu_per_fusion_autotune_cache_dir", "xla_gpu_kernel_cache_file")
@@ -29,6 +31,7 @@ _MAX_SANE_COMPILE_SECONDS = 7 * 24 * 3600
 
 class Kind(enum.Enum):
     ENTRY = "entry"
+    AOT = "aot"
     ATIME = "atime"
     LOCKFILE = "lockfile"
     ENV = "env"
@@ -79,6 +82,8 @@ def classify(relpath: str) -> Kind:
         return Kind.TEMP
     if name.endswith(CACHE_SUFFIX) and parse_key(name[: -len(CACHE_SUFFIX)]):
         return Kind.ENTRY
+    if name.endswith(AOT_SUFFIX) and parse_key(name[: -len(AOT_SUFFIX)]):
+        return Kind.AOT
     if name.endswith(ATIME_SUFFIX) and parse_key(name[: -len(ATIME_SUFFIX)]):
         return Kind.ATIME
     return Kind.OTHER
@@ -89,6 +94,21 @@ def parse_entry_filename(name: str) -> EntryName | None:
     if not name.endswith(CACHE_SUFFIX):
         return None
     return parse_key(name[: -len(CACHE_SUFFIX)])
+
+
+def parse_aot_filename(name: str) -> EntryName | None:
+    """The entry a ``-aot`` file belongs to, or None for anything else."""
+    if not name.endswith(AOT_SUFFIX):
+        return None
+    return parse_key(name[: -len(AOT_SUFFIX)])
+
+
+def executable_bytes(data: bytes) -> bytes:
+    """The serialized executable inside JAX entry bytes (what JAX's own cache hit deserializes)."""
+    _, raw = decompress(data)
+    if len(raw) <= _TIME_BYTES:
+        raise CorruptEntry("entry too short to hold a header and an executable")
+    return raw[_TIME_BYTES:]
 
 
 def decompress(data: bytes) -> tuple[str, bytes]:

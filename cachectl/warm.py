@@ -37,8 +37,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from cachectl import aot
 from cachectl.context import Context
-from cachectl.entries import CACHE_SUFFIX, parse_key, sha256
+from cachectl.entries import AOT_SUFFIX, CACHE_SUFFIX, parse_key, sha256
 from cachectl.errors import BadInput, EnvironmentMismatch, OperationFailed
 from cachectl.fingerprint import Environment, current_environment
 from cachectl.index import CacheInfo, NewEntry
@@ -100,6 +101,9 @@ class BucketResult:
     compile_seconds: float | None = None
     bytes: int | None = None
     error: str | None = None
+    # The stored executable (cachectl/aot.py): its size, or why there is none.
+    aot_bytes: int | None = None
+    aot_error: str | None = None
 
 
 @dataclass(frozen=True)
@@ -144,10 +148,15 @@ class WarmReport:
             "buckets": [
                 {"function": b.function, "bucket": b.bucket, "status": b.status, "key": b.key,
                  "compile_seconds": None if b.compile_seconds is None else round(b.compile_seconds, 3),
-                 "bytes": b.bytes, "error": b.error}
+                 "bytes": b.bytes, "error": b.error, "aot_bytes": b.aot_bytes,
+                 "aot_error": b.aot_error}
                 for b in self.buckets
             ],
         }
+
+    @property
+    def executables(self) -> int:
+        return sum(b.aot_bytes is not None for b in self.buckets)
 
 
 @dataclass(frozen=True)
@@ -301,6 +310,9 @@ class _Outcome:
     written: bool
     seconds: float
     skip_reason: str | None = None
+    # aot.payload_of() of the compiled program, or why JAX could not serialize it.
+    payload: bytes | None = None
+    aot_error: str | None = None
 
 
 def _clear_in_memory_executables() -> None:
@@ -311,16 +323,25 @@ def _clear_in_memory_executables() -> None:
     jax.clear_caches()
 
 
-def _compile_once(jitted: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[list[_Event], float]:
+def _compile_once(jitted: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+                  ) -> tuple[list[_Event], float, Any]:
     lowered = jitted.lower(*args, **kwargs)
     with _CAPTURE.sink() as events:
         started = time.perf_counter()
-        lowered.compile()
+        compiled = lowered.compile()
         seconds = time.perf_counter() - started
-    return events, seconds
+    return events, seconds, compiled
 
 
-def compile_bucket(jitted: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Outcome:
+def _payload(compiled: Any) -> tuple[bytes | None, str | None]:
+    try:
+        return aot.payload_of(compiled), None
+    except aot.AotError as exc:
+        return None, str(exc)
+
+
+def compile_bucket(jitted: Any, args: tuple[Any, ...], kwargs: dict[str, Any], *,
+                   executables: bool = False) -> _Outcome:
     """Lower and compile one bucket, and say what the persistent cache did.
 
     A program this process already compiled comes from JAX's in-memory cache and
@@ -328,17 +349,18 @@ def compile_bucket(jitted: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -
     executables are dropped and the bucket compiled again, which now hits.
     """
     with _CAPTURE.installed():
-        events, seconds = _compile_once(jitted, args, kwargs)
+        events, seconds, compiled = _compile_once(jitted, args, kwargs)
         if not any(e.kind in ("hit", "miss") for e in events):
             _clear_in_memory_executables()
-            events, seconds = _compile_once(jitted, args, kwargs)
+            events, seconds, compiled = _compile_once(jitted, args, kwargs)
     lookups = [e for e in events if e.kind in ("hit", "miss")]
     if not lookups:
         return _Outcome(None, None, False, seconds)
     last = lookups[-1]
     written = any(e.kind == "write" and e.key == last.key for e in events)
     skip = next((e.text for e in events if e.kind == "skip"), None)
-    return _Outcome(last.kind, last.key, written, seconds, skip)
+    payload, aot_error = _payload(compiled) if executables else (None, None)
+    return _Outcome(last.kind, last.key, written, seconds, skip, payload, aot_error)
 
 
 def _error_text(exc: BaseException) -> str:
@@ -518,13 +540,15 @@ class _Heartbeat:
 def warm(ctx: Context, manifest_path: str | Path, *, cache: str | None = None, jobs: int | None = None,
          shard: tuple[int, int] | None = None, paths: Sequence[str] = (), fail_fast: bool = False,
          dry_run: bool = False, executor: str = DEFAULT_EXECUTOR,
-         progress: ProgressFn | None = None) -> WarmReport:
+         progress: ProgressFn | None = None, executables: bool = True) -> WarmReport:
     """Compile every bucket of a manifest into this environment's namespace and index them.
 
     Order of refusals, all before anything is compiled: bad manifest or
     unimportable function (BadInput, 2), not a writer (PermissionDenied, 4),
     wrong hardware (EnvironmentMismatch, 3). A bucket that fails later is
     reported in the result and the others continue (unless ``fail_fast``).
+    With ``executables`` each bucket's compiled program is also stored
+    (cachectl/aot.py) for :func:`cachectl.serving`.
     """
     if executor not in EXECUTORS:
         raise BadInput(f"unknown executor {executor!r}: use one of {', '.join(EXECUTORS)}")
@@ -544,11 +568,11 @@ def warm(ctx: Context, manifest_path: str | Path, *, cache: str | None = None, j
     if plan.target_problems:
         raise _mismatch(plan)
     return _execute(ctx, plan, jobs=jobs, fail_fast=fail_fast, executor=executor,
-                    progress=progress, started=started)
+                    progress=progress, started=started, executables=executables)
 
 
 def _execute(ctx: Context, plan: WarmPlan, *, jobs: int, fail_fast: bool, executor: str,
-             progress: ProgressFn | None, started: float) -> WarmReport:
+             progress: ProgressFn | None, started: float, executables: bool) -> WarmReport:
     from cachectl.index import warm_runs
 
     env = plan.environment
@@ -559,12 +583,14 @@ def _execute(ctx: Context, plan: WarmPlan, *, jobs: int, fail_fast: bool, execut
                               manifest_path=str(Path(plan.manifest_path).resolve()),
                               buckets=len(plan.buckets))
     indexed = ctx.index.entry_keys(env_info.id)
+    stored_aot = ctx.index.aot_keys(env_info.id) if executables else None
     counts = _Counts()
     results: dict[int, BucketResult] = {}
     lock = threading.Lock()
 
     def record(position: int, bucket: Bucket, outcome: _Outcome | None, error: str | None) -> BucketResult:
-        result = _settle(ctx, plan, store, ns.relpath, env_info.id, run.id, indexed, bucket, outcome, error)
+        result = _settle(ctx, plan, store, ns.relpath, env_info.id, run.id, indexed, bucket, outcome, error,
+                         stored_aot)
         with lock:
             results[position] = result
             counts.add(result.status)
@@ -581,9 +607,9 @@ def _execute(ctx: Context, plan: WarmPlan, *, jobs: int, fail_fast: bool, execut
         with _Heartbeat(beat):
             config = warm_jax_config(ns.url, env)
             if executor == "process" and jobs > 1:
-                _run_processes(plan, config, jobs, fail_fast, record)
+                _run_processes(plan, config, jobs, fail_fast, record, executables)
             else:
-                _run_threads(plan, config, jobs, fail_fast, record)
+                _run_threads(plan, config, jobs, fail_fast, record, executables)
         status = warm_runs.FAILED if counts.failed else warm_runs.SUCCEEDED
     finally:
         warm_runs.finish_run(ctx.index, run.id, status, compiled=counts.compiled, cached=counts.cached,
@@ -601,15 +627,20 @@ def _execute(ctx: Context, plan: WarmPlan, *, jobs: int, fail_fast: bool, execut
                     duration_ms=int(wall * 1000),
                     details={"manifest": plan.manifest_path, "namespace": ns.relpath, "warm_run": run.id,
                              "buckets": len(ordered), "compiled": counts.compiled, "cached": counts.cached,
-                             "failed": counts.failed, "jobs": jobs, "executor": executor})
+                             "failed": counts.failed, "jobs": jobs, "executor": executor,
+                             "executables": sum(r.aot_bytes is not None for r in ordered)})
     return WarmReport(_environment_json(env), ns.url, summary, ordered, cache=plan.cache.name,
                       manifest=plan.manifest_path, run_id=run.id, jobs=jobs, executor=executor)
 
 
 def _settle(ctx: Context, plan: WarmPlan, store: Any, ns_rel: str, env_id: int, run_id: int,
             indexed: dict[str, tuple[int, str]], bucket: Bucket, outcome: _Outcome | None,
-            error: str | None) -> BucketResult:
-    """Turn what JAX did into a status; read the stored bytes; index them; enforce max entry size."""
+            error: str | None, stored_aot: dict[str, tuple[int, str]] | None = None) -> BucketResult:
+    """Turn what JAX did into a status; read the stored bytes; index them; enforce max entry size.
+
+    With executables on (``stored_aot`` not None), a bucket is ``cached`` only
+    when its JAX entry and its stored executable are both there already.
+    """
     values = dict(bucket.values)
     base = {"function": bucket.function, "bucket": values}
     if error is not None or outcome is None:
@@ -626,6 +657,8 @@ def _settle(ctx: Context, plan: WarmPlan, store: Any, ns_rel: str, env_id: int, 
     rel = f"{ns_rel}/{key}{CACHE_SUFFIX}"
     parsed = parse_key(key)
     module = parsed.module if parsed else key
+    entry = {"key": key, "module": module, "function": bucket.function, "bucket": values,
+             "warm_run_id": run_id}
     if outcome.lookup == "hit":
         known = indexed.get(key)
         if known is not None:
@@ -636,11 +669,13 @@ def _settle(ctx: Context, plan: WarmPlan, store: Any, ns_rel: str, env_id: int, 
             except FileNotFoundError:
                 return BucketResult(**base, status=CACHED, key=key, compile_seconds=seconds)
             size, digest = len(data), sha256(data)
+        aot_size, aot_digest, aot_error, wrote = _store_executable(
+            store, ns_rel, key, digest, bucket, outcome, stored_aot)
         # A hit belongs to this run too: lifecycle protects the newest run's entries.
-        ctx.index.upsert_entries(env_id, [NewEntry(key=key, module=module, size=size, sha256=digest,
-                                                   origin="observed", function=bucket.function,
-                                                   bucket=values, warm_run_id=run_id)])
-        return BucketResult(**base, status=CACHED, key=key, compile_seconds=seconds, bytes=size)
+        ctx.index.upsert_entries(env_id, [NewEntry(**entry, size=size, sha256=digest, origin="observed",
+                                                   aot_size=aot_size, aot_sha256=aot_digest)])
+        return BucketResult(**base, status=COMPILED if wrote else CACHED, key=key,
+                            compile_seconds=seconds, bytes=size, aot_bytes=aot_size, aot_error=aot_error)
     try:
         data = store.read_bytes(rel)
     except FileNotFoundError:
@@ -655,12 +690,38 @@ def _settle(ctx: Context, plan: WarmPlan, store: Any, ns_rel: str, env_id: int, 
         return BucketResult(**base, status=TOO_LARGE, key=key, compile_seconds=seconds, bytes=size,
                             error=f"entry is {format_size(size)}, above the max entry size of cache "
                                   f"{plan.cache.name!r} ({format_size(limit)}): removed, not kept")
-    ctx.index.upsert_entries(env_id, [NewEntry(key=key, module=module, size=size, sha256=sha256(data),
-                                               origin="warm", compile_time_ms=int(round(seconds * 1000)),
-                                               function=bucket.function, bucket=values,
-                                               warm_run_id=run_id)])
-    indexed[key] = (size, sha256(data))
-    return BucketResult(**base, status=COMPILED, key=key, compile_seconds=seconds, bytes=size)
+    digest = sha256(data)
+    aot_size, aot_digest, aot_error, _ = _store_executable(store, ns_rel, key, digest, bucket, outcome,
+                                                           stored_aot)
+    ctx.index.upsert_entries(env_id, [NewEntry(**entry, size=size, sha256=digest, origin="warm",
+                                               compile_time_ms=int(round(seconds * 1000)),
+                                               aot_size=aot_size, aot_sha256=aot_digest)])
+    indexed[key] = (size, digest)
+    return BucketResult(**base, status=COMPILED, key=key, compile_seconds=seconds, bytes=size,
+                        aot_bytes=aot_size, aot_error=aot_error)
+
+
+def _store_executable(store: Any, ns_rel: str, key: str, entry_sha256: str, bucket: Bucket,
+                      outcome: _Outcome, stored: dict[str, tuple[int, str]] | None
+                      ) -> tuple[int | None, str | None, str | None, bool]:
+    """Write ``<key>-aot`` unless the same one is there: (size, sha256, error, written)."""
+    if stored is None:
+        return None, None, None, False
+    rel = f"{ns_rel}/{key}{AOT_SUFFIX}"
+    known = stored.get(key)
+    if known is not None and store.exists(rel):
+        return known[0], known[1], None, False
+    if outcome.payload is None:
+        return None, None, outcome.aot_error or "no executable to store", False
+    data = aot.pack(outcome.payload, key=key, entry_sha256=entry_sha256, function=bucket.function,
+                    bucket=dict(bucket.values))
+    try:
+        store.write_bytes(rel, data)
+    except OSError as exc:
+        return None, None, f"could not store the executable: {exc}", False
+    digest = sha256(data)
+    stored[key] = (len(data), digest)
+    return len(data), digest, None, True
 
 
 RecordFn = Callable[[int, Bucket, "_Outcome | None", "str | None"], BucketResult]
@@ -738,13 +799,14 @@ def _drive(submit: Callable[[int], Future[Any]] | None, run: Callable[[int], Any
 
 
 def _run_threads(plan: WarmPlan, config: dict[str, Any], jobs: int, fail_fast: bool,
-                 record: RecordFn) -> None:
+                 record: RecordFn, executables: bool = False) -> None:
     jitted, calls = _build_calls(plan.manifest, plan.buckets, plan.search_paths)
     errors = {p: c for p, c in calls.items() if isinstance(c, str)}
 
     def task(position: int) -> _Outcome:
         args, kwargs = calls[position]  # type: ignore[misc]
-        return compile_bucket(jitted[plan.buckets[position].function], args, kwargs)
+        return compile_bucket(jitted[plan.buckets[position].function], args, kwargs,
+                              executables=executables)
 
     with jax_configured(config), _CAPTURE.installed():
         if jobs == 1:
@@ -760,7 +822,7 @@ _WORKER: dict[str, Any] = {}
 
 
 def _worker_init(manifest_path: str, paths: Sequence[str], indices: Sequence[int],
-                 config: dict[str, Any]) -> None:
+                 config: dict[str, Any], executables: bool = False) -> None:
     """A spawned worker: import the functions, build every call, then configure JAX like the parent.
 
     Calls are built before the cache is configured, as in the parent, so programs
@@ -775,7 +837,7 @@ def _worker_init(manifest_path: str, paths: Sequence[str], indices: Sequence[int
 
     cc.reset_cache()
     apply_jax_config(config)
-    _WORKER.update(buckets=buckets, jitted=jitted, calls=calls)
+    _WORKER.update(buckets=buckets, jitted=jitted, calls=calls, executables=executables)
 
 
 def _worker_task(position: int) -> dict[str, Any]:
@@ -784,21 +846,24 @@ def _worker_task(position: int) -> dict[str, Any]:
     if isinstance(call, str):
         return {"error": call}
     try:
-        outcome = compile_bucket(_WORKER["jitted"][_WORKER["buckets"][position].function], *call)
+        outcome = compile_bucket(_WORKER["jitted"][_WORKER["buckets"][position].function], *call,
+                                 executables=_WORKER["executables"])
     except Exception as exc:  # noqa: BLE001 - reported as this bucket's error
         return {"error": _error_text(exc)}
     return {"lookup": outcome.lookup, "key": outcome.key, "written": outcome.written,
-            "seconds": outcome.seconds, "skip_reason": outcome.skip_reason}
+            "seconds": outcome.seconds, "skip_reason": outcome.skip_reason,
+            "payload": outcome.payload, "aot_error": outcome.aot_error}
 
 
 def _outcome_from(data: dict[str, Any]) -> tuple[_Outcome | None, str | None]:
     if "error" in data:
         return None, str(data["error"])
-    return _Outcome(data["lookup"], data["key"], data["written"], data["seconds"], data["skip_reason"]), None
+    return _Outcome(data["lookup"], data["key"], data["written"], data["seconds"], data["skip_reason"],
+                    data.get("payload"), data.get("aot_error")), None
 
 
 def _run_processes(plan: WarmPlan, config: dict[str, Any], jobs: int, fail_fast: bool,
-                   record: RecordFn) -> None:
+                   record: RecordFn, executables: bool = False) -> None:
     """One spawned JAX process per job (fork is unsafe once JAX has started threads)."""
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
@@ -807,7 +872,7 @@ def _run_processes(plan: WarmPlan, config: dict[str, Any], jobs: int, fail_fast:
     with ProcessPoolExecutor(max_workers=min(jobs, max(1, len(plan.buckets))), mp_context=context,
                              initializer=_worker_init,
                              initargs=(plan.manifest_path, plan.search_paths,
-                                       [b.index for b in plan.buckets], config)) as pool:
+                                       [b.index for b in plan.buckets], config, executables)) as pool:
         _drive(lambda p: pool.submit(_worker_task, p), None, plan.buckets, {}, fail_fast, record)
 
 

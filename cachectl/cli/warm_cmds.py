@@ -11,6 +11,7 @@ from cachectl.cli.render import print_json, size, stderr, stdout, table
 from cachectl.context import Context
 from cachectl.errors import EnvironmentMismatch
 from cachectl.manifest import parse_shard
+from cachectl.units import format_size
 from cachectl.warm import (
     CACHED,
     COMPILED,
@@ -61,17 +62,20 @@ def _print_warm(report: WarmReport) -> None:
         return
     rows = [
         (escape(b.function), _bucket_text(b.bucket), _styled(b.status), _key_text(b.key),
-         _seconds(b.compile_seconds), size(b.bytes), escape(b.error or ""))
+         _seconds(b.compile_seconds), size(b.bytes), size(b.aot_bytes),
+         escape(b.error or b.aot_error or ""))
         for b in report.buckets
     ]
     stdout.print(table(f"warm {report.manifest} -> {report.namespace}",
-                       ["function", "bucket", "status", "key", "compile s", "size", "error"], rows,
-                       justify_right=("compile s", "size")))
+                       ["function", "bucket", "status", "key", "compile s", "size", "aot", "error"], rows,
+                       justify_right=("compile s", "size", "aot")))
     s = report.summary
+    aot_bytes = sum(b.aot_bytes or 0 for b in report.buckets)
     stdout.print(
         f"{s.buckets} bucket(s): {s.compiled} compiled, {s.cached} cached, {s.failed} failed; "
         f"compile {s.compile_seconds:.1f}s, wall {s.wall_seconds:.1f}s "
-        f"({report.jobs} {report.executor} job(s), warm run {report.run_id})",
+        f"({report.jobs} {report.executor} job(s), warm run {report.run_id}); "
+        f"{report.executables} stored executable(s), {format_size(aot_bytes)}",
         highlight=False,
     )
 
@@ -164,13 +168,15 @@ def _run_check(ctx: Context, manifest: str, cache_name: str | None, shard: str |
 @click.option("--executor", type=click.Choice(EXECUTORS), default=DEFAULT_EXECUTOR, show_default=True,
               help="Compile concurrently in threads of this process or in spawned processes.")
 @click.option("--fail-fast", is_flag=True, help="Stop at the first failing bucket.")
+@click.option("--no-executables", is_flag=True,
+              help="Store only JAX's cache entries, not the executables cachectl.serving loads.")
 @click.option("--dry-run", is_flag=True, help="List the buckets and check the target; compile nothing.")
 @click.option("--check", "check_only", is_flag=True,
               help="Compile nothing: prove coverage in a fresh read-only process (= `cachectl warm-check`).")
 @click.pass_obj
 def warm_cmd(ctx: Context, manifest: str, cache_name: str | None, shard: str | None,
              paths: tuple[str, ...], as_json: bool, jobs: int | None, executor: str, fail_fast: bool,
-             dry_run: bool, check_only: bool) -> None:
+             dry_run: bool, check_only: bool, no_executables: bool) -> None:
     """Compile every function x shape bucket of MANIFEST into this environment's namespace.
 
     Run it on the hardware the service runs on: afterwards the service's first
@@ -187,7 +193,8 @@ def warm_cmd(ctx: Context, manifest: str, cache_name: str | None, shard: str | N
         return
     with _Progress(enabled=stderr.is_terminal and not dry_run) as progress:
         report = warm(ctx, manifest, cache=cache_name, jobs=jobs, shard=_shard(shard), paths=paths,
-                      fail_fast=fail_fast, dry_run=dry_run, executor=executor, progress=progress)
+                      fail_fast=fail_fast, dry_run=dry_run, executor=executor, progress=progress,
+                      executables=not no_executables)
     if as_json:
         print_json(report.to_json())
     else:

@@ -113,6 +113,7 @@ def _entry_info(row: Entry) -> EntryInfo:
         compile_time_ms=row.compile_time_ms, origin=row.origin, function=row.function,
         bucket=row.bucket, created_at=row.created_at, last_access_at=row.last_access_at,
         hit_count=row.hit_count, environment_id=row.environment_id,
+        aot_size=row.aot_size_bytes, aot_sha256=row.aot_sha256,
     )
 
 
@@ -310,6 +311,13 @@ class Index:
             q = select(Entry.key, Entry.size_bytes, Entry.sha256).where(Entry.environment_id == env_id)
             return {k: (size, sha) for k, size, sha in s.execute(q)}
 
+    def aot_keys(self, env_id: int) -> dict[str, tuple[int, str]]:
+        """key -> (size, sha256) of the stored executables of one environment."""
+        with self.read_session() as s:
+            q = select(Entry.key, Entry.aot_size_bytes, Entry.aot_sha256).where(
+                Entry.environment_id == env_id, Entry.aot_sha256.is_not(None))
+            return {k: (size, sha) for k, size, sha in s.execute(q)}
+
     def get_entry(self, env_id: int, key: str) -> EntryInfo | None:
         with self.read_session() as s:
             row = s.scalar(select(Entry).where(Entry.environment_id == env_id, Entry.key == key))
@@ -337,12 +345,16 @@ class Index:
                                 "compile_time_ms": e.compile_time_ms, "function": e.function,
                                 "bucket": e.bucket, "warm_run_id": e.warm_run_id,
                                 "created_at": e.created_at or utcnow(), "hit_count": 0,
+                                "aot_size_bytes": e.aot_size, "aot_sha256": e.aot_sha256,
                             }
                         )
                         continue
                     changed = False
                     if (row.size_bytes, row.sha256) != (e.size, e.sha256):
                         row.size_bytes, row.sha256 = e.size, e.sha256
+                        changed = True
+                    if e.aot_sha256 is not None and (row.aot_size_bytes, row.aot_sha256) != (e.aot_size, e.aot_sha256):
+                        row.aot_size_bytes, row.aot_sha256 = e.aot_size, e.aot_sha256
                         changed = True
                     for attr in ("compile_time_ms", "function", "bucket", "warm_run_id"):
                         value = getattr(e, attr)

@@ -129,6 +129,9 @@ class Entry(Base):
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
     last_access_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
     hit_count: Mapped[int] = mapped_column(BigInteger, default=0)
+    # The stored executable (``<key>-aot``) beside the JAX entry: one unit for gc and prune.
+    aot_size_bytes: Mapped[int | None] = mapped_column(BigInteger)
+    aot_sha256: Mapped[str | None] = mapped_column(String(64))
 
 
 class WarmRun(Base):

@@ -61,6 +61,8 @@ class EntryInfo:
     last_access_at: datetime | None
     hit_count: int
     environment_id: int
+    aot_size: int | None = None
+    aot_sha256: str | None = None
 
 
 @dataclass(frozen=True)
@@ -77,6 +79,9 @@ class NewEntry:
     bucket: dict[str, Any] | None = None
     warm_run_id: int | None = None
     created_at: datetime | None = None
+    # The stored executable beside the entry, when the writer stored one.
+    aot_size: int | None = None
+    aot_sha256: str | None = None
 
 
 @dataclass(frozen=True)
