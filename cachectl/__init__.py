@@ -6,4 +6,21 @@ __version__ = "0.1.0"
 
 from cachectl.runtime import Activation, activate  # noqa: E402
 
-__all__ = ["Activation", "__version__", "activate"]
+
+def serving(*args, **kwargs):  # type: ignore[no-untyped-def]
+    """:func:`cachectl.serving.serving` (imported on first use: a plain activate() never pays for it)."""
+    from cachectl.serving import serving as _serving
+
+    return _serving(*args, **kwargs)
+
+
+def __getattr__(name: str):  # type: ignore[no-untyped-def]
+    if name in ("OutOfBucket", "StructureMismatch", "Serving", "mask"):
+        import importlib
+
+        return getattr(importlib.import_module("cachectl.serving"), name)
+    raise AttributeError(f"module 'cachectl' has no attribute {name!r}")
+
+
+__all__ = ["Activation", "OutOfBucket", "Serving", "StructureMismatch", "__version__", "activate",
+           "mask", "serving"]

@@ -52,13 +52,35 @@ class AotHeader:
     jaxlib_version: str
     payload_sha256: str
     format: int = FORMAT
+    # What the runtime compares before loading: the function's manifest entry and
+    # the file defining it. An executable of other code must not be served.
+    spec_digest: str | None = None
+    source_digest: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {
             "format": self.format, "key": self.key, "entry_sha256": self.entry_sha256,
             "function": self.function, "bucket": self.bucket, "jax_version": self.jax_version,
             "jaxlib_version": self.jaxlib_version, "payload_sha256": self.payload_sha256,
+            "spec_digest": self.spec_digest, "source_digest": self.source_digest,
         }
+
+
+def spec_digest(spec: Any) -> str:
+    """What warm and the runtime must agree on about one function: its manifest entry."""
+    return hashlib.sha256(spec.model_dump_json().encode()).hexdigest()
+
+
+def source_digest(fn: Any) -> str | None:
+    """sha256 of the file that defines ``fn``: an executable of other code is stale."""
+    import inspect
+    from pathlib import Path
+
+    try:
+        path = inspect.getsourcefile(inspect.unwrap(fn))
+        return hashlib.sha256(Path(path).read_bytes()).hexdigest() if path else None
+    except (TypeError, OSError, ValueError):
+        return None
 
 
 def aot_filename(key: str) -> str:
@@ -102,13 +124,17 @@ def payload_of(compiled: Any) -> bytes:
         with io.BytesIO() as buf:
             _EntryRefPickler(buf).dump((unloaded, args_info_flat, compiled._no_kwargs))
             meta = buf.getvalue()
-        return pickle.dumps((meta, in_tree, compiled.out_tree), protocol=pickle.HIGHEST_PROTOCOL)
+        # The devices it runs on: loading onto any other list breaks it (a 1-device
+        # program loaded for all 4 host devices expects 4 shards per argument).
+        device_ids = [d.id for d in unloaded.device_list]
+        return pickle.dumps((meta, in_tree, compiled.out_tree, device_ids), protocol=pickle.HIGHEST_PROTOCOL)
     except (pickle.PicklingError, TypeError, AttributeError, ValueError) as exc:
         raise AotError(f"JAX cannot serialize this program: {type(exc).__name__}: {exc}") from None
 
 
 def pack(payload: bytes, *, key: str, entry_sha256: str, function: str | None = None,
-         bucket: dict[str, Any] | None = None) -> bytes:
+         bucket: dict[str, Any] | None = None, spec_digest: str | None = None,
+         source_digest: str | None = None) -> bytes:
     """Artifact bytes: a JSON header (readable without unpickling) and the payload."""
     import jax
     import jaxlib
@@ -116,7 +142,8 @@ def pack(payload: bytes, *, key: str, entry_sha256: str, function: str | None = 
     header = AotHeader(
         key=key, entry_sha256=entry_sha256, function=function, bucket=bucket,
         jax_version=jax.__version__, jaxlib_version=jaxlib.__version__,
-        payload_sha256=hashlib.sha256(payload).hexdigest(),
+        payload_sha256=hashlib.sha256(payload).hexdigest(), spec_digest=spec_digest,
+        source_digest=source_digest,
     )
     head = json.dumps(header.to_json(), sort_keys=True).encode()
     return MAGIC + len(head).to_bytes(_LEN_BYTES, "big") + head + payload
@@ -181,14 +208,21 @@ def load(data: bytes, entry_bytes: bytes, *, devices: Any = None) -> tuple[AotHe
             return super().persistent_load(pid)
 
     try:
-        meta, in_tree, out_tree = pickle.loads(payload)
+        meta, in_tree, out_tree, device_ids = pickle.loads(payload)
         backend = (devices[0] if devices else jax.devices()[0]).client
-        execution = list(devices) if devices else backend.devices()
+        if devices:
+            execution = list(devices)
+        else:
+            by_id = {d.id: d for d in backend.devices()}
+            missing = [i for i in device_ids if i not in by_id]
+            if missing:
+                raise AotError(f"stored for devices {device_ids}; this process has no device {missing[0]}")
+            execution = [by_id[i] for i in device_ids]
         unloaded, args_info_flat, no_kwargs = _EntryRefUnpickler(
             io.BytesIO(meta), backend, execution).load()
         compiled = jax.stages.Compiled(
             unloaded.load(), [], in_tree.unflatten(args_info_flat), out_tree, no_kwargs=no_kwargs)
-    except CorruptEntry:
+    except (CorruptEntry, AotError):
         raise
     except Exception as exc:  # noqa: BLE001 - whatever JAX raises, the caller falls back to jit
         raise AotError(f"JAX could not load the stored executable: {type(exc).__name__}: {exc}") from None

@@ -257,7 +257,11 @@ class ArgSpec(_Model):
     weak_type: bool = False
     pytree: str | None = None
     value: Any = None
-    sharding: list[Any] | None = None
+    # A list of mesh axes per dimension (with a mesh), or "single_device": the service
+    # commits its arrays to one device (jax.device_put(x, device), a checkpoint restore).
+    sharding: list[Any] | Literal["single_device"] | None = None
+    # What cachectl.serving pads a bucketed dimension with (default 0 / False).
+    pad: Any = None
 
     @field_validator("dtype")
     @classmethod
@@ -280,6 +284,12 @@ class ArgSpec(_Model):
         return "array"
 
 
+class OutputSpec(_Model):
+    """How cachectl.serving cuts one output back from the bucket to the request's sizes."""
+
+    shape: list[Any]
+
+
 class FunctionSpec(_Model):
     """A function to compile, its abstract arguments and the bucket axes that vary them."""
 
@@ -291,6 +301,8 @@ class FunctionSpec(_Model):
     buckets: dict[str, list[Any]] = {}
     exclude: list[dict[str, Any]] = []
     mesh: MeshSpec | None = None
+    # One per output leaf (null: returned as computed, padded), for cachectl.serving.
+    outputs: list[OutputSpec | None] | None = None
 
     _source: _Source = PrivateAttr(default=_NO_SOURCE)
     _index: int = PrivateAttr(default=0)
@@ -615,7 +627,15 @@ def _function_problems(
             for key in ("dtype", "weak_type"):
                 if key in arg.model_fields_set:
                     yield aloc + (key,), f"only an array argument (shape) takes {key}"
-        if arg.sharding is not None:
+        if "pad" in arg.model_fields_set and (arg.kind != "array" or not _is_scalar(arg.pad)):
+            yield aloc + ("pad",), "pad is a scalar, given only on an array argument (shape)"
+        if arg.sharding == "single_device":
+            if arg.kind == "value":
+                yield aloc + ("sharding",), "a static value cannot be sharded"
+            elif spec.mesh is not None:
+                yield (aloc + ("sharding",),
+                       "single_device is for a function without a mesh; with a mesh, list mesh axes")
+        elif arg.sharding is not None:
             if arg.kind == "value":
                 yield aloc + ("sharding",), "a static value cannot be sharded"
             elif spec.mesh is None:
@@ -625,6 +645,16 @@ def _function_problems(
                 )
             else:
                 yield from _sharding_problems(arg, aloc, spec.mesh)
+
+    # Outputs (cut by cachectl.serving).
+    for o, out in enumerate(spec.outputs or []):
+        for d, dim in enumerate(out.shape if out is not None else []):
+            if isinstance(dim, str) and dim not in shape_axes:
+                yield (loc + ("outputs", o, "shape", d),
+                       f"unknown axis {dim!r}: an output names axes used in the arguments' shapes")
+            elif not isinstance(dim, str) and not (_is_int(dim) and dim >= 0):
+                yield (loc + ("outputs", o, "shape", d),
+                       f"a dimension is a non-negative int or an axis name, got {_describe(dim)}")
 
     # Bucket axes.
     for axis, values in axes.items():
@@ -743,7 +773,7 @@ def _divisibility_problems(spec: FunctionSpec, loc: Loc) -> Iterator[tuple[Loc, 
     """Each sharded dimension must divide evenly by its mesh axes, in every bucket."""
     assert spec.mesh is not None
     for a, arg in enumerate(spec.args):
-        if arg.kind != "array" or not arg.sharding or arg.shape is None:
+        if arg.kind != "array" or not isinstance(arg.sharding, list) or arg.shape is None:
             continue
         if len(arg.sharding) > len(arg.shape):
             continue  # reported already
@@ -1106,7 +1136,9 @@ def build_call(
             shape = tuple(bucket.values[d] if isinstance(d, str) else d for d in arg.shape or [])
             dtype = jax.dtypes.canonicalize_dtype(_dtype(str(arg.dtype)))
             sharding = replicated
-            if mesh is not None and arg.sharding is not None:
+            if arg.sharding == "single_device":
+                sharding = _single_device()
+            elif mesh is not None and arg.sharding is not None:
                 sharding = NamedSharding(mesh, _partition_spec(arg.sharding))
             args.append(
                 jax.ShapeDtypeStruct(shape, dtype, sharding=sharding, weak_type=arg.weak_type)
@@ -1120,6 +1152,13 @@ def build_call(
         else:
             kwargs[key] = _freeze(value)
     return tuple(args), kwargs
+
+
+def _single_device() -> Any:
+    import jax
+    from jax.sharding import SingleDeviceSharding
+
+    return SingleDeviceSharding(jax.devices()[0])
 
 
 _PYTREE_CACHE: dict[tuple[Any, tuple[tuple[str, Any], ...]], Any] = {}
@@ -1157,6 +1196,11 @@ def _build_pytree(
             raise spec._bad(loc, f"{arg.pytree}() returned {exc}") from None
         _PYTREE_CACHE[cache_key] = tree
 
+    if arg.sharding == "single_device":
+        device = _single_device()
+        return jax.tree_util.tree_map(
+            lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=device,
+                                              weak_type=leaf.weak_type), tree)
     if mesh is None:
         return tree
     forced = (

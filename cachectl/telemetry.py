@@ -350,6 +350,26 @@ class Collector:
                     self._dropped += 1
                     self._dropped_total += 1
 
+    def record_load(self, module: str, key: str) -> None:
+        """A stored executable was loaded for ``key`` (cachectl.serving): JAX fires no event for
+        it, yet it is a use of the entry, and lifecycle's LRU must see it."""
+        with self._lock:
+            self._requests += 1
+            self._hits += 1
+            counts = self._counts(module)
+            if counts is not None:
+                counts.requests += 1
+                counts.hits += 1
+            seen = self._keys.get(key)
+            if seen is not None:
+                seen[0] += 1
+                seen[1] = self._clock()
+            elif len(self._keys) < self.max_keys:
+                self._keys[key] = [1, self._clock()]
+            else:
+                self._dropped += 1
+                self._dropped_total += 1
+
     def _on_event(self, event: str, **_kwargs: Any) -> None:
         try:
             if event == EVENT_REQUESTS:

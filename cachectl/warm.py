@@ -584,13 +584,14 @@ def _execute(ctx: Context, plan: WarmPlan, *, jobs: int, fail_fast: bool, execut
                               buckets=len(plan.buckets))
     indexed = ctx.index.entry_keys(env_info.id)
     stored_aot = ctx.index.aot_keys(env_info.id) if executables else None
+    digests = _function_digests(plan) if executables else {}
     counts = _Counts()
     results: dict[int, BucketResult] = {}
     lock = threading.Lock()
 
     def record(position: int, bucket: Bucket, outcome: _Outcome | None, error: str | None) -> BucketResult:
         result = _settle(ctx, plan, store, ns.relpath, env_info.id, run.id, indexed, bucket, outcome, error,
-                         stored_aot)
+                         stored_aot, digests)
         with lock:
             results[position] = result
             counts.add(result.status)
@@ -635,7 +636,8 @@ def _execute(ctx: Context, plan: WarmPlan, *, jobs: int, fail_fast: bool, execut
 
 def _settle(ctx: Context, plan: WarmPlan, store: Any, ns_rel: str, env_id: int, run_id: int,
             indexed: dict[str, tuple[int, str]], bucket: Bucket, outcome: _Outcome | None,
-            error: str | None, stored_aot: dict[str, tuple[int, str]] | None = None) -> BucketResult:
+            error: str | None, stored_aot: dict[str, tuple[int, str]] | None = None,
+            digests: dict[str, tuple[str, str | None]] | None = None) -> BucketResult:
     """Turn what JAX did into a status; read the stored bytes; index them; enforce max entry size.
 
     With executables on (``stored_aot`` not None), a bucket is ``cached`` only
@@ -670,7 +672,7 @@ def _settle(ctx: Context, plan: WarmPlan, store: Any, ns_rel: str, env_id: int, 
                 return BucketResult(**base, status=CACHED, key=key, compile_seconds=seconds)
             size, digest = len(data), sha256(data)
         aot_size, aot_digest, aot_error, wrote = _store_executable(
-            store, ns_rel, key, digest, bucket, outcome, stored_aot)
+            store, ns_rel, key, digest, bucket, outcome, stored_aot, digests)
         # A hit belongs to this run too: lifecycle protects the newest run's entries.
         ctx.index.upsert_entries(env_id, [NewEntry(**entry, size=size, sha256=digest, origin="observed",
                                                    aot_size=aot_size, aot_sha256=aot_digest)])
@@ -692,7 +694,7 @@ def _settle(ctx: Context, plan: WarmPlan, store: Any, ns_rel: str, env_id: int, 
                                   f"{plan.cache.name!r} ({format_size(limit)}): removed, not kept")
     digest = sha256(data)
     aot_size, aot_digest, aot_error, _ = _store_executable(store, ns_rel, key, digest, bucket, outcome,
-                                                           stored_aot)
+                                                           stored_aot, digests)
     ctx.index.upsert_entries(env_id, [NewEntry(**entry, size=size, sha256=digest, origin="warm",
                                                compile_time_ms=int(round(seconds * 1000)),
                                                aot_size=aot_size, aot_sha256=aot_digest)])
@@ -701,8 +703,23 @@ def _settle(ctx: Context, plan: WarmPlan, store: Any, ns_rel: str, env_id: int, 
                         aot_bytes=aot_size, aot_error=aot_error)
 
 
+def _function_digests(plan: WarmPlan) -> dict[str, tuple[str, str | None]]:
+    """Per function: its manifest entry's and its source file's digests, bound into each executable."""
+    from cachectl.manifest import resolve_callable
+
+    out: dict[str, tuple[str, str | None]] = {}
+    for spec in plan.manifest.functions:
+        try:
+            fn = resolve_callable(spec.fn, plan.search_paths)
+        except Exception:  # noqa: BLE001 - the bucket reports the import error itself
+            fn = None
+        out[spec.name] = (aot.spec_digest(spec), aot.source_digest(fn) if fn is not None else None)
+    return out
+
+
 def _store_executable(store: Any, ns_rel: str, key: str, entry_sha256: str, bucket: Bucket,
-                      outcome: _Outcome, stored: dict[str, tuple[int, str]] | None
+                      outcome: _Outcome, stored: dict[str, tuple[int, str]] | None,
+                      digests: dict[str, tuple[str, str | None]] | None = None
                       ) -> tuple[int | None, str | None, str | None, bool]:
     """Write ``<key>-aot`` unless the same one is there: (size, sha256, error, written)."""
     if stored is None:
@@ -713,8 +730,9 @@ def _store_executable(store: Any, ns_rel: str, key: str, entry_sha256: str, buck
         return known[0], known[1], None, False
     if outcome.payload is None:
         return None, None, outcome.aot_error or "no executable to store", False
+    spec_digest, source = (digests or {}).get(bucket.function, (None, None))
     data = aot.pack(outcome.payload, key=key, entry_sha256=entry_sha256, function=bucket.function,
-                    bucket=dict(bucket.values))
+                    bucket=dict(bucket.values), spec_digest=spec_digest, source_digest=source)
     try:
         store.write_bytes(rel, data)
     except OSError as exc:

@@ -5,7 +5,7 @@ second per bucket on a CPU:
 
     params = init_params(jax.random.key(0))
     logits, cache = prefill(params, prompt)              # prompt: int32 [batch, seq]
-    token = jnp.argmax(logits, -1)[:, None].astype(jnp.int32)
+    token = jnp.argmax(logits[:, -1], -1)[:, None].astype(jnp.int32)
     for pos in range(seq, seq + n):
         token, cache = decode_step(params, cache, token, jnp.int32(pos), key)
 
@@ -128,9 +128,11 @@ def _logits(params: Params, x: jax.Array) -> jax.Array:
 
 
 def prefill(params: Params, tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Run the prompt; return (float32 logits of the last position [batch, vocab], kv cache).
+    """Run the prompt; return (float32 logits of every position [batch, seq, vocab], kv cache).
 
-    tokens: int32 [batch, seq], every row a full prompt of length seq (pad to the bucket).
+    tokens: int32 [batch, seq]. Attention is causal, so a prompt padded on the right
+    to the bucket's length gives the same logits and kv cache on its own positions:
+    read the logits at position ``length - 1`` and start decoding at ``length``.
     """
     cfg = CONFIG
     batch, seq = tokens.shape
@@ -150,7 +152,7 @@ def prefill(params: Params, tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
         attn = _attention(q, k, v, causal)
         x = x + jnp.einsum("bshk,hkd->bsd", attn, layer["wo"])
         x = x + _mlp(_rms_norm(x, layer["mlp_norm"]), layer)
-    return _logits(params, x[:, -1]), cache
+    return _logits(params, x), cache
 
 
 def decode_logits(

@@ -1,0 +1,615 @@
+"""The serving runtime: a service calls the manifest's functions, cachectl dispatches each call
+to the executable warm stored for its bucket — padded on the host, with no tracing, lowering
+or compiling on the call path.
+
+    rt = cachectl.serving("manifest.yaml")
+    logits, cache = rt["prefill"](params, tokens)      # int32[3, 50] -> bucket [4, 64]
+
+The manifest is the contract for both sides: warm compiles its buckets, and the
+runtime refuses (or pads) what does not fit them. Whatever is wrong with a
+stored executable (missing, corrupt, refused by the index, stale code), the
+call still answers through ``jax.jit`` and the persistent cache, with one
+warning per function: never worse off than plain JAX.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from cachectl import aot
+from cachectl.entries import AOT_SUFFIX, CACHE_SUFFIX, CorruptEntry, parse_aot_filename
+from cachectl.manifest import (
+    Bucket,
+    FunctionSpec,
+    Manifest,
+    check_imports,
+    expand,
+    jit_options,
+    load_manifest,
+    resolve_callable,
+)
+
+log = logging.getLogger(__name__)
+
+OVERFLOW_MODES = ("error", "compile")
+# Distinct raw sizes kept per bucketed axis (for bucket advice); beyond, only counted.
+MAX_SIZES_PER_AXIS = 4096
+
+
+class OutOfBucket(ValueError):
+    """A call no warmed bucket covers (above the largest bucket, or a static value not warmed)."""
+
+
+class StructureMismatch(TypeError):
+    """Arguments whose pytree structure differs from the warmed one: never silently recompiled."""
+
+
+def mask(sizes: Sequence[int] | np.ndarray, bucket: int) -> np.ndarray:
+    """Valid-region mask of a padded axis: ``mask([3, 1], 4)`` -> [[T,T,T,F],[T,F,F,F]].
+
+    A model must ignore what padding adds (attention masks, loss weights): this
+    is the mask to give it.
+    """
+    lengths = np.asarray(sizes).reshape(-1, 1)
+    return np.arange(bucket)[None, :] < lengths
+
+
+# --------------------------------------------------------------------------- reports
+
+
+@dataclass(frozen=True)
+class FunctionReport:
+    calls: int
+    aot: int
+    fallback: int
+    out_of_bucket: int
+    padded: int
+    buckets: int
+    loaded: int
+    fallback_reason: str | None = None
+    raw_sizes: dict[str, dict[int, int]] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"calls": self.calls, "aot": self.aot, "fallback": self.fallback,
+                "out_of_bucket": self.out_of_bucket, "padded": self.padded, "buckets": self.buckets,
+                "loaded": self.loaded, "fallback_reason": self.fallback_reason,
+                "raw_sizes": {a: {str(k): v for k, v in sorted(c.items())}
+                              for a, c in self.raw_sizes.items()}}
+
+
+@dataclass(frozen=True)
+class ServingReport:
+    """What the runtime loaded and how calls were served; ``to_json`` for logs and dashboards."""
+
+    namespace: str
+    functions: dict[str, FunctionReport]
+    load_seconds: float       # sum of every bucket's load
+    ready_seconds: float      # construction to every preloaded bucket ready
+    warnings: list[str]
+
+    @property
+    def ok(self) -> bool:
+        return all(f.fallback == 0 and f.loaded == f.buckets for f in self.functions.values())
+
+    def to_json(self) -> dict[str, Any]:
+        return {"namespace": self.namespace,
+                "functions": {n: f.to_json() for n, f in self.functions.items()},
+                "load_seconds": round(self.load_seconds, 4), "ready_seconds": round(self.ready_seconds, 4),
+                "warnings": list(self.warnings)}
+
+
+# --------------------------------------------------------------------------- per-argument plans
+
+
+@dataclass(frozen=True)
+class _ArgPlan:
+    kind: str                              # array | pytree | value
+    dims: tuple[tuple[int, str], ...] = ()  # (dimension, axis) of each bucketed dimension
+    shape: tuple[Any, ...] = ()
+    dtype: Any = None
+    pad: Any = 0
+    weak: bool = False
+    value: Any = None
+
+    def target(self, values: dict[str, Any]) -> tuple[int, ...]:
+        return tuple(values[d] if isinstance(d, str) else d for d in self.shape)
+
+
+def _arg_plans(spec: FunctionSpec) -> list[_ArgPlan]:
+    from cachectl.manifest import _dtype
+
+    plans = []
+    for arg in spec.args:
+        if arg.kind == "array":
+            shape = tuple(arg.shape or ())
+            dtype = np.dtype(_dtype(str(arg.dtype)))
+            if dtype == np.float64 or dtype == np.int64 or dtype == np.uint64 or dtype == np.complex128:
+                import jax
+
+                dtype = np.dtype(jax.dtypes.canonicalize_dtype(dtype))
+            pad = arg.pad if arg.pad is not None else (False if dtype == np.bool_ else 0)
+            plans.append(_ArgPlan("array", tuple((d, a) for d, a in enumerate(shape) if isinstance(a, str)),
+                                  shape, dtype, pad, arg.weak_type))
+        elif arg.kind == "value":
+            plans.append(_ArgPlan("value", value=arg.value))
+        else:
+            plans.append(_ArgPlan("pytree"))
+    return plans
+
+
+def _pad_to(x: Any, target: tuple[int, ...], value: Any, dtype: Any) -> np.ndarray:
+    """Pad on the host: a jnp.pad would compile a program per shape (DESIGN.md §7)."""
+    host = np.asarray(x, dtype=dtype)
+    if host.shape == target:
+        return host
+    if host.ndim != len(target) or any(s > t for s, t in zip(host.shape, target, strict=False)):
+        raise OutOfBucket(f"shape {host.shape} does not fit the bucket shape {target}")
+    out = np.full(target, value, dtype=dtype)
+    out[tuple(slice(0, s) for s in host.shape)] = host
+    return out
+
+
+def _first_difference(expected: Any, given: Any) -> str:
+    """The first pytree path where the call's arguments differ from the warmed structure."""
+    import jax
+
+    want = [jax.tree_util.keystr(p) for p, _ in
+            jax.tree_util.tree_flatten_with_path(expected.unflatten([0] * expected.num_leaves))[0]]
+    have = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(given)[0]]
+    for w, h in zip(want, have, strict=False):
+        if w != h:
+            return f"expected a leaf at {w}, got one at {h}"
+    if len(want) != len(have):
+        longer, which = (want, "missing") if len(want) > len(have) else (have, "unexpected")
+        return f"{which} leaf at {longer[min(len(want), len(have))]}"
+    return "the node types differ (e.g. a dict where a list was warmed)"
+
+
+# --------------------------------------------------------------------------- buckets and loading
+
+
+class _Slot:
+    """One bucket: its values, its stored executable (loaded once), or why it falls back."""
+
+    __slots__ = ("bucket", "values", "key", "header", "compiled", "error", "lock", "load_seconds",
+                 "_loader")
+
+    def __init__(self, bucket: Bucket) -> None:
+        self.bucket = bucket
+        self.values = dict(bucket.values)
+        self.key: str | None = None
+        self.header: aot.AotHeader | None = None
+        self.compiled: Any = None
+        self.error: str | None = None
+        self.lock = threading.Lock()
+        self.load_seconds = 0.0
+        self._loader: Callable[[_Slot], None] | None = None
+
+    def ensure_loaded(self) -> None:
+        if self.compiled is not None or self.error is not None:
+            return
+        with self.lock:
+            if self.compiled is None and self.error is None and self._loader is not None:
+                self._loader(self)
+
+
+class ServedFunction:
+    """A manifest function: call it like the function itself; calls go to stored executables."""
+
+    def __init__(self, rt: Serving, spec: FunctionSpec, fn: Any, slots: list[_Slot]) -> None:
+        self._rt = rt
+        self.name = spec.name
+        self.spec = spec
+        self._fn = fn
+        self._jit_options = jit_options(spec)
+        self._jitted: Any = None
+        self._plans = _arg_plans(spec)
+        self._dynamic = [i for i, p in enumerate(self._plans) if p.kind != "value"]
+        self._shape_axes = {a for p in self._plans for _, a in p.dims}
+        self._fixed_kwargs = {k: v for k, v in spec.kwargs.items() if not isinstance(v, dict)}
+        self._axis_kwargs = {k: v["axis"] for k, v in spec.kwargs.items() if isinstance(v, dict)}
+        static_axes = set(self._axis_kwargs.values())
+        # Smallest first: the first slot that covers a call is the cheapest one.
+        self._slots = sorted(slots, key=lambda s: (
+            tuple(s.values[a] for a in sorted(self._shape_axes)),
+            [str(s.values.get(a)) for a in sorted(static_axes)]))
+        self._lock = threading.Lock()
+        self.calls = self.aot = self.fallback = self.out_of_bucket = self.padded = 0
+        self.fallback_reason: str | None = None
+        self._sizes: dict[str, Counter[int]] = {a: Counter() for a in sorted(self._shape_axes)}
+        self._warned = False
+        self._outputs = spec.outputs
+
+    # -- the call path ------------------------------------------------------
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        plans = self._plans
+        if len(args) != len(plans):
+            raise TypeError(f"{self.name}() takes {len(plans)} positional arguments as the manifest "
+                            f"lists them, got {len(args)}")
+        static: dict[str, Any] = {}
+        for name, value in kwargs.items():
+            axis = self._axis_kwargs.get(name)
+            if axis is not None:
+                static[axis] = value
+            elif name in self._fixed_kwargs:
+                if value != self._fixed_kwargs[name]:
+                    raise self._out(f"{self.name}: static {name}={value!r}; the manifest warmed "
+                                    f"{name}={self._fixed_kwargs[name]!r}")
+            else:
+                raise TypeError(f"{self.name}() got keyword {name!r}, which the manifest does not list")
+        for name, axis in self._axis_kwargs.items():
+            if axis not in static:
+                raise TypeError(f"{self.name}() needs keyword {name!r} (bucket axis {axis!r})")
+        for i, p in enumerate(plans):
+            if p.kind == "value" and args[i] != p.value:
+                raise self._out(f"{self.name}: static argument {i} is {args[i]!r}; the manifest warmed "
+                                f"{p.value!r}")
+        raw: dict[str, int] = {}
+        for i, p in enumerate(plans):
+            if p.dims:
+                shape = np.shape(args[i])
+                if len(shape) != len(p.shape):
+                    raise TypeError(f"{self.name}: argument {i} has {len(shape)} dimensions; the "
+                                    f"manifest's shape {list(p.shape)} has {len(p.shape)}")
+                for d, axis in p.dims:
+                    if shape[d] > raw.get(axis, -1):
+                        raw[axis] = shape[d]
+        slot = self._pick(raw, static)
+        with self._lock:
+            self.calls += 1
+            for axis, size in raw.items():
+                sizes = self._sizes[axis]
+                if size in sizes or len(sizes) < MAX_SIZES_PER_AXIS:
+                    sizes[size] += 1
+        if slot is None:
+            return self._overflow(args, kwargs, raw, static)
+        call_args, padded = self._convert(args, slot.values)
+        if padded:
+            with self._lock:
+                self.padded += 1
+        slot.ensure_loaded()
+        if slot.compiled is not None:
+            try:
+                out = slot.compiled(*[call_args[i] for i in self._dynamic])
+            except TypeError as exc:
+                if "pytree" in str(exc):
+                    raise StructureMismatch(
+                        f"{self.name}: the arguments' structure differs from the warmed one: "
+                        f"{_first_difference(slot.compiled.in_tree, ((tuple(call_args[i] for i in self._dynamic)), {}))}"
+                    ) from None
+                raise
+            with self._lock:
+                self.aot += 1
+        else:
+            out = self._via_jit(call_args, kwargs, slot.error)
+        return self._cut(out, raw) if self._outputs else out
+
+    def _out(self, message: str) -> OutOfBucket:
+        with self._lock:
+            self.out_of_bucket += 1
+        return OutOfBucket(message)
+
+    def _pick(self, raw: dict[str, int], static: dict[str, Any]) -> _Slot | None:
+        for slot in self._slots:
+            values = slot.values
+            if all(values[a] >= n for a, n in raw.items()) and all(
+                    values[a] == v for a, v in static.items()):
+                return slot
+        return None
+
+    def _convert(self, args: tuple[Any, ...], values: dict[str, Any]) -> tuple[list[Any], bool]:
+        """Pad bucketed dimensions and match the manifest's dtypes, on the host."""
+        out = list(args)
+        padded = False
+        for i, p in enumerate(self._plans):
+            if p.kind != "array":
+                continue
+            x = args[i]
+            target = p.target(values) if p.dims else None
+            if target is not None and np.shape(x) != target:
+                out[i] = _pad_to(x, target, p.pad, p.dtype)
+                padded = True
+            elif getattr(x, "dtype", None) != p.dtype:
+                out[i] = np.asarray(x, dtype=p.dtype)
+        return out, padded
+
+    def _jit(self) -> Any:
+        if self._jitted is None:
+            import jax
+
+            from cachectl.manifest import is_jitted
+
+            self._jitted = self._fn if is_jitted(self._fn) else jax.jit(self._fn, **self._jit_options)
+        return self._jitted
+
+    def _via_jit(self, call_args: list[Any], kwargs: dict[str, Any], reason: str | None) -> Any:
+        """The same padded call through jax.jit, which hits the persistent cache warm filled."""
+        with self._lock:
+            self.fallback += 1
+            first = not self._warned
+            self._warned = True
+            if self.fallback_reason is None:
+                self.fallback_reason = reason
+        if first:
+            message = (f"cachectl.serving: {self.name}: serving through jax.jit and the persistent "
+                       f"cache: {reason or 'no stored executable'}")
+            self._rt._warn(message)
+        return self._jit()(*self._jit_args(call_args), **{**self._fixed_kwargs, **kwargs})
+
+    def _jit_args(self, call_args: list[Any]) -> list[Any]:
+        """Give jit the manifest's abstract form, so the program (and key) is warm's."""
+        out = list(call_args)
+        for i, p in enumerate(self._plans):
+            if p.kind == "array" and p.weak and np.ndim(out[i]) == 0:
+                out[i] = np.asarray(out[i]).item()
+        return out
+
+    def _overflow(self, args: tuple[Any, ...], kwargs: dict[str, Any], raw: dict[str, int],
+                  static: dict[str, Any]) -> Any:
+        if self._rt.overflow == "compile":
+            with self._lock:
+                self.out_of_bucket += 1
+            converted, _ = self._convert(args, {})
+            return self._jit()(*self._jit_args(converted), **{**self._fixed_kwargs, **kwargs})
+        largest = {a: max(s.values[a] for s in self._slots) for a in raw} if self._slots else {}
+        over = [f"{a}={n} (largest bucket {largest[a]})" for a, n in raw.items() if n > largest.get(a, -1)]
+        detail = ", ".join(over) or ", ".join(f"{a}={v!r}" for a, v in static.items()) + " not warmed"
+        raise self._out(f"{self.name}: no warmed bucket covers {detail}; add a bucket to the manifest "
+                        "or use overflow='compile'")
+
+    def _cut(self, out: Any, raw: dict[str, int]) -> Any:
+        """Cut declared outputs back to the request's sizes, on the host (slicing on device compiles)."""
+        import jax
+
+        leaves, tree = jax.tree_util.tree_flatten(out)
+        specs = self._outputs or []
+        for n, spec in enumerate(specs[: len(leaves)]):
+            if spec is None:
+                continue
+            index = tuple(slice(0, raw[d]) if isinstance(d, str) and d in raw else slice(None)
+                          for d in spec.shape)
+            leaves[n] = np.asarray(leaves[n])[index]
+        return jax.tree_util.tree_unflatten(tree, leaves)
+
+    # -- reporting ------------------------------------------------------------
+
+    def report(self) -> FunctionReport:
+        with self._lock:
+            return FunctionReport(self.calls, self.aot, self.fallback, self.out_of_bucket, self.padded,
+                                  len(self._slots), sum(s.compiled is not None for s in self._slots),
+                                  self.fallback_reason or next((s.error for s in self._slots if s.error), None),
+                                  {a: dict(c) for a, c in self._sizes.items()})
+
+    @property
+    def buckets(self) -> list[dict[str, Any]]:
+        return [dict(s.values) for s in self._slots]
+
+
+class Serving:
+    """The manifest's functions, served from stored executables; build it with :func:`serving`."""
+
+    def __init__(self, manifest: Manifest, *, namespace: str, read: Callable[[str], bytes],
+                 names: list[str], indexed: dict[str, tuple[str, str | None]] | None,
+                 paths: Sequence[str], overflow: str, preload: bool, workers: int | None,
+                 on_load: Callable[[str, str], None] | None, warnings: list[str]) -> None:
+        started = time.perf_counter()
+        self.manifest = manifest
+        self.namespace = namespace
+        self.overflow = overflow
+        self._read = read
+        self._indexed = indexed
+        self._on_load = on_load
+        self._warnings = list(warnings)
+        self._warn_lock = threading.Lock()
+        for message in warnings:
+            log.warning(message)
+        headers = self._headers(names, workers)
+        self._functions: dict[str, ServedFunction] = {}
+        slots_all: list[_Slot] = []
+        buckets = expand(manifest)
+        for spec in manifest.functions:
+            fn = resolve_callable(spec.fn, paths)
+            digests = (aot.spec_digest(spec), aot.source_digest(fn))
+            slots = []
+            for bucket in (b for b in buckets if b.function == spec.name):
+                slot = _Slot(bucket)
+                self._bind(slot, spec, digests, headers)
+                slots.append(slot)
+            self._functions[spec.name] = ServedFunction(self, spec, fn, slots)
+            slots_all.extend(slots)
+        if preload:
+            todo = [s for s in slots_all if s._loader is not None]
+            if todo:
+                with ThreadPoolExecutor(max_workers=workers or min(8, len(todo)),
+                                        thread_name_prefix="cachectl-load") as pool:
+                    list(pool.map(_Slot.ensure_loaded, todo))
+        self._slots = slots_all
+        self.ready_seconds = time.perf_counter() - started
+
+    def _warn(self, message: str) -> None:
+        with self._warn_lock:
+            self._warnings.append(message)
+        log.warning(message)
+
+    def _headers(self, names: list[str], workers: int | None) -> dict[tuple[str, str], list[tuple[str, aot.AotHeader]]]:
+        """Every stored executable's header, by (function, bucket): small reads, in parallel."""
+        def read(name: str) -> tuple[str, aot.AotHeader | None]:
+            parsed = parse_aot_filename(name)
+            if parsed is None:
+                return name, None
+            try:
+                return parsed.key, aot.read_header(self._read(name))
+            except (CorruptEntry, OSError) as exc:
+                self._warn(f"cachectl.serving: ignoring {name}: {exc}")
+                return parsed.key, None
+
+        found: dict[tuple[str, str], list[tuple[str, aot.AotHeader]]] = {}
+        if not names:
+            return found
+        with ThreadPoolExecutor(max_workers=workers or min(8, len(names))) as pool:
+            for key, header in pool.map(read, names):
+                if header is not None and header.function is not None:
+                    where = (header.function, json.dumps(header.bucket, sort_keys=True))
+                    found.setdefault(where, []).append((key, header))
+        return found
+
+    def _bind(self, slot: _Slot, spec: FunctionSpec, digests: tuple[str, str | None],
+              headers: dict[tuple[str, str], list[tuple[str, aot.AotHeader]]]) -> None:
+        """Choose this bucket's stored executable, or say why it will be served by jit."""
+        candidates = headers.get((spec.name, json.dumps(slot.values, sort_keys=True)), [])
+        if not candidates:
+            slot.error = "no stored executable for this bucket (run `cachectl warm`)"
+            return
+        reasons = []
+        for key, header in candidates:
+            if header.spec_digest is not None and header.spec_digest != digests[0]:
+                reasons.append("stored for another version of this function's manifest entry")
+                continue
+            if header.source_digest is not None and digests[1] is not None and header.source_digest != digests[1]:
+                reasons.append("stored for other source code of the function (its file changed since warm)")
+                continue
+            if self._indexed is not None:
+                known = self._indexed.get(key)
+                if known is None or known[1] is None:
+                    reasons.append("the index does not know this stored executable (run `cachectl sync`)")
+                    continue
+            slot.key, slot.header, slot._loader = key, header, self._load
+            slot.error = None
+            return
+        slot.error = reasons[0]
+
+    def _load(self, slot: _Slot) -> None:
+        started = time.perf_counter()
+        assert slot.key is not None
+        try:
+            data = self._read(slot.key + AOT_SUFFIX)
+            entry = self._read(slot.key + CACHE_SUFFIX)
+            if self._indexed is not None:
+                entry_sha, aot_sha = self._indexed[slot.key]
+                if hashlib.sha256(data).hexdigest() != aot_sha:
+                    raise aot.AotError("refused: its sha256 differs from the index")
+                if hashlib.sha256(entry).hexdigest() != entry_sha:
+                    raise aot.AotError("refused: the JAX entry's sha256 differs from the index")
+            _, slot.compiled = aot.load(data, entry)
+        except FileNotFoundError as exc:
+            slot.error = f"stored executable unavailable ({exc})"
+        except (aot.AotError, CorruptEntry, OSError) as exc:
+            slot.error = str(exc)
+        finally:
+            slot.load_seconds = time.perf_counter() - started
+        if slot.compiled is not None and self._on_load is not None:
+            with contextlib.suppress(Exception):  # telemetry never breaks serving
+                self._on_load(slot.key.rsplit("-", 1)[0], slot.key)
+
+    # -- public -----------------------------------------------------------------
+
+    def __getitem__(self, name: str) -> ServedFunction:
+        try:
+            return self._functions[name]
+        except KeyError:
+            raise KeyError(f"{name!r} is not a function of the manifest "
+                           f"(functions: {', '.join(self._functions)})") from None
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._functions
+
+    @property
+    def names(self) -> list[str]:
+        return list(self._functions)
+
+    def report(self) -> ServingReport:
+        return ServingReport(self.namespace, {n: f.report() for n, f in self._functions.items()},
+                             sum(s.load_seconds for s in self._slots), self.ready_seconds,
+                             list(self._warnings))
+
+
+def serving(manifest: str | Path, *, cache: str | None = None, readonly: bool = True,
+            preload: bool = True, overflow: str = "error", db: str | None = None,
+            root: str | None = None, paths: Sequence[str] = (), telemetry: bool = True,
+            workers: int | None = None) -> Serving:
+    """Activate the cache as :func:`cachectl.activate` does and load every bucket's executable.
+
+    ``preload`` loads all of them now, in a thread pool (readiness is the
+    slowest load, not their sum); otherwise each loads at its bucket's first
+    call. ``overflow`` says what a call above the largest bucket does:
+    ``"error"`` raises :class:`OutOfBucket`, ``"compile"`` runs ``jax.jit`` at
+    the exact shape. Raises BadInput for a bad manifest; a cache, index or
+    executable that is unavailable costs a warning, never an exception.
+    """
+    from cachectl.runtime import activate
+
+    if overflow not in OVERFLOW_MODES:
+        raise ValueError(f"overflow must be one of {', '.join(OVERFLOW_MODES)}, got {overflow!r}")
+    spec = load_manifest(manifest)
+    search = [*paths]
+    check_imports(spec, search)
+    activation = activate(cache or spec.cache, readonly=readonly, db=db, root=root, telemetry=telemetry)
+    warnings: list[str] = []
+    read, names, indexed = _namespace_reader(activation, db, warnings)
+    on_load = None
+    if telemetry:
+        from cachectl import telemetry as telemetry_mod
+
+        collector = telemetry_mod.current()
+        on_load = collector.record_load if collector is not None else None
+    return Serving(spec, namespace=activation.path, read=read, names=names, indexed=indexed,
+                   paths=search, overflow=overflow, preload=preload, workers=workers,
+                   on_load=on_load, warnings=warnings)
+
+
+def _namespace_reader(activation: Any, db: str | None, warnings: list[str]
+                      ) -> tuple[Callable[[str], bytes], list[str], dict[str, tuple[str, str | None]] | None]:
+    """Read files of the activated namespace, list its executables, and the index's sha256s."""
+    from cachectl.store import Store
+
+    def unreadable(name: str) -> bytes:
+        raise FileNotFoundError(name)
+
+    if not activation.active:
+        warnings.append("cachectl.serving: the cache is not active; every call goes through jax.jit")
+        return unreadable, [], None
+    try:
+        store = Store(activation.path)
+        names = [f.path for f in store.list("") if f.path.endswith(AOT_SUFFIX) and "/" not in f.path]
+    except Exception as exc:  # noqa: BLE001 - storage down: serve through jit
+        warnings.append(f"cachectl.serving: cannot list {activation.path} ({type(exc).__name__}: {exc}); "
+                        "serving through jax.jit")
+        return unreadable, [], None
+    indexed = _index_shas(activation, db, warnings)
+    return store.read_bytes, names, indexed
+
+
+def _index_shas(activation: Any, db: str | None, warnings: list[str]) -> dict[str, tuple[str, str | None]] | None:
+    """key -> (entry sha256, executable sha256) from the index, or None when it is unreachable."""
+    from cachectl.config import load_settings
+    from cachectl.runtime import _open_index
+
+    problems: list[str] = []
+    settings = load_settings(db=db, cache=activation.cache)
+    index, _ = _open_index(settings, problems)
+    if index is None:
+        warnings.append("cachectl.serving: stored executables not checked against the index ("
+                        + "; ".join(problems) + ")")
+        return None
+    try:
+        env = index.find_environment(activation.cache, activation.digest)
+        return {e.key: (e.sha256, e.aot_sha256) for e in index.list_entries(env.id)}
+    except Exception as exc:  # noqa: BLE001 - unknown environment or index error
+        warnings.append(f"cachectl.serving: stored executables not checked against the index ({exc})")
+        return None
+    finally:
+        index.close()
