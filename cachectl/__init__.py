@@ -8,8 +8,8 @@ from cachectl.runtime import Activation, activate  # noqa: E402
 
 
 def serving(*args, **kwargs):  # type: ignore[no-untyped-def]
-    """:func:`cachectl.serving.serving` (imported on first use: a plain activate() never pays for it)."""
-    from cachectl.serving import serving as _serving
+    """:func:`cachectl.dispatch.serving` (imported on first use: a plain activate() never pays for it)."""
+    from cachectl.dispatch import serving as _serving
 
     return _serving(*args, **kwargs)
 
@@ -18,7 +18,7 @@ def __getattr__(name: str):  # type: ignore[no-untyped-def]
     if name in ("OutOfBucket", "StructureMismatch", "Serving", "mask"):
         import importlib
 
-        return getattr(importlib.import_module("cachectl.serving"), name)
+        return getattr(importlib.import_module("cachectl.dispatch"), name)
     raise AttributeError(f"module 'cachectl' has no attribute {name!r}")
 
 

@@ -131,7 +131,8 @@ def test_warm_then_a_fresh_service_compiles_nothing(tmp_path: Path) -> None:
     assert report["summary"]["buckets"] == 5 and report["summary"]["compiled"] == 5
     assert report["summary"]["cached"] == 0 and report["summary"]["failed"] == 0
     assert {b["status"] for b in report["buckets"]} == {"compiled"}
-    assert set(report["buckets"][0]) == {"function", "bucket", "status", "key", "compile_seconds", "bytes", "error"}
+    assert set(report["buckets"][0]) == {"function", "bucket", "status", "key", "compile_seconds", "bytes", "error",
+                                         "aot_bytes", "aot_error"}
     assert report["buckets"][0]["function"] == "affine"
     assert report["buckets"][0]["bucket"] == {"batch": 1, "mode": "relu"}
     assert report["environment"]["namespace"] in report["namespace"]

@@ -311,15 +311,16 @@ class ServedFunction:
                 return slot
         return None
 
-    def _convert(self, args: tuple[Any, ...], values: dict[str, Any]) -> tuple[list[Any], bool]:
-        """Pad bucketed dimensions and match the manifest's dtypes, on the host."""
+    def _convert(self, args: tuple[Any, ...], values: dict[str, Any] | None) -> tuple[list[Any], bool]:
+        """Pad bucketed dimensions to ``values`` (None: no padding) and match the manifest's dtypes,
+        on the host."""
         out = list(args)
         padded = False
         for i, p in enumerate(self._plans):
             if p.kind != "array":
                 continue
             x = args[i]
-            target = p.target(values) if p.dims else None
+            target = p.target(values) if p.dims and values is not None else None
             if target is not None and np.shape(x) != target:
                 out[i] = _pad_to(x, target, p.pad, p.dtype)
                 padded = True
@@ -363,7 +364,7 @@ class ServedFunction:
         if self._rt.overflow == "compile":
             with self._lock:
                 self.out_of_bucket += 1
-            converted, _ = self._convert(args, {})
+            converted, _ = self._convert(args, None)
             return self._jit()(*self._jit_args(converted), **{**self._fixed_kwargs, **kwargs})
         largest = {a: max(s.values[a] for s in self._slots) for a in raw} if self._slots else {}
         over = [f"{a}={n} (largest bucket {largest[a]})" for a, n in raw.items() if n > largest.get(a, -1)]

@@ -1,0 +1,402 @@
+"""cachectl.serving: warm stores executables; a fresh service dispatches to them with zero compiles.
+
+Every service here is a fresh Python process (infra.run_py). "Zero compiles" is
+counted with jax.monitoring duration events: /jax/core/compile/jaxpr_trace_duration
+(tracing) and /jax/core/compile/backend_compile_duration (XLA compiles), around
+the calls only.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from click.testing import CliRunner
+
+from cachectl.cli import cli
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from infra import run_py  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+EXAMPLE = REPO / "examples" / "manifest.yaml"
+
+COUNT_EVENTS = """
+import json, sys, warnings
+events = dict()
+def _on(e, d, **kw):
+    events[e] = events.get(e, 0) + 1
+import jax
+jax.monitoring.register_event_duration_secs_listener(_on)
+def compiles():
+    return dict((k, v) for k, v in events.items()
+                if k in ("/jax/core/compile/jaxpr_trace_duration", "/jax/core/compile/backend_compile_duration"))
+"""
+
+
+def warm(*args: str) -> dict[str, Any]:
+    result = CliRunner().invoke(cli, ["warm", *args, "--json"])
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout)
+
+
+def last_json(proc: Any) -> dict[str, Any]:
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+# --------------------------------------------------------------------------- the example LM
+
+
+@pytest.fixture(scope="module")
+def warmed_example(tmp_path_factory):
+    """The example manifest warmed once into its own home; tests point XDG dirs at it."""
+    home = tmp_path_factory.mktemp("example-home")
+    env = {"XDG_DATA_HOME": str(home / "data"), "XDG_CACHE_HOME": str(home / "cache"),
+           "XDG_CONFIG_HOME": str(home / "config")}
+    code = f"""
+        import sys
+        from cachectl.cli import main
+        sys.argv = ["cachectl", "warm", {str(EXAMPLE)!r}, "--json"]
+        main()
+    """
+    proc = run_py(code, env, check=True, timeout=600)
+    report = json.loads(proc.stdout)
+    assert report["summary"]["failed"] == 0
+    return env, report
+
+
+def test_warm_stores_an_executable_per_bucket(warmed_example) -> None:
+    env, report = warmed_example
+    namespace = Path(report["namespace"])
+    aot_files = sorted(namespace.glob("*-aot"))
+    assert len(aot_files) == report["summary"]["buckets"] == 11
+    for b in report["buckets"]:
+        assert b["aot_bytes"] == (namespace / f"{b['key']}-aot").stat().st_size
+        # Metadata only: the executable itself stays in the JAX entry.
+        assert b["aot_bytes"] < b["bytes"] / 2
+    db = Path(env["XDG_DATA_HOME"]) / "cachectl" / "index.db"
+    with sqlite3.connect(db) as conn:
+        rows = conn.execute("SELECT count(*) FROM entries WHERE aot_sha256 IS NOT NULL").fetchone()
+    assert rows[0] == 11
+
+
+SERVE_EXAMPLE = COUNT_EVENTS + """
+import numpy as np
+sys.path.insert(0, {repo!r})
+import cachectl
+from examples import lm
+rt = cachectl.serving({manifest!r})
+prefill, decode = rt["prefill"], rt["decode_step"]
+params = jax.device_put(lm.init_params(jax.random.key(0)))
+key = np.asarray(jax.random.PRNGKey(0))
+rng = np.random.default_rng(0)
+jax.block_until_ready(params)
+before = compiles()
+served = []
+for length in range(1, 129):
+    batch = int(rng.integers(1, 5)) if length <= 64 else 1
+    tokens = rng.integers(0, lm.CONFIG.vocab, size=(batch, length), dtype=np.int32)
+    logits, kv = prefill(params, tokens)
+    served.append((tokens, np.asarray(logits), kv))
+rows = served[40][2].shape[2]
+token = np.zeros((rows, 1), np.int32)
+kv = served[40][2]
+for step in range(3):
+    token, kv = decode(params, kv, token, np.int32(41 + step), key, sampling="greedy")
+np.asarray(token)
+during = compiles()
+report = rt.report().to_json()
+# References, after the counting: jax.jit on the same padded inputs, and the unpadded call.
+ref = jax.jit(lm.prefill)
+worst_padded = worst_valid = 0.0
+for tokens, logits, kv in served[::9] + [served[-1]]:
+    b, s = tokens.shape
+    bucket_b = kv.shape[2]
+    bucket_s = min(x for x in (32, 64, 128) if x >= s)
+    padded = np.zeros((bucket_b, bucket_s), np.int32)
+    padded[:b, :s] = tokens
+    full_logits, full_kv = ref(params, padded)
+    worst_padded = max(worst_padded, float(np.max(np.abs(np.asarray(full_logits)[:b, :s] - logits))))
+    exact_logits, exact_kv = ref(params, tokens)
+    exact = np.asarray(exact_logits)
+    worst_valid = max(worst_valid, float(np.max(np.abs(exact - logits)) / np.max(np.abs(exact))))
+print(json.dumps({{"before": before, "during": during, "report": report, "calls": len(served),
+                  "shapes": [list(l.shape) for _, l, _ in served[:3]],
+                  "worst_padded": worst_padded, "worst_valid": worst_valid}}))
+"""
+
+
+def test_fresh_service_serves_every_length_with_zero_compiles(warmed_example) -> None:
+    env, _ = warmed_example
+    proc = run_py(SERVE_EXAMPLE.format(repo=str(REPO), manifest=str(EXAMPLE)), env, check=True,
+                  timeout=600)
+    out = last_json(proc)
+    assert out["during"] == out["before"], (out["before"], out["during"])  # nothing traced or compiled
+    prefill = out["report"]["functions"]["prefill"]
+    assert prefill["calls"] == 128 and prefill["aot"] == 128 and prefill["fallback"] == 0
+    assert prefill["loaded"] == prefill["buckets"] == 8
+    assert prefill["padded"] > 100
+    assert sum(prefill["raw_sizes"]["seq"].values()) == 128 and len(prefill["raw_sizes"]["seq"]) == 128
+    decode = out["report"]["functions"]["decode_step"]
+    assert decode["aot"] == 3 and decode["fallback"] == 0  # donation and a static kwarg, through the runtime
+    assert out["shapes"][0][1:] == [1, 512] and out["shapes"][2][1:] == [3, 512]  # logits cut back
+    assert out["worst_padded"] <= 1e-5  # the same program as jax.jit on the padded inputs
+    # Causal + right padding: the valid region is the unpadded call's result, up to the bf16 kv
+    # cache (another shape is another XLA program; a last-bit difference can round k/v apart).
+    assert out["worst_valid"] <= 2e-3
+    assert out["report"]["warnings"] == []
+
+
+def test_out_of_bucket_is_an_error_by_default_and_compiles_when_asked(warmed_example) -> None:
+    env, _ = warmed_example
+    code = COUNT_EVENTS + f"""
+import numpy as np
+sys.path.insert(0, {str(REPO)!r})
+import cachectl
+from examples import lm
+params = lm.init_params(jax.random.key(0))
+tokens = np.zeros((1, 200), np.int32)
+rt = cachectl.serving({str(EXAMPLE)!r})
+try:
+    rt["prefill"](params, tokens)
+    error = None
+except cachectl.OutOfBucket as exc:
+    error = str(exc)
+    is_value_error = isinstance(exc, ValueError)
+try:
+    rt["decode_step"](params, np.zeros((1, 2, 1, 256, 4, 32), np.float32), np.zeros((1, 1), np.int32),
+                      np.int32(0), np.zeros(2, np.uint32), sampling="sample")
+    static_error = None
+except cachectl.OutOfBucket as exc:
+    static_error = str(exc)
+rt2 = cachectl.serving({str(EXAMPLE)!r}, overflow="compile")
+logits, _ = rt2["prefill"](params, tokens)
+print(json.dumps({{"error": error, "is_value_error": is_value_error, "static_error": static_error,
+                  "shape": list(np.shape(logits)), "report": rt2.report().to_json()["functions"]["prefill"],
+                  "first": rt.report().to_json()["functions"]["prefill"]}}))
+"""
+    out = last_json(run_py(code, env, check=True))
+    assert out["is_value_error"]
+    assert "prefill" in out["error"] and "seq=200" in out["error"] and "largest bucket 128" in out["error"]
+    assert "sampling='sample'" in out["static_error"] and "greedy" in out["static_error"]
+    assert out["first"]["out_of_bucket"] == 1
+    assert out["shape"] == [1, 200, 512]
+    assert out["report"]["out_of_bucket"] == 1 and out["report"]["aot"] == 0
+
+
+def test_a_params_tree_of_another_layout_is_refused_with_its_path(warmed_example) -> None:
+    env, _ = warmed_example
+    code = f"""
+import json, sys
+import numpy as np, jax
+sys.path.insert(0, {str(REPO)!r})
+import cachectl
+from examples import lm
+params = lm.init_params(jax.random.key(0))
+params["extra"] = params.pop("final_norm")
+rt = cachectl.serving({str(EXAMPLE)!r})
+try:
+    rt["prefill"](params, np.zeros((1, 8), np.int32))
+    print(json.dumps({{"error": None}}))
+except cachectl.StructureMismatch as exc:
+    print(json.dumps({{"error": str(exc)}}))
+"""
+    out = last_json(run_py(code, env, check=True))
+    assert out["error"] and "prefill" in out["error"] and "final_norm" in out["error"], out
+
+
+# --------------------------------------------------------------------------- fallback
+
+TINY_MODULE = """
+import jax.numpy as jnp
+
+def affine(x, w):
+    return jnp.tanh(x @ w)
+"""
+
+TINY_MANIFEST = """
+version: 1
+target: {backend: cpu}
+functions:
+  - fn: sv_tiny:affine
+    args:
+      - {shape: [batch, 8], dtype: float32}
+      - {shape: [8, 8], dtype: float32}
+    buckets: {batch: [2, 4]}
+"""
+
+TINY_SERVICE = COUNT_EVENTS + """
+import logging, numpy as np
+logging.basicConfig(level=logging.WARNING, format="%(message)s")
+requests = {{"n": 0, "hits": 0}}
+def _ev(e, **kw):
+    if e == "/jax/compilation_cache/compile_requests_use_cache": requests["n"] += 1
+    if e == "/jax/compilation_cache/cache_hits": requests["hits"] += 1
+jax.monitoring.register_event_listener(_ev)
+sys.path.insert(0, {dir!r})
+import cachectl
+rt = cachectl.serving({manifest!r})
+f = rt["affine"]
+outs = [np.asarray(f(np.ones((n, 8), np.float32), np.eye(8, dtype=np.float32))).tolist() for n in (1, 2, 3, 4, 1)]
+print(json.dumps({{"report": rt.report().to_json(), "requests": requests, "outs": outs}}))
+"""
+
+
+def tiny_warmed(tmp_path: Path) -> tuple[Path, dict[str, Any]]:
+    (tmp_path / "sv_tiny.py").write_text(TINY_MODULE)
+    manifest = tmp_path / "tiny.yaml"
+    manifest.write_text(TINY_MANIFEST)
+    return manifest, warm(str(manifest))
+
+
+def serve_tiny(tmp_path: Path, manifest: Path) -> tuple[dict[str, Any], str]:
+    proc = run_py(TINY_SERVICE.format(dir=str(tmp_path), manifest=str(manifest)), check=True)
+    return last_json(proc), proc.stderr
+
+
+def _delete(namespace: Path, key: str) -> None:
+    (namespace / f"{key}-aot").unlink()
+
+
+def _corrupt(namespace: Path, key: str) -> None:
+    path = namespace / f"{key}-aot"
+    data = bytearray(path.read_bytes())
+    data[-10] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def _sha_mismatch(namespace: Path, key: str) -> None:
+    db = Path(os.environ["XDG_DATA_HOME"]) / "cachectl" / "index.db"
+    with sqlite3.connect(db) as conn:
+        conn.execute("UPDATE entries SET aot_sha256 = ? WHERE key = ?", ("0" * 64, key))
+
+
+@pytest.mark.parametrize("damage", [_delete, _corrupt, _sha_mismatch], ids=["deleted", "corrupted", "sha-mismatch"])
+def test_a_broken_executable_falls_back_to_the_persistent_cache(tmp_path: Path, damage) -> None:
+    manifest, report = tiny_warmed(tmp_path)
+    namespace = Path(report["namespace"])
+    for b in report["buckets"]:
+        damage(namespace, b["key"])
+    out, stderr = serve_tiny(tmp_path, manifest)
+    fn = out["report"]["functions"]["affine"]
+    assert fn["calls"] == 5 and fn["fallback"] == 5 and fn["aot"] == 0
+    # Through jax.jit, the padded calls hit what warm wrote: nothing compiled.
+    assert out["requests"]["n"] >= 1 and out["requests"]["n"] == out["requests"]["hits"], out["requests"]
+    assert stderr.count("serving through jax.jit") == 1, stderr  # one warning per function
+    assert out["outs"][0] == out["outs"][4] and len(out["outs"][2]) == 4  # padded: no outputs: declared
+
+
+def test_the_tiny_manifest_serves_without_fallback(tmp_path: Path) -> None:
+    manifest, _ = tiny_warmed(tmp_path)
+    out, stderr = serve_tiny(tmp_path, manifest)
+    fn = out["report"]["functions"]["affine"]
+    assert fn["aot"] == 5 and fn["fallback"] == 0 and fn["padded"] == 3, fn
+    assert out["requests"]["n"] == 0  # JAX's compile path was never entered
+    assert "jax.jit" not in stderr
+
+
+def test_changed_source_is_never_served_from_a_stale_executable(tmp_path: Path) -> None:
+    manifest, _ = tiny_warmed(tmp_path)
+    (tmp_path / "sv_tiny.py").write_text(TINY_MODULE.replace("jnp.tanh", "jnp.sin"))
+    out, stderr = serve_tiny(tmp_path, manifest)
+    fn = out["report"]["functions"]["affine"]
+    assert fn["aot"] == 0 and fn["fallback"] == 5
+    assert "source code" in (fn["fallback_reason"] or "")
+    import numpy as np
+
+    assert out["outs"][1][0][0] == pytest.approx(float(np.sin(1.0)), rel=1e-6)  # the new code's answer
+
+
+def test_rewarm_reports_cached_only_when_both_kinds_are_present(tmp_path: Path) -> None:
+    manifest, first = tiny_warmed(tmp_path)
+    assert {b["status"] for b in first["buckets"]} == {"compiled"}
+    assert warm(str(manifest))["summary"]["cached"] == 2
+    namespace = Path(first["namespace"])
+    (namespace / f"{first['buckets'][0]['key']}-aot").unlink()
+    again = warm(str(manifest))
+    assert [b["status"] for b in again["buckets"]] == ["compiled", "cached"]
+    assert (namespace / f"{first['buckets'][0]['key']}-aot").exists()
+    none = warm(str(manifest), "--no-executables")
+    assert {b["aot_bytes"] for b in none["buckets"]} == {None}
+
+
+# --------------------------------------------------------------------------- several devices
+
+MESH_MODULE = """
+import jax, jax.numpy as jnp
+
+def weights():
+    return {"w": jax.ShapeDtypeStruct((16, 16), jnp.float32)}
+
+def step(x, p):
+    return jnp.tanh(x @ p["w"]).sum(axis=-1)
+"""
+
+MESH_MANIFEST = """
+version: 1
+target: {backend: cpu, device_count: 4}
+functions:
+  - fn: sv_mesh:step
+    mesh: {axes: {data: 4}}
+    args:
+      - {shape: [batch, 16], dtype: float32, sharding: [data, null]}
+      - {pytree: sv_mesh:weights}
+    buckets: {batch: [4, 8]}
+"""
+
+
+def test_mesh_manifest_serves_on_four_devices_with_zero_compiles(tmp_path: Path) -> None:
+    (tmp_path / "sv_mesh.py").write_text(MESH_MODULE)
+    manifest = tmp_path / "mesh.yaml"
+    manifest.write_text(MESH_MANIFEST)
+    flags = {"XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+    run_py(f"""
+        import sys
+        from cachectl.cli import main
+        sys.argv = ["cachectl", "warm", {str(manifest)!r}, "--json"]
+        main()
+    """, flags, check=True)
+    code = COUNT_EVENTS + f"""
+import numpy as np
+sys.path.insert(0, {str(tmp_path)!r})
+import cachectl
+rt = cachectl.serving({str(manifest)!r})
+w = {{"w": np.ones((16, 16), np.float32)}}
+before = compiles()
+outs = [rt["step"](np.ones((n, 16), np.float32), w) for n in (1, 4, 5, 8)]
+shardings = [str(o.sharding) for o in outs]
+during = compiles()
+print(json.dumps({{"before": before, "during": during, "devices": jax.device_count(),
+                  "shapes": [list(o.shape) for o in outs], "report": rt.report().to_json()["functions"]["step"],
+                  "sharding": shardings[-1]}}))
+"""
+    out = last_json(run_py(code, flags, check=True))
+    assert out["devices"] == 4
+    assert out["during"] == out["before"]
+    assert out["report"]["aot"] == 4 and out["report"]["fallback"] == 0
+    assert out["shapes"] == [[4], [4], [8], [8]]
+    assert "data" in out["sharding"]
+
+
+# --------------------------------------------------------------------------- object storage
+
+
+def test_serving_from_s3(tmp_path: Path, s3_bucket: str) -> None:
+    (tmp_path / "sv_tiny.py").write_text(TINY_MODULE)
+    manifest = tmp_path / "tiny.yaml"
+    manifest.write_text(TINY_MANIFEST)
+    result = CliRunner().invoke(cli, ["cache", "add", "remote", f"{s3_bucket}/jax"])
+    assert result.exit_code == 0, result.output
+    warm(str(manifest), "--cache", "remote")
+    out = last_json(run_py(TINY_SERVICE.replace("cachectl.serving({manifest!r})",
+                                                "cachectl.serving({manifest!r}, cache='remote')")
+                           .format(dir=str(tmp_path), manifest=str(manifest)), check=True))
+    fn = out["report"]["functions"]["affine"]
+    assert fn["aot"] == 5 and fn["fallback"] == 0, out["report"]
+    assert out["report"]["namespace"].startswith("s3://")
