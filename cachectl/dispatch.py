@@ -532,6 +532,11 @@ class Serving:
     def names(self) -> list[str]:
         return list(self._functions)
 
+    def executables(self) -> dict[tuple[str, str], str | None]:
+        """(function, bucket JSON) -> None when its executable is loaded, else why not."""
+        return {(s.bucket.function, json.dumps(s.values, sort_keys=True)):
+                None if s.compiled is not None else (s.error or "not loaded") for s in self._slots}
+
     def report(self) -> ServingReport:
         return ServingReport(self.namespace, {n: f.report() for n, f in self._functions.items()},
                              sum(s.load_seconds for s in self._slots), self.ready_seconds,
@@ -541,7 +546,7 @@ class Serving:
 def serving(manifest: str | Path, *, cache: str | None = None, readonly: bool = True,
             preload: bool = True, overflow: str = "error", db: str | None = None,
             root: str | None = None, paths: Sequence[str] = (), telemetry: bool = True,
-            workers: int | None = None) -> Serving:
+            workers: int | None = None, mirror: str | None = None) -> Serving:
     """Activate the cache as :func:`cachectl.activate` does and load every bucket's executable.
 
     ``preload`` loads all of them now, in a thread pool (readiness is the
@@ -550,6 +555,8 @@ def serving(manifest: str | Path, *, cache: str | None = None, readonly: bool = 
     ``"error"`` raises :class:`OutOfBucket`, ``"compile"`` runs ``jax.jit`` at
     the exact shape. Raises BadInput for a bad manifest; a cache, index or
     executable that is unavailable costs a warning, never an exception.
+    ``mirror=DIR`` serves from a local mirror that activate() pulls first
+    (entries and executables, verified against the index).
     """
     from cachectl.runtime import activate
 
@@ -558,7 +565,8 @@ def serving(manifest: str | Path, *, cache: str | None = None, readonly: bool = 
     spec = load_manifest(manifest)
     search = [*paths]
     check_imports(spec, search)
-    activation = activate(cache or spec.cache, readonly=readonly, db=db, root=root, telemetry=telemetry)
+    activation = activate(cache or spec.cache, readonly=readonly, db=db, root=root, telemetry=telemetry,
+                          mirror=mirror)
     warnings: list[str] = []
     read, names, indexed = _namespace_reader(activation, db, warnings)
     on_load = None

@@ -971,6 +971,13 @@ def is_jitted(obj: Any) -> bool:
     return callable(getattr(obj, "lower", None)) and callable(getattr(obj, "trace", None))
 
 
+def _is_filter_jit(obj: Any) -> bool:
+    """Equinox's filter_jit wrappers: they have .lower but no .trace, and jax.jit around them
+    compiles another program (DESIGN.md §7)."""
+    kind = type(obj)
+    return kind.__module__.startswith("equinox") and "jit" in kind.__name__.lower()
+
+
 @functools.cache
 def _jit_type() -> type:
     import jax
@@ -1004,6 +1011,14 @@ def check_imports(manifest: Manifest, search_paths: Sequence[str | Path] = ()) -
         for a, arg in enumerate(spec.args):
             if arg.pytree is not None:
                 _resolve_in(spec, arg.pytree, ("args", a, "pytree"), search_paths)
+        if _is_filter_jit(fn):
+            raise spec._bad(
+                ("fn",),
+                f"{spec.fn} is wrapped in eqx.filter_jit, which cachectl cannot lower as the service "
+                "does: name the plain function, pass the model's arrays as a pytree argument "
+                "(eqx.partition with a predicate that keeps ShapeDtypeStruct) and its static parts "
+                "as values",
+            )
         jitted = is_jitted(fn)
         if jitted and jit_options(spec):
             raise spec._bad(

@@ -167,6 +167,8 @@ class CheckBucket:
     key: str | None = None
     seconds: float | None = None
     error: str | None = None
+    # The stored executable, loaded in the same fresh process: "loaded", else why not.
+    aot: str | None = None
 
 
 @dataclass(frozen=True)
@@ -192,6 +194,14 @@ class CheckReport:
     def ok(self) -> bool:
         return self.hits == len(self.buckets)
 
+    @property
+    def aot_loaded(self) -> int:
+        return sum(b.aot == "loaded" for b in self.buckets)
+
+    @property
+    def aot_coverage(self) -> float:
+        return 100.0 * self.aot_loaded / len(self.buckets) if self.buckets else 100.0
+
     def to_json(self) -> dict[str, Any]:
         return {
             "environment": self.environment,
@@ -201,10 +211,12 @@ class CheckReport:
                 "misses": sum(b.status == MISS for b in self.buckets),
                 "failed": sum(b.status == FAILED for b in self.buckets),
                 "coverage": round(self.coverage, 2),
+                "aot_loaded": self.aot_loaded, "aot_coverage": round(self.aot_coverage, 2),
             },
             "buckets": [
                 {"function": b.function, "bucket": b.bucket, "status": b.status, "key": b.key,
-                 "seconds": None if b.seconds is None else round(b.seconds, 3), "error": b.error}
+                 "seconds": None if b.seconds is None else round(b.seconds, 3), "error": b.error,
+                 "aot": b.aot}
                 for b in self.buckets
             ],
         }
@@ -974,4 +986,23 @@ def _check_in_this_process(request: dict[str, Any]) -> dict[str, Any]:
         error = None if outcome.lookup else "JAX did not consult the persistent cache"
         results.append({**base, "status": status, "key": outcome.key, "seconds": outcome.seconds,
                         "error": error})
+    loaded = _executables_in_this_process(manifest, activation, request["db"], paths)
+    for result in results:
+        result["aot"] = loaded.get((result["function"], json.dumps(result["bucket"], sort_keys=True)),
+                                   "not checked")
+        if result["aot"] is None:
+            result["aot"] = "loaded"
     return {"namespace": activation.path, "warning": activation.warning, "buckets": results}
+
+
+def _executables_in_this_process(manifest: Manifest, activation: Any, db: str | None,
+                                 paths: Sequence[str]) -> dict[tuple[str, str], str | None]:
+    """Load every bucket's stored executable as cachectl.serving would (same checks)."""
+    from cachectl.dispatch import Serving, _namespace_reader
+
+    warnings: list[str] = []
+    read, names, indexed = _namespace_reader(activation, db, warnings)
+    rt = Serving(manifest, namespace=activation.path, read=read, names=names, indexed=indexed,
+                 paths=paths, overflow="error", preload=True, workers=None, on_load=None,
+                 warnings=[])
+    return rt.executables()

@@ -400,3 +400,16 @@ def test_serving_from_s3(tmp_path: Path, s3_bucket: str) -> None:
     fn = out["report"]["functions"]["affine"]
     assert fn["aot"] == 5 and fn["fallback"] == 0, out["report"]
     assert out["report"]["namespace"].startswith("s3://")
+
+
+def test_warm_check_reports_executable_coverage_from_a_fresh_process(tmp_path: Path) -> None:
+    manifest, report = tiny_warmed(tmp_path)
+    result = CliRunner().invoke(cli, ["warm-check", str(manifest), "--json"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert data["summary"]["aot_loaded"] == 2 and data["summary"]["aot_coverage"] == 100.0
+    assert {b["aot"] for b in data["buckets"]} == {"loaded"}
+    (Path(report["namespace"]) / f"{report['buckets'][1]['key']}-aot").unlink()
+    result = CliRunner().invoke(cli, ["warm-check", str(manifest)])
+    assert result.exit_code == 0  # the persistent cache still covers everything
+    assert "coverage: 2/2 buckets hit (100.0%); stored executables: 1/2 load (50.0%)" in result.stdout

@@ -82,12 +82,13 @@ def _print_warm(report: WarmReport) -> None:
 
 def _print_check(report: CheckReport) -> None:
     rows = [(escape(b.function), _bucket_text(b.bucket), _styled(b.status), _key_text(b.key),
-             _seconds(b.seconds), escape(b.error or "")) for b in report.buckets]
+             _seconds(b.seconds), escape(b.aot or "-"), escape(b.error or "")) for b in report.buckets]
     stdout.print(table(f"coverage of {report.namespace} (fresh read-only process)",
-                       ["function", "bucket", "status", "key", "load s", "error"], rows,
+                       ["function", "bucket", "status", "key", "load s", "executable", "error"], rows,
                        justify_right=("load s",)))
-    stdout.print(f"coverage: {report.hits}/{len(report.buckets)} buckets hit ({report.coverage:.1f}%)",
-                 highlight=False)
+    stdout.print(f"coverage: {report.hits}/{len(report.buckets)} buckets hit ({report.coverage:.1f}%); "
+                 f"stored executables: {report.aot_loaded}/{len(report.buckets)} load "
+                 f"({report.aot_coverage:.1f}%)", highlight=False)
 
 
 class _Progress:
