@@ -35,10 +35,12 @@ def _print_plan(plan: DeletionPlan, dry_run: bool) -> None:
         if len(plan.namespaces) > _SHOW:
             stdout.print(f"... and {len(plan.namespaces) - _SHOW} more namespaces (--json lists all)")
     if plan.entries:
-        rows = [(e.namespace, e.key[:48] + ("…" if len(e.key) > 48 else ""), size(e.size), e.reason)
+        rows = [(e.namespace, e.key[:48] + ("…" if len(e.key) > 48 else ""), size(e.size), size(e.aot_size),
+                 e.reason)
                 for e in plan.entries[:_SHOW]]
-        stdout.print(table(f"{plan.operation} {plan.cache}: entries", ["namespace", "key", "bytes", "reason"], rows,
-                           justify_right=("bytes",)))
+        stdout.print(table(f"{plan.operation} {plan.cache}: entries (each with its -aot executable, if any)",
+                           ["namespace", "key", "bytes", "aot", "reason"], rows,
+                           justify_right=("bytes", "aot")))
         if len(plan.entries) > _SHOW:
             stdout.print(f"... and {len(plan.entries) - _SHOW} more entries (--json lists all)")
     for p in plan.protected:
