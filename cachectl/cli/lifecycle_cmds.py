@@ -82,14 +82,16 @@ def _print_verify(result: verify_lib.VerifyResult) -> None:
         if len(plan.findings) > 200:
             stdout.print(f"... and {len(plan.findings) - 200} more (--json lists all)")
     counts = ", ".join(f"{n} {k}" for k, n in sorted(plan.counts.items())) or "no problems"
-    stdout.print(f"verify checked {plan.entries_checked} entries ({size(plan.bytes_read)}) in "
+    stdout.print(f"verify checked {plan.entries_checked} entries and {plan.executables_checked} stored "
+                 f"executables ({size(plan.bytes_read)}) in "
                  f"{plan.namespaces} namespace(s), {plan.files_listed} files listed: {counts} "
                  f"({result.duration_s:.2f}s)")
     if result.quarantined:
         stdout.print(f"quarantined {result.quarantined} file(s) under {plan.root}/{plan.quarantine_dir}")
-    if result.atimes_deleted or result.atimes_written or result.rows_dropped:
+    if result.atimes_deleted or result.atimes_written or result.rows_dropped or result.executables_cleared:
         stdout.print(f"repaired: {result.atimes_deleted} orphan -atime deleted, {result.atimes_written} -atime "
-                     f"written, {result.rows_dropped} index row(s) dropped")
+                     f"written, {result.rows_dropped} index row(s) dropped, {result.executables_cleared} "
+                     "entries' executable columns cleared")
     if result.dry_run and any(f.action for f in plan.findings):
         stdout.print("dry run: nothing moved, deleted or written")
 
