@@ -217,8 +217,11 @@ class ServerClient:
                          warm_run_id: int | None = None) -> tuple[int, int]:
         items = []
         for e in entries:
-            items.append({"key": e.key, "size": e.size, "sha256": e.sha256, "origin": e.origin,
-                          "compile_time_ms": e.compile_time_ms, "function": e.function, "bucket": e.bucket})
+            item = {"key": e.key, "size": e.size, "sha256": e.sha256, "origin": e.origin,
+                    "compile_time_ms": e.compile_time_ms, "function": e.function, "bucket": e.bucket}
+            if getattr(e, "aot_sha256", None) is not None:  # its stored executable, checked by the server
+                item.update(aot_size=e.aot_size, aot_sha256=e.aot_sha256)
+            items.append(item)
             warm_run_id = warm_run_id or e.warm_run_id
         if not items:
             return 0, 0
@@ -239,6 +242,19 @@ class ServerClient:
 
     def download_entry(self, cache: str, digest: str, key: str) -> bytes:
         return self.request("GET", f"{API}/caches/{_seg(cache)}/environments/{digest}/entries/{_seg(key)}").content
+
+    def upload_executable(self, cache: str, digest: str, key: str, data: bytes) -> Any:
+        """PUT an entry's stored executable (``<key>-aot``); the entry must be indexed already."""
+        from cachectl.entries import sha256
+        from cachectl.index.records import EntryInfo
+
+        response = self.request(
+            "PUT", f"{API}/caches/{_seg(cache)}/environments/{digest}/entries/{_seg(key)}/aot", content=data,
+            headers={"content-type": "application/octet-stream", "x-cachectl-sha256": sha256(data)})
+        return from_jsonable(EntryInfo, response.json())
+
+    def download_executable(self, cache: str, digest: str, key: str) -> bytes:
+        return self.request("GET", f"{API}/caches/{_seg(cache)}/environments/{digest}/entries/{_seg(key)}/aot").content
 
     def audit(self, cache: str, operation: str, *, entries: int = 0, nbytes: int = 0,
               duration_ms: int | None = None, details: dict[str, Any] | None = None, who: str | None = None) -> None:
@@ -491,6 +507,9 @@ class RemoteIndex:
 
     def delete_entries(self, *_args: Any, **_kwargs: Any) -> int:
         raise self.unsupported("deleting entries")
+
+    def set_executables(self, *_args: Any, **_kwargs: Any) -> int:
+        raise self.unsupported("changing executable columns directly (upload the -aot instead)")
 
     def record_hits(self, *_args: Any, **_kwargs: Any) -> int:
         raise self.unsupported("recording hits directly (telemetry goes to POST /api/v1/telemetry)")

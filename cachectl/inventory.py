@@ -28,9 +28,11 @@ class CacheTotals:
     cache: CacheInfo
     environments: int
     entries: int
-    bytes: int
+    bytes: int  # entries and their stored executables
     last_access_at: datetime | None
     per_environment: list[EnvironmentInfo]
+    executables: int = 0
+    aot_bytes: int = 0
 
 
 def list_environments(ctx: Context, cache: CacheInfo) -> EnvironmentListing:
@@ -48,5 +50,7 @@ def cache_totals(ctx: Context, caches: list[CacheInfo]) -> list[CacheTotals]:
         envs = ctx.index.environment_stats(cache.name)
         accesses = [e.last_access_at for e in envs if e.last_access_at]
         out.append(CacheTotals(cache, len(envs), sum(e.entries for e in envs), sum(e.bytes for e in envs),
-                               max(accesses) if accesses else None, envs))
+                               max(accesses) if accesses else None, envs,
+                               executables=sum(e.executables for e in envs),
+                               aot_bytes=sum(e.aot_bytes for e in envs)))
     return out

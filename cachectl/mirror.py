@@ -11,10 +11,17 @@ namespace, for writers only, and records it in the index.
 
 A mirror directory holds the JAX files directly (JAX is pointed at it) plus the
 ``env.json`` of the environment it mirrors, so push knows where entries belong.
+
+Stored executables (``<key>-aot``, cachectl/aot.py) travel with their entries:
+pull copies each indexed one whose entry is in the mirror, after checking its
+sha256 against the index (an ``-aot`` the index does not know, or one whose
+bytes changed, is refused like an entry); push uploads a run's executables
+whose header checks out and whose entry is shared, and records them.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
@@ -24,13 +31,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
 
+from cachectl import aot
 from cachectl.context import Context
 from cachectl.entries import (
+    AOT_SUFFIX,
     CACHE_SUFFIX,
     ENV_FILE,
     CorruptEntry,
     Kind,
     classify,
+    parse_aot_filename,
     parse_entry_filename,
     read_header,
     sha256,
@@ -74,6 +84,11 @@ class PullResult:
     duration_s: float = 0.0
     dry_run: bool = False
     storage_listed: bool = True
+    # Stored executables (``-aot``): indexed ones, copied now, already in the mirror.
+    # Their bytes are in ``bytes_copied``; refused ones are in ``refused``, reason "stored executable: ...".
+    executables_indexed: int = 0
+    executables_copied: int = 0
+    executables_present: int = 0
 
     __json_extra__ = ("ok",)
 
@@ -98,6 +113,7 @@ class PushResult:
     failed: list[EntryProblem] = field(default_factory=list)
     duration_s: float = 0.0
     dry_run: bool = False
+    executables_uploaded: int = 0  # their bytes are in bytes_uploaded
 
     __json_extra__ = ("ok",)
 
@@ -170,14 +186,17 @@ class _Tampered(Exception):
     """An object whose bytes no longer match the sha256 the index recorded."""
 
 
+AOT_REASON = "stored executable: "
+
+
 def _local_state(directory: Path, expected: dict[str, tuple[int, str]],
-                 verify_existing: bool) -> tuple[int, list[str]]:
-    """(entries already in the mirror, keys to fetch): a size check, or a re-hash if asked."""
+                 verify_existing: bool, suffix: str = CACHE_SUFFIX) -> tuple[int, list[str]]:
+    """(files already in the mirror, keys to fetch): a size check, or a re-hash if asked."""
     present = 0
     todo: list[str] = []
     for key in sorted(expected):
         size, digest = expected[key]
-        local = directory / (key + CACHE_SUFFIX)
+        local = directory / (key + suffix)
         try:
             st = local.stat()
         except FileNotFoundError:
@@ -211,6 +230,7 @@ def pull_namespace(index: Index, cache: CacheInfo, env: Environment, dest: str |
             "verified to pull: warm it here first, or run `cachectl doctor` to see why it differs"
         ) from exc
     expected = index.entry_keys(info.id)
+    expected_aot = {k: v for k, v in index.aot_keys(info.id).items() if k in expected}
 
     directory = Path(dest).expanduser().absolute()
     if not dry_run:
@@ -221,12 +241,14 @@ def pull_namespace(index: Index, cache: CacheInfo, env: Environment, dest: str |
             raise BadInput(f"mirror {directory} holds environment {existing.digest[:16]}, not this one "
                            f"({env.digest[:16]}): pull into another directory")
     present, todo = _local_state(directory, expected, verify_existing)
-    if skip_storage_if_complete and not todo:
+    aot_present, aot_todo = _local_state(directory, expected_aot, verify_existing, AOT_SUFFIX)
+    if skip_storage_if_complete and not todo and not aot_todo:
         return PullResult(
             cache=cache.name, environment=env.digest, namespace=ns,
             source=f"{cache.root_url.rstrip('/')}/{ns}", dest=str(directory), indexed=len(expected),
             copied=0, present=present, bytes_copied=0, duration_s=time.monotonic() - started,
-            dry_run=dry_run, storage_listed=False,
+            dry_run=dry_run, storage_listed=False, executables_indexed=len(expected_aot),
+            executables_present=aot_present,
         )
 
     if store is None:
@@ -235,37 +257,49 @@ def pull_namespace(index: Index, cache: CacheInfo, env: Environment, dest: str |
         store = store()
     source = store.url_for(ns)
     listed: dict[str, int] = {}
+    listed_aot: dict[str, int] = {}
     for f in store.list(ns):
         name = f.path[len(ns):].lstrip("/") if f.path.startswith(ns) else f.path
-        if classify(name) is Kind.ENTRY:
+        kind = classify(name)
+        if kind is Kind.ENTRY:
             parsed = parse_entry_filename(name)
             assert parsed is not None
             listed[parsed.key] = f.size
-    refused = [EntryProblem(k, "in storage but not in the index: not copied (run `cachectl verify` or "
-                               "`cachectl sync` if it is legitimate)")
-               for k in sorted(set(listed) - set(expected))]
+        elif kind is Kind.AOT:
+            parsed = parse_aot_filename(name)
+            assert parsed is not None
+            listed_aot[parsed.key] = f.size
+    unknown = ("in storage but not in the index: not copied (run `cachectl verify` or "
+               "`cachectl sync` if it is legitimate)")
+    refused = [EntryProblem(k, unknown) for k in sorted(set(listed) - set(expected))]
+    refused += [EntryProblem(k, AOT_REASON + unknown) for k in sorted(set(listed_aot) - set(expected_aot))]
     missing = sorted(set(expected) - set(listed))
     todo = [k for k in todo if k in listed]
+    aot_todo = [k for k in aot_todo if k in listed_aot]
 
-    copied = nbytes = 0
+    copied = nbytes = aot_copied = 0
     failed: list[EntryProblem] = []
     if dry_run:
         copied = len(todo)
-        nbytes = sum(expected[k][0] for k in todo)
+        aot_copied = len(aot_todo)
+        nbytes = sum(expected[k][0] for k in todo) + sum(expected_aot[k][0] for k in aot_todo)
     else:
         fs_store = store
 
-        def fetch(key: str) -> int:
-            data = fs_store.read_bytes(f"{ns}/{key}{CACHE_SUFFIX}")
-            got = sha256(data)
-            want = expected[key][1]
-            if got != want:
-                raise _Tampered(f"sha256 {got[:16]}… in storage, {want[:16]}… in the index: not copied "
-                                "(the object changed after it was recorded; run `cachectl verify`)")
-            _atomic_write(directory / (key + CACHE_SUFFIX), data)
-            return len(data)
+        def fetcher(suffix: str, want_of: dict[str, tuple[int, str]]) -> Callable[[str], int]:
+            def fetch(key: str) -> int:
+                data = fs_store.read_bytes(f"{ns}/{key}{suffix}")
+                got = sha256(data)
+                want = want_of[key][1]
+                if got != want:
+                    raise _Tampered(f"sha256 {got[:16]}… in storage, {want[:16]}… in the index: not copied "
+                                    "(the object changed after it was recorded; run `cachectl verify`)")
+                _atomic_write(directory / (key + suffix), data)
+                return len(data)
+            return fetch
 
-        for key, outcome in _parallel(fetch, todo, workers):
+        in_mirror = {k for k in expected if k not in todo}
+        for key, outcome in _parallel(fetcher(CACHE_SUFFIX, expected), todo, workers):
             if isinstance(outcome, _Tampered):
                 refused.append(EntryProblem(key, str(outcome)))
             elif isinstance(outcome, FileNotFoundError):
@@ -275,11 +309,25 @@ def pull_namespace(index: Index, cache: CacheInfo, env: Environment, dest: str |
             else:
                 copied += 1
                 nbytes += outcome
+                in_mirror.add(key)
+        # An executable is only of use beside its entry: copy those whose entry is in the mirror.
+        aot_todo = [k for k in aot_todo if k in in_mirror]
+        for key, outcome in _parallel(fetcher(AOT_SUFFIX, expected_aot), aot_todo, workers):
+            if isinstance(outcome, _Tampered):
+                refused.append(EntryProblem(key, AOT_REASON + str(outcome)))
+            elif isinstance(outcome, FileNotFoundError):
+                continue  # deleted between listing and reading: the next pull (or sync) settles it
+            elif isinstance(outcome, Exception):
+                failed.append(EntryProblem(key, AOT_REASON + _error(outcome)))
+            else:
+                aot_copied += 1
+                nbytes += outcome
     return PullResult(
         cache=cache.name, environment=env.digest, namespace=ns, source=source, dest=str(directory),
         indexed=len(expected), copied=copied, present=present, bytes_copied=nbytes,
         refused=sorted(refused, key=lambda p: p.key), missing=sorted(missing), failed=failed,
         duration_s=time.monotonic() - started, dry_run=dry_run,
+        executables_indexed=len(expected_aot), executables_copied=aot_copied, executables_present=aot_present,
     )
 
 
@@ -318,25 +366,35 @@ def push(ctx: Context, src: str | os.PathLike[str], *, cache: CacheInfo | None =
     ns = env.namespace
     if dry_run:
         try:
-            expected = ctx.index.entry_keys(ctx.index.find_environment(cache.name, env.digest).id)
+            env_id = ctx.index.find_environment(cache.name, env.digest).id
+            expected, expected_aot = ctx.index.entry_keys(env_id), ctx.index.aot_keys(env_id)
         except NotFound:
-            expected = {}
+            expected, expected_aot = {}, {}
     else:
         info = ctx.index.ensure_environment(cache.name, env)
-        expected = ctx.index.entry_keys(info.id)
+        expected, expected_aot = ctx.index.entry_keys(info.id), ctx.index.aot_keys(info.id)
 
     local: list[str] = []
+    local_aot: list[str] = []
     for path in sorted(directory.iterdir()):
-        if path.is_file() and classify(path.name) is Kind.ENTRY:
+        if not path.is_file():
+            continue
+        kind = classify(path.name)
+        if kind is Kind.ENTRY:
             parsed = parse_entry_filename(path.name)
             assert parsed is not None
             local.append(parsed.key)
+        elif kind is Kind.AOT:
+            parsed = parse_aot_filename(path.name)
+            assert parsed is not None
+            local_aot.append(parsed.key)
 
     already = 0
     conflicts: list[EntryProblem] = []
     refused: list[EntryProblem] = []
     failed: list[EntryProblem] = []
     candidates: list[tuple[str, bytes, int]] = []
+    shared: dict[str, tuple[int, str]] = {}  # entries the namespace holds with these bytes
     for key in local:
         try:
             data = (directory / (key + CACHE_SUFFIX)).read_bytes()
@@ -346,6 +404,7 @@ def push(ctx: Context, src: str | os.PathLike[str], *, cache: CacheInfo | None =
         if key in expected:
             if expected[key][1] == sha256(data):
                 already += 1
+                shared[key] = expected[key]
             else:
                 conflicts.append(EntryProblem(key, "the shared namespace holds other bytes for this key: kept theirs"))
             continue
@@ -355,12 +414,16 @@ def push(ctx: Context, src: str | os.PathLike[str], *, cache: CacheInfo | None =
             refused.append(EntryProblem(key, f"not a JAX cache entry ({exc}): not uploaded"))
             continue
         candidates.append((key, data, header.compile_seconds))
+    local_sha = {k: sha256(d) for k, d, _ in candidates}
+    local_sha.update({k: v[1] for k, v in shared.items()})
+    aot_candidates = _executables_to_push(directory, local_aot, local_sha, expected_aot, conflicts, refused, failed)
 
-    uploaded = nbytes = 0
+    uploaded = nbytes = aot_uploaded = 0
     if dry_run:
         uploaded = len(candidates)
-        nbytes = sum(len(d) for _, d, _ in candidates)
-    elif candidates:
+        aot_uploaded = len(aot_candidates)
+        nbytes = sum(len(d) for _, d, _ in candidates) + sum(len(d) for d in aot_candidates.values())
+    elif candidates or aot_candidates:
         ensure_namespace(store, env, group=cache.group)
         by_key = {k: (d, s) for k, d, s in candidates}
 
@@ -381,16 +444,76 @@ def push(ctx: Context, src: str | os.PathLike[str], *, cache: CacheInfo | None =
                                  origin="push", compile_time_ms=seconds * 1000))
             uploaded += 1
             nbytes += len(data)
-        ctx.index.upsert_entries(info.id, rows)
+        # Executables after their entries: only beside an entry the namespace now holds.
+        in_namespace = {r.key for r in rows} | set(shared)
+        for key in [k for k in aot_candidates if k not in in_namespace]:
+            del aot_candidates[key]
+
+        def upload_aot(key: str) -> int:
+            data = aot_candidates[key]
+            store.write_bytes(f"{ns}/{key}{AOT_SUFFIX}", data)
+            return len(data)
+
+        stored_aot: dict[str, tuple[int, str]] = {}
+        for key, outcome in _parallel(upload_aot, list(aot_candidates), workers):
+            if isinstance(outcome, Exception):
+                failed.append(EntryProblem(key, AOT_REASON + _error(outcome)))
+                continue
+            stored_aot[key] = (outcome, sha256(aot_candidates[key]))
+            aot_uploaded += 1
+            nbytes += outcome
+        rows = [dataclasses.replace(r, aot_size=stored_aot[r.key][0], aot_sha256=stored_aot[r.key][1])
+                if r.key in stored_aot else r for r in rows]
+        for key in sorted(set(stored_aot) & set(shared)):
+            parsed = parse_entry_filename(key + CACHE_SUFFIX)
+            assert parsed is not None
+            rows.append(NewEntry(key=key, module=parsed.module, size=shared[key][0], sha256=shared[key][1],
+                                 origin="push", aot_size=stored_aot[key][0], aot_sha256=stored_aot[key][1]))
+        if rows:
+            ctx.index.upsert_entries(info.id, rows)
     duration = time.monotonic() - started
     if not dry_run:
         ctx.index.audit("push", cache=cache.name, entries=uploaded, nbytes=nbytes,
                         duration_ms=int(duration * 1000),
                         details={"environment": env.digest, "source": str(directory),
                                  "already_shared": already, "conflicts": len(conflicts),
-                                 "refused": len(refused), "failed": len(failed)})
+                                 "refused": len(refused), "failed": len(failed),
+                                 "executables_uploaded": aot_uploaded})
     return PushResult(
         cache=cache.name, environment=env.digest, namespace=ns, source=str(directory),
         dest=store.url_for(ns), uploaded=uploaded, bytes_uploaded=nbytes, already_shared=already,
         conflicts=conflicts, refused=refused, failed=failed, duration_s=duration, dry_run=dry_run,
+        executables_uploaded=aot_uploaded,
     )
+
+
+def _executables_to_push(directory: Path, keys: list[str], entry_sha: dict[str, str],
+                         shared_aot: dict[str, tuple[int, str]], conflicts: list[EntryProblem],
+                         refused: list[EntryProblem], failed: list[EntryProblem]) -> dict[str, bytes]:
+    """The local ``-aot`` files worth uploading: intact, made for the entry bytes being shared,
+    not shared already. Problems are appended to the lists given."""
+    out: dict[str, bytes] = {}
+    for key in keys:
+        if key not in entry_sha:
+            continue  # its entry is not shared (refused, conflicting, failed or absent): neither is it
+        try:
+            data = (directory / (key + AOT_SUFFIX)).read_bytes()
+        except OSError as exc:
+            failed.append(EntryProblem(key, AOT_REASON + _error(exc)))
+            continue
+        if key in shared_aot:
+            if shared_aot[key][1] != sha256(data):
+                conflicts.append(EntryProblem(key, AOT_REASON + "the shared namespace holds another one for "
+                                                   "this key: kept theirs"))
+            continue
+        try:
+            header = aot.read_header(data)
+        except CorruptEntry as exc:
+            refused.append(EntryProblem(key, AOT_REASON + f"{exc}: not uploaded"))
+            continue
+        if header.key != key or header.entry_sha256 != entry_sha[key]:
+            refused.append(EntryProblem(key, AOT_REASON + "made for another entry (its header names other "
+                                             "entry bytes): not uploaded"))
+            continue
+        out[key] = data
+    return out

@@ -28,7 +28,7 @@ from cachectl.errors import (
 )
 from cachectl.index import open_index
 
-from . import api, dashboard, entries
+from . import api, dashboard, entries, executables
 from .auth import PUBLIC, ROLE_KEY, identify, route, unauthorized
 from .config import ServerSettings
 from .jobs import JobRunner
@@ -117,6 +117,7 @@ def create_app(settings: ServerSettings | str, **overrides: Any) -> FastAPI:
     app.include_router(api.health)
     app.include_router(api.router)
     app.include_router(entries.router)
+    app.include_router(executables.router)
     app.include_router(dashboard.router)
 
     @route(app.router, "GET", "/metrics", role="reader", scope="global", enforce=False,

@@ -19,6 +19,7 @@ from fastapi.responses import FileResponse, JSONResponse, Response, StreamingRes
 from starlette.concurrency import run_in_threadpool
 
 from cachectl.entries import (
+    AOT_SUFFIX,
     CACHE_SUFFIX,
     ENV_FILE,
     CorruptEntry,
@@ -250,9 +251,19 @@ def register_entries(request: Request, cache: CacheName, digest: Digest,
         if info.max_entry_size is not None and e.size > info.max_entry_size:
             raise HTTPException(413, f"entry {e.key} ({e.size} bytes) is above cache {cache!r}'s max entry size "
                                      f"({info.max_entry_size} bytes)")
+        if (e.aot_size is None) != (e.aot_sha256 is None):
+            raise HTTPException(422, f"entry {e.key}: give both aot_size and aot_sha256, or neither")
+        if e.aot_size is not None:
+            try:
+                aot_size = store.size(f"{env.namespace}/{e.key}{AOT_SUFFIX}")
+            except FileNotFoundError:
+                raise HTTPException(422, f"stored executable of {e.key} is not in storage: write it first") from None
+            if aot_size != e.aot_size:
+                raise HTTPException(422, f"stored executable of {e.key} is {aot_size} bytes in storage, "
+                                         f"not {e.aot_size}")
         new.append(NewEntry(key=e.key, module=parsed.module, size=e.size, sha256=e.sha256, origin=e.origin,
                             compile_time_ms=e.compile_time_ms, function=e.function, bucket=e.bucket,
-                            warm_run_id=body.warm_run_id))
+                            warm_run_id=body.warm_run_id, aot_size=e.aot_size, aot_sha256=e.aot_sha256))
     if body.warm_run_id is not None:
         run = warm_runs.get_run(state.index, body.warm_run_id)
         if run.environment_id != env.id:

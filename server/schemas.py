@@ -154,6 +154,9 @@ class EntryIn(Strict):
     compile_time_ms: Annotated[int, Field(ge=0, le=2**40)] | None = None
     function: Annotated[str, Field(max_length=256)] | None = None
     bucket: dict[Annotated[str, Field(max_length=128)], Any] | None = None
+    # Its stored executable (<key>-aot), when the writer stored one beside it.
+    aot_size: Annotated[int, Field(ge=0, le=2**50)] | None = None
+    aot_sha256: Hex64 | None = None
 
     @field_validator("bucket")
     @classmethod

@@ -14,26 +14,29 @@ def _print_environments(listing: inventory.EnvironmentListing) -> None:
     rows = [
         (e.digest[:16], e.environment.jax_version, e.environment.backend,
          f"{e.environment.device_kind} x{e.environment.device_count}",
-         " ".join(e.environment.xla_flags) or "-", e.entries, size(e.bytes), when(e.last_access_at))
+         " ".join(e.environment.xla_flags) or "-", e.entries, e.executables, size(e.aot_bytes),
+         size(e.bytes), when(e.last_access_at))
         for e in listing.environments
     ]
     stdout.print(table(f"cache {listing.cache} at {listing.root}",
-                       ["environment", "jax", "backend", "devices", "xla flags", "entries", "bytes", "last access"],
-                       rows, justify_right=("entries", "bytes")))
+                       ["environment", "jax", "backend", "devices", "xla flags", "entries", "executables",
+                        "aot bytes", "bytes", "last access"],
+                       rows, justify_right=("entries", "executables", "aot bytes", "bytes")))
 
 
 def _print_entries(listing: inventory.EntryListing) -> None:
     rows = [
         (e.key[:48] + ("…" if len(e.key) > 48 else ""), e.function or e.module,
          ",".join(f"{k}={v}" for k, v in (e.bucket or {}).items()) or "-", size(e.size),
-         e.compile_time_ms if e.compile_time_ms is not None else "-", e.origin, when(e.created_at),
+         size(e.aot_size), e.compile_time_ms if e.compile_time_ms is not None else "-", e.origin, when(e.created_at),
          when(e.last_access_at), e.hit_count)
         for e in listing.entries
     ]
     env = listing.environment
     stdout.print(table(f"{listing.cache} / {env.namespace}",
-                       ["key", "function", "bucket", "bytes", "compile ms", "origin", "created", "last access", "hits"],
-                       rows, justify_right=("bytes", "compile ms", "hits")))
+                       ["key", "function", "bucket", "bytes", "aot", "compile ms", "origin", "created",
+                        "last access", "hits"],
+                       rows, justify_right=("bytes", "aot", "compile ms", "hits")))
 
 
 @click.command("ls")
@@ -50,10 +53,11 @@ def ls(ctx, env_prefix: str | None, as_json: bool) -> None:
 
 
 def _print_totals(items: list[inventory.CacheTotals]) -> None:
-    rows = [(t.cache.name, t.cache.root_url, t.environments, t.entries, size(t.bytes),
-             size(t.cache.max_size), when(t.last_access_at)) for t in items]
-    stdout.print(table("caches", ["cache", "root", "environments", "entries", "bytes", "max size", "last access"],
-                       rows, justify_right=("environments", "entries", "bytes")))
+    rows = [(t.cache.name, t.cache.root_url, t.environments, t.entries, t.executables, size(t.aot_bytes),
+             size(t.bytes), size(t.cache.max_size), when(t.last_access_at)) for t in items]
+    stdout.print(table("caches", ["cache", "root", "environments", "entries", "executables", "aot bytes", "bytes",
+                                  "max size", "last access"],
+                       rows, justify_right=("environments", "entries", "executables", "aot bytes", "bytes")))
     for t in items:
         if t.per_environment:
             _print_environments(inventory.EnvironmentListing(t.cache.name, t.cache.root_url, t.per_environment))

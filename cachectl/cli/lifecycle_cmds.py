@@ -35,10 +35,12 @@ def _print_plan(plan: DeletionPlan, dry_run: bool) -> None:
         if len(plan.namespaces) > _SHOW:
             stdout.print(f"... and {len(plan.namespaces) - _SHOW} more namespaces (--json lists all)")
     if plan.entries:
-        rows = [(e.namespace, e.key[:48] + ("…" if len(e.key) > 48 else ""), size(e.size), e.reason)
+        rows = [(e.namespace, e.key[:48] + ("…" if len(e.key) > 48 else ""), size(e.size), size(e.aot_size),
+                 e.reason)
                 for e in plan.entries[:_SHOW]]
-        stdout.print(table(f"{plan.operation} {plan.cache}: entries", ["namespace", "key", "bytes", "reason"], rows,
-                           justify_right=("bytes",)))
+        stdout.print(table(f"{plan.operation} {plan.cache}: entries (each with its -aot executable, if any)",
+                           ["namespace", "key", "bytes", "aot", "reason"], rows,
+                           justify_right=("bytes", "aot")))
         if len(plan.entries) > _SHOW:
             stdout.print(f"... and {len(plan.entries) - _SHOW} more entries (--json lists all)")
     for p in plan.protected:
@@ -80,14 +82,16 @@ def _print_verify(result: verify_lib.VerifyResult) -> None:
         if len(plan.findings) > 200:
             stdout.print(f"... and {len(plan.findings) - 200} more (--json lists all)")
     counts = ", ".join(f"{n} {k}" for k, n in sorted(plan.counts.items())) or "no problems"
-    stdout.print(f"verify checked {plan.entries_checked} entries ({size(plan.bytes_read)}) in "
+    stdout.print(f"verify checked {plan.entries_checked} entries and {plan.executables_checked} stored "
+                 f"executables ({size(plan.bytes_read)}) in "
                  f"{plan.namespaces} namespace(s), {plan.files_listed} files listed: {counts} "
                  f"({result.duration_s:.2f}s)")
     if result.quarantined:
         stdout.print(f"quarantined {result.quarantined} file(s) under {plan.root}/{plan.quarantine_dir}")
-    if result.atimes_deleted or result.atimes_written or result.rows_dropped:
+    if result.atimes_deleted or result.atimes_written or result.rows_dropped or result.executables_cleared:
         stdout.print(f"repaired: {result.atimes_deleted} orphan -atime deleted, {result.atimes_written} -atime "
-                     f"written, {result.rows_dropped} index row(s) dropped")
+                     f"written, {result.rows_dropped} index row(s) dropped, {result.executables_cleared} "
+                     "entries' executable columns cleared")
     if result.dry_run and any(f.action for f in plan.findings):
         stdout.print("dry run: nothing moved, deleted or written")
 

@@ -62,9 +62,11 @@ def _print_pull(r: mirror_lib.PullResult) -> None:
         stdout.print(f"{len(r.missing)} indexed entries are gone from storage (run `cachectl sync`)", highlight=False)
     verb = "would copy" if r.dry_run else "copied"
     stdout.print(
-        f"pull {r.source} -> {r.dest}: {verb} {r.copied} entries ({size(r.bytes_copied)}), "
-        f"{r.present} already present, {len(r.refused)} refused, {len(r.failed)} failed "
-        f"of {r.indexed} indexed ({r.duration_s:.2f}s)", highlight=False)
+        f"pull {r.source} -> {r.dest}: {verb} {r.copied} entries and {r.executables_copied} stored "
+        f"executables ({size(r.bytes_copied)}), "
+        f"{r.present} entries and {r.executables_present} executables already present, {len(r.refused)} refused, "
+        f"{len(r.failed)} failed of {r.indexed} entries and {r.executables_indexed} executables indexed "
+        f"({r.duration_s:.2f}s)", highlight=False)
 
 
 @click.command("pull")
@@ -101,7 +103,8 @@ def _print_push(r: mirror_lib.PushResult) -> None:
     _problems_table("failed", r.failed)
     verb = "would upload" if r.dry_run else "uploaded"
     stdout.print(
-        f"push {r.source} -> {r.dest}: {verb} {r.uploaded} entries ({size(r.bytes_uploaded)}), "
+        f"push {r.source} -> {r.dest}: {verb} {r.uploaded} entries and {r.executables_uploaded} stored "
+        f"executables ({size(r.bytes_uploaded)}), "
         f"{r.already_shared} already shared, {len(r.conflicts)} conflicts, {len(r.refused)} refused "
         f"({r.duration_s:.2f}s)", highlight=False)
 

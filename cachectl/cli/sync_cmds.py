@@ -18,7 +18,9 @@ def _print(result: SyncResult) -> None:
             continue
         if ns.new_environment:
             rows.append((ns.namespace, "add environment", ns.digest[:16] if ns.digest else "-"))
-        for label, items in (("index entry", ns.add), ("update entry", ns.update), ("drop row", ns.drop)):
+        for label, items in (("index entry", ns.add), ("update entry", ns.update), ("drop row", ns.drop),
+                             ("record executable", ns.record_aot), ("clear executable", ns.clear_aot),
+                             ("orphan executable (no -cache; not indexed)", ns.orphan_aot)):
             for e in items:
                 rows.append((ns.namespace, label, e.key))
     for ns in plan.environments_gone:
@@ -30,7 +32,9 @@ def _print(result: SyncResult) -> None:
     stdout.print(
         f"sync {verb}: {result.environments_added} environment(s) added, {result.entries_added} entries indexed, "
         f"{result.entries_updated} updated, {result.rows_dropped} rows dropped, "
-        f"{result.environments_marked_deleted} environment(s) marked deleted ({result.duration_s:.2f}s)"
+        f"{result.environments_marked_deleted} environment(s) marked deleted, "
+        f"{result.executables_recorded} executable(s) recorded, {result.executables_cleared} cleared, "
+        f"{len(plan.orphan_executables)} orphan executable(s) ({result.duration_s:.2f}s)"
     )
 
 

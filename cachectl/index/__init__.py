@@ -98,13 +98,19 @@ def _environment(row: EnvRow) -> Environment:
 
 
 def _env_info(row: EnvRow, cache: str, entries: int = 0, size: int = 0,
-              last_access: datetime | None = None) -> EnvironmentInfo:
+              last_access: datetime | None = None, executables: int = 0, aot_bytes: int = 0) -> EnvironmentInfo:
     return EnvironmentInfo(
         id=row.id, cache=cache, digest=row.digest, namespace=row.namespace,
         environment=_environment(row), created_at=row.created_at,
         last_seen_at=row.last_seen_at, deleted_at=row.deleted_at,
         entries=int(entries or 0), bytes=int(size or 0), last_access_at=last_access,
+        executables=int(executables or 0), aot_bytes=int(aot_bytes or 0),
     )
+
+
+def unit_size() -> Any:
+    """An entry's bytes with its stored executable's: the one unit limits, gc and prune count."""
+    return Entry.size_bytes + func.coalesce(Entry.aot_size_bytes, 0)
 
 
 def _entry_info(row: Entry) -> EntryInfo:
@@ -253,14 +259,16 @@ class Index:
                 select(
                     Entry.environment_id,
                     func.count(Entry.id).label("n"),
-                    func.coalesce(func.sum(Entry.size_bytes), 0).label("b"),
+                    func.coalesce(func.sum(unit_size()), 0).label("b"),
                     func.max(func.coalesce(Entry.last_access_at, Entry.created_at)).label("la"),
+                    func.count(Entry.aot_sha256).label("x"),
+                    func.coalesce(func.sum(Entry.aot_size_bytes), 0).label("xb"),
                 )
                 .group_by(Entry.environment_id)
                 .subquery()
             )
             q = (
-                select(EnvRow, agg.c.n, agg.c.b, agg.c.la)
+                select(EnvRow, agg.c.n, agg.c.b, agg.c.la, agg.c.x, agg.c.xb)
                 .outerjoin(agg, agg.c.environment_id == EnvRow.id)
                 .where(EnvRow.cache_id == cache_row.id)
                 .order_by(EnvRow.jax_version, EnvRow.backend, EnvRow.created_at)
@@ -268,10 +276,10 @@ class Index:
             if not include_deleted:
                 q = q.where(EnvRow.deleted_at.is_(None))
             out = []
-            for row, n, b, la in s.execute(q):
+            for row, n, b, la, x, xb in s.execute(q):
                 if la is not None and la.tzinfo is None:  # SQLite's MAX() loses the column type
                     la = la.replace(tzinfo=timezone.utc)
-                out.append(_env_info(row, cache, n, b, la))
+                out.append(_env_info(row, cache, n, b, la, x, xb))
             return out
 
     def get_environment(self, cache: str, digest: str) -> EnvironmentInfo:
@@ -317,6 +325,26 @@ class Index:
             q = select(Entry.key, Entry.aot_size_bytes, Entry.aot_sha256).where(
                 Entry.environment_id == env_id, Entry.aot_sha256.is_not(None))
             return {k: (size, sha) for k, size, sha in s.execute(q)}
+
+    def set_executables(self, env_id: int, executables: dict[str, tuple[int, str] | None]) -> int:
+        """Record (size, sha256) of entries' stored executables, or clear them (None); rows touched.
+
+        Only rows that exist and differ are written, so re-running is harmless.
+        """
+        touched = 0
+        with self.session() as s:
+            keys = list(executables)
+            for chunk in _chunks(keys):
+                q = select(Entry.id, Entry.key, Entry.aot_size_bytes, Entry.aot_sha256).where(
+                    Entry.environment_id == env_id, Entry.key.in_(chunk))
+                for row_id, key, size, sha in s.execute(q).all():
+                    want = executables[key]
+                    new = (None, None) if want is None else (int(want[0]), want[1])
+                    if (size, sha) != new:
+                        s.execute(update(Entry).where(Entry.id == row_id)
+                                  .values(aot_size_bytes=new[0], aot_sha256=new[1]))
+                        touched += 1
+        return touched
 
     def get_entry(self, env_id: int, key: str) -> EntryInfo | None:
         with self.read_session() as s:

@@ -6,6 +6,10 @@ aggregates or windows in the database, and streams rows, so a plan over
 1,000,000 entry rows costs a few sorted scans, not a million Python objects.
 gc's eviction cut (``SUM(size) OVER (ORDER BY score)``) is computed by the
 database, which returns only the rows to evict.
+
+An entry and its stored executable (``<key>-aot``, on the same row) are one
+unit: every size here is ``size_bytes + coalesce(aot_size_bytes, 0)``, and
+each planned entry carries the executable's bytes so execution deletes both.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from sqlalchemy import (
 from sqlalchemy.sql.elements import ColumnElement
 
 from cachectl.errors import NotFound
-from cachectl.index import Index
+from cachectl.index import Index, unit_size
 from cachectl.index.models import Cache, Entry, UTCDateTime, WarmRun, utcnow
 from cachectl.index.models import Environment as EnvRow
 
@@ -69,7 +73,8 @@ class EntryRef:
 
     environment_id: int
     key: str
-    size: int
+    size: int  # the JAX entry's bytes
+    aot_size: int | None = None  # its stored executable's, if it has one
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,9 +83,10 @@ class Eviction:
 
     environment_id: int
     key: str
-    size: int
+    size: int  # the JAX entry's bytes
     score: float | str
     reason: str
+    aot_size: int | None = None  # its stored executable's, evicted with it
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,7 +113,7 @@ def environments(index: Index, cache: str) -> list[EnvSummary]:
         select(
             Entry.environment_id.label("env_id"),
             func.count(Entry.id).label("n"),
-            func.coalesce(func.sum(Entry.size_bytes), 0).label("b"),
+            func.coalesce(func.sum(unit_size()), 0).label("b"),
         )
         .join(EnvRow, EnvRow.id == Entry.environment_id)
         .where(EnvRow.cache_id == cid, EnvRow.deleted_at.is_(None))
@@ -195,7 +201,7 @@ def selected_totals(index: Index, env_ids: Sequence[int], *, created_before: dat
     if not env_ids:
         return {}
     q = (
-        select(Entry.environment_id, func.count(Entry.id), func.coalesce(func.sum(Entry.size_bytes), 0))
+        select(Entry.environment_id, func.count(Entry.id), func.coalesce(func.sum(unit_size()), 0))
         .where(Entry.environment_id.in_(list(env_ids)),
                *_entry_filters(created_before, unused_before, function))
         .group_by(Entry.environment_id)
@@ -216,14 +222,14 @@ def iter_selected_entries(index: Index, env_ids: Sequence[int], *, created_befor
     if not env_ids:
         return
     q = (
-        select(Entry.environment_id, Entry.key, Entry.size_bytes)
+        select(Entry.environment_id, Entry.key, Entry.size_bytes, Entry.aot_size_bytes)
         .where(Entry.environment_id.in_(list(env_ids)),
                *_entry_filters(created_before, unused_before, function))
     )
     with index.read_session() as s:
         result = s.connection().execution_options(yield_per=_STREAM_ROWS).execute(q)
-        for env_id, key, size in result:
-            yield EntryRef(env_id, key, size)
+        for env_id, key, size, aot_size in result:
+            yield EntryRef(env_id, key, size, aot_size)
 
 
 def _score(dialect: str, policy: str, now: datetime) -> ColumnElement[float]:
@@ -243,7 +249,8 @@ def _score(dialect: str, policy: str, now: datetime) -> ColumnElement[float]:
     else:
         age_days = func.extract("epoch", _as_bound(now) - last) / 86400.0
     age_days = case((age_days < 0, 0.0), else_=age_days)
-    size_kib = case((Entry.size_bytes < 1, 1.0), else_=cast(Entry.size_bytes, Float) / 1024.0)
+    unit = unit_size()
+    size_kib = case((unit < 1, 1.0), else_=cast(unit, Float) / 1024.0)
     cost = cast(func.coalesce(Entry.compile_time_ms, DEFAULT_COMPILE_MS), Float)
     return cost / size_kib / (1.0 + age_days / COST_HALF_LIFE_DAYS)
 
@@ -271,7 +278,7 @@ def plan_evictions(index: Index, cache: str, *, policy: str, max_bytes: int | No
         dialect = s.get_bind().dialect.name
         if bytes_total is None:
             bytes_total = int(s.scalar(
-                select(func.coalesce(func.sum(Entry.size_bytes), 0))
+                select(func.coalesce(func.sum(unit_size()), 0))
                 .join(EnvRow, EnvRow.id == Entry.environment_id).where(live)) or 0)
     total = bytes_total
     global_excess = None if max_bytes is None else total - max_bytes
@@ -287,18 +294,19 @@ def plan_evictions(index: Index, cache: str, *, policy: str, max_bytes: int | No
         evictable.append(EnvRow.id.not_in(list(exclude_env_ids)))
     if protect_warm_runs:
         evictable.append(or_(Entry.warm_run_id.is_(None), Entry.warm_run_id.not_in(list(protect_warm_runs))))
+    # ``size`` is the unit (entry + executable) the running sums count; ``aot`` splits it again.
     cols = [Entry.id.label("id"), Entry.environment_id.label("env_id"), Entry.key.label("key"),
-            Entry.size_bytes.label("size"), score.label("score")]
+            unit_size().label("size"), Entry.aot_size_bytes.label("aot"), score.label("score")]
     base_q = select(*cols).join(EnvRow, EnvRow.id == Entry.environment_id).where(*evictable)
 
     if env_max_bytes is None:
         # Only the cache limit: one running sum in score order.
         base = base_q.subquery("base")
         before = func.sum(base.c.size).over(order_by=(base.c.score, base.c.id), rows=(None, 0)) - base.c.size
-        cut = select(base.c.id, base.c.env_id, base.c.key, base.c.size, base.c.score,
+        cut = select(base.c.id, base.c.env_id, base.c.key, base.c.size, base.c.aot, base.c.score,
                      literal(0).label("env_evict"), before.label("before")).subquery("cut")
         assert global_excess is not None
-        q = (select(cut.c.env_id, cut.c.key, cut.c.size, cut.c.score, cut.c.env_evict)
+        q = (select(cut.c.env_id, cut.c.key, cut.c.size, cut.c.aot, cut.c.score, cut.c.env_evict)
              .where(cut.c.before < global_excess).order_by(cut.c.score, cut.c.id))
     else:
         if env_bytes is None:
@@ -311,31 +319,32 @@ def plan_evictions(index: Index, cache: str, *, policy: str, max_bytes: int | No
         env_before = func.sum(base.c.size).over(
             partition_by=base.c.env_id, order_by=(base.c.score, base.c.id), rows=(None, 0)) - base.c.size
         env_evict = case((env_before < base.c.env_excess, 1), else_=0)
-        marked = select(base.c.id, base.c.env_id, base.c.key, base.c.size, base.c.score,
+        marked = select(base.c.id, base.c.env_id, base.c.key, base.c.size, base.c.aot, base.c.score,
                         env_evict.label("env_evict")).cte("marked")
         rest_size = case((marked.c.env_evict == 1, 0), else_=marked.c.size)
         glob_before = func.sum(rest_size).over(order_by=(marked.c.score, marked.c.id), rows=(None, 0)) - rest_size
         env_freed = func.sum(marked.c.size - rest_size).over()
-        cut = select(marked.c.id, marked.c.env_id, marked.c.key, marked.c.size, marked.c.score,
+        cut = select(marked.c.id, marked.c.env_id, marked.c.key, marked.c.size, marked.c.aot, marked.c.score,
                      marked.c.env_evict, glob_before.label("glob_before"),
                      env_freed.label("env_freed")).cte("cut")
         global_cond: ColumnElement[bool] = (
             false() if global_excess is None else cut.c.glob_before < global_excess - cut.c.env_freed)
-        q = (select(cut.c.env_id, cut.c.key, cut.c.size, cut.c.score, cut.c.env_evict)
+        q = (select(cut.c.env_id, cut.c.key, cut.c.size, cut.c.aot, cut.c.score, cut.c.env_evict)
              .where(or_(cut.c.env_evict == 1, global_cond)).order_by(cut.c.score, cut.c.id))
     out: list[Eviction] = []
     with index.read_session() as s:
         result = s.connection().execution_options(yield_per=_STREAM_ROWS).execute(q)
-        for env_id, key, size, sc, by_env in result:
+        for env_id, key, unit, aot, sc, by_env in result:
             if isinstance(sc, datetime):
                 sc = sc.isoformat()
-            out.append(Eviction(env_id, key, size, sc if isinstance(sc, str) else float(sc),
-                                "env-max-size" if by_env else "max-size"))
+            aot = None if aot is None else int(aot)
+            out.append(Eviction(env_id, key, int(unit) - (aot or 0), sc if isinstance(sc, str) else float(sc),
+                                "env-max-size" if by_env else "max-size", aot))
     return out, {"bytes_before": total}
 
 
 def _env_bytes(index: Index, cid: int) -> dict[int, int]:
-    q = (select(Entry.environment_id, func.sum(Entry.size_bytes))
+    q = (select(Entry.environment_id, func.sum(unit_size()))
          .join(EnvRow, EnvRow.id == Entry.environment_id)
          .where(EnvRow.cache_id == cid, EnvRow.deleted_at.is_(None))
          .group_by(Entry.environment_id))
@@ -348,6 +357,14 @@ def entry_digests(index: Index, env_id: int) -> dict[str, tuple[int, str]]:
     q = select(Entry.key, Entry.size_bytes, Entry.sha256).where(Entry.environment_id == env_id)
     with index.read_session() as s:
         return {k: (int(size), sha) for k, size, sha in s.connection().execute(q)}
+
+
+def executable_digests(index: Index, env_id: int) -> dict[str, tuple[int, str, str]]:
+    """key -> (aot size, aot sha256, entry sha256) of one environment's indexed executables (a read)."""
+    q = select(Entry.key, Entry.aot_size_bytes, Entry.aot_sha256, Entry.sha256).where(
+        Entry.environment_id == env_id, Entry.aot_sha256.is_not(None))
+    with index.read_session() as s:
+        return {k: (int(size or 0), sha, entry_sha) for k, size, sha, entry_sha in s.connection().execute(q)}
 
 
 def delete_entry_rows(index: Index, by_env: dict[int, list[str]]) -> int:

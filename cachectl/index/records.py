@@ -43,8 +43,12 @@ class EnvironmentInfo:
     last_seen_at: datetime | None
     deleted_at: datetime | None
     entries: int = 0
+    # Entries and their stored executables together: what size limits and gc count.
     bytes: int = 0
     last_access_at: datetime | None = None
+    # Entries with a stored executable (``<key>-aot``), and those executables' bytes (within ``bytes``).
+    executables: int = 0
+    aot_bytes: int = 0
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,7 @@ from cachectl.index import (
     _cache_info,
     _entry_info,
     _env_info,
+    unit_size,
 )
 from cachectl.index.models import Cache, Entry, Job, TelemetryRecord, utcnow
 from cachectl.index.models import Environment as EnvRow
@@ -131,7 +132,7 @@ def cache_usage(index: Index, cache: str) -> tuple[int, int]:
     """(entries, bytes) of a cache's live environments, in one query."""
     with index.read_session() as s:
         q = (
-            select(func.count(Entry.id), func.coalesce(func.sum(Entry.size_bytes), 0))
+            select(func.count(Entry.id), func.coalesce(func.sum(unit_size()), 0))
             .join(EnvRow, EnvRow.id == Entry.environment_id)
             .join(Cache, Cache.id == EnvRow.cache_id)
             .where(Cache.name == cache, EnvRow.deleted_at.is_(None))
@@ -142,7 +143,7 @@ def cache_usage(index: Index, cache: str) -> tuple[int, int]:
 
 def environment_usage(index: Index, env_id: int) -> tuple[int, int]:
     with index.read_session() as s:
-        q = select(func.count(Entry.id), func.coalesce(func.sum(Entry.size_bytes), 0)).where(
+        q = select(func.count(Entry.id), func.coalesce(func.sum(unit_size()), 0)).where(
             Entry.environment_id == env_id)
         n, b = s.execute(q).one()
         return int(n or 0), int(b or 0)
@@ -293,7 +294,7 @@ def bytes_series(index: Index, cache: str, *, hourly: bool = False) -> list[Byte
     bucket = _bucket_expr(index.dialect, Entry.created_at, hourly).label("bucket")
     with index.read_session() as s:
         q = (
-            select(bucket, func.sum(Entry.size_bytes))
+            select(bucket, func.sum(unit_size()))
             .join(EnvRow, EnvRow.id == Entry.environment_id)
             .join(Cache, Cache.id == EnvRow.cache_id)
             .where(Cache.name == cache, EnvRow.deleted_at.is_(None))

@@ -107,7 +107,7 @@ def plan_gc(ctx: Context, cache: CacheInfo, *, policy: str = "lru", max_size: st
         why = (f"last used {ev.score[:16].replace('T', ' ')}" if isinstance(ev.score, str)
                else f"cost score {ev.score:.4g}")
         deletion.entries.append(PlannedEntry(ev.environment_id, by_id[ev.environment_id].namespace, ev.key,
-                                             ev.size, f"{ev.reason}; {why}"))
+                                             ev.size, f"{ev.reason}; {why}", ev.aot_size))
     before = totals["bytes_before"]
     after = before - deletion.bytes_to_free
     over = max(0, after - limit) if limit is not None else 0
@@ -116,7 +116,7 @@ def plan_gc(ctx: Context, cache: CacheInfo, *, policy: str = "lru", max_size: st
     if env_limit is not None:
         freed_by_env: dict[int, int] = {}
         for e in deletion.entries:
-            freed_by_env[e.environment_id] = freed_by_env.get(e.environment_id, 0) + e.size
+            freed_by_env[e.environment_id] = freed_by_env.get(e.environment_id, 0) + e.bytes
         for e in envs:
             left = e.bytes - freed_by_env.get(e.id, 0)
             if left > env_limit:

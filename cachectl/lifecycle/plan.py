@@ -8,6 +8,9 @@ up to 1000 keys; GCS batch requests). A run killed between the two steps
 leaves index rows whose files are gone, never files without rows, and the
 same selection re-run finishes the job (deleting a missing file is a no-op);
 `cachectl sync` reconciles anything else.
+
+An entry and its stored executable (``<key>-aot``) are one unit: deleted in
+the same batch, counted together in every size.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from cachectl.entries import ATIME_SUFFIX, CACHE_SUFFIX, LOCKFILE
+from cachectl.entries import AOT_SUFFIX, ATIME_SUFFIX, CACHE_SUFFIX, LOCKFILE
 from cachectl.index import Index
 from cachectl.index.lifecycle_queries import delete_entry_rows
 from cachectl.lifecycle.lease import Lease
@@ -36,13 +39,30 @@ DELAY_HOOK = "CACHECTL_TEST_BATCH_DELAY_S"
 
 @dataclass(frozen=True, slots=True)
 class PlannedEntry:
-    """One entry file to delete (plus its -atime sidecar where JAX eviction is on)."""
+    """One entry file to delete, with its stored executable (``-aot``) when it has one, plus
+    its -atime sidecar where JAX eviction is on."""
 
     environment_id: int
     namespace: str
     key: str
-    size: int
+    size: int  # the JAX entry's bytes
     reason: str
+    aot_size: int | None = None  # the stored executable's bytes, deleted with the entry
+
+    __json_extra__ = ("bytes", "files")
+
+    @property
+    def bytes(self) -> int:
+        """What deleting this unit frees: the entry and its executable."""
+        return self.size + (self.aot_size or 0)
+
+    @property
+    def files(self) -> list[str]:
+        """The files deleted, relative to the cache root (the -atime sidecar aside)."""
+        out = [f"{self.namespace}/{self.key}{CACHE_SUFFIX}"]
+        if self.aot_size is not None:
+            out.append(f"{self.namespace}/{self.key}{AOT_SUFFIX}")
+        return out
 
 
 @dataclass(frozen=True)
@@ -89,7 +109,7 @@ class DeletionPlan:
 
     @property
     def bytes_to_free(self) -> int:
-        return sum(n.bytes for n in self.namespaces) + sum(e.size for e in self.entries)
+        return sum(n.bytes for n in self.namespaces) + sum(e.bytes for e in self.entries)
 
     @property
     def empty(self) -> bool:
@@ -142,7 +162,7 @@ def _entry_batches(entries: Sequence[PlannedEntry], sidecar_ns: set[str],
     batch: list[PlannedEntry] = []
     paths: list[str] = []
     for e in entries:
-        mine = [f"{e.namespace}/{e.key}{CACHE_SUFFIX}"]
+        mine = e.files
         if e.namespace in sidecar_ns:
             mine.append(f"{e.namespace}/{e.key}{ATIME_SUFFIX}")
         if paths and len(paths) + len(mine) > batch_size:
@@ -198,7 +218,7 @@ def execute_plan(index: Index, store: Store, plan: DeletionPlan, *, lease: Lease
             by_env[e.environment_id].append(e.key)
         rows += delete_entry_rows(index, by_env)
         entries_done += len(batch)
-        freed += sum(e.size for e in batch)
+        freed += sum(e.bytes for e in batch)
         hooks.after_batch()
         if lease:
             lease.check()

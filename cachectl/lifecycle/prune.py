@@ -210,7 +210,7 @@ def plan_prune(ctx: Context, cache: CacheInfo, crit: PruneCriteria, *,
         for ref in iter_selected_entries(ctx.index, partial, created_before=created_before,
                                          unused_before=unused_before, function=crit.function):
             plan.entries.append(PlannedEntry(ref.environment_id, by_id[ref.environment_id].namespace,
-                                             ref.key, ref.size, reason))
+                                             ref.key, ref.size, reason, ref.aot_size))
         plan.entries.sort(key=lambda e: (e.namespace, e.key))
     return plan
 

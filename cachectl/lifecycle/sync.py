@@ -4,6 +4,11 @@ Entries JAX wrote straight into a namespace (services with write access) get
 indexed; index rows whose files are gone are dropped; environments are rebuilt
 from their env.json. One recursive listing of the root; file contents are
 read only for entries that are new or changed size.
+
+A stored executable (``<key>-aot``) is recorded on its entry's row (size and
+sha256 of the stored bytes); one whose ``-cache`` is missing is an orphan,
+reported and never indexed (`cachectl verify --quarantine` moves it away);
+a row whose ``-aot`` is gone has its executable columns cleared.
 """
 
 from __future__ import annotations
@@ -13,7 +18,16 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from cachectl.context import Context
-from cachectl.entries import ENV_FILE, Kind, classify, parse_entry_filename, sha256
+from cachectl.entries import (
+    AOT_SUFFIX,
+    CACHE_SUFFIX,
+    ENV_FILE,
+    Kind,
+    classify,
+    parse_aot_filename,
+    parse_entry_filename,
+    sha256,
+)
 from cachectl.errors import BadInput
 from cachectl.fingerprint import Environment
 from cachectl.index import CacheInfo, NewEntry
@@ -40,6 +54,11 @@ class NamespaceSync:
     update: list[SyncEntry] = field(default_factory=list)
     drop: list[SyncEntry] = field(default_factory=list)
     problem: str | None = None
+    # Stored executables: to (re)read and record on their entry's row, to clear from it,
+    # and -aot files without their -cache (reported, not indexed).
+    record_aot: list[SyncEntry] = field(default_factory=list)
+    clear_aot: list[SyncEntry] = field(default_factory=list)
+    orphan_aot: list[SyncEntry] = field(default_factory=list)
 
 
 @dataclass
@@ -67,9 +86,25 @@ class SyncPlan:
         return sum(1 for n in self.namespaces if n.new_environment)
 
     @property
+    def executables_to_record(self) -> int:
+        return sum(len(n.record_aot) for n in self.namespaces)
+
+    @property
+    def executables_to_clear(self) -> int:
+        return sum(len(n.clear_aot) for n in self.namespaces)
+
+    @property
+    def orphan_executables(self) -> list[str]:
+        """-aot files whose entry is not in storage (paths relative to the root)."""
+        return [f"{n.namespace}/{e.key}{AOT_SUFFIX}" for n in self.namespaces for e in n.orphan_aot]
+
+    __json_extra__ = ("orphan_executables",)
+
+    @property
     def empty(self) -> bool:
         return not (self.entries_to_add or self.entries_to_update or self.rows_to_drop
-                    or self.environments_to_add or self.environments_gone)
+                    or self.environments_to_add or self.environments_gone
+                    or self.executables_to_record or self.executables_to_clear)
 
 
 @dataclass(frozen=True)
@@ -82,6 +117,8 @@ class SyncResult:
     environments_marked_deleted: int
     duration_s: float
     dry_run: bool
+    executables_recorded: int = 0
+    executables_cleared: int = 0
 
 
 def _group_by_namespace(files: list[FileInfo]) -> tuple[dict[str, list[tuple[str, FileInfo]]], list[str]]:
@@ -124,19 +161,37 @@ def plan_sync(ctx: Context, cache: CacheInfo) -> SyncPlan:
         item = NamespaceSync(ns_path, env.digest, env,
                              new_environment=row is None or row.deleted_at is not None)
         indexed = ctx.index.entry_keys(row.id) if row is not None else {}
+        indexed_aot = ctx.index.aot_keys(row.id) if row is not None else {}
         on_disk: dict[str, FileInfo] = {}
+        aot_on_disk: dict[str, FileInfo] = {}
         for rel, info in files:
-            if classify(rel) is Kind.ENTRY:
+            kind = classify(rel)
+            if kind is Kind.ENTRY:
                 parsed = parse_entry_filename(rel)
                 assert parsed is not None
                 on_disk[parsed.key] = info
+            elif kind is Kind.AOT:
+                parsed = parse_aot_filename(rel)
+                assert parsed is not None
+                aot_on_disk[parsed.key] = info
+        changed: set[str] = set()
         for key, info in sorted(on_disk.items()):
             if key not in indexed:
                 item.add.append(SyncEntry(ns_path, key, info.size))
+                changed.add(key)
             elif indexed[key][0] != info.size:
                 item.update.append(SyncEntry(ns_path, key, info.size))
+                changed.add(key)
         for key in sorted(set(indexed) - set(on_disk)):
             item.drop.append(SyncEntry(ns_path, key, indexed[key][0], indexed[key][1]))
+        for key, info in sorted(aot_on_disk.items()):
+            if key not in on_disk:
+                item.orphan_aot.append(SyncEntry(ns_path, key, info.size))
+            elif key in changed or key not in indexed_aot or indexed_aot[key][0] != info.size:
+                item.record_aot.append(SyncEntry(ns_path, key, info.size))
+        for key in sorted(set(indexed_aot) - set(aot_on_disk)):
+            if key in on_disk:  # a dropped row takes its executable columns with it
+                item.clear_aot.append(SyncEntry(ns_path, key, indexed_aot[key][0], indexed_aot[key][1]))
         namespaces.append(item)
     gone = sorted(
         ns for ns, e in known.items() if e.deleted_at is None and ns not in groups
@@ -149,7 +204,7 @@ def execute_sync(ctx: Context, cache: CacheInfo, plan: SyncPlan) -> SyncResult:
     check_writer(cache, "sync")
     started = time.monotonic()
     store = Store(cache.root_url, cache.storage_options)
-    envs_added = added = updated = dropped = gone = 0
+    envs_added = added = updated = dropped = gone = aot_recorded = aot_cleared = 0
     for item in plan.namespaces:
         if item.problem or item.environment is None:
             continue
@@ -158,10 +213,10 @@ def execute_sync(ctx: Context, cache: CacheInfo, plan: SyncPlan) -> SyncResult:
         new_rows = []
         for e in item.add + item.update:
             try:
-                data = store.read_bytes(f"{item.namespace}/{e.key}-cache")
+                data = store.read_bytes(f"{item.namespace}/{e.key}{CACHE_SUFFIX}")
             except FileNotFoundError:
                 continue  # deleted since planning; the next sync settles it
-            module = parse_entry_filename(f"{e.key}-cache")
+            module = parse_entry_filename(f"{e.key}{CACHE_SUFFIX}")
             assert module is not None
             new_rows.append(NewEntry(key=e.key, module=module.module, size=len(data),
                                      sha256=sha256(data), origin="observed"))
@@ -170,6 +225,18 @@ def execute_sync(ctx: Context, cache: CacheInfo, plan: SyncPlan) -> SyncResult:
         updated += upd
         if item.drop:
             dropped += ctx.index.delete_entries(info.id, [e.key for e in item.drop])
+        executables: dict[str, tuple[int, str] | None] = {e.key: None for e in item.clear_aot}
+        for e in item.record_aot:
+            try:
+                data = store.read_bytes(f"{item.namespace}/{e.key}{AOT_SUFFIX}")
+            except FileNotFoundError:
+                executables[e.key] = None  # deleted since planning
+                continue
+            executables[e.key] = (len(data), sha256(data))
+        if executables:
+            ctx.index.set_executables(info.id, executables)
+            aot_recorded += sum(v is not None for v in executables.values())
+            aot_cleared += sum(v is None for v in executables.values())
     for ns in plan.environments_gone:
         for env in ctx.index.environment_stats(cache.name):
             if env.namespace == ns:
@@ -180,9 +247,12 @@ def execute_sync(ctx: Context, cache: CacheInfo, plan: SyncPlan) -> SyncResult:
         "sync", cache=cache.name, entries=added + updated + dropped,
         duration_ms=int(duration * 1000),
         details={"environments_added": envs_added, "entries_added": added, "entries_updated": updated,
-                 "rows_dropped": dropped, "environments_marked_deleted": gone},
+                 "rows_dropped": dropped, "environments_marked_deleted": gone,
+                 "executables_recorded": aot_recorded, "executables_cleared": aot_cleared,
+                 "orphan_executables": len(plan.orphan_executables)},
     )
-    return SyncResult(plan, envs_added, added, updated, dropped, gone, duration, False)
+    return SyncResult(plan, envs_added, added, updated, dropped, gone, duration, False,
+                      aot_recorded, aot_cleared)
 
 
 def sync(ctx: Context, cache: CacheInfo, *, dry_run: bool = False) -> SyncResult:
@@ -192,5 +262,6 @@ def sync(ctx: Context, cache: CacheInfo, *, dry_run: bool = False) -> SyncResult
     plan = plan_sync(ctx, cache)
     if dry_run:
         return SyncResult(plan, plan.environments_to_add, plan.entries_to_add, plan.entries_to_update,
-                          plan.rows_to_drop, len(plan.environments_gone), time.monotonic() - started, True)
+                          plan.rows_to_drop, len(plan.environments_gone), time.monotonic() - started, True,
+                          plan.executables_to_record, plan.executables_to_clear)
     return execute_sync(ctx, cache, plan)

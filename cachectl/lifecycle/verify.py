@@ -10,6 +10,15 @@ every namespace, so JAX never reads them) and their index rows go; with
 without its ``-cache`` is deleted, a ``-cache`` without its ``-atime`` in a
 namespace where JAX's own eviction runs (a ``.lockfile`` exists) gets a
 fresh one, and rows of missing files are dropped. Any finding means exit 1.
+
+Stored executables (``<key>-aot``) are checked like entries: size and sha256
+against the index, and their header (``aot.read_header``: magic, format,
+payload checksum; the key and entry sha256 it names must be its entry's).
+A bad one is quarantined and its entry's executable columns cleared (the
+entry stays); an indexed one that is gone has its columns cleared (repair);
+an ``-aot`` without its ``-cache`` is an orphan (quarantined); one the index
+does not know is an unknown writer. A quarantined entry takes its ``-aot``
+into quarantine with it.
 """
 
 from __future__ import annotations
@@ -20,13 +29,16 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
+from cachectl import aot
 from cachectl.context import Context
 from cachectl.entries import (
+    AOT_SUFFIX,
     ATIME_SUFFIX,
     CACHE_SUFFIX,
     CorruptEntry,
     Kind,
     classify,
+    parse_aot_filename,
     parse_entry_filename,
     read_header,
     sha256,
@@ -38,6 +50,7 @@ from cachectl.index.lifecycle_queries import (
     delete_entry_rows,
     entry_digests,
     environments,
+    executable_digests,
     warms_in_progress,
 )
 from cachectl.index.models import utcnow
@@ -59,8 +72,10 @@ MISSING_ATIME = "missing-atime"  # -cache without -atime where JAX eviction is o
 BAD_ENV = "bad-env-json"       # env.json unreadable or for another environment: reported
 UNINDEXED_NAMESPACE = "unindexed-namespace"  # a whole namespace the index lacks: `cachectl sync`
 MISSING_NAMESPACE = "missing-namespace"      # an indexed namespace with no files: `cachectl sync`
+ORPHAN_AOT = "orphan-aot"      # -aot without its -cache: quarantined
 
 QUARANTINE, DROP_ROW, DELETE_ATIME, WRITE_ATIME = "quarantine", "drop-row", "delete-atime", "write-atime"
+CLEAR_AOT = "clear-executable"  # an indexed -aot is gone: its entry's executable columns are cleared (repair)
 # An unknown file younger than this may be a writer's between its storage
 # write and its index row: reported, not quarantined (verify --min-age).
 RECENT_GRACE = WARM_HEARTBEAT_WINDOW
@@ -82,6 +97,7 @@ class VerifyPlan:
     cache: str
     root: str
     entries_checked: int = 0
+    executables_checked: int = 0
     bytes_read: int = 0
     files_listed: int = 0
     namespaces: int = 0
@@ -104,6 +120,7 @@ class VerifyResult:
     rows_dropped: int
     dry_run: bool
     duration_s: float
+    executables_cleared: int = 0
 
     __json_extra__ = ("ok",)
 
@@ -133,6 +150,39 @@ def _check_entry(store: Store, path: str, size: int, digest: str) -> tuple[str |
     if problems:
         return MISMATCH, "; ".join(problems), len(data)
     return None, "", len(data)
+
+
+def _check_executable(store: Store, path: str, key: str, size: int, digest: str,
+                      entry_sha: str) -> tuple[str | None, str, int]:
+    """(kind or None, detail, bytes read) for one indexed stored executable."""
+    try:
+        data = store.read_bytes(path)
+    except FileNotFoundError:
+        return MISSING, "stored executable indexed, but no file in storage", 0
+    problems = []
+    corrupt = None
+    try:
+        header = aot.read_header(data)
+        if header.key != key:
+            corrupt = f"stored executable header names key {header.key[:40]}…, not its file's"
+        elif header.entry_sha256 != entry_sha:
+            problems.append("made for other entry bytes (its entry_sha256 is not the indexed entry's)")
+    except CorruptEntry as exc:
+        corrupt = str(exc)
+    if len(data) != size:
+        problems.append(f"{len(data)} bytes, index says {size}")
+    if sha256(data) != digest:
+        problems.append("sha256 differs from the index")
+    if corrupt:
+        return CORRUPT, "; ".join([corrupt, *problems]), len(data)
+    if problems:
+        return MISMATCH, "; ".join(problems), len(data)
+    return None, "", len(data)
+
+
+def is_executable(f: Finding) -> bool:
+    """Whether a finding is about a stored executable (``-aot``), not a JAX entry."""
+    return f.path.endswith(AOT_SUFFIX)
 
 
 def _workers(store: Store) -> int:
@@ -165,6 +215,7 @@ def plan_verify(ctx: Context, cache: CacheInfo, *, env_prefix: str | None = None
     groups, _strays = _group_by_namespace(listing)
     warming = warms_in_progress(ctx.index, [e.id for e in envs.values()], now=now)
     checks: list[tuple[str, str, int, str, int]] = []  # (namespace, key, size, sha, env id)
+    aot_checks: list[tuple[str, str, int, str, int, str]] = []  # (+ the entry's indexed sha256)
     atime_needed: dict[str, list[tuple[str, str]]] = {}
 
     def act(action: str) -> str:
@@ -186,9 +237,11 @@ def plan_verify(ctx: Context, cache: CacheInfo, *, env_prefix: str | None = None
                                              "run `cachectl sync`", environment_id=env.id))
             continue
         indexed = entry_digests(ctx.index, env.id)
+        indexed_aot = executable_digests(ctx.index, env.id)
         names = {rel: info for rel, info in files}
         has_lockfile = any(classify(rel) is Kind.LOCKFILE for rel in names)
         entry_keys: set[str] = set()
+        aot_keys: set[str] = set()
         for rel, info in sorted(names.items()):
             kind = classify(rel)
             path = f"{ns}/{rel}"
@@ -199,6 +252,20 @@ def plan_verify(ctx: Context, cache: CacheInfo, *, env_prefix: str | None = None
                 if parsed.key in indexed:
                     size, digest = indexed[parsed.key]
                     checks.append((ns, parsed.key, size, digest, env.id))
+                else:
+                    plan.findings.append(_unknown(ns, path, info, now, min_age, env.id in warming,
+                                                  act(QUARANTINE), env.id, parsed.key))
+            elif kind is Kind.AOT:
+                parsed = parse_aot_filename(rel)
+                assert parsed is not None
+                aot_keys.add(parsed.key)
+                if f"{parsed.key}{CACHE_SUFFIX}" not in names:
+                    plan.findings.append(Finding(ORPHAN_AOT, ns, path,
+                                                 "stored executable without its -cache entry (unusable)",
+                                                 act(QUARANTINE), env.id, parsed.key))
+                elif parsed.key in indexed_aot:
+                    size, digest, entry_sha = indexed_aot[parsed.key]
+                    aot_checks.append((ns, parsed.key, size, digest, env.id, entry_sha))
                 else:
                     plan.findings.append(_unknown(ns, path, info, now, min_age, env.id in warming,
                                                   act(QUARANTINE), env.id, parsed.key))
@@ -221,6 +288,11 @@ def plan_verify(ctx: Context, cache: CacheInfo, *, env_prefix: str | None = None
         for key in sorted(set(indexed) - entry_keys):
             plan.findings.append(Finding(MISSING, ns, f"{ns}/{key}{CACHE_SUFFIX}", "indexed, but no file in storage",
                                          act(DROP_ROW), env.id, key))
+        for key in sorted(set(indexed_aot) - aot_keys):
+            if key in entry_keys:  # else the entry's own missing finding drops the whole row
+                plan.findings.append(Finding(MISSING, ns, f"{ns}/{key}{AOT_SUFFIX}",
+                                             "stored executable indexed, but no file in storage",
+                                             act(CLEAR_AOT), env.id, key))
         if has_lockfile:
             atime_needed[ns] = [(key, f"{ns}/{key}{CACHE_SUFFIX}") for key in sorted(entry_keys)
                                 if f"{key}{ATIME_SUFFIX}" not in names]
@@ -243,6 +315,20 @@ def plan_verify(ctx: Context, cache: CacheInfo, *, env_prefix: str | None = None
             bad.add(path)
             action = act(DROP_ROW) if kind == MISSING else act(QUARANTINE)
             plan.findings.append(Finding(kind, ns, path, detail, action, env_id, key))
+
+        def check_aot(c: tuple[str, str, int, str, int, str]) -> tuple[str | None, str, int]:
+            return _check_executable(store, f"{c[0]}/{c[1]}{AOT_SUFFIX}", c[1], c[2], c[3], c[5])
+
+        results = pool.map(check_aot, aot_checks) if workers > 1 else map(check_aot, aot_checks)
+        for (ns, key, _size, _sha, env_id, _esha), (kind, detail, nread) in zip(aot_checks, results, strict=True):
+            plan.executables_checked += 1
+            plan.bytes_read += nread
+            if lease is not None:
+                lease.check()
+            if kind is None:
+                continue
+            action = act(CLEAR_AOT) if kind == MISSING else act(QUARANTINE)
+            plan.findings.append(Finding(kind, ns, f"{ns}/{key}{AOT_SUFFIX}", detail, action, env_id, key))
     unknown = {f.path for f in plan.findings if f.kind == UNKNOWN}
     for ns, items in atime_needed.items():
         for key, path in items:
@@ -275,7 +361,16 @@ def execute_verify(ctx: Context, cache: CacheInfo, plan: VerifyPlan, *, started:
             by_action[f.action].append(f)
     moved: list[str] = []
     rows: dict[int, list[str]] = defaultdict(list)
-    to_move = by_action[QUARANTINE]
+    cleared: dict[int, dict[str, None]] = defaultdict(dict)  # entries whose executable columns go
+    to_move = list(by_action[QUARANTINE])
+    moving = {f.path for f in to_move}
+    for f in by_action[QUARANTINE]:
+        # A quarantined entry's executable is unusable without it: it goes along.
+        aot_path = f"{f.namespace}/{f.key}{AOT_SUFFIX}"
+        if f.key and not is_executable(f) and f.kind in (CORRUPT, MISMATCH, UNKNOWN) and aot_path not in moving:
+            to_move.append(Finding(f.kind, f.namespace, aot_path, "with its entry", QUARANTINE,
+                                   f.environment_id, f.key))
+            moving.add(aot_path)
     if to_move:
         assert plan.quarantine_dir is not None
 
@@ -290,13 +385,20 @@ def execute_verify(ctx: Context, cache: CacheInfo, plan: VerifyPlan, *, started:
             moved = [p for p in pool.map(move, to_move) if p]
         for f in to_move:
             if f.kind in (CORRUPT, MISMATCH) and f.environment_id is not None and f.key:
-                rows[f.environment_id].append(f.key)
+                if is_executable(f):
+                    cleared[f.environment_id][f.key] = None
+                else:
+                    rows[f.environment_id].append(f.key)
         # A moved entry's -atime would be an orphan: remove it with the entry.
-        store.delete(f"{f.namespace}/{f.key}{ATIME_SUFFIX}" for f in to_move if f.key)
+        store.delete(f"{f.namespace}/{f.key}{ATIME_SUFFIX}" for f in to_move if f.key and not is_executable(f))
     for f in by_action[DROP_ROW]:
         if f.environment_id is not None and f.key:
             rows[f.environment_id].append(f.key)
+    for f in by_action[CLEAR_AOT]:
+        if f.environment_id is not None and f.key:
+            cleared[f.environment_id][f.key] = None
     dropped = delete_entry_rows(ctx.index, rows) if rows else 0
+    aot_cleared = sum(ctx.index.set_executables(env_id, keys) for env_id, keys in cleared.items())
     orphans = [f.path for f in by_action[DELETE_ATIME]]
     if orphans:
         store.delete(orphans)
@@ -310,9 +412,9 @@ def execute_verify(ctx: Context, cache: CacheInfo, plan: VerifyPlan, *, started:
         duration_ms=int(duration * 1000),
         details={"findings": plan.counts, "quarantined": len(moved), "quarantine_dir": plan.quarantine_dir,
                  "moved": moved[:200], "atimes_deleted": len(orphans), "atimes_written": written,
-                 "rows_dropped": dropped},
+                 "rows_dropped": dropped, "executables_cleared": aot_cleared},
     )
-    return VerifyResult(plan, len(moved), len(orphans), written, dropped, False, duration)
+    return VerifyResult(plan, len(moved), len(orphans), written, dropped, False, duration, aot_cleared)
 
 
 def verify(ctx: Context, cache: CacheInfo, *, env_prefix: str | None = None, quarantine: bool = False,
