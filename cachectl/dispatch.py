@@ -47,6 +47,8 @@ log = logging.getLogger(__name__)
 OVERFLOW_MODES = ("error", "compile")
 # Distinct raw sizes kept per bucketed axis (for bucket advice); beyond, only counted.
 MAX_SIZES_PER_AXIS = 4096
+# ... and per telemetry flush (one JSON row per function and flush).
+MAX_SIZES_PER_FLUSH = 1024
 
 
 class OutOfBucket(ValueError):
@@ -232,6 +234,8 @@ class ServedFunction:
         self._sizes: dict[str, Counter[int]] = {a: Counter() for a in sorted(self._shape_axes)}
         self._warned = False
         self._outputs = spec.outputs
+        self._taken = (0, 0, 0, 0, 0)  # counters already handed to telemetry
+        self._sizes_new: dict[str, Counter[int]] = {a: Counter() for a in sorted(self._shape_axes)}
 
     # -- the call path ------------------------------------------------------
 
@@ -275,6 +279,9 @@ class ServedFunction:
                 sizes = self._sizes[axis]
                 if size in sizes or len(sizes) < MAX_SIZES_PER_AXIS:
                     sizes[size] += 1
+                fresh = self._sizes_new[axis]
+                if size in fresh or len(fresh) < MAX_SIZES_PER_FLUSH:
+                    fresh[size] += 1
         if slot is None:
             return self._overflow(args, kwargs, raw, static)
         call_args, padded = self._convert(args, slot.values)
@@ -389,6 +396,18 @@ class ServedFunction:
         return jax.tree_util.tree_unflatten(tree, leaves)
 
     # -- reporting ------------------------------------------------------------
+
+    def take_counts(self) -> Any:
+        """What changed since the last take, for telemetry (cachectl.telemetry.ServingCounts)."""
+        from cachectl.telemetry import ServingCounts
+
+        with self._lock:
+            now = (self.calls, self.aot, self.fallback, self.out_of_bucket, self.padded)
+            delta = [a - b for a, b in zip(now, self._taken, strict=True)]
+            self._taken = now
+            sizes = {a: dict(c) for a, c in self._sizes_new.items() if c}
+            self._sizes_new = {a: Counter() for a in self._sizes_new}
+        return ServingCounts(*delta, sizes=sizes)
 
     def report(self) -> FunctionReport:
         with self._lock:
@@ -534,6 +553,10 @@ class Serving:
     def names(self) -> list[str]:
         return list(self._functions)
 
+    def take_counts(self) -> dict[str, Any]:
+        """Every function's counters since the last take: the telemetry collector's source."""
+        return {name: f.take_counts() for name, f in self._functions.items()}
+
     def executables(self) -> dict[tuple[str, str], str | None]:
         """(function, bucket JSON) -> None when its executable is loaded, else why not."""
         return {(s.bucket.function, json.dumps(s.values, sort_keys=True)):
@@ -572,14 +595,18 @@ def serving(manifest: str | Path, *, cache: str | None = None, readonly: bool = 
     warnings: list[str] = []
     read, names, indexed = _namespace_reader(activation, db, warnings)
     on_load = None
+    collector = None
     if telemetry:
         from cachectl import telemetry as telemetry_mod
 
         collector = telemetry_mod.current()
         on_load = collector.record_load if collector is not None else None
-    return Serving(spec, namespace=activation.path, read=read, names=names, indexed=indexed,
-                   paths=search, overflow=overflow, preload=preload, workers=workers,
-                   on_load=on_load, warnings=warnings)
+    rt = Serving(spec, namespace=activation.path, read=read, names=names, indexed=indexed,
+                 paths=search, overflow=overflow, preload=preload, workers=workers,
+                 on_load=on_load, warnings=warnings)
+    if collector is not None:
+        collector.add_serving_source(rt.take_counts)
+    return rt
 
 
 def _namespace_reader(activation: Any, db: str | None, warnings: list[str]

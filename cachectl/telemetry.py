@@ -31,7 +31,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from threading import get_ident
 from typing import Any, Protocol
@@ -73,6 +73,26 @@ class FunctionCounts:
         return max(self.requests - self.hits, 0)
 
 
+@dataclass
+class ServingCounts:
+    """How cachectl.serving answered one function's calls between two flushes.
+
+    ``sizes`` holds the raw (pre-padding) size of every bucketed axis per call,
+    {axis: {size: calls}}, bounded per flush: what bucket advice is computed from.
+    """
+
+    calls: int = 0
+    aot: int = 0
+    fallback: int = 0
+    out_of_bucket: int = 0
+    padded: int = 0
+    sizes: dict[str, dict[int, int]] = field(default_factory=dict)
+
+    @property
+    def empty(self) -> bool:
+        return not (self.calls or self.aot or self.fallback or self.out_of_bucket)
+
+
 @dataclass(frozen=True)
 class TelemetryBatch:
     """What one flush hands to a sink: counters per function and hits per key."""
@@ -85,10 +105,11 @@ class TelemetryBatch:
     functions: dict[str | None, FunctionCounts]
     hit_keys: dict[str, tuple[int, datetime]]
     dropped: int
+    serving: dict[str, ServingCounts] = field(default_factory=dict)
 
     @property
     def empty(self) -> bool:
-        return not self.functions and not self.hit_keys and not self.dropped
+        return not self.functions and not self.hit_keys and not self.dropped and not self.serving
 
     def totals(self) -> FunctionCounts:
         out = FunctionCounts()
@@ -298,6 +319,12 @@ class Collector:
         self._thread: threading.Thread | None = None
         self._installed = False
         self._tap: _LogTap | None = None
+        self._sources: list[Callable[[], dict[str, ServingCounts]]] = []
+
+    def add_serving_source(self, take: Callable[[], dict[str, ServingCounts]]) -> None:
+        """A serving runtime whose counters each flush takes (and resets) with ``take``."""
+        with self._lock:
+            self._sources.append(take)
 
     # -- buffer -------------------------------------------------------------
 
@@ -476,6 +503,11 @@ class Collector:
             started, functions, keys, dropped = self._started, self._functions, self._keys, self._dropped
             ended = self._clock()
             self._reset_buffer()
+            sources = list(self._sources)
+        serving: dict[str, ServingCounts] = {}
+        for source in sources:
+            with contextlib.suppress(Exception):  # telemetry never breaks the service
+                serving.update({k: v for k, v in source().items() if not v.empty})
 
         def utc(ts: float) -> datetime:
             return datetime.fromtimestamp(ts, tz=timezone.utc)
@@ -484,6 +516,7 @@ class Collector:
             process=self._process, cache=self.cache, environment_digest=self.environment_digest,
             started_at=utc(started), ended_at=utc(ended), functions=functions,
             hit_keys={k: (int(v[0]), utc(v[1])) for k, v in keys.items()}, dropped=dropped,
+            serving=serving,
         )
 
     def _give_back_dropped(self, batch: TelemetryBatch) -> None:

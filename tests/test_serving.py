@@ -413,3 +413,29 @@ def test_warm_check_reports_executable_coverage_from_a_fresh_process(tmp_path: P
     result = CliRunner().invoke(cli, ["warm-check", str(manifest)])
     assert result.exit_code == 0  # the persistent cache still covers everything
     assert "coverage: 2/2 buckets hit (100.0%); stored executables: 1/2 load (50.0%)" in result.stdout
+
+
+def test_served_calls_reach_the_index_as_telemetry(tmp_path: Path) -> None:
+    """Counts, raw sizes before padding, and a hit on every loaded entry (so LRU gc keeps them)."""
+    from datetime import timedelta
+
+    from cachectl.index import open_index
+    from cachectl.index.telemetry_queries import serving_usage
+
+    manifest, report = tiny_warmed(tmp_path)
+    serve_tiny(tmp_path, manifest)  # the collector flushes at exit
+    db = Path(os.environ["XDG_DATA_HOME"]) / "cachectl" / "index.db"
+    index = open_index(f"sqlite:///{db}")
+    try:
+        usage = serving_usage(index, "default", timedelta(hours=1))
+        env = index.find_environment("default", report["environment"]["digest"])
+        hits = {e.key: (e.hit_count, e.last_access_at) for e in index.list_entries(env.id)}
+    finally:
+        index.close()
+    assert len(usage) == 1
+    row = usage[0]
+    assert (row.function, row.calls, row.aot, row.fallback, row.padded) == ("affine", 5, 5, 0, 3)
+    assert row.sizes == {"batch": {1: 2, 2: 1, 3: 1, 4: 1}}
+    for b in report["buckets"]:
+        count, last = hits[b["key"]]
+        assert count >= 1 and last is not None

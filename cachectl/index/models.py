@@ -199,6 +199,26 @@ class TelemetryRecord(Base):
     dropped: Mapped[int] = mapped_column(BigInteger, default=0)
 
 
+class ServingRecord(Base):
+    """One flush of one process's cachectl.serving counters for one function."""
+
+    __tablename__ = "serving_telemetry"
+    __table_args__ = (Index("ix_serving_telemetry_env_at", "environment_id", "at"),)
+
+    id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True)
+    environment_id: Mapped[int] = mapped_column(ForeignKey("environments.id", ondelete="CASCADE"))
+    at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    process: Mapped[str] = mapped_column(String(256))
+    function: Mapped[str] = mapped_column(String(256))
+    calls: Mapped[int] = mapped_column(BigInteger, default=0)
+    aot: Mapped[int] = mapped_column(BigInteger, default=0)
+    fallback: Mapped[int] = mapped_column(BigInteger, default=0)
+    out_of_bucket: Mapped[int] = mapped_column(BigInteger, default=0)
+    padded: Mapped[int] = mapped_column(BigInteger, default=0)
+    # {axis: {raw size: calls}}: the request sizes before padding.
+    sizes: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+
+
 class Token(Base):
     __tablename__ = "tokens"
 

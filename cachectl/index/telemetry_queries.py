@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from sqlalchemy import func, select
 
 from cachectl.index import Index
-from cachectl.index.models import Cache, TelemetryRecord, utcnow
+from cachectl.index.models import Cache, ServingRecord, TelemetryRecord, utcnow
 from cachectl.index.models import Environment as EnvRow
 
 if TYPE_CHECKING:
@@ -70,12 +70,68 @@ def record_telemetry(index: Index, env_id: int, batch: TelemetryBatch) -> int:
             rows.append({"environment_id": env_id, "at": at, "process": batch.process, "function": None,
                          "requests": 0, "hits": 0, "misses": 0, "writes": 0, "saved_seconds": 0.0,
                          "dropped": batch.dropped})
-    if rows:
+    serving = [
+        {"environment_id": env_id, "at": at, "process": batch.process, "function": fn,
+         "calls": c.calls, "aot": c.aot, "fallback": c.fallback, "out_of_bucket": c.out_of_bucket,
+         "padded": c.padded,
+         "sizes": {axis: {str(size): n for size, n in sizes.items()} for axis, sizes in c.sizes.items()}}
+        for fn, c in batch.serving.items()
+    ]
+    if rows or serving:
         with index.session() as s:
-            s.execute(TelemetryRecord.__table__.insert(), rows)
+            if rows:
+                s.execute(TelemetryRecord.__table__.insert(), rows)
+            if serving:
+                s.execute(ServingRecord.__table__.insert(), serving)
     if batch.hit_keys:
         index.record_hits(env_id, dict(batch.hit_keys))
-    return len(rows)
+    return len(rows) + len(serving)
+
+
+@dataclass(frozen=True)
+class ServingUsage:
+    """cachectl.serving's calls of one function over a window, and the raw sizes per axis."""
+
+    environment: str
+    function: str
+    processes: int
+    calls: int
+    aot: int
+    fallback: int
+    out_of_bucket: int
+    padded: int
+    sizes: dict[str, dict[int, int]]
+
+
+def serving_usage(index: Index, cache: str, since: timedelta, *, function: str | None = None
+                  ) -> list[ServingUsage]:
+    """Served calls per (environment, function) since ``since`` ago, sizes merged across flushes."""
+    start = utcnow() - since
+    out: dict[tuple[str, str], dict[str, object]] = {}
+    with index.read_session() as s:
+        q = (select(EnvRow.digest, ServingRecord.function, ServingRecord.process, ServingRecord.calls,
+                    ServingRecord.aot, ServingRecord.fallback, ServingRecord.out_of_bucket,
+                    ServingRecord.padded, ServingRecord.sizes)
+             .join(EnvRow, EnvRow.id == ServingRecord.environment_id)
+             .join(Cache, Cache.id == EnvRow.cache_id)
+             .where(Cache.name == cache, ServingRecord.at >= start))
+        if function is not None:
+            q = q.where(ServingRecord.function == function)
+        for digest, fn, process, calls, aot, fallback, oob, padded, sizes in s.execute(q):
+            acc = out.setdefault((digest, fn), {"processes": set(), "calls": 0, "aot": 0, "fallback": 0,
+                                                "out_of_bucket": 0, "padded": 0, "sizes": {}})
+            acc["processes"].add(process)  # type: ignore[union-attr]
+            for name, value in (("calls", calls), ("aot", aot), ("fallback", fallback),
+                                ("out_of_bucket", oob), ("padded", padded)):
+                acc[name] = int(acc[name]) + int(value or 0)  # type: ignore[call-overload]
+            merged = acc["sizes"]
+            for axis, counts in (sizes or {}).items():
+                target = merged.setdefault(axis, {})  # type: ignore[union-attr]
+                for size, n in counts.items():
+                    target[int(size)] = target.get(int(size), 0) + int(n)
+    return [ServingUsage(digest, fn, len(a["processes"]), a["calls"], a["aot"], a["fallback"],  # type: ignore[arg-type]
+                         a["out_of_bucket"], a["padded"], a["sizes"])  # type: ignore[arg-type]
+            for (digest, fn), a in sorted(out.items())]
 
 
 def telemetry_stats(index: Index, cache: str, since: timedelta) -> TelemetryStats:
