@@ -439,3 +439,55 @@ def test_served_calls_reach_the_index_as_telemetry(tmp_path: Path) -> None:
     for b in report["buckets"]:
         count, last = hits[b["key"]]
         assert count >= 1 and last is not None
+
+
+COMMITTED_MANIFEST = """
+version: 1
+target: {backend: cpu}
+functions:
+  - fn: sv_tiny:affine
+    args:
+      - {shape: [batch, 8], dtype: float32, sharding: single_device}
+      - {shape: [8, 8], dtype: float32, sharding: single_device}
+    buckets: {batch: [2, 4]}
+"""
+
+
+def test_single_device_sharding_matches_a_service_that_commits_its_arrays(tmp_path: Path) -> None:
+    (tmp_path / "sv_tiny.py").write_text(TINY_MODULE)
+    manifest = tmp_path / "committed.yaml"
+    manifest.write_text(COMMITTED_MANIFEST)
+    warm(str(manifest))
+    code = f"""
+import json, sys
+import numpy as np, jax
+sys.path.insert(0, {str(tmp_path)!r})
+import cachectl
+cachectl.activate()
+import sv_tiny
+counts = dict()
+jax.monitoring.register_event_listener(lambda e, **kw: counts.__setitem__(e, counts.get(e, 0) + 1))
+device = jax.devices()[0]
+x = jax.device_put(np.ones((2, 8), np.float32), device)
+w = jax.device_put(np.eye(8, dtype=np.float32), device)
+jax.jit(sv_tiny.affine)(x, w).block_until_ready()
+print(json.dumps({{"requests": counts.get("/jax/compilation_cache/compile_requests_use_cache", 0),
+                  "hits": counts.get("/jax/compilation_cache/cache_hits", 0)}}))
+"""
+    out = last_json(run_py(code, check=True))
+    assert out["requests"] == 1 and out["hits"] == 1, out  # committed arrays hit what warm wrote
+    served, _ = serve_tiny(tmp_path, manifest)
+    assert served["report"]["functions"]["affine"]["aot"] == 5
+
+
+def test_serving_from_a_verified_mirror(tmp_path: Path) -> None:
+    manifest, report = tiny_warmed(tmp_path)
+    mirror = tmp_path / "mirror"
+    code = TINY_SERVICE.replace("cachectl.serving({manifest!r})",
+                                "cachectl.serving({manifest!r}, mirror={mirror!r})")
+    out = last_json(run_py(code.format(dir=str(tmp_path), manifest=str(manifest), mirror=str(mirror)),
+                           check=True))
+    fn = out["report"]["functions"]["affine"]
+    assert fn["aot"] == 5 and fn["fallback"] == 0, out["report"]
+    assert out["report"]["namespace"] == str(mirror)
+    assert sorted(p.name for p in mirror.glob("*-aot")) == sorted(f"{b['key']}-aot" for b in report["buckets"])
