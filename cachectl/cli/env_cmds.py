@@ -11,6 +11,7 @@ import click
 
 from cachectl.cli.render import emit, json_option, stdout, table
 from cachectl.context import Context
+from cachectl.errors import CachectlError
 from cachectl.service_env import ServiceEnv, service_env
 
 
@@ -58,7 +59,10 @@ def env(ctx: Context, fmt: str, readonly: bool | None) -> None:
     eval "$(cachectl env)"      # sh
     cachectl env --format dotenv > service.env
     """
-    click.echo(_format_env(service_env(ctx, readonly=readonly), fmt), nl=False)
+    result = service_env(ctx, readonly=readonly)
+    if result.warning:
+        click.echo(result.warning, err=True)
+    click.echo(_format_env(result, fmt), nl=False)
 
 
 @click.command("exec", context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
@@ -71,8 +75,15 @@ def exec_(ctx: Context, readonly: bool | None, command: tuple[str, ...]) -> None
     \b
     cachectl exec -- python serve.py --port 8000
     """
-    result = service_env(ctx, readonly=readonly)
-    environ = {**os.environ, **result.variables}
+    try:
+        result = service_env(ctx, readonly=readonly)
+        variables = result.variables
+        if result.warning:
+            click.echo(result.warning, err=True)
+    except CachectlError as exc:  # never refuse to start the service: it runs as plain JAX would
+        click.echo(f"cachectl: {exc.message}; running {command[0]} without a managed cache", err=True)
+        variables = {}
+    environ = {**os.environ, **variables}
     sys.stdout.flush()
     try:
         os.execvpe(command[0], list(command), environ)
