@@ -26,6 +26,7 @@ import json
 import logging
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -39,7 +40,7 @@ from typing import Any
 
 from cachectl import aot
 from cachectl.context import Context
-from cachectl.entries import AOT_SUFFIX, CACHE_SUFFIX, parse_key, sha256
+from cachectl.entries import AOT_SUFFIX, CACHE_SUFFIX, CorruptEntry, parse_key, read_header, sha256
 from cachectl.errors import BadInput, EnvironmentMismatch, OperationFailed
 from cachectl.fingerprint import Environment, current_environment
 from cachectl.index import CacheInfo, NewEntry
@@ -664,11 +665,14 @@ def _settle(ctx: Context, plan: WarmPlan, store: Any, ns_rel: str, env_id: int, 
         return BucketResult(**base, status=FAILED, compile_seconds=seconds,
                             error="JAX did not consult the persistent cache for this program")
     key = outcome.key
+    rel = f"{ns_rel}/{key}{CACHE_SUFFIX}"
     if outcome.lookup == "miss" and not outcome.written:
         reason = outcome.skip_reason or "see the warning JAX printed"
+        broken = _broken_entry(store, rel)
+        if broken:  # JAX never rewrites an existing file: a broken one would stay for ever
+            reason = f"{broken}; removed it, rerun warm"
         return BucketResult(**base, status=FAILED, key=key, compile_seconds=seconds,
                             error=f"compiled but JAX did not write it: {reason}")
-    rel = f"{ns_rel}/{key}{CACHE_SUFFIX}"
     parsed = parse_key(key)
     module = parsed.module if parsed else key
     entry = {"key": key, "module": module, "function": bucket.function, "bucket": values,
@@ -696,6 +700,12 @@ def _settle(ctx: Context, plan: WarmPlan, store: Any, ns_rel: str, env_id: int, 
         return BucketResult(**base, status=FAILED, key=key, compile_seconds=seconds,
                             error=f"JAX reported writing {rel} but it is not in the cache")
     size = len(data)
+    problem = _entry_problem(data)
+    if problem is not None:
+        store.delete([rel])
+        return BucketResult(**base, status=FAILED, key=key, compile_seconds=seconds, bytes=size,
+                            error=f"JAX wrote a broken entry ({problem}){_space_hint(store, ns_rel)}; "
+                                  "removed it: a rerun with space compiles it again")
     limit = plan.cache.max_entry_size
     if limit is not None and size > limit:
         store.delete([rel])
@@ -713,6 +723,42 @@ def _settle(ctx: Context, plan: WarmPlan, store: Any, ns_rel: str, env_id: int, 
     indexed[key] = (size, digest)
     return BucketResult(**base, status=COMPILED, key=key, compile_seconds=seconds, bytes=size,
                         aot_bytes=aot_size, aot_error=aot_error)
+
+
+def _entry_problem(data: bytes) -> str | None:
+    """Why bytes JAX wrote are not an entry (a full disk leaves 0-byte or truncated files)."""
+    if not data:
+        return "0 bytes"
+    try:
+        read_header(data)
+    except CorruptEntry as exc:
+        return f"{len(data)} bytes, {exc}"
+    return None
+
+
+def _broken_entry(store: Any, rel: str) -> str | None:
+    """A broken file in the way of this key is removed; returns what was wrong with it."""
+    try:
+        data = store.read_bytes(rel)
+    except (FileNotFoundError, OSError):
+        return None
+    problem = _entry_problem(data)
+    if problem is not None:
+        store.delete([rel])
+        return f"a broken entry was in its place ({problem})"
+    return None
+
+
+def _space_hint(store: Any, ns_rel: str) -> str:
+    """', no space left on DIR' when the local disk is (nearly) full."""
+    if not getattr(store, "is_local", False):
+        return ""
+    try:
+        path = store.url_for(ns_rel).removeprefix("file://")
+        free = shutil.disk_usage(path).free
+    except OSError:
+        return ""
+    return f", no space left on {path} ({free} bytes free)" if free < (1 << 20) else ""
 
 
 def _function_digests(plan: WarmPlan) -> dict[str, tuple[str, str | None]]:
