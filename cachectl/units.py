@@ -29,7 +29,9 @@ def parse_size(text: str | int) -> int:
 
 
 def parse_duration(text: str) -> timedelta:
-    """A duration from ``90m``, ``12h``, ``30d``, ``2w`` (combinations like ``1d12h`` too)."""
+    """A duration from ``90m``, ``12h``, ``30d``, ``2w`` (combinations like ``1d12h`` too); ``0`` is none."""
+    if str(text).strip() == "0":
+        return timedelta(0)
     parts = re.findall(r"(\d+(?:\.\d+)?)([smhdw])", str(text).strip().lower())
     if not parts or "".join(n + u for n, u in parts) != str(text).strip().lower():
         raise BadInput(f"bad duration {text!r}: use a number and a unit s, m, h, d or w, e.g. 90m, 12h, 30d, 2w")

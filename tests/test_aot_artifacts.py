@@ -119,13 +119,13 @@ def test_sync_rebuilds_aot_columns_after_the_index_is_deleted(tmp_path: Path) ->
     index_db().unlink()
     run("cache", "add", "default", root)
 
-    result = run_json("sync")
+    result = run_json("sync", "--min-age", "0")
     assert result["entries_added"] == 3 and result["executables_recorded"] == 3
     after = entries_json(ns)
     assert {k: (e["size"], e["sha256"], e["aot_size"], e["aot_sha256"]) for k, e in after.items()} == {
         k: (e["size"], e["sha256"], e["aot_size"], e["aot_sha256"]) for k, e in before.items()}
 
-    again = run_json("sync")
+    again = run_json("sync", "--min-age", "0")
     assert (again["entries_added"], again["entries_updated"], again["rows_dropped"],
             again["executables_recorded"], again["executables_cleared"]) == (0, 0, 0, 0, 0)
     assert again["plan"]["orphan_executables"] == []
@@ -139,7 +139,7 @@ def test_sync_clears_a_deleted_aot_and_never_indexes_an_orphan(tmp_path: Path) -
     # An executable whose entry is gone: JAX's entry deleted behind the index's back.
     (ns / f"{orphaned}-cache").unlink()
 
-    result = run_json("sync")
+    result = run_json("sync", "--min-age", "0")
     assert result["executables_cleared"] == 1 and result["rows_dropped"] == 1
     rel = ns.relative_to(ns.parents[2]).as_posix()
     assert result["plan"]["orphan_executables"] == [f"{rel}/{orphaned}-aot"]
@@ -148,7 +148,7 @@ def test_sync_clears_a_deleted_aot_and_never_indexes_an_orphan(tmp_path: Path) -
     assert listed[gone]["aot_size"] is None and listed[gone]["aot_sha256"] is None
     assert (ns / f"{orphaned}-aot").exists()  # sync reports it; verify --quarantine moves it
 
-    again = run_json("sync")
+    again = run_json("sync", "--min-age", "0")
     assert (again["rows_dropped"], again["executables_recorded"], again["executables_cleared"]) == (0, 0, 0)
     assert again["plan"]["orphan_executables"] == [f"{rel}/{orphaned}-aot"]
 

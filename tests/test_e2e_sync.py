@@ -52,11 +52,11 @@ def test_jax_writes_then_sync_indexes(backend: str, request, tmp_path, monkeypat
     }
     assert len(written) >= 2, "JAX should have written entries into the namespace"
 
-    plan = json.loads(_cli("sync", "--dry-run", "--json"))
+    plan = json.loads(_cli("sync", "--min-age", "0", "--dry-run", "--json"))
     assert plan["entries_added"] == len(written) and plan["dry_run"] is True
     assert json.loads(_cli("ls", "--json"))["environments"][0]["entries"] == 0  # dry run changed nothing
 
-    done = json.loads(_cli("sync", "--json"))
+    done = json.loads(_cli("sync", "--min-age", "0", "--json"))
     assert done["entries_added"] == len(written)
     listing = json.loads(_cli("ls", "--env", service["digest"][:12], "--json"))
     assert listing["environment"]["namespace"] == service["namespace"]
@@ -68,12 +68,12 @@ def test_jax_writes_then_sync_indexes(backend: str, request, tmp_path, monkeypat
         assert indexed[key]["sha256"] == hashlib.sha256(data).hexdigest()
         assert indexed[key]["origin"] == "observed"
 
-    assert json.loads(_cli("sync", "--json"))["entries_added"] == 0  # idempotent
+    assert json.loads(_cli("sync", "--min-age", "0", "--json"))["entries_added"] == 0  # idempotent
 
     # A file removed behind the index's back is dropped from it.
     gone = next(iter(written.values()))
     store.delete([gone.path])
-    assert json.loads(_cli("sync", "--json"))["rows_dropped"] == 1
+    assert json.loads(_cli("sync", "--min-age", "0", "--json"))["rows_dropped"] == 1
     assert len(json.loads(_cli("ls", "--env", service["digest"][:12], "--json"))["entries"]) == len(written) - 1
 
 
@@ -84,12 +84,12 @@ def test_sync_rebuilds_a_lost_index(tmp_path, monkeypatch) -> None:
     _cli("cache", "add", "shared", root)
     proc = run_py(SERVICE_SNIPPET)
     assert proc.returncode == 0, proc.stderr
-    _cli("sync")
+    _cli("sync", "--min-age", "0")
     before = json.loads(_cli("ls", "--json"))["environments"]
 
     monkeypatch.setenv("CACHECTL_DB", f"sqlite:///{tmp_path}/second.db")
     _cli("cache", "add", "shared", root)
-    result = json.loads(_cli("sync", "--json"))
+    result = json.loads(_cli("sync", "--min-age", "0", "--json"))
     assert result["environments_added"] == 1
     after = json.loads(_cli("ls", "--json"))["environments"]
     assert [(e["digest"], e["entries"], e["bytes"]) for e in after] == [

@@ -124,7 +124,7 @@ def test_prune_killed_after_first_batch_is_finished_by_rerun(tmp_path, db, stora
 
     if storage == "local":
         # `cachectl sync` alone reconciles what the crash left: the rows whose files went.
-        synced = _run(cachectl_argv(db_url, "sync"))
+        synced = _run(cachectl_argv(db_url, "sync", "--min-age", "0"))
         assert synced.returncode == 0, synced.stderr
         assert_consistent(index, store)
 

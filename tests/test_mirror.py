@@ -63,7 +63,7 @@ def test_pull_from_s3_hits_everything_and_refuses_tampered_objects(tmp_path, mon
     proc = run_py(WRITER)
     assert proc.returncode == 0, proc.stderr
     written = _json_line(proc.stdout)
-    assert json.loads(_cli("sync", "--json"))["entries_added"] >= 3
+    assert json.loads(_cli("sync", "--min-age", "0", "--json"))["entries_added"] >= 3
     store = Store(s3_bucket + "/cache")
     keys = sorted(f.path.rsplit("/", 1)[1] for f in store.list(written["namespace"]) if f.path.endswith("-cache"))
 

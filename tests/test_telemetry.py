@@ -44,7 +44,7 @@ def test_service_telemetry_reaches_the_index_with_hit_keys(tmp_path, monkeypatch
 
     first = run_py(SERVICE.format(readonly=False))  # misses: writes every program
     assert first.returncode == 0, first.stderr
-    _cli("sync")
+    _cli("sync", "--min-age", "0")
     second = run_py(SERVICE.format(readonly=True))  # hits everything
     assert second.returncode == 0, second.stderr
     info = json.loads(second.stdout.strip().splitlines()[-1])

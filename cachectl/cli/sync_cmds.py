@@ -6,6 +6,7 @@ import click
 
 from cachectl.cli.render import emit, json_option, stdout, table
 from cachectl.lifecycle.sync import SyncResult, sync
+from cachectl.units import parse_duration
 
 
 def _print(result: SyncResult) -> None:
@@ -20,11 +21,14 @@ def _print(result: SyncResult) -> None:
             rows.append((ns.namespace, "add environment", ns.digest[:16] if ns.digest else "-"))
         for label, items in (("index entry", ns.add), ("update entry", ns.update), ("drop row", ns.drop),
                              ("record executable", ns.record_aot), ("clear executable", ns.clear_aot),
-                             ("orphan executable (no -cache; not indexed)", ns.orphan_aot)):
+                             ("orphan executable (no -cache; not indexed)", ns.orphan_aot),
+                             ("skipped: younger than --min-age", ns.too_young)):
             for e in items:
                 rows.append((ns.namespace, label, e.key))
     for ns in plan.environments_gone:
         rows.append((ns, "mark environment deleted", "namespace gone from storage"))
+    for path in result.broken:
+        rows.append((path.split(": ", 1)[0].rsplit("/", 1)[0], "skipped: not a valid entry", path))
     if rows:
         stdout.print(table(f"sync {plan.cache} ({plan.root})", ["namespace", "action", "detail"], rows[:200]))
         if len(rows) > 200:
@@ -40,15 +44,17 @@ def _print(result: SyncResult) -> None:
 
 @click.command("sync")
 @click.option("--dry-run", is_flag=True, help="Show what would change without changing anything.")
+@click.option("--min-age", metavar="DUR", default="5m", show_default=True,
+              help="Leave new files younger than this for a later sync (they may be half-written); 0 for none.")
 @json_option
 @click.pass_obj
-def sync_cmd(ctx, dry_run: bool, as_json: bool) -> None:
+def sync_cmd(ctx, dry_run: bool, as_json: bool, min_age: str) -> None:
     """Reconcile storage and index.
 
     Indexes entries any JAX process wrote into a namespace, drops index rows
     whose files are gone, and rebuilds environments from their env.json.
     """
-    result = sync(ctx, ctx.cache(), dry_run=dry_run)
+    result = sync(ctx, ctx.cache(), dry_run=dry_run, min_age=parse_duration(min_age))
     emit(result, as_json, _print)
 
 

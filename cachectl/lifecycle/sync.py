@@ -16,16 +16,19 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
+from datetime import datetime, timedelta, timezone
 
 from cachectl.context import Context
 from cachectl.entries import (
     AOT_SUFFIX,
     CACHE_SUFFIX,
     ENV_FILE,
+    CorruptEntry,
     Kind,
     classify,
     parse_aot_filename,
     parse_entry_filename,
+    read_header,
     sha256,
 )
 from cachectl.errors import BadInput
@@ -58,6 +61,8 @@ class NamespaceSync:
     # and -aot files without their -cache (reported, not indexed).
     record_aot: list[SyncEntry] = field(default_factory=list)
     clear_aot: list[SyncEntry] = field(default_factory=list)
+    # New or changed files younger than --min-age: maybe still being written; left for a later sync.
+    too_young: list[SyncEntry] = field(default_factory=list)
     orphan_aot: list[SyncEntry] = field(default_factory=list)
 
 
@@ -119,6 +124,8 @@ class SyncResult:
     dry_run: bool
     executables_recorded: int = 0
     executables_cleared: int = 0
+    # Entries that failed the header check: not indexed.
+    broken: list[str] = field(default_factory=list)
 
 
 def _group_by_namespace(files: list[FileInfo]) -> tuple[dict[str, list[tuple[str, FileInfo]]], list[str]]:
@@ -136,12 +143,21 @@ def _group_by_namespace(files: list[FileInfo]) -> tuple[dict[str, list[tuple[str
     return groups, strays
 
 
-def plan_sync(ctx: Context, cache: CacheInfo) -> SyncPlan:
+# A file JAX (or a copy) is still writing must not be indexed half-written.
+DEFAULT_MIN_AGE = timedelta(minutes=5)
+
+
+def _young(info: FileInfo, cutoff: datetime | None) -> bool:
+    return cutoff is not None and info.mtime is not None and info.mtime > cutoff
+
+
+def plan_sync(ctx: Context, cache: CacheInfo, *, min_age: timedelta = DEFAULT_MIN_AGE) -> SyncPlan:
     store = Store(cache.root_url, cache.storage_options)
     store.check_reachable()
     groups, strays = _group_by_namespace(store.list(""))
     known = {e.namespace: e for e in ctx.index.environment_stats(cache.name, include_deleted=True)}
     namespaces: list[NamespaceSync] = []
+    cutoff = datetime.now(timezone.utc) - min_age if min_age > timedelta(0) else None
     for ns_path in sorted(groups):
         files = groups[ns_path]
         names = {rel for rel, _ in files}
@@ -176,6 +192,9 @@ def plan_sync(ctx: Context, cache: CacheInfo) -> SyncPlan:
                 aot_on_disk[parsed.key] = info
         changed: set[str] = set()
         for key, info in sorted(on_disk.items()):
+            if (key not in indexed or indexed[key][0] != info.size) and _young(info, cutoff):
+                item.too_young.append(SyncEntry(ns_path, key, info.size))
+                continue
             if key not in indexed:
                 item.add.append(SyncEntry(ns_path, key, info.size))
                 changed.add(key)
@@ -187,6 +206,8 @@ def plan_sync(ctx: Context, cache: CacheInfo) -> SyncPlan:
         for key, info in sorted(aot_on_disk.items()):
             if key not in on_disk:
                 item.orphan_aot.append(SyncEntry(ns_path, key, info.size))
+            elif _young(info, cutoff) and (key not in indexed_aot or indexed_aot[key][0] != info.size):
+                item.too_young.append(SyncEntry(ns_path, f"{key}{AOT_SUFFIX}", info.size))
             elif key in changed or key not in indexed_aot or indexed_aot[key][0] != info.size:
                 item.record_aot.append(SyncEntry(ns_path, key, info.size))
         for key in sorted(set(indexed_aot) - set(aot_on_disk)):
@@ -205,6 +226,7 @@ def execute_sync(ctx: Context, cache: CacheInfo, plan: SyncPlan) -> SyncResult:
     started = time.monotonic()
     store = Store(cache.root_url, cache.storage_options)
     envs_added = added = updated = dropped = gone = aot_recorded = aot_cleared = 0
+    broken: list[str] = []
     for item in plan.namespaces:
         if item.problem or item.environment is None:
             continue
@@ -216,6 +238,11 @@ def execute_sync(ctx: Context, cache: CacheInfo, plan: SyncPlan) -> SyncResult:
                 data = store.read_bytes(f"{item.namespace}/{e.key}{CACHE_SUFFIX}")
             except FileNotFoundError:
                 continue  # deleted since planning; the next sync settles it
+            try:
+                read_header(data)
+            except CorruptEntry as exc:
+                broken.append(f"{item.namespace}/{e.key}{CACHE_SUFFIX}: {exc}")
+                continue  # half-written or corrupt: never indexed (verify reports it)
             module = parse_entry_filename(f"{e.key}{CACHE_SUFFIX}")
             assert module is not None
             new_rows.append(NewEntry(key=e.key, module=module.module, size=len(data),
@@ -252,14 +279,15 @@ def execute_sync(ctx: Context, cache: CacheInfo, plan: SyncPlan) -> SyncResult:
                  "orphan_executables": len(plan.orphan_executables)},
     )
     return SyncResult(plan, envs_added, added, updated, dropped, gone, duration, False,
-                      aot_recorded, aot_cleared)
+                      aot_recorded, aot_cleared, broken)
 
 
-def sync(ctx: Context, cache: CacheInfo, *, dry_run: bool = False) -> SyncResult:
+def sync(ctx: Context, cache: CacheInfo, *, dry_run: bool = False,
+         min_age: timedelta = DEFAULT_MIN_AGE) -> SyncResult:
     if not dry_run:
         check_writer(cache, "sync")
     started = time.monotonic()
-    plan = plan_sync(ctx, cache)
+    plan = plan_sync(ctx, cache, min_age=min_age)
     if dry_run:
         return SyncResult(plan, plan.environments_to_add, plan.entries_to_add, plan.entries_to_update,
                           plan.rows_to_drop, len(plan.environments_gone), time.monotonic() - started, True,

@@ -351,6 +351,18 @@ def _unknown(ns: str, path: str, info: FileInfo, now: datetime, min_age: timedel
     return Finding(UNKNOWN, ns, path, detail, action, env_id, key)
 
 
+def _still_bad(ctx: Context, store: Store, f: Finding) -> bool:
+    """Re-read an indexed entry right before moving it: a write that finished since the
+    check (or a row corrected meanwhile) is not moved away."""
+    if f.kind not in (CORRUPT, MISMATCH) or not f.key or f.environment_id is None or is_executable(f):
+        return True
+    row = ctx.index.get_entry(f.environment_id, f.key)
+    if row is None:
+        return True
+    kind, _, _ = _check_entry(store, f.path, row.size, row.sha256)
+    return kind is not None
+
+
 def execute_verify(ctx: Context, cache: CacheInfo, plan: VerifyPlan, *, started: float,
                    store: Store | None = None) -> VerifyResult:
     """Move, delete, write and drop what the findings say; then audit."""
@@ -362,9 +374,9 @@ def execute_verify(ctx: Context, cache: CacheInfo, plan: VerifyPlan, *, started:
     moved: list[str] = []
     rows: dict[int, list[str]] = defaultdict(list)
     cleared: dict[int, dict[str, None]] = defaultdict(dict)  # entries whose executable columns go
-    to_move = list(by_action[QUARANTINE])
+    to_move = [f for f in by_action[QUARANTINE] if _still_bad(ctx, store, f)]
     moving = {f.path for f in to_move}
-    for f in by_action[QUARANTINE]:
+    for f in list(to_move):
         # A quarantined entry's executable is unusable without it: it goes along.
         aot_path = f"{f.namespace}/{f.key}{AOT_SUFFIX}"
         if f.key and not is_executable(f) and f.kind in (CORRUPT, MISMATCH, UNKNOWN) and aot_path not in moving:
