@@ -195,3 +195,25 @@ def test_storage_options_never_hold_secrets(tmp_path) -> None:
     err = run("cache", "add", "leaky", "s3://b/p", "--storage-option", "secret=hunter2", code=2)
     assert "credential" in err and "hunter2" not in json.dumps(json.loads(run("cache", "list", "--json")))
     run("cache", "add", "bad", str(tmp_path / "b"), "--storage-option", "novalue", code=2)
+
+
+# ------------------------------------------------------------ the newcomer's path (issue 14)
+
+
+def test_env_takes_json_like_every_reporting_command() -> None:
+    assert json.loads(run("env", "--json")) == json.loads(run("env", "--format", "json"))
+    err = run("env", "--json", "--format", "sh", code=2)
+    assert err.startswith("cachectl: error: --json and --format sh contradict") and err.count("\n") == 1
+
+
+def test_warm_check_help_says_it_checks_not_fills() -> None:
+    assert "Cache to check" in run("warm-check", "--help")
+    assert "Cache to fill" not in run("warm-check", "--help")
+    assert "Cache to fill" in run("warm", "--help")
+
+
+def test_stats_since_without_telemetry_says_what_produces_it() -> None:
+    run("path")
+    out = run("stats", "--since", "24h")
+    assert "no service telemetry in this window" in out and "cachectl.activate()" in out
+    assert json.loads(run("stats", "--since", "24h", "--json"))["environments"] == []

@@ -127,10 +127,15 @@ def _shard(text: str | None) -> tuple[int, int] | None:
     return parse_shard(text) if text else None
 
 
+_CACHE_DEFAULT = "(default: the manifest's 'cache:', else the global --cache)"
+
+
+def _cache_option(verb: str) -> Any:
+    return click.option("--cache", "cache_name", metavar="NAME", help=f"Cache to {verb} {_CACHE_DEFAULT}.")
+
+
 _common = [
     click.argument("manifest", type=click.Path(dir_okay=False)),
-    click.option("--cache", "cache_name", metavar="NAME",
-                 help="Cache to fill (default: the manifest's 'cache:', else the global --cache)."),
     click.option("--shard", metavar="I/N", help="Only the I-th of N deterministic shares of the buckets."),
     click.option("--path", "paths", multiple=True, metavar="DIR",
                  help="Add DIR to the import path (repeatable); the manifest's directory is always added."),
@@ -159,6 +164,7 @@ def _run_check(ctx: Context, manifest: str, cache_name: str | None, shard: str |
 
 @click.command("warm")
 @_with_common
+@_cache_option("fill")
 @click.option("-j", "--jobs", type=click.IntRange(min=1), metavar="N",
               help=f"Buckets compiled at once (default: the cores here, {default_jobs()}).")
 @click.option("--executor", type=click.Choice(EXECUTORS), default=DEFAULT_EXECUTOR, show_default=True,
@@ -203,6 +209,7 @@ def warm_cmd(ctx: Context, manifest: str, cache_name: str | None, shard: str | N
 
 @click.command("warm-check")
 @_with_common
+@_cache_option("check")
 @click.pass_obj
 def warm_check_cmd(ctx: Context, manifest: str, cache_name: str | None, shard: str | None,
                    paths: tuple[str, ...], as_json: bool) -> None:
