@@ -217,3 +217,31 @@ def test_stats_since_without_telemetry_says_what_produces_it() -> None:
     out = run("stats", "--since", "24h")
     assert "no service telemetry in this window" in out and "cachectl.activate()" in out
     assert json.loads(run("stats", "--since", "24h", "--json"))["environments"] == []
+
+
+def _bad_manifest(tmp_path, n_bad: int) -> str:
+    args = "".join(f"      - {{shape: [1], dtype: bfloat6{i}}}\n" for i in range(n_bad))
+    path = tmp_path / "bad.yaml"
+    path.write_text(f"version: 1\nfunctions:\n  - fn: m:f\n    args:\n{args}")
+    return str(path)
+
+
+def test_manifest_validation_lists_every_problem(tmp_path) -> None:
+    path = _bad_manifest(tmp_path, 3)
+    proc = cachectl("warm", path, "--dry-run")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    lines = proc.stderr.splitlines()
+    assert [line.split(": ")[2] for line in lines] == [f"{path}:{n}" for n in (5, 6, 7)], lines
+    assert all(line.startswith("cachectl: error: ") and "unknown dtype" in line for line in lines)
+    assert not os.path.exists(os.path.join(os.environ["XDG_CACHE_HOME"], "cachectl"))  # nothing written
+
+
+def test_manifest_validation_caps_the_list(tmp_path) -> None:
+    from cachectl.manifest import MAX_PROBLEMS
+
+    path = _bad_manifest(tmp_path, MAX_PROBLEMS + 5)
+    result = CliRunner().invoke(cli, ["warm", path])
+    assert result.exit_code == 2
+    lines = result.output.splitlines()
+    assert len(lines) == MAX_PROBLEMS + 1
+    assert lines[-1] == f"cachectl: error: {path}: (and 5 more problems)"
