@@ -123,6 +123,11 @@ class _Progress:
                         description=escape(f"{result.function}[{_plain(result.bucket)}] {result.status}"))
 
 
+def _verbosity() -> int:
+    """The global ``-v`` count."""
+    return int(click.get_current_context().find_root().params.get("verbose") or 0)
+
+
 def _shard(text: str | None) -> tuple[int, int] | None:
     return parse_shard(text) if text else None
 
@@ -202,8 +207,13 @@ def warm_cmd(ctx: Context, manifest: str, cache_name: str | None, shard: str | N
         raise EnvironmentMismatch("this machine does not match the manifest's target: "
                                   + "; ".join(report.target_problems))
     if report.summary.failed:
+        traced = [b for b in report.buckets if b.traceback]
+        if _verbosity() >= 1:
+            for b in traced:
+                click.echo(f"{b.function}[{_plain(b.bucket)}] failed:\n{b.traceback}\n", err=True)
+        hint = "; -v prints the traceback of your code" if traced and _verbosity() < 1 else ""
         click.echo(f"cachectl: error: {report.summary.failed} of {report.summary.buckets} bucket(s) "
-                   "failed; see the error column", err=True)
+                   f"failed; see the error column{hint}", err=True)
         raise click.exceptions.Exit(1)
 
 
