@@ -7,9 +7,10 @@ Blocks are the README's ```sh, ```bash and ```console fences (console: the
                                      only by the heavy test (CI, or CACHECTL_TEST_HEAVY=1)
   <!-- readme-test: skip (why) -->   never run; the README must say why in its prose
 
-The quick test runs every unmarked block against this checkout's virtualenv
-(linked in as the clone's ``.venv``, as if the README's first command had made
-it); the heavy one starts from nothing and runs the first command for real.
+The quick test runs every unmarked block with a stand-in ``.venv`` in the clone
+(wrappers around this test's interpreter, as if the README's first command had
+made it; its pip refuses to run); the heavy one starts from nothing and runs
+the first command for real.
 The one change made to what the README says: ``scripts/test`` only collects
 (``--co``) with PostgreSQL and Chromium off, so the suite never runs itself.
 
@@ -108,10 +109,32 @@ def _fresh_env(tmp_path: Path) -> dict[str, str]:
     return env
 
 
+def _stand_in_venv(venv: Path) -> None:
+    """The clone's .venv as the README's first command leaves it, run by this test's interpreter.
+
+    Wrappers, not a link to the real virtualenv: a README block that installs
+    something must fail here, never install into (or over) the developer's .venv.
+    """
+    bin_dir = venv / "bin"
+    bin_dir.mkdir(parents=True)
+    refuse = 'echo "quick README test: no installs here (mark the block heavy)" >&2; exit 97'
+    wrappers = {
+        "python": (f'case "$1 $2" in "-m pip"|"-m ensurepip"|"-m venv") {refuse};; esac\n'
+                   f'exec {sys.executable} "$@"'),
+        "cachectl": f'exec {sys.executable} -m cachectl "$@"',
+        "pip": refuse,
+    }
+    wrappers["python3"] = wrappers["python"]
+    for name, body in wrappers.items():
+        (bin_dir / name).write_text(f"#!/bin/sh\n{body}\n")
+        (bin_dir / name).chmod(0o755)
+    (bin_dir / "activate").write_text(f'VIRTUAL_ENV={venv}\nexport VIRTUAL_ENV\nPATH="{bin_dir}:$PATH"\nexport PATH\n')
+
+
 def _run_readme(tmp_path: Path, *, heavy: bool, timeout: int) -> subprocess.CompletedProcess[str]:
     clone = _clone(tmp_path / "cachectl")
-    if not heavy:  # as if the README's first command had installed cachectl into the clone
-        (clone / ".venv").symlink_to(Path(sys.prefix), target_is_directory=True)
+    if not heavy:
+        _stand_in_venv(clone / ".venv")
     (tmp_path / "readme.sh").write_text(script(shell_blocks(heavy=heavy)))
     return subprocess.run(["bash", str(tmp_path / "readme.sh")], cwd=clone, env=_fresh_env(tmp_path),
                           capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
@@ -149,6 +172,7 @@ def test_readme_top_to_bottom_from_a_fresh_clone(tmp_path: Path) -> None:
     proc = _run_readme(tmp_path, heavy=True, timeout=900)
     assert proc.returncode == 0, _explain(proc)
     assert "11 bucket(s): 11 compiled" in proc.stdout, _explain(proc)  # the first command's warm
+    assert "scripts/test: pip: [" in proc.stderr  # scripts/test's install shows its progress
     assert "11 bucket(s): 0 compiled, 11 cached" in proc.stdout  # the tour's warm
     assert "coverage: 11/11 buckets hit (100.0%)" in proc.stdout
 
