@@ -18,7 +18,7 @@ _CACHECTL_DIR = str(Path(__file__).resolve().parent) + os.sep
 
 
 def _library_dirs() -> tuple[str, ...]:
-    """Directories whose frames are never the user's: cachectl, JAX, jaxlib, the stdlib."""
+    """Directories whose frames are never the user's: cachectl, JAX, jaxlib, then the stdlib (last)."""
     dirs = [_CACHECTL_DIR]
     for name in ("jax", "jaxlib"):
         try:
@@ -48,12 +48,20 @@ def _is_rewrap(exc: BaseException) -> bool:
     return isinstance(exc, CachectlError) and (exc.__cause__ or exc.__context__) is not None
 
 
+def _is_library(filename: str, libraries: tuple[str, ...]) -> bool:
+    if filename.startswith("<frozen"):
+        return True
+    path = str(Path(filename).resolve())
+    # Installed packages (a user's own among them) may live under the stdlib's directory.
+    installed = f"{os.sep}site-packages{os.sep}" in path or f"{os.sep}dist-packages{os.sep}" in path
+    return path.startswith(libraries[:-1]) or (path.startswith(libraries[-1]) and not installed)
+
+
 def user_frames(exc: BaseException) -> list[traceback.FrameSummary]:
     """The frames of ``exc``'s traceback that are in neither cachectl, JAX nor the stdlib."""
     libraries = _library_dirs()
     frames = traceback.extract_tb(_origin(exc).__traceback__)
-    return [f for f in frames
-            if not str(Path(f.filename).resolve()).startswith(libraries) and not f.filename.startswith("<frozen")]
+    return [f for f in frames if not _is_library(f.filename, libraries)]
 
 
 def location(exc: BaseException) -> str | None:
