@@ -448,28 +448,38 @@ def _validate(data: dict[str, Any], source: _Source) -> Manifest:
     try:
         manifest = Manifest.model_validate(data)
     except ValidationError as exc:
-        _raise_first(source, list(_pydantic_problems(exc)))
-        raise  # unreachable: _raise_first always raises
+        _raise_problems(source, list(_pydantic_problems(exc)))
+        raise  # unreachable: _raise_problems always raises
     manifest._source = source
     for index, spec in enumerate(manifest.functions):
         spec._source = source
         spec._index = index
     problems = list(_semantic_problems(manifest))
     if problems:
-        _raise_first(source, problems)
+        _raise_problems(source, problems)
     return manifest
 
 
-def _raise_first(source: _Source, problems: list[tuple[Loc, str]]) -> None:
-    """Report the first problem in document order, and how many more there are.
+MAX_PROBLEMS = 20  # listed per manifest; the rest are counted
 
-    A missing field goes last: it is usually the consequence of a misspelled one.
+
+def _raise_problems(source: _Source, problems: list[tuple[Loc, str]]) -> None:
+    """Report every problem (up to MAX_PROBLEMS), one ``file:line: field: problem`` per line.
+
+    One run shows everything to fix, not one at a time. Document order; a missing
+    field goes last: it is usually the consequence of a misspelled one.
     """
+    suggested = {loc[:-1] + (name,) for loc, problem in problems
+                 for name in re.findall(r"did you mean '([^']+)'", problem)}
+    # "functons: unknown field (did you mean 'functions'?)" already says why functions is missing.
+    problems = [(loc, p) for loc, p in problems if not (p == _MISSING and loc in suggested)]
     problems = sorted(problems, key=lambda p: (p[1] == _MISSING, source.line(p[0])))
-    loc, problem = problems[0]
-    more = len(problems) - 1
-    suffix = f" (and {more} more problem{'s' if more > 1 else ''})" if more else ""
-    raise BadInput(source.message(loc, problem) + suffix)
+    lines = list(dict.fromkeys(source.message(loc, problem) for loc, problem in problems))
+    shown = lines[:MAX_PROBLEMS]
+    more = len(lines) - len(shown)
+    if more:
+        shown.append(f"{source.name}: (and {more} more problem{'s' if more > 1 else ''})")
+    raise BadInput("\n".join(shown))
 
 
 _MISSING = "required field missing"

@@ -57,6 +57,7 @@ from cachectl.manifest import (
 )
 from cachectl.permissions import check_writer
 from cachectl.runtime import apply_jax_config, jax_config_for
+from cachectl.tracebacks import format_user_traceback, location
 
 log = logging.getLogger(__name__)
 
@@ -105,6 +106,7 @@ class BucketResult:
     # The stored executable (cachectl/aot.py): its size, or why there is none.
     aot_bytes: int | None = None
     aot_error: str | None = None
+    traceback: str | None = None  # the user's frames of a failure; not in the JSON report
 
 
 @dataclass(frozen=True)
@@ -376,13 +378,30 @@ def compile_bucket(jitted: Any, args: tuple[Any, ...], kwargs: dict[str, Any], *
     return _Outcome(last.kind, last.key, written, seconds, skip, payload, aot_error)
 
 
-def _error_text(exc: BaseException) -> str:
+class ErrorText(str):
+    """A bucket's one-line error that also carries the traceback of the user's code (for ``-v``).
+
+    A str, so it travels unchanged wherever warm passes error messages (and pickles
+    back from worker processes with its traceback).
+    """
+
+    traceback: str | None = None
+
+
+def _error_text(exc: BaseException) -> ErrorText:
+    """One line: the error, ended by ``(at file:line)`` of the user's code that raised it."""
     if isinstance(exc, BadInput):
-        return exc.message
-    text = str(exc).strip().splitlines()
-    first = text[0] if text else ""
-    message = f"{type(exc).__name__}: {first}" if first else type(exc).__name__
-    return message if len(message) <= _ERROR_CHARS else message[: _ERROR_CHARS - 3] + "..."
+        message = exc.message
+    else:
+        text = str(exc).strip().splitlines()
+        first = text[0] if text else ""
+        message = f"{type(exc).__name__}: {first}" if first else type(exc).__name__
+        if len(message) > _ERROR_CHARS:
+            message = message[: _ERROR_CHARS - 3] + "..."
+    where = location(exc)
+    result = ErrorText(f"{message} (at {where})" if where else message)
+    result.traceback = format_user_traceback(exc)
+    return result
 
 
 # --------------------------------------------------------------------------- JAX configuration
@@ -572,6 +591,8 @@ def warm(ctx: Context, manifest_path: str | Path, *, cache: str | None = None, j
     plan = plan_warm(ctx, manifest_path, cache=cache, shard=shard, paths=paths, writer_check=not dry_run)
     env = plan.environment
     if dry_run:
+        if not plan.target_problems:  # on other hardware a mesh cannot be built: exit 3 says so
+            _raise_build_problems(plan)
         store = ctx.store(plan.cache)
         results = [BucketResult(b.function, dict(b.values), PLANNED) for b in plan.buckets]
         return WarmReport(_environment_json(env), store.url_for(env.namespace),
@@ -582,6 +603,18 @@ def warm(ctx: Context, manifest_path: str | Path, *, cache: str | None = None, j
         raise _mismatch(plan)
     return _execute(ctx, plan, jobs=jobs, fail_fast=fail_fast, executor=executor,
                     progress=progress, started=started, executables=executables)
+
+
+def _raise_build_problems(plan: WarmPlan) -> None:
+    """Build every bucket's abstract arguments (pytrees included; nothing compiles) for --dry-run.
+
+    What would fail a real warm before compiling is bad input: BadInput (2), every
+    distinct problem on its own line, each naming the manifest's file:line.
+    """
+    _, calls = _build_calls(plan.manifest, plan.buckets, plan.search_paths)
+    problems = list(dict.fromkeys(c for c in calls.values() if isinstance(c, str)))
+    if problems:
+        raise BadInput("\n".join(problems))
 
 
 def _execute(ctx: Context, plan: WarmPlan, *, jobs: int, fail_fast: bool, executor: str,
@@ -659,7 +692,8 @@ def _settle(ctx: Context, plan: WarmPlan, store: Any, ns_rel: str, env_id: int, 
     values = dict(bucket.values)
     base = {"function": bucket.function, "bucket": values}
     if error is not None or outcome is None:
-        return BucketResult(**base, status=FAILED, error=error or "no result")
+        return BucketResult(**base, status=FAILED, error=str(error or "no result"),
+                            traceback=getattr(error, "traceback", None))
     seconds = outcome.seconds
     if outcome.lookup is None or outcome.key is None:
         return BucketResult(**base, status=FAILED, compile_seconds=seconds,
@@ -933,7 +967,7 @@ def _worker_task(position: int) -> dict[str, Any]:
 
 def _outcome_from(data: dict[str, Any]) -> tuple[_Outcome | None, str | None]:
     if "error" in data:
-        return None, str(data["error"])
+        return None, data["error"]  # an ErrorText, traceback included
     return _Outcome(data["lookup"], data["key"], data["written"], data["seconds"], data["skip_reason"],
                     data.get("payload"), data.get("aot_error")), None
 

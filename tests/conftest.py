@@ -49,6 +49,20 @@ PG_ADMIN_URL = os.environ.get("CACHECTL_TEST_PG_URL") or None
 NO_PG = os.environ.get("CACHECTL_TEST_NO_PG") == "1"
 
 
+# Heavy tests (pip installs, full warms, benchmarks) run in CI (.ci/run sets CI=true)
+# or with CACHECTL_TEST_HEAVY=1; a quick local run skips them.
+RUN_HEAVY = os.environ.get("CI", "").lower() in ("1", "true") or os.environ.get("CACHECTL_TEST_HEAVY") == "1"
+
+
+def pytest_collection_modifyitems(config, items):
+    if RUN_HEAVY:
+        return
+    skip = pytest.mark.skip(reason="heavy: runs in CI (CI=true) or with CACHECTL_TEST_HEAVY=1")
+    for item in items:
+        if "heavy" in item.keywords:
+            item.add_marker(skip)
+
+
 # ------------------------------------------------------------ environment
 
 

@@ -195,3 +195,130 @@ def test_storage_options_never_hold_secrets(tmp_path) -> None:
     err = run("cache", "add", "leaky", "s3://b/p", "--storage-option", "secret=hunter2", code=2)
     assert "credential" in err and "hunter2" not in json.dumps(json.loads(run("cache", "list", "--json")))
     run("cache", "add", "bad", str(tmp_path / "b"), "--storage-option", "novalue", code=2)
+
+
+# ------------------------------------------------------------ the newcomer's path (issue 14)
+
+
+def test_env_takes_json_like_every_reporting_command() -> None:
+    assert json.loads(run("env", "--json")) == json.loads(run("env", "--format", "json"))
+    err = run("env", "--json", "--format", "sh", code=2)
+    assert err.startswith("cachectl: error: --json and --format sh contradict") and err.count("\n") == 1
+
+
+def test_warm_check_help_says_it_checks_not_fills() -> None:
+    assert "Cache to check" in run("warm-check", "--help")
+    assert "Cache to fill" not in run("warm-check", "--help")
+    assert "Cache to fill" in run("warm", "--help")
+
+
+def test_stats_since_without_telemetry_says_what_produces_it() -> None:
+    run("path")
+    out = run("stats", "--since", "24h")
+    assert "no service telemetry in this window" in out and "cachectl.activate()" in out
+    assert json.loads(run("stats", "--since", "24h", "--json"))["environments"] == []
+
+
+def _bad_manifest(tmp_path, n_bad: int) -> str:
+    args = "".join(f"      - {{shape: [1], dtype: bfloat6{i}}}\n" for i in range(n_bad))
+    path = tmp_path / "bad.yaml"
+    path.write_text(f"version: 1\nfunctions:\n  - fn: m:f\n    args:\n{args}")
+    return str(path)
+
+
+def test_manifest_validation_lists_every_problem(tmp_path) -> None:
+    path = _bad_manifest(tmp_path, 3)
+    proc = cachectl("warm", path, "--dry-run")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    lines = proc.stderr.splitlines()
+    assert [line.split(": ")[2] for line in lines] == [f"{path}:{n}" for n in (5, 6, 7)], lines
+    assert all(line.startswith("cachectl: error: ") and "unknown dtype" in line for line in lines)
+    assert not os.path.exists(os.path.join(os.environ["XDG_CACHE_HOME"], "cachectl"))  # nothing written
+
+
+def test_manifest_validation_caps_the_list(tmp_path) -> None:
+    from cachectl.manifest import MAX_PROBLEMS
+
+    path = _bad_manifest(tmp_path, MAX_PROBLEMS + 5)
+    result = CliRunner().invoke(cli, ["warm", path])
+    assert result.exit_code == 2
+    lines = result.output.splitlines()
+    assert len(lines) == MAX_PROBLEMS + 1
+    assert lines[-1] == f"cachectl: error: {path}: (and 5 more problems)"
+
+
+FAILING_USER_MODULE = '''
+import jax
+import jax.numpy as jnp
+
+
+def params(batch):
+    if batch > 2:
+        raise ValueError(f"no weights for batch {batch}")
+    return {"w": jax.ShapeDtypeStruct((8, 8), jnp.float32)}
+
+
+def step(p, x):
+    return helper(p["w"], x)
+
+
+def helper(w, x):
+    return x @ w[:3]
+'''
+
+FAILING_USER_MANIFEST = """version: 1
+functions:
+  - fn: nw_bad:step
+    args:
+      - {pytree: nw_bad:params}
+      - {shape: [batch, 8], dtype: float32}
+    buckets: {batch: [1, 4]}
+"""
+
+
+def _failing_project(tmp_path) -> None:
+    (tmp_path / "nw_bad.py").write_text(FAILING_USER_MODULE.lstrip("\n"))
+    (tmp_path / "bad.yaml").write_text(FAILING_USER_MANIFEST)
+
+
+def _in(tmp_path, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "cachectl", *args], capture_output=True, text=True,
+                          cwd=tmp_path, timeout=300)
+
+
+def _cache_files() -> list[str]:
+    root = os.path.join(os.environ["XDG_CACHE_HOME"], "cachectl")
+    return [f for _, _, files in os.walk(root) for f in files if f.endswith("-cache")]
+
+
+def test_failed_bucket_names_the_user_line_and_v_prints_its_traceback(tmp_path) -> None:
+    _failing_project(tmp_path)
+    quiet = _in(tmp_path, "warm", "bad.yaml", "--json", "--jobs", "1")
+    assert quiet.returncode == 1, quiet.stderr
+    errors = [b["error"] for b in json.loads(quiet.stdout)["buckets"]]
+    assert errors[0].startswith("TypeError: dot_general") and errors[0].endswith("(at nw_bad.py:16)")
+    assert errors[1].endswith("raised ValueError: no weights for batch 4 (at nw_bad.py:7)")
+    assert "Traceback" not in quiet.stderr and "-v prints the traceback of your code" in quiet.stderr
+
+    loud = _in(tmp_path, "-v", "warm", "bad.yaml", "--json", "--jobs", "1")
+    assert loud.returncode == 1
+    assert "step[batch=1] failed:\nTraceback (your code only" in loud.stderr
+    assert 'nw_bad.py", line 12, in step\n' in loud.stderr and 'nw_bad.py", line 16, in helper\n' in loud.stderr
+    assert 'nw_bad.py", line 7, in params\n' in loud.stderr
+    assert "ValueError: no weights for batch 4\n" in loud.stderr
+    frames = [line for line in loud.stderr.splitlines() if line.startswith('  File "')]
+    assert frames and all("nw_bad.py" in line for line in frames), frames  # no cachectl or JAX frames
+
+
+def test_dry_run_builds_pytrees_and_reports_their_errors_as_bad_input(tmp_path) -> None:
+    _failing_project(tmp_path)
+    proc = _in(tmp_path, "warm", "bad.yaml", "--dry-run")
+    assert proc.returncode == 2, (proc.stdout, proc.stderr)
+    assert proc.stderr == ("cachectl: error: bad.yaml:5: functions[0].args[0].pytree: nw_bad:params() raised "
+                           "ValueError: no weights for batch 4 (at nw_bad.py:7)\n")
+    assert _cache_files() == []
+    (tmp_path / "bad.yaml").write_text(FAILING_USER_MANIFEST.replace("[1, 4]", "[1, 2]"))
+    ok = _in(tmp_path, "warm", "bad.yaml", "--dry-run", "--json")  # builds, compiles nothing
+    assert ok.returncode == 0, ok.stderr
+    assert [b["status"] for b in json.loads(ok.stdout)["buckets"]] == ["planned", "planned"]
+    assert _cache_files() == []

@@ -21,7 +21,9 @@ class CachectlGroup(click.Group):
         try:
             return super().invoke(ctx)
         except CachectlError as exc:
-            click.echo(f"cachectl: error: {exc.message}", err=True)
+            # A message of several problems (a manifest's) prints one error line each.
+            for line in exc.message.splitlines() or [""]:
+                click.echo(f"cachectl: error: {line}", err=True)
             ctx.exit(exc.exit_code)
 
 

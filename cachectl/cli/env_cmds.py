@@ -11,7 +11,7 @@ import click
 
 from cachectl.cli.render import emit, json_option, stdout, table
 from cachectl.context import Context
-from cachectl.errors import CachectlError
+from cachectl.errors import BadInput, CachectlError
 from cachectl.service_env import ServiceEnv, service_env
 
 
@@ -48,17 +48,28 @@ def _format_env(result: ServiceEnv, fmt: str) -> str:
     return "".join(f"export {k}={shlex.quote(v)}\n" for k, v in result.variables.items())
 
 
+def _env_format(fmt: str | None, as_json: bool) -> str:
+    """``--json`` is ``--format json``: every reporting command takes ``--json``."""
+    if as_json and fmt not in (None, "json"):
+        raise BadInput(f"--json and --format {fmt} contradict each other: give one of them")
+    return "json" if as_json else fmt or "sh"
+
+
 @click.command("env")
-@click.option("--format", "fmt", type=click.Choice(["sh", "json", "dotenv"]), default="sh", show_default=True)
+@click.option("--format", "fmt", type=click.Choice(["sh", "json", "dotenv"]), default=None,
+              help="Output format.  [default: sh]")
+@click.option("--json", "as_json", is_flag=True, help="Same as --format json.")
 @click.option("--readonly/--writable", default=None, help="Read the cache but never write it (default: the cache's policy).")
 @click.pass_obj
-def env(ctx: Context, fmt: str, readonly: bool | None) -> None:
+def env(ctx: Context, fmt: str | None, as_json: bool, readonly: bool | None) -> None:
     """Print the variables a service needs to hit this environment's namespace.
 
     \b
     eval "$(cachectl env)"      # sh
+    cachectl env --json         # = --format json
     cachectl env --format dotenv > service.env
     """
+    fmt = _env_format(fmt, as_json)
     result = service_env(ctx, readonly=readonly)
     if result.warning:
         click.echo(result.warning, err=True)
@@ -73,7 +84,8 @@ def exec_(ctx: Context, readonly: bool | None, command: tuple[str, ...]) -> None
     """Run COMMAND with the environment `cachectl env` prints (for services that cannot call activate()).
 
     \b
-    cachectl exec -- python serve.py --port 8000
+    cachectl exec -- python -c 'import os; print(os.environ["JAX_COMPILATION_CACHE_DIR"])'
+    cachectl exec --readonly -- python my_service.py
     """
     try:
         result = service_env(ctx, readonly=readonly)

@@ -63,9 +63,21 @@ def _print_totals(items: list[inventory.CacheTotals]) -> None:
             _print_environments(inventory.EnvironmentListing(t.cache.name, t.cache.root_url, t.per_environment))
 
 
+NO_TELEMETRY_HINT = (
+    "no service telemetry in this window. Telemetry comes from services that call "
+    "cachectl.activate() (telemetry=True is the default) and compile with JAX while running; "
+    "warm, warm-check and `cachectl exec` record none. Try: python -c 'import cachectl, jax; "
+    "cachectl.activate(); jax.jit(lambda x: x + 1)(1.0)' and run this again."
+)
+
+
 def _print_usage(u: TelemetryStats) -> None:
     def rate(r: UsageRow) -> str:
         return f"{r.hit_rate:.0%}" if r.hit_rate is not None else "-"
+
+    if not u.environments:
+        stdout.print(f"cache {u.cache}: {NO_TELEMETRY_HINT}", highlight=False)
+        return
 
     right = ("procs", "requests", "hits", "hit rate", "misses", "writes", "saved")
     env_rows = [(r.environment[:16], r.processes, r.requests, r.hits, rate(r), r.misses, r.writes,

@@ -128,14 +128,24 @@ class _Progress:
                         description=escape(f"{result.function}[{_plain(result.bucket)}] {result.status}"))
 
 
+def _verbosity() -> int:
+    """The global ``-v`` count."""
+    return int(click.get_current_context().find_root().params.get("verbose") or 0)
+
+
 def _shard(text: str | None) -> tuple[int, int] | None:
     return parse_shard(text) if text else None
 
 
+_CACHE_DEFAULT = "(default: the manifest's 'cache:', else the global --cache)"
+
+
+def _cache_option(verb: str) -> Any:
+    return click.option("--cache", "cache_name", metavar="NAME", help=f"Cache to {verb} {_CACHE_DEFAULT}.")
+
+
 _common = [
     click.argument("manifest", type=click.Path(dir_okay=False)),
-    click.option("--cache", "cache_name", metavar="NAME",
-                 help="Cache to fill (default: the manifest's 'cache:', else the global --cache)."),
     click.option("--shard", metavar="I/N", help="Only the I-th of N deterministic shares of the buckets."),
     click.option("--path", "paths", multiple=True, metavar="DIR",
                  help="Add DIR to the import path (repeatable); the manifest's directory is always added."),
@@ -164,6 +174,7 @@ def _run_check(ctx: Context, manifest: str, cache_name: str | None, shard: str |
 
 @click.command("warm")
 @_with_common
+@_cache_option("fill")
 @click.option("-j", "--jobs", type=click.IntRange(min=1), metavar="N",
               help=f"Buckets compiled at once (default: the cores here, {default_jobs()}).")
 @click.option("--executor", type=click.Choice(EXECUTORS), default=DEFAULT_EXECUTOR, show_default=True,
@@ -204,13 +215,19 @@ def warm_cmd(ctx: Context, manifest: str, cache_name: str | None, shard: str | N
         raise EnvironmentMismatch("this machine does not match the manifest's target: "
                                   + "; ".join(report.target_problems))
     if report.summary.failed:
+        traced = [b for b in report.buckets if b.traceback]
+        if _verbosity() >= 1:
+            for b in traced:
+                click.echo(f"{b.function}[{_plain(b.bucket)}] failed:\n{b.traceback}\n", err=True)
+        hint = "; -v prints the traceback of your code" if traced and _verbosity() < 1 else ""
         click.echo(f"cachectl: error: {report.summary.failed} of {report.summary.buckets} bucket(s) "
-                   "failed; see the error column", err=True)
+                   f"failed; see the error column{hint}", err=True)
         raise click.exceptions.Exit(1)
 
 
 @click.command("warm-check")
 @_with_common
+@_cache_option("check")
 @click.pass_obj
 def warm_check_cmd(ctx: Context, manifest: str, cache_name: str | None, shard: str | None,
                    paths: tuple[str, ...], as_json: bool) -> None:

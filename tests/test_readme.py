@@ -1,0 +1,223 @@
+"""The README, run the way a newcomer runs it: every shell block, in order, on a fresh clone and HOME.
+
+Blocks are the README's ```sh, ```bash and ```console fences (console: the
+``$ `` lines). An HTML comment right above a fence marks it:
+
+  <!-- readme-test: heavy (why) -->  pip install, full warm, the test script: run
+                                     only by the heavy test (CI, or CACHECTL_TEST_HEAVY=1)
+  <!-- readme-test: skip (why) -->   never run; the README must say why in its prose
+
+The quick test runs every unmarked block with a stand-in ``.venv`` in the clone
+(wrappers around this test's interpreter, as if the README's first command had
+made it; its pip refuses to run); the heavy one starts from nothing and runs
+the first command for real.
+The one change made to what the README says: ``scripts/test`` only collects
+(``--co``) with PostgreSQL and Chromium off, so the suite never runs itself.
+
+The Flax NNX and Equinox recipes of the manifest section are written out from
+the README's ```python / ```yaml blocks (named by their first-line comment),
+warmed, and called by the README's service in a fresh process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+README = REPO / "README.md"
+
+_FENCE = re.compile(
+    r"(?:<!-- readme-test: (?P<mark>heavy|skip)\b(?P<why>[^>]*)-->[ \t]*\n)?"
+    r"^```(?P<lang>[\w-]*)[^\n]*\n(?P<body>.*?)^```[ \t]*$",
+    re.S | re.M,
+)
+_SHELL = ("sh", "bash", "console")
+# What the README's test command becomes here: set up and collect, never run the suite again.
+_TEST_COMMAND = re.compile(r"^scripts/test\s*$", re.M)
+_TEST_COMMAND_HERE = "CACHECTL_TEST_NO_PG=1 CACHECTL_TEST_NO_CHROMIUM=1 scripts/test --co -q tests/test_cli.py"
+
+
+@dataclass(frozen=True)
+class Block:
+    lang: str
+    body: str
+    line: int
+    mark: str | None
+    why: str
+
+
+def readme_blocks(text: str | None = None) -> list[Block]:
+    text = README.read_text(encoding="utf-8") if text is None else text
+    return [Block(m["lang"], m["body"], text.count("\n", 0, m.start("body")) + 1, m["mark"],
+                  (m["why"] or "").strip())
+            for m in _FENCE.finditer(text)]
+
+
+def shell_blocks(*, heavy: bool) -> list[Block]:
+    return [b for b in readme_blocks()
+            if b.lang in _SHELL and b.mark != "skip" and (heavy or b.mark != "heavy")]
+
+
+def _commands(block: Block) -> str:
+    if block.lang == "console":
+        return "\n".join(line[2:] for line in block.body.splitlines() if line.startswith("$ "))
+    return _TEST_COMMAND.sub(_TEST_COMMAND_HERE, block.body)
+
+
+def script(blocks: list[Block]) -> str:
+    """One bash script, so `source .venv/bin/activate` and `eval "$(cachectl env)"` carry over."""
+    parts = ["set -eE -o pipefail",
+             "trap 'echo \"README command failed (exit $?): $BASH_COMMAND\" >&2' ERR"]
+    for block in blocks:
+        parts += [f"echo '--- README.md:{block.line}' >&2", _commands(block)]
+    return "\n".join(parts) + "\n"
+
+
+def _clone(dest: Path) -> Path:
+    """The files a fresh clone of this working tree has (tracked, and new ones not ignored)."""
+    listed = subprocess.run(["git", "-C", str(REPO), "ls-files", "-z", "-co", "--exclude-standard"],
+                            capture_output=True, check=True).stdout.decode().split("\0")
+    for rel in filter(None, listed):
+        src = REPO / rel
+        if src.is_file():
+            (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, dest / rel)
+    return dest
+
+
+def _fresh_env(tmp_path: Path) -> dict[str, str]:
+    """A newcomer's shell: a fresh HOME and XDG dirs; no cachectl or JAX settings; no venv on PATH."""
+    home = tmp_path / "home"
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("CACHECTL_", "JAX_", "XDG_", "VIRTUAL_ENV", "PYTHON"))}
+    venv_bins = {str(Path(sys.executable).parent), str(Path(sys.prefix) / "bin"), str(REPO / ".venv" / "bin")}
+    env["PATH"] = os.pathsep.join(p for p in env.get("PATH", "").split(os.pathsep) if p not in venv_bins)
+    env["HOME"] = str(home)
+    for var, sub in (("XDG_DATA_HOME", ".local/share"), ("XDG_CACHE_HOME", ".cache"),
+                     ("XDG_CONFIG_HOME", ".config"), ("XDG_STATE_HOME", ".local/state")):
+        (home / sub).mkdir(parents=True)
+        env[var] = str(home / sub)
+    return env
+
+
+def _stand_in_venv(venv: Path) -> None:
+    """The clone's .venv as the README's first command leaves it, run by this test's interpreter.
+
+    Wrappers, not a link to the real virtualenv: a README block that installs
+    something must fail here, never install into (or over) the developer's .venv.
+    """
+    bin_dir = venv / "bin"
+    bin_dir.mkdir(parents=True)
+    refuse = 'echo "quick README test: no installs here (mark the block heavy)" >&2; exit 97'
+    wrappers = {
+        "python": (f'case "$1 $2" in "-m pip"|"-m ensurepip"|"-m venv") {refuse};; esac\n'
+                   f'exec {sys.executable} "$@"'),
+        "cachectl": f'exec {sys.executable} -m cachectl "$@"',
+        "pip": refuse,
+    }
+    wrappers["python3"] = wrappers["python"]
+    for name, body in wrappers.items():
+        (bin_dir / name).write_text(f"#!/bin/sh\n{body}\n")
+        (bin_dir / name).chmod(0o755)
+    (bin_dir / "activate").write_text(f'VIRTUAL_ENV={venv}\nexport VIRTUAL_ENV\nPATH="{bin_dir}:$PATH"\nexport PATH\n')
+
+
+def _run_readme(tmp_path: Path, *, heavy: bool, timeout: int) -> subprocess.CompletedProcess[str]:
+    clone = _clone(tmp_path / "cachectl")
+    if not heavy:
+        _stand_in_venv(clone / ".venv")
+    (tmp_path / "readme.sh").write_text(script(shell_blocks(heavy=heavy)))
+    return subprocess.run(["bash", str(tmp_path / "readme.sh")], cwd=clone, env=_fresh_env(tmp_path),
+                          capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+
+
+def _explain(proc: subprocess.CompletedProcess[str]) -> str:
+    return f"exit {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-6000:]}"
+
+
+def test_readme_blocks_are_marked_and_start_with_the_main_job() -> None:
+    blocks = readme_blocks()
+    shell = [b for b in blocks if b.lang in _SHELL]
+    assert len(shell) >= 6, shell
+    first = shell[0]
+    assert first.mark == "heavy" and "cachectl warm examples/manifest.yaml" in first.body
+    assert _TEST_COMMAND.search(first.body), "the README's second command is the test script"
+    assert "pip install -q" not in first.body, "the install is the slow part: pip shows its progress"
+    assert all(b.why for b in blocks if b.mark), "every heavy or skipped block says why"
+    # A bare `cachectl` needs .venv on PATH: the README activates it before its first bare command.
+    unmarked = "\n".join(_commands(b) for b in shell_blocks(heavy=False))
+    assert unmarked.index("source .venv/bin/activate") < unmarked.index("cachectl ")
+    assert "serve.py" not in unmarked and "--env bb4051" not in unmarked
+
+
+def test_readme_commands_run_in_order_on_a_fresh_home(tmp_path: Path) -> None:
+    proc = _run_readme(tmp_path, heavy=False, timeout=400)
+    assert proc.returncode == 0, _explain(proc)
+    assert "README command failed" not in proc.stderr
+    assert "no service telemetry" not in proc.stdout, "the tour's activate() one-liner records telemetry"
+
+
+@pytest.mark.heavy
+def test_readme_top_to_bottom_from_a_fresh_clone(tmp_path: Path) -> None:
+    """The whole README for real: pip install into the clone, the full warm, scripts/test (collect only)."""
+    proc = _run_readme(tmp_path, heavy=True, timeout=900)
+    assert proc.returncode == 0, _explain(proc)
+    assert "11 bucket(s): 11 compiled" in proc.stdout, _explain(proc)  # the first command's warm
+    assert "scripts/test: pip: [" in proc.stderr  # scripts/test's install shows its progress
+    assert "11 bucket(s): 0 compiled, 11 cached" in proc.stdout  # the tour's warm
+    assert "coverage: 11/11 buckets hit (100.0%)" in proc.stdout
+
+
+# ------------------------------------------------------------ manifest recipes
+
+
+def _named_blocks() -> dict[str, str]:
+    """README python/yaml blocks whose first line is `# NAME.py` or `# NAME.yaml...`."""
+    named = {}
+    for block in readme_blocks():
+        match = re.match(r"# (\w+\.(?:py|yaml))\b", block.body)
+        if block.lang in ("python", "yaml") and match:
+            named[match.group(1)] = block.body
+    return named
+
+
+def _cachectl(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "cachectl", *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=600)
+
+
+def test_readme_nnx_and_equinox_recipes_warm_and_hit(tmp_path: Path) -> None:
+    pytest.importorskip("flax")
+    pytest.importorskip("equinox")
+    files = _named_blocks()
+    assert {"nnx_model.py", "eqx_model.py", "models.yaml", "service.py"} <= set(files), sorted(files)
+    for name, body in files.items():
+        (tmp_path / name).write_text(body)
+
+    warm = _cachectl(tmp_path, "warm", "models.yaml", "--json")
+    assert warm.returncode == 0, warm.stderr
+    report = json.loads(warm.stdout)
+    assert [(b["function"], b["status"]) for b in report["buckets"]] == [
+        ("nnx_forward", "compiled"), ("nnx_forward", "compiled"),
+        ("eqx_forward", "compiled"), ("eqx_forward", "compiled")]
+    check = _cachectl(tmp_path, "warm-check", "models.yaml")
+    assert check.returncode == 0 and "coverage: 4/4 buckets hit (100.0%)" in check.stdout, check.stderr
+
+    # The README's service, a fresh process: its telemetry says every forward call hit.
+    service = subprocess.run([sys.executable, "service.py"], cwd=tmp_path, capture_output=True, text=True,
+                             timeout=600)
+    assert service.returncode == 0, service.stderr
+    assert service.stdout.splitlines() == ["(1, 4) (1, 4)", "(8, 4) (8, 4)"]
+    stats = _cachectl(tmp_path, "stats", "--since", "1h", "--json")
+    assert stats.returncode == 0, stats.stderr
+    forward = [f for f in json.loads(stats.stdout)["functions"] if f["function"] == "jit_forward"]
+    assert [(f["requests"], f["hits"], f["misses"]) for f in forward] == [(4, 4, 0)], forward
