@@ -319,6 +319,7 @@ class Collector:
         self._thread: threading.Thread | None = None
         self._installed = False
         self._tap: _LogTap | None = None
+        self._final = False  # the flusher's last round, at exit
         self._sources: list[Callable[[], dict[str, ServingCounts]]] = []
 
     def add_serving_source(self, take: Callable[[], dict[str, ServingCounts]]) -> None:
@@ -460,9 +461,29 @@ class Collector:
         self._installed = True
         if self.sink is not None:
             self._stop.clear()
-            self._thread = threading.Thread(target=self._run, name="cachectl-telemetry", daemon=True)
-            self._thread.start()
+            self._final = False
+            self._start_flusher()
             atexit.register(self._at_exit)
+            if hasattr(os, "register_at_fork"):
+                os.register_at_fork(after_in_child=self._after_fork_in_child)
+
+    def _start_flusher(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="cachectl-telemetry", daemon=True)
+        self._thread.start()
+
+    def _after_fork_in_child(self) -> None:
+        """A forked child has this object but not its thread, and its locks may be held by a
+        thread that no longer exists: start clean, under the child's own process id."""
+        if not self._installed or self.sink is None:
+            return
+        self._lock = threading.Lock()
+        self._flush_lock = threading.Lock()
+        self._threads = {}
+        self._process = process_id()
+        self._reset_buffer()
+        self._stop = threading.Event()
+        self._final = False
+        self._start_flusher()
 
     def uninstall(self, *, flush: bool = True) -> None:
         """Undo install(): listeners, log tap, logger level; final flush if asked."""
@@ -489,13 +510,24 @@ class Collector:
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
             self.flush()
+        if self._final:
+            self.flush()
 
     def _at_exit(self) -> None:
-        """Final flush, bounded in time: an unreachable index must not hold up exit."""
+        """Final flush, bounded in time: an unreachable index must not hold up exit.
+
+        The flusher thread that already runs does it: at interpreter shutdown a
+        new thread cannot be started (Python 3.12 raises), and flushing inline
+        could wait on a dead index for as long as its client's timeout.
+        """
+        thread = self._thread
+        self._final = True
         self._stop.set()
-        done = threading.Thread(target=self.flush, name="cachectl-telemetry-exit", daemon=True)
-        done.start()
-        done.join(EXIT_FLUSH_TIMEOUT_S)
+        if thread is not None and thread.is_alive():
+            thread.join(EXIT_FLUSH_TIMEOUT_S)
+        else:
+            with contextlib.suppress(Exception):
+                self.flush()
 
     def take(self) -> TelemetryBatch:
         """Swap the buffer out (the compile path only ever waits for this swap)."""
