@@ -179,10 +179,12 @@ def gc_cmd(ctx: Context, policy: str, max_size: str | None, protect_warm: bool, 
 @click.option("--min-age", metavar="DUR", default="10m", show_default=True,
               help="Unknown files younger than this (a writer may be about to index them) are not quarantined.")
 @click.option("--dry-run", is_flag=True, help="Check and show what --quarantine/--repair would do; change nothing.")
+@click.option("--deep", is_flag=True,
+              help="Also load every entry of this machine's environment, as a cache hit would, in a subprocess.")
 @json_option
 @click.pass_obj
 def verify_cmd(ctx: Context, env_prefix: str | None, quarantine: bool, repair: bool, min_age: str,
-               dry_run: bool, as_json: bool) -> None:
+               dry_run: bool, deep: bool, as_json: bool) -> None:
     """Check every indexed entry: exists, sha256 matches, decompresses. Exit 1 on any finding.
 
     Run `cachectl sync` first where services write entries themselves: until
@@ -196,7 +198,7 @@ def verify_cmd(ctx: Context, env_prefix: str | None, quarantine: bool, repair: b
                                                "dry_run": dry_run, "min_age": min_age})
     else:
         result = verify_lib.verify(ctx, ctx.cache(), env_prefix=env_prefix, quarantine=quarantine,
-                                   repair=repair, dry_run=dry_run, min_age=age)
+                                   repair=repair, dry_run=dry_run, min_age=age, deep=deep)
     emit(result, as_json, _print_verify)
     if result.plan.findings:
         info(f"cachectl: verify: {len(result.plan.findings)} finding(s)")

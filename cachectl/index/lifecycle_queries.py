@@ -359,6 +359,19 @@ def entry_digests(index: Index, env_id: int) -> dict[str, tuple[int, str]]:
         return {k: (int(size), sha) for k, size, sha in s.connection().execute(q)}
 
 
+def service_written_entries(index: Index, env_id: int) -> list[tuple[str, datetime]]:
+    """(key, created) of entries a service wrote after the environment's newest finished warm:
+    origin 'observed' (sync found them in storage), created after that warm ended."""
+    last = (select(func.max(WarmRun.finished_at))
+            .where(WarmRun.environment_id == env_id, WarmRun.finished_at.is_not(None))
+            .scalar_subquery())
+    q = (select(Entry.key, Entry.created_at)
+         .where(Entry.environment_id == env_id, Entry.origin == "observed", Entry.created_at > last)
+         .order_by(Entry.key))
+    with index.read_session() as s:
+        return [(k, at) for k, at in s.execute(q)]
+
+
 def executable_digests(index: Index, env_id: int) -> dict[str, tuple[int, str, str]]:
     """key -> (aot size, aot sha256, entry sha256) of one environment's indexed executables (a read)."""
     q = select(Entry.key, Entry.aot_size_bytes, Entry.aot_sha256, Entry.sha256).where(

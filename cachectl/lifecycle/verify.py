@@ -51,6 +51,7 @@ from cachectl.index.lifecycle_queries import (
     entry_digests,
     environments,
     executable_digests,
+    service_written_entries,
     warms_in_progress,
 )
 from cachectl.index.models import utcnow
@@ -73,6 +74,10 @@ BAD_ENV = "bad-env-json"       # env.json unreadable or for another environment:
 UNINDEXED_NAMESPACE = "unindexed-namespace"  # a whole namespace the index lacks: `cachectl sync`
 MISSING_NAMESPACE = "missing-namespace"      # an indexed namespace with no files: `cachectl sync`
 ORPHAN_AOT = "orphan-aot"      # -aot without its -cache: quarantined
+XLA_SUBCACHE = "xla-subcache"  # an XLA sub-cache directory: keys become path-dependent; reported
+STRAY = "stray-file"           # a file in the root outside every namespace: reported
+SERVICE_WRITE = "service-write"  # a service wrote an entry although the cache denies service writes
+NOT_LOADABLE = "not-loadable"  # --deep: the header is fine but JAX cannot load the executable
 
 QUARANTINE, DROP_ROW, DELETE_ATIME, WRITE_ATIME = "quarantine", "drop-row", "delete-atime", "write-atime"
 CLEAR_AOT = "clear-executable"  # an indexed -aot is gone: its entry's executable columns are cleared (repair)
@@ -212,7 +217,11 @@ def plan_verify(ctx: Context, cache: CacheInfo, *, env_prefix: str | None = None
     else:
         listing = store.list("")
     plan.files_listed = len(listing)
-    groups, _strays = _group_by_namespace(listing)
+    groups, strays = _group_by_namespace(listing)
+    for path in strays:
+        if not path.startswith((QUARANTINE_DIR + "/", ".tmp-")) and not path.endswith(".lock"):
+            plan.findings.append(Finding(STRAY, "", path, "a file outside every namespace: not a cachectl "
+                                         "entry; remove it if nothing of yours needs it"))
     warming = warms_in_progress(ctx.index, [e.id for e in envs.values()], now=now)
     checks: list[tuple[str, str, int, str, int]] = []  # (namespace, key, size, sha, env id)
     aot_checks: list[tuple[str, str, int, str, int, str]] = []  # (+ the entry's indexed sha256)
@@ -240,6 +249,20 @@ def plan_verify(ctx: Context, cache: CacheInfo, *, env_prefix: str | None = None
         indexed_aot = executable_digests(ctx.index, env.id)
         names = {rel: info for rel, info in files}
         has_lockfile = any(classify(rel) is Kind.LOCKFILE for rel in names)
+        subcaches = sorted({rel.split("/", 1)[0] for rel in names if classify(rel) is Kind.XLA_SUBCACHE})
+        for sub in subcaches:
+            plan.findings.append(Finding(
+                XLA_SUBCACHE, ns, f"{ns}/{sub}",
+                "an XLA sub-cache directory: a writer ran without jax_persistent_cache_enable_xla_caches=none, "
+                "so its keys depend on this path; activate() and warm set none: find that writer, then remove "
+                "the directory", environment_id=env.id))
+        if cache.effective_service_writes == "deny":
+            for key, created in service_written_entries(ctx.index, env.id):
+                plan.findings.append(Finding(
+                    SERVICE_WRITE, ns, f"{ns}/{key}{CACHE_SUFFIX}",
+                    f"written by a service at {created:%Y-%m-%d %H:%M} UTC, after the last warm, while the cache "
+                    "denies service writes (read-only is advisory: a process that lowers "
+                    "min_compile_time_secs writes anyway)", environment_id=env.id, key=key))
         entry_keys: set[str] = set()
         aot_keys: set[str] = set()
         for rel, info in sorted(names.items()):
@@ -429,16 +452,39 @@ def execute_verify(ctx: Context, cache: CacheInfo, plan: VerifyPlan, *, started:
     return VerifyResult(plan, len(moved), len(orphans), written, dropped, False, duration, aot_cleared)
 
 
+def deep_findings(ctx: Context, cache: CacheInfo, plan: VerifyPlan, store: Store) -> list[Finding]:
+    """Load every indexed entry of this machine's environment that passed the checks (--deep)."""
+    from cachectl.fingerprint import current_environment
+    from cachectl.lifecycle.deep import load_all
+
+    env = current_environment()
+    try:
+        info = ctx.index.find_environment(cache.name, env.digest)
+    except Exception:  # noqa: BLE001 - this machine's environment is not in this cache
+        return []
+    bad = {f.path for f in plan.findings}
+    paths = [p for p in (f"{info.namespace}/{key}{CACHE_SUFFIX}" for key in sorted(entry_digests(ctx.index, info.id)))
+             if p not in bad]
+    return [Finding(NOT_LOADABLE, info.namespace, p.path, p.detail, environment_id=info.id,
+                    key=p.path.rsplit("/", 1)[-1][: -len(CACHE_SUFFIX)])
+            for p in load_all(store, paths)]
+
+
 def verify(ctx: Context, cache: CacheInfo, *, env_prefix: str | None = None, quarantine: bool = False,
            repair: bool = False, dry_run: bool = False, now: datetime | None = None,
-           min_age: timedelta = RECENT_GRACE) -> VerifyResult:
-    """Check; with quarantine/repair (and not a dry run) fix, under the cache's lifecycle lease."""
+           min_age: timedelta = RECENT_GRACE, deep: bool = False) -> VerifyResult:
+    """Check; with quarantine/repair (and not a dry run) fix, under the cache's lifecycle lease.
+
+    ``deep`` also loads every entry of this machine's environment in a subprocess
+    (reported, never moved: another machine of this kind may load it)."""
     started = time.monotonic()
     store = ctx.store(cache)
     mutating = (quarantine or repair) and not dry_run
     if not mutating:
         plan = plan_verify(ctx, cache, env_prefix=env_prefix, quarantine=quarantine, repair=repair, now=now,
                            min_age=min_age, store=store)
+        if deep:
+            plan.findings.extend(deep_findings(ctx, cache, plan, store))
         if dry_run:
             return VerifyResult(plan, 0, 0, 0, 0, True, time.monotonic() - started)
         duration = time.monotonic() - started
@@ -449,4 +495,6 @@ def verify(ctx: Context, cache: CacheInfo, *, env_prefix: str | None = None, qua
     with leases.held(ctx.index, cache.name, "verify") as lease:
         plan = plan_verify(ctx, cache, env_prefix=env_prefix, quarantine=quarantine, repair=repair, now=now,
                            lease=lease, min_age=min_age, store=store)
+        if deep:
+            plan.findings.extend(deep_findings(ctx, cache, plan, store))
         return execute_verify(ctx, cache, plan, started=started, store=store)
