@@ -40,7 +40,7 @@ from cachectl.fingerprint import Environment
 from cachectl.index import CacheInfo, Index, NewEntry
 from cachectl.namespace import ensure_namespace
 from cachectl.permissions import check_writer
-from cachectl.store import Store
+from cachectl.store import NotRegularFile, Store
 
 DEFAULT_WORKERS = 8
 FILE_MODE = 0o644
@@ -268,6 +268,8 @@ def pull_namespace(index: Index, cache: CacheInfo, env: Environment, dest: str |
         for key, outcome in _parallel(fetch, todo, workers):
             if isinstance(outcome, _Tampered):
                 refused.append(EntryProblem(key, str(outcome)))
+            elif isinstance(outcome, NotRegularFile):
+                refused.append(EntryProblem(key, "not a regular file in storage (a symlink?): never read or copied"))
             elif isinstance(outcome, FileNotFoundError):
                 missing.append(key)  # deleted between listing and reading
             elif isinstance(outcome, Exception):

@@ -46,7 +46,7 @@ from cachectl.lifecycle.lease import Lease
 from cachectl.lifecycle.sync import _group_by_namespace
 from cachectl.namespace import QUARANTINE_DIR, read_env_json
 from cachectl.permissions import check_writer
-from cachectl.store import FileInfo, Store
+from cachectl.store import FileInfo, NotRegularFile, Store
 from cachectl.units import format_duration
 
 # Kinds of finding, and what --quarantine / --repair does about each.
@@ -116,6 +116,8 @@ def _check_entry(store: Store, path: str, size: int, digest: str) -> tuple[str |
     """(kind or None, detail, bytes read) for one indexed entry file."""
     try:
         data = store.read_bytes(path)
+    except NotRegularFile:
+        return CORRUPT, "not a regular file (a symlink, or reached through one): never read", 0
     except FileNotFoundError:
         return MISSING, "file is gone", 0
     problems = []
