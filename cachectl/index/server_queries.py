@@ -25,6 +25,7 @@ from cachectl.index import (
     _env_info,
 )
 from cachectl.index.models import Cache, Entry, Job, TelemetryRecord, utcnow
+from cachectl.index.telemetry_queries import counter_sum
 from cachectl.index.models import Environment as EnvRow
 
 QUEUED = "queued"
@@ -257,8 +258,8 @@ def telemetry_series(index: Index, cache: str, *, since: timedelta = timedelta(d
     bucket = _bucket_expr(index.dialect, TelemetryRecord.at, hourly).label("bucket")
     with index.read_session() as s:
         q = (
-            select(bucket, func.sum(TelemetryRecord.requests), func.sum(TelemetryRecord.hits),
-                   func.sum(TelemetryRecord.misses))
+            select(bucket, counter_sum(index.dialect, TelemetryRecord.requests),
+                   counter_sum(index.dialect, TelemetryRecord.hits), counter_sum(index.dialect, TelemetryRecord.misses))
             .join(EnvRow, EnvRow.id == TelemetryRecord.environment_id)
             .join(Cache, Cache.id == EnvRow.cache_id)
             .where(Cache.name == cache, TelemetryRecord.at >= utcnow() - since)
@@ -271,8 +272,8 @@ def hit_rates(index: Index, cache: str) -> dict[int, tuple[int, int, int]]:
     """environment id -> (requests, hits, misses) over all recorded telemetry."""
     with index.read_session() as s:
         q = (
-            select(TelemetryRecord.environment_id, func.sum(TelemetryRecord.requests),
-                   func.sum(TelemetryRecord.hits), func.sum(TelemetryRecord.misses))
+            select(TelemetryRecord.environment_id, counter_sum(index.dialect, TelemetryRecord.requests),
+                   counter_sum(index.dialect, TelemetryRecord.hits), counter_sum(index.dialect, TelemetryRecord.misses))
             .join(EnvRow, EnvRow.id == TelemetryRecord.environment_id)
             .join(Cache, Cache.id == EnvRow.cache_id)
             .where(Cache.name == cache)
