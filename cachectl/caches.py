@@ -31,6 +31,17 @@ class RemovedCache:
 _SECRET_HINTS = ("secret", "password", "token", "credential", "key_id", "access_key", "session")
 
 
+# A URL with a password in it (scheme://user:password@host): a credential whatever its key.
+_URL_CREDENTIALS = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://[^/@\s]*:[^/@\s]*@")
+
+
+def looks_secret(key: str, value: Any) -> bool:
+    """A storage option that carries a credential, by its name or by its value."""
+    if any(hint in str(key).lower() for hint in _SECRET_HINTS):
+        return True
+    return isinstance(value, str) and bool(_URL_CREDENTIALS.match(value.strip()))
+
+
 def parse_storage_options(pairs: tuple[str, ...] | list[str]) -> dict[str, Any]:
     """``endpoint_url=http://...`` pairs -> fsspec storage options, refusing secrets."""
     options: dict[str, Any] = {}
@@ -39,7 +50,7 @@ def parse_storage_options(pairs: tuple[str, ...] | list[str]) -> dict[str, Any]:
         key = key.strip()
         if not sep or not key:
             raise BadInput(f"bad storage option {pair!r}: use KEY=VALUE, e.g. endpoint_url=http://127.0.0.1:9000")
-        if any(hint in key.lower() for hint in _SECRET_HINTS):
+        if looks_secret(key, value):
             raise BadInput(f"storage option {key!r} looks like a credential: the index never stores secrets; "
                            "set it in the environment (AWS_*, GOOGLE_APPLICATION_CREDENTIALS) instead")
         lowered = value.strip().lower()
