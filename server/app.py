@@ -24,6 +24,7 @@ from cachectl.errors import (
     NotFound,
     OperationFailed,
     PermissionDenied,
+    QuotaExceeded,
     Unreachable,
 )
 from cachectl.index import open_index
@@ -32,6 +33,7 @@ from . import api, dashboard, entries
 from .auth import PUBLIC, ROLE_KEY, identify, route, unauthorized
 from .config import ServerSettings
 from .jobs import JobRunner
+from .limits import BodyGuard
 from .maintenance import Scheduler
 from .metrics import Metrics, MetricsMiddleware
 from .state import ServerState
@@ -45,6 +47,8 @@ def status_for(exc: CachectlError) -> int:
         return 404
     if isinstance(exc, Unreachable):
         return 503
+    if isinstance(exc, QuotaExceeded):
+        return 413
     if isinstance(exc, BadInput):
         return 400
     if isinstance(exc, PermissionDenied):
@@ -131,5 +135,6 @@ def create_app(settings: ServerSettings | str, **overrides: Any) -> FastAPI:
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
+    app.add_middleware(BodyGuard, settings=settings)  # inside metrics: its 401s and 413s are counted
     app.add_middleware(MetricsMiddleware, metrics=metrics)
     return app
