@@ -17,7 +17,15 @@ from typing import Any
 from fastapi import APIRouter, Depends, HTTPException, Request
 from starlette.concurrency import run_in_threadpool
 
-from cachectl.tokens import ROLES, InvalidToken, TokenInfo, authenticate, hash_token
+from cachectl.errors import NotFound
+from cachectl.tokens import (
+    ROLES,
+    InvalidToken,
+    TokenInfo,
+    authenticate,
+    authenticate_session,
+    hash_token,
+)
 
 PUBLIC = "public"
 ROLE_KEY = "x-cachectl-role"
@@ -29,7 +37,8 @@ SCOPE_KEY = "x-cachectl-scope"
 #            the request names (a job's cache, each telemetry batch's cache);
 #   global - only tokens without a cache scope (tokens, metrics: they span caches).
 SCOPES = ("cache", "any", "object", "global")
-COOKIE_NAME = "cachectl_token"
+# The dashboard's session cookie (cachectl.tokens.issue_session: never the token itself).
+COOKIE_NAME = "cachectl_session"
 UNAUTHORIZED = "missing, unknown, expired or revoked token: send 'Authorization: Bearer <token>'"
 
 
@@ -88,13 +97,18 @@ def forbidden(token: TokenInfo, what: str) -> HTTPException:
 
 
 async def identify(request: Request, *, allow_cookie: bool = False) -> TokenInfo | None:
-    """The caller's token, None when none was sent; 401 for a bad one."""
+    """The caller's token, None when none was sent; 401 for a bad one.
+
+    ``allow_cookie`` (the dashboard): without a bearer token, the session cookie's token."""
     token = bearer_token(request)
-    if token is None and allow_cookie:
-        token = request.cookies.get(COOKIE_NAME) or None
+    state = request.app.state.cachectl
+    if token is None and allow_cookie and request.cookies.get(COOKIE_NAME):
+        try:
+            return await run_in_threadpool(authenticate_session, state.index, request.cookies[COOKIE_NAME])
+        except InvalidToken:
+            raise unauthorized() from None
     if token is None:
         return None
-    state = request.app.state.cachectl
     cached = state.tokens.get(token)
     if cached is not None:
         return cached
@@ -128,13 +142,25 @@ def require(role: str, scope: str = "cache") -> Callable[..., Any]:
         if not token.allows(role):
             raise forbidden(token, f"do this: it needs role {role}")
         if scope == "cache":
-            check_cache(token, role, request.path_params.get("cache", ""))
+            cache = request.path_params.get("cache", "")
+            check_cache(token, role, cache)
+            if token.caches is not None:
+                await _scoped_cache_exists(request, token, cache)
         elif scope == "global" and token.caches is not None:
             raise forbidden(token, "do this: it needs a token without a cache scope")
         request.state.token = token
         return token
 
     return dependency
+
+
+async def _scoped_cache_exists(request: Request, token: TokenInfo, cache: str) -> None:
+    """403 for a scoped token naming a cache in its scope that no longer exists: the 404 a
+    missing cache gets lists every cache, which a scoped token must never see."""
+    try:
+        await run_in_threadpool(request.app.state.cachectl.index.get_cache, cache)
+    except NotFound:
+        raise forbidden(token, f"act on cache {cache!r}: it does not exist (any more)") from None
 
 
 def current_token(request: Request) -> TokenInfo:
