@@ -21,6 +21,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from cachectl.errors import CachectlError, Unreachable
 from cachectl.units import format_size
 
 from .auth import UNAUTHORIZED, identify
@@ -62,6 +63,10 @@ class BodyGuard:
                 token = await identify(Request(scope))
             except HTTPException:
                 token = None
+            except CachectlError as exc:  # the index is unreachable: what the route would answer
+                await JSONResponse({"detail": exc.message, "error": type(exc).__name__},
+                                   status_code=503 if isinstance(exc, Unreachable) else 500)(scope, receive, send)
+                return
             if token is None:
                 await JSONResponse({"detail": UNAUTHORIZED}, status_code=401,
                                    headers={"WWW-Authenticate": 'Bearer realm="cachectl"', "connection": "close"},
