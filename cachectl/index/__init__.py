@@ -15,7 +15,7 @@ from typing import Any
 
 from sqlalchemy import case, delete, func, literal, select, update
 from sqlalchemy.engine import Engine, make_url
-from sqlalchemy.exc import IntegrityError, OperationalError
+from sqlalchemy.exc import DatabaseError, IntegrityError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
 from cachectl.errors import BadInput, NotFound, Unreachable
@@ -148,6 +148,10 @@ class Index:
                 yield session
         except OperationalError as exc:
             raise Unreachable(f"index {self.url} failed: {db._first_line(exc)}") from exc
+        except DatabaseError as exc:
+            if db.is_unusable(exc):
+                raise db.unusable(self.engine, exc) from exc
+            raise
         finally:
             db.sqlite_immediate.reset(token)
 
