@@ -10,7 +10,7 @@ from typing import Any
 from cachectl.context import Context
 from cachectl.errors import BadInput
 from cachectl.index import CacheInfo
-from cachectl.namespace import prepare_root
+from cachectl.namespace import check_local_root, prepare_root
 from cachectl.permissions import check_writer
 from cachectl.store import Store, normalize_url
 
@@ -91,6 +91,10 @@ def set_cache(ctx: Context, name: str, **policy: Any) -> CacheInfo:
     policy = _check_policy(policy)
     if "root_url" in policy:
         policy["root_url"] = normalize_url(policy["root_url"])
+        new_root = Store(policy["root_url"], cache.storage_options)
+        if new_root.is_local:
+            check_local_root(new_root.url)
+        new_root.check_reachable()
     if policy.get("group"):
         prepare_root(Store(policy.get("root_url", cache.root_url), cache.storage_options), policy["group"])
     return ctx.index.update_cache(name, **policy)

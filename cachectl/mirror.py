@@ -136,10 +136,12 @@ def read_mirror_env(directory: Path) -> Environment | None:
     path = directory / ENV_FILE
     try:
         data = json.loads(path.read_text())
+        if not isinstance(data, dict):
+            raise ValueError(f"a JSON {type(data).__name__}, not an object")
         return Environment.from_dict(data)
     except FileNotFoundError:
         return None
-    except (OSError, ValueError, TypeError, KeyError) as exc:
+    except (OSError, ValueError, TypeError, KeyError, AttributeError) as exc:
         raise BadInput(f"corrupt {path}: {exc}; remove it or use another directory") from exc
 
 
