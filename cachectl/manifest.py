@@ -120,6 +120,40 @@ class _Loader(yaml.SafeLoader):
         return super().construct_mapping(node, deep=deep)
 
 
+# A manifest is a few hundred YAML nodes; one that expands (through aliases) to more than
+# this is an alias bomb ("billion laughs"), refused before anything walks it.
+MAX_MANIFEST_NODES = 100_000
+# The most buckets one manifest may expand to (the product of each function's axes).
+DEFAULT_MAX_BUCKETS = 10_000
+
+
+def _expanded_size(root: yaml.Node, limit: int) -> int:
+    """How many nodes the document has once every alias is expanded, stopping past ``limit``.
+    Each distinct node is sized once (memoized), so this is linear in the text."""
+    sizes: dict[int, int] = {}
+
+    def size(node: yaml.Node) -> int:
+        known = sizes.get(id(node))
+        if known is not None:
+            return known
+        sizes[id(node)] = 1  # a recursive alias counts once
+        total = 1
+        if isinstance(node, yaml.MappingNode):
+            for key_node, value_node in node.value:
+                total += size(key_node) + size(value_node)
+                if total > limit:
+                    break
+        elif isinstance(node, yaml.SequenceNode):
+            for item in node.value:
+                total += size(item)
+                if total > limit:
+                    break
+        sizes[id(node)] = total
+        return total
+
+    return size(root)
+
+
 def _line_map(loader: _Loader, root: yaml.Node) -> dict[Loc, int]:
     """Map each path in the document to its 1-based line: a mapping entry's key line, a list item's line."""
     lines: dict[Loc, int] = {(): root.start_mark.line + 1}
@@ -409,6 +443,9 @@ def parse_manifest(text: str, name: str = "<manifest>", directory: Path | None =
     loader = _Loader(text)
     try:
         root = loader.get_single_node()
+        if root is not None and _expanded_size(root, MAX_MANIFEST_NODES) > MAX_MANIFEST_NODES:
+            raise BadInput(f"{name}: the YAML expands to more than {MAX_MANIFEST_NODES} nodes through "
+                           "aliases (an alias bomb?): refused")
         data = loader.construct_document(root) if root is not None else None
         lines = _line_map(loader, root) if root is not None else {}
     except yaml.MarkedYAMLError as exc:
@@ -445,7 +482,23 @@ def _validate(data: dict[str, Any], source: _Source) -> Manifest:
     problems = list(_semantic_problems(manifest))
     if problems:
         _raise_first(source, problems)
+    _check_bucket_count(manifest, source, DEFAULT_MAX_BUCKETS)
     return manifest
+
+
+def _check_bucket_count(manifest: Manifest, source: _Source, limit: int) -> None:
+    """BadInput when the functions' axes multiply out past ``limit`` buckets (counted before
+    ``exclude``, without building them): a typo'd axis must not make warm build millions."""
+    total = 0
+    for index, spec in enumerate(manifest.functions):
+        product = 1
+        for values in spec.buckets.values():
+            product *= max(len(values), 1)
+        total += product
+        if total > limit:
+            raise BadInput(source.message(("functions", index, "buckets"),
+                                          f"the manifest's axes multiply out to {total} buckets or more, "
+                                          f"above the limit of {limit}: split the manifest or shrink the axes"))
 
 
 def _raise_first(source: _Source, problems: list[tuple[Loc, str]]) -> None:

@@ -154,3 +154,46 @@ def test_the_index_of_a_broken_file_is_never_rewritten(tmp_path) -> None:
     tables = [r[0] for r in con.execute("select name from sqlite_master where type = 'table'")]
     con.close()
     assert tables == ["caches"]  # no alembic_version, no cachectl tables added
+
+
+BOMB = """version: 1
+a: &a ["x", "x", "x", "x", "x", "x", "x", "x", "x", "x"]
+b: &b [*a, *a, *a, *a, *a, *a, *a, *a, *a, *a]
+c: &c [*b, *b, *b, *b, *b, *b, *b, *b, *b, *b]
+d: &d [*c, *c, *c, *c, *c, *c, *c, *c, *c, *c]
+e: &e [*d, *d, *d, *d, *d, *d, *d, *d, *d, *d]
+f: &f [*e, *e, *e, *e, *e, *e, *e, *e, *e, *e]
+g: &g [*f, *f, *f, *f, *f, *f, *f, *f, *f, *f]
+h: &h [*g, *g, *g, *g, *g, *g, *g, *g, *g, *g]
+i: &i [*h, *h, *h, *h, *h, *h, *h, *h, *h, *h]
+functions:
+  - fn: os:getcwd
+    args: []
+    buckets: {n: *i}
+"""
+
+
+def test_a_manifest_alias_bomb_and_too_many_buckets(tmp_path) -> None:
+    import time
+
+    from cachectl.errors import BadInput
+    from cachectl.manifest import parse_manifest
+
+    started = time.monotonic()
+    with pytest.raises(BadInput, match="alias"):
+        parse_manifest(BOMB, name="bomb.yaml")
+    assert time.monotonic() - started < 5
+    bomb = tmp_path / "bomb.yaml"
+    bomb.write_text(BOMB)
+    done = cachectl("warm", str(bomb), "--dry-run")
+    assert_bad_input(done)
+    assert "bomb.yaml" in done.stderr
+    axis = ", ".join(str(n) for n in range(1, 201))
+    many = tmp_path / "many.yaml"
+    many.write_text(f"version: 1\nfunctions:\n  - fn: os:getcwd\n    args: []\n"
+                    f"    buckets: {{a: [{axis}], b: [{axis}]}}\n")
+    with pytest.raises(BadInput, match="40000 buckets"):
+        parse_manifest(many.read_text(), name="many.yaml")
+    done = cachectl("warm", str(many), "--dry-run")
+    assert_bad_input(done)
+    assert "many.yaml:5" in done.stderr and "10000" in done.stderr
