@@ -118,6 +118,9 @@ def test_telemetry_counts_are_bounded_and_sums_never_overflow(world) -> None:
                                         "at": datetime.now(timezone.utc).isoformat()}])
         assert c.post(f"{API}/telemetry", json=huge_key, headers=r).status_code == 422
         assert c.post(f"{API}/telemetry", json=_batch(s, dropped=2**53), headers=r).status_code == 422
+        # a flush dated in the future is recorded at the server's now (it would outlive every retention)
+        future = _batch(s, process="future", ended_at="2999-01-01T00:00:00+00:00")
+        assert c.post(f"{API}/telemetry", json=future, headers=r).status_code == 200
         # rows written before the bound (or by another writer): sums past 2**63 still answer
         index = open_index(s.db)
         env = index.find_environment(MAIN, s.digest)
@@ -140,6 +143,9 @@ def test_telemetry_counts_are_bounded_and_sums_never_overflow(world) -> None:
         with index.session() as session:
             processes = set(session.scalars(select(TelemetryRecord.process)))
         assert "old" not in processes and {"p0", "p1", "p2", "p3"} <= processes
+        with index.session() as session:
+            dated = session.scalar(select(TelemetryRecord.at).where(TelemetryRecord.process == "future"))
+        assert dated <= datetime.now(timezone.utc)
         index.close()
 
 

@@ -67,7 +67,9 @@ def record_telemetry(index: Index, env_id: int, batch: TelemetryBatch) -> int:
     from cachectl.telemetry import check_batch
 
     check_batch(batch)
-    at = batch.ended_at
+    # When the flush ended is the process's claim too: a row dated in the future would
+    # outlive every retention, so it is never later than now.
+    at = min(batch.ended_at, utcnow())
     rows = [
         {"environment_id": env_id, "at": at, "process": batch.process, "function": fn,
          "requests": c.requests, "hits": c.hits, "misses": c.misses, "writes": c.writes,
