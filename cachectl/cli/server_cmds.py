@@ -44,8 +44,8 @@ def serve(ctx: Context, host: str, port: int, serve_db: str | None, maintenance_
     API:       /api/v1/... (Bearer token), spec at /openapi.json
     Health:    /healthz (alive), /readyz (index and storage reachable)
     Metrics:   /metrics (unscoped reader token, or --public-metrics)
-    Dashboard: / (sign in at /login with a reader token, kept in an HttpOnly
-               cookie; or --public-dashboard for a read-only view)
+    Dashboard: / (sign in at /login with a reader token: a session, never the
+               token, in an HttpOnly cookie; or --public-dashboard for a read-only view)
     """
     import dataclasses
     import logging
