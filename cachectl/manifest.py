@@ -40,6 +40,7 @@ import inspect
 import itertools
 import json
 import math
+import os
 import re
 import sys
 import types
@@ -123,8 +124,21 @@ class _Loader(yaml.SafeLoader):
 # A manifest is a few hundred YAML nodes; one that expands (through aliases) to more than
 # this is an alias bomb ("billion laughs"), refused before anything walks it.
 MAX_MANIFEST_NODES = 100_000
-# The most buckets one manifest may expand to (the product of each function's axes).
+# The most buckets one manifest may expand to (the product of each function's axes);
+# `warm --max-buckets N` raises it through the environment, so warm's worker processes
+# (which load the manifest again) apply the same limit.
 DEFAULT_MAX_BUCKETS = 10_000
+MAX_BUCKETS_ENV = "CACHECTL_MAX_BUCKETS"
+
+
+def max_buckets() -> int:
+    """The bucket limit: CACHECTL_MAX_BUCKETS (set by --max-buckets), else DEFAULT_MAX_BUCKETS."""
+    text = os.environ.get(MAX_BUCKETS_ENV, "").strip()
+    if not text:
+        return DEFAULT_MAX_BUCKETS
+    if not text.isdigit() or int(text) < 1:
+        raise BadInput(f"bad {MAX_BUCKETS_ENV} {text!r}: a positive number of buckets, e.g. 20000")
+    return int(text)
 
 
 def _expanded_size(root: yaml.Node, limit: int) -> int:
@@ -482,7 +496,7 @@ def _validate(data: dict[str, Any], source: _Source) -> Manifest:
     problems = list(_semantic_problems(manifest))
     if problems:
         _raise_first(source, problems)
-    _check_bucket_count(manifest, source, DEFAULT_MAX_BUCKETS)
+    _check_bucket_count(manifest, source, max_buckets())
     return manifest
 
 
@@ -498,7 +512,8 @@ def _check_bucket_count(manifest: Manifest, source: _Source, limit: int) -> None
         if total > limit:
             raise BadInput(source.message(("functions", index, "buckets"),
                                           f"the manifest's axes multiply out to {total} buckets or more, "
-                                          f"above the limit of {limit}: split the manifest or shrink the axes"))
+                                          f"above the limit of {limit}: split the manifest, shrink the axes "
+                                          "or raise --max-buckets"))
 
 
 def _raise_first(source: _Source, problems: list[tuple[Loc, str]]) -> None:

@@ -197,3 +197,15 @@ def test_a_manifest_alias_bomb_and_too_many_buckets(tmp_path) -> None:
     done = cachectl("warm", str(many), "--dry-run")
     assert_bad_input(done)
     assert "many.yaml:5" in done.stderr and "10000" in done.stderr
+
+
+def test_max_buckets_raises_the_limit(tmp_path) -> None:
+    axis = ", ".join(str(n) for n in range(1, 201))
+    wide = tmp_path / "wide.yaml"
+    wide.write_text(f"version: 1\nfunctions:\n  - fn: os:getcwd\n    args: []\n"
+                    f"    buckets: {{a: [{axis}], b: [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12]}}\n")  # 2,400
+    assert_bad_input(cachectl("warm", str(wide), "--dry-run", "--max-buckets", "1000"))
+    done = cachectl("warm", str(wide), "--dry-run", "--json", "--max-buckets", "5000")
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["summary"]["buckets"] == 2400
+    assert_bad_input(cachectl("warm", str(wide), "--dry-run", env={"CACHECTL_MAX_BUCKETS": "lots"}))
