@@ -15,6 +15,7 @@ from typing import Any
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
+from starlette.concurrency import run_in_threadpool
 
 from cachectl import __version__
 from cachectl.errors import (
@@ -30,7 +31,7 @@ from cachectl.errors import (
 from cachectl.index import open_index
 
 from . import api, dashboard, entries
-from .auth import PUBLIC, ROLE_KEY, identify, route, unauthorized
+from .auth import PUBLIC, ROLE_KEY, hides_caches, identify, route, unauthorized
 from .config import ServerSettings
 from .jobs import JobRunner
 from .limits import BodyGuard
@@ -109,7 +110,13 @@ def create_app(settings: ServerSettings | str, **overrides: Any) -> FastAPI:
     app.state.cachectl = state
 
     @app.exception_handler(CachectlError)
-    async def library_error(_request: Request, exc: CachectlError) -> JSONResponse:
+    async def library_error(request: Request, exc: CachectlError) -> JSONResponse:
+        token = getattr(request.state, "token", None)
+        if isinstance(exc, NotFound) and await run_in_threadpool(hides_caches, request, token):
+            # A scoped token's cache is gone: 403, and never the list of caches the 404 names.
+            return JSONResponse({"detail": f"token {token.name!r} (role {token.role}) may not act on cache "
+                                           f"{request.path_params.get('cache')!r}: it does not exist (any more)",
+                                 "error": "PermissionDenied"}, status_code=403)
         return JSONResponse({"detail": exc.message, "error": type(exc).__name__}, status_code=status_for(exc))
 
     @app.exception_handler(Exception)

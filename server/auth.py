@@ -39,6 +39,8 @@ SCOPE_KEY = "x-cachectl-scope"
 SCOPES = ("cache", "any", "object", "global")
 # The dashboard's session cookie (cachectl.tokens.issue_session: never the token itself).
 COOKIE_NAME = "cachectl_session"
+# Where BodyGuard leaves the token it checked, so the route's dependency need not ask again.
+CHECKED_KEY = "cachectl_checked_token"
 UNAUTHORIZED = "missing, unknown, expired or revoked token: send 'Authorization: Bearer <token>'"
 
 
@@ -102,6 +104,9 @@ async def identify(request: Request, *, allow_cookie: bool = False) -> TokenInfo
     ``allow_cookie`` (the dashboard): without a bearer token, the session cookie's token."""
     token = bearer_token(request)
     state = request.app.state.cachectl
+    checked = request.scope.get("state", {}).get(CHECKED_KEY)
+    if token is not None and checked is not None and checked[0] == hash_token(token):
+        return checked[1]  # BodyGuard checked this very token before the body was read
     if token is None and allow_cookie and request.cookies.get(COOKIE_NAME):
         try:
             return await run_in_threadpool(authenticate_session, state.index, request.cookies[COOKIE_NAME])
@@ -142,10 +147,7 @@ def require(role: str, scope: str = "cache") -> Callable[..., Any]:
         if not token.allows(role):
             raise forbidden(token, f"do this: it needs role {role}")
         if scope == "cache":
-            cache = request.path_params.get("cache", "")
-            check_cache(token, role, cache)
-            if token.caches is not None:
-                await _scoped_cache_exists(request, token, cache)
+            check_cache(token, role, request.path_params.get("cache", ""))
         elif scope == "global" and token.caches is not None:
             raise forbidden(token, "do this: it needs a token without a cache scope")
         request.state.token = token
@@ -154,13 +156,19 @@ def require(role: str, scope: str = "cache") -> Callable[..., Any]:
     return dependency
 
 
-async def _scoped_cache_exists(request: Request, token: TokenInfo, cache: str) -> None:
-    """403 for a scoped token naming a cache in its scope that no longer exists: the 404 a
-    missing cache gets lists every cache, which a scoped token must never see."""
+def hides_caches(request: Request, token: TokenInfo | None) -> bool:
+    """True when a 404 for this request must not be answered as the library words it: a scoped
+    token naming a cache in its scope that no longer exists would get the list of every cache."""
+    if token is None or token.caches is None:
+        return False
+    cache = request.path_params.get("cache")
+    if not cache:
+        return False
     try:
-        await run_in_threadpool(request.app.state.cachectl.index.get_cache, cache)
+        request.app.state.cachectl.index.get_cache(cache)
     except NotFound:
-        raise forbidden(token, f"act on cache {cache!r}: it does not exist (any more)") from None
+        return True
+    return False
 
 
 def current_token(request: Request) -> TokenInfo:

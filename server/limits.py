@@ -22,9 +22,10 @@ from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from cachectl.errors import CachectlError, Unreachable
+from cachectl.tokens import hash_token
 from cachectl.units import format_size
 
-from .auth import UNAUTHORIZED, identify
+from .auth import CHECKED_KEY, UNAUTHORIZED, bearer_token, identify
 
 _ENTRY_PUT = re.compile(r"^/api/v1/caches/[^/]+/environments/[^/]+/entries/[^/]+$")
 MAX_FORM_BODY = 4096
@@ -67,6 +68,9 @@ class BodyGuard:
                 await JSONResponse({"detail": exc.message, "error": type(exc).__name__},
                                    status_code=503 if isinstance(exc, Unreachable) else 500)(scope, receive, send)
                 return
+            if token is not None:
+                bearer = bearer_token(Request(scope))
+                scope.setdefault("state", {})[CHECKED_KEY] = (hash_token(bearer or ""), token)
             if token is None:
                 await JSONResponse({"detail": UNAUTHORIZED}, status_code=401,
                                    headers={"WWW-Authenticate": 'Bearer realm="cachectl"', "connection": "close"},
