@@ -10,7 +10,7 @@ from typing import Any
 from cachectl.context import Context
 from cachectl.errors import BadInput
 from cachectl.index import CacheInfo
-from cachectl.namespace import prepare_root
+from cachectl.namespace import check_local_root, prepare_root
 from cachectl.permissions import check_writer
 from cachectl.store import Store, normalize_url
 
@@ -31,6 +31,17 @@ class RemovedCache:
 _SECRET_HINTS = ("secret", "password", "token", "credential", "key_id", "access_key", "session")
 
 
+# A URL with a password in it (scheme://user:password@host): a credential whatever its key.
+_URL_CREDENTIALS = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://[^/@\s]*:[^/@\s]*@")
+
+
+def looks_secret(key: str, value: Any) -> bool:
+    """A storage option that carries a credential, by its name or by its value."""
+    if any(hint in str(key).lower() for hint in _SECRET_HINTS):
+        return True
+    return isinstance(value, str) and bool(_URL_CREDENTIALS.match(value.strip()))
+
+
 def parse_storage_options(pairs: tuple[str, ...] | list[str]) -> dict[str, Any]:
     """``endpoint_url=http://...`` pairs -> fsspec storage options, refusing secrets."""
     options: dict[str, Any] = {}
@@ -39,7 +50,7 @@ def parse_storage_options(pairs: tuple[str, ...] | list[str]) -> dict[str, Any]:
         key = key.strip()
         if not sep or not key:
             raise BadInput(f"bad storage option {pair!r}: use KEY=VALUE, e.g. endpoint_url=http://127.0.0.1:9000")
-        if any(hint in key.lower() for hint in _SECRET_HINTS):
+        if looks_secret(key, value):
             raise BadInput(f"storage option {key!r} looks like a credential: the index never stores secrets; "
                            "set it in the environment (AWS_*, GOOGLE_APPLICATION_CREDENTIALS) instead")
         lowered = value.strip().lower()
@@ -80,6 +91,10 @@ def set_cache(ctx: Context, name: str, **policy: Any) -> CacheInfo:
     policy = _check_policy(policy)
     if "root_url" in policy:
         policy["root_url"] = normalize_url(policy["root_url"])
+        new_root = Store(policy["root_url"], cache.storage_options)
+        if new_root.is_local:
+            check_local_root(new_root.url)
+        new_root.check_reachable()
     if policy.get("group"):
         prepare_root(Store(policy.get("root_url", cache.root_url), cache.storage_options), policy["group"])
     return ctx.index.update_cache(name, **policy)

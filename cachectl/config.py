@@ -101,7 +101,12 @@ def load_settings(*, db: str | None = None, cache: str | None = None, server: st
     chosen_db = pick("db", db)
     token_value = pick("token", token)
     if token_value is None and file_values.get("token_file"):
-        token_value = Path(file_values["token_file"]).expanduser().read_text().strip()
+        token_path = Path(file_values["token_file"]).expanduser()
+        try:
+            token_value = token_path.read_text().strip()
+        except (OSError, UnicodeDecodeError) as exc:
+            reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else type(exc).__name__
+            raise BadInput(f"cannot read token_file {str(token_path)!r} (from {path}): {reason}") from None
     ro = pick("readonly", readonly)
     return Settings(
         db=chosen_db or default_db,

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import enum
 import hashlib
+import io
 import re
 import zlib
 from dataclasses import dataclass
+from typing import BinaryIO
 
 ENV_FILE = "env.json"
 CACHE_SUFFIX = "-cache"
@@ -151,3 +153,67 @@ def make_entry(executable: bytes, compile_seconds: int = 1, compression: str = "
 
         return zstandard.ZstdCompressor().compress(raw)
     return zlib.compress(raw)
+
+
+class EntryTooLarge(CorruptEntry):
+    """An entry that decompresses past the bound it was checked against (a decompression bomb)."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(f"entry expands to more than {limit} bytes")
+        self.limit = limit
+
+
+def scan_entry(fh: BinaryIO, limit: int, *, chunk: int = 1 << 20) -> Header:
+    """Check an entry read from ``fh`` in one streaming pass: its header, and that it expands to at
+    most ``limit`` bytes. Memory stays at about one ``chunk`` of output whatever the input expands
+    to; EntryTooLarge the moment output passes ``limit``, CorruptEntry for anything not an entry."""
+    head = fh.read(18)  # the longest zstd frame header
+    fh.seek(-len(head), io.SEEK_CUR)
+    magic = head[:4]
+    first = b""
+    total = 0
+
+    def take(block: bytes) -> None:
+        nonlocal first, total
+        if len(first) < _TIME_BYTES:
+            first += block[: _TIME_BYTES - len(first)]
+        total += len(block)
+        if total > limit:
+            raise EntryTooLarge(limit)
+
+    if magic == _ZSTD_MAGIC:
+        compression = "zstandard"
+        try:
+            import zstandard
+        except ImportError as exc:  # pragma: no cover - zstandard is a dependency
+            raise CorruptEntry("zstd entry but the zstandard module is not installed") from exc
+        try:
+            declared = zstandard.frame_content_size(head)
+            reader = zstandard.ZstdDecompressor().stream_reader(fh, read_size=chunk, closefd=False)
+            with reader:
+                while block := reader.read(chunk):
+                    take(block)
+        except zstandard.ZstdError as exc:
+            raise CorruptEntry(f"zstd data is corrupt: {exc}") from exc
+        if declared >= 0 and declared != total:
+            raise CorruptEntry(f"zstd frame declares {declared} bytes but holds {total}: truncated?")
+    else:
+        compression = "zlib"
+        inflater = zlib.decompressobj()
+        try:
+            while data := fh.read(chunk):
+                while data and not inflater.eof:
+                    take(inflater.decompress(data, chunk))
+                    data = inflater.unconsumed_tail
+                if inflater.eof:
+                    break
+        except zlib.error as exc:
+            raise CorruptEntry(f"not zstd or zlib data: {exc}") from exc
+        if not inflater.eof:
+            raise CorruptEntry("not zstd or zlib data: truncated or empty stream")
+    if total <= _TIME_BYTES:
+        raise CorruptEntry("entry too short to hold a header and an executable")
+    seconds = int.from_bytes(first, "big")
+    if seconds > _MAX_SANE_COMPILE_SECONDS:
+        raise CorruptEntry(f"implausible compile time in header: {seconds} s")
+    return Header(compression, seconds, total - _TIME_BYTES)

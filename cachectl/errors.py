@@ -52,3 +52,11 @@ class PermissionDenied(CachectlError):
     """The current user may not perform a mutating operation on this cache."""
 
     exit_code = 4
+
+
+class QuotaExceeded(BadInput):
+    """An entry that does not fit its cache's (or environment's) size limit (HTTP 413)."""
+
+
+class EntryConflict(OperationFailed):
+    """An entry already recorded with other bytes under the same key (HTTP 409)."""

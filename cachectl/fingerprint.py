@@ -196,3 +196,22 @@ def current_environment(managed: bool = True) -> Environment:
         enable_xla_caches=str(enable_xla_caches or ""),
         include_metadata_in_key=bool(jax.config.jax_compilation_cache_include_metadata_in_key),
     )
+
+
+
+def check_version(name: str, value: str) -> None:
+    """BadInput unless ``value`` is a PEP 440 version, as every real jax and jaxlib reports:
+    prune compares versions, so a made-up string must never be recorded as one."""
+    from packaging.version import InvalidVersion, Version
+
+    from cachectl.errors import BadInput
+
+    try:
+        Version(value)
+    except InvalidVersion:
+        raise BadInput(f"{name} {value!r} is not a version (PEP 440, e.g. 0.10.2)") from None
+
+
+def check_versions(env: Environment) -> None:
+    check_version("jax_version", env.jax_version)
+    check_version("jaxlib_version", env.jaxlib_version)

@@ -40,6 +40,7 @@ import inspect
 import itertools
 import json
 import math
+import os
 import re
 import sys
 import types
@@ -118,6 +119,53 @@ class _Loader(yaml.SafeLoader):
                 )
             seen[key] = key_node.start_mark.line + 1
         return super().construct_mapping(node, deep=deep)
+
+
+# A manifest is a few hundred YAML nodes; one that expands (through aliases) to more than
+# this is an alias bomb ("billion laughs"), refused before anything walks it.
+MAX_MANIFEST_NODES = 100_000
+# The most buckets one manifest may expand to (the product of each function's axes);
+# `warm --max-buckets N` raises it through the environment, so warm's worker processes
+# (which load the manifest again) apply the same limit.
+DEFAULT_MAX_BUCKETS = 10_000
+MAX_BUCKETS_ENV = "CACHECTL_MAX_BUCKETS"
+
+
+def max_buckets() -> int:
+    """The bucket limit: CACHECTL_MAX_BUCKETS (set by --max-buckets), else DEFAULT_MAX_BUCKETS."""
+    text = os.environ.get(MAX_BUCKETS_ENV, "").strip()
+    if not text:
+        return DEFAULT_MAX_BUCKETS
+    if not text.isdigit() or int(text) < 1:
+        raise BadInput(f"bad {MAX_BUCKETS_ENV} {text!r}: a positive number of buckets, e.g. 20000")
+    return int(text)
+
+
+def _expanded_size(root: yaml.Node, limit: int) -> int:
+    """How many nodes the document has once every alias is expanded, stopping past ``limit``.
+    Each distinct node is sized once (memoized), so this is linear in the text."""
+    sizes: dict[int, int] = {}
+
+    def size(node: yaml.Node) -> int:
+        known = sizes.get(id(node))
+        if known is not None:
+            return known
+        sizes[id(node)] = 1  # a recursive alias counts once
+        total = 1
+        if isinstance(node, yaml.MappingNode):
+            for key_node, value_node in node.value:
+                total += size(key_node) + size(value_node)
+                if total > limit:
+                    break
+        elif isinstance(node, yaml.SequenceNode):
+            for item in node.value:
+                total += size(item)
+                if total > limit:
+                    break
+        sizes[id(node)] = total
+        return total
+
+    return size(root)
 
 
 def _line_map(loader: _Loader, root: yaml.Node) -> dict[Loc, int]:
@@ -421,6 +469,9 @@ def parse_manifest(text: str, name: str = "<manifest>", directory: Path | None =
     loader = _Loader(text)
     try:
         root = loader.get_single_node()
+        if root is not None and _expanded_size(root, MAX_MANIFEST_NODES) > MAX_MANIFEST_NODES:
+            raise BadInput(f"{name}: the YAML expands to more than {MAX_MANIFEST_NODES} nodes through "
+                           "aliases (an alias bomb?): refused")
         data = loader.construct_document(root) if root is not None else None
         lines = _line_map(loader, root) if root is not None else {}
     except yaml.MarkedYAMLError as exc:
@@ -457,10 +508,27 @@ def _validate(data: dict[str, Any], source: _Source) -> Manifest:
     problems = list(_semantic_problems(manifest))
     if problems:
         _raise_problems(source, problems)
+    _check_bucket_count(manifest, source, max_buckets())
     return manifest
 
 
 MAX_PROBLEMS = 20  # listed per manifest; the rest are counted
+
+
+def _check_bucket_count(manifest: Manifest, source: _Source, limit: int) -> None:
+    """BadInput when the functions' axes multiply out past ``limit`` buckets (counted before
+    ``exclude``, without building them): a typo'd axis must not make warm build millions."""
+    total = 0
+    for index, spec in enumerate(manifest.functions):
+        product = 1
+        for values in spec.buckets.values():
+            product *= max(len(values), 1)
+        total += product
+        if total > limit:
+            raise BadInput(source.message(("functions", index, "buckets"),
+                                          f"the manifest's axes multiply out to {total} buckets or more, "
+                                          f"above the limit of {limit}: split the manifest, shrink the axes "
+                                          "or raise --max-buckets"))
 
 
 def _raise_problems(source: _Source, problems: list[tuple[Loc, str]]) -> None:

@@ -50,7 +50,7 @@ from cachectl.fingerprint import Environment
 from cachectl.index import CacheInfo, Index, NewEntry
 from cachectl.namespace import ensure_namespace
 from cachectl.permissions import check_writer
-from cachectl.store import Store
+from cachectl.store import NotRegularFile, Store
 
 DEFAULT_WORKERS = 8
 FILE_MODE = 0o644
@@ -152,10 +152,12 @@ def read_mirror_env(directory: Path) -> Environment | None:
     path = directory / ENV_FILE
     try:
         data = json.loads(path.read_text())
+        if not isinstance(data, dict):
+            raise ValueError(f"a JSON {type(data).__name__}, not an object")
         return Environment.from_dict(data)
     except FileNotFoundError:
         return None
-    except (OSError, ValueError, TypeError, KeyError) as exc:
+    except (OSError, ValueError, TypeError, KeyError, AttributeError) as exc:
         raise BadInput(f"corrupt {path}: {exc}; remove it or use another directory") from exc
 
 
@@ -302,6 +304,8 @@ def pull_namespace(index: Index, cache: CacheInfo, env: Environment, dest: str |
         for key, outcome in _parallel(fetcher(CACHE_SUFFIX, expected), todo, workers):
             if isinstance(outcome, _Tampered):
                 refused.append(EntryProblem(key, str(outcome)))
+            elif isinstance(outcome, NotRegularFile):
+                refused.append(EntryProblem(key, "not a regular file in storage (a symlink?): never read or copied"))
             elif isinstance(outcome, FileNotFoundError):
                 missing.append(key)  # deleted between listing and reading
             elif isinstance(outcome, Exception):

@@ -42,10 +42,12 @@ def read_env_json(store: Store, relpath: str) -> Environment:
     location = store.url_for(f"{relpath}/{ENV_FILE}")
     try:
         data = json.loads(store.read_bytes(f"{relpath}/{ENV_FILE}"))
+        if not isinstance(data, dict):
+            raise ValueError(f"a JSON {type(data).__name__}, not an object")
         env = Environment.from_dict(data)
     except FileNotFoundError:
         raise
-    except (ValueError, TypeError, KeyError) as exc:
+    except (ValueError, TypeError, KeyError, AttributeError) as exc:
         raise BadInput(f"corrupt {location}: {exc}; move it aside and run `cachectl sync` to rebuild") from exc
     recorded = data.get("digest")
     if recorded and recorded != env.digest:
@@ -69,11 +71,40 @@ def ensure_namespace(store: Store, env: Environment, *, group: str | None = None
     store.write_bytes(f"{rel}/{ENV_FILE}", env.env_json().encode())
 
 
+# Pseudo filesystems: whatever is under them, it is no place for a cache.
+_PSEUDO_ROOTS = ("/proc", "/sys", "/dev")
+
+
+def check_local_root(path: str) -> None:
+    """BadInput unless ``path`` can be a cache root: a directory, or creatable as one, and not
+    on a pseudo filesystem (/proc, /sys, /dev). Nothing is created."""
+    real = os.path.realpath(path)
+    for pseudo in _PSEUDO_ROOTS:
+        if real == pseudo or real.startswith(pseudo + "/"):
+            raise BadInput(f"cache root {path!r} is under {pseudo}, a pseudo filesystem: use a real directory")
+    probe = real
+    while not os.path.exists(probe):
+        parent = os.path.dirname(probe)
+        if parent == probe:
+            break
+        probe = parent
+    if not os.path.isdir(probe):
+        what = "exists and is not a directory" if probe == real else f"is below {probe!r}, which is not a directory"
+        raise BadInput(f"cache root {path!r} {what}: use a directory")
+
+
 def prepare_root(store: Store, group: str | None) -> None:
     """Create a local root; with a group, group-owned and setgid (2775)."""
     if not store.is_local:
         return
-    store.makedirs("", mode=GROUP_DIR_MODE if group else DIR_MODE)
+    root = store.url_for("")
+    check_local_root(root)
+    try:
+        store.makedirs("", mode=GROUP_DIR_MODE if group else DIR_MODE)
+    except OSError as exc:
+        raise BadInput(f"cannot create cache root {root!r}: {exc.strerror or type(exc).__name__}") from None
+    if not os.access(root, os.W_OK | os.X_OK):
+        raise BadInput(f"cache root {root!r} is not writable by this user")
     if group:
         gid = _gid(group)
         os.chown(store.url_for(""), -1, gid)

@@ -10,8 +10,11 @@ DeleteObjects of up to 1000 keys and gcsfs uses batch requests.
 from __future__ import annotations
 
 import contextlib
+import io
 import os
 import posixpath
+import shutil
+import stat
 import tempfile
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -38,6 +41,12 @@ _PROTOCOLS = {
 _URL_SCHEME = {"s3": "s3", "gcs": "gs", "memory": "memory"}
 
 DELETE_BATCH = 1000
+
+
+class NotRegularFile(FileNotFoundError):
+    """A path in a local store that is a symlink, is not a regular file, or resolves outside the root.
+
+    A FileNotFoundError, so every reader treats it as missing: nothing a link points at is ever read."""
 
 
 @dataclass(frozen=True)
@@ -177,13 +186,53 @@ class Store:
     def exists(self, rel: str) -> bool:
         return bool(self.fs.exists(self._full(rel)))
 
+    def _regular_local(self, rel: str) -> str:
+        """The path of ``rel`` on local disk if it is a regular file reached without any symlink.
+
+        Every directory between the root and the file must be a real directory (its real path is
+        the root's real path plus ``rel``'s directories), and the file itself no symlink; anything
+        else raises NotRegularFile, so a link planted in a namespace never serves what it points at.
+        """
+        full = self._full(rel)
+        rel_dir = posixpath.dirname(rel.strip("/"))
+        expected = os.path.join(os.path.realpath(self.root), rel_dir) if rel_dir else os.path.realpath(self.root)
+        if os.path.realpath(os.path.dirname(full)) != os.path.normpath(expected):
+            raise NotRegularFile(f"{full}: a directory on its path is a symlink or leaves the cache root")
+        st = os.lstat(full)
+        if not stat.S_ISREG(st.st_mode):
+            raise NotRegularFile(f"{full}: not a regular file (symlink or special file): not read")
+        return full
+
+    def _open_local(self, rel: str) -> Any:
+        full = self._regular_local(rel)
+        try:
+            fd = os.open(full, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
+        except OSError as exc:
+            if exc.errno in (getattr(os, "ELOOP", -1), getattr(os, "EMLINK", -1)):
+                raise NotRegularFile(f"{full}: a symlink: not read") from None
+            raise
+        fh = os.fdopen(fd, "rb")
+        if not stat.S_ISREG(os.fstat(fd).st_mode):  # swapped between the check and the open
+            fh.close()
+            raise NotRegularFile(f"{full}: not a regular file: not read")
+        return fh
+
     def size(self, rel: str) -> int:
+        if self.kind == "file":
+            return int(os.stat(self._regular_local(rel)).st_size)
         return int(self.fs.size(self._full(rel)))
 
     def read_bytes(self, rel: str) -> bytes:
+        if self.kind == "file":
+            with self._open_local(rel) as fh:
+                return fh.read()
         return bytes(self.fs.cat_file(self._full(rel)))
 
     def open(self, rel: str, mode: str = "rb") -> Any:
+        """Open a file; reads on local disk only ever open regular files inside the root."""
+        if self.kind == "file" and mode in ("rb", "r"):
+            fh = self._open_local(rel)
+            return fh if mode == "rb" else io.TextIOWrapper(fh)
         return self.fs.open(self._full(rel), mode)
 
     def makedirs(self, rel: str, mode: int | None = None) -> None:
@@ -216,6 +265,27 @@ class Store:
         try:
             with os.fdopen(fd, "wb") as fh:
                 fh.write(data)
+                fh.flush()
+                os.fsync(fh.fileno())
+            os.chmod(tmp, mode)
+            os.replace(tmp, full)
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+            raise
+
+    def write_file(self, rel: str, local_path: str, *, mode: int = 0o644) -> None:
+        """Write a local file's bytes to ``rel`` atomically, streamed (never all in memory)."""
+        full = self._full(rel)
+        if self.kind != "file":
+            self.fs.put_file(local_path, full)  # one object PUT (multipart for big files): atomic
+            return
+        directory = os.path.dirname(full)
+        os.makedirs(directory, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=directory)
+        try:
+            with os.fdopen(fd, "wb") as fh, open(local_path, "rb") as src:
+                shutil.copyfileobj(src, fh, 1 << 20)
                 fh.flush()
                 os.fsync(fh.fileno())
             os.chmod(tmp, mode)
@@ -266,8 +336,6 @@ class Store:
         with contextlib.suppress(FileNotFoundError):
             self.fs.rm(full, recursive=True)
         if self.kind == "file" and os.path.isdir(full):
-            import shutil
-
             shutil.rmtree(full, ignore_errors=True)
 
     def move(self, src: str, dst: str) -> None:

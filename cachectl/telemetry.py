@@ -36,6 +36,8 @@ from datetime import datetime, timezone
 from threading import get_ident
 from typing import Any, Protocol
 
+from cachectl.errors import BadInput
+
 log = logging.getLogger(__name__)
 
 EVENT_REQUESTS = "/jax/compilation_cache/compile_requests_use_cache"
@@ -51,6 +53,13 @@ DEFAULT_INTERVAL_S = 5.0
 DEFAULT_MAX_FUNCTIONS = 4096
 DEFAULT_MAX_KEYS = 16384
 EXIT_FLUSH_TIMEOUT_S = 5.0
+# The most one process can plausibly report in one flush for any counter (requests, hits,
+# writes, a key's hits, drops): ten million compile requests in a flush interval is already
+# far beyond what JAX can serve. Bounding every field keeps every SUM in the index far from
+# 64-bit overflow (9.2e18 / 1e7 = 9.2e11 rows), on SQLite and PostgreSQL alike.
+MAX_FLUSH_COUNT = 10_000_000
+# Compile time saved or spent retrieving, in seconds, per function per flush.
+MAX_FLUSH_SECONDS = 1e9
 
 
 def process_id() -> str:
@@ -120,6 +129,24 @@ class TelemetryBatch:
             out.saved_seconds += c.saved_seconds
             out.retrieval_seconds += c.retrieval_seconds
         return out
+
+
+def check_batch(batch: TelemetryBatch) -> None:
+    """BadInput unless every counter of ``batch`` is one a process can report in one flush."""
+    def count(name: str, value: int) -> None:
+        if not isinstance(value, int) or not 0 <= value <= MAX_FLUSH_COUNT:
+            raise BadInput(f"telemetry {name} {value!r} is outside 0..{MAX_FLUSH_COUNT} for one flush")
+
+    for fn, c in batch.functions.items():
+        for name in ("requests", "hits", "writes"):
+            count(f"{name} of {fn!r}", getattr(c, name))
+        for name in ("saved_seconds", "retrieval_seconds"):
+            value = float(getattr(c, name))
+            if not -MAX_FLUSH_SECONDS <= value <= MAX_FLUSH_SECONDS:
+                raise BadInput(f"telemetry {name} of {fn!r} {value!r} is outside +-{MAX_FLUSH_SECONDS:g}")
+    for key, (n, _at) in batch.hit_keys.items():
+        count(f"hits of key {key[:80]!r}", n)
+    count("dropped", batch.dropped)
 
 
 class TelemetrySink(Protocol):

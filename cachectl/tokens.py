@@ -145,3 +145,55 @@ def authenticate(index: Index, token: str) -> TokenInfo:
         except CachectlError:
             pass
     return info
+
+
+# -- dashboard sessions ------------------------------------------------------------------
+#
+# The dashboard's cookie holds a session, never the token: "<token id>.<expiry>.<mac>",
+# the mac an HMAC-SHA256 keyed by the token's stored hash. Replicas need no shared state or
+# secret; a session ends when it expires or its token is revoked or expires; a stolen
+# cookie is worth a read-only dashboard for at most SESSION_TTL, never an API token.
+
+SESSION_TTL = timedelta(hours=12)
+_SESSION_RE = re.compile(r"^(\d{1,18})\.(\d{1,12})\.([0-9a-f]{64})$")
+
+
+def _session_mac(token_hash: str, token_id: int, expires: int) -> str:
+    return hmac.new(bytes.fromhex(token_hash), f"cachectl-session|{token_id}|{expires}".encode(),
+                    hashlib.sha256).hexdigest()
+
+
+@dataclass(frozen=True)
+class Session:
+    value: str
+    info: TokenInfo
+    expires_at: datetime
+
+
+def issue_session(index: Index, token: str, ttl: timedelta = SESSION_TTL) -> Session:
+    """A session for an active token (InvalidToken otherwise), ending at the latest when it does."""
+    info = authenticate(index, token)
+    end = utcnow() + ttl
+    if info.expires_at is not None and info.expires_at < end:
+        end = info.expires_at
+    expires = int(end.timestamp())
+    value = f"{info.id}.{expires}.{_session_mac(hash_token(token), info.id, expires)}"
+    return Session(value, info, end)
+
+
+def authenticate_session(index: Index, value: str) -> TokenInfo:
+    """The active token a session value was issued for, or InvalidToken (expired, forged, revoked)."""
+    match = _SESSION_RE.match(value or "")
+    if match is None:
+        raise InvalidToken()
+    token_id, expires, mac = int(match[1]), int(match[2]), match[3]
+    if expires < utcnow().timestamp():
+        raise InvalidToken()
+    with index.read_session() as s:
+        row = s.get(Token, token_id)
+        if row is None or not hmac.compare_digest(_session_mac(row.token_hash, token_id, expires), mac):
+            raise InvalidToken()
+        info = _info(row)
+    if not info.active:
+        raise InvalidToken()
+    return info

@@ -15,6 +15,9 @@ _SIZE_UNITS = {
     "ti": 1024**4, "tib": 1024**4,
 }
 _DURATION_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+# Past these a value is a typo, and would overflow the index's 64-bit columns or timedelta.
+MAX_SIZE = 2**62  # 4 EiB
+MAX_DURATION_S = 100 * 365 * 86400  # a century
 
 
 def parse_size(text: str | int) -> int:
@@ -25,7 +28,10 @@ def parse_size(text: str | int) -> int:
     unit = match and match[2].lower()
     if not match or unit not in _SIZE_UNITS:
         raise BadInput(f"bad size {text!r}: use bytes or a unit, e.g. 500MB, 50GiB, 1.5T")
-    return int(float(match[1]) * _SIZE_UNITS[unit])
+    value = float(match[1]) * _SIZE_UNITS[unit]
+    if value > MAX_SIZE:
+        raise BadInput(f"size {text!r} is too large: at most {format_size(MAX_SIZE)}")
+    return int(value)
 
 
 def parse_duration(text: str) -> timedelta:
@@ -35,7 +41,10 @@ def parse_duration(text: str) -> timedelta:
     parts = re.findall(r"(\d+(?:\.\d+)?)([smhdw])", str(text).strip().lower())
     if not parts or "".join(n + u for n, u in parts) != str(text).strip().lower():
         raise BadInput(f"bad duration {text!r}: use a number and a unit s, m, h, d or w, e.g. 90m, 12h, 30d, 2w")
-    return timedelta(seconds=sum(float(n) * _DURATION_UNITS[u] for n, u in parts))
+    seconds = sum(float(n) * _DURATION_UNITS[u] for n, u in parts)
+    if seconds > MAX_DURATION_S:
+        raise BadInput(f"duration {text!r} is too long: at most 100 years")
+    return timedelta(seconds=seconds)
 
 
 def format_size(n: int | None) -> str:

@@ -11,9 +11,10 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, HTTPException, Path, Query, Request
 from fastapi.responses import JSONResponse, Response
+from starlette.concurrency import run_in_threadpool
 
 from cachectl import inventory, tokens
-from cachectl.caches import set_cache
+from cachectl.caches import looks_secret, set_cache
 from cachectl.cli.render import to_jsonable
 from cachectl.client import REDACTED
 from cachectl.errors import BadInput, NotFound
@@ -25,7 +26,7 @@ from cachectl.telemetry import FunctionCounts, TelemetryBatch
 from cachectl.units import parse_duration, parse_size
 
 from . import schemas
-from .auth import check_cache, current_token, forbidden, route
+from .auth import check_cache, current_token, forbidden, identify, route
 from .state import ServerState
 
 router = APIRouter(prefix="/api/v1")
@@ -47,17 +48,19 @@ _SECRET_WORDS = ("key", "secret", "token", "password", "credential", "auth", "se
 
 
 def redact_secrets(value: Any, inside_options: bool = False) -> Any:
-    """Storage options may hold credentials: their secret-looking values never leave the server."""
+    """Storage options may hold credentials: their secret-looking values never leave the server,
+    whether the key says so or the value does (a URL with user:password@ in it)."""
     if isinstance(value, dict):
         out = {}
         for k, v in value.items():
-            if inside_options and any(w in str(k).lower() for w in _SECRET_WORDS):
+            if inside_options and (any(w in str(k).lower() for w in _SECRET_WORDS) or looks_secret(str(k), v)):
                 out[k] = REDACTED  # the client drops these and uses its own credentials
             else:
                 out[k] = redact_secrets(v, inside_options or k == "storage_options")
         return out
     if isinstance(value, list):
-        return [redact_secrets(v, inside_options) for v in value]
+        return [REDACTED if inside_options and looks_secret("", v) else redact_secrets(v, inside_options)
+                for v in value]
     return value
 
 
@@ -384,20 +387,35 @@ def healthz() -> dict[str, str]:
     return {"status": "ok"}
 
 
-@route(health, "GET", "/readyz", role="public", summary="Readiness: the index and every cache's storage answer")
-def readyz(request: Request) -> Response:
+@route(health, "GET", "/readyz", role="public",
+       summary="Readiness: the index and every cache's storage answer (details with a token)")
+async def readyz(request: Request) -> Response:
     state = state_of(request)
-    problems: list[str] = []
+    try:
+        caller = await identify(request)
+    except HTTPException:
+        caller = None
+    names, problems = await run_in_threadpool(_readiness_problems, state)
+    status = "ready" if not problems else "unavailable"
+    body: dict[str, Any] = {"status": status}
+    if caller is not None:
+        # Cache names and storage errors are for token holders: a load balancer needs only the status.
+        visible = [p for p in problems if p[0] is None or caller.allows("reader", p[0])]
+        body.update({"problems": [text for _c, text in visible],
+                     "caches": len([n for n in names if caller.allows("reader", n)])})
+    return JSONResponse(body, status_code=200 if not problems else 503)
+
+
+def _readiness_problems(state: ServerState) -> tuple[list[str], list[tuple[str | None, str]]]:
+    problems: list[tuple[str | None, str]] = []
     caches = []
     try:
         caches = state.index.list_caches()
     except Exception as exc:  # noqa: BLE001 - report, never crash
-        problems.append(f"index: {getattr(exc, 'message', type(exc).__name__)}")
+        problems.append((None, f"index: {getattr(exc, 'message', type(exc).__name__)}"))
     for cache in caches:
         try:
             state.store(cache).check_reachable()
         except Exception as exc:  # noqa: BLE001
-            problems.append(f"cache {cache.name}: {getattr(exc, 'message', type(exc).__name__)}")
-    body = {"status": "ready" if not problems else "unavailable", "problems": problems,
-            "caches": len(caches)}
-    return JSONResponse(body, status_code=200 if not problems else 503)
+            problems.append((cache.name, f"cache {cache.name}: {getattr(exc, 'message', type(exc).__name__)}"))
+    return [c.name for c in caches], problems

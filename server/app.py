@@ -15,6 +15,7 @@ from typing import Any
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
+from starlette.concurrency import run_in_threadpool
 
 from cachectl import __version__
 from cachectl.errors import (
@@ -24,14 +25,16 @@ from cachectl.errors import (
     NotFound,
     OperationFailed,
     PermissionDenied,
+    QuotaExceeded,
     Unreachable,
 )
 from cachectl.index import open_index
 
 from . import api, dashboard, entries, executables
-from .auth import PUBLIC, ROLE_KEY, identify, route, unauthorized
+from .auth import PUBLIC, ROLE_KEY, hides_caches, identify, route, unauthorized
 from .config import ServerSettings
 from .jobs import JobRunner
+from .limits import BodyGuard
 from .maintenance import Scheduler
 from .metrics import Metrics, MetricsMiddleware
 from .state import ServerState
@@ -45,6 +48,8 @@ def status_for(exc: CachectlError) -> int:
         return 404
     if isinstance(exc, Unreachable):
         return 503
+    if isinstance(exc, QuotaExceeded):
+        return 413
     if isinstance(exc, BadInput):
         return 400
     if isinstance(exc, PermissionDenied):
@@ -105,7 +110,13 @@ def create_app(settings: ServerSettings | str, **overrides: Any) -> FastAPI:
     app.state.cachectl = state
 
     @app.exception_handler(CachectlError)
-    async def library_error(_request: Request, exc: CachectlError) -> JSONResponse:
+    async def library_error(request: Request, exc: CachectlError) -> JSONResponse:
+        token = getattr(request.state, "token", None)
+        if isinstance(exc, NotFound) and await run_in_threadpool(hides_caches, request, token):
+            # A scoped token's cache is gone: 403, and never the list of caches the 404 names.
+            return JSONResponse({"detail": f"token {token.name!r} (role {token.role}) may not act on cache "
+                                           f"{request.path_params.get('cache')!r}: it does not exist (any more)",
+                                 "error": "PermissionDenied"}, status_code=403)
         return JSONResponse({"detail": exc.message, "error": type(exc).__name__}, status_code=status_for(exc))
 
     @app.exception_handler(Exception)
@@ -132,5 +143,6 @@ def create_app(settings: ServerSettings | str, **overrides: Any) -> FastAPI:
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
+    app.add_middleware(BodyGuard, settings=settings)  # inside metrics: its 401s and 413s are counted
     app.add_middleware(MetricsMiddleware, metrics=metrics)
     return app

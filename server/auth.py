@@ -17,7 +17,15 @@ from typing import Any
 from fastapi import APIRouter, Depends, HTTPException, Request
 from starlette.concurrency import run_in_threadpool
 
-from cachectl.tokens import ROLES, InvalidToken, TokenInfo, authenticate, hash_token
+from cachectl.errors import NotFound
+from cachectl.tokens import (
+    ROLES,
+    InvalidToken,
+    TokenInfo,
+    authenticate,
+    authenticate_session,
+    hash_token,
+)
 
 PUBLIC = "public"
 ROLE_KEY = "x-cachectl-role"
@@ -29,7 +37,10 @@ SCOPE_KEY = "x-cachectl-scope"
 #            the request names (a job's cache, each telemetry batch's cache);
 #   global - only tokens without a cache scope (tokens, metrics: they span caches).
 SCOPES = ("cache", "any", "object", "global")
-COOKIE_NAME = "cachectl_token"
+# The dashboard's session cookie (cachectl.tokens.issue_session: never the token itself).
+COOKIE_NAME = "cachectl_session"
+# Where BodyGuard leaves the token it checked, so the route's dependency need not ask again.
+CHECKED_KEY = "cachectl_checked_token"
 UNAUTHORIZED = "missing, unknown, expired or revoked token: send 'Authorization: Bearer <token>'"
 
 
@@ -88,13 +99,21 @@ def forbidden(token: TokenInfo, what: str) -> HTTPException:
 
 
 async def identify(request: Request, *, allow_cookie: bool = False) -> TokenInfo | None:
-    """The caller's token, None when none was sent; 401 for a bad one."""
+    """The caller's token, None when none was sent; 401 for a bad one.
+
+    ``allow_cookie`` (the dashboard): without a bearer token, the session cookie's token."""
     token = bearer_token(request)
-    if token is None and allow_cookie:
-        token = request.cookies.get(COOKIE_NAME) or None
+    state = request.app.state.cachectl
+    checked = request.scope.get("state", {}).get(CHECKED_KEY)
+    if token is not None and checked is not None and checked[0] == hash_token(token):
+        return checked[1]  # BodyGuard checked this very token before the body was read
+    if token is None and allow_cookie and request.cookies.get(COOKIE_NAME):
+        try:
+            return await run_in_threadpool(authenticate_session, state.index, request.cookies[COOKIE_NAME])
+        except InvalidToken:
+            raise unauthorized() from None
     if token is None:
         return None
-    state = request.app.state.cachectl
     cached = state.tokens.get(token)
     if cached is not None:
         return cached
@@ -135,6 +154,21 @@ def require(role: str, scope: str = "cache") -> Callable[..., Any]:
         return token
 
     return dependency
+
+
+def hides_caches(request: Request, token: TokenInfo | None) -> bool:
+    """True when a 404 for this request must not be answered as the library words it: a scoped
+    token naming a cache in its scope that no longer exists would get the list of every cache."""
+    if token is None or token.caches is None:
+        return False
+    cache = request.path_params.get("cache")
+    if not cache:
+        return False
+    try:
+        request.app.state.cachectl.index.get_cache(cache)
+    except NotFound:
+        return True
+    return False
 
 
 def current_token(request: Request) -> TokenInfo:

@@ -16,11 +16,19 @@ from cachectl.units import parse_duration, parse_size
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8700
-# The largest body the server accepts for one entry when the cache sets no
-# max entry size: the whole entry is held in memory while it is checked.
-DEFAULT_MAX_UPLOAD = 2 * 1024**3
-# A compressed entry may not expand beyond this while the server checks it.
-DEFAULT_MAX_DECOMPRESSED = 8 * 1024**3
+# The largest body the server accepts for one entry when the cache sets no max entry
+# size. Uploads are streamed to a temporary file and checked by streaming, so memory
+# stays small whatever the size; this bounds disk and CPU per upload.
+DEFAULT_MAX_UPLOAD = 1024**3
+# An entry may decompress to at most EXPANSION_RATIO times the size it may have on the
+# wire (the cache's max entry size, else the upload limit), and never past this.
+# JAX executables compress a few times; a decompression bomb a thousand times or more.
+EXPANSION_RATIO = 16
+DEFAULT_MAX_DECOMPRESSED = 4 * 1024**3
+# Every JSON body (telemetry, registrations, resolve, jobs...) is refused past this, before
+# it is parsed; the largest legitimate one (10,000 registered entries) is a few MiB.
+DEFAULT_MAX_JSON = 8 * 1024**2
+DEFAULT_TELEMETRY_RETENTION_S = 30 * 86400.0
 
 
 @dataclass(frozen=True)
@@ -38,10 +46,17 @@ class ServerSettings:
     dashboard_public: bool = False
     max_upload_bytes: int = DEFAULT_MAX_UPLOAD
     max_decompressed_bytes: int = DEFAULT_MAX_DECOMPRESSED
+    max_json_bytes: int = DEFAULT_MAX_JSON
+    # Where uploads are spooled while they are checked (None: the system temp directory).
+    upload_dir: str | None = None
+    # Telemetry rows older than this are deleted by scheduled maintenance (None: kept forever).
+    telemetry_retention_s: float | None = DEFAULT_TELEMETRY_RETENTION_S
+    # The address the server listens on: dashboard cookies are Secure unless it is loopback.
+    host: str = DEFAULT_HOST
     # Background workers for prune/gc/verify jobs in this replica.
     job_workers: int = 2
-    # Mark cookies Secure (set when served behind HTTPS).
-    secure_cookies: bool = False
+    # Mark cookies Secure: True/False force it; None (default) = Secure unless ``host`` is loopback.
+    secure_cookies: bool | None = None
     # Seconds a valid token is trusted without asking the index again (0 = ask every time):
     # a token revoked elsewhere is refused by this replica at most this much later.
     token_cache_s: float = 2.0
@@ -78,8 +93,10 @@ def load_server_settings(db: str | None = None, **overrides: Any) -> ServerSetti
         maintenance_initial_delay_s=parse_interval(env.get("CACHECTL_SERVER_MAINTENANCE_DELAY")),
         metrics_public=bool(_flag("CACHECTL_SERVER_METRICS_PUBLIC")),
         dashboard_public=bool(_flag("CACHECTL_SERVER_DASHBOARD_PUBLIC")),
-        secure_cookies=bool(_flag("CACHECTL_SERVER_SECURE_COOKIES")),
+        secure_cookies=_flag("CACHECTL_SERVER_SECURE_COOKIES"),
     )
+    if env.get("CACHECTL_SERVER_TELEMETRY_RETENTION"):
+        settings = replace(settings, telemetry_retention_s=parse_interval(env["CACHECTL_SERVER_TELEMETRY_RETENTION"]))
     if env.get("CACHECTL_SERVER_MAX_UPLOAD"):
         settings = replace(settings, max_upload_bytes=parse_size(env["CACHECTL_SERVER_MAX_UPLOAD"]))
     return settings.with_overrides(**overrides)

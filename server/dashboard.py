@@ -1,8 +1,11 @@
 """The dashboard at ``/``: server-rendered HTML with inline SVG charts; no JavaScript, no CDN.
 
-Auth: a reader token, sent as ``Authorization: Bearer`` or kept in an
-HttpOnly, SameSite=Strict cookie set by the form at ``/login`` (the token
-is never put in a URL, so it never reaches access logs or browser history).
+Auth: a reader token, sent as ``Authorization: Bearer``, or a session from
+the form at ``/login`` (posted from this server's own page: Origin checked)
+kept in an HttpOnly, SameSite=Strict cookie, Secure unless the server is on
+loopback. The cookie holds a session (cachectl.tokens.issue_session), never
+the token; admin tokens are refused there. The token is never put in a URL,
+so it never reaches access logs or browser history.
 A token scoped to caches sees only those caches. With
 ``dashboard_public`` the page is served read-only without a token.
 """
@@ -10,11 +13,12 @@ A token scoped to caches sees only those caches. With
 from __future__ import annotations
 
 import html
+import ipaddress
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import Any
-from urllib.parse import parse_qs
+from urllib.parse import parse_qs, urlsplit
 
 from fastapi import APIRouter, HTTPException, Request
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
@@ -23,7 +27,7 @@ from starlette.concurrency import run_in_threadpool
 
 from cachectl import inventory
 from cachectl.index import server_queries as sq
-from cachectl.tokens import InvalidToken, TokenInfo, authenticate
+from cachectl.tokens import InvalidToken, TokenInfo, authenticate, issue_session
 from cachectl.units import format_size
 
 from .auth import COOKIE_NAME, identify, route
@@ -178,6 +182,8 @@ async def login_form(request: Request) -> Response:
        openapi_extra={"requestBody": {"content": {"application/x-www-form-urlencoded": {
            "schema": {"type": "object", "properties": {"token": {"type": "string"}}, "required": ["token"]}}}}})
 async def login(request: Request) -> Response:
+    if not same_origin(request):
+        return _login_page(request, 403, "Sign-in refused: the form was not posted from this server's own page.")
     body = b""
     async for chunk in request.stream():
         body += chunk
@@ -195,17 +201,61 @@ async def login(request: Request) -> Response:
         return _login_page(request, 401, "Token not accepted (unknown, expired or revoked).")
     if not info.allows("reader"):
         return _login_page(request, 403, "This token may not read caches.")
+    if info.role == "admin":
+        # An admin secret typed into a browser form is one XSS or shared machine away from
+        # the whole index: the dashboard only ever needs a reader.
+        return _login_page(request, 400, "Admin tokens cannot sign in to the dashboard: use a reader token.")
+    try:
+        session = await run_in_threadpool(issue_session, state.index, token)
+    except InvalidToken:
+        return _login_page(request, 401, "Token not accepted (unknown, expired or revoked).")
     response = RedirectResponse("/", status_code=303)
-    max_age = None
-    if info.expires_at is not None:
-        max_age = max(0, int((info.expires_at - sq.utcnow()).total_seconds()))
-    response.set_cookie(COOKIE_NAME, token, httponly=True, samesite="strict", path="/",
-                        secure=state.settings.secure_cookies, max_age=max_age)
+    max_age = max(0, int((session.expires_at - sq.utcnow()).total_seconds()))
+    response.set_cookie(COOKIE_NAME, session.value, httponly=True, samesite="strict", path="/",
+                        secure=secure_cookies(state.settings), max_age=max_age)
     return response
 
 
 @route(router, "POST", "/logout", role="public", summary="Forget the dashboard cookie")
-async def logout() -> Response:
+async def logout(request: Request) -> Response:
+    if not same_origin(request):
+        return _login_page(request, 403, "Sign-out refused: not posted from this server's own page.")
     response = RedirectResponse("/login", status_code=303)
     response.delete_cookie(COOKIE_NAME, path="/")
     return response
+
+
+def same_origin(request: Request) -> bool:
+    """False for a form posted from another site (login CSRF): a browser names the page that
+    posted in Origin (else Referer) and, in current browsers, Sec-Fetch-Site. Clients that send
+    none of them (scripts) are not browsers and carry no ambient credentials."""
+    if request.headers.get("sec-fetch-site", "same-origin").lower() not in ("same-origin", "none"):
+        return False
+    host = (request.headers.get("host") or "").strip().lower()
+    origin = request.headers.get("origin")
+    if origin is None:
+        referer = request.headers.get("referer")
+        if not referer:
+            return True
+        origin = referer
+    if origin.strip().lower() == "null":
+        return False
+    netloc = urlsplit(origin.strip()).netloc.lower()
+    return bool(host) and netloc == host
+
+
+def secure_cookies(settings: Any) -> bool:
+    """Secure unless the server listens on loopback only (plain http://127.0.0.1 in development);
+    ``secure_cookies`` True or False forces it."""
+    if settings.secure_cookies is not None:
+        return bool(settings.secure_cookies)
+    return not _is_loopback(settings.host)
+
+
+def _is_loopback(host: str) -> bool:
+    if host.strip().lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False

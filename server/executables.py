@@ -15,17 +15,29 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from fastapi import APIRouter, HTTPException, Request
-from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
 from cachectl import aot
-from cachectl.entries import AOT_SUFFIX, CorruptEntry, EntryName, sha256
+from cachectl.entries import AOT_SUFFIX, CorruptEntry, EntryName
+from cachectl.errors import QuotaExceeded
 from cachectl.index import CacheInfo, EntryInfo, EnvironmentInfo
 from cachectl.index import server_queries as sq
 
 from .api import CacheName, Digest, ok, state_of
 from .auth import route
-from .entries import CHUNK, SHA_HEADER, Key, _check_quota, _headers, _read_body, _resolve, check_key
+from .entries import (
+    CHUNK,
+    SHA_HEADER,
+    Key,
+    Upload,
+    _disk_full,
+    _headers,
+    _receive_body,
+    _resolve,
+    _too_large,
+    check_key,
+)
 from .state import ServerState
 
 router = APIRouter(prefix="/api/v1")
@@ -37,10 +49,11 @@ def executable_path(env: EnvironmentInfo, key: str) -> str:
 
 
 def _store_executable(state: ServerState, info: CacheInfo, env: EnvironmentInfo, parsed: EntryName,
-                      data: bytes, claimed_sha: str | None) -> tuple[bool, EntryInfo | None]:
-    digest = sha256(data)
-    if claimed_sha is not None and claimed_sha.lower() != digest:
-        raise HTTPException(422, f"body sha256 is {digest}, not the {SHA_HEADER} sent: corrupted in transit?")
+                      upload: Upload, claimed_sha: str | None) -> tuple[bool, EntryInfo | None]:
+    if claimed_sha is not None and claimed_sha.lower() != upload.sha256:
+        raise HTTPException(422, f"body sha256 is {upload.sha256}, not the {SHA_HEADER} sent: corrupted in transit?")
+    with open(upload.path, "rb") as fh:
+        data = fh.read()  # bounded by the upload limit; artifacts are a few KiB
     try:
         header = aot.read_header(data)
     except CorruptEntry as exc:
@@ -54,10 +67,18 @@ def _store_executable(state: ServerState, info: CacheInfo, env: EnvironmentInfo,
     if header.entry_sha256 != entry.sha256:
         raise HTTPException(422, "the stored executable was made for other entry bytes than the indexed "
                                  "entry's (entry_sha256 differs): refused")
-    _check_quota(state, info, env, entry.aot_size or 0, len(data))
-    state.store(info).write_bytes(executable_path(env, parsed.key), data)
-    state.index.set_executables(env.id, {parsed.key: (len(data), digest)})
-    return entry.aot_sha256 is not None, state.index.get_entry(env.id, parsed.key)
+    try:
+        previous = sq.reserve_executable(state.index, info.name, env.id, parsed.key, upload.size, upload.sha256)
+    except QuotaExceeded as exc:
+        raise _too_large(exc.message) from None
+    try:
+        state.store(info).write_file(executable_path(env, parsed.key), upload.path)
+    except BaseException as exc:
+        sq.release_executable(state.index, env.id, parsed.key, previous)
+        if isinstance(exc, OSError) and (full := _disk_full(exc)) is not None:
+            raise full from None
+        raise
+    return previous is not None, state.index.get_entry(env.id, parsed.key)
 
 
 @route(router, "PUT", ROUTE, role="writer",
@@ -66,7 +87,8 @@ def _store_executable(state: ServerState, info: CacheInfo, env: EnvironmentInfo,
            "application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}}},
        responses={201: {"description": "stored"}, 200: {"description": "replaced"},
                   413: {"description": "too large for the cache"},
-                  422: {"description": "not a stored executable of this entry"}})
+                  422: {"description": "not a stored executable of this entry"},
+                  507: {"description": "the server's disk is full"}})
 async def put_executable(request: Request, cache: CacheName, digest: Digest, key: Key) -> JSONResponse:
     state = state_of(request)
     parsed = check_key(key)
@@ -74,15 +96,19 @@ async def put_executable(request: Request, cache: CacheName, digest: Digest, key
     limit, what = state.settings.max_upload_bytes, "the server's upload limit"
     if info.max_entry_size is not None and info.max_entry_size < limit:
         limit, what = info.max_entry_size, f"cache {cache!r}'s max entry size"
+    upload: Upload | None = None
     try:
-        data = await _read_body(request, limit, what)
-        existed, entry = await run_in_threadpool(_store_executable, state, info, env, parsed, data,
+        upload = await _receive_body(request, limit, what, state.settings.upload_dir)
+        existed, entry = await run_in_threadpool(_store_executable, state, info, env, parsed, upload,
                                                  request.headers.get(SHA_HEADER))
     except HTTPException as exc:
         state.metrics.uploads.labels(cache, str(exc.status_code)).inc()
         raise
+    finally:
+        if upload is not None:
+            upload.discard()
     state.metrics.uploads.labels(cache, "stored").inc()
-    state.metrics.upload_bytes.labels(cache).inc(len(data))
+    state.metrics.upload_bytes.labels(cache).inc(upload.size)
     return ok(entry, 200 if existed else 201)
 
 
@@ -107,14 +133,17 @@ async def get_executable(request: Request, cache: CacheName, digest: Digest, key
     check_key(key)
     info, env, size, sha = await run_in_threadpool(_located, state, cache, digest, key)
     store = state.store(info)
+    try:
+        # Only a regular file inside the namespace, never through a symlink (Store.open).
+        fh = await run_in_threadpool(store.open, executable_path(env, key), "rb")
+    except FileNotFoundError:
+        raise HTTPException(404, f"no stored executable for entry {key} in environment {env.digest[:16]} "
+                                 f"of cache {cache!r}") from None
     state.metrics.download_bytes.labels(cache).inc(size)
     headers = _headers(size, sha)
-    if store.is_local:
-        return FileResponse(store.url_for(executable_path(env, key)), media_type="application/octet-stream",
-                            headers=headers)
 
     def chunks() -> Iterator[bytes]:
-        with store.open(executable_path(env, key), "rb") as fh:
+        with fh:
             while block := fh.read(CHUNK):
                 yield block
 

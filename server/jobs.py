@@ -48,7 +48,9 @@ def _prune(ctx: Context, cache: CacheInfo, params: dict[str, Any]) -> Any:
 
     selectors = {k: v for k, v in params.items() if k not in META_PARAMS}
     crit = prune_lib.criteria(**selectors)
-    return prune_lib.prune(ctx, cache, crit, dry_run=bool(params.get("dry_run")))
+    # Scheduled runs never delete the only environment of a hardware group still serving hits.
+    return prune_lib.prune(ctx, cache, crit, dry_run=bool(params.get("dry_run")),
+                           protect_active=bool(params.get("scheduled")))
 
 
 def _gc(ctx: Context, cache: CacheInfo, params: dict[str, Any]) -> Any:

@@ -9,7 +9,10 @@ it whether the schedule is due (no scheduled job started within the
 interval), and only then creates and runs the job. So with N replicas each
 due run happens exactly once, and a replica that ticks late finds it done.
 Each run lands in the audit log as ``maintenance`` (the library's own
-prune/gc records come with it).
+prune/gc records come with it). Every tick also deletes telemetry rows older
+than the server's ``--telemetry-retention`` (default 30d); scheduled prunes
+never delete the only environment of a hardware group that served hits in
+the last week.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from cachectl.errors import CachectlError
 from cachectl.index import CacheInfo
 from cachectl.index import server_queries as sq
 from cachectl.index.models import utcnow
+from cachectl.index.telemetry_queries import prune_telemetry
 from cachectl.lifecycle.lease import LeaseHeld, acquire
 
 log = logging.getLogger("cachectl.server.maintenance")
@@ -91,7 +95,9 @@ class Scheduler:
             delay = self.interval_s
 
     def run_once(self) -> list[MaintenanceRun]:
-        """One tick: run every due schedule of every cache this replica can lease."""
+        """One tick: drop telemetry past its retention, then run every due schedule of every
+        cache this replica can lease."""
+        self._prune_telemetry()
         runs = []
         for cache in self.state.index.list_caches():
             for schedule in schedules_for(cache):
@@ -101,6 +107,18 @@ class Scheduler:
                 if run is not None:
                     runs.append(run)
         return runs
+
+    def _prune_telemetry(self) -> None:
+        retention = self.state.settings.telemetry_retention_s
+        if not retention:
+            return
+        try:
+            removed = prune_telemetry(self.state.index, timedelta(seconds=retention))
+        except CachectlError as exc:
+            log.warning("could not prune telemetry: %s", exc.message)
+            return
+        if removed:
+            log.info("telemetry retention: deleted %d rows older than %ds", removed, int(retention))
 
     def _maybe_run(self, cache: CacheInfo, schedule: Schedule) -> MaintenanceRun | None:
         index = self.state.index

@@ -7,11 +7,15 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from cachectl.fingerprint import FINGERPRINT_VERSION, Environment
+from cachectl.errors import BadInput
+from cachectl.fingerprint import FINGERPRINT_VERSION, Environment, check_version
+from cachectl.telemetry import MAX_FLUSH_COUNT, MAX_FLUSH_SECONDS
 
 Name = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")]
 Hex64 = Annotated[str, Field(min_length=64, max_length=64, pattern=r"^[0-9a-f]{64}$")]
 Count = Annotated[int, Field(ge=0, le=2**53)]
+# A counter one process reports for one flush interval (cachectl.telemetry.check_batch).
+FlushCount = Annotated[int, Field(ge=0, le=MAX_FLUSH_COUNT)]
 Short = Annotated[str, Field(max_length=256)]
 
 
@@ -42,6 +46,15 @@ class Fingerprint(Strict):
         data = self.model_dump(exclude={"digest", "namespace", "fingerprint_version"})
         return Environment.from_dict(data)
 
+    @field_validator("jax_version", "jaxlib_version")
+    @classmethod
+    def _a_version(cls, value: str, info: Any) -> str:
+        try:
+            check_version(info.field_name, value)
+        except BadInput as exc:
+            raise ValueError(exc.message) from None
+        return value
+
 
 assert FINGERPRINT_VERSION == 1  # bump the Literal above with the fingerprint format
 
@@ -54,18 +67,18 @@ class ResolveRequest(Fingerprint):
 
 class FunctionCountsIn(Strict):
     function: Annotated[str, Field(max_length=512)] | None = None
-    requests: Count = 0
-    hits: Count = 0
-    writes: Count = 0
+    requests: FlushCount = 0
+    hits: FlushCount = 0
+    writes: FlushCount = 0
     # JAX's "compile time saved" is negative when reading the entry took longer than compiling.
-    saved_seconds: Annotated[float, Field(ge=-1e12, le=1e12)] = 0.0
-    retrieval_seconds: Annotated[float, Field(ge=0, le=1e12)] = 0.0
+    saved_seconds: Annotated[float, Field(ge=-MAX_FLUSH_SECONDS, le=MAX_FLUSH_SECONDS)] = 0.0
+    retrieval_seconds: Annotated[float, Field(ge=0, le=MAX_FLUSH_SECONDS)] = 0.0
 
 
 class HitKeyIn(Strict):
     key: Annotated[str, Field(min_length=1, max_length=512)]
-    count: Annotated[int, Field(ge=1, le=2**53)]
-    at: datetime
+    count: Annotated[int, Field(ge=1, le=MAX_FLUSH_COUNT)]
+    at: datetime  # a claim: the index clamps it to [the entry's creation, now]
 
 
 class TelemetryBatchIn(Strict):
@@ -78,7 +91,7 @@ class TelemetryBatchIn(Strict):
     ended_at: datetime
     functions: Annotated[list[FunctionCountsIn], Field(max_length=10_000)] = []
     hit_keys: Annotated[list[HitKeyIn], Field(max_length=20_000)] = []
-    dropped: Count = 0
+    dropped: FlushCount = 0
 
 
 class TelemetryIn(Strict):

@@ -7,6 +7,7 @@ import http.client
 import os
 import time
 import zlib
+from datetime import datetime, timezone
 
 import pytest
 from fastapi.testclient import TestClient
@@ -255,16 +256,18 @@ def test_policy_telemetry_and_metrics(world) -> None:
     a, r = bearer(s.tokens["admin"]), bearer(s.tokens["reader"])
     res = c.patch(f"{API}/caches/{MAIN}", json={"max_size": "1MiB", "retention": "30d", "keep_versions": 2}, headers=a)
     assert res.status_code == 200 and res.json()["max_size"] == 1024**2 and res.json()["retention_seconds"] == 30 * 86400
+    hit_at = datetime.now(timezone.utc)
     batch = {"process": "host:1", "cache": MAIN, "environment_digest": s.digest,
              "started_at": "2026-01-01T00:00:00+00:00", "ended_at": "2026-01-01T00:00:05+00:00",
              "functions": [{"function": "jit_train", "requests": 5, "hits": 4, "writes": 1, "saved_seconds": 3.5}],
-             "hit_keys": [{"key": s.keys[0], "count": 4, "at": "2026-01-01T00:00:04+00:00"}]}
+             # A hit after the entry was created: reported times are clamped to [creation, now].
+             "hit_keys": [{"key": s.keys[0], "count": 4, "at": hit_at.isoformat()}]}
     unknown = {**batch, "environment_digest": "e" * 64}
     res = c.post(f"{API}/telemetry", json={"batches": [batch, unknown]}, headers=r)
     assert res.status_code == 200 and res.json() == {"accepted": 1, "unknown_environments": 1, "rows": 1}
     entry = c.get(f"{API}/caches/{MAIN}/environments/{s.digest}/entries", params={"key_prefix": s.keys[0]},
                   headers=r).json()["items"][0]
-    assert entry["hit_count"] == 4 and entry["last_access_at"].startswith("2026-01-01T00:00:04")
+    assert entry["hit_count"] == 4 and entry["last_access_at"].startswith(hit_at.isoformat()[:19])
     assert c.post(f"{API}/telemetry", json={"batches": [{**batch, "cache": "other"}]},
                   headers=bearer(s.tokens["scoped_writer"])).status_code == 403
     usage = c.get(f"{API}/caches/{MAIN}/telemetry", params={"since": "3650d"}, headers=r).json()
@@ -296,7 +299,12 @@ def test_readyz_reports_unreachable_storage(tmp_path, s3_bucket) -> None:
     c = TestClient(create_app(db))
     assert c.get("/readyz").json()["status"] == "ready"
     index.add_cache("gone", "s3://cachectl-no-such-bucket-here/x")
+    # Without a token only the status; which cache failed is for token holders (issue 15, item 9).
     res = c.get("/readyz")
+    assert res.status_code == 503 and res.json() == {"status": "unavailable"}
+    from cachectl import tokens
+
+    res = c.get("/readyz", headers=bearer(tokens.create_token(index, "ops", "reader").token))
     assert res.status_code == 503 and "cache gone" in res.json()["problems"][0]
     assert c.get("/healthz").status_code == 200
     index.close()

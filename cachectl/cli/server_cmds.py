@@ -22,6 +22,9 @@ KEEP_ALIVE_S = 75
 @click.option("--maintenance-interval", metavar="DUR",
               help="Enforce each cache's policy (retention, keep_versions, max_size) every DUR, e.g. 1h; "
                    "off by default. [env: CACHECTL_SERVER_MAINTENANCE_INTERVAL]")
+@click.option("--telemetry-retention", metavar="DUR",
+              help="Delete telemetry rows older than DUR at each maintenance tick (default 30d; 'off' keeps "
+                   "them). [env: CACHECTL_SERVER_TELEMETRY_RETENTION]")
 @click.option("--public-metrics", is_flag=True, default=None,
               help="Serve /metrics without a token. [env: CACHECTL_SERVER_METRICS_PUBLIC]")
 @click.option("--public-dashboard", is_flag=True, default=None,
@@ -30,7 +33,8 @@ KEEP_ALIVE_S = 75
               show_default=True)
 @click.pass_obj
 def serve(ctx: Context, host: str, port: int, serve_db: str | None, maintenance_interval: str | None,
-          public_metrics: bool | None, public_dashboard: bool | None, log_level: str) -> None:
+          telemetry_retention: str | None, public_metrics: bool | None, public_dashboard: bool | None,
+          log_level: str) -> None:
     """Run the cachectl server (FastAPI on uvicorn) over the index.
 
     Stateless: run several replicas over one PostgreSQL index behind a load
@@ -40,9 +44,10 @@ def serve(ctx: Context, host: str, port: int, serve_db: str | None, maintenance_
     API:       /api/v1/... (Bearer token), spec at /openapi.json
     Health:    /healthz (alive), /readyz (index and storage reachable)
     Metrics:   /metrics (unscoped reader token, or --public-metrics)
-    Dashboard: / (sign in at /login with a reader token, kept in an HttpOnly
-               cookie; or --public-dashboard for a read-only view)
+    Dashboard: / (sign in at /login with a reader token: a session, never the
+               token, in an HttpOnly cookie; or --public-dashboard for a read-only view)
     """
+    import dataclasses
     import logging
 
     try:
@@ -55,8 +60,10 @@ def serve(ctx: Context, host: str, port: int, serve_db: str | None, maintenance_
     settings = load_server_settings(
         db=serve_db or ctx.settings.db,
         maintenance_interval_s=parse_interval(maintenance_interval) if maintenance_interval else None,
-        metrics_public=public_metrics, dashboard_public=public_dashboard,
+        metrics_public=public_metrics, dashboard_public=public_dashboard, host=host,
     )
+    if telemetry_retention is not None:
+        settings = dataclasses.replace(settings, telemetry_retention_s=parse_interval(telemetry_retention))
     app = create_app(settings)
     level = getattr(logging, log_level.upper())
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True)

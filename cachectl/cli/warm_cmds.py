@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import click
@@ -10,7 +11,7 @@ from rich.markup import escape
 from cachectl.cli.render import print_json, size, stderr, stdout, table
 from cachectl.context import Context
 from cachectl.errors import EnvironmentMismatch
-from cachectl.manifest import parse_shard
+from cachectl.manifest import DEFAULT_MAX_BUCKETS, MAX_BUCKETS_ENV, parse_shard
 from cachectl.units import format_size
 from cachectl.warm import (
     CACHED,
@@ -150,7 +151,18 @@ _common = [
     click.option("--path", "paths", multiple=True, metavar="DIR",
                  help="Add DIR to the import path (repeatable); the manifest's directory is always added."),
     click.option("--json", "as_json", is_flag=True, help="Print the report as JSON."),
+    click.option("--max-buckets", type=click.IntRange(min=1), metavar="N", expose_value=False,
+                 callback=lambda _ctx, _param, value: _set_max_buckets(value),
+                 help=f"Refuse a manifest whose axes multiply out to more than N buckets "
+                      f"(default {DEFAULT_MAX_BUCKETS}). [env: {MAX_BUCKETS_ENV}]"),
 ]
+
+
+def _set_max_buckets(value: int | None) -> int | None:
+    # Through the environment: warm's worker processes load the manifest again.
+    if value is not None:
+        os.environ[MAX_BUCKETS_ENV] = str(value)
+    return value
 
 
 def _with_common(fn: Any) -> Any:

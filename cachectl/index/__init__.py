@@ -13,15 +13,15 @@ from contextlib import contextmanager
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
-from sqlalchemy import delete, func, select, update
+from sqlalchemy import case, delete, func, literal, select, update
 from sqlalchemy.engine import Engine, make_url
-from sqlalchemy.exc import IntegrityError, OperationalError
+from sqlalchemy.exc import DatabaseError, IntegrityError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
 from cachectl.errors import BadInput, NotFound, Unreachable
 from cachectl.fingerprint import Environment
 from cachectl.index import db
-from cachectl.index.models import AuditRecord, Cache, Entry, utcnow
+from cachectl.index.models import AuditRecord, Cache, Entry, UTCDateTime, utcnow
 from cachectl.index.models import Environment as EnvRow
 from cachectl.index.records import AuditInfo, CacheInfo, EntryInfo, EnvironmentInfo, NewEntry
 
@@ -155,6 +155,10 @@ class Index:
                 yield session
         except OperationalError as exc:
             raise Unreachable(f"index {self.url} failed: {db._first_line(exc)}") from exc
+        except DatabaseError as exc:
+            if db.is_unusable(exc):
+                raise db.unusable(self.engine, exc) from exc
+            raise
         finally:
             db.sqlite_immediate.reset(token)
 
@@ -404,15 +408,26 @@ class Index:
                 removed += result.rowcount or 0
         return removed
 
-    def record_hits(self, env_id: int, hits: dict[str, tuple[int, datetime]]) -> int:
-        """Add hit counts and last-access times learned from telemetry."""
+    def record_hits(self, env_id: int, hits: dict[str, tuple[int, datetime]], *,
+                    not_after: datetime | None = None) -> int:
+        """Add hit counts and last-access times learned from telemetry.
+
+        Last access never moves backwards, nor before the entry was created; with
+        ``not_after`` (telemetry passes now: a reported time is only a claim) it never moves
+        past that either, so no reader can make an entry look fresh (or stale) to gc.
+        """
         touched = 0
         with self.session() as s:
             for key, (count, at) in hits.items():
+                if at.tzinfo is None:
+                    at = at.replace(tzinfo=timezone.utc)
+                seen = literal(at if not_after is None else min(at, not_after), type_=UTCDateTime())
+                last = func.coalesce(Entry.last_access_at, Entry.created_at)
                 result = s.execute(
                     update(Entry)
                     .where(Entry.environment_id == env_id, Entry.key == key)
-                    .values(hit_count=Entry.hit_count + count, last_access_at=at)
+                    .values(hit_count=Entry.hit_count + count,
+                            last_access_at=case((last < seen, seen), else_=last))
                 )
                 touched += result.rowcount or 0
         return touched

@@ -10,7 +10,13 @@ from typing import Any
 
 from sqlalchemy import create_engine, event, inspect
 from sqlalchemy.engine import Engine, make_url
-from sqlalchemy.exc import ArgumentError, OperationalError, SQLAlchemyError
+from sqlalchemy.exc import (
+    ArgumentError,
+    DatabaseError,
+    IntegrityError,
+    OperationalError,
+    SQLAlchemyError,
+)
 
 from cachectl.errors import BadInput, Unreachable
 
@@ -104,6 +110,8 @@ def current_revision(engine: Engine) -> str | None:
             return MigrationContext.configure(conn).get_current_revision()
     except OperationalError as exc:
         raise Unreachable(f"index {safe_url(engine)} is unreachable: {_first_line(exc)}") from exc
+    except DatabaseError as exc:
+        raise unusable(engine, exc) from exc
 
 
 def upgrade(engine: Engine, revision: str = "head") -> None:
@@ -114,6 +122,19 @@ def upgrade(engine: Engine, revision: str = "head") -> None:
             command.upgrade(_alembic_config(engine, conn), revision)
     except OperationalError as exc:
         raise Unreachable(f"index {safe_url(engine)} is unreachable: {_first_line(exc)}") from exc
+    except DatabaseError as exc:
+        raise unusable(engine, exc) from exc
+
+
+def unusable(engine: Engine, exc: DatabaseError) -> BadInput:
+    """A database that answers but is corrupt, truncated, or not an index at all (exit 2)."""
+    return BadInput(f"index {safe_url(engine)} is not a usable cachectl index ({_first_line(exc)}): "
+                    "restore it from a backup or move it aside")
+
+
+def is_unusable(exc: BaseException) -> bool:
+    """Any DatabaseError except the ones callers handle (unreachable, constraint races)."""
+    return isinstance(exc, DatabaseError) and not isinstance(exc, (OperationalError, IntegrityError))
 
 
 def ensure_schema(engine: Engine, auto_migrate: bool) -> None:
@@ -122,12 +143,14 @@ def ensure_schema(engine: Engine, auto_migrate: bool) -> None:
     head = head_revision()
     if current == head:
         return
+    if current is None and _has_tables(engine):
+        # Someone else's database (or a broken one): never "migrate" it into an index.
+        raise BadInput(f"index {safe_url(engine)} has tables but no cachectl schema version: "
+                       "not a cachectl index; point --db elsewhere")
     if auto_migrate:
         log.info("migrating index %s from %s to %s", safe_url(engine), current, head)
         upgrade(engine)
         return
-    if current is None and _has_tables(engine):
-        raise BadInput(f"index {safe_url(engine)} has tables but no cachectl schema version")
     raise BadInput(
         f"index {safe_url(engine)} is at schema revision {current or 'none'}, not {head}: "
         f"run `cachectl db upgrade --db {safe_url(engine)}`"

@@ -35,7 +35,7 @@ from sqlalchemy.sql.elements import ColumnElement
 
 from cachectl.errors import NotFound
 from cachectl.index import Index, unit_size
-from cachectl.index.models import Cache, Entry, UTCDateTime, WarmRun, utcnow
+from cachectl.index.models import Cache, Entry, TelemetryRecord, UTCDateTime, WarmRun, utcnow
 from cachectl.index.models import Environment as EnvRow
 
 # A running warm whose heartbeat is older than this is presumed dead.
@@ -391,3 +391,18 @@ def delete_entry_rows(index: Index, by_env: dict[int, list[str]]) -> int:
                     Entry.__table__.delete().where(Entry.environment_id == env_id, Entry.key.in_(chunk)))
                 removed += result.rowcount or 0
     return removed
+
+
+def environments_with_recent_hits(index: Index, env_ids: Sequence[int], since: datetime) -> set[int]:
+    """The environments among ``env_ids`` that served a hit since ``since`` (telemetry or entry access)."""
+    if not env_ids:
+        return set()
+    ids = list(env_ids)
+    with index.read_session() as s:
+        by_telemetry = s.scalars(select(TelemetryRecord.environment_id).distinct().where(
+            TelemetryRecord.environment_id.in_(ids), TelemetryRecord.hits > 0, TelemetryRecord.at >= since))
+        found = {int(e) for e in by_telemetry}
+        by_access = s.scalars(select(Entry.environment_id).distinct().where(
+            Entry.environment_id.in_(ids), Entry.last_access_at >= since))
+        found.update(int(e) for e in by_access)
+    return found

@@ -14,12 +14,13 @@ from typing import Any
 
 from sqlalchemy import func, literal_column, select, update
 
-from cachectl.errors import NotFound
+from cachectl.errors import EntryConflict, NotFound, QuotaExceeded
 from cachectl.index import (
     CacheInfo,
     EntryInfo,
     EnvironmentInfo,
     Index,
+    NewEntry,
     _cache_info,
     _entry_info,
     _env_info,
@@ -27,6 +28,7 @@ from cachectl.index import (
 )
 from cachectl.index.models import Cache, Entry, Job, TelemetryRecord, utcnow
 from cachectl.index.models import Environment as EnvRow
+from cachectl.index.telemetry_queries import counter_sum
 
 QUEUED = "queued"
 RUNNING = "running"
@@ -149,6 +151,116 @@ def environment_usage(index: Index, env_id: int) -> tuple[int, int]:
         return int(n or 0), int(b or 0)
 
 
+def _fmt(n: int) -> str:
+    from cachectl.units import format_size
+
+    return format_size(n)
+
+
+@dataclass(frozen=True)
+class Reservation:
+    """What reserve_entry() did: ``inserted`` a new row, ``replaced`` one with other bytes, or
+    found the same bytes already recorded (``unchanged``); ``previous`` is the row before."""
+
+    outcome: str
+    previous: EntryInfo | None
+
+
+def reserve_entry(index: Index, cache: str, env_id: int, entry: NewEntry, *, replace: bool = False) -> Reservation:
+    """Record ``entry`` before its bytes are written, so quota is taken atomically.
+
+    One transaction locks the cache's row (SELECT ... FOR UPDATE on PostgreSQL; SQLite write
+    transactions are exclusive already), so concurrent uploads reserve one after another: each
+    sees the bytes the others reserved, and the cache and environment limits hold. An existing
+    row with other bytes is EntryConflict unless ``replace``; a replacement is a new entry
+    (origin, function, bucket, hits and times reset). A failed write gives the space back
+    with release_entry().
+    """
+    with index.session() as s:
+        cache_row = s.scalar(select(Cache).where(Cache.name == cache).with_for_update())
+        if cache_row is None:
+            raise NotFound(f"no cache named {cache!r}")
+        row = s.scalar(select(Entry).where(Entry.environment_id == env_id, Entry.key == entry.key))
+        previous = _entry_info(row) if row is not None else None
+        if row is not None and (row.sha256, row.size_bytes) == (entry.sha256, entry.size):
+            return Reservation("unchanged", previous)
+        if row is not None and not replace:
+            raise EntryConflict(f"entry {entry.key} is already stored with other bytes (sha256 {row.sha256[:16]}): "
+                                "entries are immutable; an admin may replace it explicitly")
+        # A replacement drops the old entry and its stored executable (one unit).
+        replaced = row.size_bytes + (row.aot_size_bytes or 0) if row is not None else 0
+        _check_quota(s, cache, cache_row, env_id, replaced, entry.size)
+        values = {"module": entry.module, "size_bytes": entry.size, "sha256": entry.sha256, "origin": entry.origin,
+                  "compile_time_ms": entry.compile_time_ms, "function": entry.function, "bucket": entry.bucket,
+                  "warm_run_id": entry.warm_run_id, "created_at": entry.created_at or utcnow(),
+                  "last_access_at": None, "hit_count": 0}
+        if row is None:
+            s.execute(Entry.__table__.insert(), [{"environment_id": env_id, "key": entry.key, **values}])
+            return Reservation("inserted", None)
+        s.execute(update(Entry).where(Entry.id == row.id).values(**values))
+        return Reservation("replaced", previous)
+
+
+def _check_quota(s: Any, cache: str, cache_row: Cache, env_id: int, freed: int, added: int) -> None:
+    """QuotaExceeded when ``added`` bytes (after ``freed``) would pass the cache's or the
+    environment's limit. Entries count with their stored executables (unit_size)."""
+    if cache_row.max_size_bytes is not None:
+        used = int(s.scalar(
+            select(func.coalesce(func.sum(unit_size()), 0))
+            .join(EnvRow, EnvRow.id == Entry.environment_id)
+            .where(EnvRow.cache_id == cache_row.id, EnvRow.deleted_at.is_(None))) or 0)
+        if used - freed + added > cache_row.max_size_bytes:
+            raise QuotaExceeded(
+                f"cache {cache!r} is at {_fmt(used)} of its {_fmt(cache_row.max_size_bytes)} quota; "
+                f"{_fmt(added)} more does not fit: run gc, or raise max_size")
+    if cache_row.env_max_size_bytes is not None:
+        used = int(s.scalar(select(func.coalesce(func.sum(unit_size()), 0))
+                            .where(Entry.environment_id == env_id)) or 0)
+        if used - freed + added > cache_row.env_max_size_bytes:
+            digest = s.scalar(select(EnvRow.digest).where(EnvRow.id == env_id)) or ""
+            raise QuotaExceeded(
+                f"environment {digest[:16]} is at {_fmt(used)} of its "
+                f"{_fmt(cache_row.env_max_size_bytes)} quota: run gc, or raise env_max_size")
+
+
+def reserve_executable(index: Index, cache: str, env_id: int, key: str, size: int, sha256: str
+                       ) -> tuple[int, str] | None:
+    """Record an entry's stored executable before its bytes are written (quota taken atomically,
+    as reserve_entry does); returns what it replaces, for release_executable()."""
+    with index.session() as s:
+        cache_row = s.scalar(select(Cache).where(Cache.name == cache).with_for_update())
+        if cache_row is None:
+            raise NotFound(f"no cache named {cache!r}")
+        row = s.scalar(select(Entry).where(Entry.environment_id == env_id, Entry.key == key))
+        if row is None:
+            raise NotFound(f"no entry {key}: upload the entry first, then its executable")
+        previous = (row.aot_size_bytes, row.aot_sha256) if row.aot_sha256 is not None else None
+        _check_quota(s, cache, cache_row, env_id, row.aot_size_bytes or 0, size)
+        s.execute(update(Entry).where(Entry.id == row.id).values(aot_size_bytes=size, aot_sha256=sha256))
+        return previous  # type: ignore[return-value]
+
+
+def release_executable(index: Index, env_id: int, key: str, previous: tuple[int, str] | None) -> None:
+    """Undo reserve_executable() after the bytes could not be written."""
+    size, sha = previous if previous is not None else (None, None)
+    with index.session() as s:
+        s.execute(update(Entry).where(Entry.environment_id == env_id, Entry.key == key)
+                  .values(aot_size_bytes=size, aot_sha256=sha))
+
+
+def release_entry(index: Index, env_id: int, key: str, reservation: Reservation) -> None:
+    """Undo reserve_entry() after the bytes could not be written: the row as it was before."""
+    prev = reservation.previous
+    with index.session() as s:
+        if reservation.outcome == "inserted":
+            s.execute(Entry.__table__.delete().where(Entry.environment_id == env_id, Entry.key == key))
+        elif reservation.outcome == "replaced" and prev is not None:
+            s.execute(update(Entry).where(Entry.environment_id == env_id, Entry.key == key).values(
+                module=prev.module, size_bytes=prev.size, sha256=prev.sha256, origin=prev.origin,
+                compile_time_ms=prev.compile_time_ms, function=prev.function, bucket=prev.bucket,
+                created_at=prev.created_at, last_access_at=prev.last_access_at, hit_count=prev.hit_count))
+
+
 # -- jobs -----------------------------------------------------------------------
 
 
@@ -258,8 +370,8 @@ def telemetry_series(index: Index, cache: str, *, since: timedelta = timedelta(d
     bucket = _bucket_expr(index.dialect, TelemetryRecord.at, hourly).label("bucket")
     with index.read_session() as s:
         q = (
-            select(bucket, func.sum(TelemetryRecord.requests), func.sum(TelemetryRecord.hits),
-                   func.sum(TelemetryRecord.misses))
+            select(bucket, counter_sum(index.dialect, TelemetryRecord.requests),
+                   counter_sum(index.dialect, TelemetryRecord.hits), counter_sum(index.dialect, TelemetryRecord.misses))
             .join(EnvRow, EnvRow.id == TelemetryRecord.environment_id)
             .join(Cache, Cache.id == EnvRow.cache_id)
             .where(Cache.name == cache, TelemetryRecord.at >= utcnow() - since)
@@ -272,8 +384,8 @@ def hit_rates(index: Index, cache: str) -> dict[int, tuple[int, int, int]]:
     """environment id -> (requests, hits, misses) over all recorded telemetry."""
     with index.read_session() as s:
         q = (
-            select(TelemetryRecord.environment_id, func.sum(TelemetryRecord.requests),
-                   func.sum(TelemetryRecord.hits), func.sum(TelemetryRecord.misses))
+            select(TelemetryRecord.environment_id, counter_sum(index.dialect, TelemetryRecord.requests),
+                   counter_sum(index.dialect, TelemetryRecord.hits), counter_sum(index.dialect, TelemetryRecord.misses))
             .join(EnvRow, EnvRow.id == TelemetryRecord.environment_id)
             .join(Cache, Cache.id == EnvRow.cache_id)
             .where(Cache.name == cache)

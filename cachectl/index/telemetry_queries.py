@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from sqlalchemy import func, select
+from sqlalchemy import delete, func, select
 
 from cachectl.index import Index
 from cachectl.index.models import Cache, ServingRecord, TelemetryRecord, utcnow
@@ -20,6 +20,12 @@ from cachectl.index.models import Environment as EnvRow
 
 if TYPE_CHECKING:
     from cachectl.telemetry import TelemetryBatch
+
+
+def counter_sum(dialect: str, column: Any) -> Any:
+    """SUM of a counter column that can never fail: SQLite's SUM raises "integer overflow" past
+    2**63, its TOTAL() is a float that cannot; PostgreSQL's SUM(bigint) is numeric already."""
+    return func.total(column) if dialect == "sqlite" else func.coalesce(func.sum(column), 0)
 
 
 @dataclass(frozen=True)
@@ -54,8 +60,16 @@ class TelemetryStats:
 
 
 def record_telemetry(index: Index, env_id: int, batch: TelemetryBatch) -> int:
-    """Store one flush; returns how many telemetry rows were written."""
-    at = batch.ended_at
+    """Store one flush; returns how many telemetry rows were written.
+
+    Every counter must be one a process can report in one flush (check_batch: BadInput
+    otherwise), so no sum over the table can overflow."""
+    from cachectl.telemetry import check_batch
+
+    check_batch(batch)
+    # When the flush ended is the process's claim too: a row dated in the future would
+    # outlive every retention, so it is never later than now.
+    at = min(batch.ended_at, utcnow())
     rows = [
         {"environment_id": env_id, "at": at, "process": batch.process, "function": fn,
          "requests": c.requests, "hits": c.hits, "misses": c.misses, "writes": c.writes,
@@ -84,7 +98,8 @@ def record_telemetry(index: Index, env_id: int, batch: TelemetryBatch) -> int:
             if serving:
                 s.execute(ServingRecord.__table__.insert(), serving)
     if batch.hit_keys:
-        index.record_hits(env_id, dict(batch.hit_keys))
+        # A process reports when it hit each key: a claim, clamped to now (and to the entry's creation).
+        index.record_hits(env_id, dict(batch.hit_keys), not_after=utcnow())
     return len(rows) + len(serving)
 
 
@@ -141,14 +156,15 @@ def telemetry_stats(index: Index, cache: str, since: timedelta) -> TelemetryStat
         cache_id = s.scalar(select(Cache.id).where(Cache.name == cache))
         if cache_id is None:
             index.get_cache(cache)  # raises the standard NotFound
+        total = counter_sum
         cols = (
             func.count(func.distinct(TelemetryRecord.process)),
-            func.coalesce(func.sum(TelemetryRecord.requests), 0),
-            func.coalesce(func.sum(TelemetryRecord.hits), 0),
-            func.coalesce(func.sum(TelemetryRecord.misses), 0),
-            func.coalesce(func.sum(TelemetryRecord.writes), 0),
+            total(index.dialect, TelemetryRecord.requests),
+            total(index.dialect, TelemetryRecord.hits),
+            total(index.dialect, TelemetryRecord.misses),
+            total(index.dialect, TelemetryRecord.writes),
             func.coalesce(func.sum(TelemetryRecord.saved_seconds), 0.0),
-            func.coalesce(func.sum(TelemetryRecord.dropped), 0),
+            total(index.dialect, TelemetryRecord.dropped),
         )
         base = (
             select(EnvRow.digest, EnvRow.namespace)
@@ -172,3 +188,11 @@ def telemetry_stats(index: Index, cache: str, since: timedelta) -> TelemetryStat
     envs = [row(r[0], r[1], None, tuple(r[2:])) for r in per_env]
     fns = [row(r[0], r[1], r[2], tuple(r[3:])) for r in per_fn if r[2] is not None or int(r[4])]
     return TelemetryStats(cache, start, since.total_seconds(), envs, fns)
+
+
+def prune_telemetry(index: Index, older_than: timedelta, *, now: datetime | None = None) -> int:
+    """Delete telemetry rows older than ``older_than`` (the server's --telemetry-retention)."""
+    cutoff = (now or utcnow()) - older_than
+    with index.session() as s:
+        result = s.execute(delete(TelemetryRecord).where(TelemetryRecord.at < cutoff))
+        return int(result.rowcount or 0)

@@ -23,6 +23,7 @@ from cachectl.index import CacheInfo
 from cachectl.index.lifecycle_queries import (
     EnvSummary,
     environments,
+    environments_with_recent_hits,
     iter_selected_entries,
     selected_totals,
     warms_in_progress,
@@ -108,15 +109,28 @@ def _version(text: str) -> Version | None:
         return None
 
 
+# Scheduled maintenance never deletes an environment that served hits this recently when it
+# is the only one of its hardware group that did.
+RECENT_HITS_WINDOW = timedelta(days=7)
+
+
+def _group(e: EnvSummary) -> tuple[object, ...]:
+    return (e.backend, e.device_kind, e.device_count, e.xla_flags)
+
+
 def superseded_envs(envs: list[EnvSummary], keep: int) -> dict[int, str]:
     """environment id -> reason, for all but the newest ``keep`` JAX versions of each hardware group.
 
     A group is one backend, device kind, device count and set of XLA flags:
     the environments an upgrade replaces are the older versions inside it.
+    Only environments that hold entries take part: one recorded without any
+    (``resolve`` creates them from any fingerprint a writer sends) neither
+    supersedes nor is superseded.
     """
     groups: dict[tuple[object, ...], list[EnvSummary]] = defaultdict(list)
     for e in envs:
-        groups[(e.backend, e.device_kind, e.device_count, e.xla_flags)].append(e)
+        if e.entries > 0:
+            groups[_group(e)].append(e)
     out: dict[int, str] = {}
     for members in groups.values():
         versions = sorted({v for e in members if (v := _version(e.jax_version)) is not None}, reverse=True)
@@ -132,8 +146,14 @@ def superseded_envs(envs: list[EnvSummary], keep: int) -> dict[int, str]:
 
 
 def plan_prune(ctx: Context, cache: CacheInfo, crit: PruneCriteria, *,
-               now: datetime | None = None, store: Store | None = None) -> DeletionPlan:
-    """Build the prune plan from index queries alone."""
+               now: datetime | None = None, store: Store | None = None,
+               protect_active: bool = False) -> DeletionPlan:
+    """Build the prune plan from index queries alone.
+
+    ``protect_active`` (scheduled maintenance): a whole environment is never deleted when it
+    served hits within RECENT_HITS_WINDOW and no other environment of its hardware group that
+    stays did; it is listed as protected instead.
+    """
     now = now or utcnow()
     store = store or ctx.store(cache)
     if not crit.any:
@@ -199,6 +219,8 @@ def plan_prune(ctx: Context, cache: CacheInfo, crit: PruneCriteria, *,
         partial = sorted(i for i, (n, _b) in picked.items() if n < by_id[i].entries)
     else:
         whole, partial = candidates, []
+    if protect_active and whole:
+        whole = _protect_active(ctx, plan, all_envs, whole, now)
     for e in sorted(whole, key=lambda e: e.namespace):
         reason = "; ".join(env_reasons[e.id] + entry_reasons) or "selected"
         if crit.entry_level:
@@ -213,6 +235,26 @@ def plan_prune(ctx: Context, cache: CacheInfo, crit: PruneCriteria, *,
                                              ref.key, ref.size, reason, ref.aot_size))
         plan.entries.sort(key=lambda e: (e.namespace, e.key))
     return plan
+
+
+def _protect_active(ctx: Context, plan: DeletionPlan, all_envs: list[EnvSummary],
+                    candidates: list[EnvSummary], now: datetime) -> list[EnvSummary]:
+    """Candidates less each one that is its group's only environment with recent hits."""
+    active = environments_with_recent_hits(ctx.index, [e.id for e in all_envs], now - RECENT_HITS_WINDOW)
+    leaving = {e.id for e in candidates}
+    served: dict[tuple[object, ...], bool] = defaultdict(bool)
+    for e in all_envs:
+        if e.id not in leaving and e.id in active:
+            served[_group(e)] = True
+    kept = []
+    for e in candidates:
+        if e.id in active and not served[_group(e)]:
+            plan.protected.append(Protected(e.namespace, "the only environment of its hardware group with hits "
+                                            f"in the last {format_duration(RECENT_HITS_WINDOW)}",
+                                            e.entries, e.bytes))
+        else:
+            kept.append(e)
+    return kept
 
 
 def _criteria_dict(crit: PruneCriteria, keep: int) -> dict[str, object]:
@@ -236,17 +278,18 @@ def _criteria_dict(crit: PruneCriteria, keep: int) -> dict[str, object]:
 
 
 def prune(ctx: Context, cache: CacheInfo, crit: PruneCriteria, *, dry_run: bool = False,
-          batch_size: int = DELETE_BATCH, now: datetime | None = None) -> LifecycleResult:
+          batch_size: int = DELETE_BATCH, now: datetime | None = None,
+          protect_active: bool = False) -> LifecycleResult:
     """Plan, and unless ``dry_run``, execute under the cache's lifecycle lease."""
     if dry_run:
         started = time.monotonic()
-        plan = plan_prune(ctx, cache, crit, now=now)
+        plan = plan_prune(ctx, cache, crit, now=now, protect_active=protect_active)
         return LifecycleResult(plan, None, True, time.monotonic() - started)
     check_writer(cache, "prune")
     store = ctx.store(cache)
     with leases.held(ctx.index, cache.name, "prune") as lease:
         started = time.monotonic()
-        plan = plan_prune(ctx, cache, crit, now=now, store=store)
+        plan = plan_prune(ctx, cache, crit, now=now, store=store, protect_active=protect_active)
         planning = time.monotonic() - started
         execution = execute_plan(ctx.index, store, plan, lease=lease, batch_size=batch_size)
     return LifecycleResult(plan, execution, False, planning)

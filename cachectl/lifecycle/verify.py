@@ -23,6 +23,7 @@ into quarantine with it.
 
 from __future__ import annotations
 
+import io
 import time
 from collections import Counter, defaultdict
 from concurrent.futures import ThreadPoolExecutor
@@ -40,7 +41,7 @@ from cachectl.entries import (
     classify,
     parse_aot_filename,
     parse_entry_filename,
-    read_header,
+    scan_entry,
     sha256,
 )
 from cachectl.errors import BadInput
@@ -60,8 +61,11 @@ from cachectl.lifecycle.lease import Lease
 from cachectl.lifecycle.sync import _group_by_namespace
 from cachectl.namespace import QUARANTINE_DIR, read_env_json
 from cachectl.permissions import check_writer
-from cachectl.store import FileInfo, Store
+from cachectl.store import FileInfo, NotRegularFile, Store
 from cachectl.units import format_duration
+
+# What entries.decompress() allowed: verify checks any stored entry, however it got there.
+MAX_EXPANDED_BYTES = 1 << 34
 
 # Kinds of finding, and what --quarantine / --repair does about each.
 MISSING = "missing"            # index row, no file: row dropped (repair)
@@ -138,12 +142,16 @@ def _check_entry(store: Store, path: str, size: int, digest: str) -> tuple[str |
     """(kind or None, detail, bytes read) for one indexed entry file."""
     try:
         data = store.read_bytes(path)
+    except NotRegularFile:
+        return CORRUPT, "not a regular file (a symlink, or reached through one): never read", 0
     except FileNotFoundError:
         return MISSING, "file is gone", 0
     problems = []
     corrupt = None
     try:
-        read_header(data)
+        # Streamed: an entry that expands enormously (a decompression bomb stored before
+        # uploads were checked) costs time here, never memory.
+        scan_entry(io.BytesIO(data), MAX_EXPANDED_BYTES)
     except CorruptEntry as exc:
         corrupt = str(exc)
     if len(data) != size:
