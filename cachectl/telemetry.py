@@ -131,6 +131,11 @@ class TelemetryBatch:
         return out
 
 
+# cachectl.serving's per-flush bounds (dispatch.MAX_SIZES_PER_FLUSH keeps within them).
+MAX_SERVING_AXES = 32
+MAX_SERVING_SIZES = 1024
+
+
 def check_batch(batch: TelemetryBatch) -> None:
     """BadInput unless every counter of ``batch`` is one a process can report in one flush."""
     def count(name: str, value: int) -> None:
@@ -147,6 +152,16 @@ def check_batch(batch: TelemetryBatch) -> None:
     for key, (n, _at) in batch.hit_keys.items():
         count(f"hits of key {key[:80]!r}", n)
     count("dropped", batch.dropped)
+    for fn, sc in batch.serving.items():
+        for name in ("calls", "aot", "fallback", "out_of_bucket", "padded"):
+            count(f"served {name} of {fn!r}", getattr(sc, name))
+        if len(sc.sizes) > MAX_SERVING_AXES or any(len(v) > MAX_SERVING_SIZES for v in sc.sizes.values()):
+            raise BadInput(f"telemetry sizes of {fn!r}: at most {MAX_SERVING_AXES} axes of "
+                           f"{MAX_SERVING_SIZES} sizes per flush")
+        for axis, sizes in sc.sizes.items():
+            for size, n in sizes.items():
+                count(f"size {axis}={size!r} of {fn!r}", n)
+                count(f"size value of {axis!r} in {fn!r}", size)
 
 
 class TelemetrySink(Protocol):

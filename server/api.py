@@ -22,7 +22,7 @@ from cachectl.index import EnvironmentInfo, warm_runs
 from cachectl.index import server_queries as sq
 from cachectl.index.telemetry_queries import record_telemetry, telemetry_stats
 from cachectl.namespace import ensure_namespace
-from cachectl.telemetry import FunctionCounts, TelemetryBatch
+from cachectl.telemetry import FunctionCounts, ServingCounts, TelemetryBatch
 from cachectl.units import parse_duration, parse_size
 
 from . import schemas
@@ -284,7 +284,11 @@ def ingest_telemetry(request: Request, body: schemas.TelemetryIn) -> JSONRespons
                      for f in b.functions}
         batch = TelemetryBatch(process=b.process, cache=b.cache, environment_digest=env.digest,
                                started_at=b.started_at, ended_at=b.ended_at, functions=functions,
-                               hit_keys={k.key: (k.count, k.at) for k in b.hit_keys}, dropped=b.dropped)
+                               hit_keys={k.key: (k.count, k.at) for k in b.hit_keys}, dropped=b.dropped,
+                               serving={s.function: ServingCounts(
+                                   s.calls, s.aot, s.fallback, s.out_of_bucket, s.padded,
+                                   {axis: {int(size): n for size, n in sizes.items()}
+                                    for axis, sizes in s.sizes.items()}) for s in b.serving})
         rows += record_telemetry(state.index, env.id, batch)
         totals = batch.totals()
         state.metrics.telemetry_requests.labels(b.cache).inc(totals.requests)

@@ -9,7 +9,12 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from cachectl.errors import BadInput
 from cachectl.fingerprint import FINGERPRINT_VERSION, Environment, check_version
-from cachectl.telemetry import MAX_FLUSH_COUNT, MAX_FLUSH_SECONDS
+from cachectl.telemetry import (
+    MAX_FLUSH_COUNT,
+    MAX_FLUSH_SECONDS,
+    MAX_SERVING_AXES,
+    MAX_SERVING_SIZES,
+)
 
 Name = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")]
 Hex64 = Annotated[str, Field(min_length=64, max_length=64, pattern=r"^[0-9a-f]{64}$")]
@@ -81,6 +86,21 @@ class HitKeyIn(Strict):
     at: datetime  # a claim: the index clamps it to [the entry's creation, now]
 
 
+class ServingCountsIn(Strict):
+    """cachectl.serving's counters of one function in one flush, with the raw sizes per axis."""
+
+    function: Annotated[str, Field(min_length=1, max_length=256)]
+    calls: FlushCount = 0
+    aot: FlushCount = 0
+    fallback: FlushCount = 0
+    out_of_bucket: FlushCount = 0
+    padded: FlushCount = 0
+    sizes: Annotated[dict[Annotated[str, Field(max_length=64)],
+                          Annotated[dict[Annotated[str, Field(max_length=12, pattern=r"^[0-9]+$")], FlushCount],
+                                    Field(max_length=MAX_SERVING_SIZES)]],
+                     Field(max_length=MAX_SERVING_AXES)] = {}
+
+
 class TelemetryBatchIn(Strict):
     """One flush of one process (cachectl.telemetry.TelemetryBatch on the wire)."""
 
@@ -92,6 +112,7 @@ class TelemetryBatchIn(Strict):
     functions: Annotated[list[FunctionCountsIn], Field(max_length=10_000)] = []
     hit_keys: Annotated[list[HitKeyIn], Field(max_length=20_000)] = []
     dropped: FlushCount = 0
+    serving: Annotated[list[ServingCountsIn], Field(max_length=1_000)] = []
 
 
 class TelemetryIn(Strict):

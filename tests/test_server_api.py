@@ -411,3 +411,29 @@ def test_storage_credentials_never_leave_the_server(tmp_path) -> None:
         text = c.get(path, headers=r).text
         assert "AKIA-SECRET" not in text and "s3cr3t" not in text and "t0k" not in text, path
         assert "http://x" in text and "<redacted>" in text
+
+
+def test_serving_telemetry_through_the_server_is_bounded_and_recorded(world) -> None:
+    """cachectl.serving's counts and raw sizes, as ServerSink sends them (client.telemetry_wire)."""
+    from datetime import timedelta
+
+    from cachectl.client import telemetry_wire
+    from cachectl.index.telemetry_queries import serving_usage
+    from cachectl.telemetry import ServingCounts, TelemetryBatch
+
+    s, app, c = world
+    r = bearer(s.tokens["reader"])
+    now = datetime.now(timezone.utc)
+    batch = TelemetryBatch(process="host:7", cache=MAIN, environment_digest=s.digest, started_at=now,
+                           ended_at=now, functions={}, hit_keys={}, dropped=0,
+                           serving={"prefill": ServingCounts(5, 4, 1, 0, 3, {"seq": {17: 2, 50: 3}})})
+    wire = telemetry_wire(batch)
+    res = c.post(f"{API}/telemetry", json={"batches": [wire]}, headers=r)
+    assert res.status_code == 200 and res.json()["rows"] == 1, res.text
+    (usage,) = serving_usage(open_index(s.db), MAIN, timedelta(hours=1))
+    assert (usage.function, usage.calls, usage.aot, usage.fallback, usage.padded) == ("prefill", 5, 4, 1, 3)
+    assert usage.sizes == {"seq": {17: 2, 50: 3}}
+    huge = {**wire, "serving": [{**wire["serving"][0], "calls": 2**53}]}
+    assert c.post(f"{API}/telemetry", json={"batches": [huge]}, headers=r).status_code == 422
+    many = {**wire, "serving": [{**wire["serving"][0], "sizes": {"seq": {str(n): 1 for n in range(2000)}}}]}
+    assert c.post(f"{API}/telemetry", json={"batches": [many]}, headers=r).status_code == 422

@@ -195,4 +195,5 @@ def prune_telemetry(index: Index, older_than: timedelta, *, now: datetime | None
     cutoff = (now or utcnow()) - older_than
     with index.session() as s:
         result = s.execute(delete(TelemetryRecord).where(TelemetryRecord.at < cutoff))
-        return int(result.rowcount or 0)
+        served = s.execute(delete(ServingRecord).where(ServingRecord.at < cutoff))
+        return int(result.rowcount or 0) + int(served.rowcount or 0)
