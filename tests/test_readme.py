@@ -221,3 +221,30 @@ def test_readme_nnx_and_equinox_recipes_warm_and_hit(tmp_path: Path) -> None:
     assert stats.returncode == 0, stats.stderr
     forward = [f for f in json.loads(stats.stdout)["functions"] if f["function"] == "jit_forward"]
     assert [(f["requests"], f["hits"], f["misses"]) for f in forward] == [(4, 4, 0)], forward
+
+    # The same manifest through cachectl.serving: NNX State and Equinox trees as arguments,
+    # every call (padded 3 -> 8) on a stored executable, nothing traced or compiled.
+    serving = """
+import json, numpy as np, jax, equinox as eqx
+from flax import nnx
+import cachectl, eqx_model, nnx_model
+events = []
+jax.monitoring.register_event_duration_secs_listener(lambda e, d, **k: events.append(e))
+rt = cachectl.serving("models.yaml")
+_, state = nnx.split(nnx_model.make_model())
+params, _ = eqx.partition(eqx_model.make_model(), eqx.is_array)
+jax.block_until_ready((state, params))
+before = len([e for e in events if e.endswith(("jaxpr_trace_duration", "backend_compile_duration"))])
+shapes = [(rt["nnx_forward"](state, np.ones((n, 16), np.float32)).shape,
+           rt["eqx_forward"](params, np.ones((n, 16), np.float32)).shape) for n in (1, 3, 8)]
+after = len([e for e in events if e.endswith(("jaxpr_trace_duration", "backend_compile_duration"))])
+report = rt.report().to_json()["functions"]
+print(json.dumps({"compiles": after - before, "aot": [report[f]["aot"] for f in ("nnx_forward", "eqx_forward")],
+                  "shapes": [[list(a), list(b)] for a, b in shapes]}))
+"""
+    served = subprocess.run([sys.executable, "-c", serving], cwd=tmp_path, capture_output=True, text=True,
+                            timeout=600)
+    assert served.returncode == 0, served.stderr
+    out = json.loads(served.stdout.strip().splitlines()[-1])
+    assert out["compiles"] == 0 and out["aot"] == [3, 3], out
+    assert out["shapes"] == [[[1, 4], [1, 4]], [[8, 4], [8, 4]], [[8, 4], [8, 4]]], out
