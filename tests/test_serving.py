@@ -491,3 +491,16 @@ def test_serving_from_a_verified_mirror(tmp_path: Path) -> None:
     assert fn["aot"] == 5 and fn["fallback"] == 0, out["report"]
     assert out["report"]["namespace"] == str(mirror)
     assert sorted(p.name for p in mirror.glob("*-aot")) == sorted(f"{b['key']}-aot" for b in report["buckets"])
+
+
+def test_eqx_filter_jit_functions_are_refused_with_what_to_write(tmp_path: Path) -> None:
+    pytest.importorskip("equinox")
+    (tmp_path / "sv_eqx.py").write_text(
+        "import equinox as eqx, jax.numpy as jnp\n\n@eqx.filter_jit\ndef step(x):\n    return jnp.sin(x)\n")
+    manifest = tmp_path / "eqx.yaml"
+    manifest.write_text("version: 1\nfunctions:\n  - fn: sv_eqx:step\n    args:\n"
+                        "      - {shape: [4], dtype: float32}\n")
+    result = CliRunner().invoke(cli, ["warm", str(manifest), "--dry-run"])
+    assert result.exit_code == 2, result.output
+    (line,) = result.stderr.strip().splitlines()
+    assert "eqx.filter_jit" in line and "plain function" in line and "eqx.yaml:3" in line, line
