@@ -127,9 +127,48 @@ def payload_of(compiled: Any) -> bytes:
         # The devices it runs on: loading onto any other list breaks it (a 1-device
         # program loaded for all 4 host devices expects 4 shards per argument).
         device_ids = [d.id for d in unloaded.device_list]
-        return pickle.dumps((meta, in_tree, compiled.out_tree, device_ids), protocol=pickle.HIGHEST_PROTOCOL)
+        out_tree = compiled.out_tree
+        if not _survives_pickle(out_tree):
+            raise AotError("the outputs' pytree does not survive pickling (a custom node type): "
+                           "return arrays, tuples, lists or dicts")
+        # A custom node whose unpickled treedef is not the same (Equinox modules) is left out:
+        # the runtime takes the structure from the first call and checks every leaf's aval.
+        stored_in = in_tree if _survives_pickle(in_tree) else None
+        return pickle.dumps((meta, stored_in, out_tree, device_ids), protocol=pickle.HIGHEST_PROTOCOL)
     except (pickle.PicklingError, TypeError, AttributeError, ValueError) as exc:
         raise AotError(f"JAX cannot serialize this program: {type(exc).__name__}: {exc}") from None
+
+
+def _survives_pickle(tree: Any) -> bool:
+    try:
+        return bool(pickle.loads(pickle.dumps(tree)) == tree)
+    except Exception:  # noqa: BLE001 - any failure means: do not store it
+        return False
+
+
+class Unbound:
+    """A loaded executable whose input structure was not storable: bound at its first call.
+
+    ``bind`` takes the call's own structure; the executable then checks every
+    leaf's shape and dtype against what warm compiled, as for any Compiled.
+    """
+
+    def __init__(self, loaded: Any, args_info_flat: list[Any], out_tree: Any, no_kwargs: bool) -> None:
+        self._loaded, self._args_info_flat = loaded, args_info_flat
+        self._out_tree, self._no_kwargs = out_tree, no_kwargs
+
+    @property
+    def num_leaves(self) -> int:
+        return len(self._args_info_flat)
+
+    def bind(self, in_tree: Any) -> Any:
+        import jax
+
+        if in_tree.num_leaves != len(self._args_info_flat):
+            raise AotError(f"the call has {in_tree.num_leaves} array leaves; the stored executable takes "
+                           f"{len(self._args_info_flat)}")
+        return jax.stages.Compiled(self._loaded, [], in_tree.unflatten(self._args_info_flat), self._out_tree,
+                                   no_kwargs=self._no_kwargs)
 
 
 def pack(payload: bytes, *, key: str, entry_sha256: str, function: str | None = None,
@@ -220,8 +259,11 @@ def load(data: bytes, entry_bytes: bytes, *, devices: Any = None) -> tuple[AotHe
             execution = [by_id[i] for i in device_ids]
         unloaded, args_info_flat, no_kwargs = _EntryRefUnpickler(
             io.BytesIO(meta), backend, execution).load()
-        compiled = jax.stages.Compiled(
-            unloaded.load(), [], in_tree.unflatten(args_info_flat), out_tree, no_kwargs=no_kwargs)
+        if in_tree is None:
+            compiled = Unbound(unloaded.load(), args_info_flat, out_tree, no_kwargs)
+        else:
+            compiled = jax.stages.Compiled(
+                unloaded.load(), [], in_tree.unflatten(args_info_flat), out_tree, no_kwargs=no_kwargs)
     except (CorruptEntry, AotError):
         raise
     except Exception as exc:  # noqa: BLE001 - whatever JAX raises, the caller falls back to jit

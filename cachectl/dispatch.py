@@ -289,6 +289,14 @@ class ServedFunction:
             with self._lock:
                 self.padded += 1
         slot.ensure_loaded()
+        if isinstance(slot.compiled, aot.Unbound):
+            dynamic = tuple(call_args[i] for i in self._dynamic)
+            import jax
+
+            try:
+                slot.compiled = slot.compiled.bind(jax.tree_util.tree_structure((dynamic, {})))
+            except aot.AotError as exc:
+                raise StructureMismatch(f"{self.name}: {exc}") from None
         if slot.compiled is not None:
             try:
                 out = slot.compiled(*[call_args[i] for i in self._dynamic])
