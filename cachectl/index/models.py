@@ -219,6 +219,30 @@ class ServingRecord(Base):
     sizes: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
 
 
+class SignatureRecord(Base):
+    """One program signature a service compiled (one row per environment, function and
+    signature, counters added on each flush; bounded per function, overflow in digest '*')."""
+
+    __tablename__ = "signatures"
+    __table_args__ = (Index("ix_signatures_env_fn_digest", "environment_id", "function", "digest"),
+                      Index("ix_signatures_env_last", "environment_id", "last_seen"))
+
+    id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True)
+    environment_id: Mapped[int] = mapped_column(ForeignKey("environments.id", ondelete="CASCADE"))
+    function: Mapped[str] = mapped_column(String(512))
+    digest: Mapped[str] = mapped_column(String(64))
+    key: Mapped[str | None] = mapped_column(String(512))
+    # [[shape, dtype, weak_type, sharding or null], ...] per flat input
+    leaves: Mapped[list[Any]] = mapped_column(JSON, default=list)
+    requests: Mapped[int] = mapped_column(BigInteger, default=0)
+    hits: Mapped[int] = mapped_column(BigInteger, default=0)
+    misses: Mapped[int] = mapped_column(BigInteger, default=0)
+    uncacheable: Mapped[int] = mapped_column(BigInteger, default=0)
+    repeats: Mapped[int] = mapped_column(BigInteger, default=0)
+    first_seen: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    last_seen: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+
+
 class Token(Base):
     __tablename__ = "tokens"
 

@@ -8,14 +8,16 @@ files only with its own size limit on). Stats aggregate in the database.
 
 from __future__ import annotations
 
+import hashlib
+import json
 from dataclasses import dataclass
-from datetime import datetime, timedelta
-from typing import TYPE_CHECKING
+from datetime import datetime, timedelta, timezone
+from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import func, select
 
 from cachectl.index import Index
-from cachectl.index.models import Cache, ServingRecord, TelemetryRecord, utcnow
+from cachectl.index.models import Cache, ServingRecord, SignatureRecord, TelemetryRecord, utcnow
 from cachectl.index.models import Environment as EnvRow
 
 if TYPE_CHECKING:
@@ -85,7 +87,114 @@ def record_telemetry(index: Index, env_id: int, batch: TelemetryBatch) -> int:
                 s.execute(ServingRecord.__table__.insert(), serving)
     if batch.hit_keys:
         index.record_hits(env_id, dict(batch.hit_keys))
+    if batch.signatures or batch.signatures_dropped:
+        record_signatures(index, env_id, batch)
     return len(rows) + len(serving)
+
+
+MAX_SIGNATURES_PER_FUNCTION = 256  # rows per (environment, function); the rest add up in digest '*'
+OVERFLOW_DIGEST = "*"
+
+
+def signature_digest(module: str, leaves: list, key: str | None) -> str:
+    canon = json.dumps([module, leaves, key], separators=(",", ":"), default=str)
+    return hashlib.sha256(canon.encode()).hexdigest()
+
+
+def record_signatures(index: Index, env_id: int, batch: TelemetryBatch) -> int:
+    """Add one flush's signature counts: one row per signature, bounded per function."""
+    def utc(ts: float) -> datetime:
+        return datetime.fromtimestamp(ts, tz=timezone.utc)
+
+    merged: dict[tuple[str, str], dict[str, Any]] = {}
+    for (module, _leaves, key), c in batch.signatures.items():
+        leaves = [[list(shape), dtype, weak, sharding] for shape, dtype, weak, sharding in c.leaves]
+        digest = signature_digest(module, leaves, key)
+        merged[(module, digest)] = {"key": key, "leaves": leaves, "requests": c.requests, "hits": c.hits,
+                                    "misses": c.misses, "uncacheable": c.uncacheable, "repeats": c.repeats,
+                                    "first_seen": utc(c.first_seen or batch.ended_at.timestamp()),
+                                    "last_seen": utc(c.last_seen or batch.ended_at.timestamp())}
+    if batch.signatures_dropped:
+        merged[("", OVERFLOW_DIGEST)] = {"key": None, "leaves": [], "requests": batch.signatures_dropped,
+                                         "hits": 0, "misses": batch.signatures_dropped, "uncacheable": 0,
+                                         "repeats": 0, "first_seen": batch.started_at,
+                                         "last_seen": batch.ended_at}
+    counters = ("requests", "hits", "misses", "uncacheable", "repeats")
+    written = 0
+    with index.session() as s:
+        for module in sorted({m for m, _ in merged}):
+            mine = {d: v for (m, d), v in merged.items() if m == module}
+            existing = {row.digest: row for row in s.scalars(
+                select(SignatureRecord).where(SignatureRecord.environment_id == env_id,
+                                              SignatureRecord.function == module,
+                                              SignatureRecord.digest.in_(list(mine) + [OVERFLOW_DIGEST])))}
+            total = s.scalar(select(func.count()).select_from(SignatureRecord).where(
+                SignatureRecord.environment_id == env_id, SignatureRecord.function == module)) or 0
+            for digest, v in mine.items():
+                row = existing.get(digest)
+                if row is None and total >= MAX_SIGNATURES_PER_FUNCTION:
+                    digest = OVERFLOW_DIGEST
+                    row = existing.get(digest)
+                    v = {**v, "leaves": [], "key": None}
+                if row is None:
+                    row = SignatureRecord(environment_id=env_id, function=module, digest=digest, key=v["key"],
+                                          leaves=v["leaves"], first_seen=v["first_seen"],
+                                          last_seen=v["last_seen"], **{k: v[k] for k in counters})
+                    s.add(row)
+                    existing[digest] = row
+                    total += 1
+                    written += 1
+                else:
+                    for k in counters:
+                        setattr(row, k, int(getattr(row, k) or 0) + v[k])
+                    row.last_seen = max(row.last_seen, v["last_seen"])
+        s.flush()
+    return written
+
+
+@dataclass(frozen=True)
+class SignatureRow:
+    """One signature's counts over a window (summed across environments' duplicate rows)."""
+
+    environment: str
+    function: str
+    digest: str
+    key: str | None
+    leaves: list[Any]
+    requests: int
+    hits: int
+    misses: int
+    uncacheable: int
+    repeats: int
+    first_seen: datetime
+    last_seen: datetime
+
+
+def signature_usage(index: Index, cache: str, since: timedelta, *, function: str | None = None
+                    ) -> list[SignatureRow]:
+    """Every signature seen since ``since`` ago in ``cache``, per environment."""
+    start = utcnow() - since
+    out: dict[tuple[str, str, str], dict[str, Any]] = {}
+    with index.read_session() as s:
+        q = (select(EnvRow.digest, SignatureRecord)
+             .join(SignatureRecord, SignatureRecord.environment_id == EnvRow.id)
+             .join(Cache, Cache.id == EnvRow.cache_id)
+             .where(Cache.name == cache, SignatureRecord.last_seen >= start))
+        if function is not None:
+            q = q.where(SignatureRecord.function == function)
+        for env, r in s.execute(q):
+            acc = out.get((env, r.function, r.digest))
+            if acc is None:
+                out[(env, r.function, r.digest)] = {
+                    "key": r.key, "leaves": r.leaves, "requests": r.requests, "hits": r.hits,
+                    "misses": r.misses, "uncacheable": r.uncacheable, "repeats": r.repeats,
+                    "first_seen": r.first_seen, "last_seen": r.last_seen}
+            else:
+                for k in ("requests", "hits", "misses", "uncacheable", "repeats"):
+                    acc[k] += getattr(r, k)
+                acc["first_seen"] = min(acc["first_seen"], r.first_seen)
+                acc["last_seen"] = max(acc["last_seen"], r.last_seen)
+    return [SignatureRow(env, fn, digest, **v) for (env, fn, digest), v in sorted(out.items())]
 
 
 @dataclass(frozen=True)
