@@ -12,6 +12,13 @@ JAX 0.10.2 names what a compile request is for in two debug log calls:
   it uses host callbacks"`` or ``"... because it took < %.2f seconds to compile (%.2fs)"``
   after a miss JAX decided not to write: an uncacheable program.
 
+Where JAX knows them, the frames of that same call say more: the lowering frame
+(``_cached_lowering_to_hlo``) holds the jaxpr, whose ``debug_info.func_src_info`` is the
+Python name and source location ("f at model.py:12"); the jit call's ``cache_miss`` frame
+(``pjit.py``) holds the call's ``args``, ``kwargs`` and ``jit_info``, whose static argnums
+and argnames give the static argument values. Only a ``jit`` call has that frame;
+``.lower()`` and ``.trace()`` do not, so their static values stay unknown.
+
 The order on one thread is: lowering log, request event, hit/miss log (module, key),
 then the hit event or the write event or the not-writing log.
 """
@@ -20,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import sys
 from typing import Any
 
 PXLA_LOGGER = "jax._src.interpreters.pxla"
@@ -85,6 +93,48 @@ def leaves_of(in_avals: Any, in_shardings: Any) -> tuple[Leaf, ...]:
         s = sharding_text(shardings[i]) if i < len(shardings) else None
         out.append((shape, name, bool(getattr(aval, "weak_type", False)), s))
     return tuple(out)
+
+
+LOWERING_FRAME = "_cached_lowering_to_hlo"
+CALL_FRAME = "cache_miss"
+CALL_FILE = "pjit.py"
+_MAX_FRAMES = 40
+_MAX_VALUE_TEXT = 80
+
+
+def _value_text(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= _MAX_VALUE_TEXT else text[: _MAX_VALUE_TEXT - 1] + "…"
+
+
+def call_context(skip: int = 2) -> tuple[str | None, tuple[tuple[Any, str], ...] | None]:
+    """(source "f at file:line", ((argnum or argname, repr of value), ...) static values) of the
+    jit call being lowered, read from the frames above the lowering log call; None where unknown."""
+    source: str | None = None
+    statics: tuple[tuple[Any, str], ...] | None = None
+    try:
+        frame: Any = sys._getframe(skip)
+    except ValueError:
+        return None, None
+    for _ in range(_MAX_FRAMES):
+        if frame is None:
+            break
+        code = frame.f_code
+        if source is None and code.co_name == LOWERING_FRAME:
+            jaxpr = frame.f_locals.get("closed_jaxpr")
+            info = getattr(getattr(jaxpr, "jaxpr", None), "debug_info", None)
+            source = getattr(info, "func_src_info", None)
+        elif code.co_name == CALL_FRAME and code.co_filename.endswith(CALL_FILE):
+            local = frame.f_locals
+            info, args, kwargs = local.get("jit_info"), local.get("args", ()), local.get("kwargs", {})
+            if info is not None:
+                values = [(i, _value_text(args[i])) for i in getattr(info, "static_argnums", ()) if i < len(args)]
+                values += [(k, _value_text(kwargs[k])) for k in getattr(info, "static_argnames", ())
+                           if k in kwargs]
+                statics = tuple(values)
+            break
+        frame = frame.f_back
+    return source, statics
 
 
 def uncacheable(args: tuple[Any, ...], msg: str) -> bool | None:

@@ -41,7 +41,8 @@ class ExpectedSignature:
     leaves: tuple[jax_signatures.Leaf, ...]
     # per flat input: (argument position or kwarg name, parameter name, leaf path, array ArgSpec shape)
     origins: tuple[tuple[Any, str | None, str, Any], ...] | None
-    statics: dict[str, Any]
+    statics: dict[str, Any]  # parameter name -> static value
+    params: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -73,6 +74,8 @@ class MissedSignature:
     repeats: int
     nearest: str | None
     last_seen: datetime
+    source: str | None = None  # "f at model.py:12", where JAX knew it
+    statics: list[Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -163,10 +166,17 @@ def _origins(spec: Any, args: tuple[Any, ...], kwargs: dict[str, Any], names: li
     return out
 
 
-def _statics(spec: Any, bucket_values: dict[str, Any]) -> dict[str, Any]:
-    """Bucket axes no array shape names: static values (kwargs {axis: A} or pytree parameters)."""
-    shaped = {d for a in spec.args if a.kind == "array" for d in (a.shape or []) if isinstance(d, str)}
-    return {k: v for k, v in bucket_values.items() if k not in shaped}
+def _statics(spec: Any, bucket_values: dict[str, Any], names: list[str]) -> dict[str, Any]:
+    """The static values of one bucket by parameter name: kwargs (a fixed value or an axis's value)
+    and positional ``{value}`` arguments."""
+    out: dict[str, Any] = {}
+    for k, v in spec.kwargs.items():
+        if k in spec.jit.static_argnames:
+            out[k] = bucket_values[v["axis"]] if isinstance(v, dict) else v
+    for a, arg in enumerate(spec.args):
+        if arg.kind == "value":
+            out[names[a] if a < len(names) else str(a)] = arg.value
+    return out
 
 
 def expected_signatures(manifest_path: str | Path, *, function: str | None = None
@@ -196,10 +206,11 @@ def expected_signatures(manifest_path: str | Path, *, function: str | None = Non
             if function is not None and function not in (module, spec.name):
                 continue
             leaves = capture.seen[-1][1] if capture.seen else ()
-            origins = _origins(spec, args, kwargs, _param_names(fn))
+            names = _param_names(fn)
+            origins = _origins(spec, args, kwargs, names)
             out.append(ExpectedSignature(spec.name, module, dict(bucket.values), bucket.label, leaves,
                                          tuple(origins) if len(origins) == len(leaves) else None,
-                                         _statics(spec, bucket.values)))
+                                         _statics(spec, bucket.values, names), tuple(names)))
     return out
 
 
@@ -312,6 +323,14 @@ def _explain(row: SignatureRow, exp: ExpectedSignature, buckets: dict[str, list[
 def _static_finding(row: SignatureRow, exp: ExpectedSignature, statics: dict[str, list[Any]],
                     n_missed: int) -> MissFinding:
     module = row.function
+    for k, text in row.statics or []:
+        name = exp.params[k] if isinstance(k, int) and k < len(exp.params) else str(k)
+        warmed = statics.get(name)
+        if warmed is not None and text not in {repr(v) for v in warmed}:
+            return MissFinding(module, exp.name, "static",
+                               f"{module} static {name}={text} not among {_fmt(warmed)}", arg=name,
+                               field="static", observed=text, expected=warmed, bucket=exp.label,
+                               requests=row.requests, misses=n_missed)
     if statics:
         known = "; ".join(f"{k} among {_fmt(v)}" for k, v in statics.items())
         msg = (f"{module} arguments match bucket [{exp.label}] but the program differs: a static argument "
@@ -427,7 +446,8 @@ def misses(ctx: Any, *, since: timedelta, function: str | None = None, manifest:
         if candidates:
             nearest = min(candidates, key=lambda e: _distance(leaves, e.leaves))
         missed.append(MissedSignature(r.function, r.digest, r.leaves, r.requests, n_missed, r.uncacheable,
-                                      r.repeats, nearest.label if nearest else None, r.last_seen))
+                                      r.repeats, nearest.label if nearest else None, r.last_seen,
+                                      r.source, r.statics))
         if r.repeats:
             findings.append(MissFinding(
                 r.function, names.get(r.function), "rejit",
@@ -457,7 +477,11 @@ def misses(ctx: Any, *, since: timedelta, function: str | None = None, manifest:
             if diffs:
                 findings.extend(diffs)
             else:
-                statics = {k: v for k, v in buckets_of.get(r.function, {}).items() if k in nearest.statics}
+                statics: dict[str, list[Any]] = {}
+                for e in by_module[r.function]:
+                    for k, v in e.statics.items():
+                        if v not in statics.setdefault(k, []):
+                            statics[k].append(v)
                 findings.append(_static_finding(r, nearest, statics, n_missed))
     for module, mrows in per_module_missed.items():
         findings.extend(_explosions(module, names.get(module), mrows, by_module.get(module, [])))

@@ -96,6 +96,8 @@ class SignatureCounts:
     repeats: int = 0
     first_seen: float = 0.0
     last_seen: float = 0.0
+    source: str | None = None  # "f at model.py:12", where JAX knows it
+    statics: tuple[tuple[Any, str], ...] | None = None  # ((argnum or argname, repr), ...) of a jit call
 
 
 @dataclass
@@ -131,8 +133,8 @@ class TelemetryBatch:
     hit_keys: dict[str, tuple[int, datetime]]
     dropped: int
     serving: dict[str, ServingCounts] = field(default_factory=dict)
-    # (module, leaves, key) -> counts
-    signatures: dict[tuple[str, tuple[Any, ...], str | None], SignatureCounts] = field(default_factory=dict)
+    # (module, leaves, key, statics) -> counts
+    signatures: dict[tuple[Any, ...], SignatureCounts] = field(default_factory=dict)
     signatures_dropped: int = 0
 
     @property
@@ -447,7 +449,9 @@ class Collector:
 
     def _on_lowering(self, module: Any, in_avals: Any, in_shardings: Any) -> None:
         with contextlib.suppress(Exception):  # telemetry never breaks a compile
-            self._thread_state()[2] = (str(module), jax_signatures.leaves_of(in_avals, in_shardings))
+            source, statics = jax_signatures.call_context(3)
+            self._thread_state()[2] = (str(module), jax_signatures.leaves_of(in_avals, in_shardings),
+                                       source, statics)
 
     def _record_signature(self, state: list[Any], hit: bool, module: str, key: str) -> None:
         """Under self._lock: count this request against the signature its lowering logged."""
@@ -455,14 +459,15 @@ class Collector:
         # pxla names the lowering jit(f), the compiler's module is jit_f: same thread, same order.
         if pending is None:
             return
-        ident = (module, pending[1], key)
+        ident = (module, pending[1], key, pending[3])
         now = self._clock()
         counts = self._signatures.get(ident)
         if counts is None:
             if len(self._signatures) >= self.max_signatures:
                 self._sig_dropped += 1
                 return
-            counts = self._signatures[ident] = SignatureCounts(pending[1], key, first_seen=now)
+            counts = self._signatures[ident] = SignatureCounts(pending[1], key, first_seen=now,
+                                                               source=pending[2], statics=pending[3])
         counts.requests += 1
         counts.last_seen = now
         if hit:

@@ -234,6 +234,8 @@ class SignatureRecord(Base):
     key: Mapped[str | None] = mapped_column(String(512))
     # [[shape, dtype, weak_type, sharding or null], ...] per flat input
     leaves: Mapped[list[Any]] = mapped_column(JSON, default=list)
+    source: Mapped[str | None] = mapped_column(String(512))  # "f at model.py:12"
+    statics: Mapped[list[Any] | None] = mapped_column(JSON)  # [[argnum or argname, repr], ...]
     requests: Mapped[int] = mapped_column(BigInteger, default=0)
     hits: Mapped[int] = mapped_column(BigInteger, default=0)
     misses: Mapped[int] = mapped_column(BigInteger, default=0)

@@ -96,8 +96,8 @@ MAX_SIGNATURES_PER_FUNCTION = 256  # rows per (environment, function); the rest 
 OVERFLOW_DIGEST = "*"
 
 
-def signature_digest(module: str, leaves: list, key: str | None) -> str:
-    canon = json.dumps([module, leaves, key], separators=(",", ":"), default=str)
+def signature_digest(module: str, leaves: list, key: str | None, statics: list | None = None) -> str:
+    canon = json.dumps([module, leaves, key, statics], separators=(",", ":"), default=str)
     return hashlib.sha256(canon.encode()).hexdigest()
 
 
@@ -107,15 +107,17 @@ def record_signatures(index: Index, env_id: int, batch: TelemetryBatch) -> int:
         return datetime.fromtimestamp(ts, tz=timezone.utc)
 
     merged: dict[tuple[str, str], dict[str, Any]] = {}
-    for (module, _leaves, key), c in batch.signatures.items():
+    for (module, *_rest), c in batch.signatures.items():
         leaves = [[list(shape), dtype, weak, sharding] for shape, dtype, weak, sharding in c.leaves]
-        digest = signature_digest(module, leaves, key)
-        merged[(module, digest)] = {"key": key, "leaves": leaves, "requests": c.requests, "hits": c.hits,
+        statics = None if c.statics is None else [[k, v] for k, v in c.statics]
+        digest = signature_digest(module, leaves, c.key, statics)
+        merged[(module, digest)] = {"key": c.key, "leaves": leaves, "source": c.source, "statics": statics, "requests": c.requests, "hits": c.hits,
                                     "misses": c.misses, "uncacheable": c.uncacheable, "repeats": c.repeats,
                                     "first_seen": utc(c.first_seen or batch.ended_at.timestamp()),
                                     "last_seen": utc(c.last_seen or batch.ended_at.timestamp())}
     if batch.signatures_dropped:
-        merged[("", OVERFLOW_DIGEST)] = {"key": None, "leaves": [], "requests": batch.signatures_dropped,
+        merged[("", OVERFLOW_DIGEST)] = {"key": None, "leaves": [], "source": None, "statics": None,
+                                         "requests": batch.signatures_dropped,
                                          "hits": 0, "misses": batch.signatures_dropped, "uncacheable": 0,
                                          "repeats": 0, "first_seen": batch.started_at,
                                          "last_seen": batch.ended_at}
@@ -135,10 +137,11 @@ def record_signatures(index: Index, env_id: int, batch: TelemetryBatch) -> int:
                 if row is None and total >= MAX_SIGNATURES_PER_FUNCTION:
                     digest = OVERFLOW_DIGEST
                     row = existing.get(digest)
-                    v = {**v, "leaves": [], "key": None}
+                    v = {**v, "leaves": [], "key": None, "source": None, "statics": None}
                 if row is None:
                     row = SignatureRecord(environment_id=env_id, function=module, digest=digest, key=v["key"],
-                                          leaves=v["leaves"], first_seen=v["first_seen"],
+                                          leaves=v["leaves"], source=v["source"], statics=v["statics"],
+                                          first_seen=v["first_seen"],
                                           last_seen=v["last_seen"], **{k: v[k] for k in counters})
                     s.add(row)
                     existing[digest] = row
@@ -161,6 +164,8 @@ class SignatureRow:
     digest: str
     key: str | None
     leaves: list[Any]
+    source: str | None
+    statics: list[Any] | None
     requests: int
     hits: int
     misses: int
@@ -186,7 +191,8 @@ def signature_usage(index: Index, cache: str, since: timedelta, *, function: str
             acc = out.get((env, r.function, r.digest))
             if acc is None:
                 out[(env, r.function, r.digest)] = {
-                    "key": r.key, "leaves": r.leaves, "requests": r.requests, "hits": r.hits,
+                    "key": r.key, "leaves": r.leaves, "source": r.source, "statics": r.statics,
+                    "requests": r.requests, "hits": r.hits,
                     "misses": r.misses, "uncacheable": r.uncacheable, "repeats": r.repeats,
                     "first_seen": r.first_seen, "last_seen": r.last_seen}
             else:

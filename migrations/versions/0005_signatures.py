@@ -25,6 +25,8 @@ def upgrade() -> None:
         sa.Column("digest", sa.String(length=64), nullable=False),
         sa.Column("key", sa.String(length=512), nullable=True),
         sa.Column("leaves", sa.JSON(), nullable=False),
+        sa.Column("source", sa.String(length=512), nullable=True),
+        sa.Column("statics", sa.JSON(), nullable=True),
         sa.Column("requests", sa.BigInteger(), nullable=False),
         sa.Column("hits", sa.BigInteger(), nullable=False),
         sa.Column("misses", sa.BigInteger(), nullable=False),
