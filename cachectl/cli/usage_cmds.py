@@ -1,12 +1,14 @@
-"""`cachectl misses` (and `advise`): what the service really called, against the manifest.
+"""`cachectl misses` and `cachectl advise`: what the service really called, against the manifest.
 
-Exit codes: misses 1 when any signature missed (or was compiled again and again).
+Exit codes: misses 1 when any signature missed (or was compiled again and again);
+advise 0 (2 on bad input, nothing written).
 """
 
 from __future__ import annotations
 
 import click
 
+from cachectl import advise as advise_lib
 from cachectl import misses as misses_lib
 from cachectl.cli.render import emit, json_option, stdout, table
 from cachectl.context import Context
@@ -60,5 +62,69 @@ def misses(ctx: Context, since: str, function: str | None, manifest: str | None,
         click.get_current_context().exit(1)
 
 
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{x:.1%}"
+
+
+def _print_advise(r: advise_lib.AdviseReport) -> None:
+    for f in r.functions:
+        rows = [(a.axis, a.calls, a.source, _fmt(a.current.values), _pct(a.current.coverage),
+                 _pct(a.current.waste), _fmt(a.proposed.values), _pct(a.proposed.coverage), _pct(a.proposed.waste))
+                for a in f.axes]
+        stdout.print(table(f.function, ["axis", "calls", "sizes from", "current", "coverage", "waste",
+                                        "proposed", "coverage", "waste"], rows,
+                           justify_right=["calls", "coverage", "waste"]))
+        cost = ""
+        if f.compile_ms_per_program is not None:
+            cost = (f", warm cost {f.warm_seconds_current:.1f}s -> {f.warm_seconds_proposed:.1f}s "
+                    f"({f.compile_ms_per_program:.0f} ms per program, measured at warm)")
+        stdout.print(f"programs to warm: {f.programs_current} -> {f.programs_proposed}{cost}", highlight=False)
+    for note in r.notes:
+        stdout.print(f"note: {note}", highlight=False)
+    if r.diff:
+        stdout.print(r.diff, highlight=False, markup=False)
+        stdout.print(f"{'wrote' if r.written else 'would write (--write)'} {r.manifest}", highlight=False)
+    elif r.functions:
+        stdout.print("the manifest's buckets are already the proposal", highlight=False)
+
+
+def _fmt(values: list) -> str:
+    return ", ".join(str(v) for v in values)
+
+
+def _waste(text: str | None) -> float | None:
+    if text is None:
+        return None
+    try:
+        return float(text[:-1]) / 100 if text.endswith("%") else float(text)
+    except ValueError:
+        raise click.BadParameter(f"expected a share such as 0.1 or 10%, got {text!r}") from None
+
+
+@click.command("advise")
+@click.argument("manifest", type=click.Path(dir_okay=False))
+@click.option("--function", metavar="F", help="One function of the manifest.")
+@click.option("--axis", metavar="A", help="One bucket axis.")
+@click.option("--max-buckets", type=int, metavar="N", help="Buckets per axis (default: as many as now).")
+@click.option("--max-waste", metavar="P", help="Fewest buckets whose mean padding waste is at most P (10%, 0.1).")
+@click.option("--since", default="7d", show_default=True, metavar="DUR", help="Telemetry window.")
+@click.option("--write", is_flag=True, help="Rewrite the manifest's axis values in place (comments kept).")
+@json_option
+@click.pass_obj
+def advise(ctx: Context, manifest: str, function: str | None, axis: str | None, max_buckets: int | None,
+           max_waste: str | None, since: str, write: bool, as_json: bool) -> None:
+    """Choose bucket values from the sizes services really called with: the least padding waste
+    for N buckets (an exact dynamic program), or the fewest buckets within a waste bound.
+
+    \b
+    cachectl advise examples/manifest.yaml --max-buckets 4
+    cachectl advise examples/manifest.yaml --axis seq --max-waste 10% --write
+    """
+    report = advise_lib.advise(ctx, manifest, function=function, axis=axis, max_buckets=max_buckets,
+                               max_waste=_waste(max_waste), since=parse_duration(since), write=write)
+    emit(report, as_json, _print_advise)
+
+
 def register(cli: click.Group) -> None:
     cli.add_command(misses)
+    cli.add_command(advise)
