@@ -213,3 +213,21 @@ def test_a_shape_explosion(warmed, monkeypatch) -> None:
     shapes = [f for f in report["findings"] if f["kind"] == "shape"]
     assert len(shapes) == 19 and all(f["field"] == "shape[0]:seq" for f in shapes)
     assert report["coverage"] == 0.0
+
+
+def test_advise_from_the_signatures_of_a_plain_jit_service(warmed, monkeypatch) -> None:
+    from cachectl.advise import optimal_buckets
+
+    sizes = [100, 100, 130, 250, 250, 251, 400, 511]
+    body = "\n".join(f"decode(np.ones({n}, np.float32)).block_until_ready()" for n in sorted(set(sizes)))
+    _service(warmed, body, monkeypatch)
+    manifest = str(Path(warmed["HOME_DIR"]) / "manifest.yaml")
+    result = CliRunner().invoke(cli, ["advise", manifest, "--function", "decode", "--max-buckets", "3", "--json"],
+                                catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    (fn,) = json.loads(result.stdout)["functions"]
+    (axis,) = fn["axes"]
+    # a plain jit service compiles each distinct length once: the signatures count programs, not calls
+    assert axis["source"] == "signatures" and axis["calls"] == len(set(sizes))
+    assert axis["proposed"]["values"] == optimal_buckets(sorted(set(sizes)), max_buckets=3)
+    assert axis["current"]["values"] == [128, 256, 512] and axis["current"]["coverage"] == 1.0
