@@ -116,6 +116,7 @@ def _service(warmed: dict[str, str], body: str, monkeypatch) -> dict[str, Any]:
     db = Path(warmed["XDG_DATA_HOME"]) / "cachectl" / "index.db"
     with sqlite3.connect(db) as conn:
         conn.execute("DELETE FROM signatures")
+        conn.execute("DELETE FROM telemetry")
     code = SERVICE.format(dir=warmed["HOME_DIR"], body=textwrap.dedent(body))
     proc = run_py(code, env, timeout=300)
     assert proc.returncode == 0, proc.stderr
@@ -231,3 +232,27 @@ def test_advise_from_the_signatures_of_a_plain_jit_service(warmed, monkeypatch) 
     assert axis["source"] == "signatures" and axis["calls"] == len(set(sizes))
     assert axis["proposed"]["values"] == optimal_buckets(sorted(set(sizes)), max_buckets=3)
     assert axis["current"]["values"] == [128, 256, 512] and axis["current"]["coverage"] == 1.0
+
+
+def test_stats_hit_rate_is_over_cacheable_programs(warmed, monkeypatch) -> None:
+    """A warmed service whose inputs go through jnp.asarray(numpy): staging programs apart."""
+    body = MATCHING.replace("np.zeros((16, 16), np.int32)", "jnp.asarray(np.zeros((16, 16), np.int32))")
+    body = body.replace("np.ones(256, np.float32)", "jnp.asarray(np.ones(256, np.float32))")
+    body = "params = jax.tree.map(jnp.asarray, params)\n" + body
+    report = _service(warmed, body, monkeypatch)
+    assert report["exit_code"] == 0, report["findings"]
+    assert "jit_stage" in report["uncacheable_functions"]
+    usage = json.loads(CliRunner().invoke(cli, ["stats", "--since", "1h", "--json"]).stdout)
+    (env,) = usage["environments"]
+    fns = {f["function"]: f for f in usage["functions"]}
+    assert fns["jit_stage"]["uncacheable"] == fns["jit_stage"]["requests"] > 0
+    assert fns["jit_stage"]["hit_rate"] is None
+    assert env["uncacheable"] >= fns["jit_stage"]["uncacheable"]
+    assert env["hit_rate"] == 1.0 and env["hits"] == env["cacheable_requests"] == 5
+    assert fns["jit_apply"]["name"] == "apply" and fns["jit_apply"]["hits"] == 2
+    assert fns["jit_apply"]["saved_warm_seconds"] > 0 and env["saved_warm_seconds"] >= 0
+    text = CliRunner().invoke(cli, ["stats", "--since", "1h"]).stdout
+    assert "apply" in text and "(jit_appl" in text and "100%" in text  # rich folds narrow columns
+    assert text.count("uncacheable: misses") == 1
+    plain = CliRunner().invoke(cli, ["stats"]).stdout
+    assert "hit rate 100.0% over the last 24h (5 hits of 5 requests for cacheable programs;" in plain

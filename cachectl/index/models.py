@@ -197,6 +197,8 @@ class TelemetryRecord(Base):
     writes: Mapped[int] = mapped_column(BigInteger, default=0)
     saved_seconds: Mapped[float] = mapped_column(default=0.0)
     dropped: Mapped[int] = mapped_column(BigInteger, default=0)
+    # misses of programs JAX never writes (faster than a second to compile, host callbacks)
+    uncacheable: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
 
 
 class ServingRecord(Base):

@@ -8,6 +8,7 @@ files only with its own size limit on). Stats aggregate in the database.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from dataclasses import dataclass
@@ -17,7 +18,14 @@ from typing import TYPE_CHECKING, Any
 from sqlalchemy import func, select
 
 from cachectl.index import Index
-from cachectl.index.models import Cache, ServingRecord, SignatureRecord, TelemetryRecord, utcnow
+from cachectl.index.models import (
+    Cache,
+    Entry,
+    ServingRecord,
+    SignatureRecord,
+    TelemetryRecord,
+    utcnow,
+)
 from cachectl.index.models import Environment as EnvRow
 
 if TYPE_CHECKING:
@@ -36,14 +44,23 @@ class UsageRow:
     hits: int
     misses: int
     writes: int
-    saved_seconds: float
+    saved_seconds: float  # as JAX reported it (compile_time_saved_sec; can be negative)
     dropped: int
+    uncacheable: int = 0  # misses of programs JAX never writes: counted apart from the hit rate
+    name: str | None = None  # the manifest's function name, where warm recorded it
+    saved_warm_seconds: float = 0.0  # hits x the compile time the index measured at warm (>= 0)
 
-    __json_extra__ = ("hit_rate",)
+    __json_extra__ = ("hit_rate", "cacheable_requests")
+
+    @property
+    def cacheable_requests(self) -> int:
+        return max(self.requests - self.uncacheable, 0)
 
     @property
     def hit_rate(self) -> float | None:
-        return self.hits / self.requests if self.requests else None
+        """Hits over the requests for cacheable programs (ccache's habit: uncacheable apart)."""
+        n = self.cacheable_requests
+        return min(self.hits / n, 1.0) if n else None
 
 
 @dataclass(frozen=True)
@@ -61,7 +78,7 @@ def record_telemetry(index: Index, env_id: int, batch: TelemetryBatch) -> int:
     rows = [
         {"environment_id": env_id, "at": at, "process": batch.process, "function": fn,
          "requests": c.requests, "hits": c.hits, "misses": c.misses, "writes": c.writes,
-         "saved_seconds": float(c.saved_seconds), "dropped": 0}
+         "saved_seconds": float(c.saved_seconds), "dropped": 0, "uncacheable": c.uncacheable}
         for fn, c in batch.functions.items()
         if c.requests or c.hits or c.writes
     ]
@@ -71,7 +88,7 @@ def record_telemetry(index: Index, env_id: int, batch: TelemetryBatch) -> int:
         else:
             rows.append({"environment_id": env_id, "at": at, "process": batch.process, "function": None,
                          "requests": 0, "hits": 0, "misses": 0, "writes": 0, "saved_seconds": 0.0,
-                         "dropped": batch.dropped})
+                         "dropped": batch.dropped, "uncacheable": 0})
     serving = [
         {"environment_id": env_id, "at": at, "process": batch.process, "function": fn,
          "calls": c.calls, "aot": c.aot, "fallback": c.fallback, "out_of_bucket": c.out_of_bucket,
@@ -264,6 +281,7 @@ def telemetry_stats(index: Index, cache: str, since: timedelta) -> TelemetryStat
             func.coalesce(func.sum(TelemetryRecord.writes), 0),
             func.coalesce(func.sum(TelemetryRecord.saved_seconds), 0.0),
             func.coalesce(func.sum(TelemetryRecord.dropped), 0),
+            func.coalesce(func.sum(TelemetryRecord.uncacheable), 0),
         )
         base = (
             select(EnvRow.digest, EnvRow.namespace)
@@ -279,11 +297,26 @@ def telemetry_stats(index: Index, cache: str, since: timedelta) -> TelemetryStat
             .order_by(EnvRow.namespace, TelemetryRecord.function)
         ).all()
 
-    def row(digest: str, namespace: str, fn: str | None, values: tuple) -> UsageRow:
-        procs, req, hits, misses, writes, saved, dropped = values
-        return UsageRow(digest, namespace, fn, int(procs), int(req), int(hits), int(misses),
-                        int(writes), float(saved), int(dropped))
+        # What warm knows of each module: the manifest's name and the compile time it measured.
+        warm = s.execute(
+            select(EnvRow.digest, Entry.module, func.max(Entry.function), func.avg(Entry.compile_time_ms))
+            .join(Entry, Entry.environment_id == EnvRow.id)
+            .where(EnvRow.cache_id == cache_id, Entry.function.is_not(None))
+            .group_by(EnvRow.digest, Entry.module)
+        ).all()
+    known = {(d, m): (name, None if ms is None else float(ms)) for d, m, name, ms in warm}
 
-    envs = [row(r[0], r[1], None, tuple(r[2:])) for r in per_env]
+    def row(digest: str, namespace: str, fn: str | None, values: tuple) -> UsageRow:
+        procs, req, hits, misses, writes, saved, dropped, uncacheable = values
+        name, ms = known.get((digest, fn), (None, None)) if fn is not None else (None, None)
+        warm_saved = max(int(hits) * (ms or 0.0) / 1000.0, 0.0)
+        return UsageRow(digest, namespace, fn, int(procs), int(req), int(hits), int(misses),
+                        int(writes), float(saved), int(dropped), int(uncacheable), name, warm_saved)
+
     fns = [row(r[0], r[1], r[2], tuple(r[3:])) for r in per_fn if r[2] is not None or int(r[4])]
+    envs = []
+    for r in per_env:
+        env = row(r[0], r[1], None, tuple(r[2:]))
+        saved = sum(f.saved_warm_seconds for f in fns if f.environment == env.environment)
+        envs.append(dataclasses.replace(env, saved_warm_seconds=saved))
     return TelemetryStats(cache, start, since.total_seconds(), envs, fns)

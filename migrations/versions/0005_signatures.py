@@ -1,4 +1,5 @@
-"""signatures: the program signatures services compiled, with hit/miss/uncacheable counts.
+"""signatures: the program signatures services compiled, with hit/miss/uncacheable counts;
+telemetry.uncacheable: misses of programs JAX never writes.
 
 Revision ID: 0005
 Revises: 0004
@@ -41,9 +42,13 @@ def upgrade() -> None:
         batch_op.create_index("ix_signatures_env_fn_digest", ["environment_id", "function", "digest"],
                               unique=False)
         batch_op.create_index("ix_signatures_env_last", ["environment_id", "last_seen"], unique=False)
+    with op.batch_alter_table("telemetry", schema=None) as batch_op:
+        batch_op.add_column(sa.Column("uncacheable", sa.BigInteger(), nullable=False, server_default="0"))
 
 
 def downgrade() -> None:
+    with op.batch_alter_table("telemetry", schema=None) as batch_op:
+        batch_op.drop_column("uncacheable")
     with op.batch_alter_table("signatures", schema=None) as batch_op:
         batch_op.drop_index("ix_signatures_env_last")
         batch_op.drop_index("ix_signatures_env_fn_digest")
