@@ -103,48 +103,62 @@ def score(values: Sequence[int], sizes: Mapping[int, int]) -> Plan:
     return Plan(buckets, covered / total if total else 1.0, 1 - used / computed if computed else 0.0)
 
 
-def _layers(vs: list[int], cs: list[int], k_max: int) -> list[tuple[list[float], list[int]]]:
-    """cost_j and argmin_j for j = 1..k_max (each over the first i+1 sizes, last bucket at v_i)."""
-    m = len(vs)
-    prefix = [0] * (m + 1)
+def _prefix(cs: list[int]) -> list[int]:
+    prefix = [0] * (len(cs) + 1)
     for i, c in enumerate(cs):
         prefix[i + 1] = prefix[i] + c
+    return prefix
+
+
+def _next_layer(vs: list[int], prefix: list[int], prev: list[float] | None) -> tuple[list[float], list[int]]:
+    """cost_j and argmin_j from cost_{j-1} (``prev``; None for j = 1), each over the first i+1 sizes
+    with the last bucket at v_i. Lines y = prev[p] - C_{p+1} x (p < i, slopes decreasing) are
+    queried at x = v_i (increasing): a monotone convex hull with a moving pointer, O(m)."""
+    m = len(vs)
+    if prev is None:
+        return [vs[i] * prefix[i + 1] for i in range(m)], [-1] * m
     inf = math.inf
-    first = [vs[i] * prefix[i + 1] for i in range(m)]
-    layers: list[tuple[list[float], list[int]]] = [(first, [-1] * m)]
-    for _j in range(2, k_max + 1):
-        prev = layers[-1][0]
-        cost = [inf] * m
-        arg = [-1] * m
-        # lines y = prev[p] - C_{p+1} * x for p < i, queried at x = v_i (increasing); slopes decrease.
-        hull_m: list[int] = []  # slopes as -C
-        hull_b: list[float] = []
-        hull_p: list[int] = []
-        ptr = 0
-        for i in range(m):
-            if i > 0:
-                p = i - 1
-                slope, icpt = -prefix[p + 1], prev[p]
-                if icpt < inf:
-                    while len(hull_m) >= 2:
-                        m1, b1 = hull_m[-2], hull_b[-2]
-                        m2, b2 = hull_m[-1], hull_b[-1]
-                        # line 2 is useless if line (slope, icpt) overtakes line 1 no later than 2 does
-                        if (icpt - b1) * (m1 - m2) <= (b2 - b1) * (m1 - slope):
-                            hull_m.pop(); hull_b.pop(); hull_p.pop()  # noqa: E702
-                        else:
-                            break
-                    hull_m.append(slope); hull_b.append(icpt); hull_p.append(p)  # noqa: E702
-                    ptr = min(ptr, len(hull_m) - 1)
-            if hull_m:
-                x = vs[i]
-                while ptr + 1 < len(hull_m) and hull_m[ptr + 1] * x + hull_b[ptr + 1] <= hull_m[ptr] * x + hull_b[ptr]:
-                    ptr += 1
-                cost[i] = hull_m[ptr] * x + hull_b[ptr] + x * prefix[i + 1]
-                arg[i] = hull_p[ptr]
-            # with j buckets the first j-1 sizes can each be their own bucket; j buckets over fewer
-            # sizes than j is never better than j-1, so cost stays inf there (p must exist).
-        layers.append((cost, arg))
+    cost = [inf] * m
+    arg = [-1] * m
+    hull_m: list[int] = []
+    hull_b: list[float] = []
+    hull_p: list[int] = []
+    ptr = 0
+    for i in range(m):
+        if i > 0:
+            p = i - 1
+            slope, icpt = -prefix[p + 1], prev[p]
+            if icpt < inf:
+                while len(hull_m) >= 2:
+                    m1, b1 = hull_m[-2], hull_b[-2]
+                    b2 = hull_b[-1]
+                    m2 = hull_m[-1]
+                    # the last line is never the minimum once the new one overtakes the one before it first
+                    if (icpt - b1) * (m1 - m2) <= (b2 - b1) * (m1 - slope):
+                        hull_m.pop()
+                        hull_b.pop()
+                        hull_p.pop()
+                    else:
+                        break
+                hull_m.append(slope)
+                hull_b.append(icpt)
+                hull_p.append(p)
+                ptr = min(ptr, len(hull_m) - 1)
+        if hull_m:
+            x = vs[i]
+            while ptr + 1 < len(hull_m) and hull_m[ptr + 1] * x + hull_b[ptr + 1] <= hull_m[ptr] * x + hull_b[ptr]:
+                ptr += 1
+            cost[i] = hull_m[ptr] * x + hull_b[ptr] + x * prefix[i + 1]
+            arg[i] = hull_p[ptr]
+    return cost, arg
+
+
+def _layers(vs: list[int], cs: list[int], k_max: int) -> list[tuple[list[float], list[int]]]:
+    """cost_j and argmin_j for j = 1..k_max."""
+    prefix = _prefix(cs)
+    layers = [_next_layer(vs, prefix, None)]
+    while len(layers) < k_max:
+        layers.append(_next_layer(vs, prefix, layers[-1][0]))
     return layers
 
 
@@ -169,16 +183,15 @@ def optimal_buckets(sizes: Mapping[int, int] | Sequence[int], *, max_buckets: in
     m = len(vs)
     if max_waste is not None:
         used = sum(v * c for v, c in zip(vs, cs, strict=True))
-        layers = _layers(vs, cs, 1)
-        k = 1
+        prefix = _prefix(cs)
+        layers = [_next_layer(vs, prefix, None)]
         while True:
-            cost = layers[k - 1][0][m - 1]
+            cost = layers[-1][0][m - 1]
             if cost < math.inf and 1 - used / cost <= max_waste + 1e-12:
-                return _values(vs, layers, k)
-            if k >= m:
+                return _values(vs, layers, len(layers))
+            if len(layers) >= m:
                 return list(vs)
-            k += 1
-            layers = _layers(vs, cs, k)  # O(k m) each: fine for the few buckets a manifest has
+            layers.append(_next_layer(vs, prefix, layers[-1][0]))  # one more bucket: O(m)
     k = min(max_buckets or 1, m)
     layers = _layers(vs, cs, k)
     best = min(range(1, k + 1), key=lambda j: layers[j - 1][0][m - 1])

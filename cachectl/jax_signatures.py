@@ -66,7 +66,7 @@ def sharding_text(sharding: Any) -> str | None:
     if cached is not None or sharding in _SHARDING_TEXT:
         return cached
     kind = type(sharding).__name__
-    if kind == "UnspecifiedValue":
+    if sharding is None or kind == "UnspecifiedValue":
         text = None
     elif kind == "SingleDeviceSharding":
         dev = next(iter(sharding.device_set))

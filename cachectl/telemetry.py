@@ -98,6 +98,7 @@ class SignatureCounts:
     last_seen: float = 0.0
     source: str | None = None  # "f at model.py:12", where JAX knows it
     statics: tuple[tuple[Any, str], ...] | None = None  # ((argnum or argname, repr), ...) of a jit call
+    raw: Any = field(default=None, repr=False)  # (avals, shardings) as JAX gave them, until take()
 
 
 @dataclass
@@ -448,10 +449,10 @@ class Collector:
         return state
 
     def _on_lowering(self, module: Any, in_avals: Any, in_shardings: Any) -> None:
+        # Only references here (avals and shardings are immutable); take() turns them into text.
         with contextlib.suppress(Exception):  # telemetry never breaks a compile
             source, statics = jax_signatures.call_context(3)
-            self._thread_state()[2] = (str(module), jax_signatures.leaves_of(in_avals, in_shardings),
-                                       source, statics)
+            self._thread_state()[2] = (str(module), tuple(in_avals), tuple(in_shardings), source, statics)
 
     def _record_signature(self, state: list[Any], hit: bool, module: str, key: str) -> None:
         """Under self._lock: count this request against the signature its lowering logged."""
@@ -459,15 +460,19 @@ class Collector:
         # pxla names the lowering jit(f), the compiler's module is jit_f: same thread, same order.
         if pending is None:
             return
-        ident = (module, pending[1], key, pending[3])
+        ident = (module, pending[1], pending[2], key, pending[4])
+        try:
+            counts = self._signatures.get(ident)
+        except TypeError:  # an unhashable sharding: text now
+            ident = (module, jax_signatures.leaves_of(pending[1], pending[2]), (), key, pending[4])
+            counts = self._signatures.get(ident)
         now = self._clock()
-        counts = self._signatures.get(ident)
         if counts is None:
             if len(self._signatures) >= self.max_signatures:
                 self._sig_dropped += 1
                 return
-            counts = self._signatures[ident] = SignatureCounts(pending[1], key, first_seen=now,
-                                                               source=pending[2], statics=pending[3])
+            counts = self._signatures[ident] = SignatureCounts((), key, first_seen=now, source=pending[3],
+                                                               statics=pending[4], raw=ident[1:3])
         counts.requests += 1
         counts.last_seen = now
         if hit:
@@ -654,6 +659,20 @@ class Collector:
 
         def utc(ts: float) -> datetime:
             return datetime.fromtimestamp(ts, tz=timezone.utc)
+
+        named: dict[tuple[Any, ...], SignatureCounts] = {}
+        for ident, c in signatures.items():
+            with contextlib.suppress(Exception):
+                if c.raw is not None:
+                    c.leaves = ident[1] if not ident[2] and c.raw[1] == () else jax_signatures.leaves_of(*c.raw)
+                    c.raw = None
+                key = (ident[0], c.leaves, ident[3], ident[4])
+                if key in named:  # the same text from two sharding objects
+                    for f in ("requests", "hits", "misses", "uncacheable", "repeats"):
+                        setattr(named[key], f, getattr(named[key], f) + getattr(c, f))
+                else:
+                    named[key] = c
+        signatures = named
 
         return TelemetryBatch(
             process=self._process, cache=self.cache, environment_digest=self.environment_digest,

@@ -136,8 +136,8 @@ def test_the_per_flush_bound_drops_and_counts() -> None:
     collector = Collector(cache="c", environment_digest="d", sink=MemorySink(), interval_s=3600,
                           max_signatures=10)
     for i in range(25):
-        state = collector._thread_state()
-        state[2] = ("jit(f)", jax_signatures.leaves_of([core.ShapedArray((i,), jnp.float32)], [None]), None, None)
+        collector._on_lowering("jit(f)", [core.ShapedArray((i,), jnp.float32)], [None])
         collector._on_log(False, "jit_f", f"jit_f-{i}")
     batch = collector.take()
     assert len(batch.signatures) == 10 and batch.signatures_dropped == 15
+    assert [c.leaves for c in batch.signatures.values()][3] == (((3,), "float32", False, None),)
