@@ -222,11 +222,18 @@ def _leaf(value: Any) -> jax_signatures.Leaf:
     return (tuple(shape), str(dtype), bool(weak), sharding)
 
 
-def _distance(a: Sequence[jax_signatures.Leaf], b: Sequence[jax_signatures.Leaf]) -> int:
-    d = 0
+def _gt(p: Any, q: Any) -> bool:
+    return isinstance(p, int) and isinstance(q, int) and p > q
+
+
+def _distance(a: Sequence[jax_signatures.Leaf], b: Sequence[jax_signatures.Leaf]) -> float:
+    d = 0.0
     for x, y in zip(a, b, strict=True):
         if x[0] != y[0]:
-            d += 1 + sum(1 for p, q in zip(x[0], y[0], strict=False) if p != q) if len(x[0]) == len(y[0]) else 8
+            if len(x[0]) == len(y[0]):  # a bucket the size pads into is nearer than one it overflows
+                d += 1 + sum(1.5 if _gt(p, q) else 1 for p, q in zip(x[0], y[0], strict=True) if p != q)
+            else:
+                d += 8
         d += (x[1] != y[1]) + (x[2] != y[2]) + (x[3] != y[3])
     return d
 

@@ -176,6 +176,10 @@ def test_a_batch_between_buckets(warmed, monkeypatch) -> None:
     assert (f["function"], f["kind"], f["arg"], f["observed"], f["expected"]) == (
         "jit_apply", "shape", 1, 48, [16, 64])
     assert f["message"] == "jit_apply arg 1 (tokens): batch 48 not a bucket (16, 64): pad to 64, or add 48"
+    human = CliRunner().invoke(cli, ["misses"])
+    assert human.exit_code == 1
+    assert "  jit_apply arg 1 (tokens): batch 48 not a bucket (16, 64): pad to 64, or add 48 (nearest bucket " \
+        "[batch=64]); 1 missed" in human.stdout
 
 
 def test_a_static_value_that_is_not_a_bucket(warmed, monkeypatch) -> None:

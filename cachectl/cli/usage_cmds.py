@@ -28,8 +28,10 @@ def _print_misses(r: misses_lib.MissesReport) -> None:
     for f in r.findings:
         by_fn.setdefault(f.name or f.function, []).append(f)
     for fn, items in by_fn.items():
-        stdout.print(table(f"{fn}", ["bucket", "why", "misses"],
-                           [(f.bucket, f.message, f.misses) for f in items[:_SHOW]], justify_right=["misses"]))
+        stdout.print(f"{fn}:", highlight=False)
+        for f in items[:_SHOW]:
+            near = f" (nearest bucket [{f.bucket}])" if f.bucket else ""
+            stdout.print(f"  {f.message}{near}; {f.misses} missed", highlight=False, markup=False)
         if len(items) > _SHOW:
             stdout.print(f"... and {len(items) - _SHOW} more (--json lists all)")
     if r.uncacheable_functions:
