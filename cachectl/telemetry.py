@@ -36,6 +36,7 @@ from datetime import datetime, timezone
 from threading import get_ident
 from typing import Any, Protocol
 
+from cachectl import jax_signatures
 from cachectl.errors import BadInput
 
 log = logging.getLogger(__name__)
@@ -52,6 +53,8 @@ _MISS_PREFIX = "PERSISTENT COMPILATION CACHE MISS for"
 DEFAULT_INTERVAL_S = 5.0
 DEFAULT_MAX_FUNCTIONS = 4096
 DEFAULT_MAX_KEYS = 16384
+DEFAULT_MAX_SIGNATURES = 1024  # distinct signatures per flush; more are dropped and counted
+SEEN_SIGNATURES = 16384  # per process: what tells a re-jitted function from a new program
 EXIT_FLUSH_TIMEOUT_S = 5.0
 # The most one process can plausibly report in one flush for any counter (requests, hits,
 # writes, a key's hits, drops): ten million compile requests in a flush interval is already
@@ -76,10 +79,34 @@ class FunctionCounts:
     writes: int = 0
     saved_seconds: float = 0.0
     retrieval_seconds: float = 0.0
+    uncacheable: int = 0  # misses JAX would never write (host callbacks, fast compiles)
 
     @property
     def misses(self) -> int:
         return max(self.requests - self.hits, 0)
+
+
+@dataclass
+class SignatureCounts:
+    """One program signature's compile requests between two flushes.
+
+    ``leaves``: (shape, dtype, weak_type, sharding) per flat input; ``key``: the cache key
+    JAX computed; ``repeats``: requests for a signature this process had already compiled
+    (a function object that changes per call: the in-memory caches never catch it).
+    """
+
+    leaves: tuple[Any, ...]
+    key: str | None
+    requests: int = 0
+    hits: int = 0
+    misses: int = 0
+    uncacheable: int = 0
+    repeats: int = 0
+    first_seen: float = 0.0
+    last_seen: float = 0.0
+    source: str | None = None  # "f at model.py:12", where JAX knows it
+    statics: tuple[tuple[Any, str], ...] | None = None  # ((argnum or argname, repr), ...) of a jit call
+    raw: Any = field(default=None, repr=False)  # (avals, shardings) as JAX gave them, until take()
 
 
 @dataclass
@@ -115,10 +142,14 @@ class TelemetryBatch:
     hit_keys: dict[str, tuple[int, datetime]]
     dropped: int
     serving: dict[str, ServingCounts] = field(default_factory=dict)
+    # (module, leaves, key, statics) -> counts
+    signatures: dict[tuple[Any, ...], SignatureCounts] = field(default_factory=dict)
+    signatures_dropped: int = 0
 
     @property
     def empty(self) -> bool:
-        return not self.functions and not self.hit_keys and not self.dropped and not self.serving
+        return (not self.functions and not self.hit_keys and not self.dropped and not self.serving
+                and not self.signatures and not self.signatures_dropped)
 
     def totals(self) -> FunctionCounts:
         out = FunctionCounts()
@@ -143,7 +174,7 @@ def check_batch(batch: TelemetryBatch) -> None:
             raise BadInput(f"telemetry {name} {value!r} is outside 0..{MAX_FLUSH_COUNT} for one flush")
 
     for fn, c in batch.functions.items():
-        for name in ("requests", "hits", "writes"):
+        for name in ("requests", "hits", "writes", "uncacheable"):
             count(f"{name} of {fn!r}", getattr(c, name))
         for name in ("saved_seconds", "retrieval_seconds"):
             value = float(getattr(c, name))
@@ -278,6 +309,10 @@ class _LogTap:
                     self.collector._on_log(True, str(args[0]), str(args[1]))
                 elif msg.startswith(_MISS_PREFIX):
                     self.collector._on_log(False, str(args[0]), str(args[1]))
+            elif args and isinstance(msg, str) and msg.startswith(jax_signatures.NOT_WRITING_PREFIX):
+                never = jax_signatures.uncacheable(args, msg)
+                if never:
+                    self.collector._on_uncacheable(str(args[0]))
         except Exception:  # noqa: BLE001 - never raise into JAX's logging
             pass
 
@@ -319,6 +354,52 @@ class _LogTap:
                 self.logger.__dict__.pop(name, None)
 
 
+class _SignatureTap:
+    """Reads each lowering's module name, input avals and shardings from the one guarded
+    debug call of ``jax._src.interpreters.pxla`` (see cachectl.jax_signatures)."""
+
+    def __init__(self, collector: Collector, logger: logging.Logger) -> None:
+        self.collector = collector
+        self.logger = logger
+        self._saved: dict[str, Any] = {}
+
+    def install(self) -> None:
+        logger = self.logger
+        cls = type(logger)
+        for name in ("log", "isEnabledFor"):
+            if name in logger.__dict__:
+                self._saved[name] = logger.__dict__[name]
+        prev_log = self._saved.get("log")
+        prev_enabled = self._saved.get("isEnabledFor")
+        collector = self.collector
+        prefix = jax_signatures.LOWERING_PREFIX
+
+        def really_enabled(level: int) -> bool:
+            return prev_enabled(level) if prev_enabled is not None else cls.isEnabledFor(logger, level)
+
+        def is_enabled(level: int) -> bool:
+            return level == logging.DEBUG or really_enabled(level)
+
+        def log(level: int, msg: Any, *args: Any, **kwargs: Any) -> None:
+            if len(args) == 3 and isinstance(msg, str) and msg.startswith(prefix):
+                collector._on_lowering(args[0], args[1], args[2])
+            if prev_log is not None:
+                prev_log(level, msg, *args, **kwargs)
+            elif really_enabled(level):
+                kwargs["stacklevel"] = kwargs.get("stacklevel", 1) + 1
+                cls.log(logger, level, msg, *args, **kwargs)
+
+        logger.isEnabledFor = is_enabled  # type: ignore[method-assign]
+        logger.log = log  # type: ignore[method-assign]
+
+    def uninstall(self) -> None:
+        for name in ("log", "isEnabledFor"):
+            if name in self._saved:
+                setattr(self.logger, name, self._saved[name])
+            else:
+                self.logger.__dict__.pop(name, None)
+
+
 def _compiler_logger() -> logging.Logger:
     """The logger object jax._src.compiler logs through (the one it imported)."""
     try:
@@ -337,13 +418,16 @@ class Collector:
 
     def __init__(self, *, cache: str, environment_digest: str, sink: TelemetrySink | None,
                  interval_s: float = DEFAULT_INTERVAL_S, max_functions: int = DEFAULT_MAX_FUNCTIONS,
-                 max_keys: int = DEFAULT_MAX_KEYS, clock: Callable[[], float] | None = None) -> None:
+                 max_keys: int = DEFAULT_MAX_KEYS, clock: Callable[[], float] | None = None,
+                 max_signatures: int = DEFAULT_MAX_SIGNATURES) -> None:
         self.cache = cache
         self.environment_digest = environment_digest
         self.sink = sink
         self.interval_s = interval_s
         self.max_functions = max_functions
         self.max_keys = max_keys
+        self.max_signatures = max_signatures
+        self._seen: dict[tuple[Any, ...], None] = {}
         self._clock = clock or time.time
         self._lock = threading.Lock()
         self._threads: dict[int, list[Any]] = {}
@@ -362,6 +446,7 @@ class Collector:
         self._installed = False
         self._tap: _LogTap | None = None
         self._final = False  # the flusher's last round, at exit
+        self._sig_tap: _SignatureTap | None = None
         self._sources: list[Callable[[], dict[str, ServingCounts]]] = []
 
     def add_serving_source(self, take: Callable[[], dict[str, ServingCounts]]) -> None:
@@ -375,6 +460,8 @@ class Collector:
         self._functions: dict[str | None, FunctionCounts] = {}
         self._keys: dict[str, list[float]] = {}  # key -> [count, last hit (epoch seconds)]
         self._dropped = 0
+        self._signatures: dict[tuple[Any, ...], SignatureCounts] = {}
+        self._sig_dropped = 0
         self._started = self._clock()
 
     def _counts(self, module: str | None) -> FunctionCounts | None:
@@ -399,8 +486,59 @@ class Collector:
         if state is None:
             if len(self._threads) > 4096:  # threads come and go: forget finished ones
                 self._threads.clear()
-            state = self._threads[tid] = [0, None]
+            # [requests not attributed, module, pending (module, leaves), last signature counts]
+            state = self._threads[tid] = [0, None, None, None]
         return state
+
+    def _on_lowering(self, module: Any, in_avals: Any, in_shardings: Any) -> None:
+        # Only references here (avals and shardings are immutable); take() turns them into text.
+        with contextlib.suppress(Exception):  # telemetry never breaks a compile
+            source, statics = jax_signatures.call_context(3)
+            self._thread_state()[2] = (str(module), tuple(in_avals), tuple(in_shardings), source, statics)
+
+    def _record_signature(self, state: list[Any], hit: bool, module: str, key: str) -> None:
+        """Under self._lock: count this request against the signature its lowering logged."""
+        pending, state[2], state[3] = state[2], None, None
+        # pxla names the lowering jit(f), the compiler's module is jit_f: same thread, same order.
+        if pending is None:
+            return
+        ident = (module, pending[1], pending[2], key, pending[4])
+        try:
+            counts = self._signatures.get(ident)
+        except TypeError:  # an unhashable sharding: text now
+            ident = (module, jax_signatures.leaves_of(pending[1], pending[2]), (), key, pending[4])
+            counts = self._signatures.get(ident)
+        now = self._clock()
+        if counts is None:
+            if len(self._signatures) >= self.max_signatures:
+                self._sig_dropped += 1
+                return
+            counts = self._signatures[ident] = SignatureCounts((), key, first_seen=now, source=pending[3],
+                                                               statics=pending[4], raw=ident[1:3])
+        counts.requests += 1
+        counts.last_seen = now
+        if hit:
+            counts.hits += 1
+        else:
+            counts.misses += 1
+        if ident in self._seen:
+            counts.repeats += 1
+        elif len(self._seen) < SEEN_SIGNATURES:
+            self._seen[ident] = None
+        state[3] = counts
+
+    def _on_uncacheable(self, module: str) -> None:
+        """JAX decided never to write the program just missed: move it to uncacheable."""
+        state = self._thread_state()
+        counts = state[3]
+        with self._lock:
+            if counts is not None and counts.misses:
+                counts.misses -= 1
+                counts.uncacheable += 1
+            fn = self._functions.get(module)
+            if fn is not None:
+                fn.uncacheable += 1
+        state[3] = None
 
     def _on_log(self, hit: bool, module: str, key: str) -> None:
         state = self._thread_state()
@@ -409,6 +547,7 @@ class Collector:
             counts = self._counts(module)
             if counts is not None:
                 counts.requests += pending
+            self._record_signature(state, hit, module, key)
             if hit:
                 seen = self._keys.get(key)
                 if seen is not None:
@@ -500,6 +639,8 @@ class Collector:
         monitoring.register_event_duration_secs_listener(self._on_duration)
         self._tap = _LogTap(self, _compiler_logger())
         self._tap.install()
+        self._sig_tap = _SignatureTap(self, jax_signatures.pxla_logger())
+        self._sig_tap.install()
         self._installed = True
         if self.sink is not None:
             self._stop.clear()
@@ -540,6 +681,9 @@ class Collector:
         if self._tap is not None:
             self._tap.uninstall()
             self._tap = None
+        if self._sig_tap is not None:
+            self._sig_tap.uninstall()
+            self._sig_tap = None
         self._installed = False
         self._stop.set()
         if self._thread is not None:
@@ -575,6 +719,9 @@ class Collector:
         """Swap the buffer out (the compile path only ever waits for this swap)."""
         with self._lock:
             started, functions, keys, dropped = self._started, self._functions, self._keys, self._dropped
+            signatures, sig_dropped = self._signatures, self._sig_dropped
+            for state in self._threads.values():  # counts now belong to the batch taken
+                state[3] = None
             ended = self._clock()
             self._reset_buffer()
             sources = list(self._sources)
@@ -586,11 +733,25 @@ class Collector:
         def utc(ts: float) -> datetime:
             return datetime.fromtimestamp(ts, tz=timezone.utc)
 
+        named: dict[tuple[Any, ...], SignatureCounts] = {}
+        for ident, c in signatures.items():
+            with contextlib.suppress(Exception):
+                if c.raw is not None:
+                    c.leaves = ident[1] if not ident[2] and c.raw[1] == () else jax_signatures.leaves_of(*c.raw)
+                    c.raw = None
+                key = (ident[0], c.leaves, ident[3], ident[4])
+                if key in named:  # the same text from two sharding objects
+                    for f in ("requests", "hits", "misses", "uncacheable", "repeats"):
+                        setattr(named[key], f, getattr(named[key], f) + getattr(c, f))
+                else:
+                    named[key] = c
+        signatures = named
+
         return TelemetryBatch(
             process=self._process, cache=self.cache, environment_digest=self.environment_digest,
             started_at=utc(started), ended_at=utc(ended), functions=functions,
             hit_keys={k: (int(v[0]), utc(v[1])) for k, v in keys.items()}, dropped=dropped,
-            serving=serving,
+            serving=serving, signatures=signatures, signatures_dropped=sig_dropped,
         )
 
     def _give_back_dropped(self, batch: TelemetryBatch) -> None:

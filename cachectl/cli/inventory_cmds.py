@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 import click
 
 from cachectl import inventory
@@ -71,30 +73,69 @@ NO_TELEMETRY_HINT = (
 )
 
 
-def _print_usage(u: TelemetryStats) -> None:
-    def rate(r: UsageRow) -> str:
-        return f"{r.hit_rate:.0%}" if r.hit_rate is not None else "-"
+_UNCACHEABLE_NOTE = ("uncacheable: misses of programs JAX never writes (they compile in under a second, "
+                     "like the jit_stage programs jnp.asarray(numpy) makes, or use host callbacks); "
+                     "counted apart, not in the hit rate")
 
+
+def _rate(r: UsageRow) -> str:
+    return f"{r.hit_rate:.0%}" if r.hit_rate is not None else "-"
+
+
+def _label(r: UsageRow) -> str:
+    if r.function is None:
+        return "(unattributed)"
+    return f"{r.name} ({r.function})" if r.name and r.name != r.function else r.function
+
+
+def _print_usage(u: TelemetryStats) -> None:
     if not u.environments:
         stdout.print(f"cache {u.cache}: {NO_TELEMETRY_HINT}", highlight=False)
         return
+    columns = ["requests", "hits", "hit rate", "misses", "writes", "saved"]
+    right = ("procs", *columns)
 
-    right = ("procs", "requests", "hits", "hit rate", "misses", "writes", "saved")
-    env_rows = [(r.environment[:16], r.processes, r.requests, r.hits, rate(r), r.misses, r.writes,
-                 f"{r.saved_seconds:.1f}s") for r in u.environments]
+    def values(r: UsageRow) -> tuple:
+        return (r.requests, r.hits, _rate(r), max(r.misses - r.uncacheable, 0), r.writes,
+                f"{r.saved_warm_seconds:.1f}s")
+
+    env_rows = [(r.environment[:16], r.processes, *values(r)) for r in u.environments]
     stdout.print(table(f"cache {u.cache}: service telemetry since {when(u.since)} UTC",
-                       ["environment", "procs", "requests", "hits", "hit rate", "misses", "writes", "saved"],
-                       env_rows, justify_right=right))
+                       ["environment", "procs", *columns], env_rows, justify_right=right))
     if u.functions:
         several = len(u.environments) > 1
-        fn_rows = [((r.function or "(unattributed)") + (f" @{r.environment[:8]}" if several else ""),
-                    r.requests, r.hits, rate(r), r.misses, r.writes, f"{r.saved_seconds:.1f}s")
-                   for r in u.functions]
-        stdout.print(table("per function", ["function", "requests", "hits", "hit rate", "misses", "writes", "saved"],
-                           fn_rows, justify_right=right))
+        fn_rows = [(_label(r) + (f" @{r.environment[:8]}" if several else ""), *values(r)) for r in u.functions]
+        stdout.print(table("per function", ["function", *columns], fn_rows, justify_right=right))
+    if any(r.uncacheable for r in u.environments):
+        apart = ", ".join(f"{_label(r)} {r.uncacheable}" for r in u.functions if r.uncacheable)
+        stdout.print(f"uncacheable requests, counted apart: {apart or sum(r.uncacheable for r in u.environments)}",
+                     highlight=False)
+        stdout.print(_UNCACHEABLE_NOTE, highlight=False)
+    stdout.print("hit rate: over cacheable programs; saved: hits x the compile time measured at warm",
+                 highlight=False)
     dropped = sum(r.dropped for r in u.environments)
     if dropped:
         stdout.print(f"{dropped} telemetry events were dropped by services (buffer full or index down)")
+
+
+def _print_hit_rates(ctx, caches) -> None:
+    """Plain `stats` ends with each cache's hit rate over the last day (ccache's habit)."""
+    for c in caches:
+        if ctx.remote is not None:
+            from cachectl import client
+
+            u = client.telemetry_stats(ctx, c.name, "24h")
+        else:
+            u = telemetry_stats(ctx.index, c.name, timedelta(hours=24))
+        req = sum(r.cacheable_requests for r in u.environments)
+        hits = sum(r.hits for r in u.environments)
+        unc = sum(r.uncacheable for r in u.environments)
+        if not req and not unc:
+            stdout.print(f"cache {c.name}: no service telemetry in the last 24h", highlight=False)
+            continue
+        rate = f"{min(hits / req, 1.0):.1%}" if req else "-"
+        stdout.print(f"cache {c.name}: hit rate {rate} over the last 24h ({hits} hits of {req} requests for "
+                     f"cacheable programs; {unc} uncacheable counted apart)", highlight=False)
 
 
 @click.command("stats")
@@ -119,7 +160,10 @@ def stats(ctx, all_caches: bool, since: str | None, as_json: bool) -> None:
              lambda r: [_print_usage(u) for u in (r if isinstance(r, list) else [r])])
         return
     caches = ctx.index.list_caches() if all_caches else [ctx.cache()]
-    emit(inventory.cache_totals(ctx, caches), as_json, _print_totals)
+    totals = inventory.cache_totals(ctx, caches)
+    emit(totals, as_json, _print_totals)
+    if not as_json:
+        _print_hit_rates(ctx, caches)
 
 
 def register(cli: click.Group) -> None:

@@ -197,6 +197,8 @@ class TelemetryRecord(Base):
     writes: Mapped[int] = mapped_column(BigInteger, default=0)
     saved_seconds: Mapped[float] = mapped_column(default=0.0)
     dropped: Mapped[int] = mapped_column(BigInteger, default=0)
+    # misses of programs JAX never writes (faster than a second to compile, host callbacks)
+    uncacheable: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
 
 
 class ServingRecord(Base):
@@ -217,6 +219,32 @@ class ServingRecord(Base):
     padded: Mapped[int] = mapped_column(BigInteger, default=0)
     # {axis: {raw size: calls}}: the request sizes before padding.
     sizes: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+
+
+class SignatureRecord(Base):
+    """One program signature a service compiled (one row per environment, function and
+    signature, counters added on each flush; bounded per function, overflow in digest '*')."""
+
+    __tablename__ = "signatures"
+    __table_args__ = (Index("ix_signatures_env_fn_digest", "environment_id", "function", "digest"),
+                      Index("ix_signatures_env_last", "environment_id", "last_seen"))
+
+    id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True)
+    environment_id: Mapped[int] = mapped_column(ForeignKey("environments.id", ondelete="CASCADE"))
+    function: Mapped[str] = mapped_column(String(512))
+    digest: Mapped[str] = mapped_column(String(64))
+    key: Mapped[str | None] = mapped_column(String(512))
+    # [[shape, dtype, weak_type, sharding or null], ...] per flat input
+    leaves: Mapped[list[Any]] = mapped_column(JSON, default=list)
+    source: Mapped[str | None] = mapped_column(String(512))  # "f at model.py:12"
+    statics: Mapped[list[Any] | None] = mapped_column(JSON)  # [[argnum or argname, repr], ...]
+    requests: Mapped[int] = mapped_column(BigInteger, default=0)
+    hits: Mapped[int] = mapped_column(BigInteger, default=0)
+    misses: Mapped[int] = mapped_column(BigInteger, default=0)
+    uncacheable: Mapped[int] = mapped_column(BigInteger, default=0)
+    repeats: Mapped[int] = mapped_column(BigInteger, default=0)
+    first_seen: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    last_seen: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
 
 
 class Token(Base):

@@ -8,14 +8,24 @@ files only with its own size limit on). Stats aggregate in the database.
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import json
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import datetime, timedelta, timezone
 from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import delete, func, select
 
 from cachectl.index import Index
-from cachectl.index.models import Cache, ServingRecord, TelemetryRecord, utcnow
+from cachectl.index.models import (
+    Cache,
+    Entry,
+    ServingRecord,
+    SignatureRecord,
+    TelemetryRecord,
+    utcnow,
+)
 from cachectl.index.models import Environment as EnvRow
 
 if TYPE_CHECKING:
@@ -40,14 +50,23 @@ class UsageRow:
     hits: int
     misses: int
     writes: int
-    saved_seconds: float
+    saved_seconds: float  # as JAX reported it (compile_time_saved_sec; can be negative)
     dropped: int
+    uncacheable: int = 0  # misses of programs JAX never writes: counted apart from the hit rate
+    name: str | None = None  # the manifest's function name, where warm recorded it
+    saved_warm_seconds: float = 0.0  # hits x the compile time the index measured at warm (>= 0)
 
-    __json_extra__ = ("hit_rate",)
+    __json_extra__ = ("hit_rate", "cacheable_requests")
+
+    @property
+    def cacheable_requests(self) -> int:
+        return max(self.requests - self.uncacheable, 0)
 
     @property
     def hit_rate(self) -> float | None:
-        return self.hits / self.requests if self.requests else None
+        """Hits over the requests for cacheable programs (ccache's habit: uncacheable apart)."""
+        n = self.cacheable_requests
+        return min(self.hits / n, 1.0) if n else None
 
 
 @dataclass(frozen=True)
@@ -73,7 +92,7 @@ def record_telemetry(index: Index, env_id: int, batch: TelemetryBatch) -> int:
     rows = [
         {"environment_id": env_id, "at": at, "process": batch.process, "function": fn,
          "requests": c.requests, "hits": c.hits, "misses": c.misses, "writes": c.writes,
-         "saved_seconds": float(c.saved_seconds), "dropped": 0}
+         "saved_seconds": float(c.saved_seconds), "dropped": 0, "uncacheable": c.uncacheable}
         for fn, c in batch.functions.items()
         if c.requests or c.hits or c.writes
     ]
@@ -83,7 +102,7 @@ def record_telemetry(index: Index, env_id: int, batch: TelemetryBatch) -> int:
         else:
             rows.append({"environment_id": env_id, "at": at, "process": batch.process, "function": None,
                          "requests": 0, "hits": 0, "misses": 0, "writes": 0, "saved_seconds": 0.0,
-                         "dropped": batch.dropped})
+                         "dropped": batch.dropped, "uncacheable": 0})
     serving = [
         {"environment_id": env_id, "at": at, "process": batch.process, "function": fn,
          "calls": c.calls, "aot": c.aot, "fallback": c.fallback, "out_of_bucket": c.out_of_bucket,
@@ -100,7 +119,120 @@ def record_telemetry(index: Index, env_id: int, batch: TelemetryBatch) -> int:
     if batch.hit_keys:
         # A process reports when it hit each key: a claim, clamped to now (and to the entry's creation).
         index.record_hits(env_id, dict(batch.hit_keys), not_after=utcnow())
+    if batch.signatures or batch.signatures_dropped:
+        record_signatures(index, env_id, batch)
     return len(rows) + len(serving)
+
+
+MAX_SIGNATURES_PER_FUNCTION = 256  # rows per (environment, function); the rest add up in digest '*'
+OVERFLOW_DIGEST = "*"
+
+
+def signature_digest(module: str, leaves: list, key: str | None, statics: list | None = None) -> str:
+    canon = json.dumps([module, leaves, key, statics], separators=(",", ":"), default=str)
+    return hashlib.sha256(canon.encode()).hexdigest()
+
+
+def record_signatures(index: Index, env_id: int, batch: TelemetryBatch) -> int:
+    """Add one flush's signature counts: one row per signature, bounded per function."""
+    def utc(ts: float) -> datetime:
+        return datetime.fromtimestamp(ts, tz=timezone.utc)
+
+    merged: dict[tuple[str, str], dict[str, Any]] = {}
+    for (module, *_rest), c in batch.signatures.items():
+        leaves = [[list(shape), dtype, weak, sharding] for shape, dtype, weak, sharding in c.leaves]
+        statics = None if c.statics is None else [[k, v] for k, v in c.statics]
+        digest = signature_digest(module, leaves, c.key, statics)
+        merged[(module, digest)] = {"key": c.key, "leaves": leaves, "source": c.source, "statics": statics, "requests": c.requests, "hits": c.hits,
+                                    "misses": c.misses, "uncacheable": c.uncacheable, "repeats": c.repeats,
+                                    "first_seen": utc(c.first_seen or batch.ended_at.timestamp()),
+                                    "last_seen": utc(c.last_seen or batch.ended_at.timestamp())}
+    if batch.signatures_dropped:
+        merged[("", OVERFLOW_DIGEST)] = {"key": None, "leaves": [], "source": None, "statics": None,
+                                         "requests": batch.signatures_dropped,
+                                         "hits": 0, "misses": batch.signatures_dropped, "uncacheable": 0,
+                                         "repeats": 0, "first_seen": batch.started_at,
+                                         "last_seen": batch.ended_at}
+    counters = ("requests", "hits", "misses", "uncacheable", "repeats")
+    written = 0
+    with index.session() as s:
+        for module in sorted({m for m, _ in merged}):
+            mine = {d: v for (m, d), v in merged.items() if m == module}
+            existing = {row.digest: row for row in s.scalars(
+                select(SignatureRecord).where(SignatureRecord.environment_id == env_id,
+                                              SignatureRecord.function == module,
+                                              SignatureRecord.digest.in_(list(mine) + [OVERFLOW_DIGEST])))}
+            total = s.scalar(select(func.count()).select_from(SignatureRecord).where(
+                SignatureRecord.environment_id == env_id, SignatureRecord.function == module)) or 0
+            for digest, v in mine.items():
+                row = existing.get(digest)
+                if row is None and total >= MAX_SIGNATURES_PER_FUNCTION:
+                    digest = OVERFLOW_DIGEST
+                    row = existing.get(digest)
+                    v = {**v, "leaves": [], "key": None, "source": None, "statics": None}
+                if row is None:
+                    row = SignatureRecord(environment_id=env_id, function=module, digest=digest, key=v["key"],
+                                          leaves=v["leaves"], source=v["source"], statics=v["statics"],
+                                          first_seen=v["first_seen"],
+                                          last_seen=v["last_seen"], **{k: v[k] for k in counters})
+                    s.add(row)
+                    existing[digest] = row
+                    total += 1
+                    written += 1
+                else:
+                    for k in counters:
+                        setattr(row, k, int(getattr(row, k) or 0) + v[k])
+                    row.last_seen = max(row.last_seen, v["last_seen"])
+        s.flush()
+    return written
+
+
+@dataclass(frozen=True)
+class SignatureRow:
+    """One signature's counts over a window (summed across environments' duplicate rows)."""
+
+    environment: str
+    function: str
+    digest: str
+    key: str | None
+    leaves: list[Any]
+    source: str | None
+    statics: list[Any] | None
+    requests: int
+    hits: int
+    misses: int
+    uncacheable: int
+    repeats: int
+    first_seen: datetime
+    last_seen: datetime
+
+
+def signature_usage(index: Index, cache: str, since: timedelta, *, function: str | None = None
+                    ) -> list[SignatureRow]:
+    """Every signature seen since ``since`` ago in ``cache``, per environment."""
+    start = utcnow() - since
+    out: dict[tuple[str, str, str], dict[str, Any]] = {}
+    with index.read_session() as s:
+        q = (select(EnvRow.digest, SignatureRecord)
+             .join(SignatureRecord, SignatureRecord.environment_id == EnvRow.id)
+             .join(Cache, Cache.id == EnvRow.cache_id)
+             .where(Cache.name == cache, SignatureRecord.last_seen >= start))
+        if function is not None:
+            q = q.where(SignatureRecord.function == function)
+        for env, r in s.execute(q):
+            acc = out.get((env, r.function, r.digest))
+            if acc is None:
+                out[(env, r.function, r.digest)] = {
+                    "key": r.key, "leaves": r.leaves, "source": r.source, "statics": r.statics,
+                    "requests": r.requests, "hits": r.hits,
+                    "misses": r.misses, "uncacheable": r.uncacheable, "repeats": r.repeats,
+                    "first_seen": r.first_seen, "last_seen": r.last_seen}
+            else:
+                for k in ("requests", "hits", "misses", "uncacheable", "repeats"):
+                    acc[k] += getattr(r, k)
+                acc["first_seen"] = min(acc["first_seen"], r.first_seen)
+                acc["last_seen"] = max(acc["last_seen"], r.last_seen)
+    return [SignatureRow(env, fn, digest, **v) for (env, fn, digest), v in sorted(out.items())]
 
 
 @dataclass(frozen=True)
@@ -165,6 +297,7 @@ def telemetry_stats(index: Index, cache: str, since: timedelta) -> TelemetryStat
             total(index.dialect, TelemetryRecord.writes),
             func.coalesce(func.sum(TelemetryRecord.saved_seconds), 0.0),
             total(index.dialect, TelemetryRecord.dropped),
+            func.coalesce(func.sum(TelemetryRecord.uncacheable), 0),
         )
         base = (
             select(EnvRow.digest, EnvRow.namespace)
@@ -180,13 +313,28 @@ def telemetry_stats(index: Index, cache: str, since: timedelta) -> TelemetryStat
             .order_by(EnvRow.namespace, TelemetryRecord.function)
         ).all()
 
-    def row(digest: str, namespace: str, fn: str | None, values: tuple) -> UsageRow:
-        procs, req, hits, misses, writes, saved, dropped = values
-        return UsageRow(digest, namespace, fn, int(procs), int(req), int(hits), int(misses),
-                        int(writes), float(saved), int(dropped))
+        # What warm knows of each module: the manifest's name and the compile time it measured.
+        warm = s.execute(
+            select(EnvRow.digest, Entry.module, func.max(Entry.function), func.avg(Entry.compile_time_ms))
+            .join(Entry, Entry.environment_id == EnvRow.id)
+            .where(EnvRow.cache_id == cache_id, Entry.function.is_not(None))
+            .group_by(EnvRow.digest, Entry.module)
+        ).all()
+    known = {(d, m): (name, None if ms is None else float(ms)) for d, m, name, ms in warm}
 
-    envs = [row(r[0], r[1], None, tuple(r[2:])) for r in per_env]
+    def row(digest: str, namespace: str, fn: str | None, values: tuple) -> UsageRow:
+        procs, req, hits, misses, writes, saved, dropped, uncacheable = values
+        name, ms = known.get((digest, fn), (None, None)) if fn is not None else (None, None)
+        warm_saved = max(int(hits) * (ms or 0.0) / 1000.0, 0.0)
+        return UsageRow(digest, namespace, fn, int(procs), int(req), int(hits), int(misses),
+                        int(writes), float(saved), int(dropped), int(uncacheable), name, warm_saved)
+
     fns = [row(r[0], r[1], r[2], tuple(r[3:])) for r in per_fn if r[2] is not None or int(r[4])]
+    envs = []
+    for r in per_env:
+        env = row(r[0], r[1], None, tuple(r[2:]))
+        saved = sum(f.saved_warm_seconds for f in fns if f.environment == env.environment)
+        envs.append(dataclasses.replace(env, saved_warm_seconds=saved))
     return TelemetryStats(cache, start, since.total_seconds(), envs, fns)
 
 

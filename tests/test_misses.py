@@ -1,0 +1,262 @@
+"""`cachectl misses`: a real service per cause, each against a warmed manifest.
+
+The manifest is warmed once (module fixture); every test wipes the recorded signatures,
+runs one fresh service process under cachectl.activate() that calls the functions in
+one wrong way, then asks `cachectl misses --json` what it missed and why.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+from click.testing import CliRunner
+from infra import run_py
+
+from cachectl.cli import cli
+
+MODEL = '''
+import jax, jax.numpy as jnp
+
+def param_specs():
+    return {"embed": {"w": jax.ShapeDtypeStruct((8, 4), jnp.float32)}}
+
+def apply(params, tokens):
+    return params["embed"]["w"][tokens].sum()
+
+def step(x, lr):
+    return x * lr
+
+def attention(x, num_heads):
+    return x.reshape(x.shape[0], num_heads, -1).sum()
+
+def decode(x):
+    return jnp.cumsum(x)
+'''
+
+MANIFEST = '''
+# the service's programs
+version: 1
+functions:
+  - fn: svc_model:apply
+    args:
+      - {pytree: svc_model:param_specs}
+      - {shape: [batch, 16], dtype: int32}   # tokens
+    buckets:
+      batch: [16, 64]
+  - fn: svc_model:step
+    args:
+      - {shape: [4], dtype: float32}
+      - {shape: [], dtype: float32}
+  - fn: svc_model:attention
+    jit: {static_argnames: [num_heads]}
+    args:
+      - {shape: [2, 8], dtype: float32}
+    kwargs:
+      num_heads: {axis: num_heads}
+    buckets:
+      num_heads: [4, 8]
+  - fn: svc_model:decode
+    args:
+      - {shape: [seq], dtype: float32}
+    buckets:
+      seq: [128, 256, 512]
+'''
+
+SERVICE = '''
+import sys, numpy as np
+sys.path.insert(0, {dir!r})
+import cachectl
+cachectl.activate()
+import jax, jax.numpy as jnp
+import svc_model as m
+params = {{"embed": {{"w": np.ones((8, 4), np.float32)}}}}
+apply = jax.jit(m.apply)
+step = jax.jit(m.step)
+attention = jax.jit(m.attention, static_argnames=["num_heads"])
+decode = jax.jit(m.decode)
+{body}
+'''
+
+MATCHING = '''
+apply(params, np.zeros((16, 16), np.int32)).block_until_ready()
+apply(params, np.zeros((64, 16), np.int32)).block_until_ready()
+step(np.ones(4, np.float32), np.float32(0.1)).block_until_ready()
+attention(np.ones((2, 8), np.float32), num_heads=4).block_until_ready()
+decode(np.ones(256, np.float32)).block_until_ready()
+'''
+
+
+@pytest.fixture(scope="module")
+def warmed(tmp_path_factory) -> dict[str, str]:
+    home = tmp_path_factory.mktemp("misses-home")
+    (home / "svc_model.py").write_text(MODEL)
+    (home / "manifest.yaml").write_text(MANIFEST)
+    env = {"XDG_DATA_HOME": str(home / "data"), "XDG_CACHE_HOME": str(home / "cache"),
+           "XDG_CONFIG_HOME": str(home / "config"), "CACHECTL_TELEMETRY_INTERVAL": "3600"}
+    code = f"""
+        import sys
+        from cachectl.cli import main
+        sys.argv = ["cachectl", "warm", {str(home / 'manifest.yaml')!r}, "--json"]
+        main()
+    """
+    proc = run_py(code, env, check=True, timeout=600)
+    assert json.loads(proc.stdout)["summary"]["failed"] == 0
+    return {**env, "HOME_DIR": str(home)}
+
+
+def _service(warmed: dict[str, str], body: str, monkeypatch) -> dict[str, Any]:
+    env = {k: v for k, v in warmed.items() if k != "HOME_DIR"}
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    db = Path(warmed["XDG_DATA_HOME"]) / "cachectl" / "index.db"
+    with sqlite3.connect(db) as conn:
+        conn.execute("DELETE FROM signatures")
+        conn.execute("DELETE FROM telemetry")
+    code = SERVICE.format(dir=warmed["HOME_DIR"], body=textwrap.dedent(body))
+    proc = run_py(code, env, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    result = CliRunner().invoke(cli, ["misses", "--since", "1h", "--json"], catch_exceptions=False)
+    assert result.exit_code in (0, 1), result.output
+    report = json.loads(result.stdout)
+    report["exit_code"] = result.exit_code
+    return report
+
+
+def _only(report: dict[str, Any]) -> dict[str, Any]:
+    assert len(report["findings"]) == 1, report["findings"]
+    return report["findings"][0]
+
+
+def _kinds(report: dict[str, Any]) -> list[tuple[str, str]]:
+    return [(f["function"], f["kind"]) for f in report["findings"]]
+
+
+def test_a_matching_service_misses_nothing(warmed, monkeypatch) -> None:
+    report = _service(warmed, MATCHING, monkeypatch)
+    assert report["findings"] == [], report["findings"]
+    assert report["exit_code"] == 0
+    assert report["coverage"] == 1.0
+    assert report["manifest"].endswith("manifest.yaml")
+
+
+def test_committed_arrays_name_the_leaf_and_the_sharding(warmed, monkeypatch) -> None:
+    body = '''
+    dev = jax.devices()[0]
+    committed = jax.tree.map(lambda x: jax.device_put(x, dev), params)
+    apply(committed, np.zeros((16, 16), np.int32)).block_until_ready()
+    '''
+    report = _service(warmed, body, monkeypatch)
+    assert report["exit_code"] == 1
+    f = _only(report)
+    assert f["function"] == "jit_apply" and f["name"] == "apply" and f["kind"] == "sharding"
+    assert f["arg"] == 0 and f["leaf"] == "['embed']['w']" and f["bucket"] == "batch=16"
+    assert f["observed"] == "SingleDeviceSharding(cpu:0)" and f["expected"] is None
+    assert "add sharding: single_device" in f["message"]
+    assert f["message"].startswith("jit_apply arg 0 (params) leaf ['embed']['w']: sharding")
+
+
+def test_a_python_float_is_weak_typed(warmed, monkeypatch) -> None:
+    report = _service(warmed, "step(np.ones(4, np.float32), 0.1).block_until_ready()", monkeypatch)
+    assert report["exit_code"] == 1
+    f = _only(report)
+    assert (f["function"], f["kind"], f["arg"], f["field"]) == ("jit_step", "weak_type", 1, "weak_type")
+    assert f["message"] == ("jit_step arg 1 (lr): float32 weak_type (a Python float) vs float32: "
+                            "pass np.float32(...)")
+
+
+def test_a_batch_between_buckets(warmed, monkeypatch) -> None:
+    report = _service(warmed, "apply(params, np.zeros((48, 16), np.int32)).block_until_ready()", monkeypatch)
+    assert report["exit_code"] == 1
+    f = _only(report)
+    assert (f["function"], f["kind"], f["arg"], f["observed"], f["expected"]) == (
+        "jit_apply", "shape", 1, 48, [16, 64])
+    assert f["message"] == "jit_apply arg 1 (tokens): batch 48 not a bucket (16, 64): pad to 64, or add 48"
+    human = CliRunner().invoke(cli, ["misses"])
+    assert human.exit_code == 1
+    assert "  jit_apply arg 1 (tokens): batch 48 not a bucket (16, 64): pad to 64, or add 48 (nearest bucket " \
+        "[batch=64]); 1 missed" in human.stdout
+
+
+def test_a_static_value_that_is_not_a_bucket(warmed, monkeypatch) -> None:
+    report = _service(warmed, "attention(np.ones((2, 8), np.float32), num_heads=2).block_until_ready()",
+                      monkeypatch)
+    assert report["exit_code"] == 1
+    f = _only(report)
+    assert (f["function"], f["kind"], f["arg"], f["observed"], f["expected"]) == (
+        "jit_attention", "static", "num_heads", "2", [4, 8])
+    assert f["message"] == "jit_attention static num_heads=2 not among (4, 8)"
+
+
+def test_a_lambda_jitted_per_call(warmed, monkeypatch) -> None:
+    body = '''
+    for _ in range(5):
+        jax.jit(lambda x: x * 2 + 1)(np.ones(3, np.float32)).block_until_ready()
+    '''
+    report = _service(warmed, body, monkeypatch)
+    assert report["exit_code"] == 1
+    rejit = [f for f in report["findings"] if f["kind"] == "rejit"]
+    assert len(rejit) == 1 and rejit[0]["function"] == "jit__lambda"
+    assert rejit[0]["message"].startswith("jit__lambda compiled 5 programs with identical shapes")
+    assert "jit it once at module level" in rejit[0]["message"]
+
+
+def test_a_shape_explosion(warmed, monkeypatch) -> None:
+    body = '''
+    for n in range(97, 512, 22):
+        decode(np.ones(n, np.float32)).block_until_ready()
+    '''
+    report = _service(warmed, body, monkeypatch)
+    assert report["exit_code"] == 1
+    (boom,) = [f for f in report["findings"] if f["kind"] == "explosion"]
+    assert boom["function"] == "jit_decode"
+    assert boom["message"] == "jit_decode compiled 19 distinct seq lengths (97..493): bucket seq"
+    shapes = [f for f in report["findings"] if f["kind"] == "shape"]
+    assert len(shapes) == 19 and all(f["field"] == "shape[0]:seq" for f in shapes)
+    assert report["coverage"] == 0.0
+
+
+def test_advise_from_the_signatures_of_a_plain_jit_service(warmed, monkeypatch) -> None:
+    from cachectl.advise import optimal_buckets
+
+    sizes = [100, 100, 130, 250, 250, 251, 400, 511]
+    body = "\n".join(f"decode(np.ones({n}, np.float32)).block_until_ready()" for n in sorted(set(sizes)))
+    _service(warmed, body, monkeypatch)
+    manifest = str(Path(warmed["HOME_DIR"]) / "manifest.yaml")
+    result = CliRunner().invoke(cli, ["advise", manifest, "--function", "decode", "--max-buckets", "3", "--json"],
+                                catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    (fn,) = json.loads(result.stdout)["functions"]
+    (axis,) = fn["axes"]
+    # a plain jit service compiles each distinct length once: the signatures count programs, not calls
+    assert axis["source"] == "signatures" and axis["calls"] == len(set(sizes))
+    assert axis["proposed"]["values"] == optimal_buckets(sorted(set(sizes)), max_buckets=3)
+    assert axis["current"]["values"] == [128, 256, 512] and axis["current"]["coverage"] == 1.0
+
+
+def test_stats_hit_rate_is_over_cacheable_programs(warmed, monkeypatch) -> None:
+    """A warmed service whose inputs go through jnp.asarray(numpy): staging programs apart."""
+    body = MATCHING.replace("np.zeros((16, 16), np.int32)", "jnp.asarray(np.zeros((16, 16), np.int32))")
+    body = body.replace("np.ones(256, np.float32)", "jnp.asarray(np.ones(256, np.float32))")
+    body = "params = jax.tree.map(jnp.asarray, params)\n" + body
+    report = _service(warmed, body, monkeypatch)
+    assert report["exit_code"] == 0, report["findings"]
+    assert "jit_stage" in report["uncacheable_functions"]
+    usage = json.loads(CliRunner().invoke(cli, ["stats", "--since", "1h", "--json"]).stdout)
+    (env,) = usage["environments"]
+    fns = {f["function"]: f for f in usage["functions"]}
+    assert fns["jit_stage"]["uncacheable"] == fns["jit_stage"]["requests"] > 0
+    assert fns["jit_stage"]["hit_rate"] is None
+    assert env["uncacheable"] >= fns["jit_stage"]["uncacheable"]
+    assert env["hit_rate"] == 1.0 and env["hits"] == env["cacheable_requests"] == 5
+    assert fns["jit_apply"]["name"] == "apply" and fns["jit_apply"]["hits"] == 2
+    assert fns["jit_apply"]["saved_warm_seconds"] > 0 and env["saved_warm_seconds"] >= 0
+    text = CliRunner().invoke(cli, ["stats", "--since", "1h"]).stdout
+    assert "apply" in text and "(jit_appl" in text and "100%" in text  # rich folds narrow columns
+    assert text.count("uncacheable: misses") == 1
+    plain = CliRunner().invoke(cli, ["stats"]).stdout
+    assert "hit rate 100.0% over the last 24h (5 hits of 5 requests for cacheable programs;" in plain

@@ -1,0 +1,143 @@
+"""Program signatures in telemetry: what is read from JAX (pinned), what is recorded, the bounds."""
+
+from __future__ import annotations
+
+import inspect
+import json
+import logging
+from datetime import timedelta
+
+from infra import run_py
+from sqlalchemy import func, select
+
+from cachectl import jax_signatures, telemetry
+from cachectl.fingerprint import current_environment
+from cachectl.index import db as index_db
+from cachectl.index import open_index
+from cachectl.index.models import SignatureRecord
+from cachectl.index.telemetry_queries import (
+    MAX_SIGNATURES_PER_FUNCTION,
+    record_telemetry,
+    signature_usage,
+)
+from cachectl.telemetry import Collector, MemorySink
+
+
+def test_the_jax_internals_signatures_are_read_from_are_as_pinned() -> None:
+    """Every jax._src detail cachectl.jax_signatures relies on, read from the installed JAX."""
+    from jax._src import compiler, pjit
+    from jax._src.interpreters import pxla
+
+    assert jax_signatures.pxla_logger() is pxla.logger
+    source = inspect.getsource(pxla)
+    start = source.index(f"def {jax_signatures.LOWERING_FRAME}(")
+    lowering = source[start:source.index("\ndef ", start)]
+    assert "logger.isEnabledFor(log_priority)" in lowering
+    assert '"Compiling %s with global shapes and types %s. "' in lowering
+    assert "module_name, in_avals, in_shardings)" in lowering and "closed_jaxpr" in lowering
+    assert pxla.logger.name == jax_signatures.PXLA_LOGGER
+    write = inspect.getsource(compiler._cache_write)
+    assert write.count(jax_signatures.NOT_WRITING_PREFIX) == 2
+    assert "because it uses host " in write and "module_name, min_compile_time," in write
+    cpp = inspect.getsource(pjit._cpp_pjit)
+    assert "def cache_miss(*args, **kwargs):" in cpp and "_infer_params(fun, jit_info, args, kwargs)" in cpp
+    assert pjit.__file__.endswith(jax_signatures.CALL_FILE)
+
+
+SERVICE = """
+import json, numpy as np, jax
+from cachectl.telemetry import Collector, MemorySink
+jax.config.update("jax_compilation_cache_dir", {cache!r})
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+c = Collector(cache="c", environment_digest="d", sink=MemorySink(), interval_s=3600)
+c.install()
+def scale(x, factor, n):
+    return x * factor * n
+f = jax.jit(scale, static_argnames=["n"])
+f(jax.device_put(np.ones((2, 3), np.float32), jax.devices()[0]), 0.5, n=3).block_until_ready()
+f(np.ones((2, 3), np.float32), np.float32(0.5), n=3).block_until_ready()
+jax.debug.callback(lambda: None)  # noqa
+jax.jit(lambda x: (jax.debug.callback(lambda v: None, x), x)[1])(np.ones(2, np.float32))
+out = []
+for (module, *_), s in c.take().signatures.items():
+    out.append(dict(module=module, leaves=[list(map(str, l)) for l in s.leaves], statics=s.statics,
+                    source=s.source, hits=s.hits, misses=s.misses, uncacheable=s.uncacheable, key=s.key))
+print(json.dumps(out))
+"""
+
+
+def test_signatures_of_a_real_service(tmp_path) -> None:
+    proc = run_py(SERVICE.format(cache=str(tmp_path / "jax")), check=True)
+    sigs = json.loads(proc.stdout.strip().splitlines()[-1])
+    scale = [s for s in sigs if s["module"] == "jit_scale"]
+    assert len(scale) == 2
+    committed, plain = scale
+    assert committed["leaves"] == [["(2, 3)", "float32", "False", "SingleDeviceSharding(cpu:0)"],
+                                   ["()", "float32", "True", "None"]]
+    assert plain["leaves"] == [["(2, 3)", "float32", "False", "None"], ["()", "float32", "False", "None"]]
+    assert committed["statics"] == [["n", "3"]] and committed["source"].startswith("scale at <string>:")
+    assert committed["misses"] == 1 and committed["hits"] == committed["uncacheable"] == 0
+    assert committed["key"].startswith("jit_scale-") and committed["key"] != plain["key"]
+    (cb,) = [s for s in sigs if s["module"] == "jit__lambda"]
+    assert cb["uncacheable"] == 1 and cb["misses"] == 0  # host callbacks: JAX never writes it
+
+
+def test_signature_rows_stay_bounded_under_10000_distinct_shapes(db_url) -> None:
+    """Through the real pxla and compiler loggers, 10,000 lowerings of distinct shapes in 10 flushes."""
+    import jax.numpy as jnp
+    from jax import core, monitoring
+
+    engine = index_db.make_engine(db_url)
+    index_db.upgrade(engine)
+    engine.dispose()
+    index = open_index(db_url)
+    index.add_cache("c", "/tmp/unused-root")
+    env = current_environment()
+    env_id = index.ensure_environment("c", env).id
+    sink = MemorySink()
+    collector = Collector(cache="c", environment_digest=env.digest, sink=sink, interval_s=3600)
+    pxla_logger = jax_signatures.pxla_logger()
+    compiler_logger = telemetry._compiler_logger()
+    level = pxla_logger.level
+    collector.install()
+    try:
+        assert pxla_logger.level == level and not pxla_logger.isEnabledFor(logging.INFO)
+        for i in range(10_000):
+            monitoring.record_event(telemetry.EVENT_REQUESTS)
+            if pxla_logger.isEnabledFor(logging.DEBUG):
+                pxla_logger.log(logging.DEBUG, "Compiling %s with global shapes and types %s. "
+                                "Argument mapping: %s.", "jit(decode)",
+                                [core.ShapedArray((i + 1,), jnp.float32)], [None])
+            compiler_logger.log(logging.DEBUG, "PERSISTENT COMPILATION CACHE MISS for '%s' with key %r",
+                                "jit_decode", f"jit_decode-{i:064x}")
+            if i % 1000 == 999:
+                collector.flush()
+    finally:
+        collector.uninstall(flush=False)
+    assert pxla_logger.level == level and "isEnabledFor" not in pxla_logger.__dict__
+    assert len(sink.batches) == 10 and all(len(b.signatures) == 1000 for b in sink.batches)
+    for b in sink.batches:
+        record_telemetry(index, env_id, b)
+    with index.read_session() as s:
+        rows = s.scalar(select(func.count()).select_from(SignatureRecord))
+        total = s.scalar(select(func.sum(SignatureRecord.requests)))
+    assert rows == MAX_SIGNATURES_PER_FUNCTION + 1  # the rest add up in one overflow row
+    assert total == 10_000
+    usage = signature_usage(index, "c", timedelta(hours=1))
+    (overflow,) = [u for u in usage if u.digest == "*"]
+    assert overflow.requests == overflow.misses == 10_000 - MAX_SIGNATURES_PER_FUNCTION
+    index.close()
+
+
+def test_the_per_flush_bound_drops_and_counts() -> None:
+    import jax.numpy as jnp
+    from jax import core
+
+    collector = Collector(cache="c", environment_digest="d", sink=MemorySink(), interval_s=3600,
+                          max_signatures=10)
+    for i in range(25):
+        collector._on_lowering("jit(f)", [core.ShapedArray((i,), jnp.float32)], [None])
+        collector._on_log(False, "jit_f", f"jit_f-{i}")
+    batch = collector.take()
+    assert len(batch.signatures) == 10 and batch.signatures_dropped == 15
+    assert [c.leaves for c in batch.signatures.values()][3] == (((3,), "float32", False, None),)
