@@ -10,7 +10,7 @@ from rich.markup import escape
 from cachectl.cli.render import print_json, size, stderr, stdout, table
 from cachectl.context import Context
 from cachectl.errors import EnvironmentMismatch
-from cachectl.manifest import parse_shard
+from cachectl.sharding import resolve_shard
 from cachectl.units import format_size
 from cachectl.warm import (
     CACHED,
@@ -128,15 +128,19 @@ class _Progress:
                         description=escape(f"{result.function}[{_plain(result.bucket)}] {result.status}"))
 
 
-def _shard(text: str | None) -> tuple[int, int] | None:
-    return parse_shard(text) if text else None
+def _shard(text: str | None, shards: int | None = None) -> tuple[int, int] | None:
+    return resolve_shard(text, shards)
 
 
 _common = [
     click.argument("manifest", type=click.Path(dir_okay=False)),
     click.option("--cache", "cache_name", metavar="NAME",
                  help="Cache to fill (default: the manifest's 'cache:', else the global --cache)."),
-    click.option("--shard", metavar="I/N", help="Only the I-th of N deterministic shares of the buckets."),
+    click.option("--shard", metavar="I/N|auto",
+                 help="Only the I-th of N deterministic shares of the buckets; 'auto': I from "
+                      "JOB_COMPLETION_INDEX (a Kubernetes Indexed Job), N from --shards/CACHECTL_SHARDS."),
+    click.option("--shards", type=int, metavar="N",
+                 help="With --shard auto: the number of shards (else CACHECTL_SHARDS)."),
     click.option("--path", "paths", multiple=True, metavar="DIR",
                  help="Add DIR to the import path (repeatable); the manifest's directory is always added."),
     click.option("--json", "as_json", is_flag=True, help="Print the report as JSON."),
@@ -150,8 +154,8 @@ def _with_common(fn: Any) -> Any:
 
 
 def _run_check(ctx: Context, manifest: str, cache_name: str | None, shard: str | None,
-               paths: tuple[str, ...], as_json: bool) -> None:
-    report = check(ctx, manifest, cache=cache_name, shard=_shard(shard), paths=paths)
+               paths: tuple[str, ...], as_json: bool, shards: int | None = None) -> None:
+    report = check(ctx, manifest, cache=cache_name, shard=_shard(shard, shards), paths=paths)
     if as_json:
         print_json(report.to_json())
     else:
@@ -176,7 +180,7 @@ def _run_check(ctx: Context, manifest: str, cache_name: str | None, shard: str |
               help="Compile nothing: prove coverage in a fresh read-only process (= `cachectl warm-check`).")
 @click.pass_obj
 def warm_cmd(ctx: Context, manifest: str, cache_name: str | None, shard: str | None,
-             paths: tuple[str, ...], as_json: bool, jobs: int | None, executor: str, fail_fast: bool,
+             shards: int | None, paths: tuple[str, ...], as_json: bool, jobs: int | None, executor: str, fail_fast: bool,
              dry_run: bool, check_only: bool, no_executables: bool) -> None:
     """Compile every function x shape bucket of MANIFEST into this environment's namespace.
 
@@ -187,13 +191,14 @@ def warm_cmd(ctx: Context, manifest: str, cache_name: str | None, shard: str | N
     \b
     cachectl warm examples/manifest.yaml
     cachectl warm manifest.yaml --shard 2/4 --jobs 8
+    cachectl warm manifest.yaml --shard auto --shards 4   # pod of an Indexed Job
     cachectl warm-check manifest.yaml      # prove it: 100% hits in a fresh process
     """
     if check_only:
-        _run_check(ctx, manifest, cache_name, shard, paths, as_json)
+        _run_check(ctx, manifest, cache_name, shard, paths, as_json, shards)
         return
     with _Progress(enabled=stderr.is_terminal and not dry_run) as progress:
-        report = warm(ctx, manifest, cache=cache_name, jobs=jobs, shard=_shard(shard), paths=paths,
+        report = warm(ctx, manifest, cache=cache_name, jobs=jobs, shard=_shard(shard, shards), paths=paths,
                       fail_fast=fail_fast, dry_run=dry_run, executor=executor, progress=progress,
                       executables=not no_executables)
     if as_json:
@@ -213,12 +218,12 @@ def warm_cmd(ctx: Context, manifest: str, cache_name: str | None, shard: str | N
 @_with_common
 @click.pass_obj
 def warm_check_cmd(ctx: Context, manifest: str, cache_name: str | None, shard: str | None,
-                   paths: tuple[str, ...], as_json: bool) -> None:
+                   shards: int | None, paths: tuple[str, ...], as_json: bool) -> None:
     """Prove coverage: in a fresh process, activate the cache read-only and load every bucket.
 
     Reports hit or miss per bucket and the coverage; exits 1 below 100%.
     """
-    _run_check(ctx, manifest, cache_name, shard, paths, as_json)
+    _run_check(ctx, manifest, cache_name, shard, paths, as_json, shards)
 
 
 def register(cli: click.Group) -> None:
