@@ -227,7 +227,7 @@ def namespace_content(index: Any, env_info: Any) -> dict[str, Any]:
 
 def sign_namespace(index: Any, env_info: Any, key: SigningKey | None) -> dict[str, Any] | None:
     """Re-sign the namespace's content list after a write (warm, push, bundle install); None without a key."""
-    if key is None:
+    if key is None or not hasattr(index, "set_content_signature"):
         return None
     signed = sign(key, namespace_content(index, env_info))
     index.set_content_signature(env_info.id, signed)
@@ -243,8 +243,49 @@ def trusted_files(index: Any, cache: Any, env_info: Any) -> dict[str, tuple[int,
     trusted = tuple(getattr(cache, "trusted_keys", ()) or ())
     if not trusted:
         return None
-    signed = index.content_signature(env_info.id)
+    signed = index.content_signature(env_info.id) if hasattr(index, "content_signature") else None
     content = verify(signed, trusted, f"namespace {env_info.namespace} of cache {cache.name!r}")
     if content.get("environment") != env_info.digest:
         raise Untrusted(f"namespace {env_info.namespace}: its signed content list is for another environment")
     return files_of(content)
+
+
+def require_signer(cache: Any, key: SigningKey | None, operation: str) -> None:
+    """Writers of a cache that trusts keys must sign with one of them (exit 4 otherwise)."""
+    from cachectl.errors import PermissionDenied
+
+    trusted = tuple(getattr(cache, "trusted_keys", ()) or ())
+    if not trusted:
+        return
+    if key is None:
+        raise PermissionDenied(f"cache {cache.name!r} accepts only signed content: {operation} needs "
+                               f"--sign-key (or {KEY_ENV}) with a trusted key "
+                               f"({', '.join(key_id(k) for k in trusted)}); nothing was written")
+    if key.public_key not in {parse_public_key(k) for k in trusted}:
+        raise PermissionDenied(f"cache {cache.name!r} does not trust signing key {key.key_id} "
+                               f"(trusted: {', '.join(key_id(k) for k in trusted)}); nothing was written")
+
+
+def resign(index: Any, cache_name: str, digest: str, key: SigningKey | None) -> dict[str, Any] | None:
+    """After a write: sign the environment's content list as the index now records it."""
+    if key is None or not hasattr(index, "set_content_signature"):
+        return None
+    return sign_namespace(index, index.get_environment(cache_name, digest), key)
+
+
+def check_covered(index: Any, cache: Any, env_info: Any) -> None:
+    """Readers (pull, serving): with trusted keys, every file the index lists for this namespace
+    must be in the content list a trusted key signed, with the same size and sha256."""
+    if not tuple(getattr(cache, "trusted_keys", ()) or ()):
+        return
+    if not hasattr(index, "content_signature"):
+        raise Untrusted(f"cache {cache.name!r} trusts only signed content, and signatures cannot be "
+                        "checked through this index")
+    files = trusted_files(index, cache, env_info)
+    assert files is not None
+    content = namespace_content(index, env_info)
+    uncovered = [f["name"] for f in content["files"] if files.get(f["name"]) != (f["size"], f["sha256"])]
+    if uncovered:
+        raise Untrusted(f"namespace {env_info.namespace}: {len(uncovered)} file(s) the index lists are not in its "
+                        f"signed content list (first: {uncovered[0]}): refused; a writer with a trusted key "
+                        "must warm or push again")

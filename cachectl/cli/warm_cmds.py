@@ -166,6 +166,17 @@ def _run_check(ctx: Context, manifest: str, cache_name: str | None, shard: str |
         raise click.exceptions.Exit(1)
 
 
+def _signer_for(ctx: Context, manifest: str, cache_name: str | None, sign_key: str | None) -> Any:
+    """The signing key, checked against the target cache's trusted keys before anything compiles."""
+    from cachectl import signing
+    from cachectl.manifest import load_manifest
+
+    key = signing.signing_key(sign_key)
+    cache = ctx.cache(cache_name or load_manifest(manifest).cache or ctx.settings.cache)
+    signing.require_signer(cache, key, "warm")
+    return key
+
+
 @click.command("warm")
 @_with_common
 @click.option("-j", "--jobs", type=click.IntRange(min=1), metavar="N",
@@ -176,12 +187,15 @@ def _run_check(ctx: Context, manifest: str, cache_name: str | None, shard: str |
 @click.option("--no-executables", is_flag=True,
               help="Store only JAX's cache entries, not the executables cachectl.serving loads.")
 @click.option("--dry-run", is_flag=True, help="List the buckets and check the target; compile nothing.")
+@click.option("--sign-key", metavar="PATH", envvar="CACHECTL_SIGNING_KEY",
+              help="Sign the namespace's content list with this Ed25519 key afterwards (required when the "
+                   "cache trusts keys). [env: CACHECTL_SIGNING_KEY]")
 @click.option("--check", "check_only", is_flag=True,
               help="Compile nothing: prove coverage in a fresh read-only process (= `cachectl warm-check`).")
 @click.pass_obj
 def warm_cmd(ctx: Context, manifest: str, cache_name: str | None, shard: str | None,
              shards: int | None, paths: tuple[str, ...], as_json: bool, jobs: int | None, executor: str, fail_fast: bool,
-             dry_run: bool, check_only: bool, no_executables: bool) -> None:
+             dry_run: bool, check_only: bool, no_executables: bool, sign_key: str | None) -> None:
     """Compile every function x shape bucket of MANIFEST into this environment's namespace.
 
     Run it on the hardware the service runs on: afterwards the service's first
@@ -197,10 +211,17 @@ def warm_cmd(ctx: Context, manifest: str, cache_name: str | None, shard: str | N
     if check_only:
         _run_check(ctx, manifest, cache_name, shard, paths, as_json, shards)
         return
+    signer = None
+    if not dry_run:
+        signer = _signer_for(ctx, manifest, cache_name, sign_key)
     with _Progress(enabled=stderr.is_terminal and not dry_run) as progress:
         report = warm(ctx, manifest, cache=cache_name, jobs=jobs, shard=_shard(shard, shards), paths=paths,
                       fail_fast=fail_fast, dry_run=dry_run, executor=executor, progress=progress,
                       executables=not no_executables)
+    if signer is not None and not report.target_problems:
+        from cachectl.signing import resign
+
+        resign(ctx.index, report.cache, report.environment["digest"], signer)
     if as_json:
         print_json(report.to_json())
     else:
