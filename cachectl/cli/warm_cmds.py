@@ -177,6 +177,31 @@ def _signer_for(ctx: Context, manifest: str, cache_name: str | None, sign_key: s
     return key
 
 
+def _run_distributed(ctx: Context, manifest: str, cache_name: str | None, shard: str | None,
+                     shards: int | None, paths: tuple[str, ...], as_json: bool, jobs: int | None,
+                     fail_fast: bool, dry_run: bool, no_executables: bool, signer: Any) -> None:
+    from cachectl import distributed as dist
+
+    result = dist.warm(ctx, manifest, cache=cache_name, jobs=jobs, shard=_shard(shard, shards), paths=paths,
+                       fail_fast=fail_fast, dry_run=dry_run, executables=not no_executables)
+    report, me = result.report, result.process
+    if signer is not None and me.index == dist.WRITER and not dry_run:
+        from cachectl.signing import resign
+
+        resign(ctx.index, report.cache, report.environment["digest"], signer)
+    if as_json:
+        print_json(result.to_json())
+    else:
+        _print_warm(report)
+        stdout.print(f"process {me.index} of {me.count} "
+                     f"({'wrote and recorded the entries' if me.index == dist.WRITER else 'compiled; process 0 wrote'})",
+                     highlight=False)
+    if report.summary.failed:
+        click.echo(f"cachectl: error: {report.summary.failed} of {report.summary.buckets} bucket(s) "
+                   "failed; see the error column", err=True)
+        raise click.exceptions.Exit(1)
+
+
 @click.command("warm")
 @_with_common
 @click.option("-j", "--jobs", type=click.IntRange(min=1), metavar="N",
@@ -190,12 +215,16 @@ def _signer_for(ctx: Context, manifest: str, cache_name: str | None, sign_key: s
 @click.option("--sign-key", metavar="PATH", envvar="CACHECTL_SIGNING_KEY",
               help="Sign the namespace's content list with this Ed25519 key afterwards (required when the "
                    "cache trusts keys). [env: CACHECTL_SIGNING_KEY]")
+@click.option("--distributed/--no-distributed", default=None,
+              help="Warm collectively inside a jax.distributed job (every process runs this command; "
+                   "default: when JAX_COORDINATOR_ADDRESS is set). Process 0 writes and records.")
 @click.option("--check", "check_only", is_flag=True,
               help="Compile nothing: prove coverage in a fresh read-only process (= `cachectl warm-check`).")
 @click.pass_obj
 def warm_cmd(ctx: Context, manifest: str, cache_name: str | None, shard: str | None,
              shards: int | None, paths: tuple[str, ...], as_json: bool, jobs: int | None, executor: str, fail_fast: bool,
-             dry_run: bool, check_only: bool, no_executables: bool, sign_key: str | None) -> None:
+             dry_run: bool, check_only: bool, no_executables: bool, sign_key: str | None,
+             distributed: bool | None) -> None:
     """Compile every function x shape bucket of MANIFEST into this environment's namespace.
 
     Run it on the hardware the service runs on: afterwards the service's first
@@ -214,6 +243,12 @@ def warm_cmd(ctx: Context, manifest: str, cache_name: str | None, shard: str | N
     signer = None
     if not dry_run:
         signer = _signer_for(ctx, manifest, cache_name, sign_key)
+    from cachectl import distributed as dist
+
+    if dist.requested(distributed):
+        _run_distributed(ctx, manifest, cache_name, shard, shards, paths, as_json, jobs, fail_fast, dry_run,
+                         no_executables, signer)
+        return
     with _Progress(enabled=stderr.is_terminal and not dry_run) as progress:
         report = warm(ctx, manifest, cache=cache_name, jobs=jobs, shard=_shard(shard, shards), paths=paths,
                       fail_fast=fail_fast, dry_run=dry_run, executor=executor, progress=progress,
