@@ -202,6 +202,7 @@ def create(ctx: Context, output: str | os.PathLike[str], *, cache: CacheInfo | N
             cctx = zstandard.ZstdCompressor(level=level, threads=-1)
             with cctx.stream_writer(raw, closefd=False) as zw, tarfile.open(fileobj=zw, mode="w|",
                                                                             format=tarfile.PAX_FORMAT) as tar:
+                tar.copybufsize = _CHUNK  # tarfile's 16 KiB default costs ~1/3 of the time
                 blob = json.dumps(meta, indent=1, sort_keys=True).encode()
                 tar.addfile(_tarinfo(META, len(blob), mtime), io.BytesIO(blob))
                 if signed:
