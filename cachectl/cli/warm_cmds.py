@@ -240,6 +240,7 @@ def warm_cmd(ctx: Context, manifest: str, cache_name: str | None, shard: str | N
     if check_only:
         _run_check(ctx, manifest, cache_name, shard, paths, as_json, shards)
         return
+    _shard(shard, shards)  # a bad --shard/--shards is bad input before anything is opened
     signer = None
     if not dry_run:
         signer = _signer_for(ctx, manifest, cache_name, sign_key)
