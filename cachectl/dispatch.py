@@ -651,9 +651,15 @@ def _index_shas(activation: Any, db: str | None, warnings: list[str]) -> dict[st
         warnings.append("cachectl.serving: stored executables not checked against the index ("
                         + "; ".join(problems) + ")")
         return None
+    from cachectl.signing import Untrusted, check_covered
+
     try:
         env = index.find_environment(activation.cache, activation.digest)
+        # A cache with trusted keys: refuse a namespace no trusted key signed (raises Untrusted).
+        check_covered(index, index.get_cache(activation.cache), env)
         return {e.key: (e.sha256, e.aot_sha256) for e in index.list_entries(env.id)}
+    except Untrusted:
+        raise
     except Exception as exc:  # noqa: BLE001 - unknown environment or index error
         warnings.append(f"cachectl.serving: stored executables not checked against the index ({exc})")
         return None

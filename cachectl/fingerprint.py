@@ -157,7 +157,15 @@ def compression_name() -> str:
 
 
 def _topology(devices: list[Any]) -> str:
-    """JAX's topology fingerprint, or the device kinds where the backend has none."""
+    """JAX's topology fingerprint, or the device kinds where the backend has none.
+
+    In a multi-process job the fingerprint can differ per process (on CPU it does), yet
+    every process must name the same namespace: there it is a digest of the global
+    device list (id, process, kind) instead, the same in every process.
+    """
+    if len({getattr(d, "process_index", 0) for d in devices}) > 1:
+        listing = sorted((d.id, d.process_index, d.device_kind) for d in devices)
+        return "multi:" + hashlib.sha256(json.dumps(listing).encode()).hexdigest()[:16]
     try:
         from jax._src.lib import xla_client
 

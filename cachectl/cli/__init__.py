@@ -56,7 +56,7 @@ def cli(ctx: click.Context, db: str | None, cache_name: str | None, verbose: int
 # One module per command group; groups land as their modules do.
 _COMMAND_MODULES = (
     "cache_cmds", "db_cmds", "env_cmds", "inventory_cmds", "sync_cmds",
-    "warm_cmds", "lifecycle_cmds", "service_cmds", "server_cmds", "usage_cmds",
+    "warm_cmds", "lifecycle_cmds", "service_cmds", "server_cmds", "usage_cmds", "bundle_cmds",
 )
 
 

@@ -89,14 +89,22 @@ def list_(ctx: Context, as_json: bool) -> None:
 @cache_group.command("set")
 @click.argument("name")
 @click.option("--url", "root_url", metavar="URL", help="Move the cache's root (files are not moved).")
+@click.option("--trust", multiple=True, metavar="PUBKEY",
+              help="Accept only content signed by these Ed25519 public keys (ed25519:... or a .pub file; "
+                   "repeatable; replaces the list; --trust '' clears it).")
 @_policy_options
 @json_option
 @click.pass_obj
-def set_(ctx: Context, name: str, root_url: str | None, as_json: bool, **opts: Any) -> None:
+def set_(ctx: Context, name: str, root_url: str | None, trust: tuple[str, ...], as_json: bool,
+         **opts: Any) -> None:
     """Change a cache's policy."""
     policy = _policy(**opts)
     if root_url:
         policy["root_url"] = root_url
+    if trust:
+        from cachectl.signing import parse_public_key
+
+        policy["trusted_keys"] = sorted({parse_public_key(k) for k in trust if k.strip()})
     info = caches.set_cache(ctx, name, **policy)
     emit(info, as_json, lambda c: _print_caches([c]))
 

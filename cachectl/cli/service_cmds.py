@@ -115,14 +115,24 @@ def _print_push(r: mirror_lib.PushResult) -> None:
 @click.option("--workers", type=click.IntRange(1, 64), default=mirror_lib.DEFAULT_WORKERS, show_default=True,
               help="Parallel uploads.")
 @click.option("--dry-run", is_flag=True, help="Show what would be uploaded; upload nothing.")
+@click.option("--sign-key", metavar="PATH", envvar="CACHECTL_SIGNING_KEY",
+              help="Sign the namespace's content list afterwards (required when the cache trusts keys). "
+                   "[env: CACHECTL_SIGNING_KEY]")
 @json_option
 @click.pass_obj
-def push(ctx: Context, src: str, workers: int, dry_run: bool, as_json: bool) -> None:
+def push(ctx: Context, src: str, workers: int, dry_run: bool, sign_key: str | None, as_json: bool) -> None:
     """Upload entries a local run wrote in DIR to the shared namespace (writers only).
 
     New entries are recorded in the index with origin "push".
     """
+    from cachectl import signing
+
+    key = signing.signing_key(sign_key)
+    if not dry_run:
+        signing.require_signer(ctx.cache(), key, "push")
     result = mirror_lib.push(ctx, src, workers=workers, dry_run=dry_run)
+    if not dry_run and key is not None:
+        signing.resign(ctx.index, result.cache, result.environment, key)
     emit(result, as_json, _print_push)
     if not result.ok:
         click.get_current_context().exit(1)

@@ -11,7 +11,8 @@ from rich.markup import escape
 from cachectl.cli.render import print_json, size, stderr, stdout, table
 from cachectl.context import Context
 from cachectl.errors import EnvironmentMismatch
-from cachectl.manifest import DEFAULT_MAX_BUCKETS, MAX_BUCKETS_ENV, parse_shard
+from cachectl.manifest import DEFAULT_MAX_BUCKETS, MAX_BUCKETS_ENV
+from cachectl.sharding import resolve_shard
 from cachectl.units import format_size
 from cachectl.warm import (
     CACHED,
@@ -134,8 +135,8 @@ def _verbosity() -> int:
     return int(click.get_current_context().find_root().params.get("verbose") or 0)
 
 
-def _shard(text: str | None) -> tuple[int, int] | None:
-    return parse_shard(text) if text else None
+def _shard(text: str | None, shards: int | None = None) -> tuple[int, int] | None:
+    return resolve_shard(text, shards)
 
 
 _CACHE_DEFAULT = "(default: the manifest's 'cache:', else the global --cache)"
@@ -147,7 +148,11 @@ def _cache_option(verb: str) -> Any:
 
 _common = [
     click.argument("manifest", type=click.Path(dir_okay=False)),
-    click.option("--shard", metavar="I/N", help="Only the I-th of N deterministic shares of the buckets."),
+    click.option("--shard", metavar="I/N|auto",
+                 help="Only the I-th of N deterministic shares of the buckets; 'auto': I from "
+                      "JOB_COMPLETION_INDEX (a Kubernetes Indexed Job), N from --shards/CACHECTL_SHARDS."),
+    click.option("--shards", type=int, metavar="N",
+                 help="With --shard auto: the number of shards (else CACHECTL_SHARDS)."),
     click.option("--path", "paths", multiple=True, metavar="DIR",
                  help="Add DIR to the import path (repeatable); the manifest's directory is always added."),
     click.option("--json", "as_json", is_flag=True, help="Print the report as JSON."),
@@ -172,8 +177,8 @@ def _with_common(fn: Any) -> Any:
 
 
 def _run_check(ctx: Context, manifest: str, cache_name: str | None, shard: str | None,
-               paths: tuple[str, ...], as_json: bool) -> None:
-    report = check(ctx, manifest, cache=cache_name, shard=_shard(shard), paths=paths)
+               paths: tuple[str, ...], as_json: bool, shards: int | None = None) -> None:
+    report = check(ctx, manifest, cache=cache_name, shard=_shard(shard, shards), paths=paths)
     if as_json:
         print_json(report.to_json())
     else:
@@ -181,6 +186,42 @@ def _run_check(ctx: Context, manifest: str, cache_name: str | None, shard: str |
     if not report.ok:
         click.echo(f"cachectl: error: coverage {report.coverage:.1f}% is below 100%: "
                    f"{len(report.buckets) - report.hits} bucket(s) would compile in a service", err=True)
+        raise click.exceptions.Exit(1)
+
+
+def _signer_for(ctx: Context, manifest: str, cache_name: str | None, sign_key: str | None) -> Any:
+    """The signing key, checked against the target cache's trusted keys before anything compiles."""
+    from cachectl import signing
+    from cachectl.manifest import load_manifest
+
+    key = signing.signing_key(sign_key)
+    cache = ctx.cache(cache_name or load_manifest(manifest).cache or ctx.settings.cache)
+    signing.require_signer(cache, key, "warm")
+    return key
+
+
+def _run_distributed(ctx: Context, manifest: str, cache_name: str | None, shard: str | None,
+                     shards: int | None, paths: tuple[str, ...], as_json: bool, jobs: int | None,
+                     fail_fast: bool, dry_run: bool, no_executables: bool, signer: Any) -> None:
+    from cachectl import distributed as dist
+
+    result = dist.warm(ctx, manifest, cache=cache_name, jobs=jobs, shard=_shard(shard, shards), paths=paths,
+                       fail_fast=fail_fast, dry_run=dry_run, executables=not no_executables)
+    report, me = result.report, result.process
+    if signer is not None and me.index == dist.WRITER and not dry_run:
+        from cachectl.signing import resign
+
+        resign(ctx.index, report.cache, report.environment["digest"], signer)
+    if as_json:
+        print_json(result.to_json())
+    else:
+        _print_warm(report)
+        stdout.print(f"process {me.index} of {me.count} "
+                     f"({'wrote and recorded the entries' if me.index == dist.WRITER else 'compiled; process 0 wrote'})",
+                     highlight=False)
+    if report.summary.failed:
+        click.echo(f"cachectl: error: {report.summary.failed} of {report.summary.buckets} bucket(s) "
+                   "failed; see the error column", err=True)
         raise click.exceptions.Exit(1)
 
 
@@ -195,12 +236,19 @@ def _run_check(ctx: Context, manifest: str, cache_name: str | None, shard: str |
 @click.option("--no-executables", is_flag=True,
               help="Store only JAX's cache entries, not the executables cachectl.serving loads.")
 @click.option("--dry-run", is_flag=True, help="List the buckets and check the target; compile nothing.")
+@click.option("--sign-key", metavar="PATH", envvar="CACHECTL_SIGNING_KEY",
+              help="Sign the namespace's content list with this Ed25519 key afterwards (required when the "
+                   "cache trusts keys). [env: CACHECTL_SIGNING_KEY]")
+@click.option("--distributed/--no-distributed", default=None,
+              help="Warm collectively inside a jax.distributed job (every process runs this command; "
+                   "default: when JAX_COORDINATOR_ADDRESS is set). Process 0 writes and records.")
 @click.option("--check", "check_only", is_flag=True,
               help="Compile nothing: prove coverage in a fresh read-only process (= `cachectl warm-check`).")
 @click.pass_obj
 def warm_cmd(ctx: Context, manifest: str, cache_name: str | None, shard: str | None,
-             paths: tuple[str, ...], as_json: bool, jobs: int | None, executor: str, fail_fast: bool,
-             dry_run: bool, check_only: bool, no_executables: bool) -> None:
+             shards: int | None, paths: tuple[str, ...], as_json: bool, jobs: int | None, executor: str, fail_fast: bool,
+             dry_run: bool, check_only: bool, no_executables: bool, sign_key: str | None,
+             distributed: bool | None) -> None:
     """Compile every function x shape bucket of MANIFEST into this environment's namespace.
 
     Run it on the hardware the service runs on: afterwards the service's first
@@ -210,15 +258,30 @@ def warm_cmd(ctx: Context, manifest: str, cache_name: str | None, shard: str | N
     \b
     cachectl warm examples/manifest.yaml
     cachectl warm manifest.yaml --shard 2/4 --jobs 8
+    cachectl warm manifest.yaml --shard auto --shards 4   # pod of an Indexed Job
     cachectl warm-check manifest.yaml      # prove it: 100% hits in a fresh process
     """
     if check_only:
-        _run_check(ctx, manifest, cache_name, shard, paths, as_json)
+        _run_check(ctx, manifest, cache_name, shard, paths, as_json, shards)
+        return
+    _shard(shard, shards)  # a bad --shard/--shards is bad input before anything is opened
+    signer = None
+    if not dry_run:
+        signer = _signer_for(ctx, manifest, cache_name, sign_key)
+    from cachectl import distributed as dist
+
+    if dist.requested(distributed):
+        _run_distributed(ctx, manifest, cache_name, shard, shards, paths, as_json, jobs, fail_fast, dry_run,
+                         no_executables, signer)
         return
     with _Progress(enabled=stderr.is_terminal and not dry_run) as progress:
-        report = warm(ctx, manifest, cache=cache_name, jobs=jobs, shard=_shard(shard), paths=paths,
+        report = warm(ctx, manifest, cache=cache_name, jobs=jobs, shard=_shard(shard, shards), paths=paths,
                       fail_fast=fail_fast, dry_run=dry_run, executor=executor, progress=progress,
                       executables=not no_executables)
+    if signer is not None and not report.target_problems:
+        from cachectl.signing import resign
+
+        resign(ctx.index, report.cache, report.environment["digest"], signer)
     if as_json:
         print_json(report.to_json())
     else:
@@ -242,12 +305,12 @@ def warm_cmd(ctx: Context, manifest: str, cache_name: str | None, shard: str | N
 @_cache_option("check")
 @click.pass_obj
 def warm_check_cmd(ctx: Context, manifest: str, cache_name: str | None, shard: str | None,
-                   paths: tuple[str, ...], as_json: bool) -> None:
+                   shards: int | None, paths: tuple[str, ...], as_json: bool) -> None:
     """Prove coverage: in a fresh process, activate the cache read-only and load every bucket.
 
     Reports hit or miss per bucket and the coverage; exits 1 below 100%.
     """
-    _run_check(ctx, manifest, cache_name, shard, paths, as_json)
+    _run_check(ctx, manifest, cache_name, shard, paths, as_json, shards)
 
 
 def register(cli: click.Group) -> None:

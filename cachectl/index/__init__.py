@@ -41,6 +41,7 @@ _CACHE_POLICY_FIELDS = {
     "group": "group_name",
     "storage_options": "storage_options",
     "root_url": "root_url",
+    "trusted_keys": "trusted_keys",
 }
 _CHUNK = 500
 
@@ -77,6 +78,7 @@ def _cache_info(row: Cache) -> CacheInfo:
         group=row.group_name,
         storage_options=dict(row.storage_options or {}),
         created_at=row.created_at,
+        trusted_keys=tuple(row.trusted_keys or ()),
     )
 
 
@@ -223,7 +225,7 @@ class Index:
         for key, value in policy.items():
             if key not in _CACHE_POLICY_FIELDS:
                 raise BadInput(f"unknown cache setting {key!r}")
-            if key == "writers" and value is not None:
+            if key in ("writers", "trusted_keys") and value is not None:
                 value = list(value)
             setattr(row, _CACHE_POLICY_FIELDS[key], value)
 
@@ -304,6 +306,15 @@ class Index:
             names = ", ".join(m.digest[:16] for m in matches[:5])
             raise BadInput(f"environment prefix {prefix!r} matches {len(matches)} environments ({names}): give more digits")
         return matches[0]
+
+    def content_signature(self, env_id: int) -> dict[str, Any] | None:
+        """The environment's signed content list (cachectl/signing.py), or None."""
+        with self.read_session() as s:
+            return s.scalar(select(EnvRow.content_signature).where(EnvRow.id == env_id))
+
+    def set_content_signature(self, env_id: int, signed: dict[str, Any] | None) -> None:
+        with self.session() as s:
+            s.execute(update(EnvRow).where(EnvRow.id == env_id).values(content_signature=signed))
 
     def mark_environment_deleted(self, env_id: int) -> None:
         with self.session() as s:

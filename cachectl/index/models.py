@@ -69,6 +69,8 @@ class Cache(Base):
     service_writes: Mapped[str | None] = mapped_column(String(8))
     group_name: Mapped[str | None] = mapped_column(String(64))
     storage_options: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+    # Ed25519 public keys ("ed25519:<base64>") whose signatures readers accept (cachectl/signing.py).
+    trusted_keys: Mapped[list[str] | None] = mapped_column(JSON)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
     updated_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow, onupdate=utcnow)
 
@@ -98,6 +100,8 @@ class Environment(Base):
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
     last_seen_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
     deleted_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    # The namespace's content list as last signed: {"content": ..., "key": ..., "signature": ...}.
+    content_signature: Mapped[dict[str, Any] | None] = mapped_column(JSON)
 
     cache: Mapped[Cache] = relationship(back_populates="environments")
 

@@ -23,6 +23,8 @@ class CacheInfo:
     group: str | None = None
     storage_options: dict[str, Any] = field(default_factory=dict)
     created_at: datetime | None = None
+    # Public keys readers accept signatures from; empty: signatures are not required.
+    trusted_keys: tuple[str, ...] = ()
 
     @property
     def effective_service_writes(self) -> str:

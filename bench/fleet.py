@@ -1,0 +1,253 @@
+"""Fleet: bundle create/install throughput vs `tar --zstd`, and a 3-shard warm vs 1 process.
+
+(a) A namespace of synthetic JAX entries (random bytes behind a real entry header:
+    real entries are zstd-compressed already, so they do not compress further either)
+    is bundled with ``cachectl.bundle.create`` and, alternating in the same run, archived
+    with ``tar --zstd -cf`` of the same directory; each bundle is installed with
+    ``cachectl.bundle.install`` into a fresh cache and index (verifying every sha256,
+    staging, renaming, indexing) and extracted with ``tar --zstd -xf``.
+(b) ``examples/manifest.yaml`` warmed by 1 process, then by 3 processes at once
+    (``--shard auto`` with JOB_COMPLETION_INDEX 0..2, as an Indexed Job's pods) into a
+    fresh cache, in one run; the wall time is from the first start to the last exit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.common import REPO, machine_line, stats, write_section
+
+SECTION = "## Fleet: bundles and sharded warm"
+MANIFEST = REPO / "examples" / "manifest.yaml"
+
+
+def _home_env(home: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("CACHECTL_", "JAX_", "JOB_"))}
+    for var, sub in (("XDG_DATA_HOME", "data"), ("XDG_CACHE_HOME", "cache"), ("XDG_CONFIG_HOME", "config")):
+        (home / sub).mkdir(parents=True, exist_ok=True)
+        env[var] = str(home / sub)
+    return env
+
+
+def _use_home(home: Path) -> None:
+    for key, value in _home_env(home).items():
+        if key.startswith("XDG_"):
+            os.environ[key] = value
+
+
+def _populate(home: Path, entries: int, size: int) -> Path:
+    """A namespace with ``entries`` indexed entries of ``size`` bytes; returns its directory."""
+    from cachectl.config import load_settings
+    from cachectl.context import Context
+    from cachectl.entries import make_entry, sha256
+    from cachectl.index import NewEntry
+
+    _use_home(home)
+    ctx = Context(load_settings())
+    try:
+        cache = ctx.cache()
+        ns, info = ctx.namespace(cache)
+        store = ctx.store(cache)
+        rows = []
+        for i in range(entries):
+            data = make_entry(os.urandom(size), 1)
+            key = f"jit_bench_{i % 7}-{i:064x}"
+            store.write_bytes(f"{ns.relpath}/{key}-cache", data)
+            rows.append(NewEntry(key=key, module=f"jit_bench_{i % 7}", size=len(data), sha256=sha256(data),
+                                 origin="warm", compile_time_ms=1000, function=f"bench_{i % 7}",
+                                 bucket={"batch": i}))
+        ctx.index.upsert_entries(info.id, rows)
+        return Path(ns.url)
+    finally:
+        ctx.close()
+
+
+def _bundle_round(tmp: Path, ns_dir: Path, src_home: Path, r: int) -> dict[str, float]:
+    from cachectl import bundle
+    from cachectl.config import load_settings
+    from cachectl.context import Context
+
+    out: dict[str, float] = {}
+    # create: cachectl bundle vs tar --zstd of the same directory
+    _use_home(src_home)
+    ctx = Context(load_settings())
+    target = tmp / f"b{r}.tar.zst"
+    t0 = time.perf_counter()
+    bundle.create(ctx, target)
+    out["create"] = time.perf_counter() - t0
+    ctx.close()
+    tarball = tmp / f"t{r}.tar.zst"
+    t0 = time.perf_counter()
+    subprocess.run(["tar", "--zstd", "-cf", str(tarball), "-C", str(ns_dir), "."], check=True)
+    out["tar_create"] = time.perf_counter() - t0
+    out["bundle_bytes"] = target.stat().st_size
+    out["tar_bytes"] = tarball.stat().st_size
+    # install: into a fresh cache and index vs tar -x into a fresh directory
+    _use_home(tmp / f"dest{r}")
+    ctx = Context(load_settings())
+    ctx.environment()  # JAX's backend start is not part of an install
+    t0 = time.perf_counter()
+    bundle.install(ctx, target)
+    out["install"] = time.perf_counter() - t0
+    ctx.close()
+    dest = tmp / f"tar-dest{r}"
+    dest.mkdir()
+    t0 = time.perf_counter()
+    subprocess.run(["tar", "--zstd", "-xf", str(tarball), "-C", str(dest)], check=True)
+    out["tar_install"] = time.perf_counter() - t0
+    target.unlink()
+    tarball.unlink()
+    shutil.rmtree(dest)
+    shutil.rmtree(tmp / f"dest{r}")
+    return out
+
+
+def _bundles(quick: bool) -> dict[str, Any]:
+    entries, size = (200, 256 << 10) if quick else (400, 512 << 10)
+    rounds = 3 if quick else 5
+    saved = {k: os.environ.get(k) for k in ("XDG_DATA_HOME", "XDG_CACHE_HOME", "XDG_CONFIG_HOME")}
+    try:
+        with tempfile.TemporaryDirectory(prefix="cachectl-bench-bundle-") as t:
+            tmp = Path(t)
+            src = tmp / "src"
+            ns_dir = _populate(src, entries, size)
+            from cachectl.fingerprint import current_environment
+
+            current_environment()  # JAX's backend starts once, as in any process that serves
+            content = sum(p.stat().st_size for p in ns_dir.iterdir())
+            rows = [_bundle_round(tmp, ns_dir, src, r) for r in range(rounds)]
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    res: dict[str, Any] = {"entries": entries, "entry_bytes": size, "content_bytes": content, "rounds": rounds}
+    for k in ("create", "tar_create", "install", "tar_install"):
+        res[k] = stats([row[k] for row in rows])
+        res[k + "_mbps"] = stats([content / row[k] / 1e6 for row in rows])
+    res["create_ratio"] = stats([row["create"] / row["tar_create"] for row in rows])
+    res["install_ratio"] = stats([row["install"] / row["tar_install"] for row in rows])
+    res["bundle_bytes"] = rows[-1]["bundle_bytes"]
+    res["tar_bytes"] = rows[-1]["tar_bytes"]
+    return res
+
+
+def _warm(env: dict[str, str], extra: list[str], n: int) -> tuple[float, list[dict[str, Any]]]:
+    argv = [sys.executable, "-m", "cachectl", "warm", str(MANIFEST), "--json", *extra]
+    t0 = time.perf_counter()
+    procs = [subprocess.Popen(argv, env=dict(env, JOB_COMPLETION_INDEX=str(i), CACHECTL_SHARDS=str(n))
+                              if n > 1 else env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for i in range(n)]
+    reports = []
+    for p in procs:
+        out, err = p.communicate(timeout=1800)
+        if p.returncode != 0:
+            raise RuntimeError(err[-2000:])
+        reports.append(json.loads(out))
+    return time.perf_counter() - t0, reports
+
+
+def _sharded(quick: bool) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory(prefix="cachectl-bench-shard-") as t:
+        tmp = Path(t)
+        one_env = _home_env(tmp / "one")
+        three_env = _home_env(tmp / "three")
+        pg = os.environ.get("CACHECTL_TEST_PG_URL")
+        index = "sqlite"
+        if pg:  # the Indexed Job's index: PostgreSQL when there is one
+            three_env["CACHECTL_DB"] = pg.rsplit("/", 1)[0] + "/" + _fresh_pg_db(pg)
+            subprocess.run([sys.executable, "-m", "cachectl", "db", "upgrade"], env=three_env, check=True,
+                           capture_output=True)
+            index = "postgresql"
+        one, one_reports = _warm(one_env, [], 1)
+        three, three_reports = _warm(three_env, ["--shard", "auto"], 3)
+        check = subprocess.run([sys.executable, "-m", "cachectl", "warm-check", str(MANIFEST), "--json"],
+                               env=three_env, cwd=REPO, capture_output=True, text=True, timeout=900)
+        coverage = json.loads(check.stdout)["summary"]["coverage"] if check.stdout else None
+    return {"one_wall": one, "three_wall": three, "index": index,
+            "one_compile": sum(r["summary"]["compile_seconds"] for r in one_reports),
+            "three_compile": sum(r["summary"]["compile_seconds"] for r in three_reports),
+            "buckets": one_reports[0]["summary"]["buckets"],
+            "shard_buckets": [r["summary"]["buckets"] for r in three_reports],
+            "shard_walls": [r["summary"]["wall_seconds"] for r in three_reports],
+            "coverage_after": coverage}
+
+
+def _fresh_pg_db(admin_url: str) -> str:
+    import uuid
+
+    import psycopg
+
+    name = "cachectl_bench_" + uuid.uuid4().hex[:8]
+    conninfo = admin_url.replace("postgresql+psycopg://", "postgresql://")
+    with psycopg.connect(conninfo, autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{name}"')
+    return name
+
+
+def run(quick: bool = False) -> dict[str, Any]:
+    return {"bundles": _bundles(quick), "sharded": _sharded(quick)}
+
+
+def _s(s: dict[str, float], unit: str = "s", scale: float = 1.0, fmt: str = ".2f") -> str:
+    return f"{s['median'] * scale:{fmt}} {unit} ({s['min'] * scale:{fmt}}–{s['max'] * scale:{fmt}})"
+
+
+def markdown(r: dict[str, Any]) -> str:
+    b, s = r["bundles"], r["sharded"]
+    mib = b["content_bytes"] / (1 << 20)
+    lines = [
+        SECTION, "",
+        f"`python -m bench --only fleet`. {machine_line()}",
+        "",
+        f"Bundles: {b['entries']} entries of {b['entry_bytes'] >> 10} KiB ({mib:.0f} MiB, incompressible like "
+        f"real zstd entries), {b['rounds']} rounds alternating with `tar --zstd` of the same namespace directory.",
+        "",
+        "| step | cachectl bundle | tar --zstd | ratio (goal ≤ 1.5x) |",
+        "|---|---:|---:|---:|",
+        f"| create | {_s(b['create'])}, {b['create_mbps']['median']:.0f} MB/s | {_s(b['tar_create'])}, "
+        f"{b['tar_create_mbps']['median']:.0f} MB/s | **{_s(b['create_ratio'], 'x', fmt='.2f')}** |",
+        f"| install / extract | {_s(b['install'])}, {b['install_mbps']['median']:.0f} MB/s | "
+        f"{_s(b['tar_install'])}, {b['tar_install_mbps']['median']:.0f} MB/s | "
+        f"**{_s(b['install_ratio'], 'x', fmt='.2f')}** |",
+        "",
+        f"- Install includes what tar does not: the environment check, a sha256 of every file, staging and "
+        f"the rename into place, and indexing {b['entries']} rows. Files: bundle {b['bundle_bytes'] / (1 << 20):.1f} "
+        f"MiB, tarball {b['tar_bytes'] / (1 << 20):.1f} MiB.",
+        "",
+        f"Sharded warm of `examples/manifest.yaml` ({s['buckets']} buckets), one run: 1 process vs 3 processes "
+        f"at once with `--shard auto` (shards of {', '.join(map(str, s['shard_buckets']))} buckets; "
+        f"{s['index']} index for the 3).",
+        "",
+        "| warm | wall | compile seconds (sum over processes) |",
+        "|---|---:|---:|",
+        f"| 1 process | {s['one_wall']:.1f} s | {s['one_compile']:.1f} s |",
+        f"| 3 shards at once | {s['three_wall']:.1f} s | {s['three_compile']:.1f} s |",
+        "",
+        f"- Speed-up {s['one_wall'] / s['three_wall']:.2f}x on this machine; per-shard walls "
+        f"{', '.join(f'{w:.1f}' for w in s['shard_walls'])} s. Three processes share the cores here; "
+        "on an Indexed Job each pod has its own node. `warm-check` of the whole manifest after the 3 shards: "
+        f"{s['coverage_after']}% coverage.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    out = run(quick="--quick" in sys.argv)
+    text = markdown(out)
+    print(text)
+    if "--no-write" not in sys.argv:
+        write_section(SECTION, text)

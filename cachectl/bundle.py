@@ -1,0 +1,485 @@
+"""Bundles: one file holding a namespace, for images and clusters without bucket credentials.
+
+``cachectl bundle create`` writes a zstd-compressed tar stream:
+
+1. ``bundle.json``: format, the environment (fields and digest), the cache it came
+   from, the index rows (function, bucket, sizes, sha256, compile times) and the
+   content list (every file with its size and sha256, signing.content_list);
+2. ``signature.json`` when made with a signing key: the content list signed;
+3. ``files/env.json``, ``files/<key>-cache``, ``files/<key>-aot``.
+
+``cachectl bundle install`` checks the environment against this machine (exit 3
+with the differing fields), the signature when the target cache trusts keys,
+then extracts into a staging directory verifying every size and sha256 against
+the list (a file not listed, a missing one or a changed byte refuses the whole
+bundle, exit 2), and only then moves the files into the namespace (a fresh
+local namespace is one directory rename) and indexes them (origin ``bundle``).
+A refused bundle leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import io
+import json
+import os
+import shutil
+import tarfile
+import tempfile
+import time
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import IO, Any
+
+from cachectl import signing
+from cachectl.context import Context
+from cachectl.entries import AOT_SUFFIX, CACHE_SUFFIX, ENV_FILE, parse_entry_filename
+from cachectl.errors import BadInput, EnvironmentMismatch, NotFound, OperationFailed
+from cachectl.fingerprint import Environment
+from cachectl.index import CacheInfo, EnvironmentInfo, NewEntry
+from cachectl.namespace import ensure_namespace
+from cachectl.permissions import check_writer
+
+FORMAT = "cachectl-bundle/1"
+META = "bundle.json"
+SIGNATURE = "signature.json"
+FILES = "files/"
+ORIGIN = "bundle"
+STAGING_DIR = ".staging"
+_CHUNK = 1 << 20
+
+
+class BadBundle(BadInput):
+    """A bundle that is not one, or whose files do not match its content list."""
+
+
+@dataclass(frozen=True)
+class BundleEntry:
+    key: str
+    function: str | None
+    bucket: dict[str, Any] | None
+    size: int
+    sha256: str
+    compile_time_ms: int | None
+    aot_size: int | None
+    aot_sha256: str | None
+
+
+@dataclass(frozen=True)
+class BundleInfo:
+    """What `bundle create` wrote and `bundle ls` shows."""
+
+    path: str
+    environment: dict[str, Any]
+    digest: str
+    namespace: str
+    source_cache: str | None
+    created_at: str
+    entries: list[BundleEntry]
+    files: int
+    content_bytes: int
+    bundle_bytes: int
+    signed_by: str | None
+    duration_s: float = 0.0
+    dry_run: bool = False
+
+
+@dataclass(frozen=True)
+class InstallResult:
+    path: str
+    cache: str
+    digest: str
+    namespace: str
+    dest: str
+    entries: int
+    executables: int
+    installed: int
+    already_present: int
+    conflicts: list[str]
+    bytes: int
+    signed_by: str | None
+    duration_s: float
+    dry_run: bool
+    notes: list[str] = field(default_factory=list)
+
+
+# --------------------------------------------------------------------------- create
+
+
+def _sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def _resolve_env(ctx: Context, cache: CacheInfo, env: str | None) -> EnvironmentInfo:
+    if env:
+        return ctx.index.find_environment(cache.name, env)
+    here = ctx.environment()
+    try:
+        return ctx.index.get_environment(cache.name, here.digest)
+    except NotFound:
+        raise NotFound(f"cache {cache.name!r} has no namespace for this machine's environment "
+                       f"{here.digest[:16]}: warm it first, or pass --env DIGEST (see `cachectl ls`)") from None
+
+
+def _signer(signed: dict[str, Any] | None) -> str | None:
+    return signing.key_id(str(signed["key"])) if signed and signed.get("key") else None
+
+
+def _tarinfo(name: str, size: int, mtime: float) -> tarfile.TarInfo:
+    info = tarfile.TarInfo(name)
+    info.size, info.mtime, info.mode = size, int(mtime), 0o644
+    info.uid = info.gid = 0
+    info.uname = info.gname = ""
+    return info
+
+
+def create(ctx: Context, output: str | os.PathLike[str], *, cache: CacheInfo | None = None,
+           env: str | None = None, manifest: str | None = None, sign_key: str | None = None,
+           level: int = 3, dry_run: bool = False) -> BundleInfo:
+    """Write one namespace (this machine's, or ``env``'s) as a bundle file at ``output``.
+
+    With ``manifest`` the manifest's ``cache:`` picks the cache (else the global one) and the
+    namespace is this machine's. Every file is checked against the index's sha256 first.
+    """
+    started = time.monotonic()
+    if manifest is not None and env is not None:
+        raise BadInput("give --manifest or --env, not both")
+    if cache is None and manifest is not None:
+        from cachectl.manifest import load_manifest
+
+        m = load_manifest(manifest)
+        cache = ctx.cache(getattr(m, "cache", None) or None)
+    cache = cache or ctx.cache()
+    out = Path(output).expanduser().absolute()
+    if not out.parent.is_dir():
+        raise BadInput(f"-o {out}: {out.parent} is not a directory")
+    if out.is_dir():
+        raise BadInput(f"-o {out} is a directory: give a file name such as cache.tar.zst")
+    key = signing.signing_key(sign_key)
+    info = _resolve_env(ctx, cache, env)
+    store = ctx.store(cache)
+    ns = info.namespace
+    rows = ctx.index.list_entries(info.id)
+    if not rows:
+        raise BadInput(f"namespace {ns} of cache {cache.name!r} has no entries to bundle")
+    env_json = info.environment.env_json().encode()
+    files: list[tuple[str, int, str]] = [(ENV_FILE, len(env_json), _sha(env_json))]
+    entries = []
+    for e in rows:
+        files.append((e.key + CACHE_SUFFIX, e.size, e.sha256))
+        if e.aot_sha256:
+            files.append((e.key + AOT_SUFFIX, int(e.aot_size or 0), e.aot_sha256))
+        entries.append(BundleEntry(e.key, e.function, e.bucket, e.size, e.sha256, e.compile_time_ms,
+                                   e.aot_size, e.aot_sha256))
+    content = signing.content_list(info.digest, files)
+    created_at = datetime.now(timezone.utc)
+    meta = {"format": FORMAT, "created_at": created_at.isoformat(), "cache": cache.name,
+            "environment": info.environment.to_dict(), "digest": info.digest, "namespace": ns,
+            "entries": [e.__dict__ for e in entries], "content": content}
+    content_bytes = sum(s for _, s, _ in files)
+    signed = signing.sign(key, content) if key else None
+    if signed is None and hasattr(ctx.index, "content_signature"):
+        # No key here: carry the namespace's own signature when it covers exactly this content.
+        existing = ctx.index.content_signature(info.id)
+        if existing and existing.get("content") == content:
+            signed = existing
+    if dry_run:
+        return BundleInfo(str(out), meta["environment"], info.digest, ns, cache.name, meta["created_at"],
+                          entries, len(files), content_bytes, 0, _signer(signed),
+                          time.monotonic() - started, True)
+
+    import zstandard
+
+    tmp = out.with_name(f".{out.name}.tmp-{uuid.uuid4().hex[:8]}")
+    mtime = created_at.timestamp()
+    try:
+        with open(tmp, "wb") as raw:
+            cctx = zstandard.ZstdCompressor(level=level, threads=-1)
+            with cctx.stream_writer(raw, closefd=False) as zw, tarfile.open(fileobj=zw, mode="w|",
+                                                                            format=tarfile.PAX_FORMAT) as tar:
+                tar.copybufsize = _CHUNK  # tarfile's 16 KiB default costs ~1/3 of the time
+                blob = json.dumps(meta, indent=1, sort_keys=True).encode()
+                tar.addfile(_tarinfo(META, len(blob), mtime), io.BytesIO(blob))
+                if signed:
+                    sig = json.dumps(signed, indent=1, sort_keys=True).encode()
+                    tar.addfile(_tarinfo(SIGNATURE, len(sig), mtime), io.BytesIO(sig))
+                tar.addfile(_tarinfo(FILES + ENV_FILE, len(env_json), mtime), io.BytesIO(env_json))
+                for name, size, sha in files[1:]:
+                    try:
+                        data = store.read_bytes(f"{ns}/{name}")
+                    except FileNotFoundError:
+                        raise OperationFailed(f"{store.url_for(ns + '/' + name)} is in the index but not in "
+                                              "storage: run `cachectl sync`, then bundle again") from None
+                    if len(data) != size or _sha(data) != sha:
+                        raise OperationFailed(f"{store.url_for(ns + '/' + name)} differs from the index "
+                                              "(sha256): run `cachectl verify`; nothing was bundled")
+                    tar.addfile(_tarinfo(FILES + name, size, mtime), io.BytesIO(data))
+            os.fsync(raw.fileno())
+        os.replace(tmp, out)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return BundleInfo(str(out), meta["environment"], info.digest, ns, cache.name, meta["created_at"], entries,
+                      len(files), content_bytes, out.stat().st_size, _signer(signed),
+                      time.monotonic() - started, False)
+
+
+# --------------------------------------------------------------------------- reading
+
+
+@contextmanager
+def _open(path: Path) -> Iterator[tarfile.TarFile]:
+    import zstandard
+
+    try:
+        fh: IO[bytes] = open(path, "rb")  # noqa: SIM115 - closed by the with below
+    except OSError as exc:
+        raise BadInput(f"bundle {path}: {exc.strerror or exc}") from exc
+    with fh:
+        magic = fh.read(4)
+        fh.seek(0)
+        if magic != b"\x28\xb5\x2f\xfd":
+            raise BadBundle(f"{path} is not a cachectl bundle (not zstd-compressed)")
+        reader = zstandard.ZstdDecompressor().stream_reader(fh, read_across_frames=True)
+        try:
+            with tarfile.open(fileobj=reader, mode="r|") as tar:
+                yield tar
+        except (tarfile.TarError, zstandard.ZstdError, EOFError) as exc:
+            raise BadBundle(f"{path}: damaged bundle ({exc})") from exc
+
+
+def _read_json(tar: tarfile.TarFile, member: tarfile.TarInfo, path: Path) -> dict[str, Any]:
+    fh = tar.extractfile(member)
+    if fh is None or member.size > 256 << 20:
+        raise BadBundle(f"{path}: {member.name} is not a regular file")
+    try:
+        data = json.loads(fh.read())
+    except ValueError as exc:
+        raise BadBundle(f"{path}: {member.name} is not JSON ({exc})") from exc
+    if not isinstance(data, dict):
+        raise BadBundle(f"{path}: {member.name} is not a JSON object")
+    return data
+
+
+def _meta(path: Path, tar: tarfile.TarFile) -> tuple[dict[str, Any], dict[str, Any] | None, tarfile.TarInfo | None]:
+    """bundle.json, signature.json (or None), and the first file member (or None)."""
+    first = tar.next()
+    if first is None or first.name != META:
+        raise BadBundle(f"{path} is not a cachectl bundle: its first member is not {META}")
+    meta = _read_json(tar, first, path)
+    if meta.get("format") != FORMAT:
+        raise BadBundle(f"{path}: unknown bundle format {meta.get('format')!r} (this cachectl reads {FORMAT})")
+    for field_name in ("environment", "digest", "namespace", "entries", "content"):
+        if field_name not in meta:
+            raise BadBundle(f"{path}: {META} lacks {field_name!r}")
+    member = tar.next()
+    signed = None
+    if member is not None and member.name == SIGNATURE:
+        signed = _read_json(tar, member, path)
+        member = tar.next()
+    return meta, signed, member
+
+
+def _entries(meta: dict[str, Any]) -> list[BundleEntry]:
+    names = {f.name for f in BundleEntry.__dataclass_fields__.values()}
+    return [BundleEntry(**{k: v for k, v in e.items() if k in names}) for e in meta["entries"]]
+
+
+def describe(path: str | os.PathLike[str]) -> BundleInfo:
+    """`bundle ls`: what a bundle holds (reads only its first members)."""
+    p = Path(path).expanduser().absolute()
+    with _open(p) as tar:
+        meta, signed, _ = _meta(p, tar)
+    files = signing.files_of(meta["content"])
+    return BundleInfo(str(p), meta["environment"], meta["digest"], meta["namespace"], meta.get("cache"),
+                      meta.get("created_at", ""), _entries(meta), len(files), sum(s for s, _ in files.values()),
+                      p.stat().st_size, signing.key_id(signed["key"]) if signed and signed.get("key") else None)
+
+
+# --------------------------------------------------------------------------- install
+
+
+def environment_diff(here: Environment, bundled: dict[str, Any]) -> list[str]:
+    """'field: X here, Y in the bundle' for every differing fingerprint field."""
+    mine = here.to_dict()
+    return [f"{k}: {mine.get(k)!r} here, {bundled.get(k)!r} in the bundle"
+            for k in sorted(set(mine) | set(bundled)) if mine.get(k) != bundled.get(k)]
+
+
+def _staging_dir(store: Any, ns: str) -> Path:
+    """Where files are verified before anything is visible: beside the namespace on local disk
+    (so a rename moves them into place), else a local temporary directory."""
+    if store.is_local:
+        root = Path(store.url_for(STAGING_DIR))
+        root.mkdir(parents=True, exist_ok=True, mode=0o700)
+        return Path(tempfile.mkdtemp(prefix="bundle-", dir=root))
+    return Path(tempfile.mkdtemp(prefix="cachectl-bundle-"))
+
+
+def _extract(path: Path, tar: tarfile.TarFile, first: tarfile.TarInfo | None,
+             expected: dict[str, tuple[int, str]], staging: Path) -> None:
+    seen: set[str] = set()
+    member = first
+    while member is not None:
+        if not member.name.startswith(FILES):
+            raise BadBundle(f"{path}: unexpected member {member.name!r}: nothing installed")
+        name = member.name[len(FILES):]
+        if name not in expected or "/" in name or name in (".", ".."):
+            raise BadBundle(f"{path}: {member.name} is not in the bundle's content list: nothing installed")
+        if name in seen:
+            raise BadBundle(f"{path}: {member.name} appears twice: nothing installed")
+        if not member.isfile():
+            raise BadBundle(f"{path}: {member.name} is not a regular file: nothing installed")
+        size, sha = expected[name]
+        src = tar.extractfile(member)
+        assert src is not None
+        digest = hashlib.sha256()
+        n = 0
+        with open(staging / name, "wb") as dst:
+            while chunk := src.read(_CHUNK):
+                digest.update(chunk)
+                dst.write(chunk)
+                n += len(chunk)
+        if n != size or digest.hexdigest() != sha:
+            raise BadBundle(f"{path}: {member.name} does not match its sha256 in the content list "
+                            "(tampered or damaged): nothing installed")
+        seen.add(name)
+        member = tar.next()
+    missing = sorted(set(expected) - seen)
+    if missing:
+        raise BadBundle(f"{path}: {len(missing)} file(s) of the content list are missing ({missing[0]}, ...): "
+                        "nothing installed")
+
+
+def _check_meta(path: Path, meta: dict[str, Any], expected: dict[str, tuple[int, str]]) -> Environment:
+    try:
+        env = Environment.from_dict(meta["environment"])
+    except (ValueError, TypeError, KeyError) as exc:
+        raise BadBundle(f"{path}: bad environment in {META} ({exc})") from exc
+    if env.digest != meta["digest"] or meta["content"].get("environment") != env.digest:
+        raise BadBundle(f"{path}: the environment's digest does not match its fields: nothing installed")
+    if env.namespace != meta["namespace"]:
+        raise BadBundle(f"{path}: namespace {meta['namespace']!r} is not the environment's")
+    if ENV_FILE not in expected:
+        raise BadBundle(f"{path}: the content list has no {ENV_FILE}")
+    for e in _entries(meta):
+        if expected.get(e.key + CACHE_SUFFIX) != (e.size, e.sha256):
+            raise BadBundle(f"{path}: entry {e.key} disagrees with the content list")
+        if e.aot_sha256 and expected.get(e.key + AOT_SUFFIX) != (e.aot_size, e.aot_sha256):
+            raise BadBundle(f"{path}: the executable of {e.key} disagrees with the content list")
+    return env
+
+
+def install(ctx: Context, path: str | os.PathLike[str], *, cache: CacheInfo | None = None,
+            dry_run: bool = False) -> InstallResult:
+    """Verify a bundle completely, then move its files into place and index them."""
+    started = time.monotonic()
+    p = Path(path).expanduser().absolute()
+    if not p.is_file():
+        raise BadInput(f"bundle {p} is not a file")
+    cache = cache or ctx.cache()
+    with _open(p) as tar:
+        meta, signed, first = _meta(p, tar)
+        expected = signing.files_of(meta["content"])
+        env = _check_meta(p, meta, expected)
+        here = ctx.environment()
+        if here.digest != env.digest:
+            diff = environment_diff(here, meta["environment"])
+            raise EnvironmentMismatch(f"bundle {p.name} was made for another environment: " + "; ".join(diff))
+        signer = None
+        if signed is not None:
+            if signed.get("content") != meta["content"]:
+                raise signing.Untrusted(f"bundle {p.name}: its signature covers another content list: nothing installed")
+            signer = signing.key_id(str(signed.get("key", ""))) if signed.get("key") else None
+        if signed is not None:  # a signature present must verify, trusted or not
+            signing.verify(signed, [str(signed.get("key", ""))], f"bundle {p.name}")
+        if cache.trusted_keys:
+            signing.verify(signed, cache.trusted_keys, f"bundle {p.name}")
+        if not dry_run:
+            check_writer(cache, "install a bundle into")
+        store = ctx.store(cache)
+        ns = env.namespace
+        staging = _staging_dir(store, ns)
+        try:
+            _extract(p, tar, first, expected, staging)
+            return _commit(ctx, cache, store, env, meta, signed, staging, p, signer, started, dry_run)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+            if store.is_local:
+                with contextlib.suppress(OSError):  # only when empty: another install may be staging
+                    os.rmdir(Path(store.url_for(STAGING_DIR)))
+
+
+def _commit(ctx: Context, cache: CacheInfo, store: Any, env: Environment, meta: dict[str, Any],
+            signed: dict[str, Any] | None, staging: Path, path: Path, signer: str | None, started: float,
+            dry_run: bool) -> InstallResult:
+    ns = env.namespace
+    entries = _entries(meta)
+    try:
+        info = ctx.index.get_environment(cache.name, env.digest)
+        present = ctx.index.entry_keys(info.id)
+        present_aot = ctx.index.aot_keys(info.id)
+    except NotFound:
+        info, present, present_aot = None, {}, {}
+    conflicts = sorted(e.key for e in entries if e.key in present and present[e.key][1] != e.sha256)
+    new = [e for e in entries if e.key not in present]
+    new_aot = [e for e in entries if e.aot_sha256 and e.key not in conflicts and e.key not in present_aot]
+    already = len(entries) - len(new) - len(conflicts)
+    names = [e.key + CACHE_SUFFIX for e in new] + [e.key + AOT_SUFFIX for e in new_aot]
+    nbytes = sum((staging / n).stat().st_size for n in names)
+    notes: list[str] = []
+    if dry_run:
+        return InstallResult(str(path), cache.name, env.digest, ns, store.url_for(ns), len(entries),
+                             sum(1 for e in entries if e.aot_sha256), len(new), already, conflicts, nbytes,
+                             signer, time.monotonic() - started, True, notes)
+    if store.is_local and not store.exists(ns):
+        # A fresh namespace appears at once: one directory rename, after every file was verified.
+        for name in os.listdir(staging):
+            if name != ENV_FILE and name not in names:
+                os.unlink(staging / name)
+        final = Path(store.url_for(ns))
+        final.parent.mkdir(parents=True, exist_ok=True)
+        os.chmod(staging, 0o2775 if cache.group else 0o755)
+        os.rename(staging, final)
+        ensure_namespace(store, env, group=cache.group)
+    else:
+        ensure_namespace(store, env, group=cache.group)
+        # Entries before executables: a reader never finds an -aot without its -cache.
+        for name in sorted(names, key=lambda n: n.endswith(AOT_SUFFIX)):
+            if store.is_local:
+                os.replace(staging / name, Path(store.url_for(f"{ns}/{name}")))
+            else:
+                store.write_bytes(f"{ns}/{name}", (staging / name).read_bytes())
+    info = ctx.index.ensure_environment(cache.name, env)
+    by_aot = {e.key for e in new_aot}
+    rows = []
+    for e in entries:
+        if e.key in conflicts or (e.key not in {n.key for n in new} and e.key not in by_aot):
+            continue
+        parsed = parse_entry_filename(e.key + CACHE_SUFFIX)
+        assert parsed is not None
+        rows.append(NewEntry(key=e.key, module=parsed.module, size=e.size, sha256=e.sha256, origin=ORIGIN,
+                             compile_time_ms=e.compile_time_ms, function=e.function, bucket=e.bucket,
+                             aot_size=e.aot_size if e.key in by_aot else None,
+                             aot_sha256=e.aot_sha256 if e.key in by_aot else None))
+    if rows:
+        ctx.index.upsert_entries(info.id, rows)
+    if signed is not None and hasattr(ctx.index, "set_content_signature"):
+        # The bundle's signed list is the namespace's when the namespace now holds exactly it.
+        if signing.namespace_content(ctx.index, info) == meta["content"]:
+            ctx.index.set_content_signature(info.id, signed)
+        else:
+            notes.append("the namespace holds more than the bundle: its signed content list was not replaced")
+    duration = time.monotonic() - started
+    ctx.index.audit("bundle-install", cache=cache.name, entries=len(new), nbytes=nbytes,
+                    duration_ms=int(duration * 1000),
+                    details={"environment": env.digest, "bundle": str(path), "conflicts": len(conflicts),
+                             "signed_by": signer})
+    return InstallResult(str(path), cache.name, env.digest, ns, store.url_for(ns), len(entries),
+                         sum(1 for e in entries if e.aot_sha256), len(new), already, conflicts, nbytes, signer,
+                         duration, False, notes)

@@ -1,0 +1,291 @@
+"""Ed25519 signatures over a namespace's content list: the trust root is a key.
+
+Whoever can write a bucket can run code in every process that loads from it
+(DESIGN.md fact 7). With signatures, a cache that lists trusted public keys
+(`cachectl cache set NAME --trust PUBKEY`) accepts only content whose list of
+files and sha256s is signed by one of them: `mirror pull`, `bundle install` and
+`cachectl.serving` refuse anything else.
+
+- A **key** is made by `cachectl key generate PATH`: PATH holds the private key
+  (PKCS#8 PEM, mode 0600), PATH.pub the public key, one line: ``ed25519:<base64>``.
+- Writers sign with ``--sign-key PATH`` or ``CACHECTL_SIGNING_KEY=PATH``: warm and
+  push re-sign the namespace's content list (kept in the index, on the
+  environment's row); `bundle create` signs the bundle's list.
+- The **content list** is canonical JSON: the environment digest and every file
+  (``env.json``, ``<key>-cache``, ``<key>-aot``) with its size and sha256.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import os
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from cachectl.errors import BadInput, CachectlError
+
+PREFIX = "ed25519:"
+CONTENT_FORMAT = "cachectl-content/1"
+KEY_ENV = "CACHECTL_SIGNING_KEY"
+
+
+class Untrusted(CachectlError):
+    """Content that is unsigned, or signed by a key the cache does not trust, or altered since."""
+
+    exit_code = 2
+
+
+@dataclass(frozen=True)
+class KeyInfo:
+    """What `cachectl key generate` made."""
+
+    path: str
+    public_path: str
+    public_key: str
+    key_id: str
+
+
+@dataclass(frozen=True)
+class SigningKey:
+    private: Any  # cryptography's Ed25519PrivateKey
+    public_key: str
+    path: str
+
+    @property
+    def key_id(self) -> str:
+        return key_id(self.public_key)
+
+
+def key_id(public_key: str) -> str:
+    """A short name for a public key: sha256 of its raw bytes, 16 hex digits."""
+    return hashlib.sha256(_raw(public_key)).hexdigest()[:16]
+
+
+def _raw(public_key: str) -> bytes:
+    text = public_key.strip()
+    if not text.startswith(PREFIX):
+        raise BadInput(f"not an Ed25519 public key {text[:40]!r}: expected 'ed25519:<base64>' "
+                       "(the .pub file `cachectl key generate` writes)")
+    try:
+        raw = base64.b64decode(text[len(PREFIX):], validate=True)
+    except ValueError as exc:
+        raise BadInput(f"public key {text[:40]!r}: bad base64") from exc
+    if len(raw) != 32:
+        raise BadInput(f"public key {text[:40]!r}: an Ed25519 key is 32 bytes, got {len(raw)}")
+    return raw
+
+
+def _public_text(private: Any) -> str:
+    from cryptography.hazmat.primitives import serialization
+
+    raw = private.public_key().public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+    return PREFIX + base64.b64encode(raw).decode()
+
+
+def parse_public_key(text: str) -> str:
+    """A public key given as its ``ed25519:...`` line or as the path of a .pub file, normalized."""
+    candidate = text.strip()
+    if not candidate.startswith(PREFIX):
+        path = Path(candidate).expanduser()
+        if path.is_file():
+            candidate = path.read_text().strip()
+    raw = _raw(candidate)
+    return PREFIX + base64.b64encode(raw).decode()
+
+
+def generate(path: str | os.PathLike[str], *, force: bool = False, dry_run: bool = False) -> KeyInfo:
+    """Write a new private key to PATH (0600) and its public key to PATH.pub."""
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    target = Path(path).expanduser().absolute()
+    public_path = target.with_name(target.name + ".pub")
+    if not force:
+        for p in (target, public_path):
+            if p.exists():
+                raise BadInput(f"{p} exists: pass --force to replace it (signatures made with it stop verifying)")
+    if not target.parent.is_dir():
+        raise BadInput(f"{target.parent} is not a directory")
+    private = Ed25519PrivateKey.generate()
+    public = _public_text(private)
+    if not dry_run:
+        pem = private.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                    serialization.NoEncryption())
+        fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(pem)
+        os.chmod(target, 0o600)
+        public_path.write_text(public + "\n")
+    return KeyInfo(str(target), str(public_path), public, key_id(public))
+
+
+def load_signing_key(path: str | os.PathLike[str]) -> SigningKey:
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    p = Path(path).expanduser()
+    try:
+        data = p.read_bytes()
+    except OSError as exc:
+        raise BadInput(f"signing key {p}: {exc.strerror or exc}") from exc
+    try:
+        private = serialization.load_pem_private_key(data, password=None)
+    except (ValueError, TypeError) as exc:
+        raise BadInput(f"signing key {p}: not an unencrypted PEM private key ({exc})") from exc
+    if not isinstance(private, Ed25519PrivateKey):
+        raise BadInput(f"signing key {p}: not an Ed25519 key")
+    return SigningKey(private, _public_text(private), str(p))
+
+
+def signing_key(explicit: str | None = None) -> SigningKey | None:
+    """``--sign-key PATH``, else ``CACHECTL_SIGNING_KEY``, else None (no signing)."""
+    path = explicit or os.environ.get(KEY_ENV, "").strip() or None
+    return load_signing_key(path) if path else None
+
+
+def content_list(digest: str, files: Iterable[tuple[str, int, str]]) -> dict[str, Any]:
+    """The signed document: environment digest and (name, size, sha256) of every file, sorted."""
+    items = sorted((str(n), int(s), str(h)) for n, s, h in files)
+    names = [n for n, _, _ in items]
+    if len(set(names)) != len(names):
+        raise BadInput("content list names a file twice")
+    return {"format": CONTENT_FORMAT, "environment": digest,
+            "files": [{"name": n, "size": s, "sha256": h} for n, s, h in items]}
+
+
+def canonical(content: dict[str, Any]) -> bytes:
+    return json.dumps(content, sort_keys=True, separators=(",", ":")).encode()
+
+
+def sign(key: SigningKey, content: dict[str, Any]) -> dict[str, Any]:
+    """``{"content", "key", "signature", "signed_at"}``: what the index and bundles keep."""
+    signature = key.private.sign(canonical(content))
+    return {"content": content, "key": key.public_key, "key_id": key.key_id,
+            "signature": base64.b64encode(signature).decode(),
+            "signed_at": datetime.now(timezone.utc).isoformat()}
+
+
+def verify(signed: dict[str, Any] | None, trusted: Sequence[str], what: str) -> dict[str, Any]:
+    """The signed content list, when a trusted key signed it; Untrusted otherwise.
+
+    With no trusted keys nothing is required: returns the content (possibly unsigned).
+    """
+    from cryptography.exceptions import InvalidSignature
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+
+    if not trusted:
+        return (signed or {}).get("content") or {}
+    if not signed or not signed.get("signature"):
+        raise Untrusted(f"{what} is not signed, and the cache trusts only content signed by "
+                        f"{', '.join(key_id(k) for k in trusted)}: sign with --sign-key (or {KEY_ENV})")
+    public = str(signed.get("key", ""))
+    trusted_norm = {parse_public_key(k) for k in trusted}
+    try:
+        public = parse_public_key(public)
+    except BadInput as exc:
+        raise Untrusted(f"{what}: signed with an unreadable key ({exc.message})") from exc
+    if public not in trusted_norm:
+        raise Untrusted(f"{what} is signed by key {key_id(public)}, which the cache does not trust "
+                        f"(trusted: {', '.join(key_id(k) for k in trusted)})")
+    try:
+        Ed25519PublicKey.from_public_bytes(_raw(public)).verify(
+            base64.b64decode(str(signed["signature"])), canonical(signed.get("content") or {}))
+    except (InvalidSignature, ValueError) as exc:
+        raise Untrusted(f"{what}: the signature by key {key_id(public)} does not match its content list "
+                        "(altered after signing)") from exc
+    return signed["content"]
+
+
+def files_of(content: dict[str, Any]) -> dict[str, tuple[int, str]]:
+    """name -> (size, sha256) of a content list."""
+    return {f["name"]: (int(f["size"]), str(f["sha256"])) for f in content.get("files", [])}
+
+
+# --------------------------------------------------------------------------- namespaces
+
+
+def env_json_file(env: Any) -> tuple[str, int, str]:
+    """(name, size, sha256) of the env.json cachectl writes for ``env``."""
+    data = env.env_json().encode()
+    return "env.json", len(data), hashlib.sha256(data).hexdigest()
+
+
+def namespace_content(index: Any, env_info: Any) -> dict[str, Any]:
+    """The content list of an environment's namespace as the index records it."""
+    files = [env_json_file(env_info.environment)]
+    for e in index.list_entries(env_info.id):
+        files.append((e.key + "-cache", e.size, e.sha256))
+        if e.aot_sha256:
+            files.append((e.key + "-aot", int(e.aot_size or 0), e.aot_sha256))
+    return content_list(env_info.digest, files)
+
+
+def sign_namespace(index: Any, env_info: Any, key: SigningKey | None) -> dict[str, Any] | None:
+    """Re-sign the namespace's content list after a write (warm, push, bundle install); None without a key."""
+    if key is None or not hasattr(index, "set_content_signature"):
+        return None
+    signed = sign(key, namespace_content(index, env_info))
+    index.set_content_signature(env_info.id, signed)
+    return signed
+
+
+def trusted_files(index: Any, cache: Any, env_info: Any) -> dict[str, tuple[int, str]] | None:
+    """name -> (size, sha256) a trusted key signed for this namespace; None when the cache trusts no keys.
+
+    Raises Untrusted when the cache has trusted keys and the namespace's list is unsigned or
+    signed by another key.
+    """
+    trusted = tuple(getattr(cache, "trusted_keys", ()) or ())
+    if not trusted:
+        return None
+    signed = index.content_signature(env_info.id) if hasattr(index, "content_signature") else None
+    content = verify(signed, trusted, f"namespace {env_info.namespace} of cache {cache.name!r}")
+    if content.get("environment") != env_info.digest:
+        raise Untrusted(f"namespace {env_info.namespace}: its signed content list is for another environment")
+    return files_of(content)
+
+
+def require_signer(cache: Any, key: SigningKey | None, operation: str) -> None:
+    """Writers of a cache that trusts keys must sign with one of them (exit 4 otherwise)."""
+    from cachectl.errors import PermissionDenied
+
+    trusted = tuple(getattr(cache, "trusted_keys", ()) or ())
+    if not trusted:
+        return
+    if key is None:
+        raise PermissionDenied(f"cache {cache.name!r} accepts only signed content: {operation} needs "
+                               f"--sign-key (or {KEY_ENV}) with a trusted key "
+                               f"({', '.join(key_id(k) for k in trusted)}); nothing was written")
+    if key.public_key not in {parse_public_key(k) for k in trusted}:
+        raise PermissionDenied(f"cache {cache.name!r} does not trust signing key {key.key_id} "
+                               f"(trusted: {', '.join(key_id(k) for k in trusted)}); nothing was written")
+
+
+def resign(index: Any, cache_name: str, digest: str, key: SigningKey | None) -> dict[str, Any] | None:
+    """After a write: sign the environment's content list as the index now records it."""
+    if key is None or not hasattr(index, "set_content_signature"):
+        return None
+    return sign_namespace(index, index.get_environment(cache_name, digest), key)
+
+
+def check_covered(index: Any, cache: Any, env_info: Any) -> None:
+    """Readers (pull, serving): with trusted keys, every file the index lists for this namespace
+    must be in the content list a trusted key signed, with the same size and sha256."""
+    if not tuple(getattr(cache, "trusted_keys", ()) or ()):
+        return
+    if not hasattr(index, "content_signature"):
+        raise Untrusted(f"cache {cache.name!r} trusts only signed content, and signatures cannot be "
+                        "checked through this index")
+    files = trusted_files(index, cache, env_info)
+    assert files is not None
+    content = namespace_content(index, env_info)
+    uncovered = [f["name"] for f in content["files"] if files.get(f["name"]) != (f["size"], f["sha256"])]
+    if uncovered:
+        raise Untrusted(f"namespace {env_info.namespace}: {len(uncovered)} file(s) the index lists are not in its "
+                        f"signed content list (first: {uncovered[0]}): refused; a writer with a trusted key "
+                        "must warm or push again")

@@ -1,0 +1,219 @@
+"""Bundles: create, install on a fresh HOME, serve from it; every tampering refused, nothing installed."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import tarfile
+from pathlib import Path
+from typing import Any
+
+import pytest
+import zstandard
+
+sys_path = Path(__file__).resolve().parent
+import sys  # noqa: E402
+
+sys.path.insert(0, str(sys_path))
+
+from test_warm import invoke, service, tiny, warm_json  # noqa: E402
+
+
+def fresh_home(tmp_path: Path, monkeypatch, name: str) -> Path:
+    home = tmp_path / name
+    for var, sub in (("XDG_DATA_HOME", "data"), ("XDG_CACHE_HOME", "cache"), ("XDG_CONFIG_HOME", "config"),
+                     ("XDG_STATE_HOME", "state")):
+        (home / sub).mkdir(parents=True)
+        monkeypatch.setenv(var, str(home / sub))
+    return home
+
+
+def default_root() -> Path:
+    return Path(os.environ["XDG_CACHE_HOME"]) / "cachectl" / "default"
+
+
+def environments() -> list[dict[str, Any]]:
+    return json.loads(invoke("ls", "--json").stdout)["environments"]
+
+
+def assert_nothing_installed() -> None:
+    root = default_root()
+    found = [p for p in root.rglob("*")] if root.exists() else []
+    assert found == [], found
+    assert environments() == []
+
+
+def members(path: Path) -> list[tuple[tarfile.TarInfo, bytes]]:
+    with open(path, "rb") as fh:
+        raw = zstandard.ZstdDecompressor().stream_reader(fh, read_across_frames=True).read()
+    out = []
+    with tarfile.open(fileobj=io.BytesIO(raw), mode="r:") as tar:
+        for m in tar.getmembers():
+            out.append((m, tar.extractfile(m).read()))
+    return out
+
+
+def write_members(path: Path, items: list[tuple[str, bytes]]) -> None:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:", format=tarfile.PAX_FORMAT) as tar:
+        for name, data in items:
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    path.write_bytes(zstandard.ZstdCompressor().compress(buf.getvalue()))
+
+
+@pytest.fixture
+def made(tmp_path: Path, monkeypatch) -> dict[str, Any]:
+    """A warmed tiny manifest in HOME 'a', bundled; the test continues on a fresh HOME 'b'."""
+    fresh_home(tmp_path, monkeypatch, "a")
+    manifest = tiny(tmp_path)
+    report = warm_json(str(manifest))
+    key = tmp_path / "signer.key"
+    invoke("key", "generate", str(key))
+    out = tmp_path / "cache.tar.zst"
+    signed = tmp_path / "signed.tar.zst"
+    created = json.loads(invoke("bundle", "create", "--manifest", str(manifest), "-o", str(out), "--json").stdout)
+    json.loads(invoke("bundle", "create", "-o", str(signed), "--sign-key", str(key), "--json").stdout)
+    fresh_home(tmp_path, monkeypatch, "b")
+    return {"manifest": manifest, "report": report, "bundle": out, "signed": signed, "created": created,
+            "key": key, "pub": Path(str(key) + ".pub")}
+
+
+def test_bundle_round_trip_on_a_fresh_home(tmp_path: Path, made: dict[str, Any]) -> None:
+    created, report = made["created"], made["report"]
+    assert created["files"] == 1 + 5 + 5 and len(created["entries"]) == 5 and created["signed_by"] is None
+    listed = json.loads(invoke("bundle", "ls", str(made["bundle"]), "--json").stdout)
+    assert {e["key"] for e in listed["entries"]} == {b["key"] for b in report["buckets"]}
+    assert all(e["aot_sha256"] and e["compile_time_ms"] is not None and e["function"] for e in listed["entries"])
+    assert "holds 5 entries, 11 files" in invoke("bundle", "ls", str(made["bundle"])).stdout
+
+    dry = json.loads(invoke("bundle", "install", str(made["bundle"]), "--dry-run", "--json").stdout)
+    assert dry["dry_run"] and dry["installed"] == 5
+    assert_nothing_installed()
+
+    done = json.loads(invoke("bundle", "install", str(made["bundle"]), "--json").stdout)
+    assert (done["installed"], done["already_present"], done["conflicts"]) == (5, 0, [])
+    ns = Path(done["dest"])
+    assert ns.is_relative_to(default_root()) and not (default_root() / ".staging").exists()
+    assert sorted(p.name for p in ns.iterdir()) == sorted(
+        ["env.json"] + [b["key"] + s for b in report["buckets"] for s in ("-cache", "-aot")])
+    (env,) = environments()
+    assert env["entries"] == 5 and env["executables"] == 5
+    rows = json.loads(invoke("ls", "--env", env["digest"][:8], "--json").stdout)["entries"]
+    assert {r["origin"] for r in rows} == {"bundle"} and all(r["function"] for r in rows)
+
+    # A fresh service hits every bucket, and every stored executable loads.
+    check = json.loads(invoke("warm-check", str(made["manifest"]), "--json").stdout)
+    assert check["summary"]["coverage"] == 100.0 and check["summary"]["aot_coverage"] == 100.0, check["summary"]
+    result = service(tmp_path)
+    assert result["requests"] == 5 and result["hits"] == 5, result
+
+    again = json.loads(invoke("bundle", "install", str(made["bundle"]), "--json").stdout)
+    assert (again["installed"], again["already_present"]) == (0, 5)
+
+
+def _tamper(path: Path, out: Path, fn) -> Path:
+    items = [(m.name, data) for m, data in members(path)]
+    write_members(out, fn(items))
+    return out
+
+
+def _first_entry(items: list[tuple[str, bytes]]) -> int:
+    return next(i for i, (n, _) in enumerate(items) if n.endswith("-cache"))
+
+
+def _flip(items):
+    i = _first_entry(items)
+    name, data = items[i]
+    items[i] = (name, data[:-1] + bytes([data[-1] ^ 1]))
+    return items
+
+
+def _add(items):
+    return items + [("files/jit_affine-" + "0" * 64 + "-cache", b"\x28\xb5\x2f\xfd evil")]
+
+
+def _remove(items):
+    del items[_first_entry(items)]
+    return items
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    (_flip, "does not match its sha256"),
+    (_add, "is not in the bundle's content list"),
+    (_remove, "missing"),
+])
+def test_tampered_bundle_installs_nothing(tmp_path: Path, made: dict[str, Any], change, message: str) -> None:
+    bad = _tamper(made["bundle"], tmp_path / "bad.tar.zst", change)
+    result = invoke("bundle", "install", str(bad), code=2)
+    assert message in result.stderr and result.stderr.count("\n") == 1 and "Traceback" not in result.output
+    assert_nothing_installed()
+
+
+def test_bundle_of_another_environment_exits_3_with_the_field_diff(tmp_path: Path, made: dict[str, Any]) -> None:
+    from cachectl.fingerprint import Environment
+
+    def other_env(items):
+        meta = json.loads(items[0][1])
+        meta["environment"]["device_count"] = 8
+        env = Environment.from_dict(meta["environment"])
+        meta["digest"] = meta["content"]["environment"] = env.digest
+        meta["namespace"] = env.namespace
+        items[0] = ("bundle.json", json.dumps(meta).encode())
+        return items
+
+    bad = _tamper(made["bundle"], tmp_path / "other.tar.zst", other_env)
+    result = invoke("bundle", "install", str(bad), code=3)
+    assert "device_count: 1 here, 8 in the bundle" in result.stderr and result.stderr.count("\n") == 1
+    assert_nothing_installed()
+
+
+def test_not_a_bundle_is_bad_input(tmp_path: Path, made: dict[str, Any]) -> None:
+    junk = tmp_path / "junk.tar.zst"
+    junk.write_bytes(b"hello")
+    assert "not a cachectl bundle" in invoke("bundle", "install", str(junk), code=2).stderr
+    assert_nothing_installed()
+
+
+def test_signed_bundle_into_a_cache_that_trusts_its_key(tmp_path: Path, made: dict[str, Any]) -> None:
+    invoke("cache", "set", "default", "--trust", str(made["pub"]))
+    # Unsigned: refused.
+    assert "is not signed" in invoke("bundle", "install", str(made["bundle"]), code=2).stderr
+    assert environments() == []
+    listed = json.loads(invoke("bundle", "ls", str(made["signed"]), "--json").stdout)
+    assert listed["signed_by"]
+    done = json.loads(invoke("bundle", "install", str(made["signed"]), "--json").stdout)
+    assert done["installed"] == 5 and done["signed_by"] == listed["signed_by"]
+
+
+def test_bad_signature_is_refused(tmp_path: Path, made: dict[str, Any]) -> None:
+    invoke("cache", "set", "default", "--trust", str(made["pub"]))
+
+    def forge(items):
+        sig = json.loads(items[1][1])
+        assert items[1][0] == "signature.json"
+        raw = bytearray(__import__("base64").b64decode(sig["signature"]))
+        raw[0] ^= 1
+        sig["signature"] = __import__("base64").b64encode(bytes(raw)).decode()
+        items[1] = ("signature.json", json.dumps(sig).encode())
+        return items
+
+    bad = _tamper(made["signed"], tmp_path / "forged.tar.zst", forge)
+    assert "does not match its content list" in invoke("bundle", "install", str(bad), code=2).stderr
+    assert_nothing_installed_keep_root()
+
+
+def assert_nothing_installed_keep_root() -> None:
+    root = default_root()
+    assert not root.exists() or [p for p in root.rglob("*")] == []
+    assert environments() == []
+
+
+def test_bundle_signed_by_an_untrusted_key_is_refused(tmp_path: Path, made: dict[str, Any]) -> None:
+    other = tmp_path / "other.key"
+    invoke("key", "generate", str(other))
+    invoke("cache", "set", "default", "--trust", str(other) + ".pub")
+    assert "which the cache does not trust" in invoke("bundle", "install", str(made["signed"]), code=2).stderr
+    assert_nothing_installed_keep_root()
