@@ -3,7 +3,6 @@
 Revision ID: 0006
 Revises: 0005
 
-(Chained to 0004 on purpose: 0005 is being written elsewhere; re-chain when it lands.)
 """
 
 from __future__ import annotations
