@@ -109,11 +109,12 @@ def generate(path: str | os.PathLike[str], *, force: bool = False, dry_run: bool
         for p in (target, public_path):
             if p.exists():
                 raise BadInput(f"{p} exists: pass --force to replace it (signatures made with it stop verifying)")
-    if not target.parent.is_dir():
+    if target.parent.exists() and not target.parent.is_dir():
         raise BadInput(f"{target.parent} is not a directory")
     private = Ed25519PrivateKey.generate()
     public = _public_text(private)
     if not dry_run:
+        target.parent.mkdir(mode=0o700, parents=True, exist_ok=True)  # like ssh-keygen's ~/.ssh
         pem = private.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
                                     serialization.NoEncryption())
         fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)

@@ -138,3 +138,12 @@ def test_bundle_carries_the_namespace_signature(tmp_path: Path) -> None:
     assert sha256(out.read_bytes())  # written
     assert os.path.getsize(out) == created["bundle_bytes"]
     assert REPO.is_dir()
+
+
+def test_key_generate_creates_missing_parent_directories(tmp_path) -> None:
+    from cachectl import signing
+
+    target = tmp_path / "new" / "dir" / "ci.key"
+    info = signing.generate(target)
+    assert target.exists() and (target.stat().st_mode & 0o777) == 0o600
+    assert (target.parent.stat().st_mode & 0o777) == 0o700 and info.public.startswith("ed25519:")
