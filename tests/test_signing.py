@@ -146,4 +146,4 @@ def test_key_generate_creates_missing_parent_directories(tmp_path) -> None:
     target = tmp_path / "new" / "dir" / "ci.key"
     info = signing.generate(target)
     assert target.exists() and (target.stat().st_mode & 0o777) == 0o600
-    assert (target.parent.stat().st_mode & 0o777) == 0o700 and info.public.startswith("ed25519:")
+    assert (target.parent.stat().st_mode & 0o777) == 0o700 and info.public_key.startswith("ed25519:")
