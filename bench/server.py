@@ -104,7 +104,7 @@ def _start_server(db: str, port: int, log: Path) -> subprocess.Popen:
     raise RuntimeError("server did not start")
 
 
-def _mix(seed: dict[str, Any]) -> list[tuple[str, Any]]:
+def _mix(seed: dict[str, Any], prefix: str = "jit_up") -> list[tuple[str, Any]]:
     """(endpoint name, request builder) with weights: mostly reads, as a fleet makes them."""
     from cachectl.entries import make_entry
 
@@ -133,15 +133,16 @@ def _mix(seed: dict[str, Any]) -> list[tuple[str, Any]]:
         ("HEAD entry", 2, lambda i: ("HEAD", f"{base}/{entry(i)[0]}", None, None, "reader")),
         ("POST resolve", 1, lambda i: ("POST", f"{API}/caches/bench/resolve", None, {**fp, "create": False}, "reader")),
         ("POST telemetry", 1, lambda i: ("POST", f"{API}/telemetry", None, batch(), "reader")),
-        ("PUT entry (16 KiB)", 1, lambda i: ("PUT", f"{base}/jit_up_{next(counter)}-{'ab' * 32}", None,
+        ("PUT entry (16 KiB)", 1, lambda i: ("PUT", f"{base}/{prefix}_{next(counter)}-{'ab' * 32}", None,
                                              upload, "writer")),
     ]
 
 
-async def _load(url: str, seed: dict[str, Any], total: int, concurrency: int) -> dict[str, Any]:
+async def _load(url: str, seed: dict[str, Any], total: int, concurrency: int,
+                prefix: str = "jit_up") -> dict[str, Any]:
     import httpx
 
-    mix = _mix(seed)
+    mix = _mix(seed, prefix)
     plan = [name for name, weight, _ in mix for _ in range(weight)]
     builders = {name: build for name, _w, build in mix}
     latencies: dict[str, list[float]] = defaultdict(list)
