@@ -78,9 +78,12 @@ def env(ctx: Context, fmt: str | None, as_json: bool, readonly: bool | None) -> 
 
 @click.command("exec", context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
 @click.option("--readonly/--writable", default=None, help="Read the cache but never write it (default: the cache's policy).")
+@click.option("--telemetry/--no-telemetry", default=True, show_default=True,
+              help="Record the service's compile requests, hits and signatures as activate() does "
+                   "(a Python service: through a sitecustomize on PYTHONPATH that starts when JAX is imported).")
 @click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
 @click.pass_obj
-def exec_(ctx: Context, readonly: bool | None, command: tuple[str, ...]) -> None:
+def exec_(ctx: Context, readonly: bool | None, telemetry: bool, command: tuple[str, ...]) -> None:
     """Run COMMAND with the environment `cachectl env` prints (for services that cannot call activate()).
 
     \b
@@ -92,6 +95,10 @@ def exec_(ctx: Context, readonly: bool | None, command: tuple[str, ...]) -> None
         variables = result.variables
         if result.warning:
             click.echo(result.warning, err=True)
+        if telemetry:
+            from cachectl.exec_hook import child_variables
+
+            variables = {**variables, **child_variables(ctx.environment().to_dict(), os.environ.get("PYTHONPATH"))}
     except CachectlError as exc:  # never refuse to start the service: it runs as plain JAX would
         click.echo(f"cachectl: {exc.message}; running {command[0]} without a managed cache", err=True)
         variables = {}
