@@ -381,6 +381,15 @@ def telemetry_wire(batch: Any) -> dict[str, Any]:
                      "sizes": {axis: {str(size): n for size, n in sizes.items()}
                                for axis, sizes in c.sizes.items()}}
                     for fn, c in getattr(batch, "serving", {}).items()],
+        "signatures": [{"function": ident[0], "key": c.key, "source": c.source,
+                        "leaves": [[list(shape), dtype, bool(weak), sharding]
+                                   for shape, dtype, weak, sharding in c.leaves],
+                        "statics": None if c.statics is None else [[str(k), v] for k, v in c.statics],
+                        "requests": c.requests, "hits": c.hits, "misses": c.misses,
+                        "uncacheable": c.uncacheable, "repeats": c.repeats,
+                        "first_seen": c.first_seen, "last_seen": c.last_seen}
+                       for ident, c in getattr(batch, "signatures", {}).items()],
+        "signatures_dropped": getattr(batch, "signatures_dropped", 0),
     }
 
 

@@ -183,6 +183,10 @@ def check_batch(batch: TelemetryBatch) -> None:
     for key, (n, _at) in batch.hit_keys.items():
         count(f"hits of key {key[:80]!r}", n)
     count("dropped", batch.dropped)
+    count("signatures dropped", batch.signatures_dropped)
+    for ident, sig in batch.signatures.items():
+        for name in ("requests", "hits", "misses", "uncacheable", "repeats"):
+            count(f"signature {name} of {ident[0]!r}", getattr(sig, name))
     for fn, sc in batch.serving.items():
         for name in ("calls", "aot", "fallback", "out_of_bucket", "padded"):
             count(f"served {name} of {fn!r}", getattr(sc, name))

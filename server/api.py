@@ -7,6 +7,7 @@ rebuild them and print exactly what direct mode prints.
 
 from __future__ import annotations
 
+import time
 from typing import Annotated, Any
 
 from fastapi import APIRouter, HTTPException, Path, Query, Request
@@ -22,7 +23,7 @@ from cachectl.index import EnvironmentInfo, warm_runs
 from cachectl.index import server_queries as sq
 from cachectl.index.telemetry_queries import record_telemetry, telemetry_stats
 from cachectl.namespace import ensure_namespace
-from cachectl.telemetry import FunctionCounts, ServingCounts, TelemetryBatch
+from cachectl.telemetry import FunctionCounts, ServingCounts, SignatureCounts, TelemetryBatch
 from cachectl.units import parse_duration, parse_size
 
 from . import schemas
@@ -267,6 +268,18 @@ def update_warm_run(request: Request, cache: CacheName, run_id: Annotated[int, P
 # -- telemetry ----------------------------------------------------------------------
 
 
+def _signatures(items: list[schemas.SignatureIn]) -> dict[tuple[Any, ...], SignatureCounts]:
+    """Signatures as the collector keeps them; seen-times are a claim: never later than now."""
+    now = time.time()
+    out: dict[tuple[Any, ...], SignatureCounts] = {}
+    for n, s in enumerate(items):
+        out[(s.function, n)] = SignatureCounts(
+            tuple((tuple(shape), dtype, weak, sharding) for shape, dtype, weak, sharding in s.leaves), s.key,
+            s.requests, s.hits, s.misses, s.uncacheable, s.repeats, min(s.first_seen, now),
+            min(s.last_seen, now), s.source, None if s.statics is None else tuple(tuple(x) for x in s.statics))
+    return out
+
+
 @route(router, "POST", "/telemetry", role="reader", scope="object", summary="Batched hit/miss telemetry from activate()")
 def ingest_telemetry(request: Request, body: schemas.TelemetryIn) -> JSONResponse:
     state = state_of(request)
@@ -288,7 +301,8 @@ def ingest_telemetry(request: Request, body: schemas.TelemetryIn) -> JSONRespons
                                serving={s.function: ServingCounts(
                                    s.calls, s.aot, s.fallback, s.out_of_bucket, s.padded,
                                    {axis: {int(size): n for size, n in sizes.items()}
-                                    for axis, sizes in s.sizes.items()}) for s in b.serving})
+                                    for axis, sizes in s.sizes.items()}) for s in b.serving},
+                               signatures=_signatures(b.signatures), signatures_dropped=b.signatures_dropped)
         rows += record_telemetry(state.index, env.id, batch)
         totals = batch.totals()
         state.metrics.telemetry_requests.labels(b.cache).inc(totals.requests)

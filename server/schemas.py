@@ -101,6 +101,28 @@ class ServingCountsIn(Strict):
                      Field(max_length=MAX_SERVING_AXES)] = {}
 
 
+class SignatureIn(Strict):
+    """One program signature's counts in one flush (cachectl.telemetry.SignatureCounts)."""
+
+    function: Annotated[str, Field(min_length=1, max_length=512)]
+    key: Annotated[str, Field(max_length=512)] | None = None
+    source: Annotated[str, Field(max_length=1024)] | None = None
+    # (shape, dtype, weak_type, sharding) per flat input
+    leaves: Annotated[list[tuple[Annotated[list[Annotated[int, Field(ge=0, le=2**40)]], Field(max_length=64)],
+                                 Annotated[str, Field(max_length=64)], bool,
+                                 Annotated[str, Field(max_length=512)] | None]],
+                      Field(max_length=10_000)] = []
+    statics: Annotated[list[tuple[Annotated[str, Field(max_length=256)], Annotated[str, Field(max_length=1024)]]],
+                       Field(max_length=64)] | None = None
+    requests: FlushCount = 0
+    hits: FlushCount = 0
+    misses: FlushCount = 0
+    uncacheable: FlushCount = 0
+    repeats: FlushCount = 0
+    first_seen: Annotated[float, Field(ge=0, le=1e11)] = 0.0
+    last_seen: Annotated[float, Field(ge=0, le=1e11)] = 0.0
+
+
 class TelemetryBatchIn(Strict):
     """One flush of one process (cachectl.telemetry.TelemetryBatch on the wire)."""
 
@@ -113,6 +135,8 @@ class TelemetryBatchIn(Strict):
     hit_keys: Annotated[list[HitKeyIn], Field(max_length=20_000)] = []
     dropped: FlushCount = 0
     serving: Annotated[list[ServingCountsIn], Field(max_length=1_000)] = []
+    signatures: Annotated[list[SignatureIn], Field(max_length=1_024)] = []
+    signatures_dropped: FlushCount = 0
 
 
 class TelemetryIn(Strict):

@@ -437,3 +437,32 @@ def test_serving_telemetry_through_the_server_is_bounded_and_recorded(world) -> 
     assert c.post(f"{API}/telemetry", json={"batches": [huge]}, headers=r).status_code == 422
     many = {**wire, "serving": [{**wire["serving"][0], "sizes": {"seq": {str(n): 1 for n in range(2000)}}}]}
     assert c.post(f"{API}/telemetry", json={"batches": [many]}, headers=r).status_code == 422
+
+
+def test_signatures_through_the_server_reach_misses(world) -> None:
+    """A service in server mode (ServerSink) sends its program signatures; the server records them."""
+    import time as _time
+    from datetime import timedelta
+
+    from cachectl.client import telemetry_wire
+    from cachectl.index.telemetry_queries import signature_usage
+    from cachectl.telemetry import SignatureCounts, TelemetryBatch
+
+    s, app, c = world
+    r = bearer(s.tokens["reader"])
+    now = datetime.now(timezone.utc)
+    sig = SignatureCounts(((( 3, 8), "float32", False, None), ((8, 8), "float32", False, None)),
+                          "jit_affine-" + "a" * 64, requests=2, hits=0, misses=2, first_seen=_time.time(),
+                          last_seen=_time.time() + 10**6, source="affine at model.py:3")
+    batch = TelemetryBatch(process="host:8", cache=MAIN, environment_digest=s.digest, started_at=now,
+                           ended_at=now, functions={}, hit_keys={}, dropped=0,
+                           signatures={("jit_affine", 0): sig})
+    res = c.post(f"{API}/telemetry", json={"batches": [telemetry_wire(batch)]}, headers=r)
+    assert res.status_code == 200, res.text
+    rows = signature_usage(open_index(s.db), MAIN, timedelta(hours=1))
+    (row,) = [x for x in rows if x.function == "jit_affine"]
+    assert row.misses == 2 and row.leaves[0][0] == [3, 8] and row.source == "affine at model.py:3"
+    assert row.last_seen <= datetime.now(timezone.utc)  # a claimed future time is clamped
+    bad = telemetry_wire(batch)
+    bad["signatures"][0]["requests"] = 2**53
+    assert c.post(f"{API}/telemetry", json={"batches": [bad]}, headers=r).status_code == 422
