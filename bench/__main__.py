@@ -67,8 +67,8 @@ def main(argv: list[str] | None = None) -> int:
             # A whole run: rewrite the file in the suite's order, from this run alone.
             body = "# Benchmarks\n\n" + header + "\n" + "\n".join(sections[m.SECTION] for m in modules)
             BENCHMARKS.write_text(body)
-        else:
-            write_section("## How these numbers were made", header)
+        # With --only, each section already names its command and machine load: the header,
+        # which describes a whole run, is left as it is.
         print(f"bench: wrote {BENCHMARKS}", file=sys.stderr)
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(results, indent=2, default=str))
