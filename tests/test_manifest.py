@@ -192,10 +192,11 @@ def test_lm_prefill_then_decode_is_consistent() -> None:
 
     full_logits, _ = prefill(params, tokens)
     logits, cache = prefill(params, tokens[:, :16])
-    assert logits.shape == (2, lm.CONFIG.vocab) and logits.dtype == jnp.float32
+    # prefill returns every position's logits (bbc1a46): [batch, seq, vocab].
+    assert logits.shape == (2, 16, lm.CONFIG.vocab) and logits.dtype == jnp.float32
     assert cache.shape == lm.kv_cache_shape(2) and cache.dtype == lm.KV_DTYPE
     step_logits, _ = jax.jit(lm.decode_logits)(params, cache, tokens[:, 16:17], jnp.int32(16))
-    np.testing.assert_allclose(step_logits, full_logits, atol=2e-3, rtol=2e-3)
+    np.testing.assert_allclose(step_logits, full_logits[:, -1], atol=2e-3, rtol=2e-3)
 
     token = tokens[:, 16:17]
     key = jax.random.PRNGKey(0)
