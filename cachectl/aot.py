@@ -117,7 +117,8 @@ def payload_of(compiled: Any) -> bytes:
         raise AotError("JAX cannot serialize this compiled program")
     if getattr(unloaded, "mut", None) is not None and getattr(unloaded.mut, "in_mut", None):
         raise AotError("the program closes over a mutable array: pass it as an argument")
-    if getattr(compiled, "_params", None) is not None and compiled._params.const_args:
+    # const_args exists from jax 0.7 (before it, captured constants were folded into the HLO).
+    if getattr(getattr(compiled, "_params", None), "const_args", None):
         raise AotError("the program captures constants (closed-over arrays): pass weights as arguments")
     args_info_flat, in_tree = jax.tree_util.tree_flatten(compiled.args_info)
     try:
@@ -126,7 +127,11 @@ def payload_of(compiled: Any) -> bytes:
             meta = buf.getvalue()
         # The devices it runs on: loading onto any other list breaks it (a 1-device
         # program loaded for all 4 host devices expects 4 shards per argument).
-        device_ids = [d.id for d in unloaded.device_list]
+        # jax < 0.7 (0.6.2) names it device_assignment.
+        devices = getattr(unloaded, "device_list", None)
+        if devices is None:
+            devices = unloaded.device_assignment
+        device_ids = [d.id for d in devices]
         out_tree = compiled.out_tree
         if not _survives_pickle(out_tree):
             raise AotError("the outputs' pytree does not survive pickling (a custom node type): "
@@ -137,6 +142,15 @@ def payload_of(compiled: Any) -> bytes:
         return pickle.dumps((meta, stored_in, out_tree, device_ids), protocol=pickle.HIGHEST_PROTOCOL)
     except (pickle.PicklingError, TypeError, AttributeError, ValueError) as exc:
         raise AotError(f"JAX cannot serialize this program: {type(exc).__name__}: {exc}") from None
+
+
+def _compiled(loaded: Any, args_info: Any, out_tree: Any, no_kwargs: bool) -> Any:
+    """jax.stages.Compiled from its parts, as serialize_executable.deserialize_and_load builds it."""
+    import jax
+
+    if _compiled_takes_const_args():
+        return jax.stages.Compiled(loaded, [], args_info, out_tree, no_kwargs=no_kwargs)
+    return jax.stages.Compiled(loaded, args_info, out_tree, no_kwargs=no_kwargs)  # jax 0.6.2
 
 
 def _survives_pickle(tree: Any) -> bool:
@@ -162,13 +176,10 @@ class Unbound:
         return len(self._args_info_flat)
 
     def bind(self, in_tree: Any) -> Any:
-        import jax
-
         if in_tree.num_leaves != len(self._args_info_flat):
             raise AotError(f"the call has {in_tree.num_leaves} array leaves; the stored executable takes "
                            f"{len(self._args_info_flat)}")
-        return jax.stages.Compiled(self._loaded, [], in_tree.unflatten(self._args_info_flat), self._out_tree,
-                                   no_kwargs=self._no_kwargs)
+        return _compiled(self._loaded, in_tree.unflatten(self._args_info_flat), self._out_tree, self._no_kwargs)
 
 
 def pack(payload: bytes, *, key: str, entry_sha256: str, function: str | None = None,
@@ -223,6 +234,16 @@ def _split(data: bytes) -> tuple[AotHeader, bytes]:
     return header, payload
 
 
+def _compiled_takes_const_args() -> bool:
+    """jax.stages.Compiled(executable, const_args, args_info, ...) from jax 0.7 (0.10.2, 0.12.0.1);
+    0.6.2's has no const_args."""
+    import inspect
+
+    import jax
+
+    return "const_args" in inspect.signature(jax.stages.Compiled.__init__).parameters
+
+
 def load(data: bytes, entry_bytes: bytes, *, devices: Any = None) -> tuple[AotHeader, Any]:
     """Rebuild the ``jax.stages.Compiled`` from an artifact and its JAX entry's bytes.
 
@@ -262,8 +283,7 @@ def load(data: bytes, entry_bytes: bytes, *, devices: Any = None) -> tuple[AotHe
         if in_tree is None:
             compiled = Unbound(unloaded.load(), args_info_flat, out_tree, no_kwargs)
         else:
-            compiled = jax.stages.Compiled(
-                unloaded.load(), [], in_tree.unflatten(args_info_flat), out_tree, no_kwargs=no_kwargs)
+            compiled = _compiled(unloaded.load(), in_tree.unflatten(args_info_flat), out_tree, no_kwargs)
     except (CorruptEntry, AotError):
         raise
     except Exception as exc:  # noqa: BLE001 - whatever JAX raises, the caller falls back to jit

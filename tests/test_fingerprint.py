@@ -88,4 +88,10 @@ def test_fact1_keys_path_independent_only_without_xla_caches(tmp_path) -> None:
     managed = [_keys(str(tmp_path / d), "none") for d in ("c1", "c2")]
     assert managed[0] and managed[0] == managed[1]
     default = [_keys(str(tmp_path / d), "default") for d in ("d1", "d2")]
-    assert default[0] and default[0] != default[1]
+    assert default[0]
+    import jax
+    from packaging.version import Version
+    if Version(jax.__version__) < Version("0.12"):
+        assert default[0] != default[1]
+    # jax 0.12.0.1 on CPU: the default no longer puts the path in the key (measured by
+    # scripts/test --matrix, py313); cachectl's "none" is path-independent either way.
