@@ -113,6 +113,9 @@ def _exchange(tag: str, me: ProcessInfo, value: dict[str, Any]) -> list[dict[str
     base = f"{_PREFIX}/{_SEQUENCE[0]}/{tag}"
     client.key_value_set(f"{base}/{me.index}", json.dumps(value, sort_keys=True))
     views = [json.loads(client.blocking_key_value_get(f"{base}/{i}", TIMEOUT_MS)) for i in range(me.count)]
+    # Nobody leaves (and, being process 0, takes the coordinator with it) before every process
+    # has read every view: a refusal must reach all of them, not leave one waiting for a peer.
+    client.wait_at_barrier(f"{base}/read", TIMEOUT_MS)
     failed = [(i, v["error"]) for i, v in enumerate(views) if v.get("error")]
     if failed:
         i, message = failed[0]
