@@ -238,7 +238,7 @@ class Store:
         for part in posixpath.dirname(rel.strip("/")).split("/"):
             if part in ("", "."):
                 continue
-            here = os.path.join(here, part)
+            here = f"{here}/{part}"
             try:
                 mode = os.lstat(here).st_mode
             except FileNotFoundError:
