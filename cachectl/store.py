@@ -10,6 +10,7 @@ DeleteObjects of up to 1000 keys and gcsfs uses batch requests.
 from __future__ import annotations
 
 import contextlib
+import errno
 import io
 import os
 import posixpath
@@ -224,7 +225,7 @@ class Store:
     def exists(self, rel: str) -> bool:
         return bool(self.fs.exists(self._full(rel)))
 
-    def _regular_local(self, rel: str) -> str:
+    def _regular_local(self, rel: str, *, check_file: bool = True) -> str:
         """The path of ``rel`` on local disk if it is a regular file reached without any symlink.
 
         Every directory between the root and the file must be a real directory (its real path is
@@ -245,6 +246,8 @@ class Store:
                 break  # the file's own lstat below raises FileNotFoundError, as before
             if not stat.S_ISDIR(mode):
                 raise NotRegularFile(f"{full}: a directory on its path is a symlink or leaves the cache root")
+        if not check_file:  # the caller opens with O_NOFOLLOW and checks the descriptor's fstat
+            return full
         st = os.lstat(full)
         if not stat.S_ISREG(st.st_mode):
             raise NotRegularFile(f"{full}: not a regular file (symlink or special file): not read")
@@ -255,7 +258,7 @@ class Store:
         try:
             fd = os.open(full, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
         except OSError as exc:
-            if exc.errno in (getattr(os, "ELOOP", -1), getattr(os, "EMLINK", -1)):
+            if exc.errno in (errno.ELOOP, errno.EMLINK):
                 raise NotRegularFile(f"{full}: a symlink: not read") from None
             raise
         fh = os.fdopen(fd, "rb")
@@ -266,11 +269,11 @@ class Store:
 
     def _read_local(self, rel: str) -> bytes:
         """_open_local's checks and a read, on the raw descriptor (no file object per read)."""
-        full = self._regular_local(rel)
+        full = self._regular_local(rel, check_file=False)
         try:
             fd = os.open(full, _READ_FLAGS)
         except OSError as exc:
-            if exc.errno in (getattr(os, "ELOOP", -1), getattr(os, "EMLINK", -1)):
+            if exc.errno in (errno.ELOOP, errno.EMLINK):
                 raise NotRegularFile(f"{full}: a symlink: not read") from None
             raise
         try:
