@@ -12,6 +12,7 @@ import enum
 import hashlib
 import io
 import re
+import threading
 import zlib
 from dataclasses import dataclass
 from typing import BinaryIO
@@ -29,6 +30,20 @@ _ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 _TIME_BYTES = 4
 # A compile time above a week in a 4-byte header means the bytes are not a JAX entry.
 _MAX_SANE_COMPILE_SECONDS = 7 * 24 * 3600
+
+
+_local = threading.local()
+
+
+def _zstd_decompressor():
+    """This thread's ZstdDecompressor: making one allocates a decompression context, which cost
+    more than decompressing a small entry; a context is reusable but not shareable across threads."""
+    dctx = getattr(_local, "dctx", None)
+    if dctx is None:
+        import zstandard
+
+        dctx = _local.dctx = zstandard.ZstdDecompressor()
+    return dctx
 
 
 class Kind(enum.Enum):
@@ -121,7 +136,7 @@ def decompress(data: bytes) -> tuple[str, bytes]:
         except ImportError as exc:  # pragma: no cover - zstandard is a dependency
             raise CorruptEntry("zstd entry but the zstandard module is not installed") from exc
         try:
-            return "zstandard", zstandard.ZstdDecompressor().decompress(data, max_output_size=1 << 34)
+            return "zstandard", _zstd_decompressor().decompress(data, max_output_size=1 << 34)
         except zstandard.ZstdError as exc:
             raise CorruptEntry(f"zstd data is corrupt: {exc}") from exc
     try:
@@ -189,7 +204,7 @@ def scan_entry(fh: BinaryIO, limit: int, *, chunk: int = 1 << 20) -> Header:
             raise CorruptEntry("zstd entry but the zstandard module is not installed") from exc
         try:
             declared = zstandard.frame_content_size(head)
-            reader = zstandard.ZstdDecompressor().stream_reader(fh, read_size=chunk, closefd=False)
+            reader = _zstd_decompressor().stream_reader(fh, read_size=chunk, closefd=False)
             with reader:
                 while block := reader.read(chunk):
                     take(block)

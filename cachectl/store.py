@@ -10,6 +10,7 @@ DeleteObjects of up to 1000 keys and gcsfs uses batch requests.
 from __future__ import annotations
 
 import contextlib
+import errno
 import io
 import os
 import posixpath
@@ -56,6 +57,9 @@ class FileInfo:
     path: str
     size: int
     mtime: datetime | None
+
+
+_READ_FLAGS = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
 
 
 def normalize_url(url: str) -> str:
@@ -163,6 +167,8 @@ class Store:
     def list(self, rel: str = "") -> list[FileInfo]:
         """Every file under ``rel``, recursively, in one listing call."""
         full = self._full(rel)
+        if self.kind == "file" and os.path.isdir(full):
+            return self._list_local(self.fs._strip_protocol(full))
         try:
             found = self.fs.find(full, detail=True, withdirs=False)
         except FileNotFoundError:
@@ -172,6 +178,39 @@ class Store:
             for name, info in sorted(found.items())
             if info.get("type", "file") != "directory"
         ]
+
+    def _list_local(self, top: str) -> list[FileInfo]:
+        """What ``fs.find(top, detail=True)`` gives on local disk, from os.scandir without fsspec's
+        per-file info dicts: directories are descended (symlinks to them are not: listed as files),
+        a symlink's size is its target's (0 if dangling), mtimes are the link's own."""
+        found: list[tuple[str, int, float]] = []
+        pending = [top]
+        while pending:
+            path = pending.pop()
+            try:
+                it = os.scandir(path)
+            except OSError:
+                continue  # gone or unreadable since listed: fsspec's walk skips it too
+            with it:
+                for entry in it:
+                    name = f"{path}/{entry.name}"
+                    try:
+                        if entry.is_dir(follow_symlinks=False):
+                            pending.append(name)
+                            continue
+                        st = entry.stat(follow_symlinks=False)
+                    except FileNotFoundError:
+                        continue
+                    size = st.st_size
+                    if entry.is_symlink():
+                        try:
+                            size = entry.stat(follow_symlinks=True).st_size
+                        except OSError:
+                            size = 0
+                    found.append((name, size, st.st_mtime))
+        found.sort()
+        return [FileInfo(self._rel(name), int(size), datetime.fromtimestamp(mtime, tz=timezone.utc))
+                for name, size, mtime in found]
 
     def iter_dirs(self, rel: str = "") -> Iterator[str]:
         """Immediate subdirectories of ``rel`` (relative paths)."""
@@ -186,7 +225,7 @@ class Store:
     def exists(self, rel: str) -> bool:
         return bool(self.fs.exists(self._full(rel)))
 
-    def _regular_local(self, rel: str) -> str:
+    def _regular_local(self, rel: str, *, check_file: bool = True) -> str:
         """The path of ``rel`` on local disk if it is a regular file reached without any symlink.
 
         Every directory between the root and the file must be a real directory (its real path is
@@ -194,10 +233,21 @@ class Store:
         else raises NotRegularFile, so a link planted in a namespace never serves what it points at.
         """
         full = self._full(rel)
-        rel_dir = posixpath.dirname(rel.strip("/"))
-        expected = os.path.join(os.path.realpath(self.root), rel_dir) if rel_dir else os.path.realpath(self.root)
-        if os.path.realpath(os.path.dirname(full)) != os.path.normpath(expected):
-            raise NotRegularFile(f"{full}: a directory on its path is a symlink or leaves the cache root")
+        # One lstat per directory below the root (a realpath() of both sides cost an lstat per
+        # component of the whole path, twice, per file: most of a local verify's time).
+        here = self.root
+        for part in posixpath.dirname(rel.strip("/")).split("/"):
+            if part in ("", "."):
+                continue
+            here = f"{here}/{part}"
+            try:
+                mode = os.lstat(here).st_mode
+            except FileNotFoundError:
+                break  # the file's own lstat below raises FileNotFoundError, as before
+            if not stat.S_ISDIR(mode):
+                raise NotRegularFile(f"{full}: a directory on its path is a symlink or leaves the cache root")
+        if not check_file:  # the caller opens with O_NOFOLLOW and checks the descriptor's fstat
+            return full
         st = os.lstat(full)
         if not stat.S_ISREG(st.st_mode):
             raise NotRegularFile(f"{full}: not a regular file (symlink or special file): not read")
@@ -208,7 +258,7 @@ class Store:
         try:
             fd = os.open(full, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
         except OSError as exc:
-            if exc.errno in (getattr(os, "ELOOP", -1), getattr(os, "EMLINK", -1)):
+            if exc.errno in (errno.ELOOP, errno.EMLINK):
                 raise NotRegularFile(f"{full}: a symlink: not read") from None
             raise
         fh = os.fdopen(fd, "rb")
@@ -217,6 +267,26 @@ class Store:
             raise NotRegularFile(f"{full}: not a regular file: not read")
         return fh
 
+    def _read_local(self, rel: str) -> bytes:
+        """_open_local's checks and a read, on the raw descriptor (no file object per read)."""
+        full = self._regular_local(rel, check_file=False)
+        try:
+            fd = os.open(full, _READ_FLAGS)
+        except OSError as exc:
+            if exc.errno in (errno.ELOOP, errno.EMLINK):
+                raise NotRegularFile(f"{full}: a symlink: not read") from None
+            raise
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):  # swapped between the check and the open
+                raise NotRegularFile(f"{full}: not a regular file: not read")
+            parts = [os.read(fd, st.st_size + 1)]
+            while chunk := os.read(fd, 1 << 20):  # to the end, should it have grown since the fstat
+                parts.append(chunk)
+            return parts[0] if len(parts) == 1 else b"".join(parts)
+        finally:
+            os.close(fd)
+
     def size(self, rel: str) -> int:
         if self.kind == "file":
             return int(os.stat(self._regular_local(rel)).st_size)
@@ -224,8 +294,7 @@ class Store:
 
     def read_bytes(self, rel: str) -> bytes:
         if self.kind == "file":
-            with self._open_local(rel) as fh:
-                return fh.read()
+            return self._read_local(rel)
         return bytes(self.fs.cat_file(self._full(rel)))
 
     def open(self, rel: str, mode: str = "rb") -> Any:

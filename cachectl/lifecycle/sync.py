@@ -26,7 +26,6 @@ from cachectl.entries import (
     CorruptEntry,
     Kind,
     classify,
-    parse_aot_filename,
     parse_entry_filename,
     read_header,
     sha256,
@@ -182,14 +181,11 @@ def plan_sync(ctx: Context, cache: CacheInfo, *, min_age: timedelta = DEFAULT_MI
         aot_on_disk: dict[str, FileInfo] = {}
         for rel, info in files:
             kind = classify(rel)
+            # classify() matched the name's pattern: the key is the name less its suffix.
             if kind is Kind.ENTRY:
-                parsed = parse_entry_filename(rel)
-                assert parsed is not None
-                on_disk[parsed.key] = info
+                on_disk[rel[: -len(CACHE_SUFFIX)]] = info
             elif kind is Kind.AOT:
-                parsed = parse_aot_filename(rel)
-                assert parsed is not None
-                aot_on_disk[parsed.key] = info
+                aot_on_disk[rel[: -len(AOT_SUFFIX)]] = info
         changed: set[str] = set()
         for key, info in sorted(on_disk.items()):
             if (key not in indexed or indexed[key][0] != info.size) and _young(info, cutoff):

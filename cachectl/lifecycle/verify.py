@@ -40,7 +40,6 @@ from cachectl.entries import (
     Kind,
     classify,
     parse_aot_filename,
-    parse_entry_filename,
     scan_entry,
     sha256,
 )
@@ -256,8 +255,9 @@ def plan_verify(ctx: Context, cache: CacheInfo, *, env_prefix: str | None = None
         indexed = entry_digests(ctx.index, env.id)
         indexed_aot = executable_digests(ctx.index, env.id)
         names = {rel: info for rel, info in files}
-        has_lockfile = any(classify(rel) is Kind.LOCKFILE for rel in names)
-        subcaches = sorted({rel.split("/", 1)[0] for rel in names if classify(rel) is Kind.XLA_SUBCACHE})
+        kinds = {rel: classify(rel) for rel in names}  # once per file: the loops below all need it
+        has_lockfile = any(kind is Kind.LOCKFILE for kind in kinds.values())
+        subcaches = sorted({rel.split("/", 1)[0] for rel, kind in kinds.items() if kind is Kind.XLA_SUBCACHE})
         for sub in subcaches:
             plan.findings.append(Finding(
                 XLA_SUBCACHE, ns, f"{ns}/{sub}",
@@ -274,18 +274,17 @@ def plan_verify(ctx: Context, cache: CacheInfo, *, env_prefix: str | None = None
         entry_keys: set[str] = set()
         aot_keys: set[str] = set()
         for rel, info in sorted(names.items()):
-            kind = classify(rel)
+            kind = kinds[rel]
             path = f"{ns}/{rel}"
             if kind is Kind.ENTRY:
-                parsed = parse_entry_filename(rel)
-                assert parsed is not None
-                entry_keys.add(parsed.key)
-                if parsed.key in indexed:
-                    size, digest = indexed[parsed.key]
-                    checks.append((ns, parsed.key, size, digest, env.id))
+                key = rel[: -len(CACHE_SUFFIX)]  # classify() matched the name: no second parse
+                entry_keys.add(key)
+                if key in indexed:
+                    size, digest = indexed[key]
+                    checks.append((ns, key, size, digest, env.id))
                 else:
                     plan.findings.append(_unknown(ns, path, info, now, min_age, env.id in warming,
-                                                  act(QUARANTINE), env.id, parsed.key))
+                                                  act(QUARANTINE), env.id, key))
             elif kind is Kind.AOT:
                 parsed = parse_aot_filename(rel)
                 assert parsed is not None
