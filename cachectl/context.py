@@ -5,6 +5,7 @@ from __future__ import annotations
 from functools import cached_property
 from typing import TYPE_CHECKING
 
+from cachectl.client import RemoteIndex, client_from_settings
 from cachectl.config import DEFAULT_CACHE, Settings, load_settings
 from cachectl.fingerprint import Environment, current_environment
 from cachectl.index import CacheInfo, EnvironmentInfo, Index, open_index
@@ -24,16 +25,12 @@ class Context:
     @cached_property
     def remote(self) -> ServerClient | None:
         """The cachectl server's client when CACHECTL_SERVER is set (server mode), else None."""
-        from cachectl.client import client_from_settings
-
         return client_from_settings(self.settings)
 
     @cached_property
     def index(self) -> Index:
         if self.remote is not None:
             # Server mode: reads and warm registration go over HTTP (cachectl.client).
-            from cachectl.client import RemoteIndex
-
             return RemoteIndex(self.remote)  # type: ignore[return-value]
         return open_index(self.settings.db)
 

@@ -11,6 +11,7 @@ import click
 
 from cachectl import doctor as doctor_lib
 from cachectl import mirror as mirror_lib
+from cachectl import signing
 from cachectl.cli.render import emit, json_option, size, stdout, table
 from cachectl.context import Context
 
@@ -125,8 +126,6 @@ def push(ctx: Context, src: str, workers: int, dry_run: bool, sign_key: str | No
 
     New entries are recorded in the index with origin "push".
     """
-    from cachectl import signing
-
     key = signing.signing_key(sign_key)
     if not dry_run:
         signing.require_signer(ctx.cache(), key, "push")

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import getpass
 import socket
-from dataclasses import dataclass
-from datetime import datetime
 
 from sqlalchemy import select, update
 
@@ -20,32 +18,13 @@ from cachectl.errors import NotFound
 from cachectl.index import Index
 from cachectl.index.models import Cache, WarmRun, utcnow
 from cachectl.index.models import Environment as EnvRow
+from cachectl.index.records import WarmRunInfo
 
 RUNNING = "running"
 SUCCEEDED = "succeeded"
 FAILED = "failed"
 INTERRUPTED = "interrupted"
 FINAL_STATUSES = (SUCCEEDED, FAILED, INTERRUPTED)
-
-
-@dataclass(frozen=True)
-class WarmRunInfo:
-    """One warm run as the index recorded it."""
-
-    id: int
-    environment_id: int
-    manifest_digest: str
-    manifest_path: str | None
-    host: str
-    user: str
-    status: str
-    started_at: datetime | None
-    finished_at: datetime | None
-    heartbeat_at: datetime | None
-    buckets: int
-    compiled: int
-    cached: int
-    failed: int
 
 
 def _info(row: WarmRun) -> WarmRunInfo:
