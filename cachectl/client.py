@@ -22,11 +22,12 @@ from cachectl.entries import sha256
 from cachectl.errors import (
     BadInput,
     CachectlError,
-    EnvironmentMismatch,
     NotFound,
     OperationFailed,
     PermissionDenied,
     Unreachable,
+    error_for_status,
+    error_named,
 )
 from cachectl.index.records import (
     CacheInfo,
@@ -46,11 +47,6 @@ T = TypeVar("T")
 API = "/api/v1"
 DEFAULT_TIMEOUT_S = 30.0
 PAGE = 1000
-_ERRORS: dict[str, type[CachectlError]] = {
-    "BadInput": BadInput, "NotFound": NotFound, "Unreachable": Unreachable,
-    "OperationFailed": OperationFailed, "LeaseHeld": OperationFailed,
-    "EnvironmentMismatch": EnvironmentMismatch, "PermissionDenied": PermissionDenied,
-}
 
 
 # -- the HTTP client -------------------------------------------------------------------
@@ -114,18 +110,14 @@ class ServerClient:
         status = response.status_code
         if status == 401:
             raise PermissionDenied(f"server {self.url} refused the token ({message}): check CACHECTL_TOKEN")
-        if name in _ERRORS:
-            raise _ERRORS[name](message)
-        if status == 403:
-            raise PermissionDenied(message)
-        if status == 404:
-            raise NotFound(message)
-        if status in (400, 413, 422):
-            raise BadInput(message)
-        if status == 409:
-            raise OperationFailed(message)
-        if status in (502, 503, 504):
+        error = error_named(name)
+        if error is not None:
+            raise error(message)
+        error = error_for_status(status)
+        if error is Unreachable:
             raise Unreachable(f"server {self.url}: {message}")
+        if error is not None:
+            raise error(message)
         raise OperationFailed(f"server {self.url} failed: {message}")
 
     def get(self, path: str, **params: Any) -> Any:
@@ -255,7 +247,7 @@ class ServerClient:
         job = self.wait_job(self.start_job(cache, kind, params)["id"])
         if job["status"] == "failed":
             result = job.get("result") or {}
-            error = _ERRORS.get(result.get("error", ""))
+            error = error_named(result.get("error"))
             message = job.get("error") or "job failed"
             if error is not None:
                 raise error(message)

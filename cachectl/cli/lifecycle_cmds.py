@@ -16,6 +16,7 @@ import click
 from cachectl.cli.render import emit, info, json_option, size, stdout, table
 from cachectl.cli.server_mode import run_lifecycle
 from cachectl.context import Context
+from cachectl.errors import ProblemsReported
 from cachectl.lifecycle import gc as gc_lib
 from cachectl.lifecycle import prune as prune_lib
 from cachectl.lifecycle import verify as verify_lib
@@ -164,7 +165,7 @@ def gc_cmd(ctx: Context, policy: str, max_size: str | None, protect_warm: bool, 
     if result.plan.over_limit_after and not dry_run:
         info(f"cachectl: gc: cache is still {size(result.plan.over_limit_after)} over max_size; "
              "the rest is protected (warm in progress or --protect-warm)")
-        click.get_current_context().exit(1)
+        raise ProblemsReported()
 
 
 @click.command("verify")
@@ -197,7 +198,7 @@ def verify_cmd(ctx: Context, env_prefix: str | None, quarantine: bool, repair: b
     emit(result, as_json, _print_verify)
     if result.plan.findings:
         info(f"cachectl: verify: {len(result.plan.findings)} finding(s)")
-        click.get_current_context().exit(1)
+        raise ProblemsReported()
 
 
 def register(cli: click.Group) -> None:

@@ -12,7 +12,7 @@ from cachectl import distributed as dist
 from cachectl import signing
 from cachectl.cli.render import print_json, size, stderr, stdout, table
 from cachectl.context import Context
-from cachectl.errors import EnvironmentMismatch
+from cachectl.errors import EnvironmentMismatch, OperationFailed
 from cachectl.manifest import DEFAULT_MAX_BUCKETS, MAX_BUCKETS_ENV, load_manifest
 from cachectl.sharding import resolve_shard
 from cachectl.signing import resign
@@ -187,9 +187,8 @@ def _run_check(ctx: Context, manifest: str, cache_name: str | None, shard: str |
     else:
         _print_check(report)
     if not report.ok:
-        click.echo(f"cachectl: error: coverage {report.coverage:.1f}% is below 100%: "
-                   f"{len(report.buckets) - report.hits} bucket(s) would compile in a service", err=True)
-        raise click.exceptions.Exit(1)
+        raise OperationFailed(f"coverage {report.coverage:.1f}% is below 100%: "
+                              f"{len(report.buckets) - report.hits} bucket(s) would compile in a service")
 
 
 def _signer_for(ctx: Context, manifest: str, cache_name: str | None, sign_key: str | None) -> Any:
@@ -217,9 +216,8 @@ def _run_distributed(ctx: Context, manifest: str, cache_name: str | None, shard:
                      f"({'wrote and recorded the entries' if me.index == dist.WRITER else 'compiled; process 0 wrote'})",
                      highlight=False)
     if report.summary.failed:
-        click.echo(f"cachectl: error: {report.summary.failed} of {report.summary.buckets} bucket(s) "
-                   "failed; see the error column", err=True)
-        raise click.exceptions.Exit(1)
+        raise OperationFailed(f"{report.summary.failed} of {report.summary.buckets} bucket(s) "
+                   "failed; see the error column")
 
 
 @click.command("warm")
@@ -288,9 +286,8 @@ def warm_cmd(ctx: Context, manifest: str, cache_name: str | None, shard: str | N
             for b in traced:
                 click.echo(f"{b.function}[{_plain(b.bucket)}] failed:\n{b.traceback}\n", err=True)
         hint = "; -v prints the traceback of your code" if traced and _verbosity() < 1 else ""
-        click.echo(f"cachectl: error: {report.summary.failed} of {report.summary.buckets} bucket(s) "
-                   f"failed; see the error column{hint}", err=True)
-        raise click.exceptions.Exit(1)
+        raise OperationFailed(f"{report.summary.failed} of {report.summary.buckets} bucket(s) "
+                              f"failed; see the error column{hint}")
 
 
 @click.command("warm-check")
