@@ -323,7 +323,6 @@ class RemoteIndex:
     take only an id (list_entries, upsert_entries) find their URL.
     """
 
-    is_remote = True
     dialect = "remote"
 
     def __init__(self, client: ServerClient) -> None:
@@ -431,7 +430,7 @@ class RemoteIndex:
     def record_hits(self, *_args: Any, **_kwargs: Any) -> int:
         raise self.unsupported("recording hits directly (telemetry goes to POST /api/v1/telemetry)")
 
-    # warm runs (cachectl.index.warm_runs dispatches here for a remote index)
+    # warm runs
     def start_warm_run(self, environment_id: int, *, manifest_digest: str, manifest_path: str | None,
                        buckets: int) -> Any:
         cache, digest = self._env(environment_id)

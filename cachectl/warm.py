@@ -627,9 +627,9 @@ def _execute(ctx: Context, plan: WarmPlan, *, jobs: int, fail_fast: bool, execut
     ns, env_info = ctx.namespace(plan.cache, env)
     assert env_info is not None
     store = ctx.store(plan.cache)
-    run = warm_runs.start_run(ctx.index, env_info.id, manifest_digest=manifest_digest(plan.manifest_path),
-                              manifest_path=str(Path(plan.manifest_path).resolve()),
-                              buckets=len(plan.buckets))
+    run = ctx.index.start_warm_run(env_info.id, manifest_digest=manifest_digest(plan.manifest_path),
+                                   manifest_path=str(Path(plan.manifest_path).resolve()),
+                                   buckets=len(plan.buckets))
     indexed = ctx.index.entry_keys(env_info.id)
     stored_aot = ctx.index.aot_keys(env_info.id) if executables else None
     digests = _function_digests(plan) if executables else {}
@@ -648,8 +648,8 @@ def _execute(ctx: Context, plan: WarmPlan, *, jobs: int, fail_fast: bool, execut
         return result
 
     def beat() -> None:
-        warm_runs.heartbeat(ctx.index, run.id, compiled=counts.compiled, cached=counts.cached,
-                            failed=counts.failed)
+        ctx.index.heartbeat_warm_run(run.id, compiled=counts.compiled, cached=counts.cached,
+                                     failed=counts.failed)
 
     status = warm_runs.INTERRUPTED
     try:
@@ -661,8 +661,8 @@ def _execute(ctx: Context, plan: WarmPlan, *, jobs: int, fail_fast: bool, execut
                 _run_threads(plan, config, jobs, fail_fast, record, executables)
         status = warm_runs.FAILED if counts.failed else warm_runs.SUCCEEDED
     finally:
-        warm_runs.finish_run(ctx.index, run.id, status, compiled=counts.compiled, cached=counts.cached,
-                             failed=counts.failed)
+        ctx.index.finish_warm_run(run.id, status, compiled=counts.compiled, cached=counts.cached,
+                                  failed=counts.failed)
     ordered = [
         results.get(i) or BucketResult(b.function, dict(b.values), SKIPPED,
                                        error="not attempted: --fail-fast stopped the run after a failure")

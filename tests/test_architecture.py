@@ -143,3 +143,20 @@ def test_server_uses_the_library_not_the_cli_or_the_http_client() -> None:
     bad = {(m, t) for m, targets in edges.items() if m == "server" or m.startswith("server.")
            for t in targets if t.startswith(("cachectl.cli", "cachectl.client"))}
     assert bad == set()
+
+
+def test_both_indexes_implement_the_backend_protocol() -> None:
+    from cachectl.client import RemoteIndex
+    from cachectl.index import Index
+    from cachectl.index.backend import IndexBackend
+
+    members = [n for n, v in vars(IndexBackend).items() if callable(v) and not n.startswith("_")]
+    assert "start_warm_run" in members and "find_environment" in members
+    for cls in (Index, RemoteIndex):
+        assert [n for n in members if not callable(getattr(cls, n, None))] == [], cls
+
+
+def test_no_backend_sniffing_or_context_patching() -> None:
+    text = {p: p.read_text() for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.py")}
+    assert [str(p) for p, t in text.items() if "is_remote" in t] == []
+    assert [str(p) for p, t in text.items() if '__dict__["index"]' in t or "__dict__['index']" in t] == []

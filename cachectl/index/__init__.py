@@ -18,7 +18,10 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from cachectl.errors import BadInput, NotFound, Unreachable
 from cachectl.fingerprint import Environment
-from cachectl.index import db
+from cachectl.index import (
+    db,
+    warm_runs,  # noqa: E402 - after the records it imports
+)
 from cachectl.index.models import AuditRecord, Cache, Entry, UTCDateTime, utcnow
 from cachectl.index.models import Environment as EnvRow
 from cachectl.index.records import (  # noqa: F401 - actor is re-exported
@@ -27,6 +30,7 @@ from cachectl.index.records import (  # noqa: F401 - actor is re-exported
     EntryInfo,
     EnvironmentInfo,
     NewEntry,
+    WarmRunInfo,
     actor,
     pick_environment,
 )
@@ -427,6 +431,21 @@ class Index:
                 )
                 touched += result.rowcount or 0
         return touched
+
+    # -- warm runs (cachectl.index.warm_runs) ------------------------------------
+
+    def start_warm_run(self, environment_id: int, *, manifest_digest: str, manifest_path: str | None,
+                       buckets: int) -> WarmRunInfo:
+        return warm_runs.start_run(self, environment_id, manifest_digest=manifest_digest,
+                                   manifest_path=manifest_path, buckets=buckets)
+
+    def heartbeat_warm_run(self, run_id: int, *, compiled: int | None = None, cached: int | None = None,
+                           failed: int | None = None) -> None:
+        warm_runs.heartbeat(self, run_id, compiled=compiled, cached=cached, failed=failed)
+
+    def finish_warm_run(self, run_id: int, status: str, *, compiled: int, cached: int,
+                        failed: int) -> WarmRunInfo:
+        return warm_runs.finish_run(self, run_id, status, compiled=compiled, cached=cached, failed=failed)
 
     # -- audit ----------------------------------------------------------------
 
