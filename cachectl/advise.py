@@ -29,6 +29,11 @@ from typing import Any
 from sqlalchemy import func, select
 
 from cachectl.errors import BadInput
+from cachectl.index.models import Cache, Entry
+from cachectl.index.models import Environment as EnvRow
+from cachectl.index.telemetry_queries import serving_usage, signature_usage
+from cachectl.manifest import expand, load_manifest, parse_manifest
+from cachectl.misses import expected_signatures
 
 
 @dataclass(frozen=True)
@@ -204,8 +209,6 @@ def optimal_buckets(sizes: Mapping[int, int] | Sequence[int], *, max_buckets: in
 def _observed(ctx: Any, cache: str, since: timedelta, manifest_path: str, spec: Any
               ) -> tuple[dict[str, dict[int, int]], str]:
     """{axis: {size: calls}} for one manifest function: serving's raw sizes, else signatures."""
-    from cachectl.index.telemetry_queries import serving_usage, signature_usage
-
     merged: dict[str, dict[int, int]] = {}
     for u in serving_usage(ctx.index, cache, since, function=spec.name):
         for axis, counts in u.sizes.items():
@@ -214,8 +217,6 @@ def _observed(ctx: Any, cache: str, since: timedelta, manifest_path: str, spec: 
                 target[int(size)] = target.get(int(size), 0) + int(n)
     if merged:
         return merged, "serving"
-    from cachectl.misses import expected_signatures
-
     expected = expected_signatures(manifest_path, function=spec.name)
     if not expected or expected[0].origins is None:
         return {}, "signatures"
@@ -237,8 +238,6 @@ def _observed(ctx: Any, cache: str, since: timedelta, manifest_path: str, spec: 
 
 
 def _compile_ms(ctx: Any, cache: str, function: str) -> float | None:
-    from cachectl.index.models import Cache, Entry
-    from cachectl.index.models import Environment as EnvRow
 
     with ctx.index.read_session() as s:
         value = s.scalar(
@@ -288,8 +287,6 @@ def advise(ctx: Any, manifest_path: str | Path, *, function: str | None = None, 
            max_buckets: int | None = None, max_waste: float | None = None, since: timedelta,
            write: bool = False, cache: str | None = None) -> AdviseReport:
     """Propose bucket values per axis from observed sizes; with ``write``, rewrite the manifest."""
-    from cachectl.manifest import expand, load_manifest, parse_manifest
-
     if max_buckets is not None and max_waste is not None:
         raise BadInput("give --max-buckets or --max-waste, not both")
     if max_buckets is not None and max_buckets < 1:

@@ -42,6 +42,7 @@ from cachectl.entries import AOT_SUFFIX, CACHE_SUFFIX, ENV_FILE, parse_entry_fil
 from cachectl.errors import BadInput, EnvironmentMismatch, NotFound, OperationFailed
 from cachectl.fingerprint import Environment
 from cachectl.index import CacheInfo, EnvironmentInfo, NewEntry
+from cachectl.manifest import load_manifest
 from cachectl.namespace import ensure_namespace
 from cachectl.permissions import check_writer
 
@@ -150,8 +151,6 @@ def create(ctx: Context, output: str | os.PathLike[str], *, cache: CacheInfo | N
     if manifest is not None and env is not None:
         raise BadInput("give --manifest or --env, not both")
     if cache is None and manifest is not None:
-        from cachectl.manifest import load_manifest
-
         m = load_manifest(manifest)
         cache = ctx.cache(getattr(m, "cache", None) or None)
     cache = cache or ctx.cache()

@@ -10,25 +10,36 @@ unchanged; prune, gc and verify run as server jobs (``run_job``).
 
 from __future__ import annotations
 
-import dataclasses
-import enum
+import getpass
 import logging
+import socket
 import time
-import types
-import typing
 from collections.abc import Iterable, Iterator
-from datetime import datetime, timedelta
 from typing import Any, TypeVar
+from urllib.parse import quote
 
+from cachectl.entries import sha256
 from cachectl.errors import (
     BadInput,
     CachectlError,
-    EnvironmentMismatch,
     NotFound,
     OperationFailed,
     PermissionDenied,
     Unreachable,
+    error_for_status,
+    error_named,
 )
+from cachectl.index.records import (
+    CacheInfo,
+    CreatedToken,
+    EntryInfo,
+    EnvironmentInfo,
+    TokenInfo,
+    WarmRunInfo,
+    actor,
+    pick_environment,
+)
+from cachectl.jsonable import REDACTED, from_jsonable, to_jsonable
 
 log = logging.getLogger(__name__)
 
@@ -36,62 +47,6 @@ T = TypeVar("T")
 API = "/api/v1"
 DEFAULT_TIMEOUT_S = 30.0
 PAGE = 1000
-_ERRORS: dict[str, type[CachectlError]] = {
-    "BadInput": BadInput, "NotFound": NotFound, "Unreachable": Unreachable,
-    "OperationFailed": OperationFailed, "LeaseHeld": OperationFailed,
-    "EnvironmentMismatch": EnvironmentMismatch, "PermissionDenied": PermissionDenied,
-}
-
-
-# -- JSON -> dataclasses ------------------------------------------------------------
-
-
-def _hints(cls: type) -> dict[str, Any]:
-    return typing.get_type_hints(cls)
-
-
-def from_jsonable(tp: Any, data: Any) -> Any:
-    """Rebuild a value of type ``tp`` from what ``render.to_jsonable`` made of it."""
-    if data is None or tp is Any or tp is object:
-        return data
-    origin = typing.get_origin(tp)
-    if origin in (typing.Union, types.UnionType):
-        options = [a for a in typing.get_args(tp) if a is not type(None)]
-        for option in options:
-            try:
-                return from_jsonable(option, data)
-            except (TypeError, ValueError, KeyError):
-                continue
-        return data
-    if dataclasses.is_dataclass(tp):
-        hints = _hints(tp)
-        values = {f.name: from_jsonable(hints.get(f.name, Any), data[f.name])
-                  for f in dataclasses.fields(tp) if f.init and f.name in data}
-        return tp(**values)
-    if origin in (list, typing.Sequence) or tp is list:
-        (item,) = typing.get_args(tp) or (Any,)
-        return [from_jsonable(item, v) for v in data]
-    if origin is tuple:
-        args = typing.get_args(tp)
-        if len(args) == 2 and args[1] is Ellipsis:
-            return tuple(from_jsonable(args[0], v) for v in data)
-        return tuple(from_jsonable(a, v) for a, v in zip(args, data, strict=False))
-    if origin is dict or tp is dict:
-        key_t, value_t = typing.get_args(tp) or (Any, Any)
-        return {from_jsonable(key_t, k): from_jsonable(value_t, v) for k, v in data.items()}
-    if tp is datetime:
-        if not isinstance(data, str):
-            raise TypeError("datetime")
-        return datetime.fromisoformat(data)
-    if tp is timedelta:
-        return timedelta(seconds=float(data))
-    if isinstance(tp, type) and issubclass(tp, enum.Enum):
-        return tp(data)
-    if tp is float and isinstance(data, int):
-        return float(data)
-    if isinstance(tp, type) and tp in (int, str, bool, float) and not isinstance(data, tp):
-        raise TypeError(f"expected {tp.__name__}")
-    return data
 
 
 # -- the HTTP client -------------------------------------------------------------------
@@ -155,18 +110,14 @@ class ServerClient:
         status = response.status_code
         if status == 401:
             raise PermissionDenied(f"server {self.url} refused the token ({message}): check CACHECTL_TOKEN")
-        if name in _ERRORS:
-            raise _ERRORS[name](message)
-        if status == 403:
-            raise PermissionDenied(message)
-        if status == 404:
-            raise NotFound(message)
-        if status in (400, 413, 422):
-            raise BadInput(message)
-        if status == 409:
-            raise OperationFailed(message)
-        if status in (502, 503, 504):
+        error = error_named(name)
+        if error is not None:
+            raise error(message)
+        error = error_for_status(status)
+        if error is Unreachable:
             raise Unreachable(f"server {self.url}: {message}")
+        if error is not None:
+            raise error(message)
         raise OperationFailed(f"server {self.url} failed: {message}")
 
     def get(self, path: str, **params: Any) -> Any:
@@ -175,30 +126,20 @@ class ServerClient:
     # -- caches, environments, entries ---------------------------------------------
 
     def list_caches(self) -> list[Any]:
-        from cachectl.index.records import CacheInfo
-
         return from_jsonable(list[CacheInfo], _without_redacted(self.get(f"{API}/caches")))
 
     def get_cache(self, name: str) -> Any:
-        from cachectl.index.records import CacheInfo
-
         return from_jsonable(CacheInfo, _without_redacted(self.get(f"{API}/caches/{_seg(name)}")))
 
     def environments(self, cache: str, *, include_deleted: bool = False) -> list[Any]:
-        from cachectl.index.records import EnvironmentInfo
-
         data = self.get(f"{API}/caches/{_seg(cache)}/environments", include_deleted=include_deleted or None)
         return from_jsonable(list[EnvironmentInfo], data)
 
     def environment(self, cache: str, prefix: str) -> Any:
-        from cachectl.index.records import EnvironmentInfo
-
         return from_jsonable(EnvironmentInfo, self.get(f"{API}/caches/{_seg(cache)}/environments/{_seg(prefix)}"))
 
     def iter_entries(self, cache: str, digest: str, **filters: Any) -> Iterator[Any]:
         """Every entry of an environment, page by page."""
-        from cachectl.index.records import EntryInfo
-
         offset = 0
         while True:
             page = self.get(f"{API}/caches/{_seg(cache)}/environments/{digest}/entries",
@@ -232,9 +173,6 @@ class ServerClient:
         return int(data["inserted"]), int(data["updated"])
 
     def upload_entry(self, cache: str, digest: str, key: str, data: bytes) -> Any:
-        from cachectl.entries import sha256
-        from cachectl.index.records import EntryInfo
-
         response = self.request("PUT", f"{API}/caches/{_seg(cache)}/environments/{digest}/entries/{_seg(key)}",
                                 content=data, headers={"content-type": "application/octet-stream",
                                                        "x-cachectl-sha256": sha256(data)})
@@ -245,9 +183,6 @@ class ServerClient:
 
     def upload_executable(self, cache: str, digest: str, key: str, data: bytes) -> Any:
         """PUT an entry's stored executable (``<key>-aot``); the entry must be indexed already."""
-        from cachectl.entries import sha256
-        from cachectl.index.records import EntryInfo
-
         response = self.request(
             "PUT", f"{API}/caches/{_seg(cache)}/environments/{digest}/entries/{_seg(key)}/aot", content=data,
             headers={"content-type": "application/octet-stream", "x-cachectl-sha256": sha256(data)})
@@ -258,8 +193,6 @@ class ServerClient:
 
     def audit(self, cache: str, operation: str, *, entries: int = 0, nbytes: int = 0,
               duration_ms: int | None = None, details: dict[str, Any] | None = None, who: str | None = None) -> None:
-        from cachectl.cli.render import to_jsonable
-
         body = {"operation": operation, "actor": who, "entries": entries, "bytes": nbytes,
                 "duration_ms": duration_ms, "details": to_jsonable(details or {})}
         self.request("POST", f"{API}/caches/{_seg(cache)}/audit", json=body)
@@ -268,11 +201,6 @@ class ServerClient:
 
     def start_warm_run(self, cache: str, digest: str, *, manifest_digest: str, manifest_path: str | None,
                        buckets: int) -> Any:
-        import getpass
-        import socket
-
-        from cachectl.index.warm_runs import WarmRunInfo
-
         try:
             user = getpass.getuser()
         except Exception:  # noqa: BLE001 - no passwd entry in some containers
@@ -283,8 +211,6 @@ class ServerClient:
         return from_jsonable(WarmRunInfo, data)
 
     def update_warm_run(self, cache: str, run_id: int, **body: Any) -> Any:
-        from cachectl.index.warm_runs import WarmRunInfo
-
         data = self.request("PATCH", f"{API}/caches/{_seg(cache)}/warm-runs/{int(run_id)}",
                             json={k: v for k, v in body.items() if v is not None}).json()
         return from_jsonable(WarmRunInfo, data)
@@ -321,7 +247,7 @@ class ServerClient:
         job = self.wait_job(self.start_job(cache, kind, params)["id"])
         if job["status"] == "failed":
             result = job.get("result") or {}
-            error = _ERRORS.get(result.get("error", ""))
+            error = error_named(result.get("error"))
             message = job.get("error") or "job failed"
             if error is not None:
                 raise error(message)
@@ -331,23 +257,14 @@ class ServerClient:
     # -- tokens -------------------------------------------------------------------------
 
     def create_token(self, name: str, role: str, caches: list[str] | None, expires: str | None) -> Any:
-        from cachectl.tokens import CreatedToken
-
         body = {"name": name, "role": role, "caches": caches or None, "expires": expires}
         return from_jsonable(CreatedToken, self.request("POST", f"{API}/tokens", json=body).json())
 
     def list_tokens(self) -> list[Any]:
-        from cachectl.tokens import TokenInfo
-
         return from_jsonable(list[TokenInfo], self.get(f"{API}/tokens"))
 
     def revoke_token(self, name: str) -> Any:
-        from cachectl.tokens import TokenInfo
-
         return from_jsonable(TokenInfo, self.request("DELETE", f"{API}/tokens/{_seg(name)}").json())
-
-
-REDACTED = "<redacted>"
 
 
 def _without_redacted(value: Any) -> Any:
@@ -361,8 +278,6 @@ def _without_redacted(value: Any) -> Any:
 
 def _seg(value: str) -> str:
     """One URL path segment: '/' and friends are escaped, so nothing can climb the path."""
-    from urllib.parse import quote
-
     return quote(str(value), safe="")
 
 
@@ -417,7 +332,6 @@ class RemoteIndex:
     take only an id (list_entries, upsert_entries) find their URL.
     """
 
-    is_remote = True
     dialect = "remote"
 
     def __init__(self, client: ServerClient) -> None:
@@ -473,9 +387,8 @@ class RemoteIndex:
 
     def find_environment(self, cache: str, prefix: str, *, include_deleted: bool = False) -> Any:
         if include_deleted:
-            from cachectl.index import Index
-
-            return Index.find_environment(self, cache, prefix, include_deleted=True)  # type: ignore[arg-type]
+            return pick_environment(cache, prefix,
+                                    lambda: self.environment_stats(cache, include_deleted=True))
         env = self.client.environment(cache, prefix)
         self._remember([env])
         return env
@@ -483,8 +396,6 @@ class RemoteIndex:
     get_environment = find_environment
 
     def ensure_environment(self, cache: str, env: Any) -> Any:
-        from cachectl.index.records import EnvironmentInfo
-
         data = self.client.resolve(cache, env, create=True)
         if not data.get("environment"):
             raise PermissionDenied(f"the server did not create environment {env.digest[:16]} in cache {cache!r}: "
@@ -528,7 +439,7 @@ class RemoteIndex:
     def record_hits(self, *_args: Any, **_kwargs: Any) -> int:
         raise self.unsupported("recording hits directly (telemetry goes to POST /api/v1/telemetry)")
 
-    # warm runs (cachectl.index.warm_runs dispatches here for a remote index)
+    # warm runs
     def start_warm_run(self, environment_id: int, *, manifest_digest: str, manifest_path: str | None,
                        buckets: int) -> Any:
         cache, digest = self._env(environment_id)
@@ -557,8 +468,6 @@ class RemoteIndex:
               duration_ms: int | None = None, details: dict[str, Any] | None = None, who: str | None = None) -> None:
         if cache is None:
             return
-        from cachectl.index import actor
-
         self.client.audit(cache, operation, entries=entries, nbytes=nbytes, duration_ms=duration_ms,
                           details=details, who=who or actor())
 
@@ -584,29 +493,23 @@ def remote_index_for_service(settings: Any) -> RemoteIndex:
     return RemoteIndex(service_client(settings))
 
 
+def open_for_service(settings: Any) -> tuple[RemoteIndex, CacheInfo]:
+    """Server mode for activate(): the server's index and this cache's policy."""
+    remote = remote_index_for_service(settings)
+    try:
+        return remote, remote.get_cache(settings.cache)
+    except Exception:
+        remote.close()
+        raise
+
+
+def server_sink(settings: Any) -> ServerSink:
+    """Server mode for activate(): telemetry batches go to POST /api/v1/telemetry."""
+    return ServerSink(service_client(settings))
+
+
 def client_from_settings(settings: Any) -> ServerClient | None:
     """The client for CACHECTL_SERVER / CACHECTL_TOKEN, or None in direct mode."""
     if not getattr(settings, "server", None):
         return None
     return ServerClient(settings.server, settings.token)
-
-
-# -- server-mode dispatch for commands that run as jobs -----------------------------------
-
-
-def run_lifecycle(ctx: Any, kind: str, params: dict[str, Any]) -> Any:
-    """prune/gc/verify as a server job on ctx's cache; returns the library's own result type."""
-    from cachectl.lifecycle.gc import GcResult
-    from cachectl.lifecycle.plan import LifecycleResult
-    from cachectl.lifecycle.verify import VerifyResult
-
-    result_type = {"prune": LifecycleResult, "gc": GcResult, "verify": VerifyResult}[kind]
-    body = {k: v for k, v in params.items() if v is not None and v is not False}
-    return ctx.remote.run_job(ctx.settings.cache, kind, body, result_type)
-
-
-def telemetry_stats(ctx: Any, cache: str, since: str) -> Any:
-    """`cachectl stats --since` in server mode."""
-    from cachectl.index.telemetry_queries import TelemetryStats
-
-    return from_jsonable(TelemetryStats, ctx.remote.get(f"{API}/caches/{_seg(cache)}/telemetry", since=since))

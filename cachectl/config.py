@@ -12,6 +12,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+import platformdirs
+
 from cachectl.errors import BadInput
 
 if sys.version_info >= (3, 11):
@@ -24,22 +26,18 @@ ENV_PREFIX = "CACHECTL_"
 _FILE_KEYS = {"db", "cache", "server", "token_file", "root", "readonly", "default_root"}
 
 
-def _xdg(var: str, fallback: str) -> Path:
-    value = os.environ.get(var)
-    return Path(value) if value else Path.home() / fallback
-
-
+# The XDG base directories (XDG_DATA_HOME, XDG_CACHE_HOME, XDG_CONFIG_HOME), read at each call.
 def data_dir() -> Path:
-    return _xdg("XDG_DATA_HOME", ".local/share") / "cachectl"
+    return Path(platformdirs.user_data_dir("cachectl", appauthor=False))
 
 
 def cache_dir() -> Path:
-    return _xdg("XDG_CACHE_HOME", ".cache") / "cachectl"
+    return Path(platformdirs.user_cache_dir("cachectl", appauthor=False))
 
 
 def config_path() -> Path:
     explicit = os.environ.get(ENV_PREFIX + "CONFIG")
-    return Path(explicit) if explicit else _xdg("XDG_CONFIG_HOME", ".config") / "cachectl" / "config.toml"
+    return Path(explicit) if explicit else Path(platformdirs.user_config_dir("cachectl", appauthor=False)) / "config.toml"
 
 
 @dataclass(frozen=True)
@@ -58,15 +56,28 @@ class Settings:
         return replace(self, **{k: v for k, v in overrides.items() if v is not None})
 
 
-def _parse_bool(name: str, value: Any) -> bool:
+TRUE_WORDS = ("1", "true", "yes", "on")
+FALSE_WORDS = ("0", "false", "no", "off")
+
+
+def parse_bool(name: str, value: Any) -> bool:
+    """The one boolean parser for settings (CLI, service and server): empty is false."""
     if isinstance(value, bool):
         return value
     text = str(value).strip().lower()
-    if text in ("1", "true", "yes", "on"):
+    if text in TRUE_WORDS:
         return True
-    if text in ("0", "false", "no", "off", ""):
+    if text in FALSE_WORDS or text == "":
         return False
     raise BadInput(f"bad boolean {value!r} for {name}: use true or false")
+
+
+def env_flag(name: str) -> bool | None:
+    """A boolean environment variable; None when it is unset or empty."""
+    value = os.environ.get(name)
+    if value is None or value == "":
+        return None
+    return parse_bool(name, value)
 
 
 def _read_file(path: Path) -> dict[str, Any]:
@@ -116,6 +127,6 @@ def load_settings(*, db: str | None = None, cache: str | None = None, server: st
         root=pick("root", root),
         server=pick("server", server),
         token=token_value,
-        readonly=None if ro is None else _parse_bool("CACHECTL_READONLY", ro),
+        readonly=None if ro is None else parse_bool("CACHECTL_READONLY", ro),
         config_file=str(path) if file_values else None,
     )

@@ -5,9 +5,12 @@ from __future__ import annotations
 from functools import cached_property
 from typing import TYPE_CHECKING
 
+from cachectl.backend import open_backend
+from cachectl.client import client_from_settings
 from cachectl.config import DEFAULT_CACHE, Settings, load_settings
 from cachectl.fingerprint import Environment, current_environment
-from cachectl.index import CacheInfo, EnvironmentInfo, Index, open_index
+from cachectl.index import CacheInfo, EnvironmentInfo
+from cachectl.index.backend import IndexBackend
 from cachectl.namespace import Namespace, ensure_namespace, namespace_of
 from cachectl.store import Store, normalize_url
 
@@ -18,24 +21,24 @@ if TYPE_CHECKING:
 class Context:
     """Opens the index lazily, so commands that need none never touch it."""
 
-    def __init__(self, settings: Settings | None = None) -> None:
+    def __init__(self, settings: Settings | None = None, *, index: IndexBackend | None = None) -> None:
+        """``index``: a backend the caller owns (the server passes its own): direct mode, never closed here."""
         self.settings = settings or load_settings()
+        self._given = index
 
     @cached_property
     def remote(self) -> ServerClient | None:
         """The cachectl server's client when CACHECTL_SERVER is set (server mode), else None."""
-        from cachectl.client import client_from_settings
-
+        if self._given is not None:
+            return None
         return client_from_settings(self.settings)
 
     @cached_property
-    def index(self) -> Index:
-        if self.remote is not None:
-            # Server mode: reads and warm registration go over HTTP (cachectl.client).
-            from cachectl.client import RemoteIndex
-
-            return RemoteIndex(self.remote)  # type: ignore[return-value]
-        return open_index(self.settings.db)
+    def index(self) -> IndexBackend:
+        """The SQL index, or in server mode the server's (cachectl.backend.open_backend)."""
+        if self._given is not None:
+            return self._given
+        return open_backend(self.settings, client=self.remote)
 
     def cache(self, name: str | None = None) -> CacheInfo:
         """A cache by name; the embedded ``default`` is created on first use."""
@@ -63,7 +66,7 @@ class Context:
         return ns, info
 
     def close(self) -> None:
-        if "index" in self.__dict__:
+        if "index" in self.__dict__ and self._given is None:
             self.index.close()
         if self.__dict__.get("remote") is not None:
             self.remote.close()

@@ -30,17 +30,25 @@ from typing import Any
 import numpy as np
 
 from cachectl import aot
+from cachectl import telemetry as telemetry_mod
+from cachectl.config import load_settings
 from cachectl.entries import AOT_SUFFIX, CACHE_SUFFIX, CorruptEntry, parse_aot_filename
 from cachectl.manifest import (
     Bucket,
     FunctionSpec,
     Manifest,
+    _dtype,
     check_imports,
     expand,
+    is_jitted,
     jit_options,
     load_manifest,
     resolve_callable,
 )
+from cachectl.runtime import activate, open_service_index
+from cachectl.signing import Untrusted, check_covered
+from cachectl.store import Store
+from cachectl.telemetry import ServingCounts
 
 log = logging.getLogger(__name__)
 
@@ -131,8 +139,6 @@ class _ArgPlan:
 
 
 def _arg_plans(spec: FunctionSpec) -> list[_ArgPlan]:
-    from cachectl.manifest import _dtype
-
     plans = []
     for arg in spec.args:
         if arg.kind == "array":
@@ -349,8 +355,6 @@ class ServedFunction:
         if self._jitted is None:
             import jax
 
-            from cachectl.manifest import is_jitted
-
             self._jitted = self._fn if is_jitted(self._fn) else jax.jit(self._fn, **self._jit_options)
         return self._jitted
 
@@ -407,8 +411,6 @@ class ServedFunction:
 
     def take_counts(self) -> Any:
         """What changed since the last take, for telemetry (cachectl.telemetry.ServingCounts)."""
-        from cachectl.telemetry import ServingCounts
-
         with self._lock:
             now = (self.calls, self.aot, self.fallback, self.out_of_bucket, self.padded)
             delta = [a - b for a, b in zip(now, self._taken, strict=True)]
@@ -591,8 +593,6 @@ def serving(manifest: str | Path, *, cache: str | None = None, readonly: bool = 
     ``mirror=DIR`` serves from a local mirror that activate() pulls first
     (entries and executables, verified against the index).
     """
-    from cachectl.runtime import activate
-
     if overflow not in OVERFLOW_MODES:
         raise ValueError(f"overflow must be one of {', '.join(OVERFLOW_MODES)}, got {overflow!r}")
     spec = load_manifest(manifest)
@@ -605,8 +605,6 @@ def serving(manifest: str | Path, *, cache: str | None = None, readonly: bool = 
     on_load = None
     collector = None
     if telemetry:
-        from cachectl import telemetry as telemetry_mod
-
         collector = telemetry_mod.current()
         on_load = collector.record_load if collector is not None else None
     rt = Serving(spec, namespace=activation.path, read=read, names=names, indexed=indexed,
@@ -620,8 +618,6 @@ def serving(manifest: str | Path, *, cache: str | None = None, readonly: bool = 
 def _namespace_reader(activation: Any, db: str | None, warnings: list[str]
                       ) -> tuple[Callable[[str], bytes], list[str], dict[str, tuple[str, str | None]] | None]:
     """Read files of the activated namespace, list its executables, and the index's sha256s."""
-    from cachectl.store import Store
-
     def unreadable(name: str) -> bytes:
         raise FileNotFoundError(name)
 
@@ -641,18 +637,14 @@ def _namespace_reader(activation: Any, db: str | None, warnings: list[str]
 
 def _index_shas(activation: Any, db: str | None, warnings: list[str]) -> dict[str, tuple[str, str | None]] | None:
     """key -> (entry sha256, executable sha256) from the index, or None when it is unreachable."""
-    from cachectl.config import load_settings
-    from cachectl.runtime import _open_index
 
     problems: list[str] = []
     settings = load_settings(db=db, cache=activation.cache)
-    index, _ = _open_index(settings, problems)
+    index, _ = open_service_index(settings, problems)
     if index is None:
         warnings.append("cachectl.serving: stored executables not checked against the index ("
                         + "; ".join(problems) + ")")
         return None
-    from cachectl.signing import Untrusted, check_covered
-
     try:
         env = index.find_environment(activation.cache, activation.digest)
         # A cache with trusted keys: refuse a namespace no trusted key signed (raises Untrusted).

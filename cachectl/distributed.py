@@ -27,8 +27,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from cachectl import warm as warm_mod
 from cachectl.context import Context
+from cachectl.entries import CACHE_SUFFIX, CorruptEntry, parse_key, read_header, sha256
 from cachectl.errors import BadInput, CachectlError, EnvironmentMismatch
+from cachectl.index import NewEntry
 from cachectl.manifest import manifest_digest
 
 WRITER = 0
@@ -158,8 +161,6 @@ def warm(ctx: Context, manifest_path: str | Path, *, cache: str | None = None, j
          shard: tuple[int, int] | None = None, paths: Sequence[str] = (), fail_fast: bool = False,
          dry_run: bool = False, executables: bool = True, progress: Any = None) -> DistributedWarmReport:
     """The collective warm: every process of the job calls this with the same arguments."""
-    from cachectl import warm as warm_mod
-
     me = join()
     _SEQUENCE[0] += 1
     started = time.perf_counter()
@@ -198,8 +199,6 @@ def _store_peer_entries(ctx: Context, plan: Any, me: ProcessInfo, run_id: int | 
     write them, and process 1 of a service would always miss. Each such entry is sent
     here through the job's key-value store and stored once.
     """
-    from cachectl.entries import CACHE_SUFFIX, CorruptEntry, parse_key, read_header, sha256
-    from cachectl.index import NewEntry
 
     views = _exchange("peer", me, {"entries": []})
     client = _client()
@@ -250,8 +249,6 @@ def _publish_error(tag: str, me: ProcessInfo, exc: BaseException) -> None:
 def _follow(ctx: Context, plan: Any, me: ProcessInfo, started: float) -> Any:
     """A process other than 0: compile every bucket as the job does, hand process 0 the entries
     only this process's key names, and report with process 0's results."""
-    from cachectl import warm as warm_mod
-    from cachectl.entries import sha256
 
     store = ctx.store(plan.cache)
     ns_url = store.url_for(plan.environment.namespace)

@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from cachectl.config import TRUE_WORDS
 from cachectl.context import Context
 from cachectl.entries import ATIME_SUFFIX, Kind, classify
 from cachectl.errors import CachectlError, Unreachable
@@ -156,7 +157,7 @@ def nearest(here: Environment, candidates: list[EnvironmentInfo]) -> tuple[Envir
 
 
 def _truthy(value: str | None) -> bool:
-    return str(value).strip().lower() in ("1", "true", "yes", "on")
+    return str(value).strip().lower() in TRUE_WORDS
 
 
 def check_process_config(environ: Mapping[str, str], jax_config: Mapping[str, Any],

@@ -2,6 +2,11 @@
 
 Exit codes are a contract (DESIGN.md §4): 1 the operation found or hit problems,
 2 bad input, 3 hardware or environment mismatch, 4 permission denied.
+
+``ERRORS`` is the one table from an error class to its exit code (the CLI group,
+cachectl.cli.CachectlGroup) and its HTTP status (the server's exception handler); the
+HTTP client reads it backwards (``error_for``), so an error raised on the server
+leaves the CLI with the same message and exit code as in direct mode.
 """
 
 from __future__ import annotations
@@ -42,6 +47,13 @@ class OperationFailed(CachectlError):
     exit_code = 1
 
 
+class ProblemsReported(OperationFailed):
+    """The command has printed its problems (a report, a findings line): exit 1 with no further line."""
+
+    def __init__(self, message: str = "") -> None:
+        super().__init__(message)
+
+
 class EnvironmentMismatch(CachectlError):
     """This machine is not the hardware or environment the operation targets."""
 
@@ -60,3 +72,47 @@ class QuotaExceeded(BadInput):
 
 class EntryConflict(OperationFailed):
     """An entry already recorded with other bytes under the same key (HTTP 409)."""
+
+
+# error class -> (CLI exit code, HTTP status). The most derived class listed wins.
+ERRORS: dict[type[CachectlError], tuple[int, int]] = {
+    BadInput: (2, 400),
+    NotFound: (2, 404),
+    Unreachable: (2, 503),
+    QuotaExceeded: (2, 413),
+    OperationFailed: (1, 409),
+    ProblemsReported: (1, 409),
+    EntryConflict: (1, 409),
+    EnvironmentMismatch: (3, 409),
+    PermissionDenied: (4, 403),
+}
+for _cls, (_code, _status) in ERRORS.items():
+    _cls.exit_code = _code
+# Names the server may send in "error" that are not classes here (the lease module's LeaseHeld).
+_ALIASES: dict[str, type[CachectlError]] = {"LeaseHeld": OperationFailed}
+# What a status means when the body names no error we know (HTTP 422 is FastAPI's validation error).
+_STATUS_ERRORS: dict[int, type[CachectlError]] = {
+    400: BadInput, 413: BadInput, 422: BadInput, 403: PermissionDenied, 404: NotFound, 409: OperationFailed,
+    502: Unreachable, 503: Unreachable, 504: Unreachable,
+}
+
+
+def http_status(exc: CachectlError) -> int:
+    """The HTTP status the server answers a library error with (500 for one not in the table)."""
+    for cls in type(exc).__mro__:
+        entry = ERRORS.get(cls)
+        if entry is not None:
+            return entry[1]
+    return 500
+
+
+def error_named(name: str | None) -> type[CachectlError] | None:
+    """The error class the server named in its answer's "error" field, if it is one of ours."""
+    if not name:
+        return None
+    return _ALIASES.get(name) or next((cls for cls in ERRORS if cls.__name__ == name), None)
+
+
+def error_for_status(status: int) -> type[CachectlError] | None:
+    """The error class an HTTP status stands for when the answer names none."""
+    return _STATUS_ERRORS.get(status)

@@ -17,6 +17,8 @@ import sys
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
+from cachectl.errors import BadInput
+
 # Config that cachectl forces on every managed process (activate, warm, env).
 # enable_xla_caches=none keeps keys independent of the cache path (fact 1);
 # max_size=-1 avoids JAX's O(entries) eviction on every write (fact 2).
@@ -211,8 +213,6 @@ def check_version(name: str, value: str) -> None:
     """BadInput unless ``value`` is a PEP 440 version, as every real jax and jaxlib reports:
     prune compares versions, so a made-up string must never be recorded as one."""
     from packaging.version import InvalidVersion, Version
-
-    from cachectl.errors import BadInput
 
     try:
         Version(value)

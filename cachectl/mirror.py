@@ -50,6 +50,7 @@ from cachectl.fingerprint import Environment
 from cachectl.index import CacheInfo, Index, NewEntry
 from cachectl.namespace import ensure_namespace
 from cachectl.permissions import check_writer
+from cachectl.signing import check_covered
 from cachectl.store import NotRegularFile, Store
 
 DEFAULT_WORKERS = 8
@@ -231,8 +232,6 @@ def pull_namespace(index: Index, cache: CacheInfo, env: Environment, dest: str |
             f"environment {env.digest[:16]} is not in cache {cache.name!r}, so there is nothing "
             "verified to pull: warm it here first, or run `cachectl doctor` to see why it differs"
         ) from exc
-    from cachectl.signing import check_covered
-
     check_covered(index, cache, info)  # with trusted keys: only what a trusted key signed
     expected = index.entry_keys(info.id)
     expected_aot = {k: v for k, v in index.aot_keys(info.id).items() if k in expected}

@@ -23,9 +23,12 @@ from sqlalchemy import select
 
 from cachectl import jax_signatures
 from cachectl.errors import BadInput
-from cachectl.index.models import Cache, WarmRun
+from cachectl.index.models import Cache, WarmRun, utcnow
 from cachectl.index.models import Environment as EnvRow
 from cachectl.index.telemetry_queries import SignatureRow, signature_usage
+from cachectl.manifest import build_call, expand, jit_function, load_manifest
+from cachectl.telemetry import _SignatureTap
+from cachectl.warm import _persistent_cache_off
 
 EXPLOSION = 8  # distinct values of one dimension among a function's misses: bucket it
 
@@ -124,8 +127,6 @@ class _Capture:
 
 @contextlib.contextmanager
 def _capturing() -> Iterator[_Capture]:
-    from cachectl.telemetry import _SignatureTap
-
     capture = _Capture()
     tap = _SignatureTap(capture, jax_signatures.pxla_logger())  # type: ignore[arg-type]
     tap.install()
@@ -182,8 +183,6 @@ def _statics(spec: Any, bucket_values: dict[str, Any], names: list[str]) -> dict
 def expected_signatures(manifest_path: str | Path, *, function: str | None = None
                         ) -> list[ExpectedSignature]:
     """Lower every bucket of the manifest (no compile) and record its signature."""
-    from cachectl.manifest import build_call, expand, jit_function, load_manifest
-    from cachectl.warm import _persistent_cache_off
 
     manifest = load_manifest(manifest_path)
     paths = [str(Path(manifest.path).parent)]
@@ -403,8 +402,6 @@ def misses(ctx: Any, *, since: timedelta, function: str | None = None, manifest:
            cache: str | None = None) -> MissesReport:
     """Every missed signature in ``cache`` over the window, explained against the manifest."""
     info = ctx.cache(cache)
-    from cachectl.index.models import utcnow
-
     rows = signature_usage(ctx.index, info.name, since, function=None)
     if manifest is None:
         manifest = warmed_manifest(ctx.index, info.name)

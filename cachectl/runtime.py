@@ -11,10 +11,10 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from cachectl import telemetry
 from cachectl.config import DEFAULT_CACHE, load_settings
 from cachectl.errors import BadInput, CachectlError, Unreachable
 from cachectl.fingerprint import MANAGED_JAX_CONFIG, Environment, current_environment
@@ -146,63 +146,27 @@ def _fail_fast_object_store(root_url: str) -> None:
     conf.setdefault("config_kwargs", dict(_FAIL_FAST_S3))
 
 
-def _quick_index(url: str) -> Index:
-    """The index without Alembic's schema check (importing Alembic alone costs ~0.5 s at start)."""
-    from cachectl.index import Index
-    from cachectl.index.db import make_engine
+def _index_side(settings: Any) -> Any:
+    """Where this service's index lives, imported on first use: cachectl.client in server mode
+    (CACHECTL_SERVER), else cachectl.service_index (SQLAlchemy). A plain activate() imports neither."""
+    if settings.server:
+        from cachectl import client
 
-    return Index(make_engine(url))
-
-
-def _missing_schema(exc: Exception) -> bool:
-    text = str(exc).lower()
-    return "no such table" in text or "undefinedtable" in text or ("does not exist" in text and "relation" in text)
+        return client
+    return _sql_side()
 
 
-def index_with(url: str, first: Callable[[Index], T]) -> tuple[Index, T]:
-    """Open the index cheaply and run ``first`` on it; migrate a schema-less SQLite file once.
+def _sql_side() -> Any:
+    """cachectl.service_index: the SQL index, the mirror pull (both need SQLAlchemy)."""
+    from cachectl import service_index
 
-    The caller owns (and closes) the returned index.
-    """
-    index = _quick_index(url)
+    return service_index
+
+
+def open_service_index(settings: Any, problems: list[str]) -> tuple[Index | None, CacheInfo | None]:
+    """The index and this cache's policy; a failure becomes one problem line."""
     try:
-        return index, first(index)
-    except Exception as exc:
-        index.close()
-        if not _missing_schema(exc):
-            raise
-    from cachectl.index import open_index
-
-    index = open_index(url)  # a new SQLite file: create the schema, then retry
-    try:
-        return index, first(index)
-    except Exception:
-        index.close()
-        raise
-
-
-def _open_index(settings: Any, problems: list[str]) -> tuple[Index | None, CacheInfo | None]:
-    """The index and this cache's policy; a failure becomes one problem line.
-
-    A service only reads its cache's row and records its environment, so the
-    schema is checked (and an SQLite file migrated) only when a table is missing.
-    """
-    try:
-        if settings.server:  # server mode (CACHECTL_SERVER): the index is behind the HTTP API
-            from cachectl.client import remote_index_for_service
-
-            remote = remote_index_for_service(settings)
-            try:
-                return remote, remote.get_cache(settings.cache)  # type: ignore[return-value]
-            except Exception:
-                remote.close()
-                raise
-        if settings.cache == DEFAULT_CACHE:
-            root = normalize_url(settings.default_root)
-            index, info = index_with(settings.db, lambda i: i.ensure_cache(settings.cache, root))
-        else:
-            index, info = index_with(settings.db, lambda i: i.get_cache(settings.cache))
-        return index, info
+        return _index_side(settings).open_for_service(settings)
     except Unreachable as exc:
         problems.append(f"index unavailable ({exc.message})")
     except CachectlError as exc:
@@ -210,6 +174,11 @@ def _open_index(settings: Any, problems: list[str]) -> tuple[Index | None, Cache
     except Exception as exc:  # noqa: BLE001 - a service must start anyway
         problems.append(f"index unavailable ({type(exc).__name__}: {exc})".splitlines()[0])
     return None, None
+
+
+def _record_environment(settings: Any, env: Environment) -> None:
+    """Record this environment in the SQL index, from a background thread (see activate)."""
+    _sql_side().record_environment(settings.db, settings.cache, env, _default_root(settings))
 
 
 def activate(cache: str | None = None, *, root: str | None = None, readonly: bool | None = None,
@@ -242,7 +211,7 @@ def activate(cache: str | None = None, *, root: str | None = None, readonly: boo
     # start, so skip it (and the SQLAlchemy import, ~40% of JAX's own import
     # time); the environment is recorded from a background thread instead.
     deferred = settings.root is not None and settings.readonly is not None and mirror is None
-    index, cache_info = (None, None) if deferred else _open_index(settings, problems)
+    index, cache_info = (None, None) if deferred else open_service_index(settings, problems)
 
     root_url = settings.root or (cache_info.root_url if cache_info else None)
     if root_url is None and cache_name == DEFAULT_CACHE:
@@ -293,7 +262,7 @@ def activate(cache: str | None = None, *, root: str | None = None, readonly: boo
     pulled = None
     if mirror is not None:
         # The object-store client is built only if the mirror lacks something.
-        pulled = _prepare_mirror(index, cache_info, env, lambda: Store(root_url, options), path, problems)
+        pulled = _sql_side().prepare_mirror(index, cache_info, env, lambda: Store(root_url, options), path, problems)
     elif not ro and store is not None:
         _prepare_namespace(root_url, fail_fast_options(root_url, options), env, cache_info, problems)
 
@@ -314,7 +283,7 @@ def activate(cache: str | None = None, *, root: str | None = None, readonly: boo
     if telemetry:
         target = _start_telemetry(settings, cache_name, env, problems)
     elif deferred and not settings.server:
-        threading.Thread(target=_record_environment, args=(settings.db, cache_name, env, _default_root(settings)),
+        threading.Thread(target=_record_environment, args=(settings, env),
                          name="cachectl-record-env", daemon=True).start()
     if index is not None:
         index.close()
@@ -339,39 +308,6 @@ def _prepare_namespace(root_url: str, options: dict[str, Any], env: Environment,
         problems.append(f"could not prepare namespace {root_url}/{env.namespace} ({message})")
 
 
-def _prepare_mirror(index: Index | None, cache_info: CacheInfo | None, env: Environment,
-                    store: Callable[[], Store], directory: str, problems: list[str]) -> PullResult | None:
-    """Pull verified entries into the mirror; on any failure keep what the mirror holds."""
-    from cachectl.mirror import prepare_mirror_dir, pull_namespace
-
-    def keep_local(reason: str) -> None:
-        problems.append(f"mirror {directory} not refreshed ({reason})")
-        try:
-            prepare_mirror_dir(directory, env)
-        except Exception as exc:  # noqa: BLE001
-            problems.append(f"mirror {directory} unusable ({exc})")
-
-    if index is None or cache_info is None:
-        keep_local("the index is needed to verify entries")
-        return None
-    try:
-        result = pull_namespace(index, cache_info, env, directory, store=store, skip_storage_if_complete=True)
-    except CachectlError as exc:
-        keep_local(exc.message)
-        return None
-    except Exception as exc:  # noqa: BLE001 - bucket down: serve from what is local
-        keep_local(f"{type(exc).__name__}: {exc}".splitlines()[0][:300])
-        return None
-    if result.refused:
-        problems.append(f"mirror {directory}: refused {len(result.refused)} entr"
-                        f"{'y' if len(result.refused) == 1 else 'ies'} that did not match the index "
-                        f"(e.g. {result.refused[0].key}: {result.refused[0].reason}); see `cachectl pull`")
-    if result.failed:
-        problems.append(f"mirror {directory}: {len(result.failed)} entries failed to copy "
-                        f"({result.failed[0].reason})")
-    return result
-
-
 def _default_root(settings: Any) -> str | None:
     """Where the embedded default cache is created if the index has none yet."""
     if settings.cache != DEFAULT_CACHE:
@@ -382,28 +318,11 @@ def _default_root(settings: Any) -> str | None:
         return None
 
 
-def _record_environment(db_url: str, cache_name: str, env: Environment, create_cache_at: str | None) -> None:
-    """Record this environment in the index, off the start path; failures only logged."""
-    def record(index: Index) -> None:
-        if create_cache_at:
-            index.ensure_cache(cache_name, create_cache_at)
-        index.ensure_environment(cache_name, env)
-
-    try:
-        index, _ = index_with(db_url, record)
-        index.close()
-    except Exception as exc:  # noqa: BLE001 - best effort
-        log.debug("cachectl: could not record environment %s: %s", env.digest[:16], exc)
-
-
 def _start_telemetry(settings: Any, cache_name: str, env: Environment, problems: list[str]) -> str | None:
     try:
-        from cachectl import telemetry
-
+        sink: telemetry.TelemetrySink
         if settings.server:  # server mode: batches go to POST /api/v1/telemetry
-            from cachectl.client import ServerSink, service_client
-
-            sink = ServerSink(service_client(settings))
+            sink = _index_side(settings).server_sink(settings)
         else:
             sink = telemetry.IndexSink(settings.db, cache_name, env, create_cache_at=_default_root(settings))
         telemetry.start(cache=cache_name, environment=env, sink=sink)

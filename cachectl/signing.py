@@ -27,7 +27,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from cachectl.errors import BadInput, CachectlError
+from cachectl.errors import BadInput, CachectlError, PermissionDenied
 
 PREFIX = "ed25519:"
 CONTENT_FORMAT = "cachectl-content/1"
@@ -253,8 +253,6 @@ def trusted_files(index: Any, cache: Any, env_info: Any) -> dict[str, tuple[int,
 
 def require_signer(cache: Any, key: SigningKey | None, operation: str) -> None:
     """Writers of a cache that trusts keys must sign with one of them (exit 4 otherwise)."""
-    from cachectl.errors import PermissionDenied
-
     trusted = tuple(getattr(cache, "trusted_keys", ()) or ())
     if not trusted:
         return

@@ -20,9 +20,8 @@ from sqlalchemy import select, update
 from cachectl.errors import BadInput, CachectlError, NotFound
 from cachectl.index import Index
 from cachectl.index.models import Token, utcnow
+from cachectl.index.records import ROLE_RANK, ROLES, CreatedToken, TokenInfo  # noqa: F401 - re-exported
 
-ROLES = ("reader", "writer", "admin")
-ROLE_RANK = {role: rank for rank, role in enumerate(ROLES)}
 TOKEN_PREFIX = "cct_"
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.@-]{0,127}$")
 # Refresh last_used_at at most this often: a write per request would make
@@ -32,36 +31,6 @@ _LAST_USED_GRANULARITY = timedelta(minutes=1)
 
 class InvalidToken(Exception):
     """Unknown, expired or revoked: the server answers 401 without saying which."""
-
-
-@dataclass(frozen=True)
-class TokenInfo:
-    """A token as listed: everything except the secret, which is never kept."""
-
-    id: int
-    name: str
-    role: str
-    caches: tuple[str, ...] | None
-    created_at: datetime | None
-    expires_at: datetime | None
-    revoked_at: datetime | None
-    last_used_at: datetime | None
-
-    @property
-    def active(self) -> bool:
-        return self.revoked_at is None and (self.expires_at is None or self.expires_at > utcnow())
-
-    def allows(self, role: str, cache: str | None = None) -> bool:
-        """Role at least ``role``, and ``cache`` inside the token's scope (if scoped)."""
-        if ROLE_RANK[self.role] < ROLE_RANK[role]:
-            return False
-        return cache is None or self.caches is None or cache in self.caches
-
-
-@dataclass(frozen=True)
-class CreatedToken:
-    info: TokenInfo
-    token: str
 
 
 def hash_token(token: str) -> str:

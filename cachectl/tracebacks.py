@@ -14,6 +14,8 @@ import sysconfig
 import traceback
 from pathlib import Path
 
+from cachectl.errors import CachectlError
+
 _CACHECTL_DIR = str(Path(__file__).resolve().parent) + os.sep
 
 
@@ -43,8 +45,6 @@ def _origin(exc: BaseException) -> BaseException:
 
 
 def _is_rewrap(exc: BaseException) -> bool:
-    from cachectl.errors import CachectlError
-
     return isinstance(exc, CachectlError) and (exc.__cause__ or exc.__context__) is not None
 
 

@@ -38,12 +38,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import cachectl
 from cachectl import aot
 from cachectl.context import Context
+from cachectl.dispatch import Serving, _namespace_reader
 from cachectl.entries import AOT_SUFFIX, CACHE_SUFFIX, CorruptEntry, parse_key, read_header, sha256
 from cachectl.errors import BadInput, EnvironmentMismatch, OperationFailed
 from cachectl.fingerprint import Environment, current_environment
-from cachectl.index import CacheInfo, NewEntry
+from cachectl.index import CacheInfo, NewEntry, warm_runs
 from cachectl.manifest import (
     Bucket,
     Manifest,
@@ -53,11 +55,13 @@ from cachectl.manifest import (
     jit_function,
     load_manifest,
     manifest_digest,
+    resolve_callable,
     select_shard,
 )
 from cachectl.permissions import check_writer
 from cachectl.runtime import apply_jax_config, jax_config_for
 from cachectl.tracebacks import format_user_traceback, location
+from cachectl.units import format_size
 
 log = logging.getLogger(__name__)
 
@@ -619,15 +623,13 @@ def _raise_build_problems(plan: WarmPlan) -> None:
 
 def _execute(ctx: Context, plan: WarmPlan, *, jobs: int, fail_fast: bool, executor: str,
              progress: ProgressFn | None, started: float, executables: bool) -> WarmReport:
-    from cachectl.index import warm_runs
-
     env = plan.environment
     ns, env_info = ctx.namespace(plan.cache, env)
     assert env_info is not None
     store = ctx.store(plan.cache)
-    run = warm_runs.start_run(ctx.index, env_info.id, manifest_digest=manifest_digest(plan.manifest_path),
-                              manifest_path=str(Path(plan.manifest_path).resolve()),
-                              buckets=len(plan.buckets))
+    run = ctx.index.start_warm_run(env_info.id, manifest_digest=manifest_digest(plan.manifest_path),
+                                   manifest_path=str(Path(plan.manifest_path).resolve()),
+                                   buckets=len(plan.buckets))
     indexed = ctx.index.entry_keys(env_info.id)
     stored_aot = ctx.index.aot_keys(env_info.id) if executables else None
     digests = _function_digests(plan) if executables else {}
@@ -646,8 +648,8 @@ def _execute(ctx: Context, plan: WarmPlan, *, jobs: int, fail_fast: bool, execut
         return result
 
     def beat() -> None:
-        warm_runs.heartbeat(ctx.index, run.id, compiled=counts.compiled, cached=counts.cached,
-                            failed=counts.failed)
+        ctx.index.heartbeat_warm_run(run.id, compiled=counts.compiled, cached=counts.cached,
+                                     failed=counts.failed)
 
     status = warm_runs.INTERRUPTED
     try:
@@ -659,8 +661,8 @@ def _execute(ctx: Context, plan: WarmPlan, *, jobs: int, fail_fast: bool, execut
                 _run_threads(plan, config, jobs, fail_fast, record, executables)
         status = warm_runs.FAILED if counts.failed else warm_runs.SUCCEEDED
     finally:
-        warm_runs.finish_run(ctx.index, run.id, status, compiled=counts.compiled, cached=counts.cached,
-                             failed=counts.failed)
+        ctx.index.finish_warm_run(run.id, status, compiled=counts.compiled, cached=counts.cached,
+                                  failed=counts.failed)
     ordered = [
         results.get(i) or BucketResult(b.function, dict(b.values), SKIPPED,
                                        error="not attempted: --fail-fast stopped the run after a failure")
@@ -743,8 +745,6 @@ def _settle(ctx: Context, plan: WarmPlan, store: Any, ns_rel: str, env_id: int, 
     limit = plan.cache.max_entry_size
     if limit is not None and size > limit:
         store.delete([rel])
-        from cachectl.units import format_size
-
         return BucketResult(**base, status=TOO_LARGE, key=key, compile_seconds=seconds, bytes=size,
                             error=f"entry is {format_size(size)}, above the max entry size of cache "
                                   f"{plan.cache.name!r} ({format_size(limit)}): removed, not kept")
@@ -797,8 +797,6 @@ def _space_hint(store: Any, ns_rel: str) -> str:
 
 def _function_digests(plan: WarmPlan) -> dict[str, tuple[str, str | None]]:
     """Per function: its manifest entry's and its source file's digests, bound into each executable."""
-    from cachectl.manifest import resolve_callable
-
     out: dict[str, tuple[str, str | None]] = {}
     for spec in plan.manifest.functions:
         try:
@@ -1038,8 +1036,6 @@ def _check_main() -> None:
 
 
 def _check_in_this_process(request: dict[str, Any]) -> dict[str, Any]:
-    import cachectl
-
     manifest = load_manifest(request["manifest"])
     paths = request["paths"]
     check_imports(manifest, paths)
@@ -1078,8 +1074,6 @@ def _check_in_this_process(request: dict[str, Any]) -> dict[str, Any]:
 def _executables_in_this_process(manifest: Manifest, activation: Any, db: str | None,
                                  paths: Sequence[str]) -> dict[tuple[str, str], str | None]:
     """Load every bucket's stored executable as cachectl.serving would (same checks)."""
-    from cachectl.dispatch import Serving, _namespace_reader
-
     warnings: list[str] = []
     read, names, indexed = _namespace_reader(activation, db, warnings)
     rt = Serving(manifest, namespace=activation.path, read=read, names=names, indexed=indexed,

@@ -16,12 +16,12 @@ from starlette.concurrency import run_in_threadpool
 
 from cachectl import inventory, tokens
 from cachectl.caches import looks_secret, set_cache
-from cachectl.cli.render import to_jsonable
-from cachectl.client import REDACTED
 from cachectl.errors import BadInput, NotFound
 from cachectl.index import EnvironmentInfo, warm_runs
 from cachectl.index import server_queries as sq
 from cachectl.index.telemetry_queries import record_telemetry, telemetry_stats
+from cachectl.jsonable import REDACTED, to_jsonable
+from cachectl.lifecycle import prune as prune_lib
 from cachectl.namespace import ensure_namespace
 from cachectl.telemetry import FunctionCounts, ServingCounts, SignatureCounts, TelemetryBatch
 from cachectl.units import parse_duration, parse_size
@@ -324,8 +324,6 @@ def _job_response(request: Request, cache: str, kind: str, params: dict[str, Any
 
 @route(router, "POST", "/caches/{cache}/prune", role="admin", status_code=202, summary="Start a prune job")
 def prune_job(request: Request, cache: CacheName, body: schemas.PruneParams) -> JSONResponse:
-    from cachectl.lifecycle import prune as prune_lib
-
     params = body.model_dump()
     prune_lib.criteria(**{k: v for k, v in params.items() if k != "dry_run"})  # bad selectors: 400 now
     return _job_response(request, cache, "prune", params)

@@ -19,14 +19,9 @@ from starlette.concurrency import run_in_threadpool
 
 from cachectl import __version__
 from cachectl.errors import (
-    BadInput,
     CachectlError,
-    EnvironmentMismatch,
     NotFound,
-    OperationFailed,
-    PermissionDenied,
-    QuotaExceeded,
-    Unreachable,
+    http_status,
 )
 from cachectl.index import open_index
 
@@ -40,23 +35,6 @@ from .metrics import Metrics, MetricsMiddleware
 from .state import ServerState
 
 log = logging.getLogger("cachectl.server")
-
-
-def status_for(exc: CachectlError) -> int:
-    """The HTTP status of a library error (the client maps it back to the same exit code)."""
-    if isinstance(exc, NotFound):
-        return 404
-    if isinstance(exc, Unreachable):
-        return 503
-    if isinstance(exc, QuotaExceeded):
-        return 413
-    if isinstance(exc, BadInput):
-        return 400
-    if isinstance(exc, PermissionDenied):
-        return 403
-    if isinstance(exc, (EnvironmentMismatch, OperationFailed)):
-        return 409
-    return 500
 
 
 def _openapi(app: FastAPI) -> dict[str, Any]:
@@ -117,7 +95,7 @@ def create_app(settings: ServerSettings | str, **overrides: Any) -> FastAPI:
             return JSONResponse({"detail": f"token {token.name!r} (role {token.role}) may not act on cache "
                                            f"{request.path_params.get('cache')!r}: it does not exist (any more)",
                                  "error": "PermissionDenied"}, status_code=403)
-        return JSONResponse({"detail": exc.message, "error": type(exc).__name__}, status_code=status_for(exc))
+        return JSONResponse({"detail": exc.message, "error": type(exc).__name__}, status_code=http_status(exc))
 
     @app.exception_handler(Exception)
     async def unexpected(_request: Request, exc: Exception) -> JSONResponse:

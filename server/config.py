@@ -10,8 +10,7 @@ import os
 from dataclasses import dataclass, replace
 from typing import Any
 
-from cachectl.config import load_settings
-from cachectl.errors import BadInput
+from cachectl.config import env_flag, load_settings
 from cachectl.units import parse_duration, parse_size
 
 DEFAULT_HOST = "127.0.0.1"
@@ -65,16 +64,6 @@ class ServerSettings:
         return replace(self, **{k: v for k, v in overrides.items() if v is not None})
 
 
-def _flag(name: str) -> bool | None:
-    value = os.environ.get(name)
-    if value is None or value == "":
-        return None
-    text = value.strip().lower()
-    if text in ("1", "true", "yes", "on"):
-        return True
-    if text in ("0", "false", "no", "off"):
-        return False
-    raise BadInput(f"bad boolean {value!r} for {name}: use true or false")
 
 
 def parse_interval(text: str | None) -> float | None:
@@ -91,9 +80,9 @@ def load_server_settings(db: str | None = None, **overrides: Any) -> ServerSetti
         db=load_settings(db=db).db,
         maintenance_interval_s=parse_interval(env.get("CACHECTL_SERVER_MAINTENANCE_INTERVAL")),
         maintenance_initial_delay_s=parse_interval(env.get("CACHECTL_SERVER_MAINTENANCE_DELAY")),
-        metrics_public=bool(_flag("CACHECTL_SERVER_METRICS_PUBLIC")),
-        dashboard_public=bool(_flag("CACHECTL_SERVER_DASHBOARD_PUBLIC")),
-        secure_cookies=_flag("CACHECTL_SERVER_SECURE_COOKIES"),
+        metrics_public=bool(env_flag("CACHECTL_SERVER_METRICS_PUBLIC")),
+        dashboard_public=bool(env_flag("CACHECTL_SERVER_DASHBOARD_PUBLIC")),
+        secure_cookies=env_flag("CACHECTL_SERVER_SECURE_COOKIES"),
     )
     if env.get("CACHECTL_SERVER_TELEMETRY_RETENTION"):
         settings = replace(settings, telemetry_retention_s=parse_interval(env["CACHECTL_SERVER_TELEMETRY_RETENTION"]))

@@ -21,12 +21,15 @@ from typing import Any
 from fastapi import HTTPException
 from sqlalchemy import select
 
-from cachectl.cli.render import to_jsonable
 from cachectl.context import Context
 from cachectl.errors import CachectlError
 from cachectl.index import CacheInfo
 from cachectl.index import server_queries as sq
 from cachectl.index.models import Lease, utcnow
+from cachectl.jsonable import to_jsonable
+from cachectl.lifecycle import gc as gc_lib
+from cachectl.lifecycle import prune as prune_lib
+from cachectl.lifecycle import verify as verify_lib
 from cachectl.lifecycle.lease import lease_name
 from cachectl.units import parse_duration
 
@@ -44,8 +47,6 @@ STALE_READONLY = timedelta(hours=6)
 
 
 def _prune(ctx: Context, cache: CacheInfo, params: dict[str, Any]) -> Any:
-    from cachectl.lifecycle import prune as prune_lib
-
     selectors = {k: v for k, v in params.items() if k not in META_PARAMS}
     crit = prune_lib.criteria(**selectors)
     # Scheduled runs never delete the only environment of a hardware group still serving hits.
@@ -54,15 +55,11 @@ def _prune(ctx: Context, cache: CacheInfo, params: dict[str, Any]) -> Any:
 
 
 def _gc(ctx: Context, cache: CacheInfo, params: dict[str, Any]) -> Any:
-    from cachectl.lifecycle import gc as gc_lib
-
     return gc_lib.gc(ctx, cache, policy=params.get("policy") or "lru", max_size=params.get("max_size"),
                      protect_warm=bool(params.get("protect_warm")), dry_run=bool(params.get("dry_run")))
 
 
 def _verify(ctx: Context, cache: CacheInfo, params: dict[str, Any]) -> Any:
-    from cachectl.lifecycle import verify as verify_lib
-
     extra: dict[str, Any] = {}
     min_age = params.get("min_age")
     if min_age is not None:  # as `cachectl verify --min-age` reads it

@@ -36,9 +36,8 @@ class ServerState:
     def __post_init__(self) -> None:
         # One Context shared by every request, so library functions that take a
         # Context use this app's index (engine and connection pool).
-        self.ctx = Context(load_settings(db=self.settings.db))
-        self.ctx.__dict__["index"] = self.index
-        self.ctx.__dict__["remote"] = None  # the server is direct mode, even with CACHECTL_SERVER set
+        # The server is direct mode, even with CACHECTL_SERVER set; it owns (and closes) the index.
+        self.ctx = Context(load_settings(db=self.settings.db), index=self.index)
         self.tokens = TokenCache(self.settings.token_cache_s)
 
     def store(self, cache: CacheInfo) -> Store:

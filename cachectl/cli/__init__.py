@@ -11,7 +11,7 @@ import click
 from cachectl import __version__
 from cachectl.config import load_settings
 from cachectl.context import Context
-from cachectl.errors import CachectlError
+from cachectl.errors import CachectlError, ProblemsReported
 
 
 class CachectlGroup(click.Group):
@@ -21,9 +21,12 @@ class CachectlGroup(click.Group):
         try:
             return super().invoke(ctx)
         except CachectlError as exc:
-            # A message of several problems (a manifest's) prints one error line each.
-            for line in exc.message.splitlines() or [""]:
-                click.echo(f"cachectl: error: {line}", err=True)
+            # The one place a library error becomes an exit code (cachectl.errors.ERRORS).
+            # A message of several problems (a manifest's) prints one error line each; a
+            # report that printed its own problems (ProblemsReported) adds none.
+            if not isinstance(exc, ProblemsReported):
+                for line in exc.message.splitlines() or [""]:
+                    click.echo(f"cachectl: error: {line}", err=True)
             ctx.exit(exc.exit_code)
 
 

@@ -13,6 +13,7 @@ from cachectl.cli.render import emit, json_option, size, stdout, table
 from cachectl.context import Context
 from cachectl.index import CacheInfo
 from cachectl.permissions import parse_writers
+from cachectl.signing import parse_public_key
 from cachectl.units import format_duration, parse_duration, parse_size
 
 
@@ -102,8 +103,6 @@ def set_(ctx: Context, name: str, root_url: str | None, trust: tuple[str, ...], 
     if root_url:
         policy["root_url"] = root_url
     if trust:
-        from cachectl.signing import parse_public_key
-
         policy["trusted_keys"] = sorted({parse_public_key(k) for k in trust if k.strip()})
     info = caches.set_cache(ctx, name, **policy)
     emit(info, as_json, lambda c: _print_caches([c]))

@@ -107,8 +107,7 @@ def exec_(ctx: Context, readonly: bool | None, telemetry: bool, command: tuple[s
     try:
         os.execvpe(command[0], list(command), environ)
     except FileNotFoundError:
-        click.echo(f"cachectl: error: command not found: {command[0]}", err=True)
-        sys.exit(2)
+        raise BadInput(f"command not found: {command[0]}") from None
 
 
 def register(cli: click.Group) -> None:

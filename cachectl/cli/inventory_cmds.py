@@ -7,6 +7,7 @@ from datetime import timedelta
 import click
 
 from cachectl import inventory
+from cachectl.cli import server_mode
 from cachectl.cli.render import emit, json_option, size, stdout, table, when
 from cachectl.index.telemetry_queries import TelemetryStats, UsageRow, telemetry_stats
 from cachectl.units import parse_duration
@@ -122,9 +123,7 @@ def _print_hit_rates(ctx, caches) -> None:
     """Plain `stats` ends with each cache's hit rate over the last day (ccache's habit)."""
     for c in caches:
         if ctx.remote is not None:
-            from cachectl import client
-
-            u = client.telemetry_stats(ctx, c.name, "24h")
+            u = server_mode.telemetry_stats(ctx, c.name, "24h")
         else:
             u = telemetry_stats(ctx.index, c.name, timedelta(hours=24))
         req = sum(r.cacheable_requests for r in u.environments)
@@ -151,9 +150,7 @@ def stats(ctx, all_caches: bool, since: str | None, as_json: bool) -> None:
         window = parse_duration(since)
         caches = ctx.index.list_caches() if all_caches else [ctx.cache()]
         if ctx.remote is not None:  # server mode (CACHECTL_SERVER)
-            from cachectl import client
-
-            result = [client.telemetry_stats(ctx, c.name, since) for c in caches]
+            result = [server_mode.telemetry_stats(ctx, c.name, since) for c in caches]
         else:
             result = [telemetry_stats(ctx.index, c.name, window) for c in caches]
         emit(result if all_caches else result[0], as_json,

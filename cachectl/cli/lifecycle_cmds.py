@@ -14,7 +14,9 @@ from datetime import timedelta
 import click
 
 from cachectl.cli.render import emit, info, json_option, size, stdout, table
+from cachectl.cli.server_mode import run_lifecycle
 from cachectl.context import Context
+from cachectl.errors import ProblemsReported
 from cachectl.lifecycle import gc as gc_lib
 from cachectl.lifecycle import prune as prune_lib
 from cachectl.lifecycle import verify as verify_lib
@@ -128,8 +130,6 @@ def prune_cmd(ctx: Context, older_than: str | None, unused_for: str | None, jax_
     crit = prune_lib.criteria(older_than=older_than, unused_for=unused_for, jax_version=jax_version,
                               superseded=superseded, keep=keep, env=env_prefix, function=function)
     if ctx.remote is not None:  # server mode (CACHECTL_SERVER): a job on the server, same result
-        from cachectl.client import run_lifecycle
-
         result = run_lifecycle(ctx, "prune", {"older_than": older_than, "unused_for": unused_for,
                                               "jax_version": jax_version, "superseded": superseded, "keep": keep,
                                               "env": env_prefix, "function": function, "dry_run": dry_run})
@@ -156,8 +156,6 @@ def gc_cmd(ctx: Context, policy: str, max_size: str | None, protect_warm: bool, 
     everything left is protected.
     """
     if ctx.remote is not None:  # server mode (CACHECTL_SERVER): a job on the server, same result
-        from cachectl.client import run_lifecycle
-
         result = run_lifecycle(ctx, "gc", {"policy": policy, "max_size": max_size, "protect_warm": protect_warm,
                                            "dry_run": dry_run})
     else:
@@ -167,7 +165,7 @@ def gc_cmd(ctx: Context, policy: str, max_size: str | None, protect_warm: bool, 
     if result.plan.over_limit_after and not dry_run:
         info(f"cachectl: gc: cache is still {size(result.plan.over_limit_after)} over max_size; "
              "the rest is protected (warm in progress or --protect-warm)")
-        click.get_current_context().exit(1)
+        raise ProblemsReported()
 
 
 @click.command("verify")
@@ -192,8 +190,6 @@ def verify_cmd(ctx: Context, env_prefix: str | None, quarantine: bool, repair: b
     """
     age = parse_duration(min_age) if min_age.strip() not in ("0", "") else timedelta(0)
     if ctx.remote is not None:  # server mode (CACHECTL_SERVER): a job on the server, same result
-        from cachectl.client import run_lifecycle
-
         result = run_lifecycle(ctx, "verify", {"env": env_prefix, "quarantine": quarantine, "repair": repair,
                                                "dry_run": dry_run, "min_age": min_age})
     else:
@@ -202,7 +198,7 @@ def verify_cmd(ctx: Context, env_prefix: str | None, quarantine: bool, repair: b
     emit(result, as_json, _print_verify)
     if result.plan.findings:
         info(f"cachectl: verify: {len(result.plan.findings)} finding(s)")
-        click.get_current_context().exit(1)
+        raise ProblemsReported()
 
 
 def register(cli: click.Group) -> None:

@@ -2,47 +2,23 @@
 
 from __future__ import annotations
 
-import dataclasses
-import enum
 import json
 import sys
 from collections.abc import Callable, Sequence
-from datetime import datetime, timedelta
-from pathlib import Path
+from datetime import datetime
 from typing import Any
 
 import click
 from rich.console import Console
 from rich.table import Table
 
+from cachectl.jsonable import to_jsonable
 from cachectl.units import format_size
 
 stdout = Console(soft_wrap=True)
 stderr = Console(stderr=True, soft_wrap=True)
 
 json_option = click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
-
-
-def to_jsonable(obj: Any) -> Any:
-    """Dataclasses, datetimes, enums and paths as plain JSON values."""
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        data = {f.name: to_jsonable(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
-        for name in getattr(obj, "__json_extra__", ()):
-            data[name] = to_jsonable(getattr(obj, name))
-        return data
-    if isinstance(obj, dict):
-        return {str(k): to_jsonable(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple, set, frozenset)):
-        return [to_jsonable(v) for v in obj]
-    if isinstance(obj, datetime):
-        return obj.isoformat()
-    if isinstance(obj, timedelta):
-        return obj.total_seconds()
-    if isinstance(obj, enum.Enum):
-        return obj.value
-    if isinstance(obj, Path):
-        return str(obj)
-    return obj
 
 
 def print_json(obj: Any) -> None:

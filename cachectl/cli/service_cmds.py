@@ -11,8 +11,10 @@ import click
 
 from cachectl import doctor as doctor_lib
 from cachectl import mirror as mirror_lib
+from cachectl import signing
 from cachectl.cli.render import emit, json_option, size, stdout, table
 from cachectl.context import Context
+from cachectl.errors import ProblemsReported
 
 _SHOW = 50
 _STYLE = {"error": "bold red", "warning": "yellow", "info": "green"}
@@ -44,7 +46,7 @@ def doctor(ctx: Context, as_json: bool) -> None:
     report = doctor_lib.diagnose(ctx)
     emit(report, as_json, _print_doctor)
     if report.errors:
-        click.get_current_context().exit(1)
+        raise ProblemsReported()
 
 
 def _problems_table(title: str, items: list[mirror_lib.EntryProblem]) -> None:
@@ -94,7 +96,7 @@ def pull(ctx: Context, dest: str, workers: int, verify_existing: bool, dry_run: 
     result = mirror_lib.pull(ctx, dest, workers=workers, dry_run=dry_run, verify_existing=verify_existing)
     emit(result, as_json, _print_pull)
     if not result.ok:
-        click.get_current_context().exit(1)
+        raise ProblemsReported()
 
 
 def _print_push(r: mirror_lib.PushResult) -> None:
@@ -125,8 +127,6 @@ def push(ctx: Context, src: str, workers: int, dry_run: bool, sign_key: str | No
 
     New entries are recorded in the index with origin "push".
     """
-    from cachectl import signing
-
     key = signing.signing_key(sign_key)
     if not dry_run:
         signing.require_signer(ctx.cache(), key, "push")
@@ -135,7 +135,7 @@ def push(ctx: Context, src: str, workers: int, dry_run: bool, sign_key: str | No
         signing.resign(ctx.index, result.cache, result.environment, key)
     emit(result, as_json, _print_push)
     if not result.ok:
-        click.get_current_context().exit(1)
+        raise ProblemsReported()
 
 
 def register(cli: click.Group) -> None:

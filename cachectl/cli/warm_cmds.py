@@ -8,11 +8,14 @@ from typing import Any
 import click
 from rich.markup import escape
 
+from cachectl import distributed as dist
+from cachectl import signing
 from cachectl.cli.render import print_json, size, stderr, stdout, table
 from cachectl.context import Context
-from cachectl.errors import EnvironmentMismatch
-from cachectl.manifest import DEFAULT_MAX_BUCKETS, MAX_BUCKETS_ENV
+from cachectl.errors import EnvironmentMismatch, OperationFailed
+from cachectl.manifest import DEFAULT_MAX_BUCKETS, MAX_BUCKETS_ENV, load_manifest
 from cachectl.sharding import resolve_shard
+from cachectl.signing import resign
 from cachectl.units import format_size
 from cachectl.warm import (
     CACHED,
@@ -184,15 +187,12 @@ def _run_check(ctx: Context, manifest: str, cache_name: str | None, shard: str |
     else:
         _print_check(report)
     if not report.ok:
-        click.echo(f"cachectl: error: coverage {report.coverage:.1f}% is below 100%: "
-                   f"{len(report.buckets) - report.hits} bucket(s) would compile in a service", err=True)
-        raise click.exceptions.Exit(1)
+        raise OperationFailed(f"coverage {report.coverage:.1f}% is below 100%: "
+                              f"{len(report.buckets) - report.hits} bucket(s) would compile in a service")
 
 
 def _signer_for(ctx: Context, manifest: str, cache_name: str | None, sign_key: str | None) -> Any:
     """The signing key, checked against the target cache's trusted keys before anything compiles."""
-    from cachectl import signing
-    from cachectl.manifest import load_manifest
 
     key = signing.signing_key(sign_key)
     cache = ctx.cache(cache_name or load_manifest(manifest).cache or ctx.settings.cache)
@@ -203,14 +203,10 @@ def _signer_for(ctx: Context, manifest: str, cache_name: str | None, sign_key: s
 def _run_distributed(ctx: Context, manifest: str, cache_name: str | None, shard: str | None,
                      shards: int | None, paths: tuple[str, ...], as_json: bool, jobs: int | None,
                      fail_fast: bool, dry_run: bool, no_executables: bool, signer: Any) -> None:
-    from cachectl import distributed as dist
-
     result = dist.warm(ctx, manifest, cache=cache_name, jobs=jobs, shard=_shard(shard, shards), paths=paths,
                        fail_fast=fail_fast, dry_run=dry_run, executables=not no_executables)
     report, me = result.report, result.process
     if signer is not None and me.index == dist.WRITER and not dry_run:
-        from cachectl.signing import resign
-
         resign(ctx.index, report.cache, report.environment["digest"], signer)
     if as_json:
         print_json(result.to_json())
@@ -220,9 +216,8 @@ def _run_distributed(ctx: Context, manifest: str, cache_name: str | None, shard:
                      f"({'wrote and recorded the entries' if me.index == dist.WRITER else 'compiled; process 0 wrote'})",
                      highlight=False)
     if report.summary.failed:
-        click.echo(f"cachectl: error: {report.summary.failed} of {report.summary.buckets} bucket(s) "
-                   "failed; see the error column", err=True)
-        raise click.exceptions.Exit(1)
+        raise OperationFailed(f"{report.summary.failed} of {report.summary.buckets} bucket(s) "
+                   "failed; see the error column")
 
 
 @click.command("warm")
@@ -268,8 +263,6 @@ def warm_cmd(ctx: Context, manifest: str, cache_name: str | None, shard: str | N
     signer = None
     if not dry_run:
         signer = _signer_for(ctx, manifest, cache_name, sign_key)
-    from cachectl import distributed as dist
-
     if dist.requested(distributed):
         _run_distributed(ctx, manifest, cache_name, shard, shards, paths, as_json, jobs, fail_fast, dry_run,
                          no_executables, signer)
@@ -279,8 +272,6 @@ def warm_cmd(ctx: Context, manifest: str, cache_name: str | None, shard: str | N
                       fail_fast=fail_fast, dry_run=dry_run, executor=executor, progress=progress,
                       executables=not no_executables)
     if signer is not None and not report.target_problems:
-        from cachectl.signing import resign
-
         resign(ctx.index, report.cache, report.environment["digest"], signer)
     if as_json:
         print_json(report.to_json())
@@ -295,9 +286,8 @@ def warm_cmd(ctx: Context, manifest: str, cache_name: str | None, shard: str | N
             for b in traced:
                 click.echo(f"{b.function}[{_plain(b.bucket)}] failed:\n{b.traceback}\n", err=True)
         hint = "; -v prints the traceback of your code" if traced and _verbosity() < 1 else ""
-        click.echo(f"cachectl: error: {report.summary.failed} of {report.summary.buckets} bucket(s) "
-                   f"failed; see the error column{hint}", err=True)
-        raise click.exceptions.Exit(1)
+        raise OperationFailed(f"{report.summary.failed} of {report.summary.buckets} bucket(s) "
+                              f"failed; see the error column{hint}")
 
 
 @click.command("warm-check")

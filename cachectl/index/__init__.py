@@ -6,8 +6,6 @@ same functions can later be served over HTTP.
 
 from __future__ import annotations
 
-import getpass
-import socket
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import datetime, timedelta, timezone
@@ -20,10 +18,22 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from cachectl.errors import BadInput, NotFound, Unreachable
 from cachectl.fingerprint import Environment
-from cachectl.index import db
+from cachectl.index import (
+    db,
+    warm_runs,  # noqa: E402 - after the records it imports
+)
 from cachectl.index.models import AuditRecord, Cache, Entry, UTCDateTime, utcnow
 from cachectl.index.models import Environment as EnvRow
-from cachectl.index.records import AuditInfo, CacheInfo, EntryInfo, EnvironmentInfo, NewEntry
+from cachectl.index.records import (  # noqa: F401 - actor is re-exported
+    AuditInfo,
+    CacheInfo,
+    EntryInfo,
+    EnvironmentInfo,
+    NewEntry,
+    WarmRunInfo,
+    actor,
+    pick_environment,
+)
 
 __all__ = [
     "AuditInfo", "CacheInfo", "EntryInfo", "EnvironmentInfo", "Index", "NewEntry",
@@ -44,15 +54,6 @@ _CACHE_POLICY_FIELDS = {
     "trusted_keys": "trusted_keys",
 }
 _CHUNK = 500
-
-
-def actor() -> str:
-    """user@host, as the audit log records who acted."""
-    try:
-        user = getpass.getuser()
-    except Exception:  # noqa: BLE001 - no passwd entry in some containers
-        user = "unknown"
-    return f"{user}@{socket.gethostname()}"
 
 
 def open_index(url: str, *, auto_migrate: bool | None = None) -> Index:
@@ -293,19 +294,7 @@ class Index:
 
     def find_environment(self, cache: str, prefix: str, *, include_deleted: bool = False) -> EnvironmentInfo:
         """One environment by digest prefix; ambiguous or unknown prefixes are bad input."""
-        prefix = prefix.strip().lower()
-        if not prefix or any(c not in "0123456789abcdef" for c in prefix):
-            raise BadInput(f"bad environment digest prefix {prefix!r}: use hex digits from `cachectl ls`")
-        matches = [
-            e for e in self.environment_stats(cache, include_deleted=include_deleted)
-            if e.digest.startswith(prefix)
-        ]
-        if not matches:
-            raise NotFound(f"no environment in cache {cache!r} has a digest starting {prefix!r}: see `cachectl ls`")
-        if len(matches) > 1:
-            names = ", ".join(m.digest[:16] for m in matches[:5])
-            raise BadInput(f"environment prefix {prefix!r} matches {len(matches)} environments ({names}): give more digits")
-        return matches[0]
+        return pick_environment(cache, prefix, lambda: self.environment_stats(cache, include_deleted=include_deleted))
 
     def content_signature(self, env_id: int) -> dict[str, Any] | None:
         """The environment's signed content list (cachectl/signing.py), or None."""
@@ -442,6 +431,21 @@ class Index:
                 )
                 touched += result.rowcount or 0
         return touched
+
+    # -- warm runs (cachectl.index.warm_runs) ------------------------------------
+
+    def start_warm_run(self, environment_id: int, *, manifest_digest: str, manifest_path: str | None,
+                       buckets: int) -> WarmRunInfo:
+        return warm_runs.start_run(self, environment_id, manifest_digest=manifest_digest,
+                                   manifest_path=manifest_path, buckets=buckets)
+
+    def heartbeat_warm_run(self, run_id: int, *, compiled: int | None = None, cached: int | None = None,
+                           failed: int | None = None) -> None:
+        warm_runs.heartbeat(self, run_id, compiled=compiled, cached=cached, failed=failed)
+
+    def finish_warm_run(self, run_id: int, status: str, *, compiled: int, cached: int,
+                        failed: int) -> WarmRunInfo:
+        return warm_runs.finish_run(self, run_id, status, compiled=compiled, cached=cached, failed=failed)
 
     # -- audit ----------------------------------------------------------------
 

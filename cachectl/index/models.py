@@ -25,6 +25,8 @@ from sqlalchemy import (
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 
+from cachectl.index.records import utcnow  # re-exported: the rows and the records share one clock
+
 
 class UTCDateTime(TypeDecorator[datetime]):
     """Timezone-aware UTC on every backend (SQLite keeps no zone of its own)."""
@@ -44,10 +46,6 @@ class UTCDateTime(TypeDecorator[datetime]):
         if value is None:
             return None
         return value.replace(tzinfo=timezone.utc) if value.tzinfo is None else value.astimezone(timezone.utc)
-
-
-def utcnow() -> datetime:
-    return datetime.now(timezone.utc)
 
 
 class Base(DeclarativeBase):

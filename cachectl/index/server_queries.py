@@ -29,6 +29,7 @@ from cachectl.index import (
 from cachectl.index.models import Cache, Entry, Job, TelemetryRecord, utcnow
 from cachectl.index.models import Environment as EnvRow
 from cachectl.index.telemetry_queries import counter_sum
+from cachectl.units import format_size
 
 QUEUED = "queued"
 RUNNING = "running"
@@ -152,8 +153,6 @@ def environment_usage(index: Index, env_id: int) -> tuple[int, int]:
 
 
 def _fmt(n: int) -> str:
-    from cachectl.units import format_size
-
     return format_size(n)
 
 

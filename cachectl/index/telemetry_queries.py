@@ -27,9 +27,10 @@ from cachectl.index.models import (
     utcnow,
 )
 from cachectl.index.models import Environment as EnvRow
+from cachectl.telemetry.records import check_batch
 
 if TYPE_CHECKING:
-    from cachectl.telemetry import TelemetryBatch
+    from cachectl.telemetry.records import TelemetryBatch
 
 
 def counter_sum(dialect: str, column: Any) -> Any:
@@ -83,8 +84,6 @@ def record_telemetry(index: Index, env_id: int, batch: TelemetryBatch) -> int:
 
     Every counter must be one a process can report in one flush (check_batch: BadInput
     otherwise), so no sum over the table can overflow."""
-    from cachectl.telemetry import check_batch
-
     check_batch(batch)
     # When the flush ended is the process's claim too: a row dated in the future would
     # outlive every retention, so it is never later than now.

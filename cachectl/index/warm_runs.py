@@ -11,41 +11,23 @@ from __future__ import annotations
 
 import getpass
 import socket
-from dataclasses import dataclass
-from datetime import datetime
+from typing import TYPE_CHECKING
 
 from sqlalchemy import select, update
 
 from cachectl.errors import NotFound
-from cachectl.index import Index
 from cachectl.index.models import Cache, WarmRun, utcnow
 from cachectl.index.models import Environment as EnvRow
+from cachectl.index.records import WarmRunInfo
+
+if TYPE_CHECKING:
+    from cachectl.index import Index
 
 RUNNING = "running"
 SUCCEEDED = "succeeded"
 FAILED = "failed"
 INTERRUPTED = "interrupted"
 FINAL_STATUSES = (SUCCEEDED, FAILED, INTERRUPTED)
-
-
-@dataclass(frozen=True)
-class WarmRunInfo:
-    """One warm run as the index recorded it."""
-
-    id: int
-    environment_id: int
-    manifest_digest: str
-    manifest_path: str | None
-    host: str
-    user: str
-    status: str
-    started_at: datetime | None
-    finished_at: datetime | None
-    heartbeat_at: datetime | None
-    buckets: int
-    compiled: int
-    cached: int
-    failed: int
 
 
 def _info(row: WarmRun) -> WarmRunInfo:
@@ -71,9 +53,6 @@ def start_run(index: Index, environment_id: int, *, manifest_digest: str,
 
     ``host``/``user`` default to this process's; the server passes its client's.
     """
-    if getattr(index, "is_remote", False):  # server mode: cachectl.client.RemoteIndex
-        return index.start_warm_run(environment_id, manifest_digest=manifest_digest,  # type: ignore[attr-defined]
-                                    manifest_path=manifest_path, buckets=buckets)
     now = utcnow()
     with index.session() as s:
         row = WarmRun(environment_id=environment_id, manifest_digest=manifest_digest,
@@ -88,9 +67,6 @@ def start_run(index: Index, environment_id: int, *, manifest_digest: str,
 def heartbeat(index: Index, run_id: int, *, compiled: int | None = None, cached: int | None = None,
               failed: int | None = None) -> None:
     """Say the run is alive (and how far it got), so lifecycle keeps protecting its environment."""
-    if getattr(index, "is_remote", False):  # server mode: cachectl.client.RemoteIndex
-        index.heartbeat_warm_run(run_id, compiled=compiled, cached=cached, failed=failed)  # type: ignore[attr-defined]
-        return
     values: dict[str, object] = {"heartbeat_at": utcnow()}
     for name, value in (("compiled", compiled), ("cached", cached), ("failed", failed)):
         if value is not None:
@@ -104,9 +80,6 @@ def finish_run(index: Index, run_id: int, status: str, *, compiled: int, cached:
     """Close a run with its final status and counts."""
     if status not in FINAL_STATUSES:
         raise ValueError(f"a finished warm run is one of {FINAL_STATUSES}, not {status!r}")
-    if getattr(index, "is_remote", False):  # server mode: cachectl.client.RemoteIndex
-        return index.finish_warm_run(run_id, status, compiled=compiled, cached=cached,  # type: ignore[attr-defined]
-                                     failed=failed)
     now = utcnow()
     with index.session() as s:
         row = s.get(WarmRun, run_id)

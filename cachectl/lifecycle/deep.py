@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from cachectl.entries import CorruptEntry, executable_bytes
 from cachectl.store import Store
 
 # One load should take well under a second; a child stuck this long is killed.
@@ -88,8 +89,6 @@ def _main() -> None:
     """The child: load each file as JAX's own cache hit does, one line of progress per file."""
     import jax
     from jax._src.lib import xla_client as xc
-
-    from cachectl.entries import CorruptEntry, executable_bytes
 
     files = json.loads(sys.stdin.read())
     backend = jax.devices()[0].client

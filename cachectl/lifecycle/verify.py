@@ -44,6 +44,7 @@ from cachectl.entries import (
     sha256,
 )
 from cachectl.errors import BadInput
+from cachectl.fingerprint import current_environment
 from cachectl.index import CacheInfo
 from cachectl.index.lifecycle_queries import (
     WARM_HEARTBEAT_WINDOW,
@@ -56,6 +57,7 @@ from cachectl.index.lifecycle_queries import (
 )
 from cachectl.index.models import utcnow
 from cachectl.lifecycle import lease as leases
+from cachectl.lifecycle.deep import load_all
 from cachectl.lifecycle.lease import Lease
 from cachectl.lifecycle.sync import _group_by_namespace
 from cachectl.namespace import QUARANTINE_DIR, read_env_json
@@ -461,8 +463,6 @@ def execute_verify(ctx: Context, cache: CacheInfo, plan: VerifyPlan, *, started:
 
 def deep_findings(ctx: Context, cache: CacheInfo, plan: VerifyPlan, store: Store) -> list[Finding]:
     """Load every indexed entry of this machine's environment that passed the checks (--deep)."""
-    from cachectl.fingerprint import current_environment
-    from cachectl.lifecycle.deep import load_all
 
     env = current_environment()
     try:

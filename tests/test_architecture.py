@@ -1,0 +1,162 @@
+"""The import graph of cachectl/ and server/, built with ast: no cycle, few lazy project imports.
+
+An edge is every import of a project module, at module level or inside a function
+(``if TYPE_CHECKING:`` blocks excluded). ``from pkg import sub`` is an edge to
+``pkg.sub`` when ``sub`` is a module; the implicit import of a module's parent
+packages is not an edge (every module would otherwise depend on ``cachectl/__init__``).
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("cachectl", "server")
+# Function-local imports of project modules are for keeping a cheap path cheap
+# (activate() without SQLAlchemy, `import cachectl` without the serving runtime);
+# everything else imports at the top.
+MAX_LOCAL_PROJECT_IMPORTS = 9
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join(parts)
+
+
+def _modules() -> dict[str, Path]:
+    return {_module_name(p): p for pkg in PACKAGES for p in sorted((ROOT / pkg).rglob("*.py"))}
+
+
+def _is_type_checking(node: ast.AST) -> bool:
+    return isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+
+
+def _targets(modules: dict[str, Path], current: str, is_package: bool, node: ast.Import | ast.ImportFrom) -> set[str]:
+    names: list[str] = []
+    if isinstance(node, ast.Import):
+        names = [a.name for a in node.names]
+    else:
+        if node.level:
+            base = current.split(".")
+            if not is_package:
+                base = base[:-1]
+            base = base[:len(base) - (node.level - 1)]
+            module = ".".join(base + ([node.module] if node.module else []))
+        else:
+            module = node.module or ""
+        subs = [f"{module}.{a.name}" for a in node.names if f"{module}.{a.name}" in modules]
+        if len(subs) < len(node.names):
+            names.append(module)
+        names.extend(subs)
+    found = set()
+    for name in names:
+        parts = name.split(".")
+        while parts and ".".join(parts) not in modules:
+            parts.pop()
+        if parts:
+            found.add(".".join(parts))
+    found.discard(current)
+    return found
+
+
+def import_graph() -> tuple[dict[str, set[str]], list[tuple[str, int, str]]]:
+    """(module -> project modules it imports, [(module, line, target) for each function-local one])."""
+    modules = _modules()
+    edges: dict[str, set[str]] = {}
+    local: list[tuple[str, int, str]] = []
+    for name, path in modules.items():
+        tree = ast.parse(path.read_text(), filename=str(path))
+        edges[name] = set()
+
+        def visit(node: ast.AST, in_function: bool, name: str = name, path: Path = path) -> None:
+            for child in ast.iter_child_nodes(node):
+                if _is_type_checking(child):
+                    continue
+                if isinstance(child, (ast.Import, ast.ImportFrom)):
+                    targets = _targets(modules, name, path.name == "__init__.py", child)
+                    edges[name] |= targets
+                    if in_function:
+                        local.extend((name, child.lineno, t) for t in sorted(targets))
+                visit(child, in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)))
+
+        visit(tree, False)
+    return edges, local
+
+
+def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan), plus self-loops."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+    counter = [0]
+
+    def strongconnect(v: str) -> None:
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(edges.get(v, ())):
+            if w not in index:
+                strongconnect(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(edges):
+        if v not in index:
+            strongconnect(v)
+    return found
+
+
+def test_the_import_graph_has_no_cycle() -> None:
+    edges, _ = import_graph()
+    assert len(edges) > 50  # the walk found the project
+    assert cycles(edges) == []
+
+
+def test_cycle_detection_finds_a_cycle() -> None:
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_few_function_local_imports_of_project_modules() -> None:
+    _, local = import_graph()
+    assert len(local) <= MAX_LOCAL_PROJECT_IMPORTS, "\n".join(f"{m}:{line} -> {t}" for m, line, t in local)
+
+
+def test_server_uses_the_library_not_the_cli_or_the_http_client() -> None:
+    edges, _ = import_graph()
+    bad = {(m, t) for m, targets in edges.items() if m == "server" or m.startswith("server.")
+           for t in targets if t.startswith(("cachectl.cli", "cachectl.client"))}
+    assert bad == set()
+
+
+def test_both_indexes_implement_the_backend_protocol() -> None:
+    from cachectl.client import RemoteIndex
+    from cachectl.index import Index
+    from cachectl.index.backend import IndexBackend
+
+    members = [n for n, v in vars(IndexBackend).items() if callable(v) and not n.startswith("_")]
+    assert "start_warm_run" in members and "find_environment" in members
+    for cls in (Index, RemoteIndex):
+        assert [n for n in members if not callable(getattr(cls, n, None))] == [], cls
+
+
+def test_no_backend_sniffing_or_context_patching() -> None:
+    text = {p: p.read_text() for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.py")}
+    assert [str(p) for p, t in text.items() if "is_remote" in t] == []
+    assert [str(p) for p, t in text.items() if '__dict__["index"]' in t or "__dict__['index']" in t] == []
