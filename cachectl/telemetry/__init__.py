@@ -399,15 +399,7 @@ class Collector:
                 counts.requests += pending
             self._record_signature(state, hit, module, key)
             if hit:
-                seen = self._keys.get(key)
-                if seen is not None:
-                    seen[0] += 1
-                    seen[1] = self._clock()
-                elif len(self._keys) < self.max_keys:
-                    self._keys[key] = [1, self._clock()]
-                else:
-                    self._dropped += 1
-                    self._dropped_total += 1
+                self._note_key_hit(key)
 
     def record_load(self, module: str, key: str) -> None:
         """A stored executable was loaded for ``key`` (cachectl.serving): JAX fires no event for
@@ -419,15 +411,19 @@ class Collector:
             if counts is not None:
                 counts.requests += 1
                 counts.hits += 1
-            seen = self._keys.get(key)
-            if seen is not None:
-                seen[0] += 1
-                seen[1] = self._clock()
-            elif len(self._keys) < self.max_keys:
-                self._keys[key] = [1, self._clock()]
-            else:
-                self._dropped += 1
-                self._dropped_total += 1
+            self._note_key_hit(key)
+
+    def _note_key_hit(self, key: str) -> None:
+        """One more hit of ``key`` (for the entry's last access); bounded. Call under the lock."""
+        seen = self._keys.get(key)
+        if seen is not None:
+            seen[0] += 1
+            seen[1] = self._clock()
+        elif len(self._keys) < self.max_keys:
+            self._keys[key] = [1, self._clock()]
+        else:
+            self._dropped += 1
+            self._dropped_total += 1
 
     def _on_event(self, event: str, **_kwargs: Any) -> None:
         try:
