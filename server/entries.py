@@ -251,6 +251,16 @@ def _located(state: ServerState, cache: str, digest: str, key: str) -> tuple[Cac
     return info, env, size, recorded.sha256 if recorded and recorded.size == size else None
 
 
+def stream_file(fh: Any, headers: dict[str, str]) -> StreamingResponse:
+    """An opened file's bytes as the response body, in CHUNK-sized reads; closes the file."""
+    def chunks() -> Iterator[bytes]:
+        with fh:
+            while block := fh.read(CHUNK):
+                yield block
+
+    return StreamingResponse(chunks(), media_type="application/octet-stream", headers=headers)
+
+
 def _headers(size: int, sha: str | None) -> dict[str, str]:
     headers = {"content-length": str(size), "cache-control": "private, max-age=0"}
     if sha:
@@ -274,14 +284,7 @@ async def get_entry(request: Request, cache: CacheName, digest: Digest, key: Key
     except FileNotFoundError:
         raise HTTPException(404, f"no entry {key} in environment {env.digest[:16]} of cache {cache!r}") from None
     state.metrics.download_bytes.labels(cache).inc(size)
-    headers = _headers(size, sha)
-
-    def chunks() -> Iterator[bytes]:
-        with fh:
-            while block := fh.read(CHUNK):
-                yield block
-
-    return StreamingResponse(chunks(), media_type="application/octet-stream", headers=headers)
+    return stream_file(fh, _headers(size, sha))
 
 
 @route(router, "HEAD", "/caches/{cache}/environments/{digest}/entries/{key}", role="reader",

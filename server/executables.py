@@ -12,10 +12,8 @@ sha256 it records from the bytes it received.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 from fastapi import APIRouter, HTTPException, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 
 from cachectl import aot
@@ -27,7 +25,6 @@ from cachectl.index import server_queries as sq
 from .api import CacheName, Digest, ok, state_of
 from .auth import route
 from .entries import (
-    CHUNK,
     SHA_HEADER,
     Key,
     Upload,
@@ -37,6 +34,7 @@ from .entries import (
     _resolve,
     _too_large,
     check_key,
+    stream_file,
 )
 from .state import ServerState
 
@@ -140,14 +138,7 @@ async def get_executable(request: Request, cache: CacheName, digest: Digest, key
         raise HTTPException(404, f"no stored executable for entry {key} in environment {env.digest[:16]} "
                                  f"of cache {cache!r}") from None
     state.metrics.download_bytes.labels(cache).inc(size)
-    headers = _headers(size, sha)
-
-    def chunks() -> Iterator[bytes]:
-        with fh:
-            while block := fh.read(CHUNK):
-                yield block
-
-    return StreamingResponse(chunks(), media_type="application/octet-stream", headers=headers)
+    return stream_file(fh, _headers(size, sha))
 
 
 @route(router, "HEAD", ROUTE, role="reader", summary="A stored executable's size and sha256, without its bytes")
