@@ -62,7 +62,8 @@ for f in fns:
     f(x).block_until_ready()
 from cachectl import telemetry
 s = telemetry.current().stats()
-import json; print(json.dumps({{"setup_s": t1 - t0, "hits": s.hits, "requests": s.requests}}))
+import json, sys; print(json.dumps({{"setup_s": t1 - t0, "hits": s.hits, "requests": s.requests,
+                                    "sqlalchemy": "sqlalchemy" in sys.modules}}))
 """
 
 # Hit path: one process, every program a persistent-cache hit; the collector is
@@ -155,6 +156,7 @@ def bench_activation(tmp: Path, reps: int, k: int) -> dict[str, Any]:
     walls: dict[str, list[float]] = {name: [] for name in variants}
     setups: dict[str, list[float]] = {name: [] for name in variants}
     hits: dict[str, Any] = {}
+    imported: dict[str, bool] = {}  # a variant whose process imported SQLAlchemy before exit
     for _ in range(reps):
         for name, (code, venv) in variants.items():
             out, wall = _py(code, venv)
@@ -162,13 +164,15 @@ def bench_activation(tmp: Path, reps: int, k: int) -> dict[str, Any]:
             setups[name].append(out["setup_s"])
             if "hits" in out:
                 hits[name] = (out["hits"], out["requests"])
+            if out.get("sqlalchemy"):
+                imported[name] = True
     plain = _med(walls["plain"])
     result: dict[str, Any] = {"programs": k, "reps": reps}
     for name in variants:
         result[name] = {"process_s": round(_med(walls[name]), 3), "ratio_vs_plain": round(_med(walls[name]) / plain, 3),
                         "import_and_setup_s": round(_med(setups[name]), 3),
                         "setup_extra_vs_plain_s": round(_med(setups[name]) - _med(setups["plain"]), 3),
-                        "hits_requests": hits.get(name)}
+                        "hits_requests": hits.get(name), "imported_sqlalchemy": imported.get(name, False)}
     return result
 
 

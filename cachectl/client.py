@@ -29,7 +29,8 @@ from cachectl.errors import (
     error_for_status,
     error_named,
 )
-from cachectl.index.records import (
+from cachectl.jsonable import REDACTED, from_jsonable, to_jsonable
+from cachectl.records import (
     CacheInfo,
     CreatedToken,
     EntryInfo,
@@ -39,7 +40,6 @@ from cachectl.index.records import (
     actor,
     pick_environment,
 )
-from cachectl.jsonable import REDACTED, from_jsonable, to_jsonable
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ import os
 import pwd
 
 from cachectl.errors import PermissionDenied
-from cachectl.index.records import CacheInfo
+from cachectl.records import CacheInfo
 
 
 def current_user() -> str:

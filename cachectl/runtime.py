@@ -10,20 +10,23 @@ from __future__ import annotations
 
 import logging
 import os
+import sqlite3
 import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from cachectl import telemetry
+from cachectl import service_sqlite, telemetry
 from cachectl.config import DEFAULT_CACHE, load_settings
 from cachectl.errors import BadInput, CachectlError, Unreachable
 from cachectl.fingerprint import MANAGED_JAX_CONFIG, Environment, current_environment
 from cachectl.namespace import ensure_namespace
+from cachectl.records import CacheInfo
 from cachectl.store import Store, normalize_url
 
 if TYPE_CHECKING:
-    from cachectl.index import CacheInfo, Index
+    from cachectl.index import Index
     from cachectl.mirror import PullResult
+    from cachectl.service_sqlite import FastIndex
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -163,9 +166,30 @@ def _sql_side() -> Any:
     return service_index
 
 
-def open_service_index(settings: Any, problems: list[str]) -> tuple[Index | None, CacheInfo | None]:
-    """The index and this cache's policy; a failure becomes one problem line."""
+def _fast_index(settings: Any) -> tuple[FastIndex, CacheInfo] | None:
+    """The policy read through the stdlib driver (no SQLAlchemy import), where that can answer."""
+    fast = service_sqlite.open_fast(settings.db)
+    if fast is None:
+        return None
     try:
+        info = fast.get_cache(settings.cache)
+    except sqlite3.Error:
+        info = None
+    if info is None:  # the embedded default not created yet, or a typo: the SQLAlchemy path says which
+        fast.close()
+        return None
+    return fast, info
+
+
+def open_service_index(settings: Any, problems: list[str], *, fast: bool = False
+                       ) -> tuple[Index | FastIndex | None, CacheInfo | None]:
+    """The index and this cache's policy; a failure becomes one problem line.
+
+    ``fast``: a caller that only reads the policy and records the environment may get a
+    FastIndex (SQLite through the stdlib driver) instead of the SQLAlchemy index."""
+    try:
+        if fast and not settings.server and (opened := _fast_index(settings)) is not None:
+            return opened
         return _index_side(settings).open_for_service(settings)
     except Unreachable as exc:
         problems.append(f"index unavailable ({exc.message})")
@@ -211,7 +235,7 @@ def activate(cache: str | None = None, *, root: str | None = None, readonly: boo
     # start, so skip it (and the SQLAlchemy import, ~40% of JAX's own import
     # time); the environment is recorded from a background thread instead.
     deferred = settings.root is not None and settings.readonly is not None and mirror is None
-    index, cache_info = (None, None) if deferred else open_service_index(settings, problems)
+    index, cache_info = (None, None) if deferred else open_service_index(settings, problems, fast=mirror is None)
 
     root_url = settings.root or (cache_info.root_url if cache_info else None)
     if root_url is None and cache_name == DEFAULT_CACHE:
@@ -274,7 +298,11 @@ def activate(cache: str | None = None, *, root: str | None = None, readonly: boo
     indexed = False
     if index is not None and cache_info is not None:
         try:
-            index.ensure_environment(cache_info.name, env)
+            if index.ensure_environment(cache_info.name, env) is None:
+                # The stdlib path found no row for this environment: create it the SQLAlchemy way.
+                index.close()
+                index, _ = _sql_side().open_for_service(settings)
+                index.ensure_environment(cache_info.name, env)
             indexed = True
         except Exception as exc:  # noqa: BLE001
             problems.append(f"could not record environment ({exc})")

@@ -20,7 +20,7 @@ from sqlalchemy import select, update
 from cachectl.errors import BadInput, CachectlError, NotFound
 from cachectl.index import Index
 from cachectl.index.models import Token, utcnow
-from cachectl.index.records import ROLE_RANK, ROLES, CreatedToken, TokenInfo  # noqa: F401 - re-exported
+from cachectl.records import ROLE_RANK, ROLES, CreatedToken, TokenInfo  # noqa: F401 - re-exported
 
 TOKEN_PREFIX = "cct_"
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.@-]{0,127}$")

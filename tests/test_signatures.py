@@ -15,12 +15,9 @@ from cachectl.fingerprint import current_environment
 from cachectl.index import db as index_db
 from cachectl.index import open_index
 from cachectl.index.models import SignatureRecord
-from cachectl.index.telemetry_queries import (
-    MAX_SIGNATURES_PER_FUNCTION,
-    record_telemetry,
-    signature_usage,
-)
+from cachectl.index.telemetry_queries import record_telemetry, signature_usage
 from cachectl.telemetry import Collector, MemorySink
+from cachectl.telemetry.rows import MAX_SIGNATURES_PER_FUNCTION
 
 
 def test_the_jax_internals_signatures_are_read_from_are_as_pinned() -> None:
@@ -47,6 +44,7 @@ def test_the_jax_internals_signatures_are_read_from_are_as_pinned() -> None:
 SERVICE = """
 import json, numpy as np, jax
 from cachectl.telemetry import Collector, MemorySink
+from cachectl.telemetry.rows import MAX_SIGNATURES_PER_FUNCTION
 jax.config.update("jax_compilation_cache_dir", {cache!r})
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 c = Collector(cache="c", environment_digest="d", sink=MemorySink(), interval_s=3600)

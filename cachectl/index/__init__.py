@@ -24,7 +24,7 @@ from cachectl.index import (
 )
 from cachectl.index.models import AuditRecord, Cache, Entry, UTCDateTime, utcnow
 from cachectl.index.models import Environment as EnvRow
-from cachectl.index.records import (  # noqa: F401 - actor is re-exported
+from cachectl.records import (  # noqa: F401 - actor is re-exported
     AuditInfo,
     CacheInfo,
     EntryInfo,

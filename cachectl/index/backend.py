@@ -13,7 +13,7 @@ from collections.abc import Iterable
 from typing import Any, Protocol, runtime_checkable
 
 from cachectl.fingerprint import Environment
-from cachectl.index.records import CacheInfo, EntryInfo, EnvironmentInfo, NewEntry, WarmRunInfo
+from cachectl.records import CacheInfo, EntryInfo, EnvironmentInfo, NewEntry, WarmRunInfo
 
 
 @runtime_checkable

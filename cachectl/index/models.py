@@ -25,7 +25,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 
-from cachectl.index.records import utcnow  # re-exported: the rows and the records share one clock
+from cachectl.records import utcnow  # re-exported: the rows and the records share one clock
 
 
 class UTCDateTime(TypeDecorator[datetime]):

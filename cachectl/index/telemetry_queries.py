@@ -9,10 +9,8 @@ files only with its own size limit on). Stats aggregate in the database.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
 from dataclasses import dataclass
-from datetime import datetime, timedelta, timezone
+from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import delete, func, select
@@ -27,7 +25,15 @@ from cachectl.index.models import (
     utcnow,
 )
 from cachectl.index.models import Environment as EnvRow
-from cachectl.telemetry.records import check_batch
+from cachectl.telemetry.rows import (
+    OVERFLOW_DIGEST,
+    SIGNATURE_COUNTERS,
+    by_function,
+    flush_rows,
+    hit_times,
+    merged_signatures,
+    placed_signatures,
+)
 
 if TYPE_CHECKING:
     from cachectl.telemetry.records import TelemetryBatch
@@ -84,31 +90,8 @@ def record_telemetry(index: Index, env_id: int, batch: TelemetryBatch) -> int:
 
     Every counter must be one a process can report in one flush (check_batch: BadInput
     otherwise), so no sum over the table can overflow."""
-    check_batch(batch)
-    # When the flush ended is the process's claim too: a row dated in the future would
-    # outlive every retention, so it is never later than now.
-    at = min(batch.ended_at, utcnow())
-    rows = [
-        {"environment_id": env_id, "at": at, "process": batch.process, "function": fn,
-         "requests": c.requests, "hits": c.hits, "misses": c.misses, "writes": c.writes,
-         "saved_seconds": float(c.saved_seconds), "dropped": 0, "uncacheable": c.uncacheable}
-        for fn, c in batch.functions.items()
-        if c.requests or c.hits or c.writes
-    ]
-    if batch.dropped:
-        if rows:
-            rows[0]["dropped"] = batch.dropped
-        else:
-            rows.append({"environment_id": env_id, "at": at, "process": batch.process, "function": None,
-                         "requests": 0, "hits": 0, "misses": 0, "writes": 0, "saved_seconds": 0.0,
-                         "dropped": batch.dropped, "uncacheable": 0})
-    serving = [
-        {"environment_id": env_id, "at": at, "process": batch.process, "function": fn,
-         "calls": c.calls, "aot": c.aot, "fallback": c.fallback, "out_of_bucket": c.out_of_bucket,
-         "padded": c.padded,
-         "sizes": {axis: {str(size): n for size, n in sizes.items()} for axis, sizes in c.sizes.items()}}
-        for fn, c in batch.serving.items()
-    ]
+    now = utcnow()
+    rows, serving = flush_rows(env_id, batch, now)
     if rows or serving:
         with index.session() as s:
             if rows:
@@ -116,70 +99,35 @@ def record_telemetry(index: Index, env_id: int, batch: TelemetryBatch) -> int:
             if serving:
                 s.execute(ServingRecord.__table__.insert(), serving)
     if batch.hit_keys:
-        # A process reports when it hit each key: a claim, clamped to now (and to the entry's creation).
-        index.record_hits(env_id, dict(batch.hit_keys), not_after=utcnow())
+        index.record_hits(env_id, hit_times(batch, now))
     if batch.signatures or batch.signatures_dropped:
         record_signatures(index, env_id, batch)
     return len(rows) + len(serving)
 
 
-MAX_SIGNATURES_PER_FUNCTION = 256  # rows per (environment, function); the rest add up in digest '*'
-OVERFLOW_DIGEST = "*"
-
-
-def signature_digest(module: str, leaves: list, key: str | None, statics: list | None = None) -> str:
-    canon = json.dumps([module, leaves, key, statics], separators=(",", ":"), default=str)
-    return hashlib.sha256(canon.encode()).hexdigest()
-
-
 def record_signatures(index: Index, env_id: int, batch: TelemetryBatch) -> int:
     """Add one flush's signature counts: one row per signature, bounded per function."""
-    def utc(ts: float) -> datetime:
-        return datetime.fromtimestamp(ts, tz=timezone.utc)
-
-    merged: dict[tuple[str, str], dict[str, Any]] = {}
-    for (module, *_rest), c in batch.signatures.items():
-        leaves = [[list(shape), dtype, weak, sharding] for shape, dtype, weak, sharding in c.leaves]
-        statics = None if c.statics is None else [[k, v] for k, v in c.statics]
-        digest = signature_digest(module, leaves, c.key, statics)
-        merged[(module, digest)] = {"key": c.key, "leaves": leaves, "source": c.source, "statics": statics, "requests": c.requests, "hits": c.hits,
-                                    "misses": c.misses, "uncacheable": c.uncacheable, "repeats": c.repeats,
-                                    "first_seen": utc(c.first_seen or batch.ended_at.timestamp()),
-                                    "last_seen": utc(c.last_seen or batch.ended_at.timestamp())}
-    if batch.signatures_dropped:
-        merged[("", OVERFLOW_DIGEST)] = {"key": None, "leaves": [], "source": None, "statics": None,
-                                         "requests": batch.signatures_dropped,
-                                         "hits": 0, "misses": batch.signatures_dropped, "uncacheable": 0,
-                                         "repeats": 0, "first_seen": batch.started_at,
-                                         "last_seen": batch.ended_at}
-    counters = ("requests", "hits", "misses", "uncacheable", "repeats")
     written = 0
     with index.session() as s:
-        for module in sorted({m for m, _ in merged}):
-            mine = {d: v for (m, d), v in merged.items() if m == module}
+        for module, mine in by_function(merged_signatures(batch)):
             existing = {row.digest: row for row in s.scalars(
                 select(SignatureRecord).where(SignatureRecord.environment_id == env_id,
                                               SignatureRecord.function == module,
                                               SignatureRecord.digest.in_(list(mine) + [OVERFLOW_DIGEST])))}
             total = s.scalar(select(func.count()).select_from(SignatureRecord).where(
                 SignatureRecord.environment_id == env_id, SignatureRecord.function == module)) or 0
-            for digest, v in mine.items():
-                row = existing.get(digest)
-                if row is None and total >= MAX_SIGNATURES_PER_FUNCTION:
-                    digest = OVERFLOW_DIGEST
-                    row = existing.get(digest)
-                    v = {**v, "leaves": [], "key": None, "source": None, "statics": None}
-                if row is None:
+            for digest, v, new in placed_signatures(mine, existing, total):
+                if new:
                     row = SignatureRecord(environment_id=env_id, function=module, digest=digest, key=v["key"],
                                           leaves=v["leaves"], source=v["source"], statics=v["statics"],
-                                          first_seen=v["first_seen"],
-                                          last_seen=v["last_seen"], **{k: v[k] for k in counters})
+                                          first_seen=v["first_seen"], last_seen=v["last_seen"],
+                                          **{k: v[k] for k in SIGNATURE_COUNTERS})
                     s.add(row)
                     existing[digest] = row
-                    total += 1
                     written += 1
                 else:
-                    for k in counters:
+                    row = existing[digest]
+                    for k in SIGNATURE_COUNTERS:
                         setattr(row, k, int(getattr(row, k) or 0) + v[k])
                     row.last_seen = max(row.last_seen, v["last_seen"])
         s.flush()

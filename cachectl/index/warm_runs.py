@@ -18,7 +18,7 @@ from sqlalchemy import select, update
 from cachectl.errors import NotFound
 from cachectl.index.models import Cache, WarmRun, utcnow
 from cachectl.index.models import Environment as EnvRow
-from cachectl.index.records import WarmRunInfo
+from cachectl.records import WarmRunInfo
 
 if TYPE_CHECKING:
     from cachectl.index import Index

@@ -27,6 +27,7 @@ import contextlib
 import logging
 import os
 import re
+import sqlite3
 import threading
 import time
 from collections.abc import Callable
@@ -34,7 +35,8 @@ from datetime import datetime, timezone
 from threading import get_ident
 from typing import Any
 
-from cachectl import jax_signatures
+from cachectl import jax_signatures, service_sqlite
+from cachectl.records import utcnow
 from cachectl.telemetry.records import (  # noqa: F401 - re-exported
     MAX_FLUSH_COUNT,
     MAX_FLUSH_SECONDS,
@@ -105,7 +107,28 @@ class IndexSink:
             self._index, self._env_id = _index_side().index_with(self.db_url, record)
         return self._index, self._env_id
 
+    def _write_fast(self, batch: TelemetryBatch) -> bool:
+        """Write through the stdlib driver when the index allows it (no SQLAlchemy import)."""
+        if self._index is not None:
+            return False  # the SQLAlchemy index is open already: keep using it
+        fast = service_sqlite.open_fast(self.db_url)
+        if fast is None:
+            return False
+        try:
+            now = utcnow()
+            env_id = fast.touch_environment(self.cache, self.environment.digest, now)
+            if env_id is None:
+                return False
+            fast.record_telemetry(env_id, batch, now)
+            return True
+        except sqlite3.Error:
+            return False
+        finally:
+            fast.close()
+
     def write(self, batch: TelemetryBatch) -> None:
+        if self._write_fast(batch):
+            return
         try:
             index, env_id = self._open()
             _index_side().record_telemetry(index, env_id, batch)

@@ -1,0 +1,176 @@
+"""A service's SQLite index through the stdlib driver: read the policy, touch the environment, store telemetry.
+
+Importing SQLAlchemy and the index models costs a service 0.3-0.5 s, more than its whole start
+on a warmed cache, and a service needs only a handful of statements. For ``sqlite:///PATH``
+indexes whose schema is exactly SCHEMA_REVISION, activate() and the telemetry sink run them here.
+Anything else (another database, an older or newer schema, a missing cache or environment row,
+any sqlite3 error) makes ``open_fast`` or a method return None, and the caller takes the
+SQLAlchemy path, which creates, migrates and revives. The rows and their rules come from
+cachectl.telemetry.rows, shared with the SQLAlchemy writer; tests/test_service_sqlite.py checks
+that both write the same rows.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+from urllib.parse import unquote
+
+from cachectl.fingerprint import Environment
+from cachectl.records import CacheInfo, utcnow
+from cachectl.telemetry.records import TelemetryBatch
+from cachectl.telemetry.rows import (
+    SIGNATURE_COUNTERS,
+    by_function,
+    flush_rows,
+    hit_times,
+    merged_signatures,
+    placed_signatures,
+)
+
+# The Alembic head this module's statements are written for (tests/test_service_sqlite.py
+# fails when a migration is added without looking here).
+SCHEMA_REVISION = "0006"
+BUSY_TIMEOUT_S = 30.0  # cachectl.index.db.SQLITE_BUSY_TIMEOUT_MS: writers wait, never fail at once
+
+_CACHE_COLUMNS = ("name", "root_url", "max_size_bytes", "max_entry_size_bytes", "env_max_size_bytes",
+                  "retention_seconds", "keep_versions", "writers", "service_writes", "group_name",
+                  "storage_options", "created_at", "trusted_keys")
+
+
+def sqlite_path(url: str) -> Path | None:
+    """The file of a plain ``sqlite:///PATH`` URL (the driver and query forms go the SQLAlchemy way)."""
+    if not url.startswith("sqlite:///") or "?" in url:
+        return None
+    path = unquote(url[len("sqlite:///"):])
+    if not path or path == ":memory:":
+        return None
+    return Path(path).expanduser()
+
+
+def _stamp(value: datetime) -> str:
+    """A UTC time as SQLAlchemy's SQLite DateTime stores it (so string order is time order)."""
+    if value.tzinfo is not None:
+        value = value.astimezone(timezone.utc).replace(tzinfo=None)
+    return value.strftime("%Y-%m-%d %H:%M:%S.%f")
+
+
+def _parse(value: str | None) -> datetime | None:
+    return None if value is None else datetime.fromisoformat(value).replace(tzinfo=timezone.utc)
+
+
+def _json(value: Any) -> str:
+    """A JSON column as SQLAlchemy's JSON type writes it (None becomes JSON null, not SQL NULL)."""
+    return json.dumps(value)
+
+
+class FastIndex:
+    """One connection to an SQLite index at SCHEMA_REVISION; every method is one short transaction."""
+
+    def __init__(self, conn: sqlite3.Connection, url: str) -> None:
+        self.conn = conn
+        self.url = url
+
+    def close(self) -> None:
+        self.conn.close()
+
+    def get_cache(self, name: str) -> CacheInfo | None:
+        row = self.conn.execute(f"SELECT {', '.join(_CACHE_COLUMNS)} FROM caches WHERE name = ?", (name,)).fetchone()
+        if row is None:
+            return None
+        r = dict(zip(_CACHE_COLUMNS, row, strict=True))
+        return CacheInfo(
+            name=r["name"], root_url=r["root_url"], max_size=r["max_size_bytes"],
+            max_entry_size=r["max_entry_size_bytes"], env_max_size=r["env_max_size_bytes"],
+            retention_seconds=r["retention_seconds"], keep_versions=r["keep_versions"],
+            writers=tuple(json.loads(r["writers"] or "[]")), service_writes=r["service_writes"],
+            group=r["group_name"], storage_options=dict(json.loads(r["storage_options"] or "{}")),
+            created_at=_parse(r["created_at"]), trusted_keys=tuple(json.loads(r["trusted_keys"] or "[]")))
+
+    def touch_environment(self, cache: str, digest: str, now: datetime) -> int | None:
+        """The environment's id, marked seen (and revived); None when it has no row yet."""
+        with self.conn:
+            self.conn.execute("BEGIN IMMEDIATE")
+            row = self.conn.execute(
+                "SELECT e.id FROM environments e JOIN caches c ON c.id = e.cache_id "
+                "WHERE c.name = ? AND e.digest = ?", (cache, digest)).fetchone()
+            if row is None:
+                return None
+            self.conn.execute("UPDATE environments SET last_seen_at = ?, deleted_at = NULL WHERE id = ?",
+                              (_stamp(now), row[0]))
+            return int(row[0])
+
+    def ensure_environment(self, cache: str, env: Environment) -> int | None:
+        """Index.ensure_environment for a known environment; None for a new one (the caller
+        creates it the SQLAlchemy way: its row has every fingerprint field)."""
+        return self.touch_environment(cache, env.digest, utcnow())
+
+    def record_telemetry(self, env_id: int, batch: TelemetryBatch, now: datetime) -> int:
+        """What cachectl.index.telemetry_queries.record_telemetry writes, in one transaction."""
+        rows, serving = flush_rows(env_id, batch, now)
+        c = self.conn
+        with c:
+            c.execute("BEGIN IMMEDIATE")
+            c.executemany(
+                "INSERT INTO telemetry (environment_id, at, process, function, requests, hits, misses, writes, "
+                "saved_seconds, dropped, uncacheable) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                [(r["environment_id"], _stamp(r["at"]), r["process"], r["function"], r["requests"], r["hits"],
+                  r["misses"], r["writes"], r["saved_seconds"], r["dropped"], r["uncacheable"]) for r in rows])
+            c.executemany(
+                "INSERT INTO serving_telemetry (environment_id, at, process, function, calls, aot, fallback, "
+                "out_of_bucket, padded, sizes) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                [(r["environment_id"], _stamp(r["at"]), r["process"], r["function"], r["calls"], r["aot"],
+                  r["fallback"], r["out_of_bucket"], r["padded"], _json(r["sizes"])) for r in serving])
+            # Last access never moves backwards, nor before the entry was created (Index.record_hits).
+            c.executemany(
+                "UPDATE entries SET hit_count = hit_count + ?, last_access_at = CASE "
+                "WHEN COALESCE(last_access_at, created_at) < ? THEN ? ELSE COALESCE(last_access_at, created_at) END "
+                "WHERE environment_id = ? AND key = ?",
+                [(n, _stamp(at), _stamp(at), env_id, key) for key, (n, at) in hit_times(batch, now).items()])
+            for module, mine in by_function(merged_signatures(batch)):
+                marks = ", ".join("?" * (len(mine) + 1))
+                existing = [d for (d,) in c.execute(
+                    f"SELECT digest FROM signatures WHERE environment_id = ? AND function = ? AND digest IN ({marks})",
+                    (env_id, module, *mine, "*"))]
+                (total,) = c.execute("SELECT COUNT(*) FROM signatures WHERE environment_id = ? AND function = ?",
+                                     (env_id, module)).fetchone()
+                for digest, v, new in placed_signatures(mine, existing, total):
+                    if new:
+                        c.execute(
+                            "INSERT INTO signatures (environment_id, function, digest, key, leaves, source, statics, "
+                            "requests, hits, misses, uncacheable, repeats, first_seen, last_seen) "
+                            "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                            (env_id, module, digest, v["key"], _json(v["leaves"]), v["source"], _json(v["statics"]),
+                             *(v[k] for k in SIGNATURE_COUNTERS), _stamp(v["first_seen"]), _stamp(v["last_seen"])))
+                    else:
+                        c.execute(
+                            "UPDATE signatures SET requests = requests + ?, hits = hits + ?, misses = misses + ?, "
+                            "uncacheable = uncacheable + ?, repeats = repeats + ?, last_seen = MAX(last_seen, ?) "
+                            "WHERE environment_id = ? AND function = ? AND digest = ?",
+                            (*(v[k] for k in SIGNATURE_COUNTERS), _stamp(v["last_seen"]), env_id, module, digest))
+        return len(rows) + len(serving)
+
+
+def open_fast(url: str) -> FastIndex | None:
+    """The index through sqlite3, or None when the SQLAlchemy path must handle it."""
+    path = sqlite_path(url)
+    if path is None or not path.is_file():
+        return None
+    conn = None
+    try:
+        conn = sqlite3.connect(path, timeout=BUSY_TIMEOUT_S, isolation_level=None, check_same_thread=False)
+        conn.execute(f"PRAGMA busy_timeout={int(BUSY_TIMEOUT_S * 1000)}")
+        conn.execute("PRAGMA foreign_keys=ON")
+        conn.execute("PRAGMA synchronous=NORMAL")
+        version = conn.execute("SELECT version_num FROM alembic_version").fetchall()
+        if version != [(SCHEMA_REVISION,)]:
+            conn.close()
+            return None
+        return FastIndex(conn, url)
+    except sqlite3.Error:
+        if conn is not None:
+            conn.close()
+        return None
