@@ -75,7 +75,7 @@ def _actor(request: Request) -> str:
 
 def _environment(state: ServerState, cache: str, digest: str) -> EnvironmentInfo:
     """The environment (without totals) by digest or unique prefix: one query."""
-    return sq.locate(state.index, cache, digest).environment
+    return state.where(cache, digest)[1]
 
 
 # -- caches -----------------------------------------------------------------------
@@ -113,6 +113,7 @@ def update_policy(request: Request, cache: CacheName, body: schemas.PolicyUpdate
                        "keep_versions or service_writes")
     state.index.get_cache(cache)  # 404 for an unknown cache (set_cache would create 'default')
     info = set_cache(state.ctx, cache, **policy)
+    state.changed()  # this replica applies the new policy from the next request on
     state.index.audit("cache-set", cache=cache, details={k: v for k, v in policy.items()}, who=_actor(request))
     return ok(info)
 
@@ -177,20 +178,21 @@ def resolve(request: Request, cache: CacheName, body: schemas.ResolveRequest) ->
     env = body.environment()
     if body.digest is not None and body.digest != env.digest:
         raise HTTPException(422, f"digest {body.digest[:16]} does not match the fingerprint's fields ({env.digest[:16]})")
-    info = state.index.get_cache(cache)
-    store = state.store(info)
     writer = token.allows("writer", cache)
     created = False
     record: EnvironmentInfo | None = None
     if writer and body.create:
+        info = state.index.get_cache(cache)
+        store = state.store(info)
         ensure_namespace(store, env, group=info.group)
         record = state.index.ensure_environment(cache, env)
         created = True
     else:
         try:
-            record = sq.locate(state.index, cache, env.digest).environment
+            info, record = state.where(cache, env.digest)
         except NotFound:
-            record = None
+            info = state.index.get_cache(cache)  # NotFound for an unknown cache
+        store = state.store(info)
     return ok({
         "cache": cache, "digest": env.digest, "namespace": env.namespace, "url": store.url_for(env.namespace),
         "exists": record is not None, "created": created, "environment": record,
@@ -388,7 +390,7 @@ def create_token(request: Request, body: schemas.TokenCreate) -> JSONResponse:
 def revoke_token(request: Request, name: Annotated[str, Path(max_length=128)]) -> JSONResponse:
     state = state_of(request)
     info = tokens.revoke_token(state.index, name)
-    state.tokens.clear()  # refused by this replica from the next request on
+    state.changed()  # refused by this replica from the next request on
     state.index.audit("token-revoke", cache=None, details={"name": name}, who=_actor(request))
     return ok(info)
 

@@ -103,10 +103,11 @@ def create_app(settings: ServerSettings | str, **overrides: Any) -> FastAPI:
         return JSONResponse({"detail": f"internal error ({type(exc).__name__}); see the server log"},
                             status_code=500)
 
+    # Routes match in order: the entry byte routes (most of a fleet's requests) first.
     app.include_router(api.health)
-    app.include_router(api.router)
     app.include_router(entries.router)
     app.include_router(executables.router)
+    app.include_router(api.router)
     app.include_router(dashboard.router)
 
     @route(app.router, "GET", "/metrics", role="reader", scope="global", enforce=False,

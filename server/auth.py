@@ -9,8 +9,6 @@ missing, unknown, expired or revoked; 403 names the token's *name* and role.
 
 from __future__ import annotations
 
-import threading
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -26,6 +24,8 @@ from cachectl.tokens import (
     authenticate_session,
     hash_token,
 )
+
+from .recent import Recent
 
 PUBLIC = "public"
 ROLE_KEY = "x-cachectl-role"
@@ -45,39 +45,21 @@ UNAUTHORIZED = "missing, unknown, expired or revoked token: send 'Authorization:
 
 
 class TokenCache:
-    """Valid tokens seen in the last ``ttl_s`` seconds, by hash: one index query per token per
-    ``ttl_s`` instead of one per request. A token revoked on another replica (or with the CLI)
-    is refused at the latest ``ttl_s`` later; revoked through this replica's API, at once.
-    Expiry is checked on every use. ``ttl_s=0`` turns caching off."""
-
-    MAX = 10_000
+    """Valid tokens by hash (server/recent.py: refused at the latest ``ttl_s`` after a revocation
+    elsewhere, at once when revoked through this replica). Expiry is checked on every use."""
 
     def __init__(self, ttl_s: float) -> None:
-        self.ttl_s = ttl_s
-        self._items: dict[str, tuple[TokenInfo, float]] = {}
-        self._lock = threading.Lock()
+        self._recent: Recent[str, TokenInfo] = Recent(ttl_s)
 
     def get(self, token: str) -> TokenInfo | None:
-        if self.ttl_s <= 0:
-            return None
-        key = hash_token(token)
-        with self._lock:
-            item = self._items.get(key)
-        if item is None or item[1] < time.monotonic() or not item[0].active:
-            return None
-        return item[0]
+        info = self._recent.get(hash_token(token))
+        return info if info is not None and info.active else None
 
     def put(self, token: str, info: TokenInfo) -> None:
-        if self.ttl_s <= 0:
-            return
-        with self._lock:
-            if len(self._items) >= self.MAX:
-                self._items.clear()
-            self._items[hash_token(token)] = (info, time.monotonic() + self.ttl_s)
+        self._recent.put(hash_token(token), info)
 
     def clear(self) -> None:
-        with self._lock:
-            self._items.clear()
+        self._recent.clear()
 
 
 def bearer_token(request: Request) -> str | None:

@@ -34,6 +34,7 @@ from .entries import (
     _resolve,
     _too_large,
     check_key,
+    open_body,
     stream_file,
 )
 from .state import ServerState
@@ -133,7 +134,7 @@ async def get_executable(request: Request, cache: CacheName, digest: Digest, key
     store = state.store(info)
     try:
         # Only a regular file inside the namespace, never through a symlink (Store.open).
-        fh = await run_in_threadpool(store.open, executable_path(env, key), "rb")
+        fh = await run_in_threadpool(open_body, store, executable_path(env, key), size)
     except FileNotFoundError:
         raise HTTPException(404, f"no stored executable for entry {key} in environment {env.digest[:16]} "
                                  f"of cache {cache!r}") from None

@@ -13,12 +13,14 @@ from typing import Any
 
 from cachectl.config import load_settings
 from cachectl.context import Context
-from cachectl.index import CacheInfo, Index
+from cachectl.index import CacheInfo, EnvironmentInfo, Index
+from cachectl.index import server_queries as sq
 from cachectl.store import Store
 
 from .auth import TokenCache
 from .config import ServerSettings
 from .metrics import Metrics
+from .recent import Recent
 
 
 @dataclass
@@ -30,6 +32,8 @@ class ServerState:
     _stores: dict[str, Store] = field(default_factory=dict, init=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, init=False)
     tokens: TokenCache = field(init=False)
+    # (cache, digest prefix) -> its policy and environment, for the read routes (server/recent.py)
+    _where: Recent[tuple[str, str], tuple[CacheInfo, EnvironmentInfo]] = field(init=False)
     jobs: Any = None  # server.jobs.JobRunner, set by create_app
     maintenance: Any = None  # server.maintenance.Scheduler, set by create_app
 
@@ -39,6 +43,24 @@ class ServerState:
         # The server is direct mode, even with CACHECTL_SERVER set; it owns (and closes) the index.
         self.ctx = Context(load_settings(db=self.settings.db), index=self.index)
         self.tokens = TokenCache(self.settings.token_cache_s)
+        self._where = Recent(self.settings.token_cache_s)
+
+    def where(self, cache: str, digest: str) -> tuple[CacheInfo, EnvironmentInfo]:
+        """A cache's policy and one environment by digest or unique prefix, as the read routes need
+        them: remembered for ``token_cache_s`` (a pruned environment or a policy changed elsewhere
+        reaches this replica that much later; writes always ask the index)."""
+        key = (cache, digest.strip().lower())
+        found = self._where.get(key)
+        if found is None:
+            located = sq.locate(self.index, cache, digest)
+            found = (located.cache, located.environment)
+            self._where.put(key, found)
+        return found
+
+    def changed(self) -> None:
+        """Something this replica changed (a token, a policy): forget what it remembered."""
+        self.tokens.clear()
+        self._where.clear()
 
     def store(self, cache: CacheInfo) -> Store:
         """One Store per root and options: object-store clients are costly to build."""

@@ -466,3 +466,30 @@ def test_signatures_through_the_server_reach_misses(world) -> None:
     bad = telemetry_wire(batch)
     bad["signatures"][0]["requests"] = 2**53
     assert c.post(f"{API}/telemetry", json={"batches": [bad]}, headers=r).status_code == 422
+
+
+def test_what_a_replica_remembers_reaches_it_within_the_bound(tmp_path) -> None:
+    """Reads remember (cache, environment) for token_cache_s: a change made elsewhere (here: straight
+    in the index, as another replica would) shows after that bound; one made through this replica
+    at once; an unknown environment is never remembered."""
+    s = seed(f"sqlite:///{tmp_path}/index.db", str(tmp_path / "main"), str(tmp_path / "other"), entries=1)
+    app = create_app(ServerSettings(db=s.db, token_cache_s=0.5))
+    c = TestClient(app)
+    r, a = bearer(s.tokens["writer"]), bearer(s.tokens["admin"])  # a writer sees the policy in "readonly"
+    resolve = f"{API}/caches/{MAIN}/resolve"
+    assert c.post(resolve, json={**s.env.to_dict(), "create": False}, headers=r).json()["readonly"] is False
+    index = open_index(s.db)
+    index.update_cache(MAIN, service_writes="deny")  # elsewhere: this replica still remembers
+    assert c.post(resolve, json={**s.env.to_dict(), "create": False}, headers=r).json()["readonly"] is False
+    time.sleep(0.6)
+    assert c.post(resolve, json={**s.env.to_dict(), "create": False}, headers=r).json()["readonly"] is True
+    patched = c.patch(f"{API}/caches/{MAIN}", json={"service_writes": "allow"}, headers=a)
+    assert patched.status_code == 200, patched.text  # through this replica: applies at once
+    assert c.post(resolve, json={**s.env.to_dict(), "create": False}, headers=r).json()["readonly"] is False
+    new = fake_environment("0.9.9", "late")
+    assert c.post(resolve, json={**new.to_dict(), "create": False}, headers=r).json()["exists"] is False
+    index.ensure_environment(MAIN, new)  # created elsewhere: found on the next request
+    assert c.post(resolve, json={**new.to_dict(), "create": False}, headers=r).json()["exists"] is True
+    index.close()
+    app.state.cachectl.jobs.shutdown()
+    app.state.cachectl.index.close()

@@ -11,8 +11,8 @@ from contextlib import contextmanager
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
-from sqlalchemy import case, delete, func, literal, select, update
-from sqlalchemy.engine import Engine, make_url
+from sqlalchemy import bindparam, case, delete, func, select, update
+from sqlalchemy.engine import Connection, Engine, make_url
 from sqlalchemy.exc import DatabaseError, IntegrityError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -131,6 +131,20 @@ def _chunks(items: Sequence[Any], size: int = _CHUNK) -> Iterator[Sequence[Any]]
         yield items[start : start + size]
 
 
+
+def _add_hits_statement() -> Any:
+    """Hits added to one entry; last access moves forward only, never before creation. Built once:
+    telemetry runs it on every flush."""
+    t = Entry.__table__
+    seen = bindparam("b_seen", type_=UTCDateTime())
+    last = func.coalesce(t.c.last_access_at, t.c.created_at)
+    return (t.update().where(t.c.environment_id == bindparam("b_env"), t.c.key == bindparam("b_key"))
+            .values(hit_count=t.c.hit_count + bindparam("b_count"),
+                    last_access_at=case((last < seen, seen), else_=last)))
+
+
+_ADD_HITS = _add_hits_statement()
+
 class Index:
     """One index database (SQLite or PostgreSQL)."""
 
@@ -152,10 +166,21 @@ class Index:
     @contextmanager
     def session(self, *, write: bool = True) -> Iterator[Session]:
         """A transaction; ``write=False`` lets SQLite readers run deferred."""
+        with self._mapped_errors(write), self._sessions.begin() as session:
+            yield session
+
+    @contextmanager
+    def connection(self, *, write: bool = True) -> Iterator[Connection]:
+        """A Core transaction, without the ORM session's cost: for hot paths of plain statements."""
+        with self._mapped_errors(write), self.engine.begin() as conn:
+            yield conn
+
+    @contextmanager
+    def _mapped_errors(self, write: bool) -> Iterator[None]:
+        """Database failures as cachectl errors (Unreachable, an unusable index)."""
         token = db.sqlite_immediate.set(write)
         try:
-            with self._sessions.begin() as session:
-                yield session
+            yield
         except OperationalError as exc:
             raise Unreachable(f"index {self.url} failed: {db._first_line(exc)}") from exc
         except DatabaseError as exc:
@@ -409,28 +434,37 @@ class Index:
         return removed
 
     def record_hits(self, env_id: int, hits: dict[str, tuple[int, datetime]], *,
-                    not_after: datetime | None = None) -> int:
+                    not_after: datetime | None = None, session: Session | Connection | None = None) -> int:
         """Add hit counts and last-access times learned from telemetry.
 
         Last access never moves backwards, nor before the entry was created; with
         ``not_after`` (telemetry passes now: a reported time is only a claim) it never moves
         past that either, so no reader can make an entry look fresh (or stale) to gc.
+        One Core statement for all keys (telemetry's hot path), in ``session`` if given.
         """
-        touched = 0
-        with self.session() as s:
-            for key, (count, at) in hits.items():
-                if at.tzinfo is None:
-                    at = at.replace(tzinfo=timezone.utc)
-                seen = literal(at if not_after is None else min(at, not_after), type_=UTCDateTime())
-                last = func.coalesce(Entry.last_access_at, Entry.created_at)
-                result = s.execute(
-                    update(Entry)
-                    .where(Entry.environment_id == env_id, Entry.key == key)
-                    .values(hit_count=Entry.hit_count + count,
-                            last_access_at=case((last < seen, seen), else_=last))
-                )
-                touched += result.rowcount or 0
-        return touched
+        params = []
+        for key, (count, at) in hits.items():
+            if at.tzinfo is None:
+                at = at.replace(tzinfo=timezone.utc)
+            params.append({"b_env": env_id, "b_key": key, "b_count": count,
+                           "b_seen": at if not_after is None else min(at, not_after)})
+        if not params:
+            return 0
+        if session is not None:
+            return self._add_hits(session, params)
+        with self.connection() as conn:
+            return self._add_hits(conn, params)
+
+    @staticmethod
+    def _add_hits(s: Session | Connection, params: list[dict[str, Any]]) -> int:
+        t = Entry.__table__
+        result = s.execute(_ADD_HITS, params[0] if len(params) == 1 else params)
+        dialect = s.get_bind().dialect if isinstance(s, Session) else s.dialect
+        if len(params) == 1 or dialect.supports_sane_multi_rowcount:
+            return result.rowcount or 0
+        keys = [p["b_key"] for p in params]  # a driver that does not sum an executemany's rowcount
+        return s.scalar(select(func.count()).select_from(t).where(
+            t.c.environment_id == params[0]["b_env"], t.c.key.in_(keys))) or 0
 
     # -- warm runs (cachectl.index.warm_runs) ------------------------------------
 

@@ -85,6 +85,11 @@ class TelemetryStats:
     functions: list[UsageRow]
 
 
+# Built once: every flush runs them.
+_INSERT_TELEMETRY = TelemetryRecord.__table__.insert()
+_INSERT_SERVING = ServingRecord.__table__.insert()
+
+
 def record_telemetry(index: Index, env_id: int, batch: TelemetryBatch) -> int:
     """Store one flush; returns how many telemetry rows were written.
 
@@ -92,14 +97,14 @@ def record_telemetry(index: Index, env_id: int, batch: TelemetryBatch) -> int:
     otherwise), so no sum over the table can overflow."""
     now = utcnow()
     rows, serving = flush_rows(env_id, batch, now)
-    if rows or serving:
-        with index.session() as s:
+    if rows or serving or batch.hit_keys:
+        with index.connection() as s:  # one transaction: a flush is counted whole or not at all
             if rows:
-                s.execute(TelemetryRecord.__table__.insert(), rows)
+                s.execute(_INSERT_TELEMETRY, rows)
             if serving:
-                s.execute(ServingRecord.__table__.insert(), serving)
-    if batch.hit_keys:
-        index.record_hits(env_id, hit_times(batch, now))
+                s.execute(_INSERT_SERVING, serving)
+            if batch.hit_keys:
+                index.record_hits(env_id, hit_times(batch, now), session=s)
     if batch.signatures or batch.signatures_dropped:
         record_signatures(index, env_id, batch)
     return len(rows) + len(serving)

@@ -1,0 +1,48 @@
+"""What this replica saw in the last few seconds: the bound within which a change made elsewhere reaches it.
+
+Tokens and the (cache, environment) pairs the read routes resolve are asked for on every
+request; remembering them for ``ttl_s`` seconds saves an index round trip each time. A change
+made on another replica or with the CLI (a revoked token, a changed policy, a pruned
+environment) is seen at the latest ``ttl_s`` later; one made through this replica clears it at
+once. ``ttl_s=0`` turns remembering off. Only successes are remembered: something created
+elsewhere is found at once.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Generic, TypeVar
+
+K = TypeVar("K")
+V = TypeVar("V")
+
+
+class Recent(Generic[K, V]):
+    MAX = 10_000  # a flood of distinct keys costs one clear, never unbounded memory
+
+    def __init__(self, ttl_s: float) -> None:
+        self.ttl_s = ttl_s
+        self._items: dict[K, tuple[V, float]] = {}
+        self._lock = threading.Lock()
+
+    def get(self, key: K) -> V | None:
+        if self.ttl_s <= 0:
+            return None
+        with self._lock:
+            item = self._items.get(key)
+        if item is None or item[1] < time.monotonic():
+            return None
+        return item[0]
+
+    def put(self, key: K, value: V) -> None:
+        if self.ttl_s <= 0:
+            return
+        with self._lock:
+            if len(self._items) >= self.MAX:
+                self._items.clear()
+            self._items[key] = (value, time.monotonic() + self.ttl_s)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._items.clear()
