@@ -10,7 +10,7 @@ from cachectl import tokens
 from cachectl.cli.render import emit, json_option, stdout, table, when
 from cachectl.context import Context
 from cachectl.errors import BadInput
-from cachectl.units import parse_duration
+from cachectl.operations import operations
 
 KEEP_ALIVE_S = 75
 
@@ -98,12 +98,7 @@ def token_group() -> None:
 def token_create(ctx: Context, name: str, role: str, caches: tuple[str, ...], expires: str | None,
                  as_json: bool) -> None:
     """Create a token; the secret is printed once, alone on the last line (only its hash is stored)."""
-    if ctx.remote is not None:
-        created = ctx.remote.create_token(name, role, list(caches) or None, expires)
-    else:
-        created = tokens.create_token(ctx.index, name, role, list(caches) or None,
-                                      parse_duration(expires) if expires else None)
-        ctx.index.audit("token-create", cache=None, details={"name": name, "role": role, "caches": list(caches)})
+    created = operations(ctx).create_token(name, role, list(caches) or None, expires)
 
     def human(c: tokens.CreatedToken) -> None:
         scope = ", ".join(c.info.caches) if c.info.caches else "all caches"
@@ -120,7 +115,7 @@ def token_create(ctx: Context, name: str, role: str, caches: tuple[str, ...], ex
 @click.pass_obj
 def token_list(ctx: Context, as_json: bool) -> None:
     """List tokens (names, roles, scopes, expiry; never secrets)."""
-    items = ctx.remote.list_tokens() if ctx.remote is not None else tokens.list_tokens(ctx.index)
+    items = operations(ctx).list_tokens()
     emit(items, as_json, _print_tokens)
 
 
@@ -130,11 +125,7 @@ def token_list(ctx: Context, as_json: bool) -> None:
 @click.pass_obj
 def token_revoke(ctx: Context, name: str, as_json: bool) -> None:
     """Revoke a token by name; the server refuses it from the next request on."""
-    if ctx.remote is not None:
-        info = ctx.remote.revoke_token(name)
-    else:
-        info = tokens.revoke_token(ctx.index, name)
-        ctx.index.audit("token-revoke", cache=None, details={"name": name})
+    info = operations(ctx).revoke_token(name)
     emit(info, as_json, lambda t: stdout.print(f"revoked token {t.name!r}"))
 
 
