@@ -47,23 +47,20 @@ def serve(ctx: Context, host: str, port: int, serve_db: str | None, maintenance_
     Dashboard: / (sign in at /login with a reader token: a session, never the
                token, in an HttpOnly cookie; or --public-dashboard for a read-only view)
     """
-    import dataclasses
     import logging
 
     try:
         import uvicorn
 
         from cachectl_server.app import create_app
-        from cachectl_server.config import load_server_settings, parse_interval
+        from cachectl_server.config import load_server_settings
     except ImportError as exc:
         raise BadInput(f"the server needs its extra: pip install 'cachectl[server]' ({exc.name} is missing)") from exc
     settings = load_server_settings(
-        db=serve_db or ctx.settings.db,
-        maintenance_interval_s=parse_interval(maintenance_interval) if maintenance_interval else None,
-        metrics_public=public_metrics, dashboard_public=public_dashboard, host=host,
+        db=serve_db or ctx.settings.db, host=host,
+        flags={"maintenance_interval_s": maintenance_interval or None, "telemetry_retention_s": telemetry_retention,
+               "metrics_public": public_metrics, "dashboard_public": public_dashboard},
     )
-    if telemetry_retention is not None:
-        settings = dataclasses.replace(settings, telemetry_retention_s=parse_interval(telemetry_retention))
     app = create_app(settings)
     level = getattr(logging, log_level.upper())
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True)
