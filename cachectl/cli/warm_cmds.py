@@ -10,7 +10,7 @@ from rich.markup import escape
 
 from cachectl import distributed as dist
 from cachectl import signing
-from cachectl.cli.render import emit, print_json, size, stderr, stdout, table
+from cachectl.cli.render import emit, size, stderr, stdout, table
 from cachectl.context import Context
 from cachectl.errors import CachectlError, EnvironmentMismatch, OperationFailed
 from cachectl.manifest import DEFAULT_MAX_BUCKETS, MAX_BUCKETS_ENV, load_manifest
@@ -203,16 +203,16 @@ def _run_distributed(ctx: Context, manifest: str, cache_name: str | None, shard:
     report, me = result.report, result.process
     if signer is not None and me.index == dist.WRITER and not dry_run:
         resign(ctx.index, report.cache, report.environment["digest"], signer)
-    if as_json:
-        print_json(result.to_json())
-    else:
-        _print_warm(report)
+
+    def human(r: Any) -> None:
+        _print_warm(r.report)
         stdout.print(f"process {me.index} of {me.count} "
                      f"({'wrote and recorded the entries' if me.index == dist.WRITER else 'compiled; process 0 wrote'})",
                      highlight=False)
-    if report.summary.failed:
-        raise OperationFailed(f"{report.summary.failed} of {report.summary.buckets} bucket(s) "
-                   "failed; see the error column")
+
+    # Every process checked the target before compiling (dist.warm): not ok means failed buckets.
+    emit(result, as_json, human, failure=lambda r: OperationFailed(
+        f"{r.report.summary.failed} of {r.report.summary.buckets} bucket(s) failed; see the error column"))
 
 
 @click.command("warm")
