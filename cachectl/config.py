@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -23,7 +24,6 @@ else:  # pragma: no cover
 
 DEFAULT_CACHE = "default"
 ENV_PREFIX = "CACHECTL_"
-_FILE_KEYS = {"db", "cache", "server", "token_file", "root", "readonly", "default_root"}
 
 
 # The XDG base directories (XDG_DATA_HOME, XDG_CACHE_HOME, XDG_CONFIG_HOME), read at each call.
@@ -93,40 +93,65 @@ def _read_file(path: Path) -> dict[str, Any]:
     return data
 
 
+@dataclass(frozen=True)
+class Key:
+    """One setting: its field, its environment variable, how a value becomes the field's, and
+    whether the config file may set it. The CLI's keys are ``KEYS``; the server adds its own."""
+
+    field: str
+    env: str
+    parse: Callable[[str, Any], Any] = lambda _name, value: value
+    in_file: bool = False
+
+
+def resolve(keys: Iterable[Key], flags: Mapping[str, Any], file_values: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The one precedence: flag > environment > config file, per key; a key set nowhere is left
+    out (its dataclass default applies). An empty environment variable counts as unset."""
+    values: dict[str, Any] = {}
+    for key in keys:
+        raw = flags.get(key.field)
+        if raw is None and os.environ.get(key.env):
+            raw = os.environ[key.env]
+        if raw is None and key.in_file and file_values:
+            raw = file_values.get(key.field)
+        if raw is not None:
+            values[key.field] = key.parse(key.env, raw)
+    return values
+
+
+KEYS = (
+    Key("db", ENV_PREFIX + "DB", in_file=True),
+    Key("cache", ENV_PREFIX + "CACHE", in_file=True),
+    Key("server", ENV_PREFIX + "SERVER", in_file=True),
+    Key("token", ENV_PREFIX + "TOKEN"),
+    Key("root", ENV_PREFIX + "ROOT", in_file=True),
+    Key("readonly", ENV_PREFIX + "READONLY", parse_bool, in_file=True),
+)
+# The file also names a token file (never the token) and where the embedded default cache lives.
+_FILE_KEYS = {k.field for k in KEYS if k.in_file} | {"token_file", "default_root"}
+
+
 def load_settings(*, db: str | None = None, cache: str | None = None, server: str | None = None,
                   token: str | None = None, root: str | None = None,
                   readonly: bool | None = None) -> Settings:
     """Resolve settings in precedence order: arguments, environment, file, defaults."""
     path = config_path()
     file_values = _read_file(path)
-    env = os.environ
-
-    def pick(name: str, arg: Any) -> Any:
-        if arg is not None:
-            return arg
-        if env.get(ENV_PREFIX + name.upper()):
-            return env[ENV_PREFIX + name.upper()]
-        return file_values.get(name)
-
-    default_db = f"sqlite:///{data_dir() / 'index.db'}"
-    chosen_db = pick("db", db)
-    token_value = pick("token", token)
-    if token_value is None and file_values.get("token_file"):
+    values = resolve(KEYS, {"db": db, "cache": cache, "server": server, "token": token, "root": root,
+                            "readonly": readonly}, file_values)
+    if values.get("token") is None and file_values.get("token_file"):
         token_path = Path(file_values["token_file"]).expanduser()
         try:
-            token_value = token_path.read_text().strip()
+            values["token"] = token_path.read_text().strip()
         except (OSError, UnicodeDecodeError) as exc:
             reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else type(exc).__name__
             raise BadInput(f"cannot read token_file {str(token_path)!r} (from {path}): {reason}") from None
-    ro = pick("readonly", readonly)
+    chosen_db = values.pop("db", None)
     return Settings(
-        db=chosen_db or default_db,
+        db=chosen_db or f"sqlite:///{data_dir() / 'index.db'}",
         db_is_default=not chosen_db,
-        cache=pick("cache", cache) or DEFAULT_CACHE,
+        cache=values.pop("cache", None) or DEFAULT_CACHE,
         default_root=str(file_values.get("default_root") or cache_dir() / DEFAULT_CACHE),
-        root=pick("root", root),
-        server=pick("server", server),
-        token=token_value,
-        readonly=None if ro is None else parse_bool("CACHECTL_READONLY", ro),
         config_file=str(path) if file_values else None,
+        **values,
     )

@@ -1,16 +1,16 @@
 """Library values as JSON and back: what the server sends and the client rebuilds.
 
-``to_jsonable`` turns dataclasses, datetimes, enums and paths into plain JSON values;
-``from_jsonable`` rebuilds a value of a given type from them, so a result read over HTTP
-is the same type the library returns in direct mode.
+``to_jsonable`` turns dataclasses, datetimes, enums and paths into plain JSON values (the
+server's responses, the CLI's --json); ``from_jsonable`` rebuilds a value of a given type
+from them with pydantic's TypeAdapter, so a result read over HTTP is the same type the
+library returns in direct mode. There is no other decoder.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import enum
-import types
-import typing
+import functools
 from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -41,49 +41,18 @@ def to_jsonable(obj: Any) -> Any:
     return obj
 
 
-def _hints(cls: type) -> dict[str, Any]:
-    return typing.get_type_hints(cls)
+@functools.lru_cache(maxsize=256)
+def _adapter(tp: Any) -> Any:
+    """pydantic's validator for ``tp``, built once per type; pydantic is imported only here,
+    so activate() in server mode pays for it only when it decodes a response."""
+    from pydantic import TypeAdapter
+
+    return TypeAdapter(tp)
 
 
 def from_jsonable(tp: Any, data: Any) -> Any:
-    """Rebuild a value of type ``tp`` from what ``render.to_jsonable`` made of it."""
+    """Rebuild a value of type ``tp`` (a dataclass, a list of them...) from what ``to_jsonable``
+    made of it; keys ``tp`` does not have (``__json_extra__``'s) are ignored."""
     if data is None or tp is Any or tp is object:
         return data
-    origin = typing.get_origin(tp)
-    if origin in (typing.Union, types.UnionType):
-        options = [a for a in typing.get_args(tp) if a is not type(None)]
-        for option in options:
-            try:
-                return from_jsonable(option, data)
-            except (TypeError, ValueError, KeyError):
-                continue
-        return data
-    if dataclasses.is_dataclass(tp):
-        hints = _hints(tp)
-        values = {f.name: from_jsonable(hints.get(f.name, Any), data[f.name])
-                  for f in dataclasses.fields(tp) if f.init and f.name in data}
-        return tp(**values)
-    if origin in (list, typing.Sequence) or tp is list:
-        (item,) = typing.get_args(tp) or (Any,)
-        return [from_jsonable(item, v) for v in data]
-    if origin is tuple:
-        args = typing.get_args(tp)
-        if len(args) == 2 and args[1] is Ellipsis:
-            return tuple(from_jsonable(args[0], v) for v in data)
-        return tuple(from_jsonable(a, v) for a, v in zip(args, data, strict=False))
-    if origin is dict or tp is dict:
-        key_t, value_t = typing.get_args(tp) or (Any, Any)
-        return {from_jsonable(key_t, k): from_jsonable(value_t, v) for k, v in data.items()}
-    if tp is datetime:
-        if not isinstance(data, str):
-            raise TypeError("datetime")
-        return datetime.fromisoformat(data)
-    if tp is timedelta:
-        return timedelta(seconds=float(data))
-    if isinstance(tp, type) and issubclass(tp, enum.Enum):
-        return tp(data)
-    if tp is float and isinstance(data, int):
-        return float(data)
-    if isinstance(tp, type) and tp in (int, str, bool, float) and not isinstance(data, tp):
-        raise TypeError(f"expected {tp.__name__}")
-    return data
+    return _adapter(tp).validate_python(data)

@@ -1,4 +1,4 @@
-"""How one server process is configured: a dataclass, filled from flags and CACHECTL_SERVER_* env.
+"""How one server process is configured: a dataclass, filled by cachectl.config's loader from flags and env.
 
 Deployments run several stateless replicas over one PostgreSQL index, so
 nothing here is per-replica state: every replica can be started the same way.
@@ -6,11 +6,11 @@ nothing here is per-replica state: every replica can be started the same way.
 
 from __future__ import annotations
 
-import os
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
-from cachectl.config import env_flag, load_settings
+from cachectl.config import Key, load_settings, parse_bool, resolve
 from cachectl.units import parse_duration, parse_size
 
 DEFAULT_HOST = "127.0.0.1"
@@ -64,8 +64,6 @@ class ServerSettings:
         return replace(self, **{k: v for k, v in overrides.items() if v is not None})
 
 
-
-
 def parse_interval(text: str | None) -> float | None:
     """``1h`` -> 3600.0; ``off``/``0``/empty -> None (no scheduled maintenance)."""
     if text is None or text.strip().lower() in ("", "0", "off", "none"):
@@ -73,19 +71,32 @@ def parse_interval(text: str | None) -> float | None:
     return parse_duration(text).total_seconds()
 
 
-def load_server_settings(db: str | None = None, **overrides: Any) -> ServerSettings:
-    """Flags > CACHECTL_SERVER_* / CACHECTL_* environment > defaults."""
-    env = os.environ
-    settings = ServerSettings(
-        db=load_settings(db=db).db,
-        maintenance_interval_s=parse_interval(env.get("CACHECTL_SERVER_MAINTENANCE_INTERVAL")),
-        maintenance_initial_delay_s=parse_interval(env.get("CACHECTL_SERVER_MAINTENANCE_DELAY")),
-        metrics_public=bool(env_flag("CACHECTL_SERVER_METRICS_PUBLIC")),
-        dashboard_public=bool(env_flag("CACHECTL_SERVER_DASHBOARD_PUBLIC")),
-        secure_cookies=env_flag("CACHECTL_SERVER_SECURE_COOKIES"),
-    )
-    if env.get("CACHECTL_SERVER_TELEMETRY_RETENTION"):
-        settings = replace(settings, telemetry_retention_s=parse_interval(env["CACHECTL_SERVER_TELEMETRY_RETENTION"]))
-    if env.get("CACHECTL_SERVER_MAX_UPLOAD"):
-        settings = replace(settings, max_upload_bytes=parse_size(env["CACHECTL_SERVER_MAX_UPLOAD"]))
+def _interval(_name: str, value: Any) -> float | None:
+    return value if isinstance(value, (int, float)) else parse_interval(value)
+
+
+def _size(_name: str, value: Any) -> int:
+    return parse_size(value)
+
+
+# The server's keys, on top of the CLI's (cachectl.config.KEYS gives it ``db``); environment only.
+SERVER_KEYS = (
+    Key("maintenance_interval_s", "CACHECTL_SERVER_MAINTENANCE_INTERVAL", _interval),
+    Key("maintenance_initial_delay_s", "CACHECTL_SERVER_MAINTENANCE_DELAY", _interval),
+    Key("metrics_public", "CACHECTL_SERVER_METRICS_PUBLIC", parse_bool),
+    Key("dashboard_public", "CACHECTL_SERVER_DASHBOARD_PUBLIC", parse_bool),
+    Key("secure_cookies", "CACHECTL_SERVER_SECURE_COOKIES", parse_bool),
+    Key("telemetry_retention_s", "CACHECTL_SERVER_TELEMETRY_RETENTION", _interval),
+    Key("max_upload_bytes", "CACHECTL_SERVER_MAX_UPLOAD", _size),
+)
+
+
+def load_server_settings(db: str | None = None, *, flags: Mapping[str, Any] | None = None,
+                         **overrides: Any) -> ServerSettings:
+    """cachectl.config's one loader: flags > CACHECTL_SERVER_* / CACHECTL_* environment > file > defaults.
+
+    ``flags`` are the serve command's values as typed (``"1h"``, ``"off"``), parsed like the
+    environment's; ``overrides`` are typed values (None: not given).
+    """
+    settings = ServerSettings(db=load_settings(db=db).db, **resolve(SERVER_KEYS, flags or {}))
     return settings.with_overrides(**overrides)

@@ -160,3 +160,11 @@ def test_no_backend_sniffing_or_context_patching() -> None:
     text = {p: p.read_text() for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.py")}
     assert [str(p) for p, t in text.items() if "is_remote" in t] == []
     assert [str(p) for p, t in text.items() if '__dict__["index"]' in t or "__dict__['index']" in t] == []
+
+
+def test_commands_do_not_branch_on_server_mode() -> None:
+    """Server mode is an Operations implementation chosen in cachectl.operations, not `if ctx.remote`."""
+    cli = ROOT / "cachectl" / "cli"
+    assert [str(p.relative_to(ROOT)) for p in sorted(cli.glob("*.py")) if "ctx.remote" in p.read_text()] == []
+    text = (ROOT / "cachectl" / "operations.py").read_text()
+    assert "class LocalOperations" in text and "class ServerOperations" in text

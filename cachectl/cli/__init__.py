@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import sys
 from typing import Any
 
 import click
@@ -15,7 +14,7 @@ from cachectl.errors import CachectlError, ProblemsReported
 
 
 class CachectlGroup(click.Group):
-    """Turns library errors into one line on stderr and the contract's exit code."""
+    """Turns library errors into one line on stderr and the contract's exit code (130 on Ctrl-C)."""
 
     def invoke(self, ctx: click.Context) -> Any:
         try:
@@ -23,11 +22,17 @@ class CachectlGroup(click.Group):
         except CachectlError as exc:
             # The one place a library error becomes an exit code (cachectl.errors.ERRORS).
             # A message of several problems (a manifest's) prints one error line each; a
-            # report that printed its own problems (ProblemsReported) adds none.
-            if not isinstance(exc, ProblemsReported):
+            # report that printed its own problems (ProblemsReported) adds only its summary.
+            if isinstance(exc, ProblemsReported):
+                if exc.message:
+                    click.echo(exc.message, err=True)
+            else:
                 for line in exc.message.splitlines() or [""]:
                     click.echo(f"cachectl: error: {line}", err=True)
             ctx.exit(exc.exit_code)
+        except KeyboardInterrupt:
+            click.echo("cachectl: interrupted", err=True)
+            ctx.exit(130)
 
 
 @click.group(cls=CachectlGroup, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
@@ -80,8 +85,4 @@ _register()
 
 
 def main() -> None:
-    try:
-        cli.main(prog_name="cachectl")
-    except KeyboardInterrupt:
-        click.echo("cachectl: interrupted", err=True)
-        sys.exit(130)
+    cli.main(prog_name="cachectl")

@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-from datetime import timedelta
-
 import click
 
 from cachectl import inventory
-from cachectl.cli import server_mode
 from cachectl.cli.render import emit, json_option, size, stdout, table, when
-from cachectl.index.telemetry_queries import TelemetryStats, UsageRow, telemetry_stats
+from cachectl.index.telemetry_queries import TelemetryStats, UsageRow
+from cachectl.operations import operations
 from cachectl.units import parse_duration
 
 
@@ -122,10 +120,7 @@ def _print_usage(u: TelemetryStats) -> None:
 def _print_hit_rates(ctx, caches) -> None:
     """Plain `stats` ends with each cache's hit rate over the last day (ccache's habit)."""
     for c in caches:
-        if ctx.remote is not None:
-            u = server_mode.telemetry_stats(ctx, c.name, "24h")
-        else:
-            u = telemetry_stats(ctx.index, c.name, timedelta(hours=24))
+        u = operations(ctx).telemetry_stats(c.name, "24h")
         req = sum(r.cacheable_requests for r in u.environments)
         hits = sum(r.hits for r in u.environments)
         unc = sum(r.uncacheable for r in u.environments)
@@ -147,12 +142,10 @@ def _print_hit_rates(ctx, caches) -> None:
 def stats(ctx, all_caches: bool, since: str | None, as_json: bool) -> None:
     """Totals per cache and per environment; with --since, hits and misses from services."""
     if since is not None:
-        window = parse_duration(since)
+        parse_duration(since)  # bad input before the index is opened
         caches = ctx.index.list_caches() if all_caches else [ctx.cache()]
-        if ctx.remote is not None:  # server mode (CACHECTL_SERVER)
-            result = [server_mode.telemetry_stats(ctx, c.name, since) for c in caches]
-        else:
-            result = [telemetry_stats(ctx.index, c.name, window) for c in caches]
+        ops = operations(ctx)
+        result = [ops.telemetry_stats(c.name, since) for c in caches]
         emit(result if all_caches else result[0], as_json,
              lambda r: [_print_usage(u) for u in (r if isinstance(r, list) else [r])])
         return

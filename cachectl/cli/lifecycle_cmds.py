@@ -9,20 +9,16 @@ holds the cache's lease (the message names the holder; nothing was done);
 
 from __future__ import annotations
 
-from datetime import timedelta
-
 import click
 
-from cachectl.cli.render import emit, info, json_option, size, stdout, table
-from cachectl.cli.server_mode import run_lifecycle
+from cachectl.cli.render import emit, json_option, size, stdout, table
 from cachectl.context import Context
 from cachectl.errors import ProblemsReported
 from cachectl.lifecycle import gc as gc_lib
-from cachectl.lifecycle import prune as prune_lib
 from cachectl.lifecycle import verify as verify_lib
 from cachectl.lifecycle.plan import DeletionPlan, ExecutionResult, LifecycleResult
+from cachectl.operations import operations
 from cachectl.store import DELETE_BATCH
-from cachectl.units import parse_duration
 
 _SHOW = 50
 
@@ -127,14 +123,9 @@ def prune_cmd(ctx: Context, older_than: str | None, unused_for: str | None, jax_
     (nothing done) when another prune, gc or verify --quarantine holds the
     cache's lease.
     """
-    crit = prune_lib.criteria(older_than=older_than, unused_for=unused_for, jax_version=jax_version,
-                              superseded=superseded, keep=keep, env=env_prefix, function=function)
-    if ctx.remote is not None:  # server mode (CACHECTL_SERVER): a job on the server, same result
-        result = run_lifecycle(ctx, "prune", {"older_than": older_than, "unused_for": unused_for,
-                                              "jax_version": jax_version, "superseded": superseded, "keep": keep,
-                                              "env": env_prefix, "function": function, "dry_run": dry_run})
-    else:
-        result = prune_lib.prune(ctx, ctx.cache(), crit, dry_run=dry_run, batch_size=batch_size)
+    result = operations(ctx).prune(older_than=older_than, unused_for=unused_for, jax_version=jax_version,
+                                   superseded=superseded, keep=keep, env=env_prefix, function=function,
+                                   dry_run=dry_run, batch_size=batch_size)
     emit(result, as_json, _print_prune)
 
 
@@ -155,17 +146,11 @@ def gc_cmd(ctx: Context, policy: str, max_size: str | None, protect_warm: bool, 
     lease (nothing done), or when the cache is still over its limit because
     everything left is protected.
     """
-    if ctx.remote is not None:  # server mode (CACHECTL_SERVER): a job on the server, same result
-        result = run_lifecycle(ctx, "gc", {"policy": policy, "max_size": max_size, "protect_warm": protect_warm,
-                                           "dry_run": dry_run})
-    else:
-        result = gc_lib.gc(ctx, ctx.cache(), policy=policy, max_size=max_size, protect_warm=protect_warm,
-                           dry_run=dry_run, batch_size=batch_size)
-    emit(result, as_json, _print_gc)
-    if result.plan.over_limit_after and not dry_run:
-        info(f"cachectl: gc: cache is still {size(result.plan.over_limit_after)} over max_size; "
-             "the rest is protected (warm in progress or --protect-warm)")
-        raise ProblemsReported()
+    result = operations(ctx).gc(policy=policy, max_size=max_size, protect_warm=protect_warm, dry_run=dry_run,
+                                batch_size=batch_size)
+    emit(result, as_json, _print_gc, failure=lambda r: ProblemsReported(
+        f"cachectl: gc: cache is still {size(r.plan.over_limit_after)} over max_size; "
+        "the rest is protected (warm in progress or --protect-warm)"))
 
 
 @click.command("verify")
@@ -188,17 +173,10 @@ def verify_cmd(ctx: Context, env_prefix: str | None, quarantine: bool, repair: b
     Run `cachectl sync` first where services write entries themselves: until
     synced, their entries are unknown to the index.
     """
-    age = parse_duration(min_age) if min_age.strip() not in ("0", "") else timedelta(0)
-    if ctx.remote is not None:  # server mode (CACHECTL_SERVER): a job on the server, same result
-        result = run_lifecycle(ctx, "verify", {"env": env_prefix, "quarantine": quarantine, "repair": repair,
-                                               "dry_run": dry_run, "min_age": min_age})
-    else:
-        result = verify_lib.verify(ctx, ctx.cache(), env_prefix=env_prefix, quarantine=quarantine,
-                                   repair=repair, dry_run=dry_run, min_age=age, deep=deep)
-    emit(result, as_json, _print_verify)
-    if result.plan.findings:
-        info(f"cachectl: verify: {len(result.plan.findings)} finding(s)")
-        raise ProblemsReported()
+    result = operations(ctx).verify(env=env_prefix, quarantine=quarantine, repair=repair, dry_run=dry_run,
+                                    min_age=min_age, deep=deep)
+    emit(result, as_json, _print_verify,
+         failure=lambda r: ProblemsReported(f"cachectl: verify: {len(r.plan.findings)} finding(s)"))
 
 
 def register(cli: click.Group) -> None:

@@ -12,6 +12,7 @@ import click
 from rich.console import Console
 from rich.table import Table
 
+from cachectl.errors import CachectlError, ProblemsReported
 from cachectl.jsonable import to_jsonable
 from cachectl.units import format_size
 
@@ -22,7 +23,9 @@ json_option = click.option("--json", "as_json", is_flag=True, help="Print the re
 
 
 def print_json(obj: Any) -> None:
-    sys.stdout.write(json.dumps(to_jsonable(obj), indent=2, sort_keys=False) + "\n")
+    """The wire format (cachectl.jsonable); a report with its own ``to_json`` (warm's) uses that."""
+    data = obj.to_json() if callable(getattr(obj, "to_json", None)) else to_jsonable(obj)
+    sys.stdout.write(json.dumps(data, indent=2, sort_keys=False) + "\n")
 
 
 def table(title: str | None, columns: Sequence[str], rows: Sequence[Sequence[Any]],
@@ -35,12 +38,23 @@ def table(title: str | None, columns: Sequence[str], rows: Sequence[Sequence[Any
     return t
 
 
-def emit(result: Any, as_json: bool, human: Callable[[Any], None]) -> None:
-    """Print ``result`` as JSON or through its human renderer."""
+def emit(result: Any, as_json: bool, human: Callable[[Any], None], *,
+         failure: Callable[[Any], CachectlError] | None = None) -> None:
+    """Print ``result`` as JSON or through its human renderer; then a result that is not ``ok`` fails.
+
+    Its error is ``failure(result)``, by default ProblemsReported (exit 1: the result has
+    shown its problems); cachectl.cli.CachectlGroup turns it into the exit code.
+    """
     if as_json:
         print_json(result)
     else:
         human(result)
+    if not getattr(result, "ok", True):
+        raise (failure or _reported)(result)
+
+
+def _reported(_result: Any) -> CachectlError:
+    return ProblemsReported()
 
 
 def when(value: datetime | None) -> str:

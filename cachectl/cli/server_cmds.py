@@ -10,7 +10,7 @@ from cachectl import tokens
 from cachectl.cli.render import emit, json_option, stdout, table, when
 from cachectl.context import Context
 from cachectl.errors import BadInput
-from cachectl.units import parse_duration
+from cachectl.operations import operations
 
 KEEP_ALIVE_S = 75
 
@@ -47,23 +47,20 @@ def serve(ctx: Context, host: str, port: int, serve_db: str | None, maintenance_
     Dashboard: / (sign in at /login with a reader token: a session, never the
                token, in an HttpOnly cookie; or --public-dashboard for a read-only view)
     """
-    import dataclasses
     import logging
 
     try:
         import uvicorn
 
         from cachectl_server.app import create_app
-        from cachectl_server.config import load_server_settings, parse_interval
+        from cachectl_server.config import load_server_settings
     except ImportError as exc:
         raise BadInput(f"the server needs its extra: pip install 'cachectl[server]' ({exc.name} is missing)") from exc
     settings = load_server_settings(
-        db=serve_db or ctx.settings.db,
-        maintenance_interval_s=parse_interval(maintenance_interval) if maintenance_interval else None,
-        metrics_public=public_metrics, dashboard_public=public_dashboard, host=host,
+        db=serve_db or ctx.settings.db, host=host,
+        flags={"maintenance_interval_s": maintenance_interval or None, "telemetry_retention_s": telemetry_retention,
+               "metrics_public": public_metrics, "dashboard_public": public_dashboard},
     )
-    if telemetry_retention is not None:
-        settings = dataclasses.replace(settings, telemetry_retention_s=parse_interval(telemetry_retention))
     app = create_app(settings)
     level = getattr(logging, log_level.upper())
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True)
@@ -98,12 +95,7 @@ def token_group() -> None:
 def token_create(ctx: Context, name: str, role: str, caches: tuple[str, ...], expires: str | None,
                  as_json: bool) -> None:
     """Create a token; the secret is printed once, alone on the last line (only its hash is stored)."""
-    if ctx.remote is not None:
-        created = ctx.remote.create_token(name, role, list(caches) or None, expires)
-    else:
-        created = tokens.create_token(ctx.index, name, role, list(caches) or None,
-                                      parse_duration(expires) if expires else None)
-        ctx.index.audit("token-create", cache=None, details={"name": name, "role": role, "caches": list(caches)})
+    created = operations(ctx).create_token(name, role, list(caches) or None, expires)
 
     def human(c: tokens.CreatedToken) -> None:
         scope = ", ".join(c.info.caches) if c.info.caches else "all caches"
@@ -120,7 +112,7 @@ def token_create(ctx: Context, name: str, role: str, caches: tuple[str, ...], ex
 @click.pass_obj
 def token_list(ctx: Context, as_json: bool) -> None:
     """List tokens (names, roles, scopes, expiry; never secrets)."""
-    items = ctx.remote.list_tokens() if ctx.remote is not None else tokens.list_tokens(ctx.index)
+    items = operations(ctx).list_tokens()
     emit(items, as_json, _print_tokens)
 
 
@@ -130,11 +122,7 @@ def token_list(ctx: Context, as_json: bool) -> None:
 @click.pass_obj
 def token_revoke(ctx: Context, name: str, as_json: bool) -> None:
     """Revoke a token by name; the server refuses it from the next request on."""
-    if ctx.remote is not None:
-        info = ctx.remote.revoke_token(name)
-    else:
-        info = tokens.revoke_token(ctx.index, name)
-        ctx.index.audit("token-revoke", cache=None, details={"name": name})
+    info = operations(ctx).revoke_token(name)
     emit(info, as_json, lambda t: stdout.print(f"revoked token {t.name!r}"))
 
 

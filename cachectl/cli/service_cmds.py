@@ -14,7 +14,6 @@ from cachectl import mirror as mirror_lib
 from cachectl import signing
 from cachectl.cli.render import emit, json_option, size, stdout, table
 from cachectl.context import Context
-from cachectl.errors import ProblemsReported
 
 _SHOW = 50
 _STYLE = {"error": "bold red", "warning": "yellow", "info": "green"}
@@ -45,8 +44,6 @@ def doctor(ctx: Context, as_json: bool) -> None:
     """
     report = doctor_lib.diagnose(ctx)
     emit(report, as_json, _print_doctor)
-    if report.errors:
-        raise ProblemsReported()
 
 
 def _problems_table(title: str, items: list[mirror_lib.EntryProblem]) -> None:
@@ -95,8 +92,6 @@ def pull(ctx: Context, dest: str, workers: int, verify_existing: bool, dry_run: 
     """
     result = mirror_lib.pull(ctx, dest, workers=workers, dry_run=dry_run, verify_existing=verify_existing)
     emit(result, as_json, _print_pull)
-    if not result.ok:
-        raise ProblemsReported()
 
 
 def _print_push(r: mirror_lib.PushResult) -> None:
@@ -134,8 +129,6 @@ def push(ctx: Context, src: str, workers: int, dry_run: bool, sign_key: str | No
     if not dry_run and key is not None:
         signing.resign(ctx.index, result.cache, result.environment, key)
     emit(result, as_json, _print_push)
-    if not result.ok:
-        raise ProblemsReported()
 
 
 def register(cli: click.Group) -> None:

@@ -10,9 +10,9 @@ from rich.markup import escape
 
 from cachectl import distributed as dist
 from cachectl import signing
-from cachectl.cli.render import print_json, size, stderr, stdout, table
+from cachectl.cli.render import emit, size, stderr, stdout, table
 from cachectl.context import Context
-from cachectl.errors import EnvironmentMismatch, OperationFailed
+from cachectl.errors import CachectlError, EnvironmentMismatch, OperationFailed
 from cachectl.manifest import DEFAULT_MAX_BUCKETS, MAX_BUCKETS_ENV, load_manifest
 from cachectl.sharding import resolve_shard
 from cachectl.signing import resign
@@ -182,13 +182,8 @@ def _with_common(fn: Any) -> Any:
 def _run_check(ctx: Context, manifest: str, cache_name: str | None, shard: str | None,
                paths: tuple[str, ...], as_json: bool, shards: int | None = None) -> None:
     report = check(ctx, manifest, cache=cache_name, shard=_shard(shard, shards), paths=paths)
-    if as_json:
-        print_json(report.to_json())
-    else:
-        _print_check(report)
-    if not report.ok:
-        raise OperationFailed(f"coverage {report.coverage:.1f}% is below 100%: "
-                              f"{len(report.buckets) - report.hits} bucket(s) would compile in a service")
+    emit(report, as_json, _print_check, failure=lambda r: OperationFailed(
+        f"coverage {r.coverage:.1f}% is below 100%: {len(r.buckets) - r.hits} bucket(s) would compile in a service"))
 
 
 def _signer_for(ctx: Context, manifest: str, cache_name: str | None, sign_key: str | None) -> Any:
@@ -208,16 +203,16 @@ def _run_distributed(ctx: Context, manifest: str, cache_name: str | None, shard:
     report, me = result.report, result.process
     if signer is not None and me.index == dist.WRITER and not dry_run:
         resign(ctx.index, report.cache, report.environment["digest"], signer)
-    if as_json:
-        print_json(result.to_json())
-    else:
-        _print_warm(report)
+
+    def human(r: Any) -> None:
+        _print_warm(r.report)
         stdout.print(f"process {me.index} of {me.count} "
                      f"({'wrote and recorded the entries' if me.index == dist.WRITER else 'compiled; process 0 wrote'})",
                      highlight=False)
-    if report.summary.failed:
-        raise OperationFailed(f"{report.summary.failed} of {report.summary.buckets} bucket(s) "
-                   "failed; see the error column")
+
+    # Every process checked the target before compiling (dist.warm): not ok means failed buckets.
+    emit(result, as_json, human, failure=lambda r: OperationFailed(
+        f"{r.report.summary.failed} of {r.report.summary.buckets} bucket(s) failed; see the error column"))
 
 
 @click.command("warm")
@@ -273,21 +268,21 @@ def warm_cmd(ctx: Context, manifest: str, cache_name: str | None, shard: str | N
                       executables=not no_executables)
     if signer is not None and not report.target_problems:
         resign(ctx.index, report.cache, report.environment["digest"], signer)
-    if as_json:
-        print_json(report.to_json())
-    else:
-        _print_warm(report)
+    emit(report, as_json, _print_warm, failure=_warm_failure)
+
+
+def _warm_failure(report: Any) -> CachectlError:
+    """The error of a warm that is not ok: the wrong machine (exit 3), else failed buckets (exit 1)."""
     if report.target_problems:
-        raise EnvironmentMismatch("this machine does not match the manifest's target: "
-                                  + "; ".join(report.target_problems))
-    if report.summary.failed:
-        traced = [b for b in report.buckets if b.traceback]
-        if _verbosity() >= 1:
-            for b in traced:
-                click.echo(f"{b.function}[{_plain(b.bucket)}] failed:\n{b.traceback}\n", err=True)
-        hint = "; -v prints the traceback of your code" if traced and _verbosity() < 1 else ""
-        raise OperationFailed(f"{report.summary.failed} of {report.summary.buckets} bucket(s) "
-                              f"failed; see the error column{hint}")
+        return EnvironmentMismatch("this machine does not match the manifest's target: "
+                                   + "; ".join(report.target_problems))
+    traced = [b for b in report.buckets if b.traceback]
+    if _verbosity() >= 1:
+        for b in traced:
+            click.echo(f"{b.function}[{_plain(b.bucket)}] failed:\n{b.traceback}\n", err=True)
+    hint = "; -v prints the traceback of your code" if traced and _verbosity() < 1 else ""
+    return OperationFailed(f"{report.summary.failed} of {report.summary.buckets} bucket(s) "
+                           f"failed; see the error column{hint}")
 
 
 @click.command("warm-check")

@@ -61,6 +61,11 @@ class GcResult:
     dry_run: bool
     planning_s: float
 
+    @property
+    def ok(self) -> bool:
+        """False when a run left the cache over its limit (everything left is protected)."""
+        return self.dry_run or not self.plan.over_limit_after
+
 
 def _limits(cache: CacheInfo, max_size: str | int | None) -> tuple[int | None, int | None]:
     limit = cache.max_size

@@ -1,0 +1,32 @@
+"""The cachectl server's HTTP client, used when CACHECTL_SERVER (and CACHECTL_TOKEN) are set.
+
+The server answers with the library's own dataclasses as JSON (cachectl.jsonable);
+``wire.decode`` rebuilds them, so the CLI prints exactly what it prints in direct mode,
+and server errors come back as the same CachectlError (``transport``: same message, same
+exit code). ``remote.RemoteIndex`` implements the IndexBackend protocol over HTTP, so
+listing, stats and warm registration run unchanged; ``service`` builds the client a
+set of settings asks for (short timeouts for activate()).
+"""
+
+from __future__ import annotations
+
+from cachectl.client.remote import RemoteIndex
+from cachectl.client.server_client import PAGE, ServerClient
+from cachectl.client.service import (
+    SERVICE_CONNECT_TIMEOUT_S,
+    SERVICE_TIMEOUT_S,
+    ServerSink,
+    client_from_settings,
+    open_for_service,
+    remote_index_for_service,
+    server_sink,
+    service_client,
+)
+from cachectl.client.transport import API, DEFAULT_TIMEOUT_S, Transport, _seg
+from cachectl.client.wire import decode, telemetry_wire
+
+__all__ = [
+    "API", "DEFAULT_TIMEOUT_S", "PAGE", "SERVICE_CONNECT_TIMEOUT_S", "SERVICE_TIMEOUT_S", "RemoteIndex",
+    "ServerClient", "ServerSink", "Transport", "_seg", "client_from_settings", "decode", "open_for_service",
+    "remote_index_for_service", "server_sink", "service_client", "telemetry_wire",
+]

@@ -1,0 +1,163 @@
+"""RemoteIndex: the IndexBackend (cachectl.index.backend) over the server's HTTP API."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from cachectl.client.server_client import ServerClient
+from cachectl.client.wire import decode
+from cachectl.errors import BadInput, CachectlError, NotFound, PermissionDenied
+from cachectl.records import EnvironmentInfo, actor, pick_environment
+
+
+class RemoteIndex:
+    """The part of :class:`cachectl.index.Index` the CLI's reads and warm registration use, over HTTP.
+
+    Environment ids are the server's; the (cache, digest) each id belongs to is
+    remembered from the records this object returned, which is how calls that
+    take only an id (list_entries, upsert_entries) find their URL.
+    """
+
+    dialect = "remote"
+
+    def __init__(self, client: ServerClient) -> None:
+        self.client = client
+        self._envs: dict[int, tuple[str, str]] = {}
+        self._runs: dict[int, str] = {}
+
+    @property
+    def url(self) -> str:
+        return self.client.url
+
+    def close(self) -> None:
+        self.client.close()
+
+    def _remember(self, envs: Iterable[Any]) -> None:
+        for e in envs:
+            self._envs[e.id] = (e.cache, e.digest)
+
+    def _env(self, env_id: int) -> tuple[str, str]:
+        try:
+            return self._envs[env_id]
+        except KeyError:
+            raise NotFound(f"environment id {env_id} is not known to this client: look it up first") from None
+
+    def unsupported(self, what: str) -> CachectlError:
+        return BadInput(f"{what} is not available through the server ({self.url}): "
+                        "unset CACHECTL_SERVER and use --db on a host with index access")
+
+    # caches
+    def list_caches(self) -> list[Any]:
+        return self.client.list_caches()
+
+    def get_cache(self, name: str) -> Any:
+        return self.client.get_cache(name)
+
+    def ensure_cache(self, name: str, root_url: str) -> Any:
+        return self.client.get_cache(name)  # the server's caches are the server's to create
+
+    def add_cache(self, *_args: Any, **_kwargs: Any) -> Any:
+        raise self.unsupported("adding a cache")
+
+    def update_cache(self, *_args: Any, **_kwargs: Any) -> Any:
+        raise self.unsupported("changing a cache")
+
+    def remove_cache(self, *_args: Any, **_kwargs: Any) -> Any:
+        raise self.unsupported("removing a cache")
+
+    # environments
+    def environment_stats(self, cache: str, *, include_deleted: bool = False) -> list[Any]:
+        envs = self.client.environments(cache, include_deleted=include_deleted)
+        self._remember(envs)
+        return envs
+
+    def find_environment(self, cache: str, prefix: str, *, include_deleted: bool = False) -> Any:
+        if include_deleted:
+            return pick_environment(cache, prefix,
+                                    lambda: self.environment_stats(cache, include_deleted=True))
+        env = self.client.environment(cache, prefix)
+        self._remember([env])
+        return env
+
+    get_environment = find_environment
+
+    def ensure_environment(self, cache: str, env: Any) -> Any:
+        data = self.client.resolve(cache, env, create=True)
+        if not data.get("environment"):
+            raise PermissionDenied(f"the server did not create environment {env.digest[:16]} in cache {cache!r}: "
+                                   "a writer token is needed")
+        info = decode(EnvironmentInfo, data["environment"])
+        self._remember([info])
+        return info
+
+    def mark_environment_deleted(self, env_id: int) -> None:
+        raise self.unsupported("deleting an environment")
+
+    # entries
+    def list_entries(self, env_id: int) -> list[Any]:
+        cache, digest = self._env(env_id)
+        return list(self.client.iter_entries(cache, digest))
+
+    def entry_keys(self, env_id: int) -> dict[str, tuple[int, str]]:
+        return {e.key: (e.size, e.sha256) for e in self.list_entries(env_id)}
+
+    def aot_keys(self, env_id: int) -> dict[str, tuple[int, str]]:
+        return {e.key: (e.aot_size, e.aot_sha256) for e in self.list_entries(env_id)
+                if getattr(e, "aot_sha256", None)}
+
+    def get_entry(self, env_id: int, key: str) -> Any:
+        cache, digest = self._env(env_id)
+        for e in self.client.iter_entries(cache, digest, key_prefix=key):
+            if e.key == key:
+                return e
+        return None
+
+    def upsert_entries(self, env_id: int, entries: Iterable[Any]) -> tuple[int, int]:
+        cache, digest = self._env(env_id)
+        return self.client.register_entries(cache, digest, list(entries))
+
+    def delete_entries(self, *_args: Any, **_kwargs: Any) -> int:
+        raise self.unsupported("deleting entries")
+
+    def set_executables(self, *_args: Any, **_kwargs: Any) -> int:
+        raise self.unsupported("changing executable columns directly (upload the -aot instead)")
+
+    def record_hits(self, *_args: Any, **_kwargs: Any) -> int:
+        raise self.unsupported("recording hits directly (telemetry goes to POST /api/v1/telemetry)")
+
+    # warm runs
+    def start_warm_run(self, environment_id: int, *, manifest_digest: str, manifest_path: str | None,
+                       buckets: int) -> Any:
+        cache, digest = self._env(environment_id)
+        run = self.client.start_warm_run(cache, digest, manifest_digest=manifest_digest,
+                                         manifest_path=manifest_path, buckets=buckets)
+        self._runs[run.id] = cache
+        return run
+
+    def _run_cache(self, run_id: int) -> str:
+        try:
+            return self._runs[run_id]
+        except KeyError:
+            raise NotFound(f"warm run {run_id} was not started by this client") from None
+
+    def heartbeat_warm_run(self, run_id: int, *, compiled: int | None = None, cached: int | None = None,
+                           failed: int | None = None) -> None:
+        self.client.update_warm_run(self._run_cache(run_id), run_id, compiled=compiled, cached=cached,
+                                    failed=failed)
+
+    def finish_warm_run(self, run_id: int, status: str, *, compiled: int, cached: int, failed: int) -> Any:
+        return self.client.update_warm_run(self._run_cache(run_id), run_id, status=status, compiled=compiled,
+                                           cached=cached, failed=failed)
+
+    # audit
+    def audit(self, operation: str, *, cache: str | None, entries: int = 0, nbytes: int = 0,
+              duration_ms: int | None = None, details: dict[str, Any] | None = None, who: str | None = None) -> None:
+        if cache is None:
+            return
+        self.client.audit(cache, operation, entries=entries, nbytes=nbytes, duration_ms=duration_ms,
+                          details=details, who=who or actor())
+
+    def audit_log(self, *_args: Any, **_kwargs: Any) -> list[Any]:
+        raise self.unsupported("reading the audit log")
+

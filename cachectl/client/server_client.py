@@ -1,0 +1,174 @@
+"""ServerClient: the server's HTTP API as typed calls that return the library's own records."""
+
+from __future__ import annotations
+
+import getpass
+import socket
+import time
+from collections.abc import Iterable, Iterator
+from typing import Any, TypeVar
+
+from cachectl.client.transport import API, Transport, _seg
+from cachectl.client.wire import decode, telemetry_wire
+from cachectl.entries import sha256
+from cachectl.errors import CachectlError, OperationFailed, error_named
+from cachectl.jsonable import to_jsonable
+from cachectl.records import (
+    CacheInfo,
+    CreatedToken,
+    EntryInfo,
+    EnvironmentInfo,
+    TokenInfo,
+    WarmRunInfo,
+)
+
+T = TypeVar("T")
+PAGE = 1000
+
+
+class ServerClient(Transport):
+    """One server, one token; connections are pooled for the client's lifetime."""
+
+    # -- caches, environments, entries ---------------------------------------------
+
+    def list_caches(self) -> list[Any]:
+        return decode(list[CacheInfo], self.get(f"{API}/caches"))
+
+    def get_cache(self, name: str) -> Any:
+        return decode(CacheInfo, self.get(f"{API}/caches/{_seg(name)}"))
+
+    def environments(self, cache: str, *, include_deleted: bool = False) -> list[Any]:
+        data = self.get(f"{API}/caches/{_seg(cache)}/environments", include_deleted=include_deleted or None)
+        return decode(list[EnvironmentInfo], data)
+
+    def environment(self, cache: str, prefix: str) -> Any:
+        return decode(EnvironmentInfo, self.get(f"{API}/caches/{_seg(cache)}/environments/{_seg(prefix)}"))
+
+    def iter_entries(self, cache: str, digest: str, **filters: Any) -> Iterator[Any]:
+        """Every entry of an environment, page by page."""
+        offset = 0
+        while True:
+            page = self.get(f"{API}/caches/{_seg(cache)}/environments/{digest}/entries",
+                            limit=PAGE, offset=offset, **filters)
+            for item in page["items"]:
+                yield decode(EntryInfo, item)
+            if page.get("next_offset") is None:
+                return
+            offset = page["next_offset"]
+
+    def resolve(self, cache: str, env: Any, *, create: bool = True) -> dict[str, Any]:
+        body = {**env.to_dict(), "create": create}
+        return self.request("POST", f"{API}/caches/{_seg(cache)}/resolve", json=body).json()
+
+    def register_entries(self, cache: str, digest: str, entries: Iterable[Any],
+                         warm_run_id: int | None = None) -> tuple[int, int]:
+        items = []
+        for e in entries:
+            item = {"key": e.key, "size": e.size, "sha256": e.sha256, "origin": e.origin,
+                    "compile_time_ms": e.compile_time_ms, "function": e.function, "bucket": e.bucket}
+            if getattr(e, "aot_sha256", None) is not None:  # its stored executable, checked by the server
+                item.update(aot_size=e.aot_size, aot_sha256=e.aot_sha256)
+            items.append(item)
+            warm_run_id = warm_run_id or e.warm_run_id
+        if not items:
+            return 0, 0
+        body: dict[str, Any] = {"entries": items}
+        if warm_run_id is not None:
+            body["warm_run_id"] = warm_run_id
+        data = self.request("POST", f"{API}/caches/{_seg(cache)}/environments/{digest}/entries", json=body).json()
+        return int(data["inserted"]), int(data["updated"])
+
+    def upload_entry(self, cache: str, digest: str, key: str, data: bytes) -> Any:
+        response = self.request("PUT", f"{API}/caches/{_seg(cache)}/environments/{digest}/entries/{_seg(key)}",
+                                content=data, headers={"content-type": "application/octet-stream",
+                                                       "x-cachectl-sha256": sha256(data)})
+        return decode(EntryInfo, response.json())
+
+    def download_entry(self, cache: str, digest: str, key: str) -> bytes:
+        return self.request("GET", f"{API}/caches/{_seg(cache)}/environments/{digest}/entries/{_seg(key)}").content
+
+    def upload_executable(self, cache: str, digest: str, key: str, data: bytes) -> Any:
+        """PUT an entry's stored executable (``<key>-aot``); the entry must be indexed already."""
+        response = self.request(
+            "PUT", f"{API}/caches/{_seg(cache)}/environments/{digest}/entries/{_seg(key)}/aot", content=data,
+            headers={"content-type": "application/octet-stream", "x-cachectl-sha256": sha256(data)})
+        return decode(EntryInfo, response.json())
+
+    def download_executable(self, cache: str, digest: str, key: str) -> bytes:
+        return self.request("GET", f"{API}/caches/{_seg(cache)}/environments/{digest}/entries/{_seg(key)}/aot").content
+
+    def audit(self, cache: str, operation: str, *, entries: int = 0, nbytes: int = 0,
+              duration_ms: int | None = None, details: dict[str, Any] | None = None, who: str | None = None) -> None:
+        body = {"operation": operation, "actor": who, "entries": entries, "bytes": nbytes,
+                "duration_ms": duration_ms, "details": to_jsonable(details or {})}
+        self.request("POST", f"{API}/caches/{_seg(cache)}/audit", json=body)
+
+    # -- warm runs --------------------------------------------------------------------
+
+    def start_warm_run(self, cache: str, digest: str, *, manifest_digest: str, manifest_path: str | None,
+                       buckets: int) -> Any:
+        try:
+            user = getpass.getuser()
+        except Exception:  # noqa: BLE001 - no passwd entry in some containers
+            user = "unknown"
+        body = {"manifest_digest": manifest_digest, "manifest_path": manifest_path, "buckets": buckets,
+                "host": socket.gethostname(), "user": user}
+        data = self.request("POST", f"{API}/caches/{_seg(cache)}/environments/{digest}/warm-runs", json=body).json()
+        return decode(WarmRunInfo, data)
+
+    def update_warm_run(self, cache: str, run_id: int, **body: Any) -> Any:
+        data = self.request("PATCH", f"{API}/caches/{_seg(cache)}/warm-runs/{int(run_id)}",
+                            json={k: v for k, v in body.items() if v is not None}).json()
+        return decode(WarmRunInfo, data)
+
+    # -- telemetry ----------------------------------------------------------------------
+
+    def send_telemetry(self, batches: Iterable[Any]) -> dict[str, Any]:
+        wire = [telemetry_wire(b) for b in batches]
+        return self.request("POST", f"{API}/telemetry", json={"batches": wire}).json()
+
+    # -- jobs ---------------------------------------------------------------------------
+
+    def start_job(self, cache: str, kind: str, params: dict[str, Any]) -> dict[str, Any]:
+        return self.request("POST", f"{API}/caches/{_seg(cache)}/{kind}", json=params).json()
+
+    def job(self, job_id: str) -> dict[str, Any]:
+        return self.get(f"{API}/jobs/{_seg(job_id)}")
+
+    def wait_job(self, job_id: str, *, poll_s: float = 0.2, timeout_s: float | None = None) -> dict[str, Any]:
+        """Poll until the job finishes (backing off to 2 s between polls)."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            job = self.job(job_id)
+            if job["status"] in ("succeeded", "failed"):
+                return job
+            if deadline is not None and time.monotonic() > deadline:
+                raise OperationFailed(f"job {job_id} still {job['status']} after {timeout_s:.0f}s: "
+                                      f"see GET {API}/jobs/{job_id}")
+            time.sleep(poll_s)
+            poll_s = min(poll_s * 1.5, 2.0)
+
+    def run_job(self, cache: str, kind: str, params: dict[str, Any], result_type: type[T]) -> T:
+        """Start a job, wait for it, and return its result as the library's own type."""
+        job = self.wait_job(self.start_job(cache, kind, params)["id"])
+        if job["status"] == "failed":
+            result = job.get("result") or {}
+            error = error_named(result.get("error"))
+            message = job.get("error") or "job failed"
+            if error is not None:
+                raise error(message)
+            raise CachectlError(message, exit_code=int(result.get("exit_code") or 1))
+        return decode(result_type, job["result"])
+
+    # -- tokens -------------------------------------------------------------------------
+
+    def create_token(self, name: str, role: str, caches: list[str] | None, expires: str | None) -> Any:
+        body = {"name": name, "role": role, "caches": caches or None, "expires": expires}
+        return decode(CreatedToken, self.request("POST", f"{API}/tokens", json=body).json())
+
+    def list_tokens(self) -> list[Any]:
+        return decode(list[TokenInfo], self.get(f"{API}/tokens"))
+
+    def revoke_token(self, name: str) -> Any:
+        return decode(TokenInfo, self.request("DELETE", f"{API}/tokens/{_seg(name)}").json())
+

@@ -1,0 +1,62 @@
+"""Server mode for a service's activate() and for the CLI: the client a set of settings asks for."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from cachectl.client.remote import RemoteIndex
+from cachectl.client.server_client import ServerClient
+from cachectl.records import CacheInfo
+
+
+class ServerSink:
+    """Telemetry sink for activate(): batches go to POST /api/v1/telemetry."""
+
+    def __init__(self, client: ServerClient) -> None:
+        self.client = client
+
+    def describe(self) -> str:
+        return f"server {self.client.url}"
+
+    def write(self, batch: Any) -> None:
+        self.client.send_telemetry([batch])
+
+
+# A service's activate() must not wait long on a server that is down: it warns and
+# runs as plain JAX would.
+SERVICE_TIMEOUT_S = 10.0
+SERVICE_CONNECT_TIMEOUT_S = 3.0
+
+
+def service_client(settings: Any) -> ServerClient:
+    """A client with short timeouts, for activate() and its telemetry."""
+    import httpx
+
+    return ServerClient(settings.server, settings.token,
+                        timeout=httpx.Timeout(SERVICE_TIMEOUT_S, connect=SERVICE_CONNECT_TIMEOUT_S))
+
+
+def remote_index_for_service(settings: Any) -> RemoteIndex:
+    return RemoteIndex(service_client(settings))
+
+
+def open_for_service(settings: Any) -> tuple[RemoteIndex, CacheInfo]:
+    """Server mode for activate(): the server's index and this cache's policy."""
+    remote = remote_index_for_service(settings)
+    try:
+        return remote, remote.get_cache(settings.cache)
+    except Exception:
+        remote.close()
+        raise
+
+
+def server_sink(settings: Any) -> ServerSink:
+    """Server mode for activate(): telemetry batches go to POST /api/v1/telemetry."""
+    return ServerSink(service_client(settings))
+
+
+def client_from_settings(settings: Any) -> ServerClient | None:
+    """The client for CACHECTL_SERVER / CACHECTL_TOKEN, or None in direct mode."""
+    if not getattr(settings, "server", None):
+        return None
+    return ServerClient(settings.server, settings.token)

@@ -1,0 +1,43 @@
+"""The one wire format: library values to JSON (server, --json) and back (the client)."""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime, timezone
+
+from cachectl.client import decode
+from cachectl.fingerprint import current_environment
+from cachectl.jsonable import REDACTED, from_jsonable, to_jsonable
+from cachectl.lifecycle.verify import Finding, VerifyPlan, VerifyResult
+from cachectl.records import CacheInfo, EnvironmentInfo
+
+
+def _wire(value: object) -> object:
+    return json.loads(json.dumps(to_jsonable(value)))
+
+
+def test_records_survive_the_wire_with_their_types() -> None:
+    at = datetime(2026, 1, 2, 3, 4, 5, tzinfo=timezone.utc)
+    env = EnvironmentInfo(id=7, cache="c", digest="d" * 64, namespace="jax-x/cpu", environment=current_environment(),
+                          created_at=at, last_seen_at=None, deleted_at=None, entries=3, bytes=1024)
+    back = from_jsonable(list[EnvironmentInfo], _wire([env]))
+    assert back == [env] and isinstance(back[0].environment.xla_flags, tuple)
+    cache = CacheInfo("c", "file:///x", max_size=10, writers=("alice",), created_at=at)
+    assert from_jsonable(CacheInfo, _wire(cache)) == cache
+
+
+def test_extra_json_keys_are_ignored_and_properties_recomputed() -> None:
+    plan = VerifyPlan(cache="c", root="/r", entries_checked=2,
+                      findings=[Finding("corrupt", "ns", "ns/k", "sha256 differs", action="quarantine")])
+    result = VerifyResult(plan, quarantined=1, atimes_deleted=0, atimes_written=0, rows_dropped=0, dry_run=False,
+                          duration_s=0.5)
+    data = _wire(result)
+    assert data["ok"] is False and data["plan"]["counts"] == {"corrupt": 1}
+    back = from_jsonable(VerifyResult, data)
+    assert back == result and back.ok is False
+
+
+def test_the_client_drops_what_the_server_withheld() -> None:
+    data = _wire(CacheInfo("c", "s3://b/p", storage_options={"key": "id", "secret": "s"}))
+    data["storage_options"]["secret"] = REDACTED
+    assert decode(CacheInfo, data).storage_options == {"key": "id"}
