@@ -18,6 +18,7 @@ def _is_int(value: Any) -> bool:
 def _is_scalar(value: Any) -> bool:
     return isinstance(value, (int, float, str, bool))
 
+
 def _contains(values: Sequence[Any], value: Any) -> bool:
     return any(_same(v, value) for v in values)
 

@@ -15,6 +15,8 @@ from cachectl.manifest.schema import Manifest
 from cachectl.manifest.source import Loc, _describe, _Source
 
 MAX_PROBLEMS = 20  # listed per manifest; the rest are counted
+
+
 def _raise_problems(source: _Source, problems: list[tuple[Loc, str]]) -> None:
     """Report every problem (up to MAX_PROBLEMS), one ``file:line: field: problem`` per line.
 

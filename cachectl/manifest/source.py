@@ -13,7 +13,6 @@ import yaml
 Loc = tuple[str | int, ...]
 
 
-
 class _Loader(yaml.SafeLoader):
     """SafeLoader that rejects duplicate keys: PyYAML would silently keep the last one."""
 
@@ -125,6 +124,7 @@ def _field_path(loc: Loc) -> str:
         else:
             out += f"[{part!r}]"
     return out
+
 
 def _describe(value: Any) -> str:
     text = repr(value)
