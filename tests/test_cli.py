@@ -322,3 +322,62 @@ def test_dry_run_builds_pytrees_and_reports_their_errors_as_bad_input(tmp_path) 
     assert ok.returncode == 0, ok.stderr
     assert [b["status"] for b in json.loads(ok.stdout)["buckets"]] == ["planned", "planned"]
     assert _cache_files() == []
+
+
+LOG_MODULE = '''
+def scale_rows_for_the_log_test(x):
+    return x * 2
+
+
+def other_function(x):
+    return x + 1
+'''
+
+LOG_MANIFEST = """version: 1
+functions:
+  - fn: cm_log_tables:scale_rows_for_the_log_test
+    args:
+      - {shape: [batch, 4], dtype: float32}
+    buckets: {batch: [1, 2]}
+  - fn: cm_log_tables:other_function
+    args:
+      - {shape: [3], dtype: float32}
+"""
+
+
+def test_tables_in_a_pipe_keep_every_identifier_on_one_line(tmp_path) -> None:
+    """Logs are read by grep: with a narrow COLUMNS and stdout a pipe, no key, digest, path,
+    bucket label or cache name is wrapped, folded or cut."""
+    (tmp_path / "cm_log_tables.py").write_text(LOG_MODULE.lstrip("\n"))
+    (tmp_path / "m.yaml").write_text(LOG_MANIFEST)
+    name = "team-cache-with-a-name-wider-than-the-terminal"
+    root = tmp_path / "a-cache-root-whose-path-is-far-wider-than-forty-columns" / "team"
+
+    def piped(*args: str) -> str:
+        proc = subprocess.run([sys.executable, "-m", "cachectl", "--cache", name, *args], cwd=tmp_path,
+                              capture_output=True, text=True, timeout=300,
+                              env={**os.environ, "COLUMNS": "40"})
+        assert proc.returncode == 0, (args, proc.stdout, proc.stderr)
+        return proc.stdout
+
+    piped("cache", "add", name, str(root))
+    piped("warm", "m.yaml", "--jobs", "1")
+    env = json.loads(piped("ls", "--json"))["environments"][0]
+    entries = json.loads(piped("ls", "--env", env["digest"][:16], "--json"))["entries"]
+    keys = sorted(e["key"] for e in entries if e["function"] == "scale_rows_for_the_log_test")
+    assert len(keys) == 2 and all(len(k) > 40 for k in keys)
+    namespace_path = f"{root}/{env['namespace']}"
+    expected = {
+        ("ls",): [name, str(root), env["digest"][:16]],
+        ("ls", "--env", env["digest"][:16]): [name, env["namespace"], *keys, "batch=1", "batch=2",
+                                               "scale_rows_for_the_log_test"],
+        ("stats",): [name, str(root)],
+        ("warm-check", "m.yaml"): [namespace_path, "scale_rows_for_the_log_test", "batch=1", "batch=2",
+                                   *(k.rsplit("-", 1)[-1][:12] for k in keys)],
+        ("prune", "--dry-run", "--older-than", "1s", "--function", "scale_rows_for_the_log_test"):
+            [name, env["namespace"], *keys],
+    }
+    for args, identifiers in expected.items():
+        lines = piped(*args).splitlines()
+        for identifier in identifiers:
+            assert any(identifier in line for line in lines), (args, identifier, "\n".join(lines))

@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import warnings
 from pathlib import Path
 
 import jax
@@ -1002,3 +1003,98 @@ def test_mesh_needs_enough_devices_here(tmp_path: Path) -> None:
         pytest.skip("this process already has 4 devices")
     with pytest.raises(EnvironmentMismatch, match="the mesh needs 4 devices"):
         build_call(manifest.function("step"), expand(manifest)[0])
+
+
+# --------------------------------------------------------------------------- validation without JAX
+
+# Installed first in a fresh interpreter: any import of jax or jaxlib fails, as on a machine
+# (or in a CLI process) without them.
+_NO_JAX = """
+import sys
+
+class _NoJax:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("jax", "jaxlib"):
+            raise ImportError(f"{name} is blocked in this test")
+        return None
+
+sys.meta_path.insert(0, _NoJax())
+"""
+
+
+def _jax_dtype_names() -> list[str]:
+    """Every dtype name JAX accepts for an array argument (numeric or bool), as jnp resolves it."""
+    import ml_dtypes
+
+    names = {str(n) for n in np.sctypeDict} | {n for n in dir(ml_dtypes) if not n.startswith("_")}
+    accepted = []
+    for name in sorted(names):
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", DeprecationWarning)  # numpy 2's alias "a"
+                dtype = jnp.dtype(name)
+        except TypeError:
+            continue
+        if jnp.issubdtype(dtype, jnp.number) or dtype == jnp.bool_:
+            accepted.append(name)
+    return accepted
+
+
+def _messages(texts: list[str]) -> list[str]:
+    out = []
+    for text in texts:
+        try:
+            parse_manifest(text, name="bad.yaml")
+            out.append("")
+        except BadInput as exc:
+            out.append(str(exc))
+    return out
+
+
+def test_validation_imports_no_jax_and_gives_the_same_messages(tmp_path: Path) -> None:
+    dtypes = _jax_dtype_names()
+    assert {"bfloat16", "float8_e4m3fn", "int4", "bool", "float32", "complex64"} <= set(dtypes)
+    every_dtype = "version: 1\nfunctions:\n  - fn: m:f\n    args:\n" + "".join(
+        f"      - {{shape: [2], dtype: {json.dumps(d)}}}\n" for d in dtypes)
+    rejected = ["str", "object", "datetime64", "void", "bfloat61", "float8"]
+    texts = [t for _, t, _, _ in MALFORMED] + [
+        f"version: 1\nfunctions: [{{fn: m:f, args: [{{shape: [1], dtype: {d}}}]}}]\n" for d in rejected]
+    expected = _messages(texts)
+    assert all(m and "\n" not in m for m in expected)
+    (tmp_path / "every_dtype.yaml").write_text(every_dtype)
+    (tmp_path / "texts.json").write_text(json.dumps({"texts": texts, "dtypes": dtypes}))
+    out = run_python(_NO_JAX + f"""
+import json
+from pathlib import Path
+
+import numpy as np
+
+from cachectl.errors import BadInput
+from cachectl.manifest import _dtype, expand, load_manifest, parse_manifest
+
+try:
+    import jax
+except ImportError:
+    pass
+else:
+    raise SystemExit("jax was importable")
+example = load_manifest({str(EXAMPLE)!r})
+every = load_manifest("every_dtype.yaml")
+given = json.loads(Path("texts.json").read_text())
+messages = []
+for text in given["texts"]:
+    try:
+        parse_manifest(text, name="bad.yaml")
+        messages.append("")
+    except BadInput as exc:
+        messages.append(str(exc))
+print(json.dumps({{"example": [str(b) for b in expand(example)],
+                  "dtypes": [str(_dtype(a.dtype)) for a in every.functions[0].args],
+                  "messages": messages,
+                  "jax_loaded": [m for m in sys.modules if m.split(".")[0] in ("jax", "jaxlib")]}}))
+""", {}, tmp_path)
+    result = json.loads(out.strip().splitlines()[-1])
+    assert result["jax_loaded"] == []
+    assert result["example"] == [str(b) for b in expand(load_manifest(EXAMPLE))]
+    assert result["dtypes"] == [str(jnp.dtype(d)) for d in dtypes]
+    assert result["messages"] == expected

@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 
 from cachectl import inventory
-from cachectl.cli.render import emit, json_option, size, stdout, table, when
+from cachectl.cli.render import emit, json_option, shortened, size, stdout, table, when
 from cachectl.index.telemetry_queries import TelemetryStats, UsageRow
 from cachectl.operations import operations
 from cachectl.units import parse_duration
@@ -27,7 +27,7 @@ def _print_environments(listing: inventory.EnvironmentListing) -> None:
 
 def _print_entries(listing: inventory.EntryListing) -> None:
     rows = [
-        (e.key[:48] + ("…" if len(e.key) > 48 else ""), e.function or e.module,
+        (shortened(e.key, 48), e.function or e.module,
          ",".join(f"{k}={v}" for k, v in (e.bucket or {}).items()) or "-", size(e.size),
          size(e.aot_size), e.compile_time_ms if e.compile_time_ms is not None else "-", e.origin, when(e.created_at),
          when(e.last_access_at), e.hit_count)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import click
 
-from cachectl.cli.render import emit, json_option, size, stdout, table
+from cachectl.cli.render import emit, json_option, shortened, size, stdout, table
 from cachectl.context import Context
 from cachectl.errors import ProblemsReported
 from cachectl.lifecycle import gc as gc_lib
@@ -33,7 +33,7 @@ def _print_plan(plan: DeletionPlan, dry_run: bool) -> None:
         if len(plan.namespaces) > _SHOW:
             stdout.print(f"... and {len(plan.namespaces) - _SHOW} more namespaces (--json lists all)")
     if plan.entries:
-        rows = [(e.namespace, e.key[:48] + ("…" if len(e.key) > 48 else ""), size(e.size), size(e.aot_size),
+        rows = [(e.namespace, shortened(e.key, 48), size(e.size), size(e.aot_size),
                  e.reason)
                 for e in plan.entries[:_SHOW]]
         stdout.print(table(f"{plan.operation} {plan.cache}: entries (each with its -aot executable, if any)",

@@ -9,7 +9,8 @@ from datetime import datetime
 from typing import Any
 
 import click
-from rich.console import Console
+from rich.console import Console, ConsoleOptions, RenderResult
+from rich.measure import Measurement
 from rich.table import Table
 
 from cachectl.errors import CachectlError, ProblemsReported
@@ -29,13 +30,50 @@ def print_json(obj: Any) -> None:
 
 
 def table(title: str | None, columns: Sequence[str], rows: Sequence[Sequence[Any]],
-          justify_right: Sequence[str] = ()) -> Table:
-    t = Table(title=title, title_justify="left", header_style="bold")
+          justify_right: Sequence[str] = ()) -> WholeCellTable:
+    t = Table(title_justify="left", header_style="bold")
     for col in columns:
         t.add_column(col, justify="right" if col in justify_right else "left", overflow="fold")
     for row in rows:
         t.add_row(*("-" if v is None else str(v) for v in row))
-    return t
+    return WholeCellTable(title, t)
+
+
+# Wide enough for any row a command prints; only a bound for measuring, never padded to.
+_UNBOUNDED = 1_000_000
+
+
+class WholeCellTable:
+    """A rich table that, when stdout is not a terminal (a pipe, a log file), is as wide as its
+    widest row: keys, digests, paths and bucket labels stay whole on one line, whatever
+    COLUMNS says, so logs can be grepped. On a terminal it fits the window as rich does."""
+
+    def __init__(self, title: str | None, table: Table) -> None:
+        self.title = title
+        self.table = table
+
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
+        if console.is_terminal:
+            self.table.title = self.title
+            yield self.table
+            return
+        self.table.title = None  # rich wraps a title to the table's width: print it on its own line
+        title = console.render_str(self.title, style="table.title", highlight=False) if self.title else None
+        width = Measurement.get(console, options.update_width(_UNBOUNDED), self.table).maximum
+        if title is not None:
+            width = max(width, title.cell_len)
+        wide = options.update(width=width, no_wrap=True, overflow="ignore")
+        if title is not None:
+            yield from console.render(title, wide)
+        yield from console.render(self.table, wide)
+
+
+def shortened(text: str, width: int) -> str:
+    """``text`` cut to ``width`` characters with an ellipsis on a terminal; whole in a pipe or log,
+    where it must stay greppable (and copyable into the next command)."""
+    if len(text) <= width or not stdout.is_terminal:
+        return text
+    return text[:width] + "…"
 
 
 def emit(result: Any, as_json: bool, human: Callable[[Any], None], *,

@@ -12,7 +12,7 @@ import click
 from cachectl import doctor as doctor_lib
 from cachectl import mirror as mirror_lib
 from cachectl import signing
-from cachectl.cli.render import emit, json_option, size, stdout, table
+from cachectl.cli.render import emit, json_option, shortened, size, stdout, table
 from cachectl.context import Context
 
 _SHOW = 50
@@ -48,7 +48,7 @@ def doctor(ctx: Context, as_json: bool) -> None:
 
 def _problems_table(title: str, items: list[mirror_lib.EntryProblem]) -> None:
     if items:
-        rows = [(p.key[:56] + ("…" if len(p.key) > 56 else ""), p.reason) for p in items[:_SHOW]]
+        rows = [(shortened(p.key, 56), p.reason) for p in items[:_SHOW]]
         stdout.print(table(title, ["key", "reason"], rows))
         if len(items) > _SHOW:
             stdout.print(f"... and {len(items) - _SHOW} more (--json lists all)")

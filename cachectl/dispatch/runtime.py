@@ -1,21 +1,7 @@
-"""The serving runtime: a service calls the manifest's functions, cachectl dispatches each call
-to the executable warm stored for its bucket — padded on the host, with no tracing, lowering
-or compiling on the call path.
-
-    rt = cachectl.serving("manifest.yaml")
-    logits, cache = rt["prefill"](params, tokens)      # int32[3, 50] -> bucket [4, 64]
-
-The manifest is the contract for both sides: warm compiles its buckets, and the
-runtime refuses (or pads) what does not fit them. Whatever is wrong with a
-stored executable (missing, corrupt, refused by the index, stale code), the
-call still answers through ``jax.jit`` and the persistent cache, with one
-warning per function: never worse off than plain JAX.
-"""
+"""The runtime object: :class:`Serving`, its functions' call path, their counters and reports."""
 
 from __future__ import annotations
 
-import contextlib
-import hashlib
 import json
 import logging
 import threading
@@ -31,13 +17,19 @@ import numpy as np
 
 from cachectl import aot
 from cachectl import telemetry as telemetry_mod
-from cachectl.config import load_settings
-from cachectl.entries import AOT_SUFFIX, CACHE_SUFFIX, CorruptEntry, parse_aot_filename
+from cachectl.dispatch.calls import (
+    OutOfBucket,
+    StructureMismatch,
+    _arg_plans,
+    _first_difference,
+    _pad_to,
+    covering,
+    smallest_first,
+)
+from cachectl.dispatch.loading import Executables, _namespace_reader, _Slot
 from cachectl.manifest import (
-    Bucket,
     FunctionSpec,
     Manifest,
-    _dtype,
     check_imports,
     expand,
     is_jitted,
@@ -45,36 +37,16 @@ from cachectl.manifest import (
     load_manifest,
     resolve_callable,
 )
-from cachectl.runtime import activate, open_service_index
-from cachectl.signing import Untrusted, check_covered
-from cachectl.store import Store
+from cachectl.runtime import activate
 from cachectl.telemetry import ServingCounts
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("cachectl.dispatch")
 
 OVERFLOW_MODES = ("error", "compile")
 # Distinct raw sizes kept per bucketed axis (for bucket advice); beyond, only counted.
 MAX_SIZES_PER_AXIS = 4096
 # ... and per telemetry flush (one JSON row per function and flush).
 MAX_SIZES_PER_FLUSH = 1024
-
-
-class OutOfBucket(ValueError):
-    """A call no warmed bucket covers (above the largest bucket, or a static value not warmed)."""
-
-
-class StructureMismatch(TypeError):
-    """Arguments whose pytree structure differs from the warmed one: never silently recompiled."""
-
-
-def mask(sizes: Sequence[int] | np.ndarray, bucket: int) -> np.ndarray:
-    """Valid-region mask of a padded axis: ``mask([3, 1], 4)`` -> [[T,T,T,F],[T,F,F,F]].
-
-    A model must ignore what padding adds (attention masks, loss weights): this
-    is the mask to give it.
-    """
-    lengths = np.asarray(sizes).reshape(-1, 1)
-    return np.arange(bucket)[None, :] < lengths
 
 
 # --------------------------------------------------------------------------- reports
@@ -121,99 +93,6 @@ class ServingReport:
                 "warnings": list(self.warnings)}
 
 
-# --------------------------------------------------------------------------- per-argument plans
-
-
-@dataclass(frozen=True)
-class _ArgPlan:
-    kind: str                              # array | pytree | value
-    dims: tuple[tuple[int, str], ...] = ()  # (dimension, axis) of each bucketed dimension
-    shape: tuple[Any, ...] = ()
-    dtype: Any = None
-    pad: Any = 0
-    weak: bool = False
-    value: Any = None
-
-    def target(self, values: dict[str, Any]) -> tuple[int, ...]:
-        return tuple(values[d] if isinstance(d, str) else d for d in self.shape)
-
-
-def _arg_plans(spec: FunctionSpec) -> list[_ArgPlan]:
-    plans = []
-    for arg in spec.args:
-        if arg.kind == "array":
-            shape = tuple(arg.shape or ())
-            dtype = np.dtype(_dtype(str(arg.dtype)))
-            if dtype == np.float64 or dtype == np.int64 or dtype == np.uint64 or dtype == np.complex128:
-                import jax
-
-                dtype = np.dtype(jax.dtypes.canonicalize_dtype(dtype))
-            pad = arg.pad if arg.pad is not None else (False if dtype == np.bool_ else 0)
-            plans.append(_ArgPlan("array", tuple((d, a) for d, a in enumerate(shape) if isinstance(a, str)),
-                                  shape, dtype, pad, arg.weak_type))
-        elif arg.kind == "value":
-            plans.append(_ArgPlan("value", value=arg.value))
-        else:
-            plans.append(_ArgPlan("pytree"))
-    return plans
-
-
-def _pad_to(x: Any, target: tuple[int, ...], value: Any, dtype: Any) -> np.ndarray:
-    """Pad on the host: a jnp.pad would compile a program per shape (DESIGN.md §7)."""
-    host = np.asarray(x, dtype=dtype)
-    if host.shape == target:
-        return host
-    if host.ndim != len(target) or any(s > t for s, t in zip(host.shape, target, strict=False)):
-        raise OutOfBucket(f"shape {host.shape} does not fit the bucket shape {target}")
-    out = np.full(target, value, dtype=dtype)
-    out[tuple(slice(0, s) for s in host.shape)] = host
-    return out
-
-
-def _first_difference(expected: Any, given: Any) -> str:
-    """The first pytree path where the call's arguments differ from the warmed structure."""
-    import jax
-
-    want = [jax.tree_util.keystr(p) for p, _ in
-            jax.tree_util.tree_flatten_with_path(expected.unflatten([0] * expected.num_leaves))[0]]
-    have = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(given)[0]]
-    for w, h in zip(want, have, strict=False):
-        if w != h:
-            return f"expected a leaf at {w}, got one at {h}"
-    if len(want) != len(have):
-        longer, which = (want, "missing") if len(want) > len(have) else (have, "unexpected")
-        return f"{which} leaf at {longer[min(len(want), len(have))]}"
-    return "the node types differ (e.g. a dict where a list was warmed)"
-
-
-# --------------------------------------------------------------------------- buckets and loading
-
-
-class _Slot:
-    """One bucket: its values, its stored executable (loaded once), or why it falls back."""
-
-    __slots__ = ("bucket", "values", "key", "header", "compiled", "error", "lock", "load_seconds",
-                 "_loader")
-
-    def __init__(self, bucket: Bucket) -> None:
-        self.bucket = bucket
-        self.values = dict(bucket.values)
-        self.key: str | None = None
-        self.header: aot.AotHeader | None = None
-        self.compiled: Any = None
-        self.error: str | None = None
-        self.lock = threading.Lock()
-        self.load_seconds = 0.0
-        self._loader: Callable[[_Slot], None] | None = None
-
-    def ensure_loaded(self) -> None:
-        if self.compiled is not None or self.error is not None:
-            return
-        with self.lock:
-            if self.compiled is None and self.error is None and self._loader is not None:
-                self._loader(self)
-
-
 class ServedFunction:
     """A manifest function: call it like the function itself; calls go to stored executables."""
 
@@ -229,11 +108,7 @@ class ServedFunction:
         self._shape_axes = {a for p in self._plans for _, a in p.dims}
         self._fixed_kwargs = {k: v for k, v in spec.kwargs.items() if not isinstance(v, dict)}
         self._axis_kwargs = {k: v["axis"] for k, v in spec.kwargs.items() if isinstance(v, dict)}
-        static_axes = set(self._axis_kwargs.values())
-        # Smallest first: the first slot that covers a call is the cheapest one.
-        self._slots = sorted(slots, key=lambda s: (
-            tuple(s.values[a] for a in sorted(self._shape_axes)),
-            [str(s.values.get(a)) for a in sorted(static_axes)]))
+        self._slots = smallest_first(slots, self._shape_axes, set(self._axis_kwargs.values()))
         self._lock = threading.Lock()
         self.calls = self.aot = self.fallback = self.out_of_bucket = self.padded = 0
         self.fallback_reason: str | None = None
@@ -278,7 +153,7 @@ class ServedFunction:
                 for d, axis in p.dims:
                     if shape[d] > raw.get(axis, -1):
                         raw[axis] = shape[d]
-        slot = self._pick(raw, static)
+        slot = covering(self._slots, raw, static)
         with self._lock:
             self.calls += 1
             for axis, size in raw.items():
@@ -325,14 +200,6 @@ class ServedFunction:
         with self._lock:
             self.out_of_bucket += 1
         return OutOfBucket(message)
-
-    def _pick(self, raw: dict[str, int], static: dict[str, Any]) -> _Slot | None:
-        for slot in self._slots:
-            values = slot.values
-            if all(values[a] >= n for a, n in raw.items()) and all(
-                    values[a] == v for a, v in static.items()):
-                return slot
-        return None
 
     def _convert(self, args: tuple[Any, ...], values: dict[str, Any] | None) -> tuple[list[Any], bool]:
         """Pad bucketed dimensions to ``values`` (None: no padding) and match the manifest's dtypes,
@@ -442,14 +309,11 @@ class Serving:
         self.manifest = manifest
         self.namespace = namespace
         self.overflow = overflow
-        self._read = read
-        self._indexed = indexed
-        self._on_load = on_load
         self._warnings = list(warnings)
         self._warn_lock = threading.Lock()
         for message in warnings:
             log.warning(message)
-        headers = self._headers(names, workers)
+        executables = Executables(read, names, indexed, on_load, self._warn, workers)
         self._functions: dict[str, ServedFunction] = {}
         slots_all: list[_Slot] = []
         buckets = expand(manifest)
@@ -459,7 +323,7 @@ class Serving:
             slots = []
             for bucket in (b for b in buckets if b.function == spec.name):
                 slot = _Slot(bucket)
-                self._bind(slot, spec, digests, headers)
+                executables.bind(slot, spec, digests)
                 slots.append(slot)
             self._functions[spec.name] = ServedFunction(self, spec, fn, slots)
             slots_all.extend(slots)
@@ -476,78 +340,6 @@ class Serving:
         with self._warn_lock:
             self._warnings.append(message)
         log.warning(message)
-
-    def _headers(self, names: list[str], workers: int | None) -> dict[tuple[str, str], list[tuple[str, aot.AotHeader]]]:
-        """Every stored executable's header, by (function, bucket): small reads, in parallel."""
-        def read(name: str) -> tuple[str, aot.AotHeader | None]:
-            parsed = parse_aot_filename(name)
-            if parsed is None:
-                return name, None
-            try:
-                return parsed.key, aot.read_header(self._read(name))
-            except (CorruptEntry, OSError) as exc:
-                self._warn(f"cachectl.serving: ignoring {name}: {exc}")
-                return parsed.key, None
-
-        found: dict[tuple[str, str], list[tuple[str, aot.AotHeader]]] = {}
-        if not names:
-            return found
-        with ThreadPoolExecutor(max_workers=workers or min(8, len(names))) as pool:
-            for key, header in pool.map(read, names):
-                if header is not None and header.function is not None:
-                    where = (header.function, json.dumps(header.bucket, sort_keys=True))
-                    found.setdefault(where, []).append((key, header))
-        return found
-
-    def _bind(self, slot: _Slot, spec: FunctionSpec, digests: tuple[str, str | None],
-              headers: dict[tuple[str, str], list[tuple[str, aot.AotHeader]]]) -> None:
-        """Choose this bucket's stored executable, or say why it will be served by jit."""
-        candidates = headers.get((spec.name, json.dumps(slot.values, sort_keys=True)), [])
-        if not candidates:
-            slot.error = "no stored executable for this bucket (run `cachectl warm`)"
-            return
-        reasons = []
-        for key, header in candidates:
-            if header.spec_digest is not None and header.spec_digest != digests[0]:
-                reasons.append("stored for another version of this function's manifest entry")
-                continue
-            if header.source_digest is not None and digests[1] is not None and header.source_digest != digests[1]:
-                reasons.append("stored for other source code of the function (its file changed since warm)")
-                continue
-            if self._indexed is not None:
-                known = self._indexed.get(key)
-                if known is None or known[1] is None:
-                    reasons.append("the index does not know this stored executable (run `cachectl sync`)")
-                    continue
-            slot.key, slot.header, slot._loader = key, header, self._load
-            slot.error = None
-            return
-        slot.error = reasons[0]
-
-    def _load(self, slot: _Slot) -> None:
-        started = time.perf_counter()
-        assert slot.key is not None
-        try:
-            data = self._read(slot.key + AOT_SUFFIX)
-            entry = self._read(slot.key + CACHE_SUFFIX)
-            if self._indexed is not None:
-                entry_sha, aot_sha = self._indexed[slot.key]
-                if hashlib.sha256(data).hexdigest() != aot_sha:
-                    raise aot.AotError("refused: its sha256 differs from the index")
-                if hashlib.sha256(entry).hexdigest() != entry_sha:
-                    raise aot.AotError("refused: the JAX entry's sha256 differs from the index")
-            _, slot.compiled = aot.load(data, entry)
-        except FileNotFoundError as exc:
-            slot.error = f"stored executable unavailable ({exc})"
-        except (aot.AotError, CorruptEntry, OSError) as exc:
-            slot.error = str(exc)
-        finally:
-            slot.load_seconds = time.perf_counter() - started
-        if slot.compiled is not None and self._on_load is not None:
-            with contextlib.suppress(Exception):  # telemetry never breaks serving
-                self._on_load(slot.key.rsplit("-", 1)[0], slot.key)
-
-    # -- public -----------------------------------------------------------------
 
     def __getitem__(self, name: str) -> ServedFunction:
         try:
@@ -615,45 +407,3 @@ def serving(manifest: str | Path, *, cache: str | None = None, readonly: bool = 
     return rt
 
 
-def _namespace_reader(activation: Any, db: str | None, warnings: list[str]
-                      ) -> tuple[Callable[[str], bytes], list[str], dict[str, tuple[str, str | None]] | None]:
-    """Read files of the activated namespace, list its executables, and the index's sha256s."""
-    def unreadable(name: str) -> bytes:
-        raise FileNotFoundError(name)
-
-    if not activation.active:
-        warnings.append("cachectl.serving: the cache is not active; every call goes through jax.jit")
-        return unreadable, [], None
-    try:
-        store = Store(activation.path)
-        names = [f.path for f in store.list("") if f.path.endswith(AOT_SUFFIX) and "/" not in f.path]
-    except Exception as exc:  # noqa: BLE001 - storage down: serve through jit
-        warnings.append(f"cachectl.serving: cannot list {activation.path} ({type(exc).__name__}: {exc}); "
-                        "serving through jax.jit")
-        return unreadable, [], None
-    indexed = _index_shas(activation, db, warnings)
-    return store.read_bytes, names, indexed
-
-
-def _index_shas(activation: Any, db: str | None, warnings: list[str]) -> dict[str, tuple[str, str | None]] | None:
-    """key -> (entry sha256, executable sha256) from the index, or None when it is unreachable."""
-
-    problems: list[str] = []
-    settings = load_settings(db=db, cache=activation.cache)
-    index, _ = open_service_index(settings, problems)
-    if index is None:
-        warnings.append("cachectl.serving: stored executables not checked against the index ("
-                        + "; ".join(problems) + ")")
-        return None
-    try:
-        env = index.find_environment(activation.cache, activation.digest)
-        # A cache with trusted keys: refuse a namespace no trusted key signed (raises Untrusted).
-        check_covered(index, index.get_cache(activation.cache), env)
-        return {e.key: (e.sha256, e.aot_sha256) for e in index.list_entries(env.id)}
-    except Untrusted:
-        raise
-    except Exception as exc:  # noqa: BLE001 - unknown environment or index error
-        warnings.append(f"cachectl.serving: stored executables not checked against the index ({exc})")
-        return None
-    finally:
-        index.close()

@@ -1,0 +1,48 @@
+"""The serving runtime: a service calls the manifest's functions, cachectl dispatches each call
+to the executable warm stored for its bucket — padded on the host, with no tracing, lowering
+or compiling on the call path.
+
+    rt = cachectl.serving("manifest.yaml")
+    logits, cache = rt["prefill"](params, tokens)      # int32[3, 50] -> bucket [4, 64]
+
+The manifest is the contract for both sides: warm compiles its buckets, and the
+runtime refuses (or pads) what does not fit them. Whatever is wrong with a
+stored executable (missing, corrupt, refused by the index, stale code), the
+call still answers through ``jax.jit`` and the persistent cache, with one
+warning per function: never worse off than plain JAX.
+
+Three modules, one job each: ``calls.py`` fits a call to a bucket on the host (argument
+plans, padding, :func:`mask`, :class:`OutOfBucket`); ``loading.py`` chooses and loads each
+bucket's stored executable (checked against the index); ``runtime.py`` is the
+:class:`Serving` object, its functions' call path, counters and reports.
+"""
+
+from __future__ import annotations
+
+from cachectl.dispatch.calls import OutOfBucket, StructureMismatch, mask
+from cachectl.dispatch.loading import _namespace_reader
+from cachectl.dispatch.runtime import (
+    MAX_SIZES_PER_AXIS,
+    MAX_SIZES_PER_FLUSH,
+    OVERFLOW_MODES,
+    FunctionReport,
+    ServedFunction,
+    Serving,
+    ServingReport,
+    serving,
+)
+
+__all__ = [
+    "MAX_SIZES_PER_AXIS",
+    "MAX_SIZES_PER_FLUSH",
+    "OVERFLOW_MODES",
+    "FunctionReport",
+    "OutOfBucket",
+    "ServedFunction",
+    "Serving",
+    "ServingReport",
+    "StructureMismatch",
+    "_namespace_reader",
+    "mask",
+    "serving",
+]

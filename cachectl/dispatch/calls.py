@@ -1,0 +1,120 @@
+"""Fitting a call to a bucket, on the host: per-argument plans, padding, the mask, the errors.
+
+Nothing here traces or compiles: a jnp.pad or a device slice would compile a program per
+shape (DESIGN.md §7), which is what serving from stored executables avoids."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol, TypeVar
+
+import numpy as np
+
+from cachectl.manifest import FunctionSpec, _dtype
+
+
+class OutOfBucket(ValueError):
+    """A call no warmed bucket covers (above the largest bucket, or a static value not warmed)."""
+
+
+class StructureMismatch(TypeError):
+    """Arguments whose pytree structure differs from the warmed one: never silently recompiled."""
+
+
+def mask(sizes: Sequence[int] | np.ndarray, bucket: int) -> np.ndarray:
+    """Valid-region mask of a padded axis: ``mask([3, 1], 4)`` -> [[T,T,T,F],[T,F,F,F]].
+
+    A model must ignore what padding adds (attention masks, loss weights): this
+    is the mask to give it.
+    """
+    lengths = np.asarray(sizes).reshape(-1, 1)
+    return np.arange(bucket)[None, :] < lengths
+
+
+@dataclass(frozen=True)
+class _ArgPlan:
+    kind: str                              # array | pytree | value
+    dims: tuple[tuple[int, str], ...] = ()  # (dimension, axis) of each bucketed dimension
+    shape: tuple[Any, ...] = ()
+    dtype: Any = None
+    pad: Any = 0
+    weak: bool = False
+    value: Any = None
+
+    def target(self, values: dict[str, Any]) -> tuple[int, ...]:
+        return tuple(values[d] if isinstance(d, str) else d for d in self.shape)
+
+
+def _arg_plans(spec: FunctionSpec) -> list[_ArgPlan]:
+    plans = []
+    for arg in spec.args:
+        if arg.kind == "array":
+            shape = tuple(arg.shape or ())
+            dtype = np.dtype(_dtype(str(arg.dtype)))
+            if dtype == np.float64 or dtype == np.int64 or dtype == np.uint64 or dtype == np.complex128:
+                import jax
+
+                dtype = np.dtype(jax.dtypes.canonicalize_dtype(dtype))
+            pad = arg.pad if arg.pad is not None else (False if dtype == np.bool_ else 0)
+            plans.append(_ArgPlan("array", tuple((d, a) for d, a in enumerate(shape) if isinstance(a, str)),
+                                  shape, dtype, pad, arg.weak_type))
+        elif arg.kind == "value":
+            plans.append(_ArgPlan("value", value=arg.value))
+        else:
+            plans.append(_ArgPlan("pytree"))
+    return plans
+
+
+def _pad_to(x: Any, target: tuple[int, ...], value: Any, dtype: Any) -> np.ndarray:
+    """Pad on the host: a jnp.pad would compile a program per shape (DESIGN.md §7)."""
+    host = np.asarray(x, dtype=dtype)
+    if host.shape == target:
+        return host
+    if host.ndim != len(target) or any(s > t for s, t in zip(host.shape, target, strict=False)):
+        raise OutOfBucket(f"shape {host.shape} does not fit the bucket shape {target}")
+    out = np.full(target, value, dtype=dtype)
+    out[tuple(slice(0, s) for s in host.shape)] = host
+    return out
+
+
+def _first_difference(expected: Any, given: Any) -> str:
+    """The first pytree path where the call's arguments differ from the warmed structure."""
+    import jax
+
+    want = [jax.tree_util.keystr(p) for p, _ in
+            jax.tree_util.tree_flatten_with_path(expected.unflatten([0] * expected.num_leaves))[0]]
+    have = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(given)[0]]
+    for w, h in zip(want, have, strict=False):
+        if w != h:
+            return f"expected a leaf at {w}, got one at {h}"
+    if len(want) != len(have):
+        longer, which = (want, "missing") if len(want) > len(have) else (have, "unexpected")
+        return f"{which} leaf at {longer[min(len(want), len(have))]}"
+    return "the node types differ (e.g. a dict where a list was warmed)"
+
+
+class _HasValues(Protocol):
+    @property
+    def values(self) -> Mapping[str, Any]: ...
+
+
+SlotT = TypeVar("SlotT", bound=_HasValues)
+
+
+def smallest_first(slots: Iterable[SlotT], shape_axes: set[str], static_axes: set[str]) -> list[SlotT]:
+    """Buckets ordered so that the first one covering a call is the cheapest one."""
+    return sorted(slots, key=lambda s: (
+        tuple(s.values[a] for a in sorted(shape_axes)),
+        [str(s.values.get(a)) for a in sorted(static_axes)]))
+
+
+def covering(slots: Sequence[SlotT], raw: Mapping[str, int], static: Mapping[str, Any]) -> SlotT | None:
+    """The first bucket (of :func:`smallest_first`'s order) at least as large as the call's
+    sizes on every axis and equal on its static values; None: no bucket covers the call."""
+    for slot in slots:
+        values = slot.values
+        if all(values[a] >= n for a, n in raw.items()) and all(
+                values[a] == v for a, v in static.items()):
+            return slot
+    return None

@@ -1,0 +1,177 @@
+"""Loading stored executables: which one serves each bucket, checked against the index, read once."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from cachectl import aot
+from cachectl.config import load_settings
+from cachectl.entries import AOT_SUFFIX, CACHE_SUFFIX, CorruptEntry, parse_aot_filename
+from cachectl.manifest import Bucket, FunctionSpec
+from cachectl.runtime import open_service_index
+from cachectl.signing import Untrusted, check_covered
+from cachectl.store import Store
+
+
+class _Slot:
+    """One bucket: its values, its stored executable (loaded once), or why it falls back."""
+
+    __slots__ = ("bucket", "values", "key", "header", "compiled", "error", "lock", "load_seconds",
+                 "_loader")
+
+    def __init__(self, bucket: Bucket) -> None:
+        self.bucket = bucket
+        self.values = dict(bucket.values)
+        self.key: str | None = None
+        self.header: aot.AotHeader | None = None
+        self.compiled: Any = None
+        self.error: str | None = None
+        self.lock = threading.Lock()
+        self.load_seconds = 0.0
+        self._loader: Callable[[_Slot], None] | None = None
+
+    def ensure_loaded(self) -> None:
+        if self.compiled is not None or self.error is not None:
+            return
+        with self.lock:
+            if self.compiled is None and self.error is None and self._loader is not None:
+                self._loader(self)
+
+
+class Executables:
+    """A namespace's stored executables: every header read once (in parallel), one chosen per
+    bucket by :meth:`bind`, its bytes loaded (and checked against the index) by :meth:`load`."""
+
+    def __init__(self, read: Callable[[str], bytes], names: list[str],
+                 indexed: dict[str, tuple[str, str | None]] | None,
+                 on_load: Callable[[str, str], None] | None, warn: Callable[[str], None],
+                 workers: int | None) -> None:
+        self._read = read
+        self._indexed = indexed
+        self._on_load = on_load
+        self._warn = warn
+        self._headers = self._read_headers(names, workers)
+
+    def _read_headers(self, names: list[str], workers: int | None) -> dict[tuple[str, str], list[tuple[str, aot.AotHeader]]]:
+        """Every stored executable's header, by (function, bucket): small reads, in parallel."""
+        def read(name: str) -> tuple[str, aot.AotHeader | None]:
+            parsed = parse_aot_filename(name)
+            if parsed is None:
+                return name, None
+            try:
+                return parsed.key, aot.read_header(self._read(name))
+            except (CorruptEntry, OSError) as exc:
+                self._warn(f"cachectl.serving: ignoring {name}: {exc}")
+                return parsed.key, None
+
+        found: dict[tuple[str, str], list[tuple[str, aot.AotHeader]]] = {}
+        if not names:
+            return found
+        with ThreadPoolExecutor(max_workers=workers or min(8, len(names))) as pool:
+            for key, header in pool.map(read, names):
+                if header is not None and header.function is not None:
+                    where = (header.function, json.dumps(header.bucket, sort_keys=True))
+                    found.setdefault(where, []).append((key, header))
+        return found
+
+    def bind(self, slot: _Slot, spec: FunctionSpec, digests: tuple[str, str | None]) -> None:
+        """Choose this bucket's stored executable, or say why it will be served by jit."""
+        candidates = self._headers.get((spec.name, json.dumps(slot.values, sort_keys=True)), [])
+        if not candidates:
+            slot.error = "no stored executable for this bucket (run `cachectl warm`)"
+            return
+        reasons = []
+        for key, header in candidates:
+            if header.spec_digest is not None and header.spec_digest != digests[0]:
+                reasons.append("stored for another version of this function's manifest entry")
+                continue
+            if header.source_digest is not None and digests[1] is not None and header.source_digest != digests[1]:
+                reasons.append("stored for other source code of the function (its file changed since warm)")
+                continue
+            if self._indexed is not None:
+                known = self._indexed.get(key)
+                if known is None or known[1] is None:
+                    reasons.append("the index does not know this stored executable (run `cachectl sync`)")
+                    continue
+            slot.key, slot.header, slot._loader = key, header, self.load
+            slot.error = None
+            return
+        slot.error = reasons[0]
+
+    def load(self, slot: _Slot) -> None:
+        """Read the bucket's executable and JAX entry, refuse either if its sha256 is not the
+        index's, deserialize; any failure becomes the slot's reason to serve through jit."""
+        started = time.perf_counter()
+        assert slot.key is not None
+        try:
+            data = self._read(slot.key + AOT_SUFFIX)
+            entry = self._read(slot.key + CACHE_SUFFIX)
+            if self._indexed is not None:
+                entry_sha, aot_sha = self._indexed[slot.key]
+                if hashlib.sha256(data).hexdigest() != aot_sha:
+                    raise aot.AotError("refused: its sha256 differs from the index")
+                if hashlib.sha256(entry).hexdigest() != entry_sha:
+                    raise aot.AotError("refused: the JAX entry's sha256 differs from the index")
+            _, slot.compiled = aot.load(data, entry)
+        except FileNotFoundError as exc:
+            slot.error = f"stored executable unavailable ({exc})"
+        except (aot.AotError, CorruptEntry, OSError) as exc:
+            slot.error = str(exc)
+        finally:
+            slot.load_seconds = time.perf_counter() - started
+        if slot.compiled is not None and self._on_load is not None:
+            with contextlib.suppress(Exception):  # telemetry never breaks serving
+                self._on_load(slot.key.rsplit("-", 1)[0], slot.key)
+
+    # -- public -----------------------------------------------------------------
+
+
+def _namespace_reader(activation: Any, db: str | None, warnings: list[str]
+                      ) -> tuple[Callable[[str], bytes], list[str], dict[str, tuple[str, str | None]] | None]:
+    """Read files of the activated namespace, list its executables, and the index's sha256s."""
+    def unreadable(name: str) -> bytes:
+        raise FileNotFoundError(name)
+
+    if not activation.active:
+        warnings.append("cachectl.serving: the cache is not active; every call goes through jax.jit")
+        return unreadable, [], None
+    try:
+        store = Store(activation.path)
+        names = [f.path for f in store.list("") if f.path.endswith(AOT_SUFFIX) and "/" not in f.path]
+    except Exception as exc:  # noqa: BLE001 - storage down: serve through jit
+        warnings.append(f"cachectl.serving: cannot list {activation.path} ({type(exc).__name__}: {exc}); "
+                        "serving through jax.jit")
+        return unreadable, [], None
+    indexed = _index_shas(activation, db, warnings)
+    return store.read_bytes, names, indexed
+
+
+def _index_shas(activation: Any, db: str | None, warnings: list[str]) -> dict[str, tuple[str, str | None]] | None:
+    """key -> (entry sha256, executable sha256) from the index, or None when it is unreachable."""
+
+    problems: list[str] = []
+    settings = load_settings(db=db, cache=activation.cache)
+    index, _ = open_service_index(settings, problems)
+    if index is None:
+        warnings.append("cachectl.serving: stored executables not checked against the index ("
+                        + "; ".join(problems) + ")")
+        return None
+    try:
+        env = index.find_environment(activation.cache, activation.digest)
+        # A cache with trusted keys: refuse a namespace no trusted key signed (raises Untrusted).
+        check_covered(index, index.get_cache(activation.cache), env)
+        return {e.key: (e.sha256, e.aot_sha256) for e in index.list_entries(env.id)}
+    except Untrusted:
+        raise
+    except Exception as exc:  # noqa: BLE001 - unknown environment or index error
+        warnings.append(f"cachectl.serving: stored executables not checked against the index ({exc})")
+        return None
+    finally:
+        index.close()

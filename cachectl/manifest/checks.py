@@ -1,0 +1,260 @@
+"""Cross-field checks: what one field means for another (axes, shardings, jit options, excludes)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from cachectl.manifest.buckets import _bucket_values, _same
+from cachectl.manifest.schema import ArgSpec, FunctionSpec, Manifest, MeshSpec, Target
+from cachectl.manifest.source import Loc, _describe
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_scalar(value: Any) -> bool:
+    return isinstance(value, (int, float, str, bool))
+
+
+def _contains(values: Sequence[Any], value: Any) -> bool:
+    return any(_same(v, value) for v in values)
+
+
+def _semantic_problems(manifest: Manifest) -> Iterator[tuple[Loc, str]]:
+    first_seen: dict[str, int] = {}
+    for i, spec in enumerate(manifest.functions):
+        loc: Loc = ("functions", i)
+        line = manifest._source.line(loc)
+        if spec.name in first_seen:
+            yield (
+                loc + ("name",),
+                (
+                    f"duplicate function name {spec.name!r} (also on line {first_seen[spec.name]}); "
+                    "set 'name:' to tell them apart"
+                ),
+            )
+        first_seen.setdefault(spec.name, line)
+        yield from _function_problems(spec, loc, manifest.target)
+
+
+def _function_problems(
+    spec: FunctionSpec, loc: Loc, target: Target | None
+) -> Iterator[tuple[Loc, str]]:
+    axes = spec.buckets
+    declared = ", ".join(axes) or "none"
+    shape_axes: set[str] = set()
+
+    # Arguments.
+    for a, arg in enumerate(spec.args):
+        aloc = loc + ("args", a)
+        given = [k for k in ("shape", "pytree", "value") if k in arg.model_fields_set]
+        if len(given) != 1:
+            has = ", ".join(sorted(arg.model_fields_set)) or "nothing"
+            yield (
+                aloc,
+                f"an argument needs exactly one of shape (with dtype), pytree or value; this one has {has}",
+            )
+            continue
+        if arg.kind == "array":
+            if arg.dtype is None:
+                yield (
+                    aloc + ("dtype",),
+                    "required field missing (an array argument needs shape and dtype)",
+                )
+            for d, dim in enumerate(arg.shape or []):
+                if isinstance(dim, str):
+                    if dim in axes:
+                        shape_axes.add(dim)
+                    else:
+                        yield (
+                            aloc + ("shape", d),
+                            f"unknown axis {dim!r} (declared axes: {declared})",
+                        )
+                elif not (_is_int(dim) and dim >= 0):
+                    yield (
+                        aloc + ("shape", d),
+                        f"a dimension is a non-negative int or an axis name, got {_describe(dim)}",
+                    )
+        else:
+            for key in ("dtype", "weak_type"):
+                if key in arg.model_fields_set:
+                    yield aloc + (key,), f"only an array argument (shape) takes {key}"
+        if "pad" in arg.model_fields_set and (arg.kind != "array" or not _is_scalar(arg.pad)):
+            yield aloc + ("pad",), "pad is a scalar, given only on an array argument (shape)"
+        if arg.sharding == "single_device":
+            if arg.kind == "value":
+                yield aloc + ("sharding",), "a static value cannot be sharded"
+            elif spec.mesh is not None:
+                yield (aloc + ("sharding",),
+                       "single_device is for a function without a mesh; with a mesh, list mesh axes")
+        elif arg.sharding is not None:
+            if arg.kind == "value":
+                yield aloc + ("sharding",), "a static value cannot be sharded"
+            elif spec.mesh is None:
+                yield (
+                    aloc + ("sharding",),
+                    "sharding needs a mesh: add 'mesh: {axes: {NAME: SIZE}}' to this function",
+                )
+            else:
+                yield from _sharding_problems(arg, aloc, spec.mesh)
+
+    # Outputs (cut by cachectl.serving).
+    for o, out in enumerate(spec.outputs or []):
+        for d, dim in enumerate(out.shape if out is not None else []):
+            if isinstance(dim, str) and dim not in shape_axes:
+                yield (loc + ("outputs", o, "shape", d),
+                       f"unknown axis {dim!r}: an output names axes used in the arguments' shapes")
+            elif not isinstance(dim, str) and not (_is_int(dim) and dim >= 0):
+                yield (loc + ("outputs", o, "shape", d),
+                       f"a dimension is a non-negative int or an axis name, got {_describe(dim)}")
+
+    # Bucket axes.
+    for axis, values in axes.items():
+        vloc = loc + ("buckets", axis)
+        if not values:
+            yield vloc, "an axis needs a non-empty list of values"
+        for v, value in enumerate(values):
+            if axis in shape_axes and not (_is_int(value) and value >= 0):
+                yield (
+                    vloc + (v,),
+                    f"axis {axis!r} is used in a shape, so its values must be non-negative ints; got {_describe(value)}",
+                )
+            elif not _is_scalar(value):
+                yield (
+                    vloc + (v,),
+                    f"axis values must be scalars (int, float, string, bool), got {_describe(value)}",
+                )
+            elif _contains(values[:v], value):
+                yield vloc + (v,), f"duplicate value {value!r} in axis {axis!r}"
+
+    # Excludes.
+    for e, entry in enumerate(spec.exclude):
+        eloc = loc + ("exclude", e)
+        if not entry:
+            yield eloc, "an exclude entry names at least one axis value, e.g. {batch: 16}"
+        for axis, value in entry.items():
+            if axis not in axes:
+                yield eloc + (axis,), f"unknown axis {axis!r} (declared axes: {declared})"
+            elif not _contains(axes[axis], value):
+                yield eloc + (axis,), f"{value!r} is not a value of axis {axis!r} ({axes[axis]})"
+
+    # Keyword arguments.
+    for key, value in spec.kwargs.items():
+        kloc = loc + ("kwargs", key)
+        if isinstance(value, dict):
+            if set(value) != {"axis"}:
+                yield kloc, "a keyword value is a static literal or {axis: NAME}"
+            elif value["axis"] not in axes:
+                yield (
+                    kloc + ("axis",),
+                    f"unknown axis {value['axis']!r} (declared axes: {declared})",
+                )
+
+    # jit options against the argument list.
+    nargs = len(spec.args)
+    for field, wanted in (("static_argnums", "value"), ("donate_argnums", "array")):
+        for n, num in enumerate(getattr(spec.jit, field)):
+            nloc = loc + ("jit", field, n)
+            if not -nargs <= num < nargs:
+                yield nloc, f"{num} is out of range: the manifest lists {nargs} positional args"
+                continue
+            kind = spec.args[num].kind
+            if wanted == "value" and kind != "value":
+                yield (
+                    nloc,
+                    f"argument {num % nargs} is static, so give it as {{value: ...}}, not as {kind}",
+                )
+            if wanted == "array" and kind == "value":
+                yield nloc, f"argument {num % nargs} is a static value and cannot be donated"
+
+    # Mesh against the target.
+    if (
+        spec.mesh is not None
+        and target is not None
+        and target.device_count is not None
+        and spec.mesh.size > target.device_count
+    ):
+        yield (
+            loc + ("mesh", "axes"),
+            (
+                f"the mesh needs {spec.mesh.size} devices but target.device_count is {target.device_count}"
+            ),
+        )
+
+    # Something to compile must remain, and shardings must divide every bucket's shapes.
+    if (
+        axes
+        and all(values for values in axes.values())
+        and next(_bucket_values(spec), None) is None
+    ):
+        yield loc + ("exclude",), "exclude removes every bucket of this function"
+    if spec.mesh is not None:
+        yield from _divisibility_problems(spec, loc)
+
+
+def _sharding_problems(arg: ArgSpec, aloc: Loc, mesh: MeshSpec) -> Iterator[tuple[Loc, str]]:
+    used: set[str] = set()
+    names = ", ".join(mesh.axes)
+    for s, entry in enumerate(arg.sharding or []):
+        sloc = aloc + ("sharding", s)
+        parts = entry if isinstance(entry, list) else [entry]
+        for part in parts:
+            if part is None and not isinstance(entry, list):
+                continue
+            if not isinstance(part, str):
+                yield (
+                    sloc,
+                    f"a sharding entry is a mesh axis name, a list of them, or null; got {_describe(entry)}",
+                )
+            elif part not in mesh.axes:
+                yield sloc, f"unknown mesh axis {part!r} (mesh axes: {names})"
+            elif part in used:
+                yield sloc, f"mesh axis {part!r} is used twice in one sharding"
+            else:
+                used.add(part)
+    if arg.kind == "array" and arg.shape is not None and len(arg.sharding or []) > len(arg.shape):
+        yield (
+            aloc + ("sharding",),
+            (
+                f"{len(arg.sharding or [])} sharding entries for a {len(arg.shape)}-dimensional shape"
+            ),
+        )
+
+
+def _divisibility_problems(spec: FunctionSpec, loc: Loc) -> Iterator[tuple[Loc, str]]:
+    """Each sharded dimension must divide evenly by its mesh axes, in every bucket."""
+    assert spec.mesh is not None
+    for a, arg in enumerate(spec.args):
+        if arg.kind != "array" or not isinstance(arg.sharding, list) or arg.shape is None:
+            continue
+        if len(arg.sharding) > len(arg.shape):
+            continue  # reported already
+        for d, entry in enumerate(arg.sharding):
+            names = entry if isinstance(entry, list) else [entry]
+            if not all(isinstance(n, str) and n in spec.mesh.axes for n in names) or entry is None:
+                continue
+            ways = math.prod(spec.mesh.axes[n] for n in names)
+            dim = arg.shape[d]
+            candidates = (
+                [dim]
+                if _is_int(dim)
+                else list(
+                    dict.fromkeys(
+                        v[dim] for v in _bucket_values(spec) if dim in v and _is_int(v[dim])
+                    )
+                )
+            )
+            for size in candidates:
+                if size % ways:
+                    where = f"{dim}={size}" if isinstance(dim, str) else str(size)
+                    yield (
+                        loc + ("args", a, "sharding", d),
+                        (
+                            f"dimension {d} ({where}) does not divide by {ways} (mesh axes {'x'.join(names)})"
+                        ),
+                    )
+                    break
+

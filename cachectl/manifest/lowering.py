@@ -1,0 +1,195 @@
+"""What warm lowers: the jitted function and the abstract ``(args, kwargs)`` of one bucket.
+
+The only part of the manifest package that uses JAX; it imports JAX inside its functions,
+so importing the package stays cheap for the CLI."""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from cachectl.errors import EnvironmentMismatch
+from cachectl.manifest.buckets import Bucket
+from cachectl.manifest.imports import _identity, _resolve_in, is_jitted
+from cachectl.manifest.schema import ArgSpec, FunctionSpec, _dtype, jit_options
+
+
+def jit_function(spec: FunctionSpec, search_paths: Sequence[str | Path] = ()) -> Any:
+    """What warm calls ``.lower`` on: the function itself if already jitted, else ``jax.jit(fn, **opts)``."""
+    import jax
+
+    fn = _resolve_in(spec, spec.fn, ("fn",), search_paths)
+    return fn if is_jitted(fn) else jax.jit(fn, **jit_options(spec))
+
+
+def _freeze(value: Any) -> Any:
+    """Lists become tuples: jax.jit needs static values to be hashable."""
+    if isinstance(value, list):
+        return tuple(_freeze(v) for v in value)
+    return value
+
+
+def _build_mesh(spec: FunctionSpec) -> Any:
+    import jax
+    from jax.sharding import AxisType
+
+    assert spec.mesh is not None
+    devices = jax.devices()
+    if spec.mesh.size > len(devices):
+        raise EnvironmentMismatch(
+            spec._source.message(
+                spec._loc("mesh", "axes"),
+                f"the mesh needs {spec.mesh.size} devices; this machine has {len(devices)} "
+                f"{devices[0].platform} device{'s' if len(devices) != 1 else ''}",
+            )
+        )
+    types = None
+    if spec.mesh.axis_types is not None:
+        kind = {"auto": AxisType.Auto, "explicit": AxisType.Explicit, "manual": AxisType.Manual}
+        types = (kind[spec.mesh.axis_types],) * len(spec.mesh.axes)
+    return jax.make_mesh(tuple(spec.mesh.axes.values()), tuple(spec.mesh.axes), axis_types=types)
+
+
+def _partition_spec(entries: Sequence[Any]) -> Any:
+    from jax.sharding import PartitionSpec
+
+    return PartitionSpec(*(tuple(e) if isinstance(e, list) else e for e in entries))
+
+
+def build_call(
+    spec: FunctionSpec, bucket: Bucket, search_paths: Sequence[str | Path] = ()
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The abstract ``(args, kwargs)`` for one bucket: ShapeDtypeStructs, pytrees and static values.
+
+    With a mesh, arrays get ``NamedSharding(mesh, PartitionSpec(*sharding))``; those without a
+    ``sharding`` (and pytree leaves without their own) are replicated.
+    """
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    if bucket.function != spec.name:
+        raise ValueError(f"bucket {bucket} belongs to {bucket.function!r}, not {spec.name!r}")
+    mesh = _build_mesh(spec) if spec.mesh is not None else None
+    replicated = NamedSharding(mesh, PartitionSpec()) if mesh is not None else None
+    args: list[Any] = []
+    for a, arg in enumerate(spec.args):
+        if arg.kind == "value":
+            args.append(_freeze(arg.value))
+        elif arg.kind == "array":
+            shape = tuple(bucket.values[d] if isinstance(d, str) else d for d in arg.shape or [])
+            dtype = jax.dtypes.canonicalize_dtype(_dtype(str(arg.dtype)))
+            sharding = replicated
+            if arg.sharding == "single_device":
+                sharding = _single_device()
+            elif mesh is not None and arg.sharding is not None:
+                sharding = NamedSharding(mesh, _partition_spec(arg.sharding))
+            args.append(
+                jax.ShapeDtypeStruct(shape, dtype, sharding=sharding, weak_type=arg.weak_type)
+            )
+        else:
+            args.append(_build_pytree(spec, a, arg, bucket, mesh, search_paths))
+    kwargs: dict[str, Any] = {}
+    for key, value in spec.kwargs.items():
+        if isinstance(value, dict):
+            kwargs[key] = bucket.values[value["axis"]]
+        else:
+            kwargs[key] = _freeze(value)
+    return tuple(args), kwargs
+
+
+def _single_device() -> Any:
+    import jax
+    from jax.sharding import SingleDeviceSharding
+
+    return SingleDeviceSharding(jax.devices()[0])
+
+
+_PYTREE_CACHE: dict[tuple[Any, tuple[tuple[str, Any], ...]], Any] = {}
+
+
+def _build_pytree(
+    spec: FunctionSpec,
+    a: int,
+    arg: ArgSpec,
+    bucket: Bucket,
+    mesh: Any,
+    search_paths: Sequence[str | Path],
+) -> Any:
+    """Call the pytree function (passing the bucket values it names as parameters), then abstract it."""
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    loc = ("args", a, "pytree")
+    make = _resolve_in(spec, str(arg.pytree), loc, search_paths)
+    try:
+        params = inspect.signature(make).parameters
+    except (TypeError, ValueError):
+        params = {}
+    call_kwargs = tuple((k, v) for k, v in bucket.values.items() if k in params)
+    cache_key = (make, call_kwargs)
+    tree = _PYTREE_CACHE.get(cache_key)
+    if tree is None:
+        try:
+            raw = make(**dict(call_kwargs))
+        except Exception as exc:
+            raise spec._bad(loc, f"{arg.pytree}() raised {type(exc).__name__}: {exc}") from None
+        try:
+            tree = jax.tree_util.tree_map_with_path(_abstract_leaf, raw)
+        except _LeafError as exc:
+            raise spec._bad(loc, f"{arg.pytree}() returned {exc}") from None
+        _PYTREE_CACHE[cache_key] = tree
+
+    if arg.sharding == "single_device":
+        device = _single_device()
+        return jax.tree_util.tree_map(
+            lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=device,
+                                              weak_type=leaf.weak_type), tree)
+    if mesh is None:
+        return tree
+    forced = (
+        NamedSharding(mesh, _partition_spec(arg.sharding)) if arg.sharding is not None else None
+    )
+
+    def place(path: Any, leaf: Any) -> Any:
+        sharding = forced
+        if sharding is None:
+            own = leaf.sharding
+            sharding = own if own is not None else NamedSharding(mesh, PartitionSpec())
+        elif len(arg.sharding or []) > len(leaf.shape):
+            raise spec._bad(
+                ("args", a, "sharding"),
+                f"leaf {jax.tree_util.keystr(path)} has shape {leaf.shape}, too few dimensions for "
+                f"{len(arg.sharding or [])} sharding entries",
+            )
+        return jax.ShapeDtypeStruct(
+            leaf.shape, leaf.dtype, sharding=sharding, weak_type=leaf.weak_type
+        )
+
+    return jax.tree_util.tree_map_with_path(place, tree)
+
+
+class _LeafError(Exception):
+    pass
+
+
+def _abstract_leaf(path: Any, leaf: Any) -> Any:
+    """Arrays and ShapeDtypeStructs keep shape and dtype; Python numbers become weak-typed scalars."""
+    import jax
+
+    if isinstance(leaf, jax.ShapeDtypeStruct):
+        return leaf
+    if hasattr(leaf, "shape") and hasattr(leaf, "dtype"):
+        dtype = leaf.dtype
+        if not jax.dtypes.issubdtype(dtype, jax.dtypes.extended):
+            dtype = jax.dtypes.canonicalize_dtype(dtype)
+        return jax.ShapeDtypeStruct(
+            tuple(leaf.shape), dtype, weak_type=bool(getattr(leaf, "weak_type", False))
+        )
+    if isinstance(leaf, (bool, int, float, complex)):
+        return jax.eval_shape(_identity, leaf)
+    raise _LeafError(
+        f"a {type(leaf).__name__} at {jax.tree_util.keystr(path) or 'the root'}; "
+        "leaves must be arrays, jax.ShapeDtypeStruct or numbers"
+    )
