@@ -275,3 +275,40 @@ def test_a_peer_that_joins_and_stalls_is_a_bounded_one_line_error(tmp_path: Path
                            "3 s (CACHECTL_DISTRIBUTED_TIMEOUT): DEADLINE_EXCEEDED"), line
     assert "Traceback" not in done[0].stderr
     assert time.monotonic() - started < 60
+
+
+def test_a_signed_cache_two_process_warm_signs_once_and_refuses_without_a_key(tmp_path: Path,
+                                                                              manifest: Path) -> None:
+    """The key check runs in every process (each refuses, exit 4); process 0 signs after storing
+    process 1's entries too, so the signed content list covers all six entries."""
+    def cachectl(*args: str, code: int = 0) -> subprocess.CompletedProcess:
+        done = subprocess.run(cachectl_argv(*args), capture_output=True, text=True, timeout=CHILD_TIMEOUT_S,
+                              env={**os.environ, "JAX_PLATFORMS": "cpu"})
+        assert done.returncode == code, done.stderr
+        return done
+
+    key = tmp_path / "ci.key"
+    pub = json.loads(cachectl("key", "generate", str(key), "--json").stdout)["public_path"]
+    cachectl("cache", "set", "default", "--trust", pub)
+    refused = run_job([cachectl_argv("warm", str(manifest))] * 2, tmp_path / "unsigned")
+    for proc in refused:
+        assert proc.returncode == 4, proc.stderr[-3000:]
+        assert len(errors(proc)) == 1 and "accepts only signed content" in errors(proc)[0]
+    signed = run_job([cachectl_argv("warm", str(manifest), "--sign-key", str(key), "--json")] * 2,
+                     tmp_path / "signed")
+    for proc in signed:
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    digest = json.loads(signed[0].stdout)["environment"]["digest"]
+
+    from cachectl import signing
+    from cachectl.index import open_index
+
+    index = open_index(f"sqlite:///{Path(os.environ['XDG_DATA_HOME']) / 'cachectl' / 'index.db'}")
+    try:
+        cache, env_info = index.get_cache("default"), index.get_environment("default", digest)
+        signing.check_covered(index, cache, env_info)  # what pull and serving check: raises if not
+        files = signing.trusted_files(index, cache, env_info)
+    finally:
+        index.close()
+    assert files is not None
+    assert sum(name.endswith("-cache") for name in files) == 6 and sum(name.endswith("-aot") for name in files) == 3
