@@ -4,9 +4,11 @@ Every process of the job runs the same command. Each one:
 
 1. joins the job (``jax.distributed.initialize``: the coordinator from
    ``JAX_COORDINATOR_ADDRESS``, the count and rank from ``JAX_NUM_PROCESSES`` and
-   ``JAX_PROCESS_ID``, else JAX's own cluster detection);
-2. publishes what it would warm (manifest digest, environment digest, cache,
-   buckets, target problems) in the job's key-value store and compares it with
+   ``JAX_PROCESS_ID``, else JAX's own cluster detection) before anything that could
+   fail on it alone;
+2. plans (process 0 first: it may create the index) and publishes what it would
+   warm (manifest digest, environment digest, cache, buckets, target problems) in
+   the job's key-value store and compares it with
    every other process: any difference, or a target mismatch anywhere, and every
    process refuses (exit 3) before compiling;
 3. compiles every bucket (each process compiles its part of every program, as a
@@ -15,6 +17,10 @@ Every process of the job runs the same command. Each one:
    entries (once) and the warm run; the others wait for its results and check
    that they looked up the same keys;
 4. reports for itself (``process`` in the JSON: index, count, writer 0).
+
+Every step is an exchange (``_exchange``) each process publishes to, with its result or
+its failure, and every wait is bounded (``CACHECTL_DISTRIBUTED_TIMEOUT``): no process is
+ever left waiting for one that has failed or gone.
 """
 
 from __future__ import annotations
@@ -252,18 +258,20 @@ def warm(ctx: Context, manifest_path: str | Path, *, cache: str | None = None, j
     me = join()
     _SEQUENCE[0] += 1
     started = time.perf_counter()
-    # Process 0 opens the index first: on a fresh SQLite file it creates the schema, and two
-    # processes of one host creating it at once fail ("has tables but no cachectl schema version").
-    _exchange("open", me, lambda: _open_index(ctx) if me.index == WRITER else {})
     plans: list[Any] = []
 
     def planned() -> dict[str, Any]:
-        if prepare is not None:
-            prepare()
-        plans.append(warm_mod.plan_warm(ctx, manifest_path, cache=cache, paths=paths,
-                                        writer_check=not dry_run and me.index == WRITER))
+        if not plans:
+            if prepare is not None:
+                prepare()
+            plans.append(warm_mod.plan_warm(ctx, manifest_path, cache=cache, paths=paths,
+                                            writer_check=not dry_run and me.index == WRITER))
         return _agreement(plans[0])
 
+    # Process 0 plans first, the others once it has: on a fresh SQLite file it creates the schema
+    # (and the default cache), and two processes of one host sharing that file and creating it at
+    # once fail ("has tables but no cachectl schema version").
+    _exchange("open", me, lambda: planned() if me.index == WRITER else {})
     check_agreement(me, _exchange("plan", me, planned))
     plan = plans[0]
     if dry_run:
@@ -292,11 +300,6 @@ def warm(ctx: Context, manifest_path: str | Path, *, cache: str | None = None, j
 
     _exchange("done", me, stored)
     return DistributedWarmReport(me, report)
-
-
-def _open_index(ctx: Context) -> dict[str, Any]:
-    ctx.index  # noqa: B018 - opening it is the point (schema created or checked)
-    return {}
 
 
 def _store_peer_entries(ctx: Context, plan: Any, views: Sequence[dict[str, Any]], run_id: int | None) -> int:
