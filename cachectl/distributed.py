@@ -4,9 +4,11 @@ Every process of the job runs the same command. Each one:
 
 1. joins the job (``jax.distributed.initialize``: the coordinator from
    ``JAX_COORDINATOR_ADDRESS``, the count and rank from ``JAX_NUM_PROCESSES`` and
-   ``JAX_PROCESS_ID``, else JAX's own cluster detection);
-2. publishes what it would warm (manifest digest, environment digest, cache,
-   buckets, target problems) in the job's key-value store and compares it with
+   ``JAX_PROCESS_ID``, else JAX's own cluster detection) before anything that could
+   fail on it alone;
+2. plans (process 0 first: it may create the index) and publishes what it would
+   warm (manifest digest, environment digest, cache, buckets, target problems) in
+   the job's key-value store and compares it with
    every other process: any difference, or a target mismatch anywhere, and every
    process refuses (exit 3) before compiling;
 3. compiles every bucket (each process compiles its part of every program, as a
@@ -15,14 +17,20 @@ Every process of the job runs the same command. Each one:
    entries (once) and the warm run; the others wait for its results and check
    that they looked up the same keys;
 4. reports for itself (``process`` in the JSON: index, count, writer 0).
+
+Every step is an exchange (``_exchange``) each process publishes to, with its result or
+its failure, and every wait is bounded (``CACHECTL_DISTRIBUTED_TIMEOUT``): no process is
+ever left waiting for one that has failed or gone.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import sys
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,13 +38,27 @@ from typing import Any
 from cachectl import warm as warm_mod
 from cachectl.context import Context
 from cachectl.entries import CACHE_SUFFIX, CorruptEntry, parse_key, read_header, sha256
-from cachectl.errors import BadInput, CachectlError, EnvironmentMismatch
+from cachectl.errors import (
+    BadInput,
+    CachectlError,
+    EnvironmentMismatch,
+    OperationFailed,
+    Unreachable,
+    error_named,
+)
 from cachectl.index import NewEntry
 from cachectl.manifest import manifest_digest
 
 WRITER = 0
-TIMEOUT_MS = 30 * 60 * 1000
+TIMEOUT_ENV = "CACHECTL_DISTRIBUTED_TIMEOUT"
+DEFAULT_TIMEOUT_S = 600
+_JAX_GRACE_S = 30  # JAX's own init timeout comes this much later than ours
 _PREFIX = "cachectl/warm"
+# Every process of a JAX job compiles every bucket together (each program spans the job's
+# devices), so the job is the unit of work: a shard of the manifest per process would leave
+# each program compiled by part of the job, and --shard auto reads a per-process index.
+SHARD_REFUSAL = ("--distributed and --shard do not combine: every process of a JAX job compiles every "
+                 "bucket together; to split a manifest across jobs, give each job its own manifest")
 _SEQUENCE = [0]  # one exchange namespace per collective warm of this process
 
 
@@ -79,12 +101,25 @@ def _int_env(name: str) -> int | None:
     return int(raw)
 
 
+def timeout_seconds() -> int:
+    """How long any process waits for the others, at each step (joining included): every wait is bounded."""
+    value = _int_env(TIMEOUT_ENV)
+    if value == 0:
+        raise BadInput(f"{TIMEOUT_ENV} must be at least 1 (seconds)")
+    return DEFAULT_TIMEOUT_S if value is None else value
+
+
 def join() -> ProcessInfo:
-    """Initialize jax.distributed (once) and say which process this is."""
+    """Initialize jax.distributed (once) and say which process this is.
+
+    Nothing that can fail on one process only may run before this: a process that exits
+    before joining leaves the others waiting in ``initialize`` (bounded by the timeout).
+    """
     import jax
     from jax._src import distributed
 
     if distributed.global_state.client is None:
+        timeout = timeout_seconds()
         kwargs: dict[str, Any] = {}
         address = os.environ.get("JAX_COORDINATOR_ADDRESS", "").strip() or None
         count, rank = _int_env("JAX_NUM_PROCESSES"), _int_env("JAX_PROCESS_ID")
@@ -94,14 +129,38 @@ def join() -> ProcessInfo:
             kwargs["num_processes"] = count
         if rank is not None:
             kwargs["process_id"] = rank
+        # JAX aborts the process (SIGABRT, a C++ stack) when its own init timeout passes: this
+        # watchdog ends it first, with the one-line error and exit code of Unreachable.
+        watchdog = threading.Timer(timeout, _give_up, args=(
+            f"--distributed: the JAX job's other processes did not join within {timeout} s ({TIMEOUT_ENV}); "
+            "did one of them fail before joining?",))
+        watchdog.daemon = True
+        watchdog.start()
         try:
-            jax.distributed.initialize(**kwargs)
-        except (RuntimeError, ValueError) as exc:
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            raise EnvironmentMismatch(
-                f"--distributed: could not join the JAX job ({first}); set JAX_COORDINATOR_ADDRESS, "
-                "JAX_NUM_PROCESSES and JAX_PROCESS_ID, or run where JAX detects the cluster") from exc
+            try:
+                jax.distributed.initialize(**kwargs, initialization_timeout=timeout + _JAX_GRACE_S)
+            except Exception as exc:  # noqa: BLE001 - JAX raises RuntimeError, ValueError or its own error
+                raise EnvironmentMismatch(
+                    f"--distributed: could not join the JAX job ({_first_line(exc)}); set JAX_COORDINATOR_ADDRESS, "
+                    "JAX_NUM_PROCESSES and JAX_PROCESS_ID, or run where JAX detects the cluster") from exc
+            # Creating the backend exchanges every process's devices: it waits for all of them too.
+            return ProcessInfo(jax.process_index(), jax.process_count())
+        finally:
+            watchdog.cancel()
     return ProcessInfo(jax.process_index(), jax.process_count())
+
+
+def _give_up(message: str) -> None:
+    """End this process now with cachectl's one-line error (exit 2, Unreachable): JAX's threads hold
+    no state of ours yet, and its shutdown at exit would wait for the peers that never came."""
+    sys.stderr.write(f"cachectl: error: {message}\n")
+    sys.stderr.flush()
+    os._exit(Unreachable.exit_code)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
 
 
 def _client() -> Any:
@@ -110,20 +169,49 @@ def _client() -> Any:
     return distributed.global_state.client
 
 
-def _exchange(tag: str, me: ProcessInfo, value: dict[str, Any]) -> list[dict[str, Any]]:
-    """Publish ``value`` under ``tag`` and return every process's, in process order."""
+def _error_view(exc: Exception) -> dict[str, Any]:
+    text = getattr(exc, "message", None) or _first_line(exc)
+    return {"error": text, "kind": type(exc).__name__ if isinstance(exc, CachectlError) else None}
+
+
+def _exchange(tag: str, me: ProcessInfo, compute: Callable[[], dict[str, Any]]) -> list[dict[str, Any]]:
+    """Run ``compute`` here, publish its value (or its failure) under ``tag``, and return every
+    process's, in process order.
+
+    Every process publishes at every step, failed or not, and reads every view before anyone
+    raises: so all of them decide the same (go on, or fail with the first failure's exit code)
+    and none is left waiting for a peer that has gone. Every wait is bounded.
+    """
+    failure: Exception | None = None
+    try:
+        value = compute()
+    except Exception as exc:  # noqa: BLE001 - published for the peers, then raised here below
+        failure, value = exc, _error_view(exc)
     client = _client()
+    timeout = timeout_seconds()
     base = f"{_PREFIX}/{_SEQUENCE[0]}/{tag}"
-    client.key_value_set(f"{base}/{me.index}", json.dumps(value, sort_keys=True))
-    views = [json.loads(client.blocking_key_value_get(f"{base}/{i}", TIMEOUT_MS)) for i in range(me.count)]
-    # Nobody leaves (and, being process 0, takes the coordinator with it) before every process
-    # has read every view: a refusal must reach all of them, not leave one waiting for a peer.
-    client.wait_at_barrier(f"{base}/read", TIMEOUT_MS)
-    failed = [(i, v["error"]) for i, v in enumerate(views) if v.get("error")]
+    views = []
+    try:
+        client.key_value_set(f"{base}/{me.index}", json.dumps(value, sort_keys=True))
+        for i in range(me.count):
+            views.append(json.loads(client.blocking_key_value_get(f"{base}/{i}", timeout * 1000)))
+        # Nobody leaves (and, being process 0, takes the coordinator with it) before every
+        # process has read every view.
+        client.wait_at_barrier(f"{base}/read", timeout * 1000)
+    except Exception as exc:  # noqa: BLE001 - JAX's runtime errors: a timeout, a lost coordinator
+        if failure is not None:
+            raise failure from None
+        waited = f"process {len(views)} of {me.count}" if len(views) < me.count else "every process"
+        detail = _first_line(exc).split(" [type.googleapis.com", 1)[0]
+        raise Unreachable(f"--distributed: {waited} did not reach the {tag!r} step within {timeout} s "
+                          f"({TIMEOUT_ENV}): {detail}") from exc
+    if failure is not None:
+        raise failure
+    failed = [(i, v) for i, v in enumerate(views) if v.get("error")]
     if failed:
-        i, message = failed[0]
-        raise (BadInput if i != me.index else CachectlError)(
-            message if i == me.index else f"process {i} of {me.count} failed: {message}")
+        i, view = failed[0]
+        raise (error_named(view.get("kind")) or OperationFailed)(
+            f"process {i} of {me.count} failed: {view['error']}")
     return views
 
 
@@ -158,40 +246,63 @@ def check_agreement(me: ProcessInfo, views: Sequence[dict[str, Any]]) -> None:
 
 
 def warm(ctx: Context, manifest_path: str | Path, *, cache: str | None = None, jobs: int | None = None,
-         shard: tuple[int, int] | None = None, paths: Sequence[str] = (), fail_fast: bool = False,
-         dry_run: bool = False, executables: bool = True, progress: Any = None) -> DistributedWarmReport:
-    """The collective warm: every process of the job calls this with the same arguments."""
+         paths: Sequence[str] = (), fail_fast: bool = False, dry_run: bool = False, executables: bool = True,
+         progress: Any = None, prepare: Callable[[], None] | None = None,
+         finish: Callable[[Any], None] | None = None) -> DistributedWarmReport:
+    """The collective warm: every process of the job calls this with the same arguments.
+
+    ``prepare`` runs in every process before planning (the CLI checks the signing key there),
+    ``finish`` in process 0 with its report before the last step (the CLI signs there): a
+    failure in either reaches every process instead of leaving them waiting.
+    """
     me = join()
     _SEQUENCE[0] += 1
     started = time.perf_counter()
-    try:
-        plan = warm_mod.plan_warm(ctx, manifest_path, cache=cache, shard=shard, paths=paths,
-                                  writer_check=not dry_run and me.index == WRITER)
-    except CachectlError as exc:
-        _publish_error("plan", me, exc)  # the others must not wait for this process
-        raise
-    check_agreement(me, _exchange("plan", me, _agreement(plan)))
-    if dry_run or me.index == WRITER:
-        # Process 0 is a normal warm: JAX writes from it, so it stores, records and reports.
-        try:
-            report = warm_mod.warm(ctx, manifest_path, cache=cache, jobs=jobs, shard=shard, paths=paths,
-                                   fail_fast=fail_fast, dry_run=dry_run, executables=executables,
-                                   progress=progress)
-        except BaseException as exc:
-            if not dry_run:
-                _publish_error("result", me, exc)
-            raise
-        if not dry_run:
-            _exchange("result", me, {"buckets": [{"key": b.key, "status": b.status, "bytes": b.bytes,
-                                                  "aot_bytes": b.aot_bytes, "error": b.error}
-                                                 for b in report.buckets], "run_id": report.run_id})
-            stored = _store_peer_entries(ctx, plan, me, report.run_id)
-            _exchange("done", me, {"stored": stored})
-        return DistributedWarmReport(me, report)
-    return DistributedWarmReport(me, _follow(ctx, plan, me, started))
+    plans: list[Any] = []
+
+    def planned() -> dict[str, Any]:
+        if not plans:
+            if prepare is not None:
+                prepare()
+            plans.append(warm_mod.plan_warm(ctx, manifest_path, cache=cache, paths=paths,
+                                            writer_check=not dry_run and me.index == WRITER))
+        return _agreement(plans[0])
+
+    # Process 0 plans first, the others once it has: on a fresh SQLite file it creates the schema
+    # (and the default cache), and two processes of one host sharing that file and creating it at
+    # once fail ("has tables but no cachectl schema version").
+    _exchange("open", me, lambda: planned() if me.index == WRITER else {})
+    check_agreement(me, _exchange("plan", me, planned))
+    plan = plans[0]
+    if dry_run:
+        return DistributedWarmReport(me, warm_mod.warm(ctx, manifest_path, cache=cache, paths=paths,
+                                                       dry_run=True, progress=progress))
+    if me.index != WRITER:
+        return DistributedWarmReport(me, _follow(ctx, plan, me, started))
+    # Process 0 is a normal warm: JAX writes from it, so it stores, records and reports.
+    reports: list[Any] = []
+
+    def warmed() -> dict[str, Any]:
+        reports.append(warm_mod.warm(ctx, manifest_path, cache=cache, jobs=jobs, paths=paths, fail_fast=fail_fast,
+                                     executables=executables, progress=progress))
+        return {"buckets": [{"key": b.key, "status": b.status, "bytes": b.bytes, "aot_bytes": b.aot_bytes,
+                             "error": b.error} for b in reports[0].buckets], "run_id": reports[0].run_id}
+
+    _exchange("result", me, warmed)
+    report = reports[0]
+    peers = _exchange("peer", me, lambda: {"entries": []})
+
+    def stored() -> dict[str, Any]:
+        count = _store_peer_entries(ctx, plan, peers, report.run_id)
+        if finish is not None:
+            finish(report)
+        return {"stored": count}
+
+    _exchange("done", me, stored)
+    return DistributedWarmReport(me, report)
 
 
-def _store_peer_entries(ctx: Context, plan: Any, me: ProcessInfo, run_id: int | None) -> int:
+def _store_peer_entries(ctx: Context, plan: Any, views: Sequence[dict[str, Any]], run_id: int | None) -> int:
     """Process 0 writes and records the entries other processes compiled under keys of their own.
 
     JAX's key hashes the topology fingerprint, which on some backends (CPU) differs per
@@ -200,8 +311,8 @@ def _store_peer_entries(ctx: Context, plan: Any, me: ProcessInfo, run_id: int | 
     here through the job's key-value store and stored once.
     """
 
-    views = _exchange("peer", me, {"entries": []})
     client = _client()
+    timeout_ms = timeout_seconds() * 1000
     store = ctx.store(plan.cache)
     ns = plan.environment.namespace
     env_info = ctx.index.ensure_environment(plan.cache.name, plan.environment)
@@ -213,7 +324,7 @@ def _store_peer_entries(ctx: Context, plan: Any, me: ProcessInfo, run_id: int | 
             if key in known:
                 continue
             data = client.blocking_key_value_get_bytes(f"{_PREFIX}/{_SEQUENCE[0]}/blob/{rank}/{item['position']}",
-                                                       TIMEOUT_MS)
+                                                       timeout_ms)
             if sha256(data) != item["sha256"] or parse_key(key) is None:
                 continue
             try:
@@ -241,17 +352,8 @@ def _entry_bytes(compiled: Any, seconds: float) -> bytes:
     return cc.compress_executable(cc.combine_executable_and_time(executable.serialize(), int(seconds)))
 
 
-def _publish_error(tag: str, me: ProcessInfo, exc: BaseException) -> None:
-    text = getattr(exc, "message", None) or str(exc) or type(exc).__name__
-    _client().key_value_set(f"{_PREFIX}/{_SEQUENCE[0]}/{tag}/{me.index}", json.dumps({"error": text}))
-
-
-def _follow(ctx: Context, plan: Any, me: ProcessInfo, started: float) -> Any:
-    """A process other than 0: compile every bucket as the job does, hand process 0 the entries
-    only this process's key names, and report with process 0's results."""
-
-    store = ctx.store(plan.cache)
-    ns_url = store.url_for(plan.environment.namespace)
+def _compile_all(plan: Any, ns_url: str) -> dict[int, tuple[str | None, str | None, float, bytes | None, str | None]]:
+    """Compile every bucket here: (key, hit or miss, seconds, the entry if JAX missed, error) per position."""
     config = warm_mod.warm_jax_config(ns_url, plan.environment)
     jitted, calls = warm_mod._build_calls(plan.manifest, plan.buckets, plan.search_paths)
     mine: dict[int, tuple[str | None, str | None, float, bytes | None, str | None]] = {}
@@ -276,18 +378,36 @@ def _follow(ctx: Context, plan: Any, me: ProcessInfo, started: float) -> Any:
                 mine[position] = (last.key, last.kind, seconds, data, None)
             except Exception as exc:  # noqa: BLE001 - reported per bucket, like warm
                 mine[position] = (None, None, 0.0, None, warm_mod._error_text(exc))
-    writer = _exchange("result", me, {"buckets": [], "run_id": None})[WRITER]
+    return mine
+
+
+def _follow(ctx: Context, plan: Any, me: ProcessInfo, started: float) -> Any:
+    """A process other than 0: compile every bucket as the job does, hand process 0 the entries
+    only this process's key names, and report with process 0's results."""
+
+    ns_url = ctx.store(plan.cache).url_for(plan.environment.namespace)
+    mine: dict[int, tuple[str | None, str | None, float, bytes | None, str | None]] = {}
+
+    def compiled_all() -> dict[str, Any]:
+        mine.update(_compile_all(plan, ns_url))
+        return {"buckets": [], "run_id": None}
+
+    writer = _exchange("result", me, compiled_all)[WRITER]
     theirs = {i: b for i, b in enumerate(writer["buckets"])}
-    client = _client()
-    offered = []
-    for position, (key, _lookup, seconds, data, _error) in mine.items():
-        other = theirs.get(position)
-        if data is None or key is None or (other is not None and other["key"] == key):
-            continue  # process 0 wrote this very key (or it was in the cache already)
-        client.key_value_set_bytes(f"{_PREFIX}/{_SEQUENCE[0]}/blob/{me.index}/{position}", data)
-        offered.append({"position": position, "key": key, "sha256": sha256(data), "seconds": seconds})
-    _exchange("peer", me, {"entries": offered})
-    _exchange("done", me, {"stored": 0})
+
+    def offer() -> dict[str, Any]:
+        client = _client()
+        offered = []
+        for position, (key, _lookup, seconds, data, _error) in mine.items():
+            other = theirs.get(position)
+            if data is None or key is None or (other is not None and other["key"] == key):
+                continue  # process 0 wrote this very key (or it was in the cache already)
+            client.key_value_set_bytes(f"{_PREFIX}/{_SEQUENCE[0]}/blob/{me.index}/{position}", data)
+            offered.append({"position": position, "key": key, "sha256": sha256(data), "seconds": seconds})
+        return {"entries": offered}
+
+    _exchange("peer", me, offer)
+    _exchange("done", me, lambda: {"stored": 0})
     results = []
     for position, bucket in enumerate(plan.buckets):
         key, lookup, seconds, data, error = mine.get(position, (None, None, 0.0, None, "not attempted"))

@@ -151,7 +151,13 @@ def test_indexed_job_three_processes_into_s3_and_postgres_then_warm_check_100(
                       dict(base, JOB_COMPLETION_INDEX=str(i))) for i in range(3)]
     reports = []
     for pod in pods:
-        out, err = pod.communicate(timeout=300)
+        try:
+            out, err = pod.communicate(timeout=300)
+        except subprocess.TimeoutExpired:
+            for other in pods:
+                other.kill()
+            pytest.fail("a pod ran past 300 s and was killed\n" + "\n".join(
+                f"--- pod {i} stderr:\n{p.communicate()[1][-3000:]}" for i, p in enumerate(pods)))
         assert pod.returncode == 0, err
         reports.append(json.loads(out))
     assert [r["summary"]["buckets"] for r in reports] == [2, 2, 1]

@@ -12,7 +12,7 @@ from cachectl import distributed as dist
 from cachectl import signing
 from cachectl.cli.render import emit, size, stderr, stdout, table
 from cachectl.context import Context
-from cachectl.errors import CachectlError, EnvironmentMismatch, OperationFailed
+from cachectl.errors import BadInput, CachectlError, EnvironmentMismatch, OperationFailed
 from cachectl.manifest import DEFAULT_MAX_BUCKETS, MAX_BUCKETS_ENV, load_manifest
 from cachectl.sharding import resolve_shard
 from cachectl.signing import resign
@@ -195,14 +195,24 @@ def _signer_for(ctx: Context, manifest: str, cache_name: str | None, sign_key: s
     return key
 
 
-def _run_distributed(ctx: Context, manifest: str, cache_name: str | None, shard: str | None,
-                     shards: int | None, paths: tuple[str, ...], as_json: bool, jobs: int | None,
-                     fail_fast: bool, dry_run: bool, no_executables: bool, signer: Any) -> None:
-    result = dist.warm(ctx, manifest, cache=cache_name, jobs=jobs, shard=_shard(shard, shards), paths=paths,
-                       fail_fast=fail_fast, dry_run=dry_run, executables=not no_executables)
-    report, me = result.report, result.process
-    if signer is not None and me.index == dist.WRITER and not dry_run:
-        resign(ctx.index, report.cache, report.environment["digest"], signer)
+def _run_distributed(ctx: Context, manifest: str, cache_name: str | None, paths: tuple[str, ...], as_json: bool,
+                     jobs: int | None, fail_fast: bool, dry_run: bool, no_executables: bool,
+                     sign_key: str | None) -> None:
+    """Every process of the job runs this; the signing-key check and the signing happen inside the
+    collective warm, so a failure there reaches every process."""
+    signer: list[Any] = []
+
+    def prepare() -> None:
+        if not dry_run:
+            signer.append(_signer_for(ctx, manifest, cache_name, sign_key))
+
+    def finish(report: WarmReport) -> None:
+        if signer and signer[0] is not None:
+            resign(ctx.index, report.cache, report.environment["digest"], signer[0])
+
+    result = dist.warm(ctx, manifest, cache=cache_name, jobs=jobs, paths=paths, fail_fast=fail_fast,
+                       dry_run=dry_run, executables=not no_executables, prepare=prepare, finish=finish)
+    me = result.process
 
     def human(r: Any) -> None:
         _print_warm(r.report)
@@ -255,13 +265,15 @@ def warm_cmd(ctx: Context, manifest: str, cache_name: str | None, shard: str | N
         _run_check(ctx, manifest, cache_name, shard, paths, as_json, shards)
         return
     _shard(shard, shards)  # a bad --shard/--shards is bad input before anything is opened
+    if dist.requested(distributed):
+        if shard is not None:
+            raise BadInput(dist.SHARD_REFUSAL)
+        _run_distributed(ctx, manifest, cache_name, paths, as_json, jobs, fail_fast, dry_run, no_executables,
+                         sign_key)
+        return
     signer = None
     if not dry_run:
         signer = _signer_for(ctx, manifest, cache_name, sign_key)
-    if dist.requested(distributed):
-        _run_distributed(ctx, manifest, cache_name, shard, shards, paths, as_json, jobs, fail_fast, dry_run,
-                         no_executables, signer)
-        return
     with _Progress(enabled=stderr.is_terminal and not dry_run) as progress:
         report = warm(ctx, manifest, cache=cache_name, jobs=jobs, shard=_shard(shard, shards), paths=paths,
                       fail_fast=fail_fast, dry_run=dry_run, executor=executor, progress=progress,
