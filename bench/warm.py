@@ -221,10 +221,10 @@ def markdown(result: dict[str, Any]) -> str:
     threads_win = r["process_over_thread"] > 1 and r["process_over_thread_cpu"] > 1
     verdict = (
         "threads win on both wall time and CPU time, which is why `DEFAULT_EXECUTOR` in "
-        "`cachectl/warm.py` is `thread`"
+        "`cachectl/warm/reports.py` is `thread`"
         if threads_win else
         "this run does NOT show threads winning on both wall and CPU time: revisit `DEFAULT_EXECUTOR` "
-        "in `cachectl/warm.py` (set to `thread`) if that holds on a quiet machine"
+        "in `cachectl/warm/reports.py` (set to `thread`) if that holds on a quiet machine"
     )
     lines = [
         SECTION,
