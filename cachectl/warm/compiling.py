@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -13,6 +13,7 @@ from cachectl.errors import BadInput
 from cachectl.fingerprint import Environment
 from cachectl.runtime import apply_jax_config, jax_config_for
 from cachectl.tracebacks import format_user_traceback, location
+from cachectl.warm.cachekey import cache_key
 from cachectl.warm.jaxlog import _CAPTURE, _Event
 
 _ERROR_CHARS = 400
@@ -38,6 +39,9 @@ class _Outcome:
     # aot.payload_of() of the compiled program, or why JAX could not serialize it.
     payload: bytes | None = None
     aot_error: str | None = None
+    lower_seconds: float = 0.0  # in ``.lower()``: tracing and lowering, Python under the GIL
+    # Not compiled: its entry and stored executable were already there (``present``).
+    stored: bool = False
 
 
 def _clear_in_memory_executables() -> None:
@@ -48,9 +52,18 @@ def _clear_in_memory_executables() -> None:
     jax.clear_caches()
 
 
+def _lower(jitted: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, float]:
+    started = time.perf_counter()
+    lowered = jitted.lower(*args, **kwargs)
+    return lowered, time.perf_counter() - started
+
+
 def _compile_once(jitted: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
                   ) -> tuple[list[_Event], float, Any]:
-    lowered = jitted.lower(*args, **kwargs)
+    return _compile_lowered(_lower(jitted, args, kwargs)[0])
+
+
+def _compile_lowered(lowered: Any) -> tuple[list[_Event], float, Any]:
     with _CAPTURE.sink() as events:
         started = time.perf_counter()
         compiled = lowered.compile()
@@ -66,26 +79,37 @@ def _payload(compiled: Any) -> tuple[bytes | None, str | None]:
 
 
 def compile_bucket(jitted: Any, args: tuple[Any, ...], kwargs: dict[str, Any], *,
-                   executables: bool = False) -> _Outcome:
+                   executables: bool = False, present: Callable[[str], bool] | None = None) -> _Outcome:
     """Lower and compile one bucket, and say what the persistent cache did.
 
+    With ``present``, the lowered program's key is computed first (cachekey.py);
+    when ``present(key)`` says everything warm would write is already stored, the
+    bucket is a hit without compiling: loading a hit only to learn its key was
+    what re-warm spent its time on after lowering.
     A program this process already compiled comes from JAX's in-memory cache and
     never reaches the persistent one (no key is logged); then the in-memory
     executables are dropped and the bucket compiled again, which now hits.
     """
     with _CAPTURE.installed():
-        events, seconds, compiled = _compile_once(jitted, args, kwargs)
+        lowered, lower_seconds = _lower(jitted, args, kwargs)
+        if present is not None:
+            started = time.perf_counter()
+            key = cache_key(lowered)
+            if key is not None and present(key):
+                return _Outcome("hit", key, False, time.perf_counter() - started,
+                                lower_seconds=lower_seconds, stored=True)
+        events, seconds, compiled = _compile_lowered(lowered)
         if not any(e.kind in ("hit", "miss") for e in events):
             _clear_in_memory_executables()
             events, seconds, compiled = _compile_once(jitted, args, kwargs)
     lookups = [e for e in events if e.kind in ("hit", "miss")]
     if not lookups:
-        return _Outcome(None, None, False, seconds)
+        return _Outcome(None, None, False, seconds, lower_seconds=lower_seconds)
     last = lookups[-1]
     written = any(e.kind == "write" and e.key == last.key for e in events)
     skip = next((e.text for e in events if e.kind == "skip"), None)
     payload, aot_error = _payload(compiled) if executables else (None, None)
-    return _Outcome(last.kind, last.key, written, seconds, skip, payload, aot_error)
+    return _Outcome(last.kind, last.key, written, seconds, skip, payload, aot_error, lower_seconds)
 
 
 class ErrorText(str):

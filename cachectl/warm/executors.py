@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import Any
@@ -68,14 +69,16 @@ def _drive(submit: Callable[[int], Future[Any]] | None, run: Callable[[int], Any
 
 
 def _run_threads(plan: WarmPlan, config: dict[str, Any], jobs: int, fail_fast: bool,
-                 record: RecordFn, executables: bool = False) -> None:
+                 record: RecordFn, executables: bool = False,
+                 present: Callable[[str], bool] | None = None) -> None:
+    """In this process: one by one (``jobs`` 1) or in a pool; ``present`` skips stored buckets."""
     jitted, calls = _build_calls(plan.manifest, plan.buckets, plan.search_paths)
     errors = {p: c for p, c in calls.items() if isinstance(c, str)}
 
     def task(position: int) -> _Outcome:
         args, kwargs = calls[position]  # type: ignore[misc]
         return compile_bucket(jitted[plan.buckets[position].function], args, kwargs,
-                              executables=executables)
+                              executables=executables, present=present)
 
     with jax_configured(config), _CAPTURE.installed():
         if jobs == 1:
@@ -119,16 +122,13 @@ def _worker_task(position: int) -> dict[str, Any]:
                                  executables=_WORKER["executables"])
     except Exception as exc:  # noqa: BLE001 - reported as this bucket's error
         return {"error": _error_text(exc)}
-    return {"lookup": outcome.lookup, "key": outcome.key, "written": outcome.written,
-            "seconds": outcome.seconds, "skip_reason": outcome.skip_reason,
-            "payload": outcome.payload, "aot_error": outcome.aot_error}
+    return dataclasses.asdict(outcome)
 
 
 def _outcome_from(data: dict[str, Any]) -> tuple[_Outcome | None, str | None]:
     if "error" in data:
         return None, data["error"]  # an ErrorText, traceback included
-    return _Outcome(data["lookup"], data["key"], data["written"], data["seconds"], data["skip_reason"],
-                    data.get("payload"), data.get("aot_error")), None
+    return _Outcome(**data), None
 
 
 def _run_processes(plan: WarmPlan, config: dict[str, Any], jobs: int, fail_fast: bool,

@@ -47,16 +47,23 @@ class BucketResult:
     aot_error: str | None = None
     # The user's frames of a failure, for -v; not in the JSON report.
     traceback: str | None = field(default=None, metadata=_NOT_JSON)
+    lower_seconds: float | None = field(default=None, metadata=_NOT_JSON)  # in ``.lower()``
 
 
 @dataclass(frozen=True)
 class WarmSummary:
+    """Counts and times of a warm; ``parallel_efficiency`` says how well ``--jobs`` was used."""
+
     buckets: int
     compiled: int
     cached: int
     failed: int
     compile_seconds: float = field(metadata=_MS)
     wall_seconds: float = field(metadata=_MS)
+    # Seconds in ``.lower()`` (tracing and lowering: Python, under the GIL) of every bucket.
+    lower_seconds: float = field(default=0.0, metadata=_MS)
+    # compile_seconds / (wall_seconds x jobs): 1.0 when every job compiled all the time.
+    parallel_efficiency: float | None = field(default=None, metadata=_MS)
 
 
 @dataclass(frozen=True)

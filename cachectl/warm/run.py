@@ -166,7 +166,8 @@ def _execute(ctx: Context, plan: WarmPlan, *, jobs: int, fail_fast: bool, execut
             if executor == "process" and jobs > 1:
                 _run_processes(plan, config, jobs, fail_fast, record, executables)
             else:
-                _run_threads(plan, config, jobs, fail_fast, record, executables)
+                _run_threads(plan, config, jobs, fail_fast, record, executables,
+                             present=_present(store, ns.relpath, indexed, stored_aot))
         status = warm_runs.FAILED if counts.failed else warm_runs.SUCCEEDED
     finally:
         ctx.index.finish_warm_run(run.id, status, compiled=counts.compiled, cached=counts.cached,
@@ -179,7 +180,9 @@ def _execute(ctx: Context, plan: WarmPlan, *, jobs: int, fail_fast: bool, execut
     wall = time.perf_counter() - started
     compile_seconds = sum(r.compile_seconds or 0.0 for r in ordered if r.status in (COMPILED, TOO_LARGE))
     written = sum(r.bytes or 0 for r in ordered if r.status == COMPILED)
-    summary = WarmSummary(len(ordered), counts.compiled, counts.cached, counts.failed, compile_seconds, wall)
+    lower_seconds = sum(r.lower_seconds or 0.0 for r in ordered)
+    summary = WarmSummary(len(ordered), counts.compiled, counts.cached, counts.failed, compile_seconds, wall,
+                          lower_seconds, compile_seconds / (wall * jobs) if wall > 0 else None)
     ctx.index.audit("warm", cache=plan.cache.name, entries=counts.compiled, nbytes=written,
                     duration_ms=int(wall * 1000),
                     details={"manifest": plan.manifest_path, "namespace": ns.relpath, "warm_run": run.id,
@@ -188,6 +191,22 @@ def _execute(ctx: Context, plan: WarmPlan, *, jobs: int, fail_fast: bool, execut
                              "executables": sum(r.aot_bytes is not None for r in ordered)})
     return WarmReport(_environment_json(env), ns.url, summary, ordered, cache=plan.cache.name,
                       manifest=plan.manifest_path, run_id=run.id, jobs=jobs, executor=executor)
+
+
+def _present(store: Any, ns_rel: str, indexed: dict[str, tuple[int, str]],
+             stored_aot: dict[str, tuple[int, str]] | None) -> Callable[[str], bool]:
+    """Whether a key is fully warmed already: indexed, its entry (and stored executable) on storage.
+
+    Called from the compiling threads once a bucket is lowered; a yes means
+    the bucket is ``cached`` without being compiled or loaded.
+    """
+
+    def present(key: str) -> bool:
+        if key not in indexed or not store.exists(f"{ns_rel}/{key}{CACHE_SUFFIX}"):
+            return False
+        return stored_aot is None or (key in stored_aot and store.exists(f"{ns_rel}/{key}{AOT_SUFFIX}"))
+
+    return present
 
 
 def _settle(ctx: Context, plan: WarmPlan, store: Any, ns_rel: str, env_id: int, run_id: int,
@@ -204,6 +223,7 @@ def _settle(ctx: Context, plan: WarmPlan, store: Any, ns_rel: str, env_id: int, 
     if error is not None or outcome is None:
         return BucketResult(**base, status=FAILED, error=str(error or "no result"),
                             traceback=getattr(error, "traceback", None))
+    base["lower_seconds"] = outcome.lower_seconds
     seconds = outcome.seconds
     if outcome.lookup is None or outcome.key is None:
         return BucketResult(**base, status=FAILED, compile_seconds=seconds,
@@ -324,7 +344,7 @@ def _store_executable(store: Any, ns_rel: str, key: str, entry_sha256: str, buck
         return None, None, None, False
     rel = f"{ns_rel}/{key}{AOT_SUFFIX}"
     known = stored.get(key)
-    if known is not None and store.exists(rel):
+    if known is not None and (outcome.stored or store.exists(rel)):  # stored: present() just looked
         return known[0], known[1], None, False
     if outcome.payload is None:
         return None, None, outcome.aot_error or "no executable to store", False
