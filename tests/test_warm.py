@@ -217,6 +217,30 @@ def test_rewarm_of_stored_buckets_neither_compiles_nor_loads(tmp_path: Path) -> 
     counting.clear()
 
 
+def test_warm_through_a_pipe_logs_one_line_per_bucket(tmp_path: Path) -> None:
+    """Not a terminal (a CI log): a line per finished bucket on stderr; the JSON on stdout as ever."""
+    import re
+    import subprocess
+
+    manifest = tiny(tmp_path)
+    proc = subprocess.run([sys.executable, "-m", "cachectl", "warm", str(manifest), "--json", "--jobs", "2"],
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("warm ")]
+    assert len(lines) == 5, proc.stderr
+    pattern = re.compile(r"warm (\d)/5 (\w+)\[(\S*)\] (compiled|cached|failed) (\d+\.\d\d)s")
+    seen = []
+    for line in lines:
+        match = pattern.fullmatch(line)
+        assert match is not None, line
+        seen.append((match[2], match[3], match[4]))
+    assert [int(pattern.fullmatch(line)[1]) for line in lines] == [1, 2, 3, 4, 5]  # type: ignore[index]
+    expected = [(b["function"], ",".join(f"{k}={v}" for k, v in b["bucket"].items()), b["status"])
+                for b in report["buckets"]]
+    assert sorted(seen) == sorted(expected) and {s for _, _, s in seen} == {"compiled"}
+
+
 def test_warm_check_proves_coverage_in_a_fresh_process(tmp_path: Path) -> None:
     manifest = tiny(tmp_path)
     half = json.loads(invoke("warm", str(manifest), "--shard", "1/2", "--json").stdout)
