@@ -5,8 +5,8 @@ Re-warm needs only to know that a bucket's entry and stored executable exist;
 its key. JAX has no public call for the key, so this follows
 ``pxla.UnloadedMeshExecutable.from_hlo`` -> ``compiler.compile_or_get_cached``
 (jax 0.10): the same compile options, the same ``compilation_cache.get_cache_key``.
-Whatever this cannot follow exactly (PGLE, shape polymorphism, another lowering
-type, a JAX whose internals moved) gives None, and the caller compiles as before;
+Whatever this cannot follow exactly (PGLE, shape polymorphism, a program over
+several processes, another lowering type, a JAX whose internals moved) gives None, and the caller compiles as before;
 a wrong key can only miss a file, never claim one.
 """
 
@@ -39,8 +39,8 @@ def _cache_key(lowered: Any) -> str | None:
     if poly is not None and poly.uses_dim_vars:
         return None
     devices = computation._device_list
-    if devices is None:
-        return None
+    if devices is None or len({d.process_index for d in devices}) > 1:
+        return None  # a program over several processes compiles collectively: every process must call it
     in_shardings = tuple(pxla.maybe_concretize_mesh(s, devices) for s in args["in_shardings"])
     out_shardings = tuple(pxla.maybe_concretize_mesh(s, devices) for s in args["out_shardings"])
     to_inputs, to_outputs = pxla.get_prop_to_input_output(in_shardings, out_shardings,
