@@ -437,6 +437,26 @@ def markdown(result: dict[str, Any]) -> str:
             f"{one['lower_thread_cpu']:.2f} CPU s, "
             f"{one['lower_thread_cpu'] / max(one['cpu'], 1e-9):.0%} of the process's CPU.",
         ]
+        if len(result["parallel"]) > 1:
+            two = result["parallel"][1]
+            lines += [
+                f"- With `--jobs {two['jobs']}` both threads kept compiling (efficiency "
+                f"{two['efficiency']:.2f}), but each `.compile()` took longer: "
+                f"{two['compile_wall']:.2f} s summed over the buckets against {one['compile_wall']:.2f} s "
+                f"one at a time ({two['compile_wall'] / max(one['compile_wall'], 1e-9):.1f}x), while the "
+                f"process's CPU went from {one['cpu'] / max(one['wall'], 1e-9):.2f} to "
+                f"{two['cpu'] / max(two['wall'], 1e-9):.2f} cores. The compile is CPU-bound and runs on "
+                f"XLA's own threads ({one['threads_busy']} threads busy with `--jobs 1`), so a second "
+                "job gains only the cores the machine has free; on this loaded machine there were few.",
+            ]
+    lines += [
+        f"- Defaults chosen from this: `--jobs` = the cores, executor `thread`. In CPU seconds, "
+        f"`--jobs {j}` threads cost {s['cpu_default_thread']['median'] / s['cpu_jobs1']['median']:.2f}x "
+        f"of `--jobs 1` on the example and {r['many_cpu_thread_over_jobs1']:.2f}x on 40 buckets "
+        f"(nothing wasted), processes {r['process_over_thread_cpu']:.2f}x of threads; in wall time "
+        f"threads gained {r['warm_speedup_default_threads']:.2f}x (11 buckets of uneven size) and "
+        f"{r['many_speedup_threads']:.2f}x (40 buckets).",
+    ]
     if result["problems"]:
         lines += ["", "Problems seen: " + "; ".join(result["problems"])]
     return "\n".join(lines) + "\n"
