@@ -1,9 +1,10 @@
 """Library values as JSON and back: what the server sends and the client rebuilds.
 
 ``to_jsonable`` turns dataclasses, datetimes, enums and paths into plain JSON values (the
-server's responses, the CLI's --json); ``from_jsonable`` rebuilds a value of a given type
-from them with pydantic's TypeAdapter, so a result read over HTTP is the same type the
-library returns in direct mode. There is no other decoder.
+server's responses, the CLI's --json; a field with ``metadata={"json": False}`` is left out,
+``{"round": n}`` rounds it); ``from_jsonable`` rebuilds a value of a given type from them with
+pydantic's TypeAdapter, so a result read over HTTP is the same type the library returns in
+direct mode. There is no other decoder.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ REDACTED = "<redacted>"
 def to_jsonable(obj: Any) -> Any:
     """Dataclasses, datetimes, enums and paths as plain JSON values."""
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        data = {f.name: to_jsonable(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+        data = {f.name: _field_value(f, getattr(obj, f.name)) for f in dataclasses.fields(obj)
+                if f.metadata.get("json", True)}
         for name in getattr(obj, "__json_extra__", ()):
             data[name] = to_jsonable(getattr(obj, name))
         return data
@@ -39,6 +41,15 @@ def to_jsonable(obj: Any) -> Any:
     if isinstance(obj, Path):
         return str(obj)
     return obj
+
+
+def _field_value(f: dataclasses.Field[Any], value: Any) -> Any:
+    """A field's JSON value; ``metadata={"round": n}`` keeps n decimals (reports' seconds)."""
+    digits = f.metadata.get("round")
+    if digits is not None and isinstance(value, float):
+        return round(value, digits)
+    return to_jsonable(value)
+
 
 
 @functools.lru_cache(maxsize=256)

@@ -192,6 +192,55 @@ def test_rewarm_reports_every_bucket_cached(tmp_path: Path) -> None:
     assert newest == [(2, "warm")]
 
 
+def test_rewarm_of_stored_buckets_neither_compiles_nor_loads(tmp_path: Path) -> None:
+    """A bucket whose entry and stored executable are there is known from its key alone."""
+    import jax
+
+    counting: list[str] = []
+    jax.monitoring.register_event_listener(lambda event, **kw: counting and counting.append(event))
+    manifest = tiny(tmp_path)
+    first = warm_json(str(manifest))
+    counting.append("start")
+    again = warm_json(str(manifest))
+    assert [b["status"] for b in again["buckets"]] == ["cached"] * 5
+    assert [b["key"] for b in again["buckets"]] == [b["key"] for b in first["buckets"]]
+    assert [b["aot_bytes"] for b in again["buckets"]] == [b["aot_bytes"] for b in first["buckets"]]
+    assert "/jax/compilation_cache/compile_requests_use_cache" not in counting
+    # Without its stored executable a bucket goes through JAX again (a hit) and is stored anew.
+    gone = first["buckets"][1]["key"]
+    (Path(first["namespace"]) / f"{gone}-aot").unlink()
+    counting[:] = ["start"]
+    third = warm_json(str(manifest))
+    assert [b["status"] for b in third["buckets"]] == ["cached", "compiled", "cached", "cached", "cached"]
+    assert (Path(first["namespace"]) / f"{gone}-aot").exists()
+    assert counting.count("/jax/compilation_cache/cache_hits") == 1
+    counting.clear()
+
+
+def test_warm_through_a_pipe_logs_one_line_per_bucket(tmp_path: Path) -> None:
+    """Not a terminal (a CI log): a line per finished bucket on stderr; the JSON on stdout as ever."""
+    import re
+    import subprocess
+
+    manifest = tiny(tmp_path)
+    proc = subprocess.run([sys.executable, "-m", "cachectl", "warm", str(manifest), "--json", "--jobs", "2"],
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("warm ")]
+    assert len(lines) == 5, proc.stderr
+    pattern = re.compile(r"warm (\d)/5 (\w+)\[(\S*)\] (compiled|cached|failed) (\d+\.\d\d)s")
+    seen = []
+    for line in lines:
+        match = pattern.fullmatch(line)
+        assert match is not None, line
+        seen.append((match[2], match[3], match[4]))
+    assert [int(pattern.fullmatch(line)[1]) for line in lines] == [1, 2, 3, 4, 5]  # type: ignore[index]
+    expected = [(b["function"], ",".join(f"{k}={v}" for k, v in b["bucket"].items()), b["status"])
+                for b in report["buckets"]]
+    assert sorted(seen) == sorted(expected) and {s for _, _, s in seen} == {"compiled"}
+
+
 def test_warm_check_proves_coverage_in_a_fresh_process(tmp_path: Path) -> None:
     manifest = tiny(tmp_path)
     half = json.loads(invoke("warm", str(manifest), "--shard", "1/2", "--json").stdout)

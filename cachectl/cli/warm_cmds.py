@@ -97,12 +97,17 @@ def _print_check(report: CheckReport) -> None:
 
 
 class _Progress:
-    """A rich progress bar on stderr when it is a terminal; nothing otherwise."""
+    """Progress on stderr: a rich bar on a terminal; in a log (a pipe, a CI job) one line per bucket.
 
-    def __init__(self, enabled: bool) -> None:
+    A line names the bucket, its status and its seconds (lowering + compiling), and is
+    flushed at once, so a CI log shows how far a long warm got; stdout (``--json``) is untouched.
+    """
+
+    def __init__(self, enabled: bool, terminal: bool) -> None:
+        self.enabled = enabled
         self.bar: Any = None
         self.task: Any = None
-        if enabled:
+        if enabled and terminal:
             from rich.progress import (
                 BarColumn,
                 MofNCompleteColumn,
@@ -125,12 +130,22 @@ class _Progress:
             self.bar.stop()
 
     def __call__(self, result: Any, done: int, total: int) -> None:
+        if not self.enabled:
+            return
+        label = f"{result.function}[{_plain(result.bucket)}] {result.status}"
         if self.bar is None:
+            click.echo(f"warm {done}/{total} {label} {_bucket_seconds(result)}", err=True)
             return
         if self.task is None:
             self.task = self.bar.add_task("", total=total)
-        self.bar.update(self.task, completed=done,
-                        description=escape(f"{result.function}[{_plain(result.bucket)}] {result.status}"))
+        self.bar.update(self.task, completed=done, description=escape(label))
+
+
+def _bucket_seconds(result: Any) -> str:
+    """'1.23s' spent on one bucket (lowering + compiling), '-' when it never got that far."""
+    if result.compile_seconds is None and result.lower_seconds is None:
+        return "-"
+    return f"{(result.lower_seconds or 0.0) + (result.compile_seconds or 0.0):.2f}s"
 
 
 def _verbosity() -> int:
@@ -274,7 +289,7 @@ def warm_cmd(ctx: Context, manifest: str, cache_name: str | None, shard: str | N
     signer = None
     if not dry_run:
         signer = _signer_for(ctx, manifest, cache_name, sign_key)
-    with _Progress(enabled=stderr.is_terminal and not dry_run) as progress:
+    with _Progress(enabled=not dry_run, terminal=stderr.is_terminal) as progress:
         report = warm(ctx, manifest, cache=cache_name, jobs=jobs, shard=_shard(shard, shards), paths=paths,
                       fail_fast=fail_fast, dry_run=dry_run, executor=executor, progress=progress,
                       executables=not no_executables)

@@ -1,0 +1,192 @@
+"""Compile one bucket and say what the persistent cache did; warm's JAX configuration."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from cachectl import aot
+from cachectl.errors import BadInput
+from cachectl.fingerprint import Environment
+from cachectl.runtime import apply_jax_config, jax_config_for
+from cachectl.tracebacks import format_user_traceback, location
+from cachectl.warm.cachekey import cache_key
+from cachectl.warm.jaxlog import _CAPTURE, _Event
+
+_ERROR_CHARS = 400
+
+# Settings warm adds to activate()'s: write every program, whatever its compile
+# time or size, and never let a JAX-side switch disable the cache.
+WARM_EXTRA_CONFIG: dict[str, Any] = {
+    "jax_enable_compilation_cache": True,
+    "jax_persistent_cache_min_compile_time_secs": 0.0,
+    "jax_persistent_cache_min_entry_size_bytes": -1,
+}
+
+
+@dataclass(frozen=True)
+class _Outcome:
+    """What JAX did with one program: looked it up under ``key``, hit or compiled, wrote or not."""
+
+    lookup: str | None  # hit | miss | None (JAX did not consult the persistent cache)
+    key: str | None
+    written: bool
+    seconds: float
+    skip_reason: str | None = None
+    # aot.payload_of() of the compiled program, or why JAX could not serialize it.
+    payload: bytes | None = None
+    aot_error: str | None = None
+    lower_seconds: float = 0.0  # in ``.lower()``: tracing and lowering, Python under the GIL
+    # Not compiled: its entry and stored executable were already there (``present``).
+    stored: bool = False
+
+
+def _clear_in_memory_executables() -> None:
+    """Forget what this process compiled (lowerings memoize their executables), so JAX
+    consults the persistent cache again."""
+    import jax
+
+    jax.clear_caches()
+
+
+def _lower(jitted: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, float]:
+    started = time.perf_counter()
+    lowered = jitted.lower(*args, **kwargs)
+    return lowered, time.perf_counter() - started
+
+
+def _compile_once(jitted: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+                  ) -> tuple[list[_Event], float, Any]:
+    return _compile_lowered(_lower(jitted, args, kwargs)[0])
+
+
+def _compile_lowered(lowered: Any) -> tuple[list[_Event], float, Any]:
+    with _CAPTURE.sink() as events:
+        started = time.perf_counter()
+        compiled = lowered.compile()
+        seconds = time.perf_counter() - started
+    return events, seconds, compiled
+
+
+def _payload(compiled: Any) -> tuple[bytes | None, str | None]:
+    try:
+        return aot.payload_of(compiled), None
+    except aot.AotError as exc:
+        return None, str(exc)
+
+
+def compile_bucket(jitted: Any, args: tuple[Any, ...], kwargs: dict[str, Any], *,
+                   executables: bool = False, present: Callable[[str], bool] | None = None) -> _Outcome:
+    """Lower and compile one bucket, and say what the persistent cache did.
+
+    With ``present``, the lowered program's key is computed first (cachekey.py);
+    when ``present(key)`` says everything warm would write is already stored, the
+    bucket is a hit without compiling: loading a hit only to learn its key was
+    what re-warm spent its time on after lowering.
+    A program this process already compiled comes from JAX's in-memory cache and
+    never reaches the persistent one (no key is logged); then the in-memory
+    executables are dropped and the bucket compiled again, which now hits.
+    """
+    with _CAPTURE.installed():
+        lowered, lower_seconds = _lower(jitted, args, kwargs)
+        if present is not None:
+            started = time.perf_counter()
+            key = cache_key(lowered)
+            if key is not None and present(key):
+                return _Outcome("hit", key, False, time.perf_counter() - started,
+                                lower_seconds=lower_seconds, stored=True)
+        events, seconds, compiled = _compile_lowered(lowered)
+        if not any(e.kind in ("hit", "miss") for e in events):
+            _clear_in_memory_executables()
+            events, seconds, compiled = _compile_once(jitted, args, kwargs)
+    lookups = [e for e in events if e.kind in ("hit", "miss")]
+    if not lookups:
+        return _Outcome(None, None, False, seconds, lower_seconds=lower_seconds)
+    last = lookups[-1]
+    written = any(e.kind == "write" and e.key == last.key for e in events)
+    skip = next((e.text for e in events if e.kind == "skip"), None)
+    payload, aot_error = _payload(compiled) if executables else (None, None)
+    return _Outcome(last.kind, last.key, written, seconds, skip, payload, aot_error, lower_seconds)
+
+
+class ErrorText(str):
+    """A bucket's one-line error that also carries the traceback of the user's code (for ``-v``).
+
+    A str, so it travels unchanged wherever warm passes error messages (and pickles
+    back from worker processes with its traceback).
+    """
+
+    traceback: str | None = None
+
+
+def _error_text(exc: BaseException) -> ErrorText:
+    """One line: the error, ended by ``(at file:line)`` of the user's code that raised it."""
+    if isinstance(exc, BadInput):
+        message = exc.message
+    else:
+        text = str(exc).strip().splitlines()
+        first = text[0] if text else ""
+        message = f"{type(exc).__name__}: {first}" if first else type(exc).__name__
+        if len(message) > _ERROR_CHARS:
+            message = message[: _ERROR_CHARS - 3] + "..."
+    where = location(exc)
+    result = ErrorText(f"{message} (at {where})" if where else message)
+    result.traceback = format_user_traceback(exc)
+    return result
+
+
+# --------------------------------------------------------------------------- JAX configuration
+
+
+def warm_jax_config(path: str, env: Environment) -> dict[str, Any]:
+    """activate()'s settings for ``path`` (writable) plus warm's: write everything."""
+    return {**jax_config_for(path, env, readonly=False), **WARM_EXTRA_CONFIG}
+
+
+@contextlib.contextmanager
+def jax_configured(config: dict[str, Any]) -> Iterator[None]:
+    """Point JAX at warm's namespace for the duration, then put the previous config back.
+
+    warm owns the process's persistent cache while it runs: any cache JAX had
+    opened is closed first, and reopened lazily afterwards with the old settings.
+    """
+    import jax
+    from jax._src import compilation_cache as cc
+
+    saved = {name: getattr(jax.config, name) for name in config}
+    cc.reset_cache()
+    apply_jax_config(config)
+    _clear_in_memory_executables()
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            jax.config.update(name, value)
+        cc.reset_cache()
+
+
+@contextlib.contextmanager
+def _persistent_cache_off() -> Iterator[None]:
+    """Build abstract arguments without writing what user code compiles on the way.
+
+    A pytree function such as ``param_specs`` may run JAX eagerly (e.g.
+    ``jax.random.key(0)``); those programs are not buckets and stay out of the namespace.
+    JAX decides once per process whether to use its cache (``is_cache_used``), so
+    the switch is flipped with a reset on both sides; no bucket compiles meanwhile.
+    """
+    import jax
+    from jax._src import compilation_cache as cc
+
+    saved = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)
+    cc.reset_cache()
+    try:
+        yield
+    finally:
+        jax.config.update("jax_enable_compilation_cache", saved)
+        cc.reset_cache()
+
+

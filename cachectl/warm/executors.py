@@ -1,0 +1,147 @@
+"""Run a plan's buckets: one by one, in a thread pool, or in spawned processes."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from typing import Any
+
+from cachectl.manifest import Bucket, check_imports, expand, load_manifest
+from cachectl.runtime import apply_jax_config
+from cachectl.warm.compiling import _error_text, _Outcome, compile_bucket, jax_configured
+from cachectl.warm.jaxlog import _CAPTURE
+from cachectl.warm.plan import WarmPlan, _build_calls
+from cachectl.warm.reports import FAILED, TOO_LARGE, BucketResult
+
+RecordFn = Callable[[int, Bucket, "_Outcome | None", "str | None"], BucketResult]
+
+def _drive(submit: Callable[[int], Future[Any]] | None, run: Callable[[int], Any] | None,
+           buckets: Sequence[Bucket], errors: dict[int, str], fail_fast: bool, record: RecordFn) -> None:
+    """Compile every bucket and record each result as it finishes.
+
+    With ``submit`` buckets go to a pool; with ``run`` they compile one by one in
+    this thread, in manifest order (so ``fail_fast`` stops exactly at the first
+    failure). ``errors`` holds buckets whose arguments could not be built.
+    """
+
+    def settle(position: int, value: Any, exc: BaseException | None) -> bool:
+        if exc is not None:
+            result = record(position, buckets[position], None, _error_text(exc))
+        elif isinstance(value, dict):  # from a worker process
+            outcome, error = _outcome_from(value)
+            result = record(position, buckets[position], outcome, error)
+        else:
+            result = record(position, buckets[position], value, None)
+        return result.status in (FAILED, TOO_LARGE)
+
+    if submit is None:
+        assert run is not None
+        for position, bucket in enumerate(buckets):
+            if position in errors:
+                failed = record(position, bucket, None, errors[position]).status == FAILED
+            else:
+                try:
+                    failed = settle(position, run(position), None)
+                except Exception as exc:  # noqa: BLE001 - this bucket's error
+                    failed = settle(position, None, exc)
+            if failed and fail_fast:
+                return
+        return
+
+    for position, message in sorted(errors.items()):
+        record(position, buckets[position], None, message)
+        if fail_fast:
+            return
+    pending = {submit(p): p for p in range(len(buckets)) if p not in errors}
+    while pending:
+        done, _ = wait(pending, return_when=FIRST_COMPLETED)
+        for future in done:
+            position = pending.pop(future)
+            if future.cancelled():
+                continue
+            exc = future.exception()
+            failed = settle(position, None if exc else future.result(), exc)
+            if failed and fail_fast:
+                for other in pending:
+                    other.cancel()
+                fail_fast = False  # running buckets still finish and are recorded
+
+
+def _run_threads(plan: WarmPlan, config: dict[str, Any], jobs: int, fail_fast: bool,
+                 record: RecordFn, executables: bool = False,
+                 present: Callable[[str], bool] | None = None) -> None:
+    """In this process: one by one (``jobs`` 1) or in a pool; ``present`` skips stored buckets."""
+    jitted, calls = _build_calls(plan.manifest, plan.buckets, plan.search_paths)
+    errors = {p: c for p, c in calls.items() if isinstance(c, str)}
+
+    def task(position: int) -> _Outcome:
+        args, kwargs = calls[position]  # type: ignore[misc]
+        return compile_bucket(jitted[plan.buckets[position].function], args, kwargs,
+                              executables=executables, present=present)
+
+    with jax_configured(config), _CAPTURE.installed():
+        if jobs == 1:
+            _drive(None, task, plan.buckets, errors, fail_fast, record)
+            return
+        with ThreadPoolExecutor(max_workers=jobs, thread_name_prefix="cachectl-warm") as pool:
+            _drive(lambda p: pool.submit(task, p), None, plan.buckets, errors, fail_fast, record)
+
+
+# -- processes ---------------------------------------------------------------
+
+_WORKER: dict[str, Any] = {}
+
+
+def _worker_init(manifest_path: str, paths: Sequence[str], indices: Sequence[int],
+                 config: dict[str, Any], executables: bool = False) -> None:
+    """A spawned worker: import the functions, build every call, then configure JAX like the parent.
+
+    Calls are built before the cache is configured, as in the parent, so programs
+    user code compiles on the way (e.g. in ``param_specs``) are not written.
+    """
+    manifest = load_manifest(manifest_path)
+    check_imports(manifest, paths)
+    full = expand(manifest)
+    buckets = [full[i] for i in indices]
+    jitted, calls = _build_calls(manifest, buckets, paths)
+    from jax._src import compilation_cache as cc
+
+    cc.reset_cache()
+    apply_jax_config(config)
+    _WORKER.update(buckets=buckets, jitted=jitted, calls=calls, executables=executables)
+
+
+def _worker_task(position: int) -> dict[str, Any]:
+    """Compile the plan's bucket ``position``; plain data back to the parent."""
+    call = _WORKER["calls"][position]
+    if isinstance(call, str):
+        return {"error": call}
+    try:
+        outcome = compile_bucket(_WORKER["jitted"][_WORKER["buckets"][position].function], *call,
+                                 executables=_WORKER["executables"])
+    except Exception as exc:  # noqa: BLE001 - reported as this bucket's error
+        return {"error": _error_text(exc)}
+    return dataclasses.asdict(outcome)
+
+
+def _outcome_from(data: dict[str, Any]) -> tuple[_Outcome | None, str | None]:
+    if "error" in data:
+        return None, data["error"]  # an ErrorText, traceback included
+    return _Outcome(**data), None
+
+
+def _run_processes(plan: WarmPlan, config: dict[str, Any], jobs: int, fail_fast: bool,
+                   record: RecordFn, executables: bool = False) -> None:
+    """One spawned JAX process per job (fork is unsafe once JAX has started threads)."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(max_workers=min(jobs, max(1, len(plan.buckets))), mp_context=context,
+                             initializer=_worker_init,
+                             initargs=(plan.manifest_path, plan.search_paths,
+                                       [b.index for b in plan.buckets], config, executables)) as pool:
+        _drive(lambda p: pool.submit(_worker_task, p), None, plan.buckets, {}, fail_fast, record)
+
+

@@ -1,0 +1,113 @@
+"""The JAX log records warm reads: which key JAX looked up, hit or missed, wrote or skipped.
+
+JAX names a program's persistent-cache key in exactly one place, its DEBUG log
+(``jax._src.compiler`` logs the hit or miss with the key before loading or
+compiling; ``jax._src.compilation_cache`` logs the write). A logging filter
+captures these records into the compiling thread's own list (XLA compiles run in
+the calling thread and release the GIL, so buckets compile concurrently in
+threads), then drops them below the level the user asked for. Every JAX log
+message cachectl's warm depends on is in this module.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import re
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+_JAX_LOGGERS = ("jax._src.compiler", "jax._src.compilation_cache")
+_KEY_IN_TEXT = re.compile(r"key '([^']+)'")
+
+# --------------------------------------------------------------------------- capturing keys
+
+
+@dataclass
+class _Event:
+    kind: str  # hit | miss | write | skip
+    key: str | None
+    text: str
+
+
+class _KeyCapture(logging.Filter):
+    """Routes JAX's cache log records to the compiling thread's sink; hides the DEBUG ones.
+
+    Installed as a logger filter, so it sees every record the (temporarily DEBUG)
+    logger emits, and returns False for those below the level the logger had
+    before: the user's logging output is unchanged.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._local = threading.local()
+        self._floors: dict[str, int] = {}
+        self._saved: dict[str, int] = {}
+        self._installs = 0
+        self._lock = threading.Lock()
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[_KeyCapture]:
+        with self._lock:
+            if self._installs == 0:
+                for name in _JAX_LOGGERS:
+                    logger = logging.getLogger(name)
+                    self._saved[name] = logger.level
+                    self._floors[name] = logger.getEffectiveLevel()
+                    logger.setLevel(logging.DEBUG)
+                    logger.addFilter(self)
+            self._installs += 1
+        try:
+            yield self
+        finally:
+            with self._lock:
+                self._installs -= 1
+                if self._installs == 0:
+                    for name in _JAX_LOGGERS:
+                        logger = logging.getLogger(name)
+                        logger.removeFilter(self)
+                        logger.setLevel(self._saved.get(name, logging.NOTSET))
+
+    @contextlib.contextmanager
+    def sink(self) -> Iterator[list[_Event]]:
+        events: list[_Event] = []
+        self._local.sink = events
+        try:
+            yield events
+        finally:
+            self._local.sink = None
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        sink = getattr(self._local, "sink", None)
+        if sink is not None:
+            event = _classify(record)
+            if event is not None:
+                sink.append(event)
+        return record.levelno >= self._floors.get(record.name, logging.WARNING)
+
+
+def _classify(record: logging.LogRecord) -> _Event | None:
+    template = str(record.msg)
+    if template.startswith("Persistent compilation cache hit"):
+        kind = "hit"
+    elif template.startswith("PERSISTENT COMPILATION CACHE MISS"):
+        kind = "miss"
+    elif template.startswith("Writing ") and "persistent compilation cache" in template:
+        kind = "write"
+    elif template.startswith("Not writing persistent cache entry"):
+        kind = "skip"
+    else:
+        return None
+    text = record.getMessage()
+    key = None
+    args = record.args if isinstance(record.args, tuple) else ()
+    if kind != "skip" and len(args) >= 2 and isinstance(args[1], str):
+        key = args[1]
+    elif (match := _KEY_IN_TEXT.search(text)) is not None:
+        key = match.group(1)
+    return _Event(kind, key, text)
+
+
+_CAPTURE = _KeyCapture()
+

@@ -1,0 +1,133 @@
+"""Validate a warm before anything compiles, and build every bucket's abstract call."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from cachectl.context import Context
+from cachectl.errors import BadInput, EnvironmentMismatch
+from cachectl.fingerprint import Environment, current_environment
+from cachectl.index import CacheInfo
+from cachectl.manifest import (
+    Bucket,
+    Manifest,
+    build_call,
+    check_imports,
+    expand,
+    jit_function,
+    load_manifest,
+    select_shard,
+)
+from cachectl.permissions import check_writer
+from cachectl.warm.compiling import _error_text, _persistent_cache_off
+
+# --------------------------------------------------------------------------- planning
+
+
+@dataclass(frozen=True)
+class WarmPlan:
+    """A validated manifest resolved against this machine and a cache."""
+
+    manifest: Manifest
+    manifest_path: str
+    buckets: list[Bucket]
+    cache: CacheInfo
+    environment: Environment
+    target_problems: list[str]
+    search_paths: tuple[str, ...]
+
+
+def _environment_json(env: Environment) -> dict[str, Any]:
+    return {"digest": env.digest, "namespace": env.namespace, **env.to_dict()}
+
+
+def _target_problems(manifest: Manifest, env: Environment) -> list[str]:
+    problems = []
+    if manifest.target is not None:
+        problems.extend(manifest.target.mismatches(env.backend, env.device_kind, env.device_count))
+    for spec in manifest.functions:
+        if spec.mesh is not None and spec.mesh.size > env.device_count:
+            problems.append(f"function {spec.name!r} needs a mesh of {spec.mesh.size} devices; "
+                            f"this machine has {env.device_count}")
+    return problems
+
+
+def plan_warm(ctx: Context, manifest_path: str | Path, *, cache: str | None = None,
+              shard: tuple[int, int] | None = None, paths: Sequence[str] = (),
+              writer_check: bool = True) -> WarmPlan:
+    """Validate everything that can fail before compiling: manifest, cache, permission, imports.
+
+    Raises BadInput (2) for the manifest, PermissionDenied (4) for a non-writer;
+    a target mismatch is returned in ``target_problems`` (callers exit 3).
+    """
+    manifest = load_manifest(manifest_path)
+    cache_info = ctx.cache(cache or manifest.cache or ctx.settings.cache)
+    if writer_check:
+        check_writer(cache_info, "warm")
+    env = current_environment()
+    problems = _target_problems(manifest, env)
+    check_imports(manifest, paths)
+    buckets = expand(manifest)
+    if shard is not None:
+        buckets = select_shard(buckets, *shard)
+    return WarmPlan(manifest, str(manifest_path), buckets, cache_info, env, problems, tuple(paths))
+
+
+def _mismatch(plan: WarmPlan) -> EnvironmentMismatch:
+    fields = "; ".join(plan.target_problems)
+    return EnvironmentMismatch(
+        f"{plan.manifest_path}: this machine does not match the manifest's target ({fields}); "
+        "nothing was compiled: run warm on the hardware the service runs on"
+    )
+
+
+# --------------------------------------------------------------------------- warming
+
+
+def default_jobs() -> int:
+    """The cores this process may use."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # pragma: no cover - not Linux
+        return max(1, os.cpu_count() or 1)
+
+
+
+def _raise_build_problems(plan: WarmPlan) -> None:
+    """Build every bucket's abstract arguments (pytrees included; nothing compiles) for --dry-run.
+
+    What would fail a real warm before compiling is bad input: BadInput (2), every
+    distinct problem on its own line, each naming the manifest's file:line.
+    """
+    _, calls = _build_calls(plan.manifest, plan.buckets, plan.search_paths)
+    problems = list(dict.fromkeys(c for c in calls.values() if isinstance(c, str)))
+    if problems:
+        raise BadInput("\n".join(problems))
+
+
+
+Call = tuple[tuple[Any, ...], dict[str, Any]]
+
+
+def _build_calls(manifest: Manifest, buckets: Sequence[Bucket], paths: Sequence[str]
+                 ) -> tuple[dict[str, Any], dict[int, Call | str]]:
+    """The jitted function of every spec and the abstract call (or the error) of every bucket."""
+    specs = {spec.name: spec for spec in manifest.functions}
+    jitted: dict[str, Any] = {}
+    calls: dict[int, Call | str] = {}
+    with _persistent_cache_off():
+        for position, bucket in enumerate(buckets):
+            spec = specs[bucket.function]
+            try:
+                if spec.name not in jitted:
+                    jitted[spec.name] = jit_function(spec, paths)
+                calls[position] = build_call(spec, bucket, paths)
+            except Exception as exc:  # noqa: BLE001 - one bad bucket must not stop the rest
+                calls[position] = _error_text(exc)
+    return jitted, calls
+
+

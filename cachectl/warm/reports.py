@@ -1,0 +1,166 @@
+"""What warm and its coverage check report: frozen dataclasses whose JSON is what scripts read.
+
+The JSON comes from :func:`cachectl.jsonable.to_jsonable`: a field marked
+``_NOT_JSON`` stays out of it (kept for the CLI), one marked ``_MS`` is rounded to
+the millisecond.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from cachectl.jsonable import to_jsonable
+
+# Statuses of a bucket in a warm report.
+COMPILED = "compiled"      # compiled and written (and indexed)
+CACHED = "cached"          # already in the namespace: loaded, not compiled
+FAILED = "failed"          # import, shape or compile error; or JAX did not write it
+TOO_LARGE = "too-large"    # written, then removed: above the cache's max entry size
+SKIPPED = "skipped"        # not attempted: --fail-fast stopped the run first
+PLANNED = "planned"        # --dry-run
+# Statuses of a bucket in a coverage check.
+HIT = "hit"
+MISS = "miss"
+
+EXECUTORS = ("thread", "process")
+# Chosen from bench/warm.py (BENCHMARKS.md, "Warm"): threads beat processes on CPU.
+DEFAULT_EXECUTOR = "thread"
+
+_NOT_JSON: dict[str, Any] = {"json": False}
+_MS: dict[str, Any] = {"round": 3}
+
+
+@dataclass(frozen=True)
+class BucketResult:
+    """One bucket's outcome; the JSON report lists exactly these fields."""
+
+    function: str
+    bucket: dict[str, Any]
+    status: str
+    key: str | None = None
+    compile_seconds: float | None = field(default=None, metadata=_MS)
+    bytes: int | None = None
+    error: str | None = None
+    # The stored executable (cachectl/aot.py): its size, or why there is none.
+    aot_bytes: int | None = None
+    aot_error: str | None = None
+    # The user's frames of a failure, for -v; not in the JSON report.
+    traceback: str | None = field(default=None, metadata=_NOT_JSON)
+    lower_seconds: float | None = field(default=None, metadata=_NOT_JSON)  # in ``.lower()``
+
+
+@dataclass(frozen=True)
+class WarmSummary:
+    """Counts and times of a warm; ``parallel_efficiency`` says how well ``--jobs`` was used."""
+
+    buckets: int
+    compiled: int
+    cached: int
+    failed: int
+    compile_seconds: float = field(metadata=_MS)
+    wall_seconds: float = field(metadata=_MS)
+    # Seconds in ``.lower()`` (tracing and lowering: Python, under the GIL) of every bucket.
+    lower_seconds: float = field(default=0.0, metadata=_MS)
+    # compile_seconds / (wall_seconds x jobs): 1.0 when every job compiled all the time.
+    parallel_efficiency: float | None = field(default=None, metadata=_MS)
+
+
+@dataclass(frozen=True)
+class WarmReport:
+    """What `cachectl warm` did; :meth:`to_json` is the contract scripts read."""
+
+    environment: dict[str, Any]
+    namespace: str
+    summary: WarmSummary
+    buckets: list[BucketResult]
+    # What the CLI prints besides the JSON report.
+    cache: str = field(default="", metadata=_NOT_JSON)
+    manifest: str = field(default="", metadata=_NOT_JSON)
+    run_id: int | None = field(default=None, metadata=_NOT_JSON)
+    jobs: int = field(default=1, metadata=_NOT_JSON)
+    executor: str = field(default=DEFAULT_EXECUTOR, metadata=_NOT_JSON)
+    dry_run: bool = field(default=False, metadata=_NOT_JSON)
+    target_problems: list[str] = field(default_factory=list, metadata=_NOT_JSON)
+
+    @property
+    def ok(self) -> bool:
+        return self.summary.failed == 0 and not self.target_problems
+
+    def to_json(self) -> dict[str, Any]:
+        return to_jsonable(self)  # type: ignore[no-any-return]
+
+    @property
+    def executables(self) -> int:
+        return sum(b.aot_bytes is not None for b in self.buckets)
+
+
+@dataclass(frozen=True)
+class CheckBucket:
+    function: str
+    bucket: dict[str, Any]
+    status: str  # hit | miss | failed
+    key: str | None = None
+    seconds: float | None = field(default=None, metadata=_MS)
+    error: str | None = None
+    # The stored executable, loaded in the same fresh process: "loaded", else why not.
+    aot: str | None = None
+
+
+@dataclass(frozen=True)
+class CheckSummary:
+    buckets: int
+    hits: int
+    misses: int
+    failed: int
+    coverage: float = field(metadata={"round": 2})
+    aot_loaded: int
+    aot_coverage: float = field(metadata={"round": 2})
+
+
+@dataclass(frozen=True)
+class CheckReport:
+    """Coverage as a fresh, read-only service process sees it."""
+
+    environment: dict[str, Any]
+    namespace: str
+    # Computed from ``buckets``; a field so that the JSON lists it before them.
+    summary: CheckSummary = field(init=False)
+    cache: str = field(metadata=_NOT_JSON)
+    buckets: list[CheckBucket]
+    warning: str | None = field(default=None, metadata=_NOT_JSON)
+
+    def __post_init__(self) -> None:
+        n, hits = len(self.buckets), sum(b.status == HIT for b in self.buckets)
+        loaded = sum(b.aot == "loaded" for b in self.buckets)
+        object.__setattr__(self, "summary", CheckSummary(
+            buckets=n, hits=hits, misses=sum(b.status == MISS for b in self.buckets),
+            failed=sum(b.status == FAILED for b in self.buckets),
+            coverage=100.0 * hits / n if n else 100.0, aot_loaded=loaded,
+            aot_coverage=100.0 * loaded / n if n else 100.0))
+
+    @property
+    def hits(self) -> int:
+        return self.summary.hits
+
+    @property
+    def coverage(self) -> float:
+        """Percent of buckets that hit; an empty manifest shard is fully covered."""
+        return self.summary.coverage
+
+    @property
+    def ok(self) -> bool:
+        return self.hits == len(self.buckets)
+
+    @property
+    def aot_loaded(self) -> int:
+        return self.summary.aot_loaded
+
+    @property
+    def aot_coverage(self) -> float:
+        return self.summary.aot_coverage
+
+    def to_json(self) -> dict[str, Any]:
+        return to_jsonable(self)  # type: ignore[no-any-return]
+
+
