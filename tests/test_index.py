@@ -177,3 +177,20 @@ def test_migrations_match_the_models(db_url: str) -> None:
     with engine.begin() as conn:
         command.check(index_db._alembic_config(engine, conn))
     engine.dispose()
+
+
+def test_processes_opening_one_fresh_sqlite_index_at_once_all_succeed(tmp_path) -> None:
+    """The pods of a job on one host: one migrates, the others wait for it and find the head."""
+    import subprocess
+    import sys
+    import time
+
+    url = f"sqlite:///{tmp_path}/fresh.db"
+    start = time.time() + 3
+    code = ("import time, sys; from cachectl.index import open_index\n"
+            f"time.sleep(max(0, {start} - time.time()))\n"
+            f"i = open_index({url!r}); i.ensure_cache('default', '/tmp/x'); i.close(); print('ok')")
+    procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for _ in range(4)]
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0, 0, 0], [err[-500:] for _, err in outs]

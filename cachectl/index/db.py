@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
 from contextvars import ContextVar
@@ -138,7 +139,27 @@ def is_unusable(exc: BaseException) -> bool:
 
 
 def ensure_schema(engine: Engine, auto_migrate: bool) -> None:
-    """Check the schema is at head; migrate SQLite files automatically."""
+    """Check the schema is at head; migrate SQLite files automatically.
+
+    Processes that open one fresh SQLite file at once (the pods of a job on one host) take
+    turns through a lock file beside it: the first migrates, the others then find the head."""
+    if current_revision(engine) == head_revision():
+        return
+    database = engine.url.database if engine.dialect.name == "sqlite" else None
+    if not auto_migrate or not database or database == ":memory:":
+        _check_or_migrate(engine, auto_migrate)
+        return
+    try:
+        lock = open(f"{database}.migrate-lock", "a")  # noqa: SIM115 - held across the migration
+    except OSError:  # a directory we cannot write: the migration itself will say so
+        _check_or_migrate(engine, auto_migrate)
+        return
+    with lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        _check_or_migrate(engine, auto_migrate)  # closing the file releases the lock
+
+
+def _check_or_migrate(engine: Engine, auto_migrate: bool) -> None:
     current = current_revision(engine)
     head = head_revision()
     if current == head:
