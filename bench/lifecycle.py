@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import hashlib
 import io
 import json
@@ -65,13 +66,9 @@ from cachectl.context import Context  # noqa: E402
 from cachectl.entries import make_entry  # noqa: E402
 from cachectl.fingerprint import Environment  # noqa: E402
 from cachectl.index import NewEntry, open_index  # noqa: E402
-from cachectl.index.lifecycle_queries import (  # noqa: E402
-    environments,
-    plan_evictions,
-    selected_totals,
-)
+from cachectl.index.lifecycle_queries import environments  # noqa: E402
 from cachectl.index.models import Entry  # noqa: E402
-from cachectl.lifecycle.gc import gc  # noqa: E402
+from cachectl.lifecycle.gc import gc, plan_gc  # noqa: E402
 from cachectl.lifecycle.prune import criteria, plan_prune, prune  # noqa: E402
 from cachectl.lifecycle.sync import sync  # noqa: E402
 from cachectl.lifecycle.verify import verify  # noqa: E402
@@ -392,7 +389,7 @@ def _fill(db: str, n: int) -> tuple[Any, float]:
     return index, time.perf_counter() - t0
 
 
-def _best(fn, reps: int = 2) -> tuple[float, Any]:
+def _best(fn, reps: int = 3) -> tuple[float, Any]:
     """Best of ``reps`` runs; a query slower than 3 s runs once (the machine is shared)."""
     best, out = float("inf"), None
     for _ in range(reps):
@@ -404,39 +401,73 @@ def _best(fn, reps: int = 2) -> tuple[float, Any]:
     return round(best, 3), out
 
 
+def _render(plan: Any) -> tuple[float, float]:
+    """Seconds to print a dry-run plan: the table (the first 50 rows) and --json (every row)."""
+    from rich.console import Console
+
+    from cachectl.cli import lifecycle_cmds, render
+
+    saved = render.stdout
+    sink = open(os.devnull, "w")  # noqa: SIM115 - closed below, after both renderings
+    try:
+        lifecycle_cmds.stdout = render.stdout = Console(file=sink, soft_wrap=True)
+        t0 = time.perf_counter()
+        lifecycle_cmds._print_plan(plan, True)
+        table_s = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        sink.write(json.dumps(render.to_jsonable(plan), indent=2))
+        json_s = time.perf_counter() - t1
+    finally:
+        lifecycle_cmds.stdout = render.stdout = saved
+        sink.close()
+    return round(table_s, 3), round(json_s, 3)
+
+
+# The plans measured: name -> (prune criteria | gc policy, fraction of the cache kept, env limit?).
+PLANS: dict[str, tuple[str, dict[str, Any]]] = {
+    "prune --superseded --keep 1": ("prune", {"superseded": True}),
+    "prune --older-than 80d": ("prune", {"older_than": "80d"}),
+    "prune --unused-for 80d": ("prune", {"unused_for": "80d"}),
+    "gc --policy lru, evict 10%": ("gc", {"policy": "lru", "env": False}),
+    "gc --policy cost, evict 10%": ("gc", {"policy": "cost", "env": False}),
+    "gc --policy lru, evict 10% + env_max_size": ("gc", {"policy": "lru", "env": True}),
+    "gc --policy cost, evict 10% + env_max_size": ("gc", {"policy": "cost", "env": True}),
+}
+
+
 def bench_planning(db: str, n: int, work: Path) -> dict[str, Any]:
+    """Every prune and gc plan over ``n`` rows: building the plan, then printing it, timed apart."""
     index, fill_s = _fill(db, n)
+    out = measure_planning(db, index)
+    index.close()
+    return {"rows": n, "fill_s": round(fill_s, 1), **out}
+
+
+def measure_planning(db: str, index: Any) -> dict[str, Any]:
+    """The timings of bench_planning over an index already filled."""
     ctx = _context(db)
     ctx.__dict__["index"] = index
     cache = ctx.cache()
-    total = sum(e.bytes for e in environments(index, CACHE))
-    ids = [e.id for e in environments(index, CACHE)]
-    cutoff = datetime.now(timezone.utc) - timedelta(days=80)
-    q: dict[str, Any] = {}
-    q["environment totals (GROUP BY)"], envs = _best(lambda: environments(index, CACHE))
-    q["prune --superseded --keep 1: plan"], p1 = _best(lambda: plan_prune(ctx, cache, criteria(superseded=True)))
-    q["prune --older-than 80d: selected totals (GROUP BY)"], _ = _best(
-        lambda: selected_totals(index, ids, created_before=cutoff))
-    q["prune --older-than 80d: plan (streams the selected rows)"], p2 = _best(
-        lambda: plan_prune(ctx, cache, criteria(older_than="80d")))
-    q["prune --unused-for 80d: plan"], p3 = _best(lambda: plan_prune(ctx, cache, criteria(unused_for="80d")))
-    q["gc lru, evict 10%: plan_evictions"], g1 = _best(
-        lambda: plan_evictions(index, CACHE, policy="lru", max_bytes=int(total * 0.9), env_max_bytes=None))
-    q["gc cost, evict 10%: plan_evictions"], g2 = _best(
-        lambda: plan_evictions(index, CACHE, policy="cost", max_bytes=int(total * 0.9), env_max_bytes=None))
+    envs = environments(index, CACHE)
+    total = sum(e.bytes for e in envs)
     env_max = int(max(e.bytes for e in envs) * 0.8)
-    q["gc lru, evict 10% + env_max_size: plan_evictions"], g3 = _best(
-        lambda: plan_evictions(index, CACHE, policy="lru", max_bytes=int(total * 0.9), env_max_bytes=env_max))
-    out = {
-        "rows": n, "environments": len(envs), "fill_s": round(fill_s, 1), "query_s": q,
-        "selected": {
-            "prune --superseded": p1.entry_count, "prune --older-than 80d": p2.entry_count,
-            "prune --unused-for 80d": p3.entry_count, "gc lru": len(g1[0]), "gc cost": len(g2[0]),
-            "gc lru + env_max": len(g3[0]),
-        },
-    }
-    index.close()
-    return out
+    q: dict[str, Any] = {}
+    q["environment totals (GROUP BY)"], _ = _best(lambda: environments(index, CACHE))
+    plans: dict[str, Any] = {}
+    for name, (op, spec) in PLANS.items():
+        if op == "prune":
+            crit = criteria(**spec)
+            secs, plan = _best(lambda crit=crit: plan_prune(ctx, cache, crit))
+            deletion = plan
+        else:
+            limited = dataclasses.replace(cache, env_max_size=env_max if spec["env"] else None)
+            secs, plan = _best(lambda limited=limited, spec=spec: plan_gc(
+                ctx, limited, policy=spec["policy"], max_size=int(total * 0.9)))
+            deletion = plan.deletion
+        table_s, json_s = _render(deletion)
+        plans[name] = {"plan_s": secs, "entries": deletion.entry_count, "namespaces": len(deletion.namespaces),
+                       "entry_rows": len(deletion.entries), "table_s": table_s, "json_s": json_s}
+    return {"environments": len(envs), "query_s": q, "plans": plans}
 
 
 # --------------------------------------------------------------------- driver
