@@ -84,9 +84,8 @@ class EntryRef(NamedTuple):
     aot_size: int | None = None  # its stored executable's, if it has one
 
 
-@dataclass(frozen=True, slots=True)
-class Eviction:
-    """One entry gc evicts, with the score that ordered it and why it goes."""
+class Eviction(NamedTuple):
+    """One entry gc evicts, with the score that ordered it and why it goes (a tuple: 100k are cheap)."""
 
     environment_id: int
     key: str
@@ -114,31 +113,32 @@ def cache_id(index: Index, cache: str) -> int:
 
 
 def environments(index: Index, cache: str) -> list[EnvSummary]:
-    """Live (not deleted) environments of ``cache`` with entry counts and bytes."""
+    """Live (not deleted) environments of ``cache`` with entry counts and bytes.
+
+    Two statements: the environments, then the totals grouped over
+    ``environment_id IN (...)``, which SQLite reads off the covering index in
+    environment order (a join would make it sort every row for the GROUP BY).
+    """
     cid = cache_id(index, cache)
-    totals = (
-        select(
-            Entry.environment_id.label("env_id"),
-            func.count(Entry.id).label("n"),
-            func.coalesce(func.sum(unit_size()), 0).label("b"),
-        )
-        .join(EnvRow, EnvRow.id == Entry.environment_id)
-        .where(EnvRow.cache_id == cid, EnvRow.deleted_at.is_(None))
-        .group_by(Entry.environment_id)
-        .subquery()
-    )
     q = (
         select(EnvRow.id, EnvRow.digest, EnvRow.namespace, EnvRow.jax_version, EnvRow.backend,
-               EnvRow.device_kind, EnvRow.device_count, EnvRow.xla_flags, totals.c.n, totals.c.b)
-        .outerjoin(totals, totals.c.env_id == EnvRow.id)
+               EnvRow.device_kind, EnvRow.device_count, EnvRow.xla_flags)
         .where(EnvRow.cache_id == cid, EnvRow.deleted_at.is_(None))
         .order_by(EnvRow.namespace)
     )
     with index.read_session() as s:
-        return [
-            EnvSummary(int(i), d, ns, jv, be, dk, int(dc), tuple(fl or ()), int(n or 0), int(b or 0))
-            for i, d, ns, jv, be, dk, dc, fl, n, b in s.execute(q)
-        ]
+        conn = s.connection()
+        envs = conn.execute(q).all()
+        totals: dict[int, tuple[int, int]] = {}
+        if envs:
+            grouped = (select(Entry.environment_id, func.count(), func.coalesce(func.sum(unit_size()), 0))
+                       .where(Entry.environment_id.in_([e[0] for e in envs]))
+                       .group_by(Entry.environment_id))
+            totals = {int(e): (int(n), int(b)) for e, n, b in conn.execute(grouped)}
+    return [
+        EnvSummary(int(i), d, ns, jv, be, dk, int(dc), tuple(fl or ()), *totals.get(int(i), (0, 0)))
+        for i, d, ns, jv, be, dk, dc, fl in envs
+    ]
 
 
 def warms_in_progress(index: Index, env_ids: Sequence[int], *, now: datetime | None = None,
@@ -330,19 +330,13 @@ def plan_evictions(index: Index, cache: str, *, policy: str, max_bytes: int | No
     rows = by_env + by_cache
     if by_env:
         rows.sort(key=lambda r: (r[0], r[1]))  # one score order, as each cut was walked
-    out = [Eviction(env_id, key, unit - (aot or 0), _score_value(sc),
+    # lru: the last use as text (SQLite's own; ISO from PostgreSQL's datetimes); cost: a float.
+    as_score: Any = str if dialect == "sqlite" and policy == "lru" else (
+        datetime.isoformat if policy == "lru" else float)
+    out = [Eviction(env_id, key, unit - (aot or 0), as_score(sc),
                     "env-max-size" if id_ in env_taken else "max-size", aot)
            for sc, id_, env_id, key, unit, aot in rows]
     return out, {"bytes_before": total}
-
-
-def _score_value(score: Any) -> float | str:
-    """lru: the last use as text (SQLite's own, or ISO from PostgreSQL); cost: a float."""
-    if isinstance(score, str):
-        return score
-    if isinstance(score, datetime):
-        return score.isoformat()
-    return float(score)
 
 
 # gc's cuts estimate how far to read from a 1-in-_SAMPLE_EVERY sample of the candidates, and

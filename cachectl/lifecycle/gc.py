@@ -106,12 +106,11 @@ def plan_gc(ctx: Context, cache: CacheInfo, *, policy: str = "lru", max_size: st
     namespace = {e.id: e.namespace for e in envs}
     freed_by_env: dict[int, int] = dict.fromkeys(namespace, 0)
     entries = deletion.entries
-    for ev in evictions:
-        why = (f"last used {ev.score[:16].replace('T', ' ')}" if isinstance(ev.score, str)
-               else f"cost score {ev.score:.4g}")
-        entries.append(PlannedEntry(ev.environment_id, namespace[ev.environment_id], ev.key,
-                                    ev.size, f"{ev.reason}; {why}", ev.aot_size))
-        freed_by_env[ev.environment_id] += ev.size + (ev.aot_size or 0)
+    for env_id, key, size, score, reason, aot_size in evictions:
+        why = (f"last used {score[:16].replace('T', ' ')}" if isinstance(score, str)
+               else f"cost score {score:.4g}")
+        entries.append(PlannedEntry(env_id, namespace[env_id], key, size, f"{reason}; {why}", aot_size))
+        freed_by_env[env_id] += size + (aot_size or 0)
     before = totals["bytes_before"]
     after = before - sum(freed_by_env.values())
     over = max(0, after - limit) if limit is not None else 0
