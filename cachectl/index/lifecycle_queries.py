@@ -2,10 +2,11 @@
 
 Planning never scans storage: it asks the index. Every query here is scoped
 to one cache, filters on indexed columns (``entries(environment_id, ...)``),
-aggregates or windows in the database, and streams rows, so a plan over
-1,000,000 entry rows costs a few sorted scans, not a million Python objects.
-gc's eviction cut (``SUM(size) OVER (ORDER BY score)``) is computed by the
-database, which returns only the rows to evict.
+aggregates in the database and returns Core rows, so a plan over 1,000,000
+entry rows costs index scans plus about one Python object per row it deletes.
+gc's cuts read candidates in score order only up to a bound a 1-in-64 sample
+gives (``_Walk``): the database filters and sorts, and returns about the rows
+to evict (10% over), whose running sum then picks the exact cut.
 
 An entry and its stored executable (``<key>-aot``, on the same row) are one
 unit: every size here is ``size_bytes + coalesce(aot_size_bytes, 0)``, and
@@ -343,6 +344,7 @@ def plan_evictions(index: Index, cache: str, *, policy: str, max_bytes: int | No
 # read _SAMPLE_MARGIN times what the sample says the cut needs.
 _SAMPLE_EVERY = 64
 _SAMPLE_MARGIN = 1.1
+_PG_SORT_MEM = "64MB"
 
 
 class _Walk:
@@ -372,6 +374,10 @@ class _Walk:
         acc = 0
         with self.index.read_session() as s:
             conn = s.connection()
+            if conn.dialect.name == "postgresql":
+                # A 10% cut of 1,000,000 rows is ~100k sorted rows: sort them in memory, not on disk
+                # (the default 4 MB spills); for this read transaction only.
+                conn.exec_driver_sql(f"SET LOCAL work_mem = '{_PG_SORT_MEM}'")
             bound = self._bound(conn, [by_env, *self.where], target + skip_bytes)
             for after in (None, bound):
                 # First the rows up to the bound; then, should the sample have fallen short, the rest.
