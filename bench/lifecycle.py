@@ -645,7 +645,7 @@ def planning_markdown(pl: dict[str, Any], quick: bool) -> str:
               f"{p['table_s']} | {p['json_s']} |\n")
         w("\n")
     w("How: migration 0007 adds `ix_entries_env_plan` (environment, both sizes, compile time, last access, "
-      "creation, warm run: the totals and gc's cost score read no table row) and two indexes on "
+      "creation, warm run, id: the totals and gc's cost score read no table row) and two indexes on "
       "`coalesce(last_access_at, created_at), id` (`--unused-for` range-scans; gc's lru walks in order). "
       "Each gc cut reads candidates in score order only up to a bound a 1-in-64 sample gives (and on past "
       "it if the sample fell short): the database returns ~10% of the rows, sorted, not 1,000,000. "
