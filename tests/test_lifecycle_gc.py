@@ -176,3 +176,32 @@ def test_eviction_sql_matches_reference(db_url, max_frac, env_frac):
     assert {by_key[e.key] for e in got} == want
     assert len(got) == len(want) > 0
     index.close()
+
+
+@pytest.mark.parametrize("env_frac", [None, 0.8])
+def test_eviction_cut_is_exact_when_the_sample_misleads(db_url, env_frac):
+    """gc reads as far as a 1-in-64 sample says the cut ends; a sample that overstates the bytes
+    there (every sampled entry huge, the rest tiny) must cost a second read, never a short cut."""
+    from cachectl.index import open_index
+    from cachectl.index.lifecycle_queries import _SAMPLE_EVERY
+
+    index = open_index(db_url, auto_migrate=True)
+    index.add_cache(CACHE, "memory://unused")
+    now = utcnow()
+    info = index.ensure_environment(CACHE, fake_env("0.10.2"))
+    index.upsert_entries(info.id, [
+        NewEntry(key=f"jit_f-{i:064d}", module="jit_f", size=100, sha256="0" * 64, origin="warm",
+                 created_at=now - timedelta(minutes=1000 - i)) for i in range(5 * _SAMPLE_EVERY)])
+    with index.session() as s:
+        s.execute(update(Entry).where(Entry.id % _SAMPLE_EVERY == 0).values(size_bytes=100_000))
+        rows = [{"id": e.id, "env": e.environment_id, "key": e.key, "size": e.size_bytes, "score": e.created_at}
+                for e in s.query(Entry).all()]
+    total = sum(r["size"] for r in rows)
+    max_bytes = total - 250_000  # more than the first sampled entry's 100 kB
+    env_max = int(total * env_frac) if env_frac else None
+    got, _ = plan_evictions(index, CACHE, policy="lru", max_bytes=max_bytes, env_max_bytes=env_max, now=now)
+    want = _reference(rows, total, max_bytes, {info.id: total}, env_max)
+    by_key = {r["key"]: r["id"] for r in rows}
+    assert [by_key[e.key] for e in got] == sorted(want)  # the whole cut, in score (= id) order
+    assert sum(r["size"] for r in rows if r["id"] in want) >= 250_000
+    index.close()

@@ -2,10 +2,11 @@
 
 Planning never scans storage: it asks the index. Every query here is scoped
 to one cache, filters on indexed columns (``entries(environment_id, ...)``),
-aggregates or windows in the database, and streams rows, so a plan over
-1,000,000 entry rows costs a few sorted scans, not a million Python objects.
-gc's eviction cut (``SUM(size) OVER (ORDER BY score)``) is computed by the
-database, which returns only the rows to evict.
+aggregates in the database and returns Core rows, so a plan over 1,000,000
+entry rows costs index scans plus about one Python object per row it deletes.
+gc's cuts read candidates in score order only up to a bound a 1-in-64 sample
+gives (``_Walk``): the database filters and sorts, and returns about the rows
+to evict (10% over), whose running sum then picks the exact cut.
 
 An entry and its stored executable (``<key>-aot``, on the same row) are one
 unit: every size here is ``size_bytes + coalesce(aot_size_bytes, 0)``, and
@@ -14,17 +15,17 @@ each planned entry carries the executable's bytes so execution deletes both.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from operator import itemgetter
+from typing import Any, NamedTuple
 
 from sqlalchemy import (
     Float,
     String,
-    and_,
     case,
     cast,
-    false,
     func,
     literal,
     or_,
@@ -35,7 +36,15 @@ from sqlalchemy.sql.elements import ColumnElement
 
 from cachectl.errors import NotFound
 from cachectl.index import Index, unit_size
-from cachectl.index.models import Cache, Entry, TelemetryRecord, UTCDateTime, WarmRun, utcnow
+from cachectl.index.models import (
+    Cache,
+    Entry,
+    TelemetryRecord,
+    UTCDateTime,
+    WarmRun,
+    last_used,
+    utcnow,
+)
 from cachectl.index.models import Environment as EnvRow
 
 # A running warm whose heartbeat is older than this is presumed dead.
@@ -67,9 +76,8 @@ class EnvSummary:
     bytes: int
 
 
-@dataclass(frozen=True, slots=True)
-class EntryRef:
-    """The little planning needs to know about one entry row."""
+class EntryRef(NamedTuple):
+    """The little planning needs to know about one entry row (a Core row has this shape)."""
 
     environment_id: int
     key: str
@@ -77,9 +85,8 @@ class EntryRef:
     aot_size: int | None = None  # its stored executable's, if it has one
 
 
-@dataclass(frozen=True, slots=True)
-class Eviction:
-    """One entry gc evicts, with the score that ordered it and why it goes."""
+class Eviction(NamedTuple):
+    """One entry gc evicts, with the score that ordered it and why it goes (a tuple: 100k are cheap)."""
 
     environment_id: int
     key: str
@@ -107,31 +114,32 @@ def cache_id(index: Index, cache: str) -> int:
 
 
 def environments(index: Index, cache: str) -> list[EnvSummary]:
-    """Live (not deleted) environments of ``cache`` with entry counts and bytes."""
+    """Live (not deleted) environments of ``cache`` with entry counts and bytes.
+
+    Two statements: the environments, then the totals grouped over
+    ``environment_id IN (...)``, which SQLite reads off the covering index in
+    environment order (a join would make it sort every row for the GROUP BY).
+    """
     cid = cache_id(index, cache)
-    totals = (
-        select(
-            Entry.environment_id.label("env_id"),
-            func.count(Entry.id).label("n"),
-            func.coalesce(func.sum(unit_size()), 0).label("b"),
-        )
-        .join(EnvRow, EnvRow.id == Entry.environment_id)
-        .where(EnvRow.cache_id == cid, EnvRow.deleted_at.is_(None))
-        .group_by(Entry.environment_id)
-        .subquery()
-    )
     q = (
         select(EnvRow.id, EnvRow.digest, EnvRow.namespace, EnvRow.jax_version, EnvRow.backend,
-               EnvRow.device_kind, EnvRow.device_count, EnvRow.xla_flags, totals.c.n, totals.c.b)
-        .outerjoin(totals, totals.c.env_id == EnvRow.id)
+               EnvRow.device_kind, EnvRow.device_count, EnvRow.xla_flags)
         .where(EnvRow.cache_id == cid, EnvRow.deleted_at.is_(None))
         .order_by(EnvRow.namespace)
     )
     with index.read_session() as s:
-        return [
-            EnvSummary(int(i), d, ns, jv, be, dk, int(dc), tuple(fl or ()), int(n or 0), int(b or 0))
-            for i, d, ns, jv, be, dk, dc, fl, n, b in s.execute(q)
-        ]
+        conn = s.connection()
+        envs = conn.execute(q).all()
+        totals: dict[int, tuple[int, int]] = {}
+        if envs:
+            grouped = (select(Entry.environment_id, func.count(), func.coalesce(func.sum(unit_size()), 0))
+                       .where(Entry.environment_id.in_([e[0] for e in envs]))
+                       .group_by(Entry.environment_id))
+            totals = {int(e): (int(n), int(b)) for e, n, b in conn.execute(grouped)}
+    return [
+        EnvSummary(int(i), d, ns, jv, be, dk, int(dc), tuple(fl or ()), *totals.get(int(i), (0, 0)))
+        for i, d, ns, jv, be, dk, dc, fl in envs
+    ]
 
 
 def warms_in_progress(index: Index, env_ids: Sequence[int], *, now: datetime | None = None,
@@ -182,7 +190,7 @@ def _entry_filters(created_before: datetime | None, unused_before: datetime | No
     if created_before is not None:
         where.append(Entry.created_at < created_before)
     if unused_before is not None:
-        where.append(func.coalesce(Entry.last_access_at, Entry.created_at) < _as_bound(unused_before))
+        where.append(last_used() < _as_bound(unused_before))
     if function is not None:
         where.append(Entry.function == function)
     return where
@@ -194,42 +202,53 @@ def _as_bound(value: datetime) -> ColumnElement[datetime]:
     return literal(value, type_=UTCDateTime())
 
 
-def selected_totals(index: Index, env_ids: Sequence[int], *, created_before: datetime | None = None,
-                    unused_before: datetime | None = None,
-                    function: str | None = None) -> dict[int, tuple[int, int]]:
-    """environment id -> (entries, bytes) matching the entry selectors, aggregated in SQL."""
+def selected_counts(index: Index, env_ids: Sequence[int], *, created_before: datetime | None = None,
+                    unused_before: datetime | None = None, function: str | None = None) -> dict[int, int]:
+    """environment id -> entries matching the entry selectors, counted in SQL.
+
+    A count, not bytes: the selectors' indexes (``ix_entries_env_created``,
+    ``ix_entries_env_last_used``) answer it without reading the table.
+    """
     if not env_ids:
         return {}
     q = (
-        select(Entry.environment_id, func.count(Entry.id), func.coalesce(func.sum(unit_size()), 0))
+        select(Entry.environment_id, func.count())
         .where(Entry.environment_id.in_(list(env_ids)),
                *_entry_filters(created_before, unused_before, function))
         .group_by(Entry.environment_id)
     )
     with index.read_session() as s:
-        return {int(e): (int(n), int(b)) for e, n, b in s.execute(q)}
+        return {int(e): int(n) for e, n in s.connection().execute(q)}
 
 
-def iter_selected_entries(index: Index, env_ids: Sequence[int], *, created_before: datetime | None = None,
-                          unused_before: datetime | None = None,
-                          function: str | None = None) -> Iterator[EntryRef]:
-    """Entry rows matching the selectors, streamed (in no particular order).
+def selected_entries(index: Index, env_ids: Sequence[int], *, created_before: datetime | None = None,
+                     unused_before: datetime | None = None,
+                     function: str | None = None) -> dict[int, list[EntryRef]]:
+    """environment id -> its entry rows matching the selectors, each list sorted by key.
 
-    No ORDER BY on purpose: ordering by key would make SQLite walk the
-    (environment, key) index and visit every row, where the filter alone can
-    range-scan (environment, created_at).
+    Core rows, grouped and sorted here: no ORDER BY on purpose, since ordering
+    by key would make SQLite walk the (environment, key) index and visit every
+    row, where the filter alone range-scans (environment, created_at).
     """
+    out: dict[int, list[EntryRef]] = {}
     if not env_ids:
-        return
+        return out
     q = (
         select(Entry.environment_id, Entry.key, Entry.size_bytes, Entry.aot_size_bytes)
         .where(Entry.environment_id.in_(list(env_ids)),
                *_entry_filters(created_before, unused_before, function))
     )
     with index.read_session() as s:
-        result = s.connection().execution_options(yield_per=_STREAM_ROWS).execute(q)
-        for env_id, key, size, aot_size in result:
-            yield EntryRef(env_id, key, size, aot_size)
+        result = s.connection().execute(q, execution_options={"yield_per": _STREAM_ROWS})
+        for part in result.partitions():
+            for row in part:
+                out.setdefault(row[0], []).append(row)  # type: ignore[arg-type]
+    for rows in out.values():
+        rows.sort(key=_by_key)
+    return out
+
+
+_by_key = itemgetter(1)
 
 
 def _score(dialect: str, policy: str, now: datetime) -> ColumnElement[float]:
@@ -241,7 +260,7 @@ def _score(dialect: str, policy: str, now: datetime) -> ColumnElement[float]:
     second goes before a small one that took a minute, and a stale expensive
     entry eventually goes too.
     """
-    last = func.coalesce(Entry.last_access_at, Entry.created_at)
+    last = last_used()
     if policy == "lru":
         return last
     if dialect == "sqlite":
@@ -262,85 +281,149 @@ def plan_evictions(index: Index, cache: str, *, policy: str, max_bytes: int | No
                    env_bytes: dict[int, int] | None = None) -> tuple[list[Eviction], dict[str, int]]:
     """The entries to evict so the cache fits ``max_bytes`` and each environment ``env_max_bytes``.
 
-    One statement: candidates are scored; with a per-environment limit, a
-    running sum per environment marks what each over-limit environment must
-    give up; then a running sum over the rest, in score order, marks what the
-    cache as a whole must give up. The database returns only the rows to
-    evict. Protected entries count toward the totals but are never
-    candidates. Returns the evictions in score order and the bytes before.
+    Greedy in score order (lowest first, ties by id): each over-limit
+    environment gives up its lowest-scored entries until it fits; then the
+    cache as a whole gives up the lowest-scored of the rest until it fits,
+    counting what the environments already gave up. Each cut reads only about
+    as many rows as it evicts (``_Walk``), not every row of the cache.
+    Protected entries count toward the totals but are never candidates.
+    Returns the evictions in score order and the bytes before.
     ``bytes_total`` (the cache's indexed bytes) and ``env_bytes`` (per
     environment) save a scan each when the caller already has them.
     """
     now = now or utcnow()
     cid = cache_id(index, cache)
-    live = and_(EnvRow.cache_id == cid, EnvRow.deleted_at.is_(None))
     with index.read_session() as s:
         dialect = s.get_bind().dialect.name
+        live = [int(i) for i in s.scalars(
+            select(EnvRow.id).where(EnvRow.cache_id == cid, EnvRow.deleted_at.is_(None)).order_by(EnvRow.id))]
         if bytes_total is None:
-            bytes_total = int(s.scalar(
-                select(func.coalesce(func.sum(unit_size()), 0))
-                .join(EnvRow, EnvRow.id == Entry.environment_id).where(live)) or 0)
+            bytes_total = int(s.scalar(select(func.coalesce(func.sum(unit_size()), 0))
+                                       .where(Entry.environment_id.in_(live))) or 0)
     total = bytes_total
     global_excess = None if max_bytes is None else total - max_bytes
     if (global_excess is None or global_excess <= 0) and env_max_bytes is None:
         return [], {"bytes_before": total}
 
     score = _score(dialect, policy, now)
-    if policy == "lru":
-        # Return the raw value: parsing 100k datetimes costs more than the query.
-        score = type_coerce(score, String) if dialect == "sqlite" else score
-    evictable = [live]
-    if exclude_env_ids:
-        evictable.append(EnvRow.id.not_in(list(exclude_env_ids)))
+    if policy == "lru" and dialect == "sqlite":
+        # Return the raw text: parsing 100k datetimes costs more than the query.
+        score = type_coerce(score, String)
+    excluded = set(exclude_env_ids)
+    evictable: list[ColumnElement[bool]] = []
     if protect_warm_runs:
         evictable.append(or_(Entry.warm_run_id.is_(None), Entry.warm_run_id.not_in(list(protect_warm_runs))))
-    # ``size`` is the unit (entry + executable) the running sums count; ``aot`` splits it again.
-    cols = [Entry.id.label("id"), Entry.environment_id.label("env_id"), Entry.key.label("key"),
-            unit_size().label("size"), Entry.aot_size_bytes.label("aot"), score.label("score")]
-    base_q = select(*cols).join(EnvRow, EnvRow.id == Entry.environment_id).where(*evictable)
-
-    if env_max_bytes is None:
-        # Only the cache limit: one running sum in score order.
-        base = base_q.subquery("base")
-        before = func.sum(base.c.size).over(order_by=(base.c.score, base.c.id), rows=(None, 0)) - base.c.size
-        cut = select(base.c.id, base.c.env_id, base.c.key, base.c.size, base.c.aot, base.c.score,
-                     literal(0).label("env_evict"), before.label("before")).subquery("cut")
-        assert global_excess is not None
-        q = (select(cut.c.env_id, cut.c.key, cut.c.size, cut.c.aot, cut.c.score, cut.c.env_evict)
-             .where(cut.c.before < global_excess).order_by(cut.c.score, cut.c.id))
-    else:
+    walk = _Walk(index, score, evictable, ordered=policy == "lru")
+    by_env: list[Sequence[Any]] = []
+    if env_max_bytes is not None:
         if env_bytes is None:
             env_bytes = _env_bytes(index, cid)
-        # Each environment's excess as a constant per row: no second scan to join.
-        over = {env: b - env_max_bytes for env, b in env_bytes.items() if b > env_max_bytes}
-        excess_of: ColumnElement[int] = (
-            case(*((Entry.environment_id == env, x) for env, x in over.items()), else_=0) if over else literal(0))
-        base = base_q.add_columns(excess_of.label("env_excess")).cte("base")
-        env_before = func.sum(base.c.size).over(
-            partition_by=base.c.env_id, order_by=(base.c.score, base.c.id), rows=(None, 0)) - base.c.size
-        env_evict = case((env_before < base.c.env_excess, 1), else_=0)
-        marked = select(base.c.id, base.c.env_id, base.c.key, base.c.size, base.c.aot, base.c.score,
-                        env_evict.label("env_evict")).cte("marked")
-        rest_size = case((marked.c.env_evict == 1, 0), else_=marked.c.size)
-        glob_before = func.sum(rest_size).over(order_by=(marked.c.score, marked.c.id), rows=(None, 0)) - rest_size
-        env_freed = func.sum(marked.c.size - rest_size).over()
-        cut = select(marked.c.id, marked.c.env_id, marked.c.key, marked.c.size, marked.c.aot, marked.c.score,
-                     marked.c.env_evict, glob_before.label("glob_before"),
-                     env_freed.label("env_freed")).cte("cut")
-        global_cond: ColumnElement[bool] = (
-            false() if global_excess is None else cut.c.glob_before < global_excess - cut.c.env_freed)
-        q = (select(cut.c.env_id, cut.c.key, cut.c.size, cut.c.aot, cut.c.score, cut.c.env_evict)
-             .where(or_(cut.c.env_evict == 1, global_cond)).order_by(cut.c.score, cut.c.id))
-    out: list[Eviction] = []
-    with index.read_session() as s:
-        result = s.connection().execution_options(yield_per=_STREAM_ROWS).execute(q)
-        for env_id, key, unit, aot, sc, by_env in result:
-            if isinstance(sc, datetime):
-                sc = sc.isoformat()
-            aot = None if aot is None else int(aot)
-            out.append(Eviction(env_id, key, int(unit) - (aot or 0), sc if isinstance(sc, str) else float(sc),
-                                "env-max-size" if by_env else "max-size", aot))
+        for env in live:
+            excess = env_bytes.get(env, 0) - env_max_bytes
+            if excess > 0 and env not in excluded:
+                by_env.extend(walk.take([env], excess))
+    env_taken = {row[1] for row in by_env}
+    env_freed = sum(row[4] for row in by_env)
+    by_cache: list[Sequence[Any]] = []
+    if global_excess is not None and global_excess - env_freed > 0:
+        by_cache = walk.take([e for e in live if e not in excluded], global_excess - env_freed,
+                             skip=env_taken, skip_bytes=env_freed)
+    rows = by_env + by_cache
+    if by_env:
+        rows.sort(key=lambda r: (r[0], r[1]))  # one score order, as each cut was walked
+    # lru: the last use as text (SQLite's own; ISO from PostgreSQL's datetimes); cost: a float.
+    as_score: Any = str if dialect == "sqlite" and policy == "lru" else (
+        datetime.isoformat if policy == "lru" else float)
+    out = [Eviction(env_id, key, unit - (aot or 0), as_score(sc),
+                    "env-max-size" if id_ in env_taken else "max-size", aot)
+           for sc, id_, env_id, key, unit, aot in rows]
     return out, {"bytes_before": total}
+
+
+# gc's cuts estimate how far to read from a 1-in-_SAMPLE_EVERY sample of the candidates, and
+# read _SAMPLE_MARGIN times what the sample says the cut needs.
+_SAMPLE_EVERY = 64
+_SAMPLE_MARGIN = 1.1
+_PG_SORT_MEM = "64MB"
+
+
+class _Walk:
+    """Evictable entries in (score, id) order, read only as far as a cut needs.
+
+    A 1-in-64 sample (read from the covering ``ix_entries_env_plan``, so cheap)
+    gives a score under which the cut should end; the database returns only the
+    rows up to it, sorted, so it never sorts 1,000,000 rows to evict 100,000.
+    Should the sample fall short, the rest follows in order (keyset: score above
+    the bound); the cut itself is exact either way.
+    """
+
+    def __init__(self, index: Index, score: ColumnElement[Any], where: list[ColumnElement[bool]],
+                 ordered: bool) -> None:
+        self.index, self.score, self.where = index, score, where
+        self.ordered = ordered  # an index holds the score order (lru: ix_entries_last_used)
+
+    def take(self, env_ids: list[int], target: int, skip: Collection[int] = (),
+             skip_bytes: int = 0) -> list[Sequence[Any]]:
+        """Rows (score, id, environment, key, unit bytes, aot bytes) whose running sum of unit
+        bytes *before* them is under ``target``; rows in ``skip`` (``skip_bytes`` in all) are
+        passed over and count 0."""
+        out: list[Sequence[Any]] = []
+        if not env_ids or target <= 0:
+            return out
+        by_env = Entry.environment_id.in_(env_ids) if len(env_ids) > 1 else Entry.environment_id == env_ids[0]
+        acc = 0
+        with self.index.read_session() as s:
+            conn = s.connection()
+            if conn.dialect.name == "postgresql":
+                # A 10% cut of 1,000,000 rows is ~100k sorted rows: sort them in memory, not on disk
+                # (the default 4 MB spills); for this read transaction only.
+                conn.exec_driver_sql(f"SET LOCAL work_mem = '{_PG_SORT_MEM}'")
+            bound = self._bound(conn, [by_env, *self.where], target + skip_bytes)
+            for after in (None, bound):
+                # First the rows up to the bound; then, should the sample have fallen short, the rest.
+                q = self._query(env_ids, by_env, bound if after is None else None, after)
+                result = conn.execute(q, execution_options={"yield_per": _STREAM_ROWS})
+                for part in result.partitions():
+                    for row in part:
+                        if acc >= target:
+                            result.close()
+                            return out
+                        if row[1] not in skip:
+                            out.append(row)
+                            acc += row[4]
+                if bound is None:
+                    break
+        return out
+
+    def _query(self, env_ids: list[int], by_env: ColumnElement[bool], upto: Any, after: Any) -> Any:
+        """The candidates with ``after < score <= upto`` (None: unbounded), in (score, id) order."""
+        def within(score: Any) -> list[ColumnElement[bool]]:
+            return ([] if upto is None else [score <= upto]) + ([] if after is None else [score > after])
+
+        if self.ordered:
+            # ``+ 0``: not an index term, so the databases range-scan the score index in order
+            # instead of each environment's rows, then sorting them.
+            in_order = (Entry.environment_id + 0).in_(env_ids) if len(env_ids) > 1 else by_env
+            return (select(self.score.label("score"), Entry.id, Entry.environment_id, Entry.key, unit_size(),
+                           Entry.aot_size_bytes)
+                    .where(in_order, *self.where, *within(self.score)).order_by(self.score, Entry.id))
+        # The score is computed once per row over the covering index; only the rows it keeps
+        # are looked up for their key.
+        scored = select(self.score.label("score"), Entry.id.label("id")).where(by_env, *self.where).subquery("c")
+        return (select(scored.c.score, Entry.id, Entry.environment_id, Entry.key, unit_size(), Entry.aot_size_bytes)
+                .join_from(scored, Entry, Entry.id == scored.c.id).where(*within(scored.c.score))
+                .order_by(scored.c.score, scored.c.id))
+
+    def _bound(self, conn: Any, where: list[ColumnElement[bool]], need: int) -> Any:
+        """A score at or under which, by the sample, ``need`` bytes (with margin) lie; None: no bound."""
+        sample = conn.execute(select(self.score, unit_size()).where(*where, Entry.id % _SAMPLE_EVERY == 0)
+                              .order_by(self.score))
+        acc, want = 0, need * _SAMPLE_MARGIN
+        for sc, unit in sample:
+            acc += unit * _SAMPLE_EVERY
+            if acc >= want:
+                return sc
+        return None
 
 
 def _env_bytes(index: Index, cid: int) -> dict[int, int]:

@@ -22,6 +22,7 @@ from sqlalchemy import (
     Text,
     TypeDecorator,
     UniqueConstraint,
+    func,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 
@@ -113,8 +114,12 @@ class Entry(Base):
         Index("ix_entries_created", "created_at"),
         Index("ix_entries_function", "function"),
         Index("ix_entries_warm_run", "warm_run_id"),
-        # Covers the per-environment totals (count, bytes) every plan starts from.
-        Index("ix_entries_env_size", "environment_id", "size_bytes"),
+        # Covers what planning reads of every row (migration 0007): the per-environment
+        # totals (entry + executable bytes) every plan starts from, gc's cost score and its
+        # sample; those scans never read the table.
+        # ``id`` last: PostgreSQL's indexes do not hold the row id by themselves, as SQLite's do.
+        Index("ix_entries_env_plan", "environment_id", "size_bytes", "aot_size_bytes", "compile_time_ms",
+              "last_access_at", "created_at", "warm_run_id", "id"),
     )
 
     id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True)
@@ -134,6 +139,18 @@ class Entry(Base):
     # The stored executable (``<key>-aot``) beside the JAX entry: one unit for gc and prune.
     aot_size_bytes: Mapped[int | None] = mapped_column(BigInteger)
     aot_sha256: Mapped[str | None] = mapped_column(String(64))
+
+
+# "Last used" (last access, else creation): what --unused-for filters on and gc's lru order
+# is. Indexed as an expression (migration 0007) so gc walks entries in eviction order and
+# stops once it has enough, instead of sorting every row; ``id`` breaks ties.
+def last_used() -> Any:
+    """``coalesce(last_access_at, created_at)``, spelled exactly as the indexes are."""
+    return func.coalesce(Entry.last_access_at, Entry.created_at)
+
+
+Index("ix_entries_last_used", last_used(), Entry.id)
+Index("ix_entries_env_last_used", Entry.environment_id, last_used(), Entry.id)
 
 
 class WarmRun(Base):

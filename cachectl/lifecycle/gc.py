@@ -108,20 +108,20 @@ def plan_gc(ctx: Context, cache: CacheInfo, *, policy: str = "lru", max_size: st
         exclude_env_ids=sorted(warming), protect_warm_runs=sorted(runs.values()), now=now,
         bytes_total=sum(e.bytes for e in envs), env_bytes={e.id: e.bytes for e in envs},
     )
-    for ev in evictions:
-        why = (f"last used {ev.score[:16].replace('T', ' ')}" if isinstance(ev.score, str)
-               else f"cost score {ev.score:.4g}")
-        deletion.entries.append(PlannedEntry(ev.environment_id, by_id[ev.environment_id].namespace, ev.key,
-                                             ev.size, f"{ev.reason}; {why}", ev.aot_size))
+    namespace = {e.id: e.namespace for e in envs}
+    freed_by_env: dict[int, int] = dict.fromkeys(namespace, 0)
+    entries = deletion.entries
+    for env_id, key, size, score, reason, aot_size in evictions:
+        why = (f"last used {score[:16].replace('T', ' ')}" if isinstance(score, str)
+               else f"cost score {score:.4g}")
+        entries.append(PlannedEntry(env_id, namespace[env_id], key, size, f"{reason}; {why}", aot_size))
+        freed_by_env[env_id] += size + (aot_size or 0)
     before = totals["bytes_before"]
-    after = before - deletion.bytes_to_free
+    after = before - sum(freed_by_env.values())
     over = max(0, after - limit) if limit is not None else 0
     if over:
         deletion.notes.append(f"still {format_size(over)} over max_size after evicting every unprotected entry")
     if env_limit is not None:
-        freed_by_env: dict[int, int] = {}
-        for e in deletion.entries:
-            freed_by_env[e.environment_id] = freed_by_env.get(e.environment_id, 0) + e.bytes
         for e in envs:
             left = e.bytes - freed_by_env.get(e.id, 0)
             if left > env_limit:

@@ -24,8 +24,8 @@ from cachectl.index.lifecycle_queries import (
     EnvSummary,
     environments,
     environments_with_recent_hits,
-    iter_selected_entries,
-    selected_totals,
+    selected_counts,
+    selected_entries,
     warms_in_progress,
 )
 from cachectl.index.models import utcnow
@@ -213,10 +213,10 @@ def plan_prune(ctx: Context, cache: CacheInfo, crit: PruneCriteria, *,
 
     by_id = {e.id: e for e in candidates}
     if crit.entry_level:
-        picked = selected_totals(ctx.index, list(by_id), created_before=created_before,
+        picked = selected_counts(ctx.index, list(by_id), created_before=created_before,
                                  unused_before=unused_before, function=crit.function)
-        whole = [by_id[i] for i, (n, _b) in picked.items() if n == by_id[i].entries]
-        partial = sorted(i for i, (n, _b) in picked.items() if n < by_id[i].entries)
+        whole = [by_id[i] for i, n in picked.items() if n == by_id[i].entries]
+        partial = sorted(i for i, n in picked.items() if n < by_id[i].entries)
     else:
         whole, partial = candidates, []
     if protect_active and whole:
@@ -229,11 +229,12 @@ def plan_prune(ctx: Context, cache: CacheInfo, crit: PruneCriteria, *,
                                                 e.entries, e.bytes, reason))
     if partial:
         reason = "; ".join(entry_reasons)
-        for ref in iter_selected_entries(ctx.index, partial, created_before=created_before,
-                                         unused_before=unused_before, function=crit.function):
-            plan.entries.append(PlannedEntry(ref.environment_id, by_id[ref.environment_id].namespace,
-                                             ref.key, ref.size, reason, ref.aot_size))
-        plan.entries.sort(key=lambda e: (e.namespace, e.key))
+        rows = selected_entries(ctx.index, partial, created_before=created_before,
+                                unused_before=unused_before, function=crit.function)
+        # Sorted by (namespace, key): each environment's rows come sorted by key.
+        for env in sorted(rows, key=lambda i: by_id[i].namespace):
+            ns = by_id[env].namespace
+            plan.entries.extend([PlannedEntry(env, ns, key, size, reason, aot) for _e, key, size, aot in rows[env]])
     return plan
 
 
