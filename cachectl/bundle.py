@@ -35,14 +35,13 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import IO, Any
 
-from cachectl import signing
+from cachectl import ingest, signing
 from cachectl.context import Context
 from cachectl.entries import AOT_SUFFIX, CACHE_SUFFIX, ENV_FILE, parse_entry_filename
 from cachectl.errors import BadInput, EnvironmentMismatch, NotFound, OperationFailed
 from cachectl.fingerprint import Environment
 from cachectl.index import CacheInfo, EnvironmentInfo, NewEntry
 from cachectl.manifest import load_manifest
-from cachectl.namespace import ensure_namespace
 from cachectl.permissions import check_writer
 
 FORMAT = "cachectl-bundle/1"
@@ -587,38 +586,24 @@ def _commit(ctx: Context, cache: CacheInfo, store: Any, env: Environment, meta: 
         return InstallResult(str(path), cache.name, env.digest, ns, store.url_for(ns), len(entries),
                              sum(1 for e in entries if e.aot_sha256), len(new), already, conflicts, nbytes,
                              signer, time.monotonic() - started, True, notes)
-    if store.is_local and not store.exists(ns):
-        # A fresh namespace appears at once: one directory rename, after every file was verified.
-        for name in os.listdir(staging):
-            if name != ENV_FILE and name not in names:
-                os.unlink(staging / name)
-        final = Path(store.url_for(ns))
-        final.parent.mkdir(parents=True, exist_ok=True)
-        os.chmod(staging, 0o2775 if cache.group else 0o755)
-        os.rename(staging, final)
-        ensure_namespace(store, env, group=cache.group)
-    else:
-        ensure_namespace(store, env, group=cache.group)
-        # Entries before executables: a reader never finds an -aot without its -cache.
-        for name in sorted(names, key=lambda n: n.endswith(AOT_SUFFIX)):
-            if store.is_local:
-                os.replace(staging / name, Path(store.url_for(f"{ns}/{name}")))
-            else:
-                store.write_bytes(f"{ns}/{name}", (staging / name).read_bytes())
+    # Every file was verified against the content list (size, sha256 computed here) while staging.
     info = ctx.index.ensure_environment(cache.name, env)
-    by_aot = {e.key for e in new_aot}
-    rows = []
+    new_keys, by_aot = {e.key for e in new}, {e.key for e in new_aot}
+    objects = []
     for e in entries:
-        if e.key in conflicts or (e.key not in {n.key for n in new} and e.key not in by_aot):
+        if e.key in conflicts or (e.key not in new_keys and e.key not in by_aot):
             continue
         parsed = parse_entry_filename(e.key + CACHE_SUFFIX)
         assert parsed is not None
-        rows.append(NewEntry(key=e.key, module=parsed.module, size=e.size, sha256=e.sha256, origin=ORIGIN,
-                             compile_time_ms=e.compile_time_ms, function=e.function, bucket=e.bucket,
-                             aot_size=e.aot_size if e.key in by_aot else None,
-                             aot_sha256=e.aot_sha256 if e.key in by_aot else None))
-    if rows:
-        ctx.index.upsert_entries(info.id, rows)
+        row = NewEntry(key=e.key, module=parsed.module, size=e.size, sha256=e.sha256, origin=ORIGIN,
+                       compile_time_ms=e.compile_time_ms, function=e.function, bucket=e.bucket,
+                       aot_size=e.aot_size if e.key in by_aot else None,
+                       aot_sha256=e.aot_sha256 if e.key in by_aot else None)
+        objects.append(ingest.NewObject(row, staging / (e.key + CACHE_SUFFIX) if e.key in new_keys else None,
+                                        staging / (e.key + AOT_SUFFIX) if e.key in by_aot else None))
+    published = ingest.publish(ctx.index, cache, env, info.id, store, objects, staging=staging)
+    if published.failed:  # indexed what was written; the first failure is the command's
+        raise next(iter(published.failed.values()))[1]
     if signed is not None and hasattr(ctx.index, "set_content_signature"):
         # The bundle's signed list is the namespace's when the namespace now holds exactly it.
         if signing.namespace_content(ctx.index, info) == meta["content"]:
