@@ -9,7 +9,8 @@ Every writer of new ``-cache``/``-aot`` objects (the server's uploads, ``push``,
 3. an entry decompresses into a JAX entry within a bound (``scan_entry``: one streaming pass);
    a stored executable is intact and made for this key and its entry's recorded bytes;
 4. quota: a single upload reserves its row first (``server_queries.reserve_entry`` /
-   ``reserve_executable``, the cache row locked) and gives it back when the write fails;
+   ``reserve_executable``, the cache row locked) and gives it back when the write fails; a
+   batch is checked whole before it writes (``server_queries.check_quota``);
 5. the bytes are written atomically (``Store.write_file``/``write_bytes``, or a rename of a
    verified staging directory), entries before executables, and only then indexed, all rows
    of a batch in one ``upsert_entries`` call.
@@ -275,12 +276,21 @@ def publish(index: Any, cache: CacheInfo, env: Environment, env_id: int, store: 
     """Write a batch's checked objects, entries before executables, then index them in one call.
 
     Every object's sha256 and size are its row's (the caller computed them with check_new or
-    verified them against a signed list). With ``staging`` (a private directory of verified files on
+    verified them against a signed list). Refused (an entry above the max entry size) or
+    QuotaExceeded, before anything is written, when the batch does not fit the cache's or the environment's limit. With ``staging`` (a private directory of verified files on
     the namespace's file system, for a namespace that does not exist yet) the whole namespace
     appears at once by one rename. ``parallel`` runs the writes in threads (mirror._parallel).
     """
     objects = list(objects)
     ns = env.namespace
+    for o in objects:
+        if o.entry is not None:
+            _check_size(cache, o.row.key, o.row.size)
+    added = sum(o.row.size for o in objects if o.entry is not None)
+    added += sum(o.row.aot_size or 0 for o in objects if o.executable is not None)
+    if isinstance(index, Index) and (cache.max_size is not None or cache.env_max_size is not None):
+        # Checked before anything is written; in server mode the server holds the limits.
+        sq.check_quota(index, cache.name, env_id, added)
     run = parallel or (lambda fn, keys: [(k, _guarded(fn, k)) for k in keys])
     failed: dict[str, tuple[str, Exception]] = {}
     by_key = {o.row.key: o for o in objects}
