@@ -240,11 +240,13 @@ def ingest_executable(t: Target, key: EntryName, body: Spool, *, claimed_sha256:
 class NewObject:
     """One entry (and/or its stored executable) of a batch. ``entry``/``executable`` are the bytes
     (in memory) or a path to a verified private staging file; ``entry`` None means the namespace
-    holds the entry already (``row`` then carries its recorded size and sha256)."""
+    holds the entry already (``row`` then carries its size and sha256): it is indexed only with a
+    new executable, or when ``in_storage`` says the entry is new to the index (warm: JAX wrote it)."""
 
     row: NewEntry
     entry: bytes | Path | None = None
     executable: bytes | Path | None = None
+    in_storage: bool = False
 
 
 def _bytes_of(source: bytes | Path) -> bytes:
@@ -335,7 +337,7 @@ def publish(index: Any, cache: CacheInfo, env: Environment, env_id: int, store: 
         row = o.row
         if kind == "executable" or o.executable is None:
             row = replace(row, aot_size=None, aot_sha256=None)
-            if o.entry is None:
+            if o.entry is None and not o.in_storage:
                 continue  # nothing new for this key
         rows.append(row)
     if rows:

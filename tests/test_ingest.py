@@ -111,3 +111,19 @@ def test_a_batch_never_indexes_what_it_could_not_write(target: ingest.Target, tm
     published = ingest.publish(target.index, target.cache, ENV, target.env.id, target.store, [ok, gone])
     assert set(published.failed) == {_key(6).key} and published.failed[_key(6).key][0] == "entry"
     assert set(target.index.entry_keys(target.env.id)) == {_key(5).key}
+
+
+def test_an_entry_already_in_storage_is_indexed_without_a_write(target: ingest.Target) -> None:
+    """What warm records: the entry JAX wrote itself is indexed as it is, never rewritten."""
+    data = make_entry(os.urandom(300), 1)
+    path = Path(target.store.url_for(target.path(_key(7).key, "-cache")))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(data)
+    before = path.stat().st_mtime_ns, path.stat().st_ino
+    row = ingest.check_new(target.cache, _key(7), data, origin="warm")
+    published = ingest.publish(target.index, target.cache, ENV, target.env.id, target.store,
+                               [ingest.NewObject(row, in_storage=True), ingest.NewObject(
+                                   ingest.check_new(target.cache, _key(8), data, origin="warm"))])
+    assert [r.key for r in published.rows] == [_key(7).key]
+    assert (path.stat().st_mtime_ns, path.stat().st_ino) == before
+    assert target.index.entry_keys(target.env.id) == {_key(7).key: (len(data), row.sha256)}
