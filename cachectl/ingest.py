@@ -42,7 +42,7 @@ from cachectl.entries import (
     read_header,
     scan_entry,
 )
-from cachectl.errors import BadInput
+from cachectl.errors import BadInput, EntryConflict
 from cachectl.fingerprint import Environment
 from cachectl.index import CacheInfo, EntryInfo, EnvironmentInfo, Index, NewEntry
 from cachectl.index import server_queries as sq
@@ -54,6 +54,7 @@ from cachectl.units import format_size
 SHA256 = "sha256"
 CORRUPT = "corrupt"
 EXECUTABLE = "executable"
+MISMATCH = "mismatch"  # a registration that storage (or the warm run) contradicts
 # ... and 413 for these.
 TOO_LARGE = "too-large"
 EXPANDS = "expands"
@@ -350,3 +351,62 @@ def _guarded(fn: Callable[[str], int], key: str) -> int | Exception:
         return fn(key)
     except Exception as exc:  # noqa: BLE001 - reported per object
         return exc
+
+
+# -- a registration: entries a writer stored itself -------------------------------------
+
+
+def _storage_sha256(store: Store, path: str) -> str:
+    digest = hashlib.sha256()
+    with store.open(path, "rb") as fh:
+        while block := fh.read(1 << 20):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _stored(t: Target, key: str, suffix: str, size: int, sha: str, what: str) -> str:
+    """The sha256 of ``what`` of ``key`` as storage holds it; Refused unless it has ``size`` and ``sha``."""
+    path = t.path(key, suffix)
+    try:
+        stored_size = t.store.size(path)
+    except FileNotFoundError:
+        raise Refused(f"{what} is not in storage" + (f" at {t.env.namespace}" if suffix == CACHE_SUFFIX else "")
+                      + ": write it first", MISMATCH) from None
+    if stored_size != size:
+        raise Refused(f"{what} is {stored_size} bytes in storage, not {size}", MISMATCH)
+    if suffix == CACHE_SUFFIX and t.cache.max_entry_size is not None and size > t.cache.max_entry_size:
+        raise Refused(f"{what} ({size} bytes) is above cache {t.cache.name!r}'s max entry size "
+                      f"({t.cache.max_entry_size} bytes)", TOO_LARGE)
+    stored_sha = _storage_sha256(t.store, path)  # what is recorded: never the claim
+    if stored_sha != sha:
+        raise Refused(f"{what} has sha256 {stored_sha} in storage, not the {sha} sent", MISMATCH)
+    return stored_sha
+
+
+def register_stored(t: Target, claims: list[NewEntry], *, run_environment_id: int | None = None,
+                    replace_existing: bool = False, who: str | None = None) -> tuple[int, int]:
+    """Index entries (and stored executables) a writer stored itself, each checked against storage:
+    size, the max entry size, and the sha256 computed here from storage's bytes. EntryConflict for a
+    key recorded with other bytes unless ``replace_existing`` (audited). Returns (inserted, updated)."""
+    rows = []
+    for e in claims:
+        sha = _stored(t, e.key, CACHE_SUFFIX, e.size, e.sha256, f"entry {e.key}")
+        if (e.aot_size is None) != (e.aot_sha256 is None):
+            raise Refused(f"entry {e.key}: give both aot_size and aot_sha256, or neither", MISMATCH)
+        aot_sha = None
+        if e.aot_size is not None and e.aot_sha256 is not None:
+            aot_sha = _stored(t, e.key, AOT_SUFFIX, e.aot_size, e.aot_sha256, f"stored executable of {e.key}")
+        rows.append(replace(e, sha256=sha, aot_sha256=aot_sha))
+    if run_environment_id is not None and run_environment_id != t.env.id:
+        raise Refused(f"warm run {claims[0].warm_run_id} belongs to another environment", MISMATCH)
+    known = t.index.entry_keys(t.env.id)
+    changed = [n for n in rows if n.key in known and known[n.key] != (n.size, n.sha256)]
+    if changed and not replace_existing:
+        raise EntryConflict(f"entry {changed[0].key} is already recorded with other bytes "
+                            f"(sha256 {known[changed[0].key][1][:16]}): entries are immutable")
+    inserted, updated = t.index.upsert_entries(t.env.id, rows)
+    for n in changed:
+        t.index.audit("entry-overwrite", cache=t.cache.name, entries=1, nbytes=n.size, who=who,
+                      details={"environment": t.env.digest, "key": n.key, "old_sha256": known[n.key][1],
+                               "new_sha256": n.sha256, "old_size": known[n.key][0], "via": "register"})
+    return inserted, updated

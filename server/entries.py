@@ -14,7 +14,6 @@ Downloads serve only regular files inside the namespace (no symlinks).
 
 from __future__ import annotations
 
-import hashlib
 import re
 from collections.abc import Iterator
 from typing import Annotated, Any
@@ -24,7 +23,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
 from cachectl import ingest
-from cachectl.entries import AOT_SUFFIX, CACHE_SUFFIX, EntryName, parse_key
+from cachectl.entries import CACHE_SUFFIX, EntryName, parse_key
 from cachectl.errors import EntryConflict, QuotaExceeded
 from cachectl.index import CacheInfo, EnvironmentInfo, NewEntry, warm_runs
 from cachectl.index import server_queries as sq
@@ -71,7 +70,7 @@ def _too_large(what: str) -> HTTPException:
 
 
 # Why cachectl.ingest refused an upload, as the HTTP status the client gets.
-_REFUSED_STATUS = {ingest.SHA256: 422, ingest.CORRUPT: 422, ingest.EXECUTABLE: 422,
+_REFUSED_STATUS = {ingest.SHA256: 422, ingest.CORRUPT: 422, ingest.EXECUTABLE: 422, ingest.MISMATCH: 422,
                    ingest.TOO_LARGE: 413, ingest.EXPANDS: 413}
 
 
@@ -244,64 +243,18 @@ def register_entries(request: Request, cache: CacheName, digest: Digest,
                      body: schemas.EntryRegistration) -> JSONResponse:
     state = state_of(request)
     info, env = _resolve(state, cache, digest)
-    store = state.store(info)
     replace = _may_overwrite(request, cache)
-    new = []
-    for e in body.entries:
-        parsed = check_key(e.key)
-        try:
-            size = store.size(entry_path(env, e.key))
-        except FileNotFoundError:
-            raise HTTPException(422, f"entry {e.key} is not in storage at {env.namespace}: write it first") from None
-        if size != e.size:
-            raise HTTPException(422, f"entry {e.key} is {size} bytes in storage, not {e.size}")
-        if info.max_entry_size is not None and e.size > info.max_entry_size:
-            raise HTTPException(413, f"entry {e.key} ({e.size} bytes) is above cache {cache!r}'s max entry size "
-                                     f"({info.max_entry_size} bytes)")
-        stored_sha = _storage_sha256(store, entry_path(env, e.key))  # what is recorded: never the claim
-        if stored_sha != e.sha256:
-            raise HTTPException(422, f"entry {e.key} has sha256 {stored_sha} in storage, not the {e.sha256} sent")
-        if (e.aot_size is None) != (e.aot_sha256 is None):
-            raise HTTPException(422, f"entry {e.key}: give both aot_size and aot_sha256, or neither")
-        aot_sha = None
-        if e.aot_size is not None:
-            aot_path = f"{env.namespace}/{e.key}{AOT_SUFFIX}"
-            try:
-                aot_size = store.size(aot_path)
-            except FileNotFoundError:
-                raise HTTPException(422, f"stored executable of {e.key} is not in storage: write it first") from None
-            if aot_size != e.aot_size:
-                raise HTTPException(422, f"stored executable of {e.key} is {aot_size} bytes in storage, "
-                                         f"not {e.aot_size}")
-            aot_sha = _storage_sha256(store, aot_path)
-            if aot_sha != e.aot_sha256:
-                raise HTTPException(422, f"stored executable of {e.key} has sha256 {aot_sha} in storage, "
-                                         f"not the {e.aot_sha256} sent")
-        new.append(NewEntry(key=e.key, module=parsed.module, size=e.size, sha256=stored_sha, origin=e.origin,
-                            compile_time_ms=e.compile_time_ms, function=e.function, bucket=e.bucket,
-                            warm_run_id=body.warm_run_id, aot_size=e.aot_size, aot_sha256=aot_sha))
-    if body.warm_run_id is not None:
-        run = warm_runs.get_run(state.index, body.warm_run_id)
-        if run.environment_id != env.id:
-            raise HTTPException(422, f"warm run {body.warm_run_id} belongs to another environment")
-    known = state.index.entry_keys(env.id)
-    changed = [n for n in new if n.key in known and known[n.key] != (n.size, n.sha256)]
-    if changed and not replace:
-        raise HTTPException(409, f"entry {changed[0].key} is already recorded with other bytes "
-                                 f"(sha256 {known[changed[0].key][1][:16]}): entries are immutable; "
-                                 f"an admin may replace it with {OVERWRITE_HEADER}: true")
-    inserted, updated = state.index.upsert_entries(env.id, new)
-    for n in changed:
-        state.index.audit("entry-overwrite", cache=cache, entries=1, nbytes=n.size,
-                          who=f"token {current_token(request).name}",
-                          details={"environment": env.digest, "key": n.key, "old_sha256": known[n.key][1],
-                                   "new_sha256": n.sha256, "old_size": known[n.key][0], "via": "register"})
+    claims = [NewEntry(key=e.key, module=check_key(e.key).module, size=e.size, sha256=e.sha256, origin=e.origin,
+                       compile_time_ms=e.compile_time_ms, function=e.function, bucket=e.bucket,
+                       warm_run_id=body.warm_run_id, aot_size=e.aot_size, aot_sha256=e.aot_sha256)
+              for e in body.entries]
+    run_env = warm_runs.get_run(state.index, body.warm_run_id).environment_id if body.warm_run_id is not None else None
+    try:
+        inserted, updated = ingest.register_stored(
+            ingest.Target(state.index, info, env, state.store(info)), claims, run_environment_id=run_env,
+            replace_existing=replace, who=f"token {current_token(request).name}")
+    except ingest.Refused as exc:
+        raise refused(exc) from None
+    except EntryConflict as exc:
+        raise HTTPException(409, f"{exc.message}; an admin may replace it with {OVERWRITE_HEADER}: true") from None
     return ok({"inserted": inserted, "updated": updated})
-
-
-def _storage_sha256(store: Any, path: str) -> str:
-    digest = hashlib.sha256()
-    with store.open(path, "rb") as fh:
-        while block := fh.read(CHUNK):
-            digest.update(block)
-    return digest.hexdigest()

@@ -172,8 +172,6 @@ WRITES_OUTSIDE_INGEST = {
     # go through ingest.check_new + ingest.publish; until then they are the named exceptions.
     ("cachectl/warm.py", "_settle", "upsert_entries"),
     ("cachectl/warm.py", "_store_executable", "write_bytes"),
-    # The server records entries a writer stored itself (warm in server mode), checked against storage.
-    ("server/entries.py", "register_entries", "upsert_entries"),
     # sync records objects already in storage (index repair): it writes no bytes.
     ("cachectl/lifecycle/sync.py", "execute_sync", "upsert_entries"),
     # Not new entries of a cache: env.json, a pulled mirror (local copies), verify's write probe.
