@@ -8,6 +8,9 @@
 2. ``signature.json`` when made with a signing key: the content list signed;
 3. ``files/env.json``, ``files/<key>-cache``, ``files/<key>-aot``.
 
+Entries are compressed by JAX already, so they are stored in raw zstd blocks (no second
+compression); the rest is compressed at ``--level``. Any zstd decoder reads the stream.
+
 ``cachectl bundle install`` checks the environment against this machine (exit 3
 with the differing fields), the signature when the target cache trusts keys,
 then extracts into a staging directory verifying every size and sha256 against
@@ -29,6 +32,7 @@ import tempfile
 import time
 import uuid
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -227,8 +231,6 @@ class _Read:
 def _read_verified(store: Any, ns: str, files: list[tuple[str, int, str]]) -> Iterator[_Read | None]:
     """Each file's bytes and sha256 (None when storage lacks it), in order, read and hashed in
     threads ahead of the caller (hashlib and file reads release the GIL) so hashing overlaps writing."""
-    from concurrent.futures import Future, ThreadPoolExecutor
-
     def read(name: str) -> _Read | None:
         try:
             data = store.read_bytes(f"{ns}/{name}")
@@ -238,9 +240,8 @@ def _read_verified(store: Any, ns: str, files: list[tuple[str, int, str]]) -> It
 
     with ThreadPoolExecutor(max_workers=2, thread_name_prefix="cachectl-bundle") as pool:
         pending: list[Future[_Read | None]] = []
-        names = iter(name for name, _, _ in files)
         try:
-            for name in names:
+            for name, _, _ in files:
                 pending.append(pool.submit(read, name))
                 if len(pending) >= _READ_AHEAD:
                     yield pending.pop(0).result()
@@ -459,8 +460,6 @@ def _extract(path: Path, tar: tarfile.TarFile, first: tarfile.TarInfo | None,
     """Every member into ``staging``, each checked against the content list; BadBundle at the first
     that is not listed, repeated, not a file, or whose size or sha256 differ. Decompressing runs here
     while worker threads hash and write the members read before."""
-    from concurrent.futures import Future, ThreadPoolExecutor
-
     seen: set[str] = set()
     pending: list[tuple[str, tuple[int, str], Future[tuple[int, str]]]] = []
     in_flight = 0
