@@ -356,7 +356,7 @@ def _open(path: Path) -> Iterator[tarfile.TarFile]:
             raise BadBundle(f"{path} is not a cachectl bundle (not zstd-compressed)")
         reader = zstandard.ZstdDecompressor().stream_reader(fh, read_across_frames=True)
         try:
-            with tarfile.open(fileobj=reader, mode="r|", bufsize=_CHUNK) as tar:
+            with tarfile.open(fileobj=reader, mode="r|") as tar:
                 yield tar
         except (tarfile.TarError, zstandard.ZstdError, EOFError) as exc:
             raise BadBundle(f"{path}: damaged bundle ({exc})") from exc
