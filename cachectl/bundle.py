@@ -149,7 +149,7 @@ def _tarinfo(name: str, size: int, mtime: float) -> tarfile.TarInfo:
 _RAW_FRAME = b"\x28\xb5\x2f\xfd\x00\x38"  # magic; no size, checksum or dictionary; window 2^17
 _RAW_BLOCK = 128 << 10  # the largest block a 128 KiB window allows
 _LAST_EMPTY_BLOCK = b"\x01\x00\x00"
-_READ_AHEAD = 8  # files read and hashed ahead of the writer (memory: at most this many files)
+_READ_AHEAD = 3  # files read and hashed ahead of the writer: more holds fresh pages (8: 265 vs 220 ms)
 
 
 def _block_header(size: int) -> bytes:
@@ -431,7 +431,7 @@ def _staging_dir(store: Any, ns: str) -> Path:
 
 
 _IN_MEMORY_MAX = 16 << 20  # members up to this size are hashed and written in a worker thread
-_IN_FLIGHT_MAX = 64 << 20  # bytes read from the bundle but not yet written to staging
+_IN_FLIGHT_MAX = 4 << 20  # bytes read but not yet written: more costs fresh pages (64 MiB: 596 vs 362 ms)
 
 
 def _write_hashed(dest: Path, data: bytes) -> tuple[int, str]:
