@@ -430,18 +430,26 @@ def _staging_dir(store: Any, ns: str) -> Path:
     return Path(tempfile.mkdtemp(prefix="cachectl-bundle-"))
 
 
+_WORKERS = 2  # threads hashing and writing members while the main thread decompresses
+_PIECE = 64 << 10
 _IN_MEMORY_MAX = 16 << 20  # members up to this size are hashed and written in a worker thread
 _IN_FLIGHT_MAX = 4 << 20  # bytes read but not yet written: more costs fresh pages (64 MiB: 596 vs 362 ms)
 
 
 def _write_hashed(dest: Path, data: bytes) -> tuple[int, str]:
-    """Write ``data`` to a new file and return its size and sha256 (in a worker: both release the GIL)."""
+    """Write ``data`` to a new file and return its size and sha256 (in a worker: both release the GIL).
+    Each 64 KiB piece is hashed right after it is written, while it is still in the CPU's cache."""
+    digest = hashlib.sha256()
+    view = memoryview(data)
     fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     try:
-        _write_all(fd, [data])
+        for i in range(0, len(view), _PIECE):
+            piece = view[i:i + _PIECE]
+            _write_all(fd, [piece])
+            digest.update(piece)
     finally:
         os.close(fd)
-    return len(data), hashlib.sha256(data).hexdigest()
+    return len(data), digest.hexdigest()
 
 
 def _stream_hashed(src: IO[bytes], dest: Path) -> tuple[int, str]:
@@ -472,7 +480,7 @@ def _extract(path: Path, tar: tarfile.TarFile, first: tarfile.TarInfo | None,
         return want[0]
 
     member = first
-    with ThreadPoolExecutor(max_workers=2, thread_name_prefix="cachectl-bundle") as pool:
+    with ThreadPoolExecutor(max_workers=_WORKERS, thread_name_prefix="cachectl-bundle") as pool:
         while member is not None:
             if not member.name.startswith(FILES):
                 raise BadBundle(f"{path}: unexpected member {member.name!r}: nothing installed")
