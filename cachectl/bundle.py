@@ -586,8 +586,8 @@ def _commit(ctx: Context, cache: CacheInfo, store: Any, env: Environment, meta: 
     new = [e for e in entries if e.key not in present]
     new_aot = [e for e in entries if e.aot_sha256 and e.key not in conflicts and e.key not in present_aot]
     already = len(entries) - len(new) - len(conflicts)
-    names = [e.key + CACHE_SUFFIX for e in new] + [e.key + AOT_SUFFIX for e in new_aot]
-    nbytes = sum((staging / n).stat().st_size for n in names)
+    # The sizes staging verified (each file against the content list, the list against the rows).
+    nbytes = sum(e.size for e in new) + sum(int(e.aot_size or 0) for e in new_aot)
     notes: list[str] = []
     if dry_run:
         return InstallResult(str(path), cache.name, env.digest, ns, store.url_for(ns), len(entries),
