@@ -35,9 +35,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from cachectl import ingest
 from cachectl import warm as warm_mod
 from cachectl.context import Context
-from cachectl.entries import CACHE_SUFFIX, CorruptEntry, parse_key, read_header, sha256
+from cachectl.entries import parse_key, sha256
 from cachectl.errors import (
     BadInput,
     CachectlError,
@@ -46,7 +47,6 @@ from cachectl.errors import (
     Unreachable,
     error_named,
 )
-from cachectl.index import NewEntry
 from cachectl.manifest import manifest_digest
 
 WRITER = 0
@@ -314,10 +314,9 @@ def _store_peer_entries(ctx: Context, plan: Any, views: Sequence[dict[str, Any]]
     client = _client()
     timeout_ms = timeout_seconds() * 1000
     store = ctx.store(plan.cache)
-    ns = plan.environment.namespace
     env_info = ctx.index.ensure_environment(plan.cache.name, plan.environment)
     known = ctx.index.entry_keys(env_info.id)
-    rows = []
+    objects = []
     for rank, view in enumerate(views):
         for item in view["entries"]:
             key = item["key"]
@@ -325,23 +324,26 @@ def _store_peer_entries(ctx: Context, plan: Any, views: Sequence[dict[str, Any]]
                 continue
             data = client.blocking_key_value_get_bytes(f"{_PREFIX}/{_SEQUENCE[0]}/blob/{rank}/{item['position']}",
                                                        timeout_ms)
-            if sha256(data) != item["sha256"] or parse_key(key) is None:
-                continue
-            try:
-                header = read_header(data)
-            except CorruptEntry:
-                continue
-            store.write_bytes(f"{ns}/{key}{CACHE_SUFFIX}", data)
-            bucket = plan.buckets[item["position"]]
             parsed = parse_key(key)
-            rows.append(NewEntry(key=key, module=parsed.module, size=len(data), sha256=item["sha256"],
-                                 origin="warm", compile_time_ms=int(round(item["seconds"] * 1000))
-                                 if item.get("seconds") is not None else header.compile_seconds * 1000,
-                                 function=bucket.function, bucket=dict(bucket.values), warm_run_id=run_id))
-            known[key] = (len(data), item["sha256"])
-    if rows:
-        ctx.index.upsert_entries(env_info.id, rows)
-    return len(rows)
+            if parsed is None:
+                continue
+            bucket = plan.buckets[item["position"]]
+            timed = {} if item.get("seconds") is None else {"compile_time_ms": int(round(item["seconds"] * 1000))}
+            try:
+                row = ingest.check_new(plan.cache, parsed, data, origin="warm", function=bucket.function,
+                                       bucket=dict(bucket.values), warm_run_id=run_id, **timed)
+            except ingest.Refused:
+                continue
+            if row.sha256 != item["sha256"]:
+                continue  # changed on the way: never stored
+            objects.append(ingest.NewObject(row, data))
+            known[key] = (row.size, row.sha256)
+    if not objects:
+        return 0
+    published = ingest.publish(ctx.index, plan.cache, plan.environment, env_info.id, store, objects)
+    if published.failed:
+        raise next(iter(published.failed.values()))[1]
+    return len(published.rows)
 
 
 def _entry_bytes(compiled: Any, seconds: float) -> bytes:

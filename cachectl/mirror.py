@@ -31,24 +31,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
 
-from cachectl import aot
+from cachectl import ingest
 from cachectl.context import Context
 from cachectl.entries import (
     AOT_SUFFIX,
     CACHE_SUFFIX,
     ENV_FILE,
-    CorruptEntry,
     Kind,
     classify,
     parse_aot_filename,
     parse_entry_filename,
-    read_header,
     sha256,
 )
 from cachectl.errors import BadInput, NotFound
 from cachectl.fingerprint import Environment
 from cachectl.index import CacheInfo, Index, NewEntry
-from cachectl.namespace import ensure_namespace
 from cachectl.permissions import check_writer
 from cachectl.signing import check_covered
 from cachectl.store import NotRegularFile, Store
@@ -399,7 +396,7 @@ def push(ctx: Context, src: str | os.PathLike[str], *, cache: CacheInfo | None =
     conflicts: list[EntryProblem] = []
     refused: list[EntryProblem] = []
     failed: list[EntryProblem] = []
-    candidates: list[tuple[str, bytes, int]] = []
+    candidates: list[ingest.NewObject] = []
     shared: dict[str, tuple[int, str]] = {}  # entries the namespace holds with these bytes
     for key in local:
         try:
@@ -414,13 +411,13 @@ def push(ctx: Context, src: str | os.PathLike[str], *, cache: CacheInfo | None =
             else:
                 conflicts.append(EntryProblem(key, "the shared namespace holds other bytes for this key: kept theirs"))
             continue
+        parsed = parse_entry_filename(key + CACHE_SUFFIX)
+        assert parsed is not None
         try:
-            header = read_header(data)
-        except CorruptEntry as exc:
-            refused.append(EntryProblem(key, f"not a JAX cache entry ({exc}): not uploaded"))
-            continue
-        candidates.append((key, data, header.compile_seconds))
-    local_sha = {k: sha256(d) for k, d, _ in candidates}
+            candidates.append(ingest.NewObject(ingest.check_new(cache, parsed, data, origin="push"), data))
+        except ingest.Refused as exc:
+            refused.append(EntryProblem(key, f"{exc.message}: not uploaded"))
+    local_sha = {o.row.key: o.row.sha256 for o in candidates}
     local_sha.update({k: v[1] for k, v in shared.items()})
     aot_candidates = _executables_to_push(directory, local_aot, local_sha, expected_aot, conflicts, refused, failed)
 
@@ -428,55 +425,31 @@ def push(ctx: Context, src: str | os.PathLike[str], *, cache: CacheInfo | None =
     if dry_run:
         uploaded = len(candidates)
         aot_uploaded = len(aot_candidates)
-        nbytes = sum(len(d) for _, d, _ in candidates) + sum(len(d) for d in aot_candidates.values())
+        nbytes = sum(o.row.size for o in candidates) + sum(len(d) for d in aot_candidates.values())
     elif candidates or aot_candidates:
-        ensure_namespace(store, env, group=cache.group)
-        by_key = {k: (d, s) for k, d, s in candidates}
+        def with_executable(row: NewEntry, entry: bytes | Path | None) -> ingest.NewObject:
+            data = aot_candidates.get(row.key)
+            if data is not None:
+                row = dataclasses.replace(row, aot_size=len(data), aot_sha256=sha256(data))
+            return ingest.NewObject(row, entry, data)
 
-        def upload(key: str) -> int:
-            data = by_key[key][0]
-            store.write_bytes(f"{ns}/{key}{CACHE_SUFFIX}", data)
-            return len(data)
-
-        rows = []
-        for key, outcome in _parallel(upload, list(by_key), workers):
-            if isinstance(outcome, Exception):
-                failed.append(EntryProblem(key, _error(outcome)))
-                continue
-            data, seconds = by_key[key]
+        objects = [with_executable(o.row, o.entry) for o in candidates]
+        for key in sorted(set(aot_candidates) & set(shared)):  # an executable beside an entry already shared
             parsed = parse_entry_filename(key + CACHE_SUFFIX)
             assert parsed is not None
-            rows.append(NewEntry(key=key, module=parsed.module, size=len(data), sha256=sha256(data),
-                                 origin="push", compile_time_ms=seconds * 1000))
-            uploaded += 1
-            nbytes += len(data)
-        # Executables after their entries: only beside an entry the namespace now holds.
-        in_namespace = {r.key for r in rows} | set(shared)
-        for key in [k for k in aot_candidates if k not in in_namespace]:
-            del aot_candidates[key]
-
-        def upload_aot(key: str) -> int:
-            data = aot_candidates[key]
-            store.write_bytes(f"{ns}/{key}{AOT_SUFFIX}", data)
-            return len(data)
-
-        stored_aot: dict[str, tuple[int, str]] = {}
-        for key, outcome in _parallel(upload_aot, list(aot_candidates), workers):
-            if isinstance(outcome, Exception):
-                failed.append(EntryProblem(key, AOT_REASON + _error(outcome)))
-                continue
-            stored_aot[key] = (outcome, sha256(aot_candidates[key]))
-            aot_uploaded += 1
-            nbytes += outcome
-        rows = [dataclasses.replace(r, aot_size=stored_aot[r.key][0], aot_sha256=stored_aot[r.key][1])
-                if r.key in stored_aot else r for r in rows]
-        for key in sorted(set(stored_aot) & set(shared)):
-            parsed = parse_entry_filename(key + CACHE_SUFFIX)
-            assert parsed is not None
-            rows.append(NewEntry(key=key, module=parsed.module, size=shared[key][0], sha256=shared[key][1],
-                                 origin="push", aot_size=stored_aot[key][0], aot_sha256=stored_aot[key][1]))
-        if rows:
-            ctx.index.upsert_entries(info.id, rows)
+            objects.append(with_executable(NewEntry(key=key, module=parsed.module, size=shared[key][0],
+                                                    sha256=shared[key][1], origin="push"), None))
+        published = ingest.publish(ctx.index, cache, env, info.id, store, objects,
+                                   parallel=lambda fn, keys: _parallel(fn, keys, workers))
+        for key, (what, exc) in published.failed.items():
+            failed.append(EntryProblem(key, (AOT_REASON if what == "executable" else "") + _error(exc)))
+        for row in published.rows:
+            if row.key not in shared:
+                uploaded += 1
+                nbytes += row.size
+            if row.aot_size is not None:
+                aot_uploaded += 1
+                nbytes += row.aot_size
     duration = time.monotonic() - started
     if not dry_run:
         ctx.index.audit("push", cache=cache.name, entries=uploaded, nbytes=nbytes,
@@ -513,13 +486,9 @@ def _executables_to_push(directory: Path, keys: list[str], entry_sha: dict[str, 
                                                    "this key: kept theirs"))
             continue
         try:
-            header = aot.read_header(data)
-        except CorruptEntry as exc:
-            refused.append(EntryProblem(key, AOT_REASON + f"{exc}: not uploaded"))
-            continue
-        if header.key != key or header.entry_sha256 != entry_sha[key]:
-            refused.append(EntryProblem(key, AOT_REASON + "made for another entry (its header names other "
-                                             "entry bytes): not uploaded"))
+            ingest.check_executable(key, data, entry_sha[key])
+        except ingest.Refused as exc:
+            refused.append(EntryProblem(key, AOT_REASON + f"{exc.message}: not uploaded"))
             continue
         out[key] = data
     return out

@@ -7,40 +7,26 @@ streamed to a temporary file, never held in memory), the bytes decompress
 into a JAX entry (422) in one streaming pass that stops at a bound tied to
 that size (413), the key holds no other bytes already (409, unless an admin
 says to overwrite: audited), and the quota is reserved in the index
-atomically (413). Only then is it written, atomically; a full disk is 507.
+atomically (413). Only then is it written, atomically; a full disk is 507. The rules are
+cachectl/ingest.py's (this module streams the body and turns refusals into statuses).
 Downloads serve only regular files inside the namespace (no symlinks).
 """
 
 from __future__ import annotations
 
-import contextlib
-import errno
-import hashlib
-import os
 import re
-import tempfile
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Annotated, Any
 
 from fastapi import APIRouter, HTTPException, Path, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
-from cachectl.entries import (
-    AOT_SUFFIX,
-    CACHE_SUFFIX,
-    ENV_FILE,
-    CorruptEntry,
-    EntryName,
-    EntryTooLarge,
-    parse_key,
-    scan_entry,
-)
+from cachectl import ingest
+from cachectl.entries import CACHE_SUFFIX, EntryName, parse_key
 from cachectl.errors import EntryConflict, QuotaExceeded
-from cachectl.index import CacheInfo, EntryInfo, EnvironmentInfo, NewEntry, warm_runs
+from cachectl.index import CacheInfo, EnvironmentInfo, NewEntry, warm_runs
 from cachectl.index import server_queries as sq
-from cachectl.namespace import ensure_namespace
 from cachectl.store import Store
 from cachectl.units import format_size
 
@@ -84,28 +70,22 @@ def _too_large(what: str) -> HTTPException:
     return HTTPException(413, what)
 
 
-def _disk_full(exc: OSError) -> HTTPException | None:
+# Why cachectl.ingest refused an upload, as the HTTP status the client gets.
+_REFUSED_STATUS = {ingest.SHA256: 422, ingest.CORRUPT: 422, ingest.EXECUTABLE: 422, ingest.MISMATCH: 422,
+                   ingest.TOO_LARGE: 413, ingest.EXPANDS: 413}
+
+
+def refused(exc: ingest.Refused) -> HTTPException:
+    return HTTPException(_REFUSED_STATUS[exc.rule], exc.message)
+
+
+def disk_full() -> HTTPException:
     """507 for a full disk or quota (ENOSPC, EDQUOT): the client may retry elsewhere or later."""
-    if exc.errno in (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)):
-        return HTTPException(507, "insufficient storage: the server's disk is full; nothing stored")
-    return None
+    return HTTPException(507, "insufficient storage: the server's disk is full; nothing stored")
 
 
-@dataclass
-class Upload:
-    """A request body streamed to a temporary file: its path, size and sha256."""
-
-    path: str
-    size: int
-    sha256: str
-
-    def discard(self) -> None:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.path)
-
-
-async def _receive_body(request: Request, limit: int, what: str, directory: str | None) -> Upload:
-    """Stream the body to a temporary file, hashing as it goes; 413 past ``limit`` (read no further)."""
+async def receive_body(request: Request, limit: int, what: str, directory: str | None) -> ingest.Spool:
+    """Stream the body to a spool file, hashed as it goes; 413 past ``limit`` (read no further)."""
     declared = request.headers.get("content-length")
     if declared is not None:
         try:
@@ -114,28 +94,18 @@ async def _receive_body(request: Request, limit: int, what: str, directory: str 
             raise HTTPException(400, "bad Content-Length header") from None
         if length > limit:
             raise _too_large(f"entry of {format_size(length)} is above {what} ({format_size(limit)}): nothing stored")
-    fd, path = tempfile.mkstemp(prefix="cachectl-upload-", dir=directory)
-    upload = Upload(path, 0, "")
-    digest = hashlib.sha256()
+    upload = ingest.Spool(directory)
     try:
-        with os.fdopen(fd, "wb") as fh:
-            async for chunk in request.stream():
-                upload.size += len(chunk)
-                if upload.size > limit:
-                    raise _too_large(f"entry is above {what} ({format_size(limit)}): nothing stored")
-                digest.update(chunk)
-                await run_in_threadpool(fh.write, chunk)
-    except OSError as exc:
+        async for chunk in request.stream():
+            if upload.size + len(chunk) > limit:
+                raise _too_large(f"entry is above {what} ({format_size(limit)}): nothing stored")
+            await run_in_threadpool(upload.write, chunk)
+        return upload.finish()
+    except BaseException as exc:
         upload.discard()
-        full = _disk_full(exc)
-        if full is not None:
-            raise full from None
+        if ingest.is_disk_full(exc):
+            raise disk_full() from None
         raise
-    except BaseException:
-        upload.discard()
-        raise
-    upload.sha256 = digest.hexdigest()
-    return upload
 
 
 def expansion_limit(settings: Any, limit: int) -> int:
@@ -144,53 +114,25 @@ def expansion_limit(settings: Any, limit: int) -> int:
     return min(settings.max_decompressed_bytes, max(limit, 1) * EXPANSION_RATIO)
 
 
-def _store_entry(state: ServerState, info: CacheInfo, env: EnvironmentInfo, parsed: EntryName,
-                 upload: Upload, claimed_sha: str | None, expand_to: int, *, replace: bool,
-                 who: str) -> tuple[str, EntryInfo | None]:
-    if claimed_sha is not None and claimed_sha.lower() != upload.sha256:
-        raise HTTPException(422, f"body sha256 is {upload.sha256}, not the {SHA_HEADER} sent: corrupted in transit?")
+def upload_limit(state: ServerState, info: CacheInfo) -> tuple[int, str]:
+    return ingest.size_limit(info, state.settings.max_upload_bytes, "the server's upload limit")
+
+
+def store_upload(state: ServerState, info: CacheInfo, env: EnvironmentInfo,
+                 fn: Any, *args: Any, **kwargs: Any) -> ingest.Ingested:
+    """Run an ingest call for an upload, its refusals as HTTP answers."""
     try:
-        with open(upload.path, "rb") as fh:
-            header = scan_entry(fh, expand_to)  # one streaming pass; nothing is decompressed again
-    except EntryTooLarge:
-        raise _too_large(f"entry expands to more than {format_size(expand_to)}: refused") from None
-    except CorruptEntry as exc:
-        raise HTTPException(422, f"not a JAX cache entry: {exc}") from None
-    new = NewEntry(key=parsed.key, module=parsed.module, size=upload.size, sha256=upload.sha256, origin="upload",
-                   compile_time_ms=header.compile_seconds * 1000)
-    try:
-        reservation = sq.reserve_entry(state.index, info.name, env.id, new, replace=replace)
+        return fn(ingest.Target(state.index, info, env, state.store(info)), *args, claim_name=SHA_HEADER, **kwargs)
+    except ingest.Refused as exc:
+        raise refused(exc) from None
     except QuotaExceeded as exc:
         raise _too_large(exc.message) from None
     except EntryConflict as exc:
         raise HTTPException(409, f"{exc.message}: send {OVERWRITE_HEADER}: true with an admin token") from None
-    store = state.store(info)
-    path = entry_path(env, parsed.key)
-    try:
-        if not store.exists(f"{env.namespace}/{ENV_FILE}"):
-            # An environment recorded without its namespace (e.g. by a service that may not write):
-            # storage must stay self-describing for sync and verify.
-            ensure_namespace(store, env.environment, group=info.group)
-        if reservation.outcome != "unchanged" or not _stored_size_is(store, path, upload.size):
-            store.write_file(path, upload.path)
-    except BaseException as exc:
-        sq.release_entry(state.index, env.id, parsed.key, reservation)
-        if isinstance(exc, OSError) and (full := _disk_full(exc)) is not None:
-            raise full from None
+    except OSError as exc:
+        if ingest.is_disk_full(exc):
+            raise disk_full() from None
         raise
-    if reservation.outcome == "replaced" and reservation.previous is not None:
-        state.index.audit("entry-overwrite", cache=info.name, entries=1, nbytes=upload.size, who=who,
-                          details={"environment": env.digest, "key": parsed.key,
-                                   "old_sha256": reservation.previous.sha256, "new_sha256": upload.sha256,
-                                   "old_size": reservation.previous.size, "old_origin": reservation.previous.origin})
-    return reservation.outcome, state.index.get_entry(env.id, parsed.key)
-
-
-def _stored_size_is(store: Any, path: str, size: int) -> bool:
-    try:
-        return store.size(path) == size
-    except FileNotFoundError:
-        return False
 
 
 def _wants_overwrite(request: Request) -> bool:
@@ -221,15 +163,14 @@ async def put_entry(request: Request, cache: CacheName, digest: Digest, key: Key
     parsed = check_key(key)
     replace = _may_overwrite(request, cache)
     info, env = await run_in_threadpool(_resolve, state, cache, digest)
-    limit, what = state.settings.max_upload_bytes, "the server's upload limit"
-    if info.max_entry_size is not None and info.max_entry_size < limit:
-        limit, what = info.max_entry_size, f"cache {cache!r}'s max entry size"
-    upload: Upload | None = None
+    limit, what = upload_limit(state, info)
+    upload: ingest.Spool | None = None
     try:
-        upload = await _receive_body(request, limit, what, state.settings.upload_dir)
-        outcome, entry = await run_in_threadpool(
-            _store_entry, state, info, env, parsed, upload, request.headers.get(SHA_HEADER),
-            expansion_limit(state.settings, limit), replace=replace, who=f"token {current_token(request).name}")
+        upload = await receive_body(request, limit, what, state.settings.upload_dir)
+        done = await run_in_threadpool(
+            store_upload, state, info, env, ingest.ingest_entry, parsed, upload, origin="upload",
+            expand_to=expansion_limit(state.settings, limit), claimed_sha256=request.headers.get(SHA_HEADER),
+            replace_existing=replace, who=f"token {current_token(request).name}")
     except HTTPException as exc:
         state.metrics.uploads.labels(cache, str(exc.status_code)).inc()
         raise
@@ -238,7 +179,7 @@ async def put_entry(request: Request, cache: CacheName, digest: Digest, key: Key
             upload.discard()
     state.metrics.uploads.labels(cache, "stored").inc()
     state.metrics.upload_bytes.labels(cache).inc(upload.size)
-    return ok(entry, 201 if outcome == "inserted" else 200)
+    return ok(done.entry, 201 if done.outcome == "inserted" else 200)
 
 
 def _located(state: ServerState, cache: str, digest: str, key: str) -> tuple[CacheInfo, EnvironmentInfo, int, str | None]:
@@ -316,64 +257,18 @@ def register_entries(request: Request, cache: CacheName, digest: Digest,
                      body: schemas.EntryRegistration) -> JSONResponse:
     state = state_of(request)
     info, env = _resolve(state, cache, digest)
-    store = state.store(info)
     replace = _may_overwrite(request, cache)
-    new = []
-    for e in body.entries:
-        parsed = check_key(e.key)
-        try:
-            size = store.size(entry_path(env, e.key))
-        except FileNotFoundError:
-            raise HTTPException(422, f"entry {e.key} is not in storage at {env.namespace}: write it first") from None
-        if size != e.size:
-            raise HTTPException(422, f"entry {e.key} is {size} bytes in storage, not {e.size}")
-        if info.max_entry_size is not None and e.size > info.max_entry_size:
-            raise HTTPException(413, f"entry {e.key} ({e.size} bytes) is above cache {cache!r}'s max entry size "
-                                     f"({info.max_entry_size} bytes)")
-        stored_sha = _storage_sha256(store, entry_path(env, e.key))  # what is recorded: never the claim
-        if stored_sha != e.sha256:
-            raise HTTPException(422, f"entry {e.key} has sha256 {stored_sha} in storage, not the {e.sha256} sent")
-        if (e.aot_size is None) != (e.aot_sha256 is None):
-            raise HTTPException(422, f"entry {e.key}: give both aot_size and aot_sha256, or neither")
-        aot_sha = None
-        if e.aot_size is not None:
-            aot_path = f"{env.namespace}/{e.key}{AOT_SUFFIX}"
-            try:
-                aot_size = store.size(aot_path)
-            except FileNotFoundError:
-                raise HTTPException(422, f"stored executable of {e.key} is not in storage: write it first") from None
-            if aot_size != e.aot_size:
-                raise HTTPException(422, f"stored executable of {e.key} is {aot_size} bytes in storage, "
-                                         f"not {e.aot_size}")
-            aot_sha = _storage_sha256(store, aot_path)
-            if aot_sha != e.aot_sha256:
-                raise HTTPException(422, f"stored executable of {e.key} has sha256 {aot_sha} in storage, "
-                                         f"not the {e.aot_sha256} sent")
-        new.append(NewEntry(key=e.key, module=parsed.module, size=e.size, sha256=stored_sha, origin=e.origin,
-                            compile_time_ms=e.compile_time_ms, function=e.function, bucket=e.bucket,
-                            warm_run_id=body.warm_run_id, aot_size=e.aot_size, aot_sha256=aot_sha))
-    if body.warm_run_id is not None:
-        run = warm_runs.get_run(state.index, body.warm_run_id)
-        if run.environment_id != env.id:
-            raise HTTPException(422, f"warm run {body.warm_run_id} belongs to another environment")
-    known = state.index.entry_keys(env.id)
-    changed = [n for n in new if n.key in known and known[n.key] != (n.size, n.sha256)]
-    if changed and not replace:
-        raise HTTPException(409, f"entry {changed[0].key} is already recorded with other bytes "
-                                 f"(sha256 {known[changed[0].key][1][:16]}): entries are immutable; "
-                                 f"an admin may replace it with {OVERWRITE_HEADER}: true")
-    inserted, updated = state.index.upsert_entries(env.id, new)
-    for n in changed:
-        state.index.audit("entry-overwrite", cache=cache, entries=1, nbytes=n.size,
-                          who=f"token {current_token(request).name}",
-                          details={"environment": env.digest, "key": n.key, "old_sha256": known[n.key][1],
-                                   "new_sha256": n.sha256, "old_size": known[n.key][0], "via": "register"})
+    claims = [NewEntry(key=e.key, module=check_key(e.key).module, size=e.size, sha256=e.sha256, origin=e.origin,
+                       compile_time_ms=e.compile_time_ms, function=e.function, bucket=e.bucket,
+                       warm_run_id=body.warm_run_id, aot_size=e.aot_size, aot_sha256=e.aot_sha256)
+              for e in body.entries]
+    run_env = warm_runs.get_run(state.index, body.warm_run_id).environment_id if body.warm_run_id is not None else None
+    try:
+        inserted, updated = ingest.register_stored(
+            ingest.Target(state.index, info, env, state.store(info)), claims, run_environment_id=run_env,
+            replace_existing=replace, who=f"token {current_token(request).name}")
+    except ingest.Refused as exc:
+        raise refused(exc) from None
+    except EntryConflict as exc:
+        raise HTTPException(409, f"{exc.message}; an admin may replace it with {OVERWRITE_HEADER}: true") from None
     return ok({"inserted": inserted, "updated": updated})
-
-
-def _storage_sha256(store: Any, path: str) -> str:
-    digest = hashlib.sha256()
-    with store.open(path, "rb") as fh:
-        while block := fh.read(CHUNK):
-            digest.update(block)
-    return digest.hexdigest()

@@ -16,10 +16,9 @@ from fastapi import APIRouter, HTTPException, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 
-from cachectl import aot
-from cachectl.entries import AOT_SUFFIX, CorruptEntry, EntryName
-from cachectl.errors import QuotaExceeded
-from cachectl.index import CacheInfo, EntryInfo, EnvironmentInfo
+from cachectl import ingest
+from cachectl.entries import AOT_SUFFIX
+from cachectl.index import CacheInfo, EnvironmentInfo
 from cachectl.index import server_queries as sq
 
 from .api import CacheName, Digest, ok, state_of
@@ -27,15 +26,14 @@ from .auth import route
 from .entries import (
     SHA_HEADER,
     Key,
-    Upload,
-    _disk_full,
     _headers,
-    _receive_body,
     _resolve,
-    _too_large,
     check_key,
     open_body,
+    receive_body,
+    store_upload,
     stream_file,
+    upload_limit,
 )
 from .state import ServerState
 
@@ -45,39 +43,6 @@ ROUTE = "/caches/{cache}/environments/{digest}/entries/{key}/aot"
 
 def executable_path(env: EnvironmentInfo, key: str) -> str:
     return f"{env.namespace}/{key}{AOT_SUFFIX}"
-
-
-def _store_executable(state: ServerState, info: CacheInfo, env: EnvironmentInfo, parsed: EntryName,
-                      upload: Upload, claimed_sha: str | None) -> tuple[bool, EntryInfo | None]:
-    if claimed_sha is not None and claimed_sha.lower() != upload.sha256:
-        raise HTTPException(422, f"body sha256 is {upload.sha256}, not the {SHA_HEADER} sent: corrupted in transit?")
-    with open(upload.path, "rb") as fh:
-        data = fh.read()  # bounded by the upload limit; artifacts are a few KiB
-    try:
-        header = aot.read_header(data)
-    except CorruptEntry as exc:
-        raise HTTPException(422, f"not a cachectl stored executable: {exc}") from None
-    if header.key != parsed.key:
-        raise HTTPException(422, "the stored executable's header names another key: refused")
-    entry = state.index.get_entry(env.id, parsed.key)
-    if entry is None:
-        raise HTTPException(422, f"no entry {parsed.key} in environment {env.digest[:16]}: "
-                                 "upload the entry first, then its executable")
-    if header.entry_sha256 != entry.sha256:
-        raise HTTPException(422, "the stored executable was made for other entry bytes than the indexed "
-                                 "entry's (entry_sha256 differs): refused")
-    try:
-        previous = sq.reserve_executable(state.index, info.name, env.id, parsed.key, upload.size, upload.sha256)
-    except QuotaExceeded as exc:
-        raise _too_large(exc.message) from None
-    try:
-        state.store(info).write_file(executable_path(env, parsed.key), upload.path)
-    except BaseException as exc:
-        sq.release_executable(state.index, env.id, parsed.key, previous)
-        if isinstance(exc, OSError) and (full := _disk_full(exc)) is not None:
-            raise full from None
-        raise
-    return previous is not None, state.index.get_entry(env.id, parsed.key)
 
 
 @route(router, "PUT", ROUTE, role="writer",
@@ -92,14 +57,12 @@ async def put_executable(request: Request, cache: CacheName, digest: Digest, key
     state = state_of(request)
     parsed = check_key(key)
     info, env = await run_in_threadpool(_resolve, state, cache, digest)
-    limit, what = state.settings.max_upload_bytes, "the server's upload limit"
-    if info.max_entry_size is not None and info.max_entry_size < limit:
-        limit, what = info.max_entry_size, f"cache {cache!r}'s max entry size"
-    upload: Upload | None = None
+    limit, what = upload_limit(state, info)
+    upload: ingest.Spool | None = None
     try:
-        upload = await _receive_body(request, limit, what, state.settings.upload_dir)
-        existed, entry = await run_in_threadpool(_store_executable, state, info, env, parsed, upload,
-                                                 request.headers.get(SHA_HEADER))
+        upload = await receive_body(request, limit, what, state.settings.upload_dir)
+        done = await run_in_threadpool(store_upload, state, info, env, ingest.ingest_executable, parsed, upload,
+                                       claimed_sha256=request.headers.get(SHA_HEADER))
     except HTTPException as exc:
         state.metrics.uploads.labels(cache, str(exc.status_code)).inc()
         raise
@@ -108,7 +71,7 @@ async def put_executable(request: Request, cache: CacheName, digest: Digest, key
             upload.discard()
     state.metrics.uploads.labels(cache, "stored").inc()
     state.metrics.upload_bytes.labels(cache).inc(upload.size)
-    return ok(entry, 200 if existed else 201)
+    return ok(done.entry, 200 if done.outcome == "replaced" else 201)
 
 
 def _located(state: ServerState, cache: str, digest: str, key: str

@@ -168,3 +168,49 @@ def test_commands_do_not_branch_on_server_mode() -> None:
     assert [str(p.relative_to(ROOT)) for p in sorted(cli.glob("*.py")) if "ctx.remote" in p.read_text()] == []
     text = (ROOT / "cachectl" / "operations.py").read_text()
     assert "class LocalOperations" in text and "class ServerOperations" in text
+
+
+# Calls that write objects into a cache's storage (Store.write_bytes/write_file) or record entries in
+# the index (upsert_entries), by (module, enclosing function). New entries and stored executables
+# enter a cache through cachectl/ingest.py only; every other writer is listed here with its reason.
+INGEST = "cachectl/ingest.py"
+WRITES_OUTSIDE_INGEST = {
+    # sync records objects already in storage (index repair): it writes no bytes.
+    ("cachectl/lifecycle/sync.py", "execute_sync", "upsert_entries"),
+    # Not new entries of a cache: env.json, a pulled mirror (local copies), verify's write probe.
+    ("cachectl/namespace.py", "ensure_namespace", "write_bytes"),
+    ("cachectl/mirror.py", "_atomic_write", "write_bytes"),
+    ("cachectl/lifecycle/verify.py", "execute_verify", "write_bytes"),
+    ("cachectl/lifecycle/deep.py", "load_all", "write_bytes"),  # a pathlib write to a temporary file
+}
+_WRITE_CALLS = ("write_bytes", "write_file", "upsert_entries")
+
+
+def entry_writers() -> set[tuple[str, str, str]]:
+    """(module path, enclosing function, method) of every write call outside the Store and the indexes."""
+    found: set[tuple[str, str, str]] = set()
+    for pkg in PACKAGES:
+        for path in sorted((ROOT / pkg).rglob("*.py")):
+            rel = str(path.relative_to(ROOT))
+            if rel == "cachectl/store.py" or rel.startswith(("cachectl/index/", "cachectl/client/")):
+                continue  # the implementations, not callers
+
+            def visit(node: ast.AST, function: str, rel: str = rel) -> None:
+                for child in ast.iter_child_nodes(node):
+                    if (isinstance(child, ast.Call) and isinstance(child.func, ast.Attribute)
+                            and child.func.attr in _WRITE_CALLS):
+                        found.add((rel, function, child.func.attr))
+                    inner = child.name if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)) else function
+                    visit(child, inner)
+
+            visit(ast.parse(path.read_text(), filename=str(path)), "<module>")
+    return found
+
+
+def test_ingest_is_the_only_writer_of_new_entries() -> None:
+    found = entry_writers()
+    assert {f for f in found if f[0] == INGEST and f[2] == "upsert_entries"}, "ingest indexes new entries"
+    assert {f for f in found if f[0] == INGEST and f[2] in ("write_bytes", "write_file")}, "ingest writes them"
+    outside = {f for f in found if f[0] != INGEST}
+    assert outside - WRITES_OUTSIDE_INGEST == set(), "write new entries through cachectl/ingest.py"
+    assert WRITES_OUTSIDE_INGEST - outside == set(), "a listed writer is gone: take it off the list"

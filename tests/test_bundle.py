@@ -5,6 +5,8 @@ from __future__ import annotations
 import io
 import json
 import os
+import shutil
+import subprocess
 import tarfile
 from pathlib import Path
 from typing import Any
@@ -112,6 +114,23 @@ def test_bundle_round_trip_on_a_fresh_home(tmp_path: Path, made: dict[str, Any])
 
     again = json.loads(invoke("bundle", "install", str(made["bundle"]), "--json").stdout)
     assert (again["installed"], again["already_present"]) == (0, 5)
+
+
+def test_bundle_stores_entries_raw_and_stays_a_standard_zstd_tar(tmp_path: Path, made: dict[str, Any]) -> None:
+    """Entries (zstd already) are stored as raw zstd blocks: their bytes appear verbatim in the file,
+    which GNU tar with the zstd tool reads, and a bundle written by tarfile and one compressor (as
+    earlier versions did) still installs."""
+    bundle, items = made["bundle"], members(made["bundle"])
+    raw = made["bundle"].read_bytes()
+    entries = [(m.name, data) for m, data in items if m.name.endswith("-cache")]
+    assert len(entries) == 5 and all(data in raw for _, data in entries)
+    if shutil.which("tar") and shutil.which("zstd"):
+        listed = subprocess.run(["tar", "--zstd", "-tf", str(bundle)], capture_output=True, text=True, check=True)
+        assert listed.stdout.split() == [m.name for m, _ in items]
+    old_style = tmp_path / "old.tar.zst"
+    write_members(old_style, [(m.name, data) for m, data in items])
+    done = json.loads(invoke("bundle", "install", str(old_style), "--json").stdout)
+    assert (done["installed"], done["conflicts"]) == (5, [])
 
 
 def _tamper(path: Path, out: Path, fn) -> Path:

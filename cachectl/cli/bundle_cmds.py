@@ -40,7 +40,9 @@ def _print_info(b: bundle_lib.BundleInfo) -> None:
 @click.option("--env", "env", metavar="DIGEST", help="Another environment's namespace, by digest prefix.")
 @click.option("--cache", "cache_name", metavar="NAME", help="Cache to read (default: the global --cache).")
 @sign_key_option
-@click.option("--level", type=click.IntRange(1, 19), default=3, show_default=True, help="zstd level.")
+@click.option("--level", type=click.IntRange(1, 19), default=3, show_default=True,
+              help="zstd level of the metadata and stored executables (entries, compressed already, "
+                   "are stored as they are).")
 @click.option("--dry-run", is_flag=True, help="List what would be bundled; write nothing.")
 @json_option
 @click.pass_obj

@@ -230,6 +230,16 @@ def _check_quota(s: Any, cache: str, cache_row: Cache, env_id: int, freed: int, 
                 f"{_fmt(cache_row.env_max_size_bytes)} quota: run gc, or raise env_max_size")
 
 
+def check_quota(index: Index, cache: str, env_id: int, added: int) -> None:
+    """QuotaExceeded when ``added`` more bytes do not fit the cache's or the environment's limit:
+    a batch's check before it writes (push, bundle install), which index only after writing."""
+    with index.read_session() as s:
+        cache_row = s.scalar(select(Cache).where(Cache.name == cache))
+        if cache_row is None:
+            raise NotFound(f"no cache named {cache!r}")
+        _check_quota(s, cache, cache_row, env_id, 0, added)
+
+
 def reserve_executable(index: Index, cache: str, env_id: int, key: str, size: int, sha256: str
                        ) -> tuple[int, str] | None:
     """Record an entry's stored executable before its bytes are written (quota taken atomically,

@@ -11,13 +11,21 @@ import shutil
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from cachectl import aot
+from cachectl import aot, ingest
 from cachectl.context import Context
-from cachectl.entries import AOT_SUFFIX, CACHE_SUFFIX, CorruptEntry, parse_key, read_header, sha256
+from cachectl.entries import (
+    AOT_SUFFIX,
+    CACHE_SUFFIX,
+    CorruptEntry,
+    EntryName,
+    parse_key,
+    read_header,
+    sha256,
+)
 from cachectl.errors import BadInput
 from cachectl.index import NewEntry, warm_runs
 from cachectl.manifest import Bucket, manifest_digest, resolve_callable
@@ -251,11 +259,10 @@ def _settle(ctx: Context, plan: WarmPlan, store: Any, ns_rel: str, env_id: int, 
             except FileNotFoundError:
                 return BucketResult(**base, status=CACHED, key=key, compile_seconds=seconds)
             size, digest = len(data), sha256(data)
-        aot_size, aot_digest, aot_error, wrote = _store_executable(
-            store, ns_rel, key, digest, bucket, outcome, stored_aot, digests)
         # A hit belongs to this run too: lifecycle protects the newest run's entries.
-        ctx.index.upsert_entries(env_id, [NewEntry(**entry, size=size, sha256=digest, origin="observed",
-                                                   aot_size=aot_size, aot_sha256=aot_digest)])
+        row = NewEntry(**entry, size=size, sha256=digest, origin="observed")
+        aot_size, aot_error, wrote = _publish(ctx, plan, env_id, store, ns_rel, row, bucket, outcome,
+                                              stored_aot, digests)
         return BucketResult(**base, status=COMPILED if wrote else CACHED, key=key,
                             compile_seconds=seconds, bytes=size, aot_bytes=aot_size, aot_error=aot_error)
     try:
@@ -270,19 +277,21 @@ def _settle(ctx: Context, plan: WarmPlan, store: Any, ns_rel: str, env_id: int, 
         return BucketResult(**base, status=FAILED, key=key, compile_seconds=seconds, bytes=size,
                             error=f"JAX wrote a broken entry ({problem}){_space_hint(store, ns_rel)}; "
                                   "removed it: a rerun with space compiles it again")
-    limit = plan.cache.max_entry_size
-    if limit is not None and size > limit:
+    try:  # the rules every new entry meets (ingest.py): max entry size, a JAX entry, its sha256
+        row = ingest.check_new(plan.cache, EntryName(key, module), data, origin="warm",
+                               compile_time_ms=int(round(seconds * 1000)), function=bucket.function,
+                               bucket=values, warm_run_id=run_id)
+    except ingest.Refused as exc:
         store.delete([rel])
-        return BucketResult(**base, status=TOO_LARGE, key=key, compile_seconds=seconds, bytes=size,
-                            error=f"entry is {format_size(size)}, above the max entry size of cache "
-                                  f"{plan.cache.name!r} ({format_size(limit)}): removed, not kept")
-    digest = sha256(data)
-    aot_size, aot_digest, aot_error, _ = _store_executable(store, ns_rel, key, digest, bucket, outcome,
-                                                           stored_aot, digests)
-    ctx.index.upsert_entries(env_id, [NewEntry(**entry, size=size, sha256=digest, origin="warm",
-                                               compile_time_ms=int(round(seconds * 1000)),
-                                               aot_size=aot_size, aot_sha256=aot_digest)])
-    indexed[key] = (size, digest)
+        limit = plan.cache.max_entry_size
+        if exc.rule == ingest.TOO_LARGE and limit is not None:
+            return BucketResult(**base, status=TOO_LARGE, key=key, compile_seconds=seconds, bytes=size,
+                                error=f"entry is {format_size(size)}, above the max entry size of cache "
+                                      f"{plan.cache.name!r} ({format_size(limit)}): removed, not kept")
+        return BucketResult(**base, status=FAILED, key=key, compile_seconds=seconds, bytes=size,
+                            error=f"JAX wrote an entry that is not kept ({exc.message}); removed it")
+    aot_size, aot_error, _ = _publish(ctx, plan, env_id, store, ns_rel, row, bucket, outcome, stored_aot, digests)
+    indexed[key] = (size, row.sha256)
     return BucketResult(**base, status=COMPILED, key=key, compile_seconds=seconds, bytes=size,
                         aot_bytes=aot_size, aot_error=aot_error)
 
@@ -335,28 +344,34 @@ def _function_digests(plan: WarmPlan) -> dict[str, tuple[str, str | None]]:
     return out
 
 
-def _store_executable(store: Any, ns_rel: str, key: str, entry_sha256: str, bucket: Bucket,
-                      outcome: _Outcome, stored: dict[str, tuple[int, str]] | None,
-                      digests: dict[str, tuple[str, str | None]] | None = None
-                      ) -> tuple[int | None, str | None, str | None, bool]:
-    """Write ``<key>-aot`` unless the same one is there: (size, sha256, error, written)."""
+def _publish(ctx: Context, plan: WarmPlan, env_id: int, store: Any, ns_rel: str, row: NewEntry, bucket: Bucket,
+             outcome: _Outcome, stored: dict[str, tuple[int, str]] | None,
+             digests: dict[str, tuple[str, str | None]] | None) -> tuple[int | None, str | None, bool]:
+    """Index the entry JAX wrote, with ``<key>-aot`` written beside it unless the same one is there,
+    through ingest.publish: (executable's size, its error, whether it was written now)."""
+    key = row.key
+    data: bytes | None = None
+    error: str | None = None
+    known = stored.get(key) if stored is not None else None
     if stored is None:
-        return None, None, None, False
-    rel = f"{ns_rel}/{key}{AOT_SUFFIX}"
-    known = stored.get(key)
-    if known is not None and (outcome.stored or store.exists(rel)):  # stored: present() just looked
-        return known[0], known[1], None, False
-    if outcome.payload is None:
-        return None, None, outcome.aot_error or "no executable to store", False
-    spec_digest, source = (digests or {}).get(bucket.function, (None, None))
-    data = aot.pack(outcome.payload, key=key, entry_sha256=entry_sha256, function=bucket.function,
-                    bucket=dict(bucket.values), spec_digest=spec_digest, source_digest=source)
-    try:
-        store.write_bytes(rel, data)
-    except OSError as exc:
-        return None, None, f"could not store the executable: {exc}", False
-    digest = sha256(data)
-    stored[key] = (len(data), digest)
-    return len(data), digest, None, True
+        pass
+    elif known is not None and (outcome.stored or store.exists(f"{ns_rel}/{key}{AOT_SUFFIX}")):
+        row = replace(row, aot_size=known[0], aot_sha256=known[1])  # stored: present() just looked
+    elif outcome.payload is None:
+        error = outcome.aot_error or "no executable to store"
+    else:
+        spec_digest, source = (digests or {}).get(bucket.function, (None, None))
+        data = aot.pack(outcome.payload, key=key, entry_sha256=row.sha256, function=bucket.function,
+                        bucket=dict(bucket.values), spec_digest=spec_digest, source_digest=source)
+        row = replace(row, aot_size=len(data), aot_sha256=sha256(data))
+    published = ingest.publish(ctx.index, plan.cache, plan.environment, env_id, store,
+                               [ingest.NewObject(row, executable=data, in_storage=True)],
+                               quota=False, namespace_ready=True)
+    failure = published.failed.get(key)
+    if failure is not None:
+        return None, f"could not store the executable: {failure[1]}", False
+    if data is not None and stored is not None:
+        stored[key] = (len(data), row.aot_sha256 or "")
+    return row.aot_size, error, data is not None
 
 
