@@ -178,8 +178,11 @@ class _LocalReader:
             return fd
 
     def read(self, rel: str) -> bytes:
-        full = self._store._full(rel)
-        rel_dir, _, name = rel.strip("/").rpartition("/")
+        rel = rel.strip("/")
+        if ".." in rel:
+            self._store._full(rel)  # BadInput if it leaves the root
+        full = f"{self._store.root}/{rel}"  # for messages
+        rel_dir, _, name = rel.rpartition("/")
         try:
             fd = os.open(name, _READ_FLAGS, dir_fd=self._dir_fd(rel_dir, full))
         except OSError as exc:

@@ -21,7 +21,15 @@ from cachectl.index import Index, NewEntry
 from cachectl.index.models import Entry, utcnow
 
 _CHUNK = 500  # keys per existence query: under every driver's bound-parameter limit
+# The row's own values (strings and integers: no driver needs them converted), then the shared ones.
 _VARYING = ("key", "module", "size_bytes", "sha256")
+_MARKS = {"qmark": "?", "format": "%s", "pyformat": "%s"}
+
+
+def _bound(column_type: Any, dialect: Any, value: Any) -> Any:
+    """A value as the column's type hands it to the driver (SQLite stores datetimes as text)."""
+    process = column_type.bind_processor(dialect)
+    return process(value) if process is not None else value
 
 
 def insert_observed_entries(index: Index, env_id: int, rows: Sequence[NewEntry]) -> tuple[int, int]:
@@ -31,14 +39,16 @@ def insert_observed_entries(index: Index, env_id: int, rows: Sequence[NewEntry])
     if not rows:
         return 0, 0
     table = Entry.__table__
+    dialect = index.engine.dialect
+    mark = _MARKS.get(dialect.paramstyle)
+    if mark is None:  # a driver this module was not written for: the general path
+        return index.upsert_entries(env_id, rows)
     shared: dict[str, Any] = {"environment_id": env_id, "origin": "observed", "created_at": utcnow(),
                               "hit_count": 0, "compile_time_ms": None, "function": None, "bucket": None,
                               "warm_run_id": None, "aot_size_bytes": None, "aot_sha256": None}
-    compiled = table.insert().compile(dialect=index.engine.dialect, column_keys=[*_VARYING, *shared])
-    processors = compiled._bind_processors
-    constants = {name: processors[name](value) if name in processors else value for name, value in shared.items()}
-    order = list(compiled.positiontup or ()) if compiled.positional else None
-    varying_procs = {name: processors[name] for name in _VARYING if name in processors}
+    constants = tuple(_bound(table.c[name].type, dialect, value) for name, value in shared.items())
+    columns = ", ".join(dialect.identifier_preparer.quote(name) for name in (*_VARYING, *shared))
+    sql = f"INSERT INTO {table.name} ({columns}) VALUES ({', '.join([mark] * (len(_VARYING) + len(shared)))})"
     inserted = 0
     existing: list[NewEntry] = []
     with index.session() as s:
@@ -51,12 +61,9 @@ def insert_observed_entries(index: Index, env_id: int, rows: Sequence[NewEntry])
                 if r.key in found:
                     existing.append(r)
                     continue
-                values = dict(constants, key=r.key, module=r.module, size_bytes=r.size, sha256=r.sha256)
-                for name, proc in varying_procs.items():
-                    values[name] = proc(values[name])
-                params.append(tuple(values[name] for name in order) if order is not None else values)
+                params.append((r.key, r.module, r.size, r.sha256, *constants))
             if params:
-                s.connection().exec_driver_sql(compiled.string, params)
+                s.connection().exec_driver_sql(sql, params)
                 inserted += len(params)
     if existing:
         more, updated = index.upsert_entries(env_id, existing)

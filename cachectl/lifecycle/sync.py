@@ -20,8 +20,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 
+import zstandard
+
 from cachectl.context import Context
 from cachectl.entries import (
+    _ZSTD_MAGIC,
     AOT_SUFFIX,
     CACHE_SUFFIX,
     ENV_FILE,
@@ -30,6 +33,7 @@ from cachectl.entries import (
     Kind,
     classify,
     parse_entry_filename,
+    read_header,
     scan_entry,
     sha256,
 )
@@ -227,9 +231,22 @@ MAX_EXPANDED_BYTES = 1 << 34
 SCAN_CHUNK = 1 << 16
 
 
+# A zstd frame declaring at most this many bytes is decompressed in one call: zstandard sizes
+# its output from the declaration and fails if the frame holds more, so memory stays bounded.
+ONE_SHOT_BYTES = 1 << 20
+
+
 def check_entry_bytes(data: bytes) -> Header:
-    """An entry's header, checked in one streaming pass with a bound (CorruptEntry otherwise): an
-    entry that expands enormously (a decompression bomb) costs time here, never memory."""
+    """An entry's header, checked with a bound (CorruptEntry otherwise): an entry that expands
+    enormously (a decompression bomb) costs time here, never memory. Small zstd entries, most of
+    a cache, take one decompress call; the rest one streaming pass."""
+    if data[:4] == _ZSTD_MAGIC:
+        try:
+            declared = zstandard.frame_content_size(data[:18])
+        except zstandard.ZstdError:
+            declared = -1
+        if 0 <= declared <= ONE_SHOT_BYTES:
+            return read_header(data)
     return scan_entry(io.BytesIO(data), MAX_EXPANDED_BYTES, chunk=SCAN_CHUNK)
 
 
