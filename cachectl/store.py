@@ -352,7 +352,12 @@ class Store:
                             size = 0
                     found.append((name, size, st.st_mtime))
         found.sort()
-        return [FileInfo(self._rel(name), int(size), datetime.fromtimestamp(mtime, tz=timezone.utc))
+        root = self.root.rstrip("/")
+        if top != root and not top.startswith(root + "/"):  # not below the root as spelled: the general way
+            return [FileInfo(self._rel(name), int(size), datetime.fromtimestamp(mtime, tz=timezone.utc))
+                    for name, size, mtime in found]
+        cut = len(root) + 1  # every name is root + "/" + its relative path
+        return [FileInfo(name[cut:], int(size), datetime.fromtimestamp(mtime, tz=timezone.utc))
                 for name, size, mtime in found]
 
     def iter_dirs(self, rel: str = "") -> Iterator[str]:

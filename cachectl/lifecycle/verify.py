@@ -1,8 +1,10 @@
 """`cachectl verify`: every indexed entry exists, matches its checksum and decompresses.
 
-One recursive listing of the root, then every indexed entry is read (in a
-thread pool: on object stores each read is a round trip), hashed and its
-header checked. Files in a namespace the index does not know are "unknown
+One recursive listing of the root, then every indexed entry is read, hashed
+and its header checked (a bounded decompression): through ``Store.reader``
+(on local disk each namespace directory is opened once, files relative to
+it), on threads for object stores and for big local files
+(``store.read_workers``). Files in a namespace the index does not know are "unknown
 writer" findings. With --quarantine, unknown, corrupt and mismatched files
 move to ``<root>/.quarantine/<UTC timestamp>/<namespace>/<file>`` (outside
 every namespace, so JAX never reads them) and their index rows go; with
@@ -324,28 +326,16 @@ def plan_verify(ctx: Context, cache: CacheInfo, *, env_prefix: str | None = None
         def check_aot(c: tuple[str, str, int, str, int, str]) -> Check:
             return _check_executable(read, f"{c[0]}/{c[1]}{AOT_SUFFIX}", c[1], c[2], c[3], c[5])
 
-        for (ns, key, _size, _sha, env_id), (kind, detail, nread) in zip(
-                checks, ordered_map(check, checks, workers), strict=True):
+        entry_results = ordered_map(check, checks, workers)
+        for (ns, key, _size, _sha, env_id), (kind, detail, nread) in zip(checks, entry_results, strict=True):
             plan.entries_checked += 1
-            plan.bytes_read += nread
-            if lease is not None:
-                lease.check()
-            if kind is None:
-                continue
-            path = f"{ns}/{key}{CACHE_SUFFIX}"
-            bad.add(path)
-            action = act(DROP_ROW) if kind == MISSING else act(QUARANTINE)
-            plan.findings.append(Finding(kind, ns, path, detail, action, env_id, key))
-        for (ns, key, _size, _sha, env_id, _esha), (kind, detail, nread) in zip(
-                aot_checks, ordered_map(check_aot, aot_checks, workers), strict=True):
+            finding = _finding(plan, lease, ns, key, env_id, CACHE_SUFFIX, kind, detail, nread, act(DROP_ROW), act)
+            if finding:
+                bad.add(finding.path)
+        aot_results = ordered_map(check_aot, aot_checks, workers)
+        for (ns, key, _size, _sha, env_id, _esha), (kind, detail, nread) in zip(aot_checks, aot_results, strict=True):
             plan.executables_checked += 1
-            plan.bytes_read += nread
-            if lease is not None:
-                lease.check()
-            if kind is None:
-                continue
-            action = act(CLEAR_AOT) if kind == MISSING else act(QUARANTINE)
-            plan.findings.append(Finding(kind, ns, f"{ns}/{key}{AOT_SUFFIX}", detail, action, env_id, key))
+            _finding(plan, lease, ns, key, env_id, AOT_SUFFIX, kind, detail, nread, act(CLEAR_AOT), act)
     unknown = {f.path for f in plan.findings if f.kind == UNKNOWN}
     for ns, items in atime_needed.items():
         for key, path in items:
@@ -355,6 +345,22 @@ def plan_verify(ctx: Context, cache: CacheInfo, *, env_prefix: str | None = None
                                              "JAX's size limit fails on it", act(WRITE_ATIME), envs[ns].id, key))
     plan.findings.sort(key=lambda f: (f.namespace, f.path, f.kind))
     return plan
+
+
+def _finding(plan: VerifyPlan, lease: Lease | None, ns: str, key: str, env_id: int, suffix: str,
+             kind: str | None, detail: str, nread: int, if_missing: str,
+             act: Callable[[str], str]) -> Finding | None:
+    """Count one checked file into the plan; the finding it adds, if any (a missing file's
+    action is ``if_missing``; anything else wrong is quarantined)."""
+    plan.bytes_read += nread
+    if lease is not None:
+        lease.check()
+    if kind is None:
+        return None
+    finding = Finding(kind, ns, f"{ns}/{key}{suffix}", detail, if_missing if kind == MISSING else act(QUARANTINE),
+                      env_id, key)
+    plan.findings.append(finding)
+    return finding
 
 
 def _unknown(ns: str, path: str, info: FileInfo, now: datetime, min_age: timedelta, warming: bool,
