@@ -27,8 +27,10 @@ _MARKS = {"qmark": "?", "format": "%s", "pyformat": "%s"}
 
 
 def _bound(column_type: Any, dialect: Any, value: Any) -> Any:
-    """A value as the column's type hands it to the driver (SQLite stores datetimes as text)."""
-    process = column_type.bind_processor(dialect)
+    """A value as the column's type hands it to the driver (SQLite: datetimes as SQLAlchemy's text,
+    not the sqlite3 module's deprecated default adapter). The cached processor chains a
+    TypeDecorator's own conversion with its underlying type's, as a compiled statement does."""
+    process = column_type._cached_bind_processor(dialect)
     return process(value) if process is not None else value
 
 
