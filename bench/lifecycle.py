@@ -520,7 +520,7 @@ def markdown(r: dict[str, Any]) -> str:
       "against the mean of the runs either side of it. prune and gc run once each (they delete), their "
       "baseline right after them on the copy. Deletes are bound by the disk, not by either tool: "
       "this root is ext4 mounted with `discard`, shared with the other engineers' I/O, and the same "
-      "`find -delete` has taken from 12 s to over 80 s here in runs an hour apart, so the prune and gc "
+      "`find -delete` has taken from under 5 s to over 80 s here in runs an hour apart, so the prune and gc "
       "ratios say only that cachectl's deletes are not slower than the plain tools'.\n\n")
     w(f"Writing the {loc['entries']:,} files took {loc['write_files_s']} s (not timed above). "
       f"After gc the plain-tools copy holds {loc['baseline_entries_left']:,} entries, the same count as cachectl leaves.\n\n")
