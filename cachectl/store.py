@@ -17,10 +17,12 @@ import posixpath
 import shutil
 import stat
 import tempfile
-from collections.abc import Iterable, Iterator
+import threading
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from typing import Any
+from typing import Any, BinaryIO, TypeVar
 
 import fsspec
 from fsspec.core import split_protocol
@@ -59,7 +61,148 @@ class FileInfo:
     mtime: datetime | None
 
 
-_READ_FLAGS = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_DIR_FLAGS = getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0)
+_READ_FLAGS = os.O_RDONLY | _NOFOLLOW | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
+
+
+# Local unlinks in parallel: each waits on the filesystem's journal, not on Python.
+UNLINK_WORKERS = 4
+# Below this many paths a thread pool costs more than it overlaps.
+_UNLINK_PARALLEL_MIN = 64
+
+
+def _unlink(path: str) -> int:
+    try:
+        os.unlink(path)
+        return 1
+    except FileNotFoundError:
+        return 0
+
+
+def _unlink_all(paths: list[str]) -> int:
+    """Unlink local files, missing ones being fine; the count removed."""
+    if len(paths) < _UNLINK_PARALLEL_MIN:
+        return sum(map(_unlink, paths))
+    with ThreadPoolExecutor(max_workers=UNLINK_WORKERS, thread_name_prefix="cachectl-unlink") as pool:
+        return sum(pool.map(_unlink, paths, chunksize=64))
+
+
+def _atomic_local_write(full: str, mode: int, write: Callable[[BinaryIO], object]) -> None:
+    """Write a local file through a temporary sibling and a rename: readers never see half."""
+    directory = os.path.dirname(full)
+    os.makedirs(directory, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=directory)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            write(fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.chmod(tmp, mode)
+        os.replace(tmp, full)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+# Reading many local files: threads only when the mean file is at least this big. Small ones
+# are bound by Python's per-file work under the GIL, where threads measured slower than one
+# loop on a loaded 2-core machine (bench/lifecycle.py); big ones overlap reads, hashing and
+# decompression, which release the GIL.
+LOCAL_THREADED_MEAN_BYTES = 256 << 10
+LOCAL_READ_WORKERS = 4
+REMOTE_READ_WORKERS = 32  # object store reads wait on the network: overlap them
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+
+def read_workers(store: Store, sizes: Sequence[int] = ()) -> int:
+    """How many threads read (and check) files of these sizes from ``store``."""
+    if not store.is_local:
+        return REMOTE_READ_WORKERS
+    if sizes and sum(sizes) >= LOCAL_THREADED_MEAN_BYTES * len(sizes):
+        return LOCAL_READ_WORKERS
+    return 1
+
+
+def ordered_map(fn: Callable[[T], R], items: Sequence[T], workers: int) -> Iterator[R]:
+    """``fn`` over ``items``, results in order: in this thread with one worker, else on a pool in
+    chunks (one task per item costs more than a small file's read)."""
+    if workers <= 1 or len(items) < 2:
+        yield from map(fn, items)
+        return
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="cachectl-read") as pool:
+        yield from pool.map(fn, items, chunksize=max(1, min(256, len(items) // (workers * 4))))
+
+
+class _LocalReader:
+    """Reads files below one local root: directories opened once each, without following links."""
+
+    def __init__(self, store: Store) -> None:
+        self._store = store
+        self._dirs: dict[str, int] = {}
+        self._lock = threading.RLock()
+
+    def __enter__(self) -> _LocalReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        with self._lock:
+            for fd in self._dirs.values():
+                os.close(fd)
+            self._dirs.clear()
+
+    def _dir_fd(self, rel_dir: str, full: str) -> int:
+        """A descriptor of ``rel_dir`` reached from the root through real directories only."""
+        fd = self._dirs.get(rel_dir)
+        if fd is not None:
+            return fd
+        with self._lock:  # re-entrant: a directory's parent is opened first, under the same lock
+            fd = self._dirs.get(rel_dir)
+            if fd is not None:
+                return fd
+            if not rel_dir:
+                fd = os.open(self._store.root, os.O_RDONLY | _DIR_FLAGS)
+            else:
+                parent, _, name = rel_dir.rpartition("/")
+                try:
+                    fd = os.open(name, os.O_RDONLY | _DIR_FLAGS | _NOFOLLOW, dir_fd=self._dir_fd(parent, full))
+                except OSError as exc:
+                    if exc.errno in (errno.ELOOP, errno.ENOTDIR, errno.EMLINK):
+                        raise NotRegularFile(f"{full}: a directory on its path is a symlink or leaves the "
+                                             "cache root") from None
+                    raise
+            self._dirs[rel_dir] = fd
+            return fd
+
+    def read(self, rel: str) -> bytes:
+        rel = rel.strip("/")
+        if ".." in rel:
+            self._store._full(rel)  # BadInput if it leaves the root
+        full = f"{self._store.root}/{rel}"  # for messages
+        rel_dir, _, name = rel.rpartition("/")
+        try:
+            fd = os.open(name, _READ_FLAGS, dir_fd=self._dir_fd(rel_dir, full))
+        except OSError as exc:
+            if exc.errno in (errno.ELOOP, errno.EMLINK):
+                raise NotRegularFile(f"{full}: a symlink: not read") from None
+            raise
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):  # a directory, a FIFO, a device: never read
+                raise NotRegularFile(f"{full}: not a regular file: not read")
+            data = os.read(fd, st.st_size + 1)
+            if len(data) == st.st_size:  # what fstat said, and nothing after it: the whole file
+                return data
+            parts = [data]
+            while chunk := os.read(fd, 1 << 20):  # to the end: it changed since the fstat, or one read
+                # returned less than asked (Linux caps a read at 2 GiB)
+                parts.append(chunk)
+            return b"".join(parts)
+        finally:
+            os.close(fd)
 
 
 def normalize_url(url: str) -> str:
@@ -209,7 +352,12 @@ class Store:
                             size = 0
                     found.append((name, size, st.st_mtime))
         found.sort()
-        return [FileInfo(self._rel(name), int(size), datetime.fromtimestamp(mtime, tz=timezone.utc))
+        root = self.root.rstrip("/")
+        if top != root and not top.startswith(root + "/"):  # not below the root as spelled: the general way
+            return [FileInfo(self._rel(name), int(size), datetime.fromtimestamp(mtime, tz=timezone.utc))
+                    for name, size, mtime in found]
+        cut = len(root) + 1  # every name is root + "/" + its relative path
+        return [FileInfo(name[cut:], int(size), datetime.fromtimestamp(mtime, tz=timezone.utc))
                 for name, size, mtime in found]
 
     def iter_dirs(self, rel: str = "") -> Iterator[str]:
@@ -269,23 +417,22 @@ class Store:
 
     def _read_local(self, rel: str) -> bytes:
         """_open_local's checks and a read, on the raw descriptor (no file object per read)."""
-        full = self._regular_local(rel, check_file=False)
-        try:
-            fd = os.open(full, _READ_FLAGS)
-        except OSError as exc:
-            if exc.errno in (errno.ELOOP, errno.EMLINK):
-                raise NotRegularFile(f"{full}: a symlink: not read") from None
-            raise
-        try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode):  # swapped between the check and the open
-                raise NotRegularFile(f"{full}: not a regular file: not read")
-            parts = [os.read(fd, st.st_size + 1)]
-            while chunk := os.read(fd, 1 << 20):  # to the end, should it have grown since the fstat
-                parts.append(chunk)
-            return parts[0] if len(parts) == 1 else b"".join(parts)
-        finally:
-            os.close(fd)
+        with _LocalReader(self) as reader:
+            return reader.read(rel)
+
+    @contextlib.contextmanager
+    def reader(self) -> Iterator[Callable[[str], bytes]]:
+        """``read_bytes`` for many files, safe to call from threads.
+
+        On local disk each directory is opened once, without following links, and files are
+        opened relative to it (``dir_fd``, ``O_NOFOLLOW``): the per-file lstat of every
+        directory on the path goes, and a directory swapped for a link after its check cannot
+        redirect a read (it is the checked directory that is read from)."""
+        if self.kind != "file":
+            yield self.read_bytes
+            return
+        with _LocalReader(self) as local:
+            yield local.read
 
     def size(self, rel: str) -> int:
         if self.kind == "file":
@@ -328,20 +475,7 @@ class Store:
         if self.kind != "file":
             self.fs.pipe_file(full, data)  # an object PUT is atomic
             return
-        directory = os.path.dirname(full)
-        os.makedirs(directory, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=directory)
-        try:
-            with os.fdopen(fd, "wb") as fh:
-                fh.write(data)
-                fh.flush()
-                os.fsync(fh.fileno())
-            os.chmod(tmp, mode)
-            os.replace(tmp, full)
-        except BaseException:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
-            raise
+        _atomic_local_write(full, mode, lambda fh: fh.write(data))
 
     def write_file(self, rel: str, local_path: str, *, mode: int = 0o644) -> None:
         """Write a local file's bytes to ``rel`` atomically, streamed (never all in memory)."""
@@ -349,20 +483,12 @@ class Store:
         if self.kind != "file":
             self.fs.put_file(local_path, full)  # one object PUT (multipart for big files): atomic
             return
-        directory = os.path.dirname(full)
-        os.makedirs(directory, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=directory)
-        try:
-            with os.fdopen(fd, "wb") as fh, open(local_path, "rb") as src:
+
+        def copy(fh: BinaryIO) -> None:
+            with open(local_path, "rb") as src:
                 shutil.copyfileobj(src, fh, 1 << 20)
-                fh.flush()
-                os.fsync(fh.fileno())
-            os.chmod(tmp, mode)
-            os.replace(tmp, full)
-        except BaseException:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
-            raise
+
+        _atomic_local_write(full, mode, copy)
 
     def delete(self, rels: Iterable[str], batch_size: int = DELETE_BATCH) -> int:
         """Delete files in batches (one rm call per batch); missing files are fine."""
@@ -379,14 +505,7 @@ class Store:
 
     def _delete_batch(self, paths: list[str]) -> int:
         if self.kind == "file":
-            count = 0
-            for path in paths:
-                try:
-                    os.remove(path)
-                    count += 1
-                except FileNotFoundError:
-                    pass
-            return count
+            return _unlink_all(paths)
         try:
             self.fs.rm(paths)
         except FileNotFoundError:

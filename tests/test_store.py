@@ -7,7 +7,7 @@ import os
 import pytest
 
 from cachectl.errors import BadInput
-from cachectl.store import Store, normalize_url
+from cachectl.store import NotRegularFile, Store, normalize_url, ordered_map
 
 
 def test_write_read_list_with_sizes_and_times(storage_root: str) -> None:
@@ -99,3 +99,55 @@ def test_url_normalization(tmp_path) -> None:
     assert normalize_url(f"file://{tmp_path}") == str(tmp_path)
     assert normalize_url("gcs://bucket/p/") == "gs://bucket/p"
     assert normalize_url("s3a://bucket/p") == "s3://bucket/p"
+
+
+def test_reader_reads_only_regular_files_through_real_directories(tmp_path) -> None:
+    """The many-file reader opens each directory once without following links: a symlinked
+    directory, a symlinked file and a FIFO are never read, missing files are missing."""
+    root = tmp_path / "cache"
+    store = Store(str(root))
+    store.write_bytes("ns/a/x-cache", b"x" * 100)
+    store.write_bytes("top", b"t")
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "secret-cache").write_bytes(b"secret")
+    (root / "ns" / "linked").symlink_to(outside)
+    (root / "ns" / "a" / "link-cache").symlink_to(outside / "secret-cache")
+    os.mkfifo(root / "ns" / "a" / "fifo-cache")
+    (root / "ns" / "plainfile").write_bytes(b"f")
+    with store.reader() as read:
+        assert read("ns/a/x-cache") == b"x" * 100
+        assert read("top") == b"t"
+        for bad in ("ns/linked/secret-cache", "ns/a/link-cache", "ns/a/fifo-cache", "ns/plainfile/x"):
+            with pytest.raises(NotRegularFile):
+                read(bad)
+        with pytest.raises(FileNotFoundError):
+            read("ns/a/gone-cache")
+        with pytest.raises(FileNotFoundError):
+            read("ns/nodir/gone-cache")
+        with pytest.raises(BadInput):
+            read("ns/../../outside/secret-cache")
+        # From many threads at once, every read sees its own whole file.
+        for i in range(50):
+            store.write_bytes(f"ns/b{i % 5}/f{i}", bytes([i]) * (i + 1))
+        items = [f"ns/b{i % 5}/f{i}" for i in range(50)]
+        assert list(ordered_map(read, items, 8)) == [bytes([i]) * (i + 1) for i in range(50)]
+
+
+def test_reader_on_object_stores_is_read_bytes(storage_root: str) -> None:
+    store = Store(storage_root)
+    store.write_bytes("ns/k-cache", b"abc")
+    with store.reader() as read:
+        assert read("ns/k-cache") == b"abc"
+        with pytest.raises(FileNotFoundError):
+            read("ns/gone-cache")
+
+
+def test_batched_local_delete_in_threads_counts_what_it_removed(tmp_path) -> None:
+    store = Store(str(tmp_path / "cache"))
+    paths = [f"ns/f{i}" for i in range(300)]
+    for p in paths:
+        store.write_bytes(p, b"x")
+    assert store.delete(paths[:200] + ["ns/never-there"]) == 200
+    assert sorted(f.path for f in store.list("ns")) == sorted(paths[200:])
+    assert store.delete(paths) == 100

@@ -3,7 +3,9 @@
 Entries JAX wrote straight into a namespace (services with write access) get
 indexed; index rows whose files are gone are dropped; environments are rebuilt
 from their env.json. One recursive listing of the root; file contents are
-read only for entries that are new or changed size.
+read only for entries that are new or changed size (through ``Store.reader``),
+and their rows go to the index in one executemany per namespace
+(``index/sync_queries.py``).
 
 A stored executable (``<key>-aot``) is recorded on its entry's row (size and
 sha256 of the stored bytes); one whose ``-cache`` is missing is an orphan,
@@ -13,29 +15,37 @@ a row whose ``-aot`` is gone has its executable columns cleared.
 
 from __future__ import annotations
 
+import io
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 
+import zstandard
+
 from cachectl.context import Context
 from cachectl.entries import (
+    _ZSTD_MAGIC,
     AOT_SUFFIX,
     CACHE_SUFFIX,
     ENV_FILE,
     CorruptEntry,
+    Header,
     Kind,
     classify,
     parse_entry_filename,
     read_header,
+    scan_entry,
     sha256,
 )
 from cachectl.errors import BadInput
 from cachectl.fingerprint import Environment
-from cachectl.index import CacheInfo, NewEntry
+from cachectl.index import CacheInfo, Index, NewEntry
+from cachectl.index.sync_queries import insert_observed_entries
 from cachectl.namespace import QUARANTINE_DIR, read_env_json
 from cachectl.permissions import check_writer
-from cachectl.store import FileInfo, Store
+from cachectl.store import FileInfo, Store, ordered_map, read_workers
 
 
 @dataclass(frozen=True)
@@ -216,6 +226,49 @@ def plan_sync(ctx: Context, cache: CacheInfo, *, min_age: timedelta = DEFAULT_MI
     return SyncPlan(cache.name, store.url, namespaces, gone, strays)
 
 
+# What entries.decompress() allows: sync and verify check any stored entry, however it got there.
+MAX_EXPANDED_BYTES = 1 << 34
+# Decompression output per step: big enough that a real entry (MBs) takes few steps, small
+# enough that the buffer is not a fresh mmap for each of 100,000 small entries.
+SCAN_CHUNK = 1 << 16
+
+
+# A zstd frame declaring at most this many bytes is decompressed in one call: zstandard sizes
+# its output from the declaration and fails if the frame holds more, so memory stays bounded.
+ONE_SHOT_BYTES = 1 << 20
+
+
+def check_entry_bytes(data: bytes) -> Header:
+    """An entry's header, checked with a bound (CorruptEntry otherwise): an entry that expands
+    enormously (a decompression bomb) costs time here, never memory. Small zstd entries, most of
+    a cache, take one decompress call; the rest one streaming pass."""
+    if data[:4] == _ZSTD_MAGIC:
+        try:
+            declared = zstandard.frame_content_size(data[:18])
+        except zstandard.ZstdError:
+            declared = -1
+        if 0 <= declared <= ONE_SHOT_BYTES:
+            return read_header(data)
+    return scan_entry(io.BytesIO(data), MAX_EXPANDED_BYTES, chunk=SCAN_CHUNK)
+
+
+def _observe(read: Callable[[str], bytes], namespace: str, key: str) -> NewEntry | str | None:
+    """The index row for one entry file; a one-line problem if it is not a whole entry; None if it
+    is gone since planning (the next sync settles it). Runs on reader threads."""
+    path = f"{namespace}/{key}{CACHE_SUFFIX}"
+    try:
+        data = read(path)
+    except FileNotFoundError:
+        return None
+    try:
+        check_entry_bytes(data)
+    except CorruptEntry as exc:
+        return f"{path}: {exc}"
+    module = parse_entry_filename(f"{key}{CACHE_SUFFIX}")
+    assert module is not None
+    return NewEntry(key=key, module=module.module, size=len(data), sha256=sha256(data), origin="observed")
+
+
 def execute_sync(ctx: Context, cache: CacheInfo, plan: SyncPlan) -> SyncResult:
     """Carry out a plan; safe to re-run (every step is an upsert or a delete)."""
     check_writer(cache, "sync")
@@ -228,34 +281,33 @@ def execute_sync(ctx: Context, cache: CacheInfo, plan: SyncPlan) -> SyncResult:
             continue
         info = ctx.index.ensure_environment(cache.name, item.environment)
         envs_added += item.new_environment
+        todo = item.add + item.update
         new_rows = []
-        for e in item.add + item.update:
-            try:
-                data = store.read_bytes(f"{item.namespace}/{e.key}{CACHE_SUFFIX}")
-            except FileNotFoundError:
-                continue  # deleted since planning; the next sync settles it
-            try:
-                read_header(data)
-            except CorruptEntry as exc:
-                broken.append(f"{item.namespace}/{e.key}{CACHE_SUFFIX}: {exc}")
-                continue  # half-written or corrupt: never indexed (verify reports it)
-            module = parse_entry_filename(f"{e.key}{CACHE_SUFFIX}")
-            assert module is not None
-            new_rows.append(NewEntry(key=e.key, module=module.module, size=len(data),
-                                     sha256=sha256(data), origin="observed"))
-        ins, upd = ctx.index.upsert_entries(info.id, new_rows)
+        with store.reader() as read:
+            def observe(e: SyncEntry, ns: str = item.namespace) -> NewEntry | str | None:
+                return _observe(read, ns, e.key)
+
+            for seen in ordered_map(observe, todo, read_workers(store, [e.size for e in todo])):
+                if isinstance(seen, str):
+                    broken.append(seen)  # half-written or corrupt: never indexed (verify reports it)
+                elif seen is not None:
+                    new_rows.append(seen)
+            executables: dict[str, tuple[int, str] | None] = {e.key: None for e in item.clear_aot}
+            for e in item.record_aot:
+                try:
+                    data = read(f"{item.namespace}/{e.key}{AOT_SUFFIX}")
+                except FileNotFoundError:
+                    executables[e.key] = None  # deleted since planning
+                    continue
+                executables[e.key] = (len(data), sha256(data))
+        if isinstance(ctx.index, Index):
+            ins, upd = insert_observed_entries(ctx.index, info.id, new_rows)
+        else:  # the server's index, over HTTP
+            ins, upd = ctx.index.upsert_entries(info.id, new_rows)
         added += ins
         updated += upd
         if item.drop:
             dropped += ctx.index.delete_entries(info.id, [e.key for e in item.drop])
-        executables: dict[str, tuple[int, str] | None] = {e.key: None for e in item.clear_aot}
-        for e in item.record_aot:
-            try:
-                data = store.read_bytes(f"{item.namespace}/{e.key}{AOT_SUFFIX}")
-            except FileNotFoundError:
-                executables[e.key] = None  # deleted since planning
-                continue
-            executables[e.key] = (len(data), sha256(data))
         if executables:
             ctx.index.set_executables(info.id, executables)
             aot_recorded += sum(v is not None for v in executables.values())

@@ -1,8 +1,10 @@
 """`cachectl verify`: every indexed entry exists, matches its checksum and decompresses.
 
-One recursive listing of the root, then every indexed entry is read (in a
-thread pool: on object stores each read is a round trip), hashed and its
-header checked. Files in a namespace the index does not know are "unknown
+One recursive listing of the root, then every indexed entry is read, hashed
+and its header checked (a bounded decompression): through ``Store.reader``
+(on local disk each namespace directory is opened once, files relative to
+it), on threads for object stores and for big local files
+(``store.read_workers``). Files in a namespace the index does not know are "unknown
 writer" findings. With --quarantine, unknown, corrupt and mismatched files
 move to ``<root>/.quarantine/<UTC timestamp>/<namespace>/<file>`` (outside
 every namespace, so JAX never reads them) and their index rows go; with
@@ -23,9 +25,9 @@ into quarantine with it.
 
 from __future__ import annotations
 
-import io
 import time
 from collections import Counter, defaultdict
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
@@ -40,7 +42,6 @@ from cachectl.entries import (
     Kind,
     classify,
     parse_aot_filename,
-    scan_entry,
     sha256,
 )
 from cachectl.errors import BadInput
@@ -59,14 +60,11 @@ from cachectl.index.models import utcnow
 from cachectl.lifecycle import lease as leases
 from cachectl.lifecycle.deep import load_all
 from cachectl.lifecycle.lease import Lease
-from cachectl.lifecycle.sync import _group_by_namespace
+from cachectl.lifecycle.sync import _group_by_namespace, check_entry_bytes
 from cachectl.namespace import QUARANTINE_DIR, read_env_json
 from cachectl.permissions import check_writer
-from cachectl.store import FileInfo, NotRegularFile, Store
+from cachectl.store import FileInfo, NotRegularFile, Store, ordered_map, read_workers
 from cachectl.units import format_duration
-
-# What entries.decompress() allowed: verify checks any stored entry, however it got there.
-MAX_EXPANDED_BYTES = 1 << 34
 
 # Kinds of finding, and what --quarantine / --repair does about each.
 MISSING = "missing"            # index row, no file: row dropped (repair)
@@ -139,22 +137,11 @@ class VerifyResult:
         return not self.plan.findings
 
 
-def _check_entry(store: Store, path: str, size: int, digest: str) -> tuple[str | None, str, int]:
-    """(kind or None, detail, bytes read) for one indexed entry file."""
-    try:
-        data = store.read_bytes(path)
-    except NotRegularFile:
-        return CORRUPT, "not a regular file (a symlink, or reached through one): never read", 0
-    except FileNotFoundError:
-        return MISSING, "file is gone", 0
-    problems = []
-    corrupt = None
-    try:
-        # Streamed: an entry that expands enormously (a decompression bomb stored before
-        # uploads were checked) costs time here, never memory.
-        scan_entry(io.BytesIO(data), MAX_EXPANDED_BYTES)
-    except CorruptEntry as exc:
-        corrupt = str(exc)
+Check = tuple[str | None, str, int]  # (kind or None, detail, bytes read)
+
+
+def _verdict(data: bytes, size: int, digest: str, corrupt: str | None, problems: list[str]) -> Check:
+    """The finding for one file's bytes: header problems first, then size and sha256 against the index."""
     if len(data) != size:
         problems.append(f"{len(data)} bytes, index says {size}")
     if sha256(data) != digest:
@@ -166,11 +153,27 @@ def _check_entry(store: Store, path: str, size: int, digest: str) -> tuple[str |
     return None, "", len(data)
 
 
-def _check_executable(store: Store, path: str, key: str, size: int, digest: str,
-                      entry_sha: str) -> tuple[str | None, str, int]:
-    """(kind or None, detail, bytes read) for one indexed stored executable."""
+def _check_entry(read: Callable[[str], bytes], path: str, size: int, digest: str) -> Check:
+    """The finding for one indexed entry file (``read``: the store's reader)."""
     try:
-        data = store.read_bytes(path)
+        data = read(path)
+    except NotRegularFile:
+        return CORRUPT, "not a regular file (a symlink, or reached through one): never read", 0
+    except FileNotFoundError:
+        return MISSING, "file is gone", 0
+    corrupt = None
+    try:
+        check_entry_bytes(data)
+    except CorruptEntry as exc:
+        corrupt = str(exc)
+    return _verdict(data, size, digest, corrupt, [])
+
+
+def _check_executable(read: Callable[[str], bytes], path: str, key: str, size: int, digest: str,
+                      entry_sha: str) -> Check:
+    """The finding for one indexed stored executable."""
+    try:
+        data = read(path)
     except FileNotFoundError:
         return MISSING, "stored executable indexed, but no file in storage", 0
     problems = []
@@ -183,27 +186,12 @@ def _check_executable(store: Store, path: str, key: str, size: int, digest: str,
             problems.append("made for other entry bytes (its entry_sha256 is not the indexed entry's)")
     except CorruptEntry as exc:
         corrupt = str(exc)
-    if len(data) != size:
-        problems.append(f"{len(data)} bytes, index says {size}")
-    if sha256(data) != digest:
-        problems.append("sha256 differs from the index")
-    if corrupt:
-        return CORRUPT, "; ".join([corrupt, *problems]), len(data)
-    if problems:
-        return MISMATCH, "; ".join(problems), len(data)
-    return None, "", len(data)
+    return _verdict(data, size, digest, corrupt, problems)
 
 
 def is_executable(f: Finding) -> bool:
     """Whether a finding is about a stored executable (``-aot``), not a JAX entry."""
     return f.path.endswith(AOT_SUFFIX)
-
-
-def _workers(store: Store) -> int:
-    # Object store reads wait on the network: overlap them. Local reads of
-    # small files are bound by Python's per-file work under the GIL, where
-    # threads measured slower than one loop (bench/lifecycle.py).
-    return 1 if store.is_local else 32
 
 
 def plan_verify(ctx: Context, cache: CacheInfo, *, env_prefix: str | None = None, quarantine: bool = False,
@@ -330,37 +318,24 @@ def plan_verify(ctx: Context, cache: CacheInfo, *, env_prefix: str | None = None
                                 if f"{key}{ATIME_SUFFIX}" not in names]
 
     bad: set[str] = set()
-    workers = workers or _workers(store)
-    with ThreadPoolExecutor(max_workers=workers) as pool:
-        def check(c: tuple[str, str, int, str, int]) -> tuple[str | None, str, int]:
-            return _check_entry(store, f"{c[0]}/{c[1]}{CACHE_SUFFIX}", c[2], c[3])
+    workers = workers or read_workers(store, [c[2] for c in checks] + [c[2] for c in aot_checks])
+    with store.reader() as read:
+        def check(c: tuple[str, str, int, str, int]) -> Check:
+            return _check_entry(read, f"{c[0]}/{c[1]}{CACHE_SUFFIX}", c[2], c[3])
 
-        results = pool.map(check, checks) if workers > 1 else map(check, checks)
-        for (ns, key, _size, _sha, env_id), (kind, detail, nread) in zip(checks, results, strict=True):
+        def check_aot(c: tuple[str, str, int, str, int, str]) -> Check:
+            return _check_executable(read, f"{c[0]}/{c[1]}{AOT_SUFFIX}", c[1], c[2], c[3], c[5])
+
+        entry_results = ordered_map(check, checks, workers)
+        for (ns, key, _size, _sha, env_id), (kind, detail, nread) in zip(checks, entry_results, strict=True):
             plan.entries_checked += 1
-            plan.bytes_read += nread
-            if lease is not None:
-                lease.check()
-            if kind is None:
-                continue
-            path = f"{ns}/{key}{CACHE_SUFFIX}"
-            bad.add(path)
-            action = act(DROP_ROW) if kind == MISSING else act(QUARANTINE)
-            plan.findings.append(Finding(kind, ns, path, detail, action, env_id, key))
-
-        def check_aot(c: tuple[str, str, int, str, int, str]) -> tuple[str | None, str, int]:
-            return _check_executable(store, f"{c[0]}/{c[1]}{AOT_SUFFIX}", c[1], c[2], c[3], c[5])
-
-        results = pool.map(check_aot, aot_checks) if workers > 1 else map(check_aot, aot_checks)
-        for (ns, key, _size, _sha, env_id, _esha), (kind, detail, nread) in zip(aot_checks, results, strict=True):
+            finding = _finding(plan, lease, ns, key, env_id, CACHE_SUFFIX, kind, detail, nread, act(DROP_ROW), act)
+            if finding:
+                bad.add(finding.path)
+        aot_results = ordered_map(check_aot, aot_checks, workers)
+        for (ns, key, _size, _sha, env_id, _esha), (kind, detail, nread) in zip(aot_checks, aot_results, strict=True):
             plan.executables_checked += 1
-            plan.bytes_read += nread
-            if lease is not None:
-                lease.check()
-            if kind is None:
-                continue
-            action = act(CLEAR_AOT) if kind == MISSING else act(QUARANTINE)
-            plan.findings.append(Finding(kind, ns, f"{ns}/{key}{AOT_SUFFIX}", detail, action, env_id, key))
+            _finding(plan, lease, ns, key, env_id, AOT_SUFFIX, kind, detail, nread, act(CLEAR_AOT), act)
     unknown = {f.path for f in plan.findings if f.kind == UNKNOWN}
     for ns, items in atime_needed.items():
         for key, path in items:
@@ -370,6 +345,22 @@ def plan_verify(ctx: Context, cache: CacheInfo, *, env_prefix: str | None = None
                                              "JAX's size limit fails on it", act(WRITE_ATIME), envs[ns].id, key))
     plan.findings.sort(key=lambda f: (f.namespace, f.path, f.kind))
     return plan
+
+
+def _finding(plan: VerifyPlan, lease: Lease | None, ns: str, key: str, env_id: int, suffix: str,
+             kind: str | None, detail: str, nread: int, if_missing: str,
+             act: Callable[[str], str]) -> Finding | None:
+    """Count one checked file into the plan; the finding it adds, if any (a missing file's
+    action is ``if_missing``; anything else wrong is quarantined)."""
+    plan.bytes_read += nread
+    if lease is not None:
+        lease.check()
+    if kind is None:
+        return None
+    finding = Finding(kind, ns, f"{ns}/{key}{suffix}", detail, if_missing if kind == MISSING else act(QUARANTINE),
+                      env_id, key)
+    plan.findings.append(finding)
+    return finding
 
 
 def _unknown(ns: str, path: str, info: FileInfo, now: datetime, min_age: timedelta, warming: bool,
@@ -391,7 +382,7 @@ def _still_bad(ctx: Context, store: Store, f: Finding) -> bool:
     row = ctx.index.get_entry(f.environment_id, f.key)
     if row is None:
         return True
-    kind, _, _ = _check_entry(store, f.path, row.size, row.sha256)
+    kind, _, _ = _check_entry(store.read_bytes, f.path, row.size, row.sha256)
     return kind is not None
 
 
@@ -425,7 +416,7 @@ def execute_verify(ctx: Context, cache: CacheInfo, plan: VerifyPlan, *, started:
             except FileNotFoundError:
                 return None
 
-        with ThreadPoolExecutor(max_workers=_workers(store)) as pool:
+        with ThreadPoolExecutor(max_workers=read_workers(store)) as pool:
             moved = [p for p in pool.map(move, to_move) if p]
         for f in to_move:
             if f.kind in (CORRUPT, MISMATCH) and f.environment_id is not None and f.key:
