@@ -7,7 +7,6 @@ and a cache named ``default`` under the XDG cache dir, created on first use.
 from __future__ import annotations
 
 import os
-import sys
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -16,11 +15,6 @@ from typing import Any
 import platformdirs
 
 from cachectl.errors import BadInput
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover
-    import tomli as tomllib
 
 DEFAULT_CACHE = "default"
 ENV_PREFIX = "CACHECTL_"
@@ -83,6 +77,8 @@ def env_flag(name: str) -> bool | None:
 def _read_file(path: Path) -> dict[str, Any]:
     if not path.exists():
         return {}
+    import tomllib  # only where a config file exists: a service's start seldom has one
+
     try:
         data = tomllib.loads(path.read_text())
     except (OSError, tomllib.TOMLDecodeError) as exc:

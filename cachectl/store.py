@@ -22,10 +22,8 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import datetime, timezone
+from functools import cached_property
 from typing import Any, BinaryIO, TypeVar
-
-import fsspec
-from fsspec.core import split_protocol
 
 from cachectl.errors import BadInput, Unreachable
 
@@ -205,6 +203,17 @@ class _LocalReader:
             os.close(fd)
 
 
+def split_protocol(url: str) -> tuple[str | None, str]:
+    """fsspec.core.split_protocol without importing fsspec (a service's start needs only paths)."""
+    if "://" in url:
+        protocol, path = url.split("://", 1)
+        if len(protocol) > 1:  # not a Windows drive letter
+            return protocol, path
+    if url.startswith("data:"):
+        return "data", url[5:]
+    return None, url
+
+
 def normalize_url(url: str) -> str:
     """Canonical form of a root URL; raises BadInput for schemes we do not manage."""
     if not url or not url.strip():
@@ -263,10 +272,18 @@ class Store:
         self.url = normalize_url(url)
         protocol, path = split_protocol(self.url)
         self.kind = _PROTOCOLS[protocol]
-        self.fs = fsspec.filesystem(self.kind, **_storage_options(self.kind, storage_options))
+        self._options = storage_options
         self.root = path if self.kind == "file" else path.strip("/")
         if self.kind == "memory":
             self.root = "/" + self.root
+
+    @cached_property
+    def fs(self) -> Any:
+        """The fsspec filesystem, built (and fsspec imported) on first use: a read-only service
+        only needs the namespace's path."""
+        import fsspec
+
+        return fsspec.filesystem(self.kind, **_storage_options(self.kind, self._options))
 
     @property
     def is_local(self) -> bool:
