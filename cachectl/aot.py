@@ -25,6 +25,7 @@ import pickle
 from dataclasses import dataclass
 from typing import Any
 
+from cachectl import jax_seam
 from cachectl.entries import AOT_SUFFIX, CorruptEntry, executable_bytes
 
 MAGIC = b"CCTLAOT\x01"
@@ -88,10 +89,7 @@ def aot_filename(key: str) -> str:
 
 
 def _pickler_classes() -> tuple[type, type, type]:
-    from jax._src.lib import xla_client as xc
-    from jax.experimental import serialize_executable as se
-
-    return se._JaxPjrtPickler, se._JaxPjrtUnpickler, xc.LoadedExecutable
+    return jax_seam.pjrt_pickler_classes()
 
 
 def payload_of(compiled: Any) -> bytes:

@@ -308,19 +308,6 @@ def telemetry_wire(batch: Any) -> dict[str, Any]:
     }
 
 
-class ServerSink:
-    """Telemetry sink for activate(): batches go to POST /api/v1/telemetry."""
-
-    def __init__(self, client: ServerClient) -> None:
-        self.client = client
-
-    def describe(self) -> str:
-        return f"server {self.client.url}"
-
-    def write(self, batch: Any) -> None:
-        self.client.send_telemetry([batch])
-
-
 # -- RemoteIndex -------------------------------------------------------------------------
 
 
@@ -501,11 +488,6 @@ def open_for_service(settings: Any) -> tuple[RemoteIndex, CacheInfo]:
     except Exception:
         remote.close()
         raise
-
-
-def server_sink(settings: Any) -> ServerSink:
-    """Server mode for activate(): telemetry batches go to POST /api/v1/telemetry."""
-    return ServerSink(service_client(settings))
 
 
 def client_from_settings(settings: Any) -> ServerClient | None:

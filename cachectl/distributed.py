@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from cachectl import jax_seam
 from cachectl import warm as warm_mod
 from cachectl.context import Context
 from cachectl.entries import CACHE_SUFFIX, CorruptEntry, parse_key, read_header, sha256
@@ -82,9 +83,8 @@ def _int_env(name: str) -> int | None:
 def join() -> ProcessInfo:
     """Initialize jax.distributed (once) and say which process this is."""
     import jax
-    from jax._src import distributed
 
-    if distributed.global_state.client is None:
+    if jax_seam.distributed_client() is None:
         kwargs: dict[str, Any] = {}
         address = os.environ.get("JAX_COORDINATOR_ADDRESS", "").strip() or None
         count, rank = _int_env("JAX_NUM_PROCESSES"), _int_env("JAX_PROCESS_ID")
@@ -105,9 +105,7 @@ def join() -> ProcessInfo:
 
 
 def _client() -> Any:
-    from jax._src import distributed
-
-    return distributed.global_state.client
+    return jax_seam.distributed_client()
 
 
 def _exchange(tag: str, me: ProcessInfo, value: dict[str, Any]) -> list[dict[str, Any]]:
@@ -235,10 +233,7 @@ def _store_peer_entries(ctx: Context, plan: Any, me: ProcessInfo, run_id: int | 
 
 def _entry_bytes(compiled: Any, seconds: float) -> bytes:
     """The JAX cache entry of a compiled program, exactly as JAX's own put would write it."""
-    from jax._src import compilation_cache as cc
-
-    executable = compiled._executable.xla_executable
-    return cc.compress_executable(cc.combine_executable_and_time(executable.serialize(), int(seconds)))
+    return jax_seam.entry_bytes(compiled, seconds)
 
 
 def _publish_error(tag: str, me: ProcessInfo, exc: BaseException) -> None:

@@ -7,8 +7,8 @@ will compute. Each bucket is ``jax.jit(fn, **jit).lower(*specs, **static).compil
 on abstract shapes: no device memory for inputs.
 
 How the key of each bucket is learned: JAX names it in exactly one place, its
-DEBUG log (``jax._src.compiler`` logs the hit or miss with the key before
-loading or compiling; ``jax._src.compilation_cache`` logs the write). A logging
+DEBUG log (JAX's compiler logger logs the hit or miss with the key before
+loading or compiling; its compilation-cache logger logs the write). A logging
 filter captures these records into the compiling thread's own list (XLA compiles
 run in the calling thread and release the GIL, so buckets compile concurrently
 in threads), then drops them below the level the user asked for. The written
@@ -25,7 +25,6 @@ import contextlib
 import json
 import logging
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -39,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 import cachectl
-from cachectl import aot
+from cachectl import aot, jax_seam
 from cachectl.context import Context
 from cachectl.dispatch import Serving, _namespace_reader
 from cachectl.entries import AOT_SUFFIX, CACHE_SUFFIX, CorruptEntry, parse_key, read_header, sha256
@@ -89,8 +88,7 @@ WARM_EXTRA_CONFIG: dict[str, Any] = {
     "jax_persistent_cache_min_compile_time_secs": 0.0,
     "jax_persistent_cache_min_entry_size_bytes": -1,
 }
-_JAX_LOGGERS = ("jax._src.compiler", "jax._src.compilation_cache")
-_KEY_IN_TEXT = re.compile(r"key '([^']+)'")
+_JAX_LOGGERS = jax_seam.CACHE_LOGGERS
 
 
 # --------------------------------------------------------------------------- results
@@ -296,25 +294,8 @@ class _KeyCapture(logging.Filter):
 
 
 def _classify(record: logging.LogRecord) -> _Event | None:
-    template = str(record.msg)
-    if template.startswith("Persistent compilation cache hit"):
-        kind = "hit"
-    elif template.startswith("PERSISTENT COMPILATION CACHE MISS"):
-        kind = "miss"
-    elif template.startswith("Writing ") and "persistent compilation cache" in template:
-        kind = "write"
-    elif template.startswith("Not writing persistent cache entry"):
-        kind = "skip"
-    else:
-        return None
-    text = record.getMessage()
-    key = None
-    args = record.args if isinstance(record.args, tuple) else ()
-    if kind != "skip" and len(args) >= 2 and isinstance(args[1], str):
-        key = args[1]
-    elif (match := _KEY_IN_TEXT.search(text)) is not None:
-        key = match.group(1)
-    return _Event(kind, key, text)
+    found = jax_seam.classify_record(record)
+    return None if found is None else _Event(*found)
 
 
 _CAPTURE = _KeyCapture()
@@ -424,10 +405,9 @@ def jax_configured(config: dict[str, Any]) -> Iterator[None]:
     opened is closed first, and reopened lazily afterwards with the old settings.
     """
     import jax
-    from jax._src import compilation_cache as cc
 
     saved = {name: getattr(jax.config, name) for name in config}
-    cc.reset_cache()
+    jax_seam.reset_persistent_cache()
     apply_jax_config(config)
     _clear_in_memory_executables()
     try:
@@ -435,7 +415,7 @@ def jax_configured(config: dict[str, Any]) -> Iterator[None]:
     finally:
         for name, value in saved.items():
             jax.config.update(name, value)
-        cc.reset_cache()
+        jax_seam.reset_persistent_cache()
 
 
 @contextlib.contextmanager
@@ -448,16 +428,15 @@ def _persistent_cache_off() -> Iterator[None]:
     the switch is flipped with a reset on both sides; no bucket compiles meanwhile.
     """
     import jax
-    from jax._src import compilation_cache as cc
 
     saved = jax.config.jax_enable_compilation_cache
     jax.config.update("jax_enable_compilation_cache", False)
-    cc.reset_cache()
+    jax_seam.reset_persistent_cache()
     try:
         yield
     finally:
         jax.config.update("jax_enable_compilation_cache", saved)
-        cc.reset_cache()
+        jax_seam.reset_persistent_cache()
 
 
 # --------------------------------------------------------------------------- planning
@@ -941,9 +920,7 @@ def _worker_init(manifest_path: str, paths: Sequence[str], indices: Sequence[int
     full = expand(manifest)
     buckets = [full[i] for i in indices]
     jitted, calls = _build_calls(manifest, buckets, paths)
-    from jax._src import compilation_cache as cc
-
-    cc.reset_cache()
+    jax_seam.reset_persistent_cache()
     apply_jax_config(config)
     _WORKER.update(buckets=buckets, jitted=jitted, calls=calls, executables=executables)
 
