@@ -336,6 +336,49 @@ def pjrt_pickler_classes() -> tuple[type, type, type]:
             xla_client.LoadedExecutable)
 
 
+def unloaded_executable(compiled: Any) -> Any | None:
+    """The picklable (unloaded) executable behind a ``jax.stages.Compiled``; None where JAX has none."""
+    return getattr(getattr(compiled, "_executable", None), "_unloaded_executable", None)
+
+
+def closes_over_mutable(unloaded: Any) -> bool:
+    """True when the program closes over a mutable array (its executable cannot be stored)."""
+    mut = getattr(unloaded, "mut", None)
+    return bool(mut is not None and getattr(mut, "in_mut", None))
+
+
+def captures_constants(compiled: Any) -> bool:
+    """True when the program captured constants (closed-over arrays), which are not pickled with it.
+    ``const_args`` exists from jax 0.7 (before it, captured constants were folded into the HLO)."""
+    return bool(getattr(getattr(compiled, "_params", None), "const_args", None))
+
+
+def no_kwargs(compiled: Any) -> bool:
+    """Whether the compiled program refuses keyword arguments (stored with it, as JAX pickles it)."""
+    return bool(compiled._no_kwargs)
+
+
+def executable_device_ids(unloaded: Any) -> list[int]:
+    """The ids of the devices an unloaded executable runs on (jax < 0.7 names the list
+    ``device_assignment``)."""
+    devices = getattr(unloaded, "device_list", None)
+    if devices is None:
+        devices = unloaded.device_assignment
+    return [d.id for d in devices]
+
+
+def make_compiled(loaded: Any, args_info: Any, out_tree: Any, no_kwargs: bool) -> Any:
+    """``jax.stages.Compiled`` from its parts, as serialize_executable.deserialize_and_load builds it:
+    from jax 0.7 its constructor takes ``const_args`` second (none: they are refused at store)."""
+    import inspect
+
+    import jax
+
+    if "const_args" in inspect.signature(jax.stages.Compiled.__init__).parameters:
+        return jax.stages.Compiled(loaded, [], args_info, out_tree, no_kwargs=no_kwargs)
+    return jax.stages.Compiled(loaded, args_info, out_tree, no_kwargs=no_kwargs)  # jax 0.6.2
+
+
 def device_list(devices: Any) -> Any:
     """An XLA DeviceList of ``devices``, as a backend's deserialize_executable takes it."""
     from jax._src.lib import xla_client

@@ -18,7 +18,7 @@ import pytest
 from infra import run_py
 
 from cachectl import jax_seam
-from cachectl.entries import CACHE_SUFFIX, executable_bytes, parse_key
+from cachectl.entries import CACHE_SUFFIX, executable_bytes, parse_key, read_header
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -137,10 +137,14 @@ def test_a_hit_is_logged_with_module_and_key(probe: dict[str, Any]) -> None:
     assert hit["kind"][1] == hit["lookup"][2]
 
 
-def test_host_callbacks_are_logged_as_never_written(probe: dict[str, Any]) -> None:
+def test_host_callbacks_are_logged_as_never_written_or_written(probe: dict[str, Any]) -> None:
+    """jax 0.10.2 never writes a program with host callbacks and says so; 0.12 writes it."""
     skips = [c for c in _calls(probe, "skip") if jax_seam.HOST_CALLBACKS_MARK in c["text"]]
-    assert len(skips) == 1 and skips[0]["logger"] == jax_seam.COMPILER_LOGGER
-    assert skips[0]["args"] == ["str"] and skips[0]["uncacheable"] is True
+    written = [c for c in _calls(probe, "write") if c["kind"][1].startswith("jit__lambda")]
+    assert len(skips) + len(written) == 1
+    if skips:
+        assert skips[0]["logger"] == jax_seam.COMPILER_LOGGER
+        assert skips[0]["args"] == ["str"] and skips[0]["uncacheable"] is True
 
 
 def test_a_fast_compile_under_a_raised_threshold_is_logged_with_both_times(probe: dict[str, Any]) -> None:
@@ -180,8 +184,9 @@ def test_the_not_writing_calls_carry_module_and_times() -> None:
     from jax._src import compiler
 
     write = inspect.getsource(compiler._cache_write)
-    assert write.count(jax_seam.NOT_WRITING_PREFIX) == 2
-    assert "because it uses host " in write and "module_name, min_compile_time," in write
+    # 2 in jax 0.10.2 (host callbacks, threshold); 1 in 0.12, which writes host-callback programs
+    assert write.count(jax_seam.NOT_WRITING_PREFIX) in (1, 2)
+    assert "module_name, min_compile_time," in write
 
 
 def test_the_jit_call_frame_holds_args_kwargs_and_jit_info() -> None:
@@ -230,7 +235,8 @@ def test_the_monitoring_events_fire_as_counted(probe: dict[str, Any]) -> None:
     events = probe["events"]
     assert events.count(jax_seam.EVENT_REQUESTS) == 4  # every compile that could use the cache
     assert events.count(jax_seam.EVENT_HITS) == 1
-    assert events.count(jax_seam.EVENT_WRITES) == 1  # only the one entry written
+    written = [p for p in Path(probe["cache"]).iterdir() if p.name.endswith(CACHE_SUFFIX)]
+    assert events.count(jax_seam.EVENT_WRITES) == len(written) == len(_calls(probe, "write"))  # only writes
     assert jax_seam.EVENT_SAVED in probe["durations"] and jax_seam.EVENT_RETRIEVAL in probe["durations"]
 
 
@@ -244,17 +250,24 @@ def test_the_opened_cache_and_the_first_compile_are_visible(probe: dict[str, Any
     assert probe["opened_after_reset"] is None
 
 
+def _program_entry(probe: dict[str, Any]) -> Path:
+    (written,) = Path(probe["cache"]).glob("jit_program-*" + CACHE_SUFFIX)
+    return written
+
+
 def test_entry_bytes_are_the_entry_jax_wrote(probe: dict[str, Any]) -> None:
-    (written,) = [p for p in Path(probe["cache"]).iterdir() if p.name.endswith(CACHE_SUFFIX)]
-    assert executable_bytes(bytes.fromhex(probe["entry"])) == executable_bytes(written.read_bytes())
+    """Byte-identical in jax 0.10.2; 0.9.2's executables serialize slightly differently each time."""
+    ours, theirs = bytes.fromhex(probe["entry"]), _program_entry(probe).read_bytes()
+    assert read_header(ours).compression == read_header(theirs).compression
+    assert read_header(ours).compile_seconds == read_header(theirs).compile_seconds == 0
+    assert len(executable_bytes(ours)) == len(executable_bytes(theirs))
 
 
 # -- what the key is made of ---------------------------------------------------------------
 
 
 def test_the_key_names_the_file_module_dash_sha256(probe: dict[str, Any]) -> None:
-    (written,) = [p.name for p in Path(probe["cache"]).iterdir() if p.name.endswith(CACHE_SUFFIX)]
-    key = written[: -len(CACHE_SUFFIX)]
+    key = _program_entry(probe).name[: -len(CACHE_SUFFIX)]
     assert re.fullmatch(r"jit_program-[0-9a-f]{64}", key) and parse_key(key) is not None
 
 
@@ -280,10 +293,17 @@ def test_the_compression_is_zstandard_exactly_when_importable() -> None:
 def test_the_topology_fingerprint_and_default_backend() -> None:
     import jax
 
+    from cachectl.fingerprint import _topology
+
     devices = jax.devices()
     assert jax_seam.default_backend().platform == jax.default_backend()
-    fingerprint = jax_seam.topology_fingerprint(devices)
-    assert isinstance(fingerprint, int) and fingerprint == jax_seam.topology_fingerprint(devices)
+    try:
+        fingerprint = jax_seam.topology_fingerprint(devices)
+    except Exception:  # noqa: BLE001 - jax 0.9.2 on CPU has none: the environment names the kinds
+        assert _topology(devices) == "kinds:" + ",".join(d.device_kind for d in devices)
+    else:
+        assert fingerprint == jax_seam.topology_fingerprint(devices)
+        assert _topology(devices) == f"{fingerprint:016x}"
 
 
 # -- executables and jax.distributed -------------------------------------------------------
@@ -293,6 +313,22 @@ def test_the_executable_pickler_classes() -> None:
     pickler, unpickler, loaded = jax_seam.pjrt_pickler_classes()
     assert issubclass(pickler, pickle.Pickler) and issubclass(unpickler, pickle.Unpickler)
     assert isinstance(loaded, type)
+
+
+def test_the_private_parts_of_a_compiled_program() -> None:
+    import jax
+    import numpy as np
+
+    x = np.ones(2, np.float32)
+    compiled = jax.jit(lambda v: v * 3).lower(x).compile()
+    unloaded = jax_seam.unloaded_executable(compiled)
+    assert unloaded is not None and hasattr(unloaded, "load")
+    assert jax_seam.executable_device_ids(unloaded) == [jax.devices()[0].id]
+    assert jax_seam.closes_over_mutable(unloaded) is False
+    assert jax_seam.captures_constants(compiled) is False and jax_seam.no_kwargs(compiled) is False
+    assert isinstance(compiled._params.const_args, (list, tuple))  # what captures_constants reads
+    rebuilt = jax_seam.make_compiled(unloaded.load(), compiled.args_info, compiled.out_tree, False)
+    assert np.asarray(rebuilt(x)).tolist() == [3.0, 3.0]
 
 
 def test_a_device_list_loads_a_real_executable() -> None:

@@ -18,7 +18,30 @@ if TYPE_CHECKING:
     from cachectl.telemetry.collector import Collector
 
 
-class _LogTap:
+class _Tap:
+    """What both taps share: the logger's own methods they replace, saved and put back."""
+
+    METHODS: tuple[str, ...] = ()
+
+    def __init__(self, collector: Collector, logger: logging.Logger) -> None:
+        self.collector = collector
+        self.logger = logger
+        self._saved: dict[str, Any] = {}
+
+    def _save(self) -> None:
+        for name in self.METHODS:
+            if name in self.logger.__dict__:
+                self._saved[name] = self.logger.__dict__[name]
+
+    def uninstall(self) -> None:
+        for name in self.METHODS:
+            if name in self._saved:
+                setattr(self.logger, name, self._saved[name])
+            else:
+                self.logger.__dict__.pop(name, None)
+
+
+class _LogTap(_Tap):
     """Reads the hit/miss records of JAX's compiler logger as JAX emits them, for free.
 
     JAX names the key of a hit only in a DEBUG record. Lowering the logger to
@@ -31,10 +54,7 @@ class _LogTap:
     record is never built at all.
     """
 
-    def __init__(self, collector: Collector, logger: logging.Logger) -> None:
-        self.collector = collector
-        self.logger = logger
-        self._saved: dict[str, Any] = {}
+    METHODS = ("log", "debug")
 
     def _peek(self, msg: Any, args: tuple[Any, ...]) -> None:
         try:
@@ -49,9 +69,7 @@ class _LogTap:
     def install(self) -> None:
         logger = self.logger
         cls_log, cls_debug = type(logger).log, type(logger).debug
-        for name in ("log", "debug"):
-            if name in logger.__dict__:
-                self._saved[name] = logger.__dict__[name]
+        self._save()
         prev_log = self._saved.get("log")
         prev_debug = self._saved.get("debug")
         peek = self._peek
@@ -76,29 +94,17 @@ class _LogTap:
         logger.log = log  # type: ignore[method-assign]
         logger.debug = debug  # type: ignore[method-assign]
 
-    def uninstall(self) -> None:
-        for name in ("log", "debug"):
-            if name in self._saved:
-                setattr(self.logger, name, self._saved[name])
-            else:
-                self.logger.__dict__.pop(name, None)
 
-
-class _SignatureTap:
+class _SignatureTap(_Tap):
     """Reads each lowering's module name, input avals and shardings from the one guarded
     debug call of JAX's pxla logger (see cachectl.jax_seam)."""
 
-    def __init__(self, collector: Collector, logger: logging.Logger) -> None:
-        self.collector = collector
-        self.logger = logger
-        self._saved: dict[str, Any] = {}
+    METHODS = ("log", "isEnabledFor")
 
     def install(self) -> None:
         logger = self.logger
         cls = type(logger)
-        for name in ("log", "isEnabledFor"):
-            if name in logger.__dict__:
-                self._saved[name] = logger.__dict__[name]
+        self._save()
         prev_log = self._saved.get("log")
         prev_enabled = self._saved.get("isEnabledFor")
         collector = self.collector
@@ -121,10 +127,3 @@ class _SignatureTap:
 
         logger.isEnabledFor = is_enabled  # type: ignore[method-assign]
         logger.log = log  # type: ignore[method-assign]
-
-    def uninstall(self) -> None:
-        for name in ("log", "isEnabledFor"):
-            if name in self._saved:
-                setattr(self.logger, name, self._saved[name])
-            else:
-                self.logger.__dict__.pop(name, None)
