@@ -16,7 +16,8 @@ What JAX (0.10.2) logs, and what each call carries:
   ``"PERSISTENT COMPILATION CACHE MISS for '%s' with key '%s'"`` (module, key) at DEBUG,
   before loading or compiling; ``"Not writing persistent cache entry for '%s' because it
   uses host callbacks"`` or ``"... because it took < %.2f seconds to compile (%.2fs)"``
-  after a miss JAX decided not to write.
+  after a miss JAX decided not to write (jax 0.12 writes programs with host callbacks and
+  no longer logs the first).
 - compilation-cache logger: ``"Writing %s to persistent compilation cache with key %r"``.
 - pxla logger, once per lowering: ``"Compiling %s with global shapes and types %s.
   Argument mapping: %s."`` with the module name, the flat input avals (shape, dtype,
@@ -41,6 +42,7 @@ import importlib
 import logging
 import re
 import sys
+from collections.abc import Callable
 from typing import Any
 
 # -- loggers -------------------------------------------------------------------------------
@@ -108,14 +110,26 @@ def pxla_logger() -> logging.Logger:
 # -- reading log calls ---------------------------------------------------------------------
 
 
-def cache_lookup(msg: Any, args: tuple[Any, ...]) -> tuple[bool, str, str] | None:
-    """(hit, module, key) from a compiler log call's arguments; None for any other call."""
-    if len(args) == 2 and isinstance(msg, str):
-        if msg.startswith(HIT_PREFIX):
-            return True, str(args[0]), str(args[1])
-        if msg.startswith(MISS_PREFIX):
-            return False, str(args[0]), str(args[1])
-    return None
+def compiler_call_reader(on_lookup: Callable[[bool, str, str], None],
+                         on_uncacheable: Callable[[str], None]) -> Callable[[Any, tuple[Any, ...]], None]:
+    """A reader for a tap on the compiler logger: calls ``on_lookup(hit, module, key)`` for a hit or
+    miss call and ``on_uncacheable(module)`` for a program JAX will never write; never raises.
+    Built once, so the compile path pays one call per log call, as it did before the seam."""
+    hit, miss, not_writing = HIT_PREFIX, MISS_PREFIX, NOT_WRITING_PREFIX
+
+    def read(msg: Any, args: tuple[Any, ...]) -> None:
+        try:
+            if len(args) == 2 and isinstance(msg, str):
+                if msg.startswith(hit):
+                    on_lookup(True, str(args[0]), str(args[1]))
+                elif msg.startswith(miss):
+                    on_lookup(False, str(args[0]), str(args[1]))
+            elif args and isinstance(msg, str) and msg.startswith(not_writing) and uncacheable(args, msg):
+                on_uncacheable(str(args[0]))
+        except Exception:  # noqa: BLE001 - never raise into JAX's logging
+            pass
+
+    return read
 
 
 def uncacheable(args: tuple[Any, ...], msg: str) -> bool | None:

@@ -30,13 +30,18 @@ from cachectl import jax_seam
 
 cache_dir = {cache!r}
 calls = []
+read = []
+reader = jax_seam.compiler_call_reader(lambda *found: read.append(list(found)), lambda m: read.append([m]))
 class Keep(logging.Handler):
     def emit(self, record):
         kind = jax_seam.classify_record(record)
+        del read[:]
+        reader(record.msg, tuple(record.args or ()))
         calls.append(dict(logger=record.name, msg=str(record.msg),
                           args=[type(a).__name__ for a in (record.args or ())],
                           text=record.getMessage(), kind=kind,
-                          lookup=jax_seam.cache_lookup(record.msg, tuple(record.args or ())),
+                          lookup=read[0] if read and len(read[0]) == 3 else None,
+                          never=read[0][0] if read and len(read[0]) == 1 else None,
                           lowering=jax_seam.is_lowering(record.msg, tuple(record.args or ())),
                           uncacheable=jax_seam.uncacheable(tuple(record.args or ()), str(record.msg))))
 keep = Keep()
@@ -145,6 +150,7 @@ def test_host_callbacks_are_logged_as_never_written_or_written(probe: dict[str, 
     if skips:
         assert skips[0]["logger"] == jax_seam.COMPILER_LOGGER
         assert skips[0]["args"] == ["str"] and skips[0]["uncacheable"] is True
+        assert skips[0]["never"] == "jit__lambda"  # what the collector's tap is told
 
 
 def test_a_fast_compile_under_a_raised_threshold_is_logged_with_both_times(probe: dict[str, Any]) -> None:
@@ -153,7 +159,7 @@ def test_a_fast_compile_under_a_raised_threshold_is_logged_with_both_times(probe
     assert skips[0]["args"][0] == "str" and len(skips[0]["args"]) == 3  # module, threshold, took
     assert {t in ("int", "float") for t in skips[0]["args"][1:]} == {True}
     # Faster than JAX's default threshold too: never written by a default service either.
-    assert skips[0]["uncacheable"] is True
+    assert skips[0]["uncacheable"] is True and skips[0]["never"] == "jit__lambda"
     assert jax_seam.uncacheable(("m", 3600.0, 2.5), skips[0]["msg"]) is False
 
 

@@ -38,6 +38,8 @@ from cachectl.jax_seam import (  # noqa: F401 - re-exported
     EVENT_SAVED,
     EVENT_WRITES,
 )
+from cachectl.jax_seam import HIT_PREFIX as _HIT_PREFIX  # noqa: F401 - re-exported
+from cachectl.jax_seam import MISS_PREFIX as _MISS_PREFIX  # noqa: F401 - re-exported
 from cachectl.jax_seam import compiler_logger as _compiler_logger  # noqa: F401 - re-exported
 from cachectl.telemetry.collector import (  # noqa: F401 - re-exported
     DEFAULT_INTERVAL_S,
@@ -47,6 +49,7 @@ from cachectl.telemetry.collector import (  # noqa: F401 - re-exported
     EXIT_FLUSH_TIMEOUT_S,
     SEEN_SIGNATURES,
     Collector,
+    log,
 )
 from cachectl.telemetry.records import (  # noqa: F401 - re-exported
     MAX_FLUSH_COUNT,

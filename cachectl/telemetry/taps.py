@@ -56,23 +56,13 @@ class _LogTap(_Tap):
 
     METHODS = ("log", "debug")
 
-    def _peek(self, msg: Any, args: tuple[Any, ...]) -> None:
-        try:
-            lookup = jax_seam.cache_lookup(msg, args)
-            if lookup is not None:
-                self.collector._on_log(*lookup)
-            elif args and isinstance(msg, str) and jax_seam.uncacheable(args, msg):
-                self.collector._on_uncacheable(str(args[0]))
-        except Exception:  # noqa: BLE001 - never raise into JAX's logging
-            pass
-
     def install(self) -> None:
         logger = self.logger
         cls_log, cls_debug = type(logger).log, type(logger).debug
         self._save()
         prev_log = self._saved.get("log")
         prev_debug = self._saved.get("debug")
-        peek = self._peek
+        peek = jax_seam.compiler_call_reader(self.collector._on_log, self.collector._on_uncacheable)
 
         # stacklevel + 1: records keep naming JAX's line, not this wrapper.
         def log(level: int, msg: Any, *args: Any, **kwargs: Any) -> None:
