@@ -23,7 +23,7 @@ from bench.common import BENCHMARKS, machine, machine_line, write_section
 
 # In the order of BENCHMARKS.md; each module has run(quick), markdown(result), SECTION.
 MODULES = ("warm", "service", "serving", "size_limit", "lifecycle", "server", "hostile", "signatures", "fleet",
-           "manifest", "wire")
+           "manifest", "wire", "seam")
 
 
 def main(argv: list[str] | None = None) -> int:

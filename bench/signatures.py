@@ -113,9 +113,9 @@ def bench_capture(n: int) -> dict[str, Any]:
     from jax import core
     from jax.sharding import SingleDeviceSharding
 
-    from cachectl import jax_signatures, telemetry
+    from cachectl import jax_seam, telemetry
 
-    logger = jax_signatures.pxla_logger()
+    logger = jax_seam.pxla_logger()
     avals = [core.ShapedArray((64, 64), jnp.float32), core.ShapedArray((64,), jnp.float32),
              core.ShapedArray((), jnp.float32, weak_type=True)]
     shardings = [SingleDeviceSharding(jax.devices()[0]), None, None]

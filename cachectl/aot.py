@@ -12,8 +12,8 @@ per bucket, not a second copy of every program (DESIGN.md §7).
 Loading an artifact is code execution, like loading a JAX entry: only load
 what a trusted writer stored, and refuse bytes the index does not know.
 
-Everything here that touches JAX internals (the pickler classes, the backend's
-``deserialize_executable``) is pinned by tests/test_aot.py.
+Every JAX internal this reads (the pickler classes, the private parts of a
+``jax.stages.Compiled``) is in cachectl/jax_seam.py, pinned by tests/test_jax_seam.py.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import pickle
 from dataclasses import dataclass
 from typing import Any
 
+from cachectl import jax_seam
 from cachectl.entries import AOT_SUFFIX, CorruptEntry, executable_bytes
 
 MAGIC = b"CCTLAOT\x01"
@@ -88,10 +89,7 @@ def aot_filename(key: str) -> str:
 
 
 def _pickler_classes() -> tuple[type, type, type]:
-    from jax._src.lib import xla_client as xc
-    from jax.experimental import serialize_executable as se
-
-    return se._JaxPjrtPickler, se._JaxPjrtUnpickler, xc.LoadedExecutable
+    return jax_seam.pjrt_pickler_classes()
 
 
 def payload_of(compiled: Any) -> bytes:
@@ -111,27 +109,21 @@ def payload_of(compiled: Any) -> bytes:
                 return _ENTRY_REF
             return super().persistent_id(obj)
 
-    executable = getattr(compiled, "_executable", None)
-    unloaded = getattr(executable, "_unloaded_executable", None)
+    unloaded = jax_seam.unloaded_executable(compiled)
     if unloaded is None:
         raise AotError("JAX cannot serialize this compiled program")
-    if getattr(unloaded, "mut", None) is not None and getattr(unloaded.mut, "in_mut", None):
+    if jax_seam.closes_over_mutable(unloaded):
         raise AotError("the program closes over a mutable array: pass it as an argument")
-    # const_args exists from jax 0.7 (before it, captured constants were folded into the HLO).
-    if getattr(getattr(compiled, "_params", None), "const_args", None):
+    if jax_seam.captures_constants(compiled):
         raise AotError("the program captures constants (closed-over arrays): pass weights as arguments")
     args_info_flat, in_tree = jax.tree_util.tree_flatten(compiled.args_info)
     try:
         with io.BytesIO() as buf:
-            _EntryRefPickler(buf).dump((unloaded, args_info_flat, compiled._no_kwargs))
+            _EntryRefPickler(buf).dump((unloaded, args_info_flat, jax_seam.no_kwargs(compiled)))
             meta = buf.getvalue()
         # The devices it runs on: loading onto any other list breaks it (a 1-device
         # program loaded for all 4 host devices expects 4 shards per argument).
-        # jax < 0.7 (0.6.2) names it device_assignment.
-        devices = getattr(unloaded, "device_list", None)
-        if devices is None:
-            devices = unloaded.device_assignment
-        device_ids = [d.id for d in devices]
+        device_ids = jax_seam.executable_device_ids(unloaded)
         out_tree = compiled.out_tree
         if not _survives_pickle(out_tree):
             raise AotError("the outputs' pytree does not survive pickling (a custom node type): "
@@ -142,15 +134,6 @@ def payload_of(compiled: Any) -> bytes:
         return pickle.dumps((meta, stored_in, out_tree, device_ids), protocol=pickle.HIGHEST_PROTOCOL)
     except (pickle.PicklingError, TypeError, AttributeError, ValueError) as exc:
         raise AotError(f"JAX cannot serialize this program: {type(exc).__name__}: {exc}") from None
-
-
-def _compiled(loaded: Any, args_info: Any, out_tree: Any, no_kwargs: bool) -> Any:
-    """jax.stages.Compiled from its parts, as serialize_executable.deserialize_and_load builds it."""
-    import jax
-
-    if _compiled_takes_const_args():
-        return jax.stages.Compiled(loaded, [], args_info, out_tree, no_kwargs=no_kwargs)
-    return jax.stages.Compiled(loaded, args_info, out_tree, no_kwargs=no_kwargs)  # jax 0.6.2
 
 
 def _survives_pickle(tree: Any) -> bool:
@@ -179,7 +162,7 @@ class Unbound:
         if in_tree.num_leaves != len(self._args_info_flat):
             raise AotError(f"the call has {in_tree.num_leaves} array leaves; the stored executable takes "
                            f"{len(self._args_info_flat)}")
-        return _compiled(self._loaded, in_tree.unflatten(self._args_info_flat), self._out_tree, self._no_kwargs)
+        return jax_seam.make_compiled(self._loaded, in_tree.unflatten(self._args_info_flat), self._out_tree, self._no_kwargs)
 
 
 def pack(payload: bytes, *, key: str, entry_sha256: str, function: str | None = None,
@@ -234,16 +217,6 @@ def _split(data: bytes) -> tuple[AotHeader, bytes]:
     return header, payload
 
 
-def _compiled_takes_const_args() -> bool:
-    """jax.stages.Compiled(executable, const_args, args_info, ...) from jax 0.7 (0.10.2, 0.12.0.1);
-    0.6.2's has no const_args."""
-    import inspect
-
-    import jax
-
-    return "const_args" in inspect.signature(jax.stages.Compiled.__init__).parameters
-
-
 def load(data: bytes, entry_bytes: bytes, *, devices: Any = None) -> tuple[AotHeader, Any]:
     """Rebuild the ``jax.stages.Compiled`` from an artifact and its JAX entry's bytes.
 
@@ -283,7 +256,7 @@ def load(data: bytes, entry_bytes: bytes, *, devices: Any = None) -> tuple[AotHe
         if in_tree is None:
             compiled = Unbound(unloaded.load(), args_info_flat, out_tree, no_kwargs)
         else:
-            compiled = _compiled(unloaded.load(), in_tree.unflatten(args_info_flat), out_tree, no_kwargs)
+            compiled = jax_seam.make_compiled(unloaded.load(), in_tree.unflatten(args_info_flat), out_tree, no_kwargs)
     except (CorruptEntry, AotError):
         raise
     except Exception as exc:  # noqa: BLE001 - whatever JAX raises, the caller falls back to jit

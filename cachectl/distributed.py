@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from cachectl import ingest
+from cachectl import ingest, jax_seam
 from cachectl import warm as warm_mod
 from cachectl.context import Context
 from cachectl.entries import parse_key, sha256
@@ -116,9 +116,8 @@ def join() -> ProcessInfo:
     before joining leaves the others waiting in ``initialize`` (bounded by the timeout).
     """
     import jax
-    from jax._src import distributed
 
-    if distributed.global_state.client is None:
+    if jax_seam.distributed_client() is None:
         timeout = timeout_seconds()
         kwargs: dict[str, Any] = {}
         address = os.environ.get("JAX_COORDINATOR_ADDRESS", "").strip() or None
@@ -164,9 +163,7 @@ def _first_line(exc: BaseException) -> str:
 
 
 def _client() -> Any:
-    from jax._src import distributed
-
-    return distributed.global_state.client
+    return jax_seam.distributed_client()
 
 
 def _error_view(exc: Exception) -> dict[str, Any]:
@@ -348,10 +345,7 @@ def _store_peer_entries(ctx: Context, plan: Any, views: Sequence[dict[str, Any]]
 
 def _entry_bytes(compiled: Any, seconds: float) -> bytes:
     """The JAX cache entry of a compiled program, exactly as JAX's own put would write it."""
-    from jax._src import compilation_cache as cc
-
-    executable = compiled._executable.xla_executable
-    return cc.compress_executable(cc.combine_executable_and_time(executable.serialize(), int(seconds)))
+    return jax_seam.entry_bytes(compiled, seconds)
 
 
 def _compile_all(plan: Any, ns_url: str) -> dict[int, tuple[str | None, str | None, float, bytes | None, str | None]]:

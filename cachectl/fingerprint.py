@@ -17,6 +17,7 @@ import sys
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
+from cachectl import jax_seam
 from cachectl.errors import BadInput
 
 # Config that cachectl forces on every managed process (activate, warm, env).
@@ -110,21 +111,8 @@ def _slug(text: str) -> str:
 
 def excluded_xla_flags() -> tuple[str, ...]:
     """The flags JAX leaves out of its key, taken from the installed JAX."""
-    try:
-        from jax._src import cache_key
-
-        return tuple(cache_key.xla_flags_to_exclude_from_cache_key)
-    except (ImportError, AttributeError):
-        return _FALLBACK_EXCLUDED_FLAGS
-
-
-def _extra_flag_prefixes() -> list[str]:
-    try:
-        from jax._src import cache_key
-
-        return list(cache_key.get_flag_prefixes())
-    except (ImportError, AttributeError):
-        return []
+    excluded = jax_seam.excluded_xla_flags()
+    return _FALLBACK_EXCLUDED_FLAGS if excluded is None else excluded
 
 
 def normalized_xla_flags(
@@ -133,7 +121,7 @@ def normalized_xla_flags(
     """XLA flags as JAX's key sees them: same sources, sorted, same exclusions."""
     environ = os.environ if environ is None else environ
     argv = sys.argv if argv is None else argv
-    prefixes = _extra_flag_prefixes()
+    prefixes = jax_seam.extra_flag_prefixes()
     flags: list[str] = []
     for var in ("XLA_FLAGS", "LIBTPU_INIT_ARGS"):
         if environ.get(var):
@@ -145,17 +133,15 @@ def normalized_xla_flags(
 
 def compression_name() -> str:
     """The compression name JAX hashes into its key, decided the way JAX decides."""
-    try:
-        from jax._src import compilation_cache
-
-        return "zstandard" if getattr(compilation_cache, "zstandard", None) is not None else "zlib"
-    except ImportError:  # pragma: no cover - JAX always ships it
+    zstd = jax_seam.zstandard_compression()
+    if zstd is None:  # pragma: no cover - JAX always says
         try:
             import zstandard  # noqa: F401
 
             return "zstandard"
         except ImportError:
             return "zlib"
+    return "zstandard" if zstd else "zlib"
 
 
 def _topology(devices: list[Any]) -> str:
@@ -169,9 +155,7 @@ def _topology(devices: list[Any]) -> str:
         listing = sorted((d.id, d.process_index, d.device_kind) for d in devices)
         return "multi:" + hashlib.sha256(json.dumps(listing).encode()).hexdigest()[:16]
     try:
-        from jax._src.lib import xla_client
-
-        return f"{xla_client.get_topology_for_devices(devices).fingerprint():016x}"
+        return f"{jax_seam.topology_fingerprint(devices):016x}"
     except Exception:  # noqa: BLE001 - any backend error means "no serialized topology"
         return "kinds:" + ",".join(d.device_kind for d in devices)
 
@@ -185,9 +169,8 @@ def current_environment(managed: bool = True) -> Environment:
     """
     import jax
     import jaxlib
-    from jax._src import xla_bridge
 
-    backend = xla_bridge.get_backend()
+    backend = jax_seam.default_backend()
     devices = jax.devices()
     enable_xla_caches = jax.config.jax_persistent_cache_enable_xla_caches
     if managed:

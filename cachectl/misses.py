@@ -2,7 +2,7 @@
 
 The expected signatures are computed the way the service's are recorded: each bucket of
 the manifest is lowered (never compiled) in this process with the same pxla tap the
-collector uses (cachectl.jax_signatures), so both sides are JAX's own flat input avals
+collector uses (cachectl.jax_seam), so both sides are JAX's own flat input avals
 and shardings. A missed signature is compared with the nearest bucket of its function
 (same module name, same number of inputs, fewest differing fields) and every differing
 field is said in words a user acts on.
@@ -21,7 +21,7 @@ from typing import Any
 
 from sqlalchemy import select
 
-from cachectl import jax_signatures
+from cachectl import jax_seam
 from cachectl.errors import BadInput
 from cachectl.index.models import Cache, WarmRun, utcnow
 from cachectl.index.models import Environment as EnvRow
@@ -41,7 +41,7 @@ class ExpectedSignature:
     module: str  # JAX's module name (jit_<fn>)
     bucket: dict[str, Any]
     label: str
-    leaves: tuple[jax_signatures.Leaf, ...]
+    leaves: tuple[jax_seam.Leaf, ...]
     # per flat input: (argument position or kwarg name, parameter name, leaf path, array ArgSpec shape)
     origins: tuple[tuple[Any, str | None, str, Any], ...] | None
     statics: dict[str, Any]  # parameter name -> static value
@@ -119,16 +119,16 @@ class _Capture:
     """Collects (module, leaves) of lowerings in this process through the collector's tap."""
 
     def __init__(self) -> None:
-        self.seen: list[tuple[str, tuple[jax_signatures.Leaf, ...]]] = []
+        self.seen: list[tuple[str, tuple[jax_seam.Leaf, ...]]] = []
 
     def _on_lowering(self, module: Any, in_avals: Any, in_shardings: Any) -> None:
-        self.seen.append((str(module), jax_signatures.leaves_of(in_avals, in_shardings)))
+        self.seen.append((str(module), jax_seam.leaves_of(in_avals, in_shardings)))
 
 
 @contextlib.contextmanager
 def _capturing() -> Iterator[_Capture]:
     capture = _Capture()
-    tap = _SignatureTap(capture, jax_signatures.pxla_logger())  # type: ignore[arg-type]
+    tap = _SignatureTap(capture, jax_seam.pxla_logger())  # type: ignore[arg-type]
     tap.install()
     try:
         yield capture
@@ -216,7 +216,7 @@ def expected_signatures(manifest_path: str | Path, *, function: str | None = Non
 # --------------------------------------------------------------------------- explaining
 
 
-def _leaf(value: Any) -> jax_signatures.Leaf:
+def _leaf(value: Any) -> jax_seam.Leaf:
     shape, dtype, weak, sharding = value
     return (tuple(shape), str(dtype), bool(weak), sharding)
 
@@ -225,7 +225,7 @@ def _gt(p: Any, q: Any) -> bool:
     return isinstance(p, int) and isinstance(q, int) and p > q
 
 
-def _distance(a: Sequence[jax_signatures.Leaf], b: Sequence[jax_signatures.Leaf]) -> float:
+def _distance(a: Sequence[jax_seam.Leaf], b: Sequence[jax_seam.Leaf]) -> float:
     d = 0.0
     for x, y in zip(a, b, strict=True):
         if x[0] != y[0]:

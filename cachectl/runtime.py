@@ -15,7 +15,7 @@ import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from cachectl import service_sqlite, telemetry
+from cachectl import jax_seam, service_sqlite, telemetry
 from cachectl.config import DEFAULT_CACHE, load_settings
 from cachectl.errors import BadInput, CachectlError, Unreachable
 from cachectl.fingerprint import MANAGED_JAX_CONFIG, Environment, current_environment
@@ -82,12 +82,7 @@ def env_vars_for(config: dict[str, Any]) -> dict[str, str]:
 
 def _initialized_cache_dir() -> str | None:
     """The directory JAX's persistent cache already opened in this process, if any."""
-    from jax._src import compilation_cache as cc
-
-    cache = getattr(cc, "_cache", None)
-    if cache is None:
-        return None
-    return str(getattr(cache, "_path", "") or "") or None
+    return jax_seam.opened_cache_dir()
 
 
 def _check_not_opened_elsewhere(wanted: str) -> None:
@@ -102,23 +97,20 @@ def _check_not_opened_elsewhere(wanted: str) -> None:
 def apply_jax_config(config: dict[str, Any]) -> None:
     """Set JAX's config; refuse if JAX already opened a different cache directory."""
     import jax
-    from jax._src import compilation_cache as cc
 
     _check_not_opened_elsewhere(config["jax_compilation_cache_dir"])
     opened = _initialized_cache_dir()
     for name, value in config.items():
         jax.config.update(name, value)
     if opened is None:
-        cc.reset_cache()  # let JAX open the new directory at its next compile
+        jax_seam.reset_persistent_cache()  # let JAX open the new directory at its next compile
 
 
 
 
 def _jax_compiled_already() -> bool:
     """True once JAX compiled anything in this process (it checks its cache on the first compile)."""
-    from jax._src import compilation_cache as cc
-
-    return bool(getattr(cc, "_cache_checked", False))
+    return jax_seam.cache_checked()
 
 
 # botocore's defaults (5 attempts with backoff, per operation) make an
@@ -350,7 +342,7 @@ def _start_telemetry(settings: Any, cache_name: str, env: Environment, problems:
     try:
         sink: telemetry.TelemetrySink
         if settings.server:  # server mode: batches go to POST /api/v1/telemetry
-            sink = _index_side(settings).server_sink(settings)
+            sink = telemetry.ServerSink(_index_side(settings).service_client(settings))
         else:
             sink = telemetry.IndexSink(settings.db, cache_name, env, create_cache_at=_default_root(settings))
         telemetry.start(cache=cache_name, environment=env, sink=sink)

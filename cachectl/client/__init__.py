@@ -15,11 +15,9 @@ from cachectl.client.server_client import PAGE, ServerClient
 from cachectl.client.service import (
     SERVICE_CONNECT_TIMEOUT_S,
     SERVICE_TIMEOUT_S,
-    ServerSink,
     client_from_settings,
     open_for_service,
     remote_index_for_service,
-    server_sink,
     service_client,
 )
 from cachectl.client.transport import API, DEFAULT_TIMEOUT_S, Transport, _seg
@@ -27,6 +25,6 @@ from cachectl.client.wire import decode, telemetry_wire
 
 __all__ = [
     "API", "DEFAULT_TIMEOUT_S", "PAGE", "SERVICE_CONNECT_TIMEOUT_S", "SERVICE_TIMEOUT_S", "RemoteIndex",
-    "ServerClient", "ServerSink", "Transport", "_seg", "client_from_settings", "decode", "open_for_service",
-    "remote_index_for_service", "server_sink", "service_client", "telemetry_wire",
+    "ServerClient", "Transport", "_seg", "client_from_settings", "decode", "open_for_service",
+    "remote_index_for_service", "service_client", "telemetry_wire",
 ]

@@ -8,20 +8,6 @@ from cachectl.client.remote import RemoteIndex
 from cachectl.client.server_client import ServerClient
 from cachectl.records import CacheInfo
 
-
-class ServerSink:
-    """Telemetry sink for activate(): batches go to POST /api/v1/telemetry."""
-
-    def __init__(self, client: ServerClient) -> None:
-        self.client = client
-
-    def describe(self) -> str:
-        return f"server {self.client.url}"
-
-    def write(self, batch: Any) -> None:
-        self.client.send_telemetry([batch])
-
-
 # A service's activate() must not wait long on a server that is down: it warns and
 # runs as plain JAX would.
 SERVICE_TIMEOUT_S = 10.0
@@ -48,11 +34,6 @@ def open_for_service(settings: Any) -> tuple[RemoteIndex, CacheInfo]:
     except Exception:
         remote.close()
         raise
-
-
-def server_sink(settings: Any) -> ServerSink:
-    """Server mode for activate(): telemetry batches go to POST /api/v1/telemetry."""
-    return ServerSink(service_client(settings))
 
 
 def client_from_settings(settings: Any) -> ServerClient | None:

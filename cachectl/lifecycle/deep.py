@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from cachectl import jax_seam
 from cachectl.entries import CorruptEntry, executable_bytes
 from cachectl.store import Store
 
@@ -88,12 +89,11 @@ def _run_child(files: list[str], timeout_s: float) -> tuple[int, dict[int, str],
 def _main() -> None:
     """The child: load each file as JAX's own cache hit does, one line of progress per file."""
     import jax
-    from jax._src.lib import xla_client as xc
 
     files = json.loads(sys.stdin.read())
     backend = jax.devices()[0].client
-    every = xc.DeviceList(tuple(backend.devices()))
-    first = xc.DeviceList(tuple(backend.devices()[:1]))
+    every = jax_seam.device_list(backend.devices())
+    first = jax_seam.device_list(backend.devices()[:1])
     for n, path in enumerate(files):
         print("start", n, flush=True)
         try:

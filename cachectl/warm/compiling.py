@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from cachectl import aot
+from cachectl import aot, jax_seam
 from cachectl.errors import BadInput
 from cachectl.fingerprint import Environment
 from cachectl.runtime import apply_jax_config, jax_config_for
@@ -154,10 +154,9 @@ def jax_configured(config: dict[str, Any]) -> Iterator[None]:
     opened is closed first, and reopened lazily afterwards with the old settings.
     """
     import jax
-    from jax._src import compilation_cache as cc
 
     saved = {name: getattr(jax.config, name) for name in config}
-    cc.reset_cache()
+    jax_seam.reset_persistent_cache()
     apply_jax_config(config)
     _clear_in_memory_executables()
     try:
@@ -165,7 +164,7 @@ def jax_configured(config: dict[str, Any]) -> Iterator[None]:
     finally:
         for name, value in saved.items():
             jax.config.update(name, value)
-        cc.reset_cache()
+        jax_seam.reset_persistent_cache()
 
 
 @contextlib.contextmanager
@@ -178,15 +177,14 @@ def _persistent_cache_off() -> Iterator[None]:
     the switch is flipped with a reset on both sides; no bucket compiles meanwhile.
     """
     import jax
-    from jax._src import compilation_cache as cc
 
     saved = jax.config.jax_enable_compilation_cache
     jax.config.update("jax_enable_compilation_cache", False)
-    cc.reset_cache()
+    jax_seam.reset_persistent_cache()
     try:
         yield
     finally:
         jax.config.update("jax_enable_compilation_cache", saved)
-        cc.reset_cache()
+        jax_seam.reset_persistent_cache()
 
 

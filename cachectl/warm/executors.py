@@ -7,6 +7,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import Any
 
+from cachectl import jax_seam
 from cachectl.manifest import Bucket, check_imports, expand, load_manifest
 from cachectl.runtime import apply_jax_config
 from cachectl.warm.compiling import _error_text, _Outcome, compile_bucket, jax_configured
@@ -105,9 +106,7 @@ def _worker_init(manifest_path: str, paths: Sequence[str], indices: Sequence[int
     full = expand(manifest)
     buckets = [full[i] for i in indices]
     jitted, calls = _build_calls(manifest, buckets, paths)
-    from jax._src import compilation_cache as cc
-
-    cc.reset_cache()
+    jax_seam.reset_persistent_cache()
     apply_jax_config(config)
     _WORKER.update(buckets=buckets, jitted=jitted, calls=calls, executables=executables)
 

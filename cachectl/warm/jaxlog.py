@@ -1,25 +1,24 @@
 """The JAX log records warm reads: which key JAX looked up, hit or missed, wrote or skipped.
 
 JAX names a program's persistent-cache key in exactly one place, its DEBUG log
-(``jax._src.compiler`` logs the hit or miss with the key before loading or
-compiling; ``jax._src.compilation_cache`` logs the write). A logging filter
+(its compiler logs the hit or miss with the key before loading or compiling; its
+compilation cache logs the write: the loggers and messages are in cachectl.jax_seam). A logging filter
 captures these records into the compiling thread's own list (XLA compiles run in
 the calling thread and release the GIL, so buckets compile concurrently in
-threads), then drops them below the level the user asked for. Every JAX log
-message cachectl's warm depends on is in this module.
+threads), then drops them below the level the user asked for.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import re
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-_JAX_LOGGERS = ("jax._src.compiler", "jax._src.compilation_cache")
-_KEY_IN_TEXT = re.compile(r"key '([^']+)'")
+from cachectl import jax_seam
+
+_JAX_LOGGERS = jax_seam.CACHE_LOGGERS
 
 # --------------------------------------------------------------------------- capturing keys
 
@@ -88,25 +87,8 @@ class _KeyCapture(logging.Filter):
 
 
 def _classify(record: logging.LogRecord) -> _Event | None:
-    template = str(record.msg)
-    if template.startswith("Persistent compilation cache hit"):
-        kind = "hit"
-    elif template.startswith("PERSISTENT COMPILATION CACHE MISS"):
-        kind = "miss"
-    elif template.startswith("Writing ") and "persistent compilation cache" in template:
-        kind = "write"
-    elif template.startswith("Not writing persistent cache entry"):
-        kind = "skip"
-    else:
-        return None
-    text = record.getMessage()
-    key = None
-    args = record.args if isinstance(record.args, tuple) else ()
-    if kind != "skip" and len(args) >= 2 and isinstance(args[1], str):
-        key = args[1]
-    elif (match := _KEY_IN_TEXT.search(text)) is not None:
-        key = match.group(1)
-    return _Event(kind, key, text)
+    found = jax_seam.classify_record(record)
+    return None if found is None else _Event(*found)
 
 
 _CAPTURE = _KeyCapture()

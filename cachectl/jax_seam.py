@@ -1,0 +1,442 @@
+"""Every JAX internal cachectl depends on, in one place: a JAX upgrade is checked here.
+
+cachectl reads more from JAX than its public API offers: the persistent cache's
+log calls (the only place that names a key), the lowering log (the only place that
+names a program's input avals), a few private attributes and functions of
+``jax._src``. All of it lives in this module, behind a small typed API, and
+tests/test_jax_seam.py pins each fact against the installed JAX. No other module
+imports ``jax._src`` or matches a JAX log message (tests/test_jax_seam.py greps).
+
+Importing this module costs nothing: JAX is imported inside the functions, as the
+callers did before (``import cachectl`` and ``activate()`` never wait for it here).
+
+What JAX (0.10.2) logs, and what each call carries:
+
+- compiler logger: ``"Persistent compilation cache hit for '%s' with key '%s'"`` and
+  ``"PERSISTENT COMPILATION CACHE MISS for '%s' with key '%s'"`` (module, key) at DEBUG,
+  before loading or compiling; ``"Not writing persistent cache entry for '%s' because it
+  uses host callbacks"`` or ``"... because it took < %.2f seconds to compile (%.2fs)"``
+  after a miss JAX decided not to write (jax 0.12 writes programs with host callbacks and
+  no longer logs the first).
+- compilation-cache logger: ``"Writing %s to persistent compilation cache with key %r"``.
+- pxla logger, once per lowering: ``"Compiling %s with global shapes and types %s.
+  Argument mapping: %s."`` with the module name, the flat input avals (shape, dtype,
+  weak_type) and the input shardings (``UnspecifiedValue`` for uncommitted arrays). The
+  call is guarded by ``logger.isEnabledFor``.
+
+Where JAX knows them, the frames of that lowering call say more: the lowering frame
+(``_cached_lowering_to_hlo``) holds the jaxpr, whose ``debug_info.func_src_info`` is the
+Python name and source location ("f at model.py:12"); the jit call's ``cache_miss`` frame
+(``pjit.py``) holds the call's ``args``, ``kwargs`` and ``jit_info``, whose static argnums
+and argnames give the static argument values. Only a ``jit`` call has that frame;
+``.lower()`` and ``.trace()`` do not, so their static values stay unknown.
+
+The order on one thread is: lowering log, request event, hit/miss log (module, key),
+then the hit event or the write event or the not-writing log.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import logging
+import re
+import sys
+from collections.abc import Callable
+from typing import Any
+
+# -- loggers -------------------------------------------------------------------------------
+
+COMPILER_LOGGER = "jax._src.compiler"
+COMPILATION_CACHE_LOGGER = "jax._src.compilation_cache"
+PXLA_LOGGER = "jax._src.interpreters.pxla"
+CACHE_LOGGERS = (COMPILER_LOGGER, COMPILATION_CACHE_LOGGER)
+
+# -- log messages (the templates' start, as JAX passes them to the logger) -----------------
+
+HIT_PREFIX = "Persistent compilation cache hit for"
+MISS_PREFIX = "PERSISTENT COMPILATION CACHE MISS for"
+WRITE_PREFIX = "Writing "
+WRITE_MARK = "persistent compilation cache"
+NOT_WRITING_PREFIX = "Not writing persistent cache entry for"
+HOST_CALLBACKS_MARK = "host callbacks"
+LOWERING_PREFIX = "Compiling %s with global shapes and types"
+KEY_IN_TEXT = re.compile(r"key '([^']+)'")
+# JAX's default jax_persistent_cache_min_compile_time_secs: a program compiled faster than
+# this is never written by a service with default settings (read-only services raise it).
+DEFAULT_MIN_COMPILE_TIME_S = 1.0
+
+# -- jax.monitoring events (DESIGN.md fact 5) ----------------------------------------------
+
+EVENT_REQUESTS = "/jax/compilation_cache/compile_requests_use_cache"
+EVENT_HITS = "/jax/compilation_cache/cache_hits"
+EVENT_WRITES = "/jax/compilation_cache/cache_misses"  # fires only when an entry is written
+EVENT_SAVED = "/jax/compilation_cache/compile_time_saved_sec"
+EVENT_RETRIEVAL = "/jax/compilation_cache/cache_retrieval_time_sec"
+
+# -- frames of a lowering ------------------------------------------------------------------
+
+LOWERING_FRAME = "_cached_lowering_to_hlo"
+CALL_FRAME = "cache_miss"
+CALL_FILE = "pjit.py"
+_MAX_FRAMES = 40
+_MAX_VALUE_TEXT = 80
+
+# One leaf of a signature: (shape, dtype, weak_type, sharding or None for uncommitted).
+Leaf = tuple[tuple[int, ...], str, bool, "str | None"]
+
+
+def _module_logger(module: str, attribute: str, name: str) -> logging.Logger:
+    """The logger object a JAX module logs through (the one it imported), else the named one."""
+    try:
+        candidate = getattr(importlib.import_module(module), attribute, None)
+        if isinstance(candidate, logging.Logger):
+            return candidate
+    except ImportError:
+        pass
+    return logging.getLogger(name)
+
+
+def compiler_logger() -> logging.Logger:
+    """The logger JAX's compiler logs persistent-cache hits, misses and not-writing through."""
+    return _module_logger("jax._src.compiler", "logger", COMPILER_LOGGER)
+
+
+def pxla_logger() -> logging.Logger:
+    """The logger JAX's pxla logs lowerings through."""
+    return _module_logger("jax._src.interpreters.pxla", "logger", PXLA_LOGGER)
+
+
+# -- reading log calls ---------------------------------------------------------------------
+
+
+def compiler_call_reader(on_lookup: Callable[[bool, str, str], None],
+                         on_uncacheable: Callable[[str], None]) -> Callable[[Any, tuple[Any, ...]], None]:
+    """A reader for a tap on the compiler logger: calls ``on_lookup(hit, module, key)`` for a hit or
+    miss call and ``on_uncacheable(module)`` for a program JAX will never write; never raises.
+    Built once, so the compile path pays one call per log call, as it did before the seam."""
+    hit, miss, not_writing = HIT_PREFIX, MISS_PREFIX, NOT_WRITING_PREFIX
+
+    def read(msg: Any, args: tuple[Any, ...]) -> None:
+        try:
+            if len(args) == 2 and isinstance(msg, str):
+                if msg.startswith(hit):
+                    on_lookup(True, str(args[0]), str(args[1]))
+                elif msg.startswith(miss):
+                    on_lookup(False, str(args[0]), str(args[1]))
+            elif args and isinstance(msg, str) and msg.startswith(not_writing) and uncacheable(args, msg):
+                on_uncacheable(str(args[0]))
+        except Exception:  # noqa: BLE001 - never raise into JAX's logging
+            pass
+
+    return read
+
+
+def uncacheable(args: tuple[Any, ...], msg: str) -> bool | None:
+    """From a not-writing log call: True when JAX would never write the program
+    (host callbacks, or faster than the default threshold), False when only this
+    process's threshold kept it out; None when the call is not a not-writing log."""
+    if not msg.startswith(NOT_WRITING_PREFIX):
+        return None
+    if HOST_CALLBACKS_MARK in msg:
+        return True
+    if len(args) >= 3:
+        try:
+            threshold, took = float(args[1]), float(args[2])
+        except (TypeError, ValueError):
+            return True
+        return took < min(threshold, DEFAULT_MIN_COMPILE_TIME_S)
+    return True
+
+
+def is_lowering(msg: Any, args: tuple[Any, ...]) -> bool:
+    """True for pxla's lowering log call: its args are (module, in_avals, in_shardings)."""
+    return len(args) == 3 and isinstance(msg, str) and msg.startswith(LOWERING_PREFIX)
+
+
+def classify_record(record: logging.LogRecord) -> tuple[str, str | None, str] | None:
+    """(kind, key, message) of a persistent-cache log record; kind is hit | miss | write | skip."""
+    template = str(record.msg)
+    if template.startswith(HIT_PREFIX):
+        kind = "hit"
+    elif template.startswith(MISS_PREFIX):
+        kind = "miss"
+    elif template.startswith(WRITE_PREFIX) and WRITE_MARK in template:
+        kind = "write"
+    elif template.startswith(NOT_WRITING_PREFIX):
+        kind = "skip"
+    else:
+        return None
+    text = record.getMessage()
+    key = None
+    args = record.args if isinstance(record.args, tuple) else ()
+    if kind != "skip" and len(args) >= 2 and isinstance(args[1], str):
+        key = args[1]
+    elif (match := KEY_IN_TEXT.search(text)) is not None:
+        key = match.group(1)
+    return kind, key, text
+
+
+# -- signatures of a lowering --------------------------------------------------------------
+
+_SHARDING_TEXT: dict[Any, str | None] = {}
+
+
+def sharding_text(sharding: Any) -> str | None:
+    """A short, stable name for an input sharding; None when JAX left it unspecified."""
+    try:
+        cached = _SHARDING_TEXT.get(sharding)
+    except TypeError:  # unhashable
+        cached = None
+    if cached is not None or sharding in _SHARDING_TEXT:
+        return cached
+    kind = type(sharding).__name__
+    if sharding is None or kind == "UnspecifiedValue":
+        text = None
+    elif kind == "SingleDeviceSharding":
+        dev = next(iter(sharding.device_set))
+        text = f"SingleDeviceSharding({dev.platform}:{dev.id})"
+    elif kind == "NamedSharding":
+        mesh = dict(sharding.mesh.shape)
+        text = f"NamedSharding(mesh={mesh}, spec={tuple(sharding.spec)})"
+    else:
+        text = str(sharding)
+    if len(_SHARDING_TEXT) < 1024:
+        with contextlib.suppress(TypeError):
+            _SHARDING_TEXT[sharding] = text
+    return text
+
+
+def leaves_of(in_avals: Any, in_shardings: Any) -> tuple[Leaf, ...]:
+    """The signature leaves of one lowering log call's arguments."""
+    out = []
+    shardings = list(in_shardings) if in_shardings is not None else []
+    for i, aval in enumerate(in_avals):
+        shape = tuple(int(d) if isinstance(d, int) else str(d) for d in getattr(aval, "shape", ()))
+        dtype = getattr(aval, "dtype", None)
+        name = getattr(dtype, "name", None) or str(dtype)
+        s = sharding_text(shardings[i]) if i < len(shardings) else None
+        out.append((shape, name, bool(getattr(aval, "weak_type", False)), s))
+    return tuple(out)
+
+
+def _value_text(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= _MAX_VALUE_TEXT else text[: _MAX_VALUE_TEXT - 1] + "…"
+
+
+def call_context(skip: int = 2) -> tuple[str | None, tuple[tuple[Any, str], ...] | None]:
+    """(source "f at file:line", ((argnum or argname, repr of value), ...) static values) of the
+    jit call being lowered, read from the frames above the lowering log call; None where unknown."""
+    source: str | None = None
+    statics: tuple[tuple[Any, str], ...] | None = None
+    try:
+        frame: Any = sys._getframe(skip)
+    except ValueError:
+        return None, None
+    for _ in range(_MAX_FRAMES):
+        if frame is None:
+            break
+        code = frame.f_code
+        if source is None and code.co_name == LOWERING_FRAME:
+            jaxpr = frame.f_locals.get("closed_jaxpr")
+            info = getattr(getattr(jaxpr, "jaxpr", None), "debug_info", None)
+            source = getattr(info, "func_src_info", None)
+        elif code.co_name == CALL_FRAME and code.co_filename.endswith(CALL_FILE):
+            local = frame.f_locals
+            info, args, kwargs = local.get("jit_info"), local.get("args", ()), local.get("kwargs", {})
+            if info is not None:
+                values = [(i, _value_text(args[i])) for i in getattr(info, "static_argnums", ()) if i < len(args)]
+                values += [(k, _value_text(kwargs[k])) for k in getattr(info, "static_argnames", ())
+                           if k in kwargs]
+                statics = tuple(values)
+            break
+        frame = frame.f_back
+    return source, statics
+
+
+# -- the persistent cache's process state --------------------------------------------------
+
+
+def reset_persistent_cache() -> None:
+    """Close the cache JAX opened, so its next compile opens the configured one (and re-decides
+    whether to use a cache at all: JAX decides that once per process)."""
+    from jax._src import compilation_cache
+
+    compilation_cache.reset_cache()
+
+
+def opened_cache_dir() -> str | None:
+    """The directory JAX's persistent cache already opened in this process, if any."""
+    from jax._src import compilation_cache
+
+    cache = getattr(compilation_cache, "_cache", None)
+    if cache is None:
+        return None
+    return str(getattr(cache, "_path", "") or "") or None
+
+
+def cache_checked() -> bool:
+    """True once JAX compiled anything in this process (it checks its cache on the first compile)."""
+    from jax._src import compilation_cache
+
+    return bool(getattr(compilation_cache, "_cache_checked", False))
+
+
+def entry_bytes(compiled: Any, seconds: float) -> bytes:
+    """The JAX cache entry of a ``jax.stages.Compiled``, exactly as JAX's own put would write it."""
+    from jax._src import compilation_cache
+
+    executable = compiled._executable.xla_executable
+    return compilation_cache.compress_executable(
+        compilation_cache.combine_executable_and_time(executable.serialize(), int(seconds)))
+
+
+# -- what the key is made of ---------------------------------------------------------------
+
+
+def excluded_xla_flags() -> tuple[str, ...] | None:
+    """The XLA flags JAX leaves out of its key; None when this JAX does not say."""
+    try:
+        from jax._src import cache_key
+
+        return tuple(cache_key.xla_flags_to_exclude_from_cache_key)
+    except (ImportError, AttributeError):
+        return None
+
+
+def extra_flag_prefixes() -> list[str]:
+    """Argument prefixes besides ``--xla`` whose flags JAX hashes into its key."""
+    try:
+        from jax._src import cache_key
+
+        return list(cache_key.get_flag_prefixes())
+    except (ImportError, AttributeError):
+        return []
+
+
+def zstandard_compression() -> bool | None:
+    """Whether JAX compresses entries with zstandard (else zlib); None when this JAX does not say."""
+    try:
+        from jax._src import compilation_cache
+    except ImportError:  # pragma: no cover - JAX always ships it
+        return None
+    return getattr(compilation_cache, "zstandard", None) is not None
+
+
+def topology_fingerprint(devices: list[Any]) -> int:
+    """JAX's topology fingerprint of ``devices``; raises where the backend has none."""
+    from jax._src.lib import xla_client
+
+    return int(xla_client.get_topology_for_devices(devices).fingerprint())
+
+
+def default_backend() -> Any:
+    """JAX's default backend client (its platform and platform_version go into the key)."""
+    from jax._src import xla_bridge
+
+    return xla_bridge.get_backend()
+
+
+# -- executables and jax.distributed -------------------------------------------------------
+
+
+def pjrt_pickler_classes() -> tuple[type, type, type]:
+    """(pickler, unpickler, LoadedExecutable) of jax.experimental.serialize_executable."""
+    from jax._src.lib import xla_client
+    from jax.experimental import serialize_executable
+
+    return (serialize_executable._JaxPjrtPickler, serialize_executable._JaxPjrtUnpickler,
+            xla_client.LoadedExecutable)
+
+
+def unloaded_executable(compiled: Any) -> Any | None:
+    """The picklable (unloaded) executable behind a ``jax.stages.Compiled``; None where JAX has none."""
+    return getattr(getattr(compiled, "_executable", None), "_unloaded_executable", None)
+
+
+def closes_over_mutable(unloaded: Any) -> bool:
+    """True when the program closes over a mutable array (its executable cannot be stored)."""
+    mut = getattr(unloaded, "mut", None)
+    return bool(mut is not None and getattr(mut, "in_mut", None))
+
+
+def captures_constants(compiled: Any) -> bool:
+    """True when the program captured constants (closed-over arrays), which are not pickled with it.
+    ``const_args`` exists from jax 0.7 (before it, captured constants were folded into the HLO)."""
+    return bool(getattr(getattr(compiled, "_params", None), "const_args", None))
+
+
+def no_kwargs(compiled: Any) -> bool:
+    """Whether the compiled program refuses keyword arguments (stored with it, as JAX pickles it)."""
+    return bool(compiled._no_kwargs)
+
+
+def executable_device_ids(unloaded: Any) -> list[int]:
+    """The ids of the devices an unloaded executable runs on (jax < 0.7 names the list
+    ``device_assignment``)."""
+    devices = getattr(unloaded, "device_list", None)
+    if devices is None:
+        devices = unloaded.device_assignment
+    return [d.id for d in devices]
+
+
+def make_compiled(loaded: Any, args_info: Any, out_tree: Any, no_kwargs: bool) -> Any:
+    """``jax.stages.Compiled`` from its parts, as serialize_executable.deserialize_and_load builds it:
+    from jax 0.7 its constructor takes ``const_args`` second (none: they are refused at store)."""
+    import inspect
+
+    import jax
+
+    if "const_args" in inspect.signature(jax.stages.Compiled.__init__).parameters:
+        return jax.stages.Compiled(loaded, [], args_info, out_tree, no_kwargs=no_kwargs)
+    return jax.stages.Compiled(loaded, args_info, out_tree, no_kwargs=no_kwargs)  # jax 0.6.2
+
+
+def device_list(devices: Any) -> Any:
+    """An XLA DeviceList of ``devices``, as a backend's deserialize_executable takes it."""
+    from jax._src.lib import xla_client
+
+    return xla_client.DeviceList(tuple(devices))
+
+
+def distributed_client() -> Any:
+    """jax.distributed's coordination client in this process; None before initialize()."""
+    from jax._src import distributed
+
+    return distributed.global_state.client
+
+
+def persistent_cache_key(lowered: Any) -> str | None:
+    """The key ``lowered.compile()`` would look up (pxla.UnloadedMeshExecutable.from_hlo ->
+    compiler.compile_or_get_cached, jax 0.10); None where that path differs (warm/cachekey.py)."""
+    import numpy as np
+    from jax._src import cache_key as jax_cache_key
+    from jax._src import compilation_cache, config
+    from jax._src.interpreters import pxla
+
+    computation = getattr(lowered, "_lowering", None)
+    if not isinstance(computation, pxla.MeshComputation):
+        return None
+    if config.enable_pgle.value or config.compilation_cache_expect_pgle.value:
+        return None
+    args = computation.compile_args
+    poly = args.get("shape_poly_state")
+    if poly is not None and poly.uses_dim_vars:
+        return None
+    devices = computation._device_list
+    if devices is None or len({d.process_index for d in devices}) > 1:
+        return None  # a program over several processes compiles collectively: every process must call it
+    in_shardings = tuple(pxla.maybe_concretize_mesh(s, devices) for s in args["in_shardings"])
+    out_shardings = tuple(pxla.maybe_concretize_mesh(s, devices) for s in args["out_shardings"])
+    to_inputs, to_outputs = pxla.get_prop_to_input_output(in_shardings, out_shardings,
+                                                          len(args["ordered_effects"]))
+    device_array = np.vectorize(lambda i: devices[i], otypes=[object])(np.arange(len(devices)))
+    hlo = computation._hlo
+    options = pxla.create_compile_options(hlo, args["tuple_args"], to_inputs, to_outputs, args["backend"],
+                                          device_array, dict(computation._compiler_options_kvs))
+    ignore = (jax_cache_key.IgnoreCallbacks.CUSTOM_PARTITIONING
+              if config.remove_custom_partitioning_ptr_from_cache_key.value
+              else jax_cache_key.IgnoreCallbacks.NO)
+    key: str = compilation_cache.get_cache_key(hlo, device_array, options, args["backend"], ignore)
+    return key

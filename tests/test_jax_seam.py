@@ -1,0 +1,388 @@
+"""Every JAX fact cachectl.jax_seam relies on, one test each, against the installed JAX.
+
+The log calls, events and private state are read from a real process that compiles for
+real (a fresh cache directory: a miss and a write, then a hit, a program with host
+callbacks, a program faster than a raised threshold). When a JAX upgrade breaks one of
+these, the failing test names the fact and the seam function to change.
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+from infra import run_py
+
+from cachectl import jax_seam
+from cachectl.entries import CACHE_SUFFIX, executable_bytes, parse_key, read_header
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# Runs with the seam's own functions where the seam has one, so the process sees what a
+# service or warm sees; prints one JSON object.
+PROBE = r"""
+import json, logging, numpy as np, jax, jax.numpy as jnp
+from cachectl import jax_seam
+
+cache_dir = {cache!r}
+calls = []
+read = []
+reader = jax_seam.compiler_call_reader(lambda *found: read.append(list(found)), lambda m: read.append([m]))
+class Keep(logging.Handler):
+    def emit(self, record):
+        kind = jax_seam.classify_record(record)
+        del read[:]
+        reader(record.msg, tuple(record.args or ()))
+        calls.append(dict(logger=record.name, msg=str(record.msg),
+                          args=[type(a).__name__ for a in (record.args or ())],
+                          text=record.getMessage(), kind=kind,
+                          lookup=read[0] if read and len(read[0]) == 3 else None,
+                          never=read[0][0] if read and len(read[0]) == 1 else None,
+                          lowering=jax_seam.is_lowering(record.msg, tuple(record.args or ())),
+                          uncacheable=jax_seam.uncacheable(tuple(record.args or ()), str(record.msg))))
+keep = Keep()
+for name in (*jax_seam.CACHE_LOGGERS, jax_seam.PXLA_LOGGER):
+    logger = logging.getLogger(name)
+    logger.setLevel(logging.DEBUG)
+    logger.addHandler(keep)
+events, durations = [], []
+jax.monitoring.register_event_listener(lambda e, **kw: events.append(e))
+jax.monitoring.register_event_duration_secs_listener(lambda e, d, **kw: durations.append(e))
+
+out = dict(checked_before=jax_seam.cache_checked(), opened_before=jax_seam.opened_cache_dir())
+jax.config.update("jax_compilation_cache_dir", cache_dir)
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+jax.config.update("jax_persistent_cache_enable_xla_caches", "none")
+jax_seam.reset_persistent_cache()
+
+def program(x):
+    return jnp.tanh(x) * 2
+x = np.ones((4, 3), np.float32)
+compiled = jax.jit(program).lower(x).compile()
+out["checked_after"] = jax_seam.cache_checked()
+out["opened_after"] = jax_seam.opened_cache_dir()
+out["entry"] = jax_seam.entry_bytes(compiled, 0).hex()
+jax_seam.reset_persistent_cache()
+out["opened_after_reset"] = jax_seam.opened_cache_dir()
+jax.clear_caches()
+jax.jit(program).lower(x).compile()  # a hit: the cache reopens at the next compile
+out["first_phase"] = len(calls)
+jax.jit(lambda v: (jax.debug.callback(lambda a: None, v), v)[1]).lower(x).compile()
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 3600)
+jax.jit(lambda v: v + 1).lower(x).compile()
+out.update(calls=calls, events=events, durations=durations)
+print(json.dumps(out))
+"""
+
+
+@pytest.fixture(scope="module")
+def probe(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    cache = tmp_path_factory.mktemp("jax-cache")
+    proc = run_py(PROBE.format(cache=str(cache)), check=True)
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    out["cache"] = cache
+    return out
+
+
+def _calls(probe: dict[str, Any], kind: str, phase: slice = slice(None)) -> list[dict[str, Any]]:
+    return [c for c in probe["calls"][phase] if c["kind"] and c["kind"][0] == kind]
+
+
+# -- loggers -------------------------------------------------------------------------------
+
+
+def test_the_compiler_logger_is_the_object_jax_logs_through() -> None:
+    from jax._src import compiler
+
+    assert jax_seam.compiler_logger() is compiler.logger
+    assert compiler.logger.name == jax_seam.COMPILER_LOGGER
+
+
+def test_the_pxla_logger_is_the_object_jax_logs_lowerings_through() -> None:
+    from jax._src.interpreters import pxla
+
+    assert jax_seam.pxla_logger() is pxla.logger
+    assert pxla.logger.name == jax_seam.PXLA_LOGGER
+
+
+def test_the_compilation_cache_logger_name() -> None:
+    from jax._src import compilation_cache
+
+    assert compilation_cache.logger.name == jax_seam.COMPILATION_CACHE_LOGGER
+
+
+# -- log calls -----------------------------------------------------------------------------
+
+
+def test_a_miss_is_logged_with_module_and_key(probe: dict[str, Any]) -> None:
+    (miss,) = _calls(probe, "miss", slice(0, probe["first_phase"]))[:1]
+    assert miss["logger"] == jax_seam.COMPILER_LOGGER and miss["args"] == ["str", "str"]
+    module, key = miss["lookup"][1:]
+    assert miss["lookup"][0] is False and module == "jit_program"
+    assert parse_key(key) is not None and parse_key(key).module == "jit_program"
+    assert miss["kind"] == ["miss", key, miss["text"]]
+
+
+def test_a_write_is_logged_with_the_key_of_the_file_written(probe: dict[str, Any]) -> None:
+    (write,) = _calls(probe, "write", slice(0, probe["first_phase"]))
+    assert write["logger"] == jax_seam.COMPILATION_CACHE_LOGGER
+    key = write["kind"][1]
+    assert (Path(probe["cache"]) / (key + CACHE_SUFFIX)).is_file()
+    assert key == _calls(probe, "miss")[0]["lookup"][2]
+
+
+def test_a_hit_is_logged_with_module_and_key(probe: dict[str, Any]) -> None:
+    (hit,) = _calls(probe, "hit")
+    assert hit["logger"] == jax_seam.COMPILER_LOGGER and hit["args"] == ["str", "str"]
+    assert hit["lookup"] == [True, "jit_program", _calls(probe, "miss")[0]["lookup"][2]]
+    assert hit["kind"][1] == hit["lookup"][2]
+
+
+def test_host_callbacks_are_logged_as_never_written_or_written(probe: dict[str, Any]) -> None:
+    """jax 0.10.2 never writes a program with host callbacks and says so; 0.12 writes it."""
+    skips = [c for c in _calls(probe, "skip") if jax_seam.HOST_CALLBACKS_MARK in c["text"]]
+    written = [c for c in _calls(probe, "write") if c["kind"][1].startswith("jit__lambda")]
+    assert len(skips) + len(written) == 1
+    if skips:
+        assert skips[0]["logger"] == jax_seam.COMPILER_LOGGER
+        assert skips[0]["args"] == ["str"] and skips[0]["uncacheable"] is True
+        assert skips[0]["never"] == "jit__lambda"  # what the collector's tap is told
+
+
+def test_a_fast_compile_under_a_raised_threshold_is_logged_with_both_times(probe: dict[str, Any]) -> None:
+    skips = [c for c in _calls(probe, "skip") if "seconds to compile" in c["text"]]
+    assert len(skips) == 1 and skips[0]["logger"] == jax_seam.COMPILER_LOGGER
+    assert skips[0]["args"][0] == "str" and len(skips[0]["args"]) == 3  # module, threshold, took
+    assert {t in ("int", "float") for t in skips[0]["args"][1:]} == {True}
+    # Faster than JAX's default threshold too: never written by a default service either.
+    assert skips[0]["uncacheable"] is True and skips[0]["never"] == "jit__lambda"
+    assert jax_seam.uncacheable(("m", 3600.0, 2.5), skips[0]["msg"]) is False
+
+
+def test_each_lowering_is_logged_with_module_avals_and_shardings(probe: dict[str, Any]) -> None:
+    lowerings = [c for c in probe["calls"] if c["lowering"]]
+    assert len(lowerings) == 4  # program twice, the callback program, the fast one
+    assert all(c["logger"] == jax_seam.PXLA_LOGGER for c in lowerings)
+    assert lowerings[0]["args"][0] == "str"
+    assert "jit(program)" in lowerings[0]["text"] and "float32[4,3]" in lowerings[0]["text"]
+
+
+def test_the_lowering_call_is_guarded_and_names_its_frame() -> None:
+    import inspect
+
+    from jax._src.interpreters import pxla
+
+    source = inspect.getsource(pxla)
+    start = source.index(f"def {jax_seam.LOWERING_FRAME}(")
+    lowering = source[start:source.index("\ndef ", start)]
+    assert "logger.isEnabledFor(log_priority)" in lowering
+    assert '"Compiling %s with global shapes and types %s. "' in lowering
+    assert "module_name, in_avals, in_shardings)" in lowering and "closed_jaxpr" in lowering
+
+
+def test_the_not_writing_calls_carry_module_and_times() -> None:
+    import inspect
+
+    from jax._src import compiler
+
+    write = inspect.getsource(compiler._cache_write)
+    # 2 in jax 0.10.2 (host callbacks, threshold); 1 in 0.12, which writes host-callback programs
+    assert write.count(jax_seam.NOT_WRITING_PREFIX) in (1, 2)
+    assert "module_name, min_compile_time," in write
+
+
+def test_the_jit_call_frame_holds_args_kwargs_and_jit_info() -> None:
+    import inspect
+
+    from jax._src import pjit
+
+    cpp = inspect.getsource(pjit._cpp_pjit)
+    assert f"def {jax_seam.CALL_FRAME}(*args, **kwargs):" in cpp
+    assert "_infer_params(fun, jit_info, args, kwargs)" in cpp
+    assert pjit.__file__.endswith(jax_seam.CALL_FILE)
+
+
+def test_call_context_reads_source_and_statics_of_a_real_jit_call() -> None:
+    import jax
+    import numpy as np
+
+    from cachectl.telemetry import _SignatureTap
+
+    class Seen:
+        def __init__(self) -> None:
+            self.calls: list[Any] = []
+
+        def _on_lowering(self, module: Any, avals: Any, shardings: Any) -> None:
+            self.calls.append((str(module), jax_seam.leaves_of(avals, shardings), jax_seam.call_context(3)))
+
+    def scaled(x: Any, n: int) -> Any:
+        return x * n
+
+    seen = Seen()
+    tap = _SignatureTap(seen, jax_seam.pxla_logger())  # type: ignore[arg-type]
+    tap.install()
+    try:
+        jax.jit(scaled, static_argnums=1)(np.ones(3, np.float32), 7)
+    finally:
+        tap.uninstall()
+    ((module, leaves, (source, statics)),) = seen.calls
+    assert module == "jit(scaled)" and leaves == (((3,), "float32", False, None),)
+    assert source is not None and source.startswith("scaled at ") and statics == ((1, "7"),)
+
+
+# -- monitoring events ---------------------------------------------------------------------
+
+
+def test_the_monitoring_events_fire_as_counted(probe: dict[str, Any]) -> None:
+    events = probe["events"]
+    assert events.count(jax_seam.EVENT_REQUESTS) == 4  # every compile that could use the cache
+    assert events.count(jax_seam.EVENT_HITS) == 1
+    written = [p for p in Path(probe["cache"]).iterdir() if p.name.endswith(CACHE_SUFFIX)]
+    assert events.count(jax_seam.EVENT_WRITES) == len(written) == len(_calls(probe, "write"))  # only writes
+    assert jax_seam.EVENT_SAVED in probe["durations"] and jax_seam.EVENT_RETRIEVAL in probe["durations"]
+
+
+# -- the persistent cache's process state --------------------------------------------------
+
+
+def test_the_opened_cache_and_the_first_compile_are_visible(probe: dict[str, Any]) -> None:
+    assert probe["checked_before"] is False and probe["opened_before"] is None
+    assert probe["checked_after"] is True
+    assert probe["opened_after"].rstrip("/") == str(probe["cache"]).rstrip("/")
+    assert probe["opened_after_reset"] is None
+
+
+def _program_entry(probe: dict[str, Any]) -> Path:
+    (written,) = Path(probe["cache"]).glob("jit_program-*" + CACHE_SUFFIX)
+    return written
+
+
+def test_entry_bytes_are_the_entry_jax_wrote(probe: dict[str, Any]) -> None:
+    """Byte-identical in jax 0.10.2; 0.9.2's executables serialize slightly differently each time."""
+    ours, theirs = bytes.fromhex(probe["entry"]), _program_entry(probe).read_bytes()
+    assert read_header(ours).compression == read_header(theirs).compression
+    assert read_header(ours).compile_seconds == read_header(theirs).compile_seconds == 0
+    assert len(executable_bytes(ours)) == len(executable_bytes(theirs))
+
+
+# -- what the key is made of ---------------------------------------------------------------
+
+
+def test_the_key_names_the_file_module_dash_sha256(probe: dict[str, Any]) -> None:
+    key = _program_entry(probe).name[: -len(CACHE_SUFFIX)]
+    assert re.fullmatch(r"jit_program-[0-9a-f]{64}", key) and parse_key(key) is not None
+
+
+def test_the_excluded_xla_flags_and_flag_prefixes() -> None:
+    from jax._src import cache_key
+
+    excluded = jax_seam.excluded_xla_flags()
+    assert excluded == tuple(cache_key.xla_flags_to_exclude_from_cache_key)
+    assert excluded and all(f.startswith("--xla") for f in excluded)
+    assert all(isinstance(p, str) for p in jax_seam.extra_flag_prefixes())
+
+
+def test_the_compression_is_zstandard_exactly_when_importable() -> None:
+    try:
+        import zstandard  # noqa: F401
+
+        importable = True
+    except ImportError:
+        importable = False
+    assert jax_seam.zstandard_compression() is importable
+
+
+def test_the_topology_fingerprint_and_default_backend() -> None:
+    import jax
+
+    from cachectl.fingerprint import _topology
+
+    devices = jax.devices()
+    assert jax_seam.default_backend().platform == jax.default_backend()
+    try:
+        fingerprint = jax_seam.topology_fingerprint(devices)
+    except Exception:  # noqa: BLE001 - jax 0.9.2 on CPU has none: the environment names the kinds
+        assert _topology(devices) == "kinds:" + ",".join(d.device_kind for d in devices)
+    else:
+        assert fingerprint == jax_seam.topology_fingerprint(devices)
+        assert _topology(devices) == f"{fingerprint:016x}"
+
+
+# -- executables and jax.distributed -------------------------------------------------------
+
+
+def test_the_executable_pickler_classes() -> None:
+    pickler, unpickler, loaded = jax_seam.pjrt_pickler_classes()
+    assert issubclass(pickler, pickle.Pickler) and issubclass(unpickler, pickle.Unpickler)
+    assert isinstance(loaded, type)
+
+
+def test_the_private_parts_of_a_compiled_program() -> None:
+    import jax
+    import numpy as np
+
+    x = np.ones(2, np.float32)
+    compiled = jax.jit(lambda v: v * 3).lower(x).compile()
+    unloaded = jax_seam.unloaded_executable(compiled)
+    assert unloaded is not None and hasattr(unloaded, "load")
+    assert jax_seam.executable_device_ids(unloaded) == [jax.devices()[0].id]
+    assert jax_seam.closes_over_mutable(unloaded) is False
+    assert jax_seam.captures_constants(compiled) is False and jax_seam.no_kwargs(compiled) is False
+    assert isinstance(compiled._params.const_args, (list, tuple))  # what captures_constants reads
+    rebuilt = jax_seam.make_compiled(unloaded.load(), compiled.args_info, compiled.out_tree, False)
+    assert np.asarray(rebuilt(x)).tolist() == [3.0, 3.0]
+
+
+def test_a_device_list_loads_a_real_executable() -> None:
+    import jax
+    import numpy as np
+
+    compiled = jax.jit(lambda v: v * 3).lower(np.ones(2, np.float32)).compile()
+    backend = jax.devices()[0].client
+    data = executable_bytes(jax_seam.entry_bytes(compiled, 0))
+    loaded = backend.deserialize_executable(data, executable_devices=jax_seam.device_list(jax.devices()[:1]))
+    assert loaded is not None
+
+
+def test_no_distributed_client_before_initialize() -> None:
+    assert jax_seam.distributed_client() is None
+
+
+def test_sharding_names() -> None:
+    import jax
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
+
+    dev = jax.devices()[0]
+    assert jax_seam.sharding_text(SingleDeviceSharding(dev)) == f"SingleDeviceSharding({dev.platform}:{dev.id})"
+    mesh = Mesh([dev], ("x",))
+    assert jax_seam.sharding_text(NamedSharding(mesh, PartitionSpec("x"))) == \
+        "NamedSharding(mesh={'x': 1}, spec=('x',))"
+    assert jax_seam.sharding_text(None) is None
+
+
+# -- the seam is the only one --------------------------------------------------------------
+
+
+# What only the seam may spell: JAX's private package, its loggers, its log messages, its events.
+SEAM_ONLY = ("jax._src", "jax/_src", "Persistent compilation cache hit", "PERSISTENT COMPILATION CACHE MISS",
+             "Not writing persistent cache entry", "to persistent compilation cache",
+             "Compiling %s with global", "/jax/compilation_cache/")
+
+
+def test_no_module_but_the_seam_names_a_jax_internal() -> None:
+    seam = ROOT / "cachectl" / "jax_seam.py"
+    offenders = [f"{path.relative_to(ROOT)}: {text}"
+                 for pkg in ("cachectl", "server") for path in sorted((ROOT / pkg).rglob("*.py"))
+                 if path != seam for text in SEAM_ONLY if text in path.read_text()]
+    assert offenders == []
+    assert all(text in seam.read_text() for text in SEAM_ONLY[:1] + SEAM_ONLY[2:])
+
+
+def test_importing_the_seam_imports_no_jax() -> None:
+    proc = run_py("import sys, cachectl.jax_seam; print(sorted(m for m in sys.modules if m.split('.')[0] == 'jax'))",
+                  check=True)
+    assert proc.stdout.strip().splitlines()[-1] == "[]"
