@@ -15,7 +15,8 @@ Downloads serve only regular files inside the namespace (no symlinks).
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Annotated, Any
 
 from fastapi import APIRouter, HTTPException, Path, Request
@@ -159,37 +160,59 @@ def _may_overwrite(request: Request, cache: str) -> bool:
                   413: {"description": "too large for the cache"}, 422: {"description": "not a JAX entry"},
                   507: {"description": "the server's disk is full"}})
 async def put_entry(request: Request, cache: CacheName, digest: Digest, key: Key) -> JSONResponse:
+    replace = _may_overwrite(request, cache)
+    return await upload(request, cache, digest, key, ingest.ingest_entry,
+                        lambda state, limit: {"origin": "upload", "expand_to": expansion_limit(state.settings, limit),
+                                              "replace_existing": replace,
+                                              "who": f"token {current_token(request).name}"},
+                        lambda outcome: 201 if outcome == "inserted" else 200)
+
+
+async def upload(request: Request, cache: str, digest: str, key: str, ingest_fn: Callable[..., Any],
+                 fields: Callable[[ServerState, int], dict[str, Any]], status: Callable[[str], int]) -> JSONResponse:
+    """PUT of an entry or of its stored executable: the body spooled within the cache's limit, then
+    checked, written and indexed by ``ingest_fn`` (cachectl/ingest.py)."""
     state = state_of(request)
     parsed = check_key(key)
-    replace = _may_overwrite(request, cache)
     info, env = await run_in_threadpool(_resolve, state, cache, digest)
     limit, what = upload_limit(state, info)
-    upload: ingest.Spool | None = None
+    body: ingest.Spool | None = None
     try:
-        upload = await receive_body(request, limit, what, state.settings.upload_dir)
-        done = await run_in_threadpool(
-            store_upload, state, info, env, ingest.ingest_entry, parsed, upload, origin="upload",
-            expand_to=expansion_limit(state.settings, limit), claimed_sha256=request.headers.get(SHA_HEADER),
-            replace_existing=replace, who=f"token {current_token(request).name}")
+        body = await receive_body(request, limit, what, state.settings.upload_dir)
+        done = await run_in_threadpool(store_upload, state, info, env, ingest_fn, parsed, body,
+                                       claimed_sha256=request.headers.get(SHA_HEADER), **fields(state, limit))
     except HTTPException as exc:
         state.metrics.uploads.labels(cache, str(exc.status_code)).inc()
         raise
     finally:
-        if upload is not None:
-            upload.discard()
+        if body is not None:
+            body.discard()
     state.metrics.uploads.labels(cache, "stored").inc()
-    state.metrics.upload_bytes.labels(cache).inc(upload.size)
-    return ok(done.entry, 201 if done.outcome == "inserted" else 200)
+    state.metrics.upload_bytes.labels(cache).inc(body.size)
+    return ok(done.entry, status(done.outcome))
 
 
-def _located(state: ServerState, cache: str, digest: str, key: str) -> tuple[CacheInfo, EnvironmentInfo, int, str | None]:
-    """The entry's cache, environment, size and recorded sha256; 404 when storage lacks it."""
+@dataclass(frozen=True)
+class ByteRoute:
+    """What differs between an entry's byte routes and its stored executable's."""
+
+    path_of: Callable[[EnvironmentInfo, str], str]
+    executable: bool
+    missing: str  # the 404 text: {key}, {env} (a digest prefix), {cache}
+
+
+ENTRY = ByteRoute(entry_path, False, "no entry {key} in environment {env} of cache {cache!r}")
+
+
+def located(state: ServerState, cache: str, digest: str, key: str, route: ByteRoute = ENTRY
+            ) -> tuple[CacheInfo, EnvironmentInfo, int, str | None]:
+    """The object's cache, environment, size and recorded sha256; 404 when storage lacks it."""
     info, env = state.where(cache, digest)
-    recorded = sq.recorded_digest(state.index, env.id, key)
+    recorded = sq.recorded_digest(state.index, env.id, key, executable=route.executable)
     try:
-        size = state.store(info).size(entry_path(env, key))
+        size = state.store(info).size(route.path_of(env, key))
     except FileNotFoundError:
-        raise HTTPException(404, f"no entry {key} in environment {env.digest[:16]} of cache {cache!r}") from None
+        raise HTTPException(404, route.missing.format(key=key, env=env.digest[:16], cache=cache)) from None
     return info, env, size, recorded[1] if recorded and recorded[0] == size else None
 
 
@@ -228,27 +251,35 @@ def _headers(size: int, sha: str | None) -> dict[str, str]:
        summary="Download one entry (streamed)",
        responses={200: {"content": {"application/octet-stream": {}}, "description": "the entry's bytes"}})
 async def get_entry(request: Request, cache: CacheName, digest: Digest, key: Key) -> Response:
+    return await download(request, cache, digest, key, ENTRY)
+
+
+async def download(request: Request, cache: str, digest: str, key: str, route: ByteRoute) -> Response:
+    """GET of an entry or of its stored executable: found in the index and storage, then read or streamed."""
     state = state_of(request)
     check_key(key)
-    info, env, size, sha = await run_in_threadpool(_located, state, cache, digest, key)
-    store = state.store(info)
+    info, env, size, sha = await run_in_threadpool(located, state, cache, digest, key, route)
     try:
         # Only a regular file inside the namespace: on local disk no symlink is followed (O_NOFOLLOW,
         # real paths compared), so a link planted in a namespace serves nothing.
-        fh = await run_in_threadpool(open_body, store, entry_path(env, key), size)
+        body = await run_in_threadpool(open_body, state.store(info), route.path_of(env, key), size)
     except FileNotFoundError:
-        raise HTTPException(404, f"no entry {key} in environment {env.digest[:16]} of cache {cache!r}") from None
+        raise HTTPException(404, route.missing.format(key=key, env=env.digest[:16], cache=cache)) from None
     state.metrics.download_bytes.labels(cache).inc(size)
-    return stream_file(fh, _headers(size, sha))
+    return stream_file(body, _headers(size, sha))
+
+
+async def head(request: Request, cache: str, digest: str, key: str, route: ByteRoute) -> Response:
+    """HEAD of an entry or of its stored executable: size and sha256 without the bytes."""
+    check_key(key)
+    _info, _env, size, sha = await run_in_threadpool(located, state_of(request), cache, digest, key, route)
+    return Response(status_code=200, headers=_headers(size, sha), media_type="application/octet-stream")
 
 
 @route(router, "HEAD", "/caches/{cache}/environments/{digest}/entries/{key}", role="reader",
        summary="An entry's size and sha256, without its bytes")
 async def head_entry(request: Request, cache: CacheName, digest: Digest, key: Key) -> Response:
-    state = state_of(request)
-    check_key(key)
-    _info, _env, size, sha = await run_in_threadpool(_located, state, cache, digest, key)
-    return Response(status_code=200, headers=_headers(size, sha), media_type="application/octet-stream")
+    return await head(request, cache, digest, key, ENTRY)
 
 
 @route(router, "POST", "/caches/{cache}/environments/{digest}/entries", role="writer",

@@ -12,30 +12,22 @@ sha256 it records from the bytes it received.
 
 from __future__ import annotations
 
-from fastapi import APIRouter, HTTPException, Request
+from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
-from starlette.concurrency import run_in_threadpool
 
 from cachectl import ingest
 from cachectl.entries import AOT_SUFFIX
-from cachectl.index import CacheInfo, EnvironmentInfo
-from cachectl.index import server_queries as sq
+from cachectl.index import EnvironmentInfo
 
-from .api import CacheName, Digest, ok, state_of
+from .api import CacheName, Digest
 from .auth import route
 from .entries import (
-    SHA_HEADER,
+    ByteRoute,
     Key,
-    _headers,
-    _resolve,
-    check_key,
-    open_body,
-    receive_body,
-    store_upload,
-    stream_file,
-    upload_limit,
+    download,
+    head,
+    upload,
 )
-from .state import ServerState
 
 router = APIRouter(prefix="/api/v1")
 ROUTE = "/caches/{cache}/environments/{digest}/entries/{key}/aot"
@@ -54,60 +46,20 @@ def executable_path(env: EnvironmentInfo, key: str) -> str:
                   422: {"description": "not a stored executable of this entry"},
                   507: {"description": "the server's disk is full"}})
 async def put_executable(request: Request, cache: CacheName, digest: Digest, key: Key) -> JSONResponse:
-    state = state_of(request)
-    parsed = check_key(key)
-    info, env = await run_in_threadpool(_resolve, state, cache, digest)
-    limit, what = upload_limit(state, info)
-    upload: ingest.Spool | None = None
-    try:
-        upload = await receive_body(request, limit, what, state.settings.upload_dir)
-        done = await run_in_threadpool(store_upload, state, info, env, ingest.ingest_executable, parsed, upload,
-                                       claimed_sha256=request.headers.get(SHA_HEADER))
-    except HTTPException as exc:
-        state.metrics.uploads.labels(cache, str(exc.status_code)).inc()
-        raise
-    finally:
-        if upload is not None:
-            upload.discard()
-    state.metrics.uploads.labels(cache, "stored").inc()
-    state.metrics.upload_bytes.labels(cache).inc(upload.size)
-    return ok(done.entry, 200 if done.outcome == "replaced" else 201)
+    return await upload(request, cache, digest, key, ingest.ingest_executable, lambda state, limit: {},
+                        lambda outcome: 200 if outcome == "replaced" else 201)
 
 
-def _located(state: ServerState, cache: str, digest: str, key: str
-             ) -> tuple[CacheInfo, EnvironmentInfo, int, str | None]:
-    """The executable's cache, environment, size and recorded sha256; 404 when storage lacks it."""
-    found = sq.locate(state.index, cache, digest, key)
-    info, env, recorded = found.cache, found.environment, found.entry
-    try:
-        size = state.store(info).size(executable_path(env, key))
-    except FileNotFoundError:
-        raise HTTPException(404, f"no stored executable for entry {key} in environment {env.digest[:16]} "
-                                 f"of cache {cache!r}") from None
-    sha = recorded.aot_sha256 if recorded and recorded.aot_size == size else None
-    return info, env, size, sha
+EXECUTABLE = ByteRoute(executable_path, True,
+                       "no stored executable for entry {key} in environment {env} of cache {cache!r}")
 
 
 @route(router, "GET", ROUTE, role="reader", summary="Download an entry's stored executable (streamed)",
        responses={200: {"content": {"application/octet-stream": {}}, "description": "the -aot bytes"}})
 async def get_executable(request: Request, cache: CacheName, digest: Digest, key: Key) -> Response:
-    state = state_of(request)
-    check_key(key)
-    info, env, size, sha = await run_in_threadpool(_located, state, cache, digest, key)
-    store = state.store(info)
-    try:
-        # Only a regular file inside the namespace, never through a symlink (Store.open).
-        fh = await run_in_threadpool(open_body, store, executable_path(env, key), size)
-    except FileNotFoundError:
-        raise HTTPException(404, f"no stored executable for entry {key} in environment {env.digest[:16]} "
-                                 f"of cache {cache!r}") from None
-    state.metrics.download_bytes.labels(cache).inc(size)
-    return stream_file(fh, _headers(size, sha))
+    return await download(request, cache, digest, key, EXECUTABLE)
 
 
 @route(router, "HEAD", ROUTE, role="reader", summary="A stored executable's size and sha256, without its bytes")
 async def head_executable(request: Request, cache: CacheName, digest: Digest, key: Key) -> Response:
-    state = state_of(request)
-    check_key(key)
-    _info, _env, size, sha = await run_in_threadpool(_located, state, cache, digest, key)
-    return Response(status_code=200, headers=_headers(size, sha), media_type="application/octet-stream")
+    return await head(request, cache, digest, key, EXECUTABLE)

@@ -77,12 +77,13 @@ def locate(index: Index, cache: str, prefix: str, key: str | None = None) -> Loc
     return Located(info, env, index.get_entry(env.id, key) if key is not None else None)
 
 
-def recorded_digest(index: Index, env_id: int, key: str) -> tuple[int, str] | None:
-    """(size, sha256) the index recorded for an entry: all a download's headers need, two columns."""
+def recorded_digest(index: Index, env_id: int, key: str, *, executable: bool = False) -> tuple[int, str] | None:
+    """(size, sha256) the index recorded for an entry, or for its stored executable: all a
+    download's headers need, two columns."""
+    columns = (Entry.aot_size_bytes, Entry.aot_sha256) if executable else (Entry.size_bytes, Entry.sha256)
     with index.read_session() as s:
-        row = s.execute(select(Entry.size_bytes, Entry.sha256)
-                        .where(Entry.environment_id == env_id, Entry.key == key)).first()
-    return None if row is None else (int(row[0]), str(row[1]))
+        row = s.execute(select(*columns).where(Entry.environment_id == env_id, Entry.key == key)).first()
+    return None if row is None or row[0] is None else (int(row[0]), str(row[1]))
 
 
 def environment_cache(index: Index, env_id: int) -> str | None:
