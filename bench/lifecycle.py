@@ -445,7 +445,8 @@ def _render(plan: Any) -> tuple[float, float]:
         lifecycle_cmds._print_plan(plan, True)
         table_s = time.perf_counter() - t0
         t1 = time.perf_counter()
-        sink.write(json.dumps(render.to_jsonable(plan), indent=2))
+        with contextlib.redirect_stdout(sink):
+            render.print_json(plan)  # what --json prints
         json_s = time.perf_counter() - t1
     finally:
         lifecycle_cmds.stdout = render.stdout = saved
