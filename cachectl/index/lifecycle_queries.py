@@ -280,7 +280,7 @@ class Cuts(NamedTuple):
     """gc's cuts as the database returned them: rows (score, id, environment, key, unit bytes,
     aot bytes) in (score, id) order, plain DBAPI tuples (no per-row object for 100k rows)."""
 
-    rows: list[tuple[Any, ...]]
+    rows: list[tuple[Any, ...]]  # lru: a 7th column, the last use to the minute as text
     env_taken: set[int]  # ids of the rows the per-environment pass took ("env-max-size")
     bytes_before: int
     # lru: the last use (SQLite: its text; PostgreSQL: a UTC datetime); cost: a float.
@@ -324,7 +324,8 @@ def eviction_cuts(index: Index, cache: str, *, policy: str, max_bytes: int | Non
     evictable: list[ColumnElement[bool]] = []
     if protect_warm_runs:
         evictable.append(or_(Entry.warm_run_id.is_(None), Entry.warm_run_id.not_in(list(protect_warm_runs))))
-    walk = _Walk(index, score, evictable, ordered=policy == "lru")
+    walk = _Walk(index, score, evictable, ordered=policy == "lru",
+                 label=_last_used_minute(dialect, score) if policy == "lru" else None)
     by_env: list[tuple[Any, ...]] = []
     cuts = 0
     if env_max_bytes is not None:
@@ -343,11 +344,17 @@ def eviction_cuts(index: Index, cache: str, *, policy: str, max_bytes: int | Non
                              skip=env_taken, skip_bytes=env_freed)
     rows = by_env + by_cache
     if by_env and (by_cache or cuts > 1):
-        rows.sort(key=_score_order)  # one score order, as each cut was walked
+        # One (score, id) order, as each cut was walked: the rows' own order, ids being unique.
+        rows.sort()
     return Cuts(rows, env_taken, total, policy == "lru")
 
 
-_score_order = itemgetter(0, 1)
+def _last_used_minute(dialect: str, score: ColumnElement[Any]) -> ColumnElement[str]:
+    """The last use to the minute, 'YYYY-MM-DD HH:MM' (UTC), as text the database writes: printing
+    100k datetimes in Python costs more than reading them."""
+    if dialect == "postgresql":
+        return func.to_char(func.timezone("UTC", last_used()), "YYYY-MM-DD HH24:MI")
+    return func.substr(func.replace(score, "T", " "), 1, 16)
 
 
 def plan_evictions(index: Index, cache: str, *, policy: str, max_bytes: int | None,
@@ -362,7 +369,7 @@ def plan_evictions(index: Index, cache: str, *, policy: str, max_bytes: int | No
     taken = cuts.env_taken
     out = [Eviction(env_id, key, unit - (aot or 0), score_value(sc, cuts.lru),
                     "env-max-size" if id_ in taken else "max-size", aot)
-           for sc, id_, env_id, key, unit, aot in cuts.rows]
+           for sc, id_, env_id, key, unit, aot, *_ in cuts.rows]
     return out, {"bytes_before": cuts.bytes_before}
 
 
@@ -380,6 +387,7 @@ _SAMPLE_MARGIN = 1.1
 _PG_SORT_MEM = "64MB"
 # Rows the first read past a short sample's bound takes at least (more when the shortfall needs it).
 _FOLLOW_ROWS = 1000
+_FIRST_FETCH = 1000
 
 
 class _Walk:
@@ -393,13 +401,15 @@ class _Walk:
     """
 
     def __init__(self, index: Index, score: ColumnElement[Any], where: list[ColumnElement[bool]],
+                 label: ColumnElement[str] | None,
                  ordered: bool) -> None:
         self.index, self.score, self.where = index, score, where
         self.ordered = ordered  # an index holds the score order (lru: ix_entries_last_used)
+        self.label = label  # lru: the last use as the plan prints it, a 7th column
 
     def take(self, env_ids: list[int], target: int, skip: Collection[int] = (),
              skip_bytes: int = 0) -> list[tuple[Any, ...]]:
-        """Rows (score, id, environment, key, unit bytes, aot bytes) whose running sum of unit
+        """Rows (score, id, environment, key, unit bytes, aot bytes[, label]) whose running sum of unit
         bytes *before* them is under ``target``; rows in ``skip`` (``skip_bytes`` in all) are
         passed over and count 0.
 
@@ -420,7 +430,10 @@ class _Walk:
                 # (the default 4 MB spills); for this read transaction only.
                 conn.exec_driver_sql(f"SELECT set_config('work_mem', '{_PG_SORT_MEM}', true), "
                                      "set_config('TimeZone', 'UTC', true)")
-            bound = self._bound(conn, [by_env, *self.where], target + skip_bytes)
+            # SQLite walks an lru cut's index in order and hands rows over as they are read: it can
+            # stop at the cut by itself, no bound needed. Anything else sorts: bounded by a sample.
+            lazy = self.ordered and not postgres
+            bound = None if lazy else self._bound(conn, [by_env, *self.where], target + skip_bytes)
             # First every row up to the bound; then, should the sample have fallen short (or given
             # no bound), the next rows in (score, id) order, a LIMIT at a time, each read about
             # what the shortfall needs: never a cursor over every candidate.
@@ -428,14 +441,15 @@ class _Walk:
             limit = 0
             while True:
                 q = self._query(env_ids, by_env, upto, after)
-                if upto is None:
+                if upto is None and not lazy:
                     per_row = acc // len(out) if out else 0
                     limit = max(_FOLLOW_ROWS, 2 * limit, 2 * (target - acc) // per_row if per_row else 0)
                     q = q.limit(limit)
                 result = conn.execute(q)
                 read, last = 0, None
+                fetch, size = result.cursor.fetchmany, _FIRST_FETCH  # type: ignore[attr-defined]
                 try:
-                    for part in iter(partial(result.cursor.fetchmany, _STREAM_ROWS), []):  # type: ignore[attr-defined]
+                    while part := fetch(size):
                         read += len(part)
                         last = part[-1]
                         for row in part:
@@ -444,11 +458,15 @@ class _Walk:
                             if not skip or row[1] not in skip:
                                 out.append(row)
                                 acc += row[4]
+                        # Next, about the rows the rest of the cut needs at the mean so far (5% more):
+                        # SQLite looks up each row fetched, so a fixed batch would overshoot every cut.
+                        size = (min(_STREAM_ROWS, max(64, (target - acc) * len(out) // acc * 21 // 20 + 32))
+                                if acc else _STREAM_ROWS)
                 finally:
                     result.close()
                 if upto is not None:
                     upto, after = None, (bound, None)
-                elif read < limit or last is None:
+                elif lazy or read < limit or last is None:
                     return out  # every candidate read
                 else:
                     after = (last[0], last[1])
@@ -469,7 +487,7 @@ class _Walk:
             # instead of each environment's rows, then sorting them.
             in_order = (Entry.environment_id + 0).in_(env_ids) if len(env_ids) > 1 else by_env
             return (select(self.score.label("score"), Entry.id, Entry.environment_id, Entry.key, unit_size(),
-                           Entry.aot_size_bytes)
+                           Entry.aot_size_bytes, *([] if self.label is None else [self.label]))
                     .where(in_order, *self.where, *within(self.score, Entry.id)).order_by(self.score, Entry.id))
         # The score is computed once per row over the covering index; only the rows it keeps
         # are looked up for their key.
@@ -483,10 +501,15 @@ class _Walk:
         sample = conn.execute(select(self.score, unit_size()).where(*where, Entry.id % _SAMPLE_EVERY == 0)
                               .order_by(self.score))
         acc, want = 0, need * _SAMPLE_MARGIN
-        for sc, unit in sample:
-            acc += unit * _SAMPLE_EVERY
-            if acc >= want:
-                return sc
+        try:
+            # The driver's cursor a batch at a time: SQLite stops walking the lru index at the bound.
+            for part in iter(partial(sample.cursor.fetchmany, 256), []):
+                for sc, unit in part:
+                    acc += unit * _SAMPLE_EVERY
+                    if acc >= want:
+                        return sc
+        finally:
+            sample.close()
         return None
 
 

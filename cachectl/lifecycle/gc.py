@@ -111,8 +111,8 @@ def plan_gc(ctx: Context, cache: CacheInfo, *, policy: str = "lru", max_size: st
     )
     deletion.entries = _planned(cuts, {e.id: e.namespace for e in envs})
     freed_by_env: dict[int, int] = dict.fromkeys(by_id, 0)
-    for _, _, env_id, _, unit, _ in cuts.rows:
-        freed_by_env[env_id] += unit
+    for row in cuts.rows:
+        freed_by_env[row[2]] += row[4]
     before = cuts.bytes_before
     after = before - sum(freed_by_env.values())
     over = max(0, after - limit) if limit is not None else 0
@@ -132,11 +132,10 @@ def _planned(cuts: Cuts, namespace: dict[int, str]) -> list[PlannedEntry]:
     100k-entry plan: plain tuples in, one object and one string out per row)."""
     taken = cuts.env_taken
     if cuts.lru:
-        # The last use to the minute: SQLite's text, or PostgreSQL's UTC datetime printed the same.
+        # The last use to the minute comes as text from the database (the rows' 7th column).
         return [PlannedEntry(env_id, namespace[env_id], key, unit - (aot or 0),
-                             f"{'env-max-size' if id_ in taken else 'max-size'}; last used "
-                             f"{str(sc)[:16].replace('T', ' ')}", aot)
-                for sc, id_, env_id, key, unit, aot in cuts.rows]
+                             f"{'env-max-size' if id_ in taken else 'max-size'}; last used {minute}", aot)
+                for _, id_, env_id, key, unit, aot, minute in cuts.rows]
     return [PlannedEntry(env_id, namespace[env_id], key, unit - (aot or 0),
                          f"{'env-max-size' if id_ in taken else 'max-size'}; cost score {sc:.4g}", aot)
             for sc, id_, env_id, key, unit, aot in cuts.rows]
