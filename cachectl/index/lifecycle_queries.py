@@ -327,15 +327,13 @@ def eviction_cuts(index: Index, cache: str, *, policy: str, max_bytes: int | Non
     walk = _Walk(index, score, evictable, ordered=policy == "lru",
                  label=_last_used_minute(dialect, score) if policy == "lru" else None)
     by_env: list[tuple[Any, ...]] = []
-    cuts = 0
+    cuts = 0  # environments cut one by one: their rows need one order
     if env_max_bytes is not None:
         if env_bytes is None:
             env_bytes = _env_bytes(index, cid)
-        for env in live:
-            excess = env_bytes.get(env, 0) - env_max_bytes
-            if excess > 0 and env not in excluded:
-                by_env.extend(walk.take([env], excess))
-                cuts += 1
+        over = {env: env_bytes.get(env, 0) - env_max_bytes for env in live
+                if env not in excluded and env_bytes.get(env, 0) > env_max_bytes}
+        by_env, cuts = walk.take_each(over), len(over)
     env_taken = {row[1] for row in by_env}
     env_freed = sum(row[4] for row in by_env)
     by_cache: list[tuple[Any, ...]] = []
@@ -407,8 +405,80 @@ class _Walk:
         self.ordered = ordered  # an index holds the score order (lru: ix_entries_last_used)
         self.label = label  # lru: the last use as the plan prints it, a 7th column
 
+    def take_each(self, targets: dict[int, int]) -> list[tuple[Any, ...]]:
+        """Each environment's own cut (environment id -> bytes), as ``take([env], bytes)`` would
+        give them. Where the database sorts, one sample and one read serve every environment
+        (a bound each), not two queries per environment; whoever's sample fell short reads on
+        alone. SQLite's lru walks stop by themselves: one each."""
+        if not targets:
+            return []
+        if self.ordered and self.index.dialect != "postgresql":
+            return [row for env in sorted(targets) for row in self.take([env], targets[env])]
+        envs = sorted(targets)
+        out: list[tuple[Any, ...]] = []
+        acc = dict.fromkeys(envs, 0)
+        with self.index.read_session() as s:
+            conn = s.connection()
+            self._settings(conn)
+            bounds = self._bounds(conn, envs, targets)
+            if bounds:
+                result = conn.execute(self._query_each(bounds))
+                try:
+                    for part in iter(partial(result.cursor.fetchmany, _STREAM_ROWS), []):  # type: ignore[attr-defined]
+                        for row in part:
+                            env = row[2]
+                            if acc[env] < targets[env]:
+                                out.append(row)
+                                acc[env] += row[4]
+                finally:
+                    result.close()
+        short = [env for env in envs if acc[env] < targets[env]]
+        for env in short:
+            out.extend(self.take([env], targets[env] - acc[env], past=bounds.get(env)))
+        return out
+
+    def _settings(self, conn: Any) -> None:
+        if conn.dialect.name == "postgresql":
+            # A 10% cut of 1,000,000 rows is ~100k sorted rows: sort them in memory, not on disk
+            # (the default 4 MB spills); lru scores in UTC, as the column type gives them; for
+            # this read transaction only.
+            conn.exec_driver_sql(f"SELECT set_config('work_mem', '{_PG_SORT_MEM}', true), "
+                                 "set_config('TimeZone', 'UTC', true)")
+
+    def _bounds(self, conn: Any, envs: list[int], targets: dict[int, int]) -> dict[int, Any]:
+        """Each environment's bound from one sample query (an environment whose sample gives none
+        is left out)."""
+        q = (select(Entry.environment_id, self.score, unit_size())
+             .where(Entry.environment_id.in_(envs), *self.where, Entry.id % _SAMPLE_EVERY == 0)
+             .order_by(Entry.environment_id, self.score))
+        acc = dict.fromkeys(envs, 0)
+        want = {env: targets[env] * _SAMPLE_MARGIN for env in envs}
+        bounds: dict[int, Any] = {}
+        for env, sc, unit in conn.execute(q).cursor.fetchall():
+            if env not in bounds:
+                acc[env] += unit * _SAMPLE_EVERY
+                if acc[env] >= want[env]:
+                    bounds[env] = sc
+        return bounds
+
+    def _query_each(self, bounds: dict[int, Any]) -> Any:
+        """The candidates of each environment in ``bounds`` up to its bound, in (score, id) order."""
+        envs = sorted(bounds)
+        if self.ordered:
+            upto = case(bounds, value=Entry.environment_id)
+            return (select(self.score.label("score"), Entry.id, Entry.environment_id, Entry.key, unit_size(),
+                           Entry.aot_size_bytes, *([] if self.label is None else [self.label]))
+                    .where(Entry.environment_id.in_(envs), *self.where, self.score <= upto)
+                    .order_by(self.score, Entry.id))
+        scored = (select(self.score.label("score"), Entry.id.label("id"), Entry.environment_id.label("env"))
+                  .where(Entry.environment_id.in_(envs), *self.where).subquery("c"))
+        return (select(scored.c.score, Entry.id, Entry.environment_id, Entry.key, unit_size(), Entry.aot_size_bytes)
+                .join_from(scored, Entry, Entry.id == scored.c.id)
+                .where(scored.c.score <= case(bounds, value=scored.c.env))
+                .order_by(scored.c.score, scored.c.id))
+
     def take(self, env_ids: list[int], target: int, skip: Collection[int] = (),
-             skip_bytes: int = 0) -> list[tuple[Any, ...]]:
+             skip_bytes: int = 0, past: Any = None) -> list[tuple[Any, ...]]:
         """Rows (score, id, environment, key, unit bytes, aot bytes[, label]) whose running sum of unit
         bytes *before* them is under ``target``; rows in ``skip`` (``skip_bytes`` in all) are
         passed over and count 0.
@@ -425,19 +495,17 @@ class _Walk:
         with self.index.read_session() as s:
             conn = s.connection()
             postgres = conn.dialect.name == "postgresql"
-            if postgres:
-                # A 10% cut of 1,000,000 rows is ~100k sorted rows: sort them in memory, not on disk
-                # (the default 4 MB spills); for this read transaction only.
-                conn.exec_driver_sql(f"SELECT set_config('work_mem', '{_PG_SORT_MEM}', true), "
-                                     "set_config('TimeZone', 'UTC', true)")
+            self._settings(conn)
             # SQLite walks an lru cut's index in order and hands rows over as they are read: it can
             # stop at the cut by itself, no bound needed. Anything else sorts: bounded by a sample.
             lazy = self.ordered and not postgres
-            bound = None if lazy else self._bound(conn, [by_env, *self.where], target + skip_bytes)
+            bound = None if lazy or past is not None else self._bound(conn, [by_env, *self.where],
+                                                                      target + skip_bytes)
             # First every row up to the bound; then, should the sample have fallen short (or given
             # no bound), the next rows in (score, id) order, a LIMIT at a time, each read about
-            # what the shortfall needs: never a cursor over every candidate.
-            upto, after = bound, None
+            # what the shortfall needs: never a cursor over every candidate. ``past``: the rows up
+            # to that score are read already (take_each's bound).
+            upto, after = bound, None if past is None else (past, None)
             limit = 0
             while True:
                 q = self._query(env_ids, by_env, upto, after)
