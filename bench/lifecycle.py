@@ -508,9 +508,8 @@ def measure_planning(db: str, index: Any) -> dict[str, Any]:
 def _serial_cost_plans(ctx: Context, cache: Any, index: Any, total: int, env_max: int) -> dict[str, Any]:
     """PostgreSQL's cost plans again with no parallel workers, so every CPU second is counted."""
     with index.engine.connect() as conn:
-        name = conn.exec_driver_sql("SELECT current_database()").scalar()
         conn.execution_options(isolation_level="AUTOCOMMIT").exec_driver_sql(
-            f'ALTER DATABASE "{name}" SET max_parallel_workers_per_gather = 0')
+            f'ALTER DATABASE "{index.engine.url.database}" SET max_parallel_workers_per_gather = 0')
     index.engine.dispose()  # new sessions read the setting
     out: dict[str, Any] = {}
     for label, (_, spec) in PLANS.items():
@@ -678,7 +677,7 @@ def planning_markdown(pl: dict[str, Any], quick: bool) -> str:
       "`coalesce(last_access_at, created_at), id` (`--unused-for` range-scans; gc's lru walks in order). "
       "A gc cut reads candidates in (score, id) order and stops at the cut: SQLite's lru walk streams the "
       "index in order and needs no bound; where the database sorts, a 1-in-64 sample gives a bound "
-      "(every over-limit environment's from one sample query, their cuts from one read), and an "
+      "(on PostgreSQL every over-limit environment's from one sample query, their cuts from one read), and an "
       "environment whose sample fell short reads on with LIMIT and keyset. The rows come off the driver's "
       "cursor as plain tuples (fetches sized to what the cut still needs; no PostgreSQL server-side "
       "cursor, which cost a round trip per batch and ruled out a parallel plan), lru's last use comes "
