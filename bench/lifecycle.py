@@ -563,7 +563,8 @@ def run(quick: bool = False) -> dict[str, Any]:
 def run_planning(n_rows: int, work: Path) -> dict[str, Any]:
     """The planning part on SQLite, then on PostgreSQL (CACHECTL_BENCH_PG_URL or CACHECTL_TEST_PG_URL)."""
     (work / "sqlite").mkdir(exist_ok=True)
-    out: dict[str, Any] = {"sqlite": bench_planning(f"sqlite:///{work / 'sqlite' / 'index.db'}", n_rows, work)}
+    out: dict[str, Any] = {"load_start": os.getloadavg()}
+    out["sqlite"] = bench_planning(f"sqlite:///{work / 'sqlite' / 'index.db'}", n_rows, work)
     pg_admin = os.environ.get("CACHECTL_BENCH_PG_URL") or os.environ.get("CACHECTL_TEST_PG_URL")
     if pg_admin:
         name = infra.unique_name("cachectl_bench").replace("-", "_")
@@ -637,13 +638,14 @@ def planning_markdown(pl: dict[str, Any], quick: bool) -> str:
     """The planning part of the section: every prune and gc plan at 1,000,000 rows on each database."""
     out = io.StringIO()
     w = out.write
-    first = next((v for v in pl.values() if not isinstance(v, str)), None)
+    first = next((v for v in pl.values() if isinstance(v, dict)), None)
     rows = f"{first['rows']:,}" if first else "?"
     w(f"{PLANNING_HEADING}: every prune and gc plan over {rows} entry rows\n\n")
     w(f"Produced by `python -m bench --only lifecycle{' --quick' if quick else ''}` (the planning part alone: "
       f"`python bench/lifecycle.py --planning-only{' --quick' if quick else ''}`). Machine: "
-      f"{os.cpu_count()} cores shared with seven other engineers' test runs; load average at the start of "
-      "each database's part below. Rows are generated inside the database (random sizes 1 kB - 1 MB, "
+      f"{os.cpu_count()} cores shared with seven other engineers' test runs; load average "
+      f"{' '.join(f'{x:.2f}' for x in pl.get('load_start', ()))} at the start (and after each "
+      "database's part, below). Rows are generated inside the database (random sizes 1 kB - 1 MB, "
       "compile times 1-120 s, created over 90 days, 30% with a last access) in 18 environments (6 JAX "
       "versions x 3 hardware kinds), then ANALYZE (PostgreSQL: VACUUM ANALYZE, as autovacuum would).\n\n")
     w("Each plan is what `--dry-run` builds (`plan_prune` / `plan_gc`: the index queries and the Python plan "
