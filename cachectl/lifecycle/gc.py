@@ -131,11 +131,20 @@ def _planned(cuts: Cuts, namespace: dict[int, str]) -> list[PlannedEntry]:
     """One PlannedEntry per cut row, its reason naming the cut and the score (the hot loop of a
     100k-entry plan: plain tuples in, one object and one string out per row)."""
     taken = cuts.env_taken
+    one_cut = "max-size" if not taken else "env-max-size" if len(taken) == len(cuts.rows) else None
     if cuts.lru:
         # The last use to the minute comes as text from the database (the rows' 7th column).
+        if one_cut is not None:  # every row from one cut: no lookup per row
+            why = f"{one_cut}; last used "
+            return [PlannedEntry(env_id, namespace[env_id], key, unit - (aot or 0), why + minute, aot)
+                    for _, _, env_id, key, unit, aot, minute in cuts.rows]
         return [PlannedEntry(env_id, namespace[env_id], key, unit - (aot or 0),
                              f"{'env-max-size' if id_ in taken else 'max-size'}; last used {minute}", aot)
                 for _, id_, env_id, key, unit, aot, minute in cuts.rows]
+    if one_cut is not None:
+        return [PlannedEntry(env_id, namespace[env_id], key, unit - (aot or 0),
+                             f"{one_cut}; cost score {sc:.4g}", aot)
+                for sc, _, env_id, key, unit, aot in cuts.rows]
     return [PlannedEntry(env_id, namespace[env_id], key, unit - (aot or 0),
                          f"{'env-max-size' if id_ in taken else 'max-size'}; cost score {sc:.4g}", aot)
             for sc, id_, env_id, key, unit, aot in cuts.rows]
