@@ -667,6 +667,11 @@ def planning_markdown(pl: dict[str, Any], quick: bool) -> str:
             w(f"| `{name}` | {p['plan_s']} | **{p['plan_cpu_s']}** | {p['entries']:,} | {p['entry_rows']:,} | "
               f"{p['table_s']} | {p['json_s']} |\n")
         w("\n")
+    slow = [f"`{name}` on {dialect} ({p['plan_cpu_s']} CPU s)" for dialect in ("sqlite", "postgresql")
+            if isinstance(pl.get(dialect), dict) for name, p in pl[dialect]["plans"].items()
+            if p["plan_cpu_s"] >= 1]
+    w("Over 1 s of CPU in this run (the goal: none; PostgreSQL's parallel workers aside, see below): "
+      + (", ".join(slow) if slow else "none") + ".\n\n")
     pg = pl.get("postgresql")
     serial = pg.get("serial", {}) if isinstance(pg, dict) else {}
     if serial:
