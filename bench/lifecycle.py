@@ -445,7 +445,8 @@ def _render(plan: Any) -> tuple[float, float]:
         lifecycle_cmds._print_plan(plan, True)
         table_s = time.perf_counter() - t0
         t1 = time.perf_counter()
-        sink.write(json.dumps(render.to_jsonable(plan), indent=2))
+        with contextlib.redirect_stdout(sink):
+            render.print_json(plan)  # what --json prints
         json_s = time.perf_counter() - t1
     finally:
         lifecycle_cmds.stdout = render.stdout = saved
@@ -497,8 +498,28 @@ def measure_planning(db: str, index: Any) -> dict[str, Any]:
         plans[name] = {"plan_s": secs, "plan_cpu_s": cpu, "entries": deletion.entry_count,
                        "namespaces": len(deletion.namespaces), "entry_rows": len(deletion.entries),
                        "table_s": table_s, "json_s": json_s}
-    return {"environments": len(envs), "totals_s": totals_s, "totals_cpu_s": totals_cpu, "plans": plans,
-            "load": os.getloadavg()}
+    out = {"environments": len(envs), "totals_s": totals_s, "totals_cpu_s": totals_cpu, "plans": plans,
+           "load": os.getloadavg()}
+    if index.dialect == "postgresql":
+        out["serial"] = _serial_cost_plans(ctx, cache, index, total, env_max)
+    return out
+
+
+def _serial_cost_plans(ctx: Context, cache: Any, index: Any, total: int, env_max: int) -> dict[str, Any]:
+    """PostgreSQL's cost plans again with no parallel workers, so every CPU second is counted."""
+    with index.engine.connect() as conn:
+        conn.execution_options(isolation_level="AUTOCOMMIT").exec_driver_sql(
+            f'ALTER DATABASE "{index.engine.url.database}" SET max_parallel_workers_per_gather = 0')
+    index.engine.dispose()  # new sessions read the setting
+    out: dict[str, Any] = {}
+    for label, (_, spec) in PLANS.items():
+        if not label.startswith("gc") or spec["policy"] != "cost":
+            continue
+        limited = dataclasses.replace(cache, env_max_size=env_max if spec["env"] else None)
+        secs, cpu, _ = _best(lambda limited=limited, spec=spec: plan_gc(
+            ctx, limited, policy=spec["policy"], max_size=int(total * 0.9)), index)
+        out[label] = {"plan_s": secs, "plan_cpu_s": cpu}
+    return out
 
 
 # --------------------------------------------------------------------- driver
@@ -542,7 +563,8 @@ def run(quick: bool = False) -> dict[str, Any]:
 def run_planning(n_rows: int, work: Path) -> dict[str, Any]:
     """The planning part on SQLite, then on PostgreSQL (CACHECTL_BENCH_PG_URL or CACHECTL_TEST_PG_URL)."""
     (work / "sqlite").mkdir(exist_ok=True)
-    out: dict[str, Any] = {"sqlite": bench_planning(f"sqlite:///{work / 'sqlite' / 'index.db'}", n_rows, work)}
+    out: dict[str, Any] = {"load_start": os.getloadavg()}
+    out["sqlite"] = bench_planning(f"sqlite:///{work / 'sqlite' / 'index.db'}", n_rows, work)
     pg_admin = os.environ.get("CACHECTL_BENCH_PG_URL") or os.environ.get("CACHECTL_TEST_PG_URL")
     if pg_admin:
         name = infra.unique_name("cachectl_bench").replace("-", "_")
@@ -632,13 +654,14 @@ def planning_markdown(pl: dict[str, Any], quick: bool) -> str:
     """The planning part of the section: every prune and gc plan at 1,000,000 rows on each database."""
     out = io.StringIO()
     w = out.write
-    first = next((v for v in pl.values() if not isinstance(v, str)), None)
+    first = next((v for v in pl.values() if isinstance(v, dict)), None)
     rows = f"{first['rows']:,}" if first else "?"
     w(f"{PLANNING_HEADING}: every prune and gc plan over {rows} entry rows\n\n")
     w(f"Produced by `python -m bench --only lifecycle{' --quick' if quick else ''}` (the planning part alone: "
       f"`python bench/lifecycle.py --planning-only{' --quick' if quick else ''}`). Machine: "
-      f"{os.cpu_count()} cores shared with seven other engineers' test runs; load average at the start of "
-      "each database's part below. Rows are generated inside the database (random sizes 1 kB - 1 MB, "
+      f"{os.cpu_count()} cores shared with seven other engineers' test runs; load average "
+      f"{' '.join(f'{x:.2f}' for x in pl.get('load_start', ()))} at the start (and after each "
+      "database's part, below). Rows are generated inside the database (random sizes 1 kB - 1 MB, "
       "compile times 1-120 s, created over 90 days, 30% with a last access) in 18 environments (6 JAX "
       "versions x 3 hardware kinds), then ANALYZE (PostgreSQL: VACUUM ANALYZE, as autovacuum would).\n\n")
     w("Each plan is what `--dry-run` builds (`plan_prune` / `plan_gc`: the index queries and the Python plan "
@@ -660,18 +683,41 @@ def planning_markdown(pl: dict[str, Any], quick: bool) -> str:
             w(f"| `{name}` | {p['plan_s']} | **{p['plan_cpu_s']}** | {p['entries']:,} | {p['entry_rows']:,} | "
               f"{p['table_s']} | {p['json_s']} |\n")
         w("\n")
+    slow = [f"`{name}` on {dialect} ({p['plan_cpu_s']} CPU s)" for dialect in ("sqlite", "postgresql")
+            if isinstance(pl.get(dialect), dict) for name, p in pl[dialect]["plans"].items()
+            if p["plan_cpu_s"] >= 1]
+    w("Over 1 s of CPU in this run (the goal: none; PostgreSQL's parallel workers aside, see below): "
+      + (", ".join(slow) if slow else "none") + ".\n\n")
+    pg = pl.get("postgresql")
+    serial = pg.get("serial", {}) if isinstance(pg, dict) else {}
+    if serial:
+        w("PostgreSQL runs the cost policy's scans with parallel workers, whose CPU the column above "
+          "leaves out; the same plans with `max_parallel_workers_per_gather = 0` (every cycle in the "
+          "count): " + "; ".join(f"`{name}` {v['plan_s']} s wall, **{v['plan_cpu_s']}** CPU s"
+                                   for name, v in serial.items()) + ".\n\n")
     w("How: migration 0007 adds `ix_entries_env_plan` (environment, both sizes, compile time, last access, "
       "creation, warm run, id: the totals and gc's cost score read no table row) and two indexes on "
       "`coalesce(last_access_at, created_at), id` (`--unused-for` range-scans; gc's lru walks in order). "
-      "Each gc cut reads candidates in score order only up to a bound a 1-in-64 sample gives (and on past "
-      "it if the sample fell short): the database returns ~10% of the rows, sorted, not 1,000,000. "
-      "`prune --superseded` deletes namespaces whole, so its plan holds 15 rows, not 833k.\n\n")
-    w("On a bigger machine: with a free core, wall time comes down to about the CPU column (the queries "
-      "are single-threaded on SQLite; PostgreSQL may add parallel workers to the totals scan). What grows "
-      "with the cache is the part proportional to what is evicted (fetching the rows, building one plan "
-      "object each, and `--json`, which prints every one); the cost policy alone also scans every "
-      "candidate's index entry once per cut, because its score depends on the time now. "
-      "`--json` of a 100k-entry plan is the slowest step shown: the table prints only 50 rows.\n\n")
+      "A gc cut reads candidates in (score, id) order and stops at the cut: SQLite's lru walk streams the "
+      "index in order and needs no bound; where the database sorts, a 1-in-64 sample gives a bound "
+      "(on PostgreSQL every over-limit environment's from one sample query, their cuts from one read), and an "
+      "environment whose sample fell short reads on with LIMIT and keyset. The rows come off the driver's "
+      "cursor as plain tuples (fetches sized to what the cut still needs; no PostgreSQL server-side "
+      "cursor, which cost a round trip per batch and ruled out a parallel plan), lru's last use comes "
+      "printed by the database, and each becomes one `PlannedEntry`. `--json` writes the same bytes as "
+      "`json.dumps(indent=2)` without the pure-Python encoder. `prune --superseded` deletes namespaces "
+      "whole, so its plan holds 15 rows, not 833k.\n\n")
+    w("Where the time goes now, at 1,000,000 rows: what is proportional to the rows evicted (SQLite looks "
+      "up each evicted row's key in the table, ~2.5 us a row; building a `PlannedEntry` and its reason, "
+      "~2 us) and, for the cost policy, scoring every candidate once per plan (its score depends on the "
+      "time now; SQLite parses a date per row, PostgreSQL divides numerics). The `+ env_max_size` plans "
+      "evict ~20% of the cache, twice the rows of the 10% plans.\n\n")
+    w("On a bigger machine: with a free core, wall time comes down to about the CPU column (SQLite's "
+      "queries are single-threaded; PostgreSQL adds parallel workers to the cost policy's scans and to "
+      "the totals, so there its wall time can fall below the CPU spent). What grows with the cache is "
+      "the part proportional to what is evicted (fetching the rows, one plan object each, and `--json`, "
+      "which prints every one: ~1 s per 100k entries here, the slowest step shown; the table prints only "
+      "50 rows), and the cost policy's scoring pass, which grows with the candidates.\n\n")
     return out.getvalue()
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import functools
+import json
 from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -20,12 +21,20 @@ from typing import Any
 REDACTED = "<redacted>"
 
 
+_SCALARS = frozenset({str, int, float, bool, type(None)})
+
+
 def to_jsonable(obj: Any) -> Any:
     """Dataclasses, datetimes, enums and paths as plain JSON values."""
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        data = {f.name: _field_value(f, getattr(obj, f.name)) for f in dataclasses.fields(obj)
-                if f.metadata.get("json", True)}
-        for name in getattr(obj, "__json_extra__", ()):
+    if type(obj) in _SCALARS:  # exact types: an enum that is also a str still goes below
+        return obj
+    layout = _layout(type(obj)) if dataclasses.is_dataclass(obj) and not isinstance(obj, type) else None
+    if layout is not None:
+        fields, extra = layout
+        data = {name: _rounded(value, digits) if digits is not None else
+                (value if type(value) in _SCALARS else to_jsonable(value))
+                for name, digits, value in ((n, d, getattr(obj, n)) for n, d in fields)}
+        for name in extra:
             data[name] = to_jsonable(getattr(obj, name))
         return data
     if isinstance(obj, dict):
@@ -43,13 +52,102 @@ def to_jsonable(obj: Any) -> Any:
     return obj
 
 
-def _field_value(f: dataclasses.Field[Any], value: Any) -> Any:
+@functools.lru_cache(maxsize=512)
+def _layout(cls: type) -> tuple[tuple[tuple[str, int | None], ...], tuple[str, ...]]:
+    """A dataclass's JSON fields (name, decimals to round to) and extra properties, read once per
+    class: a plan of 100k entries asks 100k times."""
+    fields = tuple((f.name, f.metadata.get("round")) for f in dataclasses.fields(cls)
+                   if f.metadata.get("json", True))
+    return fields, tuple(getattr(cls, "__json_extra__", ()))
+
+
+def _rounded(value: Any, digits: int) -> Any:
     """A field's JSON value; ``metadata={"round": n}`` keeps n decimals (reports' seconds)."""
-    digits = f.metadata.get("round")
-    if digits is not None and isinstance(value, float):
+    if isinstance(value, float):
         return round(value, digits)
     return to_jsonable(value)
 
+
+def dumps_indented(data: Any) -> str:
+    """``json.dumps(data, indent=2)``, the same text, without the pure-Python encoder's generator
+    per value (``indent`` rules out the C one): a 200k-entry plan prints in a fraction of the time.
+    Takes what ``to_jsonable`` returns."""
+    parts: list[str] = []
+    _write(data, "\n", parts)
+    return "".join(parts)
+
+
+_ascii = json.encoder.encode_basestring_ascii  # type: ignore[attr-defined]
+
+
+def _scalar(value: Any) -> str:
+    """One JSON scalar as json.dumps writes it (ensure_ascii, NaN and Infinity allowed)."""
+    if isinstance(value, str):
+        return _ascii(value)
+    if value is None:
+        return "null"
+    if value is True:
+        return "true"
+    if value is False:
+        return "false"
+    if isinstance(value, int):
+        return int.__repr__(value)
+    if isinstance(value, float):
+        if value != value:
+            return "NaN"
+        if value in (_INF, -_INF):
+            return "Infinity" if value > 0 else "-Infinity"
+        return float.__repr__(value)
+    raise TypeError(f"Object of type {type(value).__name__} is not JSON serializable")
+
+
+_INF = float("inf")
+
+
+def _key(key: Any) -> str:
+    if isinstance(key, str):
+        return _ascii(key)
+    if isinstance(key, (int, float)) or key is None:
+        return _ascii(_scalar(key))
+    raise TypeError(f"keys must be str, int, float, bool or None, not {type(key).__name__}")
+
+
+def _write(value: Any, newline: str, parts: list[str]) -> None:
+    """Append ``value`` at the indentation ``newline`` ends with."""
+    kind = type(value)
+    if kind is str:
+        parts.append(_ascii(value))
+    elif isinstance(value, dict):
+        if not value:
+            parts.append("{}")
+            return
+        inner = newline + "  "
+        head = "{" + inner
+        for k, v in value.items():
+            parts.append(head + (_ascii(k) if type(k) is str else _key(k)) + ": ")
+            head = "," + inner
+            if type(v) is str:
+                parts.append(_ascii(v))
+            elif type(v) is int:
+                parts.append(int.__repr__(v))
+            elif isinstance(v, (dict, list, tuple)):
+                _write(v, inner, parts)
+            else:
+                parts.append(_scalar(v))
+        parts.append(newline + "}")
+    elif isinstance(value, (list, tuple)):
+        if not value:
+            parts.append("[]")
+            return
+        inner = newline + "  "
+        head = "[" + inner
+        for v in value:
+            parts.append(head)
+            head = "," + inner
+            _write(v, inner, parts)
+        parts.append(newline + "]")
+    else:
+        parts.append(_scalar(value))
 
 
 @functools.lru_cache(maxsize=256)

@@ -41,3 +41,23 @@ def test_the_client_drops_what_the_server_withheld() -> None:
     data = _wire(CacheInfo("c", "s3://b/p", storage_options={"key": "id", "secret": "s"}))
     data["storage_options"]["secret"] = REDACTED
     assert decode(CacheInfo, data).storage_options == {"key": "id"}
+
+
+def test_indented_text_is_what_json_dumps_writes() -> None:
+    """--json prints through dumps_indented: byte for byte json.dumps(indent=2), every kind of value."""
+    from cachectl.jsonable import dumps_indented
+
+    data = {
+        "plan": {"entries": [{"key": "jit_f-0", "size": 12, "aot_size": None, "files": ["a/b", "a/c"]},
+                             {"key": "ünï\u2028\"q\"\\", "size": -3, "aot_size": 7, "files": []}],
+                 "notes": [], "criteria": {}, "ratio": 0.1, "big": 10**30, "nan": float("nan"),
+                 "inf": float("inf"), "ninf": float("-inf"), "ok": True, "no": False, "tuple": (1, "x")},
+        1: "int key", 2.5: "float key", False: "bool key", None: "none key",
+        "nested": [[[]], [{}], [[1, [2.0]]]],
+    }
+    assert dumps_indented(data) == json.dumps(data, indent=2)
+    for scalar in ("s", 0, 1.5, None, True, [], {}):
+        assert dumps_indented(scalar) == json.dumps(scalar, indent=2)
+    plan = VerifyPlan(cache="c", root="/r", entries_checked=2,
+                      findings=[Finding("corrupt", "ns", "ns/k", "sha256 differs", action="quarantine")])
+    assert dumps_indented(to_jsonable(plan)) == json.dumps(to_jsonable(plan), indent=2)

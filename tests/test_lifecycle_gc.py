@@ -205,3 +205,41 @@ def test_eviction_cut_is_exact_when_the_sample_misleads(db_url, env_frac):
     assert [by_key[e.key] for e in got] == sorted(want)  # the whole cut, in score (= id) order
     assert sum(r["size"] for r in rows if r["id"] in want) >= 250_000
     index.close()
+
+
+def test_each_environment_cut_is_exact_when_some_samples_mislead(db_url):
+    """The per-environment cuts share one sample and one read where the database sorts; an
+    environment whose sample overstates its bytes reads on alone, the others must not move."""
+    from cachectl.index import open_index
+    from cachectl.index.lifecycle_queries import _SAMPLE_EVERY
+
+    index = open_index(db_url, auto_migrate=True)
+    index.add_cache(CACHE, "memory://unused")
+    now = utcnow()
+    rng = random.Random(7)
+    for v in range(3):
+        info = index.ensure_environment(CACHE, fake_env(f"0.{v}.0"))
+        index.upsert_entries(info.id, [
+            NewEntry(key=f"jit_f-{v}{i:063d}", module="jit_f", size=rng.randint(100, 300), sha256="0" * 64,
+                     origin="warm", created_at=now - timedelta(minutes=rng.randint(0, 100000)))
+            for i in range(6 * _SAMPLE_EVERY)])
+    with index.session() as s:
+        # The middle environment's sampled entries are huge: its sample says its cut ends early.
+        middle = sorted({e.environment_id for e in s.query(Entry).all()})[1]
+        s.execute(update(Entry).where(Entry.environment_id == middle, Entry.id % _SAMPLE_EVERY == 0)
+                  .values(size_bytes=50_000))
+        rows = [{"id": e.id, "env": e.environment_id, "key": e.key, "size": e.size_bytes, "score": e.created_at}
+                for e in s.query(Entry).all()]
+    env_totals: dict[int, int] = {}
+    for r in rows:
+        env_totals[r["env"]] = env_totals.get(r["env"], 0) + r["size"]
+    env_max = min(env_totals.values()) - 40_000
+    total = sum(env_totals.values())
+    got, _ = plan_evictions(index, CACHE, policy="lru", max_bytes=None, env_max_bytes=env_max, now=now)
+    want = _reference(rows, total, None, env_totals, env_max)
+    by_key = {r["key"]: r for r in rows}
+    assert {by_key[e.key]["id"] for e in got} == want
+    assert [(by_key[e.key]["score"], by_key[e.key]["id"]) for e in got] == sorted(
+        (r["score"], r["id"]) for r in rows if r["id"] in want)  # one score order across environments
+    assert {by_key[e.key]["env"] for e in got} == set(env_totals)
+    index.close()

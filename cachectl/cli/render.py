@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import sys
 from collections.abc import Callable, Sequence
 from datetime import datetime
@@ -14,7 +13,7 @@ from rich.measure import Measurement
 from rich.table import Table
 
 from cachectl.errors import CachectlError, ProblemsReported
-from cachectl.jsonable import to_jsonable
+from cachectl.jsonable import dumps_indented, to_jsonable
 from cachectl.units import format_size
 
 stdout = Console(soft_wrap=True)
@@ -26,7 +25,7 @@ json_option = click.option("--json", "as_json", is_flag=True, help="Print the re
 def print_json(obj: Any) -> None:
     """The wire format (cachectl.jsonable); a report with its own ``to_json`` (warm's) uses that."""
     data = obj.to_json() if callable(getattr(obj, "to_json", None)) else to_jsonable(obj)
-    sys.stdout.write(json.dumps(data, indent=2, sort_keys=False) + "\n")
+    sys.stdout.write(dumps_indented(data) + "\n")
 
 
 def table(title: str | None, columns: Sequence[str], rows: Sequence[Sequence[Any]],
