@@ -41,7 +41,7 @@ import tempfile
 import time
 from collections import Counter
 from contextlib import contextmanager
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -222,7 +222,7 @@ def bench_local(n: int, work: Path) -> dict[str, Any]:
 
 def _spread_times(ctx: Context, rng: random.Random) -> None:
     """sync stamps every entry 'now': spread creation and access times as a real cache has them."""
-    now = datetime.now(timezone.utc)
+    now = datetime.now(UTC)
     with ctx.index.session() as s:
         ids = [i for (i,) in s.execute(text("SELECT id FROM entries"))]
         params = [{"i": i, "c": now - timedelta(minutes=rng.randint(0, 90 * 1440)),
@@ -284,7 +284,7 @@ def bench_s3(n: int, work: Path) -> dict[str, Any]:
                 files[store._full(f"{env.namespace}/{key}-cache")] = data
                 rows.append(NewEntry(key=key, module=f"jit_f{i % 50}", size=len(data),
                                      sha256=hashlib.sha256(data).hexdigest(), origin="warm",
-                                     created_at=datetime.now(timezone.utc) - timedelta(minutes=per_env - i)))
+                                     created_at=datetime.now(UTC) - timedelta(minutes=per_env - i)))
             store.fs.pipe(files, batch_size=64)
             ctx.index.upsert_entries(info.id, rows)
         write_s = time.perf_counter() - t0
@@ -367,7 +367,7 @@ def _fill(db: str, n: int) -> tuple[Any, float]:
     t0 = time.perf_counter()
     n -= n % len(env_ids)
     params = {"n": n, "env0": env_ids[0], "per": n // len(env_ids), "sha": "0" * 64,
-              "now": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M:%S")}
+              "now": datetime.now(UTC).strftime("%Y-%m-%d %H:%M:%S")}
     if index.dialect == "postgresql":
         params.pop("now")
         with index.engine.begin() as conn:

@@ -15,7 +15,7 @@ import subprocess
 import sys
 import time
 import types
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +41,7 @@ def _old_decoder() -> Any:
 
 
 def _page() -> list[Any]:
-    at = datetime(2026, 1, 2, tzinfo=timezone.utc)
+    at = datetime(2026, 1, 2, tzinfo=UTC)
     entries = [EntryInfo(key=f"jit_f-{i:060d}", module="jit_f", size=1000 + i, sha256=f"{i:064x}",
                          compile_time_ms=1200, origin="warm", function="f", bucket={"batch": 8, "seq": 128},
                          created_at=at, last_access_at=at, hit_count=i, environment_id=1,

@@ -35,7 +35,7 @@ from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import IO, Any
 
@@ -289,7 +289,7 @@ def create(ctx: Context, output: str | os.PathLike[str], *, cache: CacheInfo | N
         entries.append(BundleEntry(e.key, e.function, e.bucket, e.size, e.sha256, e.compile_time_ms,
                                    e.aot_size, e.aot_sha256))
     content = signing.content_list(info.digest, files)
-    created_at = datetime.now(timezone.utc)
+    created_at = datetime.now(UTC)
     meta = {"format": FORMAT, "created_at": created_at.isoformat(), "cache": cache.name,
             "environment": info.environment.to_dict(), "digest": info.digest, "namespace": ns,
             "entries": [e.__dict__ for e in entries], "content": content}

@@ -6,7 +6,7 @@ import getpass
 import socket
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 
 from cachectl.errors import BadInput, NotFound
@@ -107,7 +107,7 @@ class AuditInfo:
 
 
 def utcnow() -> datetime:
-    return datetime.now(timezone.utc)
+    return datetime.now(UTC)
 
 
 def actor() -> str:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 import sqlite3
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 from urllib.parse import unquote
@@ -54,12 +54,12 @@ def sqlite_path(url: str) -> Path | None:
 def _stamp(value: datetime) -> str:
     """A UTC time as SQLAlchemy's SQLite DateTime stores it (so string order is time order)."""
     if value.tzinfo is not None:
-        value = value.astimezone(timezone.utc).replace(tzinfo=None)
+        value = value.astimezone(UTC).replace(tzinfo=None)
     return value.strftime("%Y-%m-%d %H:%M:%S.%f")
 
 
 def _parse(value: str | None) -> datetime | None:
-    return None if value is None else datetime.fromisoformat(value).replace(tzinfo=timezone.utc)
+    return None if value is None else datetime.fromisoformat(value).replace(tzinfo=UTC)
 
 
 def _json(value: Any) -> str:

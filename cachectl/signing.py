@@ -23,7 +23,7 @@ import json
 import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -168,7 +168,7 @@ def sign(key: SigningKey, content: dict[str, Any]) -> dict[str, Any]:
     signature = key.private.sign(canonical(content))
     return {"content": content, "key": key.public_key, "key_id": key.key_id,
             "signature": base64.b64encode(signature).decode(),
-            "signed_at": datetime.now(timezone.utc).isoformat()}
+            "signed_at": datetime.now(UTC).isoformat()}
 
 
 def verify(signed: dict[str, Any] | None, trusted: Sequence[str], what: str) -> dict[str, Any]:

@@ -21,7 +21,7 @@ import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from functools import cached_property
 from typing import Any, BinaryIO, TypeVar
 
@@ -241,9 +241,9 @@ def _mtime(info: dict[str, Any]) -> datetime | None:
         if value is None:
             continue
         if isinstance(value, datetime):
-            return value if value.tzinfo else value.replace(tzinfo=timezone.utc)
+            return value if value.tzinfo else value.replace(tzinfo=UTC)
         if isinstance(value, (int, float)):
-            return datetime.fromtimestamp(float(value), tz=timezone.utc)
+            return datetime.fromtimestamp(float(value), tz=UTC)
         if isinstance(value, str):
             try:
                 return datetime.fromisoformat(value.replace("Z", "+00:00"))
@@ -371,10 +371,10 @@ class Store:
         found.sort()
         root = self.root.rstrip("/")
         if top != root and not top.startswith(root + "/"):  # not below the root as spelled: the general way
-            return [FileInfo(self._rel(name), int(size), datetime.fromtimestamp(mtime, tz=timezone.utc))
+            return [FileInfo(self._rel(name), int(size), datetime.fromtimestamp(mtime, tz=UTC))
                     for name, size, mtime in found]
         cut = len(root) + 1  # every name is root + "/" + its relative path
-        return [FileInfo(name[cut:], int(size), datetime.fromtimestamp(mtime, tz=timezone.utc))
+        return [FileInfo(name[cut:], int(size), datetime.fromtimestamp(mtime, tz=UTC))
                 for name, size, mtime in found]
 
     def iter_dirs(self, rel: str = "") -> Iterator[str]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 
 import pytest
 from sqlalchemy import inspect
@@ -115,7 +115,7 @@ def test_environment_stats_and_prefix_lookup(index) -> None:
     env = index.ensure_environment("a", ENV)
     other = index.ensure_environment("a", dataclasses.replace(ENV, jax_version="0.9.0"))
     index.upsert_entries(env.id, [entry(1), entry(2)])
-    at = datetime(2030, 1, 1, tzinfo=timezone.utc)
+    at = datetime(2030, 1, 1, tzinfo=UTC)
     assert index.record_hits(env.id, {entry(1).key: (3, at)}) == 1
     stats = {e.digest: e for e in index.environment_stats("a")}
     assert stats[env.digest].entries == 2 and stats[env.digest].bytes == 101 + 102
@@ -160,7 +160,7 @@ def test_timestamps_are_utc_aware(index) -> None:
     index.upsert_entries(env.id, [entry(1)])
     e = index.list_entries(env.id)[0]
     assert e.created_at is not None and e.created_at.tzinfo is not None
-    assert abs(e.created_at - datetime.now(timezone.utc)) < timedelta(minutes=5)
+    assert abs(e.created_at - datetime.now(UTC)) < timedelta(minutes=5)
 
 
 def test_postgres_needs_explicit_upgrade(pg_url: str) -> None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 from cachectl.client import decode
 from cachectl.fingerprint import current_environment
@@ -17,7 +17,7 @@ def _wire(value: object) -> object:
 
 
 def test_records_survive_the_wire_with_their_types() -> None:
-    at = datetime(2026, 1, 2, 3, 4, 5, tzinfo=timezone.utc)
+    at = datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC)
     env = EnvironmentInfo(id=7, cache="c", digest="d" * 64, namespace="jax-x/cpu", environment=current_environment(),
                           created_at=at, last_seen_at=None, deleted_at=None, entries=3, bytes=1024)
     back = from_jsonable(list[EnvironmentInfo], _wire([env]))

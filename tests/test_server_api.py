@@ -7,7 +7,7 @@ import http.client
 import os
 import time
 import zlib
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 import pytest
 from fastapi.testclient import TestClient
@@ -256,7 +256,7 @@ def test_policy_telemetry_and_metrics(world) -> None:
     a, r = bearer(s.tokens["admin"]), bearer(s.tokens["reader"])
     res = c.patch(f"{API}/caches/{MAIN}", json={"max_size": "1MiB", "retention": "30d", "keep_versions": 2}, headers=a)
     assert res.status_code == 200 and res.json()["max_size"] == 1024**2 and res.json()["retention_seconds"] == 30 * 86400
-    hit_at = datetime.now(timezone.utc)
+    hit_at = datetime.now(UTC)
     batch = {"process": "host:1", "cache": MAIN, "environment_digest": s.digest,
              "started_at": "2026-01-01T00:00:00+00:00", "ended_at": "2026-01-01T00:00:05+00:00",
              "functions": [{"function": "jit_train", "requests": 5, "hits": 4, "writes": 1, "saved_seconds": 3.5}],
@@ -423,7 +423,7 @@ def test_serving_telemetry_through_the_server_is_bounded_and_recorded(world) -> 
 
     s, app, c = world
     r = bearer(s.tokens["reader"])
-    now = datetime.now(timezone.utc)
+    now = datetime.now(UTC)
     batch = TelemetryBatch(process="host:7", cache=MAIN, environment_digest=s.digest, started_at=now,
                            ended_at=now, functions={}, hit_keys={}, dropped=0,
                            serving={"prefill": ServingCounts(5, 4, 1, 0, 3, {"seq": {17: 2, 50: 3}})})
@@ -450,7 +450,7 @@ def test_signatures_through_the_server_reach_misses(world) -> None:
 
     s, app, c = world
     r = bearer(s.tokens["reader"])
-    now = datetime.now(timezone.utc)
+    now = datetime.now(UTC)
     sig = SignatureCounts(((( 3, 8), "float32", False, None), ((8, 8), "float32", False, None)),
                           "jit_affine-" + "a" * 64, requests=2, hits=0, misses=2, first_seen=_time.time(),
                           last_seen=_time.time() + 10**6, source="affine at model.py:3")
@@ -462,7 +462,7 @@ def test_signatures_through_the_server_reach_misses(world) -> None:
     rows = signature_usage(open_index(s.db), MAIN, timedelta(hours=1))
     (row,) = [x for x in rows if x.function == "jit_affine"]
     assert row.misses == 2 and row.leaves[0][0] == [3, 8] and row.source == "affine at model.py:3"
-    assert row.last_seen <= datetime.now(timezone.utc)  # a claimed future time is clamped
+    assert row.last_seen <= datetime.now(UTC)  # a claimed future time is clamped
     bad = telemetry_wire(batch)
     bad["signatures"][0]["requests"] = 2**53
     assert c.post(f"{API}/telemetry", json={"batches": [bad]}, headers=r).status_code == 422

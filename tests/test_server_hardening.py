@@ -11,7 +11,7 @@ import subprocess
 import threading
 import time
 from collections.abc import Iterator
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 
 import httpx
 import pytest
@@ -61,7 +61,7 @@ def _raw_head(port: int, request: bytes, body_part: bytes, timeout: float = 5.0)
 
 
 def _batch(s, **overrides):
-    now = datetime.now(timezone.utc)
+    now = datetime.now(UTC)
     batch = {"process": "host:1", "cache": MAIN, "environment_digest": s.digest,
              "started_at": (now - timedelta(seconds=5)).isoformat(), "ended_at": now.isoformat(),
              "functions": [{"function": "jit_train", "requests": 5, "hits": 4, "writes": 1}],
@@ -115,7 +115,7 @@ def test_telemetry_counts_are_bounded_and_sums_never_overflow(world) -> None:
         huge = _batch(s, functions=[{"function": "f", "requests": 2**53, "hits": 2**53}])
         assert c.post(f"{API}/telemetry", json=huge, headers=r).status_code == 422
         huge_key = _batch(s, hit_keys=[{"key": s.keys[0], "count": 2**53,
-                                        "at": datetime.now(timezone.utc).isoformat()}])
+                                        "at": datetime.now(UTC).isoformat()}])
         assert c.post(f"{API}/telemetry", json=huge_key, headers=r).status_code == 422
         assert c.post(f"{API}/telemetry", json=_batch(s, dropped=2**53), headers=r).status_code == 422
         # a flush dated in the future is recorded at the server's now (it would outlive every retention)
@@ -126,7 +126,7 @@ def test_telemetry_counts_are_bounded_and_sums_never_overflow(world) -> None:
         env = index.find_environment(MAIN, s.digest)
         with index.session() as session:
             session.execute(insert(TelemetryRecord), [
-                {"environment_id": env.id, "at": datetime.now(timezone.utc), "process": f"p{i}", "function": "f",
+                {"environment_id": env.id, "at": datetime.now(UTC), "process": f"p{i}", "function": "f",
                  "requests": 2**62, "hits": 2**62, "misses": 0, "writes": 0, "saved_seconds": 0.0, "dropped": 0}
                 for i in range(4)])
         page = c.get("/", headers=r)
@@ -136,7 +136,7 @@ def test_telemetry_counts_are_bounded_and_sums_never_overflow(world) -> None:
         # retention: maintenance deletes telemetry older than --telemetry-retention (30d by default)
         with index.session() as session:
             session.execute(insert(TelemetryRecord), [
-                {"environment_id": env.id, "at": datetime.now(timezone.utc) - timedelta(days=31), "process": "old",
+                {"environment_id": env.id, "at": datetime.now(UTC) - timedelta(days=31), "process": "old",
                  "function": "f", "requests": 1, "hits": 1, "misses": 0, "writes": 0, "saved_seconds": 0.0,
                  "dropped": 0}])
         live.server.config.app.state.cachectl.maintenance.run_once()
@@ -145,7 +145,7 @@ def test_telemetry_counts_are_bounded_and_sums_never_overflow(world) -> None:
         assert "old" not in processes and {"p0", "p1", "p2", "p3"} <= processes
         with index.session() as session:
             dated = session.scalar(select(TelemetryRecord.at).where(TelemetryRecord.process == "future"))
-        assert dated <= datetime.now(timezone.utc)
+        assert dated <= datetime.now(UTC)
         index.close()
 
 
@@ -162,7 +162,7 @@ def test_reported_hit_times_are_clamped_and_never_move_back(world) -> None:
         future = _batch(s, hit_keys=[{"key": s.keys[0], "count": 1, "at": "2999-01-01T00:00:00+00:00"},
                                      {"key": s.keys[1], "count": 1, "at": "1971-01-01T00:00:00+00:00"}])
         assert c.post(f"{API}/telemetry", json=future, headers=r).status_code == 200
-        after = datetime.now(timezone.utc)
+        after = datetime.now(UTC)
         rows = {e.key: e for e in index.list_entries(env.id)}
         assert created[s.keys[0]] <= rows[s.keys[0]].last_access_at <= after  # not the year 2999
         assert rows[s.keys[1]].last_access_at >= created[s.keys[1]]  # not before the entry existed
@@ -196,7 +196,7 @@ def test_made_up_fingerprints_never_supersede_real_environments(world) -> None:
         put = c.put(f"{API}/caches/{MAIN}/environments/{fake.digest}/entries/{key}",
                     content=make_entry(os.urandom(500)), headers=w)
         assert put.status_code == 201, put.text
-        hits = _batch(s, hit_keys=[{"key": s.keys[0], "count": 3, "at": datetime.now(timezone.utc).isoformat()}])
+        hits = _batch(s, hit_keys=[{"key": s.keys[0], "count": 3, "at": datetime.now(UTC).isoformat()}])
         assert c.post(f"{API}/telemetry", json=hits, headers=r).status_code == 200
         index = open_index(s.db)
         index.update_cache(MAIN, keep_versions=1)

@@ -8,7 +8,7 @@ import sqlite3
 import subprocess
 import sys
 import textwrap
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +22,7 @@ from cachectl.telemetry import FunctionCounts, TelemetryBatch
 from cachectl.telemetry.records import ServingCounts, SignatureCounts
 from cachectl.telemetry.rows import MAX_SIGNATURES_PER_FUNCTION
 
-T0 = datetime(2026, 11, 30, 12, 0, 0, 123456, tzinfo=timezone.utc)
+T0 = datetime(2026, 11, 30, 12, 0, 0, 123456, tzinfo=UTC)
 
 
 def test_the_stdlib_path_is_written_for_the_schema_head() -> None:
@@ -94,7 +94,7 @@ def test_both_writers_store_the_same_rows(tmp_path: Path) -> None:
     fast = service_sqlite.open_fast(fast_url)
     assert fast is not None
     for b in (first, second):
-        fast.record_telemetry(fast_env, b, datetime.now(timezone.utc))
+        fast.record_telemetry(fast_env, b, datetime.now(UTC))
     fast.close()
 
     slow, quick = _dump(slow_url), _dump(fast_url)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 
 from click.testing import CliRunner
 from infra import run_py
@@ -141,7 +141,7 @@ def test_stats_window_and_dropped_counts(db_url) -> None:
     index.add_cache("c", "/tmp/unused-root")
     env = current_environment()
     env_id = index.ensure_environment("c", env).id
-    now = datetime.now(timezone.utc)
+    now = datetime.now(UTC)
 
     def batch(at: datetime, process: str, fn: str, req: int, hits: int, dropped: int = 0) -> TelemetryBatch:
         return TelemetryBatch(process, "c", env.digest, at, at,

@@ -9,7 +9,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from sqlalchemy import bindparam, case, delete, func, select, update
@@ -319,7 +319,7 @@ class Index:
             out = []
             for row, n, b, la, x, xb in s.execute(q):
                 if la is not None and la.tzinfo is None:  # SQLite's MAX() loses the column type
-                    la = la.replace(tzinfo=timezone.utc)
+                    la = la.replace(tzinfo=UTC)
                 out.append(_env_info(row, cache, n, b, la, x, xb))
             return out
 
@@ -454,7 +454,7 @@ class Index:
         params = []
         for key, (count, at) in hits.items():
             if at.tzinfo is None:
-                at = at.replace(tzinfo=timezone.utc)
+                at = at.replace(tzinfo=UTC)
             params.append({"b_env": env_id, "b_key": key, "b_count": count,
                            "b_seen": at if not_after is None else min(at, not_after)})
         if not params:

@@ -20,7 +20,7 @@ import time
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 
 import zstandard
 
@@ -166,7 +166,7 @@ def plan_sync(ctx: Context, cache: CacheInfo, *, min_age: timedelta = DEFAULT_MI
     groups, strays = _group_by_namespace(store.list(""))
     known = {e.namespace: e for e in ctx.index.environment_stats(cache.name, include_deleted=True)}
     namespaces: list[NamespaceSync] = []
-    cutoff = datetime.now(timezone.utc) - min_age if min_age > timedelta(0) else None
+    cutoff = datetime.now(UTC) - min_age if min_age > timedelta(0) else None
     for ns_path in sorted(groups):
         files = groups[ns_path]
         names = {rel for rel, _ in files}

@@ -18,7 +18,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from threading import get_ident
 from typing import Any
 
@@ -359,7 +359,7 @@ class Collector:
                 serving.update({k: v for k, v in source().items() if not v.empty})
 
         def utc(ts: float) -> datetime:
-            return datetime.fromtimestamp(ts, tz=timezone.utc)
+            return datetime.fromtimestamp(ts, tz=UTC)
 
         named: dict[tuple[Any, ...], SignatureCounts] = {}
         for ident, c in signatures.items():

@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Iterable
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 
 from cachectl.telemetry.records import TelemetryBatch, check_batch
@@ -62,7 +62,7 @@ def hit_times(batch: TelemetryBatch, now: datetime) -> dict[str, tuple[int, date
     out = {}
     for key, (count, at) in batch.hit_keys.items():
         if at.tzinfo is None:
-            at = at.replace(tzinfo=timezone.utc)
+            at = at.replace(tzinfo=UTC)
         out[key] = (count, min(at, now))
     return out
 
@@ -70,7 +70,7 @@ def hit_times(batch: TelemetryBatch, now: datetime) -> dict[str, tuple[int, date
 def merged_signatures(batch: TelemetryBatch) -> dict[tuple[str, str], dict[str, Any]]:
     """One flush's signatures keyed by (function, digest), the dropped ones in digest '*'."""
     def utc(ts: float) -> datetime:
-        return datetime.fromtimestamp(ts, tz=timezone.utc)
+        return datetime.fromtimestamp(ts, tz=UTC)
 
     merged: dict[tuple[str, str], dict[str, Any]] = {}
     for (module, *_rest), c in batch.signatures.items():
