@@ -20,7 +20,7 @@ from test_lifecycle_support import (
 )
 
 from cachectl.index import NewEntry
-from cachectl.index.lifecycle_queries import plan_evictions
+from cachectl.index.eviction_queries import plan_evictions
 from cachectl.index.models import Entry, WarmRun, utcnow
 
 
@@ -183,7 +183,7 @@ def test_eviction_cut_is_exact_when_the_sample_misleads(db_url, env_frac):
     """gc reads as far as a 1-in-64 sample says the cut ends; a sample that overstates the bytes
     there (every sampled entry huge, the rest tiny) must cost a second read, never a short cut."""
     from cachectl.index import open_index
-    from cachectl.index.lifecycle_queries import _SAMPLE_EVERY
+    from cachectl.index.eviction_queries import _SAMPLE_EVERY
 
     index = open_index(db_url, auto_migrate=True)
     index.add_cache(CACHE, "memory://unused")
@@ -211,7 +211,7 @@ def test_each_environment_cut_is_exact_when_some_samples_mislead(db_url):
     """The per-environment cuts share one sample and one read where the database sorts; an
     environment whose sample overstates its bytes reads on alone, the others must not move."""
     from cachectl.index import open_index
-    from cachectl.index.lifecycle_queries import _SAMPLE_EVERY
+    from cachectl.index.eviction_queries import _SAMPLE_EVERY
 
     index = open_index(db_url, auto_migrate=True)
     index.add_cache(CACHE, "memory://unused")

@@ -19,10 +19,9 @@ from datetime import datetime
 from cachectl.context import Context
 from cachectl.errors import BadInput
 from cachectl.index import CacheInfo
+from cachectl.index.eviction_queries import Cuts, eviction_cuts
 from cachectl.index.lifecycle_queries import (
-    Cuts,
     environments,
-    eviction_cuts,
     newest_finished_warm_runs,
     warms_in_progress,
 )

@@ -1,0 +1,160 @@
+"""The bundle format: its names, the records `bundle ls` shows, and reading a bundle's metadata."""
+
+from __future__ import annotations
+
+import json
+import os
+import tarfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+from cachectl import signing
+from cachectl.errors import BadInput
+
+FORMAT = "cachectl-bundle/1"
+META = "bundle.json"
+SIGNATURE = "signature.json"
+FILES = "files/"
+ORIGIN = "bundle"
+STAGING_DIR = ".staging"
+_CHUNK = 1 << 20
+
+
+class BadBundle(BadInput):
+    """A bundle that is not one, or whose files do not match its content list."""
+
+
+@dataclass(frozen=True)
+class BundleEntry:
+    key: str
+    function: str | None
+    bucket: dict[str, Any] | None
+    size: int
+    sha256: str
+    compile_time_ms: int | None
+    aot_size: int | None
+    aot_sha256: str | None
+
+
+@dataclass(frozen=True)
+class BundleInfo:
+    """What `bundle create` wrote and `bundle ls` shows."""
+
+    path: str
+    environment: dict[str, Any]
+    digest: str
+    namespace: str
+    source_cache: str | None
+    created_at: str
+    entries: list[BundleEntry]
+    files: int
+    content_bytes: int
+    bundle_bytes: int
+    signed_by: str | None
+    duration_s: float = 0.0
+    dry_run: bool = False
+
+
+@dataclass(frozen=True)
+class InstallResult:
+    path: str
+    cache: str
+    digest: str
+    namespace: str
+    dest: str
+    entries: int
+    executables: int
+    installed: int
+    already_present: int
+    conflicts: list[str]
+    bytes: int
+    signed_by: str | None
+    duration_s: float
+    dry_run: bool
+    notes: list[str] = field(default_factory=list)
+
+
+# --------------------------------------------------------------------------- reading
+
+
+@contextmanager
+def _open(path: Path) -> Iterator[tarfile.TarFile]:
+    import zstandard
+
+    try:
+        fh: IO[bytes] = open(path, "rb")  # noqa: SIM115 - closed by the with below
+    except OSError as exc:
+        raise BadInput(f"bundle {path}: {exc.strerror or exc}") from exc
+    with fh:
+        magic = fh.read(4)
+        fh.seek(0)
+        if magic != b"\x28\xb5\x2f\xfd":
+            raise BadBundle(f"{path} is not a cachectl bundle (not zstd-compressed)")
+        reader = zstandard.ZstdDecompressor().stream_reader(fh, read_across_frames=True)
+        try:
+            with tarfile.open(fileobj=reader, mode="r|") as tar:
+                yield tar
+        except (tarfile.TarError, zstandard.ZstdError, EOFError) as exc:
+            raise BadBundle(f"{path}: damaged bundle ({exc})") from exc
+
+
+def _read_json(tar: tarfile.TarFile, member: tarfile.TarInfo, path: Path) -> dict[str, Any]:
+    fh = tar.extractfile(member)
+    if fh is None or member.size > 256 << 20:
+        raise BadBundle(f"{path}: {member.name} is not a regular file")
+    try:
+        data = json.loads(fh.read())
+    except ValueError as exc:
+        raise BadBundle(f"{path}: {member.name} is not JSON ({exc})") from exc
+    if not isinstance(data, dict):
+        raise BadBundle(f"{path}: {member.name} is not a JSON object")
+    return data
+
+
+def _meta(path: Path, tar: tarfile.TarFile) -> tuple[dict[str, Any], dict[str, Any] | None, tarfile.TarInfo | None]:
+    """bundle.json, signature.json (or None), and the first file member (or None)."""
+    first = tar.next()
+    if first is None or first.name != META:
+        raise BadBundle(f"{path} is not a cachectl bundle: its first member is not {META}")
+    meta = _read_json(tar, first, path)
+    if meta.get("format") != FORMAT:
+        raise BadBundle(f"{path}: unknown bundle format {meta.get('format')!r} (this cachectl reads {FORMAT})")
+    for field_name in ("environment", "digest", "namespace", "entries", "content"):
+        if field_name not in meta:
+            raise BadBundle(f"{path}: {META} lacks {field_name!r}")
+    member = tar.next()
+    signed = None
+    if member is not None and member.name == SIGNATURE:
+        signed = _read_json(tar, member, path)
+        member = tar.next()
+    return meta, signed, member
+
+
+def _entries(meta: dict[str, Any]) -> list[BundleEntry]:
+    names = {f.name for f in BundleEntry.__dataclass_fields__.values()}
+    return [BundleEntry(**{k: v for k, v in e.items() if k in names}) for e in meta["entries"]]
+
+
+def describe(path: str | os.PathLike[str]) -> BundleInfo:
+    """`bundle ls`: what a bundle holds (reads only its first members)."""
+    p = Path(path).expanduser().absolute()
+    with _open(p) as tar:
+        meta, signed, _ = _meta(p, tar)
+    files = signing.files_of(meta["content"])
+    return BundleInfo(str(p), meta["environment"], meta["digest"], meta["namespace"], meta.get("cache"),
+                      meta.get("created_at", ""), _entries(meta), len(files), sum(s for s, _ in files.values()),
+                      p.stat().st_size, signing.key_id(signed["key"]) if signed and signed.get("key") else None)
+
+
+def _write_all(fd: int, bufs: list[bytes | memoryview]) -> None:
+    """os.writev until everything is written (a write may be short)."""
+    while bufs:
+        n = os.writev(fd, bufs[:1024])
+        while bufs and n >= len(bufs[0]):
+            n -= len(bufs[0])
+            bufs.pop(0)
+        if n:
+            bufs[0] = memoryview(bufs[0])[n:]

@@ -1,0 +1,382 @@
+"""gc's plans from the index: which entries a size limit evicts, by least recent use or by cost.
+
+Each cut (per environment over its limit, then the whole cache) reads candidates in (score, id)
+order only up to a bound a 1-in-64 sample gives, plus a margin, and reads on if the sample fell
+short; Python keeps the running total of sizes to find the exact cut (cachectl/lifecycle/gc.py
+turns the cuts into a plan).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+from datetime import datetime
+from functools import partial
+from typing import Any, NamedTuple
+
+from sqlalchemy import (
+    Float,
+    String,
+    and_,
+    case,
+    cast,
+    func,
+    or_,
+    select,
+    type_coerce,
+)
+from sqlalchemy.sql.elements import ColumnElement
+
+from cachectl.index import Index, unit_size
+
+# A running warm whose heartbeat is older than this is presumed dead.
+from cachectl.index.lifecycle_queries import (
+    _STREAM_ROWS,
+    COST_HALF_LIFE_DAYS,
+    DEFAULT_COMPILE_MS,
+    Eviction,
+    _as_bound,
+    cache_id,
+)
+from cachectl.index.models import (
+    Entry,
+    last_used,
+    utcnow,
+)
+from cachectl.index.models import Environment as EnvRow
+
+
+def _score(dialect: str, policy: str, now: datetime) -> ColumnElement[float]:
+    """What gc evicts first (lowest score first).
+
+    lru: last access (created when never accessed). cost: GreedyDual-Size's
+    cost per byte, compile milliseconds per KiB, decayed by time since last
+    access (halved after COST_HALF_LIFE_DAYS): a big entry that compiled in a
+    second goes before a small one that took a minute, and a stale expensive
+    entry eventually goes too.
+    """
+    last = last_used()
+    if policy == "lru":
+        return last
+    if dialect == "sqlite":
+        age_days = func.julianday(_as_bound(now)) - func.julianday(last)
+    else:
+        age_days = func.extract("epoch", _as_bound(now) - last) / 86400.0
+    age_days = case((age_days < 0, 0.0), else_=age_days)
+    unit = unit_size()
+    size_kib = case((unit < 1, 1.0), else_=cast(unit, Float) / 1024.0)
+    cost = cast(func.coalesce(Entry.compile_time_ms, DEFAULT_COMPILE_MS), Float)
+    return cost / size_kib / (1.0 + age_days / COST_HALF_LIFE_DAYS)
+
+
+class Cuts(NamedTuple):
+    """gc's cuts as the database returned them: rows (score, id, environment, key, unit bytes,
+    aot bytes) in (score, id) order, plain DBAPI tuples (no per-row object for 100k rows)."""
+
+    rows: list[tuple[Any, ...]]  # lru: a 7th column, the last use to the minute as text
+    env_taken: set[int]  # ids of the rows the per-environment pass took ("env-max-size")
+    bytes_before: int
+    # lru: the last use (SQLite: its text; PostgreSQL: a UTC datetime); cost: a float.
+    lru: bool
+
+
+def eviction_cuts(index: Index, cache: str, *, policy: str, max_bytes: int | None,
+                  env_max_bytes: int | None, exclude_env_ids: Sequence[int] = (),
+                  protect_warm_runs: Sequence[int] = (), now: datetime | None = None,
+                  bytes_total: int | None = None, env_bytes: dict[int, int] | None = None) -> Cuts:
+    """The rows to evict so the cache fits ``max_bytes`` and each environment ``env_max_bytes``.
+
+    Greedy in score order (lowest first, ties by id): each over-limit
+    environment gives up its lowest-scored entries until it fits; then the
+    cache as a whole gives up the lowest-scored of the rest until it fits,
+    counting what the environments already gave up. Each cut reads only about
+    as many rows as it evicts (``_Walk``), not every row of the cache.
+    Protected entries count toward the totals but are never candidates.
+    ``bytes_total`` (the cache's indexed bytes) and ``env_bytes`` (per
+    environment) save a scan each when the caller already has them.
+    """
+    now = now or utcnow()
+    cid = cache_id(index, cache)
+    with index.read_session() as s:
+        dialect = s.get_bind().dialect.name
+        live = [int(i) for i in s.scalars(
+            select(EnvRow.id).where(EnvRow.cache_id == cid, EnvRow.deleted_at.is_(None)).order_by(EnvRow.id))]
+        if bytes_total is None:
+            bytes_total = int(s.scalar(select(func.coalesce(func.sum(unit_size()), 0))
+                                       .where(Entry.environment_id.in_(live))) or 0)
+    total = bytes_total
+    global_excess = None if max_bytes is None else total - max_bytes
+    if (global_excess is None or global_excess <= 0) and env_max_bytes is None:
+        return Cuts([], set(), total, policy == "lru")
+
+    score = _score(dialect, policy, now)
+    if policy == "lru" and dialect == "sqlite":
+        # Return the raw text: parsing 100k datetimes costs more than the query.
+        score = type_coerce(score, String)
+    excluded = set(exclude_env_ids)
+    evictable: list[ColumnElement[bool]] = []
+    if protect_warm_runs:
+        evictable.append(or_(Entry.warm_run_id.is_(None), Entry.warm_run_id.not_in(list(protect_warm_runs))))
+    walk = _Walk(index, score, evictable, ordered=policy == "lru",
+                 label=_last_used_minute(dialect, score) if policy == "lru" else None)
+    by_env: list[tuple[Any, ...]] = []
+    cuts = 0  # environments cut one by one: their rows need one order
+    if env_max_bytes is not None:
+        if env_bytes is None:
+            env_bytes = _env_bytes(index, cid)
+        over = {env: env_bytes.get(env, 0) - env_max_bytes for env in live
+                if env not in excluded and env_bytes.get(env, 0) > env_max_bytes}
+        by_env, cuts = walk.take_each(over), len(over)
+    env_taken = {row[1] for row in by_env}
+    env_freed = sum(row[4] for row in by_env)
+    by_cache: list[tuple[Any, ...]] = []
+    if global_excess is not None and global_excess - env_freed > 0:
+        by_cache = walk.take([e for e in live if e not in excluded], global_excess - env_freed,
+                             skip=env_taken, skip_bytes=env_freed)
+    rows = by_env + by_cache
+    if by_env and (by_cache or cuts > 1):
+        # One (score, id) order, as each cut was walked: the rows' own order, ids being unique.
+        rows.sort()
+    return Cuts(rows, env_taken, total, policy == "lru")
+
+
+def _last_used_minute(dialect: str, score: ColumnElement[Any]) -> ColumnElement[str]:
+    """The last use to the minute, 'YYYY-MM-DD HH:MM' (UTC), as text the database writes: printing
+    100k datetimes in Python costs more than reading them."""
+    if dialect == "postgresql":
+        return func.to_char(func.timezone("UTC", last_used()), "YYYY-MM-DD HH24:MI")
+    return func.substr(func.replace(score, "T", " "), 1, 16)
+
+
+def plan_evictions(index: Index, cache: str, *, policy: str, max_bytes: int | None,
+                   env_max_bytes: int | None, exclude_env_ids: Sequence[int] = (),
+                   protect_warm_runs: Sequence[int] = (), now: datetime | None = None,
+                   bytes_total: int | None = None,
+                   env_bytes: dict[int, int] | None = None) -> tuple[list[Eviction], dict[str, int]]:
+    """``eviction_cuts`` as one ``Eviction`` per entry, in score order, and the bytes before."""
+    cuts = eviction_cuts(index, cache, policy=policy, max_bytes=max_bytes, env_max_bytes=env_max_bytes,
+                         exclude_env_ids=exclude_env_ids, protect_warm_runs=protect_warm_runs, now=now,
+                         bytes_total=bytes_total, env_bytes=env_bytes)
+    taken = cuts.env_taken
+    out = [Eviction(env_id, key, unit - (aot or 0), score_value(sc, cuts.lru),
+                    "env-max-size" if id_ in taken else "max-size", aot)
+           for sc, id_, env_id, key, unit, aot, *_ in cuts.rows]
+    return out, {"bytes_before": cuts.bytes_before}
+
+
+def score_value(score: Any, lru: bool) -> float | str:
+    """A cut row's score as ``Eviction.score``: lru the last use as ISO text, cost a float."""
+    if not lru:
+        return float(score)
+    return score if isinstance(score, str) else score.isoformat()
+
+
+# gc's cuts estimate how far to read from a 1-in-_SAMPLE_EVERY sample of the candidates, and
+# read _SAMPLE_MARGIN times what the sample says the cut needs.
+_SAMPLE_EVERY = 64
+_SAMPLE_MARGIN = 1.1
+_PG_SORT_MEM = "64MB"
+# Rows the first read past a short sample's bound takes at least (more when the shortfall needs it).
+_FOLLOW_ROWS = 1000
+_FIRST_FETCH = 1000
+
+
+class _Walk:
+    """Evictable entries in (score, id) order, read only as far as a cut needs.
+
+    A 1-in-64 sample (read from the covering ``ix_entries_env_plan``, so cheap)
+    gives a score under which the cut should end; the database returns only the
+    rows up to it, sorted, so it never sorts 1,000,000 rows to evict 100,000.
+    Should the sample fall short, the rest follows in order (keyset: score above
+    the bound); the cut itself is exact either way.
+    """
+
+    def __init__(self, index: Index, score: ColumnElement[Any], where: list[ColumnElement[bool]],
+                 label: ColumnElement[str] | None,
+                 ordered: bool) -> None:
+        self.index, self.score, self.where = index, score, where
+        self.ordered = ordered  # an index holds the score order (lru: ix_entries_last_used)
+        self.label = label  # lru: the last use as the plan prints it, a 7th column
+
+    def take_each(self, targets: dict[int, int]) -> list[tuple[Any, ...]]:
+        """Each environment's own cut (environment id -> bytes), as ``take([env], bytes)`` would
+        give them. PostgreSQL: one sample and one read serve every environment (a bound each),
+        not two queries (and two parallel plans' start-up) per environment; whoever's sample fell
+        short reads on alone. SQLite: one walk each (one combined sort measured slower)."""
+        if not targets:
+            return []
+        if self.index.dialect != "postgresql":
+            return [row for env in sorted(targets) for row in self.take([env], targets[env])]
+        envs = sorted(targets)
+        out: list[tuple[Any, ...]] = []
+        acc = dict.fromkeys(envs, 0)
+        with self.index.read_session() as s:
+            conn = s.connection()
+            self._settings(conn)
+            bounds = self._bounds(conn, envs, targets)
+            if bounds:
+                result = conn.execute(self._query_each(bounds))
+                try:
+                    for part in iter(partial(result.cursor.fetchmany, _STREAM_ROWS), []):  # type: ignore[attr-defined]
+                        for row in part:
+                            env = row[2]
+                            if acc[env] < targets[env]:
+                                out.append(row)
+                                acc[env] += row[4]
+                finally:
+                    result.close()
+        short = [env for env in envs if acc[env] < targets[env]]
+        for env in short:
+            out.extend(self.take([env], targets[env] - acc[env], past=bounds.get(env)))
+        return out
+
+    def _settings(self, conn: Any) -> None:
+        if conn.dialect.name == "postgresql":
+            # A 10% cut of 1,000,000 rows is ~100k sorted rows: sort them in memory, not on disk
+            # (the default 4 MB spills); lru scores in UTC, as the column type gives them; for
+            # this read transaction only.
+            conn.exec_driver_sql(f"SELECT set_config('work_mem', '{_PG_SORT_MEM}', true), "
+                                 "set_config('TimeZone', 'UTC', true)")
+
+    def _bounds(self, conn: Any, envs: list[int], targets: dict[int, int]) -> dict[int, Any]:
+        """Each environment's bound from one sample query (an environment whose sample gives none
+        is left out)."""
+        q = (select(Entry.environment_id, self.score, unit_size())
+             .where(Entry.environment_id.in_(envs), *self.where, Entry.id % _SAMPLE_EVERY == 0)
+             .order_by(Entry.environment_id, self.score))
+        acc = dict.fromkeys(envs, 0)
+        want = {env: targets[env] * _SAMPLE_MARGIN for env in envs}
+        bounds: dict[int, Any] = {}
+        for env, sc, unit in conn.execute(q).cursor.fetchall():
+            if env not in bounds:
+                acc[env] += unit * _SAMPLE_EVERY
+                if acc[env] >= want[env]:
+                    bounds[env] = sc
+        return bounds
+
+    def _query_each(self, bounds: dict[int, Any]) -> Any:
+        """The candidates of each environment in ``bounds`` up to its bound, in (score, id) order."""
+        envs = sorted(bounds)
+        if self.ordered:
+            upto = case(bounds, value=Entry.environment_id)
+            return (select(self.score.label("score"), Entry.id, Entry.environment_id, Entry.key, unit_size(),
+                           Entry.aot_size_bytes, *([] if self.label is None else [self.label]))
+                    .where(Entry.environment_id.in_(envs), *self.where, self.score <= upto)
+                    .order_by(self.score, Entry.id))
+        scored = (select(self.score.label("score"), Entry.id.label("id"), Entry.environment_id.label("env"))
+                  .where(Entry.environment_id.in_(envs), *self.where).subquery("c"))
+        return (select(scored.c.score, Entry.id, Entry.environment_id, Entry.key, unit_size(), Entry.aot_size_bytes)
+                .join_from(scored, Entry, Entry.id == scored.c.id)
+                .where(scored.c.score <= case(bounds, value=scored.c.env))
+                .order_by(scored.c.score, scored.c.id))
+
+    def take(self, env_ids: list[int], target: int, skip: Collection[int] = (),
+             skip_bytes: int = 0, past: Any = None) -> list[tuple[Any, ...]]:
+        """Rows (score, id, environment, key, unit bytes, aot bytes[, label]) whose running sum of unit
+        bytes *before* them is under ``target``; rows in ``skip`` (``skip_bytes`` in all) are
+        passed over and count 0.
+
+        Plain DBAPI tuples off the driver's cursor, not Rows: the only column a result type
+        would convert is PostgreSQL's lru score, which comes back in UTC (``TimeZone`` is set
+        for the transaction), as the column type would give it.
+        """
+        out: list[tuple[Any, ...]] = []
+        if not env_ids or target <= 0:
+            return out
+        by_env = Entry.environment_id.in_(env_ids) if len(env_ids) > 1 else Entry.environment_id == env_ids[0]
+        acc = 0
+        with self.index.read_session() as s:
+            conn = s.connection()
+            postgres = conn.dialect.name == "postgresql"
+            self._settings(conn)
+            # SQLite walks an lru cut's index in order and hands rows over as they are read: it can
+            # stop at the cut by itself, no bound needed. Anything else sorts: bounded by a sample.
+            lazy = self.ordered and not postgres
+            bound = None if lazy or past is not None else self._bound(conn, [by_env, *self.where],
+                                                                      target + skip_bytes)
+            # First every row up to the bound; then, should the sample have fallen short (or given
+            # no bound), the next rows in (score, id) order, a LIMIT at a time, each read about
+            # what the shortfall needs: never a cursor over every candidate. ``past``: the rows up
+            # to that score are read already (take_each's bound).
+            upto, after = bound, None if past is None else (past, None)
+            limit = 0
+            while True:
+                q = self._query(env_ids, by_env, upto, after)
+                if upto is None and not lazy:
+                    per_row = acc // len(out) if out else 0
+                    limit = max(_FOLLOW_ROWS, 2 * limit, 2 * (target - acc) // per_row if per_row else 0)
+                    q = q.limit(limit)
+                result = conn.execute(q)
+                read, last = 0, None
+                fetch, size = result.cursor.fetchmany, _FIRST_FETCH  # type: ignore[attr-defined]
+                try:
+                    while part := fetch(size):
+                        read += len(part)
+                        last = part[-1]
+                        for row in part:
+                            if acc >= target:
+                                return out
+                            if not skip or row[1] not in skip:
+                                out.append(row)
+                                acc += row[4]
+                        # Next, about the rows the rest of the cut needs at the mean so far (5% more):
+                        # SQLite looks up each row fetched, so a fixed batch would overshoot every cut.
+                        size = (min(_STREAM_ROWS, max(64, (target - acc) * len(out) // acc * 21 // 20 + 32))
+                                if acc else _STREAM_ROWS)
+                finally:
+                    result.close()
+                if upto is not None:
+                    upto, after = None, (bound, None)
+                elif lazy or read < limit or last is None:
+                    return out  # every candidate read
+                else:
+                    after = (last[0], last[1])
+
+    def _query(self, env_ids: list[int], by_env: ColumnElement[bool], upto: Any,
+               after: tuple[Any, Any] | None) -> Any:
+        """The candidates with score <= ``upto`` (None: unbounded) and after ``after`` (score, id
+        or score, None: past that score), in (score, id) order."""
+        def within(score: Any, id_: Any) -> list[ColumnElement[bool]]:
+            out: list[ColumnElement[bool]] = [] if upto is None else [score <= upto]
+            if after is not None:
+                at, last_id = after
+                out.append(score > at if last_id is None else or_(score > at, and_(score == at, id_ > last_id)))
+            return out
+
+        if self.ordered:
+            # ``+ 0``: not an index term, so the databases range-scan the score index in order
+            # instead of each environment's rows, then sorting them.
+            in_order = (Entry.environment_id + 0).in_(env_ids) if len(env_ids) > 1 else by_env
+            return (select(self.score.label("score"), Entry.id, Entry.environment_id, Entry.key, unit_size(),
+                           Entry.aot_size_bytes, *([] if self.label is None else [self.label]))
+                    .where(in_order, *self.where, *within(self.score, Entry.id)).order_by(self.score, Entry.id))
+        # The score is computed once per row over the covering index; only the rows it keeps
+        # are looked up for their key.
+        scored = select(self.score.label("score"), Entry.id.label("id")).where(by_env, *self.where).subquery("c")
+        return (select(scored.c.score, Entry.id, Entry.environment_id, Entry.key, unit_size(), Entry.aot_size_bytes)
+                .join_from(scored, Entry, Entry.id == scored.c.id).where(*within(scored.c.score, scored.c.id))
+                .order_by(scored.c.score, scored.c.id))
+
+    def _bound(self, conn: Any, where: list[ColumnElement[bool]], need: int) -> Any:
+        """A score at or under which, by the sample, ``need`` bytes (with margin) lie; None: no bound."""
+        sample = conn.execute(select(self.score, unit_size()).where(*where, Entry.id % _SAMPLE_EVERY == 0)
+                              .order_by(self.score))
+        acc, want = 0, need * _SAMPLE_MARGIN
+        try:
+            # The driver's cursor a batch at a time: SQLite stops walking the lru index at the bound.
+            for part in iter(partial(sample.cursor.fetchmany, 256), []):
+                for sc, unit in part:
+                    acc += unit * _SAMPLE_EVERY
+                    if acc >= want:
+                        return sc
+        finally:
+            sample.close()
+        return None
+
+
+def _env_bytes(index: Index, cid: int) -> dict[int, int]:
+    q = (select(Entry.environment_id, func.sum(unit_size()))
+         .join(EnvRow, EnvRow.id == Entry.environment_id)
+         .where(EnvRow.cache_id == cid, EnvRow.deleted_at.is_(None))
+         .group_by(Entry.environment_id))
+    with index.read_session() as s:
+        return {int(env): int(b or 0) for env, b in s.execute(q)}
