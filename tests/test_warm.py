@@ -205,7 +205,13 @@ def test_rewarm_of_stored_buckets_neither_compiles_nor_loads(tmp_path: Path) -> 
     assert [b["status"] for b in again["buckets"]] == ["cached"] * 5
     assert [b["key"] for b in again["buckets"]] == [b["key"] for b in first["buckets"]]
     assert [b["aot_bytes"] for b in again["buckets"]] == [b["aot_bytes"] for b in first["buckets"]]
-    assert "/jax/compilation_cache/compile_requests_use_cache" not in counting
+    from cachectl import jax_seam
+
+    shortcut = jax_seam.persistent_cache_key(jax.jit(lambda v: v + 1).lower(1.0)) is not None
+    if shortcut:
+        assert "/jax/compilation_cache/compile_requests_use_cache" not in counting
+    else:  # a JAX whose key the seam cannot compute (tests/test_jax_seam.py): each bucket is a hit
+        assert counting.count("/jax/compilation_cache/cache_hits") == 5
     # Without its stored executable a bucket goes through JAX again (a hit) and is stored anew.
     gone = first["buckets"][1]["key"]
     (Path(first["namespace"]) / f"{gone}-aot").unlink()
@@ -213,7 +219,7 @@ def test_rewarm_of_stored_buckets_neither_compiles_nor_loads(tmp_path: Path) -> 
     third = warm_json(str(manifest))
     assert [b["status"] for b in third["buckets"]] == ["cached", "compiled", "cached", "cached", "cached"]
     assert (Path(first["namespace"]) / f"{gone}-aot").exists()
-    assert counting.count("/jax/compilation_cache/cache_hits") == 1
+    assert counting.count("/jax/compilation_cache/cache_hits") == (1 if shortcut else 5)
     counting.clear()
 
 
