@@ -419,8 +419,18 @@ def pg_drop_database(admin_url: str, name: str) -> None:
     import psycopg
     from psycopg import sql
 
-    with psycopg.connect(_psycopg_conninfo(admin_url), autocommit=True, connect_timeout=10) as conn:
-        conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name)))
+    # FORCE cannot end an autovacuum worker busy on the database (PostgreSQL checks the role of
+    # every backend it would terminate, and a worker's is none): such a worker finishes in
+    # moments, so try again for a while before failing.
+    for attempt in range(40):
+        with psycopg.connect(_psycopg_conninfo(admin_url), autocommit=True, connect_timeout=10) as conn:
+            try:
+                conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name)))
+                return
+            except psycopg.errors.InsufficientPrivilege:
+                if attempt == 39:
+                    raise
+        time.sleep(0.25)
 
 
 # ------------------------------------------------------------- subprocess
