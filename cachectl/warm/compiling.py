@@ -13,7 +13,6 @@ from cachectl.errors import BadInput
 from cachectl.fingerprint import Environment
 from cachectl.runtime import apply_jax_config, jax_config_for
 from cachectl.tracebacks import format_user_traceback, location
-from cachectl.warm.cachekey import cache_key
 from cachectl.warm.jaxlog import _CAPTURE, _Event
 
 _ERROR_CHARS = 400
@@ -82,7 +81,7 @@ def compile_bucket(jitted: Any, args: tuple[Any, ...], kwargs: dict[str, Any], *
                    executables: bool = False, present: Callable[[str], bool] | None = None) -> _Outcome:
     """Lower and compile one bucket, and say what the persistent cache did.
 
-    With ``present``, the lowered program's key is computed first (cachekey.py);
+    With ``present``, the lowered program's key is computed first (jax_seam.persistent_cache_key: a wrong key can only miss a file);
     when ``present(key)`` says everything warm would write is already stored, the
     bucket is a hit without compiling: loading a hit only to learn its key was
     what re-warm spent its time on after lowering.
@@ -94,7 +93,7 @@ def compile_bucket(jitted: Any, args: tuple[Any, ...], kwargs: dict[str, Any], *
         lowered, lower_seconds = _lower(jitted, args, kwargs)
         if present is not None:
             started = time.perf_counter()
-            key = cache_key(lowered)
+            key = jax_seam.persistent_cache_key(lowered)
             if key is not None and present(key):
                 return _Outcome("hit", key, False, time.perf_counter() - started,
                                 lower_seconds=lower_seconds, stored=True)
