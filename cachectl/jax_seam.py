@@ -38,7 +38,9 @@ then the hit event or the write event or the not-writing log.
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
+import inspect
 import logging
 import re
 import sys
@@ -409,9 +411,10 @@ def distributed_client() -> Any:
 
 def persistent_cache_key(lowered: Any) -> str | None:
     """The key ``lowered.compile()`` would look up (pxla.UnloadedMeshExecutable.from_hlo ->
-    compiler.compile_or_get_cached, as in jax 0.10); None where that path differs: another JAX
-    (0.9 and 0.12 moved these internals: tests/test_jax_seam.py pins both cases), PGLE, shape
-    polymorphism, a program over several processes. Re-warm then compiles as before."""
+    compiler.compile_or_get_cached, in jax 0.9 to 0.12: tests/test_jax_seam.py compares it with the
+    key JAX logs, on every version the matrix runs); None where that path differs: PGLE, shape
+    polymorphism, auto-SPMD or pmap, a program over several processes, an unknown JAX. Re-warm then
+    compiles as before."""
     try:
         return _persistent_cache_key(lowered)
     except Exception:  # noqa: BLE001 - internals of another JAX: the caller compiles instead
@@ -433,6 +436,8 @@ def _persistent_cache_key(lowered: Any) -> str | None:
     poly = args.get("shape_poly_state")
     if poly is not None and poly.uses_dim_vars:
         return None
+    if args.get("auto_spmd_lowering") or args.get("pmap_nreps", 1) != 1:
+        return None
     devices = computation._device_list
     if devices is None or len({d.process_index for d in devices}) > 1:
         return None  # a program over several processes compiles collectively: every process must call it
@@ -441,11 +446,23 @@ def _persistent_cache_key(lowered: Any) -> str | None:
     to_inputs, to_outputs = pxla.get_prop_to_input_output(in_shardings, out_shardings,
                                                           len(args["ordered_effects"]))
     device_array = np.vectorize(lambda i: devices[i], otypes=[object])(np.arange(len(devices)))
-    hlo = computation._hlo
-    options = pxla.create_compile_options(hlo, args["tuple_args"], to_inputs, to_outputs, args["backend"],
-                                          device_array, dict(computation._compiler_options_kvs))
-    ignore = (jax_cache_key.IgnoreCallbacks.CUSTOM_PARTITIONING
-              if config.remove_custom_partitioning_ptr_from_cache_key.value
-              else jax_cache_key.IgnoreCallbacks.NO)
-    key: str = compilation_cache.get_cache_key(hlo, device_array, options, args["backend"], ignore)
+    hlo, backend = computation._hlo, args["backend"]
+    options = dict(computation._compiler_options_kvs)
+    if "spmd_lowering" in _parameters(pxla.create_compile_options):  # jax 0.9: mesh, SPMD and pmap arguments
+        options = pxla.create_compile_options(hlo, None, args["spmd_lowering"], args["tuple_args"], False,
+                                              to_inputs, to_outputs, backend, device_array, 1, options)
+    else:  # jax 0.10 - 0.12
+        options = pxla.create_compile_options(hlo, args["tuple_args"], to_inputs, to_outputs, backend,
+                                              device_array, options)
+    # The callback-ignoring mode as compiler._get_cache_key picks it (an enum in 0.9 and 0.10, a bool
+    # in 0.12); not that function itself, whose is_cache_used() would open the cache as a side effect.
+    remove = config.remove_custom_partitioning_ptr_from_cache_key.value
+    modes = getattr(jax_cache_key, "IgnoreCallbacks", None)
+    ignore = remove if modes is None else (modes.CUSTOM_PARTITIONING if remove else modes.NO)
+    key: str = compilation_cache.get_cache_key(hlo, device_array, options, backend, ignore)
     return key
+
+
+@functools.cache
+def _parameters(function: Any) -> frozenset[str]:
+    return frozenset(inspect.signature(function).parameters)
