@@ -96,11 +96,14 @@ def test_entry_upload_download_head_on_each_backend(tmp_path, storage_root) -> N
     app.state.cachectl.index.close()
 
 
-def test_downloads_on_both_sides_of_the_whole_read_bound_arrive_intact(world) -> None:
+def test_downloads_on_both_sides_of_the_whole_read_bound_arrive_intact(db_url, tmp_path) -> None:
     """Up to WHOLE bytes a download is read in the same hop as its open and sent at once; above it, it
     streams in CHUNK reads (memory per request stays within WHOLE). Both arrive whole, with their
-    recorded sha256 and a Content-Length that matches; HEAD says the same."""
-    s, app, c = world
+    recorded sha256 and a Content-Length that matches; HEAD says the same. On SQLite and PostgreSQL."""
+    open_index(db_url, auto_migrate=True).close()
+    s = seed(db_url, str(tmp_path / "main"), str(tmp_path / "other"), entries=1)
+    app = create_app(s.db)
+    c = TestClient(app)
     r = bearer(s.tokens["reader"])
     store, index = Store(s.root), app.state.cachectl.index
     env = index.find_environment(MAIN, s.digest)
@@ -118,6 +121,8 @@ def test_downloads_on_both_sides_of_the_whole_read_bound_arrive_intact(world) ->
         assert got.headers["x-cachectl-sha256"] == sha256(data) and int(got.headers["content-length"]) == len(data)
         head = c.head(url, headers=r)
         assert int(head.headers["content-length"]) == len(data) and head.headers["x-cachectl-sha256"] == sha256(data)
+    app.state.cachectl.jobs.shutdown()
+    index.close()
 
 
 # -- hostile input ----------------------------------------------------------------------
