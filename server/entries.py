@@ -1,4 +1,4 @@
-"""Entry bytes over HTTP: PUT (writers), GET (streamed) and HEAD.
+"""Entry bytes over HTTP: PUT (writers), GET (read whole up to WHOLE, streamed above) and HEAD.
 
 An upload is checked before anything is stored, in this order: the key is a
 JAX key and nothing else (no '/', no '..', no leading dot), the environment
@@ -9,7 +9,9 @@ that size (413), the key holds no other bytes already (409, unless an admin
 says to overwrite: audited), and the quota is reserved in the index
 atomically (413). Only then is it written, atomically; a full disk is 507. The rules are
 cachectl/ingest.py's (this module streams the body and turns refusals into statuses).
-Downloads serve only regular files inside the namespace (no symlinks).
+Downloads serve only regular files inside the namespace (no symlinks); a download is located in
+the index, opened and read in one worker-thread hop (uvicorn offers no sendfile: no ASGI
+zero-copy or pathsend extension, and uvloop has no loop.sendfile).
 """
 
 from __future__ import annotations
@@ -49,8 +51,9 @@ SHA_HEADER = "x-cachectl-sha256"
 # An admin replacing an entry that is stored with other bytes says so with this header.
 OVERWRITE_HEADER = "x-cachectl-overwrite"
 # A download up to WHOLE is read into memory in the same thread hop as its open and sent in one
-# write; a larger one streams in CHUNK-sized reads: memory per request stays within WHOLE.
-WHOLE = 8 << 20
+# write; a larger one streams in CHUNK-sized reads: memory per request stays within WHOLE
+# (16 downloads at once: 64 MiB at most).
+WHOLE = 4 << 20
 CHUNK = 1 << 20
 
 
