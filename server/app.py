@@ -7,6 +7,7 @@ PostgreSQL index. All state that matters is in the index.
 
 from __future__ import annotations
 
+import gc
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -51,6 +52,19 @@ def _openapi(app: FastAPI) -> dict[str, Any]:
                 operation["security"] = [{"bearer": []}]
     app.openapi_schema = schema
     return schema
+
+
+def freeze_startup_heap() -> int:
+    """Take what is alive before the first request (modules, the app, SQLAlchemy's mappers) out of
+    the garbage collector's scans, for a server process; returns how many objects that is.
+
+    Under load the collector runs a full collection about once a second, and it scanned all of it:
+    40-50 ms with the event loop stopped, which was POST telemetry's p99 at 16 clients (68.8 ms).
+    Frozen, a full collection scans only what requests made (about 2 ms). Not for test processes
+    that build many apps: frozen objects are never collected."""
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()
 
 
 def create_app(settings: ServerSettings | str, **overrides: Any) -> FastAPI:

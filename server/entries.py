@@ -1,4 +1,4 @@
-"""Entry bytes over HTTP: PUT (writers), GET (streamed) and HEAD.
+"""Entry bytes over HTTP: PUT (writers), GET (read whole up to WHOLE, streamed above) and HEAD.
 
 An upload is checked before anything is stored, in this order: the key is a
 JAX key and nothing else (no '/', no '..', no leading dot), the environment
@@ -9,11 +9,14 @@ that size (413), the key holds no other bytes already (409, unless an admin
 says to overwrite: audited), and the quota is reserved in the index
 atomically (413). Only then is it written, atomically; a full disk is 507. The rules are
 cachectl/ingest.py's (this module streams the body and turns refusals into statuses).
-Downloads serve only regular files inside the namespace (no symlinks).
+Downloads serve only regular files inside the namespace (no symlinks); a download is located in
+the index, opened and read in one worker-thread hop (uvicorn offers no sendfile: no ASGI
+zero-copy or pathsend extension, and uvloop has no loop.sendfile).
 """
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -28,7 +31,6 @@ from cachectl.entries import CACHE_SUFFIX, EntryName, parse_key
 from cachectl.errors import EntryConflict, QuotaExceeded
 from cachectl.index import CacheInfo, EnvironmentInfo, NewEntry, warm_runs
 from cachectl.index import server_queries as sq
-from cachectl.store import Store
 from cachectl.units import format_size
 
 from . import schemas
@@ -48,6 +50,10 @@ Key = Annotated[str, Path(min_length=66, max_length=512, pattern=KEY_PATTERN,
 SHA_HEADER = "x-cachectl-sha256"
 # An admin replacing an entry that is stored with other bytes says so with this header.
 OVERWRITE_HEADER = "x-cachectl-overwrite"
+# A download up to WHOLE is read into memory in the same thread hop as its open and sent in one
+# write; a larger one streams in CHUNK-sized reads: memory per request stays within WHOLE
+# (16 downloads at once: 64 MiB at most).
+WHOLE = 4 << 20
 CHUNK = 1 << 20
 
 
@@ -216,18 +222,44 @@ def located(state: ServerState, cache: str, digest: str, key: str, route: ByteRo
     return info, env, size, recorded[1] if recorded and recorded[0] == size else None
 
 
-def open_body(store: Store, path: str, size: int) -> bytes | Any:
-    """The bytes of a file up to CHUNK (read in the same worker-thread hop as the open), else the
-    open file to stream: a small download costs one thread hop instead of three."""
-    fh = store.open(path, "rb")
-    if size > CHUNK:
-        return fh
-    with fh:
-        return fh.read()
+@dataclass(frozen=True)
+class Opened:
+    """What a GET sends: the bytes (up to WHOLE) or the open file to stream, its size, its recorded sha256."""
+
+    body: bytes | Any
+    size: int
+    sha256: str | None
+
+
+def opened(state: ServerState, cache: str, digest: str, key: str, route: ByteRoute) -> Opened:
+    """Find the object in the index and open it, in one worker-thread hop: a file up to WHOLE is read
+    at once, a larger one is left open to stream. The size is the open file's own (fstat on local disk),
+    so Content-Length always matches the bytes sent, even when the entry was replaced meanwhile.
+
+    Only a regular file inside the namespace is opened: on local disk no symlink is followed
+    (O_NOFOLLOW, every directory on the path checked), so a link planted in a namespace serves nothing."""
+    info, env = state.where(cache, digest)
+    recorded = sq.recorded_digest(state.index, env.id, key, executable=route.executable)
+    store = state.store(info)
+    try:
+        fh = store.open(route.path_of(env, key), "rb")
+    except FileNotFoundError:
+        raise HTTPException(404, route.missing.format(key=key, env=env.digest[:16], cache=cache)) from None
+    try:
+        size = os.fstat(fh.fileno()).st_size if store.kind == "file" else int(fh.size)
+        body = fh.read(size) if size <= WHOLE else fh
+    except BaseException:
+        fh.close()
+        raise
+    if body is not fh:
+        fh.close()
+        size = len(body)
+    state.metrics.download_bytes.labels(cache).inc(size)
+    return Opened(body, size, recorded[1] if recorded and recorded[0] == size else None)
 
 
 def stream_file(body: bytes | Any, headers: dict[str, str]) -> Response:
-    """What open_body gave as the response body: bytes at once, a file in CHUNK-sized reads (closed after)."""
+    """What opened() gave as the response body: bytes at once, a file in CHUNK-sized reads (closed after)."""
     if isinstance(body, bytes):
         return Response(body, media_type="application/octet-stream", headers=headers)
 
@@ -255,18 +287,10 @@ async def get_entry(request: Request, cache: CacheName, digest: Digest, key: Key
 
 
 async def download(request: Request, cache: str, digest: str, key: str, route: ByteRoute) -> Response:
-    """GET of an entry or of its stored executable: found in the index and storage, then read or streamed."""
-    state = state_of(request)
+    """GET of an entry or of its stored executable: found, opened and (up to WHOLE) read in one thread hop."""
     check_key(key)
-    info, env, size, sha = await run_in_threadpool(located, state, cache, digest, key, route)
-    try:
-        # Only a regular file inside the namespace: on local disk no symlink is followed (O_NOFOLLOW,
-        # real paths compared), so a link planted in a namespace serves nothing.
-        body = await run_in_threadpool(open_body, state.store(info), route.path_of(env, key), size)
-    except FileNotFoundError:
-        raise HTTPException(404, route.missing.format(key=key, env=env.digest[:16], cache=cache)) from None
-    state.metrics.download_bytes.labels(cache).inc(size)
-    return stream_file(body, _headers(size, sha))
+    got = await run_in_threadpool(opened, state_of(request), cache, digest, key, route)
+    return stream_file(got.body, _headers(got.size, got.sha256))
 
 
 async def head(request: Request, cache: str, digest: str, key: str, route: ByteRoute) -> Response:

@@ -14,10 +14,11 @@ from fastapi.testclient import TestClient
 from server_kit import MAIN, LiveServer, bearer, entry_key, fake_environment, seed
 
 from cachectl.entries import make_entry, sha256
-from cachectl.index import open_index
+from cachectl.index import NewEntry, open_index
 from cachectl.store import Store
 from cachectl_server.app import create_app
 from cachectl_server.config import ServerSettings
+from cachectl_server.entries import CHUNK, WHOLE
 
 API = "/api/v1"
 
@@ -93,6 +94,35 @@ def test_entry_upload_download_head_on_each_backend(tmp_path, storage_root) -> N
     seeded = c.get(f"{API}/caches/{MAIN}/environments/{s.digest}/entries/{s.keys[0]}", headers=r)
     assert seeded.status_code == 200 and seeded.content == s.entry_bytes[s.keys[0]]
     app.state.cachectl.index.close()
+
+
+def test_downloads_on_both_sides_of_the_whole_read_bound_arrive_intact(db_url, tmp_path) -> None:
+    """Up to WHOLE bytes a download is read in the same hop as its open and sent at once; above it, it
+    streams in CHUNK reads (memory per request stays within WHOLE). Both arrive whole, with their
+    recorded sha256 and a Content-Length that matches; HEAD says the same. On SQLite and PostgreSQL."""
+    open_index(db_url, auto_migrate=True).close()
+    s = seed(db_url, str(tmp_path / "main"), str(tmp_path / "other"), entries=1)
+    app = create_app(s.db)
+    c = TestClient(app)
+    r = bearer(s.tokens["reader"])
+    store, index = Store(s.root), app.state.cachectl.index
+    env = index.find_environment(MAIN, s.digest)
+    blobs = {entry_key("jit_big", n): make_entry(os.urandom(size))
+             for n, size in enumerate((WHOLE - 4096, WHOLE + CHUNK + 7))}
+    for key, data in blobs.items():
+        store.write_bytes(f"{env.namespace}/{key}-cache", data)
+    index.upsert_entries(env.id, [NewEntry(key=k, module="jit_big", size=len(d), sha256=sha256(d), origin="warm")
+                                  for k, d in blobs.items()])
+    assert len(blobs[entry_key("jit_big", 0)]) <= WHOLE < len(blobs[entry_key("jit_big", 1)])
+    for key, data in blobs.items():
+        url = f"{API}/caches/{MAIN}/environments/{s.digest}/entries/{key}"
+        got = c.get(url, headers=r)
+        assert got.status_code == 200 and got.content == data
+        assert got.headers["x-cachectl-sha256"] == sha256(data) and int(got.headers["content-length"]) == len(data)
+        head = c.head(url, headers=r)
+        assert int(head.headers["content-length"]) == len(data) and head.headers["x-cachectl-sha256"] == sha256(data)
+    app.state.cachectl.jobs.shutdown()
+    index.close()
 
 
 # -- hostile input ----------------------------------------------------------------------

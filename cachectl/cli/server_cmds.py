@@ -52,7 +52,7 @@ def serve(ctx: Context, host: str, port: int, serve_db: str | None, maintenance_
     try:
         import uvicorn
 
-        from cachectl_server.app import create_app
+        from cachectl_server.app import create_app, freeze_startup_heap
         from cachectl_server.config import load_server_settings
     except ImportError as exc:
         raise BadInput(f"the server needs its extra: pip install 'cachectl[server]' ({exc.name} is missing)") from exc
@@ -64,6 +64,7 @@ def serve(ctx: Context, host: str, port: int, serve_db: str | None, maintenance_
     app = create_app(settings)
     level = getattr(logging, log_level.upper())
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True)
+    freeze_startup_heap()
     # uvicorn's own access log prints query strings: ours (route templates only) replaces it.
     # Keep idle connections longer than load balancers do (60 s is common): a client must never
     # send on a connection the server is closing at that moment.
