@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import re
+import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Annotated, Any
@@ -51,10 +52,11 @@ SHA_HEADER = "x-cachectl-sha256"
 # An admin replacing an entry that is stored with other bytes says so with this header.
 OVERWRITE_HEADER = "x-cachectl-overwrite"
 # A download up to WHOLE is read into memory in the same thread hop as its open and sent in one
-# write; a larger one streams in CHUNK-sized reads: memory per request stays within WHOLE
-# (16 downloads at once: 64 MiB at most).
+# write, while one of WHOLE_SLOTS is free (held until the response is sent); any other streams in
+# CHUNK-sized reads. Whole bodies held at once in a process: 16 x 4 MiB = 64 MiB at most.
 WHOLE = 4 << 20
 CHUNK = 1 << 20
+WHOLE_SLOTS = threading.BoundedSemaphore(16)
 
 
 def check_key(key: str) -> EntryName:
@@ -247,7 +249,13 @@ def opened(state: ServerState, cache: str, digest: str, key: str, route: ByteRou
         raise HTTPException(404, route.missing.format(key=key, env=env.digest[:16], cache=cache)) from None
     try:
         size = os.fstat(fh.fileno()).st_size if store.kind == "file" else int(fh.size)
-        body = fh.read(size) if size <= WHOLE else fh
+        whole = size <= WHOLE and WHOLE_SLOTS.acquire(blocking=False)
+        try:
+            body = fh.read(size) if whole else fh
+        except BaseException:
+            if whole:
+                WHOLE_SLOTS.release()
+            raise
     except BaseException:
         fh.close()
         raise
@@ -258,10 +266,21 @@ def opened(state: ServerState, cache: str, digest: str, key: str, route: ByteRou
     return Opened(body, size, recorded[1] if recorded and recorded[0] == size else None)
 
 
+class WholeBody(Response):
+    """Bytes read whole under one of WHOLE_SLOTS: the slot is free again once they are sent, or the
+    send failed or was cancelled."""
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            WHOLE_SLOTS.release()
+
+
 def stream_file(body: bytes | Any, headers: dict[str, str]) -> Response:
     """What opened() gave as the response body: bytes at once, a file in CHUNK-sized reads (closed after)."""
     if isinstance(body, bytes):
-        return Response(body, media_type="application/octet-stream", headers=headers)
+        return WholeBody(body, media_type="application/octet-stream", headers=headers)
 
     def chunks() -> Iterator[bytes]:
         with body:

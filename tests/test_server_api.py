@@ -18,7 +18,7 @@ from cachectl.index import NewEntry, open_index
 from cachectl.store import Store
 from cachectl_server.app import create_app
 from cachectl_server.config import ServerSettings
-from cachectl_server.entries import CHUNK, WHOLE
+from cachectl_server.entries import CHUNK, WHOLE, WHOLE_SLOTS
 
 API = "/api/v1"
 
@@ -123,6 +123,37 @@ def test_downloads_on_both_sides_of_the_whole_read_bound_arrive_intact(db_url, t
         assert int(head.headers["content-length"]) == len(data) and head.headers["x-cachectl-sha256"] == sha256(data)
     app.state.cachectl.jobs.shutdown()
     index.close()
+
+
+def test_whole_reads_are_bounded_and_their_slots_come_back(db_url, tmp_path) -> None:
+    """Whole bodies held at once are bounded (WHOLE_SLOTS): with every slot taken a download streams
+    instead and still arrives intact; after any number of downloads every slot is free again."""
+    open_index(db_url, auto_migrate=True).close()
+    s = seed(db_url, str(tmp_path / "main"), str(tmp_path / "other"), entries=1)
+    app = create_app(s.db)
+    c = TestClient(app)
+    url = f"{API}/caches/{MAIN}/environments/{s.digest}/entries/{s.keys[0]}"
+    headers = bearer(s.tokens["reader"])
+    taken = 0
+    while WHOLE_SLOTS.acquire(blocking=False):
+        taken += 1
+    try:
+        got = c.get(url, headers=headers)
+        assert got.status_code == 200 and got.content == s.entry_bytes[s.keys[0]]
+    finally:
+        for _ in range(taken):
+            WHOLE_SLOTS.release()
+    assert taken == 16
+    for _ in range(40):
+        assert c.get(url, headers=headers).content == s.entry_bytes[s.keys[0]]
+    free = 0
+    while WHOLE_SLOTS.acquire(blocking=False):
+        free += 1
+    for _ in range(free):
+        WHOLE_SLOTS.release()
+    assert free == 16
+    app.state.cachectl.jobs.shutdown()
+    app.state.cachectl.index.close()
 
 
 # -- hostile input ----------------------------------------------------------------------
