@@ -243,3 +243,33 @@ def test_each_environment_cut_is_exact_when_some_samples_mislead(db_url):
         (r["score"], r["id"]) for r in rows if r["id"] in want)  # one score order across environments
     assert {by_key[e.key]["env"] for e in got} == set(env_totals)
     index.close()
+
+
+def test_gc_plan_entries_read_like_a_list(tmp_path, db_url):
+    """A gc plan keeps its entries as the cut's rows and builds each PlannedEntry when read: the
+    same entries, in order, by index, slice and iteration, the same bytes and the same JSON as a
+    list of them."""
+    from cachectl.config import load_settings
+    from cachectl.context import Context
+    from cachectl.index.lifecycle_queries import environments
+    from cachectl.jsonable import to_jsonable
+    from cachectl.lifecycle.gc import plan_gc
+    from cachectl.lifecycle.plan import PlannedEntries
+
+    index, store = setup_cache(db_url, str(tmp_path / "cache"))
+    a = write_entries(index, store, fake_env("0.10.2"), 6, sizes=[200] * 6, age_days=[6, 5, 4, 3, 2, 1])
+    write_entries(index, store, fake_env("0.9.1"), 3, sizes=[300] * 3, age_days=[9, 8, 7])
+    a_bytes = sum(e.bytes for e in environments(index, CACHE) if e.namespace == a.env.namespace)
+    index.update_cache(CACHE, env_max_size=a_bytes - 250)  # a gives up its 2 oldest, the cache more
+    ctx = Context(load_settings(db=db_url, cache=CACHE))
+    plan = plan_gc(ctx, ctx.cache(), max_size=total_bytes(index) - 1000).deletion
+    entries = plan.entries
+    assert isinstance(entries, PlannedEntries)
+    listed = list(entries)
+    assert len(entries) == len(listed) >= 3 and entries == listed and listed == entries
+    assert entries[0] == listed[0] and entries[-1] == listed[-1] and entries[1:3] == listed[1:3]
+    assert entries.total_bytes == sum(e.bytes for e in listed) == plan.bytes_to_free
+    assert {e.reason.split(";")[0] for e in listed} == {"env-max-size", "max-size"}
+    assert [e.key for e in listed if e.namespace == a.env.namespace][:1] == [a.keys[0]]
+    assert to_jsonable(entries) == [to_jsonable(e) for e in listed]
+    ctx.close()
