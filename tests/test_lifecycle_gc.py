@@ -245,6 +245,78 @@ def test_each_environment_cut_is_exact_when_some_samples_mislead(db_url):
     index.close()
 
 
+def _case_cost_score(dialect, now):
+    """gc's cost score as it was written before the age was clamped with max()/greatest(): the
+    reference the current expression must equal bit for bit."""
+    from sqlalchemy import Float, case, cast, func
+
+    from cachectl.index import unit_size
+    from cachectl.index.eviction_queries import _as_bound
+    from cachectl.index.lifecycle_queries import COST_HALF_LIFE_DAYS, DEFAULT_COMPILE_MS
+    from cachectl.index.models import last_used
+
+    last = last_used()
+    if dialect == "sqlite":
+        age_days = func.julianday(_as_bound(now)) - func.julianday(last)
+    else:
+        age_days = func.extract("epoch", _as_bound(now) - last) / 86400.0
+    age_days = case((age_days < 0, 0.0), else_=age_days)
+    unit = unit_size()
+    size_kib = case((unit < 1, 1.0), else_=cast(unit, Float) / 1024.0)
+    cost = cast(func.coalesce(Entry.compile_time_ms, DEFAULT_COMPILE_MS), Float)
+    return cost / size_kib / (1.0 + age_days / COST_HALF_LIFE_DAYS)
+
+
+@pytest.mark.parametrize("env_frac", [None, 0.7])
+def test_cost_score_and_selection_equal_the_case_expression(db_url, env_frac):
+    """The cost score computes the clamped age once (max/greatest); on a generated index (ages
+    future and past, equal ages, no compile time, executables) every row's score equals the old
+    CASE expression's exactly, and the plan is the greedy cut over the old scores."""
+    from sqlalchemy import select
+
+    from cachectl.index import open_index
+    from cachectl.index.eviction_queries import _score
+
+    index = open_index(db_url, auto_migrate=True)
+    index.add_cache(CACHE, "memory://unused")
+    rng = random.Random(11)
+    now = utcnow()
+    for v in range(3):
+        info = index.ensure_environment(CACHE, fake_env(f"0.{v}.0"))
+        # Every 10th entry is the same (size, compile time, age): equal scores, ties by id.
+        news = [NewEntry(key=f"jit_f-{v}{i:063d}", module="jit_f", size=1000 if i % 10 == 0 else rng.randint(1, 9000),
+                         sha256="0" * 64, origin="warm",
+                         compile_time_ms=5000 if i % 10 == 0 else None if i % 7 == 0 else rng.randint(1, 120_000),
+                         aot_size=rng.randint(0, 4000) if i % 3 == 0 and i % 10 else None, aot_sha256="0" * 64,
+                         created_at=now - timedelta(minutes=60 if i % 10 == 0 else rng.randint(-600, 100_000)))
+                for i in range(200)]
+        index.upsert_entries(info.id, news)
+        index.record_hits(info.id, {n.key: (1, now - timedelta(seconds=rng.randint(-3600, 10**6)))
+                                    for i, n in enumerate(news) if i % 10 and rng.random() < 0.3})
+    dialect = index.dialect
+    with index.session() as s:
+        got = s.execute(select(Entry.id, _score(dialect, "cost", now), _case_cost_score(dialect, now))).all()
+        rows = [{"id": e.id, "env": e.environment_id, "key": e.key,
+                 "size": e.size_bytes + (e.aot_size_bytes or 0)} for e in s.query(Entry).all()]
+    assert len(got) == 600 and all(new == old for _, new, old in got)
+    assert len({old for _, _, old in got}) < 600  # equal scores exist: ties go by id
+    old_score = {i: old for i, _, old in got}
+    for r in rows:
+        r["score"] = old_score[r["id"]]
+    total = sum(r["size"] for r in rows)
+    env_totals: dict[int, int] = {}
+    for r in rows:
+        env_totals[r["env"]] = env_totals.get(r["env"], 0) + r["size"]
+    env_max = int(max(env_totals.values()) * env_frac) if env_frac else None
+    plan, _ = plan_evictions(index, CACHE, policy="cost", max_bytes=int(total * 0.6), env_max_bytes=env_max,
+                             now=now)
+    by_key = {r["key"]: r for r in rows}
+    want = _reference(rows, total, int(total * 0.6), env_totals, env_max)
+    assert [by_key[e.key]["id"] for e in plan] == [r["id"] for r in sorted(
+        (r for r in rows if r["id"] in want), key=lambda r: (r["score"], r["id"]))]
+    index.close()
+
+
 def test_gc_plan_entries_read_like_a_list(tmp_path, db_url):
     """A gc plan keeps its entries as the cut's rows and builds each PlannedEntry when read: the
     same entries, in order, by index, slice and iteration, the same bytes and the same JSON as a

@@ -57,11 +57,15 @@ def _score(dialect: str, policy: str, now: datetime) -> ColumnElement[float]:
     last = last_used()
     if policy == "lru":
         return last
+    # The age, clamped at 0, computed once per row: max()/greatest() of the age and 0 is the value
+    # ``CASE WHEN age < 0 THEN 0.0 ELSE age END`` gives (the same operations on the same operands,
+    # so the same scores, bit for bit: tests/test_lifecycle_gc.py compares the two), where the
+    # CASE computed the age twice (SQLite: parsing the date twice, PostgreSQL: numeric arithmetic
+    # twice) for every candidate. SQLite computes julianday(now) once per statement (a constant).
     if dialect == "sqlite":
-        age_days = func.julianday(_as_bound(now)) - func.julianday(last)
+        age_days = func.max(func.julianday(_as_bound(now)) - func.julianday(last), 0.0)
     else:
-        age_days = func.extract("epoch", _as_bound(now) - last) / 86400.0
-    age_days = case((age_days < 0, 0.0), else_=age_days)
+        age_days = func.greatest(func.extract("epoch", _as_bound(now) - last) / 86400.0, 0.0)
     unit = unit_size()
     size_kib = case((unit < 1, 1.0), else_=cast(unit, Float) / 1024.0)
     cost = cast(func.coalesce(Entry.compile_time_ms, DEFAULT_COMPILE_MS), Float)
