@@ -345,3 +345,36 @@ def test_gc_plan_entries_read_like_a_list(tmp_path, db_url):
     assert [e.key for e in listed if e.namespace == a.env.namespace][:1] == [a.keys[0]]
     assert to_jsonable(entries) == [to_jsonable(e) for e in listed]
     ctx.close()
+
+
+@pytest.mark.parametrize("env_frac", [None, 0.8])
+def test_cost_cut_is_exact_when_the_sample_misleads(db_url, env_frac):
+    """The cost policy's cut past a short sample reads on a LIMIT at a time (sorted, then the keys
+    looked up): every sampled entry huge, the rest tiny, the score in id order (compile time per
+    byte the same for all, older first); more rows past the bound than one LIMIT holds. The cut
+    is the whole greedy cut, in order."""
+    from cachectl.index import open_index
+    from cachectl.index.eviction_queries import _SAMPLE_EVERY
+
+    index = open_index(db_url, auto_migrate=True)
+    index.add_cache(CACHE, "memory://unused")
+    now = utcnow()
+    info = index.ensure_environment(CACHE, fake_env("0.10.2"))
+    index.upsert_entries(info.id, [
+        NewEntry(key=f"jit_f-{i:064d}", module="jit_f", size=100, sha256="0" * 64, origin="warm",
+                 compile_time_ms=100, created_at=now - timedelta(minutes=5000 - i)) for i in range(40 * _SAMPLE_EVERY)])
+    with index.session() as s:
+        s.execute(update(Entry).where(Entry.id % _SAMPLE_EVERY == 0).values(size_bytes=100_000,
+                                                                              compile_time_ms=100_000))
+        rows = [{"id": e.id, "env": e.environment_id, "key": e.key, "size": e.size_bytes, "score": e.id}
+                for e in s.query(Entry).all()]
+    total = sum(r["size"] for r in rows)
+    max_bytes = total - 250_000
+    env_max = int(total * env_frac) if env_frac else None
+    got, _ = plan_evictions(index, CACHE, policy="cost", max_bytes=max_bytes, env_max_bytes=env_max, now=now)
+    want = _reference(rows, total, max_bytes, {info.id: total}, env_max)
+    by_key = {r["key"]: r["id"] for r in rows}
+    assert [by_key[e.key] for e in got] == sorted(want)
+    assert [e.score for e in got] == sorted(e.score for e in got)
+    assert sum(r["size"] for r in rows if r["id"] in want) >= 250_000
+    index.close()
