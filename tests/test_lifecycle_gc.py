@@ -178,10 +178,11 @@ def test_eviction_sql_matches_reference(db_url, max_frac, env_frac):
     index.close()
 
 
-@pytest.mark.parametrize("env_frac", [None, 0.8])
-def test_eviction_cut_is_exact_when_the_sample_misleads(db_url, env_frac):
-    """gc reads as far as a 1-in-64 sample says the cut ends; a sample that overstates the bytes
-    there (every sampled entry huge, the rest tiny) must cost a second read, never a short cut."""
+def _sampled_huge(db_url, samples, oldest_minutes, compile_ms_per_byte, score):
+    """One environment of ``samples`` * 64 entries of 100 B, created a minute apart from
+    ``oldest_minutes`` ago (oldest first), every sampled one (id % 64 == 0) 100 kB; compile time
+    ``compile_ms_per_byte`` a byte (None: none). Returns the index, the environment, now, and the
+    rows (score: ``score(entry)``)."""
     from cachectl.index import open_index
     from cachectl.index.eviction_queries import _SAMPLE_EVERY
 
@@ -189,13 +190,26 @@ def test_eviction_cut_is_exact_when_the_sample_misleads(db_url, env_frac):
     index.add_cache(CACHE, "memory://unused")
     now = utcnow()
     info = index.ensure_environment(CACHE, fake_env("0.10.2"))
+    count = samples * _SAMPLE_EVERY
+    per_byte = compile_ms_per_byte
     index.upsert_entries(info.id, [
         NewEntry(key=f"jit_f-{i:064d}", module="jit_f", size=100, sha256="0" * 64, origin="warm",
-                 created_at=now - timedelta(minutes=1000 - i)) for i in range(5 * _SAMPLE_EVERY)])
+                 compile_time_ms=None if per_byte is None else 100 * per_byte,
+                 created_at=now - timedelta(minutes=oldest_minutes - i)) for i in range(count)])
     with index.session() as s:
-        s.execute(update(Entry).where(Entry.id % _SAMPLE_EVERY == 0).values(size_bytes=100_000))
-        rows = [{"id": e.id, "env": e.environment_id, "key": e.key, "size": e.size_bytes, "score": e.created_at}
+        huge = {"size_bytes": 100_000} if per_byte is None else {"size_bytes": 100_000,
+                                                                  "compile_time_ms": 100_000 * per_byte}
+        s.execute(update(Entry).where(Entry.id % _SAMPLE_EVERY == 0).values(**huge))
+        rows = [{"id": e.id, "env": e.environment_id, "key": e.key, "size": e.size_bytes, "score": score(e)}
                 for e in s.query(Entry).all()]
+    return index, info, now, rows
+
+
+@pytest.mark.parametrize("env_frac", [None, 0.8])
+def test_eviction_cut_is_exact_when_the_sample_misleads(db_url, env_frac):
+    """gc reads as far as a 1-in-64 sample says the cut ends; a sample that overstates the bytes
+    there (every sampled entry huge, the rest tiny) must cost a second read, never a short cut."""
+    index, info, now, rows = _sampled_huge(db_url, 5, 1000, None, lambda e: e.created_at)
     total = sum(r["size"] for r in rows)
     max_bytes = total - 250_000  # more than the first sampled entry's 100 kB
     env_max = int(total * env_frac) if env_frac else None
@@ -353,21 +367,7 @@ def test_cost_cut_is_exact_when_the_sample_misleads(db_url, env_frac):
     looked up): every sampled entry huge, the rest tiny, the score in id order (compile time per
     byte the same for all, older first); more rows past the bound than one LIMIT holds. The cut
     is the whole greedy cut, in order."""
-    from cachectl.index import open_index
-    from cachectl.index.eviction_queries import _SAMPLE_EVERY
-
-    index = open_index(db_url, auto_migrate=True)
-    index.add_cache(CACHE, "memory://unused")
-    now = utcnow()
-    info = index.ensure_environment(CACHE, fake_env("0.10.2"))
-    index.upsert_entries(info.id, [
-        NewEntry(key=f"jit_f-{i:064d}", module="jit_f", size=100, sha256="0" * 64, origin="warm",
-                 compile_time_ms=100, created_at=now - timedelta(minutes=5000 - i)) for i in range(40 * _SAMPLE_EVERY)])
-    with index.session() as s:
-        s.execute(update(Entry).where(Entry.id % _SAMPLE_EVERY == 0).values(size_bytes=100_000,
-                                                                              compile_time_ms=100_000))
-        rows = [{"id": e.id, "env": e.environment_id, "key": e.key, "size": e.size_bytes, "score": e.id}
-                for e in s.query(Entry).all()]
+    index, info, now, rows = _sampled_huge(db_url, 40, 5000, 1, lambda e: e.id)
     total = sum(r["size"] for r in rows)
     max_bytes = total - 250_000
     env_max = int(total * env_frac) if env_frac else None
