@@ -693,8 +693,9 @@ def planning_markdown(pl: dict[str, Any], quick: bool) -> str:
     first = next((v for v in pl.values() if isinstance(v, dict)), None)
     rows = f"{first['rows']:,}" if first else "?"
     w(f"{PLANNING_HEADING}: every prune and gc plan over {rows} entry rows\n\n")
+    against = f" --against {pl['against']}" if pl.get("against") else ""
     w(f"Produced by `python -m bench --only lifecycle{' --quick' if quick else ''}` (the planning part alone: "
-      f"`python bench/lifecycle.py --planning-only{' --quick' if quick else ''}`). Machine: "
+      f"`python bench/lifecycle.py --planning-only{' --quick' if quick else ''}{against}`). Machine: "
       f"{os.cpu_count()} cores shared with three other engineers' builds and test runs; load average "
       f"{' '.join(f'{x:.2f}' for x in pl.get('load_start', ()))} at the start (and after each "
       "database's part, below). Rows are generated inside the database (random sizes 1 kB - 1 MB, "
@@ -766,7 +767,13 @@ def planning_markdown(pl: dict[str, Any], quick: bool) -> str:
       "1,000,000 index rows) cost ~0.1 s in every gc plan. PostgreSQL's cost plans score every candidate "
       "(~0.25 us a row, the age an exact numeric EXTRACT) after a sample scan of the table (~0.1 s), then "
       "sort what is under the bounds. The `+ env_max_size` plans evict ~20% of the cache, twice the rows "
-      "of the 10% plans.\n\n")
+      "of the 10% plans. What is left over 1 s is the cost policy with per-environment limits (SQLite; "
+      "PostgreSQL with parallel workers off), which scores every one of the 1,000,000 candidates and "
+      "looks up the key of each of the ~160k under the bounds; CPU seconds grow with the machine's "
+      "load here (the same SQLite plan measured 0.91-0.98 CPU s in runs at load average ~2). Covering "
+      "indexes with the key (cost's and lru's) would drop the lookups, at a migration and a database "
+      "~40% bigger (+260 MB for the two at 1,000,000 rows, measured; their cost per insert was not); "
+      "SQLite 3.40 did not pick the lru one, whose order is an expression, so neither is done.\n\n")
     w("On a bigger machine: with a free core, wall time comes down to about the CPU column (SQLite's "
       "queries are single-threaded; PostgreSQL adds parallel workers to the cost policy's scans and to "
       "the totals, so there its wall time can fall below the CPU spent). What grows with the cache is "
