@@ -13,6 +13,7 @@ import dataclasses
 import enum
 import functools
 import json
+from collections.abc import Sequence
 from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -49,6 +50,8 @@ def to_jsonable(obj: Any) -> Any:
         return obj.value
     if isinstance(obj, Path):
         return str(obj)
+    if isinstance(obj, Sequence) and not isinstance(obj, (str, bytes)):
+        return [to_jsonable(v) for v in obj]  # a sequence built on read (a plan's PlannedEntries)
     return obj
 
 

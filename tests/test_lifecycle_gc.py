@@ -178,10 +178,11 @@ def test_eviction_sql_matches_reference(db_url, max_frac, env_frac):
     index.close()
 
 
-@pytest.mark.parametrize("env_frac", [None, 0.8])
-def test_eviction_cut_is_exact_when_the_sample_misleads(db_url, env_frac):
-    """gc reads as far as a 1-in-64 sample says the cut ends; a sample that overstates the bytes
-    there (every sampled entry huge, the rest tiny) must cost a second read, never a short cut."""
+def _sampled_huge(db_url, samples, oldest_minutes, compile_ms_per_byte, score):
+    """One environment of ``samples`` * 64 entries of 100 B, created a minute apart from
+    ``oldest_minutes`` ago (oldest first), every sampled one (id % 64 == 0) 100 kB; compile time
+    ``compile_ms_per_byte`` a byte (None: none). Returns the index, the environment, now, and the
+    rows (score: ``score(entry)``)."""
     from cachectl.index import open_index
     from cachectl.index.eviction_queries import _SAMPLE_EVERY
 
@@ -189,13 +190,26 @@ def test_eviction_cut_is_exact_when_the_sample_misleads(db_url, env_frac):
     index.add_cache(CACHE, "memory://unused")
     now = utcnow()
     info = index.ensure_environment(CACHE, fake_env("0.10.2"))
+    count = samples * _SAMPLE_EVERY
+    per_byte = compile_ms_per_byte
     index.upsert_entries(info.id, [
         NewEntry(key=f"jit_f-{i:064d}", module="jit_f", size=100, sha256="0" * 64, origin="warm",
-                 created_at=now - timedelta(minutes=1000 - i)) for i in range(5 * _SAMPLE_EVERY)])
+                 compile_time_ms=None if per_byte is None else 100 * per_byte,
+                 created_at=now - timedelta(minutes=oldest_minutes - i)) for i in range(count)])
     with index.session() as s:
-        s.execute(update(Entry).where(Entry.id % _SAMPLE_EVERY == 0).values(size_bytes=100_000))
-        rows = [{"id": e.id, "env": e.environment_id, "key": e.key, "size": e.size_bytes, "score": e.created_at}
+        huge = {"size_bytes": 100_000} if per_byte is None else {"size_bytes": 100_000,
+                                                                  "compile_time_ms": 100_000 * per_byte}
+        s.execute(update(Entry).where(Entry.id % _SAMPLE_EVERY == 0).values(**huge))
+        rows = [{"id": e.id, "env": e.environment_id, "key": e.key, "size": e.size_bytes, "score": score(e)}
                 for e in s.query(Entry).all()]
+    return index, info, now, rows
+
+
+@pytest.mark.parametrize("env_frac", [None, 0.8])
+def test_eviction_cut_is_exact_when_the_sample_misleads(db_url, env_frac):
+    """gc reads as far as a 1-in-64 sample says the cut ends; a sample that overstates the bytes
+    there (every sampled entry huge, the rest tiny) must cost a second read, never a short cut."""
+    index, info, now, rows = _sampled_huge(db_url, 5, 1000, None, lambda e: e.created_at)
     total = sum(r["size"] for r in rows)
     max_bytes = total - 250_000  # more than the first sampled entry's 100 kB
     env_max = int(total * env_frac) if env_frac else None
@@ -242,4 +256,125 @@ def test_each_environment_cut_is_exact_when_some_samples_mislead(db_url):
     assert [(by_key[e.key]["score"], by_key[e.key]["id"]) for e in got] == sorted(
         (r["score"], r["id"]) for r in rows if r["id"] in want)  # one score order across environments
     assert {by_key[e.key]["env"] for e in got} == set(env_totals)
+    index.close()
+
+
+def _case_cost_score(dialect, now):
+    """gc's cost score as it was written before the age was clamped with max()/greatest(): the
+    reference the current expression must equal bit for bit."""
+    from sqlalchemy import Float, case, cast, func
+
+    from cachectl.index import unit_size
+    from cachectl.index.eviction_queries import _as_bound
+    from cachectl.index.lifecycle_queries import COST_HALF_LIFE_DAYS, DEFAULT_COMPILE_MS
+    from cachectl.index.models import last_used
+
+    last = last_used()
+    if dialect == "sqlite":
+        age_days = func.julianday(_as_bound(now)) - func.julianday(last)
+    else:
+        age_days = func.extract("epoch", _as_bound(now) - last) / 86400.0
+    age_days = case((age_days < 0, 0.0), else_=age_days)
+    unit = unit_size()
+    size_kib = case((unit < 1, 1.0), else_=cast(unit, Float) / 1024.0)
+    cost = cast(func.coalesce(Entry.compile_time_ms, DEFAULT_COMPILE_MS), Float)
+    return cost / size_kib / (1.0 + age_days / COST_HALF_LIFE_DAYS)
+
+
+@pytest.mark.parametrize("env_frac", [None, 0.7])
+def test_cost_score_and_selection_equal_the_case_expression(db_url, env_frac):
+    """The cost score computes the clamped age once (max/greatest); on a generated index (ages
+    future and past, equal ages, no compile time, executables) every row's score equals the old
+    CASE expression's exactly, and the plan is the greedy cut over the old scores."""
+    from sqlalchemy import select
+
+    from cachectl.index import open_index
+    from cachectl.index.eviction_queries import _score
+
+    index = open_index(db_url, auto_migrate=True)
+    index.add_cache(CACHE, "memory://unused")
+    rng = random.Random(11)
+    now = utcnow()
+    for v in range(3):
+        info = index.ensure_environment(CACHE, fake_env(f"0.{v}.0"))
+        # Every 10th entry is the same (size, compile time, age): equal scores, ties by id.
+        news = [NewEntry(key=f"jit_f-{v}{i:063d}", module="jit_f", size=1000 if i % 10 == 0 else rng.randint(1, 9000),
+                         sha256="0" * 64, origin="warm",
+                         compile_time_ms=5000 if i % 10 == 0 else None if i % 7 == 0 else rng.randint(1, 120_000),
+                         aot_size=rng.randint(0, 4000) if i % 3 == 0 and i % 10 else None, aot_sha256="0" * 64,
+                         created_at=now - timedelta(minutes=60 if i % 10 == 0 else rng.randint(-600, 100_000)))
+                for i in range(200)]
+        index.upsert_entries(info.id, news)
+        index.record_hits(info.id, {n.key: (1, now - timedelta(seconds=rng.randint(-3600, 10**6)))
+                                    for i, n in enumerate(news) if i % 10 and rng.random() < 0.3})
+    dialect = index.dialect
+    with index.session() as s:
+        got = s.execute(select(Entry.id, _score(dialect, "cost", now), _case_cost_score(dialect, now))).all()
+        rows = [{"id": e.id, "env": e.environment_id, "key": e.key,
+                 "size": e.size_bytes + (e.aot_size_bytes or 0)} for e in s.query(Entry).all()]
+    assert len(got) == 600 and all(new == old for _, new, old in got)
+    assert len({old for _, _, old in got}) < 600  # equal scores exist: ties go by id
+    old_score = {i: old for i, _, old in got}
+    for r in rows:
+        r["score"] = old_score[r["id"]]
+    total = sum(r["size"] for r in rows)
+    env_totals: dict[int, int] = {}
+    for r in rows:
+        env_totals[r["env"]] = env_totals.get(r["env"], 0) + r["size"]
+    env_max = int(max(env_totals.values()) * env_frac) if env_frac else None
+    plan, _ = plan_evictions(index, CACHE, policy="cost", max_bytes=int(total * 0.6), env_max_bytes=env_max,
+                             now=now)
+    by_key = {r["key"]: r for r in rows}
+    want = _reference(rows, total, int(total * 0.6), env_totals, env_max)
+    assert [by_key[e.key]["id"] for e in plan] == [r["id"] for r in sorted(
+        (r for r in rows if r["id"] in want), key=lambda r: (r["score"], r["id"]))]
+    index.close()
+
+
+def test_gc_plan_entries_read_like_a_list(tmp_path, db_url):
+    """A gc plan keeps its entries as the cut's rows and builds each PlannedEntry when read: the
+    same entries, in order, by index, slice and iteration, the same bytes and the same JSON as a
+    list of them."""
+    from cachectl.config import load_settings
+    from cachectl.context import Context
+    from cachectl.index.lifecycle_queries import environments
+    from cachectl.jsonable import to_jsonable
+    from cachectl.lifecycle.gc import plan_gc
+    from cachectl.lifecycle.plan import PlannedEntries
+
+    index, store = setup_cache(db_url, str(tmp_path / "cache"))
+    a = write_entries(index, store, fake_env("0.10.2"), 6, sizes=[200] * 6, age_days=[6, 5, 4, 3, 2, 1])
+    write_entries(index, store, fake_env("0.9.1"), 3, sizes=[300] * 3, age_days=[9, 8, 7])
+    a_bytes = sum(e.bytes for e in environments(index, CACHE) if e.namespace == a.env.namespace)
+    index.update_cache(CACHE, env_max_size=a_bytes - 250)  # a gives up its 2 oldest, the cache more
+    ctx = Context(load_settings(db=db_url, cache=CACHE))
+    plan = plan_gc(ctx, ctx.cache(), max_size=total_bytes(index) - 1000).deletion
+    entries = plan.entries
+    assert isinstance(entries, PlannedEntries)
+    listed = list(entries)
+    assert len(entries) == len(listed) >= 3 and entries == listed and listed == entries
+    assert entries[0] == listed[0] and entries[-1] == listed[-1] and entries[1:3] == listed[1:3]
+    assert entries.total_bytes == sum(e.bytes for e in listed) == plan.bytes_to_free
+    assert {e.reason.split(";")[0] for e in listed} == {"env-max-size", "max-size"}
+    assert [e.key for e in listed if e.namespace == a.env.namespace][:1] == [a.keys[0]]
+    assert to_jsonable(entries) == [to_jsonable(e) for e in listed]
+    ctx.close()
+
+
+@pytest.mark.parametrize("env_frac", [None, 0.8])
+def test_cost_cut_is_exact_when_the_sample_misleads(db_url, env_frac):
+    """The cost policy's cut past a short sample reads on a LIMIT at a time (sorted, then the keys
+    looked up): every sampled entry huge, the rest tiny, the score in id order (compile time per
+    byte the same for all, older first); more rows past the bound than one LIMIT holds. The cut
+    is the whole greedy cut, in order."""
+    index, info, now, rows = _sampled_huge(db_url, 40, 5000, 1, lambda e: e.id)
+    total = sum(r["size"] for r in rows)
+    max_bytes = total - 250_000
+    env_max = int(total * env_frac) if env_frac else None
+    got, _ = plan_evictions(index, CACHE, policy="cost", max_bytes=max_bytes, env_max_bytes=env_max, now=now)
+    want = _reference(rows, total, max_bytes, {info.id: total}, env_max)
+    by_key = {r["key"]: r["id"] for r in rows}
+    assert [by_key[e.key] for e in got] == sorted(want)
+    assert [e.score for e in got] == sorted(e.score for e in got)
+    assert sum(r["size"] for r in rows if r["id"] in want) >= 250_000
     index.close()

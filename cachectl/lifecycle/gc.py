@@ -13,8 +13,10 @@ are never evicted.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
+from typing import Any
 
 from cachectl.context import Context
 from cachectl.errors import BadInput
@@ -30,6 +32,7 @@ from cachectl.lifecycle import lease as leases
 from cachectl.lifecycle.plan import (
     DeletionPlan,
     ExecutionResult,
+    PlannedEntries,
     PlannedEntry,
     Protected,
     execute_plan,
@@ -108,12 +111,13 @@ def plan_gc(ctx: Context, cache: CacheInfo, *, policy: str = "lru", max_size: st
         exclude_env_ids=sorted(warming), protect_warm_runs=sorted(runs.values()), now=now,
         bytes_total=sum(e.bytes for e in envs), env_bytes={e.id: e.bytes for e in envs},
     )
-    deletion.entries = _planned(cuts, {e.id: e.namespace for e in envs})
     freed_by_env: dict[int, int] = dict.fromkeys(by_id, 0)
     for row in cuts.rows:
         freed_by_env[row[2]] += row[4]
+    freed = sum(freed_by_env.values())
+    deletion.entries = _planned(cuts, {e.id: e.namespace for e in envs}, freed)
     before = cuts.bytes_before
-    after = before - sum(freed_by_env.values())
+    after = before - freed
     over = max(0, after - limit) if limit is not None else 0
     if over:
         deletion.notes.append(f"still {format_size(over)} over max_size after evicting every unprotected entry")
@@ -126,27 +130,26 @@ def plan_gc(ctx: Context, cache: CacheInfo, *, policy: str = "lru", max_size: st
     return GcPlan(deletion, policy, limit, env_limit, before, after, over)
 
 
-def _planned(cuts: Cuts, namespace: dict[int, str]) -> list[PlannedEntry]:
-    """One PlannedEntry per cut row, its reason naming the cut and the score (the hot loop of a
-    100k-entry plan: plain tuples in, one object and one string out per row)."""
+def _planned(cuts: Cuts, namespace: dict[int, str], freed: int) -> PlannedEntries:
+    """The cut rows as the plan's entries, each ``PlannedEntry`` (its reason naming the cut and the
+    score) built only when read: planning 200k evictions builds no object per row."""
     taken = cuts.env_taken
     one_cut = "max-size" if not taken else "env-max-size" if len(taken) == len(cuts.rows) else None
+
+    def cut(id_: int) -> str:
+        return one_cut or ("env-max-size" if id_ in taken else "max-size")
+
+    make: Callable[[tuple[Any, ...]], PlannedEntry]
     if cuts.lru:
         # The last use to the minute comes as text from the database (the rows' 7th column).
-        if one_cut is not None:  # every row from one cut: no lookup per row
-            why = f"{one_cut}; last used "
-            return [PlannedEntry(env_id, namespace[env_id], key, unit - (aot or 0), why + minute, aot)
-                    for _, _, env_id, key, unit, aot, minute in cuts.rows]
-        return [PlannedEntry(env_id, namespace[env_id], key, unit - (aot or 0),
-                             f"{'env-max-size' if id_ in taken else 'max-size'}; last used {minute}", aot)
-                for _, id_, env_id, key, unit, aot, minute in cuts.rows]
-    if one_cut is not None:
-        return [PlannedEntry(env_id, namespace[env_id], key, unit - (aot or 0),
-                             f"{one_cut}; cost score {sc:.4g}", aot)
-                for sc, _, env_id, key, unit, aot in cuts.rows]
-    return [PlannedEntry(env_id, namespace[env_id], key, unit - (aot or 0),
-                         f"{'env-max-size' if id_ in taken else 'max-size'}; cost score {sc:.4g}", aot)
-            for sc, id_, env_id, key, unit, aot in cuts.rows]
+        def make(r: tuple[Any, ...]) -> PlannedEntry:
+            return PlannedEntry(r[2], namespace[r[2]], r[3], r[4] - (r[5] or 0), f"{cut(r[1])}; last used {r[6]}",
+                                r[5])
+    else:
+        def make(r: tuple[Any, ...]) -> PlannedEntry:
+            return PlannedEntry(r[2], namespace[r[2]], r[3], r[4] - (r[5] or 0),
+                                f"{cut(r[1])}; cost score {r[0]:.4g}", r[5])
+    return PlannedEntries(cuts.rows, make, freed)
 
 
 def gc(ctx: Context, cache: CacheInfo, *, policy: str = "lru", max_size: str | int | None = None,

@@ -20,10 +20,10 @@ import posixpath
 import signal
 import time
 from collections import defaultdict
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, overload
 
 from cachectl.entries import AOT_SUFFIX, ATIME_SUFFIX, CACHE_SUFFIX, LOCKFILE
 from cachectl.index import Index
@@ -66,6 +66,48 @@ class PlannedEntry:
         return out
 
 
+class PlannedEntries(Sequence[PlannedEntry]):
+    """A plan's entries kept as the rows a query returned, each ``PlannedEntry`` built when it is
+    read: a gc plan of 200k entries builds none while planning (the table reads 50; executing and
+    --json read each once, as they would read a list). Equal to a list of the same entries."""
+
+    __slots__ = ("_rows", "_make", "_bytes")
+
+    def __init__(self, rows: Sequence[tuple[Any, ...]], make: Callable[[tuple[Any, ...]], PlannedEntry],
+                 total_bytes: int) -> None:
+        self._rows, self._make, self._bytes = rows, make, total_bytes
+
+    @property
+    def total_bytes(self) -> int:
+        """What deleting them all frees (the entries and their executables), known without a pass."""
+        return self._bytes
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    @overload
+    def __getitem__(self, i: int) -> PlannedEntry: ...
+    @overload
+    def __getitem__(self, i: slice) -> list[PlannedEntry]: ...
+    def __getitem__(self, i: int | slice) -> PlannedEntry | list[PlannedEntry]:
+        if isinstance(i, slice):
+            return [self._make(row) for row in self._rows[i]]
+        return self._make(self._rows[i])
+
+    def __iter__(self) -> Iterator[PlannedEntry]:
+        return map(self._make, self._rows)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Sequence) or isinstance(other, (str, bytes)):
+            return NotImplemented
+        return len(self) == len(other) and all(a == b for a, b in zip(self, other, strict=True))
+
+    __hash__ = None  # type: ignore[assignment]  # mutable-equal like a list
+
+    def __repr__(self) -> str:
+        return f"PlannedEntries({len(self)} entries)"
+
+
 @dataclass(frozen=True)
 class PlannedNamespace:
     """A namespace deleted as one unit; its environment row is marked deleted."""
@@ -98,7 +140,7 @@ class DeletionPlan:
     root: str
     criteria: dict[str, Any]
     namespaces: list[PlannedNamespace] = field(default_factory=list)
-    entries: list[PlannedEntry] = field(default_factory=list)
+    entries: Sequence[PlannedEntry] = field(default_factory=list)  # gc: a PlannedEntries
     protected: list[Protected] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
 
@@ -110,7 +152,9 @@ class DeletionPlan:
 
     @property
     def bytes_to_free(self) -> int:
-        return sum(n.bytes for n in self.namespaces) + sum(e.bytes for e in self.entries)
+        entries = self.entries
+        freed = entries.total_bytes if isinstance(entries, PlannedEntries) else sum(e.bytes for e in entries)
+        return sum(n.bytes for n in self.namespaces) + freed
 
     @property
     def empty(self) -> bool:

@@ -33,6 +33,7 @@ from cachectl.lifecycle import lease as leases
 from cachectl.lifecycle.plan import (
     DeletionPlan,
     LifecycleResult,
+    PlannedEntries,
     PlannedEntry,
     PlannedNamespace,
     Protected,
@@ -232,9 +233,11 @@ def plan_prune(ctx: Context, cache: CacheInfo, crit: PruneCriteria, *,
         rows = selected_entries(ctx.index, partial, created_before=created_before,
                                 unused_before=unused_before, function=crit.function)
         # Sorted by (namespace, key): each environment's rows come sorted by key.
-        for env in sorted(rows, key=lambda i: by_id[i].namespace):
-            ns = by_id[env].namespace
-            plan.entries.extend([PlannedEntry(env, ns, key, size, reason, aot) for _e, key, size, aot in rows[env]])
+        ordered = [row for env in sorted(rows, key=lambda i: by_id[i].namespace) for row in rows[env]]
+        namespace = {i: e.namespace for i, e in by_id.items()}
+        plan.entries = PlannedEntries(
+            ordered, lambda r: PlannedEntry(r[0], namespace[r[0]], r[1], r[2], reason, r[3]),
+            sum(size + (aot or 0) for _e, _k, size, aot in ordered))
     return plan
 
 
