@@ -179,18 +179,20 @@ class _LocalReader:
         rel = rel.strip("/")
         if ".." in rel:
             self._store._full(rel)  # BadInput if it leaves the root
-        full = f"{self._store.root}/{rel}"  # for messages
         rel_dir, _, name = rel.rpartition("/")
+        fd = self._dirs.get(rel_dir)
         try:
-            fd = os.open(name, _READ_FLAGS, dir_fd=self._dir_fd(rel_dir, full))
+            if fd is None:
+                fd = self._dir_fd(rel_dir, f"{self._store.root}/{rel}")
+            fd = os.open(name, _READ_FLAGS, dir_fd=fd)
         except OSError as exc:
             if exc.errno in (errno.ELOOP, errno.EMLINK):
-                raise NotRegularFile(f"{full}: a symlink: not read") from None
+                raise NotRegularFile(f"{self._store.root}/{rel}: a symlink: not read") from None
             raise
         try:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):  # a directory, a FIFO, a device: never read
-                raise NotRegularFile(f"{full}: not a regular file: not read")
+                raise NotRegularFile(f"{self._store.root}/{rel}: not a regular file: not read")
             data = os.read(fd, st.st_size + 1)
             if len(data) == st.st_size:  # what fstat said, and nothing after it: the whole file
                 return data
@@ -342,40 +344,43 @@ class Store:
     def _list_local(self, top: str) -> list[FileInfo]:
         """What ``fs.find(top, detail=True)`` gives on local disk, from os.scandir without fsspec's
         per-file info dicts: directories are descended (symlinks to them are not: listed as files),
-        a symlink's size is its target's (0 if dangling), mtimes are the link's own."""
+        a symlink's size is its target's (0 if dangling), mtimes are the link's own. Names are built
+        relative to the root as the walk goes (one string per file, no cut afterwards)."""
+        root = self.root.rstrip("/")
+        below = top == root or top.startswith(root + "/")
+        # (directory, the prefix its files' names get): relative to the root, or full paths
+        # for a top not below the root as spelled (then _rel makes them relative).
+        pending = [(top, top[len(root) + 1:] + "/" if below and top != root else ("" if below else top + "/"))]
         found: list[tuple[str, int, float]] = []
-        pending = [top]
+        append = found.append
         while pending:
-            path = pending.pop()
+            path, prefix = pending.pop()
             try:
                 it = os.scandir(path)
             except OSError:
                 continue  # gone or unreadable since listed: fsspec's walk skips it too
             with it:
                 for entry in it:
-                    name = f"{path}/{entry.name}"
+                    name = entry.name
                     try:
                         if entry.is_dir(follow_symlinks=False):
-                            pending.append(name)
+                            pending.append((f"{path}/{name}", f"{prefix}{name}/"))
                             continue
                         st = entry.stat(follow_symlinks=False)
                     except FileNotFoundError:
                         continue
                     size = st.st_size
-                    if entry.is_symlink():
+                    if stat.S_ISLNK(st.st_mode):
                         try:
                             size = entry.stat(follow_symlinks=True).st_size
                         except OSError:
                             size = 0
-                    found.append((name, size, st.st_mtime))
+                    append((f"{prefix}{name}", size, st.st_mtime))
         found.sort()
-        root = self.root.rstrip("/")
-        if top != root and not top.startswith(root + "/"):  # not below the root as spelled: the general way
-            return [FileInfo(self._rel(name), int(size), datetime.fromtimestamp(mtime, tz=UTC))
-                    for name, size, mtime in found]
-        cut = len(root) + 1  # every name is root + "/" + its relative path
-        return [FileInfo(name[cut:], int(size), datetime.fromtimestamp(mtime, tz=UTC))
-                for name, size, mtime in found]
+        stamp = datetime.fromtimestamp
+        if not below:
+            return [FileInfo(self._rel(name), int(size), stamp(mtime, tz=UTC)) for name, size, mtime in found]
+        return [FileInfo(name, size, stamp(mtime, tz=UTC)) for name, size, mtime in found]
 
     def iter_dirs(self, rel: str = "") -> Iterator[str]:
         """Immediate subdirectories of ``rel`` (relative paths)."""
