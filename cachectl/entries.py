@@ -85,23 +85,38 @@ def parse_key(key: str) -> EntryName | None:
     return EntryName(key, match["module"]) if match else None
 
 
+def key_module(key: str) -> str | None:
+    """The module part of a key (``parse_key(key).module``) without building an EntryName."""
+    match = _KEY_RE.match(key)
+    return match["module"] if match else None
+
+
+def _is_key(name: str, suffix_len: int) -> bool:
+    """Whether ``name`` less its last ``suffix_len`` characters is a key (no slice, no EntryName)."""
+    return _KEY_RE.match(name, 0, len(name) - suffix_len) is not None
+
+
 def classify(relpath: str) -> Kind:
-    """What a file inside a namespace is (``relpath`` relative to the namespace)."""
-    parts = relpath.split("/")
-    if len(parts) > 1:
-        return Kind.XLA_SUBCACHE if parts[0] in XLA_SUBCACHE_DIRS else Kind.OTHER
-    name = parts[0]
-    if name == ENV_FILE:
-        return Kind.ENV
-    if name == LOCKFILE:
-        return Kind.LOCKFILE
+    """What a file inside a namespace is (``relpath`` relative to the namespace).
+
+    Runs once per file of every listing sync and verify read: a name is tested against the key
+    pattern in place."""
+    if "/" in relpath:
+        return Kind.XLA_SUBCACHE if relpath.split("/", 1)[0] in XLA_SUBCACHE_DIRS else Kind.OTHER
+    name = relpath
     if name.startswith(".tmp-"):
         return Kind.TEMP
-    if name.endswith(CACHE_SUFFIX) and parse_key(name[: -len(CACHE_SUFFIX)]):
-        return Kind.ENTRY
-    if name.endswith(AOT_SUFFIX) and parse_key(name[: -len(AOT_SUFFIX)]):
-        return Kind.AOT
-    if name.endswith(ATIME_SUFFIX) and parse_key(name[: -len(ATIME_SUFFIX)]):
+    if name.endswith(CACHE_SUFFIX):
+        if _is_key(name, len(CACHE_SUFFIX)):
+            return Kind.ENTRY
+    elif name == ENV_FILE:
+        return Kind.ENV
+    elif name == LOCKFILE:
+        return Kind.LOCKFILE
+    elif name.endswith(AOT_SUFFIX):
+        if _is_key(name, len(AOT_SUFFIX)):
+            return Kind.AOT
+    elif name.endswith(ATIME_SUFFIX) and _is_key(name, len(ATIME_SUFFIX)):
         return Kind.ATIME
     return Kind.OTHER
 
