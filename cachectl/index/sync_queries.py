@@ -15,8 +15,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from sqlalchemy import select
-
 from cachectl.index import Index, NewEntry
 from cachectl.index.models import Entry, utcnow
 
@@ -51,13 +49,18 @@ def insert_observed_entries(index: Index, env_id: int, rows: Sequence[NewEntry])
     constants = tuple(_bound(table.c[name].type, dialect, value) for name, value in shared.items())
     columns = ", ".join(dialect.identifier_preparer.quote(name) for name in (*_VARYING, *shared))
     sql = f"INSERT INTO {table.name} ({columns}) VALUES ({', '.join([mark] * (len(_VARYING) + len(shared)))})"
+    key_column = dialect.identifier_preparer.quote("key")
     inserted = 0
     existing: list[NewEntry] = []
     with index.session() as s:
+        conn = s.connection()
         for start in range(0, len(rows), _CHUNK):
             chunk = rows[start:start + _CHUNK]
-            found = set(s.scalars(select(table.c.key).where(table.c.environment_id == env_id,
-                                                            table.c.key.in_([r.key for r in chunk]))))
+            # Which of these keys exist: a driver-level query too (an ORM IN query per 500 keys cost
+            # a tenth of the insert in compiling alone).
+            lookup = (f"SELECT {key_column} FROM {table.name} WHERE environment_id = {mark} "
+                      f"AND {key_column} IN ({', '.join([mark] * len(chunk))})")
+            found = {k for (k,) in conn.exec_driver_sql(lookup, (env_id, *(r.key for r in chunk)))}
             params: list[Any] = []
             for r in chunk:
                 if r.key in found:
@@ -65,7 +68,7 @@ def insert_observed_entries(index: Index, env_id: int, rows: Sequence[NewEntry])
                     continue
                 params.append((r.key, r.module, r.size, r.sha256, *constants))
             if params:
-                s.connection().exec_driver_sql(sql, params)
+                conn.exec_driver_sql(sql, params)
                 inserted += len(params)
     if existing:
         more, updated = index.upsert_entries(env_id, existing)

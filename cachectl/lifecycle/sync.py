@@ -15,6 +15,7 @@ a row whose ``-aot`` is gone has its executable columns cleared.
 
 from __future__ import annotations
 
+import hashlib
 import io
 import time
 from collections import defaultdict
@@ -34,7 +35,7 @@ from cachectl.entries import (
     Header,
     Kind,
     classify,
-    parse_entry_filename,
+    key_module,
     read_header,
     scan_entry,
     sha256,
@@ -141,12 +142,18 @@ def _group_by_namespace(files: list[FileInfo]) -> tuple[dict[str, list[tuple[str
     """Split a root listing into namespaces (jax-*/hw/digest16/...) and stray files."""
     groups: dict[str, list[tuple[str, FileInfo]]] = defaultdict(list)
     strays: list[str] = []
+    # The listing is sorted: a namespace's files come together, so its list is looked up once per
+    # namespace, not per file; each path is split once, at its first three slashes.
+    current, members = "", []
     for info in files:
-        parts = info.path.split("/")
+        parts = info.path.split("/", 3)
         if parts[0] == QUARANTINE_DIR:
             continue
-        if len(parts) >= 4 and parts[0].startswith("jax-"):
-            groups["/".join(parts[:3])].append(("/".join(parts[3:]), info))
+        if len(parts) == 4 and parts[0].startswith("jax-"):
+            ns = f"{parts[0]}/{parts[1]}/{parts[2]}"
+            if ns != current:
+                current, members = ns, groups[ns]
+            members.append((parts[3], info))
         else:
             strays.append(info.path)
     return groups, strays
@@ -197,16 +204,15 @@ def plan_sync(ctx: Context, cache: CacheInfo, *, min_age: timedelta = DEFAULT_MI
             elif kind is Kind.AOT:
                 aot_on_disk[rel[: -len(AOT_SUFFIX)]] = info
         changed: set[str] = set()
-        for key, info in sorted(on_disk.items()):
-            if (key not in indexed or indexed[key][0] != info.size) and _young(info, cutoff):
+        for key, info in sorted(on_disk.items()):  # once per entry file: the lookups are done once each
+            known_row = indexed.get(key)
+            if known_row is not None and known_row[0] == info.size:
+                continue
+            if _young(info, cutoff):
                 item.too_young.append(SyncEntry(ns_path, key, info.size))
                 continue
-            if key not in indexed:
-                item.add.append(SyncEntry(ns_path, key, info.size))
-                changed.add(key)
-            elif indexed[key][0] != info.size:
-                item.update.append(SyncEntry(ns_path, key, info.size))
-                changed.add(key)
+            (item.add if known_row is None else item.update).append(SyncEntry(ns_path, key, info.size))
+            changed.add(key)
         for key in sorted(set(indexed) - set(on_disk)):
             item.drop.append(SyncEntry(ns_path, key, indexed[key][0], indexed[key][1]))
         for key, info in sorted(aot_on_disk.items()):
@@ -264,9 +270,10 @@ def _observe(read: Callable[[str], bytes], namespace: str, key: str) -> NewEntry
         check_entry_bytes(data)
     except CorruptEntry as exc:
         return f"{path}: {exc}"
-    module = parse_entry_filename(f"{key}{CACHE_SUFFIX}")
+    module = key_module(key)  # planning matched the name: a key
     assert module is not None
-    return NewEntry(key=key, module=module.module, size=len(data), sha256=sha256(data), origin="observed")
+    return NewEntry(key=key, module=module, size=len(data), sha256=hashlib.sha256(data).hexdigest(),
+                    origin="observed")
 
 
 def execute_sync(ctx: Context, cache: CacheInfo, plan: SyncPlan) -> SyncResult:
