@@ -341,17 +341,49 @@ class Store:
             if info.get("type", "file") != "directory"
         ]
 
-    def _list_local(self, top: str) -> list[FileInfo]:
-        """What ``fs.find(top, detail=True)`` gives on local disk, from os.scandir without fsspec's
-        per-file info dicts: directories are descended (symlinks to them are not: listed as files),
-        a symlink's size is its target's (0 if dangling), mtimes are the link's own. Names are built
-        relative to the root as the walk goes (one string per file, no cut afterwards)."""
+    def list_paths(self, rel: str = "") -> list[str]:
+        """The paths ``list(rel)`` gives, without sizes and times: on local disk the directory reads
+        alone (no stat per file), for a caller that needs the times of only a few files (``infos``)."""
+        full = self._full(rel)
+        if self.kind == "file" and os.path.isdir(full):
+            below, found = self._scan_local(self.fs._strip_protocol(full))
+            names = sorted(name for name, _ in found)
+            return names if below else [self._rel(name) for name in names]
+        return [f.path for f in self.list(rel)]
+
+    def infos(self, rels: Sequence[str], within: str = "") -> dict[str, FileInfo]:
+        """Size and time of listed files, as ``list`` gives them (files gone since are left out):
+        on local disk one lstat each, elsewhere one listing of ``within`` (no call per file)."""
+        if not rels:
+            return {}
+        if self.kind != "file":
+            wanted = set(rels)
+            return {f.path: f for f in self.list(within) if f.path in wanted}
+        out: dict[str, FileInfo] = {}
+        for rel in rels:
+            full = self._full(rel)
+            try:
+                st = os.lstat(full)
+            except FileNotFoundError:
+                continue
+            size = st.st_size
+            if stat.S_ISLNK(st.st_mode):
+                try:
+                    size = os.stat(full).st_size
+                except OSError:
+                    size = 0
+            out[rel] = FileInfo(rel, size, datetime.fromtimestamp(st.st_mtime, tz=UTC))
+        return out
+
+    def _scan_local(self, top: str) -> tuple[bool, list[tuple[str, os.DirEntry[str]]]]:
+        """Every file below ``top`` (directories are descended, symlinks to them are not: listed as
+        files), unsorted, with its directory entry; whether ``top`` is below the root as spelled:
+        then names are relative to the root, built as the walk goes, else full paths."""
         root = self.root.rstrip("/")
         below = top == root or top.startswith(root + "/")
-        # (directory, the prefix its files' names get): relative to the root, or full paths
-        # for a top not below the root as spelled (then _rel makes them relative).
+        # (directory, the prefix its files' names get)
         pending = [(top, top[len(root) + 1:] + "/" if below and top != root else ("" if below else top + "/"))]
-        found: list[tuple[str, int, float]] = []
+        found: list[tuple[str, os.DirEntry[str]]] = []
         append = found.append
         while pending:
             path, prefix = pending.pop()
@@ -366,16 +398,30 @@ class Store:
                         if entry.is_dir(follow_symlinks=False):
                             pending.append((f"{path}/{name}", f"{prefix}{name}/"))
                             continue
-                        st = entry.stat(follow_symlinks=False)
                     except FileNotFoundError:
                         continue
-                    size = st.st_size
-                    if stat.S_ISLNK(st.st_mode):
-                        try:
-                            size = entry.stat(follow_symlinks=True).st_size
-                        except OSError:
-                            size = 0
-                    append((f"{prefix}{name}", size, st.st_mtime))
+                    append((f"{prefix}{name}", entry))
+        return below, found
+
+    def _list_local(self, top: str) -> list[FileInfo]:
+        """What ``fs.find(top, detail=True)`` gives on local disk, from os.scandir without fsspec's
+        per-file info dicts: a symlink's size is its target's (0 if dangling), mtimes are the
+        link's own."""
+        below, entries = self._scan_local(top)
+        found: list[tuple[str, int, float]] = []
+        append = found.append
+        for name, entry in entries:
+            try:
+                st = entry.stat(follow_symlinks=False)
+            except FileNotFoundError:
+                continue
+            size = st.st_size
+            if stat.S_ISLNK(st.st_mode):
+                try:
+                    size = entry.stat(follow_symlinks=True).st_size
+                except OSError:
+                    size = 0
+            append((name, size, st.st_mtime))
         found.sort()
         stamp = datetime.fromtimestamp
         if not below:
