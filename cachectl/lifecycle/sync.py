@@ -19,9 +19,10 @@ import hashlib
 import io
 import time
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
+from typing import TypeVar
 
 import zstandard
 
@@ -138,24 +139,28 @@ class SyncResult:
     broken: list[str] = field(default_factory=list)
 
 
-def _group_by_namespace(files: list[FileInfo]) -> tuple[dict[str, list[tuple[str, FileInfo]]], list[str]]:
-    """Split a root listing into namespaces (jax-*/hw/digest16/...) and stray files."""
-    groups: dict[str, list[tuple[str, FileInfo]]] = defaultdict(list)
+T = TypeVar("T")
+
+
+def _group_by_namespace(paths: Sequence[str], items: Sequence[T]) -> tuple[dict[str, list[tuple[str, T]]], list[str]]:
+    """Split a root listing (its paths, and the item for each) into namespaces (jax-*/hw/digest16/...):
+    (path in the namespace, item); and stray files."""
+    groups: dict[str, list[tuple[str, T]]] = defaultdict(list)
     strays: list[str] = []
     # The listing is sorted: a namespace's files come together, so its list is looked up once per
     # namespace, not per file; each path is split once, at its first three slashes.
     current, members = "", []
-    for info in files:
-        parts = info.path.split("/", 3)
+    for path, item in zip(paths, items, strict=True):
+        parts = path.split("/", 3)
         if parts[0] == QUARANTINE_DIR:
             continue
         if len(parts) == 4 and parts[0].startswith("jax-"):
             ns = f"{parts[0]}/{parts[1]}/{parts[2]}"
             if ns != current:
                 current, members = ns, groups[ns]
-            members.append((parts[3], info))
+            members.append((parts[3], item))
         else:
-            strays.append(info.path)
+            strays.append(path)
     return groups, strays
 
 
@@ -170,7 +175,8 @@ def _young(info: FileInfo, cutoff: datetime | None) -> bool:
 def plan_sync(ctx: Context, cache: CacheInfo, *, min_age: timedelta = DEFAULT_MIN_AGE) -> SyncPlan:
     store = Store(cache.root_url, cache.storage_options)
     store.check_reachable()
-    groups, strays = _group_by_namespace(store.list(""))
+    listing = store.list("")
+    groups, strays = _group_by_namespace([f.path for f in listing], listing)
     known = {e.namespace: e for e in ctx.index.environment_stats(cache.name, include_deleted=True)}
     namespaces: list[NamespaceSync] = []
     cutoff = datetime.now(UTC) - min_age if min_age > timedelta(0) else None

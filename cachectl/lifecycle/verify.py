@@ -64,7 +64,7 @@ from cachectl.lifecycle.lease import Lease
 from cachectl.lifecycle.sync import _group_by_namespace, check_entry_bytes
 from cachectl.namespace import QUARANTINE_DIR, read_env_json
 from cachectl.permissions import check_writer
-from cachectl.store import FileInfo, NotRegularFile, Store, ordered_map, read_workers
+from cachectl.store import NotRegularFile, Store, ordered_map, read_workers
 from cachectl.units import format_duration
 
 # Kinds of finding, and what --quarantine / --repair does about each.
@@ -212,11 +212,14 @@ def plan_verify(ctx: Context, cache: CacheInfo, *, env_prefix: str | None = None
     if env_prefix:
         target = ctx.index.find_environment(cache.name, env_prefix)
         envs = {ns: e for ns, e in envs.items() if e.id == target.id}
-        listing = store.list(target.namespace)  # paths stay relative to the root
+        scope = target.namespace
     else:
-        listing = store.list("")
+        scope = ""
+    # Paths only (on local disk no stat per file): the times of the few files that need one (unknown
+    # writers, for --min-age) are read after the walk.
+    listing = store.list_paths(scope)  # paths stay relative to the root
     plan.files_listed = len(listing)
-    groups, strays = _group_by_namespace(listing)
+    groups, strays = _group_by_namespace(listing, listing)
     for path in strays:
         if not path.startswith((QUARANTINE_DIR + "/", ".tmp-")) and not path.endswith(".lock"):
             plan.findings.append(Finding(STRAY, "", path, "a file outside every namespace: not a cachectl "
@@ -225,6 +228,8 @@ def plan_verify(ctx: Context, cache: CacheInfo, *, env_prefix: str | None = None
     checks: list[tuple[str, str, int, str, int, str]] = []  # (namespace, key, size, sha, env id, path)
     aot_checks: list[tuple[str, str, int, str, int, str]] = []  # (+ the entry's indexed sha256)
     atime_needed: dict[str, list[tuple[str, str]]] = {}
+    # Files the index does not know: (namespace, path, warm in progress, action, env id, key).
+    unknowns: list[tuple[str, str, bool, str, int, str | None]] = []
 
     def act(action: str) -> str:
         return action if (quarantine if action == QUARANTINE else repair) else ""
@@ -246,7 +251,7 @@ def plan_verify(ctx: Context, cache: CacheInfo, *, env_prefix: str | None = None
             continue
         indexed = entry_digests(ctx.index, env.id)
         indexed_aot = executable_digests(ctx.index, env.id)
-        names = {rel: info for rel, info in files}
+        names = dict(files)  # path in the namespace -> path in the root
         kinds = {rel: classify(rel) for rel in names}  # once per file: the loops below all need it
         has_lockfile = any(kind is Kind.LOCKFILE for kind in kinds.values())
         subcaches = sorted({rel.split("/", 1)[0] for rel, kind in kinds.items() if kind is Kind.XLA_SUBCACHE})
@@ -267,9 +272,8 @@ def plan_verify(ctx: Context, cache: CacheInfo, *, env_prefix: str | None = None
         aot_keys: set[str] = set()
         # In listing order (the findings are sorted at the end); most files are indexed entries,
         # which take the first branch and one lookup.
-        for rel, info in names.items():
+        for rel, path in names.items():
             kind = kinds[rel]
-            path = f"{ns}/{rel}"
             if kind is Kind.ENTRY:
                 key = rel[: -len(CACHE_SUFFIX)]  # classify() matched the name: no second parse
                 entry_keys.add(key)
@@ -277,8 +281,7 @@ def plan_verify(ctx: Context, cache: CacheInfo, *, env_prefix: str | None = None
                 if row is not None:
                     checks.append((ns, key, row[0], row[1], env.id, path))
                 else:
-                    plan.findings.append(_unknown(ns, path, info, now, min_age, env.id in warming,
-                                                  act(QUARANTINE), env.id, key))
+                    unknowns.append((ns, path, env.id in warming, act(QUARANTINE), env.id, key))
             elif kind is Kind.AOT:
                 parsed = parse_aot_filename(rel)
                 assert parsed is not None
@@ -291,8 +294,7 @@ def plan_verify(ctx: Context, cache: CacheInfo, *, env_prefix: str | None = None
                     size, digest, entry_sha = indexed_aot[parsed.key]
                     aot_checks.append((ns, parsed.key, size, digest, env.id, entry_sha))
                 else:
-                    plan.findings.append(_unknown(ns, path, info, now, min_age, env.id in warming,
-                                                  act(QUARANTINE), env.id, parsed.key))
+                    unknowns.append((ns, path, env.id in warming, act(QUARANTINE), env.id, parsed.key))
             elif kind is Kind.ATIME:
                 key = rel[: -len(ATIME_SUFFIX)]
                 if f"{key}{CACHE_SUFFIX}" not in names:
@@ -307,8 +309,7 @@ def plan_verify(ctx: Context, cache: CacheInfo, *, env_prefix: str | None = None
                 except (BadInput, FileNotFoundError) as exc:
                     plan.findings.append(Finding(BAD_ENV, ns, path, str(exc)))
             elif kind is Kind.OTHER:
-                plan.findings.append(_unknown(ns, path, info, now, min_age, env.id in warming,
-                                                  act(QUARANTINE), env.id, None))
+                unknowns.append((ns, path, env.id in warming, act(QUARANTINE), env.id, None))
         for key in sorted(set(indexed) - entry_keys):
             plan.findings.append(Finding(MISSING, ns, f"{ns}/{key}{CACHE_SUFFIX}", "indexed, but no file in storage",
                                          act(DROP_ROW), env.id, key))
@@ -321,6 +322,12 @@ def plan_verify(ctx: Context, cache: CacheInfo, *, env_prefix: str | None = None
             atime_needed[ns] = [(key, f"{ns}/{key}{CACHE_SUFFIX}") for key in sorted(entry_keys)
                                 if f"{key}{ATIME_SUFFIX}" not in names]
 
+    # --min-age spares a young unknown file from quarantine: only those need a time.
+    infos = store.infos([u[1] for u in unknowns if u[3] and not u[2]], within=scope)
+    for ns, path, warm, action, env_id, key in unknowns:
+        info = infos.get(path)
+        plan.findings.append(_unknown(ns, path, info.mtime if info else None, now, min_age, warm, action,
+                                      env_id, key))
     bad: set[str] = set()
     workers = workers or read_workers(store, [c[2] for c in checks] + [c[2] for c in aot_checks])
     with store.reader() as read:
@@ -373,12 +380,12 @@ def _finding(plan: VerifyPlan, lease: Lease | None, ns: str, key: str, env_id: i
     return finding
 
 
-def _unknown(ns: str, path: str, info: FileInfo, now: datetime, min_age: timedelta, warming: bool,
+def _unknown(ns: str, path: str, mtime: datetime | None, now: datetime, min_age: timedelta, warming: bool,
              action: str, env_id: int, key: str | None) -> Finding:
     detail = "not in the index (unknown writer; `cachectl sync` adopts entries services wrote)"
     if warming:
         return Finding(UNKNOWN, ns, path, detail + "; warm in progress: not quarantined", "", env_id, key)
-    if action and info.mtime is not None and now - info.mtime < min_age:
+    if action and mtime is not None and now - mtime < min_age:
         return Finding(UNKNOWN, ns, path, detail + f"; younger than --min-age {format_duration(min_age)}: "
                        "not quarantined", "", env_id, key)
     return Finding(UNKNOWN, ns, path, detail, action, env_id, key)
