@@ -12,6 +12,7 @@ stays harmless and counts stay exact.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from typing import Any
 
@@ -32,6 +33,40 @@ def _bound(column_type: Any, dialect: Any, value: Any) -> Any:
     return process(value) if process is not None else value
 
 
+# SQLite has its JSON functions built in from 3.38 (before, only where compiled in).
+_SQLITE_JSON = (3, 38, 0)
+_JSON_ROWS = 10_000  # rows per SQLite statement: one JSON array of about 2 MB
+
+
+def _insert_sqlite_json(conn: Any, table: str, key_column: str, columns: str, constants: tuple[Any, ...],
+                        env_id: int, rows: Sequence[NewEntry]) -> tuple[int, list[NewEntry]]:
+    """SQLite: (rows inserted, rows whose key exists). Each batch's keys go in one JSON array to one
+    existence query, its new rows in another to one ``INSERT ... SELECT`` over ``json_each``: SQLite
+    reads the rows itself, where executemany bound 14 parameters a row from Python (a third of the
+    insert's time), and the statement runs without holding the GIL."""
+    lookup = (f"SELECT {key_column} FROM {table} WHERE environment_id = ? "
+              f"AND {key_column} IN (SELECT value FROM json_each(?))")
+    picks = ", ".join(f"json_extract(value, '$[{i}]')" for i in range(len(_VARYING)))
+    insert = (f"INSERT INTO {table} ({columns}) SELECT {picks}, {', '.join('?' * len(constants))} "
+              "FROM json_each(?)")
+    inserted = 0
+    existing: list[NewEntry] = []
+    for start in range(0, len(rows), _JSON_ROWS):
+        chunk = rows[start:start + _JSON_ROWS]
+        keys = json.dumps([r.key for r in chunk], ensure_ascii=False)
+        found = {k for (k,) in conn.exec_driver_sql(lookup, (env_id, keys))}
+        new: list[tuple[str, str, int, str]] = []
+        for r in chunk:
+            if r.key in found:
+                existing.append(r)
+            else:
+                new.append((r.key, r.module, r.size, r.sha256))
+        if new:
+            conn.exec_driver_sql(insert, (*constants, json.dumps(new, ensure_ascii=False)))
+            inserted += len(new)
+    return inserted, existing
+
+
 def insert_observed_entries(index: Index, env_id: int, rows: Sequence[NewEntry]) -> tuple[int, int]:
     """Record entries sync found in storage; returns (inserted, updated) like ``upsert_entries``.
 
@@ -50,8 +85,16 @@ def insert_observed_entries(index: Index, env_id: int, rows: Sequence[NewEntry])
     columns = ", ".join(dialect.identifier_preparer.quote(name) for name in (*_VARYING, *shared))
     sql = f"INSERT INTO {table.name} ({columns}) VALUES ({', '.join([mark] * (len(_VARYING) + len(shared)))})"
     key_column = dialect.identifier_preparer.quote("key")
+    if dialect.name == "sqlite" and getattr(dialect.dbapi, "sqlite_version_info", (0,)) >= _SQLITE_JSON:
+        with index.session() as s:
+            inserted, existing = _insert_sqlite_json(s.connection(), table.name, key_column, columns, constants,
+                                                     env_id, rows)
+        if existing:
+            more, updated = index.upsert_entries(env_id, existing)
+            return inserted + more, updated
+        return inserted, 0
     inserted = 0
-    existing: list[NewEntry] = []
+    existing = []
     with index.session() as s:
         conn = s.connection()
         for start in range(0, len(rows), _CHUNK):
