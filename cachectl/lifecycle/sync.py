@@ -4,8 +4,8 @@ Entries JAX wrote straight into a namespace (services with write access) get
 indexed; index rows whose files are gone are dropped; environments are rebuilt
 from their env.json. One recursive listing of the root; file contents are
 read only for entries that are new or changed size (through ``Store.reader``),
-and their rows go to the index in one executemany per namespace
-(``index/sync_queries.py``).
+and their rows go to the index one namespace at a time (``index/sync_queries.py``)
+while the next namespace's files are read on a thread.
 
 A stored executable (``<key>-aot``) is recorded on its entry's row (size and
 sha256 of the stored bytes); one whose ``-cache`` is missing is an orphan,

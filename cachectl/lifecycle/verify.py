@@ -1,6 +1,7 @@
 """`cachectl verify`: every indexed entry exists, matches its checksum and decompresses.
 
-One recursive listing of the root, then every indexed entry is read, hashed
+One recursive listing of the root's paths (no stat per local file: only
+unknown files get one, for --min-age), then every indexed entry is read, hashed
 and its header checked (a bounded decompression): through ``Store.reader``
 (on local disk each namespace directory is opened once, files relative to
 it), on threads for object stores and for big local files
