@@ -85,12 +85,6 @@ def parse_key(key: str) -> EntryName | None:
     return EntryName(key, match["module"]) if match else None
 
 
-def key_module(key: str) -> str | None:
-    """The module part of a key (``parse_key(key).module``) without building an EntryName."""
-    match = _KEY_RE.match(key)
-    return match["module"] if match else None
-
-
 def _is_key(name: str, suffix_len: int) -> bool:
     """Whether ``name`` less its last ``suffix_len`` characters is a key (no slice, no EntryName)."""
     return _KEY_RE.match(name, 0, len(name) - suffix_len) is not None

@@ -37,15 +37,14 @@ from cachectl.entries import (
     Header,
     Kind,
     classify,
-    key_module,
     read_header,
     scan_entry,
     sha256,
 )
 from cachectl.errors import BadInput
 from cachectl.fingerprint import Environment
-from cachectl.index import CacheInfo, Index, NewEntry
-from cachectl.index.sync_queries import insert_observed_entries
+from cachectl.index import CacheInfo, Index
+from cachectl.index.sync_queries import ObservedRow, insert_observed_rows, observed_entry
 from cachectl.namespace import QUARANTINE_DIR, read_env_json
 from cachectl.permissions import check_writer
 from cachectl.store import FileInfo, Store, ordered_map, read_workers
@@ -265,7 +264,13 @@ def check_entry_bytes(data: bytes) -> Header:
     return scan_entry(io.BytesIO(data), MAX_EXPANDED_BYTES, chunk=SCAN_CHUNK)
 
 
-def _observe(read: Callable[[str], bytes], namespace: str, key: str) -> NewEntry | str | None:
+def _module(key: str) -> str:
+    """The module of a key planning matched against the key pattern (``parse_key(key).module`` without
+    running it again): what precedes ``-<64 hex>``, which the pattern lets a final newline follow."""
+    return key[:-66] if key.endswith("\n") else key[:-65]
+
+
+def _observe(read: Callable[[str], bytes], namespace: str, key: str) -> ObservedRow | str | None:
     """The index row for one entry file; a one-line problem if it is not a whole entry; None if it
     is gone since planning (the next sync settles it). Runs on reader threads."""
     path = f"{namespace}/{key}{CACHE_SUFFIX}"
@@ -277,23 +282,20 @@ def _observe(read: Callable[[str], bytes], namespace: str, key: str) -> NewEntry
         check_entry_bytes(data)
     except CorruptEntry as exc:
         return f"{path}: {exc}"
-    module = key_module(key)  # planning matched the name: a key
-    assert module is not None
-    return NewEntry(key=key, module=module, size=len(data), sha256=hashlib.sha256(data).hexdigest(),
-                    origin="observed")
+    return key, _module(key), len(data), hashlib.sha256(data).hexdigest()
 
 
-_Read = tuple[list[NewEntry], list[str], dict[str, "tuple[int, str] | None"]]
+_Read = tuple[list[ObservedRow], list[str], dict[str, "tuple[int, str] | None"]]
 
 
 def _read_namespace(store: Store, read: Callable[[str], bytes], item: NamespaceSync) -> _Read:
     """One namespace's new and changed entries as index rows, the files that are not whole entries,
     and its executables to record or clear (None)."""
     todo = item.add + item.update
-    new_rows: list[NewEntry] = []
+    new_rows: list[ObservedRow] = []
     broken: list[str] = []
 
-    def observe(e: SyncEntry, ns: str = item.namespace) -> NewEntry | str | None:
+    def observe(e: SyncEntry, ns: str = item.namespace) -> ObservedRow | str | None:
         return _observe(read, ns, e.key)
 
     for seen in ordered_map(observe, todo, read_workers(store, [e.size for e in todo])):
@@ -335,9 +337,9 @@ def execute_sync(ctx: Context, cache: CacheInfo, plan: SyncPlan) -> SyncResult:
                 pending.append(ahead.submit(_read_namespace, store, read, todo[n + 1]))
             broken += bad
             if isinstance(ctx.index, Index):
-                ins, upd = insert_observed_entries(ctx.index, info.id, new_rows)
+                ins, upd = insert_observed_rows(ctx.index, info.id, new_rows)
             else:  # the server's index, over HTTP
-                ins, upd = ctx.index.upsert_entries(info.id, new_rows)
+                ins, upd = ctx.index.upsert_entries(info.id, [observed_entry(r) for r in new_rows])
             added += ins
             updated += upd
             if item.drop:
