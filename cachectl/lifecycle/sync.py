@@ -288,29 +288,30 @@ def _observe(read: Callable[[str], bytes], namespace: str, key: str) -> Observed
 _Read = tuple[list[ObservedRow], list[str], dict[str, "tuple[int, str] | None"]]
 
 
-def _read_namespace(store: Store, read: Callable[[str], bytes], item: NamespaceSync) -> _Read:
+def _read_namespace(store: Store, item: NamespaceSync) -> _Read:
     """One namespace's new and changed entries as index rows, the files that are not whole entries,
-    and its executables to record or clear (None)."""
+    and its executables to record or clear (None). A reader per namespace: its directory
+    descriptors are closed before the next namespace's are opened."""
     todo = item.add + item.update
     new_rows: list[ObservedRow] = []
     broken: list[str] = []
+    with store.reader() as read:
+        def observe(e: SyncEntry, ns: str = item.namespace) -> ObservedRow | str | None:
+            return _observe(read, ns, e.key)
 
-    def observe(e: SyncEntry, ns: str = item.namespace) -> ObservedRow | str | None:
-        return _observe(read, ns, e.key)
-
-    for seen in ordered_map(observe, todo, read_workers(store, [e.size for e in todo])):
-        if isinstance(seen, str):
-            broken.append(seen)  # half-written or corrupt: never indexed (verify reports it)
-        elif seen is not None:
-            new_rows.append(seen)
-    executables: dict[str, tuple[int, str] | None] = {e.key: None for e in item.clear_aot}
-    for e in item.record_aot:
-        try:
-            data = read(f"{item.namespace}/{e.key}{AOT_SUFFIX}")
-        except FileNotFoundError:
-            executables[e.key] = None  # deleted since planning
-            continue
-        executables[e.key] = (len(data), sha256(data))
+        for seen in ordered_map(observe, todo, read_workers(store, [e.size for e in todo])):
+            if isinstance(seen, str):
+                broken.append(seen)  # half-written or corrupt: never indexed (verify reports it)
+            elif seen is not None:
+                new_rows.append(seen)
+        executables: dict[str, tuple[int, str] | None] = {e.key: None for e in item.clear_aot}
+        for e in item.record_aot:
+            try:
+                data = read(f"{item.namespace}/{e.key}{AOT_SUFFIX}")
+            except FileNotFoundError:
+                executables[e.key] = None  # deleted since planning
+                continue
+            executables[e.key] = (len(data), sha256(data))
     return new_rows, broken, executables
 
 
@@ -326,15 +327,15 @@ def execute_sync(ctx: Context, cache: CacheInfo, plan: SyncPlan) -> SyncResult:
     envs_added = added = updated = dropped = gone = aot_recorded = aot_cleared = 0
     broken: list[str] = []
     todo = [item for item in plan.namespaces if not item.problem and item.environment is not None]
-    with store.reader() as read, ThreadPoolExecutor(max_workers=1, thread_name_prefix="cachectl-sync") as ahead:
-        pending = [ahead.submit(_read_namespace, store, read, todo[0])] if todo else []
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="cachectl-sync") as ahead:
+        pending = [ahead.submit(_read_namespace, store, todo[0])] if todo else []
         for n, item in enumerate(todo):
             assert item.environment is not None
             info = ctx.index.ensure_environment(cache.name, item.environment)
             envs_added += item.new_environment
             new_rows, bad, executables = pending.pop().result()
             if n + 1 < len(todo):
-                pending.append(ahead.submit(_read_namespace, store, read, todo[n + 1]))
+                pending.append(ahead.submit(_read_namespace, store, todo[n + 1]))
             broken += bad
             if isinstance(ctx.index, Index):
                 ins, upd = insert_observed_rows(ctx.index, info.id, new_rows)
