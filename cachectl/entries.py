@@ -137,32 +137,42 @@ def executable_bytes(data: bytes) -> bytes:
     return raw[_TIME_BYTES:]
 
 
+def decompress_zstd(data: bytes) -> bytes:
+    """zstd bytes decompressed through this thread's context (CorruptEntry if they do not)."""
+    try:
+        import zstandard
+    except ImportError as exc:  # pragma: no cover - zstandard is a dependency
+        raise CorruptEntry("zstd entry but the zstandard module is not installed") from exc
+    try:
+        return _zstd_decompressor().decompress(data, max_output_size=1 << 34)
+    except zstandard.ZstdError as exc:
+        raise CorruptEntry(f"zstd data is corrupt: {exc}") from exc
+
+
 def decompress(data: bytes) -> tuple[str, bytes]:
     """Decompress by magic bytes, so a reader need not know the writer's library."""
     if data[:4] == _ZSTD_MAGIC:
-        try:
-            import zstandard
-        except ImportError as exc:  # pragma: no cover - zstandard is a dependency
-            raise CorruptEntry("zstd entry but the zstandard module is not installed") from exc
-        try:
-            return "zstandard", _zstd_decompressor().decompress(data, max_output_size=1 << 34)
-        except zstandard.ZstdError as exc:
-            raise CorruptEntry(f"zstd data is corrupt: {exc}") from exc
+        return "zstandard", decompress_zstd(data)
     try:
         return "zlib", zlib.decompress(data)
     except zlib.error as exc:
         raise CorruptEntry(f"not zstd or zlib data: {exc}") from exc
 
 
-def read_header(data: bytes) -> Header:
-    """Decompress an entry and check its header is plausible."""
-    compression, raw = decompress(data)
+def header_seconds(raw: bytes) -> int:
+    """The compile seconds at the head of decompressed entry bytes (CorruptEntry if implausible)."""
     if len(raw) <= _TIME_BYTES:
         raise CorruptEntry("entry too short to hold a header and an executable")
     seconds = int.from_bytes(raw[:_TIME_BYTES], "big")
     if seconds > _MAX_SANE_COMPILE_SECONDS:
         raise CorruptEntry(f"implausible compile time in header: {seconds} s")
-    return Header(compression, seconds, len(raw) - _TIME_BYTES)
+    return seconds
+
+
+def read_header(data: bytes) -> Header:
+    """Decompress an entry and check its header is plausible."""
+    compression, raw = decompress(data)
+    return Header(compression, header_seconds(raw), len(raw) - _TIME_BYTES)
 
 
 def sha256(data: bytes) -> str:

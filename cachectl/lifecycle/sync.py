@@ -34,10 +34,10 @@ from cachectl.entries import (
     CACHE_SUFFIX,
     ENV_FILE,
     CorruptEntry,
-    Header,
     Kind,
     classify,
-    read_header,
+    decompress_zstd,
+    header_seconds,
     scan_entry,
     sha256,
 )
@@ -250,18 +250,20 @@ SCAN_CHUNK = 1 << 16
 ONE_SHOT_BYTES = 1 << 20
 
 
-def check_entry_bytes(data: bytes) -> Header:
+def check_entry_bytes(data: bytes) -> None:
     """An entry's header, checked with a bound (CorruptEntry otherwise): an entry that expands
     enormously (a decompression bomb) costs time here, never memory. Small zstd entries, most of
-    a cache, take one decompress call; the rest one streaming pass."""
+    a cache, take one decompress call and no Header (sync and verify need only the verdict, once
+    per file); the rest one streaming pass."""
     if data[:4] == _ZSTD_MAGIC:
         try:
             declared = zstandard.frame_content_size(data[:18])
         except zstandard.ZstdError:
             declared = -1
         if 0 <= declared <= ONE_SHOT_BYTES:
-            return read_header(data)
-    return scan_entry(io.BytesIO(data), MAX_EXPANDED_BYTES, chunk=SCAN_CHUNK)
+            header_seconds(decompress_zstd(data))
+            return
+    scan_entry(io.BytesIO(data), MAX_EXPANDED_BYTES, chunk=SCAN_CHUNK)
 
 
 def _module(key: str) -> str:
