@@ -85,23 +85,32 @@ def parse_key(key: str) -> EntryName | None:
     return EntryName(key, match["module"]) if match else None
 
 
+def _is_key(name: str, suffix_len: int) -> bool:
+    """Whether ``name`` less its last ``suffix_len`` characters is a key (no slice, no EntryName)."""
+    return _KEY_RE.match(name, 0, len(name) - suffix_len) is not None
+
+
 def classify(relpath: str) -> Kind:
-    """What a file inside a namespace is (``relpath`` relative to the namespace)."""
-    parts = relpath.split("/")
-    if len(parts) > 1:
-        return Kind.XLA_SUBCACHE if parts[0] in XLA_SUBCACHE_DIRS else Kind.OTHER
-    name = parts[0]
-    if name == ENV_FILE:
-        return Kind.ENV
-    if name == LOCKFILE:
-        return Kind.LOCKFILE
+    """What a file inside a namespace is (``relpath`` relative to the namespace).
+
+    Runs once per file of every listing sync and verify read: a name is tested against the key
+    pattern in place."""
+    if "/" in relpath:
+        return Kind.XLA_SUBCACHE if relpath.split("/", 1)[0] in XLA_SUBCACHE_DIRS else Kind.OTHER
+    name = relpath
     if name.startswith(".tmp-"):
         return Kind.TEMP
-    if name.endswith(CACHE_SUFFIX) and parse_key(name[: -len(CACHE_SUFFIX)]):
-        return Kind.ENTRY
-    if name.endswith(AOT_SUFFIX) and parse_key(name[: -len(AOT_SUFFIX)]):
-        return Kind.AOT
-    if name.endswith(ATIME_SUFFIX) and parse_key(name[: -len(ATIME_SUFFIX)]):
+    if name.endswith(CACHE_SUFFIX):
+        if _is_key(name, len(CACHE_SUFFIX)):
+            return Kind.ENTRY
+    elif name == ENV_FILE:
+        return Kind.ENV
+    elif name == LOCKFILE:
+        return Kind.LOCKFILE
+    elif name.endswith(AOT_SUFFIX):
+        if _is_key(name, len(AOT_SUFFIX)):
+            return Kind.AOT
+    elif name.endswith(ATIME_SUFFIX) and _is_key(name, len(ATIME_SUFFIX)):
         return Kind.ATIME
     return Kind.OTHER
 
@@ -128,32 +137,42 @@ def executable_bytes(data: bytes) -> bytes:
     return raw[_TIME_BYTES:]
 
 
+def decompress_zstd(data: bytes) -> bytes:
+    """zstd bytes decompressed through this thread's context (CorruptEntry if they do not)."""
+    try:
+        import zstandard
+    except ImportError as exc:  # pragma: no cover - zstandard is a dependency
+        raise CorruptEntry("zstd entry but the zstandard module is not installed") from exc
+    try:
+        return _zstd_decompressor().decompress(data, max_output_size=1 << 34)
+    except zstandard.ZstdError as exc:
+        raise CorruptEntry(f"zstd data is corrupt: {exc}") from exc
+
+
 def decompress(data: bytes) -> tuple[str, bytes]:
     """Decompress by magic bytes, so a reader need not know the writer's library."""
     if data[:4] == _ZSTD_MAGIC:
-        try:
-            import zstandard
-        except ImportError as exc:  # pragma: no cover - zstandard is a dependency
-            raise CorruptEntry("zstd entry but the zstandard module is not installed") from exc
-        try:
-            return "zstandard", _zstd_decompressor().decompress(data, max_output_size=1 << 34)
-        except zstandard.ZstdError as exc:
-            raise CorruptEntry(f"zstd data is corrupt: {exc}") from exc
+        return "zstandard", decompress_zstd(data)
     try:
         return "zlib", zlib.decompress(data)
     except zlib.error as exc:
         raise CorruptEntry(f"not zstd or zlib data: {exc}") from exc
 
 
-def read_header(data: bytes) -> Header:
-    """Decompress an entry and check its header is plausible."""
-    compression, raw = decompress(data)
+def header_seconds(raw: bytes) -> int:
+    """The compile seconds at the head of decompressed entry bytes (CorruptEntry if implausible)."""
     if len(raw) <= _TIME_BYTES:
         raise CorruptEntry("entry too short to hold a header and an executable")
     seconds = int.from_bytes(raw[:_TIME_BYTES], "big")
     if seconds > _MAX_SANE_COMPILE_SECONDS:
         raise CorruptEntry(f"implausible compile time in header: {seconds} s")
-    return Header(compression, seconds, len(raw) - _TIME_BYTES)
+    return seconds
+
+
+def read_header(data: bytes) -> Header:
+    """Decompress an entry and check its header is plausible."""
+    compression, raw = decompress(data)
+    return Header(compression, header_seconds(raw), len(raw) - _TIME_BYTES)
 
 
 def sha256(data: bytes) -> str:

@@ -179,18 +179,20 @@ class _LocalReader:
         rel = rel.strip("/")
         if ".." in rel:
             self._store._full(rel)  # BadInput if it leaves the root
-        full = f"{self._store.root}/{rel}"  # for messages
         rel_dir, _, name = rel.rpartition("/")
+        fd = self._dirs.get(rel_dir)
         try:
-            fd = os.open(name, _READ_FLAGS, dir_fd=self._dir_fd(rel_dir, full))
+            if fd is None:
+                fd = self._dir_fd(rel_dir, f"{self._store.root}/{rel}")
+            fd = os.open(name, _READ_FLAGS, dir_fd=fd)
         except OSError as exc:
             if exc.errno in (errno.ELOOP, errno.EMLINK):
-                raise NotRegularFile(f"{full}: a symlink: not read") from None
+                raise NotRegularFile(f"{self._store.root}/{rel}: a symlink: not read") from None
             raise
         try:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):  # a directory, a FIFO, a device: never read
-                raise NotRegularFile(f"{full}: not a regular file: not read")
+                raise NotRegularFile(f"{self._store.root}/{rel}: not a regular file: not read")
             data = os.read(fd, st.st_size + 1)
             if len(data) == st.st_size:  # what fstat said, and nothing after it: the whole file
                 return data
@@ -339,43 +341,92 @@ class Store:
             if info.get("type", "file") != "directory"
         ]
 
-    def _list_local(self, top: str) -> list[FileInfo]:
-        """What ``fs.find(top, detail=True)`` gives on local disk, from os.scandir without fsspec's
-        per-file info dicts: directories are descended (symlinks to them are not: listed as files),
-        a symlink's size is its target's (0 if dangling), mtimes are the link's own."""
-        found: list[tuple[str, int, float]] = []
-        pending = [top]
+    def list_paths(self, rel: str = "") -> list[str]:
+        """The paths ``list(rel)`` gives, without sizes and times: on local disk the directory reads
+        alone (no stat per file), for a caller that needs the times of only a few files (``infos``)."""
+        full = self._full(rel)
+        if self.kind == "file" and os.path.isdir(full):
+            below, found = self._scan_local(self.fs._strip_protocol(full))
+            names = sorted(name for name, _ in found)
+            return names if below else [self._rel(name) for name in names]
+        return [f.path for f in self.list(rel)]
+
+    def infos(self, rels: Sequence[str], within: str = "") -> dict[str, FileInfo]:
+        """Size and time of listed files, as ``list`` gives them (files gone since are left out):
+        on local disk one lstat each, elsewhere one listing of ``within`` (no call per file)."""
+        if not rels:
+            return {}
+        if self.kind != "file":
+            wanted = set(rels)
+            return {f.path: f for f in self.list(within) if f.path in wanted}
+        out: dict[str, FileInfo] = {}
+        for rel in rels:
+            full = self._full(rel)
+            try:
+                st = os.lstat(full)
+            except FileNotFoundError:
+                continue
+            size = st.st_size
+            if stat.S_ISLNK(st.st_mode):
+                try:
+                    size = os.stat(full).st_size
+                except OSError:
+                    size = 0
+            out[rel] = FileInfo(rel, size, datetime.fromtimestamp(st.st_mtime, tz=UTC))
+        return out
+
+    def _scan_local(self, top: str) -> tuple[bool, list[tuple[str, os.DirEntry[str]]]]:
+        """Every file below ``top`` (directories are descended, symlinks to them are not: listed as
+        files), unsorted, with its directory entry; whether ``top`` is below the root as spelled:
+        then names are relative to the root, built as the walk goes, else full paths."""
+        root = self.root.rstrip("/")
+        below = top == root or top.startswith(root + "/")
+        # (directory, the prefix its files' names get)
+        pending = [(top, top[len(root) + 1:] + "/" if below and top != root else ("" if below else top + "/"))]
+        found: list[tuple[str, os.DirEntry[str]]] = []
+        append = found.append
         while pending:
-            path = pending.pop()
+            path, prefix = pending.pop()
             try:
                 it = os.scandir(path)
             except OSError:
                 continue  # gone or unreadable since listed: fsspec's walk skips it too
             with it:
                 for entry in it:
-                    name = f"{path}/{entry.name}"
+                    name = entry.name
                     try:
                         if entry.is_dir(follow_symlinks=False):
-                            pending.append(name)
+                            pending.append((f"{path}/{name}", f"{prefix}{name}/"))
                             continue
-                        st = entry.stat(follow_symlinks=False)
                     except FileNotFoundError:
                         continue
-                    size = st.st_size
-                    if entry.is_symlink():
-                        try:
-                            size = entry.stat(follow_symlinks=True).st_size
-                        except OSError:
-                            size = 0
-                    found.append((name, size, st.st_mtime))
+                    append((f"{prefix}{name}", entry))
+        return below, found
+
+    def _list_local(self, top: str) -> list[FileInfo]:
+        """What ``fs.find(top, detail=True)`` gives on local disk, from os.scandir without fsspec's
+        per-file info dicts: a symlink's size is its target's (0 if dangling), mtimes are the
+        link's own."""
+        below, entries = self._scan_local(top)
+        found: list[tuple[str, int, float]] = []
+        append = found.append
+        for name, entry in entries:
+            try:
+                st = entry.stat(follow_symlinks=False)
+            except FileNotFoundError:
+                continue
+            size = st.st_size
+            if stat.S_ISLNK(st.st_mode):
+                try:
+                    size = entry.stat(follow_symlinks=True).st_size
+                except OSError:
+                    size = 0
+            append((name, size, st.st_mtime))
         found.sort()
-        root = self.root.rstrip("/")
-        if top != root and not top.startswith(root + "/"):  # not below the root as spelled: the general way
-            return [FileInfo(self._rel(name), int(size), datetime.fromtimestamp(mtime, tz=UTC))
-                    for name, size, mtime in found]
-        cut = len(root) + 1  # every name is root + "/" + its relative path
-        return [FileInfo(name[cut:], int(size), datetime.fromtimestamp(mtime, tz=UTC))
-                for name, size, mtime in found]
+        stamp = datetime.fromtimestamp
+        if not below:
+            return [FileInfo(self._rel(name), int(size), stamp(mtime, tz=UTC)) for name, size, mtime in found]
+        return [FileInfo(name, size, stamp(mtime, tz=UTC)) for name, size, mtime in found]
 
     def iter_dirs(self, rel: str = "") -> Iterator[str]:
         """Immediate subdirectories of ``rel`` (relative paths)."""

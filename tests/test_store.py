@@ -26,6 +26,37 @@ def test_write_read_list_with_sizes_and_times(storage_root: str) -> None:
     assert store.list("nothing-here") == []
 
 
+def test_paths_without_times_then_infos_of_a_few(storage_root: str) -> None:
+    """list_paths gives list()'s paths in its order; infos gives list()'s size and time of the files
+    asked for, and leaves out one deleted since."""
+    store = Store(storage_root)
+    for i, rel in enumerate(["ns/b/z-cache", "ns/a/one-cache", "ns/a/sub/deep", "top", "ns/c/gone"]):
+        store.write_bytes(rel, b"x" * (i + 1))
+    listing = store.list("")
+    assert store.list_paths("") == [f.path for f in listing]
+    assert store.list_paths("ns/a") == [f.path for f in store.list("ns/a")] == ["ns/a/one-cache", "ns/a/sub/deep"]
+    assert store.list_paths("nothing-here") == []
+    store.delete(["ns/c/gone"])
+    infos = store.infos(["ns/a/sub/deep", "top", "ns/c/gone"], within="")
+    assert infos == {f.path: f for f in listing if f.path in ("ns/a/sub/deep", "top")}
+    assert store.infos([]) == {}
+
+
+def test_local_paths_list_links_as_files_and_never_descend_them(tmp_path) -> None:
+    root = tmp_path / "cache"
+    store = Store(str(root))
+    store.write_bytes("ns/a/x-cache", b"x" * 7)
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "secret").write_bytes(b"s" * 3)
+    (root / "ns" / "linked").symlink_to(outside)
+    (root / "ns" / "a" / "dangling").symlink_to(tmp_path / "nowhere")
+    listing = store.list("")
+    assert store.list_paths("") == [f.path for f in listing] == ["ns/a/dangling", "ns/a/x-cache", "ns/linked"]
+    assert store.infos(store.list_paths("")) == {f.path: f for f in listing}
+    assert store.infos(["ns/linked"])["ns/linked"].size == outside.stat().st_size  # the target's, as list()
+
+
 def test_overwrite_is_whole(storage_root: str) -> None:
     store = Store(storage_root)
     store.write_bytes("f", b"old contents")

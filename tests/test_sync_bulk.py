@@ -47,3 +47,20 @@ def test_bulk_rows_equal_upserted_ones_and_existing_keys_are_updated(db_url) -> 
         assert insert_observed_entries(index, env.id, []) == (0, 0)
     finally:
         index.close()
+
+
+def test_bulk_rows_over_several_statements(db_url) -> None:
+    """More rows than one SQLite statement takes (its JSON batch): every row lands once,
+    and a key written meanwhile in a later batch is updated."""
+    index = open_index(db_url, auto_migrate=True)
+    try:
+        index.add_cache("c", "/tmp/unused-root")
+        env = index.ensure_environment("c", _env())
+        rows = [_row(i) for i in range(10_050)]
+        assert index.upsert_entries(env.id, [_row(10_020, size=5)]) == (1, 0)
+        assert insert_observed_entries(index, env.id, rows) == (10_049, 1)
+        stored = index.list_entries(env.id)
+        assert sorted((e.key, e.size, e.sha256) for e in stored) == sorted((r.key, r.size, r.sha256) for r in rows)
+        assert index.entry_keys(env.id)[rows[10_049].key] == (rows[10_049].size, rows[10_049].sha256)
+    finally:
+        index.close()

@@ -249,7 +249,12 @@ def entry_digests(index: Index, env_id: int) -> dict[str, tuple[int, str]]:
     """key -> (size, sha256) of one environment: what verify checks files against (a read)."""
     q = select(Entry.key, Entry.size_bytes, Entry.sha256).where(Entry.environment_id == env_id)
     with index.read_session() as s:
-        return {k: (int(size), sha) for k, size, sha in s.connection().execute(q)}
+        # The driver's rows in one fetch (strings and integers need no result processing): iterating
+        # the Result cost a fetch and a Row per entry, a tenth of verifying an entry.
+        result = s.connection().execute(q)
+        rows = result.cursor.fetchall()
+        result.close()
+        return {k: (int(size), sha) for k, size, sha in rows}
 
 
 def service_written_entries(index: Index, env_id: int) -> list[tuple[str, datetime]]:

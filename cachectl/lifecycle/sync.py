@@ -4,8 +4,8 @@ Entries JAX wrote straight into a namespace (services with write access) get
 indexed; index rows whose files are gone are dropped; environments are rebuilt
 from their env.json. One recursive listing of the root; file contents are
 read only for entries that are new or changed size (through ``Store.reader``),
-and their rows go to the index in one executemany per namespace
-(``index/sync_queries.py``).
+and their rows go to the index one namespace at a time (``index/sync_queries.py``)
+while the next namespace's files are read on a thread.
 
 A stored executable (``<key>-aot``) is recorded on its entry's row (size and
 sha256 of the stored bytes); one whose ``-cache`` is missing is an orphan,
@@ -15,12 +15,15 @@ a row whose ``-aot`` is gone has its executable columns cleared.
 
 from __future__ import annotations
 
+import hashlib
 import io
 import time
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
+from typing import TypeVar
 
 import zstandard
 
@@ -31,18 +34,17 @@ from cachectl.entries import (
     CACHE_SUFFIX,
     ENV_FILE,
     CorruptEntry,
-    Header,
     Kind,
     classify,
-    parse_entry_filename,
-    read_header,
+    decompress_zstd,
+    header_seconds,
     scan_entry,
     sha256,
 )
 from cachectl.errors import BadInput
 from cachectl.fingerprint import Environment
-from cachectl.index import CacheInfo, Index, NewEntry
-from cachectl.index.sync_queries import insert_observed_entries
+from cachectl.index import CacheInfo, Index
+from cachectl.index.sync_queries import ObservedRow, insert_observed_rows, observed_entry
 from cachectl.namespace import QUARANTINE_DIR, read_env_json
 from cachectl.permissions import check_writer
 from cachectl.store import FileInfo, Store, ordered_map, read_workers
@@ -137,18 +139,28 @@ class SyncResult:
     broken: list[str] = field(default_factory=list)
 
 
-def _group_by_namespace(files: list[FileInfo]) -> tuple[dict[str, list[tuple[str, FileInfo]]], list[str]]:
-    """Split a root listing into namespaces (jax-*/hw/digest16/...) and stray files."""
-    groups: dict[str, list[tuple[str, FileInfo]]] = defaultdict(list)
+T = TypeVar("T")
+
+
+def _group_by_namespace(paths: Sequence[str], items: Sequence[T]) -> tuple[dict[str, list[tuple[str, T]]], list[str]]:
+    """Split a root listing (its paths, and the item for each) into namespaces (jax-*/hw/digest16/...):
+    (path in the namespace, item); and stray files."""
+    groups: dict[str, list[tuple[str, T]]] = defaultdict(list)
     strays: list[str] = []
-    for info in files:
-        parts = info.path.split("/")
+    # The listing is sorted: a namespace's files come together, so its list is looked up once per
+    # namespace, not per file; each path is split once, at its first three slashes.
+    current, members = "", []
+    for path, item in zip(paths, items, strict=True):
+        parts = path.split("/", 3)
         if parts[0] == QUARANTINE_DIR:
             continue
-        if len(parts) >= 4 and parts[0].startswith("jax-"):
-            groups["/".join(parts[:3])].append(("/".join(parts[3:]), info))
+        if len(parts) == 4 and parts[0].startswith("jax-"):
+            ns = f"{parts[0]}/{parts[1]}/{parts[2]}"
+            if ns != current:
+                current, members = ns, groups[ns]
+            members.append((parts[3], item))
         else:
-            strays.append(info.path)
+            strays.append(path)
     return groups, strays
 
 
@@ -163,7 +175,8 @@ def _young(info: FileInfo, cutoff: datetime | None) -> bool:
 def plan_sync(ctx: Context, cache: CacheInfo, *, min_age: timedelta = DEFAULT_MIN_AGE) -> SyncPlan:
     store = Store(cache.root_url, cache.storage_options)
     store.check_reachable()
-    groups, strays = _group_by_namespace(store.list(""))
+    listing = store.list("")
+    groups, strays = _group_by_namespace([f.path for f in listing], listing)
     known = {e.namespace: e for e in ctx.index.environment_stats(cache.name, include_deleted=True)}
     namespaces: list[NamespaceSync] = []
     cutoff = datetime.now(UTC) - min_age if min_age > timedelta(0) else None
@@ -197,16 +210,15 @@ def plan_sync(ctx: Context, cache: CacheInfo, *, min_age: timedelta = DEFAULT_MI
             elif kind is Kind.AOT:
                 aot_on_disk[rel[: -len(AOT_SUFFIX)]] = info
         changed: set[str] = set()
-        for key, info in sorted(on_disk.items()):
-            if (key not in indexed or indexed[key][0] != info.size) and _young(info, cutoff):
+        for key, info in sorted(on_disk.items()):  # once per entry file: the lookups are done once each
+            known_row = indexed.get(key)
+            if known_row is not None and known_row[0] == info.size:
+                continue
+            if _young(info, cutoff):
                 item.too_young.append(SyncEntry(ns_path, key, info.size))
                 continue
-            if key not in indexed:
-                item.add.append(SyncEntry(ns_path, key, info.size))
-                changed.add(key)
-            elif indexed[key][0] != info.size:
-                item.update.append(SyncEntry(ns_path, key, info.size))
-                changed.add(key)
+            (item.add if known_row is None else item.update).append(SyncEntry(ns_path, key, info.size))
+            changed.add(key)
         for key in sorted(set(indexed) - set(on_disk)):
             item.drop.append(SyncEntry(ns_path, key, indexed[key][0], indexed[key][1]))
         for key, info in sorted(aot_on_disk.items()):
@@ -238,21 +250,29 @@ SCAN_CHUNK = 1 << 16
 ONE_SHOT_BYTES = 1 << 20
 
 
-def check_entry_bytes(data: bytes) -> Header:
+def check_entry_bytes(data: bytes) -> None:
     """An entry's header, checked with a bound (CorruptEntry otherwise): an entry that expands
     enormously (a decompression bomb) costs time here, never memory. Small zstd entries, most of
-    a cache, take one decompress call; the rest one streaming pass."""
+    a cache, take one decompress call and no Header (sync and verify need only the verdict, once
+    per file); the rest one streaming pass."""
     if data[:4] == _ZSTD_MAGIC:
         try:
             declared = zstandard.frame_content_size(data[:18])
         except zstandard.ZstdError:
             declared = -1
         if 0 <= declared <= ONE_SHOT_BYTES:
-            return read_header(data)
-    return scan_entry(io.BytesIO(data), MAX_EXPANDED_BYTES, chunk=SCAN_CHUNK)
+            header_seconds(decompress_zstd(data))
+            return
+    scan_entry(io.BytesIO(data), MAX_EXPANDED_BYTES, chunk=SCAN_CHUNK)
 
 
-def _observe(read: Callable[[str], bytes], namespace: str, key: str) -> NewEntry | str | None:
+def _module(key: str) -> str:
+    """The module of a key planning matched against the key pattern (``parse_key(key).module`` without
+    running it again): what precedes ``-<64 hex>``, which the pattern lets a final newline follow."""
+    return key[:-66] if key.endswith("\n") else key[:-65]
+
+
+def _observe(read: Callable[[str], bytes], namespace: str, key: str) -> ObservedRow | str | None:
     """The index row for one entry file; a one-line problem if it is not a whole entry; None if it
     is gone since planning (the next sync settles it). Runs on reader threads."""
     path = f"{namespace}/{key}{CACHE_SUFFIX}"
@@ -264,54 +284,73 @@ def _observe(read: Callable[[str], bytes], namespace: str, key: str) -> NewEntry
         check_entry_bytes(data)
     except CorruptEntry as exc:
         return f"{path}: {exc}"
-    module = parse_entry_filename(f"{key}{CACHE_SUFFIX}")
-    assert module is not None
-    return NewEntry(key=key, module=module.module, size=len(data), sha256=sha256(data), origin="observed")
+    return key, _module(key), len(data), hashlib.sha256(data).hexdigest()
+
+
+_Read = tuple[list[ObservedRow], list[str], dict[str, "tuple[int, str] | None"]]
+
+
+def _read_namespace(store: Store, item: NamespaceSync) -> _Read:
+    """One namespace's new and changed entries as index rows, the files that are not whole entries,
+    and its executables to record or clear (None). A reader per namespace: its directory
+    descriptors are closed before the next namespace's are opened."""
+    todo = item.add + item.update
+    new_rows: list[ObservedRow] = []
+    broken: list[str] = []
+    with store.reader() as read:
+        def observe(e: SyncEntry, ns: str = item.namespace) -> ObservedRow | str | None:
+            return _observe(read, ns, e.key)
+
+        for seen in ordered_map(observe, todo, read_workers(store, [e.size for e in todo])):
+            if isinstance(seen, str):
+                broken.append(seen)  # half-written or corrupt: never indexed (verify reports it)
+            elif seen is not None:
+                new_rows.append(seen)
+        executables: dict[str, tuple[int, str] | None] = {e.key: None for e in item.clear_aot}
+        for e in item.record_aot:
+            try:
+                data = read(f"{item.namespace}/{e.key}{AOT_SUFFIX}")
+            except FileNotFoundError:
+                executables[e.key] = None  # deleted since planning
+                continue
+            executables[e.key] = (len(data), sha256(data))
+    return new_rows, broken, executables
 
 
 def execute_sync(ctx: Context, cache: CacheInfo, plan: SyncPlan) -> SyncResult:
-    """Carry out a plan; safe to re-run (every step is an upsert or a delete)."""
+    """Carry out a plan; safe to re-run (every step is an upsert or a delete).
+
+    The next namespace's files are read on a thread while this one's rows are written: the index
+    work (SQLite's statements, a server's requests) runs without the GIL, so with a free core the
+    two overlap. Every index call stays on this thread, in namespace order."""
     check_writer(cache, "sync")
     started = time.monotonic()
     store = Store(cache.root_url, cache.storage_options)
     envs_added = added = updated = dropped = gone = aot_recorded = aot_cleared = 0
     broken: list[str] = []
-    for item in plan.namespaces:
-        if item.problem or item.environment is None:
-            continue
-        info = ctx.index.ensure_environment(cache.name, item.environment)
-        envs_added += item.new_environment
-        todo = item.add + item.update
-        new_rows = []
-        with store.reader() as read:
-            def observe(e: SyncEntry, ns: str = item.namespace) -> NewEntry | str | None:
-                return _observe(read, ns, e.key)
-
-            for seen in ordered_map(observe, todo, read_workers(store, [e.size for e in todo])):
-                if isinstance(seen, str):
-                    broken.append(seen)  # half-written or corrupt: never indexed (verify reports it)
-                elif seen is not None:
-                    new_rows.append(seen)
-            executables: dict[str, tuple[int, str] | None] = {e.key: None for e in item.clear_aot}
-            for e in item.record_aot:
-                try:
-                    data = read(f"{item.namespace}/{e.key}{AOT_SUFFIX}")
-                except FileNotFoundError:
-                    executables[e.key] = None  # deleted since planning
-                    continue
-                executables[e.key] = (len(data), sha256(data))
-        if isinstance(ctx.index, Index):
-            ins, upd = insert_observed_entries(ctx.index, info.id, new_rows)
-        else:  # the server's index, over HTTP
-            ins, upd = ctx.index.upsert_entries(info.id, new_rows)
-        added += ins
-        updated += upd
-        if item.drop:
-            dropped += ctx.index.delete_entries(info.id, [e.key for e in item.drop])
-        if executables:
-            ctx.index.set_executables(info.id, executables)
-            aot_recorded += sum(v is not None for v in executables.values())
-            aot_cleared += sum(v is None for v in executables.values())
+    todo = [item for item in plan.namespaces if not item.problem and item.environment is not None]
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="cachectl-sync") as ahead:
+        pending = [ahead.submit(_read_namespace, store, todo[0])] if todo else []
+        for n, item in enumerate(todo):
+            assert item.environment is not None
+            info = ctx.index.ensure_environment(cache.name, item.environment)
+            envs_added += item.new_environment
+            new_rows, bad, executables = pending.pop().result()
+            if n + 1 < len(todo):
+                pending.append(ahead.submit(_read_namespace, store, todo[n + 1]))
+            broken += bad
+            if isinstance(ctx.index, Index):
+                ins, upd = insert_observed_rows(ctx.index, info.id, new_rows)
+            else:  # the server's index, over HTTP
+                ins, upd = ctx.index.upsert_entries(info.id, [observed_entry(r) for r in new_rows])
+            added += ins
+            updated += upd
+            if item.drop:
+                dropped += ctx.index.delete_entries(info.id, [e.key for e in item.drop])
+            if executables:
+                ctx.index.set_executables(info.id, executables)
+                aot_recorded += sum(v is not None for v in executables.values())
+                aot_cleared += sum(v is None for v in executables.values())
     for ns in plan.environments_gone:
         for env in ctx.index.environment_stats(cache.name):
             if env.namespace == ns:

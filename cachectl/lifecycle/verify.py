@@ -1,6 +1,7 @@
 """`cachectl verify`: every indexed entry exists, matches its checksum and decompresses.
 
-One recursive listing of the root, then every indexed entry is read, hashed
+One recursive listing of the root's paths (no stat per local file: only
+unknown files get one, for --min-age), then every indexed entry is read, hashed
 and its header checked (a bounded decompression): through ``Store.reader``
 (on local disk each namespace directory is opened once, files relative to
 it), on threads for object stores and for big local files
@@ -25,6 +26,7 @@ into quarantine with it.
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections import Counter, defaultdict
 from collections.abc import Callable
@@ -63,7 +65,7 @@ from cachectl.lifecycle.lease import Lease
 from cachectl.lifecycle.sync import _group_by_namespace, check_entry_bytes
 from cachectl.namespace import QUARANTINE_DIR, read_env_json
 from cachectl.permissions import check_writer
-from cachectl.store import FileInfo, NotRegularFile, Store, ordered_map, read_workers
+from cachectl.store import NotRegularFile, Store, ordered_map, read_workers
 from cachectl.units import format_duration
 
 # Kinds of finding, and what --quarantine / --repair does about each.
@@ -161,12 +163,13 @@ def _check_entry(read: Callable[[str], bytes], path: str, size: int, digest: str
         return CORRUPT, "not a regular file (a symlink, or reached through one): never read", 0
     except FileNotFoundError:
         return MISSING, "file is gone", 0
-    corrupt = None
     try:
         check_entry_bytes(data)
     except CorruptEntry as exc:
-        corrupt = str(exc)
-    return _verdict(data, size, digest, corrupt, [])
+        return _verdict(data, size, digest, str(exc), [])
+    if len(data) == size and hashlib.sha256(data).hexdigest() == digest:
+        return None, "", size  # most files: no lists, no second hash
+    return _verdict(data, size, digest, None, [])
 
 
 def _check_executable(read: Callable[[str], bytes], path: str, key: str, size: int, digest: str,
@@ -210,19 +213,24 @@ def plan_verify(ctx: Context, cache: CacheInfo, *, env_prefix: str | None = None
     if env_prefix:
         target = ctx.index.find_environment(cache.name, env_prefix)
         envs = {ns: e for ns, e in envs.items() if e.id == target.id}
-        listing = store.list(target.namespace)  # paths stay relative to the root
+        scope = target.namespace
     else:
-        listing = store.list("")
+        scope = ""
+    # Paths only (on local disk no stat per file): the times of the few files that need one (unknown
+    # writers, for --min-age) are read after the walk.
+    listing = store.list_paths(scope)  # paths stay relative to the root
     plan.files_listed = len(listing)
-    groups, strays = _group_by_namespace(listing)
+    groups, strays = _group_by_namespace(listing, listing)
     for path in strays:
         if not path.startswith((QUARANTINE_DIR + "/", ".tmp-")) and not path.endswith(".lock"):
             plan.findings.append(Finding(STRAY, "", path, "a file outside every namespace: not a cachectl "
                                          "entry; remove it if nothing of yours needs it"))
     warming = warms_in_progress(ctx.index, [e.id for e in envs.values()], now=now)
-    checks: list[tuple[str, str, int, str, int]] = []  # (namespace, key, size, sha, env id)
+    checks: list[tuple[str, str, int, str, int, str]] = []  # (namespace, key, size, sha, env id, path)
     aot_checks: list[tuple[str, str, int, str, int, str]] = []  # (+ the entry's indexed sha256)
     atime_needed: dict[str, list[tuple[str, str]]] = {}
+    # Files the index does not know: (namespace, path, warm in progress, action, env id, key).
+    unknowns: list[tuple[str, str, bool, str, int, str | None]] = []
 
     def act(action: str) -> str:
         return action if (quarantine if action == QUARANTINE else repair) else ""
@@ -244,7 +252,7 @@ def plan_verify(ctx: Context, cache: CacheInfo, *, env_prefix: str | None = None
             continue
         indexed = entry_digests(ctx.index, env.id)
         indexed_aot = executable_digests(ctx.index, env.id)
-        names = {rel: info for rel, info in files}
+        names = dict(files)  # path in the namespace -> path in the root
         kinds = {rel: classify(rel) for rel in names}  # once per file: the loops below all need it
         has_lockfile = any(kind is Kind.LOCKFILE for kind in kinds.values())
         subcaches = sorted({rel.split("/", 1)[0] for rel, kind in kinds.items() if kind is Kind.XLA_SUBCACHE})
@@ -263,18 +271,18 @@ def plan_verify(ctx: Context, cache: CacheInfo, *, env_prefix: str | None = None
                     "min_compile_time_secs writes anyway)", environment_id=env.id, key=key))
         entry_keys: set[str] = set()
         aot_keys: set[str] = set()
-        for rel, info in sorted(names.items()):
+        # In listing order (the findings are sorted at the end); most files are indexed entries,
+        # which take the first branch and one lookup.
+        for rel, path in names.items():
             kind = kinds[rel]
-            path = f"{ns}/{rel}"
             if kind is Kind.ENTRY:
                 key = rel[: -len(CACHE_SUFFIX)]  # classify() matched the name: no second parse
                 entry_keys.add(key)
-                if key in indexed:
-                    size, digest = indexed[key]
-                    checks.append((ns, key, size, digest, env.id))
+                row = indexed.get(key)
+                if row is not None:
+                    checks.append((ns, key, row[0], row[1], env.id, path))
                 else:
-                    plan.findings.append(_unknown(ns, path, info, now, min_age, env.id in warming,
-                                                  act(QUARANTINE), env.id, key))
+                    unknowns.append((ns, path, env.id in warming, act(QUARANTINE), env.id, key))
             elif kind is Kind.AOT:
                 parsed = parse_aot_filename(rel)
                 assert parsed is not None
@@ -287,8 +295,7 @@ def plan_verify(ctx: Context, cache: CacheInfo, *, env_prefix: str | None = None
                     size, digest, entry_sha = indexed_aot[parsed.key]
                     aot_checks.append((ns, parsed.key, size, digest, env.id, entry_sha))
                 else:
-                    plan.findings.append(_unknown(ns, path, info, now, min_age, env.id in warming,
-                                                  act(QUARANTINE), env.id, parsed.key))
+                    unknowns.append((ns, path, env.id in warming, act(QUARANTINE), env.id, parsed.key))
             elif kind is Kind.ATIME:
                 key = rel[: -len(ATIME_SUFFIX)]
                 if f"{key}{CACHE_SUFFIX}" not in names:
@@ -303,8 +310,7 @@ def plan_verify(ctx: Context, cache: CacheInfo, *, env_prefix: str | None = None
                 except (BadInput, FileNotFoundError) as exc:
                     plan.findings.append(Finding(BAD_ENV, ns, path, str(exc)))
             elif kind is Kind.OTHER:
-                plan.findings.append(_unknown(ns, path, info, now, min_age, env.id in warming,
-                                                  act(QUARANTINE), env.id, None))
+                unknowns.append((ns, path, env.id in warming, act(QUARANTINE), env.id, None))
         for key in sorted(set(indexed) - entry_keys):
             plan.findings.append(Finding(MISSING, ns, f"{ns}/{key}{CACHE_SUFFIX}", "indexed, but no file in storage",
                                          act(DROP_ROW), env.id, key))
@@ -317,21 +323,33 @@ def plan_verify(ctx: Context, cache: CacheInfo, *, env_prefix: str | None = None
             atime_needed[ns] = [(key, f"{ns}/{key}{CACHE_SUFFIX}") for key in sorted(entry_keys)
                                 if f"{key}{ATIME_SUFFIX}" not in names]
 
+    # --min-age spares a young unknown file from quarantine: only those need a time.
+    infos = store.infos([u[1] for u in unknowns if u[3] and not u[2]], within=scope)
+    for ns, path, warm, action, env_id, key in unknowns:
+        info = infos.get(path)
+        plan.findings.append(_unknown(ns, path, info.mtime if info else None, now, min_age, warm, action,
+                                      env_id, key))
     bad: set[str] = set()
     workers = workers or read_workers(store, [c[2] for c in checks] + [c[2] for c in aot_checks])
     with store.reader() as read:
-        def check(c: tuple[str, str, int, str, int]) -> Check:
-            return _check_entry(read, f"{c[0]}/{c[1]}{CACHE_SUFFIX}", c[2], c[3])
+        def check(c: tuple[str, str, int, str, int, str]) -> Check:
+            return _check_entry(read, c[5], c[2], c[3])
 
         def check_aot(c: tuple[str, str, int, str, int, str]) -> Check:
             return _check_executable(read, f"{c[0]}/{c[1]}{AOT_SUFFIX}", c[1], c[2], c[3], c[5])
 
         entry_results = ordered_map(check, checks, workers)
-        for (ns, key, _size, _sha, env_id), (kind, detail, nread) in zip(checks, entry_results, strict=True):
-            plan.entries_checked += 1
+        for (ns, key, _size, _sha, env_id, _path), (kind, detail, nread) in zip(checks, entry_results,
+                                                                                 strict=True):
+            if kind is None:  # a good file: counted here, without a call per file
+                plan.bytes_read += nread
+                if lease is not None:
+                    lease.check()
+                continue
             finding = _finding(plan, lease, ns, key, env_id, CACHE_SUFFIX, kind, detail, nread, act(DROP_ROW), act)
             if finding:
                 bad.add(finding.path)
+        plan.entries_checked += len(checks)
         aot_results = ordered_map(check_aot, aot_checks, workers)
         for (ns, key, _size, _sha, env_id, _esha), (kind, detail, nread) in zip(aot_checks, aot_results, strict=True):
             plan.executables_checked += 1
@@ -363,12 +381,12 @@ def _finding(plan: VerifyPlan, lease: Lease | None, ns: str, key: str, env_id: i
     return finding
 
 
-def _unknown(ns: str, path: str, info: FileInfo, now: datetime, min_age: timedelta, warming: bool,
+def _unknown(ns: str, path: str, mtime: datetime | None, now: datetime, min_age: timedelta, warming: bool,
              action: str, env_id: int, key: str | None) -> Finding:
     detail = "not in the index (unknown writer; `cachectl sync` adopts entries services wrote)"
     if warming:
         return Finding(UNKNOWN, ns, path, detail + "; warm in progress: not quarantined", "", env_id, key)
-    if action and info.mtime is not None and now - info.mtime < min_age:
+    if action and mtime is not None and now - mtime < min_age:
         return Finding(UNKNOWN, ns, path, detail + f"; younger than --min-age {format_duration(min_age)}: "
                        "not quarantined", "", env_id, key)
     return Finding(UNKNOWN, ns, path, detail, action, env_id, key)
