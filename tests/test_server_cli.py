@@ -119,6 +119,36 @@ def test_prune_gc_verify_through_the_server(served) -> None:
     assert denied.exit_code == 4 and "needs role admin" in denied.output
 
 
+def test_sync_through_the_server_records_what_storage_holds(served) -> None:
+    """sync in server mode reads storage here and writes the index through the server's API: a file
+    JAX wrote (not in the index) is added with its real size, sha256 and module; a second sync finds
+    nothing to do."""
+    from server_kit import entry_key
+
+    from cachectl.entries import make_entry, sha256
+    from cachectl.store import Store
+
+    s, live = served
+    store = Store(s.root)
+    data = make_entry(b"written by a service" * 50, compile_seconds=2)
+    new_key = entry_key("jit_served", 7)
+    store.write_bytes(f"{s.env.namespace}/{new_key}-cache", data)
+    env = {"CACHECTL_SERVER": live.url, "CACHECTL_TOKEN": s.tokens["admin"]}
+    runner = CliRunner()
+    done = runner.invoke(cli, ["--cache", MAIN, "sync", "--min-age", "0", "--json"], env=env)
+    assert done.exit_code == 0, done.output
+    report = json.loads(done.output)
+    assert (report["entries_added"], report["entries_updated"], report["rows_dropped"]) == (1, 0, 0), report
+    index = open_index(s.db)
+    (info,) = index.environment_stats(MAIN)
+    rows = {e.key: e for e in index.list_entries(info.id)}
+    index.close()
+    assert set(rows) == {new_key, *s.keys}
+    assert (rows[new_key].size, rows[new_key].sha256, rows[new_key].module) == (len(data), sha256(data), "jit_served")
+    again = json.loads(runner.invoke(cli, ["--cache", MAIN, "sync", "--min-age", "0", "--json"], env=env).output)
+    assert (again["entries_added"], again["entries_updated"], again["rows_dropped"]) == (0, 0, 0)
+
+
 def test_token_commands_through_the_server(shared) -> None:
     s, live = shared
     runner = CliRunner()
