@@ -19,7 +19,6 @@ from cachectl import jax_seam, service_sqlite, telemetry
 from cachectl.config import DEFAULT_CACHE, load_settings
 from cachectl.errors import BadInput, CachectlError, Unreachable
 from cachectl.fingerprint import MANAGED_JAX_CONFIG, Environment, current_environment
-from cachectl.namespace import ensure_namespace
 from cachectl.records import CacheInfo
 from cachectl.store import Store, normalize_url
 
@@ -319,7 +318,13 @@ def activate(cache: str | None = None, *, root: str | None = None, readonly: boo
 
 def _prepare_namespace(root_url: str, options: dict[str, Any], env: Environment,
                        cache_info: CacheInfo | None, problems: list[str]) -> None:
-    """Create the namespace and its env.json for a writer (bounded on object stores)."""
+    """Create the namespace and its env.json for a writer (bounded on object stores).
+
+    cachectl.namespace (and the entry format it pulls in) is imported here, not at the top: a
+    read-only service never needs it, and every object its import leaves behind brings the
+    service's first full garbage collection closer."""
+    from cachectl.namespace import ensure_namespace
+
     try:
         store = Store(root_url, options)
         ensure_namespace(store, env, group=cache_info.group if cache_info else None)
