@@ -40,16 +40,23 @@ print(json.dumps({{"path": a.path}}))
 """
 
 # Whole-process start: plain JAX pointed at the same namespace vs cachectl.activate().
+# Both count the full (generation-2) garbage collections after setup: one there costs 20-30 ms.
+GEN2_COUNTER = """
+import gc; full = [0]
+gc.callbacks.append(lambda phase, info: phase == "stop" and info["generation"] == 2
+                    and full.__setitem__(0, full[0] + 1))
+"""
+
 START_PLAIN = """
 import time; t0 = time.perf_counter()
 import jax, jax.numpy as jnp
 for k, v in {config!r}.items():
     jax.config.update(k, v)
 t1 = time.perf_counter()
-""" + PROGRAMS + """
+""" + GEN2_COUNTER + PROGRAMS + """
 for f in fns:
     f(x).block_until_ready()
-import json; print(json.dumps({{"setup_s": t1 - t0}}))
+import json; print(json.dumps({{"setup_s": t1 - t0, "full_gcs": full[0]}}))
 """
 
 START_MANAGED = """
@@ -57,13 +64,13 @@ import time; t0 = time.perf_counter()
 import jax, jax.numpy as jnp, cachectl
 a = cachectl.activate({target})
 t1 = time.perf_counter()
-""" + PROGRAMS + """
+""" + GEN2_COUNTER + PROGRAMS + """
 for f in fns:
     f(x).block_until_ready()
 from cachectl import telemetry
 s = telemetry.current().stats()
 import json, sys; print(json.dumps({{"setup_s": t1 - t0, "hits": s.hits, "requests": s.requests,
-                                    "sqlalchemy": "sqlalchemy" in sys.modules}}))
+                                    "sqlalchemy": "sqlalchemy" in sys.modules, "full_gcs": full[0]}}))
 """
 
 # Hit path: one process, every program a persistent-cache hit; the collector is
@@ -132,6 +139,19 @@ def _base_env(tmp: Path) -> dict[str, str]:
     return env
 
 
+def _compile_bytecode() -> str:
+    """Write cachectl's bytecode before timing, as installing the package does.
+
+    An editable install under PYTHONDONTWRITEBYTECODE (this machine's environment) never gets a
+    .pyc, so every process would compile cachectl's modules from source (~18 ms) while JAX's
+    come from its installed bytecode: an unequal comparison. What was done is reported."""
+    import compileall
+
+    package = Path(__file__).resolve().parent.parent / "cachectl"
+    ok = compileall.compile_dir(str(package), quiet=1)
+    return "compiled (as installed)" if ok else "compile failed: modules compiled from source"
+
+
 def bench_activation(tmp: Path, reps: int, k: int) -> dict[str, Any]:
     """Whole-process wall time, all hits on one warmed namespace: plain JAX, activate() by cache
     name (reads the policy from the index), and activate() with CACHECTL_ROOT + CACHECTL_READONLY
@@ -153,8 +173,10 @@ def bench_activation(tmp: Path, reps: int, k: int) -> dict[str, Any]:
         "managed": (START_MANAGED.format(k=k, target="'bench'"), env),
         "managed_root_and_mode": (START_MANAGED.format(k=k, target=""), deferred_env),
     }
+    bytecode = _compile_bytecode()
     walls: dict[str, list[float]] = {name: [] for name in variants}
     setups: dict[str, list[float]] = {name: [] for name in variants}
+    full_gcs: dict[str, list[int]] = {name: [] for name in variants}
     hits: dict[str, Any] = {}
     imported: dict[str, bool] = {}  # a variant whose process imported SQLAlchemy before exit
     for _ in range(reps):
@@ -162,12 +184,13 @@ def bench_activation(tmp: Path, reps: int, k: int) -> dict[str, Any]:
             out, wall = _py(code, venv)
             walls[name].append(wall)
             setups[name].append(out["setup_s"])
+            full_gcs[name].append(out["full_gcs"])
             if "hits" in out:
                 hits[name] = (out["hits"], out["requests"])
             if out.get("sqlalchemy"):
                 imported[name] = True
     plain = _med(walls["plain"])
-    result: dict[str, Any] = {"programs": k, "reps": reps}
+    result: dict[str, Any] = {"programs": k, "reps": reps, "bytecode": bytecode}
     for name in variants:
         # each repetition's process over the plain one next to it: the ratio drift cancels out of
         pairs = [w / p for w, p in zip(walls[name], walls["plain"], strict=True)]
@@ -175,7 +198,8 @@ def bench_activation(tmp: Path, reps: int, k: int) -> dict[str, Any]:
                         "pair_ratio": round(_med(pairs), 3),
                         "import_and_setup_s": round(_med(setups[name]), 3),
                         "setup_extra_vs_plain_s": round(_med(setups[name]) - _med(setups["plain"]), 3),
-                        "hits_requests": hits.get(name), "imported_sqlalchemy": imported.get(name, False)}
+                        "hits_requests": hits.get(name), "imported_sqlalchemy": imported.get(name, False),
+                        "full_gcs_after_setup": sum(full_gcs[name])}
     return result
 
 
