@@ -16,10 +16,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from cachectl import jax_seam, service_sqlite, telemetry
+from cachectl.cache_info import CacheInfo
 from cachectl.config import DEFAULT_CACHE, load_settings
 from cachectl.errors import BadInput, CachectlError, Unreachable
 from cachectl.fingerprint import MANAGED_JAX_CONFIG, Environment, current_environment
-from cachectl.records import CacheInfo
 from cachectl.store import Store, normalize_url
 
 if TYPE_CHECKING:

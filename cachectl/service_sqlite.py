@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import unquote
 
+from cachectl.cache_info import CacheInfo, utcnow
 from cachectl.fingerprint import Environment
-from cachectl.records import CacheInfo, utcnow
 from cachectl.telemetry.records import TelemetryBatch
 from cachectl.telemetry.rows import (
     SIGNATURE_COUNTERS,

@@ -11,7 +11,7 @@ import sqlite3
 from typing import Any
 
 from cachectl import service_sqlite
-from cachectl.records import utcnow
+from cachectl.cache_info import utcnow
 from cachectl.telemetry.records import TelemetryBatch
 
 
