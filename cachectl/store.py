@@ -19,6 +19,7 @@ import stat
 import tempfile
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from functools import cached_property
@@ -81,9 +82,6 @@ def _unlink_all(paths: list[str]) -> int:
     """Unlink local files, missing ones being fine; the count removed."""
     if len(paths) < _UNLINK_PARALLEL_MIN:
         return sum(map(_unlink, paths))
-    # Imported here, not at the top: a service's start never needs a pool.
-    from concurrent.futures import ThreadPoolExecutor
-
     with ThreadPoolExecutor(max_workers=UNLINK_WORKERS, thread_name_prefix="cachectl-unlink") as pool:
         return sum(pool.map(_unlink, paths, chunksize=64))
 
@@ -133,8 +131,6 @@ def ordered_map(fn: Callable[[T], R], items: Sequence[T], workers: int) -> Itera
     if workers <= 1 or len(items) < 2:
         yield from map(fn, items)
         return
-    from concurrent.futures import ThreadPoolExecutor
-
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="cachectl-read") as pool:
         yield from pool.map(fn, items, chunksize=max(1, min(256, len(items) // (workers * 4))))
 
