@@ -59,12 +59,7 @@ class IndexSink:
         if fast is None:
             return False
         try:
-            now = utcnow()
-            env_id = fast.touch_environment(self.cache, self.environment.digest, now)
-            if env_id is None:
-                return False
-            fast.record_telemetry(env_id, batch, now)
-            return True
+            return fast.flush(self.cache, self.environment.digest, batch, utcnow()) is not None
         except sqlite3.Error:
             return False
         finally:
