@@ -5,37 +5,13 @@ from __future__ import annotations
 import getpass
 import socket
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 
+from cachectl.cache_info import CacheInfo, utcnow  # noqa: F401 - re-exported
 from cachectl.errors import BadInput, NotFound
 from cachectl.fingerprint import Environment
-
-
-@dataclass(frozen=True)
-class CacheInfo:
-    name: str
-    root_url: str
-    max_size: int | None = None
-    max_entry_size: int | None = None
-    env_max_size: int | None = None
-    retention_seconds: int | None = None
-    keep_versions: int | None = None
-    writers: tuple[str, ...] = ()
-    service_writes: str | None = None
-    group: str | None = None
-    storage_options: dict[str, Any] = field(default_factory=dict)
-    created_at: datetime | None = None
-    # Public keys readers accept signatures from; empty: signatures are not required.
-    trusted_keys: tuple[str, ...] = ()
-
-    @property
-    def effective_service_writes(self) -> str:
-        """allow/deny; object stores default to deny (services only read them)."""
-        if self.service_writes:
-            return self.service_writes
-        return "deny" if self.root_url.startswith(("s3://", "gs://")) else "allow"
 
 
 @dataclass(frozen=True)
@@ -104,10 +80,6 @@ class AuditInfo:
     bytes: int
     duration_ms: int | None
     details: dict[str, Any]
-
-
-def utcnow() -> datetime:
-    return datetime.now(UTC)
 
 
 def actor() -> str:

@@ -8,6 +8,7 @@ asked for something contradictory (JAX already compiled with another cache).
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import sqlite3
@@ -16,11 +17,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from cachectl import jax_seam, service_sqlite, telemetry
+from cachectl.cache_info import CacheInfo
 from cachectl.config import DEFAULT_CACHE, load_settings
 from cachectl.errors import BadInput, CachectlError, Unreachable
 from cachectl.fingerprint import MANAGED_JAX_CONFIG, Environment, current_environment
-from cachectl.namespace import ensure_namespace
-from cachectl.records import CacheInfo
 from cachectl.store import Store, normalize_url
 
 if TYPE_CHECKING:
@@ -30,6 +30,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+
+# How long exit waits for the environment's record (an index locked by a writer may hold it).
+RECORD_EXIT_TIMEOUT_S = 5.0
 
 # Set min_compile_time this high and JAX reads the cache but never writes it (fact 4).
 READONLY_MIN_COMPILE_SECS = 1e9
@@ -197,6 +200,22 @@ def _record_environment(settings: Any, env: Environment) -> None:
     _sql_side().record_environment(settings.db, settings.cache, env, _default_root(settings))
 
 
+def _touch_environment_later(settings: Any, env: Environment) -> None:
+    """Mark a known environment seen from a thread: the write, its commit and the WAL checkpoint
+    when its connection closes (fsyncs, ~4 ms) stay off the service's start. Exit waits for it,
+    bounded; where the stdlib path cannot, the SQLAlchemy path records it (still in the thread)."""
+    def run() -> None:
+        try:
+            if not service_sqlite.touch(settings.db, settings.cache, env.digest):
+                _record_environment(settings, env)
+        except Exception as exc:  # noqa: BLE001 - a service runs on without it
+            log.info("cachectl: could not record environment (%s)", exc)
+
+    thread = threading.Thread(target=run, name="cachectl-record-env", daemon=True)
+    thread.start()
+    atexit.register(thread.join, RECORD_EXIT_TIMEOUT_S)
+
+
 def activate(cache: str | None = None, *, root: str | None = None, readonly: bool | None = None,
              telemetry: bool = True, mirror: str | os.PathLike[str] | None = None,
              db: str | None = None) -> Activation:
@@ -290,7 +309,10 @@ def activate(cache: str | None = None, *, root: str | None = None, readonly: boo
     indexed = False
     if index is not None and cache_info is not None:
         try:
-            if index.ensure_environment(cache_info.name, env) is None:
+            if (isinstance(index, service_sqlite.FastIndex)
+                    and index.environment_id(cache_info.name, env.digest) is not None):
+                _touch_environment_later(settings, env)
+            elif index.ensure_environment(cache_info.name, env) is None:
                 # The stdlib path found no row for this environment: create it the SQLAlchemy way.
                 index.close()
                 index, _ = _sql_side().open_for_service(settings)
@@ -319,7 +341,13 @@ def activate(cache: str | None = None, *, root: str | None = None, readonly: boo
 
 def _prepare_namespace(root_url: str, options: dict[str, Any], env: Environment,
                        cache_info: CacheInfo | None, problems: list[str]) -> None:
-    """Create the namespace and its env.json for a writer (bounded on object stores)."""
+    """Create the namespace and its env.json for a writer (bounded on object stores).
+
+    cachectl.namespace (and the entry format it pulls in) is imported here, not at the top: a
+    read-only service never needs it, and every object its import leaves behind brings the
+    service's first full garbage collection closer."""
+    from cachectl.namespace import ensure_namespace
+
     try:
         store = Store(root_url, options)
         ensure_namespace(store, env, group=cache_info.group if cache_info else None)

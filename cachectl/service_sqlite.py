@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import unquote
 
+from cachectl.cache_info import CacheInfo, utcnow
 from cachectl.fingerprint import Environment
-from cachectl.records import CacheInfo, utcnow
 from cachectl.telemetry.records import TelemetryBatch
 from cachectl.telemetry.rows import (
     SIGNATURE_COUNTERS,
@@ -94,14 +94,33 @@ class FastIndex:
         """The environment's id, marked seen (and revived); None when it has no row yet."""
         with self.conn:
             self.conn.execute("BEGIN IMMEDIATE")
-            row = self.conn.execute(
-                "SELECT e.id FROM environments e JOIN caches c ON c.id = e.cache_id "
-                "WHERE c.name = ? AND e.digest = ?", (cache, digest)).fetchone()
-            if row is None:
-                return None
-            self.conn.execute("UPDATE environments SET last_seen_at = ?, deleted_at = NULL WHERE id = ?",
-                              (_stamp(now), row[0]))
-            return int(row[0])
+            return self._touch(cache, digest, now)
+
+    def _touch(self, cache: str, digest: str, now: datetime) -> int | None:
+        """touch_environment's statements, inside the caller's transaction."""
+        env_id = self.environment_id(cache, digest)
+        if env_id is None:
+            return None
+        self.conn.execute("UPDATE environments SET last_seen_at = ?, deleted_at = NULL WHERE id = ?",
+                          (_stamp(now), env_id))
+        return env_id
+
+    def flush(self, cache: str, digest: str, batch: TelemetryBatch, now: datetime) -> int | None:
+        """touch_environment then record_telemetry, in one transaction: a flush at exit commits
+        once. None (nothing written) when the environment has no row yet."""
+        with self.conn:
+            self.conn.execute("BEGIN IMMEDIATE")
+            env_id = self._touch(cache, digest, now)
+            if env_id is not None:
+                self._insert_telemetry(env_id, batch, now)
+            return env_id
+
+    def environment_id(self, cache: str, digest: str) -> int | None:
+        """The environment's id, read only (no transaction to commit); None when it has no row."""
+        row = self.conn.execute(
+            "SELECT e.id FROM environments e JOIN caches c ON c.id = e.cache_id "
+            "WHERE c.name = ? AND e.digest = ?", (cache, digest)).fetchone()
+        return None if row is None else int(row[0])
 
     def ensure_environment(self, cache: str, env: Environment) -> int | None:
         """Index.ensure_environment for a known environment; None for a new one (the caller
@@ -110,48 +129,66 @@ class FastIndex:
 
     def record_telemetry(self, env_id: int, batch: TelemetryBatch, now: datetime) -> int:
         """What cachectl.index.telemetry_queries.record_telemetry writes, in one transaction."""
+        with self.conn:
+            self.conn.execute("BEGIN IMMEDIATE")
+            return self._insert_telemetry(env_id, batch, now)
+
+    def _insert_telemetry(self, env_id: int, batch: TelemetryBatch, now: datetime) -> int:
+        """record_telemetry's statements, inside the caller's transaction."""
         rows, serving = flush_rows(env_id, batch, now)
         c = self.conn
-        with c:
-            c.execute("BEGIN IMMEDIATE")
-            c.executemany(
-                "INSERT INTO telemetry (environment_id, at, process, function, requests, hits, misses, writes, "
-                "saved_seconds, dropped, uncacheable) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                [(r["environment_id"], _stamp(r["at"]), r["process"], r["function"], r["requests"], r["hits"],
-                  r["misses"], r["writes"], r["saved_seconds"], r["dropped"], r["uncacheable"]) for r in rows])
-            c.executemany(
-                "INSERT INTO serving_telemetry (environment_id, at, process, function, calls, aot, fallback, "
-                "out_of_bucket, padded, sizes) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                [(r["environment_id"], _stamp(r["at"]), r["process"], r["function"], r["calls"], r["aot"],
-                  r["fallback"], r["out_of_bucket"], r["padded"], _json(r["sizes"])) for r in serving])
-            # Last access never moves backwards, nor before the entry was created (Index.record_hits).
-            c.executemany(
-                "UPDATE entries SET hit_count = hit_count + ?, last_access_at = CASE "
-                "WHEN COALESCE(last_access_at, created_at) < ? THEN ? ELSE COALESCE(last_access_at, created_at) END "
-                "WHERE environment_id = ? AND key = ?",
-                [(n, _stamp(at), _stamp(at), env_id, key) for key, (n, at) in hit_times(batch, now).items()])
-            for module, mine in by_function(merged_signatures(batch)):
-                marks = ", ".join("?" * (len(mine) + 1))
-                existing = [d for (d,) in c.execute(
-                    f"SELECT digest FROM signatures WHERE environment_id = ? AND function = ? AND digest IN ({marks})",
-                    (env_id, module, *mine, "*"))]
-                (total,) = c.execute("SELECT COUNT(*) FROM signatures WHERE environment_id = ? AND function = ?",
-                                     (env_id, module)).fetchone()
-                for digest, v, new in placed_signatures(mine, existing, total):
-                    if new:
-                        c.execute(
-                            "INSERT INTO signatures (environment_id, function, digest, key, leaves, source, statics, "
-                            "requests, hits, misses, uncacheable, repeats, first_seen, last_seen) "
-                            "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                            (env_id, module, digest, v["key"], _json(v["leaves"]), v["source"], _json(v["statics"]),
-                             *(v[k] for k in SIGNATURE_COUNTERS), _stamp(v["first_seen"]), _stamp(v["last_seen"])))
-                    else:
-                        c.execute(
-                            "UPDATE signatures SET requests = requests + ?, hits = hits + ?, misses = misses + ?, "
-                            "uncacheable = uncacheable + ?, repeats = repeats + ?, last_seen = MAX(last_seen, ?) "
-                            "WHERE environment_id = ? AND function = ? AND digest = ?",
-                            (*(v[k] for k in SIGNATURE_COUNTERS), _stamp(v["last_seen"]), env_id, module, digest))
+        c.executemany(
+            "INSERT INTO telemetry (environment_id, at, process, function, requests, hits, misses, writes, "
+            "saved_seconds, dropped, uncacheable) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            [(r["environment_id"], _stamp(r["at"]), r["process"], r["function"], r["requests"], r["hits"],
+              r["misses"], r["writes"], r["saved_seconds"], r["dropped"], r["uncacheable"]) for r in rows])
+        c.executemany(
+            "INSERT INTO serving_telemetry (environment_id, at, process, function, calls, aot, fallback, "
+            "out_of_bucket, padded, sizes) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            [(r["environment_id"], _stamp(r["at"]), r["process"], r["function"], r["calls"], r["aot"],
+              r["fallback"], r["out_of_bucket"], r["padded"], _json(r["sizes"])) for r in serving])
+        # Last access never moves backwards, nor before the entry was created (Index.record_hits).
+        c.executemany(
+            "UPDATE entries SET hit_count = hit_count + ?, last_access_at = CASE "
+            "WHEN COALESCE(last_access_at, created_at) < ? THEN ? ELSE COALESCE(last_access_at, created_at) END "
+            "WHERE environment_id = ? AND key = ?",
+            [(n, _stamp(at), _stamp(at), env_id, key) for key, (n, at) in hit_times(batch, now).items()])
+        for module, mine in by_function(merged_signatures(batch)):
+            marks = ", ".join("?" * (len(mine) + 1))
+            existing = [d for (d,) in c.execute(
+                f"SELECT digest FROM signatures WHERE environment_id = ? AND function = ? AND digest IN ({marks})",
+                (env_id, module, *mine, "*"))]
+            (total,) = c.execute("SELECT COUNT(*) FROM signatures WHERE environment_id = ? AND function = ?",
+                                 (env_id, module)).fetchone()
+            for digest, v, new in placed_signatures(mine, existing, total):
+                if new:
+                    c.execute(
+                        "INSERT INTO signatures (environment_id, function, digest, key, leaves, source, statics, "
+                        "requests, hits, misses, uncacheable, repeats, first_seen, last_seen) "
+                        "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                        (env_id, module, digest, v["key"], _json(v["leaves"]), v["source"], _json(v["statics"]),
+                         *(v[k] for k in SIGNATURE_COUNTERS), _stamp(v["first_seen"]), _stamp(v["last_seen"])))
+                else:
+                    c.execute(
+                        "UPDATE signatures SET requests = requests + ?, hits = hits + ?, misses = misses + ?, "
+                        "uncacheable = uncacheable + ?, repeats = repeats + ?, last_seen = MAX(last_seen, ?) "
+                        "WHERE environment_id = ? AND function = ? AND digest = ?",
+                        (*(v[k] for k in SIGNATURE_COUNTERS), _stamp(v["last_seen"]), env_id, module, digest))
         return len(rows) + len(serving)
+
+
+def touch(url: str, cache: str, digest: str) -> bool:
+    """Mark a known environment seen through its own connection; False where it could not
+    (no stdlib path, no row, an sqlite3 error): the caller records it the SQLAlchemy way."""
+    fast = open_fast(url)
+    if fast is None:
+        return False
+    try:
+        return fast.touch_environment(cache, digest, utcnow()) is not None
+    except sqlite3.Error:
+        return False
+    finally:
+        fast.close()
 
 
 def open_fast(url: str) -> FastIndex | None:

@@ -8,6 +8,7 @@ import sqlite3
 import subprocess
 import sys
 import textwrap
+import time
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -168,3 +169,42 @@ def test_a_service_by_cache_name_never_imports_sqlalchemy(tmp_path: Path) -> Non
     # the second process hit everything the first wrote, and both flushes arrived
     assert row.processes == 2 and row.hits == row.writes >= 3 and row.requests == 2 * row.writes
 
+
+
+
+QUIET_SERVICE = """
+import sys, json, cachectl
+a = cachectl.activate("svc", readonly=True)
+print(json.dumps({"indexed": a.indexed, "warning": a.warning, "sqlalchemy": "sqlalchemy" in sys.modules}),
+      flush=True)
+"""
+
+
+def test_a_known_environment_is_marked_seen_before_exit_though_nothing_compiles(tmp_path: Path) -> None:
+    """activate() marks the environment seen (and revives it) from a thread, off the start path; a
+    process that exits at once waits for it, here while another writer holds the index."""
+    url, env_id, _ = _index(tmp_path / "i.db")
+    conn = sqlite3.connect(tmp_path / "i.db", isolation_level=None)
+    conn.execute("UPDATE environments SET last_seen_at = '2020-01-01 00:00:00.000000', "
+                 "deleted_at = '2020-01-02 00:00:00.000000' WHERE id = ?", (env_id,))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("CACHECTL_", "JAX_"))}
+    env.update(CACHECTL_DB=url, HOME=str(tmp_path), XDG_CONFIG_HOME=str(tmp_path / "cfg"),
+               XDG_DATA_HOME=str(tmp_path / "data"))
+    conn.execute("BEGIN IMMEDIATE")  # a writer holds the index: the service's record has to wait
+    proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(QUIET_SERVICE)], env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        line = proc.stdout.readline()  # activate() returned while the index was held
+        time.sleep(1.0)
+        waiting = proc.poll() is None
+    finally:
+        conn.execute("COMMIT")
+    _out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    assert json.loads(line) == {"indexed": True, "warning": None, "sqlalchemy": False}
+    assert waiting, "the process exited before its environment was recorded"
+    seen, deleted = conn.execute("SELECT last_seen_at, deleted_at FROM environments WHERE id = ?",
+                                 (env_id,)).fetchone()
+    conn.close()
+    assert deleted is None
+    assert seen >= (datetime.now(UTC) - timedelta(minutes=10)).strftime("%Y-%m-%d %H:%M:%S")

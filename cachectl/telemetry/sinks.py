@@ -11,7 +11,7 @@ import sqlite3
 from typing import Any
 
 from cachectl import service_sqlite
-from cachectl.records import utcnow
+from cachectl.cache_info import utcnow
 from cachectl.telemetry.records import TelemetryBatch
 
 
@@ -59,12 +59,7 @@ class IndexSink:
         if fast is None:
             return False
         try:
-            now = utcnow()
-            env_id = fast.touch_environment(self.cache, self.environment.digest, now)
-            if env_id is None:
-                return False
-            fast.record_telemetry(env_id, batch, now)
-            return True
+            return fast.flush(self.cache, self.environment.digest, batch, utcnow()) is not None
         except sqlite3.Error:
             return False
         finally:
