@@ -14,6 +14,7 @@ import io
 import re
 import threading
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import BinaryIO
 
@@ -88,6 +89,17 @@ def parse_key(key: str) -> EntryName | None:
 def _is_key(name: str, suffix_len: int) -> bool:
     """Whether ``name`` less its last ``suffix_len`` characters is a key (no slice, no EntryName)."""
     return _KEY_RE.match(name, 0, len(name) - suffix_len) is not None
+
+
+# A namespace's entry file, the name classify() calls Kind.ENTRY, in one match: no ".tmp-" start, no
+# "/", a key (its "$" lets a final newline precede the suffix) and the suffix.
+_ENTRY_FILE_RE = re.compile(r"(?!\.tmp-)[^/\n]+-[0-9a-f]{64}\n?" + re.escape(CACHE_SUFFIX))
+
+
+def entry_file_matcher() -> Callable[[str], re.Match[str] | None]:
+    """A test that is true exactly where ``classify(name) is Kind.ENTRY``: one C call per name, for
+    the loops over every file of a listing (most files of a namespace are entries)."""
+    return _ENTRY_FILE_RE.fullmatch
 
 
 def classify(relpath: str) -> Kind:

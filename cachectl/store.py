@@ -403,10 +403,9 @@ class Store:
                     append((f"{prefix}{name}", entry))
         return below, found
 
-    def _list_local(self, top: str) -> list[FileInfo]:
-        """What ``fs.find(top, detail=True)`` gives on local disk, from os.scandir without fsspec's
-        per-file info dicts: a symlink's size is its target's (0 if dangling), mtimes are the
-        link's own."""
+    def _stat_local(self, top: str) -> tuple[bool, list[tuple[str, int, float]]]:
+        """``_scan_local``'s files with one lstat each, sorted: (name, size, mtime seconds) as plain
+        numbers (a symlink's size is its target's, 0 if dangling; mtimes are the link's own)."""
         below, entries = self._scan_local(top)
         found: list[tuple[str, int, float]] = []
         append = found.append
@@ -423,10 +422,28 @@ class Store:
                     size = 0
             append((name, size, st.st_mtime))
         found.sort()
+        return below, found
+
+    def _list_local(self, top: str) -> list[FileInfo]:
+        """What ``fs.find(top, detail=True)`` gives on local disk, from os.scandir without fsspec's
+        per-file info dicts."""
+        below, found = self._stat_local(top)
         stamp = datetime.fromtimestamp
         if not below:
             return [FileInfo(self._rel(name), int(size), stamp(mtime, tz=UTC)) for name, size, mtime in found]
         return [FileInfo(name, size, stamp(mtime, tz=UTC)) for name, size, mtime in found]
+
+    def list_stats(self, rel: str = "") -> Sequence[tuple[str, int, float | None]]:
+        """``list(rel)`` as (path, size, mtime in POSIX seconds or None) tuples: on local disk no
+        FileInfo or datetime per file, for a caller (sync's plan) that compares numbers and builds
+        objects only for what it reports."""
+        full = self._full(rel)
+        if self.kind == "file" and os.path.isdir(full):
+            below, found = self._stat_local(self.fs._strip_protocol(full))
+            if below:
+                return found
+            return [(self._rel(name), int(size), mtime) for name, size, mtime in found]
+        return [(f.path, f.size, f.mtime.timestamp() if f.mtime is not None else None) for f in self.list(rel)]
 
     def iter_dirs(self, rel: str = "") -> Iterator[str]:
         """Immediate subdirectories of ``rel`` (relative paths)."""

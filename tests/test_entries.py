@@ -24,6 +24,19 @@ def test_classify_names() -> None:
     assert parsed is not None and parsed.module == "jit_decode_step" and parsed.key == key
 
 
+def test_entry_file_matcher_agrees_with_classify() -> None:
+    """The one-match test sync's plan uses says ENTRY exactly where classify() does."""
+    h = "0123456789abcdef" * 4
+    names = [f"jit_f-{h}-cache", f"jit_f-{h}\n-cache", f"a-b-{h}-cache", f"--{h}-cache", f".tmpx-{h}-cache",
+             f".tmp-x-{h}-cache", f"xla/x-{h}-cache", f"-{h}-cache", f"x\ny-{h}-cache", f"x-{h}\n\n-cache",
+             f"x-{h[:-1]}-cache", f"x-{h}a-cache", f"x-{h.upper()}-cache", f"x-{h}-cache\n", f"x-{h}-aot",
+             f"x-{h}", f"x-{h}-atime", "env.json", ".lockfile", "-cache"]
+    matches = entries.entry_file_matcher()
+    kinds = {n: entries.classify(n) for n in names}
+    assert {n for n in names if matches(n)} == {n for n, k in kinds.items() if k is Kind.ENTRY}
+    assert sum(k is Kind.ENTRY for k in kinds.values()) == 5
+
+
 def test_module_names_with_dashes() -> None:
     key = "jit_my-fn-" + "b" * 64
     parsed = entries.parse_key(key)

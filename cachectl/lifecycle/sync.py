@@ -37,6 +37,7 @@ from cachectl.entries import (
     Kind,
     classify,
     decompress_zstd,
+    entry_file_matcher,
     header_seconds,
     scan_entry,
     sha256,
@@ -47,7 +48,7 @@ from cachectl.index import CacheInfo, Index
 from cachectl.index.sync_queries import ObservedRow, insert_observed_rows, observed_entry
 from cachectl.namespace import QUARANTINE_DIR, read_env_json
 from cachectl.permissions import check_writer
-from cachectl.store import FileInfo, Store, ordered_map, read_workers
+from cachectl.store import Store, ordered_map, read_workers
 
 
 @dataclass(frozen=True)
@@ -147,17 +148,21 @@ def _group_by_namespace(paths: Sequence[str], items: Sequence[T]) -> tuple[dict[
     (path in the namespace, item); and stray files."""
     groups: dict[str, list[tuple[str, T]]] = defaultdict(list)
     strays: list[str] = []
-    # The listing is sorted: a namespace's files come together, so its list is looked up once per
-    # namespace, not per file; each path is split once, at its first three slashes.
-    current, members = "", []
+    # The listing is sorted: a namespace's files come together, so a path that starts with the
+    # current namespace's prefix (one C call) is sliced once; only the first path of each namespace,
+    # and strays, are split at their first three slashes.
+    prefix, cut = None, 0
+    members: list[tuple[str, T]] = []
     for path, item in zip(paths, items, strict=True):
+        if prefix is not None and path.startswith(prefix):
+            members.append((path[cut:], item))
+            continue
         parts = path.split("/", 3)
         if parts[0] == QUARANTINE_DIR:
             continue
         if len(parts) == 4 and parts[0].startswith("jax-"):
             ns = f"{parts[0]}/{parts[1]}/{parts[2]}"
-            if ns != current:
-                current, members = ns, groups[ns]
+            prefix, cut, members = f"{ns}/", len(ns) + 1, groups[ns]
             members.append((parts[3], item))
         else:
             strays.append(path)
@@ -168,22 +173,31 @@ def _group_by_namespace(paths: Sequence[str], items: Sequence[T]) -> tuple[dict[
 DEFAULT_MIN_AGE = timedelta(minutes=5)
 
 
-def _young(info: FileInfo, cutoff: datetime | None) -> bool:
-    return cutoff is not None and info.mtime is not None and info.mtime > cutoff
-
-
 def plan_sync(ctx: Context, cache: CacheInfo, *, min_age: timedelta = DEFAULT_MIN_AGE) -> SyncPlan:
     store = Store(cache.root_url, cache.storage_options)
     store.check_reachable()
-    listing = store.list("")
-    groups, strays = _group_by_namespace([f.path for f in listing], listing)
+    # (path, size, mtime seconds): sizes and times are compared as numbers; objects are built only
+    # for what the plan reports.
+    listing = store.list_stats("")
+    groups, strays = _group_by_namespace([f[0] for f in listing], listing)
     known = {e.namespace: e for e in ctx.index.environment_stats(cache.name, include_deleted=True)}
     namespaces: list[NamespaceSync] = []
-    cutoff = datetime.now(UTC) - min_age if min_age > timedelta(0) else None
+    cutoff = (datetime.now(UTC) - min_age).timestamp() if min_age > timedelta(0) else None
+    is_entry = entry_file_matcher()
     for ns_path in sorted(groups):
         files = groups[ns_path]
-        names = {rel for rel, _ in files}
-        if ENV_FILE not in names:
+        on_disk: dict[str, tuple[int, float | None]] = {}
+        aot_on_disk: dict[str, tuple[int, float | None]] = {}
+        has_env = False
+        for rel, (_, size, mtime) in files:
+            # an entry's key is its name less the suffix the match ended with
+            if is_entry(rel):
+                on_disk[rel[: -len(CACHE_SUFFIX)]] = size, mtime
+            elif rel == ENV_FILE:
+                has_env = True
+            elif classify(rel) is Kind.AOT:
+                aot_on_disk[rel[: -len(AOT_SUFFIX)]] = size, mtime
+        if not has_env:
             namespaces.append(NamespaceSync(ns_path, None, None, problem="no env.json: not a cachectl namespace"))
             continue
         try:
@@ -200,34 +214,27 @@ def plan_sync(ctx: Context, cache: CacheInfo, *, min_age: timedelta = DEFAULT_MI
                              new_environment=row is None or row.deleted_at is not None)
         indexed = ctx.index.entry_keys(row.id) if row is not None else {}
         indexed_aot = ctx.index.aot_keys(row.id) if row is not None else {}
-        on_disk: dict[str, FileInfo] = {}
-        aot_on_disk: dict[str, FileInfo] = {}
-        for rel, info in files:
-            kind = classify(rel)
-            # classify() matched the name's pattern: the key is the name less its suffix.
-            if kind is Kind.ENTRY:
-                on_disk[rel[: -len(CACHE_SUFFIX)]] = info
-            elif kind is Kind.AOT:
-                aot_on_disk[rel[: -len(AOT_SUFFIX)]] = info
         changed: set[str] = set()
-        for key, info in sorted(on_disk.items()):  # once per entry file: the lookups are done once each
+        add, update, too_young = item.add, item.update, item.too_young
+        for key, (size, mtime) in sorted(on_disk.items()):  # once per entry file: the lookups are done once each
             known_row = indexed.get(key)
-            if known_row is not None and known_row[0] == info.size:
+            if known_row is not None and known_row[0] == size:
                 continue
-            if _young(info, cutoff):
-                item.too_young.append(SyncEntry(ns_path, key, info.size))
+            if cutoff is not None and mtime is not None and mtime > cutoff:
+                too_young.append(SyncEntry(ns_path, key, size))
                 continue
-            (item.add if known_row is None else item.update).append(SyncEntry(ns_path, key, info.size))
+            (add if known_row is None else update).append(SyncEntry(ns_path, key, size))
             changed.add(key)
         for key in sorted(set(indexed) - set(on_disk)):
             item.drop.append(SyncEntry(ns_path, key, indexed[key][0], indexed[key][1]))
-        for key, info in sorted(aot_on_disk.items()):
+        for key, (size, mtime) in sorted(aot_on_disk.items()):
+            young = cutoff is not None and mtime is not None and mtime > cutoff
             if key not in on_disk:
-                item.orphan_aot.append(SyncEntry(ns_path, key, info.size))
-            elif _young(info, cutoff) and (key not in indexed_aot or indexed_aot[key][0] != info.size):
-                item.too_young.append(SyncEntry(ns_path, f"{key}{AOT_SUFFIX}", info.size))
-            elif key in changed or key not in indexed_aot or indexed_aot[key][0] != info.size:
-                item.record_aot.append(SyncEntry(ns_path, key, info.size))
+                item.orphan_aot.append(SyncEntry(ns_path, key, size))
+            elif young and (key not in indexed_aot or indexed_aot[key][0] != size):
+                too_young.append(SyncEntry(ns_path, f"{key}{AOT_SUFFIX}", size))
+            elif key in changed or key not in indexed_aot or indexed_aot[key][0] != size:
+                item.record_aot.append(SyncEntry(ns_path, key, size))
         for key in sorted(set(indexed_aot) - set(aot_on_disk)):
             if key in on_disk:  # a dropped row takes its executable columns with it
                 item.clear_aot.append(SyncEntry(ns_path, key, indexed_aot[key][0], indexed_aot[key][1]))
