@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import io
 import os
 import posixpath
@@ -135,6 +136,13 @@ def ordered_map(fn: Callable[[T], R], items: Sequence[T], workers: int) -> Itera
         yield from pool.map(fn, items, chunksize=max(1, min(256, len(items) // (workers * 4))))
 
 
+def _not_regular(exc: OSError, full: str) -> OSError:
+    """What a failed open raises: NotRegularFile where the name was a link (O_NOFOLLOW), else itself."""
+    if exc.errno in (errno.ELOOP, errno.EMLINK):
+        return NotRegularFile(f"{full}: a symlink: not read")
+    return exc
+
+
 class _LocalReader:
     """Reads files below one local root: directories opened once each, without following links."""
 
@@ -181,18 +189,39 @@ class _LocalReader:
             self._store._full(rel)  # BadInput if it leaves the root
         rel_dir, _, name = rel.rpartition("/")
         fd = self._dirs.get(rel_dir)
-        try:
-            if fd is None:
+        if fd is None:
+            try:
                 fd = self._dir_fd(rel_dir, f"{self._store.root}/{rel}")
-            fd = os.open(name, _READ_FLAGS, dir_fd=fd)
+            except OSError as exc:
+                raise _not_regular(exc, f"{self._store.root}/{rel}") from None
+        return self._read_at(fd, rel_dir, name)
+
+    def in_dir(self, rel_dir: str) -> Callable[[str], bytes]:
+        """``read`` for names directly in ``rel_dir``: its descriptor is found once, not per file. If
+        it cannot be opened, each read goes through ``read`` (and raises what it raises)."""
+        rel_dir = rel_dir.strip("/")
+        try:
+            if ".." in rel_dir:
+                self._store._full(rel_dir)
+            fd = self._dir_fd(rel_dir, f"{self._store.root}/{rel_dir}")
+        except (OSError, BadInput):
+            return lambda name: self.read(f"{rel_dir}/{name}")
+        return functools.partial(self._read_at, fd, rel_dir)
+
+    def _path_of(self, rel_dir: str, name: str) -> str:
+        """The full path of ``name`` in ``rel_dir``, for messages."""
+        return f"{self._store.root}/{rel_dir}/{name}" if rel_dir else f"{self._store.root}/{name}"
+
+    def _read_at(self, dir_fd: int, rel_dir: str, name: str) -> bytes:
+        """The whole of regular file ``name`` in the directory open as ``dir_fd`` (``rel_dir``)."""
+        try:
+            fd = os.open(name, _READ_FLAGS, dir_fd=dir_fd)
         except OSError as exc:
-            if exc.errno in (errno.ELOOP, errno.EMLINK):
-                raise NotRegularFile(f"{self._store.root}/{rel}: a symlink: not read") from None
-            raise
+            raise _not_regular(exc, self._path_of(rel_dir, name)) from None
         try:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):  # a directory, a FIFO, a device: never read
-                raise NotRegularFile(f"{self._store.root}/{rel}: not a regular file: not read")
+                raise NotRegularFile(f"{self._store.root}/{rel_dir}/{name}: not a regular file: not read")
             data = os.read(fd, st.st_size + 1)
             if len(data) == st.st_size:  # what fstat said, and nothing after it: the whole file
                 return data
@@ -518,6 +547,16 @@ class Store:
             return
         with _LocalReader(self) as local:
             yield local.read
+
+    @contextlib.contextmanager
+    def dir_reader(self, rel_dir: str) -> Iterator[Callable[[str], bytes]]:
+        """``reader`` for the files directly in one directory, by name: on local disk the directory's
+        descriptor is looked up once, not per file (sync reads a namespace's files this way)."""
+        if self.kind != "file":
+            yield lambda name: self.read_bytes(f"{rel_dir}/{name}")
+            return
+        with _LocalReader(self) as local:
+            yield local.in_dir(rel_dir)
 
     def size(self, rel: str) -> int:
         if self.kind == "file":

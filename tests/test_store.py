@@ -181,6 +181,34 @@ def test_reader_reads_only_regular_files_through_real_directories(tmp_path) -> N
         assert list(ordered_map(read, items, 8)) == [bytes([i]) * (i + 1) for i in range(50)]
 
 
+def test_dir_reader_reads_names_in_one_real_directory(tmp_path) -> None:
+    """A directory's reader by name has the many-file reader's checks: links and FIFOs are never
+    read; a directory that is a link, or is missing, makes every read fail as the reader's would."""
+    root = tmp_path / "cache"
+    store = Store(str(root))
+    store.write_bytes("ns/a/x-cache", b"x" * 100)
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "secret-cache").write_bytes(b"secret")
+    (root / "ns" / "linked").symlink_to(outside)
+    (root / "ns" / "a" / "link-cache").symlink_to(outside / "secret-cache")
+    os.mkfifo(root / "ns" / "a" / "fifo-cache")
+    with store.dir_reader("ns/a") as read:
+        assert read("x-cache") == b"x" * 100
+        for bad in ("link-cache", "fifo-cache"):
+            with pytest.raises(NotRegularFile, match=bad):
+                read(bad)
+        with pytest.raises(FileNotFoundError):
+            read("gone-cache")
+        assert list(ordered_map(read, ["x-cache"] * 20, 4)) == [b"x" * 100] * 20
+    with store.dir_reader("ns/linked") as read, pytest.raises(NotRegularFile):
+        read("secret-cache")
+    with store.dir_reader("ns/nodir") as read, pytest.raises(FileNotFoundError):
+        read("x-cache")
+    with store.dir_reader("ns/../..") as read, pytest.raises(BadInput):
+        read("x-cache")
+
+
 def test_reader_on_object_stores_is_read_bytes(storage_root: str) -> None:
     store = Store(storage_root)
     store.write_bytes("ns/k-cache", b"abc")
@@ -188,6 +216,10 @@ def test_reader_on_object_stores_is_read_bytes(storage_root: str) -> None:
         assert read("ns/k-cache") == b"abc"
         with pytest.raises(FileNotFoundError):
             read("ns/gone-cache")
+    with store.dir_reader("ns") as read:
+        assert read("k-cache") == b"abc"
+        with pytest.raises(FileNotFoundError):
+            read("gone-cache")
 
 
 def test_batched_local_delete_in_threads_counts_what_it_removed(tmp_path) -> None:

@@ -15,6 +15,7 @@ a row whose ``-aot`` is gone has its executable columns cleared.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import io
 import time
@@ -280,17 +281,17 @@ def _module(key: str) -> str:
 
 
 def _observe(read: Callable[[str], bytes], namespace: str, key: str) -> ObservedRow | str | None:
-    """The index row for one entry file; a one-line problem if it is not a whole entry; None if it
-    is gone since planning (the next sync settles it). Runs on reader threads."""
-    path = f"{namespace}/{key}{CACHE_SUFFIX}"
+    """The index row for one entry file (``read`` takes a name in ``namespace``); a one-line problem
+    if it is not a whole entry; None if it is gone since planning (the next sync settles it). Runs
+    on reader threads."""
     try:
-        data = read(path)
+        data = read(key + CACHE_SUFFIX)
     except FileNotFoundError:
         return None
     try:
         check_entry_bytes(data)
     except CorruptEntry as exc:
-        return f"{path}: {exc}"
+        return f"{namespace}/{key}{CACHE_SUFFIX}: {exc}"
     return key, _module(key), len(data), hashlib.sha256(data).hexdigest()
 
 
@@ -299,16 +300,14 @@ _Read = tuple[list[ObservedRow], list[str], dict[str, "tuple[int, str] | None"]]
 
 def _read_namespace(store: Store, item: NamespaceSync) -> _Read:
     """One namespace's new and changed entries as index rows, the files that are not whole entries,
-    and its executables to record or clear (None). A reader per namespace: its directory
-    descriptors are closed before the next namespace's are opened."""
+    and its executables to record or clear (None). A reader per namespace, by name in its directory:
+    its descriptor is closed before the next namespace's is opened."""
     todo = item.add + item.update
     new_rows: list[ObservedRow] = []
     broken: list[str] = []
-    with store.reader() as read:
-        def observe(e: SyncEntry, ns: str = item.namespace) -> ObservedRow | str | None:
-            return _observe(read, ns, e.key)
-
-        for seen in ordered_map(observe, todo, read_workers(store, [e.size for e in todo])):
+    with store.dir_reader(item.namespace) as read:
+        observe = functools.partial(_observe, read, item.namespace)
+        for seen in ordered_map(observe, [e.key for e in todo], read_workers(store, [e.size for e in todo])):
             if isinstance(seen, str):
                 broken.append(seen)  # half-written or corrupt: never indexed (verify reports it)
             elif seen is not None:
@@ -316,7 +315,7 @@ def _read_namespace(store: Store, item: NamespaceSync) -> _Read:
         executables: dict[str, tuple[int, str] | None] = {e.key: None for e in item.clear_aot}
         for e in item.record_aot:
             try:
-                data = read(f"{item.namespace}/{e.key}{AOT_SUFFIX}")
+                data = read(f"{e.key}{AOT_SUFFIX}")
             except FileNotFoundError:
                 executables[e.key] = None  # deleted since planning
                 continue
