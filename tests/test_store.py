@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 
@@ -148,9 +149,9 @@ def test_url_normalization(tmp_path) -> None:
     assert normalize_url("s3a://bucket/p") == "s3://bucket/p"
 
 
-def test_reader_reads_only_regular_files_through_real_directories(tmp_path) -> None:
-    """The many-file reader opens each directory once without following links: a symlinked
-    directory, a symlinked file and a FIFO are never read, missing files are missing."""
+def _tree_with_links(tmp_path: Path) -> tuple[Path, Store]:
+    """A root with ns/a/x-cache (100 bytes), top ("t"), a symlinked directory ns/linked and, in ns/a, a symlinked
+    file link-cache and a FIFO fifo-cache (both links point outside the root)."""
     root = tmp_path / "cache"
     store = Store(str(root))
     store.write_bytes("ns/a/x-cache", b"x" * 100)
@@ -161,6 +162,13 @@ def test_reader_reads_only_regular_files_through_real_directories(tmp_path) -> N
     (root / "ns" / "linked").symlink_to(outside)
     (root / "ns" / "a" / "link-cache").symlink_to(outside / "secret-cache")
     os.mkfifo(root / "ns" / "a" / "fifo-cache")
+    return root, store
+
+
+def test_reader_reads_only_regular_files_through_real_directories(tmp_path) -> None:
+    """The many-file reader opens each directory once without following links: a symlinked
+    directory, a symlinked file and a FIFO are never read, missing files are missing."""
+    root, store = _tree_with_links(tmp_path)
     (root / "ns" / "plainfile").write_bytes(b"f")
     with store.reader() as read:
         assert read("ns/a/x-cache") == b"x" * 100
@@ -184,15 +192,7 @@ def test_reader_reads_only_regular_files_through_real_directories(tmp_path) -> N
 def test_dir_reader_reads_names_in_one_real_directory(tmp_path) -> None:
     """A directory's reader by name has the many-file reader's checks: links and FIFOs are never
     read; a directory that is a link, or is missing, makes every read fail as the reader's would."""
-    root = tmp_path / "cache"
-    store = Store(str(root))
-    store.write_bytes("ns/a/x-cache", b"x" * 100)
-    outside = tmp_path / "outside"
-    outside.mkdir()
-    (outside / "secret-cache").write_bytes(b"secret")
-    (root / "ns" / "linked").symlink_to(outside)
-    (root / "ns" / "a" / "link-cache").symlink_to(outside / "secret-cache")
-    os.mkfifo(root / "ns" / "a" / "fifo-cache")
+    root, store = _tree_with_links(tmp_path)
     with store.dir_reader("ns/a") as read:
         assert read("x-cache") == b"x" * 100
         for bad in ("link-cache", "fifo-cache"):
