@@ -206,7 +206,9 @@ class _LocalReader:
             fd = self._dir_fd(rel_dir, f"{self._store.root}/{rel_dir}")
         except (OSError, BadInput):
             return lambda name: self.read(f"{rel_dir}/{name}")
-        return functools.partial(self._read_at, fd, rel_dir)
+        at = functools.partial(self._read_at, fd, rel_dir)
+        # A name with a '/' would let openat() follow a link in its directories: read() checks each.
+        return lambda name: self.read(f"{rel_dir}/{name}") if "/" in name else at(name)
 
     def _path_of(self, rel_dir: str, name: str) -> str:
         """The full path of ``name`` in ``rel_dir``, for messages."""

@@ -203,6 +203,10 @@ def test_dir_reader_reads_names_in_one_real_directory(tmp_path) -> None:
         assert list(ordered_map(read, ["x-cache"] * 20, 4)) == [b"x" * 100] * 20
     with store.dir_reader("ns/linked") as read, pytest.raises(NotRegularFile):
         read("secret-cache")
+    with store.dir_reader("ns") as read:  # a name through a linked directory: that link is not followed
+        assert read("a/x-cache") == b"x" * 100
+        with pytest.raises(NotRegularFile):
+            read("linked/secret-cache")
     with store.dir_reader("ns/nodir") as read, pytest.raises(FileNotFoundError):
         read("x-cache")
     with store.dir_reader("ns/../..") as read, pytest.raises(BadInput):
