@@ -67,10 +67,35 @@ def _score(dialect: str, policy: str, now: datetime) -> ColumnElement[float]:
         age_days = func.max(func.julianday(_as_bound(now)) - func.julianday(last), 0.0)
     else:
         age_days = func.greatest(func.extract("epoch", _as_bound(now) - last) / 86400.0, 0.0)
+    return _cost_per_kib() / (1.0 + age_days / COST_HALF_LIFE_DAYS)
+
+
+def _cost_per_kib() -> ColumnElement[float]:
     unit = unit_size()
     size_kib = case((unit < 1, 1.0), else_=cast(unit, Float) / 1024.0)
-    cost = cast(func.coalesce(Entry.compile_time_ms, DEFAULT_COMPILE_MS), Float)
-    return cost / size_kib / (1.0 + age_days / COST_HALF_LIFE_DAYS)
+    return cast(func.coalesce(Entry.compile_time_ms, DEFAULT_COMPILE_MS), Float) / size_kib
+
+
+def _under_bound(dialect: str, policy: str, now: datetime) -> Any:
+    """PostgreSQL, cost: a cheap test every row whose score is at most a bound passes, put before
+    the exact one: the score in double precision (the age by date_part, not numeric EXTRACT) within
+    a billionth of the bound, where the two scores differ by ~1e-15 of their value (EXTRACT's
+    exact numeric age rounded once, date_part's rounded twice). Scoring a 1,000,000-row scan measured
+    0.27 CPU s with it, 0.39 without. Takes the bounds, one or one per environment; None: no test."""
+    if dialect != "postgresql" or policy != "cost":
+        return None
+    age = func.greatest(func.date_part("epoch", _as_bound(now) - last_used()) / 86400.0, 0.0)
+    approx = _cost_per_kib() / (1.0 + age / COST_HALF_LIFE_DAYS)
+
+    def loose(b: float) -> float:
+        return b + abs(b) * 1e-9
+
+    def test(bound: Any) -> ColumnElement[bool]:
+        # The bounds loosened here, not in SQL: PostgreSQL runs the cheaper-costed test first.
+        if isinstance(bound, dict):
+            return approx <= case({env: loose(b) for env, b in bound.items()}, value=Entry.environment_id)
+        return approx <= loose(bound)
+    return test
 
 
 class Cuts(NamedTuple):
@@ -127,7 +152,7 @@ def eviction_cuts(index: Index, cache: str, *, policy: str, max_bytes: int | Non
         evictable.append(or_(Entry.warm_run_id.is_(None), Entry.warm_run_id.not_in(list(protect_warm_runs))))
     walk = _Walk(index, score, evictable, ordered=policy == "lru",
                  label=_last_used_minute(dialect, score) if policy == "lru" else None,
-                 sample_ids=sample_ids(dialect, top_id, rows_total))
+                 sample_ids=sample_ids(dialect, top_id, rows_total), under=_under_bound(dialect, policy, now))
     by_env: list[tuple[Any, ...]] = []
     cuts = 0  # environments cut one by one: their rows need one order
     if env_max_bytes is not None:
@@ -212,11 +237,12 @@ class _Walk:
 
     def __init__(self, index: Index, score: ColumnElement[Any], where: list[ColumnElement[bool]],
                  label: ColumnElement[str] | None,
-                 ordered: bool, sample_ids: int | None = None) -> None:
+                 ordered: bool, sample_ids: int | None = None, under: Any = None) -> None:
         self.index, self.score, self.where = index, score, where
         self.ordered = ordered  # an index holds the score order (lru: ix_entries_last_used)
         self.label = label  # lru: the last use as the plan prints it, a 7th column
         self.sample_ids = sample_ids  # the highest id, to read the sample by id; None: by a scan
+        self.under = under  # bound -> a cheap test before ``score <= bound`` (``_under_bound``)
 
     def take_each(self, targets: dict[int, int]) -> list[tuple[Any, ...]]:
         """Each environment's own cut (environment id -> bytes), as ``take([env], bytes)`` would
@@ -290,7 +316,12 @@ class _Walk:
                     .where(Entry.environment_id.in_(envs), *self.where, self.score <= upto)
                     .order_by(self.score, Entry.id))
         return self._one_scan([Entry.environment_id.in_(envs), *self.where,
-                               self.score <= case(bounds, value=Entry.environment_id)])
+                               *self._upto(bounds)])
+
+    def _upto(self, bound: Any) -> list[ColumnElement[bool]]:
+        """``score <= bound`` (a dict: each environment's bound), after the cheap test where there is one."""
+        exact = self.score <= (case(bound, value=Entry.environment_id) if isinstance(bound, dict) else bound)
+        return [exact] if self.under is None else [self.under(bound), exact]
 
     def _one_scan(self, where: list[ColumnElement[bool]]) -> Any:
         """The scored candidates in (score, id) order, the key read from the row (or index entry)
@@ -366,7 +397,7 @@ class _Walk:
         """The candidates with score <= ``upto`` (None: unbounded) and after ``after`` (score, id
         or score, None: past that score), in (score, id) order, the first ``limit`` of them."""
         def within(score: Any, id_: Any) -> list[ColumnElement[bool]]:
-            out: list[ColumnElement[bool]] = [] if upto is None else [score <= upto]
+            out: list[ColumnElement[bool]] = [] if upto is None else self._upto(upto)
             if after is not None:
                 at, last_id = after
                 out.append(score > at if last_id is None else or_(score > at, and_(score == at, id_ > last_id)))
