@@ -526,11 +526,22 @@ def bench_planning(db: str, n: int, work: Path, against: Path | None = None) -> 
     """Every prune and gc plan over ``n`` rows: building the plan, then printing it, timed apart;
     with ``against`` (another tree), its gc plans and ours again, side by side on the same index."""
     index, fill_s = _fill(db, n)
+    size_mb = _index_mb(index)
     out = measure_planning(db, index)
     index.close()
     if against is not None:
         out["against"] = _against(db, against)
-    return {"rows": n, "fill_s": round(fill_s, 1), **out}
+    return {"rows": n, "fill_s": round(fill_s, 1), "size_mb": size_mb, **out}
+
+
+def _index_mb(index: Any) -> float:
+    """The index's size after the fill: SQLite's file, PostgreSQL's entries table with its indexes."""
+    if index.dialect == "postgresql":
+        with index.engine.connect() as conn:
+            size = conn.exec_driver_sql("SELECT pg_total_relation_size('entries')").scalar()
+    else:
+        size = Path(index.engine.url.database).stat().st_size
+    return round(int(size) / 1e6, 1)
 
 
 def _against(db: str, tree: Path, rounds: int = 2) -> dict[str, Any]:
@@ -774,6 +785,12 @@ def _kept_planning() -> str:
 
 
 PLANNING_HEADING = "### Planning"
+# Measured apart: two fills each of 2efe63a's schema (0007) and this one's, alternating, 1,000,000
+# rows on SQLite; on PostgreSQL both indexes created afresh over the same 1,000,000 rows.
+MIGRATION_0008 = ("at 1,000,000 rows the SQLite file grows from 606.6 to 694.7 MB (+88 MB, +14.5%) and the fill "
+                  "(1,000,000 inserts into 10 b-trees) from 18.7-20.2 to 20.3-22.4 CPU s (~+9%); on "
+                  "PostgreSQL the index built afresh grows from 70 to 161 MB (the entries table with its "
+                  "indexes, filled by inserts, is in the line above).")
 
 
 def planning_markdown(pl: dict[str, Any], quick: bool) -> str:
@@ -801,7 +818,9 @@ def planning_markdown(pl: dict[str, Any], quick: bool) -> str:
         if isinstance(d, str):
             w(f"**{dialect}**: {d}\n\n")
             continue
-        w(f"**{dialect}**: filled in {d['fill_s']} s; load average {' '.join(f'{x:.2f}' for x in d['load'])} "
+        size = f" ({d['size_mb']} MB{' the entries table with its indexes' if dialect == 'postgresql' else ''})" \
+            if "size_mb" in d else ""
+        w(f"**{dialect}**: filled in {d['fill_s']} s{size}; load average {' '.join(f'{x:.2f}' for x in d['load'])} "
           f"after; environment totals (GROUP BY over the covering index) {d['totals_s']} s wall, "
           f"{d['totals_cpu_s']} CPU s.\n\n")
         w("| plan | wall s | CPU s | entries selected | entry rows in the plan | print table s | print --json s |\n"
@@ -835,15 +854,18 @@ def planning_markdown(pl: dict[str, Any], quick: bool) -> str:
           "count): " + "; ".join(f"`{name}` {v['plan_s']} s wall, **{v['plan_cpu_s']}** CPU s"
                                    for name, v in serial.items()) + ".\n\n")
     w("How: migration 0007 adds `ix_entries_env_plan` (environment, both sizes, compile time, last access, "
-      "creation, warm run, id: the totals and gc's cost score read no table row) and two indexes on "
+      "creation, warm run, id: the totals and gc's cost score read no table row; migration 0008 adds the "
+      "key before the id, so the cost policy's cut is one scan of it and one sort, no table lookup per "
+      "row under the bound) and two indexes on "
       "`coalesce(last_access_at, created_at), id` (`--unused-for` range-scans; gc's lru walks in order). "
       "A gc cut reads candidates in (score, id) order and stops at the cut: SQLite's lru walk streams the "
       "index in order and needs no bound; where the database sorts, a 1-in-64 sample gives a bound "
-      "(on PostgreSQL every over-limit environment's from one sample query, their cuts from one read), and an "
-      "environment whose sample fell short reads on with LIMIT and keyset (the scored candidates sorted "
-      "and limited first, then only those rows looked up for their key: PostgreSQL had hashed the whole "
-      "table for each such read). PostgreSQL reads a bounded cut in one scan, the key from the row it "
-      "scores, not through a self-join. The cost score computes the clamped age once per row "
+      "(every over-limit environment's from one sample query; on PostgreSQL their cuts from one read; SQLite "
+      "reads the sample by id, a lookup per multiple of 64, while the table's ids are at most 3x the "
+      "cache's rows, else by a scan), and an "
+      "environment whose sample fell short reads on with LIMIT and keyset (a top-N sort of the same scan). "
+      "Both databases read a bounded cut in one scan, the key from the row (or index entry) they "
+      "score, not through a self-join. The cost score computes the clamped age once per row "
       "(`max`/`greatest`, the same value bit for bit as the CASE it replaces, which computed it twice). "
       "The rows come off the driver's cursor as plain tuples and stay so in the plan (`PlannedEntries`): "
       "a `PlannedEntry` and its reason are built when the plan is read (the table's 50 rows, `--json`, "
@@ -851,19 +873,25 @@ def planning_markdown(pl: dict[str, Any], quick: bool) -> str:
       "writes the same bytes as `json.dumps(indent=2)` without the pure-Python encoder. "
       "`prune --superseded` deletes namespaces whole, so its plan holds 15 rows, not 833k.\n\n")
     w("Where the time goes now, at 1,000,000 rows (cProfile and EXPLAIN ANALYZE): SQLite's cost plans "
-      "score every candidate over the covering index (~0.4 us a row, its date parsed once) and sort and "
-      "look up the keys of those under the bound (~1 us a row), one environment at a time; its lru "
-      "walk looks up each evicted row in the table (~2 us a row); the environment totals (a GROUP BY over "
-      "1,000,000 index rows) cost ~0.1 s in every gc plan. PostgreSQL's cost plans score every candidate "
-      "(~0.25 us a row, the age an exact numeric EXTRACT) after a sample scan of the table (~0.1 s), then "
-      "sort what is under the bounds. The `+ env_max_size` plans evict ~20% of the cache, twice the rows "
-      "of the 10% plans. What is left over 1 s is the cost policy with per-environment limits (SQLite; "
-      "PostgreSQL with parallel workers off), which scores every one of the 1,000,000 candidates and "
-      "looks up the key of each of the ~160k under the bounds; CPU seconds grow with the machine's "
-      "load here (the same SQLite plan measured 0.91-0.98 CPU s in runs at load average ~2). Covering "
-      "indexes with the key (cost's and lru's) would drop the lookups, at a migration and a database "
-      "~40% bigger (+260 MB for the two at 1,000,000 rows, measured; their cost per insert was not); "
-      "SQLite 3.40 did not pick the lru one, whose order is an expression, so neither is done.\n\n")
+      "score every candidate over the covering index (~0.27 us a row, of which the date parse ~0.1) and "
+      "sort those under the bounds (~0.25 us a row with the key), one environment at a time; the "
+      "sample costs ~0.035 s in all; its lru walk looks up each evicted row in the table (~2 us a row); "
+      "the environment totals (a GROUP BY over 1,000,000 index rows) cost ~0.12 s in every gc plan "
+      "(0.09-0.10 before the key widened the index: the prune plans, which start from the same totals, "
+      "pay it too). Taking the key from the index saved ~0.19 s of the SQLite cost plan with "
+      "per-environment limits (the lookups, ~1.7 us a row, whether in score or id order), reading the "
+      "sample by id ~0.085 s. PostgreSQL's cost plans score every candidate in a scan of the table, "
+      "a double-precision copy of the score (the age by date_part) tested against each bound plus a "
+      "billionth first, so the exact score (the age EXTRACT's numeric) is computed only for the ~17% "
+      "that pass (scoring 1,000,000 rows: 0.27 against 0.39 CPU s), after a sample scan of the table "
+      "(~0.1 s), then sort what is under the bounds and send ~170k rows; measured without gain there: "
+      "an index-only scan of the covering index (0.70 against 0.66 CPU s for the cut's query), JIT off "
+      "(0.71), reading the sample by id (1.35 against 1.06 CPU s for the whole plan). What is left over "
+      "1 s: PostgreSQL's cost plan with per-environment limits with parallel workers off (1.0-1.1 CPU s: "
+      "the scan ~0.3, the sample ~0.1, the totals ~0.08, sorting and sending the rows, Python's cut over "
+      "them ~0.2). The `+ env_max_size` plans evict ~20% of the cache, twice the rows of the 10% plans; CPU "
+      "seconds grow with the "
+      "machine's load here. Migration 0008's cost: " + MIGRATION_0008 + "\n\n")
     w("On a bigger machine: with a free core, wall time comes down to about the CPU column (SQLite's "
       "queries are single-threaded; PostgreSQL adds parallel workers to the cost policy's scans and to "
       "the totals, so there its wall time can fall below the CPU spent). What grows with the cache is "

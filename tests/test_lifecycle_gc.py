@@ -378,3 +378,62 @@ def test_cost_cut_is_exact_when_the_sample_misleads(db_url, env_frac):
     assert [e.score for e in got] == sorted(e.score for e in got)
     assert sum(r["size"] for r in rows if r["id"] in want) >= 250_000
     index.close()
+
+
+@pytest.mark.parametrize("env_frac", [None, 0.7])
+def test_cost_cut_is_the_same_whether_the_sample_is_read_by_id_or_by_a_scan(db_url, env_frac):
+    """SQLite reads gc's 1-in-64 sample by id while the entries table's ids are dense, by a scan
+    once another cache's rows make them sparse: the same plan either way, the greedy cut."""
+    from sqlalchemy import func, select
+
+    from cachectl.index import open_index
+    from cachectl.index.eviction_queries import _score, _Walk, sample_ids
+
+    index = open_index(db_url, auto_migrate=True)
+    index.add_cache(CACHE, "memory://unused")
+    rng = random.Random(5)
+    now = utcnow()
+    for v in range(2):
+        info = index.ensure_environment(CACHE, fake_env(f"0.{v}.0"))
+        index.upsert_entries(info.id, [
+            NewEntry(key=f"jit_f-{v}{i:063d}", module="jit_f", size=rng.randint(1, 9000), sha256="0" * 64,
+                     origin="warm", compile_time_ms=rng.randint(1, 120_000),
+                     created_at=now - timedelta(minutes=rng.randint(0, 100_000))) for i in range(640)])
+    with index.session() as s:
+        rows = [{"id": i, "env": env, "key": key, "size": size, "score": score} for i, env, key, size, score in
+                s.execute(select(Entry.id, Entry.environment_id, Entry.key, Entry.size_bytes,
+                                 _score(index.dialect, "cost", now)))]
+    total = sum(r["size"] for r in rows)
+    env_totals: dict[int, int] = {}
+    for r in rows:
+        env_totals[r["env"]] = env_totals.get(r["env"], 0) + r["size"]
+    env_max = int(max(env_totals.values()) * env_frac) if env_frac else None
+    by_key = {r["key"]: r["id"] for r in rows}
+    score = {r["id"]: r["score"] for r in rows}
+    want = sorted(_reference(rows, total, int(total * 0.8), env_totals, env_max), key=lambda i: (score[i], i))
+
+    def planned() -> list[int]:
+        got, _ = plan_evictions(index, CACHE, policy="cost", max_bytes=int(total * 0.8), env_max_bytes=env_max,
+                                now=now)
+        return [by_key[e.key] for e in got]
+
+    def by_id() -> bool:
+        with index.session() as s:
+            return sample_ids(index.dialect, s.scalar(select(func.max(Entry.id))), len(rows)) is not None
+
+    def sampled(top_id: int | None) -> list[int]:
+        walk = _Walk(index, Entry.id, [], label=None, ordered=False, sample_ids=top_id)
+        with index.session() as s:
+            return sorted(s.scalars(walk._sample([Entry.id], [Entry.environment_id.in_(env_totals)])))
+
+    dense = planned()
+    assert by_id() == (index.dialect == "sqlite")
+    if index.dialect == "sqlite":
+        assert sampled(max(score)) == sampled(None) == sorted(i for i in score if i % 64 == 0) != []
+    index.add_cache("other", "memory://other")
+    other = index.ensure_environment("other", fake_env("0.9.0"))
+    index.upsert_entries(other.id, [NewEntry(key=f"jit_g-{i:064d}", module="jit_g", size=100, sha256="0" * 64,
+                                             origin="warm") for i in range(3 * len(rows))])
+    assert not by_id()
+    assert dense == planned() == want and len(want) > 64
+    index.close()

@@ -114,12 +114,12 @@ class Entry(Base):
         Index("ix_entries_created", "created_at"),
         Index("ix_entries_function", "function"),
         Index("ix_entries_warm_run", "warm_run_id"),
-        # Covers what planning reads of every row (migration 0007): the per-environment
-        # totals (entry + executable bytes) every plan starts from, gc's cost score and its
-        # sample; those scans never read the table.
+        # Covers what planning reads of every row (migrations 0007, 0008): the per-environment
+        # totals (entry + executable bytes) every plan starts from, gc's cost score, its sample
+        # and its cut's rows (the key too); those scans never read the table.
         # ``id`` last: PostgreSQL's indexes do not hold the row id by themselves, as SQLite's do.
         Index("ix_entries_env_plan", "environment_id", "size_bytes", "aot_size_bytes", "compile_time_ms",
-              "last_access_at", "created_at", "warm_run_id", "id"),
+              "last_access_at", "created_at", "warm_run_id", "key", "id"),
     )
 
     id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True)

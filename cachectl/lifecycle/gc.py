@@ -110,6 +110,7 @@ def plan_gc(ctx: Context, cache: CacheInfo, *, policy: str = "lru", max_size: st
         ctx.index, cache.name, policy=policy, max_bytes=limit, env_max_bytes=env_limit,
         exclude_env_ids=sorted(warming), protect_warm_runs=sorted(runs.values()), now=now,
         bytes_total=sum(e.bytes for e in envs), env_bytes={e.id: e.bytes for e in envs},
+        rows_total=sum(e.entries for e in envs),
     )
     freed_by_env: dict[int, int] = dict.fromkeys(by_id, 0)
     for row in cuts.rows:
