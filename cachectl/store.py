@@ -79,12 +79,18 @@ def _unlink(path: str) -> int:
         return 0
 
 
+def _unlink_each(paths: list[str]) -> int:
+    return sum(map(_unlink, paths))
+
+
 def _unlink_all(paths: list[str]) -> int:
-    """Unlink local files, missing ones being fine; the count removed."""
+    """Unlink local files, missing ones being fine; the count removed. In parallel, each thread takes
+    one slice (ThreadPoolExecutor.map ignores chunksize: a future per path cost more than the unlink)."""
     if len(paths) < _UNLINK_PARALLEL_MIN:
-        return sum(map(_unlink, paths))
+        return _unlink_each(paths)
+    step = -(-len(paths) // UNLINK_WORKERS)
     with ThreadPoolExecutor(max_workers=UNLINK_WORKERS, thread_name_prefix="cachectl-unlink") as pool:
-        return sum(pool.map(_unlink, paths, chunksize=64))
+        return sum(pool.map(_unlink_each, [paths[i:i + step] for i in range(0, len(paths), step)]))
 
 
 def _atomic_local_write(full: str, mode: int, write: Callable[[BinaryIO], object]) -> None:
