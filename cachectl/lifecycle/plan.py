@@ -21,7 +21,7 @@ import signal
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, overload
 
@@ -273,19 +273,28 @@ def execute_plan(index: Index, store: Store, plan: DeletionPlan, *, lease: Lease
             lease.check()
     # Sidecars exist only where JAX's own eviction ran (it leaves a .lockfile).
     sidecar_ns = {n for n in {e.namespace for e in plan.entries} if store.exists(f"{n}/{LOCKFILE}")}
-    for batch, paths in _entry_batches(plan.entries, sidecar_ns, batch_size):
-        store.delete(paths, batch_size=len(paths))  # one rm call for the whole batch
-        calls += 1
-        hooks.after_storage_batch()
-        by_env: dict[int, list[str]] = defaultdict(list)
-        for e in batch:
-            by_env[e.environment_id].append(e.key)
-        rows += delete_entry_rows(index, by_env)
-        entries_done += len(batch)
-        freed += sum(e.bytes for e in batch)
-        hooks.after_batch()
-        if lease:
-            lease.check()
+    # A batch's rows are deleted on a thread while the next batch leaves storage (its commit waits
+    # on the disk, the unlinks or the object store's round trip on theirs): still storage first,
+    # then the index, batch by batch, and at most one batch's rows behind its files.
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="cachectl-index") as behind:
+        pending: Future[int] | None = None
+        for batch, paths in _entry_batches(plan.entries, sidecar_ns, batch_size):
+            store.delete(paths, batch_size=len(paths))  # one rm call for the whole batch
+            calls += 1
+            hooks.after_storage_batch()
+            by_env: dict[int, list[str]] = defaultdict(list)
+            for e in batch:
+                by_env[e.environment_id].append(e.key)
+            if pending is not None:
+                rows += pending.result()
+            pending = behind.submit(delete_entry_rows, index, by_env)
+            entries_done += len(batch)
+            freed += sum(e.bytes for e in batch)
+            hooks.after_batch()
+            if lease:
+                lease.check()
+        if pending is not None:
+            rows += pending.result()
     duration = time.monotonic() - started
     result = ExecutionResult(ns_done, entries_done, freed, calls, rows, duration)
     index.audit(
