@@ -407,9 +407,9 @@ def _goal_line(a: dict[str, Any]) -> str:
                       for key, label in rows)
     worst = max(max(a[key]["ratio_vs_plain"], a[key]["pair_ratio"]) for key, _ in rows)
     verdict = "met by both measures" if worst <= 1.05 else f"not met by every measure (worst {worst:.3f})"
-    return (f"Goal, within 1.05x of plain JAX: {parts}: {verdict} in this run. Between two full runs of the "
-            "same code (loads 0.95 and 1.22 at the start) the ratios moved by up to 0.034: 1.020-1.054 of the "
-            "medians, 1.038-1.045 in pairs; at loads of 2.6 and more the machine's noise exceeds the 5%.")
+    return (f"Goal, within 1.05x of plain JAX: {parts}: {verdict} in this run. Full runs of the same code on "
+            "this machine have moved these ratios by up to ~0.03 from one run to the next; at loads of 2.6 and "
+            "more the noise exceeds the 5%.")
 
 
 def _gc_line(a: dict[str, Any]) -> str:
