@@ -27,9 +27,11 @@ into quarantine with it.
 from __future__ import annotations
 
 import hashlib
+import itertools
+import operator
 import time
 from collections import Counter, defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
@@ -43,6 +45,7 @@ from cachectl.entries import (
     CorruptEntry,
     Kind,
     classify,
+    entry_file_matcher,
     parse_aot_filename,
     sha256,
 )
@@ -156,7 +159,7 @@ def _verdict(data: bytes, size: int, digest: str, corrupt: str | None, problems:
 
 
 def _check_entry(read: Callable[[str], bytes], path: str, size: int, digest: str) -> Check:
-    """The finding for one indexed entry file (``read``: the store's reader)."""
+    """The finding for one indexed entry file (``read``: a reader of ``path``)."""
     try:
         data = read(path)
     except NotRegularFile:
@@ -170,6 +173,17 @@ def _check_entry(read: Callable[[str], bytes], path: str, size: int, digest: str
     if len(data) == size and hashlib.sha256(data).hexdigest() == digest:
         return None, "", size  # most files: no lists, no second hash
     return _verdict(data, size, digest, None, [])
+
+
+def _entry_checks(store: Store, checks: list[tuple[str, str, int, str, int, str]], workers: int) -> Iterator[Check]:
+    """``_check_entry`` of each check, in order: a namespace's entries read by name through one
+    directory reader (``Store.dir_reader``: its descriptor found once, not a path parsed per file)."""
+    for ns, run in itertools.groupby(checks, key=operator.itemgetter(0)):
+        with store.dir_reader(ns) as read:
+            def check(c: tuple[str, str, int, str, int, str], read: Callable[[str], bytes] = read) -> Check:
+                return _check_entry(read, f"{c[1]}{CACHE_SUFFIX}", c[2], c[3])
+
+            yield from ordered_map(check, list(run), workers)
 
 
 def _check_executable(read: Callable[[str], bytes], path: str, key: str, size: int, digest: str,
@@ -235,6 +249,7 @@ def plan_verify(ctx: Context, cache: CacheInfo, *, env_prefix: str | None = None
     def act(action: str) -> str:
         return action if (quarantine if action == QUARANTINE else repair) else ""
 
+    is_entry = entry_file_matcher()
     for ns in sorted(set(groups) | set(envs)):
         files = groups.get(ns, [])
         env = envs.get(ns)
@@ -253,7 +268,8 @@ def plan_verify(ctx: Context, cache: CacheInfo, *, env_prefix: str | None = None
         indexed = entry_digests(ctx.index, env.id)
         indexed_aot = executable_digests(ctx.index, env.id)
         names = dict(files)  # path in the namespace -> path in the root
-        kinds = {rel: classify(rel) for rel in names}  # once per file: the loops below all need it
+        # once per file: the loops below all need it (an entry's name in one regex match)
+        kinds = {rel: Kind.ENTRY if is_entry(rel) else classify(rel) for rel in names}
         has_lockfile = any(kind is Kind.LOCKFILE for kind in kinds.values())
         subcaches = sorted({rel.split("/", 1)[0] for rel, kind in kinds.items() if kind is Kind.XLA_SUBCACHE})
         for sub in subcaches:
@@ -332,13 +348,10 @@ def plan_verify(ctx: Context, cache: CacheInfo, *, env_prefix: str | None = None
     bad: set[str] = set()
     workers = workers or read_workers(store, [c[2] for c in checks] + [c[2] for c in aot_checks])
     with store.reader() as read:
-        def check(c: tuple[str, str, int, str, int, str]) -> Check:
-            return _check_entry(read, c[5], c[2], c[3])
-
         def check_aot(c: tuple[str, str, int, str, int, str]) -> Check:
             return _check_executable(read, f"{c[0]}/{c[1]}{AOT_SUFFIX}", c[1], c[2], c[3], c[5])
 
-        entry_results = ordered_map(check, checks, workers)
+        entry_results = _entry_checks(store, checks, workers)
         for (ns, key, _size, _sha, env_id, _path), (kind, detail, nread) in zip(checks, entry_results,
                                                                                  strict=True):
             if kind is None:  # a good file: counted here, without a call per file
