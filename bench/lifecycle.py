@@ -73,7 +73,7 @@ from cachectl.index.models import Entry  # noqa: E402
 from cachectl.index.sync_queries import insert_observed_entries  # noqa: E402
 from cachectl.lifecycle.gc import gc, plan_gc  # noqa: E402
 from cachectl.lifecycle.prune import criteria, plan_prune, prune  # noqa: E402
-from cachectl.lifecycle.sync import _read_namespace, plan_sync, sync  # noqa: E402
+from cachectl.lifecycle.sync import PIECE_ENTRIES, _Planner, _read_namespace, sync  # noqa: E402
 from cachectl.lifecycle.verify import verify  # noqa: E402
 from cachectl.namespace import ensure_namespace  # noqa: E402
 from cachectl.store import Store  # noqa: E402
@@ -261,9 +261,15 @@ def _sync_parts(work: Path, ctx: Context, cache: Any) -> dict[str, float]:
         parts[f"{name}_cpu"] = round(_cpu_s_of(resource.RUSAGE_SELF) - c0, 3)
         return out
 
-    plan = part("sync_plan", lambda: plan_sync(other, other.cache(), min_age=timedelta(0)))
+    def plan_as_sync_does() -> Any:  # new files' sizes and ages left to the reads, as sync leaves them
+        planner = _Planner(other, other.cache(), timedelta(0), settle=False)
+        for _ in planner.namespaces():
+            pass
+        return planner.plan()
+
+    plan = part("sync_plan", plan_as_sync_does)
     store = Store(cache.root_url)
-    part("sync_read", lambda: [_read_namespace(store, item) for item in plan.namespaces])
+    part("sync_read", lambda: [list(_read_namespace(store, item)) for item in plan.namespaces])
     envs = {e.namespace: e.id for e in environments(ctx.index, CACHE)}
     todo = []
     for item in plan.namespaces:
@@ -718,17 +724,19 @@ def markdown(r: dict[str, Any]) -> str:
       f"{cc['sync']} vs {round((hc[0] + hc[1]) / 2, 3)} (**{cr['sync']}x**), `verify` {cc['verify']} vs "
       f"{round((hc[1] + hc[2]) / 2, 3)} (**{cr['verify']}x**); the hash runs took "
       f"{', '.join(str(x) for x in hc)} CPU s.\n\n")
-    w(f"sync's parts, measured apart on a second, empty SQLite index (wall s, CPU s): the plan (the listing "
-      f"with a stat per file, the diff against the index) {c['sync_plan']}, {c['sync_plan_cpu']}; reading, "
-      f"hashing and checking the {loc['entries']:,} files {c['sync_read']}, {c['sync_read_cpu']}; writing the "
-      f"same rows alone {c['sync_insert']}, {c['sync_insert_cpu']} (the entries table has 10 b-trees: the "
-      "table and 9 indexes, which planning's queries use). The reads overlap the writes (see below), so with "
-      "a free core sync's time is about the plan plus the longer of the two, and its CPU the sum of the three. "
-      f"Against the goal of 1.5x the hash run: verify {ra['verify']}x, sync {ra['sync']}x, with its plan alone "
-      f"{_ratio(c['sync_plan'], b['hash_sync'])}x, its reads alone {_ratio(c['sync_read'], b['hash_sync'])}x "
-      f"and its index writes alone {_ratio(c['sync_insert'], b['hash_sync'])}x (work sha256sum does not do: "
-      "sync's plan stats every file and diffs it against the index, each read also checks the entry's "
-      "header, and each new row goes into 10 b-trees).\n\n")
+    w(f"sync's parts, measured apart on a second, empty SQLite index (wall s, CPU s): the plan as sync makes "
+      f"it (the listing, a stat only of the files the index knows, the diff against the index) {c['sync_plan']}, "
+      f"{c['sync_plan_cpu']}; reading, hashing and checking the {loc['entries']:,} files (each new file's size "
+      f"and age from the fstat of its read) {c['sync_read']}, {c['sync_read_cpu']}; writing the same rows alone "
+      f"{c['sync_insert']}, {c['sync_insert_cpu']} (the entries table has 10 b-trees: the table and 9 indexes, "
+      "which planning's queries use). sync plans and reads on one thread, a namespace at a time and "
+      f"{PIECE_ENTRIES:,} files at a time, while this thread writes the rows read before: with a free core its "
+      "time is about the plan plus the reads (both under the GIL) plus the last piece's write, and its CPU the "
+      f"sum of the three. Against the goal of 1.5x the hash run: verify {ra['verify']}x, sync {ra['sync']}x, "
+      f"with its plan alone {_ratio(c['sync_plan'], b['hash_sync'])}x, its reads alone "
+      f"{_ratio(c['sync_read'], b['hash_sync'])}x and its index writes alone "
+      f"{_ratio(c['sync_insert'], b['hash_sync'])}x (work sha256sum does not do: sync's plan diffs every file "
+      "against the index, each read also checks the entry's header, and each new row goes into 10 b-trees).\n\n")
     w(f"Ratio: cachectl's time over the plain tools' in the same run. The hash baseline ran {len(b['hash_runs'])} "
       f"times, alternating with sync and verify ({', '.join(str(x) for x in b['hash_runs'])} s); each ratio is "
       "against the mean of the runs either side of it. prune and gc run once each (they delete), their "
@@ -745,8 +753,9 @@ def markdown(r: dict[str, Any]) -> str:
       "namespace (`O_NOFOLLOW` opens relative to it: no per-file `lstat` of every directory), hash and "
       "check the header with a bounded decompression. verify lists paths only (no stat per file: only "
       "unknown files, which `--min-age` may spare, get one) and reads each namespace's digests in one "
-      "driver fetch. sync reads the next namespace's files on a thread while the rows of the one before are "
-      "written: on SQLite one `INSERT ... SELECT` over a JSON array per 10,000 rows, which runs without "
+      "driver fetch. sync lists without a stat per file (on local disk the files the index does not know get "
+      "their size and age from their read's fstat; `--dry-run` stats them) and reads the next piece while "
+      "the rows of the one before are written: on SQLite one `INSERT ... SELECT` over a JSON array, which runs without "
       "the GIL and without binding 14 parameters a row from Python (PostgreSQL: psycopg's executemany). "
       "Local reads of small entries stay on one thread: on this loaded 2-core machine threads measured "
       "slower for them (the per-file work is Python's, under the GIL); entries averaging 256 KiB or more "

@@ -202,19 +202,23 @@ class _LocalReader:
                 raise _not_regular(exc, f"{self._store.root}/{rel}") from None
         return self._read_at(fd, rel_dir, name)
 
-    def in_dir(self, rel_dir: str) -> Callable[[str], bytes]:
+    def in_dir(self, rel_dir: str, *, times: bool = False) -> Callable[[str], Any]:
         """``read`` for names directly in ``rel_dir``: its descriptor is found once, not per file. If
-        it cannot be opened, each read goes through ``read`` (and raises what it raises)."""
+        it cannot be opened, each read goes through ``read`` (and raises what it raises). With
+        ``times``, each read gives (bytes, the file's mtime from the descriptor it was read through)."""
         rel_dir = rel_dir.strip("/")
+        slow: Callable[[str], Any] = (
+            (lambda name: (self.read(f"{rel_dir}/{name}"), None)) if times
+            else (lambda name: self.read(f"{rel_dir}/{name}")))
         try:
             if ".." in rel_dir:
                 self._store._full(rel_dir)
             fd = self._dir_fd(rel_dir, f"{self._store.root}/{rel_dir}")
         except (OSError, BadInput):
-            return lambda name: self.read(f"{rel_dir}/{name}")
-        at = functools.partial(self._read_at, fd, rel_dir)
+            return slow
+        at = functools.partial(self._read_timed if times else self._read_at, fd, rel_dir)
         # A name with a '/' would let openat() follow a link in its directories: read() checks each.
-        return lambda name: self.read(f"{rel_dir}/{name}") if "/" in name else at(name)
+        return lambda name: slow(name) if "/" in name else at(name)
 
     def _path_of(self, rel_dir: str, name: str) -> str:
         """The full path of ``name`` in ``rel_dir``, for messages."""
@@ -222,6 +226,10 @@ class _LocalReader:
 
     def _read_at(self, dir_fd: int, rel_dir: str, name: str) -> bytes:
         """The whole of regular file ``name`` in the directory open as ``dir_fd`` (``rel_dir``)."""
+        return self._read_timed(dir_fd, rel_dir, name)[0]
+
+    def _read_timed(self, dir_fd: int, rel_dir: str, name: str) -> tuple[bytes, float]:
+        """``_read_at``, and the mtime of the file read (from the fstat that checks it)."""
         try:
             fd = os.open(name, _READ_FLAGS, dir_fd=dir_fd)
         except OSError as exc:
@@ -232,12 +240,12 @@ class _LocalReader:
                 raise NotRegularFile(f"{self._store.root}/{rel_dir}/{name}: not a regular file: not read")
             data = os.read(fd, st.st_size + 1)
             if len(data) == st.st_size:  # what fstat said, and nothing after it: the whole file
-                return data
+                return data, st.st_mtime
             parts = [data]
             while chunk := os.read(fd, 1 << 20):  # to the end: it changed since the fstat, or one read
                 # returned less than asked (Linux caps a read at 2 GiB)
                 parts.append(chunk)
-            return b"".join(parts)
+            return b"".join(parts), st.st_mtime
         finally:
             os.close(fd)
 
@@ -482,6 +490,98 @@ class Store:
             return [(self._rel(name), int(size), mtime) for name, size, mtime in found]
         return [(f.path, f.size, f.mtime.timestamp() if f.mtime is not None else None) for f in self.list(rel)]
 
+    def dir_stats(self, rel: str = "", *, stat: bool = True
+                  ) -> Iterator[tuple[str, list[tuple[str, int | None, float | None]]]]:
+        """``list_stats(rel)`` by directory: (directory relative to the root, its files as (name, size,
+        mtime)), directories with files only, depth first with names sorted (a directory's
+        subdirectories come right after it, before its next sibling). On local disk each directory
+        is read as the walk reaches it, so a caller can work on one while the rest is unread; with
+        ``stat=False`` there its files' sizes and times are None (no lstat per file: ``stat_in_dir``
+        gives them for the names that need them). Object stores list sizes and times anyway."""
+        full = self._full(rel)
+        if self.kind == "file" and os.path.isdir(full):
+            top = self.fs._strip_protocol(full)
+            root = self.root.rstrip("/")
+            if top == root or top.startswith(root + "/"):
+                yield from self._dir_stats_local(top, top[len(root) + 1:], stat)
+                return
+        groups: dict[str, list[tuple[str, int, float | None]]] = {}
+        for path, size, mtime in self.list_stats(rel):
+            parent, _, name = path.rpartition("/")
+            groups.setdefault(parent, []).append((name, size, mtime))
+        for parent in sorted(groups, key=lambda d: d.split("/")):  # by component: depth first
+            yield parent, groups[parent]
+
+    @staticmethod
+    def _dir_stats_local(top: str, rel_top: str, with_stat: bool
+                         ) -> Iterator[tuple[str, list[tuple[str, int | None, float | None]]]]:
+        """``dir_stats`` on local disk: one scandir per directory (and one lstat per file), as the walk goes."""
+        pending = [(top, rel_top)]
+        while pending:
+            path, rel_dir = pending.pop()
+            try:
+                it = os.scandir(path)
+            except OSError:
+                continue  # gone or unreadable since listed: fsspec's walk skips it too
+            files: list[tuple[str, int | None, float | None]] = []
+            subdirs: list[str] = []
+            with it:
+                for entry in it:
+                    try:
+                        if entry.is_dir(follow_symlinks=False):
+                            subdirs.append(entry.name)
+                            continue
+                        if not with_stat:
+                            files.append((entry.name, None, None))
+                            continue
+                        st = entry.stat(follow_symlinks=False)
+                    except FileNotFoundError:
+                        continue
+                    size = st.st_size
+                    if stat.S_ISLNK(st.st_mode):  # listed as a file, never descended; its target's size
+                        try:
+                            size = entry.stat(follow_symlinks=True).st_size
+                        except OSError:
+                            size = 0
+                    files.append((entry.name, size, st.st_mtime))
+            if files:
+                files.sort()
+                yield rel_dir, files
+            subdirs.sort(reverse=True)  # popped smallest first
+            pending.extend((f"{path}/{name}", f"{rel_dir}/{name}" if rel_dir else name) for name in subdirs)
+
+    def stat_in_dir(self, rel_dir: str, names: Sequence[str]) -> dict[str, tuple[int, float | None]]:
+        """(size, mtime) of files directly in ``rel_dir``, as ``dir_stats`` gives them (files gone
+        since are left out): on local disk one lstat each relative to the directory's descriptor."""
+        if not names:
+            return {}
+        if self.kind != "file":
+            prefix = f"{rel_dir.strip('/')}/" if rel_dir.strip("/") else ""
+            found = self.infos([prefix + name for name in names], within=rel_dir)
+            return {path[len(prefix):]: (f.size, f.mtime.timestamp() if f.mtime is not None else None)
+                    for path, f in found.items()}
+        out: dict[str, tuple[int, float | None]] = {}
+        try:
+            fd = os.open(self._full(rel_dir), os.O_RDONLY | _DIR_FLAGS)
+        except FileNotFoundError:
+            return out
+        try:
+            for name in names:
+                try:
+                    st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+                except FileNotFoundError:
+                    continue
+                size = st.st_size
+                if stat.S_ISLNK(st.st_mode):
+                    try:
+                        size = os.stat(name, dir_fd=fd).st_size
+                    except OSError:
+                        size = 0
+                out[name] = size, st.st_mtime
+        finally:
+            os.close(fd)
+        return out
+
     def iter_dirs(self, rel: str = "") -> Iterator[str]:
         """Immediate subdirectories of ``rel`` (relative paths)."""
         try:
@@ -557,14 +657,19 @@ class Store:
             yield local.read
 
     @contextlib.contextmanager
-    def dir_reader(self, rel_dir: str) -> Iterator[Callable[[str], bytes]]:
+    def dir_reader(self, rel_dir: str, *, times: bool = False) -> Iterator[Callable[[str], Any]]:
         """``reader`` for the files directly in one directory, by name: on local disk the directory's
-        descriptor is looked up once, not per file (sync reads a namespace's files this way)."""
+        descriptor is looked up once, not per file (sync reads a namespace's files this way). With
+        ``times``, each read gives (bytes, mtime in POSIX seconds, or None where the store has none
+        without another call)."""
         if self.kind != "file":
-            yield lambda name: self.read_bytes(f"{rel_dir}/{name}")
+            if times:
+                yield lambda name: (self.read_bytes(f"{rel_dir}/{name}"), None)
+            else:
+                yield lambda name: self.read_bytes(f"{rel_dir}/{name}")
             return
         with _LocalReader(self) as local:
-            yield local.in_dir(rel_dir)
+            yield local.in_dir(rel_dir, times=times)
 
     def size(self, rel: str) -> int:
         if self.kind == "file":

@@ -176,7 +176,7 @@ def test_commands_do_not_branch_on_server_mode() -> None:
 INGEST = "cachectl/ingest.py"
 WRITES_OUTSIDE_INGEST = {
     # sync records objects already in storage (index repair): it writes no bytes.
-    ("cachectl/lifecycle/sync.py", "execute_sync", "upsert_entries"),
+    ("cachectl/lifecycle/sync.py", "_write", "upsert_entries"),
     # Not new entries of a cache: env.json, a pulled mirror (local copies), verify's write probe.
     ("cachectl/namespace.py", "ensure_namespace", "write_bytes"),
     ("cachectl/mirror.py", "_atomic_write", "write_bytes"),

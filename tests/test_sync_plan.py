@@ -1,0 +1,153 @@
+"""A sync does what its dry run plans, though the real run plans and reads a namespace at a time and
+leaves new files' sizes and ages to the read (local disk): every kind of change at once, on each
+store."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from datetime import timedelta
+
+import pytest
+from test_lifecycle_support import CACHE, fake_env, setup_cache, write_entries
+
+from cachectl.config import load_settings
+from cachectl.context import Context
+from cachectl.entries import AOT_SUFFIX, CACHE_SUFFIX, make_entry, sha256
+from cachectl.lifecycle.sync import _ahead, plan_sync, sync
+from cachectl.store import Store
+
+
+def _key(data: bytes) -> str:
+    return f"jit_new-{sha256(data)}"
+
+
+def _old(store: Store, rel: str) -> None:
+    """Age a local file past --min-age (object stores keep their upload time)."""
+    if store.is_local:
+        then = time.time() - 3600
+        os.utime(f"{store.root}/{rel}", (then, then))
+
+
+def _plan_as_data(plan) -> dict:
+    out = dataclasses.asdict(plan)
+    for ns in out["namespaces"]:
+        ns["environment"] = None  # compared by digest
+    return out
+
+
+@pytest.mark.parametrize("min_age", [timedelta(0), timedelta(minutes=5)])
+def test_a_sync_does_what_its_dry_run_planned(storage_root: str, tmp_path, min_age: timedelta) -> None:
+    db = f"sqlite:///{tmp_path}/index.db"
+    index, store = setup_cache(db, storage_root)
+    env, other = fake_env("0.10.2"), fake_env("0.10.2", device_kind="TPU v5e", backend="tpu")
+    first = write_entries(index, store, env, 6)
+    write_entries(index, store, other, 2)
+    ns = env.namespace
+    for key in first.keys:
+        _old(store, f"{ns}/{key}{CACHE_SUFFIX}")
+    new = [make_entry(os.urandom(100 + i), compile_seconds=2) for i in range(5)]
+    for data in new:
+        store.write_bytes(f"{ns}/{_key(data)}{CACHE_SUFFIX}", data)
+        _old(store, f"{ns}/{_key(data)}{CACHE_SUFFIX}")
+    young = make_entry(os.urandom(300), compile_seconds=1)
+    store.write_bytes(f"{ns}/{_key(young)}{CACHE_SUFFIX}", young)  # just written: young under a min age
+    corrupt = b"\x28\xb5\x2f\xfd" + os.urandom(40)
+    store.write_bytes(f"{ns}/{_key(corrupt)}{CACHE_SUFFIX}", corrupt)
+    _old(store, f"{ns}/{_key(corrupt)}{CACHE_SUFFIX}")
+    changed = make_entry(os.urandom(900), compile_seconds=3)
+    store.write_bytes(f"{ns}/{first.keys[0]}{CACHE_SUFFIX}", changed)  # an indexed entry, another size
+    _old(store, f"{ns}/{first.keys[0]}{CACHE_SUFFIX}")
+    store.delete([f"{ns}/{first.keys[1]}{CACHE_SUFFIX}"])  # an indexed entry gone
+    store.write_bytes(f"{ns}/{first.keys[2]}{AOT_SUFFIX}", b"executable")  # an executable to record
+    _old(store, f"{ns}/{first.keys[2]}{AOT_SUFFIX}")
+    store.write_bytes(f"{ns}/{'jit_gone-' + 'cd' * 32}{AOT_SUFFIX}", b"orphan")
+    store.write_bytes(f"{ns}/xla_gpu_per_fusion_autotune/ab/cd", b"sub-cache file")
+    store.write_bytes("stray.txt", b"not a namespace")
+    store.delete([f"{other.namespace}/{k}{CACHE_SUFFIX}" for k in index.entry_keys(
+        index.environment_stats(CACHE)[0].id if index.environment_stats(CACHE)[0].namespace == other.namespace
+        else index.environment_stats(CACHE)[1].id)])
+    store.delete([f"{other.namespace}/env.json"])  # a namespace gone from storage
+
+    ctx = Context(load_settings(db=db, cache=CACHE))
+    cache = ctx.cache()
+    planned = sync(ctx, cache, dry_run=True, min_age=min_age)
+    assert planned.plan == plan_sync(ctx, cache, min_age=min_age)
+    done = sync(ctx, cache, min_age=min_age)
+
+    assert _plan_as_data(done.plan) == _plan_as_data(planned.plan)
+    (item,) = [n for n in done.plan.namespaces if n.namespace == ns]
+    if min_age and not store.is_local:  # objects cannot be aged: every new or changed file is young
+        assert not item.add and not item.update and done.entries_added == done.entries_updated == 0
+        assert {e.key for e in item.too_young} >= {_key(d) for d in new}
+        return
+    expect_young = [_key(young)] if min_age else []
+    assert [e.key for e in item.too_young] == expect_young
+    assert sorted(e.key for e in item.add) == sorted(
+        [_key(d) for d in new] + [_key(corrupt)] + ([] if min_age else [_key(young)]))
+    assert all(e.size is not None for e in item.add + item.too_young)
+    assert [e.key for e in item.update] == [first.keys[0]] and [e.key for e in item.drop] == [first.keys[1]]
+    assert [e.key for e in item.record_aot] == [first.keys[2]]
+    assert done.plan.orphan_executables == [f"{ns}/{'jit_gone-' + 'cd' * 32}{AOT_SUFFIX}"]
+    assert done.plan.stray_files == ["stray.txt"] and done.plan.environments_gone == [other.namespace]
+
+    assert done.entries_added == len(new) + (0 if min_age else 1) and done.entries_updated == 1
+    assert done.rows_dropped == 1 and done.executables_recorded == 1 and done.environments_marked_deleted == 1
+    assert len(done.broken) == 1 and _key(corrupt) in done.broken[0]
+    rows = index.entry_keys(first.info.id)
+    assert rows[first.keys[0]] == (len(changed), sha256(changed))
+    for data in new:
+        assert rows[_key(data)] == (len(data), sha256(data))
+    assert (_key(young) in rows) == (not min_age) and _key(corrupt) not in rows and first.keys[1] not in rows
+
+    again = sync(ctx, cache, min_age=min_age)  # re-run: only what was left is left
+    assert again.entries_added == again.entries_updated == again.rows_dropped == 0
+    ctx.close()
+    index.close()
+
+
+def test_dir_stats_is_the_listing_depth_first(storage_root: str) -> None:
+    """dir_stats gives list_stats' files by directory, a directory's subdirectories right after it;
+    without stats (local disk) stat_in_dir gives the same sizes and times."""
+    store = Store(storage_root)
+    paths = ["a/x", "a/b/y", "a/b-c/z", "a/b/d/w", "top", "a0/v"]
+    for i, rel in enumerate(paths):
+        store.write_bytes(rel, b"x" * (i + 1))
+    dirs = list(store.dir_stats(""))
+    assert [d for d, _ in dirs] == ["", "a", "a/b", "a/b/d", "a/b-c", "a0"]
+    flat = sorted((f"{d}/{n}" if d else n, size, mtime) for d, files in dirs for n, size, mtime in files)
+    assert [f[:2] for f in flat] == [s[:2] for s in store.list_stats("")]
+    bare = list(store.dir_stats("", stat=False))
+    assert [d for d, _ in bare] == [d for d, _ in dirs]
+    for (d, files), (_, listed) in zip(bare, dirs, strict=True):
+        assert [f[0] for f in files] == [f[0] for f in listed]
+        stats = store.stat_in_dir(d, [f[0] for f in files] + ["not-there"])
+        assert {n: s for n, s in stats.items()} == {n: (size, mtime) for n, size, mtime in listed}
+        if not store.is_local:
+            assert files == listed  # object stores list sizes and times anyway
+
+
+def test_ahead_raises_the_producers_error_and_stops_it_when_left() -> None:
+    def failing():
+        yield 1
+        raise ValueError("boom")
+
+    with pytest.raises(ValueError, match="boom"), _ahead(failing()) as items:
+        assert next(items) == 1
+        next(items)
+
+    closed = []
+
+    def endless():
+        try:
+            n = 0
+            while True:
+                n += 1
+                yield n
+        finally:
+            closed.append(True)
+
+    with _ahead(endless(), depth=1) as items:
+        assert [next(items) for _ in range(3)] == [1, 2, 3]
+    assert closed == [True]  # the block was left: the producer's generator was closed on its thread
