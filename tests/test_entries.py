@@ -35,6 +35,9 @@ def test_entry_file_matcher_agrees_with_classify() -> None:
     kinds = {n: entries.classify(n) for n in names}
     assert {n for n in names if matches(n)} == {n for n, k in kinds.items() if k is Kind.ENTRY}
     assert sum(k is Kind.ENTRY for k in kinds.values()) == 5
+    # entry_keys: the same names in one pass over the joined list, each as its key, in order
+    for order in (names, names[::-1], [n for n in names if kinds[n] is Kind.ENTRY], names[:1], []):
+        assert entries.entry_keys(order) == [n[: -len("-cache")] for n in order if kinds[n] is Kind.ENTRY]
 
 
 def test_module_names_with_dashes() -> None:

@@ -42,19 +42,31 @@ _JSON_ROWS = 10_000  # rows per SQLite statement: one JSON array of about 2 MB
 
 def _insert_sqlite_json(conn: Any, table: str, key_column: str, columns: str, constants: tuple[Any, ...],
                         env_id: int, rows: Sequence[ObservedRow]) -> tuple[int, list[ObservedRow]]:
-    """SQLite: (rows inserted, rows whose key exists). Each batch's keys go in one JSON array to one
-    existence query, its new rows in another to one ``INSERT ... SELECT`` over ``json_each``: SQLite
-    reads the rows itself, where executemany bound 14 parameters a row from Python (a third of the
-    insert's time), and the statement runs without holding the GIL."""
+    """SQLite: (rows inserted, rows whose key exists). Each batch's rows go in one JSON array to one
+    ``INSERT ... SELECT`` over ``json_each``: SQLite reads the rows itself, where executemany bound 14
+    parameters a row from Python (a third of the insert's time), and the statement runs without
+    holding the GIL. A batch is first tried whole under a savepoint, skipping keys that exist: if it
+    inserted every row (nearly always: keys that exist were written by a warm or sync since the
+    plan), no key was looked up; else it is rolled back and its existing keys are found first."""
     lookup = (f"SELECT {key_column} FROM {table} WHERE environment_id = ? "
               f"AND {key_column} IN (SELECT value FROM json_each(?))")
     picks = ", ".join(f"json_extract(value, '$[{i}]')" for i in range(len(_VARYING)))
     insert = (f"INSERT INTO {table} ({columns}) SELECT {picks}, {', '.join('?' * len(constants))} "
               "FROM json_each(?)")
+    # "WHERE true": SQLite parses ON CONFLICT after a bare SELECT's FROM as a join's constraint
+    insert_new = f"{insert} WHERE true ON CONFLICT DO NOTHING"
     inserted = 0
     existing: list[ObservedRow] = []
     for start in range(0, len(rows), _JSON_ROWS):
         chunk = rows[start:start + _JSON_ROWS]
+        payload = json.dumps(chunk, ensure_ascii=False)
+        conn.exec_driver_sql("SAVEPOINT sync_rows")
+        if conn.exec_driver_sql(insert_new, (*constants, payload)).rowcount == len(chunk):
+            conn.exec_driver_sql("RELEASE sync_rows")
+            inserted += len(chunk)
+            continue
+        conn.exec_driver_sql("ROLLBACK TO sync_rows")
+        conn.exec_driver_sql("RELEASE sync_rows")
         keys = json.dumps([r[0] for r in chunk], ensure_ascii=False)
         found = {k for (k,) in conn.exec_driver_sql(lookup, (env_id, keys))}
         new: list[ObservedRow] = []

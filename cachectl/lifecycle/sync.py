@@ -45,6 +45,7 @@ from cachectl.entries import (
     classify,
     decompress_zstd,
     entry_file_matcher,
+    entry_keys,
     header_seconds,
     scan_entry,
     sha256,
@@ -249,18 +250,23 @@ class _Planner:
         return SyncPlan(self.cache.name, self.store.url, self.planned, gone, self.strays)
 
     def _plan_namespace(self, ns_path: str, files: list[Stat]) -> NamespaceSync:
-        on_disk: dict[str, tuple[int | None, float | None]] = {}
+        is_entry = entry_file_matcher()
+        # In name order, so the plan's lists are in key order; an entry's key is its name less the
+        # suffix the match ended with (one comprehension: most of a namespace's files are entries).
+        cut = -len(CACHE_SUFFIX)
+        on_disk: dict[str, tuple[int | None, float | None]]
+        if files and files[0][1] is None:  # a local walk without stats: the keys alone, in one regex pass
+            on_disk = dict.fromkeys(entry_keys([f[0] for f in files]), (None, None))
+        else:
+            on_disk = {rel[:cut]: (size, mtime) for rel, size, mtime in files if is_entry(rel)}
         aot_on_disk: dict[str, tuple[int | None, float | None]] = {}
         has_env = False
-        is_entry = entry_file_matcher()
-        for rel, size, mtime in files:  # in name order, so the plan's lists are in key order
-            # an entry's key is its name less the suffix the match ended with
-            if is_entry(rel):
-                on_disk[rel[: -len(CACHE_SUFFIX)]] = size, mtime
-            elif rel == ENV_FILE:
-                has_env = True
-            elif classify(rel) is Kind.AOT:
-                aot_on_disk[rel[: -len(AOT_SUFFIX)]] = size, mtime
+        if len(on_disk) < len(files):
+            for rel, size, mtime in files:
+                if rel == ENV_FILE:
+                    has_env = True
+                elif rel.endswith(AOT_SUFFIX) and classify(rel) is Kind.AOT:
+                    aot_on_disk[rel[: -len(AOT_SUFFIX)]] = size, mtime
         if not has_env:
             return NamespaceSync(ns_path, None, None, problem="no env.json: not a cachectl namespace")
         try:
@@ -307,7 +313,10 @@ class _Planner:
                        only: dict[str, tuple[int, str]] | None) -> None:
         """Sizes and times the listing left out, for the keys in ``only`` (every key if None); a file
         gone since the listing leaves ``files``."""
-        want = [key for key, (size, _) in files.items() if size is None and (only is None or key in only)]
+        if only is None:
+            want = [key for key, (size, _) in files.items() if size is None]
+        else:  # the index's keys, usually far fewer than the files on a first sync
+            want = [key for key in only if key in files and files[key][0] is None]
         if not want:
             return
         found = self.store.stat_in_dir(ns_path, [key + suffix for key in want])
