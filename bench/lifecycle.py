@@ -277,7 +277,8 @@ def _sync_parts(work: Path, ctx: Context, cache: Any) -> dict[str, float]:
         rows = [NewEntry(key=e.key, module=e.module, size=e.size, sha256=e.sha256, origin="observed")
                 for e in ctx.index.list_entries(envs[item.namespace])]
         todo.append((other.index.ensure_environment(CACHE, item.environment).id, rows))
-    part("sync_insert", lambda: [insert_observed_entries(other.index, env_id, rows) for env_id, rows in todo])
+    part("sync_insert", lambda: [insert_observed_entries(other.index, env_id, rows[i:i + PIECE_ENTRIES])
+                                 for env_id, rows in todo for i in range(0, len(rows), PIECE_ENTRIES)])
     other.close()
     return parts
 
@@ -727,7 +728,7 @@ def markdown(r: dict[str, Any]) -> str:
     w(f"sync's parts, measured apart on a second, empty SQLite index (wall s, CPU s): the plan as sync makes "
       f"it (the listing, a stat only of the files the index knows, the diff against the index) {c['sync_plan']}, "
       f"{c['sync_plan_cpu']}; reading, hashing and checking the {loc['entries']:,} files (each new file's size "
-      f"and age from the fstat of its read) {c['sync_read']}, {c['sync_read_cpu']}; writing the same rows alone "
+      f"and age from the fstat of its read) {c['sync_read']}, {c['sync_read_cpu']}; writing the same rows alone, in the same pieces "
       f"{c['sync_insert']}, {c['sync_insert_cpu']} (the entries table has 10 b-trees: the table and 9 indexes, "
       "which planning's queries use). sync plans and reads on one thread, a namespace at a time and "
       f"{PIECE_ENTRIES:,} files at a time, while this thread writes the rows read before: with a free core its "
