@@ -908,7 +908,7 @@ def planning_markdown(pl: dict[str, Any], quick: bool) -> str:
       "0.57 against 0.67 s). A cut reads 2/sqrt(n) more than its sample of n rows says it needs (at least "
       "10%): with a fixed 10%, 2-3 of the 18 environments' samples fell short, each then read again "
       "(~0.04 s on PostgreSQL). On a scratch database filled the same way, these two took the cost plan "
-      "with per-environment limits, parallel workers off, from 1.06-1.10 to 0.96-0.99 CPU s; side by side "
+      "with per-environment limits, parallel workers off, from 1.10-1.17 to 0.99-1.03 CPU s in repeated runs (its lru twin 0.98-0.99; a 4/sqrt(n) margin gave 0.96-1.03 and 1.03-1.04); side by side "
       "against 12f0f0e in the run of 2026-12-01 above, its gc plans differed by -5% to +6%: there the two "
       "trees' plans were within the noise. The rest, with parallel workers off, in EXPLAIN ANALYZE: the totals "
       "~0.16-0.19 s (a sequential scan and hash aggregate of every row; the covering index measured "
