@@ -220,9 +220,10 @@ _SAMPLE_MARGIN = 1.1
 # The sample's estimate of the bytes under a score, from n sampled rows of sizes as varied as a
 # cache's, is off by about 1.2/sqrt(n) of itself (one standard deviation). A cut whose sample falls
 # short reads on (PostgreSQL: a scan of its environment again, ~0.04 s at 1,000,000 rows), where
-# 10% fell short for 2-3 of 18 environments; every row of margin is sorted and sent. 2/sqrt(n)
-# (about 1.7 deviations) measured best of 1, 2, 3 and 4 over the cost and lru cuts with
-# per-environment limits (4: no environment short, but ~30% more rows read).
+# 10% fell short for 2-3 of 18 environments; every row of margin is sorted and sent. Of 1, 2, 3
+# and 4 over sqrt(n) (2: about 1.7 deviations), 2 measured best for the lru cut with
+# per-environment limits and within the noise for the cost cut (4: no environment short, but ~30%
+# more rows read).
 _SAMPLE_SIGMAS = 2.0
 
 
