@@ -15,8 +15,8 @@ from test_lifecycle_support import CACHE, fake_env, setup_cache, write_entries
 from cachectl.config import load_settings
 from cachectl.context import Context
 from cachectl.entries import AOT_SUFFIX, CACHE_SUFFIX, make_entry, sha256
-from cachectl.lifecycle.sync import _ahead, plan_sync, sync
-from cachectl.store import Store
+from cachectl.lifecycle.sync import SyncEntry, _ahead, _readers, plan_sync, sync
+from cachectl.store import LOCAL_READ_WORKERS, Store
 
 
 def _key(data: bytes) -> str:
@@ -151,3 +151,16 @@ def test_ahead_raises_the_producers_error_and_stops_it_when_left() -> None:
     with _ahead(endless(), depth=1) as items:
         assert [next(items) for _ in range(3)] == [1, 2, 3]
     assert closed == [True]  # the block was left: the producer's generator was closed on its thread
+
+
+def test_a_first_sync_of_big_entries_reads_them_on_threads(tmp_path) -> None:
+    """New files' sizes are left to their reads, so the readers are chosen from a few stat'ed: big
+    entries (hashing releases the GIL) read on threads from the first piece, small ones on one."""
+    store = Store(str(tmp_path))
+    for name, size in (("big", 300 << 10), ("small", 1 << 10)):
+        for i in range(4):
+            store.write_bytes(f"ns/{name}/jit_f-{i:064x}{CACHE_SUFFIX}", b"x" * size)
+    for name, expect in (("big", LOCAL_READ_WORKERS), ("small", 1)):
+        entries = [SyncEntry(f"ns/{name}", f"jit_f-{i:064x}", None) for i in range(4)]
+        assert _readers(store, f"ns/{name}", entries, None) == expect
+        assert _readers(store, f"ns/{name}", entries, 1 << 10) == 1  # the mean read so far decides

@@ -394,6 +394,8 @@ def _observe(read: Callable[[str], tuple[bytes, float | None]], namespace: str, 
 # Entries read per piece: the index writes of one piece overlap the reads of the next, so the
 # first read and the last write, which overlap nothing, stay short.
 PIECE_ENTRIES = 2_000
+# New files whose sizes a namespace's first piece stats to choose its readers.
+_SIZE_SAMPLE = 8
 
 
 @dataclass(slots=True)
@@ -407,6 +409,17 @@ class _Piece:
     executables: dict[str, tuple[int, str] | None] | None = None
 
 
+def _readers(store: Store, namespace: str, chunk: list[SyncEntry], mean: int | None) -> int:
+    """How many threads read ``chunk``: open sizes count as ``mean`` (the mean read so far), before
+    any read as the mean of a few stat'ed. A namespace of big entries, whose hashing releases the
+    GIL, reads on threads from its first piece."""
+    if mean is None:
+        some = [e.key + CACHE_SUFFIX for e in chunk[:_SIZE_SAMPLE] if e.size is None]
+        sizes = [size for size, _ in store.stat_in_dir(namespace, some).values()] if some else []
+        mean = sum(sizes) // len(sizes) if sizes else 0
+    return read_workers(store, [mean if e.size is None else e.size for e in chunk])
+
+
 def _read_namespace(store: Store, item: NamespaceSync, cutoff: float | None = None,
                     piece: int = PIECE_ENTRIES) -> Iterator[_Piece]:
     """One namespace's new and changed entries, ``piece`` at a time, read by name through one
@@ -418,14 +431,11 @@ def _read_namespace(store: Store, item: NamespaceSync, cutoff: float | None = No
     seen_bytes = seen_files = 0
     with store.dir_reader(item.namespace, times=True) as read:
         observe = functools.partial(_observe, read, item.namespace, cutoff)
-        for start in range(0, len(todo), piece) or [0]:
+        for start in range(0, len(todo), piece) or [0]:  # one empty piece where nothing is read
             chunk = todo[start:start + piece]
             rows: list[ObservedRow] = []
             broken: list[str] = []
-            # open sizes count as the mean read so far: a namespace of big entries reads on threads
-            # from its second piece on
-            mean = seen_bytes // seen_files if seen_files else 0
-            workers = read_workers(store, [mean if e.size is None else e.size for e in chunk])
+            workers = _readers(store, item.namespace, chunk, seen_bytes // seen_files if seen_files else None)
             for entry, seen in zip(chunk, ordered_map(observe, chunk, workers), strict=True):
                 if type(seen) is tuple:
                     rows.append(seen)
