@@ -59,6 +59,8 @@ def test_a_sync_does_what_its_dry_run_planned(storage_root: str, tmp_path, min_a
     changed = make_entry(os.urandom(900), compile_seconds=3)
     store.write_bytes(f"{ns}/{first.keys[0]}{CACHE_SUFFIX}", changed)  # an indexed entry, another size
     _old(store, f"{ns}/{first.keys[0]}{CACHE_SUFFIX}")
+    store.write_bytes(f"{ns}/{first.keys[3]}{CACHE_SUFFIX}", make_entry(os.urandom(700)))  # changed, young
+    store.write_bytes(f"{ns}/{first.keys[4]}{AOT_SUFFIX}", b"young executable")
     store.delete([f"{ns}/{first.keys[1]}{CACHE_SUFFIX}"])  # an indexed entry gone
     store.write_bytes(f"{ns}/{first.keys[2]}{AOT_SUFFIX}", b"executable")  # an executable to record
     _old(store, f"{ns}/{first.keys[2]}{AOT_SUFFIX}")
@@ -82,18 +84,20 @@ def test_a_sync_does_what_its_dry_run_planned(storage_root: str, tmp_path, min_a
         assert not item.add and not item.update and done.entries_added == done.entries_updated == 0
         assert {e.key for e in item.too_young} >= {_key(d) for d in new}
         return
-    expect_young = [_key(young)] if min_age else []
-    assert [e.key for e in item.too_young] == expect_young
+    expect_young = (sorted([_key(young), first.keys[3]]) + [first.keys[4] + AOT_SUFFIX]) if min_age else []
+    assert [e.key for e in item.too_young] == expect_young  # entries in name order, then executables
     assert sorted(e.key for e in item.add) == sorted(
         [_key(d) for d in new] + [_key(corrupt)] + ([] if min_age else [_key(young)]))
     assert all(e.size is not None for e in item.add + item.too_young)
-    assert [e.key for e in item.update] == [first.keys[0]] and [e.key for e in item.drop] == [first.keys[1]]
-    assert [e.key for e in item.record_aot] == [first.keys[2]]
+    assert [e.key for e in item.update] == sorted([first.keys[0]] + ([] if min_age else [first.keys[3]]))
+    assert [e.key for e in item.drop] == [first.keys[1]]
+    assert [e.key for e in item.record_aot] == sorted([first.keys[2]] + ([] if min_age else [first.keys[4]]))
     assert done.plan.orphan_executables == [f"{ns}/{'jit_gone-' + 'cd' * 32}{AOT_SUFFIX}"]
     assert done.plan.stray_files == ["stray.txt"] and done.plan.environments_gone == [other.namespace]
 
-    assert done.entries_added == len(new) + (0 if min_age else 1) and done.entries_updated == 1
-    assert done.rows_dropped == 1 and done.executables_recorded == 1 and done.environments_marked_deleted == 1
+    assert done.entries_added == len(new) + (0 if min_age else 1)
+    assert done.entries_updated == (1 if min_age else 2) and done.executables_recorded == (1 if min_age else 2)
+    assert done.rows_dropped == 1 and done.environments_marked_deleted == 1
     assert len(done.broken) == 1 and _key(corrupt) in done.broken[0]
     rows = index.entry_keys(first.info.id)
     assert rows[first.keys[0]] == (len(changed), sha256(changed))

@@ -447,8 +447,12 @@ def _read_namespace(store: Store, item: NamespaceSync, cutoff: float | None = No
                     young.add(entry.key)
             if start + piece < len(todo):
                 yield _Piece(item, rows, broken)
-        if young:  # the plan's lists as a plan that stat'ed every file would have them
-            item.too_young += [e for e in item.add if e.key in young]
+        if young:  # the plan's lists as a plan that stat'ed every file would have them: entries
+            # in name order, then executables
+            entries = [e for e in item.too_young if not e.key.endswith(AOT_SUFFIX)]
+            entries += [e for e in item.add if e.key in young]
+            entries.sort(key=lambda e: e.key + CACHE_SUFFIX)
+            item.too_young = entries + [e for e in item.too_young if e.key.endswith(AOT_SUFFIX)]
             item.add = [e for e in item.add if e.key not in young]
         executables: dict[str, tuple[int, str] | None] = {e.key: None for e in item.clear_aot}
         for e in item.record_aot:
