@@ -91,9 +91,10 @@ def _is_key(name: str, suffix_len: int) -> bool:
     return _KEY_RE.match(name, 0, len(name) - suffix_len) is not None
 
 
-# A namespace's entry file, the name classify() calls Kind.ENTRY, in one match: no ".tmp-" start, no
-# "/", a key (its "$" lets a final newline precede the suffix) and the suffix.
-_ENTRY_FILE_RE = re.compile(r"(?!\.tmp-)[^/\n]+-[0-9a-f]{64}\n?" + re.escape(CACHE_SUFFIX))
+# A namespace's entry file, the name classify() calls Kind.ENTRY: no ".tmp-" start, no "/" (nor a
+# NUL, which no file name holds), a key (its "$" lets a final newline precede the suffix), the suffix.
+_ENTRY_KEY_PART = r"(?!\.tmp-)[^/\n\0]+-[0-9a-f]{64}\n?"
+_ENTRY_FILE_RE = re.compile(_ENTRY_KEY_PART + re.escape(CACHE_SUFFIX))
 
 
 def entry_file_matcher() -> Callable[[str], re.Match[str] | None]:
@@ -103,7 +104,7 @@ def entry_file_matcher() -> Callable[[str], re.Match[str] | None]:
 
 
 # The same names in a NUL-joined listing (no file name holds a NUL), each match's key as its group.
-_ENTRY_KEYS_RE = re.compile(r"(?:^|\0)((?!\.tmp-)[^/\n\0]+-[0-9a-f]{64}\n?)" + re.escape(CACHE_SUFFIX) + r"(?=\0|$)")
+_ENTRY_KEYS_RE = re.compile(rf"(?:^|\0)({_ENTRY_KEY_PART})" + re.escape(CACHE_SUFFIX) + r"(?=\0|$)")
 
 
 def entry_keys(names: Iterable[str]) -> list[str]:

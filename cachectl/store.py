@@ -142,6 +142,14 @@ def ordered_map(fn: Callable[[T], R], items: Sequence[T], workers: int) -> Itera
         yield from pool.map(fn, items, chunksize=max(1, min(256, len(items) // (workers * 4))))
 
 
+def _target_size(follow: Callable[[], os.stat_result]) -> int:
+    """The size a listing gives a symlink: its target's, 0 if dangling (as fsspec lists one)."""
+    try:
+        return follow().st_size
+    except OSError:
+        return 0
+
+
 def _not_regular(exc: OSError, full: str) -> OSError:
     """What a failed open raises: NotRegularFile where the name was a link (O_NOFOLLOW), else itself."""
     if exc.errno in (errno.ELOOP, errno.EMLINK):
@@ -391,8 +399,8 @@ class Store:
         alone (no stat per file), for a caller that needs the times of only a few files (``infos``)."""
         full = self._full(rel)
         if self.kind == "file" and os.path.isdir(full):
-            below, found = self._scan_local(self.fs._strip_protocol(full))
-            names = sorted(name for name, _ in found)
+            below, found = self._flat_local(self.fs._strip_protocol(full), with_stat=False)
+            names = [name for name, _, _ in found]
             return names if below else [self._rel(name) for name in names]
         return [f.path for f in self.list(rel)]
 
@@ -413,61 +421,33 @@ class Store:
                 continue
             size = st.st_size
             if stat.S_ISLNK(st.st_mode):
-                try:
-                    size = os.stat(full).st_size
-                except OSError:
-                    size = 0
+                size = _target_size(functools.partial(os.stat, full))
             out[rel] = FileInfo(rel, size, datetime.fromtimestamp(st.st_mtime, tz=UTC))
         return out
 
-    def _scan_local(self, top: str) -> tuple[bool, list[tuple[str, os.DirEntry[str]]]]:
-        """Every file below ``top`` (directories are descended, symlinks to them are not: listed as
-        files), unsorted, with its directory entry; whether ``top`` is below the root as spelled:
-        then names are relative to the root, built as the walk goes, else full paths."""
+    def _local_top(self, top: str) -> tuple[bool, str]:
+        """Whether ``top`` is below the root as spelled, and the name its files' names start from:
+        relative to the root if so, else the full path."""
         root = self.root.rstrip("/")
-        below = top == root or top.startswith(root + "/")
-        # (directory, the prefix its files' names get)
-        pending = [(top, top[len(root) + 1:] + "/" if below and top != root else ("" if below else top + "/"))]
-        found: list[tuple[str, os.DirEntry[str]]] = []
-        append = found.append
-        while pending:
-            path, prefix = pending.pop()
-            try:
-                it = os.scandir(path)
-            except OSError:
-                continue  # gone or unreadable since listed: fsspec's walk skips it too
-            with it:
-                for entry in it:
-                    name = entry.name
-                    try:
-                        if entry.is_dir(follow_symlinks=False):
-                            pending.append((f"{path}/{name}", f"{prefix}{name}/"))
-                            continue
-                    except FileNotFoundError:
-                        continue
-                    append((f"{prefix}{name}", entry))
+        if top == root or top.startswith(root + "/"):
+            return True, top[len(root) + 1:]
+        return False, top
+
+    def _flat_local(self, top: str, *, with_stat: bool) -> tuple[bool, list[tuple[str, int | None, float | None]]]:
+        """``_dir_stats_local``'s files as one sorted list of (name, size, mtime); whether ``top`` is
+        below the root (``_local_top``: names relative to it, else full paths)."""
+        below, rel_top = self._local_top(top)
+        found = [(f"{rel_dir}/{name}" if rel_dir else name, size, mtime)
+                 for rel_dir, files in self._dir_stats_local(top, rel_top, with_stat)
+                 for name, size, mtime in files]
+        found.sort()
         return below, found
 
     def _stat_local(self, top: str) -> tuple[bool, list[tuple[str, int, float]]]:
-        """``_scan_local``'s files with one lstat each, sorted: (name, size, mtime seconds) as plain
-        numbers (a symlink's size is its target's, 0 if dangling; mtimes are the link's own)."""
-        below, entries = self._scan_local(top)
-        found: list[tuple[str, int, float]] = []
-        append = found.append
-        for name, entry in entries:
-            try:
-                st = entry.stat(follow_symlinks=False)
-            except FileNotFoundError:
-                continue
-            size = st.st_size
-            if stat.S_ISLNK(st.st_mode):
-                try:
-                    size = entry.stat(follow_symlinks=True).st_size
-                except OSError:
-                    size = 0
-            append((name, size, st.st_mtime))
-        found.sort()
-        return below, found
+        """Every file below ``top`` (directories are descended, symlinks to them are not: listed as
+        files) with one lstat each, sorted: (name, size, mtime seconds) as plain numbers (a
+        symlink's size is its target's, 0 if dangling; mtimes are the link's own)."""
+        return self._flat_local(top, with_stat=True)  # type: ignore[return-value]
 
     def _list_local(self, top: str) -> list[FileInfo]:
         """What ``fs.find(top, detail=True)`` gives on local disk, from os.scandir without fsspec's
@@ -501,9 +481,9 @@ class Store:
         full = self._full(rel)
         if self.kind == "file" and os.path.isdir(full):
             top = self.fs._strip_protocol(full)
-            root = self.root.rstrip("/")
-            if top == root or top.startswith(root + "/"):
-                yield from self._dir_stats_local(top, top[len(root) + 1:], stat)
+            below, rel_top = self._local_top(top)
+            if below:
+                yield from self._dir_stats_local(top, rel_top, stat)
                 return
         groups: dict[str, list[tuple[str, int, float | None]]] = {}
         for path, size, mtime in self.list_stats(rel):
@@ -538,11 +518,8 @@ class Store:
                     except FileNotFoundError:
                         continue
                     size = st.st_size
-                    if stat.S_ISLNK(st.st_mode):  # listed as a file, never descended; its target's size
-                        try:
-                            size = entry.stat(follow_symlinks=True).st_size
-                        except OSError:
-                            size = 0
+                    if stat.S_ISLNK(st.st_mode):  # listed as a file, never descended
+                        size = _target_size(functools.partial(entry.stat, follow_symlinks=True))
                     files.append((entry.name, size, st.st_mtime))
             if files:
                 files.sort()
@@ -573,10 +550,7 @@ class Store:
                     continue
                 size = st.st_size
                 if stat.S_ISLNK(st.st_mode):
-                    try:
-                        size = os.stat(name, dir_fd=fd).st_size
-                    except OSError:
-                        size = 0
+                    size = _target_size(functools.partial(os.stat, name, dir_fd=fd))
                 out[name] = size, st.st_mtime
         finally:
             os.close(fd)
