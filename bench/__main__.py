@@ -22,16 +22,34 @@ if __package__ in (None, ""):
 from bench.common import BENCHMARKS, machine, machine_line, write_section
 
 # In the order of BENCHMARKS.md; each module has run(quick), markdown(result), SECTION.
-MODULES = ("warm", "service", "serving", "size_limit", "lifecycle", "server", "hostile", "signatures", "fleet",
-           "manifest", "wire", "seam")
+MODULES = (
+    "warm",
+    "service",
+    "serving",
+    "size_limit",
+    "lifecycle",
+    "server",
+    "hostile",
+    "signatures",
+    "fleet",
+    "manifest",
+    "wire",
+    "seam",
+)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="the short suite (under 10 minutes on 2 cores)")
+    parser.add_argument(
+        "--quick", action="store_true", help="the short suite (under 10 minutes on 2 cores)"
+    )
     parser.add_argument("--only", nargs="+", choices=MODULES, help="run only these benchmarks")
-    parser.add_argument("--no-write", action="store_true", help="print results, leave BENCHMARKS.md alone")
-    parser.add_argument("--json", dest="json_out", metavar="FILE", help="also write all results to FILE")
+    parser.add_argument(
+        "--no-write", action="store_true", help="print results, leave BENCHMARKS.md alone"
+    )
+    parser.add_argument(
+        "--json", dest="json_out", metavar="FILE", help="also write all results to FILE"
+    )
     args = parser.parse_args(argv)
     names = args.only or list(MODULES)
     info = machine()
@@ -54,7 +72,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"bench: {name} done in {time.monotonic() - t0:.0f}s", file=sys.stderr, flush=True)
         sections[module.SECTION] = module.markdown(result)
         if not args.no_write:
-            write_section(module.SECTION, sections[module.SECTION])  # kept even if a later part fails
+            write_section(
+                module.SECTION, sections[module.SECTION]
+            )  # kept even if a later part fails
     total = time.monotonic() - started
     if not args.no_write:
         command = "python -m bench" + (" --quick" if args.quick else "")
@@ -66,7 +86,9 @@ def main(argv: list[str] | None = None) -> int:
         )
         if not args.only and not failed:
             # A whole run: rewrite the file in the suite's order, from this run alone.
-            body = "# Benchmarks\n\n" + header + "\n" + "\n".join(sections[m.SECTION] for m in modules)
+            body = (
+                "# Benchmarks\n\n" + header + "\n" + "\n".join(sections[m.SECTION] for m in modules)
+            )
             BENCHMARKS.write_text(body)
         # With --only, each section already names its command and machine load: the header,
         # which describes a whole run, is left as it is.

@@ -14,7 +14,12 @@ BENCHMARKS = REPO / "BENCHMARKS.md"
 
 def stats(values: list[float]) -> dict[str, float]:
     """Median and min-max: what we quote on shared, noisy machines."""
-    return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
+    return {
+        "median": statistics.median(values),
+        "min": min(values),
+        "max": max(values),
+        "n": len(values),
+    }
 
 
 def machine() -> dict[str, Any]:
@@ -25,14 +30,21 @@ def machine() -> dict[str, Any]:
     except Exception:  # noqa: BLE001 - benchmarks report what they can
         jax_version, backend = "?", "?"
     load = " ".join(f"{x:.2f}" for x in os.getloadavg())
-    return {"cores": os.cpu_count(), "python": platform.python_version(), "jax": jax_version,
-            "backend": backend, "load_average": load}
+    return {
+        "cores": os.cpu_count(),
+        "python": platform.python_version(),
+        "jax": jax_version,
+        "backend": backend,
+        "load_average": load,
+    }
 
 
 def machine_line(info: dict[str, Any] | None = None) -> str:
     m = info or machine()
-    return (f"Machine: {m['cores']} cores (shared), Python {m['python']}, jax {m['jax']} ({m['backend']}), "
-            f"load average {m['load_average']} at the start.")
+    return (
+        f"Machine: {m['cores']} cores (shared), Python {m['python']}, jax {m['jax']} ({m['backend']}), "
+        f"load average {m['load_average']} at the start."
+    )
 
 
 def write_section(heading: str, text: str, path: Path = BENCHMARKS) -> None:
@@ -43,7 +55,9 @@ def write_section(heading: str, text: str, path: Path = BENCHMARKS) -> None:
     if start is None:
         body = existing.rstrip("\n") + "\n\n" + text
     else:
-        end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), len(lines))
+        end = next(
+            (i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), len(lines)
+        )
         tail = "".join(lines[end:])
         body = "".join(lines[:start]) + text + ("\n" + tail if tail else "")
     path.write_text(body)

@@ -37,7 +37,11 @@ MANIFEST = REPO / "examples" / "manifest.yaml"
 
 def _home_env(home: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("CACHECTL_", "JAX_", "JOB_"))}
-    for var, sub in (("XDG_DATA_HOME", "data"), ("XDG_CACHE_HOME", "cache"), ("XDG_CONFIG_HOME", "config")):
+    for var, sub in (
+        ("XDG_DATA_HOME", "data"),
+        ("XDG_CACHE_HOME", "cache"),
+        ("XDG_CONFIG_HOME", "config"),
+    ):
         (home / sub).mkdir(parents=True, exist_ok=True)
         env[var] = str(home / sub)
     return env
@@ -67,9 +71,18 @@ def _populate(home: Path, entries: int, size: int) -> Path:
             data = make_entry(os.urandom(size), 1)
             key = f"jit_bench_{i % 7}-{i:064x}"
             store.write_bytes(f"{ns.relpath}/{key}-cache", data)
-            rows.append(NewEntry(key=key, module=f"jit_bench_{i % 7}", size=len(data), sha256=sha256(data),
-                                 origin="warm", compile_time_ms=1000, function=f"bench_{i % 7}",
-                                 bucket={"batch": i}))
+            rows.append(
+                NewEntry(
+                    key=key,
+                    module=f"jit_bench_{i % 7}",
+                    size=len(data),
+                    sha256=sha256(data),
+                    origin="warm",
+                    compile_time_ms=1000,
+                    function=f"bench_{i % 7}",
+                    bucket={"batch": i},
+                )
+            )
         ctx.index.upsert_entries(info.id, rows)
         return Path(ns.url)
     finally:
@@ -144,7 +157,12 @@ def _bundles(quick: bool) -> dict[str, Any]:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
-    res: dict[str, Any] = {"entries": entries, "entry_bytes": size, "content_bytes": content, "rounds": rounds}
+    res: dict[str, Any] = {
+        "entries": entries,
+        "entry_bytes": size,
+        "content_bytes": content,
+        "rounds": rounds,
+    }
     for k in ("create", "tar_create", "install", "tar_install", "index_open", "install_first"):
         res[k] = stats([row[k] for row in rows])
         res[k + "_mbps"] = stats([content / row[k] / 1e6 for row in rows])
@@ -159,9 +177,17 @@ def _bundles(quick: bool) -> dict[str, Any]:
 def _warm(env: dict[str, str], extra: list[str], n: int) -> tuple[float, list[dict[str, Any]]]:
     argv = [sys.executable, "-m", "cachectl", "warm", str(MANIFEST), "--json", *extra]
     t0 = time.perf_counter()
-    procs = [subprocess.Popen(argv, env=dict(env, JOB_COMPLETION_INDEX=str(i), CACHECTL_SHARDS=str(n))
-                              if n > 1 else env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True) for i in range(n)]
+    procs = [
+        subprocess.Popen(
+            argv,
+            env=dict(env, JOB_COMPLETION_INDEX=str(i), CACHECTL_SHARDS=str(n)) if n > 1 else env,
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(n)
+    ]
     reports = []
     for p in procs:
         out, err = p.communicate(timeout=1800)
@@ -180,21 +206,35 @@ def _sharded(quick: bool) -> dict[str, Any]:
         index = "sqlite"
         if pg:  # the Indexed Job's index: PostgreSQL when there is one
             three_env["CACHECTL_DB"] = pg.rsplit("/", 1)[0] + "/" + _fresh_pg_db(pg)
-            subprocess.run([sys.executable, "-m", "cachectl", "db", "upgrade"], env=three_env, check=True,
-                           capture_output=True)
+            subprocess.run(
+                [sys.executable, "-m", "cachectl", "db", "upgrade"],
+                env=three_env,
+                check=True,
+                capture_output=True,
+            )
             index = "postgresql"
         one, one_reports = _warm(one_env, [], 1)
         three, three_reports = _warm(three_env, ["--shard", "auto"], 3)
-        check = subprocess.run([sys.executable, "-m", "cachectl", "warm-check", str(MANIFEST), "--json"],
-                               env=three_env, cwd=REPO, capture_output=True, text=True, timeout=900)
+        check = subprocess.run(
+            [sys.executable, "-m", "cachectl", "warm-check", str(MANIFEST), "--json"],
+            env=three_env,
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=900,
+        )
         coverage = json.loads(check.stdout)["summary"]["coverage"] if check.stdout else None
-    return {"one_wall": one, "three_wall": three, "index": index,
-            "one_compile": sum(r["summary"]["compile_seconds"] for r in one_reports),
-            "three_compile": sum(r["summary"]["compile_seconds"] for r in three_reports),
-            "buckets": one_reports[0]["summary"]["buckets"],
-            "shard_buckets": [r["summary"]["buckets"] for r in three_reports],
-            "shard_walls": [r["summary"]["wall_seconds"] for r in three_reports],
-            "coverage_after": coverage}
+    return {
+        "one_wall": one,
+        "three_wall": three,
+        "index": index,
+        "one_compile": sum(r["summary"]["compile_seconds"] for r in one_reports),
+        "three_compile": sum(r["summary"]["compile_seconds"] for r in three_reports),
+        "buckets": one_reports[0]["summary"]["buckets"],
+        "shard_buckets": [r["summary"]["buckets"] for r in three_reports],
+        "shard_walls": [r["summary"]["wall_seconds"] for r in three_reports],
+        "coverage_after": coverage,
+    }
 
 
 def _fresh_pg_db(admin_url: str) -> str:
@@ -221,7 +261,8 @@ def markdown(r: dict[str, Any]) -> str:
     b, s = r["bundles"], r["sharded"]
     mib = b["content_bytes"] / (1 << 20)
     lines = [
-        SECTION, "",
+        SECTION,
+        "",
         f"`python -m bench --only fleet`. {machine_line()}",
         "",
         f"Bundles: {b['entries']} entries of {b['entry_bytes'] >> 10} KiB ({mib:.0f} MiB, incompressible like "

@@ -50,8 +50,12 @@ async def _hostile(url: str, seed: dict[str, Any], clients: int, rounds: int) ->
     base = f"{API}/caches/small/environments/{seed['digest']}/entries"
     outcomes: dict[str, int] = {}
 
-    async def send(client: httpx.AsyncClient, method: str, path: str, body: bytes, token: str | None) -> None:
-        headers = {"content-type": "application/json" if method == "POST" else "application/octet-stream"}
+    async def send(
+        client: httpx.AsyncClient, method: str, path: str, body: bytes, token: str | None
+    ) -> None:
+        headers = {
+            "content-type": "application/json" if method == "POST" else "application/octet-stream"
+        }
         if token:
             headers["authorization"] = f"Bearer {token}"
         try:
@@ -65,7 +69,9 @@ async def _hostile(url: str, seed: dict[str, Any], clients: int, rounds: int) ->
         for r in range(rounds):
             await send(client, "POST", f"{API}/telemetry", big_json, None)
             await send(client, "POST", f"{API}/telemetry", huge_json, seed["reader"])
-            await send(client, "PUT", f"{base}/jit_bomb_{n}_{r}-{'cd' * 32}", upload, seed["writer"])
+            await send(
+                client, "PUT", f"{base}/jit_bomb_{n}_{r}-{'cd' * 32}", upload, seed["writer"]
+            )
 
     async with httpx.AsyncClient(base_url=url, timeout=120, trust_env=False) as client:
         await asyncio.gather(*(one(client, n) for n in range(clients)))
@@ -99,8 +105,9 @@ def run(quick: bool = False) -> dict[str, Any]:
             rss_before = _vm(proc.pid, "VmHWM")
 
             async def both() -> tuple[dict[str, Any], dict[str, int]]:
-                good, bad = await asyncio.gather(_load(url, seed, total, 8, "jit_loaded"),
-                                                 _hostile(url, seed, 8, rounds))
+                good, bad = await asyncio.gather(
+                    _load(url, seed, total, 8, "jit_loaded"), _hostile(url, seed, 8, rounds)
+                )
                 return good, bad
 
             started = time.perf_counter()
@@ -110,7 +117,10 @@ def run(quick: bool = False) -> dict[str, Any]:
             from cachectl.index import open_index
 
             index = open_index(seed["db"])
-            stored = {e.key for e in index.list_entries(index.find_environment("bench", seed["digest"]).id)}
+            stored = {
+                e.key
+                for e in index.list_entries(index.find_environment("bench", seed["digest"]).id)
+            }
             index.close()
             put = loaded["endpoints"]["PUT entry (16 KiB)"]
             answered = put["requests"] - put["errors"]  # each got its 201
@@ -122,9 +132,19 @@ def run(quick: bool = False) -> dict[str, Any]:
                 proc.wait(20)
             except subprocess.TimeoutExpired:
                 proc.kill()
-    return {"quick": quick, "machine": info, "quiet": quiet, "loaded": loaded, "hostile": outcomes,
-            "rss_before": rss_before, "rss_after": rss_after, "wall_s": wall, "rounds": rounds,
-            "lost_uploads": lost, "uploads_answered": answered}
+    return {
+        "quick": quick,
+        "machine": info,
+        "quiet": quiet,
+        "loaded": loaded,
+        "hostile": outcomes,
+        "rss_before": rss_before,
+        "rss_after": rss_after,
+        "wall_s": wall,
+        "rounds": rounds,
+        "lost_uploads": lost,
+        "uploads_answered": answered,
+    }
 
 
 def markdown(r: dict[str, Any]) -> str:
@@ -132,12 +152,14 @@ def markdown(r: dict[str, Any]) -> str:
     mib = 1024**2
     outcomes = ", ".join(f"{k}: {v}" for k, v in sorted(r["hostile"].items()))
     lines = [
-        SECTION, "",
+        SECTION,
+        "",
         f"`python -m bench --only hostile{' --quick' if r['quick'] else ''}`. {machine_line(r['machine'])} "
         f"One `cachectl serve` on loopback; 8 well-behaved clients run bench/server.py's mix "
         f"({quiet['requests']} requests), first alone, then while 8 hostile clients each send {r['rounds']} x "
         "(80 MB JSON without a token, 150 MB JSON with a reader token, a 64 MiB upload over a 1 MiB max entry "
-        "size). Client and server share the 2 cores.", "",
+        "size). Client and server share the 2 cores.",
+        "",
         "| | well-behaved req/s | p50 ms | p99 ms | errors | server peak RSS |",
         "|---|---:|---:|---:|---:|---:|",
         f"| alone | {quiet['req_per_s']:.0f} | {quiet['p50_ms']:.1f} | {quiet['p99_ms']:.1f} | {quiet['errors']} | "

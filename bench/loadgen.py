@@ -21,7 +21,9 @@ import time
 from typing import Any
 
 
-def _request(method: str, path: str, host: str, headers: dict[str, str], body: bytes | None) -> bytes:
+def _request(
+    method: str, path: str, host: str, headers: dict[str, str], body: bytes | None
+) -> bytes:
     lines = [f"{method} {path} HTTP/1.1", f"Host: {host}", "Connection: keep-alive"]
     lines += [f"{k}: {v}" for k, v in headers.items()]
     if body is not None:
@@ -46,7 +48,9 @@ async def run(spec: dict[str, Any]) -> dict[str, Any]:
     host, port = spec["host"], int(spec["port"])
     mix = []
     for name, weight, method, path, headers, body, want, want_len in spec["requests_mix"]:
-        raw = _request(method, path, f"{host}:{port}", headers, base64.b64decode(body) if body else None)
+        raw = _request(
+            method, path, f"{host}:{port}", headers, base64.b64decode(body) if body else None
+        )
         mix += [(name, method, raw, want, want_len)] * int(weight)
     deadline = time.perf_counter() + float(spec.get("seconds", 1e9))
     budget = int(spec.get("requests", 10**12))
@@ -87,13 +91,25 @@ async def run(spec: dict[str, Any]) -> dict[str, Any]:
         return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))] * 1000
 
     all_lat = [v for values in latencies.values() for v in values]
-    return {"wall_s": wall, "requests": len(all_lat), "req_per_s": len(all_lat) / wall,
-            "errors": sum(len(v) for v in errors.values()),
-            "error_samples": {k: v[:3] for k, v in errors.items() if v},
-            "p50_ms": pct(all_lat, 0.5), "p99_ms": pct(all_lat, 0.99),
-            "endpoints": {name: {"requests": len(lat), "req_per_s": len(lat) / wall, "p50_ms": pct(lat, 0.5),
-                                 "p99_ms": pct(lat, 0.99), "errors": len(errors[name])}
-                          for name, lat in latencies.items()}}
+    return {
+        "wall_s": wall,
+        "requests": len(all_lat),
+        "req_per_s": len(all_lat) / wall,
+        "errors": sum(len(v) for v in errors.values()),
+        "error_samples": {k: v[:3] for k, v in errors.items() if v},
+        "p50_ms": pct(all_lat, 0.5),
+        "p99_ms": pct(all_lat, 0.99),
+        "endpoints": {
+            name: {
+                "requests": len(lat),
+                "req_per_s": len(lat) / wall,
+                "p50_ms": pct(lat, 0.5),
+                "p99_ms": pct(lat, 0.99),
+                "errors": len(errors[name]),
+            }
+            for name, lat in latencies.items()
+        },
+    }
 
 
 def main() -> int:

@@ -18,7 +18,10 @@ from typing import Any
 
 
 def _head(size: int) -> bytes:
-    return b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\ncontent-type: application/octet-stream\r\n\r\n" % size
+    return (
+        b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\ncontent-type: application/octet-stream\r\n\r\n"
+        % size
+    )
 
 
 class _Responder(asyncio.Protocol):
@@ -49,7 +52,9 @@ class _Responder(asyncio.Protocol):
 
 
 async def _serve(path: str, port: int, mode: str) -> None:
-    server = await asyncio.get_running_loop().create_server(lambda: _Responder(path, mode), "127.0.0.1", port)
+    server = await asyncio.get_running_loop().create_server(
+        lambda: _Responder(path, mode), "127.0.0.1", port
+    )
     await server.serve_forever()
 
 

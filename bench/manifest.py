@@ -42,8 +42,14 @@ print(json.dumps({{"seconds": time.perf_counter() - t0,
 
 def _once(with_jax: bool) -> dict[str, Any]:
     code = LOAD.format(manifest=str(REPO / "examples" / "manifest.yaml"), with_jax=with_jax)
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                         timeout=300, env={**os.environ, "PYTHONPATH": str(REPO)}).stdout
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    ).stdout
     return json.loads(out.strip().splitlines()[-1])
 
 
@@ -58,8 +64,13 @@ def run(quick: bool = False) -> dict[str, Any]:
         jax_loaded = jax_loaded or a["jax_loaded"]
         plain.append(a["seconds"])
         with_jax.append(_once(True)["seconds"])
-    return {"rounds": rounds, "plain": stats(plain), "with_jax": stats(with_jax),
-            "jax_loaded_without_jax": jax_loaded, "machine": machine_text}
+    return {
+        "rounds": rounds,
+        "plain": stats(plain),
+        "with_jax": stats(with_jax),
+        "jax_loaded_without_jax": jax_loaded,
+        "machine": machine_text,
+    }
 
 
 def markdown(result: dict[str, Any], command: str = "python -m bench --only manifest") -> str:

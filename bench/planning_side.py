@@ -38,10 +38,21 @@ def main(tree: str, db: str, now: datetime) -> dict[str, list[object]]:
         if op != "gc":
             continue
         limited = dataclasses.replace(cache, env_max_size=env_max if spec["env"] else None)
-        _, cpu, plan = bl._best(lambda limited=limited, spec=spec: plan_gc(
-            ctx, limited, policy=spec["policy"], max_size=int(total * 0.9), now=now), index)
-        rows = "\n".join(f"{e.environment_id} {e.key} {e.size} {e.aot_size} {e.reason}" for e in plan.deletion.entries)
-        out[name] = [cpu, len(plan.deletion.entries), hashlib.sha256(rows.encode()).hexdigest()[:16]]
+        _, cpu, plan = bl._best(
+            lambda limited=limited, spec=spec: plan_gc(
+                ctx, limited, policy=spec["policy"], max_size=int(total * 0.9), now=now
+            ),
+            index,
+        )
+        rows = "\n".join(
+            f"{e.environment_id} {e.key} {e.size} {e.aot_size} {e.reason}"
+            for e in plan.deletion.entries
+        )
+        out[name] = [
+            cpu,
+            len(plan.deletion.entries),
+            hashlib.sha256(rows.encode()).hexdigest()[:16],
+        ]
     index.close()
     return out
 

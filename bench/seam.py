@@ -31,8 +31,10 @@ SECTION = "## JAX seam and telemetry split"
 BASE = "83f1114"
 
 IMPORT = "import time; t0 = time.perf_counter(); import cachectl; print(time.perf_counter() - t0)"
-ACTIVATE = ("import time; t0 = time.perf_counter(); import cachectl; cachectl.activate(); "
-            "print(time.perf_counter() - t0)")
+ACTIVATE = (
+    "import time; t0 = time.perf_counter(); import cachectl; cachectl.activate(); "
+    "print(time.perf_counter() - t0)"
+)
 # One hit log call through the installed tap (the logger stays at WARNING: no record is built).
 TAP = """
 import logging, time
@@ -52,8 +54,9 @@ print((time.perf_counter() - t0) / n * 1e6)
 
 def _base_tree(commit: str, into: Path) -> Path:
     """The project at ``commit``, as files (no checkout, no change to this repository)."""
-    archive = subprocess.run(["git", "-C", str(REPO), "archive", commit, "cachectl"], check=True,
-                             capture_output=True).stdout
+    archive = subprocess.run(
+        ["git", "-C", str(REPO), "archive", commit, "cachectl"], check=True, capture_output=True
+    ).stdout
     into.mkdir()
     subprocess.run(["tar", "-x", "-C", str(into)], input=archive, check=True)
     return into
@@ -62,8 +65,14 @@ def _base_tree(commit: str, into: Path) -> Path:
 def _run(tree: Path, args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[str]:
     """Python with ``tree`` first on the path, started in the tree's parent (``-c`` puts the
     working directory first: not this repository)."""
-    return subprocess.run([sys.executable, *args], env={**env, "PYTHONPATH": str(tree)}, cwd=env["BENCH_CWD"],
-                          check=True, capture_output=True, text=True)
+    return subprocess.run(
+        [sys.executable, *args],
+        env={**env, "PYTHONPATH": str(tree)},
+        cwd=env["BENCH_CWD"],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
 
 
 def _timed(tree: Path, code: str, env: dict[str, str]) -> float:
@@ -84,40 +93,68 @@ def run(quick: bool = False, base: str = BASE) -> dict[str, Any]:
     started = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         trees = {"base": _base_tree(base, Path(tmp) / "base"), "seam": REPO}
-        env = {**os.environ, "CACHECTL_ROOT": str(Path(tmp) / "root"), "CACHECTL_READONLY": "1",
-               "CACHECTL_DB": f"sqlite:///{tmp}/index.db", "XDG_CONFIG_HOME": str(Path(tmp) / "xdg"),
-               "XDG_DATA_HOME": str(Path(tmp) / "xdg-data"), "JAX_PLATFORMS": "cpu", "BENCH_CWD": tmp}
+        env = {
+            **os.environ,
+            "CACHECTL_ROOT": str(Path(tmp) / "root"),
+            "CACHECTL_READONLY": "1",
+            "CACHECTL_DB": f"sqlite:///{tmp}/index.db",
+            "XDG_CONFIG_HOME": str(Path(tmp) / "xdg"),
+            "XDG_DATA_HOME": str(Path(tmp) / "xdg-data"),
+            "JAX_PLATFORMS": "cpu",
+            "BENCH_CWD": tmp,
+        }
         for name, tree in trees.items():  # both sides import what they import from these trees
-            where = _run(tree, ["-c", "import cachectl; print(cachectl.__file__)"], env).stdout.strip()
+            where = _run(
+                tree, ["-c", "import cachectl; print(cachectl.__file__)"], env
+            ).stdout.strip()
             assert where.startswith(str(tree)), (name, where)
         samples: dict[str, dict[str, list[float]]] = {
-            k: {"import_s": [], "activate_s": [], "importtime_us": [], "tap_us": []} for k in trees}
+            k: {"import_s": [], "activate_s": [], "importtime_us": [], "tap_us": []} for k in trees
+        }
         for rep in range(reps):
-            order = list(trees.items()) if rep % 2 == 0 else list(trees.items())[::-1]  # neither always first
+            order = (
+                list(trees.items()) if rep % 2 == 0 else list(trees.items())[::-1]
+            )  # neither always first
             for name, tree in order:
                 s = samples[name]
                 s["import_s"].append(_timed(tree, IMPORT, env))
                 s["activate_s"].append(_timed(tree, ACTIVATE, env))
                 s["importtime_us"].append(_import_time_us(tree, env))
                 s["tap_us"].append(_timed(tree, TAP.format(n=100_000), env))
-    out: dict[str, Any] = {"base_commit": base, "reps": reps, "load_average": load, "machine": machine(),
-                           "seconds": time.perf_counter() - started}
+    out: dict[str, Any] = {
+        "base_commit": base,
+        "reps": reps,
+        "load_average": load,
+        "machine": machine(),
+        "seconds": time.perf_counter() - started,
+    }
     for name, s in samples.items():
         out[name] = {k: stats(v) for k, v in s.items()}
-    out["ratios"] = {k: statistics.median(samples["seam"][k]) / statistics.median(samples["base"][k])
-                     for k in samples["seam"]}
+    out["ratios"] = {
+        k: statistics.median(samples["seam"][k]) / statistics.median(samples["base"][k])
+        for k in samples["seam"]
+    }
     # Each repetition's two sides ran back to back: their ratio sees the same machine load.
-    out["paired"] = {k: statistics.median(a / b for a, b in zip(samples["seam"][k], samples["base"][k], strict=True))
-                     for k in samples["seam"]}
+    out["paired"] = {
+        k: statistics.median(
+            a / b for a, b in zip(samples["seam"][k], samples["base"][k], strict=True)
+        )
+        for k in samples["seam"]
+    }
     return out
 
 
 def markdown(r: dict[str, Any]) -> str:
-    rows = [("`import cachectl`, process-internal, ms", "import_s", 1e3),
-            ("`-X importtime` cumulative for `cachectl`, ms", "importtime_us", 1e-3),
-            ("`import cachectl` + `activate()` (root + read-only given, JAX import included), s",
-             "activate_s", 1.0),
-            ("collector's compiler-log tap, one hit call, µs", "tap_us", 1.0)]
+    rows = [
+        ("`import cachectl`, process-internal, ms", "import_s", 1e3),
+        ("`-X importtime` cumulative for `cachectl`, ms", "importtime_us", 1e-3),
+        (
+            "`import cachectl` + `activate()` (root + read-only given, JAX import included), s",
+            "activate_s",
+            1.0,
+        ),
+        ("collector's compiler-log tap, one hit call, µs", "tap_us", 1.0),
+    ]
     lines = [
         SECTION,
         "",
@@ -133,9 +170,11 @@ def markdown(r: dict[str, Any]) -> str:
     ]
     for label, key, scale in rows:
         b, s = r["base"][key], r["seam"][key]
-        lines.append(f"| {label} | {b['median'] * scale:.2f} ({b['min'] * scale:.2f} – {b['max'] * scale:.2f}) | "
-                     f"{s['median'] * scale:.2f} ({s['min'] * scale:.2f} – {s['max'] * scale:.2f}) | "
-                     f"{r['ratios'][key]:.3f} | {r['paired'][key]:.3f} | {s['min'] / b['min']:.3f} |")
+        lines.append(
+            f"| {label} | {b['median'] * scale:.2f} ({b['min'] * scale:.2f} – {b['max'] * scale:.2f}) | "
+            f"{s['median'] * scale:.2f} ({s['min'] * scale:.2f} – {s['max'] * scale:.2f}) | "
+            f"{r['ratios'][key]:.3f} | {r['paired'][key]:.3f} | {s['min'] / b['min']:.3f} |"
+        )
     tap = r["seam"]["tap_us"]["min"] - r["base"]["tap_us"]["min"]
     lines += [
         "",

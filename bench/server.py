@@ -71,7 +71,9 @@ def _seed(tmp: Path, entries: int = 50) -> dict[str, Any]:
     root = tmp / "cache"
     index = open_index(db)
     index.add_cache("bench", str(root))
-    env = Environment("0.10.2", "0.10.2", "cpu", "cpu", "cpu", 1, 1, "kinds:cpu", (), "zstandard", "none", False)
+    env = Environment(
+        "0.10.2", "0.10.2", "cpu", "cpu", "cpu", 1, 1, "kinds:cpu", (), "zstandard", "none", False
+    )
     store = Store(str(root))
     ensure_namespace(store, env)
     info = index.ensure_environment("bench", env)
@@ -81,17 +83,32 @@ def _seed(tmp: Path, entries: int = 50) -> dict[str, Any]:
         payload = os.urandom(1024**2 if n == entries else 64 * 1024)
         data = make_entry(payload, compile_seconds=1)
         store.write_bytes(f"{env.namespace}/{key}-cache", data)
-        new.append(NewEntry(key=key, module=key.rsplit("-", 1)[0], size=len(data), sha256=sha256(data),
-                            origin="warm"))
+        new.append(
+            NewEntry(
+                key=key,
+                module=key.rsplit("-", 1)[0],
+                size=len(data),
+                sha256=sha256(data),
+                origin="warm",
+            )
+        )
         keys.append((key, len(data), sha256(data)))
     index.upsert_entries(info.id, new)
     reader = tokens.create_token(index, "bench-reader", "reader").token
     writer = tokens.create_token(index, "bench-writer", "writer").token
     index.close()
     big_key, big_size, big_sha = keys[-1]
-    return {"db": db, "root": str(root), "env": env, "digest": env.digest, "keys": keys[:-1],
-            "big": (big_key, big_size, big_sha), "big_path": str(root / env.namespace / f"{big_key}-cache"),
-            "reader": reader, "writer": writer}
+    return {
+        "db": db,
+        "root": str(root),
+        "env": env,
+        "digest": env.digest,
+        "keys": keys[:-1],
+        "big": (big_key, big_size, big_sha),
+        "big_path": str(root / env.namespace / f"{big_key}-cache"),
+        "reader": reader,
+        "writer": writer,
+    }
 
 
 def _pinned(cpu: str | None) -> list[str]:
@@ -107,9 +124,25 @@ SERVER_CPU, CLIENT_CPU = "0", "1"
 def _start_server(db: str, port: int, log: Path, cpu: str | None = None) -> subprocess.Popen:
     env = {**os.environ, "CACHECTL_DB": db}
     with open(log, "wb") as fh:
-        proc = subprocess.Popen([*_pinned(cpu), sys.executable, "-m", "cachectl", "serve", "--db", db,
-                                 "--port", str(port), "--log-level", "warning"], stdout=fh,
-                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
+        proc = subprocess.Popen(
+            [
+                *_pinned(cpu),
+                sys.executable,
+                "-m",
+                "cachectl",
+                "serve",
+                "--db",
+                db,
+                "--port",
+                str(port),
+                "--log-level",
+                "warning",
+            ],
+            stdout=fh,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=env,
+        )
     import httpx
 
     deadline = time.monotonic() + 60
@@ -139,28 +172,69 @@ def _mix(seed: dict[str, Any], prefix: str = "jit_up") -> list[tuple[str, Any]]:
 
     def batch() -> dict[str, Any]:
         now = time.strftime("%Y-%m-%dT%H:%M:%S+00:00", time.gmtime())
-        return {"batches": [{"process": "bench:1", "cache": "bench", "environment_digest": digest,
-                             "started_at": now, "ended_at": now,
-                             "functions": [{"function": "jit_bench_0", "requests": 3, "hits": 2}],
-                             "hit_keys": [{"key": keys[0][0], "count": 2, "at": now}]}]}
+        return {
+            "batches": [
+                {
+                    "process": "bench:1",
+                    "cache": "bench",
+                    "environment_digest": digest,
+                    "started_at": now,
+                    "ended_at": now,
+                    "functions": [{"function": "jit_bench_0", "requests": 3, "hits": 2}],
+                    "hit_keys": [{"key": keys[0][0], "count": 2, "at": now}],
+                }
+            ]
+        }
 
     base = f"{API}/caches/bench/environments/{digest}/entries"
     return [
         ("GET /healthz", 1, lambda i: ("GET", "/healthz", None, None, "reader")),
         ("GET /caches", 1, lambda i: ("GET", f"{API}/caches", None, None, "reader")),
-        ("GET environments", 1, lambda i: ("GET", f"{API}/caches/bench/environments", None, None, "reader")),
-        ("GET entries (page of 20)", 1, lambda i: ("GET", base, {"limit": 20, "offset": i % 40}, None, "reader")),
-        ("GET entry (64 KiB)", 4, lambda i: ("GET", f"{base}/{entry(i)[0]}", None, entry(i), "reader")),
+        (
+            "GET environments",
+            1,
+            lambda i: ("GET", f"{API}/caches/bench/environments", None, None, "reader"),
+        ),
+        (
+            "GET entries (page of 20)",
+            1,
+            lambda i: ("GET", base, {"limit": 20, "offset": i % 40}, None, "reader"),
+        ),
+        (
+            "GET entry (64 KiB)",
+            4,
+            lambda i: ("GET", f"{base}/{entry(i)[0]}", None, entry(i), "reader"),
+        ),
         ("HEAD entry", 2, lambda i: ("HEAD", f"{base}/{entry(i)[0]}", None, None, "reader")),
-        ("POST resolve", 1, lambda i: ("POST", f"{API}/caches/bench/resolve", None, {**fp, "create": False}, "reader")),
+        (
+            "POST resolve",
+            1,
+            lambda i: (
+                "POST",
+                f"{API}/caches/bench/resolve",
+                None,
+                {**fp, "create": False},
+                "reader",
+            ),
+        ),
         ("POST telemetry", 1, lambda i: ("POST", f"{API}/telemetry", None, batch(), "reader")),
-        ("PUT entry (16 KiB)", 1, lambda i: ("PUT", f"{base}/{prefix}_{next(counter)}-{'ab' * 32}", None,
-                                             upload, "writer")),
+        (
+            "PUT entry (16 KiB)",
+            1,
+            lambda i: (
+                "PUT",
+                f"{base}/{prefix}_{next(counter)}-{'ab' * 32}",
+                None,
+                upload,
+                "writer",
+            ),
+        ),
     ]
 
 
-async def _load(url: str, seed: dict[str, Any], total: int, concurrency: int,
-                prefix: str = "jit_up") -> dict[str, Any]:
+async def _load(
+    url: str, seed: dict[str, Any], total: int, concurrency: int, prefix: str = "jit_up"
+) -> dict[str, Any]:
     import httpx
 
     mix = _mix(seed, prefix)
@@ -196,7 +270,9 @@ async def _load(url: str, seed: dict[str, Any], total: int, concurrency: int,
                 errors[name].append(f"short body: {len(body)} of {extra[1]}")
 
     started = time.perf_counter()
-    async with httpx.AsyncClient(base_url=url, limits=limits, timeout=60, trust_env=False) as client:
+    async with httpx.AsyncClient(
+        base_url=url, limits=limits, timeout=60, trust_env=False
+    ) as client:
         await asyncio.gather(*(worker(client) for _ in range(concurrency)))
     wall = time.perf_counter() - started
 
@@ -208,7 +284,8 @@ async def _load(url: str, seed: dict[str, Any], total: int, concurrency: int,
     for name, _w, _b in mix:
         lat = latencies.get(name, [])
         endpoints[name] = {
-            "requests": len(lat) + len([e for e in errors.get(name, []) if not e.startswith("HTTP")]),
+            "requests": len(lat)
+            + len([e for e in errors.get(name, []) if not e.startswith("HTTP")]),
             "errors": len(errors.get(name, [])),
             "req_per_s": len(lat) / wall if wall else 0.0,
             "p50_ms": pct(lat, 0.50) if lat else None,
@@ -216,10 +293,15 @@ async def _load(url: str, seed: dict[str, Any], total: int, concurrency: int,
         }
     all_lat = [v for values in latencies.values() for v in values]
     return {
-        "requests": total, "concurrency": concurrency, "wall_s": wall, "req_per_s": total / wall,
+        "requests": total,
+        "concurrency": concurrency,
+        "wall_s": wall,
+        "req_per_s": total / wall,
         "errors": sum(len(v) for v in errors.values()),
         "error_samples": {k: v[:3] for k, v in errors.items() if v},
-        "p50_ms": pct(all_lat, 0.5), "p99_ms": pct(all_lat, 0.99), "endpoints": endpoints,
+        "p50_ms": pct(all_lat, 0.5),
+        "p99_ms": pct(all_lat, 0.99),
+        "endpoints": endpoints,
     }
 
 
@@ -229,29 +311,79 @@ def _routes(seed: dict[str, Any]) -> dict[str, list[Any]]:
     base = f"{API}/caches/bench/environments/{seed['digest']}/entries"
     headers = {"Authorization": f"Bearer {seed['reader']}", "Content-Type": "application/json"}
     now = time.strftime("%Y-%m-%dT%H:%M:%S+00:00", time.gmtime())
-    batch = {"batches": [{"process": "bench:1", "cache": "bench", "environment_digest": seed["digest"],
-                          "started_at": now, "ended_at": now,
-                          "functions": [{"function": "jit_bench_0", "requests": 3, "hits": 2}],
-                          "hit_keys": [{"key": key, "count": 2, "at": now}]}]}
+    batch = {
+        "batches": [
+            {
+                "process": "bench:1",
+                "cache": "bench",
+                "environment_digest": seed["digest"],
+                "started_at": now,
+                "ended_at": now,
+                "functions": [{"function": "jit_bench_0", "requests": 3, "hits": 2}],
+                "hit_keys": [{"key": key, "count": 2, "at": now}],
+            }
+        ]
+    }
 
     def body(obj: Any) -> str:
         return base64.b64encode(json.dumps(obj).encode()).decode()
 
     big_key, big_size, _ = seed["big"]
     return {
-        "POST resolve": ["POST resolve", 1, "POST", f"{API}/caches/bench/resolve", headers,
-                         body({**seed["env"].to_dict(), "create": False}), 200, None],
-        "POST telemetry": ["POST telemetry", 1, "POST", f"{API}/telemetry", headers, body(batch), 200, None],
+        "POST resolve": [
+            "POST resolve",
+            1,
+            "POST",
+            f"{API}/caches/bench/resolve",
+            headers,
+            body({**seed["env"].to_dict(), "create": False}),
+            200,
+            None,
+        ],
+        "POST telemetry": [
+            "POST telemetry",
+            1,
+            "POST",
+            f"{API}/telemetry",
+            headers,
+            body(batch),
+            200,
+            None,
+        ],
         "HEAD entry": ["HEAD entry", 1, "HEAD", f"{base}/{key}", headers, None, 200, size],
-        "GET entry (64 KiB)": ["GET entry (64 KiB)", 1, "GET", f"{base}/{key}", headers, None, 200, size],
+        "GET entry (64 KiB)": [
+            "GET entry (64 KiB)",
+            1,
+            "GET",
+            f"{base}/{key}",
+            headers,
+            None,
+            200,
+            size,
+        ],
         "GET /healthz": ["GET /healthz", 1, "GET", "/healthz", headers, None, 200, None],
-        "GET entry (1 MiB)": ["GET entry (1 MiB)", 1, "GET", f"{base}/{big_key}", headers, None, 200, big_size],
+        "GET entry (1 MiB)": [
+            "GET entry (1 MiB)",
+            1,
+            "GET",
+            f"{base}/{big_key}",
+            headers,
+            None,
+            200,
+            big_size,
+        ],
     }
 
 
 def _loadgen(spec: dict[str, Any]) -> dict[str, Any]:
-    proc = subprocess.run([*_pinned(CLIENT_CPU), sys.executable, str(Path(__file__).with_name("loadgen.py"))],
-                          input=json.dumps(spec), capture_output=True, text=True, timeout=600, check=True)
+    proc = subprocess.run(
+        [*_pinned(CLIENT_CPU), sys.executable, str(Path(__file__).with_name("loadgen.py"))],
+        input=json.dumps(spec),
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=True,
+    )
     return json.loads(proc.stdout)
 
 
@@ -259,16 +391,38 @@ def _capacity(port: int, pid: int, seed: dict[str, Any], seconds: float) -> list
     """Each hot route alone at 16 and 50 connections; the server's CPU per request from /proc."""
     routes = _routes(seed)
     rows = []
-    for name in ("POST resolve", "POST telemetry", "HEAD entry", "GET entry (64 KiB)", "GET /healthz"):
+    for name in (
+        "POST resolve",
+        "POST telemetry",
+        "HEAD entry",
+        "GET entry (64 KiB)",
+        "GET /healthz",
+    ):
         for clients in (16, 50):
             before = _cpu_seconds(pid)
-            out = _loadgen({"host": "127.0.0.1", "port": port, "concurrency": clients, "seconds": seconds,
-                            "requests_mix": [routes[name]]})
+            out = _loadgen(
+                {
+                    "host": "127.0.0.1",
+                    "port": port,
+                    "concurrency": clients,
+                    "seconds": seconds,
+                    "requests_mix": [routes[name]],
+                }
+            )
             cpu = _cpu_seconds(pid) - before
-            rows.append({"route": name, "clients": clients, "requests": out["requests"],
-                         "req_per_s": out["req_per_s"], "p50_ms": out["p50_ms"], "p99_ms": out["p99_ms"],
-                         "errors": out["errors"], "error_samples": out["error_samples"],
-                         "server_cpu_ms_per_request": cpu / max(out["requests"], 1) * 1000})
+            rows.append(
+                {
+                    "route": name,
+                    "clients": clients,
+                    "requests": out["requests"],
+                    "req_per_s": out["req_per_s"],
+                    "p50_ms": out["p50_ms"],
+                    "p99_ms": out["p99_ms"],
+                    "errors": out["errors"],
+                    "error_samples": out["error_samples"],
+                    "server_cpu_ms_per_request": cpu / max(out["requests"], 1) * 1000,
+                }
+            )
     return rows
 
 
@@ -295,7 +449,10 @@ class _RawClient:
             if not n:
                 raise ConnectionError("the server closed the connection")
             got += n
-            if need is None and (end := bytes(self.buffer[:min(got, 4096)]).find(b"\r\n\r\n")) >= 0:
+            if (
+                need is None
+                and (end := bytes(self.buffer[: min(got, 4096)]).find(b"\r\n\r\n")) >= 0
+            ):
                 head = bytes(self.buffer[:end]).lower()
                 length = int(head.split(b"content-length:", 1)[1].split(b"\r\n", 1)[0])
                 assert head.startswith(b"http/1.1 200") and length == self.size, head[:200]
@@ -318,8 +475,20 @@ def _download_vs_disk(port: int, seed: dict[str, Any], reps: int) -> dict[str, A
     floors: dict[str, tuple[subprocess.Popen, int]] = {}
     for mode in ("write", "sendfile"):
         floor_port = _free_port()
-        floors[mode] = (subprocess.Popen([*_pinned(SERVER_CPU), sys.executable, str(Path(__file__).with_name(
-            "loopback.py")), seed["big_path"], str(floor_port), mode], stdin=subprocess.DEVNULL), floor_port)
+        floors[mode] = (
+            subprocess.Popen(
+                [
+                    *_pinned(SERVER_CPU),
+                    sys.executable,
+                    str(Path(__file__).with_name("loopback.py")),
+                    seed["big_path"],
+                    str(floor_port),
+                    mode,
+                ],
+                stdin=subprocess.DEVNULL,
+            ),
+            floor_port,
+        )
     times: dict[str, list[float]] = {"http": [], "disk": [], "write": [], "sendfile": []}
     everywhere = os.sched_getaffinity(0)
     clients: dict[str, _RawClient] = {}
@@ -356,11 +525,18 @@ def _download_vs_disk(port: int, seed: dict[str, Any], reps: int) -> dict[str, A
             proc.terminate()
             proc.wait(10)
     ms = {name: statistics.median(values) * 1000 for name, values in times.items()}
-    return {"bytes": size, "reps": reps, "http_ms": ms["http"], "disk_ms": ms["disk"],
-            "floor_write_ms": ms["write"], "floor_sendfile_ms": ms["sendfile"],
-            "http_mib_s": size / 1024**2 / (ms["http"] / 1000), "disk_mib_s": size / 1024**2 / (ms["disk"] / 1000),
-            "ratio": ms["http"] / ms["disk"] if ms["disk"] else None,
-            "ratio_floor": ms["http"] / ms["write"] if ms["write"] else None}
+    return {
+        "bytes": size,
+        "reps": reps,
+        "http_ms": ms["http"],
+        "disk_ms": ms["disk"],
+        "floor_write_ms": ms["write"],
+        "floor_sendfile_ms": ms["sendfile"],
+        "http_mib_s": size / 1024**2 / (ms["http"] / 1000),
+        "disk_mib_s": size / 1024**2 / (ms["disk"] / 1000),
+        "ratio": ms["http"] / ms["disk"] if ms["disk"] else None,
+        "ratio_floor": ms["http"] / ms["write"] if ms["write"] else None,
+    }
 
 
 def _cpu_seconds(pid: int) -> float:
@@ -389,7 +565,9 @@ def run(quick: bool = False, requests: int | None = None, concurrency: int = 50)
             cpu_before = _cpu_seconds(proc.pid)
             everywhere = os.sched_getaffinity(0)
             if _pinned(CLIENT_CPU):
-                os.sched_setaffinity(0, {int(CLIENT_CPU)})  # the httpx clients keep off the server's core
+                os.sched_setaffinity(
+                    0, {int(CLIENT_CPU)}
+                )  # the httpx clients keep off the server's core
             try:
                 load = asyncio.run(_load(url, seed, total, concurrency))
             finally:
@@ -404,30 +582,44 @@ def run(quick: bool = False, requests: int | None = None, concurrency: int = 50)
             except subprocess.TimeoutExpired:
                 proc.kill()
         server_log = log.read_text(errors="replace")
-    return {"quick": quick, "machine": info, "load": load, "capacity": capacity, "download": download,
-            "pinned": bool(_pinned(SERVER_CPU)),
-            "server_errors_logged": server_log.count("ERROR") + server_log.count("Traceback")}
+    return {
+        "quick": quick,
+        "machine": info,
+        "load": load,
+        "capacity": capacity,
+        "download": download,
+        "pinned": bool(_pinned(SERVER_CPU)),
+        "server_errors_logged": server_log.count("ERROR") + server_log.count("Traceback"),
+    }
 
 
 def markdown(result: dict[str, Any]) -> str:
     load, dl = result["load"], result["download"]
-    pinned = ("the server pinned to CPU 0 and the load generator (bench/loadgen.py: raw HTTP/1.1 keep-alive, "
-              "prepared requests) to CPU 1 with `taskset`, so each figure is what one server core does"
-              if result.get("pinned") else "server and load generator unpinned (fewer than 2 CPUs or no taskset)")
+    pinned = (
+        "the server pinned to CPU 0 and the load generator (bench/loadgen.py: raw HTTP/1.1 keep-alive, "
+        "prepared requests) to CPU 1 with `taskset`, so each figure is what one server core does"
+        if result.get("pinned")
+        else "server and load generator unpinned (fewer than 2 CPUs or no taskset)"
+    )
     lines = [
-        SECTION, "",
+        SECTION,
+        "",
         f"`python bench/server.py{' --quick' if result['quick'] else ''}` — one `cachectl serve` process "
         f"(uvicorn with httptools, 1 worker) over SQLite and a local root, on loopback; {pinned}. "
-        f"{machine_line(result['machine'])}", "",
+        f"{machine_line(result['machine'])}",
+        "",
         "**Capacity per route** (each route alone, keep-alive connections, "
         f"{'3' if result['quick'] else '10'} s each): req/s is bounded by one server core, so the server's "
-        "CPU per request (from /proc) is the number other load on the machine affects least.", "",
+        "CPU per request (from /proc) is the number other load on the machine affects least.",
+        "",
         "| route | clients | req/s | p50 ms | p99 ms | server CPU ms/req | errors |",
         "|---|---:|---:|---:|---:|---:|---:|",
     ]
     for row in result.get("capacity", []):
-        lines.append(f"| {row['route']} | {row['clients']} | {row['req_per_s']:.0f} | {row['p50_ms']:.1f} | "
-                     f"{row['p99_ms']:.1f} | {row['server_cpu_ms_per_request']:.2f} | {row['errors']} |")
+        lines.append(
+            f"| {row['route']} | {row['clients']} | {row['req_per_s']:.0f} | {row['p50_ms']:.1f} | "
+            f"{row['p99_ms']:.1f} | {row['server_cpu_ms_per_request']:.2f} | {row['errors']} |"
+        )
     lines += [
         "",
         "A worker per core would add throughput on a machine whose cores are not shared with the load "
@@ -443,14 +635,17 @@ def markdown(result: dict[str, Any]) -> str:
         f"{result['server_errors_logged']} errors in the server log. The server process used "
         f"{load['server_cpu_ms_per_request']:.1f} ms of CPU per request (from /proc: the number least "
         "affected by other load on the machine). At 50 clients in flight the latencies are mostly "
-        "queueing (50 / throughput); per endpoint, req/s is that endpoint's share of the mix.", "",
+        "queueing (50 / throughput); per endpoint, req/s is that endpoint's share of the mix.",
+        "",
         "| endpoint | requests | errors | req/s | p50 ms | p99 ms |",
         "|---|---:|---:|---:|---:|---:|",
     ]
     for name, e in load["endpoints"].items():
         p50 = f"{e['p50_ms']:.1f}" if e["p50_ms"] is not None else "-"
         p99 = f"{e['p99_ms']:.1f}" if e["p99_ms"] is not None else "-"
-        lines.append(f"| {name} | {e['requests']} | {e['errors']} | {e['req_per_s']:.0f} | {p50} | {p99} |")
+        lines.append(
+            f"| {name} | {e['requests']} | {e['errors']} | {e['req_per_s']:.0f} | {p50} | {p99} |"
+        )
     lines += [
         "",
         f"Entry download vs the same file from disk ({dl['bytes'] / 1024**2:.1f} MiB entry, median of "
@@ -468,7 +663,8 @@ def markdown(result: dict[str, Any]) -> str:
         "server reads an entry up to 4 MiB in the thread hop that opens it and sends it in one write; the "
         "rest is the per-request cost of the framework (the 64 KiB GET's CPU per request above). "
         "Services never take this path (JAX reads the namespace itself); it is for pulls by hosts without "
-        "storage credentials.", "",
+        "storage credentials.",
+        "",
     ]
     return "\n".join(lines)
 
@@ -477,7 +673,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="1,000 requests instead of 5,000")
     parser.add_argument("--requests", type=int, help="total requests of the load test")
-    parser.add_argument("--concurrency", type=int, default=50, help="concurrent clients (default 50)")
+    parser.add_argument(
+        "--concurrency", type=int, default=50, help="concurrent clients (default 50)"
+    )
     parser.add_argument("--no-write", action="store_true", help="do not update BENCHMARKS.md")
     args = parser.parse_args(argv)
     result = run(quick=args.quick, requests=args.requests, concurrency=args.concurrency)

@@ -121,14 +121,18 @@ print(json.dumps({{"pairs": pairs, "padded": padded}}))
 
 def _env(home: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("CACHECTL_", "JAX_"))}
-    env.update(XDG_DATA_HOME=str(home / "data"), XDG_CACHE_HOME=str(home / "cache"),
-               XDG_CONFIG_HOME=str(home / "config"))
+    env.update(
+        XDG_DATA_HOME=str(home / "data"),
+        XDG_CACHE_HOME=str(home / "cache"),
+        XDG_CONFIG_HOME=str(home / "config"),
+    )
     return env
 
 
 def _py(code: str, env: dict[str, str]) -> dict[str, Any]:
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                          timeout=900, cwd=REPO)
+    proc = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=900, cwd=REPO
+    )
     if proc.returncode != 0:
         raise RuntimeError(proc.stderr[-2000:])
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -139,37 +143,61 @@ def run(quick: bool = False) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="cachectl-bench-serving-") as tmp:
         home = Path(tmp)
         env = _env(home)
-        warm = subprocess.run([sys.executable, "-m", "cachectl", "warm", str(MANIFEST), "--json"], env=env,
-                              capture_output=True, text=True, timeout=900, cwd=REPO)
+        warm = subprocess.run(
+            [sys.executable, "-m", "cachectl", "warm", str(MANIFEST), "--json"],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=900,
+            cwd=REPO,
+        )
         if warm.returncode != 0:
             raise RuntimeError(warm.stderr[-2000:])
         report = json.loads(warm.stdout)
         aot_bytes = sum(b["aot_bytes"] or 0 for b in report["buckets"])
         entry_bytes = sum(b["bytes"] or 0 for b in report["buckets"])
-        modes = {"none": ("plain", True), "activate": ("activate", True), "serving": ("serving", True),
-                 "serving_lazy": ("serving", False)}
+        modes = {
+            "none": ("plain", True),
+            "activate": ("activate", True),
+            "serving": ("serving", True),
+            "serving_lazy": ("serving", False),
+        }
         samples: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
         for _ in range(rounds):
             for name, (mode, preload) in modes.items():
-                code = SERVICE.format(repo=str(REPO), manifest=str(MANIFEST), mode=mode, preload=preload)
+                code = SERVICE.format(
+                    repo=str(REPO), manifest=str(MANIFEST), mode=mode, preload=preload
+                )
                 run_env = dict(env)
                 if mode == "plain":
                     run_env["JAX_ENABLE_COMPILATION_CACHE"] = "false"
                 samples[name].append(_py(code, run_env))
-        dispatch = _py(DISPATCH.format(repo=str(REPO), manifest=str(MANIFEST), n=200 if quick else 1000), env)
-    result: dict[str, Any] = {"rounds": rounds, "aot_bytes": aot_bytes, "entry_bytes": entry_bytes,
-                              "buckets": len(report["buckets"])}
+        dispatch = _py(
+            DISPATCH.format(repo=str(REPO), manifest=str(MANIFEST), n=200 if quick else 1000), env
+        )
+    result: dict[str, Any] = {
+        "rounds": rounds,
+        "aot_bytes": aot_bytes,
+        "entry_bytes": entry_bytes,
+        "buckets": len(report["buckets"]),
+    }
     for name, rows in samples.items():
-        result[name] = {k: stats([r[k] for r in rows])
-                        for k in ("ready", "first", "steady", "build", "load", "overhead")}
+        result[name] = {
+            k: stats([r[k] for r in rows])
+            for k in ("ready", "first", "steady", "build", "load", "overhead")
+        }
     for a in ("none", "activate"):
         pairs = list(zip(samples[a], samples["serving"], strict=True))
         result[f"{a}/serving"] = {
             "overhead": stats([x["overhead"] / y["overhead"] for x, y in pairs]),
             "ready": stats([x["ready"] / y["ready"] for x, y in pairs]),
         }
-    result["preload"] = {"true_build": result["serving"]["build"], "false_build": result["serving_lazy"]["build"],
-                         "false_first": result["serving_lazy"]["first"], "true_first": result["serving"]["first"]}
+    result["preload"] = {
+        "true_build": result["serving"]["build"],
+        "false_build": result["serving_lazy"]["build"],
+        "false_first": result["serving_lazy"]["first"],
+        "true_first": result["serving"]["first"],
+    }
     timings = dispatch["pairs"]
     result["dispatch_us"] = stats([(r - d) * 1e6 for d, r in timings])
     result["direct_us"] = stats([d * 1e6 for d, _ in timings])
@@ -193,7 +221,8 @@ def markdown(r: dict[str, Any]) -> str:
         ("(c') `cachectl.serving`, `preload=False`", r["serving_lazy"]),
     ]
     lines = [
-        SECTION, "",
+        SECTION,
+        "",
         f"`python -m bench --only serving`. {machine_line()} Fresh processes, {r['rounds']} rounds, the four "
         "kinds alternating; every bucket of `examples/manifest.yaml` "
         f"({r['buckets']}: 8 prefill, 3 decode) called once. *Ready*: process start to every bucket's first "
@@ -207,8 +236,10 @@ def markdown(r: dict[str, Any]) -> str:
         "|---|---:|---:|---:|---:|",
     ]
     for label, s in rows:
-        lines.append(f"| {label} | {_ms(s['ready'])} | {_ms(s['overhead'])} | {_ms(s['build'])} | "
-                     f"{_ms(s['load'])} |")
+        lines.append(
+            f"| {label} | {_ms(s['ready'])} | {_ms(s['overhead'])} | {_ms(s['build'])} | "
+            f"{_ms(s['load'])} |"
+        )
     lines += [
         "",
         f"- Overhead ratio (a)/(c): **{_x(r['none/serving']['overhead'])}** (goal ≥ 20x); "

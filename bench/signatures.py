@@ -32,21 +32,28 @@ x = jnp.ones((64,)); w = jnp.ones((64, 64))
 fns = [jax.jit(lambda v, m, c=float(i): jnp.tanh(m @ v) * c + c) for i in range({k})]
 """
 
-WARM = """
+WARM = (
+    """
 import json, jax, cachectl
 a = cachectl.activate(root={root!r}, readonly=False, telemetry=False)
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-""" + PROGRAMS + """
+"""
+    + PROGRAMS
+    + """
 for f in fns:
     f(x, w).block_until_ready()
 print(json.dumps({{"path": a.path}}))
 """
+)
 
-HIT_PATH = """
+HIT_PATH = (
+    """
 import time, json, cachectl
 from cachectl import telemetry
 a = cachectl.activate(root={root!r}, readonly=True, telemetry=False)
-""" + PROGRAMS + """
+"""
+    + PROGRAMS
+    + """
 collector = telemetry.Collector(cache="bench", environment_digest=a.digest, sink=None)  # no flusher thread
 order = []
 for i, f in enumerate(fns):
@@ -61,11 +68,18 @@ s = collector.stats()
 sigs = sum(v.hits for v in collector.take().signatures.values())
 print(json.dumps({{"order": order, "hits": s.hits, "requests": s.requests, "signature_hits": sigs}}))
 """
+)
 
 
 def _py(code: str, env: dict[str, str], timeout: float = 600) -> dict[str, Any]:
-    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True,
-                          text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+    proc = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        stdin=subprocess.DEVNULL,
+    )
     if proc.returncode != 0:
         raise RuntimeError(f"benchmark process failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -98,10 +112,18 @@ def bench_hit_path(tmp: Path, reps: int, k: int) -> dict[str, Any]:
         hits += out["hits"]
         requests += out["requests"]
         sig_hits += out["signature_hits"]
-    return {"programs": k, "reps": reps, "compiles_with": len(with_), "compiles_without": len(without),
-            "without_ms_median": round(_med(without) * 1e3, 3), "with_ms_median": round(_med(with_) * 1e3, 3),
-            "paired_ratio_median": round(_med(pairs), 4), "paired_diff_us_median": round(_med(diffs) * 1e6, 1),
-            "hits_requests": [hits, requests], "signature_hits": sig_hits}
+    return {
+        "programs": k,
+        "reps": reps,
+        "compiles_with": len(with_),
+        "compiles_without": len(without),
+        "without_ms_median": round(_med(without) * 1e3, 3),
+        "with_ms_median": round(_med(with_) * 1e3, 3),
+        "paired_ratio_median": round(_med(pairs), 4),
+        "paired_diff_us_median": round(_med(diffs) * 1e6, 1),
+        "hits_requests": [hits, requests],
+        "signature_hits": sig_hits,
+    }
 
 
 def bench_capture(n: int) -> dict[str, Any]:
@@ -116,14 +138,22 @@ def bench_capture(n: int) -> dict[str, Any]:
     from cachectl import jax_seam, telemetry
 
     logger = jax_seam.pxla_logger()
-    avals = [core.ShapedArray((64, 64), jnp.float32), core.ShapedArray((64,), jnp.float32),
-             core.ShapedArray((), jnp.float32, weak_type=True)]
+    avals = [
+        core.ShapedArray((64, 64), jnp.float32),
+        core.ShapedArray((64,), jnp.float32),
+        core.ShapedArray((), jnp.float32, weak_type=True),
+    ]
     shardings = [SingleDeviceSharding(jax.devices()[0]), None, None]
 
     def one() -> None:  # exactly the shape of pxla's call
         if logger.isEnabledFor(logging.DEBUG):
-            logger.log(logging.DEBUG, "Compiling %s with global shapes and types %s. Argument mapping: %s.",
-                       "jit(f)", avals, shardings)
+            logger.log(
+                logging.DEBUG,
+                "Compiling %s with global shapes and types %s. Argument mapping: %s.",
+                "jit(f)",
+                avals,
+                shardings,
+            )
 
     def timed() -> float:
         best = float("inf")
@@ -135,8 +165,9 @@ def bench_capture(n: int) -> dict[str, Any]:
         return best
 
     without = timed()
-    collector = telemetry.Collector(cache="b", environment_digest="0" * 64, sink=telemetry.MemorySink(),
-                                    interval_s=3600)
+    collector = telemetry.Collector(
+        cache="b", environment_digest="0" * 64, sink=telemetry.MemorySink(), interval_s=3600
+    )
     collector.install()
     try:
         with_ = timed()
@@ -153,20 +184,36 @@ def bench_advise(n: int) -> list[dict[str, Any]]:
     rng = np.random.default_rng(0)
     cases = {
         "uniform 1..4096": rng.integers(1, 4097, n),
-        "long-tailed (Pareto) 1..8192": np.minimum(rng.pareto(1.2, n) * 64 + 1, 8192).astype(np.int64),
-        "bimodal 1..2048": np.concatenate([rng.normal(128, 30, n // 2), rng.normal(1500, 200, n - n // 2)])
-        .clip(1, 2048).astype(np.int64),
+        "long-tailed (Pareto) 1..8192": np.minimum(rng.pareto(1.2, n) * 64 + 1, 8192).astype(
+            np.int64
+        ),
+        "bimodal 1..2048": np.concatenate(
+            [rng.normal(128, 30, n // 2), rng.normal(1500, 200, n - n // 2)]
+        )
+        .clip(1, 2048)
+        .astype(np.int64),
     }
     out = []
     for name, sizes in cases.items():
-        for label, kwargs in (("8 buckets", {"max_buckets": 8}), ("waste <= 5%", {"max_waste": 0.05})):
+        for label, kwargs in (
+            ("8 buckets", {"max_buckets": 8}),
+            ("waste <= 5%", {"max_waste": 0.05}),
+        ):
             t = time.perf_counter()
             buckets = optimal_buckets(sizes, **kwargs)
             dt = time.perf_counter() - t
             hist = dict(zip(*np.unique(sizes, return_counts=True), strict=True))
-            out.append({"distribution": name, "sizes": int(n), "distinct": len(hist), "mode": label,
-                        "seconds": round(dt, 3), "buckets": len(buckets),
-                        "waste": round(score(buckets, hist).waste, 4)})
+            out.append(
+                {
+                    "distribution": name,
+                    "sizes": int(n),
+                    "distinct": len(hist),
+                    "mode": label,
+                    "seconds": round(dt, 3),
+                    "buckets": len(buckets),
+                    "waste": round(score(buckets, hist).waste, 4),
+                }
+            )
     return out
 
 
@@ -175,8 +222,14 @@ def run(quick: bool = False) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="bench-signatures-") as d:
         load = " ".join(f"{x:.2f}" for x in os.getloadavg())
         hit = bench_hit_path(Path(d), reps=4 if quick else 8, k=80 if quick else 120)
-    return {"quick": quick, "load": load, "hit_path": hit, "capture": bench_capture(20_000 if quick else 100_000),
-            "advise": bench_advise(1_000_000), "seconds": round(time.monotonic() - started, 1)}
+    return {
+        "quick": quick,
+        "load": load,
+        "hit_path": hit,
+        "capture": bench_capture(20_000 if quick else 100_000),
+        "advise": bench_advise(1_000_000),
+        "seconds": round(time.monotonic() - started, 1),
+    }
 
 
 def markdown(r: dict[str, Any]) -> str:
@@ -209,8 +262,10 @@ def markdown(r: dict[str, Any]) -> str:
         "|---|---:|---|---:|---:|---:|",
     ]
     for a in r["advise"]:
-        lines.append(f"| {a['distribution']} | {a['distinct']} | {a['mode']} | {a['buckets']} | "
-                     f"{a['waste']:.1%} | {a['seconds']:.3f} |")
+        lines.append(
+            f"| {a['distribution']} | {a['distinct']} | {a['mode']} | {a['buckets']} | "
+            f"{a['waste']:.1%} | {a['seconds']:.3f} |"
+        )
     return "\n".join(lines) + "\n"
 
 

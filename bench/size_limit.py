@@ -66,7 +66,9 @@ def _gc_run(work: Path, n: int, payload: bytes) -> dict[str, float]:
     os.environ["XDG_DATA_HOME"] = str(work / "data")
     os.environ["XDG_CACHE_HOME"] = str(work / "cache")
     ctx = Context(load_settings(db=f"sqlite:///{work}/index.db"))
-    cache = ctx.index.add_cache("bench", str(work / "managed"), max_size=(n - n // 100) * len(payload))
+    cache = ctx.index.add_cache(
+        "bench", str(work / "managed"), max_size=(n - n // 100) * len(payload)
+    )
     env = current_environment()
     ns, info = ctx.namespace(cache, env)
     directory = Path(ns.url)
@@ -75,7 +77,9 @@ def _gc_run(work: Path, n: int, payload: bytes) -> dict[str, float]:
     for i in range(n):
         key = f"jit_f-{i:064x}"
         (directory / f"{key}-cache").write_bytes(payload)
-        rows.append(NewEntry(key=key, module="jit_f", size=len(payload), sha256=digest, origin="observed"))
+        rows.append(
+            NewEntry(key=key, module="jit_f", size=len(payload), sha256=digest, origin="observed")
+        )
     assert info is not None
     ctx.index.upsert_entries(info.id, rows)
     cache = ctx.index.get_cache("bench")
@@ -84,7 +88,11 @@ def _gc_run(work: Path, n: int, payload: bytes) -> dict[str, float]:
     total = time.perf_counter() - t0
     evicted = len(result.plan.deletion.entries)
     ctx.close()
-    return {"plan_s": result.planning_s, "execute_s": total - result.planning_s, "evicted": float(evicted)}
+    return {
+        "plan_s": result.planning_s,
+        "execute_s": total - result.planning_s,
+        "evicted": float(evicted),
+    }
 
 
 def run(quick: bool = False) -> dict[str, Any]:
@@ -97,19 +105,35 @@ def run(quick: bool = False) -> dict[str, Any]:
             work = Path(tmp)
             _populate(work / "lru", n, payload)
             # A limit that never evicts: we time the bookkeeping, not the deletes.
-            lru = _put_latency(work / "lru", max_size=10 * (n + puts) * ENTRY_BYTES, puts=puts, payload=payload)
+            lru = _put_latency(
+                work / "lru", max_size=10 * (n + puts) * ENTRY_BYTES, puts=puts, payload=payload
+            )
             _populate(work / "plain", n, payload)
             plain = _put_latency(work / "plain", max_size=-1, puts=puts, payload=payload)
             gc = _gc_run(work / "gc", n, payload)
         lru_s, plain_s = stats(lru), stats(plain)
-        rows.append({"entries": n, "jax_lru_put_ms": lru_s, "managed_put_ms": plain_s,
-                     "ratio": lru_s["median"] / plain_s["median"], "gc": gc})
-    return {"machine": machine(), "quick": quick, "puts": puts, "entry_bytes": ENTRY_BYTES, "rows": rows}
+        rows.append(
+            {
+                "entries": n,
+                "jax_lru_put_ms": lru_s,
+                "managed_put_ms": plain_s,
+                "ratio": lru_s["median"] / plain_s["median"],
+                "gc": gc,
+            }
+        )
+    return {
+        "machine": machine(),
+        "quick": quick,
+        "puts": puts,
+        "entry_bytes": ENTRY_BYTES,
+        "rows": rows,
+    }
 
 
 def markdown(result: dict[str, Any]) -> str:
     lines = [
-        SECTION, "",
+        SECTION,
+        "",
         "JAX's own size limit (`jax_compilation_cache_max_size` set: every put globs the directory and reads "
         "every `-atime` file) vs a managed cache (`max_size=-1`, one file write per put) whose limit "
         "`cachectl gc` enforces from the index, off the service's path. Puts go through JAX's own "
@@ -129,8 +153,12 @@ def markdown(result: dict[str, Any]) -> str:
             f"{b['median']:.3f} ({b['min']:.3f}–{b['max']:.3f}) | **{r['ratio']:.0f}x** | "
             f"{g['plan_s']:.3f} | {g['execute_s']:.3f} | {int(g['evicted'])} |"
         )
-    lines += ["", "The managed put stays flat as the cache grows; JAX's grows with the entry count. "
-              "gc runs once per schedule (cron or the server), not once per write.", ""]
+    lines += [
+        "",
+        "The managed put stays flat as the cache grows; JAX's grows with the entry count. "
+        "gc runs once per schedule (cron or the server), not once per write.",
+        "",
+    ]
     return "\n".join(lines)
 
 

@@ -83,7 +83,8 @@ def mlp(x, w1, w2, w3):
     h = jnp.tanh(h @ w2)
     return jnp.tanh(h @ w3).sum(axis=-1)
 """
-_MANY_MANIFEST = """
+_MANY_MANIFEST = (
+    """
 version: 1
 target: {backend: cpu}
 functions:
@@ -93,7 +94,10 @@ functions:
       - {shape: [64, 256], dtype: float32}
       - {shape: [256, 256], dtype: float32}
       - {shape: [256, 32], dtype: float32}
-    buckets: {batch: [""" + ", ".join(str(b) for b in range(1, 41)) + "]}\n"
+    buckets: {batch: ["""
+    + ", ".join(str(b) for b in range(1, 41))
+    + "]}\n"
+)
 
 # Where a parallel warm's time goes, in one process without any cache: per bucket the
 # wall and calling-thread CPU of .lower() and of .compile(); the process's CPU per thread.
@@ -141,7 +145,11 @@ print(json.dumps({"jobs": jobs, "buckets": len(per), "wall": wall, "cpu": cpu, "
 
 def _env(home: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("CACHECTL_", "JAX_", "XDG_"))}
-    for var, sub in (("XDG_DATA_HOME", "data"), ("XDG_CACHE_HOME", "cache"), ("XDG_CONFIG_HOME", "config")):
+    for var, sub in (
+        ("XDG_DATA_HOME", "data"),
+        ("XDG_CACHE_HOME", "cache"),
+        ("XDG_CONFIG_HOME", "config"),
+    ):
         (home / sub).mkdir(parents=True, exist_ok=True)
         env[var] = str(home / sub)
     return env
@@ -152,32 +160,44 @@ def _children_cpu() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def _timed(cmd: list[str], home: Path) -> tuple[subprocess.CompletedProcess[str], float, float, float]:
+def _timed(
+    cmd: list[str], home: Path
+) -> tuple[subprocess.CompletedProcess[str], float, float, float]:
     """Run one process: (result, wall s, CPU s of it and its children, 1-min load at start)."""
     load = os.getloadavg()[0]
     cpu0, start = _children_cpu(), time.perf_counter()
-    proc = subprocess.run(cmd, env=_env(home), capture_output=True, text=True, cwd=REPO, timeout=900)
+    proc = subprocess.run(
+        cmd, env=_env(home), capture_output=True, text=True, cwd=REPO, timeout=900
+    )
     return proc, time.perf_counter() - start, _children_cpu() - cpu0, load
 
 
 def _warm(home: Path, *args: str, manifest: Path = MANIFEST) -> dict[str, Any]:
     """One `cachectl warm --json` process: wall time as a user sees it, CPU time, and its report."""
-    proc, wall, cpu, load = _timed([sys.executable, "-m", "cachectl", "warm", str(manifest), "--json", *args], home)
+    proc, wall, cpu, load = _timed(
+        [sys.executable, "-m", "cachectl", "warm", str(manifest), "--json", *args], home
+    )
     if proc.returncode != 0:
-        raise RuntimeError(f"warm {' '.join(args)} failed ({proc.returncode}): {proc.stderr[-2000:]}")
+        raise RuntimeError(
+            f"warm {' '.join(args)} failed ({proc.returncode}): {proc.stderr[-2000:]}"
+        )
     report = json.loads(proc.stdout)
     return {"process_seconds": wall, "cpu_seconds": cpu, "load": load, **report["summary"]}
 
 
 def _service(home: Path, mode: str) -> dict[str, Any]:
-    proc, _, _, load = _timed([sys.executable, "-c", textwrap.dedent(_SERVICE), mode, str(MANIFEST)], home)
+    proc, _, _, load = _timed(
+        [sys.executable, "-c", textwrap.dedent(_SERVICE), mode, str(MANIFEST)], home
+    )
     if proc.returncode != 0:
         raise RuntimeError(f"service ({mode}) failed: {proc.stderr[-2000:]}")
     return {"load": load, **json.loads(proc.stdout.strip().splitlines()[-1])}
 
 
 def _parallel(home: Path, manifest: Path, jobs: int) -> dict[str, Any]:
-    proc, _, _, load = _timed([sys.executable, "-c", textwrap.dedent(_PARALLEL), str(manifest), str(jobs)], home)
+    proc, _, _, load = _timed(
+        [sys.executable, "-c", textwrap.dedent(_PARALLEL), str(manifest), str(jobs)], home
+    )
     if proc.returncode != 0:
         raise RuntimeError(f"parallel probe (jobs {jobs}) failed: {proc.stderr[-2000:]}")
     return {"load": load, **json.loads(proc.stdout.strip().splitlines()[-1])}
@@ -190,7 +210,9 @@ def _many(tmp: Path, jobs: int, samples: dict[str, list[float]], checks: list[st
     manifest.write_text(_MANY_MANIFEST)
     order = [(1, "jobs1"), (jobs, "thread")]
     for n, side in order if len(samples["many_jobs1"]) % 2 == 0 else order[::-1]:
-        r = _warm(tmp / f"many-{side}-{len(samples[f'many_{side}'])}", "--jobs", str(n), manifest=manifest)
+        r = _warm(
+            tmp / f"many-{side}-{len(samples[f'many_{side}'])}", "--jobs", str(n), manifest=manifest
+        )
         samples[f"many_{side}"].append(r["process_seconds"])
         samples[f"cpu_many_{side}"].append(r["cpu_seconds"])
         samples[f"eff_many_{side}"].append(r["parallel_efficiency"])
@@ -200,7 +222,12 @@ def _many(tmp: Path, jobs: int, samples: dict[str, list[float]], checks: list[st
 
 
 def _stats(values: list[float]) -> dict[str, float]:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
+    return {
+        "median": statistics.median(values),
+        "min": min(values),
+        "max": max(values),
+        "n": len(values),
+    }
 
 
 def _load() -> str:
@@ -208,16 +235,37 @@ def _load() -> str:
 
 
 _SAMPLES = (
-    "warm_jobs1", "warm_default_thread", "warm_default_process", "rewarm",
-    "cpu_jobs1", "cpu_default_thread", "cpu_default_process", "cpu_rewarm",
-    "cold_in_process", "rewarm_in_process",
-    "service_nocache", "service_warm", "service_nocache_compile", "service_warm_compile", "load",
-    "eff_jobs1", "eff_thread", "lower_thread", "compile_thread",
-    "many_jobs1", "many_thread", "cpu_many_jobs1", "cpu_many_thread", "eff_many_jobs1", "eff_many_thread",
+    "warm_jobs1",
+    "warm_default_thread",
+    "warm_default_process",
+    "rewarm",
+    "cpu_jobs1",
+    "cpu_default_thread",
+    "cpu_default_process",
+    "cpu_rewarm",
+    "cold_in_process",
+    "rewarm_in_process",
+    "service_nocache",
+    "service_warm",
+    "service_nocache_compile",
+    "service_warm_compile",
+    "load",
+    "eff_jobs1",
+    "eff_thread",
+    "lower_thread",
+    "compile_thread",
+    "many_jobs1",
+    "many_thread",
+    "cpu_many_jobs1",
+    "cpu_many_thread",
+    "eff_many_jobs1",
+    "eff_many_thread",
 )
 
 
-def run(quick: bool = False, reps: int | None = None, budget_s: float = BUDGET_SECONDS) -> dict[str, Any]:
+def run(
+    quick: bool = False, reps: int | None = None, budget_s: float = BUDGET_SECONDS
+) -> dict[str, Any]:
     """Run the benchmark; returns every sample and the summary numbers.
 
     Up to 3 repetitions (``quick``: 2); another starts only if the one before
@@ -235,15 +283,25 @@ def run(quick: bool = False, reps: int | None = None, budget_s: float = BUDGET_S
     started = time.perf_counter()
     sides = {
         "jobs1": ("warm_jobs1", "cpu_jobs1", ["--jobs", "1"]),
-        "thread": ("warm_default_thread", "cpu_default_thread", ["--jobs", str(jobs), "--executor", "thread"]),
-        "process": ("warm_default_process", "cpu_default_process", ["--jobs", str(jobs), "--executor", "process"]),
+        "thread": (
+            "warm_default_thread",
+            "cpu_default_thread",
+            ["--jobs", str(jobs), "--executor", "thread"],
+        ),
+        "process": (
+            "warm_default_process",
+            "cpu_default_process",
+            ["--jobs", str(jobs), "--executor", "process"],
+        ),
     }
     parallel: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="cachectl-bench-warm-") as tmp:
         for rep in range(max_reps):
             rep_started = time.perf_counter()
             # Alternate which side goes first, so drift in machine load spreads over all sides.
-            order = ["jobs1", "thread", "process"] if rep % 2 == 0 else ["process", "thread", "jobs1"]
+            order = (
+                ["jobs1", "thread", "process"] if rep % 2 == 0 else ["process", "thread", "jobs1"]
+            )
             homes = {}
             for side in order:
                 homes[side] = home = Path(tmp) / f"r{rep}-{side}"
@@ -267,13 +325,15 @@ def run(quick: bool = False, reps: int | None = None, budget_s: float = BUDGET_S
             samples["rewarm_in_process"].append(again["wall_seconds"])
             if again["cached"] != again["buckets"]:
                 checks.append(f"rep {rep} rewarm: cached {again['cached']} of {again['buckets']}")
-            for mode in (("nocache", "warm") if rep % 2 == 0 else ("warm", "nocache")):
+            for mode in ("nocache", "warm") if rep % 2 == 0 else ("warm", "nocache"):
                 s = _service(homes["thread"], mode)
                 samples[f"service_{mode}"].append(s["seconds"])
                 samples[f"service_{mode}_compile"].append(s["compile_seconds"])
                 samples["load"].append(s["load"])
                 if mode == "warm" and s["hits"] != s["buckets"]:
-                    checks.append(f"rep {rep} service after warm: {s['hits']} hits of {s['buckets']}")
+                    checks.append(
+                        f"rep {rep} service after warm: {s['hits']} hits of {s['buckets']}"
+                    )
             _many(Path(tmp), jobs, samples, checks)
             if rep == 0:
                 parallel = [_parallel(Path(tmp) / "parallel", MANIFEST, n) for n in (1, jobs)]
@@ -284,7 +344,9 @@ def run(quick: bool = False, reps: int | None = None, budget_s: float = BUDGET_S
     stats = {k: _stats(v) for k, v in samples.items()}
     med = {k: v["median"] for k, v in stats.items()}
     return {
-        "command": "python bench/warm.py" + (" --quick" if quick else "") + (f" --reps {max_reps}" if reps else ""),
+        "command": "python bench/warm.py"
+        + (" --quick" if quick else "")
+        + (f" --reps {max_reps}" if reps else ""),
         "reps": done_reps,
         "jobs_default": jobs,
         "cpus": os.cpu_count(),
@@ -297,7 +359,8 @@ def run(quick: bool = False, reps: int | None = None, budget_s: float = BUDGET_S
         "samples": samples,
         "ratios": {
             "service_nocache_over_warm": med["service_nocache"] / med["service_warm"],
-            "service_compile_only_nocache_over_warm": med["service_nocache_compile"] / med["service_warm_compile"],
+            "service_compile_only_nocache_over_warm": med["service_nocache_compile"]
+            / med["service_warm_compile"],
             "warm_speedup_default_threads": med["warm_jobs1"] / med["warm_default_thread"],
             "warm_speedup_default_processes": med["warm_jobs1"] / med["warm_default_process"],
             "process_over_thread": med["warm_default_process"] / med["warm_default_thread"],
@@ -329,8 +392,8 @@ def markdown(result: dict[str, Any]) -> str:
     verdict = (
         "threads win on both wall time and CPU time, which is why `DEFAULT_EXECUTOR` in "
         "`cachectl/warm/reports.py` is `thread`"
-        if threads_win else
-        "this run does NOT show threads winning on both wall and CPU time: revisit `DEFAULT_EXECUTOR` "
+        if threads_win
+        else "this run does NOT show threads winning on both wall and CPU time: revisit `DEFAULT_EXECUTOR` "
         "in `cachectl/warm/reports.py` (set to `thread`) if that holds on a quiet machine"
     )
     lines = [
@@ -356,7 +419,9 @@ def markdown(result: dict[str, Any]) -> str:
         "",
         "| measurement | median s | min – max s | n |",
         "|---|---|---|---|",
-        _row("service compile phase (lower + compile), no cache: 11 compiles", s["service_nocache"]),
+        _row(
+            "service compile phase (lower + compile), no cache: 11 compiles", s["service_nocache"]
+        ),
         _row("service compile phase (lower + compile), after warm: 11 hits", s["service_warm"]),
         _row("  of which `.compile()`, no cache", s["service_nocache_compile"]),
         _row("  of which `.compile()`, after warm", s["service_warm_compile"]),
@@ -367,7 +432,9 @@ def markdown(result: dict[str, Any]) -> str:
         _row(f"cold warm, `--jobs {j}` threads: CPU", s["cpu_default_thread"]),
         _row(f"cold warm, `--jobs {j} --executor process`: CPU", s["cpu_default_process"]),
         _row(f"re-warm of the warmed manifest, `--jobs {j}`: wall", s["rewarm"]),
-        _row("cold warm, default, inside the process (report `wall_seconds`)", s["cold_in_process"]),
+        _row(
+            "cold warm, default, inside the process (report `wall_seconds`)", s["cold_in_process"]
+        ),
         _row("re-warm, inside the process (report `wall_seconds`)", s["rewarm_in_process"]),
         "",
         f"- Service compile phase, no cache / after warm: **{r['service_nocache_over_warm']:.1f}x** "
@@ -394,8 +461,14 @@ def markdown(result: dict[str, Any]) -> str:
         "|---|---|---|---|",
         _row("example, parallel efficiency, `--jobs 1`", s["eff_jobs1"]),
         _row(f"example, parallel efficiency, `--jobs {j}` threads", s["eff_thread"]),
-        _row(f"example, `--jobs {j}`: sum of `.lower()` s (report `lower_seconds`)", s["lower_thread"]),
-        _row(f"example, `--jobs {j}`: sum of `.compile()` s (report `compile_seconds`)", s["compile_thread"]),
+        _row(
+            f"example, `--jobs {j}`: sum of `.lower()` s (report `lower_seconds`)",
+            s["lower_thread"],
+        ),
+        _row(
+            f"example, `--jobs {j}`: sum of `.compile()` s (report `compile_seconds`)",
+            s["compile_thread"],
+        ),
         _row("40 buckets, `--jobs 1`: wall s", s["many_jobs1"]),
         _row(f"40 buckets, `--jobs {j}` threads: wall s", s["many_thread"]),
         _row("40 buckets, `--jobs 1`: CPU s", s["cpu_many_jobs1"]),
@@ -422,7 +495,9 @@ def markdown(result: dict[str, Any]) -> str:
                 f"| {p['jobs']} | {p['wall']:.2f} | {p['cpu']:.2f} | {p['lower_wall']:.2f} | "
                 f"{p['lower_thread_cpu']:.2f} | {p['compile_wall']:.2f} | {p['compile_thread_cpu']:.2f} | "
                 f"{p['efficiency']:.2f} | {p['threads_busy']} | "
-                + ", ".join(f"{c:.2f}" for c in p["thread_cpu_top"]) + " |")
+                + ", ".join(f"{c:.2f}" for c in p["thread_cpu_top"])
+                + " |"
+            )
         one = result["parallel"][0]
         waiting = one["compile_thread_cpu"] / max(one["compile_wall"], 1e-9)
         compile_cpu = one["cpu"] - one["lower_thread_cpu"]

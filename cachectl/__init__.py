@@ -22,5 +22,13 @@ def __getattr__(name: str):  # type: ignore[no-untyped-def]
     raise AttributeError(f"module 'cachectl' has no attribute {name!r}")
 
 
-__all__ = ["Activation", "OutOfBucket", "Serving", "StructureMismatch", "__version__", "activate",
-           "mask", "serving"]
+__all__ = [
+    "Activation",
+    "OutOfBucket",
+    "Serving",
+    "StructureMismatch",
+    "__version__",
+    "activate",
+    "mask",
+    "serving",
+]

@@ -105,7 +105,9 @@ def score(values: Sequence[int], sizes: Mapping[int, int]) -> Plan:
             covered += c
             computed += c * buckets[i]
             used += c * v
-    return Plan(buckets, covered / total if total else 1.0, 1 - used / computed if computed else 0.0)
+    return Plan(
+        buckets, covered / total if total else 1.0, 1 - used / computed if computed else 0.0
+    )
 
 
 def _prefix(cs: list[int]) -> list[int]:
@@ -115,7 +117,9 @@ def _prefix(cs: list[int]) -> list[int]:
     return prefix
 
 
-def _next_layer(vs: list[int], prefix: list[int], prev: list[float] | None) -> tuple[list[float], list[int]]:
+def _next_layer(
+    vs: list[int], prefix: list[int], prev: list[float] | None
+) -> tuple[list[float], list[int]]:
     """cost_j and argmin_j from cost_{j-1} (``prev``; None for j = 1), each over the first i+1 sizes
     with the last bucket at v_i. Lines y = prev[p] - C_{p+1} x (p < i, slopes decreasing) are
     queried at x = v_i (increasing): a monotone convex hull with a moving pointer, O(m)."""
@@ -151,7 +155,10 @@ def _next_layer(vs: list[int], prefix: list[int], prev: list[float] | None) -> t
                 ptr = min(ptr, len(hull_m) - 1)
         if hull_m:
             x = vs[i]
-            while ptr + 1 < len(hull_m) and hull_m[ptr + 1] * x + hull_b[ptr + 1] <= hull_m[ptr] * x + hull_b[ptr]:
+            while (
+                ptr + 1 < len(hull_m)
+                and hull_m[ptr + 1] * x + hull_b[ptr + 1] <= hull_m[ptr] * x + hull_b[ptr]
+            ):
                 ptr += 1
             cost[i] = hull_m[ptr] * x + hull_b[ptr] + x * prefix[i + 1]
             arg[i] = hull_p[ptr]
@@ -178,8 +185,12 @@ def _values(vs: list[int], layers: list[tuple[list[float], list[int]]], k: int) 
     return sorted(out)
 
 
-def optimal_buckets(sizes: Mapping[int, int] | Sequence[int], *, max_buckets: int | None = None,
-                    max_waste: float | None = None) -> list[int]:
+def optimal_buckets(
+    sizes: Mapping[int, int] | Sequence[int],
+    *,
+    max_buckets: int | None = None,
+    max_waste: float | None = None,
+) -> list[int]:
     """The bucket values with the least padding waste for ``max_buckets`` buckets (exact), or the
     fewest buckets whose waste is at most ``max_waste``; every observed size fits a bucket."""
     vs, cs = _hist(sizes)
@@ -206,8 +217,9 @@ def optimal_buckets(sizes: Mapping[int, int] | Sequence[int], *, max_buckets: in
 # --------------------------------------------------------------------------- observed sizes
 
 
-def _observed(ctx: Any, cache: str, since: timedelta, manifest_path: str, spec: Any
-              ) -> tuple[dict[str, dict[int, int]], str]:
+def _observed(
+    ctx: Any, cache: str, since: timedelta, manifest_path: str, spec: Any
+) -> tuple[dict[str, dict[int, int]], str]:
     """{axis: {size: calls}} for one manifest function: serving's raw sizes, else signatures."""
     merged: dict[str, dict[int, int]] = {}
     for u in serving_usage(ctx.index, cache, since, function=spec.name):
@@ -242,8 +254,12 @@ def _compile_ms(ctx: Any, cache: str, function: str) -> float | None:
     with ctx.index.read_session() as s:
         value = s.scalar(
             select(func.avg(Entry.compile_time_ms))
-            .join(EnvRow, EnvRow.id == Entry.environment_id).join(Cache, Cache.id == EnvRow.cache_id)
-            .where(Cache.name == cache, Entry.function == function, Entry.compile_time_ms.is_not(None)))
+            .join(EnvRow, EnvRow.id == Entry.environment_id)
+            .join(Cache, Cache.id == EnvRow.cache_id)
+            .where(
+                Cache.name == cache, Entry.function == function, Entry.compile_time_ms.is_not(None)
+            )
+        )
     return None if value is None else float(value)
 
 
@@ -267,25 +283,38 @@ def rewrite_axes(text: str, manifest: Any, changes: Mapping[tuple[str, str], lis
                 continue
             block = re.match(rf"^(\s*){re.escape(axis)}\s*:\s*(#.*)?$", line.rstrip("\n"))
             if not block:
-                raise BadInput(f"{manifest.path}:{lineno + 1}: cannot rewrite axis {axis!r} in place "
-                               "(write it as `axis: [a, b, c]`)")
+                raise BadInput(
+                    f"{manifest.path}:{lineno + 1}: cannot rewrite axis {axis!r} in place "
+                    "(write it as `axis: [a, b, c]`)"
+                )
             end = lineno + 1
             item = None
             while end < len(lines) and re.match(r"^\s*-\s*[^\s#][^#]*(#.*)?$", lines[end]):
                 item = item or re.match(r"^(\s*-\s*)", lines[end]).group(1)  # type: ignore[union-attr]
                 end += 1
             if item is None:
-                raise BadInput(f"{manifest.path}:{lineno + 1}: cannot find the values of axis {axis!r}")
-            lines[lineno + 1:end] = [f"{item}{v}\n" for v in new]
+                raise BadInput(
+                    f"{manifest.path}:{lineno + 1}: cannot find the values of axis {axis!r}"
+                )
+            lines[lineno + 1 : end] = [f"{item}{v}\n" for v in new]
     return "".join(lines)
 
 
 # --------------------------------------------------------------------------- the command
 
 
-def advise(ctx: Any, manifest_path: str | Path, *, function: str | None = None, axis: str | None = None,
-           max_buckets: int | None = None, max_waste: float | None = None, since: timedelta,
-           write: bool = False, cache: str | None = None) -> AdviseReport:
+def advise(
+    ctx: Any,
+    manifest_path: str | Path,
+    *,
+    function: str | None = None,
+    axis: str | None = None,
+    max_buckets: int | None = None,
+    max_waste: float | None = None,
+    since: timedelta,
+    write: bool = False,
+    cache: str | None = None,
+) -> AdviseReport:
     """Propose bucket values per axis from observed sizes; with ``write``, rewrite the manifest."""
     if max_buckets is not None and max_waste is not None:
         raise BadInput("give --max-buckets or --max-waste, not both")
@@ -297,7 +326,9 @@ def advise(ctx: Any, manifest_path: str | Path, *, function: str | None = None, 
     info = ctx.cache(cache or manifest.cache)
     specs = [s for s in manifest.functions if function in (None, s.name)]
     if function is not None and not specs:
-        raise BadInput(f"{manifest_path}: no function {function!r} (functions: {', '.join(manifest.names)})")
+        raise BadInput(
+            f"{manifest_path}: no function {function!r} (functions: {', '.join(manifest.names)})"
+        )
     notes: list[str] = []
     out: list[FunctionAdvice] = []
     changes: dict[tuple[str, str], list[int]] = {}
@@ -306,7 +337,9 @@ def advise(ctx: Any, manifest_path: str | Path, *, function: str | None = None, 
         axes = [a for a in spec.buckets if axis in (None, a)]
         if axis is not None and not axes:
             if function is not None:
-                raise BadInput(f"{spec.name}: no bucket axis {axis!r} (axes: {', '.join(spec.buckets) or 'none'})")
+                raise BadInput(
+                    f"{spec.name}: no bucket axis {axis!r} (axes: {', '.join(spec.buckets) or 'none'})"
+                )
             continue
         observed, source = _observed(ctx, info.name, since, str(manifest.path), spec)
         advice: list[AxisAdvice] = []
@@ -319,10 +352,23 @@ def advise(ctx: Any, manifest_path: str | Path, *, function: str | None = None, 
             if not all(isinstance(v, int) for v in current_values):
                 notes.append(f"{spec.name}.{a}: not an integer axis")
                 continue
-            k = max_buckets if max_buckets is not None else (None if max_waste is not None else len(current_values))
+            k = (
+                max_buckets
+                if max_buckets is not None
+                else (None if max_waste is not None else len(current_values))
+            )
             proposal = optimal_buckets(sizes, max_buckets=k, max_waste=max_waste)
-            advice.append(AxisAdvice(spec.name, a, sum(sizes.values()), len(sizes), source,
-                                     score(current_values, sizes), score(proposal, sizes)))
+            advice.append(
+                AxisAdvice(
+                    spec.name,
+                    a,
+                    sum(sizes.values()),
+                    len(sizes),
+                    source,
+                    score(current_values, sizes),
+                    score(proposal, sizes),
+                )
+            )
             if proposal != sorted(current_values):
                 changes[(spec.name, a)] = proposal
         if not advice:
@@ -332,22 +378,42 @@ def advise(ctx: Any, manifest_path: str | Path, *, function: str | None = None, 
         counts.update({x.axis: len(x.proposed.values) for x in advice})
         proposed_programs = math.prod(counts.values())
         ms = _compile_ms(ctx, info.name, spec.name)
-        out.append(FunctionAdvice(spec.name, advice, current_programs, proposed_programs, ms,
-                                  None if ms is None else ms * current_programs / 1000,
-                                  None if ms is None else ms * proposed_programs / 1000))
+        out.append(
+            FunctionAdvice(
+                spec.name,
+                advice,
+                current_programs,
+                proposed_programs,
+                ms,
+                None if ms is None else ms * current_programs / 1000,
+                None if ms is None else ms * proposed_programs / 1000,
+            )
+        )
     text = Path(manifest.path).read_text()
     new_text = rewrite_axes(text, manifest, changes) if changes else text
-    diff = "".join(difflib.unified_diff(text.splitlines(keepends=True), new_text.splitlines(keepends=True),
-                                        fromfile=str(manifest.path), tofile=str(manifest.path)))
+    diff = "".join(
+        difflib.unified_diff(
+            text.splitlines(keepends=True),
+            new_text.splitlines(keepends=True),
+            fromfile=str(manifest.path),
+            tofile=str(manifest.path),
+        )
+    )
     written = False
     if write and changes:
         for spec in manifest.functions:
             for e, entry in enumerate(spec.exclude):
                 for a, v in entry.items():
                     if (spec.name, a) in changes and v not in changes[(spec.name, a)]:
-                        raise BadInput(f"{manifest.path}: {spec.name} exclude entry {e} names {a}={v}, which "
-                                       "the proposal drops: remove that entry first; nothing written")
-        parse_manifest(new_text, str(manifest.path), Path(manifest.path).parent)  # still valid, or BadInput
+                        raise BadInput(
+                            f"{manifest.path}: {spec.name} exclude entry {e} names {a}={v}, which "
+                            "the proposal drops: remove that entry first; nothing written"
+                        )
+        parse_manifest(
+            new_text, str(manifest.path), Path(manifest.path).parent
+        )  # still valid, or BadInput
         Path(manifest.path).write_text(new_text)
         written = True
-    return AdviseReport(str(manifest.path), info.name, since.total_seconds(), out, written, diff, notes)
+    return AdviseReport(
+        str(manifest.path), info.name, since.total_seconds(), out, written, diff, notes
+    )

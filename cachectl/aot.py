@@ -60,10 +60,16 @@ class AotHeader:
 
     def to_json(self) -> dict[str, Any]:
         return {
-            "format": self.format, "key": self.key, "entry_sha256": self.entry_sha256,
-            "function": self.function, "bucket": self.bucket, "jax_version": self.jax_version,
-            "jaxlib_version": self.jaxlib_version, "payload_sha256": self.payload_sha256,
-            "spec_digest": self.spec_digest, "source_digest": self.source_digest,
+            "format": self.format,
+            "key": self.key,
+            "entry_sha256": self.entry_sha256,
+            "function": self.function,
+            "bucket": self.bucket,
+            "jax_version": self.jax_version,
+            "jaxlib_version": self.jaxlib_version,
+            "payload_sha256": self.payload_sha256,
+            "spec_digest": self.spec_digest,
+            "source_digest": self.source_digest,
         }
 
 
@@ -115,7 +121,9 @@ def payload_of(compiled: Any) -> bytes:
     if jax_seam.closes_over_mutable(unloaded):
         raise AotError("the program closes over a mutable array: pass it as an argument")
     if jax_seam.captures_constants(compiled):
-        raise AotError("the program captures constants (closed-over arrays): pass weights as arguments")
+        raise AotError(
+            "the program captures constants (closed-over arrays): pass weights as arguments"
+        )
     args_info_flat, in_tree = jax.tree_util.tree_flatten(compiled.args_info)
     try:
         with io.BytesIO() as buf:
@@ -126,12 +134,16 @@ def payload_of(compiled: Any) -> bytes:
         device_ids = jax_seam.executable_device_ids(unloaded)
         out_tree = compiled.out_tree
         if not _survives_pickle(out_tree):
-            raise AotError("the outputs' pytree does not survive pickling (a custom node type): "
-                           "return arrays, tuples, lists or dicts")
+            raise AotError(
+                "the outputs' pytree does not survive pickling (a custom node type): "
+                "return arrays, tuples, lists or dicts"
+            )
         # A custom node whose unpickled treedef is not the same (Equinox modules) is left out:
         # the runtime takes the structure from the first call and checks every leaf's aval.
         stored_in = in_tree if _survives_pickle(in_tree) else None
-        return pickle.dumps((meta, stored_in, out_tree, device_ids), protocol=pickle.HIGHEST_PROTOCOL)
+        return pickle.dumps(
+            (meta, stored_in, out_tree, device_ids), protocol=pickle.HIGHEST_PROTOCOL
+        )
     except (pickle.PicklingError, TypeError, AttributeError, ValueError) as exc:
         raise AotError(f"JAX cannot serialize this program: {type(exc).__name__}: {exc}") from None
 
@@ -150,7 +162,9 @@ class Unbound:
     leaf's shape and dtype against what warm compiled, as for any Compiled.
     """
 
-    def __init__(self, loaded: Any, args_info_flat: list[Any], out_tree: Any, no_kwargs: bool) -> None:
+    def __init__(
+        self, loaded: Any, args_info_flat: list[Any], out_tree: Any, no_kwargs: bool
+    ) -> None:
         self._loaded, self._args_info_flat = loaded, args_info_flat
         self._out_tree, self._no_kwargs = out_tree, no_kwargs
 
@@ -160,33 +174,60 @@ class Unbound:
 
     def bind(self, in_tree: Any) -> Any:
         if in_tree.num_leaves != len(self._args_info_flat):
-            raise AotError(f"the call has {in_tree.num_leaves} array leaves; the stored executable takes "
-                           f"{len(self._args_info_flat)}")
-        return jax_seam.make_compiled(self._loaded, in_tree.unflatten(self._args_info_flat), self._out_tree, self._no_kwargs)
+            raise AotError(
+                f"the call has {in_tree.num_leaves} array leaves; the stored executable takes "
+                f"{len(self._args_info_flat)}"
+            )
+        return jax_seam.make_compiled(
+            self._loaded, in_tree.unflatten(self._args_info_flat), self._out_tree, self._no_kwargs
+        )
 
 
-def pack(payload: bytes, *, key: str, entry_sha256: str, function: str | None = None,
-         bucket: dict[str, Any] | None = None, spec_digest: str | None = None,
-         source_digest: str | None = None) -> bytes:
+def pack(
+    payload: bytes,
+    *,
+    key: str,
+    entry_sha256: str,
+    function: str | None = None,
+    bucket: dict[str, Any] | None = None,
+    spec_digest: str | None = None,
+    source_digest: str | None = None,
+) -> bytes:
     """Artifact bytes: a JSON header (readable without unpickling) and the payload."""
     import jax
     import jaxlib
 
     header = AotHeader(
-        key=key, entry_sha256=entry_sha256, function=function, bucket=bucket,
-        jax_version=jax.__version__, jaxlib_version=jaxlib.__version__,
-        payload_sha256=hashlib.sha256(payload).hexdigest(), spec_digest=spec_digest,
+        key=key,
+        entry_sha256=entry_sha256,
+        function=function,
+        bucket=bucket,
+        jax_version=jax.__version__,
+        jaxlib_version=jaxlib.__version__,
+        payload_sha256=hashlib.sha256(payload).hexdigest(),
+        spec_digest=spec_digest,
         source_digest=source_digest,
     )
     head = json.dumps(header.to_json(), sort_keys=True).encode()
     return MAGIC + len(head).to_bytes(_LEN_BYTES, "big") + head + payload
 
 
-def serialize(compiled: Any, *, key: str, entry_bytes: bytes, function: str | None = None,
-              bucket: dict[str, Any] | None = None) -> bytes:
+def serialize(
+    compiled: Any,
+    *,
+    key: str,
+    entry_bytes: bytes,
+    function: str | None = None,
+    bucket: dict[str, Any] | None = None,
+) -> bytes:
     """Artifact bytes for ``compiled``, whose XLA executable is the JAX entry ``entry_bytes``."""
-    return pack(payload_of(compiled), key=key, entry_sha256=hashlib.sha256(entry_bytes).hexdigest(),
-                function=function, bucket=bucket)
+    return pack(
+        payload_of(compiled),
+        key=key,
+        entry_sha256=hashlib.sha256(entry_bytes).hexdigest(),
+        function=function,
+        bucket=bucket,
+    )
 
 
 def read_header(data: bytes) -> AotHeader:
@@ -201,19 +242,23 @@ def _split(data: bytes) -> tuple[AotHeader, bytes]:
     start = len(MAGIC) + _LEN_BYTES
     if len(data) < start:
         raise CorruptEntry("stored executable truncated in its header")
-    size = int.from_bytes(data[len(MAGIC):start], "big")
+    size = int.from_bytes(data[len(MAGIC) : start], "big")
     if size > _MAX_HEADER or len(data) < start + size:
         raise CorruptEntry("stored executable truncated in its header")
     try:
-        fields = json.loads(data[start:start + size])
+        fields = json.loads(data[start : start + size])
         header = AotHeader(**fields)
     except (ValueError, TypeError) as exc:
         raise CorruptEntry(f"stored executable header is not valid: {exc}") from None
     if header.format != FORMAT:
-        raise CorruptEntry(f"stored executable format {header.format}, this cachectl reads {FORMAT}")
-    payload = data[start + size:]
+        raise CorruptEntry(
+            f"stored executable format {header.format}, this cachectl reads {FORMAT}"
+        )
+    payload = data[start + size :]
     if hashlib.sha256(payload).hexdigest() != header.payload_sha256:
-        raise CorruptEntry("stored executable payload does not match its checksum (truncated or altered)")
+        raise CorruptEntry(
+            "stored executable payload does not match its checksum (truncated or altered)"
+        )
     return header, payload
 
 
@@ -227,9 +272,13 @@ def load(data: bytes, entry_bytes: bytes, *, devices: Any = None) -> tuple[AotHe
 
     header, payload = _split(data)
     if hashlib.sha256(entry_bytes).hexdigest() != header.entry_sha256:
-        raise AotError("the JAX entry is not the one this executable was stored with (sha256 differs)")
+        raise AotError(
+            "the JAX entry is not the one this executable was stored with (sha256 differs)"
+        )
     if header.jax_version != jax.__version__:
-        raise AotError(f"stored with jax {header.jax_version}, this process runs jax {jax.__version__}")
+        raise AotError(
+            f"stored with jax {header.jax_version}, this process runs jax {jax.__version__}"
+        )
     executable = executable_bytes(entry_bytes)
     _, unpickler_base, _ = _pickler_classes()
 
@@ -237,7 +286,8 @@ def load(data: bytes, entry_bytes: bytes, *, devices: Any = None) -> tuple[AotHe
         def persistent_load(self, pid: Any) -> Any:
             if tuple(pid) == _ENTRY_REF:
                 return self.backend.deserialize_executable(
-                    executable, executable_devices=self.execution_devices)
+                    executable, executable_devices=self.execution_devices
+                )
             return super().persistent_load(pid)
 
     try:
@@ -249,16 +299,23 @@ def load(data: bytes, entry_bytes: bytes, *, devices: Any = None) -> tuple[AotHe
             by_id = {d.id: d for d in backend.devices()}
             missing = [i for i in device_ids if i not in by_id]
             if missing:
-                raise AotError(f"stored for devices {device_ids}; this process has no device {missing[0]}")
+                raise AotError(
+                    f"stored for devices {device_ids}; this process has no device {missing[0]}"
+                )
             execution = [by_id[i] for i in device_ids]
         unloaded, args_info_flat, no_kwargs = _EntryRefUnpickler(
-            io.BytesIO(meta), backend, execution).load()
+            io.BytesIO(meta), backend, execution
+        ).load()
         if in_tree is None:
             compiled = Unbound(unloaded.load(), args_info_flat, out_tree, no_kwargs)
         else:
-            compiled = jax_seam.make_compiled(unloaded.load(), in_tree.unflatten(args_info_flat), out_tree, no_kwargs)
+            compiled = jax_seam.make_compiled(
+                unloaded.load(), in_tree.unflatten(args_info_flat), out_tree, no_kwargs
+            )
     except (CorruptEntry, AotError):
         raise
     except Exception as exc:  # noqa: BLE001 - whatever JAX raises, the caller falls back to jit
-        raise AotError(f"JAX could not load the stored executable: {type(exc).__name__}: {exc}") from None
+        raise AotError(
+            f"JAX could not load the stored executable: {type(exc).__name__}: {exc}"
+        ) from None
     return header, compiled

@@ -49,10 +49,14 @@ def parse_storage_options(pairs: tuple[str, ...] | list[str]) -> dict[str, Any]:
         key, sep, value = pair.partition("=")
         key = key.strip()
         if not sep or not key:
-            raise BadInput(f"bad storage option {pair!r}: use KEY=VALUE, e.g. endpoint_url=http://127.0.0.1:9000")
+            raise BadInput(
+                f"bad storage option {pair!r}: use KEY=VALUE, e.g. endpoint_url=http://127.0.0.1:9000"
+            )
         if looks_secret(key, value):
-            raise BadInput(f"storage option {key!r} looks like a credential: the index never stores secrets; "
-                           "set it in the environment (AWS_*, GOOGLE_APPLICATION_CREDENTIALS) instead")
+            raise BadInput(
+                f"storage option {key!r} looks like a credential: the index never stores secrets; "
+                "set it in the environment (AWS_*, GOOGLE_APPLICATION_CREDENTIALS) instead"
+            )
         lowered = value.strip().lower()
         options[key] = {"true": True, "false": False}.get(lowered, value)
     return options
@@ -60,7 +64,9 @@ def parse_storage_options(pairs: tuple[str, ...] | list[str]) -> dict[str, Any]:
 
 def _check_name(name: str) -> None:
     if not _NAME_RE.match(name):
-        raise BadInput(f"bad cache name {name!r}: use letters, digits, '.', '_' or '-' (at most 128)")
+        raise BadInput(
+            f"bad cache name {name!r}: use letters, digits, '.', '_' or '-' (at most 128)"
+        )
 
 
 def _check_policy(policy: dict[str, Any]) -> dict[str, Any]:
@@ -96,11 +102,15 @@ def set_cache(ctx: Context, name: str, **policy: Any) -> CacheInfo:
             check_local_root(new_root.url)
         new_root.check_reachable()
     if policy.get("group"):
-        prepare_root(Store(policy.get("root_url", cache.root_url), cache.storage_options), policy["group"])
+        prepare_root(
+            Store(policy.get("root_url", cache.root_url), cache.storage_options), policy["group"]
+        )
     return ctx.index.update_cache(name, **policy)
 
 
-def remove_cache(ctx: Context, name: str, *, purge: bool = False, dry_run: bool = False) -> RemovedCache:
+def remove_cache(
+    ctx: Context, name: str, *, purge: bool = False, dry_run: bool = False
+) -> RemovedCache:
     """Unregister a cache; with ``purge`` delete its namespaces first (storage, then index)."""
     cache = ctx.index.get_cache(name)
     envs = ctx.index.environment_stats(name)
@@ -122,6 +132,12 @@ def remove_cache(ctx: Context, name: str, *, purge: bool = False, dry_run: bool 
             store.delete_tree(env.namespace)
             ctx.index.mark_environment_deleted(env.id)
     ctx.index.remove_cache(name)
-    ctx.index.audit("cache-rm", cache=name, entries=entries, nbytes=nbytes,
-                    duration_ms=int((time.monotonic() - started) * 1000), details={"purged": purge})
+    ctx.index.audit(
+        "cache-rm",
+        cache=name,
+        entries=entries,
+        nbytes=nbytes,
+        duration_ms=int((time.monotonic() - started) * 1000),
+        details={"purged": purge},
+    )
     return result

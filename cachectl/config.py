@@ -31,7 +31,11 @@ def cache_dir() -> Path:
 
 def config_path() -> Path:
     explicit = os.environ.get(ENV_PREFIX + "CONFIG")
-    return Path(explicit) if explicit else Path(platformdirs.user_config_dir("cachectl", appauthor=False)) / "config.toml"
+    return (
+        Path(explicit)
+        if explicit
+        else Path(platformdirs.user_config_dir("cachectl", appauthor=False)) / "config.toml"
+    )
 
 
 @dataclass(frozen=True)
@@ -85,7 +89,9 @@ def _read_file(path: Path) -> dict[str, Any]:
         raise BadInput(f"config file {path} is not valid TOML: {exc}") from exc
     unknown = set(data) - _FILE_KEYS
     if unknown:
-        raise BadInput(f"config file {path}: unknown key(s) {', '.join(sorted(unknown))}; known: {', '.join(sorted(_FILE_KEYS))}")
+        raise BadInput(
+            f"config file {path}: unknown key(s) {', '.join(sorted(unknown))}; known: {', '.join(sorted(_FILE_KEYS))}"
+        )
     return data
 
 
@@ -100,7 +106,9 @@ class Key:
     in_file: bool = False
 
 
-def resolve(keys: Iterable[Key], flags: Mapping[str, Any], file_values: Mapping[str, Any] | None = None) -> dict[str, Any]:
+def resolve(
+    keys: Iterable[Key], flags: Mapping[str, Any], file_values: Mapping[str, Any] | None = None
+) -> dict[str, Any]:
     """The one precedence: flag > environment > config file, per key; a key set nowhere is left
     out (its dataclass default applies). An empty environment variable counts as unset."""
     values: dict[str, Any] = {}
@@ -127,21 +135,41 @@ KEYS = (
 _FILE_KEYS = {k.field for k in KEYS if k.in_file} | {"token_file", "default_root"}
 
 
-def load_settings(*, db: str | None = None, cache: str | None = None, server: str | None = None,
-                  token: str | None = None, root: str | None = None,
-                  readonly: bool | None = None) -> Settings:
+def load_settings(
+    *,
+    db: str | None = None,
+    cache: str | None = None,
+    server: str | None = None,
+    token: str | None = None,
+    root: str | None = None,
+    readonly: bool | None = None,
+) -> Settings:
     """Resolve settings in precedence order: arguments, environment, file, defaults."""
     path = config_path()
     file_values = _read_file(path)
-    values = resolve(KEYS, {"db": db, "cache": cache, "server": server, "token": token, "root": root,
-                            "readonly": readonly}, file_values)
+    values = resolve(
+        KEYS,
+        {
+            "db": db,
+            "cache": cache,
+            "server": server,
+            "token": token,
+            "root": root,
+            "readonly": readonly,
+        },
+        file_values,
+    )
     if values.get("token") is None and file_values.get("token_file"):
         token_path = Path(file_values["token_file"]).expanduser()
         try:
             values["token"] = token_path.read_text().strip()
         except (OSError, UnicodeDecodeError) as exc:
-            reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else type(exc).__name__
-            raise BadInput(f"cannot read token_file {str(token_path)!r} (from {path}): {reason}") from None
+            reason = (
+                exc.strerror if isinstance(exc, OSError) and exc.strerror else type(exc).__name__
+            )
+            raise BadInput(
+                f"cannot read token_file {str(token_path)!r} (from {path}): {reason}"
+            ) from None
     chosen_db = values.pop("db", None)
     return Settings(
         db=chosen_db or f"sqlite:///{data_dir() / 'index.db'}",

@@ -21,7 +21,9 @@ if TYPE_CHECKING:
 class Context:
     """Opens the index lazily, so commands that need none never touch it."""
 
-    def __init__(self, settings: Settings | None = None, *, index: IndexBackend | None = None) -> None:
+    def __init__(
+        self, settings: Settings | None = None, *, index: IndexBackend | None = None
+    ) -> None:
         """``index``: a backend the caller owns (the server passes its own): direct mode, never closed here."""
         self.settings = settings or load_settings()
         self._given = index
@@ -53,8 +55,9 @@ class Context:
     def environment(self) -> Environment:
         return current_environment()
 
-    def namespace(self, cache: CacheInfo, env: Environment | None = None, *,
-                  create: bool = True) -> tuple[Namespace, EnvironmentInfo | None]:
+    def namespace(
+        self, cache: CacheInfo, env: Environment | None = None, *, create: bool = True
+    ) -> tuple[Namespace, EnvironmentInfo | None]:
         """This environment's namespace in ``cache``; created and recorded if asked."""
         env = env or self.environment()
         store = self.store(cache)

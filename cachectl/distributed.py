@@ -57,8 +57,10 @@ _PREFIX = "cachectl/warm"
 # Every process of a JAX job compiles every bucket together (each program spans the job's
 # devices), so the job is the unit of work: a shard of the manifest per process would leave
 # each program compiled by part of the job, and --shard auto reads a per-process index.
-SHARD_REFUSAL = ("--distributed and --shard do not combine: every process of a JAX job compiles every "
-                 "bucket together; to split a manifest across jobs, give each job its own manifest")
+SHARD_REFUSAL = (
+    "--distributed and --shard do not combine: every process of a JAX job compiles every "
+    "bucket together; to split a manifest across jobs, give each job its own manifest"
+)
 _SEQUENCE = [0]  # one exchange namespace per collective warm of this process
 
 
@@ -81,8 +83,14 @@ class DistributedWarmReport:
         return self.report.ok
 
     def to_json(self) -> dict[str, Any]:
-        return {**self.report.to_json(), "process": {"index": self.process.index, "count": self.process.count,
-                                                     "writer": self.process.writer}}
+        return {
+            **self.report.to_json(),
+            "process": {
+                "index": self.process.index,
+                "count": self.process.count,
+                "writer": self.process.writer,
+            },
+        }
 
 
 def requested(flag: bool | None) -> bool:
@@ -130,9 +138,14 @@ def join() -> ProcessInfo:
             kwargs["process_id"] = rank
         # JAX aborts the process (SIGABRT, a C++ stack) when its own init timeout passes: this
         # watchdog ends it first, with the one-line error and exit code of Unreachable.
-        watchdog = threading.Timer(timeout, _give_up, args=(
-            f"--distributed: the JAX job's other processes did not join within {timeout} s ({TIMEOUT_ENV}); "
-            "did one of them fail before joining?",))
+        watchdog = threading.Timer(
+            timeout,
+            _give_up,
+            args=(
+                f"--distributed: the JAX job's other processes did not join within {timeout} s ({TIMEOUT_ENV}); "
+                "did one of them fail before joining?",
+            ),
+        )
         watchdog.daemon = True
         watchdog.start()
         try:
@@ -141,7 +154,8 @@ def join() -> ProcessInfo:
             except Exception as exc:  # noqa: BLE001 - JAX raises RuntimeError, ValueError or its own error
                 raise EnvironmentMismatch(
                     f"--distributed: could not join the JAX job ({_first_line(exc)}); set JAX_COORDINATOR_ADDRESS, "
-                    "JAX_NUM_PROCESSES and JAX_PROCESS_ID, or run where JAX detects the cluster") from exc
+                    "JAX_NUM_PROCESSES and JAX_PROCESS_ID, or run where JAX detects the cluster"
+                ) from exc
             # Creating the backend exchanges every process's devices: it waits for all of them too.
             return ProcessInfo(jax.process_index(), jax.process_count())
         finally:
@@ -171,7 +185,9 @@ def _error_view(exc: Exception) -> dict[str, Any]:
     return {"error": text, "kind": type(exc).__name__ if isinstance(exc, CachectlError) else None}
 
 
-def _exchange(tag: str, me: ProcessInfo, compute: Callable[[], dict[str, Any]]) -> list[dict[str, Any]]:
+def _exchange(
+    tag: str, me: ProcessInfo, compute: Callable[[], dict[str, Any]]
+) -> list[dict[str, Any]]:
     """Run ``compute`` here, publish its value (or its failure) under ``tag``, and return every
     process's, in process order.
 
@@ -200,23 +216,31 @@ def _exchange(tag: str, me: ProcessInfo, compute: Callable[[], dict[str, Any]]) 
             raise failure from None
         waited = f"process {len(views)} of {me.count}" if len(views) < me.count else "every process"
         detail = _first_line(exc).split(" [type.googleapis.com", 1)[0]
-        raise Unreachable(f"--distributed: {waited} did not reach the {tag!r} step within {timeout} s "
-                          f"({TIMEOUT_ENV}): {detail}") from exc
+        raise Unreachable(
+            f"--distributed: {waited} did not reach the {tag!r} step within {timeout} s "
+            f"({TIMEOUT_ENV}): {detail}"
+        ) from exc
     if failure is not None:
         raise failure
     failed = [(i, v) for i, v in enumerate(views) if v.get("error")]
     if failed:
         i, view = failed[0]
         raise (error_named(view.get("kind")) or OperationFailed)(
-            f"process {i} of {me.count} failed: {view['error']}")
+            f"process {i} of {me.count} failed: {view['error']}"
+        )
     return views
 
 
 def _agreement(plan: Any) -> dict[str, Any]:
-    return {"manifest_digest": manifest_digest(plan.manifest_path), "environment": plan.environment.digest,
-            "cache": plan.cache.name, "root": plan.cache.root_url,
-            "buckets": [[b.function, sorted(b.values.items())] for b in plan.buckets],
-            "target_problems": list(plan.target_problems), "fields": plan.environment.to_dict()}
+    return {
+        "manifest_digest": manifest_digest(plan.manifest_path),
+        "environment": plan.environment.digest,
+        "cache": plan.cache.name,
+        "root": plan.cache.root_url,
+        "buckets": [[b.function, sorted(b.values.items())] for b in plan.buckets],
+        "target_problems": list(plan.target_problems),
+        "fields": plan.environment.to_dict(),
+    }
 
 
 def check_agreement(me: ProcessInfo, views: Sequence[dict[str, Any]]) -> None:
@@ -224,28 +248,59 @@ def check_agreement(me: ProcessInfo, views: Sequence[dict[str, Any]]) -> None:
     target = [(i, v["target_problems"]) for i, v in enumerate(views) if v["target_problems"]]
     if target:
         i, problems = target[0]
-        raise EnvironmentMismatch(f"process {i} of {me.count} does not match the manifest's target "
-                                  f"({'; '.join(problems)}): no process compiled anything")
-    labels = {"manifest_digest": "manifest digest", "environment": "environment", "cache": "cache",
-              "root": "cache root", "buckets": "buckets"}
+        raise EnvironmentMismatch(
+            f"process {i} of {me.count} does not match the manifest's target "
+            f"({'; '.join(problems)}): no process compiled anything"
+        )
+    labels = {
+        "manifest_digest": "manifest digest",
+        "environment": "environment",
+        "cache": "cache",
+        "root": "cache root",
+        "buckets": "buckets",
+    }
     for field, label in labels.items():
         values = [json.dumps(v[field], sort_keys=True) for v in views]
         if len(set(values)) > 1:
             odd = next(i for i, v in enumerate(values) if v != values[0])
-            shown = str(views[odd][field])[:16] if field != "buckets" else f"{len(views[odd][field])} bucket(s)"
-            first = str(views[0][field])[:16] if field != "buckets" else f"{len(views[0][field])} bucket(s)"
+            shown = (
+                str(views[odd][field])[:16]
+                if field != "buckets"
+                else f"{len(views[odd][field])} bucket(s)"
+            )
+            first = (
+                str(views[0][field])[:16]
+                if field != "buckets"
+                else f"{len(views[0][field])} bucket(s)"
+            )
             if field == "environment":
                 a, b = views[0]["fields"], views[odd]["fields"]
-                diff = [f"{k}: {a.get(k)!r} vs {b.get(k)!r}" for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
+                diff = [
+                    f"{k}: {a.get(k)!r} vs {b.get(k)!r}"
+                    for k in sorted(set(a) | set(b))
+                    if a.get(k) != b.get(k)
+                ]
                 shown += f" ({'; '.join(diff)})"
-            raise EnvironmentMismatch(f"the processes of this JAX job differ in {label}: process 0 has "
-                                      f"{first}, process {odd} has {shown}: no process compiled anything")
+            raise EnvironmentMismatch(
+                f"the processes of this JAX job differ in {label}: process 0 has "
+                f"{first}, process {odd} has {shown}: no process compiled anything"
+            )
 
 
-def warm(ctx: Context, manifest_path: str | Path, *, cache: str | None = None, jobs: int | None = None,
-         paths: Sequence[str] = (), fail_fast: bool = False, dry_run: bool = False, executables: bool = True,
-         progress: Any = None, prepare: Callable[[], None] | None = None,
-         finish: Callable[[Any], None] | None = None) -> DistributedWarmReport:
+def warm(
+    ctx: Context,
+    manifest_path: str | Path,
+    *,
+    cache: str | None = None,
+    jobs: int | None = None,
+    paths: Sequence[str] = (),
+    fail_fast: bool = False,
+    dry_run: bool = False,
+    executables: bool = True,
+    progress: Any = None,
+    prepare: Callable[[], None] | None = None,
+    finish: Callable[[Any], None] | None = None,
+) -> DistributedWarmReport:
     """The collective warm: every process of the job calls this with the same arguments.
 
     ``prepare`` runs in every process before planning (the CLI checks the signing key there),
@@ -261,8 +316,15 @@ def warm(ctx: Context, manifest_path: str | Path, *, cache: str | None = None, j
         if not plans:
             if prepare is not None:
                 prepare()
-            plans.append(warm_mod.plan_warm(ctx, manifest_path, cache=cache, paths=paths,
-                                            writer_check=not dry_run and me.index == WRITER))
+            plans.append(
+                warm_mod.plan_warm(
+                    ctx,
+                    manifest_path,
+                    cache=cache,
+                    paths=paths,
+                    writer_check=not dry_run and me.index == WRITER,
+                )
+            )
         return _agreement(plans[0])
 
     # Process 0 plans first, the others once it has: on a fresh SQLite file it creates the schema
@@ -272,18 +334,43 @@ def warm(ctx: Context, manifest_path: str | Path, *, cache: str | None = None, j
     check_agreement(me, _exchange("plan", me, planned))
     plan = plans[0]
     if dry_run:
-        return DistributedWarmReport(me, warm_mod.warm(ctx, manifest_path, cache=cache, paths=paths,
-                                                       dry_run=True, progress=progress))
+        return DistributedWarmReport(
+            me,
+            warm_mod.warm(
+                ctx, manifest_path, cache=cache, paths=paths, dry_run=True, progress=progress
+            ),
+        )
     if me.index != WRITER:
         return DistributedWarmReport(me, _follow(ctx, plan, me, started))
     # Process 0 is a normal warm: JAX writes from it, so it stores, records and reports.
     reports: list[Any] = []
 
     def warmed() -> dict[str, Any]:
-        reports.append(warm_mod.warm(ctx, manifest_path, cache=cache, jobs=jobs, paths=paths, fail_fast=fail_fast,
-                                     executables=executables, progress=progress))
-        return {"buckets": [{"key": b.key, "status": b.status, "bytes": b.bytes, "aot_bytes": b.aot_bytes,
-                             "error": b.error} for b in reports[0].buckets], "run_id": reports[0].run_id}
+        reports.append(
+            warm_mod.warm(
+                ctx,
+                manifest_path,
+                cache=cache,
+                jobs=jobs,
+                paths=paths,
+                fail_fast=fail_fast,
+                executables=executables,
+                progress=progress,
+            )
+        )
+        return {
+            "buckets": [
+                {
+                    "key": b.key,
+                    "status": b.status,
+                    "bytes": b.bytes,
+                    "aot_bytes": b.aot_bytes,
+                    "error": b.error,
+                }
+                for b in reports[0].buckets
+            ],
+            "run_id": reports[0].run_id,
+        }
 
     _exchange("result", me, warmed)
     report = reports[0]
@@ -299,7 +386,9 @@ def warm(ctx: Context, manifest_path: str | Path, *, cache: str | None = None, j
     return DistributedWarmReport(me, report)
 
 
-def _store_peer_entries(ctx: Context, plan: Any, views: Sequence[dict[str, Any]], run_id: int | None) -> int:
+def _store_peer_entries(
+    ctx: Context, plan: Any, views: Sequence[dict[str, Any]], run_id: int | None
+) -> int:
     """Process 0 writes and records the entries other processes compiled under keys of their own.
 
     JAX's key hashes the topology fingerprint, which on some backends (CPU) differs per
@@ -319,16 +408,29 @@ def _store_peer_entries(ctx: Context, plan: Any, views: Sequence[dict[str, Any]]
             key = item["key"]
             if key in known:
                 continue
-            data = client.blocking_key_value_get_bytes(f"{_PREFIX}/{_SEQUENCE[0]}/blob/{rank}/{item['position']}",
-                                                       timeout_ms)
+            data = client.blocking_key_value_get_bytes(
+                f"{_PREFIX}/{_SEQUENCE[0]}/blob/{rank}/{item['position']}", timeout_ms
+            )
             parsed = parse_key(key)
             if parsed is None:
                 continue
             bucket = plan.buckets[item["position"]]
-            timed = {} if item.get("seconds") is None else {"compile_time_ms": int(round(item["seconds"] * 1000))}
+            timed = (
+                {}
+                if item.get("seconds") is None
+                else {"compile_time_ms": int(round(item["seconds"] * 1000))}
+            )
             try:
-                row = ingest.check_new(plan.cache, parsed, data, origin="warm", function=bucket.function,
-                                       bucket=dict(bucket.values), warm_run_id=run_id, **timed)
+                row = ingest.check_new(
+                    plan.cache,
+                    parsed,
+                    data,
+                    origin="warm",
+                    function=bucket.function,
+                    bucket=dict(bucket.values),
+                    warm_run_id=run_id,
+                    **timed,
+                )
             except ingest.Refused:
                 continue
             if row.sha256 != item["sha256"]:
@@ -348,7 +450,9 @@ def _entry_bytes(compiled: Any, seconds: float) -> bytes:
     return jax_seam.entry_bytes(compiled, seconds)
 
 
-def _compile_all(plan: Any, ns_url: str) -> dict[int, tuple[str | None, str | None, float, bytes | None, str | None]]:
+def _compile_all(
+    plan: Any, ns_url: str
+) -> dict[int, tuple[str | None, str | None, float, bytes | None, str | None]]:
     """Compile every bucket here: (key, hit or miss, seconds, the entry if JAX missed, error) per position."""
     config = warm_mod.warm_jax_config(ns_url, plan.environment)
     jitted, calls = warm_mod._build_calls(plan.manifest, plan.buckets, plan.search_paths)
@@ -367,7 +471,13 @@ def _compile_all(plan: Any, ns_url: str) -> dict[int, tuple[str | None, str | No
                     events, seconds, compiled = warm_mod._compile_once(fn, *call)
                 lookups = [e for e in events if e.kind in ("hit", "miss")]
                 if not lookups:
-                    mine[position] = (None, None, seconds, None, "JAX did not consult the persistent cache")
+                    mine[position] = (
+                        None,
+                        None,
+                        seconds,
+                        None,
+                        "JAX did not consult the persistent cache",
+                    )
                     continue
                 last = lookups[-1]
                 data = _entry_bytes(compiled, seconds) if last.kind == "miss" else None
@@ -399,14 +509,18 @@ def _follow(ctx: Context, plan: Any, me: ProcessInfo, started: float) -> Any:
             if data is None or key is None or (other is not None and other["key"] == key):
                 continue  # process 0 wrote this very key (or it was in the cache already)
             client.key_value_set_bytes(f"{_PREFIX}/{_SEQUENCE[0]}/blob/{me.index}/{position}", data)
-            offered.append({"position": position, "key": key, "sha256": sha256(data), "seconds": seconds})
+            offered.append(
+                {"position": position, "key": key, "sha256": sha256(data), "seconds": seconds}
+            )
         return {"entries": offered}
 
     _exchange("peer", me, offer)
     _exchange("done", me, lambda: {"stored": 0})
     results = []
     for position, bucket in enumerate(plan.buckets):
-        key, lookup, seconds, data, error = mine.get(position, (None, None, 0.0, None, "not attempted"))
+        key, lookup, seconds, data, error = mine.get(
+            position, (None, None, 0.0, None, "not attempted")
+        )
         other = theirs.get(position) or {}
         if error is not None:
             status = warm_mod.FAILED
@@ -414,16 +528,32 @@ def _follow(ctx: Context, plan: Any, me: ProcessInfo, started: float) -> Any:
             status, error = warm_mod.FAILED, f"process {WRITER}: {other.get('error')}"
         else:
             status = warm_mod.CACHED if lookup == "hit" else warm_mod.COMPILED
-        results.append(warm_mod.BucketResult(bucket.function, dict(bucket.values), status, key=key,
-                                             compile_seconds=seconds if status == warm_mod.COMPILED else 0.0,
-                                             bytes=len(data) if data is not None else other.get("bytes"),
-                                             error=error))
+        results.append(
+            warm_mod.BucketResult(
+                bucket.function,
+                dict(bucket.values),
+                status,
+                key=key,
+                compile_seconds=seconds if status == warm_mod.COMPILED else 0.0,
+                bytes=len(data) if data is not None else other.get("bytes"),
+                error=error,
+            )
+        )
     failed = sum(r.status == warm_mod.FAILED for r in results)
     compiled_n = sum(r.status == warm_mod.COMPILED for r in results)
     cached = sum(r.status == warm_mod.CACHED for r in results)
     compile_seconds = sum(r.compile_seconds or 0.0 for r in results)
-    summary = warm_mod.WarmSummary(len(results), compiled_n, cached, failed, compile_seconds,
-                                   time.perf_counter() - started)
-    return warm_mod.WarmReport(warm_mod._environment_json(plan.environment), ns_url, summary, results,
-                               cache=plan.cache.name, manifest=plan.manifest_path, run_id=writer["run_id"],
-                               jobs=1, executor="thread")
+    summary = warm_mod.WarmSummary(
+        len(results), compiled_n, cached, failed, compile_seconds, time.perf_counter() - started
+    )
+    return warm_mod.WarmReport(
+        warm_mod._environment_json(plan.environment),
+        ns_url,
+        summary,
+        results,
+        cache=plan.cache.name,
+        manifest=plan.manifest_path,
+        run_id=writer["run_id"],
+        jobs=1,
+        executor="thread",
+    )

@@ -202,7 +202,9 @@ def sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def make_entry(executable: bytes, compile_seconds: int = 1, compression: str = "zstandard") -> bytes:
+def make_entry(
+    executable: bytes, compile_seconds: int = 1, compression: str = "zstandard"
+) -> bytes:
     """Build entry bytes in JAX's format (for imports, tests and benchmarks)."""
     raw = int(compile_seconds).to_bytes(_TIME_BYTES, "big") + executable
     if compression == "zstandard":
@@ -253,7 +255,9 @@ def scan_entry(fh: BinaryIO, limit: int, *, chunk: int = 1 << 20) -> Header:
         except zstandard.ZstdError as exc:
             raise CorruptEntry(f"zstd data is corrupt: {exc}") from exc
         if declared >= 0 and declared != total:
-            raise CorruptEntry(f"zstd frame declares {declared} bytes but holds {total}: truncated?")
+            raise CorruptEntry(
+                f"zstd frame declares {declared} bytes but holds {total}: truncated?"
+            )
     else:
         compression = "zlib"
         inflater = zlib.decompressobj()

@@ -92,8 +92,15 @@ for _cls, (_code, _status) in ERRORS.items():
 _ALIASES: dict[str, type[CachectlError]] = {"LeaseHeld": OperationFailed}
 # What a status means when the body names no error we know (HTTP 422 is FastAPI's validation error).
 _STATUS_ERRORS: dict[int, type[CachectlError]] = {
-    400: BadInput, 413: BadInput, 422: BadInput, 403: PermissionDenied, 404: NotFound, 409: OperationFailed,
-    502: Unreachable, 503: Unreachable, 504: Unreachable,
+    400: BadInput,
+    413: BadInput,
+    422: BadInput,
+    403: PermissionDenied,
+    404: NotFound,
+    409: OperationFailed,
+    502: Unreachable,
+    503: Unreachable,
+    504: Unreachable,
 }
 
 

@@ -26,7 +26,11 @@ ENVIRONMENT_VAR = "CACHECTL_EXEC_ENVIRONMENT"
 def child_variables(environment: dict[str, Any], existing_pythonpath: str | None) -> dict[str, str]:
     """What exec adds to the child's environment for telemetry."""
     path = SITE_DIR if not existing_pythonpath else SITE_DIR + os.pathsep + existing_pythonpath
-    return {ENABLE_VAR: "1", ENVIRONMENT_VAR: json.dumps(environment, sort_keys=True), "PYTHONPATH": path}
+    return {
+        ENABLE_VAR: "1",
+        ENVIRONMENT_VAR: json.dumps(environment, sort_keys=True),
+        "PYTHONPATH": path,
+    }
 
 
 class _AfterJaxImport(importlib.abc.MetaPathFinder):

@@ -30,13 +30,25 @@ MANAGED_JAX_CONFIG: dict[str, Any] = {
 
 # Flags JAX excludes when the installed version has no list to read (0.10.2's).
 _FALLBACK_EXCLUDED_FLAGS = (
-    "--xla_dump_compress_protos", "--xla_dump_module_metadata", "--xla_dump_max_hlo_modules",
-    "--xla_dump_include_timestamp", "--xla_dump_hlo_pass_re", "--xla_dump_hlo_module_re",
-    "--xla_dump_hlo_snapshots", "--xla_dump_fusion_visualization", "--xla_dump_hlo_as_url",
-    "--xla_dump_hlo_as_proto", "--xla_dump_hlo_as_text", "--xla_dump_hlo_as_long_text",
-    "--xla_dump_hlo_as_html", "--xla_dump_hlo_as_dot", "--xla_dump_to",
-    "--xla_force_host_platform_device_count", "--xla_dump_disable_metadata",
-    "--xla_dump_hlo_pipeline_re", "--xla_gpu_cuda_data_dir",
+    "--xla_dump_compress_protos",
+    "--xla_dump_module_metadata",
+    "--xla_dump_max_hlo_modules",
+    "--xla_dump_include_timestamp",
+    "--xla_dump_hlo_pass_re",
+    "--xla_dump_hlo_module_re",
+    "--xla_dump_hlo_snapshots",
+    "--xla_dump_fusion_visualization",
+    "--xla_dump_hlo_as_url",
+    "--xla_dump_hlo_as_proto",
+    "--xla_dump_hlo_as_text",
+    "--xla_dump_hlo_as_long_text",
+    "--xla_dump_hlo_as_html",
+    "--xla_dump_hlo_as_dot",
+    "--xla_dump_to",
+    "--xla_force_host_platform_device_count",
+    "--xla_dump_disable_metadata",
+    "--xla_dump_hlo_pipeline_re",
+    "--xla_gpu_cuda_data_dir",
     "--xla_gpu_experimental_autotune_cache_mode",
 )
 
@@ -100,8 +112,12 @@ class Environment:
 
     def env_json(self) -> str:
         """The self-describing file stored in each namespace."""
-        data = {"fingerprint_version": FINGERPRINT_VERSION, "digest": self.digest,
-                "namespace": self.namespace, **self.to_dict()}
+        data = {
+            "fingerprint_version": FINGERPRINT_VERSION,
+            "digest": self.digest,
+            "namespace": self.namespace,
+            **self.to_dict(),
+        }
         return json.dumps(data, indent=2, sort_keys=True) + "\n"
 
 
@@ -189,7 +205,6 @@ def current_environment(managed: bool = True) -> Environment:
         enable_xla_caches=str(enable_xla_caches or ""),
         include_metadata_in_key=bool(jax.config.jax_compilation_cache_include_metadata_in_key),
     )
-
 
 
 def check_version(name: str, value: str) -> None:

@@ -70,7 +70,10 @@ class Refused(BadInput):
 
 def is_disk_full(exc: BaseException) -> bool:
     """ENOSPC or EDQUOT: nothing was stored, and trying again elsewhere or later may work."""
-    return isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC))
+    return isinstance(exc, OSError) and exc.errno in (
+        errno.ENOSPC,
+        getattr(errno, "EDQUOT", errno.ENOSPC),
+    )
 
 
 # -- bytes on their way in --------------------------------------------------------
@@ -112,13 +115,18 @@ def size_limit(cache: CacheInfo, cap: int, cap_name: str) -> tuple[int, str]:
 
 def _check_claim(sha: str, claimed: str | None, claim_name: str) -> None:
     if claimed is not None and claimed.lower() != sha:
-        raise Refused(f"body sha256 is {sha}, not the {claim_name} sent: corrupted in transit?", SHA256)
+        raise Refused(
+            f"body sha256 is {sha}, not the {claim_name} sent: corrupted in transit?", SHA256
+        )
 
 
 def _check_size(cache: CacheInfo, key: str, size: int) -> None:
     if cache.max_entry_size is not None and size > cache.max_entry_size:
-        raise Refused(f"entry {key} ({format_size(size)}) is above cache {cache.name!r}'s max entry size "
-                      f"({format_size(cache.max_entry_size)})", TOO_LARGE)
+        raise Refused(
+            f"entry {key} ({format_size(size)}) is above cache {cache.name!r}'s max entry size "
+            f"({format_size(cache.max_entry_size)})",
+            TOO_LARGE,
+        )
 
 
 def check_entry_file(path: str, expand_to: int) -> int:
@@ -127,7 +135,9 @@ def check_entry_file(path: str, expand_to: int) -> int:
         with open(path, "rb") as fh:
             return scan_entry(fh, expand_to).compile_seconds * 1000
     except EntryTooLarge:
-        raise Refused(f"entry expands to more than {format_size(expand_to)}: refused", EXPANDS) from None
+        raise Refused(
+            f"entry expands to more than {format_size(expand_to)}: refused", EXPANDS
+        ) from None
     except CorruptEntry as exc:
         raise Refused(f"not a JAX cache entry: {exc}", CORRUPT) from None
 
@@ -141,8 +151,11 @@ def check_executable(key: str, data: bytes, entry_sha256: str | None) -> None:
     if header.key != key:
         raise Refused("the stored executable's header names another key: refused", EXECUTABLE)
     if entry_sha256 is not None and header.entry_sha256 != entry_sha256:
-        raise Refused("the stored executable was made for other entry bytes than the indexed "
-                      "entry's (entry_sha256 differs): refused", EXECUTABLE)
+        raise Refused(
+            "the stored executable was made for other entry bytes than the indexed "
+            "entry's (entry_sha256 differs): refused",
+            EXECUTABLE,
+        )
 
 
 # -- one upload: reserve, write, or give the reservation back -----------------------------
@@ -178,9 +191,18 @@ def _stored_size_is(store: Store, path: str, size: int) -> bool:
         return False
 
 
-def ingest_entry(t: Target, key: EntryName, body: Spool, *, origin: str, expand_to: int,
-                 claimed_sha256: str | None = None, claim_name: str = "sha256", replace_existing: bool = False,
-                 who: str | None = None) -> Ingested:
+def ingest_entry(
+    t: Target,
+    key: EntryName,
+    body: Spool,
+    *,
+    origin: str,
+    expand_to: int,
+    claimed_sha256: str | None = None,
+    claim_name: str = "sha256",
+    replace_existing: bool = False,
+    who: str | None = None,
+) -> Ingested:
     """Check, reserve quota for, write and index one entry streamed to ``body``.
 
     EntryConflict when the key holds other bytes (unless ``replace_existing``: audited),
@@ -189,8 +211,14 @@ def ingest_entry(t: Target, key: EntryName, body: Spool, *, origin: str, expand_
     _check_claim(body.sha256, claimed_sha256, claim_name)
     _check_size(t.cache, key.key, body.size)
     compile_ms = check_entry_file(body.path, expand_to)
-    new = NewEntry(key=key.key, module=key.module, size=body.size, sha256=body.sha256, origin=origin,
-                   compile_time_ms=compile_ms)
+    new = NewEntry(
+        key=key.key,
+        module=key.module,
+        size=body.size,
+        sha256=body.sha256,
+        origin=origin,
+        compile_time_ms=compile_ms,
+    )
     reservation = sq.reserve_entry(t.index, t.cache.name, t.env.id, new, replace=replace_existing)
     path = t.path(key.key, CACHE_SUFFIX)
     try:
@@ -205,14 +233,34 @@ def ingest_entry(t: Target, key: EntryName, body: Spool, *, origin: str, expand_
         raise
     if reservation.outcome == "replaced" and reservation.previous is not None:
         prev = reservation.previous
-        t.index.audit("entry-overwrite", cache=t.cache.name, entries=1, nbytes=body.size, who=who,
-                      details={"environment": t.env.digest, "key": key.key, "old_sha256": prev.sha256,
-                               "new_sha256": body.sha256, "old_size": prev.size, "old_origin": prev.origin})
-    return Ingested(reservation.outcome, t.index.get_entry(t.env.id, key.key), body.size, body.sha256)
+        t.index.audit(
+            "entry-overwrite",
+            cache=t.cache.name,
+            entries=1,
+            nbytes=body.size,
+            who=who,
+            details={
+                "environment": t.env.digest,
+                "key": key.key,
+                "old_sha256": prev.sha256,
+                "new_sha256": body.sha256,
+                "old_size": prev.size,
+                "old_origin": prev.origin,
+            },
+        )
+    return Ingested(
+        reservation.outcome, t.index.get_entry(t.env.id, key.key), body.size, body.sha256
+    )
 
 
-def ingest_executable(t: Target, key: EntryName, body: Spool, *, claimed_sha256: str | None = None,
-                      claim_name: str = "sha256") -> Ingested:
+def ingest_executable(
+    t: Target,
+    key: EntryName,
+    body: Spool,
+    *,
+    claimed_sha256: str | None = None,
+    claim_name: str = "sha256",
+) -> Ingested:
     """Check, reserve quota for, write and record the stored executable of an indexed entry."""
     _check_claim(body.sha256, claimed_sha256, claim_name)
     _check_size(t.cache, key.key, body.size)
@@ -221,17 +269,26 @@ def ingest_executable(t: Target, key: EntryName, body: Spool, *, claimed_sha256:
     check_executable(key.key, data, None)
     entry = t.index.get_entry(t.env.id, key.key)
     if entry is None:
-        raise Refused(f"no entry {key.key} in environment {t.env.digest[:16]}: "
-                      "upload the entry first, then its executable", EXECUTABLE)
+        raise Refused(
+            f"no entry {key.key} in environment {t.env.digest[:16]}: "
+            "upload the entry first, then its executable",
+            EXECUTABLE,
+        )
     check_executable(key.key, data, entry.sha256)
-    previous = sq.reserve_executable(t.index, t.cache.name, t.env.id, key.key, body.size, body.sha256)
+    previous = sq.reserve_executable(
+        t.index, t.cache.name, t.env.id, key.key, body.size, body.sha256
+    )
     try:
         t.store.write_file(t.path(key.key, AOT_SUFFIX), body.path)
     except BaseException:
         sq.release_executable(t.index, t.env.id, key.key, previous)
         raise
-    return Ingested("replaced" if previous is not None else "inserted", t.index.get_entry(t.env.id, key.key),
-                    body.size, body.sha256)
+    return Ingested(
+        "replaced" if previous is not None else "inserted",
+        t.index.get_entry(t.env.id, key.key),
+        body.size,
+        body.sha256,
+    )
 
 
 # -- a batch: push and bundle install ---------------------------------------------------
@@ -254,7 +311,9 @@ def _bytes_of(source: bytes | Path) -> bytes:
     return source if isinstance(source, bytes) else source.read_bytes()
 
 
-def check_new(cache: CacheInfo, key: EntryName, data: bytes, *, origin: str, **fields: Any) -> NewEntry:
+def check_new(
+    cache: CacheInfo, key: EntryName, data: bytes, *, origin: str, **fields: Any
+) -> NewEntry:
     """The index row of entry bytes that pass the rules: size, a JAX entry, the sha256 computed here."""
     _check_size(cache, key.key, len(data))
     try:
@@ -262,20 +321,37 @@ def check_new(cache: CacheInfo, key: EntryName, data: bytes, *, origin: str, **f
     except CorruptEntry as exc:
         raise Refused(f"not a JAX cache entry ({exc})", CORRUPT) from None
     fields.setdefault("compile_time_ms", header.compile_seconds * 1000)
-    return NewEntry(key=key.key, module=key.module, size=len(data), sha256=hashlib.sha256(data).hexdigest(),
-                    origin=origin, **fields)
+    return NewEntry(
+        key=key.key,
+        module=key.module,
+        size=len(data),
+        sha256=hashlib.sha256(data).hexdigest(),
+        origin=origin,
+        **fields,
+    )
 
 
 @dataclass(frozen=True)
 class Published:
     rows: list[NewEntry]  # what was indexed
-    failed: dict[str, tuple[str, Exception]]  # key -> (which object, "entry" or "executable"; the error)
+    failed: dict[
+        str, tuple[str, Exception]
+    ]  # key -> (which object, "entry" or "executable"; the error)
 
 
-def publish(index: Any, cache: CacheInfo, env: Environment, env_id: int, store: Store,
-            objects: Iterable[NewObject], *, staging: Path | None = None,
-            parallel: Callable[[Callable[[str], int], list[str]], list[tuple[str, Any]]] | None = None,
-            quota: bool = True, namespace_ready: bool = False) -> Published:
+def publish(
+    index: Any,
+    cache: CacheInfo,
+    env: Environment,
+    env_id: int,
+    store: Store,
+    objects: Iterable[NewObject],
+    *,
+    staging: Path | None = None,
+    parallel: Callable[[Callable[[str], int], list[str]], list[tuple[str, Any]]] | None = None,
+    quota: bool = True,
+    namespace_ready: bool = False,
+) -> Published:
     """Write a batch's checked objects, entries before executables, then index them in one call.
 
     Every object's sha256 and size are its row's (the caller computed them with check_new or
@@ -293,7 +369,11 @@ def publish(index: Any, cache: CacheInfo, env: Environment, env_id: int, store: 
             _check_size(cache, o.row.key, o.row.size)
     added = sum(o.row.size for o in objects if o.entry is not None)
     added += sum(o.row.aot_size or 0 for o in objects if o.executable is not None)
-    if quota and isinstance(index, Index) and (cache.max_size is not None or cache.env_max_size is not None):
+    if (
+        quota
+        and isinstance(index, Index)
+        and (cache.max_size is not None or cache.env_max_size is not None)
+    ):
         # Checked before anything is written; in server mode the server holds the limits.
         sq.check_quota(index, cache.name, env_id, added)
     run = parallel or (lambda fn, keys: [(k, _guarded(fn, k)) for k in keys])
@@ -323,13 +403,18 @@ def publish(index: Any, cache: CacheInfo, env: Environment, env_id: int, store: 
                 data = _bytes_of(source)
                 store.write_bytes(f"{ns}/{key}{suffix}", data)
                 return len(data)
+
             return write
 
-        for key, outcome in run(writer(CACHE_SUFFIX, "entry"), [o.row.key for o in objects if o.entry is not None]):
+        for key, outcome in run(
+            writer(CACHE_SUFFIX, "entry"), [o.row.key for o in objects if o.entry is not None]
+        ):
             if isinstance(outcome, Exception):
                 failed[key] = ("entry", outcome)
         # An executable only beside its entry: never one whose entry failed to be written.
-        aot_keys = [o.row.key for o in objects if o.executable is not None and o.row.key not in failed]
+        aot_keys = [
+            o.row.key for o in objects if o.executable is not None and o.row.key not in failed
+        ]
         for key, outcome in run(writer(AOT_SUFFIX, "executable"), aot_keys):
             if isinstance(outcome, Exception):
                 failed[key] = ("executable", outcome)
@@ -373,21 +458,38 @@ def _stored(t: Target, key: str, suffix: str, size: int, sha: str, what: str) ->
     try:
         stored_size = t.store.size(path)
     except FileNotFoundError:
-        raise Refused(f"{what} is not in storage" + (f" at {t.env.namespace}" if suffix == CACHE_SUFFIX else "")
-                      + ": write it first", MISMATCH) from None
+        raise Refused(
+            f"{what} is not in storage"
+            + (f" at {t.env.namespace}" if suffix == CACHE_SUFFIX else "")
+            + ": write it first",
+            MISMATCH,
+        ) from None
     if stored_size != size:
         raise Refused(f"{what} is {stored_size} bytes in storage, not {size}", MISMATCH)
-    if suffix == CACHE_SUFFIX and t.cache.max_entry_size is not None and size > t.cache.max_entry_size:
-        raise Refused(f"{what} ({size} bytes) is above cache {t.cache.name!r}'s max entry size "
-                      f"({t.cache.max_entry_size} bytes)", TOO_LARGE)
+    if (
+        suffix == CACHE_SUFFIX
+        and t.cache.max_entry_size is not None
+        and size > t.cache.max_entry_size
+    ):
+        raise Refused(
+            f"{what} ({size} bytes) is above cache {t.cache.name!r}'s max entry size "
+            f"({t.cache.max_entry_size} bytes)",
+            TOO_LARGE,
+        )
     stored_sha = _storage_sha256(t.store, path)  # what is recorded: never the claim
     if stored_sha != sha:
         raise Refused(f"{what} has sha256 {stored_sha} in storage, not the {sha} sent", MISMATCH)
     return stored_sha
 
 
-def register_stored(t: Target, claims: list[NewEntry], *, run_environment_id: int | None = None,
-                    replace_existing: bool = False, who: str | None = None) -> tuple[int, int]:
+def register_stored(
+    t: Target,
+    claims: list[NewEntry],
+    *,
+    run_environment_id: int | None = None,
+    replace_existing: bool = False,
+    who: str | None = None,
+) -> tuple[int, int]:
     """Index entries (and stored executables) a writer stored itself, each checked against storage:
     size, the max entry size, and the sha256 computed here from storage's bytes. EntryConflict for a
     key recorded with other bytes unless ``replace_existing`` (audited). Returns (inserted, updated)."""
@@ -398,18 +500,34 @@ def register_stored(t: Target, claims: list[NewEntry], *, run_environment_id: in
             raise Refused(f"entry {e.key}: give both aot_size and aot_sha256, or neither", MISMATCH)
         aot_sha = None
         if e.aot_size is not None and e.aot_sha256 is not None:
-            aot_sha = _stored(t, e.key, AOT_SUFFIX, e.aot_size, e.aot_sha256, f"stored executable of {e.key}")
+            aot_sha = _stored(
+                t, e.key, AOT_SUFFIX, e.aot_size, e.aot_sha256, f"stored executable of {e.key}"
+            )
         rows.append(replace(e, sha256=sha, aot_sha256=aot_sha))
     if run_environment_id is not None and run_environment_id != t.env.id:
         raise Refused(f"warm run {claims[0].warm_run_id} belongs to another environment", MISMATCH)
     known = t.index.entry_keys(t.env.id)
     changed = [n for n in rows if n.key in known and known[n.key] != (n.size, n.sha256)]
     if changed and not replace_existing:
-        raise EntryConflict(f"entry {changed[0].key} is already recorded with other bytes "
-                            f"(sha256 {known[changed[0].key][1][:16]}): entries are immutable")
+        raise EntryConflict(
+            f"entry {changed[0].key} is already recorded with other bytes "
+            f"(sha256 {known[changed[0].key][1][:16]}): entries are immutable"
+        )
     inserted, updated = t.index.upsert_entries(t.env.id, rows)
     for n in changed:
-        t.index.audit("entry-overwrite", cache=t.cache.name, entries=1, nbytes=n.size, who=who,
-                      details={"environment": t.env.digest, "key": n.key, "old_sha256": known[n.key][1],
-                               "new_sha256": n.sha256, "old_size": known[n.key][0], "via": "register"})
+        t.index.audit(
+            "entry-overwrite",
+            cache=t.cache.name,
+            entries=1,
+            nbytes=n.size,
+            who=who,
+            details={
+                "environment": t.env.digest,
+                "key": n.key,
+                "old_sha256": known[n.key][1],
+                "new_sha256": n.sha256,
+                "old_size": known[n.key][0],
+                "via": "register",
+            },
+        )
     return inserted, updated

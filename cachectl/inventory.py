@@ -49,8 +49,16 @@ def cache_totals(ctx: Context, caches: list[CacheInfo]) -> list[CacheTotals]:
     for cache in caches:
         envs = ctx.index.environment_stats(cache.name)
         accesses = [e.last_access_at for e in envs if e.last_access_at]
-        out.append(CacheTotals(cache, len(envs), sum(e.entries for e in envs), sum(e.bytes for e in envs),
-                               max(accesses) if accesses else None, envs,
-                               executables=sum(e.executables for e in envs),
-                               aot_bytes=sum(e.aot_bytes for e in envs)))
+        out.append(
+            CacheTotals(
+                cache,
+                len(envs),
+                sum(e.entries for e in envs),
+                sum(e.bytes for e in envs),
+                max(accesses) if accesses else None,
+                envs,
+                executables=sum(e.executables for e in envs),
+                aot_bytes=sum(e.aot_bytes for e in envs),
+            )
+        )
     return out

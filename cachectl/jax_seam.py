@@ -112,8 +112,9 @@ def pxla_logger() -> logging.Logger:
 # -- reading log calls ---------------------------------------------------------------------
 
 
-def compiler_call_reader(on_lookup: Callable[[bool, str, str], None],
-                         on_uncacheable: Callable[[str], None]) -> Callable[[Any, tuple[Any, ...]], None]:
+def compiler_call_reader(
+    on_lookup: Callable[[bool, str, str], None], on_uncacheable: Callable[[str], None]
+) -> Callable[[Any, tuple[Any, ...]], None]:
     """A reader for a tap on the compiler logger: calls ``on_lookup(hit, module, key)`` for a hit or
     miss call and ``on_uncacheable(module)`` for a program JAX will never write; never raises.
     Built once, so the compile path pays one call per log call, as it did before the seam."""
@@ -126,7 +127,12 @@ def compiler_call_reader(on_lookup: Callable[[bool, str, str], None],
                     on_lookup(True, str(args[0]), str(args[1]))
                 elif msg.startswith(miss):
                     on_lookup(False, str(args[0]), str(args[1]))
-            elif args and isinstance(msg, str) and msg.startswith(not_writing) and uncacheable(args, msg):
+            elif (
+                args
+                and isinstance(msg, str)
+                and msg.startswith(not_writing)
+                and uncacheable(args, msg)
+            ):
                 on_uncacheable(str(args[0]))
         except Exception:  # noqa: BLE001 - never raise into JAX's logging
             pass
@@ -246,11 +252,22 @@ def call_context(skip: int = 2) -> tuple[str | None, tuple[tuple[Any, str], ...]
             source = getattr(info, "func_src_info", None)
         elif code.co_name == CALL_FRAME and code.co_filename.endswith(CALL_FILE):
             local = frame.f_locals
-            info, args, kwargs = local.get("jit_info"), local.get("args", ()), local.get("kwargs", {})
+            info, args, kwargs = (
+                local.get("jit_info"),
+                local.get("args", ()),
+                local.get("kwargs", {}),
+            )
             if info is not None:
-                values = [(i, _value_text(args[i])) for i in getattr(info, "static_argnums", ()) if i < len(args)]
-                values += [(k, _value_text(kwargs[k])) for k in getattr(info, "static_argnames", ())
-                           if k in kwargs]
+                values = [
+                    (i, _value_text(args[i]))
+                    for i in getattr(info, "static_argnums", ())
+                    if i < len(args)
+                ]
+                values += [
+                    (k, _value_text(kwargs[k]))
+                    for k in getattr(info, "static_argnames", ())
+                    if k in kwargs
+                ]
                 statics = tuple(values)
             break
         frame = frame.f_back
@@ -291,7 +308,8 @@ def entry_bytes(compiled: Any, seconds: float) -> bytes:
 
     executable = compiled._executable.xla_executable
     return compilation_cache.compress_executable(
-        compilation_cache.combine_executable_and_time(executable.serialize(), int(seconds)))
+        compilation_cache.combine_executable_and_time(executable.serialize(), int(seconds))
+    )
 
 
 # -- what the key is made of ---------------------------------------------------------------
@@ -348,8 +366,11 @@ def pjrt_pickler_classes() -> tuple[type, type, type]:
     from jax._src.lib import xla_client
     from jax.experimental import serialize_executable
 
-    return (serialize_executable._JaxPjrtPickler, serialize_executable._JaxPjrtUnpickler,
-            xla_client.LoadedExecutable)
+    return (
+        serialize_executable._JaxPjrtPickler,
+        serialize_executable._JaxPjrtUnpickler,
+        xla_client.LoadedExecutable,
+    )
 
 
 def unloaded_executable(compiled: Any) -> Any | None:
@@ -443,17 +464,32 @@ def _persistent_cache_key(lowered: Any) -> str | None:
         return None  # a program over several processes compiles collectively: every process must call it
     in_shardings = tuple(pxla.maybe_concretize_mesh(s, devices) for s in args["in_shardings"])
     out_shardings = tuple(pxla.maybe_concretize_mesh(s, devices) for s in args["out_shardings"])
-    to_inputs, to_outputs = pxla.get_prop_to_input_output(in_shardings, out_shardings,
-                                                          len(args["ordered_effects"]))
+    to_inputs, to_outputs = pxla.get_prop_to_input_output(
+        in_shardings, out_shardings, len(args["ordered_effects"])
+    )
     device_array = np.vectorize(lambda i: devices[i], otypes=[object])(np.arange(len(devices)))
     hlo, backend = computation._hlo, args["backend"]
     options = dict(computation._compiler_options_kvs)
-    if "spmd_lowering" in _parameters(pxla.create_compile_options):  # jax 0.9: mesh, SPMD and pmap arguments
-        options = pxla.create_compile_options(hlo, None, args["spmd_lowering"], args["tuple_args"], False,
-                                              to_inputs, to_outputs, backend, device_array, 1, options)
+    if "spmd_lowering" in _parameters(
+        pxla.create_compile_options
+    ):  # jax 0.9: mesh, SPMD and pmap arguments
+        options = pxla.create_compile_options(
+            hlo,
+            None,
+            args["spmd_lowering"],
+            args["tuple_args"],
+            False,
+            to_inputs,
+            to_outputs,
+            backend,
+            device_array,
+            1,
+            options,
+        )
     else:  # jax 0.10 - 0.12
-        options = pxla.create_compile_options(hlo, args["tuple_args"], to_inputs, to_outputs, backend,
-                                              device_array, options)
+        options = pxla.create_compile_options(
+            hlo, args["tuple_args"], to_inputs, to_outputs, backend, device_array, options
+        )
     # The callback-ignoring mode as compiler._get_cache_key picks it (an enum in 0.9 and 0.10, a bool
     # in 0.12); not that function itself, whose is_cache_used() would open the cache as a side effect.
     remove = config.remove_custom_partitioning_ptr_from_cache_key.value

@@ -29,12 +29,17 @@ def to_jsonable(obj: Any) -> Any:
     """Dataclasses, datetimes, enums and paths as plain JSON values."""
     if type(obj) in _SCALARS:  # exact types: an enum that is also a str still goes below
         return obj
-    layout = _layout(type(obj)) if dataclasses.is_dataclass(obj) and not isinstance(obj, type) else None
+    layout = (
+        _layout(type(obj)) if dataclasses.is_dataclass(obj) and not isinstance(obj, type) else None
+    )
     if layout is not None:
         fields, extra = layout
-        data = {name: _rounded(value, digits) if digits is not None else
-                (value if type(value) in _SCALARS else to_jsonable(value))
-                for name, digits, value in ((n, d, getattr(obj, n)) for n, d in fields)}
+        data = {
+            name: _rounded(value, digits)
+            if digits is not None
+            else (value if type(value) in _SCALARS else to_jsonable(value))
+            for name, digits, value in ((n, d, getattr(obj, n)) for n, d in fields)
+        }
         for name in extra:
             data[name] = to_jsonable(getattr(obj, name))
         return data
@@ -59,8 +64,11 @@ def to_jsonable(obj: Any) -> Any:
 def _layout(cls: type) -> tuple[tuple[tuple[str, int | None], ...], tuple[str, ...]]:
     """A dataclass's JSON fields (name, decimals to round to) and extra properties, read once per
     class: a plan of 100k entries asks 100k times."""
-    fields = tuple((f.name, f.metadata.get("round")) for f in dataclasses.fields(cls)
-                   if f.metadata.get("json", True))
+    fields = tuple(
+        (f.name, f.metadata.get("round"))
+        for f in dataclasses.fields(cls)
+        if f.metadata.get("json", True)
+    )
     return fields, tuple(getattr(cls, "__json_extra__", ()))
 
 

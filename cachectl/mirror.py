@@ -120,7 +120,9 @@ class PushResult:
         return not self.refused and not self.failed
 
 
-def _parallel(fn: Callable[[str], T], items: Iterable[str], workers: int) -> list[tuple[str, T | Exception]]:
+def _parallel(
+    fn: Callable[[str], T], items: Iterable[str], workers: int
+) -> list[tuple[str, T | Exception]]:
     """Run ``fn`` over items in a thread pool; exceptions come back as values."""
     items = list(items)
 
@@ -132,7 +134,9 @@ def _parallel(fn: Callable[[str], T], items: Iterable[str], workers: int) -> lis
 
     if len(items) <= 1 or workers <= 1:
         return [guarded(i) for i in items]
-    with ThreadPoolExecutor(max_workers=min(workers, len(items)), thread_name_prefix="cachectl-mirror") as pool:
+    with ThreadPoolExecutor(
+        max_workers=min(workers, len(items)), thread_name_prefix="cachectl-mirror"
+    ) as pool:
         return list(pool.map(guarded, items))
 
 
@@ -170,8 +174,11 @@ def prepare_mirror_dir(dest: str | os.PathLike[str], env: Environment) -> Path:
             f"mirror {directory} holds environment {existing.digest[:16]}, not this one ({env.digest[:16]}): "
             "pull into another directory (one per environment)"
         )
-    if existing is None and directory.is_dir() and any(
-            classify(p.name) is Kind.ENTRY for p in directory.iterdir() if p.is_file()):
+    if (
+        existing is None
+        and directory.is_dir()
+        and any(classify(p.name) is Kind.ENTRY for p in directory.iterdir() if p.is_file())
+    ):
         raise BadInput(
             f"mirror {directory} already holds JAX entries but no {ENV_FILE}, so nobody knows their "
             "environment: pull into an empty directory"
@@ -189,8 +196,12 @@ class _Tampered(Exception):
 AOT_REASON = "stored executable: "
 
 
-def _local_state(directory: Path, expected: dict[str, tuple[int, str]],
-                 verify_existing: bool, suffix: str = CACHE_SUFFIX) -> tuple[int, list[str]]:
+def _local_state(
+    directory: Path,
+    expected: dict[str, tuple[int, str]],
+    verify_existing: bool,
+    suffix: str = CACHE_SUFFIX,
+) -> tuple[int, list[str]]:
     """(files already in the mirror, keys to fetch): a size check, or a re-hash if asked."""
     present = 0
     todo: list[str] = []
@@ -209,10 +220,18 @@ def _local_state(directory: Path, expected: dict[str, tuple[int, str]],
     return present, todo
 
 
-def pull_namespace(index: Index, cache: CacheInfo, env: Environment, dest: str | os.PathLike[str], *,
-                   workers: int = DEFAULT_WORKERS, dry_run: bool = False, verify_existing: bool = False,
-                   store: Store | Callable[[], Store] | None = None,
-                   skip_storage_if_complete: bool = False) -> PullResult:
+def pull_namespace(
+    index: Index,
+    cache: CacheInfo,
+    env: Environment,
+    dest: str | os.PathLike[str],
+    *,
+    workers: int = DEFAULT_WORKERS,
+    dry_run: bool = False,
+    verify_existing: bool = False,
+    store: Store | Callable[[], Store] | None = None,
+    skip_storage_if_complete: bool = False,
+) -> PullResult:
     """Copy ``env``'s verified entries from ``cache`` to ``dest`` (the library behind pull).
 
     ``skip_storage_if_complete`` (what activate(mirror=) uses): when the mirror
@@ -239,16 +258,27 @@ def pull_namespace(index: Index, cache: CacheInfo, env: Environment, dest: str |
     else:
         existing = read_mirror_env(directory) if directory.is_dir() else None
         if existing is not None and existing.digest != env.digest:
-            raise BadInput(f"mirror {directory} holds environment {existing.digest[:16]}, not this one "
-                           f"({env.digest[:16]}): pull into another directory")
+            raise BadInput(
+                f"mirror {directory} holds environment {existing.digest[:16]}, not this one "
+                f"({env.digest[:16]}): pull into another directory"
+            )
     present, todo = _local_state(directory, expected, verify_existing)
     aot_present, aot_todo = _local_state(directory, expected_aot, verify_existing, AOT_SUFFIX)
     if skip_storage_if_complete and not todo and not aot_todo:
         return PullResult(
-            cache=cache.name, environment=env.digest, namespace=ns,
-            source=f"{cache.root_url.rstrip('/')}/{ns}", dest=str(directory), indexed=len(expected),
-            copied=0, present=present, bytes_copied=0, duration_s=time.monotonic() - started,
-            dry_run=dry_run, storage_listed=False, executables_indexed=len(expected_aot),
+            cache=cache.name,
+            environment=env.digest,
+            namespace=ns,
+            source=f"{cache.root_url.rstrip('/')}/{ns}",
+            dest=str(directory),
+            indexed=len(expected),
+            copied=0,
+            present=present,
+            bytes_copied=0,
+            duration_s=time.monotonic() - started,
+            dry_run=dry_run,
+            storage_listed=False,
+            executables_indexed=len(expected_aot),
             executables_present=aot_present,
         )
 
@@ -260,7 +290,7 @@ def pull_namespace(index: Index, cache: CacheInfo, env: Environment, dest: str |
     listed: dict[str, int] = {}
     listed_aot: dict[str, int] = {}
     for f in store.list(ns):
-        name = f.path[len(ns):].lstrip("/") if f.path.startswith(ns) else f.path
+        name = f.path[len(ns) :].lstrip("/") if f.path.startswith(ns) else f.path
         kind = classify(name)
         if kind is Kind.ENTRY:
             parsed = parse_entry_filename(name)
@@ -270,10 +300,14 @@ def pull_namespace(index: Index, cache: CacheInfo, env: Environment, dest: str |
             parsed = parse_aot_filename(name)
             assert parsed is not None
             listed_aot[parsed.key] = f.size
-    unknown = ("in storage but not in the index: not copied (run `cachectl verify` or "
-               "`cachectl sync` if it is legitimate)")
+    unknown = (
+        "in storage but not in the index: not copied (run `cachectl verify` or "
+        "`cachectl sync` if it is legitimate)"
+    )
     refused = [EntryProblem(k, unknown) for k in sorted(set(listed) - set(expected))]
-    refused += [EntryProblem(k, AOT_REASON + unknown) for k in sorted(set(listed_aot) - set(expected_aot))]
+    refused += [
+        EntryProblem(k, AOT_REASON + unknown) for k in sorted(set(listed_aot) - set(expected_aot))
+    ]
     missing = sorted(set(expected) - set(listed))
     todo = [k for k in todo if k in listed]
     aot_todo = [k for k in aot_todo if k in listed_aot]
@@ -293,10 +327,13 @@ def pull_namespace(index: Index, cache: CacheInfo, env: Environment, dest: str |
                 got = sha256(data)
                 want = want_of[key][1]
                 if got != want:
-                    raise _Tampered(f"sha256 {got[:16]}… in storage, {want[:16]}… in the index: not copied "
-                                    "(the object changed after it was recorded; run `cachectl verify`)")
+                    raise _Tampered(
+                        f"sha256 {got[:16]}… in storage, {want[:16]}… in the index: not copied "
+                        "(the object changed after it was recorded; run `cachectl verify`)"
+                    )
                 _atomic_write(directory / (key + suffix), data)
                 return len(data)
+
             return fetch
 
         in_mirror = {k for k in expected if k not in todo}
@@ -304,7 +341,11 @@ def pull_namespace(index: Index, cache: CacheInfo, env: Environment, dest: str |
             if isinstance(outcome, _Tampered):
                 refused.append(EntryProblem(key, str(outcome)))
             elif isinstance(outcome, NotRegularFile):
-                refused.append(EntryProblem(key, "not a regular file in storage (a symlink?): never read or copied"))
+                refused.append(
+                    EntryProblem(
+                        key, "not a regular file in storage (a symlink?): never read or copied"
+                    )
+                )
             elif isinstance(outcome, FileNotFoundError):
                 missing.append(key)  # deleted between listing and reading
             elif isinstance(outcome, Exception):
@@ -326,26 +367,59 @@ def pull_namespace(index: Index, cache: CacheInfo, env: Environment, dest: str |
                 aot_copied += 1
                 nbytes += outcome
     return PullResult(
-        cache=cache.name, environment=env.digest, namespace=ns, source=source, dest=str(directory),
-        indexed=len(expected), copied=copied, present=present, bytes_copied=nbytes,
-        refused=sorted(refused, key=lambda p: p.key), missing=sorted(missing), failed=failed,
-        duration_s=time.monotonic() - started, dry_run=dry_run,
-        executables_indexed=len(expected_aot), executables_copied=aot_copied, executables_present=aot_present,
+        cache=cache.name,
+        environment=env.digest,
+        namespace=ns,
+        source=source,
+        dest=str(directory),
+        indexed=len(expected),
+        copied=copied,
+        present=present,
+        bytes_copied=nbytes,
+        refused=sorted(refused, key=lambda p: p.key),
+        missing=sorted(missing),
+        failed=failed,
+        duration_s=time.monotonic() - started,
+        dry_run=dry_run,
+        executables_indexed=len(expected_aot),
+        executables_copied=aot_copied,
+        executables_present=aot_present,
     )
 
 
-def pull(ctx: Context, dest: str | os.PathLike[str], *, cache: CacheInfo | None = None,
-         env: Environment | None = None, workers: int = DEFAULT_WORKERS, dry_run: bool = False,
-         verify_existing: bool = False) -> PullResult:
+def pull(
+    ctx: Context,
+    dest: str | os.PathLike[str],
+    *,
+    cache: CacheInfo | None = None,
+    env: Environment | None = None,
+    workers: int = DEFAULT_WORKERS,
+    dry_run: bool = False,
+    verify_existing: bool = False,
+) -> PullResult:
     """`cachectl pull --to DIR`: this environment's verified entries, copied locally."""
     cache = cache or ctx.cache()
     env = env or ctx.environment()
-    return pull_namespace(ctx.index, cache, env, dest, workers=workers, dry_run=dry_run,
-                          verify_existing=verify_existing, store=ctx.store(cache))
+    return pull_namespace(
+        ctx.index,
+        cache,
+        env,
+        dest,
+        workers=workers,
+        dry_run=dry_run,
+        verify_existing=verify_existing,
+        store=ctx.store(cache),
+    )
 
 
-def push(ctx: Context, src: str | os.PathLike[str], *, cache: CacheInfo | None = None,
-         workers: int = DEFAULT_WORKERS, dry_run: bool = False) -> PushResult:
+def push(
+    ctx: Context,
+    src: str | os.PathLike[str],
+    *,
+    cache: CacheInfo | None = None,
+    workers: int = DEFAULT_WORKERS,
+    dry_run: bool = False,
+) -> PushResult:
     """`cachectl push --from DIR`: upload entries a local run wrote, and index them (origin "push").
 
     Only writers may push (exit 4 otherwise). Entries already shared are
@@ -356,7 +430,9 @@ def push(ctx: Context, src: str | os.PathLike[str], *, cache: CacheInfo | None =
     cache = cache or ctx.cache()
     directory = Path(src).expanduser().absolute()
     if not directory.is_dir():
-        raise BadInput(f"--from {directory} is not a directory: give the mirror directory a run wrote to")
+        raise BadInput(
+            f"--from {directory} is not a directory: give the mirror directory a run wrote to"
+        )
     env = read_mirror_env(directory)
     if env is None:
         raise BadInput(
@@ -409,17 +485,25 @@ def push(ctx: Context, src: str | os.PathLike[str], *, cache: CacheInfo | None =
                 already += 1
                 shared[key] = expected[key]
             else:
-                conflicts.append(EntryProblem(key, "the shared namespace holds other bytes for this key: kept theirs"))
+                conflicts.append(
+                    EntryProblem(
+                        key, "the shared namespace holds other bytes for this key: kept theirs"
+                    )
+                )
             continue
         parsed = parse_entry_filename(key + CACHE_SUFFIX)
         assert parsed is not None
         try:
-            candidates.append(ingest.NewObject(ingest.check_new(cache, parsed, data, origin="push"), data))
+            candidates.append(
+                ingest.NewObject(ingest.check_new(cache, parsed, data, origin="push"), data)
+            )
         except ingest.Refused as exc:
             refused.append(EntryProblem(key, f"{exc.message}: not uploaded"))
     local_sha = {o.row.key: o.row.sha256 for o in candidates}
     local_sha.update({k: v[1] for k, v in shared.items()})
-    aot_candidates = _executables_to_push(directory, local_aot, local_sha, expected_aot, conflicts, refused, failed)
+    aot_candidates = _executables_to_push(
+        directory, local_aot, local_sha, expected_aot, conflicts, refused, failed
+    )
 
     uploaded = nbytes = aot_uploaded = 0
     if dry_run:
@@ -427,6 +511,7 @@ def push(ctx: Context, src: str | os.PathLike[str], *, cache: CacheInfo | None =
         aot_uploaded = len(aot_candidates)
         nbytes = sum(o.row.size for o in candidates) + sum(len(d) for d in aot_candidates.values())
     elif candidates or aot_candidates:
+
         def with_executable(row: NewEntry, entry: bytes | Path | None) -> ingest.NewObject:
             data = aot_candidates.get(row.key)
             if data is not None:
@@ -434,15 +519,36 @@ def push(ctx: Context, src: str | os.PathLike[str], *, cache: CacheInfo | None =
             return ingest.NewObject(row, entry, data)
 
         objects = [with_executable(o.row, o.entry) for o in candidates]
-        for key in sorted(set(aot_candidates) & set(shared)):  # an executable beside an entry already shared
+        for key in sorted(
+            set(aot_candidates) & set(shared)
+        ):  # an executable beside an entry already shared
             parsed = parse_entry_filename(key + CACHE_SUFFIX)
             assert parsed is not None
-            objects.append(with_executable(NewEntry(key=key, module=parsed.module, size=shared[key][0],
-                                                    sha256=shared[key][1], origin="push"), None))
-        published = ingest.publish(ctx.index, cache, env, info.id, store, objects,
-                                   parallel=lambda fn, keys: _parallel(fn, keys, workers))
+            objects.append(
+                with_executable(
+                    NewEntry(
+                        key=key,
+                        module=parsed.module,
+                        size=shared[key][0],
+                        sha256=shared[key][1],
+                        origin="push",
+                    ),
+                    None,
+                )
+            )
+        published = ingest.publish(
+            ctx.index,
+            cache,
+            env,
+            info.id,
+            store,
+            objects,
+            parallel=lambda fn, keys: _parallel(fn, keys, workers),
+        )
         for key, (what, exc) in published.failed.items():
-            failed.append(EntryProblem(key, (AOT_REASON if what == "executable" else "") + _error(exc)))
+            failed.append(
+                EntryProblem(key, (AOT_REASON if what == "executable" else "") + _error(exc))
+            )
         for row in published.rows:
             if row.key not in shared:
                 uploaded += 1
@@ -452,23 +558,49 @@ def push(ctx: Context, src: str | os.PathLike[str], *, cache: CacheInfo | None =
                 nbytes += row.aot_size
     duration = time.monotonic() - started
     if not dry_run:
-        ctx.index.audit("push", cache=cache.name, entries=uploaded, nbytes=nbytes,
-                        duration_ms=int(duration * 1000),
-                        details={"environment": env.digest, "source": str(directory),
-                                 "already_shared": already, "conflicts": len(conflicts),
-                                 "refused": len(refused), "failed": len(failed),
-                                 "executables_uploaded": aot_uploaded})
+        ctx.index.audit(
+            "push",
+            cache=cache.name,
+            entries=uploaded,
+            nbytes=nbytes,
+            duration_ms=int(duration * 1000),
+            details={
+                "environment": env.digest,
+                "source": str(directory),
+                "already_shared": already,
+                "conflicts": len(conflicts),
+                "refused": len(refused),
+                "failed": len(failed),
+                "executables_uploaded": aot_uploaded,
+            },
+        )
     return PushResult(
-        cache=cache.name, environment=env.digest, namespace=ns, source=str(directory),
-        dest=store.url_for(ns), uploaded=uploaded, bytes_uploaded=nbytes, already_shared=already,
-        conflicts=conflicts, refused=refused, failed=failed, duration_s=duration, dry_run=dry_run,
+        cache=cache.name,
+        environment=env.digest,
+        namespace=ns,
+        source=str(directory),
+        dest=store.url_for(ns),
+        uploaded=uploaded,
+        bytes_uploaded=nbytes,
+        already_shared=already,
+        conflicts=conflicts,
+        refused=refused,
+        failed=failed,
+        duration_s=duration,
+        dry_run=dry_run,
         executables_uploaded=aot_uploaded,
     )
 
 
-def _executables_to_push(directory: Path, keys: list[str], entry_sha: dict[str, str],
-                         shared_aot: dict[str, tuple[int, str]], conflicts: list[EntryProblem],
-                         refused: list[EntryProblem], failed: list[EntryProblem]) -> dict[str, bytes]:
+def _executables_to_push(
+    directory: Path,
+    keys: list[str],
+    entry_sha: dict[str, str],
+    shared_aot: dict[str, tuple[int, str]],
+    conflicts: list[EntryProblem],
+    refused: list[EntryProblem],
+    failed: list[EntryProblem],
+) -> dict[str, bytes]:
     """The local ``-aot`` files worth uploading: intact, made for the entry bytes being shared,
     not shared already. Problems are appended to the lists given."""
     out: dict[str, bytes] = {}
@@ -482,8 +614,13 @@ def _executables_to_push(directory: Path, keys: list[str], entry_sha: dict[str, 
             continue
         if key in shared_aot:
             if shared_aot[key][1] != sha256(data):
-                conflicts.append(EntryProblem(key, AOT_REASON + "the shared namespace holds another one for "
-                                                   "this key: kept theirs"))
+                conflicts.append(
+                    EntryProblem(
+                        key,
+                        AOT_REASON + "the shared namespace holds another one for "
+                        "this key: kept theirs",
+                    )
+                )
             continue
         try:
             ingest.check_executable(key, data, entry_sha[key])

@@ -139,14 +139,18 @@ def _capturing() -> Iterator[_Capture]:
 def _param_names(fn: Any) -> list[str]:
     target = getattr(fn, "__wrapped__", fn)
     try:
-        return [p.name for p in inspect.signature(target).parameters.values()
-                if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        return [
+            p.name
+            for p in inspect.signature(target).parameters.values()
+            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+        ]
     except (TypeError, ValueError):
         return []
 
 
-def _origins(spec: Any, args: tuple[Any, ...], kwargs: dict[str, Any], names: list[str]
-             ) -> list[tuple[Any, str | None, str, Any]]:
+def _origins(
+    spec: Any, args: tuple[Any, ...], kwargs: dict[str, Any], names: list[str]
+) -> list[tuple[Any, str | None, str, Any]]:
     import jax
 
     static_nums = set(spec.jit.static_argnums)
@@ -154,7 +158,11 @@ def _origins(spec: Any, args: tuple[Any, ...], kwargs: dict[str, Any], names: li
     out: list[tuple[Any, str | None, str, Any]] = []
     for a, value in enumerate(args):
         pname = names[a] if a < len(names) else None
-        if a in static_nums or (pname is not None and pname in static_names) or spec.args[a].kind == "value":
+        if (
+            a in static_nums
+            or (pname is not None and pname in static_names)
+            or spec.args[a].kind == "value"
+        ):
             continue
         shape = spec.args[a].shape if spec.args[a].kind == "array" else None
         for path, _leaf in jax.tree_util.tree_flatten_with_path(value)[0]:
@@ -180,8 +188,9 @@ def _statics(spec: Any, bucket_values: dict[str, Any], names: list[str]) -> dict
     return out
 
 
-def expected_signatures(manifest_path: str | Path, *, function: str | None = None
-                        ) -> list[ExpectedSignature]:
+def expected_signatures(
+    manifest_path: str | Path, *, function: str | None = None
+) -> list[ExpectedSignature]:
     """Lower every bucket of the manifest (no compile) and record its signature."""
 
     manifest = load_manifest(manifest_path)
@@ -200,16 +209,31 @@ def expected_signatures(manifest_path: str | Path, *, function: str | None = Non
             fn = jitted[spec.name]
             args, kwargs = build_call(spec, bucket, paths)
             with _capturing() as capture:
-                lowered = fn.trace(*args, **kwargs).lower() if hasattr(fn, "trace") else fn.lower(*args, **kwargs)
-            module = str(lowered.compiler_ir("stablehlo").operation.attributes["sym_name"]).strip('"')
+                lowered = (
+                    fn.trace(*args, **kwargs).lower()
+                    if hasattr(fn, "trace")
+                    else fn.lower(*args, **kwargs)
+                )
+            module = str(lowered.compiler_ir("stablehlo").operation.attributes["sym_name"]).strip(
+                '"'
+            )
             if function is not None and function not in (module, spec.name):
                 continue
             leaves = capture.seen[-1][1] if capture.seen else ()
             names = _param_names(fn)
             origins = _origins(spec, args, kwargs, names)
-            out.append(ExpectedSignature(spec.name, module, dict(bucket.values), bucket.label, leaves,
-                                         tuple(origins) if len(origins) == len(leaves) else None,
-                                         _statics(spec, bucket.values, names), tuple(names)))
+            out.append(
+                ExpectedSignature(
+                    spec.name,
+                    module,
+                    dict(bucket.values),
+                    bucket.label,
+                    leaves,
+                    tuple(origins) if len(origins) == len(leaves) else None,
+                    _statics(spec, bucket.values, names),
+                    tuple(names),
+                )
+            )
     return out
 
 
@@ -229,8 +253,12 @@ def _distance(a: Sequence[jax_seam.Leaf], b: Sequence[jax_seam.Leaf]) -> float:
     d = 0.0
     for x, y in zip(a, b, strict=True):
         if x[0] != y[0]:
-            if len(x[0]) == len(y[0]):  # a bucket the size pads into is nearer than one it overflows
-                d += 1 + sum(1.5 if _gt(p, q) else 1 for p, q in zip(x[0], y[0], strict=True) if p != q)
+            if len(x[0]) == len(
+                y[0]
+            ):  # a bucket the size pads into is nearer than one it overflows
+                d += 1 + sum(
+                    1.5 if _gt(p, q) else 1 for p, q in zip(x[0], y[0], strict=True) if p != q
+                )
             else:
                 d += 8
         d += (x[1] != y[1]) + (x[2] != y[2]) + (x[3] != y[3])
@@ -253,12 +281,19 @@ def _fmt(values: Sequence[Any]) -> str:
     return "(" + ", ".join(str(v) for v in values) + ")"
 
 
-_PY_SCALAR = {"float32": "float", "float64": "float", "int32": "int", "int64": "int", "bool": "bool",
-              "complex64": "complex"}
+_PY_SCALAR = {
+    "float32": "float",
+    "float64": "float",
+    "int32": "int",
+    "int64": "int",
+    "bool": "bool",
+    "complex64": "complex",
+}
 
 
-def _explain(row: SignatureRow, exp: ExpectedSignature, buckets: dict[str, list[Any]],
-             n_missed: int) -> list[MissFinding]:
+def _explain(
+    row: SignatureRow, exp: ExpectedSignature, buckets: dict[str, list[Any]], n_missed: int
+) -> list[MissFinding]:
     module = row.function
     observed = [_leaf(x) for x in row.leaves]
     found: list[MissFinding] = []
@@ -269,8 +304,18 @@ def _explain(row: SignatureRow, exp: ExpectedSignature, buckets: dict[str, list[
         if dedupe in said:
             return
         said.add(dedupe)
-        found.append(MissFinding(module, exp.name, kind, message, bucket=exp.label, requests=row.requests,
-                                 misses=n_missed, **kw))
+        found.append(
+            MissFinding(
+                module,
+                exp.name,
+                kind,
+                message,
+                bucket=exp.label,
+                requests=row.requests,
+                misses=n_missed,
+                **kw,
+            )
+        )
 
     for i, (o, e) in enumerate(zip(observed, exp.leaves, strict=True)):
         a, pname, path = _where(module, exp, i)
@@ -281,7 +326,11 @@ def _explain(row: SignatureRow, exp: ExpectedSignature, buckets: dict[str, list[
                 for d, (ov, ev) in enumerate(zip(o[0], e[0], strict=True)):
                     if ov == ev:
                         continue
-                    axis = spec_shape[d] if spec_shape is not None and isinstance(spec_shape[d], str) else None
+                    axis = (
+                        spec_shape[d]
+                        if spec_shape is not None and isinstance(spec_shape[d], str)
+                        else None
+                    )
                     if axis is not None and axis in buckets:
                         values = sorted(buckets[axis])
                         bigger = [v for v in values if v >= ov]
@@ -289,67 +338,144 @@ def _explain(row: SignatureRow, exp: ExpectedSignature, buckets: dict[str, list[
                             fix = f"{axis}={ov} is a bucket but not with the other axes' values (excluded?)"
                             msg = f"{_arg_text(module, a, pname, '')}: {fix}"
                         elif bigger:
-                            msg = (f"{_arg_text(module, a, pname, '')}: {axis} {ov} not a bucket {_fmt(values)}: "
-                                   f"pad to {bigger[0]}, or add {ov}")
+                            msg = (
+                                f"{_arg_text(module, a, pname, '')}: {axis} {ov} not a bucket {_fmt(values)}: "
+                                f"pad to {bigger[0]}, or add {ov}"
+                            )
                         else:
-                            msg = (f"{_arg_text(module, a, pname, '')}: {axis} {ov} above the largest bucket "
-                                   f"{_fmt(values)}: add {ov}")
-                        add("shape", msg, arg=a, leaf=path or None, field=f"shape[{d}]:{axis}", observed=ov,
-                            expected=values)
+                            msg = (
+                                f"{_arg_text(module, a, pname, '')}: {axis} {ov} above the largest bucket "
+                                f"{_fmt(values)}: add {ov}"
+                            )
+                        add(
+                            "shape",
+                            msg,
+                            arg=a,
+                            leaf=path or None,
+                            field=f"shape[{d}]:{axis}",
+                            observed=ov,
+                            expected=values,
+                        )
                     else:
-                        add("shape", f"{where}: dim {d} is {ov} vs {ev} in every bucket: fix it or bucket it",
-                            arg=a, leaf=path or None, field=f"shape[{d}]", observed=ov, expected=ev)
+                        add(
+                            "shape",
+                            f"{where}: dim {d} is {ov} vs {ev} in every bucket: fix it or bucket it",
+                            arg=a,
+                            leaf=path or None,
+                            field=f"shape[{d}]",
+                            observed=ov,
+                            expected=ev,
+                        )
             else:
-                add("shape", f"{where}: shape {list(o[0])} vs {list(e[0])}: another rank", arg=a,
-                    leaf=path or None, field="shape", observed=list(o[0]), expected=list(e[0]))
+                add(
+                    "shape",
+                    f"{where}: shape {list(o[0])} vs {list(e[0])}: another rank",
+                    arg=a,
+                    leaf=path or None,
+                    field="shape",
+                    observed=list(o[0]),
+                    expected=list(e[0]),
+                )
         if o[1] != e[1]:
-            add("dtype", f"{where}: dtype {o[1]} vs {e[1]}: cast it to {e[1]}", arg=a, leaf=path or None,
-                field="dtype", observed=o[1], expected=e[1])
+            add(
+                "dtype",
+                f"{where}: dtype {o[1]} vs {e[1]}: cast it to {e[1]}",
+                arg=a,
+                leaf=path or None,
+                field="dtype",
+                observed=o[1],
+                expected=e[1],
+            )
         if o[2] != e[2]:
             if o[2]:
                 py = _PY_SCALAR.get(o[1], "scalar")
                 msg = f"{where}: {o[1]} weak_type (a Python {py}) vs {e[1]}: pass np.{e[1]}(...)"
             else:
                 msg = f"{where}: {o[1]} vs {e[1]} weak_type in the manifest: pass a Python scalar, or drop weak_type"
-            add("weak_type", msg, arg=a, leaf=path or None, field="weak_type", observed=o[2], expected=e[2])
+            add(
+                "weak_type",
+                msg,
+                arg=a,
+                leaf=path or None,
+                field="weak_type",
+                observed=o[2],
+                expected=e[2],
+            )
         if o[3] != e[3]:
             if o[3] is not None and e[3] is None:
-                fix = ("add sharding: single_device" if o[3].startswith("SingleDeviceSharding")
-                       else "add the mesh and sharding it uses")
+                fix = (
+                    "add sharding: single_device"
+                    if o[3].startswith("SingleDeviceSharding")
+                    else "add the mesh and sharding it uses"
+                )
                 msg = f"{where}: sharding {o[3]} vs none: the service commits its arrays; {fix}"
             elif o[3] is None:
-                msg = (f"{where}: sharding none vs {e[3]}: the service passes uncommitted arrays; "
-                       "drop sharding from the manifest, or jax.device_put them")
+                msg = (
+                    f"{where}: sharding none vs {e[3]}: the service passes uncommitted arrays; "
+                    "drop sharding from the manifest, or jax.device_put them"
+                )
             else:
                 msg = f"{where}: sharding {o[3]} vs {e[3]}: match the manifest's sharding to the service's"
-            add("sharding", msg, arg=a, leaf=path or None, field="sharding", observed=o[3], expected=e[3])
+            add(
+                "sharding",
+                msg,
+                arg=a,
+                leaf=path or None,
+                field="sharding",
+                observed=o[3],
+                expected=e[3],
+            )
     return found
 
 
-def _static_finding(row: SignatureRow, exp: ExpectedSignature, statics: dict[str, list[Any]],
-                    n_missed: int) -> MissFinding:
+def _static_finding(
+    row: SignatureRow, exp: ExpectedSignature, statics: dict[str, list[Any]], n_missed: int
+) -> MissFinding:
     module = row.function
     for k, text in row.statics or []:
         name = exp.params[k] if isinstance(k, int) and k < len(exp.params) else str(k)
         warmed = statics.get(name)
         if warmed is not None and text not in {repr(v) for v in warmed}:
-            return MissFinding(module, exp.name, "static",
-                               f"{module} static {name}={text} not among {_fmt(warmed)}", arg=name,
-                               field="static", observed=text, expected=warmed, bucket=exp.label,
-                               requests=row.requests, misses=n_missed)
+            return MissFinding(
+                module,
+                exp.name,
+                "static",
+                f"{module} static {name}={text} not among {_fmt(warmed)}",
+                arg=name,
+                field="static",
+                observed=text,
+                expected=warmed,
+                bucket=exp.label,
+                requests=row.requests,
+                misses=n_missed,
+            )
     if statics:
         known = "; ".join(f"{k} among {_fmt(v)}" for k, v in statics.items())
-        msg = (f"{module} arguments match bucket [{exp.label}] but the program differs: a static argument "
-               f"value is not a bucket (warmed: {known}), or a jit option differs")
+        msg = (
+            f"{module} arguments match bucket [{exp.label}] but the program differs: a static argument "
+            f"value is not a bucket (warmed: {known}), or a jit option differs"
+        )
     else:
-        msg = (f"{module} arguments match bucket [{exp.label}] but the program differs: a static argument "
-               "or a jit option differs from the manifest's")
-    return MissFinding(module, exp.name, "static", msg, field="static", expected=statics or None,
-                       bucket=exp.label, requests=row.requests, misses=n_missed)
+        msg = (
+            f"{module} arguments match bucket [{exp.label}] but the program differs: a static argument "
+            "or a jit option differs from the manifest's"
+        )
+    return MissFinding(
+        module,
+        exp.name,
+        "static",
+        msg,
+        field="static",
+        expected=statics or None,
+        bucket=exp.label,
+        requests=row.requests,
+        misses=n_missed,
+    )
 
 
-def _explosions(module: str, name: str | None, rows: list[SignatureRow],
-                expected: list[ExpectedSignature]) -> list[MissFinding]:
+def _explosions(
+    module: str, name: str | None, rows: list[SignatureRow], expected: list[ExpectedSignature]
+) -> list[MissFinding]:
     by_dim: dict[tuple[int, int], set[int]] = {}
     for r in rows:
         for i, leaf in enumerate(r.leaves):
@@ -371,11 +497,19 @@ def _explosions(module: str, name: str | None, rows: list[SignatureRow],
             continue
         done.add(label)
         what = f"{axis} lengths" if axis else f"sizes of input {i} dim {d}"
-        out.append(MissFinding(module, name, "explosion",
-                               f"{module} compiled {len(values)} distinct {what} ({min(values)}..{max(values)}): "
-                               f"bucket {axis or f'input {i} dim {d}'}",
-                               field=f"shape[{d}]" + (f":{axis}" if axis else ""), observed=sorted(values),
-                               requests=sum(r.requests for r in rows), misses=len(rows)))
+        out.append(
+            MissFinding(
+                module,
+                name,
+                "explosion",
+                f"{module} compiled {len(values)} distinct {what} ({min(values)}..{max(values)}): "
+                f"bucket {axis or f'input {i} dim {d}'}",
+                field=f"shape[{d}]" + (f":{axis}" if axis else ""),
+                observed=sorted(values),
+                requests=sum(r.requests for r in rows),
+                misses=len(rows),
+            )
+        )
     return out
 
 
@@ -398,8 +532,14 @@ def warmed_manifest(index: Any, cache: str) -> str | None:
     return None
 
 
-def misses(ctx: Any, *, since: timedelta, function: str | None = None, manifest: str | Path | None = None,
-           cache: str | None = None) -> MissesReport:
+def misses(
+    ctx: Any,
+    *,
+    since: timedelta,
+    function: str | None = None,
+    manifest: str | Path | None = None,
+    cache: str | None = None,
+) -> MissesReport:
     """Every missed signature in ``cache`` over the window, explained against the manifest."""
     info = ctx.cache(cache)
     rows = signature_usage(ctx.index, info.name, since, function=None)
@@ -449,33 +589,77 @@ def misses(ctx: Any, *, since: timedelta, function: str | None = None, manifest:
         candidates = [e for e in by_module.get(r.function, []) if len(e.leaves) == len(leaves)]
         if candidates:
             nearest = min(candidates, key=lambda e: _distance(leaves, e.leaves))
-        missed.append(MissedSignature(r.function, r.digest, r.leaves, r.requests, n_missed, r.uncacheable,
-                                      r.repeats, nearest.label if nearest else None, r.last_seen,
-                                      r.source, r.statics))
+        missed.append(
+            MissedSignature(
+                r.function,
+                r.digest,
+                r.leaves,
+                r.requests,
+                n_missed,
+                r.uncacheable,
+                r.repeats,
+                nearest.label if nearest else None,
+                r.last_seen,
+                r.source,
+                r.statics,
+            )
+        )
         if r.repeats:
-            findings.append(MissFinding(
-                r.function, names.get(r.function), "rejit",
-                f"{r.function} compiled {r.requests} programs with identical shapes: the function object "
-                "changes per call (a lambda or partial jitted inside a loop): jit it once at module level",
-                field="function", observed=r.requests, requests=r.requests, misses=n_missed))
+            findings.append(
+                MissFinding(
+                    r.function,
+                    names.get(r.function),
+                    "rejit",
+                    f"{r.function} compiled {r.requests} programs with identical shapes: the function object "
+                    "changes per call (a lambda or partial jitted inside a loop): jit it once at module level",
+                    field="function",
+                    observed=r.requests,
+                    requests=r.requests,
+                    misses=n_missed,
+                )
+            )
         if not n_missed:
             continue
         per_module_missed.setdefault(r.function, []).append(r)
         if r.digest == "*":
-            findings.append(MissFinding(r.function or "?", None, "overflow",
-                                        f"{r.requests} compile requests beyond the signature bound were not "
-                                        "recorded one by one", requests=r.requests, misses=n_missed))
+            findings.append(
+                MissFinding(
+                    r.function or "?",
+                    None,
+                    "overflow",
+                    f"{r.requests} compile requests beyond the signature bound were not "
+                    "recorded one by one",
+                    requests=r.requests,
+                    misses=n_missed,
+                )
+            )
         elif not by_module:
             continue  # no manifest: the explosion and re-jit findings still apply
         elif not in_manifest:
-            findings.append(MissFinding(r.function, None, "not_in_manifest",
-                                        f"{r.function} is not in the manifest: add it (or stop compiling it)",
-                                        requests=r.requests, misses=n_missed))
+            findings.append(
+                MissFinding(
+                    r.function,
+                    None,
+                    "not_in_manifest",
+                    f"{r.function} is not in the manifest: add it (or stop compiling it)",
+                    requests=r.requests,
+                    misses=n_missed,
+                )
+            )
         elif nearest is None:
-            findings.append(MissFinding(r.function, names.get(r.function), "shape",
-                                        f"{r.function}: {len(leaves)} inputs, no bucket has that many "
-                                        "(another pytree structure?)", field="structure",
-                                        observed=len(leaves), requests=r.requests, misses=n_missed))
+            findings.append(
+                MissFinding(
+                    r.function,
+                    names.get(r.function),
+                    "shape",
+                    f"{r.function}: {len(leaves)} inputs, no bucket has that many "
+                    "(another pytree structure?)",
+                    field="structure",
+                    observed=len(leaves),
+                    requests=r.requests,
+                    misses=n_missed,
+                )
+            )
         else:
             diffs = _explain(r, nearest, buckets_of.get(r.function, {}), n_missed)
             if diffs:
@@ -491,8 +675,16 @@ def misses(ctx: Any, *, since: timedelta, function: str | None = None, manifest:
         findings.extend(_explosions(module, names.get(module), mrows, by_module.get(module, [])))
     total = [r for r in rows]
     return MissesReport(
-        cache=info.name, since=utcnow() - since, manifest=str(manifest) if manifest else None,
-        signatures=len(total), requests=sum(r.requests for r in total), hits=sum(r.hits for r in total),
-        misses=sum(r.misses for r in total), uncacheable=sum(r.uncacheable for r in total),
-        covered=covered if expected else None, missed=missed, findings=findings,
-        uncacheable_functions=uncacheable_fns)
+        cache=info.name,
+        since=utcnow() - since,
+        manifest=str(manifest) if manifest else None,
+        signatures=len(total),
+        requests=sum(r.requests for r in total),
+        hits=sum(r.hits for r in total),
+        misses=sum(r.misses for r in total),
+        uncacheable=sum(r.uncacheable for r in total),
+        covered=covered if expected else None,
+        missed=missed,
+        findings=findings,
+        uncacheable_functions=uncacheable_fns,
+    )

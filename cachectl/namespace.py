@@ -48,10 +48,14 @@ def read_env_json(store: Store, relpath: str) -> Environment:
     except FileNotFoundError:
         raise
     except (ValueError, TypeError, KeyError, AttributeError) as exc:
-        raise BadInput(f"corrupt {location}: {exc}; move it aside and run `cachectl sync` to rebuild") from exc
+        raise BadInput(
+            f"corrupt {location}: {exc}; move it aside and run `cachectl sync` to rebuild"
+        ) from exc
     recorded = data.get("digest")
     if recorded and recorded != env.digest:
-        raise BadInput(f"corrupt {location}: digest {recorded[:16]} does not match its fields ({env.digest[:16]})")
+        raise BadInput(
+            f"corrupt {location}: digest {recorded[:16]} does not match its fields ({env.digest[:16]})"
+        )
     return env
 
 
@@ -66,7 +70,9 @@ def ensure_namespace(store: Store, env: Environment, *, group: str | None = None
     if store.exists(f"{rel}/{ENV_FILE}"):
         existing = read_env_json(store, rel)
         if existing.digest != env.digest:
-            raise BadInput(f"namespace {store.url_for(rel)} holds env.json of another environment ({existing.digest[:16]})")
+            raise BadInput(
+                f"namespace {store.url_for(rel)} holds env.json of another environment ({existing.digest[:16]})"
+            )
         return
     store.write_bytes(f"{rel}/{ENV_FILE}", env.env_json().encode())
 
@@ -81,7 +87,9 @@ def check_local_root(path: str) -> None:
     real = os.path.realpath(path)
     for pseudo in _PSEUDO_ROOTS:
         if real == pseudo or real.startswith(pseudo + "/"):
-            raise BadInput(f"cache root {path!r} is under {pseudo}, a pseudo filesystem: use a real directory")
+            raise BadInput(
+                f"cache root {path!r} is under {pseudo}, a pseudo filesystem: use a real directory"
+            )
     probe = real
     while not os.path.exists(probe):
         parent = os.path.dirname(probe)
@@ -89,7 +97,11 @@ def check_local_root(path: str) -> None:
             break
         probe = parent
     if not os.path.isdir(probe):
-        what = "exists and is not a directory" if probe == real else f"is below {probe!r}, which is not a directory"
+        what = (
+            "exists and is not a directory"
+            if probe == real
+            else f"is below {probe!r}, which is not a directory"
+        )
         raise BadInput(f"cache root {path!r} {what}: use a directory")
 
 
@@ -102,7 +114,9 @@ def prepare_root(store: Store, group: str | None) -> None:
     try:
         store.makedirs("", mode=GROUP_DIR_MODE if group else DIR_MODE)
     except OSError as exc:
-        raise BadInput(f"cannot create cache root {root!r}: {exc.strerror or type(exc).__name__}") from None
+        raise BadInput(
+            f"cannot create cache root {root!r}: {exc.strerror or type(exc).__name__}"
+        ) from None
     if not os.access(root, os.W_OK | os.X_OK):
         raise BadInput(f"cache root {root!r} is not writable by this user")
     if group:

@@ -30,21 +30,46 @@ from cachectl.units import parse_duration
 class Operations(Protocol):
     """What a command asks for; ``cache`` is ``ctx.settings.cache`` unless named."""
 
-    def prune(self, *, older_than: str | None = None, unused_for: str | None = None,
-              jax_version: str | None = None, superseded: bool = False, keep: int | None = None,
-              env: str | None = None, function: str | None = None, dry_run: bool = False,
-              batch_size: int = DELETE_BATCH) -> LifecycleResult: ...
+    def prune(
+        self,
+        *,
+        older_than: str | None = None,
+        unused_for: str | None = None,
+        jax_version: str | None = None,
+        superseded: bool = False,
+        keep: int | None = None,
+        env: str | None = None,
+        function: str | None = None,
+        dry_run: bool = False,
+        batch_size: int = DELETE_BATCH,
+    ) -> LifecycleResult: ...
 
-    def gc(self, *, policy: str = "lru", max_size: str | None = None, protect_warm: bool = False,
-           dry_run: bool = False, batch_size: int = DELETE_BATCH) -> GcResult: ...
+    def gc(
+        self,
+        *,
+        policy: str = "lru",
+        max_size: str | None = None,
+        protect_warm: bool = False,
+        dry_run: bool = False,
+        batch_size: int = DELETE_BATCH,
+    ) -> GcResult: ...
 
-    def verify(self, *, env: str | None = None, quarantine: bool = False, repair: bool = False,
-               dry_run: bool = False, min_age: str = "10m", deep: bool = False) -> VerifyResult: ...
+    def verify(
+        self,
+        *,
+        env: str | None = None,
+        quarantine: bool = False,
+        repair: bool = False,
+        dry_run: bool = False,
+        min_age: str = "10m",
+        deep: bool = False,
+    ) -> VerifyResult: ...
 
     def telemetry_stats(self, cache: str, since: str) -> TelemetryStats: ...
 
-    def create_token(self, name: str, role: str, caches: list[str] | None,
-                     expires: str | None) -> CreatedToken: ...
+    def create_token(
+        self, name: str, role: str, caches: list[str] | None, expires: str | None
+    ) -> CreatedToken: ...
 
     def list_tokens(self) -> list[TokenInfo]: ...
 
@@ -62,34 +87,87 @@ class LocalOperations:
     def __init__(self, ctx: Context) -> None:
         self.ctx = ctx
 
-    def prune(self, *, older_than: str | None = None, unused_for: str | None = None,
-              jax_version: str | None = None, superseded: bool = False, keep: int | None = None,
-              env: str | None = None, function: str | None = None, dry_run: bool = False,
-              batch_size: int = DELETE_BATCH) -> LifecycleResult:
-        crit = prune_lib.criteria(older_than=older_than, unused_for=unused_for, jax_version=jax_version,
-                                  superseded=superseded, keep=keep, env=env, function=function)
-        return prune_lib.prune(self.ctx, self.ctx.cache(), crit, dry_run=dry_run, batch_size=batch_size)
+    def prune(
+        self,
+        *,
+        older_than: str | None = None,
+        unused_for: str | None = None,
+        jax_version: str | None = None,
+        superseded: bool = False,
+        keep: int | None = None,
+        env: str | None = None,
+        function: str | None = None,
+        dry_run: bool = False,
+        batch_size: int = DELETE_BATCH,
+    ) -> LifecycleResult:
+        crit = prune_lib.criteria(
+            older_than=older_than,
+            unused_for=unused_for,
+            jax_version=jax_version,
+            superseded=superseded,
+            keep=keep,
+            env=env,
+            function=function,
+        )
+        return prune_lib.prune(
+            self.ctx, self.ctx.cache(), crit, dry_run=dry_run, batch_size=batch_size
+        )
 
-    def gc(self, *, policy: str = "lru", max_size: str | None = None, protect_warm: bool = False,
-           dry_run: bool = False, batch_size: int = DELETE_BATCH) -> GcResult:
-        return gc_lib.gc(self.ctx, self.ctx.cache(), policy=policy, max_size=max_size, protect_warm=protect_warm,
-                         dry_run=dry_run, batch_size=batch_size)
+    def gc(
+        self,
+        *,
+        policy: str = "lru",
+        max_size: str | None = None,
+        protect_warm: bool = False,
+        dry_run: bool = False,
+        batch_size: int = DELETE_BATCH,
+    ) -> GcResult:
+        return gc_lib.gc(
+            self.ctx,
+            self.ctx.cache(),
+            policy=policy,
+            max_size=max_size,
+            protect_warm=protect_warm,
+            dry_run=dry_run,
+            batch_size=batch_size,
+        )
 
-    def verify(self, *, env: str | None = None, quarantine: bool = False, repair: bool = False,
-               dry_run: bool = False, min_age: str = "10m", deep: bool = False) -> VerifyResult:
+    def verify(
+        self,
+        *,
+        env: str | None = None,
+        quarantine: bool = False,
+        repair: bool = False,
+        dry_run: bool = False,
+        min_age: str = "10m",
+        deep: bool = False,
+    ) -> VerifyResult:
         age = min_age_of(min_age)
-        return verify_lib.verify(self.ctx, self.ctx.cache(), env_prefix=env, quarantine=quarantine,
-                                 repair=repair, dry_run=dry_run, min_age=age, deep=deep)
+        return verify_lib.verify(
+            self.ctx,
+            self.ctx.cache(),
+            env_prefix=env,
+            quarantine=quarantine,
+            repair=repair,
+            dry_run=dry_run,
+            min_age=age,
+            deep=deep,
+        )
 
     def telemetry_stats(self, cache: str, since: str) -> TelemetryStats:
         return telemetry_stats(self.ctx.index, cache, parse_duration(since))
 
-    def create_token(self, name: str, role: str, caches: list[str] | None,
-                     expires: str | None) -> CreatedToken:
-        created = tokens.create_token(self.ctx.index, name, role, caches,
-                                      parse_duration(expires) if expires else None)
-        self.ctx.index.audit("token-create", cache=None,
-                             details={"name": name, "role": role, "caches": list(caches or ())})
+    def create_token(
+        self, name: str, role: str, caches: list[str] | None, expires: str | None
+    ) -> CreatedToken:
+        created = tokens.create_token(
+            self.ctx.index, name, role, caches, parse_duration(expires) if expires else None
+        )
+        self.ctx.index.audit(
+            "token-create",
+            cache=None,
+            details={"name": name, "role": role, "caches": list(caches or ())},
+        )
         return created
 
     def list_tokens(self) -> list[TokenInfo]:
@@ -113,34 +191,96 @@ class ServerOperations:
         body = {k: v for k, v in params.items() if v is not None and v is not False}
         return self.client.run_job(self.ctx.settings.cache, kind, body, result_type)
 
-    def prune(self, *, older_than: str | None = None, unused_for: str | None = None,
-              jax_version: str | None = None, superseded: bool = False, keep: int | None = None,
-              env: str | None = None, function: str | None = None, dry_run: bool = False,
-              batch_size: int = DELETE_BATCH) -> LifecycleResult:
+    def prune(
+        self,
+        *,
+        older_than: str | None = None,
+        unused_for: str | None = None,
+        jax_version: str | None = None,
+        superseded: bool = False,
+        keep: int | None = None,
+        env: str | None = None,
+        function: str | None = None,
+        dry_run: bool = False,
+        batch_size: int = DELETE_BATCH,
+    ) -> LifecycleResult:
         # Bad selectors are bad input here, before the server is asked.
-        prune_lib.criteria(older_than=older_than, unused_for=unused_for, jax_version=jax_version,
-                           superseded=superseded, keep=keep, env=env, function=function)
-        return self._job("prune", LifecycleResult, {
-            "older_than": older_than, "unused_for": unused_for, "jax_version": jax_version,
-            "superseded": superseded, "keep": keep, "env": env, "function": function, "dry_run": dry_run})
+        prune_lib.criteria(
+            older_than=older_than,
+            unused_for=unused_for,
+            jax_version=jax_version,
+            superseded=superseded,
+            keep=keep,
+            env=env,
+            function=function,
+        )
+        return self._job(
+            "prune",
+            LifecycleResult,
+            {
+                "older_than": older_than,
+                "unused_for": unused_for,
+                "jax_version": jax_version,
+                "superseded": superseded,
+                "keep": keep,
+                "env": env,
+                "function": function,
+                "dry_run": dry_run,
+            },
+        )
 
-    def gc(self, *, policy: str = "lru", max_size: str | None = None, protect_warm: bool = False,
-           dry_run: bool = False, batch_size: int = DELETE_BATCH) -> GcResult:
-        return self._job("gc", GcResult, {"policy": policy, "max_size": max_size, "protect_warm": protect_warm,
-                                          "dry_run": dry_run})
+    def gc(
+        self,
+        *,
+        policy: str = "lru",
+        max_size: str | None = None,
+        protect_warm: bool = False,
+        dry_run: bool = False,
+        batch_size: int = DELETE_BATCH,
+    ) -> GcResult:
+        return self._job(
+            "gc",
+            GcResult,
+            {
+                "policy": policy,
+                "max_size": max_size,
+                "protect_warm": protect_warm,
+                "dry_run": dry_run,
+            },
+        )
 
-    def verify(self, *, env: str | None = None, quarantine: bool = False, repair: bool = False,
-               dry_run: bool = False, min_age: str = "10m", deep: bool = False) -> VerifyResult:
+    def verify(
+        self,
+        *,
+        env: str | None = None,
+        quarantine: bool = False,
+        repair: bool = False,
+        dry_run: bool = False,
+        min_age: str = "10m",
+        deep: bool = False,
+    ) -> VerifyResult:
         min_age_of(min_age)
-        return self._job("verify", VerifyResult, {"env": env, "quarantine": quarantine, "repair": repair,
-                                                  "dry_run": dry_run, "min_age": min_age})
+        return self._job(
+            "verify",
+            VerifyResult,
+            {
+                "env": env,
+                "quarantine": quarantine,
+                "repair": repair,
+                "dry_run": dry_run,
+                "min_age": min_age,
+            },
+        )
 
     def telemetry_stats(self, cache: str, since: str) -> TelemetryStats:
         parse_duration(since)
-        return decode(TelemetryStats, self.client.get(f"{API}/caches/{_seg(cache)}/telemetry", since=since))
+        return decode(
+            TelemetryStats, self.client.get(f"{API}/caches/{_seg(cache)}/telemetry", since=since)
+        )
 
-    def create_token(self, name: str, role: str, caches: list[str] | None,
-                     expires: str | None) -> CreatedToken:
+    def create_token(
+        self, name: str, role: str, caches: list[str] | None, expires: str | None
+    ) -> CreatedToken:
         return self.client.create_token(name, role, caches, expires)
 
     def list_tokens(self) -> list[TokenInfo]:

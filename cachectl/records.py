@@ -91,18 +91,25 @@ def actor() -> str:
     return f"{user}@{socket.gethostname()}"
 
 
-def pick_environment(cache: str, prefix: str,
-                     environments: Callable[[], Iterable[EnvironmentInfo]]) -> EnvironmentInfo:
+def pick_environment(
+    cache: str, prefix: str, environments: Callable[[], Iterable[EnvironmentInfo]]
+) -> EnvironmentInfo:
     """The one environment whose digest starts with ``prefix``; unknown or ambiguous prefixes are bad input."""
     prefix = prefix.strip().lower()
     if not prefix or any(c not in "0123456789abcdef" for c in prefix):
-        raise BadInput(f"bad environment digest prefix {prefix!r}: use hex digits from `cachectl ls`")
+        raise BadInput(
+            f"bad environment digest prefix {prefix!r}: use hex digits from `cachectl ls`"
+        )
     matches = [e for e in environments() if e.digest.startswith(prefix)]
     if not matches:
-        raise NotFound(f"no environment in cache {cache!r} has a digest starting {prefix!r}: see `cachectl ls`")
+        raise NotFound(
+            f"no environment in cache {cache!r} has a digest starting {prefix!r}: see `cachectl ls`"
+        )
     if len(matches) > 1:
         names = ", ".join(m.digest[:16] for m in matches[:5])
-        raise BadInput(f"environment prefix {prefix!r} matches {len(matches)} environments ({names}): give more digits")
+        raise BadInput(
+            f"environment prefix {prefix!r} matches {len(matches)} environments ({names}): give more digits"
+        )
     return matches[0]
 
 

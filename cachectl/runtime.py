@@ -77,6 +77,7 @@ def jax_config_for(path: str, env: Environment, readonly: bool) -> dict[str, Any
 
 def env_vars_for(config: dict[str, Any]) -> dict[str, str]:
     """JAX reads each option from JAX_<NAME> too: the same settings for `cachectl env`."""
+
     def text(value: Any) -> str:
         return str(value).lower() if isinstance(value, bool) else str(value)
 
@@ -107,8 +108,6 @@ def apply_jax_config(config: dict[str, Any]) -> None:
         jax.config.update(name, value)
     if opened is None:
         jax_seam.reset_persistent_cache()  # let JAX open the new directory at its next compile
-
-
 
 
 def _jax_compiled_already() -> bool:
@@ -170,14 +169,17 @@ def _fast_index(settings: Any) -> tuple[FastIndex, CacheInfo] | None:
         info = fast.get_cache(settings.cache)
     except sqlite3.Error:
         info = None
-    if info is None:  # the embedded default not created yet, or a typo: the SQLAlchemy path says which
+    if (
+        info is None
+    ):  # the embedded default not created yet, or a typo: the SQLAlchemy path says which
         fast.close()
         return None
     return fast, info
 
 
-def open_service_index(settings: Any, problems: list[str], *, fast: bool = False
-                       ) -> tuple[Index | FastIndex | None, CacheInfo | None]:
+def open_service_index(
+    settings: Any, problems: list[str], *, fast: bool = False
+) -> tuple[Index | FastIndex | None, CacheInfo | None]:
     """The index and this cache's policy; a failure becomes one problem line.
 
     ``fast``: a caller that only reads the policy and records the environment may get a
@@ -204,6 +206,7 @@ def _touch_environment_later(settings: Any, env: Environment) -> None:
     """Mark a known environment seen from a thread: the write, its commit and the WAL checkpoint
     when its connection closes (fsyncs, ~4 ms) stay off the service's start. Exit waits for it,
     bounded; where the stdlib path cannot, the SQLAlchemy path records it (still in the thread)."""
+
     def run() -> None:
         try:
             if not service_sqlite.touch(settings.db, settings.cache, env.digest):
@@ -216,9 +219,15 @@ def _touch_environment_later(settings: Any, env: Environment) -> None:
     atexit.register(thread.join, RECORD_EXIT_TIMEOUT_S)
 
 
-def activate(cache: str | None = None, *, root: str | None = None, readonly: bool | None = None,
-             telemetry: bool = True, mirror: str | os.PathLike[str] | None = None,
-             db: str | None = None) -> Activation:
+def activate(
+    cache: str | None = None,
+    *,
+    root: str | None = None,
+    readonly: bool | None = None,
+    telemetry: bool = True,
+    mirror: str | os.PathLike[str] | None = None,
+    db: str | None = None,
+) -> Activation:
     """Resolve this process's namespace and point JAX's persistent cache at it.
 
     Call it before the first compile. ``readonly`` defaults to the cache's
@@ -246,25 +255,45 @@ def activate(cache: str | None = None, *, root: str | None = None, readonly: boo
     # start, so skip it (and the SQLAlchemy import, ~40% of JAX's own import
     # time); the environment is recorded from a background thread instead.
     deferred = settings.root is not None and settings.readonly is not None and mirror is None
-    index, cache_info = (None, None) if deferred else open_service_index(settings, problems, fast=mirror is None)
+    index, cache_info = (
+        (None, None) if deferred else open_service_index(settings, problems, fast=mirror is None)
+    )
 
     root_url = settings.root or (cache_info.root_url if cache_info else None)
     if root_url is None and cache_name == DEFAULT_CACHE:
         root_url = settings.default_root
     if root_url is None:
-        message = (f"cachectl: cache {cache_name!r} not activated: {'; '.join(problems)}; "
-                   "set CACHECTL_ROOT to run without the index")
+        message = (
+            f"cachectl: cache {cache_name!r} not activated: {'; '.join(problems)}; "
+            "set CACHECTL_ROOT to run without the index"
+        )
         _warn(message)
-        return Activation(cache_name, "", "", env.digest, False, False, warning=message,
-                          compiled_before=compiled_before)
+        return Activation(
+            cache_name,
+            "",
+            "",
+            env.digest,
+            False,
+            False,
+            warning=message,
+            compiled_before=compiled_before,
+        )
 
     try:
         root_url = normalize_url(root_url)
     except CachectlError as exc:
         message = f"cachectl: cache {cache_name!r} not activated: {exc.message}"
         _warn(message)
-        return Activation(cache_name, "", "", env.digest, False, False, warning=message,
-                          compiled_before=compiled_before)
+        return Activation(
+            cache_name,
+            "",
+            "",
+            env.digest,
+            False,
+            False,
+            warning=message,
+            compiled_before=compiled_before,
+        )
 
     if settings.readonly is not None:
         ro = settings.readonly
@@ -283,7 +312,11 @@ def activate(cache: str | None = None, *, root: str | None = None, readonly: boo
             store = Store(root_url, options)
             path = store.url_for(env.namespace)
         except Exception as exc:  # noqa: BLE001 - JAX gets the URL and warns itself if it cannot use it
-            problems.append(f"storage client for {root_url} failed ({type(exc).__name__}: {exc})".splitlines()[0])
+            problems.append(
+                f"storage client for {root_url} failed ({type(exc).__name__}: {exc})".splitlines()[
+                    0
+                ]
+            )
             path = f"{root_url.rstrip('/')}/{env.namespace}"
     else:
         path = os.path.abspath(os.path.expanduser(os.fspath(mirror)))
@@ -297,20 +330,28 @@ def activate(cache: str | None = None, *, root: str | None = None, readonly: boo
     pulled = None
     if mirror is not None:
         # The object-store client is built only if the mirror lacks something.
-        pulled = _sql_side().prepare_mirror(index, cache_info, env, lambda: Store(root_url, options), path, problems)
+        pulled = _sql_side().prepare_mirror(
+            index, cache_info, env, lambda: Store(root_url, options), path, problems
+        )
     elif not ro and store is not None:
-        _prepare_namespace(root_url, fail_fast_options(root_url, options), env, cache_info, problems)
+        _prepare_namespace(
+            root_url, fail_fast_options(root_url, options), env, cache_info, problems
+        )
 
     if compiled_before and _initialized_cache_dir() is None:
-        problems.append("JAX compiled before cachectl.activate(): those programs were not read from "
-                        "or written to the managed cache; call activate() before the first jax.jit")
+        problems.append(
+            "JAX compiled before cachectl.activate(): those programs were not read from "
+            "or written to the managed cache; call activate() before the first jax.jit"
+        )
     apply_jax_config(jax_config_for(path, env, ro))
 
     indexed = False
     if index is not None and cache_info is not None:
         try:
-            if (isinstance(index, service_sqlite.FastIndex)
-                    and index.environment_id(cache_info.name, env.digest) is not None):
+            if (
+                isinstance(index, service_sqlite.FastIndex)
+                and index.environment_id(cache_info.name, env.digest) is not None
+            ):
                 _touch_environment_later(settings, env)
             elif index.ensure_environment(cache_info.name, env) is None:
                 # The stdlib path found no row for this environment: create it the SQLAlchemy way.
@@ -325,8 +366,12 @@ def activate(cache: str | None = None, *, root: str | None = None, readonly: boo
     if telemetry:
         target = _start_telemetry(settings, cache_name, env, problems)
     elif deferred and not settings.server:
-        threading.Thread(target=_record_environment, args=(settings, env),
-                         name="cachectl-record-env", daemon=True).start()
+        threading.Thread(
+            target=_record_environment,
+            args=(settings, env),
+            name="cachectl-record-env",
+            daemon=True,
+        ).start()
     if index is not None:
         index.close()
 
@@ -334,13 +379,28 @@ def activate(cache: str | None = None, *, root: str | None = None, readonly: boo
     if problems:
         warning = "cachectl: " + "; ".join(problems)
         _warn(warning)
-    return Activation(cache_name, env.namespace, path, env.digest, ro, indexed, telemetry=target,
-                      warning=warning, mirror=path if mirror is not None else None, pull=pulled,
-                      compiled_before=compiled_before)
+    return Activation(
+        cache_name,
+        env.namespace,
+        path,
+        env.digest,
+        ro,
+        indexed,
+        telemetry=target,
+        warning=warning,
+        mirror=path if mirror is not None else None,
+        pull=pulled,
+        compiled_before=compiled_before,
+    )
 
 
-def _prepare_namespace(root_url: str, options: dict[str, Any], env: Environment,
-                       cache_info: CacheInfo | None, problems: list[str]) -> None:
+def _prepare_namespace(
+    root_url: str,
+    options: dict[str, Any],
+    env: Environment,
+    cache_info: CacheInfo | None,
+    problems: list[str],
+) -> None:
     """Create the namespace and its env.json for a writer (bounded on object stores).
 
     cachectl.namespace (and the entry format it pulls in) is imported here, not at the top: a
@@ -366,13 +426,17 @@ def _default_root(settings: Any) -> str | None:
         return None
 
 
-def _start_telemetry(settings: Any, cache_name: str, env: Environment, problems: list[str]) -> str | None:
+def _start_telemetry(
+    settings: Any, cache_name: str, env: Environment, problems: list[str]
+) -> str | None:
     try:
         sink: telemetry.TelemetrySink
         if settings.server:  # server mode: batches go to POST /api/v1/telemetry
             sink = telemetry.ServerSink(_index_side(settings).service_client(settings))
         else:
-            sink = telemetry.IndexSink(settings.db, cache_name, env, create_cache_at=_default_root(settings))
+            sink = telemetry.IndexSink(
+                settings.db, cache_name, env, create_cache_at=_default_root(settings)
+            )
         telemetry.start(cache=cache_name, environment=env, sink=sink)
         return sink.describe()
     except Exception as exc:  # noqa: BLE001 - telemetry is optional

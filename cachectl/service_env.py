@@ -103,8 +103,10 @@ def _fallback(ctx: Context, readonly: bool | None, exc: Exception) -> ServiceEnv
             url = Store(normalize_url(settings.default_root)).url_for(env.namespace)
             source = "the embedded default cache"
     if url is None:
-        raise BadInput(f"index unavailable ({reason}) and no namespace known for cache {settings.cache!r}: "
-                       "set CACHECTL_ROOT to run without the index")
+        raise BadInput(
+            f"index unavailable ({reason}) and no namespace known for cache {settings.cache!r}: "
+            "set CACHECTL_ROOT to run without the index"
+        )
     if readonly is None:
         readonly = settings.readonly if settings.readonly is not None else True
     variables = env_vars_for(jax_config_for(url, env, readonly))

@@ -31,7 +31,11 @@ def _quick_index(url: str) -> Index:
 
 def _missing_schema(exc: Exception) -> bool:
     text = str(exc).lower()
-    return "no such table" in text or "undefinedtable" in text or ("does not exist" in text and "relation" in text)
+    return (
+        "no such table" in text
+        or "undefinedtable" in text
+        or ("does not exist" in text and "relation" in text)
+    )
 
 
 def index_with(url: str, first: Callable[[Index], T]) -> tuple[Index, T]:
@@ -66,9 +70,16 @@ def open_for_service(settings: Any) -> tuple[Index, CacheInfo]:
     return index_with(settings.db, lambda i: i.get_cache(settings.cache))
 
 
-def prepare_mirror(index: Index | None, cache_info: CacheInfo | None, env: Environment,
-                    store: Callable[[], Store], directory: str, problems: list[str]) -> PullResult | None:
+def prepare_mirror(
+    index: Index | None,
+    cache_info: CacheInfo | None,
+    env: Environment,
+    store: Callable[[], Store],
+    directory: str,
+    problems: list[str],
+) -> PullResult | None:
     """Pull verified entries into the mirror; on any failure keep what the mirror holds."""
+
     def keep_local(reason: str) -> None:
         problems.append(f"mirror {directory} not refreshed ({reason})")
         try:
@@ -80,7 +91,9 @@ def prepare_mirror(index: Index | None, cache_info: CacheInfo | None, env: Envir
         keep_local("the index is needed to verify entries")
         return None
     try:
-        result = pull_namespace(index, cache_info, env, directory, store=store, skip_storage_if_complete=True)
+        result = pull_namespace(
+            index, cache_info, env, directory, store=store, skip_storage_if_complete=True
+        )
     except CachectlError as exc:
         keep_local(exc.message)
         return None
@@ -88,17 +101,24 @@ def prepare_mirror(index: Index | None, cache_info: CacheInfo | None, env: Envir
         keep_local(f"{type(exc).__name__}: {exc}".splitlines()[0][:300])
         return None
     if result.refused:
-        problems.append(f"mirror {directory}: refused {len(result.refused)} entr"
-                        f"{'y' if len(result.refused) == 1 else 'ies'} that did not match the index "
-                        f"(e.g. {result.refused[0].key}: {result.refused[0].reason}); see `cachectl pull`")
+        problems.append(
+            f"mirror {directory}: refused {len(result.refused)} entr"
+            f"{'y' if len(result.refused) == 1 else 'ies'} that did not match the index "
+            f"(e.g. {result.refused[0].key}: {result.refused[0].reason}); see `cachectl pull`"
+        )
     if result.failed:
-        problems.append(f"mirror {directory}: {len(result.failed)} entries failed to copy "
-                        f"({result.failed[0].reason})")
+        problems.append(
+            f"mirror {directory}: {len(result.failed)} entries failed to copy "
+            f"({result.failed[0].reason})"
+        )
     return result
 
 
-def record_environment(db_url: str, cache_name: str, env: Environment, create_cache_at: str | None) -> None:
+def record_environment(
+    db_url: str, cache_name: str, env: Environment, create_cache_at: str | None
+) -> None:
     """Record this environment in the index, off the start path; failures only logged."""
+
     def record(index: Index) -> None:
         if create_cache_at:
             index.ensure_cache(cache_name, create_cache_at)
@@ -111,5 +131,11 @@ def record_environment(db_url: str, cache_name: str, env: Environment, create_ca
         log.debug("cachectl: could not record environment %s: %s", env.digest[:16], exc)
 
 
-__all__ = ["PullResult", "index_with", "open_for_service", "prepare_mirror", "record_environment",
-           "record_telemetry"]
+__all__ = [
+    "PullResult",
+    "index_with",
+    "open_for_service",
+    "prepare_mirror",
+    "record_environment",
+    "record_telemetry",
+]

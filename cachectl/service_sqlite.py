@@ -36,16 +36,28 @@ from cachectl.telemetry.rows import (
 SCHEMA_REVISION = "0008"
 BUSY_TIMEOUT_S = 30.0  # cachectl.index.db.SQLITE_BUSY_TIMEOUT_MS: writers wait, never fail at once
 
-_CACHE_COLUMNS = ("name", "root_url", "max_size_bytes", "max_entry_size_bytes", "env_max_size_bytes",
-                  "retention_seconds", "keep_versions", "writers", "service_writes", "group_name",
-                  "storage_options", "created_at", "trusted_keys")
+_CACHE_COLUMNS = (
+    "name",
+    "root_url",
+    "max_size_bytes",
+    "max_entry_size_bytes",
+    "env_max_size_bytes",
+    "retention_seconds",
+    "keep_versions",
+    "writers",
+    "service_writes",
+    "group_name",
+    "storage_options",
+    "created_at",
+    "trusted_keys",
+)
 
 
 def sqlite_path(url: str) -> Path | None:
     """The file of a plain ``sqlite:///PATH`` URL (the driver and query forms go the SQLAlchemy way)."""
     if not url.startswith("sqlite:///") or "?" in url:
         return None
-    path = unquote(url[len("sqlite:///"):])
+    path = unquote(url[len("sqlite:///") :])
     if not path or path == ":memory:":
         return None
     return Path(path).expanduser()
@@ -78,17 +90,27 @@ class FastIndex:
         self.conn.close()
 
     def get_cache(self, name: str) -> CacheInfo | None:
-        row = self.conn.execute(f"SELECT {', '.join(_CACHE_COLUMNS)} FROM caches WHERE name = ?", (name,)).fetchone()
+        row = self.conn.execute(
+            f"SELECT {', '.join(_CACHE_COLUMNS)} FROM caches WHERE name = ?", (name,)
+        ).fetchone()
         if row is None:
             return None
         r = dict(zip(_CACHE_COLUMNS, row, strict=True))
         return CacheInfo(
-            name=r["name"], root_url=r["root_url"], max_size=r["max_size_bytes"],
-            max_entry_size=r["max_entry_size_bytes"], env_max_size=r["env_max_size_bytes"],
-            retention_seconds=r["retention_seconds"], keep_versions=r["keep_versions"],
-            writers=tuple(json.loads(r["writers"] or "[]")), service_writes=r["service_writes"],
-            group=r["group_name"], storage_options=dict(json.loads(r["storage_options"] or "{}")),
-            created_at=_parse(r["created_at"]), trusted_keys=tuple(json.loads(r["trusted_keys"] or "[]")))
+            name=r["name"],
+            root_url=r["root_url"],
+            max_size=r["max_size_bytes"],
+            max_entry_size=r["max_entry_size_bytes"],
+            env_max_size=r["env_max_size_bytes"],
+            retention_seconds=r["retention_seconds"],
+            keep_versions=r["keep_versions"],
+            writers=tuple(json.loads(r["writers"] or "[]")),
+            service_writes=r["service_writes"],
+            group=r["group_name"],
+            storage_options=dict(json.loads(r["storage_options"] or "{}")),
+            created_at=_parse(r["created_at"]),
+            trusted_keys=tuple(json.loads(r["trusted_keys"] or "[]")),
+        )
 
     def touch_environment(self, cache: str, digest: str, now: datetime) -> int | None:
         """The environment's id, marked seen (and revived); None when it has no row yet."""
@@ -101,8 +123,10 @@ class FastIndex:
         env_id = self.environment_id(cache, digest)
         if env_id is None:
             return None
-        self.conn.execute("UPDATE environments SET last_seen_at = ?, deleted_at = NULL WHERE id = ?",
-                          (_stamp(now), env_id))
+        self.conn.execute(
+            "UPDATE environments SET last_seen_at = ?, deleted_at = NULL WHERE id = ?",
+            (_stamp(now), env_id),
+        )
         return env_id
 
     def flush(self, cache: str, digest: str, batch: TelemetryBatch, now: datetime) -> int | None:
@@ -119,7 +143,9 @@ class FastIndex:
         """The environment's id, read only (no transaction to commit); None when it has no row."""
         row = self.conn.execute(
             "SELECT e.id FROM environments e JOIN caches c ON c.id = e.cache_id "
-            "WHERE c.name = ? AND e.digest = ?", (cache, digest)).fetchone()
+            "WHERE c.name = ? AND e.digest = ?",
+            (cache, digest),
+        ).fetchone()
         return None if row is None else int(row[0])
 
     def ensure_environment(self, cache: str, env: Environment) -> int | None:
@@ -140,40 +166,97 @@ class FastIndex:
         c.executemany(
             "INSERT INTO telemetry (environment_id, at, process, function, requests, hits, misses, writes, "
             "saved_seconds, dropped, uncacheable) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-            [(r["environment_id"], _stamp(r["at"]), r["process"], r["function"], r["requests"], r["hits"],
-              r["misses"], r["writes"], r["saved_seconds"], r["dropped"], r["uncacheable"]) for r in rows])
+            [
+                (
+                    r["environment_id"],
+                    _stamp(r["at"]),
+                    r["process"],
+                    r["function"],
+                    r["requests"],
+                    r["hits"],
+                    r["misses"],
+                    r["writes"],
+                    r["saved_seconds"],
+                    r["dropped"],
+                    r["uncacheable"],
+                )
+                for r in rows
+            ],
+        )
         c.executemany(
             "INSERT INTO serving_telemetry (environment_id, at, process, function, calls, aot, fallback, "
             "out_of_bucket, padded, sizes) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-            [(r["environment_id"], _stamp(r["at"]), r["process"], r["function"], r["calls"], r["aot"],
-              r["fallback"], r["out_of_bucket"], r["padded"], _json(r["sizes"])) for r in serving])
+            [
+                (
+                    r["environment_id"],
+                    _stamp(r["at"]),
+                    r["process"],
+                    r["function"],
+                    r["calls"],
+                    r["aot"],
+                    r["fallback"],
+                    r["out_of_bucket"],
+                    r["padded"],
+                    _json(r["sizes"]),
+                )
+                for r in serving
+            ],
+        )
         # Last access never moves backwards, nor before the entry was created (Index.record_hits).
         c.executemany(
             "UPDATE entries SET hit_count = hit_count + ?, last_access_at = CASE "
             "WHEN COALESCE(last_access_at, created_at) < ? THEN ? ELSE COALESCE(last_access_at, created_at) END "
             "WHERE environment_id = ? AND key = ?",
-            [(n, _stamp(at), _stamp(at), env_id, key) for key, (n, at) in hit_times(batch, now).items()])
+            [
+                (n, _stamp(at), _stamp(at), env_id, key)
+                for key, (n, at) in hit_times(batch, now).items()
+            ],
+        )
         for module, mine in by_function(merged_signatures(batch)):
             marks = ", ".join("?" * (len(mine) + 1))
-            existing = [d for (d,) in c.execute(
-                f"SELECT digest FROM signatures WHERE environment_id = ? AND function = ? AND digest IN ({marks})",
-                (env_id, module, *mine, "*"))]
-            (total,) = c.execute("SELECT COUNT(*) FROM signatures WHERE environment_id = ? AND function = ?",
-                                 (env_id, module)).fetchone()
+            existing = [
+                d
+                for (d,) in c.execute(
+                    f"SELECT digest FROM signatures WHERE environment_id = ? AND function = ? AND digest IN ({marks})",
+                    (env_id, module, *mine, "*"),
+                )
+            ]
+            (total,) = c.execute(
+                "SELECT COUNT(*) FROM signatures WHERE environment_id = ? AND function = ?",
+                (env_id, module),
+            ).fetchone()
             for digest, v, new in placed_signatures(mine, existing, total):
                 if new:
                     c.execute(
                         "INSERT INTO signatures (environment_id, function, digest, key, leaves, source, statics, "
                         "requests, hits, misses, uncacheable, repeats, first_seen, last_seen) "
                         "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                        (env_id, module, digest, v["key"], _json(v["leaves"]), v["source"], _json(v["statics"]),
-                         *(v[k] for k in SIGNATURE_COUNTERS), _stamp(v["first_seen"]), _stamp(v["last_seen"])))
+                        (
+                            env_id,
+                            module,
+                            digest,
+                            v["key"],
+                            _json(v["leaves"]),
+                            v["source"],
+                            _json(v["statics"]),
+                            *(v[k] for k in SIGNATURE_COUNTERS),
+                            _stamp(v["first_seen"]),
+                            _stamp(v["last_seen"]),
+                        ),
+                    )
                 else:
                     c.execute(
                         "UPDATE signatures SET requests = requests + ?, hits = hits + ?, misses = misses + ?, "
                         "uncacheable = uncacheable + ?, repeats = repeats + ?, last_seen = MAX(last_seen, ?) "
                         "WHERE environment_id = ? AND function = ? AND digest = ?",
-                        (*(v[k] for k in SIGNATURE_COUNTERS), _stamp(v["last_seen"]), env_id, module, digest))
+                        (
+                            *(v[k] for k in SIGNATURE_COUNTERS),
+                            _stamp(v["last_seen"]),
+                            env_id,
+                            module,
+                            digest,
+                        ),
+                    )
         return len(rows) + len(serving)
 
 
@@ -198,7 +281,9 @@ def open_fast(url: str) -> FastIndex | None:
         return None
     conn = None
     try:
-        conn = sqlite3.connect(path, timeout=BUSY_TIMEOUT_S, isolation_level=None, check_same_thread=False)
+        conn = sqlite3.connect(
+            path, timeout=BUSY_TIMEOUT_S, isolation_level=None, check_same_thread=False
+        )
         conn.execute(f"PRAGMA busy_timeout={int(BUSY_TIMEOUT_S * 1000)}")
         conn.execute("PRAGMA foreign_keys=ON")
         conn.execute("PRAGMA synchronous=NORMAL")

@@ -25,13 +25,16 @@ def _count(text: str, source: str) -> int:
     return int(text)
 
 
-def resolve_shard(text: str | None, shards: int | None = None,
-                  environ: Mapping[str, str] | None = None) -> tuple[int, int] | None:
+def resolve_shard(
+    text: str | None, shards: int | None = None, environ: Mapping[str, str] | None = None
+) -> tuple[int, int] | None:
     """``--shard`` and ``--shards`` -> (I, N) with I from 1, or None for the whole manifest."""
     env = os.environ if environ is None else environ
     if text is None:
         if shards is not None:
-            raise BadInput("--shards N needs --shard auto (it gives the count of an Indexed Job's shards)")
+            raise BadInput(
+                "--shards N needs --shard auto (it gives the count of an Indexed Job's shards)"
+            )
         return None
     if text.strip().lower() != "auto":
         if shards is not None:
@@ -42,16 +45,22 @@ def resolve_shard(text: str | None, shards: int | None = None,
     elif env.get(COUNT_VAR, "").strip():
         n = _count(env[COUNT_VAR], COUNT_VAR)
     else:
-        raise BadInput(f"--shard auto: no shard count: pass --shards N or set {COUNT_VAR} "
-                       "(the Indexed Job's completions)")
+        raise BadInput(
+            f"--shard auto: no shard count: pass --shards N or set {COUNT_VAR} "
+            "(the Indexed Job's completions)"
+        )
     raw = env.get(INDEX_VAR, "").strip()
     if not raw:
-        raise BadInput(f"--shard auto: {INDEX_VAR} is not set (it is set in the pods of a "
-                       "Kubernetes Indexed Job); pass --shard I/N elsewhere")
+        raise BadInput(
+            f"--shard auto: {INDEX_VAR} is not set (it is set in the pods of a "
+            "Kubernetes Indexed Job); pass --shard I/N elsewhere"
+        )
     if not re.fullmatch(r"\d+", raw):
         raise BadInput(f"--shard auto: {INDEX_VAR} must be a whole number, got {raw!r}")
     index = int(raw)
     if index >= n:
-        raise BadInput(f"--shard auto: {INDEX_VAR}={index} is not below the shard count {n} "
-                       "(completions and --shards/CACHECTL_SHARDS must agree)")
+        raise BadInput(
+            f"--shard auto: {INDEX_VAR}={index} is not below the shard count {n} "
+            "(completions and --shards/CACHECTL_SHARDS must agree)"
+        )
     return index + 1, n

@@ -69,10 +69,12 @@ def key_id(public_key: str) -> str:
 def _raw(public_key: str) -> bytes:
     text = public_key.strip()
     if not text.startswith(PREFIX):
-        raise BadInput(f"not an Ed25519 public key {text[:40]!r}: expected 'ed25519:<base64>' "
-                       "(the .pub file `cachectl key generate` writes)")
+        raise BadInput(
+            f"not an Ed25519 public key {text[:40]!r}: expected 'ed25519:<base64>' "
+            "(the .pub file `cachectl key generate` writes)"
+        )
     try:
-        raw = base64.b64decode(text[len(PREFIX):], validate=True)
+        raw = base64.b64decode(text[len(PREFIX) :], validate=True)
     except ValueError as exc:
         raise BadInput(f"public key {text[:40]!r}: bad base64") from exc
     if len(raw) != 32:
@@ -83,7 +85,9 @@ def _raw(public_key: str) -> bytes:
 def _public_text(private: Any) -> str:
     from cryptography.hazmat.primitives import serialization
 
-    raw = private.public_key().public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+    raw = private.public_key().public_bytes(
+        serialization.Encoding.Raw, serialization.PublicFormat.Raw
+    )
     return PREFIX + base64.b64encode(raw).decode()
 
 
@@ -98,7 +102,9 @@ def parse_public_key(text: str) -> str:
     return PREFIX + base64.b64encode(raw).decode()
 
 
-def generate(path: str | os.PathLike[str], *, force: bool = False, dry_run: bool = False) -> KeyInfo:
+def generate(
+    path: str | os.PathLike[str], *, force: bool = False, dry_run: bool = False
+) -> KeyInfo:
     """Write a new private key to PATH (0600) and its public key to PATH.pub."""
     from cryptography.hazmat.primitives import serialization
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
@@ -108,15 +114,20 @@ def generate(path: str | os.PathLike[str], *, force: bool = False, dry_run: bool
     if not force:
         for p in (target, public_path):
             if p.exists():
-                raise BadInput(f"{p} exists: pass --force to replace it (signatures made with it stop verifying)")
+                raise BadInput(
+                    f"{p} exists: pass --force to replace it (signatures made with it stop verifying)"
+                )
     if target.parent.exists() and not target.parent.is_dir():
         raise BadInput(f"{target.parent} is not a directory")
     private = Ed25519PrivateKey.generate()
     public = _public_text(private)
     if not dry_run:
         target.parent.mkdir(mode=0o700, parents=True, exist_ok=True)  # like ssh-keygen's ~/.ssh
-        pem = private.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                    serialization.NoEncryption())
+        pem = private.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
         fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "wb") as fh:
             fh.write(pem)
@@ -155,8 +166,11 @@ def content_list(digest: str, files: Iterable[tuple[str, int, str]]) -> dict[str
     names = [n for n, _, _ in items]
     if len(set(names)) != len(names):
         raise BadInput("content list names a file twice")
-    return {"format": CONTENT_FORMAT, "environment": digest,
-            "files": [{"name": n, "size": s, "sha256": h} for n, s, h in items]}
+    return {
+        "format": CONTENT_FORMAT,
+        "environment": digest,
+        "files": [{"name": n, "size": s, "sha256": h} for n, s, h in items],
+    }
 
 
 def canonical(content: dict[str, Any]) -> bytes:
@@ -166,9 +180,13 @@ def canonical(content: dict[str, Any]) -> bytes:
 def sign(key: SigningKey, content: dict[str, Any]) -> dict[str, Any]:
     """``{"content", "key", "signature", "signed_at"}``: what the index and bundles keep."""
     signature = key.private.sign(canonical(content))
-    return {"content": content, "key": key.public_key, "key_id": key.key_id,
-            "signature": base64.b64encode(signature).decode(),
-            "signed_at": datetime.now(UTC).isoformat()}
+    return {
+        "content": content,
+        "key": key.public_key,
+        "key_id": key.key_id,
+        "signature": base64.b64encode(signature).decode(),
+        "signed_at": datetime.now(UTC).isoformat(),
+    }
 
 
 def verify(signed: dict[str, Any] | None, trusted: Sequence[str], what: str) -> dict[str, Any]:
@@ -182,8 +200,10 @@ def verify(signed: dict[str, Any] | None, trusted: Sequence[str], what: str) -> 
     if not trusted:
         return (signed or {}).get("content") or {}
     if not signed or not signed.get("signature"):
-        raise Untrusted(f"{what} is not signed, and the cache trusts only content signed by "
-                        f"{', '.join(key_id(k) for k in trusted)}: sign with --sign-key (or {KEY_ENV})")
+        raise Untrusted(
+            f"{what} is not signed, and the cache trusts only content signed by "
+            f"{', '.join(key_id(k) for k in trusted)}: sign with --sign-key (or {KEY_ENV})"
+        )
     public = str(signed.get("key", ""))
     trusted_norm = {parse_public_key(k) for k in trusted}
     try:
@@ -191,14 +211,19 @@ def verify(signed: dict[str, Any] | None, trusted: Sequence[str], what: str) -> 
     except BadInput as exc:
         raise Untrusted(f"{what}: signed with an unreadable key ({exc.message})") from exc
     if public not in trusted_norm:
-        raise Untrusted(f"{what} is signed by key {key_id(public)}, which the cache does not trust "
-                        f"(trusted: {', '.join(key_id(k) for k in trusted)})")
+        raise Untrusted(
+            f"{what} is signed by key {key_id(public)}, which the cache does not trust "
+            f"(trusted: {', '.join(key_id(k) for k in trusted)})"
+        )
     try:
         Ed25519PublicKey.from_public_bytes(_raw(public)).verify(
-            base64.b64decode(str(signed["signature"])), canonical(signed.get("content") or {}))
+            base64.b64decode(str(signed["signature"])), canonical(signed.get("content") or {})
+        )
     except (InvalidSignature, ValueError) as exc:
-        raise Untrusted(f"{what}: the signature by key {key_id(public)} does not match its content list "
-                        "(altered after signing)") from exc
+        raise Untrusted(
+            f"{what}: the signature by key {key_id(public)} does not match its content list "
+            "(altered after signing)"
+        ) from exc
     return signed["content"]
 
 
@@ -247,7 +272,9 @@ def trusted_files(index: Any, cache: Any, env_info: Any) -> dict[str, tuple[int,
     signed = index.content_signature(env_info.id) if hasattr(index, "content_signature") else None
     content = verify(signed, trusted, f"namespace {env_info.namespace} of cache {cache.name!r}")
     if content.get("environment") != env_info.digest:
-        raise Untrusted(f"namespace {env_info.namespace}: its signed content list is for another environment")
+        raise Untrusted(
+            f"namespace {env_info.namespace}: its signed content list is for another environment"
+        )
     return files_of(content)
 
 
@@ -257,15 +284,21 @@ def require_signer(cache: Any, key: SigningKey | None, operation: str) -> None:
     if not trusted:
         return
     if key is None:
-        raise PermissionDenied(f"cache {cache.name!r} accepts only signed content: {operation} needs "
-                               f"--sign-key (or {KEY_ENV}) with a trusted key "
-                               f"({', '.join(key_id(k) for k in trusted)}); nothing was written")
+        raise PermissionDenied(
+            f"cache {cache.name!r} accepts only signed content: {operation} needs "
+            f"--sign-key (or {KEY_ENV}) with a trusted key "
+            f"({', '.join(key_id(k) for k in trusted)}); nothing was written"
+        )
     if key.public_key not in {parse_public_key(k) for k in trusted}:
-        raise PermissionDenied(f"cache {cache.name!r} does not trust signing key {key.key_id} "
-                               f"(trusted: {', '.join(key_id(k) for k in trusted)}); nothing was written")
+        raise PermissionDenied(
+            f"cache {cache.name!r} does not trust signing key {key.key_id} "
+            f"(trusted: {', '.join(key_id(k) for k in trusted)}); nothing was written"
+        )
 
 
-def resign(index: Any, cache_name: str, digest: str, key: SigningKey | None) -> dict[str, Any] | None:
+def resign(
+    index: Any, cache_name: str, digest: str, key: SigningKey | None
+) -> dict[str, Any] | None:
     """After a write: sign the environment's content list as the index now records it."""
     if key is None or not hasattr(index, "set_content_signature"):
         return None
@@ -278,13 +311,19 @@ def check_covered(index: Any, cache: Any, env_info: Any) -> None:
     if not tuple(getattr(cache, "trusted_keys", ()) or ()):
         return
     if not hasattr(index, "content_signature"):
-        raise Untrusted(f"cache {cache.name!r} trusts only signed content, and signatures cannot be "
-                        "checked through this index")
+        raise Untrusted(
+            f"cache {cache.name!r} trusts only signed content, and signatures cannot be "
+            "checked through this index"
+        )
     files = trusted_files(index, cache, env_info)
     assert files is not None
     content = namespace_content(index, env_info)
-    uncovered = [f["name"] for f in content["files"] if files.get(f["name"]) != (f["size"], f["sha256"])]
+    uncovered = [
+        f["name"] for f in content["files"] if files.get(f["name"]) != (f["size"], f["sha256"])
+    ]
     if uncovered:
-        raise Untrusted(f"namespace {env_info.namespace}: {len(uncovered)} file(s) the index lists are not in its "
-                        f"signed content list (first: {uncovered[0]}): refused; a writer with a trusted key "
-                        "must warm or push again")
+        raise Untrusted(
+            f"namespace {env_info.namespace}: {len(uncovered)} file(s) the index lists are not in its "
+            f"signed content list (first: {uncovered[0]}): refused; a writer with a trusted key "
+            "must warm or push again"
+        )

@@ -89,8 +89,12 @@ def _unlink_all(paths: list[str]) -> int:
     if len(paths) < _UNLINK_PARALLEL_MIN:
         return _unlink_each(paths)
     step = -(-len(paths) // UNLINK_WORKERS)
-    with ThreadPoolExecutor(max_workers=UNLINK_WORKERS, thread_name_prefix="cachectl-unlink") as pool:
-        return sum(pool.map(_unlink_each, [paths[i:i + step] for i in range(0, len(paths), step)]))
+    with ThreadPoolExecutor(
+        max_workers=UNLINK_WORKERS, thread_name_prefix="cachectl-unlink"
+    ) as pool:
+        return sum(
+            pool.map(_unlink_each, [paths[i : i + step] for i in range(0, len(paths), step)])
+        )
 
 
 def _atomic_local_write(full: str, mode: int, write: Callable[[BinaryIO], object]) -> None:
@@ -188,11 +192,16 @@ class _LocalReader:
             else:
                 parent, _, name = rel_dir.rpartition("/")
                 try:
-                    fd = os.open(name, os.O_RDONLY | _DIR_FLAGS | _NOFOLLOW, dir_fd=self._dir_fd(parent, full))
+                    fd = os.open(
+                        name,
+                        os.O_RDONLY | _DIR_FLAGS | _NOFOLLOW,
+                        dir_fd=self._dir_fd(parent, full),
+                    )
                 except OSError as exc:
                     if exc.errno in (errno.ELOOP, errno.ENOTDIR, errno.EMLINK):
-                        raise NotRegularFile(f"{full}: a directory on its path is a symlink or leaves the "
-                                             "cache root") from None
+                        raise NotRegularFile(
+                            f"{full}: a directory on its path is a symlink or leaves the cache root"
+                        ) from None
                     raise
             self._dirs[rel_dir] = fd
             return fd
@@ -216,8 +225,10 @@ class _LocalReader:
         ``times``, each read gives (bytes, the file's mtime from the descriptor it was read through)."""
         rel_dir = rel_dir.strip("/")
         slow: Callable[[str], Any] = (
-            (lambda name: (self.read(f"{rel_dir}/{name}"), None)) if times
-            else (lambda name: self.read(f"{rel_dir}/{name}")))
+            (lambda name: (self.read(f"{rel_dir}/{name}"), None))
+            if times
+            else (lambda name: self.read(f"{rel_dir}/{name}"))
+        )
         try:
             if ".." in rel_dir:
                 self._store._full(rel_dir)
@@ -245,12 +256,16 @@ class _LocalReader:
         try:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):  # a directory, a FIFO, a device: never read
-                raise NotRegularFile(f"{self._store.root}/{rel_dir}/{name}: not a regular file: not read")
+                raise NotRegularFile(
+                    f"{self._store.root}/{rel_dir}/{name}: not a regular file: not read"
+                )
             data = os.read(fd, st.st_size + 1)
             if len(data) == st.st_size:  # what fstat said, and nothing after it: the whole file
                 return data, st.st_mtime
             parts = [data]
-            while chunk := os.read(fd, 1 << 20):  # to the end: it changed since the fstat, or one read
+            while chunk := os.read(
+                fd, 1 << 20
+            ):  # to the end: it changed since the fstat, or one read
                 # returned less than asked (Linux caps a read at 2 GiB)
                 parts.append(chunk)
             return b"".join(parts), st.st_mtime
@@ -272,7 +287,9 @@ def split_protocol(url: str) -> tuple[str | None, str]:
 def normalize_url(url: str) -> str:
     """Canonical form of a root URL; raises BadInput for schemes we do not manage."""
     if not url or not url.strip():
-        raise BadInput("empty storage URL: give a local path, file://, gs://, s3:// or memory:// URL")
+        raise BadInput(
+            "empty storage URL: give a local path, file://, gs://, s3:// or memory:// URL"
+        )
     url = url.strip()
     protocol, path = split_protocol(url)
     if protocol not in _PROTOCOLS:
@@ -312,7 +329,9 @@ def _storage_options(kind: str, options: dict[str, Any] | None) -> dict[str, Any
     if kind == "gcs" and os.environ.get("STORAGE_EMULATOR_HOST") and "token" not in opts:
         opts["token"] = "anon"
     if kind == "s3" and os.environ.get("AWS_ENDPOINT_URL") and "endpoint_url" not in opts:
-        opts.setdefault("client_kwargs", {}).setdefault("endpoint_url", os.environ["AWS_ENDPOINT_URL"])
+        opts.setdefault("client_kwargs", {}).setdefault(
+            "endpoint_url", os.environ["AWS_ENDPOINT_URL"]
+        )
     if kind in ("s3", "gcs"):
         # Endpoints and credentials come from the environment; a cached instance
         # could carry an endpoint from before the environment changed.
@@ -373,11 +392,15 @@ class Store:
                 return
             bucket = self.root.split("/", 1)[0] if self.kind in ("s3", "gcs") else self.root
             if self.kind in ("s3", "gcs") and not self.fs.exists(bucket):
-                raise Unreachable(f"bucket {bucket!r} of {self.url} does not exist or is not accessible")
+                raise Unreachable(
+                    f"bucket {bucket!r} of {self.url} does not exist or is not accessible"
+                )
         except Unreachable:
             raise
         except Exception as exc:  # noqa: BLE001 - any client error is "unreachable" here
-            raise Unreachable(f"storage {self.url} is unreachable: {type(exc).__name__}: {exc}") from exc
+            raise Unreachable(
+                f"storage {self.url} is unreachable: {type(exc).__name__}: {exc}"
+            ) from exc
 
     def list(self, rel: str = "") -> list[FileInfo]:
         """Every file under ``rel``, recursively, in one listing call."""
@@ -430,16 +453,20 @@ class Store:
         relative to the root if so, else the full path."""
         root = self.root.rstrip("/")
         if top == root or top.startswith(root + "/"):
-            return True, top[len(root) + 1:]
+            return True, top[len(root) + 1 :]
         return False, top
 
-    def _flat_local(self, top: str, *, with_stat: bool) -> tuple[bool, list[tuple[str, int | None, float | None]]]:
+    def _flat_local(
+        self, top: str, *, with_stat: bool
+    ) -> tuple[bool, list[tuple[str, int | None, float | None]]]:
         """``_dir_stats_local``'s files as one sorted list of (name, size, mtime); whether ``top`` is
         below the root (``_local_top``: names relative to it, else full paths)."""
         below, rel_top = self._local_top(top)
-        found = [(f"{rel_dir}/{name}" if rel_dir else name, size, mtime)
-                 for rel_dir, files in self._dir_stats_local(top, rel_top, with_stat)
-                 for name, size, mtime in files]
+        found = [
+            (f"{rel_dir}/{name}" if rel_dir else name, size, mtime)
+            for rel_dir, files in self._dir_stats_local(top, rel_top, with_stat)
+            for name, size, mtime in files
+        ]
         found.sort()
         return below, found
 
@@ -455,7 +482,10 @@ class Store:
         below, found = self._stat_local(top)
         stamp = datetime.fromtimestamp
         if not below:
-            return [FileInfo(self._rel(name), int(size), stamp(mtime, tz=UTC)) for name, size, mtime in found]
+            return [
+                FileInfo(self._rel(name), int(size), stamp(mtime, tz=UTC))
+                for name, size, mtime in found
+            ]
         return [FileInfo(name, size, stamp(mtime, tz=UTC)) for name, size, mtime in found]
 
     def list_stats(self, rel: str = "") -> Sequence[tuple[str, int, float | None]]:
@@ -468,10 +498,14 @@ class Store:
             if below:
                 return found
             return [(self._rel(name), int(size), mtime) for name, size, mtime in found]
-        return [(f.path, f.size, f.mtime.timestamp() if f.mtime is not None else None) for f in self.list(rel)]
+        return [
+            (f.path, f.size, f.mtime.timestamp() if f.mtime is not None else None)
+            for f in self.list(rel)
+        ]
 
-    def dir_stats(self, rel: str = "", *, stat: bool = True
-                  ) -> Iterator[tuple[str, list[tuple[str, int | None, float | None]]]]:
+    def dir_stats(
+        self, rel: str = "", *, stat: bool = True
+    ) -> Iterator[tuple[str, list[tuple[str, int | None, float | None]]]]:
         """``list_stats(rel)`` by directory: (directory relative to the root, its files as (name, size,
         mtime)), directories with files only, depth first with names sorted (a directory's
         subdirectories come right after it, before its next sibling). On local disk each directory
@@ -493,8 +527,9 @@ class Store:
             yield parent, groups[parent]
 
     @staticmethod
-    def _dir_stats_local(top: str, rel_top: str, with_stat: bool
-                         ) -> Iterator[tuple[str, list[tuple[str, int | None, float | None]]]]:
+    def _dir_stats_local(
+        top: str, rel_top: str, with_stat: bool
+    ) -> Iterator[tuple[str, list[tuple[str, int | None, float | None]]]]:
         """``dir_stats`` on local disk: one scandir per directory (and one lstat per file), as the walk goes."""
         pending = [(top, rel_top)]
         while pending:
@@ -525,9 +560,13 @@ class Store:
                 files.sort()
                 yield rel_dir, files
             subdirs.sort(reverse=True)  # popped smallest first
-            pending.extend((f"{path}/{name}", f"{rel_dir}/{name}" if rel_dir else name) for name in subdirs)
+            pending.extend(
+                (f"{path}/{name}", f"{rel_dir}/{name}" if rel_dir else name) for name in subdirs
+            )
 
-    def stat_in_dir(self, rel_dir: str, names: Sequence[str]) -> dict[str, tuple[int, float | None]]:
+    def stat_in_dir(
+        self, rel_dir: str, names: Sequence[str]
+    ) -> dict[str, tuple[int, float | None]]:
         """(size, mtime) of files directly in ``rel_dir``, as ``dir_stats`` gives them (files gone
         since are left out): on local disk one lstat each relative to the directory's descriptor."""
         if not names:
@@ -535,8 +574,10 @@ class Store:
         if self.kind != "file":
             prefix = f"{rel_dir.strip('/')}/" if rel_dir.strip("/") else ""
             found = self.infos([prefix + name for name in names], within=rel_dir)
-            return {path[len(prefix):]: (f.size, f.mtime.timestamp() if f.mtime is not None else None)
-                    for path, f in found.items()}
+            return {
+                path[len(prefix) :]: (f.size, f.mtime.timestamp() if f.mtime is not None else None)
+                for path, f in found.items()
+            }
         out: dict[str, tuple[int, float | None]] = {}
         try:
             fd = os.open(self._full(rel_dir), os.O_RDONLY | _DIR_FLAGS)
@@ -589,7 +630,9 @@ class Store:
             except FileNotFoundError:
                 break  # the file's own lstat below raises FileNotFoundError, as before
             if not stat.S_ISDIR(mode):
-                raise NotRegularFile(f"{full}: a directory on its path is a symlink or leaves the cache root")
+                raise NotRegularFile(
+                    f"{full}: a directory on its path is a symlink or leaves the cache root"
+                )
         if not check_file:  # the caller opens with O_NOFOLLOW and checks the descriptor's fstat
             return full
         st = os.lstat(full)
@@ -600,7 +643,9 @@ class Store:
     def _open_local(self, rel: str) -> Any:
         full = self._regular_local(rel)
         try:
-            fd = os.open(full, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
+            fd = os.open(
+                full, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
+            )
         except OSError as exc:
             if exc.errno in (errno.ELOOP, errno.EMLINK):
                 raise NotRegularFile(f"{full}: a symlink: not read") from None

@@ -39,18 +39,29 @@ def hash_token(token: str) -> str:
 
 def _info(row: Token) -> TokenInfo:
     return TokenInfo(
-        id=row.id, name=row.name, role=row.role,
+        id=row.id,
+        name=row.name,
+        role=row.role,
         caches=tuple(row.caches) if row.caches is not None else None,
-        created_at=row.created_at, expires_at=row.expires_at, revoked_at=row.revoked_at,
+        created_at=row.created_at,
+        expires_at=row.expires_at,
+        revoked_at=row.revoked_at,
         last_used_at=row.last_used_at,
     )
 
 
-def create_token(index: Index, name: str, role: str, caches: list[str] | tuple[str, ...] | None = None,
-                 expires_in: timedelta | None = None) -> CreatedToken:
+def create_token(
+    index: Index,
+    name: str,
+    role: str,
+    caches: list[str] | tuple[str, ...] | None = None,
+    expires_in: timedelta | None = None,
+) -> CreatedToken:
     """Mint a token; the secret is returned here and never again."""
     if not _NAME_RE.match(name or ""):
-        raise BadInput(f"bad token name {name!r}: use letters, digits, '.', '_', '@' or '-' (at most 128)")
+        raise BadInput(
+            f"bad token name {name!r}: use letters, digits, '.', '_', '@' or '-' (at most 128)"
+        )
     if role not in ROLES:
         raise BadInput(f"bad role {role!r}: use reader, writer or admin")
     if expires_in is not None and expires_in.total_seconds() <= 0:
@@ -63,8 +74,13 @@ def create_token(index: Index, name: str, role: str, caches: list[str] | tuple[s
     with index.session() as s:
         if s.scalar(select(Token.id).where(Token.name == name)) is not None:
             raise BadInput(f"a token named {name!r} exists: revoke it first or pick another name")
-        row = Token(name=name, role=role, caches=scope, token_hash=hash_token(secret),
-                    expires_at=utcnow() + expires_in if expires_in else None)
+        row = Token(
+            name=name,
+            role=role,
+            caches=scope,
+            token_hash=hash_token(secret),
+            expires_at=utcnow() + expires_in if expires_in else None,
+        )
         s.add(row)
         s.flush()
         info = _info(row)
@@ -128,8 +144,9 @@ _SESSION_RE = re.compile(r"^(\d{1,18})\.(\d{1,12})\.([0-9a-f]{64})$")
 
 
 def _session_mac(token_hash: str, token_id: int, expires: int) -> str:
-    return hmac.new(bytes.fromhex(token_hash), f"cachectl-session|{token_id}|{expires}".encode(),
-                    hashlib.sha256).hexdigest()
+    return hmac.new(
+        bytes.fromhex(token_hash), f"cachectl-session|{token_id}|{expires}".encode(), hashlib.sha256
+    ).hexdigest()
 
 
 @dataclass(frozen=True)
@@ -160,7 +177,9 @@ def authenticate_session(index: Index, value: str) -> TokenInfo:
         raise InvalidToken()
     with index.read_session() as s:
         row = s.get(Token, token_id)
-        if row is None or not hmac.compare_digest(_session_mac(row.token_hash, token_id, expires), mac):
+        if row is None or not hmac.compare_digest(
+            _session_mac(row.token_hash, token_id, expires), mac
+        ):
             raise InvalidToken()
         info = _info(row)
     if not info.active:

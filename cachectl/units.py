@@ -8,11 +8,24 @@ from datetime import timedelta
 from cachectl.errors import BadInput
 
 _SIZE_UNITS = {
-    "": 1, "b": 1,
-    "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
-    "t": 1000**4, "tb": 1000**4,
-    "ki": 1024, "kib": 1024, "mi": 1024**2, "mib": 1024**2, "gi": 1024**3, "gib": 1024**3,
-    "ti": 1024**4, "tib": 1024**4,
+    "": 1,
+    "b": 1,
+    "k": 1000,
+    "kb": 1000,
+    "m": 1000**2,
+    "mb": 1000**2,
+    "g": 1000**3,
+    "gb": 1000**3,
+    "t": 1000**4,
+    "tb": 1000**4,
+    "ki": 1024,
+    "kib": 1024,
+    "mi": 1024**2,
+    "mib": 1024**2,
+    "gi": 1024**3,
+    "gib": 1024**3,
+    "ti": 1024**4,
+    "tib": 1024**4,
 }
 _DURATION_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 # Past these a value is a typo, and would overflow the index's 64-bit columns or timedelta.
@@ -40,7 +53,9 @@ def parse_duration(text: str) -> timedelta:
         return timedelta(0)
     parts = re.findall(r"(\d+(?:\.\d+)?)([smhdw])", str(text).strip().lower())
     if not parts or "".join(n + u for n, u in parts) != str(text).strip().lower():
-        raise BadInput(f"bad duration {text!r}: use a number and a unit s, m, h, d or w, e.g. 90m, 12h, 30d, 2w")
+        raise BadInput(
+            f"bad duration {text!r}: use a number and a unit s, m, h, d or w, e.g. 90m, 12h, 30d, 2w"
+        )
     seconds = sum(float(n) * _DURATION_UNITS[u] for n, u in parts)
     if seconds > MAX_DURATION_S:
         raise BadInput(f"duration {text!r} is too long: at most 100 years")

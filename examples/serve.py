@@ -31,7 +31,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--new-tokens", type=int, default=4, help="tokens generated per request")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--manifest", default=str(HERE / "manifest.yaml"))
-    parser.add_argument("--cache", default=None, help="cachectl cache name (default: CACHECTL_CACHE)")
+    parser.add_argument(
+        "--cache", default=None, help="cachectl cache name (default: CACHECTL_CACHE)"
+    )
     parser.add_argument("--json", action="store_true", help="print the runtime report as JSON only")
     args = parser.parse_args(argv)
 
@@ -44,19 +46,23 @@ def main(argv: list[str] | None = None) -> int:
     rt = cachectl.serving(args.manifest, cache=args.cache)
     prefill, decode = rt["prefill"], rt["decode_step"]
     ready = time.perf_counter() - started
-    params = jax.device_put(lm.init_params(jax.random.key(0)))  # a real service restores a checkpoint
+    params = jax.device_put(
+        lm.init_params(jax.random.key(0))
+    )  # a real service restores a checkpoint
     key = np.asarray(jax.random.PRNGKey(args.seed))
     rng = np.random.default_rng(args.seed)
     if not args.json:
-        print(f"ready in {ready:.2f}s ({len(rt.names)} functions, "
-              f"{sum(f['loaded'] for f in rt.report().to_json()['functions'].values())} executables loaded)")
+        print(
+            f"ready in {ready:.2f}s ({len(rt.names)} functions, "
+            f"{sum(f['loaded'] for f in rt.report().to_json()['functions'].values())} executables loaded)"
+        )
 
     for n in range(args.requests):
         batch = int(rng.integers(1, 5))
         length = int(rng.integers(1, 65))
         tokens = rng.integers(0, lm.CONFIG.vocab, size=(batch, length), dtype=np.int32)
         t0 = time.perf_counter()
-        logits, kv = prefill(params, tokens)                  # logits cut to [batch, length, vocab]
+        logits, kv = prefill(params, tokens)  # logits cut to [batch, length, vocab]
         token = np.argmax(logits[:, -1], axis=-1).astype(np.int32)[:, None]
         # decode's bucket is the batch the prefill ran in: the kv cache came back padded to it.
         rows = kv.shape[2]
@@ -67,8 +73,10 @@ def main(argv: list[str] | None = None) -> int:
             out.append(np.asarray(token)[:batch, 0])
         ms = (time.perf_counter() - t0) * 1000
         if not args.json:
-            print(f"request {n:3d}: batch {batch} x {length:2d} tokens -> {args.new_tokens + 1} new "
-                  f"in {ms:7.1f} ms  first row {np.stack(out, 1)[0].tolist()}")
+            print(
+                f"request {n:3d}: batch {batch} x {length:2d} tokens -> {args.new_tokens + 1} new "
+                f"in {ms:7.1f} ms  first row {np.stack(out, 1)[0].tolist()}"
+            )
 
     report = rt.report().to_json()
     print(json.dumps(report if args.json else report["functions"], indent=None if args.json else 1))

@@ -42,9 +42,13 @@ def _openapi(app: FastAPI) -> dict[str, Any]:
     """OpenAPI with a bearer scheme on every non-public operation."""
     if app.openapi_schema:
         return app.openapi_schema
-    schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
+    schema = get_openapi(
+        title=app.title, version=app.version, description=app.description, routes=app.routes
+    )
     schema.setdefault("components", {}).setdefault("securitySchemes", {})["bearer"] = {
-        "type": "http", "scheme": "bearer", "description": "A token from `cachectl token create`",
+        "type": "http",
+        "scheme": "bearer",
+        "description": "A token from `cachectl token create`",
     }
     for methods in schema.get("paths", {}).values():
         for operation in methods.values():
@@ -77,8 +81,11 @@ def create_app(settings: ServerSettings | str, **overrides: Any) -> FastAPI:
     state = ServerState(settings, index, metrics)
     state.jobs = JobRunner(state, settings.job_workers)
     if settings.maintenance_interval_s:
-        state.maintenance = Scheduler(state, settings.maintenance_interval_s,
-                                      initial_delay_s=settings.maintenance_initial_delay_s)
+        state.maintenance = Scheduler(
+            state,
+            settings.maintenance_interval_s,
+            initial_delay_s=settings.maintenance_initial_delay_s,
+        )
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
@@ -97,7 +104,8 @@ def create_app(settings: ServerSettings | str, **overrides: Any) -> FastAPI:
         description="Shared JAX persistent compilation caches over HTTP: the cachectl library behind tokens.",
         lifespan=lifespan,
         # The spec is at /openapi.json; FastAPI's /docs and /redoc pages load scripts from a CDN.
-        docs_url=None, redoc_url=None,
+        docs_url=None,
+        redoc_url=None,
     )
     app.state.cachectl = state
 
@@ -106,16 +114,25 @@ def create_app(settings: ServerSettings | str, **overrides: Any) -> FastAPI:
         token = getattr(request.state, "token", None)
         if isinstance(exc, NotFound) and await run_in_threadpool(hides_caches, request, token):
             # A scoped token's cache is gone: 403, and never the list of caches the 404 names.
-            return JSONResponse({"detail": f"token {token.name!r} (role {token.role}) may not act on cache "
-                                           f"{request.path_params.get('cache')!r}: it does not exist (any more)",
-                                 "error": "PermissionDenied"}, status_code=403)
-        return JSONResponse({"detail": exc.message, "error": type(exc).__name__}, status_code=http_status(exc))
+            return JSONResponse(
+                {
+                    "detail": f"token {token.name!r} (role {token.role}) may not act on cache "
+                    f"{request.path_params.get('cache')!r}: it does not exist (any more)",
+                    "error": "PermissionDenied",
+                },
+                status_code=403,
+            )
+        return JSONResponse(
+            {"detail": exc.message, "error": type(exc).__name__}, status_code=http_status(exc)
+        )
 
     @app.exception_handler(Exception)
     async def unexpected(_request: Request, exc: Exception) -> JSONResponse:
         log.error("unhandled %s", type(exc).__name__, exc_info=exc)
-        return JSONResponse({"detail": f"internal error ({type(exc).__name__}); see the server log"},
-                            status_code=500)
+        return JSONResponse(
+            {"detail": f"internal error ({type(exc).__name__}); see the server log"},
+            status_code=500,
+        )
 
     # Routes match in order: the entry byte routes (most of a fleet's requests) first.
     app.include_router(api.health)
@@ -124,18 +141,30 @@ def create_app(settings: ServerSettings | str, **overrides: Any) -> FastAPI:
     app.include_router(api.router)
     app.include_router(dashboard.router)
 
-    @route(app.router, "GET", "/metrics", role="reader", scope="global", enforce=False,
-           summary="Prometheus metrics (public when configured)", response_class=Response)
+    @route(
+        app.router,
+        "GET",
+        "/metrics",
+        role="reader",
+        scope="global",
+        enforce=False,
+        summary="Prometheus metrics (public when configured)",
+        response_class=Response,
+    )
     async def metrics_endpoint(request: Request) -> Response:
         if not settings.metrics_public:
             token = await identify(request)
             if token is None:
                 raise unauthorized()
             if not token.allows("reader") or token.caches is not None:
-                raise HTTPException(403, f"token {token.name!r} may not read metrics: it needs an unscoped token")
+                raise HTTPException(
+                    403, f"token {token.name!r} may not read metrics: it needs an unscoped token"
+                )
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
-    app.add_middleware(BodyGuard, settings=settings)  # inside metrics: its 401s and 413s are counted
+    app.add_middleware(
+        BodyGuard, settings=settings
+    )  # inside metrics: its 401s and 413s are counted
     app.add_middleware(MetricsMiddleware, metrics=metrics)
     return app

@@ -91,7 +91,9 @@ async def identify(request: Request, *, allow_cookie: bool = False) -> TokenInfo
         return checked[1]  # BodyGuard checked this very token before the body was read
     if token is None and allow_cookie and request.cookies.get(COOKIE_NAME):
         try:
-            return await run_in_threadpool(authenticate_session, state.index, request.cookies[COOKIE_NAME])
+            return await run_in_threadpool(
+                authenticate_session, state.index, request.cookies[COOKIE_NAME]
+            )
         except InvalidToken:
             raise unauthorized() from None
     if token is None:
@@ -112,7 +114,9 @@ def check_cache(token: TokenInfo, role: str, cache: str) -> None:
     if not token.allows(role, cache):
         if not token.allows(role):
             raise forbidden(token, f"do this: it needs role {role}")
-        raise forbidden(token, f"act on cache {cache!r}: it is scoped to {', '.join(token.caches or ())}")
+        raise forbidden(
+            token, f"act on cache {cache!r}: it is scoped to {', '.join(token.caches or ())}"
+        )
 
 
 def require(role: str, scope: str = "cache") -> Callable[..., Any]:
@@ -157,8 +161,16 @@ def current_token(request: Request) -> TokenInfo:
     return request.state.token
 
 
-def route(router: APIRouter, method: str, path: str, *, role: str, scope: str = "cache",
-          enforce: bool = True, **kwargs: Any) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+def route(
+    router: APIRouter,
+    method: str,
+    path: str,
+    *,
+    role: str,
+    scope: str = "cache",
+    enforce: bool = True,
+    **kwargs: Any,
+) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Declare a route with the role it needs; public routes skip authentication.
 
     ``enforce=False`` records the role but leaves the check to the handler
@@ -169,4 +181,6 @@ def route(router: APIRouter, method: str, path: str, *, role: str, scope: str = 
     dependencies = list(kwargs.pop("dependencies", None) or [])
     if role != PUBLIC and enforce:
         dependencies.insert(0, Depends(require(role, scope)))
-    return router.api_route(path, methods=[method], dependencies=dependencies, openapi_extra=extra, **kwargs)
+    return router.api_route(
+        path, methods=[method], dependencies=dependencies, openapi_extra=extra, **kwargs
+    )

@@ -91,8 +91,9 @@ SERVER_KEYS = (
 )
 
 
-def load_server_settings(db: str | None = None, *, flags: Mapping[str, Any] | None = None,
-                         **overrides: Any) -> ServerSettings:
+def load_server_settings(
+    db: str | None = None, *, flags: Mapping[str, Any] | None = None, **overrides: Any
+) -> ServerSettings:
     """cachectl.config's one loader: flags > CACHECTL_SERVER_* / CACHECTL_* environment > file > defaults.
 
     ``flags`` are the serve command's values as typed (``"1h"``, ``"off"``), parsed like the

@@ -51,24 +51,39 @@ def _ticks(at: list[datetime]) -> list[tuple[int, str]]:
     return [(i, at[i].strftime(fmt)) for i in range(0, len(at), step)]
 
 
-def bar_chart(title: str, at: list[datetime], series: list[tuple[str, str, list[int]]], *,
-              width: int = 640, height: int = 200, fmt: Any = str) -> str:
+def bar_chart(
+    title: str,
+    at: list[datetime],
+    series: list[tuple[str, str, list[int]]],
+    *,
+    width: int = 640,
+    height: int = 200,
+    fmt: Any = str,
+) -> str:
     """Stacked bars, one per time bucket; ``series`` is (label, colour, values)."""
     pad_l, pad_b, pad_t = 70, 36, 24
     plot_w, plot_h = width - pad_l - 10, height - pad_b - pad_t
     totals = [sum(s[2][i] for s in series) for i in range(len(at))]
     top = max(totals, default=0) or 1
-    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" role="img" aria-label="{html.escape(title)}" '
-             f'width="{width}" height="{height}" viewBox="0 0 {width} {height}" class="chart">',
-             f'<text x="{pad_l}" y="16" class="chart-title">{html.escape(title)}</text>']
+    parts = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" role="img" aria-label="{html.escape(title)}" '
+        f'width="{width}" height="{height}" viewBox="0 0 {width} {height}" class="chart">',
+        f'<text x="{pad_l}" y="16" class="chart-title">{html.escape(title)}</text>',
+    ]
     for frac in (0, 0.5, 1) if at else ():
         y = pad_t + plot_h * (1 - frac)
-        parts.append(f'<line x1="{pad_l}" x2="{width - 10}" y1="{y:.1f}" y2="{y:.1f}" class="grid"/>')
-        parts.append(f'<text x="{pad_l - 6}" y="{y + 4:.1f}" text-anchor="end" class="axis">'
-                     f'{html.escape(str(fmt(int(top * frac))))}</text>')
+        parts.append(
+            f'<line x1="{pad_l}" x2="{width - 10}" y1="{y:.1f}" y2="{y:.1f}" class="grid"/>'
+        )
+        parts.append(
+            f'<text x="{pad_l - 6}" y="{y + 4:.1f}" text-anchor="end" class="axis">'
+            f"{html.escape(str(fmt(int(top * frac))))}</text>"
+        )
     if not at:
-        parts.append(f'<text x="{pad_l + plot_w / 2}" y="{pad_t + plot_h / 2}" text-anchor="middle" '
-                     'class="axis">no data yet</text>')
+        parts.append(
+            f'<text x="{pad_l + plot_w / 2}" y="{pad_t + plot_h / 2}" text-anchor="middle" '
+            'class="axis">no data yet</text>'
+        )
     slot = plot_w / max(len(at), 1)
     bar = max(1.0, slot * 0.7)
     for i, _t in enumerate(at):
@@ -77,15 +92,21 @@ def bar_chart(title: str, at: list[datetime], series: list[tuple[str, str, list[
         for label, colour, values in series:
             h = plot_h * values[i] / top
             base -= h
-            parts.append(f'<rect x="{x:.1f}" y="{base:.1f}" width="{bar:.1f}" height="{h:.1f}" fill="{colour}">'
-                         f'<title>{html.escape(label)} {values[i]}</title></rect>')
+            parts.append(
+                f'<rect x="{x:.1f}" y="{base:.1f}" width="{bar:.1f}" height="{h:.1f}" fill="{colour}">'
+                f"<title>{html.escape(label)} {values[i]}</title></rect>"
+            )
     for i, text in _ticks(at):
         x = pad_l + i * slot + slot / 2
-        parts.append(f'<text x="{x:.1f}" y="{height - 18}" text-anchor="middle" class="axis">{html.escape(text)}</text>')
+        parts.append(
+            f'<text x="{x:.1f}" y="{height - 18}" text-anchor="middle" class="axis">{html.escape(text)}</text>'
+        )
     legend_x = pad_l
     for label, colour, _values in series:
-        parts.append(f'<rect x="{legend_x}" y="{height - 12}" width="10" height="10" fill="{colour}"/>'
-                     f'<text x="{legend_x + 14}" y="{height - 3}" class="axis">{html.escape(label)}</text>')
+        parts.append(
+            f'<rect x="{legend_x}" y="{height - 12}" width="10" height="10" fill="{colour}"/>'
+            f'<text x="{legend_x + 14}" y="{height - 3}" class="axis">{html.escape(label)}</text>'
+        )
         legend_x += 90
     parts.append("</svg>")
     return "".join(parts)
@@ -123,7 +144,9 @@ class CacheView:
 
 
 def _cache_views(state: Any, token: TokenInfo | None) -> list[CacheView]:
-    caches = [c for c in state.index.list_caches() if token is None or token.allows("reader", c.name)]
+    caches = [
+        c for c in state.index.list_caches() if token is None or token.allows("reader", c.name)
+    ]
     views = []
     for totals in inventory.cache_totals(state.ctx, caches):
         cache = totals.cache
@@ -131,30 +154,73 @@ def _cache_views(state: Any, token: TokenInfo | None) -> list[CacheView]:
         rows = []
         for e in totals.per_environment:
             requests, hits, _misses = rates.get(e.id, (0, 0, 0))
-            seen = max([t for t in (e.last_seen_at, e.last_access_at) if t is not None], default=None)
-            rows.append(EnvRow(e.digest[:16], e.environment.jax_version, e.environment.backend,
-                               f"{e.environment.device_kind} x{e.environment.device_count}", e.entries, e.bytes,
-                               requests, hits, hits / requests if requests else None, seen))
+            seen = max(
+                [t for t in (e.last_seen_at, e.last_access_at) if t is not None], default=None
+            )
+            rows.append(
+                EnvRow(
+                    e.digest[:16],
+                    e.environment.jax_version,
+                    e.environment.backend,
+                    f"{e.environment.device_kind} x{e.environment.device_count}",
+                    e.entries,
+                    e.bytes,
+                    requests,
+                    hits,
+                    hits / requests if requests else None,
+                    seen,
+                )
+            )
         points = sq.telemetry_series(state.index, cache.name)
-        hits_chart = bar_chart(f"{cache.name}: compile requests per hour (7 days)", [p.at for p in points],
-                               [("hits", "#2e7d32", [p.hits for p in points]),
-                                ("misses", "#c62828", [p.misses for p in points])])
+        hits_chart = bar_chart(
+            f"{cache.name}: compile requests per hour (7 days)",
+            [p.at for p in points],
+            [
+                ("hits", "#2e7d32", [p.hits for p in points]),
+                ("misses", "#c62828", [p.misses for p in points]),
+            ],
+        )
         growth = sq.bytes_series(state.index, cache.name)
-        bytes_chart = bar_chart(f"{cache.name}: bytes held, by day the entries were written",
-                                [p.at for p in growth], [("bytes", "#1565c0", [p.total_bytes for p in growth])],
-                                fmt=format_size)
+        bytes_chart = bar_chart(
+            f"{cache.name}: bytes held, by day the entries were written",
+            [p.at for p in growth],
+            [("bytes", "#1565c0", [p.total_bytes for p in growth])],
+            fmt=format_size,
+        )
         usage = totals.bytes / cache.max_size if cache.max_size else None
-        views.append(CacheView(cache.name, cache.root_url, totals.entries, totals.bytes, cache.max_size, usage,
-                               cache.retention_seconds, rows, hits_chart, bytes_chart))
+        views.append(
+            CacheView(
+                cache.name,
+                cache.root_url,
+                totals.entries,
+                totals.bytes,
+                cache.max_size,
+                usage,
+                cache.retention_seconds,
+                rows,
+                hits_chart,
+                bytes_chart,
+            )
+        )
     return views
 
 
 def _login_page(request: Request, status: int, message: str | None = None) -> HTMLResponse:
-    return templates.TemplateResponse(request, "login.html", {"message": message}, status_code=status)
+    return templates.TemplateResponse(
+        request, "login.html", {"message": message}, status_code=status
+    )
 
 
-@route(router, "GET", "/", role="reader", scope="any", enforce=False, response_class=HTMLResponse,
-       summary="Dashboard (reader token by header or /login cookie; public when configured)")
+@route(
+    router,
+    "GET",
+    "/",
+    role="reader",
+    scope="any",
+    enforce=False,
+    response_class=HTMLResponse,
+    summary="Dashboard (reader token by header or /login cookie; public when configured)",
+)
 async def dashboard(request: Request) -> Response:
     state = request.app.state.cachectl
     try:
@@ -166,24 +232,56 @@ async def dashboard(request: Request) -> Response:
     if token is not None and not token.allows("reader"):
         return _login_page(request, 403, "This token may not read caches.")
     views = await run_in_threadpool(_cache_views, state, token)
-    return templates.TemplateResponse(request, "dashboard.html", {
-        "caches": views, "token": token, "public": token is None,
-        "generated": sq.utcnow(),
-    })
+    return templates.TemplateResponse(
+        request,
+        "dashboard.html",
+        {
+            "caches": views,
+            "token": token,
+            "public": token is None,
+            "generated": sq.utcnow(),
+        },
+    )
 
 
-@route(router, "GET", "/login", role="public", response_class=HTMLResponse, summary="Dashboard sign-in form")
+@route(
+    router,
+    "GET",
+    "/login",
+    role="public",
+    response_class=HTMLResponse,
+    summary="Dashboard sign-in form",
+)
 async def login_form(request: Request) -> Response:
     return _login_page(request, 200)
 
 
-@route(router, "POST", "/login", role="public", response_class=HTMLResponse,
-       summary="Sign in to the dashboard with a reader token (form field 'token')",
-       openapi_extra={"requestBody": {"content": {"application/x-www-form-urlencoded": {
-           "schema": {"type": "object", "properties": {"token": {"type": "string"}}, "required": ["token"]}}}}})
+@route(
+    router,
+    "POST",
+    "/login",
+    role="public",
+    response_class=HTMLResponse,
+    summary="Sign in to the dashboard with a reader token (form field 'token')",
+    openapi_extra={
+        "requestBody": {
+            "content": {
+                "application/x-www-form-urlencoded": {
+                    "schema": {
+                        "type": "object",
+                        "properties": {"token": {"type": "string"}},
+                        "required": ["token"],
+                    }
+                }
+            }
+        }
+    },
+)
 async def login(request: Request) -> Response:
     if not same_origin(request):
-        return _login_page(request, 403, "Sign-in refused: the form was not posted from this server's own page.")
+        return _login_page(
+            request, 403, "Sign-in refused: the form was not posted from this server's own page."
+        )
     body = b""
     async for chunk in request.stream():
         body += chunk
@@ -204,22 +302,33 @@ async def login(request: Request) -> Response:
     if info.role == "admin":
         # An admin secret typed into a browser form is one XSS or shared machine away from
         # the whole index: the dashboard only ever needs a reader.
-        return _login_page(request, 400, "Admin tokens cannot sign in to the dashboard: use a reader token.")
+        return _login_page(
+            request, 400, "Admin tokens cannot sign in to the dashboard: use a reader token."
+        )
     try:
         session = await run_in_threadpool(issue_session, state.index, token)
     except InvalidToken:
         return _login_page(request, 401, "Token not accepted (unknown, expired or revoked).")
     response = RedirectResponse("/", status_code=303)
     max_age = max(0, int((session.expires_at - sq.utcnow()).total_seconds()))
-    response.set_cookie(COOKIE_NAME, session.value, httponly=True, samesite="strict", path="/",
-                        secure=secure_cookies(state.settings), max_age=max_age)
+    response.set_cookie(
+        COOKIE_NAME,
+        session.value,
+        httponly=True,
+        samesite="strict",
+        path="/",
+        secure=secure_cookies(state.settings),
+        max_age=max_age,
+    )
     return response
 
 
 @route(router, "POST", "/logout", role="public", summary="Forget the dashboard cookie")
 async def logout(request: Request) -> Response:
     if not same_origin(request):
-        return _login_page(request, 403, "Sign-out refused: not posted from this server's own page.")
+        return _login_page(
+            request, 403, "Sign-out refused: not posted from this server's own page."
+        )
     response = RedirectResponse("/login", status_code=303)
     response.delete_cookie(COOKIE_NAME, path="/")
     return response

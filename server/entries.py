@@ -46,8 +46,15 @@ router = APIRouter(prefix="/api/v1")
 # never starting with a dot, so no key can name a path outside its namespace.
 KEY_PATTERN = r"^[A-Za-z0-9_][A-Za-z0-9_.\-]{0,440}-[0-9a-f]{64}$"
 _KEY_RE = re.compile(KEY_PATTERN)
-Key = Annotated[str, Path(min_length=66, max_length=512, pattern=KEY_PATTERN,
-                          description="A JAX cache key: <module>-<64 hex>, without the -cache suffix")]
+Key = Annotated[
+    str,
+    Path(
+        min_length=66,
+        max_length=512,
+        pattern=KEY_PATTERN,
+        description="A JAX cache key: <module>-<64 hex>, without the -cache suffix",
+    ),
+]
 SHA_HEADER = "x-cachectl-sha256"
 # An admin replacing an entry that is stored with other bytes says so with this header.
 OVERWRITE_HEADER = "x-cachectl-overwrite"
@@ -62,7 +69,9 @@ WHOLE_SLOTS = threading.BoundedSemaphore(16)
 def check_key(key: str) -> EntryName:
     parsed = parse_key(key) if _KEY_RE.match(key) else None
     if parsed is None:
-        raise HTTPException(422, "bad entry key: use <module>-<64 hex digits> as JAX names it (no path)")
+        raise HTTPException(
+            422, "bad entry key: use <module>-<64 hex digits> as JAX names it (no path)"
+        )
     return parsed
 
 
@@ -80,8 +89,14 @@ def _too_large(what: str) -> HTTPException:
 
 
 # Why cachectl.ingest refused an upload, as the HTTP status the client gets.
-_REFUSED_STATUS = {ingest.SHA256: 422, ingest.CORRUPT: 422, ingest.EXECUTABLE: 422, ingest.MISMATCH: 422,
-                   ingest.TOO_LARGE: 413, ingest.EXPANDS: 413}
+_REFUSED_STATUS = {
+    ingest.SHA256: 422,
+    ingest.CORRUPT: 422,
+    ingest.EXECUTABLE: 422,
+    ingest.MISMATCH: 422,
+    ingest.TOO_LARGE: 413,
+    ingest.EXPANDS: 413,
+}
 
 
 def refused(exc: ingest.Refused) -> HTTPException:
@@ -93,7 +108,9 @@ def disk_full() -> HTTPException:
     return HTTPException(507, "insufficient storage: the server's disk is full; nothing stored")
 
 
-async def receive_body(request: Request, limit: int, what: str, directory: str | None) -> ingest.Spool:
+async def receive_body(
+    request: Request, limit: int, what: str, directory: str | None
+) -> ingest.Spool:
     """Stream the body to a spool file, hashed as it goes; 413 past ``limit`` (read no further)."""
     declared = request.headers.get("content-length")
     if declared is not None:
@@ -102,7 +119,9 @@ async def receive_body(request: Request, limit: int, what: str, directory: str |
         except ValueError:
             raise HTTPException(400, "bad Content-Length header") from None
         if length > limit:
-            raise _too_large(f"entry of {format_size(length)} is above {what} ({format_size(limit)}): nothing stored")
+            raise _too_large(
+                f"entry of {format_size(length)} is above {what} ({format_size(limit)}): nothing stored"
+            )
     upload = ingest.Spool(directory)
     try:
         async for chunk in request.stream():
@@ -127,17 +146,25 @@ def upload_limit(state: ServerState, info: CacheInfo) -> tuple[int, str]:
     return ingest.size_limit(info, state.settings.max_upload_bytes, "the server's upload limit")
 
 
-def store_upload(state: ServerState, info: CacheInfo, env: EnvironmentInfo,
-                 fn: Any, *args: Any, **kwargs: Any) -> ingest.Ingested:
+def store_upload(
+    state: ServerState, info: CacheInfo, env: EnvironmentInfo, fn: Any, *args: Any, **kwargs: Any
+) -> ingest.Ingested:
     """Run an ingest call for an upload, its refusals as HTTP answers."""
     try:
-        return fn(ingest.Target(state.index, info, env, state.store(info)), *args, claim_name=SHA_HEADER, **kwargs)
+        return fn(
+            ingest.Target(state.index, info, env, state.store(info)),
+            *args,
+            claim_name=SHA_HEADER,
+            **kwargs,
+        )
     except ingest.Refused as exc:
         raise refused(exc) from None
     except QuotaExceeded as exc:
         raise _too_large(exc.message) from None
     except EntryConflict as exc:
-        raise HTTPException(409, f"{exc.message}: send {OVERWRITE_HEADER}: true with an admin token") from None
+        raise HTTPException(
+            409, f"{exc.message}: send {OVERWRITE_HEADER}: true with an admin token"
+        ) from None
     except OSError as exc:
         if ingest.is_disk_full(exc):
             raise disk_full() from None
@@ -154,30 +181,64 @@ def _may_overwrite(request: Request, cache: str) -> bool:
         return False
     token = current_token(request)
     if not token.allows("admin", cache):
-        raise HTTPException(403, f"token {token.name!r} (role {token.role}) may not overwrite entries: "
-                                 "it needs role admin")
+        raise HTTPException(
+            403,
+            f"token {token.name!r} (role {token.role}) may not overwrite entries: "
+            "it needs role admin",
+        )
     return True
 
 
-@route(router, "PUT", "/caches/{cache}/environments/{digest}/entries/{key}", role="writer",
-       summary="Upload one entry (raw bytes as JAX wrote them)",
-       openapi_extra={"requestBody": {"required": True, "content": {
-           "application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}}},
-       responses={201: {"description": "stored"}, 200: {"description": "already stored, or replaced"},
-                  409: {"description": "stored with other bytes"},
-                  413: {"description": "too large for the cache"}, 422: {"description": "not a JAX entry"},
-                  507: {"description": "the server's disk is full"}})
+@route(
+    router,
+    "PUT",
+    "/caches/{cache}/environments/{digest}/entries/{key}",
+    role="writer",
+    summary="Upload one entry (raw bytes as JAX wrote them)",
+    openapi_extra={
+        "requestBody": {
+            "required": True,
+            "content": {
+                "application/octet-stream": {"schema": {"type": "string", "format": "binary"}}
+            },
+        }
+    },
+    responses={
+        201: {"description": "stored"},
+        200: {"description": "already stored, or replaced"},
+        409: {"description": "stored with other bytes"},
+        413: {"description": "too large for the cache"},
+        422: {"description": "not a JAX entry"},
+        507: {"description": "the server's disk is full"},
+    },
+)
 async def put_entry(request: Request, cache: CacheName, digest: Digest, key: Key) -> JSONResponse:
     replace = _may_overwrite(request, cache)
-    return await upload(request, cache, digest, key, ingest.ingest_entry,
-                        lambda state, limit: {"origin": "upload", "expand_to": expansion_limit(state.settings, limit),
-                                              "replace_existing": replace,
-                                              "who": f"token {current_token(request).name}"},
-                        lambda outcome: 201 if outcome == "inserted" else 200)
+    return await upload(
+        request,
+        cache,
+        digest,
+        key,
+        ingest.ingest_entry,
+        lambda state, limit: {
+            "origin": "upload",
+            "expand_to": expansion_limit(state.settings, limit),
+            "replace_existing": replace,
+            "who": f"token {current_token(request).name}",
+        },
+        lambda outcome: 201 if outcome == "inserted" else 200,
+    )
 
 
-async def upload(request: Request, cache: str, digest: str, key: str, ingest_fn: Callable[..., Any],
-                 fields: Callable[[ServerState, int], dict[str, Any]], status: Callable[[str], int]) -> JSONResponse:
+async def upload(
+    request: Request,
+    cache: str,
+    digest: str,
+    key: str,
+    ingest_fn: Callable[..., Any],
+    fields: Callable[[ServerState, int], dict[str, Any]],
+    status: Callable[[str], int],
+) -> JSONResponse:
     """PUT of an entry or of its stored executable: the body spooled within the cache's limit, then
     checked, written and indexed by ``ingest_fn`` (cachectl/ingest.py)."""
     state = state_of(request)
@@ -187,8 +248,17 @@ async def upload(request: Request, cache: str, digest: str, key: str, ingest_fn:
     body: ingest.Spool | None = None
     try:
         body = await receive_body(request, limit, what, state.settings.upload_dir)
-        done = await run_in_threadpool(store_upload, state, info, env, ingest_fn, parsed, body,
-                                       claimed_sha256=request.headers.get(SHA_HEADER), **fields(state, limit))
+        done = await run_in_threadpool(
+            store_upload,
+            state,
+            info,
+            env,
+            ingest_fn,
+            parsed,
+            body,
+            claimed_sha256=request.headers.get(SHA_HEADER),
+            **fields(state, limit),
+        )
     except HTTPException as exc:
         state.metrics.uploads.labels(cache, str(exc.status_code)).inc()
         raise
@@ -212,15 +282,18 @@ class ByteRoute:
 ENTRY = ByteRoute(entry_path, False, "no entry {key} in environment {env} of cache {cache!r}")
 
 
-def located(state: ServerState, cache: str, digest: str, key: str, route: ByteRoute = ENTRY
-            ) -> tuple[CacheInfo, EnvironmentInfo, int, str | None]:
+def located(
+    state: ServerState, cache: str, digest: str, key: str, route: ByteRoute = ENTRY
+) -> tuple[CacheInfo, EnvironmentInfo, int, str | None]:
     """The object's cache, environment, size and recorded sha256; 404 when storage lacks it."""
     info, env = state.where(cache, digest)
     recorded = sq.recorded_digest(state.index, env.id, key, executable=route.executable)
     try:
         size = state.store(info).size(route.path_of(env, key))
     except FileNotFoundError:
-        raise HTTPException(404, route.missing.format(key=key, env=env.digest[:16], cache=cache)) from None
+        raise HTTPException(
+            404, route.missing.format(key=key, env=env.digest[:16], cache=cache)
+        ) from None
     return info, env, size, recorded[1] if recorded and recorded[0] == size else None
 
 
@@ -246,7 +319,9 @@ def opened(state: ServerState, cache: str, digest: str, key: str, route: ByteRou
     try:
         fh = store.open(route.path_of(env, key), "rb")
     except FileNotFoundError:
-        raise HTTPException(404, route.missing.format(key=key, env=env.digest[:16], cache=cache)) from None
+        raise HTTPException(
+            404, route.missing.format(key=key, env=env.digest[:16], cache=cache)
+        ) from None
     try:
         size = os.fstat(fh.fileno()).st_size if store.kind == "file" else int(fh.size)
         whole = size <= WHOLE and WHOLE_SLOTS.acquire(blocking=False)
@@ -298,14 +373,23 @@ def _headers(size: int, sha: str | None) -> dict[str, str]:
     return headers
 
 
-@route(router, "GET", "/caches/{cache}/environments/{digest}/entries/{key}", role="reader",
-       summary="Download one entry (streamed)",
-       responses={200: {"content": {"application/octet-stream": {}}, "description": "the entry's bytes"}})
+@route(
+    router,
+    "GET",
+    "/caches/{cache}/environments/{digest}/entries/{key}",
+    role="reader",
+    summary="Download one entry (streamed)",
+    responses={
+        200: {"content": {"application/octet-stream": {}}, "description": "the entry's bytes"}
+    },
+)
 async def get_entry(request: Request, cache: CacheName, digest: Digest, key: Key) -> Response:
     return await download(request, cache, digest, key, ENTRY)
 
 
-async def download(request: Request, cache: str, digest: str, key: str, route: ByteRoute) -> Response:
+async def download(
+    request: Request, cache: str, digest: str, key: str, route: ByteRoute
+) -> Response:
     """GET of an entry or of its stored executable: found, opened and (up to WHOLE) read in one thread hop."""
     check_key(key)
     got = await run_in_threadpool(opened, state_of(request), cache, digest, key, route)
@@ -315,34 +399,71 @@ async def download(request: Request, cache: str, digest: str, key: str, route: B
 async def head(request: Request, cache: str, digest: str, key: str, route: ByteRoute) -> Response:
     """HEAD of an entry or of its stored executable: size and sha256 without the bytes."""
     check_key(key)
-    _info, _env, size, sha = await run_in_threadpool(located, state_of(request), cache, digest, key, route)
-    return Response(status_code=200, headers=_headers(size, sha), media_type="application/octet-stream")
+    _info, _env, size, sha = await run_in_threadpool(
+        located, state_of(request), cache, digest, key, route
+    )
+    return Response(
+        status_code=200, headers=_headers(size, sha), media_type="application/octet-stream"
+    )
 
 
-@route(router, "HEAD", "/caches/{cache}/environments/{digest}/entries/{key}", role="reader",
-       summary="An entry's size and sha256, without its bytes")
+@route(
+    router,
+    "HEAD",
+    "/caches/{cache}/environments/{digest}/entries/{key}",
+    role="reader",
+    summary="An entry's size and sha256, without its bytes",
+)
 async def head_entry(request: Request, cache: CacheName, digest: Digest, key: Key) -> Response:
     return await head(request, cache, digest, key, ENTRY)
 
 
-@route(router, "POST", "/caches/{cache}/environments/{digest}/entries", role="writer",
-       summary="Record entries a writer stored itself (checked against storage)")
-def register_entries(request: Request, cache: CacheName, digest: Digest,
-                     body: schemas.EntryRegistration) -> JSONResponse:
+@route(
+    router,
+    "POST",
+    "/caches/{cache}/environments/{digest}/entries",
+    role="writer",
+    summary="Record entries a writer stored itself (checked against storage)",
+)
+def register_entries(
+    request: Request, cache: CacheName, digest: Digest, body: schemas.EntryRegistration
+) -> JSONResponse:
     state = state_of(request)
     info, env = _resolve(state, cache, digest)
     replace = _may_overwrite(request, cache)
-    claims = [NewEntry(key=e.key, module=check_key(e.key).module, size=e.size, sha256=e.sha256, origin=e.origin,
-                       compile_time_ms=e.compile_time_ms, function=e.function, bucket=e.bucket,
-                       warm_run_id=body.warm_run_id, aot_size=e.aot_size, aot_sha256=e.aot_sha256)
-              for e in body.entries]
-    run_env = warm_runs.get_run(state.index, body.warm_run_id).environment_id if body.warm_run_id is not None else None
+    claims = [
+        NewEntry(
+            key=e.key,
+            module=check_key(e.key).module,
+            size=e.size,
+            sha256=e.sha256,
+            origin=e.origin,
+            compile_time_ms=e.compile_time_ms,
+            function=e.function,
+            bucket=e.bucket,
+            warm_run_id=body.warm_run_id,
+            aot_size=e.aot_size,
+            aot_sha256=e.aot_sha256,
+        )
+        for e in body.entries
+    ]
+    run_env = (
+        warm_runs.get_run(state.index, body.warm_run_id).environment_id
+        if body.warm_run_id is not None
+        else None
+    )
     try:
         inserted, updated = ingest.register_stored(
-            ingest.Target(state.index, info, env, state.store(info)), claims, run_environment_id=run_env,
-            replace_existing=replace, who=f"token {current_token(request).name}")
+            ingest.Target(state.index, info, env, state.store(info)),
+            claims,
+            run_environment_id=run_env,
+            replace_existing=replace,
+            who=f"token {current_token(request).name}",
+        )
     except ingest.Refused as exc:
         raise refused(exc) from None
     except EntryConflict as exc:
-        raise HTTPException(409, f"{exc.message}; an admin may replace it with {OVERWRITE_HEADER}: true") from None
+        raise HTTPException(
+            409, f"{exc.message}; an admin may replace it with {OVERWRITE_HEADER}: true"
+        ) from None
     return ok({"inserted": inserted, "updated": updated})

@@ -37,29 +37,67 @@ def executable_path(env: EnvironmentInfo, key: str) -> str:
     return f"{env.namespace}/{key}{AOT_SUFFIX}"
 
 
-@route(router, "PUT", ROUTE, role="writer",
-       summary="Upload an entry's stored executable (the <key>-aot bytes warm made)",
-       openapi_extra={"requestBody": {"required": True, "content": {
-           "application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}}},
-       responses={201: {"description": "stored"}, 200: {"description": "replaced"},
-                  413: {"description": "too large for the cache"},
-                  422: {"description": "not a stored executable of this entry"},
-                  507: {"description": "the server's disk is full"}})
-async def put_executable(request: Request, cache: CacheName, digest: Digest, key: Key) -> JSONResponse:
-    return await upload(request, cache, digest, key, ingest.ingest_executable, lambda state, limit: {},
-                        lambda outcome: 200 if outcome == "replaced" else 201)
+@route(
+    router,
+    "PUT",
+    ROUTE,
+    role="writer",
+    summary="Upload an entry's stored executable (the <key>-aot bytes warm made)",
+    openapi_extra={
+        "requestBody": {
+            "required": True,
+            "content": {
+                "application/octet-stream": {"schema": {"type": "string", "format": "binary"}}
+            },
+        }
+    },
+    responses={
+        201: {"description": "stored"},
+        200: {"description": "replaced"},
+        413: {"description": "too large for the cache"},
+        422: {"description": "not a stored executable of this entry"},
+        507: {"description": "the server's disk is full"},
+    },
+)
+async def put_executable(
+    request: Request, cache: CacheName, digest: Digest, key: Key
+) -> JSONResponse:
+    return await upload(
+        request,
+        cache,
+        digest,
+        key,
+        ingest.ingest_executable,
+        lambda state, limit: {},
+        lambda outcome: 200 if outcome == "replaced" else 201,
+    )
 
 
-EXECUTABLE = ByteRoute(executable_path, True,
-                       "no stored executable for entry {key} in environment {env} of cache {cache!r}")
+EXECUTABLE = ByteRoute(
+    executable_path,
+    True,
+    "no stored executable for entry {key} in environment {env} of cache {cache!r}",
+)
 
 
-@route(router, "GET", ROUTE, role="reader", summary="Download an entry's stored executable (streamed)",
-       responses={200: {"content": {"application/octet-stream": {}}, "description": "the -aot bytes"}})
+@route(
+    router,
+    "GET",
+    ROUTE,
+    role="reader",
+    summary="Download an entry's stored executable (streamed)",
+    responses={200: {"content": {"application/octet-stream": {}}, "description": "the -aot bytes"}},
+)
 async def get_executable(request: Request, cache: CacheName, digest: Digest, key: Key) -> Response:
     return await download(request, cache, digest, key, EXECUTABLE)
 
 
-@route(router, "HEAD", ROUTE, role="reader", summary="A stored executable's size and sha256, without its bytes")
+@route(
+    router,
+    "HEAD",
+    ROUTE,
+    role="reader",
+    summary="A stored executable's size and sha256, without its bytes",
+)
 async def head_executable(request: Request, cache: CacheName, digest: Digest, key: Key) -> Response:
     return await head(request, cache, digest, key, EXECUTABLE)

@@ -50,26 +50,48 @@ def _prune(ctx: Context, cache: CacheInfo, params: dict[str, Any]) -> Any:
     selectors = {k: v for k, v in params.items() if k not in META_PARAMS}
     crit = prune_lib.criteria(**selectors)
     # Scheduled runs never delete the only environment of a hardware group still serving hits.
-    return prune_lib.prune(ctx, cache, crit, dry_run=bool(params.get("dry_run")),
-                           protect_active=bool(params.get("scheduled")))
+    return prune_lib.prune(
+        ctx,
+        cache,
+        crit,
+        dry_run=bool(params.get("dry_run")),
+        protect_active=bool(params.get("scheduled")),
+    )
 
 
 def _gc(ctx: Context, cache: CacheInfo, params: dict[str, Any]) -> Any:
-    return gc_lib.gc(ctx, cache, policy=params.get("policy") or "lru", max_size=params.get("max_size"),
-                     protect_warm=bool(params.get("protect_warm")), dry_run=bool(params.get("dry_run")))
+    return gc_lib.gc(
+        ctx,
+        cache,
+        policy=params.get("policy") or "lru",
+        max_size=params.get("max_size"),
+        protect_warm=bool(params.get("protect_warm")),
+        dry_run=bool(params.get("dry_run")),
+    )
 
 
 def _verify(ctx: Context, cache: CacheInfo, params: dict[str, Any]) -> Any:
     extra: dict[str, Any] = {}
     min_age = params.get("min_age")
     if min_age is not None:  # as `cachectl verify --min-age` reads it
-        extra["min_age"] = timedelta(0) if str(min_age).strip() in ("0", "") else parse_duration(min_age)
-    return verify_lib.verify(ctx, cache, env_prefix=params.get("env"), quarantine=bool(params.get("quarantine")),
-                             repair=bool(params.get("repair")), dry_run=bool(params.get("dry_run")), **extra)
+        extra["min_age"] = (
+            timedelta(0) if str(min_age).strip() in ("0", "") else parse_duration(min_age)
+        )
+    return verify_lib.verify(
+        ctx,
+        cache,
+        env_prefix=params.get("env"),
+        quarantine=bool(params.get("quarantine")),
+        repair=bool(params.get("repair")),
+        dry_run=bool(params.get("dry_run")),
+        **extra,
+    )
 
 
 RUNNERS: dict[str, Callable[[Context, CacheInfo, dict[str, Any]], Any]] = {
-    "prune": _prune, "gc": _gc, "verify": _verify,
+    "prune": _prune,
+    "gc": _gc,
+    "verify": _verify,
 }
 
 
@@ -91,7 +113,9 @@ def takes_lease(job: sq.JobInfo) -> bool:
 class JobRunner:
     def __init__(self, state: Any, workers: int = 2) -> None:
         self.state = state
-        self.pool = ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="cachectl-job")
+        self.pool = ThreadPoolExecutor(
+            max_workers=max(1, workers), thread_name_prefix="cachectl-job"
+        )
         self._submit_lock = threading.Lock()
 
     def shutdown(self) -> None:
@@ -107,17 +131,32 @@ class JobRunner:
         alive = []
         now = utcnow()
         for job in sq.active_jobs(self.state.index, cache):
-            queued_too_long = (job.status == sq.QUEUED and job.created_at is not None
-                               and now - job.created_at > STALE_QUEUED)
+            queued_too_long = (
+                job.status == sq.QUEUED
+                and job.created_at is not None
+                and now - job.created_at > STALE_QUEUED
+            )
             # A running mutating job holds the cache's lease; without it, its replica is gone.
-            lost_lease = (job.status == sq.RUNNING and job.started_at is not None
-                          and now - job.started_at > STALE_RUNNING_GRACE
-                          and takes_lease(job) and not self._lease_held(cache))
-            readonly_too_long = (job.status == sq.RUNNING and job.started_at is not None
-                                 and not takes_lease(job) and now - job.started_at > STALE_READONLY)
+            lost_lease = (
+                job.status == sq.RUNNING
+                and job.started_at is not None
+                and now - job.started_at > STALE_RUNNING_GRACE
+                and takes_lease(job)
+                and not self._lease_held(cache)
+            )
+            readonly_too_long = (
+                job.status == sq.RUNNING
+                and job.started_at is not None
+                and not takes_lease(job)
+                and now - job.started_at > STALE_READONLY
+            )
             if queued_too_long or lost_lease or readonly_too_long:
-                sq.set_job_status(self.state.index, job.id, sq.FAILED,
-                                  error="abandoned: the server running it stopped before it finished")
+                sq.set_job_status(
+                    self.state.index,
+                    job.id,
+                    sq.FAILED,
+                    error="abandoned: the server running it stopped before it finished",
+                )
             else:
                 alive.append(job)
         return alive
@@ -130,8 +169,11 @@ class JobRunner:
             active = self.reap(cache)
             if active:
                 other = active[0]
-                raise HTTPException(409, f"cache {cache!r} already has a {other.kind} job {other.id} "
-                                         f"({other.status}): wait for it, see GET /api/v1/jobs/{other.id}")
+                raise HTTPException(
+                    409,
+                    f"cache {cache!r} already has a {other.kind} job {other.id} "
+                    f"({other.status}): wait for it, see GET /api/v1/jobs/{other.id}",
+                )
             job = sq.create_job(self.state.index, cache, kind, {**params, "actor": actor})
         self.pool.submit(self.run, job)
         return job
@@ -145,14 +187,23 @@ class JobRunner:
             cache = state.index.get_cache(job.cache)
             result = RUNNERS[job.kind](state.ctx, cache, job.params)
         except CachectlError as exc:
-            sq.set_job_status(state.index, job.id, sq.FAILED, error=exc.message,
-                              result={"error": type(exc).__name__, "exit_code": exc.exit_code})
+            sq.set_job_status(
+                state.index,
+                job.id,
+                sq.FAILED,
+                error=exc.message,
+                result={"error": type(exc).__name__, "exit_code": exc.exit_code},
+            )
             metrics.maintenance_runs.labels(job.cache, job.kind, "failed", trigger).inc()
         except Exception as exc:  # noqa: BLE001 - a job failure is recorded, not raised
             log.exception("job %s (%s on %s) failed", job.id, job.kind, job.cache)
-            sq.set_job_status(state.index, job.id, sq.FAILED,
-                              error=f"internal error: {type(exc).__name__}: {exc}".splitlines()[0][:500],
-                              result={"error": type(exc).__name__, "exit_code": 1})
+            sq.set_job_status(
+                state.index,
+                job.id,
+                sq.FAILED,
+                error=f"internal error: {type(exc).__name__}: {exc}".splitlines()[0][:500],
+                result={"error": type(exc).__name__, "exit_code": 1},
+            )
             metrics.maintenance_runs.labels(job.cache, job.kind, "failed", trigger).inc()
         else:
             sq.set_job_status(state.index, job.id, sq.SUCCEEDED, result=to_jsonable(result))

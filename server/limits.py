@@ -42,7 +42,9 @@ def body_limit(settings: Any, method: str, path: str) -> int:
 
 
 def _too_large(limit: int) -> str:
-    return f"request body is above this route's limit of {format_size(limit)}: nothing read or stored"
+    return (
+        f"request body is above this route's limit of {format_size(limit)}: nothing read or stored"
+    )
 
 
 class BodyGuard:
@@ -54,9 +56,13 @@ class BodyGuard:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers") or []}
+        headers = {
+            k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers") or []
+        }
         declared = headers.get("content-length")
-        has_body = "transfer-encoding" in headers or (declared is not None and declared.strip() not in ("", "0"))
+        has_body = "transfer-encoding" in headers or (
+            declared is not None and declared.strip() not in ("", "0")
+        )
         path = scope.get("path", "")
         limit = body_limit(self.settings, scope.get("method", "GET"), path)
         if has_body and path not in PUBLIC_BODY_PATHS:
@@ -65,16 +71,20 @@ class BodyGuard:
             except HTTPException:
                 token = None
             except CachectlError as exc:  # the index is unreachable: what the route would answer
-                await JSONResponse({"detail": exc.message, "error": type(exc).__name__},
-                                   status_code=503 if isinstance(exc, Unreachable) else 500)(scope, receive, send)
+                await JSONResponse(
+                    {"detail": exc.message, "error": type(exc).__name__},
+                    status_code=503 if isinstance(exc, Unreachable) else 500,
+                )(scope, receive, send)
                 return
             if token is not None:
                 bearer = bearer_token(Request(scope))
                 scope.setdefault("state", {})[CHECKED_KEY] = (hash_token(bearer or ""), token)
             if token is None:
-                await JSONResponse({"detail": UNAUTHORIZED}, status_code=401,
-                                   headers={"WWW-Authenticate": 'Bearer realm="cachectl"', "connection": "close"},
-                                   )(scope, receive, send)
+                await JSONResponse(
+                    {"detail": UNAUTHORIZED},
+                    status_code=401,
+                    headers={"WWW-Authenticate": 'Bearer realm="cachectl"', "connection": "close"},
+                )(scope, receive, send)
                 return
         if declared is not None:
             try:
@@ -82,8 +92,9 @@ class BodyGuard:
             except ValueError:
                 length = -1
             if length > limit:
-                await JSONResponse({"detail": _too_large(limit)}, status_code=413,
-                                   headers={"connection": "close"})(scope, receive, send)
+                await JSONResponse(
+                    {"detail": _too_large(limit)}, status_code=413, headers={"connection": "close"}
+                )(scope, receive, send)
                 return
         received = 0
 

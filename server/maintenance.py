@@ -50,7 +50,9 @@ def schedules_for(cache: CacheInfo) -> list[Schedule]:
     if cache.retention_seconds:
         out.append(Schedule("retention", "prune", {}))
     if cache.keep_versions:
-        out.append(Schedule("superseded", "prune", {"superseded": True, "keep": cache.keep_versions}))
+        out.append(
+            Schedule("superseded", "prune", {"superseded": True, "keep": cache.keep_versions})
+        )
     if cache.max_size or cache.env_max_size:
         out.append(Schedule("size", "gc", {"policy": "lru"}))
     return out
@@ -66,7 +68,9 @@ class MaintenanceRun:
 class Scheduler:
     """A daemon thread that runs due schedules every ``interval_s`` (first tick after ``initial_delay_s``)."""
 
-    def __init__(self, state: Any, interval_s: float, *, initial_delay_s: float | None = None) -> None:
+    def __init__(
+        self, state: Any, interval_s: float, *, initial_delay_s: float | None = None
+    ) -> None:
         self.state = state
         self.interval_s = interval_s
         self.initial_delay_s = min(60.0, interval_s) if initial_delay_s is None else initial_delay_s
@@ -76,7 +80,9 @@ class Scheduler:
     def start(self) -> None:
         if self._thread is None:
             self._stop.clear()
-            self._thread = threading.Thread(target=self._loop, name="cachectl-maintenance", daemon=True)
+            self._thread = threading.Thread(
+                target=self._loop, name="cachectl-maintenance", daemon=True
+            )
             self._thread.start()
 
     def stop(self) -> None:
@@ -123,33 +129,70 @@ class Scheduler:
     def _maybe_run(self, cache: CacheInfo, schedule: Schedule) -> MaintenanceRun | None:
         index = self.state.index
         try:
-            lease = acquire(index, f"maintenance:{cache.name}:{schedule.name}", f"scheduled-{schedule.kind}",
-                            ttl_s=max(600.0, self.interval_s))
+            lease = acquire(
+                index,
+                f"maintenance:{cache.name}:{schedule.name}",
+                f"scheduled-{schedule.kind}",
+                ttl_s=max(600.0, self.interval_s),
+            )
         except LeaseHeld:
             log.debug("maintenance %s on %s: another replica holds it", schedule.name, cache.name)
             return None
         try:
             last = sq.last_scheduled_job(index, cache.name, schedule.name)
             due_after = timedelta(seconds=self.interval_s * DUE_FRACTION)
-            if last is not None and last.created_at is not None and utcnow() - last.created_at < due_after:
-                log.debug("maintenance %s on %s: not due (last run %s)", schedule.name, cache.name, last.id)
+            if (
+                last is not None
+                and last.created_at is not None
+                and utcnow() - last.created_at < due_after
+            ):
+                log.debug(
+                    "maintenance %s on %s: not due (last run %s)",
+                    schedule.name,
+                    cache.name,
+                    last.id,
+                )
                 return None
             if self.state.jobs.reap(cache.name):
-                log.info("maintenance %s on %s: a job is running on the cache; next tick", schedule.name, cache.name)
+                log.info(
+                    "maintenance %s on %s: a job is running on the cache; next tick",
+                    schedule.name,
+                    cache.name,
+                )
                 return None
-            job = sq.create_job(index, cache.name, schedule.kind,
-                                {**schedule.params, "scheduled": schedule.name, "actor": "scheduler"})
+            job = sq.create_job(
+                index,
+                cache.name,
+                schedule.kind,
+                {**schedule.params, "scheduled": schedule.name, "actor": "scheduler"},
+            )
             done = self.state.jobs.run(job, trigger="schedule")
             freed = int(((done.result or {}).get("execution") or {}).get("bytes_freed") or 0)
             entries = int(((done.result or {}).get("execution") or {}).get("entries_deleted") or 0)
             try:
-                index.audit("maintenance", cache=cache.name, entries=entries, nbytes=freed,
-                            details={"schedule": schedule.name, "kind": schedule.kind, "job": done.id,
-                                     "status": done.status, "error": done.error},
-                            who="cachectl-server scheduler")
+                index.audit(
+                    "maintenance",
+                    cache=cache.name,
+                    entries=entries,
+                    nbytes=freed,
+                    details={
+                        "schedule": schedule.name,
+                        "kind": schedule.kind,
+                        "job": done.id,
+                        "status": done.status,
+                        "error": done.error,
+                    },
+                    who="cachectl-server scheduler",
+                )
             except CachectlError as exc:
                 log.warning("could not audit maintenance run %s: %s", done.id, exc.message)
-            log.info("maintenance %s on %s: %s (freed %d bytes)", schedule.name, cache.name, done.status, freed)
+            log.info(
+                "maintenance %s on %s: %s (freed %d bytes)",
+                schedule.name,
+                cache.name,
+                done.status,
+                freed,
+            )
             return MaintenanceRun(cache.name, schedule.name, done)
         finally:
             try:

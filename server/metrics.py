@@ -30,7 +30,22 @@ from cachectl.index import Index
 log = logging.getLogger("cachectl.server")
 access_log = logging.getLogger("cachectl.server.access")
 
-LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+LATENCY_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+)
 
 
 class IndexCollector(Collector):
@@ -41,12 +56,22 @@ class IndexCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         up = GaugeMetricFamily("cachectl_index_up", "1 when the index answered this scrape")
-        cache_bytes = GaugeMetricFamily("cachectl_cache_bytes", "Bytes of entries per cache", labels=["cache"])
-        cache_entries = GaugeMetricFamily("cachectl_cache_entries", "Entries per cache", labels=["cache"])
-        cache_limit = GaugeMetricFamily("cachectl_cache_max_bytes", "Size limit per cache (policy)", labels=["cache"])
+        cache_bytes = GaugeMetricFamily(
+            "cachectl_cache_bytes", "Bytes of entries per cache", labels=["cache"]
+        )
+        cache_entries = GaugeMetricFamily(
+            "cachectl_cache_entries", "Entries per cache", labels=["cache"]
+        )
+        cache_limit = GaugeMetricFamily(
+            "cachectl_cache_max_bytes", "Size limit per cache (policy)", labels=["cache"]
+        )
         env_labels = ["cache", "environment", "jax_version", "backend", "device"]
-        env_bytes = GaugeMetricFamily("cachectl_environment_bytes", "Bytes of entries per environment", labels=env_labels)
-        env_entries = GaugeMetricFamily("cachectl_environment_entries", "Entries per environment", labels=env_labels)
+        env_bytes = GaugeMetricFamily(
+            "cachectl_environment_bytes", "Bytes of entries per environment", labels=env_labels
+        )
+        env_entries = GaugeMetricFamily(
+            "cachectl_environment_entries", "Entries per environment", labels=env_labels
+        )
         try:
             for cache in self.index.list_caches():
                 envs = self.index.environment_stats(cache.name)
@@ -55,8 +80,13 @@ class IndexCollector(Collector):
                 if cache.max_size:
                     cache_limit.add_metric([cache.name], cache.max_size)
                 for e in envs:
-                    labels = [cache.name, e.digest[:16], e.environment.jax_version, e.environment.backend,
-                              f"{e.environment.device_kind} x{e.environment.device_count}"]
+                    labels = [
+                        cache.name,
+                        e.digest[:16],
+                        e.environment.jax_version,
+                        e.environment.backend,
+                        f"{e.environment.device_kind} x{e.environment.device_count}",
+                    ]
                     env_bytes.add_metric(labels, e.bytes)
                     env_entries.add_metric(labels, e.entries)
             up.add_metric([], 1)
@@ -71,23 +101,55 @@ class Metrics:
         disable_created_metrics()  # *_created series double the output and say nothing here
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
-        self.requests = Counter("cachectl_http_requests", "HTTP requests by route template and status",
-                                ["method", "route", "status"], registry=r)
-        self.latency = Histogram("cachectl_http_request_duration_seconds", "Request latency by route template",
-                                 ["method", "route"], buckets=LATENCY_BUCKETS, registry=r)
-        self.telemetry_requests = Counter("cachectl_telemetry_compile_requests",
-                                          "Compile requests reported by services", ["cache"], registry=r)
-        self.telemetry_hits = Counter("cachectl_telemetry_hits", "Cache hits reported by services", ["cache"], registry=r)
-        self.telemetry_misses = Counter("cachectl_telemetry_misses", "Cache misses reported by services",
-                                        ["cache"], registry=r)
-        self.uploads = Counter("cachectl_entry_uploads", "Entry uploads by outcome", ["cache", "outcome"], registry=r)
-        self.upload_bytes = Counter("cachectl_entry_upload_bytes", "Bytes of entries stored by uploads",
-                                    ["cache"], registry=r)
-        self.download_bytes = Counter("cachectl_entry_download_bytes", "Bytes of entries served", ["cache"], registry=r)
-        self.maintenance_runs = Counter("cachectl_maintenance_runs", "Prune/gc/verify runs by kind and outcome",
-                                        ["cache", "kind", "status", "trigger"], registry=r)
-        self.bytes_freed = Counter("cachectl_maintenance_bytes_freed", "Bytes freed by prune and gc",
-                                   ["cache", "kind"], registry=r)
+        self.requests = Counter(
+            "cachectl_http_requests",
+            "HTTP requests by route template and status",
+            ["method", "route", "status"],
+            registry=r,
+        )
+        self.latency = Histogram(
+            "cachectl_http_request_duration_seconds",
+            "Request latency by route template",
+            ["method", "route"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.telemetry_requests = Counter(
+            "cachectl_telemetry_compile_requests",
+            "Compile requests reported by services",
+            ["cache"],
+            registry=r,
+        )
+        self.telemetry_hits = Counter(
+            "cachectl_telemetry_hits", "Cache hits reported by services", ["cache"], registry=r
+        )
+        self.telemetry_misses = Counter(
+            "cachectl_telemetry_misses", "Cache misses reported by services", ["cache"], registry=r
+        )
+        self.uploads = Counter(
+            "cachectl_entry_uploads", "Entry uploads by outcome", ["cache", "outcome"], registry=r
+        )
+        self.upload_bytes = Counter(
+            "cachectl_entry_upload_bytes",
+            "Bytes of entries stored by uploads",
+            ["cache"],
+            registry=r,
+        )
+        self.download_bytes = Counter(
+            "cachectl_entry_download_bytes", "Bytes of entries served", ["cache"], registry=r
+        )
+        self.maintenance_runs = Counter(
+            "cachectl_maintenance_runs",
+            "Prune/gc/verify runs by kind and outcome",
+            ["cache", "kind", "status", "trigger"],
+            registry=r,
+        )
+        self.bytes_freed = Counter(
+            "cachectl_maintenance_bytes_freed",
+            "Bytes freed by prune and gc",
+            ["cache", "kind"],
+            registry=r,
+        )
         if index is not None:
             r.register(IndexCollector(index))
 

@@ -95,10 +95,16 @@ class ServingCountsIn(Strict):
     fallback: FlushCount = 0
     out_of_bucket: FlushCount = 0
     padded: FlushCount = 0
-    sizes: Annotated[dict[Annotated[str, Field(max_length=64)],
-                          Annotated[dict[Annotated[str, Field(max_length=12, pattern=r"^[0-9]+$")], FlushCount],
-                                    Field(max_length=MAX_SERVING_SIZES)]],
-                     Field(max_length=MAX_SERVING_AXES)] = {}
+    sizes: Annotated[
+        dict[
+            Annotated[str, Field(max_length=64)],
+            Annotated[
+                dict[Annotated[str, Field(max_length=12, pattern=r"^[0-9]+$")], FlushCount],
+                Field(max_length=MAX_SERVING_SIZES),
+            ],
+        ],
+        Field(max_length=MAX_SERVING_AXES),
+    ] = {}
 
 
 class SignatureIn(Strict):
@@ -108,12 +114,26 @@ class SignatureIn(Strict):
     key: Annotated[str, Field(max_length=512)] | None = None
     source: Annotated[str, Field(max_length=1024)] | None = None
     # (shape, dtype, weak_type, sharding) per flat input
-    leaves: Annotated[list[tuple[Annotated[list[Annotated[int, Field(ge=0, le=2**40)]], Field(max_length=64)],
-                                 Annotated[str, Field(max_length=64)], bool,
-                                 Annotated[str, Field(max_length=512)] | None]],
-                      Field(max_length=10_000)] = []
-    statics: Annotated[list[tuple[Annotated[str, Field(max_length=256)], Annotated[str, Field(max_length=1024)]]],
-                       Field(max_length=64)] | None = None
+    leaves: Annotated[
+        list[
+            tuple[
+                Annotated[list[Annotated[int, Field(ge=0, le=2**40)]], Field(max_length=64)],
+                Annotated[str, Field(max_length=64)],
+                bool,
+                Annotated[str, Field(max_length=512)] | None,
+            ]
+        ],
+        Field(max_length=10_000),
+    ] = []
+    statics: (
+        Annotated[
+            list[
+                tuple[Annotated[str, Field(max_length=256)], Annotated[str, Field(max_length=1024)]]
+            ],
+            Field(max_length=64),
+        ]
+        | None
+    ) = None
     requests: FlushCount = 0
     hits: FlushCount = 0
     misses: FlushCount = 0

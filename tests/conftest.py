@@ -51,7 +51,10 @@ NO_PG = os.environ.get("CACHECTL_TEST_NO_PG") == "1"
 
 # Heavy tests (pip installs, full warms, benchmarks) run in CI (.ci/run sets CI=true)
 # or with CACHECTL_TEST_HEAVY=1; a quick local run skips them.
-RUN_HEAVY = os.environ.get("CI", "").lower() in ("1", "true") or os.environ.get("CACHECTL_TEST_HEAVY") == "1"
+RUN_HEAVY = (
+    os.environ.get("CI", "").lower() in ("1", "true")
+    or os.environ.get("CACHECTL_TEST_HEAVY") == "1"
+)
 
 
 def pytest_collection_modifyitems(config, items):

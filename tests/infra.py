@@ -221,14 +221,21 @@ def start_server(
         if proc.poll() is not None:
             problem = f"exited with code {proc.returncode}"
         server.stop()
-        errors.append(f"attempt {attempt}: {problem}; log {log_path}:\n{textwrap.indent(server.log_tail(), '    ')}")
+        errors.append(
+            f"attempt {attempt}: {problem}; log {log_path}:\n{textwrap.indent(server.log_tail(), '    ')}"
+        )
     raise ServerStartError(
         f"could not start {name} on {LOOPBACK} (argv: {argv_for_port(0)!r}):\n" + "\n".join(errors)
     )
 
 
-def _http(method: str, url: str, body: bytes | None = None, headers: Mapping[str, str] | None = None,
-          timeout: float = 10.0) -> tuple[int, bytes]:
+def _http(
+    method: str,
+    url: str,
+    body: bytes | None = None,
+    headers: Mapping[str, str] | None = None,
+    timeout: float = 10.0,
+) -> tuple[int, bytes]:
     # Loopback only, and never through a proxy.
     opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
     req = urllib.request.Request(url, data=body, method=method, headers=dict(headers or {}))
@@ -297,8 +304,13 @@ def start_gcs_emulator(log_dir: Path) -> Server:
     server = start_server(
         "gcs-emulator",
         lambda port: [
-            sys.executable, "-c", bootstrap, "start",
-            f"--host={LOOPBACK}", f"--port={port}", "--in-memory",
+            sys.executable,
+            "-c",
+            bootstrap,
+            "start",
+            f"--host={LOOPBACK}",
+            f"--port={port}",
+            "--in-memory",
         ],
         log_dir,
         check=check,
@@ -330,7 +342,12 @@ def gcs_emulator_main(argv: list[str]) -> None:
         bucket = params["bucket_name"]
         try:
             dest = objects._copy(
-                request.base_url, storage, bucket, params["object_id"], bucket, params["dest_object_id"]
+                request.base_url,
+                storage,
+                bucket,
+                params["object_id"],
+                bucket,
+                params["dest_object_id"],
             )
         except NotFound:
             response.status = HTTPStatus.NOT_FOUND
@@ -360,7 +377,9 @@ def create_gcs_bucket(endpoint_url: str, name: str) -> None:
         {"Content-Type": "application/json"},
     )
     if status != 200:
-        raise RuntimeError(f"creating gs://{name} on {endpoint_url} answered {status}: {body[:300]!r}")
+        raise RuntimeError(
+            f"creating gs://{name} on {endpoint_url} answered {status}: {body[:300]!r}"
+        )
 
 
 # ------------------------------------------------------------------ fsspec
@@ -394,7 +413,9 @@ def clear_fsspec_instance_caches() -> None:
 def _psycopg_conninfo(sqlalchemy_url: str) -> str:
     from sqlalchemy.engine import make_url
 
-    return make_url(sqlalchemy_url).set(drivername="postgresql").render_as_string(hide_password=False)
+    return (
+        make_url(sqlalchemy_url).set(drivername="postgresql").render_as_string(hide_password=False)
+    )
 
 
 def pg_check(admin_url: str) -> None:
@@ -423,9 +444,13 @@ def pg_drop_database(admin_url: str, name: str) -> None:
     # every backend it would terminate, and a worker's is none): such a worker finishes in
     # moments, so try again for a while before failing.
     for attempt in range(40):
-        with psycopg.connect(_psycopg_conninfo(admin_url), autocommit=True, connect_timeout=10) as conn:
+        with psycopg.connect(
+            _psycopg_conninfo(admin_url), autocommit=True, connect_timeout=10
+        ) as conn:
             try:
-                conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name)))
+                conn.execute(
+                    sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name))
+                )
                 return
             except psycopg.errors.InsufficientPrivilege:
                 if attempt == 39:

@@ -25,12 +25,23 @@ MAIN = "main"
 OTHER = "other"
 
 
-def fake_environment(jax_version: str = "0.10.2", device_kind: str = "cpu", count: int = 1) -> Environment:
+def fake_environment(
+    jax_version: str = "0.10.2", device_kind: str = "cpu", count: int = 1
+) -> Environment:
     """An environment as some machine would report it (no JAX needed to build one)."""
     return Environment(
-        jax_version=jax_version, jaxlib_version=jax_version, backend="cpu", platform_version="cpu",
-        device_kind=device_kind, device_count=count, process_count=1, topology=f"kinds:{device_kind}",
-        xla_flags=(), compression="zstandard", enable_xla_caches="none", include_metadata_in_key=False,
+        jax_version=jax_version,
+        jaxlib_version=jax_version,
+        backend="cpu",
+        platform_version="cpu",
+        device_kind=device_kind,
+        device_count=count,
+        process_count=1,
+        topology=f"kinds:{device_kind}",
+        xla_flags=(),
+        compression="zstandard",
+        enable_xla_caches="none",
+        include_metadata_in_key=False,
     )
 
 
@@ -50,8 +61,16 @@ class Seed:
     tokens: dict[str, str] = field(default_factory=dict)
 
 
-IDENTITIES = ("reader", "writer", "admin", "scoped_writer", "wrong_scope_admin", "wrong_scope_reader",
-              "expired", "revoked")
+IDENTITIES = (
+    "reader",
+    "writer",
+    "admin",
+    "scoped_writer",
+    "wrong_scope_admin",
+    "wrong_scope_reader",
+    "expired",
+    "revoked",
+)
 
 
 def seed(db: str, root: str, other_root: str, *, entries: int = 3, entry_size: int = 2000) -> Seed:
@@ -75,9 +94,17 @@ def seed(db: str, root: str, other_root: str, *, entries: int = 3, entry_size: i
             store.write_bytes(f"{env.namespace}/{key}-cache", data)
             keys.append(key)
             blobs[key] = data
-            new.append(NewEntry(key=key, module=key.rsplit("-", 1)[0], size=len(data), sha256=sha256(data),
-                                origin="warm", compile_time_ms=(n + 1) * 1000,
-                                function="train" if n % 2 == 0 else "step"))
+            new.append(
+                NewEntry(
+                    key=key,
+                    module=key.rsplit("-", 1)[0],
+                    size=len(data),
+                    sha256=sha256(data),
+                    origin="warm",
+                    compile_time_ms=(n + 1) * 1000,
+                    function="train" if n % 2 == 0 else "step",
+                )
+            )
         index.upsert_entries(info.id, new)
         result = Seed(db, store.url, Store(other_root).url, env, env.digest, keys, blobs)
         made = {
@@ -92,7 +119,11 @@ def seed(db: str, root: str, other_root: str, *, entries: int = 3, entry_size: i
         }
         tokens.revoke_token(index, "revoked")
         with index.session() as s:
-            s.execute(update(Token).where(Token.name == "expired").values(expires_at=utcnow() - timedelta(hours=1)))
+            s.execute(
+                update(Token)
+                .where(Token.name == "expired")
+                .values(expires_at=utcnow() - timedelta(hours=1))
+            )
         result.tokens = {name: created.token for name, created in made.items()}
         return result
     finally:
@@ -111,8 +142,15 @@ class LiveServer:
         from infra import free_port
 
         self.port = port or free_port()
-        config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning", access_log=False,
-                                lifespan="on", log_config=None)
+        config = uvicorn.Config(
+            app,
+            host="127.0.0.1",
+            port=self.port,
+            log_level="warning",
+            access_log=False,
+            lifespan="on",
+            log_config=None,
+        )
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, name="uvicorn-test", daemon=True)
 

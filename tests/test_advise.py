@@ -18,9 +18,11 @@ from cachectl.cli import cli
 def _brute(sizes: dict[int, int], k: int) -> float:
     """The least waste over every choice of at most k buckets that covers all sizes."""
     vs = sorted(sizes)
-    return min(score([*c, vs[-1]], sizes).waste
-               for r in range(min(k, len(vs)))
-               for c in itertools.combinations(vs[:-1], r))
+    return min(
+        score([*c, vs[-1]], sizes).waste
+        for r in range(min(k, len(vs)))
+        for c in itertools.combinations(vs[:-1], r)
+    )
 
 
 def _distributions() -> dict[str, dict[int, int]]:
@@ -28,14 +30,16 @@ def _distributions() -> dict[str, dict[int, int]]:
     uniform = rng.integers(1, 40, 400)
     tail = np.minimum(rng.pareto(1.5, 400) * 4 + 1, 300).astype(int)
     bimodal = np.concatenate([rng.normal(12, 2, 200), rng.normal(90, 6, 200)]).clip(1).astype(int)
-    return {name: dict(zip(*np.unique(x, return_counts=True), strict=True))
-            for name, x in (("uniform", uniform), ("long-tailed", tail), ("bimodal", bimodal))}
+    return {
+        name: dict(zip(*np.unique(x, return_counts=True), strict=True))
+        for name, x in (("uniform", uniform), ("long-tailed", tail), ("bimodal", bimodal))
+    }
 
 
 @pytest.mark.parametrize("name", ["uniform", "long-tailed", "bimodal"])
 def test_the_proposal_is_optimal_against_brute_force(name: str) -> None:
     full = _distributions()[name]
-    small = dict(sorted(full.items())[::max(1, len(full) // 12)])  # brute force stays small
+    small = dict(sorted(full.items())[:: max(1, len(full) // 12)])  # brute force stays small
     for k in range(1, 5):
         got = optimal_buckets(small, max_buckets=k)
         assert len(got) <= k and score(got, small).coverage == 1.0
@@ -58,14 +62,14 @@ def test_raw_sizes_and_a_histogram_give_the_same_answer() -> None:
     assert optimal_buckets(raw, max_buckets=5) == optimal_buckets(hist, max_buckets=5)
 
 
-MODEL = '''
+MODEL = """
 import jax.numpy as jnp
 
 def embed(tokens):
     return (tokens * 2).astype(jnp.float32)
-'''
+"""
 
-MANIFEST = '''\
+MANIFEST = """\
 # tiny service: one function, one bucketed axis
 version: 1
 functions:
@@ -76,9 +80,9 @@ functions:
       seq: [8, 64]    # the lengths we guessed
     outputs:
       - {shape: [1, seq]}
-'''
+"""
 
-SERVE = '''
+SERVE = """
 import json, sys, numpy as np
 sys.path.insert(0, {dir!r})
 import cachectl
@@ -88,7 +92,7 @@ for n in {sizes!r}:
     out = embed(np.ones((1, n), np.int32))
     assert np.asarray(out).shape == (1, n)
 print(json.dumps(rt.report().to_json()["functions"]["embed"]))
-'''
+"""
 
 SIZES = [3, 3, 3, 4, 5, 5, 6, 20, 21, 21, 22, 22, 40, 41, 41, 41, 60]
 
@@ -99,7 +103,9 @@ def _cli(*args: str, code: int = 0) -> str:
     return result.stdout
 
 
-def test_advise_from_served_sizes_writes_a_manifest_that_warms_and_serves(tmp_path, monkeypatch) -> None:
+def test_advise_from_served_sizes_writes_a_manifest_that_warms_and_serves(
+    tmp_path, monkeypatch
+) -> None:
     monkeypatch.setenv("CACHECTL_TELEMETRY_INTERVAL", "3600")
     (tmp_path / "tiny_model.py").write_text(MODEL)
     manifest = tmp_path / "manifest.yaml"
@@ -112,7 +118,9 @@ def test_advise_from_served_sizes_writes_a_manifest_that_warms_and_serves(tmp_pa
     report = json.loads(_cli("advise", str(manifest), "--max-buckets", "4", "--json"))
     (fn,) = report["functions"]
     (axis,) = fn["axes"]
-    expected = optimal_buckets(dict(zip(*np.unique(SIZES, return_counts=True), strict=True)), max_buckets=4)
+    expected = optimal_buckets(
+        dict(zip(*np.unique(SIZES, return_counts=True), strict=True)), max_buckets=4
+    )
     assert axis["source"] == "serving" and axis["calls"] == len(SIZES)
     assert axis["proposed"]["values"] == expected == [6, 22, 41, 60]
     assert axis["current"]["values"] == [8, 64] and axis["current"]["coverage"] == 1.0
@@ -135,8 +143,12 @@ def test_advise_bad_input_is_one_line_exit_2(tmp_path) -> None:
     manifest = tmp_path / "m.yaml"
     manifest.write_text(MANIFEST)
     _cli("cache", "list")
-    for args in (["--max-buckets", "0"], ["--max-waste", "150%"], ["--max-buckets", "2", "--max-waste", "0.1"],
-                 ["--function", "nope"]):
+    for args in (
+        ["--max-buckets", "0"],
+        ["--max-waste", "150%"],
+        ["--max-buckets", "2", "--max-waste", "0.1"],
+        ["--function", "nope"],
+    ):
         result = CliRunner().invoke(cli, ["advise", str(manifest), *args])
         assert result.exit_code == 2, (args, result.output)
         assert "Traceback" not in result.output and len(result.output.strip().splitlines()) == 1
@@ -148,8 +160,10 @@ def test_block_style_axis_values_are_rewritten_in_place(tmp_path) -> None:
     from cachectl.advise import rewrite_axes
     from cachectl.manifest import parse_manifest
 
-    text = MANIFEST.replace("      seq: [8, 64]    # the lengths we guessed\n",
-                            "      seq:   # the lengths we guessed\n        - 8\n        - 64  # max\n")
+    text = MANIFEST.replace(
+        "      seq: [8, 64]    # the lengths we guessed\n",
+        "      seq:   # the lengths we guessed\n        - 8\n        - 64  # max\n",
+    )
     m = parse_manifest(text, "m.yaml", tmp_path)
     new = rewrite_axes(text, m, {("embed", "seq"): [6, 22]})
     assert "      seq:   # the lengths we guessed\n        - 6\n        - 22\n    outputs:" in new

@@ -95,7 +95,12 @@ def test_ls_and_stats_show_executables_as_part_of_each_entry(tmp_path: Path) -> 
     total = sum(len(b) for b in entries.values()) + aot_total
 
     env = run_json("ls")["environments"][0]
-    assert (env["entries"], env["executables"], env["aot_bytes"], env["bytes"]) == (3, 3, aot_total, total)
+    assert (env["entries"], env["executables"], env["aot_bytes"], env["bytes"]) == (
+        3,
+        3,
+        aot_total,
+        total,
+    )
     listed = entries_json(ns)
     assert set(listed) == set(entries)
     for key, e in listed.items():
@@ -105,7 +110,12 @@ def test_ls_and_stats_show_executables_as_part_of_each_entry(tmp_path: Path) -> 
     assert " aot " in table or "┃ aot" in table
 
     stats = run_json("stats")[0]
-    assert (stats["entries"], stats["executables"], stats["aot_bytes"], stats["bytes"]) == (3, 3, aot_total, total)
+    assert (stats["entries"], stats["executables"], stats["aot_bytes"], stats["bytes"]) == (
+        3,
+        3,
+        aot_total,
+        total,
+    )
     assert "aot" in run("stats")
 
 
@@ -122,12 +132,18 @@ def test_sync_rebuilds_aot_columns_after_the_index_is_deleted(tmp_path: Path) ->
     result = run_json("sync", "--min-age", "0")
     assert result["entries_added"] == 3 and result["executables_recorded"] == 3
     after = entries_json(ns)
-    assert {k: (e["size"], e["sha256"], e["aot_size"], e["aot_sha256"]) for k, e in after.items()} == {
-        k: (e["size"], e["sha256"], e["aot_size"], e["aot_sha256"]) for k, e in before.items()}
+    assert {
+        k: (e["size"], e["sha256"], e["aot_size"], e["aot_sha256"]) for k, e in after.items()
+    } == {k: (e["size"], e["sha256"], e["aot_size"], e["aot_sha256"]) for k, e in before.items()}
 
     again = run_json("sync", "--min-age", "0")
-    assert (again["entries_added"], again["entries_updated"], again["rows_dropped"],
-            again["executables_recorded"], again["executables_cleared"]) == (0, 0, 0, 0, 0)
+    assert (
+        again["entries_added"],
+        again["entries_updated"],
+        again["rows_dropped"],
+        again["executables_recorded"],
+        again["executables_cleared"],
+    ) == (0, 0, 0, 0, 0)
     assert again["plan"]["orphan_executables"] == []
     assert entries_json(ns) == after
 
@@ -149,7 +165,11 @@ def test_sync_clears_a_deleted_aot_and_never_indexes_an_orphan(tmp_path: Path) -
     assert (ns / f"{orphaned}-aot").exists()  # sync reports it; verify --quarantine moves it
 
     again = run_json("sync", "--min-age", "0")
-    assert (again["rows_dropped"], again["executables_recorded"], again["executables_cleared"]) == (0, 0, 0)
+    assert (again["rows_dropped"], again["executables_recorded"], again["executables_cleared"]) == (
+        0,
+        0,
+        0,
+    )
     assert again["plan"]["orphan_executables"] == [f"{rel}/{orphaned}-aot"]
 
 
@@ -169,12 +189,18 @@ def test_verify_detects_a_flipped_byte_in_an_aot_and_quarantine_moves_it(tmp_pat
     assert "checksum" in findings[0]["detail"] and "sha256 differs" in findings[0]["detail"]
 
     fixed = run_json("verify", "--quarantine", code=1)
-    assert fixed["quarantined"] == 1 and fixed["executables_cleared"] == 1 and fixed["rows_dropped"] == 0
+    assert (
+        fixed["quarantined"] == 1
+        and fixed["executables_cleared"] == 1
+        and fixed["rows_dropped"] == 0
+    )
     assert not (ns / f"{bad}-aot").exists() and (ns / f"{bad}-cache").exists()
     moved = list((ns.parents[2] / ".quarantine").rglob(f"{bad}-aot"))
     assert len(moved) == 1
     listed = entries_json(ns)
-    assert len(listed) == 3 and listed[bad]["aot_sha256"] is None  # the entry stays, without its executable
+    assert (
+        len(listed) == 3 and listed[bad]["aot_sha256"] is None
+    )  # the entry stays, without its executable
     assert run_json("verify")["ok"] is True
 
 
@@ -182,7 +208,9 @@ def test_verify_reports_orphan_unindexed_and_missing_executables(tmp_path: Path)
     ns = warm(tmp_path)
     orphan, unindexed, missing = sorted(files(ns, "-aot"))
     rel = ns.relative_to(ns.parents[2]).as_posix()
-    (ns / f"{orphan}-cache").unlink()  # its -aot is now an orphan (and the entry's row points at nothing)
+    (
+        ns / f"{orphan}-cache"
+    ).unlink()  # its -aot is now an orphan (and the entry's row points at nothing)
     (ns / f"{missing}-aot").unlink()
     # An -aot the index does not know: clear its columns (as a writer that never recorded it).
     from cachectl.index import open_index
@@ -202,7 +230,11 @@ def test_verify_reports_orphan_unindexed_and_missing_executables(tmp_path: Path)
     }
 
     fixed = run_json("verify", "--quarantine", "--min-age", "0", code=1)
-    assert fixed["quarantined"] == 2 and fixed["rows_dropped"] == 1 and fixed["executables_cleared"] == 1
+    assert (
+        fixed["quarantined"] == 2
+        and fixed["rows_dropped"] == 1
+        and fixed["executables_cleared"] == 1
+    )
     assert {p.name for p in ns.glob("*-aot")} == set()
     assert (ns / f"{unindexed}-cache").exists() and (ns / f"{missing}-cache").exists()
     assert run_json("verify")["ok"] is True
@@ -226,7 +258,10 @@ def test_gc_over_a_size_limit_removes_entry_and_aot_together(tmp_path: Path) -> 
     assert victim["size"] == len(entries[key]) and victim["aot_size"] == len(aots[key])
     assert victim["bytes"] == len(entries[key]) + len(aots[key]) >= smallest_unit
     assert [Path(f).name for f in victim["files"]] == [f"{key}-cache", f"{key}-aot"]
-    assert plan["deletion"]["bytes_to_free"] == victim["bytes"] and plan["bytes_after"] == total - victim["bytes"]
+    assert (
+        plan["deletion"]["bytes_to_free"] == victim["bytes"]
+        and plan["bytes_after"] == total - victim["bytes"]
+    )
 
     done = run_json("gc", "--max-size", str(limit))
     assert done["execution"]["entries_deleted"] == 1
@@ -271,10 +306,15 @@ def test_mirror_pull_copies_aot_and_refuses_a_tampered_one(tmp_path: Path) -> No
     aots = files(ns, "-aot")
     mirror = tmp_path / "mirror"
     pulled = run_json("pull", "--to", str(mirror))
-    assert (pulled["copied"], pulled["executables_copied"], pulled["executables_indexed"]) == (3, 3, 3)
+    assert (pulled["copied"], pulled["executables_copied"], pulled["executables_indexed"]) == (
+        3,
+        3,
+        3,
+    )
     assert files(mirror, "-aot") == aots
     assert pulled["bytes_copied"] == sum(len(b) for b in files(ns, "-cache").values()) + sum(
-        len(b) for b in aots.values())
+        len(b) for b in aots.values()
+    )
     again = run_json("pull", "--to", str(mirror))
     assert (again["executables_copied"], again["executables_present"]) == (0, 3)
 
@@ -282,7 +322,9 @@ def test_mirror_pull_copies_aot_and_refuses_a_tampered_one(tmp_path: Path) -> No
     flip_last_byte(ns / f"{tampered}-aot")
     fresh = tmp_path / "fresh"
     refused = run_json("pull", "--to", str(fresh), code=1)
-    assert [(p["key"], p["reason"].split(":")[0]) for p in refused["refused"]] == [(tampered, "stored executable")]
+    assert [(p["key"], p["reason"].split(":")[0]) for p in refused["refused"]] == [
+        (tampered, "stored executable")
+    ]
     assert "sha256" in refused["refused"][0]["reason"]
     assert refused["copied"] == 3 and refused["executables_copied"] == 2
     assert not (fresh / f"{tampered}-aot").exists() and (fresh / f"{tampered}-cache").exists()
@@ -301,7 +343,9 @@ def test_mirror_push_uploads_executables_with_their_entries(tmp_path: Path) -> N
 
     pushed = run_json("--cache", "other", "push", "--from", str(mirror), code=1)
     assert (pushed["uploaded"], pushed["executables_uploaded"]) == (3, 2)
-    assert [(p["key"], p["reason"].split(":")[0]) for p in pushed["refused"]] == [(bad, "stored executable")]
+    assert [(p["key"], p["reason"].split(":")[0]) for p in pushed["refused"]] == [
+        (bad, "stored executable")
+    ]
     shared = other_root / ns.relative_to(ns.parents[2])
     assert files(shared, "-aot") == {k: v for k, v in aots.items() if k != bad}
     listed = {e["key"]: e for e in run_json("--cache", "other", "ls", "--env", ns.name)["entries"]}

@@ -34,7 +34,9 @@ def _is_type_checking(node: ast.AST) -> bool:
     return isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
 
 
-def _targets(modules: dict[str, Path], current: str, is_package: bool, node: ast.Import | ast.ImportFrom) -> set[str]:
+def _targets(
+    modules: dict[str, Path], current: str, is_package: bool, node: ast.Import | ast.ImportFrom
+) -> set[str]:
     names: list[str] = []
     if isinstance(node, ast.Import):
         names = [a.name for a in node.names]
@@ -43,7 +45,7 @@ def _targets(modules: dict[str, Path], current: str, is_package: bool, node: ast
             base = current.split(".")
             if not is_package:
                 base = base[:-1]
-            base = base[:len(base) - (node.level - 1)]
+            base = base[: len(base) - (node.level - 1)]
             module = ".".join(base + ([node.module] if node.module else []))
         else:
             module = node.module or ""
@@ -80,7 +82,11 @@ def import_graph() -> tuple[dict[str, set[str]], list[tuple[str, int, str]]]:
                     edges[name] |= targets
                     if in_function:
                         local.extend((name, child.lineno, t) for t in sorted(targets))
-                visit(child, in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)))
+                visit(
+                    child,
+                    in_function
+                    or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)),
+                )
 
         visit(tree, False)
     return edges, local
@@ -135,13 +141,20 @@ def test_cycle_detection_finds_a_cycle() -> None:
 
 def test_few_function_local_imports_of_project_modules() -> None:
     _, local = import_graph()
-    assert len(local) <= MAX_LOCAL_PROJECT_IMPORTS, "\n".join(f"{m}:{line} -> {t}" for m, line, t in local)
+    assert len(local) <= MAX_LOCAL_PROJECT_IMPORTS, "\n".join(
+        f"{m}:{line} -> {t}" for m, line, t in local
+    )
 
 
 def test_server_uses_the_library_not_the_cli_or_the_http_client() -> None:
     edges, _ = import_graph()
-    bad = {(m, t) for m, targets in edges.items() if m == "server" or m.startswith("server.")
-           for t in targets if t.startswith(("cachectl.cli", "cachectl.client"))}
+    bad = {
+        (m, t)
+        for m, targets in edges.items()
+        if m == "server" or m.startswith("server.")
+        for t in targets
+        if t.startswith(("cachectl.cli", "cachectl.client"))
+    }
     assert bad == set()
 
 
@@ -159,13 +172,17 @@ def test_both_indexes_implement_the_backend_protocol() -> None:
 def test_no_backend_sniffing_or_context_patching() -> None:
     text = {p: p.read_text() for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.py")}
     assert [str(p) for p, t in text.items() if "is_remote" in t] == []
-    assert [str(p) for p, t in text.items() if '__dict__["index"]' in t or "__dict__['index']" in t] == []
+    assert [
+        str(p) for p, t in text.items() if '__dict__["index"]' in t or "__dict__['index']" in t
+    ] == []
 
 
 def test_commands_do_not_branch_on_server_mode() -> None:
     """Server mode is an Operations implementation chosen in cachectl.operations, not `if ctx.remote`."""
     cli = ROOT / "cachectl" / "cli"
-    assert [str(p.relative_to(ROOT)) for p in sorted(cli.glob("*.py")) if "ctx.remote" in p.read_text()] == []
+    assert [
+        str(p.relative_to(ROOT)) for p in sorted(cli.glob("*.py")) if "ctx.remote" in p.read_text()
+    ] == []
     text = (ROOT / "cachectl" / "operations.py").read_text()
     assert "class LocalOperations" in text and "class ServerOperations" in text
 
@@ -181,7 +198,11 @@ WRITES_OUTSIDE_INGEST = {
     ("cachectl/namespace.py", "ensure_namespace", "write_bytes"),
     ("cachectl/mirror.py", "_atomic_write", "write_bytes"),
     ("cachectl/lifecycle/verify.py", "execute_verify", "write_bytes"),
-    ("cachectl/lifecycle/deep.py", "load_all", "write_bytes"),  # a pathlib write to a temporary file
+    (
+        "cachectl/lifecycle/deep.py",
+        "load_all",
+        "write_bytes",
+    ),  # a pathlib write to a temporary file
 }
 _WRITE_CALLS = ("write_bytes", "write_file", "upsert_entries")
 
@@ -192,15 +213,24 @@ def entry_writers() -> set[tuple[str, str, str]]:
     for pkg in PACKAGES:
         for path in sorted((ROOT / pkg).rglob("*.py")):
             rel = str(path.relative_to(ROOT))
-            if rel == "cachectl/store.py" or rel.startswith(("cachectl/index/", "cachectl/client/")):
+            if rel == "cachectl/store.py" or rel.startswith(
+                ("cachectl/index/", "cachectl/client/")
+            ):
                 continue  # the implementations, not callers
 
             def visit(node: ast.AST, function: str, rel: str = rel) -> None:
                 for child in ast.iter_child_nodes(node):
-                    if (isinstance(child, ast.Call) and isinstance(child.func, ast.Attribute)
-                            and child.func.attr in _WRITE_CALLS):
+                    if (
+                        isinstance(child, ast.Call)
+                        and isinstance(child.func, ast.Attribute)
+                        and child.func.attr in _WRITE_CALLS
+                    ):
                         found.add((rel, function, child.func.attr))
-                    inner = child.name if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)) else function
+                    inner = (
+                        child.name
+                        if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef))
+                        else function
+                    )
                     visit(child, inner)
 
             visit(ast.parse(path.read_text(), filename=str(path)), "<module>")
@@ -209,8 +239,12 @@ def entry_writers() -> set[tuple[str, str, str]]:
 
 def test_ingest_is_the_only_writer_of_new_entries() -> None:
     found = entry_writers()
-    assert {f for f in found if f[0] == INGEST and f[2] == "upsert_entries"}, "ingest indexes new entries"
-    assert {f for f in found if f[0] == INGEST and f[2] in ("write_bytes", "write_file")}, "ingest writes them"
+    assert {f for f in found if f[0] == INGEST and f[2] == "upsert_entries"}, (
+        "ingest indexes new entries"
+    )
+    assert {f for f in found if f[0] == INGEST and f[2] in ("write_bytes", "write_file")}, (
+        "ingest writes them"
+    )
     outside = {f for f in found if f[0] != INGEST}
     assert outside - WRITES_OUTSIDE_INGEST == set(), "write new entries through cachectl/ingest.py"
     assert WRITES_OUTSIDE_INGEST - outside == set(), "a listed writer is gone: take it off the list"

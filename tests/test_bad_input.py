@@ -17,8 +17,13 @@ from cachectl.units import parse_duration, parse_size
 
 
 def cachectl(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "cachectl", *args], capture_output=True, text=True,
-                          env={**os.environ, **(env or {})}, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "cachectl", *args],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **(env or {})},
+        timeout=120,
+    )
 
 
 def assert_bad_input(done: subprocess.CompletedProcess[str]) -> None:
@@ -103,15 +108,20 @@ def test_sizes_and_durations_that_overflow(tmp_path, index_db) -> None:
         with pytest.raises(BadInput):
             parse_duration(text)
     before = snapshot(tmp_path)
-    for args in (("cache", "add", "big", str(tmp_path / "big"), "--max-size", "99999999999999TiB"),
-                 ("cache", "add", "old", str(tmp_path / "old"), "--retention", "99999999999w"),
-                 ("cache", "set", "main", "--max-size", "99999999999999TiB"),
-                 ("cache", "set", "main", "--retention", "99999999999w"),
-                 ("--cache", "main", "prune", "--older-than", "99999999999w", "--dry-run"),
-                 ("--cache", "main", "stats", "--since", "99999999999w")):
+    for args in (
+        ("cache", "add", "big", str(tmp_path / "big"), "--max-size", "99999999999999TiB"),
+        ("cache", "add", "old", str(tmp_path / "old"), "--retention", "99999999999w"),
+        ("cache", "set", "main", "--max-size", "99999999999999TiB"),
+        ("cache", "set", "main", "--retention", "99999999999w"),
+        ("--cache", "main", "prune", "--older-than", "99999999999w", "--dry-run"),
+        ("--cache", "main", "stats", "--since", "99999999999w"),
+    ):
         assert_bad_input(cachectl("--db", index_db, *args))
     assert snapshot(tmp_path) == before
-    listed = {c["name"]: c for c in json.loads(cachectl("--db", index_db, "cache", "list", "--json").stdout)}
+    listed = {
+        c["name"]: c
+        for c in json.loads(cachectl("--db", index_db, "cache", "list", "--json").stdout)
+    }
     assert "big" not in listed and "old" not in listed
     assert listed["main"]["max_size"] is None and listed["main"]["retention_seconds"] is None
 
@@ -120,19 +130,30 @@ def test_cache_roots_that_cannot_be_caches(tmp_path, index_db) -> None:
     a_file = tmp_path / "a-file"
     a_file.write_text("not a directory")
     before = snapshot(tmp_path)
-    for root in ("/proc/self/cachectl", "/proc/sys", "/sys/kernel", "/dev/null", str(a_file),
-                 str(a_file / "below")):
+    for root in (
+        "/proc/self/cachectl",
+        "/proc/sys",
+        "/sys/kernel",
+        "/dev/null",
+        str(a_file),
+        str(a_file / "below"),
+    ):
         assert_bad_input(cachectl("--db", index_db, "cache", "add", "bad", root))
     for root in ("/etc/passwd", "/proc/sys", str(a_file)):
         assert_bad_input(cachectl("--db", index_db, "cache", "set", "main", "--url", root))
     assert snapshot(tmp_path) == before
-    listed = {c["name"]: c for c in json.loads(cachectl("--db", index_db, "cache", "list", "--json").stdout)}
+    listed = {
+        c["name"]: c
+        for c in json.loads(cachectl("--db", index_db, "cache", "list", "--json").stdout)
+    }
     assert "bad" not in listed and listed["main"]["root_url"] == str(tmp_path / "main")
 
 
 def test_a_missing_token_file(tmp_path) -> None:
     config = tmp_path / "config.toml"
-    config.write_text(f'server = "http://127.0.0.1:9"\ntoken_file = "{tmp_path / "no-such-token"}"\n')
+    config.write_text(
+        f'server = "http://127.0.0.1:9"\ntoken_file = "{tmp_path / "no-such-token"}"\n'
+    )
     done = cachectl("ls", env={"CACHECTL_CONFIG": str(config)})
     assert_bad_input(done)
     assert "token_file" in done.stderr
@@ -190,8 +211,10 @@ def test_a_manifest_alias_bomb_and_too_many_buckets(tmp_path) -> None:
     assert "bomb.yaml" in done.stderr
     axis = ", ".join(str(n) for n in range(1, 201))
     many = tmp_path / "many.yaml"
-    many.write_text(f"version: 1\nfunctions:\n  - fn: os:getcwd\n    args: []\n"
-                    f"    buckets: {{a: [{axis}], b: [{axis}]}}\n")
+    many.write_text(
+        f"version: 1\nfunctions:\n  - fn: os:getcwd\n    args: []\n"
+        f"    buckets: {{a: [{axis}], b: [{axis}]}}\n"
+    )
     with pytest.raises(BadInput, match="40000 buckets"):
         parse_manifest(many.read_text(), name="many.yaml")
     done = cachectl("warm", str(many), "--dry-run")
@@ -202,8 +225,10 @@ def test_a_manifest_alias_bomb_and_too_many_buckets(tmp_path) -> None:
 def test_max_buckets_raises_the_limit(tmp_path) -> None:
     axis = ", ".join(str(n) for n in range(1, 201))
     wide = tmp_path / "wide.yaml"
-    wide.write_text(f"version: 1\nfunctions:\n  - fn: os:getcwd\n    args: []\n"
-                    f"    buckets: {{a: [{axis}], b: [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12]}}\n")  # 2,400
+    wide.write_text(
+        f"version: 1\nfunctions:\n  - fn: os:getcwd\n    args: []\n"
+        f"    buckets: {{a: [{axis}], b: [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12]}}\n"
+    )  # 2,400
     assert_bad_input(cachectl("warm", str(wide), "--dry-run", "--max-buckets", "1000"))
     done = cachectl("warm", str(wide), "--dry-run", "--json", "--max-buckets", "5000")
     assert done.returncode == 0, done.stderr

@@ -24,8 +24,12 @@ from test_warm import invoke, service, tiny, warm_json  # noqa: E402
 
 def fresh_home(tmp_path: Path, monkeypatch, name: str) -> Path:
     home = tmp_path / name
-    for var, sub in (("XDG_DATA_HOME", "data"), ("XDG_CACHE_HOME", "cache"), ("XDG_CONFIG_HOME", "config"),
-                     ("XDG_STATE_HOME", "state")):
+    for var, sub in (
+        ("XDG_DATA_HOME", "data"),
+        ("XDG_CACHE_HOME", "cache"),
+        ("XDG_CONFIG_HOME", "config"),
+        ("XDG_STATE_HOME", "state"),
+    ):
         (home / sub).mkdir(parents=True)
         monkeypatch.setenv(var, str(home / sub))
     return home
@@ -76,19 +80,37 @@ def made(tmp_path: Path, monkeypatch) -> dict[str, Any]:
     invoke("key", "generate", str(key))
     out = tmp_path / "cache.tar.zst"
     signed = tmp_path / "signed.tar.zst"
-    created = json.loads(invoke("bundle", "create", "--manifest", str(manifest), "-o", str(out), "--json").stdout)
-    json.loads(invoke("bundle", "create", "-o", str(signed), "--sign-key", str(key), "--json").stdout)
+    created = json.loads(
+        invoke("bundle", "create", "--manifest", str(manifest), "-o", str(out), "--json").stdout
+    )
+    json.loads(
+        invoke("bundle", "create", "-o", str(signed), "--sign-key", str(key), "--json").stdout
+    )
     fresh_home(tmp_path, monkeypatch, "b")
-    return {"manifest": manifest, "report": report, "bundle": out, "signed": signed, "created": created,
-            "key": key, "pub": Path(str(key) + ".pub")}
+    return {
+        "manifest": manifest,
+        "report": report,
+        "bundle": out,
+        "signed": signed,
+        "created": created,
+        "key": key,
+        "pub": Path(str(key) + ".pub"),
+    }
 
 
 def test_bundle_round_trip_on_a_fresh_home(tmp_path: Path, made: dict[str, Any]) -> None:
     created, report = made["created"], made["report"]
-    assert created["files"] == 1 + 5 + 5 and len(created["entries"]) == 5 and created["signed_by"] is None
+    assert (
+        created["files"] == 1 + 5 + 5
+        and len(created["entries"]) == 5
+        and created["signed_by"] is None
+    )
     listed = json.loads(invoke("bundle", "ls", str(made["bundle"]), "--json").stdout)
     assert {e["key"] for e in listed["entries"]} == {b["key"] for b in report["buckets"]}
-    assert all(e["aot_sha256"] and e["compile_time_ms"] is not None and e["function"] for e in listed["entries"])
+    assert all(
+        e["aot_sha256"] and e["compile_time_ms"] is not None and e["function"]
+        for e in listed["entries"]
+    )
     assert "holds 5 entries, 11 files" in invoke("bundle", "ls", str(made["bundle"])).stdout
 
     dry = json.loads(invoke("bundle", "install", str(made["bundle"]), "--dry-run", "--json").stdout)
@@ -100,7 +122,8 @@ def test_bundle_round_trip_on_a_fresh_home(tmp_path: Path, made: dict[str, Any])
     ns = Path(done["dest"])
     assert ns.is_relative_to(default_root()) and not (default_root() / ".staging").exists()
     assert sorted(p.name for p in ns.iterdir()) == sorted(
-        ["env.json"] + [b["key"] + s for b in report["buckets"] for s in ("-cache", "-aot")])
+        ["env.json"] + [b["key"] + s for b in report["buckets"] for s in ("-cache", "-aot")]
+    )
     (env,) = environments()
     assert env["entries"] == 5 and env["executables"] == 5
     rows = json.loads(invoke("ls", "--env", env["digest"][:8], "--json").stdout)["entries"]
@@ -108,7 +131,9 @@ def test_bundle_round_trip_on_a_fresh_home(tmp_path: Path, made: dict[str, Any])
 
     # A fresh service hits every bucket, and every stored executable loads.
     check = json.loads(invoke("warm-check", str(made["manifest"]), "--json").stdout)
-    assert check["summary"]["coverage"] == 100.0 and check["summary"]["aot_coverage"] == 100.0, check["summary"]
+    assert check["summary"]["coverage"] == 100.0 and check["summary"]["aot_coverage"] == 100.0, (
+        check["summary"]
+    )
     result = service(tmp_path)
     assert result["requests"] == 5 and result["hits"] == 5, result
 
@@ -116,7 +141,9 @@ def test_bundle_round_trip_on_a_fresh_home(tmp_path: Path, made: dict[str, Any])
     assert (again["installed"], again["already_present"]) == (0, 5)
 
 
-def test_bundle_stores_entries_raw_and_stays_a_standard_zstd_tar(tmp_path: Path, made: dict[str, Any]) -> None:
+def test_bundle_stores_entries_raw_and_stays_a_standard_zstd_tar(
+    tmp_path: Path, made: dict[str, Any]
+) -> None:
     """Entries (zstd already) are stored as raw zstd blocks: their bytes appear verbatim in the file,
     which GNU tar with the zstd tool reads, and a bundle written by tarfile and one compressor (as
     earlier versions did) still installs."""
@@ -125,7 +152,9 @@ def test_bundle_stores_entries_raw_and_stays_a_standard_zstd_tar(tmp_path: Path,
     entries = [(m.name, data) for m, data in items if m.name.endswith("-cache")]
     assert len(entries) == 5 and all(data in raw for _, data in entries)
     if shutil.which("tar") and shutil.which("zstd"):
-        listed = subprocess.run(["tar", "--zstd", "-tf", str(bundle)], capture_output=True, text=True, check=True)
+        listed = subprocess.run(
+            ["tar", "--zstd", "-tf", str(bundle)], capture_output=True, text=True, check=True
+        )
         assert listed.stdout.split() == [m.name for m, _ in items]
     old_style = tmp_path / "old.tar.zst"
     write_members(old_style, [(m.name, data) for m, data in items])
@@ -159,19 +188,30 @@ def _remove(items):
     return items
 
 
-@pytest.mark.parametrize(("change", "message"), [
-    (_flip, "does not match its sha256"),
-    (_add, "is not in the bundle's content list"),
-    (_remove, "missing"),
-])
-def test_tampered_bundle_installs_nothing(tmp_path: Path, made: dict[str, Any], change, message: str) -> None:
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (_flip, "does not match its sha256"),
+        (_add, "is not in the bundle's content list"),
+        (_remove, "missing"),
+    ],
+)
+def test_tampered_bundle_installs_nothing(
+    tmp_path: Path, made: dict[str, Any], change, message: str
+) -> None:
     bad = _tamper(made["bundle"], tmp_path / "bad.tar.zst", change)
     result = invoke("bundle", "install", str(bad), code=2)
-    assert message in result.stderr and result.stderr.count("\n") == 1 and "Traceback" not in result.output
+    assert (
+        message in result.stderr
+        and result.stderr.count("\n") == 1
+        and "Traceback" not in result.output
+    )
     assert_nothing_installed()
 
 
-def test_bundle_of_another_environment_exits_3_with_the_field_diff(tmp_path: Path, made: dict[str, Any]) -> None:
+def test_bundle_of_another_environment_exits_3_with_the_field_diff(
+    tmp_path: Path, made: dict[str, Any]
+) -> None:
     from cachectl.fingerprint import Environment
 
     def other_env(items):
@@ -185,7 +225,9 @@ def test_bundle_of_another_environment_exits_3_with_the_field_diff(tmp_path: Pat
 
     bad = _tamper(made["bundle"], tmp_path / "other.tar.zst", other_env)
     result = invoke("bundle", "install", str(bad), code=3)
-    assert "device_count: 1 here, 8 in the bundle" in result.stderr and result.stderr.count("\n") == 1
+    assert (
+        "device_count: 1 here, 8 in the bundle" in result.stderr and result.stderr.count("\n") == 1
+    )
     assert_nothing_installed()
 
 
@@ -196,7 +238,9 @@ def test_not_a_bundle_is_bad_input(tmp_path: Path, made: dict[str, Any]) -> None
     assert_nothing_installed()
 
 
-def test_signed_bundle_into_a_cache_that_trusts_its_key(tmp_path: Path, made: dict[str, Any]) -> None:
+def test_signed_bundle_into_a_cache_that_trusts_its_key(
+    tmp_path: Path, made: dict[str, Any]
+) -> None:
     invoke("cache", "set", "default", "--trust", str(made["pub"]))
     # Unsigned: refused.
     assert "is not signed" in invoke("bundle", "install", str(made["bundle"]), code=2).stderr
@@ -234,5 +278,8 @@ def test_bundle_signed_by_an_untrusted_key_is_refused(tmp_path: Path, made: dict
     other = tmp_path / "other.key"
     invoke("key", "generate", str(other))
     invoke("cache", "set", "default", "--trust", str(other) + ".pub")
-    assert "which the cache does not trust" in invoke("bundle", "install", str(made["signed"]), code=2).stderr
+    assert (
+        "which the cache does not trust"
+        in invoke("bundle", "install", str(made["signed"]), code=2).stderr
+    )
     assert_nothing_installed_keep_root()

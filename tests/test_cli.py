@@ -23,8 +23,13 @@ def run(*args: str, code: int = 0) -> str:
 
 def cachectl(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     """The installed entry point in a real process: what users and scripts see."""
-    return subprocess.run([sys.executable, "-m", "cachectl", *args], capture_output=True, text=True,
-                          env={**os.environ, **(env or {})}, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "cachectl", *args],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **(env or {})},
+        timeout=120,
+    )
 
 
 def test_embedded_default_needs_no_setup(tmp_path) -> None:
@@ -55,16 +60,34 @@ def test_fingerprint_json_and_env_formats() -> None:
 
 
 def test_exec_runs_with_the_service_environment(tmp_path) -> None:
-    proc = cachectl("exec", "--", sys.executable, "-c",
-                    "import os; print(os.environ['JAX_COMPILATION_CACHE_DIR'])")
+    proc = cachectl(
+        "exec",
+        "--",
+        sys.executable,
+        "-c",
+        "import os; print(os.environ['JAX_COMPILATION_CACHE_DIR'])",
+    )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == cachectl("path").stdout.strip()
 
 
 def test_cache_lifecycle(tmp_path) -> None:
     root = tmp_path / "team"
-    out = json.loads(run("cache", "add", "team", str(root), "--max-size", "50GiB", "--max-entry-size", "500MB",
-                         "--retention", "30d", "--json"))
+    out = json.loads(
+        run(
+            "cache",
+            "add",
+            "team",
+            str(root),
+            "--max-size",
+            "50GiB",
+            "--max-entry-size",
+            "500MB",
+            "--retention",
+            "30d",
+            "--json",
+        )
+    )
     assert out["max_size"] == 50 * 1024**3 and out["max_entry_size"] == 500 * 1000**2
     assert out["retention_seconds"] == 30 * 86400
     run("cache", "set", "team", "--max-size", "1GiB")
@@ -168,7 +191,7 @@ def test_config_precedence(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("CACHECTL_CACHE", "env-cache")
     assert load_settings().cache == "env-cache"
     assert load_settings(cache="flag-cache").cache == "flag-cache"
-    cfg.write_text('nonsense = 1\n')
+    cfg.write_text("nonsense = 1\n")
     proc = cachectl("ls")
     assert proc.returncode == 2 and "unknown key" in proc.stderr
 
@@ -189,11 +212,22 @@ def test_stats_json() -> None:
 
 
 def test_storage_options_never_hold_secrets(tmp_path) -> None:
-    out = json.loads(run("cache", "add", "opts", str(tmp_path / "o"), "--storage-option", "auto_mkdir=true",
-                         "--json"))
+    out = json.loads(
+        run(
+            "cache",
+            "add",
+            "opts",
+            str(tmp_path / "o"),
+            "--storage-option",
+            "auto_mkdir=true",
+            "--json",
+        )
+    )
     assert out["storage_options"] == {"auto_mkdir": True}
     err = run("cache", "add", "leaky", "s3://b/p", "--storage-option", "secret=hunter2", code=2)
-    assert "credential" in err and "hunter2" not in json.dumps(json.loads(run("cache", "list", "--json")))
+    assert "credential" in err and "hunter2" not in json.dumps(
+        json.loads(run("cache", "list", "--json"))
+    )
     run("cache", "add", "bad", str(tmp_path / "b"), "--storage-option", "novalue", code=2)
 
 
@@ -203,7 +237,10 @@ def test_storage_options_never_hold_secrets(tmp_path) -> None:
 def test_env_takes_json_like_every_reporting_command() -> None:
     assert json.loads(run("env", "--json")) == json.loads(run("env", "--format", "json"))
     err = run("env", "--json", "--format", "sh", code=2)
-    assert err.startswith("cachectl: error: --json and --format sh contradict") and err.count("\n") == 1
+    assert (
+        err.startswith("cachectl: error: --json and --format sh contradict")
+        and err.count("\n") == 1
+    )
 
 
 def test_warm_check_help_says_it_checks_not_fills() -> None:
@@ -233,7 +270,9 @@ def test_manifest_validation_lists_every_problem(tmp_path) -> None:
     lines = proc.stderr.splitlines()
     assert [line.split(": ")[2] for line in lines] == [f"{path}:{n}" for n in (5, 6, 7)], lines
     assert all(line.startswith("cachectl: error: ") and "unknown dtype" in line for line in lines)
-    assert not os.path.exists(os.path.join(os.environ["XDG_CACHE_HOME"], "cachectl"))  # nothing written
+    assert not os.path.exists(
+        os.path.join(os.environ["XDG_CACHE_HOME"], "cachectl")
+    )  # nothing written
 
 
 def test_manifest_validation_caps_the_list(tmp_path) -> None:
@@ -247,7 +286,7 @@ def test_manifest_validation_caps_the_list(tmp_path) -> None:
     assert lines[-1] == f"cachectl: error: {path}: (and 5 more problems)"
 
 
-FAILING_USER_MODULE = '''
+FAILING_USER_MODULE = """
 import jax
 import jax.numpy as jnp
 
@@ -264,7 +303,7 @@ def step(p, x):
 
 def helper(w, x):
     return x @ w[:3]
-'''
+"""
 
 FAILING_USER_MANIFEST = """version: 1
 functions:
@@ -282,8 +321,13 @@ def _failing_project(tmp_path) -> None:
 
 
 def _in(tmp_path, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "cachectl", *args], capture_output=True, text=True,
-                          cwd=tmp_path, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "cachectl", *args],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=300,
+    )
 
 
 def _cache_files() -> list[str]:
@@ -296,26 +340,37 @@ def test_failed_bucket_names_the_user_line_and_v_prints_its_traceback(tmp_path) 
     quiet = _in(tmp_path, "warm", "bad.yaml", "--json", "--jobs", "1")
     assert quiet.returncode == 1, quiet.stderr
     errors = [b["error"] for b in json.loads(quiet.stdout)["buckets"]]
-    assert errors[0].startswith("TypeError: dot_general") and errors[0].endswith("(at nw_bad.py:16)")
+    assert errors[0].startswith("TypeError: dot_general") and errors[0].endswith(
+        "(at nw_bad.py:16)"
+    )
     assert errors[1].endswith("raised ValueError: no weights for batch 4 (at nw_bad.py:7)")
-    assert "Traceback" not in quiet.stderr and "-v prints the traceback of your code" in quiet.stderr
+    assert (
+        "Traceback" not in quiet.stderr and "-v prints the traceback of your code" in quiet.stderr
+    )
 
     loud = _in(tmp_path, "-v", "warm", "bad.yaml", "--json", "--jobs", "1")
     assert loud.returncode == 1
     assert "step[batch=1] failed:\nTraceback (your code only" in loud.stderr
-    assert 'nw_bad.py", line 12, in step\n' in loud.stderr and 'nw_bad.py", line 16, in helper\n' in loud.stderr
+    assert (
+        'nw_bad.py", line 12, in step\n' in loud.stderr
+        and 'nw_bad.py", line 16, in helper\n' in loud.stderr
+    )
     assert 'nw_bad.py", line 7, in params\n' in loud.stderr
     assert "ValueError: no weights for batch 4\n" in loud.stderr
     frames = [line for line in loud.stderr.splitlines() if line.startswith('  File "')]
-    assert frames and all("nw_bad.py" in line for line in frames), frames  # no cachectl or JAX frames
+    assert frames and all("nw_bad.py" in line for line in frames), (
+        frames
+    )  # no cachectl or JAX frames
 
 
 def test_dry_run_builds_pytrees_and_reports_their_errors_as_bad_input(tmp_path) -> None:
     _failing_project(tmp_path)
     proc = _in(tmp_path, "warm", "bad.yaml", "--dry-run")
     assert proc.returncode == 2, (proc.stdout, proc.stderr)
-    assert proc.stderr == ("cachectl: error: bad.yaml:5: functions[0].args[0].pytree: nw_bad:params() raised "
-                           "ValueError: no weights for batch 4 (at nw_bad.py:7)\n")
+    assert proc.stderr == (
+        "cachectl: error: bad.yaml:5: functions[0].args[0].pytree: nw_bad:params() raised "
+        "ValueError: no weights for batch 4 (at nw_bad.py:7)\n"
+    )
     assert _cache_files() == []
     (tmp_path / "bad.yaml").write_text(FAILING_USER_MANIFEST.replace("[1, 4]", "[1, 2]"))
     ok = _in(tmp_path, "warm", "bad.yaml", "--dry-run", "--json")  # builds, compiles nothing
@@ -324,14 +379,14 @@ def test_dry_run_builds_pytrees_and_reports_their_errors_as_bad_input(tmp_path) 
     assert _cache_files() == []
 
 
-LOG_MODULE = '''
+LOG_MODULE = """
 def scale_rows_for_the_log_test(x):
     return x * 2
 
 
 def other_function(x):
     return x + 1
-'''
+"""
 
 LOG_MANIFEST = """version: 1
 functions:
@@ -354,9 +409,14 @@ def test_tables_in_a_pipe_keep_every_identifier_on_one_line(tmp_path) -> None:
     root = tmp_path / "a-cache-root-whose-path-is-far-wider-than-forty-columns" / "team"
 
     def piped(*args: str) -> str:
-        proc = subprocess.run([sys.executable, "-m", "cachectl", "--cache", name, *args], cwd=tmp_path,
-                              capture_output=True, text=True, timeout=300,
-                              env={**os.environ, "COLUMNS": "40"})
+        proc = subprocess.run(
+            [sys.executable, "-m", "cachectl", "--cache", name, *args],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env={**os.environ, "COLUMNS": "40"},
+        )
         assert proc.returncode == 0, (args, proc.stdout, proc.stderr)
         return proc.stdout
 
@@ -369,13 +429,27 @@ def test_tables_in_a_pipe_keep_every_identifier_on_one_line(tmp_path) -> None:
     namespace_path = f"{root}/{env['namespace']}"
     expected = {
         ("ls",): [name, str(root), env["digest"][:16]],
-        ("ls", "--env", env["digest"][:16]): [name, env["namespace"], *keys, "batch=1", "batch=2",
-                                               "scale_rows_for_the_log_test"],
+        ("ls", "--env", env["digest"][:16]): [
+            name,
+            env["namespace"],
+            *keys,
+            "batch=1",
+            "batch=2",
+            "scale_rows_for_the_log_test",
+        ],
         ("stats",): [name, str(root)],
-        ("warm-check", "m.yaml"): [namespace_path, "scale_rows_for_the_log_test", "batch=1", "batch=2",
-                                   *(k.rsplit("-", 1)[-1][:12] for k in keys)],
-        ("prune", "--dry-run", "--older-than", "1s", "--function", "scale_rows_for_the_log_test"):
-            [name, env["namespace"], *keys],
+        ("warm-check", "m.yaml"): [
+            namespace_path,
+            "scale_rows_for_the_log_test",
+            "batch=1",
+            "batch=2",
+            *(k.rsplit("-", 1)[-1][:12] for k in keys),
+        ],
+        ("prune", "--dry-run", "--older-than", "1s", "--function", "scale_rows_for_the_log_test"): [
+            name,
+            env["namespace"],
+            *keys,
+        ],
     }
     for args, identifiers in expected.items():
         lines = piped(*args).splitlines()

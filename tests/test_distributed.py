@@ -88,13 +88,25 @@ PRODUCT_TIMEOUT_S = 45
 
 
 def job_env(port: int, rank: int, count: int, timeout_s: int) -> dict[str, str]:
-    return dict(os.environ, JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES=str(count),
-                JAX_PROCESS_ID=str(rank), JAX_CPU_COLLECTIVES_IMPLEMENTATION="gloo", JAX_PLATFORMS="cpu",
-                CACHECTL_DISTRIBUTED_TIMEOUT=str(timeout_s), PYTHONFAULTHANDLER="1")
+    return dict(
+        os.environ,
+        JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
+        JAX_NUM_PROCESSES=str(count),
+        JAX_PROCESS_ID=str(rank),
+        JAX_CPU_COLLECTIVES_IMPLEMENTATION="gloo",
+        JAX_PLATFORMS="cpu",
+        CACHECTL_DISTRIBUTED_TIMEOUT=str(timeout_s),
+        PYTHONFAULTHANDLER="1",
+    )
 
 
-def run_job(argvs: list[list[str]], logs: Path, *, count: int | None = None,
-            timeout_s: int = PRODUCT_TIMEOUT_S) -> list[subprocess.CompletedProcess]:
+def run_job(
+    argvs: list[list[str]],
+    logs: Path,
+    *,
+    count: int | None = None,
+    timeout_s: int = PRODUCT_TIMEOUT_S,
+) -> list[subprocess.CompletedProcess]:
     """Run one process per argv as the ranks of one job, all of them within CHILD_TIMEOUT_S.
 
     Output goes to files (a full pipe cannot block a child). On a timeout every child's
@@ -103,10 +115,22 @@ def run_job(argvs: list[list[str]], logs: Path, *, count: int | None = None,
     """
     port = free_port()
     logs.mkdir(parents=True)
-    files = [((logs / f"{rank}.out").open("w+"), (logs / f"{rank}.err").open("w+")) for rank in range(len(argvs))]
-    procs = [subprocess.Popen(argv, env=job_env(port, rank, count or len(argvs), timeout_s),
-                              stdin=subprocess.DEVNULL, stdout=out, stderr=err, text=True, start_new_session=True)
-             for rank, (argv, (out, err)) in enumerate(zip(argvs, files, strict=True))]
+    files = [
+        ((logs / f"{rank}.out").open("w+"), (logs / f"{rank}.err").open("w+"))
+        for rank in range(len(argvs))
+    ]
+    procs = [
+        subprocess.Popen(
+            argv,
+            env=job_env(port, rank, count or len(argvs), timeout_s),
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=err,
+            text=True,
+            start_new_session=True,
+        )
+        for rank, (argv, (out, err)) in enumerate(zip(argvs, files, strict=True))
+    ]
     deadline = time.monotonic() + CHILD_TIMEOUT_S
     timed_out = False
     for p in procs:
@@ -132,8 +156,13 @@ def run_job(argvs: list[list[str]], logs: Path, *, count: int | None = None,
         out.close()
         err.close()
     if timed_out:
-        pytest.fail(f"the job ran past {CHILD_TIMEOUT_S} s and was killed\n" + "\n".join(
-            f"--- process {rank} (exit {c.returncode}) stderr:\n{c.stderr[-4000:]}" for rank, c in enumerate(done)))
+        pytest.fail(
+            f"the job ran past {CHILD_TIMEOUT_S} s and was killed\n"
+            + "\n".join(
+                f"--- process {rank} (exit {c.returncode}) stderr:\n{c.stderr[-4000:]}"
+                for rank, c in enumerate(done)
+            )
+        )
     return done
 
 
@@ -160,18 +189,25 @@ def test_two_process_warm_then_two_process_service_hits(tmp_path: Path, manifest
     for proc in done:
         assert proc.returncode == 0, proc.stderr[-3000:]
     reports = [json.loads(p.stdout) for p in done]
-    assert [r["process"] for r in reports] == [{"index": 0, "count": 2, "writer": 0},
-                                               {"index": 1, "count": 2, "writer": 0}]
-    assert reports[0]["environment"]["process_count"] == 2 and reports[0]["environment"]["device_count"] == 2
+    assert [r["process"] for r in reports] == [
+        {"index": 0, "count": 2, "writer": 0},
+        {"index": 1, "count": 2, "writer": 0},
+    ]
+    assert (
+        reports[0]["environment"]["process_count"] == 2
+        and reports[0]["environment"]["device_count"] == 2
+    )
     assert reports[0]["namespace"] == reports[1]["namespace"]
     assert [b["status"] for b in reports[0]["buckets"]] == ["compiled"] * 3
     assert [b["status"] for b in reports[1]["buckets"]] == ["compiled"] * 3
     # Every key either process looked up is in the namespace, written by process 0. (On CPU the
     # topology fingerprint in JAX's key differs per process, so process 1's keys are its own.)
     keys = {b["key"] for r in reports for b in r["buckets"]}
-    assert len(keys) == 6  # pinned: on CPU each process's key is its own (see cachectl/distributed.py)
+    assert (
+        len(keys) == 6
+    )  # pinned: on CPU each process's key is its own (see cachectl/distributed.py)
     ns = Path(reports[0]["namespace"])
-    assert {p.name[:-len("-cache")] for p in ns.glob("*-cache")} == keys
+    assert {p.name[: -len("-cache")] for p in ns.glob("*-cache")} == keys
 
     # Recorded once: one warm run, one row per entry.
     db = Path(os.environ["XDG_DATA_HOME"]) / "cachectl" / "index.db"
@@ -185,7 +221,9 @@ def test_two_process_warm_then_two_process_service_hits(tmp_path: Path, manifest
     # A 2-process service over the same job shape hits everything, in both processes; then the
     # serving runtime in the same processes answers every bucket from a stored executable.
     code = SERVICE.format(dir=str(tmp_path), manifest=str(manifest))
-    served = run_job([[sys.executable, "-c", code], [sys.executable, "-c", code]], tmp_path / "service")
+    served = run_job(
+        [[sys.executable, "-c", code], [sys.executable, "-c", code]], tmp_path / "service"
+    )
     for proc in served:
         assert proc.returncode == 0, proc.stderr[-3000:]
     results = [json.loads(p.stdout.strip().splitlines()[-1]) for p in served]
@@ -193,12 +231,17 @@ def test_two_process_warm_then_two_process_service_hits(tmp_path: Path, manifest
     assert {r["digest"] for r in results} == {reports[0]["environment"]["digest"]}
     for r in results:
         assert r["requests"] == 3 and r["hits"] == 3, results  # 100% hits in each process
-        assert r["served"]["loaded"] == 3 and r["served"]["aot"] == 3 and r["served"]["fallback"] == 0, r
+        assert (
+            r["served"]["loaded"] == 3 and r["served"]["aot"] == 3 and r["served"]["fallback"] == 0
+        ), r
         assert r["serving_compile_requests"] == 0 and r["warnings"] == [], r
         assert r["correct"] == [True, True, True], r
 
     # Run again: every process reports every bucket cached.
-    again = [json.loads(p.stdout) for p in run_job([cachectl_argv(*args), cachectl_argv(*args)], tmp_path / "again")]
+    again = [
+        json.loads(p.stdout)
+        for p in run_job([cachectl_argv(*args), cachectl_argv(*args)], tmp_path / "again")
+    ]
     assert [b["status"] for b in again[0]["buckets"]] == ["cached"] * 3
     assert [b["status"] for b in again[1]["buckets"]] == ["cached"] * 3
 
@@ -206,38 +249,57 @@ def test_two_process_warm_then_two_process_service_hits(tmp_path: Path, manifest
 def test_processes_with_different_manifests_all_refuse(tmp_path: Path, manifest: Path) -> None:
     other = tmp_path / "other.yaml"
     other.write_text(MANIFEST.replace("[2, 4, 8]", "[2, 4]"))
-    done = run_job([cachectl_argv("warm", str(manifest)), cachectl_argv("warm", str(other))], tmp_path / "job")
+    done = run_job(
+        [cachectl_argv("warm", str(manifest)), cachectl_argv("warm", str(other))], tmp_path / "job"
+    )
     for proc in done:
         assert proc.returncode == 3, proc.stderr[-3000:]
-        assert len(errors(proc)) == 1 and "the processes of this JAX job differ in manifest digest" in proc.stderr
+        assert (
+            len(errors(proc)) == 1
+            and "the processes of this JAX job differ in manifest digest" in proc.stderr
+        )
         assert "Traceback" not in proc.stderr
     assert not list((Path(os.environ["XDG_CACHE_HOME"]) / "cachectl").rglob("*-cache"))
 
 
-def test_a_target_mismatch_on_any_process_refuses_everywhere(tmp_path: Path, manifest: Path) -> None:
+def test_a_target_mismatch_on_any_process_refuses_everywhere(
+    tmp_path: Path, manifest: Path
+) -> None:
     manifest.write_text(MANIFEST.replace("device_count: 2", "device_count: 4"))
-    done = run_job([cachectl_argv("warm", str(manifest)), cachectl_argv("warm", str(manifest))], tmp_path / "job")
+    done = run_job(
+        [cachectl_argv("warm", str(manifest)), cachectl_argv("warm", str(manifest))],
+        tmp_path / "job",
+    )
     for proc in done:
         assert proc.returncode == 3, proc.stderr[-3000:]
         assert len(errors(proc)) == 1 and "does not match the manifest's target" in proc.stderr
 
 
-def test_a_process_that_fails_before_planning_ends_every_process(tmp_path: Path, manifest: Path) -> None:
+def test_a_process_that_fails_before_planning_ends_every_process(
+    tmp_path: Path, manifest: Path
+) -> None:
     """Process 1 cannot read its manifest: it must not leave process 0 waiting for its view."""
     missing = tmp_path / "missing.yaml"
-    done = run_job([cachectl_argv("warm", str(manifest)), cachectl_argv("warm", str(missing))], tmp_path / "job")
+    done = run_job(
+        [cachectl_argv("warm", str(manifest)), cachectl_argv("warm", str(missing))],
+        tmp_path / "job",
+    )
     assert [p.returncode for p in done] == [2, 2], [p.stderr[-2000:] for p in done]
     assert len(errors(done[0])) == 1 and "process 1 of 2 failed:" in errors(done[0])[0]
     assert "missing.yaml" in errors(done[1])[0] and "Traceback" not in done[1].stderr
     assert not list((Path(os.environ["XDG_CACHE_HOME"]) / "cachectl").rglob("*-cache"))
 
 
-def test_a_peer_that_never_joins_is_a_bounded_one_line_error(tmp_path: Path, manifest: Path) -> None:
+def test_a_peer_that_never_joins_is_a_bounded_one_line_error(
+    tmp_path: Path, manifest: Path
+) -> None:
     started = time.monotonic()
     [proc] = run_job([cachectl_argv("warm", str(manifest))], tmp_path / "job", count=2, timeout_s=3)
     assert proc.returncode == 2, proc.stderr[-3000:]
-    assert errors(proc) == ["cachectl: error: --distributed: the JAX job's other processes did not join within "
-                            "3 s (CACHECTL_DISTRIBUTED_TIMEOUT); did one of them fail before joining?"]
+    assert errors(proc) == [
+        "cachectl: error: --distributed: the JAX job's other processes did not join within "
+        "3 s (CACHECTL_DISTRIBUTED_TIMEOUT); did one of them fail before joining?"
+    ]
     assert time.monotonic() - started < 60
     assert not (Path(os.environ["XDG_DATA_HOME"]) / "cachectl" / "index.db").exists()
 
@@ -245,14 +307,23 @@ def test_a_peer_that_never_joins_is_a_bounded_one_line_error(tmp_path: Path, man
 def test_distributed_and_shard_do_not_combine(tmp_path: Path, manifest: Path) -> None:
     """Decided: a JAX job compiles every bucket with all of its processes, so it is never sharded."""
     env = job_env(free_port(), 0, 2, PRODUCT_TIMEOUT_S)
-    for extra in (["--shard", "1/2"], ["--shard", "auto", "--shards", "2"], ["--no-distributed", "--distributed",
-                                                                              "--shard", "2/2"]):
-        proc = subprocess.run(cachectl_argv("warm", str(manifest), *extra), env={**env, "JOB_COMPLETION_INDEX": "0"},
-                              capture_output=True, text=True, timeout=CHILD_TIMEOUT_S)
+    for extra in (
+        ["--shard", "1/2"],
+        ["--shard", "auto", "--shards", "2"],
+        ["--no-distributed", "--distributed", "--shard", "2/2"],
+    ):
+        proc = subprocess.run(
+            cachectl_argv("warm", str(manifest), *extra),
+            env={**env, "JOB_COMPLETION_INDEX": "0"},
+            capture_output=True,
+            text=True,
+            timeout=CHILD_TIMEOUT_S,
+        )
         assert proc.returncode == 2, proc.stderr
         assert proc.stderr.strip().splitlines() == [
             "cachectl: error: --distributed and --shard do not combine: every process of a JAX job compiles "
-            "every bucket together; to split a manifest across jobs, give each job its own manifest"]
+            "every bucket together; to split a manifest across jobs, give each job its own manifest"
+        ]
     assert not (Path(os.environ["XDG_DATA_HOME"]) / "cachectl" / "index.db").exists()
 
 
@@ -265,25 +336,42 @@ time.sleep({seconds})  # joined, then never takes part in the warm
 """
 
 
-def test_a_peer_that_joins_and_stalls_is_a_bounded_one_line_error(tmp_path: Path, manifest: Path) -> None:
+def test_a_peer_that_joins_and_stalls_is_a_bounded_one_line_error(
+    tmp_path: Path, manifest: Path
+) -> None:
     started = time.monotonic()
-    done = run_job([cachectl_argv("warm", str(manifest)), [sys.executable, "-c", STALLED_PEER.format(seconds=6)]],
-                   tmp_path / "job", timeout_s=3)
+    done = run_job(
+        [
+            cachectl_argv("warm", str(manifest)),
+            [sys.executable, "-c", STALLED_PEER.format(seconds=6)],
+        ],
+        tmp_path / "job",
+        timeout_s=3,
+    )
     assert done[0].returncode == 2, done[0].stderr[-3000:]
     [line] = errors(done[0])
-    assert line.startswith("cachectl: error: --distributed: process 1 of 2 did not reach the 'open' step within "
-                           "3 s (CACHECTL_DISTRIBUTED_TIMEOUT): DEADLINE_EXCEEDED"), line
+    assert line.startswith(
+        "cachectl: error: --distributed: process 1 of 2 did not reach the 'open' step within "
+        "3 s (CACHECTL_DISTRIBUTED_TIMEOUT): DEADLINE_EXCEEDED"
+    ), line
     assert "Traceback" not in done[0].stderr
     assert time.monotonic() - started < 60
 
 
-def test_a_signed_cache_two_process_warm_signs_once_and_refuses_without_a_key(tmp_path: Path,
-                                                                              manifest: Path) -> None:
+def test_a_signed_cache_two_process_warm_signs_once_and_refuses_without_a_key(
+    tmp_path: Path, manifest: Path
+) -> None:
     """The key check runs in every process (each refuses, exit 4); process 0 signs after storing
     process 1's entries too, so the signed content list covers all six entries."""
+
     def cachectl(*args: str, code: int = 0) -> subprocess.CompletedProcess:
-        done = subprocess.run(cachectl_argv(*args), capture_output=True, text=True, timeout=CHILD_TIMEOUT_S,
-                              env={**os.environ, "JAX_PLATFORMS": "cpu"})
+        done = subprocess.run(
+            cachectl_argv(*args),
+            capture_output=True,
+            text=True,
+            timeout=CHILD_TIMEOUT_S,
+            env={**os.environ, "JAX_PLATFORMS": "cpu"},
+        )
         assert done.returncode == code, done.stderr
         return done
 
@@ -294,8 +382,10 @@ def test_a_signed_cache_two_process_warm_signs_once_and_refuses_without_a_key(tm
     for proc in refused:
         assert proc.returncode == 4, proc.stderr[-3000:]
         assert len(errors(proc)) == 1 and "accepts only signed content" in errors(proc)[0]
-    signed = run_job([cachectl_argv("warm", str(manifest), "--sign-key", str(key), "--json")] * 2,
-                     tmp_path / "signed")
+    signed = run_job(
+        [cachectl_argv("warm", str(manifest), "--sign-key", str(key), "--json")] * 2,
+        tmp_path / "signed",
+    )
     for proc in signed:
         assert proc.returncode == 0, proc.stderr[-3000:]
     digest = json.loads(signed[0].stdout)["environment"]["digest"]
@@ -311,4 +401,7 @@ def test_a_signed_cache_two_process_warm_signs_once_and_refuses_without_a_key(tm
     finally:
         index.close()
     assert files is not None
-    assert sum(name.endswith("-cache") for name in files) == 6 and sum(name.endswith("-aot") for name in files) == 3
+    assert (
+        sum(name.endswith("-cache") for name in files) == 6
+        and sum(name.endswith("-aot") for name in files) == 3
+    )

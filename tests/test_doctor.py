@@ -18,8 +18,12 @@ from cachectl.entries import make_entry, sha256
 from cachectl.fingerprint import Environment, current_environment
 from cachectl.index import NewEntry
 
-PLAIN_JAX = {"jax_compilation_cache_dir": None, "jax_persistent_cache_enable_xla_caches": "none",
-             "jax_compilation_cache_include_metadata_in_key": False, "jax_compilation_cache_max_size": -1}
+PLAIN_JAX = {
+    "jax_compilation_cache_dir": None,
+    "jax_persistent_cache_enable_xla_caches": "none",
+    "jax_compilation_cache_include_metadata_in_key": False,
+    "jax_compilation_cache_max_size": -1,
+}
 
 
 @pytest.fixture
@@ -54,10 +58,18 @@ def messages(report, severity: str | None = None) -> list[str]:
 
 def test_names_the_nearest_environment_and_every_difference(ctx) -> None:
     base = current_environment()
-    near = replace(base, xla_flags=(), compression="zstandard", jaxlib_version="0.10.2", device_count=8)
+    near = replace(
+        base, xla_flags=(), compression="zstandard", jaxlib_version="0.10.2", device_count=8
+    )
     far = replace(near, backend="gpu", device_kind="NVIDIA H100", jax_version="0.9.0", topology="t")
-    unwarmed = replace(base, xla_flags=("--xla_foo=true",), compression="zlib", jaxlib_version="0.10.1",
-                       device_count=4, topology="only-this-differs")
+    unwarmed = replace(
+        base,
+        xla_flags=("--xla_foo=true",),
+        compression="zlib",
+        jaxlib_version="0.10.1",
+        device_count=4,
+        topology="only-this-differs",
+    )
     warm(ctx, near, 3)
     warm(ctx, far, 10)
     ctx.index.ensure_environment("loc", unwarmed)  # no entries: never the "nearest"
@@ -73,7 +85,12 @@ def test_names_the_nearest_environment_and_every_difference(ctx) -> None:
     assert "compression: zlib here, zstandard in the warmed namespace — install zstandard" in errors
     assert any(m.startswith("jaxlib 0.10.1 vs 0.10.2") for m in errors)
     assert any(m.startswith("device_count 4 vs 8") for m in errors)
-    assert {d.field for d in report.differences} == {"xla_flags", "compression", "jaxlib_version", "device_count"}
+    assert {d.field for d in report.differences} == {
+        "xla_flags",
+        "compression",
+        "jaxlib_version",
+        "device_count",
+    }
     fixes = {f.check: f.fix for f in report.findings}
     assert "pip install zstandard" in fixes["env:compression"]
     assert "install jaxlib==0.10.2" in fixes["env:jaxlib_version"]
@@ -82,7 +99,10 @@ def test_names_the_nearest_environment_and_every_difference(ctx) -> None:
     lost = replace(base, xla_flags=())
     warm(ctx, replace(base, xla_flags=("--xla_cpu_enable_fast_math=true",)), 5)
     report = diagnose(ctx, env=lost, environ={}, jax_config=PLAIN_JAX)
-    assert "XLA_FLAGS differ: missing here (set at warm): --xla_cpu_enable_fast_math=true" in messages(report)
+    assert (
+        "XLA_FLAGS differ: missing here (set at warm): --xla_cpu_enable_fast_math=true"
+        in messages(report)
+    )
 
 
 def test_cli_exit_codes_follow_errors(ctx) -> None:
@@ -92,8 +112,10 @@ def test_cli_exit_codes_follow_errors(ctx) -> None:
     assert out.exit_code == 1, out.output
     report = json.loads(out.output)
     assert report["ok"] is False and report["environment"] == here.digest
-    assert any(f["message"].startswith(f"device_count {here.device_count} vs {here.device_count + 7}")
-               for f in report["findings"])
+    assert any(
+        f["message"].startswith(f"device_count {here.device_count} vs {here.device_count + 7}")
+        for f in report["findings"]
+    )
     human = CliRunner().invoke(cli, ["doctor"])
     assert human.exit_code == 1 and "nearest warmed:" in human.output and "fix:" in human.output
 
@@ -110,26 +132,45 @@ def test_process_config_that_breaks_managed_keys(ctx) -> None:
     warm(ctx, here, 1, files=True)
     ns_url = ctx.store(ctx.cache()).url_for(here.namespace)
 
-    report = diagnose(ctx, env=here, environ={"JAX_COMPILATION_CACHE_DIR": ns_url},
-                      jax_config={**PLAIN_JAX, "jax_persistent_cache_enable_xla_caches":
-                                  "xla_gpu_per_fusion_autotune_cache_dir"})
+    report = diagnose(
+        ctx,
+        env=here,
+        environ={"JAX_COMPILATION_CACHE_DIR": ns_url},
+        jax_config={
+            **PLAIN_JAX,
+            "jax_persistent_cache_enable_xla_caches": "xla_gpu_per_fusion_autotune_cache_dir",
+        },
+    )
     (err,) = messages(report, ERROR)
     assert "keys then depend on the cache path" in err
 
-    report = diagnose(ctx, env=here, jax_config=PLAIN_JAX, environ={
-        "JAX_COMPILATION_CACHE_MAX_SIZE": "1000000000",
-        "JAX_COMPILATION_CACHE_INCLUDE_METADATA_IN_KEY": "true",
-        "JAX_PERSISTENT_CACHE_ENABLE_XLA_CACHES": "all",
-    })
+    report = diagnose(
+        ctx,
+        env=here,
+        jax_config=PLAIN_JAX,
+        environ={
+            "JAX_COMPILATION_CACHE_MAX_SIZE": "1000000000",
+            "JAX_COMPILATION_CACHE_INCLUDE_METADATA_IN_KEY": "true",
+            "JAX_PERSISTENT_CACHE_ENABLE_XLA_CACHES": "all",
+        },
+    )
     warnings = messages(report, WARNING)
     assert report.ok
-    assert any("JAX_COMPILATION_CACHE_MAX_SIZE=1000000000" in m and "O(entries)" in m for m in warnings)
+    assert any(
+        "JAX_COMPILATION_CACHE_MAX_SIZE=1000000000" in m and "O(entries)" in m for m in warnings
+    )
     assert any("include_metadata_in_key is on" in m for m in warnings)
     assert any("JAX_PERSISTENT_CACHE_ENABLE_XLA_CACHES=all" in m for m in warnings)
 
-    report = diagnose(ctx, env=here, environ={"JAX_COMPILATION_CACHE_DIR": "/somewhere/else",
-                                              "JAX_PERSISTENT_CACHE_ENABLE_XLA_CACHES": "none"},
-                      jax_config=PLAIN_JAX)
+    report = diagnose(
+        ctx,
+        env=here,
+        environ={
+            "JAX_COMPILATION_CACHE_DIR": "/somewhere/else",
+            "JAX_PERSISTENT_CACHE_ENABLE_XLA_CACHES": "none",
+        },
+        jax_config=PLAIN_JAX,
+    )
     assert any("not this environment's namespace" in m for m in messages(report, WARNING))
 
 
@@ -164,8 +205,10 @@ def test_unreachable_index(tmp_path, monkeypatch) -> None:
     out = CliRunner().invoke(cli, ["doctor", "--json"])
     assert out.exit_code == 1, out.output
     report = json.loads(out.output)
-    assert any(f["check"] == "index" and f["message"].startswith("index unreachable")
-               for f in report["findings"])
+    assert any(
+        f["check"] == "index" and f["message"].startswith("index unreachable")
+        for f in report["findings"]
+    )
 
 
 def test_unreachable_bucket(tmp_path, monkeypatch, s3_bucket) -> None:

@@ -48,13 +48,16 @@ def test_jax_writes_then_sync_indexes(backend: str, request, tmp_path, monkeypat
     store = Store(root)
     written = {
         f.path.rsplit("/", 1)[1][: -len("-cache")]: f
-        for f in store.list(service["namespace"]) if f.path.endswith("-cache")
+        for f in store.list(service["namespace"])
+        if f.path.endswith("-cache")
     }
     assert len(written) >= 2, "JAX should have written entries into the namespace"
 
     plan = json.loads(_cli("sync", "--min-age", "0", "--dry-run", "--json"))
     assert plan["entries_added"] == len(written) and plan["dry_run"] is True
-    assert json.loads(_cli("ls", "--json"))["environments"][0]["entries"] == 0  # dry run changed nothing
+    assert (
+        json.loads(_cli("ls", "--json"))["environments"][0]["entries"] == 0
+    )  # dry run changed nothing
 
     done = json.loads(_cli("sync", "--min-age", "0", "--json"))
     assert done["entries_added"] == len(written)
@@ -74,7 +77,10 @@ def test_jax_writes_then_sync_indexes(backend: str, request, tmp_path, monkeypat
     gone = next(iter(written.values()))
     store.delete([gone.path])
     assert json.loads(_cli("sync", "--min-age", "0", "--json"))["rows_dropped"] == 1
-    assert len(json.loads(_cli("ls", "--env", service["digest"][:12], "--json"))["entries"]) == len(written) - 1
+    assert (
+        len(json.loads(_cli("ls", "--env", service["digest"][:12], "--json"))["entries"])
+        == len(written) - 1
+    )
 
 
 def test_sync_rebuilds_a_lost_index(tmp_path, monkeypatch) -> None:

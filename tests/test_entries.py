@@ -27,17 +27,37 @@ def test_classify_names() -> None:
 def test_entry_file_matcher_agrees_with_classify() -> None:
     """The one-match test sync's plan uses says ENTRY exactly where classify() does."""
     h = "0123456789abcdef" * 4
-    names = [f"jit_f-{h}-cache", f"jit_f-{h}\n-cache", f"a-b-{h}-cache", f"--{h}-cache", f".tmpx-{h}-cache",
-             f".tmp-x-{h}-cache", f"xla/x-{h}-cache", f"-{h}-cache", f"x\ny-{h}-cache", f"x-{h}\n\n-cache",
-             f"x-{h[:-1]}-cache", f"x-{h}a-cache", f"x-{h.upper()}-cache", f"x-{h}-cache\n", f"x-{h}-aot",
-             f"x-{h}", f"x-{h}-atime", "env.json", ".lockfile", "-cache"]
+    names = [
+        f"jit_f-{h}-cache",
+        f"jit_f-{h}\n-cache",
+        f"a-b-{h}-cache",
+        f"--{h}-cache",
+        f".tmpx-{h}-cache",
+        f".tmp-x-{h}-cache",
+        f"xla/x-{h}-cache",
+        f"-{h}-cache",
+        f"x\ny-{h}-cache",
+        f"x-{h}\n\n-cache",
+        f"x-{h[:-1]}-cache",
+        f"x-{h}a-cache",
+        f"x-{h.upper()}-cache",
+        f"x-{h}-cache\n",
+        f"x-{h}-aot",
+        f"x-{h}",
+        f"x-{h}-atime",
+        "env.json",
+        ".lockfile",
+        "-cache",
+    ]
     matches = entries.entry_file_matcher()
     kinds = {n: entries.classify(n) for n in names}
     assert {n for n in names if matches(n)} == {n for n, k in kinds.items() if k is Kind.ENTRY}
     assert sum(k is Kind.ENTRY for k in kinds.values()) == 5
     # entry_keys: the same names in one pass over the joined list, each as its key, in order
     for order in (names, names[::-1], [n for n in names if kinds[n] is Kind.ENTRY], names[:1], []):
-        assert entries.entry_keys(order) == [n[: -len("-cache")] for n in order if kinds[n] is Kind.ENTRY]
+        assert entries.entry_keys(order) == [
+            n[: -len("-cache")] for n in order if kinds[n] is Kind.ENTRY
+        ]
 
 
 def test_module_names_with_dashes() -> None:
@@ -57,8 +77,12 @@ def test_header_of_both_compressions() -> None:
 
 @pytest.mark.parametrize(
     "data",
-    [b"", b"garbage bytes that are not compressed", zlib.compress(b"\x00\x00"),
-     zlib.compress(b"\xff\xff\xff\xff" + b"x" * 10)],
+    [
+        b"",
+        b"garbage bytes that are not compressed",
+        zlib.compress(b"\x00\x00"),
+        zlib.compress(b"\xff\xff\xff\xff" + b"x" * 10),
+    ],
 )
 def test_corrupt_entries_are_detected(data: bytes) -> None:
     with pytest.raises(entries.CorruptEntry):

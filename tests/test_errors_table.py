@@ -28,12 +28,23 @@ from cachectl.errors import (
 ROOT = Path(__file__).resolve().parent.parent
 
 
-@pytest.mark.parametrize(("cls", "code", "status"), [
-    (BadInput, 2, 400), (NotFound, 2, 404), (Unreachable, 2, 503), (QuotaExceeded, 2, 413),
-    (OperationFailed, 1, 409), (EntryConflict, 1, 409), (ProblemsReported, 1, 409),
-    (EnvironmentMismatch, 3, 409), (PermissionDenied, 4, 403),
-])
-def test_each_error_has_its_exit_code_and_status(cls: type[CachectlError], code: int, status: int) -> None:
+@pytest.mark.parametrize(
+    ("cls", "code", "status"),
+    [
+        (BadInput, 2, 400),
+        (NotFound, 2, 404),
+        (Unreachable, 2, 503),
+        (QuotaExceeded, 2, 413),
+        (OperationFailed, 1, 409),
+        (EntryConflict, 1, 409),
+        (ProblemsReported, 1, 409),
+        (EnvironmentMismatch, 3, 409),
+        (PermissionDenied, 4, 403),
+    ],
+)
+def test_each_error_has_its_exit_code_and_status(
+    cls: type[CachectlError], code: int, status: int
+) -> None:
     exc = cls("x")
     assert exc.exit_code == code and http_status(exc) == status
     assert ERRORS[cls] == (code, status)
@@ -61,12 +72,16 @@ def test_only_the_cli_group_maps_errors_to_exit_codes() -> None:
         for node in ast.walk(tree):
             if isinstance(node, ast.Call):
                 text = ast.unparse(node.func)
-                if text.endswith((".exit", "sys.exit", "exceptions.Exit", "click.Exit")) or text == "exit":
+                if (
+                    text.endswith((".exit", "sys.exit", "exceptions.Exit", "click.Exit"))
+                    or text == "exit"
+                ):
                     offenders.append(f"{path.relative_to(ROOT)} {text}")
     # The group's own ctx.exit (a CachectlError's code, or 130 on an interrupt).
     assert sorted(offenders) == ["cachectl/cli/__init__.py ctx.exit"] * 2
     assert "cachectl: error:" not in "".join(
-        p.read_text() for p in (ROOT / "cachectl" / "cli").glob("*_cmds.py"))
+        p.read_text() for p in (ROOT / "cachectl" / "cli").glob("*_cmds.py")
+    )
 
 
 def test_module_documents_the_table() -> None:

@@ -36,8 +36,14 @@ print("served")
 
 
 def cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "cachectl", *args], capture_output=True, text=True,
-                          env={**os.environ, **(env or {})}, timeout=300, stdin=subprocess.DEVNULL)
+    return subprocess.run(
+        [sys.executable, "-m", "cachectl", *args],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **(env or {})},
+        timeout=300,
+        stdin=subprocess.DEVNULL,
+    )
 
 
 def test_exec_records_hits_misses_and_signatures_of_a_plain_jit_service(tmp_path: Path) -> None:

@@ -38,7 +38,10 @@ def test_digest_is_stable_and_canonical() -> None:
 
 def test_flags_normalized_like_jax() -> None:
     flags = normalized_xla_flags(
-        {"XLA_FLAGS": "--xla_b=1 --xla_dump_to=/tmp/d --xla_a=2", "LIBTPU_INIT_ARGS": "--xla_tpu_x=3"},
+        {
+            "XLA_FLAGS": "--xla_b=1 --xla_dump_to=/tmp/d --xla_a=2",
+            "LIBTPU_INIT_ARGS": "--xla_tpu_x=3",
+        },
         argv=["prog", "--xla_c=4", "--other"],
     )
     assert flags == ("--xla_a=2", "--xla_b=1", "--xla_c=4", "--xla_tpu_x=3")
@@ -91,6 +94,7 @@ def test_fact1_keys_path_independent_only_without_xla_caches(tmp_path) -> None:
     assert default[0]
     import jax
     from packaging.version import Version
+
     if Version(jax.__version__) < Version("0.12"):
         assert default[0] != default[1]
     # jax 0.12.0.1 on CPU: the default no longer puts the path in the key (measured by

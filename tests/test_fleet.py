@@ -28,14 +28,18 @@ K8S = REPO / "examples" / "k8s" / "warm-job.yaml"
 # --------------------------------------------------------------------------- --shard auto
 
 
-@pytest.mark.parametrize(("env", "shards", "expected"), [
-    ({"JOB_COMPLETION_INDEX": "0", "CACHECTL_SHARDS": "3"}, None, (1, 3)),
-    ({"JOB_COMPLETION_INDEX": "2", "CACHECTL_SHARDS": "3"}, None, (3, 3)),
-    ({"JOB_COMPLETION_INDEX": "1"}, 4, (2, 4)),
-    ({"JOB_COMPLETION_INDEX": "1", "CACHECTL_SHARDS": "9"}, 2, (2, 2)),  # the flag wins
-])
-def test_shard_auto_from_indexed_job_env(env: dict[str, str], shards: int | None,
-                                         expected: tuple[int, int]) -> None:
+@pytest.mark.parametrize(
+    ("env", "shards", "expected"),
+    [
+        ({"JOB_COMPLETION_INDEX": "0", "CACHECTL_SHARDS": "3"}, None, (1, 3)),
+        ({"JOB_COMPLETION_INDEX": "2", "CACHECTL_SHARDS": "3"}, None, (3, 3)),
+        ({"JOB_COMPLETION_INDEX": "1"}, 4, (2, 4)),
+        ({"JOB_COMPLETION_INDEX": "1", "CACHECTL_SHARDS": "9"}, 2, (2, 2)),  # the flag wins
+    ],
+)
+def test_shard_auto_from_indexed_job_env(
+    env: dict[str, str], shards: int | None, expected: tuple[int, int]
+) -> None:
     assert resolve_shard("auto", shards, env) == expected
 
 
@@ -44,14 +48,21 @@ def test_shard_explicit_and_absent() -> None:
     assert resolve_shard(None, None, {"JOB_COMPLETION_INDEX": "1"}) is None
 
 
-@pytest.mark.parametrize(("env", "shards", "message"), [
-    ({"CACHECTL_SHARDS": "3"}, None, "JOB_COMPLETION_INDEX is not set"),
-    ({"JOB_COMPLETION_INDEX": "0"}, None, "no shard count"),
-    ({"JOB_COMPLETION_INDEX": "3", "CACHECTL_SHARDS": "3"}, None, "not below the shard count 3"),
-    ({"JOB_COMPLETION_INDEX": "x", "CACHECTL_SHARDS": "3"}, None, "must be a whole number"),
-    ({"JOB_COMPLETION_INDEX": "0", "CACHECTL_SHARDS": "0"}, None, "CACHECTL_SHARDS must be"),
-    ({"JOB_COMPLETION_INDEX": "0"}, 0, "--shards must be"),
-])
+@pytest.mark.parametrize(
+    ("env", "shards", "message"),
+    [
+        ({"CACHECTL_SHARDS": "3"}, None, "JOB_COMPLETION_INDEX is not set"),
+        ({"JOB_COMPLETION_INDEX": "0"}, None, "no shard count"),
+        (
+            {"JOB_COMPLETION_INDEX": "3", "CACHECTL_SHARDS": "3"},
+            None,
+            "not below the shard count 3",
+        ),
+        ({"JOB_COMPLETION_INDEX": "x", "CACHECTL_SHARDS": "3"}, None, "must be a whole number"),
+        ({"JOB_COMPLETION_INDEX": "0", "CACHECTL_SHARDS": "0"}, None, "CACHECTL_SHARDS must be"),
+        ({"JOB_COMPLETION_INDEX": "0"}, 0, "--shards must be"),
+    ],
+)
 def test_shard_auto_refusals(env: dict[str, str], shards: int | None, message: str) -> None:
     with pytest.raises(BadInput, match=message):
         resolve_shard("auto", shards, env)
@@ -64,12 +75,16 @@ def test_shards_without_auto_is_refused() -> None:
         resolve_shard("1/2", 3, {})
 
 
-@pytest.mark.parametrize(("env", "message"), [
-    ({"CACHECTL_SHARDS": "3"}, "JOB_COMPLETION_INDEX is not set"),
-    ({"JOB_COMPLETION_INDEX": "1"}, "no shard count"),
-])
-def test_cli_shard_auto_missing_env_exits_2_writing_nothing(tmp_path: Path, monkeypatch, env: dict[str, str],
-                                                            message: str) -> None:
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        ({"CACHECTL_SHARDS": "3"}, "JOB_COMPLETION_INDEX is not set"),
+        ({"JOB_COMPLETION_INDEX": "1"}, "no shard count"),
+    ],
+)
+def test_cli_shard_auto_missing_env_exits_2_writing_nothing(
+    tmp_path: Path, monkeypatch, env: dict[str, str], message: str
+) -> None:
     monkeypatch.delenv("JOB_COMPLETION_INDEX", raising=False)
     for key, value in env.items():
         monkeypatch.setenv(key, value)
@@ -86,13 +101,16 @@ def test_cli_shard_auto_missing_env_exits_2_writing_nothing(tmp_path: Path, monk
 def test_cli_shard_auto_dry_run_takes_the_index(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setenv("JOB_COMPLETION_INDEX", "1")
     manifest = tiny(tmp_path)
-    result = CliRunner().invoke(cli, ["warm", str(manifest), "--shard", "auto", "--shards", "2",
-                                      "--dry-run", "--json"])
+    result = CliRunner().invoke(
+        cli, ["warm", str(manifest), "--shard", "auto", "--shards", "2", "--dry-run", "--json"]
+    )
     assert result.exit_code == 0, result.output
     buckets = json.loads(result.stdout)["buckets"]
     # Round robin over 5 buckets: shard 2/2 is the 2nd and 4th.
     assert [(b["function"], b["bucket"]) for b in buckets] == [
-        ("affine", {"batch": 1, "mode": "tanh"}), ("affine", {"batch": 2, "mode": "tanh"})]
+        ("affine", {"batch": 1, "mode": "tanh"}),
+        ("affine", {"batch": 2, "mode": "tanh"}),
+    ]
 
 
 # --------------------------------------------------------------------------- examples/k8s
@@ -133,22 +151,39 @@ def test_k8s_schema_check_catches_a_mistake() -> None:
 
 
 def _cachectl(args: list[str], env: dict[str, str]) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "cachectl", *args], env=env, stdin=subprocess.DEVNULL,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "cachectl", *args],
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def test_indexed_job_three_processes_into_s3_and_postgres_then_warm_check_100(
-        tmp_path: Path, s3_bucket: str, pg_url: str) -> None:
+    tmp_path: Path, s3_bucket: str, pg_url: str
+) -> None:
     """Three pods of an Indexed Job, as processes: each warms its shard; one warm-check sees 100%."""
     manifest = tiny(tmp_path, TINY_MANIFEST)
     base = dict(os.environ, CACHECTL_DB=pg_url, CACHECTL_SHARDS="3")
     for args in (["db", "upgrade"], ["cache", "add", "fleet", f"{s3_bucket}/jax"]):
-        done = subprocess.run([sys.executable, "-m", "cachectl", *args], env=base, capture_output=True,
-                              text=True, timeout=120)
+        done = subprocess.run(
+            [sys.executable, "-m", "cachectl", *args],
+            env=base,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert done.returncode == 0, done.stderr
 
-    pods = [_cachectl(["warm", str(manifest), "--shard", "auto", "--cache", "fleet", "--json", "--jobs", "1"],
-                      dict(base, JOB_COMPLETION_INDEX=str(i))) for i in range(3)]
+    pods = [
+        _cachectl(
+            ["warm", str(manifest), "--shard", "auto", "--cache", "fleet", "--json", "--jobs", "1"],
+            dict(base, JOB_COMPLETION_INDEX=str(i)),
+        )
+        for i in range(3)
+    ]
     reports = []
     for pod in pods:
         try:
@@ -156,8 +191,12 @@ def test_indexed_job_three_processes_into_s3_and_postgres_then_warm_check_100(
         except subprocess.TimeoutExpired:
             for other in pods:
                 other.kill()
-            pytest.fail("a pod ran past 300 s and was killed\n" + "\n".join(
-                f"--- pod {i} stderr:\n{p.communicate()[1][-3000:]}" for i, p in enumerate(pods)))
+            pytest.fail(
+                "a pod ran past 300 s and was killed\n"
+                + "\n".join(
+                    f"--- pod {i} stderr:\n{p.communicate()[1][-3000:]}" for i, p in enumerate(pods)
+                )
+            )
         assert pod.returncode == 0, err
         reports.append(json.loads(out))
     assert [r["summary"]["buckets"] for r in reports] == [2, 2, 1]
@@ -178,8 +217,22 @@ def test_indexed_job_three_processes_into_s3_and_postgres_then_warm_check_100(
     finally:
         index.close()
 
-    check = subprocess.run([sys.executable, "-m", "cachectl", "warm-check", str(manifest), "--cache", "fleet",
-                            "--json"], env=base, capture_output=True, text=True, timeout=300)
+    check = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "cachectl",
+            "warm-check",
+            str(manifest),
+            "--cache",
+            "fleet",
+            "--json",
+        ],
+        env=base,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert check.returncode == 0, check.stderr
     summary = json.loads(check.stdout)["summary"]
     assert summary["coverage"] == 100.0 and summary["hits"] == 5 and summary["buckets"] == 5

@@ -15,15 +15,25 @@ from cachectl.index import NewEntry, open_index
 from cachectl.index import db as index_db
 
 ENV = Environment(
-    jax_version="0.10.2", jaxlib_version="0.10.2", backend="cpu", platform_version="cpu",
-    device_kind="cpu", device_count=1, process_count=1, topology="abc", xla_flags=(),
-    compression="zstandard", enable_xla_caches="none", include_metadata_in_key=False,
+    jax_version="0.10.2",
+    jaxlib_version="0.10.2",
+    backend="cpu",
+    platform_version="cpu",
+    device_kind="cpu",
+    device_count=1,
+    process_count=1,
+    topology="abc",
+    xla_flags=(),
+    compression="zstandard",
+    enable_xla_caches="none",
+    include_metadata_in_key=False,
 )
 
 
 def entry(i: int, **kw) -> NewEntry:
-    return NewEntry(key=f"jit_f-{i:064x}", module="jit_f", size=100 + i, sha256=f"{i:064x}",
-                    origin="warm", **kw)
+    return NewEntry(
+        key=f"jit_f-{i:064x}", module="jit_f", size=100 + i, sha256=f"{i:064x}", origin="warm", **kw
+    )
 
 
 @pytest.fixture
@@ -99,10 +109,17 @@ def test_entries_upsert_list_delete(index) -> None:
     env = index.ensure_environment("a", ENV)
     assert index.upsert_entries(env.id, [entry(i) for i in range(1200)]) == (1200, 0)
     assert index.upsert_entries(env.id, [entry(i) for i in range(1200)]) == (0, 0)
-    changed = dataclasses.replace(entry(5), size=1, sha256="f" * 64, function="decode", bucket={"batch": 4})
+    changed = dataclasses.replace(
+        entry(5), size=1, sha256="f" * 64, function="decode", bucket={"batch": 4}
+    )
     assert index.upsert_entries(env.id, [changed]) == (0, 1)
     got = index.get_entry(env.id, changed.key)
-    assert got is not None and got.size == 1 and got.function == "decode" and got.bucket == {"batch": 4}
+    assert (
+        got is not None
+        and got.size == 1
+        and got.function == "decode"
+        and got.bucket == {"batch": 4}
+    )
     keys = index.entry_keys(env.id)
     assert len(keys) == 1200 and keys[changed.key] == (1, "f" * 64)
     assert index.delete_entries(env.id, [entry(i).key for i in range(600)]) == 600
@@ -187,10 +204,16 @@ def test_processes_opening_one_fresh_sqlite_index_at_once_all_succeed(tmp_path) 
 
     url = f"sqlite:///{tmp_path}/fresh.db"
     start = time.time() + 3
-    code = ("import time, sys; from cachectl.index import open_index\n"
-            f"time.sleep(max(0, {start} - time.time()))\n"
-            f"i = open_index({url!r}); i.ensure_cache('default', '/tmp/x'); i.close(); print('ok')")
-    procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True) for _ in range(4)]
+    code = (
+        "import time, sys; from cachectl.index import open_index\n"
+        f"time.sleep(max(0, {start} - time.time()))\n"
+        f"i = open_index({url!r}); i.ensure_cache('default', '/tmp/x'); i.close(); print('ok')"
+    )
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        for _ in range(4)
+    ]
     outs = [p.communicate(timeout=120) for p in procs]
     assert [p.returncode for p in procs] == [0, 0, 0, 0], [err[-500:] for _, err in outs]

@@ -35,8 +35,12 @@ def leaked_env():
 @pytest.mark.usefixtures("leaked_env")
 class TestIsolatedHome:
     def test_hides_cachectl_and_jax_vars_and_isolates_xdg(self, isolated_home):
-        for var, sub in (("XDG_DATA_HOME", "data"), ("XDG_CACHE_HOME", "cache"),
-                         ("XDG_CONFIG_HOME", "config"), ("XDG_STATE_HOME", "state")):
+        for var, sub in (
+            ("XDG_DATA_HOME", "data"),
+            ("XDG_CACHE_HOME", "cache"),
+            ("XDG_CONFIG_HOME", "config"),
+            ("XDG_STATE_HOME", "state"),
+        ):
             assert os.environ[var] == str(isolated_home / sub)
             assert os.path.isdir(os.environ[var])
         leaked = [v for v in os.environ if v.startswith(("CACHECTL_", "JAX_"))]
@@ -174,7 +178,9 @@ def test_db_url_both_backends(db_url):
     engine = sa.create_engine(db_url)
     try:
         meta = sa.MetaData()
-        t = sa.Table("t", meta, sa.Column("id", sa.Integer, primary_key=True), sa.Column("v", sa.Text))
+        t = sa.Table(
+            "t", meta, sa.Column("id", sa.Integer, primary_key=True), sa.Column("v", sa.Text)
+        )
         meta.create_all(engine)
         with engine.begin() as conn:
             conn.execute(t.insert(), [{"v": "a"}, {"v": "b"}])

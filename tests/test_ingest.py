@@ -49,21 +49,35 @@ def _files(t: ingest.Target) -> list[str]:
     return sorted(p.name for p in ns.iterdir() if p.name != "env.json") if ns.exists() else []
 
 
-def test_one_upload_refused_claim_bomb_then_stored_once(target: ingest.Target, tmp_path: Path) -> None:
+def test_one_upload_refused_claim_bomb_then_stored_once(
+    target: ingest.Target, tmp_path: Path
+) -> None:
     data = make_entry(os.urandom(2000), 3)
     body = _spool(tmp_path, data)
     assert (body.size, body.sha256) == (len(data), hashlib.sha256(data).hexdigest())
     with pytest.raises(ingest.Refused) as claim:
-        ingest.ingest_entry(target, _key(1), body, origin="upload", expand_to=1 << 20, claimed_sha256="0" * 64)
+        ingest.ingest_entry(
+            target, _key(1), body, origin="upload", expand_to=1 << 20, claimed_sha256="0" * 64
+        )
     with pytest.raises(ingest.Refused) as bomb:
         ingest.ingest_entry(target, _key(1), body, origin="upload", expand_to=100)
     assert (claim.value.rule, bomb.value.rule) == (ingest.SHA256, ingest.EXPANDS)
     assert _files(target) == [] and target.index.get_entry(target.env.id, _key(1).key) is None
 
-    done = ingest.ingest_entry(target, _key(1), body, origin="upload", expand_to=1 << 20,
-                               claimed_sha256=body.sha256.upper())
+    done = ingest.ingest_entry(
+        target,
+        _key(1),
+        body,
+        origin="upload",
+        expand_to=1 << 20,
+        claimed_sha256=body.sha256.upper(),
+    )
     assert done.outcome == "inserted" and done.entry is not None
-    assert (done.entry.sha256, done.entry.compile_time_ms, done.entry.origin) == (body.sha256, 3000, "upload")
+    assert (done.entry.sha256, done.entry.compile_time_ms, done.entry.origin) == (
+        body.sha256,
+        3000,
+        "upload",
+    )
     assert target.store.read_bytes(target.path(_key(1).key, "-cache")) == data
     again = ingest.ingest_entry(target, _key(1), body, origin="upload", expand_to=1 << 20)
     assert again.outcome == "unchanged"
@@ -73,11 +87,17 @@ def test_one_upload_refused_claim_bomb_then_stored_once(target: ingest.Target, t
     assert target.store.read_bytes(target.path(_key(1).key, "-cache")) == data
 
 
-def test_check_new_computes_the_sha256_and_refuses_what_is_not_an_entry(target: ingest.Target) -> None:
+def test_check_new_computes_the_sha256_and_refuses_what_is_not_an_entry(
+    target: ingest.Target,
+) -> None:
     data = make_entry(os.urandom(500), 2)
     row = ingest.check_new(target.cache, _key(2), data, origin="push", function="f")
     assert (row.sha256, row.size, row.compile_time_ms, row.function) == (
-        hashlib.sha256(data).hexdigest(), len(data), 2000, "f")
+        hashlib.sha256(data).hexdigest(),
+        len(data),
+        2000,
+        "f",
+    )
     with pytest.raises(ingest.Refused) as exc:
         ingest.check_new(target.cache, _key(2), b"\x28\xb5\x2f\xfd not zstd", origin="push")
     assert exc.value.rule == ingest.CORRUPT
@@ -85,8 +105,10 @@ def test_check_new_computes_the_sha256_and_refuses_what_is_not_an_entry(target: 
 
 def test_a_batch_over_a_limit_writes_nothing(target: ingest.Target) -> None:
     datas = [make_entry(os.urandom(4000), 1) for _ in range(3)]
-    objects = [ingest.NewObject(ingest.check_new(target.cache, _key(i), d, origin="push"), d)
-               for i, d in enumerate(datas)]
+    objects = [
+        ingest.NewObject(ingest.check_new(target.cache, _key(i), d, origin="push"), d)
+        for i, d in enumerate(datas)
+    ]
     small = target.index.update_cache("c", max_size=5000)
     with pytest.raises(QuotaExceeded):
         ingest.publish(target.index, small, ENV, target.env.id, target.store, objects)
@@ -100,15 +122,21 @@ def test_a_batch_over_a_limit_writes_nothing(target: ingest.Target) -> None:
     published = ingest.publish(target.index, free, ENV, target.env.id, target.store, objects)
     assert published.failed == {} and len(published.rows) == 3
     assert _files(target) == sorted(f"{_key(i).key}-cache" for i in range(3))
-    assert target.index.entry_keys(target.env.id) == {o.row.key: (o.row.size, o.row.sha256) for o in objects}
+    assert target.index.entry_keys(target.env.id) == {
+        o.row.key: (o.row.size, o.row.sha256) for o in objects
+    }
 
 
-def test_a_batch_never_indexes_what_it_could_not_write(target: ingest.Target, tmp_path: Path) -> None:
+def test_a_batch_never_indexes_what_it_could_not_write(
+    target: ingest.Target, tmp_path: Path
+) -> None:
     data = make_entry(os.urandom(300), 1)
     ok = ingest.NewObject(ingest.check_new(target.cache, _key(5), data, origin="bundle"), data)
     missing = NewEntry(key=_key(6).key, module="jit_f", size=10, sha256="0" * 64, origin="bundle")
     gone = ingest.NewObject(missing, tmp_path / "not-staged")  # a staging file that is not there
-    published = ingest.publish(target.index, target.cache, ENV, target.env.id, target.store, [ok, gone])
+    published = ingest.publish(
+        target.index, target.cache, ENV, target.env.id, target.store, [ok, gone]
+    )
     assert set(published.failed) == {_key(6).key} and published.failed[_key(6).key][0] == "entry"
     assert set(target.index.entry_keys(target.env.id)) == {_key(5).key}
 
@@ -121,9 +149,17 @@ def test_an_entry_already_in_storage_is_indexed_without_a_write(target: ingest.T
     path.write_bytes(data)
     before = path.stat().st_mtime_ns, path.stat().st_ino
     row = ingest.check_new(target.cache, _key(7), data, origin="warm")
-    published = ingest.publish(target.index, target.cache, ENV, target.env.id, target.store,
-                               [ingest.NewObject(row, in_storage=True), ingest.NewObject(
-                                   ingest.check_new(target.cache, _key(8), data, origin="warm"))])
+    published = ingest.publish(
+        target.index,
+        target.cache,
+        ENV,
+        target.env.id,
+        target.store,
+        [
+            ingest.NewObject(row, in_storage=True),
+            ingest.NewObject(ingest.check_new(target.cache, _key(8), data, origin="warm")),
+        ],
+    )
     assert [r.key for r in published.rows] == [_key(7).key]
     assert (path.stat().st_mtime_ns, path.stat().st_ino) == before
     assert target.index.entry_keys(target.env.id) == {_key(7).key: (len(data), row.sha256)}

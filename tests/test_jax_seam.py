@@ -160,7 +160,9 @@ def test_host_callbacks_are_logged_as_never_written_or_written(probe: dict[str, 
         assert skips[0]["never"] == "jit__lambda"  # what the collector's tap is told
 
 
-def test_a_fast_compile_under_a_raised_threshold_is_logged_with_both_times(probe: dict[str, Any]) -> None:
+def test_a_fast_compile_under_a_raised_threshold_is_logged_with_both_times(
+    probe: dict[str, Any],
+) -> None:
     skips = [c for c in _calls(probe, "skip") if "seconds to compile" in c["text"]]
     assert len(skips) == 1 and skips[0]["logger"] == jax_seam.COMPILER_LOGGER
     assert skips[0]["args"][0] == "str" and len(skips[0]["args"]) == 3  # module, threshold, took
@@ -185,7 +187,7 @@ def test_the_lowering_call_is_guarded_and_names_its_frame() -> None:
 
     source = inspect.getsource(pxla)
     start = source.index(f"def {jax_seam.LOWERING_FRAME}(")
-    lowering = source[start:source.index("\ndef ", start)]
+    lowering = source[start : source.index("\ndef ", start)]
     assert "logger.isEnabledFor(log_priority)" in lowering
     assert '"Compiling %s with global shapes and types %s. "' in lowering
     assert "module_name, in_avals, in_shardings)" in lowering and "closed_jaxpr" in lowering
@@ -224,7 +226,9 @@ def test_call_context_reads_source_and_statics_of_a_real_jit_call() -> None:
             self.calls: list[Any] = []
 
         def _on_lowering(self, module: Any, avals: Any, shardings: Any) -> None:
-            self.calls.append((str(module), jax_seam.leaves_of(avals, shardings), jax_seam.call_context(3)))
+            self.calls.append(
+                (str(module), jax_seam.leaves_of(avals, shardings), jax_seam.call_context(3))
+            )
 
     def scaled(x: Any, n: int) -> Any:
         return x * n
@@ -249,8 +253,13 @@ def test_the_monitoring_events_fire_as_counted(probe: dict[str, Any]) -> None:
     assert events.count(jax_seam.EVENT_REQUESTS) == 4  # every compile that could use the cache
     assert events.count(jax_seam.EVENT_HITS) == 1
     written = [p for p in Path(probe["cache"]).iterdir() if p.name.endswith(CACHE_SUFFIX)]
-    assert events.count(jax_seam.EVENT_WRITES) == len(written) == len(_calls(probe, "write"))  # only writes
-    assert jax_seam.EVENT_SAVED in probe["durations"] and jax_seam.EVENT_RETRIEVAL in probe["durations"]
+    assert (
+        events.count(jax_seam.EVENT_WRITES) == len(written) == len(_calls(probe, "write"))
+    )  # only writes
+    assert (
+        jax_seam.EVENT_SAVED in probe["durations"]
+        and jax_seam.EVENT_RETRIEVAL in probe["durations"]
+    )
 
 
 # -- the persistent cache's process state --------------------------------------------------
@@ -351,7 +360,9 @@ def test_a_device_list_loads_a_real_executable() -> None:
     compiled = jax.jit(lambda v: v * 3).lower(np.ones(2, np.float32)).compile()
     backend = jax.devices()[0].client
     data = executable_bytes(jax_seam.entry_bytes(compiled, 0))
-    loaded = backend.deserialize_executable(data, executable_devices=jax_seam.device_list(jax.devices()[:1]))
+    loaded = backend.deserialize_executable(
+        data, executable_devices=jax_seam.device_list(jax.devices()[:1])
+    )
     assert loaded is not None
 
 
@@ -364,10 +375,15 @@ def test_sharding_names() -> None:
     from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
     dev = jax.devices()[0]
-    assert jax_seam.sharding_text(SingleDeviceSharding(dev)) == f"SingleDeviceSharding({dev.platform}:{dev.id})"
+    assert (
+        jax_seam.sharding_text(SingleDeviceSharding(dev))
+        == f"SingleDeviceSharding({dev.platform}:{dev.id})"
+    )
     mesh = Mesh([dev], ("x",))
-    assert jax_seam.sharding_text(NamedSharding(mesh, PartitionSpec("x"))) == \
-        "NamedSharding(mesh={'x': 1}, spec=('x',))"
+    assert (
+        jax_seam.sharding_text(NamedSharding(mesh, PartitionSpec("x")))
+        == "NamedSharding(mesh={'x': 1}, spec=('x',))"
+    )
     assert jax_seam.sharding_text(None) is None
 
 
@@ -375,21 +391,35 @@ def test_sharding_names() -> None:
 
 
 # What only the seam may spell: JAX's private package, its loggers, its log messages, its events.
-SEAM_ONLY = ("jax._src", "jax/_src", "Persistent compilation cache hit", "PERSISTENT COMPILATION CACHE MISS",
-             "Not writing persistent cache entry", "to persistent compilation cache",
-             "Compiling %s with global", "/jax/compilation_cache/")
+SEAM_ONLY = (
+    "jax._src",
+    "jax/_src",
+    "Persistent compilation cache hit",
+    "PERSISTENT COMPILATION CACHE MISS",
+    "Not writing persistent cache entry",
+    "to persistent compilation cache",
+    "Compiling %s with global",
+    "/jax/compilation_cache/",
+)
 
 
 def test_no_module_but_the_seam_names_a_jax_internal() -> None:
     seam = ROOT / "cachectl" / "jax_seam.py"
-    offenders = [f"{path.relative_to(ROOT)}: {text}"
-                 for pkg in ("cachectl", "server") for path in sorted((ROOT / pkg).rglob("*.py"))
-                 if path != seam for text in SEAM_ONLY if text in path.read_text()]
+    offenders = [
+        f"{path.relative_to(ROOT)}: {text}"
+        for pkg in ("cachectl", "server")
+        for path in sorted((ROOT / pkg).rglob("*.py"))
+        if path != seam
+        for text in SEAM_ONLY
+        if text in path.read_text()
+    ]
     assert offenders == []
     assert all(text in seam.read_text() for text in SEAM_ONLY[:1] + SEAM_ONLY[2:])
 
 
 def test_importing_the_seam_imports_no_jax() -> None:
-    proc = run_py("import sys, cachectl.jax_seam; print(sorted(m for m in sys.modules if m.split('.')[0] == 'jax'))",
-                  check=True)
+    proc = run_py(
+        "import sys, cachectl.jax_seam; print(sorted(m for m in sys.modules if m.split('.')[0] == 'jax'))",
+        check=True,
+    )
     assert proc.stdout.strip().splitlines()[-1] == "[]"

@@ -38,8 +38,14 @@ from cachectl.lifecycle import lease as leases
 
 
 def _run(argv, env=None, timeout=120):
-    return subprocess.run(argv, env={**os.environ, **(env or {})}, capture_output=True, text=True,
-                          timeout=timeout, stdin=subprocess.DEVNULL)
+    return subprocess.run(
+        argv,
+        env={**os.environ, **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        stdin=subprocess.DEVNULL,
+    )
 
 
 def test_lease_is_exclusive_and_released(db_url):
@@ -84,10 +90,22 @@ def test_expired_or_dead_holder_is_taken_over(db_url):
     now = utcnow()
     # Another host, lease still valid: held. Another host, expired: taken over.
     with index.session() as s:
-        s.execute(insert(LeaseRow).values(name="lifecycle:far", holder="bob@elsewhere:1:gc:abcd1234",
-                                          acquired_at=now, expires_at=now + timedelta(minutes=5)))
-        s.execute(insert(LeaseRow).values(name="lifecycle:old", holder="bob@elsewhere:1:gc:abcd1234",
-                                          acquired_at=now, expires_at=now - timedelta(seconds=1)))
+        s.execute(
+            insert(LeaseRow).values(
+                name="lifecycle:far",
+                holder="bob@elsewhere:1:gc:abcd1234",
+                acquired_at=now,
+                expires_at=now + timedelta(minutes=5),
+            )
+        )
+        s.execute(
+            insert(LeaseRow).values(
+                name="lifecycle:old",
+                holder="bob@elsewhere:1:gc:abcd1234",
+                acquired_at=now,
+                expires_at=now - timedelta(seconds=1),
+            )
+        )
     with pytest.raises(leases.LeaseHeld, match="bob@elsewhere"):
         leases.acquire(index, "lifecycle:far", "gc")
     leases.acquire(index, "lifecycle:old", "gc").release()
@@ -95,19 +113,28 @@ def test_expired_or_dead_holder_is_taken_over(db_url):
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
     with index.session() as s:
-        s.execute(insert(LeaseRow).values(
-            name="lifecycle:crashed", holder=f"me@{socket.gethostname()}:{dead.pid}:prune:abcd1234",
-            acquired_at=now, expires_at=now + timedelta(minutes=5)))
+        s.execute(
+            insert(LeaseRow).values(
+                name="lifecycle:crashed",
+                holder=f"me@{socket.gethostname()}:{dead.pid}:prune:abcd1234",
+                acquired_at=now,
+                expires_at=now + timedelta(minutes=5),
+            )
+        )
     leases.acquire(index, "lifecycle:crashed", "prune").release()
     index.close()
 
 
-@pytest.mark.parametrize("db, storage", [("sqlite", "local"), ("postgresql", "s3"), ("sqlite", "gcs")])
+@pytest.mark.parametrize(
+    "db, storage", [("sqlite", "local"), ("postgresql", "s3"), ("sqlite", "gcs")]
+)
 def test_prune_killed_after_first_batch_is_finished_by_rerun(tmp_path, db, storage, request):
     db_url = request.getfixturevalue({"sqlite": "sqlite_url", "postgresql": "pg_url"}[db])
-    root = {"local": lambda: str(tmp_path / "cache"),
-            "s3": lambda: request.getfixturevalue("s3_bucket") + "/c",
-            "gcs": lambda: request.getfixturevalue("gcs_bucket") + "/c"}[storage]()
+    root = {
+        "local": lambda: str(tmp_path / "cache"),
+        "s3": lambda: request.getfixturevalue("s3_bucket") + "/c",
+        "gcs": lambda: request.getfixturevalue("gcs_bucket") + "/c",
+    }[storage]()
     index, store = setup_cache(db_url, root)
     whole = write_entries(index, store, fake_env("0.8.0"), 3, age_days=[40, 41, 42])
     part = write_entries(index, store, fake_env("0.10.2"), 12, age_days=[1, 2] + [40] * 10)
@@ -140,9 +167,21 @@ def test_two_concurrent_gc_runs_exactly_one_acts(tmp_path, db_url):
     write_entries(index, store, fake_env("0.10.2"), 12, sizes=[200] * 12)
     limit = total_bytes(index) // 2
     argv = cachectl_argv(db_url, "gc", "--max-size", str(limit), "--batch-size", "2")
-    env = {**os.environ, "CACHECTL_TEST_BATCH_DELAY_S": "1.0"}  # ~6 s held: starts may skew by seconds
-    procs = [subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                              stdin=subprocess.DEVNULL) for _ in range(2)]
+    env = {
+        **os.environ,
+        "CACHECTL_TEST_BATCH_DELAY_S": "1.0",
+    }  # ~6 s held: starts may skew by seconds
+    procs = [
+        subprocess.Popen(
+            argv,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            stdin=subprocess.DEVNULL,
+        )
+        for _ in range(2)
+    ]
     results = [(p.wait(timeout=120), p.stdout.read(), p.stderr.read()) for p in procs]
     codes = sorted(rc for rc, _, _ in results)
     assert codes == [0, 1], results
@@ -161,8 +200,14 @@ def test_holder_that_stopped_renewing_stops_blocking_at_expiry(tmp_path, sqlite_
     write_entries(index, store, fake_env("0.10.2"), 2)
     now = utcnow()
     with index.session() as s:
-        s.execute(insert(LeaseRow).values(name=leases.lease_name(CACHE), holder="x@gone:7:gc:00000000",
-                                          acquired_at=now, expires_at=now + timedelta(seconds=2)))
+        s.execute(
+            insert(LeaseRow).values(
+                name=leases.lease_name(CACHE),
+                holder="x@gone:7:gc:00000000",
+                acquired_at=now,
+                expires_at=now + timedelta(seconds=2),
+            )
+        )
     res = cachectl(sqlite_url, "gc", "--max-size", "1")
     assert res.exit_code == 1 and "cache 'lc' is busy: gc by x@gone (pid 7)" in res.output
     assert total_bytes(index) > 0

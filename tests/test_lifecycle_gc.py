@@ -26,7 +26,9 @@ from cachectl.index.models import Entry, WarmRun, utcnow
 
 def test_lru_evicts_least_recently_used(tmp_path, db_url):
     index, store = setup_cache(db_url, str(tmp_path / "cache"))
-    p = write_entries(index, store, fake_env("0.10.2"), 6, sizes=[200] * 6, age_days=[6, 5, 4, 3, 2, 1])
+    p = write_entries(
+        index, store, fake_env("0.10.2"), 6, sizes=[200] * 6, age_days=[6, 5, 4, 3, 2, 1]
+    )
     # The oldest entry was used an hour ago: it is the most recently used now.
     index.record_hits(p.info.id, {p.keys[0]: (1, utcnow() - timedelta(hours=1))})
     sizes = {k: s for k, (s, _) in index.entry_keys(p.info.id).items()}
@@ -44,8 +46,15 @@ def test_lru_evicts_least_recently_used(tmp_path, db_url):
 def test_cost_policy_keeps_expensive_per_byte(tmp_path, db_url):
     index, store = setup_cache(db_url, str(tmp_path / "cache"))
     # Same age; compile ms per byte: cheap-big goes first, expensive-small stays.
-    p = write_entries(index, store, fake_env("0.10.2"), 4, sizes=[2000, 200, 2000, 200],
-                      compile_ms=[1000, 60000, 30000, 1000], age_days=[1, 1, 1, 1])
+    p = write_entries(
+        index,
+        store,
+        fake_env("0.10.2"),
+        4,
+        sizes=[2000, 200, 2000, 200],
+        compile_ms=[1000, 60000, 30000, 1000],
+        age_days=[1, 1, 1, 1],
+    )
     res = cachectl(db_url, "gc", "--policy", "cost", "--max-size", "2500", "--json")
     assert res.exit_code == 0, res.output
     evicted = [e["key"] for e in json.loads(res.stdout)["plan"]["deletion"]["entries"]]
@@ -65,17 +74,29 @@ def test_env_max_size_trims_each_environment(tmp_path, sqlite_url):
     on_disk = storage_entries(store)
     assert on_disk[a.env.namespace] == set(a.keys[:2])  # the two newest of five
     assert on_disk[b.env.namespace] == set(b.keys)
-    assert all("env-max-size" in e["reason"] for e in json.loads(res.stdout)["plan"]["deletion"]["entries"])
+    assert all(
+        "env-max-size" in e["reason"] for e in json.loads(res.stdout)["plan"]["deletion"]["entries"]
+    )
 
 
 def _warm_run(index, env_id, status, minutes_ago):
     now = utcnow()
     at = now - timedelta(minutes=minutes_ago)
     with index.session() as s:
-        return s.execute(insert(WarmRun).values(
-            environment_id=env_id, manifest_digest="m", host="h", user="u", status=status,
-            started_at=at, heartbeat_at=at, finished_at=None if status == "running" else at,
-        ).returning(WarmRun.id)).scalar_one()
+        return s.execute(
+            insert(WarmRun)
+            .values(
+                environment_id=env_id,
+                manifest_digest="m",
+                host="h",
+                user="u",
+                status=status,
+                started_at=at,
+                heartbeat_at=at,
+                finished_at=None if status == "running" else at,
+            )
+            .returning(WarmRun.id)
+        ).scalar_one()
 
 
 def test_protect_warm_and_running_warm(tmp_path, db_url):
@@ -83,7 +104,9 @@ def test_protect_warm_and_running_warm(tmp_path, db_url):
     a = write_entries(index, store, fake_env("0.10.2"), 4, sizes=[300] * 4, age_days=[9, 8, 7, 6])
     old_run = _warm_run(index, a.info.id, "succeeded", 600)
     new_run = _warm_run(index, a.info.id, "succeeded", 60)
-    _warm_run(index, a.info.id, "interrupted", 5)  # partial: does not displace the last complete run
+    _warm_run(
+        index, a.info.id, "interrupted", 5
+    )  # partial: does not displace the last complete run
     with index.session() as s:
         s.execute(update(Entry).where(Entry.key.in_(a.keys[:2])).values(warm_run_id=new_run))
         s.execute(update(Entry).where(Entry.key.in_(a.keys[2:])).values(warm_run_id=old_run))
@@ -103,11 +126,14 @@ def test_protect_warm_and_running_warm(tmp_path, db_url):
     assert plan["over_limit_after"] > 0
 
 
-@pytest.mark.parametrize("args, message", [
-    ([], "has no size limit"),
-    (["--max-size", "lots"], "bad size 'lots'"),
-    (["--max-size", "0"], "--max-size must be positive"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        ([], "has no size limit"),
+        (["--max-size", "lots"], "bad size 'lots'"),
+        (["--max-size", "0"], "--max-size must be positive"),
+    ],
+)
 def test_gc_bad_input_exit_2(tmp_path, sqlite_url, args, message):
     index, store = setup_cache(sqlite_url, str(tmp_path / "cache"))
     p = write_entries(index, store, fake_env("0.10.2"), 2)
@@ -154,22 +180,44 @@ def test_eviction_sql_matches_reference(db_url, max_frac, env_frac):
         for i in range(60):
             size = rng.randint(100, 5000)
             created = now - timedelta(minutes=rng.randint(0, 100000))
-            news.append(NewEntry(key=f"jit_f-{v:02d}{i:062d}", module="jit_f", size=size, sha256="0" * 64,
-                                 origin="warm", created_at=created))
+            news.append(
+                NewEntry(
+                    key=f"jit_f-{v:02d}{i:062d}",
+                    module="jit_f",
+                    size=size,
+                    sha256="0" * 64,
+                    origin="warm",
+                    created_at=created,
+                )
+            )
         index.upsert_entries(info.id, news)
-        hits = {n.key: (1, now - timedelta(minutes=rng.randint(0, 1000))) for n in news if rng.random() < 0.3}
+        hits = {
+            n.key: (1, now - timedelta(minutes=rng.randint(0, 1000)))
+            for n in news
+            if rng.random() < 0.3
+        }
         index.record_hits(info.id, hits)
     with index.session() as s:
         for e in s.query(Entry).all():
             last = e.last_access_at or e.created_at
-            rows.append({"id": e.id, "env": e.environment_id, "key": e.key, "size": e.size_bytes, "score": last})
+            rows.append(
+                {
+                    "id": e.id,
+                    "env": e.environment_id,
+                    "key": e.key,
+                    "size": e.size_bytes,
+                    "score": last,
+                }
+            )
     total = sum(r["size"] for r in rows)
     env_totals: dict[int, int] = {}
     for r in rows:
         env_totals[r["env"]] = env_totals.get(r["env"], 0) + r["size"]
     max_bytes = int(total * max_frac) if max_frac else None
     env_max = int(max(env_totals.values()) * env_frac) if env_frac else None
-    got, totals = plan_evictions(index, CACHE, policy="lru", max_bytes=max_bytes, env_max_bytes=env_max, now=now)
+    got, totals = plan_evictions(
+        index, CACHE, policy="lru", max_bytes=max_bytes, env_max_bytes=env_max, now=now
+    )
     want = _reference(rows, total, max_bytes, env_totals, env_max)
     by_key = {r["key"]: r["id"] for r in rows}
     assert totals["bytes_before"] == total
@@ -192,16 +240,38 @@ def _sampled_huge(db_url, samples, oldest_minutes, compile_ms_per_byte, score):
     info = index.ensure_environment(CACHE, fake_env("0.10.2"))
     count = samples * _SAMPLE_EVERY
     per_byte = compile_ms_per_byte
-    index.upsert_entries(info.id, [
-        NewEntry(key=f"jit_f-{i:064d}", module="jit_f", size=100, sha256="0" * 64, origin="warm",
-                 compile_time_ms=None if per_byte is None else 100 * per_byte,
-                 created_at=now - timedelta(minutes=oldest_minutes - i)) for i in range(count)])
+    index.upsert_entries(
+        info.id,
+        [
+            NewEntry(
+                key=f"jit_f-{i:064d}",
+                module="jit_f",
+                size=100,
+                sha256="0" * 64,
+                origin="warm",
+                compile_time_ms=None if per_byte is None else 100 * per_byte,
+                created_at=now - timedelta(minutes=oldest_minutes - i),
+            )
+            for i in range(count)
+        ],
+    )
     with index.session() as s:
-        huge = {"size_bytes": 100_000} if per_byte is None else {"size_bytes": 100_000,
-                                                                  "compile_time_ms": 100_000 * per_byte}
+        huge = (
+            {"size_bytes": 100_000}
+            if per_byte is None
+            else {"size_bytes": 100_000, "compile_time_ms": 100_000 * per_byte}
+        )
         s.execute(update(Entry).where(Entry.id % _SAMPLE_EVERY == 0).values(**huge))
-        rows = [{"id": e.id, "env": e.environment_id, "key": e.key, "size": e.size_bytes, "score": score(e)}
-                for e in s.query(Entry).all()]
+        rows = [
+            {
+                "id": e.id,
+                "env": e.environment_id,
+                "key": e.key,
+                "size": e.size_bytes,
+                "score": score(e),
+            }
+            for e in s.query(Entry).all()
+        ]
     return index, info, now, rows
 
 
@@ -213,7 +283,9 @@ def test_eviction_cut_is_exact_when_the_sample_misleads(db_url, env_frac):
     total = sum(r["size"] for r in rows)
     max_bytes = total - 250_000  # more than the first sampled entry's 100 kB
     env_max = int(total * env_frac) if env_frac else None
-    got, _ = plan_evictions(index, CACHE, policy="lru", max_bytes=max_bytes, env_max_bytes=env_max, now=now)
+    got, _ = plan_evictions(
+        index, CACHE, policy="lru", max_bytes=max_bytes, env_max_bytes=env_max, now=now
+    )
     want = _reference(rows, total, max_bytes, {info.id: total}, env_max)
     by_key = {r["key"]: r["id"] for r in rows}
     assert [by_key[e.key] for e in got] == sorted(want)  # the whole cut, in score (= id) order
@@ -233,28 +305,52 @@ def test_each_environment_cut_is_exact_when_some_samples_mislead(db_url):
     rng = random.Random(7)
     for v in range(3):
         info = index.ensure_environment(CACHE, fake_env(f"0.{v}.0"))
-        index.upsert_entries(info.id, [
-            NewEntry(key=f"jit_f-{v}{i:063d}", module="jit_f", size=rng.randint(100, 300), sha256="0" * 64,
-                     origin="warm", created_at=now - timedelta(minutes=rng.randint(0, 100000)))
-            for i in range(6 * _SAMPLE_EVERY)])
+        index.upsert_entries(
+            info.id,
+            [
+                NewEntry(
+                    key=f"jit_f-{v}{i:063d}",
+                    module="jit_f",
+                    size=rng.randint(100, 300),
+                    sha256="0" * 64,
+                    origin="warm",
+                    created_at=now - timedelta(minutes=rng.randint(0, 100000)),
+                )
+                for i in range(6 * _SAMPLE_EVERY)
+            ],
+        )
     with index.session() as s:
         # The middle environment's sampled entries are huge: its sample says its cut ends early.
         middle = sorted({e.environment_id for e in s.query(Entry).all()})[1]
-        s.execute(update(Entry).where(Entry.environment_id == middle, Entry.id % _SAMPLE_EVERY == 0)
-                  .values(size_bytes=50_000))
-        rows = [{"id": e.id, "env": e.environment_id, "key": e.key, "size": e.size_bytes, "score": e.created_at}
-                for e in s.query(Entry).all()]
+        s.execute(
+            update(Entry)
+            .where(Entry.environment_id == middle, Entry.id % _SAMPLE_EVERY == 0)
+            .values(size_bytes=50_000)
+        )
+        rows = [
+            {
+                "id": e.id,
+                "env": e.environment_id,
+                "key": e.key,
+                "size": e.size_bytes,
+                "score": e.created_at,
+            }
+            for e in s.query(Entry).all()
+        ]
     env_totals: dict[int, int] = {}
     for r in rows:
         env_totals[r["env"]] = env_totals.get(r["env"], 0) + r["size"]
     env_max = min(env_totals.values()) - 40_000
     total = sum(env_totals.values())
-    got, _ = plan_evictions(index, CACHE, policy="lru", max_bytes=None, env_max_bytes=env_max, now=now)
+    got, _ = plan_evictions(
+        index, CACHE, policy="lru", max_bytes=None, env_max_bytes=env_max, now=now
+    )
     want = _reference(rows, total, None, env_totals, env_max)
     by_key = {r["key"]: r for r in rows}
     assert {by_key[e.key]["id"] for e in got} == want
     assert [(by_key[e.key]["score"], by_key[e.key]["id"]) for e in got] == sorted(
-        (r["score"], r["id"]) for r in rows if r["id"] in want)  # one score order across environments
+        (r["score"], r["id"]) for r in rows if r["id"] in want
+    )  # one score order across environments
     assert {by_key[e.key]["env"] for e in got} == set(env_totals)
     index.close()
 
@@ -298,20 +394,48 @@ def test_cost_score_and_selection_equal_the_case_expression(db_url, env_frac):
     for v in range(3):
         info = index.ensure_environment(CACHE, fake_env(f"0.{v}.0"))
         # Every 10th entry is the same (size, compile time, age): equal scores, ties by id.
-        news = [NewEntry(key=f"jit_f-{v}{i:063d}", module="jit_f", size=1000 if i % 10 == 0 else rng.randint(1, 9000),
-                         sha256="0" * 64, origin="warm",
-                         compile_time_ms=5000 if i % 10 == 0 else None if i % 7 == 0 else rng.randint(1, 120_000),
-                         aot_size=rng.randint(0, 4000) if i % 3 == 0 and i % 10 else None, aot_sha256="0" * 64,
-                         created_at=now - timedelta(minutes=60 if i % 10 == 0 else rng.randint(-600, 100_000)))
-                for i in range(200)]
+        news = [
+            NewEntry(
+                key=f"jit_f-{v}{i:063d}",
+                module="jit_f",
+                size=1000 if i % 10 == 0 else rng.randint(1, 9000),
+                sha256="0" * 64,
+                origin="warm",
+                compile_time_ms=5000
+                if i % 10 == 0
+                else None
+                if i % 7 == 0
+                else rng.randint(1, 120_000),
+                aot_size=rng.randint(0, 4000) if i % 3 == 0 and i % 10 else None,
+                aot_sha256="0" * 64,
+                created_at=now
+                - timedelta(minutes=60 if i % 10 == 0 else rng.randint(-600, 100_000)),
+            )
+            for i in range(200)
+        ]
         index.upsert_entries(info.id, news)
-        index.record_hits(info.id, {n.key: (1, now - timedelta(seconds=rng.randint(-3600, 10**6)))
-                                    for i, n in enumerate(news) if i % 10 and rng.random() < 0.3})
+        index.record_hits(
+            info.id,
+            {
+                n.key: (1, now - timedelta(seconds=rng.randint(-3600, 10**6)))
+                for i, n in enumerate(news)
+                if i % 10 and rng.random() < 0.3
+            },
+        )
     dialect = index.dialect
     with index.session() as s:
-        got = s.execute(select(Entry.id, _score(dialect, "cost", now), _case_cost_score(dialect, now))).all()
-        rows = [{"id": e.id, "env": e.environment_id, "key": e.key,
-                 "size": e.size_bytes + (e.aot_size_bytes or 0)} for e in s.query(Entry).all()]
+        got = s.execute(
+            select(Entry.id, _score(dialect, "cost", now), _case_cost_score(dialect, now))
+        ).all()
+        rows = [
+            {
+                "id": e.id,
+                "env": e.environment_id,
+                "key": e.key,
+                "size": e.size_bytes + (e.aot_size_bytes or 0),
+            }
+            for e in s.query(Entry).all()
+        ]
     assert len(got) == 600 and all(new == old for _, new, old in got)
     assert len({old for _, _, old in got}) < 600  # equal scores exist: ties go by id
     old_score = {i: old for i, _, old in got}
@@ -322,12 +446,15 @@ def test_cost_score_and_selection_equal_the_case_expression(db_url, env_frac):
     for r in rows:
         env_totals[r["env"]] = env_totals.get(r["env"], 0) + r["size"]
     env_max = int(max(env_totals.values()) * env_frac) if env_frac else None
-    plan, _ = plan_evictions(index, CACHE, policy="cost", max_bytes=int(total * 0.6), env_max_bytes=env_max,
-                             now=now)
+    plan, _ = plan_evictions(
+        index, CACHE, policy="cost", max_bytes=int(total * 0.6), env_max_bytes=env_max, now=now
+    )
     by_key = {r["key"]: r for r in rows}
     want = _reference(rows, total, int(total * 0.6), env_totals, env_max)
-    assert [by_key[e.key]["id"] for e in plan] == [r["id"] for r in sorted(
-        (r for r in rows if r["id"] in want), key=lambda r: (r["score"], r["id"]))]
+    assert [by_key[e.key]["id"] for e in plan] == [
+        r["id"]
+        for r in sorted((r for r in rows if r["id"] in want), key=lambda r: (r["score"], r["id"]))
+    ]
     index.close()
 
 
@@ -343,7 +470,9 @@ def test_gc_plan_entries_read_like_a_list(tmp_path, db_url):
     from cachectl.lifecycle.plan import PlannedEntries
 
     index, store = setup_cache(db_url, str(tmp_path / "cache"))
-    a = write_entries(index, store, fake_env("0.10.2"), 6, sizes=[200] * 6, age_days=[6, 5, 4, 3, 2, 1])
+    a = write_entries(
+        index, store, fake_env("0.10.2"), 6, sizes=[200] * 6, age_days=[6, 5, 4, 3, 2, 1]
+    )
     write_entries(index, store, fake_env("0.9.1"), 3, sizes=[300] * 3, age_days=[9, 8, 7])
     a_bytes = sum(e.bytes for e in environments(index, CACHE) if e.namespace == a.env.namespace)
     index.update_cache(CACHE, env_max_size=a_bytes - 250)  # a gives up its 2 oldest, the cache more
@@ -371,7 +500,9 @@ def test_cost_cut_is_exact_when_the_sample_misleads(db_url, env_frac):
     total = sum(r["size"] for r in rows)
     max_bytes = total - 250_000
     env_max = int(total * env_frac) if env_frac else None
-    got, _ = plan_evictions(index, CACHE, policy="cost", max_bytes=max_bytes, env_max_bytes=env_max, now=now)
+    got, _ = plan_evictions(
+        index, CACHE, policy="cost", max_bytes=max_bytes, env_max_bytes=env_max, now=now
+    )
     want = _reference(rows, total, max_bytes, {info.id: total}, env_max)
     by_key = {r["key"]: r["id"] for r in rows}
     assert [by_key[e.key] for e in got] == sorted(want)
@@ -395,14 +526,34 @@ def test_cost_cut_is_the_same_whether_the_sample_is_read_by_id_or_by_a_scan(db_u
     now = utcnow()
     for v in range(2):
         info = index.ensure_environment(CACHE, fake_env(f"0.{v}.0"))
-        index.upsert_entries(info.id, [
-            NewEntry(key=f"jit_f-{v}{i:063d}", module="jit_f", size=rng.randint(1, 9000), sha256="0" * 64,
-                     origin="warm", compile_time_ms=rng.randint(1, 120_000),
-                     created_at=now - timedelta(minutes=rng.randint(0, 100_000))) for i in range(640)])
+        index.upsert_entries(
+            info.id,
+            [
+                NewEntry(
+                    key=f"jit_f-{v}{i:063d}",
+                    module="jit_f",
+                    size=rng.randint(1, 9000),
+                    sha256="0" * 64,
+                    origin="warm",
+                    compile_time_ms=rng.randint(1, 120_000),
+                    created_at=now - timedelta(minutes=rng.randint(0, 100_000)),
+                )
+                for i in range(640)
+            ],
+        )
     with index.session() as s:
-        rows = [{"id": i, "env": env, "key": key, "size": size, "score": score} for i, env, key, size, score in
-                s.execute(select(Entry.id, Entry.environment_id, Entry.key, Entry.size_bytes,
-                                 _score(index.dialect, "cost", now)))]
+        rows = [
+            {"id": i, "env": env, "key": key, "size": size, "score": score}
+            for i, env, key, size, score in s.execute(
+                select(
+                    Entry.id,
+                    Entry.environment_id,
+                    Entry.key,
+                    Entry.size_bytes,
+                    _score(index.dialect, "cost", now),
+                )
+            )
+        ]
     total = sum(r["size"] for r in rows)
     env_totals: dict[int, int] = {}
     for r in rows:
@@ -410,21 +561,29 @@ def test_cost_cut_is_the_same_whether_the_sample_is_read_by_id_or_by_a_scan(db_u
     env_max = int(max(env_totals.values()) * env_frac) if env_frac else None
     by_key = {r["key"]: r["id"] for r in rows}
     score = {r["id"]: r["score"] for r in rows}
-    want = sorted(_reference(rows, total, int(total * 0.8), env_totals, env_max), key=lambda i: (score[i], i))
+    want = sorted(
+        _reference(rows, total, int(total * 0.8), env_totals, env_max), key=lambda i: (score[i], i)
+    )
 
     def planned() -> list[int]:
-        got, _ = plan_evictions(index, CACHE, policy="cost", max_bytes=int(total * 0.8), env_max_bytes=env_max,
-                                now=now)
+        got, _ = plan_evictions(
+            index, CACHE, policy="cost", max_bytes=int(total * 0.8), env_max_bytes=env_max, now=now
+        )
         return [by_key[e.key] for e in got]
 
     def by_id() -> bool:
         with index.session() as s:
-            return sample_ids(index.dialect, s.scalar(select(func.max(Entry.id))), len(rows)) is not None
+            return (
+                sample_ids(index.dialect, s.scalar(select(func.max(Entry.id))), len(rows))
+                is not None
+            )
 
     def sampled(top_id: int | None) -> list[int]:
         walk = _Walk(index, Entry.id, [], label=None, ordered=False, sample_ids=top_id)
         with index.session() as s:
-            return sorted(s.scalars(walk._sample([Entry.id], [Entry.environment_id.in_(env_totals)])))
+            return sorted(
+                s.scalars(walk._sample([Entry.id], [Entry.environment_id.in_(env_totals)]))
+            )
 
     dense = planned()
     assert by_id() == (index.dialect == "sqlite")
@@ -432,8 +591,15 @@ def test_cost_cut_is_the_same_whether_the_sample_is_read_by_id_or_by_a_scan(db_u
         assert sampled(max(score)) == sampled(None) == sorted(i for i in score if i % 64 == 0) != []
     index.add_cache("other", "memory://other")
     other = index.ensure_environment("other", fake_env("0.9.0"))
-    index.upsert_entries(other.id, [NewEntry(key=f"jit_g-{i:064d}", module="jit_g", size=100, sha256="0" * 64,
-                                             origin="warm") for i in range(3 * len(rows))])
+    index.upsert_entries(
+        other.id,
+        [
+            NewEntry(
+                key=f"jit_g-{i:064d}", module="jit_g", size=100, sha256="0" * 64, origin="warm"
+            )
+            for i in range(3 * len(rows))
+        ],
+    )
     assert not by_id()
     assert dense == planned() == want and len(want) > 64
     index.close()

@@ -44,7 +44,9 @@ def test_superseded_keep_1_deletes_two_keeps_newest(tmp_path, db_url):
     assert not os.path.exists(tmp_path / "cache" / "jax-0.8.0")  # empty parents tidied
     live = index.environment_stats(CACHE)
     assert [e.environment.jax_version for e in live] == ["0.10.2"]
-    gone = [e for e in index.environment_stats(CACHE, include_deleted=True) if e.deleted_at is not None]
+    gone = [
+        e for e in index.environment_stats(CACHE, include_deleted=True) if e.deleted_at is not None
+    ]
     assert sorted(e.environment.jax_version for e in gone) == ["0.8.0", "0.9.1"]
     assert_consistent(index, store)
     audit = index.audit_log(CACHE)[0]
@@ -71,7 +73,9 @@ def test_superseded_is_per_hardware_group_and_keep_n(tmp_path, sqlite_url):
     cpu = {v: write_entries(index, store, fake_env(v), 2) for v in ("0.8.0", "0.9.1", "0.10.2")}
     gpu = write_entries(index, store, fake_env("0.9.1", backend="gpu", device_kind="H100"), 2)
     flagged = write_entries(index, store, fake_env("0.8.0", xla_flags=("--xla_cpu_foo=1",)), 2)
-    res = json.loads(cachectl(sqlite_url, "prune", "--superseded", "--keep", "2", "--dry-run", "--json").stdout)
+    res = json.loads(
+        cachectl(sqlite_url, "prune", "--superseded", "--keep", "2", "--dry-run", "--json").stdout
+    )
     # Only the cpu group without flags has more than two versions; its oldest goes.
     assert [n["namespace"] for n in res["plan"]["namespaces"]] == [cpu["0.8.0"].env.namespace]
     res = json.loads(cachectl(sqlite_url, "prune", "--superseded", "--dry-run", "--json").stdout)
@@ -87,7 +91,9 @@ def test_entry_selectors_pick_entries_or_whole_namespaces(tmp_path, db_url):
     old = write_entries(index, store, fake_env("0.9.1"), 3, age_days=[40, 50, 60])
     res = json.loads(cachectl(db_url, "prune", "--older-than", "15d", "--json").stdout)
     plan = res["plan"]
-    assert [n["namespace"] for n in plan["namespaces"]] == [old.env.namespace]  # every entry old: whole
+    assert [n["namespace"] for n in plan["namespaces"]] == [
+        old.env.namespace
+    ]  # every entry old: whole
     assert sorted(e["key"] for e in plan["entries"]) == sorted(young.keys[3:])
     assert storage_entries(store) == {young.env.namespace: set(young.keys[:3])}
     assert_consistent(index, store)
@@ -125,7 +131,10 @@ def test_no_selector_uses_retention_or_refuses(tmp_path, sqlite_url):
     index.update_cache(CACHE, retention_seconds=30 * 86400)
     res = cachectl(sqlite_url, "prune", "--json")
     assert res.exit_code == 0, res.output
-    assert json.loads(res.stdout)["plan"]["criteria"] == {"older_than": "30d", "from_retention": True}
+    assert json.loads(res.stdout)["plan"]["criteria"] == {
+        "older_than": "30d",
+        "from_retention": True,
+    }
     assert storage_entries(store)[p.env.namespace] == set(p.keys[:2])
 
 
@@ -133,12 +142,29 @@ def test_warm_in_progress_protects_environment(upgraded):
     db, index, store, envs = upgraded
     now = utcnow()
     with index.session() as s:
-        s.execute(insert(WarmRun).values(environment_id=envs["0.8.0"].info.id, manifest_digest="m", host="h",
-                                         user="u", status="running", started_at=now, heartbeat_at=now))
+        s.execute(
+            insert(WarmRun).values(
+                environment_id=envs["0.8.0"].info.id,
+                manifest_digest="m",
+                host="h",
+                user="u",
+                status="running",
+                started_at=now,
+                heartbeat_at=now,
+            )
+        )
         # A warm that stopped beating 20 minutes ago protects nothing.
-        s.execute(insert(WarmRun).values(environment_id=envs["0.9.1"].info.id, manifest_digest="m", host="h",
-                                         user="u", status="running", started_at=now - timedelta(hours=1),
-                                         heartbeat_at=now - timedelta(minutes=20)))
+        s.execute(
+            insert(WarmRun).values(
+                environment_id=envs["0.9.1"].info.id,
+                manifest_digest="m",
+                host="h",
+                user="u",
+                status="running",
+                started_at=now - timedelta(hours=1),
+                heartbeat_at=now - timedelta(minutes=20),
+            )
+        )
     res = cachectl(db, "prune", "--superseded", "--json")
     assert res.exit_code == 0, res.output
     plan = json.loads(res.stdout)["plan"]
@@ -160,16 +186,19 @@ def _state(index, store):
     return storage_entries(store), index_entries(index)
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--older-than", "30x"], "bad duration '30x'"),
-    (["--unused-for", "-3d"], "bad duration"),
-    (["--jax-version", "<<0.10"], "bad --jax-version '<<0.10'"),
-    (["--jax-version", "latest"], "bad --jax-version"),
-    (["--env", "ffffffffffffffff0"], "no environment"),
-    (["--env", "xyz"], "bad environment digest prefix"),
-    (["--keep", "2"], "--keep only goes with --superseded"),
-    (["--superseded", "--keep", "0"], "--keep must be at least 1"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--older-than", "30x"], "bad duration '30x'"),
+        (["--unused-for", "-3d"], "bad duration"),
+        (["--jax-version", "<<0.10"], "bad --jax-version '<<0.10'"),
+        (["--jax-version", "latest"], "bad --jax-version"),
+        (["--env", "ffffffffffffffff0"], "no environment"),
+        (["--env", "xyz"], "bad environment digest prefix"),
+        (["--keep", "2"], "--keep only goes with --superseded"),
+        (["--superseded", "--keep", "0"], "--keep must be at least 1"),
+    ],
+)
 def test_bad_input_exits_2_and_deletes_nothing(upgraded, args, message):
     db, index, store, _envs = upgraded
     before = _state(index, store)

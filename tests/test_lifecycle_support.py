@@ -26,12 +26,27 @@ from cachectl.store import Store, normalize_url
 CACHE = "lc"
 
 
-def fake_env(jax_version: str, *, device_kind: str = "cpu", backend: str = "cpu", device_count: int = 1,
-             xla_flags: tuple[str, ...] = ()) -> Environment:
+def fake_env(
+    jax_version: str,
+    *,
+    device_kind: str = "cpu",
+    backend: str = "cpu",
+    device_count: int = 1,
+    xla_flags: tuple[str, ...] = (),
+) -> Environment:
     return Environment(
-        jax_version=jax_version, jaxlib_version=jax_version, backend=backend, platform_version=backend,
-        device_kind=device_kind, device_count=device_count, process_count=1, topology=f"{device_kind}:{device_count}",
-        xla_flags=xla_flags, compression="zstandard", enable_xla_caches="none", include_metadata_in_key=False,
+        jax_version=jax_version,
+        jaxlib_version=jax_version,
+        backend=backend,
+        platform_version=backend,
+        device_kind=device_kind,
+        device_count=device_count,
+        process_count=1,
+        topology=f"{device_kind}:{device_count}",
+        xla_flags=xla_flags,
+        compression="zstandard",
+        enable_xla_caches="none",
+        include_metadata_in_key=False,
     )
 
 
@@ -42,11 +57,21 @@ class Populated:
     keys: list[str] = field(default_factory=list)
 
 
-def write_entries(index: Index, store: Store, env: Environment, count: int, *, cache: str = CACHE,
-                  now: datetime | None = None, age_days: Sequence[float] | None = None,
-                  sizes: Sequence[int] | None = None, compile_ms: Sequence[int] | None = None,
-                  functions: Sequence[str] | None = None, warm_run_id: int | None = None,
-                  lockfile: bool = False) -> Populated:
+def write_entries(
+    index: Index,
+    store: Store,
+    env: Environment,
+    count: int,
+    *,
+    cache: str = CACHE,
+    now: datetime | None = None,
+    age_days: Sequence[float] | None = None,
+    sizes: Sequence[int] | None = None,
+    compile_ms: Sequence[int] | None = None,
+    functions: Sequence[str] | None = None,
+    warm_run_id: int | None = None,
+    lockfile: bool = False,
+) -> Populated:
     """``count`` valid entries in ``env``'s namespace, stored and indexed."""
     now = now or utcnow()
     ensure_namespace(store, env)
@@ -62,9 +87,19 @@ def write_entries(index: Index, store: Store, env: Environment, count: int, *, c
         if lockfile:
             store.write_bytes(f"{env.namespace}/{key}-atime", (1).to_bytes(8, "little"))
         created = now - timedelta(days=age_days[i] if age_days else i)
-        rows.append(NewEntry(key=key, module=f"jit_{fn}", size=len(data), sha256=sha256(data), origin="warm",
-                             function=fn, compile_time_ms=compile_ms[i] if compile_ms else 1000,
-                             created_at=created, warm_run_id=warm_run_id))
+        rows.append(
+            NewEntry(
+                key=key,
+                module=f"jit_{fn}",
+                size=len(data),
+                sha256=sha256(data),
+                origin="warm",
+                function=fn,
+                compile_time_ms=compile_ms[i] if compile_ms else 1000,
+                created_at=created,
+                warm_run_id=warm_run_id,
+            )
+        )
         keys.append(key)
     if lockfile:
         store.write_bytes(f"{env.namespace}/.lockfile", b"")

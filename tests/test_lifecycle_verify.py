@@ -75,8 +75,10 @@ def test_sidecars_repaired_and_missing_rows_dropped(tmp_path, sqlite_url):
     p = write_entries(index, store, fake_env("0.10.2"), 4, lockfile=True)
     ns = p.env.namespace
     root = tmp_path / "cache" / ns
-    os.remove(root / f"{p.keys[0]}-atime")           # -cache without -atime
-    os.remove(root / f"{p.keys[1]}{CACHE_SUFFIX}")   # -atime without -cache, and a row without a file
+    os.remove(root / f"{p.keys[0]}-atime")  # -cache without -atime
+    os.remove(
+        root / f"{p.keys[1]}{CACHE_SUFFIX}"
+    )  # -atime without -cache, and a row without a file
     res = cachectl(sqlite_url, "verify", "--json")
     assert res.exit_code == 1
     counts = json.loads(res.stdout)["plan"]["counts"]

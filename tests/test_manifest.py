@@ -193,7 +193,9 @@ def test_lm_prefill_then_decode_is_consistent() -> None:
 
     full_logits, _ = prefill(params, tokens)
     logits, cache = prefill(params, tokens[:, :16])
-    assert logits.shape == (2, 16, lm.CONFIG.vocab) and logits.dtype == jnp.float32  # every position
+    assert (
+        logits.shape == (2, 16, lm.CONFIG.vocab) and logits.dtype == jnp.float32
+    )  # every position
     assert cache.shape == lm.kv_cache_shape(2) and cache.dtype == lm.KV_DTYPE
     step_logits, _ = jax.jit(lm.decode_logits)(params, cache, tokens[:, 16:17], jnp.int32(16))
     np.testing.assert_allclose(step_logits, full_logits[:, -1], atol=2e-3, rtol=2e-3)
@@ -1055,15 +1057,20 @@ def test_validation_imports_no_jax_and_gives_the_same_messages(tmp_path: Path) -
     dtypes = _jax_dtype_names()
     assert {"bfloat16", "float8_e4m3fn", "int4", "bool", "float32", "complex64"} <= set(dtypes)
     every_dtype = "version: 1\nfunctions:\n  - fn: m:f\n    args:\n" + "".join(
-        f"      - {{shape: [2], dtype: {json.dumps(d)}}}\n" for d in dtypes)
+        f"      - {{shape: [2], dtype: {json.dumps(d)}}}\n" for d in dtypes
+    )
     rejected = ["str", "object", "datetime64", "void", "bfloat61", "float8"]
     texts = [t for _, t, _, _ in MALFORMED] + [
-        f"version: 1\nfunctions: [{{fn: m:f, args: [{{shape: [1], dtype: {d}}}]}}]\n" for d in rejected]
+        f"version: 1\nfunctions: [{{fn: m:f, args: [{{shape: [1], dtype: {d}}}]}}]\n"
+        for d in rejected
+    ]
     expected = _messages(texts)
     assert all(m and "\n" not in m for m in expected)
     (tmp_path / "every_dtype.yaml").write_text(every_dtype)
     (tmp_path / "texts.json").write_text(json.dumps({"texts": texts, "dtypes": dtypes}))
-    out = run_python(_NO_JAX + f"""
+    out = run_python(
+        _NO_JAX
+        + f"""
 import json
 from pathlib import Path
 
@@ -1092,7 +1099,10 @@ print(json.dumps({{"example": [str(b) for b in expand(example)],
                   "dtypes": [str(_dtype(a.dtype)) for a in every.functions[0].args],
                   "messages": messages,
                   "jax_loaded": [m for m in sys.modules if m.split(".")[0] in ("jax", "jaxlib")]}}))
-""", {}, tmp_path)
+""",
+        {},
+        tmp_path,
+    )
     result = json.loads(out.strip().splitlines()[-1])
     assert result["jax_loaded"] == []
     assert result["example"] == [str(b) for b in expand(load_manifest(EXAMPLE))]

@@ -23,25 +23,33 @@ for f in fs:
     f(jnp.ones((8, 8))).block_until_ready()
 """
 
-WRITER = """
+WRITER = (
+    """
 import json, cachectl, jax
 a = cachectl.activate("remote", readonly=False, telemetry=False)
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-""" + PROGRAMS + """
+"""
+    + PROGRAMS
+    + """
 print(json.dumps({"namespace": a.namespace, "path": a.path}))
 """
+)
 
-MIRRORED = """
+MIRRORED = (
+    """
 import json, cachectl
 from cachectl import telemetry
 a = cachectl.activate("remote", mirror={mirror!r})
-""" + PROGRAMS + """
+"""
+    + PROGRAMS
+    + """
 s = telemetry.current().stats()
 import sys
 print(json.dumps({{"path": a.path, "copied": a.pull.copied, "refused": len(a.pull.refused),
                   "listed": a.pull.storage_listed, "s3fs": "s3fs" in sys.modules,
                   "warning": a.warning, "requests": s.requests, "hits": s.hits, "writes": s.writes}}))
 """
+)
 
 
 def _cli(*args: str, code: int = 0) -> str:
@@ -54,7 +62,9 @@ def _json_line(stdout: str) -> dict:
     return json.loads(stdout.strip().splitlines()[-1])
 
 
-def test_pull_from_s3_hits_everything_and_refuses_tampered_objects(tmp_path, monkeypatch, s3_bucket) -> None:
+def test_pull_from_s3_hits_everything_and_refuses_tampered_objects(
+    tmp_path, monkeypatch, s3_bucket
+) -> None:
     monkeypatch.setenv("CACHECTL_DB", f"sqlite:///{tmp_path}/index.db")
     monkeypatch.setenv("CACHECTL_CACHE", "remote")
     _cli("cache", "add", "remote", s3_bucket + "/cache")
@@ -65,7 +75,11 @@ def test_pull_from_s3_hits_everything_and_refuses_tampered_objects(tmp_path, mon
     written = _json_line(proc.stdout)
     assert json.loads(_cli("sync", "--min-age", "0", "--json"))["entries_added"] >= 3
     store = Store(s3_bucket + "/cache")
-    keys = sorted(f.path.rsplit("/", 1)[1] for f in store.list(written["namespace"]) if f.path.endswith("-cache"))
+    keys = sorted(
+        f.path.rsplit("/", 1)[1]
+        for f in store.list(written["namespace"])
+        if f.path.endswith("-cache")
+    )
 
     # A fresh process mirrors the namespace and hits every program it compiles.
     mirror = tmp_path / "mirror"
@@ -106,7 +120,9 @@ def test_pull_from_s3_hits_everything_and_refuses_tampered_objects(tmp_path, mon
     again = json.loads(_cli("pull", "--to", str(mirror), "--json", code=1))
     assert again["copied"] == 0 and again["present"] == len(keys)
     assert [p["key"] + "-cache" for p in again["refused"]] == [slipped]
-    assert (mirror / tampered).read_bytes() != store.read_bytes(f"{written['namespace']}/{tampered}")
+    assert (mirror / tampered).read_bytes() != store.read_bytes(
+        f"{written['namespace']}/{tampered}"
+    )
 
     # Human output names the refused entries.
     text = _cli("pull", "--to", str(fresh), code=1)
@@ -134,7 +150,9 @@ def test_push_uploads_new_entries_for_writers_only(tmp_path, monkeypatch) -> Non
     index = open_index(db)
     shared = make_entry(b"shared executable", 2)
     info = index.ensure_environment("loc", env)
-    index.upsert_entries(info.id, [NewEntry(_key("jit_a", 1), "jit_a", len(shared), sha256(shared), "warm")])
+    index.upsert_entries(
+        info.id, [NewEntry(_key("jit_a", 1), "jit_a", len(shared), sha256(shared), "warm")]
+    )
     Store(str(root)).write_bytes(f"{env.namespace}/{_key('jit_a', 1)}-cache", shared)
 
     mirror = tmp_path / "mirror"
@@ -155,7 +173,9 @@ def test_push_uploads_new_entries_for_writers_only(tmp_path, monkeypatch) -> Non
     assert [p["key"] for p in result["refused"]] == [_key("jit_junk", 4)]
     assert Store(str(root)).read_bytes(f"{env.namespace}/{_key('jit_b', 2)}-cache") == new1
     rows = {e.key: e for e in index.list_entries(info.id)}
-    assert rows[_key("jit_b", 2)].origin == "push" and rows[_key("jit_b", 2)].compile_time_ms == 3000
+    assert (
+        rows[_key("jit_b", 2)].origin == "push" and rows[_key("jit_b", 2)].compile_time_ms == 3000
+    )
     assert rows[_key("jit_c", 3)].sha256 == sha256(new2)
     assert index.audit_log("loc")[0].operation == "push"
 

@@ -19,7 +19,7 @@ from infra import run_py
 
 from cachectl.cli import cli
 
-MODEL = '''
+MODEL = """
 import jax, jax.numpy as jnp
 
 def param_specs():
@@ -36,9 +36,9 @@ def attention(x, num_heads):
 
 def decode(x):
     return jnp.cumsum(x)
-'''
+"""
 
-MANIFEST = '''
+MANIFEST = """
 # the service's programs
 version: 1
 functions:
@@ -65,9 +65,9 @@ functions:
       - {shape: [seq], dtype: float32}
     buckets:
       seq: [128, 256, 512]
-'''
+"""
 
-SERVICE = '''
+SERVICE = """
 import sys, numpy as np
 sys.path.insert(0, {dir!r})
 import cachectl
@@ -80,15 +80,15 @@ step = jax.jit(m.step)
 attention = jax.jit(m.attention, static_argnames=["num_heads"])
 decode = jax.jit(m.decode)
 {body}
-'''
+"""
 
-MATCHING = '''
+MATCHING = """
 apply(params, np.zeros((16, 16), np.int32)).block_until_ready()
 apply(params, np.zeros((64, 16), np.int32)).block_until_ready()
 step(np.ones(4, np.float32), np.float32(0.1)).block_until_ready()
 attention(np.ones((2, 8), np.float32), num_heads=4).block_until_ready()
 decode(np.ones(256, np.float32)).block_until_ready()
-'''
+"""
 
 
 @pytest.fixture(scope="module")
@@ -96,12 +96,16 @@ def warmed(tmp_path_factory) -> dict[str, str]:
     home = tmp_path_factory.mktemp("misses-home")
     (home / "svc_model.py").write_text(MODEL)
     (home / "manifest.yaml").write_text(MANIFEST)
-    env = {"XDG_DATA_HOME": str(home / "data"), "XDG_CACHE_HOME": str(home / "cache"),
-           "XDG_CONFIG_HOME": str(home / "config"), "CACHECTL_TELEMETRY_INTERVAL": "3600"}
+    env = {
+        "XDG_DATA_HOME": str(home / "data"),
+        "XDG_CACHE_HOME": str(home / "cache"),
+        "XDG_CONFIG_HOME": str(home / "config"),
+        "CACHECTL_TELEMETRY_INTERVAL": "3600",
+    }
     code = f"""
         import sys
         from cachectl.cli import main
-        sys.argv = ["cachectl", "warm", {str(home / 'manifest.yaml')!r}, "--json"]
+        sys.argv = ["cachectl", "warm", {str(home / "manifest.yaml")!r}, "--json"]
         main()
     """
     proc = run_py(code, env, check=True, timeout=600)
@@ -145,11 +149,11 @@ def test_a_matching_service_misses_nothing(warmed, monkeypatch) -> None:
 
 
 def test_committed_arrays_name_the_leaf_and_the_sharding(warmed, monkeypatch) -> None:
-    body = '''
+    body = """
     dev = jax.devices()[0]
     committed = jax.tree.map(lambda x: jax.device_put(x, dev), params)
     apply(committed, np.zeros((16, 16), np.int32)).block_until_ready()
-    '''
+    """
     report = _service(warmed, body, monkeypatch)
     assert report["exit_code"] == 1
     f = _only(report)
@@ -164,39 +168,65 @@ def test_a_python_float_is_weak_typed(warmed, monkeypatch) -> None:
     report = _service(warmed, "step(np.ones(4, np.float32), 0.1).block_until_ready()", monkeypatch)
     assert report["exit_code"] == 1
     f = _only(report)
-    assert (f["function"], f["kind"], f["arg"], f["field"]) == ("jit_step", "weak_type", 1, "weak_type")
-    assert f["message"] == ("jit_step arg 1 (lr): float32 weak_type (a Python float) vs float32: "
-                            "pass np.float32(...)")
+    assert (f["function"], f["kind"], f["arg"], f["field"]) == (
+        "jit_step",
+        "weak_type",
+        1,
+        "weak_type",
+    )
+    assert f["message"] == (
+        "jit_step arg 1 (lr): float32 weak_type (a Python float) vs float32: pass np.float32(...)"
+    )
 
 
 def test_a_batch_between_buckets(warmed, monkeypatch) -> None:
-    report = _service(warmed, "apply(params, np.zeros((48, 16), np.int32)).block_until_ready()", monkeypatch)
+    report = _service(
+        warmed, "apply(params, np.zeros((48, 16), np.int32)).block_until_ready()", monkeypatch
+    )
     assert report["exit_code"] == 1
     f = _only(report)
     assert (f["function"], f["kind"], f["arg"], f["observed"], f["expected"]) == (
-        "jit_apply", "shape", 1, 48, [16, 64])
-    assert f["message"] == "jit_apply arg 1 (tokens): batch 48 not a bucket (16, 64): pad to 64, or add 48"
+        "jit_apply",
+        "shape",
+        1,
+        48,
+        [16, 64],
+    )
+    assert (
+        f["message"]
+        == "jit_apply arg 1 (tokens): batch 48 not a bucket (16, 64): pad to 64, or add 48"
+    )
     human = CliRunner().invoke(cli, ["misses"])
     assert human.exit_code == 1
-    assert "  jit_apply arg 1 (tokens): batch 48 not a bucket (16, 64): pad to 64, or add 48 (nearest bucket " \
+    assert (
+        "  jit_apply arg 1 (tokens): batch 48 not a bucket (16, 64): pad to 64, or add 48 (nearest bucket "
         "[batch=64]); 1 missed" in human.stdout
+    )
 
 
 def test_a_static_value_that_is_not_a_bucket(warmed, monkeypatch) -> None:
-    report = _service(warmed, "attention(np.ones((2, 8), np.float32), num_heads=2).block_until_ready()",
-                      monkeypatch)
+    report = _service(
+        warmed,
+        "attention(np.ones((2, 8), np.float32), num_heads=2).block_until_ready()",
+        monkeypatch,
+    )
     assert report["exit_code"] == 1
     f = _only(report)
     assert (f["function"], f["kind"], f["arg"], f["observed"], f["expected"]) == (
-        "jit_attention", "static", "num_heads", "2", [4, 8])
+        "jit_attention",
+        "static",
+        "num_heads",
+        "2",
+        [4, 8],
+    )
     assert f["message"] == "jit_attention static num_heads=2 not among (4, 8)"
 
 
 def test_a_lambda_jitted_per_call(warmed, monkeypatch) -> None:
-    body = '''
+    body = """
     for _ in range(5):
         jax.jit(lambda x: x * 2 + 1)(np.ones(3, np.float32)).block_until_ready()
-    '''
+    """
     report = _service(warmed, body, monkeypatch)
     assert report["exit_code"] == 1
     rejit = [f for f in report["findings"] if f["kind"] == "rejit"]
@@ -206,10 +236,10 @@ def test_a_lambda_jitted_per_call(warmed, monkeypatch) -> None:
 
 
 def test_a_shape_explosion(warmed, monkeypatch) -> None:
-    body = '''
+    body = """
     for n in range(97, 512, 22):
         decode(np.ones(n, np.float32)).block_until_ready()
-    '''
+    """
     report = _service(warmed, body, monkeypatch)
     assert report["exit_code"] == 1
     (boom,) = [f for f in report["findings"] if f["kind"] == "explosion"]
@@ -224,11 +254,16 @@ def test_advise_from_the_signatures_of_a_plain_jit_service(warmed, monkeypatch) 
     from cachectl.advise import optimal_buckets
 
     sizes = [100, 100, 130, 250, 250, 251, 400, 511]
-    body = "\n".join(f"decode(np.ones({n}, np.float32)).block_until_ready()" for n in sorted(set(sizes)))
+    body = "\n".join(
+        f"decode(np.ones({n}, np.float32)).block_until_ready()" for n in sorted(set(sizes))
+    )
     _service(warmed, body, monkeypatch)
     manifest = str(Path(warmed["HOME_DIR"]) / "manifest.yaml")
-    result = CliRunner().invoke(cli, ["advise", manifest, "--function", "decode", "--max-buckets", "3", "--json"],
-                                catch_exceptions=False)
+    result = CliRunner().invoke(
+        cli,
+        ["advise", manifest, "--function", "decode", "--max-buckets", "3", "--json"],
+        catch_exceptions=False,
+    )
     assert result.exit_code == 0, result.output
     (fn,) = json.loads(result.stdout)["functions"]
     (axis,) = fn["axes"]
@@ -240,7 +275,9 @@ def test_advise_from_the_signatures_of_a_plain_jit_service(warmed, monkeypatch) 
 
 def test_stats_hit_rate_is_over_cacheable_programs(warmed, monkeypatch) -> None:
     """A warmed service whose inputs go through jnp.asarray(numpy): staging programs apart."""
-    body = MATCHING.replace("np.zeros((16, 16), np.int32)", "jnp.asarray(np.zeros((16, 16), np.int32))")
+    body = MATCHING.replace(
+        "np.zeros((16, 16), np.int32)", "jnp.asarray(np.zeros((16, 16), np.int32))"
+    )
     body = body.replace("np.ones(256, np.float32)", "jnp.asarray(np.ones(256, np.float32))")
     body = "params = jax.tree.map(jnp.asarray, params)\n" + body
     report = _service(warmed, body, monkeypatch)
@@ -259,4 +296,6 @@ def test_stats_hit_rate_is_over_cacheable_programs(warmed, monkeypatch) -> None:
     assert "apply" in text and "(jit_appl" in text and "100%" in text  # rich folds narrow columns
     assert text.count("uncacheable: misses") == 1
     plain = CliRunner().invoke(cli, ["stats"]).stdout
-    assert "hit rate 100.0% over the last 24h (5 hits of 5 requests for cacheable programs;" in plain
+    assert (
+        "hit rate 100.0% over the last 24h (5 hits of 5 requests for cacheable programs;" in plain
+    )

@@ -43,7 +43,9 @@ _FENCE = re.compile(
 _SHELL = ("sh", "bash", "console")
 # What the README's test command becomes here: set up and collect, never run the suite again.
 _TEST_COMMAND = re.compile(r"^scripts/test\s*$", re.M)
-_TEST_COMMAND_HERE = "CACHECTL_TEST_NO_PG=1 CACHECTL_TEST_NO_CHROMIUM=1 scripts/test --co -q tests/test_cli.py"
+_TEST_COMMAND_HERE = (
+    "CACHECTL_TEST_NO_PG=1 CACHECTL_TEST_NO_CHROMIUM=1 scripts/test --co -q tests/test_cli.py"
+)
 
 
 @dataclass(frozen=True)
@@ -57,14 +59,24 @@ class Block:
 
 def readme_blocks(text: str | None = None) -> list[Block]:
     text = README.read_text(encoding="utf-8") if text is None else text
-    return [Block(m["lang"], m["body"], text.count("\n", 0, m.start("body")) + 1, m["mark"],
-                  (m["why"] or "").strip())
-            for m in _FENCE.finditer(text)]
+    return [
+        Block(
+            m["lang"],
+            m["body"],
+            text.count("\n", 0, m.start("body")) + 1,
+            m["mark"],
+            (m["why"] or "").strip(),
+        )
+        for m in _FENCE.finditer(text)
+    ]
 
 
 def shell_blocks(*, heavy: bool) -> list[Block]:
-    return [b for b in readme_blocks()
-            if b.lang in _SHELL and b.mark != "skip" and (heavy or b.mark != "heavy")]
+    return [
+        b
+        for b in readme_blocks()
+        if b.lang in _SHELL and b.mark != "skip" and (heavy or b.mark != "heavy")
+    ]
 
 
 def _commands(block: Block) -> str:
@@ -75,8 +87,10 @@ def _commands(block: Block) -> str:
 
 def script(blocks: list[Block]) -> str:
     """One bash script, so `source .venv/bin/activate` and `eval "$(cachectl env)"` carry over."""
-    parts = ["set -eE -o pipefail",
-             "trap 'echo \"README command failed (exit $?): $BASH_COMMAND\" >&2' ERR"]
+    parts = [
+        "set -eE -o pipefail",
+        "trap 'echo \"README command failed (exit $?): $BASH_COMMAND\" >&2' ERR",
+    ]
     for block in blocks:
         parts += [f"echo '--- README.md:{block.line}' >&2", _commands(block)]
     return "\n".join(parts) + "\n"
@@ -84,8 +98,15 @@ def script(blocks: list[Block]) -> str:
 
 def _clone(dest: Path) -> Path:
     """The files a fresh clone of this working tree has (tracked, and new ones not ignored)."""
-    listed = subprocess.run(["git", "-C", str(REPO), "ls-files", "-z", "-co", "--exclude-standard"],
-                            capture_output=True, check=True).stdout.decode().split("\0")
+    listed = (
+        subprocess.run(
+            ["git", "-C", str(REPO), "ls-files", "-z", "-co", "--exclude-standard"],
+            capture_output=True,
+            check=True,
+        )
+        .stdout.decode()
+        .split("\0")
+    )
     for rel in filter(None, listed):
         src = REPO / rel
         if src.is_file():
@@ -97,13 +118,26 @@ def _clone(dest: Path) -> Path:
 def _fresh_env(tmp_path: Path) -> dict[str, str]:
     """A newcomer's shell: a fresh HOME and XDG dirs; no cachectl or JAX settings; no venv on PATH."""
     home = tmp_path / "home"
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("CACHECTL_", "JAX_", "XDG_", "VIRTUAL_ENV", "PYTHON"))}
-    venv_bins = {str(Path(sys.executable).parent), str(Path(sys.prefix) / "bin"), str(REPO / ".venv" / "bin")}
-    env["PATH"] = os.pathsep.join(p for p in env.get("PATH", "").split(os.pathsep) if p not in venv_bins)
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("CACHECTL_", "JAX_", "XDG_", "VIRTUAL_ENV", "PYTHON"))
+    }
+    venv_bins = {
+        str(Path(sys.executable).parent),
+        str(Path(sys.prefix) / "bin"),
+        str(REPO / ".venv" / "bin"),
+    }
+    env["PATH"] = os.pathsep.join(
+        p for p in env.get("PATH", "").split(os.pathsep) if p not in venv_bins
+    )
     env["HOME"] = str(home)
-    for var, sub in (("XDG_DATA_HOME", ".local/share"), ("XDG_CACHE_HOME", ".cache"),
-                     ("XDG_CONFIG_HOME", ".config"), ("XDG_STATE_HOME", ".local/state")):
+    for var, sub in (
+        ("XDG_DATA_HOME", ".local/share"),
+        ("XDG_CACHE_HOME", ".cache"),
+        ("XDG_CONFIG_HOME", ".config"),
+        ("XDG_STATE_HOME", ".local/state"),
+    ):
         (home / sub).mkdir(parents=True)
         env[var] = str(home / sub)
     return env
@@ -119,8 +153,10 @@ def _stand_in_venv(venv: Path) -> None:
     bin_dir.mkdir(parents=True)
     refuse = 'echo "quick README test: no installs here (mark the block heavy)" >&2; exit 97'
     wrappers = {
-        "python": (f'case "$1 $2" in "-m pip"|"-m ensurepip"|"-m venv") {refuse};; esac\n'
-                   f'exec {sys.executable} "$@"'),
+        "python": (
+            f'case "$1 $2" in "-m pip"|"-m ensurepip"|"-m venv") {refuse};; esac\n'
+            f'exec {sys.executable} "$@"'
+        ),
         "cachectl": f'exec {sys.executable} -m cachectl "$@"',
         "pip": refuse,
     }
@@ -128,7 +164,9 @@ def _stand_in_venv(venv: Path) -> None:
     for name, body in wrappers.items():
         (bin_dir / name).write_text(f"#!/bin/sh\n{body}\n")
         (bin_dir / name).chmod(0o755)
-    (bin_dir / "activate").write_text(f'VIRTUAL_ENV={venv}\nexport VIRTUAL_ENV\nPATH="{bin_dir}:$PATH"\nexport PATH\n')
+    (bin_dir / "activate").write_text(
+        f'VIRTUAL_ENV={venv}\nexport VIRTUAL_ENV\nPATH="{bin_dir}:$PATH"\nexport PATH\n'
+    )
 
 
 def _run_readme(tmp_path: Path, *, heavy: bool, timeout: int) -> subprocess.CompletedProcess[str]:
@@ -136,8 +174,15 @@ def _run_readme(tmp_path: Path, *, heavy: bool, timeout: int) -> subprocess.Comp
     if not heavy:
         _stand_in_venv(clone / ".venv")
     (tmp_path / "readme.sh").write_text(script(shell_blocks(heavy=heavy)))
-    return subprocess.run(["bash", str(tmp_path / "readme.sh")], cwd=clone, env=_fresh_env(tmp_path),
-                          capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+    return subprocess.run(
+        ["bash", str(tmp_path / "readme.sh")],
+        cwd=clone,
+        env=_fresh_env(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        stdin=subprocess.DEVNULL,
+    )
 
 
 def _explain(proc: subprocess.CompletedProcess[str]) -> str:
@@ -151,7 +196,9 @@ def test_readme_blocks_are_marked_and_start_with_the_main_job() -> None:
     first = shell[0]
     assert first.mark == "heavy" and "cachectl warm examples/manifest.yaml" in first.body
     assert _TEST_COMMAND.search(first.body), "the README's second command is the test script"
-    assert "pip install -q" not in first.body, "the install is the slow part: pip shows its progress"
+    assert "pip install -q" not in first.body, (
+        "the install is the slow part: pip shows its progress"
+    )
     assert all(b.why for b in blocks if b.mark), "every heavy or skipped block says why"
     # A bare `cachectl` needs .venv on PATH: the README activates it before its first bare command.
     unmarked = "\n".join(_commands(b) for b in shell_blocks(heavy=False))
@@ -163,7 +210,9 @@ def test_readme_commands_run_in_order_on_a_fresh_home(tmp_path: Path) -> None:
     proc = _run_readme(tmp_path, heavy=False, timeout=400)
     assert proc.returncode == 0, _explain(proc)
     assert "README command failed" not in proc.stderr
-    assert "no service telemetry" not in proc.stdout, "the tour's activate() one-liner records telemetry"
+    assert "no service telemetry" not in proc.stdout, (
+        "the tour's activate() one-liner records telemetry"
+    )
 
 
 @pytest.mark.heavy
@@ -191,15 +240,22 @@ def _named_blocks() -> dict[str, str]:
 
 
 def _cachectl(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "cachectl", *args], cwd=cwd, capture_output=True, text=True,
-                          timeout=600)
+    return subprocess.run(
+        [sys.executable, "-m", "cachectl", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
 
 
 def test_readme_nnx_and_equinox_recipes_warm_and_hit(tmp_path: Path) -> None:
     pytest.importorskip("flax")
     pytest.importorskip("equinox")
     files = _named_blocks()
-    assert {"nnx_model.py", "eqx_model.py", "models.yaml", "service.py"} <= set(files), sorted(files)
+    assert {"nnx_model.py", "eqx_model.py", "models.yaml", "service.py"} <= set(files), sorted(
+        files
+    )
     for name, body in files.items():
         (tmp_path / name).write_text(body)
 
@@ -207,14 +263,20 @@ def test_readme_nnx_and_equinox_recipes_warm_and_hit(tmp_path: Path) -> None:
     assert warm.returncode == 0, warm.stderr
     report = json.loads(warm.stdout)
     assert [(b["function"], b["status"]) for b in report["buckets"]] == [
-        ("nnx_forward", "compiled"), ("nnx_forward", "compiled"),
-        ("eqx_forward", "compiled"), ("eqx_forward", "compiled")]
+        ("nnx_forward", "compiled"),
+        ("nnx_forward", "compiled"),
+        ("eqx_forward", "compiled"),
+        ("eqx_forward", "compiled"),
+    ]
     check = _cachectl(tmp_path, "warm-check", "models.yaml")
-    assert check.returncode == 0 and "coverage: 4/4 buckets hit (100.0%)" in check.stdout, check.stderr
+    assert check.returncode == 0 and "coverage: 4/4 buckets hit (100.0%)" in check.stdout, (
+        check.stderr
+    )
 
     # The README's service, a fresh process: its telemetry says every forward call hit.
-    service = subprocess.run([sys.executable, "service.py"], cwd=tmp_path, capture_output=True, text=True,
-                             timeout=600)
+    service = subprocess.run(
+        [sys.executable, "service.py"], cwd=tmp_path, capture_output=True, text=True, timeout=600
+    )
     assert service.returncode == 0, service.stderr
     assert service.stdout.splitlines() == ["(1, 4) (1, 4)", "(8, 4) (8, 4)"]
     stats = _cachectl(tmp_path, "stats", "--since", "1h", "--json")
@@ -242,8 +304,9 @@ report = rt.report().to_json()["functions"]
 print(json.dumps({"compiles": after - before, "aot": [report[f]["aot"] for f in ("nnx_forward", "eqx_forward")],
                   "shapes": [[list(a), list(b)] for a, b in shapes]}))
 """
-    served = subprocess.run([sys.executable, "-c", serving], cwd=tmp_path, capture_output=True, text=True,
-                            timeout=600)
+    served = subprocess.run(
+        [sys.executable, "-c", serving], cwd=tmp_path, capture_output=True, text=True, timeout=600
+    )
     assert served.returncode == 0, served.stderr
     out = json.loads(served.stdout.strip().splitlines()[-1])
     assert out["compiles"] == 0 and out["aot"] == [3, 3], out

@@ -44,7 +44,9 @@ def _cli(*args: str, code: int = 0) -> str:
 
 
 def _entries(path: str) -> list[str]:
-    return sorted(n for n in os.listdir(path) if n.endswith("-cache")) if os.path.isdir(path) else []
+    return (
+        sorted(n for n in os.listdir(path) if n.endswith("-cache")) if os.path.isdir(path) else []
+    )
 
 
 def test_readonly_policy_miss_writes_no_file_and_override_writes(tmp_path, monkeypatch) -> None:
@@ -71,7 +73,9 @@ def test_readonly_policy_miss_writes_no_file_and_override_writes(tmp_path, monke
     assert again["readonly"] is True and again["writes"] == 0 and again["hits"] >= 1
 
 
-def test_activation_is_typed_and_object_stores_default_to_readonly(tmp_path, monkeypatch, s3_bucket) -> None:
+def test_activation_is_typed_and_object_stores_default_to_readonly(
+    tmp_path, monkeypatch, s3_bucket
+) -> None:
     """An s3:// cache is read-only for services by default; the result says where telemetry goes."""
     db = f"sqlite:///{tmp_path}/index.db"
     monkeypatch.setenv("CACHECTL_DB", db)
@@ -100,11 +104,11 @@ def test_warns_when_jax_compiled_before_activate_and_refuses_another_dir(tmp_pat
     code = f"""
     import json, jax, jax.numpy as jnp, cachectl, logging
     jax.jit(lambda x: x + 1)(jnp.ones(2))
-    a = cachectl.activate(root={str(tmp_path / 'c')!r})
+    a = cachectl.activate(root={str(tmp_path / "c")!r})
     print(json.dumps({{"compiled_before": a.compiled_before, "warning": a.warning}}))
     jax.jit(lambda x: x * 5)(jnp.ones(2)).block_until_ready()
     try:
-        cachectl.activate(root={str(tmp_path / 'other')!r})
+        cachectl.activate(root={str(tmp_path / "other")!r})
     except cachectl.runtime.ActivationError as exc:
         print("refused:", exc)
     """
@@ -118,7 +122,9 @@ def test_warns_when_jax_compiled_before_activate_and_refuses_another_dir(tmp_pat
     assert str(tmp_path / "c") in refused
 
 
-def test_exec_readonly_runs_the_command_with_the_env_and_writes_nothing(tmp_path, monkeypatch) -> None:
+def test_exec_readonly_runs_the_command_with_the_env_and_writes_nothing(
+    tmp_path, monkeypatch
+) -> None:
     """`cachectl exec --readonly`: a service that cannot call activate() reads but never writes."""
     monkeypatch.setenv("CACHECTL_DB", f"sqlite:///{tmp_path}/index.db")
     root = tmp_path / "local"
@@ -134,15 +140,26 @@ def test_exec_readonly_runs_the_command_with_the_env_and_writes_nothing(tmp_path
         "print(os.environ['JAX_COMPILATION_CACHE_DIR'])"
     )
     cachectl = os.path.join(os.path.dirname(sys.executable), "cachectl")
-    proc = subprocess.run([cachectl, "--cache", "loc", "exec", "--readonly", "--", sys.executable, "-c", snippet],
-                          capture_output=True, text=True, timeout=240, stdin=subprocess.DEVNULL)
+    proc = subprocess.run(
+        [cachectl, "--cache", "loc", "exec", "--readonly", "--", sys.executable, "-c", snippet],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        stdin=subprocess.DEVNULL,
+    )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == ns_dir
     assert _entries(ns_dir) == []
     # CACHECTL_READONLY drives `cachectl env` too when no flag is given.
     monkeypatch.setenv("CACHECTL_READONLY", "true")
-    assert float(json.loads(_cli("--cache", "loc", "env", "--format", "json"))
-                 ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"]) >= 1e9
+    assert (
+        float(
+            json.loads(_cli("--cache", "loc", "env", "--format", "json"))[
+                "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"
+            ]
+        )
+        >= 1e9
+    )
 
 
 def test_root_and_mode_given_activation_skips_the_index(tmp_path) -> None:
@@ -157,7 +174,9 @@ def test_root_and_mode_given_activation_skips_the_index(tmp_path) -> None:
     print(json.dumps({"indexed": a.indexed, "readonly": a.readonly, "path": a.path, "sqlalchemy": loaded,
                       "digest": a.digest, "warning": a.warning}))
     """
-    proc = run_py(code, {"CACHECTL_DB": db, "CACHECTL_ROOT": str(tmp_path / "root"), "CACHECTL_READONLY": "1"})
+    proc = run_py(
+        code, {"CACHECTL_DB": db, "CACHECTL_ROOT": str(tmp_path / "root"), "CACHECTL_READONLY": "1"}
+    )
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["sqlalchemy"] is False and out["indexed"] is False and out["readonly"] is True

@@ -40,10 +40,13 @@ def _cachectl_warnings(stderr: str) -> list[str]:
 
 def test_index_unreachable_activates_from_root_with_one_warning(tmp_path) -> None:
     root = tmp_path / "root"
-    out, stderr = _service("", {
-        "CACHECTL_DB": f"postgresql+psycopg://x@127.0.0.1:{free_port()}/none",
-        "CACHECTL_ROOT": str(root),
-    })
+    out, stderr = _service(
+        "",
+        {
+            "CACHECTL_DB": f"postgresql+psycopg://x@127.0.0.1:{free_port()}/none",
+            "CACHECTL_ROOT": str(root),
+        },
+    )
     assert out["path"].startswith(str(root) + "/jax-")
     assert out["y"] == 8.0
     assert "index unavailable" in out["warning"]
@@ -68,11 +71,15 @@ def test_bucket_unreachable_service_still_compiles(tmp_path, monkeypatch, s3_buc
     assert out["readonly"] is True and out["y"] == 8.0 and out["warning"] is None
     assert _cachectl_warnings(stderr) == [], stderr
     assert "Error reading persistent compilation cache entry" in stderr  # JAX's own warning
-    print(f"read-only, bucket down: activate {out['activate_s']}s, first compile {out['compile_s']}s")
+    print(
+        f"read-only, bucket down: activate {out['activate_s']}s, first compile {out['compile_s']}s"
+    )
 
     # A writer prepares the namespace with one short attempt: one cachectl warning, then JAX's.
     out, stderr = _service("'remote', readonly=False", dead)
     assert out["readonly"] is False and out["y"] == 8.0
     warnings = _cachectl_warnings(stderr)
     assert len(warnings) == 1 and "could not prepare namespace" in warnings[0], stderr
-    print(f"writable, bucket down: activate {out['activate_s']}s, first compile {out['compile_s']}s")
+    print(
+        f"writable, bucket down: activate {out['activate_s']}s, first compile {out['compile_s']}s"
+    )

@@ -35,8 +35,11 @@ def metric_samples(text: str) -> dict[tuple[str, frozenset], float]:
     """(sample name, labels) -> value, parsed the way Prometheus reads /metrics."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    return {(sm.name, frozenset(sm.labels.items())): sm.value
-            for family in text_string_to_metric_families(text) for sm in family.samples}
+    return {
+        (sm.name, frozenset(sm.labels.items())): sm.value
+        for family in text_string_to_metric_families(text)
+        for sm in family.samples
+    }
 
 
 def wait_job(client: TestClient, job_id: str, headers: dict, timeout: float = 60) -> dict:
@@ -69,10 +72,18 @@ def test_entry_upload_download_head_on_each_backend(tmp_path, storage_root) -> N
     w, r = bearer(s.tokens["writer"]), bearer(s.tokens["reader"])
     env = fake_environment("0.9.0", "gpu-x")
     res = c.post(f"{API}/caches/{MAIN}/resolve", json=env.to_dict(), headers=r)
-    assert res.status_code == 200 and res.json()["exists"] is False and res.json()["created"] is False
-    res = c.post(f"{API}/caches/{MAIN}/resolve", json={**env.to_dict(), "digest": env.digest}, headers=w)
+    assert (
+        res.status_code == 200 and res.json()["exists"] is False and res.json()["created"] is False
+    )
+    res = c.post(
+        f"{API}/caches/{MAIN}/resolve", json={**env.to_dict(), "digest": env.digest}, headers=w
+    )
     body = res.json()
-    assert res.status_code == 200 and body["created"] and body["url"] == Store(storage_root).url_for(env.namespace)
+    assert (
+        res.status_code == 200
+        and body["created"]
+        and body["url"] == Store(storage_root).url_for(env.namespace)
+    )
     assert Store(storage_root).exists(f"{env.namespace}/env.json")
     key = entry_key("jit_decode", 7)
     data = make_entry(os.urandom(3000), compile_seconds=2)
@@ -85,7 +96,11 @@ def test_entry_upload_download_head_on_each_backend(tmp_path, storage_root) -> N
     assert got.status_code == 200 and got.content == data
     assert got.headers["x-cachectl-sha256"] == sha256(data)
     head = c.head(url, headers=r)
-    assert head.status_code == 200 and head.content == b"" and int(head.headers["content-length"]) == len(data)
+    assert (
+        head.status_code == 200
+        and head.content == b""
+        and int(head.headers["content-length"]) == len(data)
+    )
     assert c.put(url, content=data, headers=w).status_code == 200  # replaced, same key
     assert c.get(url.replace(key, entry_key("jit_decode", 8)), headers=r).status_code == 404
     listed = c.get(f"{API}/caches/{MAIN}/environments/{env.digest[:12]}/entries", headers=r).json()
@@ -107,20 +122,31 @@ def test_downloads_on_both_sides_of_the_whole_read_bound_arrive_intact(db_url, t
     r = bearer(s.tokens["reader"])
     store, index = Store(s.root), app.state.cachectl.index
     env = index.find_environment(MAIN, s.digest)
-    blobs = {entry_key("jit_big", n): make_entry(os.urandom(size))
-             for n, size in enumerate((WHOLE - 4096, WHOLE + CHUNK + 7))}
+    blobs = {
+        entry_key("jit_big", n): make_entry(os.urandom(size))
+        for n, size in enumerate((WHOLE - 4096, WHOLE + CHUNK + 7))
+    }
     for key, data in blobs.items():
         store.write_bytes(f"{env.namespace}/{key}-cache", data)
-    index.upsert_entries(env.id, [NewEntry(key=k, module="jit_big", size=len(d), sha256=sha256(d), origin="warm")
-                                  for k, d in blobs.items()])
+    index.upsert_entries(
+        env.id,
+        [
+            NewEntry(key=k, module="jit_big", size=len(d), sha256=sha256(d), origin="warm")
+            for k, d in blobs.items()
+        ],
+    )
     assert len(blobs[entry_key("jit_big", 0)]) <= WHOLE < len(blobs[entry_key("jit_big", 1)])
     for key, data in blobs.items():
         url = f"{API}/caches/{MAIN}/environments/{s.digest}/entries/{key}"
         got = c.get(url, headers=r)
         assert got.status_code == 200 and got.content == data
-        assert got.headers["x-cachectl-sha256"] == sha256(data) and int(got.headers["content-length"]) == len(data)
+        assert got.headers["x-cachectl-sha256"] == sha256(data) and int(
+            got.headers["content-length"]
+        ) == len(data)
         head = c.head(url, headers=r)
-        assert int(head.headers["content-length"]) == len(data) and head.headers["x-cachectl-sha256"] == sha256(data)
+        assert int(head.headers["content-length"]) == len(data) and head.headers[
+            "x-cachectl-sha256"
+        ] == sha256(data)
     app.state.cachectl.jobs.shutdown()
     index.close()
 
@@ -159,7 +185,9 @@ def test_whole_reads_are_bounded_and_their_slots_come_back(db_url, tmp_path) -> 
 # -- hostile input ----------------------------------------------------------------------
 
 
-def _raw(port: int, method: str, path: str, token: str, body: bytes = b"", headers: dict | None = None) -> int:
+def _raw(
+    port: int, method: str, path: str, token: str, body: bytes = b"", headers: dict | None = None
+) -> int:
     """Send the path exactly as given (no client-side normalization of '..' or %2e)."""
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
     conn.putrequest(method, path, skip_accept_encoding=True)
@@ -204,7 +232,9 @@ def test_path_traversal_never_reaches_outside_the_root(world, tmp_path) -> None:
     with LiveServer(app) as live:
         for path in attempts:
             for method in ("PUT", "GET", "HEAD"):
-                status = _raw(live.port, method, path, s.tokens["writer"], data if method == "PUT" else b"")
+                status = _raw(
+                    live.port, method, path, s.tokens["writer"], data if method == "PUT" else b""
+                )
                 assert status in (400, 404, 405, 422), (method, path, status)
     after_all = {p.relative_to(tmp_path) for p in tmp_path.rglob("*")}
     new = {p for p in after_all - before_all if not str(p).endswith(("-wal", "-shm", "-journal"))}
@@ -230,7 +260,9 @@ def test_oversized_uploads_are_refused_and_nothing_is_kept(world) -> None:
     res = c.put(url, content=chunks(), headers=w)
     assert res.status_code == 413
     # the quota: a cache already at its max_size takes nothing more
-    index.update_cache(MAIN, max_entry_size=None, max_size=sum(len(b) for b in s.entry_bytes.values()) + 100)
+    index.update_cache(
+        MAIN, max_entry_size=None, max_size=sum(len(b) for b in s.entry_bytes.values()) + 100
+    )
     res = c.put(url, content=make_entry(os.urandom(1000)), headers=w)
     assert res.status_code == 413 and "quota" in res.json()["detail"]
     assert files_under(s.root) == before
@@ -244,8 +276,13 @@ def test_bytes_that_are_not_a_jax_entry_are_refused(world, tmp_path) -> None:
     w = bearer(s.tokens["writer"])
     before = files_under(s.root)
     url = f"{API}/caches/{MAIN}/environments/{s.digest}/entries/{entry_key('jit_bad', 1)}"
-    for body in (b"not a jax entry at all", b"", zlib.compress(b"\x00"), b"\x28\xb5\x2f\xfdgarbage",
-                 zlib.compress(b"\xff\xff\xff\xff" + b"x" * 10)):
+    for body in (
+        b"not a jax entry at all",
+        b"",
+        zlib.compress(b"\x00"),
+        b"\x28\xb5\x2f\xfdgarbage",
+        zlib.compress(b"\xff\xff\xff\xff" + b"x" * 10),
+    ):
         res = c.put(url, content=body, headers=w)
         assert res.status_code == 422, (body[:10], res.text)
     data = make_entry(b"y" * 100)
@@ -266,18 +303,47 @@ def test_malformed_json_and_unknown_fields_are_422(world) -> None:
     s, _app, c = world
     w, a = bearer(s.tokens["writer"]), bearer(s.tokens["admin"])
     json_h = {"content-type": "application/json"}
-    for path, headers in ((f"{API}/caches/{MAIN}/resolve", w), (f"{API}/telemetry", w),
-                          (f"{API}/caches/{MAIN}/gc", a), (f"{API}/tokens", a)):
+    for path, headers in (
+        (f"{API}/caches/{MAIN}/resolve", w),
+        (f"{API}/telemetry", w),
+        (f"{API}/caches/{MAIN}/gc", a),
+        (f"{API}/tokens", a),
+    ):
         res = c.post(path, content=b'{"not": json', headers={**headers, **json_h})
         assert res.status_code == 422, (path, res.text)
     fp = s.env.to_dict()
-    assert c.post(f"{API}/caches/{MAIN}/resolve", json={**fp, "extra": 1}, headers=w).status_code == 422
-    assert c.post(f"{API}/caches/{MAIN}/resolve", json={**fp, "digest": "f" * 64}, headers=w).status_code == 422
-    assert c.post(f"{API}/caches/{MAIN}/resolve", json={**fp, "device_count": -1}, headers=w).status_code == 422
-    assert c.post(f"{API}/caches/{MAIN}/gc", json={"policy": "lru", "surprise": True}, headers=a).status_code == 422
-    assert c.post(f"{API}/caches/{MAIN}/prune", json={"keep": 2}, headers=a).status_code == 400  # --keep needs --superseded
+    assert (
+        c.post(f"{API}/caches/{MAIN}/resolve", json={**fp, "extra": 1}, headers=w).status_code
+        == 422
+    )
+    assert (
+        c.post(
+            f"{API}/caches/{MAIN}/resolve", json={**fp, "digest": "f" * 64}, headers=w
+        ).status_code
+        == 422
+    )
+    assert (
+        c.post(
+            f"{API}/caches/{MAIN}/resolve", json={**fp, "device_count": -1}, headers=w
+        ).status_code
+        == 422
+    )
+    assert (
+        c.post(
+            f"{API}/caches/{MAIN}/gc", json={"policy": "lru", "surprise": True}, headers=a
+        ).status_code
+        == 422
+    )
+    assert (
+        c.post(f"{API}/caches/{MAIN}/prune", json={"keep": 2}, headers=a).status_code == 400
+    )  # --keep needs --superseded
     assert c.patch(f"{API}/caches/{MAIN}", json={"max_size": "lots"}, headers=a).status_code == 400
-    assert c.patch(f"{API}/caches/{MAIN}", json={"max_size": "1GiB", "owner": "me"}, headers=a).status_code == 422
+    assert (
+        c.patch(
+            f"{API}/caches/{MAIN}", json={"max_size": "1GiB", "owner": "me"}, headers=a
+        ).status_code
+        == 422
+    )
     res = c.get(f"{API}/caches/{MAIN}/environments/not-hex", headers=w)
     assert res.status_code == 400 and "hex digits" in res.json()["detail"]
 
@@ -286,7 +352,13 @@ def test_malformed_json_and_unknown_fields_are_422(world) -> None:
 
 
 def test_listing_filters_and_pagination(tmp_path) -> None:
-    s = seed(f"sqlite:///{tmp_path}/index.db", str(tmp_path / "main"), str(tmp_path / "o"), entries=7, entry_size=10)
+    s = seed(
+        f"sqlite:///{tmp_path}/index.db",
+        str(tmp_path / "main"),
+        str(tmp_path / "o"),
+        entries=7,
+        entry_size=10,
+    )
     c = TestClient(create_app(s.db))
     r = bearer(s.tokens["reader"])
     url = f"{API}/caches/{MAIN}/environments/{s.digest[:10]}/entries"
@@ -315,29 +387,62 @@ def test_listing_filters_and_pagination(tmp_path) -> None:
 def test_policy_telemetry_and_metrics(world) -> None:
     s, app, c = world
     a, r = bearer(s.tokens["admin"]), bearer(s.tokens["reader"])
-    res = c.patch(f"{API}/caches/{MAIN}", json={"max_size": "1MiB", "retention": "30d", "keep_versions": 2}, headers=a)
-    assert res.status_code == 200 and res.json()["max_size"] == 1024**2 and res.json()["retention_seconds"] == 30 * 86400
+    res = c.patch(
+        f"{API}/caches/{MAIN}",
+        json={"max_size": "1MiB", "retention": "30d", "keep_versions": 2},
+        headers=a,
+    )
+    assert (
+        res.status_code == 200
+        and res.json()["max_size"] == 1024**2
+        and res.json()["retention_seconds"] == 30 * 86400
+    )
     hit_at = datetime.now(UTC)
-    batch = {"process": "host:1", "cache": MAIN, "environment_digest": s.digest,
-             "started_at": "2026-01-01T00:00:00+00:00", "ended_at": "2026-01-01T00:00:05+00:00",
-             "functions": [{"function": "jit_train", "requests": 5, "hits": 4, "writes": 1, "saved_seconds": 3.5}],
-             # A hit after the entry was created: reported times are clamped to [creation, now].
-             "hit_keys": [{"key": s.keys[0], "count": 4, "at": hit_at.isoformat()}]}
+    batch = {
+        "process": "host:1",
+        "cache": MAIN,
+        "environment_digest": s.digest,
+        "started_at": "2026-01-01T00:00:00+00:00",
+        "ended_at": "2026-01-01T00:00:05+00:00",
+        "functions": [
+            {"function": "jit_train", "requests": 5, "hits": 4, "writes": 1, "saved_seconds": 3.5}
+        ],
+        # A hit after the entry was created: reported times are clamped to [creation, now].
+        "hit_keys": [{"key": s.keys[0], "count": 4, "at": hit_at.isoformat()}],
+    }
     unknown = {**batch, "environment_digest": "e" * 64}
     res = c.post(f"{API}/telemetry", json={"batches": [batch, unknown]}, headers=r)
-    assert res.status_code == 200 and res.json() == {"accepted": 1, "unknown_environments": 1, "rows": 1}
-    entry = c.get(f"{API}/caches/{MAIN}/environments/{s.digest}/entries", params={"key_prefix": s.keys[0]},
-                  headers=r).json()["items"][0]
+    assert res.status_code == 200 and res.json() == {
+        "accepted": 1,
+        "unknown_environments": 1,
+        "rows": 1,
+    }
+    entry = c.get(
+        f"{API}/caches/{MAIN}/environments/{s.digest}/entries",
+        params={"key_prefix": s.keys[0]},
+        headers=r,
+    ).json()["items"][0]
     assert entry["hit_count"] == 4 and entry["last_access_at"].startswith(hit_at.isoformat()[:19])
-    assert c.post(f"{API}/telemetry", json={"batches": [{**batch, "cache": "other"}]},
-                  headers=bearer(s.tokens["scoped_writer"])).status_code == 403
+    assert (
+        c.post(
+            f"{API}/telemetry",
+            json={"batches": [{**batch, "cache": "other"}]},
+            headers=bearer(s.tokens["scoped_writer"]),
+        ).status_code
+        == 403
+    )
     usage = c.get(f"{API}/caches/{MAIN}/telemetry", params={"since": "3650d"}, headers=r).json()
     assert usage["environments"][0]["hits"] == 4 and usage["environments"][0]["misses"] == 1
     text = c.get("/metrics", headers=r).text
     m = metric_samples(text)
     total = sum(len(b) for b in s.entry_bytes.values())
-    env_labels = {"cache": MAIN, "environment": s.digest[:16], "jax_version": "0.10.2", "backend": "cpu",
-                  "device": "cpu x1"}
+    env_labels = {
+        "cache": MAIN,
+        "environment": s.digest[:16],
+        "jax_version": "0.10.2",
+        "backend": "cpu",
+        "device": "cpu x1",
+    }
     assert m[("cachectl_cache_bytes", lbl(cache=MAIN))] == total
     assert m[("cachectl_cache_entries", lbl(cache=MAIN))] == 3
     assert m[("cachectl_cache_max_bytes", lbl(cache=MAIN))] == 1024**2
@@ -345,8 +450,24 @@ def test_policy_telemetry_and_metrics(world) -> None:
     assert m[("cachectl_environment_bytes", lbl(**env_labels))] == total
     assert m[("cachectl_telemetry_hits_total", lbl(cache=MAIN))] == 4
     assert m[("cachectl_telemetry_misses_total", lbl(cache=MAIN))] == 1
-    assert m[("cachectl_http_requests_total", lbl(method="POST", route="/api/v1/telemetry", status="200"))] == 1
-    assert m[("cachectl_http_request_duration_seconds_count", lbl(method="PATCH", route="/api/v1/caches/{cache}"))] == 1
+    assert (
+        m[
+            (
+                "cachectl_http_requests_total",
+                lbl(method="POST", route="/api/v1/telemetry", status="200"),
+            )
+        ]
+        == 1
+    )
+    assert (
+        m[
+            (
+                "cachectl_http_request_duration_seconds_count",
+                lbl(method="PATCH", route="/api/v1/caches/{cache}"),
+            )
+        ]
+        == 1
+    )
     assert s.keys[0] not in text  # paths never become labels
     assert c.get("/metrics").status_code == 401
     public = TestClient(create_app(ServerSettings(db=s.db, metrics_public=True)))
@@ -377,27 +498,45 @@ def test_readyz_reports_unreachable_storage(tmp_path, s3_bucket) -> None:
 def test_warm_run_and_entry_registration(world) -> None:
     s, _app, c = world
     w = bearer(s.tokens["writer"])
-    run = c.post(f"{API}/caches/{MAIN}/environments/{s.digest}/warm-runs",
-                 json={"manifest_digest": "abc", "buckets": 2}, headers=w)
+    run = c.post(
+        f"{API}/caches/{MAIN}/environments/{s.digest}/warm-runs",
+        json={"manifest_digest": "abc", "buckets": 2},
+        headers=w,
+    )
     assert run.status_code == 201, run.text
     run_id = run.json()["id"]
     store = Store(s.root)
     key = entry_key("jit_new", 1)
     data = make_entry(b"z" * 500)
-    body = {"entries": [{"key": key, "size": len(data), "sha256": sha256(data), "function": "new"}],
-            "warm_run_id": run_id}
+    body = {
+        "entries": [{"key": key, "size": len(data), "sha256": sha256(data), "function": "new"}],
+        "warm_run_id": run_id,
+    }
     url = f"{API}/caches/{MAIN}/environments/{s.digest}/entries"
     assert c.post(url, json=body, headers=w).status_code == 422  # not in storage yet
     store.write_bytes(f"{s.env.namespace}/{key}-cache", data)
-    assert c.post(url, json={**body, "entries": [{**body["entries"][0], "size": 1}]}, headers=w).status_code == 422
+    assert (
+        c.post(
+            url, json={**body, "entries": [{**body["entries"][0], "size": 1}]}, headers=w
+        ).status_code
+        == 422
+    )
     res = c.post(url, json=body, headers=w)
     assert res.status_code == 200 and res.json() == {"inserted": 1, "updated": 0}
     beat = c.patch(f"{API}/caches/{MAIN}/warm-runs/{run_id}", json={"compiled": 1}, headers=w)
     assert beat.status_code == 200 and beat.json()["status"] == "running"
-    done = c.patch(f"{API}/caches/{MAIN}/warm-runs/{run_id}", json={"status": "succeeded", "compiled": 1,
-                                                                  "cached": 1, "failed": 0}, headers=w)
+    done = c.patch(
+        f"{API}/caches/{MAIN}/warm-runs/{run_id}",
+        json={"status": "succeeded", "compiled": 1, "cached": 1, "failed": 0},
+        headers=w,
+    )
     assert done.status_code == 200 and done.json()["status"] == "succeeded"
-    assert c.patch(f"{API}/caches/other/warm-runs/{run_id}", json={"compiled": 1}, headers=w).status_code == 404
+    assert (
+        c.patch(
+            f"{API}/caches/other/warm-runs/{run_id}", json={"compiled": 1}, headers=w
+        ).status_code
+        == 404
+    )
     entry = c.get(url, params={"key_prefix": key}, headers=w).json()["items"][0]
     assert entry["function"] == "new" and entry["sha256"] == sha256(data)
 
@@ -429,7 +568,11 @@ def test_prune_gc_verify_jobs_one_at_a_time(world, monkeypatch) -> None:
     assert job["result"]["plan"]["entries_checked"] == 1
     res = c.post(f"{API}/caches/{MAIN}/gc", json={}, headers=a)  # no size limit anywhere
     job = wait_job(c, res.json()["id"], a)
-    assert job["status"] == "failed" and "no size limit" in job["error"] and job["result"]["exit_code"] == 2
+    assert (
+        job["status"] == "failed"
+        and "no size limit" in job["error"]
+        and job["result"]["exit_code"] == 2
+    )
     ops = [e["operation"] for e in c.get(f"{API}/caches/{MAIN}/audit", headers=a).json()]
     assert "prune" in ops and "verify" in ops
     listed = c.get(f"{API}/jobs", params={"cache": MAIN}, headers=a).json()
@@ -451,9 +594,18 @@ def test_scheduled_maintenance_enforces_policy_once_per_interval(world) -> None:
     assert len(audit) == 1 and audit[0].details["schedule"] == "size" and audit[0].bytes > 0
     assert any(e.operation == "gc" for e in index.audit_log(MAIN))
     m = metric_samples(app.state.cachectl.metrics.render().decode())
-    assert m[("cachectl_maintenance_runs_total",
-              lbl(cache=MAIN, kind="gc", status="succeeded", trigger="schedule"))] == 1
-    assert m[("cachectl_maintenance_bytes_freed_total", lbl(cache=MAIN, kind="gc"))] == audit[0].bytes
+    assert (
+        m[
+            (
+                "cachectl_maintenance_runs_total",
+                lbl(cache=MAIN, kind="gc", status="succeeded", trigger="schedule"),
+            )
+        ]
+        == 1
+    )
+    assert (
+        m[("cachectl_maintenance_bytes_freed_total", lbl(cache=MAIN, kind="gc"))] == audit[0].bytes
+    )
     envs = index.environment_stats(MAIN)
     assert sum(e.bytes for e in envs) <= sum(len(b) for b in s.entry_bytes.values()) // 2
     index.close()
@@ -461,10 +613,19 @@ def test_scheduled_maintenance_enforces_policy_once_per_interval(world) -> None:
 
 
 def test_storage_credentials_never_leave_the_server(tmp_path) -> None:
-    s = seed(f"sqlite:///{tmp_path}/index.db", str(tmp_path / "main"), str(tmp_path / "other"), entries=1)
+    s = seed(
+        f"sqlite:///{tmp_path}/index.db", str(tmp_path / "main"), str(tmp_path / "other"), entries=1
+    )
     index = open_index(s.db)
-    index.update_cache(MAIN, storage_options={"key": "AKIA-SECRET", "secret": "s3cr3t", "anon": False,
-                                              "client_kwargs": {"endpoint_url": "http://x", "aws_session_token": "t0k"}})
+    index.update_cache(
+        MAIN,
+        storage_options={
+            "key": "AKIA-SECRET",
+            "secret": "s3cr3t",
+            "anon": False,
+            "client_kwargs": {"endpoint_url": "http://x", "aws_session_token": "t0k"},
+        },
+    )
     index.close()
     c = TestClient(create_app(s.db))
     r = bearer(s.tokens["reader"])
@@ -485,18 +646,35 @@ def test_serving_telemetry_through_the_server_is_bounded_and_recorded(world) -> 
     s, app, c = world
     r = bearer(s.tokens["reader"])
     now = datetime.now(UTC)
-    batch = TelemetryBatch(process="host:7", cache=MAIN, environment_digest=s.digest, started_at=now,
-                           ended_at=now, functions={}, hit_keys={}, dropped=0,
-                           serving={"prefill": ServingCounts(5, 4, 1, 0, 3, {"seq": {17: 2, 50: 3}})})
+    batch = TelemetryBatch(
+        process="host:7",
+        cache=MAIN,
+        environment_digest=s.digest,
+        started_at=now,
+        ended_at=now,
+        functions={},
+        hit_keys={},
+        dropped=0,
+        serving={"prefill": ServingCounts(5, 4, 1, 0, 3, {"seq": {17: 2, 50: 3}})},
+    )
     wire = telemetry_wire(batch)
     res = c.post(f"{API}/telemetry", json={"batches": [wire]}, headers=r)
     assert res.status_code == 200 and res.json()["rows"] == 1, res.text
     (usage,) = serving_usage(open_index(s.db), MAIN, timedelta(hours=1))
-    assert (usage.function, usage.calls, usage.aot, usage.fallback, usage.padded) == ("prefill", 5, 4, 1, 3)
+    assert (usage.function, usage.calls, usage.aot, usage.fallback, usage.padded) == (
+        "prefill",
+        5,
+        4,
+        1,
+        3,
+    )
     assert usage.sizes == {"seq": {17: 2, 50: 3}}
     huge = {**wire, "serving": [{**wire["serving"][0], "calls": 2**53}]}
     assert c.post(f"{API}/telemetry", json={"batches": [huge]}, headers=r).status_code == 422
-    many = {**wire, "serving": [{**wire["serving"][0], "sizes": {"seq": {str(n): 1 for n in range(2000)}}}]}
+    many = {
+        **wire,
+        "serving": [{**wire["serving"][0], "sizes": {"seq": {str(n): 1 for n in range(2000)}}}],
+    }
     assert c.post(f"{API}/telemetry", json={"batches": [many]}, headers=r).status_code == 422
 
 
@@ -512,12 +690,27 @@ def test_signatures_through_the_server_reach_misses(world) -> None:
     s, app, c = world
     r = bearer(s.tokens["reader"])
     now = datetime.now(UTC)
-    sig = SignatureCounts(((( 3, 8), "float32", False, None), ((8, 8), "float32", False, None)),
-                          "jit_affine-" + "a" * 64, requests=2, hits=0, misses=2, first_seen=_time.time(),
-                          last_seen=_time.time() + 10**6, source="affine at model.py:3")
-    batch = TelemetryBatch(process="host:8", cache=MAIN, environment_digest=s.digest, started_at=now,
-                           ended_at=now, functions={}, hit_keys={}, dropped=0,
-                           signatures={("jit_affine", 0): sig})
+    sig = SignatureCounts(
+        (((3, 8), "float32", False, None), ((8, 8), "float32", False, None)),
+        "jit_affine-" + "a" * 64,
+        requests=2,
+        hits=0,
+        misses=2,
+        first_seen=_time.time(),
+        last_seen=_time.time() + 10**6,
+        source="affine at model.py:3",
+    )
+    batch = TelemetryBatch(
+        process="host:8",
+        cache=MAIN,
+        environment_digest=s.digest,
+        started_at=now,
+        ended_at=now,
+        functions={},
+        hit_keys={},
+        dropped=0,
+        signatures={("jit_affine", 0): sig},
+    )
     res = c.post(f"{API}/telemetry", json={"batches": [telemetry_wire(batch)]}, headers=r)
     assert res.status_code == 200, res.text
     rows = signature_usage(open_index(s.db), MAIN, timedelta(hours=1))
@@ -533,24 +726,46 @@ def test_what_a_replica_remembers_reaches_it_within_the_bound(tmp_path) -> None:
     """Reads remember (cache, environment) for token_cache_s: a change made elsewhere (here: straight
     in the index, as another replica would) shows after that bound; one made through this replica
     at once; an unknown environment is never remembered."""
-    s = seed(f"sqlite:///{tmp_path}/index.db", str(tmp_path / "main"), str(tmp_path / "other"), entries=1)
+    s = seed(
+        f"sqlite:///{tmp_path}/index.db", str(tmp_path / "main"), str(tmp_path / "other"), entries=1
+    )
     app = create_app(ServerSettings(db=s.db, token_cache_s=0.5))
     c = TestClient(app)
-    r, a = bearer(s.tokens["writer"]), bearer(s.tokens["admin"])  # a writer sees the policy in "readonly"
+    r, a = (
+        bearer(s.tokens["writer"]),
+        bearer(s.tokens["admin"]),
+    )  # a writer sees the policy in "readonly"
     resolve = f"{API}/caches/{MAIN}/resolve"
-    assert c.post(resolve, json={**s.env.to_dict(), "create": False}, headers=r).json()["readonly"] is False
+    assert (
+        c.post(resolve, json={**s.env.to_dict(), "create": False}, headers=r).json()["readonly"]
+        is False
+    )
     index = open_index(s.db)
     index.update_cache(MAIN, service_writes="deny")  # elsewhere: this replica still remembers
-    assert c.post(resolve, json={**s.env.to_dict(), "create": False}, headers=r).json()["readonly"] is False
+    assert (
+        c.post(resolve, json={**s.env.to_dict(), "create": False}, headers=r).json()["readonly"]
+        is False
+    )
     time.sleep(0.6)
-    assert c.post(resolve, json={**s.env.to_dict(), "create": False}, headers=r).json()["readonly"] is True
+    assert (
+        c.post(resolve, json={**s.env.to_dict(), "create": False}, headers=r).json()["readonly"]
+        is True
+    )
     patched = c.patch(f"{API}/caches/{MAIN}", json={"service_writes": "allow"}, headers=a)
     assert patched.status_code == 200, patched.text  # through this replica: applies at once
-    assert c.post(resolve, json={**s.env.to_dict(), "create": False}, headers=r).json()["readonly"] is False
+    assert (
+        c.post(resolve, json={**s.env.to_dict(), "create": False}, headers=r).json()["readonly"]
+        is False
+    )
     new = fake_environment("0.9.9", "late")
-    assert c.post(resolve, json={**new.to_dict(), "create": False}, headers=r).json()["exists"] is False
+    assert (
+        c.post(resolve, json={**new.to_dict(), "create": False}, headers=r).json()["exists"]
+        is False
+    )
     index.ensure_environment(MAIN, new)  # created elsewhere: found on the next request
-    assert c.post(resolve, json={**new.to_dict(), "create": False}, headers=r).json()["exists"] is True
+    assert (
+        c.post(resolve, json={**new.to_dict(), "create": False}, headers=r).json()["exists"] is True
+    )
     index.close()
     app.state.cachectl.jobs.shutdown()
     app.state.cachectl.index.close()

@@ -25,8 +25,11 @@ from cachectl_server.auth import PUBLIC, ROLE_KEY, SCOPE_KEY
 RANK = {"reader": 0, "writer": 1, "admin": 2}
 # identity -> (role, caches it may act on; None = all), for the valid tokens
 VALID = {
-    "reader": ("reader", None), "writer": ("writer", None), "admin": ("admin", None),
-    "scoped_writer": ("writer", {MAIN}), "wrong_scope_admin": ("admin", {OTHER}),
+    "reader": ("reader", None),
+    "writer": ("writer", None),
+    "admin": ("admin", None),
+    "scoped_writer": ("writer", {MAIN}),
+    "wrong_scope_admin": ("admin", {OTHER}),
     "wrong_scope_reader": ("reader", {OTHER}),
 }
 
@@ -40,7 +43,14 @@ def _route_table() -> list[tuple[str, str, str, str]]:
     out = []
     for path, operations in spec["paths"].items():
         for method, op in operations.items():
-            out.append((method.upper(), path, op.get(ROLE_KEY, "undeclared"), op.get(SCOPE_KEY, "undeclared")))
+            out.append(
+                (
+                    method.upper(),
+                    path,
+                    op.get(ROLE_KEY, "undeclared"),
+                    op.get(SCOPE_KEY, "undeclared"),
+                )
+            )
     return sorted(out, key=lambda r: (r[1], r[0]))
 
 
@@ -69,8 +79,14 @@ def world(tmp_path_factory):
     env = index.find_environment(MAIN, s.digest)
     run = warm_runs.start_run(index, env.id, manifest_digest="m", manifest_path=None, buckets=1)
     index.close()
-    values = {"cache": MAIN, "digest": s.digest, "key": s.keys[0], "job_id": job["id"],
-              "name": "no-such-token", "run_id": str(run.id)}
+    values = {
+        "cache": MAIN,
+        "digest": s.digest,
+        "key": s.keys[0],
+        "job_id": job["id"],
+        "name": "no-such-token",
+        "run_id": str(run.id),
+    }
     yield s, client, values
     admin.get(f"/api/v1/jobs/{job['id']}")
     app.state.cachectl.jobs.shutdown()
@@ -81,9 +97,18 @@ def _body(path: str, method: str, s) -> dict | None:
     if method not in ("POST", "PUT", "PATCH"):
         return None
     if path.endswith("/telemetry"):
-        return {"batches": [{"process": "h:1", "cache": MAIN, "environment_digest": s.digest,
-                             "started_at": "2026-01-01T00:00:00Z", "ended_at": "2026-01-01T00:00:05Z",
-                             "functions": [{"function": "jit_f", "requests": 2, "hits": 1}]}]}
+        return {
+            "batches": [
+                {
+                    "process": "h:1",
+                    "cache": MAIN,
+                    "environment_digest": s.digest,
+                    "started_at": "2026-01-01T00:00:00Z",
+                    "ended_at": "2026-01-01T00:00:05Z",
+                    "functions": [{"function": "jit_f", "requests": 2, "hits": 1}],
+                }
+            ]
+        }
     if path.endswith("/resolve"):
         return {**s.env.to_dict(), "create": False}
     if path.endswith(("/prune", "/gc", "/verify")):
@@ -107,7 +132,9 @@ def _expected(identity: str, role: str, scope: str) -> set[int] | None:
     return None
 
 
-@pytest.mark.parametrize(("method", "path", "role", "scope"), ROUTES, ids=[f"{m} {p}" for m, p, _r, _s in ROUTES])
+@pytest.mark.parametrize(
+    ("method", "path", "role", "scope"), ROUTES, ids=[f"{m} {p}" for m, p, _r, _s in ROUTES]
+)
 def test_auth_matrix(world, method: str, path: str, role: str, scope: str) -> None:
     s, client, values = world
     url = path.format(**values)
@@ -119,12 +146,16 @@ def test_auth_matrix(world, method: str, path: str, role: str, scope: str) -> No
             response = client.post(url, data={"token": token or ""}, follow_redirects=False)
             expected = _expected(identity, "reader", "any")
         else:
-            response = client.request(method, url, headers=bearer(token), json=_body(path, method, s))
+            response = client.request(
+                method, url, headers=bearer(token), json=_body(path, method, s)
+            )
             expected = _expected(identity, role, scope)
         status = response.status_code
         ok = (status not in (401, 403) and status < 500) if expected is None else status in expected
         if not ok:
-            wrong.append(f"{identity}: got {status} {response.text[:200]!r}, expected {expected or 'not 401/403'}")
+            wrong.append(
+                f"{identity}: got {status} {response.text[:200]!r}, expected {expected or 'not 401/403'}"
+            )
         if status == 401 and path.startswith("/api/"):
             assert response.headers.get("www-authenticate", "").startswith("Bearer")
     assert not wrong, f"{method} {path} (role {role}, scope {scope}):\n" + "\n".join(wrong)
@@ -176,13 +207,24 @@ def test_tokens_never_reach_logs_or_error_messages(world, caplog) -> None:
     caplog.set_level(logging.DEBUG)
     bodies = []
     for token in [*s.tokens.values(), "cct_not-a-real-token-value-123456789"]:
-        for method, path in (("GET", "/api/v1/caches"), ("GET", "/api/v1/tokens"), ("POST", "/api/v1/caches/main/gc"),
-                             ("GET", "/metrics"), ("GET", "/api/v1/caches/main/environments/zz")):
-            r = client.request(method, path, headers=bearer(token), json={} if method == "POST" else None)
+        for method, path in (
+            ("GET", "/api/v1/caches"),
+            ("GET", "/api/v1/tokens"),
+            ("POST", "/api/v1/caches/main/gc"),
+            ("GET", "/metrics"),
+            ("GET", "/api/v1/caches/main/environments/zz"),
+        ):
+            r = client.request(
+                method, path, headers=bearer(token), json={} if method == "POST" else None
+            )
             bodies.append(r.text + repr(dict(r.headers)))
         r = client.get("/api/v1/caches", params={"token": token})  # a token put in a URL by mistake
         bodies.append(r.text)
-        r = client.post("/login", content=f"token={token}x", headers={"content-type": "application/x-www-form-urlencoded"})
+        r = client.post(
+            "/login",
+            content=f"token={token}x",
+            headers={"content-type": "application/x-www-form-urlencoded"},
+        )
         bodies.append(r.text + repr(dict(r.headers)))
     # The test's own HTTP client (httpx) logs the URLs it requested; everything else is the server.
     server_log = "\n".join(r.getMessage() for r in caplog.records if not r.name.startswith("httpx"))
@@ -196,7 +238,9 @@ def test_tokens_never_reach_logs_or_error_messages(world, caplog) -> None:
 def test_created_token_works_at_once_and_revocation_is_immediate(world) -> None:
     s, client, _values = world
     admin = bearer(s.tokens["admin"])
-    made = client.post("/api/v1/tokens", json={"name": "fresh", "role": "reader", "caches": [MAIN]}, headers=admin)
+    made = client.post(
+        "/api/v1/tokens", json={"name": "fresh", "role": "reader", "caches": [MAIN]}, headers=admin
+    )
     assert made.status_code == 201, made.text
     secret = made.json()["token"]
     assert client.get(f"/api/v1/caches/{MAIN}", headers=bearer(secret)).status_code == 200
@@ -205,15 +249,22 @@ def test_created_token_works_at_once_and_revocation_is_immediate(world) -> None:
     assert secret not in repr(listed) and "fresh" in {t["name"] for t in listed}
     assert client.delete("/api/v1/tokens/fresh", headers=admin).status_code == 200
     assert client.get(f"/api/v1/caches/{MAIN}", headers=bearer(secret)).status_code == 401
-    made = client.post("/api/v1/tokens", json={"name": "fresh2", "role": "reader", "bogus": 1}, headers=admin)
+    made = client.post(
+        "/api/v1/tokens", json={"name": "fresh2", "role": "reader", "bogus": 1}, headers=admin
+    )
     assert made.status_code == 422
 
 
 def test_scoped_reader_sees_only_its_caches(world) -> None:
     s, client, _values = world
-    names = [c["name"] for c in client.get("/api/v1/caches", headers=bearer(s.tokens["wrong_scope_reader"])).json()]
+    names = [
+        c["name"]
+        for c in client.get("/api/v1/caches", headers=bearer(s.tokens["wrong_scope_reader"])).json()
+    ]
     assert names == [OTHER]
-    names = [c["name"] for c in client.get("/api/v1/caches", headers=bearer(s.tokens["reader"])).json()]
+    names = [
+        c["name"] for c in client.get("/api/v1/caches", headers=bearer(s.tokens["reader"])).json()
+    ]
     assert names == [MAIN, OTHER]
 
 
@@ -224,7 +275,10 @@ def test_token_cli_prints_secret_alone_on_last_line(tmp_path) -> None:
 
     db = f"sqlite:///{tmp_path}/index.db"
     runner = CliRunner()
-    r = runner.invoke(cli, ["--db", db, "token", "create", "--name", "svc", "--role", "writer", "--expires", "90d"])
+    r = runner.invoke(
+        cli,
+        ["--db", db, "token", "create", "--name", "svc", "--role", "writer", "--expires", "90d"],
+    )
     assert r.exit_code == 0, r.output
     last = r.output.strip().splitlines()[-1]
     assert last.startswith("cct_") and " " not in last
@@ -233,7 +287,10 @@ def test_token_cli_prints_secret_alone_on_last_line(tmp_path) -> None:
     index.close()
     r = runner.invoke(cli, ["--db", db, "token", "list", "--json"])
     assert r.exit_code == 0 and last not in r.output and '"svc"' in r.output
-    r = runner.invoke(cli, ["--db", db, "token", "create", "--name", "bad", "--role", "reader", "--expires", "soon"])
+    r = runner.invoke(
+        cli,
+        ["--db", db, "token", "create", "--name", "bad", "--role", "reader", "--expires", "soon"],
+    )
     assert r.exit_code == 2 and "bad duration" in r.output
     r = runner.invoke(cli, ["--db", db, "token", "revoke", "svc"])
     assert r.exit_code == 0

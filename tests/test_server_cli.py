@@ -22,8 +22,10 @@ from cachectl.index import open_index
 from cachectl_server.app import create_app
 
 # Timings (and "now - window") differ between any two runs, direct or not.
-_TIMINGS = re.compile(r'("(planning_s|duration_s)": )[0-9.e-]+|\b\d+\.\d+s\b|("since": )"[^"]+"'
-                      r'|(since )\d{4}-\d\d-\d\d \d\d:\d\d')
+_TIMINGS = re.compile(
+    r'("(planning_s|duration_s)": )[0-9.e-]+|\b\d+\.\d+s\b|("since": )"[^"]+"'
+    r"|(since )\d{4}-\d\d-\d\d \d\d:\d\d"
+)
 
 
 def normalized(text: str) -> str:
@@ -54,17 +56,30 @@ def both(s, live, *args: str, token: str = "admin") -> tuple[tuple[int, str], tu
     """(exit code, output) direct, then through the server."""
     runner = CliRunner()
     direct = runner.invoke(cli, ["--db", s.db, "--cache", MAIN, *args])
-    remote = runner.invoke(cli, ["--cache", MAIN, *args],
-                           env={"CACHECTL_SERVER": live.url, "CACHECTL_TOKEN": s.tokens[token]})
+    remote = runner.invoke(
+        cli,
+        ["--cache", MAIN, *args],
+        env={"CACHECTL_SERVER": live.url, "CACHECTL_TOKEN": s.tokens[token]},
+    )
     return (direct.exit_code, direct.output), (remote.exit_code, remote.output)
 
 
-@pytest.mark.parametrize("args", [
-    ("ls", "--json"), ("ls",), ("stats", "--json"), ("stats",), ("stats", "--all", "--json"),
-    ("ls", "--env", "PREFIX", "--json"), ("ls", "--env", "PREFIX"),
-    ("stats", "--since", "1d", "--json"),
-    ("ls", "--env", "zz"), ("ls", "--env", "0000000"),
-], ids=lambda a: " ".join(a))
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("ls", "--json"),
+        ("ls",),
+        ("stats", "--json"),
+        ("stats",),
+        ("stats", "--all", "--json"),
+        ("ls", "--env", "PREFIX", "--json"),
+        ("ls", "--env", "PREFIX"),
+        ("stats", "--since", "1d", "--json"),
+        ("ls", "--env", "zz"),
+        ("ls", "--env", "0000000"),
+    ],
+    ids=lambda a: " ".join(a),
+)
 def test_reads_match_direct_mode(shared, args) -> None:
     s, live = shared
     args = tuple(a.replace("PREFIX", s.digest[:12]) for a in args)
@@ -79,27 +94,48 @@ def test_errors_match_direct_mode(shared) -> None:
     s, live = shared
     runner = CliRunner()
     direct = runner.invoke(cli, ["--db", s.db, "--cache", "nope", "ls"])
-    remote = runner.invoke(cli, ["--cache", "nope", "ls"],
-                           env={"CACHECTL_SERVER": live.url, "CACHECTL_TOKEN": s.tokens["admin"]})
-    assert (remote.exit_code, remote.output) == (direct.exit_code, direct.output) == (2, remote.output)
+    remote = runner.invoke(
+        cli,
+        ["--cache", "nope", "ls"],
+        env={"CACHECTL_SERVER": live.url, "CACHECTL_TOKEN": s.tokens["admin"]},
+    )
+    assert (
+        (remote.exit_code, remote.output) == (direct.exit_code, direct.output) == (2, remote.output)
+    )
     assert "no cache named 'nope'" in remote.output
-    denied = runner.invoke(cli, ["--cache", MAIN, "ls"], env={"CACHECTL_SERVER": live.url,
-                                                            "CACHECTL_TOKEN": s.tokens["revoked"]})
+    denied = runner.invoke(
+        cli,
+        ["--cache", MAIN, "ls"],
+        env={"CACHECTL_SERVER": live.url, "CACHECTL_TOKEN": s.tokens["revoked"]},
+    )
     assert denied.exit_code == 4 and "refused the token" in denied.output
     assert s.tokens["revoked"] not in denied.output
-    scoped = runner.invoke(cli, ["--cache", "other", "ls"], env={"CACHECTL_SERVER": live.url,
-                                                                "CACHECTL_TOKEN": s.tokens["scoped_writer"]})
+    scoped = runner.invoke(
+        cli,
+        ["--cache", "other", "ls"],
+        env={"CACHECTL_SERVER": live.url, "CACHECTL_TOKEN": s.tokens["scoped_writer"]},
+    )
     assert scoped.exit_code == 4 and "scoped to main" in scoped.output
-    down = runner.invoke(cli, ["--cache", MAIN, "ls"], env={"CACHECTL_SERVER": "http://127.0.0.1:9",
-                                                           "CACHECTL_TOKEN": "x"})
+    down = runner.invoke(
+        cli,
+        ["--cache", MAIN, "ls"],
+        env={"CACHECTL_SERVER": "http://127.0.0.1:9", "CACHECTL_TOKEN": "x"},
+    )
     assert down.exit_code == 2 and "unreachable" in down.output and "Traceback" not in down.output
 
 
 def test_prune_gc_verify_through_the_server(served) -> None:
     s, live = served
-    for args in (("prune", "--function", "train", "--dry-run", "--json"), ("prune", "--function", "train", "--dry-run"),
-                 ("gc", "--max-size", "1", "--dry-run", "--json"), ("gc", "--max-size", "1", "--dry-run"),
-                 ("verify", "--json"), ("verify",), ("prune", "--keep", "2"), ("gc", "--policy", "nope")):
+    for args in (
+        ("prune", "--function", "train", "--dry-run", "--json"),
+        ("prune", "--function", "train", "--dry-run"),
+        ("gc", "--max-size", "1", "--dry-run", "--json"),
+        ("gc", "--max-size", "1", "--dry-run"),
+        ("verify", "--json"),
+        ("verify",),
+        ("prune", "--keep", "2"),
+        ("gc", "--policy", "nope"),
+    ):
         direct, remote = both(s, live, *args)
         assert remote[0] == direct[0], (args, direct, remote)
         assert normalized(remote[1]) == normalized(direct[1]), args
@@ -114,8 +150,11 @@ def test_prune_gc_verify_through_the_server(served) -> None:
     assert any(a.operation == "prune" for a in index.audit_log(MAIN))
     index.close()
     # a writer token may not: exit 4, the server's message
-    denied = runner.invoke(cli, ["--cache", MAIN, "gc", "--max-size", "1"],
-                           env={**env, "CACHECTL_TOKEN": s.tokens["writer"]})
+    denied = runner.invoke(
+        cli,
+        ["--cache", MAIN, "gc", "--max-size", "1"],
+        env={**env, "CACHECTL_TOKEN": s.tokens["writer"]},
+    )
     assert denied.exit_code == 4 and "needs role admin" in denied.output
 
 
@@ -138,14 +177,24 @@ def test_sync_through_the_server_records_what_storage_holds(served) -> None:
     done = runner.invoke(cli, ["--cache", MAIN, "sync", "--min-age", "0", "--json"], env=env)
     assert done.exit_code == 0, done.output
     report = json.loads(done.output)
-    assert (report["entries_added"], report["entries_updated"], report["rows_dropped"]) == (1, 0, 0), report
+    assert (report["entries_added"], report["entries_updated"], report["rows_dropped"]) == (
+        1,
+        0,
+        0,
+    ), report
     index = open_index(s.db)
     (info,) = index.environment_stats(MAIN)
     rows = {e.key: e for e in index.list_entries(info.id)}
     index.close()
     assert set(rows) == {new_key, *s.keys}
-    assert (rows[new_key].size, rows[new_key].sha256, rows[new_key].module) == (len(data), sha256(data), "jit_served")
-    again = json.loads(runner.invoke(cli, ["--cache", MAIN, "sync", "--min-age", "0", "--json"], env=env).output)
+    assert (rows[new_key].size, rows[new_key].sha256, rows[new_key].module) == (
+        len(data),
+        sha256(data),
+        "jit_served",
+    )
+    again = json.loads(
+        runner.invoke(cli, ["--cache", MAIN, "sync", "--min-age", "0", "--json"], env=env).output
+    )
     assert (again["entries_added"], again["entries_updated"], again["rows_dropped"]) == (0, 0, 0)
 
 
@@ -153,11 +202,16 @@ def test_token_commands_through_the_server(shared) -> None:
     s, live = shared
     runner = CliRunner()
     env = {"CACHECTL_SERVER": live.url, "CACHECTL_TOKEN": s.tokens["admin"]}
-    made = runner.invoke(cli, ["token", "create", "--name", "via-api", "--role", "reader", "--cache", MAIN], env=env)
+    made = runner.invoke(
+        cli, ["token", "create", "--name", "via-api", "--role", "reader", "--cache", MAIN], env=env
+    )
     assert made.exit_code == 0, made.output
     secret = made.output.strip().splitlines()[-1]
-    listed = runner.invoke(cli, ["ls", "--json"], env={"CACHECTL_SERVER": live.url, "CACHECTL_TOKEN": secret,
-                                                      "CACHECTL_CACHE": MAIN})
+    listed = runner.invoke(
+        cli,
+        ["ls", "--json"],
+        env={"CACHECTL_SERVER": live.url, "CACHECTL_TOKEN": secret, "CACHECTL_CACHE": MAIN},
+    )
     assert listed.exit_code == 0 and json.loads(listed.output)["cache"] == MAIN
     assert runner.invoke(cli, ["token", "revoke", "via-api"], env=env).exit_code == 0
 
@@ -207,12 +261,16 @@ def test_warm_registration_and_activate_telemetry_through_the_server(served, tmp
     manifest = tmp_path / "manifest.yaml"
     manifest.write_text(textwrap.dedent(WARM_MANIFEST))
     env = {"CACHECTL_SERVER": live.url, "CACHECTL_TOKEN": s.tokens["writer"], "CACHECTL_DB": None}
-    warm = run_py(f"""
+    warm = run_py(
+        f"""
         import sys
         from cachectl.cli import main
         sys.argv = ["cachectl", "warm", {str(manifest)!r}, "--path", {str(tmp_path)!r}, "--jobs", "1", "--json"]
         main()
-    """, env=env, timeout=300)
+    """,
+        env=env,
+        timeout=300,
+    )
     assert warm.returncode == 0, warm.stdout + warm.stderr
     report = json.loads(warm.stdout)
     assert report["summary"]["compiled"] == 2
@@ -228,11 +286,17 @@ def test_warm_registration_and_activate_telemetry_through_the_server(served, tmp
     (run,) = warm_runs.list_runs(index, cache=MAIN)
     assert run.status == "succeeded" and run.compiled == 2 and "via token writer" in run.user
     # a read-only service: activate() resolves through the server, telemetry flushes to it
-    out = run_py(SERVICE.format(dir=str(tmp_path)), env={**env, "CACHECTL_TOKEN": s.tokens["reader"]})
+    out = run_py(
+        SERVICE.format(dir=str(tmp_path)), env={**env, "CACHECTL_TOKEN": s.tokens["reader"]}
+    )
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["hits"] == 2 and result["warning"] is None, result
-    assert result["telemetry"] == f"server {live.url}" and result["flushes"] >= 1 and result["failed"] == 0, (result, out.stderr[-3000:])
+    assert (
+        result["telemetry"] == f"server {live.url}"
+        and result["flushes"] >= 1
+        and result["failed"] == 0
+    ), (result, out.stderr[-3000:])
     hit = {e.key: e.hit_count for e in index.list_entries(warmed.id)}
     assert sorted(hit.values()) == [1, 1]
     index.close()
@@ -240,15 +304,22 @@ def test_warm_registration_and_activate_telemetry_through_the_server(served, tmp
 
 def test_a_down_server_costs_a_service_one_warning(tmp_path) -> None:
     """activate() with CACHECTL_SERVER pointing nowhere: a warning, JAX still gets its cache dir."""
-    out = run_py("""
+    out = run_py(
+        """
         import json, time, warnings
         warnings.simplefilter("ignore")
         import cachectl
         t = time.monotonic()
         act = cachectl.activate("main")  # no mode given: the cache's policy is asked for
         print(json.dumps({"path": act.path, "warning": act.warning, "s": time.monotonic() - t}))
-    """, env={"CACHECTL_SERVER": "http://127.0.0.1:9", "CACHECTL_TOKEN": "cct_x",
-              "CACHECTL_ROOT": str(tmp_path / "root")}, timeout=120)
+    """,
+        env={
+            "CACHECTL_SERVER": "http://127.0.0.1:9",
+            "CACHECTL_TOKEN": "cct_x",
+            "CACHECTL_ROOT": str(tmp_path / "root"),
+        },
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["path"].startswith(str(tmp_path / "root")) and "unreachable" in result["warning"]

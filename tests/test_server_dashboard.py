@@ -35,35 +35,75 @@ def chromium_binary() -> str:
             return path
     if os.environ.get("CACHECTL_TEST_NO_CHROMIUM") == "1":
         pytest.skip("Chromium not installed and CACHECTL_TEST_NO_CHROMIUM=1")
-    pytest.fail("Chromium is needed for the dashboard test: apt-get install -y chromium "
-                "(or set CACHECTL_TEST_NO_CHROMIUM=1 to skip it)", pytrace=False)
+    pytest.fail(
+        "Chromium is needed for the dashboard test: apt-get install -y chromium "
+        "(or set CACHECTL_TEST_NO_CHROMIUM=1 to skip it)",
+        pytrace=False,
+    )
 
 
 def chromium(url: str, tmp: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    argv = [chromium_binary(), "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-            "--disable-component-update", "--disable-sync", "--no-first-run", "--disable-dev-shm-usage",
-            "--hide-scrollbars", f"--user-data-dir={tmp / 'chromium-profile'}", *args, url]
-    return subprocess.run(argv, capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
+    argv = [
+        chromium_binary(),
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        "--no-first-run",
+        "--disable-dev-shm-usage",
+        "--hide-scrollbars",
+        f"--user-data-dir={tmp / 'chromium-profile'}",
+        *args,
+        url,
+    ]
+    return subprocess.run(
+        argv, capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL
+    )
 
 
 @pytest.fixture
 def seeded(tmp_path):
     """Two caches with usage, a second environment, a week of hourly telemetry and growth."""
-    s = seed(f"sqlite:///{tmp_path}/index.db", str(tmp_path / "main"), str(tmp_path / "other"), entries=6)
+    s = seed(
+        f"sqlite:///{tmp_path}/index.db", str(tmp_path / "main"), str(tmp_path / "other"), entries=6
+    )
     index = open_index(s.db)
     index.update_cache(MAIN, max_size=40_000)
     env = index.find_environment(MAIN, s.digest)
     gpu = index.ensure_environment(MAIN, fake_environment("0.9.1", "NVIDIA H100", 8))
     now = utcnow()
-    index.upsert_entries(gpu.id, [
-        NewEntry(key=f"jit_old-{n:064x}", module="jit_old", size=3000 + n, sha256="0" * 64, origin="warm",
-                 created_at=now - timedelta(days=6 - n)) for n in range(6)])
+    index.upsert_entries(
+        gpu.id,
+        [
+            NewEntry(
+                key=f"jit_old-{n:064x}",
+                module="jit_old",
+                size=3000 + n,
+                sha256="0" * 64,
+                origin="warm",
+                created_at=now - timedelta(days=6 - n),
+            )
+            for n in range(6)
+        ],
+    )
     for hours_ago in range(0, 30, 3):
         at = now - timedelta(hours=hours_ago)
-        record_telemetry(index, env.id, TelemetryBatch(
-            process=f"svc-{hours_ago}:1", cache=MAIN, environment_digest=s.digest, started_at=at, ended_at=at,
-            functions={"jit_train": FunctionCounts(requests=20, hits=15 + hours_ago % 5)},
-            hit_keys={}, dropped=0))
+        record_telemetry(
+            index,
+            env.id,
+            TelemetryBatch(
+                process=f"svc-{hours_ago}:1",
+                cache=MAIN,
+                environment_digest=s.digest,
+                started_at=at,
+                ended_at=at,
+                functions={"jit_train": FunctionCounts(requests=20, hits=15 + hours_ago % 5)},
+                hit_keys={},
+                dropped=0,
+            ),
+        )
     index.close()
     return s
 
@@ -79,7 +119,9 @@ def test_dashboard_in_headless_chromium(seeded, tmp_path) -> None:
         dom = chromium(f"{live.url}/", tmp_path, "--dump-dom", "--virtual-time-budget=5000")
         assert dom.returncode == 0, dom.stderr[-2000:]
         html = dom.stdout
-        result = chromium(f"{live.url}/", tmp_path, f"--screenshot={shot}", "--window-size=1280,1500")
+        result = chromium(
+            f"{live.url}/", tmp_path, f"--screenshot={shot}", "--window-size=1280,1500"
+        )
         assert result.returncode == 0, result.stderr[-2000:]
     # what the browser rendered: both caches, usage against the limit, both environments, the charts
     assert 'id="cache-main"' in html and 'id="cache-other"' in html
@@ -107,7 +149,11 @@ def test_dashboard_sign_in_with_a_cookie(seeded) -> None:
     cookie = ok.headers["set-cookie"]
     assert "HttpOnly" in cookie and "SameSite=strict" in cookie.replace("Strict", "strict")
     page = c.get("/")
-    assert page.status_code == 200 and 'id="cache-main"' in page.text and 'id="cache-other"' not in page.text
+    assert (
+        page.status_code == 200
+        and 'id="cache-main"' in page.text
+        and 'id="cache-other"' not in page.text
+    )
     assert "scoped-writer" in page.text and s.tokens["scoped_writer"] not in page.text
     out = c.post("/logout", follow_redirects=False)
     assert out.status_code == 303

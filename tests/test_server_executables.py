@@ -23,7 +23,9 @@ API = "/api/v1"
 
 
 def artifact(key: str, entry: bytes, payload: bytes = b"payload " * 200) -> bytes:
-    return aot.pack(payload, key=key, entry_sha256=sha256(entry), function="train", bucket={"batch": 1})
+    return aot.pack(
+        payload, key=key, entry_sha256=sha256(entry), function="train", bucket={"batch": 1}
+    )
 
 
 @pytest.fixture
@@ -67,7 +69,9 @@ def test_upload_download_and_listing_of_an_entrys_executable(live) -> None:
     assert (listed[key].aot_size, listed[key].aot_sha256) == (len(data), sha256(data))
     assert remote.aot_keys(env.id) == {key: (len(data), sha256(data))}
     assert remote.find_environment(MAIN, s.digest).executables == 1
-    stats = httpx.get(f"{server.url}{API}/caches/{MAIN}/stats", headers=bearer(s.tokens["reader"])).json()
+    stats = httpx.get(
+        f"{server.url}{API}/caches/{MAIN}/stats", headers=bearer(s.tokens["reader"])
+    ).json()
     assert stats["executables"] == 1 and stats["aot_bytes"] == len(data)
     assert stats["bytes"] == sum(len(b) for b in s.entry_bytes.values()) + len(data)
     for c in (writer, reader):
@@ -94,7 +98,9 @@ def test_uploads_that_are_not_this_entrys_executable_are_refused(live) -> None:
             writer.upload_executable(MAIN, s.digest, k, data)
         assert not Store(s.root).exists(f"{s.env.namespace}/{k}-aot"), what
     url = f"{server.url}{API}/caches/{MAIN}/environments/{s.digest}/entries/{key}/aot"
-    bad_sha = httpx.put(url, content=good, headers={**bearer(s.tokens["writer"]), "x-cachectl-sha256": "0" * 64})
+    bad_sha = httpx.put(
+        url, content=good, headers={**bearer(s.tokens["writer"]), "x-cachectl-sha256": "0" * 64}
+    )
     assert bad_sha.status_code == 422
 
     # The quota counts entries and executables together: with one executable stored, a second
@@ -125,7 +131,9 @@ def test_registration_records_an_executable_the_writer_stored_itself(live) -> No
 
     base = dict(key=key, module=entry.module, size=entry.size, sha256=entry.sha256, origin="warm")
     with pytest.raises(BadInput):  # the size must be what storage holds
-        remote.upsert_entries(env.id, [NewEntry(**base, aot_size=len(data) + 1, aot_sha256=sha256(data))])
+        remote.upsert_entries(
+            env.id, [NewEntry(**base, aot_size=len(data) + 1, aot_sha256=sha256(data))]
+        )
     remote.upsert_entries(env.id, [NewEntry(**base, aot_size=len(data), aot_sha256=sha256(data))])
     assert remote.aot_keys(env.id) == {key: (len(data), sha256(data))}
     remote.close()

@@ -46,7 +46,9 @@ def world(tmp_path):
     return seed(f"sqlite:///{tmp_path}/index.db", str(tmp_path / "main"), str(tmp_path / "other"))
 
 
-def _raw_head(port: int, request: bytes, body_part: bytes, timeout: float = 5.0) -> tuple[int, float]:
+def _raw_head(
+    port: int, request: bytes, body_part: bytes, timeout: float = 5.0
+) -> tuple[int, float]:
     """Send a request's head and the start of its body; the status line and how long it took."""
     started = time.monotonic()
     with socket.create_connection(("127.0.0.1", port), timeout=timeout) as sock:
@@ -62,10 +64,15 @@ def _raw_head(port: int, request: bytes, body_part: bytes, timeout: float = 5.0)
 
 def _batch(s, **overrides):
     now = datetime.now(UTC)
-    batch = {"process": "host:1", "cache": MAIN, "environment_digest": s.digest,
-             "started_at": (now - timedelta(seconds=5)).isoformat(), "ended_at": now.isoformat(),
-             "functions": [{"function": "jit_train", "requests": 5, "hits": 4, "writes": 1}],
-             "hit_keys": []}
+    batch = {
+        "process": "host:1",
+        "cache": MAIN,
+        "environment_digest": s.digest,
+        "started_at": (now - timedelta(seconds=5)).isoformat(),
+        "ended_at": now.isoformat(),
+        "functions": [{"function": "jit_train", "requests": 5, "hits": 4, "writes": 1}],
+        "hit_keys": [],
+    }
     batch.update(overrides)
     return {"batches": [batch]}
 
@@ -77,18 +84,25 @@ def test_bodies_are_refused_before_they_are_read(world) -> None:
     s = world
     with served(s.db) as (live, c):
         # 80 MB announced, no token: 401 at once, without the server waiting for (or holding) the body
-        head = (b"POST /api/v1/telemetry HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
-                b"content-length: 80000000\r\n\r\n")
+        head = (
+            b"POST /api/v1/telemetry HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+            b"content-length: 80000000\r\n\r\n"
+        )
         status, took = _raw_head(live.port, head, b'{"batches": [' + b" " * 1000)
         assert status == 401 and took < 3
-        chunked = (b"POST /api/v1/caches/main/resolve HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
-                   b"transfer-encoding: chunked\r\n\r\n")
+        chunked = (
+            b"POST /api/v1/caches/main/resolve HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+            b"transfer-encoding: chunked\r\n\r\n"
+        )
         status, took = _raw_head(live.port, chunked, b"400\r\n" + b" " * 1024 + b"\r\n")
         assert status == 401 and took < 3
         # with a token: a JSON body above the JSON limit is 413 by its Content-Length, unread
         token = s.tokens["reader"].encode()
-        status, took = _raw_head(live.port, head.replace(b"host: x\r\n", b"host: x\r\nauthorization: Bearer "
-                                                         + token + b"\r\n"), b"{")
+        status, took = _raw_head(
+            live.port,
+            head.replace(b"host: x\r\n", b"host: x\r\nauthorization: Bearer " + token + b"\r\n"),
+            b"{",
+        )
         assert status == 413 and took < 3
 
         # and without a Content-Length, cut off at the limit while it streams in
@@ -97,12 +111,25 @@ def test_bodies_are_refused_before_they_are_read(world) -> None:
             for _ in range(20_000):  # 20,000 x 1 KiB = 20 MB, far past the 8 MiB JSON limit
                 yield b" " * 1024
 
-        res = c.post(f"{API}/telemetry", content=endless(),
-                     headers={**bearer(s.tokens["reader"]), "content-type": "application/json"})
+        res = c.post(
+            f"{API}/telemetry",
+            content=endless(),
+            headers={**bearer(s.tokens["reader"]), "content-type": "application/json"},
+        )
         assert res.status_code == 413 and "limit" in res.json()["detail"]
         # a small body still works, and a bad token on a small body is still 401
-        assert c.post(f"{API}/telemetry", json=_batch(s), headers=bearer(s.tokens["reader"])).status_code == 200
-        assert c.post(f"{API}/telemetry", json=_batch(s), headers=bearer("cct_" + "x" * 43)).status_code == 401
+        assert (
+            c.post(
+                f"{API}/telemetry", json=_batch(s), headers=bearer(s.tokens["reader"])
+            ).status_code
+            == 200
+        )
+        assert (
+            c.post(
+                f"{API}/telemetry", json=_batch(s), headers=bearer("cct_" + "x" * 43)
+            ).status_code
+            == 401
+        )
 
 
 # -- 2. telemetry counters are bounded, sums cannot overflow, rows have a retention --------------
@@ -114,10 +141,13 @@ def test_telemetry_counts_are_bounded_and_sums_never_overflow(world) -> None:
     with served(s.db, maintenance_interval_s=3600) as (live, c):
         huge = _batch(s, functions=[{"function": "f", "requests": 2**53, "hits": 2**53}])
         assert c.post(f"{API}/telemetry", json=huge, headers=r).status_code == 422
-        huge_key = _batch(s, hit_keys=[{"key": s.keys[0], "count": 2**53,
-                                        "at": datetime.now(UTC).isoformat()}])
+        huge_key = _batch(
+            s, hit_keys=[{"key": s.keys[0], "count": 2**53, "at": datetime.now(UTC).isoformat()}]
+        )
         assert c.post(f"{API}/telemetry", json=huge_key, headers=r).status_code == 422
-        assert c.post(f"{API}/telemetry", json=_batch(s, dropped=2**53), headers=r).status_code == 422
+        assert (
+            c.post(f"{API}/telemetry", json=_batch(s, dropped=2**53), headers=r).status_code == 422
+        )
         # a flush dated in the future is recorded at the server's now (it would outlive every retention)
         future = _batch(s, process="future", ended_at="2999-01-01T00:00:00+00:00")
         assert c.post(f"{API}/telemetry", json=future, headers=r).status_code == 200
@@ -125,26 +155,55 @@ def test_telemetry_counts_are_bounded_and_sums_never_overflow(world) -> None:
         index = open_index(s.db)
         env = index.find_environment(MAIN, s.digest)
         with index.session() as session:
-            session.execute(insert(TelemetryRecord), [
-                {"environment_id": env.id, "at": datetime.now(UTC), "process": f"p{i}", "function": "f",
-                 "requests": 2**62, "hits": 2**62, "misses": 0, "writes": 0, "saved_seconds": 0.0, "dropped": 0}
-                for i in range(4)])
+            session.execute(
+                insert(TelemetryRecord),
+                [
+                    {
+                        "environment_id": env.id,
+                        "at": datetime.now(UTC),
+                        "process": f"p{i}",
+                        "function": "f",
+                        "requests": 2**62,
+                        "hits": 2**62,
+                        "misses": 0,
+                        "writes": 0,
+                        "saved_seconds": 0.0,
+                        "dropped": 0,
+                    }
+                    for i in range(4)
+                ],
+            )
         page = c.get("/", headers=r)
         assert page.status_code == 200, page.text[:300]
         assert c.get(f"{API}/caches/{MAIN}/telemetry", headers=r).status_code == 200
         assert c.get("/metrics", headers=r).status_code == 200
         # retention: maintenance deletes telemetry older than --telemetry-retention (30d by default)
         with index.session() as session:
-            session.execute(insert(TelemetryRecord), [
-                {"environment_id": env.id, "at": datetime.now(UTC) - timedelta(days=31), "process": "old",
-                 "function": "f", "requests": 1, "hits": 1, "misses": 0, "writes": 0, "saved_seconds": 0.0,
-                 "dropped": 0}])
+            session.execute(
+                insert(TelemetryRecord),
+                [
+                    {
+                        "environment_id": env.id,
+                        "at": datetime.now(UTC) - timedelta(days=31),
+                        "process": "old",
+                        "function": "f",
+                        "requests": 1,
+                        "hits": 1,
+                        "misses": 0,
+                        "writes": 0,
+                        "saved_seconds": 0.0,
+                        "dropped": 0,
+                    }
+                ],
+            )
         live.server.config.app.state.cachectl.maintenance.run_once()
         with index.session() as session:
             processes = set(session.scalars(select(TelemetryRecord.process)))
         assert "old" not in processes and {"p0", "p1", "p2", "p3"} <= processes
         with index.session() as session:
-            dated = session.scalar(select(TelemetryRecord.at).where(TelemetryRecord.process == "future"))
+            dated = session.scalar(
+                select(TelemetryRecord.at).where(TelemetryRecord.process == "future")
+            )
         assert dated <= datetime.now(UTC)
         index.close()
 
@@ -159,15 +218,22 @@ def test_reported_hit_times_are_clamped_and_never_move_back(world) -> None:
     env = index.find_environment(MAIN, s.digest)
     created = {e.key: e.created_at for e in index.list_entries(env.id)}
     with served(s.db) as (_live, c):
-        future = _batch(s, hit_keys=[{"key": s.keys[0], "count": 1, "at": "2999-01-01T00:00:00+00:00"},
-                                     {"key": s.keys[1], "count": 1, "at": "1971-01-01T00:00:00+00:00"}])
+        future = _batch(
+            s,
+            hit_keys=[
+                {"key": s.keys[0], "count": 1, "at": "2999-01-01T00:00:00+00:00"},
+                {"key": s.keys[1], "count": 1, "at": "1971-01-01T00:00:00+00:00"},
+            ],
+        )
         assert c.post(f"{API}/telemetry", json=future, headers=r).status_code == 200
         after = datetime.now(UTC)
         rows = {e.key: e for e in index.list_entries(env.id)}
         assert created[s.keys[0]] <= rows[s.keys[0]].last_access_at <= after  # not the year 2999
         assert rows[s.keys[1]].last_access_at >= created[s.keys[1]]  # not before the entry existed
         first = rows[s.keys[0]].last_access_at
-        back = _batch(s, hit_keys=[{"key": s.keys[0], "count": 1, "at": created[s.keys[0]].isoformat()}])
+        back = _batch(
+            s, hit_keys=[{"key": s.keys[0], "count": 1, "at": created[s.keys[0]].isoformat()}]
+        )
         assert c.post(f"{API}/telemetry", json=back, headers=r).status_code == 200
         assert index.get_entry(env.id, s.keys[0]).last_access_at == first  # never backwards
     index.close()
@@ -186,17 +252,26 @@ def test_made_up_fingerprints_never_supersede_real_environments(world) -> None:
         res = c.post(f"{API}/caches/{MAIN}/resolve", json=fake.to_dict(), headers=w)
         assert res.status_code == 200 and res.json()["created"]
         # an environment resolve created, holding nothing, supersedes nothing
-        res = c.post(f"{API}/caches/{MAIN}/prune", json={"superseded": True, "keep": 1, "dry_run": True}, headers=a)
+        res = c.post(
+            f"{API}/caches/{MAIN}/prune",
+            json={"superseded": True, "keep": 1, "dry_run": True},
+            headers=a,
+        )
         job = _wait_job(c, res.json()["id"], a)
         assert job["status"] == "succeeded", job
         assert [n["namespace"] for n in job["result"]["plan"]["namespaces"]] == []
         # once it holds an entry it is an environment like any other, but scheduled maintenance
         # never deletes the only environment of the group that still serves hits
         key = entry_key("jit_fake", 1)
-        put = c.put(f"{API}/caches/{MAIN}/environments/{fake.digest}/entries/{key}",
-                    content=make_entry(os.urandom(500)), headers=w)
+        put = c.put(
+            f"{API}/caches/{MAIN}/environments/{fake.digest}/entries/{key}",
+            content=make_entry(os.urandom(500)),
+            headers=w,
+        )
         assert put.status_code == 201, put.text
-        hits = _batch(s, hit_keys=[{"key": s.keys[0], "count": 3, "at": datetime.now(UTC).isoformat()}])
+        hits = _batch(
+            s, hit_keys=[{"key": s.keys[0], "count": 3, "at": datetime.now(UTC).isoformat()}]
+        )
         assert c.post(f"{API}/telemetry", json=hits, headers=r).status_code == 200
         index = open_index(s.db)
         index.update_cache(MAIN, keep_versions=1)
@@ -204,7 +279,9 @@ def test_made_up_fingerprints_never_supersede_real_environments(world) -> None:
         superseded = [run for run in runs if run.schedule == "superseded"]
         assert superseded and superseded[0].job.status == "succeeded", runs
         plan = superseded[0].job.result["plan"]
-        assert plan["namespaces"] == [] and [p["namespace"] for p in plan["protected"]] == [s.env.namespace]
+        assert plan["namespaces"] == [] and [p["namespace"] for p in plan["protected"]] == [
+            s.env.namespace
+        ]
         live_envs = {e.digest for e in index.environment_stats(MAIN)}
         assert s.digest in live_envs
         assert Store(s.root).exists(f"{s.env.namespace}/{s.keys[0]}-cache")
@@ -241,15 +318,21 @@ def test_a_decompression_bomb_is_refused_while_streaming(world) -> None:
     before = files_under(s.root)
     with served(s.db) as (_live, c):
         peak_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB
-        res = c.put(f"{API}/caches/{MAIN}/environments/{s.digest}/entries/{entry_key('jit_bomb', 1)}",
-                    content=bomb, headers=w)
+        res = c.put(
+            f"{API}/caches/{MAIN}/environments/{s.digest}/entries/{entry_key('jit_bomb', 1)}",
+            content=bomb,
+            headers=w,
+        )
         grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - peak_before
         assert res.status_code == 413 and "expands" in res.json()["detail"], res.text
         assert grown < 64 * 1024, f"peak RSS grew {grown} KiB while checking the bomb"
         # an honest entry still goes in
         ok = make_entry(os.urandom(50_000))
-        res = c.put(f"{API}/caches/{MAIN}/environments/{s.digest}/entries/{entry_key('jit_ok', 1)}",
-                    content=ok, headers=w)
+        res = c.put(
+            f"{API}/caches/{MAIN}/environments/{s.digest}/entries/{entry_key('jit_ok', 1)}",
+            content=ok,
+            headers=w,
+        )
         assert res.status_code == 201 and res.json()["sha256"] == sha256(ok)
     assert files_under(s.root) - before == {f"{s.env.namespace}/{entry_key('jit_ok', 1)}-cache"}
 
@@ -263,7 +346,11 @@ def files_under(root: str) -> set[str]:
 
 @pytest.mark.parametrize("backend", ["sqlite", "postgresql"])
 def test_concurrent_uploads_never_overrun_the_quota(tmp_path, backend, request) -> None:
-    db = f"sqlite:///{tmp_path}/index.db" if backend == "sqlite" else request.getfixturevalue("pg_url")
+    db = (
+        f"sqlite:///{tmp_path}/index.db"
+        if backend == "sqlite"
+        else request.getfixturevalue("pg_url")
+    )
     open_index(db, auto_migrate=True).close()
     s = seed(db, str(tmp_path / "main"), str(tmp_path / "other"), entries=1)
     index = open_index(s.db)
@@ -279,8 +366,11 @@ def test_concurrent_uploads_never_overrun_the_quota(tmp_path, backend, request) 
         def upload(n: int) -> None:
             with httpx.Client(base_url=live.url, timeout=60) as client:
                 barrier.wait()
-                res = client.put(f"{API}/caches/{MAIN}/environments/{s.digest}/entries/{entry_key('jit_q', n)}",
-                                 content=blobs[n], headers=bearer(s.tokens["writer"]))
+                res = client.put(
+                    f"{API}/caches/{MAIN}/environments/{s.digest}/entries/{entry_key('jit_q', n)}",
+                    content=blobs[n],
+                    headers=bearer(s.tokens["writer"]),
+                )
                 statuses.append(res.status_code)
 
         threads = [threading.Thread(target=upload, args=(n,)) for n in range(len(blobs))]
@@ -312,8 +402,18 @@ def test_symlinks_in_a_namespace_are_never_served(world, tmp_path) -> None:
     index = open_index(s.db)
     env = index.find_environment(MAIN, s.digest)
     data = secret.read_bytes()
-    index.upsert_entries(env.id, [NewEntry(key=link_key, module="jit_link", size=len(data), sha256=sha256(data),
-                                           origin="observed")])
+    index.upsert_entries(
+        env.id,
+        [
+            NewEntry(
+                key=link_key,
+                module="jit_link",
+                size=len(data),
+                sha256=sha256(data),
+                origin="observed",
+            )
+        ],
+    )
     # and a namespace whose directory is a link to somewhere else
     elsewhere = tmp_path / "elsewhere"
     other_env = fake_environment("0.10.2", "linked")
@@ -323,8 +423,18 @@ def test_symlinks_in_a_namespace_are_never_served(world, tmp_path) -> None:
     os.makedirs(os.path.dirname(store.url_for(other_env.namespace)), exist_ok=True)
     os.symlink(elsewhere, store.url_for(other_env.namespace))
     other = index.ensure_environment(MAIN, other_env)
-    index.upsert_entries(other.id, [NewEntry(key=other_key, module="jit_other", size=len(data),
-                                             sha256=sha256(data), origin="observed")])
+    index.upsert_entries(
+        other.id,
+        [
+            NewEntry(
+                key=other_key,
+                module="jit_other",
+                size=len(data),
+                sha256=sha256(data),
+                origin="observed",
+            )
+        ],
+    )
     r = bearer(s.tokens["reader"])
     with served(s.db) as (_live, c):
         for digest, key in ((s.digest, link_key), (other_env.digest, other_key)):
@@ -369,12 +479,19 @@ def test_an_existing_entry_is_not_silently_replaced(world) -> None:
         res = c.put(url, content=other, headers=w)
         assert res.status_code == 409, res.text
         assert c.get(url, headers=w).content == s.entry_bytes[key]
-        assert c.put(url, content=s.entry_bytes[key], headers=w).status_code == 200  # same bytes: idempotent
-        assert c.put(url, content=other, headers={**w, "x-cachectl-overwrite": "true"}).status_code == 403
+        assert (
+            c.put(url, content=s.entry_bytes[key], headers=w).status_code == 200
+        )  # same bytes: idempotent
+        assert (
+            c.put(url, content=other, headers={**w, "x-cachectl-overwrite": "true"}).status_code
+            == 403
+        )
         res = c.put(url, content=other, headers={**a, "x-cachectl-overwrite": "true"})
         assert res.status_code == 200, res.text
         row = res.json()
-        assert row["sha256"] == sha256(other) and row["origin"] == "upload" and row["function"] is None
+        assert (
+            row["sha256"] == sha256(other) and row["origin"] == "upload" and row["function"] is None
+        )
         assert row["compile_time_ms"] == 3000 and row["hit_count"] == 0
         assert c.get(url, headers=w).content == other
         audit = c.get(f"{API}/caches/{MAIN}/audit", headers=a).json()
@@ -409,8 +526,13 @@ def test_an_existing_entry_is_not_silently_replaced(world) -> None:
 def test_nothing_leaks_to_callers_without_the_right(world) -> None:
     s = world
     index = open_index(s.db)
-    index.update_cache(MAIN, storage_options={"client_kwargs": {"endpoint_url": "http://ci:hunter2@minio:9000"},
-                                              "endpoint": "https://admin:pa55w0rd@s3.internal"})
+    index.update_cache(
+        MAIN,
+        storage_options={
+            "client_kwargs": {"endpoint_url": "http://ci:hunter2@minio:9000"},
+            "endpoint": "https://admin:pa55w0rd@s3.internal",
+        },
+    )
     index.add_cache("doomed", s.other_root + "-doomed")
     doomed = tokens.create_token(index, "doomed-reader", "reader", ["doomed"]).token
     index.remove_cache("doomed")
@@ -440,11 +562,17 @@ def test_dashboard_sign_in_checks_origin_and_issues_a_session(world) -> None:
     form = {"content-type": "application/x-www-form-urlencoded"}
     reader = s.tokens["reader"]
     with served(s.db) as (live, c):
-        cross = c.post("/login", content=f"token={reader}", headers={**form, "origin": "https://evil.example"})
+        cross = c.post(
+            "/login", content=f"token={reader}", headers={**form, "origin": "https://evil.example"}
+        )
         assert cross.status_code == 403 and "set-cookie" not in cross.headers
-        cross = c.post("/login", content=f"token={reader}", headers={**form, "sec-fetch-site": "cross-site"})
+        cross = c.post(
+            "/login", content=f"token={reader}", headers={**form, "sec-fetch-site": "cross-site"}
+        )
         assert cross.status_code == 403 and "set-cookie" not in cross.headers
-        admin = c.post("/login", content=f"token={s.tokens['admin']}", headers={**form, "origin": live.url})
+        admin = c.post(
+            "/login", content=f"token={s.tokens['admin']}", headers={**form, "origin": live.url}
+        )
         assert admin.status_code == 400 and "set-cookie" not in admin.headers
         ok = c.post("/login", content=f"token={reader}", headers={**form, "origin": live.url})
         assert ok.status_code == 303, ok.text
@@ -463,7 +591,11 @@ def test_dashboard_sign_in_checks_origin_and_issues_a_session(world) -> None:
         assert c.get("/", cookies={"cachectl_session": value}).status_code == 401
     # off loopback, the cookie is Secure
     with served(s.db, host="0.0.0.0", token_cache_s=0) as (live, c):
-        ok = c.post("/login", content=f"token={s.tokens['scoped_writer']}", headers={**form, "origin": live.url})
+        ok = c.post(
+            "/login",
+            content=f"token={s.tokens['scoped_writer']}",
+            headers={**form, "origin": live.url},
+        )
         assert ok.status_code == 303 and "secure" in ok.headers["set-cookie"].lower()
 
 
@@ -475,8 +607,11 @@ def tiny_disk(tmp_path) -> Iterator[str]:
     mount = tmp_path / "tiny"
     mount.mkdir()
     try:
-        done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mount)],
-                              capture_output=True, timeout=20)
+        done = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mount)],
+            capture_output=True,
+            timeout=20,
+        )
     except (OSError, subprocess.TimeoutExpired) as exc:
         pytest.skip(f"cannot mount a tmpfs here: {exc}")
     if done.returncode != 0:
@@ -488,16 +623,28 @@ def tiny_disk(tmp_path) -> Iterator[str]:
 
 
 def test_a_full_disk_is_507_and_leaves_nothing_behind(tmp_path, tiny_disk) -> None:
-    s = seed(f"sqlite:///{tmp_path}/index.db", os.path.join(tiny_disk, "cache"), str(tmp_path / "other"),
-             entries=1, entry_size=1000)
+    s = seed(
+        f"sqlite:///{tmp_path}/index.db",
+        os.path.join(tiny_disk, "cache"),
+        str(tmp_path / "other"),
+        entries=1,
+        entry_size=1000,
+    )
     w = bearer(s.tokens["writer"])
     before = files_under(s.root)
     key = entry_key("jit_big", 1)
     data = make_entry(os.urandom(200_000))  # incompressible, three times the disk
     with served(s.db) as (_live, c):
-        res = c.put(f"{API}/caches/{MAIN}/environments/{s.digest}/entries/{key}", content=data, headers=w)
+        res = c.put(
+            f"{API}/caches/{MAIN}/environments/{s.digest}/entries/{key}", content=data, headers=w
+        )
         assert res.status_code == 507 and "storage" in res.json()["detail"].lower(), res.text
-        assert c.head(f"{API}/caches/{MAIN}/environments/{s.digest}/entries/{key}", headers=w).status_code == 404
+        assert (
+            c.head(
+                f"{API}/caches/{MAIN}/environments/{s.digest}/entries/{key}", headers=w
+            ).status_code
+            == 404
+        )
     assert files_under(s.root) == before
     index = open_index(s.db)
     env = index.find_environment(MAIN, s.digest)

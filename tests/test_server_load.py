@@ -36,11 +36,18 @@ def test_a_server_process_freezes_its_startup_heap(tmp_path) -> None:
     collection under load (about one a second) then scans only what requests made, not the ~100k
     objects of the app and its modules (a 40-50 ms pause each: POST telemetry's p99). In a fresh
     process, since frozen objects are never collected."""
-    code = ("import gc, sys\nfrom cachectl_server.app import create_app, freeze_startup_heap\n"
-            "create_app(sys.argv[1])\nbefore = len(gc.get_objects())\nfrozen = freeze_startup_heap()\n"
-            "print(before, frozen, len(gc.get_objects()))\n")
-    out = subprocess.run([sys.executable, "-c", code, f"sqlite:///{tmp_path}/index.db"], capture_output=True,
-                         text=True, check=True, timeout=120).stdout
+    code = (
+        "import gc, sys\nfrom cachectl_server.app import create_app, freeze_startup_heap\n"
+        "create_app(sys.argv[1])\nbefore = len(gc.get_objects())\nfrozen = freeze_startup_heap()\n"
+        "print(before, frozen, len(gc.get_objects()))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code, f"sqlite:///{tmp_path}/index.db"],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
+    ).stdout
     before, frozen, after = map(int, out.split())
     assert frozen >= before // 2 > 10_000
     assert after < before // 100

@@ -23,9 +23,24 @@ from cachectl.index.models import AuditRecord, Job
 def _serve(db: str, port: int, log_path, env: dict[str, str]) -> subprocess.Popen:
     with open(log_path, "wb") as log:
         return subprocess.Popen(
-            [sys.executable, "-m", "cachectl", "serve", "--db", db, "--port", str(port),
-             "--maintenance-interval", "1h", "--log-level", "info"],
-            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env={**os.environ, **env},
+            [
+                sys.executable,
+                "-m",
+                "cachectl",
+                "serve",
+                "--db",
+                db,
+                "--port",
+                str(port),
+                "--maintenance-interval",
+                "1h",
+                "--log-level",
+                "info",
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env={**os.environ, **env},
         )
 
 
@@ -39,18 +54,24 @@ def test_two_replicas_run_a_due_gc_exactly_once(pg_url, tmp_path) -> None:
     # delete keeps the first one inside its lease while the other one ticks.
     env = {"CACHECTL_SERVER_MAINTENANCE_DELAY": "4s", "CACHECTL_TEST_BATCH_DELAY_S": "0.5"}
     ports = [infra.free_port(), infra.free_port()]
-    procs = [_serve(pg_url, port, tmp_path / f"replica-{i}.log", env) for i, port in enumerate(ports)]
+    procs = [
+        _serve(pg_url, port, tmp_path / f"replica-{i}.log", env) for i, port in enumerate(ports)
+    ]
     try:
         for port in ports:
             deadline = time.monotonic() + 60
             while not infra.port_open(port):
                 assert time.monotonic() < deadline, "replica did not start"
-                assert all(p.poll() is None for p in procs), [(tmp_path / f"replica-{i}.log").read_text() for i in (0, 1)]
+                assert all(p.poll() is None for p in procs), [
+                    (tmp_path / f"replica-{i}.log").read_text() for i in (0, 1)
+                ]
                 time.sleep(0.1)
         deadline = time.monotonic() + 90
         while True:
             with index.session() as sess:
-                jobs = list(sess.scalars(select(Job).where(Job.cache_name == MAIN, Job.kind == "gc")))
+                jobs = list(
+                    sess.scalars(select(Job).where(Job.cache_name == MAIN, Job.kind == "gc"))
+                )
             if jobs and all(j.status in ("succeeded", "failed") for j in jobs):
                 break
             assert time.monotonic() < deadline, "no scheduled gc finished"
@@ -66,7 +87,9 @@ def test_two_replicas_run_a_due_gc_exactly_once(pg_url, tmp_path) -> None:
         assert sum(e.bytes for e in index.environment_stats(MAIN)) <= total // 2
         runs = 0.0
         for port in ports:
-            text = httpx.get(f"http://127.0.0.1:{port}/metrics", headers=bearer(s.tokens["admin"])).text
+            text = httpx.get(
+                f"http://127.0.0.1:{port}/metrics", headers=bearer(s.tokens["admin"])
+            ).text
             for line in text.splitlines():
                 if line.startswith("cachectl_maintenance_runs_total{"):
                     runs += float(line.rsplit(" ", 1)[1])

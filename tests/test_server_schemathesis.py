@@ -50,8 +50,13 @@ def test_no_input_makes_a_server_error(api_schema, seeded) -> None:
 
     for operation in operations:
 
-        @settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,
-                  suppress_health_check=list(HealthCheck))
+        @settings(
+            max_examples=EXAMPLES,
+            deadline=None,
+            derandomize=True,
+            database=None,
+            suppress_health_check=list(HealthCheck),
+        )
         @given(case=operation.as_strategy())
         def fuzz(case) -> None:
             if next(toggle) % 2:

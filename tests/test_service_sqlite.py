@@ -32,7 +32,8 @@ def test_the_stdlib_path_is_written_for_the_schema_head() -> None:
     heads = ScriptDirectory(str(migrations_dir())).get_heads()
     assert heads == [service_sqlite.SCHEMA_REVISION], (
         "a migration was added: check cachectl/service_sqlite.py's statements against it, then "
-        "raise SCHEMA_REVISION")
+        "raise SCHEMA_REVISION"
+    )
 
 
 def _index(path: Path) -> tuple[str, int, list[str]]:
@@ -41,43 +42,81 @@ def _index(path: Path) -> tuple[str, int, list[str]]:
     index.add_cache("svc", "/tmp/unused-root")
     env_id = index.ensure_environment("svc", current_environment()).id
     keys = [f"jit_f-{i:04d}" for i in range(3)]
-    index.upsert_entries(env_id, [NewEntry(key=k, module="jit_f", size=100, sha256="0" * 64, origin="warm",
-                                           created_at=T0 - timedelta(days=1)) for k in keys])
+    index.upsert_entries(
+        env_id,
+        [
+            NewEntry(
+                key=k,
+                module="jit_f",
+                size=100,
+                sha256="0" * 64,
+                origin="warm",
+                created_at=T0 - timedelta(days=1),
+            )
+            for k in keys
+        ],
+    )
     index.close()
     return url, env_id, keys
 
 
 def _batch(keys: list[str], at: datetime, signatures: int) -> TelemetryBatch:
-    sigs = {("jit_f", (i,), None, None): SignatureCounts(leaves=(((i, 4), "float32", False, None),), key=f"k{i}",
-                                                          requests=2, hits=1, misses=1, first_seen=at.timestamp(),
-                                                          last_seen=at.timestamp(), source="f at m.py:1",
-                                                          statics=((1, "3"),))
-            for i in range(signatures)}
+    sigs = {
+        ("jit_f", (i,), None, None): SignatureCounts(
+            leaves=(((i, 4), "float32", False, None),),
+            key=f"k{i}",
+            requests=2,
+            hits=1,
+            misses=1,
+            first_seen=at.timestamp(),
+            last_seen=at.timestamp(),
+            source="f at m.py:1",
+            statics=((1, "3"),),
+        )
+        for i in range(signatures)
+    }
     return TelemetryBatch(
-        "host:1", "svc", current_environment().digest, at - timedelta(minutes=1), at,
-        {"jit_f": FunctionCounts(requests=5, hits=3, writes=2, saved_seconds=1.25, uncacheable=1),
-         "jit_g": FunctionCounts(requests=0), None: FunctionCounts(requests=1)},
+        "host:1",
+        "svc",
+        current_environment().digest,
+        at - timedelta(minutes=1),
+        at,
+        {
+            "jit_f": FunctionCounts(
+                requests=5, hits=3, writes=2, saved_seconds=1.25, uncacheable=1
+            ),
+            "jit_g": FunctionCounts(requests=0),
+            None: FunctionCounts(requests=1),
+        },
         {keys[0]: (2, at), keys[1]: (1, at - timedelta(hours=2)), "not-indexed": (1, at)},
         dropped=3,
-        serving={"f": ServingCounts(calls=4, aot=3, fallback=1, out_of_bucket=0, padded=2, sizes={"n": {7: 3, 9: 1}})},
-        signatures=sigs, signatures_dropped=2)
+        serving={
+            "f": ServingCounts(
+                calls=4, aot=3, fallback=1, out_of_bucket=0, padded=2, sizes={"n": {7: 3, 9: 1}}
+            )
+        },
+        signatures=sigs,
+        signatures_dropped=2,
+    )
 
 
 def _dump(url: str) -> dict[str, Any]:
-    conn = sqlite3.connect(url[len("sqlite:///"):])
+    conn = sqlite3.connect(url[len("sqlite:///") :])
     out = {}
     for table, cols in {
         "telemetry": "environment_id, at, process, function, requests, hits, misses, writes, saved_seconds, "
-                     "dropped, uncacheable",
+        "dropped, uncacheable",
         "serving_telemetry": "environment_id, at, process, function, calls, aot, fallback, out_of_bucket, padded, sizes",
         "signatures": "environment_id, function, digest, key, leaves, source, statics, requests, hits, misses, "
-                      "uncacheable, repeats, first_seen, last_seen",
+        "uncacheable, repeats, first_seen, last_seen",
         "entries": "key, hit_count, last_access_at",
     }.items():
         rows = conn.execute(f"SELECT {cols} FROM {table} ORDER BY {cols}").fetchall()
         # JSON columns compare as values (separators are the writer's business)
-        out[table] = [tuple(json.loads(v) if isinstance(v, str) and v[:1] in ("[", "{") else v for v in r)
-                      for r in rows]
+        out[table] = [
+            tuple(json.loads(v) if isinstance(v, str) and v[:1] in ("[", "{") else v for v in r)
+            for r in rows
+        ]
     conn.close()
     return out
 
@@ -86,7 +125,10 @@ def test_both_writers_store_the_same_rows(tmp_path: Path) -> None:
     """Two flushes (the second adds to the first's signatures and overflows the per-function bound)."""
     slow_url, slow_env, keys = _index(tmp_path / "slow.db")
     fast_url, fast_env, _ = _index(tmp_path / "fast.db")
-    first, second = _batch(keys, T0, 5), _batch(keys, T0 + timedelta(minutes=1), MAX_SIGNATURES_PER_FUNCTION + 4)
+    first, second = (
+        _batch(keys, T0, 5),
+        _batch(keys, T0 + timedelta(minutes=1), MAX_SIGNATURES_PER_FUNCTION + 4),
+    )
 
     index = open_index(slow_url)
     for b in (first, second):
@@ -99,7 +141,9 @@ def test_both_writers_store_the_same_rows(tmp_path: Path) -> None:
     fast.close()
 
     slow, quick = _dump(slow_url), _dump(fast_url)
-    assert len(slow["signatures"]) == MAX_SIGNATURES_PER_FUNCTION + 1 + 1  # jit_f's bound + its '*' + ''/'*'
+    assert (
+        len(slow["signatures"]) == MAX_SIGNATURES_PER_FUNCTION + 1 + 1
+    )  # jit_f's bound + its '*' + ''/'*'
     assert [r[1] for r in slow["entries"]] == [2 * 2, 2 * 1, 0]
     assert slow == quick
 
@@ -107,8 +151,13 @@ def test_both_writers_store_the_same_rows(tmp_path: Path) -> None:
 def test_the_policy_reads_the_same(tmp_path: Path) -> None:
     url, _, _ = _index(tmp_path / "i.db")
     index = open_index(url)
-    index.update_cache("svc", max_size=10 << 20, writers=["ci"], service_writes="deny",
-                       storage_options={"anon": True})
+    index.update_cache(
+        "svc",
+        max_size=10 << 20,
+        writers=["ci"],
+        service_writes="deny",
+        storage_options={"anon": True},
+    )
     want = index.get_cache("svc")
     index.close()
     fast = service_sqlite.open_fast(url)
@@ -149,12 +198,21 @@ def test_a_service_by_cache_name_never_imports_sqlalchemy(tmp_path: Path) -> Non
     index.add_cache("svc", str(tmp_path / "root"))
     index.close()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("CACHECTL_", "JAX_"))}
-    env.update(CACHECTL_DB=url, HOME=str(tmp_path), XDG_CONFIG_HOME=str(tmp_path / "cfg"),
-               XDG_DATA_HOME=str(tmp_path / "data"))
+    env.update(
+        CACHECTL_DB=url,
+        HOME=str(tmp_path),
+        XDG_CONFIG_HOME=str(tmp_path / "cfg"),
+        XDG_DATA_HOME=str(tmp_path / "data"),
+    )
     outs = []
     for _run in range(2):
-        proc = subprocess.run([sys.executable, "-c", textwrap.dedent(SERVICE)], env=env, capture_output=True,
-                              text=True, timeout=300)
+        proc = subprocess.run(
+            [sys.executable, "-c", textwrap.dedent(SERVICE)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert proc.returncode == 0, proc.stderr
         outs.append(json.loads(proc.stdout.strip().splitlines()[-1]))
     # The first start creates the environment's row (the SQLAlchemy way); from then on a service
@@ -170,8 +228,6 @@ def test_a_service_by_cache_name_never_imports_sqlalchemy(tmp_path: Path) -> Non
     assert row.processes == 2 and row.hits == row.writes >= 3 and row.requests == 2 * row.writes
 
 
-
-
 QUIET_SERVICE = """
 import sys, json, cachectl
 a = cachectl.activate("svc", readonly=True)
@@ -180,19 +236,33 @@ print(json.dumps({"indexed": a.indexed, "warning": a.warning, "sqlalchemy": "sql
 """
 
 
-def test_a_known_environment_is_marked_seen_before_exit_though_nothing_compiles(tmp_path: Path) -> None:
+def test_a_known_environment_is_marked_seen_before_exit_though_nothing_compiles(
+    tmp_path: Path,
+) -> None:
     """activate() marks the environment seen (and revives it) from a thread, off the start path; a
     process that exits at once waits for it, here while another writer holds the index."""
     url, env_id, _ = _index(tmp_path / "i.db")
     conn = sqlite3.connect(tmp_path / "i.db", isolation_level=None)
-    conn.execute("UPDATE environments SET last_seen_at = '2020-01-01 00:00:00.000000', "
-                 "deleted_at = '2020-01-02 00:00:00.000000' WHERE id = ?", (env_id,))
+    conn.execute(
+        "UPDATE environments SET last_seen_at = '2020-01-01 00:00:00.000000', "
+        "deleted_at = '2020-01-02 00:00:00.000000' WHERE id = ?",
+        (env_id,),
+    )
     env = {k: v for k, v in os.environ.items() if not k.startswith(("CACHECTL_", "JAX_"))}
-    env.update(CACHECTL_DB=url, HOME=str(tmp_path), XDG_CONFIG_HOME=str(tmp_path / "cfg"),
-               XDG_DATA_HOME=str(tmp_path / "data"))
+    env.update(
+        CACHECTL_DB=url,
+        HOME=str(tmp_path),
+        XDG_CONFIG_HOME=str(tmp_path / "cfg"),
+        XDG_DATA_HOME=str(tmp_path / "data"),
+    )
     conn.execute("BEGIN IMMEDIATE")  # a writer holds the index: the service's record has to wait
-    proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(QUIET_SERVICE)], env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(QUIET_SERVICE)],
+        env=env,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
     try:
         line = proc.stdout.readline()  # activate() returned while the index was held
         time.sleep(1.0)
@@ -203,8 +273,9 @@ def test_a_known_environment_is_marked_seen_before_exit_though_nothing_compiles(
     assert proc.returncode == 0, err
     assert json.loads(line) == {"indexed": True, "warning": None, "sqlalchemy": False}
     assert waiting, "the process exited before its environment was recorded"
-    seen, deleted = conn.execute("SELECT last_seen_at, deleted_at FROM environments WHERE id = ?",
-                                 (env_id,)).fetchone()
+    seen, deleted = conn.execute(
+        "SELECT last_seen_at, deleted_at FROM environments WHERE id = ?", (env_id,)
+    ).fetchone()
     conn.close()
     assert deleted is None
     assert seen >= (datetime.now(UTC) - timedelta(minutes=10)).strftime("%Y-%m-%d %H:%M:%S")

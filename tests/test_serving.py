@@ -57,8 +57,11 @@ def last_json(proc: Any) -> dict[str, Any]:
 def warmed_example(tmp_path_factory):
     """The example manifest warmed once into its own home; tests point XDG dirs at it."""
     home = tmp_path_factory.mktemp("example-home")
-    env = {"XDG_DATA_HOME": str(home / "data"), "XDG_CACHE_HOME": str(home / "cache"),
-           "XDG_CONFIG_HOME": str(home / "config")}
+    env = {
+        "XDG_DATA_HOME": str(home / "data"),
+        "XDG_CACHE_HOME": str(home / "cache"),
+        "XDG_CONFIG_HOME": str(home / "config"),
+    }
     code = f"""
         import sys
         from cachectl.cli import main
@@ -86,7 +89,9 @@ def test_warm_stores_an_executable_per_bucket(warmed_example) -> None:
     assert rows[0] == 11
 
 
-SERVE_EXAMPLE = COUNT_EVENTS + """
+SERVE_EXAMPLE = (
+    COUNT_EVENTS
+    + """
 import numpy as np
 sys.path.insert(0, {repo!r})
 import cachectl
@@ -130,21 +135,30 @@ print(json.dumps({{"before": before, "during": during, "report": report, "calls"
                   "shapes": [list(l.shape) for _, l, _ in served[:3]],
                   "worst_padded": worst_padded, "worst_valid": worst_valid}}))
 """
+)
 
 
 def test_fresh_service_serves_every_length_with_zero_compiles(warmed_example) -> None:
     env, _ = warmed_example
-    proc = run_py(SERVE_EXAMPLE.format(repo=str(REPO), manifest=str(EXAMPLE)), env, check=True,
-                  timeout=600)
+    proc = run_py(
+        SERVE_EXAMPLE.format(repo=str(REPO), manifest=str(EXAMPLE)), env, check=True, timeout=600
+    )
     out = last_json(proc)
-    assert out["during"] == out["before"], (out["before"], out["during"])  # nothing traced or compiled
+    assert out["during"] == out["before"], (
+        out["before"],
+        out["during"],
+    )  # nothing traced or compiled
     prefill = out["report"]["functions"]["prefill"]
     assert prefill["calls"] == 128 and prefill["aot"] == 128 and prefill["fallback"] == 0
     assert prefill["loaded"] == prefill["buckets"] == 8
     assert prefill["padded"] > 100
-    assert sum(prefill["raw_sizes"]["seq"].values()) == 128 and len(prefill["raw_sizes"]["seq"]) == 128
+    assert (
+        sum(prefill["raw_sizes"]["seq"].values()) == 128 and len(prefill["raw_sizes"]["seq"]) == 128
+    )
     decode = out["report"]["functions"]["decode_step"]
-    assert decode["aot"] == 3 and decode["fallback"] == 0  # donation and a static kwarg, through the runtime
+    assert (
+        decode["aot"] == 3 and decode["fallback"] == 0
+    )  # donation and a static kwarg, through the runtime
     assert out["shapes"][0][1:] == [1, 512] and out["shapes"][2][1:] == [3, 512]  # logits cut back
     assert out["worst_padded"] <= 1e-5  # the same program as jax.jit on the padded inputs
     # Causal + right padding: the valid region is the unpadded call's result, up to the bf16 kv
@@ -155,7 +169,9 @@ def test_fresh_service_serves_every_length_with_zero_compiles(warmed_example) ->
 
 def test_out_of_bucket_is_an_error_by_default_and_compiles_when_asked(warmed_example) -> None:
     env, _ = warmed_example
-    code = COUNT_EVENTS + f"""
+    code = (
+        COUNT_EVENTS
+        + f"""
 import numpy as np
 sys.path.insert(0, {str(REPO)!r})
 import cachectl
@@ -181,9 +197,14 @@ print(json.dumps({{"error": error, "is_value_error": is_value_error, "static_err
                   "shape": list(np.shape(logits)), "report": rt2.report().to_json()["functions"]["prefill"],
                   "first": rt.report().to_json()["functions"]["prefill"]}}))
 """
+    )
     out = last_json(run_py(code, env, check=True))
     assert out["is_value_error"]
-    assert "prefill" in out["error"] and "seq=200" in out["error"] and "largest bucket 128" in out["error"]
+    assert (
+        "prefill" in out["error"]
+        and "seq=200" in out["error"]
+        and "largest bucket 128" in out["error"]
+    )
     assert "sampling='sample'" in out["static_error"] and "greedy" in out["static_error"]
     assert out["first"]["out_of_bucket"] == 1
     assert out["shape"] == [1, 200, 512]
@@ -231,7 +252,9 @@ functions:
     buckets: {batch: [2, 4]}
 """
 
-TINY_SERVICE = COUNT_EVENTS + """
+TINY_SERVICE = (
+    COUNT_EVENTS
+    + """
 import logging, numpy as np
 logging.basicConfig(level=logging.WARNING, format="%(message)s")
 requests = {{"n": 0, "hits": 0}}
@@ -246,6 +269,7 @@ f = rt["affine"]
 outs = [np.asarray(f(np.ones((n, 8), np.float32), np.eye(8, dtype=np.float32))).tolist() for n in (1, 2, 3, 4, 1)]
 print(json.dumps({{"report": rt.report().to_json(), "requests": requests, "outs": outs}}))
 """
+)
 
 
 def tiny_warmed(tmp_path: Path) -> tuple[Path, dict[str, Any]]:
@@ -277,7 +301,9 @@ def _sha_mismatch(namespace: Path, key: str) -> None:
         conn.execute("UPDATE entries SET aot_sha256 = ? WHERE key = ?", ("0" * 64, key))
 
 
-@pytest.mark.parametrize("damage", [_delete, _corrupt, _sha_mismatch], ids=["deleted", "corrupted", "sha-mismatch"])
+@pytest.mark.parametrize(
+    "damage", [_delete, _corrupt, _sha_mismatch], ids=["deleted", "corrupted", "sha-mismatch"]
+)
 def test_a_broken_executable_falls_back_to_the_persistent_cache(tmp_path: Path, damage) -> None:
     manifest, report = tiny_warmed(tmp_path)
     namespace = Path(report["namespace"])
@@ -287,9 +313,13 @@ def test_a_broken_executable_falls_back_to_the_persistent_cache(tmp_path: Path, 
     fn = out["report"]["functions"]["affine"]
     assert fn["calls"] == 5 and fn["fallback"] == 5 and fn["aot"] == 0
     # Through jax.jit, the padded calls hit what warm wrote: nothing compiled.
-    assert out["requests"]["n"] >= 1 and out["requests"]["n"] == out["requests"]["hits"], out["requests"]
+    assert out["requests"]["n"] >= 1 and out["requests"]["n"] == out["requests"]["hits"], out[
+        "requests"
+    ]
     assert stderr.count("serving through jax.jit") == 1, stderr  # one warning per function
-    assert out["outs"][0] == out["outs"][4] and len(out["outs"][2]) == 4  # padded: no outputs: declared
+    assert (
+        out["outs"][0] == out["outs"][4] and len(out["outs"][2]) == 4
+    )  # padded: no outputs: declared
 
 
 def test_the_tiny_manifest_serves_without_fallback(tmp_path: Path) -> None:
@@ -310,7 +340,9 @@ def test_changed_source_is_never_served_from_a_stale_executable(tmp_path: Path) 
     assert "source code" in (fn["fallback_reason"] or "")
     import numpy as np
 
-    assert out["outs"][1][0][0] == pytest.approx(float(np.sin(1.0)), rel=1e-6)  # the new code's answer
+    assert out["outs"][1][0][0] == pytest.approx(
+        float(np.sin(1.0)), rel=1e-6
+    )  # the new code's answer
 
 
 def test_rewarm_reports_cached_only_when_both_kinds_are_present(tmp_path: Path) -> None:
@@ -356,13 +388,19 @@ def test_mesh_manifest_serves_on_four_devices_with_zero_compiles(tmp_path: Path)
     manifest = tmp_path / "mesh.yaml"
     manifest.write_text(MESH_MANIFEST)
     flags = {"XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
-    run_py(f"""
+    run_py(
+        f"""
         import sys
         from cachectl.cli import main
         sys.argv = ["cachectl", "warm", {str(manifest)!r}, "--json"]
         main()
-    """, flags, check=True)
-    code = COUNT_EVENTS + f"""
+    """,
+        flags,
+        check=True,
+    )
+    code = (
+        COUNT_EVENTS
+        + f"""
 import numpy as np
 sys.path.insert(0, {str(tmp_path)!r})
 import cachectl
@@ -376,6 +414,7 @@ print(json.dumps({{"before": before, "during": during, "devices": jax.device_cou
                   "shapes": [list(o.shape) for o in outs], "report": rt.report().to_json()["functions"]["step"],
                   "sharding": shardings[-1]}}))
 """
+    )
     out = last_json(run_py(code, flags, check=True))
     assert out["devices"] == 4
     assert out["during"] == out["before"]
@@ -394,9 +433,14 @@ def test_serving_from_s3(tmp_path: Path, s3_bucket: str) -> None:
     result = CliRunner().invoke(cli, ["cache", "add", "remote", f"{s3_bucket}/jax"])
     assert result.exit_code == 0, result.output
     warm(str(manifest), "--cache", "remote")
-    out = last_json(run_py(TINY_SERVICE.replace("cachectl.serving({manifest!r})",
-                                                "cachectl.serving({manifest!r}, cache='remote')")
-                           .format(dir=str(tmp_path), manifest=str(manifest)), check=True))
+    out = last_json(
+        run_py(
+            TINY_SERVICE.replace(
+                "cachectl.serving({manifest!r})", "cachectl.serving({manifest!r}, cache='remote')"
+            ).format(dir=str(tmp_path), manifest=str(manifest)),
+            check=True,
+        )
+    )
     fn = out["report"]["functions"]["affine"]
     assert fn["aot"] == 5 and fn["fallback"] == 0, out["report"]
     assert out["report"]["namespace"].startswith("s3://")
@@ -412,7 +456,9 @@ def test_warm_check_reports_executable_coverage_from_a_fresh_process(tmp_path: P
     (Path(report["namespace"]) / f"{report['buckets'][1]['key']}-aot").unlink()
     result = CliRunner().invoke(cli, ["warm-check", str(manifest)])
     assert result.exit_code == 0  # the persistent cache still covers everything
-    assert "coverage: 2/2 buckets hit (100.0%); stored executables: 1/2 load (50.0%)" in result.stdout
+    assert (
+        "coverage: 2/2 buckets hit (100.0%); stored executables: 1/2 load (50.0%)" in result.stdout
+    )
 
 
 def test_served_calls_reach_the_index_as_telemetry(tmp_path: Path) -> None:
@@ -483,23 +529,32 @@ print(json.dumps({{"requests": counts.get("/jax/compilation_cache/compile_reques
 def test_serving_from_a_verified_mirror(tmp_path: Path) -> None:
     manifest, report = tiny_warmed(tmp_path)
     mirror = tmp_path / "mirror"
-    code = TINY_SERVICE.replace("cachectl.serving({manifest!r})",
-                                "cachectl.serving({manifest!r}, mirror={mirror!r})")
-    out = last_json(run_py(code.format(dir=str(tmp_path), manifest=str(manifest), mirror=str(mirror)),
-                           check=True))
+    code = TINY_SERVICE.replace(
+        "cachectl.serving({manifest!r})", "cachectl.serving({manifest!r}, mirror={mirror!r})"
+    )
+    out = last_json(
+        run_py(
+            code.format(dir=str(tmp_path), manifest=str(manifest), mirror=str(mirror)), check=True
+        )
+    )
     fn = out["report"]["functions"]["affine"]
     assert fn["aot"] == 5 and fn["fallback"] == 0, out["report"]
     assert out["report"]["namespace"] == str(mirror)
-    assert sorted(p.name for p in mirror.glob("*-aot")) == sorted(f"{b['key']}-aot" for b in report["buckets"])
+    assert sorted(p.name for p in mirror.glob("*-aot")) == sorted(
+        f"{b['key']}-aot" for b in report["buckets"]
+    )
 
 
 def test_eqx_filter_jit_functions_are_refused_with_what_to_write(tmp_path: Path) -> None:
     pytest.importorskip("equinox")
     (tmp_path / "sv_eqx.py").write_text(
-        "import equinox as eqx, jax.numpy as jnp\n\n@eqx.filter_jit\ndef step(x):\n    return jnp.sin(x)\n")
+        "import equinox as eqx, jax.numpy as jnp\n\n@eqx.filter_jit\ndef step(x):\n    return jnp.sin(x)\n"
+    )
     manifest = tmp_path / "eqx.yaml"
-    manifest.write_text("version: 1\nfunctions:\n  - fn: sv_eqx:step\n    args:\n"
-                        "      - {shape: [4], dtype: float32}\n")
+    manifest.write_text(
+        "version: 1\nfunctions:\n  - fn: sv_eqx:step\n    args:\n"
+        "      - {shape: [4], dtype: float32}\n"
+    )
     result = CliRunner().invoke(cli, ["warm", str(manifest), "--dry-run"])
     assert result.exit_code == 2, result.output
     (line,) = result.stderr.strip().splitlines()

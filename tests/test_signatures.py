@@ -47,10 +47,17 @@ def test_signatures_of_a_real_service(tmp_path) -> None:
     scale = [s for s in sigs if s["module"] == "jit_scale"]
     assert len(scale) == 2
     committed, plain = scale
-    assert committed["leaves"] == [["(2, 3)", "float32", "False", "SingleDeviceSharding(cpu:0)"],
-                                   ["()", "float32", "True", "None"]]
-    assert plain["leaves"] == [["(2, 3)", "float32", "False", "None"], ["()", "float32", "False", "None"]]
-    assert committed["statics"] == [["n", "3"]] and committed["source"].startswith("scale at <string>:")
+    assert committed["leaves"] == [
+        ["(2, 3)", "float32", "False", "SingleDeviceSharding(cpu:0)"],
+        ["()", "float32", "True", "None"],
+    ]
+    assert plain["leaves"] == [
+        ["(2, 3)", "float32", "False", "None"],
+        ["()", "float32", "False", "None"],
+    ]
+    assert committed["statics"] == [["n", "3"]] and committed["source"].startswith(
+        "scale at <string>:"
+    )
     assert committed["misses"] == 1 and committed["hits"] == committed["uncacheable"] == 0
     assert committed["key"].startswith("jit_scale-") and committed["key"] != plain["key"]
     (cb,) = [s for s in sigs if s["module"] == "jit__lambda"]
@@ -80,11 +87,19 @@ def test_signature_rows_stay_bounded_under_10000_distinct_shapes(db_url) -> None
         for i in range(10_000):
             monitoring.record_event(telemetry.EVENT_REQUESTS)
             if pxla_logger.isEnabledFor(logging.DEBUG):
-                pxla_logger.log(logging.DEBUG, "Compiling %s with global shapes and types %s. "
-                                "Argument mapping: %s.", "jit(decode)",
-                                [core.ShapedArray((i + 1,), jnp.float32)], [None])
-            compiler_logger.log(logging.DEBUG, "PERSISTENT COMPILATION CACHE MISS for '%s' with key %r",
-                                "jit_decode", f"jit_decode-{i:064x}")
+                pxla_logger.log(
+                    logging.DEBUG,
+                    "Compiling %s with global shapes and types %s. Argument mapping: %s.",
+                    "jit(decode)",
+                    [core.ShapedArray((i + 1,), jnp.float32)],
+                    [None],
+                )
+            compiler_logger.log(
+                logging.DEBUG,
+                "PERSISTENT COMPILATION CACHE MISS for '%s' with key %r",
+                "jit_decode",
+                f"jit_decode-{i:064x}",
+            )
             if i % 1000 == 999:
                 collector.flush()
     finally:
@@ -108,8 +123,9 @@ def test_the_per_flush_bound_drops_and_counts() -> None:
     import jax.numpy as jnp
     from jax import core
 
-    collector = Collector(cache="c", environment_digest="d", sink=MemorySink(), interval_s=3600,
-                          max_signatures=10)
+    collector = Collector(
+        cache="c", environment_digest="d", sink=MemorySink(), interval_s=3600, max_signatures=10
+    )
     for i in range(25):
         collector._on_lowering("jit(f)", [core.ShapedArray((i,), jnp.float32)], [None])
         collector._on_log(False, "jit_f", f"jit_f-{i}")

@@ -89,7 +89,10 @@ def test_signed_cache_warm_push_pull_and_serving(tmp_path: Path) -> None:
     refused = invoke("warm", str(manifest), code=4)
     assert "accepts only signed content" in refused.stderr and refused.stderr.count("\n") == 1
     stranger, _ = keypair(tmp_path, "stranger.key")
-    assert "does not trust signing key" in invoke("warm", str(manifest), "--sign-key", str(stranger), code=4).stderr
+    assert (
+        "does not trust signing key"
+        in invoke("warm", str(manifest), "--sign-key", str(stranger), code=4).stderr
+    )
     assert json.loads(invoke("ls", "--json").stdout)["environments"] == []
 
     report = warm_json(str(manifest), "--sign-key", str(key))
@@ -97,8 +100,11 @@ def test_signed_cache_warm_push_pull_and_serving(tmp_path: Path) -> None:
     mirror = tmp_path / "mirror"
     pulled = json.loads(invoke("pull", "--to", str(mirror), "--json").stdout)
     assert pulled["copied"] == 5 and pulled["executables_copied"] == 5
-    served = json.loads(run_py(SERVE.format(dir=str(tmp_path), manifest=str(manifest)), check=True)
-                        .stdout.strip().splitlines()[-1])
+    served = json.loads(
+        run_py(SERVE.format(dir=str(tmp_path), manifest=str(manifest)), check=True)
+        .stdout.strip()
+        .splitlines()[-1]
+    )
     assert served["ok"] and served["loaded"] == 5 and served["fallback"] == 0, served
 
     # A signed cache refuses an unsigned push: nothing uploaded, nothing indexed.
@@ -108,19 +114,26 @@ def test_signed_cache_warm_push_pull_and_serving(tmp_path: Path) -> None:
     ns = Path(report["namespace"])
     result = invoke("push", "--from", str(mirror), code=4)
     assert "accepts only signed content" in result.stderr and not (ns / f"{name}-cache").exists()
-    pushed = json.loads(invoke("push", "--from", str(mirror), "--sign-key", str(key), "--json").stdout)
+    pushed = json.loads(
+        invoke("push", "--from", str(mirror), "--sign-key", str(key), "--json").stdout
+    )
     assert pushed["uploaded"] == 1 and (ns / f"{name}-cache").read_bytes() == new
     assert json.loads(invoke("pull", "--to", str(tmp_path / "m2"), "--json").stdout)["copied"] == 6
 
     # Content nobody trusted signed: untrust, warm more unsigned, trust again -> readers refuse.
     invoke("cache", "set", "default", "--trust", "")
-    more = tiny(tmp_path, manifest.read_text().replace("batch: [3]", "batch: [5]"), name="more.yaml")
+    more = tiny(
+        tmp_path, manifest.read_text().replace("batch: [3]", "batch: [5]"), name="more.yaml"
+    )
     assert warm_json(str(more))["summary"]["compiled"] == 1
     invoke("cache", "set", "default", "--trust", str(pub))
     refused = invoke("pull", "--to", str(tmp_path / "m3"), code=2)
     assert "not in its signed content list" in refused.stderr and not (tmp_path / "m3").exists()
-    served = json.loads(run_py(SERVE.format(dir=str(tmp_path), manifest=str(manifest)), check=True)
-                        .stdout.strip().splitlines()[-1])
+    served = json.loads(
+        run_py(SERVE.format(dir=str(tmp_path), manifest=str(manifest)), check=True)
+        .stdout.strip()
+        .splitlines()[-1]
+    )
     assert not served["ok"] and "not in its signed content list" in served["error"]
 
     # Re-signing by a trusted writer makes it acceptable again.
@@ -146,4 +159,6 @@ def test_key_generate_creates_missing_parent_directories(tmp_path) -> None:
     target = tmp_path / "new" / "dir" / "ci.key"
     info = signing.generate(target)
     assert target.exists() and (target.stat().st_mode & 0o777) == 0o600
-    assert (target.parent.stat().st_mode & 0o777) == 0o700 and info.public_key.startswith("ed25519:")
+    assert (target.parent.stat().st_mode & 0o777) == 0o700 and info.public_key.startswith(
+        "ed25519:"
+    )

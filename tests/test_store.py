@@ -31,11 +31,17 @@ def test_paths_without_times_then_infos_of_a_few(storage_root: str) -> None:
     """list_paths gives list()'s paths in its order; infos gives list()'s size and time of the files
     asked for, and leaves out one deleted since."""
     store = Store(storage_root)
-    for i, rel in enumerate(["ns/b/z-cache", "ns/a/one-cache", "ns/a/sub/deep", "top", "ns/c/gone"]):
+    for i, rel in enumerate(
+        ["ns/b/z-cache", "ns/a/one-cache", "ns/a/sub/deep", "top", "ns/c/gone"]
+    ):
         store.write_bytes(rel, b"x" * (i + 1))
     listing = store.list("")
     assert store.list_paths("") == [f.path for f in listing]
-    assert store.list_paths("ns/a") == [f.path for f in store.list("ns/a")] == ["ns/a/one-cache", "ns/a/sub/deep"]
+    assert (
+        store.list_paths("ns/a")
+        == [f.path for f in store.list("ns/a")]
+        == ["ns/a/one-cache", "ns/a/sub/deep"]
+    )
     assert store.list_paths("nothing-here") == []
     store.delete(["ns/c/gone"])
     infos = store.infos(["ns/a/sub/deep", "top", "ns/c/gone"], within="")
@@ -53,9 +59,15 @@ def test_stats_are_the_listing_as_numbers(storage_root: str) -> None:
         listing = store.list(under)
         stats = store.list_stats(under)
         assert [s[:2] for s in stats] == [(f.path, f.size) for f in listing]
-        assert [s[2] for s in stats] == pytest.approx([f.mtime.timestamp() for f in listing], abs=1e-6)
-    assert [s[:2] for s in store.list_stats("")] == [("ns/a/one-cache", 4), ("ns/a/sub/deep", 5),
-                                                    ("ns/b/z-cache", 3), ("top", 6)]
+        assert [s[2] for s in stats] == pytest.approx(
+            [f.mtime.timestamp() for f in listing], abs=1e-6
+        )
+    assert [s[:2] for s in store.list_stats("")] == [
+        ("ns/a/one-cache", 4),
+        ("ns/a/sub/deep", 5),
+        ("ns/b/z-cache", 3),
+        ("top", 6),
+    ]
     assert list(store.list_stats("nothing-here")) == []
 
 
@@ -69,9 +81,15 @@ def test_local_paths_list_links_as_files_and_never_descend_them(tmp_path) -> Non
     (root / "ns" / "linked").symlink_to(outside)
     (root / "ns" / "a" / "dangling").symlink_to(tmp_path / "nowhere")
     listing = store.list("")
-    assert store.list_paths("") == [f.path for f in listing] == ["ns/a/dangling", "ns/a/x-cache", "ns/linked"]
+    assert (
+        store.list_paths("")
+        == [f.path for f in listing]
+        == ["ns/a/dangling", "ns/a/x-cache", "ns/linked"]
+    )
     assert store.infos(store.list_paths("")) == {f.path: f for f in listing}
-    assert store.infos(["ns/linked"])["ns/linked"].size == outside.stat().st_size  # the target's, as list()
+    assert (
+        store.infos(["ns/linked"])["ns/linked"].size == outside.stat().st_size
+    )  # the target's, as list()
 
 
 def test_overwrite_is_whole(storage_root: str) -> None:
@@ -173,7 +191,12 @@ def test_reader_reads_only_regular_files_through_real_directories(tmp_path) -> N
     with store.reader() as read:
         assert read("ns/a/x-cache") == b"x" * 100
         assert read("top") == b"t"
-        for bad in ("ns/linked/secret-cache", "ns/a/link-cache", "ns/a/fifo-cache", "ns/plainfile/x"):
+        for bad in (
+            "ns/linked/secret-cache",
+            "ns/a/link-cache",
+            "ns/a/fifo-cache",
+            "ns/plainfile/x",
+        ):
             with pytest.raises(NotRegularFile):
                 read(bad)
         with pytest.raises(FileNotFoundError):
@@ -203,7 +226,9 @@ def test_dir_reader_reads_names_in_one_real_directory(tmp_path) -> None:
         assert list(ordered_map(read, ["x-cache"] * 20, 4)) == [b"x" * 100] * 20
     with store.dir_reader("ns/linked") as read, pytest.raises(NotRegularFile):
         read("secret-cache")
-    with store.dir_reader("ns") as read:  # a name through a linked directory: that link is not followed
+    with store.dir_reader(
+        "ns"
+    ) as read:  # a name through a linked directory: that link is not followed
         assert read("a/x-cache") == b"x" * 100
         with pytest.raises(NotRegularFile):
             read("linked/secret-cache")

@@ -38,7 +38,9 @@ def _plan_as_data(plan) -> dict:
 
 
 @pytest.mark.parametrize("min_age", [timedelta(0), timedelta(minutes=5)])
-def test_a_sync_does_what_its_dry_run_planned(storage_root: str, tmp_path, min_age: timedelta) -> None:
+def test_a_sync_does_what_its_dry_run_planned(
+    storage_root: str, tmp_path, min_age: timedelta
+) -> None:
     db = f"sqlite:///{tmp_path}/index.db"
     index, store = setup_cache(db, storage_root)
     env, other = fake_env("0.10.2"), fake_env("0.10.2", device_kind="TPU v5e", backend="tpu")
@@ -52,14 +54,20 @@ def test_a_sync_does_what_its_dry_run_planned(storage_root: str, tmp_path, min_a
         store.write_bytes(f"{ns}/{_key(data)}{CACHE_SUFFIX}", data)
         _old(store, f"{ns}/{_key(data)}{CACHE_SUFFIX}")
     young = make_entry(os.urandom(300), compile_seconds=1)
-    store.write_bytes(f"{ns}/{_key(young)}{CACHE_SUFFIX}", young)  # just written: young under a min age
+    store.write_bytes(
+        f"{ns}/{_key(young)}{CACHE_SUFFIX}", young
+    )  # just written: young under a min age
     corrupt = b"\x28\xb5\x2f\xfd" + os.urandom(40)
     store.write_bytes(f"{ns}/{_key(corrupt)}{CACHE_SUFFIX}", corrupt)
     _old(store, f"{ns}/{_key(corrupt)}{CACHE_SUFFIX}")
     changed = make_entry(os.urandom(900), compile_seconds=3)
-    store.write_bytes(f"{ns}/{first.keys[0]}{CACHE_SUFFIX}", changed)  # an indexed entry, another size
+    store.write_bytes(
+        f"{ns}/{first.keys[0]}{CACHE_SUFFIX}", changed
+    )  # an indexed entry, another size
     _old(store, f"{ns}/{first.keys[0]}{CACHE_SUFFIX}")
-    store.write_bytes(f"{ns}/{first.keys[3]}{CACHE_SUFFIX}", make_entry(os.urandom(700)))  # changed, young
+    store.write_bytes(
+        f"{ns}/{first.keys[3]}{CACHE_SUFFIX}", make_entry(os.urandom(700))
+    )  # changed, young
     store.write_bytes(f"{ns}/{first.keys[4]}{AOT_SUFFIX}", b"young executable")
     store.delete([f"{ns}/{first.keys[1]}{CACHE_SUFFIX}"])  # an indexed entry gone
     store.write_bytes(f"{ns}/{first.keys[2]}{AOT_SUFFIX}", b"executable")  # an executable to record
@@ -67,9 +75,16 @@ def test_a_sync_does_what_its_dry_run_planned(storage_root: str, tmp_path, min_a
     store.write_bytes(f"{ns}/{'jit_gone-' + 'cd' * 32}{AOT_SUFFIX}", b"orphan")
     store.write_bytes(f"{ns}/xla_gpu_per_fusion_autotune/ab/cd", b"sub-cache file")
     store.write_bytes("stray.txt", b"not a namespace")
-    store.delete([f"{other.namespace}/{k}{CACHE_SUFFIX}" for k in index.entry_keys(
-        index.environment_stats(CACHE)[0].id if index.environment_stats(CACHE)[0].namespace == other.namespace
-        else index.environment_stats(CACHE)[1].id)])
+    store.delete(
+        [
+            f"{other.namespace}/{k}{CACHE_SUFFIX}"
+            for k in index.entry_keys(
+                index.environment_stats(CACHE)[0].id
+                if index.environment_stats(CACHE)[0].namespace == other.namespace
+                else index.environment_stats(CACHE)[1].id
+            )
+        ]
+    )
     store.delete([f"{other.namespace}/env.json"])  # a namespace gone from storage
 
     ctx = Context(load_settings(db=db, cache=CACHE))
@@ -84,26 +99,43 @@ def test_a_sync_does_what_its_dry_run_planned(storage_root: str, tmp_path, min_a
         assert not item.add and not item.update and done.entries_added == done.entries_updated == 0
         assert {e.key for e in item.too_young} >= {_key(d) for d in new}
         return
-    expect_young = (sorted([_key(young), first.keys[3]]) + [first.keys[4] + AOT_SUFFIX]) if min_age else []
-    assert [e.key for e in item.too_young] == expect_young  # entries in name order, then executables
+    expect_young = (
+        (sorted([_key(young), first.keys[3]]) + [first.keys[4] + AOT_SUFFIX]) if min_age else []
+    )
+    assert [
+        e.key for e in item.too_young
+    ] == expect_young  # entries in name order, then executables
     assert sorted(e.key for e in item.add) == sorted(
-        [_key(d) for d in new] + [_key(corrupt)] + ([] if min_age else [_key(young)]))
+        [_key(d) for d in new] + [_key(corrupt)] + ([] if min_age else [_key(young)])
+    )
     assert all(e.size is not None for e in item.add + item.too_young)
-    assert [e.key for e in item.update] == sorted([first.keys[0]] + ([] if min_age else [first.keys[3]]))
+    assert [e.key for e in item.update] == sorted(
+        [first.keys[0]] + ([] if min_age else [first.keys[3]])
+    )
     assert [e.key for e in item.drop] == [first.keys[1]]
-    assert [e.key for e in item.record_aot] == sorted([first.keys[2]] + ([] if min_age else [first.keys[4]]))
+    assert [e.key for e in item.record_aot] == sorted(
+        [first.keys[2]] + ([] if min_age else [first.keys[4]])
+    )
     assert done.plan.orphan_executables == [f"{ns}/{'jit_gone-' + 'cd' * 32}{AOT_SUFFIX}"]
-    assert done.plan.stray_files == ["stray.txt"] and done.plan.environments_gone == [other.namespace]
+    assert done.plan.stray_files == ["stray.txt"] and done.plan.environments_gone == [
+        other.namespace
+    ]
 
     assert done.entries_added == len(new) + (0 if min_age else 1)
-    assert done.entries_updated == (1 if min_age else 2) and done.executables_recorded == (1 if min_age else 2)
+    assert done.entries_updated == (1 if min_age else 2) and done.executables_recorded == (
+        1 if min_age else 2
+    )
     assert done.rows_dropped == 1 and done.environments_marked_deleted == 1
     assert len(done.broken) == 1 and _key(corrupt) in done.broken[0]
     rows = index.entry_keys(first.info.id)
     assert rows[first.keys[0]] == (len(changed), sha256(changed))
     for data in new:
         assert rows[_key(data)] == (len(data), sha256(data))
-    assert (_key(young) in rows) == (not min_age) and _key(corrupt) not in rows and first.keys[1] not in rows
+    assert (
+        (_key(young) in rows) == (not min_age)
+        and _key(corrupt) not in rows
+        and first.keys[1] not in rows
+    )
 
     again = sync(ctx, cache, min_age=min_age)  # re-run: only what was left is left
     assert again.entries_added == again.entries_updated == again.rows_dropped == 0
@@ -120,7 +152,9 @@ def test_dir_stats_is_the_listing_depth_first(storage_root: str) -> None:
         store.write_bytes(rel, b"x" * (i + 1))
     dirs = list(store.dir_stats(""))
     assert [d for d, _ in dirs] == ["", "a", "a/b", "a/b/d", "a/b-c", "a0"]
-    flat = sorted((f"{d}/{n}" if d else n, size, mtime) for d, files in dirs for n, size, mtime in files)
+    flat = sorted(
+        (f"{d}/{n}" if d else n, size, mtime) for d, files in dirs for n, size, mtime in files
+    )
     assert [f[:2] for f in flat] == [s[:2] for s in store.list_stats("")]
     bare = list(store.dir_stats("", stat=False))
     assert [d for d, _ in bare] == [d for d, _ in dirs]

@@ -64,7 +64,9 @@ def test_service_telemetry_reaches_the_index_with_hit_keys(tmp_path, monkeypatch
     index = open_index(db)
     env_info = index.find_environment("loc", info["digest"])
     entries = {e.module: e for e in index.list_entries(env_info.id)}
-    assert entries["jit_predict"].hit_count == 1 and entries["jit_predict"].last_access_at is not None
+    assert (
+        entries["jit_predict"].hit_count == 1 and entries["jit_predict"].last_access_at is not None
+    )
     assert all(e.hit_count == 1 for e in entries.values())
     index.close()
 
@@ -79,7 +81,7 @@ def test_log_tap_keeps_service_logs_as_they_were(tmp_path) -> None:
     import logging, sys, json, jax, jax.numpy as jnp, cachectl
     from cachectl import telemetry
     logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="LOG %(name)s %(filename)s %(message)s")
-    cachectl.activate(root={str(tmp_path / 'c')!r}, readonly=False, db="sqlite:///{tmp_path}/i.db")
+    cachectl.activate(root={str(tmp_path / "c")!r}, readonly=False, db="sqlite:///{tmp_path}/i.db")
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     jax.jit(lambda x: x * 3)(jnp.ones(3)).block_until_ready()
     print("MARK")
@@ -107,14 +109,24 @@ def test_collector_buffer_is_bounded_and_counts_drops() -> None:
     sink = MemorySink()
     logger = logging.getLogger(telemetry.COMPILER_LOGGER)
     level = logger.level
-    collector = Collector(cache="c", environment_digest="d" * 64, sink=sink, interval_s=3600,
-                          max_functions=2, max_keys=2)
+    collector = Collector(
+        cache="c",
+        environment_digest="d" * 64,
+        sink=sink,
+        interval_s=3600,
+        max_functions=2,
+        max_keys=2,
+    )
     collector.install()
     try:
         assert logger.level == level  # the tap changes no level (so no DEBUG records are built)
         for i in range(5):
             monitoring.record_event(telemetry.EVENT_REQUESTS)
-            logger.debug("Persistent compilation cache hit for '%s' with key %r", f"jit_f{i}", f"jit_f{i}-{i:064x}")
+            logger.debug(
+                "Persistent compilation cache hit for '%s' with key %r",
+                f"jit_f{i}",
+                f"jit_f{i}-{i:064x}",
+            )
             monitoring.record_event(telemetry.EVENT_HITS)
             monitoring.record_event_duration_secs(telemetry.EVENT_SAVED, 0.5)
         assert collector.flush() is True
@@ -143,13 +155,28 @@ def test_stats_window_and_dropped_counts(db_url) -> None:
     env_id = index.ensure_environment("c", env).id
     now = datetime.now(UTC)
 
-    def batch(at: datetime, process: str, fn: str, req: int, hits: int, dropped: int = 0) -> TelemetryBatch:
-        return TelemetryBatch(process, "c", env.digest, at, at,
-                              {fn: FunctionCounts(requests=req, hits=hits, writes=req - hits, saved_seconds=1.5 * hits)},
-                              {}, dropped)
+    def batch(
+        at: datetime, process: str, fn: str, req: int, hits: int, dropped: int = 0
+    ) -> TelemetryBatch:
+        return TelemetryBatch(
+            process,
+            "c",
+            env.digest,
+            at,
+            at,
+            {
+                fn: FunctionCounts(
+                    requests=req, hits=hits, writes=req - hits, saved_seconds=1.5 * hits
+                )
+            },
+            {},
+            dropped,
+        )
 
     record_telemetry(index, env_id, batch(now - timedelta(days=3), "old:1", "jit_old", 10, 0))
-    record_telemetry(index, env_id, batch(now - timedelta(minutes=5), "a:1", "jit_f", 4, 3, dropped=7))
+    record_telemetry(
+        index, env_id, batch(now - timedelta(minutes=5), "a:1", "jit_f", 4, 3, dropped=7)
+    )
     record_telemetry(index, env_id, batch(now - timedelta(minutes=1), "b:2", "jit_f", 2, 2))
     record_telemetry(index, env_id, batch(now - timedelta(minutes=1), "b:2", "jit_g", 1, 0))
 
@@ -157,7 +184,10 @@ def test_stats_window_and_dropped_counts(db_url) -> None:
     (e,) = day.environments
     assert (e.processes, e.requests, e.hits, e.misses, e.writes, e.dropped) == (2, 7, 5, 2, 2, 7)
     assert abs(e.saved_seconds - 7.5) < 1e-9 and abs(e.hit_rate - 5 / 7) < 1e-9
-    assert [(f.function, f.requests, f.hits) for f in day.functions] == [("jit_f", 6, 5), ("jit_g", 1, 0)]
+    assert [(f.function, f.requests, f.hits) for f in day.functions] == [
+        ("jit_f", 6, 5),
+        ("jit_g", 1, 0),
+    ]
     week = telemetry_stats(index, "c", timedelta(days=7))
     assert week.environments[0].requests == 17
     assert telemetry_stats(index, "c", timedelta(seconds=1)).environments == []

@@ -29,7 +29,7 @@ pytestmark = [
     pytest.mark.skipif(
         not (OLD_PY and NEW_PY),
         reason="needs two venvs with different JAX versions: runs under `scripts/test --matrix` "
-               "(entry py313), which sets CACHECTL_TEST_UPGRADE_OLD_PYTHON/_NEW_PYTHON",
+        "(entry py313), which sets CACHECTL_TEST_UPGRADE_OLD_PYTHON/_NEW_PYTHON",
     ),
 ]
 
@@ -77,14 +77,21 @@ print(json.dumps({{"jax": jax.__version__, "path": activation.path,
 
 
 def run(python: str, *args: str) -> subprocess.CompletedProcess[str]:
-    proc = subprocess.run([python, *args], capture_output=True, text=True, timeout=240,
-                          env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    proc = subprocess.run(
+        [python, *args],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+    )
     assert proc.returncode == 0, (python, args, proc.stdout, proc.stderr)
     return proc
 
 
 def cli(python: str, db: str, *args: str) -> dict:
-    return json.loads(run(python, "-m", "cachectl", "--db", db, "--cache", "up", *args, "--json").stdout)
+    return json.loads(
+        run(python, "-m", "cachectl", "--db", db, "--cache", "up", *args, "--json").stdout
+    )
 
 
 def jax_version(python: str) -> str:
@@ -105,6 +112,7 @@ def namespaces(root: Path) -> set[str]:
 def test_warm_old_upgrade_warm_new_prune_superseded(tmp_path: Path) -> None:
     old_v, new_v = jax_version(OLD_PY), jax_version(NEW_PY)
     from packaging.version import Version
+
     assert Version(old_v) < Version(new_v), (old_v, new_v)
 
     (tmp_path / "up_tiny.py").write_text(MODULE)

@@ -71,7 +71,9 @@ def test_verify_reports_xla_subcaches_and_stray_files(tmp_path: Path) -> None:
     root = ns.parent.parent.parent
     (root / "notes.txt").write_text("left here by someone")
     found = kinds(invoke("verify", code=1))
-    assert [f["path"].rsplit("/", 1)[-1] for f in found["xla-subcache"]] == ["xla_gpu_per_fusion_autotune_cache_dir"]
+    assert [f["path"].rsplit("/", 1)[-1] for f in found["xla-subcache"]] == [
+        "xla_gpu_per_fusion_autotune_cache_dir"
+    ]
     assert "enable_xla_caches" in found["xla-subcache"][0]["detail"]
     assert [f["path"] for f in found["stray-file"]] == ["notes.txt"]
     assert set(found) == {"xla-subcache", "stray-file"}
@@ -106,15 +108,18 @@ def test_verify_deep_loads_every_entry_and_reports_one_that_does_not_load(tmp_pa
     path = ns / f"{key}-cache"
     compression, raw = entry_decompress(path.read_bytes())
     executable = bytearray(raw[4:])
-    executable[len(executable) // 3: len(executable) // 3 + 64] = b"\xff" * 64
+    executable[len(executable) // 3 : len(executable) // 3 + 64] = b"\xff" * 64
     bad = make_entry(bytes(executable), compile_seconds=1, compression=compression)
     read_header(bad)  # the header is fine: only loading can tell
     path.write_bytes(bad)
     db = Path(os.environ["XDG_DATA_HOME"]) / "cachectl" / "index.db"
     (ns / f"{key}-aot").unlink()  # its stored executable was made for the old bytes
     with sqlite3.connect(db) as conn:
-        conn.execute("UPDATE entries SET sha256 = ?, size_bytes = ?, aot_sha256 = NULL, aot_size_bytes = NULL "
-                     "WHERE key = ?", (sha256(bad), len(bad), key))
+        conn.execute(
+            "UPDATE entries SET sha256 = ?, size_bytes = ?, aot_sha256 = NULL, aot_size_bytes = NULL "
+            "WHERE key = ?",
+            (sha256(bad), len(bad), key),
+        )
     assert invoke("verify")["plan"]["findings"] == []  # sha256 and header agree with the index
     found = kinds(invoke("verify", "--deep", code=1))
     (nl,) = found["not-loadable"]

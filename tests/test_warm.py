@@ -131,8 +131,17 @@ def test_warm_then_a_fresh_service_compiles_nothing(tmp_path: Path) -> None:
     assert report["summary"]["buckets"] == 5 and report["summary"]["compiled"] == 5
     assert report["summary"]["cached"] == 0 and report["summary"]["failed"] == 0
     assert {b["status"] for b in report["buckets"]} == {"compiled"}
-    assert set(report["buckets"][0]) == {"function", "bucket", "status", "key", "compile_seconds", "bytes", "error",
-                                         "aot_bytes", "aot_error"}
+    assert set(report["buckets"][0]) == {
+        "function",
+        "bucket",
+        "status",
+        "key",
+        "compile_seconds",
+        "bytes",
+        "error",
+        "aot_bytes",
+        "aot_error",
+    }
     assert report["buckets"][0]["function"] == "affine"
     assert report["buckets"][0]["bucket"] == {"batch": 1, "mode": "relu"}
     assert report["environment"]["namespace"] in report["namespace"]
@@ -140,7 +149,9 @@ def test_warm_then_a_fresh_service_compiles_nothing(tmp_path: Path) -> None:
     # Exactly the buckets were written: nothing user code compiled on the way (weights()).
     files = entry_files(report["namespace"])
     assert set(files) == {b["key"] for b in report["buckets"]}
-    assert {b["bytes"] for b in report["buckets"]} == {len(files[b["key"]]) for b in report["buckets"]}
+    assert {b["bytes"] for b in report["buckets"]} == {
+        len(files[b["key"]]) for b in report["buckets"]
+    }
 
     result = service(tmp_path)
     assert result["path"] == report["namespace"]
@@ -152,13 +163,21 @@ def test_index_records_every_written_entry_and_the_run(tmp_path: Path) -> None:
     report = warm_json(str(manifest), "--jobs", "1")
     files = entry_files(report["namespace"])
     with sqlite3.connect(index_db()) as db:
-        rows = db.execute("SELECT key, module, size_bytes, sha256, origin, function, bucket, "
-                          "compile_time_ms, warm_run_id FROM entries").fetchall()
-        runs = db.execute("SELECT id, status, buckets, compiled, cached, failed, manifest_digest, "
-                          "manifest_path, host, user, finished_at, heartbeat_at FROM warm_runs").fetchall()
-        audit = db.execute("SELECT operation, entries FROM audit_log WHERE operation = 'warm'").fetchall()
+        rows = db.execute(
+            "SELECT key, module, size_bytes, sha256, origin, function, bucket, "
+            "compile_time_ms, warm_run_id FROM entries"
+        ).fetchall()
+        runs = db.execute(
+            "SELECT id, status, buckets, compiled, cached, failed, manifest_digest, "
+            "manifest_path, host, user, finished_at, heartbeat_at FROM warm_runs"
+        ).fetchall()
+        audit = db.execute(
+            "SELECT operation, entries FROM audit_log WHERE operation = 'warm'"
+        ).fetchall()
     assert len(runs) == 1
-    run_id, status, buckets, compiled, cached, failed, digest, path, host, user, finished, beat = runs[0]
+    run_id, status, buckets, compiled, cached, failed, digest, path, host, user, finished, beat = (
+        runs[0]
+    )
     assert (status, buckets, compiled, cached, failed) == ("succeeded", 5, 5, 0, 0)
     assert digest == sha256(manifest.read_bytes()) and path == str(manifest.resolve())
     assert host and user and finished and beat
@@ -168,7 +187,12 @@ def test_index_records_every_written_entry_and_the_run(tmp_path: Path) -> None:
     assert set(by_key) == set(files)
     for b in report["buckets"]:
         key, module, size, digest, origin, function, bucket, ms, run = by_key[b["key"]]
-        assert (origin, function, json.loads(bucket), run) == ("warm", b["function"], b["bucket"], run_id)
+        assert (origin, function, json.loads(bucket), run) == (
+            "warm",
+            b["function"],
+            b["bucket"],
+            run_id,
+        )
         assert module == "jit_" + b["function"]
         assert size == len(files[key]) == b["bytes"] and digest == sha256(files[key])
         assert ms is not None and abs(ms - b["compile_seconds"] * 1000) <= 1
@@ -185,7 +209,9 @@ def test_rewarm_reports_every_bucket_cached(tmp_path: Path) -> None:
     assert [b["key"] for b in again["buckets"]] == [b["key"] for b in first["buckets"]]
     assert again["summary"]["compile_seconds"] == 0
     with sqlite3.connect(index_db()) as db:
-        runs = db.execute("SELECT id, status, compiled, cached FROM warm_runs ORDER BY id").fetchall()
+        runs = db.execute(
+            "SELECT id, status, compiled, cached FROM warm_runs ORDER BY id"
+        ).fetchall()
         newest = db.execute("SELECT DISTINCT warm_run_id, origin FROM entries").fetchall()
     assert runs == [(1, "succeeded", 5, 0), (2, "succeeded", 0, 5)]
     # The re-warm claims its buckets (lifecycle protects the newest run's entries); provenance stays.
@@ -217,7 +243,13 @@ def test_rewarm_of_stored_buckets_neither_compiles_nor_loads(tmp_path: Path) -> 
     (Path(first["namespace"]) / f"{gone}-aot").unlink()
     counting[:] = ["start"]
     third = warm_json(str(manifest))
-    assert [b["status"] for b in third["buckets"]] == ["cached", "compiled", "cached", "cached", "cached"]
+    assert [b["status"] for b in third["buckets"]] == [
+        "cached",
+        "compiled",
+        "cached",
+        "cached",
+        "cached",
+    ]
     assert (Path(first["namespace"]) / f"{gone}-aot").exists()
     assert counting.count("/jax/compilation_cache/cache_hits") == (1 if shortcut else 5)
     counting.clear()
@@ -229,8 +261,13 @@ def test_warm_through_a_pipe_logs_one_line_per_bucket(tmp_path: Path) -> None:
     import subprocess
 
     manifest = tiny(tmp_path)
-    proc = subprocess.run([sys.executable, "-m", "cachectl", "warm", str(manifest), "--json", "--jobs", "2"],
-                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    proc = subprocess.run(
+        [sys.executable, "-m", "cachectl", "warm", str(manifest), "--json", "--jobs", "2"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+    )
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout)
     lines = [line for line in proc.stderr.splitlines() if line.startswith("warm ")]
@@ -242,8 +279,10 @@ def test_warm_through_a_pipe_logs_one_line_per_bucket(tmp_path: Path) -> None:
         assert match is not None, line
         seen.append((match[2], match[3], match[4]))
     assert [int(pattern.fullmatch(line)[1]) for line in lines] == [1, 2, 3, 4, 5]  # type: ignore[index]
-    expected = [(b["function"], ",".join(f"{k}={v}" for k, v in b["bucket"].items()), b["status"])
-                for b in report["buckets"]]
+    expected = [
+        (b["function"], ",".join(f"{k}={v}" for k, v in b["bucket"].items()), b["status"])
+        for b in report["buckets"]
+    ]
     assert sorted(seen) == sorted(expected) and {s for _, _, s in seen} == {"compiled"}
 
 
@@ -293,7 +332,9 @@ def test_example_manifest_shard_hits_in_the_real_model(tmp_path: Path) -> None:
     """
     counts = json.loads(run_py(serve, cwd=REPO, check=True).stdout.strip().splitlines()[-1])
     requests = counts["/jax/compilation_cache/compile_requests_use_cache"]
-    assert requests == 3 and requests - counts.get("/jax/compilation_cache/cache_hits", 0) == 0, counts
+    assert requests == 3 and requests - counts.get("/jax/compilation_cache/cache_hits", 0) == 0, (
+        counts
+    )
 
 
 def test_s3_cache_on_moto(tmp_path: Path, s3_bucket: str) -> None:
@@ -306,8 +347,11 @@ def test_s3_cache_on_moto(tmp_path: Path, s3_bucket: str) -> None:
     import fsspec
 
     fs = fsspec.filesystem("s3", skip_instance_cache=True)
-    stored = {p.rsplit("/", 1)[1][: -len("-cache")]: fs.cat_file(p)
-              for p in fs.find(report["namespace"][len("s3://"):]) if p.endswith("-cache")}
+    stored = {
+        p.rsplit("/", 1)[1][: -len("-cache")]: fs.cat_file(p)
+        for p in fs.find(report["namespace"][len("s3://") :])
+        if p.endswith("-cache")
+    }
     assert set(stored) == {b["key"] for b in report["buckets"]}
     with sqlite3.connect(index_db()) as db:
         shas = dict(db.execute("SELECT key, sha256 FROM entries").fetchall())
@@ -420,12 +464,21 @@ def test_mesh_manifest_on_four_devices(tmp_path: Path) -> None:
 
 
 def test_target_mismatch_exits_3_and_compiles_nothing(tmp_path: Path) -> None:
-    manifest = tiny(tmp_path, TINY_MANIFEST.replace("target: {backend: cpu}",
-                                                    "target: {backend: gpu, device_kind: 'NVIDIA H100*', device_count: 8}"))
+    manifest = tiny(
+        tmp_path,
+        TINY_MANIFEST.replace(
+            "target: {backend: cpu}",
+            "target: {backend: gpu, device_kind: 'NVIDIA H100*', device_count: 8}",
+        ),
+    )
     result = invoke("warm", str(manifest), code=3)
     message = result.stderr.strip()
     assert message.startswith("cachectl: error: ") and "\n" not in message
-    for field in ("backend is cpu, the manifest targets gpu", "device kind is 'cpu'", "1 devices, the manifest targets 8"):
+    for field in (
+        "backend is cpu, the manifest targets gpu",
+        "device kind is 'cpu'",
+        "1 devices, the manifest targets 8",
+    ):
         assert field in message, message
     assert "nothing was compiled" in message
     cache_root = Path(os.environ["XDG_CACHE_HOME"]) / "cachectl"
@@ -442,8 +495,9 @@ def test_target_mismatch_exits_3_and_compiles_nothing(tmp_path: Path) -> None:
     ("text", "line", "needle"),
     [pytest.param(t, ln, n, id=i) for i, t, ln, n in MALFORMED],
 )
-def test_malformed_manifest_exits_2_naming_file_and_line(tmp_path: Path, text: str, line: int,
-                                                         needle: str) -> None:
+def test_malformed_manifest_exits_2_naming_file_and_line(
+    tmp_path: Path, text: str, line: int, needle: str
+) -> None:
     import textwrap
 
     path = tmp_path / "bad.yaml"
@@ -458,8 +512,9 @@ def test_malformed_manifest_exits_2_naming_file_and_line(tmp_path: Path, text: s
     ("files", "text", "line", "needle"),
     [pytest.param(f, t, ln, n, id=i) for i, f, t, ln, n in IMPORT_ERRORS],
 )
-def test_unimportable_functions_exit_2_before_compiling(tmp_path: Path, files: dict[str, str], text: str,
-                                                       line: int, needle: str) -> None:
+def test_unimportable_functions_exit_2_before_compiling(
+    tmp_path: Path, files: dict[str, str], text: str, line: int, needle: str
+) -> None:
     for name, body in files.items():
         (tmp_path / name).write_text(body)
     path = tmp_path / "manifest.yaml"
@@ -470,7 +525,14 @@ def test_unimportable_functions_exit_2_before_compiling(tmp_path: Path, files: d
 
 
 def test_non_writer_is_refused_with_exit_4(tmp_path: Path) -> None:
-    invoke("cache", "add", "guarded", str(tmp_path / "guarded"), "--writers", "@nobody-here,someone-else")
+    invoke(
+        "cache",
+        "add",
+        "guarded",
+        str(tmp_path / "guarded"),
+        "--writers",
+        "@nobody-here,someone-else",
+    )
     result = invoke("warm", str(tiny(tmp_path)), "--cache", "guarded", code=4)
     assert "may not warm cache 'guarded'" in result.stderr
     assert not list((tmp_path / "guarded").rglob("*-cache"))
@@ -487,13 +549,18 @@ def test_dry_run_lists_buckets_and_compiles_nothing(tmp_path: Path) -> None:
 
 
 def test_cache_comes_from_flag_then_manifest_then_global(tmp_path: Path) -> None:
-    manifest = tiny(tmp_path, "version: 1\ncache: from-manifest\n" + TINY_MANIFEST.split("\n", 2)[2])
+    manifest = tiny(
+        tmp_path, "version: 1\ncache: from-manifest\n" + TINY_MANIFEST.split("\n", 2)[2]
+    )
     missing = invoke("warm", str(manifest), "--dry-run", code=2)
     assert "no cache named 'from-manifest'" in missing.stderr
     invoke("cache", "add", "from-manifest", str(tmp_path / "m"))
     invoke("cache", "add", "from-flag", str(tmp_path / "f"))
     assert str(tmp_path / "m") in warm_json(str(manifest), "--dry-run")["namespace"]
-    assert str(tmp_path / "f") in warm_json(str(manifest), "--dry-run", "--cache", "from-flag")["namespace"]
+    assert (
+        str(tmp_path / "f")
+        in warm_json(str(manifest), "--dry-run", "--cache", "from-flag")["namespace"]
+    )
 
 
 # --------------------------------------------------------------------------- failures
@@ -533,19 +600,30 @@ def test_a_failing_bucket_does_not_stop_the_others(tmp_path: Path) -> None:
     result = invoke("warm", str(manifest), "--json", code=1)
     report = json.loads(result.stdout)
     statuses = [(b["function"], b["bucket"], b["status"]) for b in report["buckets"]]
-    assert statuses == [("picky", {"batch": 1}, "compiled"), ("picky", {"batch": 3}, "failed"),
-                        ("picky", {"batch": 5}, "compiled"), ("uses", {}, "failed")]
+    assert statuses == [
+        ("picky", {"batch": 1}, "compiled"),
+        ("picky", {"batch": 3}, "failed"),
+        ("picky", {"batch": 5}, "compiled"),
+        ("uses", {}, "failed"),
+    ]
     errors = [b["error"] for b in report["buckets"]]
     assert errors[0] is None and "ValueError: batch 3 is not supported" in errors[1]
-    assert f"{manifest}:9:" in errors[3] and "broken_params() raised OSError: checkpoint not found" in errors[3]
+    assert (
+        f"{manifest}:9:" in errors[3]
+        and "broken_params() raised OSError: checkpoint not found" in errors[3]
+    )
     assert report["summary"] == {**report["summary"], "buckets": 4, "compiled": 2, "failed": 2}
     assert "2 of 4 bucket(s) failed" in result.stderr
     with sqlite3.connect(index_db()) as db:
-        assert db.execute("SELECT status, compiled, failed FROM warm_runs").fetchall() == [("failed", 2, 2)]
+        assert db.execute("SELECT status, compiled, failed FROM warm_runs").fetchall() == [
+            ("failed", 2, 2)
+        ]
         assert db.execute("SELECT COUNT(*) FROM entries").fetchone() == (2,)
 
     # --fail-fast with one job goes in manifest order and stops at the first failure.
-    fast = json.loads(invoke("warm", str(manifest), "--json", "--fail-fast", "--jobs", "1", code=1).stdout)
+    fast = json.loads(
+        invoke("warm", str(manifest), "--json", "--fail-fast", "--jobs", "1", code=1).stdout
+    )
     assert [b["status"] for b in fast["buckets"]] == ["cached", "failed", "skipped", "skipped"]
     assert fast["summary"]["buckets"] == 4 and fast["summary"]["failed"] == 1
 
@@ -555,8 +633,10 @@ def test_entries_above_max_entry_size_are_removed_and_reported(tmp_path: Path) -
     result = invoke("warm", str(tiny(tmp_path)), "--cache", "small", "--json", code=1)
     report = json.loads(result.stdout)
     assert {b["status"] for b in report["buckets"]} == {"too-large"}
-    assert all(b["bytes"] > 1000 and "above the max entry size of cache 'small' (1000 B)" in b["error"]
-               for b in report["buckets"])
+    assert all(
+        b["bytes"] > 1000 and "above the max entry size of cache 'small' (1000 B)" in b["error"]
+        for b in report["buckets"]
+    )
     assert report["summary"]["failed"] == 5
     assert not list((tmp_path / "small").rglob("*-cache"))
     with sqlite3.connect(index_db()) as db:
@@ -577,7 +657,9 @@ def test_warm_runs_rows_and_heartbeat(db_url: str) -> None:
     try:
         index.ensure_cache("c", "/tmp/unused-root")
         env = index.ensure_environment("c", current_environment())
-        run = warm_runs.start_run(index, env.id, manifest_digest="ab" * 32, manifest_path="/m.yaml", buckets=3)
+        run = warm_runs.start_run(
+            index, env.id, manifest_digest="ab" * 32, manifest_path="/m.yaml", buckets=3
+        )
         assert run.status == "running" and run.heartbeat_at is not None
         assert warms_in_progress(index, [env.id])[env.id].run_id == run.id
         warm_runs.heartbeat(index, run.id, compiled=2, cached=0, failed=0)
@@ -596,7 +678,9 @@ def test_warm_runs_rows_and_heartbeat(db_url: str) -> None:
         index.close()
 
 
-def test_warm_into_postgres_index_and_lifecycle_sees_it_running(tmp_path: Path, pg_url: str) -> None:
+def test_warm_into_postgres_index_and_lifecycle_sees_it_running(
+    tmp_path: Path, pg_url: str
+) -> None:
     """Library call against PostgreSQL: while buckets compile, the run counts as in progress."""
     from sqlalchemy import select
 
@@ -621,9 +705,13 @@ def test_warm_into_postgres_index_and_lifecycle_sees_it_running(tmp_path: Path, 
         env = ctx.index.environment_stats("default")[0]
         entries = ctx.index.list_entries(env.id)
         assert {e.key for e in entries} == {b.key for b in report.buckets}
-        assert {e.origin for e in entries} == {"warm"} and all(e.compile_time_ms is not None for e in entries)
+        assert {e.origin for e in entries} == {"warm"} and all(
+            e.compile_time_ms is not None for e in entries
+        )
         files = entry_files(report.namespace)
-        assert all(e.sha256 == sha256(files[e.key]) and e.size == len(files[e.key]) for e in entries)
+        assert all(
+            e.sha256 == sha256(files[e.key]) and e.size == len(files[e.key]) for e in entries
+        )
         (run,) = warm_runs.list_runs(ctx.index, cache="default")
         assert (run.status, run.buckets, run.compiled, run.failed) == ("succeeded", 5, 5, 0)
         with ctx.index.session() as session:

@@ -38,8 +38,11 @@ functions:
 def tiny_disk(tmp_path: Path):
     mount = tmp_path / "disk"
     mount.mkdir()
-    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mount)],
-                          capture_output=True, text=True)
+    proc = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mount)],
+        capture_output=True,
+        text=True,
+    )
     if proc.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here: {proc.stderr.strip()}")
     try:
@@ -53,7 +56,9 @@ def warm(*args: str) -> tuple[int, dict]:
     return result.exit_code, json.loads(result.stdout)
 
 
-def test_full_disk_buckets_fail_with_the_reason_and_a_rerun_compiles_them(tmp_path: Path, tiny_disk: Path) -> None:
+def test_full_disk_buckets_fail_with_the_reason_and_a_rerun_compiles_them(
+    tmp_path: Path, tiny_disk: Path
+) -> None:
     (tmp_path / "df_tiny.py").write_text(MODULE)
     manifest = tmp_path / "m.yaml"
     manifest.write_text(MANIFEST)
@@ -67,7 +72,9 @@ def test_full_disk_buckets_fail_with_the_reason_and_a_rerun_compiles_them(tmp_pa
     for b in failed:
         assert "broken entry" in b["error"] and "no space left" in b["error"], b["error"]
     namespace = Path(report["namespace"])
-    assert [p for p in namespace.glob("*-cache") if p.stat().st_size == 0] == []  # removed, not indexed
+    assert [
+        p for p in namespace.glob("*-cache") if p.stat().st_size == 0
+    ] == []  # removed, not indexed
     compiled = {b["key"] for b in report["buckets"] if b["status"] == "compiled"}
 
     filler.unlink()

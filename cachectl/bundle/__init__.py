@@ -24,14 +24,23 @@ from __future__ import annotations
 
 from cachectl.bundle.create import create
 from cachectl.bundle.format import (
-           FORMAT,
-           BadBundle,
-           BundleEntry,
-           BundleInfo,
-           InstallResult,
-           describe,
+    FORMAT,
+    BadBundle,
+    BundleEntry,
+    BundleInfo,
+    InstallResult,
+    describe,
 )
 from cachectl.bundle.install import environment_diff, install
 
-__all__ = ["FORMAT", "BadBundle", "BundleEntry", "BundleInfo", "InstallResult", "create", "describe",
-           "environment_diff", "install"]
+__all__ = [
+    "FORMAT",
+    "BadBundle",
+    "BundleEntry",
+    "BundleInfo",
+    "InstallResult",
+    "create",
+    "describe",
+    "environment_diff",
+    "install",
+]

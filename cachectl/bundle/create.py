@@ -45,8 +45,10 @@ def _resolve_env(ctx: Context, cache: CacheInfo, env: str | None) -> Environment
     try:
         return ctx.index.get_environment(cache.name, here.digest)
     except NotFound:
-        raise NotFound(f"cache {cache.name!r} has no namespace for this machine's environment "
-                       f"{here.digest[:16]}: warm it first, or pass --env DIGEST (see `cachectl ls`)") from None
+        raise NotFound(
+            f"cache {cache.name!r} has no namespace for this machine's environment "
+            f"{here.digest[:16]}: warm it first, or pass --env DIGEST (see `cachectl ls`)"
+        ) from None
 
 
 def _signer(signed: dict[str, Any] | None) -> str | None:
@@ -69,7 +71,9 @@ def _tarinfo(name: str, size: int, mtime: float) -> tarfile.TarInfo:
 _RAW_FRAME = b"\x28\xb5\x2f\xfd\x00\x38"  # magic; no size, checksum or dictionary; window 2^17
 _RAW_BLOCK = 128 << 10  # the largest block a 128 KiB window allows
 _LAST_EMPTY_BLOCK = b"\x01\x00\x00"
-_READ_AHEAD = 3  # files read and hashed ahead of the writer: more holds fresh pages (8: 265 vs 220 ms)
+_READ_AHEAD = (
+    3  # files read and hashed ahead of the writer: more holds fresh pages (8: 265 vs 220 ms)
+)
 
 
 def _block_header(size: int) -> bytes:
@@ -109,7 +113,7 @@ class _BundleWriter:
             for part in parts:
                 view = memoryview(part)
                 for i in range(0, len(view), _RAW_BLOCK):
-                    block = view[i:i + _RAW_BLOCK]
+                    block = view[i : i + _RAW_BLOCK]
                     bufs += [_block_header(len(block)), block]
             _write_all(self._fd, bufs)
             return
@@ -137,9 +141,12 @@ class _Read:
     sha256: str
 
 
-def _read_verified(store: Any, ns: str, files: list[tuple[str, int, str]]) -> Iterator[_Read | None]:
+def _read_verified(
+    store: Any, ns: str, files: list[tuple[str, int, str]]
+) -> Iterator[_Read | None]:
     """Each file's bytes and sha256 (None when storage lacks it), in order, read and hashed in
     threads ahead of the caller (hashlib and file reads release the GIL) so hashing overlaps writing."""
+
     def read(name: str) -> _Read | None:
         try:
             data = store.read_bytes(f"{ns}/{name}")
@@ -161,9 +168,17 @@ def _read_verified(store: Any, ns: str, files: list[tuple[str, int, str]]) -> It
                 f.cancel()
 
 
-def create(ctx: Context, output: str | os.PathLike[str], *, cache: CacheInfo | None = None,
-           env: str | None = None, manifest: str | None = None, sign_key: str | None = None,
-           level: int = 3, dry_run: bool = False) -> BundleInfo:
+def create(
+    ctx: Context,
+    output: str | os.PathLike[str],
+    *,
+    cache: CacheInfo | None = None,
+    env: str | None = None,
+    manifest: str | None = None,
+    sign_key: str | None = None,
+    level: int = 3,
+    dry_run: bool = False,
+) -> BundleInfo:
     """Write one namespace (this machine's, or ``env``'s) as a bundle file at ``output``.
 
     With ``manifest`` the manifest's ``cache:`` picks the cache (else the global one) and the
@@ -195,13 +210,30 @@ def create(ctx: Context, output: str | os.PathLike[str], *, cache: CacheInfo | N
         files.append((e.key + CACHE_SUFFIX, e.size, e.sha256))
         if e.aot_sha256:
             files.append((e.key + AOT_SUFFIX, int(e.aot_size or 0), e.aot_sha256))
-        entries.append(BundleEntry(e.key, e.function, e.bucket, e.size, e.sha256, e.compile_time_ms,
-                                   e.aot_size, e.aot_sha256))
+        entries.append(
+            BundleEntry(
+                e.key,
+                e.function,
+                e.bucket,
+                e.size,
+                e.sha256,
+                e.compile_time_ms,
+                e.aot_size,
+                e.aot_sha256,
+            )
+        )
     content = signing.content_list(info.digest, files)
     created_at = datetime.now(UTC)
-    meta = {"format": FORMAT, "created_at": created_at.isoformat(), "cache": cache.name,
-            "environment": info.environment.to_dict(), "digest": info.digest, "namespace": ns,
-            "entries": [e.__dict__ for e in entries], "content": content}
+    meta = {
+        "format": FORMAT,
+        "created_at": created_at.isoformat(),
+        "cache": cache.name,
+        "environment": info.environment.to_dict(),
+        "digest": info.digest,
+        "namespace": ns,
+        "entries": [e.__dict__ for e in entries],
+        "content": content,
+    }
     content_bytes = sum(s for _, s, _ in files)
     signed = signing.sign(key, content) if key else None
     if signed is None and hasattr(ctx.index, "content_signature"):
@@ -210,9 +242,21 @@ def create(ctx: Context, output: str | os.PathLike[str], *, cache: CacheInfo | N
         if existing and existing.get("content") == content:
             signed = existing
     if dry_run:
-        return BundleInfo(str(out), meta["environment"], info.digest, ns, cache.name, meta["created_at"],
-                          entries, len(files), content_bytes, 0, _signer(signed),
-                          time.monotonic() - started, True)
+        return BundleInfo(
+            str(out),
+            meta["environment"],
+            info.digest,
+            ns,
+            cache.name,
+            meta["created_at"],
+            entries,
+            len(files),
+            content_bytes,
+            0,
+            _signer(signed),
+            time.monotonic() - started,
+            True,
+        )
 
     tmp = out.with_name(f".{out.name}.tmp-{uuid.uuid4().hex[:8]}")
     mtime = created_at.timestamp()
@@ -226,14 +270,22 @@ def create(ctx: Context, output: str | os.PathLike[str], *, cache: CacheInfo | N
                 sig = json.dumps(signed, indent=1, sort_keys=True).encode()
                 writer.member(_tarinfo(SIGNATURE, len(sig), mtime), sig)
             writer.member(_tarinfo(FILES + ENV_FILE, len(env_json), mtime), env_json)
-            for (name, size, sha), data in zip(files[1:], _read_verified(store, ns, files[1:]), strict=True):
+            for (name, size, sha), data in zip(
+                files[1:], _read_verified(store, ns, files[1:]), strict=True
+            ):
                 if data is None:
-                    raise OperationFailed(f"{store.url_for(ns + '/' + name)} is in the index but not in "
-                                          "storage: run `cachectl sync`, then bundle again")
+                    raise OperationFailed(
+                        f"{store.url_for(ns + '/' + name)} is in the index but not in "
+                        "storage: run `cachectl sync`, then bundle again"
+                    )
                 if len(data.data) != size or data.sha256 != sha:
-                    raise OperationFailed(f"{store.url_for(ns + '/' + name)} differs from the index "
-                                          "(sha256): run `cachectl verify`; nothing was bundled")
-                writer.member(_tarinfo(FILES + name, size, mtime), data.data, raw=name.endswith(CACHE_SUFFIX))
+                    raise OperationFailed(
+                        f"{store.url_for(ns + '/' + name)} differs from the index "
+                        "(sha256): run `cachectl verify`; nothing was bundled"
+                    )
+                writer.member(
+                    _tarinfo(FILES + name, size, mtime), data.data, raw=name.endswith(CACHE_SUFFIX)
+                )
             writer.close()
             os.fsync(fd)
         finally:
@@ -242,8 +294,18 @@ def create(ctx: Context, output: str | os.PathLike[str], *, cache: CacheInfo | N
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    return BundleInfo(str(out), meta["environment"], info.digest, ns, cache.name, meta["created_at"], entries,
-                      len(files), content_bytes, out.stat().st_size, _signer(signed),
-                      time.monotonic() - started, False)
-
-
+    return BundleInfo(
+        str(out),
+        meta["environment"],
+        info.digest,
+        ns,
+        cache.name,
+        meta["created_at"],
+        entries,
+        len(files),
+        content_bytes,
+        out.stat().st_size,
+        _signer(signed),
+        time.monotonic() - started,
+        False,
+    )

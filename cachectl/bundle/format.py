@@ -114,14 +114,18 @@ def _read_json(tar: tarfile.TarFile, member: tarfile.TarInfo, path: Path) -> dic
     return data
 
 
-def _meta(path: Path, tar: tarfile.TarFile) -> tuple[dict[str, Any], dict[str, Any] | None, tarfile.TarInfo | None]:
+def _meta(
+    path: Path, tar: tarfile.TarFile
+) -> tuple[dict[str, Any], dict[str, Any] | None, tarfile.TarInfo | None]:
     """bundle.json, signature.json (or None), and the first file member (or None)."""
     first = tar.next()
     if first is None or first.name != META:
         raise BadBundle(f"{path} is not a cachectl bundle: its first member is not {META}")
     meta = _read_json(tar, first, path)
     if meta.get("format") != FORMAT:
-        raise BadBundle(f"{path}: unknown bundle format {meta.get('format')!r} (this cachectl reads {FORMAT})")
+        raise BadBundle(
+            f"{path}: unknown bundle format {meta.get('format')!r} (this cachectl reads {FORMAT})"
+        )
     for field_name in ("environment", "digest", "namespace", "entries", "content"):
         if field_name not in meta:
             raise BadBundle(f"{path}: {META} lacks {field_name!r}")
@@ -144,9 +148,19 @@ def describe(path: str | os.PathLike[str]) -> BundleInfo:
     with _open(p) as tar:
         meta, signed, _ = _meta(p, tar)
     files = signing.files_of(meta["content"])
-    return BundleInfo(str(p), meta["environment"], meta["digest"], meta["namespace"], meta.get("cache"),
-                      meta.get("created_at", ""), _entries(meta), len(files), sum(s for s, _ in files.values()),
-                      p.stat().st_size, signing.key_id(signed["key"]) if signed and signed.get("key") else None)
+    return BundleInfo(
+        str(p),
+        meta["environment"],
+        meta["digest"],
+        meta["namespace"],
+        meta.get("cache"),
+        meta.get("created_at", ""),
+        _entries(meta),
+        len(files),
+        sum(s for s, _ in files.values()),
+        p.stat().st_size,
+        signing.key_id(signed["key"]) if signed and signed.get("key") else None,
+    )
 
 
 def _write_all(fd: int, bufs: list[bytes | memoryview]) -> None:

@@ -40,8 +40,11 @@ from cachectl.permissions import check_writer
 def environment_diff(here: Environment, bundled: dict[str, Any]) -> list[str]:
     """'field: X here, Y in the bundle' for every differing fingerprint field."""
     mine = here.to_dict()
-    return [f"{k}: {mine.get(k)!r} here, {bundled.get(k)!r} in the bundle"
-            for k in sorted(set(mine) | set(bundled)) if mine.get(k) != bundled.get(k)]
+    return [
+        f"{k}: {mine.get(k)!r} here, {bundled.get(k)!r} in the bundle"
+        for k in sorted(set(mine) | set(bundled))
+        if mine.get(k) != bundled.get(k)
+    ]
 
 
 def _staging_dir(store: Any, ns: str) -> Path:
@@ -57,7 +60,9 @@ def _staging_dir(store: Any, ns: str) -> Path:
 _WORKERS = 2  # threads hashing and writing members while the main thread decompresses
 _PIECE = 64 << 10
 _IN_MEMORY_MAX = 16 << 20  # members up to this size are hashed and written in a worker thread
-_IN_FLIGHT_MAX = 4 << 20  # bytes read but not yet written: more costs fresh pages (64 MiB: 596 vs 362 ms)
+_IN_FLIGHT_MAX = (
+    4 << 20
+)  # bytes read but not yet written: more costs fresh pages (64 MiB: 596 vs 362 ms)
 
 
 def _write_hashed(dest: Path, data: bytes) -> tuple[int, str]:
@@ -68,7 +73,7 @@ def _write_hashed(dest: Path, data: bytes) -> tuple[int, str]:
     fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     try:
         for i in range(0, len(view), _PIECE):
-            piece = view[i:i + _PIECE]
+            piece = view[i : i + _PIECE]
             _write_all(fd, [piece])
             digest.update(piece)
     finally:
@@ -87,8 +92,13 @@ def _stream_hashed(src: IO[bytes], dest: Path) -> tuple[int, str]:
     return n, digest.hexdigest()
 
 
-def _extract(path: Path, tar: tarfile.TarFile, first: tarfile.TarInfo | None,
-             expected: dict[str, tuple[int, str]], staging: Path) -> None:
+def _extract(
+    path: Path,
+    tar: tarfile.TarFile,
+    first: tarfile.TarInfo | None,
+    expected: dict[str, tuple[int, str]],
+    staging: Path,
+) -> None:
     """Every member into ``staging``, each checked against the content list; BadBundle at the first
     that is not listed, repeated, not a file, or whose size or sha256 differ. Decompressing runs here
     while worker threads hash and write the members read before."""
@@ -99,8 +109,10 @@ def _extract(path: Path, tar: tarfile.TarFile, first: tarfile.TarInfo | None,
     def settle() -> int:
         name, want, done = pending.pop(0)
         if done.result() != want:
-            raise BadBundle(f"{path}: {name} does not match its sha256 in the content list "
-                            "(tampered or damaged): nothing installed")
+            raise BadBundle(
+                f"{path}: {name} does not match its sha256 in the content list "
+                "(tampered or damaged): nothing installed"
+            )
         return want[0]
 
     member = first
@@ -108,9 +120,11 @@ def _extract(path: Path, tar: tarfile.TarFile, first: tarfile.TarInfo | None,
         while member is not None:
             if not member.name.startswith(FILES):
                 raise BadBundle(f"{path}: unexpected member {member.name!r}: nothing installed")
-            name = member.name[len(FILES):]
+            name = member.name[len(FILES) :]
             if name not in expected or "/" in name or name in (".", ".."):
-                raise BadBundle(f"{path}: {member.name} is not in the bundle's content list: nothing installed")
+                raise BadBundle(
+                    f"{path}: {member.name} is not in the bundle's content list: nothing installed"
+                )
             if name in seen:
                 raise BadBundle(f"{path}: {member.name} appears twice: nothing installed")
             if not member.isfile():
@@ -132,17 +146,23 @@ def _extract(path: Path, tar: tarfile.TarFile, first: tarfile.TarInfo | None,
             settle()
     missing = sorted(set(expected) - seen)
     if missing:
-        raise BadBundle(f"{path}: {len(missing)} file(s) of the content list are missing ({missing[0]}, ...): "
-                        "nothing installed")
+        raise BadBundle(
+            f"{path}: {len(missing)} file(s) of the content list are missing ({missing[0]}, ...): "
+            "nothing installed"
+        )
 
 
-def _check_meta(path: Path, meta: dict[str, Any], expected: dict[str, tuple[int, str]]) -> Environment:
+def _check_meta(
+    path: Path, meta: dict[str, Any], expected: dict[str, tuple[int, str]]
+) -> Environment:
     try:
         env = Environment.from_dict(meta["environment"])
     except (ValueError, TypeError, KeyError) as exc:
         raise BadBundle(f"{path}: bad environment in {META} ({exc})") from exc
     if env.digest != meta["digest"] or meta["content"].get("environment") != env.digest:
-        raise BadBundle(f"{path}: the environment's digest does not match its fields: nothing installed")
+        raise BadBundle(
+            f"{path}: the environment's digest does not match its fields: nothing installed"
+        )
     if env.namespace != meta["namespace"]:
         raise BadBundle(f"{path}: namespace {meta['namespace']!r} is not the environment's")
     if ENV_FILE not in expected:
@@ -155,8 +175,13 @@ def _check_meta(path: Path, meta: dict[str, Any], expected: dict[str, tuple[int,
     return env
 
 
-def install(ctx: Context, path: str | os.PathLike[str], *, cache: CacheInfo | None = None,
-            dry_run: bool = False) -> InstallResult:
+def install(
+    ctx: Context,
+    path: str | os.PathLike[str],
+    *,
+    cache: CacheInfo | None = None,
+    dry_run: bool = False,
+) -> InstallResult:
     """Verify a bundle completely, then move its files into place and index them."""
     started = time.monotonic()
     p = Path(path).expanduser().absolute()
@@ -170,11 +195,15 @@ def install(ctx: Context, path: str | os.PathLike[str], *, cache: CacheInfo | No
         here = ctx.environment()
         if here.digest != env.digest:
             diff = environment_diff(here, meta["environment"])
-            raise EnvironmentMismatch(f"bundle {p.name} was made for another environment: " + "; ".join(diff))
+            raise EnvironmentMismatch(
+                f"bundle {p.name} was made for another environment: " + "; ".join(diff)
+            )
         signer = None
         if signed is not None:
             if signed.get("content") != meta["content"]:
-                raise signing.Untrusted(f"bundle {p.name}: its signature covers another content list: nothing installed")
+                raise signing.Untrusted(
+                    f"bundle {p.name}: its signature covers another content list: nothing installed"
+                )
             signer = signing.key_id(str(signed.get("key", ""))) if signed.get("key") else None
         if signed is not None:  # a signature present must verify, trusted or not
             signing.verify(signed, [str(signed.get("key", ""))], f"bundle {p.name}")
@@ -187,17 +216,31 @@ def install(ctx: Context, path: str | os.PathLike[str], *, cache: CacheInfo | No
         staging = _staging_dir(store, ns)
         try:
             _extract(p, tar, first, expected, staging)
-            return _commit(ctx, cache, store, env, meta, signed, staging, p, signer, started, dry_run)
+            return _commit(
+                ctx, cache, store, env, meta, signed, staging, p, signer, started, dry_run
+            )
         finally:
             shutil.rmtree(staging, ignore_errors=True)
             if store.is_local:
-                with contextlib.suppress(OSError):  # only when empty: another install may be staging
+                with contextlib.suppress(
+                    OSError
+                ):  # only when empty: another install may be staging
                     os.rmdir(Path(store.url_for(STAGING_DIR)))
 
 
-def _commit(ctx: Context, cache: CacheInfo, store: Any, env: Environment, meta: dict[str, Any],
-            signed: dict[str, Any] | None, staging: Path, path: Path, signer: str | None, started: float,
-            dry_run: bool) -> InstallResult:
+def _commit(
+    ctx: Context,
+    cache: CacheInfo,
+    store: Any,
+    env: Environment,
+    meta: dict[str, Any],
+    signed: dict[str, Any] | None,
+    staging: Path,
+    path: Path,
+    signer: str | None,
+    started: float,
+    dry_run: bool,
+) -> InstallResult:
     ns = env.namespace
     entries = _entries(meta)
     try:
@@ -208,15 +251,31 @@ def _commit(ctx: Context, cache: CacheInfo, store: Any, env: Environment, meta: 
         info, present, present_aot = None, {}, {}
     conflicts = sorted(e.key for e in entries if e.key in present and present[e.key][1] != e.sha256)
     new = [e for e in entries if e.key not in present]
-    new_aot = [e for e in entries if e.aot_sha256 and e.key not in conflicts and e.key not in present_aot]
+    new_aot = [
+        e for e in entries if e.aot_sha256 and e.key not in conflicts and e.key not in present_aot
+    ]
     already = len(entries) - len(new) - len(conflicts)
     # The sizes staging verified (each file against the content list, the list against the rows).
     nbytes = sum(e.size for e in new) + sum(int(e.aot_size or 0) for e in new_aot)
     notes: list[str] = []
     if dry_run:
-        return InstallResult(str(path), cache.name, env.digest, ns, store.url_for(ns), len(entries),
-                             sum(1 for e in entries if e.aot_sha256), len(new), already, conflicts, nbytes,
-                             signer, time.monotonic() - started, True, notes)
+        return InstallResult(
+            str(path),
+            cache.name,
+            env.digest,
+            ns,
+            store.url_for(ns),
+            len(entries),
+            sum(1 for e in entries if e.aot_sha256),
+            len(new),
+            already,
+            conflicts,
+            nbytes,
+            signer,
+            time.monotonic() - started,
+            True,
+            notes,
+        )
     # Every file was verified against the content list (size, sha256 computed here) while staging.
     info = ctx.index.ensure_environment(cache.name, env)
     new_keys, by_aot = {e.key for e in new}, {e.key for e in new_aot}
@@ -226,12 +285,25 @@ def _commit(ctx: Context, cache: CacheInfo, store: Any, env: Environment, meta: 
             continue
         parsed = parse_entry_filename(e.key + CACHE_SUFFIX)
         assert parsed is not None
-        row = NewEntry(key=e.key, module=parsed.module, size=e.size, sha256=e.sha256, origin=ORIGIN,
-                       compile_time_ms=e.compile_time_ms, function=e.function, bucket=e.bucket,
-                       aot_size=e.aot_size if e.key in by_aot else None,
-                       aot_sha256=e.aot_sha256 if e.key in by_aot else None)
-        objects.append(ingest.NewObject(row, staging / (e.key + CACHE_SUFFIX) if e.key in new_keys else None,
-                                        staging / (e.key + AOT_SUFFIX) if e.key in by_aot else None))
+        row = NewEntry(
+            key=e.key,
+            module=parsed.module,
+            size=e.size,
+            sha256=e.sha256,
+            origin=ORIGIN,
+            compile_time_ms=e.compile_time_ms,
+            function=e.function,
+            bucket=e.bucket,
+            aot_size=e.aot_size if e.key in by_aot else None,
+            aot_sha256=e.aot_sha256 if e.key in by_aot else None,
+        )
+        objects.append(
+            ingest.NewObject(
+                row,
+                staging / (e.key + CACHE_SUFFIX) if e.key in new_keys else None,
+                staging / (e.key + AOT_SUFFIX) if e.key in by_aot else None,
+            )
+        )
     published = ingest.publish(ctx.index, cache, env, info.id, store, objects, staging=staging)
     if published.failed:  # indexed what was written; the first failure is the command's
         raise next(iter(published.failed.values()))[1]
@@ -240,12 +312,37 @@ def _commit(ctx: Context, cache: CacheInfo, store: Any, env: Environment, meta: 
         if signing.namespace_content(ctx.index, info) == meta["content"]:
             ctx.index.set_content_signature(info.id, signed)
         else:
-            notes.append("the namespace holds more than the bundle: its signed content list was not replaced")
+            notes.append(
+                "the namespace holds more than the bundle: its signed content list was not replaced"
+            )
     duration = time.monotonic() - started
-    ctx.index.audit("bundle-install", cache=cache.name, entries=len(new), nbytes=nbytes,
-                    duration_ms=int(duration * 1000),
-                    details={"environment": env.digest, "bundle": str(path), "conflicts": len(conflicts),
-                             "signed_by": signer})
-    return InstallResult(str(path), cache.name, env.digest, ns, store.url_for(ns), len(entries),
-                         sum(1 for e in entries if e.aot_sha256), len(new), already, conflicts, nbytes, signer,
-                         duration, False, notes)
+    ctx.index.audit(
+        "bundle-install",
+        cache=cache.name,
+        entries=len(new),
+        nbytes=nbytes,
+        duration_ms=int(duration * 1000),
+        details={
+            "environment": env.digest,
+            "bundle": str(path),
+            "conflicts": len(conflicts),
+            "signed_by": signer,
+        },
+    )
+    return InstallResult(
+        str(path),
+        cache.name,
+        env.digest,
+        ns,
+        store.url_for(ns),
+        len(entries),
+        sum(1 for e in entries if e.aot_sha256),
+        len(new),
+        already,
+        conflicts,
+        nbytes,
+        signer,
+        duration,
+        False,
+        notes,
+    )

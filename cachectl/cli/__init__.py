@@ -35,11 +35,23 @@ class CachectlGroup(click.Group):
             ctx.exit(130)
 
 
-@click.group(cls=CachectlGroup, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
-@click.option("--db", envvar="CACHECTL_DB", metavar="URL",
-              help="Index database (sqlite:///PATH or postgresql+psycopg://...). [env: CACHECTL_DB]")
-@click.option("--cache", "cache_name", envvar="CACHECTL_CACHE", metavar="NAME",
-              help="Cache to work on (default: 'default'). [env: CACHECTL_CACHE]")
+@click.group(
+    cls=CachectlGroup,
+    context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100},
+)
+@click.option(
+    "--db",
+    envvar="CACHECTL_DB",
+    metavar="URL",
+    help="Index database (sqlite:///PATH or postgresql+psycopg://...). [env: CACHECTL_DB]",
+)
+@click.option(
+    "--cache",
+    "cache_name",
+    envvar="CACHECTL_CACHE",
+    metavar="NAME",
+    help="Cache to work on (default: 'default'). [env: CACHECTL_CACHE]",
+)
 @click.option("-v", "--verbose", count=True, help="More log output (-vv for debug).")
 @click.version_option(__version__, prog_name="cachectl")
 @click.pass_context
@@ -55,16 +67,27 @@ def cli(ctx: click.Context, db: str | None, cache_name: str | None, verbose: int
     Exit codes: 0 ok, 1 problems found, 2 bad input,
                 3 hardware/environment mismatch, 4 permission denied.
     """
-    logging.basicConfig(level=(logging.WARNING, logging.INFO, logging.DEBUG)[min(verbose, 2)],
-                        format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=(logging.WARNING, logging.INFO, logging.DEBUG)[min(verbose, 2)],
+        format="%(levelname)s %(name)s: %(message)s",
+    )
     ctx.obj = Context(load_settings(db=db, cache=cache_name))
     ctx.call_on_close(ctx.obj.close)
 
 
 # One module per command group; groups land as their modules do.
 _COMMAND_MODULES = (
-    "cache_cmds", "db_cmds", "env_cmds", "inventory_cmds", "sync_cmds",
-    "warm_cmds", "lifecycle_cmds", "service_cmds", "server_cmds", "usage_cmds", "bundle_cmds",
+    "cache_cmds",
+    "db_cmds",
+    "env_cmds",
+    "inventory_cmds",
+    "sync_cmds",
+    "warm_cmds",
+    "lifecycle_cmds",
+    "service_cmds",
+    "server_cmds",
+    "usage_cmds",
+    "bundle_cmds",
 )
 
 

@@ -11,8 +11,11 @@ from cachectl.cli.render import emit, json_option, size, stdout, table
 from cachectl.context import Context
 
 sign_key_option = click.option(
-    "--sign-key", metavar="PATH", envvar=signing.KEY_ENV,
-    help=f"Ed25519 private key to sign the content list with (`cachectl key generate`). [env: {signing.KEY_ENV}]")
+    "--sign-key",
+    metavar="PATH",
+    envvar=signing.KEY_ENV,
+    help=f"Ed25519 private key to sign the content list with (`cachectl key generate`). [env: {signing.KEY_ENV}]",
+)
 
 
 @click.group("bundle")
@@ -21,43 +24,101 @@ def bundle_group() -> None:
 
 
 def _print_info(b: bundle_lib.BundleInfo) -> None:
-    rows = [(escape(e.function or "-"), escape(",".join(f"{k}={v}" for k, v in (e.bucket or {}).items()) or "-"),
-             e.key.rsplit("-", 1)[-1][:12], size(e.size), size(e.aot_size),
-             "-" if e.compile_time_ms is None else f"{e.compile_time_ms / 1000:.2f}") for e in b.entries]
-    stdout.print(table(f"bundle {b.path}: {b.namespace}", ["function", "bucket", "key", "size", "aot", "compile s"],
-                       rows, justify_right=("size", "aot", "compile s")))
+    rows = [
+        (
+            escape(e.function or "-"),
+            escape(",".join(f"{k}={v}" for k, v in (e.bucket or {}).items()) or "-"),
+            e.key.rsplit("-", 1)[-1][:12],
+            size(e.size),
+            size(e.aot_size),
+            "-" if e.compile_time_ms is None else f"{e.compile_time_ms / 1000:.2f}",
+        )
+        for e in b.entries
+    ]
+    stdout.print(
+        table(
+            f"bundle {b.path}: {b.namespace}",
+            ["function", "bucket", "key", "size", "aot", "compile s"],
+            rows,
+            justify_right=("size", "aot", "compile s"),
+        )
+    )
     verb = "would write" if b.dry_run else "holds"
-    stdout.print(f"{verb} {len(b.entries)} entries, {b.files} files ({size(b.content_bytes)}), "
-                 f"environment {b.digest[:16]}, from cache {b.source_cache}; "
-                 f"{'signed by ' + b.signed_by if b.signed_by else 'unsigned'}"
-                 + ("" if b.dry_run else f"; file {size(b.bundle_bytes)}"), highlight=False)
+    stdout.print(
+        f"{verb} {len(b.entries)} entries, {b.files} files ({size(b.content_bytes)}), "
+        f"environment {b.digest[:16]}, from cache {b.source_cache}; "
+        f"{'signed by ' + b.signed_by if b.signed_by else 'unsigned'}"
+        + ("" if b.dry_run else f"; file {size(b.bundle_bytes)}"),
+        highlight=False,
+    )
 
 
 @bundle_group.command("create")
-@click.option("-o", "--output", required=True, metavar="FILE", help="Bundle file to write, e.g. cache.tar.zst.")
-@click.option("--manifest", metavar="MANIFEST", type=click.Path(dir_okay=False),
-              help="This machine's namespace in the manifest's cache.")
-@click.option("--env", "env", metavar="DIGEST", help="Another environment's namespace, by digest prefix.")
-@click.option("--cache", "cache_name", metavar="NAME", help="Cache to read (default: the global --cache).")
+@click.option(
+    "-o",
+    "--output",
+    required=True,
+    metavar="FILE",
+    help="Bundle file to write, e.g. cache.tar.zst.",
+)
+@click.option(
+    "--manifest",
+    metavar="MANIFEST",
+    type=click.Path(dir_okay=False),
+    help="This machine's namespace in the manifest's cache.",
+)
+@click.option(
+    "--env", "env", metavar="DIGEST", help="Another environment's namespace, by digest prefix."
+)
+@click.option(
+    "--cache", "cache_name", metavar="NAME", help="Cache to read (default: the global --cache)."
+)
 @sign_key_option
-@click.option("--level", type=click.IntRange(1, 19), default=3, show_default=True,
-              help="zstd level of the metadata and stored executables (entries, compressed already, "
-                   "are stored as they are).")
+@click.option(
+    "--level",
+    type=click.IntRange(1, 19),
+    default=3,
+    show_default=True,
+    help="zstd level of the metadata and stored executables (entries, compressed already, "
+    "are stored as they are).",
+)
 @click.option("--dry-run", is_flag=True, help="List what would be bundled; write nothing.")
 @json_option
 @click.pass_obj
-def create(ctx: Context, output: str, manifest: str | None, env: str | None, cache_name: str | None,
-           sign_key: str | None, level: int, dry_run: bool, as_json: bool) -> None:
+def create(
+    ctx: Context,
+    output: str,
+    manifest: str | None,
+    env: str | None,
+    cache_name: str | None,
+    sign_key: str | None,
+    level: int,
+    dry_run: bool,
+    as_json: bool,
+) -> None:
     """Write a namespace's entries, stored executables, env.json and index rows into one file."""
     cache = ctx.cache(cache_name) if cache_name else None
-    result = bundle_lib.create(ctx, output, cache=cache, env=env, manifest=manifest, sign_key=sign_key,
-                               level=level, dry_run=dry_run)
+    result = bundle_lib.create(
+        ctx,
+        output,
+        cache=cache,
+        env=env,
+        manifest=manifest,
+        sign_key=sign_key,
+        level=level,
+        dry_run=dry_run,
+    )
     emit(result, as_json, _print_info)
 
 
 @bundle_group.command("install")
 @click.argument("path", type=click.Path(dir_okay=False))
-@click.option("--cache", "cache_name", metavar="NAME", help="Cache to install into (default: the global --cache).")
+@click.option(
+    "--cache",
+    "cache_name",
+    metavar="NAME",
+    help="Cache to install into (default: the global --cache).",
+)
 @click.option("--dry-run", is_flag=True, help="Verify everything; install nothing.")
 @json_option
 @click.pass_obj
@@ -70,10 +131,13 @@ def install(ctx: Context, path: str, cache_name: str | None, dry_run: bool, as_j
 
     def human(r: bundle_lib.InstallResult) -> None:
         verb = "would install" if r.dry_run else "installed"
-        stdout.print(f"{verb} {r.installed} of {r.entries} entries ({r.executables} with stored executables, "
-                     f"{size(r.bytes)}) into {r.dest}; {r.already_present} already present, "
-                     f"{len(r.conflicts)} conflicts; {'signed by ' + r.signed_by if r.signed_by else 'unsigned'} "
-                     f"({r.duration_s:.2f}s)", highlight=False)
+        stdout.print(
+            f"{verb} {r.installed} of {r.entries} entries ({r.executables} with stored executables, "
+            f"{size(r.bytes)}) into {r.dest}; {r.already_present} already present, "
+            f"{len(r.conflicts)} conflicts; {'signed by ' + r.signed_by if r.signed_by else 'unsigned'} "
+            f"({r.duration_s:.2f}s)",
+            highlight=False,
+        )
         for note in r.notes:
             stdout.print(f"note: {note}", highlight=False)
 
@@ -96,7 +160,9 @@ def key_group() -> None:
 @key_group.command("generate")
 @click.argument("path", type=click.Path(dir_okay=False))
 @click.option("--force", is_flag=True, help="Replace an existing key.")
-@click.option("--dry-run", is_flag=True, help="Show the public key a new key would have; write nothing.")
+@click.option(
+    "--dry-run", is_flag=True, help="Show the public key a new key would have; write nothing."
+)
 @json_option
 def generate(path: str, force: bool, dry_run: bool, as_json: bool) -> None:
     """Write an Ed25519 private key to PATH (mode 0600) and its public key to PATH.pub.
@@ -107,9 +173,14 @@ def generate(path: str, force: bool, dry_run: bool, as_json: bool) -> None:
     CACHECTL_SIGNING_KEY=~/.config/cachectl/ci.key cachectl warm m.yaml
     """
     info = signing.generate(path, force=force, dry_run=dry_run)
-    emit(info, as_json, lambda k: stdout.print(
-        f"{'would write' if dry_run else 'wrote'} {k.path} and {k.public_path}\n{k.public_key}  (key {k.key_id})",
-        highlight=False))
+    emit(
+        info,
+        as_json,
+        lambda k: stdout.print(
+            f"{'would write' if dry_run else 'wrote'} {k.path} and {k.public_path}\n{k.public_key}  (key {k.key_id})",
+            highlight=False,
+        ),
+    )
 
 
 def register(cli: click.Group) -> None:

@@ -17,9 +17,16 @@ from cachectl.signing import parse_public_key
 from cachectl.units import format_duration, parse_duration, parse_size
 
 
-def _policy(max_size: str | None, max_entry_size: str | None, env_max_size: str | None,
-            retention: str | None, writers: str | None, service_writes: str | None,
-            group: str | None, storage_option: tuple[str, ...] = ()) -> dict[str, Any]:
+def _policy(
+    max_size: str | None,
+    max_entry_size: str | None,
+    env_max_size: str | None,
+    retention: str | None,
+    writers: str | None,
+    service_writes: str | None,
+    group: str | None,
+    storage_option: tuple[str, ...] = (),
+) -> dict[str, Any]:
     return {
         "storage_options": parse_storage_options(storage_option) if storage_option else None,
         "max_size": parse_size(max_size) if max_size else None,
@@ -34,17 +41,34 @@ def _policy(max_size: str | None, max_entry_size: str | None, env_max_size: str 
 
 def _policy_options(fn: Any) -> Any:
     options = [
-        click.option("--max-size", metavar="SIZE", help="Total size limit enforced by gc, e.g. 50GiB."),
+        click.option(
+            "--max-size", metavar="SIZE", help="Total size limit enforced by gc, e.g. 50GiB."
+        ),
         click.option("--max-entry-size", metavar="SIZE", help="Largest entry kept, e.g. 500MB."),
         click.option("--env-max-size", metavar="SIZE", help="Size limit per environment."),
         click.option("--retention", metavar="DUR", help="Default age for prune, e.g. 30d."),
-        click.option("--writers", metavar="LIST", help="Users and @groups allowed to write, e.g. alice,@mlops ('' = anyone)."),
-        click.option("--service-writes", type=click.Choice(["allow", "deny"]),
-                     help="May services write entries on a miss? (default: deny for gs:// and s3://, allow locally)"),
-        click.option("--group", metavar="GROUP", help="Local disk: make the tree group-owned and setgid (2775)."),
-        click.option("--storage-option", multiple=True, metavar="KEY=VALUE",
-                     help="fsspec option for the root, e.g. endpoint_url=http://minio:9000 (no secrets: "
-                          "credentials come from the environment)."),
+        click.option(
+            "--writers",
+            metavar="LIST",
+            help="Users and @groups allowed to write, e.g. alice,@mlops ('' = anyone).",
+        ),
+        click.option(
+            "--service-writes",
+            type=click.Choice(["allow", "deny"]),
+            help="May services write entries on a miss? (default: deny for gs:// and s3://, allow locally)",
+        ),
+        click.option(
+            "--group",
+            metavar="GROUP",
+            help="Local disk: make the tree group-owned and setgid (2775).",
+        ),
+        click.option(
+            "--storage-option",
+            multiple=True,
+            metavar="KEY=VALUE",
+            help="fsspec option for the root, e.g. endpoint_url=http://minio:9000 (no secrets: "
+            "credentials come from the environment).",
+        ),
     ]
     for option in reversed(options):
         fn = option(fn)
@@ -53,12 +77,24 @@ def _policy_options(fn: Any) -> Any:
 
 def _print_caches(items: list[CacheInfo]) -> None:
     rows = [
-        (c.name, c.root_url, size(c.max_size), size(c.max_entry_size),
-         format_duration(timedelta(seconds=c.retention_seconds)) if c.retention_seconds else "-",
-         ",".join(c.writers) or "anyone", c.effective_service_writes)
+        (
+            c.name,
+            c.root_url,
+            size(c.max_size),
+            size(c.max_entry_size),
+            format_duration(timedelta(seconds=c.retention_seconds)) if c.retention_seconds else "-",
+            ",".join(c.writers) or "anyone",
+            c.effective_service_writes,
+        )
         for c in items
     ]
-    stdout.print(table(None, ["cache", "root", "max size", "max entry", "retention", "writers", "service writes"], rows))
+    stdout.print(
+        table(
+            None,
+            ["cache", "root", "max size", "max entry", "retention", "writers", "service writes"],
+            rows,
+        )
+    )
 
 
 @click.group("cache")
@@ -89,15 +125,27 @@ def list_(ctx: Context, as_json: bool) -> None:
 
 @cache_group.command("set")
 @click.argument("name")
-@click.option("--url", "root_url", metavar="URL", help="Move the cache's root (files are not moved).")
-@click.option("--trust", multiple=True, metavar="PUBKEY",
-              help="Accept only content signed by these Ed25519 public keys (ed25519:... or a .pub file; "
-                   "repeatable; replaces the list; --trust '' clears it).")
+@click.option(
+    "--url", "root_url", metavar="URL", help="Move the cache's root (files are not moved)."
+)
+@click.option(
+    "--trust",
+    multiple=True,
+    metavar="PUBKEY",
+    help="Accept only content signed by these Ed25519 public keys (ed25519:... or a .pub file; "
+    "repeatable; replaces the list; --trust '' clears it).",
+)
 @_policy_options
 @json_option
 @click.pass_obj
-def set_(ctx: Context, name: str, root_url: str | None, trust: tuple[str, ...], as_json: bool,
-         **opts: Any) -> None:
+def set_(
+    ctx: Context,
+    name: str,
+    root_url: str | None,
+    trust: tuple[str, ...],
+    as_json: bool,
+    **opts: Any,
+) -> None:
     """Change a cache's policy."""
     policy = _policy(**opts)
     if root_url:
@@ -110,7 +158,9 @@ def set_(ctx: Context, name: str, root_url: str | None, trust: tuple[str, ...], 
 
 @cache_group.command("rm")
 @click.argument("name")
-@click.option("--purge", is_flag=True, help="Also delete every namespace of the cache from storage.")
+@click.option(
+    "--purge", is_flag=True, help="Also delete every namespace of the cache from storage."
+)
 @click.option("--dry-run", is_flag=True, help="Show what would be removed.")
 @json_option
 @click.pass_obj
@@ -118,8 +168,18 @@ def rm(ctx: Context, name: str, purge: bool, dry_run: bool, as_json: bool) -> No
     """Unregister a cache (refuses a non-empty cache unless --purge)."""
     result = caches.remove_cache(ctx, name, purge=purge, dry_run=dry_run)
     verb = "would remove" if dry_run else "removed"
-    emit(result, as_json, lambda r: stdout.print(
-        f"{verb} cache {r.name}" + (f" and {r.environments} environment(s), {r.entries} entries, {size(r.bytes)}" if r.purged else "")))
+    emit(
+        result,
+        as_json,
+        lambda r: stdout.print(
+            f"{verb} cache {r.name}"
+            + (
+                f" and {r.environments} environment(s), {r.entries} entries, {size(r.bytes)}"
+                if r.purged
+                else ""
+            )
+        ),
+    )
 
 
 def register(cli: click.Group) -> None:

@@ -36,9 +36,14 @@ def upgrade(ctx: Context, revision: str, as_json: bool) -> None:
     engine = index_db.make_engine(ctx.settings.db)
     before = index_db.current_revision(engine)
     index_db.upgrade(engine, revision)
-    state = SchemaState(index_db.safe_url(engine), index_db.current_revision(engine), index_db.head_revision())
-    emit({"url": state.url, "from": before, "to": state.current}, as_json,
-         lambda r: stdout.print(f"index {r['url']}: {r['from'] or 'empty'} -> {r['to']}"))
+    state = SchemaState(
+        index_db.safe_url(engine), index_db.current_revision(engine), index_db.head_revision()
+    )
+    emit(
+        {"url": state.url, "from": before, "to": state.current},
+        as_json,
+        lambda r: stdout.print(f"index {r['url']}: {r['from'] or 'empty'} -> {r['to']}"),
+    )
 
 
 @db_group.command("current")
@@ -47,11 +52,22 @@ def upgrade(ctx: Context, revision: str, as_json: bool) -> None:
 def current(ctx: Context, as_json: bool) -> None:
     """Show the index's schema revision and whether it is up to date."""
     engine = index_db.make_engine(ctx.settings.db)
-    state = SchemaState(index_db.safe_url(engine), index_db.current_revision(engine), index_db.head_revision())
-    emit({"url": state.url, "current": state.current, "head": state.head, "up_to_date": state.up_to_date},
-         as_json,
-         lambda r: stdout.print(f"index {r['url']}: revision {r['current'] or 'none'} "
-                                f"({'up to date' if r['up_to_date'] else 'head is ' + r['head']})"))
+    state = SchemaState(
+        index_db.safe_url(engine), index_db.current_revision(engine), index_db.head_revision()
+    )
+    emit(
+        {
+            "url": state.url,
+            "current": state.current,
+            "head": state.head,
+            "up_to_date": state.up_to_date,
+        },
+        as_json,
+        lambda r: stdout.print(
+            f"index {r['url']}: revision {r['current'] or 'none'} "
+            f"({'up to date' if r['up_to_date'] else 'head is ' + r['head']})"
+        ),
+    )
 
 
 def register(cli: click.Group) -> None:

@@ -56,10 +56,19 @@ def _env_format(fmt: str | None, as_json: bool) -> str:
 
 
 @click.command("env")
-@click.option("--format", "fmt", type=click.Choice(["sh", "json", "dotenv"]), default=None,
-              help="Output format.  [default: sh]")
+@click.option(
+    "--format",
+    "fmt",
+    type=click.Choice(["sh", "json", "dotenv"]),
+    default=None,
+    help="Output format.  [default: sh]",
+)
 @click.option("--json", "as_json", is_flag=True, help="Same as --format json.")
-@click.option("--readonly/--writable", default=None, help="Read the cache but never write it (default: the cache's policy).")
+@click.option(
+    "--readonly/--writable",
+    default=None,
+    help="Read the cache but never write it (default: the cache's policy).",
+)
 @click.pass_obj
 def env(ctx: Context, fmt: str | None, as_json: bool, readonly: bool | None) -> None:
     """Print the variables a service needs to hit this environment's namespace.
@@ -76,11 +85,21 @@ def env(ctx: Context, fmt: str | None, as_json: bool, readonly: bool | None) -> 
     click.echo(_format_env(result, fmt), nl=False)
 
 
-@click.command("exec", context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
-@click.option("--readonly/--writable", default=None, help="Read the cache but never write it (default: the cache's policy).")
-@click.option("--telemetry/--no-telemetry", default=True, show_default=True,
-              help="Record the service's compile requests, hits and signatures as activate() does "
-                   "(a Python service: through a sitecustomize on PYTHONPATH that starts when JAX is imported).")
+@click.command(
+    "exec", context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False}
+)
+@click.option(
+    "--readonly/--writable",
+    default=None,
+    help="Read the cache but never write it (default: the cache's policy).",
+)
+@click.option(
+    "--telemetry/--no-telemetry",
+    default=True,
+    show_default=True,
+    help="Record the service's compile requests, hits and signatures as activate() does "
+    "(a Python service: through a sitecustomize on PYTHONPATH that starts when JAX is imported).",
+)
 @click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
 @click.pass_obj
 def exec_(ctx: Context, readonly: bool | None, telemetry: bool, command: tuple[str, ...]) -> None:
@@ -98,9 +117,14 @@ def exec_(ctx: Context, readonly: bool | None, telemetry: bool, command: tuple[s
         if telemetry:
             from cachectl.exec_hook import child_variables
 
-            variables = {**variables, **child_variables(ctx.environment().to_dict(), os.environ.get("PYTHONPATH"))}
+            variables = {
+                **variables,
+                **child_variables(ctx.environment().to_dict(), os.environ.get("PYTHONPATH")),
+            }
     except CachectlError as exc:  # never refuse to start the service: it runs as plain JAX would
-        click.echo(f"cachectl: {exc.message}; running {command[0]} without a managed cache", err=True)
+        click.echo(
+            f"cachectl: {exc.message}; running {command[0]} without a managed cache", err=True
+        )
         variables = {}
     environ = {**os.environ, **variables}
     sys.stdout.flush()

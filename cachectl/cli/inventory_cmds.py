@@ -13,35 +13,83 @@ from cachectl.units import parse_duration
 
 def _print_environments(listing: inventory.EnvironmentListing) -> None:
     rows = [
-        (e.digest[:16], e.environment.jax_version, e.environment.backend,
-         f"{e.environment.device_kind} x{e.environment.device_count}",
-         " ".join(e.environment.xla_flags) or "-", e.entries, e.executables, size(e.aot_bytes),
-         size(e.bytes), when(e.last_access_at))
+        (
+            e.digest[:16],
+            e.environment.jax_version,
+            e.environment.backend,
+            f"{e.environment.device_kind} x{e.environment.device_count}",
+            " ".join(e.environment.xla_flags) or "-",
+            e.entries,
+            e.executables,
+            size(e.aot_bytes),
+            size(e.bytes),
+            when(e.last_access_at),
+        )
         for e in listing.environments
     ]
-    stdout.print(table(f"cache {listing.cache} at {listing.root}",
-                       ["environment", "jax", "backend", "devices", "xla flags", "entries", "executables",
-                        "aot bytes", "bytes", "last access"],
-                       rows, justify_right=("entries", "executables", "aot bytes", "bytes")))
+    stdout.print(
+        table(
+            f"cache {listing.cache} at {listing.root}",
+            [
+                "environment",
+                "jax",
+                "backend",
+                "devices",
+                "xla flags",
+                "entries",
+                "executables",
+                "aot bytes",
+                "bytes",
+                "last access",
+            ],
+            rows,
+            justify_right=("entries", "executables", "aot bytes", "bytes"),
+        )
+    )
 
 
 def _print_entries(listing: inventory.EntryListing) -> None:
     rows = [
-        (shortened(e.key, 48), e.function or e.module,
-         ",".join(f"{k}={v}" for k, v in (e.bucket or {}).items()) or "-", size(e.size),
-         size(e.aot_size), e.compile_time_ms if e.compile_time_ms is not None else "-", e.origin, when(e.created_at),
-         when(e.last_access_at), e.hit_count)
+        (
+            shortened(e.key, 48),
+            e.function or e.module,
+            ",".join(f"{k}={v}" for k, v in (e.bucket or {}).items()) or "-",
+            size(e.size),
+            size(e.aot_size),
+            e.compile_time_ms if e.compile_time_ms is not None else "-",
+            e.origin,
+            when(e.created_at),
+            when(e.last_access_at),
+            e.hit_count,
+        )
         for e in listing.entries
     ]
     env = listing.environment
-    stdout.print(table(f"{listing.cache} / {env.namespace}",
-                       ["key", "function", "bucket", "bytes", "aot", "compile ms", "origin", "created",
-                        "last access", "hits"],
-                       rows, justify_right=("bytes", "aot", "compile ms", "hits")))
+    stdout.print(
+        table(
+            f"{listing.cache} / {env.namespace}",
+            [
+                "key",
+                "function",
+                "bucket",
+                "bytes",
+                "aot",
+                "compile ms",
+                "origin",
+                "created",
+                "last access",
+                "hits",
+            ],
+            rows,
+            justify_right=("bytes", "aot", "compile ms", "hits"),
+        )
+    )
 
 
 @click.command("ls")
-@click.option("--env", "env_prefix", metavar="DIGEST-PREFIX", help="List one environment's entries.")
+@click.option(
+    "--env", "env_prefix", metavar="DIGEST-PREFIX", help="List one environment's entries."
+)
 @json_option
 @click.pass_obj
 def ls(ctx, env_prefix: str | None, as_json: bool) -> None:
@@ -54,14 +102,43 @@ def ls(ctx, env_prefix: str | None, as_json: bool) -> None:
 
 
 def _print_totals(items: list[inventory.CacheTotals]) -> None:
-    rows = [(t.cache.name, t.cache.root_url, t.environments, t.entries, t.executables, size(t.aot_bytes),
-             size(t.bytes), size(t.cache.max_size), when(t.last_access_at)) for t in items]
-    stdout.print(table("caches", ["cache", "root", "environments", "entries", "executables", "aot bytes", "bytes",
-                                  "max size", "last access"],
-                       rows, justify_right=("environments", "entries", "executables", "aot bytes", "bytes")))
+    rows = [
+        (
+            t.cache.name,
+            t.cache.root_url,
+            t.environments,
+            t.entries,
+            t.executables,
+            size(t.aot_bytes),
+            size(t.bytes),
+            size(t.cache.max_size),
+            when(t.last_access_at),
+        )
+        for t in items
+    ]
+    stdout.print(
+        table(
+            "caches",
+            [
+                "cache",
+                "root",
+                "environments",
+                "entries",
+                "executables",
+                "aot bytes",
+                "bytes",
+                "max size",
+                "last access",
+            ],
+            rows,
+            justify_right=("environments", "entries", "executables", "aot bytes", "bytes"),
+        )
+    )
     for t in items:
         if t.per_environment:
-            _print_environments(inventory.EnvironmentListing(t.cache.name, t.cache.root_url, t.per_environment))
+            _print_environments(
+                inventory.EnvironmentListing(t.cache.name, t.cache.root_url, t.per_environment)
+            )
 
 
 NO_TELEMETRY_HINT = (
@@ -72,9 +149,11 @@ NO_TELEMETRY_HINT = (
 )
 
 
-_UNCACHEABLE_NOTE = ("uncacheable: misses of programs JAX never writes (they compile in under a second, "
-                     "like the jit_stage programs jnp.asarray(numpy) makes, or use host callbacks); "
-                     "counted apart, not in the hit rate")
+_UNCACHEABLE_NOTE = (
+    "uncacheable: misses of programs JAX never writes (they compile in under a second, "
+    "like the jit_stage programs jnp.asarray(numpy) makes, or use host callbacks); "
+    "counted apart, not in the hit rate"
+)
 
 
 def _rate(r: UsageRow) -> str:
@@ -95,26 +174,47 @@ def _print_usage(u: TelemetryStats) -> None:
     right = ("procs", *columns)
 
     def values(r: UsageRow) -> tuple:
-        return (r.requests, r.hits, _rate(r), max(r.misses - r.uncacheable, 0), r.writes,
-                f"{r.saved_warm_seconds:.1f}s")
+        return (
+            r.requests,
+            r.hits,
+            _rate(r),
+            max(r.misses - r.uncacheable, 0),
+            r.writes,
+            f"{r.saved_warm_seconds:.1f}s",
+        )
 
     env_rows = [(r.environment[:16], r.processes, *values(r)) for r in u.environments]
-    stdout.print(table(f"cache {u.cache}: service telemetry since {when(u.since)} UTC",
-                       ["environment", "procs", *columns], env_rows, justify_right=right))
+    stdout.print(
+        table(
+            f"cache {u.cache}: service telemetry since {when(u.since)} UTC",
+            ["environment", "procs", *columns],
+            env_rows,
+            justify_right=right,
+        )
+    )
     if u.functions:
         several = len(u.environments) > 1
-        fn_rows = [(_label(r) + (f" @{r.environment[:8]}" if several else ""), *values(r)) for r in u.functions]
+        fn_rows = [
+            (_label(r) + (f" @{r.environment[:8]}" if several else ""), *values(r))
+            for r in u.functions
+        ]
         stdout.print(table("per function", ["function", *columns], fn_rows, justify_right=right))
     if any(r.uncacheable for r in u.environments):
         apart = ", ".join(f"{_label(r)} {r.uncacheable}" for r in u.functions if r.uncacheable)
-        stdout.print(f"uncacheable requests, counted apart: {apart or sum(r.uncacheable for r in u.environments)}",
-                     highlight=False)
+        stdout.print(
+            f"uncacheable requests, counted apart: {apart or sum(r.uncacheable for r in u.environments)}",
+            highlight=False,
+        )
         stdout.print(_UNCACHEABLE_NOTE, highlight=False)
-    stdout.print("hit rate: over cacheable programs; saved: hits x the compile time measured at warm",
-                 highlight=False)
+    stdout.print(
+        "hit rate: over cacheable programs; saved: hits x the compile time measured at warm",
+        highlight=False,
+    )
     dropped = sum(r.dropped for r in u.environments)
     if dropped:
-        stdout.print(f"{dropped} telemetry events were dropped by services (buffer full or index down)")
+        stdout.print(
+            f"{dropped} telemetry events were dropped by services (buffer full or index down)"
+        )
 
 
 def _print_hit_rates(ctx, caches) -> None:
@@ -128,15 +228,21 @@ def _print_hit_rates(ctx, caches) -> None:
             stdout.print(f"cache {c.name}: no service telemetry in the last 24h", highlight=False)
             continue
         rate = f"{min(hits / req, 1.0):.1%}" if req else "-"
-        stdout.print(f"cache {c.name}: hit rate {rate} over the last 24h ({hits} hits of {req} requests for "
-                     f"cacheable programs; {unc} uncacheable counted apart)", highlight=False)
+        stdout.print(
+            f"cache {c.name}: hit rate {rate} over the last 24h ({hits} hits of {req} requests for "
+            f"cacheable programs; {unc} uncacheable counted apart)",
+            highlight=False,
+        )
 
 
 @click.command("stats")
 @click.option("--all", "all_caches", is_flag=True, help="Every registered cache, not just --cache.")
-@click.option("--since", metavar="DUR",
-              help="Service telemetry over this window instead: hit rate, misses, writes and compile "
-                   "time saved per environment and function, e.g. 24h.")
+@click.option(
+    "--since",
+    metavar="DUR",
+    help="Service telemetry over this window instead: hit rate, misses, writes and compile "
+    "time saved per environment and function, e.g. 24h.",
+)
 @json_option
 @click.pass_obj
 def stats(ctx, all_caches: bool, since: str | None, as_json: bool) -> None:
@@ -146,8 +252,11 @@ def stats(ctx, all_caches: bool, since: str | None, as_json: bool) -> None:
         caches = ctx.index.list_caches() if all_caches else [ctx.cache()]
         ops = operations(ctx)
         result = [ops.telemetry_stats(c.name, since) for c in caches]
-        emit(result if all_caches else result[0], as_json,
-             lambda r: [_print_usage(u) for u in (r if isinstance(r, list) else [r])])
+        emit(
+            result if all_caches else result[0],
+            as_json,
+            lambda r: [_print_usage(u) for u in (r if isinstance(r, list) else [r])],
+        )
         return
     caches = ctx.index.list_caches() if all_caches else [ctx.cache()]
     totals = inventory.cache_totals(ctx, caches)

@@ -25,20 +25,35 @@ _SHOW = 50
 
 def _print_plan(plan: DeletionPlan, dry_run: bool) -> None:
     if plan.namespaces:
-        rows = [(n.namespace, n.digest[:16], n.jax_version, n.entries, size(n.bytes), n.reason)
-                for n in plan.namespaces[:_SHOW]]
-        stdout.print(table(f"{plan.operation} {plan.cache}: namespaces deleted whole",
-                           ["namespace", "environment", "jax", "entries", "bytes", "reason"], rows,
-                           justify_right=("entries", "bytes")))
+        rows = [
+            (n.namespace, n.digest[:16], n.jax_version, n.entries, size(n.bytes), n.reason)
+            for n in plan.namespaces[:_SHOW]
+        ]
+        stdout.print(
+            table(
+                f"{plan.operation} {plan.cache}: namespaces deleted whole",
+                ["namespace", "environment", "jax", "entries", "bytes", "reason"],
+                rows,
+                justify_right=("entries", "bytes"),
+            )
+        )
         if len(plan.namespaces) > _SHOW:
-            stdout.print(f"... and {len(plan.namespaces) - _SHOW} more namespaces (--json lists all)")
+            stdout.print(
+                f"... and {len(plan.namespaces) - _SHOW} more namespaces (--json lists all)"
+            )
     if plan.entries:
-        rows = [(e.namespace, shortened(e.key, 48), size(e.size), size(e.aot_size),
-                 e.reason)
-                for e in plan.entries[:_SHOW]]
-        stdout.print(table(f"{plan.operation} {plan.cache}: entries (each with its -aot executable, if any)",
-                           ["namespace", "key", "bytes", "aot", "reason"], rows,
-                           justify_right=("bytes", "aot")))
+        rows = [
+            (e.namespace, shortened(e.key, 48), size(e.size), size(e.aot_size), e.reason)
+            for e in plan.entries[:_SHOW]
+        ]
+        stdout.print(
+            table(
+                f"{plan.operation} {plan.cache}: entries (each with its -aot executable, if any)",
+                ["namespace", "key", "bytes", "aot", "reason"],
+                rows,
+                justify_right=("bytes", "aot"),
+            )
+        )
         if len(plan.entries) > _SHOW:
             stdout.print(f"... and {len(plan.entries) - _SHOW} more entries (--json lists all)")
     for p in plan.protected:
@@ -47,15 +62,21 @@ def _print_plan(plan: DeletionPlan, dry_run: bool) -> None:
         stdout.print(f"note: {note}")
 
 
-def _summary(plan: DeletionPlan, execution: ExecutionResult | None, dry_run: bool, planning_s: float) -> str:
+def _summary(
+    plan: DeletionPlan, execution: ExecutionResult | None, dry_run: bool, planning_s: float
+) -> str:
     if dry_run or execution is None:
-        return (f"{plan.operation} would delete {len(plan.namespaces)} namespace(s) and "
-                f"{plan.entry_count} entries, freeing {size(plan.bytes_to_free)} "
-                f"(planned in {planning_s:.2f}s; dry run, nothing deleted)")
-    return (f"{plan.operation} deleted {execution.namespaces_deleted} namespace(s) and "
-            f"{execution.entries_deleted} entries, freed {size(execution.bytes_freed)} "
-            f"in {execution.storage_calls} storage call(s) "
-            f"(planned in {planning_s:.2f}s, executed in {execution.duration_s:.2f}s)")
+        return (
+            f"{plan.operation} would delete {len(plan.namespaces)} namespace(s) and "
+            f"{plan.entry_count} entries, freeing {size(plan.bytes_to_free)} "
+            f"(planned in {planning_s:.2f}s; dry run, nothing deleted)"
+        )
+    return (
+        f"{plan.operation} deleted {execution.namespaces_deleted} namespace(s) and "
+        f"{execution.entries_deleted} entries, freed {size(execution.bytes_freed)} "
+        f"in {execution.storage_calls} storage call(s) "
+        f"(planned in {planning_s:.2f}s, executed in {execution.duration_s:.2f}s)"
+    )
 
 
 def _print_prune(result: LifecycleResult) -> None:
@@ -67,8 +88,10 @@ def _print_gc(result: gc_lib.GcResult) -> None:
     plan = result.plan
     _print_plan(plan.deletion, result.dry_run)
     limit = size(plan.max_size) if plan.max_size is not None else "-"
-    stdout.print(f"cache {plan.deletion.cache}: {size(plan.bytes_before)} indexed, max size {limit}, "
-                 f"policy {plan.policy}; after gc: {size(plan.bytes_after)}")
+    stdout.print(
+        f"cache {plan.deletion.cache}: {size(plan.bytes_before)} indexed, max size {limit}, "
+        f"policy {plan.policy}; after gc: {size(plan.bytes_after)}"
+    )
     stdout.print(_summary(plan.deletion, result.execution, result.dry_run, result.planning_s))
 
 
@@ -76,45 +99,91 @@ def _print_verify(result: verify_lib.VerifyResult) -> None:
     plan = result.plan
     if plan.findings:
         rows = [(f.kind, f.path, f.detail, f.action or "-") for f in plan.findings[:200]]
-        stdout.print(table(f"verify {plan.cache} ({plan.root})", ["finding", "path", "detail", "action"], rows))
+        stdout.print(
+            table(
+                f"verify {plan.cache} ({plan.root})", ["finding", "path", "detail", "action"], rows
+            )
+        )
         if len(plan.findings) > 200:
             stdout.print(f"... and {len(plan.findings) - 200} more (--json lists all)")
     counts = ", ".join(f"{n} {k}" for k, n in sorted(plan.counts.items())) or "no problems"
-    stdout.print(f"verify checked {plan.entries_checked} entries and {plan.executables_checked} stored "
-                 f"executables ({size(plan.bytes_read)}) in "
-                 f"{plan.namespaces} namespace(s), {plan.files_listed} files listed: {counts} "
-                 f"({result.duration_s:.2f}s)")
+    stdout.print(
+        f"verify checked {plan.entries_checked} entries and {plan.executables_checked} stored "
+        f"executables ({size(plan.bytes_read)}) in "
+        f"{plan.namespaces} namespace(s), {plan.files_listed} files listed: {counts} "
+        f"({result.duration_s:.2f}s)"
+    )
     if result.quarantined:
-        stdout.print(f"quarantined {result.quarantined} file(s) under {plan.root}/{plan.quarantine_dir}")
-    if result.atimes_deleted or result.atimes_written or result.rows_dropped or result.executables_cleared:
-        stdout.print(f"repaired: {result.atimes_deleted} orphan -atime deleted, {result.atimes_written} -atime "
-                     f"written, {result.rows_dropped} index row(s) dropped, {result.executables_cleared} "
-                     "entries' executable columns cleared")
+        stdout.print(
+            f"quarantined {result.quarantined} file(s) under {plan.root}/{plan.quarantine_dir}"
+        )
+    if (
+        result.atimes_deleted
+        or result.atimes_written
+        or result.rows_dropped
+        or result.executables_cleared
+    ):
+        stdout.print(
+            f"repaired: {result.atimes_deleted} orphan -atime deleted, {result.atimes_written} -atime "
+            f"written, {result.rows_dropped} index row(s) dropped, {result.executables_cleared} "
+            "entries' executable columns cleared"
+        )
     if result.dry_run and any(f.action for f in plan.findings):
         stdout.print("dry run: nothing moved, deleted or written")
 
 
-_batch_option = click.option("--batch-size", type=click.IntRange(1, DELETE_BATCH), default=DELETE_BATCH,
-                             hidden=True, help="Paths per storage delete call (at most 1000).")
+_batch_option = click.option(
+    "--batch-size",
+    type=click.IntRange(1, DELETE_BATCH),
+    default=DELETE_BATCH,
+    hidden=True,
+    help="Paths per storage delete call (at most 1000).",
+)
 
 
 @click.command("prune")
 @click.option("--older-than", metavar="DUR", help="Entries created longer ago than DUR (e.g. 30d).")
-@click.option("--unused-for", metavar="DUR", help="Entries not accessed for DUR (creation time if never accessed).")
-@click.option("--jax-version", metavar="SPEC", help="Environments whose JAX version matches a PEP 440 specifier, e.g. '<0.10'.")
-@click.option("--superseded", is_flag=True,
-              help="Environments whose JAX version is older than the newest --keep of their hardware group "
-                   "(backend, device kind and count, XLA flags).")
-@click.option("--keep", type=int, metavar="N", help="With --superseded: JAX versions kept per group (default: the cache's keep_versions, else 1).")
+@click.option(
+    "--unused-for",
+    metavar="DUR",
+    help="Entries not accessed for DUR (creation time if never accessed).",
+)
+@click.option(
+    "--jax-version",
+    metavar="SPEC",
+    help="Environments whose JAX version matches a PEP 440 specifier, e.g. '<0.10'.",
+)
+@click.option(
+    "--superseded",
+    is_flag=True,
+    help="Environments whose JAX version is older than the newest --keep of their hardware group "
+    "(backend, device kind and count, XLA flags).",
+)
+@click.option(
+    "--keep",
+    type=int,
+    metavar="N",
+    help="With --superseded: JAX versions kept per group (default: the cache's keep_versions, else 1).",
+)
 @click.option("--env", "env_prefix", metavar="DIGEST-PREFIX", help="Only this environment.")
 @click.option("--function", metavar="NAME", help="Only entries of this function.")
 @click.option("--dry-run", is_flag=True, help="Print the plan and stop.")
 @_batch_option
 @json_option
 @click.pass_obj
-def prune_cmd(ctx: Context, older_than: str | None, unused_for: str | None, jax_version: str | None,
-              superseded: bool, keep: int | None, env_prefix: str | None, function: str | None,
-              dry_run: bool, batch_size: int, as_json: bool) -> None:
+def prune_cmd(
+    ctx: Context,
+    older_than: str | None,
+    unused_for: str | None,
+    jax_version: str | None,
+    superseded: bool,
+    keep: int | None,
+    env_prefix: str | None,
+    function: str | None,
+    dry_run: bool,
+    batch_size: int,
+    as_json: bool,
+) -> None:
     """Delete entries and namespaces the selectors name (AND).
 
     A namespace whose every entry is selected goes as one unit. With no
@@ -123,60 +192,133 @@ def prune_cmd(ctx: Context, older_than: str | None, unused_for: str | None, jax_
     (nothing done) when another prune, gc or verify --quarantine holds the
     cache's lease.
     """
-    result = operations(ctx).prune(older_than=older_than, unused_for=unused_for, jax_version=jax_version,
-                                   superseded=superseded, keep=keep, env=env_prefix, function=function,
-                                   dry_run=dry_run, batch_size=batch_size)
+    result = operations(ctx).prune(
+        older_than=older_than,
+        unused_for=unused_for,
+        jax_version=jax_version,
+        superseded=superseded,
+        keep=keep,
+        env=env_prefix,
+        function=function,
+        dry_run=dry_run,
+        batch_size=batch_size,
+    )
     emit(result, as_json, _print_prune)
 
 
 @click.command("gc")
-@click.option("--policy", type=click.Choice(gc_lib.POLICIES), default="lru", show_default=True,
-              help="lru: least recently used first; cost: cheapest to recompile per byte first.")
-@click.option("--max-size", metavar="SIZE", help="Size limit for this run instead of the cache's max_size.")
-@click.option("--protect-warm", is_flag=True, help="Never evict entries of each environment's newest finished warm run.")
+@click.option(
+    "--policy",
+    type=click.Choice(gc_lib.POLICIES),
+    default="lru",
+    show_default=True,
+    help="lru: least recently used first; cost: cheapest to recompile per byte first.",
+)
+@click.option(
+    "--max-size", metavar="SIZE", help="Size limit for this run instead of the cache's max_size."
+)
+@click.option(
+    "--protect-warm",
+    is_flag=True,
+    help="Never evict entries of each environment's newest finished warm run.",
+)
 @click.option("--dry-run", is_flag=True, help="Print the plan and stop.")
 @_batch_option
 @json_option
 @click.pass_obj
-def gc_cmd(ctx: Context, policy: str, max_size: str | None, protect_warm: bool, dry_run: bool,
-           batch_size: int, as_json: bool) -> None:
+def gc_cmd(
+    ctx: Context,
+    policy: str,
+    max_size: str | None,
+    protect_warm: bool,
+    dry_run: bool,
+    batch_size: int,
+    as_json: bool,
+) -> None:
     """Evict entries until the cache fits its max_size (and env_max_size).
 
     Exit 1 when another prune, gc or verify --quarantine holds the cache's
     lease (nothing done), or when the cache is still over its limit because
     everything left is protected.
     """
-    result = operations(ctx).gc(policy=policy, max_size=max_size, protect_warm=protect_warm, dry_run=dry_run,
-                                batch_size=batch_size)
-    emit(result, as_json, _print_gc, failure=lambda r: ProblemsReported(
-        f"cachectl: gc: cache is still {size(r.plan.over_limit_after)} over max_size; "
-        "the rest is protected (warm in progress or --protect-warm)"))
+    result = operations(ctx).gc(
+        policy=policy,
+        max_size=max_size,
+        protect_warm=protect_warm,
+        dry_run=dry_run,
+        batch_size=batch_size,
+    )
+    emit(
+        result,
+        as_json,
+        _print_gc,
+        failure=lambda r: ProblemsReported(
+            f"cachectl: gc: cache is still {size(r.plan.over_limit_after)} over max_size; "
+            "the rest is protected (warm in progress or --protect-warm)"
+        ),
+    )
 
 
 @click.command("verify")
 @click.option("--env", "env_prefix", metavar="DIGEST-PREFIX", help="Only this environment.")
-@click.option("--quarantine", is_flag=True,
-              help="Move unknown, corrupt and mismatched files to <root>/.quarantine/<UTC time>/ (implies --repair).")
-@click.option("--repair", is_flag=True,
-              help="Fix JAX sidecars (orphan -atime, missing -atime) and drop index rows of missing files.")
-@click.option("--min-age", metavar="DUR", default="10m", show_default=True,
-              help="Unknown files younger than this (a writer may be about to index them) are not quarantined.")
-@click.option("--dry-run", is_flag=True, help="Check and show what --quarantine/--repair would do; change nothing.")
-@click.option("--deep", is_flag=True,
-              help="Also load every entry of this machine's environment, as a cache hit would, in a subprocess.")
+@click.option(
+    "--quarantine",
+    is_flag=True,
+    help="Move unknown, corrupt and mismatched files to <root>/.quarantine/<UTC time>/ (implies --repair).",
+)
+@click.option(
+    "--repair",
+    is_flag=True,
+    help="Fix JAX sidecars (orphan -atime, missing -atime) and drop index rows of missing files.",
+)
+@click.option(
+    "--min-age",
+    metavar="DUR",
+    default="10m",
+    show_default=True,
+    help="Unknown files younger than this (a writer may be about to index them) are not quarantined.",
+)
+@click.option(
+    "--dry-run",
+    is_flag=True,
+    help="Check and show what --quarantine/--repair would do; change nothing.",
+)
+@click.option(
+    "--deep",
+    is_flag=True,
+    help="Also load every entry of this machine's environment, as a cache hit would, in a subprocess.",
+)
 @json_option
 @click.pass_obj
-def verify_cmd(ctx: Context, env_prefix: str | None, quarantine: bool, repair: bool, min_age: str,
-               dry_run: bool, deep: bool, as_json: bool) -> None:
+def verify_cmd(
+    ctx: Context,
+    env_prefix: str | None,
+    quarantine: bool,
+    repair: bool,
+    min_age: str,
+    dry_run: bool,
+    deep: bool,
+    as_json: bool,
+) -> None:
     """Check every indexed entry: exists, sha256 matches, decompresses. Exit 1 on any finding.
 
     Run `cachectl sync` first where services write entries themselves: until
     synced, their entries are unknown to the index.
     """
-    result = operations(ctx).verify(env=env_prefix, quarantine=quarantine, repair=repair, dry_run=dry_run,
-                                    min_age=min_age, deep=deep)
-    emit(result, as_json, _print_verify,
-         failure=lambda r: ProblemsReported(f"cachectl: verify: {len(r.plan.findings)} finding(s)"))
+    result = operations(ctx).verify(
+        env=env_prefix,
+        quarantine=quarantine,
+        repair=repair,
+        dry_run=dry_run,
+        min_age=min_age,
+        deep=deep,
+    )
+    emit(
+        result,
+        as_json,
+        _print_verify,
+        failure=lambda r: ProblemsReported(f"cachectl: verify: {len(r.plan.findings)} finding(s)"),
+    )
 
 
 def register(cli: click.Group) -> None:

@@ -28,8 +28,12 @@ def print_json(obj: Any) -> None:
     sys.stdout.write(dumps_indented(data) + "\n")
 
 
-def table(title: str | None, columns: Sequence[str], rows: Sequence[Sequence[Any]],
-          justify_right: Sequence[str] = ()) -> WholeCellTable:
+def table(
+    title: str | None,
+    columns: Sequence[str],
+    rows: Sequence[Sequence[Any]],
+    justify_right: Sequence[str] = (),
+) -> WholeCellTable:
     t = Table(title_justify="left", header_style="bold")
     for col in columns:
         t.add_column(col, justify="right" if col in justify_right else "left", overflow="fold")
@@ -57,7 +61,11 @@ class WholeCellTable:
             yield self.table
             return
         self.table.title = None  # rich wraps a title to the table's width: print it on its own line
-        title = console.render_str(self.title, style="table.title", highlight=False) if self.title else None
+        title = (
+            console.render_str(self.title, style="table.title", highlight=False)
+            if self.title
+            else None
+        )
         width = Measurement.get(console, options.update_width(_UNBOUNDED), self.table).maximum
         if title is not None:
             width = max(width, title.cell_len)
@@ -75,8 +83,13 @@ def shortened(text: str, width: int) -> str:
     return text[:width] + "…"
 
 
-def emit(result: Any, as_json: bool, human: Callable[[Any], None], *,
-         failure: Callable[[Any], CachectlError] | None = None) -> None:
+def emit(
+    result: Any,
+    as_json: bool,
+    human: Callable[[Any], None],
+    *,
+    failure: Callable[[Any], CachectlError] | None = None,
+) -> None:
     """Print ``result`` as JSON or through its human renderer; then a result that is not ``ok`` fails.
 
     Its error is ``failure(result)``, by default ProblemsReported (exit 1: the result has

@@ -17,24 +17,57 @@ KEEP_ALIVE_S = 75
 
 @click.command("serve")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
-@click.option("--port", default=8700, show_default=True, type=click.IntRange(0, 65535), help="TCP port.")
-@click.option("--db", "serve_db", metavar="URL", help="Index database (default: the global --db / CACHECTL_DB).")
-@click.option("--maintenance-interval", metavar="DUR",
-              help="Enforce each cache's policy (retention, keep_versions, max_size) every DUR, e.g. 1h; "
-                   "off by default. [env: CACHECTL_SERVER_MAINTENANCE_INTERVAL]")
-@click.option("--telemetry-retention", metavar="DUR",
-              help="Delete telemetry rows older than DUR at each maintenance tick (default 30d; 'off' keeps "
-                   "them). [env: CACHECTL_SERVER_TELEMETRY_RETENTION]")
-@click.option("--public-metrics", is_flag=True, default=None,
-              help="Serve /metrics without a token. [env: CACHECTL_SERVER_METRICS_PUBLIC]")
-@click.option("--public-dashboard", is_flag=True, default=None,
-              help="Serve the dashboard at / read-only without a token. [env: CACHECTL_SERVER_DASHBOARD_PUBLIC]")
-@click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info",
-              show_default=True)
+@click.option(
+    "--port", default=8700, show_default=True, type=click.IntRange(0, 65535), help="TCP port."
+)
+@click.option(
+    "--db",
+    "serve_db",
+    metavar="URL",
+    help="Index database (default: the global --db / CACHECTL_DB).",
+)
+@click.option(
+    "--maintenance-interval",
+    metavar="DUR",
+    help="Enforce each cache's policy (retention, keep_versions, max_size) every DUR, e.g. 1h; "
+    "off by default. [env: CACHECTL_SERVER_MAINTENANCE_INTERVAL]",
+)
+@click.option(
+    "--telemetry-retention",
+    metavar="DUR",
+    help="Delete telemetry rows older than DUR at each maintenance tick (default 30d; 'off' keeps "
+    "them). [env: CACHECTL_SERVER_TELEMETRY_RETENTION]",
+)
+@click.option(
+    "--public-metrics",
+    is_flag=True,
+    default=None,
+    help="Serve /metrics without a token. [env: CACHECTL_SERVER_METRICS_PUBLIC]",
+)
+@click.option(
+    "--public-dashboard",
+    is_flag=True,
+    default=None,
+    help="Serve the dashboard at / read-only without a token. [env: CACHECTL_SERVER_DASHBOARD_PUBLIC]",
+)
+@click.option(
+    "--log-level",
+    type=click.Choice(["debug", "info", "warning", "error"]),
+    default="info",
+    show_default=True,
+)
 @click.pass_obj
-def serve(ctx: Context, host: str, port: int, serve_db: str | None, maintenance_interval: str | None,
-          telemetry_retention: str | None, public_metrics: bool | None, public_dashboard: bool | None,
-          log_level: str) -> None:
+def serve(
+    ctx: Context,
+    host: str,
+    port: int,
+    serve_db: str | None,
+    maintenance_interval: str | None,
+    telemetry_retention: str | None,
+    public_metrics: bool | None,
+    public_dashboard: bool | None,
+    log_level: str,
+) -> None:
     """Run the cachectl server (FastAPI on uvicorn) over the index.
 
     Stateless: run several replicas over one PostgreSQL index behind a load
@@ -55,28 +88,56 @@ def serve(ctx: Context, host: str, port: int, serve_db: str | None, maintenance_
         from cachectl_server.app import create_app, freeze_startup_heap
         from cachectl_server.config import load_server_settings
     except ImportError as exc:
-        raise BadInput(f"the server needs its extra: pip install 'cachectl[server]' ({exc.name} is missing)") from exc
+        raise BadInput(
+            f"the server needs its extra: pip install 'cachectl[server]' ({exc.name} is missing)"
+        ) from exc
     settings = load_server_settings(
-        db=serve_db or ctx.settings.db, host=host,
-        flags={"maintenance_interval_s": maintenance_interval or None, "telemetry_retention_s": telemetry_retention,
-               "metrics_public": public_metrics, "dashboard_public": public_dashboard},
+        db=serve_db or ctx.settings.db,
+        host=host,
+        flags={
+            "maintenance_interval_s": maintenance_interval or None,
+            "telemetry_retention_s": telemetry_retention,
+            "metrics_public": public_metrics,
+            "dashboard_public": public_dashboard,
+        },
     )
     app = create_app(settings)
     level = getattr(logging, log_level.upper())
-    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True)
+    logging.basicConfig(
+        level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True
+    )
     freeze_startup_heap()
     # uvicorn's own access log prints query strings: ours (route templates only) replaces it.
     # Keep idle connections longer than load balancers do (60 s is common): a client must never
     # send on a connection the server is closing at that moment.
-    uvicorn.run(app, host=host, port=port, log_level=log_level, access_log=False, log_config=None,
-                server_header=False, timeout_keep_alive=KEEP_ALIVE_S)
+    uvicorn.run(
+        app,
+        host=host,
+        port=port,
+        log_level=log_level,
+        access_log=False,
+        log_config=None,
+        server_header=False,
+        timeout_keep_alive=KEEP_ALIVE_S,
+    )
 
 
 def _print_tokens(items: list[tokens.TokenInfo]) -> None:
-    rows = [(t.name, t.role, ",".join(t.caches) if t.caches is not None else "all", when(t.created_at),
-             when(t.expires_at), when(t.last_used_at),
-             "revoked" if t.revoked_at else ("active" if t.active else "expired")) for t in items]
-    stdout.print(table(None, ["name", "role", "caches", "created", "expires", "last used", "status"], rows))
+    rows = [
+        (
+            t.name,
+            t.role,
+            ",".join(t.caches) if t.caches is not None else "all",
+            when(t.created_at),
+            when(t.expires_at),
+            when(t.last_used_at),
+            "revoked" if t.revoked_at else ("active" if t.active else "expired"),
+        )
+        for t in items
+    ]
+    stdout.print(
+        table(None, ["name", "role", "caches", "created", "expires", "last used", "status"], rows)
+    )
 
 
 @click.group("token")
@@ -85,16 +146,31 @@ def token_group() -> None:
 
 
 @token_group.command("create")
-@click.option("--name", required=True, help="A unique name (shown in logs and 403 messages, never the secret).")
-@click.option("--role", required=True, type=click.Choice(tokens.ROLES),
-              help="reader: list, stats, resolve, download, telemetry; writer: also upload and register "
-                   "entries and warm runs; admin: also prune, gc, verify, policy and tokens.")
-@click.option("--cache", "caches", multiple=True, metavar="NAME", help="Limit the token to this cache (repeatable).")
+@click.option(
+    "--name",
+    required=True,
+    help="A unique name (shown in logs and 403 messages, never the secret).",
+)
+@click.option(
+    "--role",
+    required=True,
+    type=click.Choice(tokens.ROLES),
+    help="reader: list, stats, resolve, download, telemetry; writer: also upload and register "
+    "entries and warm runs; admin: also prune, gc, verify, policy and tokens.",
+)
+@click.option(
+    "--cache",
+    "caches",
+    multiple=True,
+    metavar="NAME",
+    help="Limit the token to this cache (repeatable).",
+)
 @click.option("--expires", metavar="DUR", help="Expire after DUR, e.g. 90d (default: never).")
 @json_option
 @click.pass_obj
-def token_create(ctx: Context, name: str, role: str, caches: tuple[str, ...], expires: str | None,
-                 as_json: bool) -> None:
+def token_create(
+    ctx: Context, name: str, role: str, caches: tuple[str, ...], expires: str | None, as_json: bool
+) -> None:
     """Create a token; the secret is printed once, alone on the last line (only its hash is stored)."""
     created = operations(ctx).create_token(name, role, list(caches) or None, expires)
 

@@ -21,9 +21,13 @@ _STYLE = {"error": "bold red", "warning": "yellow", "info": "green"}
 
 def _print_doctor(report: doctor_lib.DoctorReport) -> None:
     stdout.print(f"cache {report.cache} at {report.root or '-'}", highlight=False)
-    stdout.print(f"this environment: {report.environment[:16]}  {report.namespace}", highlight=False)
+    stdout.print(
+        f"this environment: {report.environment[:16]}  {report.namespace}", highlight=False
+    )
     if report.nearest:
-        stdout.print(f"nearest warmed:   {report.nearest[:16]}  {report.nearest_namespace}", highlight=False)
+        stdout.print(
+            f"nearest warmed:   {report.nearest[:16]}  {report.nearest_namespace}", highlight=False
+        )
     for f in report.findings:
         style = _STYLE.get(f.severity, "")
         stdout.print(f"[{style}]{f.severity:<7}[/] {f.message}", highlight=False)
@@ -58,26 +62,46 @@ def _print_pull(r: mirror_lib.PullResult) -> None:
     _problems_table("refused (not copied)", r.refused)
     _problems_table("failed", r.failed)
     if r.missing:
-        stdout.print(f"{len(r.missing)} indexed entries are gone from storage (run `cachectl sync`)", highlight=False)
+        stdout.print(
+            f"{len(r.missing)} indexed entries are gone from storage (run `cachectl sync`)",
+            highlight=False,
+        )
     verb = "would copy" if r.dry_run else "copied"
     stdout.print(
         f"pull {r.source} -> {r.dest}: {verb} {r.copied} entries and {r.executables_copied} stored "
         f"executables ({size(r.bytes_copied)}), "
         f"{r.present} entries and {r.executables_present} executables already present, {len(r.refused)} refused, "
         f"{len(r.failed)} failed of {r.indexed} entries and {r.executables_indexed} executables indexed "
-        f"({r.duration_s:.2f}s)", highlight=False)
+        f"({r.duration_s:.2f}s)",
+        highlight=False,
+    )
 
 
 @click.command("pull")
-@click.option("--to", "dest", required=True, metavar="DIR", type=click.Path(file_okay=False),
-              help="Local directory to mirror this environment's namespace into.")
-@click.option("--workers", type=click.IntRange(1, 64), default=mirror_lib.DEFAULT_WORKERS, show_default=True,
-              help="Parallel downloads.")
-@click.option("--verify-existing", is_flag=True, help="Re-hash entries already in DIR (default: size check).")
+@click.option(
+    "--to",
+    "dest",
+    required=True,
+    metavar="DIR",
+    type=click.Path(file_okay=False),
+    help="Local directory to mirror this environment's namespace into.",
+)
+@click.option(
+    "--workers",
+    type=click.IntRange(1, 64),
+    default=mirror_lib.DEFAULT_WORKERS,
+    show_default=True,
+    help="Parallel downloads.",
+)
+@click.option(
+    "--verify-existing", is_flag=True, help="Re-hash entries already in DIR (default: size check)."
+)
 @click.option("--dry-run", is_flag=True, help="Show what would be copied; copy nothing.")
 @json_option
 @click.pass_obj
-def pull(ctx: Context, dest: str, workers: int, verify_existing: bool, dry_run: bool, as_json: bool) -> None:
+def pull(
+    ctx: Context, dest: str, workers: int, verify_existing: bool, dry_run: bool, as_json: bool
+) -> None:
     """Copy this environment's verified entries to DIR (then point JAX at DIR).
 
     Only entries the index knows, with the sha256 the index recorded, are
@@ -90,7 +114,9 @@ def pull(ctx: Context, dest: str, workers: int, verify_existing: bool, dry_run: 
     \b
     cachectl pull --to /var/cache/jax-mirror
     """
-    result = mirror_lib.pull(ctx, dest, workers=workers, dry_run=dry_run, verify_existing=verify_existing)
+    result = mirror_lib.pull(
+        ctx, dest, workers=workers, dry_run=dry_run, verify_existing=verify_existing
+    )
     emit(result, as_json, _print_pull)
 
 
@@ -103,21 +129,40 @@ def _print_push(r: mirror_lib.PushResult) -> None:
         f"push {r.source} -> {r.dest}: {verb} {r.uploaded} entries and {r.executables_uploaded} stored "
         f"executables ({size(r.bytes_uploaded)}), "
         f"{r.already_shared} already shared, {len(r.conflicts)} conflicts, {len(r.refused)} refused "
-        f"({r.duration_s:.2f}s)", highlight=False)
+        f"({r.duration_s:.2f}s)",
+        highlight=False,
+    )
 
 
 @click.command("push")
-@click.option("--from", "src", required=True, metavar="DIR", type=click.Path(file_okay=False),
-              help="Mirror directory a local run wrote new entries into.")
-@click.option("--workers", type=click.IntRange(1, 64), default=mirror_lib.DEFAULT_WORKERS, show_default=True,
-              help="Parallel uploads.")
+@click.option(
+    "--from",
+    "src",
+    required=True,
+    metavar="DIR",
+    type=click.Path(file_okay=False),
+    help="Mirror directory a local run wrote new entries into.",
+)
+@click.option(
+    "--workers",
+    type=click.IntRange(1, 64),
+    default=mirror_lib.DEFAULT_WORKERS,
+    show_default=True,
+    help="Parallel uploads.",
+)
 @click.option("--dry-run", is_flag=True, help="Show what would be uploaded; upload nothing.")
-@click.option("--sign-key", metavar="PATH", envvar="CACHECTL_SIGNING_KEY",
-              help="Sign the namespace's content list afterwards (required when the cache trusts keys). "
-                   "[env: CACHECTL_SIGNING_KEY]")
+@click.option(
+    "--sign-key",
+    metavar="PATH",
+    envvar="CACHECTL_SIGNING_KEY",
+    help="Sign the namespace's content list afterwards (required when the cache trusts keys). "
+    "[env: CACHECTL_SIGNING_KEY]",
+)
 @json_option
 @click.pass_obj
-def push(ctx: Context, src: str, workers: int, dry_run: bool, sign_key: str | None, as_json: bool) -> None:
+def push(
+    ctx: Context, src: str, workers: int, dry_run: bool, sign_key: str | None, as_json: bool
+) -> None:
     """Upload entries a local run wrote in DIR to the shared namespace (writers only).
 
     New entries are recorded in the index with origin "push".

@@ -19,10 +19,15 @@ def _print(result: SyncResult) -> None:
             continue
         if ns.new_environment:
             rows.append((ns.namespace, "add environment", ns.digest[:16] if ns.digest else "-"))
-        for label, items in (("index entry", ns.add), ("update entry", ns.update), ("drop row", ns.drop),
-                             ("record executable", ns.record_aot), ("clear executable", ns.clear_aot),
-                             ("orphan executable (no -cache; not indexed)", ns.orphan_aot),
-                             ("skipped: younger than --min-age", ns.too_young)):
+        for label, items in (
+            ("index entry", ns.add),
+            ("update entry", ns.update),
+            ("drop row", ns.drop),
+            ("record executable", ns.record_aot),
+            ("clear executable", ns.clear_aot),
+            ("orphan executable (no -cache; not indexed)", ns.orphan_aot),
+            ("skipped: younger than --min-age", ns.too_young),
+        ):
             for e in items:
                 rows.append((ns.namespace, label, e.key))
     for ns in plan.environments_gone:
@@ -30,7 +35,9 @@ def _print(result: SyncResult) -> None:
     for path in result.broken:
         rows.append((path.split(": ", 1)[0].rsplit("/", 1)[0], "skipped: not a valid entry", path))
     if rows:
-        stdout.print(table(f"sync {plan.cache} ({plan.root})", ["namespace", "action", "detail"], rows[:200]))
+        stdout.print(
+            table(f"sync {plan.cache} ({plan.root})", ["namespace", "action", "detail"], rows[:200])
+        )
         if len(rows) > 200:
             stdout.print(f"... and {len(rows) - 200} more")
     stdout.print(
@@ -44,8 +51,13 @@ def _print(result: SyncResult) -> None:
 
 @click.command("sync")
 @click.option("--dry-run", is_flag=True, help="Show what would change without changing anything.")
-@click.option("--min-age", metavar="DUR", default="5m", show_default=True,
-              help="Leave new files younger than this for a later sync (they may be half-written); 0 for none.")
+@click.option(
+    "--min-age",
+    metavar="DUR",
+    default="5m",
+    show_default=True,
+    help="Leave new files younger than this for a later sync (they may be half-written); 0 for none.",
+)
 @json_option
 @click.pass_obj
 def sync_cmd(ctx, dry_run: bool, as_json: bool, min_age: str) -> None:

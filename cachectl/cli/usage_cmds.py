@@ -18,12 +18,16 @@ _SHOW = 50
 
 
 def _print_misses(r: misses_lib.MissesReport) -> None:
-    stdout.print(f"cache {r.cache}: {r.signatures} signatures, {r.requests} compile requests, {r.hits} hits, "
-                 f"{r.misses} misses, {r.uncacheable} uncacheable since {r.since:%Y-%m-%d %H:%M} UTC"
-                 + (f"; manifest {r.manifest}" if r.manifest else "; no manifest (warm one, or --manifest)"),
-                 highlight=False)
+    stdout.print(
+        f"cache {r.cache}: {r.signatures} signatures, {r.requests} compile requests, {r.hits} hits, "
+        f"{r.misses} misses, {r.uncacheable} uncacheable since {r.since:%Y-%m-%d %H:%M} UTC"
+        + (f"; manifest {r.manifest}" if r.manifest else "; no manifest (warm one, or --manifest)"),
+        highlight=False,
+    )
     if r.coverage is not None:
-        stdout.print(f"coverage of the observed calls by the manifest: {r.coverage:.1%}", highlight=False)
+        stdout.print(
+            f"coverage of the observed calls by the manifest: {r.coverage:.1%}", highlight=False
+        )
     by_fn: dict[str, list[misses_lib.MissFinding]] = {}
     for f in r.findings:
         by_fn.setdefault(f.name or f.function, []).append(f)
@@ -36,21 +40,31 @@ def _print_misses(r: misses_lib.MissesReport) -> None:
             stdout.print(f"... and {len(items) - _SHOW} more (--json lists all)")
     if r.uncacheable_functions:
         names = ", ".join(f"{k} ({v})" for k, v in sorted(r.uncacheable_functions.items()))
-        stdout.print(f"uncacheable, counted apart (JAX never writes programs that compile in under a "
-                     f"second or use host callbacks; jit_stage comes from jnp.asarray(numpy)): {names}",
-                     highlight=False)
+        stdout.print(
+            f"uncacheable, counted apart (JAX never writes programs that compile in under a "
+            f"second or use host callbacks; jit_stage comes from jnp.asarray(numpy)): {names}",
+            highlight=False,
+        )
     if r.ok:
         stdout.print("nothing missed", highlight=False)
 
 
 @click.command("misses")
-@click.option("--since", default="1h", show_default=True, metavar="DUR", help="Telemetry window, e.g. 24h.")
+@click.option(
+    "--since", default="1h", show_default=True, metavar="DUR", help="Telemetry window, e.g. 24h."
+)
 @click.option("--function", metavar="F", help="One function: its manifest name or JAX module name.")
-@click.option("--manifest", metavar="M", type=click.Path(dir_okay=False),
-              help="Explain against this manifest (default: the latest warm run's manifest).")
+@click.option(
+    "--manifest",
+    metavar="M",
+    type=click.Path(dir_okay=False),
+    help="Explain against this manifest (default: the latest warm run's manifest).",
+)
 @json_option
 @click.pass_obj
-def misses(ctx: Context, since: str, function: str | None, manifest: str | None, as_json: bool) -> None:
+def misses(
+    ctx: Context, since: str, function: str | None, manifest: str | None, as_json: bool
+) -> None:
     """Every program signature services missed, each with the nearest warmed bucket and the fields
     that differ (exit 1 when something missed).
 
@@ -58,7 +72,9 @@ def misses(ctx: Context, since: str, function: str | None, manifest: str | None,
     cachectl misses --since 24h
     cachectl misses --manifest examples/manifest.yaml --json
     """
-    report = misses_lib.misses(ctx, since=parse_duration(since), function=function, manifest=manifest)
+    report = misses_lib.misses(
+        ctx, since=parse_duration(since), function=function, manifest=manifest
+    )
     emit(report, as_json, _print_misses)
 
 
@@ -68,22 +84,55 @@ def _pct(x: float | None) -> str:
 
 def _print_advise(r: advise_lib.AdviseReport) -> None:
     for f in r.functions:
-        rows = [(a.axis, a.calls, a.source, _fmt(a.current.values), _pct(a.current.coverage),
-                 _pct(a.current.waste), _fmt(a.proposed.values), _pct(a.proposed.coverage), _pct(a.proposed.waste))
-                for a in f.axes]
-        stdout.print(table(f.function, ["axis", "calls", "sizes from", "current", "coverage", "waste",
-                                        "proposed", "coverage", "waste"], rows,
-                           justify_right=["calls", "coverage", "waste"]))
+        rows = [
+            (
+                a.axis,
+                a.calls,
+                a.source,
+                _fmt(a.current.values),
+                _pct(a.current.coverage),
+                _pct(a.current.waste),
+                _fmt(a.proposed.values),
+                _pct(a.proposed.coverage),
+                _pct(a.proposed.waste),
+            )
+            for a in f.axes
+        ]
+        stdout.print(
+            table(
+                f.function,
+                [
+                    "axis",
+                    "calls",
+                    "sizes from",
+                    "current",
+                    "coverage",
+                    "waste",
+                    "proposed",
+                    "coverage",
+                    "waste",
+                ],
+                rows,
+                justify_right=["calls", "coverage", "waste"],
+            )
+        )
         cost = ""
         if f.compile_ms_per_program is not None:
-            cost = (f", warm cost {f.warm_seconds_current:.1f}s -> {f.warm_seconds_proposed:.1f}s "
-                    f"({f.compile_ms_per_program:.0f} ms per program, measured at warm)")
-        stdout.print(f"programs to warm: {f.programs_current} -> {f.programs_proposed}{cost}", highlight=False)
+            cost = (
+                f", warm cost {f.warm_seconds_current:.1f}s -> {f.warm_seconds_proposed:.1f}s "
+                f"({f.compile_ms_per_program:.0f} ms per program, measured at warm)"
+            )
+        stdout.print(
+            f"programs to warm: {f.programs_current} -> {f.programs_proposed}{cost}",
+            highlight=False,
+        )
     for note in r.notes:
         stdout.print(f"note: {note}", highlight=False)
     if r.diff:
         stdout.print(r.diff, highlight=False, markup=False)
-        stdout.print(f"{'wrote' if r.written else 'would write (--write)'} {r.manifest}", highlight=False)
+        stdout.print(
+            f"{'wrote' if r.written else 'would write (--write)'} {r.manifest}", highlight=False
+        )
     elif r.functions:
         stdout.print("the manifest's buckets are already the proposal", highlight=False)
 
@@ -105,14 +154,31 @@ def _waste(text: str | None) -> float | None:
 @click.argument("manifest", type=click.Path(dir_okay=False))
 @click.option("--function", metavar="F", help="One function of the manifest.")
 @click.option("--axis", metavar="A", help="One bucket axis.")
-@click.option("--max-buckets", type=int, metavar="N", help="Buckets per axis (default: as many as now).")
-@click.option("--max-waste", metavar="P", help="Fewest buckets whose mean padding waste is at most P (10%, 0.1).")
+@click.option(
+    "--max-buckets", type=int, metavar="N", help="Buckets per axis (default: as many as now)."
+)
+@click.option(
+    "--max-waste",
+    metavar="P",
+    help="Fewest buckets whose mean padding waste is at most P (10%, 0.1).",
+)
 @click.option("--since", default="7d", show_default=True, metavar="DUR", help="Telemetry window.")
-@click.option("--write", is_flag=True, help="Rewrite the manifest's axis values in place (comments kept).")
+@click.option(
+    "--write", is_flag=True, help="Rewrite the manifest's axis values in place (comments kept)."
+)
 @json_option
 @click.pass_obj
-def advise(ctx: Context, manifest: str, function: str | None, axis: str | None, max_buckets: int | None,
-           max_waste: str | None, since: str, write: bool, as_json: bool) -> None:
+def advise(
+    ctx: Context,
+    manifest: str,
+    function: str | None,
+    axis: str | None,
+    max_buckets: int | None,
+    max_waste: str | None,
+    since: str,
+    write: bool,
+    as_json: bool,
+) -> None:
     """Choose bucket values from the sizes services really called with: the least padding waste
     for N buckets (an exact dynamic program), or the fewest buckets within a waste bound.
 
@@ -120,8 +186,16 @@ def advise(ctx: Context, manifest: str, function: str | None, axis: str | None, 
     cachectl advise examples/manifest.yaml --max-buckets 4
     cachectl advise examples/manifest.yaml --axis seq --max-waste 10% --write
     """
-    report = advise_lib.advise(ctx, manifest, function=function, axis=axis, max_buckets=max_buckets,
-                               max_waste=_waste(max_waste), since=parse_duration(since), write=write)
+    report = advise_lib.advise(
+        ctx,
+        manifest,
+        function=function,
+        axis=axis,
+        max_buckets=max_buckets,
+        max_waste=_waste(max_waste),
+        since=parse_duration(since),
+        write=write,
+    )
     emit(report, as_json, _print_advise)
 
 

@@ -58,22 +58,41 @@ def _styled(status: str) -> str:
 def _print_warm(report: WarmReport) -> None:
     if report.dry_run:
         rows = [(escape(b.function), _bucket_text(b.bucket)) for b in report.buckets]
-        stdout.print(table(f"warm --dry-run: {len(rows)} bucket(s) for {report.namespace}",
-                           ["function", "bucket"], rows))
+        stdout.print(
+            table(
+                f"warm --dry-run: {len(rows)} bucket(s) for {report.namespace}",
+                ["function", "bucket"],
+                rows,
+            )
+        )
         if report.target_problems:
-            stdout.print("target: [red]does not match[/red]: " + escape("; ".join(report.target_problems)))
+            stdout.print(
+                "target: [red]does not match[/red]: " + escape("; ".join(report.target_problems))
+            )
         else:
             stdout.print("target: matches this machine")
         return
     rows = [
-        (escape(b.function), _bucket_text(b.bucket), _styled(b.status), _key_text(b.key),
-         _seconds(b.compile_seconds), size(b.bytes), size(b.aot_bytes),
-         escape(b.error or b.aot_error or ""))
+        (
+            escape(b.function),
+            _bucket_text(b.bucket),
+            _styled(b.status),
+            _key_text(b.key),
+            _seconds(b.compile_seconds),
+            size(b.bytes),
+            size(b.aot_bytes),
+            escape(b.error or b.aot_error or ""),
+        )
         for b in report.buckets
     ]
-    stdout.print(table(f"warm {report.manifest} -> {report.namespace}",
-                       ["function", "bucket", "status", "key", "compile s", "size", "aot", "error"], rows,
-                       justify_right=("compile s", "size", "aot")))
+    stdout.print(
+        table(
+            f"warm {report.manifest} -> {report.namespace}",
+            ["function", "bucket", "status", "key", "compile s", "size", "aot", "error"],
+            rows,
+            justify_right=("compile s", "size", "aot"),
+        )
+    )
     s = report.summary
     aot_bytes = sum(b.aot_bytes or 0 for b in report.buckets)
     stdout.print(
@@ -86,14 +105,32 @@ def _print_warm(report: WarmReport) -> None:
 
 
 def _print_check(report: CheckReport) -> None:
-    rows = [(escape(b.function), _bucket_text(b.bucket), _styled(b.status), _key_text(b.key),
-             _seconds(b.seconds), escape(b.aot or "-"), escape(b.error or "")) for b in report.buckets]
-    stdout.print(table(f"coverage of {report.namespace} (fresh read-only process)",
-                       ["function", "bucket", "status", "key", "load s", "executable", "error"], rows,
-                       justify_right=("load s",)))
-    stdout.print(f"coverage: {report.hits}/{len(report.buckets)} buckets hit ({report.coverage:.1f}%); "
-                 f"stored executables: {report.aot_loaded}/{len(report.buckets)} load "
-                 f"({report.aot_coverage:.1f}%)", highlight=False)
+    rows = [
+        (
+            escape(b.function),
+            _bucket_text(b.bucket),
+            _styled(b.status),
+            _key_text(b.key),
+            _seconds(b.seconds),
+            escape(b.aot or "-"),
+            escape(b.error or ""),
+        )
+        for b in report.buckets
+    ]
+    stdout.print(
+        table(
+            f"coverage of {report.namespace} (fresh read-only process)",
+            ["function", "bucket", "status", "key", "load s", "executable", "error"],
+            rows,
+            justify_right=("load s",),
+        )
+    )
+    stdout.print(
+        f"coverage: {report.hits}/{len(report.buckets)} buckets hit ({report.coverage:.1f}%); "
+        f"stored executables: {report.aot_loaded}/{len(report.buckets)} load "
+        f"({report.aot_coverage:.1f}%)",
+        highlight=False,
+    )
 
 
 class _Progress:
@@ -116,9 +153,15 @@ class _Progress:
                 TimeElapsedColumn,
             )
 
-            self.bar = Progress(TextColumn("warm"), BarColumn(), MofNCompleteColumn(),
-                                TimeElapsedColumn(), TextColumn("{task.description}"),
-                                console=stderr, transient=True)
+            self.bar = Progress(
+                TextColumn("warm"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TimeElapsedColumn(),
+                TextColumn("{task.description}"),
+                console=stderr,
+                transient=True,
+            )
 
     def __enter__(self) -> _Progress:
         if self.bar is not None:
@@ -161,23 +204,42 @@ _CACHE_DEFAULT = "(default: the manifest's 'cache:', else the global --cache)"
 
 
 def _cache_option(verb: str) -> Any:
-    return click.option("--cache", "cache_name", metavar="NAME", help=f"Cache to {verb} {_CACHE_DEFAULT}.")
+    return click.option(
+        "--cache", "cache_name", metavar="NAME", help=f"Cache to {verb} {_CACHE_DEFAULT}."
+    )
 
 
 _common = [
     click.argument("manifest", type=click.Path(dir_okay=False)),
-    click.option("--shard", metavar="I/N|auto",
-                 help="Only the I-th of N deterministic shares of the buckets; 'auto': I from "
-                      "JOB_COMPLETION_INDEX (a Kubernetes Indexed Job), N from --shards/CACHECTL_SHARDS."),
-    click.option("--shards", type=int, metavar="N",
-                 help="With --shard auto: the number of shards (else CACHECTL_SHARDS)."),
-    click.option("--path", "paths", multiple=True, metavar="DIR",
-                 help="Add DIR to the import path (repeatable); the manifest's directory is always added."),
+    click.option(
+        "--shard",
+        metavar="I/N|auto",
+        help="Only the I-th of N deterministic shares of the buckets; 'auto': I from "
+        "JOB_COMPLETION_INDEX (a Kubernetes Indexed Job), N from --shards/CACHECTL_SHARDS.",
+    ),
+    click.option(
+        "--shards",
+        type=int,
+        metavar="N",
+        help="With --shard auto: the number of shards (else CACHECTL_SHARDS).",
+    ),
+    click.option(
+        "--path",
+        "paths",
+        multiple=True,
+        metavar="DIR",
+        help="Add DIR to the import path (repeatable); the manifest's directory is always added.",
+    ),
     click.option("--json", "as_json", is_flag=True, help="Print the report as JSON."),
-    click.option("--max-buckets", type=click.IntRange(min=1), metavar="N", expose_value=False,
-                 callback=lambda _ctx, _param, value: _set_max_buckets(value),
-                 help=f"Refuse a manifest whose axes multiply out to more than N buckets "
-                      f"(default {DEFAULT_MAX_BUCKETS}). [env: {MAX_BUCKETS_ENV}]"),
+    click.option(
+        "--max-buckets",
+        type=click.IntRange(min=1),
+        metavar="N",
+        expose_value=False,
+        callback=lambda _ctx, _param, value: _set_max_buckets(value),
+        help=f"Refuse a manifest whose axes multiply out to more than N buckets "
+        f"(default {DEFAULT_MAX_BUCKETS}). [env: {MAX_BUCKETS_ENV}]",
+    ),
 ]
 
 
@@ -194,11 +256,24 @@ def _with_common(fn: Any) -> Any:
     return fn
 
 
-def _run_check(ctx: Context, manifest: str, cache_name: str | None, shard: str | None,
-               paths: tuple[str, ...], as_json: bool, shards: int | None = None) -> None:
+def _run_check(
+    ctx: Context,
+    manifest: str,
+    cache_name: str | None,
+    shard: str | None,
+    paths: tuple[str, ...],
+    as_json: bool,
+    shards: int | None = None,
+) -> None:
     report = check(ctx, manifest, cache=cache_name, shard=_shard(shard, shards), paths=paths)
-    emit(report, as_json, _print_check, failure=lambda r: OperationFailed(
-        f"coverage {r.coverage:.1f}% is below 100%: {len(r.buckets) - r.hits} bucket(s) would compile in a service"))
+    emit(
+        report,
+        as_json,
+        _print_check,
+        failure=lambda r: OperationFailed(
+            f"coverage {r.coverage:.1f}% is below 100%: {len(r.buckets) - r.hits} bucket(s) would compile in a service"
+        ),
+    )
 
 
 def _signer_for(ctx: Context, manifest: str, cache_name: str | None, sign_key: str | None) -> Any:
@@ -210,9 +285,18 @@ def _signer_for(ctx: Context, manifest: str, cache_name: str | None, sign_key: s
     return key
 
 
-def _run_distributed(ctx: Context, manifest: str, cache_name: str | None, paths: tuple[str, ...], as_json: bool,
-                     jobs: int | None, fail_fast: bool, dry_run: bool, no_executables: bool,
-                     sign_key: str | None) -> None:
+def _run_distributed(
+    ctx: Context,
+    manifest: str,
+    cache_name: str | None,
+    paths: tuple[str, ...],
+    as_json: bool,
+    jobs: int | None,
+    fail_fast: bool,
+    dry_run: bool,
+    no_executables: bool,
+    sign_key: str | None,
+) -> None:
     """Every process of the job runs this; the signing-key check and the signing happen inside the
     collective warm, so a failure there reaches every process."""
     signer: list[Any] = []
@@ -225,45 +309,102 @@ def _run_distributed(ctx: Context, manifest: str, cache_name: str | None, paths:
         if signer and signer[0] is not None:
             resign(ctx.index, report.cache, report.environment["digest"], signer[0])
 
-    result = dist.warm(ctx, manifest, cache=cache_name, jobs=jobs, paths=paths, fail_fast=fail_fast,
-                       dry_run=dry_run, executables=not no_executables, prepare=prepare, finish=finish)
+    result = dist.warm(
+        ctx,
+        manifest,
+        cache=cache_name,
+        jobs=jobs,
+        paths=paths,
+        fail_fast=fail_fast,
+        dry_run=dry_run,
+        executables=not no_executables,
+        prepare=prepare,
+        finish=finish,
+    )
     me = result.process
 
     def human(r: Any) -> None:
         _print_warm(r.report)
-        stdout.print(f"process {me.index} of {me.count} "
-                     f"({'wrote and recorded the entries' if me.index == dist.WRITER else 'compiled; process 0 wrote'})",
-                     highlight=False)
+        stdout.print(
+            f"process {me.index} of {me.count} "
+            f"({'wrote and recorded the entries' if me.index == dist.WRITER else 'compiled; process 0 wrote'})",
+            highlight=False,
+        )
 
     # Every process checked the target before compiling (dist.warm): not ok means failed buckets.
-    emit(result, as_json, human, failure=lambda r: OperationFailed(
-        f"{r.report.summary.failed} of {r.report.summary.buckets} bucket(s) failed; see the error column"))
+    emit(
+        result,
+        as_json,
+        human,
+        failure=lambda r: OperationFailed(
+            f"{r.report.summary.failed} of {r.report.summary.buckets} bucket(s) failed; see the error column"
+        ),
+    )
 
 
 @click.command("warm")
 @_with_common
 @_cache_option("fill")
-@click.option("-j", "--jobs", type=click.IntRange(min=1), metavar="N",
-              help=f"Buckets compiled at once (default: the cores here, {default_jobs()}).")
-@click.option("--executor", type=click.Choice(EXECUTORS), default=DEFAULT_EXECUTOR, show_default=True,
-              help="Compile concurrently in threads of this process or in spawned processes.")
+@click.option(
+    "-j",
+    "--jobs",
+    type=click.IntRange(min=1),
+    metavar="N",
+    help=f"Buckets compiled at once (default: the cores here, {default_jobs()}).",
+)
+@click.option(
+    "--executor",
+    type=click.Choice(EXECUTORS),
+    default=DEFAULT_EXECUTOR,
+    show_default=True,
+    help="Compile concurrently in threads of this process or in spawned processes.",
+)
 @click.option("--fail-fast", is_flag=True, help="Stop at the first failing bucket.")
-@click.option("--no-executables", is_flag=True,
-              help="Store only JAX's cache entries, not the executables cachectl.serving loads.")
-@click.option("--dry-run", is_flag=True, help="List the buckets and check the target; compile nothing.")
-@click.option("--sign-key", metavar="PATH", envvar="CACHECTL_SIGNING_KEY",
-              help="Sign the namespace's content list with this Ed25519 key afterwards (required when the "
-                   "cache trusts keys). [env: CACHECTL_SIGNING_KEY]")
-@click.option("--distributed/--no-distributed", default=None,
-              help="Warm collectively inside a jax.distributed job (every process runs this command; "
-                   "default: when JAX_COORDINATOR_ADDRESS is set). Process 0 writes and records.")
-@click.option("--check", "check_only", is_flag=True,
-              help="Compile nothing: prove coverage in a fresh read-only process (= `cachectl warm-check`).")
+@click.option(
+    "--no-executables",
+    is_flag=True,
+    help="Store only JAX's cache entries, not the executables cachectl.serving loads.",
+)
+@click.option(
+    "--dry-run", is_flag=True, help="List the buckets and check the target; compile nothing."
+)
+@click.option(
+    "--sign-key",
+    metavar="PATH",
+    envvar="CACHECTL_SIGNING_KEY",
+    help="Sign the namespace's content list with this Ed25519 key afterwards (required when the "
+    "cache trusts keys). [env: CACHECTL_SIGNING_KEY]",
+)
+@click.option(
+    "--distributed/--no-distributed",
+    default=None,
+    help="Warm collectively inside a jax.distributed job (every process runs this command; "
+    "default: when JAX_COORDINATOR_ADDRESS is set). Process 0 writes and records.",
+)
+@click.option(
+    "--check",
+    "check_only",
+    is_flag=True,
+    help="Compile nothing: prove coverage in a fresh read-only process (= `cachectl warm-check`).",
+)
 @click.pass_obj
-def warm_cmd(ctx: Context, manifest: str, cache_name: str | None, shard: str | None,
-             shards: int | None, paths: tuple[str, ...], as_json: bool, jobs: int | None, executor: str, fail_fast: bool,
-             dry_run: bool, check_only: bool, no_executables: bool, sign_key: str | None,
-             distributed: bool | None) -> None:
+def warm_cmd(
+    ctx: Context,
+    manifest: str,
+    cache_name: str | None,
+    shard: str | None,
+    shards: int | None,
+    paths: tuple[str, ...],
+    as_json: bool,
+    jobs: int | None,
+    executor: str,
+    fail_fast: bool,
+    dry_run: bool,
+    check_only: bool,
+    no_executables: bool,
+    sign_key: str | None,
+    distributed: bool | None,
+) -> None:
     """Compile every function x shape bucket of MANIFEST into this environment's namespace.
 
     Run it on the hardware the service runs on: afterwards the service's first
@@ -283,16 +424,36 @@ def warm_cmd(ctx: Context, manifest: str, cache_name: str | None, shard: str | N
     if dist.requested(distributed):
         if shard is not None:
             raise BadInput(dist.SHARD_REFUSAL)
-        _run_distributed(ctx, manifest, cache_name, paths, as_json, jobs, fail_fast, dry_run, no_executables,
-                         sign_key)
+        _run_distributed(
+            ctx,
+            manifest,
+            cache_name,
+            paths,
+            as_json,
+            jobs,
+            fail_fast,
+            dry_run,
+            no_executables,
+            sign_key,
+        )
         return
     signer = None
     if not dry_run:
         signer = _signer_for(ctx, manifest, cache_name, sign_key)
     with _Progress(enabled=not dry_run, terminal=stderr.is_terminal) as progress:
-        report = warm(ctx, manifest, cache=cache_name, jobs=jobs, shard=_shard(shard, shards), paths=paths,
-                      fail_fast=fail_fast, dry_run=dry_run, executor=executor, progress=progress,
-                      executables=not no_executables)
+        report = warm(
+            ctx,
+            manifest,
+            cache=cache_name,
+            jobs=jobs,
+            shard=_shard(shard, shards),
+            paths=paths,
+            fail_fast=fail_fast,
+            dry_run=dry_run,
+            executor=executor,
+            progress=progress,
+            executables=not no_executables,
+        )
     if signer is not None and not report.target_problems:
         resign(ctx.index, report.cache, report.environment["digest"], signer)
     emit(report, as_json, _print_warm, failure=_warm_failure)
@@ -301,23 +462,34 @@ def warm_cmd(ctx: Context, manifest: str, cache_name: str | None, shard: str | N
 def _warm_failure(report: Any) -> CachectlError:
     """The error of a warm that is not ok: the wrong machine (exit 3), else failed buckets (exit 1)."""
     if report.target_problems:
-        return EnvironmentMismatch("this machine does not match the manifest's target: "
-                                   + "; ".join(report.target_problems))
+        return EnvironmentMismatch(
+            "this machine does not match the manifest's target: "
+            + "; ".join(report.target_problems)
+        )
     traced = [b for b in report.buckets if b.traceback]
     if _verbosity() >= 1:
         for b in traced:
             click.echo(f"{b.function}[{_plain(b.bucket)}] failed:\n{b.traceback}\n", err=True)
     hint = "; -v prints the traceback of your code" if traced and _verbosity() < 1 else ""
-    return OperationFailed(f"{report.summary.failed} of {report.summary.buckets} bucket(s) "
-                           f"failed; see the error column{hint}")
+    return OperationFailed(
+        f"{report.summary.failed} of {report.summary.buckets} bucket(s) "
+        f"failed; see the error column{hint}"
+    )
 
 
 @click.command("warm-check")
 @_with_common
 @_cache_option("check")
 @click.pass_obj
-def warm_check_cmd(ctx: Context, manifest: str, cache_name: str | None, shard: str | None,
-                   shards: int | None, paths: tuple[str, ...], as_json: bool) -> None:
+def warm_check_cmd(
+    ctx: Context,
+    manifest: str,
+    cache_name: str | None,
+    shard: str | None,
+    shards: int | None,
+    paths: tuple[str, ...],
+    as_json: bool,
+) -> None:
     """Prove coverage: in a fresh process, activate the cache read-only and load every bucket.
 
     Reports hit or miss per bucket and the coverage; exits 1 below 100%.

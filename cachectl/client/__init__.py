@@ -24,7 +24,19 @@ from cachectl.client.transport import API, DEFAULT_TIMEOUT_S, Transport, _seg
 from cachectl.client.wire import decode, telemetry_wire
 
 __all__ = [
-    "API", "DEFAULT_TIMEOUT_S", "PAGE", "SERVICE_CONNECT_TIMEOUT_S", "SERVICE_TIMEOUT_S", "RemoteIndex",
-    "ServerClient", "Transport", "_seg", "client_from_settings", "decode", "open_for_service",
-    "remote_index_for_service", "service_client", "telemetry_wire",
+    "API",
+    "DEFAULT_TIMEOUT_S",
+    "PAGE",
+    "SERVICE_CONNECT_TIMEOUT_S",
+    "SERVICE_TIMEOUT_S",
+    "RemoteIndex",
+    "ServerClient",
+    "Transport",
+    "_seg",
+    "client_from_settings",
+    "decode",
+    "open_for_service",
+    "remote_index_for_service",
+    "service_client",
+    "telemetry_wire",
 ]

@@ -41,11 +41,15 @@ class RemoteIndex:
         try:
             return self._envs[env_id]
         except KeyError:
-            raise NotFound(f"environment id {env_id} is not known to this client: look it up first") from None
+            raise NotFound(
+                f"environment id {env_id} is not known to this client: look it up first"
+            ) from None
 
     def unsupported(self, what: str) -> CachectlError:
-        return BadInput(f"{what} is not available through the server ({self.url}): "
-                        "unset CACHECTL_SERVER and use --db on a host with index access")
+        return BadInput(
+            f"{what} is not available through the server ({self.url}): "
+            "unset CACHECTL_SERVER and use --db on a host with index access"
+        )
 
     # caches
     def list_caches(self) -> list[Any]:
@@ -74,8 +78,9 @@ class RemoteIndex:
 
     def find_environment(self, cache: str, prefix: str, *, include_deleted: bool = False) -> Any:
         if include_deleted:
-            return pick_environment(cache, prefix,
-                                    lambda: self.environment_stats(cache, include_deleted=True))
+            return pick_environment(
+                cache, prefix, lambda: self.environment_stats(cache, include_deleted=True)
+            )
         env = self.client.environment(cache, prefix)
         self._remember([env])
         return env
@@ -85,8 +90,10 @@ class RemoteIndex:
     def ensure_environment(self, cache: str, env: Any) -> Any:
         data = self.client.resolve(cache, env, create=True)
         if not data.get("environment"):
-            raise PermissionDenied(f"the server did not create environment {env.digest[:16]} in cache {cache!r}: "
-                                   "a writer token is needed")
+            raise PermissionDenied(
+                f"the server did not create environment {env.digest[:16]} in cache {cache!r}: "
+                "a writer token is needed"
+            )
         info = decode(EnvironmentInfo, data["environment"])
         self._remember([info])
         return info
@@ -103,8 +110,11 @@ class RemoteIndex:
         return {e.key: (e.size, e.sha256) for e in self.list_entries(env_id)}
 
     def aot_keys(self, env_id: int) -> dict[str, tuple[int, str]]:
-        return {e.key: (e.aot_size, e.aot_sha256) for e in self.list_entries(env_id)
-                if getattr(e, "aot_sha256", None)}
+        return {
+            e.key: (e.aot_size, e.aot_sha256)
+            for e in self.list_entries(env_id)
+            if getattr(e, "aot_sha256", None)
+        }
 
     def get_entry(self, env_id: int, key: str) -> Any:
         cache, digest = self._env(env_id)
@@ -127,11 +137,17 @@ class RemoteIndex:
         raise self.unsupported("recording hits directly (telemetry goes to POST /api/v1/telemetry)")
 
     # warm runs
-    def start_warm_run(self, environment_id: int, *, manifest_digest: str, manifest_path: str | None,
-                       buckets: int) -> Any:
+    def start_warm_run(
+        self, environment_id: int, *, manifest_digest: str, manifest_path: str | None, buckets: int
+    ) -> Any:
         cache, digest = self._env(environment_id)
-        run = self.client.start_warm_run(cache, digest, manifest_digest=manifest_digest,
-                                         manifest_path=manifest_path, buckets=buckets)
+        run = self.client.start_warm_run(
+            cache,
+            digest,
+            manifest_digest=manifest_digest,
+            manifest_path=manifest_path,
+            buckets=buckets,
+        )
         self._runs[run.id] = cache
         return run
 
@@ -141,23 +157,53 @@ class RemoteIndex:
         except KeyError:
             raise NotFound(f"warm run {run_id} was not started by this client") from None
 
-    def heartbeat_warm_run(self, run_id: int, *, compiled: int | None = None, cached: int | None = None,
-                           failed: int | None = None) -> None:
-        self.client.update_warm_run(self._run_cache(run_id), run_id, compiled=compiled, cached=cached,
-                                    failed=failed)
+    def heartbeat_warm_run(
+        self,
+        run_id: int,
+        *,
+        compiled: int | None = None,
+        cached: int | None = None,
+        failed: int | None = None,
+    ) -> None:
+        self.client.update_warm_run(
+            self._run_cache(run_id), run_id, compiled=compiled, cached=cached, failed=failed
+        )
 
-    def finish_warm_run(self, run_id: int, status: str, *, compiled: int, cached: int, failed: int) -> Any:
-        return self.client.update_warm_run(self._run_cache(run_id), run_id, status=status, compiled=compiled,
-                                           cached=cached, failed=failed)
+    def finish_warm_run(
+        self, run_id: int, status: str, *, compiled: int, cached: int, failed: int
+    ) -> Any:
+        return self.client.update_warm_run(
+            self._run_cache(run_id),
+            run_id,
+            status=status,
+            compiled=compiled,
+            cached=cached,
+            failed=failed,
+        )
 
     # audit
-    def audit(self, operation: str, *, cache: str | None, entries: int = 0, nbytes: int = 0,
-              duration_ms: int | None = None, details: dict[str, Any] | None = None, who: str | None = None) -> None:
+    def audit(
+        self,
+        operation: str,
+        *,
+        cache: str | None,
+        entries: int = 0,
+        nbytes: int = 0,
+        duration_ms: int | None = None,
+        details: dict[str, Any] | None = None,
+        who: str | None = None,
+    ) -> None:
         if cache is None:
             return
-        self.client.audit(cache, operation, entries=entries, nbytes=nbytes, duration_ms=duration_ms,
-                          details=details, who=who or actor())
+        self.client.audit(
+            cache,
+            operation,
+            entries=entries,
+            nbytes=nbytes,
+            duration_ms=duration_ms,
+            details=details,
+            who=who or actor(),
+        )
 
     def audit_log(self, *_args: Any, **_kwargs: Any) -> list[Any]:
         raise self.unsupported("reading the audit log")
-

@@ -38,18 +38,26 @@ class ServerClient(Transport):
         return decode(CacheInfo, self.get(f"{API}/caches/{_seg(name)}"))
 
     def environments(self, cache: str, *, include_deleted: bool = False) -> list[Any]:
-        data = self.get(f"{API}/caches/{_seg(cache)}/environments", include_deleted=include_deleted or None)
+        data = self.get(
+            f"{API}/caches/{_seg(cache)}/environments", include_deleted=include_deleted or None
+        )
         return decode(list[EnvironmentInfo], data)
 
     def environment(self, cache: str, prefix: str) -> Any:
-        return decode(EnvironmentInfo, self.get(f"{API}/caches/{_seg(cache)}/environments/{_seg(prefix)}"))
+        return decode(
+            EnvironmentInfo, self.get(f"{API}/caches/{_seg(cache)}/environments/{_seg(prefix)}")
+        )
 
     def iter_entries(self, cache: str, digest: str, **filters: Any) -> Iterator[Any]:
         """Every entry of an environment, page by page."""
         offset = 0
         while True:
-            page = self.get(f"{API}/caches/{_seg(cache)}/environments/{digest}/entries",
-                            limit=PAGE, offset=offset, **filters)
+            page = self.get(
+                f"{API}/caches/{_seg(cache)}/environments/{digest}/entries",
+                limit=PAGE,
+                offset=offset,
+                **filters,
+            )
             for item in page["items"]:
                 yield decode(EntryInfo, item)
             if page.get("next_offset") is None:
@@ -60,13 +68,23 @@ class ServerClient(Transport):
         body = {**env.to_dict(), "create": create}
         return self.request("POST", f"{API}/caches/{_seg(cache)}/resolve", json=body).json()
 
-    def register_entries(self, cache: str, digest: str, entries: Iterable[Any],
-                         warm_run_id: int | None = None) -> tuple[int, int]:
+    def register_entries(
+        self, cache: str, digest: str, entries: Iterable[Any], warm_run_id: int | None = None
+    ) -> tuple[int, int]:
         items = []
         for e in entries:
-            item = {"key": e.key, "size": e.size, "sha256": e.sha256, "origin": e.origin,
-                    "compile_time_ms": e.compile_time_ms, "function": e.function, "bucket": e.bucket}
-            if getattr(e, "aot_sha256", None) is not None:  # its stored executable, checked by the server
+            item = {
+                "key": e.key,
+                "size": e.size,
+                "sha256": e.sha256,
+                "origin": e.origin,
+                "compile_time_ms": e.compile_time_ms,
+                "function": e.function,
+                "bucket": e.bucket,
+            }
+            if (
+                getattr(e, "aot_sha256", None) is not None
+            ):  # its stored executable, checked by the server
                 item.update(aot_size=e.aot_size, aot_sha256=e.aot_sha256)
             items.append(item)
             warm_run_id = warm_run_id or e.warm_run_id
@@ -75,50 +93,94 @@ class ServerClient(Transport):
         body: dict[str, Any] = {"entries": items}
         if warm_run_id is not None:
             body["warm_run_id"] = warm_run_id
-        data = self.request("POST", f"{API}/caches/{_seg(cache)}/environments/{digest}/entries", json=body).json()
+        data = self.request(
+            "POST", f"{API}/caches/{_seg(cache)}/environments/{digest}/entries", json=body
+        ).json()
         return int(data["inserted"]), int(data["updated"])
 
     def upload_entry(self, cache: str, digest: str, key: str, data: bytes) -> Any:
-        response = self.request("PUT", f"{API}/caches/{_seg(cache)}/environments/{digest}/entries/{_seg(key)}",
-                                content=data, headers={"content-type": "application/octet-stream",
-                                                       "x-cachectl-sha256": sha256(data)})
+        response = self.request(
+            "PUT",
+            f"{API}/caches/{_seg(cache)}/environments/{digest}/entries/{_seg(key)}",
+            content=data,
+            headers={"content-type": "application/octet-stream", "x-cachectl-sha256": sha256(data)},
+        )
         return decode(EntryInfo, response.json())
 
     def download_entry(self, cache: str, digest: str, key: str) -> bytes:
-        return self.request("GET", f"{API}/caches/{_seg(cache)}/environments/{digest}/entries/{_seg(key)}").content
+        return self.request(
+            "GET", f"{API}/caches/{_seg(cache)}/environments/{digest}/entries/{_seg(key)}"
+        ).content
 
     def upload_executable(self, cache: str, digest: str, key: str, data: bytes) -> Any:
         """PUT an entry's stored executable (``<key>-aot``); the entry must be indexed already."""
         response = self.request(
-            "PUT", f"{API}/caches/{_seg(cache)}/environments/{digest}/entries/{_seg(key)}/aot", content=data,
-            headers={"content-type": "application/octet-stream", "x-cachectl-sha256": sha256(data)})
+            "PUT",
+            f"{API}/caches/{_seg(cache)}/environments/{digest}/entries/{_seg(key)}/aot",
+            content=data,
+            headers={"content-type": "application/octet-stream", "x-cachectl-sha256": sha256(data)},
+        )
         return decode(EntryInfo, response.json())
 
     def download_executable(self, cache: str, digest: str, key: str) -> bytes:
-        return self.request("GET", f"{API}/caches/{_seg(cache)}/environments/{digest}/entries/{_seg(key)}/aot").content
+        return self.request(
+            "GET", f"{API}/caches/{_seg(cache)}/environments/{digest}/entries/{_seg(key)}/aot"
+        ).content
 
-    def audit(self, cache: str, operation: str, *, entries: int = 0, nbytes: int = 0,
-              duration_ms: int | None = None, details: dict[str, Any] | None = None, who: str | None = None) -> None:
-        body = {"operation": operation, "actor": who, "entries": entries, "bytes": nbytes,
-                "duration_ms": duration_ms, "details": to_jsonable(details or {})}
+    def audit(
+        self,
+        cache: str,
+        operation: str,
+        *,
+        entries: int = 0,
+        nbytes: int = 0,
+        duration_ms: int | None = None,
+        details: dict[str, Any] | None = None,
+        who: str | None = None,
+    ) -> None:
+        body = {
+            "operation": operation,
+            "actor": who,
+            "entries": entries,
+            "bytes": nbytes,
+            "duration_ms": duration_ms,
+            "details": to_jsonable(details or {}),
+        }
         self.request("POST", f"{API}/caches/{_seg(cache)}/audit", json=body)
 
     # -- warm runs --------------------------------------------------------------------
 
-    def start_warm_run(self, cache: str, digest: str, *, manifest_digest: str, manifest_path: str | None,
-                       buckets: int) -> Any:
+    def start_warm_run(
+        self,
+        cache: str,
+        digest: str,
+        *,
+        manifest_digest: str,
+        manifest_path: str | None,
+        buckets: int,
+    ) -> Any:
         try:
             user = getpass.getuser()
         except Exception:  # noqa: BLE001 - no passwd entry in some containers
             user = "unknown"
-        body = {"manifest_digest": manifest_digest, "manifest_path": manifest_path, "buckets": buckets,
-                "host": socket.gethostname(), "user": user}
-        data = self.request("POST", f"{API}/caches/{_seg(cache)}/environments/{digest}/warm-runs", json=body).json()
+        body = {
+            "manifest_digest": manifest_digest,
+            "manifest_path": manifest_path,
+            "buckets": buckets,
+            "host": socket.gethostname(),
+            "user": user,
+        }
+        data = self.request(
+            "POST", f"{API}/caches/{_seg(cache)}/environments/{digest}/warm-runs", json=body
+        ).json()
         return decode(WarmRunInfo, data)
 
     def update_warm_run(self, cache: str, run_id: int, **body: Any) -> Any:
-        data = self.request("PATCH", f"{API}/caches/{_seg(cache)}/warm-runs/{int(run_id)}",
-                            json={k: v for k, v in body.items() if v is not None}).json()
+        data = self.request(
+            "PATCH",
+            f"{API}/caches/{_seg(cache)}/warm-runs/{int(run_id)}",
+            json={k: v for k, v in body.items() if v is not None},
+        ).json()
         return decode(WarmRunInfo, data)
 
     # -- telemetry ----------------------------------------------------------------------
@@ -135,7 +197,9 @@ class ServerClient(Transport):
     def job(self, job_id: str) -> dict[str, Any]:
         return self.get(f"{API}/jobs/{_seg(job_id)}")
 
-    def wait_job(self, job_id: str, *, poll_s: float = 0.2, timeout_s: float | None = None) -> dict[str, Any]:
+    def wait_job(
+        self, job_id: str, *, poll_s: float = 0.2, timeout_s: float | None = None
+    ) -> dict[str, Any]:
         """Poll until the job finishes (backing off to 2 s between polls)."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while True:
@@ -143,8 +207,10 @@ class ServerClient(Transport):
             if job["status"] in ("succeeded", "failed"):
                 return job
             if deadline is not None and time.monotonic() > deadline:
-                raise OperationFailed(f"job {job_id} still {job['status']} after {timeout_s:.0f}s: "
-                                      f"see GET {API}/jobs/{job_id}")
+                raise OperationFailed(
+                    f"job {job_id} still {job['status']} after {timeout_s:.0f}s: "
+                    f"see GET {API}/jobs/{job_id}"
+                )
             time.sleep(poll_s)
             poll_s = min(poll_s * 1.5, 2.0)
 
@@ -162,7 +228,9 @@ class ServerClient(Transport):
 
     # -- tokens -------------------------------------------------------------------------
 
-    def create_token(self, name: str, role: str, caches: list[str] | None, expires: str | None) -> Any:
+    def create_token(
+        self, name: str, role: str, caches: list[str] | None, expires: str | None
+    ) -> Any:
         body = {"name": name, "role": role, "caches": caches or None, "expires": expires}
         return decode(CreatedToken, self.request("POST", f"{API}/tokens", json=body).json())
 
@@ -171,4 +239,3 @@ class ServerClient(Transport):
 
     def revoke_token(self, name: str) -> Any:
         return decode(TokenInfo, self.request("DELETE", f"{API}/tokens/{_seg(name)}").json())
-

@@ -18,8 +18,11 @@ def service_client(settings: Any) -> ServerClient:
     """A client with short timeouts, for activate() and its telemetry."""
     import httpx
 
-    return ServerClient(settings.server, settings.token,
-                        timeout=httpx.Timeout(SERVICE_TIMEOUT_S, connect=SERVICE_CONNECT_TIMEOUT_S))
+    return ServerClient(
+        settings.server,
+        settings.token,
+        timeout=httpx.Timeout(SERVICE_TIMEOUT_S, connect=SERVICE_CONNECT_TIMEOUT_S),
+    )
 
 
 def remote_index_for_service(settings: Any) -> RemoteIndex:

@@ -28,26 +28,60 @@ def _without_redacted(value: Any) -> Any:
 def telemetry_wire(batch: Any) -> dict[str, Any]:
     """A cachectl.telemetry.TelemetryBatch as the server's /telemetry body expects it."""
     return {
-        "process": batch.process, "cache": batch.cache, "environment_digest": batch.environment_digest,
-        "started_at": batch.started_at.isoformat(), "ended_at": batch.ended_at.isoformat(),
-        "functions": [{"function": fn, "requests": c.requests, "hits": c.hits, "writes": c.writes,
-                       "saved_seconds": float(c.saved_seconds), "retrieval_seconds": float(c.retrieval_seconds)}
-                      for fn, c in batch.functions.items()],
-        "hit_keys": [{"key": k, "count": n, "at": at.isoformat()} for k, (n, at) in batch.hit_keys.items()],
+        "process": batch.process,
+        "cache": batch.cache,
+        "environment_digest": batch.environment_digest,
+        "started_at": batch.started_at.isoformat(),
+        "ended_at": batch.ended_at.isoformat(),
+        "functions": [
+            {
+                "function": fn,
+                "requests": c.requests,
+                "hits": c.hits,
+                "writes": c.writes,
+                "saved_seconds": float(c.saved_seconds),
+                "retrieval_seconds": float(c.retrieval_seconds),
+            }
+            for fn, c in batch.functions.items()
+        ],
+        "hit_keys": [
+            {"key": k, "count": n, "at": at.isoformat()} for k, (n, at) in batch.hit_keys.items()
+        ],
         "dropped": batch.dropped,
-        "serving": [{"function": fn, "calls": c.calls, "aot": c.aot, "fallback": c.fallback,
-                     "out_of_bucket": c.out_of_bucket, "padded": c.padded,
-                     "sizes": {axis: {str(size): n for size, n in sizes.items()}
-                               for axis, sizes in c.sizes.items()}}
-                    for fn, c in getattr(batch, "serving", {}).items()],
-        "signatures": [{"function": ident[0], "key": c.key, "source": c.source,
-                        "leaves": [[list(shape), dtype, bool(weak), sharding]
-                                   for shape, dtype, weak, sharding in c.leaves],
-                        "statics": None if c.statics is None else [[str(k), v] for k, v in c.statics],
-                        "requests": c.requests, "hits": c.hits, "misses": c.misses,
-                        "uncacheable": c.uncacheable, "repeats": c.repeats,
-                        "first_seen": c.first_seen, "last_seen": c.last_seen}
-                       for ident, c in getattr(batch, "signatures", {}).items()],
+        "serving": [
+            {
+                "function": fn,
+                "calls": c.calls,
+                "aot": c.aot,
+                "fallback": c.fallback,
+                "out_of_bucket": c.out_of_bucket,
+                "padded": c.padded,
+                "sizes": {
+                    axis: {str(size): n for size, n in sizes.items()}
+                    for axis, sizes in c.sizes.items()
+                },
+            }
+            for fn, c in getattr(batch, "serving", {}).items()
+        ],
+        "signatures": [
+            {
+                "function": ident[0],
+                "key": c.key,
+                "source": c.source,
+                "leaves": [
+                    [list(shape), dtype, bool(weak), sharding]
+                    for shape, dtype, weak, sharding in c.leaves
+                ],
+                "statics": None if c.statics is None else [[str(k), v] for k, v in c.statics],
+                "requests": c.requests,
+                "hits": c.hits,
+                "misses": c.misses,
+                "uncacheable": c.uncacheable,
+                "repeats": c.repeats,
+                "first_seen": c.first_seen,
+                "last_seen": c.last_seen,
+            }
+            for ident, c in getattr(batch, "signatures", {}).items()
+        ],
         "signatures_dropped": getattr(batch, "signatures_dropped", 0),
     }
-

@@ -34,7 +34,7 @@ def mask(sizes: Sequence[int] | np.ndarray, bucket: int) -> np.ndarray:
 
 @dataclass(frozen=True)
 class _ArgPlan:
-    kind: str                              # array | pytree | value
+    kind: str  # array | pytree | value
     dims: tuple[tuple[int, str], ...] = ()  # (dimension, axis) of each bucketed dimension
     shape: tuple[Any, ...] = ()
     dtype: Any = None
@@ -52,13 +52,26 @@ def _arg_plans(spec: FunctionSpec) -> list[_ArgPlan]:
         if arg.kind == "array":
             shape = tuple(arg.shape or ())
             dtype = np.dtype(_dtype(str(arg.dtype)))
-            if dtype == np.float64 or dtype == np.int64 or dtype == np.uint64 or dtype == np.complex128:
+            if (
+                dtype == np.float64
+                or dtype == np.int64
+                or dtype == np.uint64
+                or dtype == np.complex128
+            ):
                 import jax
 
                 dtype = np.dtype(jax.dtypes.canonicalize_dtype(dtype))
             pad = arg.pad if arg.pad is not None else (False if dtype == np.bool_ else 0)
-            plans.append(_ArgPlan("array", tuple((d, a) for d, a in enumerate(shape) if isinstance(a, str)),
-                                  shape, dtype, pad, arg.weak_type))
+            plans.append(
+                _ArgPlan(
+                    "array",
+                    tuple((d, a) for d, a in enumerate(shape) if isinstance(a, str)),
+                    shape,
+                    dtype,
+                    pad,
+                    arg.weak_type,
+                )
+            )
         elif arg.kind == "value":
             plans.append(_ArgPlan("value", value=arg.value))
         else:
@@ -82,8 +95,12 @@ def _first_difference(expected: Any, given: Any) -> str:
     """The first pytree path where the call's arguments differ from the warmed structure."""
     import jax
 
-    want = [jax.tree_util.keystr(p) for p, _ in
-            jax.tree_util.tree_flatten_with_path(expected.unflatten([0] * expected.num_leaves))[0]]
+    want = [
+        jax.tree_util.keystr(p)
+        for p, _ in jax.tree_util.tree_flatten_with_path(
+            expected.unflatten([0] * expected.num_leaves)
+        )[0]
+    ]
     have = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(given)[0]]
     for w, h in zip(want, have, strict=False):
         if w != h:
@@ -102,19 +119,28 @@ class _HasValues(Protocol):
 SlotT = TypeVar("SlotT", bound=_HasValues)
 
 
-def smallest_first(slots: Iterable[SlotT], shape_axes: set[str], static_axes: set[str]) -> list[SlotT]:
+def smallest_first(
+    slots: Iterable[SlotT], shape_axes: set[str], static_axes: set[str]
+) -> list[SlotT]:
     """Buckets ordered so that the first one covering a call is the cheapest one."""
-    return sorted(slots, key=lambda s: (
-        tuple(s.values[a] for a in sorted(shape_axes)),
-        [str(s.values.get(a)) for a in sorted(static_axes)]))
+    return sorted(
+        slots,
+        key=lambda s: (
+            tuple(s.values[a] for a in sorted(shape_axes)),
+            [str(s.values.get(a)) for a in sorted(static_axes)],
+        ),
+    )
 
 
-def covering(slots: Sequence[SlotT], raw: Mapping[str, int], static: Mapping[str, Any]) -> SlotT | None:
+def covering(
+    slots: Sequence[SlotT], raw: Mapping[str, int], static: Mapping[str, Any]
+) -> SlotT | None:
     """The first bucket (of :func:`smallest_first`'s order) at least as large as the call's
     sizes on every axis and equal on its static values; None: no bucket covers the call."""
     for slot in slots:
         values = slot.values
         if all(values[a] >= n for a, n in raw.items()) and all(
-                values[a] == v for a, v in static.items()):
+            values[a] == v for a, v in static.items()
+        ):
             return slot
     return None

@@ -23,8 +23,17 @@ from cachectl.store import Store
 class _Slot:
     """One bucket: its values, its stored executable (loaded once), or why it falls back."""
 
-    __slots__ = ("bucket", "values", "key", "header", "compiled", "error", "lock", "load_seconds",
-                 "_loader")
+    __slots__ = (
+        "bucket",
+        "values",
+        "key",
+        "header",
+        "compiled",
+        "error",
+        "lock",
+        "load_seconds",
+        "_loader",
+    )
 
     def __init__(self, bucket: Bucket) -> None:
         self.bucket = bucket
@@ -49,18 +58,26 @@ class Executables:
     """A namespace's stored executables: every header read once (in parallel), one chosen per
     bucket by :meth:`bind`, its bytes loaded (and checked against the index) by :meth:`load`."""
 
-    def __init__(self, read: Callable[[str], bytes], names: list[str],
-                 indexed: dict[str, tuple[str, str | None]] | None,
-                 on_load: Callable[[str, str], None] | None, warn: Callable[[str], None],
-                 workers: int | None) -> None:
+    def __init__(
+        self,
+        read: Callable[[str], bytes],
+        names: list[str],
+        indexed: dict[str, tuple[str, str | None]] | None,
+        on_load: Callable[[str, str], None] | None,
+        warn: Callable[[str], None],
+        workers: int | None,
+    ) -> None:
         self._read = read
         self._indexed = indexed
         self._on_load = on_load
         self._warn = warn
         self._headers = self._read_headers(names, workers)
 
-    def _read_headers(self, names: list[str], workers: int | None) -> dict[tuple[str, str], list[tuple[str, aot.AotHeader]]]:
+    def _read_headers(
+        self, names: list[str], workers: int | None
+    ) -> dict[tuple[str, str], list[tuple[str, aot.AotHeader]]]:
         """Every stored executable's header, by (function, bucket): small reads, in parallel."""
+
         def read(name: str) -> tuple[str, aot.AotHeader | None]:
             parsed = parse_aot_filename(name)
             if parsed is None:
@@ -92,13 +109,21 @@ class Executables:
             if header.spec_digest is not None and header.spec_digest != digests[0]:
                 reasons.append("stored for another version of this function's manifest entry")
                 continue
-            if header.source_digest is not None and digests[1] is not None and header.source_digest != digests[1]:
-                reasons.append("stored for other source code of the function (its file changed since warm)")
+            if (
+                header.source_digest is not None
+                and digests[1] is not None
+                and header.source_digest != digests[1]
+            ):
+                reasons.append(
+                    "stored for other source code of the function (its file changed since warm)"
+                )
                 continue
             if self._indexed is not None:
                 known = self._indexed.get(key)
                 if known is None or known[1] is None:
-                    reasons.append("the index does not know this stored executable (run `cachectl sync`)")
+                    reasons.append(
+                        "the index does not know this stored executable (run `cachectl sync`)"
+                    )
                     continue
             slot.key, slot.header, slot._loader = key, header, self.load
             slot.error = None
@@ -133,35 +158,48 @@ class Executables:
     # -- public -----------------------------------------------------------------
 
 
-def _namespace_reader(activation: Any, db: str | None, warnings: list[str]
-                      ) -> tuple[Callable[[str], bytes], list[str], dict[str, tuple[str, str | None]] | None]:
+def _namespace_reader(
+    activation: Any, db: str | None, warnings: list[str]
+) -> tuple[Callable[[str], bytes], list[str], dict[str, tuple[str, str | None]] | None]:
     """Read files of the activated namespace, list its executables, and the index's sha256s."""
+
     def unreadable(name: str) -> bytes:
         raise FileNotFoundError(name)
 
     if not activation.active:
-        warnings.append("cachectl.serving: the cache is not active; every call goes through jax.jit")
+        warnings.append(
+            "cachectl.serving: the cache is not active; every call goes through jax.jit"
+        )
         return unreadable, [], None
     try:
         store = Store(activation.path)
-        names = [f.path for f in store.list("") if f.path.endswith(AOT_SUFFIX) and "/" not in f.path]
+        names = [
+            f.path for f in store.list("") if f.path.endswith(AOT_SUFFIX) and "/" not in f.path
+        ]
     except Exception as exc:  # noqa: BLE001 - storage down: serve through jit
-        warnings.append(f"cachectl.serving: cannot list {activation.path} ({type(exc).__name__}: {exc}); "
-                        "serving through jax.jit")
+        warnings.append(
+            f"cachectl.serving: cannot list {activation.path} ({type(exc).__name__}: {exc}); "
+            "serving through jax.jit"
+        )
         return unreadable, [], None
     indexed = _index_shas(activation, db, warnings)
     return store.read_bytes, names, indexed
 
 
-def _index_shas(activation: Any, db: str | None, warnings: list[str]) -> dict[str, tuple[str, str | None]] | None:
+def _index_shas(
+    activation: Any, db: str | None, warnings: list[str]
+) -> dict[str, tuple[str, str | None]] | None:
     """key -> (entry sha256, executable sha256) from the index, or None when it is unreachable."""
 
     problems: list[str] = []
     settings = load_settings(db=db, cache=activation.cache)
     index, _ = open_service_index(settings, problems)
     if index is None:
-        warnings.append("cachectl.serving: stored executables not checked against the index ("
-                        + "; ".join(problems) + ")")
+        warnings.append(
+            "cachectl.serving: stored executables not checked against the index ("
+            + "; ".join(problems)
+            + ")"
+        )
         return None
     try:
         env = index.find_environment(activation.cache, activation.digest)
@@ -171,7 +209,9 @@ def _index_shas(activation: Any, db: str | None, warnings: list[str]) -> dict[st
     except Untrusted:
         raise
     except Exception as exc:  # noqa: BLE001 - unknown environment or index error
-        warnings.append(f"cachectl.serving: stored executables not checked against the index ({exc})")
+        warnings.append(
+            f"cachectl.serving: stored executables not checked against the index ({exc})"
+        )
         return None
     finally:
         index.close()

@@ -65,11 +65,19 @@ class FunctionReport:
     raw_sizes: dict[str, dict[int, int]] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
-        return {"calls": self.calls, "aot": self.aot, "fallback": self.fallback,
-                "out_of_bucket": self.out_of_bucket, "padded": self.padded, "buckets": self.buckets,
-                "loaded": self.loaded, "fallback_reason": self.fallback_reason,
-                "raw_sizes": {a: {str(k): v for k, v in sorted(c.items())}
-                              for a, c in self.raw_sizes.items()}}
+        return {
+            "calls": self.calls,
+            "aot": self.aot,
+            "fallback": self.fallback,
+            "out_of_bucket": self.out_of_bucket,
+            "padded": self.padded,
+            "buckets": self.buckets,
+            "loaded": self.loaded,
+            "fallback_reason": self.fallback_reason,
+            "raw_sizes": {
+                a: {str(k): v for k, v in sorted(c.items())} for a, c in self.raw_sizes.items()
+            },
+        }
 
 
 @dataclass(frozen=True)
@@ -78,8 +86,8 @@ class ServingReport:
 
     namespace: str
     functions: dict[str, FunctionReport]
-    load_seconds: float       # sum of every bucket's load
-    ready_seconds: float      # construction to every preloaded bucket ready
+    load_seconds: float  # sum of every bucket's load
+    ready_seconds: float  # construction to every preloaded bucket ready
     warnings: list[str]
 
     @property
@@ -87,10 +95,13 @@ class ServingReport:
         return all(f.fallback == 0 and f.loaded == f.buckets for f in self.functions.values())
 
     def to_json(self) -> dict[str, Any]:
-        return {"namespace": self.namespace,
-                "functions": {n: f.to_json() for n, f in self.functions.items()},
-                "load_seconds": round(self.load_seconds, 4), "ready_seconds": round(self.ready_seconds, 4),
-                "warnings": list(self.warnings)}
+        return {
+            "namespace": self.namespace,
+            "functions": {n: f.to_json() for n, f in self.functions.items()},
+            "load_seconds": round(self.load_seconds, 4),
+            "ready_seconds": round(self.ready_seconds, 4),
+            "warnings": list(self.warnings),
+        }
 
 
 class ServedFunction:
@@ -123,8 +134,10 @@ class ServedFunction:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         plans = self._plans
         if len(args) != len(plans):
-            raise TypeError(f"{self.name}() takes {len(plans)} positional arguments as the manifest "
-                            f"lists them, got {len(args)}")
+            raise TypeError(
+                f"{self.name}() takes {len(plans)} positional arguments as the manifest "
+                f"lists them, got {len(args)}"
+            )
         static: dict[str, Any] = {}
         for name, value in kwargs.items():
             axis = self._axis_kwargs.get(name)
@@ -132,24 +145,32 @@ class ServedFunction:
                 static[axis] = value
             elif name in self._fixed_kwargs:
                 if value != self._fixed_kwargs[name]:
-                    raise self._out(f"{self.name}: static {name}={value!r}; the manifest warmed "
-                                    f"{name}={self._fixed_kwargs[name]!r}")
+                    raise self._out(
+                        f"{self.name}: static {name}={value!r}; the manifest warmed "
+                        f"{name}={self._fixed_kwargs[name]!r}"
+                    )
             else:
-                raise TypeError(f"{self.name}() got keyword {name!r}, which the manifest does not list")
+                raise TypeError(
+                    f"{self.name}() got keyword {name!r}, which the manifest does not list"
+                )
         for name, axis in self._axis_kwargs.items():
             if axis not in static:
                 raise TypeError(f"{self.name}() needs keyword {name!r} (bucket axis {axis!r})")
         for i, p in enumerate(plans):
             if p.kind == "value" and args[i] != p.value:
-                raise self._out(f"{self.name}: static argument {i} is {args[i]!r}; the manifest warmed "
-                                f"{p.value!r}")
+                raise self._out(
+                    f"{self.name}: static argument {i} is {args[i]!r}; the manifest warmed "
+                    f"{p.value!r}"
+                )
         raw: dict[str, int] = {}
         for i, p in enumerate(plans):
             if p.dims:
                 shape = np.shape(args[i])
                 if len(shape) != len(p.shape):
-                    raise TypeError(f"{self.name}: argument {i} has {len(shape)} dimensions; the "
-                                    f"manifest's shape {list(p.shape)} has {len(p.shape)}")
+                    raise TypeError(
+                        f"{self.name}: argument {i} has {len(shape)} dimensions; the "
+                        f"manifest's shape {list(p.shape)} has {len(p.shape)}"
+                    )
                 for d, axis in p.dims:
                     if shape[d] > raw.get(axis, -1):
                         raw[axis] = shape[d]
@@ -201,7 +222,9 @@ class ServedFunction:
             self.out_of_bucket += 1
         return OutOfBucket(message)
 
-    def _convert(self, args: tuple[Any, ...], values: dict[str, Any] | None) -> tuple[list[Any], bool]:
+    def _convert(
+        self, args: tuple[Any, ...], values: dict[str, Any] | None
+    ) -> tuple[list[Any], bool]:
         """Pad bucketed dimensions to ``values`` (None: no padding) and match the manifest's dtypes,
         on the host."""
         out = list(args)
@@ -222,7 +245,9 @@ class ServedFunction:
         if self._jitted is None:
             import jax
 
-            self._jitted = self._fn if is_jitted(self._fn) else jax.jit(self._fn, **self._jit_options)
+            self._jitted = (
+                self._fn if is_jitted(self._fn) else jax.jit(self._fn, **self._jit_options)
+            )
         return self._jitted
 
     def _via_jit(self, call_args: list[Any], kwargs: dict[str, Any], reason: str | None) -> Any:
@@ -234,8 +259,10 @@ class ServedFunction:
             if self.fallback_reason is None:
                 self.fallback_reason = reason
         if first:
-            message = (f"cachectl.serving: {self.name}: serving through jax.jit and the persistent "
-                       f"cache: {reason or 'no stored executable'}")
+            message = (
+                f"cachectl.serving: {self.name}: serving through jax.jit and the persistent "
+                f"cache: {reason or 'no stored executable'}"
+            )
             self._rt._warn(message)
         return self._jit()(*self._jit_args(call_args), **{**self._fixed_kwargs, **kwargs})
 
@@ -247,18 +274,31 @@ class ServedFunction:
                 out[i] = np.asarray(out[i]).item()
         return out
 
-    def _overflow(self, args: tuple[Any, ...], kwargs: dict[str, Any], raw: dict[str, int],
-                  static: dict[str, Any]) -> Any:
+    def _overflow(
+        self,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        raw: dict[str, int],
+        static: dict[str, Any],
+    ) -> Any:
         if self._rt.overflow == "compile":
             with self._lock:
                 self.out_of_bucket += 1
             converted, _ = self._convert(args, None)
             return self._jit()(*self._jit_args(converted), **{**self._fixed_kwargs, **kwargs})
         largest = {a: max(s.values[a] for s in self._slots) for a in raw} if self._slots else {}
-        over = [f"{a}={n} (largest bucket {largest[a]})" for a, n in raw.items() if n > largest.get(a, -1)]
-        detail = ", ".join(over) or ", ".join(f"{a}={v!r}" for a, v in static.items()) + " not warmed"
-        raise self._out(f"{self.name}: no warmed bucket covers {detail}; add a bucket to the manifest "
-                        "or use overflow='compile'")
+        over = [
+            f"{a}={n} (largest bucket {largest[a]})"
+            for a, n in raw.items()
+            if n > largest.get(a, -1)
+        ]
+        detail = (
+            ", ".join(over) or ", ".join(f"{a}={v!r}" for a, v in static.items()) + " not warmed"
+        )
+        raise self._out(
+            f"{self.name}: no warmed bucket covers {detail}; add a bucket to the manifest "
+            "or use overflow='compile'"
+        )
 
     def _cut(self, out: Any, raw: dict[str, int]) -> Any:
         """Cut declared outputs back to the request's sizes, on the host (slicing on device compiles)."""
@@ -269,8 +309,10 @@ class ServedFunction:
         for n, spec in enumerate(specs[: len(leaves)]):
             if spec is None:
                 continue
-            index = tuple(slice(0, raw[d]) if isinstance(d, str) and d in raw else slice(None)
-                          for d in spec.shape)
+            index = tuple(
+                slice(0, raw[d]) if isinstance(d, str) and d in raw else slice(None)
+                for d in spec.shape
+            )
             leaves[n] = np.asarray(leaves[n])[index]
         return jax.tree_util.tree_unflatten(tree, leaves)
 
@@ -288,10 +330,17 @@ class ServedFunction:
 
     def report(self) -> FunctionReport:
         with self._lock:
-            return FunctionReport(self.calls, self.aot, self.fallback, self.out_of_bucket, self.padded,
-                                  len(self._slots), sum(s.compiled is not None for s in self._slots),
-                                  self.fallback_reason or next((s.error for s in self._slots if s.error), None),
-                                  {a: dict(c) for a, c in self._sizes.items()})
+            return FunctionReport(
+                self.calls,
+                self.aot,
+                self.fallback,
+                self.out_of_bucket,
+                self.padded,
+                len(self._slots),
+                sum(s.compiled is not None for s in self._slots),
+                self.fallback_reason or next((s.error for s in self._slots if s.error), None),
+                {a: dict(c) for a, c in self._sizes.items()},
+            )
 
     @property
     def buckets(self) -> list[dict[str, Any]]:
@@ -301,10 +350,21 @@ class ServedFunction:
 class Serving:
     """The manifest's functions, served from stored executables; build it with :func:`serving`."""
 
-    def __init__(self, manifest: Manifest, *, namespace: str, read: Callable[[str], bytes],
-                 names: list[str], indexed: dict[str, tuple[str, str | None]] | None,
-                 paths: Sequence[str], overflow: str, preload: bool, workers: int | None,
-                 on_load: Callable[[str, str], None] | None, warnings: list[str]) -> None:
+    def __init__(
+        self,
+        manifest: Manifest,
+        *,
+        namespace: str,
+        read: Callable[[str], bytes],
+        names: list[str],
+        indexed: dict[str, tuple[str, str | None]] | None,
+        paths: Sequence[str],
+        overflow: str,
+        preload: bool,
+        workers: int | None,
+        on_load: Callable[[str, str], None] | None,
+        warnings: list[str],
+    ) -> None:
         started = time.perf_counter()
         self.manifest = manifest
         self.namespace = namespace
@@ -330,8 +390,9 @@ class Serving:
         if preload:
             todo = [s for s in slots_all if s._loader is not None]
             if todo:
-                with ThreadPoolExecutor(max_workers=workers or min(8, len(todo)),
-                                        thread_name_prefix="cachectl-load") as pool:
+                with ThreadPoolExecutor(
+                    max_workers=workers or min(8, len(todo)), thread_name_prefix="cachectl-load"
+                ) as pool:
                     list(pool.map(_Slot.ensure_loaded, todo))
         self._slots = slots_all
         self.ready_seconds = time.perf_counter() - started
@@ -345,8 +406,10 @@ class Serving:
         try:
             return self._functions[name]
         except KeyError:
-            raise KeyError(f"{name!r} is not a function of the manifest "
-                           f"(functions: {', '.join(self._functions)})") from None
+            raise KeyError(
+                f"{name!r} is not a function of the manifest "
+                f"(functions: {', '.join(self._functions)})"
+            ) from None
 
     def __contains__(self, name: object) -> bool:
         return name in self._functions
@@ -361,19 +424,37 @@ class Serving:
 
     def executables(self) -> dict[tuple[str, str], str | None]:
         """(function, bucket JSON) -> None when its executable is loaded, else why not."""
-        return {(s.bucket.function, json.dumps(s.values, sort_keys=True)):
-                None if s.compiled is not None else (s.error or "not loaded") for s in self._slots}
+        return {
+            (s.bucket.function, json.dumps(s.values, sort_keys=True)): None
+            if s.compiled is not None
+            else (s.error or "not loaded")
+            for s in self._slots
+        }
 
     def report(self) -> ServingReport:
-        return ServingReport(self.namespace, {n: f.report() for n, f in self._functions.items()},
-                             sum(s.load_seconds for s in self._slots), self.ready_seconds,
-                             list(self._warnings))
+        return ServingReport(
+            self.namespace,
+            {n: f.report() for n, f in self._functions.items()},
+            sum(s.load_seconds for s in self._slots),
+            self.ready_seconds,
+            list(self._warnings),
+        )
 
 
-def serving(manifest: str | Path, *, cache: str | None = None, readonly: bool = True,
-            preload: bool = True, overflow: str = "error", db: str | None = None,
-            root: str | None = None, paths: Sequence[str] = (), telemetry: bool = True,
-            workers: int | None = None, mirror: str | None = None) -> Serving:
+def serving(
+    manifest: str | Path,
+    *,
+    cache: str | None = None,
+    readonly: bool = True,
+    preload: bool = True,
+    overflow: str = "error",
+    db: str | None = None,
+    root: str | None = None,
+    paths: Sequence[str] = (),
+    telemetry: bool = True,
+    workers: int | None = None,
+    mirror: str | None = None,
+) -> Serving:
     """Activate the cache as :func:`cachectl.activate` does and load every bucket's executable.
 
     ``preload`` loads all of them now, in a thread pool (readiness is the
@@ -390,8 +471,9 @@ def serving(manifest: str | Path, *, cache: str | None = None, readonly: bool = 
     spec = load_manifest(manifest)
     search = [*paths]
     check_imports(spec, search)
-    activation = activate(cache or spec.cache, readonly=readonly, db=db, root=root, telemetry=telemetry,
-                          mirror=mirror)
+    activation = activate(
+        cache or spec.cache, readonly=readonly, db=db, root=root, telemetry=telemetry, mirror=mirror
+    )
     warnings: list[str] = []
     read, names, indexed = _namespace_reader(activation, db, warnings)
     on_load = None
@@ -399,11 +481,19 @@ def serving(manifest: str | Path, *, cache: str | None = None, readonly: bool = 
     if telemetry:
         collector = telemetry_mod.current()
         on_load = collector.record_load if collector is not None else None
-    rt = Serving(spec, namespace=activation.path, read=read, names=names, indexed=indexed,
-                 paths=search, overflow=overflow, preload=preload, workers=workers,
-                 on_load=on_load, warnings=warnings)
+    rt = Serving(
+        spec,
+        namespace=activation.path,
+        read=read,
+        names=names,
+        indexed=indexed,
+        paths=search,
+        overflow=overflow,
+        preload=preload,
+        workers=workers,
+        on_load=on_load,
+        warnings=warnings,
+    )
     if collector is not None:
         collector.add_serving_source(rt.take_counts)
     return rt
-
-

@@ -37,8 +37,14 @@ from cachectl.records import (  # noqa: F401 - actor is re-exported
 )
 
 __all__ = [
-    "AuditInfo", "CacheInfo", "EntryInfo", "EnvironmentInfo", "Index", "NewEntry",
-    "actor", "open_index",
+    "AuditInfo",
+    "CacheInfo",
+    "EntryInfo",
+    "EnvironmentInfo",
+    "Index",
+    "NewEntry",
+    "actor",
+    "open_index",
 ]
 
 _CACHE_POLICY_FIELDS = {
@@ -101,14 +107,29 @@ def _environment(row: EnvRow) -> Environment:
     )
 
 
-def _env_info(row: EnvRow, cache: str, entries: int = 0, size: int = 0,
-              last_access: datetime | None = None, executables: int = 0, aot_bytes: int = 0) -> EnvironmentInfo:
+def _env_info(
+    row: EnvRow,
+    cache: str,
+    entries: int = 0,
+    size: int = 0,
+    last_access: datetime | None = None,
+    executables: int = 0,
+    aot_bytes: int = 0,
+) -> EnvironmentInfo:
     return EnvironmentInfo(
-        id=row.id, cache=cache, digest=row.digest, namespace=row.namespace,
-        environment=_environment(row), created_at=row.created_at,
-        last_seen_at=row.last_seen_at, deleted_at=row.deleted_at,
-        entries=int(entries or 0), bytes=int(size or 0), last_access_at=last_access,
-        executables=int(executables or 0), aot_bytes=int(aot_bytes or 0),
+        id=row.id,
+        cache=cache,
+        digest=row.digest,
+        namespace=row.namespace,
+        environment=_environment(row),
+        created_at=row.created_at,
+        last_seen_at=row.last_seen_at,
+        deleted_at=row.deleted_at,
+        entries=int(entries or 0),
+        bytes=int(size or 0),
+        last_access_at=last_access,
+        executables=int(executables or 0),
+        aot_bytes=int(aot_bytes or 0),
     )
 
 
@@ -119,11 +140,20 @@ def unit_size() -> Any:
 
 def _entry_info(row: Entry) -> EntryInfo:
     return EntryInfo(
-        key=row.key, module=row.module, size=row.size_bytes, sha256=row.sha256,
-        compile_time_ms=row.compile_time_ms, origin=row.origin, function=row.function,
-        bucket=row.bucket, created_at=row.created_at, last_access_at=row.last_access_at,
-        hit_count=row.hit_count, environment_id=row.environment_id,
-        aot_size=row.aot_size_bytes, aot_sha256=row.aot_sha256,
+        key=row.key,
+        module=row.module,
+        size=row.size_bytes,
+        sha256=row.sha256,
+        compile_time_ms=row.compile_time_ms,
+        origin=row.origin,
+        function=row.function,
+        bucket=row.bucket,
+        created_at=row.created_at,
+        last_access_at=row.last_access_at,
+        hit_count=row.hit_count,
+        environment_id=row.environment_id,
+        aot_size=row.aot_size_bytes,
+        aot_sha256=row.aot_sha256,
     )
 
 
@@ -132,19 +162,24 @@ def _chunks(items: Sequence[Any], size: int = _CHUNK) -> Iterator[Sequence[Any]]
         yield items[start : start + size]
 
 
-
 def _add_hits_statement() -> Any:
     """Hits added to one entry; last access moves forward only, never before creation. Built once:
     telemetry runs it on every flush."""
     t = Entry.__table__
     seen = bindparam("b_seen", type_=UTCDateTime())
     last = func.coalesce(t.c.last_access_at, t.c.created_at)
-    return (t.update().where(t.c.environment_id == bindparam("b_env"), t.c.key == bindparam("b_key"))
-            .values(hit_count=t.c.hit_count + bindparam("b_count"),
-                    last_access_at=case((last < seen, seen), else_=last)))
+    return (
+        t.update()
+        .where(t.c.environment_id == bindparam("b_env"), t.c.key == bindparam("b_key"))
+        .values(
+            hit_count=t.c.hit_count + bindparam("b_count"),
+            last_access_at=case((last < seen, seen), else_=last),
+        )
+    )
 
 
 _ADD_HITS = _add_hits_statement()
+
 
 class Index:
     """One index database (SQLite or PostgreSQL)."""
@@ -207,7 +242,9 @@ class Index:
     def add_cache(self, name: str, root_url: str, **policy: Any) -> CacheInfo:
         with self.session() as s:
             if s.scalar(select(Cache).where(Cache.name == name)) is not None:
-                raise BadInput(f"cache {name!r} already exists: use `cachectl cache set {name} ...` to change it")
+                raise BadInput(
+                    f"cache {name!r} already exists: use `cachectl cache set {name} ...` to change it"
+                )
             row = Cache(name=name, root_url=root_url, writers=[], storage_options={})
             self._apply_policy(row, policy)
             s.add(row)
@@ -229,7 +266,9 @@ class Index:
             row = s.scalar(select(Cache).where(Cache.name == name))
             if row is None:
                 known = ", ".join(s.scalars(select(Cache.name).order_by(Cache.name))) or "none"
-                raise NotFound(f"no cache named {name!r} (known: {known}): add it with `cachectl cache add {name} URL`")
+                raise NotFound(
+                    f"no cache named {name!r} (known: {known}): add it with `cachectl cache add {name} URL`"
+                )
             return _cache_info(row)
 
     def list_caches(self) -> list[CacheInfo]:
@@ -279,10 +318,16 @@ class Index:
             try:
                 with self.session() as s:
                     cache_row = self._cache_row(s, cache)
-                    row = s.scalar(select(EnvRow).where(EnvRow.cache_id == cache_row.id, EnvRow.digest == digest))
+                    row = s.scalar(
+                        select(EnvRow).where(
+                            EnvRow.cache_id == cache_row.id, EnvRow.digest == digest
+                        )
+                    )
                     if row is None:
                         data = env.to_dict()
-                        row = EnvRow(cache_id=cache_row.id, digest=digest, namespace=env.namespace, **data)
+                        row = EnvRow(
+                            cache_id=cache_row.id, digest=digest, namespace=env.namespace, **data
+                        )
                         s.add(row)
                     row.last_seen_at = utcnow()
                     row.deleted_at = None
@@ -292,7 +337,9 @@ class Index:
                 continue  # created concurrently by another process: read it
         raise Unreachable(f"could not record environment {digest[:16]} in cache {cache!r}")
 
-    def environment_stats(self, cache: str, *, include_deleted: bool = False) -> list[EnvironmentInfo]:
+    def environment_stats(
+        self, cache: str, *, include_deleted: bool = False
+    ) -> list[EnvironmentInfo]:
         """Environments of a cache with entry counts, bytes and last access."""
         with self.read_session() as s:
             cache_row = self._cache_row(s, cache)
@@ -326,9 +373,13 @@ class Index:
     def get_environment(self, cache: str, digest: str) -> EnvironmentInfo:
         return self.find_environment(cache, digest)
 
-    def find_environment(self, cache: str, prefix: str, *, include_deleted: bool = False) -> EnvironmentInfo:
+    def find_environment(
+        self, cache: str, prefix: str, *, include_deleted: bool = False
+    ) -> EnvironmentInfo:
         """One environment by digest prefix; ambiguous or unknown prefixes are bad input."""
-        return pick_environment(cache, prefix, lambda: self.environment_stats(cache, include_deleted=include_deleted))
+        return pick_environment(
+            cache, prefix, lambda: self.environment_stats(cache, include_deleted=include_deleted)
+        )
 
     def content_signature(self, env_id: int) -> dict[str, Any] | None:
         """The environment's signed content list (cachectl/signing.py), or None."""
@@ -348,20 +399,25 @@ class Index:
 
     def list_entries(self, env_id: int) -> list[EntryInfo]:
         with self.read_session() as s:
-            rows = s.scalars(select(Entry).where(Entry.environment_id == env_id).order_by(Entry.key))
+            rows = s.scalars(
+                select(Entry).where(Entry.environment_id == env_id).order_by(Entry.key)
+            )
             return [_entry_info(r) for r in rows]
 
     def entry_keys(self, env_id: int) -> dict[str, tuple[int, str]]:
         """key -> (size, sha256) for one environment: what sync diffs against."""
         with self.read_session() as s:
-            q = select(Entry.key, Entry.size_bytes, Entry.sha256).where(Entry.environment_id == env_id)
+            q = select(Entry.key, Entry.size_bytes, Entry.sha256).where(
+                Entry.environment_id == env_id
+            )
             return {k: (size, sha) for k, size, sha in s.execute(q)}
 
     def aot_keys(self, env_id: int) -> dict[str, tuple[int, str]]:
         """key -> (size, sha256) of the stored executables of one environment."""
         with self.read_session() as s:
             q = select(Entry.key, Entry.aot_size_bytes, Entry.aot_sha256).where(
-                Entry.environment_id == env_id, Entry.aot_sha256.is_not(None))
+                Entry.environment_id == env_id, Entry.aot_sha256.is_not(None)
+            )
             return {k: (size, sha) for k, size, sha in s.execute(q)}
 
     def set_executables(self, env_id: int, executables: dict[str, tuple[int, str] | None]) -> int:
@@ -374,13 +430,17 @@ class Index:
             keys = list(executables)
             for chunk in _chunks(keys):
                 q = select(Entry.id, Entry.key, Entry.aot_size_bytes, Entry.aot_sha256).where(
-                    Entry.environment_id == env_id, Entry.key.in_(chunk))
+                    Entry.environment_id == env_id, Entry.key.in_(chunk)
+                )
                 for row_id, key, size, sha in s.execute(q).all():
                     want = executables[key]
                     new = (None, None) if want is None else (int(want[0]), want[1])
                     if (size, sha) != new:
-                        s.execute(update(Entry).where(Entry.id == row_id)
-                                  .values(aot_size_bytes=new[0], aot_sha256=new[1]))
+                        s.execute(
+                            update(Entry)
+                            .where(Entry.id == row_id)
+                            .values(aot_size_bytes=new[0], aot_sha256=new[1])
+                        )
                         touched += 1
         return touched
 
@@ -398,7 +458,9 @@ class Index:
                 keys = [e.key for e in chunk]
                 existing = {
                     row.key: row
-                    for row in s.scalars(select(Entry).where(Entry.environment_id == env_id, Entry.key.in_(keys)))
+                    for row in s.scalars(
+                        select(Entry).where(Entry.environment_id == env_id, Entry.key.in_(keys))
+                    )
                 }
                 new_rows = []
                 for e in chunk:
@@ -406,12 +468,20 @@ class Index:
                     if row is None:
                         new_rows.append(
                             {
-                                "environment_id": env_id, "key": e.key, "module": e.module,
-                                "size_bytes": e.size, "sha256": e.sha256, "origin": e.origin,
-                                "compile_time_ms": e.compile_time_ms, "function": e.function,
-                                "bucket": e.bucket, "warm_run_id": e.warm_run_id,
-                                "created_at": e.created_at or utcnow(), "hit_count": 0,
-                                "aot_size_bytes": e.aot_size, "aot_sha256": e.aot_sha256,
+                                "environment_id": env_id,
+                                "key": e.key,
+                                "module": e.module,
+                                "size_bytes": e.size,
+                                "sha256": e.sha256,
+                                "origin": e.origin,
+                                "compile_time_ms": e.compile_time_ms,
+                                "function": e.function,
+                                "bucket": e.bucket,
+                                "warm_run_id": e.warm_run_id,
+                                "created_at": e.created_at or utcnow(),
+                                "hit_count": 0,
+                                "aot_size_bytes": e.aot_size,
+                                "aot_sha256": e.aot_sha256,
                             }
                         )
                         continue
@@ -419,7 +489,10 @@ class Index:
                     if (row.size_bytes, row.sha256) != (e.size, e.sha256):
                         row.size_bytes, row.sha256 = e.size, e.sha256
                         changed = True
-                    if e.aot_sha256 is not None and (row.aot_size_bytes, row.aot_sha256) != (e.aot_size, e.aot_sha256):
+                    if e.aot_sha256 is not None and (row.aot_size_bytes, row.aot_sha256) != (
+                        e.aot_size,
+                        e.aot_sha256,
+                    ):
                         row.aot_size_bytes, row.aot_sha256 = e.aot_size, e.aot_sha256
                         changed = True
                     for attr in ("compile_time_ms", "function", "bucket", "warm_run_id"):
@@ -438,12 +511,20 @@ class Index:
         key_list = list(keys)
         with self.session() as s:
             for chunk in _chunks(key_list):
-                result = s.execute(delete(Entry).where(Entry.environment_id == env_id, Entry.key.in_(chunk)))
+                result = s.execute(
+                    delete(Entry).where(Entry.environment_id == env_id, Entry.key.in_(chunk))
+                )
                 removed += result.rowcount or 0
         return removed
 
-    def record_hits(self, env_id: int, hits: dict[str, tuple[int, datetime]], *,
-                    not_after: datetime | None = None, session: Session | Connection | None = None) -> int:
+    def record_hits(
+        self,
+        env_id: int,
+        hits: dict[str, tuple[int, datetime]],
+        *,
+        not_after: datetime | None = None,
+        session: Session | Connection | None = None,
+    ) -> int:
         """Add hit counts and last-access times learned from telemetry.
 
         Last access never moves backwards, nor before the entry was created; with
@@ -455,8 +536,14 @@ class Index:
         for key, (count, at) in hits.items():
             if at.tzinfo is None:
                 at = at.replace(tzinfo=UTC)
-            params.append({"b_env": env_id, "b_key": key, "b_count": count,
-                           "b_seen": at if not_after is None else min(at, not_after)})
+            params.append(
+                {
+                    "b_env": env_id,
+                    "b_key": key,
+                    "b_count": count,
+                    "b_seen": at if not_after is None else min(at, not_after),
+                }
+            )
         if not params:
             return 0
         if session is not None:
@@ -472,44 +559,94 @@ class Index:
         if len(params) == 1 or dialect.supports_sane_multi_rowcount:
             return result.rowcount or 0
         keys = [p["b_key"] for p in params]  # a driver that does not sum an executemany's rowcount
-        return s.scalar(select(func.count()).select_from(t).where(
-            t.c.environment_id == params[0]["b_env"], t.c.key.in_(keys))) or 0
+        return (
+            s.scalar(
+                select(func.count())
+                .select_from(t)
+                .where(t.c.environment_id == params[0]["b_env"], t.c.key.in_(keys))
+            )
+            or 0
+        )
 
     # -- warm runs (cachectl.index.warm_runs) ------------------------------------
 
-    def start_warm_run(self, environment_id: int, *, manifest_digest: str, manifest_path: str | None,
-                       buckets: int) -> WarmRunInfo:
-        return warm_runs.start_run(self, environment_id, manifest_digest=manifest_digest,
-                                   manifest_path=manifest_path, buckets=buckets)
+    def start_warm_run(
+        self, environment_id: int, *, manifest_digest: str, manifest_path: str | None, buckets: int
+    ) -> WarmRunInfo:
+        return warm_runs.start_run(
+            self,
+            environment_id,
+            manifest_digest=manifest_digest,
+            manifest_path=manifest_path,
+            buckets=buckets,
+        )
 
-    def heartbeat_warm_run(self, run_id: int, *, compiled: int | None = None, cached: int | None = None,
-                           failed: int | None = None) -> None:
+    def heartbeat_warm_run(
+        self,
+        run_id: int,
+        *,
+        compiled: int | None = None,
+        cached: int | None = None,
+        failed: int | None = None,
+    ) -> None:
         warm_runs.heartbeat(self, run_id, compiled=compiled, cached=cached, failed=failed)
 
-    def finish_warm_run(self, run_id: int, status: str, *, compiled: int, cached: int,
-                        failed: int) -> WarmRunInfo:
-        return warm_runs.finish_run(self, run_id, status, compiled=compiled, cached=cached, failed=failed)
+    def finish_warm_run(
+        self, run_id: int, status: str, *, compiled: int, cached: int, failed: int
+    ) -> WarmRunInfo:
+        return warm_runs.finish_run(
+            self, run_id, status, compiled=compiled, cached=cached, failed=failed
+        )
 
     # -- audit ----------------------------------------------------------------
 
-    def audit(self, operation: str, *, cache: str | None, entries: int = 0, nbytes: int = 0,
-              duration_ms: int | None = None, details: dict[str, Any] | None = None,
-              who: str | None = None) -> None:
+    def audit(
+        self,
+        operation: str,
+        *,
+        cache: str | None,
+        entries: int = 0,
+        nbytes: int = 0,
+        duration_ms: int | None = None,
+        details: dict[str, Any] | None = None,
+        who: str | None = None,
+    ) -> None:
         with self.session() as s:
-            s.add(AuditRecord(actor=who or actor(), operation=operation, cache_name=cache,
-                              entries=entries, bytes=nbytes, duration_ms=duration_ms,
-                              details=details or {}))
+            s.add(
+                AuditRecord(
+                    actor=who or actor(),
+                    operation=operation,
+                    cache_name=cache,
+                    entries=entries,
+                    bytes=nbytes,
+                    duration_ms=duration_ms,
+                    details=details or {},
+                )
+            )
 
-    def audit_log(self, cache: str | None = None, since: timedelta | None = None,
-                  limit: int = 100) -> list[AuditInfo]:
+    def audit_log(
+        self, cache: str | None = None, since: timedelta | None = None, limit: int = 100
+    ) -> list[AuditInfo]:
         with self.read_session() as s:
-            q = select(AuditRecord).order_by(AuditRecord.at.desc(), AuditRecord.id.desc()).limit(limit)
+            q = (
+                select(AuditRecord)
+                .order_by(AuditRecord.at.desc(), AuditRecord.id.desc())
+                .limit(limit)
+            )
             if cache:
                 q = q.where(AuditRecord.cache_name == cache)
             if since:
                 q = q.where(AuditRecord.at >= utcnow() - since)
             return [
-                AuditInfo(r.at, r.actor, r.operation, r.cache_name, r.entries, r.bytes,
-                          r.duration_ms, dict(r.details or {}))
+                AuditInfo(
+                    r.at,
+                    r.actor,
+                    r.operation,
+                    r.cache_name,
+                    r.entries,
+                    r.bytes,
+                    r.duration_ms,
+                    dict(r.details or {}),
+                )
                 for r in s.scalars(q)
             ]

@@ -32,9 +32,13 @@ class IndexBackend(Protocol):
     def ensure_cache(self, name: str, root_url: str) -> CacheInfo: ...
 
     # environments
-    def environment_stats(self, cache: str, *, include_deleted: bool = False) -> list[EnvironmentInfo]: ...
+    def environment_stats(
+        self, cache: str, *, include_deleted: bool = False
+    ) -> list[EnvironmentInfo]: ...
 
-    def find_environment(self, cache: str, prefix: str, *, include_deleted: bool = False) -> EnvironmentInfo: ...
+    def find_environment(
+        self, cache: str, prefix: str, *, include_deleted: bool = False
+    ) -> EnvironmentInfo: ...
 
     def ensure_environment(self, cache: str, env: Environment) -> EnvironmentInfo: ...
 
@@ -48,16 +52,32 @@ class IndexBackend(Protocol):
     def upsert_entries(self, env_id: int, entries: Iterable[NewEntry]) -> tuple[int, int]: ...
 
     # warm runs
-    def start_warm_run(self, environment_id: int, *, manifest_digest: str, manifest_path: str | None,
-                       buckets: int) -> WarmRunInfo: ...
+    def start_warm_run(
+        self, environment_id: int, *, manifest_digest: str, manifest_path: str | None, buckets: int
+    ) -> WarmRunInfo: ...
 
-    def heartbeat_warm_run(self, run_id: int, *, compiled: int | None = None, cached: int | None = None,
-                           failed: int | None = None) -> None: ...
+    def heartbeat_warm_run(
+        self,
+        run_id: int,
+        *,
+        compiled: int | None = None,
+        cached: int | None = None,
+        failed: int | None = None,
+    ) -> None: ...
 
-    def finish_warm_run(self, run_id: int, status: str, *, compiled: int, cached: int,
-                        failed: int) -> WarmRunInfo: ...
+    def finish_warm_run(
+        self, run_id: int, status: str, *, compiled: int, cached: int, failed: int
+    ) -> WarmRunInfo: ...
 
     # audit
-    def audit(self, operation: str, *, cache: str | None, entries: int = 0, nbytes: int = 0,
-              duration_ms: int | None = None, details: dict[str, Any] | None = None,
-              who: str | None = None) -> None: ...
+    def audit(
+        self,
+        operation: str,
+        *,
+        cache: str | None,
+        entries: int = 0,
+        nbytes: int = 0,
+        duration_ms: int | None = None,
+        details: dict[str, Any] | None = None,
+        who: str | None = None,
+    ) -> None: ...

@@ -69,12 +69,16 @@ def make_engine(url: str) -> Engine:
     try:
         parsed = make_url(url)
     except ArgumentError as exc:
-        raise BadInput(f"bad index URL {url!r}: use sqlite:///PATH or postgresql+psycopg://USER@HOST/DB") from exc
+        raise BadInput(
+            f"bad index URL {url!r}: use sqlite:///PATH or postgresql+psycopg://USER@HOST/DB"
+        ) from exc
     backend = parsed.get_backend_name()
     if backend == "sqlite":
         if parsed.database and parsed.database != ":memory:":
             Path(parsed.database).expanduser().parent.mkdir(parents=True, exist_ok=True)
-        engine = create_engine(url, connect_args={"timeout": SQLITE_BUSY_TIMEOUT_MS / 1000, "isolation_level": None})
+        engine = create_engine(
+            url, connect_args={"timeout": SQLITE_BUSY_TIMEOUT_MS / 1000, "isolation_level": None}
+        )
         event.listen(engine, "connect", _sqlite_pragmas)
         event.listen(engine, "begin", _sqlite_begin)
         return engine
@@ -84,7 +88,9 @@ def make_engine(url: str) -> Engine:
         return create_engine(
             parsed, pool_pre_ping=True, connect_args={"connect_timeout": CONNECT_TIMEOUT_S}
         )
-    raise BadInput(f"unsupported index database {backend!r} in {url!r}: use sqlite:/// or postgresql+psycopg://")
+    raise BadInput(
+        f"unsupported index database {backend!r} in {url!r}: use sqlite:/// or postgresql+psycopg://"
+    )
 
 
 def _alembic_config(engine: Engine, connection: Any = None) -> Any:
@@ -92,7 +98,9 @@ def _alembic_config(engine: Engine, connection: Any = None) -> Any:
 
     cfg = Config()
     cfg.set_main_option("script_location", str(migrations_dir()))
-    cfg.set_main_option("sqlalchemy.url", engine.url.render_as_string(hide_password=False).replace("%", "%%"))
+    cfg.set_main_option(
+        "sqlalchemy.url", engine.url.render_as_string(hide_password=False).replace("%", "%%")
+    )
     if connection is not None:
         cfg.attributes["connection"] = connection
     return cfg
@@ -135,13 +143,17 @@ def upgrade(engine: Engine, revision: str = "head") -> None:
 
 def unusable(engine: Engine, exc: DatabaseError) -> BadInput:
     """A database that answers but is corrupt, truncated, or not an index at all (exit 2)."""
-    return BadInput(f"index {safe_url(engine)} is not a usable cachectl index ({_first_line(exc)}): "
-                    "restore it from a backup or move it aside")
+    return BadInput(
+        f"index {safe_url(engine)} is not a usable cachectl index ({_first_line(exc)}): "
+        "restore it from a backup or move it aside"
+    )
 
 
 def is_unusable(exc: BaseException) -> bool:
     """Any DatabaseError except the ones callers handle (unreachable, constraint races)."""
-    return isinstance(exc, DatabaseError) and not isinstance(exc, (OperationalError, IntegrityError))
+    return isinstance(exc, DatabaseError) and not isinstance(
+        exc, (OperationalError, IntegrityError)
+    )
 
 
 def ensure_schema(engine: Engine, auto_migrate: bool) -> None:
@@ -172,8 +184,10 @@ def _check_or_migrate(engine: Engine, auto_migrate: bool) -> None:
         return
     if current is None and _has_tables(engine):
         # Someone else's database (or a broken one): never "migrate" it into an index.
-        raise BadInput(f"index {safe_url(engine)} has tables but no cachectl schema version: "
-                       "not a cachectl index; point --db elsewhere")
+        raise BadInput(
+            f"index {safe_url(engine)} has tables but no cachectl schema version: "
+            "not a cachectl index; point --db elsewhere"
+        )
     if auto_migrate:
         log.info("migrating index %s from %s to %s", safe_url(engine), current, head)
         upgrade(engine)

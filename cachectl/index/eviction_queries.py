@@ -94,8 +94,11 @@ def _under_bound(dialect: str, policy: str, now: datetime) -> Any:
     def test(bound: Any) -> ColumnElement[bool]:
         # The bounds loosened here, not in SQL: PostgreSQL runs the cheaper-costed test first.
         if isinstance(bound, dict):
-            return approx <= case({env: loose(b) for env, b in bound.items()}, value=Entry.environment_id)
+            return approx <= case(
+                {env: loose(b) for env, b in bound.items()}, value=Entry.environment_id
+            )
         return approx <= loose(bound)
+
     return test
 
 
@@ -110,11 +113,20 @@ class Cuts(NamedTuple):
     lru: bool
 
 
-def eviction_cuts(index: Index, cache: str, *, policy: str, max_bytes: int | None,
-                  env_max_bytes: int | None, exclude_env_ids: Sequence[int] = (),
-                  protect_warm_runs: Sequence[int] = (), now: datetime | None = None,
-                  bytes_total: int | None = None, env_bytes: dict[int, int] | None = None,
-                  rows_total: int | None = None) -> Cuts:
+def eviction_cuts(
+    index: Index,
+    cache: str,
+    *,
+    policy: str,
+    max_bytes: int | None,
+    env_max_bytes: int | None,
+    exclude_env_ids: Sequence[int] = (),
+    protect_warm_runs: Sequence[int] = (),
+    now: datetime | None = None,
+    bytes_total: int | None = None,
+    env_bytes: dict[int, int] | None = None,
+    rows_total: int | None = None,
+) -> Cuts:
     """The rows to evict so the cache fits ``max_bytes`` and each environment ``env_max_bytes``.
 
     Greedy in score order (lowest first, ties by id): each over-limit
@@ -131,12 +143,24 @@ def eviction_cuts(index: Index, cache: str, *, policy: str, max_bytes: int | Non
     cid = cache_id(index, cache)
     with index.read_session() as s:
         dialect = s.get_bind().dialect.name
-        live = [int(i) for i in s.scalars(
-            select(EnvRow.id).where(EnvRow.cache_id == cid, EnvRow.deleted_at.is_(None)).order_by(EnvRow.id))]
+        live = [
+            int(i)
+            for i in s.scalars(
+                select(EnvRow.id)
+                .where(EnvRow.cache_id == cid, EnvRow.deleted_at.is_(None))
+                .order_by(EnvRow.id)
+            )
+        ]
         if bytes_total is None or rows_total is None:
-            counted, summed = s.execute(select(func.count(), func.coalesce(func.sum(unit_size()), 0))
-                                        .where(Entry.environment_id.in_(live))).one()
-            rows_total, bytes_total = int(counted), int(summed) if bytes_total is None else bytes_total
+            counted, summed = s.execute(
+                select(func.count(), func.coalesce(func.sum(unit_size()), 0)).where(
+                    Entry.environment_id.in_(live)
+                )
+            ).one()
+            rows_total, bytes_total = (
+                int(counted),
+                int(summed) if bytes_total is None else bytes_total,
+            )
         top_id = int(s.scalar(select(func.max(Entry.id))) or 0)
     total = bytes_total
     global_excess = None if max_bytes is None else total - max_bytes
@@ -150,25 +174,40 @@ def eviction_cuts(index: Index, cache: str, *, policy: str, max_bytes: int | Non
     excluded = set(exclude_env_ids)
     evictable: list[ColumnElement[bool]] = []
     if protect_warm_runs:
-        evictable.append(or_(Entry.warm_run_id.is_(None), Entry.warm_run_id.not_in(list(protect_warm_runs))))
-    walk = _Walk(index, score, evictable, ordered=policy == "lru",
-                 label=_last_used_minute(dialect, score) if policy == "lru" else None,
-                 sample_ids=sample_ids(dialect, top_id, rows_total), under=_under_bound(dialect, policy, now),
-                 most_rows=frozenset(live) if dialect == "postgresql" and 2 * rows_total >= top_id else None)
+        evictable.append(
+            or_(Entry.warm_run_id.is_(None), Entry.warm_run_id.not_in(list(protect_warm_runs)))
+        )
+    walk = _Walk(
+        index,
+        score,
+        evictable,
+        ordered=policy == "lru",
+        label=_last_used_minute(dialect, score) if policy == "lru" else None,
+        sample_ids=sample_ids(dialect, top_id, rows_total),
+        under=_under_bound(dialect, policy, now),
+        most_rows=frozenset(live) if dialect == "postgresql" and 2 * rows_total >= top_id else None,
+    )
     by_env: list[tuple[Any, ...]] = []
     cuts = 0  # environments cut one by one: their rows need one order
     if env_max_bytes is not None:
         if env_bytes is None:
             env_bytes = _env_bytes(index, cid)
-        over = {env: env_bytes.get(env, 0) - env_max_bytes for env in live
-                if env not in excluded and env_bytes.get(env, 0) > env_max_bytes}
+        over = {
+            env: env_bytes.get(env, 0) - env_max_bytes
+            for env in live
+            if env not in excluded and env_bytes.get(env, 0) > env_max_bytes
+        }
         by_env, cuts = walk.take_each(over), len(over)
     env_taken = {row[1] for row in by_env}
     env_freed = sum(row[4] for row in by_env)
     by_cache: list[tuple[Any, ...]] = []
     if global_excess is not None and global_excess - env_freed > 0:
-        by_cache = walk.take([e for e in live if e not in excluded], global_excess - env_freed,
-                             skip=env_taken, skip_bytes=env_freed)
+        by_cache = walk.take(
+            [e for e in live if e not in excluded],
+            global_excess - env_freed,
+            skip=env_taken,
+            skip_bytes=env_freed,
+        )
     rows = by_env + by_cache
     if by_env and (by_cache or cuts > 1):
         # One (score, id) order, as each cut was walked: the rows' own order, ids being unique.
@@ -190,19 +229,44 @@ def _last_used_minute(dialect: str, score: ColumnElement[Any]) -> ColumnElement[
     return func.substr(func.replace(score, "T", " "), 1, 16)
 
 
-def plan_evictions(index: Index, cache: str, *, policy: str, max_bytes: int | None,
-                   env_max_bytes: int | None, exclude_env_ids: Sequence[int] = (),
-                   protect_warm_runs: Sequence[int] = (), now: datetime | None = None,
-                   bytes_total: int | None = None,
-                   env_bytes: dict[int, int] | None = None) -> tuple[list[Eviction], dict[str, int]]:
+def plan_evictions(
+    index: Index,
+    cache: str,
+    *,
+    policy: str,
+    max_bytes: int | None,
+    env_max_bytes: int | None,
+    exclude_env_ids: Sequence[int] = (),
+    protect_warm_runs: Sequence[int] = (),
+    now: datetime | None = None,
+    bytes_total: int | None = None,
+    env_bytes: dict[int, int] | None = None,
+) -> tuple[list[Eviction], dict[str, int]]:
     """``eviction_cuts`` as one ``Eviction`` per entry, in score order, and the bytes before."""
-    cuts = eviction_cuts(index, cache, policy=policy, max_bytes=max_bytes, env_max_bytes=env_max_bytes,
-                         exclude_env_ids=exclude_env_ids, protect_warm_runs=protect_warm_runs, now=now,
-                         bytes_total=bytes_total, env_bytes=env_bytes)
+    cuts = eviction_cuts(
+        index,
+        cache,
+        policy=policy,
+        max_bytes=max_bytes,
+        env_max_bytes=env_max_bytes,
+        exclude_env_ids=exclude_env_ids,
+        protect_warm_runs=protect_warm_runs,
+        now=now,
+        bytes_total=bytes_total,
+        env_bytes=env_bytes,
+    )
     taken = cuts.env_taken
-    out = [Eviction(env_id, key, unit - (aot or 0), score_value(sc, cuts.lru),
-                    "env-max-size" if id_ in taken else "max-size", aot)
-           for sc, id_, env_id, key, unit, aot, *_ in cuts.rows]
+    out = [
+        Eviction(
+            env_id,
+            key,
+            unit - (aot or 0),
+            score_value(sc, cuts.lru),
+            "env-max-size" if id_ in taken else "max-size",
+            aot,
+        )
+        for sc, id_, env_id, key, unit, aot, *_ in cuts.rows
+    ]
     return out, {"bytes_before": cuts.bytes_before}
 
 
@@ -230,6 +294,8 @@ _SAMPLE_SIGMAS = 2.0
 def _margin(sampled: int) -> float:
     """How much more than the sample's estimate a cut reads, by the sampled rows under its bound."""
     return 1.0 + max(_SAMPLE_MARGIN - 1.0, _SAMPLE_SIGMAS / math.sqrt(max(sampled, 1)))
+
+
 _PG_SORT_MEM = "64MB"
 # Rows the first read past a short sample's bound takes at least (more when the shortfall needs it).
 _FOLLOW_ROWS = 1000
@@ -250,10 +316,17 @@ class _Walk:
     the bound); the cut itself is exact either way.
     """
 
-    def __init__(self, index: Index, score: ColumnElement[Any], where: list[ColumnElement[bool]],
-                 label: ColumnElement[str] | None,
-                 ordered: bool, sample_ids: int | None = None, under: Any = None,
-                 most_rows: frozenset[int] | None = None) -> None:
+    def __init__(
+        self,
+        index: Index,
+        score: ColumnElement[Any],
+        where: list[ColumnElement[bool]],
+        label: ColumnElement[str] | None,
+        ordered: bool,
+        sample_ids: int | None = None,
+        under: Any = None,
+        most_rows: frozenset[int] | None = None,
+    ) -> None:
         self.index, self.score, self.where = index, score, where
         self.ordered = ordered  # an index holds the score order (lru: ix_entries_last_used)
         self.label = label  # lru: the last use as the plan prints it, a 7th column
@@ -286,8 +359,13 @@ class _Walk:
             if not self.ordered:
                 with self.index.read_session() as s:
                     bounds = self._bounds(s.connection(), envs, targets)
-            return [row for env in envs for row in self.take([env], targets[env], bound=bounds.get(env),
-                                                             sampled=not self.ordered)]
+            return [
+                row
+                for env in envs
+                for row in self.take(
+                    [env], targets[env], bound=bounds.get(env), sampled=not self.ordered
+                )
+            ]
         out: list[tuple[Any, ...]] = []
         acc = dict.fromkeys(envs, 0)
         with self.index.read_session() as s:
@@ -315,15 +393,18 @@ class _Walk:
             # A 10% cut of 1,000,000 rows is ~100k sorted rows: sort them in memory, not on disk
             # (the default 4 MB spills); lru scores in UTC, as the column type gives them; for
             # this read transaction only.
-            conn.exec_driver_sql(f"SELECT set_config('work_mem', '{_PG_SORT_MEM}', true), "
-                                 "set_config('TimeZone', 'UTC', true)")
+            conn.exec_driver_sql(
+                f"SELECT set_config('work_mem', '{_PG_SORT_MEM}', true), "
+                "set_config('TimeZone', 'UTC', true)"
+            )
 
     def _bounds(self, conn: Any, envs: list[int], targets: dict[int, int]) -> dict[int, Any]:
         """Each environment's bound from one sample query (an environment whose sample gives none
         is left out)."""
-        q = (self._sample([Entry.environment_id, self.score, unit_size()],
-                          [Entry.environment_id.in_(envs), *self.where])
-             .order_by(Entry.environment_id, self.score))
+        q = self._sample(
+            [Entry.environment_id, self.score, unit_size()],
+            [Entry.environment_id.in_(envs), *self.where],
+        ).order_by(Entry.environment_id, self.score)
         acc = dict.fromkeys(envs, 0)
         rows = dict.fromkeys(envs, 0)
         bounds: dict[int, Any] = {}
@@ -340,27 +421,55 @@ class _Walk:
         envs = sorted(bounds)
         if self.ordered:
             upto = case(bounds, value=Entry.environment_id)
-            return (select(self.score.label("score"), Entry.id, Entry.environment_id, Entry.key, unit_size(),
-                           Entry.aot_size_bytes, *([] if self.label is None else [self.label]))
-                    .where(self._in_envs(envs), *self.where, self.score <= upto)
-                    .order_by(self.score, Entry.id))
+            return (
+                select(
+                    self.score.label("score"),
+                    Entry.id,
+                    Entry.environment_id,
+                    Entry.key,
+                    unit_size(),
+                    Entry.aot_size_bytes,
+                    *([] if self.label is None else [self.label]),
+                )
+                .where(self._in_envs(envs), *self.where, self.score <= upto)
+                .order_by(self.score, Entry.id)
+            )
         return self._one_scan([self._in_envs(envs), *self.where, *self._upto(bounds)])
 
     def _upto(self, bound: Any) -> list[ColumnElement[bool]]:
         """``score <= bound`` (a dict: each environment's bound), after the cheap test where there is one."""
-        exact = self.score <= (case(bound, value=Entry.environment_id) if isinstance(bound, dict) else bound)
+        exact = self.score <= (
+            case(bound, value=Entry.environment_id) if isinstance(bound, dict) else bound
+        )
         return [exact] if self.under is None else [self.under(bound), exact]
 
     def _one_scan(self, where: list[ColumnElement[bool]]) -> Any:
         """The scored candidates in (score, id) order, the key read from the row (or index entry)
         it scores, not through a self-join: on PostgreSQL that scanned the table a second time and
         hashed every kept row (measured: half the time at 1,000,000 rows)."""
-        return (select(self.score.label("score"), Entry.id, Entry.environment_id, Entry.key, unit_size(),
-                       Entry.aot_size_bytes).where(*where).order_by(self.score, Entry.id))
+        return (
+            select(
+                self.score.label("score"),
+                Entry.id,
+                Entry.environment_id,
+                Entry.key,
+                unit_size(),
+                Entry.aot_size_bytes,
+            )
+            .where(*where)
+            .order_by(self.score, Entry.id)
+        )
 
-    def take(self, env_ids: list[int], target: int, skip: Collection[int] = (),
-             skip_bytes: int = 0, past: Any = None, bound: Any = None,
-             sampled: bool = False) -> list[tuple[Any, ...]]:
+    def take(
+        self,
+        env_ids: list[int],
+        target: int,
+        skip: Collection[int] = (),
+        skip_bytes: int = 0,
+        past: Any = None,
+        bound: Any = None,
+        sampled: bool = False,
+    ) -> list[tuple[Any, ...]]:
         """Rows (score, id, environment, key, unit bytes, aot bytes[, label]) whose running sum of unit
         bytes *before* them is under ``target``; rows in ``skip`` (``skip_bytes`` in all) are
         passed over and count 0. ``sampled``: ``bound`` is the sample's bound already (None: none).
@@ -392,9 +501,14 @@ class _Walk:
             while True:
                 if upto is None and not lazy:
                     per_row = acc // len(out) if out else 0
-                    limit = max(_FOLLOW_ROWS, 2 * limit, 2 * (target - acc) // per_row if per_row else 0)
-                result = conn.execute(self._query(env_ids, by_env, upto, after,
-                                                  limit if upto is None and not lazy else None))
+                    limit = max(
+                        _FOLLOW_ROWS, 2 * limit, 2 * (target - acc) // per_row if per_row else 0
+                    )
+                result = conn.execute(
+                    self._query(
+                        env_ids, by_env, upto, after, limit if upto is None and not lazy else None
+                    )
+                )
                 read, last = 0, None
                 fetch, size = result.cursor.fetchmany, _FIRST_FETCH  # type: ignore[attr-defined]
                 try:
@@ -409,8 +523,14 @@ class _Walk:
                                 acc += row[4]
                         # Next, about the rows the rest of the cut needs at the mean so far (5% more):
                         # SQLite looks up each row fetched, so a fixed batch would overshoot every cut.
-                        size = (min(_STREAM_ROWS, max(64, (target - acc) * len(out) // acc * 21 // 20 + 32))
-                                if acc else _STREAM_ROWS)
+                        size = (
+                            min(
+                                _STREAM_ROWS,
+                                max(64, (target - acc) * len(out) // acc * 21 // 20 + 32),
+                            )
+                            if acc
+                            else _STREAM_ROWS
+                        )
                 finally:
                     result.close()
                 if upto is not None:
@@ -420,25 +540,46 @@ class _Walk:
                 else:
                     after = (last[0], last[1])
 
-    def _query(self, env_ids: list[int], by_env: ColumnElement[bool], upto: Any,
-               after: tuple[Any, Any] | None, limit: int | None) -> Any:
+    def _query(
+        self,
+        env_ids: list[int],
+        by_env: ColumnElement[bool],
+        upto: Any,
+        after: tuple[Any, Any] | None,
+        limit: int | None,
+    ) -> Any:
         """The candidates with score <= ``upto`` (None: unbounded) and after ``after`` (score, id
         or score, None: past that score), in (score, id) order, the first ``limit`` of them."""
+
         def within(score: Any, id_: Any) -> list[ColumnElement[bool]]:
             out: list[ColumnElement[bool]] = [] if upto is None else self._upto(upto)
             if after is not None:
                 at, last_id = after
-                out.append(score > at if last_id is None else or_(score > at, and_(score == at, id_ > last_id)))
+                out.append(
+                    score > at
+                    if last_id is None
+                    else or_(score > at, and_(score == at, id_ > last_id))
+                )
             return out
 
         if self.ordered:
             # ``+ 0``: not an index term, so the databases range-scan the score index in order
             # instead of each environment's rows, then sorting them.
             in_order = (Entry.environment_id + 0).in_(env_ids) if len(env_ids) > 1 else by_env
-            return (select(self.score.label("score"), Entry.id, Entry.environment_id, Entry.key, unit_size(),
-                           Entry.aot_size_bytes, *([] if self.label is None else [self.label]))
-                    .where(in_order, *self.where, *within(self.score, Entry.id)).order_by(self.score, Entry.id)
-                    .limit(limit))
+            return (
+                select(
+                    self.score.label("score"),
+                    Entry.id,
+                    Entry.environment_id,
+                    Entry.key,
+                    unit_size(),
+                    Entry.aot_size_bytes,
+                    *([] if self.label is None else [self.label]),
+                )
+                .where(in_order, *self.where, *within(self.score, Entry.id))
+                .order_by(self.score, Entry.id)
+                .limit(limit)
+            )
         # One scan over the covering ``ix_entries_env_plan``, which holds the key too (migration
         # 0008): the score computed once per row, no row looked up in the table (SQLite had looked
         # up each row kept, ~1 us a row, more than scoring it); with a LIMIT, a top-N sort.
@@ -452,7 +593,9 @@ class _Walk:
         if self.sample_ids is None:
             return select(*columns).where(*where, Entry.id % _SAMPLE_EVERY == 0)
         first = select(literal(_SAMPLE_EVERY).label("i")).cte("ids", recursive=True)
-        ids = first.union_all(select(first.c.i + _SAMPLE_EVERY).where(first.c.i + _SAMPLE_EVERY <= self.sample_ids))
+        ids = first.union_all(
+            select(first.c.i + _SAMPLE_EVERY).where(first.c.i + _SAMPLE_EVERY <= self.sample_ids)
+        )
         return select(*columns).join_from(ids, Entry, Entry.id == ids.c.i).where(*where)
 
     def _bound(self, conn: Any, where: list[ColumnElement[bool]], need: int) -> Any:
@@ -473,9 +616,11 @@ class _Walk:
 
 
 def _env_bytes(index: Index, cid: int) -> dict[int, int]:
-    q = (select(Entry.environment_id, func.sum(unit_size()))
-         .join(EnvRow, EnvRow.id == Entry.environment_id)
-         .where(EnvRow.cache_id == cid, EnvRow.deleted_at.is_(None))
-         .group_by(Entry.environment_id))
+    q = (
+        select(Entry.environment_id, func.sum(unit_size()))
+        .join(EnvRow, EnvRow.id == Entry.environment_id)
+        .where(EnvRow.cache_id == cid, EnvRow.deleted_at.is_(None))
+        .group_by(Entry.environment_id)
+    )
     with index.read_session() as s:
         return {int(env): int(b or 0) for env, b in s.execute(q)}

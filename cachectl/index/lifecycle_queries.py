@@ -116,8 +116,16 @@ def environments(index: Index, cache: str) -> list[EnvSummary]:
     """
     cid = cache_id(index, cache)
     q = (
-        select(EnvRow.id, EnvRow.digest, EnvRow.namespace, EnvRow.jax_version, EnvRow.backend,
-               EnvRow.device_kind, EnvRow.device_count, EnvRow.xla_flags)
+        select(
+            EnvRow.id,
+            EnvRow.digest,
+            EnvRow.namespace,
+            EnvRow.jax_version,
+            EnvRow.backend,
+            EnvRow.device_kind,
+            EnvRow.device_count,
+            EnvRow.xla_flags,
+        )
         .where(EnvRow.cache_id == cid, EnvRow.deleted_at.is_(None))
         .order_by(EnvRow.namespace)
     )
@@ -126,9 +134,11 @@ def environments(index: Index, cache: str) -> list[EnvSummary]:
         envs = conn.execute(q).all()
         totals: dict[int, tuple[int, int]] = {}
         if envs:
-            grouped = (select(Entry.environment_id, func.count(), func.coalesce(func.sum(unit_size()), 0))
-                       .where(Entry.environment_id.in_([e[0] for e in envs]))
-                       .group_by(Entry.environment_id))
+            grouped = (
+                select(Entry.environment_id, func.count(), func.coalesce(func.sum(unit_size()), 0))
+                .where(Entry.environment_id.in_([e[0] for e in envs]))
+                .group_by(Entry.environment_id)
+            )
             totals = {int(e): (int(n), int(b)) for e, n, b in conn.execute(grouped)}
     return [
         EnvSummary(int(i), d, ns, jv, be, dk, int(dc), tuple(fl or ()), *totals.get(int(i), (0, 0)))
@@ -136,17 +146,30 @@ def environments(index: Index, cache: str) -> list[EnvSummary]:
     ]
 
 
-def warms_in_progress(index: Index, env_ids: Sequence[int], *, now: datetime | None = None,
-                      window: timedelta = WARM_HEARTBEAT_WINDOW) -> dict[int, WarmInProgress]:
+def warms_in_progress(
+    index: Index,
+    env_ids: Sequence[int],
+    *,
+    now: datetime | None = None,
+    window: timedelta = WARM_HEARTBEAT_WINDOW,
+) -> dict[int, WarmInProgress]:
     """Environments with a warm running right now (a heartbeat within ``window``)."""
     if not env_ids:
         return {}
     since = (now or utcnow()) - window
     q = (
-        select(WarmRun.environment_id, WarmRun.id, WarmRun.host, WarmRun.user,
-               func.coalesce(WarmRun.heartbeat_at, WarmRun.started_at))
-        .where(WarmRun.environment_id.in_(list(env_ids)), WarmRun.status == "running",
-               func.coalesce(WarmRun.heartbeat_at, WarmRun.started_at) >= since)
+        select(
+            WarmRun.environment_id,
+            WarmRun.id,
+            WarmRun.host,
+            WarmRun.user,
+            func.coalesce(WarmRun.heartbeat_at, WarmRun.started_at),
+        )
+        .where(
+            WarmRun.environment_id.in_(list(env_ids)),
+            WarmRun.status == "running",
+            func.coalesce(WarmRun.heartbeat_at, WarmRun.started_at) >= since,
+        )
         .order_by(WarmRun.id)
     )
     out: dict[int, WarmInProgress] = {}
@@ -164,12 +187,19 @@ def newest_finished_warm_runs(index: Index, env_ids: Sequence[int]) -> dict[int,
         select(
             WarmRun.environment_id,
             WarmRun.id,
-            func.row_number().over(
+            func.row_number()
+            .over(
                 partition_by=WarmRun.environment_id,
-                order_by=(func.coalesce(WarmRun.finished_at, WarmRun.started_at).desc(), WarmRun.id.desc()),
-            ).label("rn"),
+                order_by=(
+                    func.coalesce(WarmRun.finished_at, WarmRun.started_at).desc(),
+                    WarmRun.id.desc(),
+                ),
+            )
+            .label("rn"),
         )
-        .where(WarmRun.environment_id.in_(list(env_ids)), WarmRun.status.in_(COMPLETED_WARM_STATUSES))
+        .where(
+            WarmRun.environment_id.in_(list(env_ids)), WarmRun.status.in_(COMPLETED_WARM_STATUSES)
+        )
         .subquery()
     )
     with index.read_session() as s:
@@ -177,8 +207,9 @@ def newest_finished_warm_runs(index: Index, env_ids: Sequence[int]) -> dict[int,
         return {int(env): int(run) for env, run in rows}
 
 
-def _entry_filters(created_before: datetime | None, unused_before: datetime | None,
-                   function: str | None) -> list[ColumnElement[bool]]:
+def _entry_filters(
+    created_before: datetime | None, unused_before: datetime | None, function: str | None
+) -> list[ColumnElement[bool]]:
     # created_at alone is indexed with environment_id (ix_entries_env_created).
     where: list[ColumnElement[bool]] = []
     if created_before is not None:
@@ -196,8 +227,14 @@ def _as_bound(value: datetime) -> ColumnElement[datetime]:
     return literal(value, type_=UTCDateTime())
 
 
-def selected_counts(index: Index, env_ids: Sequence[int], *, created_before: datetime | None = None,
-                    unused_before: datetime | None = None, function: str | None = None) -> dict[int, int]:
+def selected_counts(
+    index: Index,
+    env_ids: Sequence[int],
+    *,
+    created_before: datetime | None = None,
+    unused_before: datetime | None = None,
+    function: str | None = None,
+) -> dict[int, int]:
     """environment id -> entries matching the entry selectors, counted in SQL.
 
     A count, not bytes: the selectors' indexes (``ix_entries_env_created``,
@@ -207,17 +244,24 @@ def selected_counts(index: Index, env_ids: Sequence[int], *, created_before: dat
         return {}
     q = (
         select(Entry.environment_id, func.count())
-        .where(Entry.environment_id.in_(list(env_ids)),
-               *_entry_filters(created_before, unused_before, function))
+        .where(
+            Entry.environment_id.in_(list(env_ids)),
+            *_entry_filters(created_before, unused_before, function),
+        )
         .group_by(Entry.environment_id)
     )
     with index.read_session() as s:
         return {int(e): int(n) for e, n in s.connection().execute(q)}
 
 
-def selected_entries(index: Index, env_ids: Sequence[int], *, created_before: datetime | None = None,
-                     unused_before: datetime | None = None,
-                     function: str | None = None) -> dict[int, list[EntryRef]]:
+def selected_entries(
+    index: Index,
+    env_ids: Sequence[int],
+    *,
+    created_before: datetime | None = None,
+    unused_before: datetime | None = None,
+    function: str | None = None,
+) -> dict[int, list[EntryRef]]:
     """environment id -> its entry rows matching the selectors, each list sorted by key.
 
     Core rows, grouped and sorted here: no ORDER BY on purpose, since ordering
@@ -227,10 +271,9 @@ def selected_entries(index: Index, env_ids: Sequence[int], *, created_before: da
     out: dict[int, list[EntryRef]] = {}
     if not env_ids:
         return out
-    q = (
-        select(Entry.environment_id, Entry.key, Entry.size_bytes, Entry.aot_size_bytes)
-        .where(Entry.environment_id.in_(list(env_ids)),
-               *_entry_filters(created_before, unused_before, function))
+    q = select(Entry.environment_id, Entry.key, Entry.size_bytes, Entry.aot_size_bytes).where(
+        Entry.environment_id.in_(list(env_ids)),
+        *_entry_filters(created_before, unused_before, function),
     )
     with index.read_session() as s:
         result = s.connection().execute(q, execution_options={"yield_per": _STREAM_ROWS})
@@ -260,12 +303,16 @@ def entry_digests(index: Index, env_id: int) -> dict[str, tuple[int, str]]:
 def service_written_entries(index: Index, env_id: int) -> list[tuple[str, datetime]]:
     """(key, created) of entries a service wrote after the environment's newest finished warm:
     origin 'observed' (sync found them in storage), created after that warm ended."""
-    last = (select(func.max(WarmRun.finished_at))
-            .where(WarmRun.environment_id == env_id, WarmRun.finished_at.is_not(None))
-            .scalar_subquery())
-    q = (select(Entry.key, Entry.created_at)
-         .where(Entry.environment_id == env_id, Entry.origin == "observed", Entry.created_at > last)
-         .order_by(Entry.key))
+    last = (
+        select(func.max(WarmRun.finished_at))
+        .where(WarmRun.environment_id == env_id, WarmRun.finished_at.is_not(None))
+        .scalar_subquery()
+    )
+    q = (
+        select(Entry.key, Entry.created_at)
+        .where(Entry.environment_id == env_id, Entry.origin == "observed", Entry.created_at > last)
+        .order_by(Entry.key)
+    )
     with index.read_session() as s:
         return [(k, at) for k, at in s.execute(q)]
 
@@ -273,9 +320,13 @@ def service_written_entries(index: Index, env_id: int) -> list[tuple[str, dateti
 def executable_digests(index: Index, env_id: int) -> dict[str, tuple[int, str, str]]:
     """key -> (aot size, aot sha256, entry sha256) of one environment's indexed executables (a read)."""
     q = select(Entry.key, Entry.aot_size_bytes, Entry.aot_sha256, Entry.sha256).where(
-        Entry.environment_id == env_id, Entry.aot_sha256.is_not(None))
+        Entry.environment_id == env_id, Entry.aot_sha256.is_not(None)
+    )
     with index.read_session() as s:
-        return {k: (int(size or 0), sha, entry_sha) for k, size, sha, entry_sha in s.connection().execute(q)}
+        return {
+            k: (int(size or 0), sha, entry_sha)
+            for k, size, sha, entry_sha in s.connection().execute(q)
+        }
 
 
 def delete_entry_rows(index: Index, by_env: dict[int, list[str]]) -> int:
@@ -284,23 +335,38 @@ def delete_entry_rows(index: Index, by_env: dict[int, list[str]]) -> int:
     with index.session() as s:
         for env_id, keys in by_env.items():
             for start in range(0, len(keys), 500):
-                chunk = keys[start:start + 500]
+                chunk = keys[start : start + 500]
                 result = s.execute(
-                    Entry.__table__.delete().where(Entry.environment_id == env_id, Entry.key.in_(chunk)))
+                    Entry.__table__.delete().where(
+                        Entry.environment_id == env_id, Entry.key.in_(chunk)
+                    )
+                )
                 removed += result.rowcount or 0
     return removed
 
 
-def environments_with_recent_hits(index: Index, env_ids: Sequence[int], since: datetime) -> set[int]:
+def environments_with_recent_hits(
+    index: Index, env_ids: Sequence[int], since: datetime
+) -> set[int]:
     """The environments among ``env_ids`` that served a hit since ``since`` (telemetry or entry access)."""
     if not env_ids:
         return set()
     ids = list(env_ids)
     with index.read_session() as s:
-        by_telemetry = s.scalars(select(TelemetryRecord.environment_id).distinct().where(
-            TelemetryRecord.environment_id.in_(ids), TelemetryRecord.hits > 0, TelemetryRecord.at >= since))
+        by_telemetry = s.scalars(
+            select(TelemetryRecord.environment_id)
+            .distinct()
+            .where(
+                TelemetryRecord.environment_id.in_(ids),
+                TelemetryRecord.hits > 0,
+                TelemetryRecord.at >= since,
+            )
+        )
         found = {int(e) for e in by_telemetry}
-        by_access = s.scalars(select(Entry.environment_id).distinct().where(
-            Entry.environment_id.in_(ids), Entry.last_access_at >= since))
+        by_access = s.scalars(
+            select(Entry.environment_id)
+            .distinct()
+            .where(Entry.environment_id.in_(ids), Entry.last_access_at >= since)
+        )
         found.update(int(e) for e in by_access)
     return found

@@ -118,8 +118,18 @@ class Entry(Base):
         # totals (entry + executable bytes) every plan starts from, gc's cost score, its sample
         # and its cut's rows (the key too); those scans never read the table.
         # ``id`` last: PostgreSQL's indexes do not hold the row id by themselves, as SQLite's do.
-        Index("ix_entries_env_plan", "environment_id", "size_bytes", "aot_size_bytes", "compile_time_ms",
-              "last_access_at", "created_at", "warm_run_id", "key", "id"),
+        Index(
+            "ix_entries_env_plan",
+            "environment_id",
+            "size_bytes",
+            "aot_size_bytes",
+            "compile_time_ms",
+            "last_access_at",
+            "created_at",
+            "warm_run_id",
+            "key",
+            "id",
+        ),
     )
 
     id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True)
@@ -157,7 +167,9 @@ class WarmRun(Base):
     __tablename__ = "warm_runs"
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
-    environment_id: Mapped[int] = mapped_column(ForeignKey("environments.id", ondelete="CASCADE"), index=True)
+    environment_id: Mapped[int] = mapped_column(
+        ForeignKey("environments.id", ondelete="CASCADE"), index=True
+    )
     manifest_digest: Mapped[str] = mapped_column(String(64))
     manifest_path: Mapped[str | None] = mapped_column(Text)
     host: Mapped[str] = mapped_column(String(256))
@@ -245,8 +257,10 @@ class SignatureRecord(Base):
     signature, counters added on each flush; bounded per function, overflow in digest '*')."""
 
     __tablename__ = "signatures"
-    __table_args__ = (Index("ix_signatures_env_fn_digest", "environment_id", "function", "digest"),
-                      Index("ix_signatures_env_last", "environment_id", "last_seen"))
+    __table_args__ = (
+        Index("ix_signatures_env_fn_digest", "environment_id", "function", "digest"),
+        Index("ix_signatures_env_last", "environment_id", "last_seen"),
+    )
 
     id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True)
     environment_id: Mapped[int] = mapped_column(ForeignKey("environments.id", ondelete="CASCADE"))

@@ -61,15 +61,23 @@ def locate(index: Index, cache: str, prefix: str, key: str | None = None) -> Loc
     prefix = prefix.strip().lower()
     if prefix and all(c in "0123456789abcdef" for c in prefix):
         columns: list[Any] = [Cache, EnvRow]
-        q = (select(*columns).join(EnvRow, EnvRow.cache_id == Cache.id)
-             .where(Cache.name == cache, EnvRow.digest.startswith(prefix), EnvRow.deleted_at.is_(None)).limit(2))
+        q = (
+            select(*columns)
+            .join(EnvRow, EnvRow.cache_id == Cache.id)
+            .where(
+                Cache.name == cache, EnvRow.digest.startswith(prefix), EnvRow.deleted_at.is_(None)
+            )
+            .limit(2)
+        )
         with index.read_session() as s:
             rows = s.execute(q).all()
             if len(rows) == 1:
                 cache_row, env_row = rows[0]
                 entry = None
                 if key is not None:
-                    found = s.scalar(select(Entry).where(Entry.environment_id == env_row.id, Entry.key == key))
+                    found = s.scalar(
+                        select(Entry).where(Entry.environment_id == env_row.id, Entry.key == key)
+                    )
                     entry = _entry_info(found) if found is not None else None
                 return Located(_cache_info(cache_row), _env_info(env_row, cache), entry)
     info = index.get_cache(cache)  # raises the standard errors
@@ -79,27 +87,37 @@ def locate(index: Index, cache: str, prefix: str, key: str | None = None) -> Loc
 
 def _digest_statement(size: Any, sha: Any) -> Any:
     t = Entry.__table__
-    return select(size, sha).where(t.c.environment_id == bindparam("env"), t.c.key == bindparam("key"))
+    return select(size, sha).where(
+        t.c.environment_id == bindparam("env"), t.c.key == bindparam("key")
+    )
 
 
 # Built once, run on a Core connection: every GET and HEAD of an entry runs one (an ORM session and a
 # statement built per call cost about three times as much CPU).
 _ENTRY_DIGEST = _digest_statement(Entry.__table__.c.size_bytes, Entry.__table__.c.sha256)
-_EXECUTABLE_DIGEST = _digest_statement(Entry.__table__.c.aot_size_bytes, Entry.__table__.c.aot_sha256)
+_EXECUTABLE_DIGEST = _digest_statement(
+    Entry.__table__.c.aot_size_bytes, Entry.__table__.c.aot_sha256
+)
 
 
-def recorded_digest(index: Index, env_id: int, key: str, *, executable: bool = False) -> tuple[int, str] | None:
+def recorded_digest(
+    index: Index, env_id: int, key: str, *, executable: bool = False
+) -> tuple[int, str] | None:
     """(size, sha256) the index recorded for an entry, or for its stored executable: all a
     download's headers need, two columns."""
     with index.connection(write=False) as conn:
-        row = conn.execute(_EXECUTABLE_DIGEST if executable else _ENTRY_DIGEST, {"env": env_id, "key": key}).first()
+        row = conn.execute(
+            _EXECUTABLE_DIGEST if executable else _ENTRY_DIGEST, {"env": env_id, "key": key}
+        ).first()
     return None if row is None or row[0] is None else (int(row[0]), str(row[1]))
 
 
 def environment_cache(index: Index, env_id: int) -> str | None:
     """The name of the cache an environment (by id) belongs to."""
     with index.read_session() as s:
-        return s.scalar(select(Cache.name).join(EnvRow, EnvRow.cache_id == Cache.id).where(EnvRow.id == env_id))
+        return s.scalar(
+            select(Cache.name).join(EnvRow, EnvRow.cache_id == Cache.id).where(EnvRow.id == env_id)
+        )
 
 
 # -- entries ------------------------------------------------------------------
@@ -120,10 +138,20 @@ class EntryPage:
     __json_extra__ = ("next_offset",)
 
 
-def entries_page(index: Index, env_id: int, *, limit: int = 100, offset: int = 0,
-                 module: str | None = None, function: str | None = None, origin: str | None = None,
-                 key_prefix: str | None = None, created_after: datetime | None = None,
-                 unused_since: datetime | None = None, order: str = "key") -> EntryPage:
+def entries_page(
+    index: Index,
+    env_id: int,
+    *,
+    limit: int = 100,
+    offset: int = 0,
+    module: str | None = None,
+    function: str | None = None,
+    origin: str | None = None,
+    key_prefix: str | None = None,
+    created_after: datetime | None = None,
+    unused_since: datetime | None = None,
+    order: str = "key",
+) -> EntryPage:
     """One page of an environment's entries, filtered; ordered by key (stable) or recency."""
     conditions: list[Any] = [Entry.environment_id == env_id]
     if module:
@@ -146,7 +174,9 @@ def entries_page(index: Index, env_id: int, *, limit: int = 100, offset: int = 0
     }[order]
     with index.read_session() as s:
         total = s.scalar(select(func.count(Entry.id)).where(*conditions)) or 0
-        rows = s.scalars(select(Entry).where(*conditions).order_by(*ordering).limit(limit).offset(offset))
+        rows = s.scalars(
+            select(Entry).where(*conditions).order_by(*ordering).limit(limit).offset(offset)
+        )
         return EntryPage([_entry_info(r) for r in rows], int(total), limit, offset)
 
 
@@ -166,7 +196,8 @@ def cache_usage(index: Index, cache: str) -> tuple[int, int]:
 def environment_usage(index: Index, env_id: int) -> tuple[int, int]:
     with index.read_session() as s:
         q = select(func.count(Entry.id), func.coalesce(func.sum(unit_size()), 0)).where(
-            Entry.environment_id == env_id)
+            Entry.environment_id == env_id
+        )
         n, b = s.execute(q).one()
         return int(n or 0), int(b or 0)
 
@@ -184,7 +215,9 @@ class Reservation:
     previous: EntryInfo | None
 
 
-def reserve_entry(index: Index, cache: str, env_id: int, entry: NewEntry, *, replace: bool = False) -> Reservation:
+def reserve_entry(
+    index: Index, cache: str, env_id: int, entry: NewEntry, *, replace: bool = False
+) -> Reservation:
     """Record ``entry`` before its bytes are written, so quota is taken atomically.
 
     One transaction locks the cache's row (SELECT ... FOR UPDATE on PostgreSQL; SQLite write
@@ -203,17 +236,30 @@ def reserve_entry(index: Index, cache: str, env_id: int, entry: NewEntry, *, rep
         if row is not None and (row.sha256, row.size_bytes) == (entry.sha256, entry.size):
             return Reservation("unchanged", previous)
         if row is not None and not replace:
-            raise EntryConflict(f"entry {entry.key} is already stored with other bytes (sha256 {row.sha256[:16]}): "
-                                "entries are immutable; an admin may replace it explicitly")
+            raise EntryConflict(
+                f"entry {entry.key} is already stored with other bytes (sha256 {row.sha256[:16]}): "
+                "entries are immutable; an admin may replace it explicitly"
+            )
         # A replacement drops the old entry and its stored executable (one unit).
         replaced = row.size_bytes + (row.aot_size_bytes or 0) if row is not None else 0
         _check_quota(s, cache, cache_row, env_id, replaced, entry.size)
-        values = {"module": entry.module, "size_bytes": entry.size, "sha256": entry.sha256, "origin": entry.origin,
-                  "compile_time_ms": entry.compile_time_ms, "function": entry.function, "bucket": entry.bucket,
-                  "warm_run_id": entry.warm_run_id, "created_at": entry.created_at or utcnow(),
-                  "last_access_at": None, "hit_count": 0}
+        values = {
+            "module": entry.module,
+            "size_bytes": entry.size,
+            "sha256": entry.sha256,
+            "origin": entry.origin,
+            "compile_time_ms": entry.compile_time_ms,
+            "function": entry.function,
+            "bucket": entry.bucket,
+            "warm_run_id": entry.warm_run_id,
+            "created_at": entry.created_at or utcnow(),
+            "last_access_at": None,
+            "hit_count": 0,
+        }
         if row is None:
-            s.execute(Entry.__table__.insert(), [{"environment_id": env_id, "key": entry.key, **values}])
+            s.execute(
+                Entry.__table__.insert(), [{"environment_id": env_id, "key": entry.key, **values}]
+            )
             return Reservation("inserted", None)
         s.execute(update(Entry).where(Entry.id == row.id).values(**values))
         return Reservation("replaced", previous)
@@ -223,22 +269,34 @@ def _check_quota(s: Any, cache: str, cache_row: Cache, env_id: int, freed: int, 
     """QuotaExceeded when ``added`` bytes (after ``freed``) would pass the cache's or the
     environment's limit. Entries count with their stored executables (unit_size)."""
     if cache_row.max_size_bytes is not None:
-        used = int(s.scalar(
-            select(func.coalesce(func.sum(unit_size()), 0))
-            .join(EnvRow, EnvRow.id == Entry.environment_id)
-            .where(EnvRow.cache_id == cache_row.id, EnvRow.deleted_at.is_(None))) or 0)
+        used = int(
+            s.scalar(
+                select(func.coalesce(func.sum(unit_size()), 0))
+                .join(EnvRow, EnvRow.id == Entry.environment_id)
+                .where(EnvRow.cache_id == cache_row.id, EnvRow.deleted_at.is_(None))
+            )
+            or 0
+        )
         if used - freed + added > cache_row.max_size_bytes:
             raise QuotaExceeded(
                 f"cache {cache!r} is at {_fmt(used)} of its {_fmt(cache_row.max_size_bytes)} quota; "
-                f"{_fmt(added)} more does not fit: run gc, or raise max_size")
+                f"{_fmt(added)} more does not fit: run gc, or raise max_size"
+            )
     if cache_row.env_max_size_bytes is not None:
-        used = int(s.scalar(select(func.coalesce(func.sum(unit_size()), 0))
-                            .where(Entry.environment_id == env_id)) or 0)
+        used = int(
+            s.scalar(
+                select(func.coalesce(func.sum(unit_size()), 0)).where(
+                    Entry.environment_id == env_id
+                )
+            )
+            or 0
+        )
         if used - freed + added > cache_row.env_max_size_bytes:
             digest = s.scalar(select(EnvRow.digest).where(EnvRow.id == env_id)) or ""
             raise QuotaExceeded(
                 f"environment {digest[:16]} is at {_fmt(used)} of its "
-                f"{_fmt(cache_row.env_max_size_bytes)} quota: run gc, or raise env_max_size")
+                f"{_fmt(cache_row.env_max_size_bytes)} quota: run gc, or raise env_max_size"
+            )
 
 
 def check_quota(index: Index, cache: str, env_id: int, added: int) -> None:
@@ -251,8 +309,9 @@ def check_quota(index: Index, cache: str, env_id: int, added: int) -> None:
         _check_quota(s, cache, cache_row, env_id, 0, added)
 
 
-def reserve_executable(index: Index, cache: str, env_id: int, key: str, size: int, sha256: str
-                       ) -> tuple[int, str] | None:
+def reserve_executable(
+    index: Index, cache: str, env_id: int, key: str, size: int, sha256: str
+) -> tuple[int, str] | None:
     """Record an entry's stored executable before its bytes are written (quota taken atomically,
     as reserve_entry does); returns what it replaces, for release_executable()."""
     with index.session() as s:
@@ -264,16 +323,23 @@ def reserve_executable(index: Index, cache: str, env_id: int, key: str, size: in
             raise NotFound(f"no entry {key}: upload the entry first, then its executable")
         previous = (row.aot_size_bytes, row.aot_sha256) if row.aot_sha256 is not None else None
         _check_quota(s, cache, cache_row, env_id, row.aot_size_bytes or 0, size)
-        s.execute(update(Entry).where(Entry.id == row.id).values(aot_size_bytes=size, aot_sha256=sha256))
+        s.execute(
+            update(Entry).where(Entry.id == row.id).values(aot_size_bytes=size, aot_sha256=sha256)
+        )
         return previous  # type: ignore[return-value]
 
 
-def release_executable(index: Index, env_id: int, key: str, previous: tuple[int, str] | None) -> None:
+def release_executable(
+    index: Index, env_id: int, key: str, previous: tuple[int, str] | None
+) -> None:
     """Undo reserve_executable() after the bytes could not be written."""
     size, sha = previous if previous is not None else (None, None)
     with index.session() as s:
-        s.execute(update(Entry).where(Entry.environment_id == env_id, Entry.key == key)
-                  .values(aot_size_bytes=size, aot_sha256=sha))
+        s.execute(
+            update(Entry)
+            .where(Entry.environment_id == env_id, Entry.key == key)
+            .values(aot_size_bytes=size, aot_sha256=sha)
+        )
 
 
 def release_entry(index: Index, env_id: int, key: str, reservation: Reservation) -> None:
@@ -281,12 +347,26 @@ def release_entry(index: Index, env_id: int, key: str, reservation: Reservation)
     prev = reservation.previous
     with index.session() as s:
         if reservation.outcome == "inserted":
-            s.execute(Entry.__table__.delete().where(Entry.environment_id == env_id, Entry.key == key))
+            s.execute(
+                Entry.__table__.delete().where(Entry.environment_id == env_id, Entry.key == key)
+            )
         elif reservation.outcome == "replaced" and prev is not None:
-            s.execute(update(Entry).where(Entry.environment_id == env_id, Entry.key == key).values(
-                module=prev.module, size_bytes=prev.size, sha256=prev.sha256, origin=prev.origin,
-                compile_time_ms=prev.compile_time_ms, function=prev.function, bucket=prev.bucket,
-                created_at=prev.created_at, last_access_at=prev.last_access_at, hit_count=prev.hit_count))
+            s.execute(
+                update(Entry)
+                .where(Entry.environment_id == env_id, Entry.key == key)
+                .values(
+                    module=prev.module,
+                    size_bytes=prev.size,
+                    sha256=prev.sha256,
+                    origin=prev.origin,
+                    compile_time_ms=prev.compile_time_ms,
+                    function=prev.function,
+                    bucket=prev.bucket,
+                    created_at=prev.created_at,
+                    last_access_at=prev.last_access_at,
+                    hit_count=prev.hit_count,
+                )
+            )
 
 
 # -- jobs -----------------------------------------------------------------------
@@ -307,9 +387,18 @@ class JobInfo:
 
 
 def _job(row: Job) -> JobInfo:
-    return JobInfo(row.id, row.cache_name, row.kind, row.status, dict(row.params or {}),
-                   dict(row.result) if row.result is not None else None, row.error,
-                   row.created_at, row.started_at, row.finished_at)
+    return JobInfo(
+        row.id,
+        row.cache_name,
+        row.kind,
+        row.status,
+        dict(row.params or {}),
+        dict(row.result) if row.result is not None else None,
+        row.error,
+        row.created_at,
+        row.started_at,
+        row.finished_at,
+    )
 
 
 def create_job(index: Index, cache: str, kind: str, params: dict[str, Any]) -> JobInfo:
@@ -328,8 +417,9 @@ def get_job(index: Index, job_id: str) -> JobInfo:
         return _job(row)
 
 
-def list_jobs(index: Index, *, cache: str | None = None, caches: Sequence[str] | None = None,
-              limit: int = 50) -> list[JobInfo]:
+def list_jobs(
+    index: Index, *, cache: str | None = None, caches: Sequence[str] | None = None, limit: int = 50
+) -> list[JobInfo]:
     with index.read_session() as s:
         q = select(Job).order_by(Job.created_at.desc()).limit(limit)
         if cache is not None:
@@ -345,8 +435,14 @@ def active_jobs(index: Index, cache: str) -> list[JobInfo]:
         return [_job(r) for r in s.scalars(q)]
 
 
-def set_job_status(index: Index, job_id: str, status: str, *, result: dict[str, Any] | None = None,
-                   error: str | None = None) -> None:
+def set_job_status(
+    index: Index,
+    job_id: str,
+    status: str,
+    *,
+    result: dict[str, Any] | None = None,
+    error: str | None = None,
+) -> None:
     values: dict[str, Any] = {"status": status}
     if status == RUNNING:
         values["started_at"] = utcnow()
@@ -392,28 +488,41 @@ def _as_datetime(value: Any) -> datetime:
     return datetime.fromisoformat(str(value)).replace(tzinfo=UTC)
 
 
-def telemetry_series(index: Index, cache: str, *, since: timedelta = timedelta(days=7),
-                     hourly: bool = True) -> list[TelemetryPoint]:
+def telemetry_series(
+    index: Index, cache: str, *, since: timedelta = timedelta(days=7), hourly: bool = True
+) -> list[TelemetryPoint]:
     """Requests, hits and misses per hour (or day) for a cache, oldest first."""
     bucket = _bucket_expr(index.dialect, TelemetryRecord.at, hourly).label("bucket")
     with index.read_session() as s:
         q = (
-            select(bucket, counter_sum(index.dialect, TelemetryRecord.requests),
-                   counter_sum(index.dialect, TelemetryRecord.hits), counter_sum(index.dialect, TelemetryRecord.misses))
+            select(
+                bucket,
+                counter_sum(index.dialect, TelemetryRecord.requests),
+                counter_sum(index.dialect, TelemetryRecord.hits),
+                counter_sum(index.dialect, TelemetryRecord.misses),
+            )
             .join(EnvRow, EnvRow.id == TelemetryRecord.environment_id)
             .join(Cache, Cache.id == EnvRow.cache_id)
             .where(Cache.name == cache, TelemetryRecord.at >= utcnow() - since)
-            .group_by(bucket).order_by(bucket)
+            .group_by(bucket)
+            .order_by(bucket)
         )
-        return [TelemetryPoint(_as_datetime(b), int(r or 0), int(h or 0), int(m or 0)) for b, r, h, m in s.execute(q)]
+        return [
+            TelemetryPoint(_as_datetime(b), int(r or 0), int(h or 0), int(m or 0))
+            for b, r, h, m in s.execute(q)
+        ]
 
 
 def hit_rates(index: Index, cache: str) -> dict[int, tuple[int, int, int]]:
     """environment id -> (requests, hits, misses) over all recorded telemetry."""
     with index.read_session() as s:
         q = (
-            select(TelemetryRecord.environment_id, counter_sum(index.dialect, TelemetryRecord.requests),
-                   counter_sum(index.dialect, TelemetryRecord.hits), counter_sum(index.dialect, TelemetryRecord.misses))
+            select(
+                TelemetryRecord.environment_id,
+                counter_sum(index.dialect, TelemetryRecord.requests),
+                counter_sum(index.dialect, TelemetryRecord.hits),
+                counter_sum(index.dialect, TelemetryRecord.misses),
+            )
             .join(EnvRow, EnvRow.id == TelemetryRecord.environment_id)
             .join(Cache, Cache.id == EnvRow.cache_id)
             .where(Cache.name == cache)
@@ -438,7 +547,8 @@ def bytes_series(index: Index, cache: str, *, hourly: bool = False) -> list[Byte
             .join(EnvRow, EnvRow.id == Entry.environment_id)
             .join(Cache, Cache.id == EnvRow.cache_id)
             .where(Cache.name == cache, EnvRow.deleted_at.is_(None))
-            .group_by(bucket).order_by(bucket)
+            .group_by(bucket)
+            .order_by(bucket)
         )
         total = 0
         out = []

@@ -40,25 +40,36 @@ _SQLITE_JSON = (3, 38, 0)
 _JSON_ROWS = 10_000  # rows per SQLite statement: one JSON array of about 2 MB
 
 
-def _insert_sqlite_json(conn: Any, table: str, key_column: str, columns: str, constants: tuple[Any, ...],
-                        env_id: int, rows: Sequence[ObservedRow]) -> tuple[int, list[ObservedRow]]:
+def _insert_sqlite_json(
+    conn: Any,
+    table: str,
+    key_column: str,
+    columns: str,
+    constants: tuple[Any, ...],
+    env_id: int,
+    rows: Sequence[ObservedRow],
+) -> tuple[int, list[ObservedRow]]:
     """SQLite: (rows inserted, rows whose key exists). Each batch's rows go in one JSON array to one
     ``INSERT ... SELECT`` over ``json_each``: SQLite reads the rows itself, where executemany bound 14
     parameters a row from Python (a third of the insert's time), and the statement runs without
     holding the GIL. A batch is first tried whole under a savepoint, skipping keys that exist: if it
     inserted every row (nearly always: keys that exist were written by a warm or sync since the
     plan), no key was looked up; else it is rolled back and its existing keys are found first."""
-    lookup = (f"SELECT {key_column} FROM {table} WHERE environment_id = ? "
-              f"AND {key_column} IN (SELECT value FROM json_each(?))")
+    lookup = (
+        f"SELECT {key_column} FROM {table} WHERE environment_id = ? "
+        f"AND {key_column} IN (SELECT value FROM json_each(?))"
+    )
     picks = ", ".join(f"json_extract(value, '$[{i}]')" for i in range(len(_VARYING)))
-    insert = (f"INSERT INTO {table} ({columns}) SELECT {picks}, {', '.join('?' * len(constants))} "
-              "FROM json_each(?)")
+    insert = (
+        f"INSERT INTO {table} ({columns}) SELECT {picks}, {', '.join('?' * len(constants))} "
+        "FROM json_each(?)"
+    )
     # "WHERE true": SQLite parses ON CONFLICT after a bare SELECT's FROM as a join's constraint
     insert_new = f"{insert} WHERE true ON CONFLICT DO NOTHING"
     inserted = 0
     existing: list[ObservedRow] = []
     for start in range(0, len(rows), _JSON_ROWS):
-        chunk = rows[start:start + _JSON_ROWS]
+        chunk = rows[start : start + _JSON_ROWS]
         payload = json.dumps(chunk, ensure_ascii=False)
         conn.exec_driver_sql("SAVEPOINT sync_rows")
         if conn.exec_driver_sql(insert_new, (*constants, payload)).rowcount == len(chunk):
@@ -102,35 +113,59 @@ def insert_observed_rows(index: Index, env_id: int, rows: Sequence[ObservedRow])
     mark = _MARKS.get(dialect.paramstyle)
     if mark is None:  # a driver this module was not written for: the general path
         return index.upsert_entries(env_id, [observed_entry(r) for r in rows])
-    shared: dict[str, Any] = {"environment_id": env_id, "origin": "observed", "created_at": utcnow(),
-                              "hit_count": 0, "compile_time_ms": None, "function": None, "bucket": None,
-                              "warm_run_id": None, "aot_size_bytes": None, "aot_sha256": None}
+    shared: dict[str, Any] = {
+        "environment_id": env_id,
+        "origin": "observed",
+        "created_at": utcnow(),
+        "hit_count": 0,
+        "compile_time_ms": None,
+        "function": None,
+        "bucket": None,
+        "warm_run_id": None,
+        "aot_size_bytes": None,
+        "aot_sha256": None,
+    }
     constants = tuple(_bound(table.c[name].type, dialect, value) for name, value in shared.items())
     columns = ", ".join(dialect.identifier_preparer.quote(name) for name in (*_VARYING, *shared))
     sql = f"INSERT INTO {table.name} ({columns}) VALUES ({', '.join([mark] * (len(_VARYING) + len(shared)))})"
     key_column = dialect.identifier_preparer.quote("key")
-    if dialect.name == "sqlite" and getattr(dialect.dbapi, "sqlite_version_info", (0,)) >= _SQLITE_JSON:
+    if (
+        dialect.name == "sqlite"
+        and getattr(dialect.dbapi, "sqlite_version_info", (0,)) >= _SQLITE_JSON
+    ):
         with index.session() as s:
-            inserted, existing = _insert_sqlite_json(s.connection(), table.name, key_column, columns, constants,
-                                                     env_id, rows)
+            inserted, existing = _insert_sqlite_json(
+                s.connection(), table.name, key_column, columns, constants, env_id, rows
+            )
         return _with_existing(index, env_id, inserted, existing)
     with index.session() as s:
-        inserted, existing = _insert_executemany(s.connection(), table.name, key_column, mark, sql, constants,
-                                                 env_id, rows)
+        inserted, existing = _insert_executemany(
+            s.connection(), table.name, key_column, mark, sql, constants, env_id, rows
+        )
     return _with_existing(index, env_id, inserted, existing)
 
 
-def _insert_executemany(conn: Any, table: str, key_column: str, mark: str, sql: str, constants: tuple[Any, ...],
-                        env_id: int, rows: Sequence[ObservedRow]) -> tuple[int, list[ObservedRow]]:
+def _insert_executemany(
+    conn: Any,
+    table: str,
+    key_column: str,
+    mark: str,
+    sql: str,
+    constants: tuple[Any, ...],
+    env_id: int,
+    rows: Sequence[ObservedRow],
+) -> tuple[int, list[ObservedRow]]:
     """Other drivers (psycopg: a pipelined executemany): (rows inserted, rows whose key exists)."""
     inserted = 0
     existing: list[ObservedRow] = []
     for start in range(0, len(rows), _CHUNK):
-        chunk = rows[start:start + _CHUNK]
+        chunk = rows[start : start + _CHUNK]
         # Which of these keys exist: a driver-level query too (an ORM IN query per 500 keys cost
         # a tenth of the insert in compiling alone).
-        lookup = (f"SELECT {key_column} FROM {table} WHERE environment_id = {mark} "
-                  f"AND {key_column} IN ({', '.join([mark] * len(chunk))})")
+        lookup = (
+            f"SELECT {key_column} FROM {table} WHERE environment_id = {mark} "
+            f"AND {key_column} IN ({', '.join([mark] * len(chunk))})"
+        )
         found = {k for (k,) in conn.exec_driver_sql(lookup, (env_id, *(r[0] for r in chunk)))}
         params: list[Any] = []
         for r in chunk:
@@ -144,7 +179,9 @@ def _insert_executemany(conn: Any, table: str, key_column: str, mark: str, sql: 
     return inserted, existing
 
 
-def _with_existing(index: Index, env_id: int, inserted: int, existing: list[ObservedRow]) -> tuple[int, int]:
+def _with_existing(
+    index: Index, env_id: int, inserted: int, existing: list[ObservedRow]
+) -> tuple[int, int]:
     """(inserted, updated) once the rows whose keys exist (written since sync planned) are upserted."""
     if not existing:
         return inserted, 0

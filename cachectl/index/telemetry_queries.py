@@ -115,18 +115,40 @@ def record_signatures(index: Index, env_id: int, batch: TelemetryBatch) -> int:
     written = 0
     with index.session() as s:
         for module, mine in by_function(merged_signatures(batch)):
-            existing = {row.digest: row for row in s.scalars(
-                select(SignatureRecord).where(SignatureRecord.environment_id == env_id,
-                                              SignatureRecord.function == module,
-                                              SignatureRecord.digest.in_(list(mine) + [OVERFLOW_DIGEST])))}
-            total = s.scalar(select(func.count()).select_from(SignatureRecord).where(
-                SignatureRecord.environment_id == env_id, SignatureRecord.function == module)) or 0
+            existing = {
+                row.digest: row
+                for row in s.scalars(
+                    select(SignatureRecord).where(
+                        SignatureRecord.environment_id == env_id,
+                        SignatureRecord.function == module,
+                        SignatureRecord.digest.in_(list(mine) + [OVERFLOW_DIGEST]),
+                    )
+                )
+            }
+            total = (
+                s.scalar(
+                    select(func.count())
+                    .select_from(SignatureRecord)
+                    .where(
+                        SignatureRecord.environment_id == env_id, SignatureRecord.function == module
+                    )
+                )
+                or 0
+            )
             for digest, v, new in placed_signatures(mine, existing, total):
                 if new:
-                    row = SignatureRecord(environment_id=env_id, function=module, digest=digest, key=v["key"],
-                                          leaves=v["leaves"], source=v["source"], statics=v["statics"],
-                                          first_seen=v["first_seen"], last_seen=v["last_seen"],
-                                          **{k: v[k] for k in SIGNATURE_COUNTERS})
+                    row = SignatureRecord(
+                        environment_id=env_id,
+                        function=module,
+                        digest=digest,
+                        key=v["key"],
+                        leaves=v["leaves"],
+                        source=v["source"],
+                        statics=v["statics"],
+                        first_seen=v["first_seen"],
+                        last_seen=v["last_seen"],
+                        **{k: v[k] for k in SIGNATURE_COUNTERS},
+                    )
                     s.add(row)
                     existing[digest] = row
                     written += 1
@@ -159,26 +181,37 @@ class SignatureRow:
     last_seen: datetime
 
 
-def signature_usage(index: Index, cache: str, since: timedelta, *, function: str | None = None
-                    ) -> list[SignatureRow]:
+def signature_usage(
+    index: Index, cache: str, since: timedelta, *, function: str | None = None
+) -> list[SignatureRow]:
     """Every signature seen since ``since`` ago in ``cache``, per environment."""
     start = utcnow() - since
     out: dict[tuple[str, str, str], dict[str, Any]] = {}
     with index.read_session() as s:
-        q = (select(EnvRow.digest, SignatureRecord)
-             .join(SignatureRecord, SignatureRecord.environment_id == EnvRow.id)
-             .join(Cache, Cache.id == EnvRow.cache_id)
-             .where(Cache.name == cache, SignatureRecord.last_seen >= start))
+        q = (
+            select(EnvRow.digest, SignatureRecord)
+            .join(SignatureRecord, SignatureRecord.environment_id == EnvRow.id)
+            .join(Cache, Cache.id == EnvRow.cache_id)
+            .where(Cache.name == cache, SignatureRecord.last_seen >= start)
+        )
         if function is not None:
             q = q.where(SignatureRecord.function == function)
         for env, r in s.execute(q):
             acc = out.get((env, r.function, r.digest))
             if acc is None:
                 out[(env, r.function, r.digest)] = {
-                    "key": r.key, "leaves": r.leaves, "source": r.source, "statics": r.statics,
-                    "requests": r.requests, "hits": r.hits,
-                    "misses": r.misses, "uncacheable": r.uncacheable, "repeats": r.repeats,
-                    "first_seen": r.first_seen, "last_seen": r.last_seen}
+                    "key": r.key,
+                    "leaves": r.leaves,
+                    "source": r.source,
+                    "statics": r.statics,
+                    "requests": r.requests,
+                    "hits": r.hits,
+                    "misses": r.misses,
+                    "uncacheable": r.uncacheable,
+                    "repeats": r.repeats,
+                    "first_seen": r.first_seen,
+                    "last_seen": r.last_seen,
+                }
             else:
                 for k in ("requests", "hits", "misses", "uncacheable", "repeats"):
                     acc[k] += getattr(r, k)
@@ -202,35 +235,72 @@ class ServingUsage:
     sizes: dict[str, dict[int, int]]
 
 
-def serving_usage(index: Index, cache: str, since: timedelta, *, function: str | None = None
-                  ) -> list[ServingUsage]:
+def serving_usage(
+    index: Index, cache: str, since: timedelta, *, function: str | None = None
+) -> list[ServingUsage]:
     """Served calls per (environment, function) since ``since`` ago, sizes merged across flushes."""
     start = utcnow() - since
     out: dict[tuple[str, str], dict[str, object]] = {}
     with index.read_session() as s:
-        q = (select(EnvRow.digest, ServingRecord.function, ServingRecord.process, ServingRecord.calls,
-                    ServingRecord.aot, ServingRecord.fallback, ServingRecord.out_of_bucket,
-                    ServingRecord.padded, ServingRecord.sizes)
-             .join(EnvRow, EnvRow.id == ServingRecord.environment_id)
-             .join(Cache, Cache.id == EnvRow.cache_id)
-             .where(Cache.name == cache, ServingRecord.at >= start))
+        q = (
+            select(
+                EnvRow.digest,
+                ServingRecord.function,
+                ServingRecord.process,
+                ServingRecord.calls,
+                ServingRecord.aot,
+                ServingRecord.fallback,
+                ServingRecord.out_of_bucket,
+                ServingRecord.padded,
+                ServingRecord.sizes,
+            )
+            .join(EnvRow, EnvRow.id == ServingRecord.environment_id)
+            .join(Cache, Cache.id == EnvRow.cache_id)
+            .where(Cache.name == cache, ServingRecord.at >= start)
+        )
         if function is not None:
             q = q.where(ServingRecord.function == function)
         for digest, fn, process, calls, aot, fallback, oob, padded, sizes in s.execute(q):
-            acc = out.setdefault((digest, fn), {"processes": set(), "calls": 0, "aot": 0, "fallback": 0,
-                                                "out_of_bucket": 0, "padded": 0, "sizes": {}})
+            acc = out.setdefault(
+                (digest, fn),
+                {
+                    "processes": set(),
+                    "calls": 0,
+                    "aot": 0,
+                    "fallback": 0,
+                    "out_of_bucket": 0,
+                    "padded": 0,
+                    "sizes": {},
+                },
+            )
             acc["processes"].add(process)  # type: ignore[union-attr]
-            for name, value in (("calls", calls), ("aot", aot), ("fallback", fallback),
-                                ("out_of_bucket", oob), ("padded", padded)):
+            for name, value in (
+                ("calls", calls),
+                ("aot", aot),
+                ("fallback", fallback),
+                ("out_of_bucket", oob),
+                ("padded", padded),
+            ):
                 acc[name] = int(acc[name]) + int(value or 0)  # type: ignore[call-overload]
             merged = acc["sizes"]
             for axis, counts in (sizes or {}).items():
                 target = merged.setdefault(axis, {})  # type: ignore[union-attr]
                 for size, n in counts.items():
                     target[int(size)] = target.get(int(size), 0) + int(n)
-    return [ServingUsage(digest, fn, len(a["processes"]), a["calls"], a["aot"], a["fallback"],  # type: ignore[arg-type]
-                         a["out_of_bucket"], a["padded"], a["sizes"])  # type: ignore[arg-type]
-            for (digest, fn), a in sorted(out.items())]
+    return [
+        ServingUsage(
+            digest,
+            fn,
+            len(a["processes"]),
+            a["calls"],
+            a["aot"],
+            a["fallback"],  # type: ignore[arg-type]
+            a["out_of_bucket"],
+            a["padded"],
+            a["sizes"],
+        )  # type: ignore[arg-type]
+        for (digest, fn), a in sorted(out.items())
+    ]
 
 
 def telemetry_stats(index: Index, cache: str, since: timedelta) -> TelemetryStats:
@@ -257,7 +327,9 @@ def telemetry_stats(index: Index, cache: str, since: timedelta) -> TelemetryStat
             .where(EnvRow.cache_id == cache_id, TelemetryRecord.at >= start)
         )
         per_env = s.execute(
-            base.add_columns(*cols).group_by(EnvRow.digest, EnvRow.namespace).order_by(EnvRow.namespace)
+            base.add_columns(*cols)
+            .group_by(EnvRow.digest, EnvRow.namespace)
+            .order_by(EnvRow.namespace)
         ).all()
         per_fn = s.execute(
             base.add_columns(TelemetryRecord.function, *cols)
@@ -267,7 +339,12 @@ def telemetry_stats(index: Index, cache: str, since: timedelta) -> TelemetryStat
 
         # What warm knows of each module: the manifest's name and the compile time it measured.
         warm = s.execute(
-            select(EnvRow.digest, Entry.module, func.max(Entry.function), func.avg(Entry.compile_time_ms))
+            select(
+                EnvRow.digest,
+                Entry.module,
+                func.max(Entry.function),
+                func.avg(Entry.compile_time_ms),
+            )
             .join(Entry, Entry.environment_id == EnvRow.id)
             .where(EnvRow.cache_id == cache_id, Entry.function.is_not(None))
             .group_by(EnvRow.digest, Entry.module)
@@ -278,8 +355,21 @@ def telemetry_stats(index: Index, cache: str, since: timedelta) -> TelemetryStat
         procs, req, hits, misses, writes, saved, dropped, uncacheable = values
         name, ms = known.get((digest, fn), (None, None)) if fn is not None else (None, None)
         warm_saved = max(int(hits) * (ms or 0.0) / 1000.0, 0.0)
-        return UsageRow(digest, namespace, fn, int(procs), int(req), int(hits), int(misses),
-                        int(writes), float(saved), int(dropped), int(uncacheable), name, warm_saved)
+        return UsageRow(
+            digest,
+            namespace,
+            fn,
+            int(procs),
+            int(req),
+            int(hits),
+            int(misses),
+            int(writes),
+            float(saved),
+            int(dropped),
+            int(uncacheable),
+            name,
+            warm_saved,
+        )
 
     fns = [row(r[0], r[1], r[2], tuple(r[3:])) for r in per_fn if r[2] is not None or int(r[4])]
     envs = []

@@ -32,10 +32,20 @@ FINAL_STATUSES = (SUCCEEDED, FAILED, INTERRUPTED)
 
 def _info(row: WarmRun) -> WarmRunInfo:
     return WarmRunInfo(
-        id=row.id, environment_id=row.environment_id, manifest_digest=row.manifest_digest,
-        manifest_path=row.manifest_path, host=row.host, user=row.user, status=row.status,
-        started_at=row.started_at, finished_at=row.finished_at, heartbeat_at=row.heartbeat_at,
-        buckets=row.buckets, compiled=row.compiled, cached=row.cached, failed=row.failed,
+        id=row.id,
+        environment_id=row.environment_id,
+        manifest_digest=row.manifest_digest,
+        manifest_path=row.manifest_path,
+        host=row.host,
+        user=row.user,
+        status=row.status,
+        started_at=row.started_at,
+        finished_at=row.finished_at,
+        heartbeat_at=row.heartbeat_at,
+        buckets=row.buckets,
+        compiled=row.compiled,
+        cached=row.cached,
+        failed=row.failed,
     )
 
 
@@ -46,37 +56,63 @@ def _user() -> str:
         return "unknown"
 
 
-def start_run(index: Index, environment_id: int, *, manifest_digest: str,
-              manifest_path: str | None, buckets: int, host: str | None = None,
-              user: str | None = None) -> WarmRunInfo:
+def start_run(
+    index: Index,
+    environment_id: int,
+    *,
+    manifest_digest: str,
+    manifest_path: str | None,
+    buckets: int,
+    host: str | None = None,
+    user: str | None = None,
+) -> WarmRunInfo:
     """Record a running warm (heartbeat now) before the first entry is written.
 
     ``host``/``user`` default to this process's; the server passes its client's.
     """
     now = utcnow()
     with index.session() as s:
-        row = WarmRun(environment_id=environment_id, manifest_digest=manifest_digest,
-                      manifest_path=manifest_path, host=host or socket.gethostname(), user=user or _user(),
-                      status=RUNNING, started_at=now, heartbeat_at=now, buckets=buckets,
-                      compiled=0, cached=0, failed=0)
+        row = WarmRun(
+            environment_id=environment_id,
+            manifest_digest=manifest_digest,
+            manifest_path=manifest_path,
+            host=host or socket.gethostname(),
+            user=user or _user(),
+            status=RUNNING,
+            started_at=now,
+            heartbeat_at=now,
+            buckets=buckets,
+            compiled=0,
+            cached=0,
+            failed=0,
+        )
         s.add(row)
         s.flush()
         return _info(row)
 
 
-def heartbeat(index: Index, run_id: int, *, compiled: int | None = None, cached: int | None = None,
-              failed: int | None = None) -> None:
+def heartbeat(
+    index: Index,
+    run_id: int,
+    *,
+    compiled: int | None = None,
+    cached: int | None = None,
+    failed: int | None = None,
+) -> None:
     """Say the run is alive (and how far it got), so lifecycle keeps protecting its environment."""
     values: dict[str, object] = {"heartbeat_at": utcnow()}
     for name, value in (("compiled", compiled), ("cached", cached), ("failed", failed)):
         if value is not None:
             values[name] = value
     with index.session() as s:
-        s.execute(update(WarmRun).where(WarmRun.id == run_id, WarmRun.status == RUNNING).values(**values))
+        s.execute(
+            update(WarmRun).where(WarmRun.id == run_id, WarmRun.status == RUNNING).values(**values)
+        )
 
 
-def finish_run(index: Index, run_id: int, status: str, *, compiled: int, cached: int,
-               failed: int) -> WarmRunInfo:
+def finish_run(
+    index: Index, run_id: int, status: str, *, compiled: int, cached: int, failed: int
+) -> WarmRunInfo:
     """Close a run with its final status and counts."""
     if status not in FINAL_STATUSES:
         raise ValueError(f"a finished warm run is one of {FINAL_STATUSES}, not {status!r}")
@@ -99,8 +135,14 @@ def get_run(index: Index, run_id: int) -> WarmRunInfo:
         return _info(row)
 
 
-def list_runs(index: Index, *, cache: str | None = None, environment_id: int | None = None,
-              status: str | None = None, limit: int = 50) -> list[WarmRunInfo]:
+def list_runs(
+    index: Index,
+    *,
+    cache: str | None = None,
+    environment_id: int | None = None,
+    status: str | None = None,
+    limit: int = 50,
+) -> list[WarmRunInfo]:
     """Newest first, optionally for one cache, environment or status."""
     with index.read_session() as s:
         q = select(WarmRun).order_by(WarmRun.started_at.desc(), WarmRun.id.desc()).limit(limit)
@@ -109,6 +151,9 @@ def list_runs(index: Index, *, cache: str | None = None, environment_id: int | N
         if status is not None:
             q = q.where(WarmRun.status == status)
         if cache is not None:
-            q = q.join(EnvRow, EnvRow.id == WarmRun.environment_id).join(
-                Cache, Cache.id == EnvRow.cache_id).where(Cache.name == cache)
+            q = (
+                q.join(EnvRow, EnvRow.id == WarmRun.environment_id)
+                .join(Cache, Cache.id == EnvRow.cache_id)
+                .where(Cache.name == cache)
+            )
         return [_info(r) for r in s.scalars(q)]

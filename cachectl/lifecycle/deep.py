@@ -31,7 +31,9 @@ class DeepProblem:
     detail: str
 
 
-def load_all(store: Store, paths: Sequence[str], *, timeout_s: float = DEFAULT_TIMEOUT_S) -> list[DeepProblem]:
+def load_all(
+    store: Store, paths: Sequence[str], *, timeout_s: float = DEFAULT_TIMEOUT_S
+) -> list[DeepProblem]:
     """Load each entry at ``paths`` (relative to the store) in child processes; report failures."""
     if not paths:
         return []
@@ -50,7 +52,7 @@ def load_all(store: Store, paths: Sequence[str], *, timeout_s: float = DEFAULT_T
             if crashed_at is None:
                 break
             problems.append(DeepProblem(paths[todo[crashed_at]], detail))
-            todo = todo[crashed_at + 1:]
+            todo = todo[crashed_at + 1 :]
             del done
     return problems
 
@@ -58,8 +60,13 @@ def load_all(store: Store, paths: Sequence[str], *, timeout_s: float = DEFAULT_T
 def _run_child(files: list[str], timeout_s: float) -> tuple[int, dict[int, str], int | None, str]:
     """(loaded, {index: error}, index being loaded when the child died or None, why it died)."""
     try:
-        proc = subprocess.run([sys.executable, "-c", "from cachectl.lifecycle.deep import _main; _main()"],
-                              input=json.dumps(files), capture_output=True, text=True, timeout=timeout_s)
+        proc = subprocess.run(
+            [sys.executable, "-c", "from cachectl.lifecycle.deep import _main; _main()"],
+            input=json.dumps(files),
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+        )
         out, code = proc.stdout, proc.returncode
     except subprocess.TimeoutExpired as exc:
         raw = exc.stdout or ""
@@ -81,8 +88,15 @@ def _run_child(files: list[str], timeout_s: float) -> tuple[int, dict[int, str],
             started = None
     if code == 0 or started is None:
         return loaded, failed, None, ""
-    why = "the loading process hung" if code is None else (
-        f"loading it killed the process (signal {-code})" if code < 0 else f"the loading process exited {code}")
+    why = (
+        "the loading process hung"
+        if code is None
+        else (
+            f"loading it killed the process (signal {-code})"
+            if code < 0
+            else f"the loading process exited {code}"
+        )
+    )
     return loaded, failed, started, why
 
 

@@ -84,8 +84,16 @@ def _limits(cache: CacheInfo, max_size: str | int | None) -> tuple[int | None, i
     return limit, cache.env_max_size
 
 
-def plan_gc(ctx: Context, cache: CacheInfo, *, policy: str = "lru", max_size: str | int | None = None,
-            protect_warm: bool = False, now: datetime | None = None, store: Store | None = None) -> GcPlan:
+def plan_gc(
+    ctx: Context,
+    cache: CacheInfo,
+    *,
+    policy: str = "lru",
+    max_size: str | int | None = None,
+    protect_warm: bool = False,
+    now: datetime | None = None,
+    store: Store | None = None,
+) -> GcPlan:
     """Build the eviction plan from the index alone."""
     if policy not in POLICIES:
         raise BadInput(f"bad --policy {policy!r}: use lru or cost")
@@ -94,22 +102,41 @@ def plan_gc(ctx: Context, cache: CacheInfo, *, policy: str = "lru", max_size: st
     store = store or ctx.store(cache)
     envs = environments(ctx.index, cache.name)
     by_id = {e.id: e for e in envs}
-    criteria: dict[str, object] = {"policy": policy, "max_size": limit, "env_max_size": env_limit,
-                                   "protect_warm": protect_warm}
+    criteria: dict[str, object] = {
+        "policy": policy,
+        "max_size": limit,
+        "env_max_size": env_limit,
+        "protect_warm": protect_warm,
+    }
     deletion = DeletionPlan("gc", cache.name, store.url, criteria)
     warming = warms_in_progress(ctx.index, list(by_id), now=now)
     for env_id, w in warming.items():
         e = by_id[env_id]
-        deletion.protected.append(Protected(e.namespace, f"warm run {w.run_id} in progress on {w.user}@{w.host}",
-                                            e.entries, e.bytes))
+        deletion.protected.append(
+            Protected(
+                e.namespace,
+                f"warm run {w.run_id} in progress on {w.user}@{w.host}",
+                e.entries,
+                e.bytes,
+            )
+        )
     runs = newest_finished_warm_runs(ctx.index, list(by_id)) if protect_warm else {}
     for env_id, run_id in sorted(runs.items()):
         if env_id not in warming:
-            deletion.protected.append(Protected(by_id[env_id].namespace, f"newest warm run {run_id}"))
+            deletion.protected.append(
+                Protected(by_id[env_id].namespace, f"newest warm run {run_id}")
+            )
     cuts = eviction_cuts(
-        ctx.index, cache.name, policy=policy, max_bytes=limit, env_max_bytes=env_limit,
-        exclude_env_ids=sorted(warming), protect_warm_runs=sorted(runs.values()), now=now,
-        bytes_total=sum(e.bytes for e in envs), env_bytes={e.id: e.bytes for e in envs},
+        ctx.index,
+        cache.name,
+        policy=policy,
+        max_bytes=limit,
+        env_max_bytes=env_limit,
+        exclude_env_ids=sorted(warming),
+        protect_warm_runs=sorted(runs.values()),
+        now=now,
+        bytes_total=sum(e.bytes for e in envs),
+        env_bytes={e.id: e.bytes for e in envs},
         rows_total=sum(e.entries for e in envs),
     )
     freed_by_env: dict[int, int] = dict.fromkeys(by_id, 0)
@@ -121,13 +148,17 @@ def plan_gc(ctx: Context, cache: CacheInfo, *, policy: str = "lru", max_size: st
     after = before - freed
     over = max(0, after - limit) if limit is not None else 0
     if over:
-        deletion.notes.append(f"still {format_size(over)} over max_size after evicting every unprotected entry")
+        deletion.notes.append(
+            f"still {format_size(over)} over max_size after evicting every unprotected entry"
+        )
     if env_limit is not None:
         for e in envs:
             left = e.bytes - freed_by_env.get(e.id, 0)
             if left > env_limit:
-                deletion.notes.append(f"{e.namespace}: still {format_size(left - env_limit)} over env_max_size "
-                                      "(the rest is protected)")
+                deletion.notes.append(
+                    f"{e.namespace}: still {format_size(left - env_limit)} over env_max_size "
+                    "(the rest is protected)"
+                )
     return GcPlan(deletion, policy, limit, env_limit, before, after, over)
 
 
@@ -144,22 +175,46 @@ def _planned(cuts: Cuts, namespace: dict[int, str], freed: int) -> PlannedEntrie
     if cuts.lru:
         # The last use to the minute comes as text from the database (the rows' 7th column).
         def make(r: tuple[Any, ...]) -> PlannedEntry:
-            return PlannedEntry(r[2], namespace[r[2]], r[3], r[4] - (r[5] or 0), f"{cut(r[1])}; last used {r[6]}",
-                                r[5])
+            return PlannedEntry(
+                r[2],
+                namespace[r[2]],
+                r[3],
+                r[4] - (r[5] or 0),
+                f"{cut(r[1])}; last used {r[6]}",
+                r[5],
+            )
     else:
+
         def make(r: tuple[Any, ...]) -> PlannedEntry:
-            return PlannedEntry(r[2], namespace[r[2]], r[3], r[4] - (r[5] or 0),
-                                f"{cut(r[1])}; cost score {r[0]:.4g}", r[5])
+            return PlannedEntry(
+                r[2],
+                namespace[r[2]],
+                r[3],
+                r[4] - (r[5] or 0),
+                f"{cut(r[1])}; cost score {r[0]:.4g}",
+                r[5],
+            )
+
     return PlannedEntries(cuts.rows, make, freed)
 
 
-def gc(ctx: Context, cache: CacheInfo, *, policy: str = "lru", max_size: str | int | None = None,
-       protect_warm: bool = False, dry_run: bool = False, batch_size: int = DELETE_BATCH,
-       now: datetime | None = None) -> GcResult:
+def gc(
+    ctx: Context,
+    cache: CacheInfo,
+    *,
+    policy: str = "lru",
+    max_size: str | int | None = None,
+    protect_warm: bool = False,
+    dry_run: bool = False,
+    batch_size: int = DELETE_BATCH,
+    now: datetime | None = None,
+) -> GcResult:
     """Plan, and unless ``dry_run``, execute under the cache's lifecycle lease."""
     if dry_run:
         started = time.monotonic()
-        plan = plan_gc(ctx, cache, policy=policy, max_size=max_size, protect_warm=protect_warm, now=now)
+        plan = plan_gc(
+            ctx, cache, policy=policy, max_size=max_size, protect_warm=protect_warm, now=now
+        )
         return GcResult(plan, None, True, time.monotonic() - started)
     # Bad input fails before the lease is taken or anything is touched.
     if policy not in POLICIES:
@@ -169,8 +224,17 @@ def gc(ctx: Context, cache: CacheInfo, *, policy: str = "lru", max_size: str | i
     store = ctx.store(cache)
     with leases.held(ctx.index, cache.name, "gc") as lease:
         started = time.monotonic()
-        plan = plan_gc(ctx, cache, policy=policy, max_size=max_size, protect_warm=protect_warm, now=now,
-                       store=store)
+        plan = plan_gc(
+            ctx,
+            cache,
+            policy=policy,
+            max_size=max_size,
+            protect_warm=protect_warm,
+            now=now,
+            store=store,
+        )
         planning = time.monotonic() - started
-        execution = execute_plan(ctx.index, store, plan.deletion, lease=lease, batch_size=batch_size)
+        execution = execute_plan(
+            ctx.index, store, plan.deletion, lease=lease, batch_size=batch_size
+        )
     return GcResult(plan, execution, False, planning)

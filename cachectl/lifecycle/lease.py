@@ -105,10 +105,15 @@ class Lease:
     def renew(self) -> None:
         """Push the expiry out by ttl; fail if the lease was lost."""
         expires = utcnow() + timedelta(seconds=self.ttl_s)
-        value = func.now() + timedelta(seconds=self.ttl_s) if self.index.dialect == "postgresql" else expires
+        value = (
+            func.now() + timedelta(seconds=self.ttl_s)
+            if self.index.dialect == "postgresql"
+            else expires
+        )
         with self.index.session() as s:
             result = s.execute(
-                update(LeaseRow).where(LeaseRow.name == self.name, LeaseRow.holder == self.holder)
+                update(LeaseRow)
+                .where(LeaseRow.name == self.name, LeaseRow.holder == self.holder)
                 .values(expires_at=value)
             )
             if not result.rowcount:
@@ -142,10 +147,14 @@ class Lease:
         if self._thread is not None:
             self._thread.join(timeout=10)
         with self.index.session() as s:
-            s.execute(delete(LeaseRow).where(LeaseRow.name == self.name, LeaseRow.holder == self.holder))
+            s.execute(
+                delete(LeaseRow).where(LeaseRow.name == self.name, LeaseRow.holder == self.holder)
+            )
 
 
-def _acquire_sqlite(index: Index, name: str, holder: str, ttl_s: float) -> tuple[bool, str, datetime]:
+def _acquire_sqlite(
+    index: Index, name: str, holder: str, ttl_s: float
+) -> tuple[bool, str, datetime]:
     now = utcnow()
     expires = now + timedelta(seconds=ttl_s)
     with index.engine.connect() as conn:
@@ -158,23 +167,33 @@ def _acquire_sqlite(index: Index, name: str, holder: str, ttl_s: float) -> tuple
                 if row is not None and row.expires_at > now and not _holder_dead(row.holder):
                     return False, row.holder, row.expires_at
                 if row is None:
-                    conn.execute(insert(LeaseRow).values(name=name, holder=holder, acquired_at=now,
-                                                         expires_at=expires))
+                    conn.execute(
+                        insert(LeaseRow).values(
+                            name=name, holder=holder, acquired_at=now, expires_at=expires
+                        )
+                    )
                 else:
-                    conn.execute(update(LeaseRow).where(LeaseRow.name == name)
-                                 .values(holder=holder, acquired_at=now, expires_at=expires))
+                    conn.execute(
+                        update(LeaseRow)
+                        .where(LeaseRow.name == name)
+                        .values(holder=holder, acquired_at=now, expires_at=expires)
+                    )
         finally:
             conn.info.pop("immediate", None)
     return True, holder, expires
 
 
-def _acquire_postgres(index: Index, name: str, holder: str, ttl_s: float) -> tuple[bool, str, datetime]:
+def _acquire_postgres(
+    index: Index, name: str, holder: str, ttl_s: float
+) -> tuple[bool, str, datetime]:
     # Server time, not ours: hosts with skewed clocks still agree on expiry.
     now = func.now()
     expires = func.now() + timedelta(seconds=ttl_s)
     table = LeaseRow.__table__
     for _attempt in range(3):
-        stmt = pg_insert(LeaseRow).values(name=name, holder=holder, acquired_at=now, expires_at=expires)
+        stmt = pg_insert(LeaseRow).values(
+            name=name, holder=holder, acquired_at=now, expires_at=expires
+        )
         stmt = stmt.on_conflict_do_update(
             index_elements=[table.c.name],
             set_={"holder": holder, "acquired_at": now, "expires_at": expires},
@@ -184,15 +203,19 @@ def _acquire_postgres(index: Index, name: str, holder: str, ttl_s: float) -> tup
             got = s.execute(stmt).first()
             if got is not None:
                 return True, holder, got.expires_at
-            row = s.execute(select(LeaseRow.holder, LeaseRow.expires_at).where(LeaseRow.name == name)).first()
+            row = s.execute(
+                select(LeaseRow.holder, LeaseRow.expires_at).where(LeaseRow.name == name)
+            ).first()
             if row is None:
                 continue  # released between the two statements: try again
             if not _holder_dead(row.holder):
                 return False, row.holder, row.expires_at
             # The holder died on this host: take over exactly that holder's lease.
             taken = s.execute(
-                update(LeaseRow).where(LeaseRow.name == name, LeaseRow.holder == row.holder)
-                .values(holder=holder, acquired_at=now, expires_at=expires).returning(LeaseRow.expires_at)
+                update(LeaseRow)
+                .where(LeaseRow.name == name, LeaseRow.holder == row.holder)
+                .values(holder=holder, acquired_at=now, expires_at=expires)
+                .returning(LeaseRow.expires_at)
             ).first()
             if taken is not None:
                 return True, holder, taken.expires_at
@@ -214,9 +237,13 @@ def acquire(index: Index, name: str, operation: str, *, ttl_s: float = DEFAULT_T
 
 
 @contextmanager
-def held(index: Index, cache: str, operation: str, *, ttl_s: float | None = None) -> Iterator[Lease]:
+def held(
+    index: Index, cache: str, operation: str, *, ttl_s: float | None = None
+) -> Iterator[Lease]:
     """Hold the cache's lifecycle lease for the duration of the block."""
-    ttl = ttl_s if ttl_s is not None else float(os.environ.get("CACHECTL_LEASE_TTL_S", DEFAULT_TTL_S))
+    ttl = (
+        ttl_s if ttl_s is not None else float(os.environ.get("CACHECTL_LEASE_TTL_S", DEFAULT_TTL_S))
+    )
     lease = acquire(index, lease_name(cache), operation, ttl_s=ttl)
     lease.start_keepalive()
     try:

@@ -73,8 +73,12 @@ class PlannedEntries(Sequence[PlannedEntry]):
 
     __slots__ = ("_rows", "_make", "_bytes")
 
-    def __init__(self, rows: Sequence[tuple[Any, ...]], make: Callable[[tuple[Any, ...]], PlannedEntry],
-                 total_bytes: int) -> None:
+    def __init__(
+        self,
+        rows: Sequence[tuple[Any, ...]],
+        make: Callable[[tuple[Any, ...]], PlannedEntry],
+        total_bytes: int,
+    ) -> None:
         self._rows, self._make, self._bytes = rows, make, total_bytes
 
     @property
@@ -153,7 +157,11 @@ class DeletionPlan:
     @property
     def bytes_to_free(self) -> int:
         entries = self.entries
-        freed = entries.total_bytes if isinstance(entries, PlannedEntries) else sum(e.bytes for e in entries)
+        freed = (
+            entries.total_bytes
+            if isinstance(entries, PlannedEntries)
+            else sum(e.bytes for e in entries)
+        )
         return sum(n.bytes for n in self.namespaces) + freed
 
     @property
@@ -201,8 +209,9 @@ class _Hooks:
             time.sleep(self.delay)
 
 
-def _entry_batches(entries: Sequence[PlannedEntry], sidecar_ns: set[str],
-                   batch_size: int) -> Iterator[tuple[list[PlannedEntry], list[str]]]:
+def _entry_batches(
+    entries: Sequence[PlannedEntry], sidecar_ns: set[str], batch_size: int
+) -> Iterator[tuple[list[PlannedEntry], list[str]]]:
     """Entries grouped so each batch holds at most ``batch_size`` paths."""
     batch: list[PlannedEntry] = []
     paths: list[str] = []
@@ -237,7 +246,9 @@ def _remove_empty_parents(store: Store, namespace: str) -> None:
 TREE_WORKERS = 4
 
 
-def _deleted_trees(store: Store, namespaces: Sequence[PlannedNamespace]) -> Iterator[PlannedNamespace]:
+def _deleted_trees(
+    store: Store, namespaces: Sequence[PlannedNamespace]
+) -> Iterator[PlannedNamespace]:
     """Delete the namespaces' trees on a few threads; yield each, in plan order, once its files are
     gone, so the caller updates the index for it only after its storage. A crash meanwhile leaves
     at worst other namespaces partly deleted with their rows still there: the re-run finishes them."""
@@ -246,14 +257,23 @@ def _deleted_trees(store: Store, namespaces: Sequence[PlannedNamespace]) -> Iter
             store.delete_tree(ns.namespace)
             yield ns
         return
-    with ThreadPoolExecutor(max_workers=min(TREE_WORKERS, len(namespaces)),
-                            thread_name_prefix="cachectl-delete") as pool:
-        for ns, _ in zip(namespaces, pool.map(lambda n: store.delete_tree(n.namespace), namespaces), strict=True):
+    with ThreadPoolExecutor(
+        max_workers=min(TREE_WORKERS, len(namespaces)), thread_name_prefix="cachectl-delete"
+    ) as pool:
+        for ns, _ in zip(
+            namespaces, pool.map(lambda n: store.delete_tree(n.namespace), namespaces), strict=True
+        ):
             yield ns
 
 
-def execute_plan(index: Index, store: Store, plan: DeletionPlan, *, lease: Lease | None = None,
-                 batch_size: int = DELETE_BATCH) -> ExecutionResult:
+def execute_plan(
+    index: Index,
+    store: Store,
+    plan: DeletionPlan,
+    *,
+    lease: Lease | None = None,
+    batch_size: int = DELETE_BATCH,
+) -> ExecutionResult:
     """Carry out a plan: storage first, then the index, batch by batch; then audit it."""
     batch_size = max(1, min(batch_size, DELETE_BATCH))
     started = time.monotonic()
@@ -298,7 +318,10 @@ def execute_plan(index: Index, store: Store, plan: DeletionPlan, *, lease: Lease
     duration = time.monotonic() - started
     result = ExecutionResult(ns_done, entries_done, freed, calls, rows, duration)
     index.audit(
-        plan.operation, cache=plan.cache, entries=entries_done, nbytes=freed,
+        plan.operation,
+        cache=plan.cache,
+        entries=entries_done,
+        nbytes=freed,
         duration_ms=int(duration * 1000),
         details={
             "criteria": plan.criteria,

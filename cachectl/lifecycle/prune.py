@@ -59,8 +59,16 @@ class PruneCriteria:
 
     @property
     def any(self) -> bool:
-        return any((self.older_than, self.unused_for, self.jax_version, self.superseded,
-                    self.env, self.function))
+        return any(
+            (
+                self.older_than,
+                self.unused_for,
+                self.jax_version,
+                self.superseded,
+                self.env,
+                self.function,
+            )
+        )
 
     @property
     def entry_level(self) -> bool:
@@ -71,16 +79,26 @@ def _specifier(text: str) -> SpecifierSet:
     try:
         spec = SpecifierSet(text.strip())
     except InvalidSpecifier as exc:
-        raise BadInput(f"bad --jax-version {text!r}: use a PEP 440 specifier such as '<0.10' or '>=0.4,<0.5'") from exc
+        raise BadInput(
+            f"bad --jax-version {text!r}: use a PEP 440 specifier such as '<0.10' or '>=0.4,<0.5'"
+        ) from exc
     if not str(spec):
         raise BadInput("empty --jax-version: use a PEP 440 specifier such as '<0.10'")
     return spec
 
 
-def criteria(*, older_than: str | timedelta | None = None, unused_for: str | timedelta | None = None,
-             jax_version: str | None = None, superseded: bool = False, keep: int | None = None,
-             env: str | None = None, function: str | None = None) -> PruneCriteria:
+def criteria(
+    *,
+    older_than: str | timedelta | None = None,
+    unused_for: str | timedelta | None = None,
+    jax_version: str | None = None,
+    superseded: bool = False,
+    keep: int | None = None,
+    env: str | None = None,
+    function: str | None = None,
+) -> PruneCriteria:
     """Parse and check selectors: one-line BadInput (exit 2) for anything unusable."""
+
     def duration(flag: str, value: str | timedelta | None) -> timedelta | None:
         if value is None or isinstance(value, timedelta):
             return value
@@ -92,15 +110,24 @@ def criteria(*, older_than: str | timedelta | None = None, unused_for: str | tim
     if jax_version is not None:
         _specifier(jax_version)
     if keep is not None and not superseded:
-        raise BadInput("--keep only goes with --superseded: e.g. `cachectl prune --superseded --keep 2`")
+        raise BadInput(
+            "--keep only goes with --superseded: e.g. `cachectl prune --superseded --keep 2`"
+        )
     if keep is not None and keep < 1:
         raise BadInput(f"--keep must be at least 1, got {keep}")
     if function is not None and not function.strip():
         raise BadInput("empty --function: give a function name as `cachectl ls` shows it")
     if env is not None and not env.strip():
         raise BadInput("empty --env: give a digest prefix from `cachectl ls`")
-    return PruneCriteria(duration("--older-than", older_than), duration("--unused-for", unused_for),
-                         jax_version, superseded, keep, env, function)
+    return PruneCriteria(
+        duration("--older-than", older_than),
+        duration("--unused-for", unused_for),
+        jax_version,
+        superseded,
+        keep,
+        env,
+        function,
+    )
 
 
 def _version(text: str) -> Version | None:
@@ -134,7 +161,9 @@ def superseded_envs(envs: list[EnvSummary], keep: int) -> dict[int, str]:
             groups[_group(e)].append(e)
     out: dict[int, str] = {}
     for members in groups.values():
-        versions = sorted({v for e in members if (v := _version(e.jax_version)) is not None}, reverse=True)
+        versions = sorted(
+            {v for e in members if (v := _version(e.jax_version)) is not None}, reverse=True
+        )
         kept = versions[:keep]
         if len(versions) <= keep:
             continue
@@ -146,9 +175,15 @@ def superseded_envs(envs: list[EnvSummary], keep: int) -> dict[int, str]:
     return out
 
 
-def plan_prune(ctx: Context, cache: CacheInfo, crit: PruneCriteria, *,
-               now: datetime | None = None, store: Store | None = None,
-               protect_active: bool = False) -> DeletionPlan:
+def plan_prune(
+    ctx: Context,
+    cache: CacheInfo,
+    crit: PruneCriteria,
+    *,
+    now: datetime | None = None,
+    store: Store | None = None,
+    protect_active: bool = False,
+) -> DeletionPlan:
     """Build the prune plan from index queries alone.
 
     ``protect_active`` (scheduled maintenance): a whole environment is never deleted when it
@@ -163,12 +198,16 @@ def plan_prune(ctx: Context, cache: CacheInfo, crit: PruneCriteria, *,
                 "prune needs a selector (--older-than, --unused-for, --jax-version, --superseded, --env, "
                 f"--function), or a retention on the cache: `cachectl cache set {cache.name} --retention 30d`"
             )
-        crit = PruneCriteria(older_than=timedelta(seconds=cache.retention_seconds), from_retention=True)
+        crit = PruneCriteria(
+            older_than=timedelta(seconds=cache.retention_seconds), from_retention=True
+        )
     keep = crit.keep or cache.keep_versions or 1
     plan = DeletionPlan("prune", cache.name, store.url, _criteria_dict(crit, keep))
     if crit.from_retention:
-        plan.notes.append(f"no selector given: using the cache's retention, --older-than "
-                          f"{format_duration(crit.older_than)}")
+        plan.notes.append(
+            f"no selector given: using the cache's retention, --older-than "
+            f"{format_duration(crit.older_than)}"
+        )
     all_envs = environments(ctx.index, cache.name)
     env_reasons: dict[int, list[str]] = {e.id: [] for e in all_envs}
     candidates = list(all_envs)
@@ -183,7 +222,9 @@ def plan_prune(ctx: Context, cache: CacheInfo, crit: PruneCriteria, *,
         for e in candidates:
             v = _version(e.jax_version)
             if v is None:
-                plan.notes.append(f"{e.namespace}: jax version {e.jax_version!r} is not PEP 440; not matched")
+                plan.notes.append(
+                    f"{e.namespace}: jax version {e.jax_version!r} is not PEP 440; not matched"
+                )
             elif spec.contains(v, prereleases=True):
                 kept.append(e)
                 env_reasons[e.id].append(f"jax {e.jax_version} matches {spec}")
@@ -198,8 +239,14 @@ def plan_prune(ctx: Context, cache: CacheInfo, crit: PruneCriteria, *,
     for e in candidates:
         if e.id in warming:
             w = warming[e.id]
-            plan.protected.append(Protected(e.namespace, f"warm run {w.run_id} in progress on {w.user}@{w.host}",
-                                            e.entries, e.bytes))
+            plan.protected.append(
+                Protected(
+                    e.namespace,
+                    f"warm run {w.run_id} in progress on {w.user}@{w.host}",
+                    e.entries,
+                    e.bytes,
+                )
+            )
     candidates = [e for e in candidates if e.id not in warming]
 
     created_before = now - crit.older_than if crit.older_than else None
@@ -214,8 +261,13 @@ def plan_prune(ctx: Context, cache: CacheInfo, crit: PruneCriteria, *,
 
     by_id = {e.id: e for e in candidates}
     if crit.entry_level:
-        picked = selected_counts(ctx.index, list(by_id), created_before=created_before,
-                                 unused_before=unused_before, function=crit.function)
+        picked = selected_counts(
+            ctx.index,
+            list(by_id),
+            created_before=created_before,
+            unused_before=unused_before,
+            function=crit.function,
+        )
         whole = [by_id[i] for i, n in picked.items() if n == by_id[i].entries]
         partial = sorted(i for i, n in picked.items() if n < by_id[i].entries)
     else:
@@ -226,25 +278,42 @@ def plan_prune(ctx: Context, cache: CacheInfo, crit: PruneCriteria, *,
         reason = "; ".join(env_reasons[e.id] + entry_reasons) or "selected"
         if crit.entry_level:
             reason += "; every entry selected"
-        plan.namespaces.append(PlannedNamespace(e.id, e.digest, e.namespace, e.jax_version,
-                                                e.entries, e.bytes, reason))
+        plan.namespaces.append(
+            PlannedNamespace(e.id, e.digest, e.namespace, e.jax_version, e.entries, e.bytes, reason)
+        )
     if partial:
         reason = "; ".join(entry_reasons)
-        rows = selected_entries(ctx.index, partial, created_before=created_before,
-                                unused_before=unused_before, function=crit.function)
+        rows = selected_entries(
+            ctx.index,
+            partial,
+            created_before=created_before,
+            unused_before=unused_before,
+            function=crit.function,
+        )
         # Sorted by (namespace, key): each environment's rows come sorted by key.
-        ordered = [row for env in sorted(rows, key=lambda i: by_id[i].namespace) for row in rows[env]]
+        ordered = [
+            row for env in sorted(rows, key=lambda i: by_id[i].namespace) for row in rows[env]
+        ]
         namespace = {i: e.namespace for i, e in by_id.items()}
         plan.entries = PlannedEntries(
-            ordered, lambda r: PlannedEntry(r[0], namespace[r[0]], r[1], r[2], reason, r[3]),
-            sum(size + (aot or 0) for _e, _k, size, aot in ordered))
+            ordered,
+            lambda r: PlannedEntry(r[0], namespace[r[0]], r[1], r[2], reason, r[3]),
+            sum(size + (aot or 0) for _e, _k, size, aot in ordered),
+        )
     return plan
 
 
-def _protect_active(ctx: Context, plan: DeletionPlan, all_envs: list[EnvSummary],
-                    candidates: list[EnvSummary], now: datetime) -> list[EnvSummary]:
+def _protect_active(
+    ctx: Context,
+    plan: DeletionPlan,
+    all_envs: list[EnvSummary],
+    candidates: list[EnvSummary],
+    now: datetime,
+) -> list[EnvSummary]:
     """Candidates less each one that is its group's only environment with recent hits."""
-    active = environments_with_recent_hits(ctx.index, [e.id for e in all_envs], now - RECENT_HITS_WINDOW)
+    active = environments_with_recent_hits(
+        ctx.index, [e.id for e in all_envs], now - RECENT_HITS_WINDOW
+    )
     leaving = {e.id for e in candidates}
     served: dict[tuple[object, ...], bool] = defaultdict(bool)
     for e in all_envs:
@@ -253,9 +322,15 @@ def _protect_active(ctx: Context, plan: DeletionPlan, all_envs: list[EnvSummary]
     kept = []
     for e in candidates:
         if e.id in active and not served[_group(e)]:
-            plan.protected.append(Protected(e.namespace, "the only environment of its hardware group with hits "
-                                            f"in the last {format_duration(RECENT_HITS_WINDOW)}",
-                                            e.entries, e.bytes))
+            plan.protected.append(
+                Protected(
+                    e.namespace,
+                    "the only environment of its hardware group with hits "
+                    f"in the last {format_duration(RECENT_HITS_WINDOW)}",
+                    e.entries,
+                    e.bytes,
+                )
+            )
         else:
             kept.append(e)
     return kept
@@ -281,9 +356,16 @@ def _criteria_dict(crit: PruneCriteria, keep: int) -> dict[str, object]:
     return out
 
 
-def prune(ctx: Context, cache: CacheInfo, crit: PruneCriteria, *, dry_run: bool = False,
-          batch_size: int = DELETE_BATCH, now: datetime | None = None,
-          protect_active: bool = False) -> LifecycleResult:
+def prune(
+    ctx: Context,
+    cache: CacheInfo,
+    crit: PruneCriteria,
+    *,
+    dry_run: bool = False,
+    batch_size: int = DELETE_BATCH,
+    now: datetime | None = None,
+    protect_active: bool = False,
+) -> LifecycleResult:
     """Plan, and unless ``dry_run``, execute under the cache's lifecycle lease."""
     if dry_run:
         started = time.monotonic()

@@ -130,9 +130,15 @@ class SyncPlan:
 
     @property
     def empty(self) -> bool:
-        return not (self.entries_to_add or self.entries_to_update or self.rows_to_drop
-                    or self.environments_to_add or self.environments_gone
-                    or self.executables_to_record or self.executables_to_clear)
+        return not (
+            self.entries_to_add
+            or self.entries_to_update
+            or self.rows_to_drop
+            or self.environments_to_add
+            or self.environments_gone
+            or self.executables_to_record
+            or self.executables_to_clear
+        )
 
 
 T = TypeVar("T")
@@ -154,7 +160,9 @@ class SyncResult:
     broken: list[str] = field(default_factory=list)
 
 
-def _group_by_namespace(paths: Sequence[str], items: Sequence[T]) -> tuple[dict[str, list[tuple[str, T]]], list[str]]:
+def _group_by_namespace(
+    paths: Sequence[str], items: Sequence[T]
+) -> tuple[dict[str, list[tuple[str, T]]], list[str]]:
     """Split a root listing (its paths, and the item for each) into namespaces (jax-*/hw/digest16/...):
     (path in the namespace, item); and stray files."""
     groups: dict[str, list[tuple[str, T]]] = defaultdict(list)
@@ -183,7 +191,9 @@ def _group_by_namespace(paths: Sequence[str], items: Sequence[T]) -> tuple[dict[
 Stat = tuple[str, int, float | None]  # (name, size, mtime in POSIX seconds) as the listing gives it
 
 
-def _namespace_files(dirs: Iterable[tuple[str, list[Stat]]], strays: list[str]) -> Iterator[tuple[str, list[Stat]]]:
+def _namespace_files(
+    dirs: Iterable[tuple[str, list[Stat]]], strays: list[str]
+) -> Iterator[tuple[str, list[Stat]]]:
     """A root's directories (``Store.dir_stats``) as namespaces (jax-*/hw/digest16) with their files,
     named relative to the namespace; files outside any namespace are appended to ``strays``. The walk
     is depth first, so a namespace is whole when the next one starts: each is yielded then."""
@@ -227,12 +237,16 @@ class _Planner:
     when ``settle`` is set; else they are left open (``SyncEntry.size`` None, in ``add``) for the
     read, whose descriptor's fstat gives them at no extra call (``_settle_read``)."""
 
-    def __init__(self, ctx: Context, cache: CacheInfo, min_age: timedelta, *, settle: bool = True) -> None:
+    def __init__(
+        self, ctx: Context, cache: CacheInfo, min_age: timedelta, *, settle: bool = True
+    ) -> None:
         self.index = ctx.index
         self.cache = cache
         self.store = Store(cache.root_url, cache.storage_options)
         self.store.check_reachable()
-        self.known = {e.namespace: e for e in ctx.index.environment_stats(cache.name, include_deleted=True)}
+        self.known = {
+            e.namespace: e for e in ctx.index.environment_stats(cache.name, include_deleted=True)
+        }
         self.cutoff = (datetime.now(UTC) - min_age).timestamp() if min_age > timedelta(0) else None
         self.settle = settle
         self.strays: list[str] = []
@@ -255,7 +269,9 @@ class _Planner:
         # suffix the match ended with (one comprehension: most of a namespace's files are entries).
         cut = -len(CACHE_SUFFIX)
         on_disk: dict[str, tuple[int | None, float | None]]
-        if files and files[0][1] is None:  # a local walk without stats: the keys alone, in one regex pass
+        if (
+            files and files[0][1] is None
+        ):  # a local walk without stats: the keys alone, in one regex pass
             on_disk = dict.fromkeys(entry_keys([f[0] for f in files]), (None, None))
         else:
             on_disk = {rel[:cut]: (size, mtime) for rel, size, mtime in files if is_entry(rel)}
@@ -268,22 +284,31 @@ class _Planner:
                 elif rel.endswith(AOT_SUFFIX) and classify(rel) is Kind.AOT:
                     aot_on_disk[rel[: -len(AOT_SUFFIX)]] = size, mtime
         if not has_env:
-            return NamespaceSync(ns_path, None, None, problem="no env.json: not a cachectl namespace")
+            return NamespaceSync(
+                ns_path, None, None, problem="no env.json: not a cachectl namespace"
+            )
         try:
             env = read_env_json(self.store, ns_path)
         except (BadInput, FileNotFoundError) as exc:
             return NamespaceSync(ns_path, None, None, problem=str(exc))
         if env.namespace != ns_path:
-            return NamespaceSync(ns_path, env.digest, env, problem=f"env.json describes namespace {env.namespace}")
+            return NamespaceSync(
+                ns_path, env.digest, env, problem=f"env.json describes namespace {env.namespace}"
+            )
         row = self.known.get(ns_path)
-        item = NamespaceSync(ns_path, env.digest, env, new_environment=row is None or row.deleted_at is not None)
+        item = NamespaceSync(
+            ns_path, env.digest, env, new_environment=row is None or row.deleted_at is not None
+        )
         indexed = self.index.entry_keys(row.id) if row is not None else {}
         indexed_aot = self.index.aot_keys(row.id) if row is not None else {}
         self._stat_unlisted(ns_path, on_disk, CACHE_SUFFIX, None if self.settle else indexed)
         self._stat_unlisted(ns_path, aot_on_disk, AOT_SUFFIX, None)
         cutoff = self.cutoff
         add, update, too_young = item.add, item.update, item.too_young
-        for key, (size, mtime) in on_disk.items():  # once per entry file: the lookups are done once each
+        for key, (
+            size,
+            mtime,
+        ) in on_disk.items():  # once per entry file: the lookups are done once each
             known_row = indexed.get(key)
             if known_row is not None and known_row[0] == size:
                 continue
@@ -306,11 +331,18 @@ class _Planner:
                 item.record_aot.append(SyncEntry(ns_path, key, size))
         for key in sorted(set(indexed_aot) - set(aot_on_disk)):
             if key in on_disk:  # a dropped row takes its executable columns with it
-                item.clear_aot.append(SyncEntry(ns_path, key, indexed_aot[key][0], indexed_aot[key][1]))
+                item.clear_aot.append(
+                    SyncEntry(ns_path, key, indexed_aot[key][0], indexed_aot[key][1])
+                )
         return item
 
-    def _stat_unlisted(self, ns_path: str, files: dict[str, tuple[int | None, float | None]], suffix: str,
-                       only: dict[str, tuple[int, str]] | None) -> None:
+    def _stat_unlisted(
+        self,
+        ns_path: str,
+        files: dict[str, tuple[int | None, float | None]],
+        suffix: str,
+        only: dict[str, tuple[int, str]] | None,
+    ) -> None:
         """Sizes and times the listing left out, for the keys in ``only`` (every key if None); a file
         gone since the listing leaves ``files``."""
         if only is None:
@@ -369,8 +401,12 @@ def _module(key: str) -> str:
     return key[:-66] if key.endswith("\n") else key[:-65]
 
 
-def _observe(read: Callable[[str], tuple[bytes, float | None]], namespace: str, cutoff: float | None,
-             entry: SyncEntry) -> ObservedRow | str | bool | None:
+def _observe(
+    read: Callable[[str], tuple[bytes, float | None]],
+    namespace: str,
+    cutoff: float | None,
+    entry: SyncEntry,
+) -> ObservedRow | str | bool | None:
     """The index row for one entry file (``read`` takes a name in ``namespace``); a one-line problem
     if it is not a whole entry; None if it is gone since planning (the next sync settles it); True
     if the plan left its size and age open (``SyncEntry.size`` None: set here) and it is younger
@@ -420,8 +456,9 @@ def _readers(store: Store, namespace: str, chunk: list[SyncEntry], mean: int | N
     return read_workers(store, [mean if e.size is None else e.size for e in chunk])
 
 
-def _read_namespace(store: Store, item: NamespaceSync, cutoff: float | None = None,
-                    piece: int = PIECE_ENTRIES) -> Iterator[_Piece]:
+def _read_namespace(
+    store: Store, item: NamespaceSync, cutoff: float | None = None, piece: int = PIECE_ENTRIES
+) -> Iterator[_Piece]:
     """One namespace's new and changed entries, ``piece`` at a time, read by name through one
     directory reader (its descriptor is closed before the next namespace's is opened); the last
     piece carries the executables. Entries the plan left open get their size from the read, and
@@ -432,17 +469,21 @@ def _read_namespace(store: Store, item: NamespaceSync, cutoff: float | None = No
     with store.dir_reader(item.namespace, times=True) as read:
         observe = functools.partial(_observe, read, item.namespace, cutoff)
         for start in range(0, len(todo), piece) or [0]:  # one empty piece where nothing is read
-            chunk = todo[start:start + piece]
+            chunk = todo[start : start + piece]
             rows: list[ObservedRow] = []
             broken: list[str] = []
-            workers = _readers(store, item.namespace, chunk, seen_bytes // seen_files if seen_files else None)
+            workers = _readers(
+                store, item.namespace, chunk, seen_bytes // seen_files if seen_files else None
+            )
             for entry, seen in zip(chunk, ordered_map(observe, chunk, workers), strict=True):
                 if type(seen) is tuple:
                     rows.append(seen)
                     seen_bytes += seen[2]
                     seen_files += 1
                 elif isinstance(seen, str):
-                    broken.append(seen)  # half-written or corrupt: never indexed (verify reports it)
+                    broken.append(
+                        seen
+                    )  # half-written or corrupt: never indexed (verify reports it)
                 elif seen:
                     young.add(entry.key)
             if start + piece < len(todo):
@@ -465,7 +506,9 @@ def _read_namespace(store: Store, item: NamespaceSync, cutoff: float | None = No
     yield _Piece(item, rows, broken, executables)
 
 
-def _pieces(store: Store, items: Iterable[NamespaceSync], cutoff: float | None = None) -> Iterator[_Piece]:
+def _pieces(
+    store: Store, items: Iterable[NamespaceSync], cutoff: float | None = None
+) -> Iterator[_Piece]:
     for item in items:
         if not item.problem and item.environment is not None:
             yield from _read_namespace(store, item, cutoff)
@@ -556,7 +599,9 @@ def _write(ctx: Context, cache: CacheInfo, pieces: Iterable[_Piece], tally: _Tal
             tally.cleared += sum(v is None for v in piece.executables.values())
 
 
-def _finish(ctx: Context, cache: CacheInfo, plan: SyncPlan, tally: _Tally, started: float) -> SyncResult:
+def _finish(
+    ctx: Context, cache: CacheInfo, plan: SyncPlan, tally: _Tally, started: float
+) -> SyncResult:
     gone = 0
     for ns in plan.environments_gone:
         for env in ctx.index.environment_stats(cache.name):
@@ -565,15 +610,34 @@ def _finish(ctx: Context, cache: CacheInfo, plan: SyncPlan, tally: _Tally, start
                 gone += 1
     duration = time.monotonic() - started
     ctx.index.audit(
-        "sync", cache=cache.name, entries=tally.added + tally.updated + tally.dropped,
+        "sync",
+        cache=cache.name,
+        entries=tally.added + tally.updated + tally.dropped,
         duration_ms=int(duration * 1000),
-        details={"environments_added": tally.environments_added, "entries_added": tally.added,
-                 "entries_updated": tally.updated, "rows_dropped": tally.dropped,
-                 "environments_marked_deleted": gone, "executables_recorded": tally.recorded,
-                 "executables_cleared": tally.cleared, "orphan_executables": len(plan.orphan_executables)},
+        details={
+            "environments_added": tally.environments_added,
+            "entries_added": tally.added,
+            "entries_updated": tally.updated,
+            "rows_dropped": tally.dropped,
+            "environments_marked_deleted": gone,
+            "executables_recorded": tally.recorded,
+            "executables_cleared": tally.cleared,
+            "orphan_executables": len(plan.orphan_executables),
+        },
     )
-    return SyncResult(plan, tally.environments_added, tally.added, tally.updated, tally.dropped, gone, duration,
-                      False, tally.recorded, tally.cleared, tally.broken)
+    return SyncResult(
+        plan,
+        tally.environments_added,
+        tally.added,
+        tally.updated,
+        tally.dropped,
+        gone,
+        duration,
+        False,
+        tally.recorded,
+        tally.cleared,
+        tally.broken,
+    )
 
 
 def execute_sync(ctx: Context, cache: CacheInfo, plan: SyncPlan) -> SyncResult:
@@ -604,8 +668,9 @@ def _plan_and_execute(ctx: Context, cache: CacheInfo, min_age: timedelta) -> Syn
     return _finish(ctx, cache, planner.plan(), tally, started)
 
 
-def sync(ctx: Context, cache: CacheInfo, *, dry_run: bool = False,
-         min_age: timedelta = DEFAULT_MIN_AGE) -> SyncResult:
+def sync(
+    ctx: Context, cache: CacheInfo, *, dry_run: bool = False, min_age: timedelta = DEFAULT_MIN_AGE
+) -> SyncResult:
     if not dry_run:
         check_writer(cache, "sync")
     started = time.monotonic()
@@ -613,7 +678,16 @@ def sync(ctx: Context, cache: CacheInfo, *, dry_run: bool = False,
         return _plan_and_execute(ctx, cache, min_age)
     plan = plan_sync(ctx, cache, min_age=min_age)
     if dry_run:
-        return SyncResult(plan, plan.environments_to_add, plan.entries_to_add, plan.entries_to_update,
-                          plan.rows_to_drop, len(plan.environments_gone), time.monotonic() - started, True,
-                          plan.executables_to_record, plan.executables_to_clear)
+        return SyncResult(
+            plan,
+            plan.environments_to_add,
+            plan.entries_to_add,
+            plan.entries_to_update,
+            plan.rows_to_drop,
+            len(plan.environments_gone),
+            time.monotonic() - started,
+            True,
+            plan.executables_to_record,
+            plan.executables_to_clear,
+        )
     return execute_sync(ctx, cache, plan)

@@ -72,22 +72,27 @@ from cachectl.store import NotRegularFile, Store, ordered_map, read_workers
 from cachectl.units import format_duration
 
 # Kinds of finding, and what --quarantine / --repair does about each.
-MISSING = "missing"            # index row, no file: row dropped (repair)
-CORRUPT = "corrupt"            # does not decompress / header insane: quarantined
-MISMATCH = "mismatch"          # decompresses, but size or sha256 differ from the index: quarantined
-UNKNOWN = "unknown-writer"     # a file in a namespace the index does not know: quarantined
+MISSING = "missing"  # index row, no file: row dropped (repair)
+CORRUPT = "corrupt"  # does not decompress / header insane: quarantined
+MISMATCH = "mismatch"  # decompresses, but size or sha256 differ from the index: quarantined
+UNKNOWN = "unknown-writer"  # a file in a namespace the index does not know: quarantined
 ORPHAN_ATIME = "orphan-atime"  # -atime without -cache: deleted (repair)
 MISSING_ATIME = "missing-atime"  # -cache without -atime where JAX eviction is on: written (repair)
-BAD_ENV = "bad-env-json"       # env.json unreadable or for another environment: reported
+BAD_ENV = "bad-env-json"  # env.json unreadable or for another environment: reported
 UNINDEXED_NAMESPACE = "unindexed-namespace"  # a whole namespace the index lacks: `cachectl sync`
-MISSING_NAMESPACE = "missing-namespace"      # an indexed namespace with no files: `cachectl sync`
-ORPHAN_AOT = "orphan-aot"      # -aot without its -cache: quarantined
+MISSING_NAMESPACE = "missing-namespace"  # an indexed namespace with no files: `cachectl sync`
+ORPHAN_AOT = "orphan-aot"  # -aot without its -cache: quarantined
 XLA_SUBCACHE = "xla-subcache"  # an XLA sub-cache directory: keys become path-dependent; reported
-STRAY = "stray-file"           # a file in the root outside every namespace: reported
+STRAY = "stray-file"  # a file in the root outside every namespace: reported
 SERVICE_WRITE = "service-write"  # a service wrote an entry although the cache denies service writes
 NOT_LOADABLE = "not-loadable"  # --deep: the header is fine but JAX cannot load the executable
 
-QUARANTINE, DROP_ROW, DELETE_ATIME, WRITE_ATIME = "quarantine", "drop-row", "delete-atime", "write-atime"
+QUARANTINE, DROP_ROW, DELETE_ATIME, WRITE_ATIME = (
+    "quarantine",
+    "drop-row",
+    "delete-atime",
+    "write-atime",
+)
 CLEAR_AOT = "clear-executable"  # an indexed -aot is gone: its entry's executable columns are cleared (repair)
 # An unknown file younger than this may be a writer's between its storage
 # write and its index row: reported, not quarantined (verify --min-age).
@@ -145,7 +150,9 @@ class VerifyResult:
 Check = tuple[str | None, str, int]  # (kind or None, detail, bytes read)
 
 
-def _verdict(data: bytes, size: int, digest: str, corrupt: str | None, problems: list[str]) -> Check:
+def _verdict(
+    data: bytes, size: int, digest: str, corrupt: str | None, problems: list[str]
+) -> Check:
     """The finding for one file's bytes: header problems first, then size and sha256 against the index."""
     if len(data) != size:
         problems.append(f"{len(data)} bytes, index says {size}")
@@ -175,19 +182,25 @@ def _check_entry(read: Callable[[str], bytes], path: str, size: int, digest: str
     return _verdict(data, size, digest, None, [])
 
 
-def _entry_checks(store: Store, checks: list[tuple[str, str, int, str, int, str]], workers: int) -> Iterator[Check]:
+def _entry_checks(
+    store: Store, checks: list[tuple[str, str, int, str, int, str]], workers: int
+) -> Iterator[Check]:
     """``_check_entry`` of each check, in order: a namespace's entries read by name through one
     directory reader (``Store.dir_reader``: its descriptor found once, not a path parsed per file)."""
     for ns, run in itertools.groupby(checks, key=operator.itemgetter(0)):
         with store.dir_reader(ns) as read:
-            def check(c: tuple[str, str, int, str, int, str], read: Callable[[str], bytes] = read) -> Check:
+
+            def check(
+                c: tuple[str, str, int, str, int, str], read: Callable[[str], bytes] = read
+            ) -> Check:
                 return _check_entry(read, f"{c[1]}{CACHE_SUFFIX}", c[2], c[3])
 
             yield from ordered_map(check, list(run), workers)
 
 
-def _check_executable(read: Callable[[str], bytes], path: str, key: str, size: int, digest: str,
-                      entry_sha: str) -> Check:
+def _check_executable(
+    read: Callable[[str], bytes], path: str, key: str, size: int, digest: str, entry_sha: str
+) -> Check:
     """The finding for one indexed stored executable."""
     try:
         data = read(path)
@@ -200,7 +213,9 @@ def _check_executable(read: Callable[[str], bytes], path: str, key: str, size: i
         if header.key != key:
             corrupt = f"stored executable header names key {header.key[:40]}…, not its file's"
         elif header.entry_sha256 != entry_sha:
-            problems.append("made for other entry bytes (its entry_sha256 is not the indexed entry's)")
+            problems.append(
+                "made for other entry bytes (its entry_sha256 is not the indexed entry's)"
+            )
     except CorruptEntry as exc:
         corrupt = str(exc)
     return _verdict(data, size, digest, corrupt, problems)
@@ -211,10 +226,19 @@ def is_executable(f: Finding) -> bool:
     return f.path.endswith(AOT_SUFFIX)
 
 
-def plan_verify(ctx: Context, cache: CacheInfo, *, env_prefix: str | None = None, quarantine: bool = False,
-                repair: bool = False, now: datetime | None = None, lease: Lease | None = None,
-                workers: int | None = None, min_age: timedelta = RECENT_GRACE,
-                store: Store | None = None) -> VerifyPlan:
+def plan_verify(
+    ctx: Context,
+    cache: CacheInfo,
+    *,
+    env_prefix: str | None = None,
+    quarantine: bool = False,
+    repair: bool = False,
+    now: datetime | None = None,
+    lease: Lease | None = None,
+    workers: int | None = None,
+    min_age: timedelta = RECENT_GRACE,
+    store: Store | None = None,
+) -> VerifyPlan:
     """Check storage against the index; findings carry the action execution would take."""
     now = now or utcnow()
     repair = repair or quarantine
@@ -237,10 +261,19 @@ def plan_verify(ctx: Context, cache: CacheInfo, *, env_prefix: str | None = None
     groups, strays = _group_by_namespace(listing, listing)
     for path in strays:
         if not path.startswith((QUARANTINE_DIR + "/", ".tmp-")) and not path.endswith(".lock"):
-            plan.findings.append(Finding(STRAY, "", path, "a file outside every namespace: not a cachectl "
-                                         "entry; remove it if nothing of yours needs it"))
+            plan.findings.append(
+                Finding(
+                    STRAY,
+                    "",
+                    path,
+                    "a file outside every namespace: not a cachectl "
+                    "entry; remove it if nothing of yours needs it",
+                )
+            )
     warming = warms_in_progress(ctx.index, [e.id for e in envs.values()], now=now)
-    checks: list[tuple[str, str, int, str, int, str]] = []  # (namespace, key, size, sha, env id, path)
+    checks: list[
+        tuple[str, str, int, str, int, str]
+    ] = []  # (namespace, key, size, sha, env id, path)
     aot_checks: list[tuple[str, str, int, str, int, str]] = []  # (+ the entry's indexed sha256)
     atime_needed: dict[str, list[tuple[str, str]]] = {}
     # Files the index does not know: (namespace, path, warm in progress, action, env id, key).
@@ -254,16 +287,29 @@ def plan_verify(ctx: Context, cache: CacheInfo, *, env_prefix: str | None = None
         files = groups.get(ns, [])
         env = envs.get(ns)
         if env is None:
-            plan.findings.append(Finding(UNINDEXED_NAMESPACE, ns, ns,
-                                         f"{len(files)} file(s) in a namespace the index does not know: "
-                                         "run `cachectl sync` to adopt it"))
+            plan.findings.append(
+                Finding(
+                    UNINDEXED_NAMESPACE,
+                    ns,
+                    ns,
+                    f"{len(files)} file(s) in a namespace the index does not know: "
+                    "run `cachectl sync` to adopt it",
+                )
+            )
             continue
         plan.namespaces += 1
         if not files:
             if env.entries:
-                plan.findings.append(Finding(MISSING_NAMESPACE, ns, ns,
-                                             f"indexed with {env.entries} entries but no files in storage: "
-                                             "run `cachectl sync`", environment_id=env.id))
+                plan.findings.append(
+                    Finding(
+                        MISSING_NAMESPACE,
+                        ns,
+                        ns,
+                        f"indexed with {env.entries} entries but no files in storage: "
+                        "run `cachectl sync`",
+                        environment_id=env.id,
+                    )
+                )
             continue
         indexed = entry_digests(ctx.index, env.id)
         indexed_aot = executable_digests(ctx.index, env.id)
@@ -271,20 +317,35 @@ def plan_verify(ctx: Context, cache: CacheInfo, *, env_prefix: str | None = None
         # once per file: the loops below all need it (an entry's name in one regex match)
         kinds = {rel: Kind.ENTRY if is_entry(rel) else classify(rel) for rel in names}
         has_lockfile = any(kind is Kind.LOCKFILE for kind in kinds.values())
-        subcaches = sorted({rel.split("/", 1)[0] for rel, kind in kinds.items() if kind is Kind.XLA_SUBCACHE})
+        subcaches = sorted(
+            {rel.split("/", 1)[0] for rel, kind in kinds.items() if kind is Kind.XLA_SUBCACHE}
+        )
         for sub in subcaches:
-            plan.findings.append(Finding(
-                XLA_SUBCACHE, ns, f"{ns}/{sub}",
-                "an XLA sub-cache directory: a writer ran without jax_persistent_cache_enable_xla_caches=none, "
-                "so its keys depend on this path; activate() and warm set none: find that writer, then remove "
-                "the directory", environment_id=env.id))
+            plan.findings.append(
+                Finding(
+                    XLA_SUBCACHE,
+                    ns,
+                    f"{ns}/{sub}",
+                    "an XLA sub-cache directory: a writer ran without jax_persistent_cache_enable_xla_caches=none, "
+                    "so its keys depend on this path; activate() and warm set none: find that writer, then remove "
+                    "the directory",
+                    environment_id=env.id,
+                )
+            )
         if cache.effective_service_writes == "deny":
             for key, created in service_written_entries(ctx.index, env.id):
-                plan.findings.append(Finding(
-                    SERVICE_WRITE, ns, f"{ns}/{key}{CACHE_SUFFIX}",
-                    f"written by a service at {created:%Y-%m-%d %H:%M} UTC, after the last warm, while the cache "
-                    "denies service writes (read-only is advisory: a process that lowers "
-                    "min_compile_time_secs writes anyway)", environment_id=env.id, key=key))
+                plan.findings.append(
+                    Finding(
+                        SERVICE_WRITE,
+                        ns,
+                        f"{ns}/{key}{CACHE_SUFFIX}",
+                        f"written by a service at {created:%Y-%m-%d %H:%M} UTC, after the last warm, while the cache "
+                        "denies service writes (read-only is advisory: a process that lowers "
+                        "min_compile_time_secs writes anyway)",
+                        environment_id=env.id,
+                        key=key,
+                    )
+                )
         entry_keys: set[str] = set()
         aot_keys: set[str] = set()
         # In listing order (the findings are sorted at the end); most files are indexed entries,
@@ -304,83 +365,158 @@ def plan_verify(ctx: Context, cache: CacheInfo, *, env_prefix: str | None = None
                 assert parsed is not None
                 aot_keys.add(parsed.key)
                 if f"{parsed.key}{CACHE_SUFFIX}" not in names:
-                    plan.findings.append(Finding(ORPHAN_AOT, ns, path,
-                                                 "stored executable without its -cache entry (unusable)",
-                                                 act(QUARANTINE), env.id, parsed.key))
+                    plan.findings.append(
+                        Finding(
+                            ORPHAN_AOT,
+                            ns,
+                            path,
+                            "stored executable without its -cache entry (unusable)",
+                            act(QUARANTINE),
+                            env.id,
+                            parsed.key,
+                        )
+                    )
                 elif parsed.key in indexed_aot:
                     size, digest, entry_sha = indexed_aot[parsed.key]
                     aot_checks.append((ns, parsed.key, size, digest, env.id, entry_sha))
                 else:
-                    unknowns.append((ns, path, env.id in warming, act(QUARANTINE), env.id, parsed.key))
+                    unknowns.append(
+                        (ns, path, env.id in warming, act(QUARANTINE), env.id, parsed.key)
+                    )
             elif kind is Kind.ATIME:
                 key = rel[: -len(ATIME_SUFFIX)]
                 if f"{key}{CACHE_SUFFIX}" not in names:
-                    plan.findings.append(Finding(ORPHAN_ATIME, ns, path, "-atime without its -cache",
-                                                 act(DELETE_ATIME), env.id, key))
+                    plan.findings.append(
+                        Finding(
+                            ORPHAN_ATIME,
+                            ns,
+                            path,
+                            "-atime without its -cache",
+                            act(DELETE_ATIME),
+                            env.id,
+                            key,
+                        )
+                    )
             elif kind is Kind.ENV:
                 try:
                     found = read_env_json(store, ns)
                     if found.digest != env.digest:
-                        plan.findings.append(Finding(BAD_ENV, ns, path,
-                                                     f"describes environment {found.digest[:16]}, index says {env.digest[:16]}"))
+                        plan.findings.append(
+                            Finding(
+                                BAD_ENV,
+                                ns,
+                                path,
+                                f"describes environment {found.digest[:16]}, index says {env.digest[:16]}",
+                            )
+                        )
                 except (BadInput, FileNotFoundError) as exc:
                     plan.findings.append(Finding(BAD_ENV, ns, path, str(exc)))
             elif kind is Kind.OTHER:
                 unknowns.append((ns, path, env.id in warming, act(QUARANTINE), env.id, None))
         for key in sorted(set(indexed) - entry_keys):
-            plan.findings.append(Finding(MISSING, ns, f"{ns}/{key}{CACHE_SUFFIX}", "indexed, but no file in storage",
-                                         act(DROP_ROW), env.id, key))
+            plan.findings.append(
+                Finding(
+                    MISSING,
+                    ns,
+                    f"{ns}/{key}{CACHE_SUFFIX}",
+                    "indexed, but no file in storage",
+                    act(DROP_ROW),
+                    env.id,
+                    key,
+                )
+            )
         for key in sorted(set(indexed_aot) - aot_keys):
             if key in entry_keys:  # else the entry's own missing finding drops the whole row
-                plan.findings.append(Finding(MISSING, ns, f"{ns}/{key}{AOT_SUFFIX}",
-                                             "stored executable indexed, but no file in storage",
-                                             act(CLEAR_AOT), env.id, key))
+                plan.findings.append(
+                    Finding(
+                        MISSING,
+                        ns,
+                        f"{ns}/{key}{AOT_SUFFIX}",
+                        "stored executable indexed, but no file in storage",
+                        act(CLEAR_AOT),
+                        env.id,
+                        key,
+                    )
+                )
         if has_lockfile:
-            atime_needed[ns] = [(key, f"{ns}/{key}{CACHE_SUFFIX}") for key in sorted(entry_keys)
-                                if f"{key}{ATIME_SUFFIX}" not in names]
+            atime_needed[ns] = [
+                (key, f"{ns}/{key}{CACHE_SUFFIX}")
+                for key in sorted(entry_keys)
+                if f"{key}{ATIME_SUFFIX}" not in names
+            ]
 
     # --min-age spares a young unknown file from quarantine: only those need a time.
     infos = store.infos([u[1] for u in unknowns if u[3] and not u[2]], within=scope)
     for ns, path, warm, action, env_id, key in unknowns:
         info = infos.get(path)
-        plan.findings.append(_unknown(ns, path, info.mtime if info else None, now, min_age, warm, action,
-                                      env_id, key))
+        plan.findings.append(
+            _unknown(
+                ns, path, info.mtime if info else None, now, min_age, warm, action, env_id, key
+            )
+        )
     bad: set[str] = set()
     workers = workers or read_workers(store, [c[2] for c in checks] + [c[2] for c in aot_checks])
     with store.reader() as read:
+
         def check_aot(c: tuple[str, str, int, str, int, str]) -> Check:
             return _check_executable(read, f"{c[0]}/{c[1]}{AOT_SUFFIX}", c[1], c[2], c[3], c[5])
 
         entry_results = _entry_checks(store, checks, workers)
-        for (ns, key, _size, _sha, env_id, _path), (kind, detail, nread) in zip(checks, entry_results,
-                                                                                 strict=True):
+        for (ns, key, _size, _sha, env_id, _path), (kind, detail, nread) in zip(
+            checks, entry_results, strict=True
+        ):
             if kind is None:  # a good file: counted here, without a call per file
                 plan.bytes_read += nread
                 if lease is not None:
                     lease.check()
                 continue
-            finding = _finding(plan, lease, ns, key, env_id, CACHE_SUFFIX, kind, detail, nread, act(DROP_ROW), act)
+            finding = _finding(
+                plan, lease, ns, key, env_id, CACHE_SUFFIX, kind, detail, nread, act(DROP_ROW), act
+            )
             if finding:
                 bad.add(finding.path)
         plan.entries_checked += len(checks)
         aot_results = ordered_map(check_aot, aot_checks, workers)
-        for (ns, key, _size, _sha, env_id, _esha), (kind, detail, nread) in zip(aot_checks, aot_results, strict=True):
+        for (ns, key, _size, _sha, env_id, _esha), (kind, detail, nread) in zip(
+            aot_checks, aot_results, strict=True
+        ):
             plan.executables_checked += 1
-            _finding(plan, lease, ns, key, env_id, AOT_SUFFIX, kind, detail, nread, act(CLEAR_AOT), act)
+            _finding(
+                plan, lease, ns, key, env_id, AOT_SUFFIX, kind, detail, nread, act(CLEAR_AOT), act
+            )
     unknown = {f.path for f in plan.findings if f.kind == UNKNOWN}
     for ns, items in atime_needed.items():
         for key, path in items:
             if path not in bad and path not in unknown:
-                plan.findings.append(Finding(MISSING_ATIME, ns, f"{ns}/{key}{ATIME_SUFFIX}",
-                                             "-cache without -atime while JAX eviction is on (.lockfile): "
-                                             "JAX's size limit fails on it", act(WRITE_ATIME), envs[ns].id, key))
+                plan.findings.append(
+                    Finding(
+                        MISSING_ATIME,
+                        ns,
+                        f"{ns}/{key}{ATIME_SUFFIX}",
+                        "-cache without -atime while JAX eviction is on (.lockfile): "
+                        "JAX's size limit fails on it",
+                        act(WRITE_ATIME),
+                        envs[ns].id,
+                        key,
+                    )
+                )
     plan.findings.sort(key=lambda f: (f.namespace, f.path, f.kind))
     return plan
 
 
-def _finding(plan: VerifyPlan, lease: Lease | None, ns: str, key: str, env_id: int, suffix: str,
-             kind: str | None, detail: str, nread: int, if_missing: str,
-             act: Callable[[str], str]) -> Finding | None:
+def _finding(
+    plan: VerifyPlan,
+    lease: Lease | None,
+    ns: str,
+    key: str,
+    env_id: int,
+    suffix: str,
+    kind: str | None,
+    detail: str,
+    nread: int,
+    if_missing: str,
+    act: Callable[[str], str],
+) -> Finding | None:
     """Count one checked file into the plan; the finding it adds, if any (a missing file's
     action is ``if_missing``; anything else wrong is quarantined)."""
     plan.bytes_read += nread
@@ -388,27 +524,57 @@ def _finding(plan: VerifyPlan, lease: Lease | None, ns: str, key: str, env_id: i
         lease.check()
     if kind is None:
         return None
-    finding = Finding(kind, ns, f"{ns}/{key}{suffix}", detail, if_missing if kind == MISSING else act(QUARANTINE),
-                      env_id, key)
+    finding = Finding(
+        kind,
+        ns,
+        f"{ns}/{key}{suffix}",
+        detail,
+        if_missing if kind == MISSING else act(QUARANTINE),
+        env_id,
+        key,
+    )
     plan.findings.append(finding)
     return finding
 
 
-def _unknown(ns: str, path: str, mtime: datetime | None, now: datetime, min_age: timedelta, warming: bool,
-             action: str, env_id: int, key: str | None) -> Finding:
+def _unknown(
+    ns: str,
+    path: str,
+    mtime: datetime | None,
+    now: datetime,
+    min_age: timedelta,
+    warming: bool,
+    action: str,
+    env_id: int,
+    key: str | None,
+) -> Finding:
     detail = "not in the index (unknown writer; `cachectl sync` adopts entries services wrote)"
     if warming:
-        return Finding(UNKNOWN, ns, path, detail + "; warm in progress: not quarantined", "", env_id, key)
+        return Finding(
+            UNKNOWN, ns, path, detail + "; warm in progress: not quarantined", "", env_id, key
+        )
     if action and mtime is not None and now - mtime < min_age:
-        return Finding(UNKNOWN, ns, path, detail + f"; younger than --min-age {format_duration(min_age)}: "
-                       "not quarantined", "", env_id, key)
+        return Finding(
+            UNKNOWN,
+            ns,
+            path,
+            detail + f"; younger than --min-age {format_duration(min_age)}: not quarantined",
+            "",
+            env_id,
+            key,
+        )
     return Finding(UNKNOWN, ns, path, detail, action, env_id, key)
 
 
 def _still_bad(ctx: Context, store: Store, f: Finding) -> bool:
     """Re-read an indexed entry right before moving it: a write that finished since the
     check (or a row corrected meanwhile) is not moved away."""
-    if f.kind not in (CORRUPT, MISMATCH) or not f.key or f.environment_id is None or is_executable(f):
+    if (
+        f.kind not in (CORRUPT, MISMATCH)
+        or not f.key
+        or f.environment_id is None
+        or is_executable(f)
+    ):
         return True
     row = ctx.index.get_entry(f.environment_id, f.key)
     if row is None:
@@ -417,8 +583,9 @@ def _still_bad(ctx: Context, store: Store, f: Finding) -> bool:
     return kind is not None
 
 
-def execute_verify(ctx: Context, cache: CacheInfo, plan: VerifyPlan, *, started: float,
-                   store: Store | None = None) -> VerifyResult:
+def execute_verify(
+    ctx: Context, cache: CacheInfo, plan: VerifyPlan, *, started: float, store: Store | None = None
+) -> VerifyResult:
     """Move, delete, write and drop what the findings say; then audit."""
     store = store or ctx.store(cache)
     by_action: dict[str, list[Finding]] = defaultdict(list)
@@ -433,9 +600,23 @@ def execute_verify(ctx: Context, cache: CacheInfo, plan: VerifyPlan, *, started:
     for f in list(to_move):
         # A quarantined entry's executable is unusable without it: it goes along.
         aot_path = f"{f.namespace}/{f.key}{AOT_SUFFIX}"
-        if f.key and not is_executable(f) and f.kind in (CORRUPT, MISMATCH, UNKNOWN) and aot_path not in moving:
-            to_move.append(Finding(f.kind, f.namespace, aot_path, "with its entry", QUARANTINE,
-                                   f.environment_id, f.key))
+        if (
+            f.key
+            and not is_executable(f)
+            and f.kind in (CORRUPT, MISMATCH, UNKNOWN)
+            and aot_path not in moving
+        ):
+            to_move.append(
+                Finding(
+                    f.kind,
+                    f.namespace,
+                    aot_path,
+                    "with its entry",
+                    QUARANTINE,
+                    f.environment_id,
+                    f.key,
+                )
+            )
             moving.add(aot_path)
     if to_move:
         assert plan.quarantine_dir is not None
@@ -456,7 +637,11 @@ def execute_verify(ctx: Context, cache: CacheInfo, plan: VerifyPlan, *, started:
                 else:
                     rows[f.environment_id].append(f.key)
         # A moved entry's -atime would be an orphan: remove it with the entry.
-        store.delete(f"{f.namespace}/{f.key}{ATIME_SUFFIX}" for f in to_move if f.key and not is_executable(f))
+        store.delete(
+            f"{f.namespace}/{f.key}{ATIME_SUFFIX}"
+            for f in to_move
+            if f.key and not is_executable(f)
+        )
     for f in by_action[DROP_ROW]:
         if f.environment_id is not None and f.key:
             rows[f.environment_id].append(f.key)
@@ -474,13 +659,25 @@ def execute_verify(ctx: Context, cache: CacheInfo, plan: VerifyPlan, *, started:
         written += 1
     duration = time.monotonic() - started
     ctx.index.audit(
-        "verify", cache=cache.name, entries=plan.entries_checked, nbytes=plan.bytes_read,
+        "verify",
+        cache=cache.name,
+        entries=plan.entries_checked,
+        nbytes=plan.bytes_read,
         duration_ms=int(duration * 1000),
-        details={"findings": plan.counts, "quarantined": len(moved), "quarantine_dir": plan.quarantine_dir,
-                 "moved": moved[:200], "atimes_deleted": len(orphans), "atimes_written": written,
-                 "rows_dropped": dropped, "executables_cleared": aot_cleared},
+        details={
+            "findings": plan.counts,
+            "quarantined": len(moved),
+            "quarantine_dir": plan.quarantine_dir,
+            "moved": moved[:200],
+            "atimes_deleted": len(orphans),
+            "atimes_written": written,
+            "rows_dropped": dropped,
+            "executables_cleared": aot_cleared,
+        },
     )
-    return VerifyResult(plan, len(moved), len(orphans), written, dropped, False, duration, aot_cleared)
+    return VerifyResult(
+        plan, len(moved), len(orphans), written, dropped, False, duration, aot_cleared
+    )
 
 
 def deep_findings(ctx: Context, cache: CacheInfo, plan: VerifyPlan, store: Store) -> list[Finding]:
@@ -492,16 +689,39 @@ def deep_findings(ctx: Context, cache: CacheInfo, plan: VerifyPlan, store: Store
     except Exception:  # noqa: BLE001 - this machine's environment is not in this cache
         return []
     bad = {f.path for f in plan.findings}
-    paths = [p for p in (f"{info.namespace}/{key}{CACHE_SUFFIX}" for key in sorted(entry_digests(ctx.index, info.id)))
-             if p not in bad]
-    return [Finding(NOT_LOADABLE, info.namespace, p.path, p.detail, environment_id=info.id,
-                    key=p.path.rsplit("/", 1)[-1][: -len(CACHE_SUFFIX)])
-            for p in load_all(store, paths)]
+    paths = [
+        p
+        for p in (
+            f"{info.namespace}/{key}{CACHE_SUFFIX}"
+            for key in sorted(entry_digests(ctx.index, info.id))
+        )
+        if p not in bad
+    ]
+    return [
+        Finding(
+            NOT_LOADABLE,
+            info.namespace,
+            p.path,
+            p.detail,
+            environment_id=info.id,
+            key=p.path.rsplit("/", 1)[-1][: -len(CACHE_SUFFIX)],
+        )
+        for p in load_all(store, paths)
+    ]
 
 
-def verify(ctx: Context, cache: CacheInfo, *, env_prefix: str | None = None, quarantine: bool = False,
-           repair: bool = False, dry_run: bool = False, now: datetime | None = None,
-           min_age: timedelta = RECENT_GRACE, deep: bool = False) -> VerifyResult:
+def verify(
+    ctx: Context,
+    cache: CacheInfo,
+    *,
+    env_prefix: str | None = None,
+    quarantine: bool = False,
+    repair: bool = False,
+    dry_run: bool = False,
+    now: datetime | None = None,
+    min_age: timedelta = RECENT_GRACE,
+    deep: bool = False,
+) -> VerifyResult:
     """Check; with quarantine/repair (and not a dry run) fix, under the cache's lifecycle lease.
 
     ``deep`` also loads every entry of this machine's environment in a subprocess
@@ -510,20 +730,43 @@ def verify(ctx: Context, cache: CacheInfo, *, env_prefix: str | None = None, qua
     store = ctx.store(cache)
     mutating = (quarantine or repair) and not dry_run
     if not mutating:
-        plan = plan_verify(ctx, cache, env_prefix=env_prefix, quarantine=quarantine, repair=repair, now=now,
-                           min_age=min_age, store=store)
+        plan = plan_verify(
+            ctx,
+            cache,
+            env_prefix=env_prefix,
+            quarantine=quarantine,
+            repair=repair,
+            now=now,
+            min_age=min_age,
+            store=store,
+        )
         if deep:
             plan.findings.extend(deep_findings(ctx, cache, plan, store))
         if dry_run:
             return VerifyResult(plan, 0, 0, 0, 0, True, time.monotonic() - started)
         duration = time.monotonic() - started
-        ctx.index.audit("verify", cache=cache.name, entries=plan.entries_checked, nbytes=plan.bytes_read,
-                        duration_ms=int(duration * 1000), details={"findings": plan.counts})
+        ctx.index.audit(
+            "verify",
+            cache=cache.name,
+            entries=plan.entries_checked,
+            nbytes=plan.bytes_read,
+            duration_ms=int(duration * 1000),
+            details={"findings": plan.counts},
+        )
         return VerifyResult(plan, 0, 0, 0, 0, False, duration)
     check_writer(cache, "quarantine or repair")
     with leases.held(ctx.index, cache.name, "verify") as lease:
-        plan = plan_verify(ctx, cache, env_prefix=env_prefix, quarantine=quarantine, repair=repair, now=now,
-                           lease=lease, min_age=min_age, store=store)
+        plan = plan_verify(
+            ctx,
+            cache,
+            env_prefix=env_prefix,
+            quarantine=quarantine,
+            repair=repair,
+            now=now,
+            lease=lease,
+            min_age=min_age,
+            store=store,
+        )
         if deep:
             plan.findings.extend(deep_findings(ctx, cache, plan, store))
         return execute_verify(ctx, cache, plan, started=started, store=store)

@@ -89,4 +89,3 @@ def select_shard(buckets: Sequence[Bucket], i: int, n: int) -> list[Bucket]:
     if n < 1 or not 1 <= i <= n:
         raise BadInput(f"shard {i}/{n}: needs 1 <= I <= N")
     return [b for k, b in enumerate(buckets) if k % n == i - 1]
-

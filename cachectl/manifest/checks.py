@@ -88,8 +88,10 @@ def _function_problems(
             if arg.kind == "value":
                 yield aloc + ("sharding",), "a static value cannot be sharded"
             elif spec.mesh is not None:
-                yield (aloc + ("sharding",),
-                       "single_device is for a function without a mesh; with a mesh, list mesh axes")
+                yield (
+                    aloc + ("sharding",),
+                    "single_device is for a function without a mesh; with a mesh, list mesh axes",
+                )
         elif arg.sharding is not None:
             if arg.kind == "value":
                 yield aloc + ("sharding",), "a static value cannot be sharded"
@@ -105,11 +107,15 @@ def _function_problems(
     for o, out in enumerate(spec.outputs or []):
         for d, dim in enumerate(out.shape if out is not None else []):
             if isinstance(dim, str) and dim not in shape_axes:
-                yield (loc + ("outputs", o, "shape", d),
-                       f"unknown axis {dim!r}: an output names axes used in the arguments' shapes")
+                yield (
+                    loc + ("outputs", o, "shape", d),
+                    f"unknown axis {dim!r}: an output names axes used in the arguments' shapes",
+                )
             elif not isinstance(dim, str) and not (_is_int(dim) and dim >= 0):
-                yield (loc + ("outputs", o, "shape", d),
-                       f"a dimension is a non-negative int or an axis name, got {_describe(dim)}")
+                yield (
+                    loc + ("outputs", o, "shape", d),
+                    f"a dimension is a non-negative int or an axis name, got {_describe(dim)}",
+                )
 
     # Bucket axes.
     for axis, values in axes.items():
@@ -257,4 +263,3 @@ def _divisibility_problems(spec: FunctionSpec, loc: Loc) -> Iterator[tuple[Loc, 
                         ),
                     )
                     break
-

@@ -202,4 +202,3 @@ def _check_signature(spec: FunctionSpec, fn: Any) -> None:
         raise spec._bad(
             ("args",), f"the arguments do not fit {spec.fn}{signature}: {exc}"
         ) from None
-

@@ -64,8 +64,10 @@ def parse_manifest(text: str, name: str = "<manifest>", directory: Path | None =
     try:
         root = loader.get_single_node()
         if root is not None and _expanded_size(root, MAX_MANIFEST_NODES) > MAX_MANIFEST_NODES:
-            raise BadInput(f"{name}: the YAML expands to more than {MAX_MANIFEST_NODES} nodes through "
-                           "aliases (an alias bomb?): refused")
+            raise BadInput(
+                f"{name}: the YAML expands to more than {MAX_MANIFEST_NODES} nodes through "
+                "aliases (an alias bomb?): refused"
+            )
         data = loader.construct_document(root) if root is not None else None
         lines = _line_map(loader, root) if root is not None else {}
     except yaml.MarkedYAMLError as exc:
@@ -116,9 +118,11 @@ def _check_bucket_count(manifest: Manifest, source: _Source, limit: int) -> None
             product *= max(len(values), 1)
         total += product
         if total > limit:
-            raise BadInput(source.message(("functions", index, "buckets"),
-                                          f"the manifest's axes multiply out to {total} buckets or more, "
-                                          f"above the limit of {limit}: split the manifest, shrink the axes "
-                                          "or raise --max-buckets"))
-
-
+            raise BadInput(
+                source.message(
+                    ("functions", index, "buckets"),
+                    f"the manifest's axes multiply out to {total} buckets or more, "
+                    f"above the limit of {limit}: split the manifest, shrink the axes "
+                    "or raise --max-buckets",
+                )
+            )

@@ -144,8 +144,11 @@ def _build_pytree(
     if arg.sharding == "single_device":
         device = _single_device()
         return jax.tree_util.tree_map(
-            lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=device,
-                                              weak_type=leaf.weak_type), tree)
+            lambda leaf: jax.ShapeDtypeStruct(
+                leaf.shape, leaf.dtype, sharding=device, weak_type=leaf.weak_type
+            ),
+            tree,
+        )
     if mesh is None:
         return tree
     forced = (

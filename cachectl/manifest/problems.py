@@ -23,8 +23,11 @@ def _raise_problems(source: _Source, problems: list[tuple[Loc, str]]) -> None:
     One run shows everything to fix, not one at a time. Document order; a missing
     field goes last: it is usually the consequence of a misspelled one.
     """
-    suggested = {loc[:-1] + (name,) for loc, problem in problems
-                 for name in re.findall(r"did you mean '([^']+)'", problem)}
+    suggested = {
+        loc[:-1] + (name,)
+        for loc, problem in problems
+        for name in re.findall(r"did you mean '([^']+)'", problem)
+    }
     # "functons: unknown field (did you mean 'functions'?)" already says why functions is missing.
     problems = [(loc, p) for loc, p in problems if not (p == _MISSING and loc in suggested)]
     problems = sorted(problems, key=lambda p: (p[1] == _MISSING, source.line(p[0])))
@@ -104,4 +107,3 @@ def _unwrap_optional(tp: Any) -> Any:
         if len(args) == 1:
             return args[0]
     return tp
-

@@ -258,4 +258,3 @@ def jit_options(spec: FunctionSpec) -> dict[str, Any]:
     if jit.compiler_options:
         options["compiler_options"] = dict(jit.compiler_options)
     return options
-

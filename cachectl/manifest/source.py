@@ -39,6 +39,7 @@ class _Loader(yaml.SafeLoader):
 
 # A manifest is a few hundred YAML nodes; one that expands (through aliases) to more than
 
+
 def _expanded_size(root: yaml.Node, limit: int) -> int:
     """How many nodes the document has once every alias is expanded, stopping past ``limit``.
     Each distinct node is sized once (memoized), so this is linear in the text."""
@@ -130,4 +131,3 @@ def _describe(value: Any) -> str:
     text = repr(value)
     text = text if len(text) <= 40 else text[:37] + "..."
     return "nothing" if value is None else f"{type(value).__name__} {text}"
-

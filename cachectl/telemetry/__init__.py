@@ -77,8 +77,9 @@ def current() -> Collector | None:
     return _current
 
 
-def start(*, cache: str, environment: Any, sink: TelemetrySink | None,
-          interval_s: float | None = None) -> Collector:
+def start(
+    *, cache: str, environment: Any, sink: TelemetrySink | None, interval_s: float | None = None
+) -> Collector:
     """Install the process-wide collector (once); a later call retargets it."""
     global _current
     if interval_s is None:
@@ -90,8 +91,9 @@ def start(*, cache: str, environment: Any, sink: TelemetrySink | None,
         if _current is not None:
             _current.flush()
             _current.uninstall(flush=False)
-        collector = Collector(cache=cache, environment_digest=environment.digest, sink=sink,
-                              interval_s=interval_s)
+        collector = Collector(
+            cache=cache, environment_digest=environment.digest, sink=sink, interval_s=interval_s
+        )
         collector.install()
         _current = collector
         return collector

@@ -48,10 +48,18 @@ EXIT_FLUSH_TIMEOUT_S = 5.0
 class Collector:
     """Counts cache use in this process and flushes it to a sink in the background."""
 
-    def __init__(self, *, cache: str, environment_digest: str, sink: TelemetrySink | None,
-                 interval_s: float = DEFAULT_INTERVAL_S, max_functions: int = DEFAULT_MAX_FUNCTIONS,
-                 max_keys: int = DEFAULT_MAX_KEYS, clock: Callable[[], float] | None = None,
-                 max_signatures: int = DEFAULT_MAX_SIGNATURES) -> None:
+    def __init__(
+        self,
+        *,
+        cache: str,
+        environment_digest: str,
+        sink: TelemetrySink | None,
+        interval_s: float = DEFAULT_INTERVAL_S,
+        max_functions: int = DEFAULT_MAX_FUNCTIONS,
+        max_keys: int = DEFAULT_MAX_KEYS,
+        clock: Callable[[], float] | None = None,
+        max_signatures: int = DEFAULT_MAX_SIGNATURES,
+    ) -> None:
         self.cache = cache
         self.environment_digest = environment_digest
         self.sink = sink
@@ -126,7 +134,13 @@ class Collector:
         # Only references here (avals and shardings are immutable); take() turns them into text.
         with contextlib.suppress(Exception):  # telemetry never breaks a compile
             source, statics = jax_seam.call_context(3)
-            self._thread_state()[2] = (str(module), tuple(in_avals), tuple(in_shardings), source, statics)
+            self._thread_state()[2] = (
+                str(module),
+                tuple(in_avals),
+                tuple(in_shardings),
+                source,
+                statics,
+            )
 
     def _record_signature(self, state: list[Any], hit: bool, module: str, key: str) -> None:
         """Under self._lock: count this request against the signature its lowering logged."""
@@ -145,8 +159,9 @@ class Collector:
             if len(self._signatures) >= self.max_signatures:
                 self._sig_dropped += 1
                 return
-            counts = self._signatures[ident] = SignatureCounts((), key, first_seen=now, source=pending[3],
-                                                               statics=pending[4], raw=ident[1:3])
+            counts = self._signatures[ident] = SignatureCounts(
+                (), key, first_seen=now, source=pending[3], statics=pending[4], raw=ident[1:3]
+            )
         counts.requests += 1
         counts.last_seen = now
         if hit:
@@ -302,8 +317,10 @@ class Collector:
             return
         from jax import monitoring as _monitoring
 
-        for remove, fn in ((_monitoring.unregister_event_listener, self._on_event),
-                           (_monitoring.unregister_event_duration_listener, self._on_duration)):
+        for remove, fn in (
+            (_monitoring.unregister_event_listener, self._on_event),
+            (_monitoring.unregister_event_duration_listener, self._on_duration),
+        ):
             with contextlib.suppress(AssertionError, ValueError):
                 remove(fn)
         if self._tap is not None:
@@ -346,7 +363,12 @@ class Collector:
     def take(self) -> TelemetryBatch:
         """Swap the buffer out (the compile path only ever waits for this swap)."""
         with self._lock:
-            started, functions, keys, dropped = self._started, self._functions, self._keys, self._dropped
+            started, functions, keys, dropped = (
+                self._started,
+                self._functions,
+                self._keys,
+                self._dropped,
+            )
             signatures, sig_dropped = self._signatures, self._sig_dropped
             for state in self._threads.values():  # counts now belong to the batch taken
                 state[3] = None
@@ -365,7 +387,9 @@ class Collector:
         for ident, c in signatures.items():
             with contextlib.suppress(Exception):
                 if c.raw is not None:
-                    c.leaves = ident[1] if not ident[2] and c.raw[1] == () else jax_seam.leaves_of(*c.raw)
+                    c.leaves = (
+                        ident[1] if not ident[2] and c.raw[1] == () else jax_seam.leaves_of(*c.raw)
+                    )
                     c.raw = None
                 key = (ident[0], c.leaves, ident[3], ident[4])
                 if key in named:  # the same text from two sharding objects
@@ -376,10 +400,17 @@ class Collector:
         signatures = named
 
         return TelemetryBatch(
-            process=self._process, cache=self.cache, environment_digest=self.environment_digest,
-            started_at=utc(started), ended_at=utc(ended), functions=functions,
-            hit_keys={k: (int(v[0]), utc(v[1])) for k, v in keys.items()}, dropped=dropped,
-            serving=serving, signatures=signatures, signatures_dropped=sig_dropped,
+            process=self._process,
+            cache=self.cache,
+            environment_digest=self.environment_digest,
+            started_at=utc(started),
+            ended_at=utc(ended),
+            functions=functions,
+            hit_keys={k: (int(v[0]), utc(v[1])) for k, v in keys.items()},
+            dropped=dropped,
+            serving=serving,
+            signatures=signatures,
+            signatures_dropped=sig_dropped,
         )
 
     def _give_back_dropped(self, batch: TelemetryBatch) -> None:
@@ -405,8 +436,12 @@ class Collector:
                 self._give_back_dropped(batch)
                 level = logging.DEBUG if self._warned else logging.INFO
                 self._warned = True
-                log.log(level, "cachectl telemetry: flush to %s failed (%s); counts dropped",
-                        type(self.sink).__name__, self._last_error)
+                log.log(
+                    level,
+                    "cachectl telemetry: flush to %s failed (%s); counts dropped",
+                    type(self.sink).__name__,
+                    self._last_error,
+                )
                 return False
             self._flushes += 1
             return True
@@ -414,8 +449,13 @@ class Collector:
     def stats(self) -> CollectorStats:
         with self._lock:
             return CollectorStats(
-                requests=self._requests, hits=self._hits, writes=self._writes,
-                saved_seconds=self._saved, dropped=self._dropped_total, flushes=self._flushes,
-                failed_flushes=self._failed, sink=self.sink.describe() if self.sink else None,
+                requests=self._requests,
+                hits=self._hits,
+                writes=self._writes,
+                saved_seconds=self._saved,
+                dropped=self._dropped_total,
+                flushes=self._flushes,
+                failed_flushes=self._failed,
+                sink=self.sink.describe() if self.sink else None,
                 last_error=self._last_error,
             )

@@ -63,7 +63,9 @@ class SignatureCounts:
     first_seen: float = 0.0
     last_seen: float = 0.0
     source: str | None = None  # "f at model.py:12", where JAX knows it
-    statics: tuple[tuple[Any, str], ...] | None = None  # ((argnum or argname, repr), ...) of a jit call
+    statics: tuple[tuple[Any, str], ...] | None = (
+        None  # ((argnum or argname, repr), ...) of a jit call
+    )
     raw: Any = field(default=None, repr=False)  # (avals, shardings) as JAX gave them, until take()
 
 
@@ -106,8 +108,14 @@ class TelemetryBatch:
 
     @property
     def empty(self) -> bool:
-        return (not self.functions and not self.hit_keys and not self.dropped and not self.serving
-                and not self.signatures and not self.signatures_dropped)
+        return (
+            not self.functions
+            and not self.hit_keys
+            and not self.dropped
+            and not self.serving
+            and not self.signatures
+            and not self.signatures_dropped
+        )
 
     def totals(self) -> FunctionCounts:
         out = FunctionCounts()
@@ -127,9 +135,12 @@ MAX_SERVING_SIZES = 1024
 
 def check_batch(batch: TelemetryBatch) -> None:
     """BadInput unless every counter of ``batch`` is one a process can report in one flush."""
+
     def count(name: str, value: int) -> None:
         if not isinstance(value, int) or not 0 <= value <= MAX_FLUSH_COUNT:
-            raise BadInput(f"telemetry {name} {value!r} is outside 0..{MAX_FLUSH_COUNT} for one flush")
+            raise BadInput(
+                f"telemetry {name} {value!r} is outside 0..{MAX_FLUSH_COUNT} for one flush"
+            )
 
     for fn, c in batch.functions.items():
         for name in ("requests", "hits", "writes", "uncacheable"):
@@ -137,7 +148,9 @@ def check_batch(batch: TelemetryBatch) -> None:
         for name in ("saved_seconds", "retrieval_seconds"):
             value = float(getattr(c, name))
             if not -MAX_FLUSH_SECONDS <= value <= MAX_FLUSH_SECONDS:
-                raise BadInput(f"telemetry {name} of {fn!r} {value!r} is outside +-{MAX_FLUSH_SECONDS:g}")
+                raise BadInput(
+                    f"telemetry {name} of {fn!r} {value!r} is outside +-{MAX_FLUSH_SECONDS:g}"
+                )
     for key, (n, _at) in batch.hit_keys.items():
         count(f"hits of key {key[:80]!r}", n)
     count("dropped", batch.dropped)
@@ -148,9 +161,13 @@ def check_batch(batch: TelemetryBatch) -> None:
     for fn, sc in batch.serving.items():
         for name in ("calls", "aot", "fallback", "out_of_bucket", "padded"):
             count(f"served {name} of {fn!r}", getattr(sc, name))
-        if len(sc.sizes) > MAX_SERVING_AXES or any(len(v) > MAX_SERVING_SIZES for v in sc.sizes.values()):
-            raise BadInput(f"telemetry sizes of {fn!r}: at most {MAX_SERVING_AXES} axes of "
-                           f"{MAX_SERVING_SIZES} sizes per flush")
+        if len(sc.sizes) > MAX_SERVING_AXES or any(
+            len(v) > MAX_SERVING_SIZES for v in sc.sizes.values()
+        ):
+            raise BadInput(
+                f"telemetry sizes of {fn!r}: at most {MAX_SERVING_AXES} axes of "
+                f"{MAX_SERVING_SIZES} sizes per flush"
+            )
         for axis, sizes in sc.sizes.items():
             for size, n in sizes.items():
                 count(f"size {axis}={size!r} of {fn!r}", n)

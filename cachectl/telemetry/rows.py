@@ -20,13 +20,16 @@ OVERFLOW_DIGEST = "*"
 SIGNATURE_COUNTERS = ("requests", "hits", "misses", "uncacheable", "repeats")
 
 
-def signature_digest(module: str, leaves: list, key: str | None, statics: list | None = None) -> str:
+def signature_digest(
+    module: str, leaves: list, key: str | None, statics: list | None = None
+) -> str:
     canon = json.dumps([module, leaves, key, statics], separators=(",", ":"), default=str)
     return hashlib.sha256(canon.encode()).hexdigest()
 
 
-def flush_rows(env_id: int, batch: TelemetryBatch, now: datetime
-               ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+def flush_rows(
+    env_id: int, batch: TelemetryBatch, now: datetime
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """The ``telemetry`` and ``serving_telemetry`` rows of one flush (BadInput for impossible counts).
 
     When the flush ended is the process's claim: a row dated in the future would outlive every
@@ -34,9 +37,19 @@ def flush_rows(env_id: int, batch: TelemetryBatch, now: datetime
     check_batch(batch)
     at = min(batch.ended_at, now)
     rows = [
-        {"environment_id": env_id, "at": at, "process": batch.process, "function": fn,
-         "requests": c.requests, "hits": c.hits, "misses": c.misses, "writes": c.writes,
-         "saved_seconds": float(c.saved_seconds), "dropped": 0, "uncacheable": c.uncacheable}
+        {
+            "environment_id": env_id,
+            "at": at,
+            "process": batch.process,
+            "function": fn,
+            "requests": c.requests,
+            "hits": c.hits,
+            "misses": c.misses,
+            "writes": c.writes,
+            "saved_seconds": float(c.saved_seconds),
+            "dropped": 0,
+            "uncacheable": c.uncacheable,
+        }
         for fn, c in batch.functions.items()
         if c.requests or c.hits or c.writes
     ]
@@ -44,14 +57,36 @@ def flush_rows(env_id: int, batch: TelemetryBatch, now: datetime
         if rows:
             rows[0]["dropped"] = batch.dropped
         else:
-            rows.append({"environment_id": env_id, "at": at, "process": batch.process, "function": None,
-                         "requests": 0, "hits": 0, "misses": 0, "writes": 0, "saved_seconds": 0.0,
-                         "dropped": batch.dropped, "uncacheable": 0})
+            rows.append(
+                {
+                    "environment_id": env_id,
+                    "at": at,
+                    "process": batch.process,
+                    "function": None,
+                    "requests": 0,
+                    "hits": 0,
+                    "misses": 0,
+                    "writes": 0,
+                    "saved_seconds": 0.0,
+                    "dropped": batch.dropped,
+                    "uncacheable": 0,
+                }
+            )
     serving = [
-        {"environment_id": env_id, "at": at, "process": batch.process, "function": fn,
-         "calls": c.calls, "aot": c.aot, "fallback": c.fallback, "out_of_bucket": c.out_of_bucket,
-         "padded": c.padded,
-         "sizes": {axis: {str(size): n for size, n in sizes.items()} for axis, sizes in c.sizes.items()}}
+        {
+            "environment_id": env_id,
+            "at": at,
+            "process": batch.process,
+            "function": fn,
+            "calls": c.calls,
+            "aot": c.aot,
+            "fallback": c.fallback,
+            "out_of_bucket": c.out_of_bucket,
+            "padded": c.padded,
+            "sizes": {
+                axis: {str(size): n for size, n in sizes.items()} for axis, sizes in c.sizes.items()
+            },
+        }
         for fn, c in batch.serving.items()
     ]
     return rows, serving
@@ -69,6 +104,7 @@ def hit_times(batch: TelemetryBatch, now: datetime) -> dict[str, tuple[int, date
 
 def merged_signatures(batch: TelemetryBatch) -> dict[tuple[str, str], dict[str, Any]]:
     """One flush's signatures keyed by (function, digest), the dropped ones in digest '*'."""
+
     def utc(ts: float) -> datetime:
         return datetime.fromtimestamp(ts, tz=UTC)
 
@@ -77,28 +113,47 @@ def merged_signatures(batch: TelemetryBatch) -> dict[tuple[str, str], dict[str, 
         leaves = [[list(shape), dtype, weak, sharding] for shape, dtype, weak, sharding in c.leaves]
         statics = None if c.statics is None else [[k, v] for k, v in c.statics]
         digest = signature_digest(module, leaves, c.key, statics)
-        merged[(module, digest)] = {"key": c.key, "leaves": leaves, "source": c.source, "statics": statics,
-                                    "requests": c.requests, "hits": c.hits,
-                                    "misses": c.misses, "uncacheable": c.uncacheable, "repeats": c.repeats,
-                                    "first_seen": utc(c.first_seen or batch.ended_at.timestamp()),
-                                    "last_seen": utc(c.last_seen or batch.ended_at.timestamp())}
+        merged[(module, digest)] = {
+            "key": c.key,
+            "leaves": leaves,
+            "source": c.source,
+            "statics": statics,
+            "requests": c.requests,
+            "hits": c.hits,
+            "misses": c.misses,
+            "uncacheable": c.uncacheable,
+            "repeats": c.repeats,
+            "first_seen": utc(c.first_seen or batch.ended_at.timestamp()),
+            "last_seen": utc(c.last_seen or batch.ended_at.timestamp()),
+        }
     if batch.signatures_dropped:
-        merged[("", OVERFLOW_DIGEST)] = {"key": None, "leaves": [], "source": None, "statics": None,
-                                         "requests": batch.signatures_dropped,
-                                         "hits": 0, "misses": batch.signatures_dropped, "uncacheable": 0,
-                                         "repeats": 0, "first_seen": batch.started_at,
-                                         "last_seen": batch.ended_at}
+        merged[("", OVERFLOW_DIGEST)] = {
+            "key": None,
+            "leaves": [],
+            "source": None,
+            "statics": None,
+            "requests": batch.signatures_dropped,
+            "hits": 0,
+            "misses": batch.signatures_dropped,
+            "uncacheable": 0,
+            "repeats": 0,
+            "first_seen": batch.started_at,
+            "last_seen": batch.ended_at,
+        }
     return merged
 
 
-def by_function(merged: dict[tuple[str, str], dict[str, Any]]) -> Iterable[tuple[str, dict[str, dict[str, Any]]]]:
+def by_function(
+    merged: dict[tuple[str, str], dict[str, Any]],
+) -> Iterable[tuple[str, dict[str, dict[str, Any]]]]:
     """The merged signatures of each function, functions in order (writers lock rows in one order)."""
     for module in sorted({m for m, _ in merged}):
         yield module, {d: v for (m, d), v in merged.items() if m == module}
 
 
-def placed_signatures(mine: dict[str, dict[str, Any]], existing: Iterable[str], total: int
-                      ) -> list[tuple[str, dict[str, Any], bool]]:
+def placed_signatures(
+    mine: dict[str, dict[str, Any]], existing: Iterable[str], total: int
+) -> list[tuple[str, dict[str, Any], bool]]:
     """(digest, values, insert?) for each signature of one function, in order.
 
     ``existing``: the digests of this function's rows among ``mine`` and '*'; ``total``: how many

@@ -29,7 +29,9 @@ class IndexSink:
     failure, so an index that comes back later gets the counts again.
     """
 
-    def __init__(self, db_url: str, cache: str, environment: Any, *, create_cache_at: str | None = None) -> None:
+    def __init__(
+        self, db_url: str, cache: str, environment: Any, *, create_cache_at: str | None = None
+    ) -> None:
         self.db_url = db_url
         self.cache = cache
         self.environment = environment
@@ -43,6 +45,7 @@ class IndexSink:
 
     def _open(self) -> tuple[Any, int]:
         if self._index is None or self._env_id is None:
+
             def record(index: Any) -> int:
                 if self.create_cache_at:
                     index.ensure_cache(self.cache, self.create_cache_at)

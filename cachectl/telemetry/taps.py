@@ -101,7 +101,9 @@ class _SignatureTap(_Tap):
         is_lowering = jax_seam.is_lowering
 
         def really_enabled(level: int) -> bool:
-            return prev_enabled(level) if prev_enabled is not None else cls.isEnabledFor(logger, level)
+            return (
+                prev_enabled(level) if prev_enabled is not None else cls.isEnabledFor(logger, level)
+            )
 
         def is_enabled(level: int) -> bool:
             return level == logging.DEBUG or really_enabled(level)

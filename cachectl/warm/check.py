@@ -27,9 +27,15 @@ from cachectl.warm.reports import FAILED, HIT, MISS, CheckBucket, CheckReport
 # --------------------------------------------------------------------------- coverage check
 
 
-def check(ctx: Context, manifest_path: str | Path, *, cache: str | None = None,
-          shard: tuple[int, int] | None = None, paths: Sequence[str] = (),
-          timeout: float | None = None) -> CheckReport:
+def check(
+    ctx: Context,
+    manifest_path: str | Path,
+    *,
+    cache: str | None = None,
+    shard: tuple[int, int] | None = None,
+    paths: Sequence[str] = (),
+    timeout: float | None = None,
+) -> CheckReport:
     """Load every bucket in a fresh, read-only activated process: hit or miss, and coverage.
 
     A fresh process is the only honest test: this one may hold executables in
@@ -39,27 +45,44 @@ def check(ctx: Context, manifest_path: str | Path, *, cache: str | None = None,
     if plan.target_problems:
         raise _mismatch(plan)
     request = {
-        "manifest": str(Path(plan.manifest_path).resolve()), "paths": [str(Path(p).resolve()) for p in paths],
-        "shard": list(shard) if shard else None, "cache": plan.cache.name, "db": ctx.settings.db,
+        "manifest": str(Path(plan.manifest_path).resolve()),
+        "paths": [str(Path(p).resolve()) for p in paths],
+        "shard": list(shard) if shard else None,
+        "cache": plan.cache.name,
+        "db": ctx.settings.db,
     }
     with tempfile.TemporaryDirectory(prefix="cachectl-check-") as tmp:
         out = Path(tmp) / "result.json"
         request["out"] = str(out)
         proc = subprocess.run(
             [sys.executable, "-c", "from cachectl.warm import _check_main; _check_main()"],
-            input=json.dumps(request), text=True, capture_output=True, timeout=timeout,
-            cwd=os.getcwd(), env=dict(os.environ),
+            input=json.dumps(request),
+            text=True,
+            capture_output=True,
+            timeout=timeout,
+            cwd=os.getcwd(),
+            env=dict(os.environ),
         )
         if not out.exists():
             tail = (proc.stderr or proc.stdout or "").strip().splitlines()[-5:]
-            raise OperationFailed(f"the coverage check process failed (exit {proc.returncode}): "
-                                  + " | ".join(tail))
+            raise OperationFailed(
+                f"the coverage check process failed (exit {proc.returncode}): " + " | ".join(tail)
+            )
         data = json.loads(out.read_text())
     if "error" in data:
-        raise BadInput(data["error"]) if data.get("exit_code") == 2 else OperationFailed(data["error"])
+        raise (
+            BadInput(data["error"])
+            if data.get("exit_code") == 2
+            else OperationFailed(data["error"])
+        )
     buckets = [CheckBucket(**b) for b in data["buckets"]]
-    return CheckReport(_environment_json(plan.environment), data["namespace"], plan.cache.name, buckets,
-                       warning=data.get("warning"))
+    return CheckReport(
+        _environment_json(plan.environment),
+        data["namespace"],
+        plan.cache.name,
+        buckets,
+        warning=data.get("warning"),
+    )
 
 
 def _check_main() -> None:
@@ -82,7 +105,9 @@ def _check_in_this_process(request: dict[str, Any]) -> dict[str, Any]:
     buckets = expand(manifest)
     if request.get("shard"):
         buckets = select_shard(buckets, *request["shard"])
-    activation = cachectl.activate(request["cache"], db=request["db"], readonly=True, telemetry=False)
+    activation = cachectl.activate(
+        request["cache"], db=request["db"], readonly=True, telemetry=False
+    )
     if not activation.active:
         raise OperationFailed(activation.warning or "activate() did not activate the cache")
     jitted, calls = _build_calls(manifest, buckets, paths)
@@ -100,24 +125,42 @@ def _check_in_this_process(request: dict[str, Any]) -> dict[str, Any]:
             continue
         status = HIT if outcome.lookup == "hit" else MISS
         error = None if outcome.lookup else "JAX did not consult the persistent cache"
-        results.append({**base, "status": status, "key": outcome.key, "seconds": outcome.seconds,
-                        "error": error})
+        results.append(
+            {
+                **base,
+                "status": status,
+                "key": outcome.key,
+                "seconds": outcome.seconds,
+                "error": error,
+            }
+        )
     loaded = _executables_in_this_process(manifest, activation, request["db"], paths)
     for result in results:
-        result["aot"] = loaded.get((result["function"], json.dumps(result["bucket"], sort_keys=True)),
-                                   "not checked")
+        result["aot"] = loaded.get(
+            (result["function"], json.dumps(result["bucket"], sort_keys=True)), "not checked"
+        )
         if result["aot"] is None:
             result["aot"] = "loaded"
     return {"namespace": activation.path, "warning": activation.warning, "buckets": results}
 
 
-def _executables_in_this_process(manifest: Manifest, activation: Any, db: str | None,
-                                 paths: Sequence[str]) -> dict[tuple[str, str], str | None]:
+def _executables_in_this_process(
+    manifest: Manifest, activation: Any, db: str | None, paths: Sequence[str]
+) -> dict[tuple[str, str], str | None]:
     """Load every bucket's stored executable as cachectl.serving would (same checks)."""
     warnings: list[str] = []
     read, names, indexed = _namespace_reader(activation, db, warnings)
-    rt = Serving(manifest, namespace=activation.path, read=read, names=names, indexed=indexed,
-                 paths=paths, overflow="error", preload=True, workers=None, on_load=None,
-                 warnings=[])
+    rt = Serving(
+        manifest,
+        namespace=activation.path,
+        read=read,
+        names=names,
+        indexed=indexed,
+        paths=paths,
+        overflow="error",
+        preload=True,
+        workers=None,
+        on_load=None,
+        warnings=[],
+    )
     return rt.executables()
-

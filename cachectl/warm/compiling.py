@@ -57,8 +57,9 @@ def _lower(jitted: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[
     return lowered, time.perf_counter() - started
 
 
-def _compile_once(jitted: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
-                  ) -> tuple[list[_Event], float, Any]:
+def _compile_once(
+    jitted: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[list[_Event], float, Any]:
     return _compile_lowered(_lower(jitted, args, kwargs)[0])
 
 
@@ -77,8 +78,14 @@ def _payload(compiled: Any) -> tuple[bytes | None, str | None]:
         return None, str(exc)
 
 
-def compile_bucket(jitted: Any, args: tuple[Any, ...], kwargs: dict[str, Any], *,
-                   executables: bool = False, present: Callable[[str], bool] | None = None) -> _Outcome:
+def compile_bucket(
+    jitted: Any,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    *,
+    executables: bool = False,
+    present: Callable[[str], bool] | None = None,
+) -> _Outcome:
     """Lower and compile one bucket, and say what the persistent cache did.
 
     With ``present``, the lowered program's key is computed first (jax_seam.persistent_cache_key: a wrong key can only miss a file);
@@ -95,8 +102,14 @@ def compile_bucket(jitted: Any, args: tuple[Any, ...], kwargs: dict[str, Any], *
             started = time.perf_counter()
             key = jax_seam.persistent_cache_key(lowered)
             if key is not None and present(key):
-                return _Outcome("hit", key, False, time.perf_counter() - started,
-                                lower_seconds=lower_seconds, stored=True)
+                return _Outcome(
+                    "hit",
+                    key,
+                    False,
+                    time.perf_counter() - started,
+                    lower_seconds=lower_seconds,
+                    stored=True,
+                )
         events, seconds, compiled = _compile_lowered(lowered)
         if not any(e.kind in ("hit", "miss") for e in events):
             _clear_in_memory_executables()
@@ -185,5 +198,3 @@ def _persistent_cache_off() -> Iterator[None]:
     finally:
         jax.config.update("jax_enable_compilation_cache", saved)
         jax_seam.reset_persistent_cache()
-
-

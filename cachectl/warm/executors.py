@@ -17,8 +17,15 @@ from cachectl.warm.reports import FAILED, TOO_LARGE, BucketResult
 
 RecordFn = Callable[[int, Bucket, "_Outcome | None", "str | None"], BucketResult]
 
-def _drive(submit: Callable[[int], Future[Any]] | None, run: Callable[[int], Any] | None,
-           buckets: Sequence[Bucket], errors: dict[int, str], fail_fast: bool, record: RecordFn) -> None:
+
+def _drive(
+    submit: Callable[[int], Future[Any]] | None,
+    run: Callable[[int], Any] | None,
+    buckets: Sequence[Bucket],
+    errors: dict[int, str],
+    fail_fast: bool,
+    record: RecordFn,
+) -> None:
     """Compile every bucket and record each result as it finishes.
 
     With ``submit`` buckets go to a pool; with ``run`` they compile one by one in
@@ -69,17 +76,28 @@ def _drive(submit: Callable[[int], Future[Any]] | None, run: Callable[[int], Any
                 fail_fast = False  # running buckets still finish and are recorded
 
 
-def _run_threads(plan: WarmPlan, config: dict[str, Any], jobs: int, fail_fast: bool,
-                 record: RecordFn, executables: bool = False,
-                 present: Callable[[str], bool] | None = None) -> None:
+def _run_threads(
+    plan: WarmPlan,
+    config: dict[str, Any],
+    jobs: int,
+    fail_fast: bool,
+    record: RecordFn,
+    executables: bool = False,
+    present: Callable[[str], bool] | None = None,
+) -> None:
     """In this process: one by one (``jobs`` 1) or in a pool; ``present`` skips stored buckets."""
     jitted, calls = _build_calls(plan.manifest, plan.buckets, plan.search_paths)
     errors = {p: c for p, c in calls.items() if isinstance(c, str)}
 
     def task(position: int) -> _Outcome:
         args, kwargs = calls[position]  # type: ignore[misc]
-        return compile_bucket(jitted[plan.buckets[position].function], args, kwargs,
-                              executables=executables, present=present)
+        return compile_bucket(
+            jitted[plan.buckets[position].function],
+            args,
+            kwargs,
+            executables=executables,
+            present=present,
+        )
 
     with jax_configured(config), _CAPTURE.installed():
         if jobs == 1:
@@ -94,8 +112,13 @@ def _run_threads(plan: WarmPlan, config: dict[str, Any], jobs: int, fail_fast: b
 _WORKER: dict[str, Any] = {}
 
 
-def _worker_init(manifest_path: str, paths: Sequence[str], indices: Sequence[int],
-                 config: dict[str, Any], executables: bool = False) -> None:
+def _worker_init(
+    manifest_path: str,
+    paths: Sequence[str],
+    indices: Sequence[int],
+    config: dict[str, Any],
+    executables: bool = False,
+) -> None:
     """A spawned worker: import the functions, build every call, then configure JAX like the parent.
 
     Calls are built before the cache is configured, as in the parent, so programs
@@ -117,8 +140,11 @@ def _worker_task(position: int) -> dict[str, Any]:
     if isinstance(call, str):
         return {"error": call}
     try:
-        outcome = compile_bucket(_WORKER["jitted"][_WORKER["buckets"][position].function], *call,
-                                 executables=_WORKER["executables"])
+        outcome = compile_bucket(
+            _WORKER["jitted"][_WORKER["buckets"][position].function],
+            *call,
+            executables=_WORKER["executables"],
+        )
     except Exception as exc:  # noqa: BLE001 - reported as this bucket's error
         return {"error": _error_text(exc)}
     return dataclasses.asdict(outcome)
@@ -130,17 +156,29 @@ def _outcome_from(data: dict[str, Any]) -> tuple[_Outcome | None, str | None]:
     return _Outcome(**data), None
 
 
-def _run_processes(plan: WarmPlan, config: dict[str, Any], jobs: int, fail_fast: bool,
-                   record: RecordFn, executables: bool = False) -> None:
+def _run_processes(
+    plan: WarmPlan,
+    config: dict[str, Any],
+    jobs: int,
+    fail_fast: bool,
+    record: RecordFn,
+    executables: bool = False,
+) -> None:
     """One spawned JAX process per job (fork is unsafe once JAX has started threads)."""
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
     context = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(max_workers=min(jobs, max(1, len(plan.buckets))), mp_context=context,
-                             initializer=_worker_init,
-                             initargs=(plan.manifest_path, plan.search_paths,
-                                       [b.index for b in plan.buckets], config, executables)) as pool:
+    with ProcessPoolExecutor(
+        max_workers=min(jobs, max(1, len(plan.buckets))),
+        mp_context=context,
+        initializer=_worker_init,
+        initargs=(
+            plan.manifest_path,
+            plan.search_paths,
+            [b.index for b in plan.buckets],
+            config,
+            executables,
+        ),
+    ) as pool:
         _drive(lambda p: pool.submit(_worker_task, p), None, plan.buckets, {}, fail_fast, record)
-
-

@@ -92,4 +92,3 @@ def _classify(record: logging.LogRecord) -> _Event | None:
 
 
 _CAPTURE = _KeyCapture()
-

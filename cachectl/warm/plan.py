@@ -51,14 +51,22 @@ def _target_problems(manifest: Manifest, env: Environment) -> list[str]:
         problems.extend(manifest.target.mismatches(env.backend, env.device_kind, env.device_count))
     for spec in manifest.functions:
         if spec.mesh is not None and spec.mesh.size > env.device_count:
-            problems.append(f"function {spec.name!r} needs a mesh of {spec.mesh.size} devices; "
-                            f"this machine has {env.device_count}")
+            problems.append(
+                f"function {spec.name!r} needs a mesh of {spec.mesh.size} devices; "
+                f"this machine has {env.device_count}"
+            )
     return problems
 
 
-def plan_warm(ctx: Context, manifest_path: str | Path, *, cache: str | None = None,
-              shard: tuple[int, int] | None = None, paths: Sequence[str] = (),
-              writer_check: bool = True) -> WarmPlan:
+def plan_warm(
+    ctx: Context,
+    manifest_path: str | Path,
+    *,
+    cache: str | None = None,
+    shard: tuple[int, int] | None = None,
+    paths: Sequence[str] = (),
+    writer_check: bool = True,
+) -> WarmPlan:
     """Validate everything that can fail before compiling: manifest, cache, permission, imports.
 
     Raises BadInput (2) for the manifest, PermissionDenied (4) for a non-writer;
@@ -96,7 +104,6 @@ def default_jobs() -> int:
         return max(1, os.cpu_count() or 1)
 
 
-
 def _raise_build_problems(plan: WarmPlan) -> None:
     """Build every bucket's abstract arguments (pytrees included; nothing compiles) for --dry-run.
 
@@ -109,12 +116,12 @@ def _raise_build_problems(plan: WarmPlan) -> None:
         raise BadInput("\n".join(problems))
 
 
-
 Call = tuple[tuple[Any, ...], dict[str, Any]]
 
 
-def _build_calls(manifest: Manifest, buckets: Sequence[Bucket], paths: Sequence[str]
-                 ) -> tuple[dict[str, Any], dict[int, Call | str]]:
+def _build_calls(
+    manifest: Manifest, buckets: Sequence[Bucket], paths: Sequence[str]
+) -> tuple[dict[str, Any], dict[int, Call | str]]:
     """The jitted function of every spec and the abstract call (or the error) of every bucket."""
     specs = {spec.name: spec for spec in manifest.functions}
     jitted: dict[str, Any] = {}
@@ -129,5 +136,3 @@ def _build_calls(manifest: Manifest, buckets: Sequence[Bucket], paths: Sequence[
             except Exception as exc:  # noqa: BLE001 - one bad bucket must not stop the rest
                 calls[position] = _error_text(exc)
     return jitted, calls
-
-

@@ -13,12 +13,12 @@ from typing import Any
 from cachectl.jsonable import to_jsonable
 
 # Statuses of a bucket in a warm report.
-COMPILED = "compiled"      # compiled and written (and indexed)
-CACHED = "cached"          # already in the namespace: loaded, not compiled
-FAILED = "failed"          # import, shape or compile error; or JAX did not write it
-TOO_LARGE = "too-large"    # written, then removed: above the cache's max entry size
-SKIPPED = "skipped"        # not attempted: --fail-fast stopped the run first
-PLANNED = "planned"        # --dry-run
+COMPILED = "compiled"  # compiled and written (and indexed)
+CACHED = "cached"  # already in the namespace: loaded, not compiled
+FAILED = "failed"  # import, shape or compile error; or JAX did not write it
+TOO_LARGE = "too-large"  # written, then removed: above the cache's max entry size
+SKIPPED = "skipped"  # not attempted: --fail-fast stopped the run first
+PLANNED = "planned"  # --dry-run
 # Statuses of a bucket in a coverage check.
 HIT = "hit"
 MISS = "miss"
@@ -133,11 +133,19 @@ class CheckReport:
     def __post_init__(self) -> None:
         n, hits = len(self.buckets), sum(b.status == HIT for b in self.buckets)
         loaded = sum(b.aot == "loaded" for b in self.buckets)
-        object.__setattr__(self, "summary", CheckSummary(
-            buckets=n, hits=hits, misses=sum(b.status == MISS for b in self.buckets),
-            failed=sum(b.status == FAILED for b in self.buckets),
-            coverage=100.0 * hits / n if n else 100.0, aot_loaded=loaded,
-            aot_coverage=100.0 * loaded / n if n else 100.0))
+        object.__setattr__(
+            self,
+            "summary",
+            CheckSummary(
+                buckets=n,
+                hits=hits,
+                misses=sum(b.status == MISS for b in self.buckets),
+                failed=sum(b.status == FAILED for b in self.buckets),
+                coverage=100.0 * hits / n if n else 100.0,
+                aot_loaded=loaded,
+                aot_coverage=100.0 * loaded / n if n else 100.0,
+            ),
+        )
 
     @property
     def hits(self) -> int:
@@ -162,5 +170,3 @@ class CheckReport:
 
     def to_json(self) -> dict[str, Any]:
         return to_jsonable(self)  # type: ignore[no-any-return]
-
-

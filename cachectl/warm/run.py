@@ -82,7 +82,9 @@ class _Heartbeat:
     def __init__(self, beat: Callable[[], None], every: float = HEARTBEAT_SECONDS) -> None:
         self._beat, self._every = beat, every
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="cachectl-warm-heartbeat", daemon=True)
+        self._thread = threading.Thread(
+            target=self._run, name="cachectl-warm-heartbeat", daemon=True
+        )
 
     def _run(self) -> None:
         while not self._stop.wait(self._every):
@@ -100,10 +102,20 @@ class _Heartbeat:
         self._thread.join(timeout=5)
 
 
-def warm(ctx: Context, manifest_path: str | Path, *, cache: str | None = None, jobs: int | None = None,
-         shard: tuple[int, int] | None = None, paths: Sequence[str] = (), fail_fast: bool = False,
-         dry_run: bool = False, executor: str = DEFAULT_EXECUTOR,
-         progress: ProgressFn | None = None, executables: bool = True) -> WarmReport:
+def warm(
+    ctx: Context,
+    manifest_path: str | Path,
+    *,
+    cache: str | None = None,
+    jobs: int | None = None,
+    shard: tuple[int, int] | None = None,
+    paths: Sequence[str] = (),
+    fail_fast: bool = False,
+    dry_run: bool = False,
+    executor: str = DEFAULT_EXECUTOR,
+    progress: ProgressFn | None = None,
+    executables: bool = True,
+) -> WarmReport:
     """Compile every bucket of a manifest into this environment's namespace and index them.
 
     Order of refusals, all before anything is compiled: bad manifest or
@@ -119,33 +131,62 @@ def warm(ctx: Context, manifest_path: str | Path, *, cache: str | None = None, j
     if jobs < 1:
         raise BadInput(f"--jobs must be at least 1, got {jobs}")
     started = time.perf_counter()
-    plan = plan_warm(ctx, manifest_path, cache=cache, shard=shard, paths=paths, writer_check=not dry_run)
+    plan = plan_warm(
+        ctx, manifest_path, cache=cache, shard=shard, paths=paths, writer_check=not dry_run
+    )
     env = plan.environment
     if dry_run:
         if not plan.target_problems:  # on other hardware a mesh cannot be built: exit 3 says so
             _raise_build_problems(plan)
         store = ctx.store(plan.cache)
         results = [BucketResult(b.function, dict(b.values), PLANNED) for b in plan.buckets]
-        return WarmReport(_environment_json(env), store.url_for(env.namespace),
-                          WarmSummary(len(results), 0, 0, 0, 0.0, time.perf_counter() - started),
-                          results, cache=plan.cache.name, manifest=plan.manifest_path, jobs=jobs,
-                          executor=executor, dry_run=True, target_problems=plan.target_problems)
+        return WarmReport(
+            _environment_json(env),
+            store.url_for(env.namespace),
+            WarmSummary(len(results), 0, 0, 0, 0.0, time.perf_counter() - started),
+            results,
+            cache=plan.cache.name,
+            manifest=plan.manifest_path,
+            jobs=jobs,
+            executor=executor,
+            dry_run=True,
+            target_problems=plan.target_problems,
+        )
     if plan.target_problems:
         raise _mismatch(plan)
-    return _execute(ctx, plan, jobs=jobs, fail_fast=fail_fast, executor=executor,
-                    progress=progress, started=started, executables=executables)
+    return _execute(
+        ctx,
+        plan,
+        jobs=jobs,
+        fail_fast=fail_fast,
+        executor=executor,
+        progress=progress,
+        started=started,
+        executables=executables,
+    )
 
 
-
-def _execute(ctx: Context, plan: WarmPlan, *, jobs: int, fail_fast: bool, executor: str,
-             progress: ProgressFn | None, started: float, executables: bool) -> WarmReport:
+def _execute(
+    ctx: Context,
+    plan: WarmPlan,
+    *,
+    jobs: int,
+    fail_fast: bool,
+    executor: str,
+    progress: ProgressFn | None,
+    started: float,
+    executables: bool,
+) -> WarmReport:
     env = plan.environment
     ns, env_info = ctx.namespace(plan.cache, env)
     assert env_info is not None
     store = ctx.store(plan.cache)
-    run = ctx.index.start_warm_run(env_info.id, manifest_digest=manifest_digest(plan.manifest_path),
-                                   manifest_path=str(Path(plan.manifest_path).resolve()),
-                                   buckets=len(plan.buckets))
+    run = ctx.index.start_warm_run(
+        env_info.id,
+        manifest_digest=manifest_digest(plan.manifest_path),
+        manifest_path=str(Path(plan.manifest_path).resolve()),
+        buckets=len(plan.buckets),
+    )
     indexed = ctx.index.entry_keys(env_info.id)
     stored_aot = ctx.index.aot_keys(env_info.id) if executables else None
     digests = _function_digests(plan) if executables else {}
@@ -153,9 +194,23 @@ def _execute(ctx: Context, plan: WarmPlan, *, jobs: int, fail_fast: bool, execut
     results: dict[int, BucketResult] = {}
     lock = threading.Lock()
 
-    def record(position: int, bucket: Bucket, outcome: _Outcome | None, error: str | None) -> BucketResult:
-        result = _settle(ctx, plan, store, ns.relpath, env_info.id, run.id, indexed, bucket, outcome, error,
-                         stored_aot, digests)
+    def record(
+        position: int, bucket: Bucket, outcome: _Outcome | None, error: str | None
+    ) -> BucketResult:
+        result = _settle(
+            ctx,
+            plan,
+            store,
+            ns.relpath,
+            env_info.id,
+            run.id,
+            indexed,
+            bucket,
+            outcome,
+            error,
+            stored_aot,
+            digests,
+        )
         with lock:
             results[position] = result
             counts.add(result.status)
@@ -164,8 +219,9 @@ def _execute(ctx: Context, plan: WarmPlan, *, jobs: int, fail_fast: bool, execut
         return result
 
     def beat() -> None:
-        ctx.index.heartbeat_warm_run(run.id, compiled=counts.compiled, cached=counts.cached,
-                                     failed=counts.failed)
+        ctx.index.heartbeat_warm_run(
+            run.id, compiled=counts.compiled, cached=counts.cached, failed=counts.failed
+        )
 
     status = warm_runs.INTERRUPTED
     try:
@@ -174,35 +230,84 @@ def _execute(ctx: Context, plan: WarmPlan, *, jobs: int, fail_fast: bool, execut
             if executor == "process" and jobs > 1:
                 _run_processes(plan, config, jobs, fail_fast, record, executables)
             else:
-                _run_threads(plan, config, jobs, fail_fast, record, executables,
-                             present=_present(store, ns.relpath, indexed, stored_aot))
+                _run_threads(
+                    plan,
+                    config,
+                    jobs,
+                    fail_fast,
+                    record,
+                    executables,
+                    present=_present(store, ns.relpath, indexed, stored_aot),
+                )
         status = warm_runs.FAILED if counts.failed else warm_runs.SUCCEEDED
     finally:
-        ctx.index.finish_warm_run(run.id, status, compiled=counts.compiled, cached=counts.cached,
-                                  failed=counts.failed)
+        ctx.index.finish_warm_run(
+            run.id, status, compiled=counts.compiled, cached=counts.cached, failed=counts.failed
+        )
     ordered = [
-        results.get(i) or BucketResult(b.function, dict(b.values), SKIPPED,
-                                       error="not attempted: --fail-fast stopped the run after a failure")
+        results.get(i)
+        or BucketResult(
+            b.function,
+            dict(b.values),
+            SKIPPED,
+            error="not attempted: --fail-fast stopped the run after a failure",
+        )
         for i, b in enumerate(plan.buckets)
     ]
     wall = time.perf_counter() - started
-    compile_seconds = sum(r.compile_seconds or 0.0 for r in ordered if r.status in (COMPILED, TOO_LARGE))
+    compile_seconds = sum(
+        r.compile_seconds or 0.0 for r in ordered if r.status in (COMPILED, TOO_LARGE)
+    )
     written = sum(r.bytes or 0 for r in ordered if r.status == COMPILED)
     lower_seconds = sum(r.lower_seconds or 0.0 for r in ordered)
-    summary = WarmSummary(len(ordered), counts.compiled, counts.cached, counts.failed, compile_seconds, wall,
-                          lower_seconds, compile_seconds / (wall * jobs) if wall > 0 else None)
-    ctx.index.audit("warm", cache=plan.cache.name, entries=counts.compiled, nbytes=written,
-                    duration_ms=int(wall * 1000),
-                    details={"manifest": plan.manifest_path, "namespace": ns.relpath, "warm_run": run.id,
-                             "buckets": len(ordered), "compiled": counts.compiled, "cached": counts.cached,
-                             "failed": counts.failed, "jobs": jobs, "executor": executor,
-                             "executables": sum(r.aot_bytes is not None for r in ordered)})
-    return WarmReport(_environment_json(env), ns.url, summary, ordered, cache=plan.cache.name,
-                      manifest=plan.manifest_path, run_id=run.id, jobs=jobs, executor=executor)
+    summary = WarmSummary(
+        len(ordered),
+        counts.compiled,
+        counts.cached,
+        counts.failed,
+        compile_seconds,
+        wall,
+        lower_seconds,
+        compile_seconds / (wall * jobs) if wall > 0 else None,
+    )
+    ctx.index.audit(
+        "warm",
+        cache=plan.cache.name,
+        entries=counts.compiled,
+        nbytes=written,
+        duration_ms=int(wall * 1000),
+        details={
+            "manifest": plan.manifest_path,
+            "namespace": ns.relpath,
+            "warm_run": run.id,
+            "buckets": len(ordered),
+            "compiled": counts.compiled,
+            "cached": counts.cached,
+            "failed": counts.failed,
+            "jobs": jobs,
+            "executor": executor,
+            "executables": sum(r.aot_bytes is not None for r in ordered),
+        },
+    )
+    return WarmReport(
+        _environment_json(env),
+        ns.url,
+        summary,
+        ordered,
+        cache=plan.cache.name,
+        manifest=plan.manifest_path,
+        run_id=run.id,
+        jobs=jobs,
+        executor=executor,
+    )
 
 
-def _present(store: Any, ns_rel: str, indexed: dict[str, tuple[int, str]],
-             stored_aot: dict[str, tuple[int, str]] | None) -> Callable[[str], bool]:
+def _present(
+    store: Any,
+    ns_rel: str,
+    indexed: dict[str, tuple[int, str]],
+    stored_aot: dict[str, tuple[int, str]] | None,
+) -> Callable[[str], bool]:
     """Whether a key is fully warmed already: indexed, its entry (and stored executable) on storage.
 
     Called from the compiling threads once a bucket is lowered; a yes means
@@ -212,15 +317,27 @@ def _present(store: Any, ns_rel: str, indexed: dict[str, tuple[int, str]],
     def present(key: str) -> bool:
         if key not in indexed or not store.exists(f"{ns_rel}/{key}{CACHE_SUFFIX}"):
             return False
-        return stored_aot is None or (key in stored_aot and store.exists(f"{ns_rel}/{key}{AOT_SUFFIX}"))
+        return stored_aot is None or (
+            key in stored_aot and store.exists(f"{ns_rel}/{key}{AOT_SUFFIX}")
+        )
 
     return present
 
 
-def _settle(ctx: Context, plan: WarmPlan, store: Any, ns_rel: str, env_id: int, run_id: int,
-            indexed: dict[str, tuple[int, str]], bucket: Bucket, outcome: _Outcome | None,
-            error: str | None, stored_aot: dict[str, tuple[int, str]] | None = None,
-            digests: dict[str, tuple[str, str | None]] | None = None) -> BucketResult:
+def _settle(
+    ctx: Context,
+    plan: WarmPlan,
+    store: Any,
+    ns_rel: str,
+    env_id: int,
+    run_id: int,
+    indexed: dict[str, tuple[int, str]],
+    bucket: Bucket,
+    outcome: _Outcome | None,
+    error: str | None,
+    stored_aot: dict[str, tuple[int, str]] | None = None,
+    digests: dict[str, tuple[str, str | None]] | None = None,
+) -> BucketResult:
     """Turn what JAX did into a status; read the stored bytes; index them; enforce max entry size.
 
     With executables on (``stored_aot`` not None), a bucket is ``cached`` only
@@ -229,13 +346,21 @@ def _settle(ctx: Context, plan: WarmPlan, store: Any, ns_rel: str, env_id: int, 
     values = dict(bucket.values)
     base = {"function": bucket.function, "bucket": values}
     if error is not None or outcome is None:
-        return BucketResult(**base, status=FAILED, error=str(error or "no result"),
-                            traceback=getattr(error, "traceback", None))
+        return BucketResult(
+            **base,
+            status=FAILED,
+            error=str(error or "no result"),
+            traceback=getattr(error, "traceback", None),
+        )
     base["lower_seconds"] = outcome.lower_seconds
     seconds = outcome.seconds
     if outcome.lookup is None or outcome.key is None:
-        return BucketResult(**base, status=FAILED, compile_seconds=seconds,
-                            error="JAX did not consult the persistent cache for this program")
+        return BucketResult(
+            **base,
+            status=FAILED,
+            compile_seconds=seconds,
+            error="JAX did not consult the persistent cache for this program",
+        )
     key = outcome.key
     rel = f"{ns_rel}/{key}{CACHE_SUFFIX}"
     if outcome.lookup == "miss" and not outcome.written:
@@ -243,12 +368,22 @@ def _settle(ctx: Context, plan: WarmPlan, store: Any, ns_rel: str, env_id: int, 
         broken = _broken_entry(store, rel)
         if broken:  # JAX never rewrites an existing file: a broken one would stay for ever
             reason = f"{broken}; removed it, rerun warm"
-        return BucketResult(**base, status=FAILED, key=key, compile_seconds=seconds,
-                            error=f"compiled but JAX did not write it: {reason}")
+        return BucketResult(
+            **base,
+            status=FAILED,
+            key=key,
+            compile_seconds=seconds,
+            error=f"compiled but JAX did not write it: {reason}",
+        )
     parsed = parse_key(key)
     module = parsed.module if parsed else key
-    entry = {"key": key, "module": module, "function": bucket.function, "bucket": values,
-             "warm_run_id": run_id}
+    entry = {
+        "key": key,
+        "module": module,
+        "function": bucket.function,
+        "bucket": values,
+        "warm_run_id": run_id,
+    }
     if outcome.lookup == "hit":
         known = indexed.get(key)
         if known is not None:
@@ -261,39 +396,86 @@ def _settle(ctx: Context, plan: WarmPlan, store: Any, ns_rel: str, env_id: int, 
             size, digest = len(data), sha256(data)
         # A hit belongs to this run too: lifecycle protects the newest run's entries.
         row = NewEntry(**entry, size=size, sha256=digest, origin="observed")
-        aot_size, aot_error, wrote = _publish(ctx, plan, env_id, store, ns_rel, row, bucket, outcome,
-                                              stored_aot, digests)
-        return BucketResult(**base, status=COMPILED if wrote else CACHED, key=key,
-                            compile_seconds=seconds, bytes=size, aot_bytes=aot_size, aot_error=aot_error)
+        aot_size, aot_error, wrote = _publish(
+            ctx, plan, env_id, store, ns_rel, row, bucket, outcome, stored_aot, digests
+        )
+        return BucketResult(
+            **base,
+            status=COMPILED if wrote else CACHED,
+            key=key,
+            compile_seconds=seconds,
+            bytes=size,
+            aot_bytes=aot_size,
+            aot_error=aot_error,
+        )
     try:
         data = store.read_bytes(rel)
     except FileNotFoundError:
-        return BucketResult(**base, status=FAILED, key=key, compile_seconds=seconds,
-                            error=f"JAX reported writing {rel} but it is not in the cache")
+        return BucketResult(
+            **base,
+            status=FAILED,
+            key=key,
+            compile_seconds=seconds,
+            error=f"JAX reported writing {rel} but it is not in the cache",
+        )
     size = len(data)
     problem = _entry_problem(data)
     if problem is not None:
         store.delete([rel])
-        return BucketResult(**base, status=FAILED, key=key, compile_seconds=seconds, bytes=size,
-                            error=f"JAX wrote a broken entry ({problem}){_space_hint(store, ns_rel)}; "
-                                  "removed it: a rerun with space compiles it again")
+        return BucketResult(
+            **base,
+            status=FAILED,
+            key=key,
+            compile_seconds=seconds,
+            bytes=size,
+            error=f"JAX wrote a broken entry ({problem}){_space_hint(store, ns_rel)}; "
+            "removed it: a rerun with space compiles it again",
+        )
     try:  # the rules every new entry meets (ingest.py): max entry size, a JAX entry, its sha256
-        row = ingest.check_new(plan.cache, EntryName(key, module), data, origin="warm",
-                               compile_time_ms=int(round(seconds * 1000)), function=bucket.function,
-                               bucket=values, warm_run_id=run_id)
+        row = ingest.check_new(
+            plan.cache,
+            EntryName(key, module),
+            data,
+            origin="warm",
+            compile_time_ms=int(round(seconds * 1000)),
+            function=bucket.function,
+            bucket=values,
+            warm_run_id=run_id,
+        )
     except ingest.Refused as exc:
         store.delete([rel])
         limit = plan.cache.max_entry_size
         if exc.rule == ingest.TOO_LARGE and limit is not None:
-            return BucketResult(**base, status=TOO_LARGE, key=key, compile_seconds=seconds, bytes=size,
-                                error=f"entry is {format_size(size)}, above the max entry size of cache "
-                                      f"{plan.cache.name!r} ({format_size(limit)}): removed, not kept")
-        return BucketResult(**base, status=FAILED, key=key, compile_seconds=seconds, bytes=size,
-                            error=f"JAX wrote an entry that is not kept ({exc.message}); removed it")
-    aot_size, aot_error, _ = _publish(ctx, plan, env_id, store, ns_rel, row, bucket, outcome, stored_aot, digests)
+            return BucketResult(
+                **base,
+                status=TOO_LARGE,
+                key=key,
+                compile_seconds=seconds,
+                bytes=size,
+                error=f"entry is {format_size(size)}, above the max entry size of cache "
+                f"{plan.cache.name!r} ({format_size(limit)}): removed, not kept",
+            )
+        return BucketResult(
+            **base,
+            status=FAILED,
+            key=key,
+            compile_seconds=seconds,
+            bytes=size,
+            error=f"JAX wrote an entry that is not kept ({exc.message}); removed it",
+        )
+    aot_size, aot_error, _ = _publish(
+        ctx, plan, env_id, store, ns_rel, row, bucket, outcome, stored_aot, digests
+    )
     indexed[key] = (size, row.sha256)
-    return BucketResult(**base, status=COMPILED, key=key, compile_seconds=seconds, bytes=size,
-                        aot_bytes=aot_size, aot_error=aot_error)
+    return BucketResult(
+        **base,
+        status=COMPILED,
+        key=key,
+        compile_seconds=seconds,
+        bytes=size,
+        aot_bytes=aot_size,
+        aot_error=aot_error,
+    )
 
 
 def _entry_problem(data: bytes) -> str | None:
@@ -344,9 +526,18 @@ def _function_digests(plan: WarmPlan) -> dict[str, tuple[str, str | None]]:
     return out
 
 
-def _publish(ctx: Context, plan: WarmPlan, env_id: int, store: Any, ns_rel: str, row: NewEntry, bucket: Bucket,
-             outcome: _Outcome, stored: dict[str, tuple[int, str]] | None,
-             digests: dict[str, tuple[str, str | None]] | None) -> tuple[int | None, str | None, bool]:
+def _publish(
+    ctx: Context,
+    plan: WarmPlan,
+    env_id: int,
+    store: Any,
+    ns_rel: str,
+    row: NewEntry,
+    bucket: Bucket,
+    outcome: _Outcome,
+    stored: dict[str, tuple[int, str]] | None,
+    digests: dict[str, tuple[str, str | None]] | None,
+) -> tuple[int | None, str | None, bool]:
     """Index the entry JAX wrote, with ``<key>-aot`` written beside it unless the same one is there,
     through ingest.publish: (executable's size, its error, whether it was written now)."""
     key = row.key
@@ -361,17 +552,29 @@ def _publish(ctx: Context, plan: WarmPlan, env_id: int, store: Any, ns_rel: str,
         error = outcome.aot_error or "no executable to store"
     else:
         spec_digest, source = (digests or {}).get(bucket.function, (None, None))
-        data = aot.pack(outcome.payload, key=key, entry_sha256=row.sha256, function=bucket.function,
-                        bucket=dict(bucket.values), spec_digest=spec_digest, source_digest=source)
+        data = aot.pack(
+            outcome.payload,
+            key=key,
+            entry_sha256=row.sha256,
+            function=bucket.function,
+            bucket=dict(bucket.values),
+            spec_digest=spec_digest,
+            source_digest=source,
+        )
         row = replace(row, aot_size=len(data), aot_sha256=sha256(data))
-    published = ingest.publish(ctx.index, plan.cache, plan.environment, env_id, store,
-                               [ingest.NewObject(row, executable=data, in_storage=True)],
-                               quota=False, namespace_ready=True)
+    published = ingest.publish(
+        ctx.index,
+        plan.cache,
+        plan.environment,
+        env_id,
+        store,
+        [ingest.NewObject(row, executable=data, in_storage=True)],
+        quota=False,
+        namespace_ready=True,
+    )
     failure = published.failed.get(key)
     if failure is not None:
         return None, f"could not store the executable: {failure[1]}", False
     if data is not None and stored is not None:
         stored[key] = (len(data), row.aot_sha256 or "")
     return row.aot_size, error, data is not None
-
-

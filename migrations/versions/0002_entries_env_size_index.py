@@ -16,7 +16,9 @@ depends_on = None
 
 
 def upgrade() -> None:
-    op.create_index("ix_entries_env_size", "entries", ["environment_id", "size_bytes"], unique=False)
+    op.create_index(
+        "ix_entries_env_size", "entries", ["environment_id", "size_bytes"], unique=False
+    )
 
 
 def downgrade() -> None:

@@ -39,11 +39,16 @@ def upgrade() -> None:
         sa.PrimaryKeyConstraint("id"),
     )
     with op.batch_alter_table("signatures", schema=None) as batch_op:
-        batch_op.create_index("ix_signatures_env_fn_digest", ["environment_id", "function", "digest"],
-                              unique=False)
-        batch_op.create_index("ix_signatures_env_last", ["environment_id", "last_seen"], unique=False)
+        batch_op.create_index(
+            "ix_signatures_env_fn_digest", ["environment_id", "function", "digest"], unique=False
+        )
+        batch_op.create_index(
+            "ix_signatures_env_last", ["environment_id", "last_seen"], unique=False
+        )
     with op.batch_alter_table("telemetry", schema=None) as batch_op:
-        batch_op.add_column(sa.Column("uncacheable", sa.BigInteger(), nullable=False, server_default="0"))
+        batch_op.add_column(
+            sa.Column("uncacheable", sa.BigInteger(), nullable=False, server_default="0")
+        )
 
 
 def downgrade() -> None:

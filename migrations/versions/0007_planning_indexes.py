@@ -25,17 +25,35 @@ _LAST_USED = "coalesce(last_access_at, created_at)"
 
 
 def upgrade() -> None:
-    op.create_index("ix_entries_env_plan", "entries",
-                    ["environment_id", "size_bytes", "aot_size_bytes", "compile_time_ms", "last_access_at",
-                     "created_at", "warm_run_id", "id"], unique=False)
+    op.create_index(
+        "ix_entries_env_plan",
+        "entries",
+        [
+            "environment_id",
+            "size_bytes",
+            "aot_size_bytes",
+            "compile_time_ms",
+            "last_access_at",
+            "created_at",
+            "warm_run_id",
+            "id",
+        ],
+        unique=False,
+    )
     op.drop_index("ix_entries_env_size", table_name="entries")
     op.create_index("ix_entries_last_used", "entries", [sa.text(_LAST_USED), "id"], unique=False)
-    op.create_index("ix_entries_env_last_used", "entries", ["environment_id", sa.text(_LAST_USED), "id"],
-                    unique=False)
+    op.create_index(
+        "ix_entries_env_last_used",
+        "entries",
+        ["environment_id", sa.text(_LAST_USED), "id"],
+        unique=False,
+    )
 
 
 def downgrade() -> None:
     op.drop_index("ix_entries_env_last_used", table_name="entries")
     op.drop_index("ix_entries_last_used", table_name="entries")
-    op.create_index("ix_entries_env_size", "entries", ["environment_id", "size_bytes"], unique=False)
+    op.create_index(
+        "ix_entries_env_size", "entries", ["environment_id", "size_bytes"], unique=False
+    )
     op.drop_index("ix_entries_env_plan", table_name="entries")

@@ -18,8 +18,15 @@ down_revision = "0007"
 branch_labels = None
 depends_on = None
 
-_COLUMNS = ["environment_id", "size_bytes", "aot_size_bytes", "compile_time_ms", "last_access_at",
-            "created_at", "warm_run_id"]
+_COLUMNS = [
+    "environment_id",
+    "size_bytes",
+    "aot_size_bytes",
+    "compile_time_ms",
+    "last_access_at",
+    "created_at",
+    "warm_run_id",
+]
 
 
 def upgrade() -> None:
