@@ -130,7 +130,7 @@ def _collect_problems(
     that can be checked (those with schema errors in an argument's fields too, those fields
     left out), then, with ``import_paths``, the imports of a manifest that has problems.
 
-    A later stage's problem at, above or under a schema problem's field is its consequence
+    A later stage's problem at, above or under an earlier one's field is its consequence
     and is left out. A valid manifest is returned with no problems (nothing imported)."""
     try:
         manifest = Manifest.model_validate(data)
@@ -142,12 +142,18 @@ def _collect_problems(
         manifest._source = source
     specs = _function_specs(data, manifest, source, [loc for loc, _ in schema])
     target = manifest.target if manifest is not None else _valid_target(data)
-    later = list(_semantic_problems(specs, target, source))
-    if import_paths is not None and (schema or later):
-        later.extend(_import_problems(data, specs, source, import_paths))
-    broken = [loc for loc, _ in schema]
-    problems = schema + [(loc, p) for loc, p in later if not any(_related(loc, b) for b in broken)]
+    problems = _unrelated(schema, list(_semantic_problems(specs, target, source)))
+    if import_paths is not None and problems:
+        problems = _unrelated(problems, _import_problems(data, specs, source, import_paths))
     return (manifest if not problems else None), problems
+
+
+def _unrelated(
+    earlier: list[tuple[Loc, str]], later: list[tuple[Loc, str]]
+) -> list[tuple[Loc, str]]:
+    """``earlier`` and those of ``later`` not at, above or under one of its fields."""
+    broken = [loc for loc, _ in earlier]
+    return earlier + [(loc, p) for loc, p in later if not any(_related(loc, b) for b in broken)]
 
 
 def _related(loc: Loc, other: Loc) -> bool:
