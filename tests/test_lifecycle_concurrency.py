@@ -182,7 +182,8 @@ def test_two_concurrent_gc_runs_exactly_one_acts(tmp_path, db_url):
         )
         for _ in range(2)
     ]
-    results = [(p.wait(timeout=120), p.stdout.read(), p.stderr.read()) for p in procs]
+    results = [(p.returncode, *p.communicate(timeout=120)) for p in procs]
+    results = [(p.returncode, out, err) for p, (_, out, err) in zip(procs, results, strict=True)]
     codes = sorted(rc for rc, _, _ in results)
     assert codes == [0, 1], results
     loser = next(err for rc, _, err in results if rc == 1)
