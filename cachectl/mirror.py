@@ -45,7 +45,8 @@ from cachectl.entries import (
 )
 from cachectl.errors import BadInput, NotFound
 from cachectl.fingerprint import Environment
-from cachectl.index import CacheInfo, Index, NewEntry
+from cachectl.index import CacheInfo, NewEntry
+from cachectl.index.backend import IndexBackend
 from cachectl.permissions import check_writer
 from cachectl.signing import check_covered
 from cachectl.store import NotRegularFile, Store
@@ -221,7 +222,7 @@ def _local_state(
 
 
 def pull_namespace(
-    index: Index,
+    index: IndexBackend,
     cache: CacheInfo,
     env: Environment,
     dest: str | os.PathLike[str],

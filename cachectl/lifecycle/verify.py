@@ -247,7 +247,7 @@ def plan_verify(
     plan = VerifyPlan(cache.name, store.url)
     if quarantine:
         plan.quarantine_dir = f"{QUARANTINE_DIR}/{now:%Y%m%dT%H%M%SZ}"
-    envs = {e.namespace: e for e in environments(ctx.index, cache.name)}
+    envs = {e.namespace: e for e in environments(ctx.sql_index, cache.name)}
     if env_prefix:
         target = ctx.index.find_environment(cache.name, env_prefix)
         envs = {ns: e for ns, e in envs.items() if e.id == target.id}
@@ -270,7 +270,7 @@ def plan_verify(
                     "entry; remove it if nothing of yours needs it",
                 )
             )
-    warming = warms_in_progress(ctx.index, [e.id for e in envs.values()], now=now)
+    warming = warms_in_progress(ctx.sql_index, [e.id for e in envs.values()], now=now)
     checks: list[
         tuple[str, str, int, str, int, str]
     ] = []  # (namespace, key, size, sha, env id, path)
@@ -311,8 +311,8 @@ def plan_verify(
                     )
                 )
             continue
-        indexed = entry_digests(ctx.index, env.id)
-        indexed_aot = executable_digests(ctx.index, env.id)
+        indexed = entry_digests(ctx.sql_index, env.id)
+        indexed_aot = executable_digests(ctx.sql_index, env.id)
         names = dict(files)  # path in the namespace -> path in the root
         # once per file: the loops below all need it (an entry's name in one regex match)
         kinds = {rel: Kind.ENTRY if is_entry(rel) else classify(rel) for rel in names}
@@ -333,7 +333,7 @@ def plan_verify(
                 )
             )
         if cache.effective_service_writes == "deny":
-            for key, created in service_written_entries(ctx.index, env.id):
+            for key, created in service_written_entries(ctx.sql_index, env.id):
                 plan.findings.append(
                     Finding(
                         SERVICE_WRITE,
@@ -648,7 +648,7 @@ def execute_verify(
     for f in by_action[CLEAR_AOT]:
         if f.environment_id is not None and f.key:
             cleared[f.environment_id][f.key] = None
-    dropped = delete_entry_rows(ctx.index, rows) if rows else 0
+    dropped = delete_entry_rows(ctx.sql_index, rows) if rows else 0
     aot_cleared = sum(ctx.index.set_executables(env_id, keys) for env_id, keys in cleared.items())
     orphans = [f.path for f in by_action[DELETE_ATIME]]
     if orphans:
@@ -693,7 +693,7 @@ def deep_findings(ctx: Context, cache: CacheInfo, plan: VerifyPlan, store: Store
         p
         for p in (
             f"{info.namespace}/{key}{CACHE_SUFFIX}"
-            for key in sorted(entry_digests(ctx.index, info.id))
+            for key in sorted(entry_digests(ctx.sql_index, info.id))
         )
         if p not in bad
     ]
@@ -755,7 +755,7 @@ def verify(
         )
         return VerifyResult(plan, 0, 0, 0, 0, False, duration)
     check_writer(cache, "quarantine or repair")
-    with leases.held(ctx.index, cache.name, "verify") as lease:
+    with leases.held(ctx.sql_index, cache.name, "verify") as lease:
         plan = plan_verify(
             ctx,
             cache,
