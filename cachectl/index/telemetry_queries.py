@@ -11,9 +11,9 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
-from sqlalchemy import delete, func, select
+from sqlalchemy import CursorResult, delete, func, select
 
 from cachectl.index import Index
 from cachectl.index.models import (
@@ -386,4 +386,6 @@ def prune_telemetry(index: Index, older_than: timedelta, *, now: datetime | None
     with index.session() as s:
         result = s.execute(delete(TelemetryRecord).where(TelemetryRecord.at < cutoff))
         served = s.execute(delete(ServingRecord).where(ServingRecord.at < cutoff))
-        return int(result.rowcount or 0) + int(served.rowcount or 0)
+        return int(cast("CursorResult[Any]", result).rowcount or 0) + int(
+            cast("CursorResult[Any]", served).rowcount or 0
+        )
