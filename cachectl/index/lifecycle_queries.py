@@ -280,7 +280,7 @@ def selected_entries(
         result = s.connection().execute(q, execution_options={"yield_per": _STREAM_ROWS})
         for part in result.partitions():
             for row in part:
-                out.setdefault(row[0], []).append(row)  # type: ignore[arg-type]
+                out.setdefault(row[0], []).append(row)
     for rows in out.values():
         rows.sort(key=_by_key)
     return out

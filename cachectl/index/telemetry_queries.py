@@ -240,7 +240,7 @@ def serving_usage(
 ) -> list[ServingUsage]:
     """Served calls per (environment, function) since ``since`` ago, sizes merged across flushes."""
     start = utcnow() - since
-    out: dict[tuple[str, str], dict[str, object]] = {}
+    out: dict[tuple[str, str], dict[str, Any]] = {}
     with index.read_session() as s:
         q = (
             select(
@@ -273,7 +273,7 @@ def serving_usage(
                     "sizes": {},
                 },
             )
-            acc["processes"].add(process)  # type: ignore[union-attr]
+            acc["processes"].add(process)
             for name, value in (
                 ("calls", calls),
                 ("aot", aot),
@@ -281,10 +281,10 @@ def serving_usage(
                 ("out_of_bucket", oob),
                 ("padded", padded),
             ):
-                acc[name] = int(acc[name]) + int(value or 0)  # type: ignore[call-overload]
+                acc[name] = int(acc[name]) + int(value or 0)
             merged = acc["sizes"]
             for axis, counts in (sizes or {}).items():
-                target = merged.setdefault(axis, {})  # type: ignore[union-attr]
+                target = merged.setdefault(axis, {})
                 for size, n in counts.items():
                     target[int(size)] = target.get(int(size), 0) + int(n)
     return [
@@ -294,11 +294,11 @@ def serving_usage(
             len(a["processes"]),
             a["calls"],
             a["aot"],
-            a["fallback"],  # type: ignore[arg-type]
+            a["fallback"],
             a["out_of_bucket"],
             a["padded"],
             a["sizes"],
-        )  # type: ignore[arg-type]
+        )
         for (digest, fn), a in sorted(out.items())
     ]
 
