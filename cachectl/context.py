@@ -77,5 +77,6 @@ class Context:
     def close(self) -> None:
         if "index" in self.__dict__ and self._given is None:
             self.index.close()
-        if self.__dict__.get("remote") is not None:
-            self.remote.close()
+        remote = self.__dict__.get("remote")
+        if remote is not None:
+            remote.close()

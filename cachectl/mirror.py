@@ -546,9 +546,9 @@ def push(
             objects,
             parallel=lambda fn, keys: _parallel(fn, keys, workers),
         )
-        for key, (what, exc) in published.failed.items():
+        for key, (what, error) in published.failed.items():
             failed.append(
-                EntryProblem(key, (AOT_REASON if what == "executable" else "") + _error(exc))
+                EntryProblem(key, (AOT_REASON if what == "executable" else "") + _error(error))
             )
         for row in published.rows:
             if row.key not in shared:

@@ -14,7 +14,7 @@ import os
 import sqlite3
 import threading
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, TypeVar, overload
 
 from cachectl import jax_seam, service_sqlite, telemetry
 from cachectl.cache_info import CacheInfo
@@ -24,7 +24,7 @@ from cachectl.fingerprint import MANAGED_JAX_CONFIG, Environment, current_enviro
 from cachectl.store import Store, normalize_url
 
 if TYPE_CHECKING:
-    from cachectl.index import Index
+    from cachectl.index.backend import IndexBackend
     from cachectl.mirror import PullResult
     from cachectl.service_sqlite import FastIndex
 
@@ -177,9 +177,21 @@ def _fast_index(settings: Settings) -> tuple[FastIndex, CacheInfo] | None:
     return fast, info
 
 
+@overload
+def open_service_index(
+    settings: Settings, problems: list[str], *, fast: Literal[False] = False
+) -> tuple[IndexBackend | None, CacheInfo | None]: ...
+
+
+@overload
+def open_service_index(
+    settings: Settings, problems: list[str], *, fast: bool
+) -> tuple[IndexBackend | FastIndex | None, CacheInfo | None]: ...
+
+
 def open_service_index(
     settings: Settings, problems: list[str], *, fast: bool = False
-) -> tuple[Index | FastIndex | None, CacheInfo | None]:
+) -> tuple[IndexBackend | FastIndex | None, CacheInfo | None]:
     """The index and this cache's policy; a failure becomes one problem line.
 
     ``fast``: a caller that only reads the policy and records the environment may get a

@@ -21,6 +21,7 @@ def service_client(settings: Settings) -> ServerClient:
     """A client with short timeouts, for activate() and its telemetry."""
     import httpx
 
+    assert settings.server is not None  # server mode: the callers checked settings.server
     return ServerClient(
         settings.server,
         settings.token,
@@ -44,6 +45,6 @@ def open_for_service(settings: Settings) -> tuple[RemoteIndex, CacheInfo]:
 
 def client_from_settings(settings: Settings) -> ServerClient | None:
     """The client for CACHECTL_SERVER / CACHECTL_TOKEN, or None in direct mode."""
-    if not getattr(settings, "server", None):
+    if not settings.server:
         return None
     return ServerClient(settings.server, settings.token)
