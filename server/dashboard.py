@@ -91,7 +91,7 @@ def bar_chart(
     bar = max(1.0, slot * 0.7)
     for i, _t in enumerate(at):
         x = pad_l + i * slot + (slot - bar) / 2
-        base = pad_t + plot_h
+        base: float = pad_t + plot_h
         for label, colour, values in series:
             h = plot_h * values[i] / top
             base -= h

@@ -447,11 +447,11 @@ def plan_verify(
 
     # --min-age spares a young unknown file from quarantine: only those need a time.
     infos = store.infos([u[1] for u in unknowns if u[3] and not u[2]], within=scope)
-    for ns, path, warm, action, env_id, key in unknowns:
+    for ns, path, warm, action, env_id, file_key in unknowns:
         info = infos.get(path)
         plan.findings.append(
             _unknown(
-                ns, path, info.mtime if info else None, now, min_age, warm, action, env_id, key
+                ns, path, info.mtime if info else None, now, min_age, warm, action, env_id, file_key
             )
         )
     bad: set[str] = set()
@@ -462,27 +462,27 @@ def plan_verify(
             return _check_executable(read, f"{c[0]}/{c[1]}{AOT_SUFFIX}", c[1], c[2], c[3], c[5])
 
         entry_results = _entry_checks(store, checks, workers)
-        for (ns, key, _size, _sha, env_id, _path), (kind, detail, nread) in zip(
+        for (ns, key, _size, _sha, env_id, _path), (fault, detail, nread) in zip(
             checks, entry_results, strict=True
         ):
-            if kind is None:  # a good file: counted here, without a call per file
+            if fault is None:  # a good file: counted here, without a call per file
                 plan.bytes_read += nread
                 if lease is not None:
                     lease.check()
                 continue
             finding = _finding(
-                plan, lease, ns, key, env_id, CACHE_SUFFIX, kind, detail, nread, act(DROP_ROW), act
+                plan, lease, ns, key, env_id, CACHE_SUFFIX, fault, detail, nread, act(DROP_ROW), act
             )
             if finding:
                 bad.add(finding.path)
         plan.entries_checked += len(checks)
         aot_results = ordered_map(check_aot, aot_checks, workers)
-        for (ns, key, _size, _sha, env_id, _esha), (kind, detail, nread) in zip(
+        for (ns, key, _size, _sha, env_id, _esha), (fault, detail, nread) in zip(
             aot_checks, aot_results, strict=True
         ):
             plan.executables_checked += 1
             _finding(
-                plan, lease, ns, key, env_id, AOT_SUFFIX, kind, detail, nread, act(CLEAR_AOT), act
+                plan, lease, ns, key, env_id, AOT_SUFFIX, fault, detail, nread, act(CLEAR_AOT), act
             )
     unknown = {f.path for f in plan.findings if f.kind == UNKNOWN}
     for ns, items in atime_needed.items():
@@ -594,7 +594,8 @@ def execute_verify(
             by_action[f.action].append(f)
     moved: list[str] = []
     rows: dict[int, list[str]] = defaultdict(list)
-    cleared: dict[int, dict[str, None]] = defaultdict(dict)  # entries whose executable columns go
+    # entries whose executable columns go
+    cleared: dict[int, dict[str, tuple[int, str] | None]] = defaultdict(dict)
     to_move = [f for f in by_action[QUARANTINE] if _still_bad(ctx, store, f)]
     moving = {f.path for f in to_move}
     for f in list(to_move):
