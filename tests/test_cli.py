@@ -258,8 +258,9 @@ def test_stats_since_without_telemetry_says_what_produces_it() -> None:
 
 def _bad_manifest(tmp_path, n_bad: int) -> str:
     args = "".join(f"      - {{shape: [1], dtype: bfloat6{i}}}\n" for i in range(n_bad))
+    (tmp_path / "cm_cli_f.py").write_text("def f(*args):\n    return args\n")  # imports fine
     path = tmp_path / "bad.yaml"
-    path.write_text(f"version: 1\nfunctions:\n  - fn: m:f\n    args:\n{args}")
+    path.write_text(f"version: 1\nfunctions:\n  - fn: cm_cli_f:f\n    args:\n{args}")
     return str(path)
 
 
@@ -284,6 +285,31 @@ def test_manifest_validation_caps_the_list(tmp_path) -> None:
     lines = result.output.splitlines()
     assert len(lines) == MAX_PROBLEMS + 1
     assert lines[-1] == f"cachectl: error: {path}: (and 5 more problems)"
+
+
+def test_warm_dry_run_lists_every_kind_of_problem_at_once(tmp_path) -> None:
+    (tmp_path / "cm_cli_models.py").write_text("def mlp_loss(x):\n    return x\n")
+    path = tmp_path / "every.yaml"
+    path.write_text(
+        "version: 1\n"
+        "functions:\n"
+        "  - fn: cm_cli_models:mlp_los\n"
+        "    args:\n"
+        "      - {shape: [batch, seq], dtype: float23}\n"
+        "    buckets:\n"
+        "      batch: [1, 2]\n"
+    )
+    proc = cachectl("warm", str(path), "--dry-run")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.splitlines() == [
+        f"cachectl: error: {path}:3: functions[0].fn: 'cm_cli_models' has no attribute "
+        "'mlp_los'; did you mean 'mlp_loss'?",
+        f"cachectl: error: {path}:5: functions[0].args[0].dtype: unknown dtype 'float23' "
+        "(use a numpy/jax dtype name such as bfloat16, float32, int32)",
+        f"cachectl: error: {path}:5: functions[0].args[0].shape[1]: unknown axis 'seq' "
+        "(declared axes: batch)",
+    ]
+    assert proc.stdout == ""
 
 
 FAILING_USER_MODULE = """

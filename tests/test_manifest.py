@@ -826,10 +826,86 @@ def test_several_problems_are_all_reported_one_per_line(tmp_path: Path) -> None:
         """,
     )
     with pytest.raises(BadInput) as info:
-        load_manifest(path)  # type errors first (schema), then cross-field ones
-    first, second = str(info.value).splitlines()
-    assert first.startswith(f"{path}:6: ") and "bfloat61" in first
-    assert second.startswith(f"{path}:7: ") and "float33" in second
+        load_manifest(path)  # schema and cross-field problems together, in line order
+    first, second, third = str(info.value).splitlines()
+    assert first.startswith(f"{path}:5: ") and "unknown axis 'nope'" in first
+    assert second.startswith(f"{path}:6: ") and "bfloat61" in second
+    assert third.startswith(f"{path}:7: ") and "float33" in third
+
+
+EVERY_KIND = """
+version: 1
+functions:
+  - fn: cm_every:mlp_los
+    args:
+      - {shape: [batch, seq], dtype: float23}
+      - {pytree: cm_every:params}
+    jit: {donate_argnums: [5]}
+    buckets:
+      batch: [1, 2]
+  - fn: cm_every:mlp_loss
+    args:
+      - {shape: [batch, 4], dtype: float32}
+      - {pytree: cm_every:params}
+    buckets:
+      batch: [1, 2]
+"""
+
+
+def _every_kind(tmp_path: Path) -> Path:
+    (tmp_path / "cm_every.py").write_text(
+        "def mlp_loss(x, p):\n    return x\ndef params():\n    return {}\n"
+    )
+    return write(tmp_path, EVERY_KIND)
+
+
+def test_every_kind_of_problem_is_reported_in_one_load(tmp_path: Path) -> None:
+    path = _every_kind(tmp_path)
+    expected = [
+        f"{path}:3: functions[0].fn: 'cm_every' has no attribute 'mlp_los'; "
+        "did you mean 'mlp_loss'?",
+        f"{path}:5: functions[0].args[0].dtype: unknown dtype 'float23' "
+        "(use a numpy/jax dtype name such as bfloat16, float32, int32)",
+        f"{path}:5: functions[0].args[0].shape[1]: unknown axis 'seq' (declared axes: batch)",
+        f"{path}:7: functions[0].jit.donate_argnums[0]: 5 is out of range: "
+        "the manifest lists 2 positional args",
+    ]
+    with pytest.raises(BadInput) as info:
+        load_manifest(path, import_paths=[])
+    assert str(info.value).splitlines() == expected
+    assert info.value.exit_code == 2
+    with pytest.raises(BadInput) as info:
+        load_manifest(path)  # without import_paths: nothing imported
+    assert str(info.value).splitlines() == expected[1:]
+
+
+def test_a_bad_entry_still_has_its_references_imported(tmp_path: Path) -> None:
+    (tmp_path / "cm_ref.py").write_text("def f(x):\n    return x\n")
+    path = write(
+        tmp_path,
+        """
+        version: 1
+        functions:
+          - fn: cm_ref:g
+            args:
+              - {shape: [1], dtype: int8}
+            exclude: not-a-list
+          - name: "bad name"
+            fn: cm_ref:h
+            args:
+              - {shape: [1], dtype: int8, pytree: 3}
+        """,
+    )
+    with pytest.raises(BadInput) as info:
+        load_manifest(path, import_paths=[])
+    lines = str(info.value).splitlines()
+    assert [line.split(": ", 2)[:2] for line in lines] == [
+        [f"{path}:3", "functions[0].fn"],
+        [f"{path}:6", "functions[0].exclude"],
+        [f"{path}:7", "functions[1].name"],
+        [f"{path}:8", "functions[1].fn"],
+        [f"{path}:10", "functions[1].args[0].pytree"],
+    ], lines
 
 
 # Problems only visible once user code is imported: check_imports reports them, same format.

@@ -26,6 +26,8 @@ from cachectl_server.auth import COOKIE_NAME
 from cachectl_server.config import ServerSettings
 
 OUTPUT = Path(__file__).resolve().parent.parent / "test-output"
+# Read at import: the autouse isolated_home fixture clears CACHECTL_* before each test.
+NO_CHROMIUM = os.environ.get("CACHECTL_TEST_NO_CHROMIUM") == "1"
 
 
 def chromium_binary() -> str:
@@ -33,7 +35,7 @@ def chromium_binary() -> str:
         path = shutil.which(name)
         if path:
             return path
-    if os.environ.get("CACHECTL_TEST_NO_CHROMIUM") == "1":
+    if NO_CHROMIUM:
         pytest.skip("Chromium not installed and CACHECTL_TEST_NO_CHROMIUM=1")
     pytest.fail(
         "Chromium is needed for the dashboard test: apt-get install -y chromium "

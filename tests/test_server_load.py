@@ -18,9 +18,12 @@ sys.path.insert(0, str(REPO))
 
 from bench import server as bench_server  # noqa: E402
 
+# Read at import: the autouse isolated_home fixture clears CACHECTL_* before each test.
+REQUESTS = int(os.environ.get("CACHECTL_TEST_LOAD_REQUESTS", "600"))
+
 
 def test_load_without_errors() -> None:
-    requests = int(os.environ.get("CACHECTL_TEST_LOAD_REQUESTS", "600"))
+    requests = REQUESTS
     result = bench_server.run(quick=True, requests=requests, concurrency=50)
     load = result["load"]
     assert load["errors"] == 0, load["error_samples"]

@@ -502,6 +502,12 @@ def test_malformed_manifest_exits_2_naming_file_and_line(
 
     path = tmp_path / "bad.yaml"
     path.write_text(textwrap.dedent(text).lstrip("\n"))
+    # The functions the manifests name import fine: each one's only problem is the malformed field.
+    (tmp_path / "m.py").write_text(
+        "def f(*args, **kwargs):\n    return args\ndef p():\n    return {}\n"
+    )
+    for module in ("a", "b"):
+        (tmp_path / f"{module}.py").write_text("def step(*args, **kwargs):\n    return args\n")
     result = invoke("warm", str(path), code=2)
     assert result.stderr.startswith(f"cachectl: error: {path}:{line}: "), result.stderr
     assert needle in result.stderr and result.stderr.count("\n") == 1

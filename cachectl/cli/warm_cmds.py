@@ -278,11 +278,18 @@ def _run_check(
     )
 
 
-def _signer_for(ctx: Context, manifest: str, cache_name: str | None, sign_key: str | None) -> Any:
+def _signer_for(
+    ctx: Context,
+    manifest: str,
+    cache_name: str | None,
+    sign_key: str | None,
+    paths: tuple[str, ...] = (),
+) -> Any:
     """The signing key, checked against the target cache's trusted keys before anything compiles."""
 
     key = signing.signing_key(sign_key)
-    cache = ctx.cache(cache_name or load_manifest(manifest).cache or ctx.settings.cache)
+    loaded = load_manifest(manifest, import_paths=paths)  # a bad one: all its problems
+    cache = ctx.cache(cache_name or loaded.cache or ctx.settings.cache)
     signing.require_signer(cache, key, "warm")
     return key
 
@@ -305,7 +312,7 @@ def _run_distributed(
 
     def prepare() -> None:
         if not dry_run:
-            signer.append(_signer_for(ctx, manifest, cache_name, sign_key))
+            signer.append(_signer_for(ctx, manifest, cache_name, sign_key, paths))
 
     def finish(report: WarmReport) -> None:
         if signer and signer[0] is not None:
@@ -441,7 +448,7 @@ def warm_cmd(
         return
     signer = None
     if not dry_run:
-        signer = _signer_for(ctx, manifest, cache_name, sign_key)
+        signer = _signer_for(ctx, manifest, cache_name, sign_key, paths)
     with _Progress(enabled=not dry_run, terminal=stderr.is_terminal) as progress:
         report = warm(
             ctx,

@@ -7,8 +7,8 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from cachectl.manifest.buckets import _bucket_values, _same
-from cachectl.manifest.schema import ArgSpec, FunctionSpec, Manifest, MeshSpec, Target
-from cachectl.manifest.source import Loc, _describe
+from cachectl.manifest.schema import ArgSpec, FunctionSpec, MeshSpec, Target
+from cachectl.manifest.source import Loc, _describe, _Source
 
 
 def _is_int(value: Any) -> bool:
@@ -23,11 +23,14 @@ def _contains(values: Sequence[Any], value: Any) -> bool:
     return any(_same(v, value) for v in values)
 
 
-def _semantic_problems(manifest: Manifest) -> Iterator[tuple[Loc, str]]:
+def _semantic_problems(
+    specs: Sequence[FunctionSpec], target: Target | None, source: _Source
+) -> Iterator[tuple[Loc, str]]:
+    """The cross-field problems of these function entries (each knows its ``_index``)."""
     first_seen: dict[str, int] = {}
-    for i, spec in enumerate(manifest.functions):
-        loc: Loc = ("functions", i)
-        line = manifest._source.line(loc)
+    for spec in specs:
+        loc: Loc = ("functions", spec._index)
+        line = source.line(loc)
         if spec.name in first_seen:
             yield (
                 loc + ("name",),
@@ -37,7 +40,7 @@ def _semantic_problems(manifest: Manifest) -> Iterator[tuple[Loc, str]]:
                 ),
             )
         first_seen.setdefault(spec.name, line)
-        yield from _function_problems(spec, loc, manifest.target)
+        yield from _function_problems(spec, loc, target)
 
 
 def _function_problems(

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from cachectl.errors import BadInput
+from cachectl.manifest.problems import _raise_problems
 from cachectl.manifest.schema import _REF_RE, FunctionSpec, Manifest, jit_options
 from cachectl.manifest.source import Loc, _describe, _Source
 
@@ -140,65 +141,134 @@ def check_imports(manifest: Manifest, search_paths: Sequence[str | Path] = ()) -
 
     Also checks what can only be known with the function in hand: the arguments bind to
     its signature, non-array static values are declared static, and an already-jitted
-    function carries no ``jit:`` options (the service calls it with its own).
+    function carries no ``jit:`` options (the service calls it with its own). One
+    ``BadInput`` lists every problem, a line each.
     """
     resolved: dict[str, Any] = {}
+    problems: list[tuple[Loc, str]] = []
     for spec in manifest.functions:
-        fn = _resolve_in(spec, spec.fn, ("fn",), search_paths)
-        for a, arg in enumerate(spec.args):
-            if arg.pytree is not None:
-                _resolve_in(spec, arg.pytree, ("args", a, "pytree"), search_paths)
-        if _is_filter_jit(fn):
-            raise spec._bad(
-                ("fn",),
-                f"{spec.fn} is wrapped in eqx.filter_jit, which cachectl cannot lower as the service "
-                "does: name the plain function, pass the model's arrays as a pytree argument "
-                "(eqx.partition with a predicate that keeps ShapeDtypeStruct) and its static parts "
-                "as values",
-            )
-        jitted = is_jitted(fn)
-        if jitted and jit_options(spec):
-            raise spec._bad(
-                ("jit",),
-                f"{spec.fn} is already jitted, so its jax.jit options are fixed; remove 'jit:' "
-                "(a re-wrapped function would compile a different program than the service runs)",
-            )
-        if not jitted:
-            static_names = set(spec.jit.static_argnames)
-            for key, value in spec.kwargs.items():
-                if isinstance(value, dict) and set(value) == {"axis"}:
-                    values = spec.buckets.get(value["axis"], [])
-                    needs = any(_needs_static(v) for v in values)
-                else:
-                    needs = _needs_static(value)
-                if needs and key not in static_names:
-                    raise spec._bad(
-                        ("kwargs", key),
-                        f"{key!r} is not an array or number, so jax.jit must treat it as static: "
-                        "add it to jit.static_argnames",
-                    )
-            nargs = len(spec.args)
-            static_nums = {n % nargs for n in spec.jit.static_argnums} if nargs else set()
-            for a, arg in enumerate(spec.args):
-                if arg.kind == "value" and _needs_static(arg.value) and a not in static_nums:
-                    raise spec._bad(
-                        ("args", a, "value"),
-                        f"argument {a} is not an array or number, so jax.jit must treat it as "
-                        "static: add it to jit.static_argnums",
-                    )
-        _check_signature(spec, fn)
-        resolved[spec.name] = fn
+        fn = _spec_problems(spec, search_paths, problems)
+        if fn is not None:
+            resolved[spec.name] = fn
+    if problems:
+        _raise_problems(manifest._source, problems)
     return resolved
 
 
-def _check_signature(spec: FunctionSpec, fn: Any) -> None:
+def _import_problems(
+    data: dict[str, Any],
+    specs: Sequence[FunctionSpec],
+    source: _Source,
+    search_paths: Sequence[str | Path],
+) -> list[tuple[Loc, str]]:
+    """The import problems of a manifest that has others: those of each checkable function
+    entry (``specs``), and of the references in the other entries of ``data``."""
+    problems: list[tuple[Loc, str]] = []
+    for spec in specs:
+        _spec_problems(spec, search_paths, problems)
+    entries = data.get("functions")
+    checked = {spec._index for spec in specs}
+    if not isinstance(entries, list):
+        return problems
+    for index, entry in enumerate(entries):
+        if index in checked or not isinstance(entry, dict):
+            continue
+        refs: list[tuple[Loc, Any]] = [(("functions", index, "fn"), entry.get("fn"))]
+        args = entry.get("args")
+        for a, arg in enumerate(args if isinstance(args, list) else []):
+            if isinstance(arg, dict):
+                refs.append((("functions", index, "args", a, "pytree"), arg.get("pytree")))
+        for loc, ref in refs:
+            if isinstance(ref, str) and _REF_RE.fullmatch(ref):  # else a schema problem
+                _resolve(ref, loc, source, search_paths, problems)
+    return problems
+
+
+def _resolve(
+    ref: str,
+    loc: Loc,
+    source: _Source,
+    search_paths: Sequence[str | Path],
+    problems: list[tuple[Loc, str]],
+) -> Any:
+    """The object ``ref`` names, or None with the problem added to ``problems``."""
+    _add_to_sys_path(_search_paths(source, search_paths), front=len(search_paths))
+    try:
+        return _import_ref(ref)
+    except _RefError as exc:
+        problems.append((loc, str(exc)))
+        return None
+
+
+def _spec_problems(
+    spec: FunctionSpec, search_paths: Sequence[str | Path], problems: list[tuple[Loc, str]]
+) -> Any:
+    """Add one function entry's import problems to ``problems``; its callable, or None."""
+
+    def bad(loc: Loc, problem: str) -> None:
+        problems.append((spec._loc(*loc), problem))
+
+    before = len(problems)
+    fn = _resolve(spec.fn, spec._loc("fn"), spec._source, search_paths, problems)
+    for a, arg in enumerate(spec.args):
+        if arg.pytree is not None:
+            _resolve(
+                arg.pytree, spec._loc("args", a, "pytree"), spec._source, search_paths, problems
+            )
+    if fn is None:
+        return None
+    if _is_filter_jit(fn):
+        bad(
+            ("fn",),
+            f"{spec.fn} is wrapped in eqx.filter_jit, which cachectl cannot lower as the service "
+            "does: name the plain function, pass the model's arrays as a pytree argument "
+            "(eqx.partition with a predicate that keeps ShapeDtypeStruct) and its static parts "
+            "as values",
+        )
+        return None
+    jitted = is_jitted(fn)
+    if jitted and jit_options(spec):
+        bad(
+            ("jit",),
+            f"{spec.fn} is already jitted, so its jax.jit options are fixed; remove 'jit:' "
+            "(a re-wrapped function would compile a different program than the service runs)",
+        )
+    if not jitted:
+        static_names = set(spec.jit.static_argnames)
+        for key, value in spec.kwargs.items():
+            if isinstance(value, dict) and set(value) == {"axis"}:
+                values = spec.buckets.get(value["axis"], [])
+                needs = any(_needs_static(v) for v in values)
+            else:
+                needs = _needs_static(value)
+            if needs and key not in static_names:
+                bad(
+                    ("kwargs", key),
+                    f"{key!r} is not an array or number, so jax.jit must treat it as static: "
+                    "add it to jit.static_argnames",
+                )
+        nargs = len(spec.args)
+        static_nums = {n % nargs for n in spec.jit.static_argnums} if nargs else set()
+        for a, arg in enumerate(spec.args):
+            if arg.kind == "value" and _needs_static(arg.value) and a not in static_nums:
+                bad(
+                    ("args", a, "value"),
+                    f"argument {a} is not an array or number, so jax.jit must treat it as "
+                    "static: add it to jit.static_argnums",
+                )
+    signature_problem = _signature_problem(spec, fn)
+    if signature_problem is not None:
+        bad(("args",), signature_problem)
+    return fn if len(problems) == before else None
+
+
+def _signature_problem(spec: FunctionSpec, fn: Any) -> str | None:
     try:
         signature = inspect.signature(fn)
     except (TypeError, ValueError):  # builtins and some wrappers have none: let lowering tell
-        return
+        return None
     try:
         signature.bind(*([None] * len(spec.args)), **dict.fromkeys(spec.kwargs))
     except TypeError as exc:
-        raise spec._bad(
-            ("args",), f"the arguments do not fit {spec.fn}{signature}: {exc}"
-        ) from None
+        return f"the arguments do not fit {spec.fn}{signature}: {exc}"
+    return None

@@ -1,9 +1,13 @@
-"""Reading a manifest: YAML -> schema -> cross-field checks -> bucket limit, never importing user code or JAX."""
+"""Reading a manifest: YAML -> schema -> cross-field checks -> bucket limit, every problem at once.
+
+Never imports JAX or user code, unless asked (``import_paths``) to list a bad manifest's
+import problems too."""
 
 from __future__ import annotations
 
 import hashlib
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -12,9 +16,11 @@ from pydantic import ValidationError
 
 from cachectl.errors import BadInput
 from cachectl.manifest.checks import _semantic_problems
+from cachectl.manifest.imports import _import_problems
 from cachectl.manifest.problems import _pydantic_problems, _raise_problems
-from cachectl.manifest.schema import Manifest
+from cachectl.manifest.schema import ArgSpec, FunctionSpec, Manifest, Target
 from cachectl.manifest.source import (
+    Loc,
     _describe,
     _expanded_size,
     _line_map,
@@ -47,19 +53,34 @@ def manifest_digest(path: str | Path) -> str:
     return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
-def load_manifest(path: str | Path) -> Manifest:
-    """Read and validate a manifest; every problem is a one-line ``BadInput`` naming file:line."""
+def load_manifest(
+    path: str | Path, *, import_paths: Sequence[str | Path] | None = None
+) -> Manifest:
+    """Read and validate a manifest; one ``BadInput`` lists every problem, a line each naming
+    file:line (``import_paths``: see :func:`parse_manifest`)."""
     name = str(path)
     try:
         text = Path(path).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
         raise BadInput(f"{name}: cannot read manifest: {reason}") from None
-    return parse_manifest(text, name=name, directory=Path(path).resolve().parent)
+    return parse_manifest(
+        text, name=name, directory=Path(path).resolve().parent, import_paths=import_paths
+    )
 
 
-def parse_manifest(text: str, name: str = "<manifest>", directory: Path | None = None) -> Manifest:
-    """Validate manifest YAML given as text (``name`` is used in messages, ``directory`` for imports)."""
+def parse_manifest(
+    text: str,
+    name: str = "<manifest>",
+    directory: Path | None = None,
+    *,
+    import_paths: Sequence[str | Path] | None = None,
+) -> Manifest:
+    """Validate manifest YAML given as text (``name`` is used in messages, ``directory`` for imports).
+
+    With ``import_paths`` (``--path`` dirs, maybe none), a manifest with problems also has the
+    user code it names imported, so that the one BadInput lists the import problems too; a
+    valid manifest imports nothing (:func:`check_imports` does, later)."""
     loader = _Loader(text)
     try:
         root = loader.get_single_node()
@@ -88,24 +109,119 @@ def parse_manifest(text: str, name: str = "<manifest>", directory: Path | None =
                 (), f"a manifest is a mapping with 'version' and 'functions', got {_describe(data)}"
             )
         )
-    return _validate(data, source)
+    return _validate(data, source, import_paths)
 
 
-def _validate(data: dict[str, Any], source: _Source) -> Manifest:
+def _validate(
+    data: dict[str, Any], source: _Source, import_paths: Sequence[str | Path] | None = None
+) -> Manifest:
+    manifest, problems = _collect_problems(data, source, import_paths)
+    if problems or manifest is None:
+        _raise_problems(source, problems)
+        raise AssertionError("unreachable: _raise_problems always raises")
+    _check_bucket_count(manifest, source, max_buckets())
+    return manifest
+
+
+def _collect_problems(
+    data: dict[str, Any], source: _Source, import_paths: Sequence[str | Path] | None
+) -> tuple[Manifest | None, list[tuple[Loc, str]]]:
+    """Every stage's problems at once: schema, then cross-field checks on each function entry
+    that can be checked (those with schema errors in an argument's fields too, those fields
+    left out), then, with ``import_paths``, the imports of a manifest that has problems.
+
+    A later stage's problem at, above or under an earlier one's field is its consequence
+    and is left out. A valid manifest is returned with no problems (nothing imported)."""
     try:
         manifest = Manifest.model_validate(data)
     except ValidationError as exc:
-        _raise_problems(source, list(_pydantic_problems(exc)))
-        raise  # unreachable: _raise_problems always raises
-    manifest._source = source
-    for index, spec in enumerate(manifest.functions):
+        manifest = None
+        schema = list(_pydantic_problems(exc))
+    else:
+        schema = []
+        manifest._source = source
+    specs = _function_specs(data, manifest, source, [loc for loc, _ in schema])
+    target = manifest.target if manifest is not None else _valid_target(data)
+    problems = _unrelated(schema, list(_semantic_problems(specs, target, source)))
+    if import_paths is not None and problems:
+        problems = _unrelated(problems, _import_problems(data, specs, source, import_paths))
+    return (manifest if not problems else None), problems
+
+
+def _unrelated(
+    earlier: list[tuple[Loc, str]], later: list[tuple[Loc, str]]
+) -> list[tuple[Loc, str]]:
+    """``earlier`` and those of ``later`` not at, above or under one of its fields."""
+    broken = [loc for loc, _ in earlier]
+    return earlier + [(loc, p) for loc, p in later if not any(_related(loc, b) for b in broken)]
+
+
+def _related(loc: Loc, other: Loc) -> bool:
+    """One of the two is a prefix of the other: the same field, a part of it or its container."""
+    n = min(len(loc), len(other))
+    return loc[:n] == other[:n]
+
+
+def _function_specs(
+    data: dict[str, Any], manifest: Manifest | None, source: _Source, broken: list[Loc]
+) -> list[FunctionSpec]:
+    """The function entries later stages can check: all of a valid manifest's; else each entry
+    validated on its own, an argument's fields with schema errors left out."""
+    if manifest is not None:
+        specs = list(manifest.functions)
+    else:
+        entries = data.get("functions")
+        if not isinstance(entries, list):
+            return []
+        specs = []
+        for index, entry in enumerate(entries):
+            spec = _salvage(entry, [loc[2:] for loc in broken if loc[:2] == ("functions", index)])
+            if spec is not None:
+                spec._index = index
+                specs.append(spec)
+    for index, spec in enumerate(specs):
         spec._source = source
-        spec._index = index
-    problems = list(_semantic_problems(manifest))
-    if problems:
-        _raise_problems(source, problems)
-    _check_bucket_count(manifest, source, max_buckets())
-    return manifest
+        if manifest is not None:
+            spec._index = index
+    return specs
+
+
+def _salvage(entry: Any, broken: list[Loc]) -> FunctionSpec | None:
+    """``entry`` as a FunctionSpec, without the fields its schema errors (``broken``, relative
+    to the entry) name; None where an error is not in a field that can be left out (a
+    function's ``name`` or one of an argument's fields)."""
+    if not isinstance(entry, dict):
+        return None
+    entry = dict(entry)
+    args = list(entry["args"]) if isinstance(entry.get("args"), list) else None
+    for loc in broken:
+        if loc[:1] == ("name",):
+            entry.pop("name", None)
+        elif (
+            args is not None
+            and len(loc) >= 3
+            and loc[0] == "args"
+            and isinstance(loc[1], int)
+            and 0 <= loc[1] < len(args)
+            and isinstance(args[loc[1]], dict)
+            and loc[2] in ArgSpec.model_fields
+        ):
+            args[loc[1]] = {k: v for k, v in args[loc[1]].items() if k != loc[2]}
+        else:
+            return None
+    if args is not None:
+        entry["args"] = args
+    try:
+        return FunctionSpec.model_validate(entry)
+    except ValidationError:
+        return None
+
+
+def _valid_target(data: dict[str, Any]) -> Target | None:
+    try:
+        return Target.model_validate(data.get("target"))
+    except ValidationError:
+        return None
 
 
 def _check_bucket_count(manifest: Manifest, source: _Source, limit: int) -> None:

@@ -72,7 +72,7 @@ def plan_warm(
     Raises BadInput (2) for the manifest, PermissionDenied (4) for a non-writer;
     a target mismatch is returned in ``target_problems`` (callers exit 3).
     """
-    manifest = load_manifest(manifest_path)
+    manifest = load_manifest(manifest_path, import_paths=paths)  # a bad one: all problems
     cache_info = ctx.cache(cache or manifest.cache or ctx.settings.cache)
     if writer_check:
         check_writer(cache_info, "warm")
