@@ -7,14 +7,14 @@ __version__ = "0.1.0"
 from cachectl.runtime import Activation, activate  # noqa: E402
 
 
-def serving(*args, **kwargs):  # type: ignore[no-untyped-def]
+def serving(*args, **kwargs):
     """:func:`cachectl.dispatch.serving` (imported on first use: a plain activate() never pays for it)."""
     from cachectl.dispatch import serving as _serving
 
     return _serving(*args, **kwargs)
 
 
-def __getattr__(name: str):  # type: ignore[no-untyped-def]
+def __getattr__(name: str):
     if name in ("OutOfBucket", "StructureMismatch", "Serving", "mask"):
         import importlib
 

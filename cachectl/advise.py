@@ -275,6 +275,7 @@ def rewrite_axes(text: str, manifest: Any, changes: Mapping[tuple[str, str], lis
             new = changes.get((spec.name, axis))
             if new is None:
                 continue
+            assert source is not None  # set from functions[0]: this loop has functions
             lineno = source.line(("functions", spec_index, "buckets", axis)) - 1
             line = lines[lineno]
             flow = re.match(rf"^(\s*{re.escape(axis)}\s*:\s*)\[[^\]]*\](.*)$", line, re.S)

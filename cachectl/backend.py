@@ -8,14 +8,17 @@ choice with short timeouts and without Alembic: cachectl.runtime.open_service_in
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
-from cachectl.client import RemoteIndex, client_from_settings
+from cachectl.client import RemoteIndex, ServerClient, client_from_settings
 from cachectl.index import open_index
 from cachectl.index.backend import IndexBackend
 
+if TYPE_CHECKING:
+    from cachectl.config import Settings
 
-def open_backend(settings: Any, *, client: Any = None) -> IndexBackend:
+
+def open_backend(settings: Settings, *, client: ServerClient | None = None) -> IndexBackend:
     """The index for ``settings``; ``client`` reuses an open ServerClient in server mode."""
     client = client or client_from_settings(settings)
     if client is not None:

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 from functools import cached_property
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from cachectl.backend import open_backend
 from cachectl.client import client_from_settings
 from cachectl.config import DEFAULT_CACHE, Settings, load_settings
 from cachectl.fingerprint import Environment, current_environment
-from cachectl.index import CacheInfo, EnvironmentInfo
+from cachectl.index import CacheInfo, EnvironmentInfo, Index
 from cachectl.index.backend import IndexBackend
 from cachectl.namespace import Namespace, ensure_namespace, namespace_of
 from cachectl.store import Store, normalize_url
@@ -42,6 +42,12 @@ class Context:
             return self._given
         return open_backend(self.settings, client=self.remote)
 
+    @property
+    def sql_index(self) -> Index:
+        """``index`` as the SQL Index, for what only direct mode runs (lifecycle, tokens,
+        telemetry stats: server mode asks the server, cachectl.operations). Not checked here."""
+        return cast(Index, self.index)
+
     def cache(self, name: str | None = None) -> CacheInfo:
         """A cache by name; the embedded ``default`` is created on first use."""
         name = name or self.settings.cache
@@ -71,5 +77,6 @@ class Context:
     def close(self) -> None:
         if "index" in self.__dict__ and self._given is None:
             self.index.close()
-        if self.__dict__.get("remote") is not None:
-            self.remote.close()
+        remote = self.__dict__.get("remote")
+        if remote is not None:
+            remote.close()

@@ -14,6 +14,7 @@ import json
 import os
 import re
 import sys
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
@@ -132,7 +133,7 @@ def excluded_xla_flags() -> tuple[str, ...]:
 
 
 def normalized_xla_flags(
-    environ: dict[str, str] | None = None, argv: list[str] | None = None
+    environ: Mapping[str, str] | None = None, argv: list[str] | None = None
 ) -> tuple[str, ...]:
     """XLA flags as JAX's key sees them: same sources, sorted, same exclusions."""
     environ = os.environ if environ is None else environ
@@ -188,7 +189,8 @@ def current_environment(managed: bool = True) -> Environment:
 
     backend = jax_seam.default_backend()
     devices = jax.devices()
-    enable_xla_caches = jax.config.jax_persistent_cache_enable_xla_caches
+    # JAX adds its options to Config at run time (setattr): its types declare none of them.
+    enable_xla_caches = jax.config.jax_persistent_cache_enable_xla_caches  # type: ignore[attr-defined]
     if managed:
         enable_xla_caches = MANAGED_JAX_CONFIG["jax_persistent_cache_enable_xla_caches"]
     return Environment(
@@ -203,7 +205,8 @@ def current_environment(managed: bool = True) -> Environment:
         xla_flags=normalized_xla_flags(),
         compression=compression_name(),
         enable_xla_caches=str(enable_xla_caches or ""),
-        include_metadata_in_key=bool(jax.config.jax_compilation_cache_include_metadata_in_key),
+        # JAX adds its options to Config at run time (setattr): its types declare none of them.
+        include_metadata_in_key=bool(jax.config.jax_compilation_cache_include_metadata_in_key),  # type: ignore[attr-defined]
     )
 
 

@@ -84,8 +84,9 @@ CALL_FILE = "pjit.py"
 _MAX_FRAMES = 40
 _MAX_VALUE_TEXT = 80
 
-# One leaf of a signature: (shape, dtype, weak_type, sharding or None for uncommitted).
-Leaf = tuple[tuple[int, ...], str, bool, "str | None"]
+# One leaf of a signature: (shape, dtype, weak_type, sharding or None for uncommitted); a dimension
+# that is not an int (a symbolic one) is kept as its text.
+Leaf = tuple[tuple[int | str, ...], str, bool, "str | None"]
 
 
 def _module_logger(module: str, attribute: str, name: str) -> logging.Logger:
@@ -411,9 +412,11 @@ def make_compiled(loaded: Any, args_info: Any, out_tree: Any, no_kwargs: bool) -
 
     import jax
 
+    # Its types describe the installed JAX's constructor; the two calls are two versions' own.
+    compiled: Any = jax.stages.Compiled
     if "const_args" in inspect.signature(jax.stages.Compiled.__init__).parameters:
-        return jax.stages.Compiled(loaded, [], args_info, out_tree, no_kwargs=no_kwargs)
-    return jax.stages.Compiled(loaded, args_info, out_tree, no_kwargs=no_kwargs)  # jax 0.6.2
+        return compiled(loaded, [], args_info, out_tree, no_kwargs=no_kwargs)
+    return compiled(loaded, args_info, out_tree, no_kwargs=no_kwargs)  # jax 0.6.2
 
 
 def device_list(devices: Any) -> Any:
@@ -470,10 +473,12 @@ def _persistent_cache_key(lowered: Any) -> str | None:
     device_array = np.vectorize(lambda i: devices[i], otypes=[object])(np.arange(len(devices)))
     hlo, backend = computation._hlo, args["backend"]
     options = dict(computation._compiler_options_kvs)
+    # Typed for the installed JAX only: each branch calls one version's signature.
+    create_compile_options: Any = pxla.create_compile_options
     if "spmd_lowering" in _parameters(
         pxla.create_compile_options
     ):  # jax 0.9: mesh, SPMD and pmap arguments
-        options = pxla.create_compile_options(
+        options = create_compile_options(
             hlo,
             None,
             args["spmd_lowering"],
@@ -487,7 +492,7 @@ def _persistent_cache_key(lowered: Any) -> str | None:
             options,
         )
     else:  # jax 0.10 - 0.12
-        options = pxla.create_compile_options(
+        options = create_compile_options(
             hlo, args["tuple_args"], to_inputs, to_outputs, backend, device_array, options
         )
     # The callback-ignoring mode as compiler._get_cache_key picks it (an enum in 0.9 and 0.10, a bool

@@ -88,7 +88,7 @@ def dumps_indented(data: Any) -> str:
     return "".join(parts)
 
 
-_ascii = json.encoder.encode_basestring_ascii  # type: ignore[attr-defined]
+_ascii = json.encoder.encode_basestring_ascii
 
 
 def _scalar(value: Any) -> str:

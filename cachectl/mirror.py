@@ -45,7 +45,8 @@ from cachectl.entries import (
 )
 from cachectl.errors import BadInput, NotFound
 from cachectl.fingerprint import Environment
-from cachectl.index import CacheInfo, Index, NewEntry
+from cachectl.index import CacheInfo, NewEntry
+from cachectl.index.backend import IndexBackend
 from cachectl.permissions import check_writer
 from cachectl.signing import check_covered
 from cachectl.store import NotRegularFile, Store
@@ -221,7 +222,7 @@ def _local_state(
 
 
 def pull_namespace(
-    index: Index,
+    index: IndexBackend,
     cache: CacheInfo,
     env: Environment,
     dest: str | os.PathLike[str],
@@ -545,9 +546,9 @@ def push(
             objects,
             parallel=lambda fn, keys: _parallel(fn, keys, workers),
         )
-        for key, (what, exc) in published.failed.items():
+        for key, (what, error) in published.failed.items():
             failed.append(
-                EntryProblem(key, (AOT_REASON if what == "executable" else "") + _error(exc))
+                EntryProblem(key, (AOT_REASON if what == "executable" else "") + _error(error))
             )
         for row in published.rows:
             if row.key not in shared:

@@ -155,13 +155,13 @@ class LocalOperations:
         )
 
     def telemetry_stats(self, cache: str, since: str) -> TelemetryStats:
-        return telemetry_stats(self.ctx.index, cache, parse_duration(since))
+        return telemetry_stats(self.ctx.sql_index, cache, parse_duration(since))
 
     def create_token(
         self, name: str, role: str, caches: list[str] | None, expires: str | None
     ) -> CreatedToken:
         created = tokens.create_token(
-            self.ctx.index, name, role, caches, parse_duration(expires) if expires else None
+            self.ctx.sql_index, name, role, caches, parse_duration(expires) if expires else None
         )
         self.ctx.index.audit(
             "token-create",
@@ -171,10 +171,10 @@ class LocalOperations:
         return created
 
     def list_tokens(self) -> list[TokenInfo]:
-        return tokens.list_tokens(self.ctx.index)
+        return tokens.list_tokens(self.ctx.sql_index)
 
     def revoke_token(self, name: str) -> TokenInfo:
-        info = tokens.revoke_token(self.ctx.index, name)
+        info = tokens.revoke_token(self.ctx.sql_index, name)
         self.ctx.index.audit("token-revoke", cache=None, details={"name": name})
         return info
 

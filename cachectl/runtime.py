@@ -14,17 +14,17 @@ import os
 import sqlite3
 import threading
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, TypeVar, overload
 
 from cachectl import jax_seam, service_sqlite, telemetry
 from cachectl.cache_info import CacheInfo
-from cachectl.config import DEFAULT_CACHE, load_settings
+from cachectl.config import DEFAULT_CACHE, Settings, load_settings
 from cachectl.errors import BadInput, CachectlError, Unreachable
 from cachectl.fingerprint import MANAGED_JAX_CONFIG, Environment, current_environment
 from cachectl.store import Store, normalize_url
 
 if TYPE_CHECKING:
-    from cachectl.index import Index
+    from cachectl.index.backend import IndexBackend
     from cachectl.mirror import PullResult
     from cachectl.service_sqlite import FastIndex
 
@@ -143,7 +143,7 @@ def _fail_fast_object_store(root_url: str) -> None:
     conf.setdefault("config_kwargs", dict(_FAIL_FAST_S3))
 
 
-def _index_side(settings: Any) -> Any:
+def _index_side(settings: Settings) -> Any:
     """Where this service's index lives, imported on first use: cachectl.client in server mode
     (CACHECTL_SERVER), else cachectl.service_index (SQLAlchemy). A plain activate() imports neither."""
     if settings.server:
@@ -160,7 +160,7 @@ def _sql_side() -> Any:
     return service_index
 
 
-def _fast_index(settings: Any) -> tuple[FastIndex, CacheInfo] | None:
+def _fast_index(settings: Settings) -> tuple[FastIndex, CacheInfo] | None:
     """The policy read through the stdlib driver (no SQLAlchemy import), where that can answer."""
     fast = service_sqlite.open_fast(settings.db)
     if fast is None:
@@ -177,9 +177,21 @@ def _fast_index(settings: Any) -> tuple[FastIndex, CacheInfo] | None:
     return fast, info
 
 
+@overload
 def open_service_index(
-    settings: Any, problems: list[str], *, fast: bool = False
-) -> tuple[Index | FastIndex | None, CacheInfo | None]:
+    settings: Settings, problems: list[str], *, fast: Literal[False] = False
+) -> tuple[IndexBackend | None, CacheInfo | None]: ...
+
+
+@overload
+def open_service_index(
+    settings: Settings, problems: list[str], *, fast: bool
+) -> tuple[IndexBackend | FastIndex | None, CacheInfo | None]: ...
+
+
+def open_service_index(
+    settings: Settings, problems: list[str], *, fast: bool = False
+) -> tuple[IndexBackend | FastIndex | None, CacheInfo | None]:
     """The index and this cache's policy; a failure becomes one problem line.
 
     ``fast``: a caller that only reads the policy and records the environment may get a
@@ -197,12 +209,12 @@ def open_service_index(
     return None, None
 
 
-def _record_environment(settings: Any, env: Environment) -> None:
+def _record_environment(settings: Settings, env: Environment) -> None:
     """Record this environment in the SQL index, from a background thread (see activate)."""
     _sql_side().record_environment(settings.db, settings.cache, env, _default_root(settings))
 
 
-def _touch_environment_later(settings: Any, env: Environment) -> None:
+def _touch_environment_later(settings: Settings, env: Environment) -> None:
     """Mark a known environment seen from a thread: the write, its commit and the WAL checkpoint
     when its connection closes (fsyncs, ~4 ms) stay off the service's start. Exit waits for it,
     bounded; where the stdlib path cannot, the SQLAlchemy path records it (still in the thread)."""
@@ -416,7 +428,7 @@ def _prepare_namespace(
         problems.append(f"could not prepare namespace {root_url}/{env.namespace} ({message})")
 
 
-def _default_root(settings: Any) -> str | None:
+def _default_root(settings: Settings) -> str | None:
     """Where the embedded default cache is created if the index has none yet."""
     if settings.cache != DEFAULT_CACHE:
         return None
@@ -427,7 +439,7 @@ def _default_root(settings: Any) -> str | None:
 
 
 def _start_telemetry(
-    settings: Any, cache_name: str, env: Environment, problems: list[str]
+    settings: Settings, cache_name: str, env: Environment, problems: list[str]
 ) -> str | None:
     try:
         sink: telemetry.TelemetrySink

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import TypeVar
 
-from cachectl.config import DEFAULT_CACHE
+from cachectl.config import DEFAULT_CACHE, Settings
 from cachectl.errors import CachectlError
 from cachectl.fingerprint import Environment
 from cachectl.index import CacheInfo, Index, open_index
@@ -58,7 +58,7 @@ def index_with(url: str, first: Callable[[Index], T]) -> tuple[Index, T]:
         raise
 
 
-def open_for_service(settings: Any) -> tuple[Index, CacheInfo]:
+def open_for_service(settings: Settings) -> tuple[Index, CacheInfo]:
     """The SQL index and this cache's policy (the embedded default is created on first use).
 
     A service only reads its cache's row and records its environment, so the

@@ -9,6 +9,7 @@ DeleteObjects of up to 1000 keys and gcsfs uses batch requests.
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import errno
 import functools
@@ -294,7 +295,7 @@ def normalize_url(url: str) -> str:
     protocol, path = split_protocol(url)
     if protocol not in _PROTOCOLS:
         raise BadInput(
-            f"unsupported storage URL scheme {protocol + '://'!r} in {url!r}: "
+            f"unsupported storage URL scheme {f'{protocol}://'!r} in {url!r}: "
             "use a local path, file://, gs://, s3:// or memory://"
         )
     kind = _PROTOCOLS[protocol]
@@ -417,7 +418,7 @@ class Store:
             if info.get("type", "file") != "directory"
         ]
 
-    def list_paths(self, rel: str = "") -> list[str]:
+    def list_paths(self, rel: str = "") -> builtins.list[str]:
         """The paths ``list(rel)`` gives, without sizes and times: on local disk the directory reads
         alone (no stat per file), for a caller that needs the times of only a few files (``infos``)."""
         full = self._full(rel)
@@ -458,7 +459,7 @@ class Store:
 
     def _flat_local(
         self, top: str, *, with_stat: bool
-    ) -> tuple[bool, list[tuple[str, int | None, float | None]]]:
+    ) -> tuple[bool, builtins.list[tuple[str, int | None, float | None]]]:
         """``_dir_stats_local``'s files as one sorted list of (name, size, mtime); whether ``top`` is
         below the root (``_local_top``: names relative to it, else full paths)."""
         below, rel_top = self._local_top(top)
@@ -470,13 +471,13 @@ class Store:
         found.sort()
         return below, found
 
-    def _stat_local(self, top: str) -> tuple[bool, list[tuple[str, int, float]]]:
+    def _stat_local(self, top: str) -> tuple[bool, builtins.list[tuple[str, int, float]]]:
         """Every file below ``top`` (directories are descended, symlinks to them are not: listed as
         files) with one lstat each, sorted: (name, size, mtime seconds) as plain numbers (a
         symlink's size is its target's, 0 if dangling; mtimes are the link's own)."""
         return self._flat_local(top, with_stat=True)  # type: ignore[return-value]
 
-    def _list_local(self, top: str) -> list[FileInfo]:
+    def _list_local(self, top: str) -> builtins.list[FileInfo]:
         """What ``fs.find(top, detail=True)`` gives on local disk, from os.scandir without fsspec's
         per-file info dicts."""
         below, found = self._stat_local(top)
@@ -505,7 +506,7 @@ class Store:
 
     def dir_stats(
         self, rel: str = "", *, stat: bool = True
-    ) -> Iterator[tuple[str, list[tuple[str, int | None, float | None]]]]:
+    ) -> Iterator[tuple[str, builtins.list[tuple[str, int | None, float | None]]]]:
         """``list_stats(rel)`` by directory: (directory relative to the root, its files as (name, size,
         mtime)), directories with files only, depth first with names sorted (a directory's
         subdirectories come right after it, before its next sibling). On local disk each directory
@@ -519,7 +520,7 @@ class Store:
             if below:
                 yield from self._dir_stats_local(top, rel_top, stat)
                 return
-        groups: dict[str, list[tuple[str, int, float | None]]] = {}
+        groups: dict[str, list[tuple[str, int | None, float | None]]] = {}
         for path, size, mtime in self.list_stats(rel):
             parent, _, name = path.rpartition("/")
             groups.setdefault(parent, []).append((name, size, mtime))
@@ -529,7 +530,7 @@ class Store:
     @staticmethod
     def _dir_stats_local(
         top: str, rel_top: str, with_stat: bool
-    ) -> Iterator[tuple[str, list[tuple[str, int | None, float | None]]]]:
+    ) -> Iterator[tuple[str, builtins.list[tuple[str, int | None, float | None]]]]:
         """``dir_stats`` on local disk: one scandir per directory (and one lstat per file), as the walk goes."""
         pending = [(top, rel_top)]
         while pending:
@@ -759,7 +760,7 @@ class Store:
             deleted += self._delete_batch(batch)
         return deleted
 
-    def _delete_batch(self, paths: list[str]) -> int:
+    def _delete_batch(self, paths: builtins.list[str]) -> int:
         if self.kind == "file":
             return _unlink_all(paths)
         try:

@@ -27,6 +27,7 @@ def _library_dirs() -> tuple[str, ...]:
             module = __import__(name)
         except ImportError:  # pragma: no cover - JAX is a dependency
             continue
+        assert module.__file__ is not None  # jax and jaxlib are regular packages
         dirs.append(str(Path(module.__file__).resolve().parent) + os.sep)
     dirs.append(str(Path(sysconfig.get_paths()["stdlib"]).resolve()) + os.sep)
     return tuple(dirs)

@@ -430,7 +430,7 @@ def _signatures(items: list[schemas.SignatureIn]) -> dict[tuple[Any, ...], Signa
             min(s.first_seen, now),
             min(s.last_seen, now),
             s.source,
-            None if s.statics is None else tuple(tuple(x) for x in s.statics),
+            None if s.statics is None else tuple((a, r) for a, r in s.statics),
         )
     return out
 

@@ -112,7 +112,11 @@ def create_app(settings: ServerSettings | str, **overrides: Any) -> FastAPI:
     @app.exception_handler(CachectlError)
     async def library_error(request: Request, exc: CachectlError) -> JSONResponse:
         token = getattr(request.state, "token", None)
-        if isinstance(exc, NotFound) and await run_in_threadpool(hides_caches, request, token):
+        if (
+            isinstance(exc, NotFound)
+            and token is not None
+            and await run_in_threadpool(hides_caches, request, token)
+        ):
             # A scoped token's cache is gone: 403, and never the list of caches the 404 names.
             return JSONResponse(
                 {

@@ -17,7 +17,7 @@ import ipaddress
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qs, urlsplit
 
 from fastapi import APIRouter, HTTPException, Request
@@ -31,6 +31,9 @@ from cachectl.tokens import InvalidToken, TokenInfo, authenticate, issue_session
 from cachectl.units import format_size
 
 from .auth import COOKIE_NAME, identify, route
+
+if TYPE_CHECKING:
+    from .config import ServerSettings
 
 router = APIRouter(include_in_schema=True)
 templates = Jinja2Templates(directory=str(Path(__file__).parent / "templates"))
@@ -88,7 +91,7 @@ def bar_chart(
     bar = max(1.0, slot * 0.7)
     for i, _t in enumerate(at):
         x = pad_l + i * slot + (slot - bar) / 2
-        base = pad_t + plot_h
+        base: float = pad_t + plot_h
         for label, colour, values in series:
             h = plot_h * values[i] / top
             base -= h
@@ -353,7 +356,7 @@ def same_origin(request: Request) -> bool:
     return bool(host) and netloc == host
 
 
-def secure_cookies(settings: Any) -> bool:
+def secure_cookies(settings: ServerSettings) -> bool:
     """Secure unless the server listens on loopback only (plain http://127.0.0.1 in development);
     ``secure_cookies`` True or False forces it."""
     if settings.secure_cookies is not None:

@@ -37,7 +37,7 @@ from cachectl.units import format_size
 from . import schemas
 from .api import CacheName, Digest, ok, state_of
 from .auth import current_token, route
-from .config import EXPANSION_RATIO
+from .config import EXPANSION_RATIO, ServerSettings
 from .state import ServerState
 
 router = APIRouter(prefix="/api/v1")
@@ -136,7 +136,7 @@ async def receive_body(
         raise
 
 
-def expansion_limit(settings: Any, limit: int) -> int:
+def expansion_limit(settings: ServerSettings, limit: int) -> int:
     """How far an upload may decompress: EXPANSION_RATIO times the size it may have on the wire
     (so a cache's max entry size bounds it too), never more than max_decompressed_bytes."""
     return min(settings.max_decompressed_bytes, max(limit, 1) * EXPANSION_RATIO)

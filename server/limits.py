@@ -14,7 +14,7 @@ size), the sign-in form a few KiB, every other body ``max_json_bytes``.
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import TYPE_CHECKING
 
 from fastapi import HTTPException
 from starlette.requests import Request
@@ -27,13 +27,16 @@ from cachectl.units import format_size
 
 from .auth import CHECKED_KEY, UNAUTHORIZED, bearer_token, identify
 
+if TYPE_CHECKING:
+    from .config import ServerSettings
+
 _ENTRY_PUT = re.compile(r"^/api/v1/caches/[^/]+/environments/[^/]+/entries/[^/]+$")
 MAX_FORM_BODY = 4096
 # Routes that take a body without a token: the dashboard's sign-in and sign-out forms.
 PUBLIC_BODY_PATHS = ("/login", "/logout")
 
 
-def body_limit(settings: Any, method: str, path: str) -> int:
+def body_limit(settings: ServerSettings, method: str, path: str) -> int:
     if method == "PUT" and _ENTRY_PUT.match(path):
         return int(settings.max_upload_bytes)
     if path in PUBLIC_BODY_PATHS:
@@ -48,7 +51,7 @@ def _too_large(limit: int) -> str:
 
 
 class BodyGuard:
-    def __init__(self, app: ASGIApp, *, settings: Any) -> None:
+    def __init__(self, app: ASGIApp, *, settings: ServerSettings) -> None:
         self.app = app
         self.settings = settings
 

@@ -104,7 +104,7 @@ class Scheduler:
         """One tick: drop telemetry past its retention, then run every due schedule of every
         cache this replica can lease."""
         self._prune_telemetry()
-        runs = []
+        runs: list[MaintenanceRun] = []
         for cache in self.state.index.list_caches():
             for schedule in schedules_for(cache):
                 if self._stop.is_set():

@@ -224,7 +224,7 @@ def create(
         )
     content = signing.content_list(info.digest, files)
     created_at = datetime.now(UTC)
-    meta = {
+    meta: dict[str, Any] = {
         "format": FORMAT,
         "created_at": created_at.isoformat(),
         "cache": cache.name,

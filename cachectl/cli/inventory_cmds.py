@@ -252,11 +252,12 @@ def stats(ctx, all_caches: bool, since: str | None, as_json: bool) -> None:
         caches = ctx.index.list_caches() if all_caches else [ctx.cache()]
         ops = operations(ctx)
         result = [ops.telemetry_stats(c.name, since) for c in caches]
-        emit(
-            result if all_caches else result[0],
-            as_json,
-            lambda r: [_print_usage(u) for u in (r if isinstance(r, list) else [r])],
-        )
+
+        def human(r: TelemetryStats | list[TelemetryStats]) -> None:
+            for u in r if isinstance(r, list) else [r]:
+                _print_usage(u)
+
+        emit(result if all_caches else result[0], as_json, human)
         return
     caches = ctx.index.list_caches() if all_caches else [ctx.cache()]
     totals = inventory.cache_totals(ctx, caches)

@@ -25,7 +25,7 @@ _SHOW = 50
 
 def _print_plan(plan: DeletionPlan, dry_run: bool) -> None:
     if plan.namespaces:
-        rows = [
+        rows: list[tuple[object, ...]] = [
             (n.namespace, n.digest[:16], n.jax_version, n.entries, size(n.bytes), n.reason)
             for n in plan.namespaces[:_SHOW]
         ]

@@ -30,8 +30,8 @@ def _print(result: SyncResult) -> None:
         ):
             for e in items:
                 rows.append((ns.namespace, label, e.key))
-    for ns in plan.environments_gone:
-        rows.append((ns, "mark environment deleted", "namespace gone from storage"))
+    for gone in plan.environments_gone:
+        rows.append((gone, "mark environment deleted", "namespace gone from storage"))
     for path in result.broken:
         rows.append((path.split(": ", 1)[0].rsplit("/", 1)[0], "skipped: not a valid entry", path))
     if rows:

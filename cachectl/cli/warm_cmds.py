@@ -57,7 +57,9 @@ def _styled(status: str) -> str:
 
 def _print_warm(report: WarmReport) -> None:
     if report.dry_run:
-        rows = [(escape(b.function), _bucket_text(b.bucket)) for b in report.buckets]
+        rows: list[tuple[str, ...]] = [
+            (escape(b.function), _bucket_text(b.bucket)) for b in report.buckets
+        ]
         stdout.print(
             table(
                 f"warm --dry-run: {len(rows)} bucket(s) for {report.namespace}",

@@ -322,11 +322,13 @@ class ServedFunction:
         """What changed since the last take, for telemetry (cachectl.telemetry.ServingCounts)."""
         with self._lock:
             now = (self.calls, self.aot, self.fallback, self.out_of_bucket, self.padded)
-            delta = [a - b for a, b in zip(now, self._taken, strict=True)]
+            calls, aot, fallback, out_of_bucket, padded = (
+                a - b for a, b in zip(now, self._taken, strict=True)
+            )
             self._taken = now
             sizes = {a: dict(c) for a, c in self._sizes_new.items() if c}
             self._sizes_new = {a: Counter() for a in self._sizes_new}
-        return ServingCounts(*delta, sizes=sizes)
+        return ServingCounts(calls, aot, fallback, out_of_bucket, padded, sizes=sizes)
 
     def report(self) -> FunctionReport:
         with self._lock:

@@ -10,9 +10,9 @@ import threading
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import Any, cast
 
-from sqlalchemy import bindparam, case, delete, func, select, update
+from sqlalchemy import CursorResult, bindparam, case, delete, func, select, update
 from sqlalchemy.engine import Connection, Engine, make_url
 from sqlalchemy.exc import DatabaseError, IntegrityError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
@@ -514,7 +514,7 @@ class Index:
                 result = s.execute(
                     delete(Entry).where(Entry.environment_id == env_id, Entry.key.in_(chunk))
                 )
-                removed += result.rowcount or 0
+                removed += cast("CursorResult[Any]", result).rowcount or 0
         return removed
 
     def record_hits(
@@ -557,7 +557,7 @@ class Index:
         result = s.execute(_ADD_HITS, params[0] if len(params) == 1 else params)
         dialect = s.get_bind().dialect if isinstance(s, Session) else s.dialect
         if len(params) == 1 or dialect.supports_sane_multi_rowcount:
-            return result.rowcount or 0
+            return cast("CursorResult[Any]", result).rowcount or 0
         keys = [p["b_key"] for p in params]  # a driver that does not sum an executemany's rowcount
         return (
             s.scalar(

@@ -26,6 +26,7 @@ from sqlalchemy import (
     select,
     type_coerce,
 )
+from sqlalchemy.orm import InstrumentedAttribute
 from sqlalchemy.sql.elements import ColumnElement
 
 from cachectl.index import Index, unit_size
@@ -47,7 +48,7 @@ from cachectl.index.models import (
 from cachectl.index.models import Environment as EnvRow
 
 
-def _score(dialect: str, policy: str, now: datetime) -> ColumnElement[float]:
+def _score(dialect: str, policy: str, now: datetime) -> ColumnElement[Any]:
     """What gc evicts first (lowest score first).
 
     lru: last access (created when never accessed). cost: GreedyDual-Size's
@@ -65,13 +66,15 @@ def _score(dialect: str, policy: str, now: datetime) -> ColumnElement[float]:
     # CASE computed the age twice (SQLite: parsing the date twice, PostgreSQL: numeric arithmetic
     # twice) for every candidate. SQLite computes julianday(now) once per statement (a constant).
     if dialect == "sqlite":
-        age_days = func.max(func.julianday(_as_bound(now)) - func.julianday(last), 0.0)
+        age_days: ColumnElement[Any] = func.max(
+            func.julianday(_as_bound(now)) - func.julianday(last), 0.0
+        )
     else:
         age_days = func.greatest(func.extract("epoch", _as_bound(now) - last) / 86400.0, 0.0)
     return _cost_per_kib() / (1.0 + age_days / COST_HALF_LIFE_DAYS)
 
 
-def _cost_per_kib() -> ColumnElement[float]:
+def _cost_per_kib() -> ColumnElement[Any]:
     unit = unit_size()
     size_kib = case((unit < 1, 1.0), else_=cast(unit, Float) / 1024.0)
     return cast(func.coalesce(Entry.compile_time_ms, DEFAULT_COMPILE_MS), Float) / size_kib
@@ -375,7 +378,7 @@ class _Walk:
             if bounds:
                 result = conn.execute(self._query_each(bounds))
                 try:
-                    for part in iter(partial(result.cursor.fetchmany, _STREAM_ROWS), []):  # type: ignore[attr-defined]
+                    for part in iter(partial(result.cursor.fetchmany, _STREAM_ROWS), []):
                         for row in part:
                             env = row[2]
                             if acc[env] < targets[env]:
@@ -510,7 +513,7 @@ class _Walk:
                     )
                 )
                 read, last = 0, None
-                fetch, size = result.cursor.fetchmany, _FIRST_FETCH  # type: ignore[attr-defined]
+                fetch, size = result.cursor.fetchmany, _FIRST_FETCH
                 try:
                     while part := fetch(size):
                         read += len(part)
@@ -585,7 +588,11 @@ class _Walk:
         # up each row kept, ~1 us a row, more than scoring it); with a LIMIT, a top-N sort.
         return self._one_scan([by_env, *self.where, *within(self.score, Entry.id)]).limit(limit)
 
-    def _sample(self, columns: list[ColumnElement[Any]], where: list[ColumnElement[bool]]) -> Any:
+    def _sample(
+        self,
+        columns: list[ColumnElement[Any] | InstrumentedAttribute[Any]],
+        where: list[ColumnElement[bool]],
+    ) -> Any:
         """The candidates whose id is a multiple of 64 (the same rows either way): looked up by id
         when ``sample_ids`` says ids are dense (SQLite), else found by a scan testing every candidate's
         id (PostgreSQL: its sequential scan measured cheaper than the lookups, 1.06 against 1.35 CPU s

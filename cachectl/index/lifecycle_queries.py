@@ -19,9 +19,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from operator import itemgetter
-from typing import NamedTuple
+from typing import Any, NamedTuple, cast
 
 from sqlalchemy import (
+    CursorResult,
     func,
     literal,
     select,
@@ -279,7 +280,7 @@ def selected_entries(
         result = s.connection().execute(q, execution_options={"yield_per": _STREAM_ROWS})
         for part in result.partitions():
             for row in part:
-                out.setdefault(row[0], []).append(row)  # type: ignore[arg-type]
+                out.setdefault(row[0], []).append(row)
     for rows in out.values():
         rows.sort(key=_by_key)
     return out
@@ -341,7 +342,7 @@ def delete_entry_rows(index: Index, by_env: dict[int, list[str]]) -> int:
                         Entry.environment_id == env_id, Entry.key.in_(chunk)
                     )
                 )
-                removed += result.rowcount or 0
+                removed += cast("CursorResult[Any]", result).rowcount or 0
     return removed
 
 

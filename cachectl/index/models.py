@@ -8,7 +8,7 @@ time, by function).
 from __future__ import annotations
 
 from datetime import UTC, datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from sqlalchemy import (
     JSON,
@@ -19,6 +19,7 @@ from sqlalchemy import (
     Index,
     Integer,
     String,
+    Table,
     Text,
     TypeDecorator,
     UniqueConstraint,
@@ -50,7 +51,9 @@ class UTCDateTime(TypeDecorator[datetime]):
 
 
 class Base(DeclarativeBase):
-    pass
+    if TYPE_CHECKING:
+        # Each model here maps one Table (DeclarativeBase says FromClause, which covers joins).
+        __table__: ClassVar[Table]
 
 
 class Cache(Base):

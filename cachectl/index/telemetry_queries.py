@@ -11,9 +11,9 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
-from sqlalchemy import delete, func, select
+from sqlalchemy import CursorResult, delete, func, select
 
 from cachectl.index import Index
 from cachectl.index.models import (
@@ -240,7 +240,7 @@ def serving_usage(
 ) -> list[ServingUsage]:
     """Served calls per (environment, function) since ``since`` ago, sizes merged across flushes."""
     start = utcnow() - since
-    out: dict[tuple[str, str], dict[str, object]] = {}
+    out: dict[tuple[str, str], dict[str, Any]] = {}
     with index.read_session() as s:
         q = (
             select(
@@ -273,7 +273,7 @@ def serving_usage(
                     "sizes": {},
                 },
             )
-            acc["processes"].add(process)  # type: ignore[union-attr]
+            acc["processes"].add(process)
             for name, value in (
                 ("calls", calls),
                 ("aot", aot),
@@ -281,10 +281,10 @@ def serving_usage(
                 ("out_of_bucket", oob),
                 ("padded", padded),
             ):
-                acc[name] = int(acc[name]) + int(value or 0)  # type: ignore[call-overload]
+                acc[name] = int(acc[name]) + int(value or 0)
             merged = acc["sizes"]
             for axis, counts in (sizes or {}).items():
-                target = merged.setdefault(axis, {})  # type: ignore[union-attr]
+                target = merged.setdefault(axis, {})
                 for size, n in counts.items():
                     target[int(size)] = target.get(int(size), 0) + int(n)
     return [
@@ -294,11 +294,11 @@ def serving_usage(
             len(a["processes"]),
             a["calls"],
             a["aot"],
-            a["fallback"],  # type: ignore[arg-type]
+            a["fallback"],
             a["out_of_bucket"],
             a["padded"],
             a["sizes"],
-        )  # type: ignore[arg-type]
+        )
         for (digest, fn), a in sorted(out.items())
     ]
 
@@ -386,4 +386,6 @@ def prune_telemetry(index: Index, older_than: timedelta, *, now: datetime | None
     with index.session() as s:
         result = s.execute(delete(TelemetryRecord).where(TelemetryRecord.at < cutoff))
         served = s.execute(delete(ServingRecord).where(ServingRecord.at < cutoff))
-        return int(result.rowcount or 0) + int(served.rowcount or 0)
+        return int(cast("CursorResult[Any]", result).rowcount or 0) + int(
+            cast("CursorResult[Any]", served).rowcount or 0
+        )

@@ -20,8 +20,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
+from typing import Any, cast
 
-from sqlalchemy import delete, func, insert, or_, select, update
+from sqlalchemy import CursorResult, delete, func, insert, or_, select, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 
 from cachectl.errors import OperationFailed
@@ -116,7 +117,7 @@ class Lease:
                 .where(LeaseRow.name == self.name, LeaseRow.holder == self.holder)
                 .values(expires_at=value)
             )
-            if not result.rowcount:
+            if not cast("CursorResult[Any]", result).rowcount:
                 raise OperationFailed(
                     f"lost the lease {self.name!r} (it expired and another run took it): stopping; "
                     "re-run to finish, `cachectl sync` reconciles anything left over"
@@ -191,10 +192,10 @@ def _acquire_postgres(
     expires = func.now() + timedelta(seconds=ttl_s)
     table = LeaseRow.__table__
     for _attempt in range(3):
-        stmt = pg_insert(LeaseRow).values(
+        upsert = pg_insert(LeaseRow).values(
             name=name, holder=holder, acquired_at=now, expires_at=expires
         )
-        stmt = stmt.on_conflict_do_update(
+        stmt = upsert.on_conflict_do_update(
             index_elements=[table.c.name],
             set_={"holder": holder, "acquired_at": now, "expires_at": expires},
             where=or_(table.c.expires_at <= func.now(), table.c.holder == holder),

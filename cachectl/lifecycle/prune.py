@@ -208,7 +208,7 @@ def plan_prune(
             f"no selector given: using the cache's retention, --older-than "
             f"{format_duration(crit.older_than)}"
         )
-    all_envs = environments(ctx.index, cache.name)
+    all_envs = environments(ctx.sql_index, cache.name)
     env_reasons: dict[int, list[str]] = {e.id: [] for e in all_envs}
     candidates = list(all_envs)
     if crit.env:
@@ -235,7 +235,7 @@ def plan_prune(
         for e in candidates:
             env_reasons[e.id].append(old[e.id])
 
-    warming = warms_in_progress(ctx.index, [e.id for e in candidates], now=now)
+    warming = warms_in_progress(ctx.sql_index, [e.id for e in candidates], now=now)
     for e in candidates:
         if e.id in warming:
             w = warming[e.id]
@@ -262,7 +262,7 @@ def plan_prune(
     by_id = {e.id: e for e in candidates}
     if crit.entry_level:
         picked = selected_counts(
-            ctx.index,
+            ctx.sql_index,
             list(by_id),
             created_before=created_before,
             unused_before=unused_before,
@@ -284,7 +284,7 @@ def plan_prune(
     if partial:
         reason = "; ".join(entry_reasons)
         rows = selected_entries(
-            ctx.index,
+            ctx.sql_index,
             partial,
             created_before=created_before,
             unused_before=unused_before,
@@ -312,7 +312,7 @@ def _protect_active(
 ) -> list[EnvSummary]:
     """Candidates less each one that is its group's only environment with recent hits."""
     active = environments_with_recent_hits(
-        ctx.index, [e.id for e in all_envs], now - RECENT_HITS_WINDOW
+        ctx.sql_index, [e.id for e in all_envs], now - RECENT_HITS_WINDOW
     )
     leaving = {e.id for e in candidates}
     served: dict[tuple[object, ...], bool] = defaultdict(bool)
@@ -373,9 +373,9 @@ def prune(
         return LifecycleResult(plan, None, True, time.monotonic() - started)
     check_writer(cache, "prune")
     store = ctx.store(cache)
-    with leases.held(ctx.index, cache.name, "prune") as lease:
+    with leases.held(ctx.sql_index, cache.name, "prune") as lease:
         started = time.monotonic()
         plan = plan_prune(ctx, cache, crit, now=now, store=store, protect_active=protect_active)
         planning = time.monotonic() - started
-        execution = execute_plan(ctx.index, store, plan, lease=lease, batch_size=batch_size)
+        execution = execute_plan(ctx.sql_index, store, plan, lease=lease, batch_size=batch_size)
     return LifecycleResult(plan, execution, False, planning)

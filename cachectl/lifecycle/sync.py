@@ -188,7 +188,8 @@ def _group_by_namespace(
     return groups, strays
 
 
-Stat = tuple[str, int, float | None]  # (name, size, mtime in POSIX seconds) as the listing gives it
+# (name, size, mtime in POSIX seconds) as the listing gives it; size None: listed without stats
+Stat = tuple[str, int | None, float | None]
 
 
 def _namespace_files(

@@ -247,7 +247,7 @@ def plan_verify(
     plan = VerifyPlan(cache.name, store.url)
     if quarantine:
         plan.quarantine_dir = f"{QUARANTINE_DIR}/{now:%Y%m%dT%H%M%SZ}"
-    envs = {e.namespace: e for e in environments(ctx.index, cache.name)}
+    envs = {e.namespace: e for e in environments(ctx.sql_index, cache.name)}
     if env_prefix:
         target = ctx.index.find_environment(cache.name, env_prefix)
         envs = {ns: e for ns, e in envs.items() if e.id == target.id}
@@ -270,7 +270,7 @@ def plan_verify(
                     "entry; remove it if nothing of yours needs it",
                 )
             )
-    warming = warms_in_progress(ctx.index, [e.id for e in envs.values()], now=now)
+    warming = warms_in_progress(ctx.sql_index, [e.id for e in envs.values()], now=now)
     checks: list[
         tuple[str, str, int, str, int, str]
     ] = []  # (namespace, key, size, sha, env id, path)
@@ -311,8 +311,8 @@ def plan_verify(
                     )
                 )
             continue
-        indexed = entry_digests(ctx.index, env.id)
-        indexed_aot = executable_digests(ctx.index, env.id)
+        indexed = entry_digests(ctx.sql_index, env.id)
+        indexed_aot = executable_digests(ctx.sql_index, env.id)
         names = dict(files)  # path in the namespace -> path in the root
         # once per file: the loops below all need it (an entry's name in one regex match)
         kinds = {rel: Kind.ENTRY if is_entry(rel) else classify(rel) for rel in names}
@@ -333,7 +333,7 @@ def plan_verify(
                 )
             )
         if cache.effective_service_writes == "deny":
-            for key, created in service_written_entries(ctx.index, env.id):
+            for key, created in service_written_entries(ctx.sql_index, env.id):
                 plan.findings.append(
                     Finding(
                         SERVICE_WRITE,
@@ -447,11 +447,11 @@ def plan_verify(
 
     # --min-age spares a young unknown file from quarantine: only those need a time.
     infos = store.infos([u[1] for u in unknowns if u[3] and not u[2]], within=scope)
-    for ns, path, warm, action, env_id, key in unknowns:
+    for ns, path, warm, action, env_id, file_key in unknowns:
         info = infos.get(path)
         plan.findings.append(
             _unknown(
-                ns, path, info.mtime if info else None, now, min_age, warm, action, env_id, key
+                ns, path, info.mtime if info else None, now, min_age, warm, action, env_id, file_key
             )
         )
     bad: set[str] = set()
@@ -462,27 +462,27 @@ def plan_verify(
             return _check_executable(read, f"{c[0]}/{c[1]}{AOT_SUFFIX}", c[1], c[2], c[3], c[5])
 
         entry_results = _entry_checks(store, checks, workers)
-        for (ns, key, _size, _sha, env_id, _path), (kind, detail, nread) in zip(
+        for (ns, key, _size, _sha, env_id, _path), (fault, detail, nread) in zip(
             checks, entry_results, strict=True
         ):
-            if kind is None:  # a good file: counted here, without a call per file
+            if fault is None:  # a good file: counted here, without a call per file
                 plan.bytes_read += nread
                 if lease is not None:
                     lease.check()
                 continue
             finding = _finding(
-                plan, lease, ns, key, env_id, CACHE_SUFFIX, kind, detail, nread, act(DROP_ROW), act
+                plan, lease, ns, key, env_id, CACHE_SUFFIX, fault, detail, nread, act(DROP_ROW), act
             )
             if finding:
                 bad.add(finding.path)
         plan.entries_checked += len(checks)
         aot_results = ordered_map(check_aot, aot_checks, workers)
-        for (ns, key, _size, _sha, env_id, _esha), (kind, detail, nread) in zip(
+        for (ns, key, _size, _sha, env_id, _esha), (fault, detail, nread) in zip(
             aot_checks, aot_results, strict=True
         ):
             plan.executables_checked += 1
             _finding(
-                plan, lease, ns, key, env_id, AOT_SUFFIX, kind, detail, nread, act(CLEAR_AOT), act
+                plan, lease, ns, key, env_id, AOT_SUFFIX, fault, detail, nread, act(CLEAR_AOT), act
             )
     unknown = {f.path for f in plan.findings if f.kind == UNKNOWN}
     for ns, items in atime_needed.items():
@@ -594,7 +594,8 @@ def execute_verify(
             by_action[f.action].append(f)
     moved: list[str] = []
     rows: dict[int, list[str]] = defaultdict(list)
-    cleared: dict[int, dict[str, None]] = defaultdict(dict)  # entries whose executable columns go
+    # entries whose executable columns go
+    cleared: dict[int, dict[str, tuple[int, str] | None]] = defaultdict(dict)
     to_move = [f for f in by_action[QUARANTINE] if _still_bad(ctx, store, f)]
     moving = {f.path for f in to_move}
     for f in list(to_move):
@@ -648,7 +649,7 @@ def execute_verify(
     for f in by_action[CLEAR_AOT]:
         if f.environment_id is not None and f.key:
             cleared[f.environment_id][f.key] = None
-    dropped = delete_entry_rows(ctx.index, rows) if rows else 0
+    dropped = delete_entry_rows(ctx.sql_index, rows) if rows else 0
     aot_cleared = sum(ctx.index.set_executables(env_id, keys) for env_id, keys in cleared.items())
     orphans = [f.path for f in by_action[DELETE_ATIME]]
     if orphans:
@@ -693,7 +694,7 @@ def deep_findings(ctx: Context, cache: CacheInfo, plan: VerifyPlan, store: Store
         p
         for p in (
             f"{info.namespace}/{key}{CACHE_SUFFIX}"
-            for key in sorted(entry_digests(ctx.index, info.id))
+            for key in sorted(entry_digests(ctx.sql_index, info.id))
         )
         if p not in bad
     ]
@@ -755,7 +756,7 @@ def verify(
         )
         return VerifyResult(plan, 0, 0, 0, 0, False, duration)
     check_writer(cache, "quarantine or repair")
-    with leases.held(ctx.index, cache.name, "verify") as lease:
+    with leases.held(ctx.sql_index, cache.name, "verify") as lease:
         plan = plan_verify(
             ctx,
             cache,

@@ -132,14 +132,16 @@ def _collect_problems(
 
     A later stage's problem at, above or under an earlier one's field is its consequence
     and is left out. A valid manifest is returned with no problems (nothing imported)."""
+    manifest: Manifest | None
     try:
-        manifest = Manifest.model_validate(data)
+        valid = Manifest.model_validate(data)
     except ValidationError as exc:
         manifest = None
         schema = list(_pydantic_problems(exc))
     else:
         schema = []
-        manifest._source = source
+        valid._source = source
+        manifest = valid
     specs = _function_specs(data, manifest, source, [loc for loc, _ in schema])
     target = manifest.target if manifest is not None else _valid_target(data)
     problems = _unrelated(schema, list(_semantic_problems(specs, target, source)))

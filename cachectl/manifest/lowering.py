@@ -6,7 +6,7 @@ so importing the package stays cheap for the CLI."""
 from __future__ import annotations
 
 import inspect
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -123,6 +123,7 @@ def _build_pytree(
 
     loc = ("args", a, "pytree")
     make = _resolve_in(spec, str(arg.pytree), loc, search_paths)
+    params: Mapping[str, inspect.Parameter]
     try:
         params = inspect.signature(make).parameters
     except (TypeError, ValueError):

@@ -252,21 +252,21 @@ class Collector:
         except Exception:  # noqa: BLE001 - telemetry never breaks a compile
             pass
 
-    def _on_duration(self, event: str, duration: float, **_kwargs: Any) -> None:
+    def _on_duration(self, event: str, duration_secs: float, **_kwargs: Any) -> None:
         try:
             if event == EVENT_SAVED:
                 module = self._thread_state()[1]
                 with self._lock:
-                    self._saved += duration
+                    self._saved += duration_secs
                     counts = self._counts(module)
                     if counts is not None:
-                        counts.saved_seconds += duration
+                        counts.saved_seconds += duration_secs
             elif event == EVENT_RETRIEVAL:
                 module = self._thread_state()[1]
                 with self._lock:
                     counts = self._counts(module)
                     if counts is not None:
-                        counts.retrieval_seconds += duration
+                        counts.retrieval_seconds += duration_secs
         except Exception:  # noqa: BLE001
             pass
 
@@ -317,10 +317,11 @@ class Collector:
             return
         from jax import monitoring as _monitoring
 
-        for remove, fn in (
+        listeners: tuple[tuple[Callable[[Any], None], object], ...] = (
             (_monitoring.unregister_event_listener, self._on_event),
             (_monitoring.unregister_event_duration_listener, self._on_duration),
-        ):
+        )
+        for remove, fn in listeners:
             with contextlib.suppress(AssertionError, ValueError):
                 remove(fn)
         if self._tap is not None:

@@ -111,7 +111,7 @@ def _check_in_this_process(request: dict[str, Any]) -> dict[str, Any]:
     if not activation.active:
         raise OperationFailed(activation.warning or "activate() did not activate the cache")
     jitted, calls = _build_calls(manifest, buckets, paths)
-    results = []
+    results: list[dict[str, Any]] = []
     for position, bucket in enumerate(buckets):
         base = {"function": bucket.function, "bucket": dict(bucket.values)}
         call = calls[position]

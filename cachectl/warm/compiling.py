@@ -190,7 +190,8 @@ def _persistent_cache_off() -> Iterator[None]:
     """
     import jax
 
-    saved = jax.config.jax_enable_compilation_cache
+    # JAX adds its options to Config at run time (setattr): its types declare none of them.
+    saved = jax.config.jax_enable_compilation_cache  # type: ignore[attr-defined]
     jax.config.update("jax_enable_compilation_cache", False)
     jax_seam.reset_persistent_cache()
     try:

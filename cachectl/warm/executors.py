@@ -68,8 +68,8 @@ def _drive(
             position = pending.pop(future)
             if future.cancelled():
                 continue
-            exc = future.exception()
-            failed = settle(position, None if exc else future.result(), exc)
+            error = future.exception()
+            failed = settle(position, None if error else future.result(), error)
             if failed and fail_fast:
                 for other in pending:
                     other.cancel()
@@ -90,7 +90,9 @@ def _run_threads(
     errors = {p: c for p, c in calls.items() if isinstance(c, str)}
 
     def task(position: int) -> _Outcome:
-        args, kwargs = calls[position]  # type: ignore[misc]
+        call = calls[position]
+        assert not isinstance(call, str)  # buckets in errors are never compiled
+        args, kwargs = call
         return compile_bucket(
             jitted[plan.buckets[position].function],
             args,

@@ -88,7 +88,7 @@ class WarmReport:
         return self.summary.failed == 0 and not self.target_problems
 
     def to_json(self) -> dict[str, Any]:
-        return to_jsonable(self)  # type: ignore[no-any-return]
+        return to_jsonable(self)
 
     @property
     def executables(self) -> int:
@@ -169,4 +169,4 @@ class CheckReport:
         return self.summary.aot_coverage
 
     def to_json(self) -> dict[str, Any]:
-        return to_jsonable(self)  # type: ignore[no-any-return]
+        return to_jsonable(self)

@@ -344,7 +344,7 @@ def _settle(
     when its JAX entry and its stored executable are both there already.
     """
     values = dict(bucket.values)
-    base = {"function": bucket.function, "bucket": values}
+    base: dict[str, Any] = {"function": bucket.function, "bucket": values}
     if error is not None or outcome is None:
         return BucketResult(
             **base,
@@ -377,7 +377,7 @@ def _settle(
         )
     parsed = parse_key(key)
     module = parsed.module if parsed else key
-    entry = {
+    entry: dict[str, Any] = {
         "key": key,
         "module": module,
         "function": bucket.function,

@@ -1,0 +1,1 @@
+# cachectl_migrations is migrations/ once installed (see typings/README.md).

@@ -1,0 +1,1 @@
+# cachectl_server is server/ once installed (see typings/README.md).
