@@ -172,8 +172,9 @@ def test_global_options_after_the_command(tmp_path) -> None:
     result = CliRunner().invoke(cli, ["stats", "--cache", "nosuch"])
     assert result.exit_code == 2 and "no cache named 'nosuch'" in result.output
 
-    quiet, _ = run_fresh(tmp_path, "cache", "list")
-    loud, _ = run_fresh(tmp_path, "cache", "list", "-v")
+    # A fresh index logs its migration at INFO: shown with -v only.
+    quiet, _ = run_fresh(tmp_path, "cache", "list", "--db", f"sqlite:///{tmp_path}/quiet.db")
+    loud, _ = run_fresh(tmp_path, "cache", "list", "-v", "--db", f"sqlite:///{tmp_path}/loud.db")
     assert quiet.returncode == loud.returncode == 0
     assert "INFO " not in quiet.stderr and "INFO " in loud.stderr
 
