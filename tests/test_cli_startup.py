@@ -208,3 +208,13 @@ def test_a_commands_own_option_wins_over_the_global_one() -> None:
     assert len(caches) == 1 and caches[0].expose_value  # warm's own --cache, no global one
     verbose = [p for p in warm.params if "-v" in p.opts]
     assert len(verbose) == 1 and not verbose[0].expose_value
+
+
+def test_exec_passes_a_commands_own_v_to_it() -> None:
+    exec_ = cli.get_command(None, "exec")  # type: ignore[arg-type]
+    assert exec_ is not None
+    with click.Context(cli, info_name="cachectl") as root:
+        root.params = {"db": None, "cache_name": None, "verbose": 0}
+        sub = exec_.make_context("exec", ["python", "-v", "--db", "x"], parent=root)
+        assert sub.params["command"] == ("python", "-v", "--db", "x")
+        assert root.params == {"db": None, "cache_name": None, "verbose": 0}
