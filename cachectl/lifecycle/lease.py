@@ -22,7 +22,6 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
 from sqlalchemy import delete, func, insert, or_, select, update
-from sqlalchemy.dialects.postgresql import insert as pg_insert
 
 from cachectl.errors import OperationFailed
 from cachectl.index import Index, actor
@@ -186,6 +185,9 @@ def _acquire_sqlite(
 def _acquire_postgres(
     index: Index, name: str, holder: str, ttl_s: float
 ) -> tuple[bool, str, datetime]:
+    # Imported here: the PostgreSQL dialect (and asyncpg's) is 50 ms an SQLite index never needs.
+    from sqlalchemy.dialects.postgresql import insert as pg_insert
+
     # Server time, not ours: hosts with skewed clocks still agree on expiry.
     now = func.now()
     expires = func.now() + timedelta(seconds=ttl_s)
