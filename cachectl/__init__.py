@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 __version__ = "0.1.0"
 
-from cachectl.runtime import Activation, activate  # noqa: E402
+if TYPE_CHECKING:
+    from cachectl.runtime import Activation, activate
 
 
 def serving(*args, **kwargs):
@@ -15,6 +18,11 @@ def serving(*args, **kwargs):
 
 
 def __getattr__(name: str):
+    """The runtime and serving names, imported on first use: ``cachectl --help`` loads neither."""
+    if name in ("Activation", "activate"):
+        import importlib
+
+        return getattr(importlib.import_module("cachectl.runtime"), name)
     if name in ("OutOfBucket", "StructureMismatch", "Serving", "mask"):
         import importlib
 

@@ -229,6 +229,8 @@ def _observed(
                 target[int(size)] = target.get(int(size), 0) + int(n)
     if merged:
         return merged, "serving"
+    if not signature_usage(ctx.index, cache, since):
+        return {}, "signatures"  # no signature to match: lowering (JAX) would find nothing
     expected = expected_signatures(manifest_path, function=spec.name)
     if not expected or expected[0].origins is None:
         return {}, "signatures"

@@ -46,6 +46,11 @@ def index(db_url: str):
     engine.dispose()
 
 
+def test_the_script_head_is_alembics_head() -> None:
+    """ensure_schema's check reads the head off the scripts; Alembic must agree."""
+    assert index_db._script_head() == index_db.head_revision()
+
+
 def test_migrations_upgrade_from_empty(db_url: str) -> None:
     engine = index_db.make_engine(db_url)
     assert index_db.current_revision(engine) is None

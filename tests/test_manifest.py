@@ -1184,3 +1184,11 @@ print(json.dumps({{"example": [str(b) for b in expand(example)],
     assert result["example"] == [str(b) for b in expand(load_manifest(EXAMPLE))]
     assert result["dtypes"] == [str(jnp.dtype(d)) for d in dtypes]
     assert result["messages"] == expected
+
+
+def test_common_dtypes_are_names_dtype_accepts() -> None:
+    """The names validation takes without importing numpy/ml_dtypes are ones _dtype accepts."""
+    from cachectl.manifest.schema import COMMON_DTYPES, _dtype
+
+    assert {str(_dtype(name)) for name in COMMON_DTYPES} == set(COMMON_DTYPES)
+    assert set(COMMON_DTYPES) <= set(_jax_dtype_names())

@@ -1,20 +1,239 @@
-"""The cachectl command line: thin commands over library functions."""
+"""The cachectl command line: thin commands over library functions.
+
+Commands load lazily: ``_COMMANDS`` names each command's module, attribute and
+short help, so ``cachectl --help`` lists them all without importing one, and a
+command's module (with whatever it imports: JAX, SQLAlchemy...) is imported only
+when that command runs or shows its own help.
+"""
 
 from __future__ import annotations
 
+import importlib
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
 from cachectl import __version__
 from cachectl.config import load_settings
-from cachectl.context import Context
 from cachectl.errors import CachectlError, ProblemsReported
+
+if TYPE_CHECKING:
+    from cachectl.context import Context
+
+# name -> (module under cachectl.cli, attribute, short help). The short help is the
+# command's own (its first help sentence); tests/test_cli_startup.py holds the two equal.
+_COMMANDS: dict[str, tuple[str, str, str]] = {
+    "advise": (
+        "usage_cmds",
+        "advise",
+        "Choose bucket values from the sizes services really called with: the least padding"
+        " waste for N buckets (an exact dynamic program), or the fewest buckets within a"
+        " waste bound.",
+    ),
+    "bundle": (
+        "bundle_cmds",
+        "bundle_group",
+        "Ship a namespace as one verified file (images, clusters without bucket access).",
+    ),
+    "cache": ("cache_cmds", "cache_group", "Register caches (a root URL plus a policy)."),
+    "db": ("db_cmds", "db_group", "Index schema migrations (Alembic, shipped with cachectl)."),
+    "doctor": (
+        "service_cmds",
+        "doctor",
+        "Explain why this process would miss its warmed cache (exit 1 on any error).",
+    ),
+    "env": (
+        "env_cmds",
+        "env",
+        "Print the variables a service needs to hit this environment's namespace.",
+    ),
+    "exec": (
+        "env_cmds",
+        "exec_",
+        "Run COMMAND with the environment `cachectl env` prints (for services that cannot"
+        " call activate()).",
+    ),
+    "fingerprint": (
+        "env_cmds",
+        "fingerprint",
+        "Show this machine's environment: everything in JAX's cache key but the program.",
+    ),
+    "gc": (
+        "lifecycle_cmds",
+        "gc_cmd",
+        "Evict entries until the cache fits its max_size (and env_max_size).",
+    ),
+    "key": ("bundle_cmds", "key_group", "Signing keys: the trust root of signed caches."),
+    "ls": (
+        "inventory_cmds",
+        "ls",
+        "List a cache's environments, or one environment's entries.",
+    ),
+    "misses": (
+        "usage_cmds",
+        "misses",
+        "Every program signature services missed, each with the nearest warmed bucket and"
+        " the fields that differ (exit 1 when something missed).",
+    ),
+    "path": (
+        "env_cmds",
+        "path",
+        "Print the managed namespace for this environment (created if missing).",
+    ),
+    "prune": (
+        "lifecycle_cmds",
+        "prune_cmd",
+        "Delete entries and namespaces the selectors name (AND).",
+    ),
+    "pull": (
+        "service_cmds",
+        "pull",
+        "Copy this environment's verified entries to DIR (then point JAX at DIR).",
+    ),
+    "push": (
+        "service_cmds",
+        "push",
+        "Upload entries a local run wrote in DIR to the shared namespace (writers only).",
+    ),
+    "serve": (
+        "server_cmds",
+        "serve",
+        "Run the cachectl server (FastAPI on uvicorn) over the index.",
+    ),
+    "stats": (
+        "inventory_cmds",
+        "stats",
+        "Totals per cache and per environment; with --since, hits and misses from services.",
+    ),
+    "sync": ("sync_cmds", "sync_cmd", "Reconcile storage and index."),
+    "token": (
+        "server_cmds",
+        "token_group",
+        "Bearer tokens for the server: reader, writer or admin, optionally scoped to caches.",
+    ),
+    "verify": (
+        "lifecycle_cmds",
+        "verify_cmd",
+        "Check every indexed entry: exists, sha256 matches, decompresses.",
+    ),
+    "warm": (
+        "warm_cmds",
+        "warm_cmd",
+        "Compile every function x shape bucket of MANIFEST into this environment's namespace.",
+    ),
+    "warm-check": (
+        "warm_cmds",
+        "warm_check_cmd",
+        "Prove coverage: in a fresh process, activate the cache read-only and load every bucket.",
+    ),
+}
+
+
+def _log_level(verbose: int) -> int:
+    return (logging.WARNING, logging.INFO, logging.DEBUG)[min(verbose, 2)]
+
+
+def _global_option_seen(ctx: click.Context, param: click.Parameter, value: Any) -> None:
+    """A global option given after the command: it lands in the root's params, as if given first."""
+    if not value or ctx.resilient_parsing:
+        return
+    root = ctx.find_root()
+    if param.name == "_global_verbose":
+        root.params["verbose"] = (root.params.get("verbose") or 0) + value
+        if root.meta.get("cachectl.configured_logging"):  # the root's basicConfig took
+            logging.getLogger().setLevel(_log_level(root.params["verbose"]))
+    else:
+        root.params[str(param.name).removeprefix("_global_")] = value
+
+
+# The root's options a command accepts after its name too (cachectl warm m.yaml -v), where
+# it has no option of that name itself: (opts, click.Option keywords).
+_GLOBAL_OPTIONS: tuple[tuple[tuple[str, ...], dict[str, Any]], ...] = (
+    (("--db", "_global_db"), {"metavar": "URL"}),
+    (("--cache", "_global_cache_name"), {"metavar": "NAME"}),
+    (("-v", "--verbose", "_global_verbose"), {"count": True}),
+)
+
+
+def _accept_global_options(cmd: click.Command) -> None:
+    """Give ``cmd`` (and every command under it) the global options it does not define itself."""
+    if getattr(cmd, "_cachectl_globals", False):
+        return
+    taken = {opt for p in cmd.params for opt in (*p.opts, *p.secondary_opts)}
+    for decls, extra in _GLOBAL_OPTIONS:
+        opts = [d for d in decls if d.startswith("-")]
+        if taken.isdisjoint(opts):
+            cmd.params.append(
+                click.Option(
+                    decls,
+                    expose_value=False,
+                    hidden=True,
+                    callback=_global_option_seen,
+                    **extra,
+                )
+            )
+    cmd._cachectl_globals = True  # type: ignore[attr-defined]
+    if isinstance(cmd, click.Group):
+        for sub in cmd.commands.values():
+            _accept_global_options(sub)
+
+
+class _LazyContext:
+    """``ctx.obj``: the command's :class:`cachectl.context.Context`, built on first use.
+
+    Built after every option is parsed (those after the command included), and never
+    for ``CMD --help`` or a command that needs none.
+    """
+
+    def __init__(self, root: click.Context) -> None:
+        self._root = root
+        self._context: Context | None = None
+
+    def _get(self) -> Context:
+        if self._context is None:
+            from cachectl.context import Context  # SQLAlchemy and the stores: not for --help
+
+            params = self._root.params
+            self._context = Context(load_settings(db=params["db"], cache=params["cache_name"]))
+        return self._context
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._get(), name)
+
+    def close(self) -> None:
+        if self._context is not None:
+            self._context.close()
 
 
 class CachectlGroup(click.Group):
-    """Turns library errors into one line on stderr and the contract's exit code (130 on Ctrl-C)."""
+    """Loads commands from ``_COMMANDS`` on demand; turns library errors into one line on
+    stderr and the contract's exit code (130 on Ctrl-C)."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted({*self.commands, *_COMMANDS})
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        cmd = self.commands.get(cmd_name)
+        if cmd is None and cmd_name in _COMMANDS:
+            module, attribute, _ = _COMMANDS[cmd_name]
+            cmd = getattr(importlib.import_module(f"cachectl.cli.{module}"), attribute)
+            _accept_global_options(cmd)
+            self.add_command(cmd, cmd_name)
+        return cmd
+
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        """click's listing, with the short help of a command not loaded yet from ``_COMMANDS``."""
+        commands = []
+        for name in self.list_commands(ctx):
+            cmd = self.commands.get(name) or click.Command(name, help=_COMMANDS[name][2])
+            if not cmd.hidden:
+                commands.append((name, cmd))
+        if commands:
+            limit = formatter.width - 6 - max(len(name) for name, _ in commands)
+            rows = [(name, cmd.get_short_help_str(limit)) for name, cmd in commands]
+            with formatter.section("Commands"):
+                formatter.write_dl(rows)
 
     def invoke(self, ctx: click.Context) -> Any:
         try:
@@ -53,7 +272,7 @@ class CachectlGroup(click.Group):
     help="Cache to work on (default: 'default'). [env: CACHECTL_CACHE]",
 )
 @click.option("-v", "--verbose", count=True, help="More log output (-vv for debug).")
-@click.version_option(__version__, prog_name="cachectl")
+@click.version_option(__version__, prog_name="cachectl", message="%(prog)s %(version)s")
 @click.pass_context
 def cli(ctx: click.Context, db: str | None, cache_name: str | None, verbose: int) -> None:
     """Manage shared JAX persistent compilation caches.
@@ -67,44 +286,10 @@ def cli(ctx: click.Context, db: str | None, cache_name: str | None, verbose: int
     Exit codes: 0 ok, 1 problems found, 2 bad input,
                 3 hardware/environment mismatch, 4 permission denied.
     """
-    logging.basicConfig(
-        level=(logging.WARNING, logging.INFO, logging.DEBUG)[min(verbose, 2)],
-        format="%(levelname)s %(name)s: %(message)s",
-    )
-    ctx.obj = Context(load_settings(db=db, cache=cache_name))
+    ctx.meta["cachectl.configured_logging"] = not logging.root.handlers
+    logging.basicConfig(level=_log_level(verbose), format="%(levelname)s %(name)s: %(message)s")
+    ctx.obj = _LazyContext(ctx)
     ctx.call_on_close(ctx.obj.close)
-
-
-# One module per command group; groups land as their modules do.
-_COMMAND_MODULES = (
-    "cache_cmds",
-    "db_cmds",
-    "env_cmds",
-    "inventory_cmds",
-    "sync_cmds",
-    "warm_cmds",
-    "lifecycle_cmds",
-    "service_cmds",
-    "server_cmds",
-    "usage_cmds",
-    "bundle_cmds",
-)
-
-
-def _register() -> None:
-    import importlib
-
-    for name in _COMMAND_MODULES:
-        try:
-            module = importlib.import_module(f"cachectl.cli.{name}")
-        except ModuleNotFoundError as exc:
-            if exc.name != f"cachectl.cli.{name}":
-                raise
-            continue
-        module.register(cli)
-
-
-_register()
 
 
 def main() -> None:

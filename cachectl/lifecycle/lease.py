@@ -23,7 +23,6 @@ from datetime import datetime, timedelta
 from typing import Any, cast
 
 from sqlalchemy import CursorResult, delete, func, insert, or_, select, update
-from sqlalchemy.dialects.postgresql import insert as pg_insert
 
 from cachectl.errors import OperationFailed
 from cachectl.index import Index, actor
@@ -187,6 +186,9 @@ def _acquire_sqlite(
 def _acquire_postgres(
     index: Index, name: str, holder: str, ttl_s: float
 ) -> tuple[bool, str, datetime]:
+    # Imported here: the PostgreSQL dialect (and asyncpg's) is 50 ms an SQLite index never needs.
+    from sqlalchemy.dialects.postgresql import insert as pg_insert
+
     # Server time, not ours: hosts with skewed clocks still agree on expiry.
     now = func.now()
     expires = func.now() + timedelta(seconds=ttl_s)

@@ -8,14 +8,15 @@ from __future__ import annotations
 import fnmatch
 import math
 import re
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-import ml_dtypes  # noqa: F401 - registers bfloat16, float8_*, int4 ... with numpy
-import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 from cachectl.errors import BadInput
 from cachectl.manifest.source import _NO_SOURCE, Loc, _Source
+
+if TYPE_CHECKING:
+    import numpy as np
 
 MANIFEST_VERSION = 1
 
@@ -109,7 +110,7 @@ class ArgSpec(_Model):
     @field_validator("dtype")
     @classmethod
     def _known_dtype(cls, name: str | None) -> str | None:
-        if name is not None:
+        if name is not None and name not in COMMON_DTYPES:
             _dtype(name)
         return name
 
@@ -227,10 +228,32 @@ def _check_ref(ref: str) -> str:
     return ref
 
 
+# Names _dtype accepts (tests/test_manifest.py holds it to that), checked without importing
+# numpy and ml_dtypes: validating a manifest of these costs nothing.
+COMMON_DTYPES = frozenset(
+    (
+        "bool",
+        *(f"{kind}{bits}" for kind in ("int", "uint") for bits in (8, 16, 32, 64)),
+        "float16",
+        "float32",
+        "float64",
+        "complex64",
+        "complex128",
+        "bfloat16",
+    )
+)
+
+
 def _dtype(name: str) -> np.dtype[Any]:
     """Resolve a dtype name as ``jax.numpy.dtype`` does (it is ``numpy.dtype`` once ml_dtypes is
     loaded); only numeric and bool dtypes make sense for arrays. ml_dtypes' types are numbers
-    to JAX though numpy does not class them under ``np.number``."""
+    to JAX though numpy does not class them under ``np.number``.
+
+    numpy and ml_dtypes (0.5 s to import) load here, on the first dtype: commands that
+    read a manifest's other fields (advise, misses) never pay for them."""
+    import ml_dtypes  # noqa: F401 - registers bfloat16, float8_*, int4 ... with numpy
+    import numpy as np
+
     try:
         dtype = np.dtype(name)
     except TypeError:
