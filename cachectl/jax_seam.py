@@ -541,11 +541,12 @@ def custom_call_targets(compiled: Any) -> tuple[str, ...] | None:
 
 @functools.cache
 def _registered_names(*modules: str) -> frozenset[str]:
-    """The target names jaxlib modules (``jax._src.lib.<name>``) register, where they say."""
+    """The target names jaxlib modules (attributes of ``jax._src.lib``) register, where they say."""
     names: set[str] = set()
+    lib = importlib.import_module("jax._src.lib")
     for name in modules:
         try:
-            module = importlib.import_module(f"jax._src.lib.{name}")
+            module = getattr(lib, name, None)
             registrations = module.registrations() if hasattr(module, "registrations") else {}
             for targets in registrations.values():
                 names.update(str(target[0]) for target in targets)
