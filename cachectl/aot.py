@@ -57,6 +57,9 @@ class AotHeader:
     # the file defining it. An executable of other code must not be served.
     spec_digest: str | None = None
     source_digest: str | None = None
+    # The custom-call targets the executable calls (jax_seam.custom_call_targets), which the
+    # runtime makes ready before loading it; None (stored before they were recorded): unknown.
+    custom_calls: list[str] | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -70,6 +73,7 @@ class AotHeader:
             "payload_sha256": self.payload_sha256,
             "spec_digest": self.spec_digest,
             "source_digest": self.source_digest,
+            "custom_calls": self.custom_calls,
         }
 
 
@@ -192,6 +196,7 @@ def pack(
     bucket: dict[str, Any] | None = None,
     spec_digest: str | None = None,
     source_digest: str | None = None,
+    custom_calls: Any = None,
 ) -> bytes:
     """Artifact bytes: a JSON header (readable without unpickling) and the payload."""
     import jax
@@ -207,6 +212,7 @@ def pack(
         payload_sha256=hashlib.sha256(payload).hexdigest(),
         spec_digest=spec_digest,
         source_digest=source_digest,
+        custom_calls=None if custom_calls is None else sorted(custom_calls),
     )
     head = json.dumps(header.to_json(), sort_keys=True).encode()
     return MAGIC + len(head).to_bytes(_LEN_BYTES, "big") + head + payload
@@ -227,6 +233,7 @@ def serialize(
         entry_sha256=hashlib.sha256(entry_bytes).hexdigest(),
         function=function,
         bucket=bucket,
+        custom_calls=jax_seam.custom_call_targets(compiled),
     )
 
 

@@ -387,6 +387,84 @@ def test_sharding_names() -> None:
     assert jax_seam.sharding_text(None) is None
 
 
+# -- kernels a stored executable calls -----------------------------------------------------
+
+
+def test_custom_call_targets_name_the_lapack_kernels_of_a_compiled_program() -> None:
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    a = np.eye(4, dtype=np.float32)
+    compiled = jax.jit(lambda m: jnp.linalg.solve(jnp.linalg.cholesky(m), m)).lower(a).compile()
+    targets = jax_seam.custom_call_targets(compiled)
+    assert targets is not None and "lapack_spotrf_ffi" in targets, targets
+    assert all(jax_seam._is_lapack(t) for t in targets if t.startswith("lapack_"))
+    plain = jax.jit(lambda v: jnp.abs(jnp.fft.fft(v))).lower(np.ones(8, np.float32)).compile()
+    assert jax_seam.custom_call_targets(plain) == ()  # CPU FFT is XLA's own op, not a kernel
+
+
+def test_lapack_targets_are_registered_at_import_and_initialized_only_by_a_lowering() -> None:
+    # What _ready_lapack relies on: the registrations at import of jax._src.lax.linalg, and
+    # lapack._lapack.initialize(), which the lowering rules (prepare_lapack_call) call.
+    proc = run_py(
+        """
+        import inspect, json, sys, jax
+        from jax._src.lib import lapack
+        from jax._src.lax import linalg
+        print(json.dumps(dict(
+            imported="jax._src.lax.linalg" in sys.modules,
+            initialize=callable(getattr(lapack._lapack, "initialize", None)),
+            targets=sorted(lapack._lapack.registrations())[:3],
+            lowering="_lapack.initialize()" in inspect.getsource(lapack.prepare_lapack_call),
+            helper=callable(getattr(linalg, "initialize_lapack", None)),
+        )))
+        """,
+        check=True,
+    )
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["imported"] and out["initialize"] and out["lowering"] and out["helper"], out
+    assert all(t.startswith("lapack_") for t in out["targets"]), out
+
+
+def test_cpu_sparse_targets_are_registered_by_importing_jax_experimental_sparse() -> None:
+    from jax._src.lib import cpu_sparse
+
+    names = jax_seam._registered_names("cpu_sparse")
+    assert names and names == frozenset(cpu_sparse._sparse.registrations())
+    assert all(jax_seam._is_cpu_sparse(n) and not jax_seam._is_lapack(n) for n in names)
+    root = Path(__import__("jax").__file__).parent
+    lowerings = (root / "experimental" / "sparse" / "_lowerings.py").read_text()
+    assert "cpu_sparse.registrations()" in lowerings  # at import, not in a lowering rule
+
+
+def test_prepare_custom_calls_readies_every_family_in_a_fresh_process() -> None:
+    proc = run_py(
+        """
+        import json
+        from cachectl import jax_seam
+        problems = jax_seam.prepare_custom_calls(None)
+        again = jax_seam.prepare_custom_calls(["lapack_spotrf_ffi", "cpu_csr_sparse_dense_ffi"])
+        print(json.dumps(dict(problems=problems, again=again, ready=jax_seam._READY)))
+        """,
+        check=True,
+    )
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["problems"] == [] and out["again"] == [], out
+    assert set(out["ready"]) == {family for family, _, _ in jax_seam.KERNEL_FAMILIES}
+
+
+def test_a_family_that_cannot_be_readied_is_reported_not_raised(monkeypatch) -> None:
+    def broken() -> None:
+        raise AttributeError("no initialize here")
+
+    monkeypatch.setattr(jax_seam, "KERNEL_FAMILIES", (("LAPACK", jax_seam._is_lapack, broken),))
+    monkeypatch.setattr(jax_seam, "_READY", {})
+    assert jax_seam.prepare_custom_calls(["xla_builtin"]) == []  # not needed: not readied
+    (problem,) = jax_seam.prepare_custom_calls(["lapack_spotrf_ffi"])
+    assert "LAPACK" in problem and "no initialize here" in problem
+
+
 # -- the seam is the only one --------------------------------------------------------------
 
 

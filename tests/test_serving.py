@@ -559,3 +559,90 @@ def test_eqx_filter_jit_functions_are_refused_with_what_to_write(tmp_path: Path)
     assert result.exit_code == 2, result.output
     (line,) = result.stderr.strip().splitlines()
     assert "eqx.filter_jit" in line and "plain function" in line and "eqx.yaml:3" in line, line
+
+
+# --------------------------------------------------------------------------- library kernels
+
+# Programs calling kernels JAX makes ready only when it lowers an op that uses them (LAPACK's
+# are registered at import, but point at scipy's LAPACK only once a lowering initialized them),
+# or registers only when a module is imported (CPU sparse): a service never lowers.
+KERNEL_MODULE = """
+import jax.numpy as jnp
+from jax.experimental import sparse
+
+def solve(a, b):
+    l = jnp.linalg.cholesky(a @ jnp.swapaxes(a, -1, -2) + 4 * jnp.eye(a.shape[-1]))
+    return jnp.linalg.solve(l, b[..., None])[..., 0]
+
+def spectrum(x):
+    return jnp.abs(jnp.fft.fft(x)) + jnp.fft.irfft(jnp.fft.rfft(x), n=x.shape[-1])
+
+def spmm(data, indices, indptr, v):
+    return sparse.BCSR((data, indices, indptr), shape=(8, 8)) @ v
+"""
+
+KERNEL_CASES = {
+    "solve": (
+        "- {shape: [batch, 8, 8], dtype: float32}\n      - {shape: [batch, 8], dtype: float32}",
+        "rng.normal(size=(4, 8, 8)).astype(np.float32), rng.normal(size=(4, 8)).astype(np.float32)",
+    ),
+    "spectrum": (
+        "- {shape: [batch, 16], dtype: float32}",
+        "rng.normal(size=(4, 16)).astype(np.float32),",
+    ),
+    "spmm": (
+        "- {shape: [16], dtype: float32}\n      - {shape: [16], dtype: int32}\n"
+        "      - {shape: [9], dtype: int32}\n      - {shape: [8, batch], dtype: float32}",
+        "rng.normal(size=16).astype(np.float32), np.tile(np.arange(0, 8, 4, dtype=np.int32), 8),"
+        " np.arange(0, 17, 2, dtype=np.int32), rng.normal(size=(8, 4)).astype(np.float32)",
+    ),
+}
+
+KERNEL_MANIFEST = """
+version: 1
+target: {{backend: cpu}}
+functions:
+  - fn: sv_kernels:{name}
+    args:
+      {args}
+    buckets: {{batch: [1, 4]}}
+"""
+
+# The stored executable is called first, in a process that has lowered nothing; jax.jit's answer
+# on the same inputs comes after (its lowering would make the kernels ready).
+KERNEL_SERVICE = """
+import json, sys
+import numpy as np
+sys.path.insert(0, {dir!r})
+import cachectl
+rng = np.random.default_rng(0)
+args = ({inputs})
+rt = cachectl.serving({manifest!r})
+out = np.asarray(rt[{name!r}](*args))
+report = rt.report().to_json()["functions"][{name!r}]
+import jax, sv_kernels
+expected = np.asarray(jax.jit(getattr(sv_kernels, {name!r}))(*args))
+print(json.dumps(dict(report=report, out=out.tolist(), expected=expected.tolist())))
+"""
+
+
+@pytest.mark.parametrize("name", sorted(KERNEL_CASES))
+def test_a_program_calling_library_kernels_is_served_by_a_fresh_process(
+    tmp_path: Path, name: str
+) -> None:
+    import numpy as np
+
+    args, inputs = KERNEL_CASES[name]
+    (tmp_path / "sv_kernels.py").write_text(KERNEL_MODULE)
+    manifest = tmp_path / "kernels.yaml"
+    manifest.write_text(KERNEL_MANIFEST.format(name=name, args=args))
+    report = warm(str(manifest))
+    assert report["summary"]["failed"] == 0, report
+    service = KERNEL_SERVICE.format(
+        dir=str(tmp_path), manifest=str(manifest), name=name, inputs=inputs
+    )
+    out = last_json(run_py(service, check=True))  # a segfault fails here, with its exit code
+    assert out["report"]["aot"] == 1 and out["report"]["fallback"] == 0, out["report"]
+    np.testing.assert_allclose(
+        np.asarray(out["out"]), np.asarray(out["expected"]), rtol=1e-5, atol=1e-5
+    )

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from cachectl import aot
+from cachectl import aot, jax_seam
 from cachectl.config import load_settings
 from cachectl.entries import AOT_SUFFIX, CACHE_SUFFIX, CorruptEntry, parse_aot_filename
 from cachectl.manifest import Bucket, FunctionSpec
@@ -144,7 +144,12 @@ class Executables:
                     raise aot.AotError("refused: its sha256 differs from the index")
                 if hashlib.sha256(entry).hexdigest() != entry_sha:
                     raise aot.AotError("refused: the JAX entry's sha256 differs from the index")
-            _, slot.compiled = aot.load(data, entry)
+            header, compiled = aot.load(data, entry)
+            # Kernels JAX readies only when it lowers (LAPACK, ...): ready before the first call.
+            problems = jax_seam.prepare_custom_calls(header.custom_calls)
+            if problems:
+                raise aot.AotError("; ".join(problems))
+            slot.compiled = compiled
         except FileNotFoundError as exc:
             slot.error = f"stored executable unavailable ({exc})"
         except (aot.AotError, CorruptEntry, OSError) as exc:

@@ -41,6 +41,8 @@ class _Outcome:
     lower_seconds: float = 0.0  # in ``.lower()``: tracing and lowering, Python under the GIL
     # Not compiled: its entry and stored executable were already there (``present``).
     stored: bool = False
+    # The custom-call targets of the compiled program (stored with its executable); None: unknown.
+    custom_calls: tuple[str, ...] | None = None
 
 
 def _clear_in_memory_executables() -> None:
@@ -121,7 +123,18 @@ def compile_bucket(
     written = any(e.kind == "write" and e.key == last.key for e in events)
     skip = next((e.text for e in events if e.kind == "skip"), None)
     payload, aot_error = _payload(compiled) if executables else (None, None)
-    return _Outcome(last.kind, last.key, written, seconds, skip, payload, aot_error, lower_seconds)
+    custom_calls = jax_seam.custom_call_targets(compiled) if payload is not None else None
+    return _Outcome(
+        last.kind,
+        last.key,
+        written,
+        seconds,
+        skip,
+        payload,
+        aot_error,
+        lower_seconds,
+        custom_calls=custom_calls,
+    )
 
 
 class ErrorText(str):

@@ -560,6 +560,7 @@ def _publish(
             bucket=dict(bucket.values),
             spec_digest=spec_digest,
             source_digest=source,
+            custom_calls=outcome.custom_calls,
         )
         row = replace(row, aot_size=len(data), aot_sha256=sha256(data))
     published = ingest.publish(
