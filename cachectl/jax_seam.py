@@ -551,7 +551,7 @@ def _registered_names(*modules: str) -> frozenset[str]:
     lib = importlib.import_module("jax._src.lib")
     for name in modules:
         try:
-            module = getattr(lib, name, None)
+            module: Any = getattr(lib, name, None)
             registrations = module.registrations() if hasattr(module, "registrations") else {}
             for targets in registrations.values():
                 names.update(str(target[0]) for target in targets)

@@ -130,10 +130,13 @@ def _script_head() -> str | None:
     for path in (migrations_dir() / "versions").glob("*.py"):
         if path.name == "__init__.py":  # Alembic skips it too
             continue
-        found = dict(m.groups() for m in _REVISION_LINE.finditer(path.read_text()))
-        if "revision" not in found or "down_revision" not in found:
+        found: dict[str, str | None] = {
+            m[1]: m[2] for m in _REVISION_LINE.finditer(path.read_text())
+        }
+        revision = found.get("revision")
+        if revision is None or "down_revision" not in found:
             return None
-        revisions.add(found["revision"])
+        revisions.add(revision)
         if found["down_revision"] is not None:
             parents.add(found["down_revision"])
     heads = revisions - parents
