@@ -523,7 +523,8 @@ def _parameters(function: Any) -> frozenset[str]:
 #   function path calls ``linalg.initialize_lapack()`` for the same reason.
 # - CPU sparse (``cpu_csr_*``): registered only when ``jax.experimental.sparse`` is imported.
 # - GPU linalg, solver, sparse and PRNG kernels (cuSolver, cuBLAS, cuSPARSE, hip*): registered when
-#   ``jax._src.lax.linalg`` and ``jax._src.random.prng`` are imported; no initialize step.
+#   ``jax._src.lax.linalg`` and the PRNG module (``jax._src.random.prng``, ``jax._src.prng``
+#   up to 0.9) are imported; no initialize step.
 #
 # FFT on CPU is a built-in XLA op (DUCC inside XLA), not a custom call: nothing to prepare.
 
@@ -596,7 +597,15 @@ def _ready_cpu_sparse() -> None:
 
 def _ready_gpu() -> None:
     importlib.import_module("jax._src.lax.linalg")
-    importlib.import_module("jax._src.random.prng")
+    # The PRNG module that registers the GPU PRNG targets moved: jax._src.prng up to 0.9,
+    # jax._src.random.prng after.
+    for name in ("jax._src.random.prng", "jax._src.prng"):
+        try:
+            importlib.import_module(name)
+            return
+        except ModuleNotFoundError:
+            continue
+    raise ModuleNotFoundError("neither jax._src.random.prng nor jax._src.prng")
 
 
 # (family, does a target belong to it, make the family ready)
