@@ -51,7 +51,8 @@ def test_prune_gc_verify_on_every_backend(storage_root, db_url):
     assert new.keys[-1] in kept and new.keys[0] not in kept  # the oldest went first
     assert_consistent(index, store)
 
-    assert cachectl(db_url, "verify").exit_code == 0
+    clean = cachectl(db_url, "verify", "--json")
+    assert clean.exit_code == 0, clean.output
     victim = sorted(kept)[0]
     path = f"{new.env.namespace}/{victim}{CACHE_SUFFIX}"
     data = bytearray(store.read_bytes(path))

@@ -206,6 +206,7 @@ def test_readme_blocks_are_marked_and_start_with_the_main_job() -> None:
     assert "serve.py" not in unmarked and "--env bb4051" not in unmarked
 
 
+@pytest.mark.timeout(460)
 def test_readme_commands_run_in_order_on_a_fresh_home(tmp_path: Path) -> None:
     proc = _run_readme(tmp_path, heavy=False, timeout=400)
     assert proc.returncode == 0, _explain(proc)
@@ -216,6 +217,7 @@ def test_readme_commands_run_in_order_on_a_fresh_home(tmp_path: Path) -> None:
 
 
 @pytest.mark.heavy
+@pytest.mark.timeout(960)  # a pip install from the index plus the full warm: past the default 300 s
 def test_readme_top_to_bottom_from_a_fresh_clone(tmp_path: Path) -> None:
     """The whole README for real: pip install into the clone, the full warm, scripts/test (collect only)."""
     proc = _run_readme(tmp_path, heavy=True, timeout=900)
