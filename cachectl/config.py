@@ -17,6 +17,27 @@ import platformdirs
 from cachectl.errors import BadInput
 
 DEFAULT_CACHE = "default"
+
+# warm's choices, here rather than in cachectl.warm so that `cachectl warm --help` builds its
+# options without importing the warm stack (JAX, pydantic, SQLAlchemy).
+WARM_EXECUTORS = ("thread", "process")
+# Chosen from bench/warm.py (BENCHMARKS.md, "Warm"): threads beat processes on CPU.
+DEFAULT_WARM_EXECUTOR = "thread"
+# The most buckets one manifest may expand to (the product of each function's axes);
+# `warm --max-buckets N` raises it through the environment, so warm's worker processes
+# (which load the manifest again) apply the same limit.
+DEFAULT_MAX_BUCKETS = 10_000
+MAX_BUCKETS_ENV = "CACHECTL_MAX_BUCKETS"
+
+
+def default_jobs() -> int:
+    """The cores this process may use: warm's default --jobs."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # pragma: no cover - not Linux
+        return max(1, os.cpu_count() or 1)
+
+
 ENV_PREFIX = "CACHECTL_"
 
 

@@ -139,10 +139,23 @@ def test_cycle_detection_finds_a_cycle() -> None:
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 
+def _leaves(edges: dict[str, set[str]], local: list[tuple[str, int, str]]) -> set[str]:
+    """Modules no project module imports, at top level or in a function: the CLI's command
+    modules, which cachectl.cli's lazy table loads by name."""
+    imported = {t for targets in edges.values() for t in targets} | {t for _, _, t in local}
+    return set(edges) - imported
+
+
 def test_few_function_local_imports_of_project_modules() -> None:
-    _, local = import_graph()
-    assert len(local) <= MAX_LOCAL_PROJECT_IMPORTS, "\n".join(
-        f"{m}:{line} -> {t}" for m, line, t in local
+    """A function-local import hides a dependency; only a leaf may defer its imports freely,
+    since nothing imports a leaf and so no cycle can run through it (a command module
+    imports its library when the command runs, so that `CMD --help` stays fast)."""
+    edges, local = import_graph()
+    leaves = _leaves(edges, local)
+    assert {"cachectl.cli.warm_cmds", "cachectl.cli.env_cmds"} <= leaves
+    hidden = [(m, line, t) for m, line, t in local if m not in leaves]
+    assert len(hidden) <= MAX_LOCAL_PROJECT_IMPORTS, "\n".join(
+        f"{m}:{line} -> {t}" for m, line, t in hidden
     )
 
 

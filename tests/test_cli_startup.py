@@ -155,6 +155,18 @@ def test_jax_free_commands_import_no_jax(tmp_path, args, code, setup) -> None:
     assert loaded.isdisjoint(NO_JAX), loaded
 
 
+# A command's help loads its module, which may import rich (render) but none of the stacks.
+HELP_HEAVY = tuple(h for h in HEAVY if h != "rich")
+
+
+@pytest.mark.parametrize("command", ["warm", "warm-check"])
+def test_warm_help_imports_no_warm_stack(tmp_path, command) -> None:
+    proc, loaded = run_fresh(tmp_path, command, "--help")
+    assert proc.returncode == 0, proc.stderr
+    assert "--executor [thread|process]" in proc.stdout or command == "warm-check", proc.stdout
+    assert loaded.isdisjoint(HELP_HEAVY), sorted(loaded & set(HELP_HEAVY))
+
+
 def test_a_commands_help_builds_no_index(tmp_path) -> None:
     proc, loaded = run_fresh(tmp_path, "ls", "--help")
     assert proc.returncode == 0, proc.stderr

@@ -3,34 +3,31 @@
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 from rich.markup import escape
 
-from cachectl import distributed as dist
-from cachectl import signing
 from cachectl.cli.render import emit, size, stderr, stdout, table
-from cachectl.context import Context
-from cachectl.errors import BadInput, CachectlError, EnvironmentMismatch, OperationFailed
-from cachectl.manifest import DEFAULT_MAX_BUCKETS, MAX_BUCKETS_ENV, load_manifest
-from cachectl.sharding import resolve_shard
-from cachectl.signing import resign
-from cachectl.units import format_size
-from cachectl.warm import (
-    CACHED,
-    COMPILED,
-    DEFAULT_EXECUTOR,
-    EXECUTORS,
-    HIT,
-    CheckReport,
-    WarmReport,
-    check,
+from cachectl.config import (
+    DEFAULT_MAX_BUCKETS,
+    DEFAULT_WARM_EXECUTOR,
+    MAX_BUCKETS_ENV,
+    WARM_EXECUTORS,
     default_jobs,
-    warm,
 )
+from cachectl.errors import BadInput, CachectlError, EnvironmentMismatch, OperationFailed
+from cachectl.units import format_size
 
-_STATUS_STYLE = {COMPILED: "green", CACHED: "cyan", HIT: "green"}
+if TYPE_CHECKING:
+    from cachectl.context import Context
+    from cachectl.warm import CheckReport, WarmReport
+
+# The warm stack (JAX, pydantic, SQLAlchemy) is imported by the command bodies when they run,
+# never at import: `cachectl warm --help` builds its options from cachectl.config alone
+# (tests/test_cli_startup.py checks sys.modules).
+
+_STATUS_STYLE = {"compiled": "green", "cached": "cyan", "hit": "green"}  # cachectl.warm.reports
 
 
 def _plain(values: dict[str, Any]) -> str:
@@ -199,6 +196,8 @@ def _verbosity() -> int:
 
 
 def _shard(text: str | None, shards: int | None = None) -> tuple[int, int] | None:
+    from cachectl.sharding import resolve_shard
+
     return resolve_shard(text, shards)
 
 
@@ -267,6 +266,8 @@ def _run_check(
     as_json: bool,
     shards: int | None = None,
 ) -> None:
+    from cachectl.warm import check
+
     report = check(ctx, manifest, cache=cache_name, shard=_shard(shard, shards), paths=paths)
     emit(
         report,
@@ -286,6 +287,8 @@ def _signer_for(
     paths: tuple[str, ...] = (),
 ) -> Any:
     """The signing key, checked against the target cache's trusted keys before anything compiles."""
+    from cachectl import signing
+    from cachectl.manifest import load_manifest
 
     key = signing.signing_key(sign_key)
     loaded = load_manifest(manifest, import_paths=paths)  # a bad one: all its problems
@@ -308,6 +311,9 @@ def _run_distributed(
 ) -> None:
     """Every process of the job runs this; the signing-key check and the signing happen inside the
     collective warm, so a failure there reaches every process."""
+    from cachectl import distributed as dist
+    from cachectl.signing import resign
+
     signer: list[Any] = []
 
     def prepare() -> None:
@@ -363,8 +369,8 @@ def _run_distributed(
 )
 @click.option(
     "--executor",
-    type=click.Choice(EXECUTORS),
-    default=DEFAULT_EXECUTOR,
+    type=click.Choice(WARM_EXECUTORS),
+    default=DEFAULT_WARM_EXECUTOR,
     show_default=True,
     help="Compile concurrently in threads of this process or in spawned processes.",
 )
@@ -429,6 +435,10 @@ def warm_cmd(
     if check_only:
         _run_check(ctx, manifest, cache_name, shard, paths, as_json, shards)
         return
+    from cachectl import distributed as dist
+    from cachectl.signing import resign
+    from cachectl.warm import warm
+
     _shard(shard, shards)  # a bad --shard/--shards is bad input before anything is opened
     if dist.requested(distributed):
         if shard is not None:

@@ -14,6 +14,7 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
+from cachectl.config import DEFAULT_MAX_BUCKETS, MAX_BUCKETS_ENV
 from cachectl.errors import BadInput
 from cachectl.manifest.checks import _semantic_problems
 from cachectl.manifest.imports import _import_problems
@@ -31,11 +32,6 @@ from cachectl.manifest.source import (
 # A manifest is a few hundred YAML nodes; one that expands (through aliases) to more than
 # this is an alias bomb ("billion laughs"), refused before anything walks it.
 MAX_MANIFEST_NODES = 100_000
-# The most buckets one manifest may expand to (the product of each function's axes);
-# `warm --max-buckets N` raises it through the environment, so warm's worker processes
-# (which load the manifest again) apply the same limit.
-DEFAULT_MAX_BUCKETS = 10_000
-MAX_BUCKETS_ENV = "CACHECTL_MAX_BUCKETS"
 
 
 def max_buckets() -> int:

@@ -12,6 +12,7 @@ JAX config), ``jaxlog`` (the JAX log records that name each key), ``executors``
 ``check`` (coverage in a fresh process), ``reports`` (what both return).
 """
 
+from cachectl.config import default_jobs
 from cachectl.warm.check import _check_main, check
 from cachectl.warm.compiling import (
     WARM_EXTRA_CONFIG,
@@ -26,7 +27,7 @@ from cachectl.warm.compiling import (
     warm_jax_config,
 )
 from cachectl.warm.jaxlog import _CAPTURE
-from cachectl.warm.plan import WarmPlan, _build_calls, _environment_json, default_jobs, plan_warm
+from cachectl.warm.plan import WarmPlan, _build_calls, _environment_json, plan_warm
 from cachectl.warm.reports import (
     CACHED,
     COMPILED,

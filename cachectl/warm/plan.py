@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -94,14 +93,6 @@ def _mismatch(plan: WarmPlan) -> EnvironmentMismatch:
 
 
 # --------------------------------------------------------------------------- warming
-
-
-def default_jobs() -> int:
-    """The cores this process may use."""
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except AttributeError:  # pragma: no cover - not Linux
-        return max(1, os.cpu_count() or 1)
 
 
 def _raise_build_problems(plan: WarmPlan) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from cachectl.config import DEFAULT_WARM_EXECUTOR, WARM_EXECUTORS
 from cachectl.jsonable import to_jsonable
 
 # Statuses of a bucket in a warm report.
@@ -23,9 +24,8 @@ PLANNED = "planned"  # --dry-run
 HIT = "hit"
 MISS = "miss"
 
-EXECUTORS = ("thread", "process")
-# Chosen from bench/warm.py (BENCHMARKS.md, "Warm"): threads beat processes on CPU.
-DEFAULT_EXECUTOR = "thread"
+EXECUTORS = WARM_EXECUTORS
+DEFAULT_EXECUTOR = DEFAULT_WARM_EXECUTOR
 
 _NOT_JSON: dict[str, Any] = {"json": False}
 _MS: dict[str, Any] = {"round": 3}

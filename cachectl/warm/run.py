@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from cachectl import aot, ingest
+from cachectl.config import default_jobs
 from cachectl.context import Context
 from cachectl.entries import (
     AOT_SUFFIX,
@@ -37,7 +38,6 @@ from cachectl.warm.plan import (
     _environment_json,
     _mismatch,
     _raise_build_problems,
-    default_jobs,
     plan_warm,
 )
 from cachectl.warm.reports import (
