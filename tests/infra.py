@@ -360,8 +360,47 @@ def gcs_emulator_main(argv: list[str]) -> None:
         r"/moveTo/o/(?P<dest_object_id>.*[^/]+)$"
     )
     gserver.HANDLERS = ((pattern, {"POST": move}), *gserver.HANDLERS)
+    gserver._read_data = _exact_multipart(gserver._read_data, gserver)
     sys.argv = ["gcp-storage-emulator", *argv]
     main()
+
+
+def _exact_multipart(read_data, gserver):
+    """The emulator's multipart upload without its off-by-one on data ending in b"\\r".
+
+    It parses a multipart/related upload with the email package, which takes the line break
+    before the closing boundary to be CRLF when the data's last byte is \\r; gcsfs writes LF,
+    so such an object lost its last byte (1 in 256 random entries: a flaky `verify` "corrupt").
+    Here the body is what lies between the part's blank line and the delimiter, with the line
+    break style the upload itself uses.
+    """
+    import re
+
+    def read(request_handler, query):
+        content_type = request_handler.headers.get("Content-Type") or ""
+        match = re.match(r'multipart/related;\s*boundary="?([^";]+)"?', content_type)
+        if not match:
+            return read_data(request_handler, query)
+        raw = gserver._decode_raw_data(gserver._read_raw_data(request_handler), request_handler)
+        dash = b"--" + match.group(1).encode()
+        nl = b"\r\n" if raw.startswith(dash + b"\r\n") else b"\n"
+        parts = raw.split(nl + dash)
+        parts[0] = parts[0][len(dash) :]  # the first delimiter has no line break before it
+
+        def split(part: bytes) -> tuple[bytes, bytes]:
+            head, _, body = part[len(nl) :].partition(nl + nl)
+            return head, body
+
+        meta_head, meta = split(parts[0])
+        file_head, content = split(parts[1])
+        kind = "application/octet-stream"
+        for line in file_head.split(nl):
+            name, _, value = line.decode().partition(":")
+            if name.strip().lower() == "content-type":
+                kind = value.strip()
+        return {"meta": json.loads(meta), "content": content, "content-type": kind}
+
+    return read
 
 
 def gcs_env_vars(endpoint_url: str) -> dict[str, str]:
