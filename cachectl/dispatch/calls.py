@@ -11,7 +11,8 @@ from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
-from cachectl.manifest import FunctionSpec, _dtype
+from cachectl.manifest import ArgSpec, FunctionSpec, _dtype
+from cachectl.manifest.schema import leaf_path
 
 
 class OutOfBucket(ValueError):
@@ -41,6 +42,11 @@ class _ArgPlan:
     pad: Any = 0
     weak: bool = False
     value: Any = None
+    arg: ArgSpec | None = None  # a pytree's spec, whose leaf_axes name its bucket dimensions
+
+    @property
+    def has_leaf_axes(self) -> bool:
+        return self.arg is not None and bool(self.arg.leaf_axes)
 
     def target(self, values: dict[str, Any]) -> tuple[int, ...]:
         return tuple(values[d] if isinstance(d, str) else d for d in self.shape)
@@ -75,8 +81,46 @@ def _arg_plans(spec: FunctionSpec) -> list[_ArgPlan]:
         elif arg.kind == "value":
             plans.append(_ArgPlan("value", value=arg.value))
         else:
-            plans.append(_ArgPlan("pytree"))
+            plans.append(_ArgPlan("pytree", arg=arg))
     return plans
+
+
+def pytree_sizes(plan: _ArgPlan, tree: Any, raw: dict[str, int]) -> None:
+    """Raise ``raw``'s sizes to the largest a pytree's declared leaf dimensions hold."""
+    import jax
+
+    assert plan.arg is not None
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        shape = np.shape(leaf)
+        for d, axis in plan.arg.leaf_dims(leaf_path(path), len(shape)):
+            if shape[d] > raw.get(axis, -1):
+                raw[axis] = shape[d]
+
+
+def pad_pytree(plan: _ArgPlan, tree: Any, values: dict[str, Any]) -> tuple[Any, bool]:
+    """The pytree with its declared leaf dimensions padded to the bucket's sizes, on the host."""
+    import jax
+
+    assert plan.arg is not None
+    arg = plan.arg
+    padded = False
+
+    def pad(path: Any, leaf: Any) -> Any:
+        nonlocal padded
+        shape = np.shape(leaf)
+        dims = arg.leaf_dims(leaf_path(path), len(shape))
+        if not dims:
+            return leaf
+        target = list(shape)
+        for d, axis in dims:
+            target[d] = values[axis]
+        if tuple(target) == shape:
+            return leaf
+        padded = True
+        dtype = np.asarray(leaf).dtype
+        return _pad_to(leaf, tuple(target), False if dtype == np.bool_ else 0, dtype)
+
+    return jax.tree_util.tree_map_with_path(pad, tree), padded
 
 
 def _pad_to(x: Any, target: tuple[int, ...], value: Any, dtype: Any) -> np.ndarray:

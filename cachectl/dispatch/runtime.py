@@ -24,6 +24,8 @@ from cachectl.dispatch.calls import (
     _first_difference,
     _pad_to,
     covering,
+    pad_pytree,
+    pytree_sizes,
     smallest_first,
 )
 from cachectl.dispatch.loading import Executables, _namespace_reader, _Slot
@@ -116,7 +118,9 @@ class ServedFunction:
         self._jitted: Any = None
         self._plans = _arg_plans(spec)
         self._dynamic = [i for i, p in enumerate(self._plans) if p.kind != "value"]
-        self._shape_axes = {a for p in self._plans for _, a in p.dims}
+        self._shape_axes = {a for p in self._plans for _, a in p.dims} | {
+            a for p in self._plans if p.arg is not None for a in p.arg.pytree_axes()
+        }
         self._fixed_kwargs = {k: v for k, v in spec.kwargs.items() if not isinstance(v, dict)}
         self._axis_kwargs = {k: v["axis"] for k, v in spec.kwargs.items() if isinstance(v, dict)}
         self._slots = smallest_first(slots, self._shape_axes, set(self._axis_kwargs.values()))
@@ -128,6 +132,21 @@ class ServedFunction:
         self._outputs = spec.outputs
         self._taken = (0, 0, 0, 0, 0)  # counters already handed to telemetry
         self._sizes_new: dict[str, Counter[int]] = {a: Counter() for a in sorted(self._shape_axes)}
+        self._exact_pytrees = [
+            i for i, p in enumerate(self._plans) if p.kind == "pytree" and not p.has_leaf_axes
+        ]
+        # Bucket axes that only an undeclared pytree can carry: serving cannot see them.
+        unrouted = sorted(set(spec.buckets) - self._shape_axes - set(self._axis_kwargs.values()))
+        if not self._exact_pytrees:
+            unrouted = []
+        self._unrouted = unrouted
+        if unrouted:
+            rt._warn(
+                f"cachectl.serving: {self.name}: bucket axis {', '.join(unrouted)} shapes no array "
+                f"argument, and pytree argument {self._exact_pytrees[0]} declares no leaf_axes: "
+                "calls go to the smallest bucket and are refused unless their leaves match it; "
+                f"declare the pytree's bucket dimensions, e.g. leaf_axes: {{0: {unrouted[0]}}}"
+            )
 
     # -- the call path ------------------------------------------------------
 
@@ -164,7 +183,9 @@ class ServedFunction:
                 )
         raw: dict[str, int] = {}
         for i, p in enumerate(plans):
-            if p.dims:
+            if p.has_leaf_axes:
+                pytree_sizes(p, args[i], raw)
+            elif p.dims:
                 shape = np.shape(args[i])
                 if len(shape) != len(p.shape):
                     raise TypeError(
@@ -203,6 +224,13 @@ class ServedFunction:
             try:
                 out = slot.compiled(*[call_args[i] for i in self._dynamic])
             except TypeError as exc:
+                if "compiled with" in str(exc) and self._unrouted:
+                    raise self._out(
+                        f"{self.name}: the call's pytree leaves are not bucket "
+                        f"{slot.values}'s, and pytree argument {self._exact_pytrees[0]} declares "
+                        "no leaf_axes to pad them by (e.g. leaf_axes: {0: AXIS}): "
+                        + "; ".join(str(exc).splitlines()[1:4])
+                    ) from None
                 if "pytree" in str(exc):
                     raise StructureMismatch(
                         f"{self.name}: the arguments' structure differs from the warmed one: "
@@ -230,6 +258,10 @@ class ServedFunction:
         out = list(args)
         padded = False
         for i, p in enumerate(self._plans):
+            if p.has_leaf_axes and values is not None:
+                out[i], did = pad_pytree(p, args[i], values)
+                padded = padded or did
+                continue
             if p.kind != "array":
                 continue
             x = args[i]

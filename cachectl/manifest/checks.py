@@ -85,6 +85,15 @@ def _function_problems(
             for key in ("dtype", "weak_type"):
                 if key in arg.model_fields_set:
                     yield aloc + (key,), f"only an array argument (shape) takes {key}"
+        if arg.leaf_axes is not None:
+            if arg.kind != "pytree":
+                yield aloc + ("leaf_axes",), "only a pytree argument takes leaf_axes"
+            else:
+                for lloc, problem, axis in _leaf_axes_problems(arg.leaf_axes, aloc, axes):
+                    if problem:
+                        yield lloc, problem
+                    else:
+                        shape_axes.add(axis)
         if "pad" in arg.model_fields_set and (arg.kind != "array" or not _is_scalar(arg.pad)):
             yield aloc + ("pad",), "pad is a scalar, given only on an array argument (shape)"
         if arg.sharding == "single_device":
@@ -202,6 +211,36 @@ def _function_problems(
         yield loc + ("exclude",), "exclude removes every bucket of this function"
     if spec.mesh is not None:
         yield from _divisibility_problems(spec, loc)
+
+
+_LEAF_AXES_FORM = (
+    "leaf_axes maps a dimension to an axis for every leaf ({0: n}) or a leaf path to "
+    "dimensions ({pipeline_state.qpos: {0: n}})"
+)
+
+
+def _leaf_axes_problems(
+    leaf_axes: dict[Any, Any], aloc: Loc, axes: dict[str, Any]
+) -> Iterator[tuple[Loc, str, str]]:
+    """(where, problem, "") for each bad entry, ("", "", axis) for each good axis it names."""
+    declared = ", ".join(axes) or "none"
+    for key, value in leaf_axes.items():
+        kloc = aloc + ("leaf_axes", key)
+        pairs: list[tuple[Any, Any]]
+        if _is_int(key):
+            pairs = [(key, value)]
+        elif isinstance(key, str) and key and isinstance(value, dict):
+            pairs = list(value.items())
+        else:
+            yield kloc, _LEAF_AXES_FORM, ""
+            continue
+        for dim, axis in pairs:
+            if not (_is_int(dim) and dim >= 0):
+                yield kloc, f"a dimension is a non-negative int, got {_describe(dim)}", ""
+            elif not isinstance(axis, str) or axis not in axes:
+                yield kloc, f"unknown axis {axis!r} (declared axes: {declared})", ""
+            else:
+                yield (), "", axis
 
 
 def _sharding_problems(arg: ArgSpec, aloc: Loc, mesh: MeshSpec) -> Iterator[tuple[Loc, str]]:

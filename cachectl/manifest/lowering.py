@@ -6,6 +6,7 @@ so importing the package stays cheap for the CLI."""
 from __future__ import annotations
 
 import inspect
+import logging
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -13,7 +14,9 @@ from typing import Any
 from cachectl.errors import EnvironmentMismatch
 from cachectl.manifest.buckets import Bucket
 from cachectl.manifest.imports import _identity, _resolve_in, is_jitted
-from cachectl.manifest.schema import ArgSpec, FunctionSpec, _dtype, jit_options
+from cachectl.manifest.schema import ArgSpec, FunctionSpec, _dtype, jit_options, leaf_path
+
+log = logging.getLogger("cachectl.manifest")
 
 
 def jit_function(spec: FunctionSpec, search_paths: Sequence[str | Path] = ()) -> Any:
@@ -99,6 +102,39 @@ def build_call(
     return tuple(args), kwargs
 
 
+def _check_leaf_axes(
+    spec: FunctionSpec, a: int, arg: ArgSpec, bucket: Bucket, tree: Any, takes: list[str]
+) -> None:
+    """The leaves' declared bucket dimensions are the bucket's sizes; a pytree that varies with
+    the buckets but declares none is said once, since serving cannot route its calls."""
+    import jax
+
+    if not arg.leaf_axes:
+        if takes and (spec.name, a) not in _SAID_NO_LEAF_AXES:
+            _SAID_NO_LEAF_AXES.add((spec.name, a))
+            log.warning(
+                "%s: argument %d (pytree %s) varies with bucket axis %s but declares no leaf_axes: "
+                "cachectl.serving refuses calls whose leaves are not exactly a bucket's; declare "
+                "them, e.g. leaf_axes: {0: %s}",
+                spec.name,
+                a,
+                arg.pytree,
+                ", ".join(takes),
+                takes[0],
+            )
+        return
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        where = leaf_path(path)
+        for d, axis in arg.leaf_dims(where, len(leaf.shape)):
+            if leaf.shape[d] != bucket.values[axis]:
+                raise spec._bad(
+                    ("args", a, "leaf_axes"),
+                    f"leaf {where or '(root)'} has size {leaf.shape[d]} at dimension {d}, but the "
+                    f"bucket has {axis}={bucket.values[axis]}: name that leaf's bucket dimensions "
+                    "by path",
+                )
+
+
 def _single_device() -> Any:
     import jax
     from jax.sharding import SingleDeviceSharding
@@ -107,6 +143,7 @@ def _single_device() -> Any:
 
 
 _PYTREE_CACHE: dict[tuple[Any, tuple[tuple[str, Any], ...]], Any] = {}
+_SAID_NO_LEAF_AXES: set[tuple[str, int]] = set()
 
 
 def _build_pytree(
@@ -141,6 +178,7 @@ def _build_pytree(
         except _LeafError as exc:
             raise spec._bad(loc, f"{arg.pytree}() returned {exc}") from None
         _PYTREE_CACHE[cache_key] = tree
+    _check_leaf_axes(spec, a, arg, bucket, tree, [k for k, _ in call_kwargs])
 
     if arg.sharding == "single_device":
         device = _single_device()

@@ -27,6 +27,20 @@ _NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_.\-]*")
 _DTYPE_HINT = "use a numpy/jax dtype name such as bfloat16, float32, int32"
 
 
+def leaf_path(keys: Any) -> str:
+    """A pytree leaf's path as ``leaf_axes`` names it: its keys, attribute names and indices
+    joined with dots (``pipeline_state.qpos``, ``0.x``); jax's key objects, read without JAX."""
+    parts = []
+    for k in keys:
+        for attr in ("key", "name", "idx"):
+            if hasattr(k, attr):
+                parts.append(str(getattr(k, attr)))
+                break
+        else:
+            parts.append(str(k))
+    return ".".join(parts)
+
+
 class _Model(BaseModel):
     # strict: YAML already yields exact types, so "4" for 4 or true for 1 is a mistake to report.
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
@@ -106,6 +120,30 @@ class ArgSpec(_Model):
     sharding: list[Any] | Literal["single_device"] | None = None
     # What cachectl.serving pads a bucketed dimension with (default 0 / False).
     pad: Any = None
+    # A pytree's bucket axes: ``{0: n}`` (dimension 0 of every leaf that has one is axis n) or
+    # by leaf path, ``{pipeline_state.qpos: {0: n}}`` (a path names a leaf or a subtree; paths
+    # are leaf_path's dotted form). cachectl.serving picks the bucket from these dimensions and
+    # pads them; without them a pytree must match a bucket's leaves exactly.
+    leaf_axes: dict[int | str, Any] | None = None
+
+    def leaf_dims(self, path: str, ndim: int) -> tuple[tuple[int, str], ...]:
+        """(dimension, axis) of the leaf at ``path`` (a leaf with ``ndim`` dimensions) that
+        ``leaf_axes`` declares bucket axes; checks.py has made sure of their form."""
+        found: dict[int, str] = {}
+        for key, value in (self.leaf_axes or {}).items():
+            if isinstance(key, int):
+                if key < ndim:
+                    found[key] = value
+            elif path == key or path.startswith(key + "."):
+                found.update({d: a for d, a in value.items() if d < ndim})
+        return tuple(sorted(found.items()))
+
+    def pytree_axes(self) -> set[str]:
+        """The bucket axes ``leaf_axes`` names."""
+        out: set[str] = set()
+        for value in (self.leaf_axes or {}).values():
+            out.update(value.values() if isinstance(value, dict) else [value])
+        return {a for a in out if isinstance(a, str)}
 
     @field_validator("dtype")
     @classmethod
