@@ -127,6 +127,12 @@ _COMMANDS: dict[str, tuple[str, str, str]] = {
         "warm_check_cmd",
         "Prove coverage: in a fresh process, activate the cache read-only and load every bucket.",
     ),
+    "warm-run": (
+        "warm_run_cmds",
+        "warm_run_cmd",
+        "Run COMMAND with writes on into this environment's namespace, then index what it"
+        " compiled.",
+    ),
 }
 
 

@@ -1,0 +1,89 @@
+"""`cachectl warm-run`: warm what a library jits privately, by running the user's command."""
+
+from __future__ import annotations
+
+import sys
+from typing import TYPE_CHECKING
+
+import click
+from rich.markup import escape
+
+from cachectl.cli.render import emit, size, stdout, table
+from cachectl.errors import OperationFailed
+
+if TYPE_CHECKING:
+    from cachectl.context import Context
+    from cachectl.warm.by_running import RunWarmReport
+
+
+def _print_run(report: RunWarmReport) -> None:
+    rows = [
+        (
+            escape(e.module),
+            e.key.rsplit("-", 1)[-1][:12],
+            e.status,
+            size(e.bytes),
+            escape(e.error or ""),
+        )
+        for e in report.entries
+    ]
+    if rows:
+        stdout.print(
+            table(
+                f"programs written to {report.namespace}",
+                ["program", "key", "status", "bytes", "error"],
+                rows,
+                justify_right=("bytes",),
+            )
+        )
+    stdout.print(
+        f"{report.written} program(s) written and indexed ({report.known_before} already in the "
+        f"namespace); the command exited {report.exit_code} after {report.seconds:.1f}s "
+        f"(warm run {report.run_id})",
+        highlight=False,
+    )
+
+
+def _failure(report: RunWarmReport) -> OperationFailed:
+    if report.exit_code != 0:
+        return OperationFailed(f"the command exited {report.exit_code}; what it wrote is indexed")
+    refused = sum(e.status != "written" for e in report.entries)
+    return OperationFailed(f"{refused} program(s) written by the command were refused and removed")
+
+
+@click.command(
+    "warm-run",
+    context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False},
+)
+@click.option("--cache", "cache_name", metavar="NAME", help="Cache to fill (default: --cache).")
+@click.option(
+    "--json",
+    "as_json",
+    is_flag=True,
+    help="Print the report as JSON (the command's stdout goes to stderr).",
+)
+@click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
+@click.pass_obj
+def warm_run_cmd(
+    ctx: Context, cache_name: str | None, as_json: bool, command: tuple[str, ...]
+) -> None:
+    """Run COMMAND with writes on into this environment's namespace, then index what it compiled.
+
+    For programs no manifest can name: a library's private jit (Keras's
+    model.predict, NumPyro's MCMC.run). Every program is written, whatever its
+    compile time (a service writes none under JAX's one-second minimum).
+
+    \b
+    cachectl warm-run -- python warmup.py
+    cachectl warm-run --json -- python -m mypkg.warmup > report.json
+    """
+    from cachectl.warm.by_running import warm_by_running
+
+    report = warm_by_running(
+        ctx, command, cache=cache_name, child_stdout=sys.stderr if as_json else None
+    )
+    emit(report, as_json, _print_run, failure=_failure)
+
+
+def register(cli: click.Group) -> None:
+    cli.add_command(warm_run_cmd)

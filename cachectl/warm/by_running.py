@@ -1,0 +1,195 @@
+"""Warm by running: the user's own command compiles, with writes on, into the namespace.
+
+Libraries jit private closures no manifest can name (Keras's ``predict_step`` inside
+``model.predict``, NumPyro's ``_fori_collect_loop`` inside ``MCMC.run``). The only way to
+warm those is to run what calls them. The command runs with activate()'s JAX settings plus
+warm's (``WARM_EXTRA_CONFIG``: every program written, whatever its compile time, which a
+service never writes below JAX's one-second minimum), as environment variables, so any
+process it starts (a Python script, a shell pipeline) writes into this environment's
+namespace. Afterwards every entry new to the namespace passes ingest's rules and is indexed
+under a warm-runs row, as a manifest warm's are; a refused one is removed. Run it again and
+the command hits what the first run wrote: ``written`` is then 0.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import IO, Any
+
+from cachectl import ingest
+from cachectl.context import Context
+from cachectl.entries import CACHE_SUFFIX, EntryName, Kind, classify, parse_key
+from cachectl.errors import BadInput
+from cachectl.index import warm_runs
+from cachectl.permissions import check_writer
+from cachectl.runtime import env_vars_for
+from cachectl.warm.compiling import warm_jax_config
+
+
+@dataclass(frozen=True)
+class RunEntry:
+    """One program the command's run left in the namespace."""
+
+    key: str
+    module: str
+    bytes: int
+    compile_ms: int | None
+    status: str  # "written" (checked and indexed) or "refused" (removed: error says why)
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class RunWarmReport:
+    cache: str
+    namespace: str
+    command: list[str]
+    exit_code: int
+    entries: list[RunEntry]
+    seconds: float
+    run_id: int | None = None
+    known_before: int = 0  # entries the namespace held before the run
+    environment: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def written(self) -> int:
+        return sum(e.status == "written" for e in self.entries)
+
+    @property
+    def ok(self) -> bool:
+        return self.exit_code == 0 and all(e.status == "written" for e in self.entries)
+
+
+def _entry_names(store: Any, ns_rel: str) -> set[str]:
+    names = set()
+    for info in store.list(ns_rel):
+        rel = info.path[len(ns_rel) + 1 :] if info.path.startswith(ns_rel + "/") else info.path
+        if "/" not in rel and classify(rel) is Kind.ENTRY:
+            names.add(rel)
+    return names
+
+
+def warm_by_running(
+    ctx: Context,
+    command: Sequence[str],
+    *,
+    cache: str | None = None,
+    child_stdout: IO[str] | None = None,
+) -> RunWarmReport:
+    """Run ``command`` against this environment's namespace; index what it wrote (see module)."""
+    if not command:
+        raise BadInput(
+            "give the command to run after --, e.g. cachectl warm-run -- python warmup.py"
+        )
+    cache_info = ctx.cache(cache)
+    check_writer(cache_info, "warm")
+    env = ctx.environment()
+    ns, info = ctx.namespace(cache_info, env)
+    assert info is not None
+    store = ctx.store(cache_info)
+    before = _entry_names(store, ns.relpath)
+    config = warm_jax_config(ns.url, env)
+    environ = {**os.environ, **env_vars_for(config), "CACHECTL_CACHE": cache_info.name}
+    digest = hashlib.sha256(json.dumps(["run", list(command)]).encode()).hexdigest()
+    run = ctx.index.start_warm_run(info.id, manifest_digest=digest, manifest_path=None, buckets=0)
+    started = time.perf_counter()
+    status = warm_runs.INTERRUPTED
+    entries: list[RunEntry] = []
+    exit_code = 127
+    try:
+        try:
+            exit_code = subprocess.run(
+                list(command), env=environ, stdout=child_stdout, check=False
+            ).returncode
+        except FileNotFoundError:
+            raise BadInput(f"command not found: {command[0]}") from None
+        entries = _index_new(ctx, cache_info, env, info.id, store, ns.relpath, before, run.id)
+        status = (
+            warm_runs.SUCCEEDED
+            if exit_code == 0 and all(e.status == "written" for e in entries)
+            else warm_runs.FAILED
+        )
+    finally:
+        written = sum(e.status == "written" for e in entries)
+        ctx.index.finish_warm_run(
+            run.id, status, compiled=written, cached=0, failed=len(entries) - written
+        )
+    seconds = time.perf_counter() - started
+    ctx.index.audit(
+        "warm",
+        cache=cache_info.name,
+        entries=sum(e.status == "written" for e in entries),
+        nbytes=sum(e.bytes for e in entries if e.status == "written"),
+        duration_ms=int(seconds * 1000),
+        details={
+            "command": list(command)[:20],
+            "namespace": ns.relpath,
+            "warm_run": run.id,
+            "exit_code": exit_code,
+            "via": "run",
+        },
+    )
+    return RunWarmReport(
+        cache_info.name,
+        ns.url,
+        list(command),
+        exit_code,
+        entries,
+        seconds,
+        run_id=run.id,
+        known_before=len(before),
+        environment=env.to_dict(),
+    )
+
+
+def _index_new(
+    ctx: Context,
+    cache: Any,
+    env: Any,
+    env_id: int,
+    store: Any,
+    ns_rel: str,
+    before: set[str],
+    run_id: int,
+) -> list[RunEntry]:
+    """Check every entry new to the namespace with ingest's rules, index the good ones in one
+    batch and remove the rest (a bad file left there would be read by every service)."""
+    out: list[RunEntry] = []
+    objects = []
+    for name in sorted(_entry_names(store, ns_rel) - before):
+        key = name[: -len(CACHE_SUFFIX)]
+        parsed = parse_key(key)
+        module = parsed.module if parsed else key
+        rel = f"{ns_rel}/{name}"
+        try:
+            data = store.read_bytes(rel)
+        except FileNotFoundError:
+            continue  # removed again by the command itself
+        try:
+            row = ingest.check_new(
+                cache,
+                EntryName(key, module),
+                data,
+                origin="warm",
+                function=module.removeprefix("jit_"),
+                warm_run_id=run_id,
+            )
+        except ingest.Refused as exc:
+            store.delete([rel])
+            out.append(RunEntry(key, module, len(data), None, "refused", exc.message))
+            continue
+        objects.append(ingest.NewObject(row, in_storage=True))
+        out.append(RunEntry(key, module, len(data), row.compile_time_ms, "written"))
+    if objects:
+        published = ingest.publish(
+            ctx.index, cache, env, env_id, store, objects, quota=False, namespace_ready=True
+        )
+        for key, (_, problem) in published.failed.items():  # in_storage: nothing is written
+            print(f"cachectl: {key}: {problem}", file=sys.stderr)
+    return out

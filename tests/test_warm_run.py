@@ -1,0 +1,122 @@
+"""`cachectl warm-run`: a library's private jit, warmed by running the user's command.
+
+The library here jits a closure made inside its own function, as Keras's ``model.predict`` and
+NumPyro's ``MCMC.run`` do: no manifest can name it, and its sub-second compiles are never
+written by a service under JAX's default minimum compile time. Every process is a real one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+LIBRARY = """
+import jax, jax.numpy as jnp
+
+def predict(x):
+    def _predict_step(v):  # private: made anew inside the library on every call
+        return jnp.tanh(v @ v.T).sum(axis=-1)
+    return jax.jit(_predict_step)(x)
+"""
+
+WARMUP = """
+import numpy as np
+import lib_internal
+for n in (2, 8):
+    print("warmup", n, np.asarray(lib_internal.predict(np.ones((n, 4), np.float32))).shape)
+"""
+
+# A service that calls the library under plain activate() (read-only, as a service is by
+# default here), counting JAX's own persistent-cache hits and misses.
+SERVICE = """
+import json, numpy as np, jax
+counts = {"hits": 0, "misses": 0}
+def on(event, **kw):  # JAX's own counters (cachectl.jax_seam names them)
+    if event == "/jax/compilation_cache/compile_requests_use_cache":
+        counts["misses"] += 1
+    if event == "/jax/compilation_cache/cache_hits":
+        counts["hits"] += 1
+        counts["misses"] -= 1
+jax.monitoring.register_event_listener(on)
+import cachectl
+cachectl.activate(readonly=True)
+import lib_internal
+for n in (2, 8):
+    lib_internal.predict(np.ones((n, 4), np.float32))
+print(json.dumps(counts))
+"""
+
+
+def _cachectl(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "cachectl", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "PYTHONPATH": str(cwd)},
+    )
+
+
+def _setup(tmp_path: Path) -> None:
+    (tmp_path / "lib_internal.py").write_text(textwrap.dedent(LIBRARY))
+    (tmp_path / "warmup.py").write_text(textwrap.dedent(WARMUP))
+    (tmp_path / "service.py").write_text(textwrap.dedent(SERVICE))
+
+
+def test_warm_run_writes_and_indexes_a_private_jit_that_a_service_then_hits(
+    tmp_path: Path,
+) -> None:
+    _setup(tmp_path)
+    service = subprocess.run(
+        [sys.executable, "service.py"], cwd=tmp_path, capture_output=True, text=True, timeout=600
+    )
+    assert service.returncode == 0, service.stderr
+    assert json.loads(service.stdout.splitlines()[-1]) == {"hits": 0, "misses": 2}  # cold
+
+    first = _cachectl(tmp_path, "warm-run", "--json", "--", sys.executable, "warmup.py")
+    assert first.returncode == 0, first.stderr
+    report = json.loads(first.stdout)  # the command's own prints went to stderr
+    assert "warmup 2" in first.stderr and "warmup 8" in first.stderr
+    assert report["exit_code"] == 0 and report["known_before"] == 0
+    written = [e for e in report["entries"] if e["status"] == "written"]
+    assert [e["module"] for e in written] == ["jit__predict_step"] * 2, report
+    namespace = Path(report["namespace"].removeprefix("file://"))
+    assert {p.name for p in namespace.glob("*-cache")} == {f"{e['key']}-cache" for e in written}
+
+    db = Path(os.environ["XDG_DATA_HOME"]) / "cachectl" / "index.db"
+    with sqlite3.connect(db) as conn:
+        rows = conn.execute("SELECT key, origin, warm_run_id FROM entries").fetchall()
+        runs = conn.execute("SELECT id, status, compiled FROM warm_runs").fetchall()
+    assert sorted(r[0] for r in rows) == sorted(e["key"] for e in written)
+    assert {(r[1], r[2]) for r in rows} == {("warm", report["run_id"])}
+    assert runs == [(report["run_id"], "succeeded", 2)]
+
+    service = subprocess.run(
+        [sys.executable, "service.py"], cwd=tmp_path, capture_output=True, text=True, timeout=600
+    )
+    assert service.returncode == 0, service.stderr
+    assert json.loads(service.stdout.splitlines()[-1]) == {"hits": 2, "misses": 0}
+
+    again = _cachectl(tmp_path, "warm-run", "--", sys.executable, "warmup.py")
+    assert again.returncode == 0, again.stderr
+    assert "0 program(s) written and indexed (2 already in the namespace)" in again.stdout
+
+
+def test_a_failing_command_fails_the_warm_run_and_a_missing_one_is_bad_input(
+    tmp_path: Path,
+) -> None:
+    _setup(tmp_path)
+    failed = _cachectl(tmp_path, "warm-run", "--", sys.executable, "-c", "raise SystemExit(3)")
+    assert failed.returncode == 1, failed.stderr
+    assert "the command exited 3" in failed.stderr and "Traceback" not in failed.stderr
+
+    missing = _cachectl(tmp_path, "warm-run", "--", "no-such-command-here")
+    assert missing.returncode == 2, missing.stderr
+    assert "command not found: no-such-command-here" in missing.stderr
+    assert "Traceback" not in missing.stderr
