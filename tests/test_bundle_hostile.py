@@ -161,6 +161,22 @@ def test_a_bundle_declaring_far_more_than_it_holds_is_refused_before_staging(
     assert_nothing_installed_but_root()
 
 
+def test_a_metadata_member_far_bigger_than_the_bundle_is_refused_unread(
+    tmp_path: Path, bundles: dict[str, Any]
+) -> None:
+    """bundle.json padded with 64 MiB of JSON whitespace (a few KiB of bundle): refused before it
+    is read into memory, by install and by `bundle ls`."""
+    items = _items(bundles["bundle"])
+    items[0] = ("bundle.json", items[0][1] + b" " * BIG)
+    bad = tmp_path / "padded.tar.zst"
+    write_members(bad, items)
+    for command in ("install", "ls"):
+        result = invoke("bundle", command, str(bad), code=2)
+        assert "more than a bundle of this size can hold" in result.stderr, result.stderr
+        _one_line(result.stderr)
+    assert_nothing_installed_but_root()
+
+
 def assert_nothing_installed_but_root() -> None:
     root = default_root()
     assert not root.exists() or [p for p in root.rglob("*")] == []

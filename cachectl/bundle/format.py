@@ -103,10 +103,29 @@ def _open(path: Path) -> Iterator[tarfile.TarFile]:
             raise BadBundle(f"{path}: damaged bundle ({exc})") from exc
 
 
+# What a bundle's stream may expand to: this many times the bundle's own size, plus the floor.
+# Entries are stored raw (about 1x), executables and bundle.json compress a few times, while a
+# bundle of a few KiB that expands to hundreds of MiB is a decompression bomb: refused before
+# anything is read into memory or staged.
+BUNDLE_EXPANSION = 16
+BUNDLE_FLOOR = 16 << 20
+_JSON_MAX = 256 << 20
+
+
+def room(path: Path) -> int:
+    """The most bytes the files (or one metadata member) of the bundle at ``path`` may hold."""
+    return BUNDLE_EXPANSION * path.stat().st_size + BUNDLE_FLOOR
+
+
 def _read_json(tar: tarfile.TarFile, member: tarfile.TarInfo, path: Path) -> dict[str, Any]:
     fh = tar.extractfile(member)
-    if fh is None or member.size > 256 << 20:
+    if fh is None:
         raise BadBundle(f"{path}: {member.name} is not a regular file")
+    if member.size > min(_JSON_MAX, room(path)):
+        raise BadBundle(
+            f"{path}: {member.name} is {member.size} bytes, more than a bundle of this size can "
+            "hold (a decompression bomb?): nothing installed"
+        )
     try:
         data = json.loads(fh.read())
     except ValueError as exc:

@@ -18,6 +18,7 @@ from typing import IO, Any
 from cachectl import ingest, signing, temps
 from cachectl.bundle.format import (
     _CHUNK,
+    BUNDLE_EXPANSION,
     FILES,
     META,
     ORIGIN,
@@ -31,6 +32,7 @@ from cachectl.bundle.format import (
     _write_all,
     content_signature,
     entries_signed,
+    room,
 )
 from cachectl.context import Context
 from cachectl.entries import (
@@ -78,11 +80,6 @@ _IN_MEMORY_MAX = 16 << 20  # members up to this size are hashed and written in a
 _IN_FLIGHT_MAX = (
     4 << 20
 )  # bytes read but not yet written: more costs fresh pages (64 MiB: 596 vs 362 ms)
-# A bundle's files may add up to at most this many times the bundle's own size (plus the floor):
-# entries are stored raw (about 1x) and executables compress about 1.5x, while a bundle of a few KiB
-# declaring hundreds of MiB of zeros is a decompression bomb, refused before anything is staged.
-BUNDLE_EXPANSION = 16
-BUNDLE_FLOOR = 16 << 20
 
 
 def _write_hashed(dest: Path, data: bytes) -> str:
@@ -239,7 +236,7 @@ def _check_declared(path: Path, cache: CacheInfo, expected: dict[str, tuple[int,
                 raise BadBundle(f"{path}: {exc.message}: nothing installed") from None
     declared = sum(size for size, _ in expected.values())
     own = path.stat().st_size
-    if declared > BUNDLE_EXPANSION * own + BUNDLE_FLOOR:
+    if declared > room(path):
         raise BadBundle(
             f"{path}: its content list declares {format_size(declared)} of files in a "
             f"{format_size(own)} bundle (more than {BUNDLE_EXPANSION} times its size: a "
