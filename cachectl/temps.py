@@ -20,6 +20,8 @@ TEMP_PREFIX = ".tmp-"  # beside its target, renamed over it when whole (store.py
 SPOOL_PREFIX = "cachectl-upload-"  # an upload's body while it is checked (ingest.Spool)
 STAGING_DIR = ".staging"  # in a local cache root: bundle installs stage here (bundle/install.py)
 STAGING_PREFIX = "bundle-"  # one install's staging directory in it
+# An install into an object store stages in the system temporary directory instead.
+LOCAL_STAGING_PREFIX = "cachectl-bundle-"
 STALE_AFTER = timedelta(hours=24)
 
 _TAG = re.compile(r"([0-9a-f]{8})\.(\d+)-")

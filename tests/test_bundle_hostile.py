@@ -284,17 +284,21 @@ def test_a_bundle_whose_env_json_is_not_its_environment_installs_nothing(
 # --------------------------------------------------------------------------- item 7
 
 
-def _kill_mid_install(bundle: Path) -> None:
+def _kill_mid_install(
+    bundle: Path, *args: str, staging: Path | None = None, pattern: str = "*/*", **kw: Any
+) -> None:
     """Start `cachectl bundle install`, kill -9 it once its staging directory holds bytes."""
-    staging = default_root() / temps.STAGING_DIR
-    proc = _cachectl("bundle", "install", str(bundle))
+    staging = staging or default_root() / temps.STAGING_DIR
+    proc = _cachectl("bundle", "install", str(bundle), *args, **kw)
     deadline = time.monotonic() + 120
     try:
         while True:
             assert proc.poll() is None, proc.communicate()
             assert time.monotonic() < deadline, "the install never staged"
             staged = (
-                [p for p in staging.glob("*/*") if p.stat().st_size > 0] if staging.is_dir() else []
+                [p for p in staging.glob(pattern) if p.stat().st_size > 0]
+                if staging.is_dir()
+                else []
             )
             if staged:
                 break
@@ -350,6 +354,30 @@ def test_a_killed_install_leaves_nothing_that_outlives_the_next_install_or_verif
     assert [p.name for p in staging.iterdir()] == [live.name]
     clean = json.loads(invoke("verify", "--json").stdout)
     assert clean["plan"]["findings"] == []
+
+
+@pytest.mark.timeout(600)
+def test_a_killed_install_into_an_object_store_leaves_no_local_staging_behind(
+    tmp_path: Path, bundles: dict[str, Any], s3_bucket: str
+) -> None:
+    """Into an object store a bundle stages in the system temporary directory: the next install
+    removes a killed one's staging directory there, and never a live install's."""
+    invoke("cache", "add", "s3c", s3_bucket + "/cache")
+    tmp = tmp_path / "tmpdir"
+    tmp.mkdir()
+    env = {**os.environ, "TMPDIR": str(tmp)}
+    big = _big_bundle(tmp_path, bundles)
+    pattern = temps.LOCAL_STAGING_PREFIX + "*/*"
+    _kill_mid_install(big, "--cache", "s3c", staging=tmp, pattern=pattern, env=env)
+    (dead,) = tmp.glob(temps.LOCAL_STAGING_PREFIX + "*")
+    live = tmp / (temps.prefix(temps.LOCAL_STAGING_PREFIX) + "live")
+    live.mkdir()
+    proc = _cachectl(
+        "bundle", "install", str(bundles["bundle"]), "--cache", "s3c", "--json", env=env
+    )
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0 and json.loads(out)["installed"] == 5, err
+    assert not dead.exists() and [p.name for p in tmp.iterdir()] == [live.name]
 
 
 # --------------------------------------------------------------------------- item 12

@@ -71,7 +71,8 @@ def _staging_dir(store: Any, ns: str) -> Path:
         root.mkdir(parents=True, exist_ok=True, mode=0o700)
         sweep.sweep_staging(store)
         return Path(tempfile.mkdtemp(prefix=temps.prefix(temps.STAGING_PREFIX), dir=root))
-    return Path(tempfile.mkdtemp(prefix="cachectl-" + temps.prefix(temps.STAGING_PREFIX)))
+    sweep.sweep_dir(tempfile.gettempdir(), temps.LOCAL_STAGING_PREFIX)
+    return Path(tempfile.mkdtemp(prefix=temps.prefix(temps.LOCAL_STAGING_PREFIX)))
 
 
 _WORKERS = 2  # threads hashing and writing members while the main thread decompresses

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import stat
 import tempfile
 import time
 from collections.abc import Iterable
@@ -53,7 +54,7 @@ def find_debris(
     where = Path(store.url_for(temps.STAGING_DIR))
     try:
         names = sorted(os.listdir(where)) if staging else []
-    except (FileNotFoundError, NotADirectoryError):
+    except OSError:  # none, or not ours to list
         names = []
     for name in names:
         try:
@@ -81,7 +82,7 @@ def remove(store: Store, debris: Iterable[Debris]) -> int:
             else:
                 os.unlink(full)
             removed += 1
-        except FileNotFoundError:
+        except OSError:  # gone meanwhile, or not ours to remove: left for its owner
             pass
     return removed
 
@@ -91,25 +92,33 @@ def sweep_staging(store: Store) -> int:
     return remove(store, find_debris(store, []))
 
 
-def sweep_spool(directory: str | None) -> int:
-    """Remove the spool files of uploads whose server died (``directory``: the server's upload
-    directory, None for the system temporary directory it then uses)."""
-    where = directory or tempfile.gettempdir()
+def sweep_dir(directory: str, kind: str) -> int:
+    """Remove the ``kind`` temporaries (files or directories) in a local ``directory`` whose
+    writers are gone; the count removed."""
     now = time.time()
     removed = 0
     try:
-        names = os.listdir(where)
-    except FileNotFoundError:
+        names = os.listdir(directory)
+    except OSError:
         return 0
     for name in names:
-        if not name.startswith(temps.SPOOL_PREFIX):
+        if not name.startswith(kind):
             continue
-        full = os.path.join(where, name)
+        full = os.path.join(directory, name)
         try:
             st = os.lstat(full)
-            if temps.writer_gone(name, temps.SPOOL_PREFIX, _age(st, now)):
-                os.unlink(full)
+            if temps.writer_gone(name, kind, _age(st, now)):
+                if stat.S_ISDIR(st.st_mode):
+                    shutil.rmtree(full)
+                else:
+                    os.unlink(full)
                 removed += 1
-        except FileNotFoundError:
+        except OSError:  # gone meanwhile, or another user's: left for its owner
             continue
     return removed
+
+
+def sweep_spool(directory: str | None) -> int:
+    """Remove the spool files of uploads whose server died (``directory``: the server's upload
+    directory, None for the system temporary directory it then uses)."""
+    return sweep_dir(directory or tempfile.gettempdir(), temps.SPOOL_PREFIX)
