@@ -22,6 +22,11 @@ entry stays); an indexed one that is gone has its columns cleared (repair);
 an ``-aot`` without its ``-cache`` is an orphan (quarantined); one the index
 does not know is an unknown writer. A quarantined entry takes its ``-aot``
 into quarantine with it.
+
+Files a writer killed mid-write left (``.tmp-*`` beside their target, a bundle install's
+``.staging/bundle-*`` directory) are ``stale-temp`` findings once their writer is gone
+(``lifecycle/sweep.py``: its host and pid are in the name, else 24 h untouched); repair removes
+them. A live writer's are no finding.
 """
 
 from __future__ import annotations
@@ -97,7 +102,7 @@ QUARANTINE, DROP_ROW, DELETE_ATIME, WRITE_ATIME = (
     "delete-atime",
     "write-atime",
 )
-DELETE_TEMP = "delete-temp"
+DELETE_TEMP = "delete-temp"  # a stale-temp file or directory is removed (repair), re-checked first
 CLEAR_AOT = "clear-executable"  # an indexed -aot is gone: its entry's executable columns are cleared (repair)
 # An unknown file younger than this may be a writer's between its storage
 # write and its index row: reported, not quarantined (verify --min-age).
