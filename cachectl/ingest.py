@@ -6,7 +6,8 @@ Every writer of new ``-cache``/``-aot`` objects (the server's uploads, ``push``,
 1. the sha256 recorded is the one computed here from the bytes, never a client's claim
    (a claim that differs is refused);
 2. an entry's size is within the cache's max entry size;
-3. an entry decompresses into a JAX entry within a bound (``scan_entry``: one streaming pass);
+3. an entry decompresses into a JAX entry within a bound (``check_entry``: ``expansion_bound``
+   of its size, in one streaming pass of ``scan_entry``, never decompressed whole in memory);
    a stored executable is intact and made for this key and its entry's recorded bytes;
 4. quota: a single upload reserves its row first (``server_queries.reserve_entry`` /
    ``reserve_executable``, the cache row locked) and gives it back when the write fails; a
@@ -24,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import hashlib
+import io
 import os
 import tempfile
 from collections.abc import Callable, Iterable
@@ -31,7 +33,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from cachectl import aot
+from cachectl import aot, temps
 from cachectl.entries import (
     AOT_SUFFIX,
     CACHE_SUFFIX,
@@ -39,7 +41,6 @@ from cachectl.entries import (
     CorruptEntry,
     EntryName,
     EntryTooLarge,
-    read_header,
     scan_entry,
 )
 from cachectl.errors import BadInput, EntryConflict
@@ -83,7 +84,7 @@ class Spool:
     """Bytes streamed to a private temporary file, hashed as they arrive (never all in memory)."""
 
     def __init__(self, directory: str | None = None) -> None:
-        fd, self.path = tempfile.mkstemp(prefix="cachectl-upload-", dir=directory)
+        fd, self.path = tempfile.mkstemp(prefix=temps.prefix(temps.SPOOL_PREFIX), dir=directory)
         self._fh = os.fdopen(fd, "wb")
         self._digest = hashlib.sha256()
         self.size = 0
@@ -129,14 +130,38 @@ def _check_size(cache: CacheInfo, key: str, size: int) -> None:
         )
 
 
-def check_entry_file(path: str, expand_to: int) -> int:
-    """The compile time (ms) of the entry in a local file, checked in one streaming pass."""
+# How far an entry may decompress: ENTRY_EXPANSION times its own size (JAX entries measured 2-3
+# times; a decompression bomb a thousand times or more), at least EXPANSION_FLOOR, at most
+# MAX_EXPANDED, whoever writes it. The server's bound for an upload may be smaller.
+ENTRY_EXPANSION = 64
+EXPANSION_FLOOR = 64 << 20
+MAX_EXPANDED = 4 << 30
+
+
+def expansion_bound(size: int, cap: int = MAX_EXPANDED) -> int:
+    """The most bytes an entry of ``size`` bytes may decompress to (``cap``: a caller's own bound)."""
+    return min(cap, MAX_EXPANDED, max(EXPANSION_FLOOR, size * ENTRY_EXPANSION))
+
+
+def check_size(cache: CacheInfo, key: str, size: int) -> None:
+    """Refused (TOO_LARGE) when an entry of ``size`` bytes is above the cache's max entry size."""
+    _check_size(cache, key, size)
+
+
+def check_entry(source: bytes | str | os.PathLike[str], expand_to: int | None = None) -> int:
+    """The compile time (ms) of entry bytes (in memory or a local file), checked in one streaming
+    pass that stops past ``expand_to`` (default: ``expansion_bound`` of its size): memory stays at
+    one read chunk whatever the entry expands to."""
     try:
-        with open(path, "rb") as fh:
-            return scan_entry(fh, expand_to).compile_seconds * 1000
-    except EntryTooLarge:
+        if isinstance(source, bytes):
+            bound = expansion_bound(len(source), expand_to or MAX_EXPANDED)
+            return scan_entry(io.BytesIO(source), bound).compile_seconds * 1000
+        with open(source, "rb") as fh:
+            bound = expansion_bound(os.fstat(fh.fileno()).st_size, expand_to or MAX_EXPANDED)
+            return scan_entry(fh, bound).compile_seconds * 1000
+    except EntryTooLarge as exc:
         raise Refused(
-            f"entry expands to more than {format_size(expand_to)}: refused", EXPANDS
+            f"entry expands to more than {format_size(exc.limit)}: refused", EXPANDS
         ) from None
     except CorruptEntry as exc:
         raise Refused(f"not a JAX cache entry: {exc}", CORRUPT) from None
@@ -210,7 +235,7 @@ def ingest_entry(
     """
     _check_claim(body.sha256, claimed_sha256, claim_name)
     _check_size(t.cache, key.key, body.size)
-    compile_ms = check_entry_file(body.path, expand_to)
+    compile_ms = check_entry(body.path, expand_to)
     new = NewEntry(
         key=key.key,
         module=key.module,
@@ -314,13 +339,11 @@ def _bytes_of(source: bytes | Path) -> bytes:
 def check_new(
     cache: CacheInfo, key: EntryName, data: bytes, *, origin: str, **fields: Any
 ) -> NewEntry:
-    """The index row of entry bytes that pass the rules: size, a JAX entry, the sha256 computed here."""
+    """The index row of entry bytes that pass the rules: size, a JAX entry within the expansion
+    bound (one streaming pass, never the whole entry decompressed), the sha256 computed here."""
     _check_size(cache, key.key, len(data))
-    try:
-        header = read_header(data)
-    except CorruptEntry as exc:
-        raise Refused(f"not a JAX cache entry ({exc})", CORRUPT) from None
-    fields.setdefault("compile_time_ms", header.compile_seconds * 1000)
+    compile_ms = check_entry(data)
+    fields.setdefault("compile_time_ms", compile_ms)
     return NewEntry(
         key=key.key,
         module=key.module,
@@ -329,6 +352,14 @@ def check_new(
         origin=origin,
         **fields,
     )
+
+
+def check_fits(index: Any, cache: CacheInfo, env_id: int | None, added: int) -> None:
+    """QuotaExceeded when ``added`` more bytes do not fit the cache's or the environment's limit
+    (``env_id`` None: an environment not recorded yet), checked before anything is written; in
+    server mode the server holds the limits."""
+    if isinstance(index, Index) and (cache.max_size is not None or cache.env_max_size is not None):
+        sq.check_quota(index, cache.name, env_id if env_id is not None else -1, added)
 
 
 @dataclass(frozen=True)
@@ -369,13 +400,8 @@ def publish(
             _check_size(cache, o.row.key, o.row.size)
     added = sum(o.row.size for o in objects if o.entry is not None)
     added += sum(o.row.aot_size or 0 for o in objects if o.executable is not None)
-    if (
-        quota
-        and isinstance(index, Index)
-        and (cache.max_size is not None or cache.env_max_size is not None)
-    ):
-        # Checked before anything is written; in server mode the server holds the limits.
-        sq.check_quota(index, cache.name, env_id, added)
+    if quota:
+        check_fits(index, cache, env_id, added)
     run = parallel or (lambda fn, keys: [(k, _guarded(fn, k)) for k in keys])
     failed: dict[str, tuple[str, Exception]] = {}
     by_key = {o.row.key: o for o in objects}

@@ -27,6 +27,7 @@ from datetime import UTC, datetime
 from functools import cached_property
 from typing import Any, BinaryIO, TypeVar
 
+from cachectl import temps
 from cachectl.errors import BadInput, Unreachable
 
 # Protocols cachectl manages, mapped to their canonical fsspec name.
@@ -102,7 +103,7 @@ def _atomic_local_write(full: str, mode: int, write: Callable[[BinaryIO], object
     """Write a local file through a temporary sibling and a rename: readers never see half."""
     directory = os.path.dirname(full)
     os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=directory)
+    fd, tmp = tempfile.mkstemp(prefix=temps.prefix(temps.TEMP_PREFIX), dir=directory)
     try:
         with os.fdopen(fd, "wb") as fh:
             write(fh)

@@ -25,6 +25,7 @@ from cachectl.errors import (
     http_status,
 )
 from cachectl.index import open_index
+from cachectl.lifecycle import sweep
 
 from . import api, dashboard, entries, executables
 from .auth import PUBLIC, ROLE_KEY, hides_caches, identify, route, unauthorized
@@ -89,6 +90,10 @@ def create_app(settings: ServerSettings | str, **overrides: Any) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        # Spool files of uploads a killed server never finished (never a live server's).
+        swept = await run_in_threadpool(sweep.sweep_spool, settings.upload_dir)
+        if swept:
+            log.info("removed %d spool file(s) of uploads whose server is gone", swept)
         if state.maintenance is not None:
             state.maintenance.start()
         try:

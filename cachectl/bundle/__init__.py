@@ -14,10 +14,14 @@ compression); the rest is compressed at ``--level``. Any zstd decoder reads the 
 ``cachectl bundle install`` checks the environment against this machine (exit 3
 with the differing fields), the signature when the target cache trusts keys,
 then extracts into a staging directory verifying every size and sha256 against
-the list (a file not listed, a missing one or a changed byte refuses the whole
-bundle, exit 2), and only then moves the files into the namespace (a fresh
-local namespace is one directory rename) and indexes them (origin ``bundle``).
-A refused bundle leaves nothing behind.
+the list (a file not listed, a missing one, a member longer than listed or a
+changed byte refuses the whole bundle, exit 2; each member is read only up to
+its listed size), each entry and executable through ingest's checks, and the
+staged env.json against the bundle's environment; only then moves the files
+into the namespace (a fresh local namespace is one directory rename) and
+indexes them (origin ``bundle``). A refused bundle leaves nothing behind, in
+storage or the index. A signed bundle's ``signature.json`` also signs its
+entries (``entries_signature``: every field an install writes).
 """
 
 from __future__ import annotations

@@ -24,6 +24,7 @@ from cachectl.bundle.format import (
     BundleEntry,
     BundleInfo,
     _write_all,
+    sign_entries,
 )
 from cachectl.context import Context
 from cachectl.entries import AOT_SUFFIX, CACHE_SUFFIX, ENV_FILE
@@ -236,6 +237,8 @@ def create(
     }
     content_bytes = sum(s for _, s, _ in files)
     signed = signing.sign(key, content) if key else None
+    if key is not None and signed is not None:
+        sign_entries(key, meta, signed)
     if signed is None and hasattr(ctx.index, "content_signature"):
         # No key here: carry the namespace's own signature when it covers exactly this content.
         existing = ctx.index.content_signature(info.id)

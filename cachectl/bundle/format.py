@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import base64
+import dataclasses
 import json
 import os
 import tarfile
@@ -11,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from cachectl import signing
+from cachectl import signing, temps
 from cachectl.errors import BadInput
 
 FORMAT = "cachectl-bundle/1"
@@ -19,7 +21,7 @@ META = "bundle.json"
 SIGNATURE = "signature.json"
 FILES = "files/"
 ORIGIN = "bundle"
-STAGING_DIR = ".staging"
+STAGING_DIR = temps.STAGING_DIR
 _CHUNK = 1 << 20
 
 
@@ -101,10 +103,29 @@ def _open(path: Path) -> Iterator[tarfile.TarFile]:
             raise BadBundle(f"{path}: damaged bundle ({exc})") from exc
 
 
+# What a bundle's stream may expand to: this many times the bundle's own size, plus the floor.
+# Entries are stored raw (about 1x), executables and bundle.json compress a few times, while a
+# bundle of a few KiB that expands to hundreds of MiB is a decompression bomb: refused before
+# anything is read into memory or staged.
+BUNDLE_EXPANSION = 16
+BUNDLE_FLOOR = 16 << 20
+_JSON_MAX = 256 << 20
+
+
+def room(path: Path) -> int:
+    """The most bytes the files (or one metadata member) of the bundle at ``path`` may hold."""
+    return BUNDLE_EXPANSION * path.stat().st_size + BUNDLE_FLOOR
+
+
 def _read_json(tar: tarfile.TarFile, member: tarfile.TarInfo, path: Path) -> dict[str, Any]:
     fh = tar.extractfile(member)
-    if fh is None or member.size > 256 << 20:
+    if fh is None:
         raise BadBundle(f"{path}: {member.name} is not a regular file")
+    if member.size > min(_JSON_MAX, room(path)):
+        raise BadBundle(
+            f"{path}: {member.name} is {member.size} bytes, more than a bundle of this size can "
+            "hold (a decompression bomb?): nothing installed"
+        )
     try:
         data = json.loads(fh.read())
     except ValueError as exc:
@@ -135,6 +156,56 @@ def _meta(
         signed = _read_json(tar, member, path)
         member = tar.next()
     return meta, signed, member
+
+
+# A signed bundle's entries (what an install writes into the index beyond the content list: function,
+# bucket, compile time) are signed with the content list, by the same key, as this document.
+ENTRIES_FORMAT = "cachectl-bundle-entries/1"
+ENTRIES_SIGNATURE = "entries_signature"
+
+
+def entries_document(meta: dict[str, Any]) -> bytes:
+    """The canonical bytes an entries signature signs: the content list and every entry's fields."""
+    return signing.canonical(
+        {
+            "format": ENTRIES_FORMAT,
+            "content": meta["content"],
+            "entries": [dataclasses.asdict(e) for e in _entries(meta)],
+        }
+    )
+
+
+def sign_entries(key: signing.SigningKey, meta: dict[str, Any], signed: dict[str, Any]) -> None:
+    """Add the entries signature to ``signed`` (the content list's signature by ``key``)."""
+    signed[ENTRIES_SIGNATURE] = base64.b64encode(key.private.sign(entries_document(meta))).decode()
+
+
+def entries_signed(signed: dict[str, Any], meta: dict[str, Any], what: str) -> bool:
+    """Whether the key that signed the content list signed the entries too; False when the bundle
+    carries no entries signature, Untrusted when it carries one that does not verify."""
+    from cryptography.exceptions import InvalidSignature
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+
+    sig = signed.get(ENTRIES_SIGNATURE)
+    if sig is None:
+        return False
+    try:
+        public = signing.parse_public_key(str(signed.get("key", "")))
+        raw = base64.b64decode(public[len(signing.PREFIX) :])
+        Ed25519PublicKey.from_public_bytes(raw).verify(
+            base64.b64decode(str(sig)), entries_document(meta)
+        )
+    except (InvalidSignature, ValueError, TypeError, BadInput) as exc:
+        raise signing.Untrusted(
+            f"{what}: the signature of its entries (function, bucket, compile time, sizes) does "
+            "not match them (altered after signing): nothing installed"
+        ) from exc
+    return True
+
+
+def content_signature(signed: dict[str, Any]) -> dict[str, Any]:
+    """The content list's signature alone (what a namespace keeps), without the entries'."""
+    return {k: v for k, v in signed.items() if k != ENTRIES_SIGNATURE}
 
 
 def _entries(meta: dict[str, Any]) -> list[BundleEntry]:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
+import json
 import os
 import shutil
 import tarfile
@@ -13,26 +15,39 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import IO, Any
 
-from cachectl import ingest, signing
+from cachectl import ingest, signing, temps
 from cachectl.bundle.format import (
     _CHUNK,
+    BUNDLE_EXPANSION,
     FILES,
     META,
     ORIGIN,
     STAGING_DIR,
     BadBundle,
+    BundleEntry,
     InstallResult,
     _entries,
     _meta,
     _open,
     _write_all,
+    content_signature,
+    entries_signed,
+    room,
 )
 from cachectl.context import Context
-from cachectl.entries import AOT_SUFFIX, CACHE_SUFFIX, ENV_FILE, parse_entry_filename
+from cachectl.entries import (
+    AOT_SUFFIX,
+    CACHE_SUFFIX,
+    ENV_FILE,
+    parse_aot_filename,
+    parse_entry_filename,
+)
 from cachectl.errors import BadInput, EnvironmentMismatch, NotFound
 from cachectl.fingerprint import Environment
 from cachectl.index import CacheInfo, NewEntry
+from cachectl.lifecycle import sweep
 from cachectl.permissions import check_writer
+from cachectl.units import format_size
 
 # --------------------------------------------------------------------------- install
 
@@ -49,12 +64,15 @@ def environment_diff(here: Environment, bundled: dict[str, Any]) -> list[str]:
 
 def _staging_dir(store: Any, ns: str) -> Path:
     """Where files are verified before anything is visible: beside the namespace on local disk
-    (so a rename moves them into place), else a local temporary directory."""
+    (so a rename moves them into place), else a local temporary directory. Its name carries this
+    process's tag (``temps``): the staging directories of installs that died are removed first."""
     if store.is_local:
         root = Path(store.url_for(STAGING_DIR))
         root.mkdir(parents=True, exist_ok=True, mode=0o700)
-        return Path(tempfile.mkdtemp(prefix="bundle-", dir=root))
-    return Path(tempfile.mkdtemp(prefix="cachectl-bundle-"))
+        sweep.sweep_staging(store)
+        return Path(tempfile.mkdtemp(prefix=temps.prefix(temps.STAGING_PREFIX), dir=root))
+    sweep.sweep_dir(tempfile.gettempdir(), temps.LOCAL_STAGING_PREFIX)
+    return Path(tempfile.mkdtemp(prefix=temps.prefix(temps.LOCAL_STAGING_PREFIX)))
 
 
 _WORKERS = 2  # threads hashing and writing members while the main thread decompresses
@@ -65,8 +83,8 @@ _IN_FLIGHT_MAX = (
 )  # bytes read but not yet written: more costs fresh pages (64 MiB: 596 vs 362 ms)
 
 
-def _write_hashed(dest: Path, data: bytes) -> tuple[int, str]:
-    """Write ``data`` to a new file and return its size and sha256 (in a worker: both release the GIL).
+def _write_hashed(dest: Path, data: bytes) -> str:
+    """Write ``data`` to a new file and return its sha256 (in a worker: both release the GIL).
     Each 64 KiB piece is hashed right after it is written, while it is still in the CPU's cache."""
     digest = hashlib.sha256()
     view = memoryview(data)
@@ -78,18 +96,46 @@ def _write_hashed(dest: Path, data: bytes) -> tuple[int, str]:
             digest.update(piece)
     finally:
         os.close(fd)
-    return len(data), digest.hexdigest()
+    return digest.hexdigest()
 
 
-def _stream_hashed(src: IO[bytes], dest: Path) -> tuple[int, str]:
+def _read_exactly(src: IO[bytes], size: int) -> bytes:
+    """``size`` bytes of a member, never more (its tar header said ``size``, as its list does)."""
+    data = src.read(size)
+    if len(data) != size:
+        raise BadBundle("a member ends before its size: truncated bundle")
+    return data
+
+
+def _stream_hashed(src: IO[bytes], dest: Path, size: int) -> str:
+    """A member streamed to ``dest``, stopping at ``size`` bytes; its sha256."""
     digest = hashlib.sha256()
-    n = 0
-    with open(dest, "wb") as dst:
-        while chunk := src.read(_CHUNK):
+    left = size
+    with open(dest, "xb") as dst:
+        while left:
+            chunk = src.read(min(_CHUNK, left))
+            if not chunk:
+                raise BadBundle("a member ends before its size: truncated bundle")
             digest.update(chunk)
             dst.write(chunk)
-            n += len(chunk)
-    return n, digest.hexdigest()
+            left -= len(chunk)
+    return digest.hexdigest()
+
+
+def _check_member(
+    cache: CacheInfo, name: str, staged: bytes | Path, expected: dict[str, tuple[int, str]]
+) -> int | None:
+    """ingest's rules for one verified member, as for every new entry: an entry within the cache's
+    max entry size that decompresses into a JAX entry within the expansion bound (its header's
+    compile time in ms); an executable intact and made for its key and its entry's listed bytes."""
+    if (entry := parse_entry_filename(name)) is not None:
+        ingest.check_size(cache, entry.key, expected[name][0])
+        return ingest.check_entry(staged)
+    if (aot := parse_aot_filename(name)) is not None:
+        data = staged if isinstance(staged, bytes) else staged.read_bytes()
+        listed = expected.get(aot.key + CACHE_SUFFIX)
+        ingest.check_executable(aot.key, data, listed[1] if listed else None)
+    return None
 
 
 def _extract(
@@ -98,22 +144,38 @@ def _extract(
     first: tarfile.TarInfo | None,
     expected: dict[str, tuple[int, str]],
     staging: Path,
-) -> None:
+    cache: CacheInfo,
+) -> dict[str, int]:
     """Every member into ``staging``, each checked against the content list; BadBundle at the first
-    that is not listed, repeated, not a file, or whose size or sha256 differ. Decompressing runs here
-    while worker threads hash and write the members read before."""
+    that is not listed, repeated, not a file, of another size than listed (before a byte of it is
+    read: a member is read only up to its listed size), or whose sha256 differs, and Refused for one
+    that ingest's rules refuse. Decompressing runs here while worker threads hash, write and check
+    the members read before. Returns each entry's compile time (ms) from its header."""
     seen: set[str] = set()
-    pending: list[tuple[str, tuple[int, str], Future[tuple[int, str]]]] = []
+    pending: list[tuple[str, int, Future[int | None]]] = []
     in_flight = 0
+    header_ms: dict[str, int] = {}
 
-    def settle() -> int:
-        name, want, done = pending.pop(0)
-        if done.result() != want:
+    def stage(name: str, staged: bytes | Path, digest: str) -> int | None:
+        if digest != expected[name][1]:
             raise BadBundle(
-                f"{path}: {name} does not match its sha256 in the content list "
+                f"{path}: {FILES}{name} does not match its sha256 in the content list "
                 "(tampered or damaged): nothing installed"
             )
-        return want[0]
+        try:
+            return _check_member(cache, name, staged, expected)
+        except ingest.Refused as exc:
+            raise BadBundle(f"{path}: {FILES}{name}: {exc.message}; nothing installed") from None
+
+    def small(name: str, data: bytes) -> int | None:
+        return stage(name, data, _write_hashed(staging / name, data))
+
+    def settle() -> int:
+        name, size, done = pending.pop(0)
+        ms = done.result()
+        if ms is not None:
+            header_ms[name[: -len(CACHE_SUFFIX)]] = ms
+        return size
 
     member = first
     with ThreadPoolExecutor(max_workers=_WORKERS, thread_name_prefix="cachectl-bundle") as pool:
@@ -129,15 +191,26 @@ def _extract(
                 raise BadBundle(f"{path}: {member.name} appears twice: nothing installed")
             if not member.isfile():
                 raise BadBundle(f"{path}: {member.name} is not a regular file: nothing installed")
+            size = expected[name][0]
+            if member.size != size:
+                raise BadBundle(
+                    f"{path}: {member.name} is {member.size} bytes in the tar stream but {size} in "
+                    "the content list (tampered or damaged): nothing installed"
+                )
             src = tar.extractfile(member)
             assert src is not None
-            if member.size <= _IN_MEMORY_MAX:
-                done = pool.submit(_write_hashed, staging / name, src.read())
+            done: Future[int | None]
+            if size <= _IN_MEMORY_MAX:
+                done = pool.submit(small, name, _read_exactly(src, size))
             else:
                 done = Future()
-                done.set_result(_stream_hashed(src, staging / name))
-            pending.append((member.name, expected[name], done))
-            in_flight += member.size
+                try:
+                    dest = staging / name
+                    done.set_result(stage(name, dest, _stream_hashed(src, dest, size)))
+                except Exception as exc:  # noqa: BLE001 - raised by settle, in order
+                    done.set_exception(exc)
+            pending.append((name, size, done))
+            in_flight += size
             while in_flight > _IN_FLIGHT_MAX:
                 in_flight -= settle()
             seen.add(name)
@@ -149,6 +222,43 @@ def _extract(
         raise BadBundle(
             f"{path}: {len(missing)} file(s) of the content list are missing ({missing[0]}, ...): "
             "nothing installed"
+        )
+    return header_ms
+
+
+def _check_declared(path: Path, cache: CacheInfo, expected: dict[str, tuple[int, str]]) -> None:
+    """Before anything is staged: every listed entry within the cache's max entry size, and the
+    files' total within BUNDLE_EXPANSION times the bundle's size."""
+    for name, (size, _) in expected.items():
+        if (entry := parse_entry_filename(name)) is not None:
+            try:
+                ingest.check_size(cache, entry.key, size)
+            except ingest.Refused as exc:
+                raise BadBundle(f"{path}: {exc.message}: nothing installed") from None
+    declared = sum(size for size, _ in expected.values())
+    own = path.stat().st_size
+    if declared > room(path):
+        raise BadBundle(
+            f"{path}: its content list declares {format_size(declared)} of files in a "
+            f"{format_size(own)} bundle (more than {BUNDLE_EXPANSION} times its size: a "
+            "decompression bomb?): nothing installed"
+        )
+
+
+def _check_staged_env(path: Path, staging: Path, env: Environment) -> None:
+    """The staged env.json describes the bundle's environment (checked before anything is visible)."""
+    try:
+        data = json.loads((staging / ENV_FILE).read_bytes())
+        if not isinstance(data, dict):
+            raise ValueError(f"a JSON {type(data).__name__}, not an object")
+        staged = Environment.from_dict(data)
+    except (ValueError, TypeError, KeyError, AttributeError) as exc:
+        raise BadBundle(f"{path}: its {ENV_FILE} is corrupt ({exc}): nothing installed") from None
+    recorded = data.get("digest")
+    if staged.digest != env.digest or (recorded is not None and recorded != staged.digest):
+        raise BadBundle(
+            f"{path}: its {ENV_FILE} describes environment {str(recorded or staged.digest)[:16]}, "
+            f"not the bundle's {env.digest[:16]}: nothing installed"
         )
 
 
@@ -209,15 +319,34 @@ def install(
             signing.verify(signed, [str(signed.get("key", ""))], f"bundle {p.name}")
         if cache.trusted_keys:
             signing.verify(signed, cache.trusted_keys, f"bundle {p.name}")
+        entries = _entries(meta)
+        metadata_signed = signed is None or entries_signed(signed, meta, f"bundle {p.name}")
         if not dry_run:
             check_writer(cache, "install a bundle into")
+        _check_declared(p, cache, expected)
         store = ctx.store(cache)
         ns = env.namespace
         staging = _staging_dir(store, ns)
         try:
-            _extract(p, tar, first, expected, staging)
+            header_ms = _extract(p, tar, first, expected, staging, cache)
+            _check_staged_env(p, staging, env)
+            notes = []
+            if not metadata_signed:
+                # What the signature does not cover is not written: the header's compile time
+                # (read here), no function or bucket.
+                entries = [
+                    dataclasses.replace(
+                        e, function=None, bucket=None, compile_time_ms=header_ms.get(e.key)
+                    )
+                    for e in entries
+                ]
+                notes.append(
+                    "its signature does not cover the entries' function, bucket and compile time "
+                    "(signed by an older cachectl, or a namespace's signature carried over): "
+                    "installed without them"
+                )
             return _commit(
-                ctx, cache, store, env, meta, signed, staging, p, signer, started, dry_run
+                ctx, cache, store, env, entries, signed, staging, p, signer, started, dry_run, notes
             )
         finally:
             shutil.rmtree(staging, ignore_errors=True)
@@ -233,16 +362,16 @@ def _commit(
     cache: CacheInfo,
     store: Any,
     env: Environment,
-    meta: dict[str, Any],
+    entries: list[BundleEntry],
     signed: dict[str, Any] | None,
     staging: Path,
     path: Path,
     signer: str | None,
     started: float,
     dry_run: bool,
+    notes: list[str],
 ) -> InstallResult:
     ns = env.namespace
-    entries = _entries(meta)
     try:
         info = ctx.index.get_environment(cache.name, env.digest)
         present = ctx.index.entry_keys(info.id)
@@ -257,7 +386,6 @@ def _commit(
     already = len(entries) - len(new) - len(conflicts)
     # The sizes staging verified (each file against the content list, the list against the rows).
     nbytes = sum(e.size for e in new) + sum(int(e.aot_size or 0) for e in new_aot)
-    notes: list[str] = []
     if dry_run:
         return InstallResult(
             str(path),
@@ -276,7 +404,10 @@ def _commit(
             True,
             notes,
         )
-    # Every file was verified against the content list (size, sha256 computed here) while staging.
+    # Every file was verified against the content list (size, sha256 computed here) and ingest's
+    # rules while staging. The quota is checked before the environment's row is made: a refused
+    # bundle leaves nothing in the index either.
+    ingest.check_fits(ctx.index, cache, info.id if info is not None else None, nbytes)
     info = ctx.index.ensure_environment(cache.name, env)
     new_keys, by_aot = {e.key for e in new}, {e.key for e in new_aot}
     objects = []
@@ -309,8 +440,8 @@ def _commit(
         raise next(iter(published.failed.values()))[1]
     if signed is not None and hasattr(ctx.index, "set_content_signature"):
         # The bundle's signed list is the namespace's when the namespace now holds exactly it.
-        if signing.namespace_content(ctx.index, info) == meta["content"]:
-            ctx.index.set_content_signature(info.id, signed)
+        if signing.namespace_content(ctx.index, info) == signed["content"]:
+            ctx.index.set_content_signature(info.id, content_signature(signed))
         else:
             notes.append(
                 "the namespace holds more than the bundle: its signed content list was not replaced"

@@ -128,6 +128,8 @@ def _print_verify(result: verify_lib.VerifyResult) -> None:
             f"written, {result.rows_dropped} index row(s) dropped, {result.executables_cleared} "
             "entries' executable columns cleared"
         )
+    if result.temps_removed:
+        stdout.print(f"removed {result.temps_removed} unfinished file(s) of writers that are gone")
     if result.dry_run and any(f.action for f in plan.findings):
         stdout.print("dry run: nothing moved, deleted or written")
 

@@ -22,6 +22,11 @@ entry stays); an indexed one that is gone has its columns cleared (repair);
 an ``-aot`` without its ``-cache`` is an orphan (quarantined); one the index
 does not know is an unknown writer. A quarantined entry takes its ``-aot``
 into quarantine with it.
+
+Files a writer killed mid-write left (``.tmp-*`` beside their target, a bundle install's
+``.staging/bundle-*`` directory) are ``stale-temp`` findings once their writer is gone
+(``lifecycle/sweep.py``: its host and pid are in the name, else 24 h untouched); repair removes
+them. A live writer's are no finding.
 """
 
 from __future__ import annotations
@@ -36,7 +41,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
-from cachectl import aot
+from cachectl import aot, temps
 from cachectl.context import Context
 from cachectl.entries import (
     AOT_SUFFIX,
@@ -63,6 +68,7 @@ from cachectl.index.lifecycle_queries import (
 )
 from cachectl.index.models import utcnow
 from cachectl.lifecycle import lease as leases
+from cachectl.lifecycle import sweep
 from cachectl.lifecycle.deep import load_all
 from cachectl.lifecycle.lease import Lease
 from cachectl.lifecycle.sync import _group_by_namespace, check_entry_bytes
@@ -86,6 +92,9 @@ XLA_SUBCACHE = "xla-subcache"  # an XLA sub-cache directory: keys become path-de
 STRAY = "stray-file"  # a file in the root outside every namespace: reported
 SERVICE_WRITE = "service-write"  # a service wrote an entry although the cache denies service writes
 NOT_LOADABLE = "not-loadable"  # --deep: the header is fine but JAX cannot load the executable
+# A dead writer's .tmp-* file or bundle staging directory (lifecycle/sweep.py): deleted (repair).
+# One whose writer may still be writing is not a finding.
+STALE_TEMP = "stale-temp"
 
 QUARANTINE, DROP_ROW, DELETE_ATIME, WRITE_ATIME = (
     "quarantine",
@@ -93,6 +102,7 @@ QUARANTINE, DROP_ROW, DELETE_ATIME, WRITE_ATIME = (
     "delete-atime",
     "write-atime",
 )
+DELETE_TEMP = "delete-temp"  # a stale-temp file or directory is removed (repair), re-checked first
 CLEAR_AOT = "clear-executable"  # an indexed -aot is gone: its entry's executable columns are cleared (repair)
 # An unknown file younger than this may be a writer's between its storage
 # write and its index row: reported, not quarantined (verify --min-age).
@@ -139,6 +149,7 @@ class VerifyResult:
     dry_run: bool
     duration_s: float
     executables_cleared: int = 0
+    temps_removed: int = 0
 
     __json_extra__ = ("ok",)
 
@@ -259,8 +270,14 @@ def plan_verify(
     listing = store.list_paths(scope)  # paths stay relative to the root
     plan.files_listed = len(listing)
     groups, strays = _group_by_namespace(listing, listing)
+    # In-progress files: debris when their writer is gone (sweep.find_debris), else no finding.
+    temp_paths: dict[str, str] = {}  # path -> namespace
     for path in strays:
-        if not path.startswith((QUARANTINE_DIR + "/", ".tmp-")) and not path.endswith(".lock"):
+        if path.rsplit("/", 1)[-1].startswith(temps.TEMP_PREFIX):
+            temp_paths[path] = ""
+        elif not path.startswith(
+            (QUARANTINE_DIR + "/", temps.STAGING_DIR + "/")
+        ) and not path.endswith(".lock"):
             plan.findings.append(
                 Finding(
                     STRAY,
@@ -413,6 +430,8 @@ def plan_verify(
                     plan.findings.append(Finding(BAD_ENV, ns, path, str(exc)))
             elif kind is Kind.OTHER:
                 unknowns.append((ns, path, env.id in warming, act(QUARANTINE), env.id, None))
+            elif kind is Kind.TEMP:
+                temp_paths[path] = ns
         for key in sorted(set(indexed) - entry_keys):
             plan.findings.append(
                 Finding(
@@ -445,6 +464,17 @@ def plan_verify(
                 if f"{key}{ATIME_SUFFIX}" not in names
             ]
 
+    for d in sweep.find_debris(store, list(temp_paths), staging=not scope):
+        plan.findings.append(
+            Finding(
+                STALE_TEMP,
+                temp_paths.get(d.path, ""),
+                d.path,
+                f"an unfinished {'bundle install staging directory' if d.directory else 'write'}: "
+                f"{d.why}; --repair (or --quarantine) removes it",
+                act(DELETE_TEMP),
+            )
+        )
     # --min-age spares a young unknown file from quarantine: only those need a time.
     infos = store.infos([u[1] for u in unknowns if u[3] and not u[2]], within=scope)
     for ns, path, warm, action, env_id, file_key in unknowns:
@@ -651,6 +681,13 @@ def execute_verify(
             cleared[f.environment_id][f.key] = None
     dropped = delete_entry_rows(ctx.sql_index, rows) if rows else 0
     aot_cleared = sum(ctx.index.set_executables(env_id, keys) for env_id, keys in cleared.items())
+    temps_removed = sweep.remove(
+        store,
+        [
+            sweep.Debris(f.path, f.detail, f.path.startswith(temps.STAGING_DIR + "/"))
+            for f in by_action[DELETE_TEMP]
+        ],
+    )
     orphans = [f.path for f in by_action[DELETE_ATIME]]
     if orphans:
         store.delete(orphans)
@@ -674,10 +711,19 @@ def execute_verify(
             "atimes_written": written,
             "rows_dropped": dropped,
             "executables_cleared": aot_cleared,
+            "temps_removed": temps_removed,
         },
     )
     return VerifyResult(
-        plan, len(moved), len(orphans), written, dropped, False, duration, aot_cleared
+        plan,
+        len(moved),
+        len(orphans),
+        written,
+        dropped,
+        False,
+        duration,
+        aot_cleared,
+        temps_removed,
     )
 
 

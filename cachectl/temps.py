@@ -1,0 +1,62 @@
+"""Names of files in progress (a temporary beside its target, an upload's spool file, a bundle's
+staging directory) that say who writes them, so a sweep can tell debris from a live writer.
+
+A name is ``<prefix><host>.<pid>-<random>``: ``host`` is 8 hex digits of the writer's host name's
+sha256, ``pid`` its process. As with the lifecycle lease (``lifecycle/lease.py``), a writer on this
+host whose process is gone left debris at once (a kill -9 runs no cleanup); a writer elsewhere, or a
+name without a tag (older versions), is debris only past ``STALE_AFTER``, a generous bound no live
+write reaches.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import socket
+from datetime import timedelta
+
+TEMP_PREFIX = ".tmp-"  # beside its target, renamed over it when whole (store.py)
+SPOOL_PREFIX = "cachectl-upload-"  # an upload's body while it is checked (ingest.Spool)
+STAGING_DIR = ".staging"  # in a local cache root: bundle installs stage here (bundle/install.py)
+STAGING_PREFIX = "bundle-"  # one install's staging directory in it
+# An install into an object store stages in the system temporary directory instead.
+LOCAL_STAGING_PREFIX = "cachectl-bundle-"
+STALE_AFTER = timedelta(hours=24)
+
+_TAG = re.compile(r"([0-9a-f]{8})\.(\d+)-")
+
+
+def _host() -> str:
+    return hashlib.sha256(socket.gethostname().encode()).hexdigest()[:8]
+
+
+def prefix(kind: str) -> str:
+    """``kind`` followed by this process's tag: what mkstemp/mkdtemp get as their prefix."""
+    return f"{kind}{_host()}.{os.getpid()}-"
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # alive, another user's
+    except OverflowError:
+        return False
+    return True
+
+
+def writer_gone(name: str, kind: str, age_s: float) -> str | None:
+    """Why ``name`` (a ``kind`` temporary, ``age_s`` seconds since it last changed) is debris, or
+    None while its writer may still be writing it."""
+    if age_s > STALE_AFTER.total_seconds():
+        return f"untouched for more than {int(STALE_AFTER.total_seconds() // 3600)} h"
+    match = _TAG.match(name, len(kind)) if name.startswith(kind) else None
+    if match is None or match[1] != _host():
+        return None
+    pid = int(match[2])
+    return None if _alive(pid) else f"its writer (pid {pid} on this host) is gone"
