@@ -457,7 +457,8 @@ def test_warm_check_reports_executable_coverage_from_a_fresh_process(tmp_path: P
     result = CliRunner().invoke(cli, ["warm-check", str(manifest)])
     assert result.exit_code == 0  # the persistent cache still covers everything
     assert (
-        "coverage: 2/2 buckets hit (100.0%); stored executables: 1/2 load (50.0%)" in result.stdout
+        "coverage: 2/2 buckets hit (100.0%); stored executables: 1/2 load and run (50.0%)"
+        in result.stdout
     )
 
 

@@ -26,10 +26,11 @@ from cachectl.dispatch.calls import (
     covering,
     smallest_first,
 )
-from cachectl.dispatch.loading import Executables, _namespace_reader, _Slot
+from cachectl.dispatch.loading import Executables, Indexed, _namespace_reader, _Slot
 from cachectl.manifest import (
     FunctionSpec,
     Manifest,
+    build_call,
     check_imports,
     expand,
     is_jitted,
@@ -47,6 +48,19 @@ OVERFLOW_MODES = ("error", "compile")
 MAX_SIZES_PER_AXIS = 4096
 # ... and per telemetry flush (one JSON row per function and flush).
 MAX_SIZES_PER_FLUSH = 1024
+
+
+class NoDummyInput(ValueError):
+    """A stored executable whose arguments have no zero value to call it with (PRNG keys)."""
+
+
+def _zeros(info: Any) -> np.ndarray:
+    """A host array of zeros for one abstract argument (a ``jax.stages.ArgInfo``)."""
+    dtype = info.dtype
+    try:
+        return np.zeros(info.shape, np.dtype(dtype))
+    except TypeError:
+        raise NoDummyInput(f"no zero value for an argument of dtype {dtype}") from None
 
 
 # --------------------------------------------------------------------------- reports
@@ -217,6 +231,21 @@ class ServedFunction:
             return self._cut(out, raw)
         return out  # nothing to cut: the device arrays as computed, no host copy
 
+    def _zeros_call(self, slot: _Slot, paths: Sequence[str]) -> None:
+        """Call the bucket's stored executable once on zeros of its abstract arguments and wait
+        for it: what warm-check runs in a child process. Raises whatever the call raises."""
+        import jax
+
+        slot.ensure_loaded()
+        if slot.compiled is None:
+            raise ValueError(slot.error or "no stored executable loaded")
+        if isinstance(slot.compiled, aot.Unbound):  # the structure comes from the manifest
+            args, _ = build_call(self.spec, slot.bucket, paths)
+            dynamic = tuple(args[i] for i in self._dynamic)
+            slot.compiled = slot.compiled.bind(jax.tree_util.tree_structure((dynamic, {})))
+        args, kwargs = jax.tree_util.tree_map(_zeros, slot.compiled.args_info)
+        jax.block_until_ready(slot.compiled(*args, **kwargs))
+
     def _out(self, message: str) -> OutOfBucket:
         with self._lock:
             self.out_of_bucket += 1
@@ -359,7 +388,7 @@ class Serving:
         namespace: str,
         read: Callable[[str], bytes],
         names: list[str],
-        indexed: dict[str, tuple[str, str | None]] | None,
+        indexed: dict[str, Indexed] | None,
         paths: Sequence[str],
         overflow: str,
         preload: bool,
@@ -397,6 +426,7 @@ class Serving:
                 ) as pool:
                     list(pool.map(_Slot.ensure_loaded, todo))
         self._slots = slots_all
+        self._paths = tuple(paths)
         self.ready_seconds = time.perf_counter() - started
 
     def _warn(self, message: str) -> None:
@@ -432,6 +462,25 @@ class Serving:
             else (s.error or "not loaded")
             for s in self._slots
         }
+
+    def stored(self) -> dict[tuple[str, str], tuple[str | None, str | None]]:
+        """(function, bucket JSON) -> (its stored executable's key, None when loaded else why not)."""
+        return {
+            (s.bucket.function, json.dumps(s.values, sort_keys=True)): (
+                s.key,
+                None if s.compiled is not None else (s.error or "not loaded"),
+            )
+            for s in self._slots
+        }
+
+    def call_stored(self, function: str, bucket: str) -> None:
+        """Call one bucket's stored executable on zeros (``bucket``: its values as sorted JSON)."""
+        fn = self[function]
+        for slot in fn._slots:
+            if json.dumps(slot.values, sort_keys=True) == bucket:
+                fn._zeros_call(slot, self._paths)
+                return
+        raise KeyError(f"{function} has no bucket {bucket}")
 
     def report(self) -> ServingReport:
         return ServingReport(

@@ -12,7 +12,7 @@ JAX config), ``jaxlog`` (the JAX log records that name each key), ``executors``
 ``check`` (coverage in a fresh process), ``reports`` (what both return).
 """
 
-from cachectl.warm.check import _check_main, check
+from cachectl.warm.check import _call_main, _check_main, check
 from cachectl.warm.compiling import (
     WARM_EXTRA_CONFIG,
     ErrorText,
@@ -69,6 +69,7 @@ __all__ = [
     "_CAPTURE",
     "_Outcome",
     "_build_calls",
+    "_call_main",
     "_check_main",
     "_clear_in_memory_executables",
     "_compile_once",
