@@ -647,3 +647,59 @@ def test_a_program_calling_library_kernels_is_served_by_a_fresh_process(
     np.testing.assert_allclose(
         np.asarray(out["out"]), np.asarray(out["expected"]), rtol=1e-5, atol=1e-5
     )
+
+
+# --------------------------------------------------------------------------- import order
+
+IMPORT_MODULE = """
+import jax
+import jax.numpy as jnp
+
+# Built when the module is imported, as a Brax env or a Keras model is: a program compiles.
+SCALE = float(jax.jit(lambda n: (jnp.arange(8.0) * n).sum())(0.5))
+
+def scale(x):
+    return x * SCALE
+"""
+
+IMPORT_MANIFEST = """
+version: 1
+target: {backend: cpu}
+functions:
+  - fn: sv_import:scale
+    args: [{shape: [batch, 8], dtype: float32}]
+    buckets: {batch: [2]}
+"""
+
+IMPORT_SERVICE = """
+import json, logging, sys
+import numpy as np
+logging.basicConfig(level=logging.WARNING, format="%(message)s")
+sys.path.insert(0, {dir!r})
+import jax
+requests = dict(n=0)
+def _ev(e, **kw):
+    if e == "/jax/compilation_cache/compile_requests_use_cache": requests["n"] += 1
+jax.monitoring.register_event_listener(_ev)
+import cachectl
+rt = cachectl.serving({manifest!r})  # imports sv_import
+at_import = requests["n"]
+out = np.asarray(rt["scale"](np.ones((2, 8), np.float32))).tolist()
+print(json.dumps(dict(report=rt.report().to_json(), at_import=at_import, after=requests["n"], out=out)))
+"""
+
+
+def test_serving_activates_the_cache_before_importing_the_manifests_modules(
+    tmp_path: Path,
+) -> None:
+    (tmp_path / "sv_import.py").write_text(IMPORT_MODULE)
+    manifest = tmp_path / "import.yaml"
+    manifest.write_text(IMPORT_MANIFEST)
+    assert warm(str(manifest))["summary"]["failed"] == 0
+    proc = run_py(IMPORT_SERVICE.format(dir=str(tmp_path), manifest=str(manifest)), check=True)
+    out = last_json(proc)
+    assert "compiled before" not in proc.stderr, proc.stderr
+    assert not any("compiled before" in w for w in out["report"]["warnings"]), out["report"]
+    # The import-time program went through the persistent cache; the call did not compile.
+    assert out["at_import"] == out["after"] == 1, out
+    assert out["report"]["functions"]["scale"]["aot"] == 1 and out["out"] == [[14.0] * 8] * 2

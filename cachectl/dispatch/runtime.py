@@ -519,12 +519,14 @@ def serving(
     """
     if overflow not in OVERFLOW_MODES:
         raise ValueError(f"overflow must be one of {', '.join(OVERFLOW_MODES)}, got {overflow!r}")
-    spec = load_manifest(manifest)
+    spec = load_manifest(manifest)  # validated without importing the user's code
     search = [*paths]
-    check_imports(spec, search)
     activation = activate(
         cache or spec.cache, readonly=readonly, db=db, root=root, telemetry=telemetry, mirror=mirror
     )
+    # Imported only now: a module that compiles when imported (an env or model built at import)
+    # then reads the cache, instead of compiling outside it.
+    check_imports(spec, search)
     warnings: list[str] = []
     read, names, indexed = _namespace_reader(activation, db, warnings)
     on_load = None

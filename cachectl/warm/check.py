@@ -270,12 +270,12 @@ def _serving_for(request: dict[str, Any]) -> Serving:
     verdicts ignored (each is judged again)."""
     manifest = load_manifest(request["manifest"])
     paths = request["paths"]
-    check_imports(manifest, paths)
     activation = cachectl.activate(
         request["cache"], db=request["db"], readonly=True, telemetry=False
     )
     if not activation.active:
         raise OperationFailed(activation.warning or "activate() did not activate the cache")
+    check_imports(manifest, paths)
     warnings: list[str] = []
     read, names, indexed = _namespace_reader(activation, request["db"], warnings)
     if indexed is not None:
@@ -311,7 +311,6 @@ def _check_main() -> None:
 def _check_in_this_process(request: dict[str, Any]) -> dict[str, Any]:
     manifest = load_manifest(request["manifest"])
     paths = request["paths"]
-    check_imports(manifest, paths)
     buckets = expand(manifest)
     if request.get("shard"):
         buckets = select_shard(buckets, *request["shard"])
@@ -320,6 +319,7 @@ def _check_in_this_process(request: dict[str, Any]) -> dict[str, Any]:
     )
     if not activation.active:
         raise OperationFailed(activation.warning or "activate() did not activate the cache")
+    check_imports(manifest, paths)  # after activate(), as cachectl.serving imports them
     jitted, calls = _build_calls(manifest, buckets, paths)
     results: list[dict[str, Any]] = []
     for position, bucket in enumerate(buckets):
