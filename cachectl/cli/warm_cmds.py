@@ -105,10 +105,16 @@ def _print_warm(report: WarmReport) -> None:
     stdout.print(
         f"{s.buckets} bucket(s): {s.compiled} compiled, {s.cached} cached, {s.failed} failed; "
         f"compile {s.compile_seconds:.1f}s, wall {s.wall_seconds:.1f}s "
-        f"({report.jobs} {report.executor} job(s), warm run {report.run_id}); "
+        f"({report.jobs} {report.executor} job(s), warm run {report.run_id}{_retried(s)}); "
         f"{report.executables} stored executable(s), {format_size(aot_bytes)}",
         highlight=False,
     )
+
+
+def _retried(summary: Any) -> str:
+    """', 2 retried alone after failing among threads', or nothing."""
+    n = summary.retried_alone
+    return f", {n} retried alone after failing among threads" if n else ""
 
 
 def _print_check(report: CheckReport) -> None:

@@ -71,6 +71,11 @@ class WarmSummary:
     lower_seconds: float = field(default=0.0, metadata=_MS)
     # compile_seconds / (wall_seconds x jobs): 1.0 when every job compiled all the time.
     parallel_efficiency: float | None = field(default=None, metadata=_MS)
+    # What compiled: ``jobs`` threads of this process or spawned processes (``executor``), and
+    # how many buckets failed among threads and were run again alone, after the pool.
+    executor: str = DEFAULT_EXECUTOR
+    jobs: int = 1
+    retried_alone: int = 0
 
 
 @dataclass(frozen=True)
