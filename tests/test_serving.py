@@ -703,3 +703,46 @@ def test_serving_activates_the_cache_before_importing_the_manifests_modules(
     # The import-time program went through the persistent cache; the call did not compile.
     assert out["at_import"] == out["after"] == 1, out
     assert out["report"]["functions"]["scale"]["aot"] == 1 and out["out"] == [[14.0] * 8] * 2
+
+
+# --------------------------------------------------------------------------- warm-up
+
+WARMUP_SERVICE = (
+    COUNT_EVENTS
+    + """
+import time
+import numpy as np
+sys.path.insert(0, {dir!r})
+import cachectl
+rt = cachectl.serving({manifest!r}, warmup={warmup})
+f = rt["affine"]
+w = np.eye(8, dtype=np.float32)
+seconds = []
+for n in (2, 4, 2, 4):
+    started = time.perf_counter()
+    np.asarray(f(np.ones((n, 8), np.float32), w))
+    seconds.append(time.perf_counter() - started)
+print(json.dumps(dict(report=rt.report().to_json(), compiles=compiles(), seconds=seconds)))
+"""
+)
+
+
+def test_warmup_runs_every_bucket_once_before_the_first_request(tmp_path: Path) -> None:
+    manifest, _ = tiny_warmed(tmp_path)
+    out = {
+        warmup: last_json(
+            run_py(
+                WARMUP_SERVICE.format(dir=str(tmp_path), manifest=str(manifest), warmup=warmup),
+                check=True,
+            )
+        )
+        for warmup in (False, True)
+    }
+    cold, warmed = out[False]["report"], out[True]["report"]
+    assert cold["warmup_seconds"] == 0 and cold["warm_ready_seconds"] is None, cold
+    assert warmed["warmup_seconds"] > 0, warmed
+    assert warmed["warm_ready_seconds"] >= warmed["ready_seconds"] > 0, warmed
+    # The warm-up called the stored executables: nothing traced or compiled, no fallback.
+    assert out[True]["compiles"] == {}, out[True]
+    fn = warmed["functions"]["affine"]
+    assert fn["aot"] == 4 and fn["fallback"] == 0 and fn["calls"] == 4, fn

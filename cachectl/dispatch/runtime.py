@@ -103,6 +103,10 @@ class ServingReport:
     load_seconds: float  # sum of every bucket's load
     ready_seconds: float  # construction to every preloaded bucket ready
     warnings: list[str]
+    # ``warmup=True``: the sum of every bucket's warm-up call, and construction to every bucket
+    # loaded and warmed up (None: no warm-up).
+    warmup_seconds: float = 0.0
+    warm_ready_seconds: float | None = None
 
     @property
     def ok(self) -> bool:
@@ -114,6 +118,10 @@ class ServingReport:
             "functions": {n: f.to_json() for n, f in self.functions.items()},
             "load_seconds": round(self.load_seconds, 4),
             "ready_seconds": round(self.ready_seconds, 4),
+            "warmup_seconds": round(self.warmup_seconds, 4),
+            "warm_ready_seconds": None
+            if self.warm_ready_seconds is None
+            else round(self.warm_ready_seconds, 4),
             "warnings": list(self.warnings),
         }
 
@@ -245,6 +253,19 @@ class ServedFunction:
             slot.compiled = slot.compiled.bind(jax.tree_util.tree_structure((dynamic, {})))
         args, kwargs = jax.tree_util.tree_map(_zeros, slot.compiled.args_info)
         jax.block_until_ready(slot.compiled(*args, **kwargs))
+
+    def _warm_up(self, slot: _Slot, paths: Sequence[str]) -> float:
+        """``warmup=True``: the bucket's first execution (XLA's first run of a loaded executable
+        is slower than the next) on zeros, before any request; seconds spent. One that raises
+        is not called again: its bucket is served through jax.jit."""
+        started = time.perf_counter()
+        try:
+            self._zeros_call(slot, paths)
+        except NoDummyInput:
+            pass  # nothing to call it with: the first request pays its first run
+        except Exception as exc:  # noqa: BLE001 - that bucket falls back, the service starts
+            slot.compiled, slot.error = None, f"its warm-up call raised {type(exc).__name__}: {exc}"
+        return time.perf_counter() - started
 
     def _out(self, message: str) -> OutOfBucket:
         with self._lock:
@@ -395,6 +416,7 @@ class Serving:
         workers: int | None,
         on_load: Callable[[str, str], None] | None,
         warnings: list[str],
+        warmup: bool = False,
     ) -> None:
         started = time.perf_counter()
         self.manifest = manifest
@@ -418,16 +440,24 @@ class Serving:
                 slots.append(slot)
             self._functions[spec.name] = ServedFunction(self, spec, fn, slots)
             slots_all.extend(slots)
-        if preload:
-            todo = [s for s in slots_all if s._loader is not None]
-            if todo:
-                with ThreadPoolExecutor(
-                    max_workers=workers or min(8, len(todo)), thread_name_prefix="cachectl-load"
-                ) as pool:
-                    list(pool.map(_Slot.ensure_loaded, todo))
         self._slots = slots_all
         self._paths = tuple(paths)
-        self.ready_seconds = time.perf_counter() - started
+        todo = [s for s in slots_all if s._loader is not None] if preload or warmup else []
+        with ThreadPoolExecutor(
+            max_workers=workers or min(8, max(1, len(todo))), thread_name_prefix="cachectl-load"
+        ) as pool:
+            list(pool.map(_Slot.ensure_loaded, todo))
+            self.ready_seconds = time.perf_counter() - started
+            # Warm-up apart from loading, so that both readinesses are known.
+            self.warmup_seconds = 0.0
+            self.warm_ready_seconds: float | None = None
+            if warmup:
+                owner = {id(s): f for f in self._functions.values() for s in f._slots}
+                loaded = [s for s in todo if s.compiled is not None]
+                self.warmup_seconds = sum(
+                    pool.map(lambda s: owner[id(s)]._warm_up(s, self._paths), loaded)
+                )
+                self.warm_ready_seconds = time.perf_counter() - started
 
     def _warn(self, message: str) -> None:
         with self._warn_lock:
@@ -489,6 +519,8 @@ class Serving:
             sum(s.load_seconds for s in self._slots),
             self.ready_seconds,
             list(self._warnings),
+            self.warmup_seconds,
+            self.warm_ready_seconds,
         )
 
 
@@ -505,6 +537,7 @@ def serving(
     telemetry: bool = True,
     workers: int | None = None,
     mirror: str | None = None,
+    warmup: bool = False,
 ) -> Serving:
     """Activate the cache as :func:`cachectl.activate` does and load every bucket's executable.
 
@@ -515,7 +548,10 @@ def serving(
     the exact shape. Raises BadInput for a bad manifest; a cache, index or
     executable that is unavailable costs a warning, never an exception.
     ``mirror=DIR`` serves from a local mirror that activate() pulls first
-    (entries and executables, verified against the index).
+    (entries and executables, verified against the index). ``warmup`` (which loads every
+    bucket, whatever ``preload`` says) then calls each stored executable once on zeros in
+    the same pool, so that no request pays XLA's first run of an executable; the report
+    gives ``warmup_seconds`` and ``warm_ready_seconds`` apart from load and readiness.
     """
     if overflow not in OVERFLOW_MODES:
         raise ValueError(f"overflow must be one of {', '.join(OVERFLOW_MODES)}, got {overflow!r}")
@@ -546,6 +582,7 @@ def serving(
         workers=workers,
         on_load=on_load,
         warnings=warnings,
+        warmup=warmup,
     )
     if collector is not None:
         collector.add_serving_source(rt.take_counts)
