@@ -49,6 +49,8 @@ class EntryInfo:
     environment_id: int
     aot_size: int | None = None
     aot_sha256: str | None = None
+    # Why warm-check marked the stored executable unusable (serving uses jax.jit); None: usable.
+    aot_unusable: str | None = None
 
 
 @dataclass(frozen=True)

@@ -457,7 +457,8 @@ def test_warm_check_reports_executable_coverage_from_a_fresh_process(tmp_path: P
     result = CliRunner().invoke(cli, ["warm-check", str(manifest)])
     assert result.exit_code == 0  # the persistent cache still covers everything
     assert (
-        "coverage: 2/2 buckets hit (100.0%); stored executables: 1/2 load (50.0%)" in result.stdout
+        "coverage: 2/2 buckets hit (100.0%); stored executables: 1/2 load and run (50.0%)"
+        in result.stdout
     )
 
 
@@ -646,3 +647,102 @@ def test_a_program_calling_library_kernels_is_served_by_a_fresh_process(
     np.testing.assert_allclose(
         np.asarray(out["out"]), np.asarray(out["expected"]), rtol=1e-5, atol=1e-5
     )
+
+
+# --------------------------------------------------------------------------- import order
+
+IMPORT_MODULE = """
+import jax
+import jax.numpy as jnp
+
+# Built when the module is imported, as a Brax env or a Keras model is: a program compiles.
+SCALE = float(jax.jit(lambda n: (jnp.arange(8.0) * n).sum())(0.5))
+
+def scale(x):
+    return x * SCALE
+"""
+
+IMPORT_MANIFEST = """
+version: 1
+target: {backend: cpu}
+functions:
+  - fn: sv_import:scale
+    args: [{shape: [batch, 8], dtype: float32}]
+    buckets: {batch: [2]}
+"""
+
+IMPORT_SERVICE = """
+import json, logging, sys
+import numpy as np
+logging.basicConfig(level=logging.WARNING, format="%(message)s")
+sys.path.insert(0, {dir!r})
+import jax
+requests = dict(n=0)
+def _ev(e, **kw):
+    if e == "/jax/compilation_cache/compile_requests_use_cache": requests["n"] += 1
+jax.monitoring.register_event_listener(_ev)
+import cachectl
+rt = cachectl.serving({manifest!r})  # imports sv_import
+at_import = requests["n"]
+out = np.asarray(rt["scale"](np.ones((2, 8), np.float32))).tolist()
+print(json.dumps(dict(report=rt.report().to_json(), at_import=at_import, after=requests["n"], out=out)))
+"""
+
+
+def test_serving_activates_the_cache_before_importing_the_manifests_modules(
+    tmp_path: Path,
+) -> None:
+    (tmp_path / "sv_import.py").write_text(IMPORT_MODULE)
+    manifest = tmp_path / "import.yaml"
+    manifest.write_text(IMPORT_MANIFEST)
+    assert warm(str(manifest))["summary"]["failed"] == 0
+    proc = run_py(IMPORT_SERVICE.format(dir=str(tmp_path), manifest=str(manifest)), check=True)
+    out = last_json(proc)
+    assert "compiled before" not in proc.stderr, proc.stderr
+    assert not any("compiled before" in w for w in out["report"]["warnings"]), out["report"]
+    # The import-time program went through the persistent cache; the call did not compile.
+    assert out["at_import"] == out["after"] == 1, out
+    assert out["report"]["functions"]["scale"]["aot"] == 1 and out["out"] == [[14.0] * 8] * 2
+
+
+# --------------------------------------------------------------------------- warm-up
+
+WARMUP_SERVICE = (
+    COUNT_EVENTS
+    + """
+import time
+import numpy as np
+sys.path.insert(0, {dir!r})
+import cachectl
+rt = cachectl.serving({manifest!r}, warmup={warmup})
+f = rt["affine"]
+w = np.eye(8, dtype=np.float32)
+seconds = []
+for n in (2, 4, 2, 4):
+    started = time.perf_counter()
+    np.asarray(f(np.ones((n, 8), np.float32), w))
+    seconds.append(time.perf_counter() - started)
+print(json.dumps(dict(report=rt.report().to_json(), compiles=compiles(), seconds=seconds)))
+"""
+)
+
+
+def test_warmup_runs_every_bucket_once_before_the_first_request(tmp_path: Path) -> None:
+    manifest, _ = tiny_warmed(tmp_path)
+    out = {
+        warmup: last_json(
+            run_py(
+                WARMUP_SERVICE.format(dir=str(tmp_path), manifest=str(manifest), warmup=warmup),
+                check=True,
+            )
+        )
+        for warmup in (False, True)
+    }
+    cold, warmed = out[False]["report"], out[True]["report"]
+    assert cold["warmup_seconds"] == 0 and cold["warm_ready_seconds"] is None, cold
+    assert warmed["warmup_seconds"] > 0, warmed
+    assert warmed["warm_ready_seconds"] >= warmed["ready_seconds"] > 0, warmed
+    # The warm-up called the stored executables: nothing traced or compiled, no fallback.
+    assert out[True]["compiles"] == {}, out[True]
+    fn = warmed["functions"]["affine"]
+    assert fn["aot"] == 4 and fn["fallback"] == 0 and fn["calls"] == 4, fn

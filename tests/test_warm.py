@@ -725,3 +725,53 @@ def test_warm_into_postgres_index_and_lifecycle_sees_it_running(
         assert warms_in_progress(ctx.index, [env.id]) == {}
     finally:
         ctx.close()
+
+
+# --------------------------------------------------------------------------- threads and global state
+
+# Process-global state a trace pushes and pops, as NumPyro's effect-handler stack is: two traces
+# in threads at once see each other's site and fail, which no trace alone does.
+RACY_MODULE = """
+import time
+import jax.numpy as jnp
+
+_SITES = []
+
+def model(x):
+    _SITES.append("w")
+    try:
+        if _SITES.count("w") > 1:
+            raise AssertionError("all sites must have unique names but got 'w' duplicated")
+        time.sleep(1.0)  # a slow trace: the other threads' traces start meanwhile
+        return jnp.tanh(x)
+    finally:
+        _SITES.remove("w")
+"""
+
+RACY_MANIFEST = """
+version: 1
+target: {backend: cpu}
+functions:
+  - fn: wm_racy:model
+    args: [{shape: [batch, 8], dtype: float32}]
+    buckets: {batch: [1, 2, 4]}
+"""
+
+
+def test_buckets_failing_among_threads_are_retried_alone_before_they_count_as_failed(
+    tmp_path: Path,
+) -> None:
+    (tmp_path / "wm_racy.py").write_text(RACY_MODULE)
+    manifest = tmp_path / "racy.yaml"
+    manifest.write_text(RACY_MANIFEST)
+    report = warm_json(str(manifest), "--jobs", "3")
+    summary = report["summary"]
+    assert summary["compiled"] == 3 and summary["failed"] == 0, report
+    assert summary["executor"] == "thread" and summary["jobs"] == 3
+    assert summary["retried_alone"] >= 1, summary  # they raced, then passed alone
+    # A re-warm of a warm manifest traces too (to learn each key): the same race, still exit 0.
+    again = invoke("warm", str(manifest), "--jobs", "3")
+    assert "3 cached, 0 failed" in again.stdout, again.stdout
+    assert "3 thread job(s)" in again.stdout and "retried alone after failing among threads" in (
+        again.stdout
+    ), again.stdout

@@ -34,6 +34,11 @@ def _plain(values: dict[str, Any]) -> str:
     return ",".join(f"{k}={v}" for k, v in values.items())
 
 
+def _named(bucket: Any) -> str:
+    """``fn[batch=4]``: a bucket by name."""
+    return f"{bucket.function}[{_plain(bucket.bucket)}]"
+
+
 def _bucket_text(values: dict[str, Any]) -> str:
     return escape(_plain(values)) or "-"
 
@@ -97,10 +102,16 @@ def _print_warm(report: WarmReport) -> None:
     stdout.print(
         f"{s.buckets} bucket(s): {s.compiled} compiled, {s.cached} cached, {s.failed} failed; "
         f"compile {s.compile_seconds:.1f}s, wall {s.wall_seconds:.1f}s "
-        f"({report.jobs} {report.executor} job(s), warm run {report.run_id}); "
+        f"({report.jobs} {report.executor} job(s), warm run {report.run_id}{_retried(s)}); "
         f"{report.executables} stored executable(s), {format_size(aot_bytes)}",
         highlight=False,
     )
+
+
+def _retried(summary: Any) -> str:
+    """', 2 retried alone after failing among threads', or nothing."""
+    n = summary.retried_alone
+    return f", {n} retried alone after failing among threads" if n else ""
 
 
 def _print_check(report: CheckReport) -> None:
@@ -124,12 +135,23 @@ def _print_check(report: CheckReport) -> None:
             justify_right=("load s",),
         )
     )
+    s = report.summary
+    failed = f"; {s.aot_failed} raised or crashed when called" if s.aot_failed else ""
     stdout.print(
         f"coverage: {report.hits}/{len(report.buckets)} buckets hit ({report.coverage:.1f}%); "
-        f"stored executables: {report.aot_loaded}/{len(report.buckets)} load "
-        f"({report.aot_coverage:.1f}%)",
+        f"stored executables: {s.aot_ran}/{len(report.buckets)} load and run "
+        f"({report.aot_coverage:.1f}%){failed}",
         highlight=False,
     )
+    if report.unusable:
+        where = "marked unusable in the index" if report.mark_error is None else "NOT marked"
+        note = "" if report.mark_error is None else f" ({report.mark_error})"
+        stdout.print(
+            f"{where}{note}: cachectl.serving serves "
+            + ", ".join(escape(_named(b)) for b in report.unusable)
+            + " through jax.jit",
+            highlight=False,
+        )
 
 
 class _Progress:
@@ -273,10 +295,24 @@ def _run_check(
         report,
         as_json,
         _print_check,
-        failure=lambda r: OperationFailed(
-            f"coverage {r.coverage:.1f}% is below 100%: {len(r.buckets) - r.hits} bucket(s) would compile in a service"
-        ),
+        failure=_check_failure,
     )
+
+
+def _check_failure(report: CheckReport) -> OperationFailed:
+    """Exit 1: executables that raised or crashed (by name), or buckets a service would compile."""
+    problems = []
+    if report.unusable:
+        problems.append(
+            f"{len(report.unusable)} stored executable(s) raised or crashed when called: "
+            + ", ".join(_named(b) for b in report.unusable)
+        )
+    if report.hits < len(report.buckets):
+        problems.append(
+            f"coverage {report.coverage:.1f}% is below 100%: "
+            f"{len(report.buckets) - report.hits} bucket(s) would compile in a service"
+        )
+    return OperationFailed("; ".join(problems))
 
 
 def _signer_for(

@@ -133,6 +133,9 @@ class RemoteIndex:
     def set_executables(self, *_args: Any, **_kwargs: Any) -> int:
         raise self.unsupported("changing executable columns directly (upload the -aot instead)")
 
+    def mark_executables(self, *_args: Any, **_kwargs: Any) -> int:
+        raise self.unsupported("marking stored executables unusable")
+
     def record_hits(self, *_args: Any, **_kwargs: Any) -> int:
         raise self.unsupported("recording hits directly (telemetry goes to POST /api/v1/telemetry)")
 

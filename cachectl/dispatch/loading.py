@@ -9,7 +9,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, NamedTuple
 
 from cachectl import aot, jax_seam
 from cachectl.config import load_settings
@@ -18,6 +18,15 @@ from cachectl.manifest import Bucket, FunctionSpec
 from cachectl.runtime import open_service_index
 from cachectl.signing import Untrusted, check_covered
 from cachectl.store import Store
+
+
+class Indexed(NamedTuple):
+    """What the index says of one stored executable: its entry's and its own sha256, and why
+    warm-check found it unusable (None: usable, or never checked)."""
+
+    sha256: str
+    aot_sha256: str | None
+    unusable: str | None = None
 
 
 class _Slot:
@@ -62,7 +71,7 @@ class Executables:
         self,
         read: Callable[[str], bytes],
         names: list[str],
-        indexed: dict[str, tuple[str, str | None]] | None,
+        indexed: dict[str, Indexed] | None,
         on_load: Callable[[str, str], None] | None,
         warn: Callable[[str], None],
         workers: int | None,
@@ -125,6 +134,11 @@ class Executables:
                         "the index does not know this stored executable (run `cachectl sync`)"
                     )
                     continue
+                if known.unusable is not None:
+                    reasons.append(
+                        f"warm-check found this stored executable unusable: {known.unusable}"
+                    )
+                    continue
             slot.key, slot.header, slot._loader = key, header, self.load
             slot.error = None
             return
@@ -139,7 +153,7 @@ class Executables:
             data = self._read(slot.key + AOT_SUFFIX)
             entry = self._read(slot.key + CACHE_SUFFIX)
             if self._indexed is not None:
-                entry_sha, aot_sha = self._indexed[slot.key]
+                entry_sha, aot_sha, _ = self._indexed[slot.key]
                 if hashlib.sha256(data).hexdigest() != aot_sha:
                     raise aot.AotError("refused: its sha256 differs from the index")
                 if hashlib.sha256(entry).hexdigest() != entry_sha:
@@ -165,7 +179,7 @@ class Executables:
 
 def _namespace_reader(
     activation: Any, db: str | None, warnings: list[str]
-) -> tuple[Callable[[str], bytes], list[str], dict[str, tuple[str, str | None]] | None]:
+) -> tuple[Callable[[str], bytes], list[str], dict[str, Indexed] | None]:
     """Read files of the activated namespace, list its executables, and the index's sha256s."""
 
     def unreadable(name: str) -> bytes:
@@ -191,10 +205,8 @@ def _namespace_reader(
     return store.read_bytes, names, indexed
 
 
-def _index_shas(
-    activation: Any, db: str | None, warnings: list[str]
-) -> dict[str, tuple[str, str | None]] | None:
-    """key -> (entry sha256, executable sha256) from the index, or None when it is unreachable."""
+def _index_shas(activation: Any, db: str | None, warnings: list[str]) -> dict[str, Indexed] | None:
+    """key -> what the index says of its stored executable, or None when it is unreachable."""
 
     problems: list[str] = []
     settings = load_settings(db=db, cache=activation.cache)
@@ -210,7 +222,10 @@ def _index_shas(
         env = index.find_environment(activation.cache, activation.digest)
         # A cache with trusted keys: refuse a namespace no trusted key signed (raises Untrusted).
         check_covered(index, index.get_cache(activation.cache), env)
-        return {e.key: (e.sha256, e.aot_sha256) for e in index.list_entries(env.id)}
+        return {
+            e.key: Indexed(e.sha256, e.aot_sha256, getattr(e, "aot_unusable", None))
+            for e in index.list_entries(env.id)
+        }
     except Untrusted:
         raise
     except Exception as exc:  # noqa: BLE001 - unknown environment or index error

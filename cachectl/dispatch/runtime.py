@@ -28,10 +28,11 @@ from cachectl.dispatch.calls import (
     pytree_sizes,
     smallest_first,
 )
-from cachectl.dispatch.loading import Executables, _namespace_reader, _Slot
+from cachectl.dispatch.loading import Executables, Indexed, _namespace_reader, _Slot
 from cachectl.manifest import (
     FunctionSpec,
     Manifest,
+    build_call,
     check_imports,
     expand,
     is_jitted,
@@ -49,6 +50,19 @@ OVERFLOW_MODES = ("error", "compile")
 MAX_SIZES_PER_AXIS = 4096
 # ... and per telemetry flush (one JSON row per function and flush).
 MAX_SIZES_PER_FLUSH = 1024
+
+
+class NoDummyInput(ValueError):
+    """A stored executable whose arguments have no zero value to call it with (PRNG keys)."""
+
+
+def _zeros(info: Any) -> np.ndarray:
+    """A host array of zeros for one abstract argument (a ``jax.stages.ArgInfo``)."""
+    dtype = info.dtype
+    try:
+        return np.zeros(info.shape, np.dtype(dtype))
+    except TypeError:
+        raise NoDummyInput(f"no zero value for an argument of dtype {dtype}") from None
 
 
 # --------------------------------------------------------------------------- reports
@@ -91,6 +105,10 @@ class ServingReport:
     load_seconds: float  # sum of every bucket's load
     ready_seconds: float  # construction to every preloaded bucket ready
     warnings: list[str]
+    # ``warmup=True``: the sum of every bucket's warm-up call, and construction to every bucket
+    # loaded and warmed up (None: no warm-up).
+    warmup_seconds: float = 0.0
+    warm_ready_seconds: float | None = None
 
     @property
     def ok(self) -> bool:
@@ -102,6 +120,10 @@ class ServingReport:
             "functions": {n: f.to_json() for n, f in self.functions.items()},
             "load_seconds": round(self.load_seconds, 4),
             "ready_seconds": round(self.ready_seconds, 4),
+            "warmup_seconds": round(self.warmup_seconds, 4),
+            "warm_ready_seconds": None
+            if self.warm_ready_seconds is None
+            else round(self.warm_ready_seconds, 4),
             "warnings": list(self.warnings),
         }
 
@@ -244,6 +266,34 @@ class ServedFunction:
         if self._outputs and any(raw[a] != slot.values[a] for a in raw):
             return self._cut(out, raw)
         return out  # nothing to cut: the device arrays as computed, no host copy
+
+    def _zeros_call(self, slot: _Slot, paths: Sequence[str]) -> None:
+        """Call the bucket's stored executable once on zeros of its abstract arguments and wait
+        for it: what warm-check runs in a child process. Raises whatever the call raises."""
+        import jax
+
+        slot.ensure_loaded()
+        if slot.compiled is None:
+            raise ValueError(slot.error or "no stored executable loaded")
+        if isinstance(slot.compiled, aot.Unbound):  # the structure comes from the manifest
+            args, _ = build_call(self.spec, slot.bucket, paths)
+            dynamic = tuple(args[i] for i in self._dynamic)
+            slot.compiled = slot.compiled.bind(jax.tree_util.tree_structure((dynamic, {})))
+        args, kwargs = jax.tree_util.tree_map(_zeros, slot.compiled.args_info)
+        jax.block_until_ready(slot.compiled(*args, **kwargs))
+
+    def _warm_up(self, slot: _Slot, paths: Sequence[str]) -> float:
+        """``warmup=True``: the bucket's first execution (XLA's first run of a loaded executable
+        is slower than the next) on zeros, before any request; seconds spent. One that raises
+        is not called again: its bucket is served through jax.jit."""
+        started = time.perf_counter()
+        try:
+            self._zeros_call(slot, paths)
+        except NoDummyInput:
+            pass  # nothing to call it with: the first request pays its first run
+        except Exception as exc:  # noqa: BLE001 - that bucket falls back, the service starts
+            slot.compiled, slot.error = None, f"its warm-up call raised {type(exc).__name__}: {exc}"
+        return time.perf_counter() - started
 
     def _out(self, message: str) -> OutOfBucket:
         with self._lock:
@@ -391,13 +441,14 @@ class Serving:
         namespace: str,
         read: Callable[[str], bytes],
         names: list[str],
-        indexed: dict[str, tuple[str, str | None]] | None,
+        indexed: dict[str, Indexed] | None,
         paths: Sequence[str],
         overflow: str,
         preload: bool,
         workers: int | None,
         on_load: Callable[[str, str], None] | None,
         warnings: list[str],
+        warmup: bool = False,
     ) -> None:
         started = time.perf_counter()
         self.manifest = manifest
@@ -421,15 +472,24 @@ class Serving:
                 slots.append(slot)
             self._functions[spec.name] = ServedFunction(self, spec, fn, slots)
             slots_all.extend(slots)
-        if preload:
-            todo = [s for s in slots_all if s._loader is not None]
-            if todo:
-                with ThreadPoolExecutor(
-                    max_workers=workers or min(8, len(todo)), thread_name_prefix="cachectl-load"
-                ) as pool:
-                    list(pool.map(_Slot.ensure_loaded, todo))
         self._slots = slots_all
-        self.ready_seconds = time.perf_counter() - started
+        self._paths = tuple(paths)
+        todo = [s for s in slots_all if s._loader is not None] if preload or warmup else []
+        with ThreadPoolExecutor(
+            max_workers=workers or min(8, max(1, len(todo))), thread_name_prefix="cachectl-load"
+        ) as pool:
+            list(pool.map(_Slot.ensure_loaded, todo))
+            self.ready_seconds = time.perf_counter() - started
+            # Warm-up apart from loading, so that both readinesses are known.
+            self.warmup_seconds = 0.0
+            self.warm_ready_seconds: float | None = None
+            if warmup:
+                owner = {id(s): f for f in self._functions.values() for s in f._slots}
+                loaded = [s for s in todo if s.compiled is not None]
+                self.warmup_seconds = sum(
+                    pool.map(lambda s: owner[id(s)]._warm_up(s, self._paths), loaded)
+                )
+                self.warm_ready_seconds = time.perf_counter() - started
 
     def _warn(self, message: str) -> None:
         with self._warn_lock:
@@ -465,6 +525,25 @@ class Serving:
             for s in self._slots
         }
 
+    def stored(self) -> dict[tuple[str, str], tuple[str | None, str | None]]:
+        """(function, bucket JSON) -> (its stored executable's key, None when loaded else why not)."""
+        return {
+            (s.bucket.function, json.dumps(s.values, sort_keys=True)): (
+                s.key,
+                None if s.compiled is not None else (s.error or "not loaded"),
+            )
+            for s in self._slots
+        }
+
+    def call_stored(self, function: str, bucket: str) -> None:
+        """Call one bucket's stored executable on zeros (``bucket``: its values as sorted JSON)."""
+        fn = self[function]
+        for slot in fn._slots:
+            if json.dumps(slot.values, sort_keys=True) == bucket:
+                fn._zeros_call(slot, self._paths)
+                return
+        raise KeyError(f"{function} has no bucket {bucket}")
+
     def report(self) -> ServingReport:
         return ServingReport(
             self.namespace,
@@ -472,6 +551,8 @@ class Serving:
             sum(s.load_seconds for s in self._slots),
             self.ready_seconds,
             list(self._warnings),
+            self.warmup_seconds,
+            self.warm_ready_seconds,
         )
 
 
@@ -488,6 +569,7 @@ def serving(
     telemetry: bool = True,
     workers: int | None = None,
     mirror: str | None = None,
+    warmup: bool = False,
 ) -> Serving:
     """Activate the cache as :func:`cachectl.activate` does and load every bucket's executable.
 
@@ -498,16 +580,21 @@ def serving(
     the exact shape. Raises BadInput for a bad manifest; a cache, index or
     executable that is unavailable costs a warning, never an exception.
     ``mirror=DIR`` serves from a local mirror that activate() pulls first
-    (entries and executables, verified against the index).
+    (entries and executables, verified against the index). ``warmup`` (which loads every
+    bucket, whatever ``preload`` says) then calls each stored executable once on zeros in
+    the same pool, so that no request pays XLA's first run of an executable; the report
+    gives ``warmup_seconds`` and ``warm_ready_seconds`` apart from load and readiness.
     """
     if overflow not in OVERFLOW_MODES:
         raise ValueError(f"overflow must be one of {', '.join(OVERFLOW_MODES)}, got {overflow!r}")
-    spec = load_manifest(manifest)
+    spec = load_manifest(manifest)  # validated without importing the user's code
     search = [*paths]
-    check_imports(spec, search)
     activation = activate(
         cache or spec.cache, readonly=readonly, db=db, root=root, telemetry=telemetry, mirror=mirror
     )
+    # Imported only now: a module that compiles when imported (an env or model built at import)
+    # then reads the cache, instead of compiling outside it.
+    check_imports(spec, search)
     warnings: list[str] = []
     read, names, indexed = _namespace_reader(activation, db, warnings)
     on_load = None
@@ -527,6 +614,7 @@ def serving(
         workers=workers,
         on_load=on_load,
         warnings=warnings,
+        warmup=warmup,
     )
     if collector is not None:
         collector.add_serving_source(rt.take_counts)

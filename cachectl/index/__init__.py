@@ -154,6 +154,7 @@ def _entry_info(row: Entry) -> EntryInfo:
         environment_id=row.environment_id,
         aot_size=row.aot_size_bytes,
         aot_sha256=row.aot_sha256,
+        aot_unusable=row.aot_unusable,
     )
 
 
@@ -439,7 +440,26 @@ class Index:
                         s.execute(
                             update(Entry)
                             .where(Entry.id == row_id)
-                            .values(aot_size_bytes=new[0], aot_sha256=new[1])
+                            .values(aot_size_bytes=new[0], aot_sha256=new[1], aot_unusable=None)
+                        )
+                        touched += 1
+        return touched
+
+    def mark_executables(self, env_id: int, verdicts: dict[str, str | None]) -> int:
+        """Record warm-check's verdict on stored executables: why one is unusable, or None (it
+        ran); rows touched. Only rows that exist and differ are written."""
+        touched = 0
+        with self.session() as s:
+            for chunk in _chunks(list(verdicts)):
+                q = select(Entry.id, Entry.key, Entry.aot_unusable).where(
+                    Entry.environment_id == env_id, Entry.key.in_(chunk)
+                )
+                for row_id, key, current in s.execute(q).all():
+                    if current != verdicts[key]:
+                        s.execute(
+                            update(Entry)
+                            .where(Entry.id == row_id)
+                            .values(aot_unusable=verdicts[key])
                         )
                         touched += 1
         return touched
@@ -494,6 +514,9 @@ class Index:
                         e.aot_sha256,
                     ):
                         row.aot_size_bytes, row.aot_sha256 = e.aot_size, e.aot_sha256
+                        row.aot_unusable = (
+                            None  # another executable: warm-check's verdict was not on it
+                        )
                         changed = True
                     for attr in ("compile_time_ms", "function", "bucket", "warm_run_id"):
                         value = getattr(e, attr)

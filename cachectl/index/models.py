@@ -152,6 +152,9 @@ class Entry(Base):
     # The stored executable (``<key>-aot``) beside the JAX entry: one unit for gc and prune.
     aot_size_bytes: Mapped[int | None] = mapped_column(BigInteger)
     aot_sha256: Mapped[str | None] = mapped_column(String(64))
+    # Why warm-check found the stored executable unusable (it raised or crashed when called on
+    # dummy inputs); a service then serves that bucket through jax.jit. None: usable or unchecked.
+    aot_unusable: Mapped[str | None] = mapped_column(Text)
 
 
 # "Last used" (last access, else creation): what --unused-for filters on and gc's lru order

@@ -13,7 +13,7 @@ JAX config), ``jaxlog`` (the JAX log records that name each key), ``executors``
 """
 
 from cachectl.config import default_jobs
-from cachectl.warm.check import _check_main, check
+from cachectl.warm.check import _call_main, _check_main, check
 from cachectl.warm.compiling import (
     WARM_EXTRA_CONFIG,
     ErrorText,
@@ -70,6 +70,7 @@ __all__ = [
     "_CAPTURE",
     "_Outcome",
     "_build_calls",
+    "_call_main",
     "_check_main",
     "_clear_in_memory_executables",
     "_compile_once",

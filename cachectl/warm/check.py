@@ -1,13 +1,18 @@
 """``check``: coverage proven the way a service sees it.
 
 A fresh process calls ``activate(readonly=True)`` and compiles every bucket; each
-must be a hit, and each stored executable must load.
+must be a hit. Another fresh process, which never lowers (as a service), loads every
+stored executable and calls it once on zeros: a crash there costs that child only, the
+bucket it was calling is named, and a new child goes on with the rest. An executable
+that raised or crashed is marked unusable in the index, and ``cachectl.serving``
+serves its bucket through ``jax.jit``.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -18,11 +23,25 @@ from typing import Any
 import cachectl
 from cachectl.context import Context
 from cachectl.dispatch import Serving, _namespace_reader
-from cachectl.errors import BadInput, OperationFailed
-from cachectl.manifest import Manifest, check_imports, expand, load_manifest, select_shard
+from cachectl.dispatch.runtime import NoDummyInput
+from cachectl.errors import BadInput, CachectlError, OperationFailed
+from cachectl.manifest import check_imports, expand, load_manifest, select_shard
 from cachectl.warm.compiling import _error_text, compile_bucket
 from cachectl.warm.plan import _build_calls, _environment_json, _mismatch, plan_warm
-from cachectl.warm.reports import FAILED, HIT, MISS, CheckBucket, CheckReport
+from cachectl.warm.reports import (
+    CALL_CRASHED,
+    CALL_FAILED,
+    CALL_OK,
+    CALL_RAISED,
+    CALL_SKIPPED,
+    FAILED,
+    HIT,
+    MISS,
+    CheckBucket,
+    CheckReport,
+)
+
+_TAIL_LINES = 5
 
 # --------------------------------------------------------------------------- coverage check
 
@@ -75,13 +94,204 @@ def check(
             if data.get("exit_code") == 2
             else OperationFailed(data["error"])
         )
-    buckets = [CheckBucket(**b) for b in data["buckets"]]
+    todo = [(b["function"], json.dumps(b["bucket"], sort_keys=True)) for b in data["buckets"]]
+    loaded, called = _call_executables(request, todo, timeout)
+    buckets = [_with_call(b, loaded, called) for b in data["buckets"]]
+    verdicts: dict[str, str | None] = {}
+    for where, (outcome, text) in called.items():
+        key = loaded.get(where, (None, None))[0]
+        if key is not None and outcome in (CALL_OK, *CALL_FAILED):
+            verdicts[key] = _failure_text(outcome, text) if outcome in CALL_FAILED else None
+    marked, mark_error = _record_verdicts(ctx, plan.cache.name, plan.environment.digest, verdicts)
     return CheckReport(
         _environment_json(plan.environment),
         data["namespace"],
         plan.cache.name,
         buckets,
         warning=data.get("warning"),
+        marked=marked,
+        mark_error=mark_error,
+    )
+
+
+def _with_call(
+    bucket: dict[str, Any],
+    loaded: dict[tuple[str, str], tuple[str | None, str | None]],
+    called: dict[tuple[str, str], tuple[str, str | None]],
+) -> CheckBucket:
+    """The coverage child's bucket with what loading and calling its executable did."""
+    where = (bucket["function"], json.dumps(bucket["bucket"], sort_keys=True))
+    _, load_error = loaded.get(where, (None, "not checked"))
+    if load_error is not None:
+        return CheckBucket(**bucket, aot=load_error)
+    outcome, text = called.get(where, (CALL_SKIPPED, "not called"))
+    if outcome == CALL_OK:
+        aot = "loaded"
+    elif outcome in CALL_FAILED:
+        aot = _failure_text(outcome, text)
+    else:
+        aot = f"loaded; not called: {text}"
+    return CheckBucket(**bucket, aot=aot, aot_call=outcome)
+
+
+def _failure_text(outcome: str, text: str | None) -> str:
+    """Why an executable is unusable: what the index records and the report shows."""
+    if outcome == CALL_CRASHED:
+        return f"crashed when called on zeros ({text})"
+    return f"raised when called on zeros: {text}"
+
+
+def _record_verdicts(
+    ctx: Context, cache: str, digest: str, verdicts: dict[str, str | None]
+) -> tuple[int, str | None]:
+    """Mark the executables that raised or crashed unusable, and clear those that ran."""
+    if not verdicts:
+        return 0, None
+    try:
+        env = ctx.index.find_environment(cache, digest)
+        if env is None:
+            return 0, "the index does not know this environment"
+        return ctx.index.mark_executables(env.id, verdicts), None
+    except CachectlError as exc:
+        return 0, exc.message
+
+
+def _exit_text(returncode: int) -> str:
+    """'killed by SIGSEGV' or 'exit 3'."""
+    if returncode < 0:
+        try:
+            return f"killed by {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"killed by signal {-returncode}"
+    return f"exit {returncode}"
+
+
+def _call_executables(
+    request: dict[str, Any], todo: list[tuple[str, str]], timeout: float | None
+) -> tuple[
+    dict[tuple[str, str], tuple[str | None, str | None]],
+    dict[tuple[str, str], tuple[str, str | None]],
+]:
+    """Load and call every bucket's stored executable in fresh child processes.
+
+    Returns (function, bucket JSON) -> (key, None when loaded else why not), and -> (call
+    outcome, its error). A child that dies mid-call names that bucket (crashed) and a new
+    child goes on after it; one that dies elsewhere leaves the rest not called.
+    """
+    loaded: dict[tuple[str, str], tuple[str | None, str | None]] | None = None
+    called: dict[tuple[str, str], tuple[str, str | None]] = {}
+    remaining = list(todo)
+    with tempfile.TemporaryDirectory(prefix="cachectl-call-") as tmp:
+        for round_ in range(len(todo) + 1):
+            if not remaining:
+                break
+            progress = Path(tmp) / f"progress-{round_}.jsonl"
+            child = {**request, "todo": [list(w) for w in remaining], "progress": str(progress)}
+            died: str | None = None  # how the child ended, when not well
+            detail = ""  # and the tail of its output
+            try:
+                proc = subprocess.run(
+                    [sys.executable, "-c", "from cachectl.warm import _call_main; _call_main()"],
+                    input=json.dumps(child),
+                    text=True,
+                    capture_output=True,
+                    timeout=timeout,
+                    cwd=os.getcwd(),
+                    env=dict(os.environ),
+                )
+                if proc.returncode != 0:
+                    died = _exit_text(proc.returncode)
+                    tail = (proc.stderr or proc.stdout or "").strip().splitlines()[-_TAIL_LINES:]
+                    detail = ": " + " | ".join(tail) if tail else ""
+            except subprocess.TimeoutExpired:
+                died = f"did not return within {timeout:g}s"
+            started: tuple[str, str] | None = None
+            lines = progress.read_text().splitlines() if progress.exists() else []
+            for line in lines:
+                item = json.loads(line)
+                if "loaded" in item and loaded is None:
+                    loaded = {(f, b): (key, error) for f, b, key, error in item["loaded"]}
+                elif "start" in item:
+                    started = (item["start"][0], item["start"][1])
+                elif "done" in item:
+                    called[(item["done"][0], item["done"][1])] = (
+                        item["outcome"],
+                        item.get("error"),
+                    )
+                    started = None
+                elif "fatal" in item:
+                    died, detail = "failed", ": " + item["fatal"]
+            if started is not None:
+                # It died (or hung) calling this bucket: a crash of that executable.
+                called[started] = (CALL_CRASHED, died or "the process ended")
+            elif died is not None:
+                why = f"the calling process failed ({died}{detail})"
+                for where in remaining:
+                    called.setdefault(where, (CALL_SKIPPED, why))
+                if loaded is None:
+                    loaded = {w: (None, why) for w in todo}
+                break
+            remaining = [w for w in remaining if w not in called]
+    return loaded or {}, called
+
+
+def _call_main() -> None:
+    """Entry point of a fresh calling process: load every executable as cachectl.serving does,
+    then call the requested ones on zeros, one progress line before and after each call."""
+    request = json.loads(sys.stdin.read())
+    with open(request["progress"], "a", buffering=1) as progress:
+
+        def say(**item: Any) -> None:
+            progress.write(json.dumps(item) + "\n")  # line-buffered: on disk before the call
+
+        try:
+            rt = _serving_for(request)
+        except Exception as exc:  # noqa: BLE001 - reported by the parent
+            say(fatal=_error_text(exc))
+            return
+        stored = rt.stored()
+        say(loaded=[[f, b, key, error] for (f, b), (key, error) in stored.items()])
+        for function, bucket in request["todo"]:
+            key, error = stored.get((function, bucket), (None, "not checked"))
+            if error is not None:
+                continue
+            say(start=[function, bucket])
+            try:
+                rt.call_stored(function, bucket)
+                say(done=[function, bucket], outcome=CALL_OK)
+            except NoDummyInput as exc:
+                say(done=[function, bucket], outcome=CALL_SKIPPED, error=str(exc))
+            except Exception as exc:  # noqa: BLE001 - that executable raised
+                say(done=[function, bucket], outcome=CALL_RAISED, error=_error_text(exc))
+
+
+def _serving_for(request: dict[str, Any]) -> Serving:
+    """A read-only service of the manifest, every executable loaded; warm-check's earlier
+    verdicts ignored (each is judged again)."""
+    manifest = load_manifest(request["manifest"])
+    paths = request["paths"]
+    activation = cachectl.activate(
+        request["cache"], db=request["db"], readonly=True, telemetry=False
+    )
+    if not activation.active:
+        raise OperationFailed(activation.warning or "activate() did not activate the cache")
+    check_imports(manifest, paths)
+    warnings: list[str] = []
+    read, names, indexed = _namespace_reader(activation, request["db"], warnings)
+    if indexed is not None:
+        indexed = {k: v._replace(unusable=None) for k, v in indexed.items()}
+    return Serving(
+        manifest,
+        namespace=activation.path,
+        read=read,
+        names=names,
+        indexed=indexed,
+        paths=paths,
+        overflow="error",
+        preload=True,
+        workers=None,
+        on_load=None,
+        warnings=[],
     )
 
 
@@ -101,7 +311,6 @@ def _check_main() -> None:
 def _check_in_this_process(request: dict[str, Any]) -> dict[str, Any]:
     manifest = load_manifest(request["manifest"])
     paths = request["paths"]
-    check_imports(manifest, paths)
     buckets = expand(manifest)
     if request.get("shard"):
         buckets = select_shard(buckets, *request["shard"])
@@ -110,6 +319,7 @@ def _check_in_this_process(request: dict[str, Any]) -> dict[str, Any]:
     )
     if not activation.active:
         raise OperationFailed(activation.warning or "activate() did not activate the cache")
+    check_imports(manifest, paths)  # after activate(), as cachectl.serving imports them
     jitted, calls = _build_calls(manifest, buckets, paths)
     results: list[dict[str, Any]] = []
     for position, bucket in enumerate(buckets):
@@ -134,33 +344,4 @@ def _check_in_this_process(request: dict[str, Any]) -> dict[str, Any]:
                 "error": error,
             }
         )
-    loaded = _executables_in_this_process(manifest, activation, request["db"], paths)
-    for result in results:
-        result["aot"] = loaded.get(
-            (result["function"], json.dumps(result["bucket"], sort_keys=True)), "not checked"
-        )
-        if result["aot"] is None:
-            result["aot"] = "loaded"
     return {"namespace": activation.path, "warning": activation.warning, "buckets": results}
-
-
-def _executables_in_this_process(
-    manifest: Manifest, activation: Any, db: str | None, paths: Sequence[str]
-) -> dict[tuple[str, str], str | None]:
-    """Load every bucket's stored executable as cachectl.serving would (same checks)."""
-    warnings: list[str] = []
-    read, names, indexed = _namespace_reader(activation, db, warnings)
-    rt = Serving(
-        manifest,
-        namespace=activation.path,
-        read=read,
-        names=names,
-        indexed=indexed,
-        paths=paths,
-        overflow="error",
-        preload=True,
-        workers=None,
-        on_load=None,
-        warnings=[],
-    )
-    return rt.executables()

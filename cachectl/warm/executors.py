@@ -25,12 +25,16 @@ def _drive(
     errors: dict[int, str],
     fail_fast: bool,
     record: RecordFn,
-) -> None:
-    """Compile every bucket and record each result as it finishes.
+) -> int:
+    """Compile every bucket and record each result as it finishes; returns how many buckets
+    were retried alone.
 
     With ``submit`` buckets go to a pool; with ``run`` they compile one by one in
     this thread, in manifest order (so ``fail_fast`` stops exactly at the first
-    failure). ``errors`` holds buckets whose arguments could not be built.
+    failure). ``errors`` holds buckets whose arguments could not be built. With both, a
+    bucket that raised in the pool is run again with ``run``, alone, once the pool is done,
+    and only that outcome is recorded: tracing in threads at once races on libraries'
+    process-global state (NumPyro's effect-handler stack), which no bucket alone does.
     """
 
     def settle(position: int, value: Any, exc: BaseException | None) -> bool:
@@ -43,24 +47,28 @@ def _drive(
             result = record(position, buckets[position], value, None)
         return result.status in (FAILED, TOO_LARGE)
 
-    if submit is None:
+    def alone(position: int) -> bool:
         assert run is not None
+        try:
+            return settle(position, run(position), None)
+        except Exception as exc:  # noqa: BLE001 - this bucket's error
+            return settle(position, None, exc)
+
+    if submit is None:
         for position, bucket in enumerate(buckets):
             if position in errors:
                 failed = record(position, bucket, None, errors[position]).status == FAILED
             else:
-                try:
-                    failed = settle(position, run(position), None)
-                except Exception as exc:  # noqa: BLE001 - this bucket's error
-                    failed = settle(position, None, exc)
+                failed = alone(position)
             if failed and fail_fast:
-                return
-        return
+                return 0
+        return 0
 
     for position, message in sorted(errors.items()):
         record(position, buckets[position], None, message)
         if fail_fast:
-            return
+            return 0
+    retry: list[int] = []
     pending = {submit(p): p for p in range(len(buckets)) if p not in errors}
     while pending:
         done, _ = wait(pending, return_when=FIRST_COMPLETED)
@@ -69,11 +77,18 @@ def _drive(
             if future.cancelled():
                 continue
             error = future.exception()
+            if error is not None and run is not None:
+                retry.append(position)  # failed only next to others, maybe: judged alone later
+                continue
             failed = settle(position, None if error else future.result(), error)
             if failed and fail_fast:
                 for other in pending:
                     other.cancel()
                 fail_fast = False  # running buckets still finish and are recorded
+    for n, position in enumerate(sorted(retry)):
+        if alone(position) and fail_fast:
+            return n + 1
+    return len(retry)
 
 
 def _run_threads(
@@ -84,8 +99,10 @@ def _run_threads(
     record: RecordFn,
     executables: bool = False,
     present: Callable[[str], bool] | None = None,
-) -> None:
-    """In this process: one by one (``jobs`` 1) or in a pool; ``present`` skips stored buckets."""
+) -> int:
+    """In this process: one by one (``jobs`` 1) or in a pool; ``present`` skips stored buckets.
+
+    Returns how many buckets failed in the pool and were run again alone (see ``_drive``)."""
     jitted, calls = _build_calls(plan.manifest, plan.buckets, plan.search_paths)
     errors = {p: c for p, c in calls.items() if isinstance(c, str)}
 
@@ -103,10 +120,11 @@ def _run_threads(
 
     with jax_configured(config), _CAPTURE.installed():
         if jobs == 1:
-            _drive(None, task, plan.buckets, errors, fail_fast, record)
-            return
+            return _drive(None, task, plan.buckets, errors, fail_fast, record)
         with ThreadPoolExecutor(max_workers=jobs, thread_name_prefix="cachectl-warm") as pool:
-            _drive(lambda p: pool.submit(task, p), None, plan.buckets, errors, fail_fast, record)
+            return _drive(
+                lambda p: pool.submit(task, p), task, plan.buckets, errors, fail_fast, record
+            )
 
 
 # -- processes ---------------------------------------------------------------

@@ -24,6 +24,13 @@ PLANNED = "planned"  # --dry-run
 HIT = "hit"
 MISS = "miss"
 
+# What calling a bucket's stored executable once on zeros did, in a coverage check.
+CALL_OK = "ok"
+CALL_RAISED = "raised"
+CALL_CRASHED = "crashed"  # the calling process died (a signal, an abort) or hung
+CALL_SKIPPED = "not-called"  # no zero value for its arguments, or the calling process failed
+CALL_FAILED = (CALL_RAISED, CALL_CRASHED)
+
 EXECUTORS = WARM_EXECUTORS
 DEFAULT_EXECUTOR = DEFAULT_WARM_EXECUTOR
 
@@ -64,6 +71,11 @@ class WarmSummary:
     lower_seconds: float = field(default=0.0, metadata=_MS)
     # compile_seconds / (wall_seconds x jobs): 1.0 when every job compiled all the time.
     parallel_efficiency: float | None = field(default=None, metadata=_MS)
+    # What compiled: ``jobs`` threads of this process or spawned processes (``executor``), and
+    # how many buckets failed among threads and were run again alone, after the pool.
+    executor: str = DEFAULT_EXECUTOR
+    jobs: int = 1
+    retried_alone: int = 0
 
 
 @dataclass(frozen=True)
@@ -103,8 +115,11 @@ class CheckBucket:
     key: str | None = None
     seconds: float | None = field(default=None, metadata=_MS)
     error: str | None = None
-    # The stored executable, loaded in the same fresh process: "loaded", else why not.
+    # The stored executable, loaded and called once on zeros in another fresh process (one
+    # that never lowers, as a service): "loaded" when it ran, else why not.
     aot: str | None = None
+    # What its call did: ok | raised | crashed | not-called; None: no executable loaded.
+    aot_call: str | None = None
 
 
 @dataclass(frozen=True)
@@ -115,7 +130,10 @@ class CheckSummary:
     failed: int
     coverage: float = field(metadata={"round": 2})
     aot_loaded: int
+    # Percent of buckets whose stored executable loaded and ran on zeros.
     aot_coverage: float = field(metadata={"round": 2})
+    aot_ran: int = 0
+    aot_failed: int = 0  # loaded, then raised or crashed when called: marked unusable
 
 
 @dataclass(frozen=True)
@@ -129,10 +147,15 @@ class CheckReport:
     cache: str = field(metadata=_NOT_JSON)
     buckets: list[CheckBucket]
     warning: str | None = field(default=None, metadata=_NOT_JSON)
+    # Stored executables whose verdict (unusable, or usable again) the index recorded, or why
+    # it could not record them.
+    marked: int = 0
+    mark_error: str | None = None
 
     def __post_init__(self) -> None:
         n, hits = len(self.buckets), sum(b.status == HIT for b in self.buckets)
-        loaded = sum(b.aot == "loaded" for b in self.buckets)
+        loaded = sum(b.aot_call is not None for b in self.buckets)
+        ran = sum(b.aot_call == CALL_OK for b in self.buckets)
         object.__setattr__(
             self,
             "summary",
@@ -143,9 +166,16 @@ class CheckReport:
                 failed=sum(b.status == FAILED for b in self.buckets),
                 coverage=100.0 * hits / n if n else 100.0,
                 aot_loaded=loaded,
-                aot_coverage=100.0 * loaded / n if n else 100.0,
+                aot_coverage=100.0 * ran / n if n else 100.0,
+                aot_ran=ran,
+                aot_failed=len(self.unusable),
             ),
         )
+
+    @property
+    def unusable(self) -> list[CheckBucket]:
+        """Buckets whose stored executable raised or crashed when called."""
+        return [b for b in self.buckets if b.aot_call in CALL_FAILED]
 
     @property
     def hits(self) -> int:
@@ -158,7 +188,7 @@ class CheckReport:
 
     @property
     def ok(self) -> bool:
-        return self.hits == len(self.buckets)
+        return self.hits == len(self.buckets) and not self.unusable
 
     @property
     def aot_loaded(self) -> int:

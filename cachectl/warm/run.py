@@ -224,13 +224,15 @@ def _execute(
         )
 
     status = warm_runs.INTERRUPTED
+    retried = 0
     try:
         with _Heartbeat(beat):
             config = warm_jax_config(ns.url, env)
             if executor == "process" and jobs > 1:
                 _run_processes(plan, config, jobs, fail_fast, record, executables)
             else:
-                _run_threads(
+                executor = "thread"  # one job runs in this process, whatever was asked
+                retried = _run_threads(
                     plan,
                     config,
                     jobs,
@@ -269,6 +271,9 @@ def _execute(
         wall,
         lower_seconds,
         compile_seconds / (wall * jobs) if wall > 0 else None,
+        executor,
+        jobs,
+        retried,
     )
     ctx.index.audit(
         "warm",
@@ -286,6 +291,7 @@ def _execute(
             "failed": counts.failed,
             "jobs": jobs,
             "executor": executor,
+            "retried_alone": retried,
             "executables": sum(r.aot_bytes is not None for r in ordered),
         },
     )
