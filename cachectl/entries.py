@@ -25,6 +25,11 @@ AOT_SUFFIX = "-aot"
 ATIME_SUFFIX = "-atime"
 LOCKFILE = ".lockfile"
 XLA_SUBCACHE_DIRS = ("xla_gpu_per_fusion_autotune_cache_dir", "xla_gpu_kernel_cache_file")
+# A file name holds at most 255 bytes on the file systems a cache lives on (ext4, XFS, btrfs, APFS,
+# NTFS), and a key is stored under each of its suffixes: keys are ASCII, so a key that every one of
+# its files can be named after is at most 249 characters (its module part at most 184).
+NAME_MAX = 255
+MAX_KEY_LENGTH = NAME_MAX - max(len(CACHE_SUFFIX), len(AOT_SUFFIX), len(ATIME_SUFFIX))
 
 _KEY_RE = re.compile(r"^(?P<module>.+)-(?P<hash>[0-9a-f]{64})$")
 _ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
