@@ -7,12 +7,16 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import socket
 import subprocess
 import sys
+import threading
+import time
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 
 import httpx
+import infra
 import pytest
 from server_kit import MAIN, LiveServer, bearer, seed
 
@@ -204,3 +208,127 @@ def test_telemetry_that_is_not_json_text_or_has_naive_times_is_422(world) -> Non
         good = _batch(s, functions=[{"function": "f\U0001f600[{", "requests": 1}])
         res = _post_json(c, f"{API}/telemetry", json.dumps(good), r)
         assert res.status_code == 200, res.text
+
+
+# -- request heads: bounded in size, count and time, by `cachectl serve` itself ------------------
+
+
+def _rss_kib(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    raise AssertionError("no VmRSS")
+
+
+def _answer(sock: socket.socket, timeout: float) -> bytes:
+    """What the server wrote before it closed (or until ``timeout``)."""
+    sock.settimeout(timeout)
+    data = b""
+    with contextlib.suppress(OSError):
+        while chunk := sock.recv(65536):
+            data += chunk
+    return data
+
+
+def _send_huge_header(port: int, total: int) -> tuple[bytes, int, float]:
+    """Send one header of ``total`` bytes in 64 KiB writes until the server stops reading; its
+    answer, how much was sent, and how long until the connection was answered or closed."""
+    started = time.monotonic()
+    sent = 0
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+        sock.sendall(b"GET /healthz HTTP/1.1\r\nhost: x\r\nx-big: ")
+        chunk = b"a" * 65536
+        with contextlib.suppress(OSError):  # reset or broken pipe: the server closed it
+            while sent < total:
+                sock.sendall(chunk)
+                sent += len(chunk)
+            sock.sendall(b"\r\n\r\n")
+        answer = _answer(sock, 30)
+    return answer, sent, time.monotonic() - started
+
+
+@pytest.mark.timeout(240)
+def test_request_heads_are_bounded_in_size_count_and_time(world, tmp_path, monkeypatch) -> None:
+    s = world
+    # the header timeout is a setting (10 s by default): 2 s here, so the slow sender's cut is quick
+    monkeypatch.setenv("CACHECTL_SERVER_HEADER_TIMEOUT", "2s")
+    server = infra.start_server(
+        "serve",
+        lambda port: [sys.executable, "-m", "cachectl", "serve", "--db", s.db, "--port", str(port)],
+        tmp_path / "logs",
+        check=lambda srv: httpx.get(f"{srv.url}/healthz", timeout=2).raise_for_status(),
+    )
+    try:
+        pid, port = server.process.pid, server.port
+        with httpx.Client(base_url=server.url, timeout=30) as c:
+            for _ in range(20):  # warm the routes up before the memory baseline
+                assert c.get("/healthz").status_code == 200
+        baseline = _rss_kib(pid)
+
+        # another client's /healthz, every 50 ms while the attacks run
+        latencies: list[float] = []
+        stop = threading.Event()
+
+        def well_behaved() -> None:
+            with httpx.Client(base_url=server.url, timeout=30) as c:
+                while not stop.is_set():
+                    t0 = time.monotonic()
+                    assert c.get("/healthz").status_code == 200
+                    latencies.append(time.monotonic() - t0)
+                    time.sleep(0.05)
+
+        watcher = threading.Thread(target=well_behaved, daemon=True)
+        watcher.start()
+        try:
+            # one 64 MiB header: 431 and closed after the first 64 KiB or so, not read to its end
+            answer, sent, took = _send_huge_header(port, 64 << 20)
+            assert answer.startswith(b"HTTP/1.1 431 "), answer[:200]
+            assert sent < 8 << 20 and took < 5, (sent, took)
+            # 1,000 small headers: 431
+            many = b"".join(b"x-h%d: v\r\n" % n for n in range(1000))
+            with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+                with contextlib.suppress(OSError):
+                    sock.sendall(b"GET /healthz HTTP/1.1\r\nhost: x\r\n" + many + b"\r\n")
+                assert _answer(sock, 10).startswith(b"HTTP/1.1 431 ")
+            # a long URL is part of the head too
+            with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+                with contextlib.suppress(OSError):
+                    sock.sendall(b"GET /healthz?" + b"q" * (200 << 10) + b" HTTP/1.1\r\n\r\n")
+                assert _answer(sock, 10).startswith(b"HTTP/1.1 431 ")
+            # a head trickled in a byte every 0.2 s is cut off 2 s after it began
+            t0 = time.monotonic()
+            with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+                sock.sendall(b"GET /healthz HTTP/1.1\r\nhost: x\r\n")
+                with contextlib.suppress(OSError):
+                    for _ in range(100):
+                        sock.sendall(b"x")
+                        time.sleep(0.2)
+                cut_after = time.monotonic() - t0
+                assert _answer(sock, 5).startswith(b"HTTP/1.1 408 ")
+            assert 1.5 < cut_after < 6, cut_after
+            # a connection that sends nothing is closed after the same bound
+            t0 = time.monotonic()
+            with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+                assert _answer(sock, 8).startswith(b"HTTP/1.1 408 ")
+            assert time.monotonic() - t0 < 6
+        finally:
+            stop.set()
+            watcher.join(30)
+        assert latencies and max(latencies) < 2.0, max(latencies)
+        grew_mib = (_rss_kib(pid) - baseline) / 1024
+        assert grew_mib < 32, grew_mib
+
+        # ordinary heads pass: a 16 KiB header, 50 headers, keep-alive across requests
+        with httpx.Client(base_url=server.url, timeout=30) as c:
+            extra = {f"x-h{n}": "v" for n in range(50)}
+            res = c.get("/healthz", headers={"x-cookie": "c" * (16 << 10), **extra})
+            assert res.status_code == 200
+            res = c.get(
+                f"{API}/caches/{MAIN}/environments/{s.digest}/entries",
+                headers=bearer(s.tokens["reader"]),
+            )
+            assert res.status_code == 200 and len(res.json()["items"]) == 3
+        assert "Traceback" not in server.log_tail(400)
+    finally:
+        server.stop()
