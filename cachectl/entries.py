@@ -86,6 +86,21 @@ class CorruptEntry(ValueError):
     """Bytes that do not decompress into a JAX entry."""
 
 
+# A key as JAX makes one: its module name as JAX sanitizes it (word characters, '.', '-': never a
+# path, a NUL or a newline), then '-' and 64 hex digits.
+_JAX_KEY_RE = re.compile(r"\w[\w.\-]*-[0-9a-f]{64}")
+
+
+def is_key(key: object) -> bool:
+    """Whether ``key`` is a key JAX could have written, under a name each of its files can have
+    (MAX_KEY_LENGTH bytes): what a bundle or any other claim from outside must hold."""
+    return (
+        isinstance(key, str)
+        and _JAX_KEY_RE.fullmatch(key) is not None
+        and len(key.encode("utf-8", "surrogatepass")) <= MAX_KEY_LENGTH
+    )
+
+
 def parse_key(key: str) -> EntryName | None:
     match = _KEY_RE.match(key)
     return EntryName(key, match["module"]) if match else None
