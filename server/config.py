@@ -29,9 +29,11 @@ DEFAULT_MAX_DECOMPRESSED = 4 * 1024**3
 # it is parsed; the largest legitimate one (10,000 registered entries) is a few MiB.
 DEFAULT_MAX_JSON = 8 * 1024**2
 DEFAULT_TELEMETRY_RETENTION_S = 30 * 86400.0
-# A request's head (request line and headers) must arrive within this of its first byte
-# (server/http_edge.py): a client trickling headers in cannot hold a connection longer.
-DEFAULT_HEADER_TIMEOUT_S = 10.0
+# A request's head (request line and headers) must arrive within this of its first byte, or of
+# the connection opening (server/http_edge.py): a client trickling headers in, or sending nothing,
+# cannot hold a connection longer. Generous: a loaded client may pause seconds between connecting
+# and writing its request.
+DEFAULT_HEADER_TIMEOUT_S = 30.0
 
 
 @dataclass(frozen=True)

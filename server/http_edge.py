@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING
 
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
+from .config import DEFAULT_HEADER_TIMEOUT_S
+
 if TYPE_CHECKING:
     from .config import ServerSettings
 
@@ -38,7 +40,7 @@ class BoundedHttpTools(HttpToolsProtocol):
 
     max_head_bytes = MAX_HEAD_BYTES
     max_headers = MAX_HEADERS
-    header_timeout_s = 10.0
+    header_timeout_s = DEFAULT_HEADER_TIMEOUT_S
 
     _head_bytes = 0  # bytes received since the last head was complete, outside any body
     _head_size = 0  # the current head's request line and headers, as parsed
