@@ -7,7 +7,9 @@ a local root, 64 KiB entries). Eight hostile clients each send, a fixed number
 of times: an 80 MB JSON body to POST /telemetry without a token (401 before
 the body is read), a 150 MB body with a reader token (413 before parsing), and
 a 64 MiB upload with a writer token to a cache whose max entry size is 1 MiB
-(413 once the limit is passed). Eight well-behaved clients run bench/server.py's
+(413 once the limit is passed), a 64 MiB request header without a token (431
+after the first 64 KiB), and a registration whose bucket nests 900 levels deep
+with a writer token (422 before it is parsed). Eight well-behaved clients run bench/server.py's
 mix at the same time. Reported: the server's peak RSS (VmHWM) before and after,
 the well-behaved p50/p99 with and without the hostile clients (one run each,
 same mix and count), and whether anything a well-behaved client wrote was lost.
@@ -17,6 +19,7 @@ The run is bounded in requests; every connection goes to 127.0.0.1.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import subprocess
 import sys
@@ -65,6 +68,42 @@ async def _hostile(url: str, seed: dict[str, Any], clients: int, rounds: int) ->
             key = type(exc).__name__
         outcomes[key] = outcomes.get(key, 0) + 1
 
+    deep: dict[str, Any] = {}
+    for _ in range(900):
+        deep = {"a": deep}
+    nested = json.dumps(
+        {
+            "entries": [
+                {"key": f"jit_deep-{'ab' * 32}", "size": 1, "sha256": "0" * 64, "bucket": deep}
+            ]
+        }
+    ).encode()
+
+    async def huge_header() -> None:
+        """64 MiB of one header, in 64 KiB writes, until the server answers or closes."""
+        host, port = url.removeprefix("http://").split(":")
+        reader, writer = await asyncio.open_connection(host, int(port))
+        key = "closed"
+        try:
+            writer.write(b"GET /healthz HTTP/1.1\r\nhost: x\r\nx-big: ")
+            chunk = b"a" * 65536
+            for _ in range(1024):
+                writer.write(chunk)
+                await writer.drain()
+            writer.write(b"\r\n\r\n")
+            await writer.drain()
+        except OSError:
+            pass  # the server closed the connection: read what it said
+        try:
+            line = await asyncio.wait_for(reader.readline(), 30)
+            if line.startswith(b"HTTP/1.1 "):
+                key = f"HTTP {line.split()[1].decode()}"
+        except (TimeoutError, OSError):
+            pass
+        finally:
+            writer.close()
+        outcomes[f"header {key}"] = outcomes.get(f"header {key}", 0) + 1
+
     async def one(client: httpx.AsyncClient, n: int) -> None:
         for r in range(rounds):
             await send(client, "POST", f"{API}/telemetry", big_json, None)
@@ -72,6 +111,8 @@ async def _hostile(url: str, seed: dict[str, Any], clients: int, rounds: int) ->
             await send(
                 client, "PUT", f"{base}/jit_bomb_{n}_{r}-{'cd' * 32}", upload, seed["writer"]
             )
+            await huge_header()
+            await send(client, "POST", base, nested, seed["writer"])
 
     async with httpx.AsyncClient(base_url=url, timeout=120, trust_env=False) as client:
         await asyncio.gather(*(one(client, n) for n in range(clients)))
@@ -158,7 +199,8 @@ def markdown(r: dict[str, Any]) -> str:
         f"One `cachectl serve` on loopback; 8 well-behaved clients run bench/server.py's mix "
         f"({quiet['requests']} requests), first alone, then while 8 hostile clients each send {r['rounds']} x "
         "(80 MB JSON without a token, 150 MB JSON with a reader token, a 64 MiB upload over a 1 MiB max entry "
-        "size). Client and server share the 2 cores.",
+        "size, a 64 MiB request header without a token, a registration nested 900 levels deep with a writer "
+        "token). Client and server share the 2 cores.",
         "",
         "| | well-behaved req/s | p50 ms | p99 ms | errors | server peak RSS |",
         "|---|---:|---:|---:|---:|---:|",
@@ -168,8 +210,10 @@ def markdown(r: dict[str, Any]) -> str:
         f"{loaded['errors']} | {r['rss_after'] / mib:.0f} MiB |",
         "",
         f"- Hostile answers: {outcomes} (a ReadError is the server answering 401/413 and closing the "
-        "connection before the client finished sending). The bodies are refused before they are read or "
-        "parsed, so the server's memory stays bounded by its per-route limits, not by what clients send.",
+        "connection before the client finished sending; `header HTTP 431` the oversized head refused after "
+        "its first 64 KiB, `header closed` the same with the 431 lost to the reset of the client's unsent "
+        "bytes). The bodies are refused before they are read or parsed, and heads past 64 KiB "
+        "before they are, so the server's memory stays bounded by its limits, not by what clients send.",
         "- The well-behaved p99 under attack is the price of sharing 2 cores with 8 clients generating and "
         "sending gigabytes over loopback; the server process itself stays at the RSS above.",
         f"- Nothing lost: every well-behaved request answered as expected ({loaded['errors']} errors), and "

@@ -25,6 +25,11 @@ AOT_SUFFIX = "-aot"
 ATIME_SUFFIX = "-atime"
 LOCKFILE = ".lockfile"
 XLA_SUBCACHE_DIRS = ("xla_gpu_per_fusion_autotune_cache_dir", "xla_gpu_kernel_cache_file")
+# A file name holds at most 255 bytes on the file systems a cache lives on (ext4, XFS, btrfs, APFS,
+# NTFS), and a key is stored under each of its suffixes: keys are ASCII, so a key that every one of
+# its files can be named after is at most 249 characters (its module part at most 184).
+NAME_MAX = 255
+MAX_KEY_LENGTH = NAME_MAX - max(len(CACHE_SUFFIX), len(AOT_SUFFIX), len(ATIME_SUFFIX))
 
 _KEY_RE = re.compile(r"^(?P<module>.+)-(?P<hash>[0-9a-f]{64})$")
 _ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
@@ -79,6 +84,21 @@ class Header:
 
 class CorruptEntry(ValueError):
     """Bytes that do not decompress into a JAX entry."""
+
+
+# A key as JAX makes one: its module name as JAX sanitizes it (word characters, '.', '-': never a
+# path, a NUL or a newline), then '-' and 64 hex digits.
+_JAX_KEY_RE = re.compile(r"\w[\w.\-]*-[0-9a-f]{64}")
+
+
+def is_key(key: object) -> bool:
+    """Whether ``key`` is a key JAX could have written, under a name each of its files can have
+    (MAX_KEY_LENGTH bytes): what a bundle or any other claim from outside must hold."""
+    return (
+        isinstance(key, str)
+        and _JAX_KEY_RE.fullmatch(key) is not None
+        and len(key.encode("utf-8", "surrogatepass")) <= MAX_KEY_LENGTH
+    )
 
 
 def parse_key(key: str) -> EntryName | None:

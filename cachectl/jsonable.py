@@ -23,6 +23,35 @@ REDACTED = "<redacted>"
 
 
 _SCALARS = frozenset({str, int, float, bool, type(None)})
+# How deep a stored free-form value (an entry's bucket, an audit record's details) is read back:
+# one stored deeper (before the server refused such bodies, limits.MAX_JSON_DEPTH) is cut there,
+# or every listing of it, on the server and in --json, recursed past Python's limit.
+MAX_STORED_DEPTH = 32
+TOO_DEEP = "<nested too deep>"
+
+
+def _within(value: Any, depth: int) -> bool:
+    if isinstance(value, dict):
+        return depth > 0 and all(_within(v, depth - 1) for v in value.values())
+    if isinstance(value, list):
+        return depth > 0 and all(_within(v, depth - 1) for v in value)
+    return True
+
+
+def _cut(value: Any, depth: int) -> Any:
+    if isinstance(value, (dict, list)) and depth <= 0:
+        return TOO_DEEP
+    if isinstance(value, dict):
+        return {k: _cut(v, depth - 1) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_cut(v, depth - 1) for v in value]
+    return value
+
+
+def bounded(value: Any, depth: int = MAX_STORED_DEPTH) -> Any:
+    """A JSON value read from the index, its dicts and lists at most ``depth`` deep (the same
+    object when it already is; deeper parts become TOO_DEEP)."""
+    return value if _within(value, depth) else _cut(value, depth)
 
 
 def to_jsonable(obj: Any) -> Any:

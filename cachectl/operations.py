@@ -15,6 +15,7 @@ from typing import Any, Protocol
 from cachectl import tokens
 from cachectl.client import API, ServerClient, _seg, decode
 from cachectl.context import Context
+from cachectl.errors import BadInput
 from cachectl.index.telemetry_queries import TelemetryStats, telemetry_stats
 from cachectl.lifecycle import gc as gc_lib
 from cachectl.lifecycle import prune as prune_lib
@@ -186,6 +187,20 @@ class ServerOperations:
         self.ctx = ctx
         self.client = client
 
+    @staticmethod
+    def _direct_only(option: str, why: str) -> BadInput:
+        """What a flag the server's jobs do not take is: bad input, never silently dropped."""
+        return BadInput(
+            f"{option} works only in direct mode ({why}): unset CACHECTL_SERVER and give --db "
+            "and the cache's storage, or leave it out"
+        )
+
+    def _check_batch_size(self, batch_size: int) -> None:
+        if batch_size != DELETE_BATCH:
+            raise self._direct_only(
+                "--batch-size", f"the server deletes {DELETE_BATCH} paths per storage call"
+            )
+
     def _job(self, kind: str, result_type: type, params: dict[str, Any]) -> Any:
         """A job on ctx's cache; unset flags are left out, so the server applies its own defaults."""
         body = {k: v for k, v in params.items() if v is not None and v is not False}
@@ -205,6 +220,7 @@ class ServerOperations:
         batch_size: int = DELETE_BATCH,
     ) -> LifecycleResult:
         # Bad selectors are bad input here, before the server is asked.
+        self._check_batch_size(batch_size)
         prune_lib.criteria(
             older_than=older_than,
             unused_for=unused_for,
@@ -238,6 +254,7 @@ class ServerOperations:
         dry_run: bool = False,
         batch_size: int = DELETE_BATCH,
     ) -> GcResult:
+        self._check_batch_size(batch_size)
         return self._job(
             "gc",
             GcResult,
@@ -259,6 +276,11 @@ class ServerOperations:
         min_age: str = "10m",
         deep: bool = False,
     ) -> VerifyResult:
+        if deep:
+            raise self._direct_only(
+                "verify --deep",
+                "it loads each entry on this machine's own devices; the server's job cannot",
+            )
         min_age_of(min_age)
         return self._job(
             "verify",

@@ -11,6 +11,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from cachectl.config import Key, load_settings, parse_bool, resolve
+from cachectl.errors import BadInput
 from cachectl.units import parse_duration, parse_size
 
 DEFAULT_HOST = "127.0.0.1"
@@ -28,6 +29,11 @@ DEFAULT_MAX_DECOMPRESSED = 4 * 1024**3
 # it is parsed; the largest legitimate one (10,000 registered entries) is a few MiB.
 DEFAULT_MAX_JSON = 8 * 1024**2
 DEFAULT_TELEMETRY_RETENTION_S = 30 * 86400.0
+# A request's head (request line and headers) must arrive within this of its first byte, or of
+# the connection opening (server/http_edge.py): a client trickling headers in, or sending nothing,
+# cannot hold a connection longer. Generous: a loaded client may pause seconds between connecting
+# and writing its request.
+DEFAULT_HEADER_TIMEOUT_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -59,6 +65,8 @@ class ServerSettings:
     # Seconds a valid token is trusted without asking the index again (0 = ask every time):
     # a token revoked elsewhere is refused by this replica at most this much later.
     token_cache_s: float = 2.0
+    # Seconds a request's head may take to arrive (`cachectl serve`'s connections; 408 after).
+    header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S
 
     def with_overrides(self, **overrides: Any) -> ServerSettings:
         return replace(self, **{k: v for k, v in overrides.items() if v is not None})
@@ -79,6 +87,13 @@ def _size(_name: str, value: Any) -> int:
     return parse_size(value)
 
 
+def _seconds(name: str, value: Any) -> float:
+    seconds = value if isinstance(value, (int, float)) else parse_duration(value).total_seconds()
+    if not seconds > 0:
+        raise BadInput(f"{name} must be above 0 s, not {value!r}")
+    return float(seconds)
+
+
 # The server's keys, on top of the CLI's (cachectl.config.KEYS gives it ``db``); environment only.
 SERVER_KEYS = (
     Key("maintenance_interval_s", "CACHECTL_SERVER_MAINTENANCE_INTERVAL", _interval),
@@ -88,6 +103,7 @@ SERVER_KEYS = (
     Key("secure_cookies", "CACHECTL_SERVER_SECURE_COOKIES", parse_bool),
     Key("telemetry_retention_s", "CACHECTL_SERVER_TELEMETRY_RETENTION", _interval),
     Key("max_upload_bytes", "CACHECTL_SERVER_MAX_UPLOAD", _size),
+    Key("header_timeout_s", "CACHECTL_SERVER_HEADER_TIMEOUT", _seconds),
 )
 
 

@@ -28,7 +28,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
 from cachectl import ingest
-from cachectl.entries import CACHE_SUFFIX, EntryName, parse_key
+from cachectl.entries import CACHE_SUFFIX, MAX_KEY_LENGTH, EntryName, parse_key
 from cachectl.errors import EntryConflict, QuotaExceeded
 from cachectl.index import CacheInfo, EnvironmentInfo, NewEntry, warm_runs
 from cachectl.index import server_queries as sq
@@ -43,14 +43,16 @@ from .state import ServerState
 router = APIRouter(prefix="/api/v1")
 
 # <module>-<64 hex>: the module part as JAX sanitizes it (word characters, '.', '-'),
-# never starting with a dot, so no key can name a path outside its namespace.
-KEY_PATTERN = r"^[A-Za-z0-9_][A-Za-z0-9_.\-]{0,440}-[0-9a-f]{64}$"
+# never starting with a dot, so no key can name a path outside its namespace; at most
+# MAX_KEY_LENGTH characters, so that a file system can name each of its files (a longer one
+# was a 500, "file name too long").
+KEY_PATTERN = rf"^[A-Za-z0-9_][A-Za-z0-9_.\-]{{0,{MAX_KEY_LENGTH - 66}}}-[0-9a-f]{{64}}$"
 _KEY_RE = re.compile(KEY_PATTERN)
 Key = Annotated[
     str,
     Path(
         min_length=66,
-        max_length=512,
+        max_length=MAX_KEY_LENGTH,
         pattern=KEY_PATTERN,
         description="A JAX cache key: <module>-<64 hex>, without the -cache suffix",
     ),

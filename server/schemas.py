@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from datetime import datetime
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, field_validator
 
+from cachectl.entries import MAX_KEY_LENGTH
 from cachectl.errors import BadInput
 from cachectl.fingerprint import FINGERPRINT_VERSION, Environment, check_version
 from cachectl.telemetry import (
@@ -25,7 +25,9 @@ Short = Annotated[str, Field(max_length=256)]
 
 
 class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # No NaN or Infinity in a float field (the body check at the edge, limits.json_problem, already
+    # refuses their JSON tokens): neither can be written back as JSON.
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 class Fingerprint(Strict):
@@ -83,7 +85,7 @@ class FunctionCountsIn(Strict):
 class HitKeyIn(Strict):
     key: Annotated[str, Field(min_length=1, max_length=512)]
     count: Annotated[int, Field(ge=1, le=MAX_FLUSH_COUNT)]
-    at: datetime  # a claim: the index clamps it to [the entry's creation, now]
+    at: AwareDatetime  # a claim: the index clamps it to [the entry's creation, now]
 
 
 class ServingCountsIn(Strict):
@@ -149,8 +151,9 @@ class TelemetryBatchIn(Strict):
     process: Annotated[str, Field(min_length=1, max_length=256)]
     cache: Name
     environment_digest: Hex64
-    started_at: datetime
-    ended_at: datetime
+    # With a UTC offset: a naive time cannot be compared with the index's (it was a 500).
+    started_at: AwareDatetime
+    ended_at: AwareDatetime
     functions: Annotated[list[FunctionCountsIn], Field(max_length=10_000)] = []
     hit_keys: Annotated[list[HitKeyIn], Field(max_length=20_000)] = []
     dropped: FlushCount = 0
@@ -225,7 +228,7 @@ class TokenCreate(Strict):
 class EntryIn(Strict):
     """An entry a writer stored itself (e.g. warm into a bucket it may write), to be recorded."""
 
-    key: Annotated[str, Field(min_length=66, max_length=512)]
+    key: Annotated[str, Field(min_length=66, max_length=MAX_KEY_LENGTH)]
     size: Annotated[int, Field(ge=0, le=2**50)]
     sha256: Hex64
     origin: Literal["warm", "observed", "upload", "import"] = "warm"

@@ -141,6 +141,8 @@ class LiveServer:
         import uvicorn
         from infra import free_port
 
+        from cachectl_server.http_edge import bounded_http
+
         self.port = port or free_port()
         config = uvicorn.Config(
             app,
@@ -150,6 +152,7 @@ class LiveServer:
             access_log=False,
             lifespan="on",
             log_config=None,
+            http=bounded_http(app.state.cachectl.settings),  # as `cachectl serve` runs it
         )
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, name="uvicorn-test", daemon=True)

@@ -234,3 +234,44 @@ def test_max_buckets_raises_the_limit(tmp_path) -> None:
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["summary"]["buckets"] == 2400
     assert_bad_input(cachectl("warm", str(wide), "--dry-run", env={"CACHECTL_MAX_BUCKETS": "lots"}))
+
+
+def _alias_chain(levels: int, anchors: int) -> str:
+    """Anchors each nesting the previous one ``levels`` deep: each is shallow, the whole is not."""
+    lines = ["version: 1", "functions: []"]
+    inner = "1"
+    for n in range(anchors):
+        lines.append(f"a{n}: &a{n} " + "[" * levels + inner + "]" * levels)
+        inner = f"*a{n}"
+    return "\n".join(lines) + "\n"
+
+
+def test_manifests_nested_too_deep_binary_or_past_int64_are_one_line(tmp_path) -> None:
+    """Issue 22, item 13: these were RecursionError/ReaderError tracebacks (exit 1), or a dry run
+    that passed (exit 0) for a shape whose warm then aborted the process (exit 134)."""
+    cases = {
+        "deep-lists.yaml": "version: 1\nfunctions: " + "[" * 5000 + "]" * 5000 + "\n",
+        "deep-mappings.yaml": "".join("  " * i + f"k{i}:\n" for i in range(2000)),
+        "aliases.yaml": _alias_chain(20, 80),
+        "garbage.yaml": "\x00\x01\x02 version: 1\n\x7f\x1b[31m",
+        "overflow.yaml": (
+            "version: 1\nfunctions:\n  - fn: operator:neg\n    args:\n"
+            "      - {shape: [batch, 4294967296, 4294967296], dtype: float32}\n"
+            "    buckets: {batch: [1, 2]}\n"
+        ),
+    }
+    for name, text in cases.items():
+        path = tmp_path / name
+        path.write_text(text)
+        done = cachectl("warm", str(path), "--dry-run")
+        assert_bad_input(done)
+        assert name in done.stderr, done.stderr
+    assert "overflow.yaml:5: functions[0].args[0].shape" in done.stderr
+    # what still fits is not refused: 2^59 elements in the largest bucket
+    fits = tmp_path / "fits.yaml"
+    fits.write_text(
+        cases["overflow.yaml"].replace("4294967296, 4294967296", "536870912, 536870912")
+    )
+    from cachectl.manifest import parse_manifest
+
+    parse_manifest(fits.read_text(), name="fits.yaml")

@@ -283,3 +283,34 @@ def test_bundle_signed_by_an_untrusted_key_is_refused(tmp_path: Path, made: dict
         in invoke("bundle", "install", str(made["signed"]), code=2).stderr
     )
     assert_nothing_installed_keep_root()
+
+
+def _rekey(new_key: str):
+    """A bundle whose first entry is renamed to ``new_key`` everywhere (entry list, content list,
+    members): consistent, so only the key check can refuse it."""
+
+    def change(items):
+        meta = json.loads(items[0][1])
+        old = meta["entries"][0]["key"]
+        text = items[0][1].decode().replace(old, json.dumps(new_key)[1:-1])
+        items[0] = ("bundle.json", text.encode())
+        return [(n.replace(old, new_key), d) for n, d in items]
+
+    return change
+
+
+@pytest.mark.parametrize(
+    "new_key",
+    ["not-a-jax-key", "m" * 200 + "-" + "a" * 64, ".hidden-" + "a" * 64, "line\n-" + "a" * 64],
+    ids=["no-hash", "too-long", "dot", "newline"],
+)
+def test_a_bundle_with_a_key_jax_cannot_make_installs_nothing(
+    tmp_path: Path, made: dict[str, Any], new_key: str
+) -> None:
+    bad = _tamper(made["bundle"], tmp_path / "rekeyed.tar.zst", _rekey(new_key))
+    result = invoke("bundle", "install", str(bad), code=2)
+    assert "is not a JAX cache key" in result.stderr and result.stderr.count("\n") == 1, (
+        result.output
+    )
+    assert "Traceback" not in result.output and isinstance(result.exception, SystemExit)
+    assert_nothing_installed()

@@ -16,9 +16,11 @@ import pytest
 from click.testing import CliRunner
 from infra import run_py
 from server_kit import MAIN, LiveServer, seed
+from sqlalchemy import select
 
 from cachectl.cli import cli
 from cachectl.index import open_index
+from cachectl.index.models import Job
 from cachectl_server.app import create_app
 
 # Timings (and "now - window") differ between any two runs, direct or not.
@@ -324,3 +326,36 @@ def test_a_down_server_costs_a_service_one_warning(tmp_path) -> None:
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["path"].startswith(str(tmp_path / "root")) and "unreachable" in result["warning"]
     assert "cct_x" not in out.stdout + out.stderr
+
+
+def test_flags_the_server_does_not_take_are_refused_not_dropped(served) -> None:
+    """verify --deep and prune/gc --batch-size were sent nowhere in server mode (the job ran
+    without them, exit 0): now bad input, exit 2, one line, and no job is started."""
+    s, live = served
+    runner = CliRunner()
+    env = {"CACHECTL_SERVER": live.url, "CACHECTL_TOKEN": s.tokens["admin"]}
+    for args, flag in (
+        (("verify", "--deep"), "verify --deep"),
+        (("verify", "--deep", "--json"), "verify --deep"),
+        (("prune", "--function", "train", "--batch-size", "10"), "--batch-size"),
+        (("gc", "--max-size", "1", "--dry-run", "--batch-size", "10"), "--batch-size"),
+    ):
+        done = runner.invoke(cli, ["--cache", MAIN, *args], env=env)
+        lines = [line for line in done.output.splitlines() if line.strip()]
+        assert done.exit_code == 2, (args, done.output)
+        assert len(lines) == 1 and "works only in direct mode" in lines[0], done.output
+        assert flag in lines[0] and "Traceback" not in done.output
+    index = open_index(s.db)
+    try:
+        with index.session() as session:
+            assert session.scalars(select(Job)).all() == []
+        assert sum(e.entries for e in index.environment_stats(MAIN)) == 5
+    finally:
+        index.close()
+    # the default batch size is what the server does: accepted
+    done = runner.invoke(
+        cli,
+        ["--cache", MAIN, "gc", "--max-size", "1", "--dry-run", "--batch-size", "1000"],
+        env=env,
+    )
+    assert done.exit_code == 0, done.output

@@ -39,6 +39,8 @@ from cachectl.entries import (
     AOT_SUFFIX,
     CACHE_SUFFIX,
     ENV_FILE,
+    MAX_KEY_LENGTH,
+    is_key,
     parse_aot_filename,
     parse_entry_filename,
 )
@@ -277,7 +279,18 @@ def _check_meta(
         raise BadBundle(f"{path}: namespace {meta['namespace']!r} is not the environment's")
     if ENV_FILE not in expected:
         raise BadBundle(f"{path}: the content list has no {ENV_FILE}")
-    for e in _entries(meta):
+    try:
+        entries = _entries(meta)
+    except (TypeError, AttributeError) as exc:
+        raise BadBundle(f"{path}: bad entry list in {META} ({exc}): nothing installed") from None
+    for e in entries:
+        # Before anything is written (an environment row, a staged file): a key JAX cannot have
+        # made was an AssertionError after the environment was created.
+        if not is_key(e.key):
+            raise BadBundle(
+                f"{path}: entry {str(e.key)[:80]!r} is not a JAX cache key (<module>-<64 hex "
+                f"digits>, at most {MAX_KEY_LENGTH} bytes): nothing installed"
+            )
         if expected.get(e.key + CACHE_SUFFIX) != (e.size, e.sha256):
             raise BadBundle(f"{path}: entry {e.key} disagrees with the content list")
         if e.aot_sha256 and expected.get(e.key + AOT_SUFFIX) != (e.aot_size, e.aot_sha256):

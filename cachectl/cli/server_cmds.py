@@ -87,6 +87,7 @@ def serve(
 
         from cachectl_server.app import create_app, freeze_startup_heap
         from cachectl_server.config import load_server_settings
+        from cachectl_server.http_edge import bounded_http
     except ImportError as exc:
         raise BadInput(
             f"the server needs its extra: pip install 'cachectl[server]' ({exc.name} is missing)"
@@ -109,11 +110,13 @@ def serve(
     freeze_startup_heap()
     # uvicorn's own access log prints query strings: ours (route templates only) replaces it.
     # Keep idle connections longer than load balancers do (60 s is common): a client must never
-    # send on a connection the server is closing at that moment.
+    # send on a connection the server is closing at that moment. Request heads are bounded in
+    # size, count and time (http_edge: uvicorn's own protocol bounds none of them).
     uvicorn.run(
         app,
         host=host,
         port=port,
+        http=bounded_http(settings),
         log_level=log_level,
         access_log=False,
         log_config=None,

@@ -25,6 +25,7 @@ from cachectl.index import (
 )
 from cachectl.index.models import AuditRecord, Cache, Entry, UTCDateTime, utcnow
 from cachectl.index.models import Environment as EnvRow
+from cachectl.jsonable import bounded
 from cachectl.records import (  # noqa: F401 - actor is re-exported
     AuditInfo,
     CacheInfo,
@@ -147,7 +148,7 @@ def _entry_info(row: Entry) -> EntryInfo:
         compile_time_ms=row.compile_time_ms,
         origin=row.origin,
         function=row.function,
-        bucket=row.bucket,
+        bucket=bounded(row.bucket),
         created_at=row.created_at,
         last_access_at=row.last_access_at,
         hit_count=row.hit_count,
@@ -669,7 +670,7 @@ class Index:
                     r.entries,
                     r.bytes,
                     r.duration_ms,
-                    dict(r.details or {}),
+                    bounded(dict(r.details or {})),
                 )
                 for r in s.scalars(q)
             ]

@@ -41,9 +41,10 @@ from cachectl.index.models import (
     utcnow,
 )
 from cachectl.index.models import Environment as EnvRow
+from cachectl.index.warm_runs import HEARTBEAT_WINDOW
 
 # A running warm whose heartbeat is older than this is presumed dead.
-WARM_HEARTBEAT_WINDOW = timedelta(minutes=10)
+WARM_HEARTBEAT_WINDOW = HEARTBEAT_WINDOW
 # Compile time assumed for entries that recorded none: JAX writes nothing that
 # compiled faster than its default threshold of 1 s.
 DEFAULT_COMPILE_MS = 1000

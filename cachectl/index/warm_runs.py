@@ -4,16 +4,20 @@ Lifecycle commands treat an environment with a ``running`` warm whose heartbeat
 is recent as in use (``lifecycle_queries.warms_in_progress``), and protect the
 entries of the newest finished run, so a warm must start its row before it
 writes, beat while it compiles, and always finish it (``succeeded``, ``failed``
-when some bucket failed, ``interrupted`` when the process stopped early).
+when some bucket failed, ``interrupted`` when the process stopped early). A process
+killed (kill -9, the OOM killer) or aborted (XLA's own checks) never finishes its row:
+``close_dead_runs`` closes a row whose heartbeat stopped as ``interrupted``, whenever a
+warm starts or the runs are listed, so no row says ``running`` for a dead process.
 """
 
 from __future__ import annotations
 
 import getpass
 import socket
+from datetime import timedelta
 from typing import TYPE_CHECKING
 
-from sqlalchemy import select, update
+from sqlalchemy import func, select, update
 
 from cachectl.errors import NotFound
 from cachectl.index.models import Cache, WarmRun, utcnow
@@ -28,6 +32,8 @@ SUCCEEDED = "succeeded"
 FAILED = "failed"
 INTERRUPTED = "interrupted"
 FINAL_STATUSES = (SUCCEEDED, FAILED, INTERRUPTED)
+# A running warm whose heartbeat is older than this is presumed dead (it beats every 30 s).
+HEARTBEAT_WINDOW = timedelta(minutes=10)
 
 
 def _info(row: WarmRun) -> WarmRunInfo:
@@ -56,6 +62,25 @@ def _user() -> str:
         return "unknown"
 
 
+def close_dead_runs(index: Index, *, window: timedelta = HEARTBEAT_WINDOW) -> int:
+    """Close as ``interrupted`` (it stopped early; lifecycle does not take it for a complete run)
+    every running row whose last heartbeat is older than ``window``, finished at that heartbeat;
+    how many. One read when there are none."""
+    last = func.coalesce(WarmRun.heartbeat_at, WarmRun.started_at)
+    dead = (WarmRun.status == RUNNING) & (last < utcnow() - window)
+    with index.read_session() as s:
+        if s.scalar(select(WarmRun.id).where(dead).limit(1)) is None:
+            return 0
+    with index.session() as s:
+        done = s.execute(
+            update(WarmRun)
+            .where(dead)
+            .values(status=INTERRUPTED, finished_at=last)
+            .execution_options(synchronize_session=False)
+        )
+        return int(getattr(done, "rowcount", 0) or 0)
+
+
 def start_run(
     index: Index,
     environment_id: int,
@@ -70,6 +95,7 @@ def start_run(
 
     ``host``/``user`` default to this process's; the server passes its client's.
     """
+    close_dead_runs(index)
     now = utcnow()
     with index.session() as s:
         row = WarmRun(
@@ -143,7 +169,8 @@ def list_runs(
     status: str | None = None,
     limit: int = 50,
 ) -> list[WarmRunInfo]:
-    """Newest first, optionally for one cache, environment or status."""
+    """Newest first, optionally for one cache, environment or status (dead runs closed first)."""
+    close_dead_runs(index)
     with index.read_session() as s:
         q = select(WarmRun).order_by(WarmRun.started_at.desc(), WarmRun.id.desc()).limit(limit)
         if environment_id is not None:

@@ -115,6 +115,8 @@ def _function_problems(
             else:
                 yield from _sharding_problems(arg, aloc, spec.mesh)
 
+    yield from _extent_problems(spec, loc)
+
     # Outputs (cut by cachectl.serving).
     for o, out in enumerate(spec.outputs or []):
         for d, dim in enumerate(out.shape if out is not None else []):
@@ -270,6 +272,35 @@ def _sharding_problems(arg: ArgSpec, aloc: Loc, mesh: MeshSpec) -> Iterator[tupl
                 f"{len(arg.sharding or [])} sharding entries for a {len(arg.shape)}-dimensional shape"
             ),
         )
+
+
+# The most elements one array argument may have in any bucket: XLA keeps a shape's element count
+# and byte size in int64 and aborts the process past it ("overflow in static extent product", exit
+# 134) mid-warm; 2^59 elements of the widest dtype (16 bytes) still fit.
+MAX_ELEMENTS = 2**59
+
+
+def _extent_problems(spec: FunctionSpec, loc: Loc) -> Iterator[tuple[Loc, str]]:
+    """An array argument whose largest bucket (each axis at its largest value) holds more than
+    MAX_ELEMENTS elements; arguments with other problems in their shape are left to those."""
+    largest = {
+        axis: max(values)
+        for axis, values in spec.buckets.items()
+        if values and all(_is_int(v) and v >= 0 for v in values)
+    }
+    for a, arg in enumerate(spec.args):
+        if arg.kind != "array" or not arg.shape:
+            continue
+        dims: list[Any] = [largest.get(d) if isinstance(d, str) else d for d in arg.shape]
+        if not all(_is_int(d) and d >= 0 for d in dims):
+            continue
+        elements = math.prod(int(d) for d in dims)
+        if elements > MAX_ELEMENTS:
+            yield (
+                loc + ("args", a, "shape"),
+                f"the largest bucket's shape {dims} has {elements} elements, more than the "
+                f"2^59 an XLA array may have (its size in bytes must fit in int64)",
+            )
 
 
 def _divisibility_problems(spec: FunctionSpec, loc: Loc) -> Iterator[tuple[Loc, str]]:

@@ -77,8 +77,9 @@ def parse_manifest(
     With ``import_paths`` (``--path`` dirs, maybe none), a manifest with problems also has the
     user code it names imported, so that the one BadInput lists the import problems too; a
     valid manifest imports nothing (:func:`check_imports` does, later)."""
-    loader = _Loader(text)
+    loader: _Loader | None = None
     try:
+        loader = _Loader(text)  # a character YAML forbids (binary garbage) is refused here
         root = loader.get_single_node()
         if root is not None and _expanded_size(root, MAX_MANIFEST_NODES) > MAX_MANIFEST_NODES:
             raise BadInput(
@@ -95,9 +96,14 @@ def parse_manifest(
             problem += f" ({exc.context})"
         raise BadInput(f"{name}:{line}: invalid YAML: {problem}") from None
     except yaml.YAMLError as exc:
-        raise BadInput(f"{name}: invalid YAML: {exc}") from None
+        raise BadInput(f"{name}: invalid YAML: {' '.join(str(exc).split())}") from None
+    except RecursionError:  # aliases that nest anchors in anchors past the depth limit
+        raise BadInput(
+            f"{name}: invalid YAML: it nests too deep (through aliases?): refused"
+        ) from None
     finally:
-        loader.dispose()
+        if loader is not None:
+            loader.dispose()
     source = _Source(name, directory, lines)
     if not isinstance(data, dict):
         raise BadInput(

@@ -13,8 +13,31 @@ import yaml
 Loc = tuple[str | int, ...]
 
 
+# Lists and mappings inside one another: a manifest needs a handful of levels. PyYAML composes,
+# and everything after it walks, a document recursively: thousands of levels were a RecursionError
+# traceback, so a deeper one is refused while it is composed, at its line.
+MAX_MANIFEST_DEPTH = 64
+
+
 class _Loader(yaml.SafeLoader):
-    """SafeLoader that rejects duplicate keys: PyYAML would silently keep the last one."""
+    """SafeLoader that rejects duplicate keys (PyYAML would silently keep the last one) and
+    documents nested more than MAX_MANIFEST_DEPTH levels."""
+
+    _depth = 0
+
+    def compose_node(self, parent: yaml.Node | None, index: Any) -> yaml.Node | None:
+        self._depth += 1
+        try:
+            if self._depth > MAX_MANIFEST_DEPTH:
+                raise yaml.composer.ComposerError(
+                    None,
+                    None,
+                    f"lists and mappings nest more than {MAX_MANIFEST_DEPTH} levels deep",
+                    self.peek_event().start_mark,
+                )
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
 
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
         seen: dict[Any, int] = {}
