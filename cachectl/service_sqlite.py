@@ -33,7 +33,7 @@ from cachectl.telemetry.rows import (
 
 # The Alembic head this module's statements are written for (tests/test_service_sqlite.py
 # fails when a migration is added without looking here).
-SCHEMA_REVISION = "0008"
+SCHEMA_REVISION = "0009"
 BUSY_TIMEOUT_S = 30.0  # cachectl.index.db.SQLITE_BUSY_TIMEOUT_MS: writers wait, never fail at once
 
 _CACHE_COLUMNS = (
@@ -165,7 +165,7 @@ class FastIndex:
         c = self.conn
         c.executemany(
             "INSERT INTO telemetry (environment_id, at, process, function, requests, hits, misses, writes, "
-            "saved_seconds, dropped, uncacheable) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            "saved_seconds, dropped, uncacheable, loads) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
             [
                 (
                     r["environment_id"],
@@ -179,6 +179,7 @@ class FastIndex:
                     r["saved_seconds"],
                     r["dropped"],
                     r["uncacheable"],
+                    r["loads"],
                 )
                 for r in rows
             ],

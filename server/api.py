@@ -457,7 +457,13 @@ def ingest_telemetry(request: Request, body: schemas.TelemetryIn) -> JSONRespons
             continue
         functions = {
             f.function: FunctionCounts(
-                f.requests, f.hits, f.writes, f.saved_seconds, f.retrieval_seconds
+                f.requests,
+                f.hits,
+                f.writes,
+                f.saved_seconds,
+                f.retrieval_seconds,
+                uncacheable=f.uncacheable,
+                loads=f.loads,
             )
             for f in b.functions
         }

@@ -41,6 +41,8 @@ def telemetry_wire(batch: Any) -> dict[str, Any]:
                 "writes": c.writes,
                 "saved_seconds": float(c.saved_seconds),
                 "retrieval_seconds": float(c.retrieval_seconds),
+                "uncacheable": c.uncacheable,
+                "loads": c.loads,
             }
             for fn, c in batch.functions.items()
         ],

@@ -49,9 +49,10 @@ def flush_rows(
             "saved_seconds": float(c.saved_seconds),
             "dropped": 0,
             "uncacheable": c.uncacheable,
+            "loads": c.loads,
         }
         for fn, c in batch.functions.items()
-        if c.requests or c.hits or c.writes
+        if c.requests or c.hits or c.writes or c.loads
     ]
     if batch.dropped:
         if rows:
@@ -70,6 +71,7 @@ def flush_rows(
                     "saved_seconds": 0.0,
                     "dropped": batch.dropped,
                     "uncacheable": 0,
+                    "loads": 0,
                 }
             )
     serving = [
