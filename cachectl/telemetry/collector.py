@@ -241,10 +241,10 @@ class Collector:
                 state = self._thread_state()
                 pending, state[0] = state[0], 0
                 with self._lock:
+                    self._hits += 1  # lifetime totals are JAX's own events (stats())
                     counts = self._counts(state[1])
                     if state[4]:  # a staging program found in the cache: still not cacheable
                         return
-                    self._hits += 1
                     if counts is not None:
                         counts.hits += 1
                         counts.requests += pending  # only when the hit log was not seen

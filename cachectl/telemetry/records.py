@@ -190,7 +190,8 @@ class TelemetrySink(Protocol):
 
 @dataclass(frozen=True)
 class CollectorStats:
-    """Lifetime totals of this process's collector (for tests, benchmarks, doctor)."""
+    """Lifetime totals of this process's collector (for tests, benchmarks, doctor): JAX's own
+    request and hit events, staging programs included; ``loads`` are cachectl.serving's."""
 
     requests: int
     hits: int
