@@ -82,6 +82,9 @@ EVENT_HITS = "/jax/compilation_cache/cache_hits"
 EVENT_WRITES = "/jax/compilation_cache/cache_misses"  # fires only when an entry is written
 EVENT_SAVED = "/jax/compilation_cache/compile_time_saved_sec"
 EVENT_RETRIEVAL = "/jax/compilation_cache/cache_retrieval_time_sec"
+# The duration of pxla's compile stage around the persistent cache (lookup, then the XLA compile
+# and write of a miss, or the load of a hit), fired after the hit or miss log on the same thread.
+EVENT_BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
 
 # -- frames of a lowering ------------------------------------------------------------------
 

@@ -464,6 +464,8 @@ def ingest_telemetry(request: Request, body: schemas.TelemetryIn) -> JSONRespons
                 f.retrieval_seconds,
                 uncacheable=f.uncacheable,
                 loads=f.loads,
+                miss_seconds=f.miss_seconds,
+                hit_seconds=f.hit_seconds,
             )
             for f in b.functions
         }

@@ -80,6 +80,8 @@ class FunctionCountsIn(Strict):
     retrieval_seconds: Annotated[float, Field(ge=0, le=MAX_FLUSH_SECONDS)] = 0.0
     uncacheable: FlushCount = 0  # requests for not-cacheable (JAX-internal staging) programs
     loads: FlushCount = 0  # stored executables cachectl.serving loaded
+    miss_seconds: Annotated[float, Field(ge=0, le=MAX_FLUSH_SECONDS)] = 0.0
+    hit_seconds: Annotated[float, Field(ge=0, le=MAX_FLUSH_SECONDS)] = 0.0
 
 
 class HitKeyIn(Strict):

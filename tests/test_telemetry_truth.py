@@ -221,3 +221,46 @@ def test_serving_loads_are_counted_apart(warmed, monkeypatch) -> None:
     assert prefill["loads"] == out["loaded"]["prefill"] and prefill["hits"] == jax_counts.get(
         "jit_prefill", {}
     ).get("hits", 0)
+
+
+TIMED = """
+import json, sys, time
+sys.path.insert(0, {repo!r})
+import numpy as np
+import cachectl
+cachectl.activate()
+import jax
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+from examples import lm
+prefill = jax.jit(lm.prefill)
+params = jax.tree.map(lambda s: np.ones(s.shape, s.dtype) * 0.01, lm.param_specs())
+jax.block_until_ready(jax.device_put(np.ones(2)))
+started = time.perf_counter()
+for b, s in ((1, 32), (4, 64), (1, 128), (4, 32)):
+    prefill(params, np.zeros((b, s), np.int32))[0].block_until_ready()
+print(json.dumps({{"seconds": time.perf_counter() - started}}))
+"""
+
+
+@pytest.mark.timeout(900)
+def test_saved_is_what_a_warm_cache_saved_a_service(tmp_path, monkeypatch) -> None:
+    """(a) a service that compiles its programs, (b) the same service hitting the entries (a)
+    wrote: `stats` says the hits saved about (a) - (b), within 30%."""
+    env = {
+        "XDG_DATA_HOME": str(tmp_path / "data"),
+        "XDG_CACHE_HOME": str(tmp_path / "cache"),
+        "XDG_CONFIG_HOME": str(tmp_path / "config"),
+        "CACHECTL_READONLY": "0",
+    }
+    code = TIMED.format(repo=str(REPO))
+    cold = json.loads(run_py(code, env, check=True).stdout.strip().splitlines()[-1])["seconds"]
+    hot = json.loads(run_py(code, env, check=True).stdout.strip().splitlines()[-1])["seconds"]
+    usage = json.loads(_stats(env, monkeypatch, "--since", "1h", "--json"))
+    prefill = next(r for r in usage["functions"] if r["function"] == "jit_prefill")
+    assert prefill["hits"] == prefill["misses"] == 4 and prefill["writes"] == 4, prefill
+    observed = cold - hot
+    assert observed > 0.5, (cold, hot)
+    estimate = prefill["saved_estimate_seconds"]
+    assert abs(estimate - observed) <= 0.3 * observed, (estimate, observed, cold, hot)
+    (env_row,) = usage["environments"]
+    assert env_row["saved_estimate_seconds"] >= estimate

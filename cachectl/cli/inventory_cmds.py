@@ -197,7 +197,7 @@ def _print_usage(u: TelemetryStats) -> None:
             _rate(r),
             r.loads,
             r.writes,
-            f"{r.saved_warm_seconds:.1f}s",
+            f"{r.saved_estimate_seconds:.1f}s",
         )
 
     env_rows = [(r.environment[:16], r.processes, *values(r)) for r in u.environments]
@@ -217,7 +217,11 @@ def _print_usage(u: TelemetryStats) -> None:
         ]
         stdout.print(table("per function", ["function", *columns], fn_rows, justify_right=right))
     stdout.print(_CATEGORIES_NOTE, highlight=False)
-    stdout.print("saved: hits x the compile time measured at warm", highlight=False)
+    stdout.print(
+        "saved (an estimate): hits x (a miss's compile stage as services measured it, else warm's "
+        "compile time) - what the hits still cost",
+        highlight=False,
+    )
     dropped = sum(r.dropped for r in u.environments)
     if dropped:
         stdout.print(

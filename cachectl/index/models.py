@@ -236,6 +236,9 @@ class TelemetryRecord(Base):
     uncacheable: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
     # stored executables cachectl.serving loaded: uses of an entry, never requests or hits
     loads: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
+    # the service's compile stage for its misses and for its hits, seconds ("saved" estimate)
+    miss_seconds: Mapped[float] = mapped_column(default=0.0, server_default="0")
+    hit_seconds: Mapped[float] = mapped_column(default=0.0, server_default="0")
 
 
 class ServingRecord(Base):

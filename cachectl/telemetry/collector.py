@@ -27,7 +27,14 @@ from threading import get_ident
 from typing import Any
 
 from cachectl import jax_seam
-from cachectl.jax_seam import EVENT_HITS, EVENT_REQUESTS, EVENT_RETRIEVAL, EVENT_SAVED, EVENT_WRITES
+from cachectl.jax_seam import (
+    EVENT_BACKEND_COMPILE,
+    EVENT_HITS,
+    EVENT_REQUESTS,
+    EVENT_RETRIEVAL,
+    EVENT_SAVED,
+    EVENT_WRITES,
+)
 from cachectl.telemetry.records import (
     CollectorStats,
     FunctionCounts,
@@ -131,8 +138,9 @@ class Collector:
             if len(self._threads) > 4096:  # threads come and go: forget finished ones
                 self._threads.clear()
             # [requests not attributed, module, pending (module, leaves), last signature counts,
-            #  whether the current lookup is of a not-cacheable staging program]
-            state = self._threads[tid] = [0, None, None, None, False]
+            #  whether the current lookup is of a not-cacheable staging program,
+            #  the current lookup's outcome until its compile stage is timed: True hit, False miss]
+            state = self._threads[tid] = [0, None, None, None, False, None]
         return state
 
     def _on_lowering(self, module: Any, in_avals: Any, in_shardings: Any) -> None:
@@ -193,6 +201,7 @@ class Collector:
         lowering, state[2] = state[2], None
         staging = lowering is not None and jax_seam.is_staging(lowering[3])
         state[4] = staging
+        state[5] = None if staging else hit
         with self._lock:
             counts = self._counts(module)
             if counts is not None:
@@ -230,7 +239,7 @@ class Collector:
         try:
             if event == EVENT_REQUESTS:
                 state = self._thread_state()
-                stale, state[0], state[1], state[4] = state[0], 1, None, False
+                stale, state[0], state[1], state[4], state[5] = state[0], 1, None, False, None
                 with self._lock:
                     self._requests += 1
                     if stale:  # the previous request never logged: count it unattributed
@@ -273,6 +282,20 @@ class Collector:
                     counts = self._counts(module)
                     if counts is not None:
                         counts.retrieval_seconds += duration_secs
+            elif event == EVENT_BACKEND_COMPILE:
+                # The compile stage of the lookup just logged: what a miss cost this service and
+                # what a hit still cost it ("saved" is estimated from the two).
+                state = self._thread_state()
+                outcome, state[5] = state[5], None
+                if outcome is None:
+                    return
+                with self._lock:
+                    counts = self._counts(state[1])
+                    if counts is not None:
+                        if outcome:
+                            counts.hit_seconds += duration_secs
+                        else:
+                            counts.miss_seconds += duration_secs
         except Exception:  # noqa: BLE001
             pass
 

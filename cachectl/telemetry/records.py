@@ -41,6 +41,10 @@ class FunctionCounts:
     # cacheable, counted apart from hits and misses
     uncacheable: int = 0
     loads: int = 0  # stored executables cachectl.serving loaded: never requests nor hits
+    # this service's compile stage (lookup, then compile and write, or load) for its misses and
+    # its hits: what "saved" is estimated from
+    miss_seconds: float = 0.0
+    hit_seconds: float = 0.0
 
     @property
     def misses(self) -> int:
@@ -131,6 +135,8 @@ class TelemetryBatch:
             out.retrieval_seconds += c.retrieval_seconds
             out.uncacheable += c.uncacheable
             out.loads += c.loads
+            out.miss_seconds += c.miss_seconds
+            out.hit_seconds += c.hit_seconds
         return out
 
 
@@ -151,7 +157,7 @@ def check_batch(batch: TelemetryBatch) -> None:
     for fn, c in batch.functions.items():
         for name in ("requests", "hits", "writes", "uncacheable", "loads"):
             count(f"{name} of {fn!r}", getattr(c, name))
-        for name in ("saved_seconds", "retrieval_seconds"):
+        for name in ("saved_seconds", "retrieval_seconds", "miss_seconds", "hit_seconds"):
             value = float(getattr(c, name))
             if not -MAX_FLUSH_SECONDS <= value <= MAX_FLUSH_SECONDS:
                 raise BadInput(

@@ -50,6 +50,8 @@ def flush_rows(
             "dropped": 0,
             "uncacheable": c.uncacheable,
             "loads": c.loads,
+            "miss_seconds": float(c.miss_seconds),
+            "hit_seconds": float(c.hit_seconds),
         }
         for fn, c in batch.functions.items()
         if c.requests or c.hits or c.writes or c.loads
@@ -72,6 +74,8 @@ def flush_rows(
                     "dropped": batch.dropped,
                     "uncacheable": 0,
                     "loads": 0,
+                    "miss_seconds": 0.0,
+                    "hit_seconds": 0.0,
                 }
             )
     serving = [
