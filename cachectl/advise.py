@@ -51,7 +51,8 @@ class AxisAdvice:
     axis: str
     calls: int
     distinct_sizes: int
-    source: str  # "serving" (pre-padding sizes) or "signatures" (shapes of compiled programs)
+    # "serving" (pre-padding sizes), "signatures" (shapes of compiled programs) or both, "+"-joined
+    source: str
     current: Plan
     proposed: Plan
 
@@ -217,38 +218,70 @@ def optimal_buckets(
 # --------------------------------------------------------------------------- observed sizes
 
 
+def _axis_positions(expected: list[Any], axes: Sequence[str]) -> dict[str, list[tuple[int, int]]]:
+    """Where each bucket axis lives among a function's flat inputs: (input, dim) pairs whose size
+    is the axis's value in every bucket. Read off the lowered buckets themselves, so it holds
+    however the arguments flatten (a Keras model's state, a pytree the manifest builds)."""
+    out: dict[str, list[tuple[int, int]]] = {}
+    if not expected:
+        return out
+    n = len(expected[0].leaves)
+    same = [e for e in expected if len(e.leaves) == n]
+    for axis in axes:
+        values = {e.bucket.get(axis) for e in same}
+        if len(values) < 2 or not all(isinstance(v, int) for v in values):
+            continue  # one value: no dimension can be told from a fixed one
+        for i in range(n):
+            rank = len(same[0].leaves[i][0])
+            for d in range(rank):
+                if all(
+                    len(e.leaves[i][0]) == rank and e.leaves[i][0][d] == e.bucket.get(axis)
+                    for e in same
+                ):
+                    out.setdefault(axis, []).append((i, d))
+    return out
+
+
 def _observed(
     ctx: Any, cache: str, since: timedelta, manifest_path: str, spec: Any
 ) -> tuple[dict[str, dict[int, int]], str]:
-    """{axis: {size: calls}} for one manifest function: serving's raw sizes, else signatures."""
+    """{axis: {size: calls}} for one manifest function, from every source there is, each weighted
+    by calls: cachectl.serving's raw pre-padding sizes (failed and out-of-bucket calls count as the
+    size they were) plus the compile requests of recorded signatures (a plain jit service's calls
+    are seen only as compiles)."""
     merged: dict[str, dict[int, int]] = {}
+    sources: list[str] = []
     for u in serving_usage(ctx.index, cache, since, function=spec.name):
         for axis, counts in u.sizes.items():
             target = merged.setdefault(axis, {})
             for size, n in counts.items():
                 target[int(size)] = target.get(int(size), 0) + int(n)
     if merged:
-        return merged, "serving"
-    if not signature_usage(ctx.index, cache, since):
-        return {}, "signatures"  # no signature to match: lowering (JAX) would find nothing
-    expected = expected_signatures(manifest_path, function=spec.name)
-    if not expected or expected[0].origins is None:
-        return {}, "signatures"
-    module = expected[0].module
-    where: dict[str, tuple[int, int]] = {}
-    for i, (_a, _p, _path, shape) in enumerate(expected[0].origins):
-        for d, dim in enumerate(shape or []):
-            if isinstance(dim, str) and dim in spec.buckets and dim not in where:
-                where[dim] = (i, d)
-    for row in signature_usage(ctx.index, cache, since, function=module):
-        if len(row.leaves) != len(expected[0].leaves):
-            continue
-        for axis, (i, d) in where.items():
-            shape = row.leaves[i][0]
-            if d < len(shape) and isinstance(shape[d], int):
-                target = merged.setdefault(axis, {})
-                target[shape[d]] = target.get(shape[d], 0) + int(row.requests)
-    return merged, "signatures"
+        sources.append("serving")
+    if signature_usage(ctx.index, cache, since):
+        expected = expected_signatures(manifest_path, function=spec.name)
+        if expected:
+            module = expected[0].module
+            where = _axis_positions(expected, list(spec.buckets))
+            found = False
+            for row in signature_usage(ctx.index, cache, since, function=module):
+                if len(row.leaves) != len(expected[0].leaves):
+                    continue
+                for axis, places in where.items():
+                    # an axis on several inputs (a batch dim): the largest is the call's size
+                    dims = [
+                        row.leaves[i][0][d]
+                        for i, d in places
+                        if d < len(row.leaves[i][0]) and isinstance(row.leaves[i][0][d], int)
+                    ]
+                    if dims:
+                        target = merged.setdefault(axis, {})
+                        size = max(dims)
+                        target[size] = target.get(size, 0) + int(row.requests)
+                        found = True
+            if found:
+                sources.append("signatures")
+    return merged, "+".join(sources) or "signatures"
 
 
 def _compile_ms(ctx: Any, cache: str, function: str) -> float | None:

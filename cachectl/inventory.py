@@ -7,6 +7,7 @@ from datetime import datetime
 
 from cachectl.context import Context
 from cachectl.index import CacheInfo, EntryInfo, EnvironmentInfo
+from cachectl.index.telemetry_queries import TelemetryStats
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,19 @@ class CacheTotals:
     per_environment: list[EnvironmentInfo]
     executables: int = 0
     aot_bytes: int = 0
+    # service telemetry over the default window (plain `cachectl stats`): per environment too
+    telemetry: TelemetryStats | None = None
+
+    __json_extra__ = ("hit_rate",)
+
+    @property
+    def hit_rate(self) -> float | None:
+        """Hits over the cacheable requests of every environment in ``telemetry``'s window."""
+        if self.telemetry is None:
+            return None
+        hits = sum(r.hits for r in self.telemetry.environments)
+        n = sum(r.cacheable_requests for r in self.telemetry.environments)
+        return min(hits / n, 1.0) if n else None
 
 
 def list_environments(ctx: Context, cache: CacheInfo) -> EnvironmentListing:

@@ -65,6 +65,12 @@ NOT_WRITING_PREFIX = "Not writing persistent cache entry for"
 HOST_CALLBACKS_MARK = "host callbacks"
 LOWERING_PREFIX = "Compiling %s with global shapes and types"
 KEY_IN_TEXT = re.compile(r"key '([^']+)'")
+# Eager application of a primitive (jnp.asarray's ``stage``, ``x.astype``'s ``convert_element_type``,
+# jnp.zeros' ``broadcast_in_dim``, NumPyro's eager ``mul``/``reshape``) compiles a one-primitive
+# program around a function JAX defines in jax/_src/dispatch.py: its lowering's source names that
+# file. These JAX-internal staging programs are looked up like any other, but no manifest can name
+# them: telemetry counts them as not cacheable.
+STAGING_SOURCE = re.compile(r" at .*[/\\]jax[/\\]_src[/\\]dispatch\.py:\d+$")
 # JAX's default jax_persistent_cache_min_compile_time_secs: a program compiled faster than
 # this is never written by a service with default settings (read-only services raise it).
 DEFAULT_MIN_COMPILE_TIME_S = 1.0
@@ -76,6 +82,9 @@ EVENT_HITS = "/jax/compilation_cache/cache_hits"
 EVENT_WRITES = "/jax/compilation_cache/cache_misses"  # fires only when an entry is written
 EVENT_SAVED = "/jax/compilation_cache/compile_time_saved_sec"
 EVENT_RETRIEVAL = "/jax/compilation_cache/cache_retrieval_time_sec"
+# The duration of pxla's compile stage around the persistent cache (lookup, then the XLA compile
+# and write of a miss, or the load of a hit), fired after the hit or miss log on the same thread.
+EVENT_BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
 
 # -- frames of a lowering ------------------------------------------------------------------
 
@@ -140,6 +149,12 @@ def compiler_call_reader(
             pass
 
     return read
+
+
+def is_staging(source: str | None) -> bool:
+    """True for a lowering whose source ("f at file:line", call_context) is JAX's eager dispatch of
+    one primitive: a JAX-internal staging program (STAGING_SOURCE)."""
+    return bool(source) and STAGING_SOURCE.search(str(source)) is not None
 
 
 def uncacheable(args: tuple[Any, ...], msg: str) -> bool | None:

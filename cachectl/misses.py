@@ -13,6 +13,8 @@ from __future__ import annotations
 import contextlib
 import inspect
 import logging
+import re
+import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
@@ -109,7 +111,9 @@ class MissesReport:
 
     @property
     def ok(self) -> bool:
-        return not self.findings
+        """Nothing missed: the exit status and the text say the same (not-cacheable programs and
+        hits of a re-jitted function are no misses)."""
+        return self.misses == 0
 
 
 # --------------------------------------------------------------------------- expected signatures
@@ -149,8 +153,15 @@ def _param_names(fn: Any) -> list[str]:
 
 
 def _origins(
-    spec: Any, args: tuple[Any, ...], kwargs: dict[str, Any], names: list[str]
+    spec: Any,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    names: list[str],
+    *,
+    values_are_inputs: bool = False,
 ) -> list[tuple[Any, str | None, str, Any]]:
+    """Per flat input of the call: (argument, parameter name, leaf path, the ArgSpec's shape).
+    ``values_are_inputs``: a non-static ``value`` argument is traced too (a Python scalar)."""
     import jax
 
     static_nums = set(spec.jit.static_argnums)
@@ -161,7 +172,7 @@ def _origins(
         if (
             a in static_nums
             or (pname is not None and pname in static_names)
-            or spec.args[a].kind == "value"
+            or (spec.args[a].kind == "value" and not values_are_inputs)
         ):
             continue
         shape = spec.args[a].shape if spec.args[a].kind == "array" else None
@@ -193,6 +204,14 @@ def expected_signatures(
 ) -> list[ExpectedSignature]:
     """Lower every bucket of the manifest (no compile) and record its signature."""
 
+    # A manifest's module may print on import (mujoco's warp warning): never into --json's stdout.
+    with contextlib.redirect_stdout(sys.stderr):
+        return _expected_signatures(manifest_path, function=function)
+
+
+def _expected_signatures(
+    manifest_path: str | Path, *, function: str | None = None
+) -> list[ExpectedSignature]:
     manifest = load_manifest(manifest_path)
     paths = [str(Path(manifest.path).parent)]
     specs = {s.name: s for s in manifest.functions}
@@ -222,6 +241,8 @@ def expected_signatures(
             leaves = capture.seen[-1][1] if capture.seen else ()
             names = _param_names(fn)
             origins = _origins(spec, args, kwargs, names)
+            if len(origins) != len(leaves):
+                origins = _origins(spec, args, kwargs, names, values_are_inputs=True)
             out.append(
                 ExpectedSignature(
                     spec.name,
@@ -266,13 +287,17 @@ def _distance(a: Sequence[jax_seam.Leaf], b: Sequence[jax_seam.Leaf]) -> float:
 
 
 def _where(module: str, exp: ExpectedSignature, i: int) -> tuple[Any, str | None, str]:
+    """(argument, parameter name, leaf path) of flat input ``i``; (None, None, "input i of n")
+    when the manifest's arguments do not flatten to the program's inputs."""
     if exp.origins is None:
-        return i, None, ""
+        return None, None, f"input {i} of {len(exp.leaves)}"
     a, pname, path, _shape = exp.origins[i]
     return a, pname, path
 
 
 def _arg_text(module: str, a: Any, pname: str | None, path: str) -> str:
+    if a is None:  # no argument known: the flat input's position, said as such
+        return f"{module} {path}" if path else module
     text = f"{module} arg {a}" + (f" ({pname})" if pname and pname != a else "")
     return text + (f" leaf {path}" if path else "")
 
@@ -292,7 +317,11 @@ _PY_SCALAR = {
 
 
 def _explain(
-    row: SignatureRow, exp: ExpectedSignature, buckets: dict[str, list[Any]], n_missed: int
+    row: SignatureRow,
+    exp: ExpectedSignature,
+    buckets: dict[str, list[Any]],
+    n_missed: int,
+    candidates: Sequence[ExpectedSignature] = (),
 ) -> list[MissFinding]:
     module = row.function
     observed = [_leaf(x) for x in row.leaves]
@@ -357,14 +386,51 @@ def _explain(
                             expected=values,
                         )
                     else:
+                        # What the buckets really hold at this dim: never claim "every bucket"
+                        # unless every bucket has it.
+                        held = sorted(
+                            {
+                                c.leaves[i][0][d]
+                                for c in (*candidates, exp)
+                                if i < len(c.leaves)
+                                and len(c.leaves[i][0]) == len(o[0])
+                                and isinstance(c.leaves[i][0][d], int)
+                            }
+                        )
+                        named = next(
+                            (ax for ax, vals in buckets.items() if sorted(set(vals)) == held),
+                            None,
+                        )
+                        if len(held) <= 1:
+                            msg = f"{where}: dim {d} is {ov} vs {ev} in every bucket: fix it or bucket it"
+                        elif named is not None:  # an axis a pytree function takes: name it
+                            bigger = [
+                                v
+                                for v in held
+                                if isinstance(v, int) and isinstance(ov, int) and v >= ov
+                            ]
+                            msg = (
+                                f"{where}: {named} {ov} not a bucket {_fmt(held)}: pad to {bigger[0]}, "
+                                f"or add {ov}"
+                                if bigger
+                                else f"{where}: {named} {ov} above the largest bucket {_fmt(held)}: add {ov}"
+                            )
+                        else:
+                            bigger = [
+                                v
+                                for v in held
+                                if isinstance(v, int) and isinstance(ov, int) and v >= ov
+                            ]
+                            fix = f"pad to {bigger[0]}, or add {ov}" if bigger else f"add {ov}"
+                            msg = f"{where}: dim {d} is {ov}, not a bucket {_fmt(held)}: {fix}"
                         add(
                             "shape",
-                            f"{where}: dim {d} is {ov} vs {ev} in every bucket: fix it or bucket it",
+                            msg,
                             arg=a,
                             leaf=path or None,
                             field=f"shape[{d}]",
                             observed=ov,
-                            expected=ev,
+                            expected=held if len(held) > 1 else ev,
                         )
             else:
                 add(
@@ -473,6 +539,98 @@ def _static_finding(
     )
 
 
+# An installed package's files: where a library-internal program's Python function lives.
+_LIBRARY = re.compile(r"[/\\](?:site|dist)-packages[/\\]([A-Za-z0-9_]+)")
+
+
+def _library(source: str | None) -> str | None:
+    """The installed package a program's function comes from ("numpyro", "jax"), else None."""
+    m = _LIBRARY.search(source or "")
+    return m.group(1) if m else None
+
+
+def _not_in_manifest(module: str, rows: list[SignatureRow]) -> MissFinding:
+    """One finding per function the manifest does not name, however many signatures it missed."""
+    n_missed = sum(r.misses for r in rows)
+    requests = sum(r.requests for r in rows)
+    library = next((lib for lib in map(_library, (r.source for r in rows)) if lib), None)
+    # The same inputs compiled to several programs: what differs is inside the program.
+    inputs = [repr((r.leaves, r.statics)) for r in rows]
+    constants = len(set(inputs)) < len(inputs)
+    count = f" ({len(rows)} programs)" if len(rows) > 1 else ""
+    if library is not None:
+        msg = f"{module}{count} is internal to {library}: no manifest function names it"
+        if constants:
+            msg += (
+                "; the same inputs compiled to different programs, so data is closed over as "
+                "constants and every dataset is a new key (NumPyro: MCMC(..., jit_model_args=True) "
+                "passes it as arguments)"
+            )
+        msg += (
+            "; where a manifest cannot name it, warm it by running the service once against a "
+            "writable cache (cachectl exec -- python service.py)"
+        )
+    else:
+        msg = f"{module}{count} is not in the manifest: add it (or stop compiling it)"
+        if constants:
+            msg += (
+                "; the same inputs compiled to different programs: values closed over as "
+                "constants differ, pass them as arguments"
+            )
+    return MissFinding(
+        module,
+        None,
+        "not_in_manifest" if library is None else "library_internal",
+        msg,
+        field="function",
+        observed=library,
+        requests=requests,
+        misses=n_missed,
+    )
+
+
+def _weak_variants(
+    module: str, name: str | None, rows: list[SignatureRow], expected: list[ExpectedSignature]
+) -> list[MissFinding]:
+    """Programs of one function that differ only in weak types: name each leaf that differs."""
+    groups: dict[str, list[SignatureRow]] = {}
+    for r in rows:
+        strong = [[list(x[0]), x[1], x[3]] for x in r.leaves]
+        groups.setdefault(repr(strong), []).append(r)
+    out = []
+    exp = next((e for e in expected if e.origins is not None), None)
+    for group in groups.values():
+        if len(group) < 2:
+            continue
+        n = len(group[0].leaves)
+        differ = [i for i in range(n) if len({bool(r.leaves[i][2]) for r in group}) > 1]
+        if not differ:
+            continue
+        wheres = []
+        for i in differ:
+            if exp is not None and len(exp.leaves) == n:
+                wheres.append(_arg_text(module, *_where(module, exp, i)))
+            else:
+                wheres.append(f"{module} input {i} of {n}")
+        shown = "; ".join(wheres[:4]) + (f"; and {len(wheres) - 4} more" if len(wheres) > 4 else "")
+        out.append(
+            MissFinding(
+                module,
+                name,
+                "weak_type",
+                f"{module} compiled {len(group)} programs for the same shapes and dtypes that "
+                f"differ only in weak_type at {shown}: one caller passes weakly typed values (a "
+                "Python scalar, or the result of jnp ops on one), another strongly typed: cast "
+                "them to one dtype (jnp.asarray(x, dtype)) where they are made",
+                field="weak_type",
+                observed=[w.removeprefix(f"{module} ") for w in wheres],
+                requests=sum(r.requests for r in group),
+                misses=sum(r.misses for r in group),
+            )
+        )
+    return out
+
+
 def _explosions(
     module: str, name: str | None, rows: list[SignatureRow], expected: list[ExpectedSignature]
 ) -> list[MissFinding]:
@@ -573,17 +731,18 @@ def misses(
     uncacheable_fns: dict[str, int] = {}
     covered = 0
     per_module_missed: dict[str, list[SignatureRow]] = {}
+    not_in_manifest: dict[str, list[SignatureRow]] = {}
     for r in rows:
         leaves = tuple(_leaf(x) for x in r.leaves)
         if (r.function, leaves) in expected_sets:
             covered += r.requests
         in_manifest = r.function in by_module
-        if not in_manifest and r.uncacheable and not r.misses:
+        if r.uncacheable and not r.misses and not r.hits:
+            # JAX-internal staging: not cacheable, never a miss, never a re-jit to fix
             uncacheable_fns[r.function] = uncacheable_fns.get(r.function, 0) + r.requests
-            if not r.repeats:
-                continue
-        n_missed = r.misses + (r.uncacheable if in_manifest else 0)
-        if not n_missed and not r.repeats:
+            continue
+        n_missed = r.misses  # a miss is a miss, written or not; a manifest function's always is
+        if not n_missed:
             continue
         nearest: ExpectedSignature | None = None
         candidates = [e for e in by_module.get(r.function, []) if len(e.leaves) == len(leaves)]
@@ -618,8 +777,6 @@ def misses(
                     misses=n_missed,
                 )
             )
-        if not n_missed:
-            continue
         per_module_missed.setdefault(r.function, []).append(r)
         if r.digest == "*":
             findings.append(
@@ -634,18 +791,9 @@ def misses(
                 )
             )
         elif not by_module:
-            continue  # no manifest: the explosion and re-jit findings still apply
+            continue  # no manifest: the explosion, weak-type and re-jit findings still apply
         elif not in_manifest:
-            findings.append(
-                MissFinding(
-                    r.function,
-                    None,
-                    "not_in_manifest",
-                    f"{r.function} is not in the manifest: add it (or stop compiling it)",
-                    requests=r.requests,
-                    misses=n_missed,
-                )
-            )
+            not_in_manifest.setdefault(r.function, []).append(r)
         elif nearest is None:
             findings.append(
                 MissFinding(
@@ -661,7 +809,7 @@ def misses(
                 )
             )
         else:
-            diffs = _explain(r, nearest, buckets_of.get(r.function, {}), n_missed)
+            diffs = _explain(r, nearest, buckets_of.get(r.function, {}), n_missed, candidates)
             if diffs:
                 findings.extend(diffs)
             else:
@@ -671,6 +819,10 @@ def misses(
                         if v not in statics.setdefault(k, []):
                             statics[k].append(v)
                 findings.append(_static_finding(r, nearest, statics, n_missed))
+    for module, mrows in not_in_manifest.items():
+        findings.append(_not_in_manifest(module, mrows))
+    for module, mrows in per_module_missed.items():
+        findings.extend(_weak_variants(module, names.get(module), mrows, by_module.get(module, [])))
     for module, mrows in per_module_missed.items():
         findings.extend(_explosions(module, names.get(module), mrows, by_module.get(module, [])))
     total = [r for r in rows]

@@ -165,7 +165,8 @@ class FastIndex:
         c = self.conn
         c.executemany(
             "INSERT INTO telemetry (environment_id, at, process, function, requests, hits, misses, writes, "
-            "saved_seconds, dropped, uncacheable) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            "saved_seconds, dropped, uncacheable, loads, miss_seconds, hit_seconds) "
+            "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
             [
                 (
                     r["environment_id"],
@@ -179,6 +180,9 @@ class FastIndex:
                     r["saved_seconds"],
                     r["dropped"],
                     r["uncacheable"],
+                    r["loads"],
+                    r["miss_seconds"],
+                    r["hit_seconds"],
                 )
                 for r in rows
             ],

@@ -457,7 +457,15 @@ def ingest_telemetry(request: Request, body: schemas.TelemetryIn) -> JSONRespons
             continue
         functions = {
             f.function: FunctionCounts(
-                f.requests, f.hits, f.writes, f.saved_seconds, f.retrieval_seconds
+                f.requests,
+                f.hits,
+                f.writes,
+                f.saved_seconds,
+                f.retrieval_seconds,
+                uncacheable=f.uncacheable,
+                loads=f.loads,
+                miss_seconds=f.miss_seconds,
+                hit_seconds=f.hit_seconds,
             )
             for f in b.functions
         }

@@ -80,6 +80,10 @@ class FunctionCountsIn(Strict):
     # JAX's "compile time saved" is negative when reading the entry took longer than compiling.
     saved_seconds: Annotated[float, Field(ge=-MAX_FLUSH_SECONDS, le=MAX_FLUSH_SECONDS)] = 0.0
     retrieval_seconds: Annotated[float, Field(ge=0, le=MAX_FLUSH_SECONDS)] = 0.0
+    uncacheable: FlushCount = 0  # requests for not-cacheable (JAX-internal staging) programs
+    loads: FlushCount = 0  # stored executables cachectl.serving loaded
+    miss_seconds: Annotated[float, Field(ge=0, le=MAX_FLUSH_SECONDS)] = 0.0
+    hit_seconds: Annotated[float, Field(ge=0, le=MAX_FLUSH_SECONDS)] = 0.0
 
 
 class HitKeyIn(Strict):

@@ -55,7 +55,9 @@ def test_exec_records_hits_misses_and_signatures_of_a_plain_jit_service(tmp_path
     user_site.mkdir()
     (user_site / "sitecustomize.py").write_text("import os\nos.environ['USER_SITE_RAN'] = 'yes'\n")
     code = SERVICE.format(dir=str(tmp_path)) + "import os; print(os.environ.get('USER_SITE_RAN'))\n"
-    run = cli("exec", "--", sys.executable, "-c", code, env={"PYTHONPATH": str(user_site)})
+    # The caller's PYTHONPATH stays after it: the child imports the cachectl under test.
+    path = os.pathsep.join(p for p in (str(user_site), os.environ.get("PYTHONPATH")) if p)
+    run = cli("exec", "--", sys.executable, "-c", code, env={"PYTHONPATH": path})
     assert run.returncode == 0, run.stderr
     assert run.stdout.split() == ["served", "yes"], run.stdout
     stats = json.loads(cli("stats", "--since", "1h", "--json").stdout)

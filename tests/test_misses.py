@@ -36,6 +36,12 @@ def attention(x, num_heads):
 
 def decode(x):
     return jnp.cumsum(x)
+
+def batch_specs(batch):
+    return {"x": jax.ShapeDtypeStruct((batch, 4), jnp.float32)}
+
+def total(batch_in):
+    return batch_in["x"].sum()
 """
 
 MANIFEST = """
@@ -65,6 +71,11 @@ functions:
       - {shape: [seq], dtype: float32}
     buckets:
       seq: [128, 256, 512]
+  - fn: svc_model:total
+    args:
+      - {pytree: svc_model:batch_specs}   # the batch axis lives inside a pytree
+    buckets:
+      batch: [1, 4, 8]
 """
 
 SERVICE = """
@@ -79,6 +90,7 @@ apply = jax.jit(m.apply)
 step = jax.jit(m.step)
 attention = jax.jit(m.attention, static_argnames=["num_heads"])
 decode = jax.jit(m.decode)
+total = jax.jit(m.total)
 {body}
 """
 
@@ -294,8 +306,132 @@ def test_stats_hit_rate_is_over_cacheable_programs(warmed, monkeypatch) -> None:
     assert fns["jit_apply"]["saved_warm_seconds"] > 0 and env["saved_warm_seconds"] >= 0
     text = CliRunner().invoke(cli, ["stats", "--since", "1h"]).stdout
     assert "apply" in text and "(jit_appl" in text and "100%" in text  # rich folds narrow columns
-    assert text.count("uncacheable: misses") == 1
+    assert text.count("not cacheable: JAX-internal staging programs") == 1
     plain = CliRunner().invoke(cli, ["stats"]).stdout
-    assert (
-        "hit rate 100.0% over the last 24h (5 hits of 5 requests for cacheable programs;" in plain
+    assert "hit rate 100.0% over the last 24h (5 hits, 0 misses;" in plain
+
+
+def test_nothing_missed_exits_0_with_staging_programs_and_rejitted_hits(
+    warmed, monkeypatch
+) -> None:
+    """Staging programs compiled again and again, and a function re-jitted per call that hits
+    every time: nothing missed, so the text says so and the exit status agrees."""
+    body = (
+        MATCHING
+        + """
+for _ in range(3):
+    jnp.asarray(np.ones(3, np.float32)).block_until_ready()   # jit_stage, compiled each time
+    jax.jit(m.step)(np.ones(4, np.float32), np.float32(0.1)).block_until_ready()  # a hit
+    jax.clear_caches()
+"""
     )
+    report = _service(warmed, body, monkeypatch)
+    assert report["misses"] == 0 and report["findings"] == [], report["findings"]
+    assert report["exit_code"] == 0 and report["ok"] is True
+    assert report["uncacheable_functions"]["jit_stage"] >= 3
+    human = CliRunner().invoke(cli, ["misses"])
+    assert human.exit_code == 0, human.output
+    assert ", 0 misses," in human.stdout and "nothing missed" in human.stdout
+
+
+def test_two_programs_that_differ_in_weak_type_name_the_argument(warmed, monkeypatch) -> None:
+    body = """
+step(np.ones(5, np.float32), 0.1).block_until_ready()
+step(np.ones(5, np.float32), np.float32(0.1)).block_until_ready()
+"""
+    report = _service(warmed, body, monkeypatch)
+    assert report["exit_code"] == 1
+    assert not [f for f in report["findings"] if f["kind"] == "rejit"]
+    (weak,) = [
+        f for f in report["findings"] if f["kind"] == "weak_type" and "programs" in f["message"]
+    ]
+    assert weak["message"].startswith(
+        "jit_step compiled 2 programs for the same shapes and dtypes that differ only in "
+        "weak_type at jit_step arg 1 (lr):"
+    )
+    assert weak["observed"] == ["arg 1 (lr)"] and weak["misses"] == 2
+
+
+def test_a_pytree_axis_is_named_and_the_buckets_told_as_they_are(warmed, monkeypatch) -> None:
+    report = _service(
+        warmed, 'total({"x": np.ones((3, 4), np.float32)}).block_until_ready()', monkeypatch
+    )
+    f = _only(report)
+    assert f["message"] == (
+        "jit_total arg 0 (batch_in) leaf ['x']: batch 3 not a bucket (1, 4, 8): pad to 4, or add 3"
+    )
+    assert f["expected"] == [1, 4, 8]
+    # advise finds the sizes inside the pytree too
+    manifest = str(Path(warmed["HOME_DIR"]) / "manifest.yaml")
+    result = CliRunner().invoke(cli, ["advise", manifest, "--function", "total", "--json"])
+    assert result.exit_code == 0, result.output
+    (fn,) = json.loads(result.stdout)["functions"]
+    (axis,) = fn["axes"]
+    assert axis["calls"] == 1 and axis["source"] == "signatures"
+    assert 3 in range(1, max(axis["proposed"]["values"]) + 1)
+
+
+def test_a_library_internal_program_is_said_once_with_its_library(warmed, monkeypatch) -> None:
+    """jax.random's own jitted functions stand in for a library's closures: grouped, attributed."""
+    body = """
+for seed in range(4):
+    np.asarray(jax.random.normal(jax.random.key(seed), (3,)))
+"""
+    report = _service(warmed, body, monkeypatch)
+    internal = [f for f in report["findings"] if f["kind"] == "library_internal"]
+    assert internal, report["findings"]
+    modules = [f["function"] for f in internal]
+    assert len(modules) == len(set(modules))  # one finding per program, however many signatures
+    assert all(f["observed"] == "jax" and "internal to jax" in f["message"] for f in internal)
+    assert all("warm it by running the service" in f["message"] for f in internal)
+    assert not [f for f in report["findings"] if f["kind"] in ("not_in_manifest", "rejit")]
+
+
+def test_advise_uses_every_source_weighted_by_calls(warmed, monkeypatch) -> None:
+    """Plain jit calls at the buckets, then one failed serving call: the proposal still covers
+    every size seen, and counts them all."""
+    manifest = str(Path(warmed["HOME_DIR"]) / "manifest.yaml")
+    body = f"""
+for n in (128, 256, 512):
+    for _ in range(3):
+        decode(np.ones(n, np.float32)).block_until_ready()
+        jax.clear_caches()
+rt = cachectl.serving({manifest!r})
+try:
+    rt["decode"](np.ones(600, np.float32))
+except Exception as exc:
+    print("failed:", type(exc).__name__, file=sys.stderr)
+rt.report()
+from cachectl import telemetry
+telemetry.current().flush()
+"""
+    _service(warmed, body, monkeypatch)
+    result = CliRunner().invoke(cli, ["advise", manifest, "--function", "decode", "--json"])
+    assert result.exit_code == 0, result.output
+    (fn,) = json.loads(result.stdout)["functions"]
+    (axis,) = fn["axes"]
+    assert axis["source"] == "serving+signatures"
+    assert axis["calls"] >= 10 and axis["distinct_sizes"] == 4
+    assert axis["proposed"]["coverage"] == 1.0 and len(axis["proposed"]["values"]) == 3
+    assert axis["proposed"]["values"][-1] == 600 and axis["proposed"]["values"][0] == 128
+
+
+def test_json_stays_json_when_a_manifest_module_prints_on_import(warmed, monkeypatch) -> None:
+    """mujoco prints a warning to stdout on import: --json output must still parse."""
+    home = Path(warmed["HOME_DIR"])
+    (home / "svc_loud.py").write_text(
+        'print("WARNING: warp is not installed")\n'
+        "import jax.numpy as jnp\n\n"
+        "def scale(x):\n    return x * 2\n"
+    )
+    loud = home / "loud.yaml"
+    loud.write_text(
+        "version: 1\nfunctions:\n  - fn: svc_loud:scale\n"
+        "    args:\n      - {shape: [n], dtype: float32}\n    buckets:\n      n: [8, 16]\n"
+    )
+    _service(warmed, MATCHING, monkeypatch)  # signatures in the window, so advise lowers too
+    for args in (["misses", "--manifest", str(loud), "--json"], ["advise", str(loud), "--json"]):
+        result = CliRunner().invoke(cli, args)
+        assert result.exit_code in (0, 1), result.output
+        assert "warp is not installed" not in result.stdout
+        json.loads(result.stdout)

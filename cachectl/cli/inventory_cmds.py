@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import click
 
 from cachectl import inventory
@@ -149,11 +151,15 @@ NO_TELEMETRY_HINT = (
 )
 
 
-_UNCACHEABLE_NOTE = (
-    "uncacheable: misses of programs JAX never writes (they compile in under a second, "
-    "like the jit_stage programs jnp.asarray(numpy) makes, or use host callbacks); "
-    "counted apart, not in the hit rate"
+_CATEGORIES_NOTE = (
+    "hit rate: hits / (hits + misses). A miss was looked up and not found, written or not "
+    "(a program under the minimum compile time or a read-only service's is still a miss); "
+    "not cacheable: JAX-internal staging programs (jit_stage from jnp.asarray(numpy), "
+    "convert_element_type, ...), counted apart; loads: stored executables cachectl.serving "
+    "loaded, never requests or hits"
 )
+
+DEFAULT_WINDOW = "24h"  # plain `cachectl stats`: the hit rate over the last day (ccache's habit)
 
 
 def _rate(r: UsageRow) -> str:
@@ -170,17 +176,28 @@ def _print_usage(u: TelemetryStats) -> None:
     if not u.environments:
         stdout.print(f"cache {u.cache}: {NO_TELEMETRY_HINT}", highlight=False)
         return
-    columns = ["requests", "hits", "hit rate", "misses", "writes", "saved"]
+    columns = [
+        "requests",
+        "hits",
+        "misses",
+        "not cacheable",
+        "hit rate",
+        "loads",
+        "writes",
+        "saved",
+    ]
     right = ("procs", *columns)
 
     def values(r: UsageRow) -> tuple:
         return (
             r.requests,
             r.hits,
+            r.misses,
+            r.uncacheable,
             _rate(r),
-            max(r.misses - r.uncacheable, 0),
+            r.loads,
             r.writes,
-            f"{r.saved_warm_seconds:.1f}s",
+            f"{r.saved_estimate_seconds:.1f}s",
         )
 
     env_rows = [(r.environment[:16], r.processes, *values(r)) for r in u.environments]
@@ -199,15 +216,10 @@ def _print_usage(u: TelemetryStats) -> None:
             for r in u.functions
         ]
         stdout.print(table("per function", ["function", *columns], fn_rows, justify_right=right))
-    if any(r.uncacheable for r in u.environments):
-        apart = ", ".join(f"{_label(r)} {r.uncacheable}" for r in u.functions if r.uncacheable)
-        stdout.print(
-            f"uncacheable requests, counted apart: {apart or sum(r.uncacheable for r in u.environments)}",
-            highlight=False,
-        )
-        stdout.print(_UNCACHEABLE_NOTE, highlight=False)
+    stdout.print(_CATEGORIES_NOTE, highlight=False)
     stdout.print(
-        "hit rate: over cacheable programs; saved: hits x the compile time measured at warm",
+        "saved (an estimate): hits x (a miss's compile stage as services measured it, else warm's "
+        "compile time) - what the hits still cost",
         highlight=False,
     )
     dropped = sum(r.dropped for r in u.environments)
@@ -217,22 +229,39 @@ def _print_usage(u: TelemetryStats) -> None:
         )
 
 
-def _print_hit_rates(ctx, caches) -> None:
-    """Plain `stats` ends with each cache's hit rate over the last day (ccache's habit)."""
-    for c in caches:
-        u = operations(ctx).telemetry_stats(c.name, "24h")
-        req = sum(r.cacheable_requests for r in u.environments)
-        hits = sum(r.hits for r in u.environments)
-        unc = sum(r.uncacheable for r in u.environments)
-        if not req and not unc:
-            stdout.print(f"cache {c.name}: no service telemetry in the last 24h", highlight=False)
+def _print_hit_rates(items: list[inventory.CacheTotals]) -> None:
+    """Plain `stats` ends with each cache's hit rate over the default window."""
+    for t in items:
+        u = t.telemetry
+        envs = u.environments if u is not None else []
+        hits = sum(r.hits for r in envs)
+        misses = sum(r.misses for r in envs)
+        unc = sum(r.uncacheable for r in envs)
+        loads = sum(r.loads for r in envs)
+        if not (hits or misses or unc or loads):
+            stdout.print(
+                f"cache {t.cache.name}: no service telemetry in the last {DEFAULT_WINDOW}",
+                highlight=False,
+            )
             continue
-        rate = f"{min(hits / req, 1.0):.1%}" if req else "-"
+        rate = f"{t.hit_rate:.1%}" if t.hit_rate is not None else "-"
         stdout.print(
-            f"cache {c.name}: hit rate {rate} over the last 24h ({hits} hits of {req} requests for "
-            f"cacheable programs; {unc} uncacheable counted apart)",
+            f"cache {t.cache.name}: hit rate {rate} over the last {DEFAULT_WINDOW} ({hits} hits, "
+            f"{misses} misses; {unc} not cacheable and {loads} loads counted apart)",
             highlight=False,
         )
+        if len(envs) > 1:
+            for r in envs:
+                stdout.print(
+                    f"  environment {r.environment[:16]}: hit rate {_rate(r)} "
+                    f"({r.hits} hits, {r.misses} misses)",
+                    highlight=False,
+                )
+
+
+def _print_totals_and_rates(items: list[inventory.CacheTotals]) -> None:
+    _print_totals(items)
+    _print_hit_rates(items)
 
 
 @click.command("stats")
@@ -246,11 +275,13 @@ def _print_hit_rates(ctx, caches) -> None:
 @json_option
 @click.pass_obj
 def stats(ctx, all_caches: bool, since: str | None, as_json: bool) -> None:
-    """Totals per cache and per environment; with --since, hits and misses from services."""
+    """Totals per cache and per environment with the hit rate over the last 24h; with --since,
+    hits and misses from services per environment and function."""
     if since is not None:
         parse_duration(since)  # bad input before the index is opened
-        caches = ctx.index.list_caches() if all_caches else [ctx.cache()]
-        ops = operations(ctx)
+    caches = ctx.index.list_caches() if all_caches else [ctx.cache()]
+    ops = operations(ctx)
+    if since is not None:
         result = [ops.telemetry_stats(c.name, since) for c in caches]
 
         def human(r: TelemetryStats | list[TelemetryStats]) -> None:
@@ -259,11 +290,11 @@ def stats(ctx, all_caches: bool, since: str | None, as_json: bool) -> None:
 
         emit(result if all_caches else result[0], as_json, human)
         return
-    caches = ctx.index.list_caches() if all_caches else [ctx.cache()]
-    totals = inventory.cache_totals(ctx, caches)
-    emit(totals, as_json, _print_totals)
-    if not as_json:
-        _print_hit_rates(ctx, caches)
+    totals = [
+        dataclasses.replace(t, telemetry=ops.telemetry_stats(t.cache.name, DEFAULT_WINDOW))
+        for t in inventory.cache_totals(ctx, caches)
+    ]
+    emit(totals, as_json, _print_totals_and_rates)
 
 
 def register(cli: click.Group) -> None:

@@ -1,7 +1,7 @@
 """`cachectl misses` and `cachectl advise`: what the service really called, against the manifest.
 
-Exit codes: misses 1 when any signature missed (or was compiled again and again);
-advise 0 (2 on bad input, nothing written).
+Exit codes: misses 1 when any compile request missed, 0 when none did (the text then says
+"nothing missed"); advise 0 (2 on bad input, nothing written).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ _SHOW = 50
 def _print_misses(r: misses_lib.MissesReport) -> None:
     stdout.print(
         f"cache {r.cache}: {r.signatures} signatures, {r.requests} compile requests, {r.hits} hits, "
-        f"{r.misses} misses, {r.uncacheable} uncacheable since {r.since:%Y-%m-%d %H:%M} UTC"
+        f"{r.misses} misses, {r.uncacheable} not cacheable since {r.since:%Y-%m-%d %H:%M} UTC"
         + (f"; manifest {r.manifest}" if r.manifest else "; no manifest (warm one, or --manifest)"),
         highlight=False,
     )
@@ -33,16 +33,25 @@ def _print_misses(r: misses_lib.MissesReport) -> None:
         by_fn.setdefault(f.name or f.function, []).append(f)
     for fn, items in by_fn.items():
         stdout.print(f"{fn}:", highlight=False)
-        for f in items[:_SHOW]:
-            near = f" (nearest bucket [{f.bucket}])" if f.bucket else ""
-            stdout.print(f"  {f.message}{near}; {f.misses} missed", highlight=False, markup=False)
-        if len(items) > _SHOW:
-            stdout.print(f"... and {len(items) - _SHOW} more (--json lists all)")
+        # The same explanation for several signatures is said once, with its total.
+        grouped: dict[str, list[misses_lib.MissFinding]] = {}
+        for f in items:
+            grouped.setdefault(f.message, []).append(f)
+        for message, same in list(grouped.items())[:_SHOW]:
+            buckets = sorted({f.bucket for f in same if f.bucket})
+            near = f" (nearest bucket [{buckets[0]}])" if len(buckets) == 1 else ""
+            times = f", {len(same)} signatures" if len(same) > 1 else ""
+            missed = sum(f.misses for f in same)
+            stdout.print(
+                f"  {message}{near}; {missed} missed{times}", highlight=False, markup=False
+            )
+        if len(grouped) > _SHOW:
+            stdout.print(f"... and {len(grouped) - _SHOW} more (--json lists all)")
     if r.uncacheable_functions:
         names = ", ".join(f"{k} ({v})" for k, v in sorted(r.uncacheable_functions.items()))
         stdout.print(
-            f"uncacheable, counted apart (JAX never writes programs that compile in under a "
-            f"second or use host callbacks; jit_stage comes from jnp.asarray(numpy)): {names}",
+            "not cacheable, counted apart (JAX-internal staging programs: the eager dispatch of "
+            f"one primitive, e.g. jit_stage from jnp.asarray(numpy)): {names}",
             highlight=False,
         )
     if r.ok:

@@ -41,6 +41,10 @@ def telemetry_wire(batch: Any) -> dict[str, Any]:
                 "writes": c.writes,
                 "saved_seconds": float(c.saved_seconds),
                 "retrieval_seconds": float(c.retrieval_seconds),
+                "uncacheable": c.uncacheable,
+                "loads": c.loads,
+                "miss_seconds": float(c.miss_seconds),
+                "hit_seconds": float(c.hit_seconds),
             }
             for fn, c in batch.functions.items()
         ],

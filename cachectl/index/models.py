@@ -234,8 +234,14 @@ class TelemetryRecord(Base):
     writes: Mapped[int] = mapped_column(BigInteger, default=0)
     saved_seconds: Mapped[float] = mapped_column(default=0.0)
     dropped: Mapped[int] = mapped_column(BigInteger, default=0)
-    # misses of programs JAX never writes (faster than a second to compile, host callbacks)
+    # requests for not-cacheable programs: JAX-internal staging (jit_stage, ...), apart from
+    # hits and misses (rows before migration 0009 counted fast-compiled misses here)
     uncacheable: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
+    # stored executables cachectl.serving loaded: uses of an entry, never requests or hits
+    loads: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
+    # the service's compile stage for its misses and for its hits, seconds ("saved" estimate)
+    miss_seconds: Mapped[float] = mapped_column(default=0.0, server_default="0")
+    hit_seconds: Mapped[float] = mapped_column(default=0.0, server_default="0")
 
 
 class ServingRecord(Base):

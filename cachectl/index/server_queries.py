@@ -514,21 +514,26 @@ def telemetry_series(
 
 
 def hit_rates(index: Index, cache: str) -> dict[int, tuple[int, int, int]]:
-    """environment id -> (requests, hits, misses) over all recorded telemetry."""
+    """environment id -> (cacheable requests, hits, misses) over all recorded telemetry: the
+    requests for not-cacheable (JAX-internal staging) programs are left out, as `stats` does."""
     with index.read_session() as s:
         q = (
             select(
                 TelemetryRecord.environment_id,
                 counter_sum(index.dialect, TelemetryRecord.requests),
                 counter_sum(index.dialect, TelemetryRecord.hits),
-                counter_sum(index.dialect, TelemetryRecord.misses),
+                counter_sum(index.dialect, TelemetryRecord.uncacheable),
             )
             .join(EnvRow, EnvRow.id == TelemetryRecord.environment_id)
             .join(Cache, Cache.id == EnvRow.cache_id)
             .where(Cache.name == cache)
             .group_by(TelemetryRecord.environment_id)
         )
-        return {env: (int(r or 0), int(h or 0), int(m or 0)) for env, r, h, m in s.execute(q)}
+        out = {}
+        for env, r, h, u in s.execute(q):
+            cacheable = max(int(r or 0) - int(u or 0), 0)
+            out[env] = (cacheable, int(h or 0), max(cacheable - int(h or 0), 0))
+        return out
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,11 @@
 
 Event listeners count requests, hits, writes and the saved time, attributed to the
 module named by the compiler's log call just before them on the same thread
-(telemetry/taps.py reads those calls). Everything lands in a bounded in-memory buffer
+(telemetry/taps.py reads those calls). The categories are JAX's own: a hit; a miss (looked
+up and not found, whether JAX then writes it or not: too fast to compile, a read-only
+service, host callbacks); not cacheable (a JAX-internal staging program, the eager
+dispatch of one primitive, which no manifest can name). Executables cachectl.serving
+loads are counted apart as loads: JAX never looked them up. Everything lands in a bounded in-memory buffer
 (full = drop and count); a daemon thread hands the buffer to the sink every few
 seconds and at exit (bounded in time), and a forked child starts clean. The hooks
 never raise into JAX and never wait on I/O: the only work on the compile path is a
@@ -23,7 +27,14 @@ from threading import get_ident
 from typing import Any
 
 from cachectl import jax_seam
-from cachectl.jax_seam import EVENT_HITS, EVENT_REQUESTS, EVENT_RETRIEVAL, EVENT_SAVED, EVENT_WRITES
+from cachectl.jax_seam import (
+    EVENT_BACKEND_COMPILE,
+    EVENT_HITS,
+    EVENT_REQUESTS,
+    EVENT_RETRIEVAL,
+    EVENT_SAVED,
+    EVENT_WRITES,
+)
 from cachectl.telemetry.records import (
     CollectorStats,
     FunctionCounts,
@@ -74,7 +85,7 @@ class Collector:
         self._process = process_id()
         self._reset_buffer()
         # lifetime totals
-        self._requests = self._hits = self._writes = 0
+        self._requests = self._hits = self._writes = self._loads = 0
         self._saved = 0.0
         self._dropped_total = 0
         self._flushes = self._failed = 0
@@ -126,8 +137,10 @@ class Collector:
         if state is None:
             if len(self._threads) > 4096:  # threads come and go: forget finished ones
                 self._threads.clear()
-            # [requests not attributed, module, pending (module, leaves), last signature counts]
-            state = self._threads[tid] = [0, None, None, None]
+            # [requests not attributed, module, pending (module, leaves), last signature counts,
+            #  whether the current lookup is of a not-cacheable staging program,
+            #  the current lookup's outcome until its compile stage is timed: True hit, False miss]
+            state = self._threads[tid] = [0, None, None, None, False, None]
         return state
 
     def _on_lowering(self, module: Any, in_avals: Any, in_shardings: Any) -> None:
@@ -142,9 +155,11 @@ class Collector:
                 statics,
             )
 
-    def _record_signature(self, state: list[Any], hit: bool, module: str, key: str) -> None:
+    def _record_signature(
+        self, state: list[Any], pending: Any, hit: bool, staging: bool, module: str, key: str
+    ) -> None:
         """Under self._lock: count this request against the signature its lowering logged."""
-        pending, state[2], state[3] = state[2], None, None
+        state[3] = None
         # pxla names the lowering jit(f), the compiler's module is jit_f: same thread, same order.
         if pending is None:
             return
@@ -164,7 +179,9 @@ class Collector:
             )
         counts.requests += 1
         counts.last_seen = now
-        if hit:
+        if staging:
+            counts.uncacheable += 1
+        elif hit:
             counts.hits += 1
         else:
             counts.misses += 1
@@ -174,40 +191,36 @@ class Collector:
             self._seen[ident] = None
         state[3] = counts
 
-    def _on_uncacheable(self, module: str) -> None:
-        """JAX decided never to write the program just missed: move it to uncacheable."""
-        state = self._thread_state()
-        counts = state[3]
-        with self._lock:
-            if counts is not None and counts.misses:
-                counts.misses -= 1
-                counts.uncacheable += 1
-            fn = self._functions.get(module)
-            if fn is not None:
-                fn.uncacheable += 1
-        state[3] = None
+    def _on_not_written(self, module: str) -> None:
+        """JAX decided not to write the program just missed: it stays a miss (it was looked up
+        and not found), so there is nothing to move."""
 
     def _on_log(self, hit: bool, module: str, key: str) -> None:
         state = self._thread_state()
-        pending, state[0], state[1] = state[0], 0, module
+        unattributed, state[0], state[1] = state[0], 0, module
+        lowering, state[2] = state[2], None
+        staging = lowering is not None and jax_seam.is_staging(lowering[3])
+        state[4] = staging
+        state[5] = None if staging else hit
         with self._lock:
             counts = self._counts(module)
             if counts is not None:
-                counts.requests += pending
-            self._record_signature(state, hit, module, key)
+                counts.requests += unattributed
+                if staging:
+                    counts.uncacheable += 1
+            self._record_signature(state, lowering, hit, staging, module, key)
             if hit:
                 self._note_key_hit(key)
 
     def record_load(self, module: str, key: str) -> None:
-        """A stored executable was loaded for ``key`` (cachectl.serving): JAX fires no event for
-        it, yet it is a use of the entry, and lifecycle's LRU must see it."""
+        """A stored executable was loaded for ``key`` (cachectl.serving). JAX never looked it up,
+        so it is neither a request nor a hit: it is counted apart as a load. It is still a use
+        of the entry, and lifecycle's LRU must see it."""
         with self._lock:
-            self._requests += 1
-            self._hits += 1
+            self._loads += 1
             counts = self._counts(module)
             if counts is not None:
-                counts.requests += 1
-                counts.hits += 1
+                counts.loads += 1
             self._note_key_hit(key)
 
     def _note_key_hit(self, key: str) -> None:
@@ -226,7 +239,7 @@ class Collector:
         try:
             if event == EVENT_REQUESTS:
                 state = self._thread_state()
-                stale, state[0], state[1] = state[0], 1, None
+                stale, state[0], state[1], state[4], state[5] = state[0], 1, None, False, None
                 with self._lock:
                     self._requests += 1
                     if stale:  # the previous request never logged: count it unattributed
@@ -237,8 +250,10 @@ class Collector:
                 state = self._thread_state()
                 pending, state[0] = state[0], 0
                 with self._lock:
-                    self._hits += 1
+                    self._hits += 1  # lifetime totals are JAX's own events (stats())
                     counts = self._counts(state[1])
+                    if state[4]:  # a staging program found in the cache: still not cacheable
+                        return
                     if counts is not None:
                         counts.hits += 1
                         counts.requests += pending  # only when the hit log was not seen
@@ -267,6 +282,20 @@ class Collector:
                     counts = self._counts(module)
                     if counts is not None:
                         counts.retrieval_seconds += duration_secs
+            elif event == EVENT_BACKEND_COMPILE:
+                # The compile stage of the lookup just logged: what a miss cost this service and
+                # what a hit still cost it ("saved" is estimated from the two).
+                state = self._thread_state()
+                outcome, state[5] = state[5], None
+                if outcome is None:
+                    return
+                with self._lock:
+                    counts = self._counts(state[1])
+                    if counts is not None:
+                        if outcome:
+                            counts.hit_seconds += duration_secs
+                        else:
+                            counts.miss_seconds += duration_secs
         except Exception:  # noqa: BLE001
             pass
 
@@ -416,7 +445,9 @@ class Collector:
 
     def _give_back_dropped(self, batch: TelemetryBatch) -> None:
         """A failed flush loses its counts; what survives is how many were lost."""
-        lost = sum(c.requests + c.writes for c in batch.functions.values()) + len(batch.hit_keys)
+        lost = sum(c.requests + c.writes + c.loads for c in batch.functions.values()) + len(
+            batch.hit_keys
+        )
         with self._lock:
             self._dropped += batch.dropped + lost
             self._dropped_total += lost
@@ -452,6 +483,7 @@ class Collector:
             return CollectorStats(
                 requests=self._requests,
                 hits=self._hits,
+                loads=self._loads,
                 writes=self._writes,
                 saved_seconds=self._saved,
                 dropped=self._dropped_total,

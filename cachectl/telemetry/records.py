@@ -37,11 +37,19 @@ class FunctionCounts:
     writes: int = 0
     saved_seconds: float = 0.0
     retrieval_seconds: float = 0.0
-    uncacheable: int = 0  # misses JAX would never write (host callbacks, fast compiles)
+    # requests for JAX-internal staging programs (jit_stage, jit_convert_element_type, ...): not
+    # cacheable, counted apart from hits and misses
+    uncacheable: int = 0
+    loads: int = 0  # stored executables cachectl.serving loaded: never requests nor hits
+    # this service's compile stage (lookup, then compile and write, or load) for its misses and
+    # its hits: what "saved" is estimated from
+    miss_seconds: float = 0.0
+    hit_seconds: float = 0.0
 
     @property
     def misses(self) -> int:
-        return max(self.requests - self.hits, 0)
+        """Requests looked up and not found (written or not), not-cacheable ones apart."""
+        return max(self.requests - self.hits - self.uncacheable, 0)
 
 
 @dataclass
@@ -125,6 +133,10 @@ class TelemetryBatch:
             out.writes += c.writes
             out.saved_seconds += c.saved_seconds
             out.retrieval_seconds += c.retrieval_seconds
+            out.uncacheable += c.uncacheable
+            out.loads += c.loads
+            out.miss_seconds += c.miss_seconds
+            out.hit_seconds += c.hit_seconds
         return out
 
 
@@ -143,9 +155,9 @@ def check_batch(batch: TelemetryBatch) -> None:
             )
 
     for fn, c in batch.functions.items():
-        for name in ("requests", "hits", "writes", "uncacheable"):
+        for name in ("requests", "hits", "writes", "uncacheable", "loads"):
             count(f"{name} of {fn!r}", getattr(c, name))
-        for name in ("saved_seconds", "retrieval_seconds"):
+        for name in ("saved_seconds", "retrieval_seconds", "miss_seconds", "hit_seconds"):
             value = float(getattr(c, name))
             if not -MAX_FLUSH_SECONDS <= value <= MAX_FLUSH_SECONDS:
                 raise BadInput(
@@ -184,7 +196,8 @@ class TelemetrySink(Protocol):
 
 @dataclass(frozen=True)
 class CollectorStats:
-    """Lifetime totals of this process's collector (for tests, benchmarks, doctor)."""
+    """Lifetime totals of this process's collector (for tests, benchmarks, doctor): JAX's own
+    request and hit events, staging programs included; ``loads`` are cachectl.serving's."""
 
     requests: int
     hits: int
@@ -195,6 +208,7 @@ class CollectorStats:
     failed_flushes: int
     sink: str | None
     last_error: str | None
+    loads: int = 0
 
     @property
     def misses(self) -> int:

@@ -49,9 +49,12 @@ def flush_rows(
             "saved_seconds": float(c.saved_seconds),
             "dropped": 0,
             "uncacheable": c.uncacheable,
+            "loads": c.loads,
+            "miss_seconds": float(c.miss_seconds),
+            "hit_seconds": float(c.hit_seconds),
         }
         for fn, c in batch.functions.items()
-        if c.requests or c.hits or c.writes
+        if c.requests or c.hits or c.writes or c.loads
     ]
     if batch.dropped:
         if rows:
@@ -70,6 +73,9 @@ def flush_rows(
                     "saved_seconds": 0.0,
                     "dropped": batch.dropped,
                     "uncacheable": 0,
+                    "loads": 0,
+                    "miss_seconds": 0.0,
+                    "hit_seconds": 0.0,
                 }
             )
     serving = [
