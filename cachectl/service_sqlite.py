@@ -33,7 +33,7 @@ from cachectl.telemetry.rows import (
 
 # The Alembic head this module's statements are written for (tests/test_service_sqlite.py
 # fails when a migration is added without looking here).
-SCHEMA_REVISION = "0009"
+SCHEMA_REVISION = "0010"
 BUSY_TIMEOUT_S = 30.0  # cachectl.index.db.SQLITE_BUSY_TIMEOUT_MS: writers wait, never fail at once
 
 _CACHE_COLUMNS = (

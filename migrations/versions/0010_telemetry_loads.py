@@ -7,8 +7,8 @@ revision on ``uncacheable`` holds only the
 requests for JAX-internal staging programs; a program JAX did not write (too fast to compile,
 a read-only service) is a miss.
 
-Revision ID: 0009
-Revises: 0008
+Revision ID: 0010
+Revises: 0009
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from __future__ import annotations
 import sqlalchemy as sa
 from alembic import op
 
-revision = "0009"
-down_revision = "0008"
+revision = "0010"
+down_revision = "0009"
 branch_labels = None
 depends_on = None
 
