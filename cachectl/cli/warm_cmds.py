@@ -316,7 +316,9 @@ def _run_distributed(
 
     def finish(report: WarmReport) -> None:
         if signer and signer[0] is not None:
-            resign(ctx.index, report.cache, report.environment["digest"], signer[0])
+            signing.report_resigned(
+                resign(ctx, report.cache, report.environment["digest"], signer[0], report.written)
+            )
 
     result = dist.warm(
         ctx,
@@ -462,9 +464,12 @@ def warm_cmd(
             executor=executor,
             progress=progress,
             executables=not no_executables,
+            signer=signer,
         )
     if signer is not None and not report.target_problems:
-        resign(ctx.index, report.cache, report.environment["digest"], signer)
+        signing.report_resigned(
+            resign(ctx, report.cache, report.environment["digest"], signer, report.written)
+        )
     emit(report, as_json, _print_warm, failure=_warm_failure)
 
 

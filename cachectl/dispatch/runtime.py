@@ -26,7 +26,7 @@ from cachectl.dispatch.calls import (
     covering,
     smallest_first,
 )
-from cachectl.dispatch.loading import Executables, _namespace_reader, _Slot
+from cachectl.dispatch.loading import Executables, Verified, _namespace_reader, _Slot
 from cachectl.manifest import (
     FunctionSpec,
     Manifest,
@@ -359,7 +359,7 @@ class Serving:
         namespace: str,
         read: Callable[[str], bytes],
         names: list[str],
-        indexed: dict[str, tuple[str, str | None]] | None,
+        indexed: Verified | None,
         paths: Sequence[str],
         overflow: str,
         preload: bool,
