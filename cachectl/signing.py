@@ -377,11 +377,12 @@ Written = Iterable[tuple[str, int, str]]
 
 def carried_files(
     index: Any, cache: Any, env_info: Any, key: SigningKey
-) -> dict[str, tuple[int, str]]:
+) -> dict[str, tuple[int, str]] | None:
     """The files of the namespace's previous signed list, when this key or a key the cache
-    trusts signed it; {} otherwise (a list by any other key vouches for nothing)."""
+    trusts signed it; {} otherwise (a list by any other key vouches for nothing); None where
+    this index keeps no signatures (server mode: nothing is signed there)."""
     if not hasattr(index, "content_signature"):
-        return {}
+        return None
     accepted = [key.public_key, *(getattr(cache, "trusted_keys", ()) or ())]
     try:
         return verified_files(
@@ -405,7 +406,7 @@ def resign(
         return None
     cache = ctx.cache(cache_name)
     env_info = index.get_environment(cache_name, digest)
-    carried = carried_files(index, cache, env_info, key)
+    carried = carried_files(index, cache, env_info, key) or {}
     fresh = {str(n): (int(s), str(h)) for n, s, h in written}
     files = _indexed_files(index, env_info)
     chosen = {

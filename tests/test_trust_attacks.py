@@ -29,7 +29,7 @@ SERVE = """
 import json, sys
 sys.path.insert(0, {dir!r})
 import cachectl
-rt = cachectl.serving({manifest!r})
+rt = cachectl.serving({manifest!r}, mirror={mirror!r})
 report = rt.report()
 print(json.dumps({{"loaded": sum(f.loaded for f in report.functions.values()),
                   "fallback": sum(f.fallback for f in report.functions.values()),
@@ -63,8 +63,16 @@ def cachectl(*args: str, code: int | None = 0, env: dict[str, str] | None = None
     return done
 
 
-def serve(tmp_path: Path, manifest: Path, env: dict[str, str | None] | None = None) -> Any:
-    proc = run_py(SERVE.format(dir=str(tmp_path), manifest=str(manifest)), env, check=True)
+def serve(
+    tmp_path: Path,
+    manifest: Path,
+    env: dict[str, str | None] | None = None,
+    mirror: Path | None = None,
+) -> Any:
+    code = SERVE.format(
+        dir=str(tmp_path), manifest=str(manifest), mirror=str(mirror) if mirror else None
+    )
+    proc = run_py(code, env, check=True)
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
@@ -153,6 +161,11 @@ def test_a_planted_entry_is_refused_alone_and_a_signed_rewarm_never_signs_it(
     served = serve(tmp_path, manifest)
     assert (served["loaded"], served["fallback"]) == (5, 0), served
     assert not marker.exists()
+    # activate(mirror=) pulls the same way: the signed files only.
+    mirrored = serve(tmp_path, manifest, mirror=tmp_path / "m3")
+    assert mirrored["loaded"] == 5 and not marker.exists(), mirrored
+    assert not (tmp_path / "m3" / f"{EVIL_KEY}-cache").exists()
+    assert (tmp_path / "m3" / "signature.json").is_file()
 
 
 @pytest.mark.timeout(600)

@@ -237,7 +237,7 @@ def create(
     content_bytes = sum(s for _, s, _ in files)
     if key is not None and cache.trusted_keys:
         # A cache that trusts keys: a signer vouches only for what a trusted list already signed.
-        carried = signing.carried_files(ctx.index, cache, info, key)
+        carried = signing.carried_files(ctx.index, cache, info, key) or {}
         unsigned = [n for n, s, h in files if n != ENV_FILE and carried.get(n) != (s, h)]
         if unsigned:
             raise signing.Untrusted(

@@ -195,8 +195,10 @@ def _execute(
     )
     indexed = ctx.index.entry_keys(env_info.id)
     stored_aot = ctx.index.aot_keys(env_info.id) if executables else None
+    carried = None
     if signer is not None:  # what no trusted list signed is not this run's to keep
         carried = signing.carried_files(ctx.index, plan.cache, env_info, signer)
+    if carried is not None:
         indexed = {k: v for k, v in indexed.items() if carried.get(k + CACHE_SUFFIX) == v}
         if stored_aot is not None:
             stored_aot = {
@@ -253,7 +255,7 @@ def _execute(
                     record,
                     executables,
                     present=_present(
-                        store, ns.relpath, indexed, stored_aot, replace=signer is not None
+                        store, ns.relpath, indexed, stored_aot, replace=carried is not None
                     ),
                 )
         status = warm_runs.FAILED if counts.failed else warm_runs.SUCCEEDED
