@@ -68,6 +68,8 @@ class Settings:
     server: str | None = None
     token: str | None = None
     readonly: bool | None = None
+    # Public keys a service trusts on its own (CACHECTL_TRUST): checked with no index (signing.py).
+    trust: tuple[str, ...] = ()
     db_is_default: bool = False
     config_file: str | None = None
 
@@ -89,6 +91,12 @@ def parse_bool(name: str, value: Any) -> bool:
     if text in FALSE_WORDS or text == "":
         return False
     raise BadInput(f"bad boolean {value!r} for {name}: use true or false")
+
+
+def parse_list(value: Any) -> tuple[str, ...]:
+    """A list setting: a list (config file) or text split at commas and whitespace."""
+    items = value if isinstance(value, (list, tuple)) else str(value).replace(",", " ").split()
+    return tuple(str(v).strip() for v in items if str(v).strip())
 
 
 def env_flag(name: str) -> bool | None:
@@ -151,6 +159,7 @@ KEYS = (
     Key("token", ENV_PREFIX + "TOKEN"),
     Key("root", ENV_PREFIX + "ROOT", in_file=True),
     Key("readonly", ENV_PREFIX + "READONLY", parse_bool, in_file=True),
+    Key("trust", ENV_PREFIX + "TRUST", lambda _name, value: parse_list(value), in_file=True),
 )
 # The file also names a token file (never the token) and where the embedded default cache lives.
 _FILE_KEYS = {k.field for k in KEYS if k.in_file} | {"token_file", "default_root"}

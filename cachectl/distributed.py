@@ -25,6 +25,7 @@ ever left waiting for one that has failed or gone.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -38,7 +39,7 @@ from typing import Any
 from cachectl import ingest, jax_seam
 from cachectl import warm as warm_mod
 from cachectl.context import Context
-from cachectl.entries import parse_key, sha256
+from cachectl.entries import CACHE_SUFFIX, parse_key, sha256
 from cachectl.errors import (
     BadInput,
     CachectlError,
@@ -377,10 +378,11 @@ def warm(
     peers = _exchange("peer", me, lambda: {"entries": []})
 
     def stored() -> dict[str, Any]:
-        count = _store_peer_entries(ctx, plan, peers, report.run_id)
+        rows = _store_peer_entries(ctx, plan, peers, report.run_id)
         if finish is not None:
-            finish(report)
-        return {"stored": count}
+            peer_written = tuple((r.key + CACHE_SUFFIX, r.size, r.sha256) for r in rows)
+            finish(dataclasses.replace(report, peer_written=peer_written))
+        return {"stored": len(rows)}
 
     _exchange("done", me, stored)
     return DistributedWarmReport(me, report)
@@ -388,7 +390,7 @@ def warm(
 
 def _store_peer_entries(
     ctx: Context, plan: Any, views: Sequence[dict[str, Any]], run_id: int | None
-) -> int:
+) -> list[Any]:
     """Process 0 writes and records the entries other processes compiled under keys of their own.
 
     JAX's key hashes the topology fingerprint, which on some backends (CPU) differs per
@@ -438,11 +440,11 @@ def _store_peer_entries(
             objects.append(ingest.NewObject(row, data))
             known[key] = (row.size, row.sha256)
     if not objects:
-        return 0
+        return []
     published = ingest.publish(ctx.index, plan.cache, plan.environment, env_info.id, store, objects)
     if published.failed:
         raise next(iter(published.failed.values()))[1]
-    return len(published.rows)
+    return list(published.rows)
 
 
 def _entry_bytes(compiled: Any, seconds: float) -> bytes:

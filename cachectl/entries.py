@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from typing import BinaryIO
 
 ENV_FILE = "env.json"
+# The namespace's signed content list (cachectl/signing.py), verifiable without the index.
+SIGNATURE_FILE = "signature.json"
 CACHE_SUFFIX = "-cache"
 # cachectl's stored executable for the entry of the same key (cachectl/aot.py).
 AOT_SUFFIX = "-aot"
@@ -58,6 +60,7 @@ class Kind(enum.Enum):
     ATIME = "atime"
     LOCKFILE = "lockfile"
     ENV = "env"
+    SIGNATURE = "signature"
     XLA_SUBCACHE = "xla-subcache"
     TEMP = "temp"
     OTHER = "other"
@@ -148,6 +151,8 @@ def classify(relpath: str) -> Kind:
             return Kind.ENTRY
     elif name == ENV_FILE:
         return Kind.ENV
+    elif name == SIGNATURE_FILE:
+        return Kind.SIGNATURE
     elif name == LOCKFILE:
         return Kind.LOCKFILE
     elif name.endswith(AOT_SUFFIX):

@@ -37,6 +37,7 @@ from cachectl.entries import (
     AOT_SUFFIX,
     CACHE_SUFFIX,
     ENV_FILE,
+    SIGNATURE_FILE,
     Kind,
     classify,
     parse_aot_filename,
@@ -48,7 +49,7 @@ from cachectl.fingerprint import Environment
 from cachectl.index import CacheInfo, NewEntry
 from cachectl.index.backend import IndexBackend
 from cachectl.permissions import check_writer
-from cachectl.signing import check_covered
+from cachectl.signing import coverage
 from cachectl.store import NotRegularFile, Store
 
 DEFAULT_WORKERS = 8
@@ -113,6 +114,8 @@ class PushResult:
     duration_s: float = 0.0
     dry_run: bool = False
     executables_uploaded: int = 0  # their bytes are in bytes_uploaded
+    # (file name, size, sha256) of every file this push wrote: what its signer signs.
+    written: tuple[tuple[str, int, str], ...] = field(default=(), metadata={"json": False})
 
     __json_extra__ = ("ok",)
 
@@ -249,13 +252,29 @@ def pull_namespace(
             f"environment {env.digest[:16]} is not in cache {cache.name!r}, so there is nothing "
             "verified to pull: warm it here first, or run `cachectl doctor` to see why it differs"
         ) from exc
-    check_covered(index, cache, info)  # with trusted keys: only what a trusted key signed
     expected = index.entry_keys(info.id)
     expected_aot = {k: v for k, v in index.aot_keys(info.id).items() if k in expected}
+    # With trusted keys: only what a trusted key signed; each unsigned file is refused alone.
+    unsigned: list[EntryProblem] = []
+    covered = coverage(index, cache, info)
+    if covered is not None:
+        for suffix, wanted, prefix in (
+            (CACHE_SUFFIX, expected, ""),
+            (AOT_SUFFIX, expected_aot, AOT_REASON),
+        ):
+            for key in sorted(wanted):
+                if not covered.covers(key + suffix, *wanted[key]):
+                    unsigned.append(EntryProblem(key, prefix + covered.reason()))
+                    del wanted[key]
+        expected_aot = {k: v for k, v in expected_aot.items() if k in expected}
 
     directory = Path(dest).expanduser().absolute()
     if not dry_run:
         directory = prepare_mirror_dir(directory, env)
+        if covered is not None and covered.document is not None:
+            # The signed list beside the copies: a service verifies it with the key, no index.
+            signature = json.dumps(covered.document, indent=1, sort_keys=True).encode()
+            _atomic_write(directory / SIGNATURE_FILE, signature)
     else:
         existing = read_mirror_env(directory) if directory.is_dir() else None
         if existing is not None and existing.digest != env.digest:
@@ -305,9 +324,17 @@ def pull_namespace(
         "in storage but not in the index: not copied (run `cachectl verify` or "
         "`cachectl sync` if it is legitimate)"
     )
-    refused = [EntryProblem(k, unknown) for k in sorted(set(listed) - set(expected))]
+    refused = list(unsigned)
+    seen = {(p.key, p.reason.startswith(AOT_REASON)) for p in unsigned}
     refused += [
-        EntryProblem(k, AOT_REASON + unknown) for k in sorted(set(listed_aot) - set(expected_aot))
+        EntryProblem(k, unknown)
+        for k in sorted(set(listed) - set(expected))
+        if (k, False) not in seen
+    ]
+    refused += [
+        EntryProblem(k, AOT_REASON + unknown)
+        for k in sorted(set(listed_aot) - set(expected_aot))
+        if (k, True) not in seen
     ]
     missing = sorted(set(expected) - set(listed))
     todo = [k for k in todo if k in listed]
@@ -507,6 +534,7 @@ def push(
     )
 
     uploaded = nbytes = aot_uploaded = 0
+    written: list[tuple[str, int, str]] = []
     if dry_run:
         uploaded = len(candidates)
         aot_uploaded = len(aot_candidates)
@@ -554,9 +582,11 @@ def push(
             if row.key not in shared:
                 uploaded += 1
                 nbytes += row.size
-            if row.aot_size is not None:
+                written.append((row.key + CACHE_SUFFIX, row.size, row.sha256))
+            if row.aot_size is not None and row.aot_sha256 is not None:
                 aot_uploaded += 1
                 nbytes += row.aot_size
+                written.append((row.key + AOT_SUFFIX, row.aot_size, row.aot_sha256))
     duration = time.monotonic() - started
     if not dry_run:
         ctx.index.audit(
@@ -590,6 +620,7 @@ def push(
         duration_s=duration,
         dry_run=dry_run,
         executables_uploaded=aot_uploaded,
+        written=tuple(written),
     )
 
 

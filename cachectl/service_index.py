@@ -103,7 +103,7 @@ def prepare_mirror(
     if result.refused:
         problems.append(
             f"mirror {directory}: refused {len(result.refused)} entr"
-            f"{'y' if len(result.refused) == 1 else 'ies'} that did not match the index "
+            f"{'y' if len(result.refused) == 1 else 'ies'} (unknown to the index, changed, or unsigned) "
             f"(e.g. {result.refused[0].key}: {result.refused[0].reason}); see `cachectl pull`"
         )
     if result.failed:

@@ -4,13 +4,16 @@ Whoever can write a bucket can run code in every process that loads from it
 (DESIGN.md fact 7). With signatures, a cache that lists trusted public keys
 (`cachectl cache set NAME --trust PUBKEY`) accepts only content whose list of
 files and sha256s is signed by one of them: `mirror pull`, `bundle install` and
-`cachectl.serving` refuse anything else.
+`cachectl.serving` refuse each file no trusted key signed, and serve the rest.
 
 - A **key** is made by `cachectl key generate PATH`: PATH holds the private key
   (PKCS#8 PEM, mode 0600), PATH.pub the public key, one line: ``ed25519:<base64>``.
 - Writers sign with ``--sign-key PATH`` or ``CACHECTL_SIGNING_KEY=PATH``: warm and
-  push re-sign the namespace's content list (kept in the index, on the
-  environment's row); `bundle create` signs the bundle's list.
+  push re-sign the namespace's content list (:func:`resign`: what this run wrote,
+  plus what the previous list, signed by this key or a trusted one, still matches;
+  never a file someone else put there), kept on the environment's index row and as
+  ``signature.json`` in the namespace, which a reader verifies with the key alone;
+  `bundle create` signs the bundle's list.
 - The **content list** is canonical JSON: the environment digest and every file
   (``env.json``, ``<key>-cache``, ``<key>-aot``) with its size and sha256.
 """
@@ -21,17 +24,21 @@ import base64
 import hashlib
 import json
 import os
+import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from cachectl.entries import AOT_SUFFIX, CACHE_SUFFIX, ENV_FILE, SIGNATURE_FILE
 from cachectl.errors import BadInput, CachectlError, PermissionDenied
 
 PREFIX = "ed25519:"
 CONTENT_FORMAT = "cachectl-content/1"
 KEY_ENV = "CACHECTL_SIGNING_KEY"
+# A namespace's signature.json lists a few hundred bytes per file; anything larger is not ours.
+MAX_SIGNATURE_BYTES = 256 * 1024 * 1024
 
 
 class Untrusted(CachectlError):
@@ -238,44 +245,94 @@ def files_of(content: dict[str, Any]) -> dict[str, tuple[int, str]]:
 def env_json_file(env: Any) -> tuple[str, int, str]:
     """(name, size, sha256) of the env.json cachectl writes for ``env``."""
     data = env.env_json().encode()
-    return "env.json", len(data), hashlib.sha256(data).hexdigest()
+    return ENV_FILE, len(data), hashlib.sha256(data).hexdigest()
 
 
 def namespace_content(index: Any, env_info: Any) -> dict[str, Any]:
     """The content list of an environment's namespace as the index records it."""
+    return content_list(env_info.digest, _indexed_files(index, env_info))
+
+
+def _indexed_files(index: Any, env_info: Any) -> list[tuple[str, int, str]]:
     files = [env_json_file(env_info.environment)]
     for e in index.list_entries(env_info.id):
-        files.append((e.key + "-cache", e.size, e.sha256))
+        files.append((e.key + CACHE_SUFFIX, e.size, e.sha256))
         if e.aot_sha256:
-            files.append((e.key + "-aot", int(e.aot_size or 0), e.aot_sha256))
-    return content_list(env_info.digest, files)
+            files.append((e.key + AOT_SUFFIX, int(e.aot_size or 0), e.aot_sha256))
+    return files
 
 
-def sign_namespace(index: Any, env_info: Any, key: SigningKey | None) -> dict[str, Any] | None:
-    """Re-sign the namespace's content list after a write (warm, push, bundle install); None without a key."""
-    if key is None or not hasattr(index, "set_content_signature"):
+def verified_files(
+    signed: dict[str, Any] | None, trusted: Sequence[str], digest: str, what: str
+) -> dict[str, tuple[int, str]]:
+    """name -> (size, sha256) of a signed list that a trusted key signed for environment
+    ``digest``; Untrusted otherwise (``trusted`` must not be empty)."""
+    content = verify(signed, trusted, what)
+    if content.get("environment") != digest:
+        raise Untrusted(f"{what}: its signed content list is for another environment")
+    return files_of(content)
+
+
+@dataclass(frozen=True)
+class Coverage:
+    """What of one namespace a trusted key signed: readers use exactly these files.
+
+    ``problem`` says why no signed list verified (then ``files`` is empty and every
+    file is refused); a file the index lists with another size or sha256, or that the
+    list lacks, is unsigned: refused alone, the rest is served."""
+
+    files: dict[str, tuple[int, str]]
+    problem: str | None = None
+    document: dict[str, Any] | None = None  # the signed list that verified
+
+    def covers(self, name: str, size: int | None, sha: str | None) -> bool:
+        known = self.files.get(name)
+        return known is not None and known[1] == sha and (size is None or known[0] == size)
+
+    def reason(self) -> str:
+        """Why a file is refused, in words that never advise signing it."""
+        if self.problem:
+            return f"refused: {self.problem}"
+        return (
+            "refused: not in the namespace's signed content list (unsigned, or changed since a "
+            "trusted key signed it: whoever wrote it has no trusted key)"
+        )
+
+
+def coverage(index: Any, cache: Any, env_info: Any) -> Coverage | None:
+    """The signed files of a namespace, from the index's signed list; None when the cache trusts no keys."""
+    trusted = tuple(getattr(cache, "trusted_keys", ()) or ())
+    if not trusted:
         return None
-    signed = sign(key, namespace_content(index, env_info))
-    index.set_content_signature(env_info.id, signed)
-    return signed
+    what = f"namespace {env_info.namespace} of cache {cache.name!r}"
+    if not hasattr(index, "content_signature"):
+        return Coverage({}, f"{what}: signatures cannot be checked through this index")
+    signed = index.content_signature(env_info.id)
+    try:
+        files = verified_files(signed, trusted, env_info.digest, what)
+    except Untrusted as exc:
+        return Coverage({}, exc.message)
+    return Coverage(files, document=signed)
 
 
 def trusted_files(index: Any, cache: Any, env_info: Any) -> dict[str, tuple[int, str]] | None:
     """name -> (size, sha256) a trusted key signed for this namespace; None when the cache trusts no keys.
 
-    Raises Untrusted when the cache has trusted keys and the namespace's list is unsigned or
-    signed by another key.
-    """
-    trusted = tuple(getattr(cache, "trusted_keys", ()) or ())
-    if not trusted:
+    Raises Untrusted when the cache has trusted keys and no signed list verifies."""
+    covered = coverage(index, cache, env_info)
+    if covered is None:
         return None
-    signed = index.content_signature(env_info.id) if hasattr(index, "content_signature") else None
-    content = verify(signed, trusted, f"namespace {env_info.namespace} of cache {cache.name!r}")
-    if content.get("environment") != env_info.digest:
-        raise Untrusted(
-            f"namespace {env_info.namespace}: its signed content list is for another environment"
-        )
-    return files_of(content)
+    if covered.problem:
+        raise Untrusted(covered.problem)
+    return covered.files
+
+
+def unsigned_files(index: Any, cache: Any, env_info: Any) -> list[str] | None:
+    """The files the index lists for this namespace that no trusted key signed (None: no trusted keys)."""
+    covered = coverage(index, cache, env_info)
+    if covered is None:
+        return None
+    return [n for n, s, h in _indexed_files(index, env_info) if not covered.covers(n, s, h)]
 
 
 def require_signer(cache: Any, key: SigningKey | None, operation: str) -> None:
@@ -296,34 +353,106 @@ def require_signer(cache: Any, key: SigningKey | None, operation: str) -> None:
         )
 
 
+@dataclass(frozen=True)
+class Resigned:
+    """What a writer's signature now covers: ``unsigned`` are the files the index lists that it
+    left out, because this run did not write them and no list it trusts signed them."""
+
+    key_id: str
+    signed: int
+    unsigned: tuple[str, ...] = ()
+
+    def warning(self) -> str | None:
+        if not self.unsigned:
+            return None
+        return (
+            f"{len(self.unsigned)} indexed file(s) left unsigned (first: {self.unsigned[0]}): "
+            "this run did not write them and no trusted signature lists them; readers of a cache "
+            "that trusts keys refuse them (check where they came from, then remove them)"
+        )
+
+
+Written = Iterable[tuple[str, int, str]]
+
+
+def carried_files(
+    index: Any, cache: Any, env_info: Any, key: SigningKey
+) -> dict[str, tuple[int, str]] | None:
+    """The files of the namespace's previous signed list, when this key or a key the cache
+    trusts signed it; {} otherwise (a list by any other key vouches for nothing); None where
+    this index keeps no signatures (server mode: nothing is signed there)."""
+    if not hasattr(index, "content_signature"):
+        return None
+    accepted = [key.public_key, *(getattr(cache, "trusted_keys", ()) or ())]
+    try:
+        return verified_files(
+            index.content_signature(env_info.id), accepted, env_info.digest, "previous list"
+        )
+    except Untrusted:
+        return {}
+
+
 def resign(
-    index: Any, cache_name: str, digest: str, key: SigningKey | None
-) -> dict[str, Any] | None:
-    """After a write: sign the environment's content list as the index now records it."""
+    ctx: Any, cache_name: str, digest: str, key: SigningKey | None, written: Written = ()
+) -> Resigned | None:
+    """After a write: sign what this run wrote (``written``: name, size, sha256) and what the
+    previous list (signed by this key or a key the cache trusts) still matches, never anything
+    else; an executable only beside its signed entry.
+
+    The signed list goes on the environment's index row and into the namespace as
+    ``signature.json``, so a reader with the public key verifies it without the index."""
+    index = ctx.index
     if key is None or not hasattr(index, "set_content_signature"):
         return None
-    return sign_namespace(index, index.get_environment(cache_name, digest), key)
+    cache = ctx.cache(cache_name)
+    env_info = index.get_environment(cache_name, digest)
+    carried = carried_files(index, cache, env_info, key) or {}
+    fresh = {str(n): (int(s), str(h)) for n, s, h in written}
+    files = _indexed_files(index, env_info)
+    chosen = {
+        name: (size, sha)
+        for name, size, sha in files
+        if name == ENV_FILE or (size, sha) in (fresh.get(name), carried.get(name))
+    }
+    unsigned = [n for n, _, _ in files if n not in chosen]
+    for name in [n for n in chosen if n.endswith(AOT_SUFFIX)]:
+        if name[: -len(AOT_SUFFIX)] + CACHE_SUFFIX not in chosen:
+            del chosen[name]
+            unsigned.append(name)
+    signed = sign(key, content_list(env_info.digest, [(n, *v) for n, v in chosen.items()]))
+    index.set_content_signature(env_info.id, signed)
+    _store_signature(ctx.store(cache), env_info.namespace, signed)
+    return Resigned(key.key_id, len(chosen), tuple(sorted(unsigned)))
 
 
-def check_covered(index: Any, cache: Any, env_info: Any) -> None:
-    """Readers (pull, serving): with trusted keys, every file the index lists for this namespace
-    must be in the content list a trusted key signed, with the same size and sha256."""
-    if not tuple(getattr(cache, "trusted_keys", ()) or ()):
-        return
-    if not hasattr(index, "content_signature"):
-        raise Untrusted(
-            f"cache {cache.name!r} trusts only signed content, and signatures cannot be "
-            "checked through this index"
-        )
-    files = trusted_files(index, cache, env_info)
-    assert files is not None
-    content = namespace_content(index, env_info)
-    uncovered = [
-        f["name"] for f in content["files"] if files.get(f["name"]) != (f["size"], f["sha256"])
-    ]
-    if uncovered:
-        raise Untrusted(
-            f"namespace {env_info.namespace}: {len(uncovered)} file(s) the index lists are not in its "
-            f"signed content list (first: {uncovered[0]}): refused; a writer with a trusted key "
-            "must warm or push again"
-        )
+def report_resigned(resigned: Resigned | None) -> None:
+    """One line on stderr when a signature left indexed files out (the CLI's writers call it)."""
+    message = resigned.warning() if resigned is not None else None
+    if message:
+        print(f"cachectl: warning: {message}", file=sys.stderr)
+
+
+def _store_signature(store: Any, namespace: str, signed: dict[str, Any]) -> None:
+    """``<namespace>/signature.json``: the signed list beside the files it covers (atomic write)."""
+    data = json.dumps(signed, indent=1, sort_keys=True).encode()
+    store.write_bytes(f"{namespace}/{SIGNATURE_FILE}", data)
+
+
+def stored_signature(read: Any) -> dict[str, Any] | None:
+    """The namespace's ``signature.json`` through ``read(name) -> bytes``; None when absent or unreadable."""
+    try:
+        data = read(SIGNATURE_FILE)
+    except (OSError, ValueError):
+        return None
+    if len(data) > MAX_SIGNATURE_BYTES:
+        return None
+    try:
+        doc = json.loads(data)
+    except (ValueError, RecursionError):
+        return None
+    return doc if isinstance(doc, dict) else None
+
+
+def pinned_keys(settings: Any) -> tuple[str, ...]:
+    """The keys a service trusts by its own settings (``CACHECTL_TRUST``), normalized."""
+    return tuple(parse_public_key(k) for k in getattr(settings, "trust", ()) or ())

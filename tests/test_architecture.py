@@ -211,6 +211,8 @@ WRITES_OUTSIDE_INGEST = {
     ("cachectl/namespace.py", "ensure_namespace", "write_bytes"),
     ("cachectl/mirror.py", "_atomic_write", "write_bytes"),
     ("cachectl/lifecycle/verify.py", "execute_verify", "write_bytes"),
+    # A namespace's signed content list (signature.json), not an entry.
+    ("cachectl/signing.py", "_store_signature", "write_bytes"),
     (
         "cachectl/lifecycle/deep.py",
         "load_all",

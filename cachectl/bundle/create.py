@@ -236,6 +236,16 @@ def create(
         "content": content,
     }
     content_bytes = sum(s for _, s, _ in files)
+    if key is not None and cache.trusted_keys:
+        # A cache that trusts keys: a signer vouches only for what a trusted list already signed.
+        carried = signing.carried_files(ctx.index, cache, info, key) or {}
+        unsigned = [n for n, s, h in files if n != ENV_FILE and carried.get(n) != (s, h)]
+        if unsigned:
+            raise signing.Untrusted(
+                f"namespace {ns}: {len(unsigned)} indexed file(s) no trusted key signed "
+                f"(first: {unsigned[0]}): refused, nothing written; bundle create signs only "
+                "what a trusted signature already lists"
+            )
     signed = signing.sign(key, content) if key else None
     if key is not None and signed is not None:
         sign_entries(key, meta, signed)

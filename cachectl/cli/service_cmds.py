@@ -172,7 +172,9 @@ def push(
         signing.require_signer(ctx.cache(), key, "push")
     result = mirror_lib.push(ctx, src, workers=workers, dry_run=dry_run)
     if not dry_run and key is not None:
-        signing.resign(ctx.index, result.cache, result.environment, key)
+        signing.report_resigned(
+            signing.resign(ctx, result.cache, result.environment, key, result.written)
+        )
     emit(result, as_json, _print_push)
 
 

@@ -34,6 +34,9 @@ def _print(result: SyncResult) -> None:
         rows.append((gone, "mark environment deleted", "namespace gone from storage"))
     for path in result.broken:
         rows.append((path.split(": ", 1)[0].rsplit("/", 1)[0], "skipped: not a valid entry", path))
+    for path in result.unsigned:
+        where, name = path.rsplit("/", 1)
+        rows.append((where, "indexed unsigned: readers refuse it", name))
     if rows:
         stdout.print(
             table(f"sync {plan.cache} ({plan.root})", ["namespace", "action", "detail"], rows[:200])
@@ -47,6 +50,11 @@ def _print(result: SyncResult) -> None:
         f"{result.executables_recorded} executable(s) recorded, {result.executables_cleared} cleared, "
         f"{len(plan.orphan_executables)} orphan executable(s) ({result.duration_s:.2f}s)"
     )
+    if result.unsigned:
+        stdout.print(
+            f"{len(result.unsigned)} indexed file(s) no trusted key signed: readers refuse them; "
+            "a signed warm compiles and signs its own in their place, never these"
+        )
 
 
 @click.command("sync")

@@ -348,6 +348,7 @@ def _run_distributed(
     """Every process of the job runs this; the signing-key check and the signing happen inside the
     collective warm, so a failure there reaches every process."""
     from cachectl import distributed as dist
+    from cachectl import signing
     from cachectl.signing import resign
 
     signer: list[Any] = []
@@ -358,7 +359,9 @@ def _run_distributed(
 
     def finish(report: WarmReport) -> None:
         if signer and signer[0] is not None:
-            resign(ctx.index, report.cache, report.environment["digest"], signer[0])
+            signing.report_resigned(
+                resign(ctx, report.cache, report.environment["digest"], signer[0], report.written)
+            )
 
     result = dist.warm(
         ctx,
@@ -472,6 +475,7 @@ def warm_cmd(
         _run_check(ctx, manifest, cache_name, shard, paths, as_json, shards)
         return
     from cachectl import distributed as dist
+    from cachectl import signing
     from cachectl.signing import resign
     from cachectl.warm import warm
 
@@ -508,9 +512,12 @@ def warm_cmd(
             executor=executor,
             progress=progress,
             executables=not no_executables,
+            signer=signer,
         )
     if signer is not None and not report.target_problems:
-        resign(ctx.index, report.cache, report.environment["digest"], signer)
+        signing.report_resigned(
+            resign(ctx, report.cache, report.environment["digest"], signer, report.written)
+        )
     emit(report, as_json, _print_warm, failure=_warm_failure)
 
 

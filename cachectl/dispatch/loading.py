@@ -14,14 +14,15 @@ from typing import Any, NamedTuple
 from cachectl import aot, jax_seam
 from cachectl.config import load_settings
 from cachectl.entries import AOT_SUFFIX, CACHE_SUFFIX, CorruptEntry, parse_aot_filename
+from cachectl.errors import BadInput
 from cachectl.manifest import Bucket, FunctionSpec
 from cachectl.runtime import open_service_index
-from cachectl.signing import Untrusted, check_covered
+from cachectl.signing import Coverage, Untrusted, pinned_keys, stored_signature, verified_files
 from cachectl.store import Store
 
 
 class Indexed(NamedTuple):
-    """What the index says of one stored executable: its entry's and its own sha256, and why
+    """A verified record of one stored executable: its entry's and its own sha256, and why
     warm-check found it unusable (None: usable, or never checked)."""
 
     sha256: str
@@ -71,7 +72,7 @@ class Executables:
         self,
         read: Callable[[str], bytes],
         names: list[str],
-        indexed: dict[str, Indexed] | None,
+        indexed: Verified | None,
         on_load: Callable[[str, str], None] | None,
         warn: Callable[[str], None],
         workers: int | None,
@@ -130,9 +131,7 @@ class Executables:
             if self._indexed is not None:
                 known = self._indexed.get(key)
                 if known is None or known[1] is None:
-                    reasons.append(
-                        "the index does not know this stored executable (run `cachectl sync`)"
-                    )
+                    reasons.append(self._indexed.refusal)
                     continue
                 if known.unusable is not None:
                     reasons.append(
@@ -155,9 +154,11 @@ class Executables:
             if self._indexed is not None:
                 entry_sha, aot_sha, _ = self._indexed[slot.key]
                 if hashlib.sha256(data).hexdigest() != aot_sha:
-                    raise aot.AotError("refused: its sha256 differs from the index")
+                    raise aot.AotError("refused: its sha256 differs from its verified record")
                 if hashlib.sha256(entry).hexdigest() != entry_sha:
-                    raise aot.AotError("refused: the JAX entry's sha256 differs from the index")
+                    raise aot.AotError(
+                        "refused: the JAX entry's sha256 differs from its verified record"
+                    )
             header, compiled = aot.load(data, entry)
             # Kernels JAX readies only when it lowers (LAPACK, ...): ready before the first call.
             problems = jax_seam.prepare_custom_calls(header.custom_calls)
@@ -179,8 +180,8 @@ class Executables:
 
 def _namespace_reader(
     activation: Any, db: str | None, warnings: list[str]
-) -> tuple[Callable[[str], bytes], list[str], dict[str, Indexed] | None]:
-    """Read files of the activated namespace, list its executables, and the index's sha256s."""
+) -> tuple[Callable[[str], bytes], list[str], Verified | None]:
+    """Read files of the activated namespace, list its executables, and the verified sha256s."""
 
     def unreadable(name: str) -> bytes:
         raise FileNotFoundError(name)
@@ -201,37 +202,95 @@ def _namespace_reader(
             "serving through jax.jit"
         )
         return unreadable, [], None
-    indexed = _index_shas(activation, db, warnings)
-    return store.read_bytes, names, indexed
+    return store.read_bytes, names, _verified_shas(activation, db, store.read_bytes, warnings)
 
 
-def _index_shas(activation: Any, db: str | None, warnings: list[str]) -> dict[str, Indexed] | None:
-    """key -> what the index says of its stored executable, or None when it is unreachable."""
+class Verified(dict[str, Indexed]):
+    """key -> (entry sha256, executable sha256) from a verified record: the index's rows, or
+    a content list a trusted key signed. ``refusal`` is a bucket's reason when its key is absent."""
 
+    def __init__(self, shas: dict[str, Indexed], refusal: str) -> None:
+        super().__init__(shas)
+        self.refusal = refusal
+
+
+_UNINDEXED = "the index does not know this stored executable (run `cachectl sync`)"
+
+
+def _from_signed(
+    files: dict[str, tuple[int, str]], refusal: str, unusable: dict[str, str | None]
+) -> Verified:
+    """The keys whose entry and executable a trusted key both signed (with warm-check's marks
+    from the index, which can only refuse more)."""
+    shas: dict[str, Indexed] = {}
+    for name, (_, sha) in files.items():
+        if name.endswith(CACHE_SUFFIX):
+            key = name[: -len(CACHE_SUFFIX)]
+            aot = files.get(key + AOT_SUFFIX)
+            shas[key] = Indexed(sha, aot[1] if aot else None, unusable.get(key))
+    return Verified(shas, refusal)
+
+
+def _verified_shas(
+    activation: Any, db: str | None, read: Callable[[str], bytes], warnings: list[str]
+) -> Verified | None:
+    """What executables may load, and their sha256s; None only when nothing can be checked (a cache
+    with no trusted keys and no index): then the warning says they are unverified.
+
+    Trusted keys come from the service's own settings (``CACHECTL_TRUST``), else the cache's
+    policy in the index. With trusted keys only a verified signed list counts (the index's, else
+    ``signature.json`` in the namespace, checked with the key alone); what it does not cover
+    goes through jax.jit, and nothing verifying means every function does."""
     problems: list[str] = []
     settings = load_settings(db=db, cache=activation.cache)
-    index, _ = open_service_index(settings, problems)
-    if index is None:
-        warnings.append(
-            "cachectl.serving: stored executables not checked against the index ("
-            + "; ".join(problems)
-            + ")"
-        )
-        return None
+    where = f"namespace {activation.namespace}"
     try:
-        env = index.find_environment(activation.cache, activation.digest)
-        # A cache with trusted keys: refuse a namespace no trusted key signed (raises Untrusted).
-        check_covered(index, index.get_cache(activation.cache), env)
-        return {
-            e.key: Indexed(e.sha256, e.aot_sha256, getattr(e, "aot_unusable", None))
-            for e in index.list_entries(env.id)
-        }
-    except Untrusted:
-        raise
-    except Exception as exc:  # noqa: BLE001 - unknown environment or index error
+        pinned = pinned_keys(settings)
+    except BadInput as exc:  # a bad pin: nothing can be trusted
+        warnings.append(f"cachectl.serving: {exc.message}; every call goes through jax.jit")
+        return Verified({}, f"refused: {exc.message}")
+    index, _ = open_service_index(settings, problems)
+    trusted: tuple[str, ...] = pinned
+    shas: dict[str, Indexed] | None = None
+    signed: dict[str, Any] | None = None
+    if index is not None:
+        try:
+            cache = index.get_cache(activation.cache)
+            trusted = pinned or tuple(cache.trusted_keys or ())
+            env = index.find_environment(activation.cache, activation.digest)
+            if trusted and hasattr(index, "content_signature"):
+                signed = index.content_signature(env.id)
+            shas = {
+                e.key: Indexed(e.sha256, e.aot_sha256, getattr(e, "aot_unusable", None))
+                for e in index.list_entries(env.id)
+            }
+        except Exception as exc:  # noqa: BLE001 - unknown environment or index error
+            problems.append(str(exc) or type(exc).__name__)
+        finally:
+            index.close()
+    if trusted:
+        docs = [d for d in (signed, stored_signature(read)) if d is not None]
+        reasons = []
+        for doc in docs:
+            try:
+                files = verified_files(doc, trusted, activation.digest, where)
+            except Untrusted as exc:
+                reasons.append(exc.message)
+                continue
+            marks = {k: v.unusable for k, v in (shas or {}).items()}
+            return _from_signed(files, Coverage(files).reason(), marks)
+        why = "; ".join(reasons) or f"{where} has no signed content list"
         warnings.append(
-            f"cachectl.serving: stored executables not checked against the index ({exc})"
+            f"cachectl.serving: no stored executable loads ({why}): the cache trusts only "
+            "content a trusted key signed; every call goes through jax.jit"
         )
-        return None
-    finally:
-        index.close()
+        return Verified({}, f"refused: {why}")
+    if shas is not None:
+        return Verified(shas, _UNINDEXED)
+    warnings.append(
+        "cachectl.serving: stored executables are UNVERIFIED ("
+        + "; ".join(problems)
+        + "): no index to check their sha256 and no trusted keys (CACHECTL_TRUST); "
+        "anyone who can write the cache can run code in this process"
+    )
+    return None

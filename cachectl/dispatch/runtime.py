@@ -28,7 +28,7 @@ from cachectl.dispatch.calls import (
     pytree_sizes,
     smallest_first,
 )
-from cachectl.dispatch.loading import Executables, Indexed, _namespace_reader, _Slot
+from cachectl.dispatch.loading import Executables, Verified, _namespace_reader, _Slot
 from cachectl.manifest import (
     FunctionSpec,
     Manifest,
@@ -441,7 +441,7 @@ class Serving:
         namespace: str,
         read: Callable[[str], bytes],
         names: list[str],
-        indexed: dict[str, Indexed] | None,
+        indexed: Verified | None,
         paths: Sequence[str],
         overflow: str,
         preload: bool,

@@ -34,6 +34,7 @@ from typing import Any, TypeVar
 
 import zstandard
 
+from cachectl import signing
 from cachectl.context import Context
 from cachectl.entries import (
     _ZSTD_MAGIC,
@@ -50,7 +51,7 @@ from cachectl.entries import (
     scan_entry,
     sha256,
 )
-from cachectl.errors import BadInput
+from cachectl.errors import BadInput, NotFound
 from cachectl.fingerprint import Environment
 from cachectl.index import CacheInfo, Index
 from cachectl.index.sync_queries import ObservedRow, insert_observed_rows, observed_entry
@@ -158,6 +159,9 @@ class SyncResult:
     executables_cleared: int = 0
     # Entries that failed the header check: not indexed.
     broken: list[str] = field(default_factory=list)
+    # In a cache that trusts keys: files this sync indexed that no trusted key signed
+    # (``namespace/file``). They stay out of the signed list; readers refuse them alone.
+    unsigned: list[str] = field(default_factory=list)
 
 
 def _group_by_namespace(
@@ -638,7 +642,28 @@ def _finish(
         tally.recorded,
         tally.cleared,
         tally.broken,
+        _unsigned(ctx, cache, plan),
     )
+
+
+def _unsigned(ctx: Context, cache: CacheInfo, plan: SyncPlan) -> list[str]:
+    """The files this sync indexed that a cache with trusted keys has no signature for: sync never
+    signs, so they are marked here, and every reader refuses exactly them."""
+    if not cache.trusted_keys:
+        return []
+    out: list[str] = []
+    for ns in plan.namespaces:
+        touched = {e.key + CACHE_SUFFIX for e in (*ns.add, *ns.update)}
+        touched |= {e.key + AOT_SUFFIX for e in ns.record_aot}
+        if not touched or ns.digest is None or ns.problem:
+            continue
+        try:
+            env_info = ctx.index.get_environment(cache.name, ns.digest)
+        except NotFound:
+            continue
+        names = signing.unsigned_files(ctx.index, cache, env_info) or []
+        out += [f"{ns.namespace}/{name}" for name in sorted(set(names) & touched)]
+    return out
 
 
 def execute_sync(ctx: Context, cache: CacheInfo, plan: SyncPlan) -> SyncResult:

@@ -23,6 +23,7 @@ from typing import Any
 import cachectl
 from cachectl.context import Context
 from cachectl.dispatch import Serving, _namespace_reader
+from cachectl.dispatch.loading import Verified
 from cachectl.dispatch.runtime import NoDummyInput
 from cachectl.errors import BadInput, CachectlError, OperationFailed
 from cachectl.manifest import check_imports, expand, load_manifest, select_shard
@@ -279,7 +280,9 @@ def _serving_for(request: dict[str, Any]) -> Serving:
     warnings: list[str] = []
     read, names, indexed = _namespace_reader(activation, request["db"], warnings)
     if indexed is not None:
-        indexed = {k: v._replace(unusable=None) for k, v in indexed.items()}
+        indexed = Verified(
+            {k: v._replace(unusable=None) for k, v in indexed.items()}, indexed.refusal
+        )
     return Serving(
         manifest,
         namespace=activation.path,

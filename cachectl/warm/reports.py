@@ -55,6 +55,8 @@ class BucketResult:
     # The user's frames of a failure, for -v; not in the JSON report.
     traceback: str | None = field(default=None, metadata=_NOT_JSON)
     lower_seconds: float | None = field(default=None, metadata=_NOT_JSON)  # in ``.lower()``
+    # (file name, size, sha256) of what this run wrote for the bucket: what a signer may sign.
+    written: tuple[tuple[str, int, str], ...] = field(default=(), metadata=_NOT_JSON)
 
 
 @dataclass(frozen=True)
@@ -94,10 +96,17 @@ class WarmReport:
     executor: str = field(default=DEFAULT_EXECUTOR, metadata=_NOT_JSON)
     dry_run: bool = field(default=False, metadata=_NOT_JSON)
     target_problems: list[str] = field(default_factory=list, metadata=_NOT_JSON)
+    # Files other processes of a distributed warm compiled, which this one stored.
+    peer_written: tuple[tuple[str, int, str], ...] = field(default=(), metadata=_NOT_JSON)
 
     @property
     def ok(self) -> bool:
         return self.summary.failed == 0 and not self.target_problems
+
+    @property
+    def written(self) -> list[tuple[str, int, str]]:
+        """Every file this run wrote (name, size, sha256): what its signer signs."""
+        return [f for b in self.buckets for f in b.written] + list(self.peer_written)
 
     def to_json(self) -> dict[str, Any]:
         return to_jsonable(self)

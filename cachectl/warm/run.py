@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from cachectl import aot, ingest
+from cachectl import aot, ingest, signing
 from cachectl.config import default_jobs
 from cachectl.context import Context
 from cachectl.entries import (
@@ -30,6 +30,7 @@ from cachectl.entries import (
 from cachectl.errors import BadInput
 from cachectl.index import NewEntry, warm_runs
 from cachectl.manifest import Bucket, manifest_digest, resolve_callable
+from cachectl.signing import SigningKey
 from cachectl.units import format_size
 from cachectl.warm.compiling import _Outcome, warm_jax_config
 from cachectl.warm.executors import _run_processes, _run_threads
@@ -115,6 +116,7 @@ def warm(
     executor: str = DEFAULT_EXECUTOR,
     progress: ProgressFn | None = None,
     executables: bool = True,
+    signer: SigningKey | None = None,
 ) -> WarmReport:
     """Compile every bucket of a manifest into this environment's namespace and index them.
 
@@ -123,7 +125,9 @@ def warm(
     wrong hardware (EnvironmentMismatch, 3). A bucket that fails later is
     reported in the result and the others continue (unless ``fail_fast``).
     With ``executables`` each bucket's compiled program is also stored
-    (cachectl/aot.py) for :func:`cachectl.serving`.
+    (cachectl/aot.py) for :func:`cachectl.serving`. With a ``signer`` a stored file counts
+    as warmed only when a list it trusts signed it (signing.carried_files): any other file at a
+    key of the manifest is removed and compiled again, so the signer signs only its own work.
     """
     if executor not in EXECUTORS:
         raise BadInput(f"unknown executor {executor!r}: use one of {', '.join(EXECUTORS)}")
@@ -163,6 +167,7 @@ def warm(
         progress=progress,
         started=started,
         executables=executables,
+        signer=signer,
     )
 
 
@@ -176,6 +181,7 @@ def _execute(
     progress: ProgressFn | None,
     started: float,
     executables: bool,
+    signer: SigningKey | None = None,
 ) -> WarmReport:
     env = plan.environment
     ns, env_info = ctx.namespace(plan.cache, env)
@@ -189,6 +195,17 @@ def _execute(
     )
     indexed = ctx.index.entry_keys(env_info.id)
     stored_aot = ctx.index.aot_keys(env_info.id) if executables else None
+    carried = None
+    if signer is not None:  # what no trusted list signed is not this run's to keep
+        carried = signing.carried_files(ctx.index, plan.cache, env_info, signer)
+    if carried is not None:
+        indexed = {k: v for k, v in indexed.items() if carried.get(k + CACHE_SUFFIX) == v}
+        if stored_aot is not None:
+            stored_aot = {
+                k: v
+                for k, v in stored_aot.items()
+                if k in indexed and carried.get(k + AOT_SUFFIX) == v
+            }
     digests = _function_digests(plan) if executables else {}
     counts = _Counts()
     results: dict[int, BucketResult] = {}
@@ -239,7 +256,9 @@ def _execute(
                     fail_fast,
                     record,
                     executables,
-                    present=_present(store, ns.relpath, indexed, stored_aot),
+                    present=_present(
+                        store, ns.relpath, indexed, stored_aot, replace=carried is not None
+                    ),
                 )
         status = warm_runs.FAILED if counts.failed else warm_runs.SUCCEEDED
     finally:
@@ -313,15 +332,24 @@ def _present(
     ns_rel: str,
     indexed: dict[str, tuple[int, str]],
     stored_aot: dict[str, tuple[int, str]] | None,
+    replace: bool = False,
 ) -> Callable[[str], bool]:
     """Whether a key is fully warmed already: indexed, its entry (and stored executable) on storage.
 
     Called from the compiling threads once a bucket is lowered; a yes means
-    the bucket is ``cached`` without being compiled or loaded.
+    the bucket is ``cached`` without being compiled or loaded. With ``replace`` (a signed
+    warm: ``indexed`` holds only signed entries) a file at a key it does not hold is removed
+    first, so JAX compiles the bucket and writes it again instead of loading that file.
     """
 
     def present(key: str) -> bool:
-        if key not in indexed or not store.exists(f"{ns_rel}/{key}{CACHE_SUFFIX}"):
+        entry = f"{ns_rel}/{key}{CACHE_SUFFIX}"
+        if key not in indexed:
+            if replace and store.exists(entry):
+                log.warning("warm: %s is not signed: removed, compiling it again", entry)
+                store.delete([entry, f"{ns_rel}/{key}{AOT_SUFFIX}"])
+            return False
+        if not store.exists(entry):
             return False
         return stored_aot is None or (
             key in stored_aot and store.exists(f"{ns_rel}/{key}{AOT_SUFFIX}")
@@ -402,7 +430,7 @@ def _settle(
             size, digest = len(data), sha256(data)
         # A hit belongs to this run too: lifecycle protects the newest run's entries.
         row = NewEntry(**entry, size=size, sha256=digest, origin="observed")
-        aot_size, aot_error, wrote = _publish(
+        aot_size, aot_error, wrote, aot_file = _publish(
             ctx, plan, env_id, store, ns_rel, row, bucket, outcome, stored_aot, digests
         )
         return BucketResult(
@@ -413,6 +441,9 @@ def _settle(
             bytes=size,
             aot_bytes=aot_size,
             aot_error=aot_error,
+            # JAX loaded the entry, this run did not write it: only a new executable is its own
+            # (signed only beside an entry a trusted list already signed).
+            written=_written(key, aot=aot_file if wrote else None),
         )
     try:
         data = store.read_bytes(rel)
@@ -469,7 +500,7 @@ def _settle(
             bytes=size,
             error=f"JAX wrote an entry that is not kept ({exc.message}); removed it",
         )
-    aot_size, aot_error, _ = _publish(
+    aot_size, aot_error, wrote, aot_file = _publish(
         ctx, plan, env_id, store, ns_rel, row, bucket, outcome, stored_aot, digests
     )
     indexed[key] = (size, row.sha256)
@@ -481,7 +512,18 @@ def _settle(
         bytes=size,
         aot_bytes=aot_size,
         aot_error=aot_error,
+        written=_written(key, (size, row.sha256), aot_file if wrote else None),
     )
+
+
+def _written(
+    key: str, entry: tuple[int, str] | None = None, aot: tuple[int, str] | None = None
+) -> tuple[tuple[str, int, str], ...]:
+    """(name, size, sha256) of the files a bucket wrote: what its signer signs."""
+    files = [(key + CACHE_SUFFIX, *entry)] if entry is not None else []
+    if aot is not None:
+        files.append((key + AOT_SUFFIX, *aot))
+    return tuple(files)
 
 
 def _entry_problem(data: bytes) -> str | None:
@@ -543,9 +585,10 @@ def _publish(
     outcome: _Outcome,
     stored: dict[str, tuple[int, str]] | None,
     digests: dict[str, tuple[str, str | None]] | None,
-) -> tuple[int | None, str | None, bool]:
+) -> tuple[int | None, str | None, bool, tuple[int, str] | None]:
     """Index the entry JAX wrote, with ``<key>-aot`` written beside it unless the same one is there,
-    through ingest.publish: (executable's size, its error, whether it was written now)."""
+    through ingest.publish: (executable's size, its error, whether it was written now, and then
+    its size and sha256)."""
     key = row.key
     data: bytes | None = None
     error: str | None = None
@@ -581,7 +624,9 @@ def _publish(
     )
     failure = published.failed.get(key)
     if failure is not None:
-        return None, f"could not store the executable: {failure[1]}", False
+        return None, f"could not store the executable: {failure[1]}", False, None
     if data is not None and stored is not None:
         stored[key] = (len(data), row.aot_sha256 or "")
-    return row.aot_size, error, data is not None
+    if data is None:
+        return row.aot_size, error, False, None
+    return row.aot_size, error, True, (len(data), row.aot_sha256 or "")
