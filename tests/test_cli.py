@@ -393,10 +393,13 @@ def test_dry_run_builds_pytrees_and_reports_their_errors_as_bad_input(tmp_path) 
     _failing_project(tmp_path)
     proc = _in(tmp_path, "warm", "bad.yaml", "--dry-run")
     assert proc.returncode == 2, (proc.stdout, proc.stderr)
-    assert proc.stderr == (
+    # params(batch) varies with the buckets without leaf_axes: said once, before the error.
+    lines = proc.stderr.splitlines()
+    assert [line for line in lines if "declares no leaf_axes" not in line] == [
         "cachectl: error: bad.yaml:5: functions[0].args[0].pytree: nw_bad:params() raised "
-        "ValueError: no weights for batch 4 (at nw_bad.py:7)\n"
-    )
+        "ValueError: no weights for batch 4 (at nw_bad.py:7)"
+    ], proc.stderr
+    assert len(lines) <= 2
     assert _cache_files() == []
     (tmp_path / "bad.yaml").write_text(FAILING_USER_MANIFEST.replace("[1, 4]", "[1, 2]"))
     ok = _in(tmp_path, "warm", "bad.yaml", "--dry-run", "--json")  # builds, compiles nothing

@@ -104,7 +104,8 @@ _COMMANDS: dict[str, tuple[str, str, str]] = {
     "stats": (
         "inventory_cmds",
         "stats",
-        "Totals per cache and per environment; with --since, hits and misses from services.",
+        "Totals per cache and per environment with the hit rate over the last 24h; with"
+        " --since, hits and misses from services per environment and function.",
     ),
     "sync": ("sync_cmds", "sync_cmd", "Reconcile storage and index."),
     "token": (
