@@ -500,6 +500,22 @@ def pg_drop_database(admin_url: str, name: str) -> None:
 # ------------------------------------------------------------- subprocess
 
 
+def run_cachectl(
+    cwd: str | os.PathLike, *args: str, env: Mapping[str, str] | None = None, timeout: float = 600.0
+) -> subprocess.CompletedProcess[str]:
+    """``cachectl ARGS`` as a user runs it: a fresh process of this venv in ``cwd``, with
+    os.environ plus ``env``; text stdout/stderr, never raising on its exit status."""
+    return subprocess.run(
+        [sys.executable, "-m", "cachectl", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
+        check=False,
+    )
+
+
 def run_py(
     code: str,
     env: Mapping[str, str | None] | None = None,

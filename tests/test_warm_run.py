@@ -15,6 +15,10 @@ import sys
 import textwrap
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from infra import run_cachectl  # noqa: E402
+
 LIBRARY = """
 import jax, jax.numpy as jnp
 
@@ -53,14 +57,7 @@ print(json.dumps(counts))
 
 
 def _cachectl(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "cachectl", *args],
-        cwd=cwd,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env={**os.environ, "PYTHONPATH": str(cwd)},
-    )
+    return run_cachectl(cwd, *args, env={"PYTHONPATH": str(cwd)})
 
 
 def _setup(tmp_path: Path) -> None:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import subprocess
 import sys
 import textwrap
@@ -25,7 +24,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from infra import run_py  # noqa: E402
+from infra import run_cachectl, run_py  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -309,14 +308,7 @@ REQUIRES = {
 
 
 def _cachectl(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "cachectl", *args],
-        cwd=cwd,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env={**os.environ, "PYTHONPATH": str(cwd), "KERAS_BACKEND": "jax"},
-    )
+    return run_cachectl(cwd, *args, env={"PYTHONPATH": str(cwd), "KERAS_BACKEND": "jax"})
 
 
 def _run(code: str) -> dict[str, Any]:
