@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import click
-from rich.markup import escape
 
 from cachectl import bundle as bundle_lib
 from cachectl import signing
-from cachectl.cli.render import emit, json_option, size, stdout, table
+from cachectl.cli.render import emit, escape, json_option, size, stdout, table
 from cachectl.context import Context
 
 sign_key_option = click.option(

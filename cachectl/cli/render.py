@@ -5,25 +5,44 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable, Sequence
 from datetime import datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
-from rich.console import Console, ConsoleOptions, RenderResult
-from rich.measure import Measurement
-from rich.table import Table
 
 from cachectl.errors import CachectlError, ProblemsReported
-from cachectl.jsonable import dumps_indented, to_jsonable
 from cachectl.units import format_size
 
-stdout = Console(soft_wrap=True)
-stderr = Console(stderr=True, soft_wrap=True)
+if TYPE_CHECKING:
+    from rich.console import Console, ConsoleOptions, RenderResult
+    from rich.table import Table
+
+
+class _LazyConsole:
+    """A rich Console made on first use: importing rich costs ~50 ms, which ``--help`` and a
+    command's option errors never need (issue: every command answers fast)."""
+
+    def __init__(self, **options: Any) -> None:
+        self._options = options
+        self._console: Console | None = None
+
+    def __getattr__(self, name: str) -> Any:
+        if self._console is None:
+            from rich.console import Console
+
+            self._console = Console(**self._options)
+        return getattr(self._console, name)
+
+
+stdout: Console = _LazyConsole(soft_wrap=True)  # type: ignore[assignment]
+stderr: Console = _LazyConsole(stderr=True, soft_wrap=True)  # type: ignore[assignment]
 
 json_option = click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 
 
 def print_json(obj: Any) -> None:
     """The wire format (cachectl.jsonable); a report with its own ``to_json`` (warm's) uses that."""
+    from cachectl.jsonable import dumps_indented, to_jsonable
+
     data = obj.to_json() if callable(getattr(obj, "to_json", None)) else to_jsonable(obj)
     sys.stdout.write(dumps_indented(data) + "\n")
 
@@ -34,6 +53,8 @@ def table(
     rows: Sequence[Sequence[Any]],
     justify_right: Sequence[str] = (),
 ) -> WholeCellTable:
+    from rich.table import Table
+
     t = Table(title_justify="left", header_style="bold")
     for col in columns:
         t.add_column(col, justify="right" if col in justify_right else "left", overflow="fold")
@@ -66,6 +87,8 @@ class WholeCellTable:
             if self.title
             else None
         )
+        from rich.measure import Measurement
+
         width = Measurement.get(console, options.update_width(_UNBOUNDED), self.table).maximum
         if title is not None:
             width = max(width, title.cell_len)
@@ -73,6 +96,13 @@ class WholeCellTable:
         if title is not None:
             yield from console.render(title, wide)
         yield from console.render(self.table, wide)
+
+
+def escape(text: str) -> str:
+    """``text`` with rich markup escaped: printed as written, brackets and all."""
+    from rich.markup import escape as rich_escape
+
+    return rich_escape(text)
 
 
 def shortened(text: str, width: int) -> str:

@@ -6,9 +6,8 @@ import os
 from typing import TYPE_CHECKING, Any
 
 import click
-from rich.markup import escape
 
-from cachectl.cli.render import emit, size, stderr, stdout, table
+from cachectl.cli.render import emit, escape, size, stderr, stdout, table
 from cachectl.config import (
     DEFAULT_MAX_BUCKETS,
     DEFAULT_WARM_EXECUTOR,

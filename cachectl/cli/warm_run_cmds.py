@@ -6,9 +6,8 @@ import sys
 from typing import TYPE_CHECKING
 
 import click
-from rich.markup import escape
 
-from cachectl.cli.render import emit, size, stdout, table
+from cachectl.cli.render import emit, escape, size, stdout, table
 from cachectl.errors import OperationFailed
 
 if TYPE_CHECKING:
