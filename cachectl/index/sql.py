@@ -1,0 +1,676 @@
+"""The index access layer: every query the rest of cachectl runs lives here.
+
+Callers get typed records (records.py), never ORM objects or sessions, so the
+same functions can later be served over HTTP.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from datetime import UTC, datetime, timedelta
+from typing import Any, cast
+
+from sqlalchemy import CursorResult, bindparam, case, delete, func, select, update
+from sqlalchemy.engine import Connection, Engine, make_url
+from sqlalchemy.exc import DatabaseError, IntegrityError, OperationalError
+from sqlalchemy.orm import Session, sessionmaker
+
+from cachectl.errors import BadInput, NotFound, Unreachable
+from cachectl.fingerprint import Environment
+from cachectl.index import (
+    db,
+    warm_runs,  # noqa: E402 - after the records it imports
+)
+from cachectl.index.models import AuditRecord, Cache, Entry, UTCDateTime, utcnow
+from cachectl.index.models import Environment as EnvRow
+from cachectl.jsonable import bounded
+from cachectl.records import (  # noqa: F401 - actor is re-exported
+    AuditInfo,
+    CacheInfo,
+    EntryInfo,
+    EnvironmentInfo,
+    NewEntry,
+    WarmRunInfo,
+    actor,
+    pick_environment,
+)
+
+__all__ = [
+    "AuditInfo",
+    "CacheInfo",
+    "EntryInfo",
+    "EnvironmentInfo",
+    "Index",
+    "NewEntry",
+    "actor",
+    "open_index",
+]
+
+_CACHE_POLICY_FIELDS = {
+    "max_size": "max_size_bytes",
+    "max_entry_size": "max_entry_size_bytes",
+    "env_max_size": "env_max_size_bytes",
+    "retention_seconds": "retention_seconds",
+    "keep_versions": "keep_versions",
+    "writers": "writers",
+    "service_writes": "service_writes",
+    "group": "group_name",
+    "storage_options": "storage_options",
+    "root_url": "root_url",
+    "trusted_keys": "trusted_keys",
+}
+_CHUNK = 500
+
+
+def open_index(url: str, *, auto_migrate: bool | None = None) -> Index:
+    """Open (and for SQLite files, create and migrate) the index at ``url``."""
+    engine = db.make_engine(url)
+    if auto_migrate is None:
+        auto_migrate = make_url(url).get_backend_name() == "sqlite"
+    db.ensure_schema(engine, auto_migrate=auto_migrate)
+    return Index(engine)
+
+
+def _cache_info(row: Cache) -> CacheInfo:
+    return CacheInfo(
+        name=row.name,
+        root_url=row.root_url,
+        max_size=row.max_size_bytes,
+        max_entry_size=row.max_entry_size_bytes,
+        env_max_size=row.env_max_size_bytes,
+        retention_seconds=row.retention_seconds,
+        keep_versions=row.keep_versions,
+        writers=tuple(row.writers or ()),
+        service_writes=row.service_writes,
+        group=row.group_name,
+        storage_options=dict(row.storage_options or {}),
+        created_at=row.created_at,
+        trusted_keys=tuple(row.trusted_keys or ()),
+    )
+
+
+def _environment(row: EnvRow) -> Environment:
+    return Environment(
+        jax_version=row.jax_version,
+        jaxlib_version=row.jaxlib_version,
+        backend=row.backend,
+        platform_version=row.platform_version,
+        device_kind=row.device_kind,
+        device_count=row.device_count,
+        process_count=row.process_count,
+        topology=row.topology,
+        xla_flags=tuple(row.xla_flags or ()),
+        compression=row.compression,
+        enable_xla_caches=row.enable_xla_caches,
+        include_metadata_in_key=row.include_metadata_in_key,
+    )
+
+
+def _env_info(
+    row: EnvRow,
+    cache: str,
+    entries: int = 0,
+    size: int = 0,
+    last_access: datetime | None = None,
+    executables: int = 0,
+    aot_bytes: int = 0,
+) -> EnvironmentInfo:
+    return EnvironmentInfo(
+        id=row.id,
+        cache=cache,
+        digest=row.digest,
+        namespace=row.namespace,
+        environment=_environment(row),
+        created_at=row.created_at,
+        last_seen_at=row.last_seen_at,
+        deleted_at=row.deleted_at,
+        entries=int(entries or 0),
+        bytes=int(size or 0),
+        last_access_at=last_access,
+        executables=int(executables or 0),
+        aot_bytes=int(aot_bytes or 0),
+    )
+
+
+def unit_size() -> Any:
+    """An entry's bytes with its stored executable's: the one unit limits, gc and prune count."""
+    return Entry.size_bytes + func.coalesce(Entry.aot_size_bytes, 0)
+
+
+def _entry_info(row: Entry) -> EntryInfo:
+    return EntryInfo(
+        key=row.key,
+        module=row.module,
+        size=row.size_bytes,
+        sha256=row.sha256,
+        compile_time_ms=row.compile_time_ms,
+        origin=row.origin,
+        function=row.function,
+        bucket=bounded(row.bucket),
+        created_at=row.created_at,
+        last_access_at=row.last_access_at,
+        hit_count=row.hit_count,
+        environment_id=row.environment_id,
+        aot_size=row.aot_size_bytes,
+        aot_sha256=row.aot_sha256,
+        aot_unusable=row.aot_unusable,
+    )
+
+
+def _chunks(items: Sequence[Any], size: int = _CHUNK) -> Iterator[Sequence[Any]]:
+    for start in range(0, len(items), size):
+        yield items[start : start + size]
+
+
+def _add_hits_statement() -> Any:
+    """Hits added to one entry; last access moves forward only, never before creation. Built once:
+    telemetry runs it on every flush."""
+    t = Entry.__table__
+    seen = bindparam("b_seen", type_=UTCDateTime())
+    last = func.coalesce(t.c.last_access_at, t.c.created_at)
+    return (
+        t.update()
+        .where(t.c.environment_id == bindparam("b_env"), t.c.key == bindparam("b_key"))
+        .values(
+            hit_count=t.c.hit_count + bindparam("b_count"),
+            last_access_at=case((last < seen, seen), else_=last),
+        )
+    )
+
+
+_ADD_HITS = _add_hits_statement()
+
+
+class Index:
+    """One index database (SQLite or PostgreSQL)."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self._sessions = sessionmaker(engine, expire_on_commit=False)
+        # SQLite takes one writer at a time: this process's threads queue here, in order, rather
+        # than in SQLite's busy handler, whose growing sleeps (up to 100 ms) made a server's p99.
+        self._sqlite_writer = threading.RLock() if engine.dialect.name == "sqlite" else None
+
+    @property
+    def url(self) -> str:
+        return db.safe_url(self.engine)
+
+    @property
+    def dialect(self) -> str:
+        return self.engine.dialect.name
+
+    def close(self) -> None:
+        self.engine.dispose()
+
+    @contextmanager
+    def session(self, *, write: bool = True) -> Iterator[Session]:
+        """A transaction; ``write=False`` lets SQLite readers run deferred."""
+        with self._mapped_errors(write), self._sessions.begin() as session:
+            yield session
+
+    @contextmanager
+    def connection(self, *, write: bool = True) -> Iterator[Connection]:
+        """A Core transaction, without the ORM session's cost: for hot paths of plain statements."""
+        with self._mapped_errors(write), self.engine.begin() as conn:
+            yield conn
+
+    @contextmanager
+    def _mapped_errors(self, write: bool) -> Iterator[None]:
+        """Database failures as cachectl errors (Unreachable, an unusable index)."""
+        token = db.sqlite_immediate.set(write)
+        lock = self._sqlite_writer if write else None
+        # Bounded: past the busy timeout the transaction goes ahead and SQLite's own rules apply.
+        held = lock is not None and lock.acquire(timeout=db.SQLITE_BUSY_TIMEOUT_MS / 1000)
+        try:
+            yield
+        except OperationalError as exc:
+            raise Unreachable(f"index {self.url} failed: {db._first_line(exc)}") from exc
+        except DatabaseError as exc:
+            if db.is_unusable(exc):
+                raise db.unusable(self.engine, exc) from exc
+            raise
+        finally:
+            db.sqlite_immediate.reset(token)
+            if held:
+                lock.release()  # type: ignore[union-attr]
+
+    def read_session(self) -> Any:
+        return self.session(write=False)
+
+    # -- caches ---------------------------------------------------------------
+
+    def add_cache(self, name: str, root_url: str, **policy: Any) -> CacheInfo:
+        with self.session() as s:
+            if s.scalar(select(Cache).where(Cache.name == name)) is not None:
+                raise BadInput(
+                    f"cache {name!r} already exists: use `cachectl cache set {name} ...` to change it"
+                )
+            row = Cache(name=name, root_url=root_url, writers=[], storage_options={})
+            self._apply_policy(row, policy)
+            s.add(row)
+            s.flush()
+            return _cache_info(row)
+
+    def ensure_cache(self, name: str, root_url: str) -> CacheInfo:
+        """Get a cache, creating it with defaults if missing (the embedded default)."""
+        try:
+            return self.get_cache(name)
+        except NotFound:
+            try:
+                return self.add_cache(name, root_url)
+            except (BadInput, IntegrityError):
+                return self.get_cache(name)  # another process created it first
+
+    def get_cache(self, name: str) -> CacheInfo:
+        with self.read_session() as s:
+            row = s.scalar(select(Cache).where(Cache.name == name))
+            if row is None:
+                known = ", ".join(s.scalars(select(Cache.name).order_by(Cache.name))) or "none"
+                raise NotFound(
+                    f"no cache named {name!r} (known: {known}): add it with `cachectl cache add {name} URL`"
+                )
+            return _cache_info(row)
+
+    def list_caches(self) -> list[CacheInfo]:
+        with self.read_session() as s:
+            return [_cache_info(r) for r in s.scalars(select(Cache).order_by(Cache.name))]
+
+    def update_cache(self, name: str, **policy: Any) -> CacheInfo:
+        with self.session() as s:
+            row = s.scalar(select(Cache).where(Cache.name == name))
+            if row is None:
+                raise NotFound(f"no cache named {name!r}")
+            self._apply_policy(row, policy)
+            s.flush()
+            return _cache_info(row)
+
+    def remove_cache(self, name: str) -> None:
+        with self.session() as s:
+            row = s.scalar(select(Cache).where(Cache.name == name))
+            if row is None:
+                raise NotFound(f"no cache named {name!r}")
+            env_ids = select(EnvRow.id).where(EnvRow.cache_id == row.id)
+            s.execute(delete(Entry).where(Entry.environment_id.in_(env_ids)))
+            s.execute(delete(EnvRow).where(EnvRow.cache_id == row.id))
+            s.delete(row)
+
+    @staticmethod
+    def _apply_policy(row: Cache, policy: dict[str, Any]) -> None:
+        for key, value in policy.items():
+            if key not in _CACHE_POLICY_FIELDS:
+                raise BadInput(f"unknown cache setting {key!r}")
+            if key in ("writers", "trusted_keys") and value is not None:
+                value = list(value)
+            setattr(row, _CACHE_POLICY_FIELDS[key], value)
+
+    # -- environments ---------------------------------------------------------
+
+    def _cache_row(self, s: Session, name: str) -> Cache:
+        row = s.scalar(select(Cache).where(Cache.name == name))
+        if row is None:
+            raise NotFound(f"no cache named {name!r}: add it with `cachectl cache add {name} URL`")
+        return row
+
+    def ensure_environment(self, cache: str, env: Environment) -> EnvironmentInfo:
+        """The environment's row, created if new; revived if it was pruned."""
+        digest = env.digest
+        for _attempt in range(2):
+            try:
+                with self.session() as s:
+                    cache_row = self._cache_row(s, cache)
+                    row = s.scalar(
+                        select(EnvRow).where(
+                            EnvRow.cache_id == cache_row.id, EnvRow.digest == digest
+                        )
+                    )
+                    if row is None:
+                        data = env.to_dict()
+                        row = EnvRow(
+                            cache_id=cache_row.id, digest=digest, namespace=env.namespace, **data
+                        )
+                        s.add(row)
+                    row.last_seen_at = utcnow()
+                    row.deleted_at = None
+                    s.flush()
+                    return _env_info(row, cache)
+            except IntegrityError:
+                continue  # created concurrently by another process: read it
+        raise Unreachable(f"could not record environment {digest[:16]} in cache {cache!r}")
+
+    def environment_stats(
+        self, cache: str, *, include_deleted: bool = False
+    ) -> list[EnvironmentInfo]:
+        """Environments of a cache with entry counts, bytes and last access."""
+        with self.read_session() as s:
+            cache_row = self._cache_row(s, cache)
+            agg = (
+                select(
+                    Entry.environment_id,
+                    func.count(Entry.id).label("n"),
+                    func.coalesce(func.sum(unit_size()), 0).label("b"),
+                    func.max(func.coalesce(Entry.last_access_at, Entry.created_at)).label("la"),
+                    func.count(Entry.aot_sha256).label("x"),
+                    func.coalesce(func.sum(Entry.aot_size_bytes), 0).label("xb"),
+                )
+                .group_by(Entry.environment_id)
+                .subquery()
+            )
+            q = (
+                select(EnvRow, agg.c.n, agg.c.b, agg.c.la, agg.c.x, agg.c.xb)
+                .outerjoin(agg, agg.c.environment_id == EnvRow.id)
+                .where(EnvRow.cache_id == cache_row.id)
+                .order_by(EnvRow.jax_version, EnvRow.backend, EnvRow.created_at)
+            )
+            if not include_deleted:
+                q = q.where(EnvRow.deleted_at.is_(None))
+            out = []
+            for row, n, b, la, x, xb in s.execute(q):
+                if la is not None and la.tzinfo is None:  # SQLite's MAX() loses the column type
+                    la = la.replace(tzinfo=UTC)
+                out.append(_env_info(row, cache, n, b, la, x, xb))
+            return out
+
+    def get_environment(self, cache: str, digest: str) -> EnvironmentInfo:
+        return self.find_environment(cache, digest)
+
+    def find_environment(
+        self, cache: str, prefix: str, *, include_deleted: bool = False
+    ) -> EnvironmentInfo:
+        """One environment by digest prefix; ambiguous or unknown prefixes are bad input."""
+        return pick_environment(
+            cache, prefix, lambda: self.environment_stats(cache, include_deleted=include_deleted)
+        )
+
+    def content_signature(self, env_id: int) -> dict[str, Any] | None:
+        """The environment's signed content list (cachectl/signing.py), or None."""
+        with self.read_session() as s:
+            return s.scalar(select(EnvRow.content_signature).where(EnvRow.id == env_id))
+
+    def set_content_signature(self, env_id: int, signed: dict[str, Any] | None) -> None:
+        with self.session() as s:
+            s.execute(update(EnvRow).where(EnvRow.id == env_id).values(content_signature=signed))
+
+    def mark_environment_deleted(self, env_id: int) -> None:
+        with self.session() as s:
+            s.execute(delete(Entry).where(Entry.environment_id == env_id))
+            s.execute(update(EnvRow).where(EnvRow.id == env_id).values(deleted_at=utcnow()))
+
+    # -- entries --------------------------------------------------------------
+
+    def list_entries(self, env_id: int) -> list[EntryInfo]:
+        with self.read_session() as s:
+            rows = s.scalars(
+                select(Entry).where(Entry.environment_id == env_id).order_by(Entry.key)
+            )
+            return [_entry_info(r) for r in rows]
+
+    def entry_keys(self, env_id: int) -> dict[str, tuple[int, str]]:
+        """key -> (size, sha256) for one environment: what sync diffs against."""
+        with self.read_session() as s:
+            q = select(Entry.key, Entry.size_bytes, Entry.sha256).where(
+                Entry.environment_id == env_id
+            )
+            return {k: (size, sha) for k, size, sha in s.execute(q)}
+
+    def aot_keys(self, env_id: int) -> dict[str, tuple[int, str]]:
+        """key -> (size, sha256) of the stored executables of one environment."""
+        with self.read_session() as s:
+            q = select(Entry.key, Entry.aot_size_bytes, Entry.aot_sha256).where(
+                Entry.environment_id == env_id, Entry.aot_sha256.is_not(None)
+            )
+            return {k: (size, sha) for k, size, sha in s.execute(q)}
+
+    def set_executables(self, env_id: int, executables: dict[str, tuple[int, str] | None]) -> int:
+        """Record (size, sha256) of entries' stored executables, or clear them (None); rows touched.
+
+        Only rows that exist and differ are written, so re-running is harmless.
+        """
+        touched = 0
+        with self.session() as s:
+            keys = list(executables)
+            for chunk in _chunks(keys):
+                q = select(Entry.id, Entry.key, Entry.aot_size_bytes, Entry.aot_sha256).where(
+                    Entry.environment_id == env_id, Entry.key.in_(chunk)
+                )
+                for row_id, key, size, sha in s.execute(q).all():
+                    want = executables[key]
+                    new = (None, None) if want is None else (int(want[0]), want[1])
+                    if (size, sha) != new:
+                        s.execute(
+                            update(Entry)
+                            .where(Entry.id == row_id)
+                            .values(aot_size_bytes=new[0], aot_sha256=new[1], aot_unusable=None)
+                        )
+                        touched += 1
+        return touched
+
+    def mark_executables(self, env_id: int, verdicts: dict[str, str | None]) -> int:
+        """Record warm-check's verdict on stored executables: why one is unusable, or None (it
+        ran); rows touched. Only rows that exist and differ are written."""
+        touched = 0
+        with self.session() as s:
+            for chunk in _chunks(list(verdicts)):
+                q = select(Entry.id, Entry.key, Entry.aot_unusable).where(
+                    Entry.environment_id == env_id, Entry.key.in_(chunk)
+                )
+                for row_id, key, current in s.execute(q).all():
+                    if current != verdicts[key]:
+                        s.execute(
+                            update(Entry)
+                            .where(Entry.id == row_id)
+                            .values(aot_unusable=verdicts[key])
+                        )
+                        touched += 1
+        return touched
+
+    def get_entry(self, env_id: int, key: str) -> EntryInfo | None:
+        with self.read_session() as s:
+            row = s.scalar(select(Entry).where(Entry.environment_id == env_id, Entry.key == key))
+            return _entry_info(row) if row else None
+
+    def upsert_entries(self, env_id: int, entries: Iterable[NewEntry]) -> tuple[int, int]:
+        """Record entries; returns (inserted, updated). Re-running is harmless."""
+        items = list(entries)
+        inserted = updated = 0
+        with self.session() as s:
+            for chunk in _chunks(items):
+                keys = [e.key for e in chunk]
+                existing = {
+                    row.key: row
+                    for row in s.scalars(
+                        select(Entry).where(Entry.environment_id == env_id, Entry.key.in_(keys))
+                    )
+                }
+                new_rows = []
+                for e in chunk:
+                    row = existing.get(e.key)
+                    if row is None:
+                        new_rows.append(
+                            {
+                                "environment_id": env_id,
+                                "key": e.key,
+                                "module": e.module,
+                                "size_bytes": e.size,
+                                "sha256": e.sha256,
+                                "origin": e.origin,
+                                "compile_time_ms": e.compile_time_ms,
+                                "function": e.function,
+                                "bucket": e.bucket,
+                                "warm_run_id": e.warm_run_id,
+                                "created_at": e.created_at or utcnow(),
+                                "hit_count": 0,
+                                "aot_size_bytes": e.aot_size,
+                                "aot_sha256": e.aot_sha256,
+                            }
+                        )
+                        continue
+                    changed = False
+                    if (row.size_bytes, row.sha256) != (e.size, e.sha256):
+                        row.size_bytes, row.sha256 = e.size, e.sha256
+                        changed = True
+                    if e.aot_sha256 is not None and (row.aot_size_bytes, row.aot_sha256) != (
+                        e.aot_size,
+                        e.aot_sha256,
+                    ):
+                        row.aot_size_bytes, row.aot_sha256 = e.aot_size, e.aot_sha256
+                        row.aot_unusable = (
+                            None  # another executable: warm-check's verdict was not on it
+                        )
+                        changed = True
+                    for attr in ("compile_time_ms", "function", "bucket", "warm_run_id"):
+                        value = getattr(e, attr)
+                        if value is not None and getattr(row, attr) != value:
+                            setattr(row, attr, value)
+                            changed = True
+                    updated += changed
+                if new_rows:
+                    s.execute(Entry.__table__.insert(), new_rows)
+                    inserted += len(new_rows)
+        return inserted, updated
+
+    def delete_entries(self, env_id: int, keys: Iterable[str]) -> int:
+        removed = 0
+        key_list = list(keys)
+        with self.session() as s:
+            for chunk in _chunks(key_list):
+                result = s.execute(
+                    delete(Entry).where(Entry.environment_id == env_id, Entry.key.in_(chunk))
+                )
+                removed += cast("CursorResult[Any]", result).rowcount or 0
+        return removed
+
+    def record_hits(
+        self,
+        env_id: int,
+        hits: dict[str, tuple[int, datetime]],
+        *,
+        not_after: datetime | None = None,
+        session: Session | Connection | None = None,
+    ) -> int:
+        """Add hit counts and last-access times learned from telemetry.
+
+        Last access never moves backwards, nor before the entry was created; with
+        ``not_after`` (telemetry passes now: a reported time is only a claim) it never moves
+        past that either, so no reader can make an entry look fresh (or stale) to gc.
+        One Core statement for all keys (telemetry's hot path), in ``session`` if given.
+        """
+        params = []
+        for key, (count, at) in hits.items():
+            if at.tzinfo is None:
+                at = at.replace(tzinfo=UTC)
+            params.append(
+                {
+                    "b_env": env_id,
+                    "b_key": key,
+                    "b_count": count,
+                    "b_seen": at if not_after is None else min(at, not_after),
+                }
+            )
+        if not params:
+            return 0
+        if session is not None:
+            return self._add_hits(session, params)
+        with self.connection() as conn:
+            return self._add_hits(conn, params)
+
+    @staticmethod
+    def _add_hits(s: Session | Connection, params: list[dict[str, Any]]) -> int:
+        t = Entry.__table__
+        result = s.execute(_ADD_HITS, params[0] if len(params) == 1 else params)
+        dialect = s.get_bind().dialect if isinstance(s, Session) else s.dialect
+        if len(params) == 1 or dialect.supports_sane_multi_rowcount:
+            return cast("CursorResult[Any]", result).rowcount or 0
+        keys = [p["b_key"] for p in params]  # a driver that does not sum an executemany's rowcount
+        return (
+            s.scalar(
+                select(func.count())
+                .select_from(t)
+                .where(t.c.environment_id == params[0]["b_env"], t.c.key.in_(keys))
+            )
+            or 0
+        )
+
+    # -- warm runs (cachectl.index.warm_runs) ------------------------------------
+
+    def start_warm_run(
+        self, environment_id: int, *, manifest_digest: str, manifest_path: str | None, buckets: int
+    ) -> WarmRunInfo:
+        return warm_runs.start_run(
+            self,
+            environment_id,
+            manifest_digest=manifest_digest,
+            manifest_path=manifest_path,
+            buckets=buckets,
+        )
+
+    def heartbeat_warm_run(
+        self,
+        run_id: int,
+        *,
+        compiled: int | None = None,
+        cached: int | None = None,
+        failed: int | None = None,
+    ) -> None:
+        warm_runs.heartbeat(self, run_id, compiled=compiled, cached=cached, failed=failed)
+
+    def finish_warm_run(
+        self, run_id: int, status: str, *, compiled: int, cached: int, failed: int
+    ) -> WarmRunInfo:
+        return warm_runs.finish_run(
+            self, run_id, status, compiled=compiled, cached=cached, failed=failed
+        )
+
+    # -- audit ----------------------------------------------------------------
+
+    def audit(
+        self,
+        operation: str,
+        *,
+        cache: str | None,
+        entries: int = 0,
+        nbytes: int = 0,
+        duration_ms: int | None = None,
+        details: dict[str, Any] | None = None,
+        who: str | None = None,
+    ) -> None:
+        with self.session() as s:
+            s.add(
+                AuditRecord(
+                    actor=who or actor(),
+                    operation=operation,
+                    cache_name=cache,
+                    entries=entries,
+                    bytes=nbytes,
+                    duration_ms=duration_ms,
+                    details=details or {},
+                )
+            )
+
+    def audit_log(
+        self, cache: str | None = None, since: timedelta | None = None, limit: int = 100
+    ) -> list[AuditInfo]:
+        with self.read_session() as s:
+            q = (
+                select(AuditRecord)
+                .order_by(AuditRecord.at.desc(), AuditRecord.id.desc())
+                .limit(limit)
+            )
+            if cache:
+                q = q.where(AuditRecord.cache_name == cache)
+            if since:
+                q = q.where(AuditRecord.at >= utcnow() - since)
+            return [
+                AuditInfo(
+                    r.at,
+                    r.actor,
+                    r.operation,
+                    r.cache_name,
+                    r.entries,
+                    r.bytes,
+                    r.duration_ms,
+                    bounded(dict(r.details or {})),
+                )
+                for r in s.scalars(q)
+            ]
