@@ -5,17 +5,18 @@ from __future__ import annotations
 from functools import cached_property
 from typing import TYPE_CHECKING, cast
 
-from cachectl.backend import open_backend
-from cachectl.client import client_from_settings
 from cachectl.config import DEFAULT_CACHE, Settings, load_settings
+from cachectl.errors import NotFound
 from cachectl.fingerprint import Environment, current_environment
-from cachectl.index import CacheInfo, EnvironmentInfo, Index
-from cachectl.index.backend import IndexBackend
+from cachectl.index import CacheInfo, EnvironmentInfo
+from cachectl.index.reads import IndexReads, StdlibReads
 from cachectl.namespace import Namespace, ensure_namespace, namespace_of
 from cachectl.store import Store, normalize_url
 
 if TYPE_CHECKING:
     from cachectl.client import ServerClient
+    from cachectl.index import Index
+    from cachectl.index.backend import IndexBackend
 
 
 class Context:
@@ -31,8 +32,11 @@ class Context:
     @cached_property
     def remote(self) -> ServerClient | None:
         """The cachectl server's client when CACHECTL_SERVER is set (server mode), else None."""
-        if self._given is not None:
+        if self._given is not None or not self.settings.server:
             return None
+        # Imported here: the client costs ~0.1 s that direct mode never needs.
+        from cachectl.client import client_from_settings
+
         return client_from_settings(self.settings)
 
     @cached_property
@@ -40,20 +44,36 @@ class Context:
         """The SQL index, or in server mode the server's (cachectl.backend.open_backend)."""
         if self._given is not None:
             return self._given
+        # Imported here: SQLAlchemy costs a read command more than its whole run (see ``reads``).
+        from cachectl.backend import open_backend
+
         return open_backend(self.settings, client=self.remote)
+
+    @cached_property
+    def reads(self) -> IndexReads:
+        """Where read-only questions go: in direct mode on a plain SQLite index at the current
+        schema, the stdlib driver (cachectl.index.reads: no SQLAlchemy); else ``index``."""
+        if "index" not in self.__dict__ and self._given is None and not self.settings.server:
+            fast = StdlibReads.open(self.settings.db)
+            if fast is not None:
+                return fast
+        return self.index
 
     @property
     def sql_index(self) -> Index:
         """``index`` as the SQL Index, for what only direct mode runs (lifecycle, tokens,
         telemetry stats: server mode asks the server, cachectl.operations). Not checked here."""
-        return cast(Index, self.index)
+        return cast("Index", self.index)
 
     def cache(self, name: str | None = None) -> CacheInfo:
         """A cache by name; the embedded ``default`` is created on first use."""
         name = name or self.settings.cache
         if name == DEFAULT_CACHE:
-            return self.index.ensure_cache(name, normalize_url(self.settings.default_root))
-        return self.index.get_cache(name)
+            try:
+                return self.reads.get_cache(name)
+            except NotFound:
+                return self.index.ensure_cache(name, normalize_url(self.settings.default_root))
+        return self.reads.get_cache(name)
 
     def store(self, cache: CacheInfo) -> Store:
         return Store(cache.root_url, cache.storage_options)
@@ -75,6 +95,9 @@ class Context:
         return ns, info
 
     def close(self) -> None:
+        reads = self.__dict__.get("reads")
+        if isinstance(reads, StdlibReads):
+            reads.close()
         if "index" in self.__dict__ and self._given is None:
             self.index.close()
         remote = self.__dict__.get("remote")

@@ -15,12 +15,11 @@ from __future__ import annotations
 import json
 import sqlite3
 from datetime import UTC, datetime
-from pathlib import Path
 from typing import Any
-from urllib.parse import unquote
 
 from cachectl.cache_info import CacheInfo, utcnow
 from cachectl.fingerprint import Environment
+from cachectl.sqlite_file import SCHEMA_REVISION, sqlite_path, stamp
 from cachectl.telemetry.records import TelemetryBatch
 from cachectl.telemetry.rows import (
     SIGNATURE_COUNTERS,
@@ -31,9 +30,6 @@ from cachectl.telemetry.rows import (
     placed_signatures,
 )
 
-# The Alembic head this module's statements are written for (tests/test_service_sqlite.py
-# fails when a migration is added without looking here).
-SCHEMA_REVISION = "0010"
 BUSY_TIMEOUT_S = 30.0  # cachectl.index.db.SQLITE_BUSY_TIMEOUT_MS: writers wait, never fail at once
 
 _CACHE_COLUMNS = (
@@ -51,23 +47,6 @@ _CACHE_COLUMNS = (
     "created_at",
     "trusted_keys",
 )
-
-
-def sqlite_path(url: str) -> Path | None:
-    """The file of a plain ``sqlite:///PATH`` URL (the driver and query forms go the SQLAlchemy way)."""
-    if not url.startswith("sqlite:///") or "?" in url:
-        return None
-    path = unquote(url[len("sqlite:///") :])
-    if not path or path == ":memory:":
-        return None
-    return Path(path).expanduser()
-
-
-def _stamp(value: datetime) -> str:
-    """A UTC time as SQLAlchemy's SQLite DateTime stores it (so string order is time order)."""
-    if value.tzinfo is not None:
-        value = value.astimezone(UTC).replace(tzinfo=None)
-    return value.strftime("%Y-%m-%d %H:%M:%S.%f")
 
 
 def _parse(value: str | None) -> datetime | None:
@@ -125,7 +104,7 @@ class FastIndex:
             return None
         self.conn.execute(
             "UPDATE environments SET last_seen_at = ?, deleted_at = NULL WHERE id = ?",
-            (_stamp(now), env_id),
+            (stamp(now), env_id),
         )
         return env_id
 
@@ -170,7 +149,7 @@ class FastIndex:
             [
                 (
                     r["environment_id"],
-                    _stamp(r["at"]),
+                    stamp(r["at"]),
                     r["process"],
                     r["function"],
                     r["requests"],
@@ -193,7 +172,7 @@ class FastIndex:
             [
                 (
                     r["environment_id"],
-                    _stamp(r["at"]),
+                    stamp(r["at"]),
                     r["process"],
                     r["function"],
                     r["calls"],
@@ -212,7 +191,7 @@ class FastIndex:
             "WHEN COALESCE(last_access_at, created_at) < ? THEN ? ELSE COALESCE(last_access_at, created_at) END "
             "WHERE environment_id = ? AND key = ?",
             [
-                (n, _stamp(at), _stamp(at), env_id, key)
+                (n, stamp(at), stamp(at), env_id, key)
                 for key, (n, at) in hit_times(batch, now).items()
             ],
         )
@@ -244,8 +223,8 @@ class FastIndex:
                             v["source"],
                             _json(v["statics"]),
                             *(v[k] for k in SIGNATURE_COUNTERS),
-                            _stamp(v["first_seen"]),
-                            _stamp(v["last_seen"]),
+                            stamp(v["first_seen"]),
+                            stamp(v["last_seen"]),
                         ),
                     )
                 else:
@@ -255,7 +234,7 @@ class FastIndex:
                         "WHERE environment_id = ? AND function = ? AND digest = ?",
                         (
                             *(v[k] for k in SIGNATURE_COUNTERS),
-                            _stamp(v["last_seen"]),
+                            stamp(v["last_seen"]),
                             env_id,
                             module,
                             digest,

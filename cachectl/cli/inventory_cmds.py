@@ -8,7 +8,7 @@ import click
 
 from cachectl import inventory
 from cachectl.cli.render import emit, json_option, shortened, size, stdout, table, when
-from cachectl.index.telemetry_queries import TelemetryStats, UsageRow
+from cachectl.index.usage import TelemetryStats, UsageRow
 from cachectl.operations import operations
 from cachectl.units import parse_duration
 
@@ -279,7 +279,7 @@ def stats(ctx, all_caches: bool, since: str | None, as_json: bool) -> None:
     hits and misses from services per environment and function."""
     if since is not None:
         parse_duration(since)  # bad input before the index is opened
-    caches = ctx.index.list_caches() if all_caches else [ctx.cache()]
+    caches = ctx.reads.list_caches() if all_caches else [ctx.cache()]
     ops = operations(ctx)
     if since is not None:
         result = [ops.telemetry_stats(c.name, since) for c in caches]

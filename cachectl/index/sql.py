@@ -7,12 +7,12 @@ same functions can later be served over HTTP.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from datetime import UTC, datetime, timedelta
 from typing import Any, cast
 
-from sqlalchemy import CursorResult, bindparam, case, delete, func, select, update
+from sqlalchemy import CursorResult, bindparam, case, delete, func, select, text, update
 from sqlalchemy.engine import Connection, Engine, make_url
 from sqlalchemy.exc import DatabaseError, IntegrityError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
@@ -21,6 +21,7 @@ from cachectl.errors import BadInput, NotFound, Unreachable
 from cachectl.fingerprint import Environment
 from cachectl.index import (
     db,
+    reads,
     warm_runs,  # noqa: E402 - after the records it imports
 )
 from cachectl.index.models import AuditRecord, Cache, Entry, UTCDateTime, utcnow
@@ -183,6 +184,29 @@ def _add_hits_statement() -> Any:
 _ADD_HITS = _add_hits_statement()
 
 
+class EngineReader:
+    """cachectl.index.reads' queries on any database, through the engine (with text(), so each
+    driver gets its own parameter style); list parameters expand, times bind as the columns hold them."""
+
+    def __init__(self, index: Index) -> None:
+        self.index = index
+
+    @property
+    def dialect(self) -> str:
+        return self.index.dialect
+
+    def rows(self, sql: str, params: Mapping[str, Any] | None = None) -> Sequence[Any]:
+        bound = dict(params or {})
+        statement = text(sql)
+        lists = [k for k, v in bound.items() if isinstance(v, list | tuple)]
+        if lists:
+            statement = statement.bindparams(*(bindparam(k, expanding=True) for k in lists))
+        if self.dialect == "sqlite":
+            bound = {k: reads.stamp(v) if isinstance(v, datetime) else v for k, v in bound.items()}
+        with self.index.connection(write=False) as conn:
+            return conn.execute(statement, bound).all()
+
+
 class Index:
     """One index database (SQLite or PostgreSQL)."""
 
@@ -196,6 +220,11 @@ class Index:
     @property
     def url(self) -> str:
         return db.safe_url(self.engine)
+
+    @property
+    def reader(self) -> EngineReader:
+        """This index for cachectl.index.reads' portable queries."""
+        return EngineReader(self)
 
     @property
     def dialect(self) -> str:
@@ -264,18 +293,10 @@ class Index:
                 return self.get_cache(name)  # another process created it first
 
     def get_cache(self, name: str) -> CacheInfo:
-        with self.read_session() as s:
-            row = s.scalar(select(Cache).where(Cache.name == name))
-            if row is None:
-                known = ", ".join(s.scalars(select(Cache.name).order_by(Cache.name))) or "none"
-                raise NotFound(
-                    f"no cache named {name!r} (known: {known}): add it with `cachectl cache add {name} URL`"
-                )
-            return _cache_info(row)
+        return reads.get_cache(self.reader, name)
 
     def list_caches(self) -> list[CacheInfo]:
-        with self.read_session() as s:
-            return [_cache_info(r) for r in s.scalars(select(Cache).order_by(Cache.name))]
+        return reads.list_caches(self.reader)
 
     def update_cache(self, name: str, **policy: Any) -> CacheInfo:
         with self.session() as s:
@@ -343,34 +364,7 @@ class Index:
         self, cache: str, *, include_deleted: bool = False
     ) -> list[EnvironmentInfo]:
         """Environments of a cache with entry counts, bytes and last access."""
-        with self.read_session() as s:
-            cache_row = self._cache_row(s, cache)
-            agg = (
-                select(
-                    Entry.environment_id,
-                    func.count(Entry.id).label("n"),
-                    func.coalesce(func.sum(unit_size()), 0).label("b"),
-                    func.max(func.coalesce(Entry.last_access_at, Entry.created_at)).label("la"),
-                    func.count(Entry.aot_sha256).label("x"),
-                    func.coalesce(func.sum(Entry.aot_size_bytes), 0).label("xb"),
-                )
-                .group_by(Entry.environment_id)
-                .subquery()
-            )
-            q = (
-                select(EnvRow, agg.c.n, agg.c.b, agg.c.la, agg.c.x, agg.c.xb)
-                .outerjoin(agg, agg.c.environment_id == EnvRow.id)
-                .where(EnvRow.cache_id == cache_row.id)
-                .order_by(EnvRow.jax_version, EnvRow.backend, EnvRow.created_at)
-            )
-            if not include_deleted:
-                q = q.where(EnvRow.deleted_at.is_(None))
-            out = []
-            for row, n, b, la, x, xb in s.execute(q):
-                if la is not None and la.tzinfo is None:  # SQLite's MAX() loses the column type
-                    la = la.replace(tzinfo=UTC)
-                out.append(_env_info(row, cache, n, b, la, x, xb))
-            return out
+        return reads.environment_stats(self.reader, cache, include_deleted=include_deleted)
 
     def get_environment(self, cache: str, digest: str) -> EnvironmentInfo:
         return self.find_environment(cache, digest)
@@ -379,9 +373,7 @@ class Index:
         self, cache: str, prefix: str, *, include_deleted: bool = False
     ) -> EnvironmentInfo:
         """One environment by digest prefix; ambiguous or unknown prefixes are bad input."""
-        return pick_environment(
-            cache, prefix, lambda: self.environment_stats(cache, include_deleted=include_deleted)
-        )
+        return reads.find_environment(self.reader, cache, prefix, include_deleted=include_deleted)
 
     def content_signature(self, env_id: int) -> dict[str, Any] | None:
         """The environment's signed content list (cachectl/signing.py), or None."""

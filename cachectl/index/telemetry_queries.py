@@ -8,23 +8,22 @@ files only with its own size limit on). Stats aggregate in the database.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any, cast
 
 from sqlalchemy import CursorResult, delete, func, select
 
-from cachectl.index import Index
+from cachectl.index import Index, usage
 from cachectl.index.models import (
     Cache,
-    Entry,
     ServingRecord,
     SignatureRecord,
     TelemetryRecord,
     utcnow,
 )
 from cachectl.index.models import Environment as EnvRow
+from cachectl.index.usage import TelemetryStats
 from cachectl.telemetry.rows import (
     OVERFLOW_DIGEST,
     SIGNATURE_COUNTERS,
@@ -43,55 +42,6 @@ def counter_sum(dialect: str, column: Any) -> Any:
     """SUM of a counter column that can never fail: SQLite's SUM raises "integer overflow" past
     2**63, its TOTAL() is a float that cannot; PostgreSQL's SUM(bigint) is numeric already."""
     return func.total(column) if dialect == "sqlite" else func.coalesce(func.sum(column), 0)
-
-
-@dataclass(frozen=True)
-class UsageRow:
-    """Counters summed over a window, for one environment or one function in it.
-
-    ``requests`` = ``hits`` + ``misses`` + ``uncacheable``: every program JAX looked up in the
-    persistent cache. A miss was looked up and not found, whether JAX then wrote it or not (too
-    fast to compile, a read-only service); ``uncacheable`` (not cacheable) are JAX-internal
-    staging programs, counted apart. ``loads`` (executables cachectl.serving loaded) were never
-    looked up: they are none of these."""
-
-    environment: str
-    namespace: str
-    function: str | None
-    processes: int
-    requests: int
-    hits: int
-    misses: int
-    writes: int
-    saved_seconds: float  # as JAX reported it (compile_time_saved_sec; can be negative)
-    dropped: int
-    uncacheable: int = 0  # requests for not-cacheable programs: apart from the hit rate
-    name: str | None = None  # the manifest's function name, where warm recorded it
-    saved_warm_seconds: float = 0.0  # hits x the compile time the index measured at warm (>= 0)
-    loads: int = 0  # stored executables cachectl.serving loaded: never requests nor hits
-    # The compile time hits saved, estimated (see saved_estimate): what `stats` shows as saved.
-    saved_estimate_seconds: float = 0.0
-
-    __json_extra__ = ("hit_rate", "cacheable_requests")
-
-    @property
-    def cacheable_requests(self) -> int:
-        return self.hits + self.misses
-
-    @property
-    def hit_rate(self) -> float | None:
-        """Hits over the requests for cacheable programs (ccache's habit: not cacheable apart)."""
-        n = self.cacheable_requests
-        return min(self.hits / n, 1.0) if n else None
-
-
-@dataclass(frozen=True)
-class TelemetryStats:
-    cache: str
-    since: datetime
-    window_seconds: float
-    environments: list[UsageRow]
-    functions: list[UsageRow]
 
 
 # Built once: every flush runs them.
@@ -312,121 +262,9 @@ def serving_usage(
     ]
 
 
-def saved_estimate(
-    hits: int, misses: int, miss_seconds: float, hit_seconds: float, warm_ms: float | None
-) -> float:
-    """The compile time ``hits`` saved: hits x (what a miss cost - what a hit still costs).
-
-    A miss's cost is this function's compile stage as services measured it on their misses in the
-    window (lookup, XLA compile, write), else the compile time warm measured (which contention
-    between warm's compile threads inflates); a hit still pays its compile stage (lookup and
-    load), measured on the hits. Tracing and lowering are paid by both, so they cancel."""
-    if not hits:
-        return 0.0
-    if misses and miss_seconds > 0:
-        per_miss = miss_seconds / misses
-    elif warm_ms is not None:
-        per_miss = warm_ms / 1000.0
-    else:
-        return 0.0
-    return max(hits * per_miss - hit_seconds, 0.0)
-
-
 def telemetry_stats(index: Index, cache: str, since: timedelta) -> TelemetryStats:
     """Hit rate, misses, writes and compile time saved per environment and function."""
-    start = utcnow() - since
-    with index.read_session() as s:
-        cache_id = s.scalar(select(Cache.id).where(Cache.name == cache))
-        if cache_id is None:
-            index.get_cache(cache)  # raises the standard NotFound
-        total = counter_sum
-        cols = (
-            func.count(func.distinct(TelemetryRecord.process)),
-            total(index.dialect, TelemetryRecord.requests),
-            total(index.dialect, TelemetryRecord.hits),
-            total(index.dialect, TelemetryRecord.misses),
-            total(index.dialect, TelemetryRecord.writes),
-            func.coalesce(func.sum(TelemetryRecord.saved_seconds), 0.0),
-            total(index.dialect, TelemetryRecord.dropped),
-            func.coalesce(func.sum(TelemetryRecord.uncacheable), 0),
-            func.coalesce(func.sum(TelemetryRecord.loads), 0),
-            func.coalesce(func.sum(TelemetryRecord.miss_seconds), 0.0),
-            func.coalesce(func.sum(TelemetryRecord.hit_seconds), 0.0),
-        )
-        base = (
-            select(EnvRow.digest, EnvRow.namespace)
-            .join(TelemetryRecord, TelemetryRecord.environment_id == EnvRow.id)
-            .where(EnvRow.cache_id == cache_id, TelemetryRecord.at >= start)
-        )
-        per_env = s.execute(
-            base.add_columns(*cols)
-            .group_by(EnvRow.digest, EnvRow.namespace)
-            .order_by(EnvRow.namespace)
-        ).all()
-        per_fn = s.execute(
-            base.add_columns(TelemetryRecord.function, *cols)
-            .group_by(EnvRow.digest, EnvRow.namespace, TelemetryRecord.function)
-            .order_by(EnvRow.namespace, TelemetryRecord.function)
-        ).all()
-
-        # What warm knows of each module: the manifest's name and the compile time it measured.
-        warm = s.execute(
-            select(
-                EnvRow.digest,
-                Entry.module,
-                func.max(Entry.function),
-                func.avg(Entry.compile_time_ms),
-            )
-            .join(Entry, Entry.environment_id == EnvRow.id)
-            .where(EnvRow.cache_id == cache_id, Entry.function.is_not(None))
-            .group_by(EnvRow.digest, Entry.module)
-        ).all()
-    known = {(d, m): (name, None if ms is None else float(ms)) for d, m, name, ms in warm}
-
-    def row(digest: str, namespace: str, fn: str | None, values: tuple) -> UsageRow:
-        procs, req, hits, _misses, writes, saved, dropped, uncacheable, loads, miss_s, hit_s = (
-            values
-        )
-        name, ms = known.get((digest, fn), (None, None)) if fn is not None else (None, None)
-        warm_saved = max(int(hits) * (ms or 0.0) / 1000.0, 0.0)
-        # Every looked-up request is a hit, a miss or not cacheable: misses are what is left.
-        misses = max(int(req) - int(hits) - int(uncacheable), 0)
-        estimate = saved_estimate(int(hits), misses, float(miss_s), float(hit_s), ms)
-        return UsageRow(
-            digest,
-            namespace,
-            fn,
-            int(procs),
-            int(req),
-            int(hits),
-            misses,
-            int(writes),
-            float(saved),
-            int(dropped),
-            int(uncacheable),
-            name,
-            warm_saved,
-            int(loads),
-            estimate,
-        )
-
-    fns = [
-        row(r[0], r[1], r[2], tuple(r[3:]))
-        for r in per_fn
-        if r[2] is not None or int(r[4]) or int(r[-1])
-    ]
-    envs = []
-    for r in per_env:
-        env = row(r[0], r[1], None, tuple(r[2:]))
-        mine = [f for f in fns if f.environment == env.environment]
-        envs.append(
-            dataclasses.replace(
-                env,
-                saved_warm_seconds=sum(f.saved_warm_seconds for f in mine),
-                saved_estimate_seconds=sum(f.saved_estimate_seconds for f in mine),
-            )
-        )
-    return TelemetryStats(cache, start, since.total_seconds(), envs, fns)
+    return usage.telemetry_stats(index.reader, cache, since)
 
 
 def prune_telemetry(index: Index, older_than: timedelta, *, now: datetime | None = None) -> int:

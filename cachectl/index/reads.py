@@ -1,0 +1,323 @@
+"""The index's read queries, written once in portable SQL and run by either driver.
+
+A query here is SQL text with ``:name`` parameters (a list parameter expands to ``(:p_0, ...)``)
+that SQLite and PostgreSQL both run as written. Two :class:`Reader` s run it: the SQL index's
+engine (cachectl.index.sql.EngineReader, any database) and :class:`SqliteReader`, the stdlib
+driver on a plain ``sqlite:///PATH`` index at SCHEMA_REVISION. The CLI's read commands (``ls``,
+``stats``, ``cache list``, ``prune --dry-run``) take the second and never import SQLAlchemy,
+which costs more than the whole command otherwise (BENCHMARKS.md, "CLI startup"). Values come
+back as each driver gives them (SQLite: text for times and JSON); :func:`when` and
+:func:`from_json` read both.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sqlite3
+from collections.abc import Mapping, Sequence
+from datetime import UTC, datetime
+from typing import Any, Protocol
+from urllib.parse import quote
+
+from cachectl.cache_info import CacheInfo
+from cachectl.errors import NotFound
+from cachectl.fingerprint import Environment
+from cachectl.records import EnvironmentInfo, pick_environment
+from cachectl.sqlite_file import SCHEMA_REVISION, sqlite_path, stamp
+
+
+class Reader(Protocol):
+    """Runs one read statement and returns its rows (tuples, or rows indexed like tuples)."""
+
+    @property
+    def dialect(self) -> str: ...
+
+    def rows(self, sql: str, params: Mapping[str, Any] | None = None) -> Sequence[Any]: ...
+
+
+class HasReader(Protocol):
+    """An index that can run this module's queries (cachectl.index.sql.Index, ReadIndex)."""
+
+    @property
+    def reader(self) -> Reader: ...
+
+
+# -- values -------------------------------------------------------------------------------------
+
+
+def when(value: Any) -> datetime | None:
+    """A time column as either driver returns it (SQLite: text, naive), as aware UTC."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        value = datetime.fromisoformat(value)
+    if value.tzinfo is None:
+        return value.replace(tzinfo=UTC)
+    return value.astimezone(UTC)
+
+
+def from_json(value: Any) -> Any:
+    """A JSON column as either driver returns it (SQLite: the text; PostgreSQL: the value)."""
+    return json.loads(value) if isinstance(value, str) else value
+
+
+def total(dialect: str, column: str) -> str:
+    """SUM of a counter column that can never fail: SQLite's SUM raises "integer overflow" past
+    2**63, its TOTAL() is a float that cannot; PostgreSQL's SUM(bigint) is numeric already."""
+    return f"TOTAL({column})" if dialect == "sqlite" else f"COALESCE(SUM({column}), 0)"
+
+
+# An entry's bytes with its stored executable's: the one unit limits, gc and prune count
+# (cachectl.index.sql.unit_size is the same sum for SQLAlchemy's statements).
+UNIT_SIZE = "size_bytes + COALESCE(aot_size_bytes, 0)"
+
+
+# -- the stdlib driver --------------------------------------------------------------------------
+
+_LIST_PARAM = re.compile(r":([A-Za-z_][A-Za-z0-9_]*)\b")
+
+
+def expand(sql: str, params: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
+    """``sql`` with each list parameter spelled out, ``IN :ids`` -> ``IN (:ids_0, :ids_1)``."""
+    out: dict[str, Any] = {}
+    lists: dict[str, Sequence[Any]] = {}
+    for name, value in params.items():
+        if isinstance(value, list | tuple):
+            lists[name] = value
+            out.update({f"{name}_{i}": v for i, v in enumerate(value)})
+        else:
+            out[name] = value
+    if lists:
+
+        def spelled(m: re.Match[str]) -> str:
+            name = m.group(1)
+            if name not in lists:
+                return m.group(0)
+            return "(" + ", ".join(f":{name}_{i}" for i in range(len(lists[name]))) + ")"
+
+        sql = _LIST_PARAM.sub(spelled, sql)
+    return sql, out
+
+
+class SqliteReader:
+    """The stdlib driver on an SQLite index, read-only (``mode=ro``): no transaction is held
+    between statements, so each sees what writers committed before it."""
+
+    dialect = "sqlite"
+
+    def __init__(self, conn: sqlite3.Connection) -> None:
+        self.conn = conn
+
+    @classmethod
+    def open(cls, url: str) -> SqliteReader | None:
+        """A reader on ``url``, or None where the stdlib cannot serve it: not a plain SQLite file,
+        no file yet, another schema revision (the SQLAlchemy index creates and migrates)."""
+        path = sqlite_path(url)
+        if path is None or not path.is_file():
+            return None
+        try:
+            conn = sqlite3.connect(
+                f"file:{quote(str(path.resolve()))}?mode=ro",
+                uri=True,
+                isolation_level=None,
+                check_same_thread=False,
+            )
+        except sqlite3.Error:
+            return None
+        try:
+            conn.execute("PRAGMA busy_timeout = 30000")
+            row = conn.execute("SELECT version_num FROM alembic_version").fetchone()
+        except sqlite3.Error:
+            conn.close()
+            return None
+        if row is None or row[0] != SCHEMA_REVISION:
+            conn.close()
+            return None
+        return cls(conn)
+
+    def rows(self, sql: str, params: Mapping[str, Any] | None = None) -> list[tuple[Any, ...]]:
+        sql, bound = expand(sql, params or {})
+        values = {k: stamp(v) if isinstance(v, datetime) else v for k, v in bound.items()}
+        return self.conn.execute(sql, values).fetchall()
+
+    def close(self) -> None:
+        self.conn.close()
+
+
+# -- caches -------------------------------------------------------------------------------------
+
+_CACHE_COLUMNS = (
+    "name, root_url, max_size_bytes, max_entry_size_bytes, env_max_size_bytes, retention_seconds, "
+    "keep_versions, writers, service_writes, group_name, storage_options, created_at, trusted_keys"
+)
+
+
+def cache_info(row: Sequence[Any]) -> CacheInfo:
+    """A ``caches`` row (``_CACHE_COLUMNS``, in order) as the record every caller gets."""
+    (name, root, max_size, max_entry, env_max, retention, keep, writers, service_writes, group) = (
+        row[:10]
+    )
+    options, created, keys = row[10:13]
+    return CacheInfo(
+        name=name,
+        root_url=root,
+        max_size=max_size,
+        max_entry_size=max_entry,
+        env_max_size=env_max,
+        retention_seconds=retention,
+        keep_versions=keep,
+        writers=tuple(from_json(writers) or ()),
+        service_writes=service_writes,
+        group=group,
+        storage_options=dict(from_json(options) or {}),
+        created_at=when(created),
+        trusted_keys=tuple(from_json(keys) or ()),
+    )
+
+
+def no_such_cache(reader: Reader, name: str) -> NotFound:
+    known = ", ".join(r[0] for r in reader.rows("SELECT name FROM caches ORDER BY name")) or "none"
+    return NotFound(
+        f"no cache named {name!r} (known: {known}): add it with `cachectl cache add {name} URL`"
+    )
+
+
+def get_cache(reader: Reader, name: str) -> CacheInfo:
+    rows = reader.rows(f"SELECT {_CACHE_COLUMNS} FROM caches WHERE name = :name", {"name": name})
+    if not rows:
+        raise no_such_cache(reader, name)
+    return cache_info(rows[0])
+
+
+def list_caches(reader: Reader) -> list[CacheInfo]:
+    return [
+        cache_info(r) for r in reader.rows(f"SELECT {_CACHE_COLUMNS} FROM caches ORDER BY name")
+    ]
+
+
+def cache_id(reader: Reader, cache: str) -> int:
+    rows = reader.rows("SELECT id FROM caches WHERE name = :name", {"name": cache})
+    if not rows:
+        raise no_such_cache(reader, cache)
+    return int(rows[0][0])
+
+
+# -- environments -------------------------------------------------------------------------------
+
+_ENV_COLUMNS = (
+    "e.id, e.digest, e.namespace, e.jax_version, e.jaxlib_version, e.backend, e.platform_version, "
+    "e.device_kind, e.device_count, e.process_count, e.topology, e.xla_flags, e.compression, "
+    "e.enable_xla_caches, e.include_metadata_in_key, e.created_at, e.last_seen_at, e.deleted_at"
+)
+
+
+def environment(row: Sequence[Any]) -> Environment:
+    """The fingerprint fields of an ``environments`` row (``_ENV_COLUMNS`` from jax_version on)."""
+    return Environment(
+        jax_version=row[3],
+        jaxlib_version=row[4],
+        backend=row[5],
+        platform_version=row[6],
+        device_kind=row[7],
+        device_count=int(row[8]),
+        process_count=int(row[9]),
+        topology=row[10],
+        xla_flags=tuple(from_json(row[11]) or ()),
+        compression=row[12],
+        enable_xla_caches=row[13],
+        include_metadata_in_key=bool(row[14]),
+    )
+
+
+def environment_stats(
+    reader: Reader, cache: str, *, include_deleted: bool = False
+) -> list[EnvironmentInfo]:
+    """Environments of a cache with entry counts, bytes, stored executables and last access."""
+    cid = cache_id(reader, cache)
+    live = "" if include_deleted else " AND e.deleted_at IS NULL"
+    sql = (
+        f"SELECT {_ENV_COLUMNS}, a.n, a.b, a.la, a.x, a.xb FROM environments e "
+        "LEFT OUTER JOIN (SELECT environment_id, COUNT(id) AS n, "
+        f"COALESCE(SUM({UNIT_SIZE}), 0) AS b, MAX(COALESCE(last_access_at, created_at)) AS la, "
+        "COUNT(aot_sha256) AS x, COALESCE(SUM(aot_size_bytes), 0) AS xb FROM entries "
+        "WHERE environment_id IN (SELECT id FROM environments WHERE cache_id = :cid) "
+        "GROUP BY environment_id) a ON a.environment_id = e.id "
+        f"WHERE e.cache_id = :cid{live} ORDER BY e.jax_version, e.backend, e.created_at"
+    )
+    return [
+        EnvironmentInfo(
+            id=int(r[0]),
+            cache=cache,
+            digest=r[1],
+            namespace=r[2],
+            environment=environment(r),
+            created_at=when(r[15]),
+            last_seen_at=when(r[16]),
+            deleted_at=when(r[17]),
+            entries=int(r[18] or 0),
+            bytes=int(r[19] or 0),
+            last_access_at=when(r[20]),
+            executables=int(r[21] or 0),
+            aot_bytes=int(r[22] or 0),
+        )
+        for r in reader.rows(sql, {"cid": cid})
+    ]
+
+
+def find_environment(
+    reader: Reader, cache: str, prefix: str, *, include_deleted: bool = False
+) -> EnvironmentInfo:
+    """One environment by digest prefix; ambiguous or unknown prefixes are bad input."""
+    return pick_environment(
+        cache,
+        prefix,
+        lambda: environment_stats(reader, cache, include_deleted=include_deleted),
+    )
+
+
+class IndexReads(Protocol):
+    """What the CLI's read commands ask of an index: the SQL index, the server's, or StdlibReads."""
+
+    def get_cache(self, name: str) -> CacheInfo: ...
+
+    def list_caches(self) -> list[CacheInfo]: ...
+
+    def environment_stats(
+        self, cache: str, *, include_deleted: bool = False
+    ) -> list[EnvironmentInfo]: ...
+
+    def find_environment(
+        self, cache: str, prefix: str, *, include_deleted: bool = False
+    ) -> EnvironmentInfo: ...
+
+
+class StdlibReads:
+    """IndexReads on a plain SQLite index through the stdlib driver (see the module's docstring)."""
+
+    def __init__(self, reader: SqliteReader) -> None:
+        self.reader = reader
+
+    @classmethod
+    def open(cls, url: str) -> StdlibReads | None:
+        reader = SqliteReader.open(url)
+        return None if reader is None else cls(reader)
+
+    def get_cache(self, name: str) -> CacheInfo:
+        return get_cache(self.reader, name)
+
+    def list_caches(self) -> list[CacheInfo]:
+        return list_caches(self.reader)
+
+    def environment_stats(
+        self, cache: str, *, include_deleted: bool = False
+    ) -> list[EnvironmentInfo]:
+        return environment_stats(self.reader, cache, include_deleted=include_deleted)
+
+    def find_environment(
+        self, cache: str, prefix: str, *, include_deleted: bool = False
+    ) -> EnvironmentInfo:
+        return find_environment(self.reader, cache, prefix, include_deleted=include_deleted)
+
+    def close(self) -> None:
+        self.reader.close()

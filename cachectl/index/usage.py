@@ -1,0 +1,165 @@
+"""Service telemetry summed over a window: the records ``stats`` shows and how "saved" is estimated.
+
+Apart from cachectl/index/telemetry_queries.py, which builds them with SQLAlchemy, so that the
+CLI's renderers and the inventory can name them without importing it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+
+from cachectl.cache_info import utcnow
+from cachectl.index.reads import Reader, cache_id, total
+
+
+@dataclass(frozen=True)
+class UsageRow:
+    """Counters summed over a window, for one environment or one function in it.
+
+    ``requests`` = ``hits`` + ``misses`` + ``uncacheable``: every program JAX looked up in the
+    persistent cache. A miss was looked up and not found, whether JAX then wrote it or not (too
+    fast to compile, a read-only service); ``uncacheable`` (not cacheable) are JAX-internal
+    staging programs, counted apart. ``loads`` (executables cachectl.serving loaded) were never
+    looked up: they are none of these."""
+
+    environment: str
+    namespace: str
+    function: str | None
+    processes: int
+    requests: int
+    hits: int
+    misses: int
+    writes: int
+    saved_seconds: float  # as JAX reported it (compile_time_saved_sec; can be negative)
+    dropped: int
+    uncacheable: int = 0  # requests for not-cacheable programs: apart from the hit rate
+    name: str | None = None  # the manifest's function name, where warm recorded it
+    saved_warm_seconds: float = 0.0  # hits x the compile time the index measured at warm (>= 0)
+    loads: int = 0  # stored executables cachectl.serving loaded: never requests nor hits
+    # The compile time hits saved, estimated (see saved_estimate): what `stats` shows as saved.
+    saved_estimate_seconds: float = 0.0
+
+    __json_extra__ = ("hit_rate", "cacheable_requests")
+
+    @property
+    def cacheable_requests(self) -> int:
+        return self.hits + self.misses
+
+    @property
+    def hit_rate(self) -> float | None:
+        """Hits over the requests for cacheable programs (ccache's habit: not cacheable apart)."""
+        n = self.cacheable_requests
+        return min(self.hits / n, 1.0) if n else None
+
+
+@dataclass(frozen=True)
+class TelemetryStats:
+    cache: str
+    since: datetime
+    window_seconds: float
+    environments: list[UsageRow]
+    functions: list[UsageRow]
+
+
+def saved_estimate(
+    hits: int, misses: int, miss_seconds: float, hit_seconds: float, warm_ms: float | None
+) -> float:
+    """The compile time ``hits`` saved: hits x (what a miss cost - what a hit still costs).
+
+    A miss's cost is this function's compile stage as services measured it on their misses in the
+    window (lookup, XLA compile, write), else the compile time warm measured (which contention
+    between warm's compile threads inflates); a hit still pays its compile stage (lookup and
+    load), measured on the hits. Tracing and lowering are paid by both, so they cancel."""
+    if not hits:
+        return 0.0
+    if misses and miss_seconds > 0:
+        per_miss = miss_seconds / misses
+    elif warm_ms is not None:
+        per_miss = warm_ms / 1000.0
+    else:
+        return 0.0
+    return max(hits * per_miss - hit_seconds, 0.0)
+
+
+def telemetry_stats(reader: Reader, cache: str, since: timedelta) -> TelemetryStats:
+    """Hit rate, misses, writes and compile time saved per environment and function."""
+    start = utcnow() - since
+    cid = cache_id(reader, cache)
+    d = reader.dialect
+    cols = (
+        "COUNT(DISTINCT t.process), "
+        f"{total(d, 't.requests')}, {total(d, 't.hits')}, {total(d, 't.misses')}, "
+        f"{total(d, 't.writes')}, COALESCE(SUM(t.saved_seconds), 0.0), {total(d, 't.dropped')}, "
+        "COALESCE(SUM(t.uncacheable), 0), COALESCE(SUM(t.loads), 0), "
+        "COALESCE(SUM(t.miss_seconds), 0.0), COALESCE(SUM(t.hit_seconds), 0.0)"
+    )
+    base = (
+        "FROM environments e JOIN telemetry t ON t.environment_id = e.id "
+        "WHERE e.cache_id = :cid AND t.at >= :start"
+    )
+    params = {"cid": cid, "start": start}
+    per_env = reader.rows(
+        f"SELECT e.digest, e.namespace, {cols} {base} "
+        "GROUP BY e.digest, e.namespace ORDER BY e.namespace",
+        params,
+    )
+    per_fn = reader.rows(
+        f"SELECT e.digest, e.namespace, t.function, {cols} {base} "
+        "GROUP BY e.digest, e.namespace, t.function ORDER BY e.namespace, t.function",
+        params,
+    )
+    # What warm knows of each module: the manifest's name and the compile time it measured.
+    warm = reader.rows(
+        "SELECT e.digest, n.module, MAX(n.function), AVG(n.compile_time_ms) "
+        "FROM environments e JOIN entries n ON n.environment_id = e.id "
+        "WHERE e.cache_id = :cid AND n.function IS NOT NULL GROUP BY e.digest, n.module",
+        {"cid": cid},
+    )
+    known = {(d, m): (name, None if ms is None else float(ms)) for d, m, name, ms in warm}
+
+    def row(digest: str, namespace: str, fn: str | None, values: tuple) -> UsageRow:
+        procs, req, hits, _misses, writes, saved, dropped, uncacheable, loads, miss_s, hit_s = (
+            values
+        )
+        name, ms = known.get((digest, fn), (None, None)) if fn is not None else (None, None)
+        warm_saved = max(int(hits) * (ms or 0.0) / 1000.0, 0.0)
+        # Every looked-up request is a hit, a miss or not cacheable: misses are what is left.
+        misses = max(int(req) - int(hits) - int(uncacheable), 0)
+        estimate = saved_estimate(int(hits), misses, float(miss_s), float(hit_s), ms)
+        return UsageRow(
+            digest,
+            namespace,
+            fn,
+            int(procs),
+            int(req),
+            int(hits),
+            misses,
+            int(writes),
+            float(saved),
+            int(dropped),
+            int(uncacheable),
+            name,
+            warm_saved,
+            int(loads),
+            estimate,
+        )
+
+    fns = [
+        row(r[0], r[1], r[2], tuple(r[3:]))
+        for r in per_fn
+        if r[2] is not None or int(r[4]) or int(r[-1])
+    ]
+    envs = []
+    for r in per_env:
+        env = row(r[0], r[1], None, tuple(r[2:]))
+        mine = [f for f in fns if f.environment == env.environment]
+        envs.append(
+            dataclasses.replace(
+                env,
+                saved_warm_seconds=sum(f.saved_warm_seconds for f in mine),
+                saved_estimate_seconds=sum(f.saved_estimate_seconds for f in mine),
+            )
+        )
+    return TelemetryStats(cache, start, since.total_seconds(), envs, fns)
