@@ -9,7 +9,7 @@ from cachectl.config import DEFAULT_CACHE, Settings, load_settings
 from cachectl.errors import NotFound
 from cachectl.fingerprint import Environment, current_environment
 from cachectl.index import CacheInfo, EnvironmentInfo
-from cachectl.index.reads import IndexReads, StdlibReads
+from cachectl.index.reads import HasReader, IndexReads, StdlibReads
 from cachectl.namespace import Namespace, ensure_namespace, namespace_of
 from cachectl.store import Store, normalize_url
 
@@ -58,6 +58,13 @@ class Context:
             if fast is not None:
                 return fast
         return self.index
+
+    @property
+    def direct_reads(self) -> HasReader:
+        """What direct mode plans from (cachectl.index.plan_reads): the stdlib reader where
+        ``reads`` is one, else the SQL index. Server mode plans on the server."""
+        reads = self.reads
+        return reads if isinstance(reads, StdlibReads) else self.sql_index
 
     @property
     def sql_index(self) -> Index:

@@ -204,7 +204,9 @@ class EngineReader:
         if self.dialect == "sqlite":
             bound = {k: reads.stamp(v) if isinstance(v, datetime) else v for k, v in bound.items()}
         with self.index.connection(write=False) as conn:
-            return conn.execute(statement, bound).all()
+            # The driver's rows as they are: a text() statement has no result types to process,
+            # and a Row per row cost planning at 1M entries a second more.
+            return conn.execute(statement, bound).cursor.fetchall()
 
 
 class Index:

@@ -22,6 +22,7 @@ from sqlalchemy import func, select, update
 from cachectl.errors import NotFound
 from cachectl.index.models import Cache, WarmRun, utcnow
 from cachectl.index.models import Environment as EnvRow
+from cachectl.index.plan_reads import WARM_HEARTBEAT_WINDOW
 from cachectl.records import WarmRunInfo
 
 if TYPE_CHECKING:
@@ -33,7 +34,7 @@ FAILED = "failed"
 INTERRUPTED = "interrupted"
 FINAL_STATUSES = (SUCCEEDED, FAILED, INTERRUPTED)
 # A running warm whose heartbeat is older than this is presumed dead (it beats every 30 s).
-HEARTBEAT_WINDOW = timedelta(minutes=10)
+HEARTBEAT_WINDOW = WARM_HEARTBEAT_WINDOW
 
 
 def _info(row: WarmRun) -> WarmRunInfo:

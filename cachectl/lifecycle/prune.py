@@ -17,10 +17,11 @@ from datetime import datetime, timedelta
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from packaging.version import InvalidVersion, Version
 
+from cachectl.cache_info import utcnow
 from cachectl.context import Context
 from cachectl.errors import BadInput
 from cachectl.index import CacheInfo
-from cachectl.index.lifecycle_queries import (
+from cachectl.index.plan_reads import (
     EnvSummary,
     environments,
     environments_with_recent_hits,
@@ -28,7 +29,6 @@ from cachectl.index.lifecycle_queries import (
     selected_entries,
     warms_in_progress,
 )
-from cachectl.index.models import utcnow
 from cachectl.lifecycle import lease as leases
 from cachectl.lifecycle.plan import (
     DeletionPlan,
@@ -208,11 +208,11 @@ def plan_prune(
             f"no selector given: using the cache's retention, --older-than "
             f"{format_duration(crit.older_than)}"
         )
-    all_envs = environments(ctx.sql_index, cache.name)
+    all_envs = environments(ctx.direct_reads, cache.name)
     env_reasons: dict[int, list[str]] = {e.id: [] for e in all_envs}
     candidates = list(all_envs)
     if crit.env:
-        target = ctx.index.find_environment(cache.name, crit.env)  # unknown/ambiguous: exit 2
+        target = ctx.reads.find_environment(cache.name, crit.env)  # unknown/ambiguous: exit 2
         candidates = [e for e in candidates if e.id == target.id]
         for e in candidates:
             env_reasons[e.id].append(f"environment {e.digest[:16]}")
@@ -235,7 +235,7 @@ def plan_prune(
         for e in candidates:
             env_reasons[e.id].append(old[e.id])
 
-    warming = warms_in_progress(ctx.sql_index, [e.id for e in candidates], now=now)
+    warming = warms_in_progress(ctx.direct_reads, [e.id for e in candidates], now=now)
     for e in candidates:
         if e.id in warming:
             w = warming[e.id]
@@ -262,7 +262,7 @@ def plan_prune(
     by_id = {e.id: e for e in candidates}
     if crit.entry_level:
         picked = selected_counts(
-            ctx.sql_index,
+            ctx.direct_reads,
             list(by_id),
             created_before=created_before,
             unused_before=unused_before,
@@ -284,7 +284,7 @@ def plan_prune(
     if partial:
         reason = "; ".join(entry_reasons)
         rows = selected_entries(
-            ctx.sql_index,
+            ctx.direct_reads,
             partial,
             created_before=created_before,
             unused_before=unused_before,
@@ -312,7 +312,7 @@ def _protect_active(
 ) -> list[EnvSummary]:
     """Candidates less each one that is its group's only environment with recent hits."""
     active = environments_with_recent_hits(
-        ctx.sql_index, [e.id for e in all_envs], now - RECENT_HITS_WINDOW
+        ctx.direct_reads, [e.id for e in all_envs], now - RECENT_HITS_WINDOW
     )
     leaving = {e.id for e in candidates}
     served: dict[tuple[object, ...], bool] = defaultdict(bool)
