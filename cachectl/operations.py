@@ -9,23 +9,19 @@ either the same way. ``operations`` is the one place the mode is chosen.
 
 from __future__ import annotations
 
-from datetime import timedelta
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
-from cachectl import tokens
-from cachectl.client import API, ServerClient, _seg, decode
 from cachectl.context import Context
-from cachectl.errors import BadInput
-from cachectl.index.telemetry_queries import TelemetryStats, telemetry_stats
-from cachectl.lifecycle import gc as gc_lib
+from cachectl.index.usage import TelemetryStats, telemetry_stats
 from cachectl.lifecycle import prune as prune_lib
-from cachectl.lifecycle import verify as verify_lib
-from cachectl.lifecycle.gc import GcResult
 from cachectl.lifecycle.plan import LifecycleResult
-from cachectl.lifecycle.verify import VerifyResult
-from cachectl.records import CreatedToken, TokenInfo
 from cachectl.store import DELETE_BATCH
-from cachectl.units import parse_duration
+from cachectl.units import parse_duration, parse_min_age
+
+if TYPE_CHECKING:
+    from cachectl.lifecycle.gc import GcResult
+    from cachectl.lifecycle.verify import VerifyResult
+    from cachectl.records import CreatedToken, TokenInfo
 
 
 class Operations(Protocol):
@@ -77,16 +73,17 @@ class Operations(Protocol):
     def revoke_token(self, name: str) -> TokenInfo: ...
 
 
-def min_age_of(text: str) -> timedelta:
-    """verify's --min-age: a duration, or 0/empty for none; bad text is BadInput before anything runs."""
-    return parse_duration(text) if text.strip() not in ("0", "") else timedelta(0)
-
-
 class LocalOperations:
     """Direct mode: the library on ctx's index and storage."""
 
     def __init__(self, ctx: Context) -> None:
         self.ctx = ctx
+
+    @staticmethod
+    def _tokens() -> Any:
+        from cachectl import tokens  # SQLAlchemy's: only the token commands need it
+
+        return tokens
 
     def prune(
         self,
@@ -123,6 +120,8 @@ class LocalOperations:
         dry_run: bool = False,
         batch_size: int = DELETE_BATCH,
     ) -> GcResult:
+        from cachectl.lifecycle import gc as gc_lib  # the SQL index's eviction queries
+
         return gc_lib.gc(
             self.ctx,
             self.ctx.cache(),
@@ -143,7 +142,9 @@ class LocalOperations:
         min_age: str = "10m",
         deep: bool = False,
     ) -> VerifyResult:
-        age = min_age_of(min_age)
+        from cachectl.lifecycle import verify as verify_lib  # the SQL index's verify queries
+
+        age = parse_min_age(min_age)
         return verify_lib.verify(
             self.ctx,
             self.ctx.cache(),
@@ -156,11 +157,12 @@ class LocalOperations:
         )
 
     def telemetry_stats(self, cache: str, since: str) -> TelemetryStats:
-        return telemetry_stats(self.ctx.sql_index, cache, parse_duration(since))
+        return telemetry_stats(self.ctx.direct_reads.reader, cache, parse_duration(since))
 
     def create_token(
         self, name: str, role: str, caches: list[str] | None, expires: str | None
     ) -> CreatedToken:
+        tokens = self._tokens()
         created = tokens.create_token(
             self.ctx.sql_index, name, role, caches, parse_duration(expires) if expires else None
         )
@@ -172,148 +174,19 @@ class LocalOperations:
         return created
 
     def list_tokens(self) -> list[TokenInfo]:
-        return tokens.list_tokens(self.ctx.sql_index)
+        return self._tokens().list_tokens(self.ctx.sql_index)
 
     def revoke_token(self, name: str) -> TokenInfo:
-        info = tokens.revoke_token(self.ctx.sql_index, name)
+        info = self._tokens().revoke_token(self.ctx.sql_index, name)
         self.ctx.index.audit("token-revoke", cache=None, details={"name": name})
         return info
-
-
-class ServerOperations:
-    """Server mode: the same calls over the server's HTTP API; prune/gc/verify as server jobs."""
-
-    def __init__(self, ctx: Context, client: ServerClient) -> None:
-        self.ctx = ctx
-        self.client = client
-
-    @staticmethod
-    def _direct_only(option: str, why: str) -> BadInput:
-        """What a flag the server's jobs do not take is: bad input, never silently dropped."""
-        return BadInput(
-            f"{option} works only in direct mode ({why}): unset CACHECTL_SERVER and give --db "
-            "and the cache's storage, or leave it out"
-        )
-
-    def _check_batch_size(self, batch_size: int) -> None:
-        if batch_size != DELETE_BATCH:
-            raise self._direct_only(
-                "--batch-size", f"the server deletes {DELETE_BATCH} paths per storage call"
-            )
-
-    def _job(self, kind: str, result_type: type, params: dict[str, Any]) -> Any:
-        """A job on ctx's cache; unset flags are left out, so the server applies its own defaults."""
-        body = {k: v for k, v in params.items() if v is not None and v is not False}
-        return self.client.run_job(self.ctx.settings.cache, kind, body, result_type)
-
-    def prune(
-        self,
-        *,
-        older_than: str | None = None,
-        unused_for: str | None = None,
-        jax_version: str | None = None,
-        superseded: bool = False,
-        keep: int | None = None,
-        env: str | None = None,
-        function: str | None = None,
-        dry_run: bool = False,
-        batch_size: int = DELETE_BATCH,
-    ) -> LifecycleResult:
-        # Bad selectors are bad input here, before the server is asked.
-        self._check_batch_size(batch_size)
-        prune_lib.criteria(
-            older_than=older_than,
-            unused_for=unused_for,
-            jax_version=jax_version,
-            superseded=superseded,
-            keep=keep,
-            env=env,
-            function=function,
-        )
-        return self._job(
-            "prune",
-            LifecycleResult,
-            {
-                "older_than": older_than,
-                "unused_for": unused_for,
-                "jax_version": jax_version,
-                "superseded": superseded,
-                "keep": keep,
-                "env": env,
-                "function": function,
-                "dry_run": dry_run,
-            },
-        )
-
-    def gc(
-        self,
-        *,
-        policy: str = "lru",
-        max_size: str | None = None,
-        protect_warm: bool = False,
-        dry_run: bool = False,
-        batch_size: int = DELETE_BATCH,
-    ) -> GcResult:
-        self._check_batch_size(batch_size)
-        return self._job(
-            "gc",
-            GcResult,
-            {
-                "policy": policy,
-                "max_size": max_size,
-                "protect_warm": protect_warm,
-                "dry_run": dry_run,
-            },
-        )
-
-    def verify(
-        self,
-        *,
-        env: str | None = None,
-        quarantine: bool = False,
-        repair: bool = False,
-        dry_run: bool = False,
-        min_age: str = "10m",
-        deep: bool = False,
-    ) -> VerifyResult:
-        if deep:
-            raise self._direct_only(
-                "verify --deep",
-                "it loads each entry on this machine's own devices; the server's job cannot",
-            )
-        min_age_of(min_age)
-        return self._job(
-            "verify",
-            VerifyResult,
-            {
-                "env": env,
-                "quarantine": quarantine,
-                "repair": repair,
-                "dry_run": dry_run,
-                "min_age": min_age,
-            },
-        )
-
-    def telemetry_stats(self, cache: str, since: str) -> TelemetryStats:
-        parse_duration(since)
-        return decode(
-            TelemetryStats, self.client.get(f"{API}/caches/{_seg(cache)}/telemetry", since=since)
-        )
-
-    def create_token(
-        self, name: str, role: str, caches: list[str] | None, expires: str | None
-    ) -> CreatedToken:
-        return self.client.create_token(name, role, caches, expires)
-
-    def list_tokens(self) -> list[TokenInfo]:
-        return self.client.list_tokens()
-
-    def revoke_token(self, name: str) -> TokenInfo:
-        return self.client.revoke_token(name)
 
 
 def operations(ctx: Context) -> Operations:
     """The one choice of mode: the server's when CACHECTL_SERVER is set, else this host's library."""
     if ctx.remote is not None:
+        # Imported here: the client and the lifecycle results it decodes cost direct mode ~0.5 s.
+        from cachectl.server_operations import ServerOperations
+
         return ServerOperations(ctx, ctx.remote)
     return LocalOperations(ctx)

@@ -81,3 +81,8 @@ def format_duration(delta: timedelta | None) -> str:
         if seconds >= size and seconds % size == 0:
             return f"{seconds // size}{unit}"
     return f"{seconds}s"
+
+
+def parse_min_age(text: str) -> timedelta:
+    """verify's --min-age: a duration, or 0/empty for none; bad text is BadInput before anything runs."""
+    return parse_duration(text) if text.strip() not in ("0", "") else timedelta(0)

@@ -17,6 +17,19 @@ PACKAGES = ("cachectl", "server")
 # (activate() without SQLAlchemy, `import cachectl` without the serving runtime,
 # `cachectl --help` without the index); everything else imports at the top.
 MAX_LOCAL_PROJECT_IMPORTS = 10
+# The read commands' path (`ls`, `stats`, `cache list`, `prune --dry-run` from the stdlib reader,
+# tests/test_cli_startup.py) defers, by (module, imported module), what only the other commands
+# or server mode need: the SQL index, the HTTP client, the executor, gc, verify, tokens.
+DEFERRED_FOR_READ_COMMANDS = {
+    ("cachectl.context", "cachectl.client"),
+    ("cachectl.context", "cachectl.backend"),
+    ("cachectl.operations", "cachectl.server_operations"),
+    ("cachectl.operations", "cachectl.lifecycle.gc"),
+    ("cachectl.operations", "cachectl.lifecycle.verify"),
+    ("cachectl.operations", "cachectl.tokens"),
+    ("cachectl.lifecycle.prune", "cachectl.lifecycle.lease"),
+    ("cachectl.lifecycle.prune", "cachectl.lifecycle.execute"),
+}
 
 
 def _module_name(path: Path) -> str:
@@ -153,7 +166,13 @@ def test_few_function_local_imports_of_project_modules() -> None:
     edges, local = import_graph()
     leaves = _leaves(edges, local)
     assert {"cachectl.cli.warm_cmds", "cachectl.cli.env_cmds"} <= leaves
-    hidden = [(m, line, t) for m, line, t in local if m not in leaves]
+    deferred = {(m, t) for m, _line, t in local if (m, t) in DEFERRED_FOR_READ_COMMANDS}
+    assert deferred == DEFERRED_FOR_READ_COMMANDS, "listed but no longer deferred: update the list"
+    hidden = [
+        (m, line, t)
+        for m, line, t in local
+        if m not in leaves and (m, t) not in DEFERRED_FOR_READ_COMMANDS
+    ]
     assert len(hidden) <= MAX_LOCAL_PROJECT_IMPORTS, "\n".join(
         f"{m}:{line} -> {t}" for m, line, t in hidden
     )
@@ -196,8 +215,10 @@ def test_commands_do_not_branch_on_server_mode() -> None:
     assert [
         str(p.relative_to(ROOT)) for p in sorted(cli.glob("*.py")) if "ctx.remote" in p.read_text()
     ] == []
-    text = (ROOT / "cachectl" / "operations.py").read_text()
-    assert "class LocalOperations" in text and "class ServerOperations" in text
+    local = (ROOT / "cachectl" / "operations.py").read_text()
+    server = (ROOT / "cachectl" / "server_operations.py").read_text()
+    assert "class LocalOperations" in local and "def operations(" in local
+    assert "class ServerOperations" in server
 
 
 # Calls that write objects into a cache's storage (Store.write_bytes/write_file) or record entries in

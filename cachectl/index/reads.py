@@ -21,7 +21,7 @@ from typing import Any, Protocol
 from urllib.parse import quote
 
 from cachectl.cache_info import CacheInfo
-from cachectl.errors import NotFound
+from cachectl.errors import NotFound, Unreachable
 from cachectl.fingerprint import Environment
 from cachectl.records import EnvironmentInfo, pick_environment
 from cachectl.sqlite_file import SCHEMA_REVISION, sqlite_path, stamp
@@ -106,8 +106,9 @@ class SqliteReader:
 
     dialect = "sqlite"
 
-    def __init__(self, conn: sqlite3.Connection) -> None:
+    def __init__(self, conn: sqlite3.Connection, path: str = "?") -> None:
         self.conn = conn
+        self.path = path
 
     @classmethod
     def open(cls, url: str) -> SqliteReader | None:
@@ -134,12 +135,16 @@ class SqliteReader:
         if row is None or row[0] != SCHEMA_REVISION:
             conn.close()
             return None
-        return cls(conn)
+        return cls(conn, str(path))
 
     def rows(self, sql: str, params: Mapping[str, Any] | None = None) -> list[tuple[Any, ...]]:
         sql, bound = expand(sql, params or {})
         values = {k: stamp(v) if isinstance(v, datetime) else v for k, v in bound.items()}
-        return self.conn.execute(sql, values).fetchall()
+        try:
+            return self.conn.execute(sql, values).fetchall()
+        except sqlite3.Error as exc:  # as the SQL index reports its failures
+            first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            raise Unreachable(f"index sqlite:///{self.path} failed: {first}") from exc
 
     def close(self) -> None:
         self.conn.close()

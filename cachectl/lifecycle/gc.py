@@ -29,13 +29,13 @@ from cachectl.index.lifecycle_queries import (
 )
 from cachectl.index.models import utcnow
 from cachectl.lifecycle import lease as leases
+from cachectl.lifecycle.execute import execute_plan
 from cachectl.lifecycle.plan import (
     DeletionPlan,
     ExecutionResult,
     PlannedEntries,
     PlannedEntry,
     Protected,
-    execute_plan,
 )
 from cachectl.permissions import check_writer
 from cachectl.store import DELETE_BATCH, Store

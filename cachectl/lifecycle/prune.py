@@ -29,7 +29,6 @@ from cachectl.index.plan_reads import (
     selected_entries,
     warms_in_progress,
 )
-from cachectl.lifecycle import lease as leases
 from cachectl.lifecycle.plan import (
     DeletionPlan,
     LifecycleResult,
@@ -37,7 +36,6 @@ from cachectl.lifecycle.plan import (
     PlannedEntry,
     PlannedNamespace,
     Protected,
-    execute_plan,
 )
 from cachectl.permissions import check_writer
 from cachectl.store import DELETE_BATCH, Store
@@ -371,6 +369,10 @@ def prune(
         started = time.monotonic()
         plan = plan_prune(ctx, cache, crit, now=now, protect_active=protect_active)
         return LifecycleResult(plan, None, True, time.monotonic() - started)
+    # Imported here: executing needs the SQL index, which planning (--dry-run) never loads.
+    from cachectl.lifecycle import lease as leases
+    from cachectl.lifecycle.execute import execute_plan
+
     check_writer(cache, "prune")
     store = ctx.store(cache)
     with leases.held(ctx.sql_index, cache.name, "prune") as lease:

@@ -1,0 +1,154 @@
+"""Server mode's operations: cachectl.operations' calls over the server's HTTP API.
+
+prune, gc and verify run there as jobs; telemetry stats and tokens are read and changed there.
+Apart from cachectl/operations.py because the client and the results it decodes are imported
+only when CACHECTL_SERVER is set.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from cachectl.client import API, ServerClient, _seg, decode
+from cachectl.context import Context
+from cachectl.errors import BadInput
+from cachectl.index.usage import TelemetryStats
+from cachectl.lifecycle import prune as prune_lib
+from cachectl.lifecycle.gc import GcResult
+from cachectl.lifecycle.plan import LifecycleResult
+from cachectl.lifecycle.verify import VerifyResult
+from cachectl.records import CreatedToken, TokenInfo
+from cachectl.store import DELETE_BATCH
+from cachectl.units import parse_duration, parse_min_age
+
+
+class ServerOperations:
+    """Server mode: the same calls over the server's HTTP API; prune/gc/verify as server jobs."""
+
+    def __init__(self, ctx: Context, client: ServerClient) -> None:
+        self.ctx = ctx
+        self.client = client
+
+    @staticmethod
+    def _direct_only(option: str, why: str) -> BadInput:
+        """What a flag the server's jobs do not take is: bad input, never silently dropped."""
+        return BadInput(
+            f"{option} works only in direct mode ({why}): unset CACHECTL_SERVER and give --db "
+            "and the cache's storage, or leave it out"
+        )
+
+    def _check_batch_size(self, batch_size: int) -> None:
+        if batch_size != DELETE_BATCH:
+            raise self._direct_only(
+                "--batch-size", f"the server deletes {DELETE_BATCH} paths per storage call"
+            )
+
+    def _job(self, kind: str, result_type: type, params: dict[str, Any]) -> Any:
+        """A job on ctx's cache; unset flags are left out, so the server applies its own defaults."""
+        body = {k: v for k, v in params.items() if v is not None and v is not False}
+        return self.client.run_job(self.ctx.settings.cache, kind, body, result_type)
+
+    def prune(
+        self,
+        *,
+        older_than: str | None = None,
+        unused_for: str | None = None,
+        jax_version: str | None = None,
+        superseded: bool = False,
+        keep: int | None = None,
+        env: str | None = None,
+        function: str | None = None,
+        dry_run: bool = False,
+        batch_size: int = DELETE_BATCH,
+    ) -> LifecycleResult:
+        # Bad selectors are bad input here, before the server is asked.
+        self._check_batch_size(batch_size)
+        prune_lib.criteria(
+            older_than=older_than,
+            unused_for=unused_for,
+            jax_version=jax_version,
+            superseded=superseded,
+            keep=keep,
+            env=env,
+            function=function,
+        )
+        return self._job(
+            "prune",
+            LifecycleResult,
+            {
+                "older_than": older_than,
+                "unused_for": unused_for,
+                "jax_version": jax_version,
+                "superseded": superseded,
+                "keep": keep,
+                "env": env,
+                "function": function,
+                "dry_run": dry_run,
+            },
+        )
+
+    def gc(
+        self,
+        *,
+        policy: str = "lru",
+        max_size: str | None = None,
+        protect_warm: bool = False,
+        dry_run: bool = False,
+        batch_size: int = DELETE_BATCH,
+    ) -> GcResult:
+        self._check_batch_size(batch_size)
+        return self._job(
+            "gc",
+            GcResult,
+            {
+                "policy": policy,
+                "max_size": max_size,
+                "protect_warm": protect_warm,
+                "dry_run": dry_run,
+            },
+        )
+
+    def verify(
+        self,
+        *,
+        env: str | None = None,
+        quarantine: bool = False,
+        repair: bool = False,
+        dry_run: bool = False,
+        min_age: str = "10m",
+        deep: bool = False,
+    ) -> VerifyResult:
+        if deep:
+            raise self._direct_only(
+                "verify --deep",
+                "it loads each entry on this machine's own devices; the server's job cannot",
+            )
+        parse_min_age(min_age)
+        return self._job(
+            "verify",
+            VerifyResult,
+            {
+                "env": env,
+                "quarantine": quarantine,
+                "repair": repair,
+                "dry_run": dry_run,
+                "min_age": min_age,
+            },
+        )
+
+    def telemetry_stats(self, cache: str, since: str) -> TelemetryStats:
+        parse_duration(since)
+        return decode(
+            TelemetryStats, self.client.get(f"{API}/caches/{_seg(cache)}/telemetry", since=since)
+        )
+
+    def create_token(
+        self, name: str, role: str, caches: list[str] | None, expires: str | None
+    ) -> CreatedToken:
+        return self.client.create_token(name, role, caches, expires)
+
+    def list_tokens(self) -> list[TokenInfo]:
+        return self.client.list_tokens()
+
+    def revoke_token(self, name: str) -> TokenInfo:
+        return self.client.revoke_token(name)
