@@ -14,6 +14,7 @@ from typing import Any, Protocol
 
 from cachectl import tokens
 from cachectl.client import API, ServerClient, _seg, decode
+from cachectl.config import DELETE_BATCH
 from cachectl.context import Context
 from cachectl.errors import BadInput
 from cachectl.index.telemetry_queries import TelemetryStats, telemetry_stats
@@ -24,7 +25,6 @@ from cachectl.lifecycle.gc import GcResult
 from cachectl.lifecycle.plan import LifecycleResult
 from cachectl.lifecycle.verify import VerifyResult
 from cachectl.records import CreatedToken, TokenInfo
-from cachectl.store import DELETE_BATCH
 from cachectl.units import parse_duration
 
 

@@ -25,11 +25,12 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, overload
 
+from cachectl.config import DELETE_BATCH
 from cachectl.entries import AOT_SUFFIX, ATIME_SUFFIX, CACHE_SUFFIX, LOCKFILE
 from cachectl.index import Index
 from cachectl.index.lifecycle_queries import delete_entry_rows
 from cachectl.lifecycle.lease import Lease
-from cachectl.store import DELETE_BATCH, Store
+from cachectl.store import Store
 
 # Test hooks, read only by the executor: kill this process (SIGKILL) right
 # after the Nth storage batch, before the index learns of it — the worst

@@ -17,6 +17,7 @@ from datetime import datetime, timedelta
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from packaging.version import InvalidVersion, Version
 
+from cachectl.config import DELETE_BATCH
 from cachectl.context import Context
 from cachectl.errors import BadInput
 from cachectl.index import CacheInfo
@@ -40,7 +41,7 @@ from cachectl.lifecycle.plan import (
     execute_plan,
 )
 from cachectl.permissions import check_writer
-from cachectl.store import DELETE_BATCH, Store
+from cachectl.store import Store
 from cachectl.units import format_duration, parse_duration
 
 
