@@ -31,6 +31,8 @@ SECTION = "## CLI startup"
 COMMANDS: tuple[tuple[str, tuple[str, ...], float], ...] = (
     ("cachectl --help", ("--help",), 0.15),
     ("cachectl warm --help", ("warm", "--help"), 0.15),
+    ("cachectl ls --help", ("ls", "--help"), 0.15),
+    ("cachectl token create --help", ("token", "create", "--help"), 0.15),
     ("cachectl ls", ("ls",), 0.35),
     ("cachectl stats", ("stats",), 0.35),
     ("cachectl cache list", ("cache", "list"), 0.35),

@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from cachectl.config import SERVICE_WRITES
 from cachectl.context import Context
 from cachectl.errors import BadInput
 from cachectl.index import CacheInfo
@@ -75,7 +76,7 @@ def _check_policy(policy: dict[str, Any]) -> dict[str, Any]:
         if value is not None and value <= 0:
             raise BadInput(f"{key.replace('_', '-')} must be positive")
     sw = policy.get("service_writes")
-    if sw is not None and sw not in ("allow", "deny"):
+    if sw is not None and sw not in SERVICE_WRITES:
         raise BadInput(f"bad --service-writes {sw!r}: use allow or deny")
     return {k: v for k, v in policy.items() if v is not None}
 

@@ -29,6 +29,25 @@ DEFAULT_WARM_EXECUTOR = "thread"
 DEFAULT_MAX_BUCKETS = 10_000
 MAX_BUCKETS_ENV = "CACHECTL_MAX_BUCKETS"
 
+# Other values the commands' options show (envvars, defaults, choices), here for the same reason:
+# `cachectl CMD --help` builds every command's options without importing the library behind it.
+# The library modules named import them from here.
+# cachectl.signing: the private key writers sign with when --sign-key is not given.
+SIGNING_KEY_ENV = "CACHECTL_SIGNING_KEY"
+# cachectl.records (cachectl.tokens): a server token's roles, least to most privileged.
+TOKEN_ROLES = ("reader", "writer", "admin")
+# cachectl.lifecycle.gc: the eviction orders.
+GC_POLICIES = ("lru", "cost")
+# cachectl.store: paths per storage delete call (S3's DeleteObjects takes at most 1000).
+DELETE_BATCH = 1000
+# cachectl.mirror: parallel copies of pull and push.
+MIRROR_WORKERS = 8
+# cachectl.caches: a cache's service_writes policy.
+SERVICE_WRITES = ("allow", "deny")
+# `cachectl serve`'s listening address (SERVER_HOST is also cachectl_server.config's default).
+SERVER_HOST = "127.0.0.1"
+SERVER_PORT = 8700
+
 
 def default_jobs() -> int:
     """The cores this process may use: warm's default --jobs."""

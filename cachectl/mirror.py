@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from cachectl import ingest
+from cachectl.config import MIRROR_WORKERS as DEFAULT_WORKERS
 from cachectl.context import Context
 from cachectl.entries import (
     AOT_SUFFIX,
@@ -52,7 +53,6 @@ from cachectl.permissions import check_writer
 from cachectl.signing import coverage
 from cachectl.store import NotRegularFile, Store
 
-DEFAULT_WORKERS = 8
 FILE_MODE = 0o644
 DIR_MODE = 0o755
 

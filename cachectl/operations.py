@@ -11,11 +11,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Protocol
 
+from cachectl.config import DELETE_BATCH
 from cachectl.context import Context
 from cachectl.index.usage import TelemetryStats, telemetry_stats
 from cachectl.lifecycle import prune as prune_lib
 from cachectl.lifecycle.plan import LifecycleResult
-from cachectl.store import DELETE_BATCH
 from cachectl.units import parse_duration, parse_min_age
 
 if TYPE_CHECKING:

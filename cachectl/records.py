@@ -10,6 +10,7 @@ from datetime import datetime
 from typing import Any
 
 from cachectl.cache_info import CacheInfo, utcnow  # noqa: F401 - re-exported
+from cachectl.config import TOKEN_ROLES as ROLES
 from cachectl.errors import BadInput, NotFound
 from cachectl.fingerprint import Environment
 
@@ -115,7 +116,6 @@ def pick_environment(
     return matches[0]
 
 
-ROLES = ("reader", "writer", "admin")
 ROLE_RANK = {role: rank for rank, role in enumerate(ROLES)}
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from cachectl.client import API, ServerClient, _seg, decode
+from cachectl.config import DELETE_BATCH
 from cachectl.context import Context
 from cachectl.errors import BadInput
 from cachectl.index.usage import TelemetryStats
@@ -18,7 +19,6 @@ from cachectl.lifecycle.gc import GcResult
 from cachectl.lifecycle.plan import LifecycleResult
 from cachectl.lifecycle.verify import VerifyResult
 from cachectl.records import CreatedToken, TokenInfo
-from cachectl.store import DELETE_BATCH
 from cachectl.units import parse_duration, parse_min_age
 
 

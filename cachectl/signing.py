@@ -31,12 +31,12 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from cachectl.config import SIGNING_KEY_ENV as KEY_ENV
 from cachectl.entries import AOT_SUFFIX, CACHE_SUFFIX, ENV_FILE, SIGNATURE_FILE
 from cachectl.errors import BadInput, CachectlError, PermissionDenied
 
 PREFIX = "ed25519:"
 CONTENT_FORMAT = "cachectl-content/1"
-KEY_ENV = "CACHECTL_SIGNING_KEY"
 # A namespace's signature.json lists a few hundred bytes per file; anything larger is not ours.
 MAX_SIGNATURE_BYTES = 256 * 1024 * 1024
 

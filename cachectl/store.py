@@ -28,6 +28,7 @@ from functools import cached_property
 from typing import Any, BinaryIO, TypeVar
 
 from cachectl import temps
+from cachectl.config import DELETE_BATCH
 from cachectl.errors import BadInput, Unreachable
 
 # Protocols cachectl manages, mapped to their canonical fsspec name.
@@ -43,8 +44,6 @@ _PROTOCOLS = {
 }
 # The scheme JAX (through etils epath) understands for each protocol.
 _URL_SCHEME = {"s3": "s3", "gcs": "gs", "memory": "memory"}
-
-DELETE_BATCH = 1000
 
 
 class NotRegularFile(FileNotFoundError):

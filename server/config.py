@@ -10,12 +10,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
+from cachectl.config import SERVER_HOST as DEFAULT_HOST
 from cachectl.config import Key, load_settings, parse_bool, resolve
 from cachectl.errors import BadInput
 from cachectl.units import parse_duration, parse_size
 
-DEFAULT_HOST = "127.0.0.1"
-DEFAULT_PORT = 8700
 # The largest body the server accepts for one entry when the cache sets no max entry
 # size. Uploads are streamed to a temporary file and checked by streaming, so memory
 # stays small whatever the size; this bounds disk and CPU per upload.

@@ -2,18 +2,25 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import click
 
-from cachectl import bundle as bundle_lib
-from cachectl import signing
 from cachectl.cli.render import emit, escape, json_option, size, stdout, table
-from cachectl.context import Context
+from cachectl.config import SIGNING_KEY_ENV
+
+if TYPE_CHECKING:
+    from cachectl import bundle as bundle_lib
+    from cachectl.context import Context
+
+# The bundle and signing libraries are imported by the command bodies when they run, never at
+# import: `cachectl bundle create --help` builds its options from cachectl.config alone.
 
 sign_key_option = click.option(
     "--sign-key",
     metavar="PATH",
-    envvar=signing.KEY_ENV,
-    help=f"Ed25519 private key to sign the content list with (`cachectl key generate`). [env: {signing.KEY_ENV}]",
+    envvar=SIGNING_KEY_ENV,
+    help=f"Ed25519 private key to sign the content list with (`cachectl key generate`). [env: {SIGNING_KEY_ENV}]",
 )
 
 
@@ -96,6 +103,8 @@ def create(
     as_json: bool,
 ) -> None:
     """Write a namespace's entries, stored executables, env.json and index rows into one file."""
+    from cachectl import bundle as bundle_lib
+
     cache = ctx.cache(cache_name) if cache_name else None
     result = bundle_lib.create(
         ctx,
@@ -126,6 +135,8 @@ def install(ctx: Context, path: str, cache_name: str | None, dry_run: bool, as_j
 
     Exit 3 when it was made for another environment, 2 when any file does not match.
     """
+    from cachectl import bundle as bundle_lib
+
     result = bundle_lib.install(ctx, path, cache=ctx.cache(cache_name), dry_run=dry_run)
 
     def human(r: bundle_lib.InstallResult) -> None:
@@ -148,6 +159,8 @@ def install(ctx: Context, path: str, cache_name: str | None, dry_run: bool, as_j
 @json_option
 def ls(path: str, as_json: bool) -> None:
     """Show what a bundle holds."""
+    from cachectl import bundle as bundle_lib
+
     emit(bundle_lib.describe(path), as_json, _print_info)
 
 
@@ -171,6 +184,8 @@ def generate(path: str, force: bool, dry_run: bool, as_json: bool) -> None:
     cachectl cache set prod --trust ~/.config/cachectl/ci.key.pub
     CACHECTL_SIGNING_KEY=~/.config/cachectl/ci.key cachectl warm m.yaml
     """
+    from cachectl import signing
+
     info = signing.generate(path, force=force, dry_run=dry_run)
     emit(
         info,

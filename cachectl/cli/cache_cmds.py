@@ -3,18 +3,20 @@
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
-from cachectl import caches
-from cachectl.caches import parse_storage_options
 from cachectl.cli.render import emit, json_option, size, stdout, table
-from cachectl.context import Context
-from cachectl.index import CacheInfo
-from cachectl.permissions import parse_writers
-from cachectl.signing import parse_public_key
+from cachectl.config import SERVICE_WRITES
 from cachectl.units import format_duration, parse_duration, parse_size
+
+if TYPE_CHECKING:
+    from cachectl.context import Context
+    from cachectl.index import CacheInfo
+
+# cachectl.caches (and the index behind it) is imported by the command bodies when they run,
+# never at import: `cachectl cache add --help` builds its options from cachectl.config alone.
 
 
 def _policy(
@@ -27,6 +29,9 @@ def _policy(
     group: str | None,
     storage_option: tuple[str, ...] = (),
 ) -> dict[str, Any]:
+    from cachectl.caches import parse_storage_options
+    from cachectl.permissions import parse_writers
+
     return {
         "storage_options": parse_storage_options(storage_option) if storage_option else None,
         "max_size": parse_size(max_size) if max_size else None,
@@ -54,7 +59,7 @@ def _policy_options(fn: Any) -> Any:
         ),
         click.option(
             "--service-writes",
-            type=click.Choice(["allow", "deny"]),
+            type=click.Choice(SERVICE_WRITES),
             help="May services write entries on a miss? (default: deny for gs:// and s3://, allow locally)",
         ),
         click.option(
@@ -110,6 +115,8 @@ def cache_group() -> None:
 @click.pass_obj
 def add(ctx: Context, name: str, url: str, as_json: bool, **opts: Any) -> None:
     """Register cache NAME rooted at URL (a path, file://, gs://bucket/prefix, s3://bucket/prefix)."""
+    from cachectl import caches
+
     info = caches.add_cache(ctx, name, url, **_policy(**opts))
     emit(info, as_json, lambda c: stdout.print(f"added cache {c.name} at {c.root_url}"))
 
@@ -147,6 +154,9 @@ def set_(
     **opts: Any,
 ) -> None:
     """Change a cache's policy."""
+    from cachectl import caches
+    from cachectl.signing import parse_public_key
+
     policy = _policy(**opts)
     if root_url:
         policy["root_url"] = root_url
@@ -166,6 +176,8 @@ def set_(
 @click.pass_obj
 def rm(ctx: Context, name: str, purge: bool, dry_run: bool, as_json: bool) -> None:
     """Unregister a cache (refuses a non-empty cache unless --purge)."""
+    from cachectl import caches
+
     result = caches.remove_cache(ctx, name, purge=purge, dry_run=dry_run)
     verb = "would remove" if dry_run else "removed"
     emit(

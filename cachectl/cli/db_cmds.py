@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import click
 
 from cachectl.cli.render import emit, json_option, stdout
-from cachectl.context import Context
-from cachectl.index import db as index_db
+
+if TYPE_CHECKING:
+    from cachectl.context import Context
+
+# cachectl.index.db (SQLAlchemy, Alembic) is imported by the command bodies when they run, never
+# at import: `cachectl db upgrade --help` stays cheap.
 
 
 @dataclass(frozen=True)
@@ -33,6 +38,8 @@ def db_group() -> None:
 @click.pass_obj
 def upgrade(ctx: Context, revision: str, as_json: bool) -> None:
     """Create or migrate the index schema (SQLite or PostgreSQL)."""
+    from cachectl.index import db as index_db
+
     engine = index_db.make_engine(ctx.settings.db)
     before = index_db.current_revision(engine)
     index_db.upgrade(engine, revision)
@@ -51,6 +58,8 @@ def upgrade(ctx: Context, revision: str, as_json: bool) -> None:
 @click.pass_obj
 def current(ctx: Context, as_json: bool) -> None:
     """Show the index's schema revision and whether it is up to date."""
+    from cachectl.index import db as index_db
+
     engine = index_db.make_engine(ctx.settings.db)
     state = SchemaState(
         index_db.safe_url(engine), index_db.current_revision(engine), index_db.head_revision()

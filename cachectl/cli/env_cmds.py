@@ -6,13 +6,19 @@ import json
 import os
 import shlex
 import sys
+from typing import TYPE_CHECKING
 
 import click
 
 from cachectl.cli.render import emit, json_option, stdout, table
-from cachectl.context import Context
 from cachectl.errors import BadInput, CachectlError
-from cachectl.service_env import ServiceEnv, service_env
+
+if TYPE_CHECKING:
+    from cachectl.context import Context
+    from cachectl.service_env import ServiceEnv
+
+# cachectl.service_env (and the index behind it) is imported by the command bodies when they run,
+# never at import: `cachectl env --help` stays cheap.
 
 
 @click.command("fingerprint")
@@ -78,6 +84,8 @@ def env(ctx: Context, fmt: str | None, as_json: bool, readonly: bool | None) -> 
     cachectl env --json         # = --format json
     cachectl env --format dotenv > service.env
     """
+    from cachectl.service_env import service_env
+
     fmt = _env_format(fmt, as_json)
     result = service_env(ctx, readonly=readonly)
     if result.warning:
@@ -109,6 +117,8 @@ def exec_(ctx: Context, readonly: bool | None, telemetry: bool, command: tuple[s
     cachectl exec -- python -c 'import os; print(os.environ["JAX_COMPILATION_CACHE_DIR"])'
     cachectl exec --readonly -- python my_service.py
     """
+    from cachectl.service_env import service_env
+
     try:
         result = service_env(ctx, readonly=readonly)
         variables = result.variables

@@ -3,14 +3,19 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 import click
 
-from cachectl import inventory
 from cachectl.cli.render import emit, json_option, shortened, size, stdout, table, when
-from cachectl.index.usage import TelemetryStats, UsageRow
-from cachectl.operations import operations
 from cachectl.units import parse_duration
+
+if TYPE_CHECKING:
+    from cachectl import inventory
+    from cachectl.index.usage import TelemetryStats, UsageRow
+
+# cachectl.inventory and cachectl.operations (the index, SQLAlchemy) are imported by the command
+# bodies when they run, never at import: `cachectl ls --help` stays cheap.
 
 
 def _print_environments(listing: inventory.EnvironmentListing) -> None:
@@ -96,6 +101,8 @@ def _print_entries(listing: inventory.EntryListing) -> None:
 @click.pass_obj
 def ls(ctx, env_prefix: str | None, as_json: bool) -> None:
     """List a cache's environments, or one environment's entries."""
+    from cachectl import inventory
+
     cache = ctx.cache()
     if env_prefix:
         emit(inventory.list_entries(ctx, cache, env_prefix), as_json, _print_entries)
@@ -136,10 +143,12 @@ def _print_totals(items: list[inventory.CacheTotals]) -> None:
             justify_right=("environments", "entries", "executables", "aot bytes", "bytes"),
         )
     )
+    from cachectl.inventory import EnvironmentListing
+
     for t in items:
         if t.per_environment:
             _print_environments(
-                inventory.EnvironmentListing(t.cache.name, t.cache.root_url, t.per_environment)
+                EnvironmentListing(t.cache.name, t.cache.root_url, t.per_environment)
             )
 
 
@@ -277,6 +286,9 @@ def _print_totals_and_rates(items: list[inventory.CacheTotals]) -> None:
 def stats(ctx, all_caches: bool, since: str | None, as_json: bool) -> None:
     """Totals per cache and per environment with the hit rate over the last 24h; with --since,
     hits and misses from services per environment and function."""
+    from cachectl import inventory
+    from cachectl.operations import operations
+
     if since is not None:
         parse_duration(since)  # bad input before the index is opened
     caches = ctx.reads.list_caches() if all_caches else [ctx.cache()]

@@ -9,16 +9,23 @@ holds the cache's lease (the message names the holder; nothing was done);
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import click
 
 from cachectl.cli.render import emit, json_option, shortened, size, stdout, table
-from cachectl.context import Context
+from cachectl.config import DELETE_BATCH, GC_POLICIES
 from cachectl.errors import ProblemsReported
-from cachectl.lifecycle import gc as gc_lib
-from cachectl.lifecycle import verify as verify_lib
-from cachectl.lifecycle.plan import DeletionPlan, ExecutionResult, LifecycleResult
-from cachectl.operations import operations
-from cachectl.store import DELETE_BATCH
+
+if TYPE_CHECKING:
+    from cachectl.context import Context
+    from cachectl.lifecycle import gc as gc_lib
+    from cachectl.lifecycle import verify as verify_lib
+    from cachectl.lifecycle.plan import DeletionPlan, ExecutionResult, LifecycleResult
+
+# cachectl.operations (the lifecycle library, the index, SQLAlchemy) is imported by the command
+# bodies when they run, never at import: `cachectl prune --help` builds its options from
+# cachectl.config alone.
 
 _SHOW = 50
 
@@ -194,6 +201,8 @@ def prune_cmd(
     (nothing done) when another prune, gc or verify --quarantine holds the
     cache's lease.
     """
+    from cachectl.operations import operations
+
     result = operations(ctx).prune(
         older_than=older_than,
         unused_for=unused_for,
@@ -211,7 +220,7 @@ def prune_cmd(
 @click.command("gc")
 @click.option(
     "--policy",
-    type=click.Choice(gc_lib.POLICIES),
+    type=click.Choice(GC_POLICIES),
     default="lru",
     show_default=True,
     help="lru: least recently used first; cost: cheapest to recompile per byte first.",
@@ -243,6 +252,8 @@ def gc_cmd(
     lease (nothing done), or when the cache is still over its limit because
     everything left is protected.
     """
+    from cachectl.operations import operations
+
     result = operations(ctx).gc(
         policy=policy,
         max_size=max_size,
@@ -307,6 +318,8 @@ def verify_cmd(
     Run `cachectl sync` first where services write entries themselves: until
     synced, their entries are unknown to the index.
     """
+    from cachectl.operations import operations
+
     result = operations(ctx).verify(
         env=env_prefix,
         quarantine=quarantine,

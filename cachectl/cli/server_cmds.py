@@ -2,23 +2,33 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
-from cachectl import tokens
 from cachectl.cli.render import emit, json_option, stdout, table, when
-from cachectl.context import Context
+from cachectl.config import SERVER_HOST, SERVER_PORT, TOKEN_ROLES
 from cachectl.errors import BadInput
-from cachectl.operations import operations
+
+if TYPE_CHECKING:
+    from cachectl import tokens
+    from cachectl.context import Context
+
+# cachectl.operations (the index, SQLAlchemy) and the server are imported by the command bodies
+# when they run, never at import: `cachectl token create --help` builds its options from
+# cachectl.config alone.
 
 KEEP_ALIVE_S = 75
 
 
 @click.command("serve")
-@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
+@click.option("--host", default=SERVER_HOST, show_default=True, help="Address to listen on.")
 @click.option(
-    "--port", default=8700, show_default=True, type=click.IntRange(0, 65535), help="TCP port."
+    "--port",
+    default=SERVER_PORT,
+    show_default=True,
+    type=click.IntRange(0, 65535),
+    help="TCP port.",
 )
 @click.option(
     "--db",
@@ -157,7 +167,7 @@ def token_group() -> None:
 @click.option(
     "--role",
     required=True,
-    type=click.Choice(tokens.ROLES),
+    type=click.Choice(TOKEN_ROLES),
     help="reader: list, stats, resolve, download, telemetry; writer: also upload and register "
     "entries and warm runs; admin: also prune, gc, verify, policy and tokens.",
 )
@@ -175,6 +185,8 @@ def token_create(
     ctx: Context, name: str, role: str, caches: tuple[str, ...], expires: str | None, as_json: bool
 ) -> None:
     """Create a token; the secret is printed once, alone on the last line (only its hash is stored)."""
+    from cachectl.operations import operations
+
     created = operations(ctx).create_token(name, role, list(caches) or None, expires)
 
     def human(c: tokens.CreatedToken) -> None:
@@ -192,6 +204,8 @@ def token_create(
 @click.pass_obj
 def token_list(ctx: Context, as_json: bool) -> None:
     """List tokens (names, roles, scopes, expiry; never secrets)."""
+    from cachectl.operations import operations
+
     items = operations(ctx).list_tokens()
     emit(items, as_json, _print_tokens)
 
@@ -202,6 +216,8 @@ def token_list(ctx: Context, as_json: bool) -> None:
 @click.pass_obj
 def token_revoke(ctx: Context, name: str, as_json: bool) -> None:
     """Revoke a token by name; the server refuses it from the next request on."""
+    from cachectl.operations import operations
+
     info = operations(ctx).revoke_token(name)
     emit(info, as_json, lambda t: stdout.print(f"revoked token {t.name!r}"))
 

@@ -7,13 +7,21 @@ when an entry was refused or failed, 4 when this user is not a writer.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import click
 
-from cachectl import doctor as doctor_lib
-from cachectl import mirror as mirror_lib
-from cachectl import signing
 from cachectl.cli.render import emit, json_option, shortened, size, stdout, table
-from cachectl.context import Context
+from cachectl.config import MIRROR_WORKERS, SIGNING_KEY_ENV
+
+if TYPE_CHECKING:
+    from cachectl import doctor as doctor_lib
+    from cachectl import mirror as mirror_lib
+    from cachectl.context import Context
+
+# cachectl.doctor, cachectl.mirror and cachectl.signing (the index, SQLAlchemy, the stores) are
+# imported by the command bodies when they run, never at import: `cachectl pull --help` builds
+# its options from cachectl.config alone.
 
 _SHOW = 50
 _STYLE = {"error": "bold red", "warning": "yellow", "info": "green"}
@@ -46,6 +54,8 @@ def doctor(ctx: Context, as_json: bool) -> None:
     and every differing field; checks key-affecting JAX config, JAX's own
     eviction, cache permissions, and that the index and bucket are reachable.
     """
+    from cachectl import doctor as doctor_lib
+
     report = doctor_lib.diagnose(ctx)
     emit(report, as_json, _print_doctor)
 
@@ -89,7 +99,7 @@ def _print_pull(r: mirror_lib.PullResult) -> None:
 @click.option(
     "--workers",
     type=click.IntRange(1, 64),
-    default=mirror_lib.DEFAULT_WORKERS,
+    default=MIRROR_WORKERS,
     show_default=True,
     help="Parallel downloads.",
 )
@@ -114,6 +124,8 @@ def pull(
     \b
     cachectl pull --to /var/cache/jax-mirror
     """
+    from cachectl import mirror as mirror_lib
+
     result = mirror_lib.pull(
         ctx, dest, workers=workers, dry_run=dry_run, verify_existing=verify_existing
     )
@@ -146,7 +158,7 @@ def _print_push(r: mirror_lib.PushResult) -> None:
 @click.option(
     "--workers",
     type=click.IntRange(1, 64),
-    default=mirror_lib.DEFAULT_WORKERS,
+    default=MIRROR_WORKERS,
     show_default=True,
     help="Parallel uploads.",
 )
@@ -154,9 +166,9 @@ def _print_push(r: mirror_lib.PushResult) -> None:
 @click.option(
     "--sign-key",
     metavar="PATH",
-    envvar="CACHECTL_SIGNING_KEY",
+    envvar=SIGNING_KEY_ENV,
     help="Sign the namespace's content list afterwards (required when the cache trusts keys). "
-    "[env: CACHECTL_SIGNING_KEY]",
+    f"[env: {SIGNING_KEY_ENV}]",
 )
 @json_option
 @click.pass_obj
@@ -167,6 +179,9 @@ def push(
 
     New entries are recorded in the index with origin "push".
     """
+    from cachectl import mirror as mirror_lib
+    from cachectl import signing
+
     key = signing.signing_key(sign_key)
     if not dry_run:
         signing.require_signer(ctx.cache(), key, "push")

@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import click
 
 from cachectl.cli.render import emit, json_option, stdout, table
-from cachectl.lifecycle.sync import SyncResult, sync
 from cachectl.units import parse_duration
+
+if TYPE_CHECKING:
+    from cachectl.lifecycle.sync import SyncResult
+
+# cachectl.lifecycle.sync (the index, SQLAlchemy, the stores) is imported by the command body when
+# it runs, never at import: `cachectl sync --help` stays cheap.
 
 
 def _print(result: SyncResult) -> None:
@@ -74,6 +81,8 @@ def sync_cmd(ctx, dry_run: bool, as_json: bool, min_age: str) -> None:
     Indexes entries any JAX process wrote into a namespace, drops index rows
     whose files are gone, and rebuilds environments from their env.json.
     """
+    from cachectl.lifecycle.sync import sync
+
     result = sync(ctx, ctx.cache(), dry_run=dry_run, min_age=parse_duration(min_age))
     emit(result, as_json, _print)
 

@@ -6,13 +6,20 @@ Exit codes: misses 1 when any compile request missed, 0 when none did (the text 
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import click
 
-from cachectl import advise as advise_lib
-from cachectl import misses as misses_lib
 from cachectl.cli.render import emit, json_option, stdout, table
-from cachectl.context import Context
 from cachectl.units import parse_duration
+
+if TYPE_CHECKING:
+    from cachectl import advise as advise_lib
+    from cachectl import misses as misses_lib
+    from cachectl.context import Context
+
+# cachectl.misses and cachectl.advise (NumPy, pydantic, the index) are imported by the command
+# bodies when they run, never at import: `cachectl misses --help` stays cheap.
 
 _SHOW = 50
 
@@ -81,6 +88,8 @@ def misses(
     cachectl misses --since 24h
     cachectl misses --manifest examples/manifest.yaml --json
     """
+    from cachectl import misses as misses_lib
+
     report = misses_lib.misses(
         ctx, since=parse_duration(since), function=function, manifest=manifest
     )
@@ -195,6 +204,8 @@ def advise(
     cachectl advise examples/manifest.yaml --max-buckets 4
     cachectl advise examples/manifest.yaml --axis seq --max-waste 10% --write
     """
+    from cachectl import advise as advise_lib
+
     report = advise_lib.advise(
         ctx,
         manifest,

@@ -12,6 +12,7 @@ from cachectl.config import (
     DEFAULT_MAX_BUCKETS,
     DEFAULT_WARM_EXECUTOR,
     MAX_BUCKETS_ENV,
+    SIGNING_KEY_ENV,
     WARM_EXECUTORS,
     default_jobs,
 )
@@ -424,9 +425,9 @@ def _run_distributed(
 @click.option(
     "--sign-key",
     metavar="PATH",
-    envvar="CACHECTL_SIGNING_KEY",
+    envvar=SIGNING_KEY_ENV,
     help="Sign the namespace's content list with this Ed25519 key afterwards (required when the "
-    "cache trusts keys). [env: CACHECTL_SIGNING_KEY]",
+    f"cache trusts keys). [env: {SIGNING_KEY_ENV}]",
 )
 @click.option(
     "--distributed/--no-distributed",

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
+from cachectl.config import DELETE_BATCH
+from cachectl.config import GC_POLICIES as POLICIES
 from cachectl.context import Context
 from cachectl.errors import BadInput
 from cachectl.index import CacheInfo
@@ -38,10 +40,8 @@ from cachectl.lifecycle.plan import (
     Protected,
 )
 from cachectl.permissions import check_writer
-from cachectl.store import DELETE_BATCH, Store
+from cachectl.store import Store
 from cachectl.units import format_size, parse_size
-
-POLICIES = ("lru", "cost")
 
 
 @dataclass

@@ -18,6 +18,7 @@ from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from packaging.version import InvalidVersion, Version
 
 from cachectl.cache_info import utcnow
+from cachectl.config import DELETE_BATCH
 from cachectl.context import Context
 from cachectl.errors import BadInput
 from cachectl.index import CacheInfo
@@ -38,7 +39,7 @@ from cachectl.lifecycle.plan import (
     Protected,
 )
 from cachectl.permissions import check_writer
-from cachectl.store import DELETE_BATCH, Store
+from cachectl.store import Store
 from cachectl.units import format_duration, parse_duration
 
 
