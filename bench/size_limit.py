@@ -1,7 +1,7 @@
 """Writes under a size limit: JAX's own LRU vs a managed cache with out-of-band gc.
 
 JAX's ``jax_compilation_cache_max_size`` makes every put glob the directory and
-read every ``-atime`` file (DESIGN.md fact 2). A managed cache runs with
+read every ``-atime`` file (docs/jax-facts.md, fact 2). A managed cache runs with
 ``max_size=-1`` (a put is one file write) and lets ``cachectl gc`` enforce the
 limit from the index, off the service's path. This measures, at several resident
 entry counts, JAX's real ``LRUCache.put`` (the class JAX itself uses) with eviction

@@ -7,7 +7,7 @@ input/output pytree structures, but not the XLA executable itself: that is
 pickled as a reference to the JAX entry, whose bytes JAX already stores. Loading
 reads both files, checks the entry is the one the artifact was made with
 (sha256), and rebuilds a ``jax.stages.Compiled``. So a namespace gains a few KB
-per bucket, not a second copy of every program (DESIGN.md §7).
+per bucket, not a second copy of every program (docs/jax-facts.md, fact 7 for why loading is trusted).
 
 Loading an artifact is code execution, like loading a JAX entry: only load
 what a trusted writer stored, and refuse bytes the index does not know.

@@ -13,7 +13,7 @@ Every process of the job runs the same command. Each one:
    process refuses (exit 3) before compiling;
 3. compiles every bucket (each process compiles its part of every program, as a
    multi-process service does). JAX writes the persistent cache from process 0
-   only (DESIGN.md fact 6), so process 0 alone stores executables, records the
+   only (docs/jax-facts.md, fact 6), so process 0 alone stores executables, records the
    entries (once) and the warm run; the others wait for its results and check
    that they looked up the same keys;
 4. reports for itself (``process`` in the JSON: index, count, writer 0).

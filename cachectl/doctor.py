@@ -1,6 +1,6 @@
 """`cachectl doctor`: why would this process miss its warmed cache?
 
-JAX's key is an opaque hash (DESIGN.md §1): a different XLA flag, jaxlib,
+JAX's key is an opaque hash (docs/jax-facts.md, fact 9): a different XLA flag, jaxlib,
 device count or compression library silently gives every entry a new key.
 Doctor compares this process's Environment with the ones in the index, names
 the nearest and says, field by field and in plain words, what differs; then

@@ -1,7 +1,7 @@
 """The on-disk format of JAX cache entries, and what else lives in a namespace.
 
 A JAX entry is ``<module>-<64 hex>-cache`` holding compress(4-byte big-endian
-compile seconds + serialized executable), zstd or zlib (DESIGN.md §1). JAX also
+compile seconds + serialized executable), zstd or zlib (docs/jax-facts.md, fact 10). JAX also
 leaves ``-atime`` sidecars and a ``.lockfile`` when its own size limit is on,
 and XLA sub-cache directories when XLA caches are enabled.
 """

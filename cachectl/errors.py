@@ -1,6 +1,6 @@
 """Errors that carry the CLI exit code, so every layer can fail the same way.
 
-Exit codes are a contract (DESIGN.md §4): 1 the operation found or hit problems,
+Exit codes are a contract (README, "Exit codes"): 1 the operation found or hit problems,
 2 bad input, 3 hardware or environment mismatch, 4 permission denied.
 
 ``ERRORS`` is the one table from an error class to its exit code (the CLI group,

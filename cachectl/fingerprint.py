@@ -1,6 +1,6 @@
 """The environment a JAX cache entry belongs to, read from the live runtime.
 
-JAX's cache key is an opaque sha256 (DESIGN.md §1): nobody can tell from a file
+JAX's cache key is an opaque sha256 (docs/jax-facts.md, fact 9): nobody can tell from a file
 name which JAX, hardware or flags produced it. cachectl therefore files every
 entry under an Environment it recorded itself. The fields are exactly the
 inputs of JAX's key other than the program, so two processes share a namespace

@@ -75,7 +75,7 @@ STAGING_SOURCE = re.compile(r" at .*[/\\]jax[/\\]_src[/\\]dispatch\.py:\d+$")
 # this is never written by a service with default settings (read-only services raise it).
 DEFAULT_MIN_COMPILE_TIME_S = 1.0
 
-# -- jax.monitoring events (DESIGN.md fact 5) ----------------------------------------------
+# -- jax.monitoring events (docs/jax-facts.md, fact 5) ----------------------------------------------
 
 EVENT_REQUESTS = "/jax/compilation_cache/compile_requests_use_cache"
 EVENT_HITS = "/jax/compilation_cache/cache_hits"

@@ -2,7 +2,7 @@
 
 JAX reading every entry from an object store costs a round trip per program,
 and the cache is trusted: whoever can write it can run code in every process
-that reads it (DESIGN.md fact 7). ``pull`` copies this environment's entries
+that reads it (docs/jax-facts.md, fact 7). ``pull`` copies this environment's entries
 to a local directory, but only entries the index knows whose sha256 matches
 the index; anything else found in the bucket is reported, never copied.
 Managed keys are path-independent (fact 1), so the mirror hits exactly what

@@ -1,7 +1,7 @@
 """Ed25519 signatures over a namespace's content list: the trust root is a key.
 
 Whoever can write a bucket can run code in every process that loads from it
-(DESIGN.md fact 7). With signatures, a cache that lists trusted public keys
+(docs/jax-facts.md, fact 7). With signatures, a cache that lists trusted public keys
 (`cachectl cache set NAME --trust PUBKEY`) accepts only content whose list of
 files and sha256s is signed by one of them: `mirror pull`, `bundle install` and
 `cachectl.serving` refuse each file no trusted key signed, and serve the rest.

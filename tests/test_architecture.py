@@ -284,3 +284,42 @@ def test_ingest_is_the_only_writer_of_new_entries() -> None:
     outside = {f for f in found if f[0] != INGEST}
     assert outside - WRITES_OUTSIDE_INGEST == set(), "write new entries through cachectl/ingest.py"
     assert WRITES_OUTSIDE_INGEST - outside == set(), "a listed writer is gone: take it off the list"
+
+
+def test_the_repository_names_no_file_outside_it() -> None:
+    """The JAX facts and contracts the code relies on live in the repository (docs/jax-facts.md,
+    the README), never in a design note outside it."""
+    paths = [
+        p
+        for top in ("cachectl", "server", "tests", "bench", "scripts", "migrations", "docs", ".ci")
+        for p in (ROOT / top).rglob("*")
+        if p.is_file()
+        and p.suffix in ("", ".py", ".md", ".sh", ".toml", ".yaml", ".ini")
+        and "__pycache__" not in p.parts
+    ]
+    paths += [ROOT / n for n in ("README.md", "ARCHITECTURE.md", "BENCHMARKS.md", "pyproject.toml")]
+    needle = "DESIGN" + ".md"
+    assert [
+        str(p.relative_to(ROOT)) for p in paths if needle in p.read_text(errors="replace")
+    ] == []
+
+
+def test_every_jax_fact_names_tests_that_exist() -> None:
+    """docs/jax-facts.md: the facts are numbered 1..N as the code cites them, and every test named exists."""
+    text = (ROOT / "docs" / "jax-facts.md").read_text()
+    numbers = [int(line.split(".")[0]) for line in text.splitlines() if line[:1].isdigit()]
+    assert numbers == list(range(1, len(numbers) + 1)) and len(numbers) >= 11
+    named = set()
+    current = None
+    for token in text.replace("`", " ").split():
+        if token.startswith("tests/") and "::" in token:
+            current, _, name = token.partition("::")
+            named.add((current, name.rstrip(",.")))
+        elif token.startswith("test_") and current is not None:
+            named.add((current, token.rstrip(",.")))
+    missing = [
+        f"{path}::{name}"
+        for path, name in sorted(named)
+        if f"def {name}(" not in (ROOT / path).read_text()
+    ]
+    assert named and missing == []

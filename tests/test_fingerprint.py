@@ -87,7 +87,7 @@ def _keys(cache_dir: str, xla_caches: str) -> str:
 
 
 def test_fact1_keys_path_independent_only_without_xla_caches(tmp_path) -> None:
-    """DESIGN.md fact 1, pinned against the installed JAX."""
+    """docs/jax-facts.md fact 1, pinned against the installed JAX."""
     managed = [_keys(str(tmp_path / d), "none") for d in ("c1", "c2")]
     assert managed[0] and managed[0] == managed[1]
     default = [_keys(str(tmp_path / d), "default") for d in ("d1", "d2")]

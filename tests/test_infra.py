@@ -1,6 +1,6 @@
 """Tests of the test infrastructure itself: the fixtures talk to real servers.
 
-Also pins DESIGN.md §1 fact 3: JAX writes its persistent cache to s3:// on
+Also pins docs/jax-facts.md fact 3: JAX writes its persistent cache to s3:// on
 moto and gs:// on gcp-storage-emulator through etils epath, with only the
 environment the s3_env / gcs_env fixtures set. Measured (jax 0.10.2, etils
 1.15, moto 5.2.5, gcp-storage-emulator 2026.7.19): it works for both, about
@@ -203,7 +203,7 @@ print(jax.jit(lambda x: x + 1)(1.0))
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["s3", "gcs"])
 def test_jax_writes_cache_to_bucket(kind, request):
-    """DESIGN.md §1 fact 3: JAX's persistent cache on s3:// (moto) and gs:// (emulator)."""
+    """docs/jax-facts.md fact 3: JAX's persistent cache on s3:// (moto) and gs:// (emulator)."""
     import fsspec
 
     bucket = request.getfixturevalue(f"{kind}_bucket")

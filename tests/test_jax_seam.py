@@ -502,3 +502,56 @@ def test_importing_the_seam_imports_no_jax() -> None:
         check=True,
     )
     assert proc.stdout.strip().splitlines()[-1] == "[]"
+
+
+# -- facts without a seam function, pinned against the installed JAX (docs/jax-facts.md) -----
+
+_SIZE_LIMIT_PROBE = """
+import json, os
+import jax, jax.numpy as jnp, numpy as np
+cache_dir, limit = {cache!r}, {limit}
+jax.config.update("jax_compilation_cache_dir", cache_dir)
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+jax.config.update("jax_persistent_cache_enable_xla_caches", "none")
+jax.config.update("jax_compilation_cache_max_size", limit)
+jax.jit(lambda x: jnp.sin(x) * 3).lower(np.ones((3,), np.float32)).compile()
+print(json.dumps(sorted(os.listdir(cache_dir))))
+"""
+
+
+def test_fact2_atime_files_and_the_lockfile_exist_only_under_a_size_limit(tmp_path: Path) -> None:
+    """docs/jax-facts.md fact 2: JAX keeps ``-atime`` files and a ``.lockfile`` only when its
+    own size limit is on; managed services run without it (cachectl enforces limits)."""
+    found = {}
+    for limit in (-1, 10**9):
+        cache = tmp_path / f"c{limit}"
+        cache.mkdir()
+        proc = run_py(_SIZE_LIMIT_PROBE.format(cache=str(cache), limit=limit), check=True)
+        found[limit] = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert [f for f in found[-1] if f.endswith("-cache")] and not [
+        f for f in found[-1] if f.endswith("-atime") or f == ".lockfile"
+    ], found[-1]
+    assert [f for f in found[10**9] if f.endswith("-atime")] and ".lockfile" in found[10**9]
+
+
+_PAD_PROBE = """
+import json
+import jax, jax.numpy as jnp, numpy as np
+compiles = []
+jax.monitoring.register_event_duration_secs_listener(
+    lambda e, d, **kw: compiles.append(e) if e == "/jax/core/compile/backend_compile_duration" else None)
+f = jax.jit(lambda x: x * 2).lower(np.ones((4, 3), np.float32)).compile()
+before = len(compiles)
+np.asarray(f(np.pad(np.ones((3, 3), np.float32), ((0, 1), (0, 0)))))
+host = len(compiles) - before
+np.asarray(f(jnp.pad(np.ones((3, 3), np.float32), ((0, 1), (0, 0)))))
+print(json.dumps(dict(host=host, device=len(compiles) - before - host)))
+"""
+
+
+def test_fact8_padding_with_jnp_compiles_and_with_numpy_does_not() -> None:
+    """docs/jax-facts.md fact 8: a compiled program called with numpy inputs compiles nothing;
+    a ``jnp.pad`` on the call path is a program of its own (serving pads on the host)."""
+    proc = run_py(_PAD_PROBE, check=True)
+    counts = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert counts["host"] == 0 and counts["device"] >= 1, counts

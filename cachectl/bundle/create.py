@@ -64,7 +64,7 @@ def _tarinfo(name: str, size: int, mtime: float) -> tarfile.TarInfo:
     return info
 
 
-# JAX writes entries zstd- or zlib-compressed already (DESIGN.md §1): compressing them again costs
+# JAX writes entries zstd- or zlib-compressed already (docs/jax-facts.md, fact 10): compressing them again costs
 # most of a bundle's time and saves nothing. They go into the zstd stream as raw blocks: a standard
 # zstd frame (magic, descriptor, a 128 KiB window) whose blocks hold the bytes as they are, which every
 # zstd decoder reads, so bundles stay cachectl-bundle/1 for older versions. Metadata and stored

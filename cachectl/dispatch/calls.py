@@ -1,7 +1,7 @@
 """Fitting a call to a bucket, on the host: per-argument plans, padding, the mask, the errors.
 
 Nothing here traces or compiles: a jnp.pad or a device slice would compile a program per
-shape (DESIGN.md §7), which is what serving from stored executables avoids."""
+shape (docs/jax-facts.md, fact 8), which is what serving from stored executables avoids."""
 
 from __future__ import annotations
 
@@ -124,7 +124,7 @@ def pad_pytree(plan: _ArgPlan, tree: Any, values: dict[str, Any]) -> tuple[Any, 
 
 
 def _pad_to(x: Any, target: tuple[int, ...], value: Any, dtype: Any) -> np.ndarray:
-    """Pad on the host: a jnp.pad would compile a program per shape (DESIGN.md §7)."""
+    """Pad on the host: a jnp.pad would compile a program per shape (docs/jax-facts.md, fact 8)."""
     host = np.asarray(x, dtype=dtype)
     if host.shape == target:
         return host

@@ -1,7 +1,7 @@
 """`cachectl gc`: keep a cache under its size limits, evicting by policy.
 
 JAX's own limit costs O(entries) per write and does not work on object
-stores (DESIGN.md fact 2), so managed services run without it and gc
+stores (docs/jax-facts.md, fact 2), so managed services run without it and gc
 enforces ``max_size`` (and ``env_max_size`` per environment) from the index.
 Policies: ``lru`` evicts the least recently used first; ``cost`` evicts what
 is cheapest to recompile per byte first (GreedyDual-Size style, decayed by

@@ -111,7 +111,7 @@ def is_jitted(obj: Any) -> bool:
 
 def _is_filter_jit(obj: Any) -> bool:
     """Equinox's filter_jit wrappers: they have .lower but no .trace, and jax.jit around them
-    compiles another program (DESIGN.md §7)."""
+    compiles another program (docs/jax-facts.md, fact 8)."""
     kind = type(obj)
     return kind.__module__.startswith("equinox") and "jit" in kind.__name__.lower()
 

@@ -1,6 +1,6 @@
 """Hit/miss telemetry for a managed service, collected in-process.
 
-JAX reports cache use through ``jax.monitoring`` events (DESIGN.md fact 5):
+JAX reports cache use through ``jax.monitoring`` events (docs/jax-facts.md, fact 5):
 ``compile_requests_use_cache`` and ``cache_hits`` on every compile that could
 use the cache, ``cache_misses`` only when an entry is *written* (so misses are
 requests minus hits), and two durations. None of them names the program; the
