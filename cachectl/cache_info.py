@@ -7,9 +7,29 @@ first full garbage collection closer.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
+
+from cachectl.sqlite_file import from_json, when
+
+# The ``caches`` table's columns, in the order CacheInfo.from_row reads them.
+CACHE_COLUMNS = (
+    "name",
+    "root_url",
+    "max_size_bytes",
+    "max_entry_size_bytes",
+    "env_max_size_bytes",
+    "retention_seconds",
+    "keep_versions",
+    "writers",
+    "service_writes",
+    "group_name",
+    "storage_options",
+    "created_at",
+    "trusted_keys",
+)
 
 
 def utcnow() -> datetime:
@@ -32,6 +52,28 @@ class CacheInfo:
     created_at: datetime | None = None
     # Public keys readers accept signatures from; empty: signatures are not required.
     trusted_keys: tuple[str, ...] = ()
+
+    @classmethod
+    def from_row(cls, row: Sequence[Any]) -> CacheInfo:
+        """A ``caches`` row (CACHE_COLUMNS, in order), as any driver or the ORM returns it: the one
+        mapping from the table to the record."""
+        name, root, max_size, max_entry, env_max, retention, keep, writers = row[:8]
+        service_writes, group, options, created, keys = row[8:13]
+        return cls(
+            name=name,
+            root_url=root,
+            max_size=max_size,
+            max_entry_size=max_entry,
+            env_max_size=env_max,
+            retention_seconds=retention,
+            keep_versions=keep,
+            writers=tuple(from_json(writers) or ()),
+            service_writes=service_writes,
+            group=group,
+            storage_options=dict(from_json(options) or {}),
+            created_at=when(created),
+            trusted_keys=tuple(from_json(keys) or ()),
+        )
 
     @property
     def effective_service_writes(self) -> str:

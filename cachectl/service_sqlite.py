@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import json
 import sqlite3
-from datetime import UTC, datetime
+from datetime import datetime
 from typing import Any
 
-from cachectl.cache_info import CacheInfo, utcnow
+from cachectl.cache_info import CACHE_COLUMNS, CacheInfo, utcnow
 from cachectl.fingerprint import Environment
 from cachectl.sqlite_file import SCHEMA_REVISION, sqlite_path, stamp
 from cachectl.telemetry.records import TelemetryBatch
@@ -31,26 +31,6 @@ from cachectl.telemetry.rows import (
 )
 
 BUSY_TIMEOUT_S = 30.0  # cachectl.index.db.SQLITE_BUSY_TIMEOUT_MS: writers wait, never fail at once
-
-_CACHE_COLUMNS = (
-    "name",
-    "root_url",
-    "max_size_bytes",
-    "max_entry_size_bytes",
-    "env_max_size_bytes",
-    "retention_seconds",
-    "keep_versions",
-    "writers",
-    "service_writes",
-    "group_name",
-    "storage_options",
-    "created_at",
-    "trusted_keys",
-)
-
-
-def _parse(value: str | None) -> datetime | None:
-    return None if value is None else datetime.fromisoformat(value).replace(tzinfo=UTC)
 
 
 def _json(value: Any) -> str:
@@ -70,26 +50,11 @@ class FastIndex:
 
     def get_cache(self, name: str) -> CacheInfo | None:
         row = self.conn.execute(
-            f"SELECT {', '.join(_CACHE_COLUMNS)} FROM caches WHERE name = ?", (name,)
+            f"SELECT {', '.join(CACHE_COLUMNS)} FROM caches WHERE name = ?", (name,)
         ).fetchone()
         if row is None:
             return None
-        r = dict(zip(_CACHE_COLUMNS, row, strict=True))
-        return CacheInfo(
-            name=r["name"],
-            root_url=r["root_url"],
-            max_size=r["max_size_bytes"],
-            max_entry_size=r["max_entry_size_bytes"],
-            env_max_size=r["env_max_size_bytes"],
-            retention_seconds=r["retention_seconds"],
-            keep_versions=r["keep_versions"],
-            writers=tuple(json.loads(r["writers"] or "[]")),
-            service_writes=r["service_writes"],
-            group=r["group_name"],
-            storage_options=dict(json.loads(r["storage_options"] or "{}")),
-            created_at=_parse(r["created_at"]),
-            trusted_keys=tuple(json.loads(r["trusted_keys"] or "[]")),
-        )
+        return CacheInfo.from_row(row)
 
     def touch_environment(self, cache: str, digest: str, now: datetime) -> int | None:
         """The environment's id, marked seen (and revived); None when it has no row yet."""

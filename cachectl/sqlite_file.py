@@ -7,8 +7,10 @@ loads none of the index package's records.
 
 from __future__ import annotations
 
+import json
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 from urllib.parse import unquote
 
 # The Alembic head the stdlib statements are written for (tests/test_service_sqlite.py fails
@@ -31,3 +33,20 @@ def stamp(value: datetime) -> str:
     if value.tzinfo is not None:
         value = value.astimezone(UTC).replace(tzinfo=None)
     return value.strftime("%Y-%m-%d %H:%M:%S.%f")
+
+
+def when(value: Any) -> datetime | None:
+    """A time column as either driver returns it (SQLite: naive text; PostgreSQL: a datetime),
+    as an aware UTC datetime."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        value = datetime.fromisoformat(value)
+    if value.tzinfo is None:
+        return value.replace(tzinfo=UTC)
+    return value.astimezone(UTC)
+
+
+def from_json(value: Any) -> Any:
+    """A JSON column as either driver returns it (SQLite: the text; PostgreSQL: the value)."""
+    return json.loads(value) if isinstance(value, str) else value

@@ -12,19 +12,18 @@ back as each driver gives them (SQLite: text for times and JSON); :func:`when` a
 
 from __future__ import annotations
 
-import json
 import re
 import sqlite3
 from collections.abc import Mapping, Sequence
-from datetime import UTC, datetime
+from datetime import datetime
 from typing import Any, Protocol
 from urllib.parse import quote
 
-from cachectl.cache_info import CacheInfo
+from cachectl.cache_info import CACHE_COLUMNS, CacheInfo
 from cachectl.errors import NotFound, Unreachable
 from cachectl.fingerprint import Environment
 from cachectl.records import EnvironmentInfo, pick_environment
-from cachectl.sqlite_file import SCHEMA_REVISION, sqlite_path, stamp
+from cachectl.sqlite_file import SCHEMA_REVISION, from_json, sqlite_path, stamp, when
 
 
 class Reader(Protocol):
@@ -44,22 +43,6 @@ class HasReader(Protocol):
 
 
 # -- values -------------------------------------------------------------------------------------
-
-
-def when(value: Any) -> datetime | None:
-    """A time column as either driver returns it (SQLite: text, naive), as aware UTC."""
-    if value is None:
-        return None
-    if isinstance(value, str):
-        value = datetime.fromisoformat(value)
-    if value.tzinfo is None:
-        return value.replace(tzinfo=UTC)
-    return value.astimezone(UTC)
-
-
-def from_json(value: Any) -> Any:
-    """A JSON column as either driver returns it (SQLite: the text; PostgreSQL: the value)."""
-    return json.loads(value) if isinstance(value, str) else value
 
 
 def total(dialect: str, column: str) -> str:
@@ -152,33 +135,7 @@ class SqliteReader:
 
 # -- caches -------------------------------------------------------------------------------------
 
-_CACHE_COLUMNS = (
-    "name, root_url, max_size_bytes, max_entry_size_bytes, env_max_size_bytes, retention_seconds, "
-    "keep_versions, writers, service_writes, group_name, storage_options, created_at, trusted_keys"
-)
-
-
-def cache_info(row: Sequence[Any]) -> CacheInfo:
-    """A ``caches`` row (``_CACHE_COLUMNS``, in order) as the record every caller gets."""
-    (name, root, max_size, max_entry, env_max, retention, keep, writers, service_writes, group) = (
-        row[:10]
-    )
-    options, created, keys = row[10:13]
-    return CacheInfo(
-        name=name,
-        root_url=root,
-        max_size=max_size,
-        max_entry_size=max_entry,
-        env_max_size=env_max,
-        retention_seconds=retention,
-        keep_versions=keep,
-        writers=tuple(from_json(writers) or ()),
-        service_writes=service_writes,
-        group=group,
-        storage_options=dict(from_json(options) or {}),
-        created_at=when(created),
-        trusted_keys=tuple(from_json(keys) or ()),
-    )
+_CACHE_SELECT = ", ".join(CACHE_COLUMNS)
 
 
 def no_such_cache(reader: Reader, name: str) -> NotFound:
@@ -189,15 +146,16 @@ def no_such_cache(reader: Reader, name: str) -> NotFound:
 
 
 def get_cache(reader: Reader, name: str) -> CacheInfo:
-    rows = reader.rows(f"SELECT {_CACHE_COLUMNS} FROM caches WHERE name = :name", {"name": name})
+    rows = reader.rows(f"SELECT {_CACHE_SELECT} FROM caches WHERE name = :name", {"name": name})
     if not rows:
         raise no_such_cache(reader, name)
-    return cache_info(rows[0])
+    return CacheInfo.from_row(rows[0])
 
 
 def list_caches(reader: Reader) -> list[CacheInfo]:
     return [
-        cache_info(r) for r in reader.rows(f"SELECT {_CACHE_COLUMNS} FROM caches ORDER BY name")
+        CacheInfo.from_row(r)
+        for r in reader.rows(f"SELECT {_CACHE_SELECT} FROM caches ORDER BY name")
     ]
 
 

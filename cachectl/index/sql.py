@@ -17,6 +17,7 @@ from sqlalchemy.engine import Connection, Engine, make_url
 from sqlalchemy.exc import DatabaseError, IntegrityError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
+from cachectl.cache_info import CACHE_COLUMNS
 from cachectl.errors import BadInput, NotFound, Unreachable
 from cachectl.fingerprint import Environment
 from cachectl.index import (
@@ -75,21 +76,7 @@ def open_index(url: str, *, auto_migrate: bool | None = None) -> Index:
 
 
 def _cache_info(row: Cache) -> CacheInfo:
-    return CacheInfo(
-        name=row.name,
-        root_url=row.root_url,
-        max_size=row.max_size_bytes,
-        max_entry_size=row.max_entry_size_bytes,
-        env_max_size=row.env_max_size_bytes,
-        retention_seconds=row.retention_seconds,
-        keep_versions=row.keep_versions,
-        writers=tuple(row.writers or ()),
-        service_writes=row.service_writes,
-        group=row.group_name,
-        storage_options=dict(row.storage_options or {}),
-        created_at=row.created_at,
-        trusted_keys=tuple(row.trusted_keys or ()),
-    )
+    return CacheInfo.from_row([getattr(row, c) for c in CACHE_COLUMNS])
 
 
 def _environment(row: EnvRow) -> Environment:
