@@ -51,9 +51,11 @@ REPO = Path(__file__).resolve().parent.parent
 BENCHMARKS = REPO / "BENCHMARKS.md"
 SECTION = "## Lifecycle"
 sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "tests"))  # tests/infra.py: the moto server and PostgreSQL helpers
+sys.path.insert(
+    0, str(REPO / "tests")
+)  # tests/support/infra.py: the moto server and PostgreSQL helpers
 
-import infra  # noqa: E402
+from support import infra  # noqa: E402
 
 from bench.common import write_section  # noqa: E402
 

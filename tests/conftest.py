@@ -31,14 +31,12 @@ PostgreSQL fixtures; CACHECTL_TEST_NO_PG=1 skips them instead of failing.
 from __future__ import annotations
 
 import os
-import sys
-from pathlib import Path
 
 import pytest
+from support import infra
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import infra  # noqa: E402
+# Fixtures shared by several test modules, defined in tests/support/.
+pytest_plugins = ["support.bundles"]
 
 # Before anything imports gcsfs or google.auth (they read some of these at import).
 infra.configure_process_env()

@@ -9,7 +9,7 @@ import textwrap
 import numpy as np
 import pytest
 from click.testing import CliRunner
-from infra import run_py
+from support.infra import run_py
 
 from cachectl.advise import optimal_buckets, score
 from cachectl.cli import cli

@@ -323,3 +323,20 @@ def test_every_jax_fact_names_tests_that_exist() -> None:
         if f"def {name}(" not in (ROOT / path).read_text()
     ]
     assert named and missing == []
+
+
+def test_no_test_module_imports_another() -> None:
+    """What tests share lives in tests/support/ (on the path through pytest's ``pythonpath``)."""
+    tests = ROOT / "tests"
+    names = {p.stem for p in tests.rglob("test_*.py")}
+    bad = []
+    for path in sorted(tests.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets = []
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                targets = [node.module.split(".")[0]]
+            elif isinstance(node, ast.Import):
+                targets = [a.name.split(".")[0] for a in node.names]
+            bad += [f"{path.relative_to(ROOT)}:{node.lineno} -> {t}" for t in targets if t in names]
+    assert bad == []
+    assert not [p.name for p in tests.rglob("test_*.py") if "def test" not in p.read_text()]

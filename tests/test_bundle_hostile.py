@@ -20,15 +20,14 @@ from typing import Any
 
 import pytest
 import zstandard
-from test_bundle import (
+from support.bundles import (
     assert_nothing_installed,
     default_root,
     environments,
-    made,  # noqa: F401 - the fixture
     members,
     write_members,
 )
-from test_warm import invoke
+from support.warming import invoke
 
 from cachectl import temps
 from cachectl.entries import make_entry
@@ -221,7 +220,7 @@ def test_a_bundle_goes_through_ingests_entry_checks(
 def test_push_of_a_decompression_bomb_is_refused_in_bounded_memory(tmp_path: Path) -> None:
     """A 1 GiB zstd bomb of a few KiB in a mirror directory: push refuses it without decompressing
     it into memory (its peak RSS stays far below the expansion)."""
-    from test_lifecycle_support import fake_env
+    from support.lifecycle import fake_env
 
     db = f"sqlite:///{tmp_path}/index.db"
     root = tmp_path / "root"

@@ -12,9 +12,9 @@ import sys
 import time
 from pathlib import Path
 
-import infra
-from server_kit import MAIN, entry_key, seed
-from test_lifecycle_support import cachectl, fake_env, setup_cache, write_entries
+from support import infra
+from support.lifecycle import cachectl, fake_env, setup_cache, write_entries
+from support.server_kit import MAIN, entry_key, seed
 
 from cachectl import temps
 

@@ -14,10 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from infra import free_port  # noqa: E402
+from support.infra import free_port  # noqa: E402
 
 MODULE = """
 import jax.numpy as jnp

@@ -8,7 +8,7 @@ from dataclasses import replace
 
 import pytest
 from click.testing import CliRunner
-from infra import clear_fsspec_instance_caches, free_port
+from support.infra import clear_fsspec_instance_caches, free_port
 
 from cachectl.cli import cli
 from cachectl.config import load_settings

@@ -7,7 +7,7 @@ import json
 
 import pytest
 from click.testing import CliRunner
-from infra import run_py
+from support.infra import run_py
 
 from cachectl.cli import cli
 from cachectl.store import Store

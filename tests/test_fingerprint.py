@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 
-from infra import run_py
+from support.infra import run_py
 
 from cachectl.fingerprint import (
     Environment,

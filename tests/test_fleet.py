@@ -12,14 +12,11 @@ from pathlib import Path
 import pytest
 import yaml
 from click.testing import CliRunner
+from support.warming import TINY_MANIFEST, tiny  # noqa: E402
 
 from cachectl.cli import cli
 from cachectl.errors import BadInput
 from cachectl.sharding import resolve_shard
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from test_warm import TINY_MANIFEST, tiny  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 K8S = REPO / "examples" / "k8s" / "warm-job.yaml"

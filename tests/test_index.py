@@ -8,26 +8,11 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 from sqlalchemy import inspect
+from support.environments import ENV
 
 from cachectl.errors import BadInput, NotFound
-from cachectl.fingerprint import Environment
 from cachectl.index import NewEntry, open_index
 from cachectl.index import db as index_db
-
-ENV = Environment(
-    jax_version="0.10.2",
-    jaxlib_version="0.10.2",
-    backend="cpu",
-    platform_version="cpu",
-    device_kind="cpu",
-    device_count=1,
-    process_count=1,
-    topology="abc",
-    xla_flags=(),
-    compression="zstandard",
-    enable_xla_caches="none",
-    include_metadata_in_key=False,
-)
 
 
 def entry(i: int, **kw) -> NewEntry:

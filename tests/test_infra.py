@@ -16,7 +16,7 @@ import re
 import sys
 
 import pytest
-from infra import LOOPBACK, run_py
+from support.infra import LOOPBACK, run_py
 
 PROBES = ("CACHECTL_INFRA_PROBE", "JAX_INFRA_PROBE")
 

@@ -8,7 +8,7 @@ import os
 from pathlib import Path
 
 import pytest
-from test_index import ENV
+from support.environments import ENV
 
 from cachectl import ingest
 from cachectl.entries import make_entry, parse_key

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from infra import run_py
+from support.infra import run_py
 
 from cachectl import jax_seam
 from cachectl.entries import CACHE_SUFFIX, executable_bytes, parse_key, read_header

@@ -8,7 +8,7 @@ from datetime import timedelta
 
 import pytest
 from sqlalchemy import insert, update
-from test_lifecycle_support import (
+from support.lifecycle import (
     CACHE,
     assert_consistent,
     cachectl,

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 
-from test_lifecycle_support import (
+from support.lifecycle import (
     assert_consistent,
     cachectl,
     fake_env,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 
-from test_lifecycle_support import (
+from support.lifecycle import (
     CACHE,
     assert_consistent,
     cachectl,

@@ -8,7 +8,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from click.testing import CliRunner
-from infra import run_py
+from support.infra import run_py
 
 from cachectl.cli import cli
 from cachectl.entries import make_entry, sha256

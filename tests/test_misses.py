@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 from click.testing import CliRunner
-from infra import run_py
+from support.infra import run_py
 
 from cachectl.cli import cli
 

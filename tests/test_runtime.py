@@ -13,7 +13,7 @@ import sys
 from datetime import timedelta
 
 from click.testing import CliRunner
-from infra import run_py
+from support.infra import run_py
 
 from cachectl.cli import cli
 from cachectl.store import Store

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from click.testing import CliRunner
-from infra import free_port, run_py
+from support.infra import free_port, run_py
 
 from cachectl.cli import cli
 

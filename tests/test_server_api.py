@@ -11,7 +11,7 @@ from datetime import UTC, datetime
 
 import pytest
 from fastapi.testclient import TestClient
-from server_kit import MAIN, LiveServer, bearer, entry_key, fake_environment, seed
+from support.server_kit import MAIN, LiveServer, bearer, entry_key, fake_env, seed
 
 from cachectl.entries import make_entry, sha256
 from cachectl.index import NewEntry, open_index
@@ -70,7 +70,7 @@ def test_entry_upload_download_head_on_each_backend(tmp_path, storage_root) -> N
     app = create_app(s.db)
     c = TestClient(app)
     w, r = bearer(s.tokens["writer"]), bearer(s.tokens["reader"])
-    env = fake_environment("0.9.0", "gpu-x")
+    env = fake_env("0.9.0", "gpu-x")
     res = c.post(f"{API}/caches/{MAIN}/resolve", json=env.to_dict(), headers=r)
     assert (
         res.status_code == 200 and res.json()["exists"] is False and res.json()["created"] is False
@@ -757,7 +757,7 @@ def test_what_a_replica_remembers_reaches_it_within_the_bound(tmp_path) -> None:
         c.post(resolve, json={**s.env.to_dict(), "create": False}, headers=r).json()["readonly"]
         is False
     )
-    new = fake_environment("0.9.9", "late")
+    new = fake_env("0.9.9", "late")
     assert (
         c.post(resolve, json={**new.to_dict(), "create": False}, headers=r).json()["exists"]
         is False

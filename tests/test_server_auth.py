@@ -13,8 +13,8 @@ import tempfile
 
 import pytest
 from fastapi.testclient import TestClient
-from server_kit import IDENTITIES, MAIN, OTHER, bearer, seed
 from sqlalchemy import select
+from support.server_kit import IDENTITIES, MAIN, OTHER, bearer, seed
 
 from cachectl import tokens
 from cachectl.index import open_index

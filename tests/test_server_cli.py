@@ -14,9 +14,9 @@ import textwrap
 
 import pytest
 from click.testing import CliRunner
-from infra import run_py
-from server_kit import MAIN, LiveServer, seed
 from sqlalchemy import select
+from support.infra import run_py
+from support.server_kit import MAIN, LiveServer, seed
 
 from cachectl.cli import cli
 from cachectl.index import open_index
@@ -164,7 +164,7 @@ def test_sync_through_the_server_records_what_storage_holds(served) -> None:
     """sync in server mode reads storage here and writes the index through the server's API: a file
     JAX wrote (not in the index) is added with its real size, sha256 and module; a second sync finds
     nothing to do."""
-    from server_kit import entry_key
+    from support.server_kit import entry_key
 
     from cachectl.entries import make_entry, sha256
     from cachectl.store import Store

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 from fastapi.testclient import TestClient
-from server_kit import MAIN, OTHER, LiveServer, bearer, fake_environment, seed
+from support.server_kit import MAIN, OTHER, LiveServer, bearer, fake_env, seed
 
 from cachectl.index import NewEntry, open_index
 from cachectl.index.models import utcnow
@@ -74,7 +74,7 @@ def seeded(tmp_path):
     index = open_index(s.db)
     index.update_cache(MAIN, max_size=40_000)
     env = index.find_environment(MAIN, s.digest)
-    gpu = index.ensure_environment(MAIN, fake_environment("0.9.1", "NVIDIA H100", 8))
+    gpu = index.ensure_environment(MAIN, fake_env("0.9.1", "NVIDIA H100", 8))
     now = utcnow()
     index.upsert_entries(
         gpu.id,

@@ -16,9 +16,9 @@ from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 
 import httpx
-import infra
 import pytest
-from server_kit import MAIN, LiveServer, bearer, seed
+from support import infra
+from support.server_kit import MAIN, LiveServer, bearer, seed
 
 from cachectl.entries import MAX_KEY_LENGTH, make_entry, sha256
 from cachectl.index import NewEntry, open_index

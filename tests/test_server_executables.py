@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import httpx
 import pytest
-from server_kit import MAIN, LiveServer, bearer, entry_key, seed
+from support.server_kit import MAIN, LiveServer, bearer, entry_key, seed
 
 from cachectl import aot
 from cachectl.client import RemoteIndex, ServerClient

@@ -16,8 +16,8 @@ from datetime import UTC, datetime, timedelta
 import httpx
 import pytest
 import zstandard
-from server_kit import MAIN, OTHER, LiveServer, bearer, entry_key, fake_environment, seed
 from sqlalchemy import insert, select
+from support.server_kit import MAIN, OTHER, LiveServer, bearer, entry_key, fake_env, seed
 
 from cachectl import tokens
 from cachectl.entries import make_entry, sha256
@@ -246,9 +246,9 @@ def test_made_up_fingerprints_never_supersede_real_environments(world) -> None:
     s = world
     w, a, r = bearer(s.tokens["writer"]), bearer(s.tokens["admin"]), bearer(s.tokens["reader"])
     with served(s.db, maintenance_interval_s=3600) as (live, c):
-        bad = fake_environment("not.a.version!").to_dict()
+        bad = fake_env("not.a.version!").to_dict()
         assert c.post(f"{API}/caches/{MAIN}/resolve", json=bad, headers=w).status_code == 422
-        fake = fake_environment("999.0")
+        fake = fake_env("999.0")
         res = c.post(f"{API}/caches/{MAIN}/resolve", json=fake.to_dict(), headers=w)
         assert res.status_code == 200 and res.json()["created"]
         # an environment resolve created, holding nothing, supersedes nothing
@@ -416,7 +416,7 @@ def test_symlinks_in_a_namespace_are_never_served(world, tmp_path) -> None:
     )
     # and a namespace whose directory is a link to somewhere else
     elsewhere = tmp_path / "elsewhere"
-    other_env = fake_environment("0.10.2", "linked")
+    other_env = fake_env("0.10.2", "linked")
     (elsewhere).mkdir()
     other_key = entry_key("jit_other", 1)
     (elsewhere / f"{other_key}-cache").write_bytes(data)

@@ -12,9 +12,9 @@ import sys
 import time
 
 import httpx
-import infra
-from server_kit import MAIN, bearer, seed
 from sqlalchemy import select
+from support import infra
+from support.server_kit import MAIN, bearer, seed
 
 from cachectl.index import open_index
 from cachectl.index.models import AuditRecord, Job

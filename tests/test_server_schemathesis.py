@@ -17,7 +17,7 @@ schemathesis = pytest.importorskip("schemathesis", reason="schemathesis is in th
 
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from schemathesis.checks import not_a_server_error  # noqa: E402
-from server_kit import MAIN, bearer, seed  # noqa: E402
+from support.server_kit import MAIN, bearer, seed  # noqa: E402
 
 from cachectl_server.app import create_app  # noqa: E402
 

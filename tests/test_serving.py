@@ -11,43 +11,24 @@ from __future__ import annotations
 import json
 import os
 import sqlite3
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 from click.testing import CliRunner
+from support.infra import run_py  # noqa: E402
+from support.serving import COUNT_EVENTS, last_json  # noqa: E402
 
 from cachectl.cli import cli
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from infra import run_py  # noqa: E402
-
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLE = REPO / "examples" / "manifest.yaml"
-
-COUNT_EVENTS = """
-import json, sys, warnings
-events = dict()
-def _on(e, d, **kw):
-    events[e] = events.get(e, 0) + 1
-import jax
-jax.monitoring.register_event_duration_secs_listener(_on)
-def compiles():
-    return dict((k, v) for k, v in events.items()
-                if k in ("/jax/core/compile/jaxpr_trace_duration", "/jax/core/compile/backend_compile_duration"))
-"""
 
 
 def warm(*args: str) -> dict[str, Any]:
     result = CliRunner().invoke(cli, ["warm", *args, "--json"])
     assert result.exit_code == 0, result.output
     return json.loads(result.stdout)
-
-
-def last_json(proc: Any) -> dict[str, Any]:
-    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 # --------------------------------------------------------------------------- the example LM

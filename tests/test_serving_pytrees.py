@@ -17,13 +17,10 @@ from typing import Any
 
 import pytest
 from click.testing import CliRunner
+from support.infra import run_py  # noqa: E402
+from support.serving import COUNT_EVENTS, last_json  # noqa: E402
 
 from cachectl.cli import cli
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from infra import run_py  # noqa: E402
-from test_serving import COUNT_EVENTS, last_json  # noqa: E402
 
 ENVS = """
 import jax, jax.numpy as jnp

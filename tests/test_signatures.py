@@ -6,8 +6,8 @@ import json
 import logging
 from datetime import timedelta
 
-from infra import run_py
 from sqlalchemy import func, select
+from support.infra import run_py
 
 from cachectl import jax_seam, telemetry
 from cachectl.fingerprint import current_environment

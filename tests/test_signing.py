@@ -5,15 +5,11 @@ from __future__ import annotations
 import json
 import os
 import stat
-import sys
 from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from infra import run_py  # noqa: E402
-from test_warm import REPO, invoke, tiny, warm_json  # noqa: E402
+from support.infra import run_py  # noqa: E402
+from support.warming import REPO, invoke, tiny, warm_json  # noqa: E402
 
 from cachectl import signing  # noqa: E402
 from cachectl.entries import make_entry, sha256  # noqa: E402

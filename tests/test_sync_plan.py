@@ -10,7 +10,7 @@ import time
 from datetime import timedelta
 
 import pytest
-from test_lifecycle_support import CACHE, fake_env, setup_cache, write_entries
+from support.lifecycle import CACHE, fake_env, setup_cache, write_entries
 
 from cachectl.config import load_settings
 from cachectl.context import Context

@@ -7,7 +7,7 @@ import logging
 from datetime import UTC, datetime, timedelta
 
 from click.testing import CliRunner
-from infra import run_py
+from support.infra import run_py
 
 from cachectl import telemetry
 from cachectl.cli import cli

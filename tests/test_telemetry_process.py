@@ -4,12 +4,9 @@ from __future__ import annotations
 
 import os
 import sqlite3
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from infra import run_py  # noqa: E402
+from support.infra import run_py  # noqa: E402
 
 
 def telemetry_rows() -> list[tuple[str, str, int, int]]:

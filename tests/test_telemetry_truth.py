@@ -16,18 +16,14 @@ line JAX's compiler logger emits. Then `cachectl stats` must agree with that log
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 from click.testing import CliRunner
+from support.infra import run_py  # noqa: E402
 
 from cachectl.cli import cli
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from infra import run_py  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLE = REPO / "examples" / "manifest.yaml"

@@ -17,11 +17,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from infra import run_py  # noqa: E402
-from test_warm import tiny  # noqa: E402
+from support.infra import run_py  # noqa: E402
+from support.warming import tiny  # noqa: E402
 
 from cachectl import aot  # noqa: E402
 

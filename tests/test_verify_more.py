@@ -6,18 +6,14 @@ from __future__ import annotations
 import json
 import os
 import sqlite3
-import sys
 from pathlib import Path
 
 from click.testing import CliRunner
+from support.infra import run_py  # noqa: E402
 
 from cachectl.cli import cli
 from cachectl.entries import decompress as entry_decompress
 from cachectl.entries import make_entry, read_header, sha256
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from infra import run_py  # noqa: E402
 
 MODULE = """
 import jax.numpy as jnp

@@ -13,17 +13,13 @@ from __future__ import annotations
 import json
 import os
 import sqlite3
-import sys
 from pathlib import Path
 from typing import Any
 
 from click.testing import CliRunner
+from support.infra import run_py  # noqa: E402
 
 from cachectl.cli import cli
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from infra import run_py  # noqa: E402
 
 FAULTY_MODULE = """
 import ctypes

@@ -15,9 +15,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from infra import run_cachectl  # noqa: E402
+from support.infra import run_cachectl  # noqa: E402
 
 LIBRARY = """
 import jax, jax.numpy as jnp

@@ -20,29 +20,10 @@ from cachectl.index import NewEntry, open_index
 from cachectl.index.models import Token, utcnow
 from cachectl.namespace import ensure_namespace
 from cachectl.store import Store
+from support.environments import fake_env
 
 MAIN = "main"
 OTHER = "other"
-
-
-def fake_environment(
-    jax_version: str = "0.10.2", device_kind: str = "cpu", count: int = 1
-) -> Environment:
-    """An environment as some machine would report it (no JAX needed to build one)."""
-    return Environment(
-        jax_version=jax_version,
-        jaxlib_version=jax_version,
-        backend="cpu",
-        platform_version="cpu",
-        device_kind=device_kind,
-        device_count=count,
-        process_count=1,
-        topology=f"kinds:{device_kind}",
-        xla_flags=(),
-        compression="zstandard",
-        enable_xla_caches="none",
-        include_metadata_in_key=False,
-    )
 
 
 def entry_key(module: str, n: int) -> str:
@@ -83,7 +64,7 @@ def seed(db: str, root: str, other_root: str, *, entries: int = 3, entry_size: i
     try:
         index.add_cache(MAIN, Store(root).url)
         index.add_cache(OTHER, Store(other_root).url)
-        env = fake_environment()
+        env = fake_env()
         store = Store(root)
         ensure_namespace(store, env)
         info = index.ensure_environment(MAIN, env)
@@ -139,9 +120,9 @@ class LiveServer:
 
     def __init__(self, app, *, port: int = 0) -> None:
         import uvicorn
-        from infra import free_port
 
         from cachectl_server.http_edge import bounded_http
+        from support.infra import free_port
 
         self.port = port or free_port()
         config = uvicorn.Config(

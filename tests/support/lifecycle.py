@@ -22,32 +22,9 @@ from cachectl.index import EnvironmentInfo, Index, NewEntry, open_index
 from cachectl.index.models import utcnow
 from cachectl.namespace import QUARANTINE_DIR, ensure_namespace
 from cachectl.store import Store, normalize_url
+from support.environments import fake_env  # noqa: F401 - re-exported for lifecycle tests
 
 CACHE = "lc"
-
-
-def fake_env(
-    jax_version: str,
-    *,
-    device_kind: str = "cpu",
-    backend: str = "cpu",
-    device_count: int = 1,
-    xla_flags: tuple[str, ...] = (),
-) -> Environment:
-    return Environment(
-        jax_version=jax_version,
-        jaxlib_version=jax_version,
-        backend=backend,
-        platform_version=backend,
-        device_kind=device_kind,
-        device_count=device_count,
-        process_count=1,
-        topology=f"{device_kind}:{device_count}",
-        xla_flags=xla_flags,
-        compression="zstandard",
-        enable_xla_caches="none",
-        include_metadata_in_key=False,
-    )
 
 
 @dataclass
