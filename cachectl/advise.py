@@ -313,9 +313,18 @@ def rewrite_axes(text: str, manifest: Any, changes: Mapping[tuple[str, str], lis
             assert source is not None  # set from functions[0]: this loop has functions
             lineno = source.line(("functions", spec_index, "buckets", axis)) - 1
             line = lines[lineno]
+            values = f"[{', '.join(str(v) for v in new)}]"
             flow = re.match(rf"^(\s*{re.escape(axis)}\s*:\s*)\[[^\]]*\](.*)$", line, re.S)
             if flow:
-                lines[lineno] = f"{flow.group(1)}[{', '.join(str(v) for v in new)}]{flow.group(2)}"
+                lines[lineno] = f"{flow.group(1)}{values}{flow.group(2)}"
+                continue
+            # A flow mapping: `buckets: {batch: [1, 4], seq: [8, 16]}` on one line.
+            inline = list(
+                re.finditer(rf"([{{,]\s*{re.escape(axis)}\s*:\s*)\[[^\]]*\]", line.split("#")[0])
+            )
+            if len(inline) == 1:
+                m = inline[0]
+                lines[lineno] = f"{line[: m.start()]}{m.group(1)}{values}{line[m.end() :]}"
                 continue
             block = re.match(rf"^(\s*){re.escape(axis)}\s*:\s*(#.*)?$", line.rstrip("\n"))
             if not block:
