@@ -230,7 +230,15 @@ def _axis_positions(expected: list[Any], axes: Sequence[str]) -> dict[str, list[
     for axis in axes:
         values = {e.bucket.get(axis) for e in same}
         if len(values) < 2 or not all(isinstance(v, int) for v in values):
-            continue  # one value: no dimension can be told from a fixed one
+            # One value: no dimension can be told from a fixed one by the sizes, but an array
+            # argument whose shape names the axis says where it is.
+            origins = same[0].origins
+            if origins is not None and all(isinstance(v, int) for v in values):
+                for i, (_arg, _name, _path, shape) in enumerate(origins):
+                    for d, dim in enumerate(shape or ()):
+                        if dim == axis:
+                            out.setdefault(axis, []).append((i, d))
+            continue
         for i in range(n):
             rank = len(same[0].leaves[i][0])
             for d in range(rank):

@@ -193,3 +193,25 @@ def test_flow_mapping_buckets_are_rewritten_in_place(tmp_path) -> None:
         "batch": [3, 4],
         "seq": [5, 8],
     }
+
+
+def test_an_axis_with_one_bucket_value_is_found_by_the_shape_that_names_it(tmp_path) -> None:
+    """`seq: [32]` next to `batch: [1, 4]`: no dimension varies with seq across the buckets, so
+    advise said "no observed sizes" for it although every call had one; the array argument's
+    shape `[batch, seq]` places it."""
+    from cachectl.advise import _axis_positions
+    from cachectl.misses import expected_signatures
+
+    (tmp_path / "onevalue.py").write_text("def f(p, x):\n    return x.sum() + p\n")
+    (tmp_path / "m.yaml").write_text(
+        "version: 1\n"
+        "functions:\n"
+        "  - fn: onevalue:f\n"
+        "    args:\n"
+        "      - {shape: [], dtype: float32}\n"
+        "      - {shape: [batch, seq], dtype: int32}\n"
+        "    buckets: {batch: [1, 4], seq: [32]}\n"
+    )
+    expected = expected_signatures(tmp_path / "m.yaml")
+    assert len(expected) == 2
+    assert _axis_positions(expected, ["batch", "seq"]) == {"batch": [(1, 0)], "seq": [(1, 1)]}
