@@ -672,12 +672,24 @@ def write_mirror_only(path: Path) -> dict[str, Any]:
     """Re-measure only the s3:// service start and replace its table in BENCHMARKS.md."""
     started = time.perf_counter()
     load_before = os.getloadavg()
+    probe = "import time; t = time.perf_counter(); import jax; print(time.perf_counter() - t)"
+
+    def import_jax_s() -> float:
+        done = subprocess.run(
+            [sys.executable, "-c", probe], capture_output=True, text=True, check=True
+        )
+        return float(done.stdout.strip())
+
+    imports = [import_jax_s() for _ in range(3)]
     with tempfile.TemporaryDirectory(prefix="cachectl-bench-mirror-") as d:
         m = bench_mirror(Path(d), 3, 30)
+    imports += [import_jax_s() for _ in range(3)]
     load = " / ".join(" ".join(f"{x:.2f}" for x in la) for la in (load_before, os.getloadavg()))
     run_line = (
         f"re-measured alone by `python bench/service.py --mirror-only` "
-        f"({time.perf_counter() - started:.0f} s; load average before / after {load}); "
+        f"({time.perf_counter() - started:.0f} s; load average before / after {load}; a fresh "
+        f"`import jax` took {_med(imports):.2f} s, median of 6 around the run: compare this "
+        "table's ratios, not its seconds, with the tables above); "
     )
     text = path.read_text()
     start = text.index(MIRROR_HEADING)
