@@ -471,3 +471,67 @@ def test_a_keras_service_that_hits_everything_misses_nothing(tmp_path: Path) -> 
     proc = run_cachectl(tmp_path, "misses", "--since", "1h", env=_env(tmp_path))
     assert proc.returncode == 0, (proc.stdout, proc.stderr)
     assert "nothing missed" in proc.stdout and " 0 misses" in proc.stdout, proc.stdout
+
+
+# ------------------------------------------------------------------------- saved, observed
+
+TIMED_EQUINOX = """
+import json, sys, time
+sys.path.insert(0, {dir!r})
+import numpy as np
+import cachectl
+cachectl.activate(readonly=False)
+import jax
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+import case
+step = jax.jit(case.train_step)
+rng = np.random.default_rng(0)
+data = [(rng.standard_normal((n, 8), np.float32), rng.standard_normal((n,), np.float32))
+        for n in (4, 8, 16, 32)]
+state = case._opt.init(case._params)
+jax.block_until_ready(state)
+started = time.perf_counter()
+for x, y in data:
+    jax.block_until_ready(step(case._params, state, x, y))
+print(json.dumps({{"seconds": time.perf_counter() - started}}))
+"""
+
+TRAIN_STEP = """
+import jax, jax.numpy as jnp
+import equinox as eqx
+import optax
+
+_model = eqx.nn.MLP(8, 1, 64, 3, key=jax.random.key(0))
+_params, _static = eqx.partition(_model, eqx.is_array)
+_opt = optax.adam(1e-2)
+
+def train_step(params, opt_state, x, y):
+    def loss(p):
+        model = eqx.combine(p, _static)
+        return jnp.mean((jax.vmap(model)(x)[:, 0] - y) ** 2)
+    value, grads = jax.value_and_grad(loss)(params)
+    updates, opt_state = _opt.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, value
+"""
+
+
+def test_saved_is_what_the_cache_saved_an_equinox_service(tmp_path: Path) -> None:
+    """(a) the service compiling its four train steps, (b) the same service hitting what (a)
+    wrote: the saved estimate `stats` gives for the hits is (a) - (b) within 30%."""
+    _requires("equinox")
+    _requires("optax")
+    (tmp_path / "case.py").write_text(textwrap.dedent(TRAIN_STEP))
+    code = TIMED_EQUINOX.format(dir=str(tmp_path))
+
+    def seconds() -> float:
+        proc = run_py(code, _env(tmp_path), timeout=600, check=True)
+        return float(json.loads(proc.stdout.strip().splitlines()[-1])["seconds"])
+
+    cold, hot = seconds(), seconds()
+    usage = json.loads(_cachectl(tmp_path, "stats", "--since", "1h", "--json"))
+    step = next(r for r in usage["functions"] if r["function"] == "jit_train_step")
+    assert step["hits"] == step["misses"] == 4 and step["writes"] == 4, step
+    observed = cold - hot
+    assert observed > 0.5, (cold, hot)  # compiling is most of (a): else nothing to compare
+    estimate = step["saved_estimate_seconds"]
+    assert abs(estimate - observed) <= 0.3 * observed, (estimate, observed, cold, hot)
