@@ -230,7 +230,15 @@ def _axis_positions(expected: list[Any], axes: Sequence[str]) -> dict[str, list[
     for axis in axes:
         values = {e.bucket.get(axis) for e in same}
         if len(values) < 2 or not all(isinstance(v, int) for v in values):
-            continue  # one value: no dimension can be told from a fixed one
+            # One value: no dimension can be told from a fixed one by the sizes, but an array
+            # argument whose shape names the axis says where it is.
+            origins = same[0].origins
+            if origins is not None and all(isinstance(v, int) for v in values):
+                for i, (_arg, _name, _path, shape) in enumerate(origins):
+                    for d, dim in enumerate(shape or ()):
+                        if dim == axis:
+                            out.setdefault(axis, []).append((i, d))
+            continue
         for i in range(n):
             rank = len(same[0].leaves[i][0])
             for d in range(rank):
@@ -313,9 +321,18 @@ def rewrite_axes(text: str, manifest: Any, changes: Mapping[tuple[str, str], lis
             assert source is not None  # set from functions[0]: this loop has functions
             lineno = source.line(("functions", spec_index, "buckets", axis)) - 1
             line = lines[lineno]
+            values = f"[{', '.join(str(v) for v in new)}]"
             flow = re.match(rf"^(\s*{re.escape(axis)}\s*:\s*)\[[^\]]*\](.*)$", line, re.S)
             if flow:
-                lines[lineno] = f"{flow.group(1)}[{', '.join(str(v) for v in new)}]{flow.group(2)}"
+                lines[lineno] = f"{flow.group(1)}{values}{flow.group(2)}"
+                continue
+            # A flow mapping: `buckets: {batch: [1, 4], seq: [8, 16]}` on one line.
+            inline = list(
+                re.finditer(rf"([{{,]\s*{re.escape(axis)}\s*:\s*)\[[^\]]*\]", line.split("#")[0])
+            )
+            if len(inline) == 1:
+                m = inline[0]
+                lines[lineno] = f"{line[: m.start()]}{m.group(1)}{values}{line[m.end() :]}"
                 continue
             block = re.match(rf"^(\s*){re.escape(axis)}\s*:\s*(#.*)?$", line.rstrip("\n"))
             if not block:

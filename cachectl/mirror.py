@@ -198,6 +198,10 @@ class _Tampered(Exception):
 
 
 AOT_REASON = "stored executable: "
+NOT_INDEXED = (
+    "in storage but not in the index: not copied (run `cachectl verify` or "
+    "`cachectl sync` if it is legitimate)"
+)
 
 
 def _local_state(
@@ -241,6 +245,9 @@ def pull_namespace(
     ``skip_storage_if_complete`` (what activate(mirror=) uses): when the mirror
     already holds every indexed entry, storage is not contacted at all, so a
     restart reads only local disk and never even loads the object-store client.
+    An index with no entries for ``env`` is not complete: storage is listed, so
+    objects the index has not recorded yet (not synced) are reported as refused
+    instead of the service silently compiling everything.
     `cachectl pull` always lists storage, to report objects the index lacks.
     """
     started = time.monotonic()
@@ -284,7 +291,7 @@ def pull_namespace(
             )
     present, todo = _local_state(directory, expected, verify_existing)
     aot_present, aot_todo = _local_state(directory, expected_aot, verify_existing, AOT_SUFFIX)
-    if skip_storage_if_complete and not todo and not aot_todo:
+    if skip_storage_if_complete and expected and not todo and not aot_todo:
         return PullResult(
             cache=cache.name,
             environment=env.digest,
@@ -320,10 +327,7 @@ def pull_namespace(
             parsed = parse_aot_filename(name)
             assert parsed is not None
             listed_aot[parsed.key] = f.size
-    unknown = (
-        "in storage but not in the index: not copied (run `cachectl verify` or "
-        "`cachectl sync` if it is legitimate)"
-    )
+    unknown = NOT_INDEXED
     refused = list(unsigned)
     seen = {(p.key, p.reason.startswith(AOT_REASON)) for p in unsigned}
     refused += [

@@ -25,7 +25,7 @@ from sqlalchemy import select
 
 from cachectl import jax_seam
 from cachectl.errors import BadInput
-from cachectl.index.models import Cache, WarmRun, utcnow
+from cachectl.index.models import Cache, Entry, WarmRun, utcnow
 from cachectl.index.models import Environment as EnvRow
 from cachectl.index.telemetry_queries import SignatureRow, signature_usage
 from cachectl.manifest import build_call, expand, jit_function, load_manifest
@@ -549,8 +549,12 @@ def _library(source: str | None) -> str | None:
     return m.group(1) if m else None
 
 
-def _not_in_manifest(module: str, rows: list[SignatureRow]) -> MissFinding:
-    """One finding per function the manifest does not name, however many signatures it missed."""
+def _not_in_manifest(
+    module: str, rows: list[SignatureRow], *, manifest: bool = True, warmed: int = 0
+) -> MissFinding:
+    """One finding per function the manifest does not name (or, with no manifest, per missed
+    function), however many signatures it missed. ``warmed``: programs of this module the cache
+    already holds, none of them with a key the service looked up."""
     n_missed = sum(r.misses for r in rows)
     requests = sum(r.requests for r in rows)
     library = next((lib for lib in map(_library, (r.source for r in rows)) if lib), None)
@@ -566,9 +570,21 @@ def _not_in_manifest(module: str, rows: list[SignatureRow]) -> MissFinding:
                 "constants and every dataset is a new key (NumPyro: MCMC(..., jit_model_args=True) "
                 "passes it as arguments)"
             )
+        elif warmed:
+            msg += (
+                f"; the cache holds {warmed} program{'s' if warmed != 1 else ''} of it, none the "
+                "one the service looked up: it was called with other input shapes, or data is "
+                "closed over as constants and every dataset is a new key (NumPyro: "
+                "MCMC(..., jit_model_args=True) passes it as arguments)"
+            )
         msg += (
             "; where a manifest cannot name it, warm it by running the service once against a "
             "writable cache (cachectl exec -- python service.py)"
+        )
+    elif not manifest:
+        msg = (
+            f"{module}{count} missed and no manifest names it: warm a manifest that does (or "
+            "pass --manifest), or warm it by running the service (cachectl warm-run)"
         )
     else:
         msg = f"{module}{count} is not in the manifest: add it (or stop compiling it)"
@@ -672,6 +688,24 @@ def _explosions(
 
 
 # --------------------------------------------------------------------------- the command
+
+
+def _warmed_programs(ctx: Any, cache: str, missed: dict[str, list[SignatureRow]]) -> dict[str, int]:
+    """{module: programs of it the cache's index holds}, for the missed modules; the keys the
+    service looked up are not among them (a hit would have found them)."""
+    looked_up = {r.key for rows in missed.values() for r in rows if r.key}
+    with ctx.index.read_session() as s:
+        rows = s.execute(
+            select(Entry.module, Entry.key)
+            .join(EnvRow, EnvRow.id == Entry.environment_id)
+            .join(Cache, Cache.id == EnvRow.cache_id)
+            .where(Cache.name == cache, Entry.module.in_(sorted(missed)))
+        ).all()
+    out: dict[str, int] = {}
+    for module, key in rows:
+        if key not in looked_up:
+            out[module] = out.get(module, 0) + 1
+    return out
 
 
 def warmed_manifest(index: Any, cache: str) -> str | None:
@@ -790,9 +824,7 @@ def misses(
                     misses=n_missed,
                 )
             )
-        elif not by_module:
-            continue  # no manifest: the explosion, weak-type and re-jit findings still apply
-        elif not in_manifest:
+        elif not in_manifest:  # with no manifest, every missed function
             not_in_manifest.setdefault(r.function, []).append(r)
         elif nearest is None:
             findings.append(
@@ -819,8 +851,11 @@ def misses(
                         if v not in statics.setdefault(k, []):
                             statics[k].append(v)
                 findings.append(_static_finding(r, nearest, statics, n_missed))
+    warmed = _warmed_programs(ctx, info.name, not_in_manifest) if not_in_manifest else {}
     for module, mrows in not_in_manifest.items():
-        findings.append(_not_in_manifest(module, mrows))
+        findings.append(
+            _not_in_manifest(module, mrows, manifest=bool(by_module), warmed=warmed.get(module, 0))
+        )
     for module, mrows in per_module_missed.items():
         findings.extend(_weak_variants(module, names.get(module), mrows, by_module.get(module, [])))
     for module, mrows in per_module_missed.items():

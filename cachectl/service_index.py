@@ -17,7 +17,7 @@ from cachectl.fingerprint import Environment
 from cachectl.index import CacheInfo, Index, open_index
 from cachectl.index.db import make_engine
 from cachectl.index.telemetry_queries import record_telemetry
-from cachectl.mirror import PullResult, prepare_mirror_dir, pull_namespace
+from cachectl.mirror import NOT_INDEXED, PullResult, prepare_mirror_dir, pull_namespace
 from cachectl.store import Store, normalize_url
 
 log = logging.getLogger("cachectl.runtime")
@@ -100,7 +100,14 @@ def prepare_mirror(
     except Exception as exc:  # noqa: BLE001 - bucket down: serve from what is local
         keep_local(f"{type(exc).__name__}: {exc}".splitlines()[0][:300])
         return None
-    if result.refused:
+    unindexed = [p for p in result.refused if p.reason.startswith(NOT_INDEXED)]
+    if result.indexed == 0 and unindexed:
+        problems.append(
+            f"mirror {directory}: the index lists no entries for this environment, so nothing "
+            f"was pulled and every program compiles; {result.source} holds {len(unindexed)} "
+            "it has not recorded: run `cachectl sync` (it skips entries younger than --min-age)"
+        )
+    elif result.refused:
         problems.append(
             f"mirror {directory}: refused {len(result.refused)} entr"
             f"{'y' if len(result.refused) == 1 else 'ies'} (unknown to the index, changed, or unsigned) "

@@ -168,3 +168,50 @@ def test_block_style_axis_values_are_rewritten_in_place(tmp_path) -> None:
     new = rewrite_axes(text, m, {("embed", "seq"): [6, 22]})
     assert "      seq:   # the lengths we guessed\n        - 6\n        - 22\n    outputs:" in new
     assert parse_manifest(new, "m.yaml", tmp_path).functions[0].buckets == {"seq": [6, 22]}
+
+
+def test_flow_mapping_buckets_are_rewritten_in_place(tmp_path) -> None:
+    """`buckets: {batch: [1, 4], seq: [8, 16]}` on one line (as the field manifests write them):
+    advise rewrote nothing and exited 2 ("cannot rewrite axis"), even without --write."""
+    from cachectl.advise import rewrite_axes
+    from cachectl.manifest import parse_manifest
+
+    text = (
+        "version: 1\n"
+        "functions:\n"
+        "  - fn: m:f\n"
+        "    args:\n"
+        "      - {shape: [batch, seq], dtype: float32}\n"
+        "    buckets: {batch: [1, 4], seq: [8, 16]}  # seq: [99] in a comment stays\n"
+    )
+    m = parse_manifest(text, "m.yaml", tmp_path)
+    new = rewrite_axes(text, m, {("f", "batch"): [3, 4], ("f", "seq"): [5, 8]})
+    assert new.endswith(
+        "    buckets: {batch: [3, 4], seq: [5, 8]}  # seq: [99] in a comment stays\n"
+    )
+    assert parse_manifest(new, "m.yaml", tmp_path).functions[0].buckets == {
+        "batch": [3, 4],
+        "seq": [5, 8],
+    }
+
+
+def test_an_axis_with_one_bucket_value_is_found_by_the_shape_that_names_it(tmp_path) -> None:
+    """`seq: [32]` next to `batch: [1, 4]`: no dimension varies with seq across the buckets, so
+    advise said "no observed sizes" for it although every call had one; the array argument's
+    shape `[batch, seq]` places it."""
+    from cachectl.advise import _axis_positions
+    from cachectl.misses import expected_signatures
+
+    (tmp_path / "onevalue.py").write_text("def f(p, x):\n    return x.sum() + p\n")
+    (tmp_path / "m.yaml").write_text(
+        "version: 1\n"
+        "functions:\n"
+        "  - fn: onevalue:f\n"
+        "    args:\n"
+        "      - {shape: [], dtype: float32}\n"
+        "      - {shape: [batch, seq], dtype: int32}\n"
+        "    buckets: {batch: [1, 4], seq: [32]}\n"
+    )
+    expected = expected_signatures(tmp_path / "m.yaml")
+    assert len(expected) == 2
+    assert _axis_positions(expected, ["batch", "seq"]) == {"batch": [(1, 0)], "seq": [(1, 1)]}

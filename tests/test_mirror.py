@@ -129,6 +129,79 @@ def test_pull_from_s3_hits_everything_and_refuses_tampered_objects(
     assert "refused" in text and "jit_backdoor" in text
 
 
+FOUR = """
+import jax.numpy as jnp
+x = jnp.ones((8, 8))
+fs = [jax.jit(lambda v, c=float(i): jnp.sin(v) * c + c) for i in range(4)]
+for f in fs:
+    f(x).block_until_ready()
+"""
+
+JAX_COUNTED = (
+    """
+import json, cachectl, jax
+from jax import monitoring
+jax_events = {{}}
+monitoring.register_event_listener(
+    lambda event, **kw: jax_events.__setitem__(event, jax_events.get(event, 0) + 1)
+)
+from cachectl import telemetry
+a = cachectl.activate("remote", mirror={mirror!r})
+"""
+    + FOUR
+    + """
+s = telemetry.current().stats()
+print(json.dumps({{"copied": a.pull.copied, "indexed": a.pull.indexed, "warning": a.warning,
+                  "hits": s.hits, "misses": s.misses, "requests": s.requests,
+                  "jax_hits": jax_events.get("/jax/compilation_cache/cache_hits", 0),
+                  "jax_requests": jax_events.get("/jax/compilation_cache/compile_requests_use_cache", 0)}}))
+"""
+)
+
+
+def test_a_mirror_of_an_unsynced_bucket_says_so_and_its_counts_are_jaxs(
+    tmp_path, monkeypatch, s3_bucket
+) -> None:
+    """Entries JAX wrote straight to s3:// are not in the index until `sync` records them (and it
+    skips young ones): a mirror pulls nothing, JAX misses every program, and activate() says why
+    instead of the service quietly compiling. Once synced the mirror hits, by JAX's own count."""
+    monkeypatch.setenv("CACHECTL_DB", f"sqlite:///{tmp_path}/index.db")
+    monkeypatch.setenv("CACHECTL_CACHE", "remote")
+    _cli("cache", "add", "remote", s3_bucket + "/cache")
+    writer = """
+import cachectl, jax
+cachectl.activate("remote", readonly=False, telemetry=False)
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+"""
+    run_py(writer + FOUR, check=True)
+    # A plain sync leaves entries younger than --min-age (5 minutes) out of the index.
+    assert json.loads(_cli("sync", "--json"))["entries_added"] == 0
+
+    proc = run_py(JAX_COUNTED.format(mirror=str(tmp_path / "m1")), check=True)
+    cold = _json_line(proc.stdout)
+    assert cold["indexed"] == cold["copied"] == 0
+    # JAX's own events: a request per program it looked up, a hit per one it read.
+    assert cold["jax_hits"] == 0 and cold["jax_requests"] >= 4, cold
+    assert (cold["hits"], cold["requests"]) == (cold["jax_hits"], cold["jax_requests"]), cold
+    assert "the index lists no entries for this environment" in (cold["warning"] or ""), cold
+    assert "cachectl sync" in cold["warning"]
+
+    assert json.loads(_cli("sync", "--min-age", "0", "--json"))["entries_added"] >= 4
+    proc = run_py(JAX_COUNTED.format(mirror=str(tmp_path / "m2")), check=True)
+    warm = _json_line(proc.stdout)
+    assert warm["warning"] is None and warm["copied"] == warm["indexed"] >= 4, warm
+    assert warm["jax_requests"] == cold["jax_requests"], warm
+    assert warm["jax_hits"] == warm["jax_requests"], warm  # everything, read from the mirror
+    assert (warm["hits"], warm["requests"]) == (warm["jax_hits"], warm["jax_requests"]), warm
+
+    # What both services flushed to the index: the four programs missed once, then hit once (the
+    # eager staging programs JAX also looked up are counted as not cacheable, hit or not).
+    (env,) = json.loads(_cli("stats", "--since", "1h", "--json"))["environments"]
+    assert env["requests"] == cold["jax_requests"] + warm["jax_requests"]
+    assert (env["hits"], env["misses"]) == (4, 4), env
+    assert env["uncacheable"] == env["requests"] - 8
+
+
 def _local_cache(tmp_path: Path, monkeypatch, writers: str = "") -> tuple[str, Path]:
     monkeypatch.setenv("CACHECTL_DB", f"sqlite:///{tmp_path}/index.db")
     monkeypatch.setenv("CACHECTL_CACHE", "loc")
