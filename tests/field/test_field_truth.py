@@ -28,10 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from infra import run_cachectl, run_py  # noqa: E402
+from support.infra import run_cachectl, run_py
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
