@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import sys
 from typing import TYPE_CHECKING, Any
 
 import click
@@ -273,6 +275,12 @@ def _set_max_buckets(value: int | None) -> int | None:
     return value
 
 
+def _json_quiet(as_json: bool) -> contextlib.AbstractContextManager[Any]:
+    """With --json, what the manifest's modules print on import (mujoco's "Failed to import
+    warp") goes to stderr: stdout holds the report alone."""
+    return contextlib.redirect_stdout(sys.stderr) if as_json else contextlib.nullcontext()
+
+
 def _with_common(fn: Any) -> Any:
     for option in reversed(_common):
         fn = option(fn)
@@ -290,7 +298,8 @@ def _run_check(
 ) -> None:
     from cachectl.warm import check
 
-    report = check(ctx, manifest, cache=cache_name, shard=_shard(shard, shards), paths=paths)
+    with _json_quiet(as_json):
+        report = check(ctx, manifest, cache=cache_name, shard=_shard(shard, shards), paths=paths)
     emit(
         report,
         as_json,
@@ -496,24 +505,25 @@ def warm_cmd(
             sign_key,
         )
         return
-    signer = None
-    if not dry_run:
-        signer = _signer_for(ctx, manifest, cache_name, sign_key, paths)
-    with _Progress(enabled=not dry_run, terminal=stderr.is_terminal) as progress:
-        report = warm(
-            ctx,
-            manifest,
-            cache=cache_name,
-            jobs=jobs,
-            shard=_shard(shard, shards),
-            paths=paths,
-            fail_fast=fail_fast,
-            dry_run=dry_run,
-            executor=executor,
-            progress=progress,
-            executables=not no_executables,
-            signer=signer,
-        )
+    with _json_quiet(as_json):
+        signer = None
+        if not dry_run:
+            signer = _signer_for(ctx, manifest, cache_name, sign_key, paths)
+        with _Progress(enabled=not dry_run, terminal=stderr.is_terminal) as progress:
+            report = warm(
+                ctx,
+                manifest,
+                cache=cache_name,
+                jobs=jobs,
+                shard=_shard(shard, shards),
+                paths=paths,
+                fail_fast=fail_fast,
+                dry_run=dry_run,
+                executor=executor,
+                progress=progress,
+                executables=not no_executables,
+                signer=signer,
+            )
     if signer is not None and not report.target_problems:
         signing.report_resigned(
             resign(ctx, report.cache, report.environment["digest"], signer, report.written)
