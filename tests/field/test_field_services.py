@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -292,7 +293,91 @@ def run():
     warmup="import case\ncase.run()\n",
 )
 
+BRAX_MJX = Case(
+    module="""
+import numpy as np
+import jax, jax.numpy as jnp
+from brax.envs.base import PipelineEnv, State
+from brax.io import mjcf
+
+XML = \"\"\"
+<mujoco model="pendulum">
+  <option timestep="0.02"/>
+  <worldbody>
+    <body name="pole">
+      <joint name="hinge" type="hinge" axis="0 1 0"/>
+      <geom type="capsule" size="0.05" fromto="0 0 0 0 0 -0.5" mass="1"/>
+    </body>
+  </worldbody>
+  <actuator><motor joint="hinge" gear="1"/></actuator>
+</mujoco>
+\"\"\"
+
+class Pendulum(PipelineEnv):
+    # reward and done are arrays after reset and after step alike. Brax's built-in
+    # inverted_pendulum (brax 0.14.2) returns them, and info["time_out"], not weakly typed
+    # from reset and weakly typed from step: jax.jit(step) compiles twice, once per State.
+    def __init__(self):
+        super().__init__(mjcf.loads(XML), backend="mjx", n_frames=2)
+
+    def reset(self, rng):
+        q = self.sys.init_q + jax.random.uniform(rng, (self.sys.q_size(),), minval=-0.1, maxval=0.1)
+        ps = self.pipeline_init(q, jnp.zeros(self.sys.qd_size()))
+        reward, done = jnp.zeros(2)
+        return State(ps, self._obs(ps), reward, done, {})
+
+    def step(self, state, action):
+        ps = self.pipeline_step(state.pipeline_state, action)
+        reward = -jnp.sum(ps.q ** 2) - 0.1 * jnp.sum(action ** 2)
+        return state.replace(pipeline_state=ps, obs=self._obs(ps), reward=reward)
+
+    def _obs(self, ps):
+        return jnp.concatenate([jnp.cos(ps.q), jnp.sin(ps.q), ps.qd])
+
+ENV = Pendulum()
+reset = jax.vmap(ENV.reset)  # n parallel envs: every leaf of the State has dimension 0 = n
+step = jax.vmap(ENV.step)
+
+def state_specs(n):
+    return jax.eval_shape(reset, jax.ShapeDtypeStruct((n, 2), jnp.uint32))
+
+def _pad(tree, n):
+    def pad(x):
+        x = np.asarray(x)
+        return np.concatenate([x, np.zeros((n - len(x),) + x.shape[1:], x.dtype)])
+    return jax.tree_util.tree_map(pad, tree)
+
+def calls():
+    keys = np.random.default_rng(0).integers(0, 2**32, (3, 2), dtype=np.uint32)
+    # 3 envs in the 4 bucket; the State to step is reset's at 4 (a bucket), cut to 3 on the host
+    state = jax.tree_util.tree_map(lambda x: np.asarray(x)[:3], jax.jit(reset)(_pad(keys, 4)))
+    action = np.full((3, 1), 0.5, np.float32)
+    return [
+        ("reset", (keys,), (_pad(keys, 4),)),
+        ("step", (state, action), (_pad(state, 4), _pad(action, 4))),
+    ]
+
+def run():
+    return [jax.jit(globals()[name])(*padded) for name, _, padded in calls()]
+""",
+    manifest="""
+version: 1
+target: {backend: cpu}
+functions:
+  - fn: case:reset
+    args:
+      - {shape: [n, 2], dtype: uint32}
+    buckets: {n: [1, 4]}
+  - fn: case:step
+    args:
+      - {pytree: case:state_specs, leaf_axes: {0: n}}
+      - {shape: [n, 1], dtype: float32}
+    buckets: {n: [1, 4]}
+""",
+)
+
 CASES = {
+    "brax-mjx": BRAX_MJX,
     "linalg-fft": LINALG,
     "flax-nnx": FLAX_NNX,
     "equinox-optax": EQUINOX_OPTAX,
@@ -300,6 +385,7 @@ CASES = {
     "numpyro": NUMPYRO,
 }
 REQUIRES = {
+    "brax-mjx": "brax",
     "flax-nnx": "flax",
     "equinox-optax": "equinox",
     "keras": "keras",
@@ -308,7 +394,9 @@ REQUIRES = {
 
 
 def _cachectl(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    return run_cachectl(cwd, *args, env={"PYTHONPATH": str(cwd), "KERAS_BACKEND": "jax"})
+    # The case's directory first, then this checkout's own path (not another one installed)
+    path = os.pathsep.join(p for p in (str(cwd), os.environ.get("PYTHONPATH")) if p)
+    return run_cachectl(cwd, *args, env={"PYTHONPATH": path, "KERAS_BACKEND": "jax"})
 
 
 def _run(code: str) -> dict[str, Any]:
