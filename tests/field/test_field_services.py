@@ -5,8 +5,9 @@ where a manifest can name the program (a library's private jit is warmed with ``
 warm-run`` instead). What is checked is what JAX itself counted in the same process
 (``/jax/compilation_cache/*`` events, ``/jax/core/compile/*`` durations): no crash, zero compiles
 in (c) and a hit for every program in (b), outputs equal to ``jax.jit``'s on the same padded
-inputs, and ``warm-check`` at 100%. The libraries are the ``field`` extra (scripts/test installs
-it). Wall times of (a)-(c) are printed for BENCHMARKS.md's "Field" section, never asserted.
+inputs, ``warm-check`` at 100% (for a warm-run, ``warm-check --replay`` of its command: every
+compile request a hit), and ``cachectl misses`` naming nothing. The libraries are the ``field``
+extra (scripts/test installs it). Wall times of (a)-(c) are printed for BENCHMARKS.md's "Field" section, never asserted.
 """
 
 from __future__ import annotations
@@ -99,10 +100,17 @@ print(json.dumps(dict(counts=counts, calls=len(out), wall_s=time.perf_counter() 
 class Case:
     module: str  # the service's code: calls() for (c), run() for (a)/(b)
     manifest: str | None  # None: a library-internal jit, warmed by running warmup
+    # Run by `cachectl warm-run` (after the manifest's warm, if any): what only running warms.
     warmup: str | None = None
     # Why (c) cannot serve from stored executables, as warm reports it; None: it must.
     not_stored: str | None = None
 
+
+# A service that builds its model at start (Flax's nnx.Rngs and initializers, Equinox's MLP,
+# optax's init) runs JAX's own jitted random and arithmetic programs (jit__threefry_seed,
+# jit__uniform, jit_multiply, ...) eagerly: no manifest names them, and `cachectl misses`
+# names each one (library_internal) until the start is warmed by running it.
+STARTUP = "import case\ncase.calls()\n"
 
 LINALG = Case(
     module="""
@@ -191,6 +199,7 @@ functions:
       - {shape: [batch, seq], dtype: int32}
     buckets: {batch: [1, 4], seq: [8, 16]}
 """,
+    warmup=STARTUP,
 )
 
 EQUINOX_OPTAX = Case(
@@ -246,6 +255,7 @@ functions:
     # so a program that returns one is not stored; serving then goes through jax.jit, which
     # reads the persistent-cache entry warm wrote.
     not_stored="the outputs' pytree does not survive pickling",
+    warmup=STARTUP,
 )
 
 KERAS = Case(
@@ -436,20 +446,27 @@ def test_field_service(tmp_path: Path, name: str) -> None:
         if case.not_stored is None:
             calls = len(report["buckets"])
             assert f"stored executables: {calls}/{calls} load and run (100.0%)" in check.stdout
-    else:
-        (tmp_path / "warmup.py").write_text(case.warmup or "")
+    if case.warmup is not None:
+        (tmp_path / "warmup.py").write_text(case.warmup)
         warm = _cachectl(tmp_path, "warm-run", "--json", "--", sys.executable, "warmup.py")
         assert warm.returncode == 0, warm.stderr
         assert json.loads(warm.stdout)["exit_code"] == 0
 
     activated = _run(PLAIN.format(dir=str(tmp_path), activate=True))  # (b)
     counts = activated["counts"]
-    if case.manifest is None:  # warm-run wrote every program the run compiled, eager ones too
+    if case.warmup is not None:  # warm-run wrote every program its run compiled, eager ones too
         # (a backend_compile_duration event fires around a persistent-cache hit too: the hit
         # count against the requests is JAX's own word on what compiled)
         assert counts["requests"] > 0 and counts["hits"] == counts["requests"], counts
-    else:  # warm wrote the manifest's programs: each call of one hits (eager setup ops may not)
+    else:  # warm wrote the manifest's programs: each call of one hits
         assert counts["hits"] >= activated["calls"] > 0, counts
+
+    if case.manifest is None:  # warm-check replays the warm-run's command read-only: all hits
+        replay = _cachectl(tmp_path, "warm-check", "--replay", "--json")
+        assert replay.returncode == 0, replay.stdout + replay.stderr
+        replayed = json.loads(replay.stdout)
+        assert replayed["exit_code"] == 0 and replayed["processes"] == 1, replayed
+        assert replayed["requests"] == replayed["hits"] > 0, replayed
 
     timings = {"a_no_cache_s": cold["wall_s"], "b_activate_s": activated["wall_s"]}
     if case.manifest is not None:  # (c)
@@ -469,4 +486,11 @@ def test_field_service(tmp_path: Path, name: str) -> None:
                 served["during"]["hits"] - served["start"]["hits"]
             ), served
         timings |= {"c_serving_s": served["wall_s"], "c_ready_s": served["ready_s"]}
+
+    # What (b) and (c) recorded (telemetry is on under activate() and serving): nothing missed.
+    missed = _cachectl(tmp_path, "misses", "--json")
+    assert missed.returncode == 0, missed.stdout + missed.stderr
+    seen = json.loads(missed.stdout)
+    assert seen["requests"] > 0, seen  # the services' signatures were recorded at all
+    assert seen["misses"] == 0 and seen["missed"] == [] and seen["findings"] == [], seen
     print(json.dumps({"case": name, **{k: round(v, 3) for k, v in timings.items()}}))
