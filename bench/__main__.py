@@ -26,6 +26,7 @@ MODULES = (
     "warm",
     "service",
     "serving",
+    "field",
     "size_limit",
     "lifecycle",
     "server",

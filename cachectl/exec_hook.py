@@ -10,6 +10,7 @@ configuration itself came from exec's environment variables.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.abc
 import importlib.util
 import json
@@ -21,6 +22,8 @@ from typing import Any
 SITE_DIR = str(Path(__file__).resolve().parent / "_exec_site")
 ENABLE_VAR = "CACHECTL_EXEC_TELEMETRY"
 ENVIRONMENT_VAR = "CACHECTL_EXEC_ENVIRONMENT"
+# Set by `cachectl warm-check --replay`: a file each process appends its JAX cache counts to.
+COUNTS_VAR = "CACHECTL_EXEC_COUNTS"
 
 
 def child_variables(environment: dict[str, Any], existing_pythonpath: str | None) -> dict[str, str]:
@@ -61,7 +64,33 @@ def install() -> None:
         sys.meta_path.insert(0, _AfterJaxImport())
 
 
+def _count_cache_events(path: str) -> None:
+    """JAX's own persistent-cache events in this process, one JSON line appended at exit."""
+    import atexit
+
+    import jax
+
+    counts = {"pid": os.getpid(), "requests": 0, "hits": 0}
+
+    def on_event(event: str, **_: Any) -> None:
+        if event == "/jax/compilation_cache/compile_requests_use_cache":
+            counts["requests"] += 1
+        elif event == "/jax/compilation_cache/cache_hits":
+            counts["hits"] += 1
+
+    def write() -> None:
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(counts) + "\n")
+
+    jax.monitoring.register_event_listener(on_event)
+    atexit.register(write)
+
+
 def _start() -> None:
+    counts = os.environ.get(COUNTS_VAR)
+    if counts:
+        with contextlib.suppress(Exception):  # never break the service
+            _count_cache_events(counts)
     try:
         from cachectl.config import load_settings
         from cachectl.fingerprint import Environment

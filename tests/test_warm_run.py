@@ -55,7 +55,8 @@ print(json.dumps(counts))
 
 
 def _cachectl(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    return run_cachectl(cwd, *args, env={"PYTHONPATH": str(cwd)})
+    path = os.pathsep.join(p for p in (str(cwd), os.environ.get("PYTHONPATH")) if p)
+    return run_cachectl(cwd, *args, env={"PYTHONPATH": path})  # then this checkout's cachectl
 
 
 def _setup(tmp_path: Path) -> None:
@@ -115,3 +116,30 @@ def test_a_failing_command_fails_the_warm_run_and_a_missing_one_is_bad_input(
     assert missing.returncode == 2, missing.stderr
     assert "command not found: no-such-command-here" in missing.stderr
     assert "Traceback" not in missing.stderr
+
+
+def test_warm_check_replays_the_warm_run_read_only_and_counts_jax_hits(tmp_path: Path) -> None:
+    _setup(tmp_path)
+    nothing = _cachectl(tmp_path, "warm-check", "--replay")
+    assert nothing.returncode != 0 and "no warm-run into cache" in nothing.stderr, nothing.stderr
+
+    run = json.loads(
+        _cachectl(tmp_path, "warm-run", "--json", "--", sys.executable, "warmup.py").stdout
+    )
+    replay = _cachectl(tmp_path, "warm-check", "--replay", "--json")
+    assert replay.returncode == 0, replay.stderr
+    report = json.loads(replay.stdout)  # the command's own prints went to stderr
+    assert "warmup 8" in replay.stderr
+    assert report["run_id"] == run["run_id"] and report["command"] == [sys.executable, "warmup.py"]
+    assert report["exit_code"] == 0 and report["processes"] == 1
+    assert report["requests"] == report["hits"] == 2 and report["ok"], report
+
+    # Without the entries the same replay misses every program, and writes none (read-only).
+    namespace = Path(run["namespace"].removeprefix("file://"))
+    for entry in namespace.glob("*-cache"):
+        entry.unlink()
+    cold = _cachectl(tmp_path, "warm-check", "--replay", str(run["run_id"]))
+    assert cold.returncode == 1, cold.stdout + cold.stderr
+    assert "cache hits: 0/2 compile requests (0.0%) in 1 JAX process(es)" in cold.stdout
+    assert "2 of 2 compile requests missed the cache" in cold.stderr
+    assert list(namespace.glob("*-cache")) == []

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import sys
 from typing import TYPE_CHECKING, Any
 
 import click
@@ -273,8 +275,21 @@ def _set_max_buckets(value: int | None) -> int | None:
     return value
 
 
+def _json_quiet(as_json: bool) -> contextlib.AbstractContextManager[Any]:
+    """With --json, what the manifest's modules print on import (mujoco's "Failed to import
+    warp") goes to stderr: stdout holds the report alone."""
+    return contextlib.redirect_stdout(sys.stderr) if as_json else contextlib.nullcontext()
+
+
 def _with_common(fn: Any) -> Any:
     for option in reversed(_common):
+        fn = option(fn)
+    return fn
+
+
+def _with_common_options(fn: Any) -> Any:
+    """The common options without the MANIFEST argument (warm-check's is optional)."""
+    for option in reversed(_common[1:]):
         fn = option(fn)
     return fn
 
@@ -290,7 +305,8 @@ def _run_check(
 ) -> None:
     from cachectl.warm import check
 
-    report = check(ctx, manifest, cache=cache_name, shard=_shard(shard, shards), paths=paths)
+    with _json_quiet(as_json):
+        report = check(ctx, manifest, cache=cache_name, shard=_shard(shard, shards), paths=paths)
     emit(
         report,
         as_json,
@@ -496,24 +512,25 @@ def warm_cmd(
             sign_key,
         )
         return
-    signer = None
-    if not dry_run:
-        signer = _signer_for(ctx, manifest, cache_name, sign_key, paths)
-    with _Progress(enabled=not dry_run, terminal=stderr.is_terminal) as progress:
-        report = warm(
-            ctx,
-            manifest,
-            cache=cache_name,
-            jobs=jobs,
-            shard=_shard(shard, shards),
-            paths=paths,
-            fail_fast=fail_fast,
-            dry_run=dry_run,
-            executor=executor,
-            progress=progress,
-            executables=not no_executables,
-            signer=signer,
-        )
+    with _json_quiet(as_json):
+        signer = None
+        if not dry_run:
+            signer = _signer_for(ctx, manifest, cache_name, sign_key, paths)
+        with _Progress(enabled=not dry_run, terminal=stderr.is_terminal) as progress:
+            report = warm(
+                ctx,
+                manifest,
+                cache=cache_name,
+                jobs=jobs,
+                shard=_shard(shard, shards),
+                paths=paths,
+                fail_fast=fail_fast,
+                dry_run=dry_run,
+                executor=executor,
+                progress=progress,
+                executables=not no_executables,
+                signer=signer,
+            )
     if signer is not None and not report.target_problems:
         signing.report_resigned(
             resign(ctx, report.cache, report.environment["digest"], signer, report.written)
@@ -539,23 +556,80 @@ def _warm_failure(report: Any) -> CachectlError:
     )
 
 
+def _print_replay(r: Any) -> None:
+    rate = "-" if r.hit_rate is None else f"{r.hit_rate:.1%}"
+    stdout.print(
+        f"replayed warm run {r.run_id} read-only: {escape(' '.join(r.command))} (in "
+        f"{escape(r.cwd)}) exited {r.exit_code} after {r.seconds:.1f}s\n"
+        f"cache hits: {r.hits}/{r.requests} compile requests ({rate}) in {r.processes} JAX "
+        "process(es)",
+        highlight=False,
+    )
+
+
+def _replay_failure(r: Any) -> OperationFailed:
+    if r.exit_code != 0:
+        return OperationFailed(f"the replayed command exited {r.exit_code}")
+    if not r.requests:
+        return OperationFailed("the replayed command made no compile request JAX counted")
+    return OperationFailed(f"{r.misses} of {r.requests} compile requests missed the cache")
+
+
+def _run_replay(ctx: Context, run: str, cache_name: str | None, as_json: bool) -> None:
+    from cachectl.warm.replay import replay_warm_run
+
+    if run != "latest" and not run.isdigit():
+        raise BadInput(f"--replay: a warm run's id or 'latest', got {run!r}")
+    report = replay_warm_run(
+        ctx,
+        None if run == "latest" else int(run),
+        cache=cache_name,
+        child_stdout=sys.stderr if as_json else None,
+    )
+    emit(report, as_json, _print_replay, failure=_replay_failure)
+
+
 @click.command("warm-check")
-@_with_common
+@click.argument("manifest", required=False, type=click.Path(dir_okay=False))
+@_with_common_options
 @_cache_option("check")
+@click.option(
+    "--replay",
+    metavar="RUN",
+    is_flag=False,
+    flag_value="latest",
+    help="Instead of a MANIFEST: run the command warm-run RUN recorded (its id; alone, the "
+    "latest) again, read-only as a service, and count JAX's cache hits in it.",
+)
 @click.pass_obj
 def warm_check_cmd(
     ctx: Context,
-    manifest: str,
+    manifest: str | None,
     cache_name: str | None,
     shard: str | None,
     shards: int | None,
     paths: tuple[str, ...],
     as_json: bool,
+    replay: str | None,
 ) -> None:
     """Prove coverage: in a fresh process, activate the cache read-only and load every bucket.
 
-    Reports hit or miss per bucket and the coverage; exits 1 below 100%.
+    Reports hit or miss per bucket and the coverage; exits 1 below 100%. With
+    --replay, the command a warm-run ran runs again read-only (as `cachectl exec
+    --readonly`); exits 1 unless it succeeds and every compile request hits.
+
+    \b
+    cachectl warm-check manifest.yaml
+    cachectl warm-check --replay          # the latest warm-run's command
+    cachectl warm-check --replay 12 --json
     """
+    if replay is not None:
+        if manifest is not None:
+            raise BadInput("give a MANIFEST or --replay, not both")
+        _run_replay(ctx, replay, cache_name, as_json)
+        return
+    if manifest is None:
+        raise BadInput("give the MANIFEST to check, or --replay for a warm-run's command")
     _run_check(ctx, manifest, cache_name, shard, paths, as_json, shards)
 
 

@@ -66,6 +66,11 @@ class RunWarmReport:
         return self.exit_code == 0 and all(e.status == "written" for e in self.entries)
 
 
+def run_digest(command: Sequence[str]) -> str:
+    """A warm-runs row's digest of the command it ran (a manifest's row has the manifest's)."""
+    return hashlib.sha256(json.dumps(["run", list(command)]).encode()).hexdigest()
+
+
 def _entry_names(store: Any, ns_rel: str) -> set[str]:
     names = set()
     for info in store.list(ns_rel):
@@ -96,7 +101,7 @@ def warm_by_running(
     before = _entry_names(store, ns.relpath)
     config = warm_jax_config(ns.url, env)
     environ = {**os.environ, **env_vars_for(config), "CACHECTL_CACHE": cache_info.name}
-    digest = hashlib.sha256(json.dumps(["run", list(command)]).encode()).hexdigest()
+    digest = run_digest(list(command))
     run = ctx.index.start_warm_run(info.id, manifest_digest=digest, manifest_path=None, buckets=0)
     started = time.perf_counter()
     status = warm_runs.INTERRUPTED
@@ -128,7 +133,8 @@ def warm_by_running(
         nbytes=sum(e.bytes for e in entries if e.status == "written"),
         duration_ms=int(seconds * 1000),
         details={
-            "command": list(command)[:20],
+            "command": list(command),  # whole, with cwd: warm-check --replay runs it again
+            "cwd": os.getcwd(),
             "namespace": ns.relpath,
             "warm_run": run.id,
             "exit_code": exit_code,

@@ -5,14 +5,16 @@ where a manifest can name the program (a library's private jit is warmed with ``
 warm-run`` instead). What is checked is what JAX itself counted in the same process
 (``/jax/compilation_cache/*`` events, ``/jax/core/compile/*`` durations): no crash, zero compiles
 in (c) and a hit for every program in (b), outputs equal to ``jax.jit``'s on the same padded
-inputs, and ``warm-check`` at 100%. The libraries are the ``field`` extra (scripts/test installs
-it). Wall times of (a)-(c) are printed for BENCHMARKS.md's "Field" section, never asserted.
+inputs, ``warm-check`` at 100% (for a warm-run, ``warm-check --replay`` of its command: every
+compile request a hit), and ``cachectl misses`` naming nothing. The libraries are the ``field``
+extra (scripts/test installs it). Wall times of (a)-(c) are printed for BENCHMARKS.md's "Field" section, never asserted.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -95,10 +97,17 @@ print(json.dumps(dict(counts=counts, calls=len(out), wall_s=time.perf_counter() 
 class Case:
     module: str  # the service's code: calls() for (c), run() for (a)/(b)
     manifest: str | None  # None: a library-internal jit, warmed by running warmup
+    # Run by `cachectl warm-run` (after the manifest's warm, if any): what only running warms.
     warmup: str | None = None
     # Why (c) cannot serve from stored executables, as warm reports it; None: it must.
     not_stored: str | None = None
 
+
+# A service that builds its model at start (Flax's nnx.Rngs and initializers, Equinox's MLP,
+# optax's init) runs JAX's own jitted random and arithmetic programs (jit__threefry_seed,
+# jit__uniform, jit_multiply, ...) eagerly: no manifest names them, and `cachectl misses`
+# names each one (library_internal) until the start is warmed by running it.
+STARTUP = "import case\ncase.calls()\n"
 
 LINALG = Case(
     module="""
@@ -187,6 +196,7 @@ functions:
       - {shape: [batch, seq], dtype: int32}
     buckets: {batch: [1, 4], seq: [8, 16]}
 """,
+    warmup=STARTUP,
 )
 
 EQUINOX_OPTAX = Case(
@@ -242,6 +252,7 @@ functions:
     # so a program that returns one is not stored; serving then goes through jax.jit, which
     # reads the persistent-cache entry warm wrote.
     not_stored="the outputs' pytree does not survive pickling",
+    warmup=STARTUP,
 )
 
 KERAS = Case(
@@ -289,7 +300,91 @@ def run():
     warmup="import case\ncase.run()\n",
 )
 
+BRAX_MJX = Case(
+    module="""
+import numpy as np
+import jax, jax.numpy as jnp
+from brax.envs.base import PipelineEnv, State
+from brax.io import mjcf
+
+XML = \"\"\"
+<mujoco model="pendulum">
+  <option timestep="0.02"/>
+  <worldbody>
+    <body name="pole">
+      <joint name="hinge" type="hinge" axis="0 1 0"/>
+      <geom type="capsule" size="0.05" fromto="0 0 0 0 0 -0.5" mass="1"/>
+    </body>
+  </worldbody>
+  <actuator><motor joint="hinge" gear="1"/></actuator>
+</mujoco>
+\"\"\"
+
+class Pendulum(PipelineEnv):
+    # reward and done are arrays after reset and after step alike. Brax's built-in
+    # inverted_pendulum (brax 0.14.2) returns them, and info["time_out"], not weakly typed
+    # from reset and weakly typed from step: jax.jit(step) compiles twice, once per State.
+    def __init__(self):
+        super().__init__(mjcf.loads(XML), backend="mjx", n_frames=2)
+
+    def reset(self, rng):
+        q = self.sys.init_q + jax.random.uniform(rng, (self.sys.q_size(),), minval=-0.1, maxval=0.1)
+        ps = self.pipeline_init(q, jnp.zeros(self.sys.qd_size()))
+        reward, done = jnp.zeros(2)
+        return State(ps, self._obs(ps), reward, done, {})
+
+    def step(self, state, action):
+        ps = self.pipeline_step(state.pipeline_state, action)
+        reward = -jnp.sum(ps.q ** 2) - 0.1 * jnp.sum(action ** 2)
+        return state.replace(pipeline_state=ps, obs=self._obs(ps), reward=reward)
+
+    def _obs(self, ps):
+        return jnp.concatenate([jnp.cos(ps.q), jnp.sin(ps.q), ps.qd])
+
+ENV = Pendulum()
+reset = jax.vmap(ENV.reset)  # n parallel envs: every leaf of the State has dimension 0 = n
+step = jax.vmap(ENV.step)
+
+def state_specs(n):
+    return jax.eval_shape(reset, jax.ShapeDtypeStruct((n, 2), jnp.uint32))
+
+def _pad(tree, n):
+    def pad(x):
+        x = np.asarray(x)
+        return np.concatenate([x, np.zeros((n - len(x),) + x.shape[1:], x.dtype)])
+    return jax.tree_util.tree_map(pad, tree)
+
+def calls():
+    keys = np.random.default_rng(0).integers(0, 2**32, (3, 2), dtype=np.uint32)
+    # 3 envs in the 4 bucket; the State to step is reset's at 4 (a bucket), cut to 3 on the host
+    state = jax.tree_util.tree_map(lambda x: np.asarray(x)[:3], jax.jit(reset)(_pad(keys, 4)))
+    action = np.full((3, 1), 0.5, np.float32)
+    return [
+        ("reset", (keys,), (_pad(keys, 4),)),
+        ("step", (state, action), (_pad(state, 4), _pad(action, 4))),
+    ]
+
+def run():
+    return [jax.jit(globals()[name])(*padded) for name, _, padded in calls()]
+""",
+    manifest="""
+version: 1
+target: {backend: cpu}
+functions:
+  - fn: case:reset
+    args:
+      - {shape: [n, 2], dtype: uint32}
+    buckets: {n: [1, 4]}
+  - fn: case:step
+    args:
+      - {pytree: case:state_specs, leaf_axes: {0: n}}
+      - {shape: [n, 1], dtype: float32}
+    buckets: {n: [1, 4]}
+""",
+)
+
 CASES = {
+    "brax-mjx": BRAX_MJX,
     "linalg-fft": LINALG,
     "flax-nnx": FLAX_NNX,
     "equinox-optax": EQUINOX_OPTAX,
@@ -297,6 +392,7 @@ CASES = {
     "numpyro": NUMPYRO,
 }
 REQUIRES = {
+    "brax-mjx": "brax",
     "flax-nnx": "flax",
     "equinox-optax": "equinox",
     "keras": "keras",
@@ -305,7 +401,9 @@ REQUIRES = {
 
 
 def _cachectl(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    return run_cachectl(cwd, *args, env={"PYTHONPATH": str(cwd), "KERAS_BACKEND": "jax"})
+    # The case's directory first, then this checkout's own path (not another one installed)
+    path = os.pathsep.join(p for p in (str(cwd), os.environ.get("PYTHONPATH")) if p)
+    return run_cachectl(cwd, *args, env={"PYTHONPATH": path, "KERAS_BACKEND": "jax"})
 
 
 def _run(code: str) -> dict[str, Any]:
@@ -345,20 +443,27 @@ def test_field_service(tmp_path: Path, name: str) -> None:
         if case.not_stored is None:
             calls = len(report["buckets"])
             assert f"stored executables: {calls}/{calls} load and run (100.0%)" in check.stdout
-    else:
-        (tmp_path / "warmup.py").write_text(case.warmup or "")
+    if case.warmup is not None:
+        (tmp_path / "warmup.py").write_text(case.warmup)
         warm = _cachectl(tmp_path, "warm-run", "--json", "--", sys.executable, "warmup.py")
         assert warm.returncode == 0, warm.stderr
         assert json.loads(warm.stdout)["exit_code"] == 0
 
     activated = _run(PLAIN.format(dir=str(tmp_path), activate=True))  # (b)
     counts = activated["counts"]
-    if case.manifest is None:  # warm-run wrote every program the run compiled, eager ones too
+    if case.warmup is not None:  # warm-run wrote every program its run compiled, eager ones too
         # (a backend_compile_duration event fires around a persistent-cache hit too: the hit
         # count against the requests is JAX's own word on what compiled)
         assert counts["requests"] > 0 and counts["hits"] == counts["requests"], counts
-    else:  # warm wrote the manifest's programs: each call of one hits (eager setup ops may not)
+    else:  # warm wrote the manifest's programs: each call of one hits
         assert counts["hits"] >= activated["calls"] > 0, counts
+
+    if case.manifest is None:  # warm-check replays the warm-run's command read-only: all hits
+        replay = _cachectl(tmp_path, "warm-check", "--replay", "--json")
+        assert replay.returncode == 0, replay.stdout + replay.stderr
+        replayed = json.loads(replay.stdout)
+        assert replayed["exit_code"] == 0 and replayed["processes"] == 1, replayed
+        assert replayed["requests"] == replayed["hits"] > 0, replayed
 
     timings = {"a_no_cache_s": cold["wall_s"], "b_activate_s": activated["wall_s"]}
     if case.manifest is not None:  # (c)
@@ -378,4 +483,11 @@ def test_field_service(tmp_path: Path, name: str) -> None:
                 served["during"]["hits"] - served["start"]["hits"]
             ), served
         timings |= {"c_serving_s": served["wall_s"], "c_ready_s": served["ready_s"]}
+
+    # What (b) and (c) recorded (telemetry is on under activate() and serving): nothing missed.
+    missed = _cachectl(tmp_path, "misses", "--json")
+    assert missed.returncode == 0, missed.stdout + missed.stderr
+    seen = json.loads(missed.stdout)
+    assert seen["requests"] > 0, seen  # the services' signatures were recorded at all
+    assert seen["misses"] == 0 and seen["missed"] == [] and seen["findings"] == [], seen
     print(json.dumps({"case": name, **{k: round(v, 3) for k, v in timings.items()}}))
