@@ -13,6 +13,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+import platformdirs
+
 from cachectl.config import DEFAULT_CACHE
 from cachectl.context import Context
 from cachectl.errors import BadInput, CachectlError, NotFound
@@ -30,8 +32,7 @@ class ServiceEnv:
 
 
 def _state_file() -> Path:
-    base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
-    return Path(base) / "cachectl" / "last-namespaces.json"
+    return Path(platformdirs.user_state_dir("cachectl", appauthor=False)) / "last-namespaces.json"
 
 
 def _remember(cache: str, url: str, readonly: bool) -> None:
