@@ -247,3 +247,31 @@ def test_read_commands_print_the_same_on_either_path(tmp_path: Path, args: list[
     assert loaded.isdisjoint({"sqlalchemy", "alembic", "jax", "ml_dtypes", "numpy", "pydantic"}), (
         sorted(loaded & {"sqlalchemy", "alembic", "jax", "ml_dtypes", "numpy", "pydantic"})
     )
+
+
+_SERVING = """
+import json, sys
+sys.path.insert(0, {dir!r})
+import cachectl
+rt = cachectl.serving({manifest!r})
+report = rt.report()
+print(json.dumps(dict(
+    loaded=sum(f.loaded for f in report.functions.values()),
+    buckets=sum(f.buckets for f in report.functions.values()),
+    warnings=report.warnings,
+    sqlalchemy="sqlalchemy" in sys.modules,
+)))
+"""
+
+
+def test_serving_checks_executables_against_the_index_without_sqlalchemy(tmp_path: Path) -> None:
+    """cachectl.serving reads the sha256s it checks every executable against through the stdlib
+    reader on a plain SQLite index: every bucket loads, SQLAlchemy never imported."""
+    from support.infra import run_py
+    from support.warming import tiny, warm_json
+
+    manifest = tiny(tmp_path)
+    warm_json(str(manifest))
+    proc = run_py(_SERVING.format(dir=str(tmp_path), manifest=str(manifest)), check=True)
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out == {"loaded": 5, "buckets": 5, "warnings": [], "sqlalchemy": False}, out

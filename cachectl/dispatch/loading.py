@@ -15,6 +15,8 @@ from cachectl import aot, jax_seam
 from cachectl.config import load_settings
 from cachectl.entries import AOT_SUFFIX, CACHE_SUFFIX, CorruptEntry, parse_aot_filename
 from cachectl.errors import BadInput
+from cachectl.index import reads
+from cachectl.index.reads import StdlibReads
 from cachectl.manifest import Bucket, FunctionSpec
 from cachectl.runtime import open_service_index
 from cachectl.signing import Coverage, Untrusted, pinned_keys, stored_signature, verified_files
@@ -249,11 +251,26 @@ def _verified_shas(
     except BadInput as exc:  # a bad pin: nothing can be trusted
         warnings.append(f"cachectl.serving: {exc.message}; every call goes through jax.jit")
         return Verified({}, f"refused: {exc.message}")
-    index, _ = open_service_index(settings, problems)
     trusted: tuple[str, ...] = pinned
     shas: dict[str, Indexed] | None = None
     signed: dict[str, Any] | None = None
-    if index is not None:
+    fast = None if settings.server else StdlibReads.open(settings.db)
+    if fast is not None:  # a plain SQLite index: the stdlib driver, no SQLAlchemy import
+        try:
+            cache = fast.get_cache(activation.cache)
+            trusted = pinned or tuple(cache.trusted_keys or ())
+            env = fast.find_environment(activation.cache, activation.digest)
+            if trusted:
+                signed = reads.content_signature(fast.reader, env.id)
+            shas = {
+                key: Indexed(*row)
+                for key, row in reads.executable_digests(fast.reader, env.id).items()
+            }
+        except Exception as exc:  # noqa: BLE001 - unknown environment or index error
+            problems.append(str(exc) or type(exc).__name__)
+        finally:
+            fast.close()
+    elif (index := open_service_index(settings, problems)[0]) is not None:
         try:
             cache = index.get_cache(activation.cache)
             trusted = pinned or tuple(cache.trusted_keys or ())

@@ -284,3 +284,24 @@ class StdlibReads:
 
     def close(self) -> None:
         self.reader.close()
+
+
+# -- what a service loads -----------------------------------------------------------------------
+
+
+def content_signature(reader: Reader, env_id: int) -> dict[str, Any] | None:
+    """The environment's signed content list as last signed (cachectl/signing.py), or None."""
+    rows = reader.rows("SELECT content_signature FROM environments WHERE id = :id", {"id": env_id})
+    return from_json(rows[0][0]) if rows and rows[0][0] is not None else None
+
+
+def executable_digests(
+    reader: Reader, env_id: int
+) -> dict[str, tuple[str, str | None, str | None]]:
+    """key -> (entry sha256, stored executable sha256, warm-check's unusable mark) of every entry:
+    what cachectl.serving checks files against before it loads one."""
+    rows = reader.rows(
+        "SELECT key, sha256, aot_sha256, aot_unusable FROM entries WHERE environment_id = :id",
+        {"id": env_id},
+    )
+    return {key: (sha, aot, unusable) for key, sha, aot, unusable in rows}
