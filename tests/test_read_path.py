@@ -173,6 +173,9 @@ def test_the_stdlib_reader_refuses_what_it_cannot_serve(tmp_path: Path, populate
 def test_a_failing_stdlib_read_is_unreachable_not_a_traceback(populated: str) -> None:
     reader = SqliteReader.open(populated)
     assert reader is not None
+    with pytest.raises(Unreachable, match="readonly"):  # query_only: the reader never writes
+        reader.rows("DELETE FROM caches")
+    assert len(reads.list_caches(reader)) == 2
     path = populated[len("sqlite:///") :]
     with sqlite3.connect(path) as conn:
         conn.execute("DROP TABLE telemetry")
@@ -240,7 +243,11 @@ def _steady(value: Any) -> Any:
 @pytest.mark.parametrize("args", READ_COMMANDS, ids=[" ".join(a) for a in READ_COMMANDS])
 def test_read_commands_print_the_same_on_either_path(tmp_path: Path, args: list[str]) -> None:
     url = _populate(tmp_path / "index.db")
+    before = sorted(p.name for p in tmp_path.glob("index.db*"))
     mine, loaded = _run(tmp_path, url, args)
+    # A read leaves the index's files as it found them: no -wal/-shm left behind (a read-only
+    # connection cannot checkpoint on close).
+    assert sorted(p.name for p in tmp_path.glob("index.db*")) == before
     theirs, sql_loaded = _run(tmp_path, url + "?timeout=30", args)  # the SQLAlchemy form
     assert "sqlalchemy" in sql_loaded  # the comparison is with the SQL index
     assert mine == theirs

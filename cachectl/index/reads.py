@@ -84,8 +84,10 @@ def expand(sql: str, params: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
 
 
 class SqliteReader:
-    """The stdlib driver on an SQLite index, read-only (``mode=ro``): no transaction is held
-    between statements, so each sees what writers committed before it."""
+    """The stdlib driver on an SQLite index, for reads only (``PRAGMA query_only``). No
+    transaction is held between statements, so each sees what writers committed before it.
+    Opened read-write, as the SQL index opens it, so that closing the last connection
+    checkpoints the WAL and removes ``-wal``/``-shm`` (a ``mode=ro`` connection leaves them)."""
 
     dialect = "sqlite"
 
@@ -102,7 +104,7 @@ class SqliteReader:
             return None
         try:
             conn = sqlite3.connect(
-                f"file:{quote(str(path.resolve()))}?mode=ro",
+                f"file:{quote(str(path.resolve()))}?mode=rw",
                 uri=True,
                 isolation_level=None,
                 check_same_thread=False,
@@ -110,6 +112,7 @@ class SqliteReader:
         except sqlite3.Error:
             return None
         try:
+            conn.execute("PRAGMA query_only = ON")
             conn.execute("PRAGMA busy_timeout = 30000")
             row = conn.execute("SELECT version_num FROM alembic_version").fetchone()
         except sqlite3.Error:
