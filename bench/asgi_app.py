@@ -1,0 +1,80 @@
+"""The cachectl app for ASGI servers other than `cachectl serve`'s uvicorn (bench/asgi.py starts them).
+
+``app``: built at import over the index at ``CACHECTL_DB``, as `cachectl serve` builds it.
+
+``CACHECTL_BENCH_PATHSEND=1`` (a measurement only, not the product): the entry download, behind
+the same route and auth, hands the server the open file by the ASGI ``http.response.pathsend``
+extension (granian offers it) instead of reading the bytes. The file is opened as the product opens
+it (the store's O_NOFOLLOW open, Content-Length from fstat) and sent as ``/proc/self/fd/N``, the
+inode checked. granian opens that path *after* ``send`` has returned and signals nothing when it
+has, so the descriptor is closed on a timer here (``GRACE_S``): a descriptor closed before granian
+opened it, and reused meanwhile, would send another file. That is why the product does not take
+this path (see BENCHMARKS.md, "ASGI servers").
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from typing import Any
+
+from fastapi import HTTPException, Request
+from fastapi.responses import Response
+from starlette.concurrency import run_in_threadpool
+
+from cachectl_server import entries
+from cachectl_server.api import state_of
+from cachectl_server.app import create_app, freeze_startup_heap
+from cachectl_server.config import load_server_settings
+from cachectl_server.state import ServerState
+
+PATHSEND = "http.response.pathsend"
+GRACE_S = 5.0
+
+
+def _open(
+    state: ServerState, cache: str, digest: str, key: str, route: entries.ByteRoute
+) -> tuple[Any, int, str | None]:
+    from cachectl.index import server_queries as sq
+
+    info, env = state.where(cache, digest)
+    recorded = sq.recorded_digest(state.index, env.id, key, executable=route.executable)
+    try:
+        fh = state.store(info).open(route.path_of(env, key), "rb")
+    except FileNotFoundError:
+        raise HTTPException(404, "no such entry") from None
+    size = os.fstat(fh.fileno()).st_size
+    return fh, size, recorded[1] if recorded and recorded[0] == size else None
+
+
+class _PathBody(Response):
+    def __init__(self, fh: Any, headers: dict[str, str]) -> None:
+        super().__init__(None, media_type="application/octet-stream", headers=headers)
+        self.fh = fh
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+            await send({"type": PATHSEND, "path": f"/proc/self/fd/{self.fh.fileno()}"})
+        finally:
+            asyncio.get_running_loop().call_later(GRACE_S, self.fh.close)
+
+
+_product_download = entries.download
+
+
+async def _download(
+    request: Request, cache: str, digest: str, key: str, route: entries.ByteRoute
+) -> Response:
+    if PATHSEND not in request.scope.get("extensions", {}) or route.executable:
+        return await _product_download(request, cache, digest, key, route)
+    entries.check_key(key)
+    fh, size, sha = await run_in_threadpool(_open, state_of(request), cache, digest, key, route)
+    return _PathBody(fh, entries._headers(size, sha))
+
+
+if os.environ.get("CACHECTL_BENCH_PATHSEND") == "1":
+    entries.download = _download  # get_entry looks the name up when it runs: same route, same auth
+
+app = create_app(load_server_settings(db=os.environ["CACHECTL_DB"]))
+freeze_startup_heap()
