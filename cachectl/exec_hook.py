@@ -70,12 +70,14 @@ def _count_cache_events(path: str) -> None:
 
     import jax
 
+    from cachectl.jax_seam import EVENT_HITS, EVENT_REQUESTS
+
     counts = {"pid": os.getpid(), "requests": 0, "hits": 0}
 
     def on_event(event: str, **_: Any) -> None:
-        if event == "/jax/compilation_cache/compile_requests_use_cache":
+        if event == EVENT_REQUESTS:
             counts["requests"] += 1
-        elif event == "/jax/compilation_cache/cache_hits":
+        elif event == EVENT_HITS:
             counts["hits"] += 1
 
     def write() -> None:

@@ -16,7 +16,7 @@ PACKAGES = ("cachectl", "server")
 # Function-local imports of project modules are for keeping a cheap path cheap
 # (activate() without SQLAlchemy, `import cachectl` without the serving runtime,
 # `cachectl --help` without the index); everything else imports at the top.
-MAX_LOCAL_PROJECT_IMPORTS = 10
+MAX_LOCAL_PROJECT_IMPORTS = 11  # the 11th: exec_hook reads the seam's event names only for a replay
 # The read commands' path (`ls`, `stats`, `cache list`, `prune --dry-run` from the stdlib reader,
 # tests/test_cli_startup.py) defers, by (module, imported module), what only the other commands
 # or server mode need: the SQL index, the HTTP client, the executor, gc, verify, tokens.

@@ -4,8 +4,8 @@
 (in the audit record, which also names the warm-runs row). A replay runs that command
 again as ``cachectl exec --readonly`` would (activate()'s JAX settings, writes off), with
 the exec sitecustomize on PYTHONPATH: every Python process of the command that imports JAX
-counts JAX's ``/jax/compilation_cache/compile_requests_use_cache`` and ``cache_hits``
-events and appends them to a file at exit. Every request a hit: the warm covers the command.
+counts JAX's cache-request and cache-hit events (``jax_seam.EVENT_REQUESTS``, ``EVENT_HITS``)
+and appends them to a file at exit. Every request a hit: the warm covers the command.
 """
 
 from __future__ import annotations
