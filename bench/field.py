@@ -130,6 +130,8 @@ MODES = ("none", "activate", "serving", "serving_warmup", "floor")
 def _cases() -> dict[str, Any]:
     """The field suite's cases, from the test module itself (one source for both)."""
     path = REPO / "tests" / "field" / "test_field_services.py"
+    if str(REPO / "tests") not in sys.path:  # the test module imports tests/support
+        sys.path.insert(0, str(REPO / "tests"))
     spec = importlib.util.spec_from_file_location("field_cases", path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
