@@ -19,7 +19,7 @@ from typing import Any
 
 from cachectl.cache_info import CACHE_COLUMNS, CacheInfo, utcnow
 from cachectl.fingerprint import Environment
-from cachectl.sqlite_file import SCHEMA_REVISION, sqlite_path, stamp
+from cachectl.sqlite_file import connect, stamp
 from cachectl.telemetry.records import TelemetryBatch
 from cachectl.telemetry.rows import (
     SIGNATURE_COUNTERS,
@@ -29,8 +29,6 @@ from cachectl.telemetry.rows import (
     merged_signatures,
     placed_signatures,
 )
-
-BUSY_TIMEOUT_S = 30.0  # cachectl.index.db.SQLITE_BUSY_TIMEOUT_MS: writers wait, never fail at once
 
 
 def _json(value: Any) -> str:
@@ -224,23 +222,5 @@ def touch(url: str, cache: str, digest: str) -> bool:
 
 def open_fast(url: str) -> FastIndex | None:
     """The index through sqlite3, or None when the SQLAlchemy path must handle it."""
-    path = sqlite_path(url)
-    if path is None or not path.is_file():
-        return None
-    conn = None
-    try:
-        conn = sqlite3.connect(
-            path, timeout=BUSY_TIMEOUT_S, isolation_level=None, check_same_thread=False
-        )
-        conn.execute(f"PRAGMA busy_timeout={int(BUSY_TIMEOUT_S * 1000)}")
-        conn.execute("PRAGMA foreign_keys=ON")
-        conn.execute("PRAGMA synchronous=NORMAL")
-        version = conn.execute("SELECT version_num FROM alembic_version").fetchall()
-        if version != [(SCHEMA_REVISION,)]:
-            conn.close()
-            return None
-        return FastIndex(conn, url)
-    except sqlite3.Error:
-        if conn is not None:
-            conn.close()
-        return None
+    conn = connect(url, "foreign_keys = ON", "synchronous = NORMAL")
+    return None if conn is None else FastIndex(conn, url)

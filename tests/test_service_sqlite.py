@@ -13,7 +13,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-from cachectl import service_sqlite
+from cachectl import service_sqlite, sqlite_file
 from cachectl.fingerprint import current_environment
 from cachectl.index import open_index
 from cachectl.index.db import migrations_dir
@@ -30,9 +30,9 @@ def test_the_stdlib_path_is_written_for_the_schema_head() -> None:
     from alembic.script import ScriptDirectory
 
     heads = ScriptDirectory(str(migrations_dir())).get_heads()
-    assert heads == [service_sqlite.SCHEMA_REVISION], (
-        "a migration was added: check cachectl/service_sqlite.py's statements against it, then "
-        "raise SCHEMA_REVISION"
+    assert heads == [sqlite_file.SCHEMA_REVISION], (
+        "a migration was added: check the stdlib statements (cachectl/service_sqlite.py, "
+        "cachectl/index/reads.py, plan_reads.py, usage.py) against it, then raise SCHEMA_REVISION"
     )
 
 

@@ -17,13 +17,12 @@ import sqlite3
 from collections.abc import Mapping, Sequence
 from datetime import datetime
 from typing import Any, Protocol
-from urllib.parse import quote
 
 from cachectl.cache_info import CACHE_COLUMNS, CacheInfo
 from cachectl.errors import NotFound, Unreachable
 from cachectl.fingerprint import Environment
 from cachectl.records import EnvironmentInfo, pick_environment
-from cachectl.sqlite_file import SCHEMA_REVISION, from_json, sqlite_path, stamp, when
+from cachectl.sqlite_file import connect, from_json, sqlite_path, stamp, when
 
 
 class Reader(Protocol):
@@ -99,29 +98,8 @@ class SqliteReader:
     def open(cls, url: str) -> SqliteReader | None:
         """A reader on ``url``, or None where the stdlib cannot serve it: not a plain SQLite file,
         no file yet, another schema revision (the SQLAlchemy index creates and migrates)."""
-        path = sqlite_path(url)
-        if path is None or not path.is_file():
-            return None
-        try:
-            conn = sqlite3.connect(
-                f"file:{quote(str(path.resolve()))}?mode=rw",
-                uri=True,
-                isolation_level=None,
-                check_same_thread=False,
-            )
-        except sqlite3.Error:
-            return None
-        try:
-            conn.execute("PRAGMA query_only = ON")
-            conn.execute("PRAGMA busy_timeout = 30000")
-            row = conn.execute("SELECT version_num FROM alembic_version").fetchone()
-        except sqlite3.Error:
-            conn.close()
-            return None
-        if row is None or row[0] != SCHEMA_REVISION:
-            conn.close()
-            return None
-        return cls(conn, str(path))
+        conn = connect(url, "query_only = ON")
+        return None if conn is None else cls(conn, str(sqlite_path(url)))
 
     def rows(self, sql: str, params: Mapping[str, Any] | None = None) -> list[tuple[Any, ...]]:
         sql, bound = expand(sql, params or {})
