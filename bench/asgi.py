@@ -59,9 +59,9 @@ GOALS = {"ratio_1mib": 3.0, "head_rps": 3000.0, "head_p99_ms": 20.0, "head_cpu_m
 
 def _seed_big(seed: dict[str, Any]) -> tuple[str, int, str]:
     """A 64 MiB entry next to the seed's: (key, size, path)."""
-    from cachectl.entries import make_entry, sha256
     from cachectl.index import NewEntry, open_index
-    from cachectl.store import Store
+    from cachectl.storage.entries import make_entry, sha256
+    from cachectl.storage.store import Store
 
     key = f"jit_bench_big-{sha256(b'big')}"
     data = make_entry(os.urandom(BIG), compile_seconds=1)

@@ -12,7 +12,7 @@ fresh processes that alternate round by round:
       service reads them, ``deserialize_and_load`` in a 2-thread pool, then the first calls
       (after ``jax._src.lax.linalg.initialize_lapack()``: without it the first call of an
       executable that uses LAPACK, as MJX's does, segfaults in a process that never lowered;
-      cachectl.jax_seam does the same for stored executables).
+      cachectl.core.jax_seam does the same for stored executables).
 
 *Overhead*, the measure the goals are stated in (bench/serving.py's): the first calls of
 every bucket minus the same calls again, plus for (c) and (d) finding, checking and loading
@@ -317,7 +317,7 @@ def markdown(r: dict[str, Any]) -> str:
         "- (d) as written first segfaulted at the first call of a Brax/MJX executable: a "
         "process that never lowers has LAPACK's kernels registered but not initialized (MJX "
         "solves with them). It now calls `jax._src.lax.linalg.initialize_lapack()` first, as "
-        "cachectl.jax_seam does before loading a stored executable.",
+        "cachectl.core.jax_seam does before loading a stored executable.",
         "- Brax's built-in `inverted_pendulum` (brax 0.14.2, backend mjx) returns `reward`, "
         "`done` and `info['time_out']` not weakly typed from `reset` and weakly typed from "
         "`step`, so `jax.jit(step)` compiles twice, once per State (its `_cache_size()` is 2 "

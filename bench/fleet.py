@@ -55,10 +55,10 @@ def _use_home(home: Path) -> None:
 
 def _populate(home: Path, entries: int, size: int) -> Path:
     """A namespace with ``entries`` indexed entries of ``size`` bytes; returns its directory."""
-    from cachectl.config import load_settings
     from cachectl.context import Context
-    from cachectl.entries import make_entry, sha256
+    from cachectl.core.config import load_settings
     from cachectl.index import NewEntry
+    from cachectl.storage.entries import make_entry, sha256
 
     _use_home(home)
     ctx = Context(load_settings())
@@ -91,8 +91,8 @@ def _populate(home: Path, entries: int, size: int) -> Path:
 
 def _bundle_round(tmp: Path, ns_dir: Path, src_home: Path, r: int) -> dict[str, float]:
     from cachectl import bundle
-    from cachectl.config import load_settings
     from cachectl.context import Context
+    from cachectl.core.config import load_settings
 
     out: dict[str, float] = {}
     # create: cachectl bundle vs tar --zstd of the same directory
@@ -146,7 +146,7 @@ def _bundles(quick: bool) -> dict[str, Any]:
             tmp = Path(t)
             src = tmp / "src"
             ns_dir = _populate(src, entries, size)
-            from cachectl.fingerprint import current_environment
+            from cachectl.core.fingerprint import current_environment
 
             current_environment()  # JAX's backend starts once, as in any process that serves
             content = sum(p.stat().st_size for p in ns_dir.iterdir())

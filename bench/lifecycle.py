@@ -65,10 +65,9 @@ with contextlib.suppress(RuntimeError):
 
 from sqlalchemy import bindparam, text, update  # noqa: E402
 
-from cachectl.config import load_settings  # noqa: E402
 from cachectl.context import Context  # noqa: E402
-from cachectl.entries import make_entry  # noqa: E402
-from cachectl.fingerprint import Environment  # noqa: E402
+from cachectl.core.config import load_settings  # noqa: E402
+from cachectl.core.fingerprint import Environment  # noqa: E402
 from cachectl.index import NewEntry, open_index  # noqa: E402
 from cachectl.index.lifecycle_queries import environments  # noqa: E402
 from cachectl.index.models import Entry  # noqa: E402
@@ -77,8 +76,9 @@ from cachectl.lifecycle.gc import gc, plan_gc  # noqa: E402
 from cachectl.lifecycle.prune import criteria, plan_prune, prune  # noqa: E402
 from cachectl.lifecycle.sync import PIECE_ENTRIES, _Planner, _read_namespace, sync  # noqa: E402
 from cachectl.lifecycle.verify import verify  # noqa: E402
-from cachectl.namespace import ensure_namespace  # noqa: E402
-from cachectl.store import Store  # noqa: E402
+from cachectl.storage.entries import make_entry  # noqa: E402
+from cachectl.storage.namespace import ensure_namespace  # noqa: E402
+from cachectl.storage.store import Store  # noqa: E402
 
 CACHE = "bench"
 # The plain-tools baselines, as the table shows them (run on a copy of the tree).

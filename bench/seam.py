@@ -161,7 +161,7 @@ def markdown(r: dict[str, Any]) -> str:
         f"`python -m bench --only seam{' --quick' if r['reps'] < 20 else ''}` (or `python bench/seam.py`; "
         f"{r['seconds']:.0f} s; load average "
         f"{r['load_average']} at the start; Python {r['machine']['python']}, jax {r['machine']['jax']}). "
-        f"Base: the tree at `{r['base_commit']}` (before `cachectl/jax_seam.py` and the telemetry split); seam: "
+        f"Base: the tree at `{r['base_commit']}` (before `cachectl/core/jax_seam.py` and the telemetry split); seam: "
         f"this tree. The machine's load moves medians by more than the change does; the minimums are "
         f"the least-disturbed runs. Fresh processes, sides alternated (each first in every other repetition), {r['reps']} repetitions, medians (min – max).",
         "",

@@ -60,12 +60,12 @@ def _free_port() -> int:
 
 def _seed(tmp: Path, entries: int = 50) -> dict[str, Any]:
     """An index with one cache, one environment, ``entries`` 64 KiB entries, a 1 MiB one, and tokens."""
-    from cachectl import tokens
-    from cachectl.entries import make_entry, sha256
-    from cachectl.fingerprint import Environment
+    from cachectl.core.fingerprint import Environment
     from cachectl.index import NewEntry, open_index
-    from cachectl.namespace import ensure_namespace
-    from cachectl.store import Store
+    from cachectl.storage.entries import make_entry, sha256
+    from cachectl.storage.namespace import ensure_namespace
+    from cachectl.storage.store import Store
+    from cachectl.trust import tokens
 
     db = f"sqlite:///{tmp}/index.db"
     root = tmp / "cache"
@@ -160,7 +160,7 @@ def _start_server(db: str, port: int, log: Path, cpu: str | None = None) -> subp
 
 def _mix(seed: dict[str, Any], prefix: str = "jit_up") -> list[tuple[str, Any]]:
     """(endpoint name, request builder) with weights: mostly reads, as a fleet makes them."""
-    from cachectl.entries import make_entry
+    from cachectl.storage.entries import make_entry
 
     digest, keys = seed["digest"], seed["keys"]
     upload = make_entry(os.urandom(16 * 1024))

@@ -214,7 +214,7 @@ def bench_activation(tmp: Path, reps: int, k: int) -> dict[str, Any]:
     _py(
         f"""
     from cachectl.context import Context
-    from cachectl.caches import add_cache
+    from cachectl.trust.caches import add_cache
     add_cache(Context(), "bench", {root!r}, service_writes="deny")
     print("{{}}")
     """,
@@ -411,7 +411,7 @@ def bench_mirror(tmp: Path, reps: int, k: int) -> dict[str, Any]:
         setup = f"""
         import boto3, json
         from cachectl.context import Context
-        from cachectl.caches import add_cache
+        from cachectl.trust.caches import add_cache
         boto3.client("s3", endpoint_url={url!r}).create_bucket(Bucket="bench")
         add_cache(Context(), "remote", "s3://bench/cache")
         print("{{}}")
@@ -578,7 +578,7 @@ def markdown(r: dict[str, Any]) -> str:
     lines += [
         "",
         "By cache name, the service reads its policy through the stdlib sqlite3 driver "
-        "(cachectl/service_sqlite.py), marks its environment seen from a thread (exit waits for it, bounded) and "
+        "(cachectl/service/sqlite_index.py), marks its environment seen from a thread (exit waits for it, bounded) and "
         "flushes its telemetry at exit in one transaction: no process above imported SQLAlchemy (each one checked "
         "`sys.modules` before exiting). With a root and a mode given, the index is not read before JAX starts. "
         f"cachectl's bytecode: {a.get('bytecode', '?')} before timing; an editable install under "

@@ -135,7 +135,8 @@ def bench_capture(n: int) -> dict[str, Any]:
     from jax import core
     from jax.sharding import SingleDeviceSharding
 
-    from cachectl import jax_seam, telemetry
+    from cachectl import telemetry
+    from cachectl.core import jax_seam
 
     logger = jax_seam.pxla_logger()
     avals = [
@@ -179,7 +180,7 @@ def bench_capture(n: int) -> dict[str, Any]:
 def bench_advise(n: int) -> list[dict[str, Any]]:
     import numpy as np
 
-    from cachectl.advise import optimal_buckets, score
+    from cachectl.usage.advise import optimal_buckets, score
 
     rng = np.random.default_rng(0)
     cases = {
@@ -255,7 +256,7 @@ def markdown(r: dict[str, Any]) -> str:
         f"The collector saw {h['hits_requests'][0]} hits of {h['hits_requests'][1]} requests and recorded "
         f"{h['signature_hits']} of those hits against a signature.",
         "",
-        "**`advise` on 1,000,000 observed sizes** (`cachectl.advise.optimal_buckets`, raw sizes in, "
+        "**`advise` on 1,000,000 observed sizes** (`cachectl.usage.advise.optimal_buckets`, raw sizes in, "
         "histogram and exact dynamic program included):",
         "",
         "| distribution | distinct sizes | mode | buckets | mean padding waste | seconds |",

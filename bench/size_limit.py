@@ -56,12 +56,12 @@ def _put_latency(path: Path, max_size: int, puts: int, payload: bytes) -> list[f
 
 def _gc_run(work: Path, n: int, payload: bytes) -> dict[str, float]:
     """cachectl gc over N indexed entries, evicting about 1%: plan and execute times."""
-    from cachectl.config import load_settings
     from cachectl.context import Context
-    from cachectl.entries import sha256
-    from cachectl.fingerprint import current_environment
+    from cachectl.core.config import load_settings
+    from cachectl.core.fingerprint import current_environment
     from cachectl.index import NewEntry
     from cachectl.lifecycle import gc as gc_mod
+    from cachectl.storage.entries import sha256
 
     os.environ["XDG_DATA_HOME"] = str(work / "data")
     os.environ["XDG_CACHE_HOME"] = str(work / "cache")

@@ -1,8 +1,8 @@
 """The client's decoder: one page of entries (1000 EntryInfo) from JSON, before and after TypeAdapter.
 
 `python bench/wire.py [--quick] [--write]`. The decoder before the change is the
-hand-written ``from_jsonable`` of cachectl/jsonable.py at commit 83f1114, read
-from git; the other side is today's ``cachectl.jsonable.from_jsonable``
+hand-written ``from_jsonable`` of cachectl/core/jsonable.py at commit 83f1114, read
+from git; the other side is today's ``cachectl.core.jsonable.from_jsonable``
 (pydantic's TypeAdapter). Both decode the same 1000 records, alternating.
 """
 
@@ -23,8 +23,8 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import REPO, stats, write_section
-from cachectl.jsonable import from_jsonable, to_jsonable
-from cachectl.records import EntryInfo
+from cachectl.core.jsonable import from_jsonable, to_jsonable
+from cachectl.core.records import EntryInfo
 
 SECTION = "## Client wire decoding"
 BEFORE = "83f1114"
@@ -33,7 +33,7 @@ PAGE = 1000
 
 def _old_decoder() -> Any:
     source = subprocess.run(
-        ["git", "show", f"{BEFORE}:cachectl/jsonable.py"],
+        ["git", "show", f"{BEFORE}:cachectl/core/jsonable.py"],
         cwd=REPO,
         check=True,
         capture_output=True,
@@ -41,7 +41,7 @@ def _old_decoder() -> Any:
     ).stdout
     module = types.ModuleType("jsonable_before")
     sys.modules[module.__name__] = module  # dataclass/type-hint lookups need the module registered
-    exec(compile(source, f"{BEFORE}:cachectl/jsonable.py", "exec"), module.__dict__)  # noqa: S102
+    exec(compile(source, f"{BEFORE}:cachectl/core/jsonable.py", "exec"), module.__dict__)  # noqa: S102
     return module.from_jsonable
 
 

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 __version__ = "0.1.0"
 
 if TYPE_CHECKING:
-    from cachectl.runtime import Activation, activate
+    from cachectl.service.activate import Activation, activate
 
 
 def serving(*args, **kwargs):
@@ -22,7 +22,7 @@ def __getattr__(name: str):
     if name in ("Activation", "activate"):
         import importlib
 
-        return getattr(importlib.import_module("cachectl.runtime"), name)
+        return getattr(importlib.import_module("cachectl.service.activate"), name)
     if name in ("OutOfBucket", "StructureMismatch", "Serving", "mask"):
         import importlib
 

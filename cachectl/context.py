@@ -5,18 +5,18 @@ from __future__ import annotations
 from functools import cached_property
 from typing import TYPE_CHECKING, cast
 
-from cachectl.config import DEFAULT_CACHE, Settings, load_settings
-from cachectl.errors import NotFound
-from cachectl.fingerprint import Environment, current_environment
+from cachectl.core.config import DEFAULT_CACHE, Settings, load_settings
+from cachectl.core.errors import NotFound
+from cachectl.core.fingerprint import Environment, current_environment
 from cachectl.index import CacheInfo, EnvironmentInfo
 from cachectl.index.reads import HasReader, IndexReads, StdlibReads
-from cachectl.namespace import Namespace, ensure_namespace, namespace_of
-from cachectl.store import Store, normalize_url
+from cachectl.storage.namespace import Namespace, ensure_namespace, namespace_of
+from cachectl.storage.store import Store, normalize_url
 
 if TYPE_CHECKING:
     from cachectl.client import ServerClient
     from cachectl.index import Index
-    from cachectl.index.backend import IndexBackend
+    from cachectl.index.protocol import IndexBackend
 
 
 class Context:
@@ -41,11 +41,11 @@ class Context:
 
     @cached_property
     def index(self) -> IndexBackend:
-        """The SQL index, or in server mode the server's (cachectl.backend.open_backend)."""
+        """The SQL index, or in server mode the server's (cachectl.index_choice.open_backend)."""
         if self._given is not None:
             return self._given
         # Imported here: SQLAlchemy costs a read command more than its whole run (see ``reads``).
-        from cachectl.backend import open_backend
+        from cachectl.index_choice import open_backend
 
         return open_backend(self.settings, client=self.remote)
 

@@ -11,17 +11,17 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Protocol
 
-from cachectl.config import DELETE_BATCH
 from cachectl.context import Context
+from cachectl.core.config import DELETE_BATCH
+from cachectl.core.units import parse_duration, parse_min_age
 from cachectl.index.usage import TelemetryStats, telemetry_stats
 from cachectl.lifecycle import prune as prune_lib
 from cachectl.lifecycle.plan import LifecycleResult
-from cachectl.units import parse_duration, parse_min_age
 
 if TYPE_CHECKING:
+    from cachectl.core.records import CreatedToken, TokenInfo
     from cachectl.lifecycle.gc import GcResult
     from cachectl.lifecycle.verify import VerifyResult
-    from cachectl.records import CreatedToken, TokenInfo
 
 
 class Operations(Protocol):
@@ -81,7 +81,7 @@ class LocalOperations:
 
     @staticmethod
     def _tokens() -> Any:
-        from cachectl import tokens  # SQLAlchemy's: only the token commands need it
+        from cachectl.trust import tokens  # SQLAlchemy's: only the token commands need it
 
         return tokens
 

@@ -10,16 +10,16 @@ from __future__ import annotations
 from typing import Any
 
 from cachectl.client import API, ServerClient, _seg, decode
-from cachectl.config import DELETE_BATCH
 from cachectl.context import Context
-from cachectl.errors import BadInput
+from cachectl.core.config import DELETE_BATCH
+from cachectl.core.errors import BadInput
+from cachectl.core.records import CreatedToken, TokenInfo
+from cachectl.core.units import parse_duration, parse_min_age
 from cachectl.index.usage import TelemetryStats
 from cachectl.lifecycle import prune as prune_lib
 from cachectl.lifecycle.gc import GcResult
 from cachectl.lifecycle.plan import LifecycleResult
 from cachectl.lifecycle.verify import VerifyResult
-from cachectl.records import CreatedToken, TokenInfo
-from cachectl.units import parse_duration, parse_min_age
 
 
 class ServerOperations:

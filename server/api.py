@@ -14,17 +14,18 @@ from fastapi import APIRouter, HTTPException, Path, Query, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 
-from cachectl import inventory, tokens
-from cachectl.caches import looks_secret, set_cache
-from cachectl.errors import BadInput, NotFound
+from cachectl.core.errors import BadInput, NotFound
+from cachectl.core.jsonable import REDACTED, to_jsonable
+from cachectl.core.units import parse_duration, parse_size
 from cachectl.index import EnvironmentInfo, warm_runs
 from cachectl.index import server_queries as sq
 from cachectl.index.telemetry_queries import record_telemetry, telemetry_stats
-from cachectl.jsonable import REDACTED, to_jsonable
 from cachectl.lifecycle import prune as prune_lib
-from cachectl.namespace import ensure_namespace
+from cachectl.storage.namespace import ensure_namespace
 from cachectl.telemetry import FunctionCounts, ServingCounts, SignatureCounts, TelemetryBatch
-from cachectl.units import parse_duration, parse_size
+from cachectl.trust import tokens
+from cachectl.trust.caches import looks_secret, set_cache
+from cachectl.usage import inventory
 
 from . import schemas
 from .auth import check_cache, current_token, forbidden, identify, route

@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 
 from cachectl import __version__
-from cachectl.errors import (
+from cachectl.core.errors import (
     CachectlError,
     NotFound,
     http_status,

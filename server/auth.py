@@ -15,8 +15,8 @@ from typing import Any
 from fastapi import APIRouter, Depends, HTTPException, Request
 from starlette.concurrency import run_in_threadpool
 
-from cachectl.errors import NotFound
-from cachectl.tokens import (
+from cachectl.core.errors import NotFound
+from cachectl.trust.tokens import (
     ROLES,
     InvalidToken,
     TokenInfo,
@@ -37,7 +37,7 @@ SCOPE_KEY = "x-cachectl-scope"
 #            the request names (a job's cache, each telemetry batch's cache);
 #   global - only tokens without a cache scope (tokens, metrics: they span caches).
 SCOPES = ("cache", "any", "object", "global")
-# The dashboard's session cookie (cachectl.tokens.issue_session: never the token itself).
+# The dashboard's session cookie (cachectl.trust.tokens.issue_session: never the token itself).
 COOKIE_NAME = "cachectl_session"
 # Where BodyGuard leaves the token it checked, so the route's dependency need not ask again.
 CHECKED_KEY = "cachectl_checked_token"

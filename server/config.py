@@ -1,4 +1,4 @@
-"""How one server process is configured: a dataclass, filled by cachectl.config's loader from flags and env.
+"""How one server process is configured: a dataclass, filled by cachectl.core.config's loader from flags and env.
 
 Deployments run several stateless replicas over one PostgreSQL index, so
 nothing here is per-replica state: every replica can be started the same way.
@@ -10,10 +10,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
-from cachectl.config import SERVER_HOST as DEFAULT_HOST
-from cachectl.config import Key, load_settings, parse_bool, resolve
-from cachectl.errors import BadInput
-from cachectl.units import parse_duration, parse_size
+from cachectl.core.config import SERVER_HOST as DEFAULT_HOST
+from cachectl.core.config import Key, load_settings, parse_bool, resolve
+from cachectl.core.errors import BadInput
+from cachectl.core.units import parse_duration, parse_size
 
 # The largest body the server accepts for one entry when the cache sets no max entry
 # size. Uploads are streamed to a temporary file and checked by streaming, so memory
@@ -93,7 +93,7 @@ def _seconds(name: str, value: Any) -> float:
     return float(seconds)
 
 
-# The server's keys, on top of the CLI's (cachectl.config.KEYS gives it ``db``); environment only.
+# The server's keys, on top of the CLI's (cachectl.core.config.KEYS gives it ``db``); environment only.
 SERVER_KEYS = (
     Key("maintenance_interval_s", "CACHECTL_SERVER_MAINTENANCE_INTERVAL", _interval),
     Key("maintenance_initial_delay_s", "CACHECTL_SERVER_MAINTENANCE_DELAY", _interval),
@@ -109,7 +109,7 @@ SERVER_KEYS = (
 def load_server_settings(
     db: str | None = None, *, flags: Mapping[str, Any] | None = None, **overrides: Any
 ) -> ServerSettings:
-    """cachectl.config's one loader: flags > CACHECTL_SERVER_* / CACHECTL_* environment > file > defaults.
+    """cachectl.core.config's one loader: flags > CACHECTL_SERVER_* / CACHECTL_* environment > file > defaults.
 
     ``flags`` are the serve command's values as typed (``"1h"``, ``"off"``), parsed like the
     environment's; ``overrides`` are typed values (None: not given).

@@ -3,7 +3,7 @@
 Auth: a reader token, sent as ``Authorization: Bearer``, or a session from
 the form at ``/login`` (posted from this server's own page: Origin checked)
 kept in an HttpOnly, SameSite=Strict cookie, Secure unless the server is on
-loopback. The cookie holds a session (cachectl.tokens.issue_session), never
+loopback. The cookie holds a session (cachectl.trust.tokens.issue_session), never
 the token; admin tokens are refused there. The token is never put in a URL,
 so it never reaches access logs or browser history.
 A token scoped to caches sees only those caches. With
@@ -25,10 +25,10 @@ from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from fastapi.templating import Jinja2Templates
 from starlette.concurrency import run_in_threadpool
 
-from cachectl import inventory
+from cachectl.core.units import format_size
 from cachectl.index import server_queries as sq
-from cachectl.tokens import InvalidToken, TokenInfo, authenticate, issue_session
-from cachectl.units import format_size
+from cachectl.trust.tokens import InvalidToken, TokenInfo, authenticate, issue_session
+from cachectl.usage import inventory
 
 from .auth import COOKIE_NAME, identify, route
 

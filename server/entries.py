@@ -8,7 +8,7 @@ into a JAX entry (422) in one streaming pass that stops at a bound tied to
 that size (413), the key holds no other bytes already (409, unless an admin
 says to overwrite: audited), and the quota is reserved in the index
 atomically (413). Only then is it written, atomically; a full disk is 507. The rules are
-cachectl/ingest.py's (this module streams the body and turns refusals into statuses).
+cachectl/storage/ingest.py's (this module streams the body and turns refusals into statuses).
 Downloads serve only regular files inside the namespace (no symlinks); a download is located in
 the index, opened and read in one worker-thread hop (uvicorn offers no sendfile: no ASGI
 zero-copy or pathsend extension, and uvloop has no loop.sendfile).
@@ -27,12 +27,12 @@ from fastapi import APIRouter, HTTPException, Path, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
-from cachectl import ingest
-from cachectl.entries import CACHE_SUFFIX, MAX_KEY_LENGTH, EntryName, parse_key
-from cachectl.errors import EntryConflict, QuotaExceeded
+from cachectl.core.errors import EntryConflict, QuotaExceeded
+from cachectl.core.units import format_size
 from cachectl.index import CacheInfo, EnvironmentInfo, NewEntry, warm_runs
 from cachectl.index import server_queries as sq
-from cachectl.units import format_size
+from cachectl.storage import ingest
+from cachectl.storage.entries import CACHE_SUFFIX, MAX_KEY_LENGTH, EntryName, parse_key
 
 from . import schemas
 from .api import CacheName, Digest, ok, state_of
@@ -90,7 +90,7 @@ def _too_large(what: str) -> HTTPException:
     return HTTPException(413, what)
 
 
-# Why cachectl.ingest refused an upload, as the HTTP status the client gets.
+# Why cachectl.storage.ingest refused an upload, as the HTTP status the client gets.
 _REFUSED_STATUS = {
     ingest.SHA256: 422,
     ingest.CORRUPT: 422,
@@ -242,7 +242,7 @@ async def upload(
     status: Callable[[str], int],
 ) -> JSONResponse:
     """PUT of an entry or of its stored executable: the body spooled within the cache's limit, then
-    checked, written and indexed by ``ingest_fn`` (cachectl/ingest.py)."""
+    checked, written and indexed by ``ingest_fn`` (cachectl/storage/ingest.py)."""
     state = state_of(request)
     parsed = check_key(key)
     info, env = await run_in_threadpool(_resolve, state, cache, digest)

@@ -2,7 +2,7 @@
 
 The sibling of server/entries.py: ``/caches/{cache}/environments/{digest}/entries/{key}/aot``.
 An executable belongs to an indexed entry and is recorded on that entry's row
-(cachectl/aot.py). An upload is checked before anything is stored: the key,
+(cachectl/storage/executables.py). An upload is checked before anything is stored: the key,
 the environment, the same size limits as entries (413) and the cache's quota
 counting entry and executable as one unit, then the bytes are an intact
 artifact (``aot.read_header``: magic, format, payload checksum) made for
@@ -15,9 +15,9 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from cachectl import ingest
-from cachectl.entries import AOT_SUFFIX
 from cachectl.index import EnvironmentInfo
+from cachectl.storage import ingest
+from cachectl.storage.entries import AOT_SUFFIX
 
 from .api import CacheName, Digest
 from .auth import route

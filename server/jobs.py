@@ -22,16 +22,16 @@ from fastapi import HTTPException
 from sqlalchemy import select
 
 from cachectl.context import Context
-from cachectl.errors import CachectlError
+from cachectl.core.errors import CachectlError
+from cachectl.core.jsonable import to_jsonable
+from cachectl.core.units import parse_duration
 from cachectl.index import CacheInfo
 from cachectl.index import server_queries as sq
 from cachectl.index.models import Lease, utcnow
-from cachectl.jsonable import to_jsonable
 from cachectl.lifecycle import gc as gc_lib
 from cachectl.lifecycle import prune as prune_lib
 from cachectl.lifecycle import verify as verify_lib
 from cachectl.lifecycle.lease import lease_name
-from cachectl.units import parse_duration
 
 log = logging.getLogger("cachectl.server.jobs")
 

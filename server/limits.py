@@ -29,9 +29,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from cachectl.errors import CachectlError, Unreachable
-from cachectl.tokens import hash_token
-from cachectl.units import format_size
+from cachectl.core.errors import CachectlError, Unreachable
+from cachectl.core.units import format_size
+from cachectl.trust.tokens import hash_token
 
 from .auth import CHECKED_KEY, UNAUTHORIZED, bearer_token, identify
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-from cachectl.errors import CachectlError
+from cachectl.core.errors import CachectlError
 from cachectl.index import CacheInfo
 from cachectl.index import server_queries as sq
 from cachectl.index.models import utcnow

@@ -6,9 +6,9 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, field_validator
 
-from cachectl.entries import MAX_KEY_LENGTH
-from cachectl.errors import BadInput
-from cachectl.fingerprint import FINGERPRINT_VERSION, Environment, check_version
+from cachectl.core.errors import BadInput
+from cachectl.core.fingerprint import FINGERPRINT_VERSION, Environment, check_version
+from cachectl.storage.entries import MAX_KEY_LENGTH
 from cachectl.telemetry import (
     MAX_FLUSH_COUNT,
     MAX_FLUSH_SECONDS,

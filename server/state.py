@@ -11,11 +11,11 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
-from cachectl.config import load_settings
 from cachectl.context import Context
+from cachectl.core.config import load_settings
 from cachectl.index import CacheInfo, EnvironmentInfo, Index
 from cachectl.index import server_queries as sq
-from cachectl.store import Store
+from cachectl.storage.store import Store
 
 from .auth import TokenCache
 from .config import ServerSettings

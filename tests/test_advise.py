@@ -11,8 +11,8 @@ import pytest
 from click.testing import CliRunner
 from support.infra import run_py
 
-from cachectl.advise import optimal_buckets, score
 from cachectl.cli import cli
+from cachectl.usage.advise import optimal_buckets, score
 
 
 def _brute(sizes: dict[int, int], k: int) -> float:
@@ -157,8 +157,8 @@ def test_advise_bad_input_is_one_line_exit_2(tmp_path) -> None:
 
 
 def test_block_style_axis_values_are_rewritten_in_place(tmp_path) -> None:
-    from cachectl.advise import rewrite_axes
     from cachectl.manifest import parse_manifest
+    from cachectl.usage.advise import rewrite_axes
 
     text = MANIFEST.replace(
         "      seq: [8, 64]    # the lengths we guessed\n",
@@ -173,8 +173,8 @@ def test_block_style_axis_values_are_rewritten_in_place(tmp_path) -> None:
 def test_flow_mapping_buckets_are_rewritten_in_place(tmp_path) -> None:
     """`buckets: {batch: [1, 4], seq: [8, 16]}` on one line (as the field manifests write them):
     advise rewrote nothing and exited 2 ("cannot rewrite axis"), even without --write."""
-    from cachectl.advise import rewrite_axes
     from cachectl.manifest import parse_manifest
+    from cachectl.usage.advise import rewrite_axes
 
     text = (
         "version: 1\n"
@@ -199,8 +199,8 @@ def test_an_axis_with_one_bucket_value_is_found_by_the_shape_that_names_it(tmp_p
     """`seq: [32]` next to `batch: [1, 4]`: no dimension varies with seq across the buckets, so
     advise said "no observed sizes" for it although every call had one; the array argument's
     shape `[batch, seq]` places it."""
-    from cachectl.advise import _axis_positions
-    from cachectl.misses import expected_signatures
+    from cachectl.usage.advise import _axis_positions
+    from cachectl.usage.misses import expected_signatures
 
     (tmp_path / "onevalue.py").write_text("def f(p, x):\n    return x.sum() + p\n")
     (tmp_path / "m.yaml").write_text(

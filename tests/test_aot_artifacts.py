@@ -15,7 +15,7 @@ from typing import Any
 from click.testing import CliRunner
 
 from cachectl.cli import cli
-from cachectl.entries import sha256
+from cachectl.storage.entries import sha256
 
 AOT_MODULE = """
 import jax.numpy as jnp

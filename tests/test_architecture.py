@@ -22,11 +22,11 @@ MAX_LOCAL_PROJECT_IMPORTS = 11  # the 11th: exec_hook reads the seam's event nam
 # or server mode need: the SQL index, the HTTP client, the executor, gc, verify, tokens.
 DEFERRED_FOR_READ_COMMANDS = {
     ("cachectl.context", "cachectl.client"),
-    ("cachectl.context", "cachectl.backend"),
+    ("cachectl.context", "cachectl.index_choice"),
     ("cachectl.operations", "cachectl.server_operations"),
     ("cachectl.operations", "cachectl.lifecycle.gc"),
     ("cachectl.operations", "cachectl.lifecycle.verify"),
-    ("cachectl.operations", "cachectl.tokens"),
+    ("cachectl.operations", "cachectl.trust.tokens"),
     ("cachectl.lifecycle.prune", "cachectl.lifecycle.lease"),
     ("cachectl.lifecycle.prune", "cachectl.lifecycle.execute"),
 }
@@ -193,7 +193,7 @@ def test_server_uses_the_library_not_the_cli_or_the_http_client() -> None:
 def test_both_indexes_implement_the_backend_protocol() -> None:
     from cachectl.client import RemoteIndex
     from cachectl.index import Index
-    from cachectl.index.backend import IndexBackend
+    from cachectl.index.protocol import IndexBackend
 
     members = [n for n, v in vars(IndexBackend).items() if callable(v) and not n.startswith("_")]
     assert "start_warm_run" in members and "find_environment" in members
@@ -223,17 +223,17 @@ def test_commands_do_not_branch_on_server_mode() -> None:
 
 # Calls that write objects into a cache's storage (Store.write_bytes/write_file) or record entries in
 # the index (upsert_entries), by (module, enclosing function). New entries and stored executables
-# enter a cache through cachectl/ingest.py only; every other writer is listed here with its reason.
-INGEST = "cachectl/ingest.py"
+# enter a cache through cachectl/storage/ingest.py only; every other writer is listed here with its reason.
+INGEST = "cachectl/storage/ingest.py"
 WRITES_OUTSIDE_INGEST = {
     # sync records objects already in storage (index repair): it writes no bytes.
     ("cachectl/lifecycle/sync.py", "_write", "upsert_entries"),
     # Not new entries of a cache: env.json, a pulled mirror (local copies), verify's write probe.
-    ("cachectl/namespace.py", "ensure_namespace", "write_bytes"),
-    ("cachectl/mirror.py", "_atomic_write", "write_bytes"),
+    ("cachectl/storage/namespace.py", "ensure_namespace", "write_bytes"),
+    ("cachectl/service/mirror.py", "_atomic_write", "write_bytes"),
     ("cachectl/lifecycle/verify.py", "execute_verify", "write_bytes"),
     # A namespace's signed content list (signature.json), not an entry.
-    ("cachectl/signing.py", "_store_signature", "write_bytes"),
+    ("cachectl/trust/signing.py", "_store_signature", "write_bytes"),
     (
         "cachectl/lifecycle/deep.py",
         "load_all",
@@ -249,7 +249,7 @@ def entry_writers() -> set[tuple[str, str, str]]:
     for pkg in PACKAGES:
         for path in sorted((ROOT / pkg).rglob("*.py")):
             rel = str(path.relative_to(ROOT))
-            if rel == "cachectl/store.py" or rel.startswith(
+            if rel == "cachectl/storage/store.py" or rel.startswith(
                 ("cachectl/index/", "cachectl/client/")
             ):
                 continue  # the implementations, not callers
@@ -282,7 +282,9 @@ def test_ingest_is_the_only_writer_of_new_entries() -> None:
         "ingest writes them"
     )
     outside = {f for f in found if f[0] != INGEST}
-    assert outside - WRITES_OUTSIDE_INGEST == set(), "write new entries through cachectl/ingest.py"
+    assert outside - WRITES_OUTSIDE_INGEST == set(), (
+        "write new entries through cachectl/storage/ingest.py"
+    )
     assert WRITES_OUTSIDE_INGEST - outside == set(), "a listed writer is gone: take it off the list"
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from cachectl.units import parse_duration, parse_size
+from cachectl.core.units import parse_duration, parse_size
 
 
 def cachectl(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
@@ -88,9 +88,9 @@ def test_env_json_that_is_not_an_object(tmp_path, index_db) -> None:
         (mirror / "env.json").write_text(content)
         assert_bad_input(cachectl("--db", index_db, "--cache", "main", "pull", "--to", str(mirror)))
         assert (mirror / "env.json").read_text() == content and len(list(mirror.iterdir())) == 1
-    from cachectl.errors import BadInput
-    from cachectl.namespace import read_env_json
-    from cachectl.store import Store
+    from cachectl.core.errors import BadInput
+    from cachectl.storage.namespace import read_env_json
+    from cachectl.storage.store import Store
 
     for content in ("[1, 2, 3]", '"x"', "42", "null", json.dumps({"jax_version": []})):
         (ns / "env.json").write_text(content)
@@ -99,7 +99,7 @@ def test_env_json_that_is_not_an_object(tmp_path, index_db) -> None:
 
 
 def test_sizes_and_durations_that_overflow(tmp_path, index_db) -> None:
-    from cachectl.errors import BadInput
+    from cachectl.core.errors import BadInput
 
     for text in ("99999999999999TiB", "9" * 40, "1e400"):
         with pytest.raises(BadInput):
@@ -197,7 +197,7 @@ functions:
 def test_a_manifest_alias_bomb_and_too_many_buckets(tmp_path) -> None:
     import time
 
-    from cachectl.errors import BadInput
+    from cachectl.core.errors import BadInput
     from cachectl.manifest import parse_manifest
 
     started = time.monotonic()

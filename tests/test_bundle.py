@@ -133,7 +133,7 @@ def test_tampered_bundle_installs_nothing(
 def test_bundle_of_another_environment_exits_3_with_the_field_diff(
     tmp_path: Path, made: dict[str, Any]
 ) -> None:
-    from cachectl.fingerprint import Environment
+    from cachectl.core.fingerprint import Environment
 
     def other_env(items):
         meta = json.loads(items[0][1])

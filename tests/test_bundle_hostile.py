@@ -29,8 +29,8 @@ from support.bundles import (
 )
 from support.warming import invoke
 
-from cachectl import temps
-from cachectl.entries import make_entry
+from cachectl.core import temps
+from cachectl.storage.entries import make_entry
 
 Items = list[tuple[str, bytes]]
 
@@ -250,7 +250,7 @@ def test_push_of_a_decompression_bomb_is_refused_in_bounded_memory(tmp_path: Pat
 
 
 def _other_env_json(items: Items) -> None:
-    from cachectl.fingerprint import Environment
+    from cachectl.core.fingerprint import Environment
 
     data = json.loads(dict(items)["files/env.json"])
     data.pop("digest", None)

@@ -12,7 +12,7 @@ import pytest
 from click.testing import CliRunner
 
 from cachectl.cli import cli
-from cachectl.config import load_settings
+from cachectl.core.config import load_settings
 
 
 def run(*args: str, code: int = 0) -> str:

@@ -180,7 +180,7 @@ def test_help_paths_cover_every_command_and_subcommand() -> None:
 
 
 # A command's help loads its module and cli.render, whose rich consoles are made on first print:
-# every option's envvar, default and choices come from cheap modules (cachectl.config...).
+# every option's envvar, default and choices come from cheap modules (cachectl.core.config...).
 @pytest.mark.parametrize("path", HELP_PATHS, ids=[" ".join(p) for p in HELP_PATHS])
 def test_a_commands_help_imports_no_heavy_library(tmp_path, path) -> None:
     proc, loaded = run_fresh(tmp_path, *path, "--help")

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from cachectl.config import cache_dir, config_path, data_dir, env_flag, parse_bool
-from cachectl.errors import BadInput
+from cachectl.core.config import cache_dir, config_path, data_dir, env_flag, parse_bool
+from cachectl.core.errors import BadInput
 
 
 def test_parse_bool_and_env_flag(monkeypatch: pytest.MonkeyPatch) -> None:

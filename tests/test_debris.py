@@ -16,7 +16,7 @@ from support import infra
 from support.lifecycle import cachectl, fake_env, setup_cache, write_entries
 from support.server_kit import MAIN, entry_key, seed
 
-from cachectl import temps
+from cachectl.core import temps
 
 
 def _serve(db: str, port: int, log: Path, spool: Path) -> subprocess.Popen[bytes]:
@@ -91,7 +91,7 @@ def test_a_write_killed_mid_copy_leaves_a_temp_that_verify_reports_and_removes(
     fifo = tmp_path / "fifo"
     os.mkfifo(fifo)
     code = (
-        "import sys\nfrom cachectl.store import Store\n"
+        "import sys\nfrom cachectl.storage.store import Store\n"
         "Store(sys.argv[1]).write_file(sys.argv[2], sys.argv[3])\n"
     )
     target = f"{written.env.namespace}/jit_new-{'e' * 64}-cache"

@@ -202,7 +202,7 @@ def test_two_process_warm_then_two_process_service_hits(tmp_path: Path, manifest
     keys = {b["key"] for r in reports for b in r["buckets"]}
     assert (
         len(keys) == 6
-    )  # pinned: on CPU each process's key is its own (see cachectl/distributed.py)
+    )  # pinned: on CPU each process's key is its own (see cachectl/warm/distributed.py)
     ns = Path(reports[0]["namespace"])
     assert {p.name[: -len("-cache")] for p in ns.glob("*-cache")} == keys
 
@@ -387,8 +387,8 @@ def test_a_signed_cache_two_process_warm_signs_once_and_refuses_without_a_key(
         assert proc.returncode == 0, proc.stderr[-3000:]
     digest = json.loads(signed[0].stdout)["environment"]["digest"]
 
-    from cachectl import signing
     from cachectl.index import open_index
+    from cachectl.trust import signing
 
     index = open_index(f"sqlite:///{Path(os.environ['XDG_DATA_HOME']) / 'cachectl' / 'index.db'}")
     try:

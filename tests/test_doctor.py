@@ -11,12 +11,12 @@ from click.testing import CliRunner
 from support.infra import clear_fsspec_instance_caches, free_port
 
 from cachectl.cli import cli
-from cachectl.config import load_settings
 from cachectl.context import Context
-from cachectl.doctor import ERROR, INFO, WARNING, diagnose
-from cachectl.entries import make_entry, sha256
-from cachectl.fingerprint import Environment, current_environment
+from cachectl.core.config import load_settings
+from cachectl.core.fingerprint import Environment, current_environment
 from cachectl.index import NewEntry
+from cachectl.service.doctor import ERROR, INFO, WARNING, diagnose
+from cachectl.storage.entries import make_entry, sha256
 
 PLAIN_JAX = {
     "jax_compilation_cache_dir": None,
@@ -31,7 +31,7 @@ def ctx(tmp_path, monkeypatch):
     monkeypatch.setenv("CACHECTL_DB", f"sqlite:///{tmp_path}/index.db")
     monkeypatch.setenv("CACHECTL_CACHE", "loc")
     context = Context(load_settings())
-    from cachectl.caches import add_cache
+    from cachectl.trust.caches import add_cache
 
     add_cache(context, "loc", str(tmp_path / "shared"))
     yield context

@@ -10,7 +10,7 @@ from click.testing import CliRunner
 from support.infra import run_py
 
 from cachectl.cli import cli
-from cachectl.store import Store
+from cachectl.storage.store import Store
 
 SERVICE_SNIPPET = """
 import json, os, jax, jax.numpy as jnp, cachectl

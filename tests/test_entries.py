@@ -6,8 +6,8 @@ import zlib
 
 import pytest
 
-from cachectl import entries
-from cachectl.entries import Kind
+from cachectl.storage import entries
+from cachectl.storage.entries import Kind
 
 
 def test_classify_names() -> None:

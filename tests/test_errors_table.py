@@ -1,4 +1,4 @@
-"""cachectl.errors.ERRORS: one table for exit codes and HTTP statuses, read both ways."""
+"""cachectl.core.errors.ERRORS: one table for exit codes and HTTP statuses, read both ways."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from cachectl import errors
-from cachectl.errors import (
+from cachectl.core import errors
+from cachectl.core.errors import (
     ERRORS,
     BadInput,
     CachectlError,

@@ -7,7 +7,7 @@ import os
 
 from support.infra import run_py
 
-from cachectl.fingerprint import (
+from cachectl.core.fingerprint import (
     Environment,
     current_environment,
     excluded_xla_flags,

@@ -15,8 +15,8 @@ from click.testing import CliRunner
 from support.warming import TINY_MANIFEST, tiny  # noqa: E402
 
 from cachectl.cli import cli
-from cachectl.errors import BadInput
-from cachectl.sharding import resolve_shard
+from cachectl.core.errors import BadInput
+from cachectl.warm.sharding import resolve_shard
 
 REPO = Path(__file__).resolve().parent.parent
 K8S = REPO / "examples" / "k8s" / "warm-job.yaml"

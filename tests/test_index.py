@@ -10,7 +10,7 @@ import pytest
 from sqlalchemy import inspect
 from support.environments import ENV
 
-from cachectl.errors import BadInput, NotFound
+from cachectl.core.errors import BadInput, NotFound
 from cachectl.index import NewEntry, open_index
 from cachectl.index import db as index_db
 

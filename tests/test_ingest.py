@@ -1,4 +1,4 @@
-"""cachectl/ingest.py on a real index (SQLite and PostgreSQL) and local storage: what it refuses
+"""cachectl/storage/ingest.py on a real index (SQLite and PostgreSQL) and local storage: what it refuses
 writes nothing, what it accepts is written before it is indexed, with the sha256 it computed."""
 
 from __future__ import annotations
@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 from support.environments import ENV
 
-from cachectl import ingest
-from cachectl.entries import make_entry, parse_key
-from cachectl.errors import EntryConflict, QuotaExceeded
+from cachectl.core.errors import EntryConflict, QuotaExceeded
 from cachectl.index import NewEntry, open_index
 from cachectl.index import db as index_db
-from cachectl.store import Store
+from cachectl.storage import ingest
+from cachectl.storage.entries import make_entry, parse_key
+from cachectl.storage.store import Store
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""Every JAX fact cachectl.jax_seam relies on, one test each, against the installed JAX.
+"""Every JAX fact cachectl.core.jax_seam relies on, one test each, against the installed JAX.
 
 The log calls, events and private state are read from a real process that compiles for
 real (a fresh cache directory: a miss and a write, then a hit, a program with host
@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 from support.infra import run_py
 
-from cachectl import jax_seam
-from cachectl.entries import CACHE_SUFFIX, executable_bytes, parse_key, read_header
+from cachectl.core import jax_seam
+from cachectl.storage.entries import CACHE_SUFFIX, executable_bytes, parse_key, read_header
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # service or warm sees; prints one JSON object.
 PROBE = r"""
 import json, logging, numpy as np, jax, jax.numpy as jnp
-from cachectl import jax_seam
+from cachectl.core import jax_seam
 
 cache_dir = {cache!r}
 calls = []
@@ -315,7 +315,7 @@ def test_the_compression_is_zstandard_exactly_when_importable() -> None:
 def test_the_topology_fingerprint_and_default_backend() -> None:
     import jax
 
-    from cachectl.fingerprint import _topology
+    from cachectl.core.fingerprint import _topology
 
     devices = jax.devices()
     assert jax_seam.default_backend().platform == jax.default_backend()
@@ -443,7 +443,7 @@ def test_prepare_custom_calls_readies_every_family_in_a_fresh_process() -> None:
     proc = run_py(
         """
         import json
-        from cachectl import jax_seam
+        from cachectl.core import jax_seam
         problems = jax_seam.prepare_custom_calls(None)
         again = jax_seam.prepare_custom_calls(["lapack_spotrf_ffi", "cpu_csr_sparse_dense_ffi"])
         print(json.dumps(dict(problems=problems, again=again, ready=jax_seam._READY)))
@@ -498,7 +498,7 @@ def test_no_module_but_the_seam_names_a_jax_internal() -> None:
 
 def test_importing_the_seam_imports_no_jax() -> None:
     proc = run_py(
-        "import sys, cachectl.jax_seam; print(sorted(m for m in sys.modules if m.split('.')[0] == 'jax'))",
+        "import sys, cachectl.core.jax_seam; print(sorted(m for m in sys.modules if m.split('.')[0] == 'jax'))",
         check=True,
     )
     assert proc.stdout.strip().splitlines()[-1] == "[]"

@@ -6,10 +6,10 @@ import json
 from datetime import UTC, datetime
 
 from cachectl.client import decode
-from cachectl.fingerprint import current_environment
-from cachectl.jsonable import REDACTED, from_jsonable, to_jsonable
+from cachectl.core.fingerprint import current_environment
+from cachectl.core.jsonable import REDACTED, from_jsonable, to_jsonable
+from cachectl.core.records import CacheInfo, EnvironmentInfo
 from cachectl.lifecycle.verify import Finding, VerifyPlan, VerifyResult
-from cachectl.records import CacheInfo, EnvironmentInfo
 
 
 def _wire(value: object) -> object:
@@ -66,7 +66,7 @@ def test_the_client_drops_what_the_server_withheld() -> None:
 
 def test_indented_text_is_what_json_dumps_writes() -> None:
     """--json prints through dumps_indented: byte for byte json.dumps(indent=2), every kind of value."""
-    from cachectl.jsonable import dumps_indented
+    from cachectl.core.jsonable import dumps_indented
 
     data = {
         "plan": {

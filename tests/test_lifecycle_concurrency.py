@@ -31,7 +31,7 @@ from support.lifecycle import (
     write_entries,
 )
 
-from cachectl.errors import OperationFailed
+from cachectl.core.errors import OperationFailed
 from cachectl.index.models import Lease as LeaseRow
 from cachectl.index.models import utcnow
 from cachectl.lifecycle import lease as leases

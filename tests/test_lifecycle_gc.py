@@ -462,10 +462,10 @@ def test_gc_plan_entries_read_like_a_list(tmp_path, db_url):
     """A gc plan keeps its entries as the cut's rows and builds each PlannedEntry when read: the
     same entries, in order, by index, slice and iteration, the same bytes and the same JSON as a
     list of them."""
-    from cachectl.config import load_settings
     from cachectl.context import Context
+    from cachectl.core.config import load_settings
+    from cachectl.core.jsonable import to_jsonable
     from cachectl.index.lifecycle_queries import environments
-    from cachectl.jsonable import to_jsonable
     from cachectl.lifecycle.gc import plan_gc
     from cachectl.lifecycle.plan import PlannedEntries
 

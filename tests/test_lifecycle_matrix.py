@@ -19,7 +19,7 @@ from support.lifecycle import (
     write_entries,
 )
 
-from cachectl.entries import CACHE_SUFFIX
+from cachectl.storage.entries import CACHE_SUFFIX
 
 
 def test_prune_gc_verify_on_every_backend(storage_root, db_url):

@@ -15,7 +15,7 @@ from support.lifecycle import (
     write_entries,
 )
 
-from cachectl.entries import CACHE_SUFFIX, make_entry
+from cachectl.storage.entries import CACHE_SUFFIX, make_entry
 
 
 def test_finds_tampered_truncated_unknown_and_quarantines_all_three(storage_root, sqlite_url):

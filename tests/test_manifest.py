@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from support.manifests import IMPORT_ERRORS, MALFORMED
 
-from cachectl.errors import BadInput, EnvironmentMismatch
+from cachectl.core.errors import BadInput, EnvironmentMismatch
 from cachectl.manifest import (
     Bucket,
     Target,
@@ -673,7 +673,7 @@ def test_mesh_and_sharding_on_four_cpu_devices(tmp_path: Path) -> None:
     code = """
         import jax
         from jax.sharding import NamedSharding, PartitionSpec as P
-        from cachectl.errors import EnvironmentMismatch
+        from cachectl.core.errors import EnvironmentMismatch
         from cachectl.manifest import load_manifest, expand, build_call, check_imports, jit_function
         assert jax.device_count() == 4
         m = load_manifest("manifest.yaml")
@@ -780,7 +780,7 @@ from pathlib import Path
 
 import numpy as np
 
-from cachectl.errors import BadInput
+from cachectl.core.errors import BadInput
 from cachectl.manifest import _dtype, expand, load_manifest, parse_manifest
 
 try:

@@ -11,10 +11,10 @@ from click.testing import CliRunner
 from support.infra import run_py
 
 from cachectl.cli import cli
-from cachectl.entries import make_entry, sha256
-from cachectl.fingerprint import current_environment
+from cachectl.core.fingerprint import current_environment
 from cachectl.index import NewEntry, open_index
-from cachectl.store import Store
+from cachectl.storage.entries import make_entry, sha256
+from cachectl.storage.store import Store
 
 PROGRAMS = """
 import jax, jax.numpy as jnp

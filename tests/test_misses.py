@@ -263,7 +263,7 @@ def test_a_shape_explosion(warmed, monkeypatch) -> None:
 
 
 def test_advise_from_the_signatures_of_a_plain_jit_service(warmed, monkeypatch) -> None:
-    from cachectl.advise import optimal_buckets
+    from cachectl.usage.advise import optimal_buckets
 
     sizes = [100, 100, 130, 250, 250, 251, 400, 511]
     body = "\n".join(
@@ -450,7 +450,7 @@ def test_with_no_manifest_a_missed_program_still_has_its_cause() -> None:
     """A service warmed by running (no manifest) missed a library's program: `misses` listed it
     with no finding at all. Now it is said as the library's, and, when the cache holds programs of
     it that the service did not look up, that they differ: other shapes or data baked in."""
-    from cachectl.misses import _not_in_manifest
+    from cachectl.usage.misses import _not_in_manifest
 
     leaves = [[[16], "float32", False, None]]
     source = "_fori_collect_loop at /venv/lib/python3.11/site-packages/numpyro/util.py:353"

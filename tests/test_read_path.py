@@ -22,12 +22,12 @@ from typing import Any
 
 import pytest
 
-from cachectl.errors import NotFound, Unreachable
-from cachectl.fingerprint import current_environment
+from cachectl.core.errors import NotFound, Unreachable
+from cachectl.core.fingerprint import current_environment
 from cachectl.index import NewEntry, open_index, plan_reads, reads, usage
 from cachectl.index.reads import SqliteReader
 from cachectl.index.telemetry_queries import record_telemetry
-from cachectl.telemetry.records import FunctionCounts, TelemetryBatch
+from cachectl.telemetry.batch import FunctionCounts, TelemetryBatch
 
 ROOT = Path(__file__).resolve().parent.parent
 NOW = datetime.now(UTC)

@@ -16,7 +16,7 @@ from click.testing import CliRunner
 from support.infra import run_py
 
 from cachectl.cli import cli
-from cachectl.store import Store
+from cachectl.storage.store import Store
 
 COMPILE = """
 import json, os, jax, jax.numpy as jnp, cachectl
@@ -109,7 +109,7 @@ def test_warns_when_jax_compiled_before_activate_and_refuses_another_dir(tmp_pat
     jax.jit(lambda x: x * 5)(jnp.ones(2)).block_until_ready()
     try:
         cachectl.activate(root={str(tmp_path / "other")!r})
-    except cachectl.runtime.ActivationError as exc:
+    except cachectl.service.activate.ActivationError as exc:
         print("refused:", exc)
     """
     proc = run_py(code)

@@ -13,9 +13,9 @@ import pytest
 from fastapi.testclient import TestClient
 from support.server_kit import MAIN, LiveServer, bearer, entry_key, fake_env, seed
 
-from cachectl.entries import make_entry, sha256
 from cachectl.index import NewEntry, open_index
-from cachectl.store import Store
+from cachectl.storage.entries import make_entry, sha256
+from cachectl.storage.store import Store
 from cachectl_server.app import create_app
 from cachectl_server.config import ServerSettings
 from cachectl_server.entries import CHUNK, WHOLE, WHOLE_SLOTS
@@ -484,7 +484,7 @@ def test_readyz_reports_unreachable_storage(tmp_path, s3_bucket) -> None:
     # Without a token only the status; which cache failed is for token holders (issue 15, item 9).
     res = c.get("/readyz")
     assert res.status_code == 503 and res.json() == {"status": "unavailable"}
-    from cachectl import tokens
+    from cachectl.trust import tokens
 
     res = c.get("/readyz", headers=bearer(tokens.create_token(index, "ops", "reader").token))
     assert res.status_code == 503 and "cache gone" in res.json()["problems"][0]

@@ -16,9 +16,9 @@ from fastapi.testclient import TestClient
 from sqlalchemy import select
 from support.server_kit import IDENTITIES, MAIN, OTHER, bearer, seed
 
-from cachectl import tokens
 from cachectl.index import open_index
 from cachectl.index.models import Token
+from cachectl.trust import tokens
 from cachectl_server.app import create_app
 from cachectl_server.auth import PUBLIC, ROLE_KEY, SCOPE_KEY
 
@@ -185,7 +185,7 @@ def test_only_a_hash_is_stored_and_compared_in_constant_time(tmp_path, monkeypat
 
 
 def test_token_library_rejects_bad_input(tmp_path) -> None:
-    from cachectl.errors import BadInput, NotFound
+    from cachectl.core.errors import BadInput, NotFound
 
     index = open_index(f"sqlite:///{tmp_path}/index.db")
     with pytest.raises(BadInput, match="role"):

@@ -166,8 +166,8 @@ def test_sync_through_the_server_records_what_storage_holds(served) -> None:
     nothing to do."""
     from support.server_kit import entry_key
 
-    from cachectl.entries import make_entry, sha256
-    from cachectl.store import Store
+    from cachectl.storage.entries import make_entry, sha256
+    from cachectl.storage.store import Store
 
     s, live = served
     store = Store(s.root)

@@ -20,10 +20,10 @@ import pytest
 from support import infra
 from support.server_kit import MAIN, LiveServer, bearer, seed
 
-from cachectl.entries import MAX_KEY_LENGTH, make_entry, sha256
+from cachectl.core.jsonable import TOO_DEEP
 from cachectl.index import NewEntry, open_index
-from cachectl.jsonable import TOO_DEEP
-from cachectl.store import Store
+from cachectl.storage.entries import MAX_KEY_LENGTH, make_entry, sha256
+from cachectl.storage.store import Store
 from cachectl_server.app import create_app
 from cachectl_server.config import ServerSettings
 

@@ -11,12 +11,12 @@ import httpx
 import pytest
 from support.server_kit import MAIN, LiveServer, bearer, entry_key, seed
 
-from cachectl import aot
 from cachectl.client import RemoteIndex, ServerClient
-from cachectl.entries import sha256
-from cachectl.errors import BadInput, NotFound, PermissionDenied
+from cachectl.core.errors import BadInput, NotFound, PermissionDenied
 from cachectl.index import open_index
-from cachectl.store import Store
+from cachectl.storage import executables as aot
+from cachectl.storage.entries import sha256
+from cachectl.storage.store import Store
 from cachectl_server.app import create_app
 
 API = "/api/v1"

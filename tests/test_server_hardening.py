@@ -19,11 +19,11 @@ import zstandard
 from sqlalchemy import insert, select
 from support.server_kit import MAIN, OTHER, LiveServer, bearer, entry_key, fake_env, seed
 
-from cachectl import tokens
-from cachectl.entries import make_entry, sha256
 from cachectl.index import NewEntry, open_index
 from cachectl.index.models import TelemetryRecord
-from cachectl.store import Store
+from cachectl.storage.entries import make_entry, sha256
+from cachectl.storage.store import Store
+from cachectl.trust import tokens
 from cachectl_server.app import create_app
 from cachectl_server.config import ServerSettings
 
@@ -446,15 +446,15 @@ def test_symlinks_in_a_namespace_are_never_served(world, tmp_path) -> None:
         assert good.status_code == 200 and good.content == s.entry_bytes[s.keys[0]]
     # the library paths that read entries: mirror pull and verify
     from cachectl.lifecycle.verify import verify
-    from cachectl.mirror import pull_namespace
+    from cachectl.service.mirror import pull_namespace
 
     dest = tmp_path / "mirror"
     result = pull_namespace(index, index.get_cache(MAIN), s.env, dest)
     assert not (dest / f"{link_key}-cache").exists() and not result.ok
     assert link_key in {p.key for p in result.refused}
     assert (dest / f"{s.keys[0]}-cache").read_bytes() == s.entry_bytes[s.keys[0]]
-    from cachectl.config import load_settings
     from cachectl.context import Context
+    from cachectl.core.config import load_settings
 
     ctx = Context(load_settings(db=s.db))
     report = verify(ctx, index.get_cache(MAIN), dry_run=True)

@@ -13,14 +13,15 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-from cachectl import service_sqlite, sqlite_file
-from cachectl.fingerprint import current_environment
+from cachectl.core import sqlite_file
+from cachectl.core.fingerprint import current_environment
+from cachectl.core.records import NewEntry
 from cachectl.index import open_index
 from cachectl.index.db import migrations_dir
 from cachectl.index.telemetry_queries import record_telemetry
-from cachectl.records import NewEntry
+from cachectl.service import sqlite_index as service_sqlite
 from cachectl.telemetry import FunctionCounts, TelemetryBatch
-from cachectl.telemetry.records import ServingCounts, SignatureCounts
+from cachectl.telemetry.batch import ServingCounts, SignatureCounts
 from cachectl.telemetry.rows import MAX_SIGNATURES_PER_FUNCTION
 
 T0 = datetime(2026, 11, 30, 12, 0, 0, 123456, tzinfo=UTC)
@@ -31,7 +32,7 @@ def test_the_stdlib_path_is_written_for_the_schema_head() -> None:
 
     heads = ScriptDirectory(str(migrations_dir())).get_heads()
     assert heads == [sqlite_file.SCHEMA_REVISION], (
-        "a migration was added: check the stdlib statements (cachectl/service_sqlite.py, "
+        "a migration was added: check the stdlib statements (cachectl/service/sqlite_index.py, "
         "cachectl/index/reads.py, plan_reads.py, usage.py) against it, then raise SCHEMA_REVISION"
     )
 

@@ -9,8 +9,9 @@ from datetime import timedelta
 from sqlalchemy import func, select
 from support.infra import run_py
 
-from cachectl import jax_seam, telemetry
-from cachectl.fingerprint import current_environment
+from cachectl import telemetry
+from cachectl.core import jax_seam
+from cachectl.core.fingerprint import current_environment
 from cachectl.index import db as index_db
 from cachectl.index import open_index
 from cachectl.index.models import SignatureRecord

@@ -11,15 +11,15 @@ import pytest
 from support.infra import run_py  # noqa: E402
 from support.warming import REPO, invoke, tiny, warm_json  # noqa: E402
 
-from cachectl import signing  # noqa: E402
-from cachectl.entries import make_entry, sha256  # noqa: E402
-from cachectl.errors import BadInput  # noqa: E402
+from cachectl.core.errors import BadInput  # noqa: E402
+from cachectl.storage.entries import make_entry, sha256  # noqa: E402
+from cachectl.trust import signing  # noqa: E402
 
 SERVE = """
 import json, sys
 sys.path.insert(0, {dir!r})
 import cachectl
-from cachectl.signing import Untrusted
+from cachectl.trust.signing import Untrusted
 try:
     rt = cachectl.serving({manifest!r})
     report = rt.report()
@@ -155,7 +155,7 @@ def test_bundle_carries_the_namespace_signature(tmp_path: Path) -> None:
 
 
 def test_key_generate_creates_missing_parent_directories(tmp_path) -> None:
-    from cachectl import signing
+    from cachectl.trust import signing
 
     target = tmp_path / "new" / "dir" / "ci.key"
     info = signing.generate(target)

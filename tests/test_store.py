@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from cachectl.errors import BadInput
-from cachectl.store import NotRegularFile, Store, normalize_url, ordered_map
+from cachectl.core.errors import BadInput
+from cachectl.storage.store import NotRegularFile, Store, normalize_url, ordered_map
 
 
 def test_write_read_list_with_sizes_and_times(storage_root: str) -> None:

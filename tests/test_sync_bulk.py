@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import asdict
 
-from cachectl.fingerprint import Environment
+from cachectl.core.fingerprint import Environment
 from cachectl.index import NewEntry, open_index
 from cachectl.index.sync_queries import insert_observed_entries
 

@@ -12,11 +12,11 @@ from datetime import timedelta
 import pytest
 from support.lifecycle import CACHE, fake_env, setup_cache, write_entries
 
-from cachectl.config import load_settings
 from cachectl.context import Context
-from cachectl.entries import AOT_SUFFIX, CACHE_SUFFIX, make_entry, sha256
+from cachectl.core.config import load_settings
 from cachectl.lifecycle.sync import SyncEntry, _ahead, _readers, plan_sync, sync
-from cachectl.store import LOCAL_READ_WORKERS, Store
+from cachectl.storage.entries import AOT_SUFFIX, CACHE_SUFFIX, make_entry, sha256
+from cachectl.storage.store import LOCAL_READ_WORKERS, Store
 
 
 def _key(data: bytes) -> str:

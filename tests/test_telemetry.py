@@ -11,7 +11,7 @@ from support.infra import run_py
 
 from cachectl import telemetry
 from cachectl.cli import cli
-from cachectl.fingerprint import current_environment
+from cachectl.core.fingerprint import current_environment
 from cachectl.index import db as index_db
 from cachectl.index import open_index
 from cachectl.index.telemetry_queries import record_telemetry, telemetry_stats

@@ -20,7 +20,7 @@ import pytest
 from support.infra import run_py  # noqa: E402
 from support.warming import tiny  # noqa: E402
 
-from cachectl import aot  # noqa: E402
+from cachectl.storage import executables as aot  # noqa: E402
 
 SERVE = """
 import json, sys

@@ -12,8 +12,8 @@ from click.testing import CliRunner
 from support.infra import run_py  # noqa: E402
 
 from cachectl.cli import cli
-from cachectl.entries import decompress as entry_decompress
-from cachectl.entries import make_entry, read_header, sha256
+from cachectl.storage.entries import decompress as entry_decompress
+from cachectl.storage.entries import make_entry, read_header, sha256
 
 MODULE = """
 import jax.numpy as jnp

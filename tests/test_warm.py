@@ -20,7 +20,7 @@ from support.infra import run_py  # noqa: E402
 from support.manifests import IMPORT_ERRORS, MALFORMED  # noqa: E402
 from support.warming import TINY_MANIFEST, TINY_MODULE, invoke, service, tiny, warm_json  # noqa: E402,F401
 
-from cachectl.entries import sha256
+from cachectl.storage.entries import sha256
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLE = REPO / "examples" / "manifest.yaml"
@@ -145,7 +145,7 @@ def test_rewarm_of_stored_buckets_neither_compiles_nor_loads(tmp_path: Path) -> 
     assert [b["status"] for b in again["buckets"]] == ["cached"] * 5
     assert [b["key"] for b in again["buckets"]] == [b["key"] for b in first["buckets"]]
     assert [b["aot_bytes"] for b in again["buckets"]] == [b["aot_bytes"] for b in first["buckets"]]
-    from cachectl import jax_seam
+    from cachectl.core import jax_seam
 
     shortcut = jax_seam.persistent_cache_key(jax.jit(lambda v: v + 1).lower(1.0)) is not None
     if shortcut:
@@ -569,7 +569,7 @@ def test_entries_above_max_entry_size_are_removed_and_reported(tmp_path: Path) -
 def test_warm_runs_rows_and_heartbeat(db_url: str) -> None:
     from datetime import timedelta
 
-    from cachectl.fingerprint import current_environment
+    from cachectl.core.fingerprint import current_environment
     from cachectl.index import open_index, warm_runs
     from cachectl.index.lifecycle_queries import warms_in_progress
 
@@ -604,8 +604,8 @@ def test_warm_into_postgres_index_and_lifecycle_sees_it_running(
     """Library call against PostgreSQL: while buckets compile, the run counts as in progress."""
     from sqlalchemy import select
 
-    from cachectl.config import load_settings
     from cachectl.context import Context
+    from cachectl.core.config import load_settings
     from cachectl.index import open_index, warm_runs
     from cachectl.index.lifecycle_queries import warms_in_progress
     from cachectl.index.models import Entry

@@ -38,7 +38,7 @@ for n in (2, 8):
 SERVICE = """
 import json, numpy as np, jax
 counts = {"hits": 0, "misses": 0}
-def on(event, **kw):  # JAX's own counters (cachectl.jax_seam names them)
+def on(event, **kw):  # JAX's own counters (cachectl.core.jax_seam names them)
     if event == "/jax/compilation_cache/compile_requests_use_cache":
         counts["misses"] += 1
     if event == "/jax/compilation_cache/cache_hits":

@@ -15,7 +15,6 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from cachectl import signing
 from cachectl.bundle.format import (
     FILES,
     FORMAT,
@@ -27,10 +26,11 @@ from cachectl.bundle.format import (
     sign_entries,
 )
 from cachectl.context import Context
-from cachectl.entries import AOT_SUFFIX, CACHE_SUFFIX, ENV_FILE
-from cachectl.errors import BadInput, NotFound, OperationFailed
+from cachectl.core.errors import BadInput, NotFound, OperationFailed
 from cachectl.index import CacheInfo, EnvironmentInfo
 from cachectl.manifest import load_manifest
+from cachectl.storage.entries import AOT_SUFFIX, CACHE_SUFFIX, ENV_FILE
+from cachectl.trust import signing
 
 # --------------------------------------------------------------------------- create
 

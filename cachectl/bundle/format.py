@@ -13,8 +13,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from cachectl import signing, temps
-from cachectl.errors import BadInput
+from cachectl.core import temps
+from cachectl.core.errors import BadInput
+from cachectl.trust import signing
 
 FORMAT = "cachectl-bundle/1"
 META = "bundle.json"

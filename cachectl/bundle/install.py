@@ -15,7 +15,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import IO, Any
 
-from cachectl import ingest, signing, temps
 from cachectl.bundle.format import (
     _CHUNK,
     BUNDLE_EXPANSION,
@@ -35,7 +34,14 @@ from cachectl.bundle.format import (
     room,
 )
 from cachectl.context import Context
-from cachectl.entries import (
+from cachectl.core import temps
+from cachectl.core.errors import BadInput, EnvironmentMismatch, NotFound
+from cachectl.core.fingerprint import Environment
+from cachectl.core.units import format_size
+from cachectl.index import CacheInfo, NewEntry
+from cachectl.lifecycle import sweep
+from cachectl.storage import ingest
+from cachectl.storage.entries import (
     AOT_SUFFIX,
     CACHE_SUFFIX,
     ENV_FILE,
@@ -44,12 +50,8 @@ from cachectl.entries import (
     parse_aot_filename,
     parse_entry_filename,
 )
-from cachectl.errors import BadInput, EnvironmentMismatch, NotFound
-from cachectl.fingerprint import Environment
-from cachectl.index import CacheInfo, NewEntry
-from cachectl.lifecycle import sweep
-from cachectl.permissions import check_writer
-from cachectl.units import format_size
+from cachectl.trust import signing
+from cachectl.trust.permissions import check_writer
 
 # --------------------------------------------------------------------------- install
 

@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from cachectl import __version__
-from cachectl.config import load_settings
-from cachectl.errors import CachectlError, ProblemsReported
+from cachectl.core.config import load_settings
+from cachectl.core.errors import CachectlError, ProblemsReported
 
 if TYPE_CHECKING:
     from cachectl.context import Context
@@ -246,7 +246,7 @@ class CachectlGroup(click.Group):
         try:
             return super().invoke(ctx)
         except CachectlError as exc:
-            # The one place a library error becomes an exit code (cachectl.errors.ERRORS).
+            # The one place a library error becomes an exit code (cachectl.core.errors.ERRORS).
             # A message of several problems (a manifest's) prints one error line each; a
             # report that printed its own problems (ProblemsReported) adds only its summary.
             if isinstance(exc, ProblemsReported):

@@ -7,14 +7,14 @@ from typing import TYPE_CHECKING
 import click
 
 from cachectl.cli.render import emit, escape, json_option, size, stdout, table
-from cachectl.config import SIGNING_KEY_ENV
+from cachectl.core.config import SIGNING_KEY_ENV
 
 if TYPE_CHECKING:
     from cachectl import bundle as bundle_lib
     from cachectl.context import Context
 
 # The bundle and signing libraries are imported by the command bodies when they run, never at
-# import: `cachectl bundle create --help` builds its options from cachectl.config alone.
+# import: `cachectl bundle create --help` builds its options from cachectl.core.config alone.
 
 sign_key_option = click.option(
     "--sign-key",
@@ -184,7 +184,7 @@ def generate(path: str, force: bool, dry_run: bool, as_json: bool) -> None:
     cachectl cache set prod --trust ~/.config/cachectl/ci.key.pub
     CACHECTL_SIGNING_KEY=~/.config/cachectl/ci.key cachectl warm m.yaml
     """
-    from cachectl import signing
+    from cachectl.trust import signing
 
     info = signing.generate(path, force=force, dry_run=dry_run)
     emit(

@@ -8,15 +8,15 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from cachectl.cli.render import emit, json_option, size, stdout, table
-from cachectl.config import SERVICE_WRITES
-from cachectl.units import format_duration, parse_duration, parse_size
+from cachectl.core.config import SERVICE_WRITES
+from cachectl.core.units import format_duration, parse_duration, parse_size
 
 if TYPE_CHECKING:
     from cachectl.context import Context
     from cachectl.index import CacheInfo
 
-# cachectl.caches (and the index behind it) is imported by the command bodies when they run,
-# never at import: `cachectl cache add --help` builds its options from cachectl.config alone.
+# cachectl.trust.caches (and the index behind it) is imported by the command bodies when they run,
+# never at import: `cachectl cache add --help` builds its options from cachectl.core.config alone.
 
 
 def _policy(
@@ -29,8 +29,8 @@ def _policy(
     group: str | None,
     storage_option: tuple[str, ...] = (),
 ) -> dict[str, Any]:
-    from cachectl.caches import parse_storage_options
-    from cachectl.permissions import parse_writers
+    from cachectl.trust.caches import parse_storage_options
+    from cachectl.trust.permissions import parse_writers
 
     return {
         "storage_options": parse_storage_options(storage_option) if storage_option else None,
@@ -115,7 +115,7 @@ def cache_group() -> None:
 @click.pass_obj
 def add(ctx: Context, name: str, url: str, as_json: bool, **opts: Any) -> None:
     """Register cache NAME rooted at URL (a path, file://, gs://bucket/prefix, s3://bucket/prefix)."""
-    from cachectl import caches
+    from cachectl.trust import caches
 
     info = caches.add_cache(ctx, name, url, **_policy(**opts))
     emit(info, as_json, lambda c: stdout.print(f"added cache {c.name} at {c.root_url}"))
@@ -154,8 +154,8 @@ def set_(
     **opts: Any,
 ) -> None:
     """Change a cache's policy."""
-    from cachectl import caches
-    from cachectl.signing import parse_public_key
+    from cachectl.trust import caches
+    from cachectl.trust.signing import parse_public_key
 
     policy = _policy(**opts)
     if root_url:
@@ -176,7 +176,7 @@ def set_(
 @click.pass_obj
 def rm(ctx: Context, name: str, purge: bool, dry_run: bool, as_json: bool) -> None:
     """Unregister a cache (refuses a non-empty cache unless --purge)."""
-    from cachectl import caches
+    from cachectl.trust import caches
 
     result = caches.remove_cache(ctx, name, purge=purge, dry_run=dry_run)
     verb = "would remove" if dry_run else "removed"

@@ -11,13 +11,13 @@ from typing import TYPE_CHECKING
 import click
 
 from cachectl.cli.render import emit, json_option, stdout, table
-from cachectl.errors import BadInput, CachectlError
+from cachectl.core.errors import BadInput, CachectlError
 
 if TYPE_CHECKING:
     from cachectl.context import Context
-    from cachectl.service_env import ServiceEnv
+    from cachectl.service.env import ServiceEnv
 
-# cachectl.service_env (and the index behind it) is imported by the command bodies when they run,
+# cachectl.service.env (and the index behind it) is imported by the command bodies when they run,
 # never at import: `cachectl env --help` stays cheap.
 
 
@@ -84,7 +84,7 @@ def env(ctx: Context, fmt: str | None, as_json: bool, readonly: bool | None) -> 
     cachectl env --json         # = --format json
     cachectl env --format dotenv > service.env
     """
-    from cachectl.service_env import service_env
+    from cachectl.service.env import service_env
 
     fmt = _env_format(fmt, as_json)
     result = service_env(ctx, readonly=readonly)
@@ -117,7 +117,7 @@ def exec_(ctx: Context, readonly: bool | None, telemetry: bool, command: tuple[s
     cachectl exec -- python -c 'import os; print(os.environ["JAX_COMPILATION_CACHE_DIR"])'
     cachectl exec --readonly -- python my_service.py
     """
-    from cachectl.service_env import service_env
+    from cachectl.service.env import service_env
 
     try:
         result = service_env(ctx, readonly=readonly)
@@ -125,7 +125,7 @@ def exec_(ctx: Context, readonly: bool | None, telemetry: bool, command: tuple[s
         if result.warning:
             click.echo(result.warning, err=True)
         if telemetry:
-            from cachectl.exec_hook import child_variables
+            from cachectl.service.exec_hook import child_variables
 
             variables = {
                 **variables,

@@ -8,13 +8,13 @@ from typing import TYPE_CHECKING
 import click
 
 from cachectl.cli.render import emit, json_option, shortened, size, stdout, table, when
-from cachectl.units import parse_duration
+from cachectl.core.units import parse_duration
 
 if TYPE_CHECKING:
-    from cachectl import inventory
     from cachectl.index.usage import TelemetryStats, UsageRow
+    from cachectl.usage import inventory
 
-# cachectl.inventory and cachectl.operations (the index, SQLAlchemy) are imported by the command
+# cachectl.usage.inventory and cachectl.operations (the index, SQLAlchemy) are imported by the command
 # bodies when they run, never at import: `cachectl ls --help` stays cheap.
 
 
@@ -101,7 +101,7 @@ def _print_entries(listing: inventory.EntryListing) -> None:
 @click.pass_obj
 def ls(ctx, env_prefix: str | None, as_json: bool) -> None:
     """List a cache's environments, or one environment's entries."""
-    from cachectl import inventory
+    from cachectl.usage import inventory
 
     cache = ctx.cache()
     if env_prefix:
@@ -143,7 +143,7 @@ def _print_totals(items: list[inventory.CacheTotals]) -> None:
             justify_right=("environments", "entries", "executables", "aot bytes", "bytes"),
         )
     )
-    from cachectl.inventory import EnvironmentListing
+    from cachectl.usage.inventory import EnvironmentListing
 
     for t in items:
         if t.per_environment:
@@ -286,8 +286,8 @@ def _print_totals_and_rates(items: list[inventory.CacheTotals]) -> None:
 def stats(ctx, all_caches: bool, since: str | None, as_json: bool) -> None:
     """Totals per cache and per environment with the hit rate over the last 24h; with --since,
     hits and misses from services per environment and function."""
-    from cachectl import inventory
     from cachectl.operations import operations
+    from cachectl.usage import inventory
 
     if since is not None:
         parse_duration(since)  # bad input before the index is opened

@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING
 import click
 
 from cachectl.cli.render import emit, json_option, shortened, size, stdout, table
-from cachectl.config import DELETE_BATCH, GC_POLICIES
-from cachectl.errors import ProblemsReported
+from cachectl.core.config import DELETE_BATCH, GC_POLICIES
+from cachectl.core.errors import ProblemsReported
 
 if TYPE_CHECKING:
     from cachectl.context import Context
@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 
 # cachectl.operations (the lifecycle library, the index, SQLAlchemy) is imported by the command
 # bodies when they run, never at import: `cachectl prune --help` builds its options from
-# cachectl.config alone.
+# cachectl.core.config alone.
 
 _SHOW = 50
 

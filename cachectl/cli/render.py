@@ -9,8 +9,8 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from cachectl.errors import CachectlError, ProblemsReported
-from cachectl.units import format_size
+from cachectl.core.errors import CachectlError, ProblemsReported
+from cachectl.core.units import format_size
 
 if TYPE_CHECKING:
     from rich.console import Console, ConsoleOptions, RenderResult
@@ -40,8 +40,8 @@ json_option = click.option("--json", "as_json", is_flag=True, help="Print the re
 
 
 def print_json(obj: Any) -> None:
-    """The wire format (cachectl.jsonable); a report with its own ``to_json`` (warm's) uses that."""
-    from cachectl.jsonable import dumps_indented, to_jsonable
+    """The wire format (cachectl.core.jsonable); a report with its own ``to_json`` (warm's) uses that."""
+    from cachectl.core.jsonable import dumps_indented, to_jsonable
 
     data = obj.to_json() if callable(getattr(obj, "to_json", None)) else to_jsonable(obj)
     sys.stdout.write(dumps_indented(data) + "\n")

@@ -7,16 +7,16 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from cachectl.cli.render import emit, json_option, stdout, table, when
-from cachectl.config import SERVER_HOST, SERVER_PORT, TOKEN_ROLES
-from cachectl.errors import BadInput
+from cachectl.core.config import SERVER_HOST, SERVER_PORT, TOKEN_ROLES
+from cachectl.core.errors import BadInput
 
 if TYPE_CHECKING:
-    from cachectl import tokens
     from cachectl.context import Context
+    from cachectl.trust import tokens
 
 # cachectl.operations (the index, SQLAlchemy) and the server are imported by the command bodies
 # when they run, never at import: `cachectl token create --help` builds its options from
-# cachectl.config alone.
+# cachectl.core.config alone.
 
 KEEP_ALIVE_S = 75
 

@@ -12,16 +12,16 @@ from typing import TYPE_CHECKING
 import click
 
 from cachectl.cli.render import emit, json_option, shortened, size, stdout, table
-from cachectl.config import MIRROR_WORKERS, SIGNING_KEY_ENV
+from cachectl.core.config import MIRROR_WORKERS, SIGNING_KEY_ENV
 
 if TYPE_CHECKING:
-    from cachectl import doctor as doctor_lib
-    from cachectl import mirror as mirror_lib
     from cachectl.context import Context
+    from cachectl.service import doctor as doctor_lib
+    from cachectl.service import mirror as mirror_lib
 
-# cachectl.doctor, cachectl.mirror and cachectl.signing (the index, SQLAlchemy, the stores) are
+# cachectl.service.doctor, cachectl.service.mirror and cachectl.trust.signing (the index, SQLAlchemy, the stores) are
 # imported by the command bodies when they run, never at import: `cachectl pull --help` builds
-# its options from cachectl.config alone.
+# its options from cachectl.core.config alone.
 
 _SHOW = 50
 _STYLE = {"error": "bold red", "warning": "yellow", "info": "green"}
@@ -54,7 +54,7 @@ def doctor(ctx: Context, as_json: bool) -> None:
     and every differing field; checks key-affecting JAX config, JAX's own
     eviction, cache permissions, and that the index and bucket are reachable.
     """
-    from cachectl import doctor as doctor_lib
+    from cachectl.service import doctor as doctor_lib
 
     report = doctor_lib.diagnose(ctx)
     emit(report, as_json, _print_doctor)
@@ -124,7 +124,7 @@ def pull(
     \b
     cachectl pull --to /var/cache/jax-mirror
     """
-    from cachectl import mirror as mirror_lib
+    from cachectl.service import mirror as mirror_lib
 
     result = mirror_lib.pull(
         ctx, dest, workers=workers, dry_run=dry_run, verify_existing=verify_existing
@@ -179,8 +179,8 @@ def push(
 
     New entries are recorded in the index with origin "push".
     """
-    from cachectl import mirror as mirror_lib
-    from cachectl import signing
+    from cachectl.service import mirror as mirror_lib
+    from cachectl.trust import signing
 
     key = signing.signing_key(sign_key)
     if not dry_run:

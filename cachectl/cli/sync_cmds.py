@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 import click
 
 from cachectl.cli.render import emit, json_option, stdout, table
-from cachectl.units import parse_duration
+from cachectl.core.units import parse_duration
 
 if TYPE_CHECKING:
     from cachectl.lifecycle.sync import SyncResult

@@ -11,14 +11,14 @@ from typing import TYPE_CHECKING
 import click
 
 from cachectl.cli.render import emit, json_option, stdout, table
-from cachectl.units import parse_duration
+from cachectl.core.units import parse_duration
 
 if TYPE_CHECKING:
-    from cachectl import advise as advise_lib
-    from cachectl import misses as misses_lib
     from cachectl.context import Context
+    from cachectl.usage import advise as advise_lib
+    from cachectl.usage import misses as misses_lib
 
-# cachectl.misses and cachectl.advise (NumPy, pydantic, the index) are imported by the command
+# cachectl.usage.misses and cachectl.usage.advise (NumPy, pydantic, the index) are imported by the command
 # bodies when they run, never at import: `cachectl misses --help` stays cheap.
 
 _SHOW = 50
@@ -88,7 +88,7 @@ def misses(
     cachectl misses --since 24h
     cachectl misses --manifest examples/manifest.yaml --json
     """
-    from cachectl import misses as misses_lib
+    from cachectl.usage import misses as misses_lib
 
     report = misses_lib.misses(
         ctx, since=parse_duration(since), function=function, manifest=manifest
@@ -204,7 +204,7 @@ def advise(
     cachectl advise examples/manifest.yaml --max-buckets 4
     cachectl advise examples/manifest.yaml --axis seq --max-waste 10% --write
     """
-    from cachectl import advise as advise_lib
+    from cachectl.usage import advise as advise_lib
 
     report = advise_lib.advise(
         ctx,

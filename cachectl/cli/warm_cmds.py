@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from cachectl.cli.render import emit, escape, size, stderr, stdout, table
-from cachectl.config import (
+from cachectl.core.config import (
     DEFAULT_MAX_BUCKETS,
     DEFAULT_WARM_EXECUTOR,
     MAX_BUCKETS_ENV,
@@ -18,15 +18,15 @@ from cachectl.config import (
     WARM_EXECUTORS,
     default_jobs,
 )
-from cachectl.errors import BadInput, CachectlError, EnvironmentMismatch, OperationFailed
-from cachectl.units import format_size
+from cachectl.core.errors import BadInput, CachectlError, EnvironmentMismatch, OperationFailed
+from cachectl.core.units import format_size
 
 if TYPE_CHECKING:
     from cachectl.context import Context
     from cachectl.warm import CheckReport, WarmReport
 
 # The warm stack (JAX, pydantic, SQLAlchemy) is imported by the command bodies when they run,
-# never at import: `cachectl warm --help` builds its options from cachectl.config alone
+# never at import: `cachectl warm --help` builds its options from cachectl.core.config alone
 # (tests/test_cli_startup.py checks sys.modules).
 
 _STATUS_STYLE = {"compiled": "green", "cached": "cyan", "hit": "green"}  # cachectl.warm.reports
@@ -220,7 +220,7 @@ def _verbosity() -> int:
 
 
 def _shard(text: str | None, shards: int | None = None) -> tuple[int, int] | None:
-    from cachectl.sharding import resolve_shard
+    from cachectl.warm.sharding import resolve_shard
 
     return resolve_shard(text, shards)
 
@@ -339,8 +339,8 @@ def _signer_for(
     paths: tuple[str, ...] = (),
 ) -> Any:
     """The signing key, checked against the target cache's trusted keys before anything compiles."""
-    from cachectl import signing
     from cachectl.manifest import load_manifest
+    from cachectl.trust import signing
 
     key = signing.signing_key(sign_key)
     loaded = load_manifest(manifest, import_paths=paths)  # a bad one: all its problems
@@ -363,9 +363,9 @@ def _run_distributed(
 ) -> None:
     """Every process of the job runs this; the signing-key check and the signing happen inside the
     collective warm, so a failure there reaches every process."""
-    from cachectl import distributed as dist
-    from cachectl import signing
-    from cachectl.signing import resign
+    from cachectl.trust import signing
+    from cachectl.trust.signing import resign
+    from cachectl.warm import distributed as dist
 
     signer: list[Any] = []
 
@@ -490,9 +490,9 @@ def warm_cmd(
     if check_only:
         _run_check(ctx, manifest, cache_name, shard, paths, as_json, shards)
         return
-    from cachectl import distributed as dist
-    from cachectl import signing
-    from cachectl.signing import resign
+    from cachectl.trust import signing
+    from cachectl.trust.signing import resign
+    from cachectl.warm import distributed as dist
     from cachectl.warm import warm
 
     _shard(shard, shards)  # a bad --shard/--shards is bad input before anything is opened

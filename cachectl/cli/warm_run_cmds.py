@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 import click
 
 from cachectl.cli.render import emit, escape, size, stdout, table
-from cachectl.errors import OperationFailed
+from cachectl.core.errors import OperationFailed
 
 if TYPE_CHECKING:
     from cachectl.context import Context

@@ -1,6 +1,6 @@
 """The cachectl server's HTTP client, used when CACHECTL_SERVER (and CACHECTL_TOKEN) are set.
 
-The server answers with the library's own dataclasses as JSON (cachectl.jsonable);
+The server answers with the library's own dataclasses as JSON (cachectl.core.jsonable);
 ``wire.decode`` rebuilds them, so the CLI prints exactly what it prints in direct mode,
 and server errors come back as the same CachectlError (``transport``: same message, same
 exit code). ``remote.RemoteIndex`` implements the IndexBackend protocol over HTTP, so

@@ -1,4 +1,4 @@
-"""RemoteIndex: the IndexBackend (cachectl.index.backend) over the server's HTTP API."""
+"""RemoteIndex: the IndexBackend (cachectl.index.protocol) over the server's HTTP API."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from typing import Any
 
 from cachectl.client.server_client import ServerClient
 from cachectl.client.wire import decode
-from cachectl.errors import BadInput, CachectlError, NotFound, PermissionDenied
-from cachectl.records import EnvironmentInfo, actor, pick_environment
+from cachectl.core.errors import BadInput, CachectlError, NotFound, PermissionDenied
+from cachectl.core.records import EnvironmentInfo, actor, pick_environment
 
 
 class RemoteIndex:

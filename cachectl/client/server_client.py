@@ -10,10 +10,9 @@ from typing import Any, TypeVar
 
 from cachectl.client.transport import API, Transport, _seg
 from cachectl.client.wire import decode, telemetry_wire
-from cachectl.entries import sha256
-from cachectl.errors import CachectlError, OperationFailed, error_named
-from cachectl.jsonable import to_jsonable
-from cachectl.records import (
+from cachectl.core.errors import CachectlError, OperationFailed, error_named
+from cachectl.core.jsonable import to_jsonable
+from cachectl.core.records import (
     CacheInfo,
     CreatedToken,
     EntryInfo,
@@ -21,6 +20,7 @@ from cachectl.records import (
     TokenInfo,
     WarmRunInfo,
 )
+from cachectl.storage.entries import sha256
 
 T = TypeVar("T")
 PAGE = 1000

@@ -6,10 +6,10 @@ from typing import TYPE_CHECKING
 
 from cachectl.client.remote import RemoteIndex
 from cachectl.client.server_client import ServerClient
-from cachectl.records import CacheInfo
+from cachectl.core.records import CacheInfo
 
 if TYPE_CHECKING:
-    from cachectl.config import Settings
+    from cachectl.core.config import Settings
 
 # A service's activate() must not wait long on a server that is down: it warns and
 # runs as plain JAX would.

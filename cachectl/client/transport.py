@@ -1,7 +1,7 @@
 """The HTTP transport to one cachectl server: pooled connections, one retry, errors mapped back.
 
 A server error comes back as the CachectlError its status and error name stand for
-(cachectl.errors.ERRORS), with the server's message, so the CLI exits as in direct mode.
+(cachectl.core.errors.ERRORS), with the server's message, so the CLI exits as in direct mode.
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 from urllib.parse import quote
 
-from cachectl.errors import (
+from cachectl.core.errors import (
     BadInput,
     OperationFailed,
     PermissionDenied,

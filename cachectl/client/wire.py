@@ -1,4 +1,4 @@
-"""The client's side of the wire format: records decoded with cachectl.jsonable, telemetry encoded.
+"""The client's side of the wire format: records decoded with cachectl.core.jsonable, telemetry encoded.
 
 ``decode`` is the one way a server response becomes a library value (the server encodes
 with ``jsonable.to_jsonable``; the CLI's --json prints the same), so there is no second decoder.
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from cachectl.jsonable import REDACTED, from_jsonable
+from cachectl.core.jsonable import REDACTED, from_jsonable
 
 
 def decode(tp: Any, data: Any) -> Any:

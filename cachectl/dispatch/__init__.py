@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from cachectl.dispatch.calls import OutOfBucket, StructureMismatch, mask
 from cachectl.dispatch.loading import _namespace_reader
-from cachectl.dispatch.runtime import (
+from cachectl.dispatch.router import (
     MAX_SIZES_PER_AXIS,
     MAX_SIZES_PER_FLUSH,
     OVERFLOW_MODES,

@@ -11,16 +11,23 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple
 
-from cachectl import aot, jax_seam
-from cachectl.config import load_settings
-from cachectl.entries import AOT_SUFFIX, CACHE_SUFFIX, CorruptEntry, parse_aot_filename
-from cachectl.errors import BadInput
+from cachectl.core import jax_seam
+from cachectl.core.config import load_settings
+from cachectl.core.errors import BadInput
 from cachectl.index import reads
 from cachectl.index.reads import StdlibReads
 from cachectl.manifest import Bucket, FunctionSpec
-from cachectl.runtime import open_service_index
-from cachectl.signing import Coverage, Untrusted, pinned_keys, stored_signature, verified_files
-from cachectl.store import Store
+from cachectl.service.activate import open_service_index
+from cachectl.storage import executables as aot
+from cachectl.storage.entries import AOT_SUFFIX, CACHE_SUFFIX, CorruptEntry, parse_aot_filename
+from cachectl.storage.store import Store
+from cachectl.trust.signing import (
+    Coverage,
+    Untrusted,
+    pinned_keys,
+    stored_signature,
+    verified_files,
+)
 
 
 class Indexed(NamedTuple):

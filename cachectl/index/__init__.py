@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from cachectl.records import (
+from cachectl.core.records import (
     AuditInfo,
     CacheInfo,
     EntryInfo,

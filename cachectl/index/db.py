@@ -20,7 +20,7 @@ from sqlalchemy.exc import (
     SQLAlchemyError,
 )
 
-from cachectl.errors import BadInput, Unreachable
+from cachectl.core.errors import BadInput, Unreachable
 
 log = logging.getLogger(__name__)
 

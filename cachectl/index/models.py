@@ -27,7 +27,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 
-from cachectl.records import utcnow  # re-exported: the rows and the records share one clock
+from cachectl.core.records import utcnow  # re-exported: the rows and the records share one clock
 
 
 class UTCDateTime(TypeDecorator[datetime]):
@@ -71,7 +71,7 @@ class Cache(Base):
     service_writes: Mapped[str | None] = mapped_column(String(8))
     group_name: Mapped[str | None] = mapped_column(String(64))
     storage_options: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
-    # Ed25519 public keys ("ed25519:<base64>") whose signatures readers accept (cachectl/signing.py).
+    # Ed25519 public keys ("ed25519:<base64>") whose signatures readers accept (cachectl/trust/signing.py).
     trusted_keys: Mapped[list[str] | None] = mapped_column(JSON)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
     updated_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow, onupdate=utcnow)

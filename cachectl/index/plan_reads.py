@@ -16,7 +16,7 @@ from datetime import datetime, timedelta
 from operator import itemgetter
 from typing import Any, NamedTuple
 
-from cachectl.cache_info import utcnow
+from cachectl.core.cache_info import utcnow
 from cachectl.index.reads import UNIT_SIZE, HasReader, cache_id, from_json, when
 
 # A running warm whose heartbeat is older than this is presumed dead.

@@ -18,11 +18,11 @@ from collections.abc import Mapping, Sequence
 from datetime import datetime
 from typing import Any, Protocol
 
-from cachectl.cache_info import CACHE_COLUMNS, CacheInfo
-from cachectl.errors import NotFound, Unreachable
-from cachectl.fingerprint import Environment
-from cachectl.records import EnvironmentInfo, pick_environment
-from cachectl.sqlite_file import connect, from_json, sqlite_path, stamp, when
+from cachectl.core.cache_info import CACHE_COLUMNS, CacheInfo
+from cachectl.core.errors import NotFound, Unreachable
+from cachectl.core.fingerprint import Environment
+from cachectl.core.records import EnvironmentInfo, pick_environment
+from cachectl.core.sqlite_file import connect, from_json, sqlite_path, stamp, when
 
 
 class Reader(Protocol):
@@ -271,7 +271,7 @@ class StdlibReads:
 
 
 def content_signature(reader: Reader, env_id: int) -> dict[str, Any] | None:
-    """The environment's signed content list as last signed (cachectl/signing.py), or None."""
+    """The environment's signed content list as last signed (cachectl/trust/signing.py), or None."""
     rows = reader.rows("SELECT content_signature FROM environments WHERE id = :id", {"id": env_id})
     return from_json(rows[0][0]) if rows and rows[0][0] is not None else None
 

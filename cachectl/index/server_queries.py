@@ -14,13 +14,13 @@ from typing import Any
 
 from sqlalchemy import bindparam, func, literal_column, select, update
 
-from cachectl.errors import EntryConflict, NotFound, QuotaExceeded
+from cachectl.core.errors import EntryConflict, NotFound, QuotaExceeded
+from cachectl.core.units import format_size
 from cachectl.index import CacheInfo, EntryInfo, EnvironmentInfo, NewEntry
 from cachectl.index.models import Cache, Entry, Job, TelemetryRecord, utcnow
 from cachectl.index.models import Environment as EnvRow
 from cachectl.index.sql import Index, _cache_info, _entry_info, _env_info, unit_size
 from cachectl.index.telemetry_queries import counter_sum
-from cachectl.units import format_size
 
 QUEUED = "queued"
 RUNNING = "running"

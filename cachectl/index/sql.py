@@ -17,18 +17,11 @@ from sqlalchemy.engine import Connection, Engine, make_url
 from sqlalchemy.exc import DatabaseError, IntegrityError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
-from cachectl.cache_info import CACHE_COLUMNS
-from cachectl.errors import BadInput, NotFound, Unreachable
-from cachectl.fingerprint import Environment
-from cachectl.index import (
-    db,
-    reads,
-    warm_runs,  # noqa: E402 - after the records it imports
-)
-from cachectl.index.models import AuditRecord, Cache, Entry, UTCDateTime, utcnow
-from cachectl.index.models import Environment as EnvRow
-from cachectl.jsonable import bounded
-from cachectl.records import (  # noqa: F401 - actor is re-exported
+from cachectl.core.cache_info import CACHE_COLUMNS
+from cachectl.core.errors import BadInput, NotFound, Unreachable
+from cachectl.core.fingerprint import Environment
+from cachectl.core.jsonable import bounded
+from cachectl.core.records import (  # noqa: F401 - actor is re-exported
     AuditInfo,
     CacheInfo,
     EntryInfo,
@@ -38,6 +31,13 @@ from cachectl.records import (  # noqa: F401 - actor is re-exported
     actor,
     pick_environment,
 )
+from cachectl.index import (
+    db,
+    reads,
+    warm_runs,  # noqa: E402 - after the records it imports
+)
+from cachectl.index.models import AuditRecord, Cache, Entry, UTCDateTime, utcnow
+from cachectl.index.models import Environment as EnvRow
 
 __all__ = [
     "AuditInfo",
@@ -365,7 +365,7 @@ class Index:
         return reads.find_environment(self.reader, cache, prefix, include_deleted=include_deleted)
 
     def content_signature(self, env_id: int) -> dict[str, Any] | None:
-        """The environment's signed content list (cachectl/signing.py), or None."""
+        """The environment's signed content list (cachectl/trust/signing.py), or None."""
         with self.read_session() as s:
             return s.scalar(select(EnvRow.content_signature).where(EnvRow.id == env_id))
 

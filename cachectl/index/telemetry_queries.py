@@ -35,7 +35,7 @@ from cachectl.telemetry.rows import (
 )
 
 if TYPE_CHECKING:
-    from cachectl.telemetry.records import TelemetryBatch
+    from cachectl.telemetry.batch import TelemetryBatch
 
 
 def counter_sum(dialect: str, column: Any) -> Any:

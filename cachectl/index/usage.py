@@ -10,7 +10,7 @@ import dataclasses
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
-from cachectl.cache_info import utcnow
+from cachectl.core.cache_info import utcnow
 from cachectl.index.reads import Reader, cache_id, total
 
 

@@ -19,11 +19,11 @@ from typing import TYPE_CHECKING
 
 from sqlalchemy import func, select, update
 
-from cachectl.errors import NotFound
+from cachectl.core.errors import NotFound
+from cachectl.core.records import WarmRunInfo
 from cachectl.index.models import Cache, WarmRun, utcnow
 from cachectl.index.models import Environment as EnvRow
 from cachectl.index.plan_reads import WARM_HEARTBEAT_WINDOW
-from cachectl.records import WarmRunInfo
 
 if TYPE_CHECKING:
     from cachectl.index import Index

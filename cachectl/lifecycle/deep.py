@@ -17,9 +17,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from cachectl import jax_seam
-from cachectl.entries import CorruptEntry, executable_bytes
-from cachectl.store import Store
+from cachectl.core import jax_seam
+from cachectl.storage.entries import CorruptEntry, executable_bytes
+from cachectl.storage.store import Store
 
 # One load should take well under a second; a child stuck this long is killed.
 DEFAULT_TIMEOUT_S = 600.0

@@ -14,8 +14,7 @@ from collections import defaultdict
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from cachectl.config import DELETE_BATCH
-from cachectl.entries import ATIME_SUFFIX, LOCKFILE
+from cachectl.core.config import DELETE_BATCH
 from cachectl.index import Index
 from cachectl.index.lifecycle_queries import delete_entry_rows
 from cachectl.lifecycle.lease import Lease
@@ -25,7 +24,8 @@ from cachectl.lifecycle.plan import (
     PlannedEntry,
     PlannedNamespace,
 )
-from cachectl.store import Store
+from cachectl.storage.entries import ATIME_SUFFIX, LOCKFILE
+from cachectl.storage.store import Store
 
 # Test hooks, read only by the executor: kill this process (SIGKILL) right
 # after the Nth storage batch, before the index learns of it — the worst

@@ -18,10 +18,11 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from cachectl.config import DELETE_BATCH
-from cachectl.config import GC_POLICIES as POLICIES
 from cachectl.context import Context
-from cachectl.errors import BadInput
+from cachectl.core.config import DELETE_BATCH
+from cachectl.core.config import GC_POLICIES as POLICIES
+from cachectl.core.errors import BadInput
+from cachectl.core.units import format_size, parse_size
 from cachectl.index import CacheInfo
 from cachectl.index.eviction_queries import Cuts, eviction_cuts
 from cachectl.index.lifecycle_queries import (
@@ -39,9 +40,8 @@ from cachectl.lifecycle.plan import (
     PlannedEntry,
     Protected,
 )
-from cachectl.permissions import check_writer
-from cachectl.store import Store
-from cachectl.units import format_size, parse_size
+from cachectl.storage.store import Store
+from cachectl.trust.permissions import check_writer
 
 
 @dataclass

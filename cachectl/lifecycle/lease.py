@@ -24,7 +24,7 @@ from typing import Any, cast
 
 from sqlalchemy import CursorResult, delete, func, insert, or_, select, update
 
-from cachectl.errors import OperationFailed
+from cachectl.core.errors import OperationFailed
 from cachectl.index import Index, actor
 from cachectl.index.models import Lease as LeaseRow
 from cachectl.index.models import utcnow

@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, overload
 
-from cachectl.entries import AOT_SUFFIX, CACHE_SUFFIX
+from cachectl.storage.entries import AOT_SUFFIX, CACHE_SUFFIX
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,10 +17,11 @@ from datetime import datetime, timedelta
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from packaging.version import InvalidVersion, Version
 
-from cachectl.cache_info import utcnow
-from cachectl.config import DELETE_BATCH
 from cachectl.context import Context
-from cachectl.errors import BadInput
+from cachectl.core.cache_info import utcnow
+from cachectl.core.config import DELETE_BATCH
+from cachectl.core.errors import BadInput
+from cachectl.core.units import format_duration, parse_duration
 from cachectl.index import CacheInfo
 from cachectl.index.plan_reads import (
     EnvSummary,
@@ -38,9 +39,8 @@ from cachectl.lifecycle.plan import (
     PlannedNamespace,
     Protected,
 )
-from cachectl.permissions import check_writer
-from cachectl.store import Store
-from cachectl.units import format_duration, parse_duration
+from cachectl.storage.store import Store
+from cachectl.trust.permissions import check_writer
 
 
 @dataclass(frozen=True)

@@ -18,8 +18,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from cachectl import temps
-from cachectl.store import Store
+from cachectl.core import temps
+from cachectl.storage.store import Store
 
 
 @dataclass(frozen=True, slots=True)

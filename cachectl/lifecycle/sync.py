@@ -34,9 +34,12 @@ from typing import Any, TypeVar
 
 import zstandard
 
-from cachectl import signing
 from cachectl.context import Context
-from cachectl.entries import (
+from cachectl.core.errors import BadInput, NotFound
+from cachectl.core.fingerprint import Environment
+from cachectl.index import CacheInfo, Index
+from cachectl.index.sync_queries import ObservedRow, insert_observed_rows, observed_entry
+from cachectl.storage.entries import (
     _ZSTD_MAGIC,
     AOT_SUFFIX,
     CACHE_SUFFIX,
@@ -51,13 +54,10 @@ from cachectl.entries import (
     scan_entry,
     sha256,
 )
-from cachectl.errors import BadInput, NotFound
-from cachectl.fingerprint import Environment
-from cachectl.index import CacheInfo, Index
-from cachectl.index.sync_queries import ObservedRow, insert_observed_rows, observed_entry
-from cachectl.namespace import QUARANTINE_DIR, read_env_json
-from cachectl.permissions import check_writer
-from cachectl.store import Store, ordered_map, read_workers
+from cachectl.storage.namespace import QUARANTINE_DIR, read_env_json
+from cachectl.storage.store import Store, ordered_map, read_workers
+from cachectl.trust import signing
+from cachectl.trust.permissions import check_writer
 
 
 @dataclass(slots=True)

@@ -41,21 +41,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
-from cachectl import aot, temps
 from cachectl.context import Context
-from cachectl.entries import (
-    AOT_SUFFIX,
-    ATIME_SUFFIX,
-    CACHE_SUFFIX,
-    CorruptEntry,
-    Kind,
-    classify,
-    entry_file_matcher,
-    parse_aot_filename,
-    sha256,
-)
-from cachectl.errors import BadInput
-from cachectl.fingerprint import current_environment
+from cachectl.core import temps
+from cachectl.core.errors import BadInput
+from cachectl.core.fingerprint import current_environment
+from cachectl.core.units import format_duration
 from cachectl.index import CacheInfo
 from cachectl.index.lifecycle_queries import (
     WARM_HEARTBEAT_WINDOW,
@@ -72,10 +62,21 @@ from cachectl.lifecycle import sweep
 from cachectl.lifecycle.deep import load_all
 from cachectl.lifecycle.lease import Lease
 from cachectl.lifecycle.sync import _group_by_namespace, check_entry_bytes
-from cachectl.namespace import QUARANTINE_DIR, read_env_json
-from cachectl.permissions import check_writer
-from cachectl.store import NotRegularFile, Store, ordered_map, read_workers
-from cachectl.units import format_duration
+from cachectl.storage import executables as aot
+from cachectl.storage.entries import (
+    AOT_SUFFIX,
+    ATIME_SUFFIX,
+    CACHE_SUFFIX,
+    CorruptEntry,
+    Kind,
+    classify,
+    entry_file_matcher,
+    parse_aot_filename,
+    sha256,
+)
+from cachectl.storage.namespace import QUARANTINE_DIR, read_env_json
+from cachectl.storage.store import NotRegularFile, Store, ordered_map, read_workers
+from cachectl.trust.permissions import check_writer
 
 # Kinds of finding, and what --quarantine / --repair does about each.
 MISSING = "missing"  # index row, no file: row dropped (repair)

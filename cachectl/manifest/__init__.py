@@ -17,7 +17,7 @@ The pipeline, in the order ``warm`` uses it, one module per step:
 
 1. :func:`load_manifest` (``load.py``) parses (``source.py``: YAML with lines) and validates
    (``schema.py``, ``checks.py``; messages from ``problems.py``) without importing any user
-   code or JAX; every problem is a one-line :class:`~cachectl.errors.BadInput` that names
+   code or JAX; every problem is a one-line :class:`~cachectl.core.errors.BadInput` that names
    ``file:line: field: problem``.
 2. :func:`check_imports` (``imports.py``) imports every ``module:attr`` the manifest names
    and checks the arguments bind to the function's signature.

@@ -10,7 +10,7 @@ import re
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from cachectl.errors import BadInput
+from cachectl.core.errors import BadInput
 from cachectl.manifest.schema import FunctionSpec, Manifest
 
 

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from cachectl.errors import BadInput
+from cachectl.core.errors import BadInput
 from cachectl.manifest.problems import _raise_problems
 from cachectl.manifest.schema import _REF_RE, FunctionSpec, Manifest, jit_options
 from cachectl.manifest.source import Loc, _describe, _Source

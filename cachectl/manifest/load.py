@@ -14,8 +14,8 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from cachectl.config import DEFAULT_MAX_BUCKETS, MAX_BUCKETS_ENV
-from cachectl.errors import BadInput
+from cachectl.core.config import DEFAULT_MAX_BUCKETS, MAX_BUCKETS_ENV
+from cachectl.core.errors import BadInput
 from cachectl.manifest.checks import _semantic_problems
 from cachectl.manifest.imports import _import_problems
 from cachectl.manifest.problems import _pydantic_problems, _raise_problems

@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from cachectl.errors import EnvironmentMismatch
+from cachectl.core.errors import EnvironmentMismatch
 from cachectl.manifest.buckets import Bucket
 from cachectl.manifest.imports import _identity, _resolve_in, is_jitted
 from cachectl.manifest.schema import ArgSpec, FunctionSpec, _dtype, jit_options, leaf_path

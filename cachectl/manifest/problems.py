@@ -10,7 +10,7 @@ from typing import Any, Union, get_args, get_origin
 
 from pydantic import BaseModel, ValidationError
 
-from cachectl.errors import BadInput
+from cachectl.core.errors import BadInput
 from cachectl.manifest.schema import Manifest
 from cachectl.manifest.source import Loc, _describe, _Source
 

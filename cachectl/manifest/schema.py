@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
-from cachectl.errors import BadInput
+from cachectl.core.errors import BadInput
 from cachectl.manifest.source import _NO_SOURCE, Loc, _Source
 
 if TYPE_CHECKING:

@@ -5,7 +5,7 @@ JAX reports cache use through ``jax.monitoring`` events (docs/jax-facts.md, fact
 use the cache, ``cache_misses`` only when an entry is *written* (so misses are
 requests minus hits), and two durations. None of them names the program; the
 only place that names the key of a hit is a DEBUG record of JAX's compiler
-logger (cachectl.jax_seam owns every such JAX detail). So the collector listens to both:
+logger (cachectl.core.jax_seam owns every such JAX detail). So the collector listens to both:
 
 - a tap on that logger's ``log``/``debug`` methods reads module and key from the
   hit/miss calls' arguments and passes every call on unchanged: the logger's
@@ -30,7 +30,7 @@ import os
 import threading
 from typing import Any
 
-from cachectl.jax_seam import (  # noqa: F401 - re-exported
+from cachectl.core.jax_seam import (  # noqa: F401 - re-exported
     COMPILER_LOGGER,
     EVENT_HITS,
     EVENT_REQUESTS,
@@ -38,20 +38,11 @@ from cachectl.jax_seam import (  # noqa: F401 - re-exported
     EVENT_SAVED,
     EVENT_WRITES,
 )
-from cachectl.jax_seam import HIT_PREFIX as _HIT_PREFIX  # noqa: F401 - re-exported
-from cachectl.jax_seam import MISS_PREFIX as _MISS_PREFIX  # noqa: F401 - re-exported
-from cachectl.jax_seam import compiler_logger as _compiler_logger  # noqa: F401 - re-exported
-from cachectl.telemetry.collector import (  # noqa: F401 - re-exported
-    DEFAULT_INTERVAL_S,
-    DEFAULT_MAX_FUNCTIONS,
-    DEFAULT_MAX_KEYS,
-    DEFAULT_MAX_SIGNATURES,
-    EXIT_FLUSH_TIMEOUT_S,
-    SEEN_SIGNATURES,
-    Collector,
-    log,
-)
-from cachectl.telemetry.records import (  # noqa: F401 - re-exported
+from cachectl.core.jax_seam import HIT_PREFIX as _HIT_PREFIX  # noqa: F401 - re-exported
+from cachectl.core.jax_seam import MISS_PREFIX as _MISS_PREFIX  # noqa: F401 - re-exported
+from cachectl.core.jax_seam import compiler_logger as _compiler_logger  # noqa: F401 - re-exported
+from cachectl.service.telemetry_sinks import IndexSink, MemorySink, ServerSink, _index_side  # noqa: F401 - re-exported
+from cachectl.telemetry.batch import (  # noqa: F401 - re-exported
     MAX_FLUSH_COUNT,
     MAX_FLUSH_SECONDS,
     MAX_SERVING_AXES,
@@ -65,7 +56,16 @@ from cachectl.telemetry.records import (  # noqa: F401 - re-exported
     check_batch,
     process_id,
 )
-from cachectl.telemetry.sinks import IndexSink, MemorySink, ServerSink, _index_side  # noqa: F401 - re-exported
+from cachectl.telemetry.collector import (  # noqa: F401 - re-exported
+    DEFAULT_INTERVAL_S,
+    DEFAULT_MAX_FUNCTIONS,
+    DEFAULT_MAX_KEYS,
+    DEFAULT_MAX_SIGNATURES,
+    EXIT_FLUSH_TIMEOUT_S,
+    SEEN_SIGNATURES,
+    Collector,
+    log,
+)
 from cachectl.telemetry.taps import _LogTap, _SignatureTap  # noqa: F401 - re-exported
 
 _current: Collector | None = None

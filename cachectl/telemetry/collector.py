@@ -26,8 +26,8 @@ from datetime import UTC, datetime
 from threading import get_ident
 from typing import Any
 
-from cachectl import jax_seam
-from cachectl.jax_seam import (
+from cachectl.core import jax_seam
+from cachectl.core.jax_seam import (
     EVENT_BACKEND_COMPILE,
     EVENT_HITS,
     EVENT_REQUESTS,
@@ -35,7 +35,7 @@ from cachectl.jax_seam import (
     EVENT_SAVED,
     EVENT_WRITES,
 )
-from cachectl.telemetry.records import (
+from cachectl.telemetry.batch import (
     CollectorStats,
     FunctionCounts,
     ServingCounts,

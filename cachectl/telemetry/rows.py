@@ -1,7 +1,7 @@
 """The rows one telemetry flush adds to the index, without a database in sight.
 
 Two writers store a flush: the SQLAlchemy one (cachectl.index.telemetry_queries, every database)
-and the service's stdlib one for SQLite (cachectl.service_sqlite, which spares a service the
+and the service's stdlib one for SQLite (cachectl.service.sqlite_index, which spares a service the
 SQLAlchemy import). Both take their rows and rules from here, so they cannot drift apart.
 """
 
@@ -13,7 +13,7 @@ from collections.abc import Iterable
 from datetime import UTC, datetime
 from typing import Any
 
-from cachectl.telemetry.records import TelemetryBatch, check_batch
+from cachectl.telemetry.batch import TelemetryBatch, check_batch
 
 MAX_SIGNATURES_PER_FUNCTION = 256  # rows per (environment, function); the rest add up in digest '*'
 OVERFLOW_DIGEST = "*"

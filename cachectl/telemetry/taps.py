@@ -1,7 +1,7 @@
 """Taps on JAX's compiler and pxla loggers: read a log call's arguments, pass the call on unchanged.
 
 JAX names the key of a hit only in a DEBUG log call, and a program's input avals only
-in a guarded DEBUG lowering call (cachectl.jax_seam). Lowering a logger to DEBUG would
+in a guarded DEBUG lowering call (cachectl.core.jax_seam). Lowering a logger to DEBUG would
 make every debug call in that module build a LogRecord and hand it to the service's
 handlers; a tap instead wraps the one logger object's methods, so its level, its
 handlers and what the service sees stay exactly as they were.
@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
-from cachectl import jax_seam
+from cachectl.core import jax_seam
 
 if TYPE_CHECKING:
     from cachectl.telemetry.collector import Collector
@@ -87,7 +87,7 @@ class _LogTap(_Tap):
 
 class _SignatureTap(_Tap):
     """Reads each lowering's module name, input avals and shardings from the one guarded
-    debug call of JAX's pxla logger (see cachectl.jax_seam)."""
+    debug call of JAX's pxla logger (see cachectl.core.jax_seam)."""
 
     METHODS = ("log", "isEnabledFor")
 

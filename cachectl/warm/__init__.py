@@ -12,7 +12,7 @@ JAX config), ``jaxlog`` (the JAX log records that name each key), ``executors``
 ``check`` (coverage in a fresh process), ``reports`` (what both return).
 """
 
-from cachectl.config import default_jobs
+from cachectl.core.config import default_jobs
 from cachectl.warm.check import _call_main, _check_main, check
 from cachectl.warm.compiling import (
     WARM_EXTRA_CONFIG,

@@ -23,13 +23,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import IO, Any
 
-from cachectl import ingest
 from cachectl.context import Context
-from cachectl.entries import CACHE_SUFFIX, EntryName, Kind, classify, parse_key
-from cachectl.errors import BadInput
+from cachectl.core.errors import BadInput
 from cachectl.index import warm_runs
-from cachectl.permissions import check_writer
-from cachectl.runtime import env_vars_for
+from cachectl.service.activate import env_vars_for
+from cachectl.storage import ingest
+from cachectl.storage.entries import CACHE_SUFFIX, EntryName, Kind, classify, parse_key
+from cachectl.trust.permissions import check_writer
 from cachectl.warm.compiling import warm_jax_config
 
 

@@ -22,10 +22,10 @@ from typing import Any
 
 import cachectl
 from cachectl.context import Context
+from cachectl.core.errors import BadInput, CachectlError, OperationFailed
 from cachectl.dispatch import Serving, _namespace_reader
 from cachectl.dispatch.loading import Verified
-from cachectl.dispatch.runtime import NoDummyInput
-from cachectl.errors import BadInput, CachectlError, OperationFailed
+from cachectl.dispatch.router import NoDummyInput
 from cachectl.manifest import check_imports, expand, load_manifest, select_shard
 from cachectl.warm.compiling import _error_text, compile_bucket
 from cachectl.warm.plan import _build_calls, _environment_json, _mismatch, plan_warm

@@ -8,12 +8,13 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from cachectl import aot, jax_seam
-from cachectl.errors import BadInput
-from cachectl.fingerprint import Environment
-from cachectl.runtime import apply_jax_config, jax_config_for
-from cachectl.tracebacks import format_user_traceback, location
+from cachectl.core import jax_seam
+from cachectl.core.errors import BadInput
+from cachectl.core.fingerprint import Environment
+from cachectl.service.activate import apply_jax_config, jax_config_for
+from cachectl.storage import executables as aot
 from cachectl.warm.jaxlog import _CAPTURE, _Event
+from cachectl.warm.tracebacks import format_user_traceback, location
 
 _ERROR_CHARS = 400
 

@@ -7,9 +7,9 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import Any
 
-from cachectl import jax_seam
+from cachectl.core import jax_seam
 from cachectl.manifest import Bucket, check_imports, expand, load_manifest
-from cachectl.runtime import apply_jax_config
+from cachectl.service.activate import apply_jax_config
 from cachectl.warm.compiling import _error_text, _Outcome, compile_bucket, jax_configured
 from cachectl.warm.jaxlog import _CAPTURE
 from cachectl.warm.plan import WarmPlan, _build_calls

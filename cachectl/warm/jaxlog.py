@@ -2,7 +2,7 @@
 
 JAX names a program's persistent-cache key in exactly one place, its DEBUG log
 (its compiler logs the hit or miss with the key before loading or compiling; its
-compilation cache logs the write: the loggers and messages are in cachectl.jax_seam). A logging filter
+compilation cache logs the write: the loggers and messages are in cachectl.core.jax_seam). A logging filter
 captures these records into the compiling thread's own list (XLA compiles run in
 the calling thread and release the GIL, so buckets compile concurrently in
 threads), then drops them below the level the user asked for.
@@ -16,7 +16,7 @@ import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from cachectl import jax_seam
+from cachectl.core import jax_seam
 
 _JAX_LOGGERS = jax_seam.CACHE_LOGGERS
 

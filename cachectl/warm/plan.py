@@ -8,8 +8,8 @@ from pathlib import Path
 from typing import Any
 
 from cachectl.context import Context
-from cachectl.errors import BadInput, EnvironmentMismatch
-from cachectl.fingerprint import Environment, current_environment
+from cachectl.core.errors import BadInput, EnvironmentMismatch
+from cachectl.core.fingerprint import Environment, current_environment
 from cachectl.index import CacheInfo
 from cachectl.manifest import (
     Bucket,
@@ -21,7 +21,7 @@ from cachectl.manifest import (
     load_manifest,
     select_shard,
 )
-from cachectl.permissions import check_writer
+from cachectl.trust.permissions import check_writer
 from cachectl.warm.compiling import _error_text, _persistent_cache_off
 
 # --------------------------------------------------------------------------- planning

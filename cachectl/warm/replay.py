@@ -22,10 +22,10 @@ from typing import IO, Any
 from sqlalchemy import select
 
 from cachectl.context import Context
-from cachectl.errors import BadInput, NotFound
-from cachectl.exec_hook import COUNTS_VAR, child_variables
+from cachectl.core.errors import BadInput, NotFound
 from cachectl.index.models import AuditRecord, WarmRun
-from cachectl.service_env import service_env
+from cachectl.service.env import service_env
+from cachectl.service.exec_hook import COUNTS_VAR, child_variables
 from cachectl.warm.by_running import run_digest
 
 

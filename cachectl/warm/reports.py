@@ -1,6 +1,6 @@
 """What warm and its coverage check report: frozen dataclasses whose JSON is what scripts read.
 
-The JSON comes from :func:`cachectl.jsonable.to_jsonable`: a field marked
+The JSON comes from :func:`cachectl.core.jsonable.to_jsonable`: a field marked
 ``_NOT_JSON`` stays out of it (kept for the CLI), one marked ``_MS`` is rounded to
 the millisecond.
 """
@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from cachectl.config import DEFAULT_WARM_EXECUTOR, WARM_EXECUTORS
-from cachectl.jsonable import to_jsonable
+from cachectl.core.config import DEFAULT_WARM_EXECUTOR, WARM_EXECUTORS
+from cachectl.core.jsonable import to_jsonable
 
 # Statuses of a bucket in a warm report.
 COMPILED = "compiled"  # compiled and written (and indexed)
@@ -49,7 +49,7 @@ class BucketResult:
     compile_seconds: float | None = field(default=None, metadata=_MS)
     bytes: int | None = None
     error: str | None = None
-    # The stored executable (cachectl/aot.py): its size, or why there is none.
+    # The stored executable (cachectl/storage/executables.py): its size, or why there is none.
     aot_bytes: int | None = None
     aot_error: str | None = None
     # The user's frames of a failure, for -v; not in the JSON report.

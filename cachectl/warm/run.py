@@ -15,10 +15,15 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from cachectl import aot, ingest, signing
-from cachectl.config import default_jobs
 from cachectl.context import Context
-from cachectl.entries import (
+from cachectl.core.config import default_jobs
+from cachectl.core.errors import BadInput
+from cachectl.core.units import format_size
+from cachectl.index import NewEntry, warm_runs
+from cachectl.manifest import Bucket, manifest_digest, resolve_callable
+from cachectl.storage import executables as aot
+from cachectl.storage import ingest
+from cachectl.storage.entries import (
     AOT_SUFFIX,
     CACHE_SUFFIX,
     CorruptEntry,
@@ -27,11 +32,8 @@ from cachectl.entries import (
     read_header,
     sha256,
 )
-from cachectl.errors import BadInput
-from cachectl.index import NewEntry, warm_runs
-from cachectl.manifest import Bucket, manifest_digest, resolve_callable
-from cachectl.signing import SigningKey
-from cachectl.units import format_size
+from cachectl.trust import signing
+from cachectl.trust.signing import SigningKey
 from cachectl.warm.compiling import _Outcome, warm_jax_config
 from cachectl.warm.executors import _run_processes, _run_threads
 from cachectl.warm.plan import (
@@ -125,7 +127,7 @@ def warm(
     wrong hardware (EnvironmentMismatch, 3). A bucket that fails later is
     reported in the result and the others continue (unless ``fail_fast``).
     With ``executables`` each bucket's compiled program is also stored
-    (cachectl/aot.py) for :func:`cachectl.serving`. With a ``signer`` a stored file counts
+    (cachectl/storage/executables.py) for :func:`cachectl.serving`. With a ``signer`` a stored file counts
     as warmed only when a list it trusts signed it (signing.carried_files): any other file at a
     key of the manifest is removed and compiled again, so the signer signs only its own work.
     """

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from cachectl.fingerprint import Environment
+from cachectl.core.fingerprint import Environment
 
 ENV = Environment(
     jax_version="0.10.2",

@@ -1,6 +1,6 @@
 """Helpers for the lifecycle tests: fake environments written through the real layout.
 
-Entries are built with cachectl.entries.make_entry (valid JAX format, no
+Entries are built with cachectl.storage.entries.make_entry (valid JAX format, no
 compile), stored with Store.write_bytes under a namespace made by
 ensure_namespace (env.json), and indexed with Index.upsert_entries.
 """
@@ -16,12 +16,19 @@ from datetime import datetime, timedelta
 from click.testing import CliRunner
 
 from cachectl.cli import cli
-from cachectl.entries import CACHE_SUFFIX, Kind, classify, make_entry, parse_entry_filename, sha256
-from cachectl.fingerprint import Environment
+from cachectl.core.fingerprint import Environment
 from cachectl.index import EnvironmentInfo, Index, NewEntry, open_index
 from cachectl.index.models import utcnow
-from cachectl.namespace import QUARANTINE_DIR, ensure_namespace
-from cachectl.store import Store, normalize_url
+from cachectl.storage.entries import (
+    CACHE_SUFFIX,
+    Kind,
+    classify,
+    make_entry,
+    parse_entry_filename,
+    sha256,
+)
+from cachectl.storage.namespace import QUARANTINE_DIR, ensure_namespace
+from cachectl.storage.store import Store, normalize_url
 from support.environments import fake_env  # noqa: F401 - re-exported for lifecycle tests
 
 CACHE = "lc"

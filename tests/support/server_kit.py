@@ -1,7 +1,7 @@
 """Helpers for the server tests: a seeded index, tokens of every kind, a live uvicorn server.
 
 Everything is real: the FastAPI app from create_app(), SQLite or PostgreSQL,
-storage through cachectl.store, uvicorn on 127.0.0.1.
+storage through cachectl.storage.store, uvicorn on 127.0.0.1.
 """
 
 from __future__ import annotations
@@ -13,13 +13,13 @@ from datetime import timedelta
 
 from sqlalchemy import update
 
-from cachectl import tokens
-from cachectl.entries import make_entry, sha256
-from cachectl.fingerprint import Environment
+from cachectl.core.fingerprint import Environment
 from cachectl.index import NewEntry, open_index
 from cachectl.index.models import Token, utcnow
-from cachectl.namespace import ensure_namespace
-from cachectl.store import Store
+from cachectl.storage.entries import make_entry, sha256
+from cachectl.storage.namespace import ensure_namespace
+from cachectl.storage.store import Store
+from cachectl.trust import tokens
 from support.environments import fake_env
 
 MAIN = "main"

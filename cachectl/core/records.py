@@ -1,0 +1,169 @@
+"""Typed, session-free views of index rows: what the library returns."""
+
+from __future__ import annotations
+
+import getpass
+import socket
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from cachectl.core.cache_info import CacheInfo, utcnow  # noqa: F401 - re-exported
+from cachectl.core.config import TOKEN_ROLES as ROLES
+from cachectl.core.errors import BadInput, NotFound
+from cachectl.core.fingerprint import Environment
+
+
+@dataclass(frozen=True)
+class EnvironmentInfo:
+    id: int
+    cache: str
+    digest: str
+    namespace: str
+    environment: Environment
+    created_at: datetime | None
+    last_seen_at: datetime | None
+    deleted_at: datetime | None
+    entries: int = 0
+    # Entries and their stored executables together: what size limits and gc count.
+    bytes: int = 0
+    last_access_at: datetime | None = None
+    # Entries with a stored executable (``<key>-aot``), and those executables' bytes (within ``bytes``).
+    executables: int = 0
+    aot_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class EntryInfo:
+    key: str
+    module: str
+    size: int
+    sha256: str
+    compile_time_ms: int | None
+    origin: str
+    function: str | None
+    bucket: dict[str, Any] | None
+    created_at: datetime | None
+    last_access_at: datetime | None
+    hit_count: int
+    environment_id: int
+    aot_size: int | None = None
+    aot_sha256: str | None = None
+    # Why warm-check marked the stored executable unusable (serving uses jax.jit); None: usable.
+    aot_unusable: str | None = None
+
+
+@dataclass(frozen=True)
+class NewEntry:
+    """What a writer knows about an entry it just stored or found."""
+
+    key: str
+    module: str
+    size: int
+    sha256: str
+    origin: str
+    compile_time_ms: int | None = None
+    function: str | None = None
+    bucket: dict[str, Any] | None = None
+    warm_run_id: int | None = None
+    created_at: datetime | None = None
+    # The stored executable beside the entry, when the writer stored one.
+    aot_size: int | None = None
+    aot_sha256: str | None = None
+
+
+@dataclass(frozen=True)
+class AuditInfo:
+    at: datetime
+    actor: str
+    operation: str
+    cache: str | None
+    entries: int
+    bytes: int
+    duration_ms: int | None
+    details: dict[str, Any]
+
+
+def actor() -> str:
+    """user@host, as the audit log records who acted."""
+    try:
+        user = getpass.getuser()
+    except Exception:  # noqa: BLE001 - no passwd entry in some containers
+        user = "unknown"
+    return f"{user}@{socket.gethostname()}"
+
+
+def pick_environment(
+    cache: str, prefix: str, environments: Callable[[], Iterable[EnvironmentInfo]]
+) -> EnvironmentInfo:
+    """The one environment whose digest starts with ``prefix``; unknown or ambiguous prefixes are bad input."""
+    prefix = prefix.strip().lower()
+    if not prefix or any(c not in "0123456789abcdef" for c in prefix):
+        raise BadInput(
+            f"bad environment digest prefix {prefix!r}: use hex digits from `cachectl ls`"
+        )
+    matches = [e for e in environments() if e.digest.startswith(prefix)]
+    if not matches:
+        raise NotFound(
+            f"no environment in cache {cache!r} has a digest starting {prefix!r}: see `cachectl ls`"
+        )
+    if len(matches) > 1:
+        names = ", ".join(m.digest[:16] for m in matches[:5])
+        raise BadInput(
+            f"environment prefix {prefix!r} matches {len(matches)} environments ({names}): give more digits"
+        )
+    return matches[0]
+
+
+ROLE_RANK = {role: rank for rank, role in enumerate(ROLES)}
+
+
+@dataclass(frozen=True)
+class TokenInfo:
+    """A token as listed: everything except the secret, which is never kept."""
+
+    id: int
+    name: str
+    role: str
+    caches: tuple[str, ...] | None
+    created_at: datetime | None
+    expires_at: datetime | None
+    revoked_at: datetime | None
+    last_used_at: datetime | None
+
+    @property
+    def active(self) -> bool:
+        return self.revoked_at is None and (self.expires_at is None or self.expires_at > utcnow())
+
+    def allows(self, role: str, cache: str | None = None) -> bool:
+        """Role at least ``role``, and ``cache`` inside the token's scope (if scoped)."""
+        if ROLE_RANK[self.role] < ROLE_RANK[role]:
+            return False
+        return cache is None or self.caches is None or cache in self.caches
+
+
+@dataclass(frozen=True)
+class CreatedToken:
+    info: TokenInfo
+    token: str
+
+
+@dataclass(frozen=True)
+class WarmRunInfo:
+    """One warm run as the index recorded it."""
+
+    id: int
+    environment_id: int
+    manifest_digest: str
+    manifest_path: str | None
+    host: str
+    user: str
+    status: str
+    started_at: datetime | None
+    finished_at: datetime | None
+    heartbeat_at: datetime | None
+    buckets: int
+    compiled: int
+    cached: int
+    failed: int

@@ -1,0 +1,621 @@
+"""The runtime object: :class:`Serving`, its functions' call path, their counters and reports."""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from cachectl import telemetry as telemetry_mod
+from cachectl.dispatch.calls import (
+    OutOfBucket,
+    StructureMismatch,
+    _arg_plans,
+    _first_difference,
+    _pad_to,
+    covering,
+    pad_pytree,
+    pytree_sizes,
+    smallest_first,
+)
+from cachectl.dispatch.loading import Executables, Verified, _namespace_reader, _Slot
+from cachectl.manifest import (
+    FunctionSpec,
+    Manifest,
+    build_call,
+    check_imports,
+    expand,
+    is_jitted,
+    jit_options,
+    load_manifest,
+    resolve_callable,
+)
+from cachectl.service.activate import activate
+from cachectl.storage import executables as aot
+from cachectl.telemetry import ServingCounts
+
+log = logging.getLogger("cachectl.dispatch")
+
+OVERFLOW_MODES = ("error", "compile")
+# Distinct raw sizes kept per bucketed axis (for bucket advice); beyond, only counted.
+MAX_SIZES_PER_AXIS = 4096
+# ... and per telemetry flush (one JSON row per function and flush).
+MAX_SIZES_PER_FLUSH = 1024
+
+
+class NoDummyInput(ValueError):
+    """A stored executable whose arguments have no zero value to call it with (PRNG keys)."""
+
+
+def _zeros(info: Any) -> np.ndarray:
+    """A host array of zeros for one abstract argument (a ``jax.stages.ArgInfo``)."""
+    dtype = info.dtype
+    try:
+        return np.zeros(info.shape, np.dtype(dtype))
+    except TypeError:
+        raise NoDummyInput(f"no zero value for an argument of dtype {dtype}") from None
+
+
+# --------------------------------------------------------------------------- reports
+
+
+@dataclass(frozen=True)
+class FunctionReport:
+    calls: int
+    aot: int
+    fallback: int
+    out_of_bucket: int
+    padded: int
+    buckets: int
+    loaded: int
+    fallback_reason: str | None = None
+    raw_sizes: dict[str, dict[int, int]] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "calls": self.calls,
+            "aot": self.aot,
+            "fallback": self.fallback,
+            "out_of_bucket": self.out_of_bucket,
+            "padded": self.padded,
+            "buckets": self.buckets,
+            "loaded": self.loaded,
+            "fallback_reason": self.fallback_reason,
+            "raw_sizes": {
+                a: {str(k): v for k, v in sorted(c.items())} for a, c in self.raw_sizes.items()
+            },
+        }
+
+
+@dataclass(frozen=True)
+class ServingReport:
+    """What the runtime loaded and how calls were served; ``to_json`` for logs and dashboards."""
+
+    namespace: str
+    functions: dict[str, FunctionReport]
+    load_seconds: float  # sum of every bucket's load
+    ready_seconds: float  # construction to every preloaded bucket ready
+    warnings: list[str]
+    # ``warmup=True``: the sum of every bucket's warm-up call, and construction to every bucket
+    # loaded and warmed up (None: no warm-up).
+    warmup_seconds: float = 0.0
+    warm_ready_seconds: float | None = None
+
+    @property
+    def ok(self) -> bool:
+        return all(f.fallback == 0 and f.loaded == f.buckets for f in self.functions.values())
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "namespace": self.namespace,
+            "functions": {n: f.to_json() for n, f in self.functions.items()},
+            "load_seconds": round(self.load_seconds, 4),
+            "ready_seconds": round(self.ready_seconds, 4),
+            "warmup_seconds": round(self.warmup_seconds, 4),
+            "warm_ready_seconds": None
+            if self.warm_ready_seconds is None
+            else round(self.warm_ready_seconds, 4),
+            "warnings": list(self.warnings),
+        }
+
+
+class ServedFunction:
+    """A manifest function: call it like the function itself; calls go to stored executables."""
+
+    def __init__(self, rt: Serving, spec: FunctionSpec, fn: Any, slots: list[_Slot]) -> None:
+        self._rt = rt
+        self.name = spec.name
+        self.spec = spec
+        self._fn = fn
+        self._jit_options = jit_options(spec)
+        self._jitted: Any = None
+        self._plans = _arg_plans(spec)
+        self._dynamic = [i for i, p in enumerate(self._plans) if p.kind != "value"]
+        self._shape_axes = {a for p in self._plans for _, a in p.dims} | {
+            a for p in self._plans if p.arg is not None for a in p.arg.pytree_axes()
+        }
+        self._fixed_kwargs = {k: v for k, v in spec.kwargs.items() if not isinstance(v, dict)}
+        self._axis_kwargs = {k: v["axis"] for k, v in spec.kwargs.items() if isinstance(v, dict)}
+        self._slots = smallest_first(slots, self._shape_axes, set(self._axis_kwargs.values()))
+        self._lock = threading.Lock()
+        self.calls = self.aot = self.fallback = self.out_of_bucket = self.padded = 0
+        self.fallback_reason: str | None = None
+        self._sizes: dict[str, Counter[int]] = {a: Counter() for a in sorted(self._shape_axes)}
+        self._warned = False
+        self._outputs = spec.outputs
+        self._taken = (0, 0, 0, 0, 0)  # counters already handed to telemetry
+        self._sizes_new: dict[str, Counter[int]] = {a: Counter() for a in sorted(self._shape_axes)}
+        self._exact_pytrees = [
+            i for i, p in enumerate(self._plans) if p.kind == "pytree" and not p.has_leaf_axes
+        ]
+        # Bucket axes that only an undeclared pytree can carry: serving cannot see them.
+        unrouted = sorted(set(spec.buckets) - self._shape_axes - set(self._axis_kwargs.values()))
+        if not self._exact_pytrees:
+            unrouted = []
+        self._unrouted = unrouted
+        if unrouted:
+            rt._warn(
+                f"cachectl.serving: {self.name}: bucket axis {', '.join(unrouted)} shapes no array "
+                f"argument, and pytree argument {self._exact_pytrees[0]} declares no leaf_axes: "
+                "calls go to the smallest bucket and are refused unless their leaves match it; "
+                f"declare the pytree's bucket dimensions, e.g. leaf_axes: {{0: {unrouted[0]}}}"
+            )
+
+    # -- the call path ------------------------------------------------------
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        plans = self._plans
+        if len(args) != len(plans):
+            raise TypeError(
+                f"{self.name}() takes {len(plans)} positional arguments as the manifest "
+                f"lists them, got {len(args)}"
+            )
+        static: dict[str, Any] = {}
+        for name, value in kwargs.items():
+            axis = self._axis_kwargs.get(name)
+            if axis is not None:
+                static[axis] = value
+            elif name in self._fixed_kwargs:
+                if value != self._fixed_kwargs[name]:
+                    raise self._out(
+                        f"{self.name}: static {name}={value!r}; the manifest warmed "
+                        f"{name}={self._fixed_kwargs[name]!r}"
+                    )
+            else:
+                raise TypeError(
+                    f"{self.name}() got keyword {name!r}, which the manifest does not list"
+                )
+        for name, axis in self._axis_kwargs.items():
+            if axis not in static:
+                raise TypeError(f"{self.name}() needs keyword {name!r} (bucket axis {axis!r})")
+        for i, p in enumerate(plans):
+            if p.kind == "value" and args[i] != p.value:
+                raise self._out(
+                    f"{self.name}: static argument {i} is {args[i]!r}; the manifest warmed "
+                    f"{p.value!r}"
+                )
+        raw: dict[str, int] = {}
+        for i, p in enumerate(plans):
+            if p.has_leaf_axes:
+                pytree_sizes(p, args[i], raw)
+            elif p.dims:
+                shape = np.shape(args[i])
+                if len(shape) != len(p.shape):
+                    raise TypeError(
+                        f"{self.name}: argument {i} has {len(shape)} dimensions; the "
+                        f"manifest's shape {list(p.shape)} has {len(p.shape)}"
+                    )
+                for d, axis in p.dims:
+                    if shape[d] > raw.get(axis, -1):
+                        raw[axis] = shape[d]
+        slot = covering(self._slots, raw, static)
+        with self._lock:
+            self.calls += 1
+            for axis, size in raw.items():
+                sizes = self._sizes[axis]
+                if size in sizes or len(sizes) < MAX_SIZES_PER_AXIS:
+                    sizes[size] += 1
+                fresh = self._sizes_new[axis]
+                if size in fresh or len(fresh) < MAX_SIZES_PER_FLUSH:
+                    fresh[size] += 1
+        if slot is None:
+            return self._overflow(args, kwargs, raw, static)
+        call_args, padded = self._convert(args, slot.values)
+        if padded:
+            with self._lock:
+                self.padded += 1
+        slot.ensure_loaded()
+        if isinstance(slot.compiled, aot.Unbound):
+            dynamic = tuple(call_args[i] for i in self._dynamic)
+            import jax
+
+            try:
+                slot.compiled = slot.compiled.bind(jax.tree_util.tree_structure((dynamic, {})))
+            except aot.AotError as exc:
+                raise StructureMismatch(f"{self.name}: {exc}") from None
+        if slot.compiled is not None:
+            try:
+                out = slot.compiled(*[call_args[i] for i in self._dynamic])
+            except TypeError as exc:
+                if "compiled with" in str(exc) and self._unrouted:
+                    raise self._out(
+                        f"{self.name}: the call's pytree leaves are not bucket "
+                        f"{slot.values}'s, and pytree argument {self._exact_pytrees[0]} declares "
+                        "no leaf_axes to pad them by (e.g. leaf_axes: {0: AXIS}): "
+                        + "; ".join(str(exc).splitlines()[1:4])
+                    ) from None
+                if "pytree" in str(exc):
+                    raise StructureMismatch(
+                        f"{self.name}: the arguments' structure differs from the warmed one: "
+                        f"{_first_difference(slot.compiled.in_tree, ((tuple(call_args[i] for i in self._dynamic)), {}))}"
+                    ) from None
+                raise
+            with self._lock:
+                self.aot += 1
+        else:
+            out = self._via_jit(call_args, kwargs, slot.error)
+        if self._outputs and any(raw[a] != slot.values[a] for a in raw):
+            return self._cut(out, raw)
+        return out  # nothing to cut: the device arrays as computed, no host copy
+
+    def _zeros_call(self, slot: _Slot, paths: Sequence[str]) -> None:
+        """Call the bucket's stored executable once on zeros of its abstract arguments and wait
+        for it: what warm-check runs in a child process. Raises whatever the call raises."""
+        import jax
+
+        slot.ensure_loaded()
+        if slot.compiled is None:
+            raise ValueError(slot.error or "no stored executable loaded")
+        if isinstance(slot.compiled, aot.Unbound):  # the structure comes from the manifest
+            args, _ = build_call(self.spec, slot.bucket, paths)
+            dynamic = tuple(args[i] for i in self._dynamic)
+            slot.compiled = slot.compiled.bind(jax.tree_util.tree_structure((dynamic, {})))
+        args, kwargs = jax.tree_util.tree_map(_zeros, slot.compiled.args_info)
+        jax.block_until_ready(slot.compiled(*args, **kwargs))
+
+    def _warm_up(self, slot: _Slot, paths: Sequence[str]) -> float:
+        """``warmup=True``: the bucket's first execution (XLA's first run of a loaded executable
+        is slower than the next) on zeros, before any request; seconds spent. One that raises
+        is not called again: its bucket is served through jax.jit."""
+        started = time.perf_counter()
+        try:
+            self._zeros_call(slot, paths)
+        except NoDummyInput:
+            pass  # nothing to call it with: the first request pays its first run
+        except Exception as exc:  # noqa: BLE001 - that bucket falls back, the service starts
+            slot.compiled, slot.error = None, f"its warm-up call raised {type(exc).__name__}: {exc}"
+        return time.perf_counter() - started
+
+    def _out(self, message: str) -> OutOfBucket:
+        with self._lock:
+            self.out_of_bucket += 1
+        return OutOfBucket(message)
+
+    def _convert(
+        self, args: tuple[Any, ...], values: dict[str, Any] | None
+    ) -> tuple[list[Any], bool]:
+        """Pad bucketed dimensions to ``values`` (None: no padding) and match the manifest's dtypes,
+        on the host."""
+        out = list(args)
+        padded = False
+        for i, p in enumerate(self._plans):
+            if p.has_leaf_axes and values is not None:
+                out[i], did = pad_pytree(p, args[i], values)
+                padded = padded or did
+                continue
+            if p.kind != "array":
+                continue
+            x = args[i]
+            target = p.target(values) if p.dims and values is not None else None
+            if target is not None and np.shape(x) != target:
+                out[i] = _pad_to(x, target, p.pad, p.dtype)
+                padded = True
+            elif getattr(x, "dtype", None) != p.dtype:
+                out[i] = np.asarray(x, dtype=p.dtype)
+        return out, padded
+
+    def _jit(self) -> Any:
+        if self._jitted is None:
+            import jax
+
+            self._jitted = (
+                self._fn if is_jitted(self._fn) else jax.jit(self._fn, **self._jit_options)
+            )
+        return self._jitted
+
+    def _via_jit(self, call_args: list[Any], kwargs: dict[str, Any], reason: str | None) -> Any:
+        """The same padded call through jax.jit, which hits the persistent cache warm filled."""
+        with self._lock:
+            self.fallback += 1
+            first = not self._warned
+            self._warned = True
+            if self.fallback_reason is None:
+                self.fallback_reason = reason
+        if first:
+            message = (
+                f"cachectl.serving: {self.name}: serving through jax.jit and the persistent "
+                f"cache: {reason or 'no stored executable'}"
+            )
+            self._rt._warn(message)
+        return self._jit()(*self._jit_args(call_args), **{**self._fixed_kwargs, **kwargs})
+
+    def _jit_args(self, call_args: list[Any]) -> list[Any]:
+        """Give jit the manifest's abstract form, so the program (and key) is warm's."""
+        out = list(call_args)
+        for i, p in enumerate(self._plans):
+            if p.kind == "array" and p.weak and np.ndim(out[i]) == 0:
+                out[i] = np.asarray(out[i]).item()
+        return out
+
+    def _overflow(
+        self,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        raw: dict[str, int],
+        static: dict[str, Any],
+    ) -> Any:
+        if self._rt.overflow == "compile":
+            with self._lock:
+                self.out_of_bucket += 1
+            converted, _ = self._convert(args, None)
+            return self._jit()(*self._jit_args(converted), **{**self._fixed_kwargs, **kwargs})
+        largest = {a: max(s.values[a] for s in self._slots) for a in raw} if self._slots else {}
+        over = [
+            f"{a}={n} (largest bucket {largest[a]})"
+            for a, n in raw.items()
+            if n > largest.get(a, -1)
+        ]
+        detail = (
+            ", ".join(over) or ", ".join(f"{a}={v!r}" for a, v in static.items()) + " not warmed"
+        )
+        raise self._out(
+            f"{self.name}: no warmed bucket covers {detail}; add a bucket to the manifest "
+            "or use overflow='compile'"
+        )
+
+    def _cut(self, out: Any, raw: dict[str, int]) -> Any:
+        """Cut declared outputs back to the request's sizes, on the host (slicing on device compiles)."""
+        import jax
+
+        leaves, tree = jax.tree_util.tree_flatten(out)
+        specs = self._outputs or []
+        for n, spec in enumerate(specs[: len(leaves)]):
+            if spec is None:
+                continue
+            index = tuple(
+                slice(0, raw[d]) if isinstance(d, str) and d in raw else slice(None)
+                for d in spec.shape
+            )
+            leaves[n] = np.asarray(leaves[n])[index]
+        return jax.tree_util.tree_unflatten(tree, leaves)
+
+    # -- reporting ------------------------------------------------------------
+
+    def take_counts(self) -> Any:
+        """What changed since the last take, for telemetry (cachectl.telemetry.ServingCounts)."""
+        with self._lock:
+            now = (self.calls, self.aot, self.fallback, self.out_of_bucket, self.padded)
+            calls, aot, fallback, out_of_bucket, padded = (
+                a - b for a, b in zip(now, self._taken, strict=True)
+            )
+            self._taken = now
+            sizes = {a: dict(c) for a, c in self._sizes_new.items() if c}
+            self._sizes_new = {a: Counter() for a in self._sizes_new}
+        return ServingCounts(calls, aot, fallback, out_of_bucket, padded, sizes=sizes)
+
+    def report(self) -> FunctionReport:
+        with self._lock:
+            return FunctionReport(
+                self.calls,
+                self.aot,
+                self.fallback,
+                self.out_of_bucket,
+                self.padded,
+                len(self._slots),
+                sum(s.compiled is not None for s in self._slots),
+                self.fallback_reason or next((s.error for s in self._slots if s.error), None),
+                {a: dict(c) for a, c in self._sizes.items()},
+            )
+
+    @property
+    def buckets(self) -> list[dict[str, Any]]:
+        return [dict(s.values) for s in self._slots]
+
+
+class Serving:
+    """The manifest's functions, served from stored executables; build it with :func:`serving`."""
+
+    def __init__(
+        self,
+        manifest: Manifest,
+        *,
+        namespace: str,
+        read: Callable[[str], bytes],
+        names: list[str],
+        indexed: Verified | None,
+        paths: Sequence[str],
+        overflow: str,
+        preload: bool,
+        workers: int | None,
+        on_load: Callable[[str, str], None] | None,
+        warnings: list[str],
+        warmup: bool = False,
+    ) -> None:
+        started = time.perf_counter()
+        self.manifest = manifest
+        self.namespace = namespace
+        self.overflow = overflow
+        self._warnings = list(warnings)
+        self._warn_lock = threading.Lock()
+        for message in warnings:
+            log.warning(message)
+        executables = Executables(read, names, indexed, on_load, self._warn, workers)
+        self._functions: dict[str, ServedFunction] = {}
+        slots_all: list[_Slot] = []
+        buckets = expand(manifest)
+        for spec in manifest.functions:
+            fn = resolve_callable(spec.fn, paths)
+            digests = (aot.spec_digest(spec), aot.source_digest(fn))
+            slots = []
+            for bucket in (b for b in buckets if b.function == spec.name):
+                slot = _Slot(bucket)
+                executables.bind(slot, spec, digests)
+                slots.append(slot)
+            self._functions[spec.name] = ServedFunction(self, spec, fn, slots)
+            slots_all.extend(slots)
+        self._slots = slots_all
+        self._paths = tuple(paths)
+        todo = [s for s in slots_all if s._loader is not None] if preload or warmup else []
+        with ThreadPoolExecutor(
+            max_workers=workers or min(8, max(1, len(todo))), thread_name_prefix="cachectl-load"
+        ) as pool:
+            list(pool.map(_Slot.ensure_loaded, todo))
+            self.ready_seconds = time.perf_counter() - started
+            # Warm-up apart from loading, so that both readinesses are known.
+            self.warmup_seconds = 0.0
+            self.warm_ready_seconds: float | None = None
+            if warmup:
+                owner = {id(s): f for f in self._functions.values() for s in f._slots}
+                loaded = [s for s in todo if s.compiled is not None]
+                self.warmup_seconds = sum(
+                    pool.map(lambda s: owner[id(s)]._warm_up(s, self._paths), loaded)
+                )
+                self.warm_ready_seconds = time.perf_counter() - started
+
+    def _warn(self, message: str) -> None:
+        with self._warn_lock:
+            self._warnings.append(message)
+        log.warning(message)
+
+    def __getitem__(self, name: str) -> ServedFunction:
+        try:
+            return self._functions[name]
+        except KeyError:
+            raise KeyError(
+                f"{name!r} is not a function of the manifest "
+                f"(functions: {', '.join(self._functions)})"
+            ) from None
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._functions
+
+    @property
+    def names(self) -> list[str]:
+        return list(self._functions)
+
+    def take_counts(self) -> dict[str, Any]:
+        """Every function's counters since the last take: the telemetry collector's source."""
+        return {name: f.take_counts() for name, f in self._functions.items()}
+
+    def executables(self) -> dict[tuple[str, str], str | None]:
+        """(function, bucket JSON) -> None when its executable is loaded, else why not."""
+        return {
+            (s.bucket.function, json.dumps(s.values, sort_keys=True)): None
+            if s.compiled is not None
+            else (s.error or "not loaded")
+            for s in self._slots
+        }
+
+    def stored(self) -> dict[tuple[str, str], tuple[str | None, str | None]]:
+        """(function, bucket JSON) -> (its stored executable's key, None when loaded else why not)."""
+        return {
+            (s.bucket.function, json.dumps(s.values, sort_keys=True)): (
+                s.key,
+                None if s.compiled is not None else (s.error or "not loaded"),
+            )
+            for s in self._slots
+        }
+
+    def call_stored(self, function: str, bucket: str) -> None:
+        """Call one bucket's stored executable on zeros (``bucket``: its values as sorted JSON)."""
+        fn = self[function]
+        for slot in fn._slots:
+            if json.dumps(slot.values, sort_keys=True) == bucket:
+                fn._zeros_call(slot, self._paths)
+                return
+        raise KeyError(f"{function} has no bucket {bucket}")
+
+    def report(self) -> ServingReport:
+        return ServingReport(
+            self.namespace,
+            {n: f.report() for n, f in self._functions.items()},
+            sum(s.load_seconds for s in self._slots),
+            self.ready_seconds,
+            list(self._warnings),
+            self.warmup_seconds,
+            self.warm_ready_seconds,
+        )
+
+
+def serving(
+    manifest: str | Path,
+    *,
+    cache: str | None = None,
+    readonly: bool = True,
+    preload: bool = True,
+    overflow: str = "error",
+    db: str | None = None,
+    root: str | None = None,
+    paths: Sequence[str] = (),
+    telemetry: bool = True,
+    workers: int | None = None,
+    mirror: str | None = None,
+    warmup: bool = False,
+) -> Serving:
+    """Activate the cache as :func:`cachectl.activate` does and load every bucket's executable.
+
+    ``preload`` loads all of them now, in a thread pool (readiness is the
+    slowest load, not their sum); otherwise each loads at its bucket's first
+    call. ``overflow`` says what a call above the largest bucket does:
+    ``"error"`` raises :class:`OutOfBucket`, ``"compile"`` runs ``jax.jit`` at
+    the exact shape. Raises BadInput for a bad manifest; a cache, index or
+    executable that is unavailable costs a warning, never an exception.
+    ``mirror=DIR`` serves from a local mirror that activate() pulls first
+    (entries and executables, verified against the index). ``warmup`` (which loads every
+    bucket, whatever ``preload`` says) then calls each stored executable once on zeros in
+    the same pool, so that no request pays XLA's first run of an executable; the report
+    gives ``warmup_seconds`` and ``warm_ready_seconds`` apart from load and readiness.
+    """
+    if overflow not in OVERFLOW_MODES:
+        raise ValueError(f"overflow must be one of {', '.join(OVERFLOW_MODES)}, got {overflow!r}")
+    spec = load_manifest(manifest)  # validated without importing the user's code
+    search = [*paths]
+    activation = activate(
+        cache or spec.cache, readonly=readonly, db=db, root=root, telemetry=telemetry, mirror=mirror
+    )
+    # Imported only now: a module that compiles when imported (an env or model built at import)
+    # then reads the cache, instead of compiling outside it.
+    check_imports(spec, search)
+    warnings: list[str] = []
+    read, names, indexed = _namespace_reader(activation, db, warnings)
+    on_load = None
+    collector = None
+    if telemetry:
+        collector = telemetry_mod.current()
+        on_load = collector.record_load if collector is not None else None
+    rt = Serving(
+        spec,
+        namespace=activation.path,
+        read=read,
+        names=names,
+        indexed=indexed,
+        paths=search,
+        overflow=overflow,
+        preload=preload,
+        workers=workers,
+        on_load=on_load,
+        warnings=warnings,
+        warmup=warmup,
+    )
+    if collector is not None:
+        collector.add_serving_source(rt.take_counts)
+    return rt

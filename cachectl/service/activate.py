@@ -1,0 +1,463 @@
+"""Point this process's JAX at its managed namespace.
+
+A service calls ``cachectl.activate()`` before its first compile. Whatever is
+down (index, bucket), the service must never be worse off than plain JAX: a
+failure here costs one warning, never an exception, except when the caller
+asked for something contradictory (JAX already compiled with another cache).
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import sqlite3
+import threading
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal, TypeVar, overload
+
+from cachectl import telemetry
+from cachectl.core import jax_seam
+from cachectl.core.cache_info import CacheInfo
+from cachectl.core.config import DEFAULT_CACHE, Settings, load_settings
+from cachectl.core.errors import BadInput, CachectlError, Unreachable
+from cachectl.core.fingerprint import MANAGED_JAX_CONFIG, Environment, current_environment
+from cachectl.service import sqlite_index as service_sqlite
+from cachectl.storage.store import Store, normalize_url
+
+if TYPE_CHECKING:
+    from cachectl.index.protocol import IndexBackend
+    from cachectl.service.mirror import PullResult
+    from cachectl.service.sqlite_index import FastIndex
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+# How long exit waits for the environment's record (an index locked by a writer may hold it).
+RECORD_EXIT_TIMEOUT_S = 5.0
+
+# Set min_compile_time this high and JAX reads the cache but never writes it (fact 4).
+READONLY_MIN_COMPILE_SECS = 1e9
+
+
+class ActivationError(BadInput):
+    """activate() was asked for something JAX cannot do in this process."""
+
+
+@dataclass(frozen=True)
+class Activation:
+    """What activate() did: where JAX now reads (and maybe writes) its cache."""
+
+    cache: str
+    namespace: str
+    path: str
+    digest: str
+    readonly: bool
+    indexed: bool
+    telemetry: str | None = None
+    warning: str | None = None
+    mirror: str | None = None
+    pull: PullResult | None = None
+    compiled_before: bool = False
+
+    @property
+    def active(self) -> bool:
+        return bool(self.path)
+
+
+def jax_config_for(path: str, env: Environment, readonly: bool) -> dict[str, Any]:
+    """The JAX settings that make a process hit what warm wrote."""
+    config: dict[str, Any] = {
+        "jax_compilation_cache_dir": path,
+        **MANAGED_JAX_CONFIG,
+        "jax_compilation_cache_include_metadata_in_key": env.include_metadata_in_key,
+    }
+    if readonly:
+        config["jax_persistent_cache_min_compile_time_secs"] = READONLY_MIN_COMPILE_SECS
+    return config
+
+
+def env_vars_for(config: dict[str, Any]) -> dict[str, str]:
+    """JAX reads each option from JAX_<NAME> too: the same settings for `cachectl env`."""
+
+    def text(value: Any) -> str:
+        return str(value).lower() if isinstance(value, bool) else str(value)
+
+    return {name.upper(): text(value) for name, value in config.items()}
+
+
+def _initialized_cache_dir() -> str | None:
+    """The directory JAX's persistent cache already opened in this process, if any."""
+    return jax_seam.opened_cache_dir()
+
+
+def _check_not_opened_elsewhere(wanted: str) -> None:
+    opened = _initialized_cache_dir()
+    if opened is not None and opened.rstrip("/") != str(wanted).rstrip("/"):
+        raise ActivationError(
+            f"JAX already compiled with the persistent cache at {opened}; call cachectl.activate() "
+            "before the first jax.jit compile (or use `cachectl exec`)"
+        )
+
+
+def apply_jax_config(config: dict[str, Any]) -> None:
+    """Set JAX's config; refuse if JAX already opened a different cache directory."""
+    import jax
+
+    _check_not_opened_elsewhere(config["jax_compilation_cache_dir"])
+    opened = _initialized_cache_dir()
+    for name, value in config.items():
+        jax.config.update(name, value)
+    if opened is None:
+        jax_seam.reset_persistent_cache()  # let JAX open the new directory at its next compile
+
+
+def _jax_compiled_already() -> bool:
+    """True once JAX compiled anything in this process (it checks its cache on the first compile)."""
+    return jax_seam.cache_checked()
+
+
+# botocore's defaults (5 attempts with backoff, per operation) make an
+# unreachable bucket cost JAX ~25 s at its first compile; one attempt with a
+# short connect timeout fails in ~1.5 s. s3fs keeps its own retries for
+# throttling and dropped connections. Only set when the process has no s3
+# config of its own; CACHECTL_S3_FAIL_FAST=0 leaves botocore's defaults.
+_FAIL_FAST_S3 = {"connect_timeout": 3, "retries": {"max_attempts": 1}}
+
+
+def fail_fast_options(root_url: str, options: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Storage options for a quick probe: one attempt, short connect timeout (s3 only)."""
+    opts = dict(options or {})
+    if root_url.startswith("s3://"):
+        opts.setdefault("config_kwargs", dict(_FAIL_FAST_S3))
+    return opts
+
+
+def _fail_fast_object_store(root_url: str) -> None:
+    """Bound how long JAX's own object-store client waits on an unreachable bucket."""
+    if not root_url.startswith("s3://"):
+        return
+    if os.environ.get("CACHECTL_S3_FAIL_FAST", "1").strip().lower() in ("0", "false", "no"):
+        return
+    import fsspec.config
+
+    conf = fsspec.config.conf.setdefault("s3", {})
+    conf.setdefault("config_kwargs", dict(_FAIL_FAST_S3))
+
+
+def _index_side(settings: Settings) -> Any:
+    """Where this service's index lives, imported on first use: cachectl.client in server mode
+    (CACHECTL_SERVER), else cachectl.service.index_access (SQLAlchemy). A plain activate() imports neither."""
+    if settings.server:
+        from cachectl import client
+
+        return client
+    return _sql_side()
+
+
+def _sql_side() -> Any:
+    """cachectl.service.index_access: the SQL index, the mirror pull (both need SQLAlchemy)."""
+    from cachectl.service import index_access as service_index
+
+    return service_index
+
+
+def _fast_index(settings: Settings) -> tuple[FastIndex, CacheInfo] | None:
+    """The policy read through the stdlib driver (no SQLAlchemy import), where that can answer."""
+    fast = service_sqlite.open_fast(settings.db)
+    if fast is None:
+        return None
+    try:
+        info = fast.get_cache(settings.cache)
+    except sqlite3.Error:
+        info = None
+    if (
+        info is None
+    ):  # the embedded default not created yet, or a typo: the SQLAlchemy path says which
+        fast.close()
+        return None
+    return fast, info
+
+
+@overload
+def open_service_index(
+    settings: Settings, problems: list[str], *, fast: Literal[False] = False
+) -> tuple[IndexBackend | None, CacheInfo | None]: ...
+
+
+@overload
+def open_service_index(
+    settings: Settings, problems: list[str], *, fast: bool
+) -> tuple[IndexBackend | FastIndex | None, CacheInfo | None]: ...
+
+
+def open_service_index(
+    settings: Settings, problems: list[str], *, fast: bool = False
+) -> tuple[IndexBackend | FastIndex | None, CacheInfo | None]:
+    """The index and this cache's policy; a failure becomes one problem line.
+
+    ``fast``: a caller that only reads the policy and records the environment may get a
+    FastIndex (SQLite through the stdlib driver) instead of the SQLAlchemy index."""
+    try:
+        if fast and not settings.server and (opened := _fast_index(settings)) is not None:
+            return opened
+        return _index_side(settings).open_for_service(settings)
+    except Unreachable as exc:
+        problems.append(f"index unavailable ({exc.message})")
+    except CachectlError as exc:
+        problems.append(exc.message)
+    except Exception as exc:  # noqa: BLE001 - a service must start anyway
+        problems.append(f"index unavailable ({type(exc).__name__}: {exc})".splitlines()[0])
+    return None, None
+
+
+def _record_environment(settings: Settings, env: Environment) -> None:
+    """Record this environment in the SQL index, from a background thread (see activate)."""
+    _sql_side().record_environment(settings.db, settings.cache, env, _default_root(settings))
+
+
+def _touch_environment_later(settings: Settings, env: Environment) -> None:
+    """Mark a known environment seen from a thread: the write, its commit and the WAL checkpoint
+    when its connection closes (fsyncs, ~4 ms) stay off the service's start. Exit waits for it,
+    bounded; where the stdlib path cannot, the SQLAlchemy path records it (still in the thread)."""
+
+    def run() -> None:
+        try:
+            if not service_sqlite.touch(settings.db, settings.cache, env.digest):
+                _record_environment(settings, env)
+        except Exception as exc:  # noqa: BLE001 - a service runs on without it
+            log.info("cachectl: could not record environment (%s)", exc)
+
+    thread = threading.Thread(target=run, name="cachectl-record-env", daemon=True)
+    thread.start()
+    atexit.register(thread.join, RECORD_EXIT_TIMEOUT_S)
+
+
+def activate(
+    cache: str | None = None,
+    *,
+    root: str | None = None,
+    readonly: bool | None = None,
+    telemetry: bool = True,
+    mirror: str | os.PathLike[str] | None = None,
+    db: str | None = None,
+) -> Activation:
+    """Resolve this process's namespace and point JAX's persistent cache at it.
+
+    Call it before the first compile. ``readonly`` defaults to the cache's
+    policy (``--service-writes``; deny for gs:// and s3://), overridden by the
+    argument or ``CACHECTL_READONLY``. With ``mirror=DIR`` the namespace's
+    verified entries are pulled to DIR first and JAX reads DIR (writes there
+    stay local until `cachectl push`). ``telemetry`` installs the hit/miss
+    collector that flushes to the index in the background.
+
+    With only a root URL (argument or ``CACHECTL_ROOT``) no index is needed; if
+    the index is unreachable the process still activates and logs one warning.
+    With a root *and* a mode (``readonly`` or ``CACHECTL_READONLY``) the index
+    is not consulted at all before JAX starts (the policy only supplies
+    defaults): the environment is recorded by the telemetry thread, and
+    ``Activation.indexed`` is False.
+    Nothing here raises for a broken index or bucket; the only error is asking
+    for a different cache directory than the one JAX already opened.
+    """
+    settings = load_settings(db=db, cache=cache, root=root, readonly=readonly)
+    cache_name = settings.cache
+    env = current_environment()
+    compiled_before = _jax_compiled_already()
+    problems: list[str] = []
+    # Root and mode both given: nothing is needed from the index before JAX can
+    # start, so skip it (and the SQLAlchemy import, ~40% of JAX's own import
+    # time); the environment is recorded from a background thread instead.
+    deferred = settings.root is not None and settings.readonly is not None and mirror is None
+    index, cache_info = (
+        (None, None) if deferred else open_service_index(settings, problems, fast=mirror is None)
+    )
+
+    root_url = settings.root or (cache_info.root_url if cache_info else None)
+    if root_url is None and cache_name == DEFAULT_CACHE:
+        root_url = settings.default_root
+    if root_url is None:
+        message = (
+            f"cachectl: cache {cache_name!r} not activated: {'; '.join(problems)}; "
+            "set CACHECTL_ROOT to run without the index"
+        )
+        _warn(message)
+        return Activation(
+            cache_name,
+            "",
+            "",
+            env.digest,
+            False,
+            False,
+            warning=message,
+            compiled_before=compiled_before,
+        )
+
+    try:
+        root_url = normalize_url(root_url)
+    except CachectlError as exc:
+        message = f"cachectl: cache {cache_name!r} not activated: {exc.message}"
+        _warn(message)
+        return Activation(
+            cache_name,
+            "",
+            "",
+            env.digest,
+            False,
+            False,
+            warning=message,
+            compiled_before=compiled_before,
+        )
+
+    if settings.readonly is not None:
+        ro = settings.readonly
+    elif mirror is not None:
+        ro = False  # a mirror is local: writes stay there until `cachectl push`
+    elif cache_info is not None and cache_info.root_url == root_url:
+        ro = cache_info.effective_service_writes == "deny"
+    else:  # no policy for this root (no index, or CACHECTL_ROOT overrides it): object stores read only
+        ro = root_url.startswith(("s3://", "gs://"))
+
+    options = dict(cache_info.storage_options) if cache_info else {}
+    _fail_fast_object_store(root_url)
+    store: Store | None = None
+    if mirror is None:
+        try:
+            store = Store(root_url, options)
+            path = store.url_for(env.namespace)
+        except Exception as exc:  # noqa: BLE001 - JAX gets the URL and warns itself if it cannot use it
+            problems.append(
+                f"storage client for {root_url} failed ({type(exc).__name__}: {exc})".splitlines()[
+                    0
+                ]
+            )
+            path = f"{root_url.rstrip('/')}/{env.namespace}"
+    else:
+        path = os.path.abspath(os.path.expanduser(os.fspath(mirror)))
+    try:
+        _check_not_opened_elsewhere(path)
+    except ActivationError:
+        if index is not None:
+            index.close()
+        raise
+
+    pulled = None
+    if mirror is not None:
+        # The object-store client is built only if the mirror lacks something.
+        pulled = _sql_side().prepare_mirror(
+            index, cache_info, env, lambda: Store(root_url, options), path, problems
+        )
+    elif not ro and store is not None:
+        _prepare_namespace(
+            root_url, fail_fast_options(root_url, options), env, cache_info, problems
+        )
+
+    if compiled_before and _initialized_cache_dir() is None:
+        problems.append(
+            "JAX compiled before cachectl.activate(): those programs were not read from "
+            "or written to the managed cache; call activate() before the first jax.jit"
+        )
+    apply_jax_config(jax_config_for(path, env, ro))
+
+    indexed = False
+    if index is not None and cache_info is not None:
+        try:
+            if (
+                isinstance(index, service_sqlite.FastIndex)
+                and index.environment_id(cache_info.name, env.digest) is not None
+            ):
+                _touch_environment_later(settings, env)
+            elif index.ensure_environment(cache_info.name, env) is None:
+                # The stdlib path found no row for this environment: create it the SQLAlchemy way.
+                index.close()
+                index, _ = _sql_side().open_for_service(settings)
+                index.ensure_environment(cache_info.name, env)
+            indexed = True
+        except Exception as exc:  # noqa: BLE001
+            problems.append(f"could not record environment ({exc})")
+
+    target = None
+    if telemetry:
+        target = _start_telemetry(settings, cache_name, env, problems)
+    elif deferred and not settings.server:
+        threading.Thread(
+            target=_record_environment,
+            args=(settings, env),
+            name="cachectl-record-env",
+            daemon=True,
+        ).start()
+    if index is not None:
+        index.close()
+
+    warning = None
+    if problems:
+        warning = "cachectl: " + "; ".join(problems)
+        _warn(warning)
+    return Activation(
+        cache_name,
+        env.namespace,
+        path,
+        env.digest,
+        ro,
+        indexed,
+        telemetry=target,
+        warning=warning,
+        mirror=path if mirror is not None else None,
+        pull=pulled,
+        compiled_before=compiled_before,
+    )
+
+
+def _prepare_namespace(
+    root_url: str,
+    options: dict[str, Any],
+    env: Environment,
+    cache_info: CacheInfo | None,
+    problems: list[str],
+) -> None:
+    """Create the namespace and its env.json for a writer (bounded on object stores).
+
+    cachectl.storage.namespace (and the entry format it pulls in) is imported here, not at the top: a
+    read-only service never needs it, and every object its import leaves behind brings the
+    service's first full garbage collection closer."""
+    from cachectl.storage.namespace import ensure_namespace
+
+    try:
+        store = Store(root_url, options)
+        ensure_namespace(store, env, group=cache_info.group if cache_info else None)
+    except Exception as exc:  # noqa: BLE001 - JAX itself will warn if the dir is unusable
+        message = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
+        problems.append(f"could not prepare namespace {root_url}/{env.namespace} ({message})")
+
+
+def _default_root(settings: Settings) -> str | None:
+    """Where the embedded default cache is created if the index has none yet."""
+    if settings.cache != DEFAULT_CACHE:
+        return None
+    try:
+        return normalize_url(settings.default_root)
+    except CachectlError:
+        return None
+
+
+def _start_telemetry(
+    settings: Settings, cache_name: str, env: Environment, problems: list[str]
+) -> str | None:
+    try:
+        sink: telemetry.TelemetrySink
+        if settings.server:  # server mode: batches go to POST /api/v1/telemetry
+            sink = telemetry.ServerSink(_index_side(settings).service_client(settings))
+        else:
+            sink = telemetry.IndexSink(
+                settings.db, cache_name, env, create_cache_at=_default_root(settings)
+            )
+        telemetry.start(cache=cache_name, environment=env, sink=sink)
+        return sink.describe()
+    except Exception as exc:  # noqa: BLE001 - telemetry is optional
+        problems.append(f"telemetry off ({type(exc).__name__}: {exc})")
+        return None
+
+
+def _warn(message: str) -> None:
+    """One warning, through logging (its last-resort handler prints it if none is set up)."""
+    log.warning(message)

@@ -1,0 +1,545 @@
+"""`cachectl doctor`: why would this process miss its warmed cache?
+
+JAX's key is an opaque hash (docs/jax-facts.md, fact 9): a different XLA flag, jaxlib,
+device count or compression library silently gives every entry a new key.
+Doctor compares this process's Environment with the ones in the index, names
+the nearest and says, field by field and in plain words, what differs; then
+checks the process config and the cache itself for the known traps. Every
+finding has a severity and a fix; any error makes the CLI exit 1.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from cachectl.context import Context
+from cachectl.core.config import TRUE_WORDS
+from cachectl.core.errors import CachectlError, Unreachable
+from cachectl.core.fingerprint import Environment
+from cachectl.core.units import format_size
+from cachectl.index import CacheInfo, EnvironmentInfo
+from cachectl.service.activate import fail_fast_options
+from cachectl.storage.entries import ATIME_SUFFIX, Kind, classify
+from cachectl.storage.store import Store, normalize_url
+
+ERROR, WARNING, INFO = "error", "warning", "info"
+_ORDER = {ERROR: 0, WARNING: 1, INFO: 2}
+
+
+@dataclass(frozen=True)
+class Finding:
+    severity: str
+    check: str
+    message: str
+    fix: str | None = None
+
+
+@dataclass(frozen=True)
+class Difference:
+    """One key-affecting field that differs from the nearest warmed environment."""
+
+    field: str
+    here: Any
+    warmed: Any
+    message: str
+    fix: str
+
+
+@dataclass(frozen=True)
+class DoctorReport:
+    cache: str
+    root: str | None
+    environment: str
+    namespace: str
+    warmed_entries: int | None
+    nearest: str | None
+    nearest_namespace: str | None
+    differences: list[Difference]
+    findings: list[Finding] = field(default_factory=list)
+
+    __json_extra__ = ("errors", "warnings", "ok")
+
+    @property
+    def errors(self) -> int:
+        return sum(f.severity == ERROR for f in self.findings)
+
+    @property
+    def warnings(self) -> int:
+        return sum(f.severity == WARNING for f in self.findings)
+
+    @property
+    def ok(self) -> bool:
+        return self.errors == 0
+
+
+# ---------------------------------------------------------------- comparison
+
+
+def _flags_message(here: tuple[str, ...], warmed: tuple[str, ...]) -> str:
+    """'+FLAG' for flags set only here; flags warm had that this process lacks are named after."""
+    plus = " ".join(f"+{f}" for f in here if f not in warmed)
+    minus = " ".join(f for f in warmed if f not in here)
+    parts = [p for p in (plus, f"missing here (set at warm): {minus}" if minus else "") if p]
+    return "XLA_FLAGS differ: " + "; ".join(parts)
+
+
+def describe_difference(name: str, here: Any, warmed: Any) -> Difference:
+    """A differing Environment field in the words a person would use."""
+    if name == "xla_flags":
+        wanted = " ".join(warmed) or "(none)"
+        return Difference(
+            name,
+            list(here),
+            list(warmed),
+            _flags_message(tuple(here), tuple(warmed)),
+            f"run with the XLA flags warm used ({wanted}), or warm again with this process' flags",
+        )
+    if name == "compression":
+        if here == "zlib" and warmed == "zstandard":
+            return Difference(
+                name,
+                here,
+                warmed,
+                "compression: zlib here, zstandard in the warmed namespace — install zstandard",
+                "pip install zstandard (JAX hashes the compression library into every key)",
+            )
+        return Difference(
+            name,
+            here,
+            warmed,
+            f"compression: {here} here, {warmed} in the warmed namespace",
+            f"make both sides use {warmed} (JAX uses zstandard whenever it is importable), "
+            "or warm again here",
+        )
+    if name in ("jax_version", "jaxlib_version"):
+        pkg = name.split("_")[0]
+        return Difference(
+            name,
+            here,
+            warmed,
+            f"{pkg} {here} vs {warmed} (here vs warmed)",
+            f"install {pkg}=={warmed}, or warm again with {pkg} {here}",
+        )
+    if name in ("device_count", "process_count"):
+        hint = (
+            " (on CPU: XLA_FLAGS=--xla_force_host_platform_device_count=N)"
+            if name == "device_count"
+            else ""
+        )
+        return Difference(
+            name,
+            here,
+            warmed,
+            f"{name} {here} vs {warmed} (here vs warmed)",
+            f"run with {warmed} {name.split('_')[0]}s as warm did{hint}, or warm for {here}",
+        )
+    if name == "backend":
+        return Difference(
+            name,
+            here,
+            warmed,
+            f"backend {here} vs {warmed} (here vs warmed)",
+            f"run on {warmed}, or warm on this {here} machine",
+        )
+    if name == "device_kind":
+        return Difference(
+            name,
+            here,
+            warmed,
+            f"device kind {here!r} vs {warmed!r} (here vs warmed)",
+            "warm on the hardware the service runs on",
+        )
+    if name == "platform_version":
+        return Difference(
+            name,
+            here,
+            warmed,
+            f"platform version {here!r} vs {warmed!r} (driver/runtime, here vs warmed)",
+            "use the same CUDA/ROCm driver or libtpu as warm, or warm again here",
+        )
+    if name == "topology":
+        return Difference(
+            name,
+            here,
+            warmed,
+            f"device topology {here} vs {warmed} (here vs warmed)",
+            "run on the same slice shape as warm, or warm for this topology",
+        )
+    if name == "enable_xla_caches":
+        return Difference(
+            name,
+            here,
+            warmed,
+            f"enable_xla_caches {here!r} vs {warmed!r} (here vs warmed)",
+            "use cachectl.activate() or `cachectl exec` on both sides (they set 'none')",
+        )
+    if name == "include_metadata_in_key":
+        return Difference(
+            name,
+            here,
+            warmed,
+            f"include_metadata_in_key {here} vs {warmed} (here vs warmed)",
+            f"set JAX_COMPILATION_CACHE_INCLUDE_METADATA_IN_KEY={str(warmed).lower()}",
+        )
+    return Difference(
+        name, here, warmed, f"{name} {here} vs {warmed} (here vs warmed)", "warm again here"
+    )
+
+
+def compare(here: Environment, warmed: Environment) -> list[Difference]:
+    """Every key-affecting field in which ``here`` differs from ``warmed``."""
+    out = []
+    for f in fields(Environment):
+        a, b = getattr(here, f.name), getattr(warmed, f.name)
+        if a != b:
+            out.append(describe_difference(f.name, a, b))
+    return out
+
+
+def nearest(
+    here: Environment, candidates: list[EnvironmentInfo]
+) -> tuple[EnvironmentInfo, list[Difference]] | None:
+    """The warmed environment with the fewest differences (then the most entries)."""
+    best = None
+    for info in candidates:
+        diffs = compare(here, info.environment)
+        rank = (len(diffs), -info.entries)
+        if best is None or rank < best[0]:
+            best = (rank, info, diffs)
+    return (best[1], best[2]) if best else None
+
+
+# ------------------------------------------------------------- config checks
+
+
+def _truthy(value: str | None) -> bool:
+    return str(value).strip().lower() in TRUE_WORDS
+
+
+def check_process_config(
+    environ: Mapping[str, str], jax_config: Mapping[str, Any], namespace_url: str | None
+) -> list[Finding]:
+    """JAX settings of this process (environment and config) that break managed keys."""
+    out: list[Finding] = []
+    cache_dir = environ.get("JAX_COMPILATION_CACHE_DIR") or jax_config.get(
+        "jax_compilation_cache_dir"
+    )
+    xla_env = environ.get("JAX_PERSISTENT_CACHE_ENABLE_XLA_CACHES")
+    xla_caches = (
+        xla_env if xla_env is not None else jax_config.get("jax_persistent_cache_enable_xla_caches")
+    )
+    if cache_dir and str(xla_caches) != "none":
+        out.append(
+            Finding(
+                ERROR,
+                "config",
+                f"this process points JAX at {cache_dir} with enable_xla_caches={xla_caches!r}: keys then "
+                "depend on the cache path, so nothing warm wrote (with 'none') can hit",
+                "start the service with cachectl.activate() or `cachectl exec`, or export "
+                "JAX_PERSISTENT_CACHE_ENABLE_XLA_CACHES=none",
+            )
+        )
+    elif xla_env is not None and xla_env != "none":
+        out.append(
+            Finding(
+                WARNING,
+                "config",
+                f"JAX_PERSISTENT_CACHE_ENABLE_XLA_CACHES={xla_env} is set: keys depend on the cache path "
+                "(activate() and `cachectl exec` override it; anything that sets the cache dir itself misses)",
+                "unset it, or set it to none",
+            )
+        )
+    meta_env = environ.get("JAX_COMPILATION_CACHE_INCLUDE_METADATA_IN_KEY")
+    meta = (
+        _truthy(meta_env)
+        if meta_env is not None
+        else bool(jax_config.get("jax_compilation_cache_include_metadata_in_key"))
+    )
+    if meta:
+        out.append(
+            Finding(
+                WARNING,
+                "config",
+                "include_metadata_in_key is on: source file names and line numbers go into every key, "
+                "so any code edit or another install path changes the keys",
+                "unset JAX_COMPILATION_CACHE_INCLUDE_METADATA_IN_KEY (and warm without it)",
+            )
+        )
+    max_size = environ.get("JAX_COMPILATION_CACHE_MAX_SIZE")
+    if max_size is None and cache_dir:
+        value = jax_config.get("jax_compilation_cache_max_size")
+        max_size = None if value in (None, -1) else str(value)
+    if max_size is not None and str(max_size).strip() not in ("-1", ""):
+        out.append(
+            Finding(
+                WARNING,
+                "max-size",
+                f"JAX_COMPILATION_CACHE_MAX_SIZE={max_size} turns on JAX's own eviction: every write then "
+                "globs the directory and reads every -atime file (O(entries): ~34 ms at 1k entries, ~1 s at 30k)",
+                "unset it; cachectl enforces size limits out of band (`cachectl cache set --max-size`, `cachectl gc`)",
+            )
+        )
+    if cache_dir and namespace_url and str(cache_dir).rstrip("/") != namespace_url.rstrip("/"):
+        out.append(
+            Finding(
+                WARNING,
+                "config",
+                f"JAX_COMPILATION_CACHE_DIR is {cache_dir}, not this environment's namespace {namespace_url}",
+                "drop it and use cachectl.activate() or `cachectl exec`, which set the right directory",
+            )
+        )
+    return out
+
+
+# ------------------------------------------------------------ storage checks
+
+
+def check_namespace_files(store: Store, relpath: str, indexed_entries: int | None) -> list[Finding]:
+    """JAX eviction leftovers and index/storage drift, from one listing of the namespace."""
+    out: list[Finding] = []
+    files = store.list(relpath)
+    names = {f.path[len(relpath) :].lstrip("/") for f in files}
+    kinds = {n: classify(n) for n in names}
+    entries = {n[: -len("-cache")] for n, k in kinds.items() if k is Kind.ENTRY}
+    atimes = {n[: -len(ATIME_SUFFIX)] for n, k in kinds.items() if k is Kind.ATIME}
+    if any(k is Kind.LOCKFILE for k in kinds.values()):
+        lacking = sorted(entries - atimes)
+        if lacking:
+            out.append(
+                Finding(
+                    ERROR,
+                    "atime",
+                    f"JAX's eviction is on in {store.url_for(relpath)} (.lockfile present) and {len(lacking)} "
+                    f"-cache file(s) have no -atime (e.g. {lacking[0]}): every later JAX write there fails "
+                    "(jax-ml/jax#39880)",
+                    "remove the .lockfile and every *-atime file, and run services without "
+                    "JAX_COMPILATION_CACHE_MAX_SIZE (cachectl enforces limits with `cachectl gc`)",
+                )
+            )
+        else:
+            out.append(
+                Finding(
+                    WARNING,
+                    "atime",
+                    f"a process ran with JAX's own eviction in {store.url_for(relpath)} (.lockfile present): "
+                    "its writes cost O(entries)",
+                    "find it and unset JAX_COMPILATION_CACHE_MAX_SIZE there; then remove the .lockfile and *-atime files",
+                )
+            )
+    if indexed_entries is not None and indexed_entries != len(entries):
+        out.append(
+            Finding(
+                WARNING,
+                "drift",
+                f"the index lists {indexed_entries} entries for this environment, storage holds {len(entries)}",
+                "run `cachectl sync`",
+            )
+        )
+    return out
+
+
+def check_local_permissions(store: Store, relpath: str, cache: CacheInfo | None) -> list[Finding]:
+    """World- or group-writable directories and files on a local cache (they can inject code)."""
+    if not store.is_local:
+        return []
+    out: list[Finding] = []
+    group_gid = None
+    if cache is not None and cache.group:
+        import grp
+
+        try:
+            group_gid = grp.getgrnam(cache.group).gr_gid
+        except KeyError:
+            group_gid = None
+    parts = [p for p in relpath.split("/") if p]
+    paths = [store.url_for("/".join(parts[:i])) for i in range(len(parts) + 1)]
+    ns_dir = paths[-1]
+    if os.path.isdir(ns_dir):
+        paths += [os.path.join(ns_dir, n) for n in sorted(os.listdir(ns_dir))]
+    world, group = [], []
+    for path in paths:
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            continue
+        if stat.S_ISLNK(st.st_mode):
+            continue
+        if st.st_mode & stat.S_IWOTH:
+            world.append(path)
+        elif st.st_mode & stat.S_IWGRP and (group_gid is None or st.st_gid != group_gid):
+            group.append(path)
+    if world:
+        out.append(
+            Finding(
+                ERROR,
+                "permissions",
+                f"{len(world)} world-writable path(s) in the cache (e.g. {world[0]}): anyone on this machine "
+                "can write an entry, and every process that reads the cache runs it",
+                f"chmod o-w {world[0]} (and the rest); for a shared cache use "
+                "`cachectl cache set NAME --group GROUP` (2775, group-owned)",
+            )
+        )
+    if group:
+        out.append(
+            Finding(
+                WARNING,
+                "permissions",
+                f"{len(group)} group-writable path(s) not owned by the cache's group (e.g. {group[0]}): "
+                "every member of that group can run code in the cache's readers",
+                "chmod g-w them, or set the cache's group with `cachectl cache set NAME --group GROUP`",
+            )
+        )
+    return out
+
+
+# ---------------------------------------------------------------- diagnose
+
+
+def _jax_config_values() -> dict[str, Any]:
+    import jax
+
+    names = (
+        "jax_compilation_cache_dir",
+        "jax_persistent_cache_enable_xla_caches",
+        "jax_compilation_cache_include_metadata_in_key",
+        "jax_compilation_cache_max_size",
+    )
+    return {n: getattr(jax.config, n, None) for n in names}
+
+
+def diagnose(
+    ctx: Context,
+    *,
+    env: Environment | None = None,
+    environ: Mapping[str, str] | None = None,
+    jax_config: Mapping[str, Any] | None = None,
+) -> DoctorReport:
+    """Check this process' setup against its cache; never raises for a broken index or bucket."""
+    env = env or ctx.environment()
+    environ = os.environ if environ is None else environ
+    jax_config = _jax_config_values() if jax_config is None else jax_config
+    cache_name = ctx.settings.cache
+    findings: list[Finding] = []
+
+    cache: CacheInfo | None = None
+    try:
+        cache = ctx.cache()
+    except Unreachable as exc:
+        findings.append(
+            Finding(
+                ERROR,
+                "index",
+                f"index unreachable: {exc.message}",
+                "check CACHECTL_DB and the database; services still start from CACHECTL_ROOT meanwhile",
+            )
+        )
+
+    root = ctx.settings.root or (cache.root_url if cache else None)
+    store: Store | None = None
+    namespace_url = None
+    if root:
+        try:
+            url = normalize_url(root)
+            store = Store(url, fail_fast_options(url, cache.storage_options if cache else None))
+            namespace_url = store.url_for(env.namespace)
+        except CachectlError as exc:
+            findings.append(Finding(ERROR, "storage", exc.message, "fix the cache's root URL"))
+
+    warmed_entries: int | None = None
+    near: EnvironmentInfo | None = None
+    diffs: list[Difference] = []
+    if cache is not None:
+        try:
+            envs = ctx.index.environment_stats(cache.name)
+        except Unreachable as exc:
+            envs = []
+            findings.append(
+                Finding(
+                    ERROR,
+                    "index",
+                    f"index unreachable: {exc.message}",
+                    "check CACHECTL_DB and the database",
+                )
+            )
+        mine = next((e for e in envs if e.digest == env.digest), None)
+        warmed = [e for e in envs if e.entries > 0 and e.digest != env.digest]
+        if mine is not None and mine.entries > 0:
+            warmed_entries = mine.entries
+            findings.append(
+                Finding(
+                    INFO,
+                    "environment",
+                    f"this environment ({env.digest[:16]}) is warmed: {mine.entries} entries, "
+                    f"{format_size(mine.bytes)} in {env.namespace}",
+                )
+            )
+        else:
+            warmed_entries = mine.entries if mine is not None else None
+            found = nearest(env, warmed)
+            if found is None:
+                findings.append(
+                    Finding(
+                        WARNING,
+                        "environment",
+                        f"cache {cache.name!r} holds no warmed environment: every compile misses until warm runs",
+                        "run `cachectl warm MANIFEST` on the hardware the service runs on",
+                    )
+                )
+            else:
+                near, diffs = found
+                findings.append(
+                    Finding(
+                        ERROR,
+                        "environment",
+                        f"no entries for this environment ({env.digest[:16]}) in cache {cache.name!r}: every "
+                        f"compile will miss. Nearest warmed environment: {near.namespace} ({near.entries} entries), "
+                        f"{len(diffs)} difference(s)",
+                        "make this process match it (below), or warm on this machine",
+                    )
+                )
+                for d in diffs:
+                    findings.append(Finding(ERROR, f"env:{d.field}", d.message, d.fix))
+
+    findings.extend(check_process_config(environ, jax_config, namespace_url))
+
+    if store is not None:
+        try:
+            store.check_reachable()
+            findings.extend(check_namespace_files(store, env.namespace, warmed_entries))
+            findings.extend(check_local_permissions(store, env.namespace, cache))
+        except Unreachable as exc:
+            findings.append(
+                Finding(
+                    ERROR,
+                    "storage",
+                    exc.message,
+                    "check the bucket, its endpoint (AWS_ENDPOINT_URL / STORAGE_EMULATOR_HOST) and credentials; "
+                    "services still run, compiling everything",
+                )
+            )
+        except Exception as exc:  # noqa: BLE001 - a listing error is a finding, not a crash
+            findings.append(
+                Finding(
+                    ERROR,
+                    "storage",
+                    f"cannot read {root}: {type(exc).__name__}: {exc}".splitlines()[0],
+                    "check the storage and its credentials",
+                )
+            )
+
+    findings.sort(key=lambda f: _ORDER.get(f.severity, 3))
+    return DoctorReport(
+        cache=cache_name,
+        root=root,
+        environment=env.digest,
+        namespace=env.namespace,
+        warmed_entries=warmed_entries,
+        nearest=near.digest if near else None,
+        nearest_namespace=near.namespace if near else None,
+        differences=diffs,
+        findings=findings,
+    )

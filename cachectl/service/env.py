@@ -1,0 +1,116 @@
+"""The environment variables that make a process hit its managed namespace.
+
+`cachectl env` and `cachectl exec` must never leave a service worse off than
+plain JAX: with the index or server down (or its file corrupt) they fall back,
+like activate(), to ``CACHECTL_ROOT``, then to the namespace last resolved for
+this cache on this machine, then to the embedded default's root, and warn once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import platformdirs
+
+from cachectl.context import Context
+from cachectl.core.config import DEFAULT_CACHE
+from cachectl.core.errors import BadInput, CachectlError, NotFound
+from cachectl.service.activate import env_vars_for, jax_config_for
+from cachectl.storage.store import Store, normalize_url
+
+
+@dataclass(frozen=True)
+class ServiceEnv:
+    cache: str
+    namespace: str
+    readonly: bool
+    variables: dict[str, str]
+    warning: str | None = None
+
+
+def _state_file() -> Path:
+    return Path(platformdirs.user_state_dir("cachectl", appauthor=False)) / "last-namespaces.json"
+
+
+def _remember(cache: str, url: str, readonly: bool) -> None:
+    """Keep the namespace this cache resolved to: the fallback when the index is down later."""
+    path = _state_file()
+    try:
+        known = json.loads(path.read_text()) if path.exists() else {}
+        if not isinstance(known, dict):
+            known = {}
+        if known.get(cache) == {"url": url, "readonly": readonly}:
+            return
+        known[cache] = {"url": url, "readonly": readonly}
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp-{os.getpid()}")
+        tmp.write_text(json.dumps(known, indent=1, sort_keys=True))
+        os.replace(tmp, path)
+    except (OSError, ValueError):
+        pass  # best effort: only the fallback is lost
+
+
+def _last_known(cache: str) -> dict[str, object] | None:
+    try:
+        known = json.loads(_state_file().read_text())
+    except (OSError, ValueError):
+        return None
+    entry = known.get(cache) if isinstance(known, dict) else None
+    return entry if isinstance(entry, dict) and isinstance(entry.get("url"), str) else None
+
+
+def service_env(ctx: Context, *, readonly: bool | None = None) -> ServiceEnv:
+    """Variables for `cachectl env` and `cachectl exec`: the same config activate() sets.
+
+    Raises BadInput only when the index cannot answer and nothing else says
+    where the namespace is (no CACHECTL_ROOT, no earlier resolution here).
+    """
+    try:
+        cache = ctx.cache()
+        ns, _ = ctx.namespace(cache)
+    except NotFound:
+        raise
+    except Exception as exc:  # noqa: BLE001 - index or server down, or its file corrupt
+        return _fallback(ctx, readonly, exc)
+    if readonly is None:
+        readonly = ctx.settings.readonly
+    if readonly is None:
+        readonly = cache.effective_service_writes == "deny"
+    variables = env_vars_for(jax_config_for(ns.url, ns.environment, readonly))
+    variables["CACHECTL_CACHE"] = cache.name
+    _remember(cache.name, ns.url, readonly)
+    return ServiceEnv(cache.name, ns.relpath, readonly, variables)
+
+
+def _fallback(ctx: Context, readonly: bool | None, exc: Exception) -> ServiceEnv:
+    settings = ctx.settings
+    reason = exc.message if isinstance(exc, CachectlError) else f"{type(exc).__name__}: {exc}"
+    reason = reason.splitlines()[0][:300] if reason else type(exc).__name__
+    env = ctx.environment()
+    url: str | None = None
+    source = ""
+    if settings.root:
+        url, source = Store(normalize_url(settings.root)).url_for(env.namespace), "CACHECTL_ROOT"
+    else:
+        known = _last_known(settings.cache)
+        if known is not None and str(known["url"]).rstrip("/").endswith(env.namespace):
+            url, source = str(known["url"]), "the namespace last resolved here"
+            if readonly is None and settings.readonly is None:
+                readonly = bool(known.get("readonly", True))
+        elif settings.cache == DEFAULT_CACHE:
+            url = Store(normalize_url(settings.default_root)).url_for(env.namespace)
+            source = "the embedded default cache"
+    if url is None:
+        raise BadInput(
+            f"index unavailable ({reason}) and no namespace known for cache {settings.cache!r}: "
+            "set CACHECTL_ROOT to run without the index"
+        )
+    if readonly is None:
+        readonly = settings.readonly if settings.readonly is not None else True
+    variables = env_vars_for(jax_config_for(url, env, readonly))
+    variables["CACHECTL_CACHE"] = settings.cache
+    warning = f"cachectl: index unavailable ({reason}); using {source}: {url}"
+    return ServiceEnv(settings.cache, env.namespace, readonly, variables, warning=warning)

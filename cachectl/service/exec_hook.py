@@ -1,0 +1,106 @@
+"""Telemetry for services run by `cachectl exec`: started when the process imports JAX.
+
+`cachectl exec` cannot call activate() inside someone else's program, so it
+puts a sitecustomize on PYTHONPATH (cachectl/service/_exec_site) that installs this
+import hook. When ``jax`` finishes importing, the collector starts as
+activate() starts it, for the environment exec resolved (passed in
+CACHECTL_EXEC_ENVIRONMENT, so no JAX backend is initialised early). The JAX
+configuration itself came from exec's environment variables.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.abc
+import importlib.util
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+SITE_DIR = str(Path(__file__).resolve().parent / "_exec_site")
+ENABLE_VAR = "CACHECTL_EXEC_TELEMETRY"
+ENVIRONMENT_VAR = "CACHECTL_EXEC_ENVIRONMENT"
+# Set by `cachectl warm-check --replay`: a file each process appends its JAX cache counts to.
+COUNTS_VAR = "CACHECTL_EXEC_COUNTS"
+
+
+def child_variables(environment: dict[str, Any], existing_pythonpath: str | None) -> dict[str, str]:
+    """What exec adds to the child's environment for telemetry."""
+    path = SITE_DIR if not existing_pythonpath else SITE_DIR + os.pathsep + existing_pythonpath
+    return {
+        ENABLE_VAR: "1",
+        ENVIRONMENT_VAR: json.dumps(environment, sort_keys=True),
+        "PYTHONPATH": path,
+    }
+
+
+class _AfterJaxImport(importlib.abc.MetaPathFinder):
+    """Finds nothing itself: wraps JAX's own loader so telemetry starts once jax is imported."""
+
+    def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
+        if name != "jax":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec("jax")
+        loader = getattr(spec, "loader", None)
+        if loader is None or not hasattr(loader, "exec_module"):
+            return spec
+        original = loader.exec_module
+
+        def exec_module(module: Any) -> None:
+            original(module)
+            _start()
+
+        loader.exec_module = exec_module
+        return spec
+
+
+def install() -> None:
+    if "jax" in sys.modules:
+        _start()
+    elif not any(isinstance(f, _AfterJaxImport) for f in sys.meta_path):
+        sys.meta_path.insert(0, _AfterJaxImport())
+
+
+def _count_cache_events(path: str) -> None:
+    """JAX's own persistent-cache events in this process, one JSON line appended at exit."""
+    import atexit
+
+    import jax
+
+    from cachectl.core.jax_seam import EVENT_HITS, EVENT_REQUESTS
+
+    counts = {"pid": os.getpid(), "requests": 0, "hits": 0}
+
+    def on_event(event: str, **_: Any) -> None:
+        if event == EVENT_REQUESTS:
+            counts["requests"] += 1
+        elif event == EVENT_HITS:
+            counts["hits"] += 1
+
+    def write() -> None:
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(counts) + "\n")
+
+    jax.monitoring.register_event_listener(on_event)
+    atexit.register(write)
+
+
+def _start() -> None:
+    counts = os.environ.get(COUNTS_VAR)
+    if counts:
+        with contextlib.suppress(Exception):  # never break the service
+            _count_cache_events(counts)
+    try:
+        from cachectl.core.config import load_settings
+        from cachectl.core.fingerprint import Environment
+        from cachectl.service.activate import _start_telemetry
+
+        env = Environment.from_dict(json.loads(os.environ[ENVIRONMENT_VAR]))
+        settings = load_settings()
+        problems: list[str] = []
+        _start_telemetry(settings, settings.cache, env, problems)
+    except Exception:  # noqa: BLE001 - telemetry never breaks the service
+        pass

@@ -1,0 +1,328 @@
+"""Stored executables: a compiled bucket a service calls without tracing, lowering or compiling.
+
+A ``<key>-aot`` file sits beside the JAX entry ``<key>-cache`` it belongs to. It
+holds what ``jax.experimental.serialize_executable.serialize`` pickles (the
+unloaded executable with its shardings and avals, the arguments' info) and the
+input/output pytree structures, but not the XLA executable itself: that is
+pickled as a reference to the JAX entry, whose bytes JAX already stores. Loading
+reads both files, checks the entry is the one the artifact was made with
+(sha256), and rebuilds a ``jax.stages.Compiled``. So a namespace gains a few KB
+per bucket, not a second copy of every program (docs/jax-facts.md, fact 7 for why loading is trusted).
+
+Loading an artifact is code execution, like loading a JAX entry: only load
+what a trusted writer stored, and refuse bytes the index does not know.
+
+Every JAX internal this reads (the pickler classes, the private parts of a
+``jax.stages.Compiled``) is in cachectl/core/jax_seam.py, pinned by tests/test_jax_seam.py.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import pickle
+from dataclasses import dataclass
+from typing import Any
+
+from cachectl.core import jax_seam
+from cachectl.storage.entries import AOT_SUFFIX, CorruptEntry, executable_bytes
+
+MAGIC = b"CCTLAOT\x01"
+FORMAT = 1
+# The header is JSON of a few hundred bytes; anything larger is not ours.
+_MAX_HEADER = 64 * 1024
+_LEN_BYTES = 4
+# What the payload holds in place of the XLA executable.
+_ENTRY_REF = ("cachectl-entry",)
+
+
+class AotError(Exception):
+    """An artifact that cannot be used here: corrupt, for another entry, or refused by JAX."""
+
+
+@dataclass(frozen=True)
+class AotHeader:
+    """What an artifact says about itself, readable without unpickling anything."""
+
+    key: str
+    entry_sha256: str
+    function: str | None
+    bucket: dict[str, Any] | None
+    jax_version: str
+    jaxlib_version: str
+    payload_sha256: str
+    format: int = FORMAT
+    # What the runtime compares before loading: the function's manifest entry and
+    # the file defining it. An executable of other code must not be served.
+    spec_digest: str | None = None
+    source_digest: str | None = None
+    # The custom-call targets the executable calls (jax_seam.custom_call_targets), which the
+    # runtime makes ready before loading it; None (stored before they were recorded): unknown.
+    custom_calls: list[str] | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "format": self.format,
+            "key": self.key,
+            "entry_sha256": self.entry_sha256,
+            "function": self.function,
+            "bucket": self.bucket,
+            "jax_version": self.jax_version,
+            "jaxlib_version": self.jaxlib_version,
+            "payload_sha256": self.payload_sha256,
+            "spec_digest": self.spec_digest,
+            "source_digest": self.source_digest,
+            "custom_calls": self.custom_calls,
+        }
+
+
+def spec_digest(spec: Any) -> str:
+    """What warm and the runtime must agree on about one function: its manifest entry."""
+    return hashlib.sha256(spec.model_dump_json().encode()).hexdigest()
+
+
+def source_digest(fn: Any) -> str | None:
+    """sha256 of the file that defines ``fn``: an executable of other code is stale."""
+    import inspect
+    from pathlib import Path
+
+    try:
+        path = inspect.getsourcefile(inspect.unwrap(fn))
+        return hashlib.sha256(Path(path).read_bytes()).hexdigest() if path else None
+    except (TypeError, OSError, ValueError):
+        return None
+
+
+def aot_filename(key: str) -> str:
+    return key + AOT_SUFFIX
+
+
+def _pickler_classes() -> tuple[type, type, type]:
+    return jax_seam.pjrt_pickler_classes()
+
+
+def payload_of(compiled: Any) -> bytes:
+    """The picklable part of ``compiled``: everything but its XLA executable, which stays in
+    the JAX entry. Plain bytes, so a warm worker process can hand it to its parent.
+
+    Raises AotError when JAX cannot serialize this program (constants captured
+    in the program, closed-over mutable arrays, a backend without serialization).
+    """
+    import jax
+
+    pickler_base, _, loaded_type = _pickler_classes()
+
+    class _EntryRefPickler(pickler_base):  # type: ignore[misc, valid-type]
+        def persistent_id(self, obj: Any) -> Any:
+            if isinstance(obj, loaded_type):
+                return _ENTRY_REF
+            return super().persistent_id(obj)
+
+    unloaded = jax_seam.unloaded_executable(compiled)
+    if unloaded is None:
+        raise AotError("JAX cannot serialize this compiled program")
+    if jax_seam.closes_over_mutable(unloaded):
+        raise AotError("the program closes over a mutable array: pass it as an argument")
+    if jax_seam.captures_constants(compiled):
+        raise AotError(
+            "the program captures constants (closed-over arrays): pass weights as arguments"
+        )
+    args_info_flat, in_tree = jax.tree_util.tree_flatten(compiled.args_info)
+    try:
+        with io.BytesIO() as buf:
+            _EntryRefPickler(buf).dump((unloaded, args_info_flat, jax_seam.no_kwargs(compiled)))
+            meta = buf.getvalue()
+        # The devices it runs on: loading onto any other list breaks it (a 1-device
+        # program loaded for all 4 host devices expects 4 shards per argument).
+        device_ids = jax_seam.executable_device_ids(unloaded)
+        out_tree = compiled.out_tree
+        if not _survives_pickle(out_tree):
+            raise AotError(
+                "the outputs' pytree does not survive pickling (a custom node type): "
+                "return arrays, tuples, lists or dicts"
+            )
+        # A custom node whose unpickled treedef is not the same (Equinox modules) is left out:
+        # the runtime takes the structure from the first call and checks every leaf's aval.
+        stored_in = in_tree if _survives_pickle(in_tree) else None
+        return pickle.dumps(
+            (meta, stored_in, out_tree, device_ids), protocol=pickle.HIGHEST_PROTOCOL
+        )
+    except (pickle.PicklingError, TypeError, AttributeError, ValueError) as exc:
+        raise AotError(f"JAX cannot serialize this program: {type(exc).__name__}: {exc}") from None
+
+
+def _survives_pickle(tree: Any) -> bool:
+    try:
+        return bool(pickle.loads(pickle.dumps(tree)) == tree)
+    except Exception:  # noqa: BLE001 - any failure means: do not store it
+        return False
+
+
+class Unbound:
+    """A loaded executable whose input structure was not storable: bound at its first call.
+
+    ``bind`` takes the call's own structure; the executable then checks every
+    leaf's shape and dtype against what warm compiled, as for any Compiled.
+    """
+
+    def __init__(
+        self, loaded: Any, args_info_flat: list[Any], out_tree: Any, no_kwargs: bool
+    ) -> None:
+        self._loaded, self._args_info_flat = loaded, args_info_flat
+        self._out_tree, self._no_kwargs = out_tree, no_kwargs
+
+    @property
+    def num_leaves(self) -> int:
+        return len(self._args_info_flat)
+
+    def bind(self, in_tree: Any) -> Any:
+        if in_tree.num_leaves != len(self._args_info_flat):
+            raise AotError(
+                f"the call has {in_tree.num_leaves} array leaves; the stored executable takes "
+                f"{len(self._args_info_flat)}"
+            )
+        return jax_seam.make_compiled(
+            self._loaded, in_tree.unflatten(self._args_info_flat), self._out_tree, self._no_kwargs
+        )
+
+
+def pack(
+    payload: bytes,
+    *,
+    key: str,
+    entry_sha256: str,
+    function: str | None = None,
+    bucket: dict[str, Any] | None = None,
+    spec_digest: str | None = None,
+    source_digest: str | None = None,
+    custom_calls: Any = None,
+) -> bytes:
+    """Artifact bytes: a JSON header (readable without unpickling) and the payload."""
+    import jax
+    import jaxlib
+
+    header = AotHeader(
+        key=key,
+        entry_sha256=entry_sha256,
+        function=function,
+        bucket=bucket,
+        jax_version=jax.__version__,
+        jaxlib_version=jaxlib.__version__,
+        payload_sha256=hashlib.sha256(payload).hexdigest(),
+        spec_digest=spec_digest,
+        source_digest=source_digest,
+        custom_calls=None if custom_calls is None else sorted(custom_calls),
+    )
+    head = json.dumps(header.to_json(), sort_keys=True).encode()
+    return MAGIC + len(head).to_bytes(_LEN_BYTES, "big") + head + payload
+
+
+def serialize(
+    compiled: Any,
+    *,
+    key: str,
+    entry_bytes: bytes,
+    function: str | None = None,
+    bucket: dict[str, Any] | None = None,
+) -> bytes:
+    """Artifact bytes for ``compiled``, whose XLA executable is the JAX entry ``entry_bytes``."""
+    return pack(
+        payload_of(compiled),
+        key=key,
+        entry_sha256=hashlib.sha256(entry_bytes).hexdigest(),
+        function=function,
+        bucket=bucket,
+        custom_calls=jax_seam.custom_call_targets(compiled),
+    )
+
+
+def read_header(data: bytes) -> AotHeader:
+    """Parse and check an artifact's header and payload checksum; unpickles nothing."""
+    header, _ = _split(data)
+    return header
+
+
+def _split(data: bytes) -> tuple[AotHeader, bytes]:
+    if not data.startswith(MAGIC):
+        raise CorruptEntry("not a cachectl stored executable (bad magic)")
+    start = len(MAGIC) + _LEN_BYTES
+    if len(data) < start:
+        raise CorruptEntry("stored executable truncated in its header")
+    size = int.from_bytes(data[len(MAGIC) : start], "big")
+    if size > _MAX_HEADER or len(data) < start + size:
+        raise CorruptEntry("stored executable truncated in its header")
+    try:
+        fields = json.loads(data[start : start + size])
+        header = AotHeader(**fields)
+    except (ValueError, TypeError) as exc:
+        raise CorruptEntry(f"stored executable header is not valid: {exc}") from None
+    if header.format != FORMAT:
+        raise CorruptEntry(
+            f"stored executable format {header.format}, this cachectl reads {FORMAT}"
+        )
+    payload = data[start + size :]
+    if hashlib.sha256(payload).hexdigest() != header.payload_sha256:
+        raise CorruptEntry(
+            "stored executable payload does not match its checksum (truncated or altered)"
+        )
+    return header, payload
+
+
+def load(data: bytes, entry_bytes: bytes, *, devices: Any = None) -> tuple[AotHeader, Any]:
+    """Rebuild the ``jax.stages.Compiled`` from an artifact and its JAX entry's bytes.
+
+    Raises CorruptEntry for bytes that are not an intact artifact, AotError when
+    the entry is not the one the artifact was made with or JAX refuses to load it.
+    """
+    import jax
+
+    header, payload = _split(data)
+    if hashlib.sha256(entry_bytes).hexdigest() != header.entry_sha256:
+        raise AotError(
+            "the JAX entry is not the one this executable was stored with (sha256 differs)"
+        )
+    if header.jax_version != jax.__version__:
+        raise AotError(
+            f"stored with jax {header.jax_version}, this process runs jax {jax.__version__}"
+        )
+    executable = executable_bytes(entry_bytes)
+    _, unpickler_base, _ = _pickler_classes()
+
+    class _EntryRefUnpickler(unpickler_base):  # type: ignore[misc, valid-type]
+        def persistent_load(self, pid: Any) -> Any:
+            if tuple(pid) == _ENTRY_REF:
+                return self.backend.deserialize_executable(
+                    executable, executable_devices=self.execution_devices
+                )
+            return super().persistent_load(pid)
+
+    try:
+        meta, in_tree, out_tree, device_ids = pickle.loads(payload)
+        backend = (devices[0] if devices else jax.devices()[0]).client
+        if devices:
+            execution = list(devices)
+        else:
+            by_id = {d.id: d for d in backend.devices()}
+            missing = [i for i in device_ids if i not in by_id]
+            if missing:
+                raise AotError(
+                    f"stored for devices {device_ids}; this process has no device {missing[0]}"
+                )
+            execution = [by_id[i] for i in device_ids]
+        unloaded, args_info_flat, no_kwargs = _EntryRefUnpickler(
+            io.BytesIO(meta), backend, execution
+        ).load()
+        if in_tree is None:
+            compiled = Unbound(unloaded.load(), args_info_flat, out_tree, no_kwargs)
+        else:
+            compiled = jax_seam.make_compiled(
+                unloaded.load(), in_tree.unflatten(args_info_flat), out_tree, no_kwargs
+            )
+    except (CorruptEntry, AotError):
+        raise
+    except Exception as exc:  # noqa: BLE001 - whatever JAX raises, the caller falls back to jit
+        raise AotError(
+            f"JAX could not load the stored executable: {type(exc).__name__}: {exc}"
+        ) from None
+    return header, compiled

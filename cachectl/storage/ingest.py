@@ -1,0 +1,560 @@
+"""The one way new entries and stored executables enter a cache (issue 12).
+
+Every writer of new ``-cache``/``-aot`` objects (the server's uploads, ``push``,
+``bundle install``) comes through here, so each rule is written once:
+
+1. the sha256 recorded is the one computed here from the bytes, never a client's claim
+   (a claim that differs is refused);
+2. an entry's size is within the cache's max entry size;
+3. an entry decompresses into a JAX entry within a bound (``check_entry``: ``expansion_bound``
+   of its size, in one streaming pass of ``scan_entry``, never decompressed whole in memory);
+   a stored executable is intact and made for this key and its entry's recorded bytes;
+4. quota: a single upload reserves its row first (``server_queries.reserve_entry`` /
+   ``reserve_executable``, the cache row locked) and gives it back when the write fails; a
+   batch is checked whole before it writes (``server_queries.check_quota``);
+5. the bytes are written atomically (``Store.write_file``/``write_bytes``, or a rename of a
+   verified staging directory), entries before executables, and only then indexed, all rows
+   of a batch in one ``upsert_entries`` call.
+
+A refusal is ``Refused`` with the rule that refused it, so the server can answer with its
+HTTP status and the CLI with one line.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import hashlib
+import io
+import os
+import tempfile
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from cachectl.core import temps
+from cachectl.core.errors import BadInput, EntryConflict
+from cachectl.core.fingerprint import Environment
+from cachectl.core.units import format_size
+from cachectl.index import CacheInfo, EntryInfo, EnvironmentInfo, Index, NewEntry
+from cachectl.index import server_queries as sq
+from cachectl.storage import executables as aot
+from cachectl.storage.entries import (
+    AOT_SUFFIX,
+    CACHE_SUFFIX,
+    ENV_FILE,
+    CorruptEntry,
+    EntryName,
+    EntryTooLarge,
+    scan_entry,
+)
+from cachectl.storage.namespace import ensure_namespace
+from cachectl.storage.store import Store
+
+# Why ingest refused: the server answers 422 for these ...
+SHA256 = "sha256"
+CORRUPT = "corrupt"
+EXECUTABLE = "executable"
+MISMATCH = "mismatch"  # a registration that storage (or the warm run) contradicts
+# ... and 413 for these.
+TOO_LARGE = "too-large"
+EXPANDS = "expands"
+
+
+class Refused(BadInput):
+    """Bytes that may not enter the cache; ``rule`` names the rule (SHA256, CORRUPT, ...)."""
+
+    def __init__(self, message: str, rule: str) -> None:
+        super().__init__(message)
+        self.rule = rule
+
+
+def is_disk_full(exc: BaseException) -> bool:
+    """ENOSPC or EDQUOT: nothing was stored, and trying again elsewhere or later may work."""
+    return isinstance(exc, OSError) and exc.errno in (
+        errno.ENOSPC,
+        getattr(errno, "EDQUOT", errno.ENOSPC),
+    )
+
+
+# -- bytes on their way in --------------------------------------------------------
+
+
+class Spool:
+    """Bytes streamed to a private temporary file, hashed as they arrive (never all in memory)."""
+
+    def __init__(self, directory: str | None = None) -> None:
+        fd, self.path = tempfile.mkstemp(prefix=temps.prefix(temps.SPOOL_PREFIX), dir=directory)
+        self._fh = os.fdopen(fd, "wb")
+        self._digest = hashlib.sha256()
+        self.size = 0
+        self.sha256 = ""
+
+    def write(self, chunk: bytes) -> None:
+        self.size += len(chunk)
+        self._digest.update(chunk)
+        self._fh.write(chunk)
+
+    def finish(self) -> Spool:
+        self._fh.close()
+        self.sha256 = self._digest.hexdigest()
+        return self
+
+    def discard(self) -> None:
+        self._fh.close()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)
+
+
+def size_limit(cache: CacheInfo, cap: int, cap_name: str) -> tuple[int, str]:
+    """The most bytes one object may have in ``cache`` and what sets it: the cache's max entry
+    size, or ``cap`` (e.g. the server's upload limit) when that is smaller."""
+    if cache.max_entry_size is not None and cache.max_entry_size < cap:
+        return cache.max_entry_size, f"cache {cache.name!r}'s max entry size"
+    return cap, cap_name
+
+
+def _check_claim(sha: str, claimed: str | None, claim_name: str) -> None:
+    if claimed is not None and claimed.lower() != sha:
+        raise Refused(
+            f"body sha256 is {sha}, not the {claim_name} sent: corrupted in transit?", SHA256
+        )
+
+
+def _check_size(cache: CacheInfo, key: str, size: int) -> None:
+    if cache.max_entry_size is not None and size > cache.max_entry_size:
+        raise Refused(
+            f"entry {key} ({format_size(size)}) is above cache {cache.name!r}'s max entry size "
+            f"({format_size(cache.max_entry_size)})",
+            TOO_LARGE,
+        )
+
+
+# How far an entry may decompress: ENTRY_EXPANSION times its own size (JAX entries measured 2-3
+# times; a decompression bomb a thousand times or more), at least EXPANSION_FLOOR, at most
+# MAX_EXPANDED, whoever writes it. The server's bound for an upload may be smaller.
+ENTRY_EXPANSION = 64
+EXPANSION_FLOOR = 64 << 20
+MAX_EXPANDED = 4 << 30
+
+
+def expansion_bound(size: int, cap: int = MAX_EXPANDED) -> int:
+    """The most bytes an entry of ``size`` bytes may decompress to (``cap``: a caller's own bound)."""
+    return min(cap, MAX_EXPANDED, max(EXPANSION_FLOOR, size * ENTRY_EXPANSION))
+
+
+def check_size(cache: CacheInfo, key: str, size: int) -> None:
+    """Refused (TOO_LARGE) when an entry of ``size`` bytes is above the cache's max entry size."""
+    _check_size(cache, key, size)
+
+
+def check_entry(source: bytes | str | os.PathLike[str], expand_to: int | None = None) -> int:
+    """The compile time (ms) of entry bytes (in memory or a local file), checked in one streaming
+    pass that stops past ``expand_to`` (default: ``expansion_bound`` of its size): memory stays at
+    one read chunk whatever the entry expands to."""
+    try:
+        if isinstance(source, bytes):
+            bound = expansion_bound(len(source), expand_to or MAX_EXPANDED)
+            return scan_entry(io.BytesIO(source), bound).compile_seconds * 1000
+        with open(source, "rb") as fh:
+            bound = expansion_bound(os.fstat(fh.fileno()).st_size, expand_to or MAX_EXPANDED)
+            return scan_entry(fh, bound).compile_seconds * 1000
+    except EntryTooLarge as exc:
+        raise Refused(
+            f"entry expands to more than {format_size(exc.limit)}: refused", EXPANDS
+        ) from None
+    except CorruptEntry as exc:
+        raise Refused(f"not a JAX cache entry: {exc}", CORRUPT) from None
+
+
+def check_executable(key: str, data: bytes, entry_sha256: str | None) -> None:
+    """An intact stored executable made for ``key`` and the entry bytes with ``entry_sha256``."""
+    try:
+        header = aot.read_header(data)
+    except CorruptEntry as exc:
+        raise Refused(f"not a cachectl stored executable: {exc}", EXECUTABLE) from None
+    if header.key != key:
+        raise Refused("the stored executable's header names another key: refused", EXECUTABLE)
+    if entry_sha256 is not None and header.entry_sha256 != entry_sha256:
+        raise Refused(
+            "the stored executable was made for other entry bytes than the indexed "
+            "entry's (entry_sha256 differs): refused",
+            EXECUTABLE,
+        )
+
+
+# -- one upload: reserve, write, or give the reservation back -----------------------------
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where new objects go: the index, the cache (its rules), one environment, its store."""
+
+    index: Index
+    cache: CacheInfo
+    env: EnvironmentInfo
+    store: Store
+
+    def path(self, key: str, suffix: str) -> str:
+        return f"{self.env.namespace}/{key}{suffix}"
+
+
+@dataclass(frozen=True)
+class Ingested:
+    """What one ingest did: ``inserted``, ``replaced`` or ``unchanged``; the entry's row after it."""
+
+    outcome: str
+    entry: EntryInfo | None
+    size: int
+    sha256: str
+
+
+def _stored_size_is(store: Store, path: str, size: int) -> bool:
+    try:
+        return store.size(path) == size
+    except FileNotFoundError:
+        return False
+
+
+def ingest_entry(
+    t: Target,
+    key: EntryName,
+    body: Spool,
+    *,
+    origin: str,
+    expand_to: int,
+    claimed_sha256: str | None = None,
+    claim_name: str = "sha256",
+    replace_existing: bool = False,
+    who: str | None = None,
+) -> Ingested:
+    """Check, reserve quota for, write and index one entry streamed to ``body``.
+
+    EntryConflict when the key holds other bytes (unless ``replace_existing``: audited),
+    QuotaExceeded, Refused; a failed write gives the reservation back.
+    """
+    _check_claim(body.sha256, claimed_sha256, claim_name)
+    _check_size(t.cache, key.key, body.size)
+    compile_ms = check_entry(body.path, expand_to)
+    new = NewEntry(
+        key=key.key,
+        module=key.module,
+        size=body.size,
+        sha256=body.sha256,
+        origin=origin,
+        compile_time_ms=compile_ms,
+    )
+    reservation = sq.reserve_entry(t.index, t.cache.name, t.env.id, new, replace=replace_existing)
+    path = t.path(key.key, CACHE_SUFFIX)
+    try:
+        if not t.store.exists(f"{t.env.namespace}/{ENV_FILE}"):
+            # An environment recorded without its namespace (e.g. by a service that may not write):
+            # storage must stay self-describing for sync and verify.
+            ensure_namespace(t.store, t.env.environment, group=t.cache.group)
+        if reservation.outcome != "unchanged" or not _stored_size_is(t.store, path, body.size):
+            t.store.write_file(path, body.path)
+    except BaseException:
+        sq.release_entry(t.index, t.env.id, key.key, reservation)
+        raise
+    if reservation.outcome == "replaced" and reservation.previous is not None:
+        prev = reservation.previous
+        t.index.audit(
+            "entry-overwrite",
+            cache=t.cache.name,
+            entries=1,
+            nbytes=body.size,
+            who=who,
+            details={
+                "environment": t.env.digest,
+                "key": key.key,
+                "old_sha256": prev.sha256,
+                "new_sha256": body.sha256,
+                "old_size": prev.size,
+                "old_origin": prev.origin,
+            },
+        )
+    return Ingested(
+        reservation.outcome, t.index.get_entry(t.env.id, key.key), body.size, body.sha256
+    )
+
+
+def ingest_executable(
+    t: Target,
+    key: EntryName,
+    body: Spool,
+    *,
+    claimed_sha256: str | None = None,
+    claim_name: str = "sha256",
+) -> Ingested:
+    """Check, reserve quota for, write and record the stored executable of an indexed entry."""
+    _check_claim(body.sha256, claimed_sha256, claim_name)
+    _check_size(t.cache, key.key, body.size)
+    with open(body.path, "rb") as fh:
+        data = fh.read()  # bounded by the size limit; artifacts are a few KiB
+    check_executable(key.key, data, None)
+    entry = t.index.get_entry(t.env.id, key.key)
+    if entry is None:
+        raise Refused(
+            f"no entry {key.key} in environment {t.env.digest[:16]}: "
+            "upload the entry first, then its executable",
+            EXECUTABLE,
+        )
+    check_executable(key.key, data, entry.sha256)
+    previous = sq.reserve_executable(
+        t.index, t.cache.name, t.env.id, key.key, body.size, body.sha256
+    )
+    try:
+        t.store.write_file(t.path(key.key, AOT_SUFFIX), body.path)
+    except BaseException:
+        sq.release_executable(t.index, t.env.id, key.key, previous)
+        raise
+    return Ingested(
+        "replaced" if previous is not None else "inserted",
+        t.index.get_entry(t.env.id, key.key),
+        body.size,
+        body.sha256,
+    )
+
+
+# -- a batch: push and bundle install ---------------------------------------------------
+
+
+@dataclass(frozen=True)
+class NewObject:
+    """One entry (and/or its stored executable) of a batch. ``entry``/``executable`` are the bytes
+    (in memory) or a path to a verified private staging file; ``entry`` None means the namespace
+    holds the entry already (``row`` then carries its size and sha256): it is indexed only with a
+    new executable, or when ``in_storage`` says the entry is new to the index (warm: JAX wrote it)."""
+
+    row: NewEntry
+    entry: bytes | Path | None = None
+    executable: bytes | Path | None = None
+    in_storage: bool = False
+
+
+def _bytes_of(source: bytes | Path) -> bytes:
+    return source if isinstance(source, bytes) else source.read_bytes()
+
+
+def check_new(
+    cache: CacheInfo, key: EntryName, data: bytes, *, origin: str, **fields: Any
+) -> NewEntry:
+    """The index row of entry bytes that pass the rules: size, a JAX entry within the expansion
+    bound (one streaming pass, never the whole entry decompressed), the sha256 computed here."""
+    _check_size(cache, key.key, len(data))
+    compile_ms = check_entry(data)
+    fields.setdefault("compile_time_ms", compile_ms)
+    return NewEntry(
+        key=key.key,
+        module=key.module,
+        size=len(data),
+        sha256=hashlib.sha256(data).hexdigest(),
+        origin=origin,
+        **fields,
+    )
+
+
+def check_fits(index: Any, cache: CacheInfo, env_id: int | None, added: int) -> None:
+    """QuotaExceeded when ``added`` more bytes do not fit the cache's or the environment's limit
+    (``env_id`` None: an environment not recorded yet), checked before anything is written; in
+    server mode the server holds the limits."""
+    if isinstance(index, Index) and (cache.max_size is not None or cache.env_max_size is not None):
+        sq.check_quota(index, cache.name, env_id if env_id is not None else -1, added)
+
+
+@dataclass(frozen=True)
+class Published:
+    rows: list[NewEntry]  # what was indexed
+    failed: dict[
+        str, tuple[str, Exception]
+    ]  # key -> (which object, "entry" or "executable"; the error)
+
+
+def publish(
+    index: Any,
+    cache: CacheInfo,
+    env: Environment,
+    env_id: int,
+    store: Store,
+    objects: Iterable[NewObject],
+    *,
+    staging: Path | None = None,
+    parallel: Callable[[Callable[[str], int], list[str]], list[tuple[str, Any]]] | None = None,
+    quota: bool = True,
+    namespace_ready: bool = False,
+) -> Published:
+    """Write a batch's checked objects, entries before executables, then index them in one call.
+
+    Every object's sha256 and size are its row's (the caller computed them with check_new or
+    verified them against a signed list). Refused (an entry above the max entry size) or
+    QuotaExceeded, before anything is written, when the batch does not fit the cache's or the environment's limit. With ``staging`` (a private directory of verified files on
+    the namespace's file system, for a namespace that does not exist yet) the whole namespace
+    appears at once by one rename. ``parallel`` runs the writes in threads (mirror._parallel).
+    Warm passes ``quota=False`` (a cache's size limits are gc's to enforce after a warm; JAX wrote
+    the entry already) and ``namespace_ready=True`` (it made the namespace before compiling).
+    """
+    objects = list(objects)
+    ns = env.namespace
+    for o in objects:
+        if o.entry is not None:
+            _check_size(cache, o.row.key, o.row.size)
+    added = sum(o.row.size for o in objects if o.entry is not None)
+    added += sum(o.row.aot_size or 0 for o in objects if o.executable is not None)
+    if quota:
+        check_fits(index, cache, env_id, added)
+    run = parallel or (lambda fn, keys: [(k, _guarded(fn, k)) for k in keys])
+    failed: dict[str, tuple[str, Exception]] = {}
+    by_key = {o.row.key: o for o in objects}
+    if staging is not None and store.is_local and not store.exists(ns):
+        keep = {o.row.key + CACHE_SUFFIX for o in objects if o.entry is not None}
+        keep |= {o.row.key + AOT_SUFFIX for o in objects if o.executable is not None}
+        for name in os.listdir(staging):
+            if name != ENV_FILE and name not in keep:
+                os.unlink(staging / name)
+        final = Path(store.url_for(ns))
+        final.parent.mkdir(parents=True, exist_ok=True)
+        os.chmod(staging, 0o2775 if cache.group else 0o755)
+        os.rename(staging, final)
+        ensure_namespace(store, env, group=cache.group)
+    else:
+        if not namespace_ready:
+            ensure_namespace(store, env, group=cache.group)
+
+        def writer(suffix: str, attr: str) -> Callable[[str], int]:
+            def write(key: str) -> int:
+                source = getattr(by_key[key], attr)
+                if isinstance(source, Path) and store.is_local:
+                    os.replace(source, Path(store.url_for(f"{ns}/{key}{suffix}")))
+                    return 0
+                data = _bytes_of(source)
+                store.write_bytes(f"{ns}/{key}{suffix}", data)
+                return len(data)
+
+            return write
+
+        for key, outcome in run(
+            writer(CACHE_SUFFIX, "entry"), [o.row.key for o in objects if o.entry is not None]
+        ):
+            if isinstance(outcome, Exception):
+                failed[key] = ("entry", outcome)
+        # An executable only beside its entry: never one whose entry failed to be written.
+        aot_keys = [
+            o.row.key for o in objects if o.executable is not None and o.row.key not in failed
+        ]
+        for key, outcome in run(writer(AOT_SUFFIX, "executable"), aot_keys):
+            if isinstance(outcome, Exception):
+                failed[key] = ("executable", outcome)
+    rows = []
+    for o in objects:
+        kind = failed.get(o.row.key, ("", None))[0]
+        if kind == "entry":
+            continue
+        row = o.row
+        if kind == "executable" or o.executable is None:
+            row = replace(row, aot_size=None, aot_sha256=None)
+            if o.entry is None and not o.in_storage:
+                continue  # nothing new for this key
+        rows.append(row)
+    if rows:
+        index.upsert_entries(env_id, rows)
+    return Published(rows, failed)
+
+
+def _guarded(fn: Callable[[str], int], key: str) -> int | Exception:
+    try:
+        return fn(key)
+    except Exception as exc:  # noqa: BLE001 - reported per object
+        return exc
+
+
+# -- a registration: entries a writer stored itself -------------------------------------
+
+
+def _storage_sha256(store: Store, path: str) -> str:
+    digest = hashlib.sha256()
+    with store.open(path, "rb") as fh:
+        while block := fh.read(1 << 20):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _stored(t: Target, key: str, suffix: str, size: int, sha: str, what: str) -> str:
+    """The sha256 of ``what`` of ``key`` as storage holds it; Refused unless it has ``size`` and ``sha``."""
+    path = t.path(key, suffix)
+    try:
+        stored_size = t.store.size(path)
+    except FileNotFoundError:
+        raise Refused(
+            f"{what} is not in storage"
+            + (f" at {t.env.namespace}" if suffix == CACHE_SUFFIX else "")
+            + ": write it first",
+            MISMATCH,
+        ) from None
+    if stored_size != size:
+        raise Refused(f"{what} is {stored_size} bytes in storage, not {size}", MISMATCH)
+    if (
+        suffix == CACHE_SUFFIX
+        and t.cache.max_entry_size is not None
+        and size > t.cache.max_entry_size
+    ):
+        raise Refused(
+            f"{what} ({size} bytes) is above cache {t.cache.name!r}'s max entry size "
+            f"({t.cache.max_entry_size} bytes)",
+            TOO_LARGE,
+        )
+    stored_sha = _storage_sha256(t.store, path)  # what is recorded: never the claim
+    if stored_sha != sha:
+        raise Refused(f"{what} has sha256 {stored_sha} in storage, not the {sha} sent", MISMATCH)
+    return stored_sha
+
+
+def register_stored(
+    t: Target,
+    claims: list[NewEntry],
+    *,
+    run_environment_id: int | None = None,
+    replace_existing: bool = False,
+    who: str | None = None,
+) -> tuple[int, int]:
+    """Index entries (and stored executables) a writer stored itself, each checked against storage:
+    size, the max entry size, and the sha256 computed here from storage's bytes. EntryConflict for a
+    key recorded with other bytes unless ``replace_existing`` (audited). Returns (inserted, updated)."""
+    rows = []
+    for e in claims:
+        sha = _stored(t, e.key, CACHE_SUFFIX, e.size, e.sha256, f"entry {e.key}")
+        if (e.aot_size is None) != (e.aot_sha256 is None):
+            raise Refused(f"entry {e.key}: give both aot_size and aot_sha256, or neither", MISMATCH)
+        aot_sha = None
+        if e.aot_size is not None and e.aot_sha256 is not None:
+            aot_sha = _stored(
+                t, e.key, AOT_SUFFIX, e.aot_size, e.aot_sha256, f"stored executable of {e.key}"
+            )
+        rows.append(replace(e, sha256=sha, aot_sha256=aot_sha))
+    if run_environment_id is not None and run_environment_id != t.env.id:
+        raise Refused(f"warm run {claims[0].warm_run_id} belongs to another environment", MISMATCH)
+    known = t.index.entry_keys(t.env.id)
+    changed = [n for n in rows if n.key in known and known[n.key] != (n.size, n.sha256)]
+    if changed and not replace_existing:
+        raise EntryConflict(
+            f"entry {changed[0].key} is already recorded with other bytes "
+            f"(sha256 {known[changed[0].key][1][:16]}): entries are immutable"
+        )
+    inserted, updated = t.index.upsert_entries(t.env.id, rows)
+    for n in changed:
+        t.index.audit(
+            "entry-overwrite",
+            cache=t.cache.name,
+            entries=1,
+            nbytes=n.size,
+            who=who,
+            details={
+                "environment": t.env.digest,
+                "key": n.key,
+                "old_sha256": known[n.key][1],
+                "new_sha256": n.sha256,
+                "old_size": known[n.key][0],
+                "via": "register",
+            },
+        )
+    return inserted, updated

@@ -1,0 +1,1 @@
+"""Trust layer: tokens, permissions, signing and the cache registry with its write policies."""

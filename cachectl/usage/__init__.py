@@ -1,0 +1,1 @@
+"""Usage layer: misses, advise and inventory, read from the telemetry the services recorded."""

@@ -1,0 +1,562 @@
+"""`cachectl warm` inside a multi-process JAX job (`jax.distributed`): TPU pod slices, GPU hosts.
+
+Every process of the job runs the same command. Each one:
+
+1. joins the job (``jax.distributed.initialize``: the coordinator from
+   ``JAX_COORDINATOR_ADDRESS``, the count and rank from ``JAX_NUM_PROCESSES`` and
+   ``JAX_PROCESS_ID``, else JAX's own cluster detection) before anything that could
+   fail on it alone;
+2. plans (process 0 first: it may create the index) and publishes what it would
+   warm (manifest digest, environment digest, cache, buckets, target problems) in
+   the job's key-value store and compares it with
+   every other process: any difference, or a target mismatch anywhere, and every
+   process refuses (exit 3) before compiling;
+3. compiles every bucket (each process compiles its part of every program, as a
+   multi-process service does). JAX writes the persistent cache from process 0
+   only (docs/jax-facts.md, fact 6), so process 0 alone stores executables, records the
+   entries (once) and the warm run; the others wait for its results and check
+   that they looked up the same keys;
+4. reports for itself (``process`` in the JSON: index, count, writer 0).
+
+Every step is an exchange (``_exchange``) each process publishes to, with its result or
+its failure, and every wait is bounded (``CACHECTL_DISTRIBUTED_TIMEOUT``): no process is
+ever left waiting for one that has failed or gone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from cachectl import warm as warm_mod
+from cachectl.context import Context
+from cachectl.core import jax_seam
+from cachectl.core.errors import (
+    BadInput,
+    CachectlError,
+    EnvironmentMismatch,
+    OperationFailed,
+    Unreachable,
+    error_named,
+)
+from cachectl.manifest import manifest_digest
+from cachectl.storage import ingest
+from cachectl.storage.entries import CACHE_SUFFIX, parse_key, sha256
+
+WRITER = 0
+TIMEOUT_ENV = "CACHECTL_DISTRIBUTED_TIMEOUT"
+DEFAULT_TIMEOUT_S = 600
+_JAX_GRACE_S = 30  # JAX's own init timeout comes this much later than ours
+_PREFIX = "cachectl/warm"
+# Every process of a JAX job compiles every bucket together (each program spans the job's
+# devices), so the job is the unit of work: a shard of the manifest per process would leave
+# each program compiled by part of the job, and --shard auto reads a per-process index.
+SHARD_REFUSAL = (
+    "--distributed and --shard do not combine: every process of a JAX job compiles every "
+    "bucket together; to split a manifest across jobs, give each job its own manifest"
+)
+_SEQUENCE = [0]  # one exchange namespace per collective warm of this process
+
+
+@dataclass(frozen=True)
+class ProcessInfo:
+    index: int
+    count: int
+    writer: int = WRITER
+
+
+@dataclass(frozen=True)
+class DistributedWarmReport:
+    """One process's view of a collective warm."""
+
+    process: ProcessInfo
+    report: Any  # cachectl.warm.WarmReport
+
+    @property
+    def ok(self) -> bool:
+        return self.report.ok
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            **self.report.to_json(),
+            "process": {
+                "index": self.process.index,
+                "count": self.process.count,
+                "writer": self.process.writer,
+            },
+        }
+
+
+def requested(flag: bool | None) -> bool:
+    """--distributed, --no-distributed, or auto: a coordinator address in the environment."""
+    if flag is not None:
+        return flag
+    return bool(os.environ.get("JAX_COORDINATOR_ADDRESS", "").strip())
+
+
+def _int_env(name: str) -> int | None:
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return None
+    if not raw.isdigit():
+        raise BadInput(f"{name} must be a whole number, got {raw!r}")
+    return int(raw)
+
+
+def timeout_seconds() -> int:
+    """How long any process waits for the others, at each step (joining included): every wait is bounded."""
+    value = _int_env(TIMEOUT_ENV)
+    if value == 0:
+        raise BadInput(f"{TIMEOUT_ENV} must be at least 1 (seconds)")
+    return DEFAULT_TIMEOUT_S if value is None else value
+
+
+def join() -> ProcessInfo:
+    """Initialize jax.distributed (once) and say which process this is.
+
+    Nothing that can fail on one process only may run before this: a process that exits
+    before joining leaves the others waiting in ``initialize`` (bounded by the timeout).
+    """
+    import jax
+
+    if jax_seam.distributed_client() is None:
+        timeout = timeout_seconds()
+        kwargs: dict[str, Any] = {}
+        address = os.environ.get("JAX_COORDINATOR_ADDRESS", "").strip() or None
+        count, rank = _int_env("JAX_NUM_PROCESSES"), _int_env("JAX_PROCESS_ID")
+        if address:
+            kwargs["coordinator_address"] = address
+        if count is not None:
+            kwargs["num_processes"] = count
+        if rank is not None:
+            kwargs["process_id"] = rank
+        # JAX aborts the process (SIGABRT, a C++ stack) when its own init timeout passes: this
+        # watchdog ends it first, with the one-line error and exit code of Unreachable.
+        watchdog = threading.Timer(
+            timeout,
+            _give_up,
+            args=(
+                f"--distributed: the JAX job's other processes did not join within {timeout} s ({TIMEOUT_ENV}); "
+                "did one of them fail before joining?",
+            ),
+        )
+        watchdog.daemon = True
+        watchdog.start()
+        try:
+            try:
+                jax.distributed.initialize(**kwargs, initialization_timeout=timeout + _JAX_GRACE_S)
+            except Exception as exc:  # noqa: BLE001 - JAX raises RuntimeError, ValueError or its own error
+                raise EnvironmentMismatch(
+                    f"--distributed: could not join the JAX job ({_first_line(exc)}); set JAX_COORDINATOR_ADDRESS, "
+                    "JAX_NUM_PROCESSES and JAX_PROCESS_ID, or run where JAX detects the cluster"
+                ) from exc
+            # Creating the backend exchanges every process's devices: it waits for all of them too.
+            return ProcessInfo(jax.process_index(), jax.process_count())
+        finally:
+            watchdog.cancel()
+    return ProcessInfo(jax.process_index(), jax.process_count())
+
+
+def _give_up(message: str) -> None:
+    """End this process now with cachectl's one-line error (exit 2, Unreachable): JAX's threads hold
+    no state of ours yet, and its shutdown at exit would wait for the peers that never came."""
+    sys.stderr.write(f"cachectl: error: {message}\n")
+    sys.stderr.flush()
+    os._exit(Unreachable.exit_code)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def _client() -> Any:
+    return jax_seam.distributed_client()
+
+
+def _error_view(exc: Exception) -> dict[str, Any]:
+    text = getattr(exc, "message", None) or _first_line(exc)
+    return {"error": text, "kind": type(exc).__name__ if isinstance(exc, CachectlError) else None}
+
+
+def _exchange(
+    tag: str, me: ProcessInfo, compute: Callable[[], dict[str, Any]]
+) -> list[dict[str, Any]]:
+    """Run ``compute`` here, publish its value (or its failure) under ``tag``, and return every
+    process's, in process order.
+
+    Every process publishes at every step, failed or not, and reads every view before anyone
+    raises: so all of them decide the same (go on, or fail with the first failure's exit code)
+    and none is left waiting for a peer that has gone. Every wait is bounded.
+    """
+    failure: Exception | None = None
+    try:
+        value = compute()
+    except Exception as exc:  # noqa: BLE001 - published for the peers, then raised here below
+        failure, value = exc, _error_view(exc)
+    client = _client()
+    timeout = timeout_seconds()
+    base = f"{_PREFIX}/{_SEQUENCE[0]}/{tag}"
+    views = []
+    try:
+        client.key_value_set(f"{base}/{me.index}", json.dumps(value, sort_keys=True))
+        for i in range(me.count):
+            views.append(json.loads(client.blocking_key_value_get(f"{base}/{i}", timeout * 1000)))
+        # Nobody leaves (and, being process 0, takes the coordinator with it) before every
+        # process has read every view.
+        client.wait_at_barrier(f"{base}/read", timeout * 1000)
+    except Exception as exc:  # noqa: BLE001 - JAX's runtime errors: a timeout, a lost coordinator
+        if failure is not None:
+            raise failure from None
+        waited = f"process {len(views)} of {me.count}" if len(views) < me.count else "every process"
+        detail = _first_line(exc).split(" [type.googleapis.com", 1)[0]
+        raise Unreachable(
+            f"--distributed: {waited} did not reach the {tag!r} step within {timeout} s "
+            f"({TIMEOUT_ENV}): {detail}"
+        ) from exc
+    if failure is not None:
+        raise failure
+    failed = [(i, v) for i, v in enumerate(views) if v.get("error")]
+    if failed:
+        i, view = failed[0]
+        raise (error_named(view.get("kind")) or OperationFailed)(
+            f"process {i} of {me.count} failed: {view['error']}"
+        )
+    return views
+
+
+def _agreement(plan: Any) -> dict[str, Any]:
+    return {
+        "manifest_digest": manifest_digest(plan.manifest_path),
+        "environment": plan.environment.digest,
+        "cache": plan.cache.name,
+        "root": plan.cache.root_url,
+        "buckets": [[b.function, sorted(b.values.items())] for b in plan.buckets],
+        "target_problems": list(plan.target_problems),
+        "fields": plan.environment.to_dict(),
+    }
+
+
+def check_agreement(me: ProcessInfo, views: Sequence[dict[str, Any]]) -> None:
+    """Refuse (exit 3) unless every process warms the same manifest into the same target."""
+    target = [(i, v["target_problems"]) for i, v in enumerate(views) if v["target_problems"]]
+    if target:
+        i, problems = target[0]
+        raise EnvironmentMismatch(
+            f"process {i} of {me.count} does not match the manifest's target "
+            f"({'; '.join(problems)}): no process compiled anything"
+        )
+    labels = {
+        "manifest_digest": "manifest digest",
+        "environment": "environment",
+        "cache": "cache",
+        "root": "cache root",
+        "buckets": "buckets",
+    }
+    for field, label in labels.items():
+        values = [json.dumps(v[field], sort_keys=True) for v in views]
+        if len(set(values)) > 1:
+            odd = next(i for i, v in enumerate(values) if v != values[0])
+            shown = (
+                str(views[odd][field])[:16]
+                if field != "buckets"
+                else f"{len(views[odd][field])} bucket(s)"
+            )
+            first = (
+                str(views[0][field])[:16]
+                if field != "buckets"
+                else f"{len(views[0][field])} bucket(s)"
+            )
+            if field == "environment":
+                a, b = views[0]["fields"], views[odd]["fields"]
+                diff = [
+                    f"{k}: {a.get(k)!r} vs {b.get(k)!r}"
+                    for k in sorted(set(a) | set(b))
+                    if a.get(k) != b.get(k)
+                ]
+                shown += f" ({'; '.join(diff)})"
+            raise EnvironmentMismatch(
+                f"the processes of this JAX job differ in {label}: process 0 has "
+                f"{first}, process {odd} has {shown}: no process compiled anything"
+            )
+
+
+def warm(
+    ctx: Context,
+    manifest_path: str | Path,
+    *,
+    cache: str | None = None,
+    jobs: int | None = None,
+    paths: Sequence[str] = (),
+    fail_fast: bool = False,
+    dry_run: bool = False,
+    executables: bool = True,
+    progress: Any = None,
+    prepare: Callable[[], None] | None = None,
+    finish: Callable[[Any], None] | None = None,
+) -> DistributedWarmReport:
+    """The collective warm: every process of the job calls this with the same arguments.
+
+    ``prepare`` runs in every process before planning (the CLI checks the signing key there),
+    ``finish`` in process 0 with its report before the last step (the CLI signs there): a
+    failure in either reaches every process instead of leaving them waiting.
+    """
+    me = join()
+    _SEQUENCE[0] += 1
+    started = time.perf_counter()
+    plans: list[Any] = []
+
+    def planned() -> dict[str, Any]:
+        if not plans:
+            if prepare is not None:
+                prepare()
+            plans.append(
+                warm_mod.plan_warm(
+                    ctx,
+                    manifest_path,
+                    cache=cache,
+                    paths=paths,
+                    writer_check=not dry_run and me.index == WRITER,
+                )
+            )
+        return _agreement(plans[0])
+
+    # Process 0 plans first, the others once it has: on a fresh SQLite file it creates the schema
+    # (and the default cache), and two processes of one host sharing that file and creating it at
+    # once fail ("has tables but no cachectl schema version").
+    _exchange("open", me, lambda: planned() if me.index == WRITER else {})
+    check_agreement(me, _exchange("plan", me, planned))
+    plan = plans[0]
+    if dry_run:
+        return DistributedWarmReport(
+            me,
+            warm_mod.warm(
+                ctx, manifest_path, cache=cache, paths=paths, dry_run=True, progress=progress
+            ),
+        )
+    if me.index != WRITER:
+        return DistributedWarmReport(me, _follow(ctx, plan, me, started))
+    # Process 0 is a normal warm: JAX writes from it, so it stores, records and reports.
+    reports: list[Any] = []
+
+    def warmed() -> dict[str, Any]:
+        reports.append(
+            warm_mod.warm(
+                ctx,
+                manifest_path,
+                cache=cache,
+                jobs=jobs,
+                paths=paths,
+                fail_fast=fail_fast,
+                executables=executables,
+                progress=progress,
+            )
+        )
+        return {
+            "buckets": [
+                {
+                    "key": b.key,
+                    "status": b.status,
+                    "bytes": b.bytes,
+                    "aot_bytes": b.aot_bytes,
+                    "error": b.error,
+                }
+                for b in reports[0].buckets
+            ],
+            "run_id": reports[0].run_id,
+        }
+
+    _exchange("result", me, warmed)
+    report = reports[0]
+    peers = _exchange("peer", me, lambda: {"entries": []})
+
+    def stored() -> dict[str, Any]:
+        rows = _store_peer_entries(ctx, plan, peers, report.run_id)
+        if finish is not None:
+            peer_written = tuple((r.key + CACHE_SUFFIX, r.size, r.sha256) for r in rows)
+            finish(dataclasses.replace(report, peer_written=peer_written))
+        return {"stored": len(rows)}
+
+    _exchange("done", me, stored)
+    return DistributedWarmReport(me, report)
+
+
+def _store_peer_entries(
+    ctx: Context, plan: Any, views: Sequence[dict[str, Any]], run_id: int | None
+) -> list[Any]:
+    """Process 0 writes and records the entries other processes compiled under keys of their own.
+
+    JAX's key hashes the topology fingerprint, which on some backends (CPU) differs per
+    process: then process 1's programs have other keys than process 0's, JAX would never
+    write them, and process 1 of a service would always miss. Each such entry is sent
+    here through the job's key-value store and stored once.
+    """
+
+    client = _client()
+    timeout_ms = timeout_seconds() * 1000
+    store = ctx.store(plan.cache)
+    env_info = ctx.index.ensure_environment(plan.cache.name, plan.environment)
+    known = ctx.index.entry_keys(env_info.id)
+    objects = []
+    for rank, view in enumerate(views):
+        for item in view["entries"]:
+            key = item["key"]
+            if key in known:
+                continue
+            data = client.blocking_key_value_get_bytes(
+                f"{_PREFIX}/{_SEQUENCE[0]}/blob/{rank}/{item['position']}", timeout_ms
+            )
+            parsed = parse_key(key)
+            if parsed is None:
+                continue
+            bucket = plan.buckets[item["position"]]
+            timed = (
+                {}
+                if item.get("seconds") is None
+                else {"compile_time_ms": int(round(item["seconds"] * 1000))}
+            )
+            try:
+                row = ingest.check_new(
+                    plan.cache,
+                    parsed,
+                    data,
+                    origin="warm",
+                    function=bucket.function,
+                    bucket=dict(bucket.values),
+                    warm_run_id=run_id,
+                    **timed,
+                )
+            except ingest.Refused:
+                continue
+            if row.sha256 != item["sha256"]:
+                continue  # changed on the way: never stored
+            objects.append(ingest.NewObject(row, data))
+            known[key] = (row.size, row.sha256)
+    if not objects:
+        return []
+    published = ingest.publish(ctx.index, plan.cache, plan.environment, env_info.id, store, objects)
+    if published.failed:
+        raise next(iter(published.failed.values()))[1]
+    return list(published.rows)
+
+
+def _entry_bytes(compiled: Any, seconds: float) -> bytes:
+    """The JAX cache entry of a compiled program, exactly as JAX's own put would write it."""
+    return jax_seam.entry_bytes(compiled, seconds)
+
+
+def _compile_all(
+    plan: Any, ns_url: str
+) -> dict[int, tuple[str | None, str | None, float, bytes | None, str | None]]:
+    """Compile every bucket here: (key, hit or miss, seconds, the entry if JAX missed, error) per position."""
+    config = warm_mod.warm_jax_config(ns_url, plan.environment)
+    jitted, calls = warm_mod._build_calls(plan.manifest, plan.buckets, plan.search_paths)
+    mine: dict[int, tuple[str | None, str | None, float, bytes | None, str | None]] = {}
+    with warm_mod.jax_configured(config), warm_mod._CAPTURE.installed():
+        for position, bucket in enumerate(plan.buckets):
+            call = calls[position]
+            if isinstance(call, str):
+                mine[position] = (None, None, 0.0, None, call)
+                continue
+            try:
+                fn = jitted[bucket.function]
+                events, seconds, compiled = warm_mod._compile_once(fn, *call)
+                if not any(e.kind in ("hit", "miss") for e in events):
+                    warm_mod._clear_in_memory_executables()
+                    events, seconds, compiled = warm_mod._compile_once(fn, *call)
+                lookups = [e for e in events if e.kind in ("hit", "miss")]
+                if not lookups:
+                    mine[position] = (
+                        None,
+                        None,
+                        seconds,
+                        None,
+                        "JAX did not consult the persistent cache",
+                    )
+                    continue
+                last = lookups[-1]
+                data = _entry_bytes(compiled, seconds) if last.kind == "miss" else None
+                mine[position] = (last.key, last.kind, seconds, data, None)
+            except Exception as exc:  # noqa: BLE001 - reported per bucket, like warm
+                mine[position] = (None, None, 0.0, None, warm_mod._error_text(exc))
+    return mine
+
+
+def _follow(ctx: Context, plan: Any, me: ProcessInfo, started: float) -> Any:
+    """A process other than 0: compile every bucket as the job does, hand process 0 the entries
+    only this process's key names, and report with process 0's results."""
+
+    ns_url = ctx.store(plan.cache).url_for(plan.environment.namespace)
+    mine: dict[int, tuple[str | None, str | None, float, bytes | None, str | None]] = {}
+
+    def compiled_all() -> dict[str, Any]:
+        mine.update(_compile_all(plan, ns_url))
+        return {"buckets": [], "run_id": None}
+
+    writer = _exchange("result", me, compiled_all)[WRITER]
+    theirs = {i: b for i, b in enumerate(writer["buckets"])}
+
+    def offer() -> dict[str, Any]:
+        client = _client()
+        offered = []
+        for position, (key, _lookup, seconds, data, _error) in mine.items():
+            other = theirs.get(position)
+            if data is None or key is None or (other is not None and other["key"] == key):
+                continue  # process 0 wrote this very key (or it was in the cache already)
+            client.key_value_set_bytes(f"{_PREFIX}/{_SEQUENCE[0]}/blob/{me.index}/{position}", data)
+            offered.append(
+                {"position": position, "key": key, "sha256": sha256(data), "seconds": seconds}
+            )
+        return {"entries": offered}
+
+    _exchange("peer", me, offer)
+    _exchange("done", me, lambda: {"stored": 0})
+    results = []
+    for position, bucket in enumerate(plan.buckets):
+        key, lookup, seconds, data, error = mine.get(
+            position, (None, None, 0.0, None, "not attempted")
+        )
+        other = theirs.get(position) or {}
+        if error is not None:
+            status = warm_mod.FAILED
+        elif other.get("status") == warm_mod.FAILED:
+            status, error = warm_mod.FAILED, f"process {WRITER}: {other.get('error')}"
+        else:
+            status = warm_mod.CACHED if lookup == "hit" else warm_mod.COMPILED
+        results.append(
+            warm_mod.BucketResult(
+                bucket.function,
+                dict(bucket.values),
+                status,
+                key=key,
+                compile_seconds=seconds if status == warm_mod.COMPILED else 0.0,
+                bytes=len(data) if data is not None else other.get("bytes"),
+                error=error,
+            )
+        )
+    failed = sum(r.status == warm_mod.FAILED for r in results)
+    compiled_n = sum(r.status == warm_mod.COMPILED for r in results)
+    cached = sum(r.status == warm_mod.CACHED for r in results)
+    compile_seconds = sum(r.compile_seconds or 0.0 for r in results)
+    summary = warm_mod.WarmSummary(
+        len(results), compiled_n, cached, failed, compile_seconds, time.perf_counter() - started
+    )
+    return warm_mod.WarmReport(
+        warm_mod._environment_json(plan.environment),
+        ns_url,
+        summary,
+        results,
+        cache=plan.cache.name,
+        manifest=plan.manifest_path,
+        run_id=writer["run_id"],
+        jobs=1,
+        executor="thread",
+    )
