@@ -342,3 +342,75 @@ def test_no_test_module_imports_another() -> None:
             bad += [f"{path.relative_to(ROOT)}:{node.lineno} -> {t}" for t in targets if t in names]
     assert bad == []
     assert not [p.name for p in tests.rglob("test_*.py") if "def test" not in p.read_text()]
+
+
+# The layers, lowest first. A module may import its own layer and the layers below it,
+# never one above (ARCHITECTURE.md, "Layers"). A layer is a list of module prefixes.
+LAYERS: list[tuple[str, tuple[str, ...]]] = [
+    ("core", ("cachectl.core",)),
+    ("domain", ("cachectl.manifest", "cachectl.telemetry")),
+    ("index", ("cachectl.index",)),
+    ("storage", ("cachectl.storage",)),
+    ("client", ("cachectl.client",)),
+    ("context", ("cachectl.context", "cachectl.index_choice")),
+    ("trust", ("cachectl.trust",)),
+    ("lifecycle", ("cachectl.lifecycle",)),
+    ("service", ("cachectl.service",)),
+    ("serving", ("cachectl.dispatch",)),
+    ("warm", ("cachectl.warm",)),
+    ("usage", ("cachectl.usage",)),
+    ("bundle", ("cachectl.bundle",)),
+    (
+        "application",
+        (
+            "=cachectl",  # the package itself ("=": this module only): activate, serving
+            "cachectl.__main__",
+            "cachectl.operations",
+            "cachectl.server_operations",
+            "cachectl.cli",
+            "server",
+        ),
+    ),
+]
+
+
+def layer_of(module: str) -> int:
+    """The index in LAYERS of the longest prefix that names ``module``; -1 for none."""
+    best, best_len = -1, -1
+    for i, (_, prefixes) in enumerate(LAYERS):
+        for prefix in prefixes:
+            exact = prefix.startswith("=")
+            name = prefix.lstrip("=")
+            matches = module == name or (not exact and module.startswith(name + "."))
+            if matches and len(name) > best_len:
+                best, best_len = i, len(name)
+    return best
+
+
+def layer_violations(edges: dict[str, set[str]]) -> list[str]:
+    found = []
+    for module, targets in sorted(edges.items()):
+        for target in sorted(targets):
+            if layer_of(target) > layer_of(module):
+                found.append(
+                    f"{module} ({LAYERS[layer_of(module)][0]}) imports {target} "
+                    f"({LAYERS[layer_of(target)][0]})"
+                )
+    return found
+
+
+def test_every_module_belongs_to_a_layer() -> None:
+    edges, _ = import_graph()
+    orphans = sorted(m for m in edges if layer_of(m) < 0)
+    assert not orphans, f"modules outside every layer (add them to LAYERS or move them): {orphans}"
+
+
+def test_a_module_imports_only_its_layer_or_below() -> None:
+    edges, _ = import_graph()
+    assert layer_violations(edges) == []
+
+
+def test_layer_check_finds_an_upward_import() -> None:
+    assert layer_violations({"cachectl.core.errors": {"cachectl.service.activate"}}) == [
+        "cachectl.core.errors (core) imports cachectl.service.activate (service)"
+    ]

@@ -23,6 +23,7 @@ from cachectl.core.config import DEFAULT_CACHE, Settings, load_settings
 from cachectl.core.errors import BadInput, CachectlError, Unreachable
 from cachectl.core.fingerprint import MANAGED_JAX_CONFIG, Environment, current_environment
 from cachectl.service import sqlite_index as service_sqlite
+from cachectl.service.telemetry_sinks import IndexSink, ServerSink
 from cachectl.storage.store import Store, normalize_url
 
 if TYPE_CHECKING:
@@ -446,11 +447,9 @@ def _start_telemetry(
     try:
         sink: telemetry.TelemetrySink
         if settings.server:  # server mode: batches go to POST /api/v1/telemetry
-            sink = telemetry.ServerSink(_index_side(settings).service_client(settings))
+            sink = ServerSink(_index_side(settings).service_client(settings))
         else:
-            sink = telemetry.IndexSink(
-                settings.db, cache_name, env, create_cache_at=_default_root(settings)
-            )
+            sink = IndexSink(settings.db, cache_name, env, create_cache_at=_default_root(settings))
         telemetry.start(cache=cache_name, environment=env, sink=sink)
         return sink.describe()
     except Exception as exc:  # noqa: BLE001 - telemetry is optional

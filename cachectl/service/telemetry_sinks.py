@@ -1,4 +1,6 @@
-"""Where a collector's batches go: the index (IndexSink), the server (ServerSink), a list (MemorySink).
+"""Where a service's telemetry batches go: the index (IndexSink) or the server (ServerSink).
+
+(MemorySink, which needs neither, is in cachectl.telemetry.batch.)
 
 A sink's ``write`` runs in the collector's flusher thread, never on the compile path;
 a failure there is counted by the collector and the batch's counts are dropped.
@@ -84,19 +86,6 @@ class IndexSink:
         if self._index is not None:
             self._index.close()
             self._index = None
-
-
-class MemorySink:
-    """Keeps batches in a list: for benchmarks and for embedding without an index."""
-
-    def __init__(self) -> None:
-        self.batches: list[TelemetryBatch] = []
-
-    def describe(self) -> str:
-        return "memory"
-
-    def write(self, batch: TelemetryBatch) -> None:
-        self.batches.append(batch)
 
 
 class ServerSink:

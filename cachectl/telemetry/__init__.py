@@ -41,7 +41,6 @@ from cachectl.core.jax_seam import (  # noqa: F401 - re-exported
 from cachectl.core.jax_seam import HIT_PREFIX as _HIT_PREFIX  # noqa: F401 - re-exported
 from cachectl.core.jax_seam import MISS_PREFIX as _MISS_PREFIX  # noqa: F401 - re-exported
 from cachectl.core.jax_seam import compiler_logger as _compiler_logger  # noqa: F401 - re-exported
-from cachectl.service.telemetry_sinks import IndexSink, MemorySink, ServerSink, _index_side  # noqa: F401 - re-exported
 from cachectl.telemetry.batch import (  # noqa: F401 - re-exported
     MAX_FLUSH_COUNT,
     MAX_FLUSH_SECONDS,
@@ -49,6 +48,7 @@ from cachectl.telemetry.batch import (  # noqa: F401 - re-exported
     MAX_SERVING_SIZES,
     CollectorStats,
     FunctionCounts,
+    MemorySink,
     ServingCounts,
     SignatureCounts,
     TelemetryBatch,

@@ -213,3 +213,16 @@ class CollectorStats:
     @property
     def misses(self) -> int:
         return max(self.requests - self.hits, 0)
+
+
+class MemorySink:
+    """Keeps batches in a list: for benchmarks and for embedding without an index."""
+
+    def __init__(self) -> None:
+        self.batches: list[TelemetryBatch] = []
+
+    def describe(self) -> str:
+        return "memory"
+
+    def write(self, batch: TelemetryBatch) -> None:
+        self.batches.append(batch)

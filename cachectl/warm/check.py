@@ -20,13 +20,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import cachectl
 from cachectl.context import Context
 from cachectl.core.errors import BadInput, CachectlError, OperationFailed
 from cachectl.dispatch import Serving, _namespace_reader
 from cachectl.dispatch.loading import Verified
 from cachectl.dispatch.router import NoDummyInput
 from cachectl.manifest import check_imports, expand, load_manifest, select_shard
+from cachectl.service.activate import activate
 from cachectl.warm.compiling import _error_text, compile_bucket
 from cachectl.warm.plan import _build_calls, _environment_json, _mismatch, plan_warm
 from cachectl.warm.reports import (
@@ -271,9 +271,7 @@ def _serving_for(request: dict[str, Any]) -> Serving:
     verdicts ignored (each is judged again)."""
     manifest = load_manifest(request["manifest"])
     paths = request["paths"]
-    activation = cachectl.activate(
-        request["cache"], db=request["db"], readonly=True, telemetry=False
-    )
+    activation = activate(request["cache"], db=request["db"], readonly=True, telemetry=False)
     if not activation.active:
         raise OperationFailed(activation.warning or "activate() did not activate the cache")
     check_imports(manifest, paths)
@@ -317,9 +315,7 @@ def _check_in_this_process(request: dict[str, Any]) -> dict[str, Any]:
     buckets = expand(manifest)
     if request.get("shard"):
         buckets = select_shard(buckets, *request["shard"])
-    activation = cachectl.activate(
-        request["cache"], db=request["db"], readonly=True, telemetry=False
-    )
+    activation = activate(request["cache"], db=request["db"], readonly=True, telemetry=False)
     if not activation.active:
         raise OperationFailed(activation.warning or "activate() did not activate the cache")
     check_imports(manifest, paths)  # after activate(), as cachectl.serving imports them
