@@ -414,3 +414,55 @@ def test_layer_check_finds_an_upward_import() -> None:
     assert layer_violations({"cachectl.core.errors": {"cachectl.service.activate"}}) == [
         "cachectl.core.errors (core) imports cachectl.service.activate (service)"
     ]
+
+
+ARCHITECTURE = ROOT / "ARCHITECTURE.md"
+_SEARCHED = ("cachectl", "server", "tests", "scripts", "bench", "migrations")
+
+
+def _named_paths(text: str) -> set[str]:
+    """Every `x.py`, `dir/x.py` or `dir/` the page names between backticks."""
+    import re
+
+    found: set[str] = set()
+    for span in re.findall(r"`([^`\n]+)`", text):
+        if "<" in span:  # a pattern such as cli/<group>_cmds.py
+            continue
+        for token in re.findall(r"[\w./]+", span):
+            if token.endswith(".py") or (token.endswith("/") and len(token) > 1):
+                found.add(token.strip("."))
+    return found
+
+
+def _exists(name: str) -> bool:
+    bare = name.rstrip("/")
+    if "/" not in bare:
+        return (
+            any(any(True for _ in (ROOT / top).rglob(bare)) for top in _SEARCHED)
+            or (ROOT / bare).exists()
+        )
+    return (ROOT / bare).exists() or (ROOT / "cachectl" / bare).exists()
+
+
+def test_architecture_names_only_modules_that_exist() -> None:
+    missing = sorted(n for n in _named_paths(ARCHITECTURE.read_text()) if not _exists(n))
+    assert missing == [], f"ARCHITECTURE.md names paths that do not exist: {missing}"
+
+
+def test_architecture_names_every_package_and_server_module() -> None:
+    text = ARCHITECTURE.read_text()
+    packages = sorted(
+        str(p.parent.relative_to(ROOT / "cachectl")) + "/"
+        for p in (ROOT / "cachectl").rglob("__init__.py")
+        if p.parent != ROOT / "cachectl" and "__pycache__" not in p.parts
+    )
+    servers = sorted(
+        f"server/{p.name}" for p in (ROOT / "server").glob("*.py") if p.name != "__init__.py"
+    )
+    unnamed = [n for n in packages + servers if f"`{n}" not in text and f" {n}" not in text]
+    assert unnamed == [], f"ARCHITECTURE.md does not name: {unnamed}"
+
+
+def test_the_architecture_check_finds_a_missing_module() -> None:
+    assert not _exists("cachectl/no_such_module.py")
+    assert "runtime.py" in _named_paths("`runtime.py` and `warm/plan.py`")
