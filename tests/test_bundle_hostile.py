@@ -90,12 +90,17 @@ def _bomb(expands_to: int) -> bytes:
     return b"".join(out)
 
 
-def _cachectl(*args: str, fsize: int | None = None, **kw: Any) -> subprocess.Popen[str]:
+def _limits(fsize: int | None) -> Any:
     def limits() -> None:
         if fsize is not None:
             signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails (EFBIG)
             resource.setrlimit(resource.RLIMIT_FSIZE, (fsize, fsize))
 
+    return limits
+
+
+def _cachectl(*args: str, fsize: int | None = None, **kw: Any) -> subprocess.Popen[str]:
+    limits = _limits(fsize)
     kw.setdefault("stdout", subprocess.PIPE)
     kw.setdefault("stderr", subprocess.PIPE)
     return subprocess.Popen(
@@ -103,20 +108,41 @@ def _cachectl(*args: str, fsize: int | None = None, **kw: Any) -> subprocess.Pop
     )
 
 
-def _run(
-    *args: str, fsize: int | None = None, cwd: Path | None = None
-) -> tuple[int, str, str, int]:
-    """(exit code, stdout, stderr, peak RSS in bytes) of a fresh `cachectl` process (wait4 gives
-    that one process's peak)."""
-    out_path, err_path = (
-        Path(os.environ["XDG_STATE_HOME"]) / "out",
-        Path(os.environ["XDG_STATE_HOME"]) / "err",
-    )
+# The child's own peak: VmHWM of its image, written at exit. (wait4's ru_maxrss is no good: exec
+# carries the forking parent's high-water mark into it, and a pytest worker that ran JAX tests
+# is bigger than the bound.)
+_PEAK_WRAPPER = """
+import atexit, runpy, sys
+peak_file = sys.argv.pop(1)
+def _write_peak():
+    with open("/proc/self/status") as status, open(peak_file, "w") as out:
+        out.write(next(line for line in status if line.startswith("VmHWM:")).split()[1])
+atexit.register(_write_peak)
+sys.argv[0] = "cachectl"
+runpy.run_module("cachectl", run_name="__main__", alter_sys=True)
+"""
+
+
+def _run(*args: str, fsize: int | None = None) -> tuple[int, str, str, int]:
+    """(exit code, stdout, stderr, peak RSS in bytes) of a fresh `cachectl` process."""
+    state = Path(os.environ["XDG_STATE_HOME"])
+    out_path, err_path, peak_path = state / "out", state / "err", state / "peak"
+    peak_path.unlink(missing_ok=True)
     with open(out_path, "w") as out, open(err_path, "w") as err:
-        proc = _cachectl(*args, fsize=fsize, stdout=out, stderr=err)
-        _, status, usage = os.wait4(proc.pid, 0)
-        proc.returncode = os.waitstatus_to_exitcode(status)
-    return proc.returncode, out_path.read_text(), err_path.read_text(), usage.ru_maxrss * 1024
+        proc = subprocess.Popen(
+            [sys.executable, "-c", _PEAK_WRAPPER, str(peak_path), *args],
+            text=True,
+            stdout=out,
+            stderr=err,
+            preexec_fn=_limits(fsize),
+        )
+        proc.wait()
+    return (
+        proc.returncode,
+        out_path.read_text(),
+        err_path.read_text(),
+        int(peak_path.read_text()) * 1024,
+    )
 
 
 def _one_line(err: str) -> None:
