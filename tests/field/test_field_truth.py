@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from support.field_cases import CASES
 from support.infra import run_cachectl, run_py
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -532,3 +533,54 @@ def test_saved_is_what_the_cache_saved_an_equinox_service(tmp_path: Path) -> Non
     assert observed > 0.5, (cold, hot)  # compiling is most of (a): else nothing to compare
     estimate = step["saved_estimate_seconds"]
     assert abs(estimate - observed) <= 0.3 * observed, (estimate, observed, cold, hot)
+
+
+# ------------------------------------------------------------------------- LAPACK and FFT kernels
+
+# The field suite's programs (tests/support/field_cases.py) with a serve() that calls every
+# bucket padded (hits) and one call of a size no bucket has (a miss, explained by its shape).
+LINALG_SERVE = """
+def serve():
+    run()
+    rng = np.random.default_rng(1)
+    jax.jit(solve)(rng.standard_normal((3, 8, 8), np.float32), rng.standard_normal((3, 8), np.float32))
+"""
+
+
+def test_a_service_calling_lapack_and_fft_kernels(tmp_path: Path) -> None:
+    _setup(tmp_path, CASES["linalg-fft"].module + LINALG_SERVE, CASES["linalg-fft"].manifest)
+    truth = _serve(tmp_path)
+    assert truth["jit_solve"] == {"hits": 1, "misses": 1, "not_cacheable": 0}, truth
+    assert truth["jit_spectrum"] == {"hits": 1, "misses": 0, "not_cacheable": 0}, truth
+    _check_stats(tmp_path, truth)
+    report = _check_misses(tmp_path, truth)
+    shapes = {(f["field"], f["observed"]) for f in _kinds(report, "jit_solve")["shape"]}
+    assert shapes == {("shape[0]:batch", 3)}, report["findings"]
+    _check_advise(tmp_path, {"solve": {"batch": {3, 4}}, "spectrum": {"batch": {4}}})
+
+
+# ------------------------------------------------------------------------- Brax / MuJoCo MJX
+
+BRAX_SERVE = """
+def serve():
+    run()
+    (_, (state, action), _), = [c for c in calls() if c[0] == "step"]
+    jax.block_until_ready(jax.jit(step)(state, action))   # 3 envs, unpadded: no bucket
+"""
+
+
+def test_a_brax_mjx_service(tmp_path: Path) -> None:
+    _requires("brax")
+    _setup(tmp_path, CASES["brax-mjx"].module + BRAX_SERVE, CASES["brax-mjx"].manifest)
+    truth = _serve(tmp_path)
+    assert truth["jit_reset"]["hits"] >= 1 and truth["jit_reset"]["misses"] == 0, truth
+    assert truth["jit_step"] == {"hits": 1, "misses": 1, "not_cacheable": 0}, truth
+    _check_stats(tmp_path, truth)
+    report = _check_misses(tmp_path, truth)
+    # The State's leaves carry the env axis: the miss is the size 3 no bucket has.
+    fields = {f["observed"] for f in _kinds(report, "jit_step")["shape"]}
+    assert fields == {3}, report["findings"]
+    # Building the env at import ran MJX's and JAX's own programs: no manifest names them.
+    for module in set(truth) - {"jit_reset", "jit_step"}:
+        if truth[module]["misses"]:
+            assert set(_kinds(report, module)) <= {"library_internal", "not_in_manifest"}

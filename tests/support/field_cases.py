@@ -1,0 +1,316 @@
+"""The field suite's services: real JAX libraries, each a module, its manifest and its warm-up.
+
+Shared by tests/field/test_field_services.py (serving against no cache and activate()) and
+tests/field/test_field_truth.py (cachectl's telemetry against JAX's own log).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Case:
+    module: str  # the service's code: calls() for (c), run() for (a)/(b)
+    manifest: str | None  # None: a library-internal jit, warmed by running warmup
+    # Run by `cachectl warm-run` (after the manifest's warm, if any): what only running warms.
+    warmup: str | None = None
+    # Why (c) cannot serve from stored executables, as warm reports it; None: it must.
+    not_stored: str | None = None
+
+
+# A service that builds its model at start (Flax's nnx.Rngs and initializers, Equinox's MLP,
+# optax's init) runs JAX's own jitted random and arithmetic programs (jit__threefry_seed,
+# jit__uniform, jit_multiply, ...) eagerly: no manifest names them, and `cachectl misses`
+# names each one (library_internal) until the start is warmed by running it.
+STARTUP = "import case\ncase.calls()\n"
+
+LINALG = Case(
+    module="""
+import numpy as np
+import jax, jax.numpy as jnp
+
+def solve(a, b):
+    l = jnp.linalg.cholesky(a @ jnp.swapaxes(a, -1, -2) + 4 * jnp.eye(a.shape[-1]))
+    return jnp.linalg.solve(l, b[..., None])[..., 0]
+
+def spectrum(x):
+    return jnp.abs(jnp.fft.rfft(x, axis=-1))
+
+def _pad(x, n):
+    return np.concatenate([x, np.zeros((n - len(x),) + x.shape[1:], x.dtype)])
+
+def calls():
+    rng = np.random.default_rng(0)
+    a, b = rng.standard_normal((3, 8, 8), np.float32), rng.standard_normal((3, 8), np.float32)
+    x = rng.standard_normal((3, 64), np.float32)
+    return [("solve", (a, b), (_pad(a, 4), _pad(b, 4))), ("spectrum", (x,), (_pad(x, 4),))]
+
+def run():
+    return [jax.jit(globals()[name])(*padded) for name, _, padded in calls()]
+""",
+    manifest="""
+version: 1
+target: {backend: cpu}
+functions:
+  - fn: case:solve
+    args:
+      - {shape: [batch, 8, 8], dtype: float32}
+      - {shape: [batch, 8], dtype: float32}
+    buckets: {batch: [1, 4]}
+  - fn: case:spectrum
+    args:
+      - {shape: [batch, 64], dtype: float32}
+    buckets: {batch: [1, 4]}
+""",
+)
+
+FLAX_NNX = Case(
+    module="""
+import numpy as np
+import jax, jax.numpy as jnp
+from flax import nnx
+
+class Decoder(nnx.Module):
+    def __init__(self, rngs):
+        self.embed = nnx.Embed(64, 32, rngs=rngs)
+        self.attn = nnx.MultiHeadAttention(num_heads=2, in_features=32, decode=False, rngs=rngs)
+        self.out = nnx.Linear(32, 64, rngs=rngs)
+    def __call__(self, tokens):
+        h = self.embed(tokens)
+        return self.out(self.attn(h, h))
+
+def make_model():
+    return Decoder(nnx.Rngs(0))
+
+_graph, _ = nnx.split(nnx.eval_shape(make_model))
+
+def state_specs():
+    _, state = nnx.split(nnx.eval_shape(make_model))
+    return jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)
+
+def forward(state, tokens):
+    return nnx.merge(_graph, state)(tokens)
+
+def calls():
+    _, state = nnx.split(make_model())
+    tokens = np.arange(3 * 5, dtype=np.int32).reshape(3, 5) % 64
+    padded = np.zeros((4, 8), np.int32)
+    padded[:3, :5] = tokens
+    return [("forward", (state, tokens), (state, padded))]
+
+def run():
+    return [jax.jit(forward)(*padded) for _, _, padded in calls()]
+""",
+    manifest="""
+version: 1
+target: {backend: cpu}
+functions:
+  - fn: case:forward
+    args:
+      - {pytree: case:state_specs}
+      - {shape: [batch, seq], dtype: int32}
+    buckets: {batch: [1, 4], seq: [8, 16]}
+""",
+    warmup=STARTUP,
+)
+
+EQUINOX_OPTAX = Case(
+    module="""
+import numpy as np
+import jax, jax.numpy as jnp
+import equinox as eqx
+import optax
+
+_model = eqx.nn.MLP(8, 1, 32, 2, key=jax.random.key(0))
+_params, _static = eqx.partition(_model, eqx.is_array)
+_opt = optax.adam(1e-2)
+
+def param_specs():
+    return jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), _params)
+
+def opt_specs():
+    state = jax.eval_shape(_opt.init, _params)
+    return state
+
+def train_step(params, opt_state, x, y):
+    def loss(p):
+        model = eqx.combine(p, _static)
+        return jnp.mean((jax.vmap(model)(x)[:, 0] - y) ** 2)
+    value, grads = jax.value_and_grad(loss)(params)
+    updates, opt_state = _opt.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, value
+
+def calls():
+    rng = np.random.default_rng(0)
+    x, y = rng.standard_normal((10, 8), np.float32), rng.standard_normal((10,), np.float32)
+    px = np.concatenate([x, np.zeros((6, 8), np.float32)])
+    py = np.concatenate([y, np.zeros((6,), np.float32)])
+    state = _opt.init(_params)
+    return [("train_step", (_params, state, x, y), (_params, state, px, py))]
+
+def run():
+    return [jax.jit(train_step)(*padded) for _, _, padded in calls()]
+""",
+    manifest="""
+version: 1
+target: {backend: cpu}
+functions:
+  - fn: case:train_step
+    args:
+      - {pytree: case:param_specs}
+      - {pytree: case:opt_specs}
+      - {shape: [batch, 8], dtype: float32}
+      - {shape: [batch], dtype: float32}
+    buckets: {batch: [4, 16]}
+""",
+    # An Equinox module's treedef (its static fields hold functions) does not survive pickling,
+    # so a program that returns one is not stored; serving then goes through jax.jit, which
+    # reads the persistent-cache entry warm wrote.
+    not_stored="the outputs' pytree does not survive pickling",
+    warmup=STARTUP,
+)
+
+KERAS = Case(
+    module="""
+import os
+os.environ.setdefault("KERAS_BACKEND", "jax")
+import numpy as np
+import keras
+
+def run():
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential(
+        [keras.Input((16,)), keras.layers.Dense(32, activation="relu"), keras.layers.Dense(4)]
+    )
+    # model.predict jits a private predict_step closure: no manifest can name it.
+    return [model.predict(np.ones((n, 16), np.float32), batch_size=8, verbose=0) for n in (8, 16)]
+""",
+    manifest=None,
+    warmup="import case\ncase.run()\n",
+)
+
+NUMPYRO = Case(
+    module="""
+import numpy as np
+import jax, jax.numpy as jnp
+import numpyro
+import numpyro.distributions as dist
+from numpyro.infer import MCMC, NUTS
+
+def model(x, y=None):
+    w = numpyro.sample("w", dist.Normal(0.0, 1.0))
+    b = numpyro.sample("b", dist.Normal(0.0, 1.0))
+    numpyro.sample("obs", dist.Normal(w * x + b, 0.5), obs=y)
+
+def run():
+    x = np.linspace(-1, 1, 32).astype(np.float32)
+    y = (2.0 * x + 0.5).astype(np.float32)
+    # jit_model_args: the data are arguments of MCMC.run's internal jit, not constants baked
+    # into its program (otherwise every dataset is a new program and key).
+    mcmc = MCMC(NUTS(model), num_warmup=20, num_samples=20, progress_bar=False, jit_model_args=True)
+    mcmc.run(jax.random.key(0), x, y)
+    return mcmc.get_samples()["w"]
+""",
+    manifest=None,
+    warmup="import case\ncase.run()\n",
+)
+
+BRAX_MJX = Case(
+    module="""
+import numpy as np
+import jax, jax.numpy as jnp
+from brax.envs.base import PipelineEnv, State
+from brax.io import mjcf
+
+XML = \"\"\"
+<mujoco model="pendulum">
+  <option timestep="0.02"/>
+  <worldbody>
+    <body name="pole">
+      <joint name="hinge" type="hinge" axis="0 1 0"/>
+      <geom type="capsule" size="0.05" fromto="0 0 0 0 0 -0.5" mass="1"/>
+    </body>
+  </worldbody>
+  <actuator><motor joint="hinge" gear="1"/></actuator>
+</mujoco>
+\"\"\"
+
+class Pendulum(PipelineEnv):
+    # reward and done are arrays after reset and after step alike. Brax's built-in
+    # inverted_pendulum (brax 0.14.2) returns them, and info["time_out"], not weakly typed
+    # from reset and weakly typed from step: jax.jit(step) compiles twice, once per State.
+    def __init__(self):
+        super().__init__(mjcf.loads(XML), backend="mjx", n_frames=2)
+
+    def reset(self, rng):
+        q = self.sys.init_q + jax.random.uniform(rng, (self.sys.q_size(),), minval=-0.1, maxval=0.1)
+        ps = self.pipeline_init(q, jnp.zeros(self.sys.qd_size()))
+        reward, done = jnp.zeros(2)
+        return State(ps, self._obs(ps), reward, done, {})
+
+    def step(self, state, action):
+        ps = self.pipeline_step(state.pipeline_state, action)
+        reward = -jnp.sum(ps.q ** 2) - 0.1 * jnp.sum(action ** 2)
+        return state.replace(pipeline_state=ps, obs=self._obs(ps), reward=reward)
+
+    def _obs(self, ps):
+        return jnp.concatenate([jnp.cos(ps.q), jnp.sin(ps.q), ps.qd])
+
+ENV = Pendulum()
+reset = jax.vmap(ENV.reset)  # n parallel envs: every leaf of the State has dimension 0 = n
+step = jax.vmap(ENV.step)
+
+def state_specs(n):
+    return jax.eval_shape(reset, jax.ShapeDtypeStruct((n, 2), jnp.uint32))
+
+def _pad(tree, n):
+    def pad(x):
+        x = np.asarray(x)
+        return np.concatenate([x, np.zeros((n - len(x),) + x.shape[1:], x.dtype)])
+    return jax.tree_util.tree_map(pad, tree)
+
+def calls():
+    keys = np.random.default_rng(0).integers(0, 2**32, (3, 2), dtype=np.uint32)
+    # 3 envs in the 4 bucket; the State to step is reset's at 4 (a bucket), cut to 3 on the host
+    state = jax.tree_util.tree_map(lambda x: np.asarray(x)[:3], jax.jit(reset)(_pad(keys, 4)))
+    action = np.full((3, 1), 0.5, np.float32)
+    return [
+        ("reset", (keys,), (_pad(keys, 4),)),
+        ("step", (state, action), (_pad(state, 4), _pad(action, 4))),
+    ]
+
+def run():
+    return [jax.jit(globals()[name])(*padded) for name, _, padded in calls()]
+""",
+    manifest="""
+version: 1
+target: {backend: cpu}
+functions:
+  - fn: case:reset
+    args:
+      - {shape: [n, 2], dtype: uint32}
+    buckets: {n: [1, 4]}
+  - fn: case:step
+    args:
+      - {pytree: case:state_specs, leaf_axes: {0: n}}
+      - {shape: [n, 1], dtype: float32}
+    buckets: {n: [1, 4]}
+""",
+)
+
+CASES = {
+    "brax-mjx": BRAX_MJX,
+    "linalg-fft": LINALG,
+    "flax-nnx": FLAX_NNX,
+    "equinox-optax": EQUINOX_OPTAX,
+    "keras": KERAS,
+    "numpyro": NUMPYRO,
+}
+REQUIRES = {
+    "brax-mjx": "brax",
+    "flax-nnx": "flax",
+    "equinox-optax": "equinox",
+    "keras": "keras",
+    "numpyro": "numpyro",
+}
