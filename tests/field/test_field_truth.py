@@ -11,8 +11,9 @@ in fresh ``cachectl`` processes:
 
 - ``stats --json``: per function, hits / misses / not cacheable equal JAX's log;
 - ``misses --json``: names exactly the programs JAX missed, as many times, each with the cause
-  the service put there (shape or batch not a bucket, dtype, weak type, a re-jitted function, a
-  library's program with data closed over as constants);
+  the service put there (shape or batch not a bucket, dtype, weak type, a committed sharding, a
+  static value no bucket has, a re-jitted function, a library's program with data closed over as
+  constants);
 - ``advise --json``: the proposed buckets cover every size the service called with;
 - a service whose every program hits: ``misses`` prints "nothing missed" and exits 0.
 """
@@ -584,3 +585,61 @@ def test_a_brax_mjx_service(tmp_path: Path) -> None:
     for module in set(truth) - {"jit_reset", "jit_step"}:
         if truth[module]["misses"]:
             assert set(_kinds(report, module)) <= {"library_internal", "not_in_manifest"}
+
+
+# ------------------------------------------------------------------------- static value, sharding
+
+STATIC_SHARDED = """
+import numpy as np
+import jax, jax.numpy as jnp
+
+def param_specs():
+    return {"w": jax.ShapeDtypeStruct((8, 4), jnp.float32)}
+
+def apply(params, tokens):
+    return params["w"][tokens].sum()
+
+def attention(x, num_heads):
+    return x.reshape(x.shape[0], num_heads, -1).sum()
+
+def serve():
+    params = {"w": np.ones((8, 4), np.float32)}
+    f = jax.jit(apply)
+    f(params, np.zeros((16, 16), np.int32)).block_until_ready()          # a bucket
+    committed = jax.tree.map(lambda x: jax.device_put(x, jax.devices()[0]), params)
+    f(committed, np.zeros((16, 16), np.int32)).block_until_ready()       # committed: a sharding
+    g = jax.jit(attention, static_argnames=["num_heads"])
+    g(np.ones((2, 8), np.float32), num_heads=4).block_until_ready()       # a bucket
+    g(np.ones((2, 8), np.float32), num_heads=2).block_until_ready()       # a static value no bucket has
+"""
+
+STATIC_SHARDED_MANIFEST = """
+version: 1
+target: {backend: cpu}
+functions:
+  - fn: case:apply
+    args:
+      - {pytree: case:param_specs}
+      - {shape: [batch, 16], dtype: int32}
+    buckets: {batch: [16]}
+  - fn: case:attention
+    jit: {static_argnames: [num_heads]}
+    args:
+      - {shape: [2, 8], dtype: float32}
+    kwargs:
+      num_heads: {axis: num_heads}
+    buckets: {num_heads: [4, 8]}
+"""
+
+
+def test_a_service_with_a_committed_sharding_and_a_static_value(tmp_path: Path) -> None:
+    _setup(tmp_path, STATIC_SHARDED, STATIC_SHARDED_MANIFEST)
+    truth = _serve(tmp_path)
+    assert truth["jit_apply"] == {"hits": 1, "misses": 1, "not_cacheable": 0}, truth
+    assert truth["jit_attention"] == {"hits": 1, "misses": 1, "not_cacheable": 0}, truth
+    _check_stats(tmp_path, truth)
+    report = _check_misses(tmp_path, truth)
+    (sharding,) = _kinds(report, "jit_apply")["sharding"]
+    assert sharding["observed"] == "SingleDeviceSharding(cpu:0)", sharding
+    (static,) = _kinds(report, "jit_attention")["static"]
+    assert (static["arg"], static["observed"], static["expected"]) == ("num_heads", "2", [4, 8])
