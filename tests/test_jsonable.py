@@ -8,7 +8,7 @@ from datetime import UTC, datetime
 from cachectl.client import decode
 from cachectl.fingerprint import current_environment
 from cachectl.jsonable import REDACTED, from_jsonable, to_jsonable
-from cachectl.lifecycle.verify import Finding, VerifyPlan, VerifyResult
+from cachectl.lifecycle.verify_records import Finding, VerifyPlan, VerifyResult
 from cachectl.records import CacheInfo, EnvironmentInfo
 
 

@@ -22,39 +22,32 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
-import io
 import queue
 import threading
 import time
-from collections import defaultdict
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any, TypeVar
 
-import zstandard
-
 from cachectl import signing
 from cachectl.context import Context
 from cachectl.entries import (
-    _ZSTD_MAGIC,
     AOT_SUFFIX,
     CACHE_SUFFIX,
     ENV_FILE,
     CorruptEntry,
     Kind,
     classify,
-    decompress_zstd,
     entry_file_matcher,
     entry_keys,
-    header_seconds,
-    scan_entry,
     sha256,
 )
 from cachectl.errors import BadInput, NotFound
 from cachectl.fingerprint import Environment
 from cachectl.index import CacheInfo, Index
 from cachectl.index.sync_queries import ObservedRow, insert_observed_rows, observed_entry
+from cachectl.lifecycle.checks import check_entry_bytes
 from cachectl.namespace import QUARANTINE_DIR, read_env_json
 from cachectl.permissions import check_writer
 from cachectl.store import Store, ordered_map, read_workers
@@ -162,34 +155,6 @@ class SyncResult:
     # In a cache that trusts keys: files this sync indexed that no trusted key signed
     # (``namespace/file``). They stay out of the signed list; readers refuse them alone.
     unsigned: list[str] = field(default_factory=list)
-
-
-def _group_by_namespace(
-    paths: Sequence[str], items: Sequence[T]
-) -> tuple[dict[str, list[tuple[str, T]]], list[str]]:
-    """Split a root listing (its paths, and the item for each) into namespaces (jax-*/hw/digest16/...):
-    (path in the namespace, item); and stray files."""
-    groups: dict[str, list[tuple[str, T]]] = defaultdict(list)
-    strays: list[str] = []
-    # The listing is sorted: a namespace's files come together, so a path that starts with the
-    # current namespace's prefix (one C call) is sliced once; only the first path of each namespace,
-    # and strays, are split at their first three slashes.
-    prefix, cut = None, 0
-    members: list[tuple[str, T]] = []
-    for path, item in zip(paths, items, strict=True):
-        if prefix is not None and path.startswith(prefix):
-            members.append((path[cut:], item))
-            continue
-        parts = path.split("/", 3)
-        if parts[0] == QUARANTINE_DIR:
-            continue
-        if len(parts) == 4 and parts[0].startswith("jax-"):
-            ns = f"{parts[0]}/{parts[1]}/{parts[2]}"
-            prefix, cut, members = f"{ns}/", len(ns) + 1, groups[ns]
-            members.append((parts[3], item))
-        else:
-            strays.append(path)
-    return groups, strays
 
 
 # (name, size, mtime in POSIX seconds) as the listing gives it; size None: listed without stats
@@ -370,34 +335,6 @@ def plan_sync(ctx: Context, cache: CacheInfo, *, min_age: timedelta = DEFAULT_MI
     for _ in planner.namespaces():
         pass
     return planner.plan()
-
-
-# What entries.decompress() allows: sync and verify check any stored entry, however it got there.
-MAX_EXPANDED_BYTES = 1 << 34
-# Decompression output per step: big enough that a real entry (MBs) takes few steps, small
-# enough that the buffer is not a fresh mmap for each of 100,000 small entries.
-SCAN_CHUNK = 1 << 16
-
-
-# A zstd frame declaring at most this many bytes is decompressed in one call: zstandard sizes
-# its output from the declaration and fails if the frame holds more, so memory stays bounded.
-ONE_SHOT_BYTES = 1 << 20
-
-
-def check_entry_bytes(data: bytes) -> None:
-    """An entry's header, checked with a bound (CorruptEntry otherwise): an entry that expands
-    enormously (a decompression bomb) costs time here, never memory. Small zstd entries, most of
-    a cache, take one decompress call and no Header (sync and verify need only the verdict, once
-    per file); the rest one streaming pass."""
-    if data[:4] == _ZSTD_MAGIC:
-        try:
-            declared = zstandard.frame_content_size(data[:18])
-        except zstandard.ZstdError:
-            declared = -1
-        if 0 <= declared <= ONE_SHOT_BYTES:
-            header_seconds(decompress_zstd(data))
-            return
-    scan_entry(io.BytesIO(data), MAX_EXPANDED_BYTES, chunk=SCAN_CHUNK)
 
 
 def _module(key: str) -> str:
