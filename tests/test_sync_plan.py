@@ -15,7 +15,8 @@ from support.lifecycle import CACHE, fake_env, setup_cache, write_entries
 from cachectl.config import load_settings
 from cachectl.context import Context
 from cachectl.entries import AOT_SUFFIX, CACHE_SUFFIX, make_entry, sha256
-from cachectl.lifecycle.sync import SyncEntry, _ahead, _readers, plan_sync, sync
+from cachectl.lifecycle.sync import _ahead, _readers, sync
+from cachectl.lifecycle.sync_plan import SyncEntry, plan_sync
 from cachectl.store import LOCAL_READ_WORKERS, Store
 
 
