@@ -74,7 +74,8 @@ from cachectl.index.models import Entry  # noqa: E402
 from cachectl.index.sync_queries import insert_observed_entries  # noqa: E402
 from cachectl.lifecycle.gc import gc, plan_gc  # noqa: E402
 from cachectl.lifecycle.prune import criteria, plan_prune, prune  # noqa: E402
-from cachectl.lifecycle.sync import PIECE_ENTRIES, _Planner, _read_namespace, sync  # noqa: E402
+from cachectl.lifecycle.sync import PIECE_ENTRIES, _read_namespace, sync  # noqa: E402
+from cachectl.lifecycle.sync_plan import SyncPlanner  # noqa: E402
 from cachectl.lifecycle.verify import verify  # noqa: E402
 from cachectl.storage.entries import make_entry  # noqa: E402
 from cachectl.storage.namespace import ensure_namespace  # noqa: E402
@@ -306,7 +307,7 @@ def _sync_parts(work: Path, ctx: Context, cache: Any) -> dict[str, float]:
     def plan_as_sync_does() -> (
         Any
     ):  # new files' sizes and ages left to the reads, as sync leaves them
-        planner = _Planner(other, other.cache(), timedelta(0), settle=False)
+        planner = SyncPlanner(other, other.cache(), timedelta(0), settle=False)
         for _ in planner.namespaces():
             pass
         return planner.plan()

@@ -21,7 +21,7 @@ from cachectl.lifecycle.plan import LifecycleResult
 if TYPE_CHECKING:
     from cachectl.core.records import CreatedToken, TokenInfo
     from cachectl.lifecycle.gc import GcResult
-    from cachectl.lifecycle.verify import VerifyResult
+    from cachectl.lifecycle.verify_records import VerifyResult
 
 
 class Operations(Protocol):
@@ -144,17 +144,15 @@ class LocalOperations:
     ) -> VerifyResult:
         from cachectl.lifecycle import verify as verify_lib  # the SQL index's verify queries
 
-        age = parse_min_age(min_age)
-        return verify_lib.verify(
-            self.ctx,
-            self.ctx.cache(),
-            env_prefix=env,
+        options = verify_lib.VerifyOptions.from_flags(
             quarantine=quarantine,
             repair=repair,
             dry_run=dry_run,
-            min_age=age,
             deep=deep,
+            env_prefix=env,
+            min_age=parse_min_age(min_age),
         )
+        return verify_lib.verify(self.ctx, self.ctx.cache(), options)
 
     def telemetry_stats(self, cache: str, since: str) -> TelemetryStats:
         return telemetry_stats(self.ctx.direct_reads.reader, cache, parse_duration(since))

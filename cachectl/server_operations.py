@@ -19,7 +19,7 @@ from cachectl.index.usage import TelemetryStats
 from cachectl.lifecycle import prune as prune_lib
 from cachectl.lifecycle.gc import GcResult
 from cachectl.lifecycle.plan import LifecycleResult
-from cachectl.lifecycle.verify import VerifyResult
+from cachectl.lifecycle.verify_records import VerifyResult
 
 
 class ServerOperations:

@@ -32,6 +32,7 @@ from cachectl.lifecycle import gc as gc_lib
 from cachectl.lifecycle import prune as prune_lib
 from cachectl.lifecycle import verify as verify_lib
 from cachectl.lifecycle.lease import lease_name
+from cachectl.lifecycle.verify_records import VerifyOptions
 
 log = logging.getLogger("cachectl.server.jobs")
 
@@ -77,15 +78,14 @@ def _verify(ctx: Context, cache: CacheInfo, params: dict[str, Any]) -> Any:
         extra["min_age"] = (
             timedelta(0) if str(min_age).strip() in ("0", "") else parse_duration(min_age)
         )
-    return verify_lib.verify(
-        ctx,
-        cache,
-        env_prefix=params.get("env"),
+    options = VerifyOptions.from_flags(
         quarantine=bool(params.get("quarantine")),
         repair=bool(params.get("repair")),
         dry_run=bool(params.get("dry_run")),
+        env_prefix=params.get("env"),
         **extra,
     )
+    return verify_lib.verify(ctx, cache, options)
 
 
 RUNNERS: dict[str, Callable[[Context, CacheInfo, dict[str, Any]], Any]] = {

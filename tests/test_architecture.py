@@ -231,7 +231,7 @@ WRITES_OUTSIDE_INGEST = {
     # Not new entries of a cache: env.json, a pulled mirror (local copies), verify's write probe.
     ("cachectl/storage/namespace.py", "ensure_namespace", "write_bytes"),
     ("cachectl/service/mirror.py", "_atomic_write", "write_bytes"),
-    ("cachectl/lifecycle/verify.py", "execute_verify", "write_bytes"),
+    ("cachectl/lifecycle/verify_execute.py", "_write_atimes", "write_bytes"),
     # A namespace's signed content list (signature.json), not an entry.
     ("cachectl/trust/signing.py", "_store_signature", "write_bytes"),
     (

@@ -9,7 +9,7 @@ from cachectl.client import decode
 from cachectl.core.fingerprint import current_environment
 from cachectl.core.jsonable import REDACTED, from_jsonable, to_jsonable
 from cachectl.core.records import CacheInfo, EnvironmentInfo
-from cachectl.lifecycle.verify import Finding, VerifyPlan, VerifyResult
+from cachectl.lifecycle.verify_records import Finding, VerifyPlan, VerifyResult
 
 
 def _wire(value: object) -> object:

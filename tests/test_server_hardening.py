@@ -446,6 +446,7 @@ def test_symlinks_in_a_namespace_are_never_served(world, tmp_path) -> None:
         assert good.status_code == 200 and good.content == s.entry_bytes[s.keys[0]]
     # the library paths that read entries: mirror pull and verify
     from cachectl.lifecycle.verify import verify
+    from cachectl.lifecycle.verify_records import VerifyOptions
     from cachectl.service.mirror import pull_namespace
 
     dest = tmp_path / "mirror"
@@ -457,7 +458,7 @@ def test_symlinks_in_a_namespace_are_never_served(world, tmp_path) -> None:
     from cachectl.core.config import load_settings
 
     ctx = Context(load_settings(db=s.db))
-    report = verify(ctx, index.get_cache(MAIN), dry_run=True)
+    report = verify(ctx, index.get_cache(MAIN), VerifyOptions(dry_run=True))
     by_key = {f.key: f for f in report.plan.findings if f.key}
     assert by_key[link_key].kind == "corrupt" and "regular file" in by_key[link_key].detail
     # the linked namespace directory is not descended into: reported, never read

@@ -11,7 +11,9 @@ from click.testing import CliRunner
 
 from cachectl.cli import cli
 from cachectl.context import Context
-from cachectl.lifecycle.verify import execute_verify, plan_verify
+from cachectl.lifecycle.verify_execute import execute_verify
+from cachectl.lifecycle.verify_plan import plan_verify
+from cachectl.lifecycle.verify_records import Fix, VerifyOptions
 
 MODULE = """
 import jax.numpy as jnp
@@ -77,7 +79,7 @@ def test_verify_rereads_before_it_quarantines(tmp_path: Path) -> None:
     target.write_bytes(entry[:-7])  # looks truncated to the check ...
     ctx = Context()
     cache = ctx.cache()
-    plan = plan_verify(ctx, cache, quarantine=True)
+    plan = plan_verify(ctx, cache, VerifyOptions(Fix.QUARANTINE))
     assert any(f.key == FAKE_KEY for f in plan.findings)
     target.write_bytes(entry)  # ... and the write finished before verify acted
     result = execute_verify(ctx, cache, plan, started=time.monotonic())

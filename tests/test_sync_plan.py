@@ -14,7 +14,8 @@ from support.lifecycle import CACHE, fake_env, setup_cache, write_entries
 
 from cachectl.context import Context
 from cachectl.core.config import load_settings
-from cachectl.lifecycle.sync import SyncEntry, _ahead, _readers, plan_sync, sync
+from cachectl.lifecycle.sync import _ahead, _readers, sync
+from cachectl.lifecycle.sync_plan import SyncEntry, plan_sync
 from cachectl.storage.entries import AOT_SUFFIX, CACHE_SUFFIX, make_entry, sha256
 from cachectl.storage.store import LOCAL_READ_WORKERS, Store
 
@@ -144,7 +145,7 @@ def test_a_sync_does_what_its_dry_run_planned(
 
 
 def test_dir_stats_is_the_listing_depth_first(storage_root: str) -> None:
-    """dir_stats gives list_stats' files by directory, a directory's subdirectories right after it;
+    """dir_stats gives list()'s files by directory, a directory's subdirectories right after it;
     without stats (local disk) stat_in_dir gives the same sizes and times."""
     store = Store(storage_root)
     paths = ["a/x", "a/b/y", "a/b-c/z", "a/b/d/w", "top", "a0/v"]
@@ -155,7 +156,7 @@ def test_dir_stats_is_the_listing_depth_first(storage_root: str) -> None:
     flat = sorted(
         (f"{d}/{n}" if d else n, size, mtime) for d, files in dirs for n, size, mtime in files
     )
-    assert [f[:2] for f in flat] == [s[:2] for s in store.list_stats("")]
+    assert [f[:2] for f in flat] == [(f.path, f.size) for f in store.list("")]
     bare = list(store.dir_stats("", stat=False))
     assert [d for d, _ in bare] == [d for d, _ in dirs]
     for (d, files), (_, listed) in zip(bare, dirs, strict=True):

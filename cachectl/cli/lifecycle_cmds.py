@@ -20,8 +20,8 @@ from cachectl.core.errors import ProblemsReported
 if TYPE_CHECKING:
     from cachectl.context import Context
     from cachectl.lifecycle import gc as gc_lib
-    from cachectl.lifecycle import verify as verify_lib
     from cachectl.lifecycle.plan import DeletionPlan, ExecutionResult, LifecycleResult
+    from cachectl.lifecycle.verify_records import VerifyResult
 
 # cachectl.operations (the lifecycle library, the index, SQLAlchemy) is imported by the command
 # bodies when they run, never at import: `cachectl prune --help` builds its options from
@@ -102,7 +102,7 @@ def _print_gc(result: gc_lib.GcResult) -> None:
     stdout.print(_summary(plan.deletion, result.execution, result.dry_run, result.planning_s))
 
 
-def _print_verify(result: verify_lib.VerifyResult) -> None:
+def _print_verify(result: VerifyResult) -> None:
     plan = result.plan
     if plan.findings:
         rows = [(f.kind, f.path, f.detail, f.action or "-") for f in plan.findings[:200]]

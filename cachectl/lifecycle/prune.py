@@ -13,6 +13,7 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from typing import Any
 
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from packaging.version import InvalidVersion, Version
@@ -174,40 +175,51 @@ def superseded_envs(envs: list[EnvSummary], keep: int) -> dict[int, str]:
     return out
 
 
-def plan_prune(
+@dataclass(frozen=True)
+class _EntrySelectors:
+    """The entry-level selectors as the index queries take them, and the reason they give."""
+
+    created_before: datetime | None
+    unused_before: datetime | None
+    function: str | None
+    reasons: tuple[str, ...]
+
+    @classmethod
+    def of(cls, crit: PruneCriteria, now: datetime) -> _EntrySelectors:
+        created_before = now - crit.older_than if crit.older_than else None
+        unused_before = now - crit.unused_for if crit.unused_for else None
+        reasons = []
+        if created_before:
+            reasons.append(f"created before {created_before:%Y-%m-%d %H:%M}")
+        if unused_before:
+            reasons.append(f"unused since {unused_before:%Y-%m-%d %H:%M}")
+        if crit.function:
+            reasons.append(f"function {crit.function}")
+        return cls(created_before, unused_before, crit.function, tuple(reasons))
+
+
+def _with_retention(cache: CacheInfo, crit: PruneCriteria) -> PruneCriteria:
+    """``crit``, or where it selects nothing the cache's retention as --older-than."""
+    if crit.any:
+        return crit
+    if not cache.retention_seconds:
+        raise BadInput(
+            "prune needs a selector (--older-than, --unused-for, --jax-version, --superseded, --env, "
+            f"--function), or a retention on the cache: `cachectl cache set {cache.name} --retention 30d`"
+        )
+    return PruneCriteria(older_than=timedelta(seconds=cache.retention_seconds), from_retention=True)
+
+
+def _select_environments(
     ctx: Context,
     cache: CacheInfo,
     crit: PruneCriteria,
-    *,
-    now: datetime | None = None,
-    store: Store | None = None,
-    protect_active: bool = False,
-) -> DeletionPlan:
-    """Build the prune plan from index queries alone.
-
-    ``protect_active`` (scheduled maintenance): a whole environment is never deleted when it
-    served hits within RECENT_HITS_WINDOW and no other environment of its hardware group that
-    stays did; it is listed as protected instead.
-    """
-    now = now or utcnow()
-    store = store or ctx.store(cache)
-    if not crit.any:
-        if not cache.retention_seconds:
-            raise BadInput(
-                "prune needs a selector (--older-than, --unused-for, --jax-version, --superseded, --env, "
-                f"--function), or a retention on the cache: `cachectl cache set {cache.name} --retention 30d`"
-            )
-        crit = PruneCriteria(
-            older_than=timedelta(seconds=cache.retention_seconds), from_retention=True
-        )
-    keep = crit.keep or cache.keep_versions or 1
-    plan = DeletionPlan("prune", cache.name, store.url, _criteria_dict(crit, keep))
-    if crit.from_retention:
-        plan.notes.append(
-            f"no selector given: using the cache's retention, --older-than "
-            f"{format_duration(crit.older_than)}"
-        )
-    all_envs = environments(ctx.direct_reads, cache.name)
+    keep: int,
+    all_envs: list[EnvSummary],
+    plan: DeletionPlan,
+) -> tuple[list[EnvSummary], dict[int, list[str]]]:
+    """The environments the environment-level selectors pick (all where none is given), and the
+    reasons each was picked for, by environment id."""
     env_reasons: dict[int, list[str]] = {e.id: [] for e in all_envs}
     candidates = list(all_envs)
     if crit.env:
@@ -233,7 +245,13 @@ def plan_prune(
         candidates = [e for e in candidates if e.id in old]
         for e in candidates:
             env_reasons[e.id].append(old[e.id])
+    return candidates, env_reasons
 
+
+def _spare_warming(
+    ctx: Context, plan: DeletionPlan, candidates: list[EnvSummary], now: datetime
+) -> list[EnvSummary]:
+    """Candidates less those with a warm in progress, which the plan lists as protected."""
     warming = warms_in_progress(ctx.direct_reads, [e.id for e in candidates], now=now)
     for e in candidates:
         if e.id in warming:
@@ -246,26 +264,69 @@ def plan_prune(
                     e.bytes,
                 )
             )
-    candidates = [e for e in candidates if e.id not in warming]
+    return [e for e in candidates if e.id not in warming]
 
-    created_before = now - crit.older_than if crit.older_than else None
-    unused_before = now - crit.unused_for if crit.unused_for else None
-    entry_reasons = []
-    if created_before:
-        entry_reasons.append(f"created before {created_before:%Y-%m-%d %H:%M}")
-    if unused_before:
-        entry_reasons.append(f"unused since {unused_before:%Y-%m-%d %H:%M}")
-    if crit.function:
-        entry_reasons.append(f"function {crit.function}")
 
+def _planned_entries(
+    ctx: Context, selectors: _EntrySelectors, partial: list[int], by_id: dict[int, EnvSummary]
+) -> PlannedEntries:
+    """The picked entries of environments that stay (``partial``), sorted by (namespace, key)."""
+    reason = "; ".join(selectors.reasons)
+    rows = selected_entries(
+        ctx.direct_reads,
+        partial,
+        created_before=selectors.created_before,
+        unused_before=selectors.unused_before,
+        function=selectors.function,
+    )
+    # Each environment's rows come sorted by key.
+    ordered = [row for env in sorted(rows, key=lambda i: by_id[i].namespace) for row in rows[env]]
+    namespace = {i: e.namespace for i, e in by_id.items()}
+
+    def make(row: tuple[Any, ...]) -> PlannedEntry:
+        env_id, key, size, aot_size = row
+        return PlannedEntry(env_id, namespace[env_id], key, size, reason, aot_size)
+
+    return PlannedEntries(ordered, make, sum(size + (aot or 0) for _e, _k, size, aot in ordered))
+
+
+def plan_prune(
+    ctx: Context,
+    cache: CacheInfo,
+    crit: PruneCriteria,
+    *,
+    now: datetime | None = None,
+    store: Store | None = None,
+    protect_active: bool = False,
+) -> DeletionPlan:
+    """Build the prune plan from index queries alone.
+
+    ``protect_active`` (scheduled maintenance): a whole environment is never deleted when it
+    served hits within RECENT_HITS_WINDOW and no other environment of its hardware group that
+    stays did; it is listed as protected instead.
+    """
+    now = now or utcnow()
+    store = store or ctx.store(cache)
+    crit = _with_retention(cache, crit)
+    keep = crit.keep or cache.keep_versions or 1
+    plan = DeletionPlan("prune", cache.name, store.url, _criteria_dict(crit, keep))
+    if crit.from_retention:
+        plan.notes.append(
+            f"no selector given: using the cache's retention, --older-than "
+            f"{format_duration(crit.older_than)}"
+        )
+    all_envs = environments(ctx.direct_reads, cache.name)
+    candidates, env_reasons = _select_environments(ctx, cache, crit, keep, all_envs, plan)
+    candidates = _spare_warming(ctx, plan, candidates, now)
+    selectors = _EntrySelectors.of(crit, now)
     by_id = {e.id: e for e in candidates}
     if crit.entry_level:
         picked = selected_counts(
             ctx.direct_reads,
             list(by_id),
-            created_before=created_before,
-            unused_before=unused_before,
-            function=crit.function,
+            created_before=selectors.created_before,
+            unused_before=selectors.unused_before,
+            function=selectors.function,
         )
         whole = [by_id[i] for i, n in picked.items() if n == by_id[i].entries]
         partial = sorted(i for i, n in picked.items() if n < by_id[i].entries)
@@ -274,31 +335,14 @@ def plan_prune(
     if protect_active and whole:
         whole = _protect_active(ctx, plan, all_envs, whole, now)
     for e in sorted(whole, key=lambda e: e.namespace):
-        reason = "; ".join(env_reasons[e.id] + entry_reasons) or "selected"
+        reason = "; ".join(env_reasons[e.id] + list(selectors.reasons)) or "selected"
         if crit.entry_level:
             reason += "; every entry selected"
         plan.namespaces.append(
             PlannedNamespace(e.id, e.digest, e.namespace, e.jax_version, e.entries, e.bytes, reason)
         )
     if partial:
-        reason = "; ".join(entry_reasons)
-        rows = selected_entries(
-            ctx.direct_reads,
-            partial,
-            created_before=created_before,
-            unused_before=unused_before,
-            function=crit.function,
-        )
-        # Sorted by (namespace, key): each environment's rows come sorted by key.
-        ordered = [
-            row for env in sorted(rows, key=lambda i: by_id[i].namespace) for row in rows[env]
-        ]
-        namespace = {i: e.namespace for i, e in by_id.items()}
-        plan.entries = PlannedEntries(
-            ordered,
-            lambda r: PlannedEntry(r[0], namespace[r[0]], r[1], r[2], reason, r[3]),
-            sum(size + (aot or 0) for _e, _k, size, aot in ordered),
-        )
+        plan.entries = _planned_entries(ctx, selectors, partial, by_id)
     return plan
 
 

@@ -8,7 +8,7 @@ time); file contents are read only for entries that are new or changed size
 (``index/sync_queries.py``) while a thread plans and reads ahead: with an index
 this process opens, the plan of each namespace is made there too, just before its
 reads, and on local disk a new file's size and age come from its read's fstat
-instead of a stat in the listing (``_Planner``). The plan a real sync reports is
+instead of a stat in the listing (``lifecycle/sync_plan.py``). The plan a real sync reports is
 the one its dry run would have made.
 
 A stored executable (``<key>-aot``) is recorded on its entry's row (size and
@@ -22,125 +22,37 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
-import io
 import queue
 import threading
 import time
-from collections import defaultdict
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from datetime import UTC, datetime, timedelta
+from datetime import timedelta
 from typing import Any, TypeVar
 
-import zstandard
-
 from cachectl.context import Context
-from cachectl.core.errors import BadInput, NotFound
-from cachectl.core.fingerprint import Environment
+from cachectl.core.errors import NotFound
 from cachectl.index import CacheInfo, Index
 from cachectl.index.sync_queries import ObservedRow, insert_observed_rows, observed_entry
+from cachectl.lifecycle.checks import check_entry_bytes
+from cachectl.lifecycle.sync_plan import (
+    DEFAULT_MIN_AGE,
+    NamespaceSync,
+    SyncEntry,
+    SyncPlan,
+    SyncPlanner,
+    is_too_young,
+    plan_sync,
+)
 from cachectl.storage.entries import (
-    _ZSTD_MAGIC,
     AOT_SUFFIX,
     CACHE_SUFFIX,
-    ENV_FILE,
     CorruptEntry,
-    Kind,
-    classify,
-    decompress_zstd,
-    entry_file_matcher,
-    entry_keys,
-    header_seconds,
-    scan_entry,
     sha256,
 )
-from cachectl.storage.namespace import QUARANTINE_DIR, read_env_json
 from cachectl.storage.store import Store, ordered_map, read_workers
 from cachectl.trust import signing
 from cachectl.trust.permissions import check_writer
-
-
-@dataclass(slots=True)
-class SyncEntry:
-    """One file or row in a sync plan. Slots and no frozen ``__setattr__``: a plan builds one per new
-    file (100,000 in a large first sync), at a quarter of a frozen dataclass's cost."""
-
-    namespace: str
-    key: str
-    size: int | None  # None: a new entry whose size (and age) the read settles (``_Planner``)
-    sha256: str | None = None
-
-
-@dataclass
-class NamespaceSync:
-    namespace: str
-    digest: str | None
-    environment: Environment | None
-    new_environment: bool = False
-    add: list[SyncEntry] = field(default_factory=list)
-    update: list[SyncEntry] = field(default_factory=list)
-    drop: list[SyncEntry] = field(default_factory=list)
-    problem: str | None = None
-    # Stored executables: to (re)read and record on their entry's row, to clear from it,
-    # and -aot files without their -cache (reported, not indexed).
-    record_aot: list[SyncEntry] = field(default_factory=list)
-    clear_aot: list[SyncEntry] = field(default_factory=list)
-    # New or changed files younger than --min-age: maybe still being written; left for a later sync.
-    too_young: list[SyncEntry] = field(default_factory=list)
-    orphan_aot: list[SyncEntry] = field(default_factory=list)
-
-
-@dataclass
-class SyncPlan:
-    cache: str
-    root: str
-    namespaces: list[NamespaceSync]
-    environments_gone: list[str]
-    stray_files: list[str]
-
-    @property
-    def entries_to_add(self) -> int:
-        return sum(len(n.add) for n in self.namespaces)
-
-    @property
-    def entries_to_update(self) -> int:
-        return sum(len(n.update) for n in self.namespaces)
-
-    @property
-    def rows_to_drop(self) -> int:
-        return sum(len(n.drop) for n in self.namespaces)
-
-    @property
-    def environments_to_add(self) -> int:
-        return sum(1 for n in self.namespaces if n.new_environment)
-
-    @property
-    def executables_to_record(self) -> int:
-        return sum(len(n.record_aot) for n in self.namespaces)
-
-    @property
-    def executables_to_clear(self) -> int:
-        return sum(len(n.clear_aot) for n in self.namespaces)
-
-    @property
-    def orphan_executables(self) -> list[str]:
-        """-aot files whose entry is not in storage (paths relative to the root)."""
-        return [f"{n.namespace}/{e.key}{AOT_SUFFIX}" for n in self.namespaces for e in n.orphan_aot]
-
-    __json_extra__ = ("orphan_executables",)
-
-    @property
-    def empty(self) -> bool:
-        return not (
-            self.entries_to_add
-            or self.entries_to_update
-            or self.rows_to_drop
-            or self.environments_to_add
-            or self.environments_gone
-            or self.executables_to_record
-            or self.executables_to_clear
-        )
-
 
 T = TypeVar("T")
 
@@ -162,242 +74,6 @@ class SyncResult:
     # In a cache that trusts keys: files this sync indexed that no trusted key signed
     # (``namespace/file``). They stay out of the signed list; readers refuse them alone.
     unsigned: list[str] = field(default_factory=list)
-
-
-def _group_by_namespace(
-    paths: Sequence[str], items: Sequence[T]
-) -> tuple[dict[str, list[tuple[str, T]]], list[str]]:
-    """Split a root listing (its paths, and the item for each) into namespaces (jax-*/hw/digest16/...):
-    (path in the namespace, item); and stray files."""
-    groups: dict[str, list[tuple[str, T]]] = defaultdict(list)
-    strays: list[str] = []
-    # The listing is sorted: a namespace's files come together, so a path that starts with the
-    # current namespace's prefix (one C call) is sliced once; only the first path of each namespace,
-    # and strays, are split at their first three slashes.
-    prefix, cut = None, 0
-    members: list[tuple[str, T]] = []
-    for path, item in zip(paths, items, strict=True):
-        if prefix is not None and path.startswith(prefix):
-            members.append((path[cut:], item))
-            continue
-        parts = path.split("/", 3)
-        if parts[0] == QUARANTINE_DIR:
-            continue
-        if len(parts) == 4 and parts[0].startswith("jax-"):
-            ns = f"{parts[0]}/{parts[1]}/{parts[2]}"
-            prefix, cut, members = f"{ns}/", len(ns) + 1, groups[ns]
-            members.append((parts[3], item))
-        else:
-            strays.append(path)
-    return groups, strays
-
-
-# (name, size, mtime in POSIX seconds) as the listing gives it; size None: listed without stats
-Stat = tuple[str, int | None, float | None]
-
-
-def _namespace_files(
-    dirs: Iterable[tuple[str, list[Stat]]], strays: list[str]
-) -> Iterator[tuple[str, list[Stat]]]:
-    """A root's directories (``Store.dir_stats``) as namespaces (jax-*/hw/digest16) with their files,
-    named relative to the namespace; files outside any namespace are appended to ``strays``. The walk
-    is depth first, so a namespace is whole when the next one starts: each is yielded then."""
-    current: str | None = None
-    files: list[Stat] = []
-    for rel_dir, listed in dirs:
-        parts = rel_dir.split("/", 3)
-        if parts[0] == QUARANTINE_DIR:
-            continue
-        if len(parts) < 3 or not parts[0].startswith("jax-"):
-            strays.extend(f"{rel_dir}/{name}" if rel_dir else name for name, _, _ in listed)
-            continue
-        ns = "/".join(parts[:3])
-        if ns != current:
-            if current is not None:
-                yield current, files
-            current, files = ns, []
-        if len(parts) == 3:
-            files.extend(listed)
-        else:
-            sub = f"{parts[3]}/"
-            files.extend((sub + name, size, mtime) for name, size, mtime in listed)
-    if current is not None:
-        yield current, files
-
-
-# A file JAX (or a copy) is still writing must not be indexed half-written.
-DEFAULT_MIN_AGE = timedelta(minutes=5)
-
-
-def _too_young(mtime: float | None, cutoff: float | None) -> bool:
-    return cutoff is not None and mtime is not None and mtime > cutoff
-
-
-class _Planner:
-    """A sync plan, built a namespace at a time as the listing reaches it (``namespaces``), then
-    completed (``plan``) with what only the whole listing shows: environments gone and stray files.
-
-    On local disk the listing stats no file: the planner stats the entries the index knows (their
-    size says whether they changed) and the executables. A new entry's size and age are stat'ed too
-    when ``settle`` is set; else they are left open (``SyncEntry.size`` None, in ``add``) for the
-    read, whose descriptor's fstat gives them at no extra call (``_settle_read``)."""
-
-    def __init__(
-        self, ctx: Context, cache: CacheInfo, min_age: timedelta, *, settle: bool = True
-    ) -> None:
-        self.index = ctx.index
-        self.cache = cache
-        self.store = Store(cache.root_url, cache.storage_options)
-        self.store.check_reachable()
-        self.known = {
-            e.namespace: e for e in ctx.index.environment_stats(cache.name, include_deleted=True)
-        }
-        self.cutoff = (datetime.now(UTC) - min_age).timestamp() if min_age > timedelta(0) else None
-        self.settle = settle
-        self.strays: list[str] = []
-        self.planned: list[NamespaceSync] = []
-
-    def namespaces(self) -> Iterator[NamespaceSync]:
-        for ns_path, files in _namespace_files(self.store.dir_stats("", stat=False), self.strays):
-            item = self._plan_namespace(ns_path, files)
-            self.planned.append(item)
-            yield item
-
-    def plan(self) -> SyncPlan:
-        seen = {item.namespace for item in self.planned}
-        gone = sorted(ns for ns, e in self.known.items() if e.deleted_at is None and ns not in seen)
-        return SyncPlan(self.cache.name, self.store.url, self.planned, gone, self.strays)
-
-    def _plan_namespace(self, ns_path: str, files: list[Stat]) -> NamespaceSync:
-        is_entry = entry_file_matcher()
-        # In name order, so the plan's lists are in key order; an entry's key is its name less the
-        # suffix the match ended with (one comprehension: most of a namespace's files are entries).
-        cut = -len(CACHE_SUFFIX)
-        on_disk: dict[str, tuple[int | None, float | None]]
-        if (
-            files and files[0][1] is None
-        ):  # a local walk without stats: the keys alone, in one regex pass
-            on_disk = dict.fromkeys(entry_keys([f[0] for f in files]), (None, None))
-        else:
-            on_disk = {rel[:cut]: (size, mtime) for rel, size, mtime in files if is_entry(rel)}
-        aot_on_disk: dict[str, tuple[int | None, float | None]] = {}
-        has_env = False
-        if len(on_disk) < len(files):
-            for rel, size, mtime in files:
-                if rel == ENV_FILE:
-                    has_env = True
-                elif rel.endswith(AOT_SUFFIX) and classify(rel) is Kind.AOT:
-                    aot_on_disk[rel[: -len(AOT_SUFFIX)]] = size, mtime
-        if not has_env:
-            return NamespaceSync(
-                ns_path, None, None, problem="no env.json: not a cachectl namespace"
-            )
-        try:
-            env = read_env_json(self.store, ns_path)
-        except (BadInput, FileNotFoundError) as exc:
-            return NamespaceSync(ns_path, None, None, problem=str(exc))
-        if env.namespace != ns_path:
-            return NamespaceSync(
-                ns_path, env.digest, env, problem=f"env.json describes namespace {env.namespace}"
-            )
-        row = self.known.get(ns_path)
-        item = NamespaceSync(
-            ns_path, env.digest, env, new_environment=row is None or row.deleted_at is not None
-        )
-        indexed = self.index.entry_keys(row.id) if row is not None else {}
-        indexed_aot = self.index.aot_keys(row.id) if row is not None else {}
-        self._stat_unlisted(ns_path, on_disk, CACHE_SUFFIX, None if self.settle else indexed)
-        self._stat_unlisted(ns_path, aot_on_disk, AOT_SUFFIX, None)
-        cutoff = self.cutoff
-        add, update, too_young = item.add, item.update, item.too_young
-        for key, (
-            size,
-            mtime,
-        ) in on_disk.items():  # once per entry file: the lookups are done once each
-            known_row = indexed.get(key)
-            if known_row is not None and known_row[0] == size:
-                continue
-            if cutoff is not None and mtime is not None and mtime > cutoff:
-                too_young.append(SyncEntry(ns_path, key, size))
-            elif known_row is None:
-                add.append(SyncEntry(ns_path, key, size))  # size None: settled when read
-            else:
-                update.append(SyncEntry(ns_path, key, size))
-        for key in sorted(set(indexed) - set(on_disk)):
-            item.drop.append(SyncEntry(ns_path, key, indexed[key][0], indexed[key][1]))
-        changed = {e.key for e in add} | {e.key for e in update} if aot_on_disk else set()
-        for key, (size, mtime) in sorted(aot_on_disk.items()):
-            young = _too_young(mtime, cutoff)
-            if key not in on_disk:
-                item.orphan_aot.append(SyncEntry(ns_path, key, size))
-            elif young and (key not in indexed_aot or indexed_aot[key][0] != size):
-                too_young.append(SyncEntry(ns_path, f"{key}{AOT_SUFFIX}", size))
-            elif key in changed or key not in indexed_aot or indexed_aot[key][0] != size:
-                item.record_aot.append(SyncEntry(ns_path, key, size))
-        for key in sorted(set(indexed_aot) - set(aot_on_disk)):
-            if key in on_disk:  # a dropped row takes its executable columns with it
-                item.clear_aot.append(
-                    SyncEntry(ns_path, key, indexed_aot[key][0], indexed_aot[key][1])
-                )
-        return item
-
-    def _stat_unlisted(
-        self,
-        ns_path: str,
-        files: dict[str, tuple[int | None, float | None]],
-        suffix: str,
-        only: dict[str, tuple[int, str]] | None,
-    ) -> None:
-        """Sizes and times the listing left out, for the keys in ``only`` (every key if None); a file
-        gone since the listing leaves ``files``."""
-        if only is None:
-            want = [key for key, (size, _) in files.items() if size is None]
-        else:  # the index's keys, usually far fewer than the files on a first sync
-            want = [key for key in only if key in files and files[key][0] is None]
-        if not want:
-            return
-        found = self.store.stat_in_dir(ns_path, [key + suffix for key in want])
-        for key in want:
-            got = found.get(key + suffix)
-            if got is None:
-                del files[key]
-            else:
-                files[key] = got
-
-
-def plan_sync(ctx: Context, cache: CacheInfo, *, min_age: timedelta = DEFAULT_MIN_AGE) -> SyncPlan:
-    planner = _Planner(ctx, cache, min_age)
-    for _ in planner.namespaces():
-        pass
-    return planner.plan()
-
-
-# What entries.decompress() allows: sync and verify check any stored entry, however it got there.
-MAX_EXPANDED_BYTES = 1 << 34
-# Decompression output per step: big enough that a real entry (MBs) takes few steps, small
-# enough that the buffer is not a fresh mmap for each of 100,000 small entries.
-SCAN_CHUNK = 1 << 16
-
-
-# A zstd frame declaring at most this many bytes is decompressed in one call: zstandard sizes
-# its output from the declaration and fails if the frame holds more, so memory stays bounded.
-ONE_SHOT_BYTES = 1 << 20
-
-
-def check_entry_bytes(data: bytes) -> None:
-    """An entry's header, checked with a bound (CorruptEntry otherwise): an entry that expands
-    enormously (a decompression bomb) costs time here, never memory. Small zstd entries, most of
-    a cache, take one decompress call and no Header (sync and verify need only the verdict, once
-    per file); the rest one streaming pass."""
-    if data[:4] == _ZSTD_MAGIC:
-        try:
-            declared = zstandard.frame_content_size(data[:18])
-        except zstandard.ZstdError:
-            declared = -1
-        if 0 <= declared <= ONE_SHOT_BYTES:
-            header_seconds(decompress_zstd(data))
-            return
-    scan_entry(io.BytesIO(data), MAX_EXPANDED_BYTES, chunk=SCAN_CHUNK)
 
 
 def _module(key: str) -> str:
@@ -423,7 +99,7 @@ def _observe(
         return None
     if entry.size is None:
         entry.size = len(data)
-        if _too_young(mtime, cutoff):
+        if is_too_young(mtime, cutoff):
             return True
     try:
         check_entry_bytes(data)
@@ -485,10 +161,8 @@ def _read_namespace(
                     rows.append(seen)
                     seen_bytes += seen[2]
                     seen_files += 1
-                elif isinstance(seen, str):
-                    broken.append(
-                        seen
-                    )  # half-written or corrupt: never indexed (verify reports it)
+                elif isinstance(seen, str):  # half-written or corrupt: never indexed (verify
+                    broken.append(seen)  # reports it)
                 elif seen:
                     young.add(entry.key)
             if start + piece < len(todo):
@@ -632,17 +306,17 @@ def _finish(
     )
     return SyncResult(
         plan,
-        tally.environments_added,
-        tally.added,
-        tally.updated,
-        tally.dropped,
-        gone,
-        duration,
-        False,
-        tally.recorded,
-        tally.cleared,
-        tally.broken,
-        _unsigned(ctx, cache, plan),
+        environments_added=tally.environments_added,
+        entries_added=tally.added,
+        entries_updated=tally.updated,
+        rows_dropped=tally.dropped,
+        environments_marked_deleted=gone,
+        duration_s=duration,
+        dry_run=False,
+        executables_recorded=tally.recorded,
+        executables_cleared=tally.cleared,
+        broken=tally.broken,
+        unsigned=_unsigned(ctx, cache, plan),
     )
 
 
@@ -687,7 +361,7 @@ def _plan_and_execute(ctx: Context, cache: CacheInfo, min_age: timedelta) -> Syn
     diff and the reads run while the index writes the namespace before. Only for an index this
     process opens (its engine serves both threads); the plan is the one ``plan_sync`` makes."""
     started = time.monotonic()
-    planner = _Planner(ctx, cache, min_age, settle=False)
+    planner = SyncPlanner(ctx, cache, min_age, settle=False)
     tally = _Tally()
     with _ahead(_pieces(planner.store, planner.namespaces(), planner.cutoff)) as pieces:
         _write(ctx, cache, pieces, tally)
@@ -706,14 +380,14 @@ def sync(
     if dry_run:
         return SyncResult(
             plan,
-            plan.environments_to_add,
-            plan.entries_to_add,
-            plan.entries_to_update,
-            plan.rows_to_drop,
-            len(plan.environments_gone),
-            time.monotonic() - started,
-            True,
-            plan.executables_to_record,
-            plan.executables_to_clear,
+            environments_added=plan.environments_to_add,
+            entries_added=plan.entries_to_add,
+            entries_updated=plan.entries_to_update,
+            rows_dropped=plan.rows_to_drop,
+            environments_marked_deleted=len(plan.environments_gone),
+            duration_s=time.monotonic() - started,
+            dry_run=True,
+            executables_recorded=plan.executables_to_record,
+            executables_cleared=plan.executables_to_clear,
         )
     return execute_sync(ctx, cache, plan)
