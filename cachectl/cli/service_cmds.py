@@ -17,11 +17,12 @@ from cachectl.config import MIRROR_WORKERS, SIGNING_KEY_ENV
 if TYPE_CHECKING:
     from cachectl import doctor as doctor_lib
     from cachectl import mirror as mirror_lib
+    from cachectl import mirror_push
     from cachectl.context import Context
 
-# cachectl.doctor, cachectl.mirror and cachectl.signing (the index, SQLAlchemy, the stores) are
-# imported by the command bodies when they run, never at import: `cachectl pull --help` builds
-# its options from cachectl.config alone.
+# cachectl.doctor, cachectl.mirror, cachectl.mirror_push and cachectl.signing (the index,
+# SQLAlchemy, the stores) are imported by the command bodies when they run, never at import:
+# `cachectl pull --help` builds its options from cachectl.config alone.
 
 _SHOW = 50
 _STYLE = {"error": "bold red", "warning": "yellow", "info": "green"}
@@ -132,7 +133,7 @@ def pull(
     emit(result, as_json, _print_pull)
 
 
-def _print_push(r: mirror_lib.PushResult) -> None:
+def _print_push(r: mirror_push.PushResult) -> None:
     _problems_table("refused (not uploaded)", r.refused)
     _problems_table("conflicts (kept the shared copy)", r.conflicts)
     _problems_table("failed", r.failed)
@@ -179,13 +180,12 @@ def push(
 
     New entries are recorded in the index with origin "push".
     """
-    from cachectl import mirror as mirror_lib
-    from cachectl import signing
+    from cachectl import mirror_push, signing
 
     key = signing.signing_key(sign_key)
     if not dry_run:
         signing.require_signer(ctx.cache(), key, "push")
-    result = mirror_lib.push(ctx, src, workers=workers, dry_run=dry_run)
+    result = mirror_push.push(ctx, src, workers=workers, dry_run=dry_run)
     if not dry_run and key is not None:
         signing.report_resigned(
             signing.resign(ctx, result.cache, result.environment, key, result.written)
