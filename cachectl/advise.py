@@ -33,7 +33,7 @@ from cachectl.index.models import Cache, Entry
 from cachectl.index.models import Environment as EnvRow
 from cachectl.index.telemetry_queries import serving_usage, signature_usage
 from cachectl.manifest import expand, load_manifest, parse_manifest
-from cachectl.misses import expected_signatures
+from cachectl.misses_expected import expected_signatures
 
 
 @dataclass(frozen=True)
