@@ -200,7 +200,7 @@ def test_an_axis_with_one_bucket_value_is_found_by_the_shape_that_names_it(tmp_p
     advise said "no observed sizes" for it although every call had one; the array argument's
     shape `[batch, seq]` places it."""
     from cachectl.usage.advise import _axis_positions
-    from cachectl.usage.misses import expected_signatures
+    from cachectl.usage.misses_expected import expected_signatures
 
     (tmp_path / "onevalue.py").write_text("def f(p, x):\n    return x.sum() + p\n")
     (tmp_path / "m.yaml").write_text(

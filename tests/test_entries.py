@@ -60,6 +60,18 @@ def test_entry_file_matcher_agrees_with_classify() -> None:
         ]
 
 
+def test_keys_lacking_atime_only_where_jax_eviction_runs() -> None:
+    """Doctor and verify share the rule: a .lockfile means every -cache entry needs its -atime."""
+    a, b = "jit_a-" + "a" * 64, "jit_b-" + "b" * 64
+    names = [f"{a}-cache", f"{a}-atime", f"{b}-cache", "env.json"]
+    kinds = {n: entries.classify(n) for n in names}
+    assert entries.keys_lacking_atime(kinds) is None
+    kinds[".lockfile"] = Kind.LOCKFILE
+    assert entries.keys_lacking_atime(kinds) == [b]
+    del kinds[f"{b}-cache"]
+    assert entries.keys_lacking_atime(kinds) == []
+
+
 def test_module_names_with_dashes() -> None:
     key = "jit_my-fn-" + "b" * 64
     parsed = entries.parse_key(key)

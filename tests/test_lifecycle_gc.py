@@ -232,7 +232,7 @@ def _sampled_huge(db_url, samples, oldest_minutes, compile_ms_per_byte, score):
     ``compile_ms_per_byte`` a byte (None: none). Returns the index, the environment, now, and the
     rows (score: ``score(entry)``)."""
     from cachectl.index import open_index
-    from cachectl.index.eviction_queries import _SAMPLE_EVERY
+    from cachectl.index.eviction_walk import _SAMPLE_EVERY
 
     index = open_index(db_url, auto_migrate=True)
     index.add_cache(CACHE, "memory://unused")
@@ -297,7 +297,7 @@ def test_each_environment_cut_is_exact_when_some_samples_mislead(db_url):
     """The per-environment cuts share one sample and one read where the database sorts; an
     environment whose sample overstates its bytes reads on alone, the others must not move."""
     from cachectl.index import open_index
-    from cachectl.index.eviction_queries import _SAMPLE_EVERY
+    from cachectl.index.eviction_walk import _SAMPLE_EVERY
 
     index = open_index(db_url, auto_migrate=True)
     index.add_cache(CACHE, "memory://unused")
@@ -518,7 +518,8 @@ def test_cost_cut_is_the_same_whether_the_sample_is_read_by_id_or_by_a_scan(db_u
     from sqlalchemy import func, select
 
     from cachectl.index import open_index
-    from cachectl.index.eviction_queries import _score, _Walk, sample_ids
+    from cachectl.index.eviction_queries import _score
+    from cachectl.index.eviction_walk import _Walk, sample_ids
 
     index = open_index(db_url, auto_migrate=True)
     index.add_cache(CACHE, "memory://unused")

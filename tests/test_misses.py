@@ -450,7 +450,7 @@ def test_with_no_manifest_a_missed_program_still_has_its_cause() -> None:
     """A service warmed by running (no manifest) missed a library's program: `misses` listed it
     with no finding at all. Now it is said as the library's, and, when the cache holds programs of
     it that the service did not look up, that they differ: other shapes or data baked in."""
-    from cachectl.usage.misses import _not_in_manifest
+    from cachectl.usage.misses_explain import _not_in_manifest
 
     leaves = [[[16], "float32", False, None]]
     source = "_fori_collect_loop at /venv/lib/python3.11/site-packages/numpyro/util.py:353"

@@ -18,10 +18,11 @@ if TYPE_CHECKING:
     from cachectl.context import Context
     from cachectl.service import doctor as doctor_lib
     from cachectl.service import mirror as mirror_lib
+    from cachectl.service import mirror_push
 
-# cachectl.service.doctor, cachectl.service.mirror and cachectl.trust.signing (the index, SQLAlchemy, the stores) are
-# imported by the command bodies when they run, never at import: `cachectl pull --help` builds
-# its options from cachectl.core.config alone.
+# cachectl.service.doctor, cachectl.service.mirror, cachectl.service.mirror_push and cachectl.trust.signing (the index,
+# SQLAlchemy, the stores) are imported by the command bodies when they run, never at import:
+# `cachectl pull --help` builds its options from cachectl.core.config alone.
 
 _SHOW = 50
 _STYLE = {"error": "bold red", "warning": "yellow", "info": "green"}
@@ -132,7 +133,7 @@ def pull(
     emit(result, as_json, _print_pull)
 
 
-def _print_push(r: mirror_lib.PushResult) -> None:
+def _print_push(r: mirror_push.PushResult) -> None:
     _problems_table("refused (not uploaded)", r.refused)
     _problems_table("conflicts (kept the shared copy)", r.conflicts)
     _problems_table("failed", r.failed)
@@ -179,13 +180,13 @@ def push(
 
     New entries are recorded in the index with origin "push".
     """
-    from cachectl.service import mirror as mirror_lib
+    from cachectl.service import mirror_push
     from cachectl.trust import signing
 
     key = signing.signing_key(sign_key)
     if not dry_run:
         signing.require_signer(ctx.cache(), key, "push")
-    result = mirror_lib.push(ctx, src, workers=workers, dry_run=dry_run)
+    result = mirror_push.push(ctx, src, workers=workers, dry_run=dry_run)
     if not dry_run and key is not None:
         signing.report_resigned(
             signing.resign(ctx, result.cache, result.environment, key, result.written)

@@ -67,6 +67,7 @@ from cachectl.storage.entries import (
     Kind,
     classify,
     entry_file_matcher,
+    keys_lacking_atime,
     parse_aot_filename,
 )
 from cachectl.storage.namespace import QUARANTINE_DIR, read_env_json
@@ -417,10 +418,9 @@ class _Planner:
                         key,
                     )
                 )
-        if any(kind is Kind.LOCKFILE for kind in space.kinds.values()):
-            self.atime_needed[ns] = [
-                key for key in sorted(entry_keys) if f"{key}{ATIME_SUFFIX}" not in space.names
-            ]
+        lacking = keys_lacking_atime(space.kinds)
+        if lacking is not None:
+            self.atime_needed[ns] = lacking
 
     def _debris(self, scope: str) -> None:
         for d in sweep.find_debris(self.store, list(self.temp_paths), staging=not scope):

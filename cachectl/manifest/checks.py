@@ -46,78 +46,128 @@ def _semantic_problems(
 def _function_problems(
     spec: FunctionSpec, loc: Loc, target: Target | None
 ) -> Iterator[tuple[Loc, str]]:
-    axes = spec.buckets
-    declared = ", ".join(axes) or "none"
-    shape_axes: set[str] = set()
-
-    # Arguments.
+    shape_axes: set[str] = set()  # the axes the arguments' shapes use, filled by their checks
     for a, arg in enumerate(spec.args):
-        aloc = loc + ("args", a)
-        given = [k for k in ("shape", "pytree", "value") if k in arg.model_fields_set]
-        if len(given) != 1:
-            has = ", ".join(sorted(arg.model_fields_set)) or "nothing"
-            yield (
-                aloc,
-                f"an argument needs exactly one of shape (with dtype), pytree or value; this one has {has}",
-            )
-            continue
-        if arg.kind == "array":
-            if arg.dtype is None:
-                yield (
-                    aloc + ("dtype",),
-                    "required field missing (an array argument needs shape and dtype)",
-                )
-            for d, dim in enumerate(arg.shape or []):
-                if isinstance(dim, str):
-                    if dim in axes:
-                        shape_axes.add(dim)
-                    else:
-                        yield (
-                            aloc + ("shape", d),
-                            f"unknown axis {dim!r} (declared axes: {declared})",
-                        )
-                elif not (_is_int(dim) and dim >= 0):
-                    yield (
-                        aloc + ("shape", d),
-                        f"a dimension is a non-negative int or an axis name, got {_describe(dim)}",
-                    )
-        else:
-            for key in ("dtype", "weak_type"):
-                if key in arg.model_fields_set:
-                    yield aloc + (key,), f"only an array argument (shape) takes {key}"
-        if arg.leaf_axes is not None:
-            if arg.kind != "pytree":
-                yield aloc + ("leaf_axes",), "only a pytree argument takes leaf_axes"
-            else:
-                for lloc, problem, axis in _leaf_axes_problems(arg.leaf_axes, aloc, axes):
-                    if problem:
-                        yield lloc, problem
-                    else:
-                        shape_axes.add(axis)
-        if "pad" in arg.model_fields_set and (arg.kind != "array" or not _is_scalar(arg.pad)):
-            yield aloc + ("pad",), "pad is a scalar, given only on an array argument (shape)"
-        if arg.sharding == "single_device":
-            if arg.kind == "value":
-                yield aloc + ("sharding",), "a static value cannot be sharded"
-            elif spec.mesh is not None:
-                yield (
-                    aloc + ("sharding",),
-                    "single_device is for a function without a mesh; with a mesh, list mesh axes",
-                )
-        elif arg.sharding is not None:
-            if arg.kind == "value":
-                yield aloc + ("sharding",), "a static value cannot be sharded"
-            elif spec.mesh is None:
-                yield (
-                    aloc + ("sharding",),
-                    "sharding needs a mesh: add 'mesh: {axes: {NAME: SIZE}}' to this function",
-                )
-            else:
-                yield from _sharding_problems(arg, aloc, spec.mesh)
-
+        yield from _argument_problems(spec, arg, loc + ("args", a), shape_axes)
     yield from _extent_problems(spec, loc)
+    yield from _output_problems(spec, loc, shape_axes)
+    yield from _axis_problems(spec, loc, shape_axes)
+    yield from _exclude_problems(spec, loc)
+    yield from _kwarg_problems(spec, loc)
+    yield from _jit_problems(spec, loc)
 
-    # Outputs (cut by cachectl.serving).
+    # Mesh against the target.
+    if (
+        spec.mesh is not None
+        and target is not None
+        and target.device_count is not None
+        and spec.mesh.size > target.device_count
+    ):
+        yield (
+            loc + ("mesh", "axes"),
+            (
+                f"the mesh needs {spec.mesh.size} devices but target.device_count is {target.device_count}"
+            ),
+        )
+
+    # Something to compile must remain, and shardings must divide every bucket's shapes.
+    axes = spec.buckets
+    if (
+        axes
+        and all(values for values in axes.values())
+        and next(_bucket_values(spec), None) is None
+    ):
+        yield loc + ("exclude",), "exclude removes every bucket of this function"
+    if spec.mesh is not None:
+        yield from _divisibility_problems(spec, loc)
+
+
+def _argument_problems(
+    spec: FunctionSpec, arg: ArgSpec, aloc: Loc, shape_axes: set[str]
+) -> Iterator[tuple[Loc, str]]:
+    """One argument's problems; the axes its shape (or leaf_axes) uses go into ``shape_axes``."""
+    axes = spec.buckets
+    given = [k for k in ("shape", "pytree", "value") if k in arg.model_fields_set]
+    if len(given) != 1:
+        has = ", ".join(sorted(arg.model_fields_set)) or "nothing"
+        yield (
+            aloc,
+            f"an argument needs exactly one of shape (with dtype), pytree or value; this one has {has}",
+        )
+        return
+    if arg.kind == "array":
+        yield from _array_problems(arg, aloc, axes, shape_axes)
+    else:
+        for key in ("dtype", "weak_type"):
+            if key in arg.model_fields_set:
+                yield aloc + (key,), f"only an array argument (shape) takes {key}"
+    if arg.leaf_axes is not None:
+        if arg.kind != "pytree":
+            yield aloc + ("leaf_axes",), "only a pytree argument takes leaf_axes"
+        else:
+            for lloc, problem, axis in _leaf_axes_problems(arg.leaf_axes, aloc, axes):
+                if problem:
+                    yield lloc, problem
+                else:
+                    shape_axes.add(axis)
+    if "pad" in arg.model_fields_set and (arg.kind != "array" or not _is_scalar(arg.pad)):
+        yield aloc + ("pad",), "pad is a scalar, given only on an array argument (shape)"
+    yield from _argument_sharding_problems(spec, arg, aloc)
+
+
+def _array_problems(
+    arg: ArgSpec, aloc: Loc, axes: dict[str, Any], shape_axes: set[str]
+) -> Iterator[tuple[Loc, str]]:
+    """An array argument's dtype and shape: each dimension an int or a declared axis."""
+    if arg.dtype is None:
+        yield (
+            aloc + ("dtype",),
+            "required field missing (an array argument needs shape and dtype)",
+        )
+    declared = ", ".join(axes) or "none"
+    for d, dim in enumerate(arg.shape or []):
+        if isinstance(dim, str):
+            if dim in axes:
+                shape_axes.add(dim)
+            else:
+                yield (
+                    aloc + ("shape", d),
+                    f"unknown axis {dim!r} (declared axes: {declared})",
+                )
+        elif not (_is_int(dim) and dim >= 0):
+            yield (
+                aloc + ("shape", d),
+                f"a dimension is a non-negative int or an axis name, got {_describe(dim)}",
+            )
+
+
+def _argument_sharding_problems(
+    spec: FunctionSpec, arg: ArgSpec, aloc: Loc
+) -> Iterator[tuple[Loc, str]]:
+    if arg.sharding == "single_device":
+        if arg.kind == "value":
+            yield aloc + ("sharding",), "a static value cannot be sharded"
+        elif spec.mesh is not None:
+            yield (
+                aloc + ("sharding",),
+                "single_device is for a function without a mesh; with a mesh, list mesh axes",
+            )
+    elif arg.sharding is not None:
+        if arg.kind == "value":
+            yield aloc + ("sharding",), "a static value cannot be sharded"
+        elif spec.mesh is None:
+            yield (
+                aloc + ("sharding",),
+                "sharding needs a mesh: add 'mesh: {axes: {NAME: SIZE}}' to this function",
+            )
+        else:
+            yield from _sharding_problems(arg, aloc, spec.mesh)
+
+
+def _output_problems(
+    spec: FunctionSpec, loc: Loc, shape_axes: set[str]
+) -> Iterator[tuple[Loc, str]]:
+    """Outputs (cut by cachectl.serving): each dimension an int or an axis the arguments use."""
     for o, out in enumerate(spec.outputs or []):
         for d, dim in enumerate(out.shape if out is not None else []):
             if isinstance(dim, str) and dim not in shape_axes:
@@ -131,8 +181,10 @@ def _function_problems(
                     f"a dimension is a non-negative int or an axis name, got {_describe(dim)}",
                 )
 
-    # Bucket axes.
-    for axis, values in axes.items():
+
+def _axis_problems(spec: FunctionSpec, loc: Loc, shape_axes: set[str]) -> Iterator[tuple[Loc, str]]:
+    """Bucket axes: non-empty lists of distinct scalars, non-negative ints where a shape uses them."""
+    for axis, values in spec.buckets.items():
         vloc = loc + ("buckets", axis)
         if not values:
             yield vloc, "an axis needs a non-empty list of values"
@@ -150,7 +202,10 @@ def _function_problems(
             elif _contains(values[:v], value):
                 yield vloc + (v,), f"duplicate value {value!r} in axis {axis!r}"
 
-    # Excludes.
+
+def _exclude_problems(spec: FunctionSpec, loc: Loc) -> Iterator[tuple[Loc, str]]:
+    axes = spec.buckets
+    declared = ", ".join(axes) or "none"
     for e, entry in enumerate(spec.exclude):
         eloc = loc + ("exclude", e)
         if not entry:
@@ -161,19 +216,23 @@ def _function_problems(
             elif not _contains(axes[axis], value):
                 yield eloc + (axis,), f"{value!r} is not a value of axis {axis!r} ({axes[axis]})"
 
-    # Keyword arguments.
+
+def _kwarg_problems(spec: FunctionSpec, loc: Loc) -> Iterator[tuple[Loc, str]]:
+    declared = ", ".join(spec.buckets) or "none"
     for key, value in spec.kwargs.items():
         kloc = loc + ("kwargs", key)
         if isinstance(value, dict):
             if set(value) != {"axis"}:
                 yield kloc, "a keyword value is a static literal or {axis: NAME}"
-            elif value["axis"] not in axes:
+            elif value["axis"] not in spec.buckets:
                 yield (
                     kloc + ("axis",),
                     f"unknown axis {value['axis']!r} (declared axes: {declared})",
                 )
 
-    # jit options against the argument list.
+
+def _jit_problems(spec: FunctionSpec, loc: Loc) -> Iterator[tuple[Loc, str]]:
+    """jit options against the argument list: in range, static ones values, donated ones not."""
     nargs = len(spec.args)
     for field, wanted in (("static_argnums", "value"), ("donate_argnums", "array")):
         for n, num in enumerate(getattr(spec.jit, field)):
@@ -189,30 +248,6 @@ def _function_problems(
                 )
             if wanted == "array" and kind == "value":
                 yield nloc, f"argument {num % nargs} is a static value and cannot be donated"
-
-    # Mesh against the target.
-    if (
-        spec.mesh is not None
-        and target is not None
-        and target.device_count is not None
-        and spec.mesh.size > target.device_count
-    ):
-        yield (
-            loc + ("mesh", "axes"),
-            (
-                f"the mesh needs {spec.mesh.size} devices but target.device_count is {target.device_count}"
-            ),
-        )
-
-    # Something to compile must remain, and shardings must divide every bucket's shapes.
-    if (
-        axes
-        and all(values for values in axes.values())
-        and next(_bucket_values(spec), None) is None
-    ):
-        yield loc + ("exclude",), "exclude removes every bucket of this function"
-    if spec.mesh is not None:
-        yield from _divisibility_problems(spec, loc)
 
 
 _LEAF_AXES_FORM = (

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import os
 import stat
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import Any, NamedTuple
 
 from cachectl.context import Context
 from cachectl.core.config import TRUE_WORDS
@@ -23,7 +23,7 @@ from cachectl.core.fingerprint import Environment
 from cachectl.core.units import format_size
 from cachectl.index import CacheInfo, EnvironmentInfo
 from cachectl.service.activate import fail_fast_options
-from cachectl.storage.entries import ATIME_SUFFIX, Kind, classify
+from cachectl.storage.entries import Kind, classify, keys_lacking_atime
 from cachectl.storage.store import Store, normalize_url
 
 ERROR, WARNING, INFO = "error", "warning", "info"
@@ -87,6 +87,88 @@ def _flags_message(here: tuple[str, ...], warmed: tuple[str, ...]) -> str:
     return "XLA_FLAGS differ: " + "; ".join(parts)
 
 
+# (message, fix) for a field that differs, from (field name, value here, value warmed).
+_Words = Callable[[str, Any, Any], tuple[str, str]]
+
+
+def _template(message: str, fix: str) -> _Words:
+    """Words that only fill in the two values (``{here}``, ``{warmed}``)."""
+    return lambda _name, here, warmed: (
+        message.format(here=here, warmed=warmed),
+        fix.format(here=here, warmed=warmed),
+    )
+
+
+def _compression_words(_name: str, here: Any, warmed: Any) -> tuple[str, str]:
+    if here == "zlib" and warmed == "zstandard":
+        return (
+            "compression: zlib here, zstandard in the warmed namespace — install zstandard",
+            "pip install zstandard (JAX hashes the compression library into every key)",
+        )
+    return (
+        f"compression: {here} here, {warmed} in the warmed namespace",
+        f"make both sides use {warmed} (JAX uses zstandard whenever it is importable), "
+        "or warm again here",
+    )
+
+
+def _version_words(name: str, here: Any, warmed: Any) -> tuple[str, str]:
+    pkg = name.split("_")[0]
+    return (
+        f"{pkg} {here} vs {warmed} (here vs warmed)",
+        f"install {pkg}=={warmed}, or warm again with {pkg} {here}",
+    )
+
+
+def _count_words(name: str, here: Any, warmed: Any) -> tuple[str, str]:
+    hint = (
+        " (on CPU: XLA_FLAGS=--xla_force_host_platform_device_count=N)"
+        if name == "device_count"
+        else ""
+    )
+    return (
+        f"{name} {here} vs {warmed} (here vs warmed)",
+        f"run with {warmed} {name.split('_')[0]}s as warm did{hint}, or warm for {here}",
+    )
+
+
+def _metadata_words(_name: str, here: Any, warmed: Any) -> tuple[str, str]:
+    return (
+        f"include_metadata_in_key {here} vs {warmed} (here vs warmed)",
+        f"set JAX_COMPILATION_CACHE_INCLUDE_METADATA_IN_KEY={str(warmed).lower()}",
+    )
+
+
+_WORDS: dict[str, _Words] = {
+    "compression": _compression_words,
+    "jax_version": _version_words,
+    "jaxlib_version": _version_words,
+    "device_count": _count_words,
+    "process_count": _count_words,
+    "backend": _template(
+        "backend {here} vs {warmed} (here vs warmed)",
+        "run on {warmed}, or warm on this {here} machine",
+    ),
+    "device_kind": _template(
+        "device kind {here!r} vs {warmed!r} (here vs warmed)",
+        "warm on the hardware the service runs on",
+    ),
+    "platform_version": _template(
+        "platform version {here!r} vs {warmed!r} (driver/runtime, here vs warmed)",
+        "use the same CUDA/ROCm driver or libtpu as warm, or warm again here",
+    ),
+    "topology": _template(
+        "device topology {here} vs {warmed} (here vs warmed)",
+        "run on the same slice shape as warm, or warm for this topology",
+    ),
+    "enable_xla_caches": _template(
+        "enable_xla_caches {here!r} vs {warmed!r} (here vs warmed)",
+        "use cachectl.activate() or `cachectl exec` on both sides (they set 'none')",
+    ),
+    "include_metadata_in_key": _metadata_words,
+}
+
+
 def describe_difference(name: str, here: Any, warmed: Any) -> Difference:
     """A differing Environment field in the words a person would use."""
     if name == "xla_flags":
@@ -98,96 +180,13 @@ def describe_difference(name: str, here: Any, warmed: Any) -> Difference:
             _flags_message(tuple(here), tuple(warmed)),
             f"run with the XLA flags warm used ({wanted}), or warm again with this process' flags",
         )
-    if name == "compression":
-        if here == "zlib" and warmed == "zstandard":
-            return Difference(
-                name,
-                here,
-                warmed,
-                "compression: zlib here, zstandard in the warmed namespace — install zstandard",
-                "pip install zstandard (JAX hashes the compression library into every key)",
-            )
+    words = _WORDS.get(name)
+    if words is None:
         return Difference(
-            name,
-            here,
-            warmed,
-            f"compression: {here} here, {warmed} in the warmed namespace",
-            f"make both sides use {warmed} (JAX uses zstandard whenever it is importable), "
-            "or warm again here",
+            name, here, warmed, f"{name} {here} vs {warmed} (here vs warmed)", "warm again here"
         )
-    if name in ("jax_version", "jaxlib_version"):
-        pkg = name.split("_")[0]
-        return Difference(
-            name,
-            here,
-            warmed,
-            f"{pkg} {here} vs {warmed} (here vs warmed)",
-            f"install {pkg}=={warmed}, or warm again with {pkg} {here}",
-        )
-    if name in ("device_count", "process_count"):
-        hint = (
-            " (on CPU: XLA_FLAGS=--xla_force_host_platform_device_count=N)"
-            if name == "device_count"
-            else ""
-        )
-        return Difference(
-            name,
-            here,
-            warmed,
-            f"{name} {here} vs {warmed} (here vs warmed)",
-            f"run with {warmed} {name.split('_')[0]}s as warm did{hint}, or warm for {here}",
-        )
-    if name == "backend":
-        return Difference(
-            name,
-            here,
-            warmed,
-            f"backend {here} vs {warmed} (here vs warmed)",
-            f"run on {warmed}, or warm on this {here} machine",
-        )
-    if name == "device_kind":
-        return Difference(
-            name,
-            here,
-            warmed,
-            f"device kind {here!r} vs {warmed!r} (here vs warmed)",
-            "warm on the hardware the service runs on",
-        )
-    if name == "platform_version":
-        return Difference(
-            name,
-            here,
-            warmed,
-            f"platform version {here!r} vs {warmed!r} (driver/runtime, here vs warmed)",
-            "use the same CUDA/ROCm driver or libtpu as warm, or warm again here",
-        )
-    if name == "topology":
-        return Difference(
-            name,
-            here,
-            warmed,
-            f"device topology {here} vs {warmed} (here vs warmed)",
-            "run on the same slice shape as warm, or warm for this topology",
-        )
-    if name == "enable_xla_caches":
-        return Difference(
-            name,
-            here,
-            warmed,
-            f"enable_xla_caches {here!r} vs {warmed!r} (here vs warmed)",
-            "use cachectl.activate() or `cachectl exec` on both sides (they set 'none')",
-        )
-    if name == "include_metadata_in_key":
-        return Difference(
-            name,
-            here,
-            warmed,
-            f"include_metadata_in_key {here} vs {warmed} (here vs warmed)",
-            f"set JAX_COMPILATION_CACHE_INCLUDE_METADATA_IN_KEY={str(warmed).lower()}",
-        )
-    return Difference(
-        name, here, warmed, f"{name} {here} vs {warmed} (here vs warmed)", "warm again here"
-    )
+    message, fix = words(name, here, warmed)
+    return Difference(name, here, warmed, message, fix)
 
 
 def compare(here: Environment, warmed: Environment) -> list[Difference]:
@@ -304,10 +303,9 @@ def check_namespace_files(store: Store, relpath: str, indexed_entries: int | Non
     files = store.list(relpath)
     names = {f.path[len(relpath) :].lstrip("/") for f in files}
     kinds = {n: classify(n) for n in names}
-    entries = {n[: -len("-cache")] for n, k in kinds.items() if k is Kind.ENTRY}
-    atimes = {n[: -len(ATIME_SUFFIX)] for n, k in kinds.items() if k is Kind.ATIME}
-    if any(k is Kind.LOCKFILE for k in kinds.values()):
-        lacking = sorted(entries - atimes)
+    entries = sum(kind is Kind.ENTRY for kind in kinds.values())
+    lacking = keys_lacking_atime(kinds)
+    if lacking is not None:
         if lacking:
             out.append(
                 Finding(
@@ -330,12 +328,12 @@ def check_namespace_files(store: Store, relpath: str, indexed_entries: int | Non
                     "find it and unset JAX_COMPILATION_CACHE_MAX_SIZE there; then remove the .lockfile and *-atime files",
                 )
             )
-    if indexed_entries is not None and indexed_entries != len(entries):
+    if indexed_entries is not None and indexed_entries != entries:
         out.append(
             Finding(
                 WARNING,
                 "drift",
-                f"the index lists {indexed_entries} entries for this environment, storage holds {len(entries)}",
+                f"the index lists {indexed_entries} entries for this environment, storage holds {entries}",
                 "run `cachectl sync`",
             )
         )
@@ -411,6 +409,142 @@ def _jax_config_values() -> dict[str, Any]:
     return {n: getattr(jax.config, n, None) for n in names}
 
 
+def _lookup_cache(ctx: Context, findings: list[Finding]) -> CacheInfo | None:
+    """The cache's row, or None (with the finding) when the index is unreachable."""
+    try:
+        return ctx.cache()
+    except Unreachable as exc:
+        findings.append(
+            Finding(
+                ERROR,
+                "index",
+                f"index unreachable: {exc.message}",
+                "check CACHECTL_DB and the database; services still start from CACHECTL_ROOT meanwhile",
+            )
+        )
+        return None
+
+
+class _Storage(NamedTuple):
+    """The cache's root and, when its URL is usable, its store and this environment's namespace."""
+
+    root: str | None
+    store: Store | None
+    namespace_url: str | None
+
+
+def _open_storage(
+    ctx: Context, cache: CacheInfo | None, env: Environment, findings: list[Finding]
+) -> _Storage:
+    root = ctx.settings.root or (cache.root_url if cache else None)
+    if not root:
+        return _Storage(root, None, None)
+    try:
+        url = normalize_url(root)
+        store = Store(url, fail_fast_options(url, cache.storage_options if cache else None))
+        return _Storage(root, store, store.url_for(env.namespace))
+    except CachectlError as exc:
+        findings.append(Finding(ERROR, "storage", exc.message, "fix the cache's root URL"))
+        return _Storage(root, None, None)
+
+
+@dataclass(frozen=True)
+class _EnvironmentCheck:
+    """This environment against the cache's warmed ones: its entries (None: not indexed) or,
+    when it has none, the nearest warmed environment and how it differs."""
+
+    warmed_entries: int | None = None
+    nearest: EnvironmentInfo | None = None
+    differences: list[Difference] = field(default_factory=list)
+
+
+def _check_environment(
+    ctx: Context, cache: CacheInfo, env: Environment, findings: list[Finding]
+) -> _EnvironmentCheck:
+    try:
+        envs = ctx.index.environment_stats(cache.name)
+    except Unreachable as exc:
+        envs = []
+        findings.append(
+            Finding(
+                ERROR,
+                "index",
+                f"index unreachable: {exc.message}",
+                "check CACHECTL_DB and the database",
+            )
+        )
+    mine = next((e for e in envs if e.digest == env.digest), None)
+    if mine is not None and mine.entries > 0:
+        findings.append(
+            Finding(
+                INFO,
+                "environment",
+                f"this environment ({env.digest[:16]}) is warmed: {mine.entries} entries, "
+                f"{format_size(mine.bytes)} in {env.namespace}",
+            )
+        )
+        return _EnvironmentCheck(mine.entries)
+    warmed_entries = mine.entries if mine is not None else None
+    found = nearest(env, [e for e in envs if e.entries > 0 and e.digest != env.digest])
+    if found is None:
+        findings.append(
+            Finding(
+                WARNING,
+                "environment",
+                f"cache {cache.name!r} holds no warmed environment: every compile misses until warm runs",
+                "run `cachectl warm MANIFEST` on the hardware the service runs on",
+            )
+        )
+        return _EnvironmentCheck(warmed_entries)
+    near, diffs = found
+    findings.append(
+        Finding(
+            ERROR,
+            "environment",
+            f"no entries for this environment ({env.digest[:16]}) in cache {cache.name!r}: every "
+            f"compile will miss. Nearest warmed environment: {near.namespace} ({near.entries} entries), "
+            f"{len(diffs)} difference(s)",
+            "make this process match it (below), or warm on this machine",
+        )
+    )
+    findings.extend(Finding(ERROR, f"env:{d.field}", d.message, d.fix) for d in diffs)
+    return _EnvironmentCheck(warmed_entries, near, diffs)
+
+
+def _check_storage(
+    storage: _Storage, env: Environment, cache: CacheInfo | None, warmed_entries: int | None
+) -> list[Finding]:
+    """The namespace's files and permissions; an unreachable or unreadable bucket is a finding."""
+    store = storage.store
+    if store is None:
+        return []
+    out: list[Finding] = []
+    try:
+        store.check_reachable()
+        out.extend(check_namespace_files(store, env.namespace, warmed_entries))
+        out.extend(check_local_permissions(store, env.namespace, cache))
+    except Unreachable as exc:
+        out.append(
+            Finding(
+                ERROR,
+                "storage",
+                exc.message,
+                "check the bucket, its endpoint (AWS_ENDPOINT_URL / STORAGE_EMULATOR_HOST) and credentials; "
+                "services still run, compiling everything",
+            )
+        )
+    except Exception as exc:  # noqa: BLE001 - a listing error is a finding, not a crash
+        out.append(
+            Finding(
+                ERROR,
+                "storage",
+                f"cannot read {storage.root}: {type(exc).__name__}: {exc}".splitlines()[0],
+                "check the storage and its credentials",
+            )
+        )
+    return out
+
+
 def diagnose(
     ctx: Context,
     *,
@@ -424,122 +558,23 @@ def diagnose(
     jax_config = _jax_config_values() if jax_config is None else jax_config
     cache_name = ctx.settings.cache
     findings: list[Finding] = []
-
-    cache: CacheInfo | None = None
-    try:
-        cache = ctx.cache()
-    except Unreachable as exc:
-        findings.append(
-            Finding(
-                ERROR,
-                "index",
-                f"index unreachable: {exc.message}",
-                "check CACHECTL_DB and the database; services still start from CACHECTL_ROOT meanwhile",
-            )
-        )
-
-    root = ctx.settings.root or (cache.root_url if cache else None)
-    store: Store | None = None
-    namespace_url = None
-    if root:
-        try:
-            url = normalize_url(root)
-            store = Store(url, fail_fast_options(url, cache.storage_options if cache else None))
-            namespace_url = store.url_for(env.namespace)
-        except CachectlError as exc:
-            findings.append(Finding(ERROR, "storage", exc.message, "fix the cache's root URL"))
-
-    warmed_entries: int | None = None
-    near: EnvironmentInfo | None = None
-    diffs: list[Difference] = []
+    cache = _lookup_cache(ctx, findings)
+    storage = _open_storage(ctx, cache, env, findings)
+    checked = _EnvironmentCheck()
     if cache is not None:
-        try:
-            envs = ctx.index.environment_stats(cache.name)
-        except Unreachable as exc:
-            envs = []
-            findings.append(
-                Finding(
-                    ERROR,
-                    "index",
-                    f"index unreachable: {exc.message}",
-                    "check CACHECTL_DB and the database",
-                )
-            )
-        mine = next((e for e in envs if e.digest == env.digest), None)
-        warmed = [e for e in envs if e.entries > 0 and e.digest != env.digest]
-        if mine is not None and mine.entries > 0:
-            warmed_entries = mine.entries
-            findings.append(
-                Finding(
-                    INFO,
-                    "environment",
-                    f"this environment ({env.digest[:16]}) is warmed: {mine.entries} entries, "
-                    f"{format_size(mine.bytes)} in {env.namespace}",
-                )
-            )
-        else:
-            warmed_entries = mine.entries if mine is not None else None
-            found = nearest(env, warmed)
-            if found is None:
-                findings.append(
-                    Finding(
-                        WARNING,
-                        "environment",
-                        f"cache {cache.name!r} holds no warmed environment: every compile misses until warm runs",
-                        "run `cachectl warm MANIFEST` on the hardware the service runs on",
-                    )
-                )
-            else:
-                near, diffs = found
-                findings.append(
-                    Finding(
-                        ERROR,
-                        "environment",
-                        f"no entries for this environment ({env.digest[:16]}) in cache {cache.name!r}: every "
-                        f"compile will miss. Nearest warmed environment: {near.namespace} ({near.entries} entries), "
-                        f"{len(diffs)} difference(s)",
-                        "make this process match it (below), or warm on this machine",
-                    )
-                )
-                for d in diffs:
-                    findings.append(Finding(ERROR, f"env:{d.field}", d.message, d.fix))
-
-    findings.extend(check_process_config(environ, jax_config, namespace_url))
-
-    if store is not None:
-        try:
-            store.check_reachable()
-            findings.extend(check_namespace_files(store, env.namespace, warmed_entries))
-            findings.extend(check_local_permissions(store, env.namespace, cache))
-        except Unreachable as exc:
-            findings.append(
-                Finding(
-                    ERROR,
-                    "storage",
-                    exc.message,
-                    "check the bucket, its endpoint (AWS_ENDPOINT_URL / STORAGE_EMULATOR_HOST) and credentials; "
-                    "services still run, compiling everything",
-                )
-            )
-        except Exception as exc:  # noqa: BLE001 - a listing error is a finding, not a crash
-            findings.append(
-                Finding(
-                    ERROR,
-                    "storage",
-                    f"cannot read {root}: {type(exc).__name__}: {exc}".splitlines()[0],
-                    "check the storage and its credentials",
-                )
-            )
-
+        checked = _check_environment(ctx, cache, env, findings)
+    findings.extend(check_process_config(environ, jax_config, storage.namespace_url))
+    findings.extend(_check_storage(storage, env, cache, checked.warmed_entries))
     findings.sort(key=lambda f: _ORDER.get(f.severity, 3))
+    near = checked.nearest
     return DoctorReport(
         cache=cache_name,
-        root=root,
+        root=storage.root,
         environment=env.digest,
         namespace=env.namespace,
-        warmed_entries=warmed_entries,
+        warmed_entries=checked.warmed_entries,
         nearest=near.digest if near else None,
         nearest_namespace=near.namespace if near else None,
-        differences=diffs,
+        differences=checked.differences,
         findings=findings,
     )

@@ -16,28 +16,28 @@ Stored executables (``<key>-aot``, cachectl/storage/executables.py) travel with 
 pull copies each indexed one whose entry is in the mirror, after checking its
 sha256 against the index (an ``-aot`` the index does not know, or one whose
 bytes changed, is refused like an entry); push uploads a run's executables
-whose header checks out and whose entry is shared, and records them.
+whose header checks out and whose entry is shared, and records them
+(cachectl/service/mirror_push.py).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
-from typing import TypeVar
+from typing import NamedTuple, TypeVar
 
 from cachectl.context import Context
 from cachectl.core.config import MIRROR_WORKERS as DEFAULT_WORKERS
 from cachectl.core.errors import BadInput, NotFound
 from cachectl.core.fingerprint import Environment
-from cachectl.index import CacheInfo, NewEntry
+from cachectl.index import CacheInfo
 from cachectl.index.protocol import IndexBackend
-from cachectl.storage import ingest
 from cachectl.storage.entries import (
     AOT_SUFFIX,
     CACHE_SUFFIX,
@@ -50,8 +50,7 @@ from cachectl.storage.entries import (
     sha256,
 )
 from cachectl.storage.store import NotRegularFile, Store
-from cachectl.trust.permissions import check_writer
-from cachectl.trust.signing import coverage
+from cachectl.trust.signing import Coverage, coverage
 
 FILE_MODE = 0o644
 DIR_MODE = 0o755
@@ -95,32 +94,6 @@ class PullResult:
     @property
     def ok(self) -> bool:
         """No entry was refused or failed to copy (missing ones are the index's business)."""
-        return not self.refused and not self.failed
-
-
-@dataclass(frozen=True)
-class PushResult:
-    cache: str
-    environment: str
-    namespace: str
-    source: str
-    dest: str
-    uploaded: int
-    bytes_uploaded: int
-    already_shared: int
-    conflicts: list[EntryProblem] = field(default_factory=list)
-    refused: list[EntryProblem] = field(default_factory=list)
-    failed: list[EntryProblem] = field(default_factory=list)
-    duration_s: float = 0.0
-    dry_run: bool = False
-    executables_uploaded: int = 0  # their bytes are in bytes_uploaded
-    # (file name, size, sha256) of every file this push wrote: what its signer signs.
-    written: tuple[tuple[str, int, str], ...] = field(default=(), metadata={"json": False})
-
-    __json_extra__ = ("ok",)
-
-    @property
-    def ok(self) -> bool:
         return not self.refused and not self.failed
 
 
@@ -228,6 +201,191 @@ def _local_state(
     return present, todo
 
 
+def _file_key(name: str) -> tuple[Kind, str] | None:
+    """(Kind.ENTRY or Kind.AOT, key) of an entry's or a stored executable's file name, else None."""
+    kind = classify(name)
+    if kind is Kind.ENTRY:
+        parsed = parse_entry_filename(name)
+    elif kind is Kind.AOT:
+        parsed = parse_aot_filename(name)
+    else:
+        return None
+    assert parsed is not None
+    return kind, parsed.key
+
+
+@dataclass(frozen=True)
+class _Indexed:
+    """What a pull may copy: {key: (size, sha256)} of the indexed entries and of their stored
+    executables, less every file a trusted key did not sign (each one in ``unsigned``)."""
+
+    entries: dict[str, tuple[int, str]]
+    executables: dict[str, tuple[int, str]]
+    unsigned: list[EntryProblem]
+    covered: Coverage | None  # None: the cache trusts no keys
+
+
+def _indexed(index: IndexBackend, cache: CacheInfo, env: Environment) -> _Indexed:
+    """The index's entries of ``env`` (and their executables); with trusted keys, only what a
+    trusted key signed: each unsigned file is refused alone."""
+    try:
+        info = index.find_environment(cache.name, env.digest)
+    except NotFound as exc:
+        raise NotFound(
+            f"environment {env.digest[:16]} is not in cache {cache.name!r}, so there is nothing "
+            "verified to pull: warm it here first, or run `cachectl doctor` to see why it differs"
+        ) from exc
+    expected = index.entry_keys(info.id)
+    expected_aot = {k: v for k, v in index.aot_keys(info.id).items() if k in expected}
+    covered = coverage(index, cache, info)
+    if covered is None:
+        return _Indexed(expected, expected_aot, [], None)
+    unsigned: list[EntryProblem] = []
+    signed: list[dict[str, tuple[int, str]]] = []
+    for suffix, wanted, prefix in (
+        (CACHE_SUFFIX, expected, ""),
+        (AOT_SUFFIX, expected_aot, AOT_REASON),
+    ):
+        kept = {k: v for k, v in wanted.items() if covered.covers(k + suffix, *v)}
+        unsigned += [
+            EntryProblem(k, prefix + covered.reason()) for k in sorted(wanted) if k not in kept
+        ]
+        signed.append(kept)
+    entries, executables = signed
+    executables = {k: v for k, v in executables.items() if k in entries}
+    return _Indexed(entries, executables, unsigned, covered)
+
+
+def _mirror_dir(
+    dest: str | os.PathLike[str], env: Environment, covered: Coverage | None, dry_run: bool
+) -> Path:
+    """The mirror directory, made with the signed list beside the copies (a service verifies it
+    with the key, no index); a dry run makes nothing but still refuses another environment's."""
+    directory = Path(dest).expanduser().absolute()
+    if dry_run:
+        existing = read_mirror_env(directory) if directory.is_dir() else None
+        if existing is not None and existing.digest != env.digest:
+            raise BadInput(
+                f"mirror {directory} holds environment {existing.digest[:16]}, not this one "
+                f"({env.digest[:16]}): pull into another directory"
+            )
+        return directory
+    directory = prepare_mirror_dir(directory, env)
+    if covered is not None and covered.document is not None:
+        signature = json.dumps(covered.document, indent=1, sort_keys=True).encode()
+        _atomic_write(directory / SIGNATURE_FILE, signature)
+    return directory
+
+
+class _Listing(NamedTuple):
+    """The namespace's entries and stored executables in storage: {key: size}."""
+
+    entries: dict[str, int]
+    executables: dict[str, int]
+
+
+def _list_namespace(store: Store, ns: str) -> _Listing:
+    listing = _Listing({}, {})
+    for f in store.list(ns):
+        found = _file_key(f.path[len(ns) :].lstrip("/") if f.path.startswith(ns) else f.path)
+        if found is not None:
+            kind, key = found
+            (listing.entries if kind is Kind.ENTRY else listing.executables)[key] = f.size
+    return listing
+
+
+def _not_indexed(indexed: _Indexed, listing: _Listing) -> list[EntryProblem]:
+    """The unsigned files, then every listed file the index does not know (an unsigned one is
+    refused once, as unsigned)."""
+    seen = {(p.key, p.reason.startswith(AOT_REASON)) for p in indexed.unsigned}
+    refused = list(indexed.unsigned)
+    refused += [
+        EntryProblem(k, NOT_INDEXED)
+        for k in sorted(set(listing.entries) - set(indexed.entries))
+        if (k, False) not in seen
+    ]
+    refused += [
+        EntryProblem(k, AOT_REASON + NOT_INDEXED)
+        for k in sorted(set(listing.executables) - set(indexed.executables))
+        if (k, True) not in seen
+    ]
+    return refused
+
+
+@dataclass
+class _Copies:
+    """What the copy stage did, tallied as the reads come back."""
+
+    entries: int = 0
+    executables: int = 0
+    nbytes: int = 0
+    refused: list[EntryProblem] = field(default_factory=list)
+    missing: list[str] = field(default_factory=list)  # deleted between listing and reading
+    failed: list[EntryProblem] = field(default_factory=list)
+
+
+def _copy(
+    store: Store,
+    ns: str,
+    directory: Path,
+    indexed: _Indexed,
+    todo: list[str],
+    aot_todo: list[str],
+    workers: int,
+) -> _Copies:
+    """Fetch the ``todo`` entries, then the ``aot_todo`` executables whose entry is in the mirror;
+    each file is written only if its bytes have the sha256 the index recorded."""
+    out = _Copies()
+
+    def fetcher(suffix: str, want_of: dict[str, tuple[int, str]]) -> Callable[[str], int]:
+        def fetch(key: str) -> int:
+            data = store.read_bytes(f"{ns}/{key}{suffix}")
+            got = sha256(data)
+            want = want_of[key][1]
+            if got != want:
+                raise _Tampered(
+                    f"sha256 {got[:16]}… in storage, {want[:16]}… in the index: not copied "
+                    "(the object changed after it was recorded; run `cachectl verify`)"
+                )
+            _atomic_write(directory / (key + suffix), data)
+            return len(data)
+
+        return fetch
+
+    pending = set(todo)
+    in_mirror = {k for k in indexed.entries if k not in pending}
+    for key, outcome in _parallel(fetcher(CACHE_SUFFIX, indexed.entries), todo, workers):
+        if isinstance(outcome, _Tampered):
+            out.refused.append(EntryProblem(key, str(outcome)))
+        elif isinstance(outcome, NotRegularFile):
+            out.refused.append(
+                EntryProblem(
+                    key, "not a regular file in storage (a symlink?): never read or copied"
+                )
+            )
+        elif isinstance(outcome, FileNotFoundError):
+            out.missing.append(key)
+        elif isinstance(outcome, Exception):
+            out.failed.append(EntryProblem(key, _error(outcome)))
+        else:
+            out.entries += 1
+            out.nbytes += outcome
+            in_mirror.add(key)
+    # An executable is only of use beside its entry: copy those whose entry is in the mirror.
+    aot_todo = [k for k in aot_todo if k in in_mirror]
+    for key, outcome in _parallel(fetcher(AOT_SUFFIX, indexed.executables), aot_todo, workers):
+        if isinstance(outcome, _Tampered):
+            out.refused.append(EntryProblem(key, AOT_REASON + str(outcome)))
+        elif isinstance(outcome, FileNotFoundError):
+            continue  # deleted between listing and reading: the next pull (or sync) settles it
+        elif isinstance(outcome, Exception):
+            out.failed.append(EntryProblem(key, AOT_REASON + _error(outcome)))
+        else:
+            out.executables += 1
+            out.nbytes += outcome
+    return out
+
+
 def pull_namespace(
     index: IndexBackend,
     cache: CacheInfo,
@@ -252,170 +410,56 @@ def pull_namespace(
     """
     started = time.monotonic()
     ns = env.namespace
-    try:
-        info = index.find_environment(cache.name, env.digest)
-    except NotFound as exc:
-        raise NotFound(
-            f"environment {env.digest[:16]} is not in cache {cache.name!r}, so there is nothing "
-            "verified to pull: warm it here first, or run `cachectl doctor` to see why it differs"
-        ) from exc
-    expected = index.entry_keys(info.id)
-    expected_aot = {k: v for k, v in index.aot_keys(info.id).items() if k in expected}
-    # With trusted keys: only what a trusted key signed; each unsigned file is refused alone.
-    unsigned: list[EntryProblem] = []
-    covered = coverage(index, cache, info)
-    if covered is not None:
-        for suffix, wanted, prefix in (
-            (CACHE_SUFFIX, expected, ""),
-            (AOT_SUFFIX, expected_aot, AOT_REASON),
-        ):
-            for key in sorted(wanted):
-                if not covered.covers(key + suffix, *wanted[key]):
-                    unsigned.append(EntryProblem(key, prefix + covered.reason()))
-                    del wanted[key]
-        expected_aot = {k: v for k, v in expected_aot.items() if k in expected}
-
-    directory = Path(dest).expanduser().absolute()
-    if not dry_run:
-        directory = prepare_mirror_dir(directory, env)
-        if covered is not None and covered.document is not None:
-            # The signed list beside the copies: a service verifies it with the key, no index.
-            signature = json.dumps(covered.document, indent=1, sort_keys=True).encode()
-            _atomic_write(directory / SIGNATURE_FILE, signature)
-    else:
-        existing = read_mirror_env(directory) if directory.is_dir() else None
-        if existing is not None and existing.digest != env.digest:
-            raise BadInput(
-                f"mirror {directory} holds environment {existing.digest[:16]}, not this one "
-                f"({env.digest[:16]}): pull into another directory"
-            )
-    present, todo = _local_state(directory, expected, verify_existing)
-    aot_present, aot_todo = _local_state(directory, expected_aot, verify_existing, AOT_SUFFIX)
-    if skip_storage_if_complete and expected and not todo and not aot_todo:
-        return PullResult(
-            cache=cache.name,
-            environment=env.digest,
-            namespace=ns,
+    indexed = _indexed(index, cache, env)
+    directory = _mirror_dir(dest, env, indexed.covered, dry_run)
+    present, todo = _local_state(directory, indexed.entries, verify_existing)
+    aot_present, aot_todo = _local_state(
+        directory, indexed.executables, verify_existing, AOT_SUFFIX
+    )
+    result = partial(
+        PullResult,
+        cache=cache.name,
+        environment=env.digest,
+        namespace=ns,
+        dest=str(directory),
+        indexed=len(indexed.entries),
+        present=present,
+        dry_run=dry_run,
+        executables_indexed=len(indexed.executables),
+        executables_present=aot_present,
+    )
+    if skip_storage_if_complete and indexed.entries and not todo and not aot_todo:
+        return result(
             source=f"{cache.root_url.rstrip('/')}/{ns}",
-            dest=str(directory),
-            indexed=len(expected),
             copied=0,
-            present=present,
             bytes_copied=0,
             duration_s=time.monotonic() - started,
-            dry_run=dry_run,
             storage_listed=False,
-            executables_indexed=len(expected_aot),
-            executables_present=aot_present,
         )
 
     if store is None:
         store = Store(cache.root_url, cache.storage_options)
     elif not isinstance(store, Store):
         store = store()
-    source = store.url_for(ns)
-    listed: dict[str, int] = {}
-    listed_aot: dict[str, int] = {}
-    for f in store.list(ns):
-        name = f.path[len(ns) :].lstrip("/") if f.path.startswith(ns) else f.path
-        kind = classify(name)
-        if kind is Kind.ENTRY:
-            parsed = parse_entry_filename(name)
-            assert parsed is not None
-            listed[parsed.key] = f.size
-        elif kind is Kind.AOT:
-            parsed = parse_aot_filename(name)
-            assert parsed is not None
-            listed_aot[parsed.key] = f.size
-    unknown = NOT_INDEXED
-    refused = list(unsigned)
-    seen = {(p.key, p.reason.startswith(AOT_REASON)) for p in unsigned}
-    refused += [
-        EntryProblem(k, unknown)
-        for k in sorted(set(listed) - set(expected))
-        if (k, False) not in seen
-    ]
-    refused += [
-        EntryProblem(k, AOT_REASON + unknown)
-        for k in sorted(set(listed_aot) - set(expected_aot))
-        if (k, True) not in seen
-    ]
-    missing = sorted(set(expected) - set(listed))
-    todo = [k for k in todo if k in listed]
-    aot_todo = [k for k in aot_todo if k in listed_aot]
-
-    copied = nbytes = aot_copied = 0
-    failed: list[EntryProblem] = []
+    listing = _list_namespace(store, ns)
+    todo = [k for k in todo if k in listing.entries]
+    aot_todo = [k for k in aot_todo if k in listing.executables]
     if dry_run:
-        copied = len(todo)
-        aot_copied = len(aot_todo)
-        nbytes = sum(expected[k][0] for k in todo) + sum(expected_aot[k][0] for k in aot_todo)
+        nbytes = sum(indexed.entries[k][0] for k in todo)
+        nbytes += sum(indexed.executables[k][0] for k in aot_todo)
+        copies = _Copies(len(todo), len(aot_todo), nbytes)
     else:
-        fs_store = store
-
-        def fetcher(suffix: str, want_of: dict[str, tuple[int, str]]) -> Callable[[str], int]:
-            def fetch(key: str) -> int:
-                data = fs_store.read_bytes(f"{ns}/{key}{suffix}")
-                got = sha256(data)
-                want = want_of[key][1]
-                if got != want:
-                    raise _Tampered(
-                        f"sha256 {got[:16]}… in storage, {want[:16]}… in the index: not copied "
-                        "(the object changed after it was recorded; run `cachectl verify`)"
-                    )
-                _atomic_write(directory / (key + suffix), data)
-                return len(data)
-
-            return fetch
-
-        in_mirror = {k for k in expected if k not in todo}
-        for key, outcome in _parallel(fetcher(CACHE_SUFFIX, expected), todo, workers):
-            if isinstance(outcome, _Tampered):
-                refused.append(EntryProblem(key, str(outcome)))
-            elif isinstance(outcome, NotRegularFile):
-                refused.append(
-                    EntryProblem(
-                        key, "not a regular file in storage (a symlink?): never read or copied"
-                    )
-                )
-            elif isinstance(outcome, FileNotFoundError):
-                missing.append(key)  # deleted between listing and reading
-            elif isinstance(outcome, Exception):
-                failed.append(EntryProblem(key, _error(outcome)))
-            else:
-                copied += 1
-                nbytes += outcome
-                in_mirror.add(key)
-        # An executable is only of use beside its entry: copy those whose entry is in the mirror.
-        aot_todo = [k for k in aot_todo if k in in_mirror]
-        for key, outcome in _parallel(fetcher(AOT_SUFFIX, expected_aot), aot_todo, workers):
-            if isinstance(outcome, _Tampered):
-                refused.append(EntryProblem(key, AOT_REASON + str(outcome)))
-            elif isinstance(outcome, FileNotFoundError):
-                continue  # deleted between listing and reading: the next pull (or sync) settles it
-            elif isinstance(outcome, Exception):
-                failed.append(EntryProblem(key, AOT_REASON + _error(outcome)))
-            else:
-                aot_copied += 1
-                nbytes += outcome
-    return PullResult(
-        cache=cache.name,
-        environment=env.digest,
-        namespace=ns,
-        source=source,
-        dest=str(directory),
-        indexed=len(expected),
-        copied=copied,
-        present=present,
-        bytes_copied=nbytes,
+        copies = _copy(store, ns, directory, indexed, todo, aot_todo, workers)
+    refused = _not_indexed(indexed, listing) + copies.refused
+    return result(
+        source=store.url_for(ns),
+        copied=copies.entries,
+        bytes_copied=copies.nbytes,
         refused=sorted(refused, key=lambda p: p.key),
-        missing=sorted(missing),
-        failed=failed,
+        missing=sorted([*(set(indexed.entries) - set(listing.entries)), *copies.missing]),
+        failed=copies.failed,
         duration_s=time.monotonic() - started,
-        dry_run=dry_run,
-        executables_indexed=len(expected_aot),
-        executables_copied=aot_copied,
-        executables_present=aot_present,
+        executables_copied=copies.executables,
     )
 
 
@@ -442,226 +486,3 @@ def pull(
         verify_existing=verify_existing,
         store=ctx.store(cache),
     )
-
-
-def push(
-    ctx: Context,
-    src: str | os.PathLike[str],
-    *,
-    cache: CacheInfo | None = None,
-    workers: int = DEFAULT_WORKERS,
-    dry_run: bool = False,
-) -> PushResult:
-    """`cachectl push --from DIR`: upload entries a local run wrote, and index them (origin "push").
-
-    Only writers may push (exit 4 otherwise). Entries already shared are
-    skipped; a key the index holds with other bytes is a conflict and is left
-    alone; bytes that are not a JAX entry are refused.
-    """
-    started = time.monotonic()
-    cache = cache or ctx.cache()
-    directory = Path(src).expanduser().absolute()
-    if not directory.is_dir():
-        raise BadInput(
-            f"--from {directory} is not a directory: give the mirror directory a run wrote to"
-        )
-    env = read_mirror_env(directory)
-    if env is None:
-        raise BadInput(
-            f"{directory} has no {ENV_FILE}, so the environment of its entries is unknown: "
-            "push only directories made by `cachectl pull` or `cachectl.activate(mirror=...)`"
-        )
-    if not dry_run:
-        check_writer(cache, "push to")
-    store = ctx.store(cache)
-    ns = env.namespace
-    if dry_run:
-        try:
-            env_id = ctx.index.find_environment(cache.name, env.digest).id
-            expected, expected_aot = ctx.index.entry_keys(env_id), ctx.index.aot_keys(env_id)
-        except NotFound:
-            expected, expected_aot = {}, {}
-    else:
-        info = ctx.index.ensure_environment(cache.name, env)
-        expected, expected_aot = ctx.index.entry_keys(info.id), ctx.index.aot_keys(info.id)
-
-    local: list[str] = []
-    local_aot: list[str] = []
-    for path in sorted(directory.iterdir()):
-        if not path.is_file():
-            continue
-        kind = classify(path.name)
-        if kind is Kind.ENTRY:
-            parsed = parse_entry_filename(path.name)
-            assert parsed is not None
-            local.append(parsed.key)
-        elif kind is Kind.AOT:
-            parsed = parse_aot_filename(path.name)
-            assert parsed is not None
-            local_aot.append(parsed.key)
-
-    already = 0
-    conflicts: list[EntryProblem] = []
-    refused: list[EntryProblem] = []
-    failed: list[EntryProblem] = []
-    candidates: list[ingest.NewObject] = []
-    shared: dict[str, tuple[int, str]] = {}  # entries the namespace holds with these bytes
-    for key in local:
-        try:
-            data = (directory / (key + CACHE_SUFFIX)).read_bytes()
-        except OSError as exc:
-            failed.append(EntryProblem(key, _error(exc)))
-            continue
-        if key in expected:
-            if expected[key][1] == sha256(data):
-                already += 1
-                shared[key] = expected[key]
-            else:
-                conflicts.append(
-                    EntryProblem(
-                        key, "the shared namespace holds other bytes for this key: kept theirs"
-                    )
-                )
-            continue
-        parsed = parse_entry_filename(key + CACHE_SUFFIX)
-        assert parsed is not None
-        try:
-            candidates.append(
-                ingest.NewObject(ingest.check_new(cache, parsed, data, origin="push"), data)
-            )
-        except ingest.Refused as exc:
-            refused.append(EntryProblem(key, f"{exc.message}: not uploaded"))
-    local_sha = {o.row.key: o.row.sha256 for o in candidates}
-    local_sha.update({k: v[1] for k, v in shared.items()})
-    aot_candidates = _executables_to_push(
-        directory, local_aot, local_sha, expected_aot, conflicts, refused, failed
-    )
-
-    uploaded = nbytes = aot_uploaded = 0
-    written: list[tuple[str, int, str]] = []
-    if dry_run:
-        uploaded = len(candidates)
-        aot_uploaded = len(aot_candidates)
-        nbytes = sum(o.row.size for o in candidates) + sum(len(d) for d in aot_candidates.values())
-    elif candidates or aot_candidates:
-
-        def with_executable(row: NewEntry, entry: bytes | Path | None) -> ingest.NewObject:
-            data = aot_candidates.get(row.key)
-            if data is not None:
-                row = dataclasses.replace(row, aot_size=len(data), aot_sha256=sha256(data))
-            return ingest.NewObject(row, entry, data)
-
-        objects = [with_executable(o.row, o.entry) for o in candidates]
-        for key in sorted(
-            set(aot_candidates) & set(shared)
-        ):  # an executable beside an entry already shared
-            parsed = parse_entry_filename(key + CACHE_SUFFIX)
-            assert parsed is not None
-            objects.append(
-                with_executable(
-                    NewEntry(
-                        key=key,
-                        module=parsed.module,
-                        size=shared[key][0],
-                        sha256=shared[key][1],
-                        origin="push",
-                    ),
-                    None,
-                )
-            )
-        published = ingest.publish(
-            ctx.index,
-            cache,
-            env,
-            info.id,
-            store,
-            objects,
-            parallel=lambda fn, keys: _parallel(fn, keys, workers),
-        )
-        for key, (what, error) in published.failed.items():
-            failed.append(
-                EntryProblem(key, (AOT_REASON if what == "executable" else "") + _error(error))
-            )
-        for row in published.rows:
-            if row.key not in shared:
-                uploaded += 1
-                nbytes += row.size
-                written.append((row.key + CACHE_SUFFIX, row.size, row.sha256))
-            if row.aot_size is not None and row.aot_sha256 is not None:
-                aot_uploaded += 1
-                nbytes += row.aot_size
-                written.append((row.key + AOT_SUFFIX, row.aot_size, row.aot_sha256))
-    duration = time.monotonic() - started
-    if not dry_run:
-        ctx.index.audit(
-            "push",
-            cache=cache.name,
-            entries=uploaded,
-            nbytes=nbytes,
-            duration_ms=int(duration * 1000),
-            details={
-                "environment": env.digest,
-                "source": str(directory),
-                "already_shared": already,
-                "conflicts": len(conflicts),
-                "refused": len(refused),
-                "failed": len(failed),
-                "executables_uploaded": aot_uploaded,
-            },
-        )
-    return PushResult(
-        cache=cache.name,
-        environment=env.digest,
-        namespace=ns,
-        source=str(directory),
-        dest=store.url_for(ns),
-        uploaded=uploaded,
-        bytes_uploaded=nbytes,
-        already_shared=already,
-        conflicts=conflicts,
-        refused=refused,
-        failed=failed,
-        duration_s=duration,
-        dry_run=dry_run,
-        executables_uploaded=aot_uploaded,
-        written=tuple(written),
-    )
-
-
-def _executables_to_push(
-    directory: Path,
-    keys: list[str],
-    entry_sha: dict[str, str],
-    shared_aot: dict[str, tuple[int, str]],
-    conflicts: list[EntryProblem],
-    refused: list[EntryProblem],
-    failed: list[EntryProblem],
-) -> dict[str, bytes]:
-    """The local ``-aot`` files worth uploading: intact, made for the entry bytes being shared,
-    not shared already. Problems are appended to the lists given."""
-    out: dict[str, bytes] = {}
-    for key in keys:
-        if key not in entry_sha:
-            continue  # its entry is not shared (refused, conflicting, failed or absent): neither is it
-        try:
-            data = (directory / (key + AOT_SUFFIX)).read_bytes()
-        except OSError as exc:
-            failed.append(EntryProblem(key, AOT_REASON + _error(exc)))
-            continue
-        if key in shared_aot:
-            if shared_aot[key][1] != sha256(data):
-                conflicts.append(
-                    EntryProblem(
-                        key,
-                        AOT_REASON + "the shared namespace holds another one for "
-                        "this key: kept theirs",
-                    )
-                )
-            continue
-        try:
-            ingest.check_executable(key, data, entry_sha[key])
-        except ingest.Refused as exc:
-            refused.append(EntryProblem(key, AOT_REASON + f"{exc.message}: not uploaded"))
-            continue
-        out[key] = data
-    return out

@@ -14,7 +14,7 @@ import io
 import re
 import threading
 import zlib
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import BinaryIO
 
@@ -175,6 +175,20 @@ def parse_aot_filename(name: str) -> EntryName | None:
     if not name.endswith(AOT_SUFFIX):
         return None
     return parse_key(name[: -len(AOT_SUFFIX)])
+
+
+def keys_lacking_atime(kinds: Mapping[str, Kind]) -> list[str] | None:
+    """Where JAX's own eviction runs (a ``.lockfile`` in the namespace), every ``-cache`` entry
+    needs its ``-atime``: JAX's next write there fails on one without (jax-ml/jax#39880).
+
+    ``kinds``: each file of one namespace (relative path) and what ``classify`` calls it.
+    The keys of the entries without an ``-atime``, sorted; None when no ``.lockfile`` is there
+    (no entry needs one)."""
+    if not any(kind is Kind.LOCKFILE for kind in kinds.values()):
+        return None
+    entries = {n[: -len(CACHE_SUFFIX)] for n, kind in kinds.items() if kind is Kind.ENTRY}
+    atimes = {n[: -len(ATIME_SUFFIX)] for n, kind in kinds.items() if kind is Kind.ATIME}
+    return sorted(entries - atimes)
 
 
 def executable_bytes(data: bytes) -> bytes:

@@ -33,7 +33,7 @@ from cachectl.index.models import Cache, Entry
 from cachectl.index.models import Environment as EnvRow
 from cachectl.index.telemetry_queries import serving_usage, signature_usage
 from cachectl.manifest import expand, load_manifest, parse_manifest
-from cachectl.usage.misses import expected_signatures
+from cachectl.usage.misses_expected import expected_signatures
 
 
 @dataclass(frozen=True)
@@ -356,6 +356,113 @@ def rewrite_axes(text: str, manifest: Any, changes: Mapping[tuple[str, str], lis
 # --------------------------------------------------------------------------- the command
 
 
+@dataclass(frozen=True)
+class _Limits:
+    """How many buckets an axis gets: ``max_buckets``, the fewest within ``max_waste``, or
+    (neither given) as many as it has now."""
+
+    max_buckets: int | None
+    max_waste: float | None
+
+    def check(self) -> None:
+        if self.max_buckets is not None and self.max_waste is not None:
+            raise BadInput("give --max-buckets or --max-waste, not both")
+        if self.max_buckets is not None and self.max_buckets < 1:
+            raise BadInput("--max-buckets must be at least 1")
+        if self.max_waste is not None and not 0 <= self.max_waste < 1:
+            raise BadInput(
+                "--max-waste is a share of computed elements: 0 <= P < 1 (e.g. 0.1 or 10%)"
+            )
+
+    def propose(self, sizes: Mapping[int, int], current: Sequence[Any]) -> list[int]:
+        if self.max_buckets is not None:
+            k: int | None = self.max_buckets
+        else:
+            k = None if self.max_waste is not None else len(current)
+        return optimal_buckets(sizes, max_buckets=k, max_waste=self.max_waste)
+
+
+@dataclass(frozen=True)
+class _Window:
+    """What advice is read from: the cache's index over the window, and the manifest."""
+
+    ctx: Any
+    cache: str
+    since: timedelta
+    manifest: Any
+    buckets: list[Any]  # every bucket of the manifest (expand)
+
+
+def _function_advice(
+    window: _Window,
+    spec: Any,
+    axes: list[str],
+    limits: _Limits,
+    notes: list[str],
+    changes: dict[tuple[str, str], list[int]],
+) -> FunctionAdvice | None:
+    """One function's advice per axis, or None when no axis has observed sizes; axes worth
+    changing go into ``changes``, axes with nothing to say into ``notes``."""
+    observed, source = _observed(
+        window.ctx, window.cache, window.since, str(window.manifest.path), spec
+    )
+    advice: list[AxisAdvice] = []
+    for a in axes:
+        sizes = observed.get(a, {})
+        current_values = spec.buckets[a]
+        if not sizes:
+            notes.append(f"{spec.name}.{a}: no observed sizes since the window started")
+            continue
+        if not all(isinstance(v, int) for v in current_values):
+            notes.append(f"{spec.name}.{a}: not an integer axis")
+            continue
+        proposal = limits.propose(sizes, current_values)
+        advice.append(
+            AxisAdvice(
+                spec.name,
+                a,
+                sum(sizes.values()),
+                len(sizes),
+                source,
+                score(current_values, sizes),
+                score(proposal, sizes),
+            )
+        )
+        if proposal != sorted(current_values):
+            changes[(spec.name, a)] = proposal
+    if not advice:
+        return None
+    current_programs = sum(1 for b in window.buckets if b.function == spec.name)
+    counts = {a: len(spec.buckets[a]) for a in spec.buckets}
+    counts.update({x.axis: len(x.proposed.values) for x in advice})
+    proposed_programs = math.prod(counts.values())
+    ms = _compile_ms(window.ctx, window.cache, spec.name)
+    return FunctionAdvice(
+        spec.name,
+        advice,
+        current_programs,
+        proposed_programs,
+        ms,
+        None if ms is None else ms * current_programs / 1000,
+        None if ms is None else ms * proposed_programs / 1000,
+    )
+
+
+def _write(manifest: Any, changes: Mapping[tuple[str, str], list[int]], new_text: str) -> None:
+    """Write the rewritten manifest, only if no exclude entry names a dropped value and it
+    still parses (BadInput otherwise, nothing written)."""
+    for spec in manifest.functions:
+        for e, entry in enumerate(spec.exclude):
+            for a, v in entry.items():
+                if (spec.name, a) in changes and v not in changes[(spec.name, a)]:
+                    raise BadInput(
+                        f"{manifest.path}: {spec.name} exclude entry {e} names {a}={v}, which "
+                        "the proposal drops: remove that entry first; nothing written"
+                    )
+    parse_manifest(new_text, str(manifest.path), Path(manifest.path).parent)
+    Path(manifest.path).write_text(new_text)
+
+
 def advise(
     ctx: Any,
     manifest_path: str | Path,
@@ -369,12 +476,8 @@ def advise(
     cache: str | None = None,
 ) -> AdviseReport:
     """Propose bucket values per axis from observed sizes; with ``write``, rewrite the manifest."""
-    if max_buckets is not None and max_waste is not None:
-        raise BadInput("give --max-buckets or --max-waste, not both")
-    if max_buckets is not None and max_buckets < 1:
-        raise BadInput("--max-buckets must be at least 1")
-    if max_waste is not None and not 0 <= max_waste < 1:
-        raise BadInput("--max-waste is a share of computed elements: 0 <= P < 1 (e.g. 0.1 or 10%)")
+    limits = _Limits(max_buckets, max_waste)
+    limits.check()
     manifest = load_manifest(manifest_path)
     info = ctx.cache(cache or manifest.cache)
     specs = [s for s in manifest.functions if function in (None, s.name)]
@@ -382,10 +485,10 @@ def advise(
         raise BadInput(
             f"{manifest_path}: no function {function!r} (functions: {', '.join(manifest.names)})"
         )
+    window = _Window(ctx, info.name, since, manifest, expand(manifest))
     notes: list[str] = []
     out: list[FunctionAdvice] = []
     changes: dict[tuple[str, str], list[int]] = {}
-    buckets = expand(manifest)
     for spec in specs:
         axes = [a for a in spec.buckets if axis in (None, a)]
         if axis is not None and not axes:
@@ -394,54 +497,9 @@ def advise(
                     f"{spec.name}: no bucket axis {axis!r} (axes: {', '.join(spec.buckets) or 'none'})"
                 )
             continue
-        observed, source = _observed(ctx, info.name, since, str(manifest.path), spec)
-        advice: list[AxisAdvice] = []
-        for a in axes:
-            sizes = observed.get(a, {})
-            current_values = spec.buckets[a]
-            if not sizes:
-                notes.append(f"{spec.name}.{a}: no observed sizes since the window started")
-                continue
-            if not all(isinstance(v, int) for v in current_values):
-                notes.append(f"{spec.name}.{a}: not an integer axis")
-                continue
-            k = (
-                max_buckets
-                if max_buckets is not None
-                else (None if max_waste is not None else len(current_values))
-            )
-            proposal = optimal_buckets(sizes, max_buckets=k, max_waste=max_waste)
-            advice.append(
-                AxisAdvice(
-                    spec.name,
-                    a,
-                    sum(sizes.values()),
-                    len(sizes),
-                    source,
-                    score(current_values, sizes),
-                    score(proposal, sizes),
-                )
-            )
-            if proposal != sorted(current_values):
-                changes[(spec.name, a)] = proposal
-        if not advice:
-            continue
-        current_programs = sum(1 for b in buckets if b.function == spec.name)
-        counts = {a: len(spec.buckets[a]) for a in spec.buckets}
-        counts.update({x.axis: len(x.proposed.values) for x in advice})
-        proposed_programs = math.prod(counts.values())
-        ms = _compile_ms(ctx, info.name, spec.name)
-        out.append(
-            FunctionAdvice(
-                spec.name,
-                advice,
-                current_programs,
-                proposed_programs,
-                ms,
-                None if ms is None else ms * current_programs / 1000,
-                None if ms is None else ms * proposed_programs / 1000,
-            )
-        )
+        advice = _function_advice(window, spec, axes, limits, notes, changes)
+        if advice is not None:
+            out.append(advice)
     text = Path(manifest.path).read_text()
     new_text = rewrite_axes(text, manifest, changes) if changes else text
     diff = "".join(
@@ -452,21 +510,14 @@ def advise(
             tofile=str(manifest.path),
         )
     )
-    written = False
     if write and changes:
-        for spec in manifest.functions:
-            for e, entry in enumerate(spec.exclude):
-                for a, v in entry.items():
-                    if (spec.name, a) in changes and v not in changes[(spec.name, a)]:
-                        raise BadInput(
-                            f"{manifest.path}: {spec.name} exclude entry {e} names {a}={v}, which "
-                            "the proposal drops: remove that entry first; nothing written"
-                        )
-        parse_manifest(
-            new_text, str(manifest.path), Path(manifest.path).parent
-        )  # still valid, or BadInput
-        Path(manifest.path).write_text(new_text)
-        written = True
+        _write(manifest, changes, new_text)
     return AdviseReport(
-        str(manifest.path), info.name, since.total_seconds(), out, written, diff, notes
+        str(manifest.path),
+        info.name,
+        since.total_seconds(),
+        out,
+        write and bool(changes),
+        diff,
+        notes,
     )
