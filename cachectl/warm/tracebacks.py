@@ -16,7 +16,7 @@ from pathlib import Path
 
 from cachectl.core.errors import CachectlError
 
-_CACHECTL_DIR = str(Path(__file__).resolve().parent) + os.sep
+_CACHECTL_DIR = str(Path(__file__).resolve().parents[1]) + os.sep  # cachectl/, above warm/
 
 
 def _library_dirs() -> tuple[str, ...]:
