@@ -9,6 +9,8 @@ either the same way. ``operations`` is the one place the mode is chosen.
 
 from __future__ import annotations
 
+import dataclasses
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from cachectl.context import Context
@@ -21,46 +23,62 @@ from cachectl.lifecycle.plan import LifecycleResult
 if TYPE_CHECKING:
     from cachectl.core.records import CreatedToken, TokenInfo
     from cachectl.lifecycle.gc import GcResult
+    from cachectl.lifecycle.prune import PruneCriteria
     from cachectl.lifecycle.verify_records import VerifyResult
+
+
+@dataclass(frozen=True)
+class PruneRequest:
+    """prune's selectors as the user gave them (the server's job takes the same fields)."""
+
+    older_than: str | None = None
+    unused_for: str | None = None
+    jax_version: str | None = None
+    superseded: bool = False
+    keep: int | None = None
+    env: str | None = None
+    function: str | None = None
+
+    def criteria(self) -> PruneCriteria:
+        """Parsed and checked: one-line BadInput for anything unusable, before any mode acts."""
+        return prune_lib.criteria(**dataclasses.asdict(self))
+
+
+@dataclass(frozen=True)
+class GcRequest:
+    policy: str = "lru"
+    max_size: str | None = None
+    protect_warm: bool = False
+
+
+@dataclass(frozen=True)
+class VerifyRequest:
+    env: str | None = None
+    quarantine: bool = False
+    repair: bool = False
+    min_age: str = "10m"
+    deep: bool = False
+
+
+def job_params(request: Any, dry_run: bool) -> dict[str, Any]:
+    """A request as a server job's parameters; unset flags are left out, so the server applies
+    its own defaults."""
+    params = {**dataclasses.asdict(request), "dry_run": dry_run}
+    return {k: v for k, v in params.items() if v is not None and v is not False}
 
 
 class Operations(Protocol):
     """What a command asks for; ``cache`` is ``ctx.settings.cache`` unless named."""
 
     def prune(
-        self,
-        *,
-        older_than: str | None = None,
-        unused_for: str | None = None,
-        jax_version: str | None = None,
-        superseded: bool = False,
-        keep: int | None = None,
-        env: str | None = None,
-        function: str | None = None,
-        dry_run: bool = False,
-        batch_size: int = DELETE_BATCH,
+        self, request: PruneRequest, *, dry_run: bool = False, batch_size: int = DELETE_BATCH
     ) -> LifecycleResult: ...
 
     def gc(
-        self,
-        *,
-        policy: str = "lru",
-        max_size: str | None = None,
-        protect_warm: bool = False,
-        dry_run: bool = False,
-        batch_size: int = DELETE_BATCH,
+        self, request: GcRequest, *, dry_run: bool = False, batch_size: int = DELETE_BATCH
     ) -> GcResult: ...
 
-    def verify(
-        self,
-        *,
-        env: str | None = None,
-        quarantine: bool = False,
-        repair: bool = False,
-        dry_run: bool = False,
-        min_age: str = "10m",
-        deep: bool = False,
-    ) -> VerifyResult: ...
+    def verify(self, request: VerifyRequest, *, dry_run: bool = False) -> VerifyResult: ...
 
     def telemetry_stats(self, cache: str, since: str) -> TelemetryStats: ...
 
@@ -86,71 +104,37 @@ class LocalOperations:
         return tokens
 
     def prune(
-        self,
-        *,
-        older_than: str | None = None,
-        unused_for: str | None = None,
-        jax_version: str | None = None,
-        superseded: bool = False,
-        keep: int | None = None,
-        env: str | None = None,
-        function: str | None = None,
-        dry_run: bool = False,
-        batch_size: int = DELETE_BATCH,
+        self, request: PruneRequest, *, dry_run: bool = False, batch_size: int = DELETE_BATCH
     ) -> LifecycleResult:
-        crit = prune_lib.criteria(
-            older_than=older_than,
-            unused_for=unused_for,
-            jax_version=jax_version,
-            superseded=superseded,
-            keep=keep,
-            env=env,
-            function=function,
-        )
         return prune_lib.prune(
-            self.ctx, self.ctx.cache(), crit, dry_run=dry_run, batch_size=batch_size
+            self.ctx, self.ctx.cache(), request.criteria(), dry_run=dry_run, batch_size=batch_size
         )
 
     def gc(
-        self,
-        *,
-        policy: str = "lru",
-        max_size: str | None = None,
-        protect_warm: bool = False,
-        dry_run: bool = False,
-        batch_size: int = DELETE_BATCH,
+        self, request: GcRequest, *, dry_run: bool = False, batch_size: int = DELETE_BATCH
     ) -> GcResult:
         from cachectl.lifecycle import gc as gc_lib  # the SQL index's eviction queries
 
         return gc_lib.gc(
             self.ctx,
             self.ctx.cache(),
-            policy=policy,
-            max_size=max_size,
-            protect_warm=protect_warm,
+            policy=request.policy,
+            max_size=request.max_size,
+            protect_warm=request.protect_warm,
             dry_run=dry_run,
             batch_size=batch_size,
         )
 
-    def verify(
-        self,
-        *,
-        env: str | None = None,
-        quarantine: bool = False,
-        repair: bool = False,
-        dry_run: bool = False,
-        min_age: str = "10m",
-        deep: bool = False,
-    ) -> VerifyResult:
+    def verify(self, request: VerifyRequest, *, dry_run: bool = False) -> VerifyResult:
         from cachectl.lifecycle import verify as verify_lib  # the SQL index's verify queries
 
         options = verify_lib.VerifyOptions.from_flags(
-            quarantine=quarantine,
-            repair=repair,
+            quarantine=request.quarantine,
+            repair=request.repair,
             dry_run=dry_run,
-            deep=deep,
-            env_prefix=env,
-            min_age=parse_min_age(min_age),
+            deep=request.deep,
+            env_prefix=request.env,
+            min_age=parse_min_age(request.min_age),
         )
         return verify_lib.verify(self.ctx, self.ctx.cache(), options)
 

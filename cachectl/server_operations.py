@@ -7,6 +7,7 @@ only when CACHECTL_SERVER is set.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from cachectl.client import API, ServerClient, _seg, decode
@@ -16,10 +17,10 @@ from cachectl.core.errors import BadInput
 from cachectl.core.records import CreatedToken, TokenInfo
 from cachectl.core.units import parse_duration, parse_min_age
 from cachectl.index.usage import TelemetryStats
-from cachectl.lifecycle import prune as prune_lib
 from cachectl.lifecycle.gc import GcResult
 from cachectl.lifecycle.plan import LifecycleResult
 from cachectl.lifecycle.verify_records import VerifyResult
+from cachectl.operations import GcRequest, PruneRequest, VerifyRequest, job_params
 
 
 class ServerOperations:
@@ -43,98 +44,34 @@ class ServerOperations:
                 "--batch-size", f"the server deletes {DELETE_BATCH} paths per storage call"
             )
 
-    def _job(self, kind: str, result_type: type, params: dict[str, Any]) -> Any:
-        """A job on ctx's cache; unset flags are left out, so the server applies its own defaults."""
-        body = {k: v for k, v in params.items() if v is not None and v is not False}
-        return self.client.run_job(self.ctx.settings.cache, kind, body, result_type)
+    def _job(self, kind: str, result_type: type, request: Any, dry_run: bool) -> Any:
+        """A job on ctx's cache, with the request's fields as its parameters."""
+        return self.client.run_job(
+            self.ctx.settings.cache, kind, job_params(request, dry_run), result_type
+        )
 
     def prune(
-        self,
-        *,
-        older_than: str | None = None,
-        unused_for: str | None = None,
-        jax_version: str | None = None,
-        superseded: bool = False,
-        keep: int | None = None,
-        env: str | None = None,
-        function: str | None = None,
-        dry_run: bool = False,
-        batch_size: int = DELETE_BATCH,
+        self, request: PruneRequest, *, dry_run: bool = False, batch_size: int = DELETE_BATCH
     ) -> LifecycleResult:
         # Bad selectors are bad input here, before the server is asked.
         self._check_batch_size(batch_size)
-        prune_lib.criteria(
-            older_than=older_than,
-            unused_for=unused_for,
-            jax_version=jax_version,
-            superseded=superseded,
-            keep=keep,
-            env=env,
-            function=function,
-        )
-        return self._job(
-            "prune",
-            LifecycleResult,
-            {
-                "older_than": older_than,
-                "unused_for": unused_for,
-                "jax_version": jax_version,
-                "superseded": superseded,
-                "keep": keep,
-                "env": env,
-                "function": function,
-                "dry_run": dry_run,
-            },
-        )
+        request.criteria()
+        return self._job("prune", LifecycleResult, request, dry_run)
 
     def gc(
-        self,
-        *,
-        policy: str = "lru",
-        max_size: str | None = None,
-        protect_warm: bool = False,
-        dry_run: bool = False,
-        batch_size: int = DELETE_BATCH,
+        self, request: GcRequest, *, dry_run: bool = False, batch_size: int = DELETE_BATCH
     ) -> GcResult:
         self._check_batch_size(batch_size)
-        return self._job(
-            "gc",
-            GcResult,
-            {
-                "policy": policy,
-                "max_size": max_size,
-                "protect_warm": protect_warm,
-                "dry_run": dry_run,
-            },
-        )
+        return self._job("gc", GcResult, request, dry_run)
 
-    def verify(
-        self,
-        *,
-        env: str | None = None,
-        quarantine: bool = False,
-        repair: bool = False,
-        dry_run: bool = False,
-        min_age: str = "10m",
-        deep: bool = False,
-    ) -> VerifyResult:
-        if deep:
+    def verify(self, request: VerifyRequest, *, dry_run: bool = False) -> VerifyResult:
+        if request.deep:
             raise self._direct_only(
                 "verify --deep",
                 "it loads each entry on this machine's own devices; the server's job cannot",
             )
-        parse_min_age(min_age)
-        return self._job(
-            "verify",
-            VerifyResult,
-            {
-                "env": env,
-                "quarantine": quarantine,
-                "repair": repair,
-                "dry_run": dry_run,
-                "min_age": min_age,
-            },
-        )
+        parse_min_age(request.min_age)
+        return self._job("verify", VerifyResult, dataclasses.replace(request, deep=False), dry_run)
 
     def telemetry_stats(self, cache: str, since: str) -> TelemetryStats:
         parse_duration(since)

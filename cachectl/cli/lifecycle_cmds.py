@@ -201,9 +201,9 @@ def prune_cmd(
     (nothing done) when another prune, gc or verify --quarantine holds the
     cache's lease.
     """
-    from cachectl.operations import operations
+    from cachectl.operations import PruneRequest, operations
 
-    result = operations(ctx).prune(
+    request = PruneRequest(
         older_than=older_than,
         unused_for=unused_for,
         jax_version=jax_version,
@@ -211,9 +211,8 @@ def prune_cmd(
         keep=keep,
         env=env_prefix,
         function=function,
-        dry_run=dry_run,
-        batch_size=batch_size,
     )
+    result = operations(ctx).prune(request, dry_run=dry_run, batch_size=batch_size)
     emit(result, as_json, _print_prune)
 
 
@@ -252,15 +251,10 @@ def gc_cmd(
     lease (nothing done), or when the cache is still over its limit because
     everything left is protected.
     """
-    from cachectl.operations import operations
+    from cachectl.operations import GcRequest, operations
 
-    result = operations(ctx).gc(
-        policy=policy,
-        max_size=max_size,
-        protect_warm=protect_warm,
-        dry_run=dry_run,
-        batch_size=batch_size,
-    )
+    request = GcRequest(policy=policy, max_size=max_size, protect_warm=protect_warm)
+    result = operations(ctx).gc(request, dry_run=dry_run, batch_size=batch_size)
     emit(
         result,
         as_json,
@@ -318,16 +312,12 @@ def verify_cmd(
     Run `cachectl sync` first where services write entries themselves: until
     synced, their entries are unknown to the index.
     """
-    from cachectl.operations import operations
+    from cachectl.operations import VerifyRequest, operations
 
-    result = operations(ctx).verify(
-        env=env_prefix,
-        quarantine=quarantine,
-        repair=repair,
-        dry_run=dry_run,
-        min_age=min_age,
-        deep=deep,
+    request = VerifyRequest(
+        env=env_prefix, quarantine=quarantine, repair=repair, min_age=min_age, deep=deep
     )
+    result = operations(ctx).verify(request, dry_run=dry_run)
     emit(
         result,
         as_json,
