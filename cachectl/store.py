@@ -307,6 +307,12 @@ def normalize_url(url: str) -> str:
     return f"{_URL_SCHEME[kind]}://{path}"
 
 
+def url_kind(url: str) -> str | None:
+    """The storage a URL names ("file", "s3", "gcs", "memory"; None for a scheme not managed):
+    what callers ask instead of testing a URL's prefix."""
+    return _PROTOCOLS.get(split_protocol(url.strip())[0])
+
+
 def _mtime(info: dict[str, Any]) -> datetime | None:
     """Modification time across backends (local mtime, S3 LastModified, GCS updated)."""
     for key in ("mtime", "LastModified", "updated", "created"):
