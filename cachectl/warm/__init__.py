@@ -46,7 +46,7 @@ from cachectl.warm.reports import (
     WarmReport,
     WarmSummary,
 )
-from cachectl.warm.run import ProgressFn, warm
+from cachectl.warm.run import ProgressFn, resign_written, signer_for, warm
 
 __all__ = [
     "CACHED",
@@ -83,6 +83,8 @@ __all__ = [
     "default_jobs",
     "jax_configured",
     "plan_warm",
+    "resign_written",
+    "signer_for",
     "warm",
     "warm_jax_config",
 ]

@@ -19,7 +19,7 @@ from cachectl.context import Context
 from cachectl.entries import AOT_SUFFIX, CACHE_SUFFIX
 from cachectl.errors import BadInput
 from cachectl.index import warm_runs
-from cachectl.manifest import Bucket, manifest_digest
+from cachectl.manifest import Bucket, load_manifest, manifest_digest
 from cachectl.signing import SigningKey
 from cachectl.warm.compiling import _Outcome, warm_jax_config
 from cachectl.warm.executors import _run_processes, _run_threads
@@ -197,6 +197,30 @@ class _Tally:
             )
             for i, b in enumerate(self.scope.plan.buckets)
         ]
+
+
+def signer_for(
+    ctx: Context,
+    manifest: str | Path,
+    cache: str | None,
+    sign_key: str | None,
+    paths: Sequence[str] = (),
+) -> SigningKey | None:
+    """The signing key (``--sign-key``, else the environment's), checked against the target
+    cache's trusted keys before anything compiles; None: the warm signs nothing."""
+    key = signing.signing_key(sign_key)
+    loaded = load_manifest(manifest, import_paths=paths)  # a bad one: all its problems
+    target = ctx.cache(cache or loaded.cache or ctx.settings.cache)
+    signing.require_signer(target, key, "warm")
+    return key
+
+
+def resign_written(ctx: Context, report: WarmReport, signer: SigningKey) -> None:
+    """Sign the namespace's content list with what this warm wrote (and what a list the cache
+    trusts signed); one warning on stderr when indexed files are left out."""
+    signing.report_resigned(
+        signing.resign(ctx, report.cache, report.environment["digest"], signer, report.written)
+    )
 
 
 def _execute(ctx: Context, plan: WarmPlan, opts: _Options, started: float) -> WarmReport:
