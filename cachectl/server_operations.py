@@ -19,8 +19,8 @@ from cachectl.core.units import parse_duration, parse_min_age
 from cachectl.index.usage import TelemetryStats
 from cachectl.lifecycle.gc import GcResult
 from cachectl.lifecycle.plan import LifecycleResult
+from cachectl.lifecycle.requests import GcRequest, PruneRequest, VerifyRequest, job_params
 from cachectl.lifecycle.verify_records import VerifyResult
-from cachectl.operations import GcRequest, PruneRequest, VerifyRequest, job_params
 
 
 class ServerOperations:

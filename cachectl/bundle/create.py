@@ -169,6 +169,20 @@ def _read_verified(
                 f.cancel()
 
 
+@dataclass(frozen=True)
+class _Plan:
+    """What a bundle holds, known before any byte of it is written."""
+
+    cache: CacheInfo
+    info: EnvironmentInfo
+    env_json: bytes
+    files: list[tuple[str, int, str]]  # (name, size, sha256), env.json first
+    entries: list[BundleEntry]
+    meta: dict[str, Any]
+    signed: dict[str, Any] | None
+    created_at: datetime
+
+
 def create(
     ctx: Context,
     output: str | os.PathLike[str],
@@ -198,8 +212,30 @@ def create(
     if out.is_dir():
         raise BadInput(f"-o {out} is a directory: give a file name such as cache.tar.zst")
     key = signing.signing_key(sign_key)
-    info = _resolve_env(ctx, cache, env)
-    store = ctx.store(cache)
+    plan = _plan(ctx, cache, _resolve_env(ctx, cache, env), key)
+    if not dry_run:
+        _write_bundle(ctx.store(cache), plan, out, level)
+    return BundleInfo(
+        str(out),
+        plan.meta["environment"],
+        plan.info.digest,
+        plan.info.namespace,
+        cache.name,
+        plan.meta["created_at"],
+        plan.entries,
+        len(plan.files),
+        sum(s for _, s, _ in plan.files),
+        0 if dry_run else out.stat().st_size,
+        _signer(plan.signed),
+        time.monotonic() - started,
+        dry_run,
+    )
+
+
+def _plan(
+    ctx: Context, cache: CacheInfo, info: EnvironmentInfo, key: signing.SigningKey | None
+) -> _Plan:
+    """The namespace's indexed files, the bundle's metadata and the signature it carries."""
     ns = info.namespace
     rows = ctx.index.list_entries(info.id)
     if not rows:
@@ -235,16 +271,31 @@ def create(
         "entries": [e.__dict__ for e in entries],
         "content": content,
     }
-    content_bytes = sum(s for _, s, _ in files)
+    signed = _signature(ctx, cache, info, key, files, meta)
+    return _Plan(cache, info, env_json, files, entries, meta, signed, created_at)
+
+
+def _signature(
+    ctx: Context,
+    cache: CacheInfo,
+    info: EnvironmentInfo,
+    key: signing.SigningKey | None,
+    files: list[tuple[str, int, str]],
+    meta: dict[str, Any],
+) -> dict[str, Any] | None:
+    """The content list signed with ``key`` (each entry of ``meta`` signed too), or the
+    namespace's own signature when it covers exactly this content; refuses what no trusted
+    list signed in a cache that trusts keys."""
+    content = meta["content"]
     if key is not None and cache.trusted_keys:
         # A cache that trusts keys: a signer vouches only for what a trusted list already signed.
         carried = signing.carried_files(ctx.index, cache, info, key) or {}
         unsigned = [n for n, s, h in files if n != ENV_FILE and carried.get(n) != (s, h)]
         if unsigned:
             raise signing.Untrusted(
-                f"namespace {ns}: {len(unsigned)} indexed file(s) no trusted key signed "
-                f"(first: {unsigned[0]}): refused, nothing written; bundle create signs only "
-                "what a trusted signature already lists"
+                f"namespace {info.namespace}: {len(unsigned)} indexed file(s) no trusted key "
+                f"signed (first: {unsigned[0]}): refused, nothing written; bundle create signs "
+                "only what a trusted signature already lists"
             )
     signed = signing.sign(key, content) if key else None
     if key is not None and signed is not None:
@@ -254,51 +305,25 @@ def create(
         existing = ctx.index.content_signature(info.id)
         if existing and existing.get("content") == content:
             signed = existing
-    if dry_run:
-        return BundleInfo(
-            str(out),
-            meta["environment"],
-            info.digest,
-            ns,
-            cache.name,
-            meta["created_at"],
-            entries,
-            len(files),
-            content_bytes,
-            0,
-            _signer(signed),
-            time.monotonic() - started,
-            True,
-        )
+    return signed
 
+
+def _write_bundle(store: Any, plan: _Plan, out: Path, level: int) -> None:
+    """Write the bundle to a temporary file beside ``out``, each file checked against the
+    index as it is read, then rename it into place (removed on any failure)."""
     tmp = out.with_name(f".{out.name}.tmp-{uuid.uuid4().hex[:8]}")
-    mtime = created_at.timestamp()
+    mtime = plan.created_at.timestamp()
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:
             writer = _BundleWriter(fd, level)
-            blob = json.dumps(meta, indent=1, sort_keys=True).encode()
+            blob = json.dumps(plan.meta, indent=1, sort_keys=True).encode()
             writer.member(_tarinfo(META, len(blob), mtime), blob)
-            if signed:
-                sig = json.dumps(signed, indent=1, sort_keys=True).encode()
+            if plan.signed:
+                sig = json.dumps(plan.signed, indent=1, sort_keys=True).encode()
                 writer.member(_tarinfo(SIGNATURE, len(sig), mtime), sig)
-            writer.member(_tarinfo(FILES + ENV_FILE, len(env_json), mtime), env_json)
-            for (name, size, sha), data in zip(
-                files[1:], _read_verified(store, ns, files[1:]), strict=True
-            ):
-                if data is None:
-                    raise OperationFailed(
-                        f"{store.url_for(ns + '/' + name)} is in the index but not in "
-                        "storage: run `cachectl sync`, then bundle again"
-                    )
-                if len(data.data) != size or data.sha256 != sha:
-                    raise OperationFailed(
-                        f"{store.url_for(ns + '/' + name)} differs from the index "
-                        "(sha256): run `cachectl verify`; nothing was bundled"
-                    )
-                writer.member(
-                    _tarinfo(FILES + name, size, mtime), data.data, raw=name.endswith(CACHE_SUFFIX)
-                )
+            writer.member(_tarinfo(FILES + ENV_FILE, len(plan.env_json), mtime), plan.env_json)
+            _write_files(writer, store, plan.info.namespace, plan.files[1:], mtime)
             writer.close()
             os.fsync(fd)
         finally:
@@ -307,18 +332,23 @@ def create(
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    return BundleInfo(
-        str(out),
-        meta["environment"],
-        info.digest,
-        ns,
-        cache.name,
-        meta["created_at"],
-        entries,
-        len(files),
-        content_bytes,
-        out.stat().st_size,
-        _signer(signed),
-        time.monotonic() - started,
-        False,
-    )
+
+
+def _write_files(
+    writer: _BundleWriter, store: Any, ns: str, files: list[tuple[str, int, str]], mtime: float
+) -> None:
+    """Each indexed file as a member, refused unless storage holds exactly what the index says."""
+    for (name, size, sha), data in zip(files, _read_verified(store, ns, files), strict=True):
+        if data is None:
+            raise OperationFailed(
+                f"{store.url_for(ns + '/' + name)} is in the index but not in "
+                "storage: run `cachectl sync`, then bundle again"
+            )
+        if len(data.data) != size or data.sha256 != sha:
+            raise OperationFailed(
+                f"{store.url_for(ns + '/' + name)} differs from the index "
+                "(sha256): run `cachectl verify`; nothing was bundled"
+            )
+        writer.member(
+            _tarinfo(FILES + name, size, mtime), data.data, raw=name.endswith(CACHE_SUFFIX)
+        )

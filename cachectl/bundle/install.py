@@ -12,8 +12,9 @@ import tarfile
 import tempfile
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, NamedTuple
 
 from cachectl.bundle.format import (
     _CHUNK,
@@ -38,7 +39,7 @@ from cachectl.core import temps
 from cachectl.core.errors import BadInput, EnvironmentMismatch, NotFound
 from cachectl.core.fingerprint import Environment
 from cachectl.core.units import format_size
-from cachectl.index import CacheInfo, NewEntry
+from cachectl.index import CacheInfo, EnvironmentInfo, NewEntry
 from cachectl.lifecycle import sweep
 from cachectl.storage import ingest
 from cachectl.storage.entries import (
@@ -184,23 +185,8 @@ def _extract(
     member = first
     with ThreadPoolExecutor(max_workers=_WORKERS, thread_name_prefix="cachectl-bundle") as pool:
         while member is not None:
-            if not member.name.startswith(FILES):
-                raise BadBundle(f"{path}: unexpected member {member.name!r}: nothing installed")
-            name = member.name[len(FILES) :]
-            if name not in expected or "/" in name or name in (".", ".."):
-                raise BadBundle(
-                    f"{path}: {member.name} is not in the bundle's content list: nothing installed"
-                )
-            if name in seen:
-                raise BadBundle(f"{path}: {member.name} appears twice: nothing installed")
-            if not member.isfile():
-                raise BadBundle(f"{path}: {member.name} is not a regular file: nothing installed")
+            name = _member_name(path, member, expected, seen)
             size = expected[name][0]
-            if member.size != size:
-                raise BadBundle(
-                    f"{path}: {member.name} is {member.size} bytes in the tar stream but {size} in "
-                    "the content list (tampered or damaged): nothing installed"
-                )
             src = tar.extractfile(member)
             assert src is not None
             done: Future[int | None]
@@ -228,6 +214,31 @@ def _extract(
             "nothing installed"
         )
     return header_ms
+
+
+def _member_name(
+    path: Path, member: tarfile.TarInfo, expected: dict[str, tuple[int, str]], seen: set[str]
+) -> str:
+    """The listed file a member holds; BadBundle unless it is one, seen once, a regular file of
+    its listed size (checked before a byte of it is read)."""
+    if not member.name.startswith(FILES):
+        raise BadBundle(f"{path}: unexpected member {member.name!r}: nothing installed")
+    name = member.name[len(FILES) :]
+    if name not in expected or "/" in name or name in (".", ".."):
+        raise BadBundle(
+            f"{path}: {member.name} is not in the bundle's content list: nothing installed"
+        )
+    if name in seen:
+        raise BadBundle(f"{path}: {member.name} appears twice: nothing installed")
+    if not member.isfile():
+        raise BadBundle(f"{path}: {member.name} is not a regular file: nothing installed")
+    size = expected[name][0]
+    if member.size != size:
+        raise BadBundle(
+            f"{path}: {member.name} is {member.size} bytes in the tar stream but {size} in "
+            "the content list (tampered or damaged): nothing installed"
+        )
+    return name
 
 
 def _check_declared(path: Path, cache: CacheInfo, expected: dict[str, tuple[int, str]]) -> None:
@@ -300,6 +311,32 @@ def _check_meta(
     return env
 
 
+@dataclass(frozen=True)
+class _Staged:
+    """A bundle verified into ``staging``: what committing it needs."""
+
+    cache: CacheInfo
+    store: Any
+    env: Environment
+    entries: list[BundleEntry]
+    signed: dict[str, Any] | None
+    signer: str | None
+    staging: Path
+    path: Path
+    started: float
+    notes: list[str]
+
+
+class _Delta(NamedTuple):
+    """The bundle's entries against what the namespace's index rows hold already."""
+
+    info: EnvironmentInfo | None
+    conflicts: list[str]
+    new: list[BundleEntry]
+    new_aot: list[BundleEntry]
+    nbytes: int
+
+
 def install(
     ctx: Context,
     path: str | os.PathLike[str],
@@ -323,25 +360,14 @@ def install(
             raise EnvironmentMismatch(
                 f"bundle {p.name} was made for another environment: " + "; ".join(diff)
             )
-        signer = None
-        if signed is not None:
-            if signed.get("content") != meta["content"]:
-                raise signing.Untrusted(
-                    f"bundle {p.name}: its signature covers another content list: nothing installed"
-                )
-            signer = signing.key_id(str(signed.get("key", ""))) if signed.get("key") else None
-        if signed is not None:  # a signature present must verify, trusted or not
-            signing.verify(signed, [str(signed.get("key", ""))], f"bundle {p.name}")
-        if cache.trusted_keys:
-            signing.verify(signed, cache.trusted_keys, f"bundle {p.name}")
+        signer = _check_signature(p, cache, meta, signed)
         entries = _entries(meta)
         metadata_signed = signed is None or entries_signed(signed, meta, f"bundle {p.name}")
         if not dry_run:
             check_writer(cache, "install a bundle into")
         _check_declared(p, cache, expected)
         store = ctx.store(cache)
-        ns = env.namespace
-        staging = _staging_dir(store, ns)
+        staging = _staging_dir(store, env.namespace)
         try:
             header_ms = _extract(p, tar, first, expected, staging, cache)
             _check_staged_env(p, staging, env)
@@ -360,9 +386,8 @@ def install(
                     "(signed by an older cachectl, or a namespace's signature carried over): "
                     "installed without them"
                 )
-            return _commit(
-                ctx, cache, store, env, entries, signed, staging, p, signer, started, dry_run, notes
-            )
+            staged = _Staged(cache, store, env, entries, signed, signer, staging, p, started, notes)
+            return _commit(ctx, staged, dry_run)
         finally:
             shutil.rmtree(staging, ignore_errors=True)
             if store.is_local:
@@ -372,23 +397,30 @@ def install(
                     os.rmdir(Path(store.url_for(STAGING_DIR)))
 
 
-def _commit(
-    ctx: Context,
-    cache: CacheInfo,
-    store: Any,
-    env: Environment,
-    entries: list[BundleEntry],
-    signed: dict[str, Any] | None,
-    staging: Path,
-    path: Path,
-    signer: str | None,
-    started: float,
-    dry_run: bool,
-    notes: list[str],
-) -> InstallResult:
-    ns = env.namespace
+def _check_signature(
+    path: Path, cache: CacheInfo, meta: dict[str, Any], signed: dict[str, Any] | None
+) -> str | None:
+    """A signature present must cover this content list and verify; a cache that trusts keys
+    needs one by a trusted key. Returns the signer's key id."""
+    signer = None
+    if signed is not None:
+        if signed.get("content") != meta["content"]:
+            raise signing.Untrusted(
+                f"bundle {path.name}: its signature covers another content list: nothing installed"
+            )
+        signer = signing.key_id(str(signed.get("key", ""))) if signed.get("key") else None
+    if signed is not None:  # a signature present must verify, trusted or not
+        signing.verify(signed, [str(signed.get("key", ""))], f"bundle {path.name}")
+    if cache.trusted_keys:
+        signing.verify(signed, cache.trusted_keys, f"bundle {path.name}")
+    return signer
+
+
+def _delta(ctx: Context, staged: _Staged) -> _Delta:
+    """Which entries are new, which conflict, which bring a new executable, and their bytes."""
+    entries = staged.entries
     try:
-        info = ctx.index.get_environment(cache.name, env.digest)
+        info = ctx.index.get_environment(staged.cache.name, staged.env.digest)
         present = ctx.index.entry_keys(info.id)
         present_aot = ctx.index.aot_keys(info.id)
     except NotFound:
@@ -398,36 +430,62 @@ def _commit(
     new_aot = [
         e for e in entries if e.aot_sha256 and e.key not in conflicts and e.key not in present_aot
     ]
-    already = len(entries) - len(new) - len(conflicts)
     # The sizes staging verified (each file against the content list, the list against the rows).
     nbytes = sum(e.size for e in new) + sum(int(e.aot_size or 0) for e in new_aot)
+    return _Delta(info, conflicts, new, new_aot, nbytes)
+
+
+def _commit(ctx: Context, staged: _Staged, dry_run: bool) -> InstallResult:
+    """Publish the staged files that are new (entries, executables) and index them; audit it."""
+    cache, env, delta = staged.cache, staged.env, _delta(ctx, staged)
     if dry_run:
-        return InstallResult(
-            str(path),
-            cache.name,
-            env.digest,
-            ns,
-            store.url_for(ns),
-            len(entries),
-            sum(1 for e in entries if e.aot_sha256),
-            len(new),
-            already,
-            conflicts,
-            nbytes,
-            signer,
-            time.monotonic() - started,
-            True,
-            notes,
-        )
+        return _result(staged, delta, time.monotonic() - staged.started, True)
     # Every file was verified against the content list (size, sha256 computed here) and ingest's
     # rules while staging. The quota is checked before the environment's row is made: a refused
     # bundle leaves nothing in the index either.
-    ingest.check_fits(ctx.index, cache, info.id if info is not None else None, nbytes)
+    ingest.check_fits(
+        ctx.index, cache, delta.info.id if delta.info is not None else None, delta.nbytes
+    )
     info = ctx.index.ensure_environment(cache.name, env)
-    new_keys, by_aot = {e.key for e in new}, {e.key for e in new_aot}
+    objects = _objects(staged, delta)
+    published = ingest.publish(
+        ctx.index, cache, env, info.id, staged.store, objects, staging=staged.staging
+    )
+    if published.failed:  # indexed what was written; the first failure is the command's
+        raise next(iter(published.failed.values()))[1]
+    signed = staged.signed
+    if signed is not None and hasattr(ctx.index, "set_content_signature"):
+        # The bundle's signed list is the namespace's when the namespace now holds exactly it.
+        if signing.namespace_content(ctx.index, info) == signed["content"]:
+            ctx.index.set_content_signature(info.id, content_signature(signed))
+        else:
+            staged.notes.append(
+                "the namespace holds more than the bundle: its signed content list was not replaced"
+            )
+    duration = time.monotonic() - staged.started
+    ctx.index.audit(
+        "bundle-install",
+        cache=cache.name,
+        entries=len(delta.new),
+        nbytes=delta.nbytes,
+        duration_ms=int(duration * 1000),
+        details={
+            "environment": env.digest,
+            "bundle": str(staged.path),
+            "conflicts": len(delta.conflicts),
+            "signed_by": staged.signer,
+        },
+    )
+    return _result(staged, delta, duration, False)
+
+
+def _objects(staged: _Staged, delta: _Delta) -> list[ingest.NewObject]:
+    """The staged files to publish: each new entry, and each new executable (beside its entry
+    or one the namespace holds); never a conflicting key's."""
+    new_keys, by_aot = {e.key for e in delta.new}, {e.key for e in delta.new_aot}
     objects = []
-    for e in entries:
-        if e.key in conflicts or (e.key not in new_keys and e.key not in by_aot):
+    for e in staged.entries:
+        if e.key in delta.conflicts or (e.key not in new_keys and e.key not in by_aot):
             continue
         parsed = parse_entry_filename(e.key + CACHE_SUFFIX)
         assert parsed is not None
@@ -446,49 +504,30 @@ def _commit(
         objects.append(
             ingest.NewObject(
                 row,
-                staging / (e.key + CACHE_SUFFIX) if e.key in new_keys else None,
-                staging / (e.key + AOT_SUFFIX) if e.key in by_aot else None,
+                staged.staging / (e.key + CACHE_SUFFIX) if e.key in new_keys else None,
+                staged.staging / (e.key + AOT_SUFFIX) if e.key in by_aot else None,
             )
         )
-    published = ingest.publish(ctx.index, cache, env, info.id, store, objects, staging=staging)
-    if published.failed:  # indexed what was written; the first failure is the command's
-        raise next(iter(published.failed.values()))[1]
-    if signed is not None and hasattr(ctx.index, "set_content_signature"):
-        # The bundle's signed list is the namespace's when the namespace now holds exactly it.
-        if signing.namespace_content(ctx.index, info) == signed["content"]:
-            ctx.index.set_content_signature(info.id, content_signature(signed))
-        else:
-            notes.append(
-                "the namespace holds more than the bundle: its signed content list was not replaced"
-            )
-    duration = time.monotonic() - started
-    ctx.index.audit(
-        "bundle-install",
-        cache=cache.name,
-        entries=len(new),
-        nbytes=nbytes,
-        duration_ms=int(duration * 1000),
-        details={
-            "environment": env.digest,
-            "bundle": str(path),
-            "conflicts": len(conflicts),
-            "signed_by": signer,
-        },
-    )
+    return objects
+
+
+def _result(staged: _Staged, delta: _Delta, duration: float, dry_run: bool) -> InstallResult:
+    """What install reports, done or planned."""
+    ns, entries = staged.env.namespace, staged.entries
     return InstallResult(
-        str(path),
-        cache.name,
-        env.digest,
+        str(staged.path),
+        staged.cache.name,
+        staged.env.digest,
         ns,
-        store.url_for(ns),
+        staged.store.url_for(ns),
         len(entries),
         sum(1 for e in entries if e.aot_sha256),
-        len(new),
-        already,
-        conflicts,
-        nbytes,
-        signer,
+        len(delta.new),
+        len(entries) - len(delta.new) - len(delta.conflicts),
+        delta.conflicts,
+        delta.nbytes,
+        staged.signer,
         duration,
-        False,
-        notes,
+        dry_run,
+        staged.notes,
     )

@@ -201,7 +201,8 @@ def prune_cmd(
     (nothing done) when another prune, gc or verify --quarantine holds the
     cache's lease.
     """
-    from cachectl.operations import PruneRequest, operations
+    from cachectl.lifecycle.requests import PruneRequest
+    from cachectl.operations import operations
 
     request = PruneRequest(
         older_than=older_than,
@@ -251,7 +252,8 @@ def gc_cmd(
     lease (nothing done), or when the cache is still over its limit because
     everything left is protected.
     """
-    from cachectl.operations import GcRequest, operations
+    from cachectl.lifecycle.requests import GcRequest
+    from cachectl.operations import operations
 
     request = GcRequest(policy=policy, max_size=max_size, protect_warm=protect_warm)
     result = operations(ctx).gc(request, dry_run=dry_run, batch_size=batch_size)
@@ -312,7 +314,8 @@ def verify_cmd(
     Run `cachectl sync` first where services write entries themselves: until
     synced, their entries are unknown to the index.
     """
-    from cachectl.operations import VerifyRequest, operations
+    from cachectl.lifecycle.requests import VerifyRequest
+    from cachectl.operations import operations
 
     request = VerifyRequest(
         env=env_prefix, quarantine=quarantine, repair=repair, min_age=min_age, deep=deep

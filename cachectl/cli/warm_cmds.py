@@ -9,7 +9,15 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from cachectl.cli.render import emit, escape, size, stderr, stdout, table
+from cachectl.cli.render import emit, stderr, stdout
+from cachectl.cli.warm_render import (
+    Progress,
+    named,
+    plain,
+    print_check,
+    print_replay,
+    print_warm,
+)
 from cachectl.core.config import (
     DEFAULT_MAX_BUCKETS,
     DEFAULT_WARM_EXECUTOR,
@@ -19,7 +27,6 @@ from cachectl.core.config import (
     default_jobs,
 )
 from cachectl.core.errors import BadInput, CachectlError, EnvironmentMismatch, OperationFailed
-from cachectl.core.units import format_size
 
 if TYPE_CHECKING:
     from cachectl.context import Context
@@ -28,190 +35,6 @@ if TYPE_CHECKING:
 # The warm stack (JAX, pydantic, SQLAlchemy) is imported by the command bodies when they run,
 # never at import: `cachectl warm --help` builds its options from cachectl.core.config alone
 # (tests/test_cli_startup.py checks sys.modules).
-
-_STATUS_STYLE = {"compiled": "green", "cached": "cyan", "hit": "green"}  # cachectl.warm.reports
-
-
-def _plain(values: dict[str, Any]) -> str:
-    return ",".join(f"{k}={v}" for k, v in values.items())
-
-
-def _named(bucket: Any) -> str:
-    """``fn[batch=4]``: a bucket by name."""
-    return f"{bucket.function}[{_plain(bucket.bucket)}]"
-
-
-def _bucket_text(values: dict[str, Any]) -> str:
-    return escape(_plain(values)) or "-"
-
-
-def _key_text(key: str | None) -> str:
-    """The hash part of a key, shortened: enough to find the file."""
-    return (key or "-").rsplit("-", 1)[-1][:12]
-
-
-def _seconds(value: float | None) -> str:
-    return "-" if value is None else f"{value:.2f}"
-
-
-def _styled(status: str) -> str:
-    style = _STATUS_STYLE.get(status, "red" if status in ("failed", "too-large", "miss") else "")
-    return f"[{style}]{status}[/{style}]" if style else status
-
-
-def _print_warm(report: WarmReport) -> None:
-    if report.dry_run:
-        rows: list[tuple[str, ...]] = [
-            (escape(b.function), _bucket_text(b.bucket)) for b in report.buckets
-        ]
-        stdout.print(
-            table(
-                f"warm --dry-run: {len(rows)} bucket(s) for {report.namespace}",
-                ["function", "bucket"],
-                rows,
-            )
-        )
-        if report.target_problems:
-            stdout.print(
-                "target: [red]does not match[/red]: " + escape("; ".join(report.target_problems))
-            )
-        else:
-            stdout.print("target: matches this machine")
-        return
-    rows = [
-        (
-            escape(b.function),
-            _bucket_text(b.bucket),
-            _styled(b.status),
-            _key_text(b.key),
-            _seconds(b.compile_seconds),
-            size(b.bytes),
-            size(b.aot_bytes),
-            escape(b.error or b.aot_error or ""),
-        )
-        for b in report.buckets
-    ]
-    stdout.print(
-        table(
-            f"warm {report.manifest} -> {report.namespace}",
-            ["function", "bucket", "status", "key", "compile s", "size", "aot", "error"],
-            rows,
-            justify_right=("compile s", "size", "aot"),
-        )
-    )
-    s = report.summary
-    aot_bytes = sum(b.aot_bytes or 0 for b in report.buckets)
-    stdout.print(
-        f"{s.buckets} bucket(s): {s.compiled} compiled, {s.cached} cached, {s.failed} failed; "
-        f"compile {s.compile_seconds:.1f}s, wall {s.wall_seconds:.1f}s "
-        f"({report.jobs} {report.executor} job(s), warm run {report.run_id}{_retried(s)}); "
-        f"{report.executables} stored executable(s), {format_size(aot_bytes)}",
-        highlight=False,
-    )
-
-
-def _retried(summary: Any) -> str:
-    """', 2 retried alone after failing among threads', or nothing."""
-    n = summary.retried_alone
-    return f", {n} retried alone after failing among threads" if n else ""
-
-
-def _print_check(report: CheckReport) -> None:
-    rows = [
-        (
-            escape(b.function),
-            _bucket_text(b.bucket),
-            _styled(b.status),
-            _key_text(b.key),
-            _seconds(b.seconds),
-            escape(b.aot or "-"),
-            escape(b.error or ""),
-        )
-        for b in report.buckets
-    ]
-    stdout.print(
-        table(
-            f"coverage of {report.namespace} (fresh read-only process)",
-            ["function", "bucket", "status", "key", "load s", "executable", "error"],
-            rows,
-            justify_right=("load s",),
-        )
-    )
-    s = report.summary
-    failed = f"; {s.aot_failed} raised or crashed when called" if s.aot_failed else ""
-    stdout.print(
-        f"coverage: {report.hits}/{len(report.buckets)} buckets hit ({report.coverage:.1f}%); "
-        f"stored executables: {s.aot_ran}/{len(report.buckets)} load and run "
-        f"({report.aot_coverage:.1f}%){failed}",
-        highlight=False,
-    )
-    if report.unusable:
-        where = "marked unusable in the index" if report.mark_error is None else "NOT marked"
-        note = "" if report.mark_error is None else f" ({report.mark_error})"
-        stdout.print(
-            f"{where}{note}: cachectl.serving serves "
-            + ", ".join(escape(_named(b)) for b in report.unusable)
-            + " through jax.jit",
-            highlight=False,
-        )
-
-
-class _Progress:
-    """Progress on stderr: a rich bar on a terminal; in a log (a pipe, a CI job) one line per bucket.
-
-    A line names the bucket, its status and its seconds (lowering + compiling), and is
-    flushed at once, so a CI log shows how far a long warm got; stdout (``--json``) is untouched.
-    """
-
-    def __init__(self, enabled: bool, terminal: bool) -> None:
-        self.enabled = enabled
-        self.bar: Any = None
-        self.task: Any = None
-        if enabled and terminal:
-            from rich.progress import (
-                BarColumn,
-                MofNCompleteColumn,
-                Progress,
-                TextColumn,
-                TimeElapsedColumn,
-            )
-
-            self.bar = Progress(
-                TextColumn("warm"),
-                BarColumn(),
-                MofNCompleteColumn(),
-                TimeElapsedColumn(),
-                TextColumn("{task.description}"),
-                console=stderr,
-                transient=True,
-            )
-
-    def __enter__(self) -> _Progress:
-        if self.bar is not None:
-            self.bar.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self.bar is not None:
-            self.bar.stop()
-
-    def __call__(self, result: Any, done: int, total: int) -> None:
-        if not self.enabled:
-            return
-        label = f"{result.function}[{_plain(result.bucket)}] {result.status}"
-        if self.bar is None:
-            click.echo(f"warm {done}/{total} {label} {_bucket_seconds(result)}", err=True)
-            return
-        if self.task is None:
-            self.task = self.bar.add_task("", total=total)
-        self.bar.update(self.task, completed=done, description=escape(label))
-
-
-def _bucket_seconds(result: Any) -> str:
-    """'1.23s' spent on one bucket (lowering + compiling), '-' when it never got that far."""
-    if result.compile_seconds is None and result.lower_seconds is None:
-        return "-"
-    return f"{(result.lower_seconds or 0.0) + (result.compile_seconds or 0.0):.2f}s"
 
 
 def _verbosity() -> int:
@@ -310,7 +133,7 @@ def _run_check(
     emit(
         report,
         as_json,
-        _print_check,
+        print_check,
         failure=_check_failure,
     )
 
@@ -321,7 +144,7 @@ def _check_failure(report: CheckReport) -> OperationFailed:
     if report.unusable:
         problems.append(
             f"{len(report.unusable)} stored executable(s) raised or crashed when called: "
-            + ", ".join(_named(b) for b in report.unusable)
+            + ", ".join(named(b) for b in report.unusable)
         )
     if report.hits < len(report.buckets):
         problems.append(
@@ -329,24 +152,6 @@ def _check_failure(report: CheckReport) -> OperationFailed:
             f"{len(report.buckets) - report.hits} bucket(s) would compile in a service"
         )
     return OperationFailed("; ".join(problems))
-
-
-def _signer_for(
-    ctx: Context,
-    manifest: str,
-    cache_name: str | None,
-    sign_key: str | None,
-    paths: tuple[str, ...] = (),
-) -> Any:
-    """The signing key, checked against the target cache's trusted keys before anything compiles."""
-    from cachectl.manifest import load_manifest
-    from cachectl.trust import signing
-
-    key = signing.signing_key(sign_key)
-    loaded = load_manifest(manifest, import_paths=paths)  # a bad one: all its problems
-    cache = ctx.cache(cache_name or loaded.cache or ctx.settings.cache)
-    signing.require_signer(cache, key, "warm")
-    return key
 
 
 def _run_distributed(
@@ -363,21 +168,18 @@ def _run_distributed(
 ) -> None:
     """Every process of the job runs this; the signing-key check and the signing happen inside the
     collective warm, so a failure there reaches every process."""
-    from cachectl.trust import signing
-    from cachectl.trust.signing import resign
     from cachectl.warm import distributed as dist
+    from cachectl.warm import resign_written, signer_for
 
     signer: list[Any] = []
 
     def prepare() -> None:
         if not dry_run:
-            signer.append(_signer_for(ctx, manifest, cache_name, sign_key, paths))
+            signer.append(signer_for(ctx, manifest, cache_name, sign_key, paths))
 
     def finish(report: WarmReport) -> None:
         if signer and signer[0] is not None:
-            signing.report_resigned(
-                resign(ctx, report.cache, report.environment["digest"], signer[0], report.written)
-            )
+            resign_written(ctx, report, signer[0])
 
     result = dist.warm(
         ctx,
@@ -394,7 +196,7 @@ def _run_distributed(
     me = result.process
 
     def human(r: Any) -> None:
-        _print_warm(r.report)
+        print_warm(r.report)
         stdout.print(
             f"process {me.index} of {me.count} "
             f"({'wrote and recorded the entries' if me.index == dist.WRITER else 'compiled; process 0 wrote'})",
@@ -490,10 +292,8 @@ def warm_cmd(
     if check_only:
         _run_check(ctx, manifest, cache_name, shard, paths, as_json, shards)
         return
-    from cachectl.trust import signing
-    from cachectl.trust.signing import resign
     from cachectl.warm import distributed as dist
-    from cachectl.warm import warm
+    from cachectl.warm import resign_written, signer_for, warm
 
     _shard(shard, shards)  # a bad --shard/--shards is bad input before anything is opened
     if dist.requested(distributed):
@@ -515,8 +315,8 @@ def warm_cmd(
     with _json_quiet(as_json):
         signer = None
         if not dry_run:
-            signer = _signer_for(ctx, manifest, cache_name, sign_key, paths)
-        with _Progress(enabled=not dry_run, terminal=stderr.is_terminal) as progress:
+            signer = signer_for(ctx, manifest, cache_name, sign_key, paths)
+        with Progress(enabled=not dry_run, terminal=stderr.is_terminal) as progress:
             report = warm(
                 ctx,
                 manifest,
@@ -532,10 +332,8 @@ def warm_cmd(
                 signer=signer,
             )
     if signer is not None and not report.target_problems:
-        signing.report_resigned(
-            resign(ctx, report.cache, report.environment["digest"], signer, report.written)
-        )
-    emit(report, as_json, _print_warm, failure=_warm_failure)
+        resign_written(ctx, report, signer)
+    emit(report, as_json, print_warm, failure=_warm_failure)
 
 
 def _warm_failure(report: Any) -> CachectlError:
@@ -548,22 +346,11 @@ def _warm_failure(report: Any) -> CachectlError:
     traced = [b for b in report.buckets if b.traceback]
     if _verbosity() >= 1:
         for b in traced:
-            click.echo(f"{b.function}[{_plain(b.bucket)}] failed:\n{b.traceback}\n", err=True)
+            click.echo(f"{b.function}[{plain(b.bucket)}] failed:\n{b.traceback}\n", err=True)
     hint = "; -v prints the traceback of your code" if traced and _verbosity() < 1 else ""
     return OperationFailed(
         f"{report.summary.failed} of {report.summary.buckets} bucket(s) "
         f"failed; see the error column{hint}"
-    )
-
-
-def _print_replay(r: Any) -> None:
-    rate = "-" if r.hit_rate is None else f"{r.hit_rate:.1%}"
-    stdout.print(
-        f"replayed warm run {r.run_id} read-only: {escape(' '.join(r.command))} (in "
-        f"{escape(r.cwd)}) exited {r.exit_code} after {r.seconds:.1f}s\n"
-        f"cache hits: {r.hits}/{r.requests} compile requests ({rate}) in {r.processes} JAX "
-        "process(es)",
-        highlight=False,
     )
 
 
@@ -586,7 +373,7 @@ def _run_replay(ctx: Context, run: str, cache_name: str | None, as_json: bool) -
         cache=cache_name,
         child_stdout=sys.stderr if as_json else None,
     )
-    emit(report, as_json, _print_replay, failure=_replay_failure)
+    emit(report, as_json, print_replay, failure=_replay_failure)
 
 
 @click.command("warm-check")

@@ -11,24 +11,23 @@ stored executable (missing, corrupt, refused by the index, stale code), the
 call still answers through ``jax.jit`` and the persistent cache, with one
 warning per function: never worse off than plain JAX.
 
-Three modules, one job each: ``calls.py`` fits a call to a bucket on the host (argument
+Four modules, one job each: ``calls.py`` fits a call to a bucket on the host (argument
 plans, padding, :func:`mask`, :class:`OutOfBucket`); ``loading.py`` chooses and loads each
 bucket's stored executable (checked against the index); ``runtime.py`` is the
-:class:`Serving` object, its functions' call path, counters and reports.
+:class:`Serving` object, its functions' call path and counters; ``reports.py`` what they report.
 """
 
 from __future__ import annotations
 
 from cachectl.dispatch.calls import OutOfBucket, StructureMismatch, mask
 from cachectl.dispatch.loading import _namespace_reader
+from cachectl.dispatch.reports import FunctionReport, ServingReport
 from cachectl.dispatch.router import (
     MAX_SIZES_PER_AXIS,
     MAX_SIZES_PER_FLUSH,
     OVERFLOW_MODES,
-    FunctionReport,
     ServedFunction,
     Serving,
-    ServingReport,
     serving,
 )
 

@@ -1,4 +1,4 @@
-"""The runtime object: :class:`Serving`, its functions' call path, their counters and reports."""
+"""The runtime object: :class:`Serving`, its functions' call path and their counters."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +27,7 @@ from cachectl.dispatch.calls import (
     smallest_first,
 )
 from cachectl.dispatch.loading import Executables, Verified, _namespace_reader, _Slot
+from cachectl.dispatch.reports import FunctionReport, ServingReport
 from cachectl.manifest import (
     FunctionSpec,
     Manifest,
@@ -63,69 +63,6 @@ def _zeros(info: Any) -> np.ndarray:
         return np.zeros(info.shape, np.dtype(dtype))
     except TypeError:
         raise NoDummyInput(f"no zero value for an argument of dtype {dtype}") from None
-
-
-# --------------------------------------------------------------------------- reports
-
-
-@dataclass(frozen=True)
-class FunctionReport:
-    calls: int
-    aot: int
-    fallback: int
-    out_of_bucket: int
-    padded: int
-    buckets: int
-    loaded: int
-    fallback_reason: str | None = None
-    raw_sizes: dict[str, dict[int, int]] = field(default_factory=dict)
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "calls": self.calls,
-            "aot": self.aot,
-            "fallback": self.fallback,
-            "out_of_bucket": self.out_of_bucket,
-            "padded": self.padded,
-            "buckets": self.buckets,
-            "loaded": self.loaded,
-            "fallback_reason": self.fallback_reason,
-            "raw_sizes": {
-                a: {str(k): v for k, v in sorted(c.items())} for a, c in self.raw_sizes.items()
-            },
-        }
-
-
-@dataclass(frozen=True)
-class ServingReport:
-    """What the runtime loaded and how calls were served; ``to_json`` for logs and dashboards."""
-
-    namespace: str
-    functions: dict[str, FunctionReport]
-    load_seconds: float  # sum of every bucket's load
-    ready_seconds: float  # construction to every preloaded bucket ready
-    warnings: list[str]
-    # ``warmup=True``: the sum of every bucket's warm-up call, and construction to every bucket
-    # loaded and warmed up (None: no warm-up).
-    warmup_seconds: float = 0.0
-    warm_ready_seconds: float | None = None
-
-    @property
-    def ok(self) -> bool:
-        return all(f.fallback == 0 and f.loaded == f.buckets for f in self.functions.values())
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "namespace": self.namespace,
-            "functions": {n: f.to_json() for n, f in self.functions.items()},
-            "load_seconds": round(self.load_seconds, 4),
-            "ready_seconds": round(self.ready_seconds, 4),
-            "warmup_seconds": round(self.warmup_seconds, 4),
-            "warm_ready_seconds": None
-            if self.warm_ready_seconds is None
-            else round(self.warm_ready_seconds, 4),
-            "warnings": list(self.warnings),
-        }
 
 
 class ServedFunction:
@@ -173,6 +110,36 @@ class ServedFunction:
     # -- the call path ------------------------------------------------------
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        static = self._statics(args, kwargs)
+        raw = self._raw_sizes(args)
+        slot = covering(self._slots, raw, static)
+        self._count(raw)
+        if slot is None:
+            return self._overflow(args, kwargs, raw, static)
+        call_args, padded = self._convert(args, slot.values)
+        if padded:
+            with self._lock:
+                self.padded += 1
+        slot.ensure_loaded()
+        if isinstance(slot.compiled, aot.Unbound):
+            dynamic = tuple(call_args[i] for i in self._dynamic)
+            import jax
+
+            try:
+                slot.compiled = slot.compiled.bind(jax.tree_util.tree_structure((dynamic, {})))
+            except aot.AotError as exc:
+                raise StructureMismatch(f"{self.name}: {exc}") from None
+        if slot.compiled is not None:
+            out = self._call_stored(slot, call_args)
+        else:
+            out = self._via_jit(call_args, kwargs, slot.error)
+        if self._outputs and any(raw[a] != slot.values[a] for a in raw):
+            return self._cut(out, raw)
+        return out  # nothing to cut: the device arrays as computed, no host copy
+
+    def _statics(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+        """The call's bucket-axis keywords, by axis; refuses a count of arguments, a keyword or
+        a static value the manifest does not list."""
         plans = self._plans
         if len(args) != len(plans):
             raise TypeError(
@@ -203,8 +170,12 @@ class ServedFunction:
                     f"{self.name}: static argument {i} is {args[i]!r}; the manifest warmed "
                     f"{p.value!r}"
                 )
+        return static
+
+    def _raw_sizes(self, args: tuple[Any, ...]) -> dict[str, int]:
+        """Each bucketed axis's size in this call: the largest of the dimensions it names."""
         raw: dict[str, int] = {}
-        for i, p in enumerate(plans):
+        for i, p in enumerate(self._plans):
             if p.has_leaf_axes:
                 pytree_sizes(p, args[i], raw)
             elif p.dims:
@@ -217,7 +188,10 @@ class ServedFunction:
                 for d, axis in p.dims:
                     if shape[d] > raw.get(axis, -1):
                         raw[axis] = shape[d]
-        slot = covering(self._slots, raw, static)
+        return raw
+
+    def _count(self, raw: dict[str, int]) -> None:
+        """Count the call and its raw sizes (bounded per axis, and per telemetry flush)."""
         with self._lock:
             self.calls += 1
             for axis, size in raw.items():
@@ -227,45 +201,29 @@ class ServedFunction:
                 fresh = self._sizes_new[axis]
                 if size in fresh or len(fresh) < MAX_SIZES_PER_FLUSH:
                     fresh[size] += 1
-        if slot is None:
-            return self._overflow(args, kwargs, raw, static)
-        call_args, padded = self._convert(args, slot.values)
-        if padded:
-            with self._lock:
-                self.padded += 1
-        slot.ensure_loaded()
-        if isinstance(slot.compiled, aot.Unbound):
-            dynamic = tuple(call_args[i] for i in self._dynamic)
-            import jax
 
-            try:
-                slot.compiled = slot.compiled.bind(jax.tree_util.tree_structure((dynamic, {})))
-            except aot.AotError as exc:
-                raise StructureMismatch(f"{self.name}: {exc}") from None
-        if slot.compiled is not None:
-            try:
-                out = slot.compiled(*[call_args[i] for i in self._dynamic])
-            except TypeError as exc:
-                if "compiled with" in str(exc) and self._unrouted:
-                    raise self._out(
-                        f"{self.name}: the call's pytree leaves are not bucket "
-                        f"{slot.values}'s, and pytree argument {self._exact_pytrees[0]} declares "
-                        "no leaf_axes to pad them by (e.g. leaf_axes: {0: AXIS}): "
-                        + "; ".join(str(exc).splitlines()[1:4])
-                    ) from None
-                if "pytree" in str(exc):
-                    raise StructureMismatch(
-                        f"{self.name}: the arguments' structure differs from the warmed one: "
-                        f"{_first_difference(slot.compiled.in_tree, ((tuple(call_args[i] for i in self._dynamic)), {}))}"
-                    ) from None
-                raise
-            with self._lock:
-                self.aot += 1
-        else:
-            out = self._via_jit(call_args, kwargs, slot.error)
-        if self._outputs and any(raw[a] != slot.values[a] for a in raw):
-            return self._cut(out, raw)
-        return out  # nothing to cut: the device arrays as computed, no host copy
+    def _call_stored(self, slot: _Slot, call_args: list[Any]) -> Any:
+        """Call the bucket's stored executable; a structure it was not compiled for says why."""
+        assert slot.compiled is not None
+        try:
+            out = slot.compiled(*[call_args[i] for i in self._dynamic])
+        except TypeError as exc:
+            if "compiled with" in str(exc) and self._unrouted:
+                raise self._out(
+                    f"{self.name}: the call's pytree leaves are not bucket "
+                    f"{slot.values}'s, and pytree argument {self._exact_pytrees[0]} declares "
+                    "no leaf_axes to pad them by (e.g. leaf_axes: {0: AXIS}): "
+                    + "; ".join(str(exc).splitlines()[1:4])
+                ) from None
+            if "pytree" in str(exc):
+                raise StructureMismatch(
+                    f"{self.name}: the arguments' structure differs from the warmed one: "
+                    f"{_first_difference(slot.compiled.in_tree, ((tuple(call_args[i] for i in self._dynamic)), {}))}"
+                ) from None
+            raise
+        with self._lock:
+            self.aot += 1
+        return out
 
     def _zeros_call(self, slot: _Slot, paths: Sequence[str]) -> None:
         """Call the bucket's stored executable once on zeros of its abstract arguments and wait

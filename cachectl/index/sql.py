@@ -9,10 +9,10 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 from typing import Any, cast
 
-from sqlalchemy import CursorResult, bindparam, case, delete, func, select, text, update
+from sqlalchemy import CursorResult, bindparam, delete, func, select, text, update
 from sqlalchemy.engine import Connection, Engine, make_url
 from sqlalchemy.exc import DatabaseError, IntegrityError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
@@ -33,10 +33,11 @@ from cachectl.core.records import (  # noqa: F401 - actor is re-exported
 )
 from cachectl.index import (
     db,
+    entry_writes,
     reads,
     warm_runs,  # noqa: E402 - after the records it imports
 )
-from cachectl.index.models import AuditRecord, Cache, Entry, UTCDateTime, utcnow
+from cachectl.index.models import AuditRecord, Cache, Entry, utcnow
 from cachectl.index.models import Environment as EnvRow
 
 __all__ = [
@@ -63,7 +64,6 @@ _CACHE_POLICY_FIELDS = {
     "root_url": "root_url",
     "trusted_keys": "trusted_keys",
 }
-_CHUNK = 500
 
 
 def open_index(url: str, *, auto_migrate: bool | None = None) -> Index:
@@ -145,30 +145,6 @@ def _entry_info(row: Entry) -> EntryInfo:
         aot_sha256=row.aot_sha256,
         aot_unusable=row.aot_unusable,
     )
-
-
-def _chunks(items: Sequence[Any], size: int = _CHUNK) -> Iterator[Sequence[Any]]:
-    for start in range(0, len(items), size):
-        yield items[start : start + size]
-
-
-def _add_hits_statement() -> Any:
-    """Hits added to one entry; last access moves forward only, never before creation. Built once:
-    telemetry runs it on every flush."""
-    t = Entry.__table__
-    seen = bindparam("b_seen", type_=UTCDateTime())
-    last = func.coalesce(t.c.last_access_at, t.c.created_at)
-    return (
-        t.update()
-        .where(t.c.environment_id == bindparam("b_env"), t.c.key == bindparam("b_key"))
-        .values(
-            hit_count=t.c.hit_count + bindparam("b_count"),
-            last_access_at=case((last < seen, seen), else_=last),
-        )
-    )
-
-
-_ADD_HITS = _add_hits_statement()
 
 
 class EngineReader:
@@ -408,43 +384,12 @@ class Index:
 
         Only rows that exist and differ are written, so re-running is harmless.
         """
-        touched = 0
-        with self.session() as s:
-            keys = list(executables)
-            for chunk in _chunks(keys):
-                q = select(Entry.id, Entry.key, Entry.aot_size_bytes, Entry.aot_sha256).where(
-                    Entry.environment_id == env_id, Entry.key.in_(chunk)
-                )
-                for row_id, key, size, sha in s.execute(q).all():
-                    want = executables[key]
-                    new = (None, None) if want is None else (int(want[0]), want[1])
-                    if (size, sha) != new:
-                        s.execute(
-                            update(Entry)
-                            .where(Entry.id == row_id)
-                            .values(aot_size_bytes=new[0], aot_sha256=new[1], aot_unusable=None)
-                        )
-                        touched += 1
-        return touched
+        return entry_writes.set_executables(self, env_id, executables)
 
     def mark_executables(self, env_id: int, verdicts: dict[str, str | None]) -> int:
         """Record warm-check's verdict on stored executables: why one is unusable, or None (it
         ran); rows touched. Only rows that exist and differ are written."""
-        touched = 0
-        with self.session() as s:
-            for chunk in _chunks(list(verdicts)):
-                q = select(Entry.id, Entry.key, Entry.aot_unusable).where(
-                    Entry.environment_id == env_id, Entry.key.in_(chunk)
-                )
-                for row_id, key, current in s.execute(q).all():
-                    if current != verdicts[key]:
-                        s.execute(
-                            update(Entry)
-                            .where(Entry.id == row_id)
-                            .values(aot_unusable=verdicts[key])
-                        )
-                        touched += 1
-        return touched
+        return entry_writes.mark_executables(self, env_id, verdicts)
 
     def get_entry(self, env_id: int, key: str) -> EntryInfo | None:
         with self.read_session() as s:
@@ -453,69 +398,13 @@ class Index:
 
     def upsert_entries(self, env_id: int, entries: Iterable[NewEntry]) -> tuple[int, int]:
         """Record entries; returns (inserted, updated). Re-running is harmless."""
-        items = list(entries)
-        inserted = updated = 0
-        with self.session() as s:
-            for chunk in _chunks(items):
-                keys = [e.key for e in chunk]
-                existing = {
-                    row.key: row
-                    for row in s.scalars(
-                        select(Entry).where(Entry.environment_id == env_id, Entry.key.in_(keys))
-                    )
-                }
-                new_rows = []
-                for e in chunk:
-                    row = existing.get(e.key)
-                    if row is None:
-                        new_rows.append(
-                            {
-                                "environment_id": env_id,
-                                "key": e.key,
-                                "module": e.module,
-                                "size_bytes": e.size,
-                                "sha256": e.sha256,
-                                "origin": e.origin,
-                                "compile_time_ms": e.compile_time_ms,
-                                "function": e.function,
-                                "bucket": e.bucket,
-                                "warm_run_id": e.warm_run_id,
-                                "created_at": e.created_at or utcnow(),
-                                "hit_count": 0,
-                                "aot_size_bytes": e.aot_size,
-                                "aot_sha256": e.aot_sha256,
-                            }
-                        )
-                        continue
-                    changed = False
-                    if (row.size_bytes, row.sha256) != (e.size, e.sha256):
-                        row.size_bytes, row.sha256 = e.size, e.sha256
-                        changed = True
-                    if e.aot_sha256 is not None and (row.aot_size_bytes, row.aot_sha256) != (
-                        e.aot_size,
-                        e.aot_sha256,
-                    ):
-                        row.aot_size_bytes, row.aot_sha256 = e.aot_size, e.aot_sha256
-                        row.aot_unusable = (
-                            None  # another executable: warm-check's verdict was not on it
-                        )
-                        changed = True
-                    for attr in ("compile_time_ms", "function", "bucket", "warm_run_id"):
-                        value = getattr(e, attr)
-                        if value is not None and getattr(row, attr) != value:
-                            setattr(row, attr, value)
-                            changed = True
-                    updated += changed
-                if new_rows:
-                    s.execute(Entry.__table__.insert(), new_rows)
-                    inserted += len(new_rows)
-        return inserted, updated
+        return entry_writes.upsert_entries(self, env_id, entries)
 
     def delete_entries(self, env_id: int, keys: Iterable[str]) -> int:
         removed = 0
         key_list = list(keys)
         with self.session() as s:
-            for chunk in _chunks(key_list):
+            for chunk in entry_writes.chunks(key_list):
                 result = s.execute(
                     delete(Entry).where(Entry.environment_id == env_id, Entry.key.in_(chunk))
                 )
@@ -537,41 +426,7 @@ class Index:
         past that either, so no reader can make an entry look fresh (or stale) to gc.
         One Core statement for all keys (telemetry's hot path), in ``session`` if given.
         """
-        params = []
-        for key, (count, at) in hits.items():
-            if at.tzinfo is None:
-                at = at.replace(tzinfo=UTC)
-            params.append(
-                {
-                    "b_env": env_id,
-                    "b_key": key,
-                    "b_count": count,
-                    "b_seen": at if not_after is None else min(at, not_after),
-                }
-            )
-        if not params:
-            return 0
-        if session is not None:
-            return self._add_hits(session, params)
-        with self.connection() as conn:
-            return self._add_hits(conn, params)
-
-    @staticmethod
-    def _add_hits(s: Session | Connection, params: list[dict[str, Any]]) -> int:
-        t = Entry.__table__
-        result = s.execute(_ADD_HITS, params[0] if len(params) == 1 else params)
-        dialect = s.get_bind().dialect if isinstance(s, Session) else s.dialect
-        if len(params) == 1 or dialect.supports_sane_multi_rowcount:
-            return cast("CursorResult[Any]", result).rowcount or 0
-        keys = [p["b_key"] for p in params]  # a driver that does not sum an executemany's rowcount
-        return (
-            s.scalar(
-                select(func.count())
-                .select_from(t)
-                .where(t.c.environment_id == params[0]["b_env"], t.c.key.in_(keys))
-            )
-            or 0
-        )
+        return entry_writes.record_hits(self, env_id, hits, not_after=not_after, session=session)
 
     # -- warm runs (cachectl.index.warm_runs) ------------------------------------
 

@@ -22,9 +22,10 @@ from cachectl.core.cache_info import CacheInfo
 from cachectl.core.config import DEFAULT_CACHE, Settings, load_settings
 from cachectl.core.errors import BadInput, CachectlError, Unreachable
 from cachectl.core.fingerprint import MANAGED_JAX_CONFIG, Environment, current_environment
+from cachectl.core.urls import normalize_url, url_kind
 from cachectl.service import sqlite_index as service_sqlite
 from cachectl.service.telemetry_sinks import IndexSink, ServerSink
-from cachectl.storage.store import Store, normalize_url
+from cachectl.storage.store import Store
 
 if TYPE_CHECKING:
     from cachectl.index.protocol import IndexBackend
@@ -129,14 +130,14 @@ _FAIL_FAST_S3 = {"connect_timeout": 3, "retries": {"max_attempts": 1}}
 def fail_fast_options(root_url: str, options: dict[str, Any] | None = None) -> dict[str, Any]:
     """Storage options for a quick probe: one attempt, short connect timeout (s3 only)."""
     opts = dict(options or {})
-    if root_url.startswith("s3://"):
+    if url_kind(root_url) == "s3":
         opts.setdefault("config_kwargs", dict(_FAIL_FAST_S3))
     return opts
 
 
 def _fail_fast_object_store(root_url: str) -> None:
     """Bound how long JAX's own object-store client waits on an unreachable bucket."""
-    if not root_url.startswith("s3://"):
+    if url_kind(root_url) != "s3":
         return
     if os.environ.get("CACHECTL_S3_FAIL_FAST", "1").strip().lower() in ("0", "false", "no"):
         return
@@ -234,6 +235,14 @@ def _touch_environment_later(settings: Settings, env: Environment) -> None:
     atexit.register(thread.join, RECORD_EXIT_TIMEOUT_S)
 
 
+class _NotActivated(Exception):
+    """Why this process runs on without the managed cache (one warning, never raised out)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
 def activate(
     cache: str | None = None,
     *,
@@ -273,120 +282,21 @@ def activate(
     index, cache_info = (
         (None, None) if deferred else open_service_index(settings, problems, fast=mirror is None)
     )
-
-    root_url = settings.root or (cache_info.root_url if cache_info else None)
-    if root_url is None and cache_name == DEFAULT_CACHE:
-        root_url = settings.default_root
-    if root_url is None:
-        message = (
-            f"cachectl: cache {cache_name!r} not activated: {'; '.join(problems)}; "
-            "set CACHECTL_ROOT to run without the index"
-        )
-        _warn(message)
-        return Activation(
-            cache_name,
-            "",
-            "",
-            env.digest,
-            False,
-            False,
-            warning=message,
-            compiled_before=compiled_before,
-        )
-
     try:
-        root_url = normalize_url(root_url)
-    except CachectlError as exc:
-        message = f"cachectl: cache {cache_name!r} not activated: {exc.message}"
-        _warn(message)
-        return Activation(
-            cache_name,
-            "",
-            "",
-            env.digest,
-            False,
-            False,
-            warning=message,
-            compiled_before=compiled_before,
-        )
-
-    if settings.readonly is not None:
-        ro = settings.readonly
-    elif mirror is not None:
-        ro = False  # a mirror is local: writes stay there until `cachectl push`
-    elif cache_info is not None and cache_info.root_url == root_url:
-        ro = cache_info.effective_service_writes == "deny"
-    else:  # no policy for this root (no index, or CACHECTL_ROOT overrides it): object stores read only
-        ro = root_url.startswith(("s3://", "gs://"))
-
-    options = dict(cache_info.storage_options) if cache_info else {}
-    _fail_fast_object_store(root_url)
-    store: Store | None = None
-    if mirror is None:
-        try:
-            store = Store(root_url, options)
-            path = store.url_for(env.namespace)
-        except Exception as exc:  # noqa: BLE001 - JAX gets the URL and warns itself if it cannot use it
-            problems.append(
-                f"storage client for {root_url} failed ({type(exc).__name__}: {exc})".splitlines()[
-                    0
-                ]
-            )
-            path = f"{root_url.rstrip('/')}/{env.namespace}"
-    else:
-        path = os.path.abspath(os.path.expanduser(os.fspath(mirror)))
+        target = _target(settings, mirror, cache_info, env, problems)
+    except _NotActivated as exc:
+        _warn(exc.message)
+        return _inactive(cache_name, env, exc.message, compiled_before)
     try:
-        _check_not_opened_elsewhere(path)
+        _check_not_opened_elsewhere(target.path)
     except ActivationError:
         if index is not None:
             index.close()
         raise
-
-    pulled = None
-    if mirror is not None:
-        # The object-store client is built only if the mirror lacks something.
-        pulled = _sql_side().prepare_mirror(
-            index, cache_info, env, lambda: Store(root_url, options), path, problems
-        )
-    elif not ro and store is not None:
-        _prepare_namespace(
-            root_url, fail_fast_options(root_url, options), env, cache_info, problems
-        )
-
-    if compiled_before and _initialized_cache_dir() is None:
-        problems.append(
-            "JAX compiled before cachectl.activate(): those programs were not read from "
-            "or written to the managed cache; call activate() before the first jax.jit"
-        )
-    apply_jax_config(jax_config_for(path, env, ro))
-
-    indexed = False
-    if index is not None and cache_info is not None:
-        try:
-            if (
-                isinstance(index, service_sqlite.FastIndex)
-                and index.environment_id(cache_info.name, env.digest) is not None
-            ):
-                _touch_environment_later(settings, env)
-            elif index.ensure_environment(cache_info.name, env) is None:
-                # The stdlib path found no row for this environment: create it the SQLAlchemy way.
-                index.close()
-                index, _ = _sql_side().open_for_service(settings)
-                index.ensure_environment(cache_info.name, env)
-            indexed = True
-        except Exception as exc:  # noqa: BLE001
-            problems.append(f"could not record environment ({exc})")
-
-    target = None
-    if telemetry:
-        target = _start_telemetry(settings, cache_name, env, problems)
-    elif deferred and not settings.server:
-        threading.Thread(
-            target=_record_environment,
-            args=(settings, env),
-            name="cachectl-record-env",
-            daemon=True,
-        ).start()
+    pulled = _prepare_storage(target, index, cache_info, env, mirror, problems)
+    _start_jax(target, env, compiled_before, problems)
+    index, indexed = _record_now(index, settings, cache_info, env, problems)
+    collector = _after_start(settings, env, telemetry, deferred, problems)
     if index is not None:
         index.close()
 
@@ -397,16 +307,189 @@ def activate(
     return Activation(
         cache_name,
         env.namespace,
-        path,
+        target.path,
         env.digest,
-        ro,
+        target.readonly,
         indexed,
-        telemetry=target,
+        telemetry=collector,
         warning=warning,
-        mirror=path if mirror is not None else None,
+        mirror=target.path if mirror is not None else None,
         pull=pulled,
         compiled_before=compiled_before,
     )
+
+
+def _inactive(cache: str, env: Environment, warning: str, compiled_before: bool) -> Activation:
+    """The Activation of a process JAX runs in without the managed cache."""
+    return Activation(
+        cache, "", "", env.digest, False, False, warning=warning, compiled_before=compiled_before
+    )
+
+
+def _root_url(settings: Settings, cache_info: CacheInfo | None, problems: list[str]) -> str:
+    """The cache's root URL, normalized: the setting, else the policy's, else the embedded
+    default's; _NotActivated when there is none or it is not a URL cachectl manages."""
+    root_url = settings.root or (cache_info.root_url if cache_info else None)
+    if root_url is None and settings.cache == DEFAULT_CACHE:
+        root_url = settings.default_root
+    if root_url is None:
+        raise _NotActivated(
+            f"cachectl: cache {settings.cache!r} not activated: {'; '.join(problems)}; "
+            "set CACHECTL_ROOT to run without the index"
+        )
+    try:
+        return normalize_url(root_url)
+    except CachectlError as exc:
+        raise _NotActivated(
+            f"cachectl: cache {settings.cache!r} not activated: {exc.message}"
+        ) from None
+
+
+@dataclass(frozen=True)
+class _Target:
+    """Where JAX's persistent cache goes: the root, its storage options, the directory JAX
+    reads (and maybe writes), and the root's Store (None for a mirror or a failed client)."""
+
+    root_url: str
+    options: dict[str, Any]
+    readonly: bool
+    store: Store | None
+    path: str
+
+
+def _target(
+    settings: Settings,
+    mirror: str | os.PathLike[str] | None,
+    cache_info: CacheInfo | None,
+    env: Environment,
+    problems: list[str],
+) -> _Target:
+    """The directory JAX uses and whether it only reads there (the object-store client of JAX
+    bounded to fail fast first); _NotActivated without a root URL cachectl manages."""
+    root_url = _root_url(settings, cache_info, problems)
+    readonly = _readonly(settings, mirror, cache_info, root_url)
+    options = dict(cache_info.storage_options) if cache_info else {}
+    _fail_fast_object_store(root_url)
+    store, path = _jax_path(root_url, options, env, mirror, problems)
+    return _Target(root_url, options, readonly, store, path)
+
+
+def _prepare_storage(
+    target: _Target,
+    index: IndexBackend | FastIndex | None,
+    cache_info: CacheInfo | None,
+    env: Environment,
+    mirror: str | os.PathLike[str] | None,
+    problems: list[str],
+) -> PullResult | None:
+    """Before JAX starts: pull the namespace into the mirror, or create it for a writer."""
+    root_url, options = target.root_url, target.options
+    if mirror is not None:
+        # The object-store client is built only if the mirror lacks something.
+        pulled: PullResult | None = _sql_side().prepare_mirror(
+            index, cache_info, env, lambda: Store(root_url, options), target.path, problems
+        )
+        return pulled
+    if not target.readonly and target.store is not None:
+        _prepare_namespace(
+            root_url, fail_fast_options(root_url, options), env, cache_info, problems
+        )
+    return None
+
+
+def _start_jax(
+    target: _Target, env: Environment, compiled_before: bool, problems: list[str]
+) -> None:
+    """Point JAX's config at the target; say so when JAX compiled before without a cache."""
+    if compiled_before and _initialized_cache_dir() is None:
+        problems.append(
+            "JAX compiled before cachectl.activate(): those programs were not read from "
+            "or written to the managed cache; call activate() before the first jax.jit"
+        )
+    apply_jax_config(jax_config_for(target.path, env, target.readonly))
+
+
+def _readonly(
+    settings: Settings,
+    mirror: str | os.PathLike[str] | None,
+    cache_info: CacheInfo | None,
+    root_url: str,
+) -> bool:
+    """Whether JAX only reads: the setting, else writable for a mirror, else the policy."""
+    if settings.readonly is not None:
+        return settings.readonly
+    if mirror is not None:
+        return False  # a mirror is local: writes stay there until `cachectl push`
+    if cache_info is not None and cache_info.root_url == root_url:
+        return cache_info.effective_service_writes == "deny"
+    # No policy for this root (no index, or CACHECTL_ROOT overrides it): object stores read only.
+    return url_kind(root_url) in ("s3", "gcs")
+
+
+def _jax_path(
+    root_url: str,
+    options: dict[str, Any],
+    env: Environment,
+    mirror: str | os.PathLike[str] | None,
+    problems: list[str],
+) -> tuple[Store | None, str]:
+    """Where JAX reads: the namespace under the root (and its Store, None when the storage
+    client failed) or the mirror directory."""
+    if mirror is not None:
+        return None, os.path.abspath(os.path.expanduser(os.fspath(mirror)))
+    try:
+        store = Store(root_url, options)
+        return store, store.url_for(env.namespace)
+    except Exception as exc:  # noqa: BLE001 - JAX gets the URL and warns itself if it cannot use it
+        problems.append(
+            f"storage client for {root_url} failed ({type(exc).__name__}: {exc})".splitlines()[0]
+        )
+        return None, f"{root_url.rstrip('/')}/{env.namespace}"
+
+
+def _record_now(
+    index: IndexBackend | FastIndex | None,
+    settings: Settings,
+    cache_info: CacheInfo | None,
+    env: Environment,
+    problems: list[str],
+) -> tuple[IndexBackend | FastIndex | None, bool]:
+    """Record this environment in the index opened before JAX started: (the index, now maybe
+    the SQLAlchemy one, to close; whether it is recorded)."""
+    if index is None or cache_info is None:
+        return index, False
+    try:
+        if (
+            isinstance(index, service_sqlite.FastIndex)
+            and index.environment_id(cache_info.name, env.digest) is not None
+        ):
+            _touch_environment_later(settings, env)
+        elif index.ensure_environment(cache_info.name, env) is None:
+            # The stdlib path found no row for this environment: create it the SQLAlchemy way.
+            index.close()
+            index, _ = _sql_side().open_for_service(settings)
+            index.ensure_environment(cache_info.name, env)
+        return index, True
+    except Exception as exc:  # noqa: BLE001
+        problems.append(f"could not record environment ({exc})")
+        return index, False
+
+
+def _after_start(
+    settings: Settings, env: Environment, telemetry: bool, deferred: bool, problems: list[str]
+) -> str | None:
+    """Start the telemetry collector (it records a deferred environment), else record a
+    deferred one from a thread: where telemetry goes, or None."""
+    if telemetry:
+        return _start_telemetry(settings, settings.cache, env, problems)
+    if deferred and not settings.server:
+        threading.Thread(
+            target=_record_environment,
+            args=(settings, env),
+            name="cachectl-record-env",
+            daemon=True,
+        ).start()
+    return None
 
 
 def _prepare_namespace(

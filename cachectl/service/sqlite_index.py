@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import sqlite3
+from collections.abc import Callable
 from datetime import datetime
 from typing import Any
 
@@ -104,52 +105,10 @@ class FastIndex:
     def _insert_telemetry(self, env_id: int, batch: TelemetryBatch, now: datetime) -> int:
         """record_telemetry's statements, inside the caller's transaction."""
         rows, serving = flush_rows(env_id, batch, now)
-        c = self.conn
-        c.executemany(
-            "INSERT INTO telemetry (environment_id, at, process, function, requests, hits, misses, writes, "
-            "saved_seconds, dropped, uncacheable, loads, miss_seconds, hit_seconds) "
-            "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-            [
-                (
-                    r["environment_id"],
-                    stamp(r["at"]),
-                    r["process"],
-                    r["function"],
-                    r["requests"],
-                    r["hits"],
-                    r["misses"],
-                    r["writes"],
-                    r["saved_seconds"],
-                    r["dropped"],
-                    r["uncacheable"],
-                    r["loads"],
-                    r["miss_seconds"],
-                    r["hit_seconds"],
-                )
-                for r in rows
-            ],
-        )
-        c.executemany(
-            "INSERT INTO serving_telemetry (environment_id, at, process, function, calls, aot, fallback, "
-            "out_of_bucket, padded, sizes) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-            [
-                (
-                    r["environment_id"],
-                    stamp(r["at"]),
-                    r["process"],
-                    r["function"],
-                    r["calls"],
-                    r["aot"],
-                    r["fallback"],
-                    r["out_of_bucket"],
-                    r["padded"],
-                    _json(r["sizes"]),
-                )
-                for r in serving
-            ],
-        )
+        _insert(self.conn, "telemetry", _TELEMETRY_COLUMNS, rows)
+        _insert(self.conn, "serving_telemetry", _SERVING_COLUMNS, serving)
         # Last access never moves backwards, nor before the entry was created (Index.record_hits).
-        c.executemany(
+        self.conn.executemany(
             "UPDATE entries SET hit_count = hit_count + ?, last_access_at = CASE "
             "WHEN COALESCE(last_access_at, created_at) < ? THEN ? ELSE COALESCE(last_access_at, created_at) END "
             "WHERE environment_id = ? AND key = ?",
@@ -159,51 +118,99 @@ class FastIndex:
             ],
         )
         for module, mine in by_function(merged_signatures(batch)):
-            marks = ", ".join("?" * (len(mine) + 1))
-            existing = [
-                d
-                for (d,) in c.execute(
-                    f"SELECT digest FROM signatures WHERE environment_id = ? AND function = ? AND digest IN ({marks})",
-                    (env_id, module, *mine, "*"),
-                )
-            ]
-            (total,) = c.execute(
-                "SELECT COUNT(*) FROM signatures WHERE environment_id = ? AND function = ?",
-                (env_id, module),
-            ).fetchone()
-            for digest, v, new in placed_signatures(mine, existing, total):
-                if new:
-                    c.execute(
-                        "INSERT INTO signatures (environment_id, function, digest, key, leaves, source, statics, "
-                        "requests, hits, misses, uncacheable, repeats, first_seen, last_seen) "
-                        "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                        (
-                            env_id,
-                            module,
-                            digest,
-                            v["key"],
-                            _json(v["leaves"]),
-                            v["source"],
-                            _json(v["statics"]),
-                            *(v[k] for k in SIGNATURE_COUNTERS),
-                            stamp(v["first_seen"]),
-                            stamp(v["last_seen"]),
-                        ),
-                    )
-                else:
-                    c.execute(
-                        "UPDATE signatures SET requests = requests + ?, hits = hits + ?, misses = misses + ?, "
-                        "uncacheable = uncacheable + ?, repeats = repeats + ?, last_seen = MAX(last_seen, ?) "
-                        "WHERE environment_id = ? AND function = ? AND digest = ?",
-                        (
-                            *(v[k] for k in SIGNATURE_COUNTERS),
-                            stamp(v["last_seen"]),
-                            env_id,
-                            module,
-                            digest,
-                        ),
-                    )
+            self._merge_signatures(env_id, module, mine)
         return len(rows) + len(serving)
+
+    def _merge_signatures(self, env_id: int, module: str, mine: dict[str, dict[str, Any]]) -> None:
+        """One function's call signatures: new ones inserted (past the per-function cap they add
+        up in '*', as placed_signatures says), known ones' counters added."""
+        c = self.conn
+        marks = ", ".join("?" * (len(mine) + 1))
+        existing = [
+            d
+            for (d,) in c.execute(
+                f"SELECT digest FROM signatures WHERE environment_id = ? AND function = ? AND digest IN ({marks})",
+                (env_id, module, *mine, "*"),
+            )
+        ]
+        (total,) = c.execute(
+            "SELECT COUNT(*) FROM signatures WHERE environment_id = ? AND function = ?",
+            (env_id, module),
+        ).fetchone()
+        for digest, v, new in placed_signatures(mine, existing, total):
+            counters = tuple(v[k] for k in SIGNATURE_COUNTERS)
+            if new:
+                c.execute(
+                    "INSERT INTO signatures (environment_id, function, digest, key, leaves, source, statics, "
+                    "requests, hits, misses, uncacheable, repeats, first_seen, last_seen) "
+                    "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                    (
+                        env_id,
+                        module,
+                        digest,
+                        v["key"],
+                        _json(v["leaves"]),
+                        v["source"],
+                        _json(v["statics"]),
+                        *counters,
+                        stamp(v["first_seen"]),
+                        stamp(v["last_seen"]),
+                    ),
+                )
+            else:
+                c.execute(
+                    "UPDATE signatures SET requests = requests + ?, hits = hits + ?, misses = misses + ?, "
+                    "uncacheable = uncacheable + ?, repeats = repeats + ?, last_seen = MAX(last_seen, ?) "
+                    "WHERE environment_id = ? AND function = ? AND digest = ?",
+                    (*counters, stamp(v["last_seen"]), env_id, module, digest),
+                )
+
+
+# The columns of flush_rows' two kinds of row, in the order their INSERTs name them.
+_TELEMETRY_COLUMNS = (
+    "environment_id",
+    "at",
+    "process",
+    "function",
+    "requests",
+    "hits",
+    "misses",
+    "writes",
+    "saved_seconds",
+    "dropped",
+    "uncacheable",
+    "loads",
+    "miss_seconds",
+    "hit_seconds",
+)
+_SERVING_COLUMNS = (
+    "environment_id",
+    "at",
+    "process",
+    "function",
+    "calls",
+    "aot",
+    "fallback",
+    "out_of_bucket",
+    "padded",
+    "sizes",
+)
+# How a column's value is stored where it is not stored as it is (as SQLAlchemy's types write it).
+_ENCODE: dict[str, Callable[[Any], Any]] = {"at": stamp, "sizes": _json}
+
+
+def _insert(
+    conn: sqlite3.Connection, table: str, columns: tuple[str, ...], rows: list[dict[str, Any]]
+) -> None:
+    """INSERT each row's ``columns`` into ``table``, encoded as ``_ENCODE`` says."""
+    encode = [_ENCODE.get(k) for k in columns]
+    conn.executemany(
+        f"INSERT INTO {table} ({', '.join(columns)}) VALUES ({', '.join('?' * len(columns))})",
+        [
+            tuple(r[k] if f is None else f(r[k]) for k, f in zip(columns, encode, strict=True))
+            for r in rows
+        ],
+    )
 
 
 def touch(url: str, cache: str, digest: str) -> bool:

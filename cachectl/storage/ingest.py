@@ -395,7 +395,6 @@ def publish(
     the entry already) and ``namespace_ready=True`` (it made the namespace before compiling).
     """
     objects = list(objects)
-    ns = env.namespace
     for o in objects:
         if o.entry is not None:
             _check_size(cache, o.row.key, o.row.size)
@@ -405,46 +404,72 @@ def publish(
         check_fits(index, cache, env_id, added)
     run = parallel or (lambda fn, keys: [(k, _guarded(fn, k)) for k in keys])
     failed: dict[str, tuple[str, Exception]] = {}
-    by_key = {o.row.key: o for o in objects}
-    if staging is not None and store.is_local and not store.exists(ns):
-        keep = {o.row.key + CACHE_SUFFIX for o in objects if o.entry is not None}
-        keep |= {o.row.key + AOT_SUFFIX for o in objects if o.executable is not None}
-        for name in os.listdir(staging):
-            if name != ENV_FILE and name not in keep:
-                os.unlink(staging / name)
-        final = Path(store.url_for(ns))
-        final.parent.mkdir(parents=True, exist_ok=True)
-        os.chmod(staging, 0o2775 if cache.group else 0o755)
-        os.rename(staging, final)
-        ensure_namespace(store, env, group=cache.group)
+    if staging is not None and store.is_local and not store.exists(env.namespace):
+        _rename_staging(staging, store, cache, env, objects)
     else:
         if not namespace_ready:
             ensure_namespace(store, env, group=cache.group)
+        failed = _write_objects(store, env.namespace, objects, run)
+    rows = _rows(objects, failed)
+    if rows:
+        index.upsert_entries(env_id, rows)
+    return Published(rows, failed)
 
-        def writer(suffix: str, attr: str) -> Callable[[str], int]:
-            def write(key: str) -> int:
-                source = getattr(by_key[key], attr)
-                if isinstance(source, Path) and store.is_local:
-                    os.replace(source, Path(store.url_for(f"{ns}/{key}{suffix}")))
-                    return 0
-                data = _bytes_of(source)
-                store.write_bytes(f"{ns}/{key}{suffix}", data)
-                return len(data)
 
-            return write
+def _rename_staging(
+    staging: Path, store: Store, cache: CacheInfo, env: Environment, objects: list[NewObject]
+) -> None:
+    """A new namespace from its staging directory: what the batch does not write is removed
+    first, then one rename makes every file appear at once."""
+    keep = {o.row.key + CACHE_SUFFIX for o in objects if o.entry is not None}
+    keep |= {o.row.key + AOT_SUFFIX for o in objects if o.executable is not None}
+    for name in os.listdir(staging):
+        if name != ENV_FILE and name not in keep:
+            os.unlink(staging / name)
+    final = Path(store.url_for(env.namespace))
+    final.parent.mkdir(parents=True, exist_ok=True)
+    os.chmod(staging, 0o2775 if cache.group else 0o755)
+    os.rename(staging, final)
+    ensure_namespace(store, env, group=cache.group)
 
-        for key, outcome in run(
-            writer(CACHE_SUFFIX, "entry"), [o.row.key for o in objects if o.entry is not None]
-        ):
-            if isinstance(outcome, Exception):
-                failed[key] = ("entry", outcome)
-        # An executable only beside its entry: never one whose entry failed to be written.
-        aot_keys = [
-            o.row.key for o in objects if o.executable is not None and o.row.key not in failed
-        ]
-        for key, outcome in run(writer(AOT_SUFFIX, "executable"), aot_keys):
-            if isinstance(outcome, Exception):
-                failed[key] = ("executable", outcome)
+
+def _write_objects(
+    store: Store,
+    ns: str,
+    objects: list[NewObject],
+    run: Callable[[Callable[[str], int], list[str]], list[tuple[str, Any]]],
+) -> dict[str, tuple[str, Exception]]:
+    """Write the entries, then the executables beside them (through ``run``); what failed, by key."""
+    by_key = {o.row.key: o for o in objects}
+    failed: dict[str, tuple[str, Exception]] = {}
+
+    def writer(suffix: str, attr: str) -> Callable[[str], int]:
+        def write(key: str) -> int:
+            source = getattr(by_key[key], attr)
+            if isinstance(source, Path) and store.is_local:
+                os.replace(source, Path(store.url_for(f"{ns}/{key}{suffix}")))
+                return 0
+            data = _bytes_of(source)
+            store.write_bytes(f"{ns}/{key}{suffix}", data)
+            return len(data)
+
+        return write
+
+    for key, outcome in run(
+        writer(CACHE_SUFFIX, "entry"), [o.row.key for o in objects if o.entry is not None]
+    ):
+        if isinstance(outcome, Exception):
+            failed[key] = ("entry", outcome)
+    # An executable only beside its entry: never one whose entry failed to be written.
+    aot_keys = [o.row.key for o in objects if o.executable is not None and o.row.key not in failed]
+    for key, outcome in run(writer(AOT_SUFFIX, "executable"), aot_keys):
+        if isinstance(outcome, Exception):
+            failed[key] = ("executable", outcome)
+    return failed
+
+
+def _rows(objects: list[NewObject], failed: dict[str, tuple[str, Exception]]) -> list[NewEntry]:
+    """The index rows of what is new and was written: an executable's columns only when it was."""
     rows = []
     for o in objects:
         kind = failed.get(o.row.key, ("", None))[0]
@@ -456,9 +481,7 @@ def publish(
             if o.entry is None and not o.in_storage:
                 continue  # nothing new for this key
         rows.append(row)
-    if rows:
-        index.upsert_entries(env_id, rows)
-    return Published(rows, failed)
+    return rows
 
 
 def _guarded(fn: Callable[[str], int], key: str) -> int | Exception:

@@ -23,27 +23,21 @@ from typing import Any, BinaryIO, TypeVar
 
 from cachectl.core.config import DELETE_BATCH
 from cachectl.core.errors import BadInput, Unreachable
+from cachectl.core.urls import (  # noqa: F401 - URL dispatch, re-exported
+    PROTOCOLS,
+    URL_SCHEME,
+    normalize_url,
+    split_protocol,
+    url_kind,
+)
 from cachectl.storage import store_local as local
 from cachectl.storage.store_local import Listed
 from cachectl.storage.store_local import (
     NotRegularFile as NotRegularFile,  # raised by reads: callers catch it
 )
 
+
 # Protocols cachectl manages, mapped to their canonical fsspec name.
-_PROTOCOLS = {
-    None: "file",
-    "file": "file",
-    "local": "file",
-    "s3": "s3",
-    "s3a": "s3",
-    "gs": "gcs",
-    "gcs": "gcs",
-    "memory": "memory",
-}
-# The scheme JAX (through etils epath) understands for each protocol.
-_URL_SCHEME = {"s3": "s3", "gcs": "gs", "memory": "memory"}
-
-
 @dataclass(frozen=True)
 class FileInfo:
     """One stored file, relative to the store's root."""
@@ -82,39 +76,6 @@ def ordered_map(fn: Callable[[T], R], items: Sequence[T], workers: int) -> Itera
         return
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="cachectl-read") as pool:
         yield from pool.map(fn, items, chunksize=max(1, min(256, len(items) // (workers * 4))))
-
-
-def split_protocol(url: str) -> tuple[str | None, str]:
-    """fsspec.core.split_protocol without importing fsspec (a service's start needs only paths)."""
-    if "://" in url:
-        protocol, path = url.split("://", 1)
-        if len(protocol) > 1:  # not a Windows drive letter
-            return protocol, path
-    if url.startswith("data:"):
-        return "data", url[5:]
-    return None, url
-
-
-def normalize_url(url: str) -> str:
-    """Canonical form of a root URL; raises BadInput for schemes we do not manage."""
-    if not url or not url.strip():
-        raise BadInput(
-            "empty storage URL: give a local path, file://, gs://, s3:// or memory:// URL"
-        )
-    url = url.strip()
-    protocol, path = split_protocol(url)
-    if protocol not in _PROTOCOLS:
-        raise BadInput(
-            f"unsupported storage URL scheme {f'{protocol}://'!r} in {url!r}: "
-            "use a local path, file://, gs://, s3:// or memory://"
-        )
-    kind = _PROTOCOLS[protocol]
-    if kind == "file":
-        return os.path.abspath(os.path.expanduser(path))
-    path = path.strip("/")
-    if not path:
-        raise BadInput(f"storage URL {url!r} names no bucket: use e.g. {protocol}://bucket/prefix")
-    return f"{_URL_SCHEME[kind]}://{path}"
 
 
 def _mtime(info: dict[str, Any]) -> datetime | None:
@@ -156,7 +117,7 @@ class Store:
     def __init__(self, url: str, storage_options: dict[str, Any] | None = None) -> None:
         self.url = normalize_url(url)
         protocol, path = split_protocol(self.url)
-        self.kind = _PROTOCOLS[protocol]
+        self.kind = PROTOCOLS[protocol]
         self._options = storage_options
         self.root = path if self.kind == "file" else path.strip("/")
         if self.kind == "memory":
@@ -191,7 +152,7 @@ class Store:
             return full
         if self.kind == "memory":
             return "memory://" + full.lstrip("/")
-        return f"{_URL_SCHEME[self.kind]}://{full}"
+        return f"{URL_SCHEME[self.kind]}://{full}"
 
     def check_reachable(self) -> None:
         """Fail with one line if the root cannot be reached (bad bucket, no endpoint)."""

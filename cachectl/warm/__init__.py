@@ -8,7 +8,8 @@ on abstract shapes: no device memory for inputs.
 
 The package: ``plan`` (validate before compiling), ``compiling`` (one bucket, warm's
 JAX config), ``jaxlog`` (the JAX log records that name each key), ``executors``
-(one by one, threads, processes), ``run`` (``warm()``: status, storage, index),
+(one by one, threads, processes), ``run`` (``warm()``: the run row, executors, report),
+``settle`` (each bucket: status, storage, index),
 ``check`` (coverage in a fresh process), ``reports`` (what both return).
 """
 
@@ -45,7 +46,7 @@ from cachectl.warm.reports import (
     WarmReport,
     WarmSummary,
 )
-from cachectl.warm.run import ProgressFn, warm
+from cachectl.warm.run import ProgressFn, resign_written, signer_for, warm
 
 __all__ = [
     "CACHED",
@@ -82,6 +83,8 @@ __all__ = [
     "default_jobs",
     "jax_configured",
     "plan_warm",
+    "resign_written",
+    "signer_for",
     "warm",
     "warm_jax_config",
 ]

@@ -265,16 +265,7 @@ def check_agreement(me: ProcessInfo, views: Sequence[dict[str, Any]]) -> None:
         values = [json.dumps(v[field], sort_keys=True) for v in views]
         if len(set(values)) > 1:
             odd = next(i for i, v in enumerate(values) if v != values[0])
-            shown = (
-                str(views[odd][field])[:16]
-                if field != "buckets"
-                else f"{len(views[odd][field])} bucket(s)"
-            )
-            first = (
-                str(views[0][field])[:16]
-                if field != "buckets"
-                else f"{len(views[0][field])} bucket(s)"
-            )
+            first, shown = _shown(views[0][field], field), _shown(views[odd][field], field)
             if field == "environment":
                 a, b = views[0]["fields"], views[odd]["fields"]
                 diff = [
@@ -287,6 +278,24 @@ def check_agreement(me: ProcessInfo, views: Sequence[dict[str, Any]]) -> None:
                 f"the processes of this JAX job differ in {label}: process 0 has "
                 f"{first}, process {odd} has {shown}: no process compiled anything"
             )
+
+
+@dataclass(frozen=True)
+class _Request:
+    """What every process of the job was asked to warm (the same in each)."""
+
+    manifest_path: str | Path
+    cache: str | None
+    jobs: int | None
+    paths: Sequence[str]
+    fail_fast: bool
+    executables: bool
+    progress: Any
+
+
+def _shown(value: Any, field: str) -> str:
+    """An agreement field as a refusal shows it: a digest's first 16 characters, a count of buckets."""
+    return f"{len(value)} bucket(s)" if field == "buckets" else str(value)[:16]
 
 
 def warm(
@@ -312,6 +321,28 @@ def warm(
     me = join()
     _SEQUENCE[0] += 1
     started = time.perf_counter()
+    request = _Request(manifest_path, cache, jobs, paths, fail_fast, executables, progress)
+    plan = _plan_together(ctx, me, request, dry_run, prepare)
+    if dry_run:
+        return DistributedWarmReport(
+            me,
+            warm_mod.warm(
+                ctx, manifest_path, cache=cache, paths=paths, dry_run=True, progress=progress
+            ),
+        )
+    if me.index != WRITER:
+        return DistributedWarmReport(me, _follow(ctx, plan, me, started))
+    return DistributedWarmReport(me, _lead(ctx, plan, me, request, finish))
+
+
+def _plan_together(
+    ctx: Context,
+    me: ProcessInfo,
+    request: _Request,
+    dry_run: bool,
+    prepare: Callable[[], None] | None,
+) -> Any:
+    """Plan in every process and refuse unless all agree; returns this process's plan."""
     plans: list[Any] = []
 
     def planned() -> dict[str, Any]:
@@ -321,9 +352,9 @@ def warm(
             plans.append(
                 warm_mod.plan_warm(
                     ctx,
-                    manifest_path,
-                    cache=cache,
-                    paths=paths,
+                    request.manifest_path,
+                    cache=request.cache,
+                    paths=request.paths,
                     writer_check=not dry_run and me.index == WRITER,
                 )
             )
@@ -334,45 +365,34 @@ def warm(
     # once fail ("has tables but no cachectl schema version").
     _exchange("open", me, lambda: planned() if me.index == WRITER else {})
     check_agreement(me, _exchange("plan", me, planned))
-    plan = plans[0]
-    if dry_run:
-        return DistributedWarmReport(
-            me,
-            warm_mod.warm(
-                ctx, manifest_path, cache=cache, paths=paths, dry_run=True, progress=progress
-            ),
-        )
-    if me.index != WRITER:
-        return DistributedWarmReport(me, _follow(ctx, plan, me, started))
-    # Process 0 is a normal warm: JAX writes from it, so it stores, records and reports.
+    return plans[0]
+
+
+def _lead(
+    ctx: Context,
+    plan: Any,
+    me: ProcessInfo,
+    request: _Request,
+    finish: Callable[[Any], None] | None,
+) -> Any:
+    """Process 0 is a normal warm: JAX writes from it, so it stores, records and reports; then
+    it stores the entries only the other processes' keys name."""
     reports: list[Any] = []
 
     def warmed() -> dict[str, Any]:
         reports.append(
             warm_mod.warm(
                 ctx,
-                manifest_path,
-                cache=cache,
-                jobs=jobs,
-                paths=paths,
-                fail_fast=fail_fast,
-                executables=executables,
-                progress=progress,
+                request.manifest_path,
+                cache=request.cache,
+                jobs=request.jobs,
+                paths=request.paths,
+                fail_fast=request.fail_fast,
+                executables=request.executables,
+                progress=request.progress,
             )
         )
-        return {
-            "buckets": [
-                {
-                    "key": b.key,
-                    "status": b.status,
-                    "bytes": b.bytes,
-                    "aot_bytes": b.aot_bytes,
-                    "error": b.error,
-                }
-                for b in reports[0].buckets
-            ],
-            "run_id": reports[0].run_id,
-        }
+        return _results_view(reports[0])
 
     _exchange("result", me, warmed)
     report = reports[0]
@@ -386,7 +406,24 @@ def warm(
         return {"stored": len(rows)}
 
     _exchange("done", me, stored)
-    return DistributedWarmReport(me, report)
+    return report
+
+
+def _results_view(report: Any) -> dict[str, Any]:
+    """What process 0 publishes of its warm for the others to report and check their keys by."""
+    return {
+        "buckets": [
+            {
+                "key": b.key,
+                "status": b.status,
+                "bytes": b.bytes,
+                "aot_bytes": b.aot_bytes,
+                "error": b.error,
+            }
+            for b in report.buckets
+        ],
+        "run_id": report.run_id,
+    }
 
 
 def _store_peer_entries(

@@ -1,0 +1,216 @@
+"""How `cachectl warm` and `cachectl warm-check` print: their tables, summaries and progress.
+
+Apart from warm_cmds.py so that module holds the commands alone; like it, nothing here
+imports the warm stack (the reports' types only when type checking).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import click
+
+from cachectl.cli.render import escape, size, stderr, stdout, table
+from cachectl.core.units import format_size
+
+if TYPE_CHECKING:
+    from cachectl.warm import CheckReport, WarmReport
+
+_STATUS_STYLE = {"compiled": "green", "cached": "cyan", "hit": "green"}  # cachectl.warm.reports
+
+
+def plain(values: dict[str, Any]) -> str:
+    """``batch=4,seq=64``: a bucket's values as the progress lines and errors name them."""
+    return ",".join(f"{k}={v}" for k, v in values.items())
+
+
+def named(bucket: Any) -> str:
+    """``fn[batch=4]``: a bucket by name."""
+    return f"{bucket.function}[{plain(bucket.bucket)}]"
+
+
+def _bucket_text(values: dict[str, Any]) -> str:
+    return escape(plain(values)) or "-"
+
+
+def _key_text(key: str | None) -> str:
+    """The hash part of a key, shortened: enough to find the file."""
+    return (key or "-").rsplit("-", 1)[-1][:12]
+
+
+def _seconds(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
+def _styled(status: str) -> str:
+    style = _STATUS_STYLE.get(status, "red" if status in ("failed", "too-large", "miss") else "")
+    return f"[{style}]{status}[/{style}]" if style else status
+
+
+def print_warm(report: WarmReport) -> None:
+    """The human report of a warm: its buckets (or its plan, with --dry-run) and a summary."""
+    if report.dry_run:
+        rows: list[tuple[str, ...]] = [
+            (escape(b.function), _bucket_text(b.bucket)) for b in report.buckets
+        ]
+        stdout.print(
+            table(
+                f"warm --dry-run: {len(rows)} bucket(s) for {report.namespace}",
+                ["function", "bucket"],
+                rows,
+            )
+        )
+        if report.target_problems:
+            stdout.print(
+                "target: [red]does not match[/red]: " + escape("; ".join(report.target_problems))
+            )
+        else:
+            stdout.print("target: matches this machine")
+        return
+    rows = [
+        (
+            escape(b.function),
+            _bucket_text(b.bucket),
+            _styled(b.status),
+            _key_text(b.key),
+            _seconds(b.compile_seconds),
+            size(b.bytes),
+            size(b.aot_bytes),
+            escape(b.error or b.aot_error or ""),
+        )
+        for b in report.buckets
+    ]
+    stdout.print(
+        table(
+            f"warm {report.manifest} -> {report.namespace}",
+            ["function", "bucket", "status", "key", "compile s", "size", "aot", "error"],
+            rows,
+            justify_right=("compile s", "size", "aot"),
+        )
+    )
+    s = report.summary
+    aot_bytes = sum(b.aot_bytes or 0 for b in report.buckets)
+    stdout.print(
+        f"{s.buckets} bucket(s): {s.compiled} compiled, {s.cached} cached, {s.failed} failed; "
+        f"compile {s.compile_seconds:.1f}s, wall {s.wall_seconds:.1f}s "
+        f"({report.jobs} {report.executor} job(s), warm run {report.run_id}{_retried(s)}); "
+        f"{report.executables} stored executable(s), {format_size(aot_bytes)}",
+        highlight=False,
+    )
+
+
+def _retried(summary: Any) -> str:
+    """', 2 retried alone after failing among threads', or nothing."""
+    n = summary.retried_alone
+    return f", {n} retried alone after failing among threads" if n else ""
+
+
+def print_check(report: CheckReport) -> None:
+    """The human report of warm-check: each bucket's hit or miss and the coverage."""
+    rows = [
+        (
+            escape(b.function),
+            _bucket_text(b.bucket),
+            _styled(b.status),
+            _key_text(b.key),
+            _seconds(b.seconds),
+            escape(b.aot or "-"),
+            escape(b.error or ""),
+        )
+        for b in report.buckets
+    ]
+    stdout.print(
+        table(
+            f"coverage of {report.namespace} (fresh read-only process)",
+            ["function", "bucket", "status", "key", "load s", "executable", "error"],
+            rows,
+            justify_right=("load s",),
+        )
+    )
+    s = report.summary
+    failed = f"; {s.aot_failed} raised or crashed when called" if s.aot_failed else ""
+    stdout.print(
+        f"coverage: {report.hits}/{len(report.buckets)} buckets hit ({report.coverage:.1f}%); "
+        f"stored executables: {s.aot_ran}/{len(report.buckets)} load and run "
+        f"({report.aot_coverage:.1f}%){failed}",
+        highlight=False,
+    )
+    if report.unusable:
+        where = "marked unusable in the index" if report.mark_error is None else "NOT marked"
+        note = "" if report.mark_error is None else f" ({report.mark_error})"
+        stdout.print(
+            f"{where}{note}: cachectl.serving serves "
+            + ", ".join(escape(named(b)) for b in report.unusable)
+            + " through jax.jit",
+            highlight=False,
+        )
+
+
+class Progress:
+    """Progress on stderr: a rich bar on a terminal; in a log (a pipe, a CI job) one line per bucket.
+
+    A line names the bucket, its status and its seconds (lowering + compiling), and is
+    flushed at once, so a CI log shows how far a long warm got; stdout (``--json``) is untouched.
+    """
+
+    def __init__(self, enabled: bool, terminal: bool) -> None:
+        self.enabled = enabled
+        self.bar: Any = None
+        self.task: Any = None
+        if enabled and terminal:
+            from rich.progress import (
+                BarColumn,
+                MofNCompleteColumn,
+                Progress,
+                TextColumn,
+                TimeElapsedColumn,
+            )
+
+            self.bar = Progress(
+                TextColumn("warm"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TimeElapsedColumn(),
+                TextColumn("{task.description}"),
+                console=stderr,
+                transient=True,
+            )
+
+    def __enter__(self) -> Progress:
+        if self.bar is not None:
+            self.bar.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+
+    def __call__(self, result: Any, done: int, total: int) -> None:
+        if not self.enabled:
+            return
+        label = f"{result.function}[{plain(result.bucket)}] {result.status}"
+        if self.bar is None:
+            click.echo(f"warm {done}/{total} {label} {_bucket_seconds(result)}", err=True)
+            return
+        if self.task is None:
+            self.task = self.bar.add_task("", total=total)
+        self.bar.update(self.task, completed=done, description=escape(label))
+
+
+def _bucket_seconds(result: Any) -> str:
+    """'1.23s' spent on one bucket (lowering + compiling), '-' when it never got that far."""
+    if result.compile_seconds is None and result.lower_seconds is None:
+        return "-"
+    return f"{(result.lower_seconds or 0.0) + (result.compile_seconds or 0.0):.2f}s"
+
+
+def print_replay(r: Any) -> None:
+    """The human report of warm-check --replay: the command's exit and its cache hits."""
+    rate = "-" if r.hit_rate is None else f"{r.hit_rate:.1%}"
+    stdout.print(
+        f"replayed warm run {r.run_id} read-only: {escape(' '.join(r.command))} (in "
+        f"{escape(r.cwd)}) exited {r.exit_code} after {r.seconds:.1f}s\n"
+        f"cache hits: {r.hits}/{r.requests} compile requests ({rate}) in {r.processes} JAX "
+        "process(es)",
+        highlight=False,
+    )

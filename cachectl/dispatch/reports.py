@@ -1,0 +1,70 @@
+"""What a :class:`~cachectl.dispatch.router.Serving` reports: per function and in all.
+
+Apart from runtime.py so that module holds the call path only; both records are re-exported
+from cachectl.dispatch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class FunctionReport:
+    calls: int
+    aot: int
+    fallback: int
+    out_of_bucket: int
+    padded: int
+    buckets: int
+    loaded: int
+    fallback_reason: str | None = None
+    raw_sizes: dict[str, dict[int, int]] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "calls": self.calls,
+            "aot": self.aot,
+            "fallback": self.fallback,
+            "out_of_bucket": self.out_of_bucket,
+            "padded": self.padded,
+            "buckets": self.buckets,
+            "loaded": self.loaded,
+            "fallback_reason": self.fallback_reason,
+            "raw_sizes": {
+                a: {str(k): v for k, v in sorted(c.items())} for a, c in self.raw_sizes.items()
+            },
+        }
+
+
+@dataclass(frozen=True)
+class ServingReport:
+    """What the runtime loaded and how calls were served; ``to_json`` for logs and dashboards."""
+
+    namespace: str
+    functions: dict[str, FunctionReport]
+    load_seconds: float  # sum of every bucket's load
+    ready_seconds: float  # construction to every preloaded bucket ready
+    warnings: list[str]
+    # ``warmup=True``: the sum of every bucket's warm-up call, and construction to every bucket
+    # loaded and warmed up (None: no warm-up).
+    warmup_seconds: float = 0.0
+    warm_ready_seconds: float | None = None
+
+    @property
+    def ok(self) -> bool:
+        return all(f.fallback == 0 and f.loaded == f.buckets for f in self.functions.values())
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "namespace": self.namespace,
+            "functions": {n: f.to_json() for n, f in self.functions.items()},
+            "load_seconds": round(self.load_seconds, 4),
+            "ready_seconds": round(self.ready_seconds, 4),
+            "warmup_seconds": round(self.warmup_seconds, 4),
+            "warm_ready_seconds": None
+            if self.warm_ready_seconds is None
+            else round(self.warm_ready_seconds, 4),
+            "warnings": list(self.warnings),
+        }

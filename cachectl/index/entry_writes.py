@@ -1,0 +1,202 @@
+"""What the SQL index writes to entry rows: upserts, stored executables' columns and verdicts, hits.
+
+Index's methods of the same names call these (cachectl.index.sql keeps the connection and the
+error mapping); apart so that module stays a readable list of the index's operations.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Sequence
+from datetime import UTC, datetime
+from typing import TYPE_CHECKING, Any, cast
+
+from sqlalchemy import CursorResult, bindparam, case, func, select, update
+from sqlalchemy.engine import Connection
+from sqlalchemy.orm import Session
+
+from cachectl.core.records import NewEntry
+from cachectl.index.models import Entry, UTCDateTime, utcnow
+
+if TYPE_CHECKING:
+    from cachectl.index.sql import Index
+
+CHUNK = 500  # keys per IN (...) list: within every driver's parameter limit
+
+
+def chunks(items: Sequence[Any], size: int = CHUNK) -> Iterator[Sequence[Any]]:
+    """``items`` in slices of ``size``."""
+    for start in range(0, len(items), size):
+        yield items[start : start + size]
+
+
+def upsert_entries(index: Index, env_id: int, entries: Iterable[NewEntry]) -> tuple[int, int]:
+    """Record entries; returns (inserted, updated). Re-running is harmless."""
+    items = list(entries)
+    inserted = updated = 0
+    with index.session() as s:
+        for chunk in chunks(items):
+            keys = [e.key for e in chunk]
+            existing = {
+                row.key: row
+                for row in s.scalars(
+                    select(Entry).where(Entry.environment_id == env_id, Entry.key.in_(keys))
+                )
+            }
+            new_rows = []
+            for e in chunk:
+                row = existing.get(e.key)
+                if row is None:
+                    new_rows.append(_new_row(env_id, e))
+                else:
+                    updated += _update_row(row, e)
+            if new_rows:
+                s.execute(Entry.__table__.insert(), new_rows)
+                inserted += len(new_rows)
+    return inserted, updated
+
+
+def _new_row(env_id: int, e: NewEntry) -> dict[str, Any]:
+    """The ``entries`` row of an entry the index does not hold yet."""
+    return {
+        "environment_id": env_id,
+        "key": e.key,
+        "module": e.module,
+        "size_bytes": e.size,
+        "sha256": e.sha256,
+        "origin": e.origin,
+        "compile_time_ms": e.compile_time_ms,
+        "function": e.function,
+        "bucket": e.bucket,
+        "warm_run_id": e.warm_run_id,
+        "created_at": e.created_at or utcnow(),
+        "hit_count": 0,
+        "aot_size_bytes": e.aot_size,
+        "aot_sha256": e.aot_sha256,
+    }
+
+
+def _update_row(row: Entry, e: NewEntry) -> bool:
+    """Bring a held row to what the writer knows (what it does not know stays); whether it changed."""
+    changed = False
+    if (row.size_bytes, row.sha256) != (e.size, e.sha256):
+        row.size_bytes, row.sha256 = e.size, e.sha256
+        changed = True
+    if e.aot_sha256 is not None and (row.aot_size_bytes, row.aot_sha256) != (
+        e.aot_size,
+        e.aot_sha256,
+    ):
+        row.aot_size_bytes, row.aot_sha256 = e.aot_size, e.aot_sha256
+        row.aot_unusable = None  # another executable: warm-check's verdict was not on it
+        changed = True
+    for attr in ("compile_time_ms", "function", "bucket", "warm_run_id"):
+        value = getattr(e, attr)
+        if value is not None and getattr(row, attr) != value:
+            setattr(row, attr, value)
+            changed = True
+    return changed
+
+
+def set_executables(
+    index: Index, env_id: int, executables: dict[str, tuple[int, str] | None]
+) -> int:
+    """Record (size, sha256) of entries' stored executables, or clear them (None); rows touched."""
+    touched = 0
+    with index.session() as s:
+        for chunk in chunks(list(executables)):
+            q = select(Entry.id, Entry.key, Entry.aot_size_bytes, Entry.aot_sha256).where(
+                Entry.environment_id == env_id, Entry.key.in_(chunk)
+            )
+            for row_id, key, size, sha in s.execute(q).all():
+                want = executables[key]
+                new = (None, None) if want is None else (int(want[0]), want[1])
+                if (size, sha) != new:
+                    s.execute(
+                        update(Entry)
+                        .where(Entry.id == row_id)
+                        .values(aot_size_bytes=new[0], aot_sha256=new[1], aot_unusable=None)
+                    )
+                    touched += 1
+    return touched
+
+
+def mark_executables(index: Index, env_id: int, verdicts: dict[str, str | None]) -> int:
+    """Record warm-check's verdicts on stored executables; rows touched."""
+    touched = 0
+    with index.session() as s:
+        for chunk in chunks(list(verdicts)):
+            q = select(Entry.id, Entry.key, Entry.aot_unusable).where(
+                Entry.environment_id == env_id, Entry.key.in_(chunk)
+            )
+            for row_id, key, current in s.execute(q).all():
+                if current != verdicts[key]:
+                    s.execute(
+                        update(Entry).where(Entry.id == row_id).values(aot_unusable=verdicts[key])
+                    )
+                    touched += 1
+    return touched
+
+
+def _add_hits_statement() -> Any:
+    """Hits added to one entry; last access moves forward only, never before creation. Built once:
+    telemetry runs it on every flush."""
+    t = Entry.__table__
+    seen = bindparam("b_seen", type_=UTCDateTime())
+    last = func.coalesce(t.c.last_access_at, t.c.created_at)
+    return (
+        t.update()
+        .where(t.c.environment_id == bindparam("b_env"), t.c.key == bindparam("b_key"))
+        .values(
+            hit_count=t.c.hit_count + bindparam("b_count"),
+            last_access_at=case((last < seen, seen), else_=last),
+        )
+    )
+
+
+_ADD_HITS = _add_hits_statement()
+
+
+def record_hits(
+    index: Index,
+    env_id: int,
+    hits: dict[str, tuple[int, datetime]],
+    *,
+    not_after: datetime | None = None,
+    session: Session | Connection | None = None,
+) -> int:
+    """Add hit counts and last-access times learned from telemetry (Index.record_hits says how)."""
+    params = []
+    for key, (count, at) in hits.items():
+        if at.tzinfo is None:
+            at = at.replace(tzinfo=UTC)
+        params.append(
+            {
+                "b_env": env_id,
+                "b_key": key,
+                "b_count": count,
+                "b_seen": at if not_after is None else min(at, not_after),
+            }
+        )
+    if not params:
+        return 0
+    if session is not None:
+        return _add_hits(session, params)
+    with index.connection() as conn:
+        return _add_hits(conn, params)
+
+
+def _add_hits(s: Session | Connection, params: list[dict[str, Any]]) -> int:
+    """Run the hits statement; the rows it touched (counted again where the driver cannot say)."""
+    t = Entry.__table__
+    result = s.execute(_ADD_HITS, params[0] if len(params) == 1 else params)
+    dialect = s.get_bind().dialect if isinstance(s, Session) else s.dialect
+    if len(params) == 1 or dialect.supports_sane_multi_rowcount:
+        return cast("CursorResult[Any]", result).rowcount or 0
+    keys = [p["b_key"] for p in params]  # a driver that does not sum an executemany's rowcount
+    return (
+        s.scalar(
+            select(func.count())
+            .select_from(t)
+            .where(t.c.environment_id == params[0]["b_env"], t.c.key.in_(keys))
+        )
+        or 0
+    )

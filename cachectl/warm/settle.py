@@ -1,0 +1,350 @@
+"""One bucket's outcome settled: what JAX did becomes a status; the stored bytes are indexed.
+
+The written file itself is read back from storage: its size and sha256 are what
+the index records, so the index describes bytes that exist. Split from ``run`` so
+that module drives the run and this one judges each bucket.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any, NamedTuple
+
+from cachectl.context import Context
+from cachectl.core.units import format_size
+from cachectl.index import NewEntry
+from cachectl.manifest import Bucket, resolve_callable
+from cachectl.storage import executables as aot
+from cachectl.storage import ingest
+from cachectl.storage.entries import (
+    AOT_SUFFIX,
+    CACHE_SUFFIX,
+    CorruptEntry,
+    EntryName,
+    parse_key,
+    read_header,
+    sha256,
+)
+from cachectl.warm.compiling import _Outcome
+from cachectl.warm.plan import WarmPlan
+from cachectl.warm.reports import CACHED, COMPILED, FAILED, TOO_LARGE, BucketResult
+
+log = logging.getLogger(__name__)
+
+# key -> (size, sha256) of what the index holds (or a trusted list signed).
+Known = dict[str, tuple[int, str]]
+
+
+@dataclass(frozen=True)
+class RunScope:
+    """What every bucket of one warm run settles into: its namespace, index rows and run id.
+
+    ``indexed`` and ``stored_aot`` are the run's own dicts: settling a bucket adds what it wrote.
+    ``stored_aot`` None means executables are off.
+    """
+
+    ctx: Context
+    plan: WarmPlan
+    store: Any
+    ns_rel: str
+    env_id: int
+    run_id: int
+    indexed: Known
+    stored_aot: Known | None
+    digests: dict[str, tuple[str, str | None]]
+
+
+class _Published(NamedTuple):
+    """What publishing one bucket's executable did."""
+
+    aot_bytes: int | None
+    aot_error: str | None
+    # (size, sha256) of the executable written now; None when none was written.
+    aot_file: tuple[int, str] | None
+
+
+def settle(
+    scope: RunScope, bucket: Bucket, outcome: _Outcome | None, error: str | None
+) -> BucketResult:
+    """Turn what JAX did into a status; read the stored bytes; index them; enforce max entry size.
+
+    With executables on (``stored_aot`` not None), a bucket is ``cached`` only
+    when its JAX entry and its stored executable are both there already.
+    """
+    if error is not None or outcome is None:
+        return BucketResult(
+            bucket.function,
+            dict(bucket.values),
+            status=FAILED,
+            error=str(error or "no result"),
+            traceback=getattr(error, "traceback", None),
+        )
+    if outcome.lookup is None or outcome.key is None:
+        return _result(
+            bucket,
+            outcome,
+            FAILED,
+            key=None,
+            error="JAX did not consult the persistent cache for this program",
+        )
+    rel = f"{scope.ns_rel}/{outcome.key}{CACHE_SUFFIX}"
+    if outcome.lookup == "miss" and not outcome.written:
+        reason = outcome.skip_reason or "see the warning JAX printed"
+        broken = _broken_entry(scope.store, rel)
+        if broken:  # JAX never rewrites an existing file: a broken one would stay for ever
+            reason = f"{broken}; removed it, rerun warm"
+        return _result(
+            bucket, outcome, FAILED, error=f"compiled but JAX did not write it: {reason}"
+        )
+    if outcome.lookup == "hit":
+        return _settle_hit(scope, bucket, outcome, rel)
+    return _settle_written(scope, bucket, outcome, rel)
+
+
+def _result(bucket: Bucket, outcome: _Outcome, status: str, **fields: Any) -> BucketResult:
+    """A settled bucket's result: its key (the outcome's unless given) and JAX's times."""
+    fields.setdefault("key", outcome.key)
+    return BucketResult(
+        bucket.function,
+        dict(bucket.values),
+        status=status,
+        compile_seconds=outcome.seconds,
+        lower_seconds=outcome.lower_seconds,
+        **fields,
+    )
+
+
+def _module(key: str) -> str:
+    """The module name a key carries (the key itself when it is not JAX's format)."""
+    parsed = parse_key(key)
+    return parsed.module if parsed else key
+
+
+def _settle_hit(scope: RunScope, bucket: Bucket, outcome: _Outcome, rel: str) -> BucketResult:
+    """JAX loaded the entry: index it as observed, and store its executable if it is new."""
+    key = outcome.key or ""
+    known = scope.indexed.get(key)
+    if known is not None:
+        size, digest = known
+    else:
+        try:
+            data = scope.store.read_bytes(rel)
+        except FileNotFoundError:
+            return _result(bucket, outcome, CACHED)
+        size, digest = len(data), sha256(data)
+    # A hit belongs to this run too: lifecycle protects the newest run's entries.
+    row = NewEntry(
+        key=key,
+        module=_module(key),
+        function=bucket.function,
+        bucket=dict(bucket.values),
+        warm_run_id=scope.run_id,
+        size=size,
+        sha256=digest,
+        origin="observed",
+    )
+    published = _publish(scope, row, bucket, outcome)
+    return _result(
+        bucket,
+        outcome,
+        COMPILED if published.aot_file is not None else CACHED,
+        bytes=size,
+        aot_bytes=published.aot_bytes,
+        aot_error=published.aot_error,
+        # JAX loaded the entry, this run did not write it: only a new executable is its own
+        # (signed only beside an entry a trusted list already signed).
+        written=_written(key, aot=published.aot_file),
+    )
+
+
+def _settle_written(scope: RunScope, bucket: Bucket, outcome: _Outcome, rel: str) -> BucketResult:
+    """JAX wrote the entry: check it meets the rules, index it, store its executable."""
+    key = outcome.key or ""
+    store, cache = scope.store, scope.plan.cache
+    try:
+        data = store.read_bytes(rel)
+    except FileNotFoundError:
+        return _result(
+            bucket, outcome, FAILED, error=f"JAX reported writing {rel} but it is not in the cache"
+        )
+    size = len(data)
+    problem = _entry_problem(data)
+    if problem is not None:
+        store.delete([rel])
+        return _result(
+            bucket,
+            outcome,
+            FAILED,
+            bytes=size,
+            error=f"JAX wrote a broken entry ({problem}){_space_hint(store, scope.ns_rel)}; "
+            "removed it: a rerun with space compiles it again",
+        )
+    try:  # the rules every new entry meets (ingest.py): max entry size, a JAX entry, its sha256
+        row = ingest.check_new(
+            cache,
+            EntryName(key, _module(key)),
+            data,
+            origin="warm",
+            compile_time_ms=int(round(outcome.seconds * 1000)),
+            function=bucket.function,
+            bucket=dict(bucket.values),
+            warm_run_id=scope.run_id,
+        )
+    except ingest.Refused as exc:
+        store.delete([rel])
+        limit = cache.max_entry_size
+        if exc.rule == ingest.TOO_LARGE and limit is not None:
+            error = (
+                f"entry is {format_size(size)}, above the max entry size of cache "
+                f"{cache.name!r} ({format_size(limit)}): removed, not kept"
+            )
+            return _result(bucket, outcome, TOO_LARGE, bytes=size, error=error)
+        error = f"JAX wrote an entry that is not kept ({exc.message}); removed it"
+        return _result(bucket, outcome, FAILED, bytes=size, error=error)
+    published = _publish(scope, row, bucket, outcome)
+    scope.indexed[key] = (size, row.sha256)
+    return _result(
+        bucket,
+        outcome,
+        COMPILED,
+        bytes=size,
+        aot_bytes=published.aot_bytes,
+        aot_error=published.aot_error,
+        written=_written(key, (size, row.sha256), published.aot_file),
+    )
+
+
+def _written(
+    key: str, entry: tuple[int, str] | None = None, aot: tuple[int, str] | None = None
+) -> tuple[tuple[str, int, str], ...]:
+    """(name, size, sha256) of the files a bucket wrote: what its signer signs."""
+    files = [(key + CACHE_SUFFIX, *entry)] if entry is not None else []
+    if aot is not None:
+        files.append((key + AOT_SUFFIX, *aot))
+    return tuple(files)
+
+
+def _entry_problem(data: bytes) -> str | None:
+    """Why bytes JAX wrote are not an entry (a full disk leaves 0-byte or truncated files)."""
+    if not data:
+        return "0 bytes"
+    try:
+        read_header(data)
+    except CorruptEntry as exc:
+        return f"{len(data)} bytes, {exc}"
+    return None
+
+
+def _broken_entry(store: Any, rel: str) -> str | None:
+    """A broken file in the way of this key is removed; returns what was wrong with it."""
+    try:
+        data = store.read_bytes(rel)
+    except (FileNotFoundError, OSError):
+        return None
+    problem = _entry_problem(data)
+    if problem is not None:
+        store.delete([rel])
+        return f"a broken entry was in its place ({problem})"
+    return None
+
+
+def _space_hint(store: Any, ns_rel: str) -> str:
+    """', no space left on DIR' when the local disk is (nearly) full."""
+    if not getattr(store, "is_local", False):
+        return ""
+    try:
+        path = store.url_for(ns_rel).removeprefix("file://")
+        free = shutil.disk_usage(path).free
+    except OSError:
+        return ""
+    return f", no space left on {path} ({free} bytes free)" if free < (1 << 20) else ""
+
+
+def function_digests(plan: WarmPlan) -> dict[str, tuple[str, str | None]]:
+    """Per function: its manifest entry's and its source file's digests, bound into each executable."""
+    out: dict[str, tuple[str, str | None]] = {}
+    for spec in plan.manifest.functions:
+        try:
+            fn = resolve_callable(spec.fn, plan.search_paths)
+        except Exception:  # noqa: BLE001 - the bucket reports the import error itself
+            fn = None
+        out[spec.name] = (aot.spec_digest(spec), aot.source_digest(fn) if fn is not None else None)
+    return out
+
+
+def _publish(scope: RunScope, row: NewEntry, bucket: Bucket, outcome: _Outcome) -> _Published:
+    """Index the entry JAX wrote, with ``<key>-aot`` written beside it unless the same one is
+    there, through ingest.publish."""
+    key, stored, store = row.key, scope.stored_aot, scope.store
+    data: bytes | None = None
+    error: str | None = None
+    known = stored.get(key) if stored is not None else None
+    if stored is None:
+        pass
+    elif known is not None and (
+        outcome.stored or store.exists(f"{scope.ns_rel}/{key}{AOT_SUFFIX}")
+    ):
+        row = replace(row, aot_size=known[0], aot_sha256=known[1])  # stored: present() just looked
+    elif outcome.payload is None:
+        error = outcome.aot_error or "no executable to store"
+    else:
+        spec_digest, source = scope.digests.get(bucket.function, (None, None))
+        data = aot.pack(
+            outcome.payload,
+            key=key,
+            entry_sha256=row.sha256,
+            function=bucket.function,
+            bucket=dict(bucket.values),
+            spec_digest=spec_digest,
+            source_digest=source,
+            custom_calls=outcome.custom_calls,
+        )
+        row = replace(row, aot_size=len(data), aot_sha256=sha256(data))
+    plan = scope.plan
+    published = ingest.publish(
+        scope.ctx.index,
+        plan.cache,
+        plan.environment,
+        scope.env_id,
+        store,
+        [ingest.NewObject(row, executable=data, in_storage=True)],
+        quota=False,
+        namespace_ready=True,
+    )
+    failure = published.failed.get(key)
+    if failure is not None:
+        return _Published(None, f"could not store the executable: {failure[1]}", None)
+    if data is None:
+        return _Published(row.aot_size, error, None)
+    assert stored is not None  # an executable is packed only with executables on
+    stored[key] = (len(data), row.aot_sha256 or "")
+    return _Published(row.aot_size, error, (len(data), row.aot_sha256 or ""))
+
+
+def present_check(scope: RunScope, replace: bool = False) -> Callable[[str], bool]:
+    """Whether a key is fully warmed already: indexed, its entry (and stored executable) on storage.
+
+    Called from the compiling threads once a bucket is lowered; a yes means
+    the bucket is ``cached`` without being compiled or loaded. With ``replace`` (a signed
+    warm: ``indexed`` holds only signed entries) a file at a key it does not hold is removed
+    first, so JAX compiles the bucket and writes it again instead of loading that file.
+    """
+    store, ns_rel, indexed, stored_aot = scope.store, scope.ns_rel, scope.indexed, scope.stored_aot
+
+    def present(key: str) -> bool:
+        entry = f"{ns_rel}/{key}{CACHE_SUFFIX}"
+        if key not in indexed:
+            if replace and store.exists(entry):
+                log.warning("warm: %s is not signed: removed, compiling it again", entry)
+                store.delete([entry, f"{ns_rel}/{key}{AOT_SUFFIX}"])
+            return False
+        if not store.exists(entry):
+            return False
+        return stored_aot is None or (
+            key in stored_aot and store.exists(f"{ns_rel}/{key}{AOT_SUFFIX}")
+        )
+
+    return present
