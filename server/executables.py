@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse, Response
 
 from cachectl.index import EnvironmentInfo
 from cachectl.storage import ingest
-from cachectl.storage.entries import AOT_SUFFIX
+from cachectl.storage.entries import EXECUTABLE_SUFFIX
 
 from .api import CacheName, Digest
 from .auth import route
@@ -34,7 +34,7 @@ ROUTE = "/caches/{cache}/environments/{digest}/entries/{key}/aot"
 
 
 def executable_path(env: EnvironmentInfo, key: str) -> str:
-    return f"{env.namespace}/{key}{AOT_SUFFIX}"
+    return f"{env.namespace}/{key}{EXECUTABLE_SUFFIX}"
 
 
 @route(

@@ -84,7 +84,7 @@ def test_header_of_both_compressions() -> None:
         header = entries.read_header(data)
         assert header.compression == compression
         assert header.compile_seconds == 3
-        assert header.executable_bytes == 500
+        assert header.payload_size == 500
 
 
 @pytest.mark.parametrize(

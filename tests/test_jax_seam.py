@@ -18,7 +18,7 @@ import pytest
 from support.infra import run_py
 
 from cachectl.core import jax_kernels, jax_seam
-from cachectl.storage.entries import CACHE_SUFFIX, executable_bytes, parse_key, read_header
+from cachectl.storage.entries import CACHE_SUFFIX, entry_payload, parse_key, read_header
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -282,7 +282,7 @@ def test_entry_bytes_are_the_entry_jax_wrote(probe: dict[str, Any]) -> None:
     ours, theirs = bytes.fromhex(probe["entry"]), _program_entry(probe).read_bytes()
     assert read_header(ours).compression == read_header(theirs).compression
     assert read_header(ours).compile_seconds == read_header(theirs).compile_seconds == 0
-    assert len(executable_bytes(ours)) == len(executable_bytes(theirs))
+    assert len(entry_payload(ours)) == len(entry_payload(theirs))
 
 
 # -- what the key is made of ---------------------------------------------------------------
@@ -359,7 +359,7 @@ def test_a_device_list_loads_a_real_executable() -> None:
 
     compiled = jax.jit(lambda v: v * 3).lower(np.ones(2, np.float32)).compile()
     backend = jax.devices()[0].client
-    data = executable_bytes(jax_seam.entry_bytes(compiled, 0))
+    data = entry_payload(jax_seam.entry_bytes(compiled, 0))
     loaded = backend.deserialize_executable(
         data, executable_devices=jax_seam.device_list(jax.devices()[:1])
     )

@@ -9,7 +9,7 @@ from cachectl.client import decode
 from cachectl.core.fingerprint import current_environment
 from cachectl.core.jsonable import REDACTED, from_jsonable, to_jsonable
 from cachectl.core.records import CacheInfo, EnvironmentInfo
-from cachectl.lifecycle.verify_records import Finding, VerifyPlan, VerifyResult
+from cachectl.lifecycle.verify_records import VerifyFinding, VerifyPlan, VerifyResult
 
 
 def _wire(value: object) -> object:
@@ -41,7 +41,7 @@ def test_extra_json_keys_are_ignored_and_properties_recomputed() -> None:
         cache="c",
         root="/r",
         entries_checked=2,
-        findings=[Finding("corrupt", "ns", "ns/k", "sha256 differs", action="quarantine")],
+        findings=[VerifyFinding("corrupt", "ns", "ns/k", "sha256 differs", action="quarantine")],
     )
     result = VerifyResult(
         plan,
@@ -98,6 +98,6 @@ def test_indented_text_is_what_json_dumps_writes() -> None:
         cache="c",
         root="/r",
         entries_checked=2,
-        findings=[Finding("corrupt", "ns", "ns/k", "sha256 differs", action="quarantine")],
+        findings=[VerifyFinding("corrupt", "ns", "ns/k", "sha256 differs", action="quarantine")],
     )
     assert dumps_indented(to_jsonable(plan)) == json.dumps(to_jsonable(plan), indent=2)

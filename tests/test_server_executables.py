@@ -1,6 +1,6 @@
 """The server's stored-executable routes: PUT/GET/HEAD .../entries/{key}/aot, over a live uvicorn server.
 
-The artifacts are real ``aot.pack`` bytes (header and payload checksum as warm
+The artifacts are real ``executables.pack`` bytes (header and payload checksum as warm
 writes them) for the seeded entries; the client is cachectl's own ServerClient
 and RemoteIndex, so what the CLI sees in server mode is what is checked.
 """
@@ -14,7 +14,7 @@ from support.server_kit import MAIN, LiveServer, bearer, entry_key, seed
 from cachectl.client import RemoteIndex, ServerClient
 from cachectl.core.errors import BadInput, NotFound, PermissionDenied
 from cachectl.index import open_index
-from cachectl.storage import executables as aot
+from cachectl.storage import executables
 from cachectl.storage.entries import sha256
 from cachectl.storage.store import Store
 from cachectl_server.app import create_app
@@ -23,7 +23,7 @@ API = "/api/v1"
 
 
 def artifact(key: str, entry: bytes, payload: bytes = b"payload " * 200) -> bytes:
-    return aot.pack(
+    return executables.pack(
         payload, key=key, entry_sha256=sha256(entry), function="train", bucket={"batch": 1}
     )
 

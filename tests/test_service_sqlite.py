@@ -136,7 +136,7 @@ def test_both_writers_store_the_same_rows(tmp_path: Path) -> None:
     for b in (first, second):
         record_telemetry(index, slow_env, b)
     index.close()
-    fast = service_sqlite.open_fast(fast_url)
+    fast = service_sqlite.open_service_sqlite(fast_url)
     assert fast is not None
     for b in (first, second):
         fast.record_telemetry(fast_env, b, datetime.now(UTC))
@@ -162,23 +162,23 @@ def test_the_policy_reads_the_same(tmp_path: Path) -> None:
     )
     want = index.get_cache("svc")
     index.close()
-    fast = service_sqlite.open_fast(url)
+    fast = service_sqlite.open_service_sqlite(url)
     assert fast is not None and fast.get_cache("svc") == want and fast.get_cache("nope") is None
     fast.close()
 
 
 def test_anything_unexpected_goes_the_sqlalchemy_way(tmp_path: Path) -> None:
-    assert service_sqlite.open_fast("postgresql+psycopg://u@h/db") is None
-    assert service_sqlite.open_fast(f"sqlite:///{tmp_path}/missing.db") is None
-    assert service_sqlite.open_fast("sqlite://") is None
+    assert service_sqlite.open_service_sqlite("postgresql+psycopg://u@h/db") is None
+    assert service_sqlite.open_service_sqlite(f"sqlite:///{tmp_path}/missing.db") is None
+    assert service_sqlite.open_service_sqlite("sqlite://") is None
     url, _, _ = _index(tmp_path / "old.db")
     conn = sqlite3.connect(tmp_path / "old.db")
     conn.execute("UPDATE alembic_version SET version_num = '0005'")
     conn.commit()
     conn.close()
-    assert service_sqlite.open_fast(url) is None
+    assert service_sqlite.open_service_sqlite(url) is None
     (tmp_path / "junk.db").write_bytes(b"not a database" * 100)
-    assert service_sqlite.open_fast(f"sqlite:///{tmp_path}/junk.db") is None
+    assert service_sqlite.open_service_sqlite(f"sqlite:///{tmp_path}/junk.db") is None
 
 
 SERVICE = """

@@ -16,7 +16,7 @@ from cachectl.context import Context
 from cachectl.core.config import load_settings
 from cachectl.lifecycle.sync import _ahead, _readers, sync
 from cachectl.lifecycle.sync_plan import SyncEntry, plan_sync
-from cachectl.storage.entries import AOT_SUFFIX, CACHE_SUFFIX, make_entry, sha256
+from cachectl.storage.entries import CACHE_SUFFIX, EXECUTABLE_SUFFIX, make_entry, sha256
 from cachectl.storage.store import LOCAL_READ_WORKERS, Store
 
 
@@ -69,11 +69,13 @@ def test_a_sync_does_what_its_dry_run_planned(
     store.write_bytes(
         f"{ns}/{first.keys[3]}{CACHE_SUFFIX}", make_entry(os.urandom(700))
     )  # changed, young
-    store.write_bytes(f"{ns}/{first.keys[4]}{AOT_SUFFIX}", b"young executable")
+    store.write_bytes(f"{ns}/{first.keys[4]}{EXECUTABLE_SUFFIX}", b"young executable")
     store.delete([f"{ns}/{first.keys[1]}{CACHE_SUFFIX}"])  # an indexed entry gone
-    store.write_bytes(f"{ns}/{first.keys[2]}{AOT_SUFFIX}", b"executable")  # an executable to record
-    _old(store, f"{ns}/{first.keys[2]}{AOT_SUFFIX}")
-    store.write_bytes(f"{ns}/{'jit_gone-' + 'cd' * 32}{AOT_SUFFIX}", b"orphan")
+    store.write_bytes(
+        f"{ns}/{first.keys[2]}{EXECUTABLE_SUFFIX}", b"executable"
+    )  # an executable to record
+    _old(store, f"{ns}/{first.keys[2]}{EXECUTABLE_SUFFIX}")
+    store.write_bytes(f"{ns}/{'jit_gone-' + 'cd' * 32}{EXECUTABLE_SUFFIX}", b"orphan")
     store.write_bytes(f"{ns}/xla_gpu_per_fusion_autotune/ab/cd", b"sub-cache file")
     store.write_bytes("stray.txt", b"not a namespace")
     store.delete(
@@ -101,7 +103,9 @@ def test_a_sync_does_what_its_dry_run_planned(
         assert {e.key for e in item.too_young} >= {_key(d) for d in new}
         return
     expect_young = (
-        (sorted([_key(young), first.keys[3]]) + [first.keys[4] + AOT_SUFFIX]) if min_age else []
+        (sorted([_key(young), first.keys[3]]) + [first.keys[4] + EXECUTABLE_SUFFIX])
+        if min_age
+        else []
     )
     assert [
         e.key for e in item.too_young
@@ -117,7 +121,7 @@ def test_a_sync_does_what_its_dry_run_planned(
     assert [e.key for e in item.record_aot] == sorted(
         [first.keys[2]] + ([] if min_age else [first.keys[4]])
     )
-    assert done.plan.orphan_executables == [f"{ns}/{'jit_gone-' + 'cd' * 32}{AOT_SUFFIX}"]
+    assert done.plan.orphan_executables == [f"{ns}/{'jit_gone-' + 'cd' * 32}{EXECUTABLE_SUFFIX}"]
     assert done.plan.stray_files == ["stray.txt"] and done.plan.environments_gone == [
         other.namespace
     ]

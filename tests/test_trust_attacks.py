@@ -20,7 +20,7 @@ import pytest
 from support.infra import run_py  # noqa: E402
 from support.warming import tiny  # noqa: E402
 
-from cachectl.storage import executables as aot  # noqa: E402
+from cachectl.storage import executables  # noqa: E402
 
 SERVE = """
 import json, sys
@@ -76,7 +76,7 @@ def serve(
 def evil_executable(original: bytes, marker: Path, **fields: Any) -> bytes:
     """An ``-aot`` whose header reads like ``original``'s (overridden by ``fields``) and whose
     payload is a pickle that runs a command."""
-    h = aot.read_header(original)
+    h = executables.read_header(original)
     header = {
         "key": h.key,
         "entry_sha256": h.entry_sha256,
@@ -87,7 +87,7 @@ def evil_executable(original: bytes, marker: Path, **fields: Any) -> bytes:
         "custom_calls": h.custom_calls,
         **fields,
     }
-    return aot.pack(pickle.dumps(_Marker(marker)), **header)
+    return executables.pack(pickle.dumps(_Marker(marker)), **header)
 
 
 @pytest.fixture

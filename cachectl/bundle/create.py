@@ -29,7 +29,7 @@ from cachectl.context import Context
 from cachectl.core.errors import BadInput, NotFound, OperationFailed
 from cachectl.index import CacheInfo, EnvironmentInfo
 from cachectl.manifest import load_manifest
-from cachectl.storage.entries import AOT_SUFFIX, CACHE_SUFFIX, ENV_FILE
+from cachectl.storage.entries import CACHE_SUFFIX, ENV_FILE, EXECUTABLE_SUFFIX
 from cachectl.trust import signing
 
 # --------------------------------------------------------------------------- create
@@ -246,7 +246,7 @@ def _plan(
     for e in rows:
         files.append((e.key + CACHE_SUFFIX, e.size, e.sha256))
         if e.aot_sha256:
-            files.append((e.key + AOT_SUFFIX, int(e.aot_size or 0), e.aot_sha256))
+            files.append((e.key + EXECUTABLE_SUFFIX, int(e.aot_size or 0), e.aot_sha256))
         entries.append(
             BundleEntry(
                 e.key,

@@ -43,9 +43,9 @@ from cachectl.index import CacheInfo, EnvironmentInfo, NewEntry
 from cachectl.lifecycle import sweep
 from cachectl.storage import ingest
 from cachectl.storage.entries import (
-    AOT_SUFFIX,
     CACHE_SUFFIX,
     ENV_FILE,
+    EXECUTABLE_SUFFIX,
     MAX_KEY_LENGTH,
     is_key,
     parse_aot_filename,
@@ -306,7 +306,7 @@ def _check_meta(
             )
         if expected.get(e.key + CACHE_SUFFIX) != (e.size, e.sha256):
             raise BadBundle(f"{path}: entry {e.key} disagrees with the content list")
-        if e.aot_sha256 and expected.get(e.key + AOT_SUFFIX) != (e.aot_size, e.aot_sha256):
+        if e.aot_sha256 and expected.get(e.key + EXECUTABLE_SUFFIX) != (e.aot_size, e.aot_sha256):
             raise BadBundle(f"{path}: the executable of {e.key} disagrees with the content list")
     return env
 
@@ -505,7 +505,7 @@ def _objects(staged: _Staged, delta: _Delta) -> list[ingest.NewObject]:
             ingest.NewObject(
                 row,
                 staged.staging / (e.key + CACHE_SUFFIX) if e.key in new_keys else None,
-                staged.staging / (e.key + AOT_SUFFIX) if e.key in by_aot else None,
+                staged.staging / (e.key + EXECUTABLE_SUFFIX) if e.key in by_aot else None,
             )
         )
     return objects

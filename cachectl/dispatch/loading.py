@@ -18,8 +18,13 @@ from cachectl.index import reads
 from cachectl.index.reads import StdlibReads
 from cachectl.manifest import Bucket, FunctionSpec
 from cachectl.service.activate import open_service_index
-from cachectl.storage import executables as aot
-from cachectl.storage.entries import AOT_SUFFIX, CACHE_SUFFIX, CorruptEntry, parse_aot_filename
+from cachectl.storage import executables
+from cachectl.storage.entries import (
+    CACHE_SUFFIX,
+    EXECUTABLE_SUFFIX,
+    CorruptEntry,
+    parse_aot_filename,
+)
 from cachectl.storage.store import Store
 from cachectl.trust.signing import (
     Coverage,
@@ -58,7 +63,7 @@ class _Slot:
         self.bucket = bucket
         self.values = dict(bucket.values)
         self.key: str | None = None
-        self.header: aot.AotHeader | None = None
+        self.header: executables.ExecutableHeader | None = None
         self.compiled: Any = None
         self.error: str | None = None
         self.lock = threading.Lock()
@@ -94,20 +99,20 @@ class Executables:
 
     def _read_headers(
         self, names: list[str], workers: int | None
-    ) -> dict[tuple[str, str], list[tuple[str, aot.AotHeader]]]:
+    ) -> dict[tuple[str, str], list[tuple[str, executables.ExecutableHeader]]]:
         """Every stored executable's header, by (function, bucket): small reads, in parallel."""
 
-        def read(name: str) -> tuple[str, aot.AotHeader | None]:
+        def read(name: str) -> tuple[str, executables.ExecutableHeader | None]:
             parsed = parse_aot_filename(name)
             if parsed is None:
                 return name, None
             try:
-                return parsed.key, aot.read_header(self._read(name))
+                return parsed.key, executables.read_header(self._read(name))
             except (CorruptEntry, OSError) as exc:
                 self._warn(f"cachectl.serving: ignoring {name}: {exc}")
                 return parsed.key, None
 
-        found: dict[tuple[str, str], list[tuple[str, aot.AotHeader]]] = {}
+        found: dict[tuple[str, str], list[tuple[str, executables.ExecutableHeader]]] = {}
         if not names:
             return found
         with ThreadPoolExecutor(max_workers=workers or min(8, len(names))) as pool:
@@ -158,25 +163,27 @@ class Executables:
         started = time.perf_counter()
         assert slot.key is not None
         try:
-            data = self._read(slot.key + AOT_SUFFIX)
+            data = self._read(slot.key + EXECUTABLE_SUFFIX)
             entry = self._read(slot.key + CACHE_SUFFIX)
             if self._indexed is not None:
                 entry_sha, aot_sha, _ = self._indexed[slot.key]
                 if hashlib.sha256(data).hexdigest() != aot_sha:
-                    raise aot.AotError("refused: its sha256 differs from its verified record")
+                    raise executables.ExecutableError(
+                        "refused: its sha256 differs from its verified record"
+                    )
                 if hashlib.sha256(entry).hexdigest() != entry_sha:
-                    raise aot.AotError(
+                    raise executables.ExecutableError(
                         "refused: the JAX entry's sha256 differs from its verified record"
                     )
-            header, compiled = aot.load(data, entry)
+            header, compiled = executables.load(data, entry)
             # Kernels JAX readies only when it lowers (LAPACK, ...): ready before the first call.
             problems = jax_seam.prepare_custom_calls(header.custom_calls)
             if problems:
-                raise aot.AotError("; ".join(problems))
+                raise executables.ExecutableError("; ".join(problems))
             slot.compiled = compiled
         except FileNotFoundError as exc:
             slot.error = f"stored executable unavailable ({exc})"
-        except (aot.AotError, CorruptEntry, OSError) as exc:
+        except (executables.ExecutableError, CorruptEntry, OSError) as exc:
             slot.error = str(exc)
         finally:
             slot.load_seconds = time.perf_counter() - started
@@ -203,7 +210,9 @@ def _namespace_reader(
     try:
         store = Store(activation.path)
         names = [
-            f.path for f in store.list("") if f.path.endswith(AOT_SUFFIX) and "/" not in f.path
+            f.path
+            for f in store.list("")
+            if f.path.endswith(EXECUTABLE_SUFFIX) and "/" not in f.path
         ]
     except Exception as exc:  # noqa: BLE001 - storage down: serve through jit
         warnings.append(
@@ -235,7 +244,7 @@ def _from_signed(
     for name, (_, sha) in files.items():
         if name.endswith(CACHE_SUFFIX):
             key = name[: -len(CACHE_SUFFIX)]
-            aot = files.get(key + AOT_SUFFIX)
+            aot = files.get(key + EXECUTABLE_SUFFIX)
             shas[key] = Indexed(sha, aot[1] if aot else None, unusable.get(key))
     return Verified(shas, refusal)
 

@@ -40,7 +40,7 @@ from cachectl.manifest import (
     resolve_callable,
 )
 from cachectl.service.activate import activate
-from cachectl.storage import executables as aot
+from cachectl.storage.executables import ExecutableError, Unbound, source_digest, spec_digest
 from cachectl.telemetry import ServingCounts
 
 log = logging.getLogger("cachectl.dispatch")
@@ -121,13 +121,13 @@ class ServedFunction:
             with self._lock:
                 self.padded += 1
         slot.ensure_loaded()
-        if isinstance(slot.compiled, aot.Unbound):
+        if isinstance(slot.compiled, Unbound):
             dynamic = tuple(call_args[i] for i in self._dynamic)
             import jax
 
             try:
                 slot.compiled = slot.compiled.bind(jax.tree_util.tree_structure((dynamic, {})))
-            except aot.AotError as exc:
+            except ExecutableError as exc:
                 raise StructureMismatch(f"{self.name}: {exc}") from None
         if slot.compiled is not None:
             out = self._call_stored(slot, call_args)
@@ -233,7 +233,7 @@ class ServedFunction:
         slot.ensure_loaded()
         if slot.compiled is None:
             raise ValueError(slot.error or "no stored executable loaded")
-        if isinstance(slot.compiled, aot.Unbound):  # the structure comes from the manifest
+        if isinstance(slot.compiled, Unbound):  # the structure comes from the manifest
             args, _ = build_call(self.spec, slot.bucket, paths)
             dynamic = tuple(args[i] for i in self._dynamic)
             slot.compiled = slot.compiled.bind(jax.tree_util.tree_structure((dynamic, {})))
@@ -422,7 +422,7 @@ class Serving:
         buckets = expand(manifest)
         for spec in manifest.functions:
             fn = resolve_callable(spec.fn, paths)
-            digests = (aot.spec_digest(spec), aot.source_digest(fn))
+            digests = (spec_digest(spec), source_digest(fn))
             slots = []
             for bucket in (b for b in buckets if b.function == spec.name):
                 slot = _Slot(bucket)

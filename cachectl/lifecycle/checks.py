@@ -18,11 +18,11 @@ from typing import NamedTuple
 import zstandard
 
 from cachectl.lifecycle.verify_records import CORRUPT, MISMATCH, MISSING
-from cachectl.storage import executables as aot
+from cachectl.storage import executables
 from cachectl.storage.entries import (
     _ZSTD_MAGIC,
-    AOT_SUFFIX,
     CACHE_SUFFIX,
+    EXECUTABLE_SUFFIX,
     CorruptEntry,
     decompress_zstd,
     header_seconds,
@@ -138,13 +138,13 @@ def entry_checks(store: Store, checks: list[EntryCheck], workers: int) -> Iterat
 def check_executable(read: Callable[[str], bytes], c: ExecutableCheck) -> Check:
     """The finding for one indexed stored executable."""
     try:
-        data = read(f"{c.namespace}/{c.key}{AOT_SUFFIX}")
+        data = read(f"{c.namespace}/{c.key}{EXECUTABLE_SUFFIX}")
     except FileNotFoundError:
         return Check(MISSING, "stored executable indexed, but no file in storage", 0)
     problems = []
     corrupt = None
     try:
-        header = aot.read_header(data)
+        header = executables.read_header(data)
         if header.key != c.key:
             corrupt = f"stored executable header names key {header.key[:40]}…, not its file's"
         elif header.entry_sha256 != c.entry_sha256:

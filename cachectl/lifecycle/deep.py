@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cachectl.core import jax_seam
-from cachectl.storage.entries import CorruptEntry, executable_bytes
+from cachectl.storage.entries import CorruptEntry, entry_payload
 from cachectl.storage.store import Store
 
 # One load should take well under a second; a child stuck this long is killed.
@@ -111,7 +111,7 @@ def _main() -> None:
     for n, path in enumerate(files):
         print("start", n, flush=True)
         try:
-            data = executable_bytes(Path(path).read_bytes())
+            data = entry_payload(Path(path).read_bytes())
             try:
                 backend.deserialize_executable(data, executable_devices=every)
             except Exception:  # noqa: BLE001 - a one-device program: try its own device list

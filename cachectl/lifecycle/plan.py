@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, overload
 
-from cachectl.storage.entries import AOT_SUFFIX, CACHE_SUFFIX
+from cachectl.storage.entries import CACHE_SUFFIX, EXECUTABLE_SUFFIX
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,7 +46,7 @@ class PlannedEntry:
         """The files deleted, relative to the cache root (the -atime sidecar aside)."""
         out = [f"{self.namespace}/{self.key}{CACHE_SUFFIX}"]
         if self.aot_size is not None:
-            out.append(f"{self.namespace}/{self.key}{AOT_SUFFIX}")
+            out.append(f"{self.namespace}/{self.key}{EXECUTABLE_SUFFIX}")
         return out
 
 

@@ -45,8 +45,8 @@ from cachectl.lifecycle.sync_plan import (
     plan_sync,
 )
 from cachectl.storage.entries import (
-    AOT_SUFFIX,
     CACHE_SUFFIX,
+    EXECUTABLE_SUFFIX,
     CorruptEntry,
     sha256,
 )
@@ -169,15 +169,17 @@ def _read_namespace(
                 yield _Piece(item, rows, broken)
         if young:  # the plan's lists as a plan that stat'ed every file would have them: entries
             # in name order, then executables
-            entries = [e for e in item.too_young if not e.key.endswith(AOT_SUFFIX)]
+            entries = [e for e in item.too_young if not e.key.endswith(EXECUTABLE_SUFFIX)]
             entries += [e for e in item.add if e.key in young]
             entries.sort(key=lambda e: e.key + CACHE_SUFFIX)
-            item.too_young = entries + [e for e in item.too_young if e.key.endswith(AOT_SUFFIX)]
+            item.too_young = entries + [
+                e for e in item.too_young if e.key.endswith(EXECUTABLE_SUFFIX)
+            ]
             item.add = [e for e in item.add if e.key not in young]
         executables: dict[str, tuple[int, str] | None] = {e.key: None for e in item.clear_aot}
         for e in item.record_aot:
             try:
-                data, _ = read(f"{e.key}{AOT_SUFFIX}")
+                data, _ = read(f"{e.key}{EXECUTABLE_SUFFIX}")
             except FileNotFoundError:
                 executables[e.key] = None  # deleted since planning
                 continue
@@ -328,7 +330,7 @@ def _unsigned(ctx: Context, cache: CacheInfo, plan: SyncPlan) -> list[str]:
     out: list[str] = []
     for ns in plan.namespaces:
         touched = {e.key + CACHE_SUFFIX for e in (*ns.add, *ns.update)}
-        touched |= {e.key + AOT_SUFFIX for e in ns.record_aot}
+        touched |= {e.key + EXECUTABLE_SUFFIX for e in ns.record_aot}
         if not touched or ns.digest is None or ns.problem:
             continue
         try:

@@ -17,9 +17,9 @@ from cachectl.core.errors import BadInput
 from cachectl.core.fingerprint import Environment
 from cachectl.index import CacheInfo
 from cachectl.storage.entries import (
-    AOT_SUFFIX,
     CACHE_SUFFIX,
     ENV_FILE,
+    EXECUTABLE_SUFFIX,
     Kind,
     classify,
     entry_file_matcher,
@@ -94,7 +94,11 @@ class SyncPlan:
     @property
     def orphan_executables(self) -> list[str]:
         """-aot files whose entry is not in storage (paths relative to the root)."""
-        return [f"{n.namespace}/{e.key}{AOT_SUFFIX}" for n in self.namespaces for e in n.orphan_aot]
+        return [
+            f"{n.namespace}/{e.key}{EXECUTABLE_SUFFIX}"
+            for n in self.namespaces
+            for e in n.orphan_aot
+        ]
 
     __json_extra__ = ("orphan_executables",)
 
@@ -182,8 +186,8 @@ def _on_disk(files: list[Stat]) -> _OnDisk:
         for rel, size, mtime in files:
             if rel == ENV_FILE:
                 has_env = True
-            elif rel.endswith(AOT_SUFFIX) and classify(rel) is Kind.AOT:
-                executables[rel[: -len(AOT_SUFFIX)]] = size, mtime
+            elif rel.endswith(EXECUTABLE_SUFFIX) and classify(rel) is Kind.AOT:
+                executables[rel[: -len(EXECUTABLE_SUFFIX)]] = size, mtime
     return _OnDisk(entries, executables, has_env)
 
 
@@ -233,7 +237,7 @@ class SyncPlanner:
         self._stat_unlisted(
             ns_path, on_disk.entries, CACHE_SUFFIX, None if self.settle else indexed
         )
-        self._stat_unlisted(ns_path, on_disk.executables, AOT_SUFFIX, None)
+        self._stat_unlisted(ns_path, on_disk.executables, EXECUTABLE_SUFFIX, None)
         self._diff_entries(item, on_disk.entries, indexed)
         self._diff_executables(item, on_disk, indexed_aot)
         return item
@@ -294,7 +298,7 @@ class SyncPlanner:
             if key not in entries:
                 item.orphan_aot.append(SyncEntry(ns_path, key, size))
             elif is_too_young(mtime, self.cutoff) and differs:
-                item.too_young.append(SyncEntry(ns_path, f"{key}{AOT_SUFFIX}", size))
+                item.too_young.append(SyncEntry(ns_path, f"{key}{EXECUTABLE_SUFFIX}", size))
             elif key in changed or differs:
                 item.record_aot.append(SyncEntry(ns_path, key, size))
         for key in sorted(set(indexed_aot) - set(on_disk.executables)):

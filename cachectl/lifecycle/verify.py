@@ -44,7 +44,7 @@ from cachectl.lifecycle.verify_execute import audit, execute_verify
 from cachectl.lifecycle.verify_plan import plan_verify
 from cachectl.lifecycle.verify_records import (
     NOT_LOADABLE,
-    Finding,
+    VerifyFinding,
     VerifyOptions,
     VerifyPlan,
     VerifyResult,
@@ -54,7 +54,9 @@ from cachectl.storage.store import Store
 from cachectl.trust.permissions import check_writer
 
 
-def deep_findings(ctx: Context, cache: CacheInfo, plan: VerifyPlan, store: Store) -> list[Finding]:
+def deep_findings(
+    ctx: Context, cache: CacheInfo, plan: VerifyPlan, store: Store
+) -> list[VerifyFinding]:
     """Load every indexed entry of this machine's environment that passed the checks (--deep)."""
 
     env = current_environment()
@@ -72,7 +74,7 @@ def deep_findings(ctx: Context, cache: CacheInfo, plan: VerifyPlan, store: Store
         if p not in bad
     ]
     return [
-        Finding(
+        VerifyFinding(
             NOT_LOADABLE,
             info.namespace,
             p.path,

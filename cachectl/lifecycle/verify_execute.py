@@ -29,12 +29,12 @@ from cachectl.lifecycle.verify_records import (
     QUARANTINE,
     UNKNOWN,
     WRITE_ATIME,
-    Finding,
+    VerifyFinding,
     VerifyPlan,
     VerifyResult,
     is_executable,
 )
-from cachectl.storage.entries import AOT_SUFFIX, ATIME_SUFFIX
+from cachectl.storage.entries import ATIME_SUFFIX, EXECUTABLE_SUFFIX
 from cachectl.storage.store import Store, read_workers
 
 
@@ -63,7 +63,7 @@ def audit(
     )
 
 
-def _still_bad(ctx: Context, store: Store, f: Finding) -> bool:
+def _still_bad(ctx: Context, store: Store, f: VerifyFinding) -> bool:
     """Re-read an indexed entry right before moving it: a write that finished since the
     check (or a row corrected meanwhile) is not moved away."""
     if (
@@ -79,13 +79,13 @@ def _still_bad(ctx: Context, store: Store, f: Finding) -> bool:
     return check_entry(store.read_bytes, f.path, row.size, row.sha256).kind is not None
 
 
-def _with_executables(to_move: list[Finding]) -> list[Finding]:
+def _with_executables(to_move: list[VerifyFinding]) -> list[VerifyFinding]:
     """``to_move`` and, after it, the executable of each entry in it that is not already there:
     a quarantined entry's executable is unusable without it, so it goes along."""
     moving = {f.path for f in to_move}
     out = list(to_move)
     for f in to_move:
-        aot_path = f"{f.namespace}/{f.key}{AOT_SUFFIX}"
+        aot_path = f"{f.namespace}/{f.key}{EXECUTABLE_SUFFIX}"
         if (
             f.key
             and not is_executable(f)
@@ -93,7 +93,7 @@ def _with_executables(to_move: list[Finding]) -> list[Finding]:
             and aot_path not in moving
         ):
             out.append(
-                Finding(
+                VerifyFinding(
                     f.kind,
                     f.namespace,
                     aot_path,
@@ -108,7 +108,7 @@ def _with_executables(to_move: list[Finding]) -> list[Finding]:
 
 
 def _quarantine(
-    store: Store, plan: VerifyPlan, to_move: list[Finding], changes: _IndexChanges
+    store: Store, plan: VerifyPlan, to_move: list[VerifyFinding], changes: _IndexChanges
 ) -> list[str]:
     """Move the files into the plan's quarantine directory; the paths moved (one gone since the
     plan is no move). Bad indexed files' rows (or executable columns) go into ``changes``."""
@@ -116,7 +116,7 @@ def _quarantine(
         return []
     assert plan.quarantine_dir is not None
 
-    def move(f: Finding) -> str | None:
+    def move(f: VerifyFinding) -> str | None:
         try:
             store.move(f.path, f"{plan.quarantine_dir}/{f.path}")
             return f.path
@@ -138,7 +138,7 @@ def _quarantine(
     return moved
 
 
-def _write_atimes(store: Store, findings: list[Finding]) -> int:
+def _write_atimes(store: Store, findings: list[VerifyFinding]) -> int:
     """A fresh -atime for each -cache JAX's eviction needs one for; how many were written."""
     for f in findings:
         store.write_bytes(f.path, time.time_ns().to_bytes(8, "little"))
@@ -150,7 +150,7 @@ def execute_verify(
 ) -> VerifyResult:
     """Move, delete, write and drop what the findings say; then audit."""
     store = store or ctx.store(cache)
-    by_action: dict[str, list[Finding]] = defaultdict(list)
+    by_action: dict[str, list[VerifyFinding]] = defaultdict(list)
     for f in plan.findings:
         if f.action:
             by_action[f.action].append(f)

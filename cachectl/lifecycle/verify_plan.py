@@ -56,14 +56,14 @@ from cachectl.lifecycle.verify_records import (
     UNKNOWN,
     WRITE_ATIME,
     XLA_SUBCACHE,
-    Finding,
+    VerifyFinding,
     VerifyOptions,
     VerifyPlan,
 )
 from cachectl.storage.entries import (
-    AOT_SUFFIX,
     ATIME_SUFFIX,
     CACHE_SUFFIX,
+    EXECUTABLE_SUFFIX,
     Kind,
     classify,
     entry_file_matcher,
@@ -122,17 +122,19 @@ class _Namespace(NamedTuple):
     indexed_aot: dict[str, tuple[int, str, str]]  # key -> (size, sha256, entry sha256)
 
 
-def _unknown(u: Unknown, mtime: datetime | None, now: datetime, min_age: timedelta) -> Finding:
+def _unknown(
+    u: Unknown, mtime: datetime | None, now: datetime, min_age: timedelta
+) -> VerifyFinding:
     """The finding for a file the index does not know: quarantined unless a warm is in progress
     or it is younger than ``min_age``."""
     detail = "not in the index (unknown writer; `cachectl sync` adopts entries services wrote)"
     ns, path, env_id, key = u.namespace, u.path, u.environment_id, u.key
     if u.warming:
-        return Finding(
+        return VerifyFinding(
             UNKNOWN, ns, path, detail + "; warm in progress: not quarantined", "", env_id, key
         )
     if u.action and mtime is not None and now - mtime < min_age:
-        return Finding(
+        return VerifyFinding(
             UNKNOWN,
             ns,
             path,
@@ -141,7 +143,7 @@ def _unknown(u: Unknown, mtime: datetime | None, now: datetime, min_age: timedel
             env_id,
             key,
         )
-    return Finding(UNKNOWN, ns, path, detail, u.action, env_id, key)
+    return VerifyFinding(UNKNOWN, ns, path, detail, u.action, env_id, key)
 
 
 class _Planner:
@@ -212,7 +214,7 @@ class _Planner:
                 (QUARANTINE_DIR + "/", temps.STAGING_DIR + "/")
             ) and not path.endswith(".lock"):
                 self.plan.findings.append(
-                    Finding(
+                    VerifyFinding(
                         STRAY,
                         "",
                         path,
@@ -224,7 +226,7 @@ class _Planner:
     def _namespace(self, ns: str, files: list[tuple[str, str]], env: EnvSummary | None) -> None:
         if env is None:
             self.plan.findings.append(
-                Finding(
+                VerifyFinding(
                     UNINDEXED_NAMESPACE,
                     ns,
                     ns,
@@ -237,7 +239,7 @@ class _Planner:
         if not files:
             if env.entries:
                 self.plan.findings.append(
-                    Finding(
+                    VerifyFinding(
                         MISSING_NAMESPACE,
                         ns,
                         ns,
@@ -271,7 +273,7 @@ class _Planner:
             {rel.split("/", 1)[0] for rel, kind in space.kinds.items() if kind is Kind.XLA_SUBCACHE}
         ):
             self.plan.findings.append(
-                Finding(
+                VerifyFinding(
                     XLA_SUBCACHE,
                     ns,
                     f"{ns}/{sub}",
@@ -286,7 +288,7 @@ class _Planner:
         ns = space.namespace
         for key, created in service_written_entries(self.ctx.sql_index, space.env.id):
             self.plan.findings.append(
-                Finding(
+                VerifyFinding(
                     SERVICE_WRITE,
                     ns,
                     f"{ns}/{key}{CACHE_SUFFIX}",
@@ -333,7 +335,7 @@ class _Planner:
         ns, env_id, key = space.namespace, space.env.id, parsed.key
         if f"{key}{CACHE_SUFFIX}" not in space.names:
             self.plan.findings.append(
-                Finding(
+                VerifyFinding(
                     ORPHAN_AOT,
                     ns,
                     path,
@@ -359,7 +361,7 @@ class _Planner:
             key = rel[: -len(ATIME_SUFFIX)]
             if f"{key}{CACHE_SUFFIX}" not in space.names:
                 self.plan.findings.append(
-                    Finding(
+                    VerifyFinding(
                         ORPHAN_ATIME,
                         ns,
                         path,
@@ -374,7 +376,7 @@ class _Planner:
                 found = read_env_json(self.store, ns)
                 if found.digest != env.digest:
                     self.plan.findings.append(
-                        Finding(
+                        VerifyFinding(
                             BAD_ENV,
                             ns,
                             path,
@@ -382,7 +384,7 @@ class _Planner:
                         )
                     )
             except (BadInput, FileNotFoundError) as exc:
-                self.plan.findings.append(Finding(BAD_ENV, ns, path, str(exc)))
+                self.plan.findings.append(VerifyFinding(BAD_ENV, ns, path, str(exc)))
         elif kind is Kind.OTHER:
             self.unknowns.append(
                 Unknown(ns, path, warm, self.options.action(QUARANTINE), env.id, None)
@@ -395,7 +397,7 @@ class _Planner:
         ns, env_id = space.namespace, space.env.id
         for key in sorted(set(space.indexed) - entry_keys):
             self.plan.findings.append(
-                Finding(
+                VerifyFinding(
                     MISSING,
                     ns,
                     f"{ns}/{key}{CACHE_SUFFIX}",
@@ -408,10 +410,10 @@ class _Planner:
         for key in sorted(set(space.indexed_aot) - aot_keys):
             if key in entry_keys:  # else the entry's own missing finding drops the whole row
                 self.plan.findings.append(
-                    Finding(
+                    VerifyFinding(
                         MISSING,
                         ns,
-                        f"{ns}/{key}{AOT_SUFFIX}",
+                        f"{ns}/{key}{EXECUTABLE_SUFFIX}",
                         "stored executable indexed, but no file in storage",
                         self.options.action(CLEAR_AOT),
                         env_id,
@@ -425,7 +427,7 @@ class _Planner:
     def _debris(self, scope: str) -> None:
         for d in sweep.find_debris(self.store, list(self.temp_paths), staging=not scope):
             self.plan.findings.append(
-                Finding(
+                VerifyFinding(
                     STALE_TEMP,
                     self.temp_paths.get(d.path, ""),
                     d.path,
@@ -468,12 +470,12 @@ class _Planner:
             )
             for exe, result in zip(aot_checks, aot_results, strict=True):
                 plan.executables_checked += 1
-                self._checked(exe, AOT_SUFFIX, result, CLEAR_AOT)
+                self._checked(exe, EXECUTABLE_SUFFIX, result, CLEAR_AOT)
         return bad
 
     def _checked(
         self, c: EntryCheck | ExecutableCheck, suffix: str, result: Check, if_missing: str
-    ) -> Finding | None:
+    ) -> VerifyFinding | None:
         """Count one checked file into the plan; the finding it adds, if any (a missing file's
         action is ``if_missing``; anything else wrong is quarantined)."""
         self.plan.bytes_read += result.nread
@@ -481,7 +483,7 @@ class _Planner:
             self.lease.check()
         if result.kind is None:
             return None
-        finding = Finding(
+        finding = VerifyFinding(
             result.kind,
             c.namespace,
             f"{c.namespace}/{c.key}{suffix}",
@@ -501,7 +503,7 @@ class _Planner:
                 path = f"{ns}/{key}{CACHE_SUFFIX}"
                 if path not in bad and path not in unknown:
                     self.plan.findings.append(
-                        Finding(
+                        VerifyFinding(
                             MISSING_ATIME,
                             ns,
                             f"{ns}/{key}{ATIME_SUFFIX}",

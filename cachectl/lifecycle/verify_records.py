@@ -11,7 +11,7 @@ from datetime import timedelta
 from enum import Enum
 
 from cachectl.index.plan_reads import WARM_HEARTBEAT_WINDOW
-from cachectl.storage.entries import AOT_SUFFIX
+from cachectl.storage.entries import EXECUTABLE_SUFFIX
 
 # Kinds of finding, and what --quarantine / --repair does about each.
 MISSING = "missing"  # index row, no file: row dropped (repair)
@@ -98,7 +98,7 @@ class VerifyOptions:
 
 
 @dataclass(frozen=True, slots=True)
-class Finding:
+class VerifyFinding:
     kind: str
     namespace: str
     path: str  # relative to the cache root
@@ -117,7 +117,7 @@ class VerifyPlan:
     bytes_read: int = 0
     files_listed: int = 0
     namespaces: int = 0
-    findings: list[Finding] = field(default_factory=list)
+    findings: list[VerifyFinding] = field(default_factory=list)
     quarantine_dir: str | None = None
 
     __json_extra__ = ("counts",)
@@ -146,6 +146,6 @@ class VerifyResult:
         return not self.plan.findings
 
 
-def is_executable(f: Finding) -> bool:
+def is_executable(f: VerifyFinding) -> bool:
     """Whether a finding is about a stored executable (``-aot``), not a JAX entry."""
-    return f.path.endswith(AOT_SUFFIX)
+    return f.path.endswith(EXECUTABLE_SUFFIX)

@@ -30,7 +30,7 @@ from cachectl.storage.store import Store
 if TYPE_CHECKING:
     from cachectl.index.protocol import IndexBackend
     from cachectl.service.mirror import PullResult
-    from cachectl.service.sqlite_index import FastIndex
+    from cachectl.service.sqlite_index import ServiceSqlite
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -164,9 +164,9 @@ def _sql_side() -> Any:
     return service_index
 
 
-def _fast_index(settings: Settings) -> tuple[FastIndex, CacheInfo] | None:
+def _fast_index(settings: Settings) -> tuple[ServiceSqlite, CacheInfo] | None:
     """The policy read through the stdlib driver (no SQLAlchemy import), where that can answer."""
-    fast = service_sqlite.open_fast(settings.db)
+    fast = service_sqlite.open_service_sqlite(settings.db)
     if fast is None:
         return None
     try:
@@ -190,16 +190,16 @@ def open_service_index(
 @overload
 def open_service_index(
     settings: Settings, problems: list[str], *, fast: bool
-) -> tuple[IndexBackend | FastIndex | None, CacheInfo | None]: ...
+) -> tuple[IndexBackend | ServiceSqlite | None, CacheInfo | None]: ...
 
 
 def open_service_index(
     settings: Settings, problems: list[str], *, fast: bool = False
-) -> tuple[IndexBackend | FastIndex | None, CacheInfo | None]:
+) -> tuple[IndexBackend | ServiceSqlite | None, CacheInfo | None]:
     """The index and this cache's policy; a failure becomes one problem line.
 
     ``fast``: a caller that only reads the policy and records the environment may get a
-    FastIndex (SQLite through the stdlib driver) instead of the SQLAlchemy index."""
+    ServiceSqlite (SQLite through the stdlib driver) instead of the SQLAlchemy index."""
     try:
         if fast and not settings.server and (opened := _fast_index(settings)) is not None:
             return opened
@@ -376,7 +376,7 @@ def _target(
 
 def _prepare_storage(
     target: _Target,
-    index: IndexBackend | FastIndex | None,
+    index: IndexBackend | ServiceSqlite | None,
     cache_info: CacheInfo | None,
     env: Environment,
     mirror: str | os.PathLike[str] | None,
@@ -448,19 +448,19 @@ def _jax_path(
 
 
 def _record_now(
-    index: IndexBackend | FastIndex | None,
+    index: IndexBackend | ServiceSqlite | None,
     settings: Settings,
     cache_info: CacheInfo | None,
     env: Environment,
     problems: list[str],
-) -> tuple[IndexBackend | FastIndex | None, bool]:
+) -> tuple[IndexBackend | ServiceSqlite | None, bool]:
     """Record this environment in the index opened before JAX started: (the index, now maybe
     the SQLAlchemy one, to close; whether it is recorded)."""
     if index is None or cache_info is None:
         return index, False
     try:
         if (
-            isinstance(index, service_sqlite.FastIndex)
+            isinstance(index, service_sqlite.ServiceSqlite)
             and index.environment_id(cache_info.name, env.digest) is not None
         ):
             _touch_environment_later(settings, env)

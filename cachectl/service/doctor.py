@@ -31,7 +31,7 @@ _ORDER = {ERROR: 0, WARNING: 1, INFO: 2}
 
 
 @dataclass(frozen=True)
-class Finding:
+class Diagnosis:
     severity: str
     check: str
     message: str
@@ -59,7 +59,7 @@ class DoctorReport:
     nearest: str | None
     nearest_namespace: str | None
     differences: list[Difference]
-    findings: list[Finding] = field(default_factory=list)
+    findings: list[Diagnosis] = field(default_factory=list)
 
     __json_extra__ = ("errors", "warnings", "ok")
 
@@ -221,9 +221,9 @@ def _truthy(value: str | None) -> bool:
 
 def check_process_config(
     environ: Mapping[str, str], jax_config: Mapping[str, Any], namespace_url: str | None
-) -> list[Finding]:
+) -> list[Diagnosis]:
     """JAX settings of this process (environment and config) that break managed keys."""
-    out: list[Finding] = []
+    out: list[Diagnosis] = []
     cache_dir = environ.get("JAX_COMPILATION_CACHE_DIR") or jax_config.get(
         "jax_compilation_cache_dir"
     )
@@ -233,7 +233,7 @@ def check_process_config(
     )
     if cache_dir and str(xla_caches) != "none":
         out.append(
-            Finding(
+            Diagnosis(
                 ERROR,
                 "config",
                 f"this process points JAX at {cache_dir} with enable_xla_caches={xla_caches!r}: keys then "
@@ -244,7 +244,7 @@ def check_process_config(
         )
     elif xla_env is not None and xla_env != "none":
         out.append(
-            Finding(
+            Diagnosis(
                 WARNING,
                 "config",
                 f"JAX_PERSISTENT_CACHE_ENABLE_XLA_CACHES={xla_env} is set: keys depend on the cache path "
@@ -260,7 +260,7 @@ def check_process_config(
     )
     if meta:
         out.append(
-            Finding(
+            Diagnosis(
                 WARNING,
                 "config",
                 "include_metadata_in_key is on: source file names and line numbers go into every key, "
@@ -274,7 +274,7 @@ def check_process_config(
         max_size = None if value in (None, -1) else str(value)
     if max_size is not None and str(max_size).strip() not in ("-1", ""):
         out.append(
-            Finding(
+            Diagnosis(
                 WARNING,
                 "max-size",
                 f"JAX_COMPILATION_CACHE_MAX_SIZE={max_size} turns on JAX's own eviction: every write then "
@@ -284,7 +284,7 @@ def check_process_config(
         )
     if cache_dir and namespace_url and str(cache_dir).rstrip("/") != namespace_url.rstrip("/"):
         out.append(
-            Finding(
+            Diagnosis(
                 WARNING,
                 "config",
                 f"JAX_COMPILATION_CACHE_DIR is {cache_dir}, not this environment's namespace {namespace_url}",
@@ -297,9 +297,11 @@ def check_process_config(
 # ------------------------------------------------------------ storage checks
 
 
-def check_namespace_files(store: Store, relpath: str, indexed_entries: int | None) -> list[Finding]:
+def check_namespace_files(
+    store: Store, relpath: str, indexed_entries: int | None
+) -> list[Diagnosis]:
     """JAX eviction leftovers and index/storage drift, from one listing of the namespace."""
-    out: list[Finding] = []
+    out: list[Diagnosis] = []
     files = store.list(relpath)
     names = {f.path[len(relpath) :].lstrip("/") for f in files}
     kinds = {n: classify(n) for n in names}
@@ -308,7 +310,7 @@ def check_namespace_files(store: Store, relpath: str, indexed_entries: int | Non
     if lacking is not None:
         if lacking:
             out.append(
-                Finding(
+                Diagnosis(
                     ERROR,
                     "atime",
                     f"JAX's eviction is on in {store.url_for(relpath)} (.lockfile present) and {len(lacking)} "
@@ -320,7 +322,7 @@ def check_namespace_files(store: Store, relpath: str, indexed_entries: int | Non
             )
         else:
             out.append(
-                Finding(
+                Diagnosis(
                     WARNING,
                     "atime",
                     f"a process ran with JAX's own eviction in {store.url_for(relpath)} (.lockfile present): "
@@ -330,7 +332,7 @@ def check_namespace_files(store: Store, relpath: str, indexed_entries: int | Non
             )
     if indexed_entries is not None and indexed_entries != entries:
         out.append(
-            Finding(
+            Diagnosis(
                 WARNING,
                 "drift",
                 f"the index lists {indexed_entries} entries for this environment, storage holds {entries}",
@@ -340,11 +342,11 @@ def check_namespace_files(store: Store, relpath: str, indexed_entries: int | Non
     return out
 
 
-def check_local_permissions(store: Store, relpath: str, cache: CacheInfo | None) -> list[Finding]:
+def check_local_permissions(store: Store, relpath: str, cache: CacheInfo | None) -> list[Diagnosis]:
     """World- or group-writable directories and files on a local cache (they can inject code)."""
     if not store.is_local:
         return []
-    out: list[Finding] = []
+    out: list[Diagnosis] = []
     group_gid = None
     if cache is not None and cache.group:
         import grp
@@ -372,7 +374,7 @@ def check_local_permissions(store: Store, relpath: str, cache: CacheInfo | None)
             group.append(path)
     if world:
         out.append(
-            Finding(
+            Diagnosis(
                 ERROR,
                 "permissions",
                 f"{len(world)} world-writable path(s) in the cache (e.g. {world[0]}): anyone on this machine "
@@ -383,7 +385,7 @@ def check_local_permissions(store: Store, relpath: str, cache: CacheInfo | None)
         )
     if group:
         out.append(
-            Finding(
+            Diagnosis(
                 WARNING,
                 "permissions",
                 f"{len(group)} group-writable path(s) not owned by the cache's group (e.g. {group[0]}): "
@@ -409,13 +411,13 @@ def _jax_config_values() -> dict[str, Any]:
     return {n: getattr(jax.config, n, None) for n in names}
 
 
-def _lookup_cache(ctx: Context, findings: list[Finding]) -> CacheInfo | None:
+def _lookup_cache(ctx: Context, findings: list[Diagnosis]) -> CacheInfo | None:
     """The cache's row, or None (with the finding) when the index is unreachable."""
     try:
         return ctx.cache()
     except Unreachable as exc:
         findings.append(
-            Finding(
+            Diagnosis(
                 ERROR,
                 "index",
                 f"index unreachable: {exc.message}",
@@ -434,7 +436,7 @@ class _Storage(NamedTuple):
 
 
 def _open_storage(
-    ctx: Context, cache: CacheInfo | None, env: Environment, findings: list[Finding]
+    ctx: Context, cache: CacheInfo | None, env: Environment, findings: list[Diagnosis]
 ) -> _Storage:
     root = ctx.settings.root or (cache.root_url if cache else None)
     if not root:
@@ -444,7 +446,7 @@ def _open_storage(
         store = Store(url, fail_fast_options(url, cache.storage_options if cache else None))
         return _Storage(root, store, store.url_for(env.namespace))
     except CachectlError as exc:
-        findings.append(Finding(ERROR, "storage", exc.message, "fix the cache's root URL"))
+        findings.append(Diagnosis(ERROR, "storage", exc.message, "fix the cache's root URL"))
         return _Storage(root, None, None)
 
 
@@ -459,14 +461,14 @@ class _EnvironmentCheck:
 
 
 def _check_environment(
-    ctx: Context, cache: CacheInfo, env: Environment, findings: list[Finding]
+    ctx: Context, cache: CacheInfo, env: Environment, findings: list[Diagnosis]
 ) -> _EnvironmentCheck:
     try:
         envs = ctx.index.environment_stats(cache.name)
     except Unreachable as exc:
         envs = []
         findings.append(
-            Finding(
+            Diagnosis(
                 ERROR,
                 "index",
                 f"index unreachable: {exc.message}",
@@ -476,7 +478,7 @@ def _check_environment(
     mine = next((e for e in envs if e.digest == env.digest), None)
     if mine is not None and mine.entries > 0:
         findings.append(
-            Finding(
+            Diagnosis(
                 INFO,
                 "environment",
                 f"this environment ({env.digest[:16]}) is warmed: {mine.entries} entries, "
@@ -488,7 +490,7 @@ def _check_environment(
     found = nearest(env, [e for e in envs if e.entries > 0 and e.digest != env.digest])
     if found is None:
         findings.append(
-            Finding(
+            Diagnosis(
                 WARNING,
                 "environment",
                 f"cache {cache.name!r} holds no warmed environment: every compile misses until warm runs",
@@ -498,7 +500,7 @@ def _check_environment(
         return _EnvironmentCheck(warmed_entries)
     near, diffs = found
     findings.append(
-        Finding(
+        Diagnosis(
             ERROR,
             "environment",
             f"no entries for this environment ({env.digest[:16]}) in cache {cache.name!r}: every "
@@ -507,25 +509,25 @@ def _check_environment(
             "make this process match it (below), or warm on this machine",
         )
     )
-    findings.extend(Finding(ERROR, f"env:{d.field}", d.message, d.fix) for d in diffs)
+    findings.extend(Diagnosis(ERROR, f"env:{d.field}", d.message, d.fix) for d in diffs)
     return _EnvironmentCheck(warmed_entries, near, diffs)
 
 
 def _check_storage(
     storage: _Storage, env: Environment, cache: CacheInfo | None, warmed_entries: int | None
-) -> list[Finding]:
+) -> list[Diagnosis]:
     """The namespace's files and permissions; an unreachable or unreadable bucket is a finding."""
     store = storage.store
     if store is None:
         return []
-    out: list[Finding] = []
+    out: list[Diagnosis] = []
     try:
         store.check_reachable()
         out.extend(check_namespace_files(store, env.namespace, warmed_entries))
         out.extend(check_local_permissions(store, env.namespace, cache))
     except Unreachable as exc:
         out.append(
-            Finding(
+            Diagnosis(
                 ERROR,
                 "storage",
                 exc.message,
@@ -535,7 +537,7 @@ def _check_storage(
         )
     except Exception as exc:  # noqa: BLE001 - a listing error is a finding, not a crash
         out.append(
-            Finding(
+            Diagnosis(
                 ERROR,
                 "storage",
                 f"cannot read {storage.root}: {type(exc).__name__}: {exc}".splitlines()[0],
@@ -557,7 +559,7 @@ def diagnose(
     environ = os.environ if environ is None else environ
     jax_config = _jax_config_values() if jax_config is None else jax_config
     cache_name = ctx.settings.cache
-    findings: list[Finding] = []
+    findings: list[Diagnosis] = []
     cache = _lookup_cache(ctx, findings)
     storage = _open_storage(ctx, cache, env, findings)
     checked = _EnvironmentCheck()

@@ -39,9 +39,9 @@ from cachectl.core.fingerprint import Environment
 from cachectl.index import CacheInfo
 from cachectl.index.protocol import IndexBackend
 from cachectl.storage.entries import (
-    AOT_SUFFIX,
     CACHE_SUFFIX,
     ENV_FILE,
+    EXECUTABLE_SUFFIX,
     SIGNATURE_FILE,
     Kind,
     classify,
@@ -244,7 +244,7 @@ def _indexed(index: IndexBackend, cache: CacheInfo, env: Environment) -> _Indexe
     signed: list[dict[str, tuple[int, str]]] = []
     for suffix, wanted, prefix in (
         (CACHE_SUFFIX, expected, ""),
-        (AOT_SUFFIX, expected_aot, AOT_REASON),
+        (EXECUTABLE_SUFFIX, expected_aot, AOT_REASON),
     ):
         kept = {k: v for k, v in wanted.items() if covered.covers(k + suffix, *v)}
         unsigned += [
@@ -373,7 +373,9 @@ def _copy(
             in_mirror.add(key)
     # An executable is only of use beside its entry: copy those whose entry is in the mirror.
     aot_todo = [k for k in aot_todo if k in in_mirror]
-    for key, outcome in _parallel(fetcher(AOT_SUFFIX, indexed.executables), aot_todo, workers):
+    for key, outcome in _parallel(
+        fetcher(EXECUTABLE_SUFFIX, indexed.executables), aot_todo, workers
+    ):
         if isinstance(outcome, _Tampered):
             out.refused.append(EntryProblem(key, AOT_REASON + str(outcome)))
         elif isinstance(outcome, FileNotFoundError):
@@ -414,7 +416,7 @@ def pull_namespace(
     directory = _mirror_dir(dest, env, indexed.covered, dry_run)
     present, todo = _local_state(directory, indexed.entries, verify_existing)
     aot_present, aot_todo = _local_state(
-        directory, indexed.executables, verify_existing, AOT_SUFFIX
+        directory, indexed.executables, verify_existing, EXECUTABLE_SUFFIX
     )
     result = partial(
         PullResult,

@@ -32,9 +32,9 @@ from cachectl.service.mirror import (
 )
 from cachectl.storage import ingest
 from cachectl.storage.entries import (
-    AOT_SUFFIX,
     CACHE_SUFFIX,
     ENV_FILE,
+    EXECUTABLE_SUFFIX,
     Kind,
     parse_entry_filename,
     sha256,
@@ -177,7 +177,7 @@ def _executables_to_push(
         if key not in entry_sha:
             continue  # its entry is not shared (refused, conflicting, failed or absent): neither is it
         try:
-            data = (directory / (key + AOT_SUFFIX)).read_bytes()
+            data = (directory / (key + EXECUTABLE_SUFFIX)).read_bytes()
         except OSError as exc:
             triage.failed.append(EntryProblem(key, AOT_REASON + _error(exc)))
             continue
@@ -246,7 +246,7 @@ def _sent(published: ingest.Published, triage: _Triage) -> _Sent:
         if row.aot_size is not None and row.aot_sha256 is not None:
             executables += 1
             nbytes += row.aot_size
-            written.append((row.key + AOT_SUFFIX, row.aot_size, row.aot_sha256))
+            written.append((row.key + EXECUTABLE_SUFFIX, row.aot_size, row.aot_sha256))
     return _Sent(entries, executables, nbytes, tuple(written))
 
 

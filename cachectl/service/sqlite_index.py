@@ -4,7 +4,7 @@ Importing SQLAlchemy and the index models costs a service 0.3-0.5 s, more than i
 on a warmed cache, and a service needs only a handful of statements. For ``sqlite:///PATH``
 indexes whose schema is exactly SCHEMA_REVISION, activate() and the telemetry sink run them here.
 Anything else (another database, an older or newer schema, a missing cache or environment row,
-any sqlite3 error) makes ``open_fast`` or a method return None, and the caller takes the
+any sqlite3 error) makes ``open_service_sqlite`` or a method return None, and the caller takes the
 SQLAlchemy path, which creates, migrates and revives. The rows and their rules come from
 cachectl.telemetry.rows, shared with the SQLAlchemy writer; tests/test_service_sqlite.py checks
 that both write the same rows.
@@ -37,7 +37,7 @@ def _json(value: Any) -> str:
     return json.dumps(value)
 
 
-class FastIndex:
+class ServiceSqlite:
     """One connection to an SQLite index at SCHEMA_REVISION; every method is one short transaction."""
 
     def __init__(self, conn: sqlite3.Connection, url: str) -> None:
@@ -216,7 +216,7 @@ def _insert(
 def touch(url: str, cache: str, digest: str) -> bool:
     """Mark a known environment seen through its own connection; False where it could not
     (no stdlib path, no row, an sqlite3 error): the caller records it the SQLAlchemy way."""
-    fast = open_fast(url)
+    fast = open_service_sqlite(url)
     if fast is None:
         return False
     try:
@@ -227,7 +227,7 @@ def touch(url: str, cache: str, digest: str) -> bool:
         fast.close()
 
 
-def open_fast(url: str) -> FastIndex | None:
+def open_service_sqlite(url: str) -> ServiceSqlite | None:
     """The index through sqlite3, or None when the SQLAlchemy path must handle it."""
     conn = connect(url, "foreign_keys = ON", "synchronous = NORMAL")
-    return None if conn is None else FastIndex(conn, url)
+    return None if conn is None else ServiceSqlite(conn, url)

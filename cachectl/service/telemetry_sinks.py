@@ -60,7 +60,7 @@ class IndexSink:
         """Write through the stdlib driver when the index allows it (no SQLAlchemy import)."""
         if self._index is not None:
             return False  # the SQLAlchemy index is open already: keep using it
-        fast = service_sqlite.open_fast(self.db_url)
+        fast = service_sqlite.open_service_sqlite(self.db_url)
         if fast is None:
             return False
         try:

@@ -23,7 +23,7 @@ ENV_FILE = "env.json"
 SIGNATURE_FILE = "signature.json"
 CACHE_SUFFIX = "-cache"
 # cachectl's stored executable for the entry of the same key (cachectl/storage/executables.py).
-AOT_SUFFIX = "-aot"
+EXECUTABLE_SUFFIX = "-aot"
 ATIME_SUFFIX = "-atime"
 LOCKFILE = ".lockfile"
 XLA_SUBCACHE_DIRS = ("xla_gpu_per_fusion_autotune_cache_dir", "xla_gpu_kernel_cache_file")
@@ -31,7 +31,7 @@ XLA_SUBCACHE_DIRS = ("xla_gpu_per_fusion_autotune_cache_dir", "xla_gpu_kernel_ca
 # NTFS), and a key is stored under each of its suffixes: keys are ASCII, so a key that every one of
 # its files can be named after is at most 249 characters (its module part at most 184).
 NAME_MAX = 255
-MAX_KEY_LENGTH = NAME_MAX - max(len(CACHE_SUFFIX), len(AOT_SUFFIX), len(ATIME_SUFFIX))
+MAX_KEY_LENGTH = NAME_MAX - max(len(CACHE_SUFFIX), len(EXECUTABLE_SUFFIX), len(ATIME_SUFFIX))
 
 _KEY_RE = re.compile(r"^(?P<module>.+)-(?P<hash>[0-9a-f]{64})$")
 _ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
@@ -82,7 +82,7 @@ class EntryName:
 class Header:
     compression: str
     compile_seconds: int
-    executable_bytes: int
+    payload_size: int
 
 
 class CorruptEntry(ValueError):
@@ -155,8 +155,8 @@ def classify(relpath: str) -> Kind:
         return Kind.SIGNATURE
     elif name == LOCKFILE:
         return Kind.LOCKFILE
-    elif name.endswith(AOT_SUFFIX):
-        if _is_key(name, len(AOT_SUFFIX)):
+    elif name.endswith(EXECUTABLE_SUFFIX):
+        if _is_key(name, len(EXECUTABLE_SUFFIX)):
             return Kind.AOT
     elif name.endswith(ATIME_SUFFIX) and _is_key(name, len(ATIME_SUFFIX)):
         return Kind.ATIME
@@ -172,9 +172,9 @@ def parse_entry_filename(name: str) -> EntryName | None:
 
 def parse_aot_filename(name: str) -> EntryName | None:
     """The entry a ``-aot`` file belongs to, or None for anything else."""
-    if not name.endswith(AOT_SUFFIX):
+    if not name.endswith(EXECUTABLE_SUFFIX):
         return None
-    return parse_key(name[: -len(AOT_SUFFIX)])
+    return parse_key(name[: -len(EXECUTABLE_SUFFIX)])
 
 
 def keys_lacking_atime(kinds: Mapping[str, Kind]) -> list[str] | None:
@@ -191,7 +191,7 @@ def keys_lacking_atime(kinds: Mapping[str, Kind]) -> list[str] | None:
     return sorted(entries - atimes)
 
 
-def executable_bytes(data: bytes) -> bytes:
+def entry_payload(data: bytes) -> bytes:
     """The serialized executable inside JAX entry bytes (what JAX's own cache hit deserializes)."""
     _, raw = decompress(data)
     if len(raw) <= _TIME_BYTES:

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from cachectl.core import jax_seam
-from cachectl.storage.entries import AOT_SUFFIX, CorruptEntry, executable_bytes
+from cachectl.storage.entries import EXECUTABLE_SUFFIX, CorruptEntry, entry_payload
 
 MAGIC = b"CCTLAOT\x01"
 FORMAT = 1
@@ -37,12 +37,12 @@ _LEN_BYTES = 4
 _ENTRY_REF = ("cachectl-entry",)
 
 
-class AotError(Exception):
+class ExecutableError(Exception):
     """An artifact that cannot be used here: corrupt, for another entry, or refused by JAX."""
 
 
 @dataclass(frozen=True)
-class AotHeader:
+class ExecutableHeader:
     """What an artifact says about itself, readable without unpickling anything."""
 
     key: str
@@ -95,7 +95,7 @@ def source_digest(fn: Any) -> str | None:
 
 
 def aot_filename(key: str) -> str:
-    return key + AOT_SUFFIX
+    return key + EXECUTABLE_SUFFIX
 
 
 def _pickler_classes() -> tuple[type, type, type]:
@@ -106,7 +106,7 @@ def payload_of(compiled: Any) -> bytes:
     """The picklable part of ``compiled``: everything but its XLA executable, which stays in
     the JAX entry. Plain bytes, so a warm worker process can hand it to its parent.
 
-    Raises AotError when JAX cannot serialize this program (constants captured
+    Raises ExecutableError when JAX cannot serialize this program (constants captured
     in the program, closed-over mutable arrays, a backend without serialization).
     """
     import jax
@@ -121,11 +121,11 @@ def payload_of(compiled: Any) -> bytes:
 
     unloaded = jax_seam.unloaded_executable(compiled)
     if unloaded is None:
-        raise AotError("JAX cannot serialize this compiled program")
+        raise ExecutableError("JAX cannot serialize this compiled program")
     if jax_seam.closes_over_mutable(unloaded):
-        raise AotError("the program closes over a mutable array: pass it as an argument")
+        raise ExecutableError("the program closes over a mutable array: pass it as an argument")
     if jax_seam.captures_constants(compiled):
-        raise AotError(
+        raise ExecutableError(
             "the program captures constants (closed-over arrays): pass weights as arguments"
         )
     args_info_flat, in_tree = jax.tree_util.tree_flatten(compiled.args_info)
@@ -138,7 +138,7 @@ def payload_of(compiled: Any) -> bytes:
         device_ids = jax_seam.executable_device_ids(unloaded)
         out_tree = compiled.out_tree
         if not _survives_pickle(out_tree):
-            raise AotError(
+            raise ExecutableError(
                 "the outputs' pytree does not survive pickling (a custom node type): "
                 "return arrays, tuples, lists or dicts"
             )
@@ -149,7 +149,9 @@ def payload_of(compiled: Any) -> bytes:
             (meta, stored_in, out_tree, device_ids), protocol=pickle.HIGHEST_PROTOCOL
         )
     except (pickle.PicklingError, TypeError, AttributeError, ValueError) as exc:
-        raise AotError(f"JAX cannot serialize this program: {type(exc).__name__}: {exc}") from None
+        raise ExecutableError(
+            f"JAX cannot serialize this program: {type(exc).__name__}: {exc}"
+        ) from None
 
 
 def _survives_pickle(tree: Any) -> bool:
@@ -178,7 +180,7 @@ class Unbound:
 
     def bind(self, in_tree: Any) -> Any:
         if in_tree.num_leaves != len(self._args_info_flat):
-            raise AotError(
+            raise ExecutableError(
                 f"the call has {in_tree.num_leaves} array leaves; the stored executable takes "
                 f"{len(self._args_info_flat)}"
             )
@@ -202,7 +204,7 @@ def pack(
     import jax
     import jaxlib
 
-    header = AotHeader(
+    header = ExecutableHeader(
         key=key,
         entry_sha256=entry_sha256,
         function=function,
@@ -237,13 +239,13 @@ def serialize(
     )
 
 
-def read_header(data: bytes) -> AotHeader:
+def read_header(data: bytes) -> ExecutableHeader:
     """Parse and check an artifact's header and payload checksum; unpickles nothing."""
     header, _ = _split(data)
     return header
 
 
-def _split(data: bytes) -> tuple[AotHeader, bytes]:
+def _split(data: bytes) -> tuple[ExecutableHeader, bytes]:
     if not data.startswith(MAGIC):
         raise CorruptEntry("not a cachectl stored executable (bad magic)")
     start = len(MAGIC) + _LEN_BYTES
@@ -254,7 +256,7 @@ def _split(data: bytes) -> tuple[AotHeader, bytes]:
         raise CorruptEntry("stored executable truncated in its header")
     try:
         fields = json.loads(data[start : start + size])
-        header = AotHeader(**fields)
+        header = ExecutableHeader(**fields)
     except (ValueError, TypeError) as exc:
         raise CorruptEntry(f"stored executable header is not valid: {exc}") from None
     if header.format != FORMAT:
@@ -269,24 +271,24 @@ def _split(data: bytes) -> tuple[AotHeader, bytes]:
     return header, payload
 
 
-def load(data: bytes, entry_bytes: bytes, *, devices: Any = None) -> tuple[AotHeader, Any]:
+def load(data: bytes, entry_bytes: bytes, *, devices: Any = None) -> tuple[ExecutableHeader, Any]:
     """Rebuild the ``jax.stages.Compiled`` from an artifact and its JAX entry's bytes.
 
-    Raises CorruptEntry for bytes that are not an intact artifact, AotError when
+    Raises CorruptEntry for bytes that are not an intact artifact, ExecutableError when
     the entry is not the one the artifact was made with or JAX refuses to load it.
     """
     import jax
 
     header, payload = _split(data)
     if hashlib.sha256(entry_bytes).hexdigest() != header.entry_sha256:
-        raise AotError(
+        raise ExecutableError(
             "the JAX entry is not the one this executable was stored with (sha256 differs)"
         )
     if header.jax_version != jax.__version__:
-        raise AotError(
+        raise ExecutableError(
             f"stored with jax {header.jax_version}, this process runs jax {jax.__version__}"
         )
-    executable = executable_bytes(entry_bytes)
+    executable = entry_payload(entry_bytes)
     _, unpickler_base, _ = _pickler_classes()
 
     class _EntryRefUnpickler(unpickler_base):  # type: ignore[misc, valid-type]
@@ -306,7 +308,7 @@ def load(data: bytes, entry_bytes: bytes, *, devices: Any = None) -> tuple[AotHe
             by_id = {d.id: d for d in backend.devices()}
             missing = [i for i in device_ids if i not in by_id]
             if missing:
-                raise AotError(
+                raise ExecutableError(
                     f"stored for devices {device_ids}; this process has no device {missing[0]}"
                 )
             execution = [by_id[i] for i in device_ids]
@@ -319,10 +321,10 @@ def load(data: bytes, entry_bytes: bytes, *, devices: Any = None) -> tuple[AotHe
             compiled = jax_seam.make_compiled(
                 unloaded.load(), in_tree.unflatten(args_info_flat), out_tree, no_kwargs
             )
-    except (CorruptEntry, AotError):
+    except (CorruptEntry, ExecutableError):
         raise
     except Exception as exc:  # noqa: BLE001 - whatever JAX raises, the caller falls back to jit
-        raise AotError(
+        raise ExecutableError(
             f"JAX could not load the stored executable: {type(exc).__name__}: {exc}"
         ) from None
     return header, compiled

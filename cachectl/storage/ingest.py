@@ -39,11 +39,11 @@ from cachectl.core.fingerprint import Environment
 from cachectl.core.units import format_size
 from cachectl.index import CacheInfo, EntryInfo, EnvironmentInfo, Index, NewEntry
 from cachectl.index import server_queries as sq
-from cachectl.storage import executables as aot
+from cachectl.storage import executables
 from cachectl.storage.entries import (
-    AOT_SUFFIX,
     CACHE_SUFFIX,
     ENV_FILE,
+    EXECUTABLE_SUFFIX,
     CorruptEntry,
     EntryName,
     EntryTooLarge,
@@ -171,7 +171,7 @@ def check_entry(source: bytes | str | os.PathLike[str], expand_to: int | None = 
 def check_executable(key: str, data: bytes, entry_sha256: str | None) -> None:
     """An intact stored executable made for ``key`` and the entry bytes with ``entry_sha256``."""
     try:
-        header = aot.read_header(data)
+        header = executables.read_header(data)
     except CorruptEntry as exc:
         raise Refused(f"not a cachectl stored executable: {exc}", EXECUTABLE) from None
     if header.key != key:
@@ -305,7 +305,7 @@ def ingest_executable(
         t.index, t.cache.name, t.env.id, key.key, body.size, body.sha256
     )
     try:
-        t.store.write_file(t.path(key.key, AOT_SUFFIX), body.path)
+        t.store.write_file(t.path(key.key, EXECUTABLE_SUFFIX), body.path)
     except BaseException:
         sq.release_executable(t.index, t.env.id, key.key, previous)
         raise
@@ -422,7 +422,7 @@ def _rename_staging(
     """A new namespace from its staging directory: what the batch does not write is removed
     first, then one rename makes every file appear at once."""
     keep = {o.row.key + CACHE_SUFFIX for o in objects if o.entry is not None}
-    keep |= {o.row.key + AOT_SUFFIX for o in objects if o.executable is not None}
+    keep |= {o.row.key + EXECUTABLE_SUFFIX for o in objects if o.executable is not None}
     for name in os.listdir(staging):
         if name != ENV_FILE and name not in keep:
             os.unlink(staging / name)
@@ -462,7 +462,7 @@ def _write_objects(
             failed[key] = ("entry", outcome)
     # An executable only beside its entry: never one whose entry failed to be written.
     aot_keys = [o.row.key for o in objects if o.executable is not None and o.row.key not in failed]
-    for key, outcome in run(writer(AOT_SUFFIX, "executable"), aot_keys):
+    for key, outcome in run(writer(EXECUTABLE_SUFFIX, "executable"), aot_keys):
         if isinstance(outcome, Exception):
             failed[key] = ("executable", outcome)
     return failed
@@ -551,7 +551,12 @@ def register_stored(
         aot_sha = None
         if e.aot_size is not None and e.aot_sha256 is not None:
             aot_sha = _stored(
-                t, e.key, AOT_SUFFIX, e.aot_size, e.aot_sha256, f"stored executable of {e.key}"
+                t,
+                e.key,
+                EXECUTABLE_SUFFIX,
+                e.aot_size,
+                e.aot_sha256,
+                f"stored executable of {e.key}",
             )
         rows.append(replace(e, sha256=sha, aot_sha256=aot_sha))
     if run_environment_id is not None and run_environment_id != t.env.id:

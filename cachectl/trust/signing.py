@@ -33,7 +33,7 @@ from typing import Any
 
 from cachectl.core.config import SIGNING_KEY_ENV as KEY_ENV
 from cachectl.core.errors import BadInput, CachectlError, PermissionDenied
-from cachectl.storage.entries import AOT_SUFFIX, CACHE_SUFFIX, ENV_FILE, SIGNATURE_FILE
+from cachectl.storage.entries import CACHE_SUFFIX, ENV_FILE, EXECUTABLE_SUFFIX, SIGNATURE_FILE
 
 PREFIX = "ed25519:"
 CONTENT_FORMAT = "cachectl-content/1"
@@ -258,7 +258,7 @@ def _indexed_files(index: Any, env_info: Any) -> list[tuple[str, int, str]]:
     for e in index.list_entries(env_info.id):
         files.append((e.key + CACHE_SUFFIX, e.size, e.sha256))
         if e.aot_sha256:
-            files.append((e.key + AOT_SUFFIX, int(e.aot_size or 0), e.aot_sha256))
+            files.append((e.key + EXECUTABLE_SUFFIX, int(e.aot_size or 0), e.aot_sha256))
     return files
 
 
@@ -415,8 +415,8 @@ def resign(
         if name == ENV_FILE or (size, sha) in (fresh.get(name), carried.get(name))
     }
     unsigned = [n for n, _, _ in files if n not in chosen]
-    for name in [n for n in chosen if n.endswith(AOT_SUFFIX)]:
-        if name[: -len(AOT_SUFFIX)] + CACHE_SUFFIX not in chosen:
+    for name in [n for n in chosen if n.endswith(EXECUTABLE_SUFFIX)]:
+        if name[: -len(EXECUTABLE_SUFFIX)] + CACHE_SUFFIX not in chosen:
             del chosen[name]
             unsigned.append(name)
     signed = sign(key, content_list(env_info.digest, [(n, *v) for n, v in chosen.items()]))

@@ -12,7 +12,7 @@ from cachectl.core import jax_seam
 from cachectl.core.errors import BadInput
 from cachectl.core.fingerprint import Environment
 from cachectl.service.activate import apply_jax_config, jax_config_for
-from cachectl.storage import executables as aot
+from cachectl.storage.executables import ExecutableError, payload_of
 from cachectl.warm.jaxlog import _CAPTURE, _Event
 from cachectl.warm.tracebacks import format_user_traceback, location
 
@@ -36,7 +36,7 @@ class _Outcome:
     written: bool
     seconds: float
     skip_reason: str | None = None
-    # aot.payload_of() of the compiled program, or why JAX could not serialize it.
+    # payload_of() of the compiled program, or why JAX could not serialize it.
     payload: bytes | None = None
     aot_error: str | None = None
     lower_seconds: float = 0.0  # in ``.lower()``: tracing and lowering, Python under the GIL
@@ -76,8 +76,8 @@ def _compile_lowered(lowered: Any) -> tuple[list[_Event], float, Any]:
 
 def _payload(compiled: Any) -> tuple[bytes | None, str | None]:
     try:
-        return aot.payload_of(compiled), None
-    except aot.AotError as exc:
+        return payload_of(compiled), None
+    except ExecutableError as exc:
         return None, str(exc)
 
 

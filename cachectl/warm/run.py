@@ -18,7 +18,7 @@ from cachectl.core.config import default_jobs
 from cachectl.core.errors import BadInput
 from cachectl.index import warm_runs
 from cachectl.manifest import Bucket, load_manifest, manifest_digest
-from cachectl.storage.entries import AOT_SUFFIX, CACHE_SUFFIX
+from cachectl.storage.entries import CACHE_SUFFIX, EXECUTABLE_SUFFIX
 from cachectl.trust import signing
 from cachectl.trust.signing import SigningKey
 from cachectl.warm.compiling import _Outcome, warm_jax_config
@@ -283,7 +283,7 @@ def _open_run(ctx: Context, plan: WarmPlan, opts: _Options) -> tuple[RunScope, s
             stored_aot = {
                 k: v
                 for k, v in stored_aot.items()
-                if k in indexed and carried.get(k + AOT_SUFFIX) == v
+                if k in indexed and carried.get(k + EXECUTABLE_SUFFIX) == v
             }
     scope = RunScope(
         ctx,

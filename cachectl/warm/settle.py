@@ -17,11 +17,10 @@ from cachectl.context import Context
 from cachectl.core.units import format_size
 from cachectl.index import NewEntry
 from cachectl.manifest import Bucket, resolve_callable
-from cachectl.storage import executables as aot
-from cachectl.storage import ingest
+from cachectl.storage import executables, ingest
 from cachectl.storage.entries import (
-    AOT_SUFFIX,
     CACHE_SUFFIX,
+    EXECUTABLE_SUFFIX,
     CorruptEntry,
     EntryName,
     parse_key,
@@ -223,7 +222,7 @@ def _written(
     """(name, size, sha256) of the files a bucket wrote: what its signer signs."""
     files = [(key + CACHE_SUFFIX, *entry)] if entry is not None else []
     if aot is not None:
-        files.append((key + AOT_SUFFIX, *aot))
+        files.append((key + EXECUTABLE_SUFFIX, *aot))
     return tuple(files)
 
 
@@ -271,7 +270,10 @@ def function_digests(plan: WarmPlan) -> dict[str, tuple[str, str | None]]:
             fn = resolve_callable(spec.fn, plan.search_paths)
         except Exception:  # noqa: BLE001 - the bucket reports the import error itself
             fn = None
-        out[spec.name] = (aot.spec_digest(spec), aot.source_digest(fn) if fn is not None else None)
+        out[spec.name] = (
+            executables.spec_digest(spec),
+            executables.source_digest(fn) if fn is not None else None,
+        )
     return out
 
 
@@ -285,14 +287,14 @@ def _publish(scope: RunScope, row: NewEntry, bucket: Bucket, outcome: _Outcome) 
     if stored is None:
         pass
     elif known is not None and (
-        outcome.stored or store.exists(f"{scope.ns_rel}/{key}{AOT_SUFFIX}")
+        outcome.stored or store.exists(f"{scope.ns_rel}/{key}{EXECUTABLE_SUFFIX}")
     ):
         row = replace(row, aot_size=known[0], aot_sha256=known[1])  # stored: present() just looked
     elif outcome.payload is None:
         error = outcome.aot_error or "no executable to store"
     else:
         spec_digest, source = scope.digests.get(bucket.function, (None, None))
-        data = aot.pack(
+        data = executables.pack(
             outcome.payload,
             key=key,
             entry_sha256=row.sha256,
@@ -339,12 +341,12 @@ def present_check(scope: RunScope, replace: bool = False) -> Callable[[str], boo
         if key not in indexed:
             if replace and store.exists(entry):
                 log.warning("warm: %s is not signed: removed, compiling it again", entry)
-                store.delete([entry, f"{ns_rel}/{key}{AOT_SUFFIX}"])
+                store.delete([entry, f"{ns_rel}/{key}{EXECUTABLE_SUFFIX}"])
             return False
         if not store.exists(entry):
             return False
         return stored_aot is None or (
-            key in stored_aot and store.exists(f"{ns_rel}/{key}{AOT_SUFFIX}")
+            key in stored_aot and store.exists(f"{ns_rel}/{key}{EXECUTABLE_SUFFIX}")
         )
 
     return present
