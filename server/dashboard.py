@@ -41,6 +41,19 @@ templates.env.filters["size"] = format_size
 templates.env.filters["when"] = lambda v: v.strftime("%Y-%m-%d %H:%M") if v else "-"
 templates.env.filters["pct"] = lambda v: "-" if v is None else f"{v * 100:.1f}%"
 MAX_LOGIN_BODY = 4096
+# What the sign-in page says when it is the answer (server/templates/login.html).
+PAGE_TEXT = {
+    400: "an admin token: the dashboard takes reader tokens only",
+    401: "no token, or one not accepted: the sign-in form",
+    403: "refused: a token that may not read, or a form posted from another site",
+    413: "the form is too large",
+}
+
+
+def pages(*codes: int) -> dict[int | str, dict[str, Any]]:
+    """``responses=`` for answers that are the sign-in page (HTML) with a refusal status."""
+    html_page = {"text/html": {"schema": {"type": "string"}}}
+    return {code: {"description": PAGE_TEXT[code], "content": html_page} for code in codes}
 
 
 # -- SVG charts ---------------------------------------------------------------------
@@ -223,6 +236,7 @@ def _login_page(request: Request, status: int, message: str | None = None) -> HT
     enforce=False,
     response_class=HTMLResponse,
     summary="Dashboard (reader token by header or /login cookie; public when configured)",
+    responses=pages(401, 403),
 )
 async def dashboard(request: Request) -> Response:
     state = request.app.state.cachectl
@@ -264,8 +278,13 @@ async def login_form(request: Request) -> Response:
     "POST",
     "/login",
     role="public",
-    response_class=HTMLResponse,
+    response_class=RedirectResponse,
+    status_code=303,
     summary="Sign in to the dashboard with a reader token (form field 'token')",
+    responses={
+        303: {"description": "signed in: the session cookie is set, on to the dashboard"},
+        **pages(400, 401, 403, 413),
+    },
     openapi_extra={
         "requestBody": {
             "content": {
@@ -326,7 +345,16 @@ async def login(request: Request) -> Response:
     return response
 
 
-@route(router, "POST", "/logout", role="public", summary="Forget the dashboard cookie")
+@route(
+    router,
+    "POST",
+    "/logout",
+    role="public",
+    response_class=RedirectResponse,
+    status_code=303,
+    summary="Forget the dashboard cookie",
+    responses={303: {"description": "signed out: on to /login"}, **pages(403)},
+)
 async def logout(request: Request) -> Response:
     if not same_origin(request):
         return _login_page(
