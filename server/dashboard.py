@@ -17,10 +17,10 @@ import ipaddress
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Annotated, Any
 from urllib.parse import parse_qs, urlsplit
 
-from fastapi import APIRouter, HTTPException, Request
+from fastapi import APIRouter, Depends, HTTPException, Request
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from fastapi.templating import Jinja2Templates
 from starlette.concurrency import run_in_threadpool
@@ -31,6 +31,7 @@ from cachectl.trust.tokens import InvalidToken, TokenInfo, authenticate, issue_s
 from cachectl.usage import inventory
 
 from .auth import COOKIE_NAME, identify, route
+from .deps import StateDep, state_of
 
 if TYPE_CHECKING:
     from .config import ServerSettings
@@ -221,6 +222,33 @@ def _cache_views(state: Any, token: TokenInfo | None) -> list[CacheView]:
     return views
 
 
+@dataclass(frozen=True)
+class DashboardVisitor:
+    """Who asks for the dashboard: a reader's token (None: public), or why the sign-in page
+    answers instead (``refused``, a status, with ``message``)."""
+
+    token: TokenInfo | None
+    refused: int | None = None
+    message: str | None = None
+
+
+async def dashboard_visitor(request: Request) -> DashboardVisitor:
+    """The dashboard's auth: a bearer token or the session cookie, a reader; anyone when public.
+    A dependency that never raises: a refusal is the sign-in page, not a JSON error."""
+    try:
+        token = await identify(request, allow_cookie=True)
+    except HTTPException:  # a stale cookie or bad header: ask again
+        return DashboardVisitor(None, 401, "That token is not valid any more: sign in again.")
+    if token is None and not state_of(request).settings.dashboard_public:
+        return DashboardVisitor(None, 401)
+    if token is not None and not token.allows("reader"):
+        return DashboardVisitor(token, 403, "This token may not read caches.")
+    return DashboardVisitor(token)
+
+
+Visitor = Annotated[DashboardVisitor, Depends(dashboard_visitor)]
+
+
 def _login_page(request: Request, status: int, message: str | None = None) -> HTMLResponse:
     return templates.TemplateResponse(
         request, "login.html", {"message": message}, status_code=status
@@ -238,16 +266,10 @@ def _login_page(request: Request, status: int, message: str | None = None) -> HT
     summary="Dashboard (reader token by header or /login cookie; public when configured)",
     responses=pages(401, 403),
 )
-async def dashboard(request: Request) -> Response:
-    state = request.app.state.cachectl
-    try:
-        token = await identify(request, allow_cookie=True)
-    except HTTPException:  # a stale cookie or bad header: ask again
-        return _login_page(request, 401, "That token is not valid any more: sign in again.")
-    if token is None and not state.settings.dashboard_public:
-        return _login_page(request, 401)
-    if token is not None and not token.allows("reader"):
-        return _login_page(request, 403, "This token may not read caches.")
+async def dashboard(request: Request, state: StateDep, visitor: Visitor) -> Response:
+    if visitor.refused is not None:
+        return _login_page(request, visitor.refused, visitor.message)
+    token = visitor.token
     views = await run_in_threadpool(_cache_views, state, token)
     return templates.TemplateResponse(
         request,
@@ -299,7 +321,7 @@ async def login_form(request: Request) -> Response:
         }
     },
 )
-async def login(request: Request) -> Response:
+async def login(request: Request, state: StateDep) -> Response:
     if not same_origin(request):
         return _login_page(
             request, 403, "Sign-in refused: the form was not posted from this server's own page."
@@ -314,7 +336,6 @@ async def login(request: Request) -> Response:
     except (UnicodeDecodeError, ValueError):
         fields = {}
     token = (fields.get("token") or [""])[0].strip()
-    state = request.app.state.cachectl
     try:
         info = await run_in_threadpool(authenticate, state.index, token)
     except InvalidToken:
