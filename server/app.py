@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import gc
 import logging
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any
 
-from fastapi import FastAPI, HTTPException, Request
+from fastapi import FastAPI, Request
 from fastapi.openapi.utils import get_openapi
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
 from cachectl import __version__
@@ -27,8 +27,8 @@ from cachectl.core.errors import (
 from cachectl.index import open_index
 from cachectl.lifecycle import sweep
 
-from . import api, dashboard, entries, executables
-from .auth import PUBLIC, ROLE_KEY, hides_caches, identify, route, unauthorized
+from . import admin, api, dashboard, entries, executables, health
+from .auth import PUBLIC, ROLE_KEY, hides_caches
 from .config import ServerSettings
 from .jobs import JobRunner
 from .limits import BodyGuard
@@ -72,26 +72,13 @@ def freeze_startup_heap() -> int:
     return gc.get_freeze_count()
 
 
-def create_app(settings: ServerSettings | str, **overrides: Any) -> FastAPI:
-    """Build the app over the index at ``settings.db`` (or a bare index URL)."""
-    if isinstance(settings, str):
-        settings = ServerSettings(db=settings)
-    settings = settings.with_overrides(**overrides)
-    index = open_index(settings.db)
-    metrics = Metrics(index)
-    state = ServerState(settings, index, metrics)
-    state.jobs = JobRunner(state, settings.job_workers)
-    if settings.maintenance_interval_s:
-        state.maintenance = Scheduler(
-            state,
-            settings.maintenance_interval_s,
-            initial_delay_s=settings.maintenance_initial_delay_s,
-        )
+def _lifespan(state: ServerState) -> Callable[[FastAPI], AbstractAsyncContextManager[None]]:
+    """Startup and shutdown: stale spool files swept, the maintenance timer, the job workers."""
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
         # Spool files of uploads a killed server never finished (never a live server's).
-        swept = await run_in_threadpool(sweep.sweep_spool, settings.upload_dir)
+        swept = await run_in_threadpool(sweep.sweep_spool, state.settings.upload_dir)
         if swept:
             log.info("removed %d spool file(s) of uploads whose server is gone", swept)
         if state.maintenance is not None:
@@ -103,77 +90,84 @@ def create_app(settings: ServerSettings | str, **overrides: Any) -> FastAPI:
                 state.maintenance.stop()
             state.jobs.shutdown()
 
+    return lifespan
+
+
+async def library_error(request: Request, exc: Exception) -> JSONResponse:
+    """A library error as its HTTP status (cachectl.core.errors.ERRORS), with its class named."""
+    if not isinstance(exc, CachectlError):  # registered for CachectlError only
+        return await unexpected(request, exc)
+    token = getattr(request.state, "token", None)
+    if (
+        isinstance(exc, NotFound)
+        and token is not None
+        and await run_in_threadpool(hides_caches, request, token)
+    ):
+        # A scoped token's cache is gone: 403, and never the list of caches the 404 names.
+        return JSONResponse(
+            {
+                "detail": f"token {token.name!r} (role {token.role}) may not act on cache "
+                f"{request.path_params.get('cache')!r}: it does not exist (any more)",
+                "error": "PermissionDenied",
+            },
+            status_code=403,
+        )
+    return JSONResponse(
+        {"detail": exc.message, "error": type(exc).__name__}, status_code=http_status(exc)
+    )
+
+
+async def unexpected(_request: Request, exc: Exception) -> JSONResponse:
+    """Anything else: logged with its traceback, answered without it."""
+    log.error("unhandled %s", type(exc).__name__, exc_info=exc)
+    return JSONResponse(
+        {"detail": f"internal error ({type(exc).__name__}); see the server log"},
+        status_code=500,
+    )
+
+
+def _state(settings: ServerSettings) -> ServerState:
+    """The app's state over a freshly opened index, with its job workers and maintenance timer."""
+    index = open_index(settings.db)
+    state = ServerState(settings, index, Metrics(index))
+    state.jobs = JobRunner(state, settings.job_workers)
+    if settings.maintenance_interval_s:
+        state.maintenance = Scheduler(
+            state,
+            settings.maintenance_interval_s,
+            initial_delay_s=settings.maintenance_initial_delay_s,
+        )
+    return state
+
+
+def create_app(settings: ServerSettings | str, **overrides: Any) -> FastAPI:
+    """Build the app over the index at ``settings.db`` (or a bare index URL)."""
+    if isinstance(settings, str):
+        settings = ServerSettings(db=settings)
+    settings = settings.with_overrides(**overrides)
+    state = _state(settings)
     app = FastAPI(
         title="cachectl",
         version=__version__,
         description="Shared JAX persistent compilation caches over HTTP: the cachectl library behind tokens.",
-        lifespan=lifespan,
+        lifespan=_lifespan(state),
         # The spec is at /openapi.json; FastAPI's /docs and /redoc pages load scripts from a CDN.
         docs_url=None,
         redoc_url=None,
     )
     app.state.cachectl = state
-
-    @app.exception_handler(CachectlError)
-    async def library_error(request: Request, exc: CachectlError) -> JSONResponse:
-        token = getattr(request.state, "token", None)
-        if (
-            isinstance(exc, NotFound)
-            and token is not None
-            and await run_in_threadpool(hides_caches, request, token)
-        ):
-            # A scoped token's cache is gone: 403, and never the list of caches the 404 names.
-            return JSONResponse(
-                {
-                    "detail": f"token {token.name!r} (role {token.role}) may not act on cache "
-                    f"{request.path_params.get('cache')!r}: it does not exist (any more)",
-                    "error": "PermissionDenied",
-                },
-                status_code=403,
-            )
-        return JSONResponse(
-            {"detail": exc.message, "error": type(exc).__name__}, status_code=http_status(exc)
-        )
-
-    @app.exception_handler(Exception)
-    async def unexpected(_request: Request, exc: Exception) -> JSONResponse:
-        log.error("unhandled %s", type(exc).__name__, exc_info=exc)
-        return JSONResponse(
-            {"detail": f"internal error ({type(exc).__name__}); see the server log"},
-            status_code=500,
-        )
-
+    app.add_exception_handler(CachectlError, library_error)
+    app.add_exception_handler(Exception, unexpected)
     # Routes match in order: the entry byte routes (most of a fleet's requests) first.
-    app.include_router(api.health)
+    app.include_router(health.router)
     app.include_router(entries.router)
     app.include_router(executables.router)
     app.include_router(api.router)
+    app.include_router(admin.router)
     app.include_router(dashboard.router)
-
-    @route(
-        app.router,
-        "GET",
-        "/metrics",
-        role="reader",
-        scope="global",
-        enforce=False,
-        summary="Prometheus metrics (public when configured)",
-        response_class=Response,
-    )
-    async def metrics_endpoint(request: Request) -> Response:
-        if not settings.metrics_public:
-            token = await identify(request)
-            if token is None:
-                raise unauthorized()
-            if not token.allows("reader") or token.caches is not None:
-                raise HTTPException(
-                    403, f"token {token.name!r} may not read metrics: it needs an unscoped token"
-                )
-        return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
-
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
     app.add_middleware(
         BodyGuard, settings=settings
     )  # inside metrics: its 401s and 413s are counted
-    app.add_middleware(MetricsMiddleware, metrics=metrics)
+    app.add_middleware(MetricsMiddleware, metrics=state.metrics)
     return app

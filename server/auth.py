@@ -26,6 +26,7 @@ from cachectl.trust.tokens import (
 )
 
 from .recent import Recent
+from .responses import errors, json_bodies
 
 PUBLIC = "public"
 ROLE_KEY = "x-cachectl-role"
@@ -173,14 +174,26 @@ def route(
 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Declare a route with the role it needs; public routes skip authentication.
 
-    ``enforce=False`` records the role but leaves the check to the handler
-    (the dashboard and /metrics, which can be configured public).
+    ``enforce=False`` records the role but leaves the check to its own dependency
+    (the dashboard and /metrics, which can be configured public). An enforced route documents
+    the refusals any authenticated request may get: its token (401, 403), its body at the edge
+    (413, 422; server/limits.py) and an index that does not answer (503).
     """
     extra = {ROLE_KEY: role, SCOPE_KEY: scope if role != PUBLIC else PUBLIC}
     extra.update(kwargs.pop("openapi_extra", None) or {})
     dependencies = list(kwargs.pop("dependencies", None) or [])
+    responses = dict(kwargs.pop("responses", None) or {})
     if role != PUBLIC and enforce:
         dependencies.insert(0, Depends(require(role, scope)))
+        responses = {**errors(401, 403, 413, 422, 503), **responses}
+    media_type = getattr(kwargs.get("response_class"), "media_type", "application/json")
+    if media_type != "application/json":
+        responses = json_bodies(responses)
     return router.api_route(
-        path, methods=[method], dependencies=dependencies, openapi_extra=extra, **kwargs
+        path,
+        methods=[method],
+        dependencies=dependencies,
+        openapi_extra=extra,
+        responses=responses,
+        **kwargs,
     )

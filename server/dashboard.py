@@ -17,10 +17,10 @@ import ipaddress
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Annotated, Any
 from urllib.parse import parse_qs, urlsplit
 
-from fastapi import APIRouter, HTTPException, Request
+from fastapi import APIRouter, Depends, HTTPException, Request
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from fastapi.templating import Jinja2Templates
 from starlette.concurrency import run_in_threadpool
@@ -31,6 +31,7 @@ from cachectl.trust.tokens import InvalidToken, TokenInfo, authenticate, issue_s
 from cachectl.usage import inventory
 
 from .auth import COOKIE_NAME, identify, route
+from .deps import StateDep, state_of
 
 if TYPE_CHECKING:
     from .config import ServerSettings
@@ -41,6 +42,19 @@ templates.env.filters["size"] = format_size
 templates.env.filters["when"] = lambda v: v.strftime("%Y-%m-%d %H:%M") if v else "-"
 templates.env.filters["pct"] = lambda v: "-" if v is None else f"{v * 100:.1f}%"
 MAX_LOGIN_BODY = 4096
+# What the sign-in page says when it is the answer (server/templates/login.html).
+PAGE_TEXT = {
+    400: "an admin token: the dashboard takes reader tokens only",
+    401: "no token, or one not accepted: the sign-in form",
+    403: "refused: a token that may not read, or a form posted from another site",
+    413: "the form is too large",
+}
+
+
+def pages(*codes: int) -> dict[int | str, dict[str, Any]]:
+    """``responses=`` for answers that are the sign-in page (HTML) with a refusal status."""
+    html_page = {"text/html": {"schema": {"type": "string"}}}
+    return {code: {"description": PAGE_TEXT[code], "content": html_page} for code in codes}
 
 
 # -- SVG charts ---------------------------------------------------------------------
@@ -208,6 +222,33 @@ def _cache_views(state: Any, token: TokenInfo | None) -> list[CacheView]:
     return views
 
 
+@dataclass(frozen=True)
+class DashboardVisitor:
+    """Who asks for the dashboard: a reader's token (None: public), or why the sign-in page
+    answers instead (``refused``, a status, with ``message``)."""
+
+    token: TokenInfo | None
+    refused: int | None = None
+    message: str | None = None
+
+
+async def dashboard_visitor(request: Request) -> DashboardVisitor:
+    """The dashboard's auth: a bearer token or the session cookie, a reader; anyone when public.
+    A dependency that never raises: a refusal is the sign-in page, not a JSON error."""
+    try:
+        token = await identify(request, allow_cookie=True)
+    except HTTPException:  # a stale cookie or bad header: ask again
+        return DashboardVisitor(None, 401, "That token is not valid any more: sign in again.")
+    if token is None and not state_of(request).settings.dashboard_public:
+        return DashboardVisitor(None, 401)
+    if token is not None and not token.allows("reader"):
+        return DashboardVisitor(token, 403, "This token may not read caches.")
+    return DashboardVisitor(token)
+
+
+Visitor = Annotated[DashboardVisitor, Depends(dashboard_visitor)]
+
+
 def _login_page(request: Request, status: int, message: str | None = None) -> HTMLResponse:
     return templates.TemplateResponse(
         request, "login.html", {"message": message}, status_code=status
@@ -223,17 +264,12 @@ def _login_page(request: Request, status: int, message: str | None = None) -> HT
     enforce=False,
     response_class=HTMLResponse,
     summary="Dashboard (reader token by header or /login cookie; public when configured)",
+    responses=pages(401, 403),
 )
-async def dashboard(request: Request) -> Response:
-    state = request.app.state.cachectl
-    try:
-        token = await identify(request, allow_cookie=True)
-    except HTTPException:  # a stale cookie or bad header: ask again
-        return _login_page(request, 401, "That token is not valid any more: sign in again.")
-    if token is None and not state.settings.dashboard_public:
-        return _login_page(request, 401)
-    if token is not None and not token.allows("reader"):
-        return _login_page(request, 403, "This token may not read caches.")
+async def dashboard(request: Request, state: StateDep, visitor: Visitor) -> Response:
+    if visitor.refused is not None:
+        return _login_page(request, visitor.refused, visitor.message)
+    token = visitor.token
     views = await run_in_threadpool(_cache_views, state, token)
     return templates.TemplateResponse(
         request,
@@ -264,8 +300,13 @@ async def login_form(request: Request) -> Response:
     "POST",
     "/login",
     role="public",
-    response_class=HTMLResponse,
+    response_class=RedirectResponse,
+    status_code=303,
     summary="Sign in to the dashboard with a reader token (form field 'token')",
+    responses={
+        303: {"description": "signed in: the session cookie is set, on to the dashboard"},
+        **pages(400, 401, 403, 413),
+    },
     openapi_extra={
         "requestBody": {
             "content": {
@@ -280,7 +321,7 @@ async def login_form(request: Request) -> Response:
         }
     },
 )
-async def login(request: Request) -> Response:
+async def login(request: Request, state: StateDep) -> Response:
     if not same_origin(request):
         return _login_page(
             request, 403, "Sign-in refused: the form was not posted from this server's own page."
@@ -295,7 +336,6 @@ async def login(request: Request) -> Response:
     except (UnicodeDecodeError, ValueError):
         fields = {}
     token = (fields.get("token") or [""])[0].strip()
-    state = request.app.state.cachectl
     try:
         info = await run_in_threadpool(authenticate, state.index, token)
     except InvalidToken:
@@ -326,7 +366,16 @@ async def login(request: Request) -> Response:
     return response
 
 
-@route(router, "POST", "/logout", role="public", summary="Forget the dashboard cookie")
+@route(
+    router,
+    "POST",
+    "/logout",
+    role="public",
+    response_class=RedirectResponse,
+    status_code=303,
+    summary="Forget the dashboard cookie",
+    responses={303: {"description": "signed out: on to /login"}, **pages(403)},
+)
 async def logout(request: Request) -> Response:
     if not same_origin(request):
         return _login_page(

@@ -34,10 +34,13 @@ from cachectl.index import server_queries as sq
 from cachectl.storage import ingest
 from cachectl.storage.entries import CACHE_SUFFIX, MAX_KEY_LENGTH, EntryName, parse_key
 
+from . import responses as out
 from . import schemas
-from .api import CacheName, Digest, ok, state_of
-from .auth import current_token, route
+from .api import CacheName, Digest
+from .auth import route
 from .config import EXPANSION_RATIO, ServerSettings
+from .deps import OVERWRITE_HEADER, CurrentToken, Overwrite, StateDep, state_of
+from .responses import errors, ok, refusal
 from .state import ServerState
 
 router = APIRouter(prefix="/api/v1")
@@ -58,8 +61,8 @@ Key = Annotated[
     ),
 ]
 SHA_HEADER = "x-cachectl-sha256"
-# An admin replacing an entry that is stored with other bytes says so with this header.
-OVERWRITE_HEADER = "x-cachectl-overwrite"
+# An admin replacing an entry that is stored with other bytes says so with OVERWRITE_HEADER
+# (server/deps.py ``may_overwrite``).
 # A download up to WHOLE is read into memory in the same thread hop as its open and sent in one
 # write, while one of WHOLE_SLOTS is free (held until the response is sent); any other streams in
 # CHUNK-sized reads. Whole bodies held at once in a process: 16 x 4 MiB = 64 MiB at most.
@@ -173,22 +176,43 @@ def store_upload(
         raise
 
 
-def _wants_overwrite(request: Request) -> bool:
-    return request.headers.get(OVERWRITE_HEADER, "").strip().lower() in ("1", "true", "yes")
+class OctetStream(Response):
+    """What the byte routes send (and document): the stored file's bytes, or none for HEAD."""
+
+    media_type = "application/octet-stream"
 
 
-def _may_overwrite(request: Request, cache: str) -> bool:
-    """An existing entry is replaced only when an admin asks for it explicitly."""
-    if not _wants_overwrite(request):
-        return False
-    token = current_token(request)
-    if not token.allows("admin", cache):
-        raise HTTPException(
-            403,
-            f"token {token.name!r} (role {token.role}) may not overwrite entries: "
-            "it needs role admin",
-        )
-    return True
+# The request body of the byte uploads: FastAPI reads no body the handler does not declare.
+BYTES_BODY = {
+    "requestBody": {
+        "required": True,
+        "content": {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}},
+    }
+}
+BYTES_HEADERS = {
+    SHA_HEADER: {
+        "description": "The sha256 the index recorded for these bytes (absent when unknown)",
+        "schema": {"type": "string", "pattern": "^[0-9a-f]{64}$"},
+    },
+    "ETag": {"description": "The recorded sha256, quoted", "schema": {"type": "string"}},
+}
+
+
+def upload_responses(stored: str, again: str, bad: str) -> dict[int | str, dict[str, Any]]:
+    """A byte upload's answers: the entry's row (201 ``stored``, 200 ``again``), or a refusal."""
+    return {
+        201: {"model": out.EntryOut, "description": stored},
+        200: {"model": out.EntryOut, "description": again},
+        **errors(400, 404),
+        **refusal(413, "too large for the cache, or it decompresses past its bound"),
+        **refusal(422, bad),
+        **refusal(507, "the server's disk is full: nothing stored"),
+    }
+
+
+def download_responses(what: str) -> dict[int | str, dict[str, Any]]:
+    """A byte download's answers: the bytes with their recorded sha256, or a refusal."""
+    return {200: {"description": what, "headers": BYTES_HEADERS}, **errors(400, 404, 422)}
 
 
 @route(
@@ -197,25 +221,21 @@ def _may_overwrite(request: Request, cache: str) -> bool:
     "/caches/{cache}/environments/{digest}/entries/{key}",
     role="writer",
     summary="Upload one entry (raw bytes as JAX wrote them)",
-    openapi_extra={
-        "requestBody": {
-            "required": True,
-            "content": {
-                "application/octet-stream": {"schema": {"type": "string", "format": "binary"}}
-            },
-        }
-    },
+    openapi_extra=BYTES_BODY,
+    response_model=out.EntryOut,
     responses={
-        201: {"description": "stored"},
-        200: {"description": "already stored, or replaced"},
-        409: {"description": "stored with other bytes"},
-        413: {"description": "too large for the cache"},
-        422: {"description": "not a JAX entry"},
-        507: {"description": "the server's disk is full"},
+        **upload_responses("stored", "already stored, or replaced", "not a JAX entry"),
+        **refusal(409, "stored with other bytes"),
     },
 )
-async def put_entry(request: Request, cache: CacheName, digest: Digest, key: Key) -> JSONResponse:
-    replace = _may_overwrite(request, cache)
+async def put_entry(
+    request: Request,
+    token: CurrentToken,
+    replace: Overwrite,
+    cache: CacheName,
+    digest: Digest,
+    key: Key,
+) -> JSONResponse:
     return await upload(
         request,
         cache,
@@ -226,7 +246,7 @@ async def put_entry(request: Request, cache: CacheName, digest: Digest, key: Key
             "origin": "upload",
             "expand_to": expansion_limit(state.settings, limit),
             "replace_existing": replace,
-            "who": f"token {current_token(request).name}",
+            "who": f"token {token.name}",
         },
         lambda outcome: 201 if outcome == "inserted" else 200,
     )
@@ -381,9 +401,8 @@ def _headers(size: int, sha: str | None) -> dict[str, str]:
     "/caches/{cache}/environments/{digest}/entries/{key}",
     role="reader",
     summary="Download one entry (streamed)",
-    responses={
-        200: {"content": {"application/octet-stream": {}}, "description": "the entry's bytes"}
-    },
+    response_class=OctetStream,
+    responses=download_responses("the entry's bytes"),
 )
 async def get_entry(request: Request, cache: CacheName, digest: Digest, key: Key) -> Response:
     return await download(request, cache, digest, key, ENTRY)
@@ -415,6 +434,8 @@ async def head(request: Request, cache: str, digest: str, key: str, route: ByteR
     "/caches/{cache}/environments/{digest}/entries/{key}",
     role="reader",
     summary="An entry's size and sha256, without its bytes",
+    response_class=OctetStream,
+    responses=download_responses("the entry's size and recorded sha256, no bytes"),
 )
 async def head_entry(request: Request, cache: CacheName, digest: Digest, key: Key) -> Response:
     return await head(request, cache, digest, key, ENTRY)
@@ -426,13 +447,22 @@ async def head_entry(request: Request, cache: CacheName, digest: Digest, key: Ke
     "/caches/{cache}/environments/{digest}/entries",
     role="writer",
     summary="Record entries a writer stored itself (checked against storage)",
+    response_model=out.RegisteredOut,
+    responses={
+        **errors(400, 404),
+        **refusal(409, "a key is recorded with other bytes"),
+        **refusal(422, "a claim storage does not bear out"),
+    },
 )
 def register_entries(
-    request: Request, cache: CacheName, digest: Digest, body: schemas.EntryRegistration
+    state: StateDep,
+    token: CurrentToken,
+    replace: Overwrite,
+    cache: CacheName,
+    digest: Digest,
+    body: schemas.EntryRegistration,
 ) -> JSONResponse:
-    state = state_of(request)
     info, env = _resolve(state, cache, digest)
-    replace = _may_overwrite(request, cache)
     claims = [
         NewEntry(
             key=e.key,
@@ -460,7 +490,7 @@ def register_entries(
             claims,
             run_environment_id=run_env,
             replace_existing=replace,
-            who=f"token {current_token(request).name}",
+            who=f"token {token.name}",
         )
     except ingest.Refused as exc:
         raise refused(exc) from None

@@ -19,14 +19,19 @@ from cachectl.index import EnvironmentInfo
 from cachectl.storage import ingest
 from cachectl.storage.entries import EXECUTABLE_SUFFIX
 
+from . import responses as out
 from .api import CacheName, Digest
 from .auth import route
 from .entries import (
+    BYTES_BODY,
     ByteRoute,
     Key,
+    OctetStream,
     download,
+    download_responses,
     head,
     upload,
+    upload_responses,
 )
 
 router = APIRouter(prefix="/api/v1")
@@ -43,21 +48,9 @@ def executable_path(env: EnvironmentInfo, key: str) -> str:
     ROUTE,
     role="writer",
     summary="Upload an entry's stored executable (the <key>-aot bytes warm made)",
-    openapi_extra={
-        "requestBody": {
-            "required": True,
-            "content": {
-                "application/octet-stream": {"schema": {"type": "string", "format": "binary"}}
-            },
-        }
-    },
-    responses={
-        201: {"description": "stored"},
-        200: {"description": "replaced"},
-        413: {"description": "too large for the cache"},
-        422: {"description": "not a stored executable of this entry"},
-        507: {"description": "the server's disk is full"},
-    },
+    openapi_extra=BYTES_BODY,
+    response_model=out.EntryOut,
+    responses=upload_responses("stored", "replaced", "not a stored executable of this entry"),
 )
 async def put_executable(
     request: Request, cache: CacheName, digest: Digest, key: Key
@@ -86,7 +79,8 @@ EXECUTABLE = ByteRoute(
     ROUTE,
     role="reader",
     summary="Download an entry's stored executable (streamed)",
-    responses={200: {"content": {"application/octet-stream": {}}, "description": "the -aot bytes"}},
+    response_class=OctetStream,
+    responses=download_responses("the -aot bytes"),
 )
 async def get_executable(request: Request, cache: CacheName, digest: Digest, key: Key) -> Response:
     return await download(request, cache, digest, key, EXECUTABLE)
@@ -98,6 +92,8 @@ async def get_executable(request: Request, cache: CacheName, digest: Digest, key
     ROUTE,
     role="reader",
     summary="A stored executable's size and sha256, without its bytes",
+    response_class=OctetStream,
+    responses=download_responses("the -aot file's size and recorded sha256, no bytes"),
 )
 async def head_executable(request: Request, cache: CacheName, digest: Digest, key: Key) -> Response:
     return await head(request, cache, digest, key, EXECUTABLE)

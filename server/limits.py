@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from fastapi import HTTPException
@@ -114,6 +115,84 @@ def _too_large(limit: int) -> str:
     )
 
 
+@dataclass(frozen=True)
+class Arriving:
+    """What BodyGuard reads from a request's head before any of its body."""
+
+    path: str
+    method: str
+    declared: int | None  # Content-Length (-1 when not a number: the server's parser refuses it)
+    has_body: bool
+    limit: int  # this route's body limit (body_limit)
+
+    @classmethod
+    def of(cls, scope: Scope, settings: ServerSettings) -> Arriving:
+        headers = {
+            k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers") or []
+        }
+        declared = headers.get("content-length")
+        length: int | None = None
+        if declared is not None:
+            try:
+                length = int(declared)
+            except ValueError:
+                length = -1
+        path = scope.get("path", "")
+        method = scope.get("method", "GET")
+        return cls(
+            path=path,
+            method=method,
+            declared=length,
+            has_body="transfer-encoding" in headers
+            or (declared is not None and declared.strip() not in ("", "0")),
+            limit=body_limit(settings, method, path),
+        )
+
+    @property
+    def needs_token(self) -> bool:
+        """A body to a route that is not one of the public forms: a token comes first."""
+        return self.has_body and self.path not in PUBLIC_BODY_PATHS
+
+    @property
+    def streamed(self) -> bool:
+        """The route reads the body itself, within the limit: none, a form, or entry bytes."""
+        return (
+            not self.has_body
+            or self.path in PUBLIC_BODY_PATHS
+            or (self.method == "PUT" and _BYTES_PUT.match(self.path) is not None)
+        )
+
+
+def bounded(receive: Receive, limit: int) -> Receive:
+    """``receive``, raising 413 (an HTTPException) once the body passes ``limit`` bytes."""
+    received = 0
+
+    async def bounded_receive() -> Message:
+        nonlocal received
+        message = await receive()
+        if message["type"] == "http.request":
+            received += len(message.get("body", b""))
+            if received > limit:
+                raise HTTPException(413, _too_large(limit))
+        return message
+
+    return bounded_receive
+
+
+def replaying(body: bytes, receive: Receive) -> Receive:
+    """A receive that hands the route the body read already, then the connection's messages."""
+    replayed = False
+
+    async def replay() -> Message:
+        nonlocal replayed
+        if not replayed:
+            replayed = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replay
+
+
 class BodyGuard:
     def __init__(self, app: ASGIApp, *, settings: ServerSettings) -> None:
         self.app = app
@@ -123,74 +202,64 @@ class BodyGuard:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        headers = {
-            k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers") or []
-        }
-        declared = headers.get("content-length")
-        has_body = "transfer-encoding" in headers or (
-            declared is not None and declared.strip() not in ("", "0")
-        )
-        path = scope.get("path", "")
-        limit = body_limit(self.settings, scope.get("method", "GET"), path)
-        if has_body and path not in PUBLIC_BODY_PATHS:
-            try:
-                token = await identify(Request(scope))
-            except HTTPException:
-                token = None
-            except CachectlError as exc:  # the index is unreachable: what the route would answer
-                await JSONResponse(
-                    {"detail": exc.message, "error": type(exc).__name__},
-                    status_code=503 if isinstance(exc, Unreachable) else 500,
-                )(scope, receive, send)
-                return
-            if token is not None:
-                bearer = bearer_token(Request(scope))
-                scope.setdefault("state", {})[CHECKED_KEY] = (hash_token(bearer or ""), token)
-            if token is None:
-                await JSONResponse(
-                    {"detail": UNAUTHORIZED},
-                    status_code=401,
-                    headers={"WWW-Authenticate": 'Bearer realm="cachectl"', "connection": "close"},
-                )(scope, receive, send)
-                return
-        if declared is not None:
-            try:
-                length = int(declared)
-            except ValueError:
-                length = -1
-            if length > limit:
-                await JSONResponse(
-                    {"detail": _too_large(limit)}, status_code=413, headers={"connection": "close"}
-                )(scope, receive, send)
-                return
-        received = 0
-
-        async def bounded_receive() -> Message:
-            nonlocal received
-            message = await receive()
-            if message["type"] == "http.request":
-                received += len(message.get("body", b""))
-                if received > limit:
-                    raise HTTPException(413, _too_large(limit))
-            return message
-
-        if not has_body or path in PUBLIC_BODY_PATHS:
-            await self.app(scope, bounded_receive, send)
+        arriving = Arriving.of(scope, self.settings)
+        if arriving.needs_token and not await self._authenticated(scope, receive, send):
             return
-        if scope.get("method") == "PUT" and _BYTES_PUT.match(path):
-            await self.app(scope, bounded_receive, send)
+        if arriving.declared is not None and arriving.declared > arriving.limit:
+            await JSONResponse(
+                {"detail": _too_large(arriving.limit)},
+                status_code=413,
+                headers={"connection": "close"},
+            )(scope, receive, send)
             return
+        within = bounded(receive, arriving.limit)
+        if arriving.streamed:
+            await self.app(scope, within, send)
+            return
+        body = await self._read_json(scope, within, receive, send)
+        if body is not None:
+            await self.app(scope, replaying(body, receive), send)
+
+    async def _authenticated(self, scope: Scope, receive: Receive, send: Send) -> bool:
+        """Whether the request's token is valid; answered (401, or the index's error) when not.
+        The token found is left in the scope for the route's own check (auth.identify)."""
+        try:
+            token = await identify(Request(scope))
+        except HTTPException:
+            token = None
+        except CachectlError as exc:  # the index is unreachable: what the route would answer
+            await JSONResponse(
+                {"detail": exc.message, "error": type(exc).__name__},
+                status_code=503 if isinstance(exc, Unreachable) else 500,
+            )(scope, receive, send)
+            return False
+        if token is None:
+            await JSONResponse(
+                {"detail": UNAUTHORIZED},
+                status_code=401,
+                headers={"WWW-Authenticate": 'Bearer realm="cachectl"', "connection": "close"},
+            )(scope, receive, send)
+            return False
+        bearer = bearer_token(Request(scope))
+        scope.setdefault("state", {})[CHECKED_KEY] = (hash_token(bearer or ""), token)
+        return True
+
+    async def _read_json(
+        self, scope: Scope, within: Receive, receive: Receive, send: Send
+    ) -> bytes | None:
+        """A JSON body read whole within the limit and checked (json_problem); None when it was
+        answered instead (413, 422) or the client went away."""
         chunks = []
         while True:
             try:
-                message = await bounded_receive()
+                message = await within()
             except HTTPException as exc:
                 await JSONResponse(
                     {"detail": exc.detail}, status_code=413, headers={"connection": "close"}
                 )(scope, receive, send)
-                return
+                return None
             if message["type"] != "http.request":
-                return  # the client went away
+                return None  # the client went away
             chunks.append(message.get("body", b""))
             if not message.get("more_body", False):
                 break
@@ -200,14 +269,5 @@ class BodyGuard:
             await JSONResponse({"detail": problem, "error": "BadInput"}, status_code=422)(
                 scope, receive, send
             )
-            return
-        replayed = False
-
-        async def replay() -> Message:
-            nonlocal replayed
-            if not replayed:
-                replayed = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            return await receive()
-
-        await self.app(scope, replay, send)
+            return None
+        return body
