@@ -74,7 +74,7 @@ from cachectl.index.models import Entry  # noqa: E402
 from cachectl.index.sync_queries import insert_observed_entries  # noqa: E402
 from cachectl.lifecycle.gc import gc, plan_gc  # noqa: E402
 from cachectl.lifecycle.prune import criteria, plan_prune, prune  # noqa: E402
-from cachectl.lifecycle.sync import PIECE_ENTRIES, _read_namespace, sync  # noqa: E402
+from cachectl.lifecycle.sync import PIECE_ENTRIES, read_namespace, sync  # noqa: E402
 from cachectl.lifecycle.sync_plan import SyncPlanner  # noqa: E402
 from cachectl.lifecycle.verify import verify  # noqa: E402
 from cachectl.storage.entries import make_entry  # noqa: E402
@@ -314,7 +314,7 @@ def _sync_parts(work: Path, ctx: Context, cache: Any) -> dict[str, float]:
 
     plan = part("sync_plan", plan_as_sync_does)
     store = Store(cache.root_url)
-    part("sync_read", lambda: [list(_read_namespace(store, item)) for item in plan.namespaces])
+    part("sync_read", lambda: [list(read_namespace(store, item)) for item in plan.namespaces])
     envs = {e.namespace: e.id for e in environments(ctx.index, CACHE)}
     todo = []
     for item in plan.namespaces:

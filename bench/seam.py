@@ -41,7 +41,7 @@ import logging, time
 from cachectl import telemetry
 c = telemetry.Collector(cache="c", environment_digest="d", sink=None)
 logger = logging.getLogger("bench.seam.compiler")
-tap = telemetry._LogTap(c, logger)
+tap = telemetry.LogTap(c, logger)
 tap.install()
 msg = "Persistent compilation cache hit for '%s' with key %r"
 n = {n}

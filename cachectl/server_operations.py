@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from cachectl.client import API, ServerClient, _seg, decode
+from cachectl.client import API, ServerClient, decode, seg
 from cachectl.context import Context
 from cachectl.core.config import DELETE_BATCH
 from cachectl.core.errors import BadInput
@@ -76,7 +76,7 @@ class ServerOperations:
     def telemetry_stats(self, cache: str, since: str) -> TelemetryStats:
         parse_duration(since)
         return decode(
-            TelemetryStats, self.client.get(f"{API}/caches/{_seg(cache)}/telemetry", since=since)
+            TelemetryStats, self.client.get(f"{API}/caches/{seg(cache)}/telemetry", since=since)
         )
 
     def create_token(

@@ -199,7 +199,7 @@ def test_an_axis_with_one_bucket_value_is_found_by_the_shape_that_names_it(tmp_p
     """`seq: [32]` next to `batch: [1, 4]`: no dimension varies with seq across the buckets, so
     advise said "no observed sizes" for it although every call had one; the array argument's
     shape `[batch, seq]` places it."""
-    from cachectl.usage.advise import _axis_positions
+    from cachectl.usage.advise import axis_positions
     from cachectl.usage.misses_expected import expected_signatures
 
     (tmp_path / "onevalue.py").write_text("def f(p, x):\n    return x.sum() + p\n")
@@ -214,4 +214,4 @@ def test_an_axis_with_one_bucket_value_is_found_by_the_shape_that_names_it(tmp_p
     )
     expected = expected_signatures(tmp_path / "m.yaml")
     assert len(expected) == 2
-    assert _axis_positions(expected, ["batch", "seq"]) == {"batch": [(1, 0)], "seq": [(1, 1)]}
+    assert axis_positions(expected, ["batch", "seq"]) == {"batch": [(1, 0)], "seq": [(1, 1)]}

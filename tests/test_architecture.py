@@ -466,3 +466,21 @@ def test_architecture_names_every_package_and_server_module() -> None:
 def test_the_architecture_check_finds_a_missing_module() -> None:
     assert not _exists("cachectl/no_such_module.py")
     assert "runtime.py" in _named_paths("`runtime.py` and `warm/plan.py`")
+
+
+def private_imports() -> list[str]:
+    """``from other_module import _name``: a module reaching into another's private names."""
+    found = []
+    for name, path in _modules().items():
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if not isinstance(node, ast.ImportFrom):
+                continue
+            project = node.level > 0 or (node.module or "").startswith(("cachectl", "cachectl_"))
+            for alias in node.names if project else ():
+                if alias.name.startswith("_") and not alias.name.startswith("__"):
+                    found.append(f"{name}:{node.lineno} imports {alias.name}")
+    return found
+
+
+def test_no_module_imports_another_modules_private_name() -> None:
+    assert private_imports() == []

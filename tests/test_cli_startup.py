@@ -18,7 +18,7 @@ import pytest
 from click.testing import CliRunner
 
 from cachectl import __version__
-from cachectl.cli import _COMMANDS, CachectlGroup, cli
+from cachectl.cli import COMMANDS, CachectlGroup, cli
 
 ROOT = Path(__file__).resolve().parent.parent
 HEAVY = ("jax", "numpy", "ml_dtypes", "sqlalchemy", "pydantic", "rich", "fsspec")
@@ -69,7 +69,7 @@ def invoke(*args: str) -> str:
 
 
 def test_command_table_short_help_is_each_commands_own() -> None:
-    for name, (module, attribute, short) in _COMMANDS.items():
+    for name, (module, attribute, short) in COMMANDS.items():
         cmd = getattr(importlib.import_module(f"cachectl.cli.{module}"), attribute)
         assert cmd.name == name
         assert short == cmd.get_short_help_str(10**6), name
@@ -82,9 +82,9 @@ def test_command_table_lists_every_registered_command() -> None:
     registered = click.Group()
     for path in sorted((ROOT / "cachectl" / "cli").glob("*_cmds.py")):
         importlib.import_module(f"cachectl.cli.{path.stem}").register(registered)
-    assert sorted(registered.commands) == sorted(_COMMANDS)
+    assert sorted(registered.commands) == sorted(COMMANDS)
     for name, cmd in registered.commands.items():
-        module, attribute, _ = _COMMANDS[name]
+        module, attribute, _ = COMMANDS[name]
         assert cmd is getattr(importlib.import_module(f"cachectl.cli.{module}"), attribute)
 
 
@@ -95,7 +95,7 @@ def test_the_lazy_listing_is_the_loaded_one() -> None:
         group.format_commands(ctx, formatter)
         return formatter.getvalue()
 
-    loaded = click.Group(commands={name: cli.get_command(None, name) for name in _COMMANDS})  # type: ignore[arg-type]
+    loaded = click.Group(commands={name: cli.get_command(None, name) for name in COMMANDS})  # type: ignore[arg-type]
     lazy = CachectlGroup(name="cachectl")
     assert lazy.commands == {}
     assert listing(lazy) == listing(loaded)
@@ -108,7 +108,7 @@ def test_the_lazy_listing_is_the_loaded_one() -> None:
 def test_help_imports_no_heavy_library(tmp_path) -> None:
     proc, loaded = run_fresh(tmp_path, "--help")
     assert proc.returncode == 0, proc.stderr
-    for name in _COMMANDS:
+    for name in COMMANDS:
         assert f"\n  {name} " in proc.stdout
     assert loaded.isdisjoint(HEAVY), loaded
 
@@ -165,7 +165,7 @@ def help_paths() -> list[tuple[str, ...]]:
             for name in sorted(cmd.commands):
                 walk(cmd.commands[name], (*path, name))
 
-    for name, (module, attribute, _) in _COMMANDS.items():
+    for name, (module, attribute, _) in COMMANDS.items():
         walk(getattr(importlib.import_module(f"cachectl.cli.{module}"), attribute), (name,))
     return paths
 
@@ -174,7 +174,7 @@ HELP_PATHS = help_paths()
 
 
 def test_help_paths_cover_every_command_and_subcommand() -> None:
-    assert {p[0] for p in HELP_PATHS} == set(_COMMANDS)
+    assert {p[0] for p in HELP_PATHS} == set(COMMANDS)
     for sub in (("cache", "list"), ("token", "create"), ("bundle", "create"), ("key", "generate")):
         assert sub in HELP_PATHS
 
@@ -227,9 +227,9 @@ def test_verbose_counts_before_and_after_the_command() -> None:
         seen["verbose"] = ctx.find_root().params["verbose"]
 
     try:
-        from cachectl.cli import _accept_global_options
+        from cachectl.cli import accept_global_options
 
-        _accept_global_options(probe)
+        accept_global_options(probe)
         assert CliRunner().invoke(cli, ["-v", "probe-verbose", "-v"]).exit_code == 0
         assert seen["verbose"] == 2
     finally:

@@ -219,7 +219,7 @@ def test_call_context_reads_source_and_statics_of_a_real_jit_call() -> None:
     import jax
     import numpy as np
 
-    from cachectl.telemetry import _SignatureTap
+    from cachectl.telemetry import SignatureTap
 
     class Seen:
         def __init__(self) -> None:
@@ -234,7 +234,7 @@ def test_call_context_reads_source_and_statics_of_a_real_jit_call() -> None:
         return x * n
 
     seen = Seen()
-    tap = _SignatureTap(seen, jax_seam.pxla_logger())  # type: ignore[arg-type]
+    tap = SignatureTap(seen, jax_seam.pxla_logger())  # type: ignore[arg-type]
     tap.install()
     try:
         jax.jit(scaled, static_argnums=1)(np.ones(3, np.float32), 7)

@@ -232,13 +232,13 @@ def _sampled_huge(db_url, samples, oldest_minutes, compile_ms_per_byte, score):
     ``compile_ms_per_byte`` a byte (None: none). Returns the index, the environment, now, and the
     rows (score: ``score(entry)``)."""
     from cachectl.index import open_index
-    from cachectl.index.eviction_walk import _SAMPLE_EVERY
+    from cachectl.index.eviction_walk import SAMPLE_EVERY
 
     index = open_index(db_url, auto_migrate=True)
     index.add_cache(CACHE, "memory://unused")
     now = utcnow()
     info = index.ensure_environment(CACHE, fake_env("0.10.2"))
-    count = samples * _SAMPLE_EVERY
+    count = samples * SAMPLE_EVERY
     per_byte = compile_ms_per_byte
     index.upsert_entries(
         info.id,
@@ -261,7 +261,7 @@ def _sampled_huge(db_url, samples, oldest_minutes, compile_ms_per_byte, score):
             if per_byte is None
             else {"size_bytes": 100_000, "compile_time_ms": 100_000 * per_byte}
         )
-        s.execute(update(Entry).where(Entry.id % _SAMPLE_EVERY == 0).values(**huge))
+        s.execute(update(Entry).where(Entry.id % SAMPLE_EVERY == 0).values(**huge))
         rows = [
             {
                 "id": e.id,
@@ -297,7 +297,7 @@ def test_each_environment_cut_is_exact_when_some_samples_mislead(db_url):
     """The per-environment cuts share one sample and one read where the database sorts; an
     environment whose sample overstates its bytes reads on alone, the others must not move."""
     from cachectl.index import open_index
-    from cachectl.index.eviction_walk import _SAMPLE_EVERY
+    from cachectl.index.eviction_walk import SAMPLE_EVERY
 
     index = open_index(db_url, auto_migrate=True)
     index.add_cache(CACHE, "memory://unused")
@@ -316,7 +316,7 @@ def test_each_environment_cut_is_exact_when_some_samples_mislead(db_url):
                     origin="warm",
                     created_at=now - timedelta(minutes=rng.randint(0, 100000)),
                 )
-                for i in range(6 * _SAMPLE_EVERY)
+                for i in range(6 * SAMPLE_EVERY)
             ],
         )
     with index.session() as s:
@@ -324,7 +324,7 @@ def test_each_environment_cut_is_exact_when_some_samples_mislead(db_url):
         middle = sorted({e.environment_id for e in s.query(Entry).all()})[1]
         s.execute(
             update(Entry)
-            .where(Entry.environment_id == middle, Entry.id % _SAMPLE_EVERY == 0)
+            .where(Entry.environment_id == middle, Entry.id % SAMPLE_EVERY == 0)
             .values(size_bytes=50_000)
         )
         rows = [
@@ -361,15 +361,14 @@ def _case_cost_score(dialect, now):
     from sqlalchemy import Float, case, cast, func
 
     from cachectl.index import unit_size
-    from cachectl.index.eviction_queries import _as_bound
-    from cachectl.index.lifecycle_queries import COST_HALF_LIFE_DAYS, DEFAULT_COMPILE_MS
+    from cachectl.index.lifecycle_queries import COST_HALF_LIFE_DAYS, DEFAULT_COMPILE_MS, as_bound
     from cachectl.index.models import last_used
 
     last = last_used()
     if dialect == "sqlite":
-        age_days = func.julianday(_as_bound(now)) - func.julianday(last)
+        age_days = func.julianday(as_bound(now)) - func.julianday(last)
     else:
-        age_days = func.extract("epoch", _as_bound(now) - last) / 86400.0
+        age_days = func.extract("epoch", as_bound(now) - last) / 86400.0
     age_days = case((age_days < 0, 0.0), else_=age_days)
     unit = unit_size()
     size_kib = case((unit < 1, 1.0), else_=cast(unit, Float) / 1024.0)
@@ -519,7 +518,7 @@ def test_cost_cut_is_the_same_whether_the_sample_is_read_by_id_or_by_a_scan(db_u
 
     from cachectl.index import open_index
     from cachectl.index.eviction_queries import _score
-    from cachectl.index.eviction_walk import _Walk, sample_ids
+    from cachectl.index.eviction_walk import Walk, sample_ids
 
     index = open_index(db_url, auto_migrate=True)
     index.add_cache(CACHE, "memory://unused")
@@ -580,7 +579,7 @@ def test_cost_cut_is_the_same_whether_the_sample_is_read_by_id_or_by_a_scan(db_u
             )
 
     def sampled(top_id: int | None) -> list[int]:
-        walk = _Walk(index, Entry.id, [], label=None, ordered=False, sample_ids=top_id)
+        walk = Walk(index, Entry.id, [], label=None, ordered=False, sample_ids=top_id)
         with index.session() as s:
             return sorted(
                 s.scalars(walk._sample([Entry.id], [Entry.environment_id.in_(env_totals)]))

@@ -781,7 +781,7 @@ from pathlib import Path
 import numpy as np
 
 from cachectl.core.errors import BadInput
-from cachectl.manifest import _dtype, expand, load_manifest, parse_manifest
+from cachectl.manifest import dtype_named, expand, load_manifest, parse_manifest
 
 try:
     import jax
@@ -800,7 +800,7 @@ for text in given["texts"]:
     except BadInput as exc:
         messages.append(str(exc))
 print(json.dumps({{"example": [str(b) for b in expand(example)],
-                  "dtypes": [str(_dtype(a.dtype)) for a in every.functions[0].args],
+                  "dtypes": [str(dtype_named(a.dtype)) for a in every.functions[0].args],
                   "messages": messages,
                   "jax_loaded": [m for m in sys.modules if m.split(".")[0] in ("jax", "jaxlib")]}}))
 """,
@@ -815,8 +815,8 @@ print(json.dumps({{"example": [str(b) for b in expand(example)],
 
 
 def test_common_dtypes_are_names_dtype_accepts() -> None:
-    """The names validation takes without importing numpy/ml_dtypes are ones _dtype accepts."""
-    from cachectl.manifest.schema import COMMON_DTYPES, _dtype
+    """The names validation takes without importing numpy/ml_dtypes are ones dtype_named accepts."""
+    from cachectl.manifest.schema import COMMON_DTYPES, dtype_named
 
-    assert {str(_dtype(name)) for name in COMMON_DTYPES} == set(COMMON_DTYPES)
+    assert {str(dtype_named(name)) for name in COMMON_DTYPES} == set(COMMON_DTYPES)
     assert set(COMMON_DTYPES) <= set(_jax_dtype_names())

@@ -450,21 +450,21 @@ def test_with_no_manifest_a_missed_program_still_has_its_cause() -> None:
     """A service warmed by running (no manifest) missed a library's program: `misses` listed it
     with no finding at all. Now it is said as the library's, and, when the cache holds programs of
     it that the service did not look up, that they differ: other shapes or data baked in."""
-    from cachectl.usage.misses_explain import _not_in_manifest
+    from cachectl.usage.misses_explain import not_in_manifest_finding
 
     leaves = [[[16], "float32", False, None]]
     source = "_fori_collect_loop at /venv/lib/python3.11/site-packages/numpyro/util.py:353"
     rows = [_row("jit__fori_collect_loop", "k1", source, leaves)]
-    f = _not_in_manifest("jit__fori_collect_loop", rows, manifest=False, warmed=1)
+    f = not_in_manifest_finding("jit__fori_collect_loop", rows, manifest=False, warmed=1)
     assert (f.kind, f.observed, f.misses) == ("library_internal", "numpyro", 1)
     assert "internal to numpyro" in f.message
     assert "the cache holds 1 program of it, none the one the service looked up" in f.message
     assert "jit_model_args=True" in f.message
     # Nothing warmed of it: no claim about constants.
-    f = _not_in_manifest("jit__fori_collect_loop", rows, manifest=False, warmed=0)
+    f = not_in_manifest_finding("jit__fori_collect_loop", rows, manifest=False, warmed=0)
     assert "constants" not in f.message and "warm it by running" in f.message
     # The service's own function, and no manifest to add it to.
-    own = _not_in_manifest(
+    own = not_in_manifest_finding(
         "jit_step", [_row("jit_step", "k2", "step at /srv/app.py:3", leaves)], manifest=False
     )
     assert own.kind == "not_in_manifest" and "no manifest names it" in own.message

@@ -22,8 +22,8 @@ from cachectl.bundle.format import (
     SIGNATURE,
     BundleEntry,
     BundleInfo,
-    _write_all,
     sign_entries,
+    write_all,
 )
 from cachectl.context import Context
 from cachectl.core.errors import BadInput, NotFound, OperationFailed
@@ -96,10 +96,10 @@ class _BundleWriter:
 
     def _end_frame(self) -> None:
         if self._cobj is not None:
-            _write_all(self._fd, [self._cobj.flush()])
+            write_all(self._fd, [self._cobj.flush()])
             self._cobj = None
         if self._raw:
-            _write_all(self._fd, [_LAST_EMPTY_BLOCK])
+            write_all(self._fd, [_LAST_EMPTY_BLOCK])
             self._raw = False
 
     def _write(self, parts: list[bytes], raw: bool) -> None:
@@ -116,14 +116,14 @@ class _BundleWriter:
                 for i in range(0, len(view), _RAW_BLOCK):
                     block = view[i : i + _RAW_BLOCK]
                     bufs += [_block_header(len(block)), block]
-            _write_all(self._fd, bufs)
+            write_all(self._fd, bufs)
             return
         if self._cobj is None:
             self._end_frame()
             self._cobj = self._cctx.compressobj()
         out = b"".join(self._cobj.compress(p) for p in parts)
         if out:
-            _write_all(self._fd, [out])
+            write_all(self._fd, [out])
 
     def member(self, info: tarfile.TarInfo, data: bytes, *, raw: bool = False) -> None:
         header = info.tobuf(tarfile.PAX_FORMAT, "utf-8", "surrogateescape")

@@ -23,7 +23,7 @@ SIGNATURE = "signature.json"
 FILES = "files/"
 ORIGIN = "bundle"
 STAGING_DIR = temps.STAGING_DIR
-_CHUNK = 1 << 20
+CHUNK = 1 << 20
 
 
 class BadBundle(BadInput):
@@ -84,7 +84,7 @@ class InstallResult:
 
 
 @contextmanager
-def _open(path: Path) -> Iterator[tarfile.TarFile]:
+def open_bundle(path: Path) -> Iterator[tarfile.TarFile]:
     import zstandard
 
     try:
@@ -136,7 +136,7 @@ def _read_json(tar: tarfile.TarFile, member: tarfile.TarInfo, path: Path) -> dic
     return data
 
 
-def _meta(
+def read_meta(
     path: Path, tar: tarfile.TarFile
 ) -> tuple[dict[str, Any], dict[str, Any] | None, tarfile.TarInfo | None]:
     """bundle.json, signature.json (or None), and the first file member (or None)."""
@@ -171,7 +171,7 @@ def entries_document(meta: dict[str, Any]) -> bytes:
         {
             "format": ENTRIES_FORMAT,
             "content": meta["content"],
-            "entries": [dataclasses.asdict(e) for e in _entries(meta)],
+            "entries": [dataclasses.asdict(e) for e in bundle_entries(meta)],
         }
     )
 
@@ -209,7 +209,7 @@ def content_signature(signed: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in signed.items() if k != ENTRIES_SIGNATURE}
 
 
-def _entries(meta: dict[str, Any]) -> list[BundleEntry]:
+def bundle_entries(meta: dict[str, Any]) -> list[BundleEntry]:
     names = {f.name for f in BundleEntry.__dataclass_fields__.values()}
     return [BundleEntry(**{k: v for k, v in e.items() if k in names}) for e in meta["entries"]]
 
@@ -217,8 +217,8 @@ def _entries(meta: dict[str, Any]) -> list[BundleEntry]:
 def describe(path: str | os.PathLike[str]) -> BundleInfo:
     """`bundle ls`: what a bundle holds (reads only its first members)."""
     p = Path(path).expanduser().absolute()
-    with _open(p) as tar:
-        meta, signed, _ = _meta(p, tar)
+    with open_bundle(p) as tar:
+        meta, signed, _ = read_meta(p, tar)
     files = signing.files_of(meta["content"])
     return BundleInfo(
         str(p),
@@ -227,7 +227,7 @@ def describe(path: str | os.PathLike[str]) -> BundleInfo:
         meta["namespace"],
         meta.get("cache"),
         meta.get("created_at", ""),
-        _entries(meta),
+        bundle_entries(meta),
         len(files),
         sum(s for s, _ in files.values()),
         p.stat().st_size,
@@ -235,7 +235,7 @@ def describe(path: str | os.PathLike[str]) -> BundleInfo:
     )
 
 
-def _write_all(fd: int, bufs: list[bytes | memoryview]) -> None:
+def write_all(fd: int, bufs: list[bytes | memoryview]) -> None:
     """os.writev until everything is written (a write may be short)."""
     while bufs:
         n = os.writev(fd, bufs[:1024])

@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import IO, Any, NamedTuple
 
 from cachectl.bundle.format import (
-    _CHUNK,
     BUNDLE_EXPANSION,
+    CHUNK,
     FILES,
     META,
     ORIGIN,
@@ -26,13 +26,13 @@ from cachectl.bundle.format import (
     BadBundle,
     BundleEntry,
     InstallResult,
-    _entries,
-    _meta,
-    _open,
-    _write_all,
+    bundle_entries,
     content_signature,
     entries_signed,
+    open_bundle,
+    read_meta,
     room,
+    write_all,
 )
 from cachectl.context import Context
 from cachectl.core import temps
@@ -97,7 +97,7 @@ def _write_hashed(dest: Path, data: bytes) -> str:
     try:
         for i in range(0, len(view), _PIECE):
             piece = view[i : i + _PIECE]
-            _write_all(fd, [piece])
+            write_all(fd, [piece])
             digest.update(piece)
     finally:
         os.close(fd)
@@ -118,7 +118,7 @@ def _stream_hashed(src: IO[bytes], dest: Path, size: int) -> str:
     left = size
     with open(dest, "xb") as dst:
         while left:
-            chunk = src.read(min(_CHUNK, left))
+            chunk = src.read(min(CHUNK, left))
             if not chunk:
                 raise BadBundle("a member ends before its size: truncated bundle")
             digest.update(chunk)
@@ -293,7 +293,7 @@ def _check_meta(
     if ENV_FILE not in expected:
         raise BadBundle(f"{path}: the content list has no {ENV_FILE}")
     try:
-        entries = _entries(meta)
+        entries = bundle_entries(meta)
     except (TypeError, AttributeError) as exc:
         raise BadBundle(f"{path}: bad entry list in {META} ({exc}): nothing installed") from None
     for e in entries:
@@ -350,8 +350,8 @@ def install(
     if not p.is_file():
         raise BadInput(f"bundle {p} is not a file")
     cache = cache or ctx.cache()
-    with _open(p) as tar:
-        meta, signed, first = _meta(p, tar)
+    with open_bundle(p) as tar:
+        meta, signed, first = read_meta(p, tar)
         expected = signing.files_of(meta["content"])
         env = _check_meta(p, meta, expected)
         here = ctx.environment()
@@ -361,7 +361,7 @@ def install(
                 f"bundle {p.name} was made for another environment: " + "; ".join(diff)
             )
         signer = _check_signature(p, cache, meta, signed)
-        entries = _entries(meta)
+        entries = bundle_entries(meta)
         metadata_signed = signed is None or entries_signed(signed, meta, f"bundle {p.name}")
         if not dry_run:
             check_writer(cache, "install a bundle into")

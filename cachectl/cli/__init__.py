@@ -1,6 +1,6 @@
 """The cachectl command line: thin commands over library functions.
 
-Commands load lazily: ``_COMMANDS`` names each command's module, attribute and
+Commands load lazily: ``COMMANDS`` names each command's module, attribute and
 short help, so ``cachectl --help`` lists them all without importing one, and a
 command's module (with whatever it imports: JAX, SQLAlchemy...) is imported only
 when that command runs or shows its own help.
@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 
 # name -> (module under cachectl.cli, attribute, short help). The short help is the
 # command's own (its first help sentence); tests/test_cli_startup.py holds the two equal.
-_COMMANDS: dict[str, tuple[str, str, str]] = {
+COMMANDS: dict[str, tuple[str, str, str]] = {
     "advise": (
         "usage_cmds",
         "advise",
@@ -163,7 +163,7 @@ _GLOBAL_OPTIONS: tuple[tuple[tuple[str, ...], dict[str, Any]], ...] = (
 )
 
 
-def _accept_global_options(cmd: click.Command) -> None:
+def accept_global_options(cmd: click.Command) -> None:
     """Give ``cmd`` (and every command under it) the global options it does not define itself."""
     if getattr(cmd, "_cachectl_globals", False):
         return
@@ -183,7 +183,7 @@ def _accept_global_options(cmd: click.Command) -> None:
     cmd._cachectl_globals = True  # type: ignore[attr-defined]
     if isinstance(cmd, click.Group):
         for sub in cmd.commands.values():
-            _accept_global_options(sub)
+            accept_global_options(sub)
 
 
 class _LazyContext:
@@ -214,26 +214,26 @@ class _LazyContext:
 
 
 class CachectlGroup(click.Group):
-    """Loads commands from ``_COMMANDS`` on demand; turns library errors into one line on
+    """Loads commands from ``COMMANDS`` on demand; turns library errors into one line on
     stderr and the contract's exit code (130 on Ctrl-C)."""
 
     def list_commands(self, ctx: click.Context) -> list[str]:
-        return sorted({*self.commands, *_COMMANDS})
+        return sorted({*self.commands, *COMMANDS})
 
     def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
         cmd = self.commands.get(cmd_name)
-        if cmd is None and cmd_name in _COMMANDS:
-            module, attribute, _ = _COMMANDS[cmd_name]
+        if cmd is None and cmd_name in COMMANDS:
+            module, attribute, _ = COMMANDS[cmd_name]
             cmd = getattr(importlib.import_module(f"cachectl.cli.{module}"), attribute)
-            _accept_global_options(cmd)
+            accept_global_options(cmd)
             self.add_command(cmd, cmd_name)
         return cmd
 
     def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
-        """click's listing, with the short help of a command not loaded yet from ``_COMMANDS``."""
+        """click's listing, with the short help of a command not loaded yet from ``COMMANDS``."""
         commands = []
         for name in self.list_commands(ctx):
-            cmd = self.commands.get(name) or click.Command(name, help=_COMMANDS[name][2])
+            cmd = self.commands.get(name) or click.Command(name, help=COMMANDS[name][2])
             if not cmd.hidden:
                 commands.append((name, cmd))
         if commands:

@@ -20,7 +20,7 @@ from cachectl.client.service import (
     remote_index_for_service,
     service_client,
 )
-from cachectl.client.transport import API, DEFAULT_TIMEOUT_S, Transport, _seg
+from cachectl.client.transport import API, DEFAULT_TIMEOUT_S, Transport, seg
 from cachectl.client.wire import decode, telemetry_wire
 
 __all__ = [
@@ -32,7 +32,7 @@ __all__ = [
     "RemoteIndex",
     "ServerClient",
     "Transport",
-    "_seg",
+    "seg",
     "client_from_settings",
     "decode",
     "open_for_service",

@@ -8,7 +8,7 @@ import time
 from collections.abc import Iterable, Iterator
 from typing import Any, TypeVar
 
-from cachectl.client.transport import API, Transport, _seg
+from cachectl.client.transport import API, Transport, seg
 from cachectl.client.wire import decode, telemetry_wire
 from cachectl.core.errors import CachectlError, OperationFailed, error_named
 from cachectl.core.jsonable import to_jsonable
@@ -35,17 +35,17 @@ class ServerClient(Transport):
         return decode(list[CacheInfo], self.get(f"{API}/caches"))
 
     def get_cache(self, name: str) -> Any:
-        return decode(CacheInfo, self.get(f"{API}/caches/{_seg(name)}"))
+        return decode(CacheInfo, self.get(f"{API}/caches/{seg(name)}"))
 
     def environments(self, cache: str, *, include_deleted: bool = False) -> list[Any]:
         data = self.get(
-            f"{API}/caches/{_seg(cache)}/environments", include_deleted=include_deleted or None
+            f"{API}/caches/{seg(cache)}/environments", include_deleted=include_deleted or None
         )
         return decode(list[EnvironmentInfo], data)
 
     def environment(self, cache: str, prefix: str) -> Any:
         return decode(
-            EnvironmentInfo, self.get(f"{API}/caches/{_seg(cache)}/environments/{_seg(prefix)}")
+            EnvironmentInfo, self.get(f"{API}/caches/{seg(cache)}/environments/{seg(prefix)}")
         )
 
     def iter_entries(self, cache: str, digest: str, **filters: Any) -> Iterator[Any]:
@@ -53,7 +53,7 @@ class ServerClient(Transport):
         offset = 0
         while True:
             page = self.get(
-                f"{API}/caches/{_seg(cache)}/environments/{digest}/entries",
+                f"{API}/caches/{seg(cache)}/environments/{digest}/entries",
                 limit=PAGE,
                 offset=offset,
                 **filters,
@@ -66,7 +66,7 @@ class ServerClient(Transport):
 
     def resolve(self, cache: str, env: Any, *, create: bool = True) -> dict[str, Any]:
         body = {**env.to_dict(), "create": create}
-        return self.request("POST", f"{API}/caches/{_seg(cache)}/resolve", json=body).json()
+        return self.request("POST", f"{API}/caches/{seg(cache)}/resolve", json=body).json()
 
     def register_entries(
         self, cache: str, digest: str, entries: Iterable[Any], warm_run_id: int | None = None
@@ -94,14 +94,14 @@ class ServerClient(Transport):
         if warm_run_id is not None:
             body["warm_run_id"] = warm_run_id
         data = self.request(
-            "POST", f"{API}/caches/{_seg(cache)}/environments/{digest}/entries", json=body
+            "POST", f"{API}/caches/{seg(cache)}/environments/{digest}/entries", json=body
         ).json()
         return int(data["inserted"]), int(data["updated"])
 
     def upload_entry(self, cache: str, digest: str, key: str, data: bytes) -> Any:
         response = self.request(
             "PUT",
-            f"{API}/caches/{_seg(cache)}/environments/{digest}/entries/{_seg(key)}",
+            f"{API}/caches/{seg(cache)}/environments/{digest}/entries/{seg(key)}",
             content=data,
             headers={"content-type": "application/octet-stream", "x-cachectl-sha256": sha256(data)},
         )
@@ -109,14 +109,14 @@ class ServerClient(Transport):
 
     def download_entry(self, cache: str, digest: str, key: str) -> bytes:
         return self.request(
-            "GET", f"{API}/caches/{_seg(cache)}/environments/{digest}/entries/{_seg(key)}"
+            "GET", f"{API}/caches/{seg(cache)}/environments/{digest}/entries/{seg(key)}"
         ).content
 
     def upload_executable(self, cache: str, digest: str, key: str, data: bytes) -> Any:
         """PUT an entry's stored executable (``<key>-aot``); the entry must be indexed already."""
         response = self.request(
             "PUT",
-            f"{API}/caches/{_seg(cache)}/environments/{digest}/entries/{_seg(key)}/aot",
+            f"{API}/caches/{seg(cache)}/environments/{digest}/entries/{seg(key)}/aot",
             content=data,
             headers={"content-type": "application/octet-stream", "x-cachectl-sha256": sha256(data)},
         )
@@ -124,7 +124,7 @@ class ServerClient(Transport):
 
     def download_executable(self, cache: str, digest: str, key: str) -> bytes:
         return self.request(
-            "GET", f"{API}/caches/{_seg(cache)}/environments/{digest}/entries/{_seg(key)}/aot"
+            "GET", f"{API}/caches/{seg(cache)}/environments/{digest}/entries/{seg(key)}/aot"
         ).content
 
     def audit(
@@ -146,7 +146,7 @@ class ServerClient(Transport):
             "duration_ms": duration_ms,
             "details": to_jsonable(details or {}),
         }
-        self.request("POST", f"{API}/caches/{_seg(cache)}/audit", json=body)
+        self.request("POST", f"{API}/caches/{seg(cache)}/audit", json=body)
 
     # -- warm runs --------------------------------------------------------------------
 
@@ -171,14 +171,14 @@ class ServerClient(Transport):
             "user": user,
         }
         data = self.request(
-            "POST", f"{API}/caches/{_seg(cache)}/environments/{digest}/warm-runs", json=body
+            "POST", f"{API}/caches/{seg(cache)}/environments/{digest}/warm-runs", json=body
         ).json()
         return decode(WarmRunInfo, data)
 
     def update_warm_run(self, cache: str, run_id: int, **body: Any) -> Any:
         data = self.request(
             "PATCH",
-            f"{API}/caches/{_seg(cache)}/warm-runs/{int(run_id)}",
+            f"{API}/caches/{seg(cache)}/warm-runs/{int(run_id)}",
             json={k: v for k, v in body.items() if v is not None},
         ).json()
         return decode(WarmRunInfo, data)
@@ -192,10 +192,10 @@ class ServerClient(Transport):
     # -- jobs ---------------------------------------------------------------------------
 
     def start_job(self, cache: str, kind: str, params: dict[str, Any]) -> dict[str, Any]:
-        return self.request("POST", f"{API}/caches/{_seg(cache)}/{kind}", json=params).json()
+        return self.request("POST", f"{API}/caches/{seg(cache)}/{kind}", json=params).json()
 
     def job(self, job_id: str) -> dict[str, Any]:
-        return self.get(f"{API}/jobs/{_seg(job_id)}")
+        return self.get(f"{API}/jobs/{seg(job_id)}")
 
     def wait_job(
         self, job_id: str, *, poll_s: float = 0.2, timeout_s: float | None = None
@@ -238,4 +238,4 @@ class ServerClient(Transport):
         return decode(list[TokenInfo], self.get(f"{API}/tokens"))
 
     def revoke_token(self, name: str) -> Any:
-        return decode(TokenInfo, self.request("DELETE", f"{API}/tokens/{_seg(name)}").json())
+        return decode(TokenInfo, self.request("DELETE", f"{API}/tokens/{seg(name)}").json())

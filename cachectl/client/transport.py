@@ -122,6 +122,6 @@ class Transport:
         return self.request("GET", path, params=params).json()
 
 
-def _seg(value: str) -> str:
+def seg(value: str) -> str:
     """One URL path segment: '/' and friends are escaped, so nothing can climb the path."""
     return quote(str(value), safe="")

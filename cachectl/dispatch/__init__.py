@@ -20,7 +20,7 @@ bucket's stored executable (checked against the index); ``runtime.py`` is the
 from __future__ import annotations
 
 from cachectl.dispatch.calls import OutOfBucket, StructureMismatch, mask
-from cachectl.dispatch.loading import _namespace_reader
+from cachectl.dispatch.loading import namespace_reader
 from cachectl.dispatch.reports import FunctionReport, ServingReport
 from cachectl.dispatch.router import (
     MAX_SIZES_PER_AXIS,
@@ -41,7 +41,7 @@ __all__ = [
     "Serving",
     "ServingReport",
     "StructureMismatch",
-    "_namespace_reader",
+    "namespace_reader",
     "mask",
     "serving",
 ]

@@ -11,7 +11,7 @@ from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
-from cachectl.manifest import ArgSpec, FunctionSpec, _dtype
+from cachectl.manifest import ArgSpec, FunctionSpec, dtype_named
 from cachectl.manifest.schema import leaf_path
 
 
@@ -52,12 +52,12 @@ class _ArgPlan:
         return tuple(values[d] if isinstance(d, str) else d for d in self.shape)
 
 
-def _arg_plans(spec: FunctionSpec) -> list[_ArgPlan]:
+def arg_plans(spec: FunctionSpec) -> list[_ArgPlan]:
     plans = []
     for arg in spec.args:
         if arg.kind == "array":
             shape = tuple(arg.shape or ())
-            dtype = np.dtype(_dtype(str(arg.dtype)))
+            dtype = np.dtype(dtype_named(str(arg.dtype)))
             if (
                 dtype == np.float64
                 or dtype == np.int64
@@ -118,12 +118,12 @@ def pad_pytree(plan: _ArgPlan, tree: Any, values: dict[str, Any]) -> tuple[Any, 
             return leaf
         padded = True
         dtype = np.asarray(leaf).dtype
-        return _pad_to(leaf, tuple(target), False if dtype == np.bool_ else 0, dtype)
+        return pad_to(leaf, tuple(target), False if dtype == np.bool_ else 0, dtype)
 
     return jax.tree_util.tree_map_with_path(pad, tree), padded
 
 
-def _pad_to(x: Any, target: tuple[int, ...], value: Any, dtype: Any) -> np.ndarray:
+def pad_to(x: Any, target: tuple[int, ...], value: Any, dtype: Any) -> np.ndarray:
     """Pad on the host: a jnp.pad would compile a program per shape (docs/jax-facts.md, fact 8)."""
     host = np.asarray(x, dtype=dtype)
     if host.shape == target:
@@ -135,7 +135,7 @@ def _pad_to(x: Any, target: tuple[int, ...], value: Any, dtype: Any) -> np.ndarr
     return out
 
 
-def _first_difference(expected: Any, given: Any) -> str:
+def first_difference(expected: Any, given: Any) -> str:
     """The first pytree path where the call's arguments differ from the warmed structure."""
     import jax
 

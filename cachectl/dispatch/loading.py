@@ -44,7 +44,7 @@ class Indexed(NamedTuple):
     unusable: str | None = None
 
 
-class _Slot:
+class Slot:
     """One bucket: its values, its stored executable (loaded once), or why it falls back."""
 
     __slots__ = (
@@ -68,7 +68,7 @@ class _Slot:
         self.error: str | None = None
         self.lock = threading.Lock()
         self.load_seconds = 0.0
-        self._loader: Callable[[_Slot], None] | None = None
+        self._loader: Callable[[Slot], None] | None = None
 
     def ensure_loaded(self) -> None:
         if self.compiled is not None or self.error is not None:
@@ -122,7 +122,7 @@ class Executables:
                     found.setdefault(where, []).append((key, header))
         return found
 
-    def bind(self, slot: _Slot, spec: FunctionSpec, digests: tuple[str, str | None]) -> None:
+    def bind(self, slot: Slot, spec: FunctionSpec, digests: tuple[str, str | None]) -> None:
         """Choose this bucket's stored executable, or say why it will be served by jit."""
         candidates = self._headers.get((spec.name, json.dumps(slot.values, sort_keys=True)), [])
         if not candidates:
@@ -157,7 +157,7 @@ class Executables:
             return
         slot.error = reasons[0]
 
-    def load(self, slot: _Slot) -> None:
+    def load(self, slot: Slot) -> None:
         """Read the bucket's executable and JAX entry, refuse either if its sha256 is not the
         index's, deserialize; any failure becomes the slot's reason to serve through jit."""
         started = time.perf_counter()
@@ -194,7 +194,7 @@ class Executables:
     # -- public -----------------------------------------------------------------
 
 
-def _namespace_reader(
+def namespace_reader(
     activation: Any, db: str | None, warnings: list[str]
 ) -> tuple[Callable[[str], bytes], list[str], Verified | None]:
     """Read files of the activated namespace, list its executables, and the verified sha256s."""

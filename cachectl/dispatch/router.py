@@ -18,15 +18,15 @@ from cachectl import telemetry as telemetry_mod
 from cachectl.dispatch.calls import (
     OutOfBucket,
     StructureMismatch,
-    _arg_plans,
-    _first_difference,
-    _pad_to,
+    arg_plans,
     covering,
+    first_difference,
     pad_pytree,
+    pad_to,
     pytree_sizes,
     smallest_first,
 )
-from cachectl.dispatch.loading import Executables, Verified, _namespace_reader, _Slot
+from cachectl.dispatch.loading import Executables, Slot, Verified, namespace_reader
 from cachectl.dispatch.reports import FunctionReport, ServingReport
 from cachectl.manifest import (
     FunctionSpec,
@@ -68,14 +68,14 @@ def _zeros(info: Any) -> np.ndarray:
 class ServedFunction:
     """A manifest function: call it like the function itself; calls go to stored executables."""
 
-    def __init__(self, rt: Serving, spec: FunctionSpec, fn: Any, slots: list[_Slot]) -> None:
+    def __init__(self, rt: Serving, spec: FunctionSpec, fn: Any, slots: list[Slot]) -> None:
         self._rt = rt
         self.name = spec.name
         self.spec = spec
         self._fn = fn
         self._jit_options = jit_options(spec)
         self._jitted: Any = None
-        self._plans = _arg_plans(spec)
+        self._plans = arg_plans(spec)
         self._dynamic = [i for i, p in enumerate(self._plans) if p.kind != "value"]
         self._shape_axes = {a for p in self._plans for _, a in p.dims} | {
             a for p in self._plans if p.arg is not None for a in p.arg.pytree_axes()
@@ -202,7 +202,7 @@ class ServedFunction:
                 if size in fresh or len(fresh) < MAX_SIZES_PER_FLUSH:
                     fresh[size] += 1
 
-    def _call_stored(self, slot: _Slot, call_args: list[Any]) -> Any:
+    def _call_stored(self, slot: Slot, call_args: list[Any]) -> Any:
         """Call the bucket's stored executable; a structure it was not compiled for says why."""
         assert slot.compiled is not None
         try:
@@ -218,14 +218,14 @@ class ServedFunction:
             if "pytree" in str(exc):
                 raise StructureMismatch(
                     f"{self.name}: the arguments' structure differs from the warmed one: "
-                    f"{_first_difference(slot.compiled.in_tree, ((tuple(call_args[i] for i in self._dynamic)), {}))}"
+                    f"{first_difference(slot.compiled.in_tree, ((tuple(call_args[i] for i in self._dynamic)), {}))}"
                 ) from None
             raise
         with self._lock:
             self.aot += 1
         return out
 
-    def _zeros_call(self, slot: _Slot, paths: Sequence[str]) -> None:
+    def _zeros_call(self, slot: Slot, paths: Sequence[str]) -> None:
         """Call the bucket's stored executable once on zeros of its abstract arguments and wait
         for it: what warm-check runs in a child process. Raises whatever the call raises."""
         import jax
@@ -240,7 +240,7 @@ class ServedFunction:
         args, kwargs = jax.tree_util.tree_map(_zeros, slot.compiled.args_info)
         jax.block_until_ready(slot.compiled(*args, **kwargs))
 
-    def _warm_up(self, slot: _Slot, paths: Sequence[str]) -> float:
+    def _warm_up(self, slot: Slot, paths: Sequence[str]) -> float:
         """``warmup=True``: the bucket's first execution (XLA's first run of a loaded executable
         is slower than the next) on zeros, before any request; seconds spent. One that raises
         is not called again: its bucket is served through jax.jit."""
@@ -275,7 +275,7 @@ class ServedFunction:
             x = args[i]
             target = p.target(values) if p.dims and values is not None else None
             if target is not None and np.shape(x) != target:
-                out[i] = _pad_to(x, target, p.pad, p.dtype)
+                out[i] = pad_to(x, target, p.pad, p.dtype)
                 padded = True
             elif getattr(x, "dtype", None) != p.dtype:
                 out[i] = np.asarray(x, dtype=p.dtype)
@@ -418,14 +418,14 @@ class Serving:
             log.warning(message)
         executables = Executables(read, names, indexed, on_load, self._warn, workers)
         self._functions: dict[str, ServedFunction] = {}
-        slots_all: list[_Slot] = []
+        slots_all: list[Slot] = []
         buckets = expand(manifest)
         for spec in manifest.functions:
             fn = resolve_callable(spec.fn, paths)
             digests = (spec_digest(spec), source_digest(fn))
             slots = []
             for bucket in (b for b in buckets if b.function == spec.name):
-                slot = _Slot(bucket)
+                slot = Slot(bucket)
                 executables.bind(slot, spec, digests)
                 slots.append(slot)
             self._functions[spec.name] = ServedFunction(self, spec, fn, slots)
@@ -436,7 +436,7 @@ class Serving:
         with ThreadPoolExecutor(
             max_workers=workers or min(8, max(1, len(todo))), thread_name_prefix="cachectl-load"
         ) as pool:
-            list(pool.map(_Slot.ensure_loaded, todo))
+            list(pool.map(Slot.ensure_loaded, todo))
             self.ready_seconds = time.perf_counter() - started
             # Warm-up apart from loading, so that both readinesses are known.
             self.warmup_seconds = 0.0
@@ -554,7 +554,7 @@ def serving(
     # then reads the cache, instead of compiling outside it.
     check_imports(spec, search)
     warnings: list[str] = []
-    read, names, indexed = _namespace_reader(activation, db, warnings)
+    read, names, indexed = namespace_reader(activation, db, warnings)
     on_load = None
     collector = None
     if telemetry:

@@ -25,14 +25,14 @@ from sqlalchemy import (
 from sqlalchemy.sql.elements import ColumnElement
 
 from cachectl.index import Index, unit_size
-from cachectl.index.eviction_walk import _Walk, sample_ids
+from cachectl.index.eviction_walk import Walk, sample_ids
 
 # A running warm whose heartbeat is older than this is presumed dead.
 from cachectl.index.lifecycle_queries import (
     COST_HALF_LIFE_DAYS,
     DEFAULT_COMPILE_MS,
     Eviction,
-    _as_bound,
+    as_bound,
     cache_id,
 )
 from cachectl.index.models import (
@@ -62,10 +62,10 @@ def _score(dialect: str, policy: str, now: datetime) -> ColumnElement[Any]:
     # twice) for every candidate. SQLite computes julianday(now) once per statement (a constant).
     if dialect == "sqlite":
         age_days: ColumnElement[Any] = func.max(
-            func.julianday(_as_bound(now)) - func.julianday(last), 0.0
+            func.julianday(as_bound(now)) - func.julianday(last), 0.0
         )
     else:
-        age_days = func.greatest(func.extract("epoch", _as_bound(now) - last) / 86400.0, 0.0)
+        age_days = func.greatest(func.extract("epoch", as_bound(now) - last) / 86400.0, 0.0)
     return _cost_per_kib() / (1.0 + age_days / COST_HALF_LIFE_DAYS)
 
 
@@ -83,7 +83,7 @@ def _under_bound(dialect: str, policy: str, now: datetime) -> Any:
     0.27 CPU s with it, 0.39 without. Takes the bounds, one or one per environment; None: no test."""
     if dialect != "postgresql" or policy != "cost":
         return None
-    age = func.greatest(func.date_part("epoch", _as_bound(now) - last_used()) / 86400.0, 0.0)
+    age = func.greatest(func.date_part("epoch", as_bound(now) - last_used()) / 86400.0, 0.0)
     approx = _cost_per_kib() / (1.0 + age / COST_HALF_LIFE_DAYS)
 
     def loose(b: float) -> float:
@@ -149,7 +149,7 @@ def _totals(index: Index, cid: int, bytes_total: int | None, rows_total: int | N
 
 def _walk(
     index: Index, totals: _Totals, policy: str, now: datetime, protect_warm_runs: Sequence[int]
-) -> _Walk:
+) -> Walk:
     """The candidates of the policy's score, protected warm runs' entries left out."""
     dialect = totals.dialect
     score = _score(dialect, policy, now)
@@ -162,7 +162,7 @@ def _walk(
             or_(Entry.warm_run_id.is_(None), Entry.warm_run_id.not_in(list(protect_warm_runs)))
         )
     most_rows = dialect == "postgresql" and 2 * totals.rows >= totals.top_id
-    return _Walk(
+    return Walk(
         index,
         score,
         evictable,
@@ -194,7 +194,7 @@ def eviction_cuts(
     environment gives up its lowest-scored entries until it fits; then the
     cache as a whole gives up the lowest-scored of the rest until it fits,
     counting what the environments already gave up. Each cut reads only about
-    as many rows as it evicts (``_Walk``), not every row of the cache.
+    as many rows as it evicts (``Walk``), not every row of the cache.
     Protected entries count toward the totals but are never candidates.
     ``bytes_total`` and ``rows_total`` (the cache's indexed bytes and entries)
     and ``env_bytes`` (per environment) save a scan each when the caller

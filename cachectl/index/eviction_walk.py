@@ -17,12 +17,12 @@ from sqlalchemy.orm import InstrumentedAttribute
 from sqlalchemy.sql.elements import ColumnElement
 
 from cachectl.index import Index, unit_size
-from cachectl.index.lifecycle_queries import _STREAM_ROWS
+from cachectl.index.lifecycle_queries import STREAM_ROWS
 from cachectl.index.models import Entry
 
-# gc's cuts estimate how far to read from a 1-in-_SAMPLE_EVERY sample of the candidates, and
+# gc's cuts estimate how far to read from a 1-in-SAMPLE_EVERY sample of the candidates, and
 # read a margin more than the sample says the cut needs (``_margin``).
-_SAMPLE_EVERY = 64
+SAMPLE_EVERY = 64
 _SAMPLE_MARGIN = 1.1
 # The sample's estimate of the bytes under a score, from n sampled rows of sizes as varied as a
 # cache's, is off by about 1.2/sqrt(n) of itself (one standard deviation). A cut whose sample falls
@@ -49,7 +49,7 @@ _FIRST_FETCH = 1000
 _SAMPLE_BY_ID = 3
 
 
-class _Walk:
+class Walk:
     """Evictable entries in (score, id) order, read only as far as a cut needs.
 
     A 1-in-64 sample (read from the covering ``ix_entries_env_plan``, so cheap)
@@ -118,7 +118,7 @@ class _Walk:
             if bounds:
                 result = conn.execute(self._query_each(bounds))
                 try:
-                    for part in iter(partial(result.cursor.fetchmany, _STREAM_ROWS), []):
+                    for part in iter(partial(result.cursor.fetchmany, STREAM_ROWS), []):
                         for row in part:
                             env = row[2]
                             if acc[env] < targets[env]:
@@ -153,7 +153,7 @@ class _Walk:
         bounds: dict[int, Any] = {}
         for env, sc, unit in conn.execute(q).cursor.fetchall():
             if env not in bounds:
-                acc[env] += unit * _SAMPLE_EVERY
+                acc[env] += unit * SAMPLE_EVERY
                 rows[env] += 1
                 if acc[env] >= targets[env] * _margin(rows[env]):
                     bounds[env] = sc
@@ -268,11 +268,11 @@ class _Walk:
                         # SQLite looks up each row fetched, so a fixed batch would overshoot every cut.
                         size = (
                             min(
-                                _STREAM_ROWS,
+                                STREAM_ROWS,
                                 max(64, (target - acc) * len(out) // acc * 21 // 20 + 32),
                             )
                             if acc
-                            else _STREAM_ROWS
+                            else STREAM_ROWS
                         )
                 finally:
                     result.close()
@@ -338,10 +338,10 @@ class _Walk:
         id (PostgreSQL: its sequential scan measured cheaper than the lookups, 1.06 against 1.35 CPU s
         for a cost plan with per-environment limits at 1,000,000 rows)."""
         if self.sample_ids is None:
-            return select(*columns).where(*where, Entry.id % _SAMPLE_EVERY == 0)
-        first = select(literal(_SAMPLE_EVERY).label("i")).cte("ids", recursive=True)
+            return select(*columns).where(*where, Entry.id % SAMPLE_EVERY == 0)
+        first = select(literal(SAMPLE_EVERY).label("i")).cte("ids", recursive=True)
         ids = first.union_all(
-            select(first.c.i + _SAMPLE_EVERY).where(first.c.i + _SAMPLE_EVERY <= self.sample_ids)
+            select(first.c.i + SAMPLE_EVERY).where(first.c.i + SAMPLE_EVERY <= self.sample_ids)
         )
         return select(*columns).join_from(ids, Entry, Entry.id == ids.c.i).where(*where)
 
@@ -353,7 +353,7 @@ class _Walk:
             # The driver's cursor a batch at a time: SQLite stops walking the lru index at the bound.
             for part in iter(partial(sample.cursor.fetchmany, 256), []):
                 for sc, unit in part:
-                    acc += unit * _SAMPLE_EVERY
+                    acc += unit * SAMPLE_EVERY
                     rows += 1
                     if acc >= need * _margin(rows):
                         return sc

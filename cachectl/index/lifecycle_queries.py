@@ -41,7 +41,7 @@ from cachectl.index.plan_reads import (  # noqa: F401 - the planning reads, re-e
 DEFAULT_COMPILE_MS = 1000
 # Cost policy: an entry's value halves after this many days without access.
 COST_HALF_LIFE_DAYS = 7.0
-_STREAM_ROWS = 5000
+STREAM_ROWS = 5000
 # Warm runs that ran to the end (cachectl/index/warm_runs.py): "interrupted"
 # runs are partial, so they do not displace the last complete run.
 COMPLETED_WARM_STATUSES = ("succeeded", "failed")
@@ -90,7 +90,7 @@ def newest_finished_warm_runs(index: Index, env_ids: Sequence[int]) -> dict[int,
         return {int(env): int(run) for env, run in rows}
 
 
-def _as_bound(value: datetime) -> ColumnElement[datetime]:
+def as_bound(value: datetime) -> ColumnElement[datetime]:
     # A bound value compared with a COALESCE has no column type to borrow:
     # give it ours, so SQLite gets the same naive-UTC text the columns hold.
     return literal(value, type_=UTCDateTime())

@@ -19,7 +19,7 @@ from cachectl.core.units import format_size
 from cachectl.index import CacheInfo, EntryInfo, EnvironmentInfo, NewEntry
 from cachectl.index.models import Cache, Entry, Job, TelemetryRecord, utcnow
 from cachectl.index.models import Environment as EnvRow
-from cachectl.index.sql import Index, _cache_info, _entry_info, _env_info, unit_size
+from cachectl.index.sql import Index, cache_info, entry_info, env_info, unit_size
 from cachectl.index.telemetry_queries import counter_sum
 
 QUEUED = "queued"
@@ -69,8 +69,8 @@ def locate(index: Index, cache: str, prefix: str, key: str | None = None) -> Loc
                     found = s.scalar(
                         select(Entry).where(Entry.environment_id == env_row.id, Entry.key == key)
                     )
-                    entry = _entry_info(found) if found is not None else None
-                return Located(_cache_info(cache_row), _env_info(env_row, cache), entry)
+                    entry = entry_info(found) if found is not None else None
+                return Located(cache_info(cache_row), env_info(env_row, cache), entry)
     info = index.get_cache(cache)  # raises the standard errors
     env = index.find_environment(cache, prefix)
     return Located(info, env, index.get_entry(env.id, key) if key is not None else None)
@@ -168,7 +168,7 @@ def entries_page(
         rows = s.scalars(
             select(Entry).where(*conditions).order_by(*ordering).limit(limit).offset(offset)
         )
-        return EntryPage([_entry_info(r) for r in rows], int(total), limit, offset)
+        return EntryPage([entry_info(r) for r in rows], int(total), limit, offset)
 
 
 def cache_usage(index: Index, cache: str) -> tuple[int, int]:
@@ -223,7 +223,7 @@ def reserve_entry(
         if cache_row is None:
             raise NotFound(f"no cache named {cache!r}")
         row = s.scalar(select(Entry).where(Entry.environment_id == env_id, Entry.key == entry.key))
-        previous = _entry_info(row) if row is not None else None
+        previous = entry_info(row) if row is not None else None
         if row is not None and (row.sha256, row.size_bytes) == (entry.sha256, entry.size):
             return Reservation("unchanged", previous)
         if row is not None and not replace:

@@ -75,7 +75,7 @@ def open_index(url: str, *, auto_migrate: bool | None = None) -> Index:
     return Index(engine)
 
 
-def _cache_info(row: Cache) -> CacheInfo:
+def cache_info(row: Cache) -> CacheInfo:
     return CacheInfo.from_row([getattr(row, c) for c in CACHE_COLUMNS])
 
 
@@ -96,7 +96,7 @@ def _environment(row: EnvRow) -> Environment:
     )
 
 
-def _env_info(
+def env_info(
     row: EnvRow,
     cache: str,
     entries: int = 0,
@@ -127,7 +127,7 @@ def unit_size() -> Any:
     return Entry.size_bytes + func.coalesce(Entry.aot_size_bytes, 0)
 
 
-def _entry_info(row: Entry) -> EntryInfo:
+def entry_info(row: Entry) -> EntryInfo:
     return EntryInfo(
         key=row.key,
         module=row.module,
@@ -245,7 +245,7 @@ class Index:
             self._apply_policy(row, policy)
             s.add(row)
             s.flush()
-            return _cache_info(row)
+            return cache_info(row)
 
     def ensure_cache(self, name: str, root_url: str) -> CacheInfo:
         """Get a cache, creating it with defaults if missing (the embedded default)."""
@@ -270,7 +270,7 @@ class Index:
                 raise NotFound(f"no cache named {name!r}")
             self._apply_policy(row, policy)
             s.flush()
-            return _cache_info(row)
+            return cache_info(row)
 
     def remove_cache(self, name: str) -> None:
         with self.session() as s:
@@ -320,7 +320,7 @@ class Index:
                     row.last_seen_at = utcnow()
                     row.deleted_at = None
                     s.flush()
-                    return _env_info(row, cache)
+                    return env_info(row, cache)
             except IntegrityError:
                 continue  # created concurrently by another process: read it
         raise Unreachable(f"could not record environment {digest[:16]} in cache {cache!r}")
@@ -361,7 +361,7 @@ class Index:
             rows = s.scalars(
                 select(Entry).where(Entry.environment_id == env_id).order_by(Entry.key)
             )
-            return [_entry_info(r) for r in rows]
+            return [entry_info(r) for r in rows]
 
     def entry_keys(self, env_id: int) -> dict[str, tuple[int, str]]:
         """key -> (size, sha256) for one environment: what sync diffs against."""
@@ -394,7 +394,7 @@ class Index:
     def get_entry(self, env_id: int, key: str) -> EntryInfo | None:
         with self.read_session() as s:
             row = s.scalar(select(Entry).where(Entry.environment_id == env_id, Entry.key == key))
-            return _entry_info(row) if row else None
+            return entry_info(row) if row else None
 
     def upsert_entries(self, env_id: int, entries: Iterable[NewEntry]) -> tuple[int, int]:
         """Record entries; returns (inserted, updated). Re-running is harmless."""

@@ -20,9 +20,9 @@ import zstandard
 from cachectl.lifecycle.verify_records import CORRUPT, MISMATCH, MISSING
 from cachectl.storage import executables
 from cachectl.storage.entries import (
-    _ZSTD_MAGIC,
     CACHE_SUFFIX,
     EXECUTABLE_SUFFIX,
+    ZSTD_MAGIC,
     CorruptEntry,
     decompress_zstd,
     header_seconds,
@@ -48,7 +48,7 @@ def check_entry_bytes(data: bytes) -> None:
     enormously (a decompression bomb) costs time here, never memory. Small zstd entries, most of
     a cache, take one decompress call and no Header (sync and verify need only the verdict, once
     per file); the rest one streaming pass."""
-    if data[:4] == _ZSTD_MAGIC:
+    if data[:4] == ZSTD_MAGIC:
         try:
             declared = zstandard.frame_content_size(data[:18])
         except zstandard.ZstdError:

@@ -137,7 +137,7 @@ def _readers(store: Store, namespace: str, chunk: list[SyncEntry], mean: int | N
     return read_workers(store, [mean if e.size is None else e.size for e in chunk])
 
 
-def _read_namespace(
+def read_namespace(
     store: Store, item: NamespaceSync, cutoff: float | None = None, piece: int = PIECE_ENTRIES
 ) -> Iterator[_Piece]:
     """One namespace's new and changed entries, ``piece`` at a time, read by name through one
@@ -192,7 +192,7 @@ def _pieces(
 ) -> Iterator[_Piece]:
     for item in items:
         if not item.problem and item.environment is not None:
-            yield from _read_namespace(store, item, cutoff)
+            yield from read_namespace(store, item, cutoff)
 
 
 _DONE = object()

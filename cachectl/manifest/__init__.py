@@ -55,7 +55,7 @@ from cachectl.manifest.schema import (
     MeshSpec,
     OutputSpec,
     Target,
-    _dtype,
+    dtype_named,
     jit_options,
 )
 
@@ -73,7 +73,7 @@ __all__ = [
     "MeshSpec",
     "OutputSpec",
     "Target",
-    "_dtype",
+    "dtype_named",
     "build_call",
     "check_imports",
     "expand",

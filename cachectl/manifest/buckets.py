@@ -14,7 +14,7 @@ from cachectl.core.errors import BadInput
 from cachectl.manifest.schema import FunctionSpec, Manifest
 
 
-def _same(a: Any, b: Any) -> bool:
+def same_value(a: Any, b: Any) -> bool:
     """Equality that keeps true apart from 1 (Python says they are equal; YAML users do not)."""
     return isinstance(a, bool) == isinstance(b, bool) and a == b
 
@@ -49,12 +49,12 @@ def _scalar_text(value: Any) -> str:
     return value if isinstance(value, str) else json.dumps(value)
 
 
-def _bucket_values(spec: FunctionSpec) -> Iterator[dict[str, Any]]:
+def bucket_values(spec: FunctionSpec) -> Iterator[dict[str, Any]]:
     names = list(spec.buckets)
     for combo in itertools.product(*(spec.buckets[n] for n in names)):
         values = dict(zip(names, combo, strict=True))
         if not any(
-            all(k in values and _same(values[k], v) for k, v in entry.items())
+            all(k in values and same_value(values[k], v) for k, v in entry.items())
             for entry in spec.exclude
         ):
             yield values
@@ -64,7 +64,7 @@ def expand(manifest: Manifest) -> list[Bucket]:
     """Every bucket: functions in manifest order, each the product of its axes in declared order."""
     buckets: list[Bucket] = []
     for spec in manifest.functions:
-        for values in _bucket_values(spec):
+        for values in bucket_values(spec):
             buckets.append(Bucket(spec.name, values, len(buckets)))
     return buckets
 

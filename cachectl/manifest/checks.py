@@ -6,9 +6,9 @@ import math
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from cachectl.manifest.buckets import _bucket_values, _same
+from cachectl.manifest.buckets import bucket_values, same_value
 from cachectl.manifest.schema import ArgSpec, FunctionSpec, MeshSpec, Target
-from cachectl.manifest.source import Loc, _describe, _Source
+from cachectl.manifest.source import Loc, Source, describe
 
 
 def _is_int(value: Any) -> bool:
@@ -20,11 +20,11 @@ def _is_scalar(value: Any) -> bool:
 
 
 def _contains(values: Sequence[Any], value: Any) -> bool:
-    return any(_same(v, value) for v in values)
+    return any(same_value(v, value) for v in values)
 
 
-def _semantic_problems(
-    specs: Sequence[FunctionSpec], target: Target | None, source: _Source
+def semantic_problems(
+    specs: Sequence[FunctionSpec], target: Target | None, source: Source
 ) -> Iterator[tuple[Loc, str]]:
     """The cross-field problems of these function entries (each knows its ``_index``)."""
     first_seen: dict[str, int] = {}
@@ -72,11 +72,7 @@ def _function_problems(
 
     # Something to compile must remain, and shardings must divide every bucket's shapes.
     axes = spec.buckets
-    if (
-        axes
-        and all(values for values in axes.values())
-        and next(_bucket_values(spec), None) is None
-    ):
+    if axes and all(values for values in axes.values()) and next(bucket_values(spec), None) is None:
         yield loc + ("exclude",), "exclude removes every bucket of this function"
     if spec.mesh is not None:
         yield from _divisibility_problems(spec, loc)
@@ -137,7 +133,7 @@ def _array_problems(
         elif not (_is_int(dim) and dim >= 0):
             yield (
                 aloc + ("shape", d),
-                f"a dimension is a non-negative int or an axis name, got {_describe(dim)}",
+                f"a dimension is a non-negative int or an axis name, got {describe(dim)}",
             )
 
 
@@ -178,7 +174,7 @@ def _output_problems(
             elif not isinstance(dim, str) and not (_is_int(dim) and dim >= 0):
                 yield (
                     loc + ("outputs", o, "shape", d),
-                    f"a dimension is a non-negative int or an axis name, got {_describe(dim)}",
+                    f"a dimension is a non-negative int or an axis name, got {describe(dim)}",
                 )
 
 
@@ -192,12 +188,12 @@ def _axis_problems(spec: FunctionSpec, loc: Loc, shape_axes: set[str]) -> Iterat
             if axis in shape_axes and not (_is_int(value) and value >= 0):
                 yield (
                     vloc + (v,),
-                    f"axis {axis!r} is used in a shape, so its values must be non-negative ints; got {_describe(value)}",
+                    f"axis {axis!r} is used in a shape, so its values must be non-negative ints; got {describe(value)}",
                 )
             elif not _is_scalar(value):
                 yield (
                     vloc + (v,),
-                    f"axis values must be scalars (int, float, string, bool), got {_describe(value)}",
+                    f"axis values must be scalars (int, float, string, bool), got {describe(value)}",
                 )
             elif _contains(values[:v], value):
                 yield vloc + (v,), f"duplicate value {value!r} in axis {axis!r}"
@@ -273,7 +269,7 @@ def _leaf_axes_problems(
             continue
         for dim, axis in pairs:
             if not (_is_int(dim) and dim >= 0):
-                yield kloc, f"a dimension is a non-negative int, got {_describe(dim)}", ""
+                yield kloc, f"a dimension is a non-negative int, got {describe(dim)}", ""
             elif not isinstance(axis, str) or axis not in axes:
                 yield kloc, f"unknown axis {axis!r} (declared axes: {declared})", ""
             else:
@@ -292,7 +288,7 @@ def _sharding_problems(arg: ArgSpec, aloc: Loc, mesh: MeshSpec) -> Iterator[tupl
             if not isinstance(part, str):
                 yield (
                     sloc,
-                    f"a sharding entry is a mesh axis name, a list of them, or null; got {_describe(entry)}",
+                    f"a sharding entry is a mesh axis name, a list of them, or null; got {describe(entry)}",
                 )
             elif part not in mesh.axes:
                 yield sloc, f"unknown mesh axis {part!r} (mesh axes: {names})"
@@ -357,7 +353,7 @@ def _divisibility_problems(spec: FunctionSpec, loc: Loc) -> Iterator[tuple[Loc, 
                 if _is_int(dim)
                 else list(
                     dict.fromkeys(
-                        v[dim] for v in _bucket_values(spec) if dim in v and _is_int(v[dim])
+                        v[dim] for v in bucket_values(spec) if dim in v and _is_int(v[dim])
                     )
                 )
             )

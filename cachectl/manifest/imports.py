@@ -12,12 +12,12 @@ from pathlib import Path
 from typing import Any
 
 from cachectl.core.errors import BadInput
-from cachectl.manifest.problems import _raise_problems
-from cachectl.manifest.schema import _REF_RE, FunctionSpec, Manifest, jit_options
-from cachectl.manifest.source import Loc, _describe, _Source
+from cachectl.manifest.problems import raise_problems
+from cachectl.manifest.schema import REF_RE, FunctionSpec, Manifest, jit_options
+from cachectl.manifest.source import Loc, Source, describe
 
 
-def _search_paths(source: _Source, extra: Sequence[str | Path]) -> list[Path]:
+def _search_paths(source: Source, extra: Sequence[str | Path]) -> list[Path]:
     """--path dirs, then the manifest's dir, the root of the package holding it, and the cwd."""
     paths = [Path(p) for p in extra]
     if source.directory is not None:
@@ -51,7 +51,7 @@ class _RefError(Exception):
 
 
 def _import_ref(ref: str) -> Any:
-    if not _REF_RE.fullmatch(ref):
+    if not REF_RE.fullmatch(ref):
         raise _RefError(
             f"{ref!r} is not of the form module:attribute (e.g. examples.lm:decode_step)"
         )
@@ -78,7 +78,7 @@ def _import_ref(ref: str) -> Any:
         obj = getattr(obj, part)
         walked += ("." if walked != module_name else ":") + part
     if not callable(obj):
-        raise _RefError(f"{ref} is not callable: it is {_describe(obj)}")
+        raise _RefError(f"{ref} is not callable: it is {describe(obj)}")
     return obj
 
 
@@ -91,7 +91,7 @@ def resolve_callable(ref: str, search_paths: Sequence[str | Path] = ()) -> Any:
         raise BadInput(str(exc)) from None
 
 
-def _resolve_in(spec: FunctionSpec, ref: str, loc: Loc, search_paths: Sequence[str | Path]) -> Any:
+def resolve_in(spec: FunctionSpec, ref: str, loc: Loc, search_paths: Sequence[str | Path]) -> Any:
     _add_to_sys_path(_search_paths(spec._source, search_paths), front=len(search_paths))
     try:
         return _import_ref(ref)
@@ -120,10 +120,10 @@ def _is_filter_jit(obj: Any) -> bool:
 def _jit_type() -> type:
     import jax
 
-    return type(jax.jit(_identity))
+    return type(jax.jit(identity))
 
 
-def _identity(x: Any) -> Any:
+def identity(x: Any) -> Any:
     return x
 
 
@@ -151,14 +151,14 @@ def check_imports(manifest: Manifest, search_paths: Sequence[str | Path] = ()) -
         if fn is not None:
             resolved[spec.name] = fn
     if problems:
-        _raise_problems(manifest._source, problems)
+        raise_problems(manifest._source, problems)
     return resolved
 
 
-def _import_problems(
+def import_problems(
     data: dict[str, Any],
     specs: Sequence[FunctionSpec],
-    source: _Source,
+    source: Source,
     search_paths: Sequence[str | Path],
 ) -> list[tuple[Loc, str]]:
     """The import problems of a manifest that has others: those of each checkable function
@@ -179,7 +179,7 @@ def _import_problems(
             if isinstance(arg, dict):
                 refs.append((("functions", index, "args", a, "pytree"), arg.get("pytree")))
         for loc, ref in refs:
-            if isinstance(ref, str) and _REF_RE.fullmatch(ref):  # else a schema problem
+            if isinstance(ref, str) and REF_RE.fullmatch(ref):  # else a schema problem
                 _resolve(ref, loc, source, search_paths, problems)
     return problems
 
@@ -187,7 +187,7 @@ def _import_problems(
 def _resolve(
     ref: str,
     loc: Loc,
-    source: _Source,
+    source: Source,
     search_paths: Sequence[str | Path],
     problems: list[tuple[Loc, str]],
 ) -> Any:

@@ -16,17 +16,17 @@ from pydantic import ValidationError
 
 from cachectl.core.config import DEFAULT_MAX_BUCKETS, MAX_BUCKETS_ENV
 from cachectl.core.errors import BadInput
-from cachectl.manifest.checks import _semantic_problems
-from cachectl.manifest.imports import _import_problems
-from cachectl.manifest.problems import _pydantic_problems, _raise_problems
+from cachectl.manifest.checks import semantic_problems
+from cachectl.manifest.imports import import_problems
+from cachectl.manifest.problems import pydantic_problems, raise_problems
 from cachectl.manifest.schema import ArgSpec, FunctionSpec, Manifest, Target
 from cachectl.manifest.source import (
+    Loader,
     Loc,
-    _describe,
-    _expanded_size,
-    _line_map,
-    _Loader,
-    _Source,
+    Source,
+    describe,
+    expanded_size,
+    line_map,
 )
 
 # A manifest is a few hundred YAML nodes; one that expands (through aliases) to more than
@@ -77,17 +77,17 @@ def parse_manifest(
     With ``import_paths`` (``--path`` dirs, maybe none), a manifest with problems also has the
     user code it names imported, so that the one BadInput lists the import problems too; a
     valid manifest imports nothing (:func:`check_imports` does, later)."""
-    loader: _Loader | None = None
+    loader: Loader | None = None
     try:
-        loader = _Loader(text)  # a character YAML forbids (binary garbage) is refused here
+        loader = Loader(text)  # a character YAML forbids (binary garbage) is refused here
         root = loader.get_single_node()
-        if root is not None and _expanded_size(root, MAX_MANIFEST_NODES) > MAX_MANIFEST_NODES:
+        if root is not None and expanded_size(root, MAX_MANIFEST_NODES) > MAX_MANIFEST_NODES:
             raise BadInput(
                 f"{name}: the YAML expands to more than {MAX_MANIFEST_NODES} nodes through "
                 "aliases (an alias bomb?): refused"
             )
         data = loader.construct_document(root) if root is not None else None
-        lines = _line_map(loader, root) if root is not None else {}
+        lines = line_map(loader, root) if root is not None else {}
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
         line = mark.line + 1 if mark is not None else 1
@@ -104,29 +104,29 @@ def parse_manifest(
     finally:
         if loader is not None:
             loader.dispose()
-    source = _Source(name, directory, lines)
+    source = Source(name, directory, lines)
     if not isinstance(data, dict):
         raise BadInput(
             source.message(
-                (), f"a manifest is a mapping with 'version' and 'functions', got {_describe(data)}"
+                (), f"a manifest is a mapping with 'version' and 'functions', got {describe(data)}"
             )
         )
     return _validate(data, source, import_paths)
 
 
 def _validate(
-    data: dict[str, Any], source: _Source, import_paths: Sequence[str | Path] | None = None
+    data: dict[str, Any], source: Source, import_paths: Sequence[str | Path] | None = None
 ) -> Manifest:
     manifest, problems = _collect_problems(data, source, import_paths)
     if problems or manifest is None:
-        _raise_problems(source, problems)
-        raise AssertionError("unreachable: _raise_problems always raises")
+        raise_problems(source, problems)
+        raise AssertionError("unreachable: raise_problems always raises")
     _check_bucket_count(manifest, source, max_buckets())
     return manifest
 
 
 def _collect_problems(
-    data: dict[str, Any], source: _Source, import_paths: Sequence[str | Path] | None
+    data: dict[str, Any], source: Source, import_paths: Sequence[str | Path] | None
 ) -> tuple[Manifest | None, list[tuple[Loc, str]]]:
     """Every stage's problems at once: schema, then cross-field checks on each function entry
     that can be checked (those with schema errors in an argument's fields too, those fields
@@ -139,16 +139,16 @@ def _collect_problems(
         valid = Manifest.model_validate(data)
     except ValidationError as exc:
         manifest = None
-        schema = list(_pydantic_problems(exc))
+        schema = list(pydantic_problems(exc))
     else:
         schema = []
         valid._source = source
         manifest = valid
     specs = _function_specs(data, manifest, source, [loc for loc, _ in schema])
     target = manifest.target if manifest is not None else _valid_target(data)
-    problems = _unrelated(schema, list(_semantic_problems(specs, target, source)))
+    problems = _unrelated(schema, list(semantic_problems(specs, target, source)))
     if import_paths is not None and problems:
-        problems = _unrelated(problems, _import_problems(data, specs, source, import_paths))
+        problems = _unrelated(problems, import_problems(data, specs, source, import_paths))
     return (manifest if not problems else None), problems
 
 
@@ -167,7 +167,7 @@ def _related(loc: Loc, other: Loc) -> bool:
 
 
 def _function_specs(
-    data: dict[str, Any], manifest: Manifest | None, source: _Source, broken: list[Loc]
+    data: dict[str, Any], manifest: Manifest | None, source: Source, broken: list[Loc]
 ) -> list[FunctionSpec]:
     """The function entries later stages can check: all of a valid manifest's; else each entry
     validated on its own, an argument's fields with schema errors left out."""
@@ -228,7 +228,7 @@ def _valid_target(data: dict[str, Any]) -> Target | None:
         return None
 
 
-def _check_bucket_count(manifest: Manifest, source: _Source, limit: int) -> None:
+def _check_bucket_count(manifest: Manifest, source: Source, limit: int) -> None:
     """BadInput when the functions' axes multiply out past ``limit`` buckets (counted before
     ``exclude``, without building them): a typo'd axis must not make warm build millions."""
     total = 0

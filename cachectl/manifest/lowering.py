@@ -13,8 +13,8 @@ from typing import Any
 
 from cachectl.core.errors import EnvironmentMismatch
 from cachectl.manifest.buckets import Bucket
-from cachectl.manifest.imports import _identity, _resolve_in, is_jitted
-from cachectl.manifest.schema import ArgSpec, FunctionSpec, _dtype, jit_options, leaf_path
+from cachectl.manifest.imports import identity, is_jitted, resolve_in
+from cachectl.manifest.schema import ArgSpec, FunctionSpec, dtype_named, jit_options, leaf_path
 
 log = logging.getLogger("cachectl.manifest")
 
@@ -23,7 +23,7 @@ def jit_function(spec: FunctionSpec, search_paths: Sequence[str | Path] = ()) ->
     """What warm calls ``.lower`` on: the function itself if already jitted, else ``jax.jit(fn, **opts)``."""
     import jax
 
-    fn = _resolve_in(spec, spec.fn, ("fn",), search_paths)
+    fn = resolve_in(spec, spec.fn, ("fn",), search_paths)
     return fn if is_jitted(fn) else jax.jit(fn, **jit_options(spec))
 
 
@@ -82,7 +82,7 @@ def build_call(
             args.append(_freeze(arg.value))
         elif arg.kind == "array":
             shape = tuple(bucket.values[d] if isinstance(d, str) else d for d in arg.shape or [])
-            dtype = jax.dtypes.canonicalize_dtype(_dtype(str(arg.dtype)))
+            dtype = jax.dtypes.canonicalize_dtype(dtype_named(str(arg.dtype)))
             sharding = replicated
             if arg.sharding == "single_device":
                 sharding = _single_device()
@@ -159,7 +159,7 @@ def _build_pytree(
     from jax.sharding import NamedSharding, PartitionSpec
 
     loc = ("args", a, "pytree")
-    make = _resolve_in(spec, str(arg.pytree), loc, search_paths)
+    make = resolve_in(spec, str(arg.pytree), loc, search_paths)
     params: Mapping[str, inspect.Parameter]
     try:
         params = inspect.signature(make).parameters
@@ -230,7 +230,7 @@ def _abstract_leaf(path: Any, leaf: Any) -> Any:
             tuple(leaf.shape), dtype, weak_type=bool(getattr(leaf, "weak_type", False))
         )
     if isinstance(leaf, (bool, int, float, complex)):
-        return jax.eval_shape(_identity, leaf)
+        return jax.eval_shape(identity, leaf)
     raise _LeafError(
         f"a {type(leaf).__name__} at {jax.tree_util.keystr(path) or 'the root'}; "
         "leaves must be arrays, jax.ShapeDtypeStruct or numbers"

@@ -12,12 +12,12 @@ from pydantic import BaseModel, ValidationError
 
 from cachectl.core.errors import BadInput
 from cachectl.manifest.schema import Manifest
-from cachectl.manifest.source import Loc, _describe, _Source
+from cachectl.manifest.source import Loc, Source, describe
 
 MAX_PROBLEMS = 20  # listed per manifest; the rest are counted
 
 
-def _raise_problems(source: _Source, problems: list[tuple[Loc, str]]) -> None:
+def raise_problems(source: Source, problems: list[tuple[Loc, str]]) -> None:
     """Report every problem (up to MAX_PROBLEMS), one ``file:line: field: problem`` per line.
 
     One run shows everything to fix, not one at a time. Document order; a missing
@@ -52,7 +52,7 @@ _FRIENDLY = {
 }
 
 
-def _pydantic_problems(exc: ValidationError) -> Iterator[tuple[Loc, str]]:
+def pydantic_problems(exc: ValidationError) -> Iterator[tuple[Loc, str]]:
     for err in exc.errors(include_url=False):
         loc: Loc = tuple(err["loc"])
         kind = err["type"]
@@ -65,10 +65,10 @@ def _pydantic_problems(exc: ValidationError) -> Iterator[tuple[Loc, str]]:
         elif kind == "too_short" and isinstance(err.get("input"), (list, dict)):
             yield loc, "must not be empty"
         elif kind in _FRIENDLY:
-            yield loc, f"{_FRIENDLY[kind]}, got {_describe(err.get('input'))}"
+            yield loc, f"{_FRIENDLY[kind]}, got {describe(err.get('input'))}"
         else:
             msg = err["msg"]
-            yield loc, f"{msg[:1].lower()}{msg[1:]}, got {_describe(err.get('input'))}"
+            yield loc, f"{msg[:1].lower()}{msg[1:]}, got {describe(err.get('input'))}"
 
 
 def _unknown_field(loc: Loc) -> str:

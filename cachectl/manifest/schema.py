@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 from cachectl.core.errors import BadInput
-from cachectl.manifest.source import _NO_SOURCE, Loc, _Source
+from cachectl.manifest.source import NO_SOURCE, Loc, Source
 
 if TYPE_CHECKING:
     import numpy as np
@@ -22,7 +22,7 @@ MANIFEST_VERSION = 1
 
 
 _IDENT = r"[A-Za-z_][A-Za-z0-9_]*"
-_REF_RE = re.compile(rf"{_IDENT}(\.{_IDENT})*:{_IDENT}(\.{_IDENT})*")
+REF_RE = re.compile(rf"{_IDENT}(\.{_IDENT})*:{_IDENT}(\.{_IDENT})*")
 _NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_.\-]*")
 _DTYPE_HINT = "use a numpy/jax dtype name such as bfloat16, float32, int32"
 
@@ -149,7 +149,7 @@ class ArgSpec(_Model):
     @classmethod
     def _known_dtype(cls, name: str | None) -> str | None:
         if name is not None and name not in COMMON_DTYPES:
-            _dtype(name)
+            dtype_named(name)
         return name
 
     @field_validator("pytree")
@@ -186,7 +186,7 @@ class FunctionSpec(_Model):
     # One per output leaf (null: returned as computed, padded), for cachectl.serving.
     outputs: list[OutputSpec | None] | None = None
 
-    _source: _Source = PrivateAttr(default=_NO_SOURCE)
+    _source: Source = PrivateAttr(default=NO_SOURCE)
     _index: int = PrivateAttr(default=0)
 
     @model_validator(mode="before")
@@ -195,7 +195,7 @@ class FunctionSpec(_Model):
         """``name`` defaults to the function's own name, which is also JAX's module name."""
         if isinstance(data, dict) and "name" not in data:
             fn = data.get("fn")
-            if isinstance(fn, str) and _REF_RE.fullmatch(fn):
+            if isinstance(fn, str) and REF_RE.fullmatch(fn):
                 name = fn.rsplit(":", 1)[1].rsplit(".", 1)[-1]
             else:
                 name = "_"  # fn's own error is the one to report; this never outlives validation
@@ -231,7 +231,7 @@ class Manifest(_Model):
     target: Target | None = None
     functions: list[FunctionSpec] = Field(min_length=1)
 
-    _source: _Source = PrivateAttr(default=_NO_SOURCE)
+    _source: Source = PrivateAttr(default=NO_SOURCE)
 
     @field_validator("version")
     @classmethod
@@ -259,14 +259,14 @@ class Manifest(_Model):
 
 
 def _check_ref(ref: str) -> str:
-    if not _REF_RE.fullmatch(ref):
+    if not REF_RE.fullmatch(ref):
         raise ValueError(
             f"{ref!r} is not of the form module:attribute (e.g. examples.lm:decode_step)"
         )
     return ref
 
 
-# Names _dtype accepts (tests/test_manifest.py holds it to that), checked without importing
+# Names dtype_named accepts (tests/test_manifest.py holds it to that), checked without importing
 # numpy and ml_dtypes: validating a manifest of these costs nothing.
 COMMON_DTYPES = frozenset(
     (
@@ -282,7 +282,7 @@ COMMON_DTYPES = frozenset(
 )
 
 
-def _dtype(name: str) -> np.dtype[Any]:
+def dtype_named(name: str) -> np.dtype[Any]:
     """Resolve a dtype name as ``jax.numpy.dtype`` does (it is ``numpy.dtype`` once ml_dtypes is
     loaded); only numeric and bool dtypes make sense for arrays. ml_dtypes' types are numbers
     to JAX though numpy does not class them under ``np.number``.

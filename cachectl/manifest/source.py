@@ -19,7 +19,7 @@ Loc = tuple[str | int, ...]
 MAX_MANIFEST_DEPTH = 64
 
 
-class _Loader(yaml.SafeLoader):
+class Loader(yaml.SafeLoader):
     """SafeLoader that rejects duplicate keys (PyYAML would silently keep the last one) and
     documents nested more than MAX_MANIFEST_DEPTH levels."""
 
@@ -63,7 +63,7 @@ class _Loader(yaml.SafeLoader):
 # A manifest is a few hundred YAML nodes; one that expands (through aliases) to more than
 
 
-def _expanded_size(root: yaml.Node, limit: int) -> int:
+def expanded_size(root: yaml.Node, limit: int) -> int:
     """How many nodes the document has once every alias is expanded, stopping past ``limit``.
     Each distinct node is sized once (memoized), so this is linear in the text."""
     sizes: dict[int, int] = {}
@@ -90,7 +90,7 @@ def _expanded_size(root: yaml.Node, limit: int) -> int:
     return size(root)
 
 
-def _line_map(loader: _Loader, root: yaml.Node) -> dict[Loc, int]:
+def line_map(loader: Loader, root: yaml.Node) -> dict[Loc, int]:
     """Map each path in the document to its 1-based line: a mapping entry's key line, a list item's line."""
     lines: dict[Loc, int] = {(): root.start_mark.line + 1}
 
@@ -117,7 +117,7 @@ def _line_map(loader: _Loader, root: yaml.Node) -> dict[Loc, int]:
 
 
 @dataclasses.dataclass(frozen=True)
-class _Source:
+class Source:
     """Where a manifest came from, so any later step can point at a line."""
 
     name: str
@@ -135,7 +135,7 @@ class _Source:
         return f"{self.name}:{self.line(loc)}: {field + ': ' if field else ''}{problem}"
 
 
-_NO_SOURCE = _Source("<manifest>", None, {})
+NO_SOURCE = Source("<manifest>", None, {})
 
 
 def _field_path(loc: Loc) -> str:
@@ -150,7 +150,7 @@ def _field_path(loc: Loc) -> str:
     return out
 
 
-def _describe(value: Any) -> str:
+def describe(value: Any) -> str:
     text = repr(value)
     text = text if len(text) <= 40 else text[:37] + "..."
     return "nothing" if value is None else f"{type(value).__name__} {text}"

@@ -481,7 +481,7 @@ def _after_start(
     """Start the telemetry collector (it records a deferred environment), else record a
     deferred one from a thread: where telemetry goes, or None."""
     if telemetry:
-        return _start_telemetry(settings, settings.cache, env, problems)
+        return start_telemetry(settings, settings.cache, env, problems)
     if deferred and not settings.server:
         threading.Thread(
             target=_record_environment,
@@ -524,7 +524,7 @@ def _default_root(settings: Settings) -> str | None:
         return None
 
 
-def _start_telemetry(
+def start_telemetry(
     settings: Settings, cache_name: str, env: Environment, problems: list[str]
 ) -> str | None:
     try:

@@ -96,11 +96,11 @@ def _start() -> None:
     try:
         from cachectl.core.config import load_settings
         from cachectl.core.fingerprint import Environment
-        from cachectl.service.activate import _start_telemetry
+        from cachectl.service.activate import start_telemetry
 
         env = Environment.from_dict(json.loads(os.environ[ENVIRONMENT_VAR]))
         settings = load_settings()
         problems: list[str] = []
-        _start_telemetry(settings, settings.cache, env, problems)
+        start_telemetry(settings, settings.cache, env, problems)
     except Exception:  # noqa: BLE001 - telemetry never breaks the service
         pass

@@ -97,7 +97,7 @@ class PullResult:
         return not self.refused and not self.failed
 
 
-def _parallel(
+def parallel(
     fn: Callable[[str], T], items: Iterable[str], workers: int
 ) -> list[tuple[str, T | Exception]]:
     """Run ``fn`` over items in a thread pool; exceptions come back as values."""
@@ -122,7 +122,7 @@ def _atomic_write(path: Path, data: bytes) -> None:
     Store(str(path.parent)).write_bytes(path.name, data, mode=FILE_MODE)
 
 
-def _error(exc: Exception) -> str:
+def error(exc: Exception) -> str:
     return f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
 
 
@@ -201,7 +201,7 @@ def _local_state(
     return present, todo
 
 
-def _file_key(name: str) -> tuple[Kind, str] | None:
+def file_key(name: str) -> tuple[Kind, str] | None:
     """(Kind.ENTRY or Kind.AOT, key) of an entry's or a stored executable's file name, else None."""
     kind = classify(name)
     if kind is Kind.ENTRY:
@@ -287,7 +287,7 @@ class _Listing(NamedTuple):
 def _list_namespace(store: Store, ns: str) -> _Listing:
     listing = _Listing({}, {})
     for f in store.list(ns):
-        found = _file_key(f.path[len(ns) :].lstrip("/") if f.path.startswith(ns) else f.path)
+        found = file_key(f.path[len(ns) :].lstrip("/") if f.path.startswith(ns) else f.path)
         if found is not None:
             kind, key = found
             (listing.entries if kind is Kind.ENTRY else listing.executables)[key] = f.size
@@ -354,7 +354,7 @@ def _copy(
 
     pending = set(todo)
     in_mirror = {k for k in indexed.entries if k not in pending}
-    for key, outcome in _parallel(fetcher(CACHE_SUFFIX, indexed.entries), todo, workers):
+    for key, outcome in parallel(fetcher(CACHE_SUFFIX, indexed.entries), todo, workers):
         if isinstance(outcome, _Tampered):
             out.refused.append(EntryProblem(key, str(outcome)))
         elif isinstance(outcome, NotRegularFile):
@@ -366,14 +366,14 @@ def _copy(
         elif isinstance(outcome, FileNotFoundError):
             out.missing.append(key)
         elif isinstance(outcome, Exception):
-            out.failed.append(EntryProblem(key, _error(outcome)))
+            out.failed.append(EntryProblem(key, error(outcome)))
         else:
             out.entries += 1
             out.nbytes += outcome
             in_mirror.add(key)
     # An executable is only of use beside its entry: copy those whose entry is in the mirror.
     aot_todo = [k for k in aot_todo if k in in_mirror]
-    for key, outcome in _parallel(
+    for key, outcome in parallel(
         fetcher(EXECUTABLE_SUFFIX, indexed.executables), aot_todo, workers
     ):
         if isinstance(outcome, _Tampered):
@@ -381,7 +381,7 @@ def _copy(
         elif isinstance(outcome, FileNotFoundError):
             continue  # deleted between listing and reading: the next pull (or sync) settles it
         elif isinstance(outcome, Exception):
-            out.failed.append(EntryProblem(key, AOT_REASON + _error(outcome)))
+            out.failed.append(EntryProblem(key, AOT_REASON + error(outcome)))
         else:
             out.executables += 1
             out.nbytes += outcome

@@ -25,9 +25,9 @@ from cachectl.index.protocol import IndexBackend
 from cachectl.service.mirror import (
     AOT_REASON,
     EntryProblem,
-    _error,
-    _file_key,
-    _parallel,
+    error,
+    file_key,
+    parallel,
     read_mirror_env,
 )
 from cachectl.storage import ingest
@@ -110,7 +110,7 @@ def _local_keys(directory: Path) -> tuple[list[str], list[str]]:
     local: list[str] = []
     local_aot: list[str] = []
     for path in sorted(directory.iterdir()):
-        found = _file_key(path.name) if path.is_file() else None
+        found = file_key(path.name) if path.is_file() else None
         if found is not None:
             kind, key = found
             (local if kind is Kind.ENTRY else local_aot).append(key)
@@ -138,7 +138,7 @@ def _triage(
         try:
             data = (directory / (key + CACHE_SUFFIX)).read_bytes()
         except OSError as exc:
-            out.failed.append(EntryProblem(key, _error(exc)))
+            out.failed.append(EntryProblem(key, error(exc)))
             continue
         if key in shared:
             if shared[key][1] == sha256(data):
@@ -179,7 +179,7 @@ def _executables_to_push(
         try:
             data = (directory / (key + EXECUTABLE_SUFFIX)).read_bytes()
         except OSError as exc:
-            triage.failed.append(EntryProblem(key, AOT_REASON + _error(exc)))
+            triage.failed.append(EntryProblem(key, AOT_REASON + error(exc)))
             continue
         if key in shared_aot:
             if shared_aot[key][1] != sha256(data):
@@ -232,9 +232,9 @@ class _Sent:
 
 def _sent(published: ingest.Published, triage: _Triage) -> _Sent:
     """Tally what was indexed; each failed write goes to ``triage.failed``."""
-    for key, (what, error) in published.failed.items():
+    for key, (what, failure) in published.failed.items():
         triage.failed.append(
-            EntryProblem(key, (AOT_REASON if what == "executable" else "") + _error(error))
+            EntryProblem(key, (AOT_REASON if what == "executable" else "") + error(failure))
         )
     entries = executables = nbytes = 0
     written: list[tuple[str, int, str]] = []
@@ -309,7 +309,7 @@ def push(
             shared.env_id,
             store,
             _objects(triage, executables),
-            parallel=lambda fn, keys: _parallel(fn, keys, workers),
+            parallel=lambda fn, keys: parallel(fn, keys, workers),
         )
         sent = _sent(published, triage)
     result = PushResult(

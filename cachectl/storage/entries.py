@@ -34,7 +34,7 @@ NAME_MAX = 255
 MAX_KEY_LENGTH = NAME_MAX - max(len(CACHE_SUFFIX), len(EXECUTABLE_SUFFIX), len(ATIME_SUFFIX))
 
 _KEY_RE = re.compile(r"^(?P<module>.+)-(?P<hash>[0-9a-f]{64})$")
-_ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
+ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 _TIME_BYTES = 4
 # A compile time above a week in a 4-byte header means the bytes are not a JAX entry.
 _MAX_SANE_COMPILE_SECONDS = 7 * 24 * 3600
@@ -213,7 +213,7 @@ def decompress_zstd(data: bytes) -> bytes:
 
 def decompress(data: bytes) -> tuple[str, bytes]:
     """Decompress by magic bytes, so a reader need not know the writer's library."""
-    if data[:4] == _ZSTD_MAGIC:
+    if data[:4] == ZSTD_MAGIC:
         return "zstandard", decompress_zstd(data)
     try:
         return "zlib", zlib.decompress(data)
@@ -279,7 +279,7 @@ def scan_entry(fh: BinaryIO, limit: int, *, chunk: int = 1 << 20) -> Header:
         if total > limit:
             raise EntryTooLarge(limit)
 
-    if magic == _ZSTD_MAGIC:
+    if magic == ZSTD_MAGIC:
         compression = "zstandard"
         try:
             import zstandard

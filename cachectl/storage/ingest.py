@@ -390,7 +390,7 @@ def publish(
     verified them against a signed list). Refused (an entry above the max entry size) or
     QuotaExceeded, before anything is written, when the batch does not fit the cache's or the environment's limit. With ``staging`` (a private directory of verified files on
     the namespace's file system, for a namespace that does not exist yet) the whole namespace
-    appears at once by one rename. ``parallel`` runs the writes in threads (mirror._parallel).
+    appears at once by one rename. ``parallel`` runs the writes in threads (mirror.parallel).
     Warm passes ``quota=False`` (a cache's size limits are gc's to enforce after a warm; JAX wrote
     the entry already) and ``namespace_ready=True`` (it made the namespace before compiling).
     """

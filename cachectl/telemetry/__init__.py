@@ -66,7 +66,7 @@ from cachectl.telemetry.collector import (  # noqa: F401 - re-exported
     Collector,
     log,
 )
-from cachectl.telemetry.taps import _LogTap, _SignatureTap  # noqa: F401 - re-exported
+from cachectl.telemetry.taps import LogTap, SignatureTap  # noqa: F401 - re-exported
 
 _current: Collector | None = None
 _current_lock = threading.Lock()

@@ -44,7 +44,7 @@ from cachectl.telemetry.batch import (
     TelemetrySink,
     process_id,
 )
-from cachectl.telemetry.taps import _LogTap, _SignatureTap
+from cachectl.telemetry.taps import LogTap, SignatureTap
 
 log = logging.getLogger("cachectl.telemetry")
 
@@ -95,9 +95,9 @@ class Collector:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._installed = False
-        self._tap: _LogTap | None = None
+        self._tap: LogTap | None = None
         self._final = False  # the flusher's last round, at exit
-        self._sig_tap: _SignatureTap | None = None
+        self._sig_tap: SignatureTap | None = None
         self._sources: list[Callable[[], dict[str, ServingCounts]]] = []
 
     def add_serving_source(self, take: Callable[[], dict[str, ServingCounts]]) -> None:
@@ -309,9 +309,9 @@ class Collector:
 
         monitoring.register_event_listener(self._on_event)
         monitoring.register_event_duration_secs_listener(self._on_duration)
-        self._tap = _LogTap(self, jax_seam.compiler_logger())
+        self._tap = LogTap(self, jax_seam.compiler_logger())
         self._tap.install()
-        self._sig_tap = _SignatureTap(self, jax_seam.pxla_logger())
+        self._sig_tap = SignatureTap(self, jax_seam.pxla_logger())
         self._sig_tap.install()
         self._installed = True
         if self.sink is not None:

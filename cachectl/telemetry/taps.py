@@ -41,7 +41,7 @@ class _Tap:
                 self.logger.__dict__.pop(name, None)
 
 
-class _LogTap(_Tap):
+class LogTap(_Tap):
     """Reads the hit/miss records of JAX's compiler logger as JAX emits them, for free.
 
     JAX names the key of a hit only in a DEBUG record. Lowering the logger to
@@ -85,7 +85,7 @@ class _LogTap(_Tap):
         logger.debug = debug  # type: ignore[method-assign]
 
 
-class _SignatureTap(_Tap):
+class SignatureTap(_Tap):
     """Reads each lowering's module name, input avals and shardings from the one guarded
     debug call of JAX's pxla logger (see cachectl.core.jax_seam)."""
 

@@ -218,7 +218,7 @@ def optimal_buckets(
 # --------------------------------------------------------------------------- observed sizes
 
 
-def _axis_positions(expected: list[Any], axes: Sequence[str]) -> dict[str, list[tuple[int, int]]]:
+def axis_positions(expected: list[Any], axes: Sequence[str]) -> dict[str, list[tuple[int, int]]]:
     """Where each bucket axis lives among a function's flat inputs: (input, dim) pairs whose size
     is the axis's value in every bucket. Read off the lowered buckets themselves, so it holds
     however the arguments flatten (a Keras model's state, a pytree the manifest builds)."""
@@ -270,7 +270,7 @@ def _observed(
         expected = expected_signatures(manifest_path, function=spec.name)
         if expected:
             module = expected[0].module
-            where = _axis_positions(expected, list(spec.buckets))
+            where = axis_positions(expected, list(spec.buckets))
             found = False
             for row in signature_usage(ctx.index, cache, since, function=module):
                 if len(row.leaves) != len(expected[0].leaves):

@@ -26,13 +26,13 @@ from cachectl.index.telemetry_queries import SignatureRow, signature_usage
 from cachectl.usage.misses_expected import ExpectedSignature, expected_signatures
 from cachectl.usage.misses_explain import (
     MissFinding,
-    _distance,
-    _explain,
-    _explosions,
-    _leaf,
-    _not_in_manifest,
-    _static_finding,
-    _weak_variants,
+    distance,
+    explain,
+    explosion_findings,
+    leaf_of,
+    not_in_manifest_finding,
+    static_finding,
+    weak_variants,
 )
 
 
@@ -214,7 +214,7 @@ def _row_findings(
                 misses=r.misses,
             )
         ]
-    diffs = _explain(r, nearest, side.buckets_of.get(r.function, {}), r.misses, candidates)
+    diffs = explain(r, nearest, side.buckets_of.get(r.function, {}), r.misses, candidates)
     if diffs:
         return diffs
     statics: dict[str, list[Any]] = {}
@@ -222,11 +222,11 @@ def _row_findings(
         for k, v in e.statics.items():
             if v not in statics.setdefault(k, []):
                 statics[k].append(v)
-    return [_static_finding(r, nearest, statics, r.misses)]
+    return [static_finding(r, nearest, statics, r.misses)]
 
 
 def _tally_row(tally: _Tally, r: SignatureRow, side: _ManifestSide) -> None:
-    leaves = tuple(_leaf(x) for x in r.leaves)
+    leaves = tuple(leaf_of(x) for x in r.leaves)
     if (r.function, leaves) in side.signatures:
         tally.covered += r.requests
     if r.uncacheable and not r.misses and not r.hits:
@@ -236,7 +236,7 @@ def _tally_row(tally: _Tally, r: SignatureRow, side: _ManifestSide) -> None:
     if not r.misses:  # a miss is a miss, written or not; a manifest function's always is
         return
     candidates = [e for e in side.by_module.get(r.function, []) if len(e.leaves) == len(leaves)]
-    nearest = min(candidates, key=lambda e: _distance(leaves, e.leaves)) if candidates else None
+    nearest = min(candidates, key=lambda e: distance(leaves, e.leaves)) if candidates else None
     tally.missed.append(
         MissedSignature(
             r.function,
@@ -268,16 +268,20 @@ def _function_findings(
     missing = tally.not_in_manifest
     warmed = _warmed_programs(ctx, cache, missing) if missing else {}
     out = [
-        _not_in_manifest(module, mrows, manifest=bool(side.by_module), warmed=warmed.get(module, 0))
+        not_in_manifest_finding(
+            module, mrows, manifest=bool(side.by_module), warmed=warmed.get(module, 0)
+        )
         for module, mrows in missing.items()
     ]
     for module, mrows in tally.per_module.items():
         out.extend(
-            _weak_variants(module, side.names.get(module), mrows, side.by_module.get(module, []))
+            weak_variants(module, side.names.get(module), mrows, side.by_module.get(module, []))
         )
     for module, mrows in tally.per_module.items():
         out.extend(
-            _explosions(module, side.names.get(module), mrows, side.by_module.get(module, []))
+            explosion_findings(
+                module, side.names.get(module), mrows, side.by_module.get(module, [])
+            )
         )
     return out
 

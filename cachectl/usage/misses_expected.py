@@ -18,8 +18,8 @@ from typing import Any
 
 from cachectl.core import jax_seam
 from cachectl.manifest import build_call, expand, jit_function, load_manifest
-from cachectl.telemetry import _SignatureTap
-from cachectl.warm import _persistent_cache_off
+from cachectl.telemetry import SignatureTap
+from cachectl.warm import persistent_cache_off
 
 
 @dataclass(frozen=True)
@@ -50,7 +50,7 @@ class _Capture:
 @contextlib.contextmanager
 def _capturing() -> Iterator[_Capture]:
     capture = _Capture()
-    tap = _SignatureTap(capture, jax_seam.pxla_logger())  # type: ignore[arg-type]
+    tap = SignatureTap(capture, jax_seam.pxla_logger())  # type: ignore[arg-type]
     tap.install()
     try:
         yield capture
@@ -138,7 +138,7 @@ def _expected_signatures(
     import jax
 
     jax.clear_caches()  # a lowering already cached in this process would not be logged again
-    with _persistent_cache_off():
+    with persistent_cache_off():
         for bucket in expand(manifest):
             spec = specs[bucket.function]
             if spec.name not in jitted:

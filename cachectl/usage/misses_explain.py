@@ -1,7 +1,7 @@
 """Why a missed signature missed: each field it differs in from the manifest, in words.
 
 A missed signature is compared with the nearest bucket of its function (same module name,
-same number of inputs, fewest differing fields, ``_distance``) and every differing field is
+same number of inputs, fewest differing fields, ``distance``) and every differing field is
 said as a fix: which argument and leaf, which axis or dimension, what to pad to or add.
 Programs of a function not in the manifest, weak-type variants and shape explosions are
 said once per function.
@@ -39,7 +39,7 @@ class MissFinding:
     misses: int = 0
 
 
-def _leaf(value: Any) -> jax_seam.Leaf:
+def leaf_of(value: Any) -> jax_seam.Leaf:
     shape, dtype, weak, sharding = value
     return (tuple(shape), str(dtype), bool(weak), sharding)
 
@@ -48,7 +48,7 @@ def _gt(p: Any, q: Any) -> bool:
     return isinstance(p, int) and isinstance(q, int) and p > q
 
 
-def _distance(a: Sequence[jax_seam.Leaf], b: Sequence[jax_seam.Leaf]) -> float:
+def distance(a: Sequence[jax_seam.Leaf], b: Sequence[jax_seam.Leaf]) -> float:
     d = 0.0
     for x, y in zip(a, b, strict=True):
         if x[0] != y[0]:
@@ -242,7 +242,7 @@ def _sharding_message(where: str, observed: Any, expected: Any) -> str:
     return f"{where}: sharding {observed} vs {expected}: match the manifest's sharding to the service's"
 
 
-def _explain(
+def explain(
     row: SignatureRow,
     exp: ExpectedSignature,
     buckets: dict[str, list[Any]],
@@ -251,7 +251,7 @@ def _explain(
 ) -> list[MissFinding]:
     """Every field in which a missed program's inputs differ from its nearest bucket's."""
     found = _Findings(row, exp, n_missed)
-    observed = [_leaf(x) for x in row.leaves]
+    observed = [leaf_of(x) for x in row.leaves]
     for i, (o, e) in enumerate(zip(observed, exp.leaves, strict=True)):
         inp = _input(row.function, exp, i)
         if o[0] != e[0]:
@@ -267,7 +267,7 @@ def _explain(
     return found.found
 
 
-def _static_finding(
+def static_finding(
     row: SignatureRow, exp: ExpectedSignature, statics: dict[str, list[Any]], n_missed: int
 ) -> MissFinding:
     module = row.function
@@ -322,7 +322,7 @@ def _library(source: str | None) -> str | None:
     return m.group(1) if m else None
 
 
-def _not_in_manifest(
+def not_in_manifest_finding(
     module: str, rows: list[SignatureRow], *, manifest: bool = True, warmed: int = 0
 ) -> MissFinding:
     """One finding per function the manifest does not name (or, with no manifest, per missed
@@ -378,7 +378,7 @@ def _not_in_manifest(
     )
 
 
-def _weak_variants(
+def weak_variants(
     module: str, name: str | None, rows: list[SignatureRow], expected: list[ExpectedSignature]
 ) -> list[MissFinding]:
     """Programs of one function that differ only in weak types: name each leaf that differs."""
@@ -420,7 +420,7 @@ def _weak_variants(
     return out
 
 
-def _explosions(
+def explosion_findings(
     module: str, name: str | None, rows: list[SignatureRow], expected: list[ExpectedSignature]
 ) -> list[MissFinding]:
     by_dim: dict[tuple[int, int], set[int]] = {}

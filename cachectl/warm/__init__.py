@@ -14,21 +14,21 @@ JAX config), ``jaxlog`` (the JAX log records that name each key), ``executors``
 """
 
 from cachectl.core.config import default_jobs
-from cachectl.warm.check import _call_main, _check_main, check
+from cachectl.warm.check import call_main, check, check_main
 from cachectl.warm.compiling import (
     WARM_EXTRA_CONFIG,
     ErrorText,
-    _clear_in_memory_executables,
-    _compile_once,
-    _error_text,
-    _Outcome,
-    _persistent_cache_off,
+    Outcome,
+    clear_in_memory_executables,
     compile_bucket,
+    compile_once,
+    error_text,
     jax_configured,
+    persistent_cache_off,
     warm_jax_config,
 )
-from cachectl.warm.jaxlog import _CAPTURE
-from cachectl.warm.plan import WarmPlan, _build_calls, _environment_json, plan_warm
+from cachectl.warm.jaxlog import CAPTURE
+from cachectl.warm.plan import WarmPlan, build_calls, environment_json, plan_warm
 from cachectl.warm.reports import (
     CACHED,
     COMPILED,
@@ -68,16 +68,16 @@ __all__ = [
     "WarmPlan",
     "WarmReport",
     "WarmSummary",
-    "_CAPTURE",
-    "_Outcome",
-    "_build_calls",
-    "_call_main",
-    "_check_main",
-    "_clear_in_memory_executables",
-    "_compile_once",
-    "_environment_json",
-    "_error_text",
-    "_persistent_cache_off",
+    "CAPTURE",
+    "Outcome",
+    "build_calls",
+    "call_main",
+    "check_main",
+    "clear_in_memory_executables",
+    "compile_once",
+    "environment_json",
+    "error_text",
+    "persistent_cache_off",
     "check",
     "compile_bucket",
     "default_jobs",

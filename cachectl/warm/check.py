@@ -22,13 +22,13 @@ from typing import Any
 
 from cachectl.context import Context
 from cachectl.core.errors import BadInput, CachectlError, OperationFailed
-from cachectl.dispatch import Serving, _namespace_reader
+from cachectl.dispatch import Serving, namespace_reader
 from cachectl.dispatch.loading import Verified
 from cachectl.dispatch.router import NoDummyInput
 from cachectl.manifest import check_imports, expand, load_manifest, select_shard
 from cachectl.service.activate import activate
-from cachectl.warm.compiling import _error_text, compile_bucket
-from cachectl.warm.plan import _build_calls, _environment_json, _mismatch, plan_warm
+from cachectl.warm.compiling import compile_bucket, error_text
+from cachectl.warm.plan import build_calls, environment_json, environment_mismatch, plan_warm
 from cachectl.warm.reports import (
     CALL_CRASHED,
     CALL_FAILED,
@@ -63,7 +63,7 @@ def check(
     """
     plan = plan_warm(ctx, manifest_path, cache=cache, shard=shard, paths=paths, writer_check=False)
     if plan.target_problems:
-        raise _mismatch(plan)
+        raise environment_mismatch(plan)
     request = {
         "manifest": str(Path(plan.manifest_path).resolve()),
         "paths": [str(Path(p).resolve()) for p in paths],
@@ -75,7 +75,7 @@ def check(
         out = Path(tmp) / "result.json"
         request["out"] = str(out)
         proc = subprocess.run(
-            [sys.executable, "-c", "from cachectl.warm import _check_main; _check_main()"],
+            [sys.executable, "-c", "from cachectl.warm import check_main; check_main()"],
             input=json.dumps(request),
             text=True,
             capture_output=True,
@@ -105,7 +105,7 @@ def check(
             verdicts[key] = _failure_text(outcome, text) if outcome in CALL_FAILED else None
     marked, mark_error = _record_verdicts(ctx, plan.cache.name, plan.environment.digest, verdicts)
     return CheckReport(
-        _environment_json(plan.environment),
+        environment_json(plan.environment),
         data["namespace"],
         plan.cache.name,
         buckets,
@@ -192,7 +192,7 @@ def _call_executables(
             detail = ""  # and the tail of its output
             try:
                 proc = subprocess.run(
-                    [sys.executable, "-c", "from cachectl.warm import _call_main; _call_main()"],
+                    [sys.executable, "-c", "from cachectl.warm import call_main; call_main()"],
                     input=json.dumps(child),
                     text=True,
                     capture_output=True,
@@ -236,7 +236,7 @@ def _call_executables(
     return loaded or {}, called
 
 
-def _call_main() -> None:
+def call_main() -> None:
     """Entry point of a fresh calling process: load every executable as cachectl.serving does,
     then call the requested ones on zeros, one progress line before and after each call."""
     request = json.loads(sys.stdin.read())
@@ -248,7 +248,7 @@ def _call_main() -> None:
         try:
             rt = _serving_for(request)
         except Exception as exc:  # noqa: BLE001 - reported by the parent
-            say(fatal=_error_text(exc))
+            say(fatal=error_text(exc))
             return
         stored = rt.stored()
         say(loaded=[[f, b, key, error] for (f, b), (key, error) in stored.items()])
@@ -263,7 +263,7 @@ def _call_main() -> None:
             except NoDummyInput as exc:
                 say(done=[function, bucket], outcome=CALL_SKIPPED, error=str(exc))
             except Exception as exc:  # noqa: BLE001 - that executable raised
-                say(done=[function, bucket], outcome=CALL_RAISED, error=_error_text(exc))
+                say(done=[function, bucket], outcome=CALL_RAISED, error=error_text(exc))
 
 
 def _serving_for(request: dict[str, Any]) -> Serving:
@@ -276,7 +276,7 @@ def _serving_for(request: dict[str, Any]) -> Serving:
         raise OperationFailed(activation.warning or "activate() did not activate the cache")
     check_imports(manifest, paths)
     warnings: list[str] = []
-    read, names, indexed = _namespace_reader(activation, request["db"], warnings)
+    read, names, indexed = namespace_reader(activation, request["db"], warnings)
     if indexed is not None:
         indexed = Verified(
             {k: v._replace(unusable=None) for k, v in indexed.items()}, indexed.refusal
@@ -296,7 +296,7 @@ def _serving_for(request: dict[str, Any]) -> Serving:
     )
 
 
-def _check_main() -> None:
+def check_main() -> None:
     """Entry point of the fresh check process: request JSON on stdin, result JSON to a file."""
     request = json.loads(sys.stdin.read())
     out = Path(request["out"])
@@ -305,7 +305,7 @@ def _check_main() -> None:
     except BadInput as exc:
         result = {"error": exc.message, "exit_code": 2}
     except Exception as exc:  # noqa: BLE001 - reported by the parent
-        result = {"error": _error_text(exc), "exit_code": 1}
+        result = {"error": error_text(exc), "exit_code": 1}
     out.write_text(json.dumps(result))
 
 
@@ -319,7 +319,7 @@ def _check_in_this_process(request: dict[str, Any]) -> dict[str, Any]:
     if not activation.active:
         raise OperationFailed(activation.warning or "activate() did not activate the cache")
     check_imports(manifest, paths)  # after activate(), as cachectl.serving imports them
-    jitted, calls = _build_calls(manifest, buckets, paths)
+    jitted, calls = build_calls(manifest, buckets, paths)
     results: list[dict[str, Any]] = []
     for position, bucket in enumerate(buckets):
         base = {"function": bucket.function, "bucket": dict(bucket.values)}
@@ -330,7 +330,7 @@ def _check_in_this_process(request: dict[str, Any]) -> dict[str, Any]:
         try:
             outcome = compile_bucket(jitted[bucket.function], *call)
         except Exception as exc:  # noqa: BLE001
-            results.append({**base, "status": FAILED, "error": _error_text(exc)})
+            results.append({**base, "status": FAILED, "error": error_text(exc)})
             continue
         status = HIT if outcome.lookup == "hit" else MISS
         error = None if outcome.lookup else "JAX did not consult the persistent cache"

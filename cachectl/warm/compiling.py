@@ -13,7 +13,7 @@ from cachectl.core.errors import BadInput
 from cachectl.core.fingerprint import Environment
 from cachectl.service.activate import apply_jax_config, jax_config_for
 from cachectl.storage.executables import ExecutableError, payload_of
-from cachectl.warm.jaxlog import _CAPTURE, _Event
+from cachectl.warm.jaxlog import CAPTURE, Event
 from cachectl.warm.tracebacks import format_user_traceback, location
 
 _ERROR_CHARS = 400
@@ -28,7 +28,7 @@ WARM_EXTRA_CONFIG: dict[str, Any] = {
 
 
 @dataclass(frozen=True)
-class _Outcome:
+class Outcome:
     """What JAX did with one program: looked it up under ``key``, hit or compiled, wrote or not."""
 
     lookup: str | None  # hit | miss | None (JAX did not consult the persistent cache)
@@ -46,7 +46,7 @@ class _Outcome:
     custom_calls: tuple[str, ...] | None = None
 
 
-def _clear_in_memory_executables() -> None:
+def clear_in_memory_executables() -> None:
     """Forget what this process compiled (lowerings memoize their executables), so JAX
     consults the persistent cache again."""
     import jax
@@ -60,14 +60,14 @@ def _lower(jitted: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[
     return lowered, time.perf_counter() - started
 
 
-def _compile_once(
+def compile_once(
     jitted: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> tuple[list[_Event], float, Any]:
+) -> tuple[list[Event], float, Any]:
     return _compile_lowered(_lower(jitted, args, kwargs)[0])
 
 
-def _compile_lowered(lowered: Any) -> tuple[list[_Event], float, Any]:
-    with _CAPTURE.sink() as events:
+def _compile_lowered(lowered: Any) -> tuple[list[Event], float, Any]:
+    with CAPTURE.sink() as events:
         started = time.perf_counter()
         compiled = lowered.compile()
         seconds = time.perf_counter() - started
@@ -88,7 +88,7 @@ def compile_bucket(
     *,
     executables: bool = False,
     present: Callable[[str], bool] | None = None,
-) -> _Outcome:
+) -> Outcome:
     """Lower and compile one bucket, and say what the persistent cache did.
 
     With ``present``, the lowered program's key is computed first (jax_seam.persistent_cache_key: a wrong key can only miss a file);
@@ -99,13 +99,13 @@ def compile_bucket(
     never reaches the persistent one (no key is logged); then the in-memory
     executables are dropped and the bucket compiled again, which now hits.
     """
-    with _CAPTURE.installed():
+    with CAPTURE.installed():
         lowered, lower_seconds = _lower(jitted, args, kwargs)
         if present is not None:
             started = time.perf_counter()
             key = jax_seam.persistent_cache_key(lowered)
             if key is not None and present(key):
-                return _Outcome(
+                return Outcome(
                     "hit",
                     key,
                     False,
@@ -115,17 +115,17 @@ def compile_bucket(
                 )
         events, seconds, compiled = _compile_lowered(lowered)
         if not any(e.kind in ("hit", "miss") for e in events):
-            _clear_in_memory_executables()
-            events, seconds, compiled = _compile_once(jitted, args, kwargs)
+            clear_in_memory_executables()
+            events, seconds, compiled = compile_once(jitted, args, kwargs)
     lookups = [e for e in events if e.kind in ("hit", "miss")]
     if not lookups:
-        return _Outcome(None, None, False, seconds, lower_seconds=lower_seconds)
+        return Outcome(None, None, False, seconds, lower_seconds=lower_seconds)
     last = lookups[-1]
     written = any(e.kind == "write" and e.key == last.key for e in events)
     skip = next((e.text for e in events if e.kind == "skip"), None)
     payload, aot_error = _payload(compiled) if executables else (None, None)
     custom_calls = jax_seam.custom_call_targets(compiled) if payload is not None else None
-    return _Outcome(
+    return Outcome(
         last.kind,
         last.key,
         written,
@@ -148,7 +148,7 @@ class ErrorText(str):
     traceback: str | None = None
 
 
-def _error_text(exc: BaseException) -> ErrorText:
+def error_text(exc: BaseException) -> ErrorText:
     """One line: the error, ended by ``(at file:line)`` of the user's code that raised it."""
     if isinstance(exc, BadInput):
         message = exc.message
@@ -184,7 +184,7 @@ def jax_configured(config: dict[str, Any]) -> Iterator[None]:
     saved = {name: getattr(jax.config, name) for name in config}
     jax_seam.reset_persistent_cache()
     apply_jax_config(config)
-    _clear_in_memory_executables()
+    clear_in_memory_executables()
     try:
         yield
     finally:
@@ -194,7 +194,7 @@ def jax_configured(config: dict[str, Any]) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _persistent_cache_off() -> Iterator[None]:
+def persistent_cache_off() -> Iterator[None]:
     """Build abstract arguments without writing what user code compiles on the way.
 
     A pytree function such as ``param_specs`` may run JAX eagerly (e.g.

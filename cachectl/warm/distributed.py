@@ -495,9 +495,9 @@ def _compile_all(
 ) -> dict[int, tuple[str | None, str | None, float, bytes | None, str | None]]:
     """Compile every bucket here: (key, hit or miss, seconds, the entry if JAX missed, error) per position."""
     config = warm_mod.warm_jax_config(ns_url, plan.environment)
-    jitted, calls = warm_mod._build_calls(plan.manifest, plan.buckets, plan.search_paths)
+    jitted, calls = warm_mod.build_calls(plan.manifest, plan.buckets, plan.search_paths)
     mine: dict[int, tuple[str | None, str | None, float, bytes | None, str | None]] = {}
-    with warm_mod.jax_configured(config), warm_mod._CAPTURE.installed():
+    with warm_mod.jax_configured(config), warm_mod.CAPTURE.installed():
         for position, bucket in enumerate(plan.buckets):
             call = calls[position]
             if isinstance(call, str):
@@ -505,10 +505,10 @@ def _compile_all(
                 continue
             try:
                 fn = jitted[bucket.function]
-                events, seconds, compiled = warm_mod._compile_once(fn, *call)
+                events, seconds, compiled = warm_mod.compile_once(fn, *call)
                 if not any(e.kind in ("hit", "miss") for e in events):
-                    warm_mod._clear_in_memory_executables()
-                    events, seconds, compiled = warm_mod._compile_once(fn, *call)
+                    warm_mod.clear_in_memory_executables()
+                    events, seconds, compiled = warm_mod.compile_once(fn, *call)
                 lookups = [e for e in events if e.kind in ("hit", "miss")]
                 if not lookups:
                     mine[position] = (
@@ -523,7 +523,7 @@ def _compile_all(
                 data = _entry_bytes(compiled, seconds) if last.kind == "miss" else None
                 mine[position] = (last.key, last.kind, seconds, data, None)
             except Exception as exc:  # noqa: BLE001 - reported per bucket, like warm
-                mine[position] = (None, None, 0.0, None, warm_mod._error_text(exc))
+                mine[position] = (None, None, 0.0, None, warm_mod.error_text(exc))
     return mine
 
 
@@ -587,7 +587,7 @@ def _follow(ctx: Context, plan: Any, me: ProcessInfo, started: float) -> Any:
         len(results), compiled_n, cached, failed, compile_seconds, time.perf_counter() - started
     )
     return warm_mod.WarmReport(
-        warm_mod._environment_json(plan.environment),
+        warm_mod.environment_json(plan.environment),
         ns_url,
         summary,
         results,

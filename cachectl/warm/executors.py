@@ -10,12 +10,12 @@ from typing import Any
 from cachectl.core import jax_seam
 from cachectl.manifest import Bucket, check_imports, expand, load_manifest
 from cachectl.service.activate import apply_jax_config
-from cachectl.warm.compiling import _error_text, _Outcome, compile_bucket, jax_configured
-from cachectl.warm.jaxlog import _CAPTURE
-from cachectl.warm.plan import WarmPlan, _build_calls
+from cachectl.warm.compiling import Outcome, compile_bucket, error_text, jax_configured
+from cachectl.warm.jaxlog import CAPTURE
+from cachectl.warm.plan import WarmPlan, build_calls
 from cachectl.warm.reports import FAILED, TOO_LARGE, BucketResult
 
-RecordFn = Callable[[int, Bucket, "_Outcome | None", "str | None"], BucketResult]
+RecordFn = Callable[[int, Bucket, "Outcome | None", "str | None"], BucketResult]
 
 
 def _drive(
@@ -39,7 +39,7 @@ def _drive(
 
     def settle(position: int, value: Any, exc: BaseException | None) -> bool:
         if exc is not None:
-            result = record(position, buckets[position], None, _error_text(exc))
+            result = record(position, buckets[position], None, error_text(exc))
         elif isinstance(value, dict):  # from a worker process
             outcome, error = _outcome_from(value)
             result = record(position, buckets[position], outcome, error)
@@ -91,7 +91,7 @@ def _drive(
     return len(retry)
 
 
-def _run_threads(
+def run_threads(
     plan: WarmPlan,
     config: dict[str, Any],
     jobs: int,
@@ -103,10 +103,10 @@ def _run_threads(
     """In this process: one by one (``jobs`` 1) or in a pool; ``present`` skips stored buckets.
 
     Returns how many buckets failed in the pool and were run again alone (see ``_drive``)."""
-    jitted, calls = _build_calls(plan.manifest, plan.buckets, plan.search_paths)
+    jitted, calls = build_calls(plan.manifest, plan.buckets, plan.search_paths)
     errors = {p: c for p, c in calls.items() if isinstance(c, str)}
 
-    def task(position: int) -> _Outcome:
+    def task(position: int) -> Outcome:
         call = calls[position]
         assert not isinstance(call, str)  # buckets in errors are never compiled
         args, kwargs = call
@@ -118,7 +118,7 @@ def _run_threads(
             present=present,
         )
 
-    with jax_configured(config), _CAPTURE.installed():
+    with jax_configured(config), CAPTURE.installed():
         if jobs == 1:
             return _drive(None, task, plan.buckets, errors, fail_fast, record)
         with ThreadPoolExecutor(max_workers=jobs, thread_name_prefix="cachectl-warm") as pool:
@@ -148,7 +148,7 @@ def _worker_init(
     check_imports(manifest, paths)
     full = expand(manifest)
     buckets = [full[i] for i in indices]
-    jitted, calls = _build_calls(manifest, buckets, paths)
+    jitted, calls = build_calls(manifest, buckets, paths)
     jax_seam.reset_persistent_cache()
     apply_jax_config(config)
     _WORKER.update(buckets=buckets, jitted=jitted, calls=calls, executables=executables)
@@ -166,17 +166,17 @@ def _worker_task(position: int) -> dict[str, Any]:
             executables=_WORKER["executables"],
         )
     except Exception as exc:  # noqa: BLE001 - reported as this bucket's error
-        return {"error": _error_text(exc)}
+        return {"error": error_text(exc)}
     return dataclasses.asdict(outcome)
 
 
-def _outcome_from(data: dict[str, Any]) -> tuple[_Outcome | None, str | None]:
+def _outcome_from(data: dict[str, Any]) -> tuple[Outcome | None, str | None]:
     if "error" in data:
         return None, data["error"]  # an ErrorText, traceback included
-    return _Outcome(**data), None
+    return Outcome(**data), None
 
 
-def _run_processes(
+def run_processes(
     plan: WarmPlan,
     config: dict[str, Any],
     jobs: int,

@@ -24,7 +24,7 @@ _JAX_LOGGERS = jax_seam.CACHE_LOGGERS
 
 
 @dataclass
-class _Event:
+class Event:
     kind: str  # hit | miss | write | skip
     key: str | None
     text: str
@@ -69,8 +69,8 @@ class _KeyCapture(logging.Filter):
                         logger.setLevel(self._saved.get(name, logging.NOTSET))
 
     @contextlib.contextmanager
-    def sink(self) -> Iterator[list[_Event]]:
-        events: list[_Event] = []
+    def sink(self) -> Iterator[list[Event]]:
+        events: list[Event] = []
         self._local.sink = events
         try:
             yield events
@@ -86,9 +86,9 @@ class _KeyCapture(logging.Filter):
         return record.levelno >= self._floors.get(record.name, logging.WARNING)
 
 
-def _classify(record: logging.LogRecord) -> _Event | None:
+def _classify(record: logging.LogRecord) -> Event | None:
     found = jax_seam.classify_record(record)
-    return None if found is None else _Event(*found)
+    return None if found is None else Event(*found)
 
 
-_CAPTURE = _KeyCapture()
+CAPTURE = _KeyCapture()

@@ -22,7 +22,7 @@ from cachectl.manifest import (
     select_shard,
 )
 from cachectl.trust.permissions import check_writer
-from cachectl.warm.compiling import _error_text, _persistent_cache_off
+from cachectl.warm.compiling import error_text, persistent_cache_off
 
 # --------------------------------------------------------------------------- planning
 
@@ -40,7 +40,7 @@ class WarmPlan:
     search_paths: tuple[str, ...]
 
 
-def _environment_json(env: Environment) -> dict[str, Any]:
+def environment_json(env: Environment) -> dict[str, Any]:
     return {"digest": env.digest, "namespace": env.namespace, **env.to_dict()}
 
 
@@ -84,7 +84,7 @@ def plan_warm(
     return WarmPlan(manifest, str(manifest_path), buckets, cache_info, env, problems, tuple(paths))
 
 
-def _mismatch(plan: WarmPlan) -> EnvironmentMismatch:
+def environment_mismatch(plan: WarmPlan) -> EnvironmentMismatch:
     fields = "; ".join(plan.target_problems)
     return EnvironmentMismatch(
         f"{plan.manifest_path}: this machine does not match the manifest's target ({fields}); "
@@ -95,13 +95,13 @@ def _mismatch(plan: WarmPlan) -> EnvironmentMismatch:
 # --------------------------------------------------------------------------- warming
 
 
-def _raise_build_problems(plan: WarmPlan) -> None:
+def raise_build_problems(plan: WarmPlan) -> None:
     """Build every bucket's abstract arguments (pytrees included; nothing compiles) for --dry-run.
 
     What would fail a real warm before compiling is bad input: BadInput (2), every
     distinct problem on its own line, each naming the manifest's file:line.
     """
-    _, calls = _build_calls(plan.manifest, plan.buckets, plan.search_paths)
+    _, calls = build_calls(plan.manifest, plan.buckets, plan.search_paths)
     problems = list(dict.fromkeys(c for c in calls.values() if isinstance(c, str)))
     if problems:
         raise BadInput("\n".join(problems))
@@ -110,14 +110,14 @@ def _raise_build_problems(plan: WarmPlan) -> None:
 Call = tuple[tuple[Any, ...], dict[str, Any]]
 
 
-def _build_calls(
+def build_calls(
     manifest: Manifest, buckets: Sequence[Bucket], paths: Sequence[str]
 ) -> tuple[dict[str, Any], dict[int, Call | str]]:
     """The jitted function of every spec and the abstract call (or the error) of every bucket."""
     specs = {spec.name: spec for spec in manifest.functions}
     jitted: dict[str, Any] = {}
     calls: dict[int, Call | str] = {}
-    with _persistent_cache_off():
+    with persistent_cache_off():
         for position, bucket in enumerate(buckets):
             spec = specs[bucket.function]
             try:
@@ -125,5 +125,5 @@ def _build_calls(
                     jitted[spec.name] = jit_function(spec, paths)
                 calls[position] = build_call(spec, bucket, paths)
             except Exception as exc:  # noqa: BLE001 - one bad bucket must not stop the rest
-                calls[position] = _error_text(exc)
+                calls[position] = error_text(exc)
     return jitted, calls

@@ -21,14 +21,14 @@ from cachectl.manifest import Bucket, load_manifest, manifest_digest
 from cachectl.storage.entries import CACHE_SUFFIX, EXECUTABLE_SUFFIX
 from cachectl.trust import signing
 from cachectl.trust.signing import SigningKey
-from cachectl.warm.compiling import _Outcome, warm_jax_config
-from cachectl.warm.executors import _run_processes, _run_threads
+from cachectl.warm.compiling import Outcome, warm_jax_config
+from cachectl.warm.executors import run_processes, run_threads
 from cachectl.warm.plan import (
     WarmPlan,
-    _environment_json,
-    _mismatch,
-    _raise_build_problems,
+    environment_json,
+    environment_mismatch,
     plan_warm,
+    raise_build_problems,
 )
 from cachectl.warm.reports import (
     CACHED,
@@ -131,11 +131,11 @@ def warm(
     env = plan.environment
     if dry_run:
         if not plan.target_problems:  # on other hardware a mesh cannot be built: exit 3 says so
-            _raise_build_problems(plan)
+            raise_build_problems(plan)
         store = ctx.store(plan.cache)
         results = [BucketResult(b.function, dict(b.values), PLANNED) for b in plan.buckets]
         return WarmReport(
-            _environment_json(env),
+            environment_json(env),
             store.url_for(env.namespace),
             WarmSummary(len(results), 0, 0, 0, 0.0, time.perf_counter() - started),
             results,
@@ -147,7 +147,7 @@ def warm(
             target_problems=plan.target_problems,
         )
     if plan.target_problems:
-        raise _mismatch(plan)
+        raise environment_mismatch(plan)
     opts = _Options(jobs, fail_fast, executor, progress, executables, signer)
     return _execute(ctx, plan, opts, started)
 
@@ -174,7 +174,7 @@ class _Tally:
         self._lock = threading.Lock()
 
     def record(
-        self, position: int, bucket: Bucket, outcome: _Outcome | None, error: str | None
+        self, position: int, bucket: Bucket, outcome: Outcome | None, error: str | None
     ) -> BucketResult:
         """Settle one bucket and count it (the executors' RecordFn)."""
         result = settle(self.scope, bucket, outcome, error)
@@ -249,7 +249,7 @@ def _execute(ctx: Context, plan: WarmPlan, opts: _Options, started: float) -> Wa
     )
     _audit(scope, summary, ordered)
     return WarmReport(
-        _environment_json(plan.environment),
+        environment_json(plan.environment),
         ns_url,
         summary,
         ordered,
@@ -318,10 +318,10 @@ def _compile_all(
         with _Heartbeat(beat):
             config = warm_jax_config(ns_url, plan.environment)
             if executor == "process" and jobs > 1:
-                _run_processes(plan, config, jobs, opts.fail_fast, tally.record, opts.executables)
+                run_processes(plan, config, jobs, opts.fail_fast, tally.record, opts.executables)
             else:
                 executor = "thread"  # one job runs in this process, whatever was asked
-                retried = _run_threads(
+                retried = run_threads(
                     plan,
                     config,
                     jobs,

@@ -27,7 +27,7 @@ from cachectl.storage.entries import (
     read_header,
     sha256,
 )
-from cachectl.warm.compiling import _Outcome
+from cachectl.warm.compiling import Outcome
 from cachectl.warm.plan import WarmPlan
 from cachectl.warm.reports import CACHED, COMPILED, FAILED, TOO_LARGE, BucketResult
 
@@ -66,7 +66,7 @@ class _Published(NamedTuple):
 
 
 def settle(
-    scope: RunScope, bucket: Bucket, outcome: _Outcome | None, error: str | None
+    scope: RunScope, bucket: Bucket, outcome: Outcome | None, error: str | None
 ) -> BucketResult:
     """Turn what JAX did into a status; read the stored bytes; index them; enforce max entry size.
 
@@ -103,7 +103,7 @@ def settle(
     return _settle_written(scope, bucket, outcome, rel)
 
 
-def _result(bucket: Bucket, outcome: _Outcome, status: str, **fields: Any) -> BucketResult:
+def _result(bucket: Bucket, outcome: Outcome, status: str, **fields: Any) -> BucketResult:
     """A settled bucket's result: its key (the outcome's unless given) and JAX's times."""
     fields.setdefault("key", outcome.key)
     return BucketResult(
@@ -122,7 +122,7 @@ def _module(key: str) -> str:
     return parsed.module if parsed else key
 
 
-def _settle_hit(scope: RunScope, bucket: Bucket, outcome: _Outcome, rel: str) -> BucketResult:
+def _settle_hit(scope: RunScope, bucket: Bucket, outcome: Outcome, rel: str) -> BucketResult:
     """JAX loaded the entry: index it as observed, and store its executable if it is new."""
     key = outcome.key or ""
     known = scope.indexed.get(key)
@@ -159,7 +159,7 @@ def _settle_hit(scope: RunScope, bucket: Bucket, outcome: _Outcome, rel: str) ->
     )
 
 
-def _settle_written(scope: RunScope, bucket: Bucket, outcome: _Outcome, rel: str) -> BucketResult:
+def _settle_written(scope: RunScope, bucket: Bucket, outcome: Outcome, rel: str) -> BucketResult:
     """JAX wrote the entry: check it meets the rules, index it, store its executable."""
     key = outcome.key or ""
     store, cache = scope.store, scope.plan.cache
@@ -277,7 +277,7 @@ def function_digests(plan: WarmPlan) -> dict[str, tuple[str, str | None]]:
     return out
 
 
-def _publish(scope: RunScope, row: NewEntry, bucket: Bucket, outcome: _Outcome) -> _Published:
+def _publish(scope: RunScope, row: NewEntry, bucket: Bucket, outcome: Outcome) -> _Published:
     """Index the entry JAX wrote, with ``<key>-aot`` written beside it unless the same one is
     there, through ingest.publish."""
     key, stored, store = row.key, scope.stored_aot, scope.store
