@@ -28,9 +28,38 @@ from cachectl.service.telemetry_sinks import IndexSink, ServerSink
 from cachectl.storage.store import Store
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+    from typing import Protocol
+
+    from cachectl.client.server_client import ServerClient
     from cachectl.index.protocol import IndexBackend
     from cachectl.service.mirror import PullResult
     from cachectl.service.sqlite_index import ServiceSqlite
+
+    class IndexSide(Protocol):
+        """The module that holds a service's index: ``cachectl.client`` in server mode, else
+        ``service/index_access.py``; imported on first use (mypy checks each module against it)."""
+
+        def open_for_service(self, settings: Settings) -> tuple[IndexBackend, CacheInfo]: ...
+
+    class SqlSide(IndexSide, Protocol):
+        def prepare_mirror(
+            self,
+            index: IndexBackend | None,
+            cache_info: CacheInfo | None,
+            env: Environment,
+            store: Callable[[], Store],
+            directory: str,
+            problems: list[str],
+        ) -> PullResult | None: ...
+
+        def record_environment(
+            self, db_url: str, cache_name: str, env: Environment, create_cache_at: str | None
+        ) -> None: ...
+
+    class ClientSide(IndexSide, Protocol):
+        def service_client(self, settings: Settings) -> ServerClient: ...
+
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -147,21 +176,24 @@ def _fail_fast_object_store(root_url: str) -> None:
     conf.setdefault("config_kwargs", dict(_FAIL_FAST_S3))
 
 
-def _index_side(settings: Settings) -> Any:
-    """Where this service's index lives, imported on first use: cachectl.client in server mode
-    (CACHECTL_SERVER), else cachectl.service.index_access (SQLAlchemy). A plain activate() imports neither."""
-    if settings.server:
-        from cachectl import client
-
-        return client
-    return _sql_side()
+def _index_side(settings: Settings) -> IndexSide:
+    """Where this service's index lives: the server (CACHECTL_SERVER) or the SQL index. A plain
+    activate() imports neither."""
+    return _client_side() if settings.server else _sql_side()
 
 
-def _sql_side() -> Any:
+def _client_side() -> ClientSide:
+    """cachectl.client, imported on first use: server mode only."""
+    from cachectl import client
+
+    return client
+
+
+def _sql_side() -> SqlSide:
     """cachectl.service.index_access: the SQL index, the mirror pull (both need SQLAlchemy)."""
-    from cachectl.service import index_access as service_index
+    from cachectl.service import index_access
 
-    return service_index
+    return index_access
 
 
 def _fast_index(settings: Settings) -> tuple[ServiceSqlite, CacheInfo] | None:
@@ -386,8 +418,10 @@ def _prepare_storage(
     root_url, options = target.root_url, target.options
     if mirror is not None:
         # The object-store client is built only if the mirror lacks something.
+        # With a mirror the SQL index was opened (open_service_index(fast=False)), never the stdlib one.
+        sql_index = None if isinstance(index, service_sqlite.ServiceSqlite) else index
         pulled: PullResult | None = _sql_side().prepare_mirror(
-            index, cache_info, env, lambda: Store(root_url, options), target.path, problems
+            sql_index, cache_info, env, lambda: Store(root_url, options), target.path, problems
         )
         return pulled
     if not target.readonly and target.store is not None:
@@ -530,7 +564,7 @@ def start_telemetry(
     try:
         sink: telemetry.TelemetrySink
         if settings.server:  # server mode: batches go to POST /api/v1/telemetry
-            sink = ServerSink(_index_side(settings).service_client(settings))
+            sink = ServerSink(_client_side().service_client(settings))
         else:
             sink = IndexSink(settings.db, cache_name, env, create_cache_at=_default_root(settings))
         telemetry.start(cache=cache_name, environment=env, sink=sink)

@@ -16,6 +16,7 @@ from cachectl.core.errors import CachectlError
 from cachectl.core.fingerprint import Environment
 from cachectl.index import CacheInfo, Index, open_index
 from cachectl.index.db import make_engine
+from cachectl.index.protocol import IndexBackend
 from cachectl.index.telemetry_queries import record_telemetry
 from cachectl.service.mirror import NOT_INDEXED, PullResult, prepare_mirror_dir, pull_namespace
 from cachectl.storage.store import Store, normalize_url
@@ -71,7 +72,7 @@ def open_for_service(settings: Settings) -> tuple[Index, CacheInfo]:
 
 
 def prepare_mirror(
-    index: Index | None,
+    index: IndexBackend | None,
     cache_info: CacheInfo | None,
     env: Environment,
     store: Callable[[], Store],

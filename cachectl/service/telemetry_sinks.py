@@ -10,18 +10,34 @@ from __future__ import annotations
 
 import re
 import sqlite3
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from cachectl.core.cache_info import utcnow
 from cachectl.service import sqlite_index as service_sqlite
 from cachectl.telemetry.batch import TelemetryBatch
 
+if TYPE_CHECKING:
+    from collections.abc import Callable
+    from typing import Protocol, TypeVar
 
-def _index_side() -> Any:
-    """cachectl.service.index_access, imported in the flusher thread: a service never pays for SQLAlchemy at start."""
-    from cachectl.service import index_access as service_index
+    from cachectl.index.sql import Index
 
-    return service_index
+    T = TypeVar("T")
+
+    class SqlTelemetry(Protocol):
+        """What a sink needs of ``service/index_access.py`` (mypy checks the module against it)."""
+
+        def index_with(self, url: str, first: Callable[[Index], T]) -> tuple[Index, T]: ...
+
+        def record_telemetry(self, index: Index, env_id: int, batch: TelemetryBatch) -> int: ...
+
+
+def _index_side() -> SqlTelemetry:
+    """cachectl.service.index_access, imported in the flusher thread: a service never pays for
+    SQLAlchemy at start."""
+    from cachectl.service import index_access
+
+    return index_access
 
 
 class IndexSink:
@@ -53,7 +69,9 @@ class IndexSink:
                     index.ensure_cache(self.cache, self.create_cache_at)
                 return int(index.ensure_environment(self.cache, self.environment).id)
 
-            self._index, self._env_id = _index_side().index_with(self.db_url, record)
+            self._index, env_id = _index_side().index_with(self.db_url, record)
+            self._env_id = env_id
+            return self._index, env_id
         return self._index, self._env_id
 
     def _write_fast(self, batch: TelemetryBatch) -> bool:
