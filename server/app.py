@@ -63,9 +63,9 @@ def freeze_startup_heap() -> int:
     """Take what is alive before the first request (modules, the app, SQLAlchemy's mappers) out of
     the garbage collector's scans, for a server process; returns how many objects that is.
 
-    Under load the collector runs a full collection about once a second, and it scanned all of it:
-    40-50 ms with the event loop stopped, which was POST telemetry's p99 at 16 clients (68.8 ms).
-    Frozen, a full collection scans only what requests made (about 2 ms). Not for test processes
+    Under load the collector runs a full collection about once a second, and it scanned all of it
+    with the event loop stopped: that pause was POST telemetry's p99 at 16 clients (BENCHMARKS.md).
+    Frozen, a full collection scans only what requests made. Not for test processes
     that build many apps: frozen objects are never collected."""
     gc.collect()
     gc.freeze()

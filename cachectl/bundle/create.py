@@ -73,7 +73,7 @@ _RAW_FRAME = b"\x28\xb5\x2f\xfd\x00\x38"  # magic; no size, checksum or dictiona
 _RAW_BLOCK = 128 << 10  # the largest block a 128 KiB window allows
 _LAST_EMPTY_BLOCK = b"\x01\x00\x00"
 _READ_AHEAD = (
-    3  # files read and hashed ahead of the writer: more holds fresh pages (8: 265 vs 220 ms)
+    3  # files read and hashed ahead of the writer: more holds fresh pages (bench/fleet.py)
 )
 
 

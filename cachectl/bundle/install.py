@@ -83,9 +83,7 @@ def _staging_dir(store: Any, ns: str) -> Path:
 _WORKERS = 2  # threads hashing and writing members while the main thread decompresses
 _PIECE = 64 << 10
 _IN_MEMORY_MAX = 16 << 20  # members up to this size are hashed and written in a worker thread
-_IN_FLIGHT_MAX = (
-    4 << 20
-)  # bytes read but not yet written: more costs fresh pages (64 MiB: 596 vs 362 ms)
+_IN_FLIGHT_MAX = 4 << 20  # bytes read but not yet written: more costs fresh pages (bench/fleet.py)
 
 
 def _write_hashed(dest: Path, data: bytes) -> str:

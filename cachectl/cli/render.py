@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 
 
 class _LazyConsole:
-    """A rich Console made on first use: importing rich costs ~50 ms, which ``--help`` and a
+    """A rich Console made on first use: importing rich is a visible part of a command's start, which ``--help`` and a
     command's option errors never need (issue: every command answers fast)."""
 
     def __init__(self, **options: Any) -> None:

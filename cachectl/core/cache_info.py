@@ -1,7 +1,7 @@
 """A cache's policy as a service reads it, and the clock every record uses.
 
 Apart from records.py (which re-exports both) because activate() needs only these: records.py's
-other dataclasses cost a service ~4 ms of import, and the objects they leave behind bring its
+other dataclasses cost a service import time, and the objects they leave behind bring its
 first full garbage collection closer.
 """
 

@@ -111,7 +111,7 @@ def _rounded(value: Any, digits: int) -> Any:
 def dumps_indented(data: Any) -> str:
     """``json.dumps(data, indent=2)``, byte for byte (tests/test_jsonable.py), faster: ``indent``
     rules out json's C encoder, and the pure-Python one's generator per value made --json of a
-    100k-entry plan ~1.4x slower. Containers are laid out here; scalars are the C encoder's.
+    large plan slower (BENCHMARKS.md). Containers are laid out here; scalars are the C encoder's.
     Takes what ``to_jsonable`` returns."""
     parts: list[str] = []
     _write(data, "\n", parts)

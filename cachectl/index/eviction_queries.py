@@ -79,8 +79,8 @@ def _under_bound(dialect: str, policy: str, now: datetime) -> Any:
     """PostgreSQL, cost: a cheap test every row whose score is at most a bound passes, put before
     the exact one: the score in double precision (the age by date_part, not numeric EXTRACT) within
     a billionth of the bound, where the two scores differ by ~1e-15 of their value (EXTRACT's
-    exact numeric age rounded once, date_part's rounded twice). Scoring a 1,000,000-row scan measured
-    0.27 CPU s with it, 0.39 without. Takes the bounds, one or one per environment; None: no test."""
+    exact numeric age rounded once, date_part's rounded twice); the double-precision test is the
+    cheaper one (bench/lifecycle.py). Takes the bounds, one or one per environment; None: no test."""
     if dialect != "postgresql" or policy != "cost":
         return None
     age = func.greatest(func.date_part("epoch", as_bound(now) - last_used()) / 86400.0, 0.0)

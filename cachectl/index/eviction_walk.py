@@ -26,11 +26,11 @@ SAMPLE_EVERY = 64
 _SAMPLE_MARGIN = 1.1
 # The sample's estimate of the bytes under a score, from n sampled rows of sizes as varied as a
 # cache's, is off by about 1.2/sqrt(n) of itself (one standard deviation). A cut whose sample falls
-# short reads on (PostgreSQL: a scan of its environment again, ~0.04 s at 1,000,000 rows), where
-# 10% fell short for 2-3 of 18 environments; every row of margin is sorted and sent. Of 1, 2, 3
-# and 4 over sqrt(n) (2: about 1.7 deviations), 2 measured best for the lru cut with
-# per-environment limits and within the noise for the cost cut (4: no environment short, but ~30%
-# more rows read).
+# short reads on (PostgreSQL: a scan of its environment again), where
+# 10% fell short for some environments; every row of margin is sorted and sent. Of 1, 2, 3
+# and 4 over sqrt(n) (2: about 1.7 deviations), 2 was best for the lru cut with
+# per-environment limits and within the noise for the cost cut (4: no environment short, but more
+# rows read; bench/lifecycle.py).
 _SAMPLE_SIGMAS = 2.0
 
 
@@ -93,7 +93,7 @@ class Walk:
         give them. One sample query gives every environment its bound. PostgreSQL: one read
         serves every environment, not two queries (and two parallel plans' start-up) per
         environment; whoever's sample fell short reads on alone. SQLite: one walk each (one
-        combined sort measured slower); its lru walk needs no bound."""
+        combined sort was slower); its lru walk needs no bound."""
         if not targets:
             return []
         envs = sorted(targets)
@@ -181,7 +181,7 @@ class Walk:
     def _one_scan(self, where: list[ColumnElement[bool]]) -> Any:
         """The scored candidates in (score, id) order, the key read from the row (or index entry)
         it scores, not through a self-join: on PostgreSQL that scanned the table a second time and
-        hashed every kept row (measured: half the time at 1,000,000 rows)."""
+        hashed every kept row (bench/lifecycle.py)."""
         return select(*self._columns()).where(*where).order_by(self.score, Entry.id)
 
     def _columns(self) -> list[Any]:
@@ -317,7 +317,7 @@ class Walk:
             )
         # One scan over the covering ``ix_entries_env_plan``, which holds the key too (migration
         # 0008): the score computed once per row, no row looked up in the table (SQLite had looked
-        # up each row kept, ~1 us a row, more than scoring it); with a LIMIT, a top-N sort.
+        # up each row kept, which cost more than scoring it); with a LIMIT, a top-N sort.
         return self._one_scan([by_env, *self.where, *within(self.score, Entry.id)]).limit(limit)
 
     def _sample(
@@ -327,8 +327,8 @@ class Walk:
     ) -> Any:
         """The candidates whose id is a multiple of 64 (the same rows either way): looked up by id
         when ``sample_ids`` says ids are dense (SQLite), else found by a scan testing every candidate's
-        id (PostgreSQL: its sequential scan measured cheaper than the lookups, 1.06 against 1.35 CPU s
-        for a cost plan with per-environment limits at 1,000,000 rows)."""
+        id (PostgreSQL: its sequential scan is cheaper than the lookups for a cost plan with
+        per-environment limits; bench/lifecycle.py)."""
         if self.sample_ids is None:
             return select(*columns).where(*where, Entry.id % SAMPLE_EVERY == 0)
         first = select(literal(SAMPLE_EVERY).label("i")).cte("ids", recursive=True)

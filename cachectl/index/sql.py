@@ -179,7 +179,7 @@ class Index:
         self.engine = engine
         self._sessions = sessionmaker(engine, expire_on_commit=False)
         # SQLite takes one writer at a time: this process's threads queue here, in order, rather
-        # than in SQLite's busy handler, whose growing sleeps (up to 100 ms) made a server's p99.
+        # than in SQLite's busy handler, whose growing sleeps made a server's p99.
         self._sqlite_writer = threading.RLock() if engine.dialect.name == "sqlite" else None
 
     @property

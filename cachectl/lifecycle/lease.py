@@ -186,7 +186,7 @@ def _acquire_sqlite(
 def _acquire_postgres(
     index: Index, name: str, holder: str, ttl_s: float
 ) -> tuple[bool, str, datetime]:
-    # Imported here: the PostgreSQL dialect (and asyncpg's) is 50 ms an SQLite index never needs.
+    # Imported here: the PostgreSQL dialect (and asyncpg's) is an import an SQLite index never needs.
     from sqlalchemy.dialects.postgresql import insert as pg_insert
 
     # Server time, not ours: hosts with skewed clocks still agree on expiry.

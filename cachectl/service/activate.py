@@ -252,7 +252,7 @@ def _record_environment(settings: Settings, env: Environment) -> None:
 
 def _touch_environment_later(settings: Settings, env: Environment) -> None:
     """Mark a known environment seen from a thread: the write, its commit and the WAL checkpoint
-    when its connection closes (fsyncs, ~4 ms) stay off the service's start. Exit waits for it,
+    when its connection closes (fsyncs) stay off the service's start. Exit waits for it,
     bounded; where the stdlib path cannot, the SQLAlchemy path records it (still in the thread)."""
 
     def run() -> None:

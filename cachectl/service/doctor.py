@@ -278,7 +278,7 @@ def check_process_config(
                 WARNING,
                 "max-size",
                 f"JAX_COMPILATION_CACHE_MAX_SIZE={max_size} turns on JAX's own eviction: every write then "
-                "globs the directory and reads every -atime file (O(entries): ~34 ms at 1k entries, ~1 s at 30k)",
+                "globs the directory and reads every -atime file, O(entries) per write",
                 "unset it; cachectl enforces size limits out of band (`cachectl cache set --max-size`, `cachectl gc`)",
             )
         )

@@ -131,7 +131,7 @@ def _check_size(cache: CacheInfo, key: str, size: int) -> None:
         )
 
 
-# How far an entry may decompress: ENTRY_EXPANSION times its own size (JAX entries measured 2-3
+# How far an entry may decompress: ENTRY_EXPANSION times its own size (JAX entries expand a few
 # times; a decompression bomb a thousand times or more), at least EXPANSION_FLOOR, at most
 # MAX_EXPANDED, whoever writes it. The server's bound for an upload may be smaller.
 ENTRY_EXPANSION = 64

@@ -48,7 +48,7 @@ class FileInfo:
 
 
 # Reading many local files: threads only when the mean file is at least this big. Small ones
-# are bound by Python's per-file work under the GIL, where threads measured slower than one
+# are bound by Python's per-file work under the GIL, where threads were slower than one
 # loop on a loaded 2-core machine (bench/lifecycle.py); big ones overlap reads, hashing and
 # decompression, which release the GIL.
 LOCAL_THREADED_MEAN_BYTES = 256 << 10

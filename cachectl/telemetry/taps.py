@@ -46,7 +46,7 @@ class LogTap(_Tap):
 
     JAX names the key of a hit only in a DEBUG record. Lowering the logger to
     DEBUG would make every debug call in that module build a LogRecord (stack
-    walk, timestamps: ~5-20 µs each, several per compile) and hand it to the
+    walk, timestamps; several per compile) and hand it to the
     service's handlers. Instead the tap wraps this one logger's ``log`` and
     ``debug`` methods: it reads module and key from the call's arguments and
     passes every call on unchanged, so the logger's level, its handlers and
