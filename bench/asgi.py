@@ -379,7 +379,7 @@ def markdown(result: dict[str, Any]) -> str:
         "safely: granian opens the path after `send` has returned and signals nothing when it has, so "
         "the descriptor behind `/proc/self/fd/N` has no bounded lifetime (closed early and reused, it "
         "would send another file), and a plain name would be opened following symlinks, against "
-        "server/entries.py's rule. `cachectl serve` therefore stays on uvicorn alone: no `--server` "
+        "server/entry_routes.py's rule. `cachectl serve` therefore stays on uvicorn alone: no `--server` "
         "option, no new package in the `server` extra.",
         "",
     ]

@@ -22,10 +22,10 @@ from fastapi import HTTPException, Request
 from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool
 
-from cachectl_server import entries
-from cachectl_server.api import state_of
+from cachectl_server import entry_routes
 from cachectl_server.app import create_app, freeze_startup_heap
 from cachectl_server.config import load_server_settings
+from cachectl_server.deps import state_of
 from cachectl_server.state import ServerState
 
 PATHSEND = "http.response.pathsend"
@@ -33,7 +33,7 @@ GRACE_S = 5.0
 
 
 def _open(
-    state: ServerState, cache: str, digest: str, key: str, route: entries.ByteRoute
+    state: ServerState, cache: str, digest: str, key: str, route: entry_routes.ByteRoute
 ) -> tuple[Any, int, str | None]:
     from cachectl.index import server_queries as sq
 
@@ -60,21 +60,23 @@ class _PathBody(Response):
             asyncio.get_running_loop().call_later(GRACE_S, self.fh.close)
 
 
-_product_download = entries.download
+_product_download = entry_routes.download
 
 
 async def _download(
-    request: Request, cache: str, digest: str, key: str, route: entries.ByteRoute
+    request: Request, cache: str, digest: str, key: str, route: entry_routes.ByteRoute
 ) -> Response:
     if PATHSEND not in request.scope.get("extensions", {}) or route.executable:
         return await _product_download(request, cache, digest, key, route)
-    entries.check_key(key)
+    entry_routes.check_key(key)
     fh, size, sha = await run_in_threadpool(_open, state_of(request), cache, digest, key, route)
-    return _PathBody(fh, entries._headers(size, sha))
+    return _PathBody(fh, entry_routes._headers(size, sha))
 
 
 if os.environ.get("CACHECTL_BENCH_PATHSEND") == "1":
-    entries.download = _download  # get_entry looks the name up when it runs: same route, same auth
+    entry_routes.download = (
+        _download  # get_entry looks the name up when it runs: same route, same auth
+    )
 
 app = create_app(load_server_settings(db=os.environ["CACHECTL_DB"]))
 freeze_startup_heap()

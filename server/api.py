@@ -4,7 +4,7 @@ Every handler is a few lines over a library function; responses are the
 library's own dataclasses through ``to_jsonable``, so the CLI's client can
 rebuild them and print exactly what direct mode prints. Each route names the
 model of that JSON (server/responses.py). Jobs and tokens are in server/admin.py,
-entry bytes in server/entries.py, health and metrics in server/health.py.
+entry bytes in server/entry_routes.py, health and metrics in server/health.py.
 """
 
 from __future__ import annotations
@@ -294,7 +294,7 @@ def resolve(
     )
 
 
-# -- entries (listing; registration and bytes are in server/entries.py) ------------------
+# -- entries (listing; registration and bytes are in server/entry_routes.py) ------------------
 
 
 @route(

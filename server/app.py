@@ -27,7 +27,7 @@ from cachectl.core.errors import (
 from cachectl.index import open_index
 from cachectl.lifecycle import sweep
 
-from . import admin, api, dashboard, entries, executables, health
+from . import admin, api, dashboard, entry_routes, executable_routes, health
 from .auth import PUBLIC, ROLE_KEY, hides_caches
 from .config import ServerSettings
 from .jobs import JobRunner
@@ -160,8 +160,8 @@ def create_app(settings: ServerSettings | str, **overrides: Any) -> FastAPI:
     app.add_exception_handler(Exception, unexpected)
     # Routes match in order: the entry byte routes (most of a fleet's requests) first.
     app.include_router(health.router)
-    app.include_router(entries.router)
-    app.include_router(executables.router)
+    app.include_router(entry_routes.router)
+    app.include_router(executable_routes.router)
     app.include_router(api.router)
     app.include_router(admin.router)
     app.include_router(dashboard.router)

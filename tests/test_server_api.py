@@ -18,7 +18,7 @@ from cachectl.storage.entries import make_entry, sha256
 from cachectl.storage.store import Store
 from cachectl_server.app import create_app
 from cachectl_server.config import ServerSettings
-from cachectl_server.entries import CHUNK, WHOLE, WHOLE_SLOTS
+from cachectl_server.entry_routes import CHUNK, WHOLE, WHOLE_SLOTS
 
 API = "/api/v1"
 

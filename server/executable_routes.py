@@ -1,6 +1,6 @@
 """Stored executables over HTTP: PUT (writers), GET (streamed) and HEAD of an entry's ``<key>-aot``.
 
-The sibling of server/entries.py: ``/caches/{cache}/environments/{digest}/entries/{key}/aot``.
+The sibling of server/entry_routes.py: ``/caches/{cache}/environments/{digest}/entries/{key}/aot``.
 An executable belongs to an indexed entry and is recorded on that entry's row
 (cachectl/storage/executables.py). An upload is checked before anything is stored: the key,
 the environment, the same size limits as entries (413) and the cache's quota
@@ -22,7 +22,7 @@ from cachectl.storage.entries import EXECUTABLE_SUFFIX
 from . import responses as out
 from .api import CacheName, Digest
 from .auth import route
-from .entries import (
+from .entry_routes import (
     BYTES_BODY,
     ByteRoute,
     Key,
