@@ -52,21 +52,7 @@ def telemetry_wire(batch: Any) -> dict[str, Any]:
             {"key": k, "count": n, "at": at.isoformat()} for k, (n, at) in batch.hit_keys.items()
         ],
         "dropped": batch.dropped,
-        "serving": [
-            {
-                "function": fn,
-                "calls": c.calls,
-                "aot": c.aot,
-                "fallback": c.fallback,
-                "out_of_bucket": c.out_of_bucket,
-                "padded": c.padded,
-                "sizes": {
-                    axis: {str(size): n for size, n in sizes.items()}
-                    for axis, sizes in c.sizes.items()
-                },
-            }
-            for fn, c in getattr(batch, "serving", {}).items()
-        ],
+        "serving": [c.row(fn) for fn, c in getattr(batch, "serving", {}).items()],
         "signatures": [
             {
                 "function": ident[0],

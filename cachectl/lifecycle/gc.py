@@ -171,29 +171,15 @@ def _planned(cuts: Cuts, namespace: dict[int, str], freed: int) -> PlannedEntrie
     def cut(id_: int) -> str:
         return one_cut or ("env-max-size" if id_ in taken else "max-size")
 
-    make: Callable[[tuple[Any, ...]], PlannedEntry]
-    if cuts.lru:
-        # The last use to the minute comes as text from the database (the rows' 7th column).
-        def make(r: tuple[Any, ...]) -> PlannedEntry:
-            return PlannedEntry(
-                r[2],
-                namespace[r[2]],
-                r[3],
-                r[4] - (r[5] or 0),
-                f"{cut(r[1])}; last used {r[6]}",
-                r[5],
-            )
-    else:
+    # The last use to the minute comes as text from the database (the rows' 7th column).
+    why: Callable[[tuple[Any, ...]], str] = (
+        (lambda r: f"last used {r[6]}") if cuts.lru else (lambda r: f"cost score {r[0]:.4g}")
+    )
 
-        def make(r: tuple[Any, ...]) -> PlannedEntry:
-            return PlannedEntry(
-                r[2],
-                namespace[r[2]],
-                r[3],
-                r[4] - (r[5] or 0),
-                f"{cut(r[1])}; cost score {r[0]:.4g}",
-                r[5],
-            )
+    def make(r: tuple[Any, ...]) -> PlannedEntry:
+        return PlannedEntry(
+            r[2], namespace[r[2]], r[3], r[4] - (r[5] or 0), f"{cut(r[1])}; {why(r)}", r[5]
+        )
 
     return PlannedEntries(cuts.rows, make, freed)
 

@@ -96,6 +96,21 @@ class ServingCounts:
     def empty(self) -> bool:
         return not (self.calls or self.aot or self.fallback or self.out_of_bucket)
 
+    def row(self, function: str) -> dict[str, Any]:
+        """This function's counts as a JSON object: what the wire sends and the index stores."""
+        return {
+            "function": function,
+            "calls": self.calls,
+            "aot": self.aot,
+            "fallback": self.fallback,
+            "out_of_bucket": self.out_of_bucket,
+            "padded": self.padded,
+            "sizes": {
+                axis: {str(size): n for size, n in sizes.items()}
+                for axis, sizes in self.sizes.items()
+            },
+        }
+
 
 @dataclass(frozen=True)
 class TelemetryBatch:

@@ -79,20 +79,7 @@ def flush_rows(
                 }
             )
     serving = [
-        {
-            "environment_id": env_id,
-            "at": at,
-            "process": batch.process,
-            "function": fn,
-            "calls": c.calls,
-            "aot": c.aot,
-            "fallback": c.fallback,
-            "out_of_bucket": c.out_of_bucket,
-            "padded": c.padded,
-            "sizes": {
-                axis: {str(size): n for size, n in sizes.items()} for axis, sizes in c.sizes.items()
-            },
-        }
+        {"environment_id": env_id, "at": at, "process": batch.process, **c.row(fn)}
         for fn, c in batch.serving.items()
     ]
     return rows, serving
