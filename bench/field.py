@@ -1,7 +1,7 @@
 """Field: the field suite's Brax/MJX and Flax NNX services, (a)-(d) side by side in one run.
 
-The services are tests/field/test_field_services.py's cases (their module and manifest, read
-from there). Every bucket of the manifest is called once on zeros of its exact shape, in
+The services are the field suite's cases (tests/support/field_cases.py: their module and
+manifest, read from there). Every bucket of the manifest is called once on zeros of its exact shape, in
 fresh processes that alternate round by round:
 
   (a) plain ``jax.jit``, no cache: every bucket compiles;
@@ -23,7 +23,6 @@ first result. Per bucket, the first request's latency against the median of the 
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -128,16 +127,12 @@ MODES = ("none", "activate", "serving", "serving_warmup", "floor")
 
 
 def _cases() -> dict[str, Any]:
-    """The field suite's cases, from the test module itself (one source for both)."""
-    path = REPO / "tests" / "field" / "test_field_services.py"
-    if str(REPO / "tests") not in sys.path:  # the test module imports tests/support
+    """The field suite's cases, from tests/support/field_cases.py (one source for both)."""
+    if str(REPO / "tests") not in sys.path:
         sys.path.insert(0, str(REPO / "tests"))
-    spec = importlib.util.spec_from_file_location("field_cases", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return {name: module.CASES[name] for name in CASES}
+    from support.field_cases import CASES as FIELD_CASES
+
+    return {name: FIELD_CASES[name] for name in CASES}
 
 
 def _env(home: Path) -> dict[str, str]:
@@ -249,7 +244,7 @@ def markdown(r: dict[str, Any]) -> str:
         "",
         f"`python -m bench --only field`. {machine_line()} Fresh processes, {r['rounds']} rounds, "
         "the five kinds alternating; every bucket of the field suite's Brax/MJX and Flax NNX "
-        "manifests (tests/field/test_field_services.py) called once on zeros of its shape, then "
+        "manifests (tests/support/field_cases.py) called once on zeros of its shape, then "
         f"{STEADY_CALLS} times more (steady state: their median). *Overhead*: first calls minus "
         "steady-state calls, plus for (c) building the runtime (activate, find, check and load "
         "the executables; with `warmup=True` also one call of each on zeros) and for (d) the "
