@@ -100,7 +100,7 @@ def get_job(state: StateDep, token: CurrentToken, job_id: JobId) -> JSONResponse
     role="admin",
     scope="any",
     summary="Recent jobs, newest first",
-    response_model=list[out.JobOut],
+    response_model=out.list_of(out.JobOut),
 )
 def list_jobs(
     state: StateDep,
@@ -123,7 +123,7 @@ def list_jobs(
     role="admin",
     scope="global",
     summary="Tokens (never their secrets)",
-    response_model=list[out.TokenOut],
+    response_model=out.list_of(out.TokenOut),
 )
 def list_tokens(state: StateDep) -> JSONResponse:
     return ok(tokens.list_tokens(state.index))

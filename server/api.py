@@ -70,7 +70,7 @@ def _environment(state: ServerState, cache: str, digest: str) -> EnvironmentInfo
     role="reader",
     scope="any",
     summary="List caches (those in the token's scope)",
-    response_model=list[out.CacheOut],
+    response_model=out.list_of(out.CacheOut),
 )
 def list_caches(state: StateDep, token: CurrentToken) -> JSONResponse:
     return ok([c for c in state.index.list_caches() if token.allows("reader", c.name)])
@@ -173,7 +173,7 @@ def cache_telemetry(
     "/caches/{cache}/audit",
     role="admin",
     summary="The cache's audit log, newest first",
-    response_model=list[out.AuditOut],
+    response_model=out.list_of(out.AuditOut),
     responses=errors(404),
 )
 def audit_log(
@@ -222,7 +222,7 @@ def append_audit(
     "/caches/{cache}/environments",
     role="reader",
     summary="Environments with entries and bytes",
-    response_model=list[out.EnvironmentOut],
+    response_model=out.list_of(out.EnvironmentOut),
     responses=errors(404),
 )
 def list_environments(
@@ -382,7 +382,7 @@ def start_warm_run(
     "/caches/{cache}/warm-runs",
     role="reader",
     summary="Warm runs, newest first",
-    response_model=list[out.WarmRunOut],
+    response_model=out.list_of(out.WarmRunOut),
     responses=errors(404),
 )
 def list_warm_runs(

@@ -12,14 +12,31 @@ check instead of going undocumented.
 
 from __future__ import annotations
 
-from datetime import datetime
-from typing import Any, Literal
+import dataclasses
+import functools
+import operator
+import types
+from collections import abc
+from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, create_model
 
+from cachectl.core.fingerprint import Environment
 from cachectl.core.jsonable import REDACTED, to_jsonable
+from cachectl.core.records import (
+    AuditInfo,
+    CacheInfo,
+    CreatedToken,
+    EntryInfo,
+    EnvironmentInfo,
+    TokenInfo,
+    WarmRunInfo,
+)
+from cachectl.index.server_queries import EntryPage, JobInfo
+from cachectl.index.usage import TelemetryStats, UsageRow
 from cachectl.trust.caches import looks_secret
+from cachectl.usage.inventory import CacheTotals
 
 _SECRET_WORDS = ("key", "secret", "token", "password", "credential", "auth", "session")
 
@@ -134,134 +151,79 @@ def refusal(code: int, description: str) -> dict[int | str, dict[str, Any]]:
 # -- caches and environments ------------------------------------------------------------
 
 
-class CacheOut(Out):
-    """cachectl.core.cache_info.CacheInfo (secret-looking storage options redacted)."""
-
-    name: str
-    root_url: str
-    max_size: int | None
-    max_entry_size: int | None
-    env_max_size: int | None
-    retention_seconds: int | None
-    keep_versions: int | None
-    writers: list[str]
-    service_writes: str | None
-    group: str | None
-    storage_options: dict[str, Any]
-    created_at: datetime | None
-    trusted_keys: list[str]
+def _convert(tp: Any) -> Any:
+    """A record field's type as its JSON: tuples and sequences are lists, a nested record is that
+    record's model, a mapping is a JSON object."""
+    if dataclasses.is_dataclass(tp):
+        return _MODELS[tp]  # type: ignore[index]
+    origin, args = get_origin(tp), get_args(tp)
+    if origin in (types.UnionType, Union):
+        return functools.reduce(operator.or_, [_convert(a) for a in args])
+    if origin in (tuple, list, set, frozenset, abc.Sequence):
+        inner = [a for a in args if a is not Ellipsis]
+        return list_of(_convert(inner[0])) if inner else list[Any]
+    if origin is dict:
+        return dict[str, Any]
+    return tp
 
 
-class EnvironmentFieldsOut(Out):
-    """cachectl.core.fingerprint.Environment: what JAX's cache key holds besides the program."""
-
-    jax_version: str
-    jaxlib_version: str
-    backend: str
-    platform_version: str
-    device_kind: str
-    device_count: int
-    process_count: int
-    topology: str
-    xla_flags: list[str]
-    compression: str
-    enable_xla_caches: str
-    include_metadata_in_key: bool
+_MODELS: dict[type, type[Out]] = {}
 
 
-class EnvironmentOut(Out):
-    """cachectl.core.records.EnvironmentInfo, with its totals."""
-
-    id: int
-    cache: str
-    digest: str
-    namespace: str
-    environment: EnvironmentFieldsOut
-    created_at: datetime | None
-    last_seen_at: datetime | None
-    deleted_at: datetime | None
-    entries: int
-    bytes: int
-    last_access_at: datetime | None
-    executables: int
-    aot_bytes: int
+def list_of(model: Any) -> Any:
+    """``list[model]`` for a model made at run time (a type checker cannot read one as a type)."""
+    return list.__class_getitem__(model)
 
 
-class ResolveOut(Out):
-    """Where a fingerprint's environment lives, and whether this token may write it."""
-
-    cache: str
-    digest: str
-    namespace: str
-    url: str
-    exists: bool
-    created: bool
-    environment: EnvironmentOut | None
-    readonly: bool
-    entries_url: str
-
-
-# -- usage --------------------------------------------------------------------------------
-
-
-class UsageRowOut(Out):
-    """cachectl.index.usage.UsageRow: one environment's or function's counters over a window."""
-
-    environment: str
-    namespace: str
-    function: str | None
-    processes: int
-    requests: int
-    hits: int
-    misses: int
-    writes: int
-    saved_seconds: float
-    dropped: int
-    uncacheable: int
-    name: str | None
-    saved_warm_seconds: float
-    loads: int
-    saved_estimate_seconds: float
-    hit_rate: float | None
-    cacheable_requests: int
+def record_model(record: type, name: str) -> type[Out]:
+    """The model of the JSON ``to_jsonable`` writes for a library record, derived from the record
+    itself (its fields, less ``metadata={"json": False}``, then ``__json_extra__``), so the two
+    cannot drift; records it nests must have their models first."""
+    hints = get_type_hints(record)
+    fields: dict[str, Any] = {
+        f.name: (_convert(hints[f.name]), ...)
+        for f in dataclasses.fields(record)
+        if f.metadata.get("json", True)
+    }
+    for extra in getattr(record, "__json_extra__", ()):
+        fields[extra] = (_convert(get_type_hints(getattr(record, extra).fget)["return"]), ...)
+    model = create_model(
+        name, __base__=Out, __doc__=f"{record.__module__}.{record.__qualname__}", **fields
+    )
+    _MODELS[record] = model
+    return model
 
 
-class TelemetryStatsOut(Out):
-    """cachectl.index.usage.TelemetryStats."""
+# Nested records first. CacheInfo's secret-looking storage options are redacted (``ok``).
+EnvironmentFieldsOut = record_model(Environment, "EnvironmentFieldsOut")
+CacheOut = record_model(CacheInfo, "CacheOut")
+EnvironmentOut = record_model(EnvironmentInfo, "EnvironmentOut")
+UsageRowOut = record_model(UsageRow, "UsageRowOut")
+TelemetryStatsOut = record_model(TelemetryStats, "TelemetryStatsOut")
+CacheTotalsOut = record_model(CacheTotals, "CacheTotalsOut")
+AuditOut = record_model(AuditInfo, "AuditOut")
+EntryOut = record_model(EntryInfo, "EntryOut")
+EntryPageOut = record_model(EntryPage, "EntryPageOut")
+WarmRunOut = record_model(WarmRunInfo, "WarmRunOut")
+JobOut = record_model(JobInfo, "JobOut")
+TokenOut = record_model(TokenInfo, "TokenOut")
+CreatedTokenOut = record_model(CreatedToken, "CreatedTokenOut")
 
-    cache: str
-    since: datetime
-    window_seconds: float
-    environments: list[UsageRowOut]
-    functions: list[UsageRowOut]
-
-
-class CacheTotalsOut(Out):
-    """cachectl.usage.inventory.CacheTotals."""
-
-    cache: CacheOut
-    environments: int
-    entries: int
-    bytes: int
-    last_access_at: datetime | None
-    per_environment: list[EnvironmentOut]
-    executables: int
-    aot_bytes: int
-    telemetry: TelemetryStatsOut | None
-    hit_rate: float | None
-
-
-class AuditOut(Out):
-    """cachectl.core.records.AuditInfo."""
-
-    at: datetime
-    actor: str
-    operation: str
-    cache: str | None
-    entries: int
-    bytes: int
-    duration_ms: int | None
-    details: dict[str, Any]
+# Not a record: resolve's own answer.
+ResolveOut = create_model(
+    "ResolveOut",
+    __base__=Out,
+    __doc__="Where a fingerprint's environment lives, and whether this token may write it.",
+    cache=(str, ...),
+    digest=(str, ...),
+    namespace=(str, ...),
+    url=(str, ...),
+    exists=(bool, ...),
+    created=(bool, ...),
+    environment=(EnvironmentOut | None, ...),  # type: ignore[arg-type]
+    readonly=(bool, ...),
+    entries_url=(str, ...),
+)
 
 
 class RecordedOut(Out):
@@ -276,99 +238,9 @@ class TelemetryAcceptedOut(Out):
     rows: int
 
 
-# -- entries and warm runs --------------------------------------------------------------------
-
-
-class EntryOut(Out):
-    """cachectl.core.records.EntryInfo."""
-
-    key: str
-    module: str
-    size: int
-    sha256: str
-    compile_time_ms: int | None
-    origin: str
-    function: str | None
-    bucket: dict[str, Any] | None
-    created_at: datetime | None
-    last_access_at: datetime | None
-    hit_count: int
-    environment_id: int
-    aot_size: int | None
-    aot_sha256: str | None
-    aot_unusable: str | None
-
-
-class EntryPageOut(Out):
-    """cachectl.index.server_queries.EntryPage: ``next_offset`` is null on the last page."""
-
-    items: list[EntryOut]
-    total: int
-    limit: int
-    offset: int
-    next_offset: int | None
-
-
 class RegisteredOut(Out):
     inserted: int
     updated: int
-
-
-class WarmRunOut(Out):
-    """cachectl.core.records.WarmRunInfo."""
-
-    id: int
-    environment_id: int
-    manifest_digest: str
-    manifest_path: str | None
-    host: str
-    user: str
-    status: str
-    started_at: datetime | None
-    finished_at: datetime | None
-    heartbeat_at: datetime | None
-    buckets: int
-    compiled: int
-    cached: int
-    failed: int
-
-
-# -- jobs and tokens ----------------------------------------------------------------------------
-
-
-class JobOut(Out):
-    """cachectl.index.server_queries.JobInfo: ``result`` is the library's report as JSON."""
-
-    id: str
-    cache: str
-    kind: str
-    status: str
-    params: dict[str, Any]
-    result: dict[str, Any] | None
-    error: str | None
-    created_at: datetime | None
-    started_at: datetime | None
-    finished_at: datetime | None
-
-
-class TokenOut(Out):
-    """cachectl.core.records.TokenInfo: never the secret."""
-
-    id: int
-    name: str
-    role: str
-    caches: list[str] | None
-    created_at: datetime | None
-    expires_at: datetime | None
-    revoked_at: datetime | None
-    last_used_at: datetime | None
-
-
-class CreatedTokenOut(Out):
-    """cachectl.core.records.CreatedToken: the secret, in this response only."""
-
-    info: TokenOut
-    token: str
 
 
 # -- health ------------------------------------------------------------------------------------
