@@ -174,19 +174,6 @@ def _base_env(tmp: Path) -> dict[str, str]:
     return env
 
 
-def _compile_bytecode() -> str:
-    """Write cachectl's bytecode before timing, as installing the package does.
-
-    An editable install under PYTHONDONTWRITEBYTECODE (this machine's environment) never gets a
-    .pyc, so every process would compile cachectl's modules from source (~18 ms) while JAX's
-    come from its installed bytecode: an unequal comparison. What was done is reported."""
-    import compileall
-
-    package = Path(__file__).resolve().parent.parent / "cachectl"
-    ok = compileall.compile_dir(str(package), quiet=1)
-    return "compiled (as installed)" if ok else "compile failed: modules compiled from source"
-
-
 IMPORT_AFTER_JAX = """
 import time, jax
 t = time.perf_counter()
@@ -238,7 +225,9 @@ def bench_activation(tmp: Path, reps: int, k: int) -> dict[str, Any]:
         "managed": (START_MANAGED.format(k=k, target="'bench'"), env),
         "managed_root_and_mode": (START_MANAGED.format(k=k, target=""), deferred_env),
     }
-    bytecode = _compile_bytecode()
+    from bench.common import compile_bytecode
+
+    bytecode = compile_bytecode()
     walls: dict[str, list[float]] = {name: [] for name in variants}
     setups: dict[str, list[float]] = {name: [] for name in variants}
     full_gcs: dict[str, list[int]] = {name: [] for name in variants}

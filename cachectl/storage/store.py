@@ -175,7 +175,7 @@ class Store:
         """Every file under ``rel``, recursively, in one listing call."""
         full = self._full(rel)
         if self.kind == "file" and os.path.isdir(full):
-            return self._list_local(self.fs._strip_protocol(full))
+            return self._list_local(local.absolute(full))
         try:
             found = self.fs.find(full, detail=True, withdirs=False)
         except FileNotFoundError:
@@ -191,7 +191,7 @@ class Store:
         alone (no stat per file), for a caller that needs the times of only a few files (``infos``)."""
         full = self._full(rel)
         if self.kind == "file" and os.path.isdir(full):
-            below, found = local.flat(self.root, self.fs._strip_protocol(full), with_stat=False)
+            below, found = local.flat(self.root, local.absolute(full), with_stat=False)
             names = [name for name, _, _ in found]
             return names if below else [self._rel(name) for name in names]
         return [f.path for f in self.list(rel)]
@@ -237,7 +237,7 @@ class Store:
         full = self._full(rel)
         found: Sequence[Listed]
         if self.kind == "file" and os.path.isdir(full):
-            top = self.fs._strip_protocol(full)
+            top = local.absolute(full)
             below, rel_top = local.local_top(self.root, top)
             if below:
                 yield from local.walk(top, rel_top, stat)

@@ -39,6 +39,13 @@ def full_path(root: str, rel: str) -> str:
     return posixpath.join(root, rel) if rel else root
 
 
+def absolute(full: str) -> str:
+    """A local path spelled as fsspec's local filesystem lists it (absolute, no trailing slash),
+    without building that filesystem: importing fsspec and finding its implementations reads
+    every installed package's entry points, which a read-only service never needs."""
+    return os.path.abspath(full)
+
+
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _DIR_FLAGS = getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0)
 _READ_FLAGS = os.O_RDONLY | _NOFOLLOW | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
