@@ -279,3 +279,24 @@ def test_batched_local_delete_in_threads_counts_what_it_removed(tmp_path) -> Non
     assert store.delete(paths[:200] + ["ns/never-there"]) == 200
     assert sorted(f.path for f in store.list("ns")) == sorted(paths[200:])
     assert store.delete(paths) == 100
+
+
+def test_local_listings_never_import_fsspec(tmp_path: Path) -> None:
+    """A read-only service lists its namespace on local disk: that must not import fsspec (whose
+    filesystem lookup reads every installed package's entry points)."""
+    import subprocess
+    import sys
+
+    (tmp_path / "ns").mkdir()
+    (tmp_path / "ns" / "a-cache").write_bytes(b"x")
+    code = (
+        "import sys\n"
+        "from cachectl.storage.store import Store\n"
+        f"s = Store({str(tmp_path)!r})\n"
+        "assert [f.path for f in s.list('ns')] == ['ns/a-cache']\n"
+        "assert s.list_paths('ns') == ['ns/a-cache']\n"
+        "assert list(s.dir_stats('ns'))\n"
+        "print('fsspec' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False", out.stderr
