@@ -13,6 +13,7 @@ from support.bundles import (
     assert_nothing_installed,
     default_root,
     environments,
+    fresh_home,
     members,
     write_members,
 )
@@ -235,3 +236,87 @@ def test_a_bundle_with_a_key_jax_cannot_make_installs_nothing(
     )
     assert "Traceback" not in result.output and isinstance(result.exception, SystemExit)
     assert_nothing_installed()
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "bundle.json",
+        "files/jit_affine-" + "0" * 64 + "-cache",  # 88 bytes: a plain USTAR header
+        "files/" + "b" * 94,  # exactly 100 bytes
+        "files/jit_" + "long_function_name_" * 5 + "-" + "0" * 64 + "-cache",  # over 100: PAX
+        "files/jit_fonction_é-" + "0" * 64 + "-cache",  # not ASCII: PAX
+    ],
+)
+def test_bundle_member_headers_are_what_tarfile_writes(name: str) -> None:
+    """The writer's own header builder gives tarfile's bytes for every name (short ASCII names
+    built directly, the rest by tarfile), and tarfile reads each back with its name, size and
+    data. Without the fallback a long name would be cut at 100 bytes."""
+    import io
+    import tarfile
+
+    from cachectl.bundle.create import _header, _tarinfo
+
+    data = b"x" * 700
+    want = _tarinfo(name, len(data), 1764000000).tobuf(
+        tarfile.PAX_FORMAT, "utf-8", "surrogateescape"
+    )
+    got = _header(name, len(data), 1764000000)
+    assert got == want
+    stream = got + data + b"\0" * (-len(data) % 512) + b"\0" * 1024
+    with tarfile.open(fileobj=io.BytesIO(stream), mode="r|") as tar:
+        member = tar.next()
+        assert member is not None and (member.name, member.size) == (name, len(data))
+        fh = tar.extractfile(member)
+        assert fh is not None and fh.read() == data
+
+
+def _synthetic_namespace(tmp_path: Path, monkeypatch, count: int) -> tuple[Any, Path]:
+    """A fresh home whose namespace indexes ``count`` small entries, as bench/fleet.py builds it."""
+    import os
+
+    from cachectl.context import Context
+    from cachectl.core.config import load_settings
+    from cachectl.index import NewEntry
+    from cachectl.storage.entries import make_entry, sha256
+
+    fresh_home(tmp_path, monkeypatch, "src")
+    ctx = Context(load_settings())
+    cache = ctx.cache()
+    ns, info = ctx.namespace(cache)
+    store = ctx.store(cache)
+    rows = []
+    for i in range(count):
+        data = make_entry(os.urandom(2048), 1)
+        key = f"jit_small-{i:064x}"
+        store.write_bytes(f"{ns.relpath}/{key}-cache", data)
+        rows.append(NewEntry(key, "jit_small", len(data), sha256(data), "warm", 1000))
+    ctx.index.upsert_entries(info.id, rows)
+    return ctx, Path(ns.url)
+
+
+@pytest.mark.parametrize(
+    ("damage", "message"),
+    [("remove", "is in the index but not in storage"), ("alter", "differs from the index")],
+)
+def test_bundle_create_refuses_a_file_storage_lost_or_changed_in_a_later_read_batch(
+    tmp_path: Path, monkeypatch, damage: str, message: str
+) -> None:
+    """Files are read in batches of up to 64: a missing or changed file deep in a later batch
+    still stops the bundle, names that file, and leaves no bundle (nor its temporary file)."""
+    from cachectl import bundle
+    from cachectl.core.errors import OperationFailed
+
+    ctx, ns_dir = _synthetic_namespace(tmp_path, monkeypatch, 150)
+    victim = ns_dir / f"jit_small-{130:064x}-cache"
+    if damage == "remove":
+        victim.unlink()
+    else:
+        victim.write_bytes(victim.read_bytes()[:-1] + b"!")
+    out = tmp_path / "out" / "ns.tar.zst"
+    out.parent.mkdir()
+    with pytest.raises(OperationFailed, match=message) as err:
+        bundle.create(ctx, out)
+    assert victim.name in str(err.value)
+    assert list(out.parent.iterdir()) == []
+    ctx.close()

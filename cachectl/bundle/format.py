@@ -83,6 +83,12 @@ class InstallResult:
 # --------------------------------------------------------------------------- reading
 
 
+# tarfile reads a stream in pieces of this size (its default, 10 KiB, is 50 reads and joins per
+# 512 KiB entry); each read of a member keeps the rest of the piece, so much larger costs copies
+# with small members (bench/fleet.py).
+_STREAM_BUFSIZE = 64 << 10
+
+
 @contextmanager
 def open_bundle(path: Path) -> Iterator[tarfile.TarFile]:
     import zstandard
@@ -98,7 +104,7 @@ def open_bundle(path: Path) -> Iterator[tarfile.TarFile]:
             raise BadBundle(f"{path} is not a cachectl bundle (not zstd-compressed)")
         reader = zstandard.ZstdDecompressor().stream_reader(fh, read_across_frames=True)
         try:
-            with tarfile.open(fileobj=reader, mode="r|") as tar:
+            with tarfile.open(fileobj=reader, mode="r|", bufsize=_STREAM_BUFSIZE) as tar:
                 yield tar
         except (tarfile.TarError, zstandard.ZstdError, EOFError) as exc:
             raise BadBundle(f"{path}: damaged bundle ({exc})") from exc
