@@ -102,6 +102,7 @@ elif mode == "floor":
     load = loads = time.perf_counter() - t
 else:
     fns = [jax.jit(getattr(case, attr)) for _, attr, _, _ in calls]
+loaded = time.perf_counter() - t0
 first = []
 t1 = time.perf_counter()
 for fn, (_, _, _, args) in zip(fns, calls):
@@ -110,15 +111,17 @@ for fn, (_, _, _, args) in zip(fns, calls):
     first.append(time.perf_counter() - t)
 first_all = time.perf_counter() - t1
 ready = time.perf_counter() - t0
-steady = []
-for fn, (_, _, _, args) in zip(fns, calls):
-    times = []
-    for _ in range({steady_calls}):
+# Steady state as the first calls ran: every bucket in turn, {steady_calls} rounds, each bucket's median
+# (a bucket called again at once finds its code and buffers in the CPU's caches; a service
+# switching buckets, as the first calls did, does not).
+times = [[] for _ in calls]
+for _ in range({steady_calls}):
+    for i, (fn, (_, _, _, args)) in enumerate(zip(fns, calls)):
         t = time.perf_counter()
         jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t)
-    steady.append(statistics.median(times))
-print(json.dumps({{"ready": ready, "load": load, "loads": loads, "first": first, "steady": steady,
+        times[i].append(time.perf_counter() - t)
+steady = [statistics.median(ts) for ts in times]
+print(json.dumps({{"ready": ready, "loaded": loaded, "load": load, "loads": loads, "first": first, "steady": steady,
                   "overhead": load + first_all - sum(steady),
                   "labels": [f"{{n}}[{{l}}]" for n, _, l, _ in calls]}}))
 """
@@ -194,7 +197,7 @@ def _one_case(case: Any, rounds: int) -> dict[str, Any]:
     result: dict[str, Any] = {"labels": samples["serving"][0]["labels"]}
     for mode, rows in samples.items():
         result[mode] = {
-            k: stats([r[k] for r in rows]) for k in ("ready", "load", "loads", "overhead")
+            k: stats([r[k] for r in rows]) for k in ("ready", "loaded", "load", "loads", "overhead")
         }
         # per bucket: the first request over its steady-state latency, each round's own
         result[mode]["first_over_steady"] = [
@@ -210,7 +213,7 @@ def _one_case(case: Any, rounds: int) -> dict[str, Any]:
     for a, b in (("none", "serving"), ("activate", "serving"), ("serving", "floor")):
         pairs = list(zip(samples[a], samples[b], strict=True))
         result[f"{a}/{b}"] = {
-            k: stats([x[k] / y[k] for x, y in pairs]) for k in ("overhead", "ready")
+            k: stats([x[k] / y[k] for x, y in pairs]) for k in ("overhead", "ready", "loaded")
         }
     return result
 
@@ -244,14 +247,18 @@ def markdown(r: dict[str, Any]) -> str:
         "",
         f"`python -m bench --only field`. {machine_line()} Fresh processes, {r['rounds']} rounds, "
         "the five kinds alternating; every bucket of the field suite's Brax/MJX and Flax NNX "
-        "manifests (tests/support/field_cases.py) called once on zeros of its shape, then "
-        f"{STEADY_CALLS} times more (steady state: their median). *Overhead*: first calls minus "
+        "manifests (tests/support/field_cases.py) called once on zeros of its shape, in turn, "
+        f"then {STEADY_CALLS} rounds more of the same calls in the same order (steady state: each "
+        "bucket's median; rounds, not one bucket's calls back to back, so that a steady call "
+        "follows another bucket's as a first call does). *Overhead*: first calls minus "
         "steady-state calls, plus for (c) building the runtime (activate, find, check and load "
         "the executables; with `warmup=True` also one call of each on zeros) and for (d) the "
         "pool's loads. *Setup*: `cachectl.serving(...)` for (c) (importing cachectl's index stack, "
         "activate, then the executables), the pool for (d); *loading executables*: for (c) the "
-        "runtime's own `ready_seconds` (find, check, load), for (d) the pool. *Ready*: process start (before `import jax`) to every bucket's first "
-        "result, imports of the libraries included.",
+        "runtime's own `ready_seconds` (find, check, load), for (d) the pool. *Loaded*: process "
+        "start (before `import jax`) to the runtime built (for (c+w) warmed up too), or (d)'s "
+        "pool done. *Ready*: process start to every bucket's first result, imports of the "
+        "libraries included.",
         "",
     ]
     goals = []
@@ -260,14 +267,15 @@ def markdown(r: dict[str, Any]) -> str:
         lines += [
             f"**{name}** ({len(c['labels'])} buckets: {', '.join(c['labels'])})",
             "",
-            "| service | ready | overhead | of which setup | of which loading executables |",
-            "|---|---:|---:|---:|---:|",
+            "| service | loaded | ready | overhead | of which setup | of which loading executables |",
+            "|---|---:|---:|---:|---:|---:|",
         ]
         for mode in MODES:
             s = c[mode]
+            loaded = _ms(s["loaded"]) if mode in ("serving", "serving_warmup", "floor") else "–"
             lines.append(
-                f"| {LABELS[mode]} | {_ms(s['ready'])} | {_ms(s['overhead'])} | {_ms(s['load'])} "
-                f"| {_ms(s['loads'])} |"
+                f"| {LABELS[mode]} | {loaded} | {_ms(s['ready'])} | {_ms(s['overhead'])} | "
+                f"{_ms(s['load'])} | {_ms(s['loads'])} |"
             )
         lines += [
             "",
@@ -285,7 +293,8 @@ def markdown(r: dict[str, Any]) -> str:
             "",
             f"Overhead (a)/(c) **{_x(c['none/serving']['overhead'])}**, (b)/(c) "
             f"{_x(c['activate/serving']['overhead'])}, (c)/(d) **{_x(c['serving/floor']['overhead'])}**; "
-            f"ready (a)/(c) {_x(c['none/serving']['ready'])}, (c)/(d) {_x(c['serving/floor']['ready'])}. "
+            f"ready (a)/(c) {_x(c['none/serving']['ready'])}, (c)/(d) {_x(c['serving/floor']['ready'])}; "
+            f"loaded (c)/(d) **{_x(c['serving/floor']['loaded'])}**. "
             f"Readiness with `warmup=True`: {_ms(c['serving_warmup']['load'])} to build the runtime "
             f"against {_ms(c['serving']['load'])} without.",
             "",
@@ -296,6 +305,11 @@ def markdown(r: dict[str, Any]) -> str:
             goals.append(
                 f"- (a)/(c) ≥ 15x on Brax/MJX: {got:.1f}x, **{'met' if got >= 15 else 'not met'}**."
             )
+        loaded = c["serving/floor"]["loaded"]["median"]
+        goals.append(
+            f"- {name} ({len(c['labels'])} buckets), loaded (process start to every bucket loaded) "
+            f"within 1.15x of (d): {loaded:.2f}x, **{'met' if loaded <= 1.15 else 'not met'}**."
+        )
         if name == "flax-nnx":
             got = c["serving/floor"]["overhead"]["median"]
             goals.append(

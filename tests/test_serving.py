@@ -695,7 +695,15 @@ import time
 import numpy as np
 sys.path.insert(0, {dir!r})
 import cachectl
+from cachectl.dispatch import router
+served = []
+_call = router.ServedFunction.__call__
+def counted(self, *args, **kwargs):
+    served.append(self.name)
+    return _call(self, *args, **kwargs)
+router.ServedFunction.__call__ = counted
 rt = cachectl.serving({manifest!r}, warmup={warmup})
+during_build = len(served)
 f = rt["affine"]
 w = np.eye(8, dtype=np.float32)
 seconds = []
@@ -703,7 +711,8 @@ for n in (2, 4, 2, 4):
     started = time.perf_counter()
     np.asarray(f(np.ones((n, 8), np.float32), w))
     seconds.append(time.perf_counter() - started)
-print(json.dumps(dict(report=rt.report().to_json(), compiles=compiles(), seconds=seconds)))
+print(json.dumps(dict(report=rt.report().to_json(), compiles=compiles(), seconds=seconds,
+                      during_build=during_build)))
 """
 )
 
@@ -727,3 +736,8 @@ def test_warmup_runs_every_bucket_once_before_the_first_request(tmp_path: Path) 
     assert out[True]["compiles"] == {}, out[True]
     fn = warmed["functions"]["affine"]
     assert fn["aot"] == 4 and fn["fallback"] == 0 and fn["calls"] == 4, fn
+    # Each bucket went once through the request path too (in the building thread), counted
+    # nowhere: the counters and sizes are the four requests' alone, as without warm-up.
+    assert out[True]["during_build"] == fn["buckets"] == 2 and out[False]["during_build"] == 0
+    assert fn["raw_sizes"] == cold["functions"]["affine"]["raw_sizes"], (fn, cold)
+    assert fn["padded"] == cold["functions"]["affine"]["padded"], (fn, cold)

@@ -110,7 +110,7 @@ functions:
     args:
       - {pytree: case:state_specs}
       - {shape: [batch, seq], dtype: int32}
-    buckets: {batch: [1, 4], seq: [8, 16]}
+    buckets: {batch: [1, 2, 4], seq: [8, 16, 32, 64]}
 """,
     warmup=STARTUP,
 )
