@@ -586,8 +586,9 @@ def serving(
     ``mirror=DIR`` serves from a local mirror that activate() pulls first
     (entries and executables, verified against the index). ``warmup`` (which loads every
     bucket, whatever ``preload`` says) then calls each stored executable once on zeros in
-    the same pool, so that no request pays XLA's first run of an executable; the report
-    gives ``warmup_seconds`` and ``warm_ready_seconds`` apart from load and readiness.
+    the same pool, so that no request pays XLA's first run of an executable, and once more
+    through the request path in this thread (counted nowhere); the report gives
+    ``warmup_seconds`` and ``warm_ready_seconds`` apart from load and readiness.
     """
     if overflow not in OVERFLOW_MODES:
         raise ValueError(f"overflow must be one of {', '.join(OVERFLOW_MODES)}, got {overflow!r}")

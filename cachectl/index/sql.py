@@ -384,7 +384,7 @@ class Index:
                 .where(Entry.environment_id == env_id)
                 .order_by(Entry.key)
             )
-            return [entry_info(r) for r in s.execute(q)]
+            return [entry_info(r) for r in s.connection().execute(q)]
 
     def entry_keys(self, env_id: int) -> dict[str, tuple[int, str]]:
         """key -> (size, sha256) for one environment: what sync diffs against."""
