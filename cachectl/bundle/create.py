@@ -18,10 +18,12 @@ from typing import Any
 from cachectl.bundle.format import (
     FILES,
     FORMAT,
+    INLINE_MAX,
     META,
     SIGNATURE,
     BundleEntry,
     BundleInfo,
+    ran_here,
     sign_entries,
     write_all,
 )
@@ -106,10 +108,6 @@ _READ_AHEAD = 3  # read tasks ahead of the writer: more holds fresh pages (bench
 _BATCH_BYTES = 1 << 20  # files read by one task, up to this many bytes or _BATCH_FILES files:
 _BATCH_FILES = 64  # a task per 8 KiB file cost more in handing over than in reading it
 _FLUSH = 1 << 20  # bytes the writer gathers for one writev
-# Files up to this size are read and hashed in the writing thread: a worker's many short GIL
-# releases per small file each wait on this thread (a switch interval, 5 ms, at worst), which
-# cost more than the reads (bench/fleet.py, 2,000 entries of 8 KiB).
-_INLINE_MAX = 64 << 10
 
 
 def _block_header(size: int) -> bytes:
@@ -193,7 +191,7 @@ class _Read:
 
 
 def _batches(files: list[tuple[str, int, str]]) -> Iterator[tuple[list[str], bool]]:
-    """The files in read tasks, each with whether all of its files are small (_INLINE_MAX)."""
+    """The files in read tasks, each with whether all of its files are small (INLINE_MAX)."""
     batch: list[str] = []
     nbytes, small = 0, True
     for name, size, _ in files:
@@ -202,7 +200,7 @@ def _batches(files: list[tuple[str, int, str]]) -> Iterator[tuple[list[str], boo
             batch, nbytes, small = [], 0, True
         batch.append(name)
         nbytes += size
-        small = small and size <= _INLINE_MAX
+        small = small and size <= INLINE_MAX
     if batch:
         yield batch, small
 
@@ -230,12 +228,8 @@ def _read_verified(
             pending: list[Future[list[_Read | None]]] = []
             try:
                 for batch, small in _batches(files):
-                    if small:  # read here: see _INLINE_MAX
-                        done: Future[list[_Read | None]] = Future()
-                        done.set_result(read(batch))
-                        pending.append(done)
-                    else:
-                        pending.append(pool.submit(read, batch))
+                    # small files read here: see INLINE_MAX
+                    pending.append(ran_here(read, batch) if small else pool.submit(read, batch))
                     if len(pending) >= _READ_AHEAD:
                         yield from pending.pop(0).result()
                 while pending:

@@ -7,11 +7,12 @@ import dataclasses
 import json
 import os
 import tarfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, TypeVar
 
 from cachectl.core import temps
 from cachectl.core.errors import BadInput
@@ -24,6 +25,7 @@ FILES = "files/"
 ORIGIN = "bundle"
 STAGING_DIR = temps.STAGING_DIR
 CHUNK = 1 << 20
+T = TypeVar("T")
 
 
 class BadBundle(BadInput):
@@ -81,6 +83,24 @@ class InstallResult:
 
 
 # --------------------------------------------------------------------------- reading
+
+
+# Files up to this size are read, hashed and written in the thread that parses or writes the tar
+# stream, on both create and install: handing a small file to a worker cost more than the work, and
+# each of a worker's GIL hand-backs can wait a switch interval (5 ms) on that thread (bench/fleet.py,
+# 2,000 entries of 8 KiB).
+INLINE_MAX = 64 << 10
+
+
+def ran_here(fn: Callable[..., T], *args: Any) -> Future[T]:
+    """``fn(*args)`` run now, in this thread, as a settled future: a result or its exception, taken
+    in order with the ones a pool still runs."""
+    done: Future[T] = Future()
+    try:
+        done.set_result(fn(*args))
+    except Exception as exc:  # noqa: BLE001 - raised where the future is settled, in order
+        done.set_exception(exc)
+    return done
 
 
 # tarfile reads a stream in pieces of this size (its default, 10 KiB, is 50 reads and joins per

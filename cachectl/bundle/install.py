@@ -20,6 +20,7 @@ from cachectl.bundle.format import (
     BUNDLE_EXPANSION,
     CHUNK,
     FILES,
+    INLINE_MAX,
     META,
     ORIGIN,
     STAGING_DIR,
@@ -30,6 +31,7 @@ from cachectl.bundle.format import (
     content_signature,
     entries_signed,
     open_bundle,
+    ran_here,
     read_meta,
     room,
     write_all,
@@ -81,13 +83,8 @@ def _staging_dir(store: Any, ns: str) -> Path:
 
 
 _WORKERS = 2  # threads hashing and writing members while the main thread decompresses
-_PIECE = 64 << 10
 _IN_MEMORY_MAX = 16 << 20  # members up to this size are hashed and written in a worker thread
 _IN_FLIGHT_MAX = 4 << 20  # bytes read but not yet written: more costs fresh pages (bench/fleet.py)
-# Members up to this size are written here, not in a worker: handing a small member over cost more
-# than writing it, and each of a worker's GIL hand-backs can wait a switch interval (5 ms) on this
-# thread's tar parsing (bench/fleet.py, 2,000 entries of 8 KiB: about twice as fast inline).
-_INLINE_MAX = 64 << 10
 
 
 def _write_hashed(dest: Path, data: bytes) -> str:
@@ -173,6 +170,13 @@ def _extract(
     def small(name: str, data: bytes) -> int | None:
         return stage(name, data, _write_hashed(staging / name, data))
 
+    def read_small(name: str, src: IO[bytes], size: int) -> int | None:
+        return small(name, _read_exactly(src, size))
+
+    def streamed(name: str, src: IO[bytes], size: int) -> int | None:
+        dest = staging / name
+        return stage(name, dest, _stream_hashed(src, dest, size))
+
     def settle() -> int:
         name, size, done = pending.pop(0)
         ms = done.result()
@@ -188,21 +192,12 @@ def _extract(
             src = tar.extractfile(member)
             assert src is not None
             done: Future[int | None]
-            if size <= _INLINE_MAX:
-                done = Future()
-                try:
-                    done.set_result(small(name, _read_exactly(src, size)))
-                except Exception as exc:  # noqa: BLE001 - raised by settle, in order
-                    done.set_exception(exc)
+            if size <= INLINE_MAX:
+                done = ran_here(read_small, name, src, size)
             elif size <= _IN_MEMORY_MAX:
                 done = pool.submit(small, name, _read_exactly(src, size))
             else:
-                done = Future()
-                try:
-                    dest = staging / name
-                    done.set_result(stage(name, dest, _stream_hashed(src, dest, size)))
-                except Exception as exc:  # noqa: BLE001 - raised by settle, in order
-                    done.set_exception(exc)
+                done = ran_here(streamed, name, src, size)
             pending.append((name, size, done))
             in_flight += size
             while in_flight > _IN_FLIGHT_MAX:
