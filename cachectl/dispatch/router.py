@@ -50,6 +50,8 @@ OVERFLOW_MODES = ("error", "compile")
 MAX_SIZES_PER_AXIS = 4096
 # ... and per telemetry flush (one JSON row per function and flush).
 MAX_SIZES_PER_FLUSH = 1024
+# Warm-up calls of every bucket through the request path, after its executable's first run.
+SERVED_WARMUP_PASSES = 2
 
 
 class NoDummyInput(ValueError):
@@ -486,12 +488,13 @@ class Serving:
                     pool.map(lambda s: owner[id(s)]._warm_up(s, self._paths), todo)
                 )
         if warmup:
-            # Once more each, here and through the request path (pick, pad, convert, call): the
-            # first request otherwise pays that path's first run, not the executable's (about
-            # 0.1-0.3 ms, bench/field.py), and requests often arrive on this thread.
+            # Then through the request path (pick, pad, convert, call), here, where requests
+            # often arrive, every bucket in turn, twice: after one pass the first requests
+            # still ran about 1.15x of steady state, after two at it (bench/field.py).
             t = time.perf_counter()
-            for s in todo:
-                owner[id(s)]._served_warm_up(s)
+            for _ in range(SERVED_WARMUP_PASSES):
+                for s in todo:
+                    owner[id(s)]._served_warm_up(s)
             self.warmup_seconds += time.perf_counter() - t
             self.warm_ready_seconds = time.perf_counter() - started
 
@@ -586,7 +589,7 @@ def serving(
     ``mirror=DIR`` serves from a local mirror that activate() pulls first
     (entries and executables, verified against the index). ``warmup`` (which loads every
     bucket, whatever ``preload`` says) then calls each stored executable once on zeros in
-    the same pool, so that no request pays XLA's first run of an executable, and once more
+    the same pool, so that no request pays XLA's first run of an executable, and twice more
     through the request path in this thread (counted nowhere); the report gives
     ``warmup_seconds`` and ``warm_ready_seconds`` apart from load and readiness.
     """
