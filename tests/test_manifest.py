@@ -9,7 +9,9 @@ import subprocess
 import sys
 import textwrap
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -776,7 +778,9 @@ def test_validation_imports_no_jax_and_gives_the_same_messages(tmp_path: Path) -
         _NO_JAX
         + f"""
 import json
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -820,3 +824,178 @@ def test_common_dtypes_are_names_dtype_accepts() -> None:
 
     assert {str(dtype_named(name)) for name in COMMON_DTYPES} == set(COMMON_DTYPES)
     assert set(COMMON_DTYPES) <= set(_jax_dtype_names())
+
+
+# --- the schema's builder and pydantic: one verdict, one result --------------------------------
+
+RICH = """
+version: 1
+cache: default
+target: {backend: cpu, device_kind: "cpu*", device_count: 1}
+functions:
+  - fn: mod:f
+    jit: {static_argnums: 2, donate_argnames: x, keep_unused: true, compiler_options: {xla_cpu_enable_fast_math: false}}
+    args:
+      - {shape: [batch, 8], dtype: float32, weak_type: true, pad: -1.5}
+      - {pytree: mod:tree, leaf_axes: {0: batch, "a.b": {1: batch}}}
+      - {value: null}
+      - {value: [1, "two", 3.25, {k: v}]}
+      - {shape: [batch], dtype: bfloat16, sharding: single_device}
+    kwargs: {mode: fast, n: {axis: batch}}
+    buckets: {batch: [1, 2, 4]}
+    exclude: [{batch: 2}]
+    outputs: [{shape: [batch, 8]}, null]
+  - name: g.v-2
+    fn: mod.sub:g
+    mesh: {axes: {data: 1}, axis_types: explicit}
+    args:
+      - {shape: [4, 4], dtype: int32, sharding: [data, null]}
+    buckets: {}
+"""
+
+# What each field's value is replaced with, in turn: every type YAML gives, and near misses.
+_SUBSTITUTES: list[Any] = [
+    None,
+    True,
+    False,
+    0,
+    1,
+    -1,
+    2.5,
+    "",
+    "x",
+    "mod:f",
+    "int32",
+    "cpu",
+    [],
+    [1],
+    ["a"],
+    {},
+    {"a": 1},
+    {0: "batch"},
+    {"shape": [1]},
+]
+
+
+def _variants(data: Any, path: tuple[Any, ...] = ()) -> Iterator[tuple[tuple[Any, ...], Any]]:
+    """(path, the document with the value at path replaced / removed / joined by an unknown key)."""
+    import copy
+
+    def replaced(new: Any, drop: bool = False) -> Any:
+        doc = copy.deepcopy(RICH_DATA)
+        node = doc
+        for part in path[:-1]:
+            node = node[part]
+        if drop:
+            del node[path[-1]]
+        else:
+            node[path[-1]] = new
+        return doc
+
+    if path:
+        for new in _SUBSTITUTES:
+            yield path + ("=", repr(new)), replaced(new)
+        if isinstance(path[-1], str):
+            yield path + ("removed",), replaced(None, drop=True)
+    if isinstance(data, dict):
+        if path:
+            yield path + ("+bogus",), replaced({**data, "bogus": 1})
+        for key, value in data.items():
+            yield from _variants(value, path + (key,))
+    elif isinstance(data, list):
+        for i, value in enumerate(data):
+            yield from _variants(value, path + (i,))
+
+
+def _verdict(tp: Any, data: Any) -> tuple[bool, Any]:
+    from cachectl.core.jsonable import type_adapter
+    from cachectl.manifest.schema import Unchecked, as_data, build
+
+    try:
+        built = (True, as_data(build(tp, data)))
+    except Unchecked:
+        built = (False, None)
+    from pydantic import ValidationError
+
+    try:
+        validated = (True, as_data(type_adapter(tp).validate_python(data)))
+    except ValidationError:
+        validated = (False, None)
+    return built, validated
+
+
+import yaml  # noqa: E402
+
+RICH_DATA = yaml.safe_load(RICH)
+
+
+def test_builder_and_pydantic_agree_on_every_variant_of_a_rich_manifest() -> None:
+    """load.py takes a manifest through the schema's builder, without pydantic, and asks
+    pydantic only about one it cannot build. For every field of a manifest that uses every
+    field, replaced by each kind of YAML value, removed, or joined by an unknown key, both take
+    it or both refuse it, and what they take is the same data."""
+    from cachectl.manifest.schema import Manifest
+
+    seen = {True: 0, False: 0}
+    for where, doc in _variants(RICH_DATA):
+        built, validated = _verdict(Manifest, doc)
+        assert built == validated, (where, built, validated)
+        seen[built[0]] += 1
+    assert seen[True] > 50 and seen[False] > 200, seen  # both verdicts, many times
+
+
+@pytest.mark.parametrize("name,text,line,fragment", MALFORMED, ids=[m[0] for m in MALFORMED])
+def test_builder_refuses_every_malformed_manifest_pydantic_refuses(
+    name: str, text: str, line: int, fragment: str
+) -> None:
+    from cachectl.manifest.schema import Manifest
+
+    try:
+        data = yaml.safe_load(textwrap.dedent(text))
+    except yaml.YAMLError:
+        return  # refused before either sees it
+    built, validated = _verdict(Manifest, data)
+    assert built == validated, (built, validated)
+
+
+def test_spec_digests_are_the_bytes_pydantic_dumped() -> None:
+    """Stored executables record their function entry's digest (spec_digest); these are the
+    digests the pydantic models' model_dump_json gave for these entries, before the schema
+    became dataclasses: executables stored then still match."""
+    from cachectl.storage.executables import spec_digest
+
+    rich = parse_manifest(RICH, name="rich.yaml")
+    example = load_manifest(EXAMPLE)
+    assert {s.name: spec_digest(s) for s in [*rich.functions, *example.functions]} == {
+        "f": "42fbe52224744e71cf1b4f03025a97cabb6b33425604ffabd94bf669fa956810",
+        "g.v-2": "171f4e2582204ab31295f6bef51d2360de550afab641e1ab884706de85c672f9",
+        "prefill": "ce9f55a42e597a4cd97876b6774350aa018272552ec69d4b4ca2580c94ae50ed",
+        "decode_step": "dde899b2f05c2f76fa421387a41c7a29a2f00d38d52c757c0c6b2e59cffe2c21",
+    }
+
+
+def test_a_valid_manifest_loads_without_pydantic_and_a_bad_one_with_its_messages(
+    tmp_path: Path,
+) -> None:
+    bad = write(
+        tmp_path, "version: 1\nfunctions:\n  - fn: m:f\n    args: [{shape: 4}]\n", "bad.yaml"
+    )
+    out = run_python(
+        f"""
+        import sys
+        from cachectl.core.errors import BadInput
+        from cachectl.manifest import load_manifest
+        load_manifest({str(EXAMPLE)!r})
+        print("after-valid", "pydantic" in sys.modules)
+        try:
+            load_manifest({str(bad)!r})
+        except BadInput as exc:
+            print("bad:", exc)
+        print("after-bad", "pydantic" in sys.modules)
+        """,
+        {},
+        tmp_path,
+    )
+    assert "after-valid False" in out, out
+    assert "bad.yaml:4: functions[0].args[0].shape: expected a list, got int 4" in out, out
+    assert "after-bad True" in out, out

@@ -168,9 +168,10 @@ def _write(value: Any, newline: str, parts: list[str]) -> None:
 
 
 @functools.lru_cache(maxsize=256)
-def _adapter(tp: Any) -> Any:
+def type_adapter(tp: Any) -> Any:
     """pydantic's validator for ``tp``, built once per type; pydantic is imported only here,
-    so activate() in server mode pays for it only when it decodes a response."""
+    so activate() in server mode pays for it only when it decodes a response, and a valid
+    manifest never (manifest/load.py asks pydantic only about one it cannot build)."""
     from pydantic import TypeAdapter
 
     return TypeAdapter(tp)
@@ -181,4 +182,4 @@ def from_jsonable(tp: Any, data: Any) -> Any:
     made of it; keys ``tp`` does not have (``__json_extra__``'s) are ignored."""
     if data is None or tp is Any or tp is object:
         return data
-    return _adapter(tp).validate_python(data)
+    return type_adapter(tp).validate_python(data)

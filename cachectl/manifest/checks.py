@@ -83,9 +83,9 @@ def _argument_problems(
 ) -> Iterator[tuple[Loc, str]]:
     """One argument's problems; the axes its shape (or leaf_axes) uses go into ``shape_axes``."""
     axes = spec.buckets
-    given = [k for k in ("shape", "pytree", "value") if k in arg.model_fields_set]
+    given = [k for k in ("shape", "pytree", "value") if k in arg.given]
     if len(given) != 1:
-        has = ", ".join(sorted(arg.model_fields_set)) or "nothing"
+        has = ", ".join(sorted(arg.given)) or "nothing"
         yield (
             aloc,
             f"an argument needs exactly one of shape (with dtype), pytree or value; this one has {has}",
@@ -95,7 +95,7 @@ def _argument_problems(
         yield from _array_problems(arg, aloc, axes, shape_axes)
     else:
         for key in ("dtype", "weak_type"):
-            if key in arg.model_fields_set:
+            if key in arg.given:
                 yield aloc + (key,), f"only an array argument (shape) takes {key}"
     if arg.leaf_axes is not None:
         if arg.kind != "pytree":
@@ -106,7 +106,7 @@ def _argument_problems(
                     yield lloc, problem
                 else:
                     shape_axes.add(axis)
-    if "pad" in arg.model_fields_set and (arg.kind != "array" or not _is_scalar(arg.pad)):
+    if "pad" in arg.given and (arg.kind != "array" or not _is_scalar(arg.pad)):
         yield aloc + ("pad",), "pad is a scalar, given only on an array argument (shape)"
     yield from _argument_sharding_problems(spec, arg, aloc)
 

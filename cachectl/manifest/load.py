@@ -5,6 +5,7 @@ import problems too."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
 from collections.abc import Sequence
@@ -12,14 +13,22 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import ValidationError
 
 from cachectl.core.config import DEFAULT_MAX_BUCKETS, MAX_BUCKETS_ENV
 from cachectl.core.errors import BadInput
+from cachectl.core.jsonable import type_adapter
 from cachectl.manifest.checks import semantic_problems
 from cachectl.manifest.imports import import_problems
 from cachectl.manifest.problems import pydantic_problems, raise_problems
-from cachectl.manifest.schema import ArgSpec, FunctionSpec, Manifest, Target
+from cachectl.manifest.schema import (
+    ArgSpec,
+    FunctionSpec,
+    Manifest,
+    Target,
+    Unchecked,
+    build,
+    located,
+)
 from cachectl.manifest.source import (
     Loader,
     Loc,
@@ -28,6 +37,8 @@ from cachectl.manifest.source import (
     expanded_size,
     line_map,
 )
+
+ARG_FIELDS = frozenset(f.name for f in dataclasses.fields(ArgSpec))
 
 # A manifest is a few hundred YAML nodes; one that expands (through aliases) to more than
 # this is an alias bomb ("billion laughs"), refused before anything walks it.
@@ -117,11 +128,29 @@ def parse_manifest(
 def _validate(
     data: dict[str, Any], source: Source, import_paths: Sequence[str | Path] | None = None
 ) -> Manifest:
-    manifest, problems = _collect_problems(data, source, import_paths)
-    if problems or manifest is None:
-        raise_problems(source, problems)
-        raise AssertionError("unreachable: raise_problems always raises")
+    manifest = _built(data, source)
+    if manifest is None:
+        manifest, problems = _collect_problems(data, source, import_paths)
+        if problems or manifest is None:
+            raise_problems(source, problems)
+            raise AssertionError("unreachable: raise_problems always raises")
     _check_bucket_count(manifest, source, max_buckets())
+    return manifest
+
+
+def _built(data: dict[str, Any], source: Source) -> Manifest | None:
+    """A manifest the schema's own builder takes and the cross-field checks pass, without
+    pydantic (about 60 ms to import and build: most of a service's start-up beyond JAX's);
+    None when there is anything to report, which pydantic's errors then describe."""
+    try:
+        manifest: Manifest = build(Manifest, data)
+    except Unchecked:
+        return None
+    located(manifest, source)
+    for index, spec in enumerate(manifest.functions):
+        located(spec, source, index)
+    if next(iter(semantic_problems(list(manifest.functions), manifest.target, source)), None):
+        return None
     return manifest
 
 
@@ -134,15 +163,17 @@ def _collect_problems(
 
     A later stage's problem at, above or under an earlier one's field is its consequence
     and is left out. A valid manifest is returned with no problems (nothing imported)."""
+    from pydantic import ValidationError
+
     manifest: Manifest | None
     try:
-        valid = Manifest.model_validate(data)
+        valid = type_adapter(Manifest).validate_python(data)
     except ValidationError as exc:
         manifest = None
         schema = list(pydantic_problems(exc))
     else:
         schema = []
-        valid._source = source
+        located(valid, source)
         manifest = valid
     specs = _function_specs(data, manifest, source, [loc for loc, _ in schema])
     target = manifest.target if manifest is not None else _valid_target(data)
@@ -181,12 +212,11 @@ def _function_specs(
         for index, entry in enumerate(entries):
             spec = _salvage(entry, [loc[2:] for loc in broken if loc[:2] == ("functions", index)])
             if spec is not None:
-                spec._index = index
+                located(spec, source, index)
                 specs.append(spec)
-    for index, spec in enumerate(specs):
-        spec._source = source
-        if manifest is not None:
-            spec._index = index
+    if manifest is not None:
+        for index, spec in enumerate(specs):
+            located(spec, source, index)
     return specs
 
 
@@ -208,24 +238,30 @@ def _salvage(entry: Any, broken: list[Loc]) -> FunctionSpec | None:
             and isinstance(loc[1], int)
             and 0 <= loc[1] < len(args)
             and isinstance(args[loc[1]], dict)
-            and loc[2] in ArgSpec.model_fields
+            and loc[2] in ARG_FIELDS
         ):
             args[loc[1]] = {k: v for k, v in args[loc[1]].items() if k != loc[2]}
         else:
             return None
     if args is not None:
         entry["args"] = args
+    from pydantic import ValidationError
+
     try:
-        return FunctionSpec.model_validate(entry)
+        spec: FunctionSpec = type_adapter(FunctionSpec).validate_python(entry)
     except ValidationError:
         return None
+    return spec
 
 
 def _valid_target(data: dict[str, Any]) -> Target | None:
+    from pydantic import ValidationError
+
     try:
-        return Target.model_validate(data.get("target"))
+        target: Target = type_adapter(Target).validate_python(data.get("target"))
     except ValidationError:
         return None
+    return target
 
 
 def _check_bucket_count(manifest: Manifest, source: Source, limit: int) -> None:

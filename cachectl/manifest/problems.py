@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import re
 import types
+import typing
 from collections.abc import Iterator
-from typing import Any, Union, get_args, get_origin
-
-from pydantic import BaseModel, ValidationError
+from typing import TYPE_CHECKING, Annotated, Any, Union, get_args, get_origin
 
 from cachectl.core.errors import BadInput
 from cachectl.manifest.schema import Manifest
 from cachectl.manifest.source import Loc, Source, describe
+
+if TYPE_CHECKING:
+    from pydantic import ValidationError
 
 MAX_PROBLEMS = 20  # listed per manifest; the rest are counted
 
@@ -42,8 +45,7 @@ def raise_problems(source: Source, problems: list[tuple[Loc, str]]) -> None:
 _MISSING = "required field missing"
 _FRIENDLY = {
     "dict_type": "expected a mapping",
-    "model_type": "expected a mapping",
-    "model_attributes_type": "expected a mapping",
+    "dataclass_type": "expected a mapping",
     "list_type": "expected a list",
     "int_type": "expected an integer",
     "string_type": "expected a string",
@@ -56,7 +58,7 @@ def pydantic_problems(exc: ValidationError) -> Iterator[tuple[Loc, str]]:
     for err in exc.errors(include_url=False):
         loc: Loc = tuple(err["loc"])
         kind = err["type"]
-        if kind == "extra_forbidden":
+        if kind in ("extra_forbidden", "unexpected_keyword_argument"):
             yield loc, _unknown_field(loc)
         elif kind == "missing":
             yield loc, _MISSING
@@ -76,32 +78,34 @@ def _unknown_field(loc: Loc) -> str:
     key = str(loc[-1])
     if model is None:
         return f"unknown field {key!r}"
-    allowed = list(model.model_fields)
+    allowed = [f.name for f in dataclasses.fields(model)]
     close = difflib.get_close_matches(key, allowed, n=1)
     hint = f"did you mean {close[0]!r}? " if close else ""
     return f"unknown field {key!r} ({hint}allowed: {', '.join(allowed)})"
 
 
-def _model_at(loc: Loc) -> type[BaseModel] | None:
-    """The schema model that validates the mapping at ``loc`` (to list its fields)."""
+def _model_at(loc: Loc) -> type | None:
+    """The schema class that validates the mapping at ``loc`` (to list its fields)."""
     tp: Any = Manifest
     for part in loc:
         tp = _unwrap_optional(tp)
-        if isinstance(tp, type) and issubclass(tp, BaseModel):
-            field = tp.model_fields.get(str(part))
-            if field is None:
+        if dataclasses.is_dataclass(tp) and isinstance(tp, type):
+            field = typing.get_type_hints(tp).get(str(part))
+            if field is None or str(part).startswith("_"):
                 return None
-            tp = field.annotation
+            tp = field
         elif get_origin(tp) in (list, dict):
             tp = get_args(tp)[-1]
         else:
             return None
     tp = _unwrap_optional(tp)
-    return tp if isinstance(tp, type) and issubclass(tp, BaseModel) else None
+    return tp if dataclasses.is_dataclass(tp) and isinstance(tp, type) else None
 
 
 def _unwrap_optional(tp: Any) -> Any:
-    """``X | None`` -> ``X``."""
+    """``X | None`` -> ``X``; ``Annotated[X, ...]`` -> ``X``."""
+    if get_origin(tp) is Annotated:
+        tp = get_args(tp)[0]
     if get_origin(tp) in (Union, types.UnionType):
         args = [a for a in get_args(tp) if a is not type(None)]
         if len(args) == 1:

@@ -1,23 +1,32 @@
-"""The manifest schema (pydantic, strict): types and per-field rules; cross-field rules are in checks.py.
+"""The manifest schema: frozen dataclasses and their per-field rules; cross-field rules are in
+checks.py.
+
+One schema, two engines (load.py): :func:`build` takes a valid manifest without pydantic, and
+pydantic (strict, unknown fields refused, through the same classes, rules and constraints)
+validates one that ``build`` does not take, for its messages (problems.py). A service that
+loads a valid manifest (``cachectl.serving``) never imports pydantic: about 45 ms of import
+and 15 ms of model building, most of its start-up beyond JAX's own.
 
 Dtype names resolve through numpy and ml_dtypes (bfloat16, float8_*, int4, ...), the
 same names and dtypes ``jax.numpy.dtype`` gives, so validating never imports JAX."""
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
+import functools
 import math
 import re
-from typing import TYPE_CHECKING, Any, Literal
-
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
+import types
+import typing
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal, Union, get_args, get_origin
 
 from cachectl.core.errors import BadInput
 from cachectl.manifest.source import NO_SOURCE, Loc, Source
 
 if TYPE_CHECKING:
     import numpy as np
-
 MANIFEST_VERSION = 1
 
 
@@ -41,17 +50,71 @@ def leaf_path(keys: Any) -> str:
     return ".".join(parts)
 
 
-class _Model(BaseModel):
-    # strict: YAML already yields exact types, so "4" for 4 or true for 1 is a mistake to report.
-    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+class _Unset:
+    """The default of a field whose absence means something (an argument's ``value``: null is a
+    value); pickles and copies as the one :data:`UNSET`."""
+
+    def __repr__(self) -> str:
+        return "UNSET"
+
+    def __reduce__(self) -> str:
+        return "UNSET"
 
 
-class Target(_Model):
+UNSET: Any = _Unset()
+
+
+class _After:
+    """A field rule run on the value pydantic validated; a ValueError is the field's problem."""
+
+    def __init__(self, check: Callable[[Any], Any]) -> None:
+        self.check = check
+
+    def __get_pydantic_core_schema__(self, source: Any, handler: Any) -> Any:
+        from pydantic_core import core_schema
+
+        return core_schema.no_info_after_validator_function(self.check, handler(source))
+
+
+class _Before:
+    """A field rule run on the raw YAML value, before pydantic validates it."""
+
+    def __init__(self, convert: Callable[[Any], Any]) -> None:
+        self.convert = convert
+
+    def __get_pydantic_core_schema__(self, source: Any, handler: Any) -> Any:
+        from pydantic_core import core_schema
+
+        return core_schema.no_info_before_validator_function(self.convert, handler(source))
+
+
+class _Schema:
+    """A schema class: validated by pydantic from a mapping, strict in every field (YAML already
+    yields exact types, so "4" for 4 or true for 1 is a mistake to report), no unknown fields."""
+
+    __pydantic_config__: ClassVar[dict[str, Any]] = {"extra": "forbid", "strict": True}
+
+    # A rule on the whole raw mapping, run before its fields are validated (None: none).
+    __before__: ClassVar[Callable[[Any], Any] | None] = None
+
+    @classmethod
+    def __get_pydantic_core_schema__(cls, source: Any, handler: Any) -> Any:
+        schema = handler(source)
+        if schema.get("type") == "dataclass":
+            # strict would take only an instance of the class; the input is YAML's mapping.
+            schema["strict"] = False
+        if cls.__before__ is not None:
+            return _Before(cls.__before__).__get_pydantic_core_schema__(source, lambda _: schema)
+        return schema
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Target(_Schema):
     """The hardware the manifest is for; warm refuses (exit 3) to compile it elsewhere."""
 
     backend: Literal["cpu", "gpu", "tpu"]
     device_kind: str | None = None
-    device_count: int | None = Field(default=None, gt=0)
+    device_count: int | None = dataclasses.field(default=None, metadata={"gt": 0})
 
     def mismatches(self, backend: str, device_kind: str, device_count: int) -> list[str]:
         """Why this machine does not match (empty when it does); device_kind may be a glob."""
@@ -71,50 +134,84 @@ def _as_list(value: Any) -> Any:
     return [value] if isinstance(value, (int, str)) and not isinstance(value, bool) else value
 
 
-class JitSpec(_Model):
+def _positive_axes(axes: dict[str, int]) -> dict[str, int]:
+    for name, size in axes.items():
+        if size <= 0:
+            raise ValueError(f"mesh axis {name!r} must have a positive size, got {size}")
+    return axes
+
+
+def _known_dtype(name: str | None) -> str | None:
+    if name is not None and name not in COMMON_DTYPES:
+        dtype_named(name)
+    return name
+
+
+def _ref_or_none(ref: str | None) -> str | None:
+    return None if ref is None else _check_ref(ref)
+
+
+def _name_form(name: str) -> str:
+    if not _NAME_RE.fullmatch(name):
+        raise ValueError(
+            f"invalid name {name!r}: use letters, digits, '_', '.' or '-', starting with a letter"
+        )
+    return name
+
+
+def _supported(version: int) -> int:
+    if version != MANIFEST_VERSION:
+        raise ValueError(
+            f"unsupported manifest version {version}: this cachectl reads version {MANIFEST_VERSION}"
+        )
+    return version
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class JitSpec(_Schema):
     """Options passed to ``jax.jit``; they are part of the program, so they must match the service's."""
 
-    static_argnums: list[int] = []
-    static_argnames: list[str] = []
-    donate_argnums: list[int] = []
-    donate_argnames: list[str] = []
+    static_argnums: Annotated[list[int], _Before(_as_list)] = dataclasses.field(
+        default_factory=list
+    )
+    static_argnames: Annotated[list[str], _Before(_as_list)] = dataclasses.field(
+        default_factory=list
+    )
+    donate_argnums: Annotated[list[int], _Before(_as_list)] = dataclasses.field(
+        default_factory=list
+    )
+    donate_argnames: Annotated[list[str], _Before(_as_list)] = dataclasses.field(
+        default_factory=list
+    )
     keep_unused: bool = False
     inline: bool = False
     compiler_options: dict[str, Any] | None = None
 
-    _scalars_to_lists = field_validator(
-        "static_argnums", "static_argnames", "donate_argnums", "donate_argnames", mode="before"
-    )(_as_list)
 
-
-class MeshSpec(_Model):
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MeshSpec(_Schema):
     """A device mesh, built as ``jax.make_mesh(sizes, names)`` over ``jax.devices()``."""
 
-    axes: dict[str, int] = Field(min_length=1)
+    axes: Annotated[dict[str, int], _After(_positive_axes)] = dataclasses.field(
+        metadata={"min_length": 1}
+    )
     # None follows jax.make_mesh's own default; set it to match how the service builds its mesh.
     axis_types: Literal["auto", "explicit", "manual"] | None = None
-
-    @field_validator("axes")
-    @classmethod
-    def _positive(cls, axes: dict[str, int]) -> dict[str, int]:
-        for name, size in axes.items():
-            if size <= 0:
-                raise ValueError(f"mesh axis {name!r} must have a positive size, got {size}")
-        return axes
 
     @property
     def size(self) -> int:
         return math.prod(self.axes.values())
 
 
-class ArgSpec(_Model):
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ArgSpec(_Schema):
     """One positional argument: an array ``{shape, dtype}``, a ``{pytree}`` or a static ``{value}``."""
 
     shape: list[Any] | None = None
-    dtype: str | None = None
+    dtype: Annotated[str | None, _After(_known_dtype)] = None
     weak_type: bool = False
-    pytree: str | None = None
-    value: Any = None
+    pytree: Annotated[str | None, _After(_ref_or_none)] = None
+    value: Any = UNSET  # null is a value: absent is UNSET
     # A list of mesh axes per dimension (with a mesh), or "single_device": the service
     # commits its arrays to one device (jax.device_put(x, device), a checkpoint restore).
     sharding: list[Any] | Literal["single_device"] | None = None
@@ -145,76 +242,67 @@ class ArgSpec(_Model):
             out.update(value.values() if isinstance(value, dict) else [value])
         return {a for a in out if isinstance(a, str)}
 
-    @field_validator("dtype")
-    @classmethod
-    def _known_dtype(cls, name: str | None) -> str | None:
-        if name is not None and name not in COMMON_DTYPES:
-            dtype_named(name)
-        return name
-
-    @field_validator("pytree")
-    @classmethod
-    def _ref_form(cls, ref: str | None) -> str | None:
-        return None if ref is None else _check_ref(ref)
+    @property
+    def given(self) -> frozenset[str]:
+        """The fields the manifest set: those not at their default (``value``: not UNSET)."""
+        return frozenset(
+            f.name
+            for f in dataclasses.fields(self)
+            if not _is_default(getattr(self, f.name), f.default)
+        )
 
     @property
     def kind(self) -> Literal["array", "pytree", "value"]:
         if self.pytree is not None:
             return "pytree"
-        if "value" in self.model_fields_set:
+        if self.value is not UNSET:
             return "value"
         return "array"
 
 
-class OutputSpec(_Model):
+def _is_default(value: Any, default: Any) -> bool:
+    return value is default or (type(value) is type(default) and value == default)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class OutputSpec(_Schema):
     """How cachectl.serving cuts one output back from the bucket to the request's sizes."""
 
     shape: list[Any]
 
 
-class FunctionSpec(_Model):
+def _default_name(data: Any) -> Any:
+    """``name`` defaults to the function's own name, which is also JAX's module name."""
+    if isinstance(data, dict) and "name" not in data:
+        fn = data.get("fn")
+        if isinstance(fn, str) and REF_RE.fullmatch(fn):
+            name = fn.rsplit(":", 1)[1].rsplit(".", 1)[-1]
+        else:
+            name = "_"  # fn's own error is the one to report; this never outlives validation
+        data = {**data, "name": name}
+    return data
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class FunctionSpec(_Schema):
     """A function to compile, its abstract arguments and the bucket axes that vary them."""
 
-    name: str
-    fn: str
-    jit: JitSpec = JitSpec()
-    args: list[ArgSpec] = []
-    kwargs: dict[str, Any] = {}
-    buckets: dict[str, list[Any]] = {}
-    exclude: list[dict[str, Any]] = []
+    name: Annotated[str, _After(_name_form)]
+    fn: Annotated[str, _After(_check_ref)]
+    jit: JitSpec = dataclasses.field(default_factory=JitSpec)
+    args: list[ArgSpec] = dataclasses.field(default_factory=list)
+    kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
+    buckets: dict[str, list[Any]] = dataclasses.field(default_factory=dict)
+    exclude: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     mesh: MeshSpec | None = None
     # One per output leaf (null: returned as computed, padded), for cachectl.serving.
     outputs: list[OutputSpec | None] | None = None
 
-    _source: Source = PrivateAttr(default=NO_SOURCE)
-    _index: int = PrivateAttr(default=0)
+    # Where it was read (set by located(); not fields: not compared, not in as_data).
+    _source: ClassVar[Source] = NO_SOURCE
+    _index: ClassVar[int] = 0
 
-    @model_validator(mode="before")
-    @classmethod
-    def _default_name(cls, data: Any) -> Any:
-        """``name`` defaults to the function's own name, which is also JAX's module name."""
-        if isinstance(data, dict) and "name" not in data:
-            fn = data.get("fn")
-            if isinstance(fn, str) and REF_RE.fullmatch(fn):
-                name = fn.rsplit(":", 1)[1].rsplit(".", 1)[-1]
-            else:
-                name = "_"  # fn's own error is the one to report; this never outlives validation
-            data = {**data, "name": name}
-        return data
-
-    @field_validator("fn")
-    @classmethod
-    def _ref_form(cls, ref: str) -> str:
-        return _check_ref(ref)
-
-    @field_validator("name")
-    @classmethod
-    def _name_form(cls, name: str) -> str:
-        if not _NAME_RE.fullmatch(name):
-            raise ValueError(
-                f"invalid name {name!r}: use letters, digits, '_', '.' or '-', starting with a letter"
-            )
-        return name
+    __before__: ClassVar[Callable[[Any], Any]] = staticmethod(_default_name)
 
     def _loc(self, *rest: str | int) -> Loc:
         return ("functions", self._index, *rest)
@@ -223,24 +311,16 @@ class FunctionSpec(_Model):
         return BadInput(self._source.message(self._loc(*loc), problem))
 
 
-class Manifest(_Model):
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Manifest(_Schema):
     """A validated manifest; build it with :func:`load_manifest` or :func:`parse_manifest`."""
 
-    version: int
-    cache: str | None = Field(default=None, min_length=1)
+    version: Annotated[int, _After(_supported)]
+    cache: str | None = dataclasses.field(default=None, metadata={"min_length": 1})
     target: Target | None = None
-    functions: list[FunctionSpec] = Field(min_length=1)
+    functions: list[FunctionSpec] = dataclasses.field(metadata={"min_length": 1})
 
-    _source: Source = PrivateAttr(default=NO_SOURCE)
-
-    @field_validator("version")
-    @classmethod
-    def _supported(cls, version: int) -> int:
-        if version != MANIFEST_VERSION:
-            raise ValueError(
-                f"unsupported manifest version {version}: this cachectl reads version {MANIFEST_VERSION}"
-            )
-        return version
+    _source: ClassVar[Source] = NO_SOURCE
 
     @property
     def path(self) -> str:
@@ -256,6 +336,105 @@ class Manifest(_Model):
     @property
     def names(self) -> list[str]:
         return [spec.name for spec in self.functions]
+
+
+def located(obj: FunctionSpec | Manifest, source: Source, index: int | None = None) -> None:
+    """Record where a validated manifest (or function entry) was read, for its messages."""
+    object.__setattr__(obj, "_source", source)
+    if index is not None:
+        object.__setattr__(obj, "_index", index)
+
+
+class Unchecked(Exception):
+    """Data :func:`build` does not take as it is: pydantic validates it and says what is wrong."""
+
+
+def build(tp: Any, data: Any) -> Any:
+    """``data`` (YAML's plain values) as the schema type ``tp``, by the same rules pydantic
+    applies (types exactly, as in strict mode; no unknown fields; ``_Before``, ``_After`` and
+    the ``metadata`` constraints), without pydantic. Anything else raises :class:`Unchecked`,
+    and load.py asks pydantic, whose errors make the messages; tests/test_manifest.py holds the
+    two to the same verdict and the same result."""
+    origin = get_origin(tp)
+    if origin is Annotated:
+        base, *marks = get_args(tp)
+        for mark in marks:
+            if isinstance(mark, _Before):
+                data = mark.convert(data)
+        value = build(base, data)
+        for mark in marks:
+            if isinstance(mark, _After):
+                try:
+                    value = mark.check(value)
+                except ValueError:
+                    raise Unchecked from None
+        return value
+    if tp is Any:
+        return data
+    if origin in (Union, types.UnionType):
+        for option in get_args(tp):
+            try:
+                return build(option, data)
+            except Unchecked:
+                pass
+        raise Unchecked
+    if origin is Literal:
+        if any(type(data) is type(v) and data == v for v in get_args(tp)):
+            return data
+        raise Unchecked
+    if origin is list and type(data) is list:
+        (item,) = get_args(tp)
+        return [build(item, v) for v in data]
+    if origin is dict and type(data) is dict:
+        key, item = get_args(tp)
+        return {build(key, k): build(item, v) for k, v in data.items()}
+    if tp in (str, int, bool, type(None)):
+        if type(data) is tp or (tp is type(None) and data is None):
+            return data
+        raise Unchecked
+    if isinstance(tp, type) and issubclass(tp, _Schema):
+        return _build_schema(tp, data)
+    raise Unchecked
+
+
+def _build_schema(cls: Any, data: Any) -> Any:
+    if cls.__before__ is not None:
+        data = cls.__before__(data)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    if type(data) is not dict or not set(data) <= set(fields):
+        raise Unchecked
+    hints = _hints(cls)
+    values = {}
+    for name, raw in data.items():
+        value = build(hints[name], raw)
+        rules = fields[name].metadata
+        if value is not None and (
+            ("gt" in rules and not value > rules["gt"])
+            or ("min_length" in rules and len(value) < rules["min_length"])
+        ):
+            raise Unchecked
+        values[name] = value
+    try:
+        return cls(**values)
+    except TypeError:  # a required field missing
+        raise Unchecked from None
+
+
+@functools.cache
+def _hints(cls: Any) -> dict[str, Any]:
+    return typing.get_type_hints(cls, include_extras=True)
+
+
+def as_data(obj: Any) -> Any:
+    """A schema object as plain JSON data, every field in declared order (UNSET as null): what
+    the stored executables' ``spec_digest`` hashes, byte for byte pydantic's dump before."""
+    if isinstance(obj, _Schema):
+        return {f.name: as_data(getattr(obj, f.name)) for f in dataclasses.fields(obj)}  # type: ignore[arg-type]
+    if isinstance(obj, (list, tuple)):
+        return [as_data(v) for v in obj]
+    if isinstance(obj, dict):
+        return {k: as_data(v) for k, v in obj.items()}
+    return None if obj is UNSET else obj
 
 
 def _check_ref(ref: str) -> str:
