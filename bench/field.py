@@ -252,9 +252,9 @@ def markdown(r: dict[str, Any]) -> str:
         "bucket's median; rounds, not one bucket's calls back to back, so that a steady call "
         "follows another bucket's as a first call does). *Overhead*: first calls minus "
         "steady-state calls, plus for (c) building the runtime (activate, find, check and load "
-        "the executables; with `warmup=True` also one call of each on zeros) and for (d) the "
-        "pool's loads. *Setup*: `cachectl.serving(...)` for (c) (importing cachectl's index stack, "
-        "activate, then the executables), the pool for (d); *loading executables*: for (c) the "
+        "the executables; with `warmup=True` also its warm-up calls on zeros) and for (d) the "
+        "pool's loads. *Setup*: `cachectl.serving(...)` for (c) (importing cachectl's serving "
+        "modules, reading the manifest, activate, then the executables), the pool for (d); *loading executables*: for (c) the "
         "runtime's own `ready_seconds` (find, check, load), for (d) the pool. *Loaded*: process "
         "start (before `import jax`) to the runtime built (for (c+w) warmed up too), or (d)'s "
         "pool done. *Ready*: process start to every bucket's first result, imports of the "
@@ -331,8 +331,9 @@ def markdown(r: dict[str, Any]) -> str:
         "`done` and `info['time_out']` not weakly typed from `reset` and weakly typed from "
         "`step`, so `jax.jit(step)` compiles twice, once per State (its `_cache_size()` is 2 "
         "after reset, step, step). The field case's env makes them arrays in both.",
-        "- (c)'s setup over its executables' own loading is importing cachectl's index stack "
-        "(SQLAlchemy, pydantic) and `activate()`; (d) imports none of it.",
+        "- (c)'s setup over its executables' own loading is importing cachectl's serving modules, "
+        "reading the manifest and `activate()` (neither SQLAlchemy nor pydantic: a valid manifest "
+        "is built without pydantic, `manifest/schema.py` `build`); (d) does none of it.",
         "",
         "Goals:",
         "",

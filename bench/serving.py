@@ -286,8 +286,8 @@ def markdown(r: dict[str, Any]) -> str:
         "result. *Overhead* (the issue's measure): first calls minus the same calls again, plus for (c) "
         "finding, checking and loading its executables (with `preload=False` the loads happen inside the "
         "first calls). *Setup*: `import cachectl` + `activate()` for (b), `import cachectl` + building the "
-        "runtime (which activates too) for (c); most of it is importing SQLAlchemy and pydantic, the same "
-        "for both.",
+        "runtime (which activates too and reads the manifest) for (c); neither imports SQLAlchemy or "
+        "pydantic.",
         "",
         "| service | loaded | ready | overhead | setup | of which loading executables |",
         "|---|---:|---:|---:|---:|---:|",
