@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from cachectl.core import jax_seam
+from cachectl.manifest.schema import as_data
 from cachectl.storage.entries import EXECUTABLE_SUFFIX, CorruptEntry, entry_payload
 
 MAGIC = b"CCTLAOT\x01"
@@ -81,8 +82,6 @@ def spec_digest(spec: Any) -> str:
     """What warm and the runtime must agree on about one function: its manifest entry, as
     compact JSON (the bytes pydantic's ``model_dump_json`` gave when the schema was pydantic's
     models, so executables stored then still match; tests/test_manifest.py pins it)."""
-    from cachectl.manifest.schema import as_data
-
     text = json.dumps(as_data(spec), separators=(",", ":"), ensure_ascii=False, default=str)
     return hashlib.sha256(text.encode()).hexdigest()
 
