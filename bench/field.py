@@ -268,7 +268,9 @@ def markdown(r: dict[str, Any]) -> str:
         "runtime's own `ready_seconds` (find, check, load), for (d) the pool. *Loaded*: process "
         "start (before `import jax`) to the runtime built (for (c+w) warmed up too), or (d)'s "
         "pool done. *Ready*: process start to every bucket's first result, imports of the "
-        "libraries and the input copies included.",
+        "libraries and the input copies included. *(d) steady*: the floor's steady call, its "
+        "executable called directly; (c+w)'s steady call over it is cachectl's dispatch (pick "
+        "the bucket, pad, convert; a pytree with `leaf_axes` flattened once per call).",
         "",
     ]
     goals = []
@@ -289,15 +291,17 @@ def markdown(r: dict[str, Any]) -> str:
             )
         lines += [
             "",
-            "| bucket | (c) first / steady | (c+w) first / steady | (c+w) first | steady |",
-            "|---|---:|---:|---:|---:|",
+            "| bucket | (c) first / steady | (c+w) first / steady | (c+w) first | steady | "
+            "(d) steady |",
+            "|---|---:|---:|---:|---:|---:|",
         ]
         for i, label in enumerate(c["labels"]):
             lines.append(
                 f"| {label} | {_x(c['serving']['first_over_steady'][i])} | "
                 f"{_x(c['serving_warmup']['first_over_steady'][i])} | "
                 f"{c['serving_warmup']['first_ms'][i]['median']:.2f} ms | "
-                f"{c['serving_warmup']['steady_ms'][i]['median']:.2f} ms |"
+                f"{c['serving_warmup']['steady_ms'][i]['median']:.2f} ms | "
+                f"{c['floor']['steady_ms'][i]['median']:.2f} ms |"
             )
         lines += [
             "",

@@ -207,3 +207,37 @@ def test_bad_leaf_axes_are_bad_input(tmp_path: Path, state: str, problem: str) -
     result = CliRunner().invoke(cli, ["warm", str(manifest), "--dry-run"])
     assert result.exit_code == 2, result.output
     assert problem in result.output and "leaf_axes" in result.output, result.output
+
+
+def test_a_pytree_s_leaf_plans_are_kept_per_structure_and_bounded() -> None:
+    """The declared dimensions of a pytree's leaves come from their paths, computed once per
+    structure and leaf ranks, not on every call (a Brax State flattens in Python); a caller
+    that sends ever new structures keeps at most MAX_LEAF_PLANS of them, and every call is
+    still fitted right."""
+    import numpy as np
+
+    from cachectl.dispatch import calls
+    from cachectl.manifest.schema import FunctionSpec, build
+
+    spec = build(
+        FunctionSpec,
+        {"fn": "m:f", "args": [{"pytree": "m:t", "leaf_axes": {0: "n", "b.c": {1: "k"}}}]},
+    )
+    (plan,) = calls.arg_plans(spec)
+    tree = {"a": np.zeros((3, 2)), "b": {"c": np.zeros((3, 5)), "d": 1.0}}
+    for _ in range(3):
+        raw: dict[str, int] = {}
+        calls.pytree_sizes(plan, tree, raw)
+        assert raw == {"n": 3, "k": 5}
+    assert len(plan.leaf_plans) == 1
+    padded, did = calls.pad_pytree(plan, tree, {"n": 4, "k": 8})
+    assert did and padded["a"].shape == (4, 2) and padded["b"]["c"].shape == (4, 8)
+    assert padded["b"]["d"] == 1.0 and tree["a"].shape == (3, 2)  # the caller's tree untouched
+    same, did = calls.pad_pytree(plan, tree, {"n": 3, "k": 5})
+    assert not did and same is tree
+    for i in range(calls.MAX_LEAF_PLANS + 5):
+        other = {f"x{i}": np.zeros((i + 1, 1))}
+        raw = {}
+        calls.pytree_sizes(plan, other, raw)
+        assert raw == {"n": i + 1}
+    assert len(plan.leaf_plans) == calls.MAX_LEAF_PLANS

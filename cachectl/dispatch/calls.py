@@ -6,7 +6,7 @@ shape (docs/jax-facts.md, fact 8), which is what serving from stored executables
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
 import numpy as np
@@ -43,6 +43,8 @@ class _ArgPlan:
     weak: bool = False
     value: Any = None
     arg: ArgSpec | None = None  # a pytree's spec, whose leaf_axes name its bucket dimensions
+    # _declared_leaves' plans for this pytree argument, by (structure, leaf ranks)
+    leaf_plans: dict[Any, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def has_leaf_axes(self) -> bool:
@@ -85,42 +87,70 @@ def arg_plans(spec: FunctionSpec) -> list[_ArgPlan]:
     return plans
 
 
-def pytree_sizes(plan: _ArgPlan, tree: Any, raw: dict[str, int]) -> None:
-    """Raise ``raw``'s sizes to the largest a pytree's declared leaf dimensions hold."""
+# Leaf plans kept per pytree argument: one per (structure, leaf ranks) seen, up to this many.
+MAX_LEAF_PLANS = 64
+
+
+# A flattened pytree argument: leaves, structure, shapes, (leaf index, declared dimensions).
+DeclaredLeaves = tuple[
+    list[Any], Any, list[tuple[int, ...]], tuple[tuple[int, tuple[tuple[int, str], ...]], ...]
+]
+
+
+def _declared_leaves(plan: _ArgPlan, tree: Any) -> DeclaredLeaves:
+    """The pytree's leaves, structure and shapes, and (leaf index, its declared bucket dimensions)
+    for the leaves that have some: computed from the leaves' paths once per structure and leaf
+    ranks (a Brax State has hundreds of leaves: their paths, per call, were most of its cost)."""
     import jax
 
     assert plan.arg is not None
-    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-        shape = np.shape(leaf)
-        for d, axis in plan.arg.leaf_dims(leaf_path(path), len(shape)):
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    shapes = [np.shape(leaf) for leaf in leaves]
+    key = (treedef, tuple(len(shape) for shape in shapes))
+    declared = plan.leaf_plans.get(key)
+    if declared is None:
+        paths = [leaf_path(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+        declared = tuple(
+            (i, dims)
+            for i, (path, shape) in enumerate(zip(paths, shapes, strict=True))
+            if (dims := plan.arg.leaf_dims(path, len(shape)))
+        )
+        if len(plan.leaf_plans) < MAX_LEAF_PLANS:
+            plan.leaf_plans[key] = declared
+    return leaves, treedef, shapes, declared
+
+
+def pytree_sizes(plan: _ArgPlan, tree: Any, raw: dict[str, int]) -> DeclaredLeaves:
+    """Raise ``raw``'s sizes to the largest a pytree's declared leaf dimensions hold; returns
+    the flattened tree for :func:`pad_pytree` (a Brax State flattens in Python: once a call)."""
+    flat = _declared_leaves(plan, tree)
+    _, _, shapes, declared = flat
+    for i, dims in declared:
+        shape = shapes[i]
+        for d, axis in dims:
             if shape[d] > raw.get(axis, -1):
                 raw[axis] = shape[d]
+    return flat
 
 
-def pad_pytree(plan: _ArgPlan, tree: Any, values: dict[str, Any]) -> tuple[Any, bool]:
-    """The pytree with its declared leaf dimensions padded to the bucket's sizes, on the host."""
-    import jax
-
-    assert plan.arg is not None
-    arg = plan.arg
+def pad_pytree(
+    plan: _ArgPlan, tree: Any, values: dict[str, Any], flat: DeclaredLeaves | None = None
+) -> tuple[Any, bool]:
+    """The pytree with its declared leaf dimensions padded to the bucket's sizes, on the host
+    (the same tree when nothing needs padding); ``flat``: :func:`pytree_sizes`' for this tree."""
+    leaves, treedef, shapes, declared = flat or _declared_leaves(plan, tree)
+    leaves = list(leaves)
     padded = False
-
-    def pad(path: Any, leaf: Any) -> Any:
-        nonlocal padded
-        shape = np.shape(leaf)
-        dims = arg.leaf_dims(leaf_path(path), len(shape))
-        if not dims:
-            return leaf
-        target = list(shape)
+    for i, dims in declared:
+        target = list(shapes[i])
         for d, axis in dims:
             target[d] = values[axis]
-        if tuple(target) == shape:
-            return leaf
+        if tuple(target) == shapes[i]:
+            continue
         padded = True
-        dtype = np.asarray(leaf).dtype
-        return pad_to(leaf, tuple(target), False if dtype == np.bool_ else 0, dtype)
-
-    return jax.tree_util.tree_map_with_path(pad, tree), padded
+        dtype = np.asarray(leaves[i]).dtype
+        leaves[i] = pad_to(leaves[i], tuple(target), False if dtype == np.bool_ else 0, dtype)
+    return (treedef.unflatten(leaves) if padded else tree), padded
 
 
 def pad_to(x: Any, target: tuple[int, ...], value: Any, dtype: Any) -> np.ndarray:

@@ -16,6 +16,7 @@ import numpy as np
 
 from cachectl import telemetry as telemetry_mod
 from cachectl.dispatch.calls import (
+    DeclaredLeaves,
     OutOfBucket,
     StructureMismatch,
     arg_plans,
@@ -113,12 +114,13 @@ class ServedFunction:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         static = self._statics(args, kwargs)
-        raw = self._raw_sizes(args)
+        flat: dict[int, DeclaredLeaves] = {}
+        raw = self._raw_sizes(args, flat)
         slot = covering(self._slots, raw, static)
         self._count(raw)
         if slot is None:
             return self._overflow(args, kwargs, raw, static)
-        call_args, padded = self._convert(args, slot.values)
+        call_args, padded = self._convert(args, slot.values, flat)
         if padded:
             with self._lock:
                 self.padded += 1
@@ -174,12 +176,17 @@ class ServedFunction:
                 )
         return static
 
-    def _raw_sizes(self, args: tuple[Any, ...]) -> dict[str, int]:
-        """Each bucketed axis's size in this call: the largest of the dimensions it names."""
+    def _raw_sizes(
+        self, args: tuple[Any, ...], flat: dict[int, DeclaredLeaves] | None = None
+    ) -> dict[str, int]:
+        """Each bucketed axis's size in this call: the largest of the dimensions it names
+        (``flat`` keeps each pytree argument as flattened, for :meth:`_convert`)."""
         raw: dict[str, int] = {}
         for i, p in enumerate(self._plans):
             if p.has_leaf_axes:
-                pytree_sizes(p, args[i], raw)
+                declared = pytree_sizes(p, args[i], raw)
+                if flat is not None:
+                    flat[i] = declared
             elif p.dims:
                 shape = np.shape(args[i])
                 if len(shape) != len(p.shape):
@@ -300,7 +307,10 @@ class ServedFunction:
         return OutOfBucket(message)
 
     def _convert(
-        self, args: tuple[Any, ...], values: dict[str, Any] | None
+        self,
+        args: tuple[Any, ...],
+        values: dict[str, Any] | None,
+        flat: dict[int, DeclaredLeaves] | None = None,
     ) -> tuple[list[Any], bool]:
         """Pad bucketed dimensions to ``values`` (None: no padding) and match the manifest's dtypes,
         on the host."""
@@ -308,7 +318,7 @@ class ServedFunction:
         padded = False
         for i, p in enumerate(self._plans):
             if p.has_leaf_axes and values is not None:
-                out[i], did = pad_pytree(p, args[i], values)
+                out[i], did = pad_pytree(p, args[i], values, (flat or {}).get(i))
                 padded = padded or did
                 continue
             if p.kind != "array":
