@@ -207,3 +207,33 @@ def test_processes_opening_one_fresh_sqlite_index_at_once_all_succeed(tmp_path) 
     ]
     outs = [p.communicate(timeout=120) for p in procs]
     assert [p.returncode for p in procs] == [0, 0, 0, 0], [err[-500:] for _, err in outs]
+
+
+def test_listed_entries_are_what_one_entry_reads(index) -> None:
+    """list_entries unpacks its rows by position (ENTRY_INFO_COLUMNS' order): every field of
+    every listed entry is what get_entry reads by name from the ORM row."""
+    index.add_cache("a", "/tmp/a")
+    env = index.ensure_environment("a", ENV)
+    index.upsert_entries(
+        env.id,
+        [
+            entry(1),
+            entry(
+                2,
+                compile_time_ms=1234,
+                function="f",
+                bucket={"batch": 4, "seq": [1, 2]},
+                aot_size=77,
+                aot_sha256="b" * 64,
+            ),  # fmt: skip
+        ],
+    )
+    index.mark_executables(env.id, {entry(2).key: "it crashed"})
+    listed = index.list_entries(env.id)
+    assert [e.key for e in listed] == [entry(1).key, entry(2).key]
+    assert listed == [index.get_entry(env.id, e.key) for e in listed]
+    second = listed[1]
+    assert (second.function, second.bucket, second.aot_size, second.aot_unusable) == (
+        "f", {"batch": 4, "seq": [1, 2]}, 77, "it crashed",
+    )  # fmt: skip
+    assert second.compile_time_ms == 1234 and second.size == 102
