@@ -2,6 +2,10 @@
 
 ``app``: built at import over the index at ``CACHECTL_DB``, as `cachectl serve` builds it.
 
+``CACHECTL_BENCH_NO_FAST_LANE=1``: the app without server/fast_lane.py, every request routed by
+FastAPI (how the byte routes were served before it); ``python bench/asgi_app.py PORT`` serves it
+under uvicorn configured as `cachectl serve` configures it.
+
 ``CACHECTL_BENCH_PATHSEND=1`` (a measurement only, not the product): the entry download, behind
 the same route and auth, hands the server the open file by the ASGI ``http.response.pathsend``
 extension (granian offers it) instead of reading the bytes. The file is opened as the product opens
@@ -70,13 +74,37 @@ async def _download(
         return await _product_download(request, cache, digest, key, route)
     entry_routes.check_key(key)
     fh, size, sha = await run_in_threadpool(_open, state_of(request), cache, digest, key, route)
-    return _PathBody(fh, entry_routes._headers(size, sha))
+    return _PathBody(fh, entry_routes.byte_headers(size, sha))
 
 
-if os.environ.get("CACHECTL_BENCH_PATHSEND") == "1":
+PATHSEND_ON = os.environ.get("CACHECTL_BENCH_PATHSEND") == "1"
+if PATHSEND_ON:
     entry_routes.download = (
         _download  # get_entry looks the name up when it runs: same route, same auth
     )
 
-app = create_app(load_server_settings(db=os.environ["CACHECTL_DB"]))
+settings = load_server_settings(db=os.environ["CACHECTL_DB"])
+# The pathsend download replaces the route's: the lane, which answers before the route, stays off.
+app = create_app(
+    settings,
+    byte_fast_lane=not PATHSEND_ON and os.environ.get("CACHECTL_BENCH_NO_FAST_LANE") != "1",
+)
 freeze_startup_heap()
+
+if __name__ == "__main__":
+    import sys
+
+    import uvicorn
+
+    from cachectl_server.http_edge import bounded_http
+
+    uvicorn.run(
+        app,
+        host="127.0.0.1",
+        port=int(sys.argv[1]),
+        http=bounded_http(settings),
+        log_level="warning",
+        access_log=False,
+        log_config=None,
+        server_header=False,
+    )

@@ -35,7 +35,10 @@ from .state import ServerState
 
 router = APIRouter(prefix="/api/v1")
 
-CacheName = Annotated[str, Path(min_length=1, max_length=128)]
+# The longest cache name and environment digest a route accepts (server/fast_lane.py checks the same).
+MAX_CACHE_NAME = 128
+MAX_DIGEST = 64
+CacheName = Annotated[str, Path(min_length=1, max_length=MAX_CACHE_NAME)]
 # No patterns on names and digests: the library validates them with the messages
 # direct mode prints (the CLI's client shows the same text); both only ever
 # match index rows, never build paths.
@@ -43,7 +46,7 @@ Digest = Annotated[
     str,
     Path(
         min_length=1,
-        max_length=64,
+        max_length=MAX_DIGEST,
         description="An environment digest or a unique prefix of one (hex).",
     ),
 ]

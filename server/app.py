@@ -30,6 +30,7 @@ from cachectl.lifecycle import sweep
 from . import admin, api, dashboard, entry_routes, executable_routes, health
 from .auth import PUBLIC, ROLE_KEY, hides_caches
 from .config import ServerSettings
+from .fast_lane import ByteFastLane
 from .jobs import JobRunner
 from .limits import BodyGuard
 from .maintenance import Scheduler
@@ -140,8 +141,13 @@ def _state(settings: ServerSettings) -> ServerState:
     return state
 
 
-def create_app(settings: ServerSettings | str, **overrides: Any) -> FastAPI:
-    """Build the app over the index at ``settings.db`` (or a bare index URL)."""
+def create_app(
+    settings: ServerSettings | str, *, byte_fast_lane: bool = True, **overrides: Any
+) -> FastAPI:
+    """Build the app over the index at ``settings.db`` (or a bare index URL).
+
+    ``byte_fast_lane=False`` leaves every request to FastAPI's routing (server/fast_lane.py: the
+    tests compare the two)."""
     if isinstance(settings, str):
         settings = ServerSettings(db=settings)
     settings = settings.with_overrides(**overrides)
@@ -166,6 +172,13 @@ def create_app(settings: ServerSettings | str, **overrides: Any) -> FastAPI:
     app.include_router(admin.router)
     app.include_router(dashboard.router)
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
+    if byte_fast_lane:  # inside BodyGuard and metrics: what it answers is counted and logged
+        app.add_middleware(
+            ByteFastLane,
+            state=state,
+            routes=[*entry_routes.router.routes, *executable_routes.router.routes],
+            library_error=library_error,
+        )
     app.add_middleware(
         BodyGuard, settings=settings
     )  # inside metrics: its 401s and 413s are counted

@@ -64,7 +64,11 @@ class TokenCache:
 
 
 def bearer_token(request: Request) -> str | None:
-    header = request.headers.get("authorization")
+    return bearer_value(request.headers.get("authorization"))
+
+
+def bearer_value(header: str | None) -> str | None:
+    """The token of an ``Authorization: Bearer <token>`` header's value, else None."""
     if not header:
         return None
     scheme, _, value = header.partition(" ")
@@ -131,16 +135,28 @@ def require(role: str, scope: str = "cache") -> Callable[..., Any]:
         token = await identify(request)
         if token is None:
             raise unauthorized()
-        if not token.allows(role):
-            raise forbidden(token, f"do this: it needs role {role}")
-        if scope == "cache":
-            check_cache(token, role, request.path_params.get("cache", ""))
-        elif scope == "global" and token.caches is not None:
-            raise forbidden(token, "do this: it needs a token without a cache scope")
+        refused = refusal(token, role, scope, request.path_params.get("cache", ""))
+        if refused is not None:
+            raise refused
         request.state.token = token
         return token
 
     return dependency
+
+
+def refusal(token: TokenInfo, role: str, scope: str, cache: str) -> HTTPException | None:
+    """Why ``token`` may not call a route that needs ``role`` under ``scope`` (for the route's
+    ``{cache}``, when it has one), as its 403; None when it may."""
+    if not token.allows(role):
+        return forbidden(token, f"do this: it needs role {role}")
+    if scope == "cache":
+        try:
+            check_cache(token, role, cache)
+        except HTTPException as exc:
+            return exc
+    elif scope == "global" and token.caches is not None:
+        return forbidden(token, "do this: it needs a token without a cache scope")
+    return None
 
 
 def hides_caches(request: Request, token: TokenInfo | None) -> bool:

@@ -11,7 +11,8 @@ atomically (413). Only then is it written, atomically; a full disk is 507. The r
 cachectl/storage/ingest.py's (this module streams the body and turns refusals into statuses).
 Downloads serve only regular files inside the namespace (no symlinks); a download is located in
 the index, opened and read in one worker-thread hop (uvicorn offers no sendfile: no ASGI
-zero-copy or pathsend extension, and uvloop has no loop.sendfile).
+zero-copy or pathsend extension, and uvloop has no loop.sendfile). A GET or HEAD that every check
+passes is answered by server/fast_lane.py with this module's functions, before FastAPI routes it.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from .responses import errors, ok, refusal
 from .state import ServerState
 
 router = APIRouter(prefix="/api/v1")
+ENTRY_ROUTE = "/caches/{cache}/environments/{digest}/entries/{key}"
 
 # <module>-<64 hex>: the module part as JAX sanitizes it (word characters, '.', '-'),
 # never starting with a dot, so no key can name a path outside its namespace; at most
@@ -218,7 +220,7 @@ def download_responses(what: str) -> dict[int | str, dict[str, Any]]:
 @route(
     router,
     "PUT",
-    "/caches/{cache}/environments/{digest}/entries/{key}",
+    ENTRY_ROUTE,
     role="writer",
     summary="Upload one entry (raw bytes as JAX wrote them)",
     openapi_extra=BYTES_BODY,
@@ -302,6 +304,9 @@ class ByteRoute:
 
 
 ENTRY = ByteRoute(entry_path, False, "no entry {key} in environment {env} of cache {cache!r}")
+# Each byte route's path (as the app serves it) and what it reads: server/fast_lane.py answers
+# their GETs and HEADs by the same functions, under the role and scope each route declares.
+BYTE_ROUTES: dict[str, ByteRoute] = {router.prefix + ENTRY_ROUTE: ENTRY}
 
 
 def located(
@@ -387,7 +392,7 @@ def stream_file(body: bytes | Any, headers: dict[str, str]) -> Response:
     return StreamingResponse(chunks(), media_type="application/octet-stream", headers=headers)
 
 
-def _headers(size: int, sha: str | None) -> dict[str, str]:
+def byte_headers(size: int, sha: str | None) -> dict[str, str]:
     headers = {"content-length": str(size), "cache-control": "private, max-age=0"}
     if sha:
         headers[SHA_HEADER] = sha
@@ -398,7 +403,7 @@ def _headers(size: int, sha: str | None) -> dict[str, str]:
 @route(
     router,
     "GET",
-    "/caches/{cache}/environments/{digest}/entries/{key}",
+    ENTRY_ROUTE,
     role="reader",
     summary="Download one entry (streamed)",
     response_class=OctetStream,
@@ -413,25 +418,37 @@ async def download(
 ) -> Response:
     """GET of an entry or of its stored executable: found, opened and (up to WHOLE) read in one thread hop."""
     check_key(key)
-    got = await run_in_threadpool(opened, state_of(request), cache, digest, key, route)
-    return stream_file(got.body, _headers(got.size, got.sha256))
+    return await run_in_threadpool(download_answer, state_of(request), cache, digest, key, route)
 
 
 async def head(request: Request, cache: str, digest: str, key: str, route: ByteRoute) -> Response:
     """HEAD of an entry or of its stored executable: size and sha256 without the bytes."""
     check_key(key)
-    _info, _env, size, sha = await run_in_threadpool(
-        located, state_of(request), cache, digest, key, route
-    )
+    return await run_in_threadpool(head_answer, state_of(request), cache, digest, key, route)
+
+
+def download_answer(
+    state: ServerState, cache: str, digest: str, key: str, route: ByteRoute
+) -> Response:
+    """A GET's work, in a worker thread (the route's, and server/fast_lane.py's)."""
+    got = opened(state, cache, digest, key, route)
+    return stream_file(got.body, byte_headers(got.size, got.sha256))
+
+
+def head_answer(
+    state: ServerState, cache: str, digest: str, key: str, route: ByteRoute
+) -> Response:
+    """A HEAD's work, in a worker thread (the route's, and server/fast_lane.py's)."""
+    _info, _env, size, sha = located(state, cache, digest, key, route)
     return Response(
-        status_code=200, headers=_headers(size, sha), media_type="application/octet-stream"
+        status_code=200, headers=byte_headers(size, sha), media_type="application/octet-stream"
     )
 
 
 @route(
     router,
     "HEAD",
-    "/caches/{cache}/environments/{digest}/entries/{key}",
+    ENTRY_ROUTE,
     role="reader",
     summary="An entry's size and sha256, without its bytes",
     response_class=OctetStream,

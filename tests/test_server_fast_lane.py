@@ -1,0 +1,226 @@
+"""server/fast_lane.py answers GET and HEAD of stored bytes without FastAPI's routing: the same
+questions asked of an app with the lane and of one without it get the same answers, byte for byte,
+and the lane is what answered the ones that succeed (the route handlers never ran for them)."""
+
+from __future__ import annotations
+
+import os
+
+import httpx
+import pytest
+from fastapi.testclient import TestClient
+from support.server_kit import MAIN, OTHER, LiveServer, bearer, entry_key, seed
+
+from cachectl.core.errors import Unreachable
+from cachectl.index import server_queries
+from cachectl.storage import executables
+from cachectl.storage.entries import sha256
+from cachectl.storage.store import Store
+from cachectl_server import entry_routes, executable_routes
+from cachectl_server.app import create_app
+
+API = "/api/v1"
+
+
+@pytest.fixture
+def apps(tmp_path, monkeypatch):
+    """The seeded index, an app with the lane and one without, and the route handlers' calls."""
+    s = seed(f"sqlite:///{tmp_path}/index.db", str(tmp_path / "main"), str(tmp_path / "other"))
+    store = Store(s.root)
+    key = s.keys[0]
+    aot = executables.pack(
+        b"payload " * 300, key=key, entry_sha256=sha256(s.entry_bytes[key]), function="train"
+    )
+    store.write_bytes(f"{s.env.namespace}/{key}-aot", aot)
+    # A file planted in the namespace behind a symlink: served by neither.
+    planted = entry_key("jit_planted", 7)
+    os.symlink("/etc/hostname", f"{tmp_path}/main/{s.env.namespace}/{planted}-cache")
+    calls: list[str] = []
+
+    def counted(module, name):
+        real = getattr(module, name)
+
+        async def wrapper(*args, **kwargs):
+            calls.append(name)
+            return await real(*args, **kwargs)
+
+        monkeypatch.setattr(module, name, wrapper)
+
+    for module in (entry_routes, executable_routes):
+        counted(module, "download")
+        counted(module, "head")
+    lane, plain = create_app(s.db), create_app(s.db, byte_fast_lane=False)
+    with TestClient(lane) as lane_client, TestClient(plain) as plain_client:
+        yield s, lane_client, plain_client, calls, planted
+    for app in (lane, plain):
+        app.state.cachectl.jobs.shutdown()
+        app.state.cachectl.index.close()
+
+
+def answer(response: httpx.Response) -> tuple[int, list[tuple[str, str]], bytes]:
+    return response.status_code, sorted(response.headers.multi_items()), response.content
+
+
+def cases(s, planted: str) -> list[tuple[str, str, str, str | None, dict[str, str]]]:
+    """(name, method, path, token, extra headers) for GET and HEAD alike."""
+    key, missing = s.keys[0], entry_key("jit_absent", 99)
+    env = f"{API}/caches/{MAIN}/environments/{s.digest}/entries"
+    out = []
+    for method in ("GET", "HEAD"):
+        out += [
+            ("entry", method, f"{env}/{key}", "reader", {}),
+            ("another entry", method, f"{env}/{s.keys[1]}", "admin", {}),
+            ("its executable", method, f"{env}/{key}/aot", "reader", {}),
+            (
+                "by digest prefix",
+                method,
+                f"{API}/caches/{MAIN}/environments/{s.digest[:12]}/entries/{key}",
+                "reader",
+                {},
+            ),
+            ("scoped to this cache", method, f"{env}/{key}", "scoped_writer", {}),
+            ("with a query string", method, f"{env}/{key}?x=1", "reader", {}),
+            ("no executable", method, f"{env}/{s.keys[1]}/aot", "reader", {}),
+            ("missing entry", method, f"{env}/{missing}", "reader", {}),
+            ("planted symlink", method, f"{env}/{planted}", "reader", {}),
+            ("bad key", method, f"{env}/..%2Fetc", "reader", {}),
+            ("key with a dot first", method, f"{env}/.x-{'0' * 64}", "reader", {}),
+            (
+                "unknown environment",
+                method,
+                f"{API}/caches/{MAIN}/environments/{'f' * 64}/entries/{key}",
+                "reader",
+                {},
+            ),
+            (
+                "digest too long",
+                method,
+                f"{API}/caches/{MAIN}/environments/{'f' * 65}/entries/{key}",
+                "reader",
+                {},
+            ),
+            (
+                "cache name too long",
+                method,
+                f"{API}/caches/{'c' * 129}/environments/{s.digest}/entries/{key}",
+                "reader",
+                {},
+            ),
+            (
+                "unknown cache",
+                method,
+                f"{API}/caches/nope/environments/{s.digest}/entries/{key}",
+                "reader",
+                {},
+            ),
+            (
+                "other cache",
+                method,
+                f"{API}/caches/{OTHER}/environments/{s.digest}/entries/{key}",
+                "reader",
+                {},
+            ),
+            ("token scoped elsewhere", method, f"{env}/{key}", "wrong_scope_reader", {}),
+            ("no token", method, f"{env}/{key}", None, {}),
+            ("unknown token", method, f"{env}/{key}", "not-a-token", {}),
+            ("revoked token", method, f"{env}/{key}", "revoked", {}),
+            ("expired token", method, f"{env}/{key}", "expired", {}),
+            (
+                "basic, not bearer",
+                method,
+                f"{env}/{key}",
+                "reader",
+                {"authorization": "Basic eDp5"},
+            ),
+            ("with a body", method, f"{env}/{key}", "reader", {"content-length": "2"}),
+        ]
+    return out
+
+
+def ask(
+    client: TestClient, s, method: str, path: str, token: str | None, extra: dict
+) -> httpx.Response:
+    headers = bearer(s.tokens.get(token, token)) if token else {}
+    headers.update(extra)
+    content = b"{}" if "content-length" in extra else None
+    return client.request(method, path, headers=headers, content=content)
+
+
+def test_the_lane_gives_the_apps_answer_to_every_question(apps) -> None:
+    s, lane, plain, calls, planted = apps
+    answered_by_lane = 0
+    for name, method, path, token, extra in cases(s, planted):
+        for attempt in range(2):  # the first fills the token cache the lane reads
+            calls.clear()
+            got = ask(lane, s, method, path, token, extra)
+            lane_calls = list(calls)
+            calls.clear()
+            want = ask(plain, s, method, path, token, extra)
+            assert answer(got) == answer(want), (name, method, attempt)
+            if attempt == 1 and got.status_code == 200:
+                assert calls, (name, method)  # the app's route answered it
+                if name == "with a body":  # the app ignores it; the lane leaves it to the app
+                    assert lane_calls, (name, method)
+                else:
+                    assert not lane_calls, (name, method)  # the lane answered, not the route
+                    answered_by_lane += 1
+    assert answered_by_lane == 2 * 6  # the six good questions, GET and HEAD
+    first = ask(
+        lane,
+        s,
+        "GET",
+        f"{API}/caches/{MAIN}/environments/{s.digest}/entries/{s.keys[0]}",
+        "reader",
+        {},
+    )
+    assert first.content == s.entry_bytes[s.keys[0]]
+    assert first.headers["x-cachectl-sha256"] == sha256(s.entry_bytes[s.keys[0]])
+
+
+def test_an_index_that_does_not_answer_is_answered_as_the_app_does_once(apps, monkeypatch) -> None:
+    s, lane, plain, calls, _planted = apps
+    path = f"{API}/caches/{MAIN}/environments/{s.digest}/entries/{s.keys[0]}"
+    for client in (lane, plain):
+        assert ask(client, s, "HEAD", path, "reader", {}).status_code == 200
+    asked = []
+
+    def down(*args, **kwargs):
+        asked.append(1)
+        raise Unreachable("the index at sqlite:///x does not answer: try again later")
+
+    monkeypatch.setattr(server_queries, "recorded_digest", down)
+    for method in ("GET", "HEAD"):
+        asked.clear()
+        got = ask(lane, s, method, path, "reader", {})
+        assert len(asked) == 1  # not asked a second time through the app
+        assert answer(got) == answer(ask(plain, s, method, path, "reader", {}))
+        assert got.status_code == 503
+
+
+def test_under_uvicorn_the_lane_serves_and_the_metrics_count_it(tmp_path) -> None:
+    s = seed(f"sqlite:///{tmp_path}/index.db", str(tmp_path / "main"), str(tmp_path / "other"))
+    app = create_app(s.db)
+    key = s.keys[0]
+    url_path = f"{API}/caches/{MAIN}/environments/{s.digest}/entries/{key}"
+    try:
+        with LiveServer(app) as server, httpx.Client(base_url=server.url) as client:
+            for _ in range(3):
+                got = client.get(url_path, headers=bearer(s.tokens["reader"]))
+                assert got.status_code == 200 and got.content == s.entry_bytes[key]
+                head = client.head(url_path, headers=bearer(s.tokens["reader"]))
+                assert head.status_code == 200 and head.content == b""
+                assert int(head.headers["content-length"]) == len(s.entry_bytes[key])
+            metrics = client.get("/metrics", headers=bearer(s.tokens["reader"])).text
+    finally:
+        app.state.cachectl.jobs.shutdown()
+        app.state.cachectl.index.close()
+    template = "/api/v1/caches/{cache}/environments/{digest}/entries/{key}"
+    for method in ("GET", "HEAD"):
+        line = (
+            f'cachectl_http_requests_total{{method="{method}",route="{template}",status="200"}} 3.0'
+        )
+        assert line in metrics, metrics[:2000]
+    assert (
+        f'cachectl_entry_download_bytes_total{{cache="{MAIN}"}} {3.0 * len(s.entry_bytes[key])}'
+        in metrics
+    )
