@@ -661,7 +661,9 @@ def markdown(result: dict[str, Any]) -> str:
         f"{dl['floor_write_ms'] / dl['disk_ms']:.0f}x the read, sendfile {dl['floor_sendfile_ms'] / dl['disk_ms']:.0f}x; "
         "uvicorn offers neither ASGI zero-copy send nor pathsend and uvloop has no `loop.sendfile`, so the "
         "server reads an entry up to 4 MiB in the thread hop that opens it and sends it in one write; the "
-        "rest is the per-request cost of the framework (the 64 KiB GET's CPU per request above). "
+        "rest is the per-request cost of the server (the 64 KiB GET's CPU per request above). HEAD and "
+        "GET of entries are answered by server/fast_lane.py before FastAPI routes them (the "
+        "`## ASGI servers` section sets them beside FastAPI's routing in one run). "
         "Services never take this path (JAX reads the namespace itself); it is for pulls by hosts without "
         "storage credentials.",
         "",
