@@ -12,6 +12,7 @@ import enum
 import hashlib
 import io
 import re
+import sys
 import threading
 import zlib
 from collections.abc import Callable, Iterable, Mapping
@@ -200,15 +201,22 @@ def entry_payload(data: bytes) -> bytes:
 
 
 def decompress_zstd(data: bytes) -> bytes:
-    """zstd bytes decompressed through this thread's context (CorruptEntry if they do not)."""
+    """zstd bytes decompressed through this thread's context (CorruptEntry if they do not).
+
+    Called once per file by sync and verify: the context is this thread's attribute, looked up
+    without a call, and zstandard is imported only where a thread has none yet."""
+    dctx = getattr(_local, "dctx", None)
+    if dctx is None:
+        try:
+            dctx = _zstd_decompressor()
+        except ImportError as exc:  # pragma: no cover - zstandard is a dependency
+            raise CorruptEntry("zstd entry but the zstandard module is not installed") from exc
     try:
-        import zstandard
-    except ImportError as exc:  # pragma: no cover - zstandard is a dependency
-        raise CorruptEntry("zstd entry but the zstandard module is not installed") from exc
-    try:
-        return _zstd_decompressor().decompress(data, max_output_size=1 << 34)
-    except zstandard.ZstdError as exc:
-        raise CorruptEntry(f"zstd data is corrupt: {exc}") from exc
+        return dctx.decompress(data, max_output_size=1 << 34)
+    except Exception as exc:
+        if isinstance(exc, sys.modules["zstandard"].ZstdError):
+            raise CorruptEntry(f"zstd data is corrupt: {exc}") from exc
+        raise
 
 
 def decompress(data: bytes) -> tuple[str, bytes]:

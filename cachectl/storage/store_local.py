@@ -190,9 +190,12 @@ class LocalReader:
             fd = self._dir_fd(rel_dir, f"{self._root}/{rel_dir}")
         except (OSError, BadInput):
             return slow
-        at = functools.partial(self._read_timed if times else self._read_at, fd, rel_dir)
         # A name with a '/' would let openat() follow a link in its directories: read() checks each.
-        return lambda name: slow(name) if "/" in name else at(name)
+        # One call per file below this one (sync and verify read every file through it).
+        read_timed = self._read_timed
+        if times:
+            return lambda name: slow(name) if "/" in name else read_timed(fd, rel_dir, name)
+        return lambda name: slow(name) if "/" in name else read_timed(fd, rel_dir, name)[0]
 
     def _path_of(self, rel_dir: str, name: str) -> str:
         """The full path of ``name`` in ``rel_dir``, for messages."""
