@@ -31,6 +31,7 @@ from datetime import timedelta
 from typing import Any, TypeVar
 
 from cachectl.context import Context
+from cachectl.core.bulk_pass import bulk_pass
 from cachectl.core.errors import NotFound
 from cachectl.index import CacheInfo, Index
 from cachectl.index.sync_queries import ObservedRow, insert_observed_rows, observed_entry
@@ -376,20 +377,21 @@ def sync(
     if not dry_run:
         check_writer(cache, "sync")
     started = time.monotonic()
-    if not dry_run and isinstance(ctx.index, Index):
-        return _plan_and_execute(ctx, cache, min_age)
-    plan = plan_sync(ctx, cache, min_age=min_age)
-    if dry_run:
-        return SyncResult(
-            plan,
-            environments_added=plan.environments_to_add,
-            entries_added=plan.entries_to_add,
-            entries_updated=plan.entries_to_update,
-            rows_dropped=plan.rows_to_drop,
-            environments_marked_deleted=len(plan.environments_gone),
-            duration_s=time.monotonic() - started,
-            dry_run=True,
-            executables_recorded=plan.executables_to_record,
-            executables_cleared=plan.executables_to_clear,
-        )
-    return execute_sync(ctx, cache, plan)
+    with bulk_pass():
+        if not dry_run and isinstance(ctx.index, Index):
+            return _plan_and_execute(ctx, cache, min_age)
+        plan = plan_sync(ctx, cache, min_age=min_age)
+        if not dry_run:
+            return execute_sync(ctx, cache, plan)
+    return SyncResult(
+        plan,
+        environments_added=plan.environments_to_add,
+        entries_added=plan.entries_to_add,
+        entries_updated=plan.entries_to_update,
+        rows_dropped=plan.rows_to_drop,
+        environments_marked_deleted=len(plan.environments_gone),
+        duration_s=time.monotonic() - started,
+        dry_run=True,
+        executables_recorded=plan.executables_to_record,
+        executables_cleared=plan.executables_to_clear,
+    )

@@ -35,6 +35,7 @@ import time
 from datetime import datetime
 
 from cachectl.context import Context
+from cachectl.core.bulk_pass import bulk_pass
 from cachectl.core.fingerprint import current_environment
 from cachectl.index import CacheInfo
 from cachectl.index.lifecycle_queries import entry_digests
@@ -100,7 +101,8 @@ def verify(
     started = time.monotonic()
     store = ctx.store(cache)
     if not options.mutating:
-        plan = plan_verify(ctx, cache, options, now=now, store=store)
+        with bulk_pass():
+            plan = plan_verify(ctx, cache, options, now=now, store=store)
         if options.deep:
             plan.findings.extend(deep_findings(ctx, cache, plan, store))
         if options.dry_run:
@@ -110,7 +112,8 @@ def verify(
         return VerifyResult(plan, 0, 0, 0, 0, False, duration)
     check_writer(cache, "quarantine or repair")
     with leases.held(ctx.sql_index, cache.name, "verify") as lease:
-        plan = plan_verify(ctx, cache, options, now=now, lease=lease, store=store)
+        with bulk_pass():
+            plan = plan_verify(ctx, cache, options, now=now, lease=lease, store=store)
         if options.deep:
             plan.findings.extend(deep_findings(ctx, cache, plan, store))
         return execute_verify(ctx, cache, plan, started=started, store=store)
