@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import functools
 from collections.abc import Awaitable, Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,6 +30,8 @@ from .api import MAX_CACHE_NAME, MAX_DIGEST
 from .auth import PUBLIC, ROLE_KEY, SCOPE_KEY, bearer_value, refusal
 from .entry_routes import BYTE_ROUTES, ByteRoute, check_key, download_answer, head_answer
 from .state import ServerState
+
+LANE_THREADS = 40
 
 
 @dataclass(frozen=True)
@@ -87,6 +90,9 @@ class ByteFastLane:
         self.app = app
         self.state = state
         self.lanes = lanes(routes)
+        # As many threads as the routes' own hop may use (anyio's default limiter): a HEAD on an
+        # object store waits on the network there, and asyncio's default pool has cores + 4.
+        self.threads = ThreadPoolExecutor(LANE_THREADS, thread_name_prefix="cachectl-bytes")
         self.library_error = library_error  # the app's handler of a library error (server/app.py)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -124,7 +130,7 @@ class ByteFastLane:
             check_key(key)
             answer = download_answer if lane.method == "GET" else head_answer
             response = await asyncio.get_running_loop().run_in_executor(
-                None, functools.partial(answer, self.state, cache, digest, key, lane.reads)
+                self.threads, functools.partial(answer, self.state, cache, digest, key, lane.reads)
             )
         except (HTTPException, NotFound):
             return False  # a bad key, no such cache or entry: the app answers, asking as cheaply

@@ -5,6 +5,8 @@ and the lane is what answered the ones that succeed (the route handlers never ra
 from __future__ import annotations
 
 import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -224,3 +226,46 @@ def test_under_uvicorn_the_lane_serves_and_the_metrics_count_it(tmp_path) -> Non
         f'cachectl_entry_download_bytes_total{{cache="{MAIN}"}} {3.0 * len(s.entry_bytes[key])}'
         in metrics
     )
+
+
+def test_the_lane_runs_as_many_requests_at_once_as_the_routes_did(tmp_path, monkeypatch) -> None:
+    """A HEAD on an object store waits on the network in its thread: the lane must not cap how many
+    wait at once below the routes' own hop (asyncio's default pool has cores + 4 threads)."""
+    from cachectl_server import fast_lane
+
+    s = seed(f"sqlite:///{tmp_path}/index.db", str(tmp_path / "main"), str(tmp_path / "other"))
+    at_once = 16
+    together = threading.Barrier(at_once, timeout=30)
+    answered: list[int] = []
+    real = fast_lane.head_answer
+
+    def waits_for_the_others(*args, **kwargs):
+        together.wait()  # breaks (and the lane leaves the request to the app) if fewer get here
+        answered.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(fast_lane, "head_answer", waits_for_the_others)
+    app = create_app(s.db)
+    path = f"{API}/caches/{MAIN}/environments/{s.digest}/entries/{s.keys[0]}"
+    try:
+        with LiveServer(app) as server:
+            url = server.url + path
+            assert httpx.head(url, headers=bearer(s.tokens["reader"])).status_code == 200
+            together.reset()
+            answered.clear()
+            with ThreadPoolExecutor(at_once) as pool:
+                codes = list(
+                    pool.map(
+                        lambda _: (
+                            httpx.head(
+                                url, headers=bearer(s.tokens["reader"]), timeout=60
+                            ).status_code
+                        ),
+                        range(at_once),
+                    )
+                )
+    finally:
+        app.state.cachectl.jobs.shutdown()
+        app.state.cachectl.index.close()
+    assert codes == [200] * at_once
+    assert len(answered) == at_once and not together.broken
