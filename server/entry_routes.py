@@ -379,6 +379,13 @@ class WholeBody(Response):
             WHOLE_SLOTS.release()
 
 
+def discard(response: Response) -> None:
+    """Give back what a response that will never be sent holds: a whole body's slot (a streamed
+    one's file is closed when the response is collected)."""
+    if isinstance(response, WholeBody):
+        WHOLE_SLOTS.release()
+
+
 def stream_file(body: bytes | Any, headers: dict[str, str]) -> Response:
     """What opened() gave as the response body: bytes at once, a file in CHUNK-sized reads (closed after)."""
     if isinstance(body, bytes):

@@ -28,7 +28,14 @@ from cachectl.core.errors import CachectlError, NotFound
 
 from .api import MAX_CACHE_NAME, MAX_DIGEST
 from .auth import PUBLIC, ROLE_KEY, SCOPE_KEY, bearer_value, refusal
-from .entry_routes import BYTE_ROUTES, ByteRoute, check_key, download_answer, head_answer
+from .entry_routes import (
+    BYTE_ROUTES,
+    ByteRoute,
+    check_key,
+    discard,
+    download_answer,
+    head_answer,
+)
 from .state import ServerState
 
 LANE_THREADS = 40
@@ -74,6 +81,11 @@ def _head(scope: Scope) -> tuple[str | None, bool]:
         ):
             body = True
     return authorization, body
+
+
+def _discard_unsent(work: asyncio.Future[Response]) -> None:
+    if not work.cancelled() and work.exception() is None:
+        discard(work.result())
 
 
 class ByteFastLane:
@@ -129,9 +141,16 @@ class ByteFastLane:
         try:
             check_key(key)
             answer = download_answer if lane.method == "GET" else head_answer
-            response = await asyncio.get_running_loop().run_in_executor(
+            work = asyncio.get_running_loop().run_in_executor(
                 self.threads, functools.partial(answer, self.state, cache, digest, key, lane.reads)
             )
+            try:
+                response = await asyncio.shield(work)
+            except asyncio.CancelledError:
+                # The thread runs on; what its answer holds (a whole read's slot) goes back once
+                # it is done, since it will never be sent.
+                work.add_done_callback(_discard_unsent)
+                raise
         except (HTTPException, NotFound):
             return False  # a bad key, no such cache or entry: the app answers, asking as cheaply
         except CachectlError as exc:

@@ -4,6 +4,7 @@ and the lane is what answered the ones that succeed (the route handlers never ra
 
 from __future__ import annotations
 
+import asyncio
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -269,3 +270,83 @@ def test_the_lane_runs_as_many_requests_at_once_as_the_routes_did(tmp_path, monk
         app.state.cachectl.index.close()
     assert codes == [200] * at_once
     assert len(answered) == at_once and not together.broken
+
+
+def free_slots() -> int:
+    """How many whole-read slots are free now (taken and given back at once)."""
+    taken = 0
+    while entry_routes.WHOLE_SLOTS.acquire(blocking=False):
+        taken += 1
+    for _ in range(taken):
+        entry_routes.WHOLE_SLOTS.release()
+    return taken
+
+
+def test_a_get_cancelled_while_its_thread_reads_gives_its_slot_back(tmp_path, monkeypatch) -> None:
+    """The thread goes on after the request is cancelled; the whole read it took a slot for is
+    never sent, and the slot comes back when the thread is done (none is lost)."""
+    from cachectl_server import fast_lane
+
+    s = seed(f"sqlite:///{tmp_path}/index.db", str(tmp_path / "main"), str(tmp_path / "other"))
+    app = create_app(s.db)
+    path = f"{API}/caches/{MAIN}/environments/{s.digest}/entries/{s.keys[0]}"
+    headers = bearer(s.tokens["reader"])
+    with TestClient(app) as client:  # fills the token cache the lane reads
+        assert client.get(path, headers=headers).status_code == 200
+    started, go_on, finished = threading.Event(), threading.Event(), threading.Event()
+    real = fast_lane.download_answer
+
+    def slow(*args, **kwargs):
+        started.set()
+        go_on.wait(30)
+        try:
+            return real(*args, **kwargs)  # takes a slot for the whole body
+        finally:
+            finished.set()
+
+    monkeypatch.setattr(fast_lane, "download_answer", slow)
+    before = free_slots()
+    scope = {
+        "type": "http",
+        "http_version": "1.1",
+        "method": "GET",
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "root_path": "",
+        "query_string": b"",
+        "headers": [(k.lower().encode(), v.encode()) for k, v in headers.items()],
+        "client": ("127.0.0.1", 1),
+        "server": ("127.0.0.1", 80),
+    }
+    sent: list[dict] = []
+
+    async def receive():
+        await asyncio.sleep(60)
+        return {"type": "http.disconnect"}
+
+    async def send(message):
+        sent.append(message)
+
+    async def cancelled_midway() -> None:
+        task = asyncio.ensure_future(app(scope, receive, send))
+        while not started.is_set():
+            await asyncio.sleep(0.01)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        go_on.set()
+        finished.wait(30)
+        for _ in range(200):  # the done callback runs on this loop
+            await asyncio.sleep(0.01)
+            if free_slots() == before:
+                break
+
+    try:
+        asyncio.run(cancelled_midway())
+    finally:
+        go_on.set()
+        app.state.cachectl.jobs.shutdown()
+        app.state.cachectl.index.close()
+    assert finished.is_set() and not sent
+    assert free_slots() == before
