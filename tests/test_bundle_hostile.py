@@ -475,3 +475,29 @@ def test_a_signed_bundle_installs_its_signed_metadata(
             want["bucket"],
             want["compile_time_ms"],
         )
+
+
+def test_the_bundle_stream_goes_forward_only_and_a_header_pointing_back_is_damage() -> None:
+    """tarfile reads a bundle in its random-access mode over the zstd stream (no copies of its
+    stream mode); the stream can only go forward, and asking to go back is a damaged bundle."""
+    import io
+    import tarfile
+
+    from cachectl.bundle.format import ForwardOnly
+
+    data = bytes(range(256)) * 16
+    reader = zstandard.ZstdDecompressor().stream_reader(
+        io.BytesIO(zstandard.ZstdCompressor().compress(data))
+    )
+    stream = ForwardOnly(reader)
+    assert stream.read(10) == data[:10]
+    assert stream.seek(10) == 10  # where it is: nothing to do
+    assert stream.seek(100) == 100 and stream.read(4) == data[100:104]
+    assert stream.seek(6, os.SEEK_CUR) == 110 and stream.tell() == 110
+    with pytest.raises(tarfile.ReadError, match="points back"):
+        stream.seek(50)
+    with pytest.raises(tarfile.ReadError, match="points back"):
+        stream.seek(-1, os.SEEK_CUR)
+    with pytest.raises(tarfile.ReadError):
+        stream.seek(0, os.SEEK_END)  # the end of a stream is not known before it is read
+    assert stream.read(2) == data[110:112]

@@ -12,7 +12,7 @@ from concurrent.futures import Future
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any, TypeVar
+from typing import IO, Any, TypeVar, cast
 
 from cachectl.core import temps
 from cachectl.core.errors import BadInput
@@ -103,10 +103,23 @@ def ran_here(fn: Callable[..., T], *args: Any) -> Future[T]:
     return done
 
 
-# tarfile reads a stream in pieces of this size (its default, 10 KiB, is 50 reads and joins per
-# 512 KiB entry); each read of a member keeps the rest of the piece, so much larger costs copies
-# with small members (bench/fleet.py).
-_STREAM_BUFSIZE = 64 << 10
+class ForwardOnly:
+    """The decompressed stream as tarfile's random-access mode reads it. That mode reads a member's
+    bytes where they stand; its stream mode copies each member twice more, joining its pieces and
+    slicing off the rest (bench/fleet.py). Reading in order only ever seeks forward, which the zstd
+    reader does by reading on; a header that asks to go back is damaged or hostile."""
+
+    def __init__(self, reader: Any) -> None:
+        self._reader = reader
+        self.read = reader.read
+        self.tell = reader.tell
+
+    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
+        here = self._reader.tell()
+        target = offset if whence == os.SEEK_SET else here + offset if whence == os.SEEK_CUR else -1
+        if target < here:
+            raise tarfile.ReadError("a header points back into the stream: damaged or hostile")
+        return int(self._reader.seek(target))
 
 
 @contextmanager
@@ -124,7 +137,8 @@ def open_bundle(path: Path) -> Iterator[tarfile.TarFile]:
             raise BadBundle(f"{path} is not a cachectl bundle (not zstd-compressed)")
         reader = zstandard.ZstdDecompressor().stream_reader(fh, read_across_frames=True)
         try:
-            with tarfile.open(fileobj=reader, mode="r|", bufsize=_STREAM_BUFSIZE) as tar:
+            stream = cast(IO[bytes], ForwardOnly(reader))  # read, tell, seek: what tarfile calls
+            with tarfile.open(fileobj=stream, mode="r:") as tar:
                 yield tar
         except (tarfile.TarError, zstandard.ZstdError, EOFError) as exc:
             raise BadBundle(f"{path}: damaged bundle ({exc})") from exc
