@@ -22,7 +22,6 @@ import os
 import shutil
 import subprocess
 import sys
-import tarfile
 import tempfile
 import time
 from pathlib import Path
@@ -92,18 +91,12 @@ def _populate(home: Path, entries: int, size: int) -> Path:
 
 
 def _python_floor(bundle_file: Path, dest: Path) -> None:
-    """The fewest steps an install written in Python takes: the bundle's zstd stream through
-    tarfile (in its random-access mode over the forward-only stream, as install reads it), each
-    file written with one write and hashed once; no checks, no staging, no index."""
-    import zstandard
+    """The fewest steps an install written in Python takes: the bundle opened as install opens it
+    (``open_bundle``), each file written with one write and hashed once; no checks, no staging, no
+    index."""
+    from cachectl.bundle.format import open_bundle
 
-    from cachectl.bundle.format import ForwardOnly
-
-    with (
-        open(bundle_file, "rb") as fh,
-        zstandard.ZstdDecompressor().stream_reader(fh, read_across_frames=True) as stream,
-        tarfile.open(fileobj=ForwardOnly(stream), mode="r:") as tar,  # type: ignore[call-overload]
-    ):
+    with open_bundle(bundle_file) as tar:
         for member in tar:
             src = tar.extractfile(member) if member.isfile() else None
             if src is None:

@@ -173,12 +173,7 @@ def create_app(
     app.include_router(dashboard.router)
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
     if byte_fast_lane:  # inside BodyGuard and metrics: what it answers is counted and logged
-        app.add_middleware(
-            ByteFastLane,
-            state=state,
-            routes=[*entry_routes.router.routes, *executable_routes.router.routes],
-            library_error=library_error,
-        )
+        app.add_middleware(ByteFastLane, state=state, library_error=library_error)
     app.add_middleware(
         BodyGuard, settings=settings
     )  # inside metrics: its 401s and 413s are counted

@@ -116,12 +116,9 @@ async def identify(request: Request, *, allow_cookie: bool = False) -> TokenInfo
 
 def check_cache(token: TokenInfo, role: str, cache: str) -> None:
     """403 unless ``token`` holds ``role`` for ``cache``."""
-    if not token.allows(role, cache):
-        if not token.allows(role):
-            raise forbidden(token, f"do this: it needs role {role}")
-        raise forbidden(
-            token, f"act on cache {cache!r}: it is scoped to {', '.join(token.caches or ())}"
-        )
+    refused = refusal(token, role, "cache", cache)
+    if refused is not None:
+        raise refused
 
 
 def require(role: str, scope: str = "cache") -> Callable[..., Any]:
@@ -149,12 +146,11 @@ def refusal(token: TokenInfo, role: str, scope: str, cache: str) -> HTTPExceptio
     ``{cache}``, when it has one), as its 403; None when it may."""
     if not token.allows(role):
         return forbidden(token, f"do this: it needs role {role}")
-    if scope == "cache":
-        try:
-            check_cache(token, role, cache)
-        except HTTPException as exc:
-            return exc
-    elif scope == "global" and token.caches is not None:
+    if scope == "cache" and not token.allows(role, cache):
+        return forbidden(
+            token, f"act on cache {cache!r}: it is scoped to {', '.join(token.caches or ())}"
+        )
+    if scope == "global" and token.caches is not None:
         return forbidden(token, "do this: it needs a token without a cache scope")
     return None
 

@@ -304,9 +304,6 @@ class ByteRoute:
 
 
 ENTRY = ByteRoute(entry_path, False, "no entry {key} in environment {env} of cache {cache!r}")
-# Each byte route's path (as the app serves it) and what it reads: server/fast_lane.py answers
-# their GETs and HEADs by the same functions, under the role and scope each route declares.
-BYTE_ROUTES: dict[str, ByteRoute] = {router.prefix + ENTRY_ROUTE: ENTRY}
 
 
 def located(

@@ -23,7 +23,6 @@ from . import responses as out
 from .api import CacheName, Digest
 from .auth import route
 from .entry_routes import (
-    BYTE_ROUTES,
     BYTES_BODY,
     ByteRoute,
     Key,
@@ -72,7 +71,6 @@ EXECUTABLE = ByteRoute(
     True,
     "no stored executable for entry {key} in environment {env} of cache {cache!r}",
 )
-BYTE_ROUTES[router.prefix + ROUTE] = EXECUTABLE
 
 
 @route(

@@ -4,8 +4,8 @@ These are most of a fleet's requests, and most of what each one cost was FastAPI
 a handler that does little: matching every route in turn, solving the dependencies, a thread hop
 through anyio (BENCHMARKS.md, "Server"). This lane answers only the request that every check passes,
 and answers it with what the routes themselves use: the role and scope each byte route declares
-(server/auth.py ``refusal``), the token cache the routes fill, ``check_key``, ``located`` and
-``opened`` in one thread hop, the same headers and response classes. Anything else goes on to the
+(server/auth.py ``refusal``), the token cache the routes fill, ``check_key``, and ``head_answer``
+or ``download_answer`` in one thread hop, which build the same response. Anything else goes on to the
 app, which answers it as it always did: no token or one not cached yet, a refusal, a path or
 parameter the route would reject, a body, a missing entry, an error. So no answer differs from the
 app's (tests/test_server_fast_lane.py asks both the same questions), and no rule is written twice.
@@ -15,10 +15,9 @@ from __future__ import annotations
 
 import asyncio
 import functools
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
 
 from fastapi import HTTPException, Request, Response
 from fastapi.routing import APIRoute
@@ -26,19 +25,19 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from cachectl.core.errors import CachectlError, NotFound
 
+from . import entry_routes, executable_routes
 from .api import MAX_CACHE_NAME, MAX_DIGEST
 from .auth import PUBLIC, ROLE_KEY, SCOPE_KEY, bearer_value, refusal
-from .entry_routes import (
-    BYTE_ROUTES,
-    ByteRoute,
-    check_key,
-    discard,
-    download_answer,
-    head_answer,
-)
+from .entry_routes import ENTRY, ByteRoute, check_key, discard, download_answer, head_answer
+from .executable_routes import EXECUTABLE
 from .state import ServerState
 
 LANE_THREADS = 40
+# Each byte route's path, as the app serves it, and what it reads.
+BYTE_ROUTES: dict[str, ByteRoute] = {
+    entry_routes.router.prefix + entry_routes.ENTRY_ROUTE: ENTRY,
+    executable_routes.router.prefix + executable_routes.ROUTE: EXECUTABLE,
+}
 
 
 @dataclass(frozen=True)
@@ -52,12 +51,12 @@ class Lane:
     method: str
 
 
-def lanes(routes: Iterable[Any]) -> list[Lane]:
-    """The GET and HEAD byte routes among ``routes`` (the byte routers' own: the app serves their
-    paths as they are), with the role each declares; a route
-    whose scope is not its own ``{cache}`` (or that is public) is left to the app."""
+def lanes() -> list[Lane]:
+    """The GET and HEAD byte routes, from the byte routers themselves (the app serves their paths as
+    they are), with the role each declares; a route whose scope is not its own ``{cache}`` (or that
+    is public) is left to the app."""
     found = []
-    for route in routes:
+    for route in [*entry_routes.router.routes, *executable_routes.router.routes]:
         if not isinstance(route, APIRoute) or route.path not in BYTE_ROUTES:
             continue
         extra = route.openapi_extra or {}
@@ -96,12 +95,11 @@ class ByteFastLane:
         app: ASGIApp,
         *,
         state: ServerState,
-        routes: Iterable[Any],
         library_error: Callable[[Request, Exception], Awaitable[Response]],
     ) -> None:
         self.app = app
         self.state = state
-        self.lanes = lanes(routes)
+        self.lanes = lanes()
         # As many threads as the routes' own hop may use (anyio's default limiter): a HEAD on an
         # object store waits on the network there, and asyncio's default pool has cores + 4.
         self.threads = ThreadPoolExecutor(LANE_THREADS, thread_name_prefix="cachectl-bytes")

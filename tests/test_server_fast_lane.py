@@ -67,75 +67,36 @@ def answer(response: httpx.Response) -> tuple[int, list[tuple[str, str]], bytes]
 def cases(s, planted: str) -> list[tuple[str, str, str, str | None, dict[str, str]]]:
     """(name, method, path, token, extra headers) for GET and HEAD alike."""
     key, missing = s.keys[0], entry_key("jit_absent", 99)
-    env = f"{API}/caches/{MAIN}/environments/{s.digest}/entries"
+
+    def at(cache: str = MAIN, digest: str = s.digest, name: str = key) -> str:
+        return f"{API}/caches/{cache}/environments/{digest}/entries/{name}"
+
     out = []
     for method in ("GET", "HEAD"):
         out += [
-            ("entry", method, f"{env}/{key}", "reader", {}),
-            ("another entry", method, f"{env}/{s.keys[1]}", "admin", {}),
-            ("its executable", method, f"{env}/{key}/aot", "reader", {}),
-            (
-                "by digest prefix",
-                method,
-                f"{API}/caches/{MAIN}/environments/{s.digest[:12]}/entries/{key}",
-                "reader",
-                {},
-            ),
-            ("scoped to this cache", method, f"{env}/{key}", "scoped_writer", {}),
-            ("with a query string", method, f"{env}/{key}?x=1", "reader", {}),
-            ("no executable", method, f"{env}/{s.keys[1]}/aot", "reader", {}),
-            ("missing entry", method, f"{env}/{missing}", "reader", {}),
-            ("planted symlink", method, f"{env}/{planted}", "reader", {}),
-            ("bad key", method, f"{env}/..%2Fetc", "reader", {}),
-            ("key with a dot first", method, f"{env}/.x-{'0' * 64}", "reader", {}),
-            (
-                "unknown environment",
-                method,
-                f"{API}/caches/{MAIN}/environments/{'f' * 64}/entries/{key}",
-                "reader",
-                {},
-            ),
-            (
-                "digest too long",
-                method,
-                f"{API}/caches/{MAIN}/environments/{'f' * 65}/entries/{key}",
-                "reader",
-                {},
-            ),
-            (
-                "cache name too long",
-                method,
-                f"{API}/caches/{'c' * 129}/environments/{s.digest}/entries/{key}",
-                "reader",
-                {},
-            ),
-            (
-                "unknown cache",
-                method,
-                f"{API}/caches/nope/environments/{s.digest}/entries/{key}",
-                "reader",
-                {},
-            ),
-            (
-                "other cache",
-                method,
-                f"{API}/caches/{OTHER}/environments/{s.digest}/entries/{key}",
-                "reader",
-                {},
-            ),
-            ("token scoped elsewhere", method, f"{env}/{key}", "wrong_scope_reader", {}),
-            ("no token", method, f"{env}/{key}", None, {}),
-            ("unknown token", method, f"{env}/{key}", "not-a-token", {}),
-            ("revoked token", method, f"{env}/{key}", "revoked", {}),
-            ("expired token", method, f"{env}/{key}", "expired", {}),
-            (
-                "basic, not bearer",
-                method,
-                f"{env}/{key}",
-                "reader",
-                {"authorization": "Basic eDp5"},
-            ),
-            ("with a body", method, f"{env}/{key}", "reader", {"content-length": "2"}),
+            ("entry", method, at(), "reader", {}),
+            ("another entry", method, at(name=s.keys[1]), "admin", {}),
+            ("its executable", method, at(name=f"{key}/aot"), "reader", {}),
+            ("by digest prefix", method, at(digest=s.digest[:12]), "reader", {}),
+            ("scoped to this cache", method, at(), "scoped_writer", {}),
+            ("with a query string", method, at(name=f"{key}?x=1"), "reader", {}),
+            ("no executable", method, at(name=f"{s.keys[1]}/aot"), "reader", {}),
+            ("missing entry", method, at(name=missing), "reader", {}),
+            ("planted symlink", method, at(name=planted), "reader", {}),
+            ("bad key", method, at(name="..%2Fetc"), "reader", {}),
+            ("key with a dot first", method, at(name=f".x-{'0' * 64}"), "reader", {}),
+            ("unknown environment", method, at(digest="f" * 64), "reader", {}),
+            ("digest too long", method, at(digest="f" * 65), "reader", {}),
+            ("cache name too long", method, at(cache="c" * 129), "reader", {}),
+            ("unknown cache", method, at(cache="nope"), "reader", {}),
+            ("other cache", method, at(cache=OTHER), "reader", {}),
+            ("token scoped elsewhere", method, at(), "wrong_scope_reader", {}),
+            ("no token", method, at(), None, {}),
+            ("unknown token", method, at(), "not-a-token", {}),
+            ("revoked token", method, at(), "revoked", {}),
+            ("expired token", method, at(), "expired", {}),
+            ("basic, not bearer", method, at(), "reader", {"authorization": "Basic eDp5"}),
+            ("with a body", method, at(), "reader", {"content-length": "2"}),
         ]
     return out
 

@@ -213,10 +213,8 @@ def decompress_zstd(data: bytes) -> bytes:
             raise CorruptEntry("zstd entry but the zstandard module is not installed") from exc
     try:
         return dctx.decompress(data, max_output_size=1 << 34)
-    except Exception as exc:
-        if isinstance(exc, sys.modules["zstandard"].ZstdError):
-            raise CorruptEntry(f"zstd data is corrupt: {exc}") from exc
-        raise
+    except sys.modules["zstandard"].ZstdError as exc:  # looked up only when something is raised
+        raise CorruptEntry(f"zstd data is corrupt: {exc}") from exc
 
 
 def decompress(data: bytes) -> tuple[str, bytes]:
