@@ -6,6 +6,10 @@
 FastAPI (how the byte routes were served before it); ``python bench/asgi_app.py PORT`` serves it
 under uvicorn configured as `cachectl serve` configures it.
 
+``CACHECTL_BENCH_NO_ZERO_COPY=1`` (with ``python bench/asgi_app.py PORT``): uvicorn as `cachectl
+serve` runs it, except that no request is offered server/zero_copy.py's ``sendfile``: a download is
+read in its thread hop and written (up to 4 MiB) or streamed, as before that module.
+
 ``CACHECTL_BENCH_PATHSEND=1`` (a measurement only, not the product): the entry download, behind
 the same route and auth, hands the server the open file by the ASGI ``http.response.pathsend``
 extension (granian offers it) instead of reading the bytes. The file is opened as the product opens
@@ -26,7 +30,7 @@ from fastapi import HTTPException, Request
 from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool
 
-from cachectl_server import entry_routes
+from cachectl_server import entry_routes, zero_copy
 from cachectl_server.app import create_app, freeze_startup_heap
 from cachectl_server.config import load_server_settings
 from cachectl_server.deps import state_of
@@ -76,6 +80,9 @@ async def _download(
     fh, size, sha = await run_in_threadpool(_open, state_of(request), cache, digest, key, route)
     return _PathBody(fh, entry_routes.byte_headers(size, sha))
 
+
+if os.environ.get("CACHECTL_BENCH_NO_ZERO_COPY") == "1":
+    zero_copy.offer = lambda cycle: None  # http_edge looks it up per request
 
 PATHSEND_ON = os.environ.get("CACHECTL_BENCH_PATHSEND") == "1"
 if PATHSEND_ON:

@@ -1,11 +1,13 @@
 """The floor under an HTTP download on loopback: a minimal server that answers every request with a file.
 
-    python bench/loopback.py PATH PORT MODE     (MODE: write | sendfile)
+    python bench/loopback.py PATH PORT MODE     (MODE: write | sendfile | empty)
 
 ``write``: the event loop uvicorn runs here (uvloop when installed), each request opens and reads
 the file and sends the headers and the bytes with a ``transport.write`` each (as uvicorn does), which
 is the least any server that reads the file must do. ``sendfile``: asyncio's own loop and ``loop.sendfile`` (zero-copy; uvloop
-does not implement it), what an ASGI server with the pathsend extension could reach. No parsing
+does not implement it), what an ASGI server with the pathsend extension could reach. ``empty``:
+an empty 200 per request on uvloop, the round trip any HTTP answer costs before a byte of a file
+moves. No parsing
 beyond the blank line that ends a request: bench/server.py compares cachectl's download with these.
 """
 
@@ -39,6 +41,8 @@ class _Responder(asyncio.Protocol):
             _request, self.buffer = self.buffer.split(b"\r\n\r\n", 1)
             if self.mode == "sendfile":
                 asyncio.ensure_future(self._sendfile())
+            elif self.mode == "empty":
+                self.transport.write(_head(0))
             else:
                 with open(self.path, "rb") as fh:
                     body = fh.read()
@@ -60,7 +64,7 @@ async def _serve(path: str, port: int, mode: str) -> None:
 
 def main() -> int:
     path, port, mode = sys.argv[1], int(sys.argv[2]), sys.argv[3]
-    if mode == "write":
+    if mode in ("write", "empty"):
         try:
             import uvloop
         except ImportError:

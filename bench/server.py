@@ -465,15 +465,36 @@ class _RawClient:
         self.sock.close()
 
 
+class _RoundTrip(_RawClient):
+    """One keep-alive connection for a request whose answer is a 200 with an empty body (the loopback
+    floor's ``empty``) or a small one (``GET /healthz``): the round trip before any file moves."""
+
+    def get(self) -> float:
+        started = time.perf_counter()
+        self.sock.sendall(self.request)
+        got, need = 0, None
+        while need is None or got < need:
+            n = self.sock.recv_into(self.buffer[got:])
+            if not n:
+                raise ConnectionError("the server closed the connection")
+            got += n
+            if need is None and (end := bytes(self.buffer[:got]).find(b"\r\n\r\n")) >= 0:
+                head = bytes(self.buffer[:end]).lower()
+                assert head.startswith(b"http/1.1 200"), head[:200]
+                need = end + 4 + int(head.split(b"content-length:", 1)[1].split(b"\r\n", 1)[0])
+        return time.perf_counter() - started
+
+
 def _download_vs_disk(port: int, seed: dict[str, Any], reps: int) -> dict[str, Any]:
     """One 1 MiB entry over one keep-alive connection vs open().read() and vs the loopback floor
-    (bench/loopback.py: the same file by transport.write, and by loop.sendfile), alternating rounds.
-    The client is pinned to CPU 1 like the load generator; the servers are on CPU 0."""
+    (bench/loopback.py: the same file by transport.write, and by loop.sendfile), alternating rounds;
+    and the round trips under any download: an empty answer from bench/loopback.py, and
+    ``GET /healthz`` through the server. The client is pinned to CPU 1 like the load generator; the servers are on CPU 0."""
     route = _routes(seed)["GET entry (1 MiB)"]
     _key, size, _sha = seed["big"]
     get = _request("GET", route[3], f"127.0.0.1:{port}", route[4], None)
     floors: dict[str, tuple[subprocess.Popen, int]] = {}
-    for mode in ("write", "sendfile"):
+    for mode in ("write", "sendfile", "empty"):
         floor_port = _free_port()
         floors[mode] = (
             subprocess.Popen(
@@ -489,16 +510,21 @@ def _download_vs_disk(port: int, seed: dict[str, Any], reps: int) -> dict[str, A
             ),
             floor_port,
         )
-    times: dict[str, list[float]] = {"http": [], "disk": [], "write": [], "sendfile": []}
+    times: dict[str, list[float]] = {
+        name: [] for name in ("http", "disk", "write", "sendfile", "empty", "healthz")
+    }
     everywhere = os.sched_getaffinity(0)
     clients: dict[str, _RawClient] = {}
     try:
         clients["http"] = _RawClient(port, get, size)
+        healthz = _request("GET", "/healthz", f"127.0.0.1:{port}", {}, None)
+        clients["healthz"] = _RoundTrip(port, healthz, 0)
         for mode, (_proc, floor_port) in floors.items():
             deadline = time.monotonic() + 30
+            kind = _RoundTrip if mode == "empty" else _RawClient
             while True:
                 try:
-                    clients[mode] = _RawClient(floor_port, get, size)
+                    clients[mode] = kind(floor_port, get, size)
                     break
                 except ConnectionRefusedError:
                     if time.monotonic() > deadline:
@@ -532,6 +558,8 @@ def _download_vs_disk(port: int, seed: dict[str, Any], reps: int) -> dict[str, A
         "disk_ms": ms["disk"],
         "floor_write_ms": ms["write"],
         "floor_sendfile_ms": ms["sendfile"],
+        "floor_empty_ms": ms["empty"],
+        "healthz_ms": ms["healthz"],
         "http_mib_s": size / 1024**2 / (ms["http"] / 1000),
         "disk_mib_s": size / 1024**2 / (ms["disk"] / 1000),
         "ratio": ms["http"] / ms["disk"] if ms["disk"] else None,
@@ -656,12 +684,19 @@ def markdown(result: dict[str, Any]) -> str:
         f"(goal ≤ 3x). The loopback floor, the same client against bench/loopback.py on CPU 0: a minimal "
         f"uvloop server that opens, reads and writes the file per request (headers and body a "
         f"`transport.write` each, as uvicorn) **{dl['floor_write_ms']:.2f} ms**, asyncio's `loop.sendfile` "
-        f"**{dl['floor_sendfile_ms']:.2f} ms**: the server is **{dl['ratio_floor']:.1f}x** the write floor. "
+        f"**{dl['floor_sendfile_ms']:.2f} ms**: the server is **{dl['ratio_floor']:.1f}x** the write floor, "
+        f"{dl['http_ms'] / dl['floor_sendfile_ms']:.1f}x the sendfile floor. "
         f"The 3x goal is below what HTTP over loopback costs here: the write floor alone is "
         f"{dl['floor_write_ms'] / dl['disk_ms']:.0f}x the read, sendfile {dl['floor_sendfile_ms'] / dl['disk_ms']:.0f}x; "
-        "uvicorn offers neither ASGI zero-copy send nor pathsend and uvloop has no `loop.sendfile`, so the "
-        "server reads an entry up to 4 MiB in the thread hop that opens it and sends it in one write; the "
-        "rest is the per-request cost of the server (the 64 KiB GET's CPU per request above). HEAD and "
+        f"before a byte of the entry moves, an empty answer from the same minimal server takes "
+        f"**{dl['floor_empty_ms']:.2f} ms** ({dl['floor_empty_ms'] / dl['disk_ms']:.1f}x the read) and "
+        f"`GET /healthz` through `cachectl serve` (no auth, no index, no file) **{dl['healthz_ms']:.2f} ms** "
+        f"({dl['healthz_ms'] / dl['disk_ms']:.1f}x): a request through an ASGI server costs more than the "
+        "goal allows the whole download. "
+        "uvicorn offers neither ASGI zero-copy send nor pathsend and uvloop has no `loop.sendfile`, so "
+        "`cachectl serve`'s protocol offers the zero-copy extension itself (server/zero_copy.py: "
+        "`os.sendfile` in worker threads); the rest is the per-request cost of the server (the 64 KiB "
+        "GET's CPU per request above). HEAD and "
         "GET of entries are answered by server/fast_lane.py before FastAPI routes them (the "
         "`## ASGI servers` section sets them beside FastAPI's routing in one run). "
         "Services never take this path (JAX reads the namespace itself); it is for pulls by hosts without "

@@ -10,9 +10,11 @@ says to overwrite: audited), and the quota is reserved in the index
 atomically (413). Only then is it written, atomically; a full disk is 507. The rules are
 cachectl/storage/ingest.py's (this module streams the body and turns refusals into statuses).
 Downloads serve only regular files inside the namespace (no symlinks); a download is located in
-the index, opened and read in one worker-thread hop (uvicorn offers no sendfile: no ASGI
-zero-copy or pathsend extension, and uvloop has no loop.sendfile). A GET or HEAD that every check
-passes is answered by server/fast_lane.py with this module's functions, before FastAPI routes it.
+the index and opened in one worker-thread hop. Under `cachectl serve` a file on local disk is then
+handed to the server whole, which sends it with ``sendfile`` (server/zero_copy.py: uvicorn offers
+no zero-copy send of its own); elsewhere (an object store, a server without the extension) it is
+read in that hop (up to WHOLE) and written, or streamed. A GET or HEAD that every check passes is
+answered by server/fast_lane.py with this module's functions, before FastAPI routes it.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from cachectl.storage import ingest
 from cachectl.storage.entries import CACHE_SUFFIX, MAX_KEY_LENGTH, EntryName, parse_key
 
 from . import responses as out
-from . import schemas
+from . import schemas, zero_copy
 from .api import CacheName, Digest
 from .auth import route
 from .config import EXPANSION_RATIO, ServerSettings
@@ -323,16 +325,27 @@ def located(
 
 @dataclass(frozen=True)
 class Opened:
-    """What a GET sends: the bytes (up to WHOLE) or the open file to stream, its size, its recorded sha256."""
+    """What a GET sends: the bytes (up to WHOLE) or the open file to stream or hand over (``sent``),
+    its size, its recorded sha256."""
 
     body: bytes | Any
     size: int
     sha256: str | None
+    sent: bool = False
 
 
-def opened(state: ServerState, cache: str, digest: str, key: str, route: ByteRoute) -> Opened:
-    """Find the object in the index and open it, in one worker-thread hop: a file up to WHOLE is read
-    at once, a larger one is left open to stream. The size is the open file's own (fstat on local disk),
+def opened(
+    state: ServerState,
+    cache: str,
+    digest: str,
+    key: str,
+    route: ByteRoute,
+    *,
+    zero_copy: bool = False,
+) -> Opened:
+    """Find the object in the index and open it, in one worker-thread hop: a file on local disk is
+    left open for the server to send (``zero_copy``: the server offers it), otherwise a file up to
+    WHOLE is read at once and a larger one is left open to stream. The size is the open file's own (fstat on local disk),
     so Content-Length always matches the bytes sent, even when the entry was replaced meanwhile.
 
     Only a regular file inside the namespace is opened: on local disk no symlink is followed
@@ -348,7 +361,8 @@ def opened(state: ServerState, cache: str, digest: str, key: str, route: ByteRou
         ) from None
     try:
         size = os.fstat(fh.fileno()).st_size if store.kind == "file" else int(fh.size)
-        whole = size <= WHOLE and WHOLE_SLOTS.acquire(blocking=False)
+        sent = zero_copy and store.kind == "file"
+        whole = not sent and size <= WHOLE and WHOLE_SLOTS.acquire(blocking=False)
         try:
             body = fh.read(size) if whole else fh
         except BaseException:
@@ -362,7 +376,7 @@ def opened(state: ServerState, cache: str, digest: str, key: str, route: ByteRou
         fh.close()
         size = len(body)
     state.metrics.download_bytes.labels(cache).inc(size)
-    return Opened(body, size, recorded[1] if recorded and recorded[0] == size else None)
+    return Opened(body, size, recorded[1] if recorded and recorded[0] == size else None, sent)
 
 
 class WholeBody(Response):
@@ -376,15 +390,43 @@ class WholeBody(Response):
             WHOLE_SLOTS.release()
 
 
+class SentFile(Response):
+    """An open file on local disk, handed to the server to send (server/zero_copy.py) and closed once
+    it has been: the server's ``send`` returns when the bytes are written."""
+
+    def __init__(self, file: Any, size: int, headers: dict[str, str]) -> None:
+        super().__init__(None, media_type="application/octet-stream", headers=headers)
+        self.file, self.size = file, size
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        with self.file:
+            await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+            if scope["method"] != "HEAD" and zero_copy.offered(scope):
+                message = {"type": zero_copy.ZERO_COPY, "file": self.file, "offset": 0}
+                await send({**message, "count": self.size})
+                return
+            while scope["method"] != "HEAD" and (block := await run_in_threadpool(self._read)):
+                await send({"type": "http.response.body", "body": block, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    def _read(self) -> bytes:
+        return self.file.read(CHUNK)
+
+
 def discard(response: Response) -> None:
-    """Give back what a response that will never be sent holds: a whole body's slot (a streamed
-    one's file is closed when the response is collected)."""
+    """Give back what a response that will never be sent holds: a whole body's slot, a handed-over
+    file (a streamed one's file is closed when the response is collected)."""
     if isinstance(response, WholeBody):
         WHOLE_SLOTS.release()
+    elif isinstance(response, SentFile):
+        response.file.close()
 
 
-def stream_file(body: bytes | Any, headers: dict[str, str]) -> Response:
-    """What opened() gave as the response body: bytes at once, a file in CHUNK-sized reads (closed after)."""
+def stream_file(body: bytes | Any, headers: dict[str, str], *, sent: bool = False) -> Response:
+    """What opened() gave as the response body: bytes at once, a file handed to the server
+    (``sent``), or a file in CHUNK-sized reads (closed after)."""
+    if sent:
+        return SentFile(body, int(headers["content-length"]), headers)
     if isinstance(body, bytes):
         return WholeBody(body, media_type="application/octet-stream", headers=headers)
 
@@ -420,9 +462,11 @@ async def get_entry(request: Request, cache: CacheName, digest: Digest, key: Key
 async def download(
     request: Request, cache: str, digest: str, key: str, route: ByteRoute
 ) -> Response:
-    """GET of an entry or of its stored executable: found, opened and (up to WHOLE) read in one thread hop."""
+    """GET of an entry or of its stored executable: found and opened in one thread hop, then handed
+    to the server (zero-copy) or read (up to WHOLE) in that hop."""
     check_key(key)
-    return await run_in_threadpool(download_answer, state_of(request), cache, digest, key, route)
+    state, sendfile = state_of(request), zero_copy.offered(request.scope)
+    return await run_in_threadpool(download_answer, state, cache, digest, key, route, sendfile)
 
 
 async def head(request: Request, cache: str, digest: str, key: str, route: ByteRoute) -> Response:
@@ -432,11 +476,11 @@ async def head(request: Request, cache: str, digest: str, key: str, route: ByteR
 
 
 def download_answer(
-    state: ServerState, cache: str, digest: str, key: str, route: ByteRoute
+    state: ServerState, cache: str, digest: str, key: str, route: ByteRoute, zero_copy: bool = False
 ) -> Response:
     """A GET's work, in a worker thread (the route's, and server/fast_lane.py's)."""
-    got = opened(state, cache, digest, key, route)
-    return stream_file(got.body, byte_headers(got.size, got.sha256))
+    got = opened(state, cache, digest, key, route, zero_copy=zero_copy)
+    return stream_file(got.body, byte_headers(got.size, got.sha256), sent=got.sent)
 
 
 def head_answer(

@@ -31,6 +31,7 @@ from .auth import PUBLIC, ROLE_KEY, SCOPE_KEY, bearer_value, refusal
 from .entry_routes import ENTRY, ByteRoute, check_key, discard, download_answer, head_answer
 from .executable_routes import EXECUTABLE
 from .state import ServerState
+from .zero_copy import offered
 
 LANE_THREADS = 40
 # Each byte route's path, as the app serves it, and what it reads.
@@ -138,10 +139,13 @@ class ByteFastLane:
             return False
         try:
             check_key(key)
-            answer = download_answer if lane.method == "GET" else head_answer
-            work = asyncio.get_running_loop().run_in_executor(
-                self.threads, functools.partial(answer, self.state, cache, digest, key, lane.reads)
+            args = (self.state, cache, digest, key, lane.reads)
+            answer = (
+                functools.partial(download_answer, *args, offered(scope))
+                if lane.method == "GET"
+                else functools.partial(head_answer, *args)
             )
+            work = asyncio.get_running_loop().run_in_executor(self.threads, answer)
             try:
                 response = await asyncio.shield(work)
             except asyncio.CancelledError:

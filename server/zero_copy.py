@@ -1,0 +1,196 @@
+"""A file's bytes from the page cache to the socket (``os.sendfile``), under uvicorn, which offers no
+zero-copy send.
+
+A download was read into memory in a worker thread and written with one ``transport.write``: two
+copies through user space, and up to 4 MiB held per request. Side by side under the same uvicorn
+(BENCHMARKS.md, "ASGI servers") ``sendfile`` took about half the time at 1 MiB and at 64 MiB.
+This module gives `cachectl serve`'s protocol (server/http_edge.py) the ASGI
+``http.response.zerocopysend`` extension; the byte routes use it (server/entry_routes.py
+``SentFile``) when the server offers it and the object is a file on local disk.
+
+How a file is sent, and why that is safe:
+
+- only once the response's headers are on the wire (the transport's buffer is empty; otherwise the
+  bytes are read and sent through uvicorn, as before), and never more than the Content-Length owed;
+- on a duplicate of the connection's descriptor, so a connection closed meanwhile (a pipelined
+  request's header timeout, a shutdown) cannot hand its number to another connection, which would
+  then receive this file;
+- each run of ``sendfile`` calls in a worker thread (a file not in the page cache is read from disk
+  there, not in the event loop) until the socket is full; the loop then waits for it to drain with
+  ``add_writer`` on the duplicate, at most ``STALL_S`` without progress. A client that stops
+  reading holds no thread and no memory, and is dropped after that;
+- a client gone, a stall, or a file shorter than its Content-Length closes the connection: the
+  response cannot be completed, and nothing else may be read as its rest.
+
+It reaches into uvicorn's ``RequestResponseCycle`` (its ``send`` wrapped, its count of body bytes
+still owed lowered by what was sent, as its own body send does). ``offer`` checks the cycle has what
+it uses, and offers nothing otherwise: a uvicorn that changed them answers as before.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from starlette.types import Message, Scope
+
+ZERO_COPY = "http.response.zerocopysend"
+STALL_S = 60.0  # the longest a socket may stay full before its client is dropped
+COPY_CHUNK = 1 << 20  # when the headers are still buffered: read and sent through uvicorn
+SENDFILE_THREADS = 16
+
+log = logging.getLogger("cachectl.server")
+_threads = ThreadPoolExecutor(SENDFILE_THREADS, thread_name_prefix="cachectl-sendfile")
+# What this module reads or sets on uvicorn's cycle.
+_CYCLE_NEEDS = (
+    "transport",
+    "send",
+    "scope",
+    "expected_content_length",
+    "response_started",
+    "response_complete",
+    "chunked_encoding",
+    "disconnected",
+)
+
+
+def offer(cycle: Any) -> None:
+    """Let a new uvicorn request cycle take ZERO_COPY messages, and say so in its scope (before its
+    app runs: uvicorn starts the app in a task that looks ``send`` up when it first runs)."""
+    if not all(hasattr(cycle, name) for name in _CYCLE_NEEDS):
+        return
+    socket = cycle.transport.get_extra_info("socket")
+    if socket is None or socket.fileno() < 0:
+        return
+    plain = cycle.send
+
+    async def send(message: Message) -> None:
+        if message["type"] == ZERO_COPY:
+            await _send_file(cycle, plain, message)
+        else:
+            await plain(message)
+
+    cycle.send = send
+    cycle.scope.setdefault("extensions", {})[ZERO_COPY] = {}
+
+
+def offered(scope: Scope) -> bool:
+    return ZERO_COPY in (scope.get("extensions") or {})
+
+
+class _Short(Exception):
+    """The file ended before the count of bytes promised."""
+
+
+def _until_full(sock: int, fd: int, offset: int, count: int) -> int:
+    """Bytes sent by ``sendfile`` calls until ``count`` or until the socket is full."""
+    sent = 0
+    while sent < count:
+        try:
+            n = os.sendfile(sock, fd, offset + sent, count - sent)
+        except BlockingIOError:
+            break
+        if n == 0:
+            raise _Short
+        sent += n
+    return sent
+
+
+def _wake(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
+
+
+async def _writable(loop: asyncio.AbstractEventLoop, sock: int) -> bool:
+    ready: asyncio.Future[None] = loop.create_future()
+    loop.add_writer(sock, _wake, ready)
+    try:
+        await asyncio.wait_for(ready, STALL_S)
+        return True
+    except TimeoutError:
+        return False
+    finally:
+        loop.remove_writer(sock)
+
+
+def _drop(cycle: Any, why: str) -> None:
+    """End a response that cannot be completed: its connection is closed."""
+    log.info("download of %s ended early: %s", cycle.scope.get("path"), why)
+    cycle.transport.close()
+    cycle.disconnected = (
+        True  # the app's ``send`` calls after this are ignored, as for a client gone
+    )
+
+
+async def _send_file(cycle: Any, plain: Any, message: Message) -> None:
+    if cycle.disconnected:
+        return
+    fh, more_body = message["file"], bool(message.get("more_body", False))
+    fd = fh.fileno()
+    offset = message.get("offset")
+    offset = os.lseek(fd, 0, os.SEEK_CUR) if offset is None else int(offset)
+    count = message.get("count")
+    count = os.fstat(fd).st_size - offset if count is None else int(count)
+    if (
+        not cycle.response_started
+        or cycle.response_complete
+        or cycle.chunked_encoding is not False
+        or cycle.scope["method"] == "HEAD"
+        or not 0 <= count <= cycle.expected_content_length
+    ):
+        raise RuntimeError(
+            f"{ZERO_COPY} needs a started response with a Content-Length that covers the file"
+        )
+    if cycle.transport.get_write_buffer_size():
+        await _send_copied(cycle, plain, fd, offset, count, more_body)
+        return
+    loop = asyncio.get_running_loop()
+    sock = os.dup(cycle.transport.get_extra_info("socket").fileno())
+    owned = True  # the duplicate is closed here, unless a worker thread still uses it
+    try:
+        sent = 0
+        while sent < count:
+            work = loop.run_in_executor(
+                _threads, _until_full, sock, fd, offset + sent, count - sent
+            )
+            try:
+                sent += await asyncio.shield(work)
+            except asyncio.CancelledError:
+                owned = False
+                work.add_done_callback(lambda _done: os.close(sock))
+                raise
+            if sent < count and not await _writable(loop, sock):
+                _drop(cycle, f"the client read nothing for {STALL_S:g} s")
+                return
+    except _Short:
+        _drop(cycle, "the file is shorter than its Content-Length (replaced while sent?)")
+        return
+    except OSError as exc:  # the client is gone (EPIPE, ECONNRESET)
+        _drop(cycle, str(exc))
+        return
+    finally:
+        if owned:
+            os.close(sock)
+    cycle.expected_content_length -= count
+    await plain({"type": "http.response.body", "body": b"", "more_body": more_body})
+
+
+async def _send_copied(
+    cycle: Any, plain: Any, fd: int, offset: int, count: int, more_body: bool
+) -> None:
+    """The file read in chunks and sent through uvicorn: the headers are still in its buffer."""
+    loop = asyncio.get_running_loop()
+    end = offset + count
+    while offset < end:
+        chunk = await loop.run_in_executor(
+            _threads, os.pread, fd, min(COPY_CHUNK, end - offset), offset
+        )
+        if not chunk:
+            _drop(cycle, "the file is shorter than its Content-Length (replaced while sent?)")
+            return
+        offset += len(chunk)
+        await plain({"type": "http.response.body", "body": chunk, "more_body": True})
+    await plain({"type": "http.response.body", "body": b"", "more_body": more_body})
