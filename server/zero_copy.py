@@ -20,7 +20,9 @@ How a file is sent, and why that is safe:
   ``add_writer`` on the duplicate, at most ``STALL_S`` without progress. A client that stops
   reading holds no thread and no memory, and is dropped after that;
 - a client gone, a stall, or a file shorter than its Content-Length closes the connection: the
-  response cannot be completed, and nothing else may be read as its rest.
+  response cannot be completed, and nothing else may be read as its rest;
+- a file ``sendfile`` refuses before its first byte (a filesystem without it) is read and sent
+  through uvicorn instead.
 
 It reaches into uvicorn's ``RequestResponseCycle`` (its ``send`` wrapped, its count of body bytes
 still owed lowered by what was sent, as its own body send does). ``offer`` checks the cycle has what
@@ -30,6 +32,7 @@ it uses, and offers nothing otherwise: a uvicorn that changed them answers as be
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import os
 from concurrent.futures import ThreadPoolExecutor
@@ -41,6 +44,8 @@ ZERO_COPY = "http.response.zerocopysend"
 STALL_S = 60.0  # the longest a socket may stay full before its client is dropped
 COPY_CHUNK = 1 << 20  # when the headers are still buffered: read and sent through uvicorn
 SENDFILE_THREADS = 16
+# What sendfile answers for a file it cannot send (some FUSE or network filesystems): read instead.
+_UNSENDABLE = {errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP}
 
 log = logging.getLogger("cachectl.server")
 _threads = ThreadPoolExecutor(SENDFILE_THREADS, thread_name_prefix="cachectl-sendfile")
@@ -93,6 +98,10 @@ def _until_full(sock: int, fd: int, offset: int, count: int) -> int:
             n = os.sendfile(sock, fd, offset + sent, count - sent)
         except BlockingIOError:
             break
+        except OSError:
+            if sent:
+                break  # what was sent counts; the next call meets the error again
+            raise
         if n == 0:
             raise _Short
         sent += n
@@ -150,8 +159,8 @@ async def _send_file(cycle: Any, plain: Any, message: Message) -> None:
     loop = asyncio.get_running_loop()
     sock = os.dup(cycle.transport.get_extra_info("socket").fileno())
     owned = True  # the duplicate is closed here, unless a worker thread still uses it
+    sent = 0
     try:
-        sent = 0
         while sent < count:
             work = loop.run_in_executor(
                 _threads, _until_full, sock, fd, offset + sent, count - sent
@@ -168,12 +177,19 @@ async def _send_file(cycle: Any, plain: Any, message: Message) -> None:
     except _Short:
         _drop(cycle, "the file is shorter than its Content-Length (replaced while sent?)")
         return
-    except OSError as exc:  # the client is gone (EPIPE, ECONNRESET)
-        _drop(cycle, str(exc))
-        return
+    except OSError as exc:
+        if sent or exc.errno not in _UNSENDABLE:
+            _drop(cycle, str(exc))  # the client is gone (EPIPE, ECONNRESET)
+            return
+        copy = True
+    else:
+        copy = False
     finally:
         if owned:
             os.close(sock)
+    if copy:
+        await _send_copied(cycle, plain, fd, offset, count, more_body)
+        return
     cycle.expected_content_length -= count
     await plain({"type": "http.response.body", "body": b"", "more_body": more_body})
 

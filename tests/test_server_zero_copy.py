@@ -6,6 +6,7 @@ own connection."""
 from __future__ import annotations
 
 import asyncio
+import errno
 import hashlib
 import os
 import socket
@@ -125,6 +126,22 @@ def test_downloads_leave_by_sendfile_byte_for_byte(world, live, sendfile_bytes) 
         assert head.status_code == 200 and head.content == b""
         assert head.headers["content-length"] == str(len(world.entry_bytes[world.keys[-1]]))
     assert sum(sendfile_bytes) == 2 * sum(len(world.entry_bytes[k]) for k in world.keys)
+
+
+def test_a_file_sendfile_refuses_is_read_and_sent_instead(world, live, monkeypatch) -> None:
+    """As on a filesystem without sendfile: the call fails before its first byte, with EINVAL."""
+    refused: list[int] = []
+
+    def unsendable(*args: Any) -> int:
+        refused.append(args[1])
+        raise OSError(errno.EINVAL, "Invalid argument")
+
+    monkeypatch.setattr(os, "sendfile", unsendable)
+    with httpx.Client(base_url=live.url, timeout=30, headers=bearer(world.tokens["reader"])) as c:
+        for key in [*world.keys, *world.keys]:
+            got = c.get(_url(world, key))
+            assert got.status_code == 200 and got.content == world.entry_bytes[key], key
+    assert len(refused) == 2 * len(world.keys)
 
 
 def test_pipelined_requests_each_get_their_own_answer(world, live, sendfile_bytes) -> None:
