@@ -516,24 +516,36 @@ def train_step(params, opt_state, x, y):
 
 def test_saved_is_what_the_cache_saved_an_equinox_service(tmp_path: Path) -> None:
     """(a) the service compiling its four train steps, (b) the same service hitting what (a)
-    wrote: the saved estimate `stats` gives for the hits is (a) - (b) within 30%."""
+    wrote: the saved estimate `stats` gives for the hits is (a) - (b) within 30%.
+
+    (a) - (b) is a difference of two wall times of about a second each, taken while the rest of
+    the suite runs on the same cores: one pair can be off by a third (seen in CI: estimate 0.91 s,
+    difference 0.65 s). So up to three pairs are taken, each in a fresh cache, and one must agree;
+    an estimate that is wrong agrees with none."""
     _requires("equinox")
     _requires("optax")
-    (tmp_path / "case.py").write_text(textwrap.dedent(TRAIN_STEP))
-    code = TIMED_EQUINOX.format(dir=str(tmp_path))
+    tries = []
+    for attempt in range(3):
+        tmp = tmp_path / f"try-{attempt}"
+        tmp.mkdir()
+        (tmp / "case.py").write_text(textwrap.dedent(TRAIN_STEP))
+        code = TIMED_EQUINOX.format(dir=str(tmp))
 
-    def seconds() -> float:
-        proc = run_py(code, _env(tmp_path), timeout=600, check=True)
-        return float(json.loads(proc.stdout.strip().splitlines()[-1])["seconds"])
+        def seconds(tmp: Path = tmp, code: str = code) -> float:
+            proc = run_py(code, _env(tmp), timeout=600, check=True)
+            return float(json.loads(proc.stdout.strip().splitlines()[-1])["seconds"])
 
-    cold, hot = seconds(), seconds()
-    usage = json.loads(_cachectl(tmp_path, "stats", "--since", "1h", "--json"))
-    step = next(r for r in usage["functions"] if r["function"] == "jit_train_step")
-    assert step["hits"] == step["misses"] == 4 and step["writes"] == 4, step
-    observed = cold - hot
-    assert observed > 0.5, (cold, hot)  # compiling is most of (a): else nothing to compare
-    estimate = step["saved_estimate_seconds"]
-    assert abs(estimate - observed) <= 0.3 * observed, (estimate, observed, cold, hot)
+        cold, hot = seconds(), seconds()
+        usage = json.loads(_cachectl(tmp, "stats", "--since", "1h", "--json"))
+        step = next(r for r in usage["functions"] if r["function"] == "jit_train_step")
+        assert step["hits"] == step["misses"] == 4 and step["writes"] == 4, step
+        observed = cold - hot
+        estimate = step["saved_estimate_seconds"]
+        tries.append((estimate, observed, cold, hot))
+        # compiling is most of (a), else nothing to compare
+        if observed > 0.5 and abs(estimate - observed) <= 0.3 * observed:
+            return
+    raise AssertionError(f"no pair agreed: (estimate, cold - hot, cold, hot) = {tries}")
 
 
 # ------------------------------------------------------------------------- LAPACK and FFT kernels
