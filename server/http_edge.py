@@ -8,7 +8,7 @@ client sending a header a byte at a time held its connection for as long as it l
 past ``MAX_HEAD_BYTES`` or ``MAX_HEADERS`` is answered 431 and the connection closed, after at
 most one more read of the socket; one that has not arrived ``header_timeout_s`` after its first
 byte (or after the connection opened) is answered 408 and closed. Bodies are bounded after the
-head, by ``limits.BodyGuard``. Each request is offered zero-copy file sends (server/zero_copy.py).
+head, by ``limits.BodyGuard``. Each GET is offered zero-copy file sends (server/zero_copy.py).
 """
 
 from __future__ import annotations
@@ -97,8 +97,10 @@ class BoundedHttpTools(HttpToolsProtocol):
         self._in_body = True
         self._head_bytes = 0
         super().on_headers_complete()
-        if self.cycle is not None and self.cycle.scope is self.scope:  # a new cycle, not an upgrade
-            zero_copy.offer(self.cycle)
+        cycle = self.cycle
+        # a new cycle (not an upgrade's) for a GET: only a GET's body is a file to send
+        if cycle is not None and cycle.scope is self.scope and self.scope["method"] == "GET":
+            zero_copy.offer(cycle)
 
     def on_message_complete(self) -> None:
         self._in_body = False
