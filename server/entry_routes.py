@@ -392,7 +392,8 @@ class WholeBody(Response):
 
 class SentFile(Response):
     """An open file on local disk, handed to the server to send (server/zero_copy.py) and closed once
-    it has been: the server's ``send`` returns when the bytes are written."""
+    it has been: the server's ``send`` returns when the bytes are written. Made only for a GET whose
+    server offered the extension (``opened(zero_copy=...)``)."""
 
     def __init__(self, file: Any, size: int, headers: dict[str, str]) -> None:
         super().__init__(None, media_type="application/octet-stream", headers=headers)
@@ -401,16 +402,8 @@ class SentFile(Response):
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         with self.file:
             await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
-            if scope["method"] != "HEAD" and zero_copy.offered(scope):
-                message = {"type": zero_copy.ZERO_COPY, "file": self.file, "offset": 0}
-                await send({**message, "count": self.size})
-                return
-            while scope["method"] != "HEAD" and (block := await run_in_threadpool(self._read)):
-                await send({"type": "http.response.body", "body": block, "more_body": True})
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
-
-    def _read(self) -> bytes:
-        return self.file.read(CHUNK)
+            message = {"type": zero_copy.ZERO_COPY, "file": self.file, "offset": 0}
+            await send({**message, "count": self.size})
 
 
 def discard(response: Response) -> None:
@@ -422,11 +415,8 @@ def discard(response: Response) -> None:
         response.file.close()
 
 
-def stream_file(body: bytes | Any, headers: dict[str, str], *, sent: bool = False) -> Response:
-    """What opened() gave as the response body: bytes at once, a file handed to the server
-    (``sent``), or a file in CHUNK-sized reads (closed after)."""
-    if sent:
-        return SentFile(body, int(headers["content-length"]), headers)
+def stream_file(body: bytes | Any, headers: dict[str, str]) -> Response:
+    """What opened() gave as the response body: bytes at once, a file in CHUNK-sized reads (closed after)."""
     if isinstance(body, bytes):
         return WholeBody(body, media_type="application/octet-stream", headers=headers)
 
@@ -480,7 +470,8 @@ def download_answer(
 ) -> Response:
     """A GET's work, in a worker thread (the route's, and server/fast_lane.py's)."""
     got = opened(state, cache, digest, key, route, zero_copy=zero_copy)
-    return stream_file(got.body, byte_headers(got.size, got.sha256), sent=got.sent)
+    headers = byte_headers(got.size, got.sha256)
+    return SentFile(got.body, got.size, headers) if got.sent else stream_file(got.body, headers)
 
 
 def head_answer(
