@@ -1,12 +1,15 @@
-"""Sync's bulk index writes: the rows it inserts at driver speed equal the general path's, on
-SQLite and PostgreSQL; keys written meanwhile by someone else are updated, never duplicated."""
+"""Bulk index writes (index/bulk_rows.py), sync's and every large upsert's: the rows inserted at
+driver speed equal the general path's, on SQLite and PostgreSQL; keys written meanwhile by
+someone else are updated, never duplicated."""
 
 from __future__ import annotations
 
-from dataclasses import asdict
+from dataclasses import asdict, replace
+from datetime import UTC, datetime
 
 from cachectl.core.fingerprint import Environment
 from cachectl.index import NewEntry, open_index
+from cachectl.index.entry_writes import BULK_MIN
 from cachectl.index.sync_queries import insert_observed_entries
 
 
@@ -37,6 +40,15 @@ def _row(i: int, size: int = 100) -> NewEntry:
     )
 
 
+def _general(index, env_id: int, rows: list[NewEntry]) -> tuple[int, int]:
+    """``upsert_entries`` on its general path: batches too small for bulk_rows."""
+    inserted = updated = 0
+    for start in range(0, len(rows), BULK_MIN - 1):
+        i, u = index.upsert_entries(env_id, rows[start : start + BULK_MIN - 1])
+        inserted, updated = inserted + i, updated + u
+    return inserted, updated
+
+
 def _comparable(info) -> dict:
     row = asdict(info)
     row.pop("created_at")
@@ -63,7 +75,7 @@ def test_bulk_rows_equal_upserted_ones_and_existing_keys_are_updated(db_url) -> 
         # Someone (a warm, another sync) recorded two of the keys since sync planned, one differently.
         assert index.upsert_entries(env.id, [rows[3], _row(700, size=5)]) == (2, 0)
         assert insert_observed_entries(index, env.id, rows) == (1198, 1)
-        assert index.upsert_entries(twin.id, rows) == (1200, 0)
+        assert _general(index, twin.id, rows) == (1200, 0)
         bulk = [_comparable(e) for e in index.list_entries(env.id)]
         general = [_comparable(e) for e in index.list_entries(twin.id)]
         assert [{**r, "environment_id": 0} for r in bulk] == [
@@ -96,5 +108,73 @@ def test_bulk_rows_over_several_statements(db_url) -> None:
             rows[10_049].size,
             rows[10_049].sha256,
         )
+    finally:
+        index.close()
+
+
+def _full(i: int, run_id: int) -> NewEntry:
+    """A row with every column a writer can set (a warm's, a bundle's), some left empty."""
+    return NewEntry(
+        key=f"jit_g{i % 5}-{i:064x}",
+        module=f"jit_g{i % 5}",
+        size=1000 + i,
+        sha256=f"{i + 7:064x}",
+        origin="bundle" if i % 2 else "warm",
+        compile_time_ms=None if i % 3 == 0 else 10 * i,
+        function=None if i % 4 == 0 else f"model.f{i % 3}",
+        bucket=None if i % 4 == 0 else {"batch": 2 ** (i % 6), "name": "é"},
+        warm_run_id=run_id if i % 2 == 0 else None,
+        created_at=datetime(2026, 1, 1 + i % 28, 12, i % 60, tzinfo=UTC) if i % 5 else None,
+        aot_size=None if i % 3 else 500 + i,
+        aot_sha256=None if i % 3 else f"{i + 9:064x}",
+    )
+
+
+def test_large_upserts_write_what_the_general_path_writes(db_url) -> None:
+    """A batch of BULK_MIN rows or more (a bundle's, a warm's) inserts its new rows through
+    bulk_rows and upserts the rest: every column equals what the general path writes, counts too."""
+    index = open_index(db_url, auto_migrate=True)
+    try:
+        index.add_cache("c", "/tmp/unused-root")
+        env = index.ensure_environment("c", _env())
+        twin = index.ensure_environment("c", replace(_env(), jax_version="0.9.0"))
+        run = index.start_warm_run(
+            env.id, manifest_digest="a" * 64, manifest_path="m.yaml", buckets=1
+        ).id
+        rows = [_full(i, run) for i in range(3 * BULK_MIN)]
+        # Held already: one the batch changes, one it leaves as it is.
+        held = [replace(rows[5], size=1, sha256="0" * 64), rows[9]]
+        for target in (env.id, twin.id):
+            assert index.upsert_entries(target, held) == (2, 0)
+        assert index.upsert_entries(env.id, rows) == (len(rows) - 2, 1)
+        assert _general(index, twin.id, rows) == (len(rows) - 2, 1)
+        bulk = [asdict(e) for e in index.list_entries(env.id)]
+        general = [asdict(e) for e in index.list_entries(twin.id)]
+        assert len(bulk) == len(rows)
+        given = {r.key: r.created_at for r in rows if r.created_at is not None}
+        for b, g in zip(bulk, general, strict=True):
+            assert b["key"] == g["key"]
+            if b["key"] in given:
+                assert b["created_at"] == g["created_at"] == given[b["key"]]
+            assert {**b, "created_at": 0, "environment_id": 0} == {
+                **g,
+                "created_at": 0,
+                "environment_id": 0,
+            }
+        assert {e.key: e.bucket for e in index.list_entries(env.id)}[rows[1].key] == rows[1].bucket
+        # As stored, every column (the warm run's, JSON's text for a missing bucket) but the ids
+        # and the times of rows that gave none.
+        with index.engine.connect() as conn:
+            stored = {
+                target: conn.exec_driver_sql(
+                    "SELECT key, module, size_bytes, sha256, origin, compile_time_ms, function, "
+                    "bucket, warm_run_id, aot_size_bytes, aot_sha256, hit_count, last_access_at "
+                    f"FROM entries WHERE environment_id = {target} ORDER BY key"
+                ).all()
+                for target in (env.id, twin.id)
+            }
+        assert stored[env.id] == stored[twin.id]
+        assert {r[0]: r[8] for r in stored[env.id]}[rows[2].key] == run
+        assert index.upsert_entries(env.id, rows) == (0, 0)  # re-running is harmless
     finally:
         index.close()

@@ -15,6 +15,7 @@ from sqlalchemy.engine import Connection
 from sqlalchemy.orm import Session
 
 from cachectl.core.records import NewEntry
+from cachectl.index import bulk_rows
 from cachectl.index.models import Entry, UTCDateTime, utcnow
 
 if TYPE_CHECKING:
@@ -29,11 +30,32 @@ def chunks(items: Sequence[Any], size: int = CHUNK) -> Iterator[Sequence[Any]]:
         yield items[start : start + size]
 
 
+# From this many rows, the new ones go in through bulk_rows (a bundle's or a warm's batch): below
+# it, SQLAlchemy's per-row cost is too small to matter and one path is easier to reason about.
+BULK_MIN = 64
+_VARYING = (
+    "key",
+    "module",
+    "size_bytes",
+    "sha256",
+    "origin",
+    "compile_time_ms",
+    "function",
+    "bucket",
+    "warm_run_id",
+    "created_at",
+    "aot_size_bytes",
+    "aot_sha256",
+)
+
+
 def upsert_entries(index: Index, env_id: int, entries: Iterable[NewEntry]) -> tuple[int, int]:
     """Record entries; returns (inserted, updated). Re-running is harmless."""
     items = list(entries)
     inserted = updated = 0
     with index.session() as s:
+        if len(items) >= BULK_MIN and bulk_rows.supported(index.engine.dialect):
+            inserted, items = _insert_new(s.connection(), env_id, items)
         for chunk in chunks(items):
             keys = [e.key for e in chunk]
             existing = {
@@ -53,6 +75,35 @@ def upsert_entries(index: Index, env_id: int, entries: Iterable[NewEntry]) -> tu
                 s.execute(Entry.__table__.insert(), new_rows)
                 inserted += len(new_rows)
     return inserted, updated
+
+
+def _insert_new(conn: Connection, env_id: int, items: list[NewEntry]) -> tuple[int, list[NewEntry]]:
+    """The rows whose keys the environment does not hold, inserted at driver speed (bulk_rows):
+    (how many, the entries whose keys it holds, for the upsert)."""
+    dialect = conn.dialect
+    bucket = bulk_rows.bind_processor("bucket", dialect) or (lambda value: value)
+    stamp = bulk_rows.bind_processor("created_at", dialect) or (lambda value: value)
+    no_bucket, now = bucket(None), stamp(utcnow())  # most rows': converted once
+    rows = [
+        (
+            e.key,
+            e.module,
+            e.size,
+            e.sha256,
+            e.origin,
+            e.compile_time_ms,
+            e.function,
+            no_bucket if e.bucket is None else bucket(e.bucket),
+            e.warm_run_id,
+            now if e.created_at is None else stamp(e.created_at),
+            e.aot_size,
+            e.aot_sha256,
+        )
+        for e in items
+    ]
+    inserted, existing = bulk_rows.insert_rows(conn, env_id, _VARYING, {"hit_count": 0}, rows)
+    held = {r[0] for r in existing}
+    return inserted, [e for e in items if e.key in held]
 
 
 def _new_row(env_id: int, e: NewEntry) -> dict[str, Any]:
