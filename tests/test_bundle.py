@@ -255,13 +255,13 @@ def test_bundle_member_headers_are_what_tarfile_writes(name: str) -> None:
     import io
     import tarfile
 
-    from cachectl.bundle.create import _header, _tarinfo
+    from cachectl.bundle.format import MemberInfo, _tarinfo, member_header
 
     data = b"x" * 700
     want = _tarinfo(name, len(data), 1764000000).tobuf(
         tarfile.PAX_FORMAT, "utf-8", "surrogateescape"
     )
-    got = _header(name, len(data), 1764000000)
+    got = member_header(name, len(data), 1764000000)
     assert got == want
     stream = got + data + b"\0" * (-len(data) % 512) + b"\0" * 1024
     with tarfile.open(fileobj=io.BytesIO(stream), mode="r|") as tar:
@@ -269,6 +269,68 @@ def test_bundle_member_headers_are_what_tarfile_writes(name: str) -> None:
         assert member is not None and (member.name, member.size) == (name, len(data))
         fh = tar.extractfile(member)
         assert fh is not None and fh.read() == data
+    # install's reader (MemberInfo: its own parse of exactly these headers) reads what tarfile reads
+    for info in (tarfile.TarInfo, MemberInfo):
+        with tarfile.open(fileobj=io.BytesIO(stream), mode="r:", tarinfo=info) as tar:
+            member = tar.next()
+            assert member is not None and isinstance(member, info)
+            written = _tarinfo(name, len(data), 1764000000).get_info()
+            assert {**member.get_info(), "chksum": 0} == {**written, "chksum": 0}
+            assert (member.offset, member.offset_data) == (0, len(got))
+
+
+def _damaged(header: bytes, at: int, value: bytes, *, fix_chksum: bool) -> bytes:
+    """``header`` with ``value`` written at ``at`` (its checksum recomputed, or left as it was)."""
+    head = bytearray(header[:at] + value + header[at + len(value) :])
+    if fix_chksum:
+        head[148:156] = b" " * 8
+        head[148:156] = b"%06o\0 " % sum(head)
+    return bytes(head)
+
+
+@pytest.mark.parametrize(
+    ("at", "value", "fix_chksum"),
+    [
+        (0, b"Z", False),  # a name changed, checksum left: damaged
+        (124, b"0000000001", True),  # the size (the checksum fixed)
+        (126, b"9", True),  # not octal
+        (126, b" ", True),  # a space inside a number (tarfile reads what it can)
+        (135, b"7", True),  # no NUL after the digits
+        (108, b"0000001", True),  # an owner
+        (156, b"2", True),  # a symlink
+        (156, b"5", True),  # a directory
+        (157, b"target", True),  # a link name
+        (265, b"root", True),  # an owner's name
+        (345, b"prefix", True),  # a USTAR prefix
+        (257, b"ustar  \0", True),  # GNU's magic
+        (148, b"000000\0 ", False),  # a wrong checksum
+        (155, b"\0", False),  # the checksum's last byte
+    ],
+)
+def test_install_reads_every_other_header_as_tarfile_does(
+    at: int, value: bytes, fix_chksum: bool
+) -> None:
+    """A header that is not exactly what member_header writes is tarfile's to read or refuse:
+    MemberInfo gives the same member, or the same error, as tarfile's own TarInfo."""
+    import tarfile
+
+    from cachectl.bundle.format import MemberInfo, member_header
+
+    header = _damaged(
+        member_header("files/jit_f-" + "0" * 64 + "-cache", 700, 1764000000),
+        at,
+        value,
+        fix_chksum=fix_chksum,
+    )
+    outcomes = []
+    for info in (tarfile.TarInfo, MemberInfo):
+        try:
+            member = info.frombuf(header, "utf-8", "surrogateescape")
+        except tarfile.HeaderError as exc:
+            outcomes.append(type(exc))
+        else:
+            outcomes.append((member.get_info(), member.chksum))
+    assert outcomes[0] == outcomes[1]
 
 
 def _synthetic_namespace(tmp_path: Path, monkeypatch, count: int) -> tuple[Any, Path]:

@@ -9,7 +9,7 @@ import tarfile
 import time
 import uuid
 from collections.abc import Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -23,6 +23,8 @@ from cachectl.bundle.format import (
     SIGNATURE,
     BundleEntry,
     BundleInfo,
+    Outcome,
+    member_header,
     ran_here,
     sign_entries,
     write_all,
@@ -56,44 +58,6 @@ def _resolve_env(ctx: Context, cache: CacheInfo, env: str | None) -> Environment
 
 def _signer(signed: dict[str, Any] | None) -> str | None:
     return signing.key_id(str(signed["key"])) if signed and signed.get("key") else None
-
-
-def _tarinfo(name: str, size: int, mtime: float) -> tarfile.TarInfo:
-    info = tarfile.TarInfo(name)
-    info.size, info.mtime, info.mode = size, int(mtime), 0o644
-    info.uid = info.gid = 0
-    info.uname = info.gname = ""
-    return info
-
-
-def _octal(value: int, width: int) -> bytes:
-    return b"%0*o\0" % (width - 1, value)
-
-
-def _header(name: str, size: int, mtime: int) -> bytes:
-    """A member's tar header: a plain USTAR header (what ``tarfile`` writes for ``_tarinfo``) where
-    the name is ASCII of at most 100 bytes, else tarfile's own PAX header. tarfile spends more
-    building a header than reading and hashing an 8 KiB entry, and bundles of small entries hold
-    thousands (bench/fleet.py)."""
-    if not name.isascii() or len(name) > 100 or not 0 <= size < 8**11 or not 0 <= mtime < 8**11:
-        return _tarinfo(name, size, mtime).tobuf(tarfile.PAX_FORMAT, "utf-8", "surrogateescape")
-    head = b"".join(
-        (
-            name.encode("ascii").ljust(100, b"\0"),
-            _octal(0o644, 8),
-            _octal(0, 8),
-            _octal(0, 8),
-            _octal(size, 12),
-            _octal(mtime, 12),
-            b"        ",  # the checksum field counts as spaces while the checksum is summed
-            tarfile.REGTYPE,
-            b"\0" * 100,  # linkname
-            tarfile.POSIX_MAGIC,
-            b"\0" * 247,  # uname, gname, devmajor, devminor (not a device), prefix, padding
-        )
-    )
-    chksum = b"%06o\0 " % sum(head)
-    return head[:148] + chksum + head[156:]
 
 
 # JAX writes entries zstd- or zlib-compressed already (docs/jax-facts.md, fact 10): compressing them again costs
@@ -171,7 +135,11 @@ class _BundleWriter:
             self._emit([out])
 
     def member(self, name: str, data: bytes, mtime: int, *, raw: bool = False) -> None:
-        parts = [_header(name, len(data), mtime), data, b"\0" * (-len(data) % tarfile.BLOCKSIZE)]
+        parts = [
+            member_header(name, len(data), mtime),
+            data,
+            b"\0" * (-len(data) % tarfile.BLOCKSIZE),
+        ]
         if raw and len(data) < _RAW_BLOCK // 2:  # one raw block, not three: a copy is cheaper
             parts = [b"".join(parts)]
         self._write(parts, raw)
@@ -225,7 +193,7 @@ def _read_verified(
             return out
 
         with ThreadPoolExecutor(max_workers=2, thread_name_prefix="cachectl-bundle") as pool:
-            pending: list[Future[list[_Read | None]]] = []
+            pending: list[Outcome[list[_Read | None]]] = []
             try:
                 for batch, small in _batches(files):
                     # small files read here: see INLINE_MAX

@@ -477,7 +477,8 @@ def _rows(objects: list[NewObject], failed: dict[str, tuple[str, Exception]]) ->
             continue
         row = o.row
         if kind == "executable" or o.executable is None:
-            row = replace(row, aot_size=None, aot_sha256=None)
+            if row.aot_size is not None or row.aot_sha256 is not None:
+                row = replace(row, aot_size=None, aot_sha256=None)
             if o.entry is None and not o.in_storage:
                 continue  # nothing new for this key
         rows.append(row)
