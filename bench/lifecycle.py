@@ -75,7 +75,7 @@ from cachectl.index.models import Entry  # noqa: E402
 from cachectl.index.sync_queries import insert_observed_entries  # noqa: E402
 from cachectl.lifecycle.gc import gc, plan_gc  # noqa: E402
 from cachectl.lifecycle.prune import criteria, plan_prune, prune  # noqa: E402
-from cachectl.lifecycle.sync import PIECE_ENTRIES, read_namespace, sync  # noqa: E402
+from cachectl.lifecycle.sync import PIECE_ENTRIES, WRITE_ROWS, read_namespace, sync  # noqa: E402
 from cachectl.lifecycle.sync_plan import SyncPlanner  # noqa: E402
 from cachectl.lifecycle.verify import verify  # noqa: E402
 from cachectl.storage.entries import make_entry  # noqa: E402
@@ -330,9 +330,9 @@ def _sync_parts(work: Path, ctx: Context, cache: Any) -> dict[str, float]:
     part(
         "sync_insert",
         lambda: [
-            insert_observed_entries(other.index, env_id, rows[i : i + PIECE_ENTRIES])
+            insert_observed_entries(other.index, env_id, rows[i : i + WRITE_ROWS])
             for env_id, rows in todo
-            for i in range(0, len(rows), PIECE_ENTRIES)
+            for i in range(0, len(rows), WRITE_ROWS)
         ],
     )
     other.close()
@@ -921,11 +921,13 @@ def markdown(r: dict[str, Any]) -> str:
         f"sync's parts, measured apart on a second, empty SQLite index (wall s, CPU s): the plan as sync makes "
         f"it (the listing, a stat only of the files the index knows, the diff against the index) {c['sync_plan']}, "
         f"{c['sync_plan_cpu']}; reading, hashing and checking the {loc['entries']:,} files (each new file's size "
-        f"and age from the fstat of its read) {c['sync_read']}, {c['sync_read_cpu']}; writing the same rows alone, in the same pieces "
+        f"and age from the fstat of its read) {c['sync_read']}, {c['sync_read_cpu']}; writing the same rows alone, {WRITE_ROWS:,} to a transaction as sync writes them "
         f"{c['sync_insert']}, {c['sync_insert_cpu']} (the entries table has 10 b-trees: the table and 9 indexes, "
         "which planning's queries use). sync plans and reads on one thread, a namespace at a time and "
-        f"{PIECE_ENTRIES:,} files at a time, while this thread writes the rows read before: with a free core its "
-        "time is about the plan plus the reads (both under the GIL) plus the last piece's write, and its CPU the "
+        f"{PIECE_ENTRIES:,} files at a time, while this thread writes the rows read before ({WRITE_ROWS:,} "
+        "to a transaction, and the rest with a namespace's last piece: each commit writes every page its rows "
+        "touched, and 2,000-row commits cost about twice the CPU): with a free core its "
+        "time is about the plan plus the reads (both under the GIL) plus the last write, and its CPU the "
         f"sum of the three. Against the goal of 1.5x the hash run: verify {ra['verify']}x, sync {ra['sync']}x, "
         f"with its plan alone {_ratio(c['sync_plan'], b['hash_sync'])}x, its reads alone "
         f"{_ratio(c['sync_read'], b['hash_sync'])}x and its index writes alone "

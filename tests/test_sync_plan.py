@@ -207,3 +207,43 @@ def test_a_first_sync_of_big_entries_reads_them_on_threads(tmp_path) -> None:
         entries = [SyncEntry(f"ns/{name}", f"jit_f-{i:064x}", None) for i in range(4)]
         assert _readers(store, f"ns/{name}", entries, None) == expect
         assert _readers(store, f"ns/{name}", entries, 1 << 10) == 1  # the mean read so far decides
+
+
+def test_sync_writes_rows_in_transactions_of_write_rows_and_a_namespaces_rest_with_its_end(
+    tmp_path, monkeypatch
+) -> None:
+    """Pieces are read a few files at a time, but written WRITE_ROWS rows to a transaction (each
+    commit rewrites every page its rows touched); a namespace's rest goes with its last piece, so
+    no row is written under another namespace's environment and none is left behind."""
+    from cachectl.lifecycle import sync as sync_module
+
+    db = f"sqlite:///{tmp_path / 'index.db'}"
+    index, store = setup_cache(db, str(tmp_path / "root"))
+    other, _ = setup_cache(f"sqlite:///{tmp_path / 'other.db'}", str(tmp_path / "root"))
+    envs = [fake_env("0.8.0"), fake_env("0.9.0")]
+    stored = {
+        e.namespace: write_entries(other, store, e, n) for e, n in zip(envs, (13, 4), strict=True)
+    }
+    other.close()
+    index.close()
+    monkeypatch.setattr(sync_module, "PIECE_ENTRIES", 2)
+    monkeypatch.setattr(sync_module, "WRITE_ROWS", 5)
+    writes: list[tuple[int, int]] = []
+    real = sync_module.insert_observed_rows
+
+    def counted(index, env_id, rows):
+        writes.append((env_id, len(rows)))
+        return real(index, env_id, rows)
+
+    monkeypatch.setattr(sync_module, "insert_observed_rows", counted)
+    ctx = Context(load_settings(db=db, cache=CACHE))
+    try:
+        result = sync(ctx, ctx.cache(), min_age=timedelta(0))
+        assert result.entries_added == 17
+        ids = {ns: ctx.index.ensure_environment(CACHE, p.env).id for ns, p in stored.items()}
+        first, second = (ids[e.namespace] for e in envs)
+        assert writes == [(first, 6), (first, 6), (first, 1), (second, 4)]
+        for ns, populated in stored.items():
+            assert set(ctx.index.entry_keys(ids[ns])) == set(populated.keys)
+    finally:
+        ctx.close()

@@ -112,6 +112,11 @@ def _observe(
 # Entries read per piece: the index writes of one piece overlap the reads of the next, so the
 # first read and the last write, which overlap nothing, stay short.
 PIECE_ENTRIES = 2_000
+# Rows per index transaction on an index this process opens (a namespace's last piece is written
+# with what is held): each commit writes every page its rows touched, and new keys land all over the
+# entries table's b-trees, so 2,000-row commits cost about twice the CPU of 10,000-row ones for
+# 100,000 rows (bench/lifecycle.py).
+WRITE_ROWS = 10_000
 # New files whose sizes a namespace's first piece stats to choose its readers.
 _SIZE_SAMPLE = 8
 
@@ -139,12 +144,13 @@ def _readers(store: Store, namespace: str, chunk: list[SyncEntry], mean: int | N
 
 
 def read_namespace(
-    store: Store, item: NamespaceSync, cutoff: float | None = None, piece: int = PIECE_ENTRIES
+    store: Store, item: NamespaceSync, cutoff: float | None = None, piece: int | None = None
 ) -> Iterator[_Piece]:
     """One namespace's new and changed entries, ``piece`` at a time, read by name through one
     directory reader (its descriptor is closed before the next namespace's is opened); the last
     piece carries the executables. Entries the plan left open get their size from the read, and
     move to ``too_young`` if the read's mtime is past ``cutoff``."""
+    piece = piece or PIECE_ENTRIES
     todo = item.add + item.update
     young: set[str] = set()
     seen_bytes = seen_files = 0
@@ -255,19 +261,25 @@ class _Tally:
 
 
 def _write(ctx: Context, cache: CacheInfo, pieces: Iterable[_Piece], tally: _Tally) -> None:
-    """Each piece's rows into the index, in order, on this thread (a namespace's drops and
-    executables with its last piece)."""
+    """The pieces' rows into the index, in order, on this thread: on an index this process opens,
+    WRITE_ROWS at a time and the rest with a namespace's last piece, with its drops and executables."""
     env_id, current = 0, None
+    held: list[ObservedRow] = []  # rows read, not yet written: one namespace's, under WRITE_ROWS
     for piece in pieces:
         item = piece.item
         if item is not current:
+            assert not held  # a namespace's last piece wrote them
             assert item.environment is not None
             env_id, current = ctx.index.ensure_environment(cache.name, item.environment).id, item
             tally.environments_added += item.new_environment
         tally.broken += piece.broken
         if isinstance(ctx.index, Index):
-            ins, upd = insert_observed_rows(ctx.index, env_id, piece.rows)
-        else:  # the server's index, over HTTP
+            held += piece.rows
+            if len(held) < WRITE_ROWS and piece.executables is None:
+                continue
+            ins, upd = insert_observed_rows(ctx.index, env_id, held)
+            held = []
+        else:  # the server's index, over HTTP: a piece a request, within its body limit
             ins, upd = ctx.index.upsert_entries(env_id, [observed_entry(r) for r in piece.rows])
         tally.added += ins
         tally.updated += upd
