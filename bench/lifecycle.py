@@ -1036,8 +1036,9 @@ def planning_markdown(pl: dict[str, Any], quick: bool) -> str:
     against = f" --against {pl['against']}" if pl.get("against") else ""
     w(
         f"Produced by `python -m bench --only lifecycle{' --quick' if quick else ''}` (the planning part alone: "
-        f"`python bench/lifecycle.py --planning-only{' --quick' if quick else ''}{against}`). Machine: "
-        f"{os.cpu_count()} cores shared with three other engineers' builds and test runs; load average "
+        f"`python bench/lifecycle.py --planning-only{' --quick' if quick else ''}{against}`; the PostgreSQL "
+        "half needs `CACHECTL_TEST_PG_URL`, as `scripts/test` exports it, or `CACHECTL_BENCH_PG_URL`). Machine: "
+        f"{os.cpu_count()} cores (shared); load average "
         f"{' '.join(f'{x:.2f}' for x in pl.get('load_start', ()))} at the start (and after each "
         "database's part, below). Rows are generated inside the database (random sizes 1 kB - 1 MB, "
         "compile times 1-120 s, created over 90 days, 30% with a last access) in 18 environments (6 JAX "
