@@ -70,7 +70,9 @@ def insert_rows(
         dialect.name == "sqlite"
         and getattr(dialect.dbapi, "sqlite_version_info", (0,)) >= _SQLITE_JSON
     ):
-        return _insert_sqlite_json(conn, table, key_column, columns, len(varying), constants, rows)
+        return _insert_sqlite_json(
+            conn, table, key_column, columns, len(varying), constants, env_id, rows
+        )
     mark = _MARKS[dialect.paramstyle]
     sql = (
         f"INSERT INTO {table} ({columns}) "
@@ -86,12 +88,12 @@ def _insert_sqlite_json(
     columns: str,
     width: int,
     constants: tuple[Any, ...],
+    env_id: int,
     rows: Sequence[Row],
 ) -> tuple[int, list[Row]]:
     """SQLite: each batch tried whole under a savepoint, skipping keys that exist: if it inserted
     every row (nearly always), no key was looked up; else it is rolled back and its existing keys
     are found first."""
-    env_id = constants[0]
     lookup = (
         f"SELECT {key_column} FROM {table} WHERE environment_id = ? "
         f"AND {key_column} IN (SELECT value FROM json_each(?))"
