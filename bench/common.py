@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import platform
 import statistics
@@ -35,13 +36,21 @@ def stats(values: list[float]) -> dict[str, float]:
     }
 
 
-def machine() -> dict[str, Any]:
+@functools.cache
+def _jax_here() -> tuple[str, str]:
+    """JAX's version and backend, read in a child process: a TPU opened here would refuse every
+    process a benchmark starts after it (cachectl.core.probe)."""
     try:
-        import jax
+        from cachectl.core.probe import environment_in_child
 
-        jax_version, backend = jax.__version__, jax.default_backend()
+        env = environment_in_child()
+        return env.jax_version, env.backend
     except Exception:  # noqa: BLE001 - benchmarks report what they can
-        jax_version, backend = "?", "?"
+        return "?", "?"
+
+
+def machine() -> dict[str, Any]:
+    jax_version, backend = _jax_here()
     load = " ".join(f"{x:.2f}" for x in os.getloadavg())
     return {
         "cores": os.cpu_count(),

@@ -28,7 +28,7 @@ from typing import Any
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import REPO, compile_bytecode, machine_line, stats, write_section
+from bench.common import REPO, compile_bytecode, machine, machine_line, stats, write_section
 
 SECTION = "## Serving"
 MANIFEST = REPO / "examples" / "manifest.yaml"
@@ -176,14 +176,23 @@ def _py(code: str, env: dict[str, str]) -> dict[str, Any]:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def _manifest_here(home: Path) -> Path:
+    """The example's manifest with its target set to this machine's backend (it names cpu)."""
+    backend = machine()["backend"]
+    path = home / "manifest.yaml"
+    path.write_text(MANIFEST.read_text().replace("  backend: cpu\n", f"  backend: {backend}\n"))
+    return path
+
+
 def run(quick: bool = False) -> dict[str, Any]:
     rounds = 3 if quick else 5
     bytecode = compile_bytecode()
     with tempfile.TemporaryDirectory(prefix="cachectl-bench-serving-") as tmp:
         home = Path(tmp)
         env = _env(home)
+        manifest = _manifest_here(home)
         warm = subprocess.run(
-            [sys.executable, "-m", "cachectl", "warm", str(MANIFEST), "--json"],
+            [sys.executable, "-m", "cachectl", "warm", str(manifest), "--json"],
             env=env,
             capture_output=True,
             text=True,
@@ -195,7 +204,7 @@ def run(quick: bool = False) -> dict[str, Any]:
         report = json.loads(warm.stdout)
         prepared = home / "floor.pickle"
         off = dict(env, JAX_ENABLE_COMPILATION_CACHE="false")
-        _py(PREPARE.format(repo=str(REPO), manifest=str(MANIFEST), out=str(prepared)), off)
+        _py(PREPARE.format(repo=str(REPO), manifest=str(manifest), out=str(prepared)), off)
         aot_bytes = sum(b["aot_bytes"] or 0 for b in report["buckets"])
         entry_bytes = sum(b["bytes"] or 0 for b in report["buckets"])
         modes = {
@@ -210,7 +219,7 @@ def run(quick: bool = False) -> dict[str, Any]:
             for name, (mode, preload) in modes.items():
                 code = SERVICE.format(
                     repo=str(REPO),
-                    manifest=str(MANIFEST),
+                    manifest=str(manifest),
                     mode=mode,
                     preload=preload,
                     prepared=str(prepared),
@@ -220,7 +229,7 @@ def run(quick: bool = False) -> dict[str, Any]:
                     run_env["JAX_ENABLE_COMPILATION_CACHE"] = "false"
                 samples[name].append(_py(code, run_env))
         dispatch = _py(
-            DISPATCH.format(repo=str(REPO), manifest=str(MANIFEST), n=200 if quick else 1000), env
+            DISPATCH.format(repo=str(REPO), manifest=str(manifest), n=200 if quick else 1000), env
         )
     result: dict[str, Any] = {
         "rounds": rounds,

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, cast
 from cachectl.core.config import DEFAULT_CACHE, Settings, load_settings
 from cachectl.core.errors import NotFound
 from cachectl.core.fingerprint import Environment, current_environment
+from cachectl.core.probe import environment_in_child
 from cachectl.index import CacheInfo, EnvironmentInfo
 from cachectl.index.reads import HasReader, IndexReads, StdlibReads
 from cachectl.storage.namespace import Namespace, ensure_namespace, namespace_of
@@ -86,7 +87,14 @@ class Context:
         return Store(cache.root_url, cache.storage_options)
 
     def environment(self) -> Environment:
+        """This machine's environment, read in this process (which opens JAX's backend)."""
         return current_environment()
+
+    @cached_property
+    def environment_for_children(self) -> Environment:
+        """This machine's environment, read by a child process, for commands that start JAX
+        children: an accelerator held here would refuse them (cachectl.core.probe)."""
+        return environment_in_child()
 
     def namespace(
         self, cache: CacheInfo, env: Environment | None = None, *, create: bool = True

@@ -120,7 +120,9 @@ def exec_(ctx: Context, readonly: bool | None, telemetry: bool, command: tuple[s
     from cachectl.service.env import service_env
 
     try:
-        result = service_env(ctx, readonly=readonly)
+        # Read in a child: an accelerator opened here could stay held across the exec.
+        environment = ctx.environment_for_children
+        result = service_env(ctx, readonly=readonly, environment=environment)
         variables = result.variables
         if result.warning:
             click.echo(result.warning, err=True)
@@ -129,7 +131,7 @@ def exec_(ctx: Context, readonly: bool | None, telemetry: bool, command: tuple[s
 
             variables = {
                 **variables,
-                **child_variables(ctx.environment().to_dict(), os.environ.get("PYTHONPATH")),
+                **child_variables(environment.to_dict(), os.environ.get("PYTHONPATH")),
             }
     except CachectlError as exc:  # never refuse to start the service: it runs as plain JAX would
         click.echo(

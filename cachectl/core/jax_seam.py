@@ -375,6 +375,14 @@ def topology_fingerprint(devices: list[Any]) -> int:
     return int(xla_client.get_topology_for_devices(devices).fingerprint())
 
 
+def backends_opened() -> bool:
+    """Whether this process opened a JAX backend (an accelerator is then held until it exits).
+
+    Never imports JAX: a process that has not imported it has opened nothing."""
+    bridge = sys.modules.get("jax._src.xla_bridge")
+    return bool(getattr(bridge, "_backends", None))
+
+
 def default_backend() -> Any:
     """JAX's default backend client (its platform and platform_version go into the key)."""
     from jax._src import xla_bridge

@@ -36,7 +36,6 @@ from datetime import datetime
 
 from cachectl.context import Context
 from cachectl.core.bulk_pass import bulk_pass
-from cachectl.core.fingerprint import current_environment
 from cachectl.index import CacheInfo
 from cachectl.index.lifecycle_queries import entry_digests
 from cachectl.lifecycle import lease as leases
@@ -60,7 +59,7 @@ def deep_findings(
 ) -> list[VerifyFinding]:
     """Load every indexed entry of this machine's environment that passed the checks (--deep)."""
 
-    env = current_environment()
+    env = ctx.environment_for_children  # the loading child needs the accelerator
     try:
         info = ctx.index.find_environment(cache.name, env.digest)
     except Exception:  # noqa: BLE001 - this machine's environment is not in this cache

@@ -18,6 +18,7 @@ import platformdirs
 from cachectl.context import Context
 from cachectl.core.config import DEFAULT_CACHE
 from cachectl.core.errors import BadInput, CachectlError, NotFound
+from cachectl.core.fingerprint import Environment
 from cachectl.service.activate import env_vars_for, jax_config_for
 from cachectl.storage.store import Store, normalize_url
 
@@ -62,19 +63,24 @@ def _last_known(cache: str) -> dict[str, object] | None:
     return entry if isinstance(entry, dict) and isinstance(entry.get("url"), str) else None
 
 
-def service_env(ctx: Context, *, readonly: bool | None = None) -> ServiceEnv:
+def service_env(
+    ctx: Context, *, readonly: bool | None = None, environment: Environment | None = None
+) -> ServiceEnv:
     """Variables for `cachectl env` and `cachectl exec`: the same config activate() sets.
 
+    ``environment``: the one the service will see, where the caller read it (in a child,
+    for a command whose JAX child needs the accelerator); else it is read here.
     Raises BadInput only when the index cannot answer and nothing else says
     where the namespace is (no CACHECTL_ROOT, no earlier resolution here).
     """
+    env = environment or ctx.environment()
     try:
         cache = ctx.cache()
-        ns, _ = ctx.namespace(cache)
+        ns, _ = ctx.namespace(cache, env)
     except NotFound:
         raise
     except Exception as exc:  # noqa: BLE001 - index or server down, or its file corrupt
-        return _fallback(ctx, readonly, exc)
+        return _fallback(ctx, readonly, exc, env)
     if readonly is None:
         readonly = ctx.settings.readonly
     if readonly is None:
@@ -85,11 +91,10 @@ def service_env(ctx: Context, *, readonly: bool | None = None) -> ServiceEnv:
     return ServiceEnv(cache.name, ns.relpath, readonly, variables)
 
 
-def _fallback(ctx: Context, readonly: bool | None, exc: Exception) -> ServiceEnv:
+def _fallback(ctx: Context, readonly: bool | None, exc: Exception, env: Environment) -> ServiceEnv:
     settings = ctx.settings
     reason = exc.message if isinstance(exc, CachectlError) else f"{type(exc).__name__}: {exc}"
     reason = reason.splitlines()[0][:300] if reason else type(exc).__name__
-    env = ctx.environment()
     url: str | None = None
     source = ""
     if settings.root:

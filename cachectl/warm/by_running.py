@@ -94,7 +94,7 @@ def warm_by_running(
         )
     cache_info = ctx.cache(cache)
     check_writer(cache_info, "warm")
-    env = ctx.environment()
+    env = ctx.environment_for_children  # the command's JAX needs the accelerator
     ns, info = ctx.namespace(cache_info, env)
     assert info is not None
     store = ctx.store(cache_info)

@@ -21,14 +21,15 @@ from pathlib import Path
 from typing import Any
 
 from cachectl.context import Context
-from cachectl.core.errors import BadInput, CachectlError, OperationFailed
+from cachectl.core.errors import BadInput, CachectlError, EnvironmentMismatch, OperationFailed
+from cachectl.core.fingerprint import Environment, current_environment
 from cachectl.dispatch import Serving, namespace_reader
 from cachectl.dispatch.loading import Verified
 from cachectl.dispatch.router import NoDummyInput
 from cachectl.manifest import check_imports, expand, load_manifest, select_shard
 from cachectl.service.activate import activate
 from cachectl.warm.compiling import compile_bucket, error_text
-from cachectl.warm.plan import build_calls, environment_json, environment_mismatch, plan_warm
+from cachectl.warm.plan import build_calls, environment_json, environment_mismatch, target_problems
 from cachectl.warm.reports import (
     CALL_CRASHED,
     CALL_FAILED,
@@ -59,16 +60,20 @@ def check(
     """Load every bucket in a fresh, read-only activated process: hit or miss, and coverage.
 
     A fresh process is the only honest test: this one may hold executables in
-    memory, and a service starts from nothing but ``activate()``.
+    memory, and a service starts from nothing but ``activate()``. This process never
+    opens JAX's backend (an accelerator held here would refuse the children): the
+    child reads the environment, checks the manifest's target and imports its modules.
     """
-    plan = plan_warm(ctx, manifest_path, cache=cache, shard=shard, paths=paths, writer_check=False)
-    if plan.target_problems:
-        raise environment_mismatch(plan)
+    manifest = load_manifest(manifest_path, import_paths=paths)  # a bad one: all problems
+    cache_info = ctx.cache(cache or manifest.cache or ctx.settings.cache)
+    if shard is not None:
+        select_shard(expand(manifest), *shard)  # a bad shard is bad input before any child
     request = {
-        "manifest": str(Path(plan.manifest_path).resolve()),
+        "manifest": str(Path(manifest_path).resolve()),
+        "manifest_shown": str(manifest_path),  # as the user wrote it, for messages
         "paths": [str(Path(p).resolve()) for p in paths],
         "shard": list(shard) if shard else None,
-        "cache": plan.cache.name,
+        "cache": cache_info.name,
         "db": ctx.settings.db,
     }
     with tempfile.TemporaryDirectory(prefix="cachectl-check-") as tmp:
@@ -90,11 +95,9 @@ def check(
             )
         data = json.loads(out.read_text())
     if "error" in data:
-        raise (
-            BadInput(data["error"])
-            if data.get("exit_code") == 2
-            else OperationFailed(data["error"])
-        )
+        errors: dict[int, type[CachectlError]] = {2: BadInput, 3: EnvironmentMismatch}
+        raise errors.get(data.get("exit_code", 1), OperationFailed)(data["error"])
+    environment = Environment.from_dict(data["environment"])
     todo = [(b["function"], json.dumps(b["bucket"], sort_keys=True)) for b in data["buckets"]]
     loaded, called = _call_executables(request, todo, timeout)
     buckets = [_with_call(b, loaded, called) for b in data["buckets"]]
@@ -103,11 +106,11 @@ def check(
         key = loaded.get(where, (None, None))[0]
         if key is not None and outcome in (CALL_OK, *CALL_FAILED):
             verdicts[key] = _failure_text(outcome, text) if outcome in CALL_FAILED else None
-    marked, mark_error = _record_verdicts(ctx, plan.cache.name, plan.environment.digest, verdicts)
+    marked, mark_error = _record_verdicts(ctx, cache_info.name, environment.digest, verdicts)
     return CheckReport(
-        environment_json(plan.environment),
+        environment_json(environment),
         data["namespace"],
-        plan.cache.name,
+        cache_info.name,
         buckets,
         warning=data.get("warning"),
         marked=marked,
@@ -302,8 +305,8 @@ def check_main() -> None:
     out = Path(request["out"])
     try:
         result = _check_in_this_process(request)
-    except BadInput as exc:
-        result = {"error": exc.message, "exit_code": 2}
+    except (BadInput, EnvironmentMismatch) as exc:
+        result = {"error": exc.message, "exit_code": exc.exit_code}
     except Exception as exc:  # noqa: BLE001 - reported by the parent
         result = {"error": error_text(exc), "exit_code": 1}
     out.write_text(json.dumps(result))
@@ -315,6 +318,10 @@ def _check_in_this_process(request: dict[str, Any]) -> dict[str, Any]:
     buckets = expand(manifest)
     if request.get("shard"):
         buckets = select_shard(buckets, *request["shard"])
+    environment = current_environment()
+    problems = target_problems(manifest, environment)
+    if problems:
+        raise environment_mismatch(request.get("manifest_shown", request["manifest"]), problems)
     activation = activate(request["cache"], db=request["db"], readonly=True, telemetry=False)
     if not activation.active:
         raise OperationFailed(activation.warning or "activate() did not activate the cache")
@@ -343,4 +350,9 @@ def _check_in_this_process(request: dict[str, Any]) -> dict[str, Any]:
                 "error": error,
             }
         )
-    return {"namespace": activation.path, "warning": activation.warning, "buckets": results}
+    return {
+        "namespace": activation.path,
+        "warning": activation.warning,
+        "buckets": results,
+        "environment": environment.to_dict(),
+    }

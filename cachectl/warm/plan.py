@@ -44,7 +44,7 @@ def environment_json(env: Environment) -> dict[str, Any]:
     return {"digest": env.digest, "namespace": env.namespace, **env.to_dict()}
 
 
-def _target_problems(manifest: Manifest, env: Environment) -> list[str]:
+def target_problems(manifest: Manifest, env: Environment) -> list[str]:
     problems = []
     if manifest.target is not None:
         problems.extend(manifest.target.mismatches(env.backend, env.device_kind, env.device_count))
@@ -76,7 +76,7 @@ def plan_warm(
     if writer_check:
         check_writer(cache_info, "warm")
     env = current_environment()
-    problems = _target_problems(manifest, env)
+    problems = target_problems(manifest, env)
     check_imports(manifest, paths)
     buckets = expand(manifest)
     if shard is not None:
@@ -84,10 +84,10 @@ def plan_warm(
     return WarmPlan(manifest, str(manifest_path), buckets, cache_info, env, problems, tuple(paths))
 
 
-def environment_mismatch(plan: WarmPlan) -> EnvironmentMismatch:
-    fields = "; ".join(plan.target_problems)
+def environment_mismatch(manifest_path: str, problems: Sequence[str]) -> EnvironmentMismatch:
+    fields = "; ".join(problems)
     return EnvironmentMismatch(
-        f"{plan.manifest_path}: this machine does not match the manifest's target ({fields}); "
+        f"{manifest_path}: this machine does not match the manifest's target ({fields}); "
         "nothing was compiled: run warm on the hardware the service runs on"
     )
 

@@ -102,9 +102,10 @@ def replay_warm_run(
     run, command, cwd = recorded_run(ctx, info.name, run_id)
     if not Path(cwd).is_dir():
         raise BadInput(f"warm run {run}'s working directory is gone: {cwd}")
-    ns, _ = ctx.namespace(info)
-    variables = service_env(ctx, readonly=True).variables
-    variables |= child_variables(ctx.environment().to_dict(), os.environ.get("PYTHONPATH"))
+    env = ctx.environment_for_children  # the command's JAX needs the accelerator
+    ns, _ = ctx.namespace(info, env)
+    variables = service_env(ctx, readonly=True, environment=env).variables
+    variables |= child_variables(env.to_dict(), os.environ.get("PYTHONPATH"))
     with tempfile.TemporaryDirectory(prefix="cachectl-replay-") as tmp:
         counts = Path(tmp) / "counts.jsonl"
         environ = {**os.environ, **variables, COUNTS_VAR: str(counts)}

@@ -16,6 +16,7 @@ from pathlib import Path
 from cachectl.context import Context
 from cachectl.core.config import default_jobs
 from cachectl.core.errors import BadInput
+from cachectl.core.probe import ONE_PROCESS_BACKENDS
 from cachectl.index import warm_runs
 from cachectl.manifest import Bucket, load_manifest, manifest_digest
 from cachectl.storage.entries import CACHE_SUFFIX, EXECUTABLE_SUFFIX
@@ -129,6 +130,11 @@ def warm(
         ctx, manifest_path, cache=cache, shard=shard, paths=paths, writer_check=not dry_run
     )
     env = plan.environment
+    if executor == "process" and env.backend in ONE_PROCESS_BACKENDS:
+        raise BadInput(
+            f"--executor process cannot run on {env.backend}: one process at a time holds "
+            "the accelerator, and this one already does; use --executor thread"
+        )
     if dry_run:
         if not plan.target_problems:  # on other hardware a mesh cannot be built: exit 3 says so
             raise_build_problems(plan)
@@ -147,7 +153,7 @@ def warm(
             target_problems=plan.target_problems,
         )
     if plan.target_problems:
-        raise environment_mismatch(plan)
+        raise environment_mismatch(plan.manifest_path, plan.target_problems)
     opts = _Options(jobs, fail_fast, executor, progress, executables, signer)
     return _execute(ctx, plan, opts, started)
 

@@ -1,0 +1,225 @@
+"""Commands that start JAX children never open a backend themselves (a TPU is held by one
+process at a time).
+
+On a TPU, a second process that opens the chip fails with "The TPU is already in use by
+process N". CPU has no such rule, so these tests give it one: a sitecustomize on PYTHONPATH
+takes an exclusive lock on a file when a process first opens a JAX backend and fails as
+the TPU does when another process holds it. Every command then runs as a user runs it, in
+a fresh process, and its children (the coverage check, the calling child, the user's
+command, its replay, the deep loader, exec's service) must each get the "accelerator";
+the backends the parent opened (``jax._src.xla_bridge._backends``, each time it grows) are
+written when it exits or execs, and must be none.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from support.infra import run_cachectl  # noqa: E402
+
+# Loaded in every process through PYTHONPATH: the TPU's one-holder rule, for CPU.
+ONE_HOLDER_SITE = """
+import fcntl, importlib.abc, importlib.util, os, sys
+
+_LOCK = os.environ["ONE_HOLDER_LOCK"]
+_held = []
+_opened = set()  # every backend this process opened (JAX clears its table at exit)
+
+
+def _take():
+    if _held:
+        return
+    fd = os.open(_LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        raise RuntimeError(
+            "Unable to initialize backend 'cpu': ABORTED: the accelerator is already in use "
+            "by another process (test lock)"
+        ) from None
+    _held.append(fd)
+
+
+class _AfterBridge(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name != "jax._src.xla_bridge":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        original = spec.loader.exec_module
+
+        def exec_module(module):
+            original(module)
+            backends = module.backends
+
+            def guarded():
+                if not module._backends:
+                    _take()
+                result = backends()
+                _opened.update(module._backends)
+                return result
+
+            module.backends = guarded
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+sys.meta_path.insert(0, _AfterBridge())
+
+if os.environ.get("REPORT_BACKENDS"):  # the cachectl parent: what it opened, at exit or exec
+    import atexit, json
+
+    def _report():
+        bridge = sys.modules.get("jax._src.xla_bridge")
+        with open(os.environ["REPORT_BACKENDS"], "w") as f:
+            json.dump(sorted(_opened | set(getattr(bridge, "_backends", None) or {})), f)
+
+    atexit.register(_report)
+    _execvpe = os.execvpe
+
+    def _execvpe_reporting(file, args, env):
+        _report()
+        env = {k: v for k, v in env.items() if k != "REPORT_BACKENDS"}
+        _execvpe(file, args, env)
+
+    os.execvpe = _execvpe_reporting
+"""
+
+MODULE = """
+import jax.numpy as jnp
+
+def score(x):
+    return jnp.tanh(x @ x.T).sum(axis=-1)
+"""
+
+MANIFEST = """
+version: 1
+target: {backend: cpu}
+functions:
+  - name: score
+    fn: onehold:score
+    args:
+      - {shape: [n, 4], dtype: float32}
+    buckets:
+      n: [2, 8]
+"""
+
+WARMUP = """
+import jax, jax.numpy as jnp
+print(jax.jit(lambda v: jnp.cos(v).sum())(jnp.ones((3, 5))))
+"""
+
+USES_JAX = "import jax; print('devices', len(jax.devices()))"
+
+
+def _env(tmp_path: Path, report: Path | None = None) -> dict[str, str]:
+    site = tmp_path / "site"
+    site.mkdir(exist_ok=True)
+    (site / "sitecustomize.py").write_text(textwrap.dedent(ONE_HOLDER_SITE))
+    path = os.pathsep.join(p for p in (str(site), str(tmp_path), os.environ.get("PYTHONPATH")) if p)
+    env = {"PYTHONPATH": path, "ONE_HOLDER_LOCK": str(tmp_path / "accelerator.lock")}
+    if report is not None:
+        env["REPORT_BACKENDS"] = str(report)
+    return env
+
+
+def _run(tmp_path: Path, name: str, *args: str) -> tuple[subprocess.CompletedProcess[str], list]:
+    """``cachectl ARGS`` under the one-holder rule; (result, backends its process opened)."""
+    report = tmp_path / f"backends-{name}.json"
+    result = run_cachectl(tmp_path, *args, env=_env(tmp_path, report))
+    opened = json.loads(report.read_text()) if report.exists() else ["(no report)"]
+    return result, opened
+
+
+@pytest.fixture
+def project(tmp_path: Path) -> Path:
+    (tmp_path / "onehold.py").write_text(textwrap.dedent(MODULE))
+    (tmp_path / "manifest.yaml").write_text(textwrap.dedent(MANIFEST))
+    (tmp_path / "warmup.py").write_text(textwrap.dedent(WARMUP))
+    return tmp_path
+
+
+def test_the_one_holder_rule_refuses_a_child_while_its_parent_holds_the_backend(
+    tmp_path: Path,
+) -> None:
+    """The rule itself can fail: a parent that opened JAX's backend starves its child."""
+    code = (
+        "import jax, subprocess, sys; jax.devices(); "
+        f"sys.exit(subprocess.run([sys.executable, '-c', {USES_JAX!r}]).returncode)"
+    )
+    held = subprocess.run(
+        [sys.executable, "-c", code],
+        env={**os.environ, **_env(tmp_path)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert held.returncode != 0
+    assert "already in use by another process" in held.stderr
+    after = subprocess.run(  # released when its holder exited
+        [sys.executable, "-c", USES_JAX],
+        env={**os.environ, **_env(tmp_path)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert after.returncode == 0, after.stderr
+
+
+def test_commands_that_start_jax_children_never_open_a_backend_themselves(
+    project: Path,
+) -> None:
+    warm, opened = _run(project, "warm", "warm", "manifest.yaml", "--json")
+    assert warm.returncode == 0, warm.stderr
+    assert json.loads(warm.stdout)["summary"]["compiled"] == 2
+    assert opened == ["cpu"]  # warm compiles in its own process: the control
+
+    check, opened = _run(project, "check", "warm-check", "manifest.yaml", "--json")
+    assert check.returncode == 0, check.stderr
+    report = json.loads(check.stdout)
+    assert [b["status"] for b in report["buckets"]] == ["hit", "hit"]
+    assert [b["aot_call"] for b in report["buckets"]] == ["ok", "ok"]
+    assert report["environment"]["backend"] == "cpu"
+    assert opened == []
+
+    run, opened = _run(project, "run", "warm-run", "--json", "--", sys.executable, "warmup.py")
+    assert run.returncode == 0, run.stderr
+    written = [e["status"] for e in json.loads(run.stdout)["entries"]]
+    assert written and set(written) == {"written"}  # the jit, and jnp.ones's own program
+    assert opened == []
+
+    replay, opened = _run(project, "replay", "warm-check", "--replay", "--json")
+    assert replay.returncode == 0, replay.stderr
+    assert json.loads(replay.stdout)["hits"] == len(written)
+    assert opened == []
+
+    deep, opened = _run(project, "deep", "verify", "--deep", "--json")
+    assert deep.returncode == 0, deep.stderr
+    assert json.loads(deep.stdout)["plan"]["findings"] == []
+    assert opened == []
+
+    served, opened = _run(project, "exec", "exec", "--", sys.executable, "-c", USES_JAX)
+    assert served.returncode == 0, served.stderr
+    assert "devices 1" in served.stdout
+    assert opened == []
+
+
+def test_a_target_mismatch_is_found_by_the_check_child_before_it_compiles(
+    project: Path,
+) -> None:
+    """warm-check's target check moved into its child; it still exits 3 and names the file."""
+    (project / "manifest.yaml").write_text(
+        textwrap.dedent(MANIFEST).replace("{backend: cpu}", "{backend: tpu}")
+    )
+    check, opened = _run(project, "check", "warm-check", "manifest.yaml")
+    assert check.returncode == 3, check.stderr
+    assert check.stderr.startswith("cachectl: error: manifest.yaml: this machine does not match")
+    assert "Traceback" not in check.stderr
+    assert opened == []
