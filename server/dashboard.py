@@ -27,6 +27,7 @@ from starlette.concurrency import run_in_threadpool
 
 from cachectl.core.units import format_size
 from cachectl.index import server_queries as sq
+from cachectl.index.usage import served_rate
 from cachectl.trust.tokens import InvalidToken, TokenInfo, authenticate, issue_session
 from cachectl.usage import inventory
 
@@ -142,7 +143,7 @@ class EnvRow:
     bytes: int
     requests: int
     hits: int
-    hit_rate: float | None
+    hit_rate: float | None  # served: hits and loads over those and the misses
     last_seen: datetime | None
 
 
@@ -170,7 +171,7 @@ def _cache_views(state: Any, token: TokenInfo | None) -> list[CacheView]:
         rates = sq.hit_rates(state.index, cache.name)
         rows = []
         for e in totals.per_environment:
-            requests, hits, _misses = rates.get(e.id, (0, 0, 0))
+            requests, hits, misses, loads = rates.get(e.id, (0, 0, 0, 0))
             seen = max(
                 [t for t in (e.last_seen_at, e.last_access_at) if t is not None], default=None
             )
@@ -184,7 +185,7 @@ def _cache_views(state: Any, token: TokenInfo | None) -> list[CacheView]:
                     e.bytes,
                     requests,
                     hits,
-                    hits / requests if requests else None,
+                    served_rate(hits, misses, loads),
                     seen,
                 )
             )

@@ -217,6 +217,14 @@ def test_serving_loads_are_counted_apart(warmed, monkeypatch) -> None:
     assert prefill["loads"] == out["loaded"]["prefill"] and prefill["hits"] == jax_counts.get(
         "jit_prefill", {}
     ).get("hits", 0)
+    # What the cache served counts the loads; JAX's hit rate alone would call it a cold cache.
+    served = env["hits"] + env["loads"]
+    assert env["served_rate"] == pytest.approx(served / (served + env["misses"]))
+    assert env["served_rate"] > (env["hit_rate"] or 0.0)
+    line = next(x for x in _stats(warmed, monkeypatch).splitlines() if "over the last 24h" in x)
+    assert line.startswith(f"cache default: served from the cache {env['served_rate']:.1%}")
+    assert f"({env['loads']} stored executables loaded, {env['hits']} hits" in line
+    assert "hit rate" not in line
 
 
 TIMED = """

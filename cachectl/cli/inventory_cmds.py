@@ -161,11 +161,12 @@ NO_TELEMETRY_HINT = (
 
 
 _CATEGORIES_NOTE = (
-    "hit rate: hits / (hits + misses). A miss was looked up and not found, written or not "
-    "(a program under the minimum compile time or a read-only service's is still a miss); "
-    "not cacheable: JAX-internal staging programs (jit_stage from jnp.asarray(numpy), "
+    "hit rate: hits / (hits + misses), JAX's own count. A miss was looked up and not found, "
+    "written or not (a program under the minimum compile time or a read-only service's is still "
+    "a miss); not cacheable: JAX-internal staging programs (jit_stage from jnp.asarray(numpy), "
     "convert_element_type, ...), counted apart; loads: stored executables cachectl.serving "
-    "loaded, never requests or hits"
+    "loaded, which JAX never looks up; served: (hits + loads) / (hits + loads + misses), what "
+    "the cache served"
 )
 
 DEFAULT_WINDOW = "24h"  # plain `cachectl stats`: the hit rate over the last day (ccache's habit)
@@ -173,6 +174,10 @@ DEFAULT_WINDOW = "24h"  # plain `cachectl stats`: the hit rate over the last day
 
 def _rate(r: UsageRow) -> str:
     return f"{r.hit_rate:.0%}" if r.hit_rate is not None else "-"
+
+
+def _served(r: UsageRow) -> str:
+    return f"{r.served_rate:.0%}" if r.served_rate is not None else "-"
 
 
 def _label(r: UsageRow) -> str:
@@ -192,6 +197,7 @@ def _print_usage(u: TelemetryStats) -> None:
         "not cacheable",
         "hit rate",
         "loads",
+        "served",
         "writes",
         "saved",
     ]
@@ -205,6 +211,7 @@ def _print_usage(u: TelemetryStats) -> None:
             r.uncacheable,
             _rate(r),
             r.loads,
+            _served(r),
             r.writes,
             f"{r.saved_estimate_seconds:.1f}s",
         )
@@ -253,19 +260,28 @@ def _print_hit_rates(items: list[inventory.CacheTotals]) -> None:
                 highlight=False,
             )
             continue
-        rate = f"{t.hit_rate:.1%}" if t.hit_rate is not None else "-"
-        stdout.print(
-            f"cache {t.cache.name}: hit rate {rate} over the last {DEFAULT_WINDOW} ({hits} hits, "
-            f"{misses} misses; {unc} not cacheable and {loads} loads counted apart)",
-            highlight=False,
-        )
+        if loads:  # cachectl.serving: its buckets never reach JAX's count (UsageRow.served_rate)
+            served = f"{t.served_rate:.1%}" if t.served_rate is not None else "-"
+            line = (
+                f"served from the cache {served} over the last {DEFAULT_WINDOW} ({loads} stored "
+                f"executables loaded, {hits} hits, {misses} misses; {unc} not cacheable counted "
+                "apart)"
+            )
+        else:
+            rate = f"{t.hit_rate:.1%}" if t.hit_rate is not None else "-"
+            line = (
+                f"hit rate {rate} over the last {DEFAULT_WINDOW} ({hits} hits, {misses} misses; "
+                f"{unc} not cacheable and {loads} loads counted apart)"
+            )
+        stdout.print(f"cache {t.cache.name}: {line}", highlight=False)
         if len(envs) > 1:
             for r in envs:
-                stdout.print(
-                    f"  environment {r.environment[:16]}: hit rate {_rate(r)} "
-                    f"({r.hits} hits, {r.misses} misses)",
-                    highlight=False,
+                what = (
+                    f"served {_served(r)} ({r.loads} loads, {r.hits} hits, {r.misses} misses)"
+                    if r.loads
+                    else f"hit rate {_rate(r)} ({r.hits} hits, {r.misses} misses)"
                 )
+                stdout.print(f"  environment {r.environment[:16]}: {what}", highlight=False)
 
 
 def _print_totals_and_rates(items: list[inventory.CacheTotals]) -> None:

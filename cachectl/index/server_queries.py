@@ -504,9 +504,10 @@ def telemetry_series(
         ]
 
 
-def hit_rates(index: Index, cache: str) -> dict[int, tuple[int, int, int]]:
-    """environment id -> (cacheable requests, hits, misses) over all recorded telemetry: the
-    requests for not-cacheable (JAX-internal staging) programs are left out, as `stats` does."""
+def hit_rates(index: Index, cache: str) -> dict[int, tuple[int, int, int, int]]:
+    """environment id -> (cacheable requests, hits, misses, loads) over all recorded telemetry:
+    the requests for not-cacheable (JAX-internal staging) programs are left out, as `stats`
+    does; loads are the executables cachectl.serving loaded (never requests)."""
     with index.read_session() as s:
         q = (
             select(
@@ -514,6 +515,7 @@ def hit_rates(index: Index, cache: str) -> dict[int, tuple[int, int, int]]:
                 counter_sum(index.dialect, TelemetryRecord.requests),
                 counter_sum(index.dialect, TelemetryRecord.hits),
                 counter_sum(index.dialect, TelemetryRecord.uncacheable),
+                counter_sum(index.dialect, TelemetryRecord.loads),
             )
             .join(EnvRow, EnvRow.id == TelemetryRecord.environment_id)
             .join(Cache, Cache.id == EnvRow.cache_id)
@@ -521,9 +523,9 @@ def hit_rates(index: Index, cache: str) -> dict[int, tuple[int, int, int]]:
             .group_by(TelemetryRecord.environment_id)
         )
         out = {}
-        for env, r, h, u in s.execute(q):
+        for env, r, h, u, loads in s.execute(q):
             cacheable = max(int(r or 0) - int(u or 0), 0)
-            out[env] = (cacheable, int(h or 0), max(cacheable - int(h or 0), 0))
+            out[env] = (cacheable, int(h or 0), max(cacheable - int(h or 0), 0), int(loads or 0))
         return out
 
 

@@ -41,7 +41,7 @@ class UsageRow:
     # The compile time hits saved, estimated (see saved_estimate): what `stats` shows as saved.
     saved_estimate_seconds: float = 0.0
 
-    __json_extra__ = ("hit_rate", "cacheable_requests")
+    __json_extra__ = ("hit_rate", "cacheable_requests", "served_rate")
 
     @property
     def cacheable_requests(self) -> int:
@@ -49,9 +49,22 @@ class UsageRow:
 
     @property
     def hit_rate(self) -> float | None:
-        """Hits over the requests for cacheable programs (ccache's habit: not cacheable apart)."""
+        """Hits over the requests for cacheable programs (ccache's habit: not cacheable apart).
+        JAX's own ratio: what its log counts, nothing cachectl.serving loaded."""
         n = self.cacheable_requests
         return min(self.hits / n, 1.0) if n else None
+
+    @property
+    def served_rate(self) -> float | None:
+        """What the cache served: hits plus loaded executables, over those and the misses."""
+        return served_rate(self.hits, self.misses, self.loads)
+
+
+def served_rate(hits: int, misses: int, loads: int) -> float | None:
+    """A service on cachectl.serving loads its buckets without asking JAX's cache: by JAX's
+    count alone (hits over lookups) it would show 0% while every bucket came from the cache."""
+    n = hits + misses + loads
+    return min((hits + loads) / n, 1.0) if n else None
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ from datetime import datetime
 
 from cachectl.context import Context
 from cachectl.index import CacheInfo, EntryInfo, EnvironmentInfo
-from cachectl.index.usage import TelemetryStats
+from cachectl.index.usage import TelemetryStats, served_rate
 
 
 @dataclass(frozen=True)
@@ -37,7 +37,7 @@ class CacheTotals:
     # service telemetry over the default window (plain `cachectl stats`): per environment too
     telemetry: TelemetryStats | None = None
 
-    __json_extra__ = ("hit_rate",)
+    __json_extra__ = ("hit_rate", "served_rate")
 
     @property
     def hit_rate(self) -> float | None:
@@ -47,6 +47,16 @@ class CacheTotals:
         hits = sum(r.hits for r in self.telemetry.environments)
         n = sum(r.cacheable_requests for r in self.telemetry.environments)
         return min(hits / n, 1.0) if n else None
+
+    @property
+    def served_rate(self) -> float | None:
+        """Hits and loaded executables over those and the misses (see usage.served_rate)."""
+        if self.telemetry is None:
+            return None
+        envs = self.telemetry.environments
+        return served_rate(
+            sum(r.hits for r in envs), sum(r.misses for r in envs), sum(r.loads for r in envs)
+        )
 
 
 def list_environments(ctx: Context, cache: CacheInfo) -> EnvironmentListing:
