@@ -185,6 +185,13 @@ def main() -> int:
     result["rewarm_seconds"] = time.perf_counter() - rewarm_started
     if rewarm.returncode == 0:
         result["rewarm_summary"] = json.loads(rewarm.stdout)["summary"]
+    alone_started = time.perf_counter()  # lowering one bucket at a time
+    alone = _run(
+        [sys.executable, "-m", "cachectl", "warm", "manifest.yaml", "--json", "-j", "1"], work, env
+    )
+    result["rewarm_jobs1_seconds"] = time.perf_counter() - alone_started
+    if alone.returncode == 0:
+        result["rewarm_jobs1_summary"] = json.loads(alone.stdout)["summary"]
     samples: dict[str, list[dict[str, object]]] = {"plain": [], "activate": [], "serving": []}
     errors: list[str] = []
     for _ in range(args.rounds):
