@@ -132,6 +132,18 @@ def test_rewarm_reports_every_bucket_cached(tmp_path: Path) -> None:
     assert newest == [(2, "warm")]
 
 
+def test_rewarm_says_why_it_still_lowers_every_bucket(tmp_path: Path) -> None:
+    manifest = tiny(tmp_path)
+    first = invoke("warm", str(manifest)).stdout
+    assert "5 bucket(s): 5 compiled, 0 cached" in first and "cached already" not in first
+    again = " ".join(invoke("warm", str(manifest)).stdout.split())
+    assert "5 bucket(s): 0 compiled, 5 cached" in again
+    assert (
+        "every bucket was cached already: none was compiled or loaded, but each was lowered"
+        in again
+    )
+
+
 def test_rewarm_of_stored_buckets_neither_compiles_nor_loads(tmp_path: Path) -> None:
     """A bucket whose entry and stored executable are there is known from its key alone."""
     import jax

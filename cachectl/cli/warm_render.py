@@ -97,6 +97,13 @@ def print_warm(report: WarmReport) -> None:
         f"{report.executables} stored executable(s), {format_size(aot_bytes)}",
         highlight=False,
     )
+    if s.buckets and s.cached == s.buckets:
+        stdout.print(
+            "every bucket was cached already: none was compiled or loaded, but each was lowered, "
+            "since JAX's key is a hash of the lowered program and only lowering shows that "
+            "nothing it depends on changed",
+            highlight=False,
+        )
 
 
 def _retried(summary: Any) -> str:
