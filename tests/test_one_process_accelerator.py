@@ -223,3 +223,22 @@ def test_a_target_mismatch_is_found_by_the_check_child_before_it_compiles(
     assert check.stderr.startswith("cachectl: error: manifest.yaml: this machine does not match")
     assert "Traceback" not in check.stderr
     assert opened == []
+
+
+def test_the_benchmarks_read_the_backend_without_opening_it(tmp_path: Path) -> None:
+    """`python -m bench` reads the machine first; its parent then starts every service."""
+    repo = str(Path(__file__).resolve().parent.parent)
+    code = (
+        f"import json, sys; sys.path.insert(0, {repo!r}); from bench.common import machine; "
+        "info = machine(); bridge = sys.modules.get('jax._src.xla_bridge'); "
+        "print(json.dumps([info['backend'], sorted(getattr(bridge, '_backends', None) or {})]))"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        env={**os.environ, **_env(tmp_path)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == ["cpu", []]
