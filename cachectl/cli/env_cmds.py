@@ -108,31 +108,34 @@ def env(ctx: Context, fmt: str | None, as_json: bool, readonly: bool | None) -> 
     help="Record the service's compile requests, hits and signatures as activate() does "
     "(a Python service: through a sitecustomize on PYTHONPATH that starts when JAX is imported).",
 )
+@click.option(
+    "--fresh",
+    is_flag=True,
+    help="Read this machine's environment afresh in a child process, not the one the last "
+    "exec remembered (a TPU is opened once more: about 10 s).",
+)
 @click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
 @click.pass_obj
-def exec_(ctx: Context, readonly: bool | None, telemetry: bool, command: tuple[str, ...]) -> None:
+def exec_(
+    ctx: Context, readonly: bool | None, telemetry: bool, fresh: bool, command: tuple[str, ...]
+) -> None:
     """Run COMMAND with the environment `cachectl env` prints (for services that cannot call activate()).
+
+    The environment is read by a child process (an accelerator this process opened would
+    stay held across the exec) and remembered until the boot, the packages or the variables
+    it depends on change; the service checks it against its own runtime.
 
     \b
     cachectl exec -- python -c 'import os; print(os.environ["JAX_COMPILATION_CACHE_DIR"])'
     cachectl exec --readonly -- python my_service.py
     """
-    from cachectl.service.env import service_env
+    from cachectl.service.env import exec_variables
 
     try:
-        # Read in a child: an accelerator opened here could stay held across the exec.
-        environment = ctx.environment_for_children
-        result = service_env(ctx, readonly=readonly, environment=environment)
+        result = exec_variables(ctx, readonly=readonly, telemetry=telemetry, fresh=fresh)
         variables = result.variables
         if result.warning:
             click.echo(result.warning, err=True)
-        if telemetry:
-            from cachectl.service.exec_hook import child_variables
-
-            variables = {
-                **variables,
-                **child_variables(environment.to_dict(), os.environ.get("PYTHONPATH")),
-            }
     except CachectlError as exc:  # never refuse to start the service: it runs as plain JAX would
         click.echo(
             f"cachectl: {exc.message}; running {command[0]} without a managed cache", err=True

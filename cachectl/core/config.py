@@ -60,13 +60,18 @@ def default_jobs() -> int:
 ENV_PREFIX = "CACHECTL_"
 
 
-# The XDG base directories (XDG_DATA_HOME, XDG_CACHE_HOME, XDG_CONFIG_HOME), read at each call.
+# The XDG base directories (XDG_DATA_HOME, XDG_CACHE_HOME, XDG_STATE_HOME, XDG_CONFIG_HOME),
+# read at each call.
 def data_dir() -> Path:
     return Path(platformdirs.user_data_dir("cachectl", appauthor=False))
 
 
 def cache_dir() -> Path:
     return Path(platformdirs.user_cache_dir("cachectl", appauthor=False))
+
+
+def state_dir() -> Path:
+    return Path(platformdirs.user_state_dir("cachectl", appauthor=False))
 
 
 def config_path() -> Path:

@@ -10,13 +10,11 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
-import platformdirs
-
 from cachectl.context import Context
-from cachectl.core.config import DEFAULT_CACHE
+from cachectl.core.config import DEFAULT_CACHE, state_dir
 from cachectl.core.errors import BadInput, CachectlError, NotFound
 from cachectl.core.fingerprint import Environment
 from cachectl.service.activate import env_vars_for, jax_config_for
@@ -33,7 +31,7 @@ class ServiceEnv:
 
 
 def _state_file() -> Path:
-    return Path(platformdirs.user_state_dir("cachectl", appauthor=False)) / "last-namespaces.json"
+    return state_dir() / "last-namespaces.json"
 
 
 def _remember(cache: str, url: str, readonly: bool) -> None:
@@ -89,6 +87,29 @@ def service_env(
     variables["CACHECTL_CACHE"] = cache.name
     _remember(cache.name, ns.url, readonly)
     return ServiceEnv(cache.name, ns.relpath, readonly, variables)
+
+
+def exec_variables(
+    ctx: Context, *, readonly: bool | None, telemetry: bool, fresh: bool = False
+) -> ServiceEnv:
+    """What `cachectl exec` adds to its service's environment: service_env's variables, for
+    the environment a child read or exec remembered (cachectl.core.probe), and the
+    sitecustomize that records telemetry and checks a remembered environment."""
+    from cachectl.core.probe import remembered_environment
+    from cachectl.service.exec_hook import child_variables
+
+    probed = remembered_environment(fresh=fresh)
+    result = service_env(ctx, readonly=readonly, environment=probed.environment)
+    remembered = str(probed.memo) if probed.remembered and probed.memo else None
+    if not telemetry and remembered is None:
+        return result
+    added = child_variables(
+        probed.environment.to_dict(),
+        os.environ.get("PYTHONPATH"),
+        telemetry=telemetry,
+        remembered=remembered,
+    )
+    return replace(result, variables={**result.variables, **added})
 
 
 def _fallback(ctx: Context, readonly: bool | None, exc: Exception, env: Environment) -> ServiceEnv:

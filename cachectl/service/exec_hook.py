@@ -6,6 +6,11 @@ import hook. When ``jax`` finishes importing, the collector starts as
 activate() starts it, for the environment exec resolved (passed in
 CACHECTL_EXEC_ENVIRONMENT, so no JAX backend is initialised early). The JAX
 configuration itself came from exec's environment variables.
+
+Where exec used a remembered environment (cachectl.core.probe), it names the file in
+CACHECTL_EXEC_REMEMBERED; at the process's first compile request, when its backend is
+open, the hook compares that runtime with this process's own and forgets the file on any
+difference, so the next exec reads the environment afresh.
 """
 
 from __future__ import annotations
@@ -22,18 +27,26 @@ from typing import Any
 SITE_DIR = str(Path(__file__).resolve().parent / "_exec_site")
 ENABLE_VAR = "CACHECTL_EXEC_TELEMETRY"
 ENVIRONMENT_VAR = "CACHECTL_EXEC_ENVIRONMENT"
+REMEMBERED_VAR = "CACHECTL_EXEC_REMEMBERED"
 # Set by `cachectl warm-check --replay`: a file each process appends its JAX cache counts to.
 COUNTS_VAR = "CACHECTL_EXEC_COUNTS"
 
 
-def child_variables(environment: dict[str, Any], existing_pythonpath: str | None) -> dict[str, str]:
-    """What exec adds to the child's environment for telemetry."""
+def child_variables(
+    environment: dict[str, Any],
+    existing_pythonpath: str | None,
+    *,
+    telemetry: bool = True,
+    remembered: str | None = None,
+) -> dict[str, str]:
+    """What exec adds to the child's environment: telemetry, the remembered file's check."""
     path = SITE_DIR if not existing_pythonpath else SITE_DIR + os.pathsep + existing_pythonpath
-    return {
-        ENABLE_VAR: "1",
-        ENVIRONMENT_VAR: json.dumps(environment, sort_keys=True),
-        "PYTHONPATH": path,
-    }
+    variables = {ENVIRONMENT_VAR: json.dumps(environment, sort_keys=True), "PYTHONPATH": path}
+    if telemetry:
+        variables[ENABLE_VAR] = "1"
+    if remembered:
+        variables[REMEMBERED_VAR] = remembered
+    return variables
 
 
 class _AfterJaxImport(importlib.abc.MetaPathFinder):
@@ -88,11 +101,48 @@ def _count_cache_events(path: str) -> None:
     atexit.register(write)
 
 
+def _check_remembered(path: str, remembered: dict[str, Any]) -> None:
+    """At the first compile request (the backend is open), forget a remembered environment
+    whose runtime is not this process's, and say so."""
+    import jax
+
+    from cachectl.core.fingerprint import Environment, current_environment
+    from cachectl.core.jax_seam import EVENT_REQUESTS
+    from cachectl.core.probe import forget, runtime_differences
+
+    checked: list[bool] = []
+
+    def on_event(event: str, **_: Any) -> None:
+        if event != EVENT_REQUESTS or checked:
+            return
+        checked.append(True)
+        with contextlib.suppress(Exception):  # never break the service
+            differences = runtime_differences(
+                Environment.from_dict(remembered), current_environment()
+            )
+            if differences:
+                forget(path)
+                sys.stderr.write(
+                    "cachectl: this process's JAX runtime is not the one `cachectl exec` "
+                    f"remembered ({'; '.join(differences)}): its compiles go to the namespace "
+                    "exec named; the remembered environment is forgotten, so the next "
+                    "`cachectl exec` reads it afresh\n"
+                )
+
+    jax.monitoring.register_event_listener(on_event)
+
+
 def _start() -> None:
     counts = os.environ.get(COUNTS_VAR)
     if counts:
         with contextlib.suppress(Exception):  # never break the service
             _count_cache_events(counts)
+    remembered = os.environ.get(REMEMBERED_VAR)
+    if remembered:
+        with contextlib.suppress(Exception):  # never break the service
+            _check_remembered(remembered, json.loads(os.environ[ENVIRONMENT_VAR]))
+    if os.environ.get(ENABLE_VAR) != "1":
+        return
     try:
         from cachectl.core.config import load_settings
         from cachectl.core.fingerprint import Environment

@@ -2,7 +2,8 @@
 
 Nothing happens until the process imports JAX (a Python helper that never does
 pays one environment lookup). Then the collector starts exactly as activate()
-would start it, with the environment `cachectl exec` resolved. A user's own
+would start it, with the environment `cachectl exec` resolved, and a remembered
+environment is checked against the process's own (cachectl.service.exec_hook). A user's own
 sitecustomize further down the path still runs.
 """
 
@@ -22,7 +23,7 @@ def _chain_the_users_sitecustomize() -> None:
             return
 
 
-if os.environ.get("CACHECTL_EXEC_TELEMETRY") == "1":
+if os.environ.get("CACHECTL_EXEC_TELEMETRY") == "1" or os.environ.get("CACHECTL_EXEC_REMEMBERED"):
     try:
         from cachectl.service.exec_hook import install
 

@@ -1,0 +1,155 @@
+"""`cachectl exec` remembers the environment a child read, so a service's start opens the
+accelerator once, and never trusts a remembered environment its own runtime contradicts.
+
+On a TPU every open of the chip costs about 10 s, and exec's child read doubled a
+service's start. These tests run exec under test_one_process_accelerator's one-holder rule,
+which also logs every process that opened the "accelerator": the reading child is one of
+them, the service the other.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+from support.infra import run_cachectl  # noqa: E402
+from test_one_process_accelerator import _env
+
+SERVICE = (
+    "import os, jax, jax.numpy as jnp; jax.jit(lambda v: v * 2)(jnp.ones(3)); "
+    "print(os.environ['JAX_COMPILATION_CACHE_DIR']); "
+    "print(os.environ.get('CACHECTL_EXEC_REMEMBERED', '-'))"
+)
+
+
+def _exec(
+    tmp_path: Path, *args: str, env: dict[str, str] | None = None
+) -> tuple[list[str], list[str], str]:
+    """exec's service; (its two printed lines, the processes that opened a backend, stderr)."""
+    out = tmp_path.parent / f"{tmp_path.name}-out"  # off sys.path: its mtime is in the key
+    out.mkdir(exist_ok=True)
+    log = out / "opened.log"
+    log.unlink(missing_ok=True)
+    report = out / "parent.json"
+    variables = {**_env(tmp_path, report), "ONE_HOLDER_LOG": str(log), **(env or {})}
+    run = run_cachectl(tmp_path, "exec", *args, "--", sys.executable, "-c", SERVICE, env=variables)
+    assert run.returncode == 0, run.stderr
+    assert json.loads(report.read_text()) == []  # exec itself never opens a backend
+    opened = log.read_text().splitlines() if log.exists() else []
+    return run.stdout.split(), opened, run.stderr
+
+
+def _memos(state: Path) -> list[Path]:
+    return sorted((state / "cachectl" / "environments").glob("*.json"))
+
+
+def _reader(opened: list[str]) -> list[str]:
+    return [p for p in opened if "cachectl.core.probe" in p]
+
+
+def test_exec_opens_the_accelerator_once_when_nothing_changed(tmp_path: Path) -> None:
+    state = Path(os.environ["XDG_STATE_HOME"])
+    (cache_dir, remembered), opened, _ = _exec(tmp_path)
+    assert remembered == "-"
+    assert len(_reader(opened)) == 1 and len(opened) == 2  # the reading child, the service
+    (memo,) = _memos(state)
+
+    (again_dir, remembered), opened, stderr = _exec(tmp_path)
+    assert (again_dir, remembered) == (cache_dir, str(memo))
+    assert _reader(opened) == [] and len(opened) == 1  # the service alone
+    assert "remembered" not in stderr  # its runtime matched
+
+    _, opened, _ = _exec(tmp_path, "--fresh")
+    assert len(_reader(opened)) == 1
+
+
+def test_a_change_the_reading_depends_on_reads_afresh(tmp_path: Path) -> None:
+    _exec(tmp_path)
+    _, opened, _ = _exec(tmp_path, env={"XLA_FLAGS": "--xla_cpu_enable_fast_math=false"})
+    assert len(_reader(opened)) == 1  # a variable XLA reads
+    _, opened, _ = _exec(tmp_path, env={"XLA_FLAGS": "--xla_cpu_enable_fast_math=false"})
+    assert _reader(opened) == []
+    (tmp_path / "site" / "__pycache__").mkdir(exist_ok=True)  # bytecode: not an install
+    (tmp_path / "site" / "notes.txt").write_text("")
+    _, opened, _ = _exec(tmp_path, env={"XLA_FLAGS": "--xla_cpu_enable_fast_math=false"})
+    assert _reader(opened) == []
+    (tmp_path / "site" / "newly_installed-1.0.dist-info").mkdir()  # a package installed
+    _, opened, _ = _exec(tmp_path, env={"XLA_FLAGS": "--xla_cpu_enable_fast_math=false"})
+    assert len(_reader(opened)) == 1
+
+
+def test_a_remembered_runtime_the_service_contradicts_is_forgotten(tmp_path: Path) -> None:
+    state = Path(os.environ["XDG_STATE_HOME"])
+    (cache_dir, _), _, _ = _exec(tmp_path)
+    (memo,) = _memos(state)
+    data = json.loads(memo.read_text())
+    data["environment"]["device_count"] = 8  # as if the devices changed within this boot
+    memo.write_text(json.dumps(data))
+
+    (stale_dir, remembered), opened, stderr = _exec(tmp_path)
+    assert remembered == str(memo) and _reader(opened) == []
+    assert stale_dir != cache_dir  # the namespace it named, as the warning says
+    assert "not the one `cachectl exec` remembered (device_count 8 -> 1)" in stderr
+    assert not memo.exists()
+
+    (fresh_dir, remembered), opened, _ = _exec(tmp_path)
+    assert (fresh_dir, remembered) == (cache_dir, "-") and len(_reader(opened)) == 1
+
+
+def test_a_damaged_or_foreign_remembered_file_is_read_afresh(tmp_path: Path) -> None:
+    state = Path(os.environ["XDG_STATE_HOME"])
+    (cache_dir, _), _, _ = _exec(tmp_path)
+    (memo,) = _memos(state)
+    good = memo.read_text()
+    for damaged in ("{not json", json.dumps({**json.loads(good), "key": "0" * 64}), "[]"):
+        memo.write_text(damaged)
+        (served_dir, remembered), opened, stderr = _exec(tmp_path)
+        assert (served_dir, remembered) == (cache_dir, "-"), damaged
+        assert len(_reader(opened)) == 1 and "Traceback" not in stderr
+        assert json.loads(memo.read_text()) == json.loads(good)  # rewritten by the fresh read
+
+
+def test_no_telemetry_still_checks_a_remembered_environment(tmp_path: Path) -> None:
+    _exec(tmp_path, "--no-telemetry")
+    words, opened, _ = _exec(tmp_path, "--no-telemetry")
+    assert words[1] != "-" and _reader(opened) == []
+    run = run_cachectl(
+        tmp_path, "exec", "--no-telemetry", "--", "sh", "-c", "echo ${CACHECTL_EXEC_TELEMETRY:-off}"
+    )
+    assert run.stdout.strip() == "off", run.stderr
+
+
+def test_nothing_is_remembered_where_the_boot_cannot_be_told(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without a boot id a reboot (new devices, drivers) could not be told: read every time."""
+    from cachectl.core import probe
+
+    assert probe.memo_key() is not None
+    monkeypatch.setattr(probe, "BOOT_ID", tmp_path / "no-boot-id")
+    assert probe.memo_key() is None
+    for _ in range(2):
+        probed = probe.remembered_environment()
+        assert (probed.remembered, probed.memo) == (False, None)
+        assert probed.environment.backend == "cpu"
+    assert _memos(Path(os.environ["XDG_STATE_HOME"])) == []
+
+
+def test_the_remembered_files_are_bounded(tmp_path: Path) -> None:
+    from cachectl.core import probe
+
+    environment = probe.Environment.from_dict(
+        json.loads(_memo_after_one_exec(tmp_path).read_text())["environment"]
+    )
+    for n in range(probe.MEMO_KEEP + 5):
+        probe._write_memo(probe.memo_dir() / f"{n:064x}.json", f"{n:064x}", environment)
+    assert len(_memos(Path(os.environ["XDG_STATE_HOME"]))) == probe.MEMO_KEEP
+
+
+def _memo_after_one_exec(tmp_path: Path) -> Path:
+    _exec(tmp_path)
+    (memo,) = _memos(Path(os.environ["XDG_STATE_HOME"]))
+    return memo
