@@ -16,7 +16,8 @@ PACKAGES = ("cachectl", "server")
 # Function-local imports of project modules are for keeping a cheap path cheap
 # (activate() without SQLAlchemy, `import cachectl` without the serving runtime,
 # `cachectl --help` without the index); everything else imports at the top.
-MAX_LOCAL_PROJECT_IMPORTS = 11  # the 11th: exec_hook reads the seam's event names only for a replay
+MAX_LOCAL_PROJECT_IMPORTS = 10  # exec_hook (three) runs in every Python process exec starts: it
+# imports the seam, the probe and activate only once JAX is imported and its variables ask for them
 # The read commands' path (`ls`, `stats`, `cache list`, `prune --dry-run` from the stdlib reader,
 # tests/test_cli_startup.py) defers, by (module, imported module), what only the other commands
 # or server mode need: the SQL index, the HTTP client, the executor, gc, verify, tokens.

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 from support.infra import run_cachectl  # noqa: E402
-from test_one_process_accelerator import _env
+from support.one_holder import one_holder_env as _env
 
 SERVICE = (
     "import os, jax, jax.numpy as jnp; jax.jit(lambda v: v * 2)(jnp.ones(3)); "

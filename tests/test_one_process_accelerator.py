@@ -22,79 +22,7 @@ from pathlib import Path
 
 import pytest
 from support.infra import run_cachectl  # noqa: E402
-
-# Loaded in every process through PYTHONPATH: the TPU's one-holder rule, for CPU.
-ONE_HOLDER_SITE = """
-import fcntl, importlib.abc, importlib.util, os, sys
-
-_LOCK = os.environ["ONE_HOLDER_LOCK"]
-_held = []
-_opened = set()  # every backend this process opened (JAX clears its table at exit)
-
-
-def _take():
-    if _held:
-        return
-    fd = os.open(_LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        raise RuntimeError(
-            "Unable to initialize backend 'cpu': ABORTED: the accelerator is already in use "
-            "by another process (test lock)"
-        ) from None
-    _held.append(fd)
-    if os.environ.get("ONE_HOLDER_LOG"):  # every process that opened the "accelerator"
-        with open(os.environ["ONE_HOLDER_LOG"], "a") as log:
-            with open("/proc/self/cmdline") as own:
-                log.write(own.read().replace("\\0", " ") + "\\n")
-
-
-class _AfterBridge(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path=None, target=None):
-        if name != "jax._src.xla_bridge":
-            return None
-        sys.meta_path.remove(self)
-        spec = importlib.util.find_spec(name)
-        original = spec.loader.exec_module
-
-        def exec_module(module):
-            original(module)
-            backends = module.backends
-
-            def guarded():
-                if not module._backends:
-                    _take()
-                result = backends()
-                _opened.update(module._backends)
-                return result
-
-            module.backends = guarded
-
-        spec.loader.exec_module = exec_module
-        return spec
-
-
-sys.meta_path.insert(0, _AfterBridge())
-
-if os.environ.get("REPORT_BACKENDS"):  # the cachectl parent: what it opened, at exit or exec
-    import atexit, json
-
-    def _report():
-        bridge = sys.modules.get("jax._src.xla_bridge")
-        with open(os.environ["REPORT_BACKENDS"], "w") as f:
-            json.dump(sorted(_opened | set(getattr(bridge, "_backends", None) or {})), f)
-
-    atexit.register(_report)
-    _execvpe = os.execvpe
-
-    def _execvpe_reporting(file, args, env):
-        _report()
-        env = {k: v for k, v in env.items() if k != "REPORT_BACKENDS"}
-        _execvpe(file, args, env)
-
-    os.execvpe = _execvpe_reporting
-"""
+from support.one_holder import one_holder_env as _env
 
 MODULE = """
 import jax.numpy as jnp
@@ -121,17 +49,6 @@ print(jax.jit(lambda v: jnp.cos(v).sum())(jnp.ones((3, 5))))
 """
 
 USES_JAX = "import jax; print('devices', len(jax.devices()))"
-
-
-def _env(tmp_path: Path, report: Path | None = None) -> dict[str, str]:
-    site = tmp_path / "site"
-    site.mkdir(exist_ok=True)
-    (site / "sitecustomize.py").write_text(textwrap.dedent(ONE_HOLDER_SITE))
-    path = os.pathsep.join(p for p in (str(site), str(tmp_path), os.environ.get("PYTHONPATH")) if p)
-    env = {"PYTHONPATH": path, "ONE_HOLDER_LOCK": str(tmp_path / "accelerator.lock")}
-    if report is not None:
-        env["REPORT_BACKENDS"] = str(report)
-    return env
 
 
 def _run(tmp_path: Path, name: str, *args: str) -> tuple[subprocess.CompletedProcess[str], list]:

@@ -28,6 +28,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from cachectl.core import jax_seam
 from cachectl.core.config import state_dir
@@ -214,3 +215,30 @@ def runtime_differences(remembered: Environment, actual: Environment) -> list[st
     """The runtime fields in which a remembered environment is not this process's."""
     a, b = remembered.to_dict(), actual.to_dict()
     return [f"{name} {a[name]} -> {b[name]}" for name in RUNTIME_FIELDS if a[name] != b[name]]
+
+
+def watch_remembered(path: str, remembered: dict[str, Any]) -> None:
+    """In a service exec started: at its first compile request (its backend is open then),
+    forget a remembered environment whose runtime is not this process's, and say so."""
+    import jax
+
+    checked: list[bool] = []
+
+    def on_event(event: str, **_: Any) -> None:
+        if event != jax_seam.EVENT_REQUESTS or checked:
+            return
+        checked.append(True)
+        with contextlib.suppress(Exception):  # never break the service
+            differences = runtime_differences(
+                Environment.from_dict(remembered), current_environment()
+            )
+            if differences:
+                forget(path)
+                sys.stderr.write(
+                    "cachectl: this process's JAX runtime is not the one `cachectl exec` "
+                    f"remembered ({'; '.join(differences)}): its compiles go to the namespace "
+                    "exec named; the remembered environment is forgotten, so the next "
+                    "`cachectl exec` reads it afresh\n"
+                )
+
+    jax.monitoring.register_event_listener(on_event)

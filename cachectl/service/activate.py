@@ -574,6 +574,13 @@ def start_telemetry(
         return None
 
 
+def start_exec_telemetry(environment: dict[str, Any]) -> None:
+    """Telemetry for a service `cachectl exec` started, for the environment exec resolved
+    (cachectl.service.exec_hook: reading it here would open the backend early)."""
+    settings = load_settings()
+    start_telemetry(settings, settings.cache, Environment.from_dict(environment), [])
+
+
 def _warn(message: str) -> None:
     """One warning, through logging (its last-resort handler prints it if none is set up)."""
     log.warning(message)

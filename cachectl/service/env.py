@@ -17,7 +17,9 @@ from cachectl.context import Context
 from cachectl.core.config import DEFAULT_CACHE, state_dir
 from cachectl.core.errors import BadInput, CachectlError, NotFound
 from cachectl.core.fingerprint import Environment
+from cachectl.core.probe import remembered_environment
 from cachectl.service.activate import env_vars_for, jax_config_for
+from cachectl.service.exec_hook import child_variables
 from cachectl.storage.store import Store, normalize_url
 
 
@@ -95,9 +97,6 @@ def exec_variables(
     """What `cachectl exec` adds to its service's environment: service_env's variables, for
     the environment a child read or exec remembered (cachectl.core.probe), and the
     sitecustomize that records telemetry and checks a remembered environment."""
-    from cachectl.core.probe import remembered_environment
-    from cachectl.service.exec_hook import child_variables
-
     probed = remembered_environment(fresh=fresh)
     result = service_env(ctx, readonly=readonly, environment=probed.environment)
     remembered = str(probed.memo) if probed.remembered and probed.memo else None

@@ -101,37 +101,6 @@ def _count_cache_events(path: str) -> None:
     atexit.register(write)
 
 
-def _check_remembered(path: str, remembered: dict[str, Any]) -> None:
-    """At the first compile request (the backend is open), forget a remembered environment
-    whose runtime is not this process's, and say so."""
-    import jax
-
-    from cachectl.core.fingerprint import Environment, current_environment
-    from cachectl.core.jax_seam import EVENT_REQUESTS
-    from cachectl.core.probe import forget, runtime_differences
-
-    checked: list[bool] = []
-
-    def on_event(event: str, **_: Any) -> None:
-        if event != EVENT_REQUESTS or checked:
-            return
-        checked.append(True)
-        with contextlib.suppress(Exception):  # never break the service
-            differences = runtime_differences(
-                Environment.from_dict(remembered), current_environment()
-            )
-            if differences:
-                forget(path)
-                sys.stderr.write(
-                    "cachectl: this process's JAX runtime is not the one `cachectl exec` "
-                    f"remembered ({'; '.join(differences)}): its compiles go to the namespace "
-                    "exec named; the remembered environment is forgotten, so the next "
-                    "`cachectl exec` reads it afresh\n"
-                )
-
-    jax.monitoring.register_event_listener(on_event)
-
-
 def _start() -> None:
     counts = os.environ.get(COUNTS_VAR)
     if counts:
@@ -140,17 +109,14 @@ def _start() -> None:
     remembered = os.environ.get(REMEMBERED_VAR)
     if remembered:
         with contextlib.suppress(Exception):  # never break the service
-            _check_remembered(remembered, json.loads(os.environ[ENVIRONMENT_VAR]))
+            from cachectl.core.probe import watch_remembered
+
+            watch_remembered(remembered, json.loads(os.environ[ENVIRONMENT_VAR]))
     if os.environ.get(ENABLE_VAR) != "1":
         return
     try:
-        from cachectl.core.config import load_settings
-        from cachectl.core.fingerprint import Environment
-        from cachectl.service.activate import start_telemetry
+        from cachectl.service.activate import start_exec_telemetry
 
-        env = Environment.from_dict(json.loads(os.environ[ENVIRONMENT_VAR]))
-        settings = load_settings()
-        problems: list[str] = []
-        start_telemetry(settings, settings.cache, env, problems)
+        start_exec_telemetry(json.loads(os.environ[ENVIRONMENT_VAR]))
     except Exception:  # noqa: BLE001 - telemetry never breaks the service
         pass
