@@ -153,3 +153,27 @@ def _memo_after_one_exec(tmp_path: Path) -> Path:
     _exec(tmp_path)
     (memo,) = _memos(Path(os.environ["XDG_STATE_HOME"]))
     return memo
+
+
+def test_only_the_service_exec_started_checks_not_its_helpers(tmp_path: Path) -> None:
+    """A helper the service starts with other devices is not a contradiction."""
+    helper = (
+        "import jax, jax.numpy as jnp; jax.jit(lambda v: v - 1)(jnp.ones(2)); "
+        "print('helper devices', len(jax.devices()))"
+    )
+    service = (
+        "import os, subprocess, sys, jax, jax.numpy as jnp; jax.jit(lambda v: v * 3)(jnp.ones(3)); "
+        "print('remembered', os.environ.get('CACHECTL_EXEC_REMEMBERED', '-'), flush=True); "
+        "env = {**os.environ, 'XLA_FLAGS': '--xla_force_host_platform_device_count=2'}; "
+        "env['ONE_HOLDER_LOCK'] += '.helper'; "  # a device of its own, as a helper would have
+        f"sys.exit(subprocess.run([sys.executable, '-c', {helper!r}], env=env).returncode)"
+    )
+    _exec(tmp_path)
+    state = Path(os.environ["XDG_STATE_HOME"])
+    (memo,) = _memos(state)
+    run = run_cachectl(tmp_path, "exec", "--", sys.executable, "-c", service, env=_env(tmp_path))
+    assert run.returncode == 0, run.stderr
+    assert "helper devices 2" in run.stdout
+    assert f"remembered {memo}" in run.stdout  # the service used it, and so did the helper
+    assert "remembered" not in run.stderr
+    assert memo.exists()

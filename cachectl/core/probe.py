@@ -12,9 +12,9 @@ Where this process already opened a backend (a library caller that ran JAX), it 
 state (``remembered_environment``): the key hashes everything the reading depends on that
 can change without a reboot (the boot, the interpreter, the packages installed on sys.path
 and where jax, jaxlib and libtpu are imported from, the variables JAX, XLA and the device
-runtimes read, the accelerator device nodes). The
-service checks the remembered runtime against its own once its backend is open
-(cachectl.service.exec_hook) and forgets it on any difference.
+runtimes read, the accelerator device nodes). The service exec started checks the remembered
+runtime against its own once its backend is open (``watch_remembered``, started by
+cachectl.service.exec_hook) and forgets it on any difference.
 """
 
 from __future__ import annotations

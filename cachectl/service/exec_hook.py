@@ -8,9 +8,10 @@ CACHECTL_EXEC_ENVIRONMENT, so no JAX backend is initialised early). The JAX
 configuration itself came from exec's environment variables.
 
 Where exec used a remembered environment (cachectl.core.probe), it names the file in
-CACHECTL_EXEC_REMEMBERED; at the process's first compile request, when its backend is
-open, the hook compares that runtime with this process's own and forgets the file on any
-difference, so the next exec reads the environment afresh.
+CACHECTL_EXEC_REMEMBERED and its own pid (which the service keeps) in CACHECTL_EXEC_PID; in
+that process alone, at its first compile request, when its backend is open, the probe's
+``watch_remembered`` compares that runtime with the process's own and forgets the file on
+any difference, so the next exec reads the environment afresh.
 """
 
 from __future__ import annotations
@@ -28,6 +29,9 @@ SITE_DIR = str(Path(__file__).resolve().parent / "_exec_site")
 ENABLE_VAR = "CACHECTL_EXEC_TELEMETRY"
 ENVIRONMENT_VAR = "CACHECTL_EXEC_ENVIRONMENT"
 REMEMBERED_VAR = "CACHECTL_EXEC_REMEMBERED"
+# The pid exec hands over (execvpe keeps it): only that process checks the remembered
+# environment, not the helpers it starts with other devices or platforms.
+SERVICE_PID_VAR = "CACHECTL_EXEC_PID"
 # Set by `cachectl warm-check --replay`: a file each process appends its JAX cache counts to.
 COUNTS_VAR = "CACHECTL_EXEC_COUNTS"
 
@@ -46,6 +50,7 @@ def child_variables(
         variables[ENABLE_VAR] = "1"
     if remembered:
         variables[REMEMBERED_VAR] = remembered
+        variables[SERVICE_PID_VAR] = str(os.getpid())
     return variables
 
 
@@ -107,7 +112,7 @@ def _start() -> None:
         with contextlib.suppress(Exception):  # never break the service
             _count_cache_events(counts)
     remembered = os.environ.get(REMEMBERED_VAR)
-    if remembered:
+    if remembered and os.environ.get(SERVICE_PID_VAR) == str(os.getpid()):
         with contextlib.suppress(Exception):  # never break the service
             from cachectl.core.probe import watch_remembered
 
