@@ -34,6 +34,7 @@ from cachectl.core import jax_seam
 from cachectl.core.config import state_dir
 from cachectl.core.errors import CachectlError, OperationFailed
 from cachectl.core.fingerprint import Environment, check_versions, current_environment
+from cachectl.core.temps import atomic_write
 
 # Backends one process at a time may hold: no two JAX processes share one of them.
 ONE_PROCESS_BACKENDS = ("tpu",)
@@ -176,14 +177,9 @@ def _read_memo(path: Path, key: str) -> Environment | None:
 
 def _write_memo(path: Path, key: str, environment: Environment) -> None:
     """Best effort, atomic: a memo that cannot be written only costs the next exec a child."""
+    data = json.dumps({"key": key, "environment": environment.to_dict()}, sort_keys=True)
     with contextlib.suppress(OSError):
-        path.parent.mkdir(parents=True, exist_ok=True)
-        temp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        temp.write_text(
-            json.dumps({"key": key, "environment": environment.to_dict()}, sort_keys=True),
-            encoding="utf-8",
-        )
-        os.replace(temp, path)
+        atomic_write(str(path), 0o644, lambda fh: fh.write(data.encode()))
         kept = sorted(path.parent.glob("*.json"), key=lambda p: p.stat().st_mtime, reverse=True)
         for old in kept[MEMO_KEEP:]:
             old.unlink(missing_ok=True)
@@ -195,14 +191,14 @@ def remembered_environment(fresh: bool = False) -> ProbedEnvironment:
     if jax_seam.backends_opened():
         return ProbedEnvironment(current_environment(), remembered=False, memo=None)
     key = memo_key()
-    path = memo_dir() / f"{key}.json" if key else None
-    if path is not None and not fresh:
-        environment = _read_memo(path, key or "")
-        if environment is not None:
-            return ProbedEnvironment(environment, remembered=True, memo=path)
+    if key is None:
+        return ProbedEnvironment(environment_in_child(), remembered=False, memo=None)
+    path = memo_dir() / f"{key}.json"
+    environment = None if fresh else _read_memo(path, key)
+    if environment is not None:
+        return ProbedEnvironment(environment, remembered=True, memo=path)
     environment = environment_in_child()
-    if path is not None:
-        _write_memo(path, key or "", environment)
+    _write_memo(path, key, environment)
     return ProbedEnvironment(environment, remembered=False, memo=path)
 
 

@@ -6,15 +6,22 @@ sha256, ``pid`` its process. As with the lifecycle lease (``lifecycle/lease.py``
 host whose process is gone left debris at once (a kill -9 runs no cleanup); a writer elsewhere, or a
 name without a tag (older versions), is debris only past ``STALE_AFTER``, a generous bound no live
 write reaches.
+
+``atomic_write`` writes a local file through such a temporary, so every writer of a whole file
+(the store, the state files beside it) leaves only names a sweep can read.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import re
 import socket
+import tempfile
+from collections.abc import Callable
 from datetime import timedelta
+from typing import BinaryIO
 
 TEMP_PREFIX = ".tmp-"  # beside its target, renamed over it when whole (store.py)
 SPOOL_PREFIX = "cachectl-upload-"  # an upload's body while it is checked (ingest.Spool)
@@ -34,6 +41,24 @@ def _host() -> str:
 def prefix(kind: str) -> str:
     """``kind`` followed by this process's tag: what mkstemp/mkdtemp get as their prefix."""
     return f"{kind}{_host()}.{os.getpid()}-"
+
+
+def atomic_write(full: str, mode: int, write: Callable[[BinaryIO], object]) -> None:
+    """Write a local file through a temporary sibling and a rename: readers never see half."""
+    directory = os.path.dirname(full)
+    os.makedirs(directory, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=prefix(TEMP_PREFIX), dir=directory)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            write(fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.chmod(tmp, mode)
+        os.replace(tmp, full)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
 
 
 def _alive(pid: int) -> bool:

@@ -18,6 +18,7 @@ from cachectl.core.config import DEFAULT_CACHE, state_dir
 from cachectl.core.errors import BadInput, CachectlError, NotFound
 from cachectl.core.fingerprint import Environment
 from cachectl.core.probe import remembered_environment
+from cachectl.core.temps import atomic_write
 from cachectl.service.activate import env_vars_for, jax_config_for
 from cachectl.service.exec_hook import child_variables
 from cachectl.storage.store import Store, normalize_url
@@ -46,10 +47,8 @@ def _remember(cache: str, url: str, readonly: bool) -> None:
         if known.get(cache) == {"url": url, "readonly": readonly}:
             return
         known[cache] = {"url": url, "readonly": readonly}
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".tmp-{os.getpid()}")
-        tmp.write_text(json.dumps(known, indent=1, sort_keys=True))
-        os.replace(tmp, path)
+        data = json.dumps(known, indent=1, sort_keys=True).encode()
+        atomic_write(str(path), 0o644, lambda fh: fh.write(data))
     except (OSError, ValueError):
         pass  # best effort: only the fallback is lost
 

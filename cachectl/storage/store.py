@@ -21,6 +21,7 @@ from datetime import UTC, datetime
 from functools import cached_property
 from typing import Any, BinaryIO, TypeVar
 
+from cachectl.core import temps
 from cachectl.core.config import DELETE_BATCH
 from cachectl.core.errors import BadInput, Unreachable
 from cachectl.core.urls import (  # noqa: F401 - URL dispatch, re-exported
@@ -346,7 +347,7 @@ class Store:
         if self.kind != "file":
             self.fs.pipe_file(full, data)  # an object PUT is atomic
             return
-        local.atomic_write(full, mode, lambda fh: fh.write(data))
+        temps.atomic_write(full, mode, lambda fh: fh.write(data))
 
     def write_file(self, rel: str, local_path: str, *, mode: int = 0o644) -> None:
         """Write a local file's bytes to ``rel`` atomically, streamed (never all in memory)."""
@@ -359,7 +360,7 @@ class Store:
             with open(local_path, "rb") as src:
                 shutil.copyfileobj(src, fh, 1 << 20)
 
-        local.atomic_write(full, mode, copy)
+        temps.atomic_write(full, mode, copy)
 
     def delete(self, rels: Iterable[str], batch_size: int = DELETE_BATCH) -> int:
         """Delete files in batches (one rm call per batch); missing files are fine."""

@@ -6,19 +6,16 @@ called by ``Store`` on local disk only; nothing else needs it.
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import functools
 import os
 import posixpath
 import stat
-import tempfile
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, BinaryIO
+from typing import Any
 
-from cachectl.core import temps
 from cachectl.core.errors import BadInput
 
 # A listed file: (name, size, mtime in POSIX seconds); size and mtime None where not stat'ed
@@ -81,24 +78,6 @@ def unlink_all(paths: list[str]) -> int:
         return sum(
             pool.map(_unlink_each, [paths[i : i + step] for i in range(0, len(paths), step)])
         )
-
-
-def atomic_write(full: str, mode: int, write: Callable[[BinaryIO], object]) -> None:
-    """Write a local file through a temporary sibling and a rename: readers never see half."""
-    directory = os.path.dirname(full)
-    os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=temps.prefix(temps.TEMP_PREFIX), dir=directory)
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            write(fh)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.chmod(tmp, mode)
-        os.replace(tmp, full)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
 
 
 def _target_size(follow: Callable[[], os.stat_result]) -> int:
