@@ -139,12 +139,18 @@ def _run_check(
 
 
 def _check_failure(report: CheckReport) -> OperationFailed:
-    """Exit 1: executables that raised or crashed (by name), or buckets a service would compile."""
+    """Exit 1: executables that raised, crashed or could not be called (by name), or buckets a
+    service would compile."""
     problems = []
     if report.unusable:
         problems.append(
             f"{len(report.unusable)} stored executable(s) raised or crashed when called: "
             + ", ".join(named(b) for b in report.unusable)
+        )
+    if report.not_called:
+        problems.append(
+            f"{len(report.not_called)} stored executable(s) loaded but not called: "
+            + ", ".join(f"{named(b)} ({b.aot})" for b in report.not_called)
         )
     if report.hits < len(report.buckets):
         problems.append(

@@ -136,6 +136,8 @@ def print_check(report: CheckReport) -> None:
     )
     s = report.summary
     failed = f"; {s.aot_failed} raised or crashed when called" if s.aot_failed else ""
+    if report.not_called:
+        failed += f"; {len(report.not_called)} loaded but not called"
     stdout.print(
         f"coverage: {report.hits}/{len(report.buckets)} buckets hit ({report.coverage:.1f}%); "
         f"stored executables: {s.aot_ran}/{len(report.buckets)} load and run "

@@ -5,12 +5,13 @@ shape (docs/jax-facts.md, fact 8), which is what serving from stored executables
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
+from cachectl.dispatch import padding
 from cachectl.manifest import ArgSpec, FunctionSpec, dtype_named
 from cachectl.manifest.schema import leaf_path
 
@@ -91,9 +92,13 @@ def arg_plans(spec: FunctionSpec) -> list[_ArgPlan]:
 MAX_LEAF_PLANS = 64
 
 
-# A flattened pytree argument: leaves, structure, shapes, (leaf index, declared dimensions).
+# A flattened pytree argument: leaves, structure, shapes, (leaf index, declared dimensions,
+# leaf path).
 DeclaredLeaves = tuple[
-    list[Any], Any, list[tuple[int, ...]], tuple[tuple[int, tuple[tuple[int, str], ...]], ...]
+    list[Any],
+    Any,
+    list[tuple[int, ...]],
+    tuple[tuple[int, tuple[tuple[int, str], ...], str], ...],
 ]
 
 
@@ -111,7 +116,7 @@ def _declared_leaves(plan: _ArgPlan, tree: Any) -> DeclaredLeaves:
     if declared is None:
         paths = [leaf_path(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
         declared = tuple(
-            (i, dims)
+            (i, dims, path)
             for i, (path, shape) in enumerate(zip(paths, shapes, strict=True))
             if (dims := plan.arg.leaf_dims(path, len(shape)))
         )
@@ -125,7 +130,7 @@ def pytree_sizes(plan: _ArgPlan, tree: Any, raw: dict[str, int]) -> DeclaredLeav
     the flattened tree for :func:`pad_pytree` (a Brax State flattens in Python: once a call)."""
     flat = _declared_leaves(plan, tree)
     _, _, shapes, declared = flat
-    for i, dims in declared:
+    for i, dims, _ in declared:
         shape = shapes[i]
         for d, axis in dims:
             if shape[d] > raw.get(axis, -1):
@@ -137,20 +142,27 @@ def pad_pytree(
     plan: _ArgPlan, tree: Any, values: dict[str, Any], flat: DeclaredLeaves | None = None
 ) -> tuple[Any, bool]:
     """The pytree with its declared leaf dimensions padded to the bucket's sizes, on the host
-    (the same tree when nothing needs padding); ``flat``: :func:`pytree_sizes`' for this tree."""
+    (the same tree when nothing needs padding); ``flat``: :func:`pytree_sizes`' for this tree.
+    Each leaf is padded with what padding.pad_value allows; raises Unpaddable (its path and
+    dtype) for a leaf nothing may pad, before anything is padded."""
+    assert plan.arg is not None
     leaves, treedef, shapes, declared = flat or _declared_leaves(plan, tree)
     leaves = list(leaves)
-    padded = False
-    for i, dims in declared:
+    todo = []
+    for i, dims, path in declared:
         target = list(shapes[i])
         for d, axis in dims:
             target[d] = values[axis]
         if tuple(target) == shapes[i]:
             continue
-        padded = True
-        dtype = np.asarray(leaves[i]).dtype
-        leaves[i] = pad_to(leaves[i], tuple(target), False if dtype == np.bool_ else 0, dtype)
-    return (treedef.unflatten(leaves) if padded else tree), padded
+        dtype = padding.leaf_dtype(leaves[i])
+        value = padding.pad_value(plan.arg, path, dtype)
+        if value is padding.REFUSED:
+            raise padding.Unpaddable(path, dtype)
+        todo.append((i, tuple(target), value))
+    for i, target, value in todo:
+        leaves[i] = padding.pad_leaf(leaves[i], target, value)
+    return (treedef.unflatten(leaves) if todo else tree), bool(todo)
 
 
 def pad_to(x: Any, target: tuple[int, ...], value: Any, dtype: Any) -> np.ndarray:
@@ -206,15 +218,21 @@ def smallest_first(
     )
 
 
-def covering(
+def coverings(
     slots: Sequence[SlotT], raw: Mapping[str, int], static: Mapping[str, Any]
-) -> SlotT | None:
-    """The first bucket (of :func:`smallest_first`'s order) at least as large as the call's
-    sizes on every axis and equal on its static values; None: no bucket covers the call."""
+) -> Iterator[SlotT]:
+    """The buckets (in :func:`smallest_first`'s order) at least as large as the call's sizes on
+    every axis and equal on its static values."""
     for slot in slots:
         values = slot.values
         if all(values[a] >= n for a, n in raw.items()) and all(
             values[a] == v for a, v in static.items()
         ):
-            return slot
-    return None
+            yield slot
+
+
+def covering(
+    slots: Sequence[SlotT], raw: Mapping[str, int], static: Mapping[str, Any]
+) -> SlotT | None:
+    """The first of :func:`coverings`; None: no bucket covers the call."""
+    return next(coverings(slots, raw, static), None)

@@ -15,12 +15,14 @@ from typing import Any
 import numpy as np
 
 from cachectl import telemetry as telemetry_mod
+from cachectl.dispatch import padding
 from cachectl.dispatch.calls import (
     DeclaredLeaves,
     OutOfBucket,
     StructureMismatch,
     arg_plans,
     covering,
+    coverings,
     first_difference,
     pad_pytree,
     pad_to,
@@ -59,13 +61,12 @@ class NoDummyInput(ValueError):
     """A stored executable whose arguments have no zero value to call it with (PRNG keys)."""
 
 
-def _zeros(info: Any) -> np.ndarray:
-    """A host array of zeros for one abstract argument (a ``jax.stages.ArgInfo``)."""
-    dtype = info.dtype
+def _zeros(info: Any) -> Any:
+    """Zeros for one abstract argument (a ``jax.stages.ArgInfo``), typed keys included."""
     try:
-        return np.zeros(info.shape, np.dtype(dtype))
+        return padding.zeros(info.shape, info.dtype)
     except TypeError:
-        raise NoDummyInput(f"no zero value for an argument of dtype {dtype}") from None
+        raise NoDummyInput(f"no zero value for an argument of dtype {info.dtype}") from None
 
 
 class ServedFunction:
@@ -105,9 +106,14 @@ class ServedFunction:
         if unrouted:
             rt._warn(
                 f"cachectl.serving: {self.name}: bucket axis {', '.join(unrouted)} shapes no array "
-                f"argument, and pytree argument {self._exact_pytrees[0]} declares no leaf_axes: "
-                "calls go to the smallest bucket and are refused unless their leaves match it; "
-                f"declare the pytree's bucket dimensions, e.g. leaf_axes: {{0: {unrouted[0]}}}"
+                "argument, and "
+                + " and ".join(f"pytree argument {i}" for i in self._exact_pytrees)
+                + " declare"
+                + ("s" if len(self._exact_pytrees) == 1 else "")
+                + " no leaf_axes: calls go to the smallest bucket and are refused unless their "
+                "leaves match it; declare which leaf dimensions each axis sizes, by leaf path "
+                f"(leaf_axes: {{LEAF.PATH: {{0: {unrouted[0]}}}}}), and a pad_fn or leaf_pad "
+                "for integer leaves (serving never zero-pads those: padding.py)"
             )
 
     # -- the call path ------------------------------------------------------
@@ -116,11 +122,13 @@ class ServedFunction:
         static = self._statics(args, kwargs)
         flat: dict[int, DeclaredLeaves] = {}
         raw = self._raw_sizes(args, flat)
-        slot = covering(self._slots, raw, static)
         self._count(raw)
+        try:
+            slot, call_args, padded = self._fit(args, raw, static, flat)
+        except padding.Unpaddable as exc:  # refused: never a padded answer that can be wrong
+            return self._via_jit(self._convert(args, None)[0], kwargs, str(exc))
         if slot is None:
             return self._overflow(args, kwargs, raw, static)
-        call_args, padded = self._convert(args, slot.values, flat)
         if padded:
             with self._lock:
                 self.padded += 1
@@ -140,6 +148,26 @@ class ServedFunction:
         if self._outputs and any(raw[a] != slot.values[a] for a in raw):
             return self._cut(out, raw)
         return out  # nothing to cut: the device arrays as computed, no host copy
+
+    def _fit(
+        self, args: tuple[Any, ...], raw: dict[str, int], static: dict[str, Any], flat: Any
+    ) -> tuple[Slot | None, list[Any], bool]:
+        """The smallest covering bucket and the call padded to it; a bucket that an argument's
+        pad_fn refuses (raises: too small for what it adds) passes to the next. Unpaddable:
+        a leaf nothing may pad (the message names it and says the fix)."""
+        refused: Exception | None = None
+        for slot in coverings(self._slots, raw, static):
+            try:
+                call_args, padded = self._convert(args, slot.values, flat)
+            except padding.Unpaddable as exc:
+                raise padding.Unpaddable.explained(exc, self.name, self._plans) from None
+            except padding.PadFnRefused as exc:
+                refused = exc
+                continue
+            return slot, call_args, padded
+        if refused is not None:
+            raise self._out(f"{self.name}: {refused}")
+        return None, list(args), False
 
     def _statics(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
         """The call's bucket-axis keywords, by axis; refuses a count of arguments, a keyword or
@@ -218,11 +246,13 @@ class ServedFunction:
             out = slot.compiled(*[call_args[i] for i in self._dynamic])
         except TypeError as exc:
             if "compiled with" in str(exc) and self._unrouted:
+                dynamic = tuple(call_args[i] for i in self._dynamic)
                 raise self._out(
-                    f"{self.name}: the call's pytree leaves are not bucket "
-                    f"{slot.values}'s, and pytree argument {self._exact_pytrees[0]} declares "
-                    "no leaf_axes to pad them by (e.g. leaf_axes: {0: AXIS}): "
-                    + "; ".join(str(exc).splitlines()[1:4])
+                    f"{self.name}: the call's pytree leaves are not bucket {slot.values}'s: "
+                    + padding.undeclared(slot, dynamic, self._dynamic, self._unrouted)
+                    + " ("
+                    + "; ".join(str(exc).splitlines()[1:3])
+                    + ")"
                 ) from None
             if "pytree" in str(exc):
                 raise StructureMismatch(
@@ -317,8 +347,14 @@ class ServedFunction:
         out = list(args)
         padded = False
         for i, p in enumerate(self._plans):
-            if p.has_leaf_axes and values is not None:
-                out[i], did = pad_pytree(p, args[i], values, (flat or {}).get(i))
+            if p.has_leaf_axes and values is not None and p.arg and p.arg.pad_fn:
+                out[i], did = padding.call_pad_fn(p.arg, args[i], values, self._rt._paths), True
+            elif p.has_leaf_axes and values is not None:
+                try:
+                    out[i], did = pad_pytree(p, args[i], values, (flat or {}).get(i))
+                except padding.Unpaddable as exc:
+                    exc.index = i
+                    raise
                 padded = padded or did
                 continue
             if p.kind != "array":
@@ -404,7 +440,7 @@ class ServedFunction:
                 slice(0, raw[d]) if isinstance(d, str) and d in raw else slice(None)
                 for d in spec.shape
             )
-            leaves[n] = np.asarray(leaves[n])[index]
+            leaves[n] = padding.host_slice(leaves[n], index)
         return jax.tree_util.tree_unflatten(tree, leaves)
 
     # -- reporting ------------------------------------------------------------

@@ -108,6 +108,7 @@ def _argument_problems(
                     shape_axes.add(axis)
     if "pad" in arg.given and (arg.kind != "array" or not _is_scalar(arg.pad)):
         yield aloc + ("pad",), "pad is a scalar, given only on an array argument (shape)"
+    yield from _pytree_pad_problems(arg, aloc)
     yield from _argument_sharding_problems(spec, arg, aloc)
 
 
@@ -274,6 +275,32 @@ def _leaf_axes_problems(
                 yield kloc, f"unknown axis {axis!r} (declared axes: {declared})", ""
             else:
                 yield (), "", axis
+
+
+def _pytree_pad_problems(arg: ArgSpec, aloc: Loc) -> Iterator[tuple[Loc, str]]:
+    """leaf_pad and pad_fn: only with a pytree's leaf_axes (they pad what those declare)."""
+    for key in ("leaf_pad", "pad_fn"):
+        if key in arg.given and (arg.kind != "pytree" or not arg.leaf_axes):
+            yield (
+                aloc + (key,),
+                f"only a pytree argument with leaf_axes takes {key} (it pads the dimensions "
+                "leaf_axes declares)",
+            )
+            return
+    pads = arg.leaf_pad
+    if pads is None:
+        return
+    entries = pads.items() if isinstance(pads, dict) else [(None, pads)]
+    for path, value in entries:
+        where = aloc + ("leaf_pad",) + (() if path is None else (path,))
+        if path is not None and not (isinstance(path, str) and path):
+            yield where, f"leaf_pad maps a leaf path to a number, got key {describe(path)}"
+        elif not isinstance(value, (int, float)):  # a bool too, for bool leaves
+            yield (
+                where,
+                "leaf_pad is a number for every leaf (leaf_pad: 0) or by leaf path "
+                f"({{senders: 7}}), got {describe(value)}",
+            )
 
 
 def _sharding_problems(arg: ArgSpec, aloc: Loc, mesh: MeshSpec) -> Iterator[tuple[Loc, str]]:

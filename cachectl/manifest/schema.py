@@ -222,6 +222,17 @@ class ArgSpec(_Schema):
     # are leaf_path's dotted form). cachectl.serving picks the bucket from these dimensions and
     # pads them; without them a pytree must match a bucket's leaves exactly.
     leaf_axes: dict[int | str, Any] | None = None
+    # What cachectl.serving pads a pytree's declared leaf dimensions with, beyond its rule
+    # (cachectl/dispatch/padding.py: zeros for float, complex, bool and key leaves, integer
+    # leaves never implicitly): one scalar for every leaf, or by leaf path ({senders: 7}).
+    # Serving only: not part of the program, so not of spec_digest.
+    leaf_pad: Any = dataclasses.field(default=None, metadata={"serving_only": True})
+    # A function ``module:fn`` that pads the whole argument, called as
+    # ``fn(tree, **{axis: bucket size})`` for the axes leaf_axes names (jraph:pad_with_graphs
+    # with axes n_node, n_edge, n_graph); one that raises means the bucket is too small.
+    pad_fn: Annotated[str | None, _After(_ref_or_none)] = dataclasses.field(
+        default=None, metadata={"serving_only": True}
+    )
 
     def leaf_dims(self, path: str, ndim: int) -> tuple[tuple[int, str], ...]:
         """(dimension, axis) of the leaf at ``path`` (a leaf with ``ndim`` dimensions) that
@@ -425,15 +436,21 @@ def _hints(cls: Any) -> dict[str, Any]:
     return typing.get_type_hints(cls, include_extras=True)
 
 
-def as_data(obj: Any) -> Any:
-    """A schema object as plain JSON data, every field in declared order (UNSET as null): what
-    the stored executables' ``spec_digest`` hashes, byte for byte pydantic's dump before."""
+def as_data(obj: Any, program: bool = False) -> Any:
+    """A schema object as plain JSON data, every field in declared order (UNSET as null).
+    ``program``: only what the compiled program depends on (fields marked ``serving_only``
+    left out), what the stored executables' ``spec_digest`` hashes, byte for byte pydantic's
+    dump before: declaring how serving pads does not make stored executables stale."""
     if isinstance(obj, _Schema):
-        return {f.name: as_data(getattr(obj, f.name)) for f in dataclasses.fields(obj)}  # type: ignore[arg-type]
+        return {
+            f.name: as_data(getattr(obj, f.name), program)
+            for f in dataclasses.fields(obj)  # type: ignore[arg-type]
+            if not (program and f.metadata.get("serving_only"))
+        }
     if isinstance(obj, (list, tuple)):
-        return [as_data(v) for v in obj]
+        return [as_data(v, program) for v in obj]
     if isinstance(obj, dict):
-        return {k: as_data(v) for k, v in obj.items()}
+        return {k: as_data(v, program) for k, v in obj.items()}
     return None if obj is UNSET else obj
 
 

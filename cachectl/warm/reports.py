@@ -187,6 +187,11 @@ class CheckReport:
         return [b for b in self.buckets if b.aot_call in CALL_FAILED]
 
     @property
+    def not_called(self) -> list[CheckBucket]:
+        """Buckets whose stored executable loaded but was not called: not proven to run."""
+        return [b for b in self.buckets if b.aot_call == CALL_SKIPPED]
+
+    @property
     def hits(self) -> int:
         return self.summary.hits
 
@@ -197,7 +202,7 @@ class CheckReport:
 
     @property
     def ok(self) -> bool:
-        return self.hits == len(self.buckets) and not self.unusable
+        return self.hits == len(self.buckets) and not self.unusable and not self.not_called
 
     @property
     def aot_loaded(self) -> int:

@@ -1,0 +1,183 @@
+"""What serving may pad a pytree's leaves with: the rule, in one place (README, "Padding").
+
+A bucket dimension that ``leaf_axes`` declares for a leaf is padded
+
+- with the value ``leaf_pad`` declares for that leaf (by its path or a subtree's, the longest
+  path first; a bare number for every leaf of the argument);
+- else with zeros when the leaf holds floating, complex or bool values, or typed PRNG keys
+  (key data of zeros): values that index nothing, padded rows a model masks or ignores, as it
+  does an array argument's;
+- never implicitly when the leaf holds integers: an integer leaf may index another padded
+  dimension (a graph's ``senders`` and ``receivers`` index its nodes), where 0 is a real
+  element and a zero-padded answer is silently wrong. :class:`Unpaddable` names it; serving
+  then runs that call through ``jax.jit`` at its own shapes and warns once.
+
+An argument with ``pad_fn`` is padded by that function instead, whole (``jraph.pad_with_graphs``
+adds a padding graph its nodes and edges belong to): the one way to pad what zeros cannot.
+
+Everything is on the host, without tracing: a key leaf is padded as its key data and wrapped
+again (``jax.random.wrap_key_data`` and ``key_data`` run no program).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from cachectl.manifest import ArgSpec
+
+# leaf_pad's answer where nothing may pad a leaf.
+REFUSED: Any = object()
+
+
+class Unpaddable(ValueError):
+    """A call whose padding could change its answer: an integer leaf with no declared pad."""
+
+    def __init__(self, path: str, dtype: Any, index: int = -1) -> None:
+        super().__init__(f"leaf {path} ({dtype}) has no safe pad value")
+        self.path, self.dtype, self.index = path, dtype, index
+
+    @classmethod
+    def explained(cls, exc: Unpaddable, fn: str, plans: Any) -> Unpaddable:
+        """The same refusal, its message the warning serving gives: where, why, the fix."""
+        arg = plans[exc.index].arg
+        out = cls(exc.path, exc.dtype, exc.index)
+        out.args = (refusal(fn, exc.index, exc.path, exc.dtype, sorted(arg.pytree_axes())),)
+        return out
+
+
+class PadFnRefused(ValueError):
+    """An argument's pad_fn raised for a bucket: that bucket is too small for what it adds."""
+
+
+def is_key(dtype: Any) -> bool:
+    """A typed PRNG key dtype (``jax.random.key``'s ``key<fry>``), which numpy cannot hold."""
+    if isinstance(dtype, np.dtype):
+        return False
+    import jax
+
+    return bool(jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key))
+
+
+def leaf_dtype(x: Any) -> Any:
+    dtype = getattr(x, "dtype", None)
+    return dtype if dtype is not None else np.asarray(x).dtype
+
+
+def pad_value(arg: ArgSpec, path: str, dtype: Any) -> Any:
+    """What the leaf at ``path`` is padded with, or :data:`REFUSED` (the rule above)."""
+    pads = arg.leaf_pad
+    if isinstance(pads, dict):
+        best = max(
+            (k for k in pads if path == k or path.startswith(k + ".")), key=len, default=None
+        )
+        if best is not None:
+            return pads[best]
+    elif pads is not None:
+        return pads
+    if is_key(dtype):
+        return 0
+    dtype = np.dtype(dtype)
+    if dtype.kind == "b":
+        return False
+    if dtype.kind in "fc" or (dtype.kind == "V" and "float" in dtype.name):  # bfloat16, float8_*
+        return 0
+    return REFUSED
+
+
+def refusal(fn: str, index: int, path: str, dtype: Any, axes: list[str]) -> str:
+    """Why a call is not padded, and the fix: the warning serving gives once."""
+    where = f"argument {index}'s leaf {path or '(the argument itself)'}"
+    return (
+        f"{fn}: {where} holds {np.dtype(dtype).name} values, which are not zero-padded (0 may be "
+        f"a real index: a padded answer could be wrong): this call is served through jax.jit at "
+        f"its own shapes, which compiles per shape. Declare how to pad it: a pad function for "
+        f"argument {index} (pad_fn: module:fn, called as fn(tree, {', '.join(f'{a}=...' for a in axes)}),"
+        f" e.g. jraph:pad_with_graphs for a GraphsTuple), or a safe value for the leaf "
+        f"(leaf_pad: {{{path or 0}: VALUE}})"
+    )
+
+
+def pad_leaf(x: Any, target: tuple[int, ...], value: Any) -> Any:
+    """``x`` padded to ``target`` with ``value`` on the host; a typed key array by its key data."""
+    from cachectl.dispatch.calls import pad_to
+
+    dtype = leaf_dtype(x)
+    if not is_key(dtype):
+        return pad_to(x, target, value, dtype)
+    import jax
+
+    data = np.asarray(jax.random.key_data(x))
+    trailing = data.shape[len(np.shape(x)) :]
+    padded = pad_to(data, tuple(target) + trailing, 0, data.dtype)
+    return jax.random.wrap_key_data(padded, impl=jax.random.key_impl(x))
+
+
+def zeros(shape: tuple[int, ...], dtype: Any) -> Any:
+    """Zeros of an abstract argument, typed keys (key data of zeros) and zero sizes included."""
+    if is_key(dtype):
+        import jax
+
+        impl = dtype._impl  # the key's PRNGImpl: its key shape and name
+        data = np.zeros(tuple(shape) + tuple(impl.key_shape), np.uint32)
+        return jax.random.wrap_key_data(data, impl=impl.name)
+    return np.zeros(shape, np.dtype(dtype))
+
+
+def host_slice(x: Any, index: tuple[slice, ...]) -> Any:
+    """``x[index]`` on the host (slicing on a device compiles); a typed key array by its data."""
+    if is_key(leaf_dtype(x)):
+        import jax
+
+        data = np.asarray(jax.random.key_data(x))[index]
+        return jax.random.wrap_key_data(data, impl=jax.random.key_impl(x))
+    return np.asarray(x)[index]
+
+
+def call_pad_fn(arg: ArgSpec, tree: Any, values: dict[str, Any], paths: Any) -> Any:
+    """The argument padded by its ``pad_fn`` to a bucket: ``fn(tree, **{axis: size})``, the
+    axes its leaf_axes names; PadFnRefused when the function raises (that bucket is too small)."""
+    from cachectl.manifest import resolve_callable
+
+    assert arg.pad_fn is not None
+    fn = resolve_callable(arg.pad_fn, paths)  # imported once: later, a sys.modules lookup
+    sizes = {axis: values[axis] for axis in sorted(arg.pytree_axes())}
+    try:
+        return fn(tree, **sizes)
+    except Exception as exc:  # noqa: BLE001 - the user's function says the bucket does not fit
+        raise PadFnRefused(
+            f"pad_fn {arg.pad_fn} refused every bucket that covers the call, the last "
+            f"{sizes}: {type(exc).__name__}: {exc}"
+        ) from None
+
+
+def undeclared(slot: Any, dynamic: tuple[Any, ...], positions: list[int], axes: list[str]) -> str:
+    """Which leaf of which argument differs from what ``slot``'s executable was compiled for
+    (an undeclared pytree argument), and the leaf_axes that would declare it."""
+    import jax
+
+    want = jax.tree_util.tree_flatten_with_path(slot.compiled.args_info[0])[0]
+    have = jax.tree_util.tree_flatten_with_path(dynamic)[0]
+    from cachectl.manifest.schema import leaf_path
+
+    for (path, info), (_, leaf) in zip(want, have, strict=False):
+        shape, dtype = tuple(np.shape(leaf)), leaf_dtype(leaf)
+        if shape == tuple(info.shape) and str(dtype) == str(info.dtype):
+            continue
+        index, rest = positions[path[0].idx], leaf_path(path[1:])
+        dims = {
+            d: a
+            for d, (n, m) in enumerate(zip(shape, info.shape, strict=False))
+            if n != m
+            for a in axes
+            if slot.values.get(a) == m
+        }
+        fix = ", ".join(f"{d}: {a}" for d, a in dims.items()) or f"0: {axes[0]}"
+        declare = f"{{{rest}: {{{fix}}}}}" if rest else f"{{{fix}}}"
+        return (
+            f"argument {index}'s leaf {rest or '(the argument itself)'} is {dtype}{list(shape)}, "
+            f"compiled as {info.dtype}{list(info.shape)}; declare its bucket dimensions "
+            f"(leaf_axes: {declare}) and, for integer leaves, how to pad them (pad_fn or leaf_pad)"
+        )
+    return "declare the argument's bucket dimensions in leaf_axes"
