@@ -15,12 +15,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 from click.testing import CliRunner
 from support.infra import run_py  # noqa: E402
 from support.serving import COUNT_EVENTS, last_json  # noqa: E402
 
 from cachectl.cli import cli
+from cachectl.core.errors import BadInput
 
 ENVS = """
 import jax, jax.numpy as jnp
@@ -241,3 +243,193 @@ def test_a_pytree_s_leaf_plans_are_kept_per_structure_and_bounded() -> None:
         calls.pytree_sizes(plan, other, raw)
         assert raw == {"n": i + 1}
     assert len(plan.leaf_plans) == calls.MAX_LEAF_PLANS
+
+
+# ------------------------------------------------------------------ what serving may pad with
+
+# A graph network on a dict "graph" (jraph's GraphsTuple, without jraph): senders and receivers
+# index the nodes, n_node says which nodes are whose. Zeros in the padded edges attach them to
+# node 0 of graph 0, and padded nodes join the last graph: a zero-padded answer is wrong.
+GRAPHS = """
+import numpy as np
+import jax, jax.numpy as jnp
+
+F32, I32 = jnp.float32, jnp.int32
+
+def graph_specs(n_node, n_edge, n_graph):
+    S = jax.ShapeDtypeStruct
+    return {"nodes": S((n_node, 4), F32), "senders": S((n_edge,), I32),
+            "receivers": S((n_edge,), I32), "n_node": S((n_graph,), I32)}
+
+def param_specs():
+    return {"w": jax.ShapeDtypeStruct((4, 4), F32), "b": jax.ShapeDtypeStruct((4,), F32)}
+
+def params():
+    return {"w": np.eye(4, dtype=np.float32) * 0.5, "b": np.full(4, 0.3, np.float32)}
+
+def predict(params, g):
+    h = jnp.tanh(g["nodes"] @ params["w"] + params["b"])
+    n, n_graph = g["nodes"].shape[0], g["n_node"].shape[0]
+    h = h + jax.ops.segment_sum(h[g["senders"]], g["receivers"], num_segments=n)
+    owner = jnp.repeat(jnp.arange(n_graph), g["n_node"], total_repeat_length=n)
+    return jax.ops.segment_sum(h, owner, num_segments=n_graph).sum(-1)
+
+def pad(g, n_node, n_edge, n_graph):
+    # As jraph.pad_with_graphs: one more graph holds the padded nodes, padded edges join them.
+    nodes, senders = np.asarray(g["nodes"]), np.asarray(g["senders"])
+    real = int(np.sum(g["n_node"]))
+    if n_node <= real or n_graph <= len(g["n_node"]) or n_edge < len(senders):
+        raise ValueError("the graph does not fit with a padding graph")
+    edges = np.full(n_edge - len(senders), real, np.int32)
+    return {
+        "nodes": np.concatenate([nodes, np.zeros((n_node - real, 4), np.float32)]),
+        "senders": np.concatenate([senders, edges]).astype(np.int32),
+        "receivers": np.concatenate([np.asarray(g["receivers"]), edges]).astype(np.int32),
+        "n_node": np.concatenate([np.asarray(g["n_node"]),
+                                  [n_node - real], np.zeros(n_graph - len(g["n_node"]) - 1)]
+                                 ).astype(np.int32),
+    }
+
+def graph():  # 2 graphs: 3 + 2 nodes, 4 edges
+    rng = np.random.default_rng(0)
+    return {"nodes": rng.standard_normal((5, 4)).astype(np.float32),
+            "senders": np.array([0, 1, 3, 4], np.int32), "receivers": np.array([1, 2, 4, 3], np.int32),
+            "n_node": np.array([3, 2], np.int32)}
+
+def state_specs(n):
+    # n chains: a typed PRNG key each, a float state, an empty history, an int step count.
+    keys = jax.eval_shape(lambda: jax.random.split(jax.random.key(0), n))
+    S = jax.ShapeDtypeStruct
+    return {"key": keys, "x": S((n, 3), F32), "history": S((n, 0), F32), "count": S((n,), I32)}
+
+def sample(state):
+    step = jax.vmap(lambda k, x: x + jax.random.normal(k, x.shape))(state["key"], state["x"])
+    return step, state["count"] + 1, state["history"].sum(-1)
+
+def state(n):
+    return {"key": jax.random.split(jax.random.key(7), n),
+            "x": np.arange(n * 3, dtype=np.float32).reshape(n, 3),
+            "history": np.zeros((n, 0), np.float32), "count": np.arange(n, dtype=np.int32)}
+"""
+
+GRAPH_AXES = "{nodes: {0: n_node}, senders: {0: n_edge}, receivers: {0: n_edge}, n_node: {0: n_graph}}"
+PADDING_MANIFEST = f"""
+version: 1
+target: {{backend: cpu}}
+functions:
+  - name: refused
+    fn: graphs:predict
+    args:
+      - {{pytree: graphs:param_specs}}
+      - {{pytree: graphs:graph_specs, leaf_axes: {GRAPH_AXES}}}
+    buckets: {{n_node: [8, 16], n_edge: [8], n_graph: [4]}}
+    outputs: [{{shape: [n_graph]}}]
+  - name: padded
+    fn: graphs:predict
+    args:
+      - {{pytree: graphs:param_specs}}
+      - {{pytree: graphs:graph_specs, leaf_axes: {GRAPH_AXES}, pad_fn: "graphs:pad"}}
+    buckets: {{n_node: [5, 6], n_edge: [6], n_graph: [3]}}
+    outputs: [{{shape: [n_graph]}}]
+  - fn: graphs:sample
+    args:
+      - {{pytree: graphs:state_specs, leaf_axes: {{0: n}}, leaf_pad: {{count: 0}}}}
+    buckets: {{n: [4, 8]}}
+    outputs: [{{shape: [n, 3]}}, {{shape: [n]}}, {{shape: [n]}}]
+"""
+
+PADDING_SERVICE = (
+    COUNT_EVENTS
+    + """
+import numpy as np
+sys.path.insert(0, {dir!r})
+import cachectl, graphs
+flat = lambda tree: [np.asarray(x).tolist() for x in jax.tree_util.tree_leaves(tree)]
+rt = cachectl.serving({manifest!r})
+state = graphs.state(3)  # jax.random.split compiles: before the count
+before = compiles()
+out = dict(padded=flat(rt["padded"](graphs.params(), graphs.graph())),
+           sample=flat(rt["sample"](state)))
+during = compiles()
+out["refused"] = [flat(rt["refused"](graphs.params(), graphs.graph())) for _ in range(2)]
+# plain jax.jit at the call's own shapes: the right answers
+expected = dict(graph=flat(jax.jit(graphs.predict)(graphs.params(), graphs.graph())),
+                sample=flat(jax.jit(graphs.sample)(state)))
+report = rt.report().to_json()
+print(json.dumps(dict(out=out, expected=expected, report=report, compiles=[before, during])))
+"""
+)
+
+
+def test_serving_pads_only_what_is_safe_and_refuses_the_rest_with_one_warning(
+    tmp_path: Path,
+) -> None:
+    """Integer index leaves are never zero-padded: a call that would need it goes through
+    jax.jit at its own shapes (the right answer) with one warning naming the leaf and the fix;
+    a pad_fn pads the graph right, from the stored executables; typed keys, an empty leaf and
+    an integer leaf with a declared leaf_pad are padded from the stored executables too."""
+    (tmp_path / "graphs.py").write_text(GRAPHS)
+    manifest = tmp_path / "padding.yaml"
+    manifest.write_text(PADDING_MANIFEST)
+    result = _warm(manifest)
+    assert result.exit_code == 0, result.output
+    warmed = json.loads(result.stdout)
+    assert len(warmed["buckets"]) == 6 and warmed["summary"]["failed"] == 0, warmed["summary"]
+
+    proc = run_py(PADDING_SERVICE.format(dir=str(tmp_path), manifest=str(manifest)), check=True)
+    got, stderr = last_json(proc), proc.stderr
+    before, during = got["compiles"]
+    assert during == before, (got["report"], stderr[-3000:])
+    functions = got["report"]["functions"]
+
+    padded = functions["padded"]  # 5 nodes: bucket 5 is refused by pad (no room), 6 is used
+    assert (padded["aot"], padded["fallback"], padded["padded"]) == (1, 0, 1), padded
+    assert np.allclose(got["out"]["padded"], got["expected"]["graph"], atol=1e-5), got
+
+    refused = functions["refused"]
+    assert (refused["aot"], refused["fallback"], refused["padded"]) == (0, 2, 0), refused
+    for answer in got["out"]["refused"]:
+        assert np.allclose(answer, got["expected"]["graph"], atol=1e-5), got
+    said = [line for line in stderr.splitlines() if "not zero-padded" in line]
+    assert len(said) == 1, stderr  # one warning, not one per call
+    assert (
+        "refused: argument 1's integer leaves n_node (int32), receivers (int32), senders (int32) "
+        "are not zero-padded" in said[0]
+    ), said
+    assert "pad_fn: module:fn" in said[0] and "n_edge=..., n_graph=..., n_node=..." in said[0]
+    assert "leaf_pad: {n_node: VALUE, receivers: VALUE, senders: VALUE}" in said[0], said
+
+    sample = functions["sample"]
+    assert (sample["aot"], sample["fallback"], sample["padded"]) == (1, 0, 1), sample
+    assert np.allclose(got["out"]["sample"][0], got["expected"]["sample"][0], atol=1e-5)
+    assert got["out"]["sample"][1:] == got["expected"]["sample"][1:]
+
+
+def test_leaf_pad_and_pad_fn_are_checked_and_leave_the_program_digest_alone() -> None:
+    """leaf_pad / pad_fn only on a pytree with leaf_axes, leaf_pad a number (by path or for
+    every leaf); neither changes spec_digest (they are serving's, not the program's)."""
+    from cachectl.manifest import parse_manifest
+    from cachectl.storage.executables import spec_digest
+
+    def entry(arg: str) -> str:
+        return (
+            "version: 1\nfunctions:\n  - fn: m:f\n    args:\n      - " + arg + "\n"
+            "    buckets: {n: [1, 2]}\n"
+        )
+
+    plain = parse_manifest(entry("{pytree: m:t, leaf_axes: {0: n}}"), name="a.yaml")
+    declared = parse_manifest(
+        entry("{pytree: m:t, leaf_axes: {0: n}, leaf_pad: {a.b: 3}, pad_fn: 'm:pad'}"),
+        name="b.yaml",
+    )
+    assert declared.functions[0].args[0].leaf_pad == {"a.b": 3}
+    assert spec_digest(plain.functions[0]) == spec_digest(declared.functions[0])
+    for arg, problem in (
+        ("{pytree: m:t, leaf_pad: 0}", "only a pytree argument with leaf_axes takes leaf_pad"),
+        ("{shape: [n], dtype: int32, pad_fn: 'm:p'}", "only a pytree argument with leaf_axes"),
+        ("{pytree: m:t, leaf_axes: {0: n}, leaf_pad: {a: x}}", "leaf_pad is a number"),
+        ("{pytree: m:t, leaf_axes: {0: n}, pad_fn: nope}", "not of the form module:attribute"),
+    ):
+        with pytest.raises(BadInput) as info:
+            parse_manifest(entry(arg), name="bad.yaml")
+        assert problem in str(info.value), (arg, str(info.value))

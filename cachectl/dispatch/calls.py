@@ -143,12 +143,12 @@ def pad_pytree(
 ) -> tuple[Any, bool]:
     """The pytree with its declared leaf dimensions padded to the bucket's sizes, on the host
     (the same tree when nothing needs padding); ``flat``: :func:`pytree_sizes`' for this tree.
-    Each leaf is padded with what padding.pad_value allows; raises Unpaddable (its path and
+    Each leaf is padded with what padding.pad_value allows; raises Unpaddable (the paths and
     dtype) for a leaf nothing may pad, before anything is padded."""
     assert plan.arg is not None
     leaves, treedef, shapes, declared = flat or _declared_leaves(plan, tree)
     leaves = list(leaves)
-    todo = []
+    todo, refused = [], []
     for i, dims, path in declared:
         target = list(shapes[i])
         for d, axis in dims:
@@ -158,11 +158,33 @@ def pad_pytree(
         dtype = padding.leaf_dtype(leaves[i])
         value = padding.pad_value(plan.arg, path, dtype)
         if value is padding.REFUSED:
-            raise padding.Unpaddable(path, dtype)
+            refused.append((path, dtype))
         todo.append((i, tuple(target), value))
+    if refused:
+        raise padding.Unpaddable(refused)
     for i, target, value in todo:
         leaves[i] = padding.pad_leaf(leaves[i], target, value)
     return (treedef.unflatten(leaves) if todo else tree), bool(todo)
+
+
+def fit_pytree(
+    plan: _ArgPlan,
+    index: int,
+    tree: Any,
+    values: dict[str, Any],
+    flat: DeclaredLeaves | None,
+    paths: Sequence[str],
+) -> tuple[Any, bool]:
+    """Pytree argument ``index`` fitted to a bucket: by its pad_fn (which pads it whole) when
+    the manifest names one, else by :func:`pad_pytree`; an Unpaddable names the argument."""
+    assert plan.arg is not None
+    if plan.arg.pad_fn:
+        return padding.call_pad_fn(plan.arg, tree, values, paths), True
+    try:
+        return pad_pytree(plan, tree, values, flat)
+    except padding.Unpaddable as exc:
+        exc.index = index
+        raise
 
 
 def pad_to(x: Any, target: tuple[int, ...], value: Any, dtype: Any) -> np.ndarray:

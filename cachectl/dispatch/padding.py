@@ -34,16 +34,16 @@ REFUSED: Any = object()
 class Unpaddable(ValueError):
     """A call whose padding could change its answer: an integer leaf with no declared pad."""
 
-    def __init__(self, path: str, dtype: Any, index: int = -1) -> None:
-        super().__init__(f"leaf {path} ({dtype}) has no safe pad value")
-        self.path, self.dtype, self.index = path, dtype, index
+    def __init__(self, leaves: list[tuple[str, Any]], index: int = -1) -> None:
+        super().__init__(f"no safe pad value for leaves {leaves}")
+        self.leaves, self.index = leaves, index
 
     @classmethod
     def explained(cls, exc: Unpaddable, fn: str, plans: Any) -> Unpaddable:
         """The same refusal, its message the warning serving gives: where, why, the fix."""
         arg = plans[exc.index].arg
-        out = cls(exc.path, exc.dtype, exc.index)
-        out.args = (refusal(fn, exc.index, exc.path, exc.dtype, sorted(arg.pytree_axes())),)
+        out = cls(exc.leaves, exc.index)
+        out.args = (refusal(fn, exc.index, exc.leaves, sorted(arg.pytree_axes())),)
         return out
 
 
@@ -86,16 +86,17 @@ def pad_value(arg: ArgSpec, path: str, dtype: Any) -> Any:
     return REFUSED
 
 
-def refusal(fn: str, index: int, path: str, dtype: Any, axes: list[str]) -> str:
+def refusal(fn: str, index: int, leaves: list[tuple[str, Any]], axes: list[str]) -> str:
     """Why a call is not padded, and the fix: the warning serving gives once."""
-    where = f"argument {index}'s leaf {path or '(the argument itself)'}"
+    named = ", ".join(f"{path or '(the argument itself)'} ({dtype})" for path, dtype in leaves)
+    sizes = ", ".join(f"{a}=..." for a in axes)
+    values = ", ".join(f"{path}: VALUE" for path, _ in leaves if path) or "VALUE"
     return (
-        f"{fn}: {where} holds {np.dtype(dtype).name} values, which are not zero-padded (0 may be "
-        f"a real index: a padded answer could be wrong): this call is served through jax.jit at "
-        f"its own shapes, which compiles per shape. Declare how to pad it: a pad function for "
-        f"argument {index} (pad_fn: module:fn, called as fn(tree, {', '.join(f'{a}=...' for a in axes)}),"
-        f" e.g. jraph:pad_with_graphs for a GraphsTuple), or a safe value for the leaf "
-        f"(leaf_pad: {{{path or 0}: VALUE}})"
+        f"{fn}: argument {index}'s integer leaves {named} are not zero-padded (0 may be a real "
+        "index: a padded answer could be wrong): this call is served through jax.jit at its own "
+        "shapes, which compiles per shape. Declare how to pad them: a pad function for argument "
+        f"{index} (pad_fn: module:fn, called as fn(tree, {sizes}), e.g. jraph:pad_with_graphs for "
+        f"a GraphsTuple), or values that are safe (leaf_pad: {{{values}}})"
     )
 
 

@@ -24,7 +24,7 @@ from cachectl.dispatch.calls import (
     covering,
     coverings,
     first_difference,
-    pad_pytree,
+    fit_pytree,
     pad_to,
     pytree_sizes,
     smallest_first,
@@ -347,14 +347,8 @@ class ServedFunction:
         out = list(args)
         padded = False
         for i, p in enumerate(self._plans):
-            if p.has_leaf_axes and values is not None and p.arg and p.arg.pad_fn:
-                out[i], did = padding.call_pad_fn(p.arg, args[i], values, self._rt._paths), True
-            elif p.has_leaf_axes and values is not None:
-                try:
-                    out[i], did = pad_pytree(p, args[i], values, (flat or {}).get(i))
-                except padding.Unpaddable as exc:
-                    exc.index = i
-                    raise
+            if p.has_leaf_axes and values is not None:
+                out[i], did = fit_pytree(p, i, args[i], values, (flat or {}).get(i), self._rt._paths)
                 padded = padded or did
                 continue
             if p.kind != "array":
