@@ -191,3 +191,62 @@ def test_warm_check_calls_each_executable_and_marks_the_ones_that_raise_or_crash
         assert out["outs"][name] == [[2.0] * 8] * 2
     assert functions["fine"]["aot"] == 1 and functions["fine"]["fallback"] == 0, functions
     assert out["requests"]["n"] == out["requests"]["hits"] == 2, out["requests"]
+
+
+KEYS_MODULE = """
+import jax, jax.numpy as jnp
+
+def key_specs(n):
+    return jax.eval_shape(lambda: jax.random.split(jax.random.key(0), n))
+
+def draw(keys, x):
+    return jax.vmap(lambda k, v: v + jax.random.normal(k, v.shape))(keys, x)
+"""
+
+KEYS_MANIFEST = """
+version: 1
+target: {backend: cpu}
+functions:
+  - fn: wc_keys:draw
+    args:
+      - {pytree: wc_keys:key_specs, leaf_axes: {0: n}}
+      - {shape: [n, 3], dtype: float32}
+    buckets: {n: [2, 4]}
+"""
+
+
+def test_warm_check_calls_executables_that_take_typed_prng_keys(tmp_path: Path) -> None:
+    """jax.random.key(...) keys have no numpy zeros: warm-check calls them on keys made of key
+    data zeros, as it calls every stored executable, and says 100% only when all ran."""
+    (tmp_path / "wc_keys.py").write_text(KEYS_MODULE)
+    manifest = tmp_path / "keys.yaml"
+    manifest.write_text(KEYS_MANIFEST)
+    warmed = _invoke("warm", str(manifest), "--json")
+    assert warmed.exit_code == 0, warmed.output
+    result = _invoke("warm-check", str(manifest), "--json")
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert [(b["aot"], b["aot_call"]) for b in data["buckets"]] == [("loaded", "ok")] * 2, data
+    assert data["summary"]["aot_ran"] == 2 and data["summary"]["aot_coverage"] == 100.0
+
+
+def test_an_executable_warm_check_could_not_call_fails_the_check_by_name() -> None:
+    """Loaded but not called (no value to call it with, or the calling process failed) is not
+    proven to run: exit 1, the bucket named, never 100%."""
+    from cachectl.cli.warm_cmds import _check_failure
+    from cachectl.warm.reports import CALL_OK, CALL_SKIPPED, CheckBucket, CheckReport
+
+    why = "loaded; not called: no zero value for an argument of dtype float0"
+    report = CheckReport(
+        {},
+        "ns",
+        "default",
+        [
+            CheckBucket("f", {"n": 2}, "hit", aot="loaded", aot_call=CALL_OK),
+            CheckBucket("f", {"n": 4}, "hit", aot=why, aot_call=CALL_SKIPPED),
+        ],
+    )
+    assert not report.ok and report.summary.aot_coverage == 50.0
+    failure = _check_failure(report)
+    assert failure.exit_code == 1
+    assert f"1 stored executable(s) loaded but not called: f[n=4] ({why})" in failure.message
