@@ -297,10 +297,10 @@ def graph():  # 2 graphs: 3 + 2 nodes, 4 edges
             "n_node": np.array([3, 2], np.int32)}
 
 def state_specs(n):
-    # n chains: a typed PRNG key each, a float state, an empty history, an int step count.
+    # n chains: a typed PRNG key each, a float state, an empty int history, an int step count.
     keys = jax.eval_shape(lambda: jax.random.split(jax.random.key(0), n))
     S = jax.ShapeDtypeStruct
-    return {"key": keys, "x": S((n, 3), F32), "history": S((n, 0), F32), "count": S((n,), I32)}
+    return {"key": keys, "x": S((n, 3), F32), "history": S((n, 0), I32), "count": S((n,), I32)}
 
 def sample(state):
     step = jax.vmap(lambda k, x: x + jax.random.normal(k, x.shape))(state["key"], state["x"])
@@ -309,7 +309,7 @@ def sample(state):
 def state(n):
     return {"key": jax.random.split(jax.random.key(7), n),
             "x": np.arange(n * 3, dtype=np.float32).reshape(n, 3),
-            "history": np.zeros((n, 0), np.float32), "count": np.arange(n, dtype=np.int32)}
+            "history": np.zeros((n, 0), np.int32), "count": np.arange(n, dtype=np.int32)}
 """
 
 GRAPH_AXES = "{nodes: {0: n_node}, senders: {0: n_edge}, receivers: {0: n_edge}, n_node: {0: n_graph}}"

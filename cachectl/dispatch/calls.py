@@ -156,7 +156,8 @@ def pad_pytree(
         if tuple(target) == shapes[i]:
             continue
         dtype = padding.leaf_dtype(leaves[i])
-        value = padding.pad_value(plan.arg, path, dtype)
+        # an empty leaf (a Brax State's contacts: [n, 0]) stays empty: no value is written
+        value = 0 if 0 in target else padding.pad_value(plan.arg, path, dtype)
         if value is padding.REFUSED:
             refused.append((path, dtype))
         todo.append((i, tuple(target), value))

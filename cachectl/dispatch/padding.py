@@ -12,6 +12,9 @@ A bucket dimension that ``leaf_axes`` declares for a leaf is padded
   element and a zero-padded answer is silently wrong. :class:`Unpaddable` names it; serving
   then runs that call through ``jax.jit`` at its own shapes and warns once.
 
+A leaf that stays empty when padded (``[n, 0]``: no contacts yet) is padded whatever its
+dtype: no value is written.
+
 An argument with ``pad_fn`` is padded by that function instead, whole (``jraph.pad_with_graphs``
 adds a padding graph its nodes and edges belong to): the one way to pad what zeros cannot.
 

@@ -293,14 +293,143 @@ functions:
     buckets: {n: [1, 4]}
   - fn: case:step
     args:
-      - {pytree: case:state_specs, leaf_axes: {0: n}}
+      # n independent envs: zero is a safe pad for every leaf, integers (the solver's
+      # iteration counts) included; serving pads integer leaves only where told so.
+      - {pytree: case:state_specs, leaf_axes: {0: n}, leaf_pad: 0}
       - {shape: [n, 1], dtype: float32}
     buckets: {n: [1, 4]}
 """,
 )
 
+BLACKJAX = Case(
+    module="""
+import numpy as np
+import jax, jax.numpy as jnp
+import blackjax
+
+def logdensity(x):
+    return -0.5 * jnp.sum((x - 1.0) ** 2)
+
+ALG = blackjax.mala(logdensity, 0.1)
+
+def key_specs(n):  # typed keys (jax.random.key), one per chain
+    return jax.eval_shape(lambda: jax.random.split(jax.random.key(0), n))
+
+def state_specs(n):
+    return jax.eval_shape(jax.vmap(ALG.init), jax.ShapeDtypeStruct((n, 2), jnp.float32))
+
+def step(keys, state):  # one MALA step of n chains
+    return jax.vmap(ALG.step)(keys, state)
+
+def _pad(tree, n):
+    def pad(x):
+        if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):  # serving pads keys as key data of 0
+            data = np.asarray(jax.random.key_data(x))
+            data = np.concatenate([data, np.zeros((n - len(data),) + data.shape[1:], data.dtype)])
+            return jax.random.wrap_key_data(data, impl=jax.random.key_impl(x))
+        x = np.asarray(x)
+        return np.concatenate([x, np.zeros((n - len(x),) + x.shape[1:], x.dtype)])
+    return jax.tree_util.tree_map(pad, tree)
+
+def calls():
+    keys = jax.random.split(jax.random.key(1), 3)  # 3 chains in the bucket of 4
+    positions = np.linspace(-1, 1, 6, dtype=np.float32).reshape(3, 2)
+    state = jax.tree_util.tree_map(np.asarray, jax.jit(jax.vmap(ALG.init))(positions))
+    return [("step", (keys, state), (_pad(keys, 4), _pad(state, 4)))]
+
+def run():
+    return [jax.jit(globals()[name])(*padded) for name, _, padded in calls()]
+""",
+    manifest="""
+version: 1
+target: {backend: cpu}
+functions:
+  - fn: case:step
+    args:
+      - {pytree: case:key_specs, leaf_axes: {0: n}}
+      - {pytree: case:state_specs, leaf_axes: {0: n}}
+    buckets: {n: [1, 4]}
+""",
+    warmup=STARTUP,
+)
+
+# A graph network on jraph's GraphsTuple, batches of 2 and 4 graphs. senders and receivers
+# index the nodes: serving pads the batch with jraph's own pad_with_graphs (a padding graph
+# that the padded nodes and edges belong to), named in the manifest; zeros would attach the
+# padded edges to node 0 (tests/field/test_field_services.py: refused, then).
+JRAPH = Case(
+    module="""
+import numpy as np
+import jax, jax.numpy as jnp
+import jraph
+
+def graph_specs(n_node, n_edge, n_graph):
+    S = jax.ShapeDtypeStruct
+    return jraph.GraphsTuple(
+        nodes=S((n_node, 4), jnp.float32), edges=S((n_edge, 1), jnp.float32),
+        senders=S((n_edge,), jnp.int32), receivers=S((n_edge,), jnp.int32),
+        globals=S((n_graph, 1), jnp.float32),
+        n_node=S((n_graph,), jnp.int32), n_edge=S((n_graph,), jnp.int32))
+
+def param_specs():
+    return {"w": jax.ShapeDtypeStruct((4, 4), jnp.float32)}
+
+PARAMS = {"w": (np.arange(16, dtype=np.float32).reshape(4, 4) - 8) / 8}
+
+def predict(params, graph):
+    conv = jraph.GraphConvolution(lambda h: jnp.tanh(h @ params["w"] + 0.3))
+    h = conv(graph).nodes
+    n_graph = graph.n_node.shape[0]
+    owner = jnp.repeat(jnp.arange(n_graph), graph.n_node, total_repeat_length=h.shape[0])
+    return jraph.segment_sum(h, owner, n_graph).sum(-1)
+
+def batch(sizes, seed):
+    rng = np.random.default_rng(seed)
+    graphs = []
+    for n in sizes:
+        senders = rng.integers(0, n, 2 * n).astype(np.int32)
+        graphs.append(jraph.GraphsTuple(
+            nodes=rng.standard_normal((n, 4)).astype(np.float32),
+            edges=np.ones((2 * n, 1), np.float32), senders=senders,
+            receivers=np.roll(senders, 1), globals=np.zeros((1, 1), np.float32),
+            n_node=np.array([n], np.int32), n_edge=np.array([2 * n], np.int32)))
+    return jraph.batch_np(graphs)
+
+PAD = {4: (16, 32, 3), 8: (32, 64, 5)}  # the bucket each batch goes to
+
+def calls():
+    out = []
+    for sizes, seed in (((3, 4), 0), ((2, 5, 3, 6), 1)):  # 2 graphs, then 4
+        g = batch(sizes, seed)
+        padded = jraph.pad_with_graphs(g, *PAD[4 if len(sizes) == 2 else 8])
+        out.append(("predict", (PARAMS, g), (PARAMS, padded)))
+    return out
+
+def run():
+    return [jax.jit(globals()[name])(*padded) for name, _, padded in calls()]
+""",
+    manifest="""
+version: 1
+target: {backend: cpu}
+functions:
+  - fn: case:predict
+    args:
+      - {pytree: case:param_specs}
+      - pytree: case:graph_specs
+        leaf_axes: {nodes: {0: n_node}, edges: {0: n_edge}, senders: {0: n_edge},
+                    receivers: {0: n_edge}, globals: {0: n_graph}, n_node: {0: n_graph},
+                    n_edge: {0: n_graph}}
+        pad_fn: jraph:pad_with_graphs
+    buckets: {n_node: [16, 32], n_edge: [32, 64], n_graph: [3, 5]}
+    exclude: [{n_node: 16, n_graph: 5}, {n_node: 32, n_graph: 3}, {n_edge: 32, n_graph: 5},
+              {n_edge: 64, n_graph: 3}]
+""",
+)
+
 CASES = {
+    "blackjax": BLACKJAX,
     "brax-mjx": BRAX_MJX,
+    "jraph": JRAPH,
     "linalg-fft": LINALG,
     "flax-nnx": FLAX_NNX,
     "equinox-optax": EQUINOX_OPTAX,
@@ -308,7 +437,9 @@ CASES = {
     "numpyro": NUMPYRO,
 }
 REQUIRES = {
+    "blackjax": "blackjax",
     "brax-mjx": "brax",
+    "jraph": "jraph",
     "flax-nnx": "flax",
     "equinox-optax": "equinox",
     "keras": "keras",
