@@ -433,3 +433,48 @@ def test_leaf_pad_and_pad_fn_are_checked_and_leave_the_program_digest_alone() ->
         with pytest.raises(BadInput) as info:
             parse_manifest(entry(arg), name="bad.yaml")
         assert problem in str(info.value), (arg, str(info.value))
+
+
+UNDECLARED = """
+version: 1
+target: {backend: cpu}
+functions:
+  - fn: graphs:predict
+    args:
+      - {pytree: graphs:param_specs}
+      - {pytree: graphs:graph_specs}
+    buckets: {n_node: [8], n_edge: [8], n_graph: [4]}
+"""
+
+UNDECLARED_SERVICE = """
+import json, sys
+sys.path.insert(0, {dir!r})
+import cachectl, graphs
+rt = cachectl.serving({manifest!r})
+try:
+    rt["predict"](graphs.params(), graphs.graph())
+    print(json.dumps(None))
+except Exception as exc:
+    print(json.dumps([type(exc).__name__, str(exc)]))
+"""
+
+
+def test_an_undeclared_pytree_is_named_by_the_argument_and_leaf_that_differ(
+    tmp_path: Path,
+) -> None:
+    """Two pytree arguments without leaf_axes (the params, then the graph): the warning at start
+    names both, and a call refused names the graph's leaf that differs, with a leaf_axes entry
+    by its path and the bucket axis its compiled size matches (not the params, not {0: AXIS})."""
+    (tmp_path / "graphs.py").write_text(GRAPHS)
+    manifest = tmp_path / "undeclared.yaml"
+    manifest.write_text(UNDECLARED)
+    assert _warm(manifest).exit_code == 0
+    proc = run_py(UNDECLARED_SERVICE.format(dir=str(tmp_path), manifest=str(manifest)), check=True)
+    said = [line for line in proc.stderr.splitlines() if "declare" in line and "leaf_axes" in line]
+    assert len(said) == 1 and "pytree argument 0 and pytree argument 1 declare no" in said[0]
+    kind, message = last_json(proc)
+    assert kind == "OutOfBucket", message
+    assert (
+        "argument 1's leaf n_node is int32[2], compiled as int32[4]; declare its bucket "
+        "dimensions (leaf_axes: {n_node: {0: n_graph}})" in message
+    ), message
