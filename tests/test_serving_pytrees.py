@@ -312,7 +312,9 @@ def state(n):
             "history": np.zeros((n, 0), np.int32), "count": np.arange(n, dtype=np.int32)}
 """
 
-GRAPH_AXES = "{nodes: {0: n_node}, senders: {0: n_edge}, receivers: {0: n_edge}, n_node: {0: n_graph}}"
+GRAPH_AXES = (
+    "{nodes: {0: n_node}, senders: {0: n_edge}, receivers: {0: n_edge}, n_node: {0: n_graph}}"
+)
 PADDING_MANIFEST = f"""
 version: 1
 target: {{backend: cpu}}

@@ -12,12 +12,12 @@ from typing import Any, Protocol, TypeVar
 import numpy as np
 
 from cachectl.dispatch import padding
+
+# Re-exported: the names serving and its callers have always imported from here.
+from cachectl.dispatch.padding import OutOfBucket as OutOfBucket
+from cachectl.dispatch.padding import pad_to as pad_to
 from cachectl.manifest import ArgSpec, FunctionSpec, dtype_named
 from cachectl.manifest.schema import leaf_path
-
-
-class OutOfBucket(ValueError):
-    """A call no warmed bucket covers (above the largest bucket, or a static value not warmed)."""
 
 
 class StructureMismatch(TypeError):
@@ -150,22 +150,29 @@ def pad_pytree(
     leaves = list(leaves)
     todo, refused = [], []
     for i, dims, path in declared:
-        target = list(shapes[i])
-        for d, axis in dims:
-            target[d] = values[axis]
-        if tuple(target) == shapes[i]:
+        target = _target(shapes[i], dims, values)
+        if target == shapes[i]:
             continue
         dtype = padding.leaf_dtype(leaves[i])
         # an empty leaf (a Brax State's contacts: [n, 0]) stays empty: no value is written
         value = 0 if 0 in target else padding.pad_value(plan.arg, path, dtype)
         if value is padding.REFUSED:
             refused.append((path, dtype))
-        todo.append((i, tuple(target), value))
+        todo.append((i, target, value))
     if refused:
         raise padding.Unpaddable(refused)
     for i, target, value in todo:
         leaves[i] = padding.pad_leaf(leaves[i], target, value)
     return (treedef.unflatten(leaves) if todo else tree), bool(todo)
+
+
+def _target(
+    shape: tuple[int, ...], dims: tuple[tuple[int, str], ...], values: dict[str, Any]
+) -> tuple[int, ...]:
+    target = list(shape)
+    for d, axis in dims:
+        target[d] = values[axis]
+    return tuple(target)
 
 
 def fit_pytree(
@@ -186,18 +193,6 @@ def fit_pytree(
     except padding.Unpaddable as exc:
         exc.index = index
         raise
-
-
-def pad_to(x: Any, target: tuple[int, ...], value: Any, dtype: Any) -> np.ndarray:
-    """Pad on the host: a jnp.pad would compile a program per shape (docs/jax-facts.md, fact 8)."""
-    host = np.asarray(x, dtype=dtype)
-    if host.shape == target:
-        return host
-    if host.ndim != len(target) or any(s > t for s, t in zip(host.shape, target, strict=False)):
-        raise OutOfBucket(f"shape {host.shape} does not fit the bucket shape {target}")
-    out = np.full(target, value, dtype=dtype)
-    out[tuple(slice(0, s) for s in host.shape)] = host
-    return out
 
 
 def first_difference(expected: Any, given: Any) -> str:

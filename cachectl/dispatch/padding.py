@@ -28,10 +28,27 @@ from typing import Any
 
 import numpy as np
 
-from cachectl.manifest import ArgSpec
+from cachectl.manifest import ArgSpec, resolve_callable
+from cachectl.manifest.schema import leaf_path
 
 # leaf_pad's answer where nothing may pad a leaf.
 REFUSED: Any = object()
+
+
+class OutOfBucket(ValueError):
+    """A call no warmed bucket covers (above the largest bucket, or a static value not warmed)."""
+
+
+def pad_to(x: Any, target: tuple[int, ...], value: Any, dtype: Any) -> np.ndarray:
+    """Pad on the host: a jnp.pad would compile a program per shape (docs/jax-facts.md, fact 8)."""
+    host = np.asarray(x, dtype=dtype)
+    if host.shape == target:
+        return host
+    if host.ndim != len(target) or any(s > t for s, t in zip(host.shape, target, strict=False)):
+        raise OutOfBucket(f"shape {host.shape} does not fit the bucket shape {target}")
+    out = np.full(target, value, dtype=dtype)
+    out[tuple(slice(0, s) for s in host.shape)] = host
+    return out
 
 
 class Unpaddable(ValueError):
@@ -105,8 +122,6 @@ def refusal(fn: str, index: int, leaves: list[tuple[str, Any]], axes: list[str])
 
 def pad_leaf(x: Any, target: tuple[int, ...], value: Any) -> Any:
     """``x`` padded to ``target`` with ``value`` on the host; a typed key array by its key data."""
-    from cachectl.dispatch.calls import pad_to
-
     dtype = leaf_dtype(x)
     if not is_key(dtype):
         return pad_to(x, target, value, dtype)
@@ -115,7 +130,7 @@ def pad_leaf(x: Any, target: tuple[int, ...], value: Any) -> Any:
     data = np.asarray(jax.random.key_data(x))
     trailing = data.shape[len(np.shape(x)) :]
     padded = pad_to(data, tuple(target) + trailing, 0, data.dtype)
-    return jax.random.wrap_key_data(padded, impl=jax.random.key_impl(x))
+    return jax.random.wrap_key_data(padded, impl=jax.random.key_impl(x))  # type: ignore[arg-type]
 
 
 def zeros(shape: tuple[int, ...], dtype: Any) -> Any:
@@ -125,7 +140,7 @@ def zeros(shape: tuple[int, ...], dtype: Any) -> Any:
 
         impl = dtype._impl  # the key's PRNGImpl: its key shape and name
         data = np.zeros(tuple(shape) + tuple(impl.key_shape), np.uint32)
-        return jax.random.wrap_key_data(data, impl=impl.name)
+        return jax.random.wrap_key_data(data, impl=impl.name)  # type: ignore[arg-type]
     return np.zeros(shape, np.dtype(dtype))
 
 
@@ -135,15 +150,13 @@ def host_slice(x: Any, index: tuple[slice, ...]) -> Any:
         import jax
 
         data = np.asarray(jax.random.key_data(x))[index]
-        return jax.random.wrap_key_data(data, impl=jax.random.key_impl(x))
+        return jax.random.wrap_key_data(data, impl=jax.random.key_impl(x))  # type: ignore[arg-type]
     return np.asarray(x)[index]
 
 
 def call_pad_fn(arg: ArgSpec, tree: Any, values: dict[str, Any], paths: Any) -> Any:
     """The argument padded by its ``pad_fn`` to a bucket: ``fn(tree, **{axis: size})``, the
     axes its leaf_axes names; PadFnRefused when the function raises (that bucket is too small)."""
-    from cachectl.manifest import resolve_callable
-
     assert arg.pad_fn is not None
     fn = resolve_callable(arg.pad_fn, paths)  # imported once: later, a sys.modules lookup
     sizes = {axis: values[axis] for axis in sorted(arg.pytree_axes())}
@@ -163,7 +176,6 @@ def undeclared(slot: Any, dynamic: tuple[Any, ...], positions: list[int], axes: 
 
     want = jax.tree_util.tree_flatten_with_path(slot.compiled.args_info[0])[0]
     have = jax.tree_util.tree_flatten_with_path(dynamic)[0]
-    from cachectl.manifest.schema import leaf_path
 
     for (path, info), (_, leaf) in zip(want, have, strict=False):
         shape, dtype = tuple(np.shape(leaf)), leaf_dtype(leaf)

@@ -348,7 +348,9 @@ class ServedFunction:
         padded = False
         for i, p in enumerate(self._plans):
             if p.has_leaf_axes and values is not None:
-                out[i], did = fit_pytree(p, i, args[i], values, (flat or {}).get(i), self._rt._paths)
+                out[i], did = fit_pytree(
+                    p, i, args[i], values, (flat or {}).get(i), self._rt._paths
+                )
                 padded = padded or did
                 continue
             if p.kind != "array":

@@ -82,7 +82,9 @@ def spec_digest(spec: Any) -> str:
     """What warm and the runtime must agree on about one function: its manifest entry, as
     compact JSON (the bytes pydantic's ``model_dump_json`` gave when the schema was pydantic's
     models, so executables stored then still match; tests/test_manifest.py pins it)."""
-    text = json.dumps(as_data(spec, program=True), separators=(",", ":"), ensure_ascii=False, default=str)
+    text = json.dumps(
+        as_data(spec, program=True), separators=(",", ":"), ensure_ascii=False, default=str
+    )
     return hashlib.sha256(text.encode()).hexdigest()
 
 
