@@ -24,6 +24,7 @@ again (``jax.random.wrap_key_data`` and ``key_data`` run no program).
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import numpy as np
@@ -197,3 +198,33 @@ def undeclared(slot: Any, dynamic: tuple[Any, ...], positions: list[int], axes: 
             f"(leaf_axes: {declare}) and, for integer leaves, how to pad them (pad_fn or leaf_pad)"
         )
     return "declare the argument's bucket dimensions in leaf_axes"
+
+
+def fit(slots: Iterable[Any], convert: Callable[..., Any], args: Any, flat: Any) -> Any:
+    """(bucket, the call padded to it, padded?) for the first of ``slots`` (those that cover the
+    call, smallest first) that its pad functions take: one that raises for a bucket (too small
+    for the padding graph it adds) passes to the next; all refused: PadFnRefused, the last
+    one's reason. (None, args, False): no bucket covers the call."""
+    refused: PadFnRefused | None = None
+    for slot in slots:
+        try:
+            call_args, padded = convert(args, slot.values, flat)
+        except PadFnRefused as exc:
+            refused = exc
+            continue
+        return slot, call_args, padded
+    if refused is not None:
+        raise refused
+    return None, list(args), False
+
+
+def undeclared_warning(fn: str, unrouted: list[str], pytrees: list[int]) -> str:
+    """Serving's start warning for bucket axes that no argument declares."""
+    named = " and ".join(f"pytree argument {i}" for i in pytrees)
+    return (
+        f"cachectl.serving: {fn}: bucket axis {', '.join(unrouted)} shapes no array argument, "
+        f"and {named} declare{'s' if len(pytrees) == 1 else ''} no leaf_axes: calls go to the "
+        "smallest bucket and are refused unless their leaves match it; declare which leaf "
+        f"dimensions each axis sizes, by leaf path (leaf_axes: {{LEAF.PATH: {{0: {unrouted[0]}}}}}), "
+        "and a pad_fn or leaf_pad for integer leaves (serving never zero-pads those)"
+    )

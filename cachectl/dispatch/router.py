@@ -104,17 +104,7 @@ class ServedFunction:
             unrouted = []
         self._unrouted = unrouted
         if unrouted:
-            rt._warn(
-                f"cachectl.serving: {self.name}: bucket axis {', '.join(unrouted)} shapes no array "
-                "argument, and "
-                + " and ".join(f"pytree argument {i}" for i in self._exact_pytrees)
-                + " declare"
-                + ("s" if len(self._exact_pytrees) == 1 else "")
-                + " no leaf_axes: calls go to the smallest bucket and are refused unless their "
-                "leaves match it; declare which leaf dimensions each axis sizes, by leaf path "
-                f"(leaf_axes: {{LEAF.PATH: {{0: {unrouted[0]}}}}}), and a pad_fn or leaf_pad "
-                "for integer leaves (serving never zero-pads those: padding.py)"
-            )
+            rt._warn(padding.undeclared_warning(self.name, unrouted, self._exact_pytrees))
 
     # -- the call path ------------------------------------------------------
 
@@ -149,25 +139,14 @@ class ServedFunction:
             return self._cut(out, raw)
         return out  # nothing to cut: the device arrays as computed, no host copy
 
-    def _fit(
-        self, args: tuple[Any, ...], raw: dict[str, int], static: dict[str, Any], flat: Any
-    ) -> tuple[Slot | None, list[Any], bool]:
-        """The smallest covering bucket and the call padded to it; a bucket that an argument's
-        pad_fn refuses (raises: too small for what it adds) passes to the next. Unpaddable:
-        a leaf nothing may pad (the message names it and says the fix)."""
-        refused: Exception | None = None
-        for slot in coverings(self._slots, raw, static):
-            try:
-                call_args, padded = self._convert(args, slot.values, flat)
-            except padding.Unpaddable as exc:
-                raise padding.Unpaddable.explained(exc, self.name, self._plans) from None
-            except padding.PadFnRefused as exc:
-                refused = exc
-                continue
-            return slot, call_args, padded
-        if refused is not None:
-            raise self._out(f"{self.name}: {refused}")
-        return None, list(args), False
+    def _fit(self, args: Any, raw: Any, static: Any, flat: Any) -> tuple[Any, list[Any], bool]:
+        """The smallest covering bucket (None: none) and the call padded to it (padding.fit)."""
+        try:
+            return padding.fit(coverings(self._slots, raw, static), self._convert, args, flat)
+        except padding.Unpaddable as exc:
+            raise padding.Unpaddable.explained(exc, self.name, self._plans) from None
+        except padding.PadFnRefused as exc:
+            raise self._out(f"{self.name}: {exc}") from None
 
     def _statics(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
         """The call's bucket-axis keywords, by axis; refuses a count of arguments, a keyword or
