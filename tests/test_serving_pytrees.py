@@ -304,7 +304,7 @@ def state_specs(n):
 
 def sample(state):
     step = jax.vmap(lambda k, x: x + jax.random.normal(k, x.shape))(state["key"], state["x"])
-    return step, state["count"] + 1, state["history"].sum(-1)
+    return step, state["count"] + 1, state["history"].sum(-1), state["key"]
 
 def state(n):
     return {"key": jax.random.split(jax.random.key(7), n),
@@ -337,7 +337,7 @@ functions:
     args:
       - {{pytree: graphs:state_specs, leaf_axes: {{0: n}}, leaf_pad: {{count: 0}}}}
     buckets: {{n: [4, 8]}}
-    outputs: [{{shape: [n, 3]}}, {{shape: [n]}}, {{shape: [n]}}]
+    outputs: [{{shape: [n, 3]}}, {{shape: [n]}}, {{shape: [n]}}, {{shape: [n]}}]
 """
 
 PADDING_SERVICE = (
@@ -346,7 +346,9 @@ PADDING_SERVICE = (
 import numpy as np
 sys.path.insert(0, {dir!r})
 import cachectl, graphs
-flat = lambda tree: [np.asarray(x).tolist() for x in jax.tree_util.tree_leaves(tree)]
+def flat(tree):  # typed keys as their key data
+    data = lambda x: jax.random.key_data(x) if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) else x
+    return [np.asarray(data(x)).tolist() for x in jax.tree_util.tree_leaves(tree)]
 rt = cachectl.serving({manifest!r})
 state = graphs.state(3)  # jax.random.split compiles: before the count
 before = compiles()
@@ -404,7 +406,8 @@ def test_serving_pads_only_what_is_safe_and_refuses_the_rest_with_one_warning(
     sample = functions["sample"]
     assert (sample["aot"], sample["fallback"], sample["padded"]) == (1, 0, 1), sample
     assert np.allclose(got["out"]["sample"][0], got["expected"]["sample"][0], atol=1e-5)
-    assert got["out"]["sample"][1:] == got["expected"]["sample"][1:]
+    assert got["out"]["sample"][1:] == got["expected"]["sample"][1:]  # the keys cut back too
+    assert len(got["out"]["sample"][3]) == 3
 
 
 def test_leaf_pad_and_pad_fn_are_checked_and_leave_the_program_digest_alone() -> None:

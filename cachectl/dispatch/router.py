@@ -116,7 +116,7 @@ class ServedFunction:
         try:
             slot, call_args, padded = self._fit(args, raw, static, flat)
         except padding.Unpaddable as exc:  # refused: never a padded answer that can be wrong
-            return self._via_jit(self._convert(args, None)[0], kwargs, str(exc))
+            return self._via_jit(self._convert(args, None)[0], kwargs, str(exc), exact=True)
         if slot is None:
             return self._overflow(args, kwargs, raw, static)
         if padded:
@@ -352,8 +352,11 @@ class ServedFunction:
             )
         return self._jitted
 
-    def _via_jit(self, call_args: list[Any], kwargs: dict[str, Any], reason: str | None) -> Any:
-        """The same padded call through jax.jit, which hits the persistent cache warm filled."""
+    def _via_jit(
+        self, call_args: list[Any], kwargs: dict[str, Any], reason: str | None, exact: bool = False
+    ) -> Any:
+        """The same padded call through jax.jit, which hits the persistent cache warm filled
+        (``exact``: the call unpadded, at its own shapes, which compile)."""
         with self._lock:
             self.fallback += 1
             first = not self._warned
@@ -362,8 +365,9 @@ class ServedFunction:
                 self.fallback_reason = reason
         if first:
             message = (
-                f"cachectl.serving: {self.name}: serving through jax.jit and the persistent "
-                f"cache: {reason or 'no stored executable'}"
+                f"cachectl.serving: {self.name}: serving through jax.jit"
+                + ("" if exact else " and the persistent cache")
+                + f": {reason or 'no stored executable'}"
             )
             self._rt._warn(message)
         return self._jit()(*self._jit_args(call_args), **{**self._fixed_kwargs, **kwargs})
