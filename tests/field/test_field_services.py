@@ -212,14 +212,18 @@ import cachectl
 import case
 rt = cachectl.serving({manifest!r})
 g = case.batch((3, 4), 0)
+compiles = [0]
+jax.monitoring.register_event_duration_secs_listener(
+    lambda e, d, **kw: compiles.__setitem__(0, compiles[0] + (e == "/jax/core/compile/backend_compile_duration")))
 served = [np.asarray(rt["predict"](case.PARAMS, g)).tolist() for _ in range(3)]
+compiled = compiles[0]
 right = np.asarray(jax.jit(case.predict)(case.PARAMS, g)).tolist()
 # what zero-filling every leaf to the bucket computes (before: served, with no warning)
 zeros = jax.tree_util.tree_map(
     lambda x, n: np.concatenate([x, np.zeros((n - len(x),) + x.shape[1:], x.dtype)]),
     g, jraph.GraphsTuple(nodes=16, edges=32, senders=32, receivers=32, globals=3, n_node=3, n_edge=3))
 zero_filled = np.asarray(jax.jit(case.predict)(case.PARAMS, zeros)).tolist()[:2]
-print(json.dumps(dict(served=served, right=right, zero_filled=zero_filled,
+print(json.dumps(dict(served=served, right=right, zero_filled=zero_filled, compiled=compiled,
                       report=rt.report().to_json())))
 """
 
@@ -245,6 +249,7 @@ def test_field_jraph_zero_fill_is_refused_with_one_warning(tmp_path: Path) -> No
     assert not np.allclose(out["zero_filled"], out["right"], rtol=1e-3, atol=1e-3), out
     rep = out["report"]["functions"]["predict"]
     assert (rep["calls"], rep["aot"], rep["fallback"], rep["padded"]) == (3, 0, 3, 0), rep
+    assert out["compiled"] == 1, out  # JAX's own count: jax.jit at the call's shapes, once
     said = [line for line in proc.stderr.splitlines() if "not zero-padded" in line]
     assert len(said) == 1, proc.stderr
     assert (
