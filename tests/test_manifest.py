@@ -837,7 +837,7 @@ functions:
     jit: {static_argnums: 2, donate_argnames: x, keep_unused: true, compiler_options: {xla_cpu_enable_fast_math: false}}
     args:
       - {shape: [batch, 8], dtype: float32, weak_type: true, pad: -1.5}
-      - {pytree: mod:tree, leaf_axes: {0: batch, "a.b": {1: batch}}}
+      - {pytree: mod:tree, leaf_axes: {0: batch, "a.b": {1: batch}}, leaf_pad: {a.c: 7}, pad_fn: "mod:pad"}
       - {value: null}
       - {value: [1, "two", 3.25, {k: v}]}
       - {shape: [batch], dtype: bfloat16, sharding: single_device}
@@ -999,3 +999,33 @@ def test_a_valid_manifest_loads_without_pydantic_and_a_bad_one_with_its_messages
     assert "after-valid False" in out, out
     assert "bad.yaml:4: functions[0].args[0].shape: expected a list, got int 4" in out, out
     assert "after-bad True" in out, out
+
+
+def test_leaf_pad_and_pad_fn_are_checked_and_leave_the_program_digest_alone() -> None:
+    """leaf_pad / pad_fn only on a pytree with leaf_axes, leaf_pad a number (by path or for
+    every leaf); neither changes spec_digest (they are serving's, not the program's)."""
+    from cachectl.manifest import parse_manifest
+    from cachectl.storage.executables import spec_digest
+
+    def entry(arg: str) -> str:
+        return (
+            "version: 1\nfunctions:\n  - fn: m:f\n    args:\n      - " + arg + "\n"
+            "    buckets: {n: [1, 2]}\n"
+        )
+
+    plain = parse_manifest(entry("{pytree: m:t, leaf_axes: {0: n}}"), name="a.yaml")
+    declared = parse_manifest(
+        entry("{pytree: m:t, leaf_axes: {0: n}, leaf_pad: {a.b: 3}, pad_fn: 'm:pad'}"),
+        name="b.yaml",
+    )
+    assert declared.functions[0].args[0].leaf_pad == {"a.b": 3}
+    assert spec_digest(plain.functions[0]) == spec_digest(declared.functions[0])
+    for arg, problem in (
+        ("{pytree: m:t, leaf_pad: 0}", "only a pytree argument with leaf_axes takes leaf_pad"),
+        ("{shape: [n], dtype: int32, pad_fn: 'm:p'}", "only a pytree argument with leaf_axes"),
+        ("{pytree: m:t, leaf_axes: {0: n}, leaf_pad: {a: x}}", "leaf_pad is a number"),
+        ("{pytree: m:t, leaf_axes: {0: n}, pad_fn: nope}", "not of the form module:attribute"),
+    ):
+        with pytest.raises(BadInput) as info:
+            parse_manifest(entry(arg), name="bad.yaml")
+        assert problem in str(info.value), (arg, str(info.value))

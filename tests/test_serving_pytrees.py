@@ -22,7 +22,6 @@ from support.infra import run_py  # noqa: E402
 from support.serving import COUNT_EVENTS, last_json  # noqa: E402
 
 from cachectl.cli import cli
-from cachectl.core.errors import BadInput
 
 ENVS = """
 import jax, jax.numpy as jnp
@@ -408,36 +407,6 @@ def test_serving_pads_only_what_is_safe_and_refuses_the_rest_with_one_warning(
     assert np.allclose(got["out"]["sample"][0], got["expected"]["sample"][0], atol=1e-5)
     assert got["out"]["sample"][1:] == got["expected"]["sample"][1:]  # the keys cut back too
     assert len(got["out"]["sample"][3]) == 3
-
-
-def test_leaf_pad_and_pad_fn_are_checked_and_leave_the_program_digest_alone() -> None:
-    """leaf_pad / pad_fn only on a pytree with leaf_axes, leaf_pad a number (by path or for
-    every leaf); neither changes spec_digest (they are serving's, not the program's)."""
-    from cachectl.manifest import parse_manifest
-    from cachectl.storage.executables import spec_digest
-
-    def entry(arg: str) -> str:
-        return (
-            "version: 1\nfunctions:\n  - fn: m:f\n    args:\n      - " + arg + "\n"
-            "    buckets: {n: [1, 2]}\n"
-        )
-
-    plain = parse_manifest(entry("{pytree: m:t, leaf_axes: {0: n}}"), name="a.yaml")
-    declared = parse_manifest(
-        entry("{pytree: m:t, leaf_axes: {0: n}, leaf_pad: {a.b: 3}, pad_fn: 'm:pad'}"),
-        name="b.yaml",
-    )
-    assert declared.functions[0].args[0].leaf_pad == {"a.b": 3}
-    assert spec_digest(plain.functions[0]) == spec_digest(declared.functions[0])
-    for arg, problem in (
-        ("{pytree: m:t, leaf_pad: 0}", "only a pytree argument with leaf_axes takes leaf_pad"),
-        ("{shape: [n], dtype: int32, pad_fn: 'm:p'}", "only a pytree argument with leaf_axes"),
-        ("{pytree: m:t, leaf_axes: {0: n}, leaf_pad: {a: x}}", "leaf_pad is a number"),
-        ("{pytree: m:t, leaf_axes: {0: n}, pad_fn: nope}", "not of the form module:attribute"),
-    ):
-        with pytest.raises(BadInput) as info:
-            parse_manifest(entry(arg), name="bad.yaml")
-        assert problem in str(info.value), (arg, str(info.value))
 
 
 UNDECLARED = """
