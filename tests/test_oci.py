@@ -613,3 +613,63 @@ def test_bad_references_are_one_line_exit_2(node: dict[str, Any]) -> None:
         "bundle", "pull", f"oci://{node['url']}/lm/cache:v1", "--for-this-machine", code=2
     )
     assert "picks the tag itself" in tagged.stderr
+
+
+# --------------------------------------------------------------------------- examples/k8s
+
+
+def test_the_k8s_init_container_recipe_pulls_a_signed_bundle_the_service_hits(
+    tmp_path: Path, node: dict[str, Any]
+) -> None:
+    """examples/k8s/pull-bundle.yaml's init container, its shell command run as written (the
+    registry, paths and key moved here), then its service's environment: warm-check 100%."""
+    import yaml
+
+    recipe = Path(__file__).resolve().parent.parent / "examples/k8s/pull-bundle.yaml"
+    pod = yaml.safe_load(recipe.read_text())["spec"]["template"]["spec"]
+    (init,) = pod["initContainers"]
+    (serve,) = pod["containers"]
+    mounts = {  # the longer paths first: /etc/cachectl-trust holds "/cache"
+        "/etc/cachectl-trust": tmp_path / "trust",
+        "/etc/docker-config": node["docker"],
+        "/cache": tmp_path / "cache",
+    }
+    (tmp_path / "trust").mkdir()
+    shutil.copy(node["pub"], tmp_path / "trust" / "ci.key.pub")
+
+    def here(value: str) -> str:
+        value = value.replace(
+            "registry.example.com/lm/cache", f"{node['url']}/{node['repo']}-signed"
+        )
+        for inside, outside in mounts.items():
+            value = value.replace(inside + "/", f"{outside}/").replace(inside + " ", f"{outside} ")
+            value = str(outside) if value == inside else value
+        return value
+
+    def env_of(container: dict[str, Any]) -> dict[str, str]:
+        return {e["name"]: here(e["value"]) for e in container["env"]}
+
+    script = here(init["args"][0])
+    bindir = Path(sys.executable).parent  # `cachectl` on PATH, as in the image
+    env = {
+        **os.environ,
+        **env_of(init),
+        "CACHECTL_OCI_CA_FILE": OCI_CA,
+        "PATH": f"{bindir}:{os.environ['PATH']}",
+    }
+    done = subprocess.run(
+        [*init["command"], script], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0 and "signature verified" in done.stdout, (done.stdout, done.stderr)
+    assert serve["volumeMounts"][0]["readOnly"] is True
+    env = {**os.environ, **env_of(serve), "PATH": env["PATH"]}
+    env.pop("CACHECTL_TRUST")  # a path in the image; the index here holds the trusted key
+    check = subprocess.run(
+        [str(bindir / "cachectl"), "warm-check", str(node["manifest"]), "--json"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert check.returncode == 0, check.stderr
+    assert json.loads(check.stdout)["summary"]["coverage"] == 100.0
