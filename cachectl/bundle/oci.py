@@ -28,18 +28,23 @@ import json
 import os
 import re
 import shutil
+import tempfile
 import time
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from cachectl.bundle.create import create
 from cachectl.bundle.format import BadBundle, InstallResult
+from cachectl.bundle.install import environment_diff, install, staging_dir
 from cachectl.context import Context
 from cachectl.core.errors import BadInput, EnvironmentMismatch, NotFound, Unreachable
 from cachectl.core.fingerprint import Environment
 from cachectl.core.units import format_size
 from cachectl.index import CacheInfo
+from cachectl.manifest.load import manifest_digest
+from cachectl.storage import ingest
 from cachectl.trust import signing
 
 SCHEME = "oci://"
@@ -539,11 +544,6 @@ def push(
 ) -> PushResult:
     """Bundle a namespace (as `bundle create`) and push it to ``target``, tagged for its
     environment (and ``target``'s tag); signed, its signature as a referrer of the bundle."""
-    import tempfile
-
-    from cachectl.bundle.create import create
-    from cachectl.manifest.load import manifest_digest
-
     started = time.monotonic()
     ref = parse_reference(target)
     if ref.digest:
@@ -724,8 +724,6 @@ def _artifact(registry: Registry, reference: str, tag: str | None) -> _Artifact:
 def _closest(registry: Registry, here: Environment) -> EnvironmentMismatch | NotFound:
     """No env tag for this machine: the error naming the fields that differ in the closest
     bundle the repository holds (read from manifests and configs only)."""
-    from cachectl.bundle.install import environment_diff
-
     try:
         tags = sorted(t for t in registry.tags() if t.startswith(ENV_TAG_PREFIX))
     except NotFound:
@@ -785,8 +783,6 @@ def _check_signature(registry: Registry, cache: CacheInfo, art: _Artifact) -> st
 def _check_room(ctx: Context, cache: CacheInfo, art: _Artifact, staging: Path, store: Any) -> None:
     """The declared bytes against the cache's quota, and the download plus the files against
     the free disk, before anything is fetched."""
-    from cachectl.storage import ingest
-
     try:
         ctx.index.get_environment(cache.name, art.env_digest)
     except NotFound:  # a namespace new here: every byte is new (else install checks the delta)
@@ -824,8 +820,6 @@ def pull(
 ) -> PullResult:
     """Pull a bundle artifact: preflight (environment, signature, quota, disk) before the bundle
     is fetched, the blob verified by digest as it streams, then `bundle install`."""
-    from cachectl.bundle.install import _staging_dir, environment_diff, install
-
     started = time.monotonic()
     ref = parse_reference(source)
     if for_this_machine and (ref.tag or ref.digest):
@@ -855,7 +849,7 @@ def pull(
         )
     signer = _check_signature(registry, cache, art)
     store = ctx.store(cache)
-    staging = _staging_dir(store, Environment.from_dict(art.environment).namespace)
+    staging = staging_dir(store, Environment.from_dict(art.environment).namespace)
     try:
         _check_room(ctx, cache, art, staging, store)
         path = staging / "bundle.tar.zst"

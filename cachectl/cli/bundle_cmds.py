@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING
 
 import click
 
+from cachectl.cli.oci_options import ca_file_option, insecure_option, print_push
 from cachectl.cli.render import emit, escape, json_option, size, stdout, table
 from cachectl.core.config import SIGNING_KEY_ENV
 
@@ -153,35 +154,6 @@ def install(ctx: Context, path: str, cache_name: str | None, dry_run: bool, as_j
             stdout.print(f"note: {note}", highlight=False)
 
     emit(result, as_json, human)
-
-
-insecure_option = click.option(
-    "--insecure",
-    is_flag=True,
-    help="Plain HTTP to the registry: only for a registry on loopback (127.0.0.1, ::1, localhost).",
-)
-ca_file_option = click.option(
-    "--ca-file",
-    metavar="PATH",
-    envvar="CACHECTL_OCI_CA_FILE",
-    help="CA certificate(s) to verify the registry's TLS with (a private CA). [env: CACHECTL_OCI_CA_FILE]",
-)
-
-
-def print_push(r: bundle_oci.PushResult) -> None:
-    stdout.print(
-        f"pushed {r.entries} entries ({size(r.content_bytes)}; bundle {size(r.bundle_bytes)}, "
-        f"{size(r.uploaded_bytes)} uploaded) to {r.reference} as {r.digest[:19]}, tags "
-        f"{', '.join(r.tags)}; "
-        + (
-            f"signed by {r.signed_by} (signature {r.signature[:19] if r.signature else '-'} via "
-            f"the referrers {'API' if r.referrers == 'api' else 'tag schema'})"
-            if r.signed_by
-            else "unsigned"
-        )
-        + f" ({r.duration_s:.2f}s)",
-        highlight=False,
-    )
 
 
 @bundle_group.command("push")

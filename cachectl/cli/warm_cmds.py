@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from cachectl.cli.bundle_cmds import ca_file_option, insecure_option, print_push
+from cachectl.cli.oci_options import ca_file_option, insecure_option, print_push
 from cachectl.cli.render import emit, stderr, stdout
 from cachectl.cli.warm_render import (
     Progress,
