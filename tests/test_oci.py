@@ -673,3 +673,174 @@ def test_the_k8s_init_container_recipe_pulls_a_signed_bundle_the_service_hits(
     )
     assert check.returncode == 0, check.stderr
     assert json.loads(check.stdout)["summary"]["coverage"] == 100.0
+
+
+# --------------------------------------------------------------------------- a bearer-token registry
+
+
+def _b64url(data: bytes) -> str:
+    return base64.urlsafe_b64encode(data).rstrip(b"=").decode()
+
+
+class _TokenServer:
+    """The token service of a registry's bearer-token auth (docker's token spec): Basic
+    credentials in, a short-lived ES256 JWT out, with the access the scope asks for; its
+    certificate (x5c) is the registry's root of trust."""
+
+    def __init__(self, tmp: Path, user: str, password: str) -> None:
+        import datetime
+        import http.server
+
+        from cryptography import x509
+        from cryptography.hazmat.primitives import hashes, serialization
+        from cryptography.hazmat.primitives.asymmetric import ec
+        from cryptography.x509.oid import NameOID
+
+        self.key = ec.generate_private_key(ec.SECP256R1())
+        name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "cachectl-test-token")])
+        now = datetime.datetime.now(datetime.UTC)
+        cert = (
+            x509.CertificateBuilder()
+            .subject_name(name)
+            .issuer_name(name)
+            .public_key(self.key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+            .sign(self.key, hashes.SHA256())
+        )
+        self.cert_path = tmp / "token.pem"
+        self.cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+        self.x5c = base64.b64encode(cert.public_bytes(serialization.Encoding.DER)).decode()
+        self.issued = 0
+        expected = "Basic " + _basic(user, password)
+        outer = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # noqa: N802 - http.server's name
+                from urllib.parse import parse_qs, urlparse
+
+                if self.headers.get("Authorization") != expected:
+                    self.send_response(401)
+                    self.end_headers()
+                    return
+                query = parse_qs(urlparse(self.path).query)
+                body = json.dumps({"token": outer.token(query.get("scope", []))}).encode()
+                outer.issued += 1
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/token"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def token(self, scopes: list[str]) -> str:
+        from cryptography.hazmat.primitives import hashes
+        from cryptography.hazmat.primitives.asymmetric import ec
+        from cryptography.hazmat.primitives.asymmetric.utils import decode_dss_signature
+
+        access = []
+        for scope in scopes:
+            kind, name, actions = scope.split(":")
+            access.append({"type": kind, "name": name, "actions": actions.split(",")})
+        now = int(time.time())
+        header = {"alg": "ES256", "typ": "JWT", "x5c": [self.x5c]}
+        claims = {
+            "iss": "cachectl-test-issuer",
+            "sub": "tok",
+            "aud": "cachectl-test",
+            "exp": now + 300,
+            "nbf": now - 10,
+            "iat": now,
+            "jti": str(time.monotonic_ns()),
+            "access": access,
+        }
+        signing_input = (
+            f"{_b64url(json.dumps(header).encode())}.{_b64url(json.dumps(claims).encode())}"
+        )
+        r, s = decode_dss_signature(
+            self.key.sign(signing_input.encode(), ec.ECDSA(hashes.SHA256()))
+        )
+        return f"{signing_input}.{_b64url(r.to_bytes(32, 'big') + s.to_bytes(32, 'big'))}"
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_a_bearer_token_registry_pushes_and_pulls_with_docker_config_credentials(
+    tmp_path: Path, node: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """docker-registry with token auth: its challenge is a Bearer realm; cachectl gets a token
+    there with the config.json's credentials (oras's token flow), for the push and the pull."""
+    _need_registry()
+    assert REGISTRY_BIN is not None
+    tokens = _TokenServer(tmp_path, "tok", "tokpw")
+    port = _free_port()
+    config = tmp_path / "registry.yml"
+    config.write_text(
+        "version: 0.1\nlog: {level: error}\n"
+        f"storage: {{filesystem: {{rootdirectory: {tmp_path / 'data'}}}}}\n"
+        f"http: {{addr: 127.0.0.1:{port}}}\n"
+        f"auth: {{token: {{realm: {tokens.url}, service: cachectl-test, "
+        f"issuer: cachectl-test-issuer, rootcertbundle: {tokens.cert_path}}}}}\n"
+    )
+    proc = subprocess.Popen(
+        [REGISTRY_BIN, "serve", str(config)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    url = f"127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                r = requests.get(f"http://{url}/v2/", timeout=1)
+                if r.status_code == 401:
+                    break
+            except requests.RequestException:
+                pass
+            assert time.monotonic() < deadline and proc.poll() is None, "registry did not start"
+            time.sleep(0.1)
+        assert r.headers["Www-Authenticate"].startswith("Bearer realm=")
+        docker = _docker_config(
+            tmp_path / "docker", {"auths": {url: {"auth": _basic("tok", "tokpw")}}}
+        )
+        monkeypatch.setenv("DOCKER_CONFIG", str(docker))
+        saved = {k: os.environ[k] for k in XDG}
+        _as_source(monkeypatch, node)
+        monkeypatch.setenv("DOCKER_CONFIG", str(docker))
+        invoke(
+            "bundle",
+            "push",
+            f"oci://{url}/lm/cache:v1",
+            "--manifest",
+            str(node["manifest"]),
+            "--insecure",
+        )
+        for k, v in saved.items():
+            monkeypatch.setenv(k, v)
+        done = json.loads(
+            invoke("bundle", "pull", f"oci://{url}/lm/cache:v1", "--insecure", "--json").stdout
+        )
+        assert done["install"]["installed"] == 5 and tokens.issued >= 2
+        monkeypatch.setenv(
+            "DOCKER_CONFIG",
+            str(
+                _docker_config(
+                    tmp_path / "wrong", {"auths": {url: {"auth": _basic("tok", "nope")}}}
+                )
+            ),
+        )
+        refused = invoke("bundle", "pull", f"oci://{url}/lm/cache:v1", "--insecure", code=2)
+        assert "check the credentials" in refused.stderr, refused.stderr
+        _one_line(refused.stderr)
+    finally:
+        proc.kill()
+        proc.wait()
+        tokens.close()

@@ -787,25 +787,22 @@ def _check_room(ctx: Context, cache: CacheInfo, art: _Artifact, staging: Path, s
         ctx.index.get_environment(cache.name, art.env_digest)
     except NotFound:  # a namespace new here: every byte is new (else install checks the delta)
         ingest.check_fits(ctx.index, cache, None, art.content_bytes)
-    need = {}
-    dev = os.stat(staging).st_dev
-    need[dev] = (staging, art.layer_size)
-    if store.is_local:
-        root = Path(store.url_for(""))
-        rdev = os.stat(root).st_dev
-        held = need.get(rdev, (root, 0))[1]
-        need[rdev] = (root, held + art.content_bytes)
+    # The download, and the files: staged beside a local namespace (renamed into place), or in
+    # the local temporary directory for an object store (install stages there, then uploads).
+    need: dict[int, tuple[Path, int]] = {os.stat(staging).st_dev: (staging, art.layer_size)}
+    files_at = Path(store.url_for("")) if store.is_local else staging
+    dev = os.stat(files_at).st_dev
+    need[dev] = (
+        need.get(dev, (files_at, 0))[0],
+        need.get(dev, (files_at, 0))[1] + art.content_bytes,
+    )
     for where, nbytes in need.values():
         free = shutil.disk_usage(where).free
         if nbytes > free:
             raise BadInput(
-                f"{registry_ref(art)}: not enough free disk in {where}: the bundle needs "
+                f"bundle {art.digest[:19]}: not enough free disk in {where}: it needs "
                 f"{format_size(nbytes)}, {format_size(free)} free: nothing downloaded"
             )
-
-
-def registry_ref(art: _Artifact) -> str:
-    return f"bundle {art.digest[:19]}"
 
 
 def pull(
