@@ -310,6 +310,13 @@ class Registry:
             headers.update(self.client.auth.get_auth_header())
         try:
             r = self._once(self.client, url, method, data=data, headers=headers, stream=stream)
+            if r.status_code == 401 and not self.basic and self.client.auth.token is not None:
+                # A token of a narrower scope (pull, where a push needs pull,push): oras offers the
+                # one it holds again; drop it so the challenge's scope gets a new one, once.
+                self.client.auth.token = None
+                if hasattr(data, "seek"):
+                    data.seek(0)
+                r = self._once(self.client, url, method, data=data, headers=headers, stream=stream)
         except ValueError as exc:  # oras: "Cannot respond to request for authentication."
             raise BadInput(
                 f"{self.what} refused the login for {self.ref.repository} ({exc}): check the "
