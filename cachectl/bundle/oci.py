@@ -766,6 +766,8 @@ def _check_signature(registry: Registry, cache: CacheInfo, art: _Artifact) -> st
     last: Exception | None = None
     for d in registry.referrers(art.digest, SIGNATURE_TYPE)[:_CANDIDATES_MAX]:
         try:
+            if not _DIGEST.match(str(d.get("digest"))):  # read by digest only, so it is checked
+                raise signing.Untrusted(f"{what}: a referrer without a sha256 digest")
             body, _, _ = registry.manifest(str(d.get("digest")))
             m = json.loads(body)
             if (m.get("subject") or {}).get("digest") != art.digest:
