@@ -36,6 +36,7 @@ MODULES = (
     "manifest",
     "wire",
     "seam",
+    "oci",
 )
 
 

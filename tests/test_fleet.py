@@ -135,6 +135,22 @@ def test_k8s_example_validates_against_the_kubernetes_schema() -> None:
     assert serve["command"][:3] == ["cachectl", "exec", "--readonly"]
 
 
+def test_k8s_bundle_pull_recipe_validates_against_the_kubernetes_schema() -> None:
+    """examples/k8s/pull-bundle.yaml (tests/test_oci.py runs its init container's command)."""
+    import kubernetes_validate
+
+    (deployment,) = yaml.safe_load_all((REPO / "examples/k8s/pull-bundle.yaml").read_text())
+    kubernetes_validate.validate(deployment, kubernetes_validate.latest_version(), strict=True)
+    pod = deployment["spec"]["template"]["spec"]
+    (init,) = pod["initContainers"]
+    assert (
+        "cachectl bundle pull oci://" in init["args"][0] and "--for-this-machine" in init["args"][0]
+    )
+    (serve,) = pod["containers"]
+    assert serve["command"][:3] == ["cachectl", "exec", "--readonly"]
+    assert {m["name"]: m.get("readOnly") for m in serve["volumeMounts"]}["cache"] is True
+
+
 def test_k8s_schema_check_catches_a_mistake() -> None:
     import kubernetes_validate
 

@@ -71,7 +71,7 @@ def environment_diff(here: Environment, bundled: dict[str, Any]) -> list[str]:
     ]
 
 
-def _staging_dir(store: Any, ns: str) -> Path:
+def staging_dir(store: Any, ns: str) -> Path:
     """Where files are verified before anything is visible: beside the namespace on local disk
     (so a rename moves them into place), else a local temporary directory. Its name carries this
     process's tag (``temps``): the staging directories of installs that died are removed first."""
@@ -373,7 +373,7 @@ def install(
             check_writer(cache, "install a bundle into")
         _check_declared(p, cache, expected)
         store = ctx.store(cache)
-        staging = _staging_dir(store, env.namespace)
+        staging = staging_dir(store, env.namespace)
         try:
             header_ms = _extract(p, tar, first, expected, staging, cache)
             _check_staged_env(p, staging, env)

@@ -1,4 +1,4 @@
-"""`cachectl bundle create|install|ls` and `cachectl key generate`."""
+"""`cachectl bundle create|install|ls|push|pull` and `cachectl key generate`."""
 
 from __future__ import annotations
 
@@ -6,11 +6,13 @@ from typing import TYPE_CHECKING
 
 import click
 
+from cachectl.cli.oci_options import ca_file_option, insecure_option, print_push
 from cachectl.cli.render import emit, escape, json_option, size, stdout, table
 from cachectl.core.config import SIGNING_KEY_ENV
 
 if TYPE_CHECKING:
     from cachectl import bundle as bundle_lib
+    from cachectl.bundle import oci as bundle_oci
     from cachectl.context import Context
 
 # The bundle and signing libraries are imported by the command bodies when they run, never at
@@ -149,6 +151,126 @@ def install(ctx: Context, path: str, cache_name: str | None, dry_run: bool, as_j
             highlight=False,
         )
         for note in r.notes:
+            stdout.print(f"note: {note}", highlight=False)
+
+    emit(result, as_json, human)
+
+
+@bundle_group.command("push")
+@click.argument("target", metavar="oci://REGISTRY/REPO[:TAG]")
+@click.option(
+    "--manifest",
+    metavar="MANIFEST",
+    type=click.Path(dir_okay=False),
+    help="This machine's namespace in the manifest's cache.",
+)
+@click.option(
+    "--env", "env", metavar="DIGEST", help="Another environment's namespace, by digest prefix."
+)
+@click.option(
+    "--cache", "cache_name", metavar="NAME", help="Cache to read (default: the global --cache)."
+)
+@sign_key_option
+@insecure_option
+@ca_file_option
+@json_option
+@click.pass_obj
+def push(
+    ctx: Context,
+    target: str,
+    manifest: str | None,
+    env: str | None,
+    cache_name: str | None,
+    sign_key: str | None,
+    insecure: bool,
+    ca_file: str | None,
+    as_json: bool,
+) -> None:
+    """Push a namespace as a bundle artifact, tagged env-<environment digest> (and TAG).
+
+    Credentials come from the docker config.json ($DOCKER_CONFIG, ~/.docker) and its
+    credential helpers. Signed (--sign-key), the signature is pushed as an artifact that
+    refers to the bundle.
+    """
+    from cachectl.bundle import oci
+
+    oci.parse_reference(target)  # bad input before anything is opened
+    result = oci.push(
+        ctx,
+        target,
+        cache=ctx.cache(cache_name) if cache_name else None,
+        env=env,
+        manifest=manifest,
+        sign_key=sign_key,
+        insecure=insecure,
+        ca_file=ca_file,
+    )
+    emit(result, as_json, print_push)
+
+
+@bundle_group.command("pull")
+@click.argument("source", metavar="oci://REGISTRY/REPO[:TAG]")
+@click.option(
+    "--for-this-machine",
+    is_flag=True,
+    help="Pick the bundle tagged for this machine's environment (env-<digest>); with none, "
+    "name the fields that differ (exit 3) before downloading anything.",
+)
+@click.option(
+    "--cache",
+    "cache_name",
+    metavar="NAME",
+    help="Cache to install into (default: the global --cache).",
+)
+@insecure_option
+@ca_file_option
+@click.option("--dry-run", is_flag=True, help="Download and verify everything; install nothing.")
+@json_option
+@click.pass_obj
+def pull(
+    ctx: Context,
+    source: str,
+    for_this_machine: bool,
+    cache_name: str | None,
+    insecure: bool,
+    ca_file: str | None,
+    dry_run: bool,
+    as_json: bool,
+) -> None:
+    """Pull a bundle artifact and install it, checking before the download: the environment
+    (exit 3), the signature when the cache trusts keys, the quota and the free disk.
+
+    The bundle is verified by digest as it streams, then installed as `bundle install` does.
+    """
+    from cachectl.bundle import oci
+
+    oci.parse_reference(source)
+    result = oci.pull(
+        ctx,
+        source,
+        cache=ctx.cache(cache_name),
+        for_this_machine=for_this_machine,
+        insecure=insecure,
+        ca_file=ca_file,
+        dry_run=dry_run,
+    )
+
+    def human(r: bundle_oci.PullResult) -> None:
+        i = r.install
+        verb = "would install" if i.dry_run else "installed"
+        stdout.print(
+            f"pulled {r.reference} ({r.digest[:19]}, {size(r.downloaded_bytes)}); {verb} "
+            f"{i.installed} of {i.entries} entries ({size(i.bytes)}) into {i.dest}; "
+            f"{i.already_present} already present, {len(i.conflicts)} conflicts; "
+            + (
+                f"signature verified (key {r.signature_verified_by})"
+                if r.signature_verified_by
+                else ("signed by " + i.signed_by if i.signed_by else "unsigned")
+            )
+            + f" ({r.duration_s:.2f}s)",
+            highlight=False,
+        )
+        for note in i.notes + r.notes:
             stdout.print(f"note: {note}", highlight=False)
 
     emit(result, as_json, human)

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
+from cachectl.cli.oci_options import ca_file_option, insecure_option, print_push
 from cachectl.cli.render import emit, stderr, stdout
 from cachectl.cli.warm_render import (
     Progress,
@@ -265,6 +266,15 @@ def _run_distributed(
     is_flag=True,
     help="Compile nothing: prove coverage in a fresh read-only process (= `cachectl warm-check`).",
 )
+@click.option(
+    "--push",
+    "push_to",
+    metavar="oci://REGISTRY/REPO[:TAG]",
+    help="Afterwards push what was warmed as a bundle artifact tagged for this environment "
+    "(= `cachectl bundle push --manifest MANIFEST`).",
+)
+@insecure_option
+@ca_file_option
 @click.pass_obj
 def warm_cmd(
     ctx: Context,
@@ -282,6 +292,9 @@ def warm_cmd(
     no_executables: bool,
     sign_key: str | None,
     distributed: bool | None,
+    push_to: str | None,
+    insecure: bool,
+    ca_file: str | None,
 ) -> None:
     """Compile every function x shape bucket of MANIFEST into this environment's namespace.
 
@@ -302,9 +315,18 @@ def warm_cmd(
     from cachectl.warm import resign_written, signer_for, warm
 
     _shard(shard, shards)  # a bad --shard/--shards is bad input before anything is opened
+    if push_to is not None:
+        from cachectl.bundle import oci
+
+        oci.parse_reference(push_to)
     if dist.requested(distributed):
-        if shard is not None:
-            raise BadInput(dist.SHARD_REFUSAL)
+        if shard is not None or push_to is not None:
+            raise BadInput(
+                dist.SHARD_REFUSAL
+                if shard is not None
+                else "--push does not combine with "
+                "--distributed: push from one host afterwards (cachectl bundle push)"
+            )
         _run_distributed(
             ctx,
             manifest,
@@ -339,7 +361,40 @@ def warm_cmd(
             )
     if signer is not None and not report.target_problems:
         resign_written(ctx, report, signer)
-    emit(report, as_json, print_warm, failure=_warm_failure)
+    if push_to is None or dry_run or not report.ok:
+        emit(report, as_json, print_warm, failure=_warm_failure)
+        return
+    emit(report, as_json, print_warm)
+    _push_warmed(ctx, manifest, cache_name, sign_key, push_to, insecure, ca_file, as_json)
+
+
+def _push_warmed(
+    ctx: Context,
+    manifest: str,
+    cache_name: str | None,
+    sign_key: str | None,
+    push_to: str,
+    insecure: bool,
+    ca_file: str | None,
+    as_json: bool,
+) -> None:
+    """`warm --push`: the namespace just warmed, pushed as `bundle push --manifest` does. With
+    --json the report stays stdout's one document; the push's line goes to stderr."""
+    from cachectl.bundle import oci
+
+    result = oci.push(
+        ctx,
+        push_to,
+        cache=ctx.cache(cache_name) if cache_name else None,
+        manifest=manifest,
+        sign_key=sign_key,
+        insecure=insecure,
+        ca_file=ca_file,
+    )
+    if as_json:
+        click.echo(f"pushed {result.reference} as {result.digest}", err=True)
+    else:
+        print_push(result)
 
 
 def _warm_failure(report: Any) -> CachectlError:

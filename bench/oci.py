@@ -1,0 +1,214 @@
+"""OCI: `bundle pull` (download, preflight, verify, install) vs oras's pull plus `tar -x`.
+
+A namespace of synthetic JAX entries (random bytes behind a real entry header, as in
+bench/fleet.py) is pushed once with ``cachectl.bundle.oci.push`` to a docker-registry started
+here on loopback (plain HTTP, no auth: both clients pay the same transport). Then, alternating
+in the same run, each round:
+
+- cachectl: ``cachectl.bundle.oci.pull`` into a fresh cache and index: manifest, config,
+  environment, quota and disk preflight, the blob streamed and hashed, then ``bundle install``
+  (every file's sha256, ingest's checks, staging, rename, indexing);
+- the peer: the oras Python library's ``OrasClient.pull`` of the same artifact (the oras Go
+  CLI is not packaged for Debian, PyPI or npm here), then ``tar --zstd -xf`` of the pulled file
+  into a fresh directory: the same bytes on the same disk, nothing checked or indexed.
+
+Both run in this process after JAX's backend and the fresh index are opened (untimed, once per
+machine: bench/fleet.py times the index apart); each timed step starts after an untimed sync.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.common import machine_line, stats, write_section
+from bench.fleet import _populate, _use_home
+
+SECTION = "## OCI: bundle pull vs oras pull plus tar -x"
+# bench/fleet.py's shapes: few large entries, many small ones on the disk, and the small ones again
+# on tmpfs, where no disk stall hides what each tool's own work costs.
+WORKLOADS = ((100, 512 << 10, None), (2000, 8 << 10, None), (2000, 8 << 10, "/dev/shm"))
+
+
+def _registry(tmp: Path) -> tuple[subprocess.Popen[bytes], str]:
+    binary = shutil.which("docker-registry")
+    if binary is None:
+        raise SystemExit("docker-registry is not installed (apt-get install docker-registry)")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    config = tmp / "registry.yml"
+    config.write_text(
+        "version: 0.1\nlog: {level: error}\n"
+        f"storage: {{filesystem: {{rootdirectory: {tmp / 'registry'}}}}}\n"
+        f"http: {{addr: 127.0.0.1:{port}}}\n"
+    )
+    proc = subprocess.Popen(
+        [binary, "serve", str(config)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    import requests
+
+    url = f"127.0.0.1:{port}"
+    for _ in range(200):
+        try:
+            if requests.get(f"http://{url}/v2/", timeout=1).status_code == 200:
+                return proc, url
+        except requests.RequestException:
+            time.sleep(0.05)
+    proc.kill()
+    raise SystemExit("docker-registry did not start")
+
+
+def _round(tmp: Path, ref: str, url: str, r: int) -> dict[str, float]:
+    import oras.client
+
+    from cachectl.bundle import oci
+    from cachectl.context import Context
+    from cachectl.core.config import load_settings
+
+    out: dict[str, float] = {}
+    _use_home(tmp / f"dest{r}")
+    ctx = Context(load_settings())
+    try:
+        ctx.environment()  # JAX's backend start is not part of a pull
+        ctx.cache()  # nor is creating a fresh machine's index (bench/fleet.py times it apart)
+        os.sync()
+        t0 = time.perf_counter()
+        result = oci.pull(ctx, ref, insecure=True)
+        out["cachectl"] = time.perf_counter() - t0
+        out["install"] = result.install.duration_s  # the bundle install inside the pull
+        assert result.install.installed > 0
+    finally:
+        ctx.close()
+    peer = tmp / f"peer{r}"
+    dest = tmp / f"tar{r}"
+    peer.mkdir()
+    dest.mkdir()
+    os.sync()
+    t0 = time.perf_counter()
+    client = oras.client.OrasClient(hostname=url, insecure=True)
+    (pulled,) = client.pull(target=f"{url}/bench/cache:v1", outdir=str(peer))
+    out["oras_pull"] = time.perf_counter() - t0
+    t1 = time.perf_counter()
+    subprocess.run(["tar", "--zstd", "-xf", pulled, "-C", str(dest)], check=True)
+    out["tar_x"] = time.perf_counter() - t1
+    out["peer"] = out["oras_pull"] + out["tar_x"]
+    out["bytes"] = os.path.getsize(pulled)
+    for d in (peer, dest, tmp / f"dest{r}"):
+        shutil.rmtree(d)
+    return out
+
+
+def _workload(entries: int, size: int, where: str | None, quick: bool) -> dict[str, Any]:
+    from cachectl.bundle import oci
+    from cachectl.context import Context
+    from cachectl.core.config import load_settings
+    from cachectl.core.fingerprint import current_environment
+
+    rounds = 3 if quick else 5
+    saved = {k: os.environ.get(k) for k in ("XDG_DATA_HOME", "XDG_CACHE_HOME", "XDG_CONFIG_HOME")}
+    with tempfile.TemporaryDirectory(prefix="cachectl-bench-oci-", dir=where) as t:
+        tmp = Path(t)
+        proc, url = _registry(tmp)
+        try:
+            ns_dir = _populate(tmp / "src", entries, size)
+            current_environment()
+            content = sum(p.stat().st_size for p in ns_dir.iterdir())
+            _use_home(tmp / "src")
+            ctx = Context(load_settings())
+            ref = f"oci://{url}/bench/cache:v1"
+            try:
+                oci.push(ctx, ref, insecure=True)
+            finally:
+                ctx.close()
+            rows = [_round(tmp, ref, url, r) for r in range(rounds)]
+        finally:
+            proc.kill()
+            proc.wait()
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+    res: dict[str, Any] = {
+        "entries": entries,
+        "entry_bytes": size,
+        "where": "tmpfs (/dev/shm)" if where else "the disk",
+        "content_bytes": content,
+        "bundle_bytes": rows[-1]["bytes"],
+        "rounds": rounds,
+    }
+    for k in ("cachectl", "install", "oras_pull", "tar_x", "peer"):
+        res[k] = stats([row[k] for row in rows])
+    res["ratio"] = stats([row["cachectl"] / row["peer"] for row in rows])
+    return res
+
+
+def run(quick: bool = False) -> dict[str, Any]:
+    return {
+        "workloads": [
+            _workload(e, s, where, quick)
+            for e, s, where in WORKLOADS
+            if where is None or os.path.isdir(where)
+        ]
+    }
+
+
+def _s(s: dict[str, float], unit: str = "s", fmt: str = ".2f") -> str:
+    return f"{s['median']:{fmt}} {unit} ({s['min']:{fmt}}–{s['max']:{fmt}})"
+
+
+def markdown(r: dict[str, Any]) -> str:
+    lines = [
+        SECTION,
+        "",
+        f"`python bench/oci.py`. {machine_line()}",
+        "",
+        "The machine was shared with other jobs and noisy during this run: read the ranges.",
+        "Rounds alternate, in one run, against one docker-registry 2.8 on loopback (plain HTTP): "
+        "`cachectl.bundle.oci.pull` (manifest, config and preflight, the blob streamed and "
+        "hashed, then `bundle install`: every sha256, ingest's checks, staging, rename, indexing) "
+        "into a fresh cache, against the oras Python library's `OrasClient.pull` of the same "
+        "artifact plus `tar --zstd -xf` of the pulled file (the oras Go CLI is not packaged for "
+        "Debian, PyPI or npm here, so its Python library is the peer). Medians (min–max).",
+        "",
+        "| namespace | cachectl bundle pull | of which bundle install | oras pull | tar -x | "
+        "oras pull + tar -x | ratio (goal ≤ 1.3x) |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for w in r["workloads"]:
+        mib = w["content_bytes"] / (1 << 20)
+        lines.append(
+            f"| {w['entries']} entries of {w['entry_bytes'] >> 10} KiB ({mib:.1f} MiB; bundle "
+            f"{w['bundle_bytes'] / (1 << 20):.1f} MiB) on {w['where']}, {w['rounds']} rounds | "
+            f"{_s(w['cachectl'])} | {_s(w['install'])} | "
+            f"{_s(w['oras_pull'])} | {_s(w['tar_x'])} | {_s(w['peer'])} | "
+            f"**{_s(w['ratio'], 'x')}** |"
+        )
+    lines += [
+        "",
+        "- cachectl's column does what the peer does not: the environment, quota and disk "
+        "preflight, a sha256 of the blob as it streams and of every file, ingest's entry checks, "
+        "staging and the rename into place, and an index row per entry. JAX's backend start and "
+        "creating a fresh machine's index are untimed for both (once per machine).",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    out = run(quick="--quick" in sys.argv)
+    text = markdown(out)
+    print(text)
+    if "--no-write" not in sys.argv:
+        write_section(SECTION, text)
