@@ -15,15 +15,11 @@ from __future__ import annotations
 
 import asyncio
 from asyncio import TimerHandle
-from typing import TYPE_CHECKING
 
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
 from . import zero_copy
-from .config import DEFAULT_HEADER_TIMEOUT_S
-
-if TYPE_CHECKING:
-    from .config import ServerSettings
+from .config import DEFAULT_HEADER_TIMEOUT_S, ServerSettings, settings_from_env
 
 # A request line and headers together: tokens, cookies and proxies' headers fit in a few KiB
 # (nginx's default is 8 KiB a line, 32 KiB in all; Node's 16 KiB).
@@ -163,3 +159,10 @@ def bounded_http(settings: ServerSettings) -> type[BoundedHttpTools]:
         header_timeout_s = float(settings.header_timeout_s)
 
     return Configured
+
+
+class WorkerHttpTools(BoundedHttpTools):
+    """The protocol of `cachectl serve --workers N`: uvicorn imports it by name in each worker, so
+    its header timeout comes from the settings the command left in the environment."""
+
+    header_timeout_s = float((settings_from_env() or ServerSettings(db="")).header_timeout_s)

@@ -153,6 +153,9 @@ def test_an_index_that_does_not_answer_is_answered_as_the_app_does_once(apps, mo
         raise Unreachable("the index at sqlite:///x does not answer: try again later")
 
     monkeypatch.setattr(server_queries, "recorded_digest", down)
+    # An entry neither app has asked the index about: what was asked is remembered
+    # (server/state.py ``recorded``), a failure is not.
+    path = f"{API}/caches/{MAIN}/environments/{s.digest}/entries/{s.keys[1]}"
     for method in ("GET", "HEAD"):
         asked.clear()
         got = ask(lane, s, method, path, "reader", {})
@@ -207,6 +210,7 @@ def test_the_lane_runs_as_many_requests_at_once_as_the_routes_did(tmp_path, monk
         return real(*args, **kwargs)
 
     monkeypatch.setattr(fast_lane, "head_answer", waits_for_the_others)
+    monkeypatch.setattr(fast_lane, "INLINE_KINDS", ())  # every answer in a thread, as for S3
     app = create_app(s.db)
     path = f"{API}/caches/{MAIN}/environments/{s.digest}/entries/{s.keys[0]}"
     try:
@@ -311,3 +315,56 @@ def test_a_get_cancelled_while_its_thread_reads_gives_its_slot_back(tmp_path, mo
         app.state.cachectl.index.close()
     assert finished.is_set() and not sent
     assert free_slots() == before
+
+
+def test_once_remembered_local_bytes_are_answered_on_the_event_loop(tmp_path, monkeypatch) -> None:
+    """After the first GET and HEAD of a key (which fill what server/state.py remembers), the lane
+    answers from the event loop: no thread hop, no index query, the file sent with sendfile."""
+    from cachectl_server import fast_lane
+
+    s = seed(f"sqlite:///{tmp_path}/index.db", str(tmp_path / "main"), str(tmp_path / "other"))
+    app = create_app(s.db)
+    key = s.keys[0]
+    url_path = f"{API}/caches/{MAIN}/environments/{s.digest}/entries/{key}"
+    threaded: list[str] = []
+    real_head, real_download = fast_lane.head_answer, fast_lane.download_answer
+
+    def counted(real, name):
+        def wrapper(*args, **kwargs):
+            threaded.append(name)
+            return real(*args, **kwargs)
+
+        return wrapper
+
+    monkeypatch.setattr(fast_lane, "head_answer", counted(real_head, "head"))
+    monkeypatch.setattr(fast_lane, "download_answer", counted(real_download, "get"))
+    try:
+        with LiveServer(app) as server, httpx.Client(base_url=server.url) as client:
+            for method in ("GET", "HEAD", "GET", "HEAD"):  # the app's routes, then the lane's
+                assert client.request(method, url_path, headers=bearer(s.tokens["reader"]))
+            threaded.clear()
+
+            def no_index(*args, **kwargs):
+                raise AssertionError("the index was asked")
+
+            monkeypatch.setattr(server_queries, "recorded_digest", no_index)
+            monkeypatch.setattr(server_queries, "locate", no_index)
+            for _ in range(3):
+                got = client.get(url_path, headers=bearer(s.tokens["reader"]))
+                assert got.status_code == 200 and got.content == s.entry_bytes[key]
+                assert got.headers["x-cachectl-sha256"] == sha256(s.entry_bytes[key])
+                head = client.head(url_path, headers=bearer(s.tokens["reader"]))
+                assert head.status_code == 200 and head.content == b""
+                assert int(head.headers["content-length"]) == len(s.entry_bytes[key])
+            assert threaded == []
+            # an entry deleted from storage is a 404 at once (the app's answer)
+            os.unlink(f"{tmp_path}/main/{s.env.namespace}/{key}-cache")
+            monkeypatch.undo()
+            for method in ("GET", "HEAD"):
+                assert (
+                    client.request(method, url_path, headers=bearer(s.tokens["reader"])).status_code
+                    == 404
+                )
+    finally:
+        app.state.cachectl.jobs.shutdown()
+        app.state.cachectl.index.close()
