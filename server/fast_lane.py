@@ -35,8 +35,9 @@ from fastapi import HTTPException, Request, Response
 from fastapi.routing import APIRoute
 from starlette.types import Message, Receive, Scope, Send
 
-from cachectl.core.errors import CachectlError, NotFound
+from cachectl.core.errors import BadInput, CachectlError, NotFound
 from cachectl.storage.store import Store
+from cachectl.storage.store_local import LocalReader
 
 from . import entry_routes, executable_routes
 from .accel import ACCEL_HEADER, accel_uri
@@ -125,6 +126,53 @@ def raw_headers(size: int, sha: str | None) -> list[tuple[bytes, bytes]]:
     return headers
 
 
+class _Fd:
+    """An open descriptor as server/zero_copy.py takes a file: ``fileno``, closed once sent."""
+
+    __slots__ = ("fd",)
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def fileno(self) -> int:
+        return self.fd
+
+    def __enter__(self) -> _Fd:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        os.close(self.fd)
+
+
+class Readers:
+    """A local root's directories opened once (``LocalReader``: no symlink followed, one
+    ``fstatat`` or ``openat`` per request instead of an ``lstat`` per directory), for at most
+    ``ttl_s``: a namespace deleted and made again is seen that much later (until then its entries
+    are 404s, never another file's bytes). Used on the event loop only."""
+
+    def __init__(self, ttl_s: float) -> None:
+        self.ttl_s = ttl_s
+        self._items: dict[str, tuple[LocalReader, float]] = {}
+
+    def get(self, root: str) -> LocalReader:
+        now = time.monotonic()
+        item = self._items.get(root)
+        if item is not None and item[1] >= now:
+            return item[0]
+        if item is not None:
+            item[0].__exit__(None, None, None)
+            del self._items[root]
+        reader = LocalReader(root)
+        if self.ttl_s > 0:
+            self._items[root] = (reader, now + self.ttl_s)
+        return reader
+
+    def done(self, reader: LocalReader) -> None:
+        """Close a reader that is not kept (``ttl_s`` 0)."""
+        if self.ttl_s <= 0:
+            reader.__exit__(None, None, None)
+
+
 class ByteFastLane:
     """Asked by server/app.py ``CachectlApp`` before its middleware stack: ``answer`` says whether
     it answered; a request it leaves goes, untouched, to the app."""
@@ -141,6 +189,7 @@ class ByteFastLane:
         # object store waits on the network there, and asyncio's default pool has cores + 4.
         self.threads = ThreadPoolExecutor(LANE_THREADS, thread_name_prefix="cachectl-bytes")
         self.library_error = library_error  # the app's handler of a library error (server/app.py)
+        self.readers = Readers(state.settings.token_cache_s)
 
     def _match(self, scope: Scope) -> tuple[Lane, dict[str, str]] | None:
         if scope.get("root_path"):
@@ -215,14 +264,17 @@ class ByteFastLane:
         _info, env, recorded = known
         rel = lane.reads.path_of(env, params["key"])
         accel = self.state.settings.accel_redirect if lane.method == "GET" else None
+        reader = self.readers.get(store.root)
         try:
             if lane.method == "HEAD" or accel is not None:
-                fh, size = None, store.size(rel)
+                fh, size = None, reader.size(rel)
             else:
-                fh = store.open(rel, "rb")
-                size = os.fstat(fh.fileno()).st_size
-        except OSError:
+                fd, size = reader.open_fd(rel)
+                fh = _Fd(fd)
+        except (OSError, BadInput):
             return False
+        finally:
+            self.readers.done(reader)
         sha = recorded[1] if recorded and recorded[0] == size else None
         scope["route"], scope["path_params"] = lane.route, params  # the metrics' route template
         headers = raw_headers(size, sha)

@@ -152,6 +152,7 @@ class Metrics:
         )
         if index is not None:
             r.register(IndexCollector(index))
+        self.series: dict[tuple[str, str, int], tuple[Any, Any]] = {}
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -192,9 +193,18 @@ class MetricsMiddleware:
 
 
 def observe(metrics: Metrics, method: str, template: str, status: int, elapsed: float) -> None:
-    """Count, time and log one request (MetricsMiddleware's, and server/fast_lane.py's)."""
-    metrics.requests.labels(method, template, str(status)).inc()
-    metrics.latency.labels(method, template).observe(elapsed)
+    """Count, time and log one request (MetricsMiddleware's, and server/fast_lane.py's); each
+    route's series are looked up once (``labels`` takes a lock and builds a key every call)."""
+    series = metrics.series.get((method, template, status))
+    if series is None:
+        series = (
+            metrics.requests.labels(method, template, str(status)),
+            metrics.latency.labels(method, template),
+        )
+        if len(metrics.series) < 10_000:  # templates and statuses: a few hundred at most
+            metrics.series[(method, template, status)] = series
+    series[0].inc()
+    series[1].observe(elapsed)
     # The template, never the query string: nothing a client put in the URL
     # (a token by mistake) reaches the log.
     if access_log.isEnabledFor(logging.INFO):

@@ -30,6 +30,7 @@ class ServerState:
     metrics: Metrics
     ctx: Context = field(init=False)
     _stores: dict[str, Store] = field(default_factory=dict, init=False)
+    _by_info: dict[int, tuple[CacheInfo, Store]] = field(default_factory=dict, init=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, init=False)
     tokens: TokenCache = field(init=False)
     # (cache, digest prefix) -> its policy and environment, for the read routes (server/recent.py)
@@ -97,7 +98,18 @@ class ServerState:
         self._recorded.clear()
 
     def store(self, cache: CacheInfo) -> Store:
-        """One Store per root and options: object-store clients are costly to build."""
+        """One Store per root and options: object-store clients are costly to build. The same
+        CacheInfo (``where`` remembers it) finds its Store without building the key again."""
+        hit = self._by_info.get(id(cache))
+        if hit is not None and hit[0] is cache:
+            return hit[1]
+        store = self._store(cache)
+        if len(self._by_info) >= Recent.MAX:
+            self._by_info.clear()
+        self._by_info[id(cache)] = (cache, store)
+        return store
+
+    def _store(self, cache: CacheInfo) -> Store:
         key = cache.root_url + "\0" + json.dumps(cache.storage_options, sort_keys=True, default=str)
         with self._lock:
             store = self._stores.get(key)

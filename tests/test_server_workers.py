@@ -103,6 +103,8 @@ def test_each_worker_serves_and_a_killed_one_is_replaced(tmp_path) -> None:
     with serving(tmp_path, s, 2) as server:
         url = _entry_url(server, s, key)
         first, second = workers_of(server.process.pid)
+        for worker in (first, second):  # each runs on uvloop (the server extra installs it)
+            assert "uvloop" in Path(f"/proc/{worker}/maps").read_text(), worker
         for alone in (second, first):  # each worker alone answers GET and HEAD
             with stopped(first if alone == second else second):
                 for _ in range(5):
