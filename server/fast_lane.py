@@ -61,6 +61,9 @@ LANE_THREADS = 40
 # The stores whose answers are made on the event loop (a stat, an open): local disk. An object
 # store's HEAD waits on the network, in a thread.
 INLINE_KINDS: tuple[str, ...] = ("file",)
+# A GET up to this size is read and written with its headers in one write, with no ASGI cycle
+# (server/http_edge.py); a larger one is sent with sendfile.
+NOW_MAX = 64 * 1024
 _OCTETS = (b"content-type", b"application/octet-stream")
 _PRIVATE = (b"cache-control", b"private, max-age=0")
 # Each byte route's path, as the app serves it, and what it reads.
@@ -249,6 +252,79 @@ class ByteFastLane:
             ):
                 return await self._inline(lane, params, store, known, scope, send)
         return await self._threaded(lane, params, scope, receive, send)
+
+    def answer_now(
+        self, method: str, path: str, headers: list[tuple[bytes, bytes]], date: list[Any]
+    ) -> bytes | None:
+        """The whole HTTP/1.1 answer to a HEAD, or to a GET of at most ``NOW_MAX`` bytes (or one
+        nginx sends), made at once from what ``_inline`` would send, for server/http_edge.py to write
+        with no ASGI cycle; None leaves the request to ``answer`` and the app. Counted and logged."""
+        started = time.perf_counter()
+        found = self._ready(method, path, headers)
+        if found is None:
+            return None
+        lane, params, store, (_info, env, recorded) = found
+        rel = lane.reads.path_of(env, params["key"])
+        accel = self.state.settings.accel_redirect if method == "GET" else None
+        reader = self.readers.get(store.root)
+        body = b""
+        try:
+            if method == "HEAD" or accel is not None:
+                size = reader.size(rel)
+            else:
+                fd, size = reader.open_fd(rel)
+                try:
+                    if size > NOW_MAX:
+                        return None
+                    body = os.read(fd, size + 1)
+                finally:
+                    os.close(fd)
+                if len(body) != size:
+                    return None  # replaced while read: the ASGI path answers
+        except (OSError, BadInput):
+            return None
+        finally:
+            self.readers.done(reader)
+        sha = recorded[1] if recorded and recorded[0] == size else None
+        lines = raw_headers(size, sha)
+        if accel is not None:
+            lines[0] = (b"content-length", b"0")
+            lines.append((ACCEL_HEADER.encode(), accel_uri(accel, params["cache"], rel).encode()))
+        elif method == "GET":
+            self.state.metrics.download_bytes.labels(params["cache"]).inc(size)
+        head = b"".join(b"%s: %s\r\n" % (name, value) for name, value in [*date, *lines])
+        observe(self.state.metrics, method, lane.route.path, 200, time.perf_counter() - started)
+        return b"HTTP/1.1 200 OK\r\n" + head + b"\r\n" + body
+
+    def _ready(
+        self, method: str, path: str, headers: list[tuple[bytes, bytes]]
+    ) -> tuple[Lane, dict[str, str], Store, tuple[Any, Any, tuple[int, str] | None]] | None:
+        """What ``answer_now`` needs, when every check passes and all of it is remembered."""
+        for lane in self.lanes:
+            if lane.method == method and (m := lane.route.path_regex.match(path)):
+                break
+        else:
+            return None
+        params = m.groupdict()
+        cache, digest, key = params["cache"], params["digest"], params["key"]
+        if not (0 < len(cache) <= MAX_CACHE_NAME and 0 < len(digest) <= MAX_DIGEST):
+            return None
+        authorization, has_body = _head({"headers": headers})
+        bearer = bearer_value(authorization)
+        token = self.state.tokens.get(bearer) if bearer is not None else None
+        if has_body or token is None or refusal(token, lane.role, "cache", cache) is not None:
+            return None
+        try:
+            check_key(key)
+        except HTTPException:
+            return None
+        known = self.state.known(cache, digest, key, lane.reads.executable)
+        if known is None:
+            return None
+        store = self.state.store(known[0])
+        if store.kind not in INLINE_KINDS:
+            return None
+        return lane, params, store, known
 
     async def _inline(
         self,

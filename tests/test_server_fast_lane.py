@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import socket
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -368,3 +369,82 @@ def test_once_remembered_local_bytes_are_answered_on_the_event_loop(tmp_path, mo
     finally:
         app.state.cachectl.jobs.shutdown()
         app.state.cachectl.index.close()
+
+
+def test_small_gets_and_heads_are_written_whole_with_the_apps_headers(
+    tmp_path, monkeypatch
+) -> None:
+    """Once remembered, a HEAD and a GET up to NOW_MAX are written by the connection's protocol
+    (server/http_edge.py ``_answer_now``) with no ASGI cycle: the same status, headers (but the
+    date) and bytes as the app's own route gives, pipelined requests in order, and counted."""
+    from cachectl_server import fast_lane
+
+    s = seed(f"sqlite:///{tmp_path}/index.db", str(tmp_path / "main"), str(tmp_path / "other"))
+    lane_app, plain_app = create_app(s.db), create_app(s.db, byte_fast_lane=False)
+    asgi_answers: list[int] = []
+    real = fast_lane.ByteFastLane.answer
+
+    async def counted(self, scope, receive, send):
+        asgi_answers.append(1)
+        return await real(self, scope, receive, send)
+
+    monkeypatch.setattr(fast_lane.ByteFastLane, "answer", counted)
+    headers = bearer(s.tokens["reader"])
+    paths = [f"{API}/caches/{MAIN}/environments/{s.digest}/entries/{k}" for k in s.keys]
+
+    def answers(client: httpx.Client) -> list[tuple[int, list[tuple[str, str]], bytes]]:
+        got = []
+        for path in paths:
+            for method in ("GET", "HEAD"):
+                r = client.request(method, path, headers=headers)
+                got.append(
+                    (
+                        r.status_code,
+                        sorted(kv for kv in r.headers.multi_items() if kv[0] != "date"),
+                        r.content,
+                    )
+                )
+        return got
+
+    try:
+        with (
+            LiveServer(lane_app) as lane,
+            LiveServer(plain_app) as plain,
+            httpx.Client(base_url=lane.url) as lane_client,
+            httpx.Client(base_url=plain.url) as plain_client,
+        ):
+            first = answers(lane_client)  # the app's routes, which fill what the lane remembers
+            asgi_answers.clear()
+            again = answers(lane_client)
+            assert asgi_answers == []  # all written at once
+            assert again == first == answers(plain_client)
+            assert "date" in lane_client.head(paths[0], headers=headers).headers
+            # pipelined on one connection: each answer in its place
+            with socket.create_connection(("127.0.0.1", lane.port), timeout=30) as sock:
+                auth = headers["authorization"]
+                sock.sendall(
+                    b"".join(
+                        f"{m} {p} HTTP/1.1\r\nHost: x\r\nAuthorization: {auth}\r\n\r\n".encode()
+                        for p in paths
+                        for m in ("HEAD", "GET")
+                    )
+                )
+                got = b""
+                sock.settimeout(10)
+                while got.count(b"HTTP/1.1 200") < 2 * len(paths) or not got.endswith(
+                    s.entry_bytes[s.keys[-1]]
+                ):
+                    chunk = sock.recv(1 << 16)
+                    assert chunk
+                    got += chunk
+                positions = [got.index(s.entry_bytes[k]) for k in s.keys]  # GET bodies in order
+                assert positions == sorted(positions)
+            metrics = lane_client.get("/metrics", headers=headers).text
+    finally:
+        for app in (lane_app, plain_app):
+            app.state.cachectl.jobs.shutdown()
+            app.state.cachectl.index.close()
+    template = "/api/v1/caches/{cache}/environments/{digest}/entries/{key}"
+    count = f'cachectl_http_requests_total{{method="HEAD",route="{template}",status="200"}} '
+    assert count in metrics
+    assert float(metrics.split(count, 1)[1].split()[0]) == 2 * len(paths) + 1 + len(paths)
