@@ -30,6 +30,7 @@ MODULES = (
     "size_limit",
     "lifecycle",
     "server",
+    "nginx",
     "hostile",
     "signatures",
     "fleet",

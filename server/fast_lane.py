@@ -7,6 +7,8 @@ dependencies, a thread hop through anyio (BENCHMARKS.md, "Server"). The app (ser
 that every check passes, and answers it with what the routes themselves use: the role and scope each
 byte route declares (server/auth.py ``refusal``), the token cache the routes fill, ``check_key``, and
 the same headers. It counts and logs what it answers itself (server/metrics.py ``observe``).
+Under `cachectl serve`, ``answer_now`` goes further for a HEAD and a GET up to ``NOW_MAX``: the
+connection's protocol (server/http_edge.py) writes the whole answer it makes, with no ASGI cycle.
 
 Where the token, the (cache, environment) pair and the entry's recorded sha256 are all remembered
 (server/state.py ``known``: each at most ``token_cache_s`` old, so a revoked token or a deleted

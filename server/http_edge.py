@@ -9,6 +9,12 @@ past ``MAX_HEAD_BYTES`` or ``MAX_HEADERS`` is answered 431 and the connection cl
 most one more read of the socket; one that has not arrived ``header_timeout_s`` after its first
 byte (or after the connection opened) is answered 408 and closed. Bodies are bounded after the
 head, by ``limits.BodyGuard``. Each GET is offered zero-copy file sends (server/zero_copy.py).
+
+A HEAD, or a GET of a small file, that the app's byte fast lane can answer whole from what it
+remembers (server/fast_lane.py ``answer_now``) is written here as soon as its head is parsed, with
+no ASGI cycle, task or scope: most of what such a request cost was uvicorn's per-request
+machinery (BENCHMARKS.md "Server against nginx"). Only on a keep-alive HTTP/1.1 connection with
+no response in flight and none queued; anything else goes to the app as before.
 """
 
 from __future__ import annotations
