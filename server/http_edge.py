@@ -136,6 +136,7 @@ class BoundedHttpTools(HttpToolsProtocol):
             (cycle is not None and not cycle.response_complete)
             or self.pipeline
             or self.flow.write_paused
+            or self.transport.is_closing()
             or self.parser.get_http_version() != "1.1"
             or not self.parser.should_keep_alive()
             or self.parser.should_upgrade()
