@@ -27,6 +27,7 @@ MODULES = (
     "service",
     "serving",
     "field",
+    "hidden_model",
     "size_limit",
     "lifecycle",
     "server",
