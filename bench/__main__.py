@@ -30,6 +30,7 @@ MODULES = (
     "hidden_model",
     "size_limit",
     "lifecycle",
+    "sync_process",
     "server",
     "nginx",
     "hostile",
