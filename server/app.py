@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import os
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any
@@ -17,6 +18,7 @@ from fastapi import FastAPI, Request
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
+from starlette.types import Receive, Scope, Send
 
 from cachectl import __version__
 from cachectl.core.errors import (
@@ -29,7 +31,7 @@ from cachectl.lifecycle import sweep
 
 from . import admin, api, dashboard, entry_routes, executable_routes, health
 from .auth import PUBLIC, ROLE_KEY, hides_caches
-from .config import ServerSettings
+from .config import WORKER_LOG_LEVEL_ENV, WORKER_SETTINGS_ENV, ServerSettings, settings_from_env
 from .fast_lane import ByteFastLane
 from .jobs import JobRunner
 from .limits import BodyGuard
@@ -141,6 +143,21 @@ def _state(settings: ServerSettings) -> ServerState:
     return state
 
 
+class CachectlApp(FastAPI):
+    """FastAPI whose GETs and HEADs of stored bytes are offered to server/fast_lane.py first,
+    outside the middleware stack (the lane counts and logs what it answers itself)."""
+
+    fast_lane: ByteFastLane | None = None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        lane = self.fast_lane
+        if lane is not None and scope["type"] == "http" and scope["method"] in ("GET", "HEAD"):
+            scope["app"] = self
+            if await lane.answer(scope, receive, send):
+                return
+        await super().__call__(scope, receive, send)
+
+
 def create_app(
     settings: ServerSettings | str, *, byte_fast_lane: bool = True, **overrides: Any
 ) -> FastAPI:
@@ -152,7 +169,7 @@ def create_app(
         settings = ServerSettings(db=settings)
     settings = settings.with_overrides(**overrides)
     state = _state(settings)
-    app = FastAPI(
+    app = CachectlApp(
         title="cachectl",
         version=__version__,
         description="Shared JAX persistent compilation caches over HTTP: the cachectl library behind tokens.",
@@ -172,10 +189,25 @@ def create_app(
     app.include_router(admin.router)
     app.include_router(dashboard.router)
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
-    if byte_fast_lane:  # inside BodyGuard and metrics: what it answers is counted and logged
-        app.add_middleware(ByteFastLane, state=state, library_error=library_error)
+    if byte_fast_lane:
+        app.fast_lane = ByteFastLane(state=state, library_error=library_error)
     app.add_middleware(
         BodyGuard, settings=settings
     )  # inside metrics: its 401s and 413s are counted
     app.add_middleware(MetricsMiddleware, metrics=state.metrics)
+    return app
+
+
+def worker_app() -> FastAPI:
+    """The app factory of `cachectl serve --workers N` (uvicorn imports it in each worker): the
+    settings the command resolved, from the environment (server/config.py ``settings_from_env``)."""
+    settings = settings_from_env()
+    if settings is None:
+        raise RuntimeError(f"{WORKER_SETTINGS_ENV} is not set: start workers with cachectl serve")
+    level = os.environ.get(WORKER_LOG_LEVEL_ENV, "INFO")
+    logging.basicConfig(
+        level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True
+    )
+    app = create_app(settings)
+    freeze_startup_heap()
     return app

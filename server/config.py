@@ -6,8 +6,11 @@ nothing here is per-replica state: every replica can be started the same way.
 
 from __future__ import annotations
 
+import json
+import os
+import re
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from cachectl.core.config import SERVER_HOST as DEFAULT_HOST
@@ -66,6 +69,9 @@ class ServerSettings:
     token_cache_s: float = 2.0
     # Seconds a request's head may take to arrive (`cachectl serve`'s connections; 408 after).
     header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S
+    # Behind nginx (server/accel.py): a GET of bytes on local disk is answered with an
+    # X-Accel-Redirect to this internal location, and nginx sends the file. None: sent here.
+    accel_redirect: str | None = None
 
     def with_overrides(self, **overrides: Any) -> ServerSettings:
         return replace(self, **{k: v for k, v in overrides.items() if v is not None})
@@ -86,11 +92,30 @@ def _size(_name: str, value: Any) -> int:
     return parse_size(value)
 
 
+def _staleness(name: str, value: Any) -> float:
+    seconds = value if isinstance(value, (int, float)) else parse_duration(value).total_seconds()
+    if not seconds >= 0:
+        raise BadInput(f"{name} must be 0 s or more, not {value!r}")
+    return float(seconds)
+
+
 def _seconds(name: str, value: Any) -> float:
     seconds = value if isinstance(value, (int, float)) else parse_duration(value).total_seconds()
     if not seconds > 0:
         raise BadInput(f"{name} must be above 0 s, not {value!r}")
     return float(seconds)
+
+
+def _accel_prefix(name: str, value: Any) -> str | None:
+    text = str(value).strip()
+    if text.lower() in ("", "off", "none"):
+        return None
+    if not re.fullmatch(r"/[A-Za-z0-9_\-/]*/", text):
+        raise BadInput(
+            f"{name} must be nginx's internal location, a path such as /_cachectl_files/, "
+            f"not {value!r}"
+        )
+    return text
 
 
 # The server's keys, on top of the CLI's (cachectl.core.config.KEYS gives it ``db``); environment only.
@@ -103,7 +128,24 @@ SERVER_KEYS = (
     Key("telemetry_retention_s", "CACHECTL_SERVER_TELEMETRY_RETENTION", _interval),
     Key("max_upload_bytes", "CACHECTL_SERVER_MAX_UPLOAD", _size),
     Key("header_timeout_s", "CACHECTL_SERVER_HEADER_TIMEOUT", _seconds),
+    Key("token_cache_s", "CACHECTL_SERVER_TOKEN_CACHE", _staleness),
+    Key("accel_redirect", "CACHECTL_SERVER_ACCEL_REDIRECT", _accel_prefix),
 )
+
+# `cachectl serve --workers N`: each worker process builds its app from the settings the command
+# resolved, passed in this variable (uvicorn starts workers as fresh interpreters).
+WORKER_SETTINGS_ENV = "CACHECTL_SERVER_WORKER_SETTINGS"
+WORKER_LOG_LEVEL_ENV = "CACHECTL_SERVER_WORKER_LOG_LEVEL"
+
+
+def settings_to_env(settings: ServerSettings) -> str:
+    return json.dumps(asdict(settings))
+
+
+def settings_from_env() -> ServerSettings | None:
+    """The settings `cachectl serve --workers N` left for its workers, or None outside one."""
+    text = os.environ.get(WORKER_SETTINGS_ENV)
+    return ServerSettings(**json.loads(text)) if text else None
 
 
 def load_server_settings(

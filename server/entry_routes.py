@@ -39,6 +39,7 @@ from cachectl.storage.entries import CACHE_SUFFIX, MAX_KEY_LENGTH, EntryName, pa
 
 from . import responses as out
 from . import schemas, zero_copy
+from .accel import ACCEL_HEADER, accel_uri
 from .api import CacheName, Digest
 from .auth import route
 from .config import EXPANSION_RATIO, ServerSettings
@@ -291,6 +292,7 @@ async def upload(
     finally:
         if body is not None:
             body.discard()
+        state.entries_changed()
     state.metrics.uploads.labels(cache, "stored").inc()
     state.metrics.upload_bytes.labels(cache).inc(body.size)
     return ok(done.entry, status(done.outcome))
@@ -313,7 +315,7 @@ def located(
 ) -> tuple[CacheInfo, EnvironmentInfo, int, str | None]:
     """The object's cache, environment, size and recorded sha256; 404 when storage lacks it."""
     info, env = state.where(cache, digest)
-    recorded = sq.recorded_digest(state.index, env.id, key, executable=route.executable)
+    recorded = state.recorded(env.id, key, route.executable)
     try:
         size = state.store(info).size(route.path_of(env, key))
     except FileNotFoundError:
@@ -351,7 +353,7 @@ def opened(
     Only a regular file inside the namespace is opened: on local disk no symlink is followed
     (O_NOFOLLOW, every directory on the path checked), so a link planted in a namespace serves nothing."""
     info, env = state.where(cache, digest)
-    recorded = sq.recorded_digest(state.index, env.id, key, executable=route.executable)
+    recorded = state.recorded(env.id, key, route.executable)
     store = state.store(info)
     try:
         fh = store.open(route.path_of(env, key), "rb")
@@ -469,6 +471,16 @@ def download_answer(
     state: ServerState, cache: str, digest: str, key: str, route: ByteRoute, zero_copy: bool = False
 ) -> Response:
     """A GET's work, in a worker thread (the route's, and server/fast_lane.py's)."""
+    prefix = state.settings.accel_redirect
+    if prefix is not None and state.store(state.where(cache, digest)[0]).kind == "file":
+        # Behind nginx (server/accel.py): checked here, sent by nginx.
+        _info, env, size, sha = located(state, cache, digest, key, route)
+        headers = {
+            **byte_headers(size, sha),
+            "content-length": "0",
+            ACCEL_HEADER: accel_uri(prefix, cache, route.path_of(env, key)),
+        }
+        return Response(status_code=200, headers=headers, media_type="application/octet-stream")
     got = opened(state, cache, digest, key, route, zero_copy=zero_copy)
     headers = byte_headers(got.size, got.sha256)
     return SentFile(got.body, got.size, headers) if got.sent else stream_file(got.body, headers)
@@ -554,4 +566,6 @@ def register_entries(
         raise HTTPException(
             409, f"{exc.message}; an admin may replace it with {OVERWRITE_HEADER}: true"
         ) from None
+    finally:
+        state.entries_changed()
     return ok({"inserted": inserted, "updated": updated})

@@ -1,39 +1,73 @@
-"""GET and HEAD of stored bytes (an entry, its stored executable) answered before FastAPI routes them.
+"""GET and HEAD of stored bytes (an entry, its stored executable) answered before FastAPI sees them.
 
 These are most of a fleet's requests, and most of what each one cost was FastAPI's machinery around
-a handler that does little: matching every route in turn, solving the dependencies, a thread hop
-through anyio (BENCHMARKS.md, "Server"). This lane answers only the request that every check passes,
-and answers it with what the routes themselves use: the role and scope each byte route declares
-(server/auth.py ``refusal``), the token cache the routes fill, ``check_key``, and ``head_answer``
-or ``download_answer`` in one thread hop, which build the same response. Anything else goes on to the
-app, which answers it as it always did: no token or one not cached yet, a refusal, a path or
-parameter the route would reject, a body, a missing entry, an error. So no answer differs from the
-app's (tests/test_server_fast_lane.py asks both the same questions), and no rule is written twice.
+a handler that does little: the middleware stack, matching every route in turn, solving the
+dependencies, a thread hop through anyio (BENCHMARKS.md, "Server"). The app (server/app.py
+``CachectlApp``) asks this lane first, outside its middleware stack; the lane answers only the request
+that every check passes, and answers it with what the routes themselves use: the role and scope each
+byte route declares (server/auth.py ``refusal``), the token cache the routes fill, ``check_key``, and
+the same headers. It counts and logs what it answers itself (server/metrics.py ``observe``).
+Under `cachectl serve`, ``answer_now`` goes further for a HEAD and a GET up to ``NOW_MAX``: the
+connection's protocol (server/http_edge.py) writes the whole answer it makes, with no ASGI cycle.
+
+Where the token, the (cache, environment) pair and the entry's recorded sha256 are all remembered
+(server/state.py ``known``: each at most ``token_cache_s`` old, so a revoked token or a deleted
+environment stops being served that much later at the latest) and the bytes are a file on local disk,
+the answer is made on the event loop: a ``stat`` for HEAD; for GET the file is opened and handed to
+the server's ``sendfile`` (server/zero_copy.py), with no thread hop. Otherwise (an object store, the
+first request for a key, a server without zero-copy) ``head_answer`` or ``download_answer`` run in one
+thread hop. Anything else goes on to the app, which answers it as it always did: no token or one not
+cached yet, a refusal, a path or parameter the route would reject, a body, a missing entry, an error.
+So no answer differs from the app's (tests/test_server_fast_lane.py asks both the same questions),
+and no rule is written twice.
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
+import os
+import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 from fastapi import HTTPException, Request, Response
 from fastapi.routing import APIRoute
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import Message, Receive, Scope, Send
 
-from cachectl.core.errors import CachectlError, NotFound
+from cachectl.core.errors import BadInput, CachectlError, NotFound
+from cachectl.storage.store import Store
+from cachectl.storage.store_local import LocalReader
 
 from . import entry_routes, executable_routes
+from .accel import ACCEL_HEADER, accel_uri
 from .api import MAX_CACHE_NAME, MAX_DIGEST
 from .auth import PUBLIC, ROLE_KEY, SCOPE_KEY, bearer_value, refusal
-from .entry_routes import ENTRY, ByteRoute, check_key, discard, download_answer, head_answer
+from .entry_routes import (
+    ENTRY,
+    SHA_HEADER,
+    ByteRoute,
+    check_key,
+    discard,
+    download_answer,
+    head_answer,
+)
 from .executable_routes import EXECUTABLE
+from .metrics import observe
 from .state import ServerState
-from .zero_copy import offered
+from .zero_copy import ZERO_COPY, offered
 
 LANE_THREADS = 40
+# The stores whose answers are made on the event loop (a stat, an open): local disk. An object
+# store's HEAD waits on the network, in a thread.
+INLINE_KINDS: tuple[str, ...] = ("file",)
+# A GET up to this size is read and written with its headers in one write, with no ASGI cycle
+# (server/http_edge.py); a larger one is sent with sendfile.
+NOW_MAX = 64 * 1024
+_OCTETS = (b"content-type", b"application/octet-stream")
+_PRIVATE = (b"cache-control", b"private, max-age=0")
 # Each byte route's path, as the app serves it, and what it reads.
 BYTE_ROUTES: dict[str, ByteRoute] = {
     entry_routes.router.prefix + entry_routes.ENTRY_ROUTE: ENTRY,
@@ -88,31 +122,79 @@ def _discard_unsent(work: asyncio.Future[Response]) -> None:
         discard(work.result())
 
 
+def raw_headers(size: int, sha: str | None) -> list[tuple[bytes, bytes]]:
+    """entry_routes.byte_headers as ASGI sends them (the routes' Response adds the content type)."""
+    headers = [(b"content-length", str(size).encode("latin-1")), _PRIVATE]
+    if sha:
+        headers += [(SHA_HEADER.encode(), sha.encode()), (b"etag", f'"{sha}"'.encode())]
+    headers.append(_OCTETS)
+    return headers
+
+
+class _Fd:
+    """An open descriptor as server/zero_copy.py takes a file: ``fileno``, closed once sent."""
+
+    __slots__ = ("fd",)
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def fileno(self) -> int:
+        return self.fd
+
+    def __enter__(self) -> _Fd:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        os.close(self.fd)
+
+
+class Readers:
+    """A local root's directories opened once (``LocalReader``: no symlink followed, one
+    ``fstatat`` or ``openat`` per request instead of an ``lstat`` per directory), for at most
+    ``ttl_s``: a namespace deleted and made again is seen that much later (until then its entries
+    are 404s, never another file's bytes). Used on the event loop only."""
+
+    def __init__(self, ttl_s: float) -> None:
+        self.ttl_s = ttl_s
+        self._items: dict[str, tuple[LocalReader, float]] = {}
+
+    def get(self, root: str) -> LocalReader:
+        now = time.monotonic()
+        item = self._items.get(root)
+        if item is not None and item[1] >= now:
+            return item[0]
+        if item is not None:
+            item[0].__exit__(None, None, None)
+            del self._items[root]
+        reader = LocalReader(root)
+        if self.ttl_s > 0:
+            self._items[root] = (reader, now + self.ttl_s)
+        return reader
+
+    def done(self, reader: LocalReader) -> None:
+        """Close a reader that is not kept (``ttl_s`` 0)."""
+        if self.ttl_s <= 0:
+            reader.__exit__(None, None, None)
+
+
 class ByteFastLane:
-    """Pure ASGI, inside BodyGuard and MetricsMiddleware (which count and log what it answers)."""
+    """Asked by server/app.py ``CachectlApp`` before its middleware stack: ``answer`` says whether
+    it answered; a request it leaves goes, untouched, to the app."""
 
     def __init__(
         self,
-        app: ASGIApp,
         *,
         state: ServerState,
         library_error: Callable[[Request, Exception], Awaitable[Response]],
     ) -> None:
-        self.app = app
         self.state = state
         self.lanes = lanes()
         # As many threads as the routes' own hop may use (anyio's default limiter): a HEAD on an
         # object store waits on the network there, and asyncio's default pool has cores + 4.
         self.threads = ThreadPoolExecutor(LANE_THREADS, thread_name_prefix="cachectl-bytes")
         self.library_error = library_error  # the app's handler of a library error (server/app.py)
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["method"] not in ("GET", "HEAD"):
-            await self.app(scope, receive, send)
-            return
-        answered = await self._answer(scope, receive, send)
-        if not answered:
-            await self.app(scope, receive, send)
+        self.readers = Readers(state.settings.token_cache_s)
 
     def _match(self, scope: Scope) -> tuple[Lane, dict[str, str]] | None:
         if scope.get("root_path"):
@@ -123,8 +205,31 @@ class ByteFastLane:
                 return lane, m.groupdict()
         return None
 
+    async def answer(self, scope: Scope, receive: Receive, send: Send) -> bool:
+        """Whether this lane answered (counted and logged); False leaves the request to the app."""
+        started = time.perf_counter()
+        status: list[int] = []
+
+        async def counted(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                status.append(message["status"])
+            await send(message)
+
+        try:
+            answered = await self._answer(scope, receive, counted)
+        finally:
+            if status:
+                route = scope.get("route")
+                observe(
+                    self.state.metrics,
+                    scope["method"],
+                    getattr(route, "path", "<unmatched>"),
+                    status[0],
+                    time.perf_counter() - started,
+                )
+        return answered
+
     async def _answer(self, scope: Scope, receive: Receive, send: Send) -> bool:
-        """Whether this lane answered; False leaves the request, untouched, to the app."""
         matched = self._match(scope)
         if matched is None:
             return False
@@ -139,12 +244,143 @@ class ByteFastLane:
             return False
         try:
             check_key(key)
-            args = (self.state, cache, digest, key, lane.reads)
-            answer = (
-                functools.partial(download_answer, *args, offered(scope))
-                if lane.method == "GET"
-                else functools.partial(head_answer, *args)
-            )
+        except HTTPException:
+            return False
+        known = self.state.known(cache, digest, key, lane.reads.executable)
+        if known is not None:
+            store = self.state.store(known[0])
+            if store.kind in INLINE_KINDS and (
+                lane.method == "HEAD" or offered(scope) or self.state.settings.accel_redirect
+            ):
+                return await self._inline(lane, params, store, known, scope, send)
+        return await self._threaded(lane, params, scope, receive, send)
+
+    def answer_now(
+        self, method: str, path: str, headers: list[tuple[bytes, bytes]], date: list[Any]
+    ) -> bytes | None:
+        """The whole HTTP/1.1 answer to a HEAD, or to a GET of at most ``NOW_MAX`` bytes (or one
+        nginx sends), made at once from what ``_inline`` would send, for server/http_edge.py to write
+        with no ASGI cycle; None leaves the request to ``answer`` and the app. Counted and logged."""
+        started = time.perf_counter()
+        found = self._ready(method, path, headers)
+        if found is None:
+            return None
+        lane, params, store, (_info, env, recorded) = found
+        rel = lane.reads.path_of(env, params["key"])
+        accel = self.state.settings.accel_redirect if method == "GET" else None
+        reader = self.readers.get(store.root)
+        body = b""
+        try:
+            if method == "HEAD" or accel is not None:
+                size = reader.size(rel)
+            else:
+                fd, size = reader.open_fd(rel)
+                try:
+                    if size > NOW_MAX:
+                        return None
+                    body = os.read(fd, size + 1)
+                finally:
+                    os.close(fd)
+                if len(body) != size:
+                    return None  # replaced while read: the ASGI path answers
+        except (OSError, BadInput):
+            return None
+        finally:
+            self.readers.done(reader)
+        sha = recorded[1] if recorded and recorded[0] == size else None
+        lines = raw_headers(size, sha)
+        if accel is not None:
+            lines[0] = (b"content-length", b"0")
+            lines.append((ACCEL_HEADER.encode(), accel_uri(accel, params["cache"], rel).encode()))
+        elif method == "GET":
+            self.state.metrics.download_bytes.labels(params["cache"]).inc(size)
+        head = b"".join(b"%s: %s\r\n" % (name, value) for name, value in [*date, *lines])
+        observe(self.state.metrics, method, lane.route.path, 200, time.perf_counter() - started)
+        return b"HTTP/1.1 200 OK\r\n" + head + b"\r\n" + body
+
+    def _ready(
+        self, method: str, path: str, headers: list[tuple[bytes, bytes]]
+    ) -> tuple[Lane, dict[str, str], Store, tuple[Any, Any, tuple[int, str] | None]] | None:
+        """What ``answer_now`` needs, when every check passes and all of it is remembered."""
+        for lane in self.lanes:
+            if lane.method == method and (m := lane.route.path_regex.match(path)):
+                break
+        else:
+            return None
+        params = m.groupdict()
+        cache, digest, key = params["cache"], params["digest"], params["key"]
+        if not (0 < len(cache) <= MAX_CACHE_NAME and 0 < len(digest) <= MAX_DIGEST):
+            return None
+        authorization, has_body = _head({"headers": headers})
+        bearer = bearer_value(authorization)
+        token = self.state.tokens.get(bearer) if bearer is not None else None
+        if has_body or token is None or refusal(token, lane.role, "cache", cache) is not None:
+            return None
+        try:
+            check_key(key)
+        except HTTPException:
+            return None
+        known = self.state.known(cache, digest, key, lane.reads.executable)
+        if known is None:
+            return None
+        store = self.state.store(known[0])
+        if store.kind not in INLINE_KINDS:
+            return None
+        return lane, params, store, known
+
+    async def _inline(
+        self,
+        lane: Lane,
+        params: dict[str, str],
+        store: Store,
+        known: tuple[Any, Any, tuple[int, str] | None],
+        scope: Scope,
+        send: Send,
+    ) -> bool:
+        """The answer made on the event loop, from what the state remembers; a missing or odd file
+        (a symlink, a directory) is left to the app, which answers it as the route does."""
+        _info, env, recorded = known
+        rel = lane.reads.path_of(env, params["key"])
+        accel = self.state.settings.accel_redirect if lane.method == "GET" else None
+        reader = self.readers.get(store.root)
+        try:
+            if lane.method == "HEAD" or accel is not None:
+                fh, size = None, reader.size(rel)
+            else:
+                fd, size = reader.open_fd(rel)
+                fh = _Fd(fd)
+        except (OSError, BadInput):
+            return False
+        finally:
+            self.readers.done(reader)
+        sha = recorded[1] if recorded and recorded[0] == size else None
+        scope["route"], scope["path_params"] = lane.route, params  # the metrics' route template
+        headers = raw_headers(size, sha)
+        if accel is not None:  # nginx sends the bytes (server/accel.py), and counts its own length
+            headers[0] = (b"content-length", b"0")
+            headers.append((ACCEL_HEADER.encode(), accel_uri(accel, params["cache"], rel).encode()))
+        start = {"type": "http.response.start", "status": 200, "headers": headers}
+        if fh is None:
+            await send(start)
+            await send({"type": "http.response.body", "body": b""})
+            return True
+        with fh:
+            self.state.metrics.download_bytes.labels(params["cache"]).inc(size)
+            await send(start)
+            await send({"type": ZERO_COPY, "file": fh, "offset": 0, "count": size})
+        return True
+
+    async def _threaded(
+        self, lane: Lane, params: dict[str, str], scope: Scope, receive: Receive, send: Send
+    ) -> bool:
+        """The routes' own work in one thread hop (which fills what ``_inline`` reads)."""
+        args = (self.state, params["cache"], params["digest"], params["key"], lane.reads)
+        answer = (
+            functools.partial(download_answer, *args, offered(scope))
+            if lane.method == "GET"
+            else functools.partial(head_answer, *args)
+        )
+        try:
             work = asyncio.get_running_loop().run_in_executor(self.threads, answer)
             try:
                 response = await asyncio.shield(work)

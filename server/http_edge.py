@@ -9,21 +9,25 @@ past ``MAX_HEAD_BYTES`` or ``MAX_HEADERS`` is answered 431 and the connection cl
 most one more read of the socket; one that has not arrived ``header_timeout_s`` after its first
 byte (or after the connection opened) is answered 408 and closed. Bodies are bounded after the
 head, by ``limits.BodyGuard``. Each GET is offered zero-copy file sends (server/zero_copy.py).
+
+A HEAD, or a GET of a small file, that the app's byte fast lane can answer whole from what it
+remembers (server/fast_lane.py ``answer_now``) is written here as soon as its head is parsed, with
+no ASGI cycle, task or scope: most of what such a request cost was uvicorn's per-request
+machinery (BENCHMARKS.md "Server against nginx"). Only on a keep-alive HTTP/1.1 connection with
+no response in flight and none queued; anything else goes to the app as before.
 """
 
 from __future__ import annotations
 
 import asyncio
 from asyncio import TimerHandle
-from typing import TYPE_CHECKING
+from typing import Any
 
+import httptools
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
 from . import zero_copy
-from .config import DEFAULT_HEADER_TIMEOUT_S
-
-if TYPE_CHECKING:
-    from .config import ServerSettings
+from .config import DEFAULT_HEADER_TIMEOUT_S, ServerSettings, settings_from_env
 
 # A request line and headers together: tokens, cookies and proxies' headers fit in a few KiB
 # (nginx's default is 8 KiB a line, 32 KiB in all; Node's 16 KiB).
@@ -49,9 +53,12 @@ class BoundedHttpTools(HttpToolsProtocol):
     _in_body = False
     _refusal: str | None = None
     _head_timer: TimerHandle | None = None
+    _lane: Any = None  # server/fast_lane.py ByteFastLane of the app, if it has one
+    _answered = False  # this request was answered by _answer_now
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        self._lane = _lane_of(self.app)
         self._arm_head_timer()  # a connection that never sends a head is closed too
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -96,6 +103,8 @@ class BoundedHttpTools(HttpToolsProtocol):
         self._disarm_head_timer()
         self._in_body = True
         self._head_bytes = 0
+        if self._answer_now():
+            return
         super().on_headers_complete()
         cycle = self.cycle
         # a new cycle (not an upgrade's) for a GET: only a GET's body is a file to send
@@ -104,7 +113,50 @@ class BoundedHttpTools(HttpToolsProtocol):
 
     def on_message_complete(self) -> None:
         self._in_body = False
+        if self._answered:
+            self._answered = False
+            self.on_response_complete()  # keep-alive timer, reads resumed, a pipelined request
+            return
         super().on_message_complete()
+
+    # -- answers written at once -------------------------------------------------------------
+
+    def _answer_now(self) -> bool:
+        """A GET or HEAD of stored bytes that server/fast_lane.py answers whole (``answer_now``),
+        written with no ASGI cycle, task or scope: only on a keep-alive HTTP/1.1 connection with no
+        response in flight, nothing queued, and a transport taking writes."""
+        lane = self._lane
+        if lane is None:
+            return False
+        method = self.parser.get_method()
+        if method not in (b"GET", b"HEAD"):
+            return False
+        cycle = self.cycle
+        if (
+            (cycle is not None and not cycle.response_complete)
+            or self.pipeline
+            or self.flow.write_paused
+            or self.transport.is_closing()
+            or self.parser.get_http_version() != "1.1"
+            or not self.parser.should_keep_alive()
+            or self.parser.should_upgrade()
+            or self.scope.get("root_path")
+        ):
+            return False
+        url = httptools.parse_url(self.url)
+        if url.query or b"%" in url.path:
+            return False
+        answer = lane.answer_now(
+            method.decode(),
+            url.path.decode("ascii"),
+            self.headers,
+            self.server_state.default_headers,
+        )
+        if answer is None:
+            return False
+        self.transport.write(answer)
+        self._answered = True
+        return True
 
     # -- refusals ----------------------------------------------------------------------------
 
@@ -156,6 +208,18 @@ class BoundedHttpTools(HttpToolsProtocol):
             )
 
 
+def _lane_of(app: Any) -> Any:
+    """The app's byte fast lane, under the ASGI wrappers uvicorn puts around it (each an ``app``)."""
+    for _ in range(8):
+        lane = getattr(app, "fast_lane", None)
+        if lane is not None:
+            return lane
+        app = getattr(app, "app", None)
+        if app is None:
+            return None
+    return None
+
+
 def bounded_http(settings: ServerSettings) -> type[BoundedHttpTools]:
     """The protocol class for uvicorn's ``http=``, with this server's header timeout."""
 
@@ -163,3 +227,10 @@ def bounded_http(settings: ServerSettings) -> type[BoundedHttpTools]:
         header_timeout_s = float(settings.header_timeout_s)
 
     return Configured
+
+
+class WorkerHttpTools(BoundedHttpTools):
+    """The protocol of `cachectl serve --workers N`: uvicorn imports it by name in each worker, so
+    its header timeout comes from the settings the command left in the environment."""
+
+    header_timeout_s = float((settings_from_env() or ServerSettings(db="")).header_timeout_s)

@@ -152,6 +152,7 @@ class Metrics:
         )
         if index is not None:
             r.register(IndexCollector(index))
+        self.series: dict[tuple[str, str, int], tuple[Any, Any]] = {}
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -180,12 +181,31 @@ class MetricsMiddleware:
         try:
             await self.app(scope, receive, send_wrapper)
         finally:
-            elapsed = time.perf_counter() - started
             route = scope.get("route")
             template = getattr(route, "path", None) or "<unmatched>"
-            method = scope.get("method", "?")
-            self.metrics.requests.labels(method, template, str(status)).inc()
-            self.metrics.latency.labels(method, template).observe(elapsed)
-            # The template, never the query string: nothing a client put in the URL
-            # (a token by mistake) reaches the log.
-            access_log.info("%s %s %d %.1fms", method, template, status, elapsed * 1000)
+            observe(
+                self.metrics,
+                scope.get("method", "?"),
+                template,
+                status,
+                time.perf_counter() - started,
+            )
+
+
+def observe(metrics: Metrics, method: str, template: str, status: int, elapsed: float) -> None:
+    """Count, time and log one request (MetricsMiddleware's, and server/fast_lane.py's); each
+    route's series are looked up once (``labels`` takes a lock and builds a key every call)."""
+    series = metrics.series.get((method, template, status))
+    if series is None:
+        series = (
+            metrics.requests.labels(method, template, str(status)),
+            metrics.latency.labels(method, template),
+        )
+        if len(metrics.series) < 10_000:  # templates and statuses: a few hundred at most
+            metrics.series[(method, template, status)] = series
+    series[0].inc()
+    series[1].observe(elapsed)
+    # The template, never the query string: nothing a client put in the URL
+    # (a token by mistake) reaches the log.
+    if access_log.isEnabledFor(logging.INFO):
+        access_log.info("%s %s %d %.1fms", method, template, status, elapsed * 1000)

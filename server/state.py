@@ -30,10 +30,14 @@ class ServerState:
     metrics: Metrics
     ctx: Context = field(init=False)
     _stores: dict[str, Store] = field(default_factory=dict, init=False)
+    _by_info: dict[int, tuple[CacheInfo, Store]] = field(default_factory=dict, init=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, init=False)
     tokens: TokenCache = field(init=False)
     # (cache, digest prefix) -> its policy and environment, for the read routes (server/recent.py)
     _where: Recent[tuple[str, str], tuple[CacheInfo, EnvironmentInfo]] = field(init=False)
+    # (environment id, key, executable?) -> the (size, sha256) recorded, or None: the byte routes'
+    # one index query, remembered for the same bound
+    _recorded: Recent[tuple[int, str, bool], tuple[tuple[int, str] | None]] = field(init=False)
     jobs: Any = None  # server.jobs.JobRunner, set by create_app
     maintenance: Any = None  # server.maintenance.Scheduler, set by create_app
 
@@ -44,6 +48,7 @@ class ServerState:
         self.ctx = Context(load_settings(db=self.settings.db), index=self.index)
         self.tokens = TokenCache(self.settings.token_cache_s)
         self._where = Recent(self.settings.token_cache_s)
+        self._recorded = Recent(self.settings.token_cache_s)
 
     def where(self, cache: str, digest: str) -> tuple[CacheInfo, EnvironmentInfo]:
         """A cache's policy and one environment by digest or unique prefix, as the read routes need
@@ -57,13 +62,54 @@ class ServerState:
             self._where.put(key, found)
         return found
 
+    def recorded(self, env_id: int, key: str, executable: bool) -> tuple[int, str] | None:
+        """The (size, sha256) the index recorded for an entry or its executable, remembered like
+        ``where``: the headers of a download whose bytes storage gives (an entry deleted from
+        storage is a 404 at once; a sha256 changed elsewhere reaches this replica ``token_cache_s``
+        later, and is sent only while the recorded size matches the file's)."""
+        item = (env_id, key, executable)
+        found = self._recorded.get(item)
+        if found is None:
+            found = (sq.recorded_digest(self.index, env_id, key, executable=executable),)
+            self._recorded.put(item, found)
+        return found[0]
+
+    def known(
+        self, cache: str, digest: str, key: str, executable: bool
+    ) -> tuple[CacheInfo, EnvironmentInfo, tuple[int, str] | None] | None:
+        """What ``where`` and ``recorded`` remember now, without asking the index (None: not all of
+        it): what server/fast_lane.py answers on the event loop with."""
+        found = self._where.get((cache, digest.strip().lower()))
+        if found is None:
+            return None
+        recorded = self._recorded.get((found[1].id, key, executable))
+        if recorded is None:
+            return None
+        return found[0], found[1], recorded[0]
+
     def changed(self) -> None:
-        """Something this replica changed (a token, a policy): forget what it remembered."""
+        """Something this replica changed (a token, a policy, an entry): forget what it remembered."""
         self.tokens.clear()
         self._where.clear()
+        self._recorded.clear()
+
+    def entries_changed(self) -> None:
+        """An upload through this replica: the recorded sha256s it remembered may be stale."""
+        self._recorded.clear()
 
     def store(self, cache: CacheInfo) -> Store:
-        """One Store per root and options: object-store clients are costly to build."""
+        """One Store per root and options: object-store clients are costly to build. The same
+        CacheInfo (``where`` remembers it) finds its Store without building the key again."""
+        hit = self._by_info.get(id(cache))
+        if hit is not None and hit[0] is cache:
+            return hit[1]
+        store = self._store(cache)
+        if len(self._by_info) >= Recent.MAX:
+            self._by_info.clear()
+        self._by_info[id(cache)] = (cache, store)
+        return store
+
+    def _store(self, cache: CacheInfo) -> Store:
         key = cache.root_url + "\0" + json.dumps(cache.storage_options, sort_keys=True, default=str)
         with self._lock:
             store = self._stores.get(key)

@@ -12,13 +12,15 @@ How a file is sent, and why that is safe:
 
 - only once the response's headers are on the wire (the transport's buffer is empty; otherwise the
   bytes are read and sent through uvicorn, as before), and never more than the Content-Length owed;
-- on a duplicate of the connection's descriptor, so a connection closed meanwhile (a pipelined
-  request's header timeout, a shutdown) cannot hand its number to another connection, which would
-  then receive this file;
-- each run of ``sendfile`` calls in a worker thread (a file not in the page cache is read from disk
-  there, not in the event loop) until the socket is full; the loop then waits for it to drain with
-  ``add_writer`` on the duplicate, at most ``STALL_S`` without progress. A client that stops
-  reading holds no thread and no memory, and is dropped after that;
+- straight from the event loop, as nginx does without ``aio``: ``sendfile`` on the non-blocking
+  socket until it is full (a cached entry is a copy in the kernel; a file not in the page cache is
+  read from disk in that call, which stalls the loop for that read: a thread hop per request cost
+  more than that, BENCHMARKS.md "Server against nginx"); the loop then waits for the socket to
+  drain with ``add_writer`` on a duplicate of the connection's descriptor, at most ``STALL_S``
+  without progress, and sends the rest on the duplicate, so a connection closed meanwhile (a
+  pipelined request's header timeout, a shutdown) cannot hand its number to another connection,
+  which would then receive this file. A client that stops reading holds no thread and no memory,
+  and is dropped after that;
 - a client gone, a stall, or a file shorter than its Content-Length closes the connection: the
   response cannot be completed, and nothing else may be read as its rest;
 - a file ``sendfile`` refuses before its first byte (a filesystem without it) is read and sent
@@ -43,12 +45,12 @@ from starlette.types import Message, Scope
 ZERO_COPY = "http.response.zerocopysend"
 STALL_S = 60.0  # the longest a socket may stay full before its client is dropped
 COPY_CHUNK = 1 << 20  # when the headers are still buffered: read and sent through uvicorn
-SENDFILE_THREADS = 16
+COPY_THREADS = 16  # the copied sends' reads
 # What sendfile answers for a file it cannot send (some FUSE or network filesystems): read instead.
 _UNSENDABLE = {errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP}
 
 log = logging.getLogger("cachectl.server")
-_threads = ThreadPoolExecutor(SENDFILE_THREADS, thread_name_prefix="cachectl-sendfile")
+_threads = ThreadPoolExecutor(COPY_THREADS, thread_name_prefix="cachectl-copy")
 # What this module reads or sets on uvicorn's cycle.
 _CYCLE_NEEDS = (
     "transport",
@@ -157,22 +159,20 @@ async def _send_file(cycle: Any, plain: Any, message: Message) -> None:
         await _send_copied(cycle, plain, fd, offset, count, more_body)
         return
     loop = asyncio.get_running_loop()
-    sock = os.dup(cycle.transport.get_extra_info("socket").fileno())
-    owned = True  # the duplicate is closed here, unless a worker thread still uses it
+    sock = cycle.transport.get_extra_info("socket").fileno()
+    waiter: int | None = None  # a duplicate of the socket, made once it is full (see above)
     sent = 0
     try:
-        while sent < count:
-            work = loop.run_in_executor(
-                _threads, _until_full, sock, fd, offset + sent, count - sent
-            )
-            try:
-                sent += await asyncio.shield(work)
-            except asyncio.CancelledError:
-                owned = False
-                work.add_done_callback(lambda _done: os.close(sock))
-                raise
-            if sent < count and not await _writable(loop, sock):
+        while True:
+            sent += _until_full(sock if waiter is None else waiter, fd, offset + sent, count - sent)
+            if sent >= count:
+                break
+            if waiter is None:
+                waiter = os.dup(sock)
+            if not await _writable(loop, waiter):
                 _drop(cycle, f"the client read nothing for {STALL_S:g} s")
+                return
+            if cycle.disconnected:
                 return
     except _Short:
         _drop(cycle, "the file is shorter than its Content-Length (replaced while sent?)")
@@ -185,8 +185,8 @@ async def _send_file(cycle: Any, plain: Any, message: Message) -> None:
     else:
         copy = False
     finally:
-        if owned:
-            os.close(sock)
+        if waiter is not None:
+            os.close(waiter)
     if copy:
         await _send_copied(cycle, plain, fd, offset, count, more_body)
         return

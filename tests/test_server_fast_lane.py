@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import socket
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -153,6 +154,9 @@ def test_an_index_that_does_not_answer_is_answered_as_the_app_does_once(apps, mo
         raise Unreachable("the index at sqlite:///x does not answer: try again later")
 
     monkeypatch.setattr(server_queries, "recorded_digest", down)
+    # An entry neither app has asked the index about: what was asked is remembered
+    # (server/state.py ``recorded``), a failure is not.
+    path = f"{API}/caches/{MAIN}/environments/{s.digest}/entries/{s.keys[1]}"
     for method in ("GET", "HEAD"):
         asked.clear()
         got = ask(lane, s, method, path, "reader", {})
@@ -207,6 +211,7 @@ def test_the_lane_runs_as_many_requests_at_once_as_the_routes_did(tmp_path, monk
         return real(*args, **kwargs)
 
     monkeypatch.setattr(fast_lane, "head_answer", waits_for_the_others)
+    monkeypatch.setattr(fast_lane, "INLINE_KINDS", ())  # every answer in a thread, as for S3
     app = create_app(s.db)
     path = f"{API}/caches/{MAIN}/environments/{s.digest}/entries/{s.keys[0]}"
     try:
@@ -311,3 +316,135 @@ def test_a_get_cancelled_while_its_thread_reads_gives_its_slot_back(tmp_path, mo
         app.state.cachectl.index.close()
     assert finished.is_set() and not sent
     assert free_slots() == before
+
+
+def test_once_remembered_local_bytes_are_answered_on_the_event_loop(tmp_path, monkeypatch) -> None:
+    """After the first GET and HEAD of a key (which fill what server/state.py remembers), the lane
+    answers from the event loop: no thread hop, no index query, the file sent with sendfile."""
+    from cachectl_server import fast_lane
+
+    s = seed(f"sqlite:///{tmp_path}/index.db", str(tmp_path / "main"), str(tmp_path / "other"))
+    app = create_app(s.db)
+    key = s.keys[0]
+    url_path = f"{API}/caches/{MAIN}/environments/{s.digest}/entries/{key}"
+    threaded: list[str] = []
+    real_head, real_download = fast_lane.head_answer, fast_lane.download_answer
+
+    def counted(real, name):
+        def wrapper(*args, **kwargs):
+            threaded.append(name)
+            return real(*args, **kwargs)
+
+        return wrapper
+
+    monkeypatch.setattr(fast_lane, "head_answer", counted(real_head, "head"))
+    monkeypatch.setattr(fast_lane, "download_answer", counted(real_download, "get"))
+    try:
+        with LiveServer(app) as server, httpx.Client(base_url=server.url) as client:
+            for method in ("GET", "HEAD", "GET", "HEAD"):  # the app's routes, then the lane's
+                assert client.request(method, url_path, headers=bearer(s.tokens["reader"]))
+            threaded.clear()
+
+            def no_index(*args, **kwargs):
+                raise AssertionError("the index was asked")
+
+            monkeypatch.setattr(server_queries, "recorded_digest", no_index)
+            monkeypatch.setattr(server_queries, "locate", no_index)
+            for _ in range(3):
+                got = client.get(url_path, headers=bearer(s.tokens["reader"]))
+                assert got.status_code == 200 and got.content == s.entry_bytes[key]
+                assert got.headers["x-cachectl-sha256"] == sha256(s.entry_bytes[key])
+                head = client.head(url_path, headers=bearer(s.tokens["reader"]))
+                assert head.status_code == 200 and head.content == b""
+                assert int(head.headers["content-length"]) == len(s.entry_bytes[key])
+            assert threaded == []
+            # an entry deleted from storage is a 404 at once (the app's answer)
+            os.unlink(f"{tmp_path}/main/{s.env.namespace}/{key}-cache")
+            monkeypatch.undo()
+            for method in ("GET", "HEAD"):
+                assert (
+                    client.request(method, url_path, headers=bearer(s.tokens["reader"])).status_code
+                    == 404
+                )
+    finally:
+        app.state.cachectl.jobs.shutdown()
+        app.state.cachectl.index.close()
+
+
+def test_small_gets_and_heads_are_written_whole_with_the_apps_headers(
+    tmp_path, monkeypatch
+) -> None:
+    """Once remembered, a HEAD and a GET up to NOW_MAX are written by the connection's protocol
+    (server/http_edge.py ``_answer_now``) with no ASGI cycle: the same status, headers (but the
+    date) and bytes as the app's own route gives, pipelined requests in order, and counted."""
+    from cachectl_server import fast_lane
+
+    s = seed(f"sqlite:///{tmp_path}/index.db", str(tmp_path / "main"), str(tmp_path / "other"))
+    lane_app, plain_app = create_app(s.db), create_app(s.db, byte_fast_lane=False)
+    asgi_answers: list[int] = []
+    real = fast_lane.ByteFastLane.answer
+
+    async def counted(self, scope, receive, send):
+        asgi_answers.append(1)
+        return await real(self, scope, receive, send)
+
+    monkeypatch.setattr(fast_lane.ByteFastLane, "answer", counted)
+    headers = bearer(s.tokens["reader"])
+    paths = [f"{API}/caches/{MAIN}/environments/{s.digest}/entries/{k}" for k in s.keys]
+
+    def answers(client: httpx.Client) -> list[tuple[int, list[tuple[str, str]], bytes]]:
+        got = []
+        for path in paths:
+            for method in ("GET", "HEAD"):
+                r = client.request(method, path, headers=headers)
+                got.append(
+                    (
+                        r.status_code,
+                        sorted(kv for kv in r.headers.multi_items() if kv[0] != "date"),
+                        r.content,
+                    )
+                )
+        return got
+
+    try:
+        with (
+            LiveServer(lane_app) as lane,
+            LiveServer(plain_app) as plain,
+            httpx.Client(base_url=lane.url) as lane_client,
+            httpx.Client(base_url=plain.url) as plain_client,
+        ):
+            first = answers(lane_client)  # the app's routes, which fill what the lane remembers
+            asgi_answers.clear()
+            again = answers(lane_client)
+            assert asgi_answers == []  # all written at once
+            assert again == first == answers(plain_client)
+            assert "date" in lane_client.head(paths[0], headers=headers).headers
+            # pipelined on one connection: each answer in its place
+            with socket.create_connection(("127.0.0.1", lane.port), timeout=30) as sock:
+                auth = headers["authorization"]
+                sock.sendall(
+                    b"".join(
+                        f"{m} {p} HTTP/1.1\r\nHost: x\r\nAuthorization: {auth}\r\n\r\n".encode()
+                        for p in paths
+                        for m in ("HEAD", "GET")
+                    )
+                )
+                got = b""
+                sock.settimeout(10)
+                while got.count(b"HTTP/1.1 200") < 2 * len(paths) or not got.endswith(
+                    s.entry_bytes[s.keys[-1]]
+                ):
+                    chunk = sock.recv(1 << 16)
+                    assert chunk
+                    got += chunk
+                positions = [got.index(s.entry_bytes[k]) for k in s.keys]  # GET bodies in order
+                assert positions == sorted(positions)
+            metrics = lane_client.get("/metrics", headers=headers).text
+    finally:
+        for app in (lane_app, plain_app):
+            app.state.cachectl.jobs.shutdown()
+            app.state.cachectl.index.close()
+    template = "/api/v1/caches/{cache}/environments/{digest}/entries/{key}"
+    count = f'cachectl_http_requests_total{{method="HEAD",route="{template}",status="200"}} '
+    assert count in metrics
+    assert float(metrics.split(count, 1)[1].split()[0]) == 2 * len(paths) + 1 + len(paths)

@@ -19,6 +19,7 @@ if TYPE_CHECKING:
 # cachectl.core.config alone.
 
 KEEP_ALIVE_S = 75
+MAX_WORKERS = 64
 
 
 @click.command("serve")
@@ -61,6 +62,39 @@ KEEP_ALIVE_S = 75
     help="Serve the dashboard at / read-only without a token. [env: CACHECTL_SERVER_DASHBOARD_PUBLIC]",
 )
 @click.option(
+    "--workers",
+    default="1",
+    show_default=True,
+    metavar="N",
+    help=f"Server processes on one port (1 to {MAX_WORKERS}); one that dies is replaced.",
+)
+@click.option(
+    "--accel-redirect",
+    metavar="PREFIX",
+    help="Behind nginx: answer downloads of local-disk bytes with an X-Accel-Redirect to this "
+    "internal location, e.g. /_cachectl_files/ (see --print-nginx-config). "
+    "[env: CACHECTL_SERVER_ACCEL_REDIRECT]",
+)
+@click.option(
+    "--print-nginx-config",
+    is_flag=True,
+    help="Print an nginx.conf that serves this cache's local-disk bytes with --accel-redirect "
+    "(default prefix /_cachectl_files/), then exit.",
+)
+@click.option(
+    "--nginx-listen",
+    default="127.0.0.1:8080",
+    show_default=True,
+    metavar="ADDR:PORT",
+    help="Where the printed nginx configuration listens.",
+)
+@click.option(
+    "--nginx-user",
+    metavar="USER",
+    help="The user the printed configuration runs nginx's workers as: one that may read the "
+    "cache roots.",
+)
+@click.option(
     "--log-level",
     type=click.Choice(["debug", "info", "warning", "error"]),
     default="info",
@@ -76,6 +110,11 @@ def serve(
     telemetry_retention: str | None,
     public_metrics: bool | None,
     public_dashboard: bool | None,
+    workers: str,
+    accel_redirect: str | None,
+    print_nginx_config: bool,
+    nginx_listen: str,
+    nginx_user: str | None,
     log_level: str,
 ) -> None:
     """Run the cachectl server (FastAPI on uvicorn) over the index.
@@ -91,12 +130,20 @@ def serve(
                token, in an HttpOnly cookie; or --public-dashboard for a read-only view)
     """
     import logging
+    import os
 
+    count = _workers(workers)
     try:
         import uvicorn
 
+        import cachectl_server.accel as accel
         from cachectl_server.app import create_app, freeze_startup_heap
-        from cachectl_server.config import load_server_settings
+        from cachectl_server.config import (
+            WORKER_LOG_LEVEL_ENV,
+            WORKER_SETTINGS_ENV,
+            load_server_settings,
+            settings_to_env,
+        )
         from cachectl_server.http_edge import bounded_http
     except ImportError as exc:
         raise BadInput(
@@ -110,29 +157,75 @@ def serve(
             "telemetry_retention_s": telemetry_retention,
             "metrics_public": public_metrics,
             "dashboard_public": public_dashboard,
+            "accel_redirect": accel_redirect,
         },
     )
-    app = create_app(settings)
+    if print_nginx_config:
+        from cachectl.index import open_index
+
+        index = open_index(settings.db)
+        try:
+            caches = index.list_caches()
+        finally:
+            index.close()
+        click.echo(
+            accel.nginx_config(
+                accel.local_roots(caches),
+                upstream=f"{host}:{port}",
+                listen=nginx_listen,
+                prefix=settings.accel_redirect or accel.DEFAULT_PREFIX,
+                user=nginx_user,
+            ),
+            nl=False,
+        )
+        return
     level = getattr(logging, log_level.upper())
     logging.basicConfig(
         level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True
     )
-    freeze_startup_heap()
     # uvicorn's own access log prints query strings: ours (route templates only) replaces it.
     # Keep idle connections longer than load balancers do (60 s is common): a client must never
     # send on a connection the server is closing at that moment. Request heads are bounded in
     # size, count and time (http_edge: uvicorn's own protocol bounds none of them).
+    common: dict[str, Any] = {
+        "host": host,
+        "port": port,
+        "log_level": log_level,
+        "access_log": False,
+        "log_config": None,
+        "server_header": False,
+        "timeout_keep_alive": KEEP_ALIVE_S,
+    }
+    if count == 1:
+        app = create_app(settings)
+        freeze_startup_heap()
+        uvicorn.run(app, http=bounded_http(settings), **common)
+        return
+    # Several processes on one socket: uvicorn starts each as a fresh interpreter that builds its
+    # own app (server/app.py worker_app) and replaces one that dies.
+    os.environ[WORKER_SETTINGS_ENV] = settings_to_env(settings)
+    os.environ[WORKER_LOG_LEVEL_ENV] = log_level.upper()
     uvicorn.run(
-        app,
-        host=host,
-        port=port,
-        http=bounded_http(settings),
-        log_level=log_level,
-        access_log=False,
-        log_config=None,
-        server_header=False,
-        timeout_keep_alive=KEEP_ALIVE_S,
+        "cachectl_server.app:worker_app",
+        factory=True,
+        workers=count,
+        http="cachectl_server.http_edge:WorkerHttpTools",
+        **common,
     )
+
+
+def _workers(text: str) -> int:
+    """--workers as a count, or a one-line refusal."""
+    try:
+        count = int(text)
+    except ValueError:
+        count = 0
+    if not 1 <= count <= MAX_WORKERS:
+        raise BadInput(
+            f"--workers must be a whole number from 1 to {MAX_WORKERS}, not {text!r} "
+            "(about one per core serves best)"
+        )
+    return count
 
 
 def _print_tokens(items: list[tokens.TokenInfo]) -> None:

@@ -153,6 +153,43 @@ class LocalReader:
                 raise _not_regular(exc, f"{self._root}/{rel}") from None
         return self._read_at(fd, rel_dir, name)
 
+    def _dir_of(self, rel_dir: str, full: str) -> int:
+        fd = self._dirs.get(rel_dir)
+        return self._dir_fd(rel_dir, full) if fd is None else fd
+
+    def open_fd(self, rel: str) -> tuple[int, int]:
+        """(descriptor, size) of regular file ``rel``, opened through this reader's directory
+        descriptors (no symlink followed, no per-directory ``lstat``); the caller closes it."""
+        rel = rel.strip("/")
+        if ".." in rel:
+            full_path(self._root, rel)  # BadInput if it leaves the root
+        rel_dir, _, name = rel.rpartition("/")
+        full = f"{self._root}/{rel}"
+        try:
+            fd = os.open(name, _READ_FLAGS, dir_fd=self._dir_of(rel_dir, full))
+        except OSError as exc:
+            raise _not_regular(exc, full) from None
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            os.close(fd)
+            raise NotRegularFile(f"{full}: not a regular file: not read")
+        return fd, st.st_size
+
+    def size(self, rel: str) -> int:
+        """The size of regular file ``rel``: one ``fstatat`` through this reader's directories."""
+        rel = rel.strip("/")
+        if ".." in rel:
+            full_path(self._root, rel)
+        rel_dir, _, name = rel.rpartition("/")
+        full = f"{self._root}/{rel}"
+        try:
+            st = os.stat(name, dir_fd=self._dir_of(rel_dir, full), follow_symlinks=False)
+        except OSError as exc:
+            raise _not_regular(exc, full) from None
+        if not stat.S_ISREG(st.st_mode):
+            raise NotRegularFile(f"{full}: not a regular file (symlink or special file): not read")
+        return st.st_size
+
     def in_dir(self, rel_dir: str, *, times: bool = False) -> Callable[[str], Any]:
         """``read`` for names directly in ``rel_dir``: its descriptor is found once, not per file. If
         it cannot be opened, each read goes through ``read`` (and raises what it raises). With
