@@ -225,7 +225,7 @@ def test_serving_without_the_index_verifies_with_the_trusted_key_alone(
     signature.write_text(json.dumps(doc))
     refused = serve(tmp_path, manifest, pinned)
     assert refused["loaded"] == 0 and not marker.exists()
-    assert sum("no stored executable loads" in w for w in refused["warnings"]) == 1
+    assert sum("nothing is read from cache" in w for w in refused["warnings"]) == 1
     signature.unlink()
     gone = serve(tmp_path, manifest, pinned)
     assert gone["loaded"] == 0 and not marker.exists()
@@ -437,3 +437,18 @@ def test_a_swapped_jax_entry_never_runs_in_a_process_cachectl_exec_started(tmp_p
     after, err = run()
     assert after == {"out": RELU, "hits": 0}, (after, err[-3000:])
     assert f"refused JAX entry {relu}" in err, err
+
+
+def test_a_pin_file_others_could_write_is_ignored() -> None:
+    """A pin another user could have written would make the service trust their key: a pins file
+    (or its directory) writable by others is ignored, with a problem line, and never read."""
+    from cachectl.trust import pins
+
+    key = "ed25519:" + "A" * 43 + "="
+    problems: list[str] = []
+    pins.pin("sqlite:///x.db", "default", (key,), problems)
+    assert pins.pinned("sqlite:///x.db", "default", problems) == (key,) and problems == []
+    assert pins.pins_path().stat().st_mode & 0o077 == 0
+    pins.pins_path().chmod(0o666)
+    assert pins.pinned("sqlite:///x.db", "default", problems) == ()
+    assert "not owned by this user alone" in problems[0]

@@ -588,6 +588,10 @@ def install_verifying_cache(path: str, verifier: EntryVerifier) -> None:
         def _path(self) -> Any:  # JAX and opened_cache_dir() read the directory here
             return self._base._path
 
+        @_path.setter
+        def _path(self, value: Any) -> None:
+            self._base._path = value
+
         def get(self, key: str) -> bytes | None:
             expected = verifier.expected(key)
             if expected is None:
@@ -604,9 +608,9 @@ def install_verifying_cache(path: str, verifier: EntryVerifier) -> None:
             self._base.put(key, value)
             verifier.wrote(key, hashlib.sha256(value).hexdigest())
 
-    def get_file_cache(opened: str) -> Any:
-        made = original(opened)
-        if made is None or str(opened).rstrip("/") != wanted:
+    def get_file_cache(path: str) -> tuple[CacheInterface, str] | None:
+        made = original(path)
+        if made is None or str(path).rstrip("/") != wanted:
             return made
         return VerifyingCache(made[0]), made[1]
 
@@ -615,7 +619,11 @@ def install_verifying_cache(path: str, verifier: EntryVerifier) -> None:
     opened = compilation_cache._cache
     if opened is not None and str(getattr(opened, "_path", "")).rstrip("/") == wanted:
         # Opened already (activate() again): wrap JAX's own cache in place.
-        base = getattr(opened, "_base", opened) if type(opened).__name__ == "VerifyingCache" else opened
+        base = (
+            getattr(opened, "_base", opened)
+            if type(opened).__name__ == "VerifyingCache"
+            else opened
+        )
         compilation_cache._cache = VerifyingCache(base)
 
 

@@ -635,7 +635,9 @@ class NamespaceVerifier(jax_seam.EntryVerifier):
                 )
                 self._shas = {k: v.sha256 for k, v in (found or {}).items()}
                 settings, digest = self._args[0], self._args[1]
-                mine = pins.written(settings.server or settings.db, settings.cache, digest, warnings)
+                mine = pins.written(
+                    settings.server or settings.db, settings.cache, digest, warnings
+                )
                 self._mine = {**mine, **self._mine}
                 self._any = found is None and self._unverified_ok
                 for line in warnings:

@@ -151,7 +151,5 @@ def _start() -> None:
             watch_remembered(remembered, json.loads(os.environ[ENVIRONMENT_VAR]))
     if os.environ.get(ENABLE_VAR) != "1" or service is None:
         return
-    try:
+    with contextlib.suppress(Exception):  # telemetry never breaks the service
         service.start_exec_telemetry(json.loads(os.environ[ENVIRONMENT_VAR]))
-    except Exception:  # noqa: BLE001 - telemetry never breaks the service
-        pass

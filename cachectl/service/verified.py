@@ -26,7 +26,14 @@ from cachectl.index import reads
 from cachectl.index.reads import StdlibReads
 from cachectl.storage.entries import CACHE_SUFFIX, EXECUTABLE_SUFFIX
 from cachectl.trust import pins
-from cachectl.trust.signing import Coverage, Untrusted, pinned_keys, stored_signature, verified_files
+from cachectl.trust.signing import (
+    Coverage,
+    Untrusted,
+    pinned_keys,
+    stored_signature,
+    verified_files,
+)
+
 
 class Indexed(NamedTuple):
     """A verified record of one stored executable: its entry's and its own sha256, and why
@@ -88,7 +95,9 @@ def _read_index(
             keys = tuple(fast.get_cache(settings.cache).trusted_keys or ())
             env = fast.find_environment(settings.cache, digest)
             signed = reads.content_signature(fast.reader, env.id)
-            shas = {k: Indexed(*row) for k, row in reads.executable_digests(fast.reader, env.id).items()}
+            shas = {
+                k: Indexed(*row) for k, row in reads.executable_digests(fast.reader, env.id).items()
+            }
         except Exception as exc:  # noqa: BLE001 - unknown environment or index error
             problems.append(str(exc) or type(exc).__name__)
         finally:
@@ -110,7 +119,9 @@ def _read_index(
     return _IndexSays(keys, signed, shas)
 
 
-def _trusted(settings: Settings, said: _IndexSays, warnings: list[str], prefix: str) -> tuple[str, ...]:
+def _trusted(
+    settings: Settings, said: _IndexSays, warnings: list[str], prefix: str
+) -> tuple[str, ...]:
     """The keys this service trusts for the cache: its own setting, else the pin, else the
     index's (pinned now); a pin the index contradicts stays, and the warning says so."""
     own = pinned_keys(settings)
