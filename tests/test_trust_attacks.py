@@ -380,8 +380,6 @@ def test_clearing_trusted_keys_in_the_index_does_not_switch_trust_off(
     relu, tanh = _affine_keys(signed["report"])
     first = serve(tmp_path, manifest)  # the owner's service sees the cache trust a key: pinned
     assert first["loaded"] == 5, first
-    pins = Path(os.environ["XDG_STATE_HOME"]) / "cachectl" / "trust-pins.json"
-    assert pins.stat().st_mode & 0o077 == 0
 
     aot = ns / f"{_layer_key(signed['report'])}-aot"
     aot.write_bytes(evil_executable(aot.read_bytes(), marker))
@@ -398,6 +396,8 @@ def test_clearing_trusted_keys_in_the_index_does_not_switch_trust_off(
     out, err = call(tmp_path, manifest, serving=False)
     assert out["out"] == RELU and out["hits"] == 0 and not marker.exists(), (out, err[-3000:])
     assert "has no signed content list" in err, err
+    pins = Path(os.environ["XDG_STATE_HOME"]) / "cachectl" / "trust-pins.json"
+    assert pins.stat().st_mode & 0o077 == 0
 
 
 EXEC_CALL = """
