@@ -631,7 +631,11 @@ class NamespaceVerifier(jax_seam.EntryVerifier):
 
                 warnings: list[str] = []
                 found = namespace_verified(
-                    *self._args, warnings, self._unverified_ok, open_service_index
+                    *self._args,
+                    warnings,
+                    self._unverified_ok,
+                    open_service_index,
+                    first_only=True,  # cachectl.serving, which asked first, printed them
                 )
                 self._shas = {k: v.sha256 for k, v in (found or {}).items()}
                 settings, digest = self._args[0], self._args[1]

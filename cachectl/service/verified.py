@@ -21,7 +21,7 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 from cachectl.core.config import RUN_UNVERIFIED_ENV, Settings
-from cachectl.core.errors import BadInput
+from cachectl.core.errors import BadInput, NotFound
 from cachectl.index import reads
 from cachectl.index.reads import StdlibReads
 from cachectl.storage.entries import CACHE_SUFFIX, EXECUTABLE_SUFFIX
@@ -98,6 +98,9 @@ def _read_index(
             shas = {
                 k: Indexed(*row) for k, row in reads.executable_digests(fast.reader, env.id).items()
             }
+        except NotFound as exc:  # an environment the index does not know yet: nothing verified
+            shas = {} if keys is not None else None
+            problems.append(exc.message)
         except Exception as exc:  # noqa: BLE001 - unknown environment or index error
             problems.append(str(exc) or type(exc).__name__)
         finally:
@@ -112,6 +115,9 @@ def _read_index(
                 e.key: Indexed(e.sha256, e.aot_sha256, getattr(e, "aot_unusable", None))
                 for e in index.list_entries(env.id)
             }
+        except NotFound as exc:
+            shas = {} if keys is not None else None
+            problems.append(exc.message)
         except Exception as exc:  # noqa: BLE001 - unknown environment or index error
             problems.append(str(exc) or type(exc).__name__)
         finally:
@@ -132,7 +138,12 @@ def _trusted(
     remembered = pins.pinned(where, settings.cache, problems)
     index_keys = said.keys or ()
     if remembered:
-        if said.keys is not None and set(index_keys) != set(remembered):
+        if said.keys is not None and not index_keys:
+            warnings.append(
+                f"{prefix}: the index lists no trusted keys for cache {settings.cache!r}, but "
+                f"keys are pinned for it in {pins.pins_path()}: the pinned keys still apply"
+            )
+        elif said.keys is not None and set(index_keys) != set(remembered):
             warnings.append(
                 f"{prefix}: the index lists other trusted keys for cache {settings.cache!r} than "
                 f"those pinned in {pins.pins_path()}: only the pinned keys are trusted (set "
@@ -214,22 +225,21 @@ def namespace_verified(
     warnings: list[str],
     unverified_ok: bool,
     open_index: OpenIndex,
+    *,
+    first_only: bool = False,
 ) -> Verified | None:
     """What may load from this namespace (None: nothing can verify it); asked once per process,
-    its warnings added to ``warnings`` each time."""
+    its warnings added to ``warnings`` each time (``first_only``: only by the call that asked,
+    so that one warning is printed once where another caller prints it)."""
     ident = (settings.server or settings.db, settings.cache, digest, unverified_ok)
     with _LOCK:
         done = _DONE.get(ident)
+        asked = done is None
         if done is None:
             said: list[str] = []
             found = _verify(settings, digest, namespace, read, said, unverified_ok, open_index)
             done = (found, tuple(said))
             _DONE[ident] = done
-    warnings.extend(done[1])
+    if asked or not first_only:
+        warnings.extend(done[1])
     return done[0]
-
-
-def forget() -> None:
-    """Ask again at the next need (a test, or a process that re-activates after a change)."""
-    with _LOCK:
-        _DONE.clear()
