@@ -8,6 +8,8 @@ these, the failing test names the fact and the seam function to change.
 
 from __future__ import annotations
 
+import hashlib
+import inspect
 import json
 import pickle
 import re
@@ -560,3 +562,64 @@ def test_fact8_padding_with_jnp_compiles_and_with_numpy_does_not() -> None:
     proc = run_py(_PAD_PROBE, check=True)
     counts = json.loads(proc.stdout.strip().splitlines()[-1])
     assert counts["host"] == 0 and counts["device"] >= 1, counts
+
+
+VERIFYING = r"""
+import hashlib, json, numpy as np, jax, jax.numpy as jnp
+from cachectl.core import jax_seam
+
+jax.config.update("jax_compilation_cache_dir", {cache!r})
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+seen = {{"expected": [], "refused": [], "wrote": []}}
+
+class Verifier(jax_seam.EntryVerifier):
+    def __init__(self, shas):
+        self.shas = shas
+    def expected(self, key):
+        seen["expected"].append(key)
+        return self.shas.get(key)
+    def refused(self, key, why):
+        seen["refused"].append(key)
+    def wrote(self, key, sha):
+        seen["wrote"].append(key)
+        self.shas[key] = sha
+
+shas = json.loads({shas!r})
+jax_seam.install_verifying_cache({cache!r}, Verifier(shas))
+hits = {{"n": 0}}
+jax.monitoring.register_event_listener(
+    lambda e, **kw: hits.__setitem__("n", hits["n"] + (e == "/jax/compilation_cache/cache_hits")))
+out = float(jax.jit(lambda x: jnp.tanh(x) * 3.0)(np.float32(1.0)))
+print(json.dumps(dict(seen, hits=hits["n"], out=out, opened=jax_seam.opened_cache_dir(),
+                      shas=shas)))
+"""
+
+
+def test_a_verifying_cache_replaces_the_file_cache_jax_opens(tmp_path: Path) -> None:
+    """JAX opens its persistent cache through ``compilation_cache.get_file_cache(path)`` at the
+    first compile (``_initialize_cache``, jax 0.9 to 0.12), and reads entries only through the
+    opened object's ``get`` and writes through its ``put``: install_verifying_cache wraps it, so
+    an entry whose sha256 is not the expected one is a miss (compiled in memory), an expected one
+    a hit, and what the process writes is reported."""
+    from jax._src import compilation_cache
+
+    assert "get_file_cache(path)" in inspect.getsource(compilation_cache._initialize_cache)
+    cache = str(tmp_path / "jc")
+
+    def run(shas: dict[str, str]) -> dict[str, Any]:
+        proc = run_py(VERIFYING.format(cache=cache, shas=json.dumps(shas)), check=True)
+        return json.loads(proc.stdout.strip().splitlines()[-1])
+
+    first = run({})  # nothing expected: a miss without a read, then JAX writes its entry
+    assert first["hits"] == 0 and len(first["wrote"]) == 1 and first["opened"] == cache
+    key = first["wrote"][0]
+    entry = Path(cache) / f"{key}{CACHE_SUFFIX}"
+    good = hashlib.sha256(entry.read_bytes()).hexdigest()
+    assert first["shas"][key] == good
+
+    assert run({key: good})["hits"] == 1
+    refused = run({key: "0" * 64})  # bytes that are not the verified ones: a miss, never loaded
+    assert (refused["hits"], refused["refused"]) == (0, [key])
+    assert refused["out"] == first["out"]
+    assert run({})["hits"] == 0

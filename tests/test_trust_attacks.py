@@ -225,14 +225,230 @@ def test_serving_without_the_index_verifies_with_the_trusted_key_alone(
     signature.write_text(json.dumps(doc))
     refused = serve(tmp_path, manifest, pinned)
     assert refused["loaded"] == 0 and not marker.exists()
-    assert sum("no stored executable loads" in w for w in refused["warnings"]) == 1
+    assert sum("nothing is read from cache" in w for w in refused["warnings"]) == 1
     signature.unlink()
     gone = serve(tmp_path, manifest, pinned)
     assert gone["loaded"] == 0 and not marker.exists()
     assert any("has no signed content list" in w for w in gone["warnings"])
 
-    # No index and no trusted key pinned: loaded, and the warning says they are unverified.
+    # No index and no trusted key: nothing can verify, so nothing loads (issue 50); only the
+    # opt-in that says it runs unverified code loads them, and the warning says so.
     target.write_bytes(original)
     plain = serve(tmp_path, manifest, no_index)
-    assert plain["loaded"] == 5, plain
-    assert any("UNVERIFIED" in w for w in plain["warnings"]), plain
+    assert plain["loaded"] == 0, plain
+    assert any("cannot be verified" in w for w in plain["warnings"]), plain
+    opted = serve(tmp_path, manifest, {**no_index, "CACHECTL_RUN_UNVERIFIED_CODE": "1"})
+    assert opted["loaded"] == 5, opted
+    assert any("UNVERIFIED" in w for w in opted["warnings"]), opted
+
+
+# -- issue 50: nothing unverified runs in a service, by default ------------------------------------
+
+CALL = """
+import json, sys, logging
+import numpy as np
+sys.path.insert(0, {dir!r})
+import jax
+import cachectl
+hits = {{"n": 0}}
+jax.monitoring.register_event_listener(
+    lambda e, **kw: hits.__setitem__("n", hits["n"] + (e == "/jax/compilation_cache/cache_hits")))
+report = None
+if {serving!r}:
+    rt = cachectl.serving({manifest!r})
+    f = rt["affine"]
+else:
+    import wm_tiny
+    cachectl.activate()
+    f = jax.jit(wm_tiny.affine, static_argnames=["mode"])
+x, w = np.ones((1, 8), np.float32), np.ones((8, 8), np.float32)
+out = float(np.asarray(f(x, w, mode="relu")).ravel()[0])
+loaded = None
+if {serving!r}:
+    report = rt.report()
+    loaded = sum(f.loaded for f in report.functions.values())
+print(json.dumps({{"out": out, "hits": hits["n"], "loaded": loaded}}))
+"""
+
+RELU = 8.0  # relu(ones(1, 8) @ ones(8, 8)); the tanh bucket's program gives tanh(8.0), about 1.0
+
+
+def call(
+    tmp_path: Path, manifest: Path, env: dict[str, str | None] | None = None, *, serving: bool
+) -> tuple[dict[str, Any], str]:
+    """One service in a fresh process: its answer for affine(batch 1, relu), and its stderr."""
+    code = CALL.format(dir=str(tmp_path), manifest=str(manifest), serving=serving)
+    proc = run_py(code, env, check=True)
+    return json.loads(proc.stdout.strip().splitlines()[-1]), proc.stderr
+
+
+def _affine_keys(report: dict[str, Any]) -> tuple[str, str]:
+    """(relu, tanh) keys of affine at batch 1: two programs with the same signature."""
+    found = {
+        b["bucket"]["mode"]: b["key"]
+        for b in report["buckets"]
+        if b["function"] == "affine" and b["bucket"]["batch"] == 1
+    }
+    return found["relu"], found["tanh"]
+
+
+@pytest.mark.timeout(600)
+def test_a_swapped_jax_entry_never_runs_in_a_trusted_service_index_up_or_down(
+    tmp_path: Path, signed: dict[str, Any]
+) -> None:
+    """Issue 50 finding 1: another program's JAX entry copied over ``relu``'s. Its stored
+    executable is refused, and the bucket's jax.jit must not read the swapped entry either:
+    it compiles in memory and answers relu's value, through cachectl.serving and through a
+    plain activate() service, with the index and without it (CACHECTL_TRUST, signature.json)."""
+    ns, manifest = signed["ns"], signed["manifest"]
+    relu, tanh = _affine_keys(signed["report"])
+    before, _ = call(tmp_path, manifest, serving=False)
+    assert before["out"] == RELU and before["hits"] == 1, before
+    (ns / f"{relu}-cache").write_bytes((ns / f"{tanh}-cache").read_bytes())
+
+    (tmp_path / "not-a-dir").write_text("")
+    no_index = {
+        "CACHECTL_DB": f"sqlite:///{tmp_path}/not-a-dir/index.db",
+        "CACHECTL_ROOT": str(ns.parents[2]),
+        "CACHECTL_TRUST": signed["pub"],
+    }
+    for env in (None, no_index):
+        served, err = call(tmp_path, manifest, env, serving=True)
+        assert served["out"] == RELU and served["hits"] == 0, (served, err[-3000:])
+        assert served["loaded"] == 4  # every bucket but the swapped one
+        plain, err = call(tmp_path, manifest, env, serving=False)
+        assert plain["out"] == RELU and plain["hits"] == 0, (plain, err[-3000:])
+        assert f"refused JAX entry {relu}" in err and err.count("refused JAX entry") == 1, err
+
+
+@pytest.mark.timeout(600)
+def test_an_unreachable_index_without_trusted_keys_loads_nothing_unless_opted_in(
+    tmp_path: Path,
+) -> None:
+    """Issue 50 finding 2: no key anywhere, the index unreachable, CACHECTL_ROOT given. A planted
+    ``-aot`` is never unpickled and a swapped JAX entry never runs: nothing can be verified, so
+    everything compiles in memory, with one warning that says what to do. Only
+    CACHECTL_RUN_UNVERIFIED_CODE=1 reads the cache unverified."""
+    manifest = tiny(tmp_path)
+    report = json.loads(cachectl("warm", str(manifest), "--json").stdout)
+    ns = Path(report["namespace"])
+    relu, tanh = _affine_keys(report)
+    marker = tmp_path / "pwned"
+    (tmp_path / "not-a-dir").write_text("")
+    no_index = {
+        "CACHECTL_DB": f"sqlite:///{tmp_path}/not-a-dir/index.db",
+        "CACHECTL_ROOT": str(ns.parents[2]),
+    }
+    aot = ns / f"{relu}-aot"
+    original = aot.read_bytes()
+    aot.write_bytes(evil_executable(original, marker))
+    served = serve(tmp_path, manifest, no_index)
+    assert served["loaded"] == 0 and not marker.exists(), served
+    assert any("cannot be verified" in w for w in served["warnings"]), served
+    assert any("CACHECTL_RUN_UNVERIFIED_CODE" in w for w in served["warnings"]), served
+
+    aot.write_bytes(original)
+    (ns / f"{relu}-cache").write_bytes((ns / f"{tanh}-cache").read_bytes())
+    # With the index up, a cache without keys is checked against the sha256s it recorded.
+    out, err = call(tmp_path, manifest, serving=False)
+    assert out["out"] == RELU and out["hits"] == 0, (out, err[-3000:])
+    assert f"refused JAX entry {relu}" in err, err
+    for serving in (True, False):
+        out, err = call(tmp_path, manifest, no_index, serving=serving)
+        assert out["out"] == RELU and out["hits"] == 0, (out, err[-3000:])
+        assert "nothing is read from cache 'default'" in err, err
+
+    # The opt-in, whose name says what it risks: the swapped entry is read (and runs).
+    opted = {**no_index, "CACHECTL_RUN_UNVERIFIED_CODE": "1"}
+    out, err = call(tmp_path, manifest, opted, serving=False)
+    assert out["hits"] == 1 and out["out"] != RELU, (out, err[-3000:])
+    assert "UNVERIFIED" in err
+
+
+@pytest.mark.timeout(600)
+def test_clearing_trusted_keys_in_the_index_does_not_switch_trust_off(
+    tmp_path: Path, signed: dict[str, Any]
+) -> None:
+    """Issue 50 finding 2: whoever can write the index runs ``UPDATE caches SET
+    trusted_keys=NULL`` (and clears the signed list, and records a planted file's sha256). A
+    service that once saw the cache trust keys pinned them in its owner's state directory, and
+    keeps refusing what no pinned key signed."""
+    import sqlite3
+
+    ns, manifest = signed["ns"], signed["manifest"]
+    marker = tmp_path / "pwned"
+    relu, tanh = _affine_keys(signed["report"])
+    first = serve(tmp_path, manifest)  # the owner's service sees the cache trust a key: pinned
+    assert first["loaded"] == 5, first
+
+    aot = ns / f"{_layer_key(signed['report'])}-aot"
+    aot.write_bytes(evil_executable(aot.read_bytes(), marker))
+    (ns / f"{relu}-cache").write_bytes((ns / f"{tanh}-cache").read_bytes())
+    cachectl("sync", "--min-age", "0", "--json")  # the index now records the planted sha256s
+    db = Path(os.environ["XDG_DATA_HOME"]) / "cachectl" / "index.db"
+    with sqlite3.connect(db) as conn:
+        conn.execute("UPDATE caches SET trusted_keys=NULL")
+        conn.execute("UPDATE environments SET content_signature=NULL")
+    (ns / "signature.json").unlink()
+
+    served = serve(tmp_path, manifest)
+    assert served["loaded"] == 0 and not marker.exists(), served
+    out, err = call(tmp_path, manifest, serving=False)
+    assert out["out"] == RELU and out["hits"] == 0 and not marker.exists(), (out, err[-3000:])
+    assert "has no signed content list" in err, err
+    pins = Path(os.environ["XDG_STATE_HOME"]) / "cachectl" / "trust-pins.json"
+    assert pins.stat().st_mode & 0o077 == 0
+
+
+EXEC_CALL = """
+import json, sys
+import numpy as np
+sys.path.insert(0, {dir!r})
+import jax
+import wm_tiny
+hits = {{"n": 0}}
+jax.monitoring.register_event_listener(
+    lambda e, **kw: hits.__setitem__("n", hits["n"] + (e == "/jax/compilation_cache/cache_hits")))
+f = jax.jit(wm_tiny.affine, static_argnames=["mode"])
+x, w = np.ones((1, 8), np.float32), np.ones((8, 8), np.float32)
+print(json.dumps({{"out": float(np.asarray(f(x, w, mode="relu")).ravel()[0]), "hits": hits["n"]}}))
+"""
+
+
+@pytest.mark.timeout(600)
+def test_a_swapped_jax_entry_never_runs_in_a_process_cachectl_exec_started(tmp_path: Path) -> None:
+    """Issue 50 finding 1 through `cachectl exec`: the program never calls activate(), and JAX's
+    cache in it still reads only the entries the index recorded (a verified one hits, a swapped
+    one compiles in memory, with one warning)."""
+    manifest = tiny(tmp_path)
+    report = json.loads(cachectl("warm", str(manifest), "--json").stdout)
+    ns = Path(report["namespace"])
+    relu, tanh = _affine_keys(report)
+    script = tmp_path / "exec_call.py"
+    script.write_text(EXEC_CALL.format(dir=str(tmp_path)))
+
+    def run() -> tuple[dict[str, Any], str]:
+        done = cachectl("exec", "--readonly", "--", sys.executable, str(script))
+        return json.loads(done.stdout.strip().splitlines()[-1]), done.stderr
+
+    before, err = run()
+    assert before == {"out": RELU, "hits": 1}, (before, err[-3000:])
+    (ns / f"{relu}-cache").write_bytes((ns / f"{tanh}-cache").read_bytes())
+    after, err = run()
+    assert after == {"out": RELU, "hits": 0}, (after, err[-3000:])
+    assert f"refused JAX entry {relu}" in err, err
+
+
+def test_a_pin_file_others_could_write_is_ignored() -> None:
+    """A pin another user could have written would make the service trust their key: a pins file
+    (or its directory) writable by others is ignored, with a problem line, and never read."""
+    from cachectl.trust import pins
+
+    key = "ed25519:" + "A" * 43 + "="
+    problems: list[str] = []
+    pins.pin("sqlite:///x.db", "default", (key,), problems)
+    assert pins.pinned("sqlite:///x.db", "default", problems) == (key,) and problems == []
+    assert pins.pins_path().stat().st_mode & 0o077 == 0
+    pins.pins_path().chmod(0o666)
+    assert pins.pinned("sqlite:///x.db", "default", problems) == ()
+    assert "not owned by this user alone" in problems[0]

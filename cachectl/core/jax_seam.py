@@ -538,3 +538,99 @@ def _persistent_cache_key(lowered: Any) -> str | None:
 @functools.cache
 def _parameters(function: Any) -> frozenset[str]:
     return frozenset(inspect.signature(function).parameters)
+
+
+# -- a verifying persistent cache ----------------------------------------------------------------
+
+
+# What EntryVerifier.expected answers for a process that opted in to unverified code.
+ANY_ENTRY = "*"
+
+
+class EntryVerifier:
+    """What a verifying cache asks before it hands JAX an entry (cachectl/service/verified.py)."""
+
+    def expected(self, key: str) -> str | None:
+        """The sha256 the entry at ``key`` must have; None: report a miss without reading;
+        ANY_ENTRY: whatever is there (the process opted in to unverified code)."""
+        raise NotImplementedError
+
+    def refused(self, key: str, why: str) -> None:
+        """The entry at ``key`` was read and refused (``why``); JAX compiles it in memory."""
+
+    def wrote(self, key: str, sha256: str) -> None:
+        """This process wrote the entry at ``key`` (its own compile): it may read it back."""
+
+
+def install_verifying_cache(path: str, verifier: EntryVerifier) -> None:
+    """From the next time JAX opens its persistent cache at ``path`` (it does that at its first
+    compile, and again after reset_persistent_cache), its ``get`` returns an entry's bytes only when
+    their sha256 is the one ``verifier`` expects for that key, and otherwise reports a miss, so JAX
+    compiles in memory. JAX opens the cache in ``compilation_cache._initialize_cache`` through the
+    module's ``get_file_cache(path)`` (jax 0.9 to 0.12: tests/test_jax_seam.py); the wrapper
+    replaces that function once, and a later call replaces the verifier."""
+    import hashlib
+
+    from jax._src import compilation_cache
+    from jax._src.compilation_cache_interface import CacheInterface
+
+    original = getattr(compilation_cache.get_file_cache, "_cachectl_original", None)
+    original = original or compilation_cache.get_file_cache
+    wanted = str(path).rstrip("/")
+
+    class VerifyingCache(CacheInterface):
+        """JAX's own file cache, read only through ``verifier``."""
+
+        def __init__(self, base: Any) -> None:
+            self._base = base
+
+        @property
+        def _path(self) -> Any:  # JAX and opened_cache_dir() read the directory here
+            return self._base._path
+
+        @_path.setter
+        def _path(self, value: Any) -> None:
+            self._base._path = value
+
+        def get(self, key: str) -> bytes | None:
+            expected = verifier.expected(key)
+            if expected is None:
+                return None
+            data = self._base.get(key)
+            if data is None or expected == ANY_ENTRY:
+                return data
+            if hashlib.sha256(data).hexdigest() != expected:
+                verifier.refused(key, "its sha256 differs from its verified record")
+                return None
+            return bytes(data)
+
+        def put(self, key: str, value: bytes) -> None:
+            self._base.put(key, value)
+            verifier.wrote(key, hashlib.sha256(value).hexdigest())
+
+    def get_file_cache(path: str) -> tuple[CacheInterface, str] | None:
+        made = original(path)
+        if made is None or str(path).rstrip("/") != wanted:
+            return made
+        return VerifyingCache(made[0]), made[1]
+
+    get_file_cache._cachectl_original = original  # type: ignore[attr-defined]
+    compilation_cache.get_file_cache = get_file_cache
+    opened = compilation_cache._cache
+    if opened is not None and str(getattr(opened, "_path", "")).rstrip("/") == wanted:
+        # Opened already (activate() again): wrap JAX's own cache in place.
+        base = (
+            getattr(opened, "_base", opened)
+            if type(opened).__name__ == "VerifyingCache"
+            else opened
+        )
+        compilation_cache._cache = VerifyingCache(base)
+
+
+def uninstall_verifying_cache() -> None:
+    """JAX's own get_file_cache again (a process that opts out of verification)."""
+    from jax._src import compilation_cache
+
+    original = getattr(compilation_cache.get_file_cache, "_cachectl_original", None)
+    if original is not None:
+        compilation_cache.get_file_cache = original

@@ -9,15 +9,16 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, NamedTuple
+from typing import Any
 
 from cachectl.core import jax_seam
 from cachectl.core.config import load_settings
-from cachectl.core.errors import BadInput
-from cachectl.index import reads
-from cachectl.index.reads import StdlibReads
 from cachectl.manifest import Bucket, FunctionSpec
 from cachectl.service.activate import open_service_index
+from cachectl.service.verified import (
+    Verified,
+    namespace_verified,
+)
 from cachectl.storage import executables
 from cachectl.storage.entries import (
     CACHE_SUFFIX,
@@ -26,22 +27,6 @@ from cachectl.storage.entries import (
     parse_aot_filename,
 )
 from cachectl.storage.store import Store
-from cachectl.trust.signing import (
-    Coverage,
-    Untrusted,
-    pinned_keys,
-    stored_signature,
-    verified_files,
-)
-
-
-class Indexed(NamedTuple):
-    """A verified record of one stored executable: its entry's and its own sha256, and why
-    warm-check found it unusable (None: usable, or never checked)."""
-
-    sha256: str
-    aot_sha256: str | None
-    unusable: str | None = None
 
 
 class Slot:
@@ -223,107 +208,23 @@ def namespace_reader(
     return store.read_bytes, names, _verified_shas(activation, db, store.read_bytes, warnings)
 
 
-class Verified(dict[str, Indexed]):
-    """key -> (entry sha256, executable sha256) from a verified record: the index's rows, or
-    a content list a trusted key signed. ``refusal`` is a bucket's reason when its key is absent."""
-
-    def __init__(self, shas: dict[str, Indexed], refusal: str) -> None:
-        super().__init__(shas)
-        self.refusal = refusal
-
-
-_UNINDEXED = "the index does not know this stored executable (run `cachectl sync`)"
-
-
-def _from_signed(
-    files: dict[str, tuple[int, str]], refusal: str, unusable: dict[str, str | None]
-) -> Verified:
-    """The keys whose entry and executable a trusted key both signed (with warm-check's marks
-    from the index, which can only refuse more)."""
-    shas: dict[str, Indexed] = {}
-    for name, (_, sha) in files.items():
-        if name.endswith(CACHE_SUFFIX):
-            key = name[: -len(CACHE_SUFFIX)]
-            aot = files.get(key + EXECUTABLE_SUFFIX)
-            shas[key] = Indexed(sha, aot[1] if aot else None, unusable.get(key))
-    return Verified(shas, refusal)
-
-
 def _verified_shas(
     activation: Any, db: str | None, read: Callable[[str], bytes], warnings: list[str]
 ) -> Verified | None:
-    """What executables may load, and their sha256s; None only when nothing can be checked (a cache
-    with no trusted keys and no index): then the warning says they are unverified.
-
-    Trusted keys come from the service's own settings (``CACHECTL_TRUST``), else the cache's
-    policy in the index. With trusted keys only a verified signed list counts (the index's, else
-    ``signature.json`` in the namespace, checked with the key alone); what it does not cover
-    goes through jax.jit, and nothing verifying means every function does."""
-    problems: list[str] = []
+    """What executables may load, and their sha256s (cachectl/service/verified.py, the same
+    answer JAX's own cache gets); nothing where nothing can verify, unless the process opted in
+    to running unverified code: then None, and the warning says so."""
     settings = load_settings(db=db, cache=activation.cache)
-    where = f"namespace {activation.namespace}"
-    try:
-        pinned = pinned_keys(settings)
-    except BadInput as exc:  # a bad pin: nothing can be trusted
-        warnings.append(f"cachectl.serving: {exc.message}; every call goes through jax.jit")
-        return Verified({}, f"refused: {exc.message}")
-    trusted: tuple[str, ...] = pinned
-    shas: dict[str, Indexed] | None = None
-    signed: dict[str, Any] | None = None
-    fast = None if settings.server else StdlibReads.open(settings.db)
-    if fast is not None:  # a plain SQLite index: the stdlib driver, no SQLAlchemy import
-        try:
-            cache = fast.get_cache(activation.cache)
-            trusted = pinned or tuple(cache.trusted_keys or ())
-            env = fast.find_environment(activation.cache, activation.digest)
-            if trusted:
-                signed = reads.content_signature(fast.reader, env.id)
-            shas = {
-                key: Indexed(*row)
-                for key, row in reads.executable_digests(fast.reader, env.id).items()
-            }
-        except Exception as exc:  # noqa: BLE001 - unknown environment or index error
-            problems.append(str(exc) or type(exc).__name__)
-        finally:
-            fast.close()
-    elif (index := open_service_index(settings, problems)[0]) is not None:
-        try:
-            cache = index.get_cache(activation.cache)
-            trusted = pinned or tuple(cache.trusted_keys or ())
-            env = index.find_environment(activation.cache, activation.digest)
-            if trusted and hasattr(index, "content_signature"):
-                signed = index.content_signature(env.id)
-            shas = {
-                e.key: Indexed(e.sha256, e.aot_sha256, getattr(e, "aot_unusable", None))
-                for e in index.list_entries(env.id)
-            }
-        except Exception as exc:  # noqa: BLE001 - unknown environment or index error
-            problems.append(str(exc) or type(exc).__name__)
-        finally:
-            index.close()
-    if trusted:
-        docs = [d for d in (signed, stored_signature(read)) if d is not None]
-        reasons = []
-        for doc in docs:
-            try:
-                files = verified_files(doc, trusted, activation.digest, where)
-            except Untrusted as exc:
-                reasons.append(exc.message)
-                continue
-            marks = {k: v.unusable for k, v in (shas or {}).items()}
-            return _from_signed(files, Coverage(files).reason(), marks)
-        why = "; ".join(reasons) or f"{where} has no signed content list"
-        warnings.append(
-            f"cachectl.serving: no stored executable loads ({why}): the cache trusts only "
-            "content a trusted key signed; every call goes through jax.jit"
-        )
-        return Verified({}, f"refused: {why}")
-    if shas is not None:
-        return Verified(shas, _UNINDEXED)
-    warnings.append(
-        "cachectl.serving: stored executables are UNVERIFIED ("
-        + "; ".join(problems)
-        + "): no index to check their sha256 and no trusted keys (CACHECTL_TRUST); "
-        "anyone who can write the cache can run code in this process"
+    unverified_ok = bool(getattr(activation, "run_unverified_code", False))
+    found = namespace_verified(
+        settings,
+        activation.digest,
+        activation.namespace,
+        read,
+        warnings,
+        unverified_ok,
+        open_service_index,
     )
-    return None
+    if found is not None or unverified_ok:
+        return found
+    return Verified({}, f"refused: cache {activation.cache!r} cannot be verified")

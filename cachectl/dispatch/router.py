@@ -602,6 +602,7 @@ def serving(
     workers: int | None = None,
     mirror: str | None = None,
     warmup: bool = False,
+    run_unverified_code: bool | None = None,
 ) -> Serving:
     """Activate the cache as :func:`cachectl.activate` does and load every bucket's executable.
 
@@ -617,13 +618,21 @@ def serving(
     the same pool, so that no request pays XLA's first run of an executable, and twice more
     through the request path in this thread (counted nowhere); the report gives
     ``warmup_seconds`` and ``warm_ready_seconds`` apart from load and readiness.
+    ``run_unverified_code`` is activate()'s: only with it does a cache that nothing can verify
+    (no index, no trusted key) load what it holds.
     """
     if overflow not in OVERFLOW_MODES:
         raise ValueError(f"overflow must be one of {', '.join(OVERFLOW_MODES)}, got {overflow!r}")
     spec = load_manifest(manifest)  # validated without importing the user's code
     search = [*paths]
     activation = activate(
-        cache or spec.cache, readonly=readonly, db=db, root=root, telemetry=telemetry, mirror=mirror
+        cache or spec.cache,
+        readonly=readonly,
+        db=db,
+        root=root,
+        telemetry=telemetry,
+        mirror=mirror,
+        run_unverified_code=run_unverified_code,
     )
     # Imported only now: a module that compiles when imported (an env or model built at import)
     # then reads the cache, instead of compiling outside it.

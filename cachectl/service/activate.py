@@ -19,13 +19,20 @@ from typing import TYPE_CHECKING, Any, Literal, TypeVar, overload
 from cachectl import telemetry
 from cachectl.core import jax_seam
 from cachectl.core.cache_info import CacheInfo
-from cachectl.core.config import DEFAULT_CACHE, Settings, load_settings
+from cachectl.core.config import (
+    DEFAULT_CACHE,
+    RUN_UNVERIFIED_ENV,
+    Settings,
+    load_settings,
+    parse_bool,
+)
 from cachectl.core.errors import BadInput, CachectlError, Unreachable
 from cachectl.core.fingerprint import MANAGED_JAX_CONFIG, Environment, current_environment
 from cachectl.core.urls import normalize_url, url_kind
 from cachectl.service import sqlite_index as service_sqlite
 from cachectl.service.telemetry_sinks import IndexSink, ServerSink
 from cachectl.storage.store import Store
+from cachectl.trust import pins
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -90,6 +97,8 @@ class Activation:
     mirror: str | None = None
     pull: PullResult | None = None
     compiled_before: bool = False
+    # The caller (or CACHECTL_RUN_UNVERIFIED_CODE) accepted unverified cache content.
+    run_unverified_code: bool = False
 
     @property
     def active(self) -> bool:
@@ -283,6 +292,7 @@ def activate(
     telemetry: bool = True,
     mirror: str | os.PathLike[str] | None = None,
     db: str | None = None,
+    run_unverified_code: bool | None = None,
 ) -> Activation:
     """Resolve this process's namespace and point JAX's persistent cache at it.
 
@@ -301,6 +311,11 @@ def activate(
     ``Activation.indexed`` is False.
     Nothing here raises for a broken index or bucket; the only error is asking
     for a different cache directory than the one JAX already opened.
+
+    JAX reads only entries it can verify (cachectl/service/verified.py: a trusted key's signed
+    list, else the sha256s the index recorded), asked once at the first compile; anything else
+    compiles in memory, with one warning. ``run_unverified_code=True`` (or
+    ``CACHECTL_RUN_UNVERIFIED_CODE=1``) reads whatever is there when nothing can verify.
     """
     settings = load_settings(db=db, cache=cache, root=root, readonly=readonly)
     cache_name = settings.cache
@@ -327,6 +342,9 @@ def activate(
         raise
     pulled = _prepare_storage(target, index, cache_info, env, mirror, problems)
     _start_jax(target, env, compiled_before, problems)
+    run_unverified = _run_unverified(run_unverified_code)
+    if mirror is None:
+        _install_verifier(settings, target, env, run_unverified)
     index, indexed = _record_now(index, settings, cache_info, env, problems)
     collector = _after_start(settings, env, telemetry, deferred, problems)
     if index is not None:
@@ -348,6 +366,7 @@ def activate(
         mirror=target.path if mirror is not None else None,
         pull=pulled,
         compiled_before=compiled_before,
+        run_unverified_code=run_unverified,
     )
 
 
@@ -579,6 +598,119 @@ def start_exec_telemetry(environment: dict[str, Any]) -> None:
     (cachectl.service.exec_hook: reading it here would open the backend early)."""
     settings = load_settings()
     start_telemetry(settings, settings.cache, Environment.from_dict(environment), [])
+
+
+class NamespaceVerifier(jax_seam.EntryVerifier):
+    """What JAX's persistent cache may read in this namespace: the entry sha256s of
+    :func:`namespace_verified` (asked at the first lookup, not at activate) and what this process
+    wrote itself (and what this owner's services wrote before, ``pins.written``); one warning for
+    the first refused entry."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        digest: str,
+        namespace: str,
+        read: Callable[[str], bytes],
+        warn: Callable[[str], None],
+        unverified_ok: bool = False,
+    ) -> None:
+        self._args = (settings, digest, namespace, read)
+        self._warn = warn
+        self._unverified_ok = unverified_ok
+        self._shas: dict[str, str] | None = None
+        self._any = False
+        self._mine: dict[str, str] = {}
+        self._lock = threading.Lock()
+        self._warned = False
+
+    def _known(self) -> dict[str, str]:
+        with self._lock:
+            if self._shas is None:
+                from cachectl.service.verified import namespace_verified
+
+                warnings: list[str] = []
+                found = namespace_verified(
+                    *self._args,
+                    warnings,
+                    self._unverified_ok,
+                    open_service_index,
+                    first_only=True,  # cachectl.serving, which asked first, printed them
+                )
+                self._shas = {k: v.sha256 for k, v in (found or {}).items()}
+                settings, digest = self._args[0], self._args[1]
+                mine = pins.written(
+                    settings.server or settings.db, settings.cache, digest, warnings
+                )
+                self._mine = {**mine, **self._mine}
+                self._any = found is None and self._unverified_ok
+                for line in warnings:
+                    self._warn(line)
+            return self._shas
+
+    def expected(self, key: str) -> str | None:
+        known = self._known()
+        if self._any:
+            return jax_seam.ANY_ENTRY
+        return self._mine.get(key) or known.get(key)
+
+    def refused(self, key: str, why: str) -> None:
+        with self._lock:
+            if self._warned:
+                return
+            self._warned = True
+        settings = self._args[0]
+        self._warn(
+            f"cachectl: refused JAX entry {key} of cache {settings.cache!r} ({why}); it compiles "
+            "in memory: someone without a trusted key rewrote it (`cachectl verify` lists such "
+            "files)"
+        )
+
+    def wrote(self, key: str, sha256: str) -> None:
+        with self._lock:
+            self._mine[key] = sha256
+        settings, digest = self._args[0], self._args[1]
+        pins.remember_written(settings.server or settings.db, settings.cache, digest, key, sha256)
+
+
+def verify_exec_cache(path: str, environment: dict[str, Any]) -> None:
+    """In a process `cachectl exec` started (service/exec_hook.py): JAX's cache at ``path`` reads
+    only what activate()'s would verify for the environment exec resolved."""
+    settings = load_settings()
+    env = Environment.from_dict(environment)
+
+    def read(name: str) -> bytes:
+        return Store(path).read_bytes(name)
+
+    verifier = NamespaceVerifier(
+        settings, env.digest, env.namespace, read, _warn, _run_unverified(None)
+    )
+    jax_seam.install_verifying_cache(path, verifier)
+
+
+def _run_unverified(explicit: bool | None) -> bool:
+    """The caller's choice, else ``CACHECTL_RUN_UNVERIFIED_CODE``; False unless asked for."""
+    if explicit is not None:
+        return explicit
+    value = os.environ.get(RUN_UNVERIFIED_ENV, "").strip()
+    try:
+        return parse_bool(RUN_UNVERIFIED_ENV, value)
+    except BadInput:
+        _warn(f"cachectl: ignoring {RUN_UNVERIFIED_ENV}={value!r}: use 1 or 0")
+        return False
+
+
+def _install_verifier(
+    settings: Settings, target: _Target, env: Environment, run_unverified: bool
+) -> None:
+    """JAX's persistent cache reads only verified entries of the namespace (a mirror holds only
+    what its pull verified, and what this owner's processes wrote)."""
+
+    def read(name: str) -> bytes:
+        return Store(target.path, target.options).read_bytes(name)
+
+    verifier = NamespaceVerifier(settings, env.digest, env.namespace, read, _warn, run_unverified)
+    jax_seam.install_verifying_cache(target.path, verifier)
 
 
 def _warn(message: str) -> None:

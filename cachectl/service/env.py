@@ -99,8 +99,7 @@ def exec_variables(
     probed = remembered_environment(fresh=fresh)
     result = service_env(ctx, readonly=readonly, environment=probed.environment)
     remembered = str(probed.memo) if probed.remembered and probed.memo else None
-    if not telemetry and remembered is None:
-        return result
+    # Always: the child's JAX cache reads only verified entries (service/exec_hook.py).
     added = child_variables(
         probed.environment.to_dict(),
         os.environ.get("PYTHONPATH"),

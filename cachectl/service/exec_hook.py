@@ -5,7 +5,8 @@ puts a sitecustomize on PYTHONPATH (cachectl/service/_exec_site) that installs t
 import hook. When ``jax`` finishes importing, the collector starts as
 activate() starts it, for the environment exec resolved (passed in
 CACHECTL_EXEC_ENVIRONMENT, so no JAX backend is initialised early). The JAX
-configuration itself came from exec's environment variables.
+configuration itself came from exec's environment variables; JAX's cache then reads only the
+entries activate() would verify (``_verify_jax_cache``).
 
 Where exec used a remembered environment (cachectl.core.probe), it names the file in
 CACHECTL_EXEC_REMEMBERED and its own pid (which the service keeps) in CACHECTL_EXEC_PID; in
@@ -23,6 +24,7 @@ import json
 import os
 import sys
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 SITE_DIR = str(Path(__file__).resolve().parent / "_exec_site")
@@ -34,6 +36,8 @@ REMEMBERED_VAR = "CACHECTL_EXEC_REMEMBERED"
 SERVICE_PID_VAR = "CACHECTL_EXEC_PID"
 # Set by `cachectl warm-check --replay`: a file each process appends its JAX cache counts to.
 COUNTS_VAR = "CACHECTL_EXEC_COUNTS"
+# Where exec pointed JAX's persistent cache (service/env.py): the directory the verifier guards.
+JAX_CACHE_DIR_VAR = "JAX_COMPILATION_CACHE_DIR"
 
 
 def child_variables(
@@ -106,7 +110,35 @@ def _count_cache_events(path: str) -> None:
     atexit.register(write)
 
 
+def _service_side() -> ModuleType | None:
+    """service/activate.py, imported once JAX is: the verifier and telemetry; None if it fails."""
+    try:
+        from cachectl.service import activate
+
+        return activate
+    except Exception:  # noqa: BLE001 - never break the service
+        return None
+
+
+def _verify_jax_cache(service: ModuleType | None) -> None:
+    """JAX's cache in a process exec started reads only verified entries, as activate()'s does;
+    where the verifier cannot be installed, JAX's cache is off (fail closed)."""
+    path = os.environ.get(JAX_CACHE_DIR_VAR)
+    if not path or ENVIRONMENT_VAR not in os.environ:
+        return
+    try:
+        if service is None:
+            raise ImportError("cachectl.service.activate")
+        service.verify_exec_cache(path, json.loads(os.environ[ENVIRONMENT_VAR]))
+    except Exception:  # noqa: BLE001 - never break the service: compile in memory instead
+        import jax
+
+        jax.config.update("jax_enable_compilation_cache", False)
+
+
 def _start() -> None:
+    service = _service_side()
+    _verify_jax_cache(service)
     counts = os.environ.get(COUNTS_VAR)
     if counts:
         with contextlib.suppress(Exception):  # never break the service
@@ -117,11 +149,7 @@ def _start() -> None:
             from cachectl.core.probe import watch_remembered
 
             watch_remembered(remembered, json.loads(os.environ[ENVIRONMENT_VAR]))
-    if os.environ.get(ENABLE_VAR) != "1":
+    if os.environ.get(ENABLE_VAR) != "1" or service is None:
         return
-    try:
-        from cachectl.service.activate import start_exec_telemetry
-
-        start_exec_telemetry(json.loads(os.environ[ENVIRONMENT_VAR]))
-    except Exception:  # noqa: BLE001 - telemetry never breaks the service
-        pass
+    with contextlib.suppress(Exception):  # telemetry never breaks the service
+        service.start_exec_telemetry(json.loads(os.environ[ENVIRONMENT_VAR]))
