@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import IO, Any
 
 from cachectl.context import Context
+from cachectl.storage.jax_storage import child_env
 from cachectl.core.errors import BadInput
 from cachectl.index import warm_runs
 from cachectl.service.activate import env_vars_for
@@ -100,7 +101,12 @@ def warm_by_running(
     store = ctx.store(cache_info)
     before = _entry_names(store, ns.relpath)
     config = warm_jax_config(ns.url, env)
-    environ = {**os.environ, **env_vars_for(config), "CACHECTL_CACHE": cache_info.name}
+    environ = {
+        **os.environ,
+        **env_vars_for(config),
+        **child_env(cache_info.root_url, cache_info.storage_options),
+        "CACHECTL_CACHE": cache_info.name,
+    }
     digest = run_digest(list(command))
     run = ctx.index.start_warm_run(info.id, manifest_digest=digest, manifest_path=None, buckets=0)
     started = time.perf_counter()
