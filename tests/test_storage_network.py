@@ -135,13 +135,12 @@ def test_a_service_compiles_as_plain_jax_within_the_bound(
         index = open_index(db)
         index.add_cache("s3c", "s3://bkt/jax", storage_options={"endpoint_url": endpoint.url})
         index.close()
-        proc = run_py(
-            SERVICE, {**BOUNDS, "CACHECTL_DB": db, "CACHECTL_CACHE": "s3c"}, timeout=240
-        )
+        proc = run_py(SERVICE, {**BOUNDS, "CACHECTL_DB": db, "CACHECTL_CACHE": "s3c"}, timeout=240)
         asked = endpoint.connections
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert result["path"].startswith("s3://bkt/jax/") and (result["first"], result["second"]) == (2, 6)
+    assert result["path"].startswith("s3://bkt/jax/"), result
+    assert (result["first"], result["second"]) == (2, 6), result
     assert result["took"] < ENDS_WITHIN_S, result
     assert asked >= 1, proc.stderr[-2000:]  # JAX asked the cache's endpoint, not the default
     assert "timed out" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-2000:]

@@ -25,6 +25,7 @@ from cachectl.core.fingerprint import MANAGED_JAX_CONFIG, Environment, current_e
 from cachectl.core.urls import normalize_url, url_kind
 from cachectl.service import sqlite_index as service_sqlite
 from cachectl.service.telemetry_sinks import IndexSink, ServerSink
+from cachectl.storage.jax_storage import JaxStorageRefused, hand_to_jax
 from cachectl.storage.store import Store
 
 if TYPE_CHECKING:
@@ -409,8 +410,6 @@ def _storage_to_jax(cache: str, root_url: str, options: dict[str, Any], path: st
     """Hand JAX's own filesystem the cache's storage options and bounds (and, unless
     CACHECTL_S3_FAIL_FAST=0, one attempt per request); _NotActivated where it cannot take them:
     JAX would read the storage somewhere else (storage/jax_storage.py)."""
-    from cachectl.storage.jax_storage import JaxStorageRefused, hand_to_jax  # object stores only
-
     try:
         hand_to_jax(root_url, options, path, client_config=_fail_fast())
     except (JaxStorageRefused, BadInput) as exc:  # BadInput: a bad CACHECTL_STORAGE_* bound

@@ -87,7 +87,9 @@ def service_env(
         readonly = cache.effective_service_writes == "deny"
     variables = env_vars_for(jax_config_for(ns.url, ns.environment, readonly))
     # The cache's storage options and bounds, for the service's JAX (storage/jax_storage.py).
-    variables.update(child_env(cache.root_url, fail_fast_options(cache.root_url, cache.storage_options)))
+    variables.update(
+        child_env(cache.root_url, fail_fast_options(cache.root_url, cache.storage_options))
+    )
     variables["CACHECTL_CACHE"] = cache.name
     _remember(cache.name, ns.url, readonly)
     return ServiceEnv(cache.name, ns.relpath, readonly, variables)

@@ -64,10 +64,11 @@ def bounded_session(total_s: float, pause_s: float = 0.0) -> type[Any] | None:
     out); None where the installed aiobotocore takes no session class (then only connect and
     read are bounded). One class per pair, so fsspec sees the same options (and instance)."""
     try:
+        # No inline types or py.typed marker in either (botocore-stubs is not installed).
         import aiohttp
-        from aiobotocore.config import AioConfig
-        from aiobotocore.httpsession import AIOHTTPSession
-        from botocore.exceptions import (
+        from aiobotocore.config import AioConfig  # type: ignore[import-untyped]
+        from aiobotocore.httpsession import AIOHTTPSession  # type: ignore[import-untyped]
+        from botocore.exceptions import (  # type: ignore[import-untyped]
             ConnectTimeoutError,
             EndpointConnectionError,
             ReadTimeoutError,
@@ -83,12 +84,12 @@ def bounded_session(total_s: float, pause_s: float = 0.0) -> type[Any] | None:
             total=total_s, sock_connect=timeout.sock_connect, sock_read=timeout.sock_read
         )
 
-    class BoundedSession(AIOHTTPSession):  # type: ignore[misc]
+    class BoundedSession(AIOHTTPSession):
         """aiobotocore's session with aiohttp's total bound on each request."""
 
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
-            self._timeout = bounded(self._timeout)
+            self._timeout: Any = bounded(self._timeout)
 
         def _get_request_timeout(self, request: Any) -> Any:
             timeout = super()._get_request_timeout(request)

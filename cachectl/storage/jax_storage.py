@@ -25,9 +25,9 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from cachectl.core import jax_seam
+from cachectl.core.config import JAX_STORAGE_PAUSE_S
 from cachectl.core.errors import EnvironmentMismatch
 from cachectl.core.urls import url_kind
-from cachectl.core.config import JAX_STORAGE_PAUSE_S
 from cachectl.storage.store import bounded_config, options_for
 
 # The kinds of storage JAX reaches through fsspec, and fsspec's name for each.
@@ -109,8 +109,9 @@ def hand_to_jax(
     except Exception as exc:  # noqa: BLE001 - a client that cannot be built cannot be checked
         restore()
         raise JaxStorageRefused(
-            f"JAX's filesystem for {root_url} could not be built ({type(exc).__name__}: {exc})"
-            .splitlines()[0]
+            f"JAX's filesystem for {root_url} could not be built ({type(exc).__name__}: {exc})".splitlines()[
+                0
+            ]
         ) from None
     if fs is None:
         restore()

@@ -14,8 +14,8 @@ import contextlib
 import io
 import os
 import shutil
-from collections.abc import Callable, Iterable, Iterator, Sequence
 import threading
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FuturesTimeout
 from dataclasses import dataclass
@@ -220,7 +220,9 @@ class Store:
             text = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
             raise Unreachable(f"storage {self.url} is unreachable: {text}") from exc
         if not found:
-            raise Unreachable(f"bucket {bucket!r} of {self.url} does not exist or is not accessible")
+            raise Unreachable(
+                f"bucket {bucket!r} of {self.url} does not exist or is not accessible"
+            )
 
     def list(self, rel: str = "") -> list[FileInfo]:
         """Every file under ``rel``, recursively, in one listing call."""

@@ -24,12 +24,12 @@ from dataclasses import dataclass, field
 from typing import IO, Any
 
 from cachectl.context import Context
-from cachectl.storage.jax_storage import child_env
 from cachectl.core.errors import BadInput
 from cachectl.index import warm_runs
 from cachectl.service.activate import env_vars_for
 from cachectl.storage import ingest
 from cachectl.storage.entries import CACHE_SUFFIX, EntryName, Kind, classify, parse_key
+from cachectl.storage.jax_storage import child_env
 from cachectl.trust.permissions import check_writer
 from cachectl.warm.compiling import warm_jax_config
 
