@@ -113,6 +113,28 @@ def test_cache_add_ends_within_the_bound(
     assert default_endpoint.connections == 0
 
 
+@pytest.mark.parametrize("behaviour", ["silent", "trickle"])
+def test_warm_ends_within_the_bound(tmp_path: Path, behaviour: str, default_endpoint: Peer) -> None:
+    """warm on a dead endpoint: one line, exit 2, after a bound or two, not minutes of retries."""
+    db = f"sqlite:///{tmp_path / 'index.db'}"
+    manifest = tiny(tmp_path)
+    with peer(behaviour) as endpoint:
+        index = open_index(db)
+        index.add_cache("s3c", "s3://bkt/jax", storage_options={"endpoint_url": endpoint.url})
+        index.close()
+        started = time.monotonic()
+        warm = run_cachectl(
+            tmp_path, "--db", db, "warm", str(manifest), "--cache", "s3c", env=BOUNDS, timeout=240
+        )
+        took = time.monotonic() - started
+        assert endpoint.connections >= 1
+    assert warm.returncode == 2, (warm.returncode, warm.stderr[-2000:])
+    line = _one_line(warm.stderr)
+    assert line.startswith("cachectl: error: storage endpoint") and "timed out" in line, line
+    assert took < ENDS_WITHIN_S, (took, line)
+    assert default_endpoint.connections == 0
+
+
 SERVICE = """
 import json, time, cachectl
 activation = cachectl.activate(telemetry=False)

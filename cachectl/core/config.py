@@ -61,9 +61,12 @@ STORAGE_TIMEOUT_ENV = "CACHECTL_STORAGE_TIMEOUT"
 DEFAULT_STORAGE_CONNECT_TIMEOUT_S = 3.0
 DEFAULT_STORAGE_READ_TIMEOUT_S = 10.0
 DEFAULT_STORAGE_TIMEOUT_S = 60.0
-# After a request of JAX's to a storage endpoint timed out, its next ones there fail at once for
-# this long (storage/bounded_http.py): a dead endpoint costs a service one bound, not one per try.
-JAX_STORAGE_PAUSE_S = 60.0
+# After requests to a storage endpoint timed out (JAX's: once; cachectl's own: twice in a row),
+# the next ones there fail at once for this long (storage/bounded_http.py): a dead endpoint costs
+# a service or a command a bound or two, not one per try of every operation.
+STORAGE_PAUSE_S = 60.0
+JAX_PAUSE_AFTER = 1
+COMMAND_PAUSE_AFTER = 2
 
 
 @dataclass(frozen=True)

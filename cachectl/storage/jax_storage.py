@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from cachectl.core import jax_seam
-from cachectl.core.config import JAX_STORAGE_PAUSE_S
+from cachectl.core.config import JAX_PAUSE_AFTER
 from cachectl.core.errors import EnvironmentMismatch
 from cachectl.core.urls import url_kind
 from cachectl.storage.store import bounded_config, options_for
@@ -49,7 +49,7 @@ def jax_options(root_url: str, options: dict[str, Any] | None) -> tuple[str, dic
     handed = {k: v for k, v in options_for(kind, options).items() if k not in _NOT_HANDED}
     if kind == "s3":  # JAX's client pauses after a timeout (storage/bounded_http.py)
         own_config = dict((options or {}).get("config_kwargs") or {})
-        handed["config_kwargs"] = bounded_config(own_config, pause_s=JAX_STORAGE_PAUSE_S)
+        handed["config_kwargs"] = bounded_config(own_config, pause_after=JAX_PAUSE_AFTER)
     return FSSPEC_PROTOCOL[kind], handed
 
 

@@ -24,7 +24,13 @@ from functools import cached_property
 from typing import Any, BinaryIO, TypeVar
 
 from cachectl.core import temps
-from cachectl.core.config import DELETE_BATCH, STORAGE_TIMEOUT_ENV, storage_bounds
+from cachectl.core.config import (
+    COMMAND_PAUSE_AFTER,
+    DELETE_BATCH,
+    STORAGE_PAUSE_S,
+    STORAGE_TIMEOUT_ENV,
+    storage_bounds,
+)
 from cachectl.core.errors import BadInput, CachectlError, Unreachable
 from cachectl.core.urls import (  # noqa: F401 - URL dispatch, re-exported
     PROTOCOLS,
@@ -117,15 +123,17 @@ def _storage_options(kind: str, options: dict[str, Any] | None) -> dict[str, Any
     return opts
 
 
-def bounded_config(config_kwargs: dict[str, Any] | None, *, pause_s: float = 0.0) -> dict[str, Any]:
+def bounded_config(
+    config_kwargs: dict[str, Any] | None, *, pause_after: int = COMMAND_PAUSE_AFTER
+) -> dict[str, Any]:
     """botocore's config with this process's storage bounds (config.storage_bounds) where it sets
-    none: connect, silence and, through the HTTP session, the whole request (and with ``pause_s``
-    the pause after a timeout that JAX's client gets: storage/bounded_http.py)."""
+    none: connect, silence and, through the HTTP session, the whole request and the pause at an
+    endpoint that timed out ``pause_after`` times in a row (storage/bounded_http.py)."""
     config = dict(config_kwargs or {})
     bounds = storage_bounds()
     config.setdefault("connect_timeout", bounds.connect_s)
     config.setdefault("read_timeout", bounds.read_s)
-    session = bounded_session(bounds.total_s, pause_s)
+    session = bounded_session(bounds.total_s, STORAGE_PAUSE_S, pause_after)
     if session is not None:
         config.setdefault("http_session_cls", session)
     return config
