@@ -84,9 +84,33 @@ def test_the_endpoint_option_reaches_warm_and_the_service(
     assert result["warning"] is None, result
     assert result["requests"] == 5 and result["hits"] == 5, result
 
+    # What `cachectl env` prints (and `exec` sets) points a child's JAX at moto: no activate().
     variables = json.loads(run_cachectl(tmp_path, "--cache", "s3c", "env", "--json").stdout)
-    assert json.loads(variables["FSSPEC_S3"])["endpoint_url"] == moto_server.url  # exec's JAX
+    assert json.loads(variables["FSSPEC_S3"])["endpoint_url"] == moto_server.url
+    child = run_py(CHILD.format(dir=str(tmp_path)), variables, check=True)
+    assert json.loads(child.stdout.strip().splitlines()[-1]) == {"requests": 5, "hits": 5}
     assert default_endpoint.connections == 0, default_endpoint.requests
+
+
+# A service started with `cachectl env`'s variables: plain JAX, no cachectl import.
+CHILD = """
+import json, sys
+import numpy as np
+import jax
+sys.path.insert(0, {dir!r})
+import wm_tiny
+counts = {{}}
+jax.monitoring.register_event_listener(lambda e, **kw: counts.__setitem__(e, counts.get(e, 0) + 1))
+affine = jax.jit(wm_tiny.affine, static_argnames=["mode"])
+w = np.ones((8, 8), np.float32)
+for batch in (1, 2):
+    for mode in ("relu", "tanh"):
+        affine(np.ones((batch, 8), np.float32), w, mode=mode).block_until_ready()
+p = {{"w": w, "b": np.zeros((8,), np.float32)}}
+jax.jit(wm_tiny.layer)(np.ones((3, 8), np.float32), p).block_until_ready()
+print(json.dumps({{"requests": counts.get("/jax/compilation_cache/compile_requests_use_cache", 0),
+                  "hits": counts.get("/jax/compilation_cache/cache_hits", 0)}}))
+"""
 
 
 @pytest.mark.parametrize("behaviour", ["silent", "trickle"])
