@@ -64,6 +64,7 @@ def test_the_endpoint_option_reaches_warm_and_the_service(
         tmp_path,
         "cache", "add", "s3c", f"s3://{bucket}/jax",
         "--storage-option", f"endpoint_url={moto_server.url}",
+        "--storage-option", "client_kwargs.region_name=eu-west-1",  # s3fs's region: nested
     )  # fmt: skip
     assert add.returncode == 0, add.stderr
     manifest = tiny(tmp_path)
@@ -81,12 +82,14 @@ def test_the_endpoint_option_reaches_warm_and_the_service(
     assert {b["key"] + "-cache" for b in report["buckets"]} <= names, names
 
     result = service(tmp_path, cache="s3c")
-    assert result["warning"] is None, result
+    assert result["warning"] is None, result  # JAX's filesystem carries both options, or refused
     assert result["requests"] == 5 and result["hits"] == 5, result
 
     # What `cachectl env` prints (and `exec` sets) points a child's JAX at moto: no activate().
     variables = json.loads(run_cachectl(tmp_path, "--cache", "s3c", "env", "--json").stdout)
-    assert json.loads(variables["FSSPEC_S3"])["endpoint_url"] == moto_server.url
+    handed = json.loads(variables["FSSPEC_S3"])
+    assert handed["endpoint_url"] == moto_server.url, handed
+    assert handed["client_kwargs"] == {"region_name": "eu-west-1"}, handed
     child = run_py(CHILD.format(dir=str(tmp_path)), variables, check=True)
     assert json.loads(child.stdout.strip().splitlines()[-1]) == {"requests": 5, "hits": 5}
     assert default_endpoint.connections == 0, default_endpoint.requests
@@ -228,3 +231,24 @@ def test_a_bad_bound_is_one_line_and_exit_2(tmp_path: Path, default_endpoint: Pe
     assert add.returncode == 2, add.stderr
     assert "CACHECTL_STORAGE_TIMEOUT" in _one_line(add.stderr)
     assert default_endpoint.connections == 0
+
+
+def test_a_dotted_storage_option_is_nested_and_a_clash_is_one_line(tmp_path: Path) -> None:
+    add = run_cachectl(
+        tmp_path,
+        "cache", "add", "r", str(tmp_path / "r"), "--json",
+        "--storage-option", "client_kwargs.region_name=eu-west-1",
+        "--storage-option", "client_kwargs.verify=false",
+    )  # fmt: skip
+    assert add.returncode == 0, add.stderr
+    options = json.loads(add.stdout)["storage_options"]
+    assert options == {"client_kwargs": {"region_name": "eu-west-1", "verify": False}}
+    for pairs in (["a=1", "a.b=2"], ["a.b=2", "a=1"], ["client_kwargs.=x"]):
+        args = [arg for pair in pairs for arg in ("--storage-option", pair)]
+        bad = run_cachectl(tmp_path, "cache", "add", "bad", str(tmp_path / "b"), *args)
+        assert bad.returncode == 2 and "bad storage option" in _one_line(bad.stderr), bad.stderr
+    secret = run_cachectl(
+        tmp_path, "cache", "add", "bad", str(tmp_path / "b"),
+        "--storage-option", "client_kwargs.aws_secret_access_key=hunter2",
+    )  # fmt: skip
+    assert secret.returncode == 2 and "credential" in _one_line(secret.stderr)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import builtins
 import contextlib
+import copy
 import io
 import os
 import shutil
@@ -107,7 +108,7 @@ def _mtime(info: dict[str, Any]) -> datetime | None:
 
 
 def _storage_options(kind: str, options: dict[str, Any] | None) -> dict[str, Any]:
-    opts = dict(options or {})
+    opts = copy.deepcopy(dict(options or {}))  # nested options (client_kwargs) stay the cache's
     if kind == "gcs" and os.environ.get("STORAGE_EMULATOR_HOST") and "token" not in opts:
         opts["token"] = "anon"
     if kind == "s3" and os.environ.get("AWS_ENDPOINT_URL") and "endpoint_url" not in opts:
