@@ -164,31 +164,35 @@ def test_warm_ends_within_the_bound(tmp_path: Path, behaviour: str, default_endp
 
 SERVICE = """
 import json, time, cachectl
-activation = cachectl.activate(telemetry=False)
 import jax
 started = time.monotonic()
+activation = cachectl.activate(telemetry=False)
 first = int(jax.jit(lambda x: x + 1)(1))
 took = time.monotonic() - started
 second = int(jax.jit(lambda x: x * 3)(2))
-print(json.dumps({"path": activation.path, "first": first, "second": second, "took": took}))
+print(json.dumps({"path": activation.path, "readonly": activation.readonly, "first": first,
+                  "second": second, "took": took}))
 """
 
 
-@pytest.mark.parametrize("behaviour", ["silent", "trickle"])
+@pytest.mark.parametrize(("behaviour", "readonly"), [("silent", "true"), ("trickle", "false")])
 def test_a_service_compiles_as_plain_jax_within_the_bound(
-    tmp_path: Path, behaviour: str, default_endpoint: Peer
+    tmp_path: Path, behaviour: str, readonly: str, default_endpoint: Peer
 ) -> None:
-    """The service's first compile waits one bound on a dead endpoint, warns, and compiles."""
+    """activate() (a writer's creates its namespace first) and the first compile wait a bound or
+    two on a dead endpoint, warn, and compile as plain JAX."""
     db = f"sqlite:///{tmp_path / 'index.db'}"
     with peer(behaviour) as endpoint:
         index = open_index(db)
         index.add_cache("s3c", "s3://bkt/jax", storage_options={"endpoint_url": endpoint.url})
         index.close()
-        proc = run_py(SERVICE, {**BOUNDS, "CACHECTL_DB": db, "CACHECTL_CACHE": "s3c"}, timeout=240)
+        service_env = {**BOUNDS, "CACHECTL_DB": db, "CACHECTL_CACHE": "s3c"}
+        proc = run_py(SERVICE, {**service_env, "CACHECTL_READONLY": readonly}, timeout=240)
         asked = endpoint.connections
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["path"].startswith("s3://bkt/jax/"), result
+    assert result["readonly"] is (readonly == "true"), result
     assert (result["first"], result["second"]) == (2, 6), result
     assert result["took"] < ENDS_WITHIN_S, result
     assert asked >= 1, proc.stderr[-2000:]  # JAX asked the cache's endpoint, not the default
