@@ -372,6 +372,27 @@ def test_no_distributed_client_before_initialize() -> None:
     assert jax_seam.distributed_client() is None
 
 
+def test_jax_opens_an_s3_cache_through_the_filesystem_the_seam_names() -> None:
+    """jax._src.path.Path is etils' epath.Path; for s3:// its fsspec backend builds one filesystem
+    per protocol and process with fsspec's defaults for the protocol, and JAX's cache reads through
+    it: the only way a cache's storage options reach JAX (storage/jax_storage.py)."""
+    code = """
+    import json, fsspec.config
+    fsspec.config.conf["s3"] = {"endpoint_url": "http://127.0.0.1:9", "anon": True}
+    from jax._src import path
+    from cachectl.core import jax_seam
+    fs = jax_seam.cache_filesystem("s3://bkt/ns")
+    again = jax_seam.cache_filesystem("s3://other/ns")
+    print(json.dumps({"epath": path.Path.__module__, "same": fs is again,
+                      "type": type(fs).__name__, "options": fs.storage_options}))
+    """
+    proc = run_py(code, {"EPATH_USE_TF": "false"}, check=True)
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["epath"].startswith("etils.epath") and out["type"] == "S3FileSystem", out
+    assert out["same"] is True  # one per protocol: built once, before activate() or never
+    assert out["options"] == {"endpoint_url": "http://127.0.0.1:9", "anon": True}, out
+
+
 def test_sharding_names() -> None:
     import jax
     from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding

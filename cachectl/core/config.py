@@ -51,6 +51,57 @@ SERVER_HOST = "127.0.0.1"
 SERVER_PORT = 8700
 
 
+# Every storage request cachectl makes, and JAX's own reads and writes of an object-store cache
+# (cachectl hands JAX the same bounds): seconds to connect, seconds of silence while a response
+# is awaited or read, seconds for one whole request (a body trickled byte by byte ends here). s3fs
+# repeats a request that timed out (its own retries); a cachectl command's own check of a bucket
+# (`cache add`) ends after the whole bound, however many tries. Environment only: a service
+# has no flags, and the bound is the process's, not a cache's.
+STORAGE_CONNECT_TIMEOUT_ENV = "CACHECTL_STORAGE_CONNECT_TIMEOUT"
+STORAGE_READ_TIMEOUT_ENV = "CACHECTL_STORAGE_READ_TIMEOUT"
+STORAGE_TIMEOUT_ENV = "CACHECTL_STORAGE_TIMEOUT"
+DEFAULT_STORAGE_CONNECT_TIMEOUT_S = 3.0
+DEFAULT_STORAGE_READ_TIMEOUT_S = 10.0
+DEFAULT_STORAGE_TIMEOUT_S = 60.0
+# After requests to a storage endpoint timed out (JAX's: once; cachectl's own: twice in a row),
+# the next ones there fail at once for this long (storage/bounded_http.py): a dead endpoint costs
+# a service or a command a bound or two, not one per try of every operation.
+STORAGE_PAUSE_S = 60.0
+JAX_PAUSE_AFTER = 1
+COMMAND_PAUSE_AFTER = 2
+
+
+@dataclass(frozen=True)
+class StorageBounds:
+    """How long one storage request may wait (seconds): to connect, in silence, in all."""
+
+    connect_s: float = DEFAULT_STORAGE_CONNECT_TIMEOUT_S
+    read_s: float = DEFAULT_STORAGE_READ_TIMEOUT_S
+    total_s: float = DEFAULT_STORAGE_TIMEOUT_S
+
+
+def _seconds(name: str, default: float) -> float:
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not 0 < value < float("inf"):
+        raise BadInput(f"bad {name}={raw!r}: give a positive number of seconds, e.g. {default:g}")
+    return value
+
+
+def storage_bounds() -> StorageBounds:
+    """The storage bounds this process applies (CACHECTL_STORAGE_*TIMEOUT, read at each call)."""
+    return StorageBounds(
+        _seconds(STORAGE_CONNECT_TIMEOUT_ENV, DEFAULT_STORAGE_CONNECT_TIMEOUT_S),
+        _seconds(STORAGE_READ_TIMEOUT_ENV, DEFAULT_STORAGE_READ_TIMEOUT_S),
+        _seconds(STORAGE_TIMEOUT_ENV, DEFAULT_STORAGE_TIMEOUT_S),
+    )
+
+
 def default_jobs() -> int:
     """The cores this process may use: warm's default --jobs."""
     try:

@@ -319,6 +319,20 @@ def opened_cache_dir() -> str | None:
     return str(getattr(cache, "_path", "") or "") or None
 
 
+def cache_filesystem(url: str) -> Any | None:
+    """The fsspec filesystem JAX's persistent cache opens ``url`` (not local) through: etils.epath's,
+    one per protocol and process, built at its first use with fsspec's defaults for the protocol
+    (``jax._src.path.Path`` is ``epath.Path``). None where JAX reads it another way (pathlib
+    without etils, TensorFlow's gfile)."""
+    from jax._src import path as jax_path
+
+    if not getattr(jax_path, "epath_installed", False):
+        return None
+    backend = getattr(jax_path.Path(url), "_backend", None)
+    fs = getattr(backend, "fs", None)
+    return fs(url) if callable(fs) else None
+
+
 def cache_checked() -> bool:
     """True once JAX compiled anything in this process (it checks its cache on the first compile)."""
     from jax._src import compilation_cache

@@ -31,6 +31,7 @@ from cachectl.core.fingerprint import MANAGED_JAX_CONFIG, Environment, current_e
 from cachectl.core.urls import normalize_url, url_kind
 from cachectl.service import sqlite_index as service_sqlite
 from cachectl.service.telemetry_sinks import IndexSink, ServerSink
+from cachectl.storage.jax_storage import JaxStorageRefused, hand_to_jax
 from cachectl.storage.store import Store
 from cachectl.trust import pins
 
@@ -158,31 +159,29 @@ def _jax_compiled_already() -> bool:
 
 
 # botocore's defaults (5 attempts with backoff, per operation) make an
-# unreachable bucket cost JAX ~25 s at its first compile; one attempt with a
-# short connect timeout fails in ~1.5 s. s3fs keeps its own retries for
-# throttling and dropped connections. Only set when the process has no s3
-# config of its own; CACHECTL_S3_FAIL_FAST=0 leaves botocore's defaults.
-_FAIL_FAST_S3 = {"connect_timeout": 3, "retries": {"max_attempts": 1}}
+# unreachable bucket cost JAX ~25 s at its first compile; one attempt fails
+# within the storage bounds (config.storage_bounds: connect, silence, whole
+# request). s3fs keeps its own retries for throttling and dropped connections.
+# A retry policy the process set itself (fsspec's s3 defaults) stays;
+# CACHECTL_S3_FAIL_FAST=0 leaves botocore's.
+_FAIL_FAST_S3 = {"retries": {"max_attempts": 1}}
 
 
 def fail_fast_options(root_url: str, options: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Storage options for a quick probe: one attempt, short connect timeout (s3 only)."""
+    """Storage options for a quick probe: one attempt per request (s3 only; the bounds are the
+    store's)."""
     opts = dict(options or {})
     if url_kind(root_url) == "s3":
-        opts.setdefault("config_kwargs", dict(_FAIL_FAST_S3))
+        opts["config_kwargs"] = {**_FAIL_FAST_S3, **dict(opts.get("config_kwargs") or {})}
     return opts
 
 
-def _fail_fast_object_store(root_url: str) -> None:
-    """Bound how long JAX's own object-store client waits on an unreachable bucket."""
-    if url_kind(root_url) != "s3":
-        return
+def _fail_fast() -> dict[str, Any]:
+    """botocore settings for JAX's own object-store client: one attempt per request unless
+    CACHECTL_S3_FAIL_FAST=0 (the storage bounds apply either way)."""
     if os.environ.get("CACHECTL_S3_FAIL_FAST", "1").strip().lower() in ("0", "false", "no"):
-        return
-    import fsspec.config
-
-    conf = fsspec.config.conf.setdefault("s3", {})
-    conf.setdefault("config_kwargs", dict(_FAIL_FAST_S3))
+        return {}
+    return dict(_FAIL_FAST_S3)
 
 
 def _index_side(settings: Settings) -> IndexSide:
@@ -420,9 +419,22 @@ def _target(
     root_url = _root_url(settings, cache_info, problems)
     readonly = _readonly(settings, mirror, cache_info, root_url)
     options = dict(cache_info.storage_options) if cache_info else {}
-    _fail_fast_object_store(root_url)
     store, path = _jax_path(root_url, options, env, mirror, problems)
+    if mirror is None:
+        _storage_to_jax(settings.cache, root_url, options, path)
     return _Target(root_url, options, readonly, store, path)
+
+
+def _storage_to_jax(cache: str, root_url: str, options: dict[str, Any], path: str) -> None:
+    """Hand JAX's own filesystem the cache's storage options and bounds (and, unless
+    CACHECTL_S3_FAIL_FAST=0, one attempt per request); _NotActivated where it cannot take them:
+    JAX would read the storage somewhere else (storage/jax_storage.py)."""
+    try:
+        hand_to_jax(root_url, options, path, client_config=_fail_fast())
+    except (JaxStorageRefused, BadInput) as exc:  # BadInput: a bad CACHECTL_STORAGE_* bound
+        raise _NotActivated(
+            f"cachectl: cache {cache!r} not activated, JAX runs without it: {exc.message}"
+        ) from None
 
 
 def _prepare_storage(

@@ -19,8 +19,9 @@ from cachectl.core.errors import BadInput, CachectlError, NotFound
 from cachectl.core.fingerprint import Environment
 from cachectl.core.probe import remembered_environment
 from cachectl.core.temps import atomic_write
-from cachectl.service.activate import env_vars_for, jax_config_for
+from cachectl.service.activate import env_vars_for, fail_fast_options, jax_config_for
 from cachectl.service.exec_hook import child_variables
+from cachectl.storage.jax_storage import child_env
 from cachectl.storage.store import Store, normalize_url
 
 
@@ -85,6 +86,10 @@ def service_env(
     if readonly is None:
         readonly = cache.effective_service_writes == "deny"
     variables = env_vars_for(jax_config_for(ns.url, ns.environment, readonly))
+    # The cache's storage options and bounds, for the service's JAX (storage/jax_storage.py).
+    variables.update(
+        child_env(cache.root_url, fail_fast_options(cache.root_url, cache.storage_options))
+    )
     variables["CACHECTL_CACHE"] = cache.name
     _remember(cache.name, ns.url, readonly)
     return ServiceEnv(cache.name, ns.relpath, readonly, variables)

@@ -11,19 +11,28 @@ from __future__ import annotations
 
 import builtins
 import contextlib
+import copy
 import io
 import os
 import shutil
+import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FuturesTimeout
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from functools import cached_property
 from typing import Any, BinaryIO, TypeVar
 
 from cachectl.core import temps
-from cachectl.core.config import DELETE_BATCH
-from cachectl.core.errors import BadInput, Unreachable
+from cachectl.core.config import (
+    COMMAND_PAUSE_AFTER,
+    DELETE_BATCH,
+    STORAGE_PAUSE_S,
+    STORAGE_TIMEOUT_ENV,
+    storage_bounds,
+)
+from cachectl.core.errors import BadInput, CachectlError, Unreachable
 from cachectl.core.urls import (  # noqa: F401 - URL dispatch, re-exported
     PROTOCOLS,
     URL_SCHEME,
@@ -32,6 +41,7 @@ from cachectl.core.urls import (  # noqa: F401 - URL dispatch, re-exported
     url_kind,
 )
 from cachectl.storage import store_local as local
+from cachectl.storage.bounded_http import bounded_session
 from cachectl.storage.store_local import Listed
 from cachectl.storage.store_local import (
     NotRegularFile as NotRegularFile,  # raised by reads: callers catch it
@@ -98,18 +108,65 @@ def _mtime(info: dict[str, Any]) -> datetime | None:
 
 
 def _storage_options(kind: str, options: dict[str, Any] | None) -> dict[str, Any]:
-    opts = dict(options or {})
+    opts = copy.deepcopy(dict(options or {}))  # nested options (client_kwargs) stay the cache's
     if kind == "gcs" and os.environ.get("STORAGE_EMULATOR_HOST") and "token" not in opts:
         opts["token"] = "anon"
     if kind == "s3" and os.environ.get("AWS_ENDPOINT_URL") and "endpoint_url" not in opts:
         opts.setdefault("client_kwargs", {}).setdefault(
             "endpoint_url", os.environ["AWS_ENDPOINT_URL"]
         )
+    if kind == "s3":
+        opts["config_kwargs"] = bounded_config(opts.get("config_kwargs"))
     if kind in ("s3", "gcs"):
         # Endpoints and credentials come from the environment; a cached instance
         # could carry an endpoint from before the environment changed.
         opts["skip_instance_cache"] = True
     return opts
+
+
+def bounded_config(
+    config_kwargs: dict[str, Any] | None, *, pause_after: int = COMMAND_PAUSE_AFTER
+) -> dict[str, Any]:
+    """botocore's config with this process's storage bounds (config.storage_bounds) where it sets
+    none: connect, silence and, through the HTTP session, the whole request and the pause at an
+    endpoint that timed out ``pause_after`` times in a row (storage/bounded_http.py)."""
+    config = dict(config_kwargs or {})
+    bounds = storage_bounds()
+    config.setdefault("connect_timeout", bounds.connect_s)
+    config.setdefault("read_timeout", bounds.read_s)
+    session = bounded_session(bounds.total_s, STORAGE_PAUSE_S, pause_after)
+    if session is not None:
+        config.setdefault("http_session_cls", session)
+    return config
+
+
+def options_for(kind: str, options: dict[str, Any] | None) -> dict[str, Any]:
+    """The fsspec options a client of this kind of storage gets: the cache's, the environment's
+    endpoint, the bounds (what JAX's own filesystem is handed too: storage/jax_storage.py)."""
+    return _storage_options(kind, options)
+
+
+def within_bound(call: Callable[[], T], what: str) -> T:
+    """``call()``, or Unreachable once the whole storage bound has passed: a client that retries
+    a silent or trickling server still ends on time. The call runs on a daemon thread, left to
+    end by itself (its own bounds end it) if it overruns."""
+    bound = storage_bounds().total_s
+    done: Future[T] = Future()
+
+    def run() -> None:
+        try:
+            done.set_result(call())
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread
+            done.set_exception(exc)
+
+    threading.Thread(target=run, name="cachectl-storage-call", daemon=True).start()
+    try:
+        return done.result(timeout=bound)
+    except FuturesTimeout:
+        raise Unreachable(
+            f"{what} did not answer within {bound:g} s ({STORAGE_TIMEOUT_ENV}); "
+            "check the endpoint, or raise the bound"
+        ) from None
 
 
 class Store:
@@ -156,21 +213,25 @@ class Store:
         return f"{URL_SCHEME[self.kind]}://{full}"
 
     def check_reachable(self) -> None:
-        """Fail with one line if the root cannot be reached (bad bucket, no endpoint)."""
+        """Fail with one line if the root cannot be reached (bad bucket, no endpoint), within the
+        whole storage bound (``CACHECTL_STORAGE_TIMEOUT``) however often the client retries."""
+        if self.kind == "file":
+            return
+        bucket = self.root.split("/", 1)[0] if self.kind in ("s3", "gcs") else self.root
+        if self.kind not in ("s3", "gcs"):
+            return
         try:
-            if self.kind == "file":
-                return
-            bucket = self.root.split("/", 1)[0] if self.kind in ("s3", "gcs") else self.root
-            if self.kind in ("s3", "gcs") and not self.fs.exists(bucket):
-                raise Unreachable(
-                    f"bucket {bucket!r} of {self.url} does not exist or is not accessible"
-                )
-        except Unreachable:
+            fs = self.fs  # built (its modules imported) before the clock starts: no network yet
+            found = within_bound(lambda: bool(fs.exists(bucket)), f"storage {self.url}")
+        except CachectlError:  # Unreachable, or a bad bound setting
             raise
         except Exception as exc:  # noqa: BLE001 - any client error is "unreachable" here
+            text = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
+            raise Unreachable(f"storage {self.url} is unreachable: {text}") from exc
+        if not found:
             raise Unreachable(
-                f"storage {self.url} is unreachable: {type(exc).__name__}: {exc}"
-            ) from exc
+                f"bucket {bucket!r} of {self.url} does not exist or is not accessible"
+            )
 
     def list(self, rel: str = "") -> list[FileInfo]:
         """Every file under ``rel``, recursively, in one listing call."""

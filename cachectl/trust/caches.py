@@ -44,22 +44,32 @@ def looks_secret(key: str, value: Any) -> bool:
 
 
 def parse_storage_options(pairs: tuple[str, ...] | list[str]) -> dict[str, Any]:
-    """``endpoint_url=http://...`` pairs -> fsspec storage options, refusing secrets."""
+    """``endpoint_url=http://...`` pairs -> fsspec storage options, refusing secrets. A dotted
+    key sets a nested option: ``client_kwargs.region_name=eu-west-1`` (where s3fs takes a region)."""
     options: dict[str, Any] = {}
     for pair in pairs:
         key, sep, value = pair.partition("=")
         key = key.strip()
-        if not sep or not key:
+        parts = key.split(".")
+        if not sep or not key or not all(part.strip() for part in parts):
             raise BadInput(
                 f"bad storage option {pair!r}: use KEY=VALUE, e.g. endpoint_url=http://127.0.0.1:9000"
+                " (a nested one: client_kwargs.region_name=eu-west-1)"
             )
         if looks_secret(key, value):
             raise BadInput(
                 f"storage option {key!r} looks like a credential: the index never stores secrets; "
                 "set it in the environment (AWS_*, GOOGLE_APPLICATION_CREDENTIALS) instead"
             )
+        target = options
+        for part in parts[:-1]:
+            target = target.setdefault(part.strip(), {})
+            if not isinstance(target, dict):
+                raise BadInput(f"bad storage option {pair!r}: {part!r} is already set to a value")
+        if isinstance(target.get(parts[-1].strip()), dict):
+            raise BadInput(f"bad storage option {pair!r}: {key!r} already holds nested options")
         lowered = value.strip().lower()
-        options[key] = {"true": True, "false": False}.get(lowered, value)
+        target[parts[-1].strip()] = {"true": True, "false": False}.get(lowered, value)
     return options
 
 

@@ -29,6 +29,7 @@ from cachectl.index import warm_runs
 from cachectl.service.activate import env_vars_for
 from cachectl.storage import ingest
 from cachectl.storage.entries import CACHE_SUFFIX, EntryName, Kind, classify, parse_key
+from cachectl.storage.jax_storage import child_env
 from cachectl.trust.permissions import check_writer
 from cachectl.warm.compiling import warm_jax_config
 
@@ -100,7 +101,12 @@ def warm_by_running(
     store = ctx.store(cache_info)
     before = _entry_names(store, ns.relpath)
     config = warm_jax_config(ns.url, env)
-    environ = {**os.environ, **env_vars_for(config), "CACHECTL_CACHE": cache_info.name}
+    environ = {
+        **os.environ,
+        **env_vars_for(config),
+        **child_env(cache_info.root_url, cache_info.storage_options),
+        "CACHECTL_CACHE": cache_info.name,
+    }
     digest = run_digest(list(command))
     run = ctx.index.start_warm_run(info.id, manifest_digest=digest, manifest_path=None, buckets=0)
     started = time.perf_counter()

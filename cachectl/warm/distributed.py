@@ -50,6 +50,7 @@ from cachectl.core.errors import (
 from cachectl.manifest import manifest_digest
 from cachectl.storage import ingest
 from cachectl.storage.entries import CACHE_SUFFIX, parse_key, sha256
+from cachectl.storage.jax_storage import jax_storage
 
 WRITER = 0
 TIMEOUT_ENV = "CACHECTL_DISTRIBUTED_TIMEOUT"
@@ -497,7 +498,12 @@ def _compile_all(
     config = warm_mod.warm_jax_config(ns_url, plan.environment)
     jitted, calls = warm_mod.build_calls(plan.manifest, plan.buckets, plan.search_paths)
     mine: dict[int, tuple[str | None, str | None, float, bytes | None, str | None]] = {}
-    with warm_mod.jax_configured(config), warm_mod.CAPTURE.installed():
+    cache = plan.cache
+    with (
+        jax_storage(cache.root_url, cache.storage_options, ns_url),
+        warm_mod.jax_configured(config),
+        warm_mod.CAPTURE.installed(),
+    ):
         for position, bucket in enumerate(plan.buckets):
             call = calls[position]
             if isinstance(call, str):

@@ -20,6 +20,7 @@ from cachectl.core.probe import ONE_PROCESS_BACKENDS
 from cachectl.index import warm_runs
 from cachectl.manifest import Bucket, load_manifest, manifest_digest
 from cachectl.storage.entries import CACHE_SUFFIX, EXECUTABLE_SUFFIX
+from cachectl.storage.jax_storage import jax_storage
 from cachectl.trust import signing
 from cachectl.trust.signing import SigningKey
 from cachectl.warm.compiling import Outcome, warm_jax_config
@@ -321,7 +322,8 @@ def _compile_all(
     status = warm_runs.INTERRUPTED
     retried = 0
     try:
-        with _Heartbeat(beat):
+        cache = plan.cache
+        with _Heartbeat(beat), jax_storage(cache.root_url, cache.storage_options, ns_url):
             config = warm_jax_config(ns_url, plan.environment)
             if executor == "process" and jobs > 1:
                 run_processes(plan, config, jobs, opts.fail_fast, tally.record, opts.executables)
