@@ -66,8 +66,9 @@ _JSON_STRING = re.compile(rb'"[^"\\]*+(?:\\.[^"\\]*+)*+"?', re.DOTALL)
 _NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
 _EMPTY_PAIR = re.compile(rb"\[\]|\{\}")
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
-# A number that may overflow a float: a three-digit exponent, or 309 digits in a row.
-_HUGE_NUMBER = re.compile(rb"[eE][+-]?[0-9]{3}|[0-9]{309}")
+# A number that may overflow a float: a three-digit exponent after a digit or point and before
+# no letter, digit or quote (so the hex of a sha256, "5e123a", is not one), or 309 digits in a row.
+_HUGE_NUMBER = re.compile(rb"[0-9.][eE][+-]?[0-9]{3,}(?![0-9A-Za-z\"])|[0-9]{309}")
 
 
 def too_deep(body: bytes, limit: int = MAX_JSON_DEPTH) -> bool:
