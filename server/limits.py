@@ -12,10 +12,12 @@ size), the sign-in form a few KiB, every other body ``max_json_bytes``.
 
 Every body but the byte uploads is JSON, and it is read whole (within that limit)
 and checked here before any route parses it (422): UTF-8, at most
-``MAX_JSON_DEPTH`` levels of arrays and objects, no NaN or Infinity, no lone
-surrogate. A deeper value once stored made every later listing of it, for every
-reader, fail with RecursionError; NaN and lone surrogates cannot be written back
-as JSON or UTF-8 (500s, or rows a listing cannot render).
+``MAX_JSON_DEPTH`` levels of arrays and objects, no NaN or Infinity, no number
+too big for a float (``1e999`` reads back as infinity), no lone surrogate. A deeper
+value once stored made every later listing of it, for every reader, fail with
+RecursionError; NaN, infinities and lone surrogates cannot be written back as JSON
+or UTF-8 (500s, or rows a listing cannot render). 422 is the status of every body
+this edge refuses as JSON, as it is FastAPI's for a body its models refuse.
 """
 
 from __future__ import annotations
@@ -64,6 +66,9 @@ _JSON_STRING = re.compile(rb'"[^"\\]*+(?:\\.[^"\\]*+)*+"?', re.DOTALL)
 _NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
 _EMPTY_PAIR = re.compile(rb"\[\]|\{\}")
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+# A number that may overflow a float: a three-digit exponent after a digit or point and before
+# no letter, digit or quote (so the hex of a sha256, "5e123a", is not one), or 309 digits in a row.
+_HUGE_NUMBER = re.compile(rb"[0-9.][eE][+-]?[0-9]{3,}(?![0-9A-Za-z\"])|[0-9]{309}")
 
 
 def too_deep(body: bytes, limit: int = MAX_JSON_DEPTH) -> bool:
@@ -84,9 +89,17 @@ def _constant(name: str) -> Any:
     raise ValueError(name)
 
 
+def _finite(text: str) -> float:
+    value = float(text)
+    if value in (float("inf"), float("-inf")):
+        raise ValueError(f"{text[:40]} (beyond a float's range)")
+    return value
+
+
 def json_problem(body: bytes) -> str | None:
     """Why a request body may not reach a route's JSON parser, or None. Linear C-speed checks; a
-    body that mentions NaN, Infinity or a surrogate escape is parsed once more to be sure."""
+    body that mentions NaN, Infinity, a surrogate escape or a number that may overflow a float
+    is parsed once more to be sure."""
     if not body:
         return None
     try:
@@ -95,13 +108,18 @@ def json_problem(body: bytes) -> str | None:
         return f"request body is not UTF-8 JSON (byte {exc.start})"
     if too_deep(body):
         return f"request body nests arrays and objects more than {MAX_JSON_DEPTH} levels deep"
-    if b"NaN" in body or b"Infinity" in body or _SURROGATE_ESCAPE.search(body):
+    if (
+        b"NaN" in body
+        or b"Infinity" in body
+        or _SURROGATE_ESCAPE.search(body)
+        or _HUGE_NUMBER.search(body)
+    ):
         try:
-            value = json.loads(body, parse_constant=_constant)
+            value = json.loads(body, parse_constant=_constant, parse_float=_finite)
         except ValueError as exc:
             if isinstance(exc, json.JSONDecodeError):
                 return None  # not JSON at all: the route's parser says so
-            return f"request body holds {exc}: JSON has no NaN or Infinity"
+            return f"request body holds {exc}: JSON has no NaN or Infinity, numbers must be finite"
         try:
             json.dumps(value, ensure_ascii=False).encode("utf-8")
         except UnicodeEncodeError:

@@ -85,14 +85,18 @@ def test_a_remembered_runtime_the_service_contradicts_is_forgotten(tmp_path: Pat
     state = Path(os.environ["XDG_STATE_HOME"])
     (cache_dir, _), _, _ = _exec(tmp_path)
     (memo,) = _memos(state)
+    # As if the devices changed within this boot: the memo names another environment the index
+    # recorded (one it never recorded is refused before the service starts: test_trust_probe_exec).
+    _exec(tmp_path, env={"XLA_FLAGS": "--xla_force_host_platform_device_count=8"})
+    (other,) = [m for m in _memos(state) if m != memo]
     data = json.loads(memo.read_text())
-    data["environment"]["device_count"] = 8  # as if the devices changed within this boot
+    data["environment"] = json.loads(other.read_text())["environment"]
     memo.write_text(json.dumps(data))
 
     (stale_dir, remembered), opened, stderr = _exec(tmp_path)
     assert remembered == str(memo) and _reader(opened) == []
     assert stale_dir != cache_dir  # the namespace it named, as the warning says
-    assert "not the one `cachectl exec` remembered (device_count 8 -> 1)" in stderr
+    assert "not the one `cachectl exec` remembered (device_count 8 -> 1; topology " in stderr
     assert not memo.exists()
 
     (fresh_dir, remembered), opened, _ = _exec(tmp_path)

@@ -84,6 +84,7 @@ def staging_dir(store: Any, ns: str) -> Path:
     return Path(tempfile.mkdtemp(prefix=temps.prefix(temps.LOCAL_STAGING_PREFIX)))
 
 
+FILE_MODE = 0o644  # never world-writable, whatever the umask: readers run what these files hold
 _WORKERS = 2  # threads hashing and writing members while the main thread decompresses
 _IN_MEMORY_MAX = 16 << 20  # members up to this size are hashed and written in a worker thread
 _IN_FLIGHT_MAX = 4 << 20  # bytes read but not yet written: more costs fresh pages (bench/fleet.py)
@@ -93,7 +94,7 @@ def _write_hashed(dest: str, data: bytes) -> str:
     """Write ``data`` to a new file and return its sha256 (in a worker: both release the GIL).
     One write and one hash call each: every GIL release in a worker can wait a switch interval
     for the decompressing thread to hand it back, so fewer, longer releases run faster."""
-    fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE)
     try:
         write_all(fd, [data])
     finally:
@@ -113,7 +114,7 @@ def _stream_hashed(src: IO[bytes], dest: Path, size: int) -> str:
     """A member streamed to ``dest``, stopping at ``size`` bytes; its sha256."""
     digest = hashlib.sha256()
     left = size
-    with open(dest, "xb") as dst:
+    with os.fdopen(os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE), "wb") as dst:
         while left:
             chunk = src.read(min(CHUNK, left))
             if not chunk:

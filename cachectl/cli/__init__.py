@@ -16,7 +16,8 @@ import click
 
 from cachectl import __version__
 from cachectl.core.config import load_settings
-from cachectl.core.errors import CachectlError, ProblemsReported
+from cachectl.core.errors import CachectlError, ProblemsReported, from_os_error
+from cachectl.core.temps import no_world_writes
 
 if TYPE_CHECKING:
     from cachectl.context import Context
@@ -244,7 +245,10 @@ class CachectlGroup(click.Group):
 
     def invoke(self, ctx: click.Context) -> Any:
         try:
-            return super().invoke(ctx)
+            try:
+                return super().invoke(ctx)
+            except OSError as exc:  # a read-only or full disk: one line, not a traceback
+                raise from_os_error(exc) from exc
         except CachectlError as exc:
             # The one place a library error becomes an exit code (cachectl.core.errors.ERRORS).
             # A message of several problems (a manifest's) prints one error line each; a
@@ -293,6 +297,7 @@ def cli(ctx: click.Context, db: str | None, cache_name: str | None, verbose: int
     Exit codes: 0 ok, 1 problems found, 2 bad input,
                 3 hardware/environment mismatch, 4 permission denied.
     """
+    no_world_writes()  # whatever the umask, nothing a command creates is world-writable
     ctx.meta["cachectl.configured_logging"] = not logging.root.handlers
     logging.basicConfig(level=_log_level(verbose), format="%(levelname)s %(name)s: %(message)s")
     ctx.obj = _LazyContext(ctx)

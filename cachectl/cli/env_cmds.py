@@ -136,9 +136,12 @@ def exec_(
         variables = result.variables
         if result.warning:
             click.echo(result.warning, err=True)
-    except CachectlError as exc:  # never refuse to start the service: it runs as plain JAX would
+    except Exception as exc:  # noqa: BLE001 - never refuse to start the service: plain JAX runs
+        message = exc.message if isinstance(exc, CachectlError) else f"{type(exc).__name__}: {exc}"
         click.echo(
-            f"cachectl: {exc.message}; running {command[0]} without a managed cache", err=True
+            f"cachectl: {message.splitlines()[0] if message else type(exc).__name__}; running "
+            f"{command[0]} without a managed cache",
+            err=True,
         )
         variables = {}
     environ = {**os.environ, **variables}

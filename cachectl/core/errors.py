@@ -104,6 +104,26 @@ _STATUS_ERRORS: dict[int, type[CachectlError]] = {
 }
 
 
+_OS_DENIED = {"EACCES", "EPERM", "EROFS"}
+_OS_FULL = {"ENOSPC", "EDQUOT"}
+
+
+def from_os_error(exc: OSError) -> CachectlError:
+    """The library error for a file system error no layer turned into one: a read-only file
+    system or no permission is PermissionDenied (4), a full disk or anything else
+    OperationFailed (1); one line that names the path."""
+    import errno
+
+    name = errno.errorcode.get(exc.errno or 0, "")
+    where = f": {exc.filename}" if exc.filename else ""
+    what = f"{exc.strerror or exc}{where}"
+    if name in _OS_DENIED:
+        return PermissionDenied(f"{what}: run it as a user who may write there")
+    if name in _OS_FULL:
+        return OperationFailed(f"{what}: free space (or raise the quota) and run it again")
+    return OperationFailed(what.splitlines()[0] if what else type(exc).__name__)
+
+
 def http_status(exc: CachectlError) -> int:
     """The HTTP status the server answers a library error with (500 for one not in the table)."""
     for cls in type(exc).__mro__:

@@ -13,6 +13,7 @@ import dataclasses
 import enum
 import functools
 import json
+import math
 from collections.abc import Callable, Sequence
 from datetime import datetime, timedelta
 from pathlib import Path
@@ -28,6 +29,9 @@ _SCALARS = frozenset({str, int, float, bool, type(None)})
 # or every listing of it, on the server and in --json, recursed past Python's limit.
 MAX_STORED_DEPTH = 32
 TOO_DEEP = "<nested too deep>"
+# What a stored number JSON cannot carry (1e999 read back as inf, NaN) is read back as: one
+# stored before the server refused such bodies would make every listing of it a 500.
+NOT_FINITE = "<not a finite number>"
 
 
 def _within(value: Any, depth: int) -> bool:
@@ -35,7 +39,7 @@ def _within(value: Any, depth: int) -> bool:
         return depth > 0 and all(_within(v, depth - 1) for v in value.values())
     if isinstance(value, list):
         return depth > 0 and all(_within(v, depth - 1) for v in value)
-    return True
+    return not (isinstance(value, float) and not math.isfinite(value))
 
 
 def _cut(value: Any, depth: int) -> Any:
@@ -45,12 +49,15 @@ def _cut(value: Any, depth: int) -> Any:
         return {k: _cut(v, depth - 1) for k, v in value.items()}
     if isinstance(value, list):
         return [_cut(v, depth - 1) for v in value]
+    if isinstance(value, float) and not math.isfinite(value):
+        return NOT_FINITE
     return value
 
 
 def bounded(value: Any, depth: int = MAX_STORED_DEPTH) -> Any:
-    """A JSON value read from the index, its dicts and lists at most ``depth`` deep (the same
-    object when it already is; deeper parts become TOO_DEEP)."""
+    """A JSON value read from the index, its dicts and lists at most ``depth`` deep and its
+    numbers finite (the same object when it already is; deeper parts become TOO_DEEP, a number
+    JSON cannot carry NOT_FINITE)."""
     return value if _within(value, depth) else _cut(value, depth)
 
 

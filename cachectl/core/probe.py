@@ -24,9 +24,12 @@ import hashlib
 import importlib.util
 import json
 import os
+import re
+import stat
 import subprocess
 import sys
-from dataclasses import dataclass
+import threading
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -42,31 +45,88 @@ ONE_PROCESS_BACKENDS = ("tpu",)
 PROBE_TIMEOUT_S = 300.0
 _MARK = "cachectl-environment "
 _TAIL_LINES = 3
+# The child prints one line of about 1 KB; more than this is an error, never the parent's memory.
+PROBE_OUTPUT_LIMIT = 1 << 20
+_STDERR_TAIL = 1 << 16  # stderr's last bytes kept for the error message
 
 
 def environment_in_child(timeout_s: float = PROBE_TIMEOUT_S) -> Environment:
-    """The environment a JAX child of this process will see (see module)."""
+    """The environment a JAX child of this process will see (see module).
+
+    The child runs isolated from the working directory (``-P``, started in ``/``): a
+    ``json.py`` there is never imported. Its output is read bounded: a child that prints more
+    than ``PROBE_OUTPUT_LIMIT`` bytes is an error, not memory."""
     if jax_seam.backends_opened():
         return current_environment()
-    command = [sys.executable, "-c", "from cachectl.core.probe import main; main()"]
+    command = [sys.executable, "-P", "-c", "from cachectl.core.probe import main; main()"]
+    returncode, stdout, stderr = _run_bounded(command, timeout_s)
+    for line in reversed(stdout.splitlines()):
+        if line.startswith(_MARK.encode()):
+            return Environment.from_dict(json.loads(line[len(_MARK) :]))
+    text = (stderr or stdout).decode(errors="replace").strip()
+    tail = text.splitlines()[-_TAIL_LINES:]
+    raise OperationFailed(
+        f"could not read this machine's JAX environment in a child process (exit "
+        f"{returncode}): {' | '.join(tail) or 'no output'}; is another process holding "
+        "the accelerator?"
+    )
+
+
+def _run_bounded(command: list[str], timeout_s: float) -> tuple[int, bytes, bytes]:
+    """Run the probe child in ``/``; (exit code, stdout, stderr's tail), each read bounded."""
+    proc = subprocess.Popen(
+        command,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        cwd="/",
+        env=dict(os.environ),
+    )
+    out, err = bytearray(), bytearray()
+    too_much = threading.Event()
+
+    def read_out() -> None:
+        assert proc.stdout is not None
+        while chunk := os.read(proc.stdout.fileno(), 1 << 16):
+            out.extend(chunk)
+            if len(out) > PROBE_OUTPUT_LIMIT:
+                too_much.set()
+                with contextlib.suppress(OSError):
+                    proc.kill()
+                return
+
+    def read_err() -> None:
+        assert proc.stderr is not None
+        while chunk := os.read(proc.stderr.fileno(), 1 << 16):
+            err.extend(chunk)
+            if len(err) > 2 * _STDERR_TAIL:
+                del err[:-_STDERR_TAIL]
+
+    readers = [threading.Thread(target=f, daemon=True) for f in (read_out, read_err)]
+    for reader in readers:
+        reader.start()
     try:
-        proc = subprocess.run(
-            command, capture_output=True, text=True, timeout=timeout_s, env=dict(os.environ)
-        )
+        returncode = proc.wait(timeout=timeout_s)
     except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
         raise OperationFailed(
             f"reading this machine's JAX environment took over {timeout_s:g}s in a child "
             "process: is another process holding the accelerator?"
         ) from None
-    for line in reversed(proc.stdout.splitlines()):
-        if line.startswith(_MARK):
-            return Environment.from_dict(json.loads(line[len(_MARK) :]))
-    tail = (proc.stderr or proc.stdout or "").strip().splitlines()[-_TAIL_LINES:]
-    raise OperationFailed(
-        f"could not read this machine's JAX environment in a child process (exit "
-        f"{proc.returncode}): {' | '.join(tail) or 'no output'}; is another process holding "
-        "the accelerator?"
-    )
+    finally:
+        for reader in readers:
+            reader.join(timeout=5.0)  # a grandchild that keeps a pipe open is not waited for
+        for pipe in (proc.stdout, proc.stderr):
+            if pipe is not None:
+                pipe.close()
+    if too_much.is_set():
+        raise OperationFailed(
+            "the child process that reads this machine's JAX environment printed more than "
+            f"{PROBE_OUTPUT_LIMIT // (1 << 20)} MiB: remove what prints on its start "
+            "(a sitecustomize, usercustomize or .pth file on its path)"
+        )
+    return returncode, bytes(out), bytes(err)
 
 
 def main() -> None:
@@ -90,12 +150,11 @@ MEMO_PACKAGES = ("jax", "jaxlib", "libtpu", "jax_plugins", "zstandard")
 # Names an install leaves in a directory on sys.path.
 INSTALL_MARKERS = (".dist-info", ".egg-info", ".egg-link", ".pth", ".egg")
 MEMO_KEEP = 16  # files kept in the memo directory; older ones are removed
+MEMO_MAX_BYTES = 1 << 16  # a remembered file is about 1 KB; a bigger one is damage
+_MEMO_NAME = re.compile(r"[0-9a-f]{64}\.json")  # the only names pruning ever removes
+_MAX_DEVICES = 1 << 20
+_MAX_TEXT = 4096
 BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
-# Runtime fields a service compares with its own: the rest come from variables in the key.
-RUNTIME_FIELDS = (
-    "jax_version", "jaxlib_version", "backend", "platform_version", "device_kind",
-    "device_count", "topology",
-)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -105,6 +164,7 @@ class ProbedEnvironment:
     environment: Environment
     remembered: bool
     memo: Path | None  # the file that holds it; None where nothing can be remembered
+    warning: str | None = None  # why a remembered file was ignored or forgotten
 
 
 def _stat_line(path: str) -> str:
@@ -131,8 +191,7 @@ def memo_key() -> str | None:
     except OSError:
         return None
     lines = [f"memo {MEMO_VERSION}", f"boot {boot}", f"python {os.path.realpath(sys.executable)}"]
-    lines.append(f"version {sys.version}")
-    lines.append(f"cwd {os.getcwd()}")  # the probe child imports from its working directory
+    lines.append(f"version {sys.version}")  # the probe child runs in /, never from the cwd
     lines += [
         f"env {k}={v}"
         for k, v in sorted(os.environ.items())
@@ -162,44 +221,154 @@ def memo_dir() -> Path:
     return state_dir() / "environments"
 
 
-def _read_memo(path: Path, key: str) -> Environment | None:
-    """The remembered environment, or None for a missing, foreign or damaged file."""
+class Untrusted(Exception):
+    """The memo directory or a file in it is not this user's alone: nothing in it is used."""
+
+
+def _owner_only(st: os.stat_result, what: str, path: Path) -> None:
+    if st.st_uid != os.geteuid():
+        raise Untrusted(f"{what} {path} belongs to uid {st.st_uid}, not {os.geteuid()}")
+    if st.st_mode & 0o022:
+        raise Untrusted(
+            f"{what} {path} is writable by others (mode {stat.S_IMODE(st.st_mode):o}); "
+            f"run chmod go-w {path}"
+        )
+
+
+def _private_memo_dir(create: bool) -> Path | None:
+    """The memo directory, checked: a real directory (not a symlink) that this user owns and
+    no one else may write. None where it does not exist (and ``create`` is false); raises
+    Untrusted otherwise. Created 0700 (its parent too, where missing), whatever the umask."""
+    directory = memo_dir()
+    if create:
+        try:
+            os.makedirs(directory.parent, mode=0o700, exist_ok=True)
+            os.mkdir(directory, 0o700)
+            os.chmod(directory, 0o700)
+        except FileExistsError:
+            pass
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-        if data.get("key") != key:
-            return None
-        environment = Environment.from_dict(data["environment"])
-        check_versions(environment)
-        return environment
-    except (OSError, ValueError, KeyError, TypeError, AttributeError, CachectlError):
+        st = os.lstat(directory)
+    except FileNotFoundError:
         return None
+    if not stat.S_ISDIR(st.st_mode):
+        raise Untrusted(f"{directory} is not a directory (a symlink?)")
+    _owner_only(st, "directory", directory)
+    return directory
+
+
+def strict_environment(data: object) -> Environment:
+    """A remembered environment, checked field by field; ValueError names the first bad one."""
+    if not isinstance(data, dict):
+        raise ValueError("not an object")
+    names = {f.name for f in fields(Environment)}
+    if set(data) != names:
+        raise ValueError(f"fields differ: {sorted(set(data) ^ names)}")
+    for name in names:
+        value = data[name]
+        if name in ("device_count", "process_count"):
+            ok = type(value) is int and 1 <= value <= _MAX_DEVICES
+        elif name == "include_metadata_in_key":
+            ok = type(value) is bool
+        elif name == "xla_flags":
+            ok = isinstance(value, list) and all(
+                isinstance(f, str) and f.isprintable() and len(f) <= _MAX_TEXT for f in value
+            )
+        elif name == "compression":
+            ok = value in ("zstandard", "zlib")
+        else:
+            ok = isinstance(value, str) and value.isprintable() and len(value) <= _MAX_TEXT
+            ok = ok and (bool(value) or name in ("enable_xla_caches", "platform_version"))
+        if not ok:
+            raise ValueError(f"field {name} is {value!r:.60}")
+    environment = Environment.from_dict(data)
+    check_versions(environment)
+    return environment
+
+
+def read_private(path: Path, limit: int = MEMO_MAX_BYTES) -> bytes:
+    """A state file's bytes, read bounded, without following a symlink and without waiting
+    on a FIFO; only a regular file this user owns that no one else can write. Raises
+    FileNotFoundError where it is missing, ValueError or Untrusted where it is damaged or
+    foreign, OSError where it cannot be opened."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    with os.fdopen(fd, "rb") as fh:
+        st = os.fstat(fh.fileno())
+        if not stat.S_ISREG(st.st_mode):
+            raise ValueError("not a regular file")
+        _owner_only(st, "file", path)
+        raw = fh.read(limit + 1)
+    if len(raw) > limit:
+        raise ValueError(f"over {limit} bytes")
+    return raw
+
+
+def _read_memo(path: Path, key: str) -> tuple[Environment | None, str | None]:
+    """(the remembered environment or None, why it was forgotten). A missing file is no
+    reason; a damaged one (not a regular file, a symlink, too big, not JSON, a bad field) is
+    removed, and so is a file another uid planted."""
+    try:
+        data = json.loads(read_private(path))
+        if not isinstance(data, dict) or set(data) != {"key", "environment"}:
+            raise ValueError("not a remembered environment")
+        if data["key"] != key:
+            raise ValueError("remembered for another state of this machine")
+        return strict_environment(data["environment"]), None
+    except FileNotFoundError:
+        return None, None
+    except OSError as exc:  # a symlink (ELOOP), no permission
+        forget(path)
+        return None, f"cannot read it ({exc.strerror or exc})"
+    except (ValueError, Untrusted, CachectlError) as exc:
+        forget(path)
+        reason = exc.message if isinstance(exc, CachectlError) else str(exc)
+        return None, reason[:200]
 
 
 def _write_memo(path: Path, key: str, environment: Environment) -> None:
-    """Best effort, atomic: a memo that cannot be written only costs the next exec a child."""
+    """Best effort, atomic, owner-only: a memo that cannot be written only costs the next exec
+    a child. Pruning removes only older memo files (their names), never another file."""
     data = json.dumps({"key": key, "environment": environment.to_dict()}, sort_keys=True)
     with contextlib.suppress(OSError):
-        atomic_write(str(path), 0o644, lambda fh: fh.write(data.encode()))
-        kept = sorted(path.parent.glob("*.json"), key=lambda p: p.stat().st_mtime, reverse=True)
-        for old in kept[MEMO_KEEP:]:
-            old.unlink(missing_ok=True)
+        atomic_write(str(path), 0o600, lambda fh: fh.write(data.encode()))
+        kept: list[tuple[int, str]] = []
+        with os.scandir(path.parent) as names:
+            for entry in names:
+                if _MEMO_NAME.fullmatch(entry.name) and entry.is_file(follow_symlinks=False):
+                    kept.append((entry.stat(follow_symlinks=False).st_mtime_ns, entry.name))
+        for _, name in sorted(kept, reverse=True)[MEMO_KEEP:]:
+            forget(path.parent / name)
 
 
 def remembered_environment(fresh: bool = False) -> ProbedEnvironment:
     """The environment for a service `cachectl exec` starts: remembered where this machine's
-    state is unchanged since a child last read it, read by a child otherwise (see module)."""
+    state is unchanged since a child last read it, read by a child otherwise (see module).
+
+    Nothing about the remembered file stops a start: a directory that is not this user's
+    alone is ignored with a warning, a damaged file is forgotten with one."""
     if jax_seam.backends_opened():
         return ProbedEnvironment(current_environment(), remembered=False, memo=None)
-    key = memo_key()
-    if key is None:
-        return ProbedEnvironment(environment_in_child(), remembered=False, memo=None)
-    path = memo_dir() / f"{key}.json"
-    environment = None if fresh else _read_memo(path, key)
+    warning = None
+    try:
+        key = memo_key()
+        directory = _private_memo_dir(create=True) if key else None
+    except Untrusted as exc:
+        key, directory = None, None
+        warning = f"cachectl: remembered environments ignored: {exc}"
+    except OSError as exc:  # a removed working directory, a read-only state directory
+        key, directory = None, None
+        warning = f"cachectl: cannot remember environments here ({exc.strerror or exc})"
+    if key is None or directory is None:
+        return ProbedEnvironment(environment_in_child(), False, None, warning)
+    path = directory / f"{key}.json"
+    environment, reason = (None, None) if fresh else _read_memo(path, key)
     if environment is not None:
         return ProbedEnvironment(environment, remembered=True, memo=path)
+    if reason:
+        warning = f"cachectl: the remembered environment {path} is forgotten: {reason}"
     environment = environment_in_child()
     _write_memo(path, key, environment)
-    return ProbedEnvironment(environment, remembered=False, memo=path)
+    return ProbedEnvironment(environment, remembered=False, memo=path, warning=warning)
 
 
 def forget(path: str | Path) -> None:
@@ -208,14 +377,15 @@ def forget(path: str | Path) -> None:
 
 
 def runtime_differences(remembered: Environment, actual: Environment) -> list[str]:
-    """The runtime fields in which a remembered environment is not this process's."""
+    """The fields in which a remembered environment is not this process's: every field that
+    goes into the namespace, the runtime's and those the variables decide alike."""
     a, b = remembered.to_dict(), actual.to_dict()
-    return [f"{name} {a[name]} -> {b[name]}" for name in RUNTIME_FIELDS if a[name] != b[name]]
+    return [f"{name} {a[name]} -> {b[name]}" for name in sorted(a) if a[name] != b[name]]
 
 
 def watch_remembered(path: str, remembered: dict[str, Any]) -> None:
     """In a service exec started: at its first compile request (its backend is open then),
-    forget a remembered environment whose runtime is not this process's, and say so."""
+    forget a remembered environment that is not this process's, and say so."""
     import jax
 
     checked: list[bool] = []

@@ -43,6 +43,15 @@ def prefix(kind: str) -> str:
     return f"{kind}{_host()}.{os.getpid()}-"
 
 
+def no_world_writes() -> int:
+    """Add the world-write bit to this process's umask (returns the umask it had): under umask
+    000 (some containers and CI runners) every file and directory a command creates, JAX's
+    entries and a bundle's files included, would be writable by anyone on the machine."""
+    old = os.umask(0o022)
+    os.umask(old | 0o002)
+    return old
+
+
 def atomic_write(full: str, mode: int, write: Callable[[BinaryIO], object]) -> None:
     """Write a local file through a temporary sibling and a rename: readers never see half."""
     directory = os.path.dirname(full)

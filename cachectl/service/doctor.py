@@ -17,9 +17,10 @@ from dataclasses import dataclass, field, fields
 from typing import Any, NamedTuple
 
 from cachectl.context import Context
-from cachectl.core.config import TRUE_WORDS
+from cachectl.core.config import TRUE_WORDS, Settings, config_path, state_dir
 from cachectl.core.errors import CachectlError, Unreachable
 from cachectl.core.fingerprint import Environment
+from cachectl.core.sqlite_file import sqlite_path
 from cachectl.core.units import format_size
 from cachectl.index import CacheInfo, EnvironmentInfo
 from cachectl.service.activate import fail_fast_options
@@ -396,6 +397,55 @@ def check_local_permissions(store: Store, relpath: str, cache: CacheInfo | None)
     return out
 
 
+OWNED_WALK_LIMIT = 10_000  # paths looked at under the state directory
+
+
+def _owned_paths(settings: Settings) -> list[str]:
+    """Every local path cachectl keeps for this user: the state directory's tree (exec's
+    remembered environments, the last namespaces), the config file, the SQLite index with
+    its directory, and trusted key files named by path."""
+    paths: list[str] = []
+    state = str(state_dir())
+    if os.path.isdir(state):
+        paths.append(state)
+        for top, dirs, files in os.walk(state):
+            paths += [os.path.join(top, n) for n in (*dirs, *files)]
+            if len(paths) > OWNED_WALK_LIMIT:
+                break
+    paths.append(settings.config_file or str(config_path()))
+    index = sqlite_path(settings.db)
+    if index is not None:
+        paths += [str(index.parent), str(index), f"{index}-wal", f"{index}-shm"]
+    for key in settings.trust:
+        if not key.startswith("ed25519:"):
+            paths.append(os.path.expanduser(key))
+    return paths[:OWNED_WALK_LIMIT]
+
+
+def check_owned_paths(settings: Settings) -> list[Diagnosis]:
+    """World-writable paths cachectl owns outside the cache: a planted remembered environment
+    steers exec's services, a writable index or trusted key decides what services load."""
+    world = []
+    for path in _owned_paths(settings):
+        try:
+            st = os.lstat(path)
+        except OSError:
+            continue
+        if not stat.S_ISLNK(st.st_mode) and st.st_mode & stat.S_IWOTH:
+            world.append(path)
+    if not world:
+        return []
+    return [
+        Diagnosis(
+            ERROR,
+            "permissions",
+            f"{len(world)} world-writable path(s) cachectl keeps (e.g. {world[0]}): anyone on "
+            "this machine can change the index, a trusted key or what `cachectl exec` remembers",
+            f"chmod o-w {world[0]} (and the rest)",
+        )
+    ]
+
+
 # ---------------------------------------------------------------- diagnose
 
 
@@ -567,6 +617,7 @@ def diagnose(
         checked = _check_environment(ctx, cache, env, findings)
     findings.extend(check_process_config(environ, jax_config, storage.namespace_url))
     findings.extend(_check_storage(storage, env, cache, checked.warmed_entries))
+    findings.extend(check_owned_paths(ctx.settings))
     findings.sort(key=lambda f: _ORDER.get(f.severity, 3))
     near = checked.nearest
     return DoctorReport(

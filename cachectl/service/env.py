@@ -17,7 +17,13 @@ from cachectl.context import Context
 from cachectl.core.config import DEFAULT_CACHE, state_dir
 from cachectl.core.errors import BadInput, CachectlError, NotFound
 from cachectl.core.fingerprint import Environment
-from cachectl.core.probe import remembered_environment
+from cachectl.core.probe import (
+    MEMO_MAX_BYTES,
+    Untrusted,
+    forget,
+    read_private,
+    remembered_environment,
+)
 from cachectl.core.temps import atomic_write
 from cachectl.service.activate import env_vars_for, fail_fast_options, jax_config_for
 from cachectl.service.exec_hook import child_variables
@@ -42,22 +48,23 @@ def _remember(cache: str, url: str, readonly: bool) -> None:
     """Keep the namespace this cache resolved to: the fallback when the index is down later."""
     path = _state_file()
     try:
-        known = json.loads(path.read_text()) if path.exists() else {}
+        known = json.loads(read_private(path, 16 * MEMO_MAX_BYTES)) if path.exists() else {}
         if not isinstance(known, dict):
             known = {}
         if known.get(cache) == {"url": url, "readonly": readonly}:
             return
         known[cache] = {"url": url, "readonly": readonly}
         data = json.dumps(known, indent=1, sort_keys=True).encode()
-        atomic_write(str(path), 0o644, lambda fh: fh.write(data))
-    except (OSError, ValueError):
+        atomic_write(str(path), 0o600, lambda fh: fh.write(data))
+    except (OSError, ValueError, Untrusted):
         pass  # best effort: only the fallback is lost
 
 
 def _last_known(cache: str) -> dict[str, object] | None:
+    """The namespace last resolved here: only from a file this user alone can write."""
     try:
-        known = json.loads(_state_file().read_text())
-    except (OSError, ValueError):
+        known = json.loads(read_private(_state_file(), 16 * MEMO_MAX_BYTES))
+    except (OSError, ValueError, Untrusted):
         return None
     entry = known.get(cache) if isinstance(known, dict) else None
     return entry if isinstance(entry, dict) and isinstance(entry.get("url"), str) else None
@@ -100,9 +107,23 @@ def exec_variables(
 ) -> ServiceEnv:
     """What `cachectl exec` adds to its service's environment: service_env's variables, for
     the environment a child read or exec remembered (cachectl.core.probe), and the
-    sitecustomize that records telemetry and checks a remembered environment."""
+    sitecustomize that records telemetry and checks a remembered environment.
+
+    A remembered environment the index never recorded is forgotten and read afresh: a file
+    edited by hand never registers a made-up environment."""
     probed = remembered_environment(fresh=fresh)
+    warnings = [probed.warning] if probed.warning else []
+    if probed.remembered and probed.memo and not _recorded(ctx, probed.environment):
+        forget(probed.memo)
+        warnings.append(
+            f"cachectl: the remembered environment {probed.memo} names an environment the "
+            "index never recorded; it is forgotten and read afresh"
+        )
+        probed = remembered_environment(fresh=True)
+        warnings += [probed.warning] if probed.warning else []
     result = service_env(ctx, readonly=readonly, environment=probed.environment)
+    warning = "\n".join([*warnings, *([result.warning] if result.warning else [])]) or None
+    result = replace(result, warning=warning)
     remembered = str(probed.memo) if probed.remembered and probed.memo else None
     # Always: the child's JAX cache reads only verified entries (service/exec_hook.py).
     added = child_variables(
@@ -112,6 +133,17 @@ def exec_variables(
         remembered=remembered,
     )
     return replace(result, variables={**result.variables, **added})
+
+
+def _recorded(ctx: Context, env: Environment) -> bool:
+    """Whether the index knows ``env``; True where it cannot answer (nothing is recorded then)."""
+    try:
+        ctx.index.find_environment(ctx.cache().name, env.digest)
+    except NotFound:
+        return False
+    except Exception:  # noqa: BLE001 - index down: service_env falls back, records nothing
+        return True
+    return True
 
 
 def _fallback(ctx: Context, readonly: bool | None, exc: Exception, env: Environment) -> ServiceEnv:

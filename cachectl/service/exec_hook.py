@@ -9,10 +9,13 @@ configuration itself came from exec's environment variables; JAX's cache then re
 entries activate() would verify (``_verify_jax_cache``).
 
 Where exec used a remembered environment (cachectl.core.probe), it names the file in
-CACHECTL_EXEC_REMEMBERED and its own pid (which the service keeps) in CACHECTL_EXEC_PID; in
-that process alone, at its first compile request, when its backend is open, the probe's
-``watch_remembered`` compares that runtime with the process's own and forgets the file on
-any difference, so the next exec reads the environment afresh.
+CACHECTL_EXEC_REMEMBERED and its own pid (which the service keeps) in CACHECTL_EXEC_PID; the
+first Python process of the service checks it: exec's own pid, or, behind a program that is
+not Python (``sh -c``), the first Python process started below it. That process marks the
+variable claimed for its own children (helpers with other devices are not checked). At its
+first compile request, when its backend is open, the probe's ``watch_remembered`` compares
+every field of the namespace with the process's own and forgets the file on any difference,
+so the next exec reads the environment afresh.
 """
 
 from __future__ import annotations
@@ -34,6 +37,8 @@ REMEMBERED_VAR = "CACHECTL_EXEC_REMEMBERED"
 # The pid exec hands over (execvpe keeps it): only that process checks the remembered
 # environment, not the helpers it starts with other devices or platforms.
 SERVICE_PID_VAR = "CACHECTL_EXEC_PID"
+# What the checking process leaves in CACHECTL_EXEC_PID for its children.
+CLAIMED = "claimed"
 # Set by `cachectl warm-check --replay`: a file each process appends its JAX cache counts to.
 COUNTS_VAR = "CACHECTL_EXEC_COUNTS"
 # Where exec pointed JAX's persistent cache (service/env.py): the directory the verifier guards.
@@ -79,7 +84,20 @@ class _AfterJaxImport(importlib.abc.MetaPathFinder):
         return spec
 
 
+def _claims_the_check() -> bool:
+    """Whether this process checks the remembered environment (see module); its children won't."""
+    if not os.environ.get(REMEMBERED_VAR):
+        return False
+    owner = os.environ.get(SERVICE_PID_VAR)
+    os.environ[SERVICE_PID_VAR] = CLAIMED
+    return owner != CLAIMED
+
+
+_CHECKS: list[bool] = []
+
+
 def install() -> None:
+    _CHECKS[:] = [_claims_the_check()]
     if "jax" in sys.modules:
         _start()
     elif not any(isinstance(f, _AfterJaxImport) for f in sys.meta_path):
@@ -144,7 +162,7 @@ def _start() -> None:
         with contextlib.suppress(Exception):  # never break the service
             _count_cache_events(counts)
     remembered = os.environ.get(REMEMBERED_VAR)
-    if remembered and os.environ.get(SERVICE_PID_VAR) == str(os.getpid()):
+    if remembered and _CHECKS == [True]:
         with contextlib.suppress(Exception):  # never break the service
             from cachectl.core.probe import watch_remembered
 

@@ -16,10 +16,16 @@ from cachectl.core.records import CacheInfo
 
 
 def current_user() -> str:
+    """This process's user name; ``uid N`` where it has none (no passwd entry, no USER or
+    LOGNAME), which no writers list names, so such a process is refused with a clear line."""
     try:
         return pwd.getpwuid(os.geteuid()).pw_name
     except KeyError:
+        pass
+    try:
         return getpass.getuser()
+    except (KeyError, OSError):  # 3.11 raises KeyError, 3.13 OSError
+        return f"uid {os.geteuid()}"
 
 
 def current_groups() -> set[str]:

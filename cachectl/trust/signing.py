@@ -139,7 +139,10 @@ def generate(
         with os.fdopen(fd, "wb") as fh:
             fh.write(pem)
         os.chmod(target, 0o600)
-        public_path.write_text(public + "\n")
+        fd = os.open(public_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        with os.fdopen(fd, "w") as fh:
+            os.fchmod(fh.fileno(), 0o644)  # never writable by others, whatever the umask
+            fh.write(public + "\n")
     return KeyInfo(str(target), str(public_path), public, key_id(public))
 
 

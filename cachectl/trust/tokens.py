@@ -66,7 +66,12 @@ def create_token(
         raise BadInput(f"bad role {role!r}: use reader, writer or admin")
     if expires_in is not None and expires_in.total_seconds() <= 0:
         raise BadInput("token expiry must be in the future, e.g. --expires 90d")
-    scope = sorted(set(caches)) if caches else None
+    scope = None if caches is None else sorted(set(caches))
+    if scope == []:  # stored as NULL it would read every cache
+        raise BadInput(
+            "a token scoped to no cache (caches: []) could do nothing: name its caches, or "
+            "leave the scope out for every cache"
+        )
     if scope is not None:
         for cache in scope:
             index.get_cache(cache)  # a typo would make a token that can do nothing
