@@ -254,6 +254,12 @@ def _run_distributed(
     "default: when JAX_COORDINATOR_ADDRESS is set). Process 0 writes and records.",
 )
 @click.option(
+    "--topology",
+    metavar="NAME",
+    help="Compile for this TPU slice without one (libtpu's compile-only devices), into the "
+    "namespace the slice names: v5e:1x1, v5e:2x2, v5litepod-4, v5p:2x2x1, v6e:2x2 ...",
+)
+@click.option(
     "--check",
     "check_only",
     is_flag=True,
@@ -276,6 +282,7 @@ def warm_cmd(
     no_executables: bool,
     sign_key: str | None,
     distributed: bool | None,
+    topology: str | None,
 ) -> None:
     """Compile every function x shape bucket of MANIFEST into this environment's namespace.
 
@@ -287,6 +294,7 @@ def warm_cmd(
     cachectl warm examples/manifest.yaml
     cachectl warm manifest.yaml --shard 2/4 --jobs 8
     cachectl warm manifest.yaml --shard auto --shards 4   # pod of an Indexed Job
+    cachectl warm manifest.yaml --topology v5e:2x2   # for a TPU slice, on a CPU machine
     cachectl warm-check manifest.yaml      # prove it: 100% hits in a fresh process
     """
     if check_only:
@@ -299,6 +307,8 @@ def warm_cmd(
     if dist.requested(distributed):
         if shard is not None:
             raise BadInput(dist.SHARD_REFUSAL)
+        if topology is not None:
+            raise BadInput("--topology compiles on one machine; it does not go with --distributed")
         _run_distributed(
             ctx,
             manifest,
@@ -330,6 +340,7 @@ def warm_cmd(
                 progress=progress,
                 executables=not no_executables,
                 signer=signer,
+                topology=topology,
             )
     if signer is not None and not report.target_problems:
         resign_written(ctx, report, signer)

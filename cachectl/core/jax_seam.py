@@ -390,6 +390,53 @@ def default_backend() -> Any:
     return xla_bridge.get_backend()
 
 
+# -- compiling for a TPU this machine does not have ----------------------------------------
+
+
+def tpu_topology_devices(
+    name: str, chips_per_host_bounds: tuple[int, int, int], wrap: tuple[bool, bool, bool]
+) -> list[Any]:
+    """Compile-only devices of a TPU slice, described by libtpu (no TPU needed; the default
+    backend stays what it was). Raises when libtpu is missing or refuses the name."""
+    from jax.experimental import topologies
+
+    desc = topologies.get_topology_desc(
+        topology_name=name,
+        platform="tpu",
+        chip_config_name="default",
+        chips_per_host_bounds=chips_per_host_bounds,
+        num_slices=1,
+        wrap=wrap,
+    )
+    return list(desc.devices)
+
+
+def device_client(device: Any) -> Any:
+    """The client a device compiles with: its platform_version goes into JAX's key (for a
+    compile-only device, libtpu's, the same string the chip's backend reports)."""
+    return device.client
+
+
+def libtpu_version() -> str | None:
+    """The installed libtpu wheel's version; None when there is none."""
+    from importlib import metadata
+
+    for name in ("libtpu", "libtpu-nightly"):
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def default_device(device: Any) -> Any:
+    """``jax.default_device(device)``: lowering a plain jit inside it gives the program a
+    service's uncommitted arrays compile (tests/test_deviceless.py); thread-local, like JAX's."""
+    import jax
+
+    return jax.default_device(device)
+
+
 # -- executables and jax.distributed -------------------------------------------------------
 
 

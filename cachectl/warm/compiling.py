@@ -55,8 +55,11 @@ def clear_in_memory_executables() -> None:
 
 
 def _lower(jitted: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, float]:
+    from cachectl.manifest import lowering_scope
+
     started = time.perf_counter()
-    lowered = jitted.lower(*args, **kwargs)
+    with lowering_scope():
+        lowered = jitted.lower(*args, **kwargs)
     return lowered, time.perf_counter() - started
 
 

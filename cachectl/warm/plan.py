@@ -16,6 +16,7 @@ from cachectl.manifest import (
     Manifest,
     build_call,
     check_imports,
+    compiling_for,
     expand,
     jit_function,
     load_manifest,
@@ -23,6 +24,7 @@ from cachectl.manifest import (
 )
 from cachectl.trust.permissions import check_writer
 from cachectl.warm.compiling import error_text, persistent_cache_off
+from cachectl.warm.deviceless import DevicelessTarget, resolve
 
 # --------------------------------------------------------------------------- planning
 
@@ -38,6 +40,8 @@ class WarmPlan:
     environment: Environment
     target_problems: list[str]
     search_paths: tuple[str, ...]
+    # Compiling for a TPU slice this machine does not have (warm --topology): its devices.
+    deviceless: DevicelessTarget | None = None
 
 
 def environment_json(env: Environment) -> dict[str, Any]:
@@ -65,23 +69,39 @@ def plan_warm(
     shard: tuple[int, int] | None = None,
     paths: Sequence[str] = (),
     writer_check: bool = True,
+    topology: str | None = None,
 ) -> WarmPlan:
     """Validate everything that can fail before compiling: manifest, cache, permission, imports.
 
     Raises BadInput (2) for the manifest, PermissionDenied (4) for a non-writer;
-    a target mismatch is returned in ``target_problems`` (callers exit 3).
+    a target mismatch is returned in ``target_problems`` (callers exit 3). With ``topology``
+    (or the manifest's ``target.topology`` on a machine that is no TPU) the buckets compile
+    for that TPU slice's compile-only devices, into the slice's namespace (warm/deviceless.py).
     """
     manifest = load_manifest(manifest_path, import_paths=paths)  # a bad one: all problems
     cache_info = ctx.cache(cache or manifest.cache or ctx.settings.cache)
     if writer_check:
         check_writer(cache_info, "warm")
-    env = current_environment()
+    named = topology or (manifest.target.topology if manifest.target is not None else None)
+    deviceless = None
+    if topology is None and named is not None:
+        env = current_environment()
+        if env.backend != "tpu":  # on the slice itself warm compiles as usual
+            deviceless = resolve(named)
+            env = deviceless.environment
+    elif named is not None:
+        deviceless = resolve(named)
+        env = deviceless.environment
+    else:
+        env = current_environment()
     problems = target_problems(manifest, env)
     check_imports(manifest, paths)
     buckets = expand(manifest)
     if shard is not None:
         buckets = select_shard(buckets, *shard)
-    return WarmPlan(manifest, str(manifest_path), buckets, cache_info, env, problems, tuple(paths))
+    return WarmPlan(
+        manifest, str(manifest_path), buckets, cache_info, env, problems, tuple(paths), deviceless
+    )
 
 
 def environment_mismatch(manifest_path: str, problems: Sequence[str]) -> EnvironmentMismatch:
@@ -101,7 +121,7 @@ def raise_build_problems(plan: WarmPlan) -> None:
     What would fail a real warm before compiling is bad input: BadInput (2), every
     distinct problem on its own line, each naming the manifest's file:line.
     """
-    _, calls = build_calls(plan.manifest, plan.buckets, plan.search_paths)
+    _, calls = build_calls(plan.manifest, plan.buckets, plan.search_paths, target_devices(plan))
     problems = list(dict.fromkeys(c for c in calls.values() if isinstance(c, str)))
     if problems:
         raise BadInput("\n".join(problems))
@@ -110,14 +130,23 @@ def raise_build_problems(plan: WarmPlan) -> None:
 Call = tuple[tuple[Any, ...], dict[str, Any]]
 
 
+def target_devices(plan: WarmPlan) -> list[Any] | None:
+    """The compile-only devices a deviceless plan compiles for; None: this machine's."""
+    return None if plan.deviceless is None else list(plan.deviceless.devices)
+
+
 def build_calls(
-    manifest: Manifest, buckets: Sequence[Bucket], paths: Sequence[str]
+    manifest: Manifest,
+    buckets: Sequence[Bucket],
+    paths: Sequence[str],
+    devices: list[Any] | None = None,
 ) -> tuple[dict[str, Any], dict[int, Call | str]]:
-    """The jitted function of every spec and the abstract call (or the error) of every bucket."""
+    """The jitted function of every spec and the abstract call (or the error) of every bucket;
+    meshes over ``devices`` when given (compile-only ones), else over this machine's."""
     specs = {spec.name: spec for spec in manifest.functions}
     jitted: dict[str, Any] = {}
     calls: dict[int, Call | str] = {}
-    with persistent_cache_off():
+    with persistent_cache_off(), compiling_for(devices):
         for position, bucket in enumerate(buckets):
             spec = specs[bucket.function]
             try:
