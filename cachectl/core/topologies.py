@@ -124,6 +124,9 @@ def parse_topology(name: str) -> TpuTopology:
             raise _refuse(name, f"{gen.libtpu} slices have {gen.dims} dimensions")
         if any(d < 1 for d in shape):
             raise _refuse(name, "every dimension is at least 1")
+    multi_host = set((_CLOUD_2D if gen.dims == 2 else _CLOUD_3D).values())
+    if shape not in gen.single_host and shape not in multi_host:
+        raise _refuse(name, f"no {gen.libtpu} slice has the shape {'x'.join(map(str, shape))}")
     if shape not in gen.single_host:
         hosts = ", ".join("x".join(map(str, s)) for s in gen.single_host)
         raise BadInput(
