@@ -6,10 +6,13 @@ tests/test_deviceless_tpu.py, which runs in the libtpu virtualenv (scripts/test 
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
-from support.warming import TINY_MODULE, invoke
+from support.warming import TINY_MODULE, invoke, warm_json
 
 from cachectl.core import jax_seam
 from cachectl.core.errors import BadInput
@@ -118,3 +121,83 @@ def test_without_libtpu_warm_says_how_to_get_it(tmp_path: Path) -> None:
     assert "libtpu is not installed" in result.output
     assert "pip install 'cachectl[tpu]'" in result.output
     assert not list(tmp_path.rglob("*-cache"))
+
+
+CPU_MANIFEST = """
+version: 1
+target: {backend: cpu}
+functions:
+  - fn: wm_tiny:affine
+    jit: {static_argnames: [mode]}
+    args:
+      - {shape: [batch, 8], dtype: float32}
+      - {shape: [8, 8], dtype: float32}
+    kwargs: {mode: relu}
+    buckets: {batch: [1, 2]}
+"""
+
+SERVE = """
+import json, sys
+import numpy as np
+import cachectl
+rt = cachectl.serving(sys.argv[1], telemetry=False)
+for batch in (1, 2, 1, 2):
+    np.asarray(rt["affine"](np.ones((batch, 8), np.float32), np.ones((8, 8), np.float32), mode="relu"))
+report = rt.report()
+f = report.functions["affine"]
+print(json.dumps({"aot": f.aot, "fallback": f.fallback, "reason": f.fallback_reason,
+                  "warnings": report.warnings}))
+"""
+
+
+def _serve(tmp_path: Path, manifest: Path) -> dict[str, object]:
+    proc = subprocess.run(
+        [sys.executable, "-c", SERVE, str(manifest)],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=True,
+    )
+    return json.loads(proc.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
+
+
+def test_stored_executables_record_the_backend_version_and_load_on_it(tmp_path: Path) -> None:
+    from cachectl.storage import executables
+
+    (tmp_path / "wm_tiny.py").write_text(TINY_MODULE)
+    manifest = tmp_path / "manifest.yaml"
+    manifest.write_text(CPU_MANIFEST)
+    report = warm_json(str(manifest))
+    files = sorted(Path(report["namespace"]).glob("*-aot"))
+    assert len(files) == 2, report
+    for path in files:
+        header = executables.read_header(path.read_bytes())
+        assert header.platform_version == jax_seam.default_backend().platform_version
+    served = _serve(tmp_path, manifest)
+    assert (served["aot"], served["fallback"]) == (4, 0), served
+
+
+def test_an_executable_of_another_backend_version_is_refused_once_and_jit_serves(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from cachectl.storage import executables
+
+    (tmp_path / "wm_tiny.py").write_text(TINY_MODULE)
+    manifest = tmp_path / "manifest.yaml"
+    manifest.write_text(CPU_MANIFEST)
+    real_pack = executables.pack
+    other = "PJRT C API\nTFRT TPU v9\nBuilt elsewhere"
+
+    def pack(payload: bytes, **kw: object) -> bytes:
+        return real_pack(payload, **{**kw, "platform_version": other})  # type: ignore[arg-type]
+
+    monkeypatch.setattr(executables, "pack", pack)
+    invoke("warm", str(manifest), "--json")
+    served = _serve(tmp_path, manifest)
+    assert (served["aot"], served["fallback"]) == (0, 4), served
+    assert "compiled for backend version 'PJRT C API TFRT TPU v9 Built elsewhere'" in str(
+        served["reason"]
+    )
+    said = [w for w in served["warnings"] if "compiled for backend version" in w]  # type: ignore[union-attr]
+    assert len(said) == 1, served["warnings"]

@@ -61,6 +61,10 @@ class ExecutableHeader:
     # The custom-call targets the executable calls (jax_seam.custom_call_targets), which the
     # runtime makes ready before loading it; None (stored before they were recorded): unknown.
     custom_calls: list[str] | None = None
+    # The backend's platform_version it was compiled for (libtpu's build on TPU): the runtime
+    # refuses it on any other backend version, where loading may crash the process. None:
+    # stored before it was recorded.
+    platform_version: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -75,6 +79,7 @@ class ExecutableHeader:
             "spec_digest": self.spec_digest,
             "source_digest": self.source_digest,
             "custom_calls": self.custom_calls,
+            "platform_version": self.platform_version,
         }
 
 
@@ -203,6 +208,7 @@ def pack(
     spec_digest: str | None = None,
     source_digest: str | None = None,
     custom_calls: Any = None,
+    platform_version: str | None = None,
 ) -> bytes:
     """Artifact bytes: a JSON header (readable without unpickling) and the payload."""
     import jax
@@ -219,6 +225,7 @@ def pack(
         spec_digest=spec_digest,
         source_digest=source_digest,
         custom_calls=None if custom_calls is None else sorted(custom_calls),
+        platform_version=platform_version,
     )
     head = json.dumps(header.to_json(), sort_keys=True).encode()
     return MAGIC + len(head).to_bytes(_LEN_BYTES, "big") + head + payload
