@@ -547,6 +547,16 @@ def _check_storage(
     return out
 
 
+def _tpu_compile_finding() -> Diagnosis:
+    """Whether ``warm --topology`` can compile for TPU here, and with which libtpu (info only)."""
+    from cachectl.warm.deviceless import tpu_compiler
+
+    can = tpu_compiler()
+    return Diagnosis(
+        INFO, "tpu-compile", can.detail, None if can.ok else "pip install 'cachectl[tpu]'"
+    )
+
+
 def diagnose(
     ctx: Context,
     *,
@@ -567,6 +577,7 @@ def diagnose(
         checked = _check_environment(ctx, cache, env, findings)
     findings.extend(check_process_config(environ, jax_config, storage.namespace_url))
     findings.extend(_check_storage(storage, env, cache, checked.warmed_entries))
+    findings.append(_tpu_compile_finding())
     findings.sort(key=lambda f: _ORDER.get(f.severity, 3))
     near = checked.nearest
     return DoctorReport(
