@@ -24,6 +24,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from cachectl.core import jax_seam
 from cachectl.core.errors import BadInput
 
 # What cloud_tpu_init adds to LIBTPU_INIT_ARGS on a real TPU VM (jax 0.9 - 0.12).
@@ -152,3 +153,26 @@ def libtpu_init_args(current: str | None) -> str:
         if flag.split("=")[0] not in {f.split("=")[0] for f in flags}:
             flags.append(flag)
     return " ".join(flags)
+
+
+INSTALL_HINT = "pip install 'cachectl[tpu]' (it brings the jax[tpu] of the installed JAX)"
+
+
+@dataclass(frozen=True)
+class TpuCompiler:
+    """Whether this machine can compile for TPU without one (``cachectl doctor``)."""
+
+    libtpu_version: str | None
+    detail: str
+
+    @property
+    def ok(self) -> bool:
+        return self.libtpu_version is not None
+
+
+def tpu_compiler() -> TpuCompiler:
+    """libtpu's version, or why there is none; cheap (reads package metadata only)."""
+    version = jax_seam.libtpu_version()
+    if version is None:
+        return TpuCompiler(None, f"libtpu is not installed: {INSTALL_HINT}")
+    return TpuCompiler(version, f"libtpu {version}: warm --topology compiles for TPU here")

@@ -12,6 +12,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from cachectl.core import jax_seam
 from cachectl.core.errors import EnvironmentMismatch
 from cachectl.manifest.buckets import Bucket
 from cachectl.manifest.imports import identity, is_jitted, resolve_in
@@ -43,8 +44,6 @@ def lowering_scope() -> contextlib.AbstractContextManager[Any]:
     that lowers."""
     if _TARGET_DEVICES is None:
         return contextlib.nullcontext()
-    from cachectl.core import jax_seam
-
     return jax_seam.default_device(_TARGET_DEVICES[0])  # type: ignore[no-any-return]
 
 

@@ -20,6 +20,7 @@ from cachectl.context import Context
 from cachectl.core.config import TRUE_WORDS
 from cachectl.core.errors import CachectlError, Unreachable
 from cachectl.core.fingerprint import Environment
+from cachectl.core.topologies import tpu_compiler
 from cachectl.core.units import format_size
 from cachectl.index import CacheInfo, EnvironmentInfo
 from cachectl.service.activate import fail_fast_options
@@ -549,8 +550,6 @@ def _check_storage(
 
 def _tpu_compile_finding() -> Diagnosis:
     """Whether ``warm --topology`` can compile for TPU here, and with which libtpu (info only)."""
-    from cachectl.warm.deviceless import tpu_compiler
-
     can = tpu_compiler()
     return Diagnosis(
         INFO, "tpu-compile", can.detail, None if can.ok else "pip install 'cachectl[tpu]'"

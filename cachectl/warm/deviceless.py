@@ -22,9 +22,7 @@ from typing import Any
 from cachectl.core import jax_seam
 from cachectl.core.errors import BadInput, EnvironmentMismatch
 from cachectl.core.fingerprint import Environment, compile_only_environment
-from cachectl.core.topologies import TpuTopology, libtpu_init_args, parse_topology
-
-INSTALL_HINT = "pip install 'cachectl[tpu]' (it brings the jax[tpu] of the installed JAX)"
+from cachectl.core.topologies import INSTALL_HINT, TpuTopology, libtpu_init_args, parse_topology
 
 
 @dataclass(frozen=True)
@@ -68,23 +66,3 @@ def resolve(name: str) -> DevicelessTarget:
             f"devices, expected {topology.chips} {topology.device_kind!r}"
         )
     return DevicelessTarget(topology, tuple(devices), compile_only_environment(devices), version)
-
-
-@dataclass(frozen=True)
-class TpuCompiler:
-    """Whether this machine can compile for TPU without one (``cachectl doctor``)."""
-
-    libtpu_version: str | None
-    detail: str
-
-    @property
-    def ok(self) -> bool:
-        return self.libtpu_version is not None
-
-
-def tpu_compiler() -> TpuCompiler:
-    """libtpu's version, or why there is none; cheap (reads package metadata only)."""
-    version = jax_seam.libtpu_version()
-    if version is None:
-        return TpuCompiler(None, f"libtpu is not installed: {INSTALL_HINT}")
-    return TpuCompiler(version, f"libtpu {version}: warm --topology compiles for TPU here")
