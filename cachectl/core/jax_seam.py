@@ -452,6 +452,14 @@ def pjrt_pickler_classes() -> tuple[type, type, type]:
     )
 
 
+def unloaded_executable_type() -> type:
+    """The executable a compile for compile-only devices holds (not loaded on any device);
+    serialize_executable pickles it by ``serialize()``, the bytes JAX's entry holds."""
+    from jax._src.lib import _jax
+
+    return _jax.Executable  # type: ignore[no-any-return]
+
+
 def unloaded_executable(compiled: Any) -> Any | None:
     """The picklable (unloaded) executable behind a ``jax.stages.Compiled``; None where JAX has none."""
     return getattr(getattr(compiled, "_executable", None), "_unloaded_executable", None)

@@ -121,10 +121,13 @@ def payload_of(compiled: Any) -> bytes:
     import jax
 
     pickler_base, _, loaded_type = _pickler_classes()
+    # A compile for devices this machine does not have (warm --topology) holds an unloaded
+    # executable: the same program as the JAX entry, so it is referenced, not copied, too.
+    executable_types = (loaded_type, jax_seam.unloaded_executable_type())
 
     class _EntryRefPickler(pickler_base):  # type: ignore[misc, valid-type]
         def persistent_id(self, obj: Any) -> Any:
-            if isinstance(obj, loaded_type):
+            if isinstance(obj, executable_types):
                 return _ENTRY_REF
             return super().persistent_id(obj)
 
