@@ -411,6 +411,17 @@ def tpu_topology_devices(
     return list(desc.devices)
 
 
+def tpu_chips_here() -> int | None:
+    """How many TPU chips this machine has, read the way cloud_tpu_init reads it (PCI devices),
+    without opening any backend; None when this JAX cannot say."""
+    try:
+        from jax._src import hardware_utils
+
+        return int(hardware_utils.num_available_tpu_chips_and_device_id()[0])
+    except Exception:  # noqa: BLE001 - another JAX: the caller opens the backend instead
+        return None
+
+
 def device_client(device: Any) -> Any:
     """The client a device compiles with: its platform_version goes into JAX's key (for a
     compile-only device, libtpu's, the same string the chip's backend reports)."""
@@ -457,7 +468,7 @@ def unloaded_executable_type() -> type:
     serialize_executable pickles it by ``serialize()``, the bytes JAX's entry holds."""
     from jax._src.lib import _jax
 
-    return _jax.Executable  # type: ignore[no-any-return]
+    return _jax.Executable
 
 
 def unloaded_executable(compiled: Any) -> Any | None:

@@ -44,7 +44,7 @@ def lowering_scope() -> contextlib.AbstractContextManager[Any]:
     that lowers."""
     if _TARGET_DEVICES is None:
         return contextlib.nullcontext()
-    return jax_seam.default_device(_TARGET_DEVICES[0])  # type: ignore[no-any-return]
+    return jax_seam.default_device(_TARGET_DEVICES[0])
 
 
 def _devices() -> list[Any]:

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from cachectl.context import Context
+from cachectl.core import jax_seam
 from cachectl.core.errors import BadInput, EnvironmentMismatch
 from cachectl.core.fingerprint import Environment, current_environment
 from cachectl.index import CacheInfo
@@ -85,8 +86,13 @@ def plan_warm(
     named = topology or (manifest.target.topology if manifest.target is not None else None)
     deviceless = None
     if topology is None and named is not None:
-        env = current_environment()
-        if env.backend != "tpu":  # on the slice itself warm compiles as usual
+        # On the slice itself warm compiles as usual. Elsewhere the backend is never opened: with
+        # libtpu installed, JAX would try a TPU first and leave libtpu unable to compile.
+        chips = jax_seam.tpu_chips_here()
+        here = current_environment() if chips is None or chips > 0 else None
+        if here is not None and here.backend == "tpu":
+            env = here
+        else:
             deviceless = resolve(named)
             env = deviceless.environment
     elif named is not None:
