@@ -14,7 +14,7 @@ Facts it relies on (tests/test_deviceless.py pins them against the installed lib
 - The topology fingerprint in JAX's cache key depends on ``wrap``: a real v5e 1x1 matched
   (False, False, False). Wraparound exists only on full v5p cubes, which span many hosts and
   which deviceless warm does not target.
-- On a real TPU VM ``jax/_src/cloud_tpu_init.py`` appends
+- On a real TPU VM JAX's cloud_tpu_init (run when its TPU backend starts) appends
   ``--xla_tpu_use_enhanced_launch_barrier=true`` to ``LIBTPU_INIT_ARGS``, and JAX's key hashes
   that variable: a deviceless compile must set the same, or every key differs in its XLA flags.
 """
@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from cachectl.core import jax_seam
 from cachectl.core.errors import BadInput
 
-# What cloud_tpu_init adds to LIBTPU_INIT_ARGS on a real TPU VM (jax 0.9 - 0.12).
+# What cloud_tpu_init adds to LIBTPU_INIT_ARGS on a real TPU VM (read in jax 0.10.2).
 CLOUD_TPU_INIT_FLAGS: tuple[str, ...] = ("--xla_tpu_use_enhanced_launch_barrier=true",)
 
 
