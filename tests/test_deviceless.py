@@ -201,3 +201,15 @@ def test_an_executable_of_another_backend_version_is_refused_once_and_jit_serves
     )
     said = [w for w in served["warnings"] if "compiled for backend version" in w]  # type: ignore[union-attr]
     assert len(said) == 1, served["warnings"]
+
+
+def test_doctor_says_whether_this_machine_compiles_for_tpu() -> None:
+    report = json.loads(invoke("doctor", "--json", code=None).stdout)
+    (finding,) = [f for f in report["findings"] if f["check"] == "tpu-compile"]
+    assert finding["severity"] == "info"
+    version = jax_seam.libtpu_version()
+    if version is None:
+        assert "libtpu is not installed" in finding["message"]
+        assert finding["fix"] == "pip install 'cachectl[tpu]'"
+    else:
+        assert finding["message"].startswith(f"libtpu {version}: warm --topology compiles")

@@ -232,3 +232,11 @@ def test_a_mesh_bigger_than_the_topology_is_refused(tmp_path: Path) -> None:
     assert code == 3, err
     assert "needs a mesh of 8 devices; this machine has 4" in err
     assert not list(tmp_path.rglob("*-cache"))
+
+
+def test_doctor_names_the_libtpu_this_machine_compiles_with(tmp_path: Path) -> None:
+    code, report, err = cachectl("doctor", "--json", cwd=tmp_path)
+    (finding,) = [f for f in report["findings"] if f["check"] == "tpu-compile"]
+    assert finding["message"] == (
+        f"libtpu {jax_seam.libtpu_version()}: warm --topology compiles for TPU here"
+    ), err
