@@ -213,3 +213,9 @@ def test_doctor_says_whether_this_machine_compiles_for_tpu() -> None:
         assert finding["fix"] == "pip install 'cachectl[tpu]'"
     else:
         assert finding["message"].startswith(f"libtpu {version}: warm --topology compiles")
+
+
+def test_topology_does_not_go_with_distributed(tmp_path: Path) -> None:
+    manifest = _tiny(tmp_path)
+    result = invoke("warm", str(manifest), "--topology", "v5e:1x1", "--distributed", code=2)
+    assert "--topology compiles on one machine" in result.output

@@ -240,3 +240,13 @@ def test_doctor_names_the_libtpu_this_machine_compiles_with(tmp_path: Path) -> N
     assert finding["message"] == (
         f"libtpu {jax_seam.libtpu_version()}: warm --topology compiles for TPU here"
     ), err
+
+
+def test_the_process_executor_is_refused_for_a_topology(tmp_path: Path) -> None:
+    manifest = tiny(tmp_path)
+    code, _, err = cachectl(
+        "warm", str(manifest), "--topology", "v5e:1x1", "--executor", "process", cwd=tmp_path
+    )
+    assert code == 2, err
+    assert "--executor process cannot compile for a TPU topology" in err
+    assert not list(tmp_path.rglob("*-cache"))
