@@ -151,6 +151,24 @@ def test_k8s_bundle_pull_recipe_validates_against_the_kubernetes_schema() -> Non
     assert {m["name"]: m.get("readOnly") for m in serve["volumeMounts"]}["cache"] is True
 
 
+def test_k8s_deviceless_tpu_job_validates_and_names_a_known_topology() -> None:
+    import kubernetes_validate
+
+    from cachectl.core.topologies import parse_topology
+
+    path = K8S.parent / "warm-tpu-deviceless-job.yaml"
+    (job,) = list(yaml.safe_load_all(path.read_text()))
+    kubernetes_validate.validate(job, kubernetes_validate.latest_version(), strict=True)
+    spec = job["spec"]["template"]["spec"]
+    (container,) = spec["containers"]
+    command = container["command"]
+    assert command[:3] == ["cachectl", "warm", "examples/manifest.yaml"]
+    topology = command[command.index("--topology") + 1]
+    assert parse_topology(topology).chips == 4  # a known, single-host slice
+    assert "google.com/tpu" not in str(container.get("resources"))  # a CPU node: no TPU held
+    assert (REPO / command[2]).is_file()
+
+
 def test_k8s_schema_check_catches_a_mistake() -> None:
     import kubernetes_validate
 

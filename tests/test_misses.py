@@ -468,3 +468,39 @@ def test_with_no_manifest_a_missed_program_still_has_its_cause() -> None:
         "jit_step", [_row("jit_step", "k2", "step at /srv/app.py:3", leaves)], manifest=False
     )
     assert own.kind == "not_in_manifest" and "no manifest names it" in own.message
+
+
+def test_a_bucket_missed_under_other_xla_flags_names_the_flags(tmp_path, monkeypatch) -> None:
+    """Warm under one XLA_FLAGS, serve under another: every call is a bucket of the manifest and
+    misses, and misses names the key component that differs, with the flags themselves."""
+    (tmp_path / "svc_model.py").write_text(MODEL)
+    (tmp_path / "manifest.yaml").write_text(MANIFEST)
+    env = {
+        "XDG_DATA_HOME": str(tmp_path / "data"),
+        "XDG_CACHE_HOME": str(tmp_path / "cache"),
+        "XDG_CONFIG_HOME": str(tmp_path / "config"),
+        "CACHECTL_TELEMETRY_INTERVAL": "3600",
+    }
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    warm = f"""
+        import sys
+        from cachectl.cli import main
+        sys.argv = ["cachectl", "warm", {str(tmp_path / "manifest.yaml")!r}, "--json"]
+        main()
+    """
+    built, served = "--xla_cpu_multi_thread_eigen=true", "--xla_cpu_multi_thread_eigen=false"
+    run_py(warm, {**env, "XLA_FLAGS": built}, check=True, timeout=600)
+    code = SERVICE.format(dir=str(tmp_path), body=textwrap.dedent(MATCHING))
+    proc = run_py(code, {**env, "XLA_FLAGS": served}, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    result = CliRunner().invoke(cli, ["misses", "--since", "1h", "--json"], catch_exceptions=False)
+    assert result.exit_code == 1, result.output
+    report = json.loads(result.stdout)
+    f = _only(report)
+    assert f["kind"] == "environment" and f["field"] == "xla_flags", f
+    assert f["misses"] == 5 and f["observed"] == [served] and f["expected"] == [built]
+    assert (
+        f"XLA flags: the service has {served}, the entries were built without it; "
+        f"the entries were built with {built}, the service runs without it"
+    ) in f["message"]

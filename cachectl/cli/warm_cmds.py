@@ -261,6 +261,12 @@ def _run_distributed(
     "default: when JAX_COORDINATOR_ADDRESS is set). Process 0 writes and records.",
 )
 @click.option(
+    "--topology",
+    metavar="NAME",
+    help="Compile for this TPU slice without one (libtpu's compile-only devices), into the "
+    "namespace the slice names: v5e:1x1, v5e:2x2, v5litepod-4, v5p:2x2x1, v6e:2x2 ...",
+)
+@click.option(
     "--check",
     "check_only",
     is_flag=True,
@@ -295,6 +301,7 @@ def warm_cmd(
     push_to: str | None,
     insecure: bool,
     ca_file: str | None,
+    topology: str | None,
 ) -> None:
     """Compile every function x shape bucket of MANIFEST into this environment's namespace.
 
@@ -306,6 +313,7 @@ def warm_cmd(
     cachectl warm examples/manifest.yaml
     cachectl warm manifest.yaml --shard 2/4 --jobs 8
     cachectl warm manifest.yaml --shard auto --shards 4   # pod of an Indexed Job
+    cachectl warm manifest.yaml --topology v5e:2x2   # for a TPU slice, on a CPU machine
     cachectl warm-check manifest.yaml      # prove it: 100% hits in a fresh process
     """
     if check_only:
@@ -327,6 +335,8 @@ def warm_cmd(
                 else "--push does not combine with "
                 "--distributed: push from one host afterwards (cachectl bundle push)"
             )
+        if topology is not None:
+            raise BadInput("--topology compiles on one machine; it does not go with --distributed")
         _run_distributed(
             ctx,
             manifest,
@@ -358,6 +368,7 @@ def warm_cmd(
                 progress=progress,
                 executables=not no_executables,
                 signer=signer,
+                topology=topology,
             )
     if signer is not None and not report.target_problems:
         resign_written(ctx, report, signer)

@@ -210,6 +210,38 @@ def current_environment(managed: bool = True) -> Environment:
     )
 
 
+def compile_only_environment(
+    devices: list[Any], environ: Mapping[str, str] | None = None
+) -> Environment:
+    """The Environment a slice of ``devices`` will report, read from compile-only devices.
+
+    What ``cachectl fingerprint`` prints on that slice: the backend is the devices' client
+    (libtpu's platform_version), the flags those of ``environ`` (LIBTPU_INIT_ARGS as
+    cloud_tpu_init sets it there), one process; the rest is this process's JAX and config,
+    managed as activate() sets it. Fields pinned by tests/test_deviceless.py against an env.json
+    recorded on a real v5e.
+    """
+    import jax
+    import jaxlib
+
+    client = jax_seam.device_client(devices[0])
+    return Environment(
+        jax_version=jax.__version__,
+        jaxlib_version=getattr(jaxlib, "__version__", "unknown"),
+        backend=str(client.platform),
+        platform_version=str(client.platform_version),
+        device_kind=devices[0].device_kind,
+        device_count=len(devices),
+        process_count=1,
+        topology=_topology(devices),
+        xla_flags=normalized_xla_flags(environ, argv=[]),
+        compression=compression_name(),
+        enable_xla_caches=str(MANAGED_JAX_CONFIG["jax_persistent_cache_enable_xla_caches"]),
+        # JAX adds its options to Config at run time (setattr): its types declare none of them.
+        include_metadata_in_key=bool(jax.config.jax_compilation_cache_include_metadata_in_key),  # type: ignore[attr-defined]
+    )
+
+
 def check_version(name: str, value: str) -> None:
     """BadInput unless ``value`` is a PEP 440 version, as every real jax and jaxlib reports:
     prune compares versions, so a made-up string must never be recorded as one."""

@@ -404,6 +404,64 @@ def default_backend() -> Any:
     return xla_bridge.get_backend()
 
 
+# -- compiling for a TPU this machine does not have ----------------------------------------
+
+
+def tpu_topology_devices(
+    name: str, chips_per_host_bounds: tuple[int, int, int], wrap: tuple[bool, bool, bool]
+) -> list[Any]:
+    """Compile-only devices of a TPU slice, described by libtpu (no TPU needed; the default
+    backend stays what it was). Raises when libtpu is missing or refuses the name."""
+    from jax.experimental import topologies
+
+    desc = topologies.get_topology_desc(
+        topology_name=name,
+        platform="tpu",
+        chip_config_name="default",
+        chips_per_host_bounds=chips_per_host_bounds,
+        num_slices=1,
+        wrap=wrap,
+    )
+    return list(desc.devices)
+
+
+def tpu_chips_here() -> int | None:
+    """How many TPU chips this machine has, read the way cloud_tpu_init reads it (PCI devices),
+    without opening any backend; None when this JAX cannot say."""
+    try:
+        from jax._src import hardware_utils
+
+        return int(hardware_utils.num_available_tpu_chips_and_device_id()[0])
+    except Exception:  # noqa: BLE001 - another JAX: the caller opens the backend instead
+        return None
+
+
+def device_client(device: Any) -> Any:
+    """The client a device compiles with: its platform_version goes into JAX's key (for a
+    compile-only device, libtpu's, the same string the chip's backend reports)."""
+    return device.client
+
+
+def libtpu_version() -> str | None:
+    """The installed libtpu wheel's version; None when there is none."""
+    from importlib import metadata
+
+    for name in ("libtpu", "libtpu-nightly"):
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def default_device(device: Any) -> Any:
+    """``jax.default_device(device)``: lowering a plain jit inside it gives the program a
+    service's uncommitted arrays compile (tests/test_deviceless.py); thread-local, like JAX's."""
+    import jax
+
+    return jax.default_device(device)
+
+
 # -- executables and jax.distributed -------------------------------------------------------
 
 
@@ -417,6 +475,14 @@ def pjrt_pickler_classes() -> tuple[type, type, type]:
         serialize_executable._JaxPjrtUnpickler,
         xla_client.LoadedExecutable,
     )
+
+
+def unloaded_executable_type() -> type:
+    """The executable a compile for compile-only devices holds (not loaded on any device);
+    serialize_executable pickles it by ``serialize()``, the bytes JAX's entry holds."""
+    from jax._src.lib import _jax
+
+    return _jax.Executable
 
 
 def unloaded_executable(compiled: Any) -> Any | None:

@@ -80,6 +80,7 @@ class Executables:
         self._indexed = indexed
         self._on_load = on_load
         self._warn = warn
+        self._platform_version: str | None = None  # the running backend's, read at first need
         self._headers = self._read_headers(names, workers)
 
     def _read_headers(
@@ -115,6 +116,10 @@ class Executables:
             return
         reasons = []
         for key, header in candidates:
+            refused = self._other_backend(header)
+            if refused is not None:
+                reasons.append(refused)
+                continue
             if header.spec_digest is not None and header.spec_digest != digests[0]:
                 reasons.append("stored for another version of this function's manifest entry")
                 continue
@@ -141,6 +146,24 @@ class Executables:
             slot.error = None
             return
         slot.error = reasons[0]
+
+    def _other_backend(self, header: executables.ExecutableHeader) -> str | None:
+        """Why an executable compiled for another backend version is refused (loading one may
+        crash the process); None when the versions agree or the header does not say."""
+        if header.platform_version is None:
+            return None
+        if self._platform_version is None:
+            self._platform_version = str(jax_seam.default_backend().platform_version)
+        if header.platform_version == self._platform_version:
+            return None
+        stored, here = (
+            " ".join(v.split()) for v in (header.platform_version, self._platform_version)
+        )
+        reason = (
+            f"refused: compiled for backend version {stored!r}, this backend is {here!r} "
+            "(loading it could crash the process)"
+        )
+        return reason  # the function's one fallback warning says it (router._via_jit)
 
     def load(self, slot: Slot) -> None:
         """Read the bucket's executable and JAX entry, refuse either if its sha256 is not the

@@ -44,7 +44,7 @@ from cachectl.manifest.load import (
     max_buckets,
     parse_manifest,
 )
-from cachectl.manifest.lowering import build_call, jit_function
+from cachectl.manifest.lowering import build_call, compiling_for, jit_function, lowering_scope
 from cachectl.manifest.problems import MAX_PROBLEMS
 from cachectl.manifest.schema import (
     MANIFEST_VERSION,
@@ -75,6 +75,8 @@ __all__ = [
     "Target",
     "dtype_named",
     "build_call",
+    "compiling_for",
+    "lowering_scope",
     "check_imports",
     "expand",
     "is_jitted",

@@ -5,18 +5,52 @@ so importing the package stays cheap for the CLI."""
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from cachectl.core import jax_seam
 from cachectl.core.errors import EnvironmentMismatch
 from cachectl.manifest.buckets import Bucket
 from cachectl.manifest.imports import identity, is_jitted, resolve_in
 from cachectl.manifest.schema import ArgSpec, FunctionSpec, dtype_named, jit_options, leaf_path
 
 log = logging.getLogger("cachectl.manifest")
+
+# The devices warm compiles for when they are not this machine's (``warm --topology``): meshes and
+# single-device shardings are built over them, and every lowering runs with the first as JAX's
+# default device. None: this machine's jax.devices().
+_TARGET_DEVICES: list[Any] | None = None
+
+
+@contextlib.contextmanager
+def compiling_for(devices: list[Any] | None) -> Iterator[None]:
+    """Build meshes and shardings over ``devices`` (compile-only ones) for the duration."""
+    global _TARGET_DEVICES
+    saved, _TARGET_DEVICES = _TARGET_DEVICES, devices
+    try:
+        yield
+    finally:
+        _TARGET_DEVICES = saved
+
+
+def lowering_scope() -> contextlib.AbstractContextManager[Any]:
+    """Where a bucket is lowered: under ``jax.default_device`` of the target's first device when
+    compiling for other devices (a plain jit's uncommitted arguments land there, as in a service
+    on that hardware), else as it is. JAX's default device is per thread: enter it in the thread
+    that lowers."""
+    if _TARGET_DEVICES is None:
+        return contextlib.nullcontext()
+    return jax_seam.default_device(_TARGET_DEVICES[0])
+
+
+def _devices() -> list[Any]:
+    import jax
+
+    return list(jax.devices()) if _TARGET_DEVICES is None else list(_TARGET_DEVICES)
 
 
 def jit_function(spec: FunctionSpec, search_paths: Sequence[str | Path] = ()) -> Any:
@@ -39,7 +73,7 @@ def _build_mesh(spec: FunctionSpec) -> Any:
     from jax.sharding import AxisType
 
     assert spec.mesh is not None
-    devices = jax.devices()
+    devices = _devices()
     if spec.mesh.size > len(devices):
         raise EnvironmentMismatch(
             spec._source.message(
@@ -52,7 +86,13 @@ def _build_mesh(spec: FunctionSpec) -> Any:
     if spec.mesh.axis_types is not None:
         kind = {"auto": AxisType.Auto, "explicit": AxisType.Explicit, "manual": AxisType.Manual}
         types = (kind[spec.mesh.axis_types],) * len(spec.mesh.axes)
-    return jax.make_mesh(tuple(spec.mesh.axes.values()), tuple(spec.mesh.axes), axis_types=types)
+    return jax.make_mesh(
+        tuple(spec.mesh.axes.values()),
+        tuple(spec.mesh.axes),
+        axis_types=types,
+        # Over the target's devices exactly as jax.devices() would be passed on that hardware.
+        devices=None if _TARGET_DEVICES is None else devices,
+    )
 
 
 def _partition_spec(entries: Sequence[Any]) -> Any:
@@ -136,10 +176,9 @@ def _check_leaf_axes(
 
 
 def _single_device() -> Any:
-    import jax
     from jax.sharding import SingleDeviceSharding
 
-    return SingleDeviceSharding(jax.devices()[0])
+    return SingleDeviceSharding(_devices()[0])
 
 
 _PYTREE_CACHE: dict[tuple[Any, tuple[tuple[str, Any], ...]], Any] = {}

@@ -115,6 +115,9 @@ class Target(_Schema):
     backend: Literal["cpu", "gpu", "tpu"]
     device_kind: str | None = None
     device_count: int | None = dataclasses.field(default=None, metadata={"gt": 0})
+    # A TPU slice by name ("v5e:2x2", "v5litepod-4"): warm on a machine without a TPU compiles
+    # for it (deviceless, cachectl/core/topologies.py), as ``warm --topology`` does.
+    topology: str | None = None
 
     def mismatches(self, backend: str, device_kind: str, device_count: int) -> list[str]:
         """Why this machine does not match (empty when it does); device_kind may be a glob."""

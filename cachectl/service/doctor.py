@@ -21,6 +21,7 @@ from cachectl.core.config import TRUE_WORDS, Settings, config_path, state_dir
 from cachectl.core.errors import CachectlError, Unreachable
 from cachectl.core.fingerprint import Environment
 from cachectl.core.sqlite_file import sqlite_path
+from cachectl.core.topologies import tpu_compiler
 from cachectl.core.units import format_size
 from cachectl.index import CacheInfo, EnvironmentInfo
 from cachectl.service.activate import fail_fast_options
@@ -597,6 +598,14 @@ def _check_storage(
     return out
 
 
+def _tpu_compile_finding() -> Diagnosis:
+    """Whether ``warm --topology`` can compile for TPU here, and with which libtpu (info only)."""
+    can = tpu_compiler()
+    return Diagnosis(
+        INFO, "tpu-compile", can.detail, None if can.ok else "pip install 'cachectl[tpu]'"
+    )
+
+
 def diagnose(
     ctx: Context,
     *,
@@ -618,6 +627,7 @@ def diagnose(
     findings.extend(check_process_config(environ, jax_config, storage.namespace_url))
     findings.extend(_check_storage(storage, env, cache, checked.warmed_entries))
     findings.extend(check_owned_paths(ctx.settings))
+    findings.append(_tpu_compile_finding())
     findings.sort(key=lambda f: _ORDER.get(f.severity, 3))
     near = checked.nearest
     return DoctorReport(

@@ -61,6 +61,10 @@ class ExecutableHeader:
     # The custom-call targets the executable calls (jax_seam.custom_call_targets), which the
     # runtime makes ready before loading it; None (stored before they were recorded): unknown.
     custom_calls: list[str] | None = None
+    # The backend's platform_version it was compiled for (libtpu's build on TPU): the runtime
+    # refuses it on any other backend version, where loading may crash the process. None:
+    # stored before it was recorded.
+    platform_version: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -75,6 +79,7 @@ class ExecutableHeader:
             "spec_digest": self.spec_digest,
             "source_digest": self.source_digest,
             "custom_calls": self.custom_calls,
+            "platform_version": self.platform_version,
         }
 
 
@@ -118,10 +123,13 @@ def payload_of(compiled: Any) -> bytes:
     import jax
 
     pickler_base, _, loaded_type = _pickler_classes()
+    # A compile for devices this machine does not have (warm --topology) holds an unloaded
+    # executable: the same program as the JAX entry, so it is referenced, not copied, too.
+    executable_types = (loaded_type, jax_seam.unloaded_executable_type())
 
     class _EntryRefPickler(pickler_base):  # type: ignore[misc, valid-type]
         def persistent_id(self, obj: Any) -> Any:
-            if isinstance(obj, loaded_type):
+            if isinstance(obj, executable_types):
                 return _ENTRY_REF
             return super().persistent_id(obj)
 
@@ -205,6 +213,7 @@ def pack(
     spec_digest: str | None = None,
     source_digest: str | None = None,
     custom_calls: Any = None,
+    platform_version: str | None = None,
 ) -> bytes:
     """Artifact bytes: a JSON header (readable without unpickling) and the payload."""
     import jax
@@ -221,6 +230,7 @@ def pack(
         spec_digest=spec_digest,
         source_digest=source_digest,
         custom_calls=None if custom_calls is None else sorted(custom_calls),
+        platform_version=platform_version,
     )
     head = json.dumps(header.to_json(), sort_keys=True).encode()
     return MAGIC + len(head).to_bytes(_LEN_BYTES, "big") + head + payload

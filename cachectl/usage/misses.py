@@ -11,6 +11,7 @@ field is said in words a user acts on (cachectl/usage/misses_explain.py).
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from pathlib import Path
@@ -20,9 +21,11 @@ from sqlalchemy import select
 
 from cachectl.core import jax_seam
 from cachectl.core.errors import BadInput
+from cachectl.core.fingerprint import Environment
 from cachectl.index.models import Cache, Entry, WarmRun, utcnow
 from cachectl.index.models import Environment as EnvRow
 from cachectl.index.telemetry_queries import SignatureRow, signature_usage
+from cachectl.service.doctor import compare
 from cachectl.usage.misses_expected import ExpectedSignature, expected_signatures
 from cachectl.usage.misses_explain import (
     MissFinding,
@@ -167,6 +170,8 @@ class _Tally:
     uncacheable: dict[str, int] = field(default_factory=dict)  # module -> requests
     per_module: dict[str, list[SignatureRow]] = field(default_factory=dict)  # missed rows
     not_in_manifest: dict[str, list[SignatureRow]] = field(default_factory=dict)
+    # Missed rows whose signature is exactly a bucket: the key differs elsewhere (environment).
+    bucket_matched: list[SignatureRow] = field(default_factory=list)
 
 
 def _rejit(r: SignatureRow, name: str | None) -> MissFinding:
@@ -257,8 +262,90 @@ def _tally_row(tally: _Tally, r: SignatureRow, side: _ManifestSide) -> None:
     tally.per_module.setdefault(r.function, []).append(r)
     if r.digest != "*" and r.function not in side.by_module:  # with no manifest, every one
         tally.not_in_manifest.setdefault(r.function, []).append(r)
+    elif (r.function, leaves) in side.signatures:
+        tally.bucket_matched.append(r)  # said per environment, or per row (_environment_findings)
     else:
         tally.findings.extend(_row_findings(r, nearest, candidates, side))
+
+
+def _warmed_environments(ctx: Any, cache: str) -> list[Environment]:
+    """The environments warm filled in ``cache`` (those with a warm run), newest first."""
+    with ctx.index.read_session() as s:
+        digests = s.scalars(
+            select(EnvRow.digest)
+            .join(WarmRun, WarmRun.environment_id == EnvRow.id)
+            .join(Cache, Cache.id == EnvRow.cache_id)
+            .where(Cache.name == cache)
+            .order_by(WarmRun.started_at.desc())
+        ).all()
+    return [ctx.index.get_environment(cache, d).environment for d in dict.fromkeys(digests)]
+
+
+def flags_words(here: Sequence[str], warmed: Sequence[str]) -> str:
+    """'XLA flags: the service has X, the entries were built without it; ...'."""
+
+    def it(flags: list[str]) -> str:
+        return "it" if len(flags) == 1 else "them"
+
+    added = [f for f in here if f not in warmed]
+    lacking = [f for f in warmed if f not in here]
+    parts = []
+    if added:
+        parts.append(
+            f"the service has {' '.join(added)}, the entries were built without {it(added)}"
+        )
+    if lacking:
+        parts.append(
+            f"the entries were built with {' '.join(lacking)}, the service runs without "
+            f"{it(lacking)}"
+        )
+    return "XLA flags: " + "; ".join(parts)
+
+
+def _environment_findings(
+    ctx: Any, cache: str, rows: list[SignatureRow], side: _ManifestSide
+) -> list[MissFinding]:
+    """Misses of programs that are exactly a bucket: the service's environment differs from the
+    one warm filled in a component of JAX's key; each differing one named (doctor.compare), the
+    XLA flags with the flags themselves. A row of the warmed environment itself is explained as
+    any other row."""
+    if not rows:
+        return []
+    warmed = _warmed_environments(ctx, cache)
+    by_digest = {w.digest: w for w in warmed}
+    out: list[MissFinding] = []
+    for digest in dict.fromkeys(r.environment for r in rows):
+        mine = [r for r in rows if r.environment == digest]
+        if digest in by_digest or not warmed:
+            for r in mine:  # as before: the row against its nearest bucket
+                leaves = tuple(leaf_of(x) for x in r.leaves)
+                candidates = [e for e in side.by_module[r.function] if len(e.leaves) == len(leaves)]
+                nearest = min(candidates, key=lambda e: distance(leaves, e.leaves))
+                out.extend(_row_findings(r, nearest, candidates, side))
+            continue
+        here = ctx.index.get_environment(cache, digest).environment
+        nearest_env = min(warmed, key=lambda w: len(compare(here, w)))
+        diffs = compare(here, nearest_env)
+        words = [
+            flags_words(d.here, d.warmed) if d.field == "xla_flags" else d.message for d in diffs
+        ]
+        functions = sorted({r.function for r in mine})
+        out.append(
+            MissFinding(
+                functions[0] if len(functions) == 1 else ", ".join(functions),
+                side.names.get(functions[0]) if len(functions) == 1 else None,
+                "environment",
+                f"{sum(r.misses for r in mine)} misses of programs that are buckets of the "
+                f"manifest: the service's environment ({digest[:16]}) is not the one warm filled "
+                f"({nearest_env.digest[:16]}): " + "; ".join(words) + f" ({diffs[0].fix})",
+                field=diffs[0].field,
+                observed=diffs[0].here,
+                expected=diffs[0].warmed,
+                requests=sum(r.requests for r in mine),
+                misses=sum(r.misses for r in mine),
+            )
+        )
+    return out
 
 
 def _function_findings(
@@ -307,6 +394,7 @@ def misses(
     tally = _Tally()
     for r in rows:
         _tally_row(tally, r, side)
+    tally.findings.extend(_environment_findings(ctx, info.name, tally.bucket_matched, side))
     tally.findings.extend(_function_findings(ctx, info.name, tally, side))
     return MissesReport(
         cache=info.name,

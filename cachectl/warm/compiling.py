@@ -11,6 +11,7 @@ from typing import Any
 from cachectl.core import jax_seam
 from cachectl.core.errors import BadInput
 from cachectl.core.fingerprint import Environment
+from cachectl.manifest import lowering_scope
 from cachectl.service.activate import apply_jax_config, jax_config_for
 from cachectl.storage.executables import ExecutableError, payload_of
 from cachectl.warm.jaxlog import CAPTURE, Event
@@ -56,7 +57,8 @@ def clear_in_memory_executables() -> None:
 
 def _lower(jitted: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, float]:
     started = time.perf_counter()
-    lowered = jitted.lower(*args, **kwargs)
+    with lowering_scope():
+        lowered = jitted.lower(*args, **kwargs)
     return lowered, time.perf_counter() - started
 
 

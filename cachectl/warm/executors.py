@@ -8,11 +8,11 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import Any
 
 from cachectl.core import jax_seam
-from cachectl.manifest import Bucket, check_imports, expand, load_manifest
+from cachectl.manifest import Bucket, check_imports, compiling_for, expand, load_manifest
 from cachectl.service.activate import apply_jax_config
 from cachectl.warm.compiling import Outcome, compile_bucket, error_text, jax_configured
 from cachectl.warm.jaxlog import CAPTURE
-from cachectl.warm.plan import WarmPlan, build_calls
+from cachectl.warm.plan import WarmPlan, build_calls, target_devices
 from cachectl.warm.reports import FAILED, TOO_LARGE, BucketResult
 
 RecordFn = Callable[[int, Bucket, "Outcome | None", "str | None"], BucketResult]
@@ -103,7 +103,8 @@ def run_threads(
     """In this process: one by one (``jobs`` 1) or in a pool; ``present`` skips stored buckets.
 
     Returns how many buckets failed in the pool and were run again alone (see ``_drive``)."""
-    jitted, calls = build_calls(plan.manifest, plan.buckets, plan.search_paths)
+    devices = target_devices(plan)
+    jitted, calls = build_calls(plan.manifest, plan.buckets, plan.search_paths, devices)
     errors = {p: c for p, c in calls.items() if isinstance(c, str)}
 
     def task(position: int) -> Outcome:
@@ -118,7 +119,7 @@ def run_threads(
             present=present,
         )
 
-    with jax_configured(config), CAPTURE.installed():
+    with jax_configured(config), CAPTURE.installed(), compiling_for(devices):
         if jobs == 1:
             return _drive(None, task, plan.buckets, errors, fail_fast, record)
         with ThreadPoolExecutor(max_workers=jobs, thread_name_prefix="cachectl-warm") as pool:

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from cachectl.context import Context
+from cachectl.core import jax_seam
 from cachectl.core.errors import BadInput, EnvironmentMismatch
 from cachectl.core.fingerprint import Environment, current_environment
 from cachectl.index import CacheInfo
@@ -16,6 +17,7 @@ from cachectl.manifest import (
     Manifest,
     build_call,
     check_imports,
+    compiling_for,
     expand,
     jit_function,
     load_manifest,
@@ -23,6 +25,7 @@ from cachectl.manifest import (
 )
 from cachectl.trust.permissions import check_writer
 from cachectl.warm.compiling import error_text, persistent_cache_off
+from cachectl.warm.deviceless import DevicelessTarget, resolve
 
 # --------------------------------------------------------------------------- planning
 
@@ -38,6 +41,8 @@ class WarmPlan:
     environment: Environment
     target_problems: list[str]
     search_paths: tuple[str, ...]
+    # Compiling for a TPU slice this machine does not have (warm --topology): its devices.
+    deviceless: DevicelessTarget | None = None
 
 
 def environment_json(env: Environment) -> dict[str, Any]:
@@ -65,23 +70,44 @@ def plan_warm(
     shard: tuple[int, int] | None = None,
     paths: Sequence[str] = (),
     writer_check: bool = True,
+    topology: str | None = None,
 ) -> WarmPlan:
     """Validate everything that can fail before compiling: manifest, cache, permission, imports.
 
     Raises BadInput (2) for the manifest, PermissionDenied (4) for a non-writer;
-    a target mismatch is returned in ``target_problems`` (callers exit 3).
+    a target mismatch is returned in ``target_problems`` (callers exit 3). With ``topology``
+    (or the manifest's ``target.topology`` on a machine that is no TPU) the buckets compile
+    for that TPU slice's compile-only devices, into the slice's namespace (warm/deviceless.py).
     """
     manifest = load_manifest(manifest_path, import_paths=paths)  # a bad one: all problems
     cache_info = ctx.cache(cache or manifest.cache or ctx.settings.cache)
     if writer_check:
         check_writer(cache_info, "warm")
-    env = current_environment()
+    named = topology or (manifest.target.topology if manifest.target is not None else None)
+    deviceless = None
+    if topology is None and named is not None:
+        # On the slice itself warm compiles as usual. Elsewhere the backend is never opened: with
+        # libtpu installed, JAX would try a TPU first and leave libtpu unable to compile.
+        chips = jax_seam.tpu_chips_here()
+        here = current_environment() if chips is None or chips > 0 else None
+        if here is not None and here.backend == "tpu":
+            env = here
+        else:
+            deviceless = resolve(named)
+            env = deviceless.environment
+    elif named is not None:
+        deviceless = resolve(named)
+        env = deviceless.environment
+    else:
+        env = current_environment()
     problems = target_problems(manifest, env)
     check_imports(manifest, paths)
     buckets = expand(manifest)
     if shard is not None:
         buckets = select_shard(buckets, *shard)
-    return WarmPlan(manifest, str(manifest_path), buckets, cache_info, env, problems, tuple(paths))
+    return WarmPlan(
+        manifest, str(manifest_path), buckets, cache_info, env, problems, tuple(paths), deviceless
+    )
 
 
 def environment_mismatch(manifest_path: str, problems: Sequence[str]) -> EnvironmentMismatch:
@@ -101,7 +127,7 @@ def raise_build_problems(plan: WarmPlan) -> None:
     What would fail a real warm before compiling is bad input: BadInput (2), every
     distinct problem on its own line, each naming the manifest's file:line.
     """
-    _, calls = build_calls(plan.manifest, plan.buckets, plan.search_paths)
+    _, calls = build_calls(plan.manifest, plan.buckets, plan.search_paths, target_devices(plan))
     problems = list(dict.fromkeys(c for c in calls.values() if isinstance(c, str)))
     if problems:
         raise BadInput("\n".join(problems))
@@ -110,14 +136,23 @@ def raise_build_problems(plan: WarmPlan) -> None:
 Call = tuple[tuple[Any, ...], dict[str, Any]]
 
 
+def target_devices(plan: WarmPlan) -> list[Any] | None:
+    """The compile-only devices a deviceless plan compiles for; None: this machine's."""
+    return None if plan.deviceless is None else list(plan.deviceless.devices)
+
+
 def build_calls(
-    manifest: Manifest, buckets: Sequence[Bucket], paths: Sequence[str]
+    manifest: Manifest,
+    buckets: Sequence[Bucket],
+    paths: Sequence[str],
+    devices: list[Any] | None = None,
 ) -> tuple[dict[str, Any], dict[int, Call | str]]:
-    """The jitted function of every spec and the abstract call (or the error) of every bucket."""
+    """The jitted function of every spec and the abstract call (or the error) of every bucket;
+    meshes over ``devices`` when given (compile-only ones), else over this machine's."""
     specs = {spec.name: spec for spec in manifest.functions}
     jitted: dict[str, Any] = {}
     calls: dict[int, Call | str] = {}
-    with persistent_cache_off():
+    with persistent_cache_off(), compiling_for(devices):
         for position, bucket in enumerate(buckets):
             spec = specs[bucket.function]
             try:

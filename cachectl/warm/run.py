@@ -109,6 +109,7 @@ def warm(
     progress: ProgressFn | None = None,
     executables: bool = True,
     signer: SigningKey | None = None,
+    topology: str | None = None,
 ) -> WarmReport:
     """Compile every bucket of a manifest into this environment's namespace and index them.
 
@@ -120,6 +121,8 @@ def warm(
     (cachectl/storage/executables.py) for :func:`cachectl.serving`. With a ``signer`` a stored file counts
     as warmed only when a list it trusts signed it (signing.carried_files): any other file at a
     key of the manifest is removed and compiled again, so the signer signs only its own work.
+    With ``topology`` ("v5e:2x2") the buckets compile for that TPU slice without one
+    (warm/deviceless.py), into the namespace the slice's own fingerprint names.
     """
     if executor not in EXECUTORS:
         raise BadInput(f"unknown executor {executor!r}: use one of {', '.join(EXECUTORS)}")
@@ -128,9 +131,20 @@ def warm(
         raise BadInput(f"--jobs must be at least 1, got {jobs}")
     started = time.perf_counter()
     plan = plan_warm(
-        ctx, manifest_path, cache=cache, shard=shard, paths=paths, writer_check=not dry_run
+        ctx,
+        manifest_path,
+        cache=cache,
+        shard=shard,
+        paths=paths,
+        writer_check=not dry_run,
+        topology=topology,
     )
     env = plan.environment
+    if executor == "process" and plan.deviceless is not None:
+        raise BadInput(
+            "--executor process cannot compile for a TPU topology (its workers would each "
+            "start libtpu); use --executor thread"
+        )
     if executor == "process" and env.backend in ONE_PROCESS_BACKENDS:
         raise BadInput(
             f"--executor process cannot run on {env.backend}: one process at a time holds "

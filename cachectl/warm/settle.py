@@ -303,6 +303,7 @@ def _publish(scope: RunScope, row: NewEntry, bucket: Bucket, outcome: Outcome) -
             spec_digest=spec_digest,
             source_digest=source,
             custom_calls=outcome.custom_calls,
+            platform_version=scope.plan.environment.platform_version,
         )
         row = replace(row, aot_size=len(data), aot_sha256=sha256(data))
     plan = scope.plan

@@ -1,0 +1,252 @@
+"""``warm --topology``: compiles for a TPU slice on this CPU machine, with libtpu's compile-only
+devices, into the namespace the slice's own ``cachectl fingerprint`` names.
+
+Runs in the libtpu virtualenv (``scripts/test --deviceless``: .venv-tpu, jax[tpu] of .venv's JAX),
+where a missing libtpu FAILS; in the plain .venv (no libtpu) the module is skipped. Each warm runs
+in a fresh process, as a CI job would: LIBTPU_INIT_ARGS is set for the process and libtpu starts
+once. The environment a real TPU v5e 1x1 recorded (tests/fixtures/tpu-v5e-1x1-env.json,
+``cachectl fingerprint --json`` on the chip, JAX 0.10.2, libtpu 0.0.42.1) is what the derived
+one must equal, field for field: then the namespaces are the same and the chip finds the entries.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from cachectl.core import jax_seam
+from cachectl.storage import executables
+
+IN_TPU_VENV = os.environ.get("CACHECTL_TEST_TPU_VENV") == "1"
+if jax_seam.libtpu_version() is None:
+    if IN_TPU_VENV:
+        pytest.fail("libtpu is not installed in the deviceless virtualenv", pytrace=False)
+    pytest.skip(
+        "needs libtpu: runs in .venv-tpu (scripts/test --deviceless)", allow_module_level=True
+    )
+
+FIXTURE = Path(__file__).resolve().parent / "fixtures" / "tpu-v5e-1x1-env.json"
+BARRIER = "--xla_tpu_use_enhanced_launch_barrier=true"
+
+MODULE = """
+import jax
+import jax.numpy as jnp
+
+def affine(x, w, mode="relu"):
+    y = x @ w
+    return jnp.maximum(y, 0.0) if mode == "relu" else jnp.tanh(y)
+
+def layer(x, p):
+    return jnp.tanh(x @ p["w"] + p["b"])
+
+def weights():
+    return {"w": jax.ShapeDtypeStruct((64, 64), jnp.float32),
+            "b": jax.ShapeDtypeStruct((64,), jnp.float32)}
+"""
+
+MANIFEST = """
+version: 1
+target: {backend: tpu, device_kind: "TPU v5 lite"}
+functions:
+  - fn: dl_tiny:affine
+    jit: {static_argnames: [mode]}
+    args:
+      - {shape: [batch, 8], dtype: float32}
+      - {shape: [8, 8], dtype: float32}
+    kwargs: {mode: {axis: mode}}
+    buckets: {batch: [1, 2], mode: [relu, tanh]}
+  - fn: dl_tiny:layer
+    args:
+      - {shape: [batch, 64], dtype: float32}
+      - {pytree: dl_tiny:weights}
+    buckets: {batch: [3]}
+"""
+
+MESH_MANIFEST = """
+version: 1
+target: {backend: tpu, topology: TOPOLOGY}
+functions:
+  - fn: dl_tiny:layer
+    mesh: {axes: AXES}
+    args:
+      - {shape: [batch, 64], dtype: float32, sharding: SHARDING}
+      - {pytree: dl_tiny:weights}
+    buckets: {batch: [16]}
+"""
+
+
+def cachectl(*args: str, cwd: Path, env: dict[str, str] | None = None) -> Any:
+    """``python -m cachectl ARGS --json`` in a fresh process: (exit code, parsed JSON, stderr)."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "cachectl", *args],
+        cwd=cwd,
+        env={**os.environ, **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    data = json.loads(proc.stdout) if proc.stdout.strip().startswith("{") else None
+    return proc.returncode, data, proc.stderr
+
+
+def tiny(tmp_path: Path, text: str = MANIFEST) -> Path:
+    (tmp_path / "dl_tiny.py").write_text(MODULE)
+    manifest = tmp_path / "manifest.yaml"
+    manifest.write_text(text)
+    return manifest
+
+
+def environment_of(topology: str, env: dict[str, str] | None = None) -> dict[str, Any]:
+    """The Environment warm derives for ``topology``, in a fresh process."""
+    code = (
+        "import json\n"
+        "from cachectl.warm.deviceless import resolve\n"
+        f"t = resolve({topology!r})\n"
+        "import jax\n"
+        "print(json.dumps({'env': t.environment.to_dict(), 'digest': t.environment.digest,"
+        " 'namespace': t.environment.namespace, 'default_backend': jax.default_backend(),"
+        " 'ids': [d.id for d in t.devices]}))\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        env={**os.environ, **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    return json.loads(proc.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
+
+
+def test_derived_environment_is_the_real_v5e_chips_field_for_field() -> None:
+    chip = json.loads(FIXTURE.read_text())
+    derived = environment_of("v5e:1x1")
+    assert derived["default_backend"] == "cpu"  # no accelerator was opened
+    fields = {k: v for k, v in chip.items() if k not in ("digest", "namespace")}
+    fields.pop("fingerprint_version", None)
+    assert derived["env"] == fields
+    assert derived["digest"] == chip["digest"]
+    assert derived["namespace"] == chip["namespace"]
+    # What cloud_tpu_init adds on the TPU VM is what makes the keys equal.
+    assert BARRIER in derived["env"]["xla_flags"]
+
+
+def test_a_users_libtpu_flags_are_kept_beside_cloud_tpu_inits() -> None:
+    derived = environment_of(
+        "v5e:1x1", {"LIBTPU_INIT_ARGS": "--xla_tpu_enable_latency_hiding_scheduler=true"}
+    )
+    assert derived["env"]["xla_flags"] == [  # sorted, as JAX hashes them
+        "--xla_tpu_enable_latency_hiding_scheduler=true",
+        BARRIER,
+    ]
+    chip = json.loads(FIXTURE.read_text())
+    assert derived["digest"] != chip["digest"]  # another namespace: the keys would differ
+
+
+@pytest.mark.parametrize(
+    ("topology", "count", "kind"),
+    [
+        ("v5litepod-4", 4, "TPU v5 lite"),
+        ("v5e:2x4", 8, "TPU v5 lite"),
+        ("v6e:2x2", 4, "TPU v6 lite"),
+    ],
+)
+def test_topology_names_give_that_many_compile_only_devices(
+    topology: str, count: int, kind: str
+) -> None:
+    derived = environment_of(topology)
+    assert derived["default_backend"] == "cpu"
+    assert derived["env"]["device_count"] == count and derived["env"]["device_kind"] == kind
+    assert derived["ids"] == list(range(count))
+    assert derived["env"]["backend"] == "tpu" and derived["env"]["process_count"] == 1
+
+
+def test_warm_topology_writes_the_chips_namespace_and_rewarm_compiles_nothing(
+    tmp_path: Path,
+) -> None:
+    chip = json.loads(FIXTURE.read_text())
+    manifest = tiny(tmp_path)
+    code, report, err = cachectl(
+        "warm", str(manifest), "--topology", "v5e:1x1", "--json", cwd=tmp_path
+    )
+    assert code == 0, err
+    assert report["environment"]["digest"] == chip["digest"]
+    assert report["namespace"].endswith(chip["namespace"])
+    summary = report["summary"]
+    assert (summary["buckets"], summary["compiled"], summary["failed"]) == (5, 5, 0), report
+    assert all(b["aot_bytes"] for b in report["buckets"]), report["buckets"]
+    namespace = Path(report["namespace"])
+    keys = {b["key"] for b in report["buckets"]}
+    assert {p.name[: -len("-cache")] for p in namespace.glob("*-cache")} == keys
+    assert {p.name[: -len("-aot")] for p in namespace.glob("*-aot")} == keys
+    assert json.loads((namespace / "env.json").read_text())["digest"] == chip["digest"]
+
+    # Indexed: ls lists the namespace with its 5 entries and 5 executables.
+    code, listing, err = cachectl("ls", "--json", cwd=tmp_path)
+    assert code == 0, err
+    (row,) = [e for e in listing["environments"] if e["digest"] == chip["digest"]]
+    assert row["entries"] == 5 and row["executables"] == 5
+
+    # Warmed again, also through target.topology: every key is computed first and found.
+    manifest.write_text(MANIFEST.replace("device_kind:", "topology: v5e:1x1, device_kind:"))
+    code, again, err = cachectl("warm", str(manifest), "--json", cwd=tmp_path)
+    assert code == 0, err
+    assert again["environment"]["digest"] == chip["digest"]
+    assert (again["summary"]["compiled"], again["summary"]["cached"]) == (0, 5), again["summary"]
+
+
+@pytest.mark.parametrize(
+    ("topology", "axes", "sharding", "devices"),
+    [("v5e:2x2", "{data: 4}", "[data]", 4), ("v5e:2x4", "{data: 2, model: 4}", "[data, model]", 8)],
+)
+def test_multi_chip_topologies_compile_with_the_manifests_mesh(
+    tmp_path: Path, topology: str, axes: str, sharding: str, devices: int
+) -> None:
+    text = MESH_MANIFEST.replace("TOPOLOGY", topology).replace("AXES", axes)
+    manifest = tiny(tmp_path, text.replace("SHARDING", sharding))
+    code, report, err = cachectl("warm", str(manifest), "--json", cwd=tmp_path)
+    assert code == 0, err
+    assert report["environment"]["device_count"] == devices
+    assert report["summary"]["compiled"] == 1, report
+    (bucket,) = report["buckets"]
+    assert bucket["aot_bytes"], bucket
+    # The program is the sharded one: it runs on every device of the slice, not on one.
+    ns = Path(report["namespace"])
+    _, payload = executables._split((ns / f"{bucket['key']}-aot").read_bytes())
+    device_ids = pickle.loads(payload)[3]
+    # (in the order jax.make_mesh picks from the slice's physical layout, as on the pod)
+    assert sorted(device_ids) == list(range(devices))
+
+
+def test_a_mesh_bigger_than_the_topology_is_refused(tmp_path: Path) -> None:
+    text = MESH_MANIFEST.replace("TOPOLOGY", "v5e:2x2").replace("AXES", "{data: 8}")
+    manifest = tiny(tmp_path, text.replace("SHARDING", "[data]"))
+    code, _, err = cachectl("warm", str(manifest), cwd=tmp_path)
+    assert code == 3, err
+    assert "needs a mesh of 8 devices; this machine has 4" in err
+    assert not list(tmp_path.rglob("*-cache"))
+
+
+def test_doctor_names_the_libtpu_this_machine_compiles_with(tmp_path: Path) -> None:
+    code, report, err = cachectl("doctor", "--json", cwd=tmp_path)
+    (finding,) = [f for f in report["findings"] if f["check"] == "tpu-compile"]
+    assert finding["message"] == (
+        f"libtpu {jax_seam.libtpu_version()}: warm --topology compiles for TPU here"
+    ), err
+
+
+def test_the_process_executor_is_refused_for_a_topology(tmp_path: Path) -> None:
+    manifest = tiny(tmp_path)
+    code, _, err = cachectl(
+        "warm", str(manifest), "--topology", "v5e:1x1", "--executor", "process", cwd=tmp_path
+    )
+    assert code == 2, err
+    assert "--executor process cannot compile for a TPU topology" in err
+    assert not list(tmp_path.rglob("*-cache"))
