@@ -382,3 +382,38 @@ def test_bundle_create_refuses_a_file_storage_lost_or_changed_in_a_later_read_ba
     assert victim.name in str(err.value)
     assert list(out.parent.iterdir()) == []
     ctx.close()
+
+
+def test_install_of_many_entries_runs_without_collections(tmp_path: Path, monkeypatch) -> None:
+    """bundle install is a bulk pass (core/bulk_pass.py): under the default thresholds a 400-entry
+    install ran 7 collections (a full one scans everything JAX made); inside it, none."""
+    import gc
+
+    from cachectl import bundle
+    from cachectl.context import Context
+    from cachectl.core.config import load_settings
+
+    ctx, _ = _synthetic_namespace(tmp_path, monkeypatch, 400)
+    out = tmp_path / "ns.tar.zst"
+    bundle.create(ctx, out)
+    ctx.close()
+    fresh_home(tmp_path, monkeypatch, "dst")
+    ctx = Context(load_settings())
+    ctx.cache()
+    collections: list[int] = []
+
+    def seen(phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            collections.append(info["generation"])
+
+    before = gc.get_threshold()
+    gc.set_threshold(700, 10, 10)
+    gc.callbacks.append(seen)
+    try:
+        result = bundle.install(ctx, out)
+    finally:
+        gc.callbacks.remove(seen)
+        gc.set_threshold(*before)
+        ctx.close()
+    assert result.installed == 400
+    assert len(collections) <= 1  # at most the young one due when the thresholds are put back
