@@ -27,7 +27,10 @@ class MissFinding:
 
     function: str
     name: str | None
-    kind: str  # shape, dtype, weak_type, sharding, static, rejit, explosion, not_in_manifest, entry
+    kind: (
+        str  # shape, dtype, weak_type, sharding, static, rejit, explosion, not_in_manifest, entry,
+    )
+    # host-callbacks
     message: str
     arg: Any = None
     leaf: str | None = None

@@ -23,7 +23,11 @@ def _chain_the_users_sitecustomize() -> None:
             return
 
 
-if os.environ.get("CACHECTL_EXEC_TELEMETRY") == "1" or os.environ.get("CACHECTL_EXEC_REMEMBERED"):
+if (
+    os.environ.get("CACHECTL_EXEC_TELEMETRY") == "1"
+    or os.environ.get("CACHECTL_EXEC_REMEMBERED")
+    or os.environ.get("CACHECTL_EXEC_COUNTS")
+):
     try:
         from cachectl.service.exec_hook import install
 
