@@ -144,6 +144,12 @@ def test_field_service(tmp_path: Path, name: str) -> None:
         assert warm.returncode == 0, warm.stderr
         assert json.loads(warm.stdout)["exit_code"] == 0
 
+    # Every program the warm wrote (eager ones a library ran while tracing included) is indexed.
+    verified = _cachectl(tmp_path, "verify")
+    assert verified.returncode == 0 and "no problems" in verified.stdout, (
+        verified.stdout + verified.stderr
+    )
+
     activated = _run(PLAIN.format(dir=str(tmp_path), activate=True))  # (b)
     counts = activated["counts"]
     if case.warmup is not None:  # warm-run wrote every program its run compiled, eager ones too
