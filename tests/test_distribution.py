@@ -12,7 +12,6 @@ built wheel) all name it. scripts/installed_matches.py lets scripts/test take th
 from __future__ import annotations
 
 import re
-import shutil
 import sys
 import tomllib
 from pathlib import Path
@@ -54,7 +53,9 @@ def test_the_distribution_has_a_name_of_its_own_and_every_install_line_uses_it()
     assert f"RUN pip install {name} " in readme  # the Dockerfile
     assert release_check.readme_install_name() == name
     # `all` names the project's own extras by the distribution's name.
-    extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"
+    ]
     assert all(r.startswith(f"{name}[") for r in extras["all"]), extras["all"]
 
 

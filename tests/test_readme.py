@@ -214,6 +214,24 @@ def test_readme_commands_run_in_order_on_a_fresh_home(tmp_path: Path) -> None:
     assert "no service telemetry" not in proc.stdout, (
         "the tour's activate() one-liner records telemetry"
     )
+    # The tour warms its one-liner with warm-run first: the service's program is a hit.
+    stats = subprocess.run(
+        [
+            str(tmp_path / "cachectl" / ".venv" / "bin" / "cachectl"),
+            "stats",
+            "--since",
+            "1h",
+            "--json",
+        ],
+        cwd=tmp_path / "cachectl",
+        env=_fresh_env(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert stats.returncode == 0, stats.stderr
+    tour = [f for f in json.loads(stats.stdout)["functions"] if f["function"] == "jit__lambda"]
+    assert tour and all(f["hits"] >= 1 and f["misses"] == 0 for f in tour), tour
 
 
 @pytest.mark.heavy
