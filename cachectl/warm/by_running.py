@@ -89,12 +89,14 @@ def run_digest(command: Sequence[str]) -> str:
 
 
 def entry_names(store: Any, ns_rel: str) -> set[str]:
-    """The JAX entry file names directly in a namespace (what a run may have added)."""
+    """The JAX entry file names directly in a namespace (what a run may have added). The listing
+    is not kept: JAX writes there next, through its own client."""
     names = set()
     for info in store.list(ns_rel):
         rel = info.path[len(ns_rel) + 1 :] if info.path.startswith(ns_rel + "/") else info.path
         if "/" not in rel and classify(rel) is Kind.ENTRY:
             names.add(rel)
+    store.forget_listings(ns_rel)
     return names
 
 
