@@ -18,9 +18,19 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
 from support.infra import run_cachectl, run_py
 
-pytestmark = [__import__("pytest").mark.timeout(600)]
+from cachectl.core import jax_seam
+
+pytestmark = [pytest.mark.timeout(600)]
+
+
+def jax_version() -> str:
+    import jax
+
+    return jax.__version__
+
 
 MODULE = """
 import numpy as np
@@ -82,6 +92,8 @@ def _cachectl(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
 def test_host_callbacks_are_named_by_warm_warm_run_replay_misses_and_serving(
     tmp_path: Path,
 ) -> None:
+    if not jax_seam.never_writes_host_callbacks():
+        pytest.skip(f"jax {jax_version()} writes programs with host callbacks")
     _setup(tmp_path)
     warm = _cachectl(tmp_path, "warm", "checked.yaml", "--json")
     assert warm.returncode == 1, warm.stdout + warm.stderr

@@ -191,11 +191,25 @@ def is_host_callbacks_text(text: str | None) -> bool:
     return bool(text) and NOT_WRITING_PREFIX in str(text) and HOST_CALLBACKS_MARK in str(text)
 
 
+@functools.cache
+def never_writes_host_callbacks() -> bool:
+    """Whether this JAX refuses to write a program with host callbacks: its compiler holds the
+    not-writing message for them (jax 0.9 and 0.10 do; 0.12 writes such programs)."""
+    try:
+        from jax._src import compiler
+
+        return "because it uses host" in inspect.getsource(compiler)  # split over two lines
+    except Exception:  # noqa: BLE001 - no source to read: assume the older behaviour
+        return True
+
+
 def lowered_has_host_callbacks(lowered: Any) -> bool:
-    """True when ``lowered.compile()`` would hand JAX's compiler host callbacks: the list the
-    compiler checks before it logs that it will not write the program (compile_args of the
-    lowering, jax 0.9 to 0.12). For a process that lowers but never compiles (misses, serving's
-    fallback); False where the lowering does not say."""
+    """True when ``lowered.compile()`` would hand JAX's compiler host callbacks that it will not
+    write (the list the compiler checks before it logs so: compile_args of the lowering, jax 0.9
+    to 0.12; never on a JAX that writes them). For a process that lowers but never compiles
+    (misses, serving's fallback); False where the lowering does not say."""
+    if not never_writes_host_callbacks():
+        return False
     try:
         args = getattr(getattr(lowered, "_lowering", None), "compile_args", None) or {}
         return bool(args.get("host_callbacks"))
