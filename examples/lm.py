@@ -90,6 +90,23 @@ def init_params(key: jax.Array, cfg: Config = CONFIG) -> Params:
     }
 
 
+def host_params(seed: int = 0) -> Params:
+    """Weights made on the host with NumPy, as a service restores a checkpoint: unlike
+    :func:`init_params`, making them compiles no program (JAX's random programs would be
+    compiled, looked up and missed by every service start)."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+
+    def leaf(spec: Any) -> Any:
+        if spec.ndim == 1:  # the norms' scales
+            return np.ones(spec.shape, spec.dtype)
+        fan_in = math.prod(spec.shape[:-1])
+        return (rng.standard_normal(spec.shape, np.float32) / math.sqrt(fan_in)).astype(spec.dtype)
+
+    return jax.tree_util.tree_map(leaf, param_specs())
+
+
 def param_specs() -> Params:
     """The params pytree as ``jax.ShapeDtypeStruct``s: what warm needs, without allocating weights.
 

@@ -46,10 +46,10 @@ def main(argv: list[str] | None = None) -> int:
     rt = cachectl.serving(args.manifest, cache=args.cache)
     prefill, decode = rt["prefill"], rt["decode_step"]
     ready = time.perf_counter() - started
-    params = jax.device_put(
-        lm.init_params(jax.random.key(0))
-    )  # a real service restores a checkpoint
-    key = np.asarray(jax.random.PRNGKey(args.seed))
+    # Weights and the sampling key come from the host (a real service restores a checkpoint):
+    # made with jax.random they would compile programs no manifest warms, each a miss.
+    params = jax.device_put(lm.host_params(0))
+    key = np.array([0, args.seed], np.uint32)  # = jax.random.PRNGKey(seed) for a 32-bit seed
     rng = np.random.default_rng(args.seed)
     if not args.json:
         print(

@@ -10,7 +10,8 @@ that imports only from the source tree. This check:
 1. builds the sdist, and the wheel from that sdist (``python -m build``), and checks the
    wheel with check-wheel-contents and against the source tree (every module and data
    file of the three import roots is in it);
-2. installs the wheel, base install only (no extras), into a fresh venv, and from a
+2. installs the wheel with the README's service install line (``pip install NAME``, the
+   project from the wheel alone), base install only (no extras), into a fresh venv, and from a
    directory outside the checkout: ``cachectl --version`` and ``--help``; ``import cachectl;
    cachectl.activate()`` without FastAPI, uvicorn or psycopg present; the main job
    (``cachectl warm`` of the example manifest, copied out) into a fresh embedded default;
@@ -29,6 +30,7 @@ import argparse
 import contextlib
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -149,9 +151,39 @@ def make_venv(step: str, venv: Path, requirement: str, work: Path) -> None:
     )
 
 
+# The README's service install line: what a user types, and so what the base install runs.
+README_INSTALL = re.compile(r"a service needs only\s+`pip install ([A-Za-z0-9._-]+)`")
+
+
+def readme_install_name(readme: Path = ROOT / "README.md") -> str:
+    """The distribution the README tells a service to install (``pip install NAME``)."""
+    found = README_INSTALL.search(readme.read_text(encoding="utf-8"))
+    if found is None:
+        raise StepFailed(
+            "README.md has no service install line (a service needs only `pip install NAME`)"
+        )
+    return found.group(1)
+
+
+def readme_install(step: str, venv: Path, wheel: Path, work: Path) -> None:
+    """``pip install NAME`` as the README says, the project itself from the built wheel only:
+    first with no index and no dependencies (the wheel must answer to the README's name; a
+    project of that name on the index cannot stand in), then its dependencies from the index."""
+    name = readme_install_name()
+    run(f"{step}: python -m venv", [sys.executable, "-m", "venv", str(venv)], cwd=work)
+    pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "-q"]
+    links = ["--find-links", str(wheel.parent)]
+    run(
+        f"{step}: pip install {name} (the README's line) from the wheel alone",
+        [*pip, "--no-index", "--no-deps", *links, name],
+        cwd=work,
+    )
+    run(f"{step}: pip install {name}, its dependencies", [*pip, *links, name], cwd=work)
+
+
 def base_install(wheel: Path, work: Path) -> None:
     venv, home, job = work / "base-venv", work / "base-home", work / "job"
-    make_venv("base install (wheel, no extras)", venv, str(wheel), work)
+    readme_install("base install (wheel, no extras)", venv, wheel, work)
     env = user_env(home, venv)
     py = str(venv / "bin" / "python")
     shutil.copytree(
@@ -253,7 +285,7 @@ def server_install(sdist: Path, work: Path, pg_url: str | None) -> None:
     make_venv(
         "server install (sdist, [server,postgres])",
         venv,
-        f"cachectl[server,postgres] @ {sdist.as_uri()}",
+        f"{readme_install_name()}[server,postgres] @ {sdist.as_uri()}",
         work,
     )
     env = user_env(home, venv)

@@ -162,6 +162,14 @@ def test_host_callbacks_are_logged_as_never_written_or_written(probe: dict[str, 
         assert skips[0]["never"] == "jit__lambda"  # what the collector's tap is told
 
 
+def test_whether_this_jax_writes_host_callbacks_is_read_from_its_compiler(
+    probe: dict[str, Any],
+) -> None:
+    """misses and serving ask it before blaming host callbacks for a miss."""
+    skips = [c for c in _calls(probe, "skip") if jax_seam.HOST_CALLBACKS_MARK in c["text"]]
+    assert jax_seam.never_writes_host_callbacks() is bool(skips)
+
+
 def test_a_fast_compile_under_a_raised_threshold_is_logged_with_both_times(
     probe: dict[str, Any],
 ) -> None:

@@ -41,7 +41,8 @@ def test_warm_then_a_fresh_service_compiles_nothing(tmp_path: Path) -> None:
     manifest = tiny(tmp_path)
     report = warm_json(str(manifest), "--jobs", "2")
 
-    assert set(report) == {"environment", "namespace", "summary", "buckets"}
+    assert set(report) == {"environment", "namespace", "summary", "buckets", "side_programs"}
+    assert report["side_programs"] == []  # the functions run nothing eagerly while traced
     assert report["summary"]["buckets"] == 5 and report["summary"]["compiled"] == 5
     assert report["summary"]["cached"] == 0 and report["summary"]["failed"] == 0
     assert {b["status"] for b in report["buckets"]} == {"compiled"}

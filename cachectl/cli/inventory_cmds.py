@@ -163,7 +163,9 @@ NO_TELEMETRY_HINT = (
 _CATEGORIES_NOTE = (
     "hit rate: hits / (hits + misses), JAX's own count. A miss was looked up and not found, "
     "written or not (a program under the minimum compile time or a read-only service's is still "
-    "a miss); not cacheable: JAX-internal staging programs (jit_stage from jnp.asarray(numpy), "
+    "a miss; a program with host callbacks misses every time, since JAX never writes one and no "
+    "warm can help: `cachectl misses` names it, and equinox/diffrax's way out is "
+    "EQX_ON_ERROR=nan); not cacheable: JAX-internal staging programs (jit_stage from jnp.asarray(numpy), "
     "convert_element_type, ...), counted apart; loads: stored executables cachectl.serving "
     "loaded, which JAX never looks up; served: (hits + loads) / (hits + loads + misses), what "
     "the cache served"

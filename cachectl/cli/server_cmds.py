@@ -147,7 +147,7 @@ def serve(
         from cachectl_server.http_edge import bounded_http
     except ImportError as exc:
         raise BadInput(
-            f"the server needs its extra: pip install 'cachectl[server]' ({exc.name} is missing)"
+            f"the server needs its extra: pip install 'cachectl-jax[server]' ({exc.name} is missing)"
         ) from exc
     settings = load_server_settings(
         db=serve_db or ctx.settings.db,

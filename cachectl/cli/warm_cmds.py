@@ -28,6 +28,7 @@ from cachectl.core.config import (
     default_jobs,
 )
 from cachectl.core.errors import BadInput, CachectlError, EnvironmentMismatch, OperationFailed
+from cachectl.core.jax_seam import host_callbacks_cause
 
 if TYPE_CHECKING:
     from cachectl.context import Context
@@ -431,7 +432,8 @@ def _replay_failure(r: Any) -> OperationFailed:
         return OperationFailed(f"the replayed command exited {r.exit_code}")
     if not r.requests:
         return OperationFailed("the replayed command made no compile request JAX counted")
-    return OperationFailed(f"{r.misses} of {r.requests} compile requests missed the cache")
+    why = f": {host_callbacks_cause(r.host_callbacks)}" if r.host_callbacks else ""
+    return OperationFailed(f"{r.misses} of {r.requests} compile requests missed the cache{why}")
 
 
 def _run_replay(ctx: Context, run: str, cache_name: str | None, as_json: bool) -> None:

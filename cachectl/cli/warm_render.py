@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from cachectl.cli.render import escape, size, stderr, stdout, table
+from cachectl.core.jax_seam import host_callbacks_cause
 from cachectl.core.units import format_size
 
 if TYPE_CHECKING:
@@ -97,6 +98,13 @@ def print_warm(report: WarmReport) -> None:
         f"{report.executables} stored executable(s), {format_size(aot_bytes)}",
         highlight=False,
     )
+    if report.side_programs:
+        names = ", ".join(sorted(set(report.side_programs)))
+        stdout.print(
+            f"also indexed {len(report.side_programs)} program(s) JAX wrote while tracing, "
+            f"run eagerly by the functions: {escape(names)}",
+            highlight=False,
+        )
     if s.buckets and s.cached == s.buckets:
         stdout.print(
             "every bucket was cached already: none was compiled or loaded, but each was lowered, "
@@ -223,3 +231,7 @@ def print_replay(r: Any) -> None:
         "process(es)",
         highlight=False,
     )
+    if r.host_callbacks:
+        stdout.print(
+            f"not cacheable: {escape(host_callbacks_cause(r.host_callbacks))}", highlight=False
+        )

@@ -9,6 +9,7 @@ import click
 
 from cachectl.cli.render import emit, escape, size, stdout, table
 from cachectl.core.errors import OperationFailed
+from cachectl.core.jax_seam import host_callbacks_cause
 
 if TYPE_CHECKING:
     from cachectl.context import Context
@@ -41,13 +42,30 @@ def _print_run(report: RunWarmReport) -> None:
         f"(warm run {report.run_id})",
         highlight=False,
     )
+    if report.host_callbacks:
+        stdout.print(
+            f"not written: {escape(host_callbacks_cause(report.host_callbacks))}", highlight=False
+        )
 
 
 def _failure(report: RunWarmReport) -> OperationFailed:
     if report.exit_code != 0:
         return OperationFailed(f"the command exited {report.exit_code}; what it wrote is indexed")
     refused = sum(e.status != "written" for e in report.entries)
-    return OperationFailed(f"{refused} program(s) written by the command were refused and removed")
+    if refused:
+        return OperationFailed(
+            f"{refused} program(s) written by the command were refused and removed"
+        )
+    missed = report.requests - report.hits
+    why = (
+        host_callbacks_cause(report.host_callbacks)
+        if report.host_callbacks
+        else "see the warnings JAX printed"
+    )
+    return OperationFailed(
+        f"nothing could be written: the command compiled {missed} program(s) and JAX wrote "
+        f"none of them; {why}"
+    )
 
 
 @click.command(

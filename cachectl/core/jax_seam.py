@@ -158,6 +158,65 @@ def compiler_call_reader(
     return read
 
 
+# What a user can do about a program with host callbacks: warm's, warm-run's, warm-check --replay's,
+# misses', stats' and serving's one explanation of it.
+HOST_CALLBACKS_ADVICE = (
+    "JAX never writes a program with host callbacks (jax.debug.print, pure_callback, "
+    "equinox's runtime checks) to its persistent cache, so no warm can serve it: turn the "
+    "library's callbacks off (equinox/diffrax: EQX_ON_ERROR=nan) or remove them"
+)
+
+
+def host_callbacks_cause(modules: Any) -> str:
+    """One sentence naming the programs with host callbacks and the way out."""
+    names = ", ".join(sorted(set(modules))) or "a program"
+    return f"{names} uses host callbacks; {HOST_CALLBACKS_ADVICE}"
+
+
+def host_callbacks_module(msg: Any, args: tuple[Any, ...]) -> str | None:
+    """The module of JAX's "Not writing ... because it uses host callbacks" log call (warm's
+    detector: the compiler says so after compiling a miss); None for any other call."""
+    if (
+        isinstance(msg, str)
+        and msg.startswith(NOT_WRITING_PREFIX)
+        and HOST_CALLBACKS_MARK in msg
+        and args
+    ):
+        return str(args[0])
+    return None
+
+
+def is_host_callbacks_text(text: str | None) -> bool:
+    """True for the text of that log record (warm's ``skip_reason``)."""
+    return bool(text) and NOT_WRITING_PREFIX in str(text) and HOST_CALLBACKS_MARK in str(text)
+
+
+@functools.cache
+def never_writes_host_callbacks() -> bool:
+    """Whether this JAX refuses to write a program with host callbacks: its compiler holds the
+    not-writing message for them (jax 0.9 and 0.10 do; 0.12 writes such programs)."""
+    try:
+        from jax._src import compiler
+
+        return "because it uses host" in inspect.getsource(compiler)  # split over two lines
+    except Exception:  # noqa: BLE001 - no source to read: assume the older behaviour
+        return True
+
+
+def lowered_has_host_callbacks(lowered: Any) -> bool:
+    """True when ``lowered.compile()`` would hand JAX's compiler host callbacks that it will not
+    write (the list the compiler checks before it logs so: compile_args of the lowering, jax 0.9
+    to 0.12; never on a JAX that writes them). For a process that lowers but never compiles
+    (misses, serving's fallback); False where the lowering does not say."""
+    if not never_writes_host_callbacks():
+        return False
+    try:
+        args = getattr(getattr(lowered, "_lowering", None), "compile_args", None) or {}
+        return bool(args.get("host_callbacks"))
+    except Exception:  # noqa: BLE001 - internals of another JAX: unknown
+        return False
+
+
 def is_staging(source: str | None) -> bool:
     """True for a lowering whose source ("f at file:line", call_context) is JAX's eager dispatch of
     one primitive: a JAX-internal staging program (STAGING_SOURCE)."""

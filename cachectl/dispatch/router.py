@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from cachectl import telemetry as telemetry_mod
+from cachectl.core import jax_seam
 from cachectl.dispatch import padding
 from cachectl.dispatch.calls import (
     DeclaredLeaves,
@@ -363,14 +364,27 @@ class ServedFunction:
             self._warned = True
             if self.fallback_reason is None:
                 self.fallback_reason = reason
+        jit_args, jit_kwargs = self._jit_args(call_args), {**self._fixed_kwargs, **kwargs}
         if first:
+            if self._host_callbacks(jit_args, jit_kwargs):  # warm cannot help: say what can
+                reason = jax_seam.host_callbacks_cause([self.name])
+                with self._lock:
+                    self.fallback_reason = reason
             message = (
                 f"cachectl.serving: {self.name}: serving through jax.jit"
                 + ("" if exact else " and the persistent cache")
                 + f": {reason or 'no stored executable'}"
             )
             self._rt._warn(message)
-        return self._jit()(*self._jit_args(call_args), **{**self._fixed_kwargs, **kwargs})
+        return self._jit()(*jit_args, **jit_kwargs)
+
+    def _host_callbacks(self, args: list[Any], kwargs: dict[str, Any]) -> bool:
+        """Whether this call's program has host callbacks (lowered once, at the first fallback:
+        jit's own call reuses the trace); False when lowering says nothing."""
+        try:
+            return jax_seam.lowered_has_host_callbacks(self._jit().lower(*args, **kwargs))
+        except Exception:  # noqa: BLE001 - the jit call itself raises what is wrong
+            return False
 
     def _jit_args(self, call_args: list[Any]) -> list[Any]:
         """Give jit the manifest's abstract form, so the program (and key) is warm's."""

@@ -39,7 +39,8 @@ REMEMBERED_VAR = "CACHECTL_EXEC_REMEMBERED"
 SERVICE_PID_VAR = "CACHECTL_EXEC_PID"
 # What the checking process leaves in CACHECTL_EXEC_PID for its children.
 CLAIMED = "claimed"
-# Set by `cachectl warm-check --replay`: a file each process appends its JAX cache counts to.
+# Set by `cachectl warm-check --replay` and `warm-run`: a file each process appends its JAX cache
+# counts to (and the programs it would not write because of their host callbacks).
 COUNTS_VAR = "CACHECTL_EXEC_COUNTS"
 # Where exec pointed JAX's persistent cache (service/env.py): the directory the verifier guards.
 JAX_CACHE_DIR_VAR = "JAX_COMPILATION_CACHE_DIR"
@@ -110,9 +111,17 @@ def _count_cache_events(path: str) -> None:
 
     import jax
 
-    from cachectl.core.jax_seam import EVENT_HITS, EVENT_REQUESTS
+    from cachectl.core.jax_seam import (
+        EVENT_HITS,
+        EVENT_REQUESTS,
+        compiler_logger,
+        host_callbacks_module,
+    )
 
     counts = {"pid": os.getpid(), "requests": 0, "hits": 0}
+    # Programs JAX compiled and would not write because of their host callbacks: warm-run and
+    # warm-check --replay name them as the cause of what missed.
+    host_callbacks: list[str] = []
 
     def on_event(event: str, **_: Any) -> None:
         if event == EVENT_REQUESTS:
@@ -122,8 +131,18 @@ def _count_cache_events(path: str) -> None:
 
     def write() -> None:
         with open(path, "a", encoding="utf-8") as f:
-            f.write(json.dumps(counts) + "\n")
+            f.write(json.dumps({**counts, "host_callbacks": sorted(set(host_callbacks))}) + "\n")
 
+    logger = compiler_logger()
+    passed_on = logger.log
+
+    def log(level: int, msg: Any, *args: Any, **kwargs: Any) -> None:
+        module = host_callbacks_module(msg, args)
+        if module is not None:
+            host_callbacks.append(module)
+        passed_on(level, msg, *args, **kwargs)
+
+    logger.log = log  # type: ignore[method-assign]  # read, then passed on unchanged
     jax.monitoring.register_event_listener(on_event)
     atexit.register(write)
 

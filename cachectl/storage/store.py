@@ -248,6 +248,13 @@ class Store:
             if info.get("type", "file") != "directory"
         ]
 
+    def forget_listings(self, rel: str = "") -> None:
+        """Drop the object store client's cached listings under ``rel``: another writer (JAX
+        itself, during a warm) adds files there, which a stale listing would hide from reads."""
+        if self.kind != "file":
+            with contextlib.suppress(Exception):  # a client without a listings cache
+                self.fs.invalidate_cache(self._full(rel))
+
     def list_paths(self, rel: str = "") -> builtins.list[str]:
         """The paths ``list(rel)`` gives, without sizes and times: on local disk the directory reads
         alone (no stat per file), for a caller that needs the times of only a few files (``infos``)."""

@@ -219,6 +219,18 @@ def _row_findings(
                 misses=r.misses,
             )
         ]
+    if any(e.host_callbacks for e in side.by_module.get(r.function, [])):
+        return [
+            MissFinding(
+                r.function,
+                side.names.get(r.function),
+                "host-callbacks",
+                jax_seam.host_callbacks_cause([r.function]),
+                field="program",
+                requests=r.requests,
+                misses=r.misses,
+            )
+        ]
     diffs = explain(r, nearest, side.buckets_of.get(r.function, {}), r.misses, candidates)
     if diffs:
         return diffs
@@ -257,7 +269,8 @@ def _tally_row(tally: _Tally, r: SignatureRow, side: _ManifestSide) -> None:
             r.statics,
         )
     )
-    if r.repeats:
+    host_callbacks = any(e.host_callbacks for e in side.by_module.get(r.function, []))
+    if r.repeats and not host_callbacks:  # never written, so compiled again: not a re-jit
         tally.findings.append(_rejit(r, side.names.get(r.function)))
     tally.per_module.setdefault(r.function, []).append(r)
     if r.digest != "*" and r.function not in side.by_module:  # with no manifest, every one

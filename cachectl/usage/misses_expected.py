@@ -35,6 +35,8 @@ class ExpectedSignature:
     origins: tuple[tuple[Any, str | None, str, Any], ...] | None
     statics: dict[str, Any]  # parameter name -> static value
     params: tuple[str, ...] = ()
+    # The lowered program has host callbacks: JAX never writes it, so every call misses.
+    host_callbacks: bool = False
 
 
 class _Capture:
@@ -171,6 +173,7 @@ def _expected_signatures(
                     tuple(origins) if len(origins) == len(leaves) else None,
                     _statics(spec, bucket.values, names),
                     tuple(names),
+                    jax_seam.lowered_has_host_callbacks(lowered),
                 )
             )
     return out

@@ -27,7 +27,9 @@ class MissFinding:
 
     function: str
     name: str | None
-    kind: str  # shape, dtype, weak_type, sharding, static, rejit, explosion, not_in_manifest, entry, environment
+    # shape, dtype, weak_type, sharding, static, rejit, explosion, not_in_manifest, entry,
+    # environment, host-callbacks
+    kind: str
     message: str
     arg: Any = None
     leaf: str | None = None

@@ -18,15 +18,18 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import IO, Any
 
 from cachectl.context import Context
 from cachectl.core.errors import BadInput
 from cachectl.index import warm_runs
 from cachectl.service.activate import env_vars_for
+from cachectl.service.exec_hook import COUNTS_VAR, child_variables
 from cachectl.storage import ingest
 from cachectl.storage.entries import CACHE_SUFFIX, EntryName, Kind, classify, parse_key
 from cachectl.storage.jax_storage import child_env
@@ -57,14 +60,28 @@ class RunWarmReport:
     run_id: int | None = None
     known_before: int = 0  # entries the namespace held before the run
     environment: dict[str, Any] = field(default_factory=dict)
+    # JAX's own counts in the command's processes: compile requests, hits, and the programs it
+    # compiled but would not write because they use host callbacks.
+    requests: int = 0
+    hits: int = 0
+    host_callbacks: list[str] = field(default_factory=list)
 
     @property
     def written(self) -> int:
         return sum(e.status == "written" for e in self.entries)
 
     @property
+    def nothing_written(self) -> bool:
+        """The command compiled programs (its requests missed) and none could be written."""
+        return self.written == 0 and (self.requests > self.hits or bool(self.host_callbacks))
+
+    @property
     def ok(self) -> bool:
-        return self.exit_code == 0 and all(e.status == "written" for e in self.entries)
+        return (
+            self.exit_code == 0
+            and all(e.status == "written" for e in self.entries)
+            and not self.nothing_written
+        )
 
 
 def run_digest(command: Sequence[str]) -> str:
@@ -72,12 +89,15 @@ def run_digest(command: Sequence[str]) -> str:
     return hashlib.sha256(json.dumps(["run", list(command)]).encode()).hexdigest()
 
 
-def _entry_names(store: Any, ns_rel: str) -> set[str]:
+def entry_names(store: Any, ns_rel: str) -> set[str]:
+    """The JAX entry file names directly in a namespace (what a run may have added). The listing
+    is not kept: JAX writes there next, through its own client."""
     names = set()
     for info in store.list(ns_rel):
         rel = info.path[len(ns_rel) + 1 :] if info.path.startswith(ns_rel + "/") else info.path
         if "/" not in rel and classify(rel) is Kind.ENTRY:
             names.add(rel)
+    store.forget_listings(ns_rel)
     return names
 
 
@@ -99,12 +119,13 @@ def warm_by_running(
     ns, info = ctx.namespace(cache_info, env)
     assert info is not None
     store = ctx.store(cache_info)
-    before = _entry_names(store, ns.relpath)
+    before = entry_names(store, ns.relpath)
     config = warm_jax_config(ns.url, env)
     environ = {
         **os.environ,
         **env_vars_for(config),
         **child_env(cache_info.root_url, cache_info.storage_options),
+        **child_variables(env.to_dict(), os.environ.get("PYTHONPATH"), telemetry=False),
         "CACHECTL_CACHE": cache_info.name,
     }
     digest = run_digest(list(command))
@@ -113,17 +134,30 @@ def warm_by_running(
     status = warm_runs.INTERRUPTED
     entries: list[RunEntry] = []
     exit_code = 127
+    counted: list[dict[str, Any]] = []
     try:
-        try:
-            exit_code = subprocess.run(
-                list(command), env=environ, stdout=child_stdout, check=False
-            ).returncode
-        except FileNotFoundError:
-            raise BadInput(f"command not found: {command[0]}") from None
-        entries = _index_new(ctx, cache_info, env, info.id, store, ns.relpath, before, run.id)
+        with tempfile.TemporaryDirectory(prefix="cachectl-warm-run-") as tmp:
+            counts = Path(tmp) / "counts.jsonl"
+            try:
+                exit_code = subprocess.run(
+                    list(command),
+                    env={**environ, COUNTS_VAR: str(counts)},
+                    stdout=child_stdout,
+                    check=False,
+                ).returncode
+            except FileNotFoundError:
+                raise BadInput(f"command not found: {command[0]}") from None
+            if counts.is_file():
+                counted = [json.loads(x) for x in counts.read_text().splitlines() if x.strip()]
+        entries = index_new(ctx, cache_info, env, info.id, store, ns.relpath, before, run.id)
+        written_now = sum(e.status == "written" for e in entries)
+        requests = sum(int(x.get("requests", 0)) for x in counted)
+        hits = sum(int(x.get("hits", 0)) for x in counted)
         status = (
             warm_runs.SUCCEEDED
-            if exit_code == 0 and all(e.status == "written" for e in entries)
+            if exit_code == 0
+            and all(e.status == "written" for e in entries)
+            and (written_now or requests <= hits)
             else warm_runs.FAILED
         )
     finally:
@@ -157,10 +191,13 @@ def warm_by_running(
         run_id=run.id,
         known_before=len(before),
         environment=env.to_dict(),
+        requests=sum(int(x.get("requests", 0)) for x in counted),
+        hits=sum(int(x.get("hits", 0)) for x in counted),
+        host_callbacks=sorted({m for x in counted for m in x.get("host_callbacks", [])}),
     )
 
 
-def _index_new(
+def index_new(
     ctx: Context,
     cache: Any,
     env: Any,
@@ -174,7 +211,7 @@ def _index_new(
     batch and remove the rest (a bad file left there would be read by every service)."""
     out: list[RunEntry] = []
     objects = []
-    for name in sorted(_entry_names(store, ns_rel) - before):
+    for name in sorted(entry_names(store, ns_rel) - before):
         key = name[: -len(CACHE_SUFFIX)]
         parsed = parse_key(key)
         module = parsed.module if parsed else key

@@ -15,7 +15,7 @@ import os
 import subprocess
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
@@ -41,6 +41,8 @@ class ReplayReport:
     requests: int  # compile requests that looked in the persistent cache
     hits: int
     seconds: float
+    # Programs the command compiled that JAX would not write: they use host callbacks.
+    host_callbacks: list[str] = field(default_factory=list)
 
     __json_extra__ = ("misses", "hit_rate", "ok")
 
@@ -131,4 +133,5 @@ def replay_warm_run(
         requests=sum(int(x.get("requests", 0)) for x in lines),
         hits=sum(int(x.get("hits", 0)) for x in lines),
         seconds=seconds,
+        host_callbacks=sorted({m for x in lines for m in x.get("host_callbacks", [])}),
     )

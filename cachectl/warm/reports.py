@@ -98,6 +98,10 @@ class WarmReport:
     target_problems: list[str] = field(default_factory=list, metadata=_NOT_JSON)
     # Files other processes of a distributed warm compiled, which this one stored.
     peer_written: tuple[tuple[str, int, str], ...] = field(default=(), metadata=_NOT_JSON)
+    # Programs JAX wrote during the run that are no bucket's (a function's eager operations while
+    # tracing): indexed under this run, so verify knows their writer.
+    side_programs: list[str] = field(default_factory=list)
+    side_written: tuple[tuple[str, int, str], ...] = field(default=(), metadata=_NOT_JSON)
 
     @property
     def ok(self) -> bool:
@@ -106,7 +110,11 @@ class WarmReport:
     @property
     def written(self) -> list[tuple[str, int, str]]:
         """Every file this run wrote (name, size, sha256): what its signer signs."""
-        return [f for b in self.buckets for f in b.written] + list(self.peer_written)
+        return (
+            [f for b in self.buckets for f in b.written]
+            + list(self.peer_written)
+            + list(self.side_written)
+        )
 
     def to_json(self) -> dict[str, Any]:
         return to_jsonable(self)

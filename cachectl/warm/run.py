@@ -23,6 +23,7 @@ from cachectl.storage.entries import CACHE_SUFFIX, EXECUTABLE_SUFFIX
 from cachectl.storage.jax_storage import jax_storage
 from cachectl.trust import signing
 from cachectl.trust.signing import SigningKey
+from cachectl.warm.by_running import entry_names, index_new
 from cachectl.warm.compiling import Outcome, warm_jax_config
 from cachectl.warm.executors import run_processes, run_threads
 from cachectl.warm.plan import (
@@ -247,13 +248,17 @@ def resign_written(ctx: Context, report: WarmReport, signer: SigningKey) -> None
 def _execute(ctx: Context, plan: WarmPlan, opts: _Options, started: float) -> WarmReport:
     """Compile and settle every bucket under a warm-run row, then audit and report it."""
     scope, ns_url, signed = _open_run(ctx, plan, opts)
+    before = entry_names(scope.store, scope.ns_rel)
     tally = _Tally(scope, opts.progress)
     executor, retried = _compile_all(scope, ns_url, opts, tally, signed)
     ordered = tally.ordered()
+    side, side_written = _index_side_programs(scope, before, ordered)
     counts = tally.counts
     wall = time.perf_counter() - started
+    # Every compile this run paid for, a failed bucket's too (JAX compiled it, then did not
+    # write it): the summary agrees with the per-bucket column.
     compile_seconds = sum(
-        r.compile_seconds or 0.0 for r in ordered if r.status in (COMPILED, TOO_LARGE)
+        r.compile_seconds or 0.0 for r in ordered if r.status in (COMPILED, TOO_LARGE, FAILED)
     )
     summary = WarmSummary(
         len(ordered),
@@ -279,7 +284,46 @@ def _execute(ctx: Context, plan: WarmPlan, opts: _Options, started: float) -> Wa
         run_id=scope.run_id,
         jobs=opts.jobs,
         executor=executor,
+        side_programs=side,
+        side_written=side_written,
     )
+
+
+def _index_side_programs(
+    scope: RunScope, before: set[str], ordered: list[BucketResult]
+) -> tuple[list[str], tuple[tuple[str, int, str], ...]]:
+    """Index the programs JAX wrote during this run that are no bucket's: what a function ran
+    eagerly while tracing (equinox's ``jit_convert_element_type``), or its module at import in a
+    worker process. Left unindexed they are ``unknown-writer`` files to verify; each passes
+    ingest's rules as warm-run's entries do (a refused one is removed). (module names, the files
+    written, for a signer.)"""
+    ctx, plan = scope.ctx, scope.plan
+    known = set(before) | {k + CACHE_SUFFIX for k in scope.indexed}
+    known |= {r.key + CACHE_SUFFIX for r in ordered if r.key}
+    if not entry_names(scope.store, scope.ns_rel) - known:
+        return [], ()
+    entries = index_new(
+        ctx,
+        plan.cache,
+        plan.environment,
+        scope.env_id,
+        scope.store,
+        scope.ns_rel,
+        known,
+        scope.run_id,
+    )
+    for e in entries:
+        if e.status != "written":
+            log.warning(
+                "warm: %s, written while tracing, was refused and removed: %s", e.module, e.error
+            )
+    rows = ctx.index.entry_keys(scope.env_id)
+    written = tuple(
+        (e.key + CACHE_SUFFIX, *rows[e.key])
+        for e in entries
+        if e.status == "written" and e.key in rows
+    )
+    return [e.module for e in entries if e.status == "written"], written
 
 
 def _open_run(ctx: Context, plan: WarmPlan, opts: _Options) -> tuple[RunScope, str, bool]:

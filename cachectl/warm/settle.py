@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 from typing import Any, NamedTuple
 
 from cachectl.context import Context
+from cachectl.core import jax_seam
 from cachectl.core.units import format_size
 from cachectl.index import NewEntry
 from cachectl.manifest import Bucket, resolve_callable
@@ -92,6 +93,8 @@ def settle(
     rel = f"{scope.ns_rel}/{outcome.key}{CACHE_SUFFIX}"
     if outcome.lookup == "miss" and not outcome.written:
         reason = outcome.skip_reason or "see the warning JAX printed"
+        if jax_seam.is_host_callbacks_text(outcome.skip_reason):
+            reason = jax_seam.host_callbacks_cause([_module(outcome.key)])
         broken = _broken_entry(scope.store, rel)
         if broken:  # JAX never rewrites an existing file: a broken one would stay for ever
             reason = f"{broken}; removed it, rerun warm"

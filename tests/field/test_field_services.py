@@ -65,7 +65,9 @@ jax.block_until_ready(served)
 first_calls = time.perf_counter() - t1
 during = dict(counts)
 flat = lambda tree: [np.asarray(leaf).tolist() for leaf in jax.tree_util.tree_leaves(tree)]
-expected = [jax.jit(getattr(case, name))(*padded) for name, _, padded in calls]
+# the manifest's jit options where the case has them (donation): the same program as warm's
+expected = [jax.jit(getattr(case, name), **getattr(case, "JIT", {{}}))(*padded)
+            for name, _, padded in calls]
 close = all(
     all(np.allclose(a, b, rtol=1e-4, atol=1e-5) for a, b in zip(flat(s), flat(e), strict=True))
     for s, e in zip(served, expected, strict=True)
@@ -144,6 +146,12 @@ def test_field_service(tmp_path: Path, name: str) -> None:
         warm = _cachectl(tmp_path, "warm-run", "--json", "--", sys.executable, "warmup.py")
         assert warm.returncode == 0, warm.stderr
         assert json.loads(warm.stdout)["exit_code"] == 0
+
+    # Every program the warm wrote (eager ones a library ran while tracing included) is indexed.
+    verified = _cachectl(tmp_path, "verify")
+    assert verified.returncode == 0 and "no problems" in verified.stdout, (
+        verified.stdout + verified.stderr
+    )
 
     activated = _run(PLAIN.format(dir=str(tmp_path), activate=True))  # (b)
     counts = activated["counts"]

@@ -407,6 +407,61 @@ def calls():
 
 def run():
     return [jax.jit(globals()[name])(*padded) for name, _, padded in calls()]
+OPTAX_DONATION = Case(
+    module="""
+import numpy as np
+import jax, jax.numpy as jnp
+import optax
+
+# AdamW with clipping; params and the optimizer's state are donated to each step.
+_opt = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-2))
+JIT = dict(donate_argnums=(0, 1))
+
+def param_specs():
+    return {"w": jax.ShapeDtypeStruct((8, 1), jnp.float32), "b": jax.ShapeDtypeStruct((1,), jnp.float32)}
+
+def opt_specs():
+    return jax.eval_shape(_opt.init, param_specs())
+
+def host_state(seed=0):
+    # Made on the host, as restored from a checkpoint: optax's init would compile eagerly.
+    rng = np.random.default_rng(seed)
+    params = {"w": (rng.standard_normal((8, 1)) / 3).astype(np.float32), "b": np.zeros((1,), np.float32)}
+    zeros = jax.tree_util.tree_map(lambda s: np.zeros(s.shape, s.dtype), opt_specs())
+    return params, zeros
+
+def train_step(params, opt_state, x, y):
+    def loss(p):
+        return jnp.mean(((x @ p["w"])[:, 0] + p["b"][0] - y) ** 2)
+    value, grads = jax.value_and_grad(loss)(params)
+    updates, opt_state = _opt.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, value
+
+def batches(n=5, seed=0):
+    rng = np.random.default_rng(seed)
+    for size in [10, 3, 16, 7, 12][:n]:
+        x = rng.standard_normal((size, 8)).astype(np.float32)
+        yield x, (x @ np.arange(8, dtype=np.float32) / 8).astype(np.float32)
+
+def _pad(x, n):
+    return np.concatenate([x, np.zeros((n - len(x),) + x.shape[1:], x.dtype)])
+
+def calls():
+    params, opt_state = host_state()
+    out = []
+    for x, y in batches(2):
+        n = 4 if len(x) <= 4 else 16
+        out.append(("train_step", (params, opt_state, x, y), (params, opt_state, _pad(x, n), _pad(y, n))))
+    return out
+
+def run():
+    step = jax.jit(train_step, **JIT)
+    params, opt_state = host_state()
+    last = {}
+    for x, y in batches():
+        n = 4 if len(x) <= 4 else 16
+        params, opt_state, last[n] = step(params, opt_state, _pad(x, n), _pad(y, n))
+    return [last[n] for n in sorted(last)]  # one result per program (bucket) the loop ran
 """,
     manifest="""
 version: 1
@@ -426,6 +481,62 @@ functions:
 """,
 )
 
+  - fn: case:train_step
+    jit: {donate_argnums: [0, 1]}
+    args:
+      - {pytree: case:param_specs}
+      - {pytree: case:opt_specs}
+      - {shape: [batch, 8], dtype: float32}
+      - {shape: [batch], dtype: float32}
+    buckets: {batch: [4, 16]}
+""",
+)
+
+# diffrax's defaults (throw=True: equinox's runtime checks) compile host callbacks, which JAX
+# never writes: DIFFRAX_DEFAULTS is the case warm and serving must explain, not serve.
+# With EQX_ON_ERROR=nan (read by equinox at import) the checks are NaNs: served.
+_DIFFRAX = """
+import numpy as np
+import jax, jax.numpy as jnp
+import diffrax
+
+def _vf(t, y, k):
+    return -k[:, None] * y
+
+def solve(y0, k):
+    sol = diffrax.diffeqsolve(
+        diffrax.ODETerm(_vf), diffrax.Tsit5(), t0=0.0, t1=1.0, dt0=0.1, y0=y0, args=k,
+        saveat=diffrax.SaveAt(t1=True),
+    )
+    return sol.ys[0]
+
+def _pad(x, n):
+    return np.concatenate([x, np.zeros((n - len(x),) + x.shape[1:], x.dtype)])
+
+def calls():
+    rng = np.random.default_rng(0)
+    y0 = rng.standard_normal((3, 4)).astype(np.float32)
+    k = rng.uniform(0.1, 1.0, (3,)).astype(np.float32)
+    return [("solve", (y0, k), (_pad(y0, 4), _pad(k, 4)))]
+
+def run():
+    return [jax.jit(solve)(*padded) for _, _, padded in calls()]
+"""
+_DIFFRAX_MANIFEST = """
+version: 1
+target: {backend: cpu}
+functions:
+  - fn: case:solve
+    args:
+      - {shape: [batch, 4], dtype: float32}
+      - {shape: [batch], dtype: float32}
+    buckets: {batch: [1, 4]}
+"""
+DIFFRAX_DEFAULTS = Case(module=_DIFFRAX, manifest=_DIFFRAX_MANIFEST)
+DIFFRAX_NAN = Case(
+    module='import os\nos.environ["EQX_ON_ERROR"] = "nan"\n' + _DIFFRAX, manifest=_DIFFRAX_MANIFEST
+)
+
 CASES = {
     "blackjax": BLACKJAX,
     "brax-mjx": BRAX_MJX,
@@ -435,6 +546,8 @@ CASES = {
     "equinox-optax": EQUINOX_OPTAX,
     "keras": KERAS,
     "numpyro": NUMPYRO,
+    "optax-donation": OPTAX_DONATION,
+    "diffrax-nan": DIFFRAX_NAN,
 }
 REQUIRES = {
     "blackjax": "blackjax",
@@ -444,4 +557,6 @@ REQUIRES = {
     "equinox-optax": "equinox",
     "keras": "keras",
     "numpyro": "numpyro",
+    "optax-donation": "optax",
+    "diffrax-nan": "diffrax",
 }

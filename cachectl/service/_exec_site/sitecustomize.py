@@ -23,7 +23,7 @@ def _chain_the_users_sitecustomize() -> None:
             return
 
 
-if os.environ.get("CACHECTL_EXEC_ENVIRONMENT"):
+if os.environ.get("CACHECTL_EXEC_ENVIRONMENT") or os.environ.get("CACHECTL_EXEC_COUNTS"):
     try:
         from cachectl.service.exec_hook import install
 
