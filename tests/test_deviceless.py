@@ -119,7 +119,7 @@ def test_without_libtpu_warm_says_how_to_get_it(tmp_path: Path) -> None:
     manifest = _tiny(tmp_path)
     result = invoke("warm", str(manifest), "--topology", "v5e:1x1", code=3)
     assert "libtpu is not installed" in result.output
-    assert "pip install 'cachectl[tpu]'" in result.output
+    assert "pip install 'cachectl-jax[tpu]'" in result.output
     assert not list(tmp_path.rglob("*-cache"))
 
 
@@ -210,7 +210,7 @@ def test_doctor_says_whether_this_machine_compiles_for_tpu() -> None:
     version = jax_seam.libtpu_version()
     if version is None:
         assert "libtpu is not installed" in finding["message"]
-        assert finding["fix"] == "pip install 'cachectl[tpu]'"
+        assert finding["fix"] == "pip install 'cachectl-jax[tpu]'"
     else:
         assert finding["message"].startswith(f"libtpu {version}: warm --topology compiles")
 

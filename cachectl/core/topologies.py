@@ -155,7 +155,7 @@ def libtpu_init_args(current: str | None) -> str:
     return " ".join(flags)
 
 
-INSTALL_HINT = "pip install 'cachectl[tpu]' (it brings the jax[tpu] of the installed JAX)"
+INSTALL_HINT = "pip install 'cachectl-jax[tpu]' (it brings the jax[tpu] of the installed JAX)"
 
 
 @dataclass(frozen=True)

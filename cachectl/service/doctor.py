@@ -602,7 +602,7 @@ def _tpu_compile_finding() -> Diagnosis:
     """Whether ``warm --topology`` can compile for TPU here, and with which libtpu (info only)."""
     can = tpu_compiler()
     return Diagnosis(
-        INFO, "tpu-compile", can.detail, None if can.ok else "pip install 'cachectl[tpu]'"
+        INFO, "tpu-compile", can.detail, None if can.ok else "pip install 'cachectl-jax[tpu]'"
     )
 
 
