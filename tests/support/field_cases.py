@@ -407,6 +407,25 @@ def calls():
 
 def run():
     return [jax.jit(globals()[name])(*padded) for name, _, padded in calls()]
+""",
+    manifest="""
+version: 1
+target: {backend: cpu}
+functions:
+  - fn: case:predict
+    args:
+      - {pytree: case:param_specs}
+      - pytree: case:graph_specs
+        leaf_axes: {nodes: {0: n_node}, edges: {0: n_edge}, senders: {0: n_edge},
+                    receivers: {0: n_edge}, globals: {0: n_graph}, n_node: {0: n_graph},
+                    n_edge: {0: n_graph}}
+        pad_fn: jraph:pad_with_graphs
+    buckets: {n_node: [16, 32], n_edge: [32, 64], n_graph: [3, 5]}
+    exclude: [{n_node: 16, n_graph: 5}, {n_node: 32, n_graph: 3}, {n_edge: 32, n_graph: 5},
+              {n_edge: 64, n_graph: 3}]
+""",
+)
+
 OPTAX_DONATION = Case(
     module="""
 import numpy as np
@@ -467,20 +486,6 @@ def run():
 version: 1
 target: {backend: cpu}
 functions:
-  - fn: case:predict
-    args:
-      - {pytree: case:param_specs}
-      - pytree: case:graph_specs
-        leaf_axes: {nodes: {0: n_node}, edges: {0: n_edge}, senders: {0: n_edge},
-                    receivers: {0: n_edge}, globals: {0: n_graph}, n_node: {0: n_graph},
-                    n_edge: {0: n_graph}}
-        pad_fn: jraph:pad_with_graphs
-    buckets: {n_node: [16, 32], n_edge: [32, 64], n_graph: [3, 5]}
-    exclude: [{n_node: 16, n_graph: 5}, {n_node: 32, n_graph: 3}, {n_edge: 32, n_graph: 5},
-              {n_edge: 64, n_graph: 3}]
-""",
-)
-
   - fn: case:train_step
     jit: {donate_argnums: [0, 1]}
     args:
