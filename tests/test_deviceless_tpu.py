@@ -25,6 +25,8 @@ from cachectl.core import jax_seam
 from cachectl.storage import executables
 
 IN_TPU_VENV = os.environ.get("CACHECTL_TEST_TPU_VENV") == "1"
+# The registry scripts/test starts (read at import: the suite's fixtures clear CACHECTL_* per test).
+OCI = {k: os.environ.get(f"CACHECTL_TEST_OCI_{k}", "") for k in ("URL", "USER", "PASSWORD", "CA")}
 if jax_seam.libtpu_version() is None:
     if IN_TPU_VENV:
         pytest.fail("libtpu is not installed in the deviceless virtualenv", pytrace=False)
@@ -250,3 +252,37 @@ def test_the_process_executor_is_refused_for_a_topology(tmp_path: Path) -> None:
     assert code == 2, err
     assert "--executor process cannot compile for a TPU topology" in err
     assert not list(tmp_path.rglob("*-cache"))
+
+
+def test_warm_topology_push_sends_the_slices_namespace_not_this_machines(tmp_path: Path) -> None:
+    """`warm --topology --push oci://…` (a CPU runner warming for the fleet) pushes the slice's
+    namespace, tagged by the slice's environment; a CPU machine pulling it is refused."""
+    import base64
+
+    url = OCI["URL"]
+    if not url:
+        pytest.fail("CACHECTL_TEST_OCI_URL is not set: run through scripts/test --deviceless")
+    auth = base64.b64encode(
+        f"{OCI['USER']}:{OCI['PASSWORD']}".encode()
+    ).decode()
+    docker = tmp_path / "docker"
+    docker.mkdir()
+    (docker / "config.json").write_text(json.dumps({"auths": {url: {"auth": auth}}}))
+    env = {
+        "DOCKER_CONFIG": str(docker),
+        "CACHECTL_OCI_CA_FILE": OCI["CA"],
+    }
+    chip = json.loads(FIXTURE.read_text())
+    ref = f"oci://{url}/cachectl/deviceless-{os.getpid()}:v1"
+    code, report, err = cachectl(
+        "warm", str(tiny(tmp_path)), "--topology", "v5e:1x1", "--json", "--push", ref,
+        cwd=tmp_path, env=env,
+    )  # fmt: skip
+    assert code == 0, err
+    assert report["environment"]["digest"] == chip["digest"]
+    assert "pushed oci://" in err, err
+    # The slice's tag is there; a CPU machine asking for its own environment finds none.
+    code, _, err = cachectl(
+        "bundle", "pull", ref.rsplit(":", 1)[0], "--for-this-machine", cwd=tmp_path, env=env
+    )
+    assert code != 0 and "TPU v5 lite" in err, err

@@ -43,7 +43,7 @@ from cachectl.core.errors import BadInput, EnvironmentMismatch, NotFound, Unreac
 from cachectl.core.fingerprint import Environment
 from cachectl.core.units import format_size
 from cachectl.index import CacheInfo
-from cachectl.manifest.load import manifest_digest
+from cachectl.manifest.load import load_manifest, manifest_digest
 from cachectl.storage import ingest
 from cachectl.trust import signing
 
@@ -559,8 +559,18 @@ def push(
     registry = Registry(ref, insecure=insecure, ca_file=ca_file)  # unreachable: before bundling
     with tempfile.TemporaryDirectory(prefix="cachectl-oci-push-") as tmp:
         path = Path(tmp) / "bundle.tar.zst"
+        # A manifest names the cache and, without ``env``, this machine's namespace; with ``env``
+        # (a deviceless warm's slice) the namespace is that environment's, in the manifest's cache.
+        if env is not None and manifest is not None and cache is None:
+            cache = ctx.cache(getattr(load_manifest(manifest), "cache", None) or None)
         info = create(
-            ctx, path, cache=cache, env=env, manifest=manifest, sign_key=sign_key, level=level
+            ctx,
+            path,
+            cache=cache,
+            env=env,
+            manifest=None if env is not None else manifest,
+            sign_key=sign_key,
+            level=level,
         )
         layer_digest, layer_size = _file_digest(path), path.stat().st_size
         environment = dict(info.environment)

@@ -377,7 +377,9 @@ def warm_cmd(
         emit(report, as_json, print_warm, failure=_warm_failure)
         return
     emit(report, as_json, print_warm)
-    _push_warmed(ctx, manifest, cache_name, sign_key, push_to, insecure, ca_file, as_json)
+    # A deviceless warm (--topology) pushes the slice's namespace, not this machine's.
+    env = str(report.environment["digest"]) if topology is not None else None
+    _push_warmed(ctx, manifest, cache_name, sign_key, push_to, insecure, ca_file, as_json, env)
 
 
 def _push_warmed(
@@ -389,15 +391,18 @@ def _push_warmed(
     insecure: bool,
     ca_file: str | None,
     as_json: bool,
+    env: str | None = None,
 ) -> None:
-    """`warm --push`: the namespace just warmed, pushed as `bundle push --manifest` does. With
-    --json the report stays stdout's one document; the push's line goes to stderr."""
+    """`warm --push`: the namespace just warmed (``env``'s for a deviceless warm), pushed as
+    `bundle push --manifest` does. With --json the report stays stdout's one document; the
+    push's line goes to stderr."""
     from cachectl.bundle import oci
 
     result = oci.push(
         ctx,
         push_to,
         cache=ctx.cache(cache_name) if cache_name else None,
+        env=env,
         manifest=manifest,
         sign_key=sign_key,
         insecure=insecure,
