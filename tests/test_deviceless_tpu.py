@@ -262,9 +262,7 @@ def test_warm_topology_push_sends_the_slices_namespace_not_this_machines(tmp_pat
     url = OCI["URL"]
     if not url:
         pytest.fail("CACHECTL_TEST_OCI_URL is not set: run through scripts/test --deviceless")
-    auth = base64.b64encode(
-        f"{OCI['USER']}:{OCI['PASSWORD']}".encode()
-    ).decode()
+    auth = base64.b64encode(f"{OCI['USER']}:{OCI['PASSWORD']}".encode()).decode()
     docker = tmp_path / "docker"
     docker.mkdir()
     (docker / "config.json").write_text(json.dumps({"auths": {url: {"auth": auth}}}))
