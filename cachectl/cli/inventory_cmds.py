@@ -163,10 +163,9 @@ NO_TELEMETRY_HINT = (
 _CATEGORIES_NOTE = (
     "hit rate: hits / (hits + misses), JAX's own count. A miss was looked up and not found, "
     "written or not (a program under the minimum compile time or a read-only service's is still "
-    "a miss; a program with host callbacks misses every time, since JAX never writes one and no "
-    "warm can help: `cachectl misses` names it, and equinox/diffrax's way out is "
-    "EQX_ON_ERROR=nan); not cacheable: JAX-internal staging programs (jit_stage from jnp.asarray(numpy), "
-    "convert_element_type, ...), counted apart; loads: stored executables cachectl.serving "
+    "a miss); not cacheable: JAX-internal staging programs (jit_stage from jnp.asarray(numpy), "
+    "convert_element_type, ...) and programs with host callbacks (JAX never writes one, so no "
+    "warm can help: named per function above), counted apart; loads: stored executables cachectl.serving "
     "loaded, which JAX never looks up; served: (hits + loads) / (hits + loads + misses), what "
     "the cache served"
 )
@@ -234,6 +233,13 @@ def _print_usage(u: TelemetryStats) -> None:
             for r in u.functions
         ]
         stdout.print(table("per function", ["function", *columns], fn_rows, justify_right=right))
+        for r in u.functions:
+            if r.cause:
+                stdout.print(
+                    f"{_label(r)}: {r.host_callbacks} not cacheable: {r.cause}",
+                    highlight=False,
+                    markup=False,
+                )
     stdout.print(_CATEGORIES_NOTE, highlight=False)
     stdout.print(
         "saved (an estimate): hits x (a miss's compile stage as services measured it, else warm's "

@@ -131,12 +131,16 @@ def pxla_logger() -> logging.Logger:
 
 
 def compiler_call_reader(
-    on_lookup: Callable[[bool, str, str], None], on_uncacheable: Callable[[str], None]
+    on_lookup: Callable[[bool, str, str], None],
+    on_uncacheable: Callable[[str], None],
+    on_host_callbacks: Callable[[str], None] | None = None,
 ) -> Callable[[Any, tuple[Any, ...]], None]:
     """A reader for a tap on the compiler logger: calls ``on_lookup(hit, module, key)`` for a hit or
-    miss call and ``on_uncacheable(module)`` for a program JAX will never write; never raises.
+    miss call and ``on_uncacheable(module)`` for a program JAX will never write, then
+    ``on_host_callbacks(module)`` when the reason is its host callbacks; never raises.
     Built once, so the compile path pays one call per log call, as it did before the seam."""
     hit, miss, not_writing = HIT_PREFIX, MISS_PREFIX, NOT_WRITING_PREFIX
+    mark = HOST_CALLBACKS_MARK
 
     def read(msg: Any, args: tuple[Any, ...]) -> None:
         try:
@@ -152,6 +156,8 @@ def compiler_call_reader(
                 and uncacheable(args, msg)
             ):
                 on_uncacheable(str(args[0]))
+                if on_host_callbacks is not None and mark in msg:
+                    on_host_callbacks(str(args[0]))
         except Exception:  # noqa: BLE001 - never raise into JAX's logging
             pass
 

@@ -10,6 +10,7 @@ import dataclasses
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
+from cachectl.core import jax_seam
 from cachectl.core.cache_info import utcnow
 from cachectl.index.reads import Reader, cache_id, total
 
@@ -21,8 +22,10 @@ class UsageRow:
     ``requests`` = ``hits`` + ``misses`` + ``uncacheable``: every program JAX looked up in the
     persistent cache. A miss was looked up and not found, whether JAX then wrote it or not (too
     fast to compile, a read-only service); ``uncacheable`` (not cacheable) are JAX-internal
-    staging programs, counted apart. ``loads`` (executables cachectl.serving loaded) were never
-    looked up: they are none of these."""
+    staging programs and programs with host callbacks, counted apart. ``loads`` (executables cachectl.serving loaded) were never
+    looked up: they are none of these. ``host_callbacks``: the not-cacheable requests of a
+    function whose programs use host callbacks (JAX never writes one, so no warm can help);
+    ``cause`` says so, with the way out."""
 
     environment: str
     namespace: str
@@ -40,6 +43,8 @@ class UsageRow:
     loads: int = 0  # stored executables cachectl.serving loaded: never requests nor hits
     # The compile time hits saved, estimated (see saved_estimate): what `stats` shows as saved.
     saved_estimate_seconds: float = 0.0
+    host_callbacks: int = 0
+    cause: str | None = None  # why this function's requests are not cacheable, where known
 
     __json_extra__ = ("hit_rate", "cacheable_requests", "served_rate")
 
@@ -131,6 +136,19 @@ def telemetry_stats(reader: Reader, cache: str, since: timedelta) -> TelemetrySt
         {"cid": cid},
     )
     known = {(d, m): (name, None if ms is None else float(ms)) for d, m, name, ms in warm}
+    # The collector counts two kinds of program as not cacheable, and the telemetry rows do not
+    # say which (no reason column): JAX-internal staging programs, which the signatures count as
+    # not cacheable too, and programs with host callbacks, which they keep as misses (JAX's
+    # count). So a function with not-cacheable requests and no staging signature has host callbacks.
+    staging = {
+        (d, m)
+        for d, m in reader.rows(
+            "SELECT DISTINCT e.digest, s.function FROM environments e "
+            "JOIN signatures s ON s.environment_id = e.id "
+            "WHERE e.cache_id = :cid AND s.uncacheable > 0",
+            {"cid": cid},
+        )
+    }
 
     def row(digest: str, namespace: str, fn: str | None, values: tuple) -> UsageRow:
         procs, req, hits, _misses, writes, saved, dropped, uncacheable, loads, miss_s, hit_s = (
@@ -141,6 +159,11 @@ def telemetry_stats(reader: Reader, cache: str, since: timedelta) -> TelemetrySt
         # Every looked-up request is a hit, a miss or not cacheable: misses are what is left.
         misses = max(int(req) - int(hits) - int(uncacheable), 0)
         estimate = saved_estimate(int(hits), misses, float(miss_s), float(hit_s), ms)
+        callbacks = (
+            int(uncacheable)
+            if fn is not None and int(uncacheable) and (digest, fn) not in staging
+            else 0
+        )
         return UsageRow(
             digest,
             namespace,
@@ -157,6 +180,8 @@ def telemetry_stats(reader: Reader, cache: str, since: timedelta) -> TelemetrySt
             warm_saved,
             int(loads),
             estimate,
+            callbacks,
+            jax_seam.host_callbacks_cause([fn]) if callbacks and fn is not None else None,
         )
 
     fns = [
@@ -173,6 +198,7 @@ def telemetry_stats(reader: Reader, cache: str, since: timedelta) -> TelemetrySt
                 env,
                 saved_warm_seconds=sum(f.saved_warm_seconds for f in mine),
                 saved_estimate_seconds=sum(f.saved_estimate_seconds for f in mine),
+                host_callbacks=sum(f.host_callbacks for f in mine),
             )
         )
     return TelemetryStats(cache, start, since.total_seconds(), envs, fns)

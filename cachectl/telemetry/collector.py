@@ -4,8 +4,9 @@ Event listeners count requests, hits, writes and the saved time, attributed to t
 module named by the compiler's log call just before them on the same thread
 (telemetry/taps.py reads those calls). The categories are JAX's own: a hit; a miss (looked
 up and not found, whether JAX then writes it or not: too fast to compile, a read-only
-service, host callbacks); not cacheable (a JAX-internal staging program, the eager
-dispatch of one primitive, which no manifest can name). Executables cachectl.serving
+service); not cacheable (a JAX-internal staging program, the eager dispatch of one
+primitive, which no manifest can name, or a program with host callbacks, which JAX never
+writes: the per-function counts only, signatures keep it a miss). Executables cachectl.serving
 loads are counted apart as loads: JAX never looked them up. Everything lands in a bounded in-memory buffer
 (full = drop and count); a daemon thread hands the buffer to the sink every few
 seconds and at exit (bounded in time), and a forked child starts clean. The hooks
@@ -193,7 +194,21 @@ class Collector:
 
     def _on_not_written(self, module: str) -> None:
         """JAX decided not to write the program just missed: it stays a miss (it was looked up
-        and not found), so there is nothing to move."""
+        and not found), so there is nothing to move; host callbacks are _on_host_callbacks'."""
+
+    def _on_host_callbacks(self, module: str) -> None:
+        """JAX will not write the program just missed because it uses host callbacks: no warm
+        can ever serve it, so its request is counted as not cacheable, as staging programs are
+        (the index has no reason column: `stats` tells the two apart by the signatures, whose
+        counts stay JAX's own, a miss). Its compile stage is not a miss's cost either."""
+        state = self._thread_state()
+        if state[1] != module or state[5] is not False:  # not the miss this thread just logged
+            return
+        state[5] = None
+        with self._lock:
+            counts = self._counts(module)
+            if counts is not None:
+                counts.uncacheable += 1
 
     def _on_log(self, hit: bool, module: str, key: str) -> None:
         state = self._thread_state()

@@ -62,7 +62,11 @@ class LogTap(_Tap):
         self._save()
         prev_log = self._saved.get("log")
         prev_debug = self._saved.get("debug")
-        peek = jax_seam.compiler_call_reader(self.collector._on_log, self.collector._on_not_written)
+        peek = jax_seam.compiler_call_reader(
+            self.collector._on_log,
+            self.collector._on_not_written,
+            self.collector._on_host_callbacks,
+        )
 
         # stacklevel + 1: records keep naming JAX's line, not this wrapper.
         def log(level: int, msg: Any, *args: Any, **kwargs: Any) -> None:
