@@ -7,6 +7,7 @@ stored executable and ``jax.jit`` come from the same compiler: their outputs are
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sqlite3
@@ -156,3 +157,45 @@ def test_compare_is_exact_nan_safe_and_dtype_aware() -> None:
         "differs (max abs diff 2 in 1 of 1 outputs)"
     )
     assert compare([x], [x, x]).startswith("differs (1 outputs")
+
+
+@pytest.fixture
+def index(db_url: str) -> Any:
+    from cachectl.index import db as index_db
+    from cachectl.index import open_index
+
+    engine = index_db.make_engine(db_url)
+    index_db.upgrade(engine)
+    idx = open_index(db_url)
+    yield idx
+    idx.close()
+    engine.dispose()
+
+
+def test_the_index_keeps_the_last_proof_on_sqlite_and_postgresql(index: Any) -> None:
+    from datetime import UTC, datetime
+
+    from support.environments import ENV
+
+    from cachectl.core.records import Proof
+
+    index.add_cache("c", "/tmp/proof-cache")
+    env = index.ensure_environment("c", ENV)
+    assert index.find_environment("c", env.digest).proof is None
+    first = Proof(
+        at=datetime(2026, 12, 6, 2, 0, tzinfo=UTC),
+        machine_digest=env.digest,
+        devices="TPU v5 lite x1",
+        host="tpu-vm",
+        buckets=11,
+        hits=11,
+        executables_called=11,
+        canary="equal",
+    )
+    index.record_proof(env.id, first)
+    (listed,) = index.environment_stats("c")
+    assert listed.proof == first and listed.proof.proven
+    later = dataclasses.replace(first, hits=10, canary="not run for 1 of 11")
+    index.record_proof(env.id, later)
+    again = index.find_environment("c", env.digest).proof
+    assert again == later and not again.proven

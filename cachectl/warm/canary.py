@@ -19,6 +19,7 @@ from cachectl.dispatch.padding import is_key
 from cachectl.manifest import build_call, jit_function
 from cachectl.manifest.buckets import Bucket
 from cachectl.manifest.schema import FunctionSpec
+from cachectl.warm.compiling import persistent_cache_off
 
 EQUAL = "equal"
 
@@ -62,8 +63,6 @@ def random_inputs(
 def fresh_outputs(spec: FunctionSpec, paths: Sequence[str], args: Any, kwargs: Any) -> Any:
     """The function compiled here and now with JAX's persistent cache off, called on ``args``."""
     import jax
-
-    from cachectl.warm.compiling import persistent_cache_off
 
     with persistent_cache_off():
         jitted = jit_function(spec, paths)

@@ -31,7 +31,7 @@ from cachectl.dispatch.loading import Verified
 from cachectl.dispatch.router import NoDummyInput
 from cachectl.manifest import check_imports, expand, load_manifest, select_shard
 from cachectl.service.activate import activate
-from cachectl.warm.canary import EQUAL
+from cachectl.warm.canary import EQUAL, compare, fresh_outputs, random_inputs
 from cachectl.warm.compiling import compile_bucket, error_text
 from cachectl.warm.plan import build_calls, environment_json, environment_mismatch, target_problems
 from cachectl.warm.reports import (
@@ -129,7 +129,8 @@ def check(
     if shard is not None:
         return replace(report, proof_error="not recorded: a shard checks part of the manifest")
     proof = _proof(report, environment, canary)
-    return replace(report, proof=proof, proof_error=_record_proof(ctx, cache_info.name, proof))
+    error = _record_proof(ctx, cache_info.name, proof)
+    return replace(report, proof=None if error else proof, proof_error=error)
 
 
 def _proof(report: CheckReport, environment: Environment, canary: bool) -> Proof:
@@ -338,8 +339,6 @@ def call_main() -> None:
 
 def _canary(rt: Serving, request: dict[str, Any], function: str, bucket: str) -> str:
     """The canary's verdict on one bucket (cachectl.warm.canary): equal, differs, or not run."""
-    from cachectl.warm import canary
-
     buckets = expand(rt.manifest)
     position, which = next(
         (i, b)
@@ -348,15 +347,15 @@ def _canary(rt: Serving, request: dict[str, Any], function: str, bucket: str) ->
     )
     spec = rt[function].spec
     try:
-        args, kwargs = canary.random_inputs(spec, which, request["paths"], position)
+        args, kwargs = random_inputs(spec, which, request["paths"], position)
         served = rt.stored_outputs(function, bucket, args)
     except Exception as exc:  # noqa: BLE001 - said in the report; the check fails on it
         return f"not run (the stored executable on random inputs: {error_text(exc)})"
     try:
-        fresh = canary.fresh_outputs(spec, request["paths"], args, kwargs)
+        fresh = fresh_outputs(spec, request["paths"], args, kwargs)
     except Exception as exc:  # noqa: BLE001
         return f"not run (jax.jit here: {error_text(exc)})"
-    return canary.compare(served, fresh)
+    return compare(served, fresh)
 
 
 def _serving_for(request: dict[str, Any]) -> Serving:
