@@ -67,3 +67,26 @@ def test_components_name_what_differs_between_two_keys() -> None:
 
     other = _components(op="*")
     assert _differing(parts, other["parts"]) == ["computation"]
+
+
+THREADS = """
+import json
+from concurrent.futures import ThreadPoolExecutor
+import jax, jax.numpy as jnp
+from cachectl.core import jax_seam
+
+def lowered(n):
+    return jax.jit(lambda x: jnp.tanh(x) * n).lower(jax.ShapeDtypeStruct((n, 8), jnp.float32))
+
+programs = [lowered(n) for n in range(1, 9)]
+alone = [jax_seam.key_components(p) for p in programs]
+with ThreadPoolExecutor(8) as pool:
+    together = list(pool.map(jax_seam.key_components, programs * 4))
+print(json.dumps({"same": together == alone * 4, "distinct": len({a["computation"] for a in alone})}))
+"""
+
+
+def test_components_read_in_threads_are_each_threads_own() -> None:
+    """Warm compiles in threads: each reading holds only its own program's records."""
+    proc = run_py(THREADS, check=True)
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == {"same": True, "distinct": 8}

@@ -45,6 +45,7 @@ import inspect
 import logging
 import re
 import sys
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -628,6 +629,7 @@ def _persistent_cache_key(lowered: Any) -> str | None:
 # What jax/_src/cache_key.py's get() logs at DEBUG for each (name, hashfn) pair of the key: the
 # sha256 of that component alone (the other line it logs is the running hash).
 _COMPONENT_LOG = "get_cache_key hash of serialized %s: %s"
+_KEY_LOG_LOCK = threading.Lock()
 
 
 def key_components(lowered: Any) -> dict[str, str] | None:
@@ -644,25 +646,30 @@ def key_components(lowered: Any) -> dict[str, str] | None:
         from jax._src import compilation_cache
 
         found: dict[str, str] = {}
+        me = threading.get_ident()
 
         class _Components(logging.Handler):
             def emit(self, record: logging.LogRecord) -> None:
-                if record.msg == _COMPONENT_LOG and len(record.args or ()) == 2:
+                # Only this call's records: another thread may compute a key meanwhile.
+                if record.thread != me or record.msg != _COMPONENT_LOG:
+                    return
+                if len(record.args or ()) == 2:
                     name, digest = record.args  # type: ignore[misc]
                     found[str(name)] = str(digest)
 
         logger = jax_cache_key.logger
         handler = _Components(logging.DEBUG)
-        level, propagate = logger.level, logger.propagate
-        logger.addHandler(handler)
-        logger.setLevel(logging.DEBUG)
-        logger.propagate = False  # these records are ours, not the user's log's
-        try:
-            compilation_cache.get_cache_key(*inputs)
-        finally:
-            logger.removeHandler(handler)
-            logger.setLevel(level)
-            logger.propagate = propagate
+        with _KEY_LOG_LOCK:  # one reader at a time sets and restores the logger
+            level, propagate = logger.level, logger.propagate
+            logger.addHandler(handler)
+            logger.setLevel(logging.DEBUG)
+            logger.propagate = False  # these records are ours, not the user's log's
+            try:
+                compilation_cache.get_cache_key(*inputs)
+            finally:
+                logger.removeHandler(handler)
+                logger.setLevel(level)
+                logger.propagate = propagate
         return found or None
     except Exception:  # noqa: BLE001 - internals of another JAX: no components, as no key
         return None
