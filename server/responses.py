@@ -30,6 +30,7 @@ from cachectl.core.records import (
     CreatedToken,
     EntryInfo,
     EnvironmentInfo,
+    Proof,
     TokenInfo,
     WarmRunInfo,
 )
@@ -197,6 +198,7 @@ def record_model(record: type, name: str) -> type[Out]:
 # Nested records first. CacheInfo's secret-looking storage options are redacted (``ok``).
 EnvironmentFieldsOut = record_model(Environment, "EnvironmentFieldsOut")
 CacheOut = record_model(CacheInfo, "CacheOut")
+ProofOut = record_model(Proof, "ProofOut")
 EnvironmentOut = record_model(EnvironmentInfo, "EnvironmentOut")
 UsageRowOut = record_model(UsageRow, "UsageRowOut")
 TelemetryStatsOut = record_model(TelemetryStats, "TelemetryStatsOut")

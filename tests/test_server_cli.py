@@ -301,6 +301,25 @@ def test_warm_registration_and_activate_telemetry_through_the_server(served, tmp
     ), (result, out.stderr[-3000:])
     hit = {e.key: e.hit_count for e in index.list_entries(warmed.id)}
     assert sorted(hit.values()) == [1, 1]
+    # warm-check through the server: the check runs; recording its proof is refused, said so
+    check = run_py(
+        f"""
+        import sys
+        from cachectl.cli import main
+        sys.argv = ["cachectl", "warm-check", {str(manifest)!r}, "--path", {str(tmp_path)!r}, "--json"]
+        main()
+    """,
+        env=env,
+        timeout=300,
+    )
+    checked = json.loads(check.stdout)
+    assert checked["summary"]["hits"] == 2, check.stdout + check.stderr
+    assert checked["proof"] is None
+    assert (
+        "recording warm-check's proof is not available through the server"
+        in (checked["proof_error"])
+    )
+    assert all(e.proof is None for e in index.environment_stats(MAIN))
     index.close()
 
 

@@ -11,11 +11,29 @@ from cachectl.cli.render import emit, json_option, shortened, size, stdout, tabl
 from cachectl.core.units import parse_duration
 
 if TYPE_CHECKING:
+    from cachectl.core.records import Proof
     from cachectl.index.usage import TelemetryStats, UsageRow
     from cachectl.usage import inventory
 
 # cachectl.usage.inventory and cachectl.operations (the index, SQLAlchemy) are imported by the command
 # bodies when they run, never at import: `cachectl ls --help` stays cheap.
+
+
+def _proven(proof: Proof | None) -> str:
+    """The last warm-check on the hardware: "yes, <when> on <devices> (<host>)", "no: <why>", or "-"."""
+    if proof is None:
+        return "-"
+    where = f"{when(proof.at)} on {proof.devices} ({proof.host})"
+    if proof.proven:
+        return f"yes, {where}"
+    why = []
+    if proof.hits < proof.buckets:
+        why.append(f"{proof.hits}/{proof.buckets} hit")
+    if proof.executables_called < proof.buckets:
+        why.append(f"{proof.executables_called}/{proof.buckets} executables ran")
+    if proof.canary != "equal":
+        why.append(f"canary {proof.canary}")
+    return f"no: {', '.join(why)}; {where}"
 
 
 def _print_environments(listing: inventory.EnvironmentListing) -> None:
@@ -31,6 +49,7 @@ def _print_environments(listing: inventory.EnvironmentListing) -> None:
             size(e.aot_bytes),
             size(e.bytes),
             when(e.last_access_at),
+            _proven(e.proof),
         )
         for e in listing.environments
     ]
@@ -48,6 +67,7 @@ def _print_environments(listing: inventory.EnvironmentListing) -> None:
                 "aot bytes",
                 "bytes",
                 "last access",
+                "proven",
             ],
             rows,
             justify_right=("entries", "executables", "aot bytes", "bytes"),
@@ -116,6 +136,7 @@ def _print_totals(items: list[inventory.CacheTotals]) -> None:
             t.cache.name,
             t.cache.root_url,
             t.environments,
+            f"{t.proven}/{t.environments}",
             t.entries,
             t.executables,
             size(t.aot_bytes),
@@ -132,6 +153,7 @@ def _print_totals(items: list[inventory.CacheTotals]) -> None:
                 "cache",
                 "root",
                 "environments",
+                "proven",
                 "entries",
                 "executables",
                 "aot bytes",

@@ -127,11 +127,14 @@ def _run_check(
     paths: tuple[str, ...],
     as_json: bool,
     shards: int | None = None,
+    canary: bool = False,
 ) -> None:
     from cachectl.warm import check
 
     with _json_quiet(as_json):
-        report = check(ctx, manifest, cache=cache_name, shard=_shard(shard, shards), paths=paths)
+        report = check(
+            ctx, manifest, cache=cache_name, shard=_shard(shard, shards), paths=paths, canary=canary
+        )
     emit(
         report,
         as_json,
@@ -153,6 +156,12 @@ def _check_failure(report: CheckReport) -> OperationFailed:
         problems.append(
             f"{len(report.not_called)} stored executable(s) loaded but not called: "
             + ", ".join(f"{named(b)} ({b.aot})" for b in report.not_called)
+        )
+    if report.canary_failed:
+        problems.append(
+            f"canary: {len(report.canary_failed)} stored executable(s) did not give the outputs "
+            "of a compile here: "
+            + ", ".join(f"{named(b)} ({b.canary})" for b in report.canary_failed)
         )
     if report.hits < len(report.buckets):
         problems.append(
@@ -467,6 +476,14 @@ def _run_replay(ctx: Context, run: str, cache_name: str | None, as_json: bool) -
     help="Instead of a MANIFEST: run the command warm-run RUN recorded (its id; alone, the "
     "latest) again, read-only as a service, and count JAX's cache hits in it.",
 )
+@click.option(
+    "--canary",
+    is_flag=True,
+    help="Also compile every bucket here (jax.jit, JAX's persistent cache off) and compare its "
+    "outputs on seeded random inputs with the stored executable's: they must be equal to the "
+    "bit (same backend, same compiler), NaN equal to NaN, dtype and shape included. A "
+    "difference exits 1. Costs one compile per bucket, as much as the warm did; off by default.",
+)
 @click.pass_obj
 def warm_check_cmd(
     ctx: Context,
@@ -477,26 +494,32 @@ def warm_check_cmd(
     paths: tuple[str, ...],
     as_json: bool,
     replay: str | None,
+    canary: bool,
 ) -> None:
     """Prove coverage: in a fresh process, activate the cache read-only and load every bucket.
 
-    Reports hit or miss per bucket and the coverage; exits 1 below 100%. With
+    Reports hit or miss per bucket and the coverage; exits 1 below 100%. The result is
+    recorded on the namespace in the index (`ls` and `stats` show it): proven when every
+    bucket hit, every stored executable ran and, with --canary, gave a compile's outputs. With
     --replay, the command a warm-run ran runs again read-only (as `cachectl exec
     --readonly`); exits 1 unless it succeeds and every compile request hits.
 
     \b
     cachectl warm-check manifest.yaml
+    cachectl warm-check manifest.yaml --canary
     cachectl warm-check --replay          # the latest warm-run's command
     cachectl warm-check --replay 12 --json
     """
     if replay is not None:
         if manifest is not None:
             raise BadInput("give a MANIFEST or --replay, not both")
+        if canary:
+            raise BadInput("--canary checks a MANIFEST's buckets; it does not go with --replay")
         _run_replay(ctx, replay, cache_name, as_json)
         return
     if manifest is None:
         raise BadInput("give the MANIFEST to check, or --replay for a warm-run's command")
-    _run_check(ctx, manifest, cache_name, shard, paths, as_json, shards)
+    _run_check(ctx, manifest, cache_name, shard, paths, as_json, shards, canary)
 
 
 def register(cli: click.Group) -> None:

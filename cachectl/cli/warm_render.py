@@ -122,6 +122,7 @@ def _retried(summary: Any) -> str:
 
 def print_check(report: CheckReport) -> None:
     """The human report of warm-check: each bucket's hit or miss and the coverage."""
+    canary = any(b.canary is not None for b in report.buckets)
     rows = [
         (
             escape(b.function),
@@ -130,14 +131,16 @@ def print_check(report: CheckReport) -> None:
             _key_text(b.key),
             _seconds(b.seconds),
             escape(b.aot or "-"),
+            *((escape(b.canary or "-"),) if canary else ()),
             escape(b.error or ""),
         )
         for b in report.buckets
     ]
+    columns = ["function", "bucket", "status", "key", "load s", "executable"]
     stdout.print(
         table(
             f"coverage of {report.namespace} (fresh read-only process)",
-            ["function", "bucket", "status", "key", "load s", "executable", "error"],
+            [*columns, *(["canary"] if canary else []), "error"],
             rows,
             justify_right=("load s",),
         )
@@ -161,6 +164,21 @@ def print_check(report: CheckReport) -> None:
             + " through jax.jit",
             highlight=False,
         )
+    if canary:
+        stdout.print(
+            f"canary: {report.summary.canary_equal}/{len(report.buckets)} stored executables "
+            "give the outputs of a compile here (exact equality: same backend)",
+            highlight=False,
+        )
+    if report.proof is not None and report.proof_error is None:
+        verdict = "proven" if report.proof.proven else "not proven"
+        stdout.print(
+            f"recorded in the index: {verdict} on {escape(report.proof.devices)} "
+            f"({report.proof.host}, {report.proof.machine_digest[:16]})",
+            highlight=False,
+        )
+    elif report.proof_error is not None:
+        stdout.print(f"proof {escape(report.proof_error)}", highlight=False)
 
 
 class Progress:

@@ -136,6 +136,9 @@ class RemoteIndex:
     def mark_executables(self, *_args: Any, **_kwargs: Any) -> int:
         raise self.unsupported("marking stored executables unusable")
 
+    def record_proof(self, *_args: Any, **_kwargs: Any) -> None:
+        raise self.unsupported("recording warm-check's proof")
+
     def record_hits(self, *_args: Any, **_kwargs: Any) -> int:
         raise self.unsupported("recording hits directly (telemetry goes to POST /api/v1/telemetry)")
 

@@ -45,6 +45,7 @@ import inspect
 import logging
 import re
 import sys
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -622,9 +623,70 @@ def persistent_cache_key(lowered: Any) -> str | None:
 
 
 def _persistent_cache_key(lowered: Any) -> str | None:
+    from jax._src import compilation_cache
+
+    inputs = _key_inputs(lowered)
+    if inputs is None:
+        return None
+    key: str = compilation_cache.get_cache_key(*inputs)
+    return key
+
+
+# What jax/_src/cache_key.py's get() logs at DEBUG for each (name, hashfn) pair of the key: the
+# sha256 of that component alone (the other line it logs is the running hash).
+_COMPONENT_LOG = "get_cache_key hash of serialized %s: %s"
+_KEY_LOG_LOCK = threading.Lock()
+
+
+def key_components(lowered: Any) -> dict[str, str] | None:
+    """JAX's own digest of each component of the key ``lowered.compile()`` would look up
+    ("computation", "jax_lib version", "backend version", "XLA flags", "compile_options",
+    "accelerator_config", "compression", "custom_hook" in jax 0.10), read off the debug record
+    cache_key.get() writes for each; None where :func:`persistent_cache_key` is None. Two keys
+    that differ differ in at least one of these: the names say where."""
+    try:
+        inputs = _key_inputs(lowered)
+        if inputs is None:
+            return None
+        from jax._src import cache_key as jax_cache_key
+        from jax._src import compilation_cache
+
+        found: dict[str, str] = {}
+        me = threading.get_ident()
+
+        class _Components(logging.Handler):
+            def emit(self, record: logging.LogRecord) -> None:
+                # Only this call's records: another thread may compute a key meanwhile.
+                if record.thread != me or record.msg != _COMPONENT_LOG:
+                    return
+                if len(record.args or ()) == 2:
+                    name, digest = record.args  # type: ignore[misc]
+                    found[str(name)] = str(digest)
+
+        logger = jax_cache_key.logger
+        handler = _Components(logging.DEBUG)
+        with _KEY_LOG_LOCK:  # one reader at a time sets and restores the logger
+            level, propagate = logger.level, logger.propagate
+            logger.addHandler(handler)
+            logger.setLevel(logging.DEBUG)
+            logger.propagate = False  # these records are ours, not the user's log's
+            try:
+                compilation_cache.get_cache_key(*inputs)
+            finally:
+                logger.removeHandler(handler)
+                logger.setLevel(level)
+                logger.propagate = propagate
+        return found or None
+    except Exception:  # noqa: BLE001 - internals of another JAX: no components, as no key
+        return None
+
+
+def _key_inputs(lowered: Any) -> tuple[Any, ...] | None:
+    """The arguments compilation_cache.get_cache_key takes for ``lowered``, as
+    compiler.compile_or_get_cached builds them; None where that path differs."""
     import numpy as np
     from jax._src import cache_key as jax_cache_key
-    from jax._src import compilation_cache, config
+    from jax._src import config
     from jax._src.interpreters import pxla
 
     computation = getattr(lowered, "_lowering", None)
@@ -676,8 +738,7 @@ def _persistent_cache_key(lowered: Any) -> str | None:
     remove = config.remove_custom_partitioning_ptr_from_cache_key.value
     modes = getattr(jax_cache_key, "IgnoreCallbacks", None)
     ignore = remove if modes is None else (modes.CUSTOM_PARTITIONING if remove else modes.NO)
-    key: str = compilation_cache.get_cache_key(hlo, device_array, options, backend, ignore)
-    return key
+    return (hlo, device_array, options, backend, ignore)
 
 
 @functools.cache

@@ -16,6 +16,70 @@ from cachectl.core.fingerprint import Environment
 
 
 @dataclass(frozen=True)
+class Proof:
+    """What the last ``warm-check`` of a namespace found on the machine it ran on.
+
+    Kept on the namespace's index row (``environments.proof``): ``ls`` and ``stats`` show it. A
+    namespace is proven when every bucket hit, every stored executable ran, and the canary (the
+    same inputs through a fresh on-machine compile) gave equal outputs for every one.
+    """
+
+    at: datetime
+    # The running machine: its fingerprint digest, devices ("cpu x1") and host name.
+    machine_digest: str
+    devices: str
+    host: str
+    buckets: int
+    hits: int
+    executables_called: int
+    # "equal", "differs in N of M", or "not run (why)".
+    canary: str
+
+    __json_extra__ = ("proven",)
+
+    @property
+    def proven(self) -> bool:
+        return (
+            self.buckets > 0
+            and self.hits == self.buckets
+            and self.executables_called == self.buckets
+            and self.canary == "equal"
+        )
+
+    def to_row(self) -> dict[str, Any]:
+        """The JSON the index stores (times as ISO 8601)."""
+        return {
+            "at": self.at.isoformat(),
+            "machine_digest": self.machine_digest,
+            "devices": self.devices,
+            "host": self.host,
+            "buckets": self.buckets,
+            "hits": self.hits,
+            "executables_called": self.executables_called,
+            "canary": self.canary,
+        }
+
+    @classmethod
+    def from_row(cls, data: dict[str, Any] | None) -> Proof | None:
+        """The stored JSON back; None for a namespace never checked (or a row it cannot read)."""
+        if not data:
+            return None
+        try:
+            return cls(
+                at=datetime.fromisoformat(data["at"]),
+                machine_digest=str(data["machine_digest"]),
+                devices=str(data["devices"]),
+                host=str(data["host"]),
+                buckets=int(data["buckets"]),
+                hits=int(data["hits"]),
+                executables_called=int(data["executables_called"]),
+                canary=str(data["canary"]),
+            )
+        except (KeyError, TypeError, ValueError):
+            return None
+
+
+@dataclass(frozen=True)
 class EnvironmentInfo:
     id: int
     cache: str
@@ -32,6 +96,8 @@ class EnvironmentInfo:
     # Entries with a stored executable (``<key>-aot``), and those executables' bytes (within ``bytes``).
     executables: int = 0
     aot_bytes: int = 0
+    # The last warm-check on a machine of this fingerprint (None: never checked).
+    proof: Proof | None = None
 
 
 @dataclass(frozen=True)

@@ -259,6 +259,19 @@ class ServedFunction:
         args, kwargs = jax.tree_util.tree_map(_zeros, slot.compiled.args_info)
         jax.block_until_ready(slot.compiled(*args, **kwargs))
 
+    def _stored_call(self, slot: Slot, args: tuple[Any, ...]) -> Any:
+        """The bucket's stored executable called on ``args`` (the whole call, statics included),
+        its outputs waited for: warm-check's canary. Raises whatever the call raises."""
+        import jax
+
+        slot.ensure_loaded()
+        if slot.compiled is None:
+            raise ValueError(slot.error or "no stored executable loaded")
+        dynamic = tuple(args[i] for i in self._dynamic)
+        if isinstance(slot.compiled, Unbound):
+            slot.compiled = slot.compiled.bind(jax.tree_util.tree_structure((dynamic, {})))
+        return jax.block_until_ready(slot.compiled(*dynamic))
+
     def _warm_up(self, slot: Slot, paths: Sequence[str]) -> float:
         """``warmup=True``: the bucket's first execution (XLA's first run of a loaded executable
         is slower than the next) on zeros, before any request; seconds spent. One that raises
@@ -583,11 +596,19 @@ class Serving:
 
     def call_stored(self, function: str, bucket: str) -> None:
         """Call one bucket's stored executable on zeros (``bucket``: its values as sorted JSON)."""
+        fn, slot = self._slot(function, bucket)
+        fn._zeros_call(slot, self._paths)
+
+    def stored_outputs(self, function: str, bucket: str, args: tuple[Any, ...]) -> Any:
+        """One bucket's stored executable called on ``args``: its outputs (warm-check's canary)."""
+        fn, slot = self._slot(function, bucket)
+        return fn._stored_call(slot, args)
+
+    def _slot(self, function: str, bucket: str) -> tuple[ServedFunction, Slot]:
         fn = self[function]
         for slot in fn._slots:
             if json.dumps(slot.values, sort_keys=True) == bucket:
-                fn._zeros_call(slot, self._paths)
-                return
+                return fn, slot
         raise KeyError(f"{function} has no bucket {bucket}")
 
     def report(self) -> ServingReport:

@@ -104,6 +104,8 @@ class Environment(Base):
     deleted_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
     # The namespace's content list as last signed: {"content": ..., "key": ..., "signature": ...}.
     content_signature: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+    # The last warm-check on a machine of this fingerprint (cachectl.core.records.Proof.to_row).
+    proof: Mapped[dict[str, Any] | None] = mapped_column(JSON)
 
     cache: Mapped[Cache] = relationship(back_populates="environments")
 

@@ -13,7 +13,14 @@ from collections.abc import Iterable
 from typing import Any, Protocol, runtime_checkable
 
 from cachectl.core.fingerprint import Environment
-from cachectl.core.records import CacheInfo, EntryInfo, EnvironmentInfo, NewEntry, WarmRunInfo
+from cachectl.core.records import (
+    CacheInfo,
+    EntryInfo,
+    EnvironmentInfo,
+    NewEntry,
+    Proof,
+    WarmRunInfo,
+)
 
 
 @runtime_checkable
@@ -52,6 +59,8 @@ class IndexBackend(Protocol):
     def ensure_environment(self, cache: str, env: Environment) -> EnvironmentInfo: ...
 
     def mark_environment_deleted(self, env_id: int) -> None: ...
+
+    def record_proof(self, env_id: int, proof: Proof) -> None: ...
 
     # entries
     def list_entries(self, env_id: int) -> list[EntryInfo]: ...

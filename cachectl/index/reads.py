@@ -21,7 +21,7 @@ from typing import Any, Protocol
 from cachectl.core.cache_info import CACHE_COLUMNS, CacheInfo
 from cachectl.core.errors import NotFound, Unreachable
 from cachectl.core.fingerprint import Environment
-from cachectl.core.records import EnvironmentInfo, pick_environment
+from cachectl.core.records import EnvironmentInfo, Proof, pick_environment
 from cachectl.core.sqlite_file import connect, from_json, sqlite_path, stamp, when
 
 
@@ -181,7 +181,7 @@ def environment_stats(
     cid = cache_id(reader, cache)
     live = "" if include_deleted else " AND e.deleted_at IS NULL"
     sql = (
-        f"SELECT {_ENV_COLUMNS}, a.n, a.b, a.la, a.x, a.xb FROM environments e "
+        f"SELECT {_ENV_COLUMNS}, a.n, a.b, a.la, a.x, a.xb, e.proof FROM environments e "
         "LEFT OUTER JOIN (SELECT environment_id, COUNT(id) AS n, "
         f"COALESCE(SUM({UNIT_SIZE}), 0) AS b, MAX(COALESCE(last_access_at, created_at)) AS la, "
         "COUNT(aot_sha256) AS x, COALESCE(SUM(aot_size_bytes), 0) AS xb FROM entries "
@@ -204,6 +204,7 @@ def environment_stats(
             last_access_at=when(r[20]),
             executables=int(r[21] or 0),
             aot_bytes=int(r[22] or 0),
+            proof=Proof.from_row(from_json(r[23])),
         )
         for r in reader.rows(sql, {"cid": cid})
     ]

@@ -27,6 +27,7 @@ from cachectl.core.records import (  # noqa: F401 - actor is re-exported
     EntryInfo,
     EnvironmentInfo,
     NewEntry,
+    Proof,
     WarmRunInfo,
     actor,
     pick_environment,
@@ -119,6 +120,7 @@ def env_info(
         last_access_at=last_access,
         executables=int(executables or 0),
         aot_bytes=int(aot_bytes or 0),
+        proof=Proof.from_row(row.proof),
     )
 
 
@@ -409,6 +411,11 @@ class Index:
     def set_content_signature(self, env_id: int, signed: dict[str, Any] | None) -> None:
         with self.session() as s:
             s.execute(update(EnvRow).where(EnvRow.id == env_id).values(content_signature=signed))
+
+    def record_proof(self, env_id: int, proof: Proof) -> None:
+        """Keep warm-check's result on the namespace's row: the last check replaces the one before."""
+        with self.session() as s:
+            s.execute(update(EnvRow).where(EnvRow.id == env_id).values(proof=proof.to_row()))
 
     def mark_environment_deleted(self, env_id: int) -> None:
         with self.session() as s:

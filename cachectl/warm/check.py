@@ -13,21 +13,25 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from cachectl.context import Context
 from cachectl.core.errors import BadInput, CachectlError, EnvironmentMismatch, OperationFailed
 from cachectl.core.fingerprint import Environment, current_environment
+from cachectl.core.records import Proof, utcnow
 from cachectl.dispatch import Serving, namespace_reader
 from cachectl.dispatch.loading import Verified
 from cachectl.dispatch.router import NoDummyInput
 from cachectl.manifest import check_imports, expand, load_manifest, select_shard
 from cachectl.service.activate import activate
+from cachectl.warm.canary import EQUAL, compare, fresh_outputs, random_inputs
 from cachectl.warm.compiling import compile_bucket, error_text
 from cachectl.warm.plan import build_calls, environment_json, environment_mismatch, target_problems
 from cachectl.warm.reports import (
@@ -56,8 +60,13 @@ def check(
     shard: tuple[int, int] | None = None,
     paths: Sequence[str] = (),
     timeout: float | None = None,
+    canary: bool = False,
 ) -> CheckReport:
     """Load every bucket in a fresh, read-only activated process: hit or miss, and coverage.
+
+    With ``canary``, each stored executable that runs is also called on seeded random inputs
+    and compared with a fresh compile of the same function here (cachectl.warm.canary). The
+    result is recorded on the namespace's index row (a :class:`Proof`) unless a shard was checked.
 
     A fresh process is the only honest test: this one may hold executables in
     memory, and a service starts from nothing but ``activate()``. This process never
@@ -75,6 +84,7 @@ def check(
         "shard": list(shard) if shard else None,
         "cache": cache_info.name,
         "db": ctx.settings.db,
+        "canary": canary,
     }
     with tempfile.TemporaryDirectory(prefix="cachectl-check-") as tmp:
         out = Path(tmp) / "result.json"
@@ -99,15 +109,15 @@ def check(
         raise errors.get(data.get("exit_code", 1), OperationFailed)(data["error"])
     environment = Environment.from_dict(data["environment"])
     todo = [(b["function"], json.dumps(b["bucket"], sort_keys=True)) for b in data["buckets"]]
-    loaded, called = _call_executables(request, todo, timeout)
-    buckets = [_with_call(b, loaded, called) for b in data["buckets"]]
+    loaded, called, canaries = _call_executables(request, todo, timeout)
+    buckets = [_with_call(b, loaded, called, canaries, canary) for b in data["buckets"]]
     verdicts: dict[str, str | None] = {}
     for where, (outcome, text) in called.items():
         key = loaded.get(where, (None, None))[0]
         if key is not None and outcome in (CALL_OK, *CALL_FAILED):
             verdicts[key] = _failure_text(outcome, text) if outcome in CALL_FAILED else None
     marked, mark_error = _record_verdicts(ctx, cache_info.name, environment.digest, verdicts)
-    return CheckReport(
+    report = CheckReport(
         environment_json(environment),
         data["namespace"],
         cache_info.name,
@@ -116,18 +126,65 @@ def check(
         marked=marked,
         mark_error=mark_error,
     )
+    if shard is not None:
+        return replace(report, proof_error="not recorded: a shard checks part of the manifest")
+    proof = _proof(report, environment, canary)
+    error = _record_proof(ctx, cache_info.name, proof)
+    return replace(report, proof=None if error else proof, proof_error=error)
+
+
+def _proof(report: CheckReport, environment: Environment, canary: bool) -> Proof:
+    """What this check proved on this machine, as the index keeps it."""
+    n = len(report.buckets)
+    if not canary:
+        result = "not run (--canary not given)"
+    else:
+        differs = sum(
+            b.canary is not None and b.canary.startswith("differs") for b in report.buckets
+        )
+        equal = sum(b.canary == EQUAL for b in report.buckets)
+        if equal == n:
+            result = EQUAL
+        elif differs:
+            result = f"differs in {differs} of {n}"
+        else:
+            result = f"not run for {n - equal} of {n}"
+    return Proof(
+        at=utcnow(),
+        machine_digest=environment.digest,
+        devices=f"{environment.device_kind} x{environment.device_count}",
+        host=socket.gethostname(),
+        buckets=n,
+        hits=report.hits,
+        executables_called=report.summary.aot_ran,
+        canary=result,
+    )
+
+
+def _record_proof(ctx: Context, cache: str, proof: Proof) -> str | None:
+    """Keep the proof on the namespace's index row; why not, when it could not."""
+    try:
+        env = ctx.index.find_environment(cache, proof.machine_digest)
+        ctx.index.record_proof(env.id, proof)
+    except CachectlError as exc:
+        return f"not recorded: {exc.message}"
+    return None
 
 
 def _with_call(
     bucket: dict[str, Any],
     loaded: dict[tuple[str, str], tuple[str | None, str | None]],
     called: dict[tuple[str, str], tuple[str, str | None]],
+    canaries: dict[tuple[str, str], str],
+    canary: bool,
 ) -> CheckBucket:
-    """The coverage child's bucket with what loading and calling its executable did."""
+    """The coverage child's bucket with what loading and calling its executable did, and
+    (with ``canary``) what the canary found."""
     where = (bucket["function"], json.dumps(bucket["bucket"], sort_keys=True))
     _, load_error = loaded.get(where, (None, "not checked"))
     if load_error is not None:
-        return CheckBucket(**bucket, aot=load_error)
+        verdict = "not run (no stored executable loaded)" if canary else None
+        return CheckBucket(**bucket, aot=load_error, canary=verdict)
     outcome, text = called.get(where, (CALL_SKIPPED, "not called"))
     if outcome == CALL_OK:
         aot = "loaded"
@@ -135,7 +192,10 @@ def _with_call(
         aot = _failure_text(outcome, text)
     else:
         aot = f"loaded; not called: {text}"
-    return CheckBucket(**bucket, aot=aot, aot_call=outcome)
+    verdict = None
+    if canary:
+        verdict = canaries.get(where) or "not run (the stored executable did not run on zeros)"
+    return CheckBucket(**bucket, aot=aot, aot_call=outcome, canary=verdict)
 
 
 def _failure_text(outcome: str, text: str | None) -> str:
@@ -175,15 +235,17 @@ def _call_executables(
 ) -> tuple[
     dict[tuple[str, str], tuple[str | None, str | None]],
     dict[tuple[str, str], tuple[str, str | None]],
+    dict[tuple[str, str], str],
 ]:
     """Load and call every bucket's stored executable in fresh child processes.
 
-    Returns (function, bucket JSON) -> (key, None when loaded else why not), and -> (call
-    outcome, its error). A child that dies mid-call names that bucket (crashed) and a new
+    Returns (function, bucket JSON) -> (key, None when loaded else why not), -> (call
+    outcome, its error), and -> the canary's verdict (when the request asks for it). A child that dies mid-call names that bucket (crashed) and a new
     child goes on after it; one that dies elsewhere leaves the rest not called.
     """
     loaded: dict[tuple[str, str], tuple[str | None, str | None]] | None = None
     called: dict[tuple[str, str], tuple[str, str | None]] = {}
+    canaries: dict[tuple[str, str], str] = {}
     remaining = list(todo)
     with tempfile.TemporaryDirectory(prefix="cachectl-call-") as tmp:
         for round_ in range(len(todo) + 1):
@@ -223,6 +285,8 @@ def _call_executables(
                         item.get("error"),
                     )
                     started = None
+                elif "canary" in item:
+                    canaries[(item["canary"][0], item["canary"][1])] = item["result"]
                 elif "fatal" in item:
                     died, detail = "failed", ": " + item["fatal"]
             if started is not None:
@@ -236,7 +300,7 @@ def _call_executables(
                     loaded = {w: (None, why) for w in todo}
                 break
             remaining = [w for w in remaining if w not in called]
-    return loaded or {}, called
+    return loaded or {}, called, canaries
 
 
 def call_main() -> None:
@@ -265,8 +329,33 @@ def call_main() -> None:
                 say(done=[function, bucket], outcome=CALL_OK)
             except NoDummyInput as exc:
                 say(done=[function, bucket], outcome=CALL_SKIPPED, error=str(exc))
+                continue
             except Exception as exc:  # noqa: BLE001 - that executable raised
                 say(done=[function, bucket], outcome=CALL_RAISED, error=error_text(exc))
+                continue
+            if request.get("canary"):
+                say(canary=[function, bucket], result=_canary(rt, request, function, bucket))
+
+
+def _canary(rt: Serving, request: dict[str, Any], function: str, bucket: str) -> str:
+    """The canary's verdict on one bucket (cachectl.warm.canary): equal, differs, or not run."""
+    buckets = expand(rt.manifest)
+    position, which = next(
+        (i, b)
+        for i, b in enumerate(buckets)
+        if b.function == function and json.dumps(dict(b.values), sort_keys=True) == bucket
+    )
+    spec = rt[function].spec
+    try:
+        args, kwargs = random_inputs(spec, which, request["paths"], position)
+        served = rt.stored_outputs(function, bucket, args)
+    except Exception as exc:  # noqa: BLE001 - said in the report; the check fails on it
+        return f"not run (the stored executable on random inputs: {error_text(exc)})"
+    try:
+        fresh = fresh_outputs(spec, request["paths"], args, kwargs)
+    except Exception as exc:  # noqa: BLE001
+        return f"not run (jax.jit here: {error_text(exc)})"
+    return compare(served, fresh)
 
 
 def _serving_for(request: dict[str, Any]) -> Serving:

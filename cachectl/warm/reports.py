@@ -12,6 +12,7 @@ from typing import Any
 
 from cachectl.core.config import DEFAULT_WARM_EXECUTOR, WARM_EXECUTORS
 from cachectl.core.jsonable import to_jsonable
+from cachectl.core.records import Proof
 
 # Statuses of a bucket in a warm report.
 COMPILED = "compiled"  # compiled and written (and indexed)
@@ -137,6 +138,9 @@ class CheckBucket:
     aot: str | None = None
     # What its call did: ok | raised | crashed | not-called; None: no executable loaded.
     aot_call: str | None = None
+    # With --canary: "equal", "differs (...)" or "not run (why)" (cachectl.warm.canary); None:
+    # no canary asked for.
+    canary: str | None = None
 
 
 @dataclass(frozen=True)
@@ -151,6 +155,10 @@ class CheckSummary:
     aot_coverage: float = field(metadata={"round": 2})
     aot_ran: int = 0
     aot_failed: int = 0  # loaded, then raised or crashed when called: marked unusable
+    # With --canary: buckets whose outputs equal a fresh compile's here, and those that do not
+    # (differ, or the canary could not run on an executable that ran on zeros).
+    canary_equal: int = 0
+    canary_failed: int = 0
 
 
 @dataclass(frozen=True)
@@ -168,6 +176,9 @@ class CheckReport:
     # it could not record them.
     marked: int = 0
     mark_error: str | None = None
+    # What the index now keeps on the namespace's row (None: not recorded, see proof_error).
+    proof: Proof | None = None
+    proof_error: str | None = None
 
     def __post_init__(self) -> None:
         n, hits = len(self.buckets), sum(b.status == HIT for b in self.buckets)
@@ -186,6 +197,8 @@ class CheckReport:
                 aot_coverage=100.0 * ran / n if n else 100.0,
                 aot_ran=ran,
                 aot_failed=len(self.unusable),
+                canary_equal=sum(b.canary == "equal" for b in self.buckets),
+                canary_failed=len(self.canary_failed),
             ),
         )
 
@@ -193,6 +206,15 @@ class CheckReport:
     def unusable(self) -> list[CheckBucket]:
         """Buckets whose stored executable raised or crashed when called."""
         return [b for b in self.buckets if b.aot_call in CALL_FAILED]
+
+    @property
+    def canary_failed(self) -> list[CheckBucket]:
+        """Buckets whose stored executable ran but whose canary did not find equal outputs."""
+        return [
+            b
+            for b in self.buckets
+            if b.canary is not None and b.canary != "equal" and b.aot_call == CALL_OK
+        ]
 
     @property
     def not_called(self) -> list[CheckBucket]:
@@ -210,7 +232,12 @@ class CheckReport:
 
     @property
     def ok(self) -> bool:
-        return self.hits == len(self.buckets) and not self.unusable and not self.not_called
+        return (
+            self.hits == len(self.buckets)
+            and not self.unusable
+            and not self.not_called
+            and not self.canary_failed
+        )
 
     @property
     def aot_loaded(self) -> int:
