@@ -146,10 +146,11 @@ LABELS = {
 
 def markdown(result: dict[str, Any]) -> str:
     c = result["case"]
+    flag = "" if result["rounds"] == 3 else f" --rounds={result['rounds']}"
     lines = [
         SECTION,
         "",
-        f"`python bench/hidden_model.py` (bench/hidden_model.py; bench/field.py's measurement, "
+        f"`python bench/hidden_model.py{flag}` (bench/hidden_model.py; bench/field.py's measurement, "
         f"{result['rounds']} rounds, fresh processes, the five kinds alternating). "
         f"{machine_line(result['machine'])} A Flax NNX decoder (forward at batch 1 and 4, and an "
         "optax train step over its NNX state) and an Equinox CNN (batch 1 and 4; its arrays passed "
