@@ -1,7 +1,7 @@
 """Serving on CPU against the hand-rolled floor, for a model like the ones users hide in a service:
 a Flax NNX decoder (its forward and an optax train step over its NNX state pytree) and an Equinox CNN.
 
-    python bench/hidden_model.py [--quick] [--no-write]
+    python bench/hidden_model.py [--quick] [--rounds=N] [--no-write]
 
 The same measurement as bench/field.py (its ``_one_case``: fresh processes, (a) no cache, (b)
 ``activate()``, (c) ``cachectl.serving``, (c+w) with warm-up, (d) ``serialize`` /
@@ -130,8 +130,8 @@ CASE = SimpleNamespace(
 )
 
 
-def run(quick: bool = False) -> dict[str, Any]:
-    rounds = 2 if quick else 3
+def run(quick: bool = False, rounds: int | None = None) -> dict[str, Any]:
+    rounds = rounds or (2 if quick else 3)
     return {"rounds": rounds, "machine": machine(), "case": _one_case(CASE, rounds)}
 
 
@@ -146,10 +146,11 @@ LABELS = {
 
 def markdown(result: dict[str, Any]) -> str:
     c = result["case"]
+    flag = "" if result["rounds"] == 3 else f" --rounds={result['rounds']}"
     lines = [
         SECTION,
         "",
-        f"`python bench/hidden_model.py` (bench/hidden_model.py; bench/field.py's measurement, "
+        f"`python bench/hidden_model.py{flag}` (bench/hidden_model.py; bench/field.py's measurement, "
         f"{result['rounds']} rounds, fresh processes, the five kinds alternating). "
         f"{machine_line(result['machine'])} A Flax NNX decoder (forward at batch 1 and 4, and an "
         "optax train step over its NNX state) and an Equinox CNN (batch 1 and 4; its arrays passed "
@@ -178,7 +179,8 @@ def markdown(result: dict[str, Any]) -> str:
 
 
 if __name__ == "__main__":
-    out = run(quick="--quick" in sys.argv)
+    given = [a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("--rounds=")]
+    out = run(quick="--quick" in sys.argv, rounds=int(given[0]) if given else None)
     text = markdown(out)
     print(json.dumps(out, default=str))
     print(text)
