@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import sys
+import sysconfig
 import tomllib
 from importlib import metadata
 from pathlib import Path
@@ -45,10 +46,14 @@ def problem(extra: str = "all", root: Path = ROOT, pyproject: Path | None = None
     """What is missing, or None when nothing is (``root``: the checkout installed from; its
     pyproject.toml unless another is given)."""
     project = tomllib.loads((pyproject or root / "pyproject.toml").read_text())["project"]
-    try:
-        dist = metadata.distribution(project["name"])
-    except metadata.PackageNotFoundError:
+    # Looked up in the environment's site-packages only: the checkout's own
+    # `<name>.egg-info` (which an editable install or `pip wheel .` leaves beside pyproject.toml)
+    # is on sys.path whenever the working directory is, and carries no direct_url.json.
+    site = [sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]]
+    found = list(metadata.distributions(name=project["name"], path=site))
+    if not found:
         return f"{project['name']} is not installed"
+    dist = found[0]
     direct = json.loads(dist.read_text("direct_url.json") or "{}")
     if not direct.get("dir_info", {}).get("editable") or direct.get("url") != root.as_uri():
         return f"{project['name']} is not installed in editable mode from {root}"
