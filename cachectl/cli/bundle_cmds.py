@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import click
@@ -24,6 +25,35 @@ sign_key_option = click.option(
     envvar=SIGNING_KEY_ENV,
     help=f"Ed25519 private key to sign the content list with (`cachectl key generate`). [env: {SIGNING_KEY_ENV}]",
 )
+
+
+def namespace_options(command: Callable[..., None]) -> Callable[..., None]:
+    """Which namespace a bundle is made from (`bundle create`, `bundle push`), and its signer."""
+    for option in reversed(
+        [
+            click.option(
+                "--manifest",
+                metavar="MANIFEST",
+                type=click.Path(dir_okay=False),
+                help="This machine's namespace in the manifest's cache.",
+            ),
+            click.option(
+                "--env",
+                "env",
+                metavar="DIGEST",
+                help="Another environment's namespace, by digest prefix.",
+            ),
+            click.option(
+                "--cache",
+                "cache_name",
+                metavar="NAME",
+                help="Cache to read (default: the global --cache).",
+            ),
+            sign_key_option,
+        ]
+    ):
+        command = option(command)
+    return command
 
 
 @click.group("bundle")
@@ -69,19 +99,7 @@ def _print_info(b: bundle_lib.BundleInfo) -> None:
     metavar="FILE",
     help="Bundle file to write, e.g. cache.tar.zst.",
 )
-@click.option(
-    "--manifest",
-    metavar="MANIFEST",
-    type=click.Path(dir_okay=False),
-    help="This machine's namespace in the manifest's cache.",
-)
-@click.option(
-    "--env", "env", metavar="DIGEST", help="Another environment's namespace, by digest prefix."
-)
-@click.option(
-    "--cache", "cache_name", metavar="NAME", help="Cache to read (default: the global --cache)."
-)
-@sign_key_option
+@namespace_options
 @click.option(
     "--level",
     type=click.IntRange(1, 19),
@@ -158,19 +176,7 @@ def install(ctx: Context, path: str, cache_name: str | None, dry_run: bool, as_j
 
 @bundle_group.command("push")
 @click.argument("target", metavar="oci://REGISTRY/REPO[:TAG]")
-@click.option(
-    "--manifest",
-    metavar="MANIFEST",
-    type=click.Path(dir_okay=False),
-    help="This machine's namespace in the manifest's cache.",
-)
-@click.option(
-    "--env", "env", metavar="DIGEST", help="Another environment's namespace, by digest prefix."
-)
-@click.option(
-    "--cache", "cache_name", metavar="NAME", help="Cache to read (default: the global --cache)."
-)
-@sign_key_option
+@namespace_options
 @insecure_option
 @ca_file_option
 @json_option
