@@ -12,33 +12,19 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 
 import httpx
 import pytest
 from support import infra
-from support.server_kit import MAIN, LiveServer, bearer, seed
+from support.server_kit import MAIN, bearer, seed, served
 
 from cachectl.core.jsonable import TOO_DEEP
 from cachectl.index import NewEntry, open_index
 from cachectl.storage.entries import MAX_KEY_LENGTH, make_entry, sha256
 from cachectl.storage.store import Store
-from cachectl_server.app import create_app
-from cachectl_server.config import ServerSettings
 
 API = "/api/v1"
-
-
-@contextlib.contextmanager
-def served(db: str) -> Iterator[tuple[LiveServer, httpx.Client]]:
-    app = create_app(ServerSettings(db=db))
-    try:
-        with LiveServer(app) as live, httpx.Client(base_url=live.url, timeout=30) as client:
-            yield live, client
-    finally:
-        app.state.cachectl.jobs.shutdown()
-        app.state.cachectl.index.close()
 
 
 @pytest.fixture

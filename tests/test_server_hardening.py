@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
 import resource
 import socket
@@ -17,28 +16,15 @@ import httpx
 import pytest
 import zstandard
 from sqlalchemy import insert, select
-from support.server_kit import MAIN, OTHER, LiveServer, bearer, entry_key, fake_env, seed
+from support.server_kit import MAIN, OTHER, bearer, entry_key, fake_env, seed, served
 
 from cachectl.index import NewEntry, open_index
 from cachectl.index.models import TelemetryRecord
 from cachectl.storage.entries import make_entry, sha256
 from cachectl.storage.store import Store
 from cachectl.trust import tokens
-from cachectl_server.app import create_app
-from cachectl_server.config import ServerSettings
 
 API = "/api/v1"
-
-
-@contextlib.contextmanager
-def served(db: str, **settings: object) -> Iterator[tuple[LiveServer, httpx.Client]]:
-    app = create_app(ServerSettings(db=db, **settings))  # type: ignore[arg-type]
-    try:
-        with LiveServer(app) as live, httpx.Client(base_url=live.url, timeout=30) as client:
-            yield live, client
-    finally:
-        app.state.cachectl.jobs.shutdown()
-        app.state.cachectl.index.close()
 
 
 @pytest.fixture

@@ -10,35 +10,20 @@ maps 422 to bad input (exit 2), as 400.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import sqlite3
 import subprocess
 import sys
-from collections.abc import Iterator
 
 import httpx
 import pytest
-from support.server_kit import MAIN, LiveServer, bearer, seed
+from support.server_kit import MAIN, bearer, seed, served
 
 from cachectl.core.jsonable import NOT_FINITE
 from cachectl.storage.entries import sha256
-from cachectl_server.app import create_app
-from cachectl_server.config import ServerSettings
 
 API = "/api/v1"
-
-
-@contextlib.contextmanager
-def served(db: str) -> Iterator[tuple[LiveServer, httpx.Client]]:
-    app = create_app(ServerSettings(db=db))
-    try:
-        with LiveServer(app) as live, httpx.Client(base_url=live.url, timeout=30) as client:
-            yield live, client
-    finally:
-        app.state.cachectl.jobs.shutdown()
-        app.state.cachectl.index.close()
 
 
 @pytest.fixture

@@ -6,11 +6,14 @@ storage through cachectl.storage.store, uvicorn on 127.0.0.1.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
 
+import httpx
 from sqlalchemy import update
 
 from cachectl.core.fingerprint import Environment
@@ -154,3 +157,18 @@ class LiveServer:
     def __exit__(self, *exc: object) -> None:
         self.server.should_exit = True
         self.thread.join(timeout=20)
+
+
+@contextlib.contextmanager
+def served(db: str, **settings: object) -> Iterator[tuple[LiveServer, httpx.Client]]:
+    """A live server over ``db`` (create_app with these settings) and a client of it."""
+    from cachectl_server.app import create_app
+    from cachectl_server.config import ServerSettings
+
+    app = create_app(ServerSettings(db=db, **settings))  # type: ignore[arg-type]
+    try:
+        with LiveServer(app) as live, httpx.Client(base_url=live.url, timeout=30) as client:
+            yield live, client
+    finally:
+        app.state.cachectl.jobs.shutdown()
+        app.state.cachectl.index.close()
