@@ -11,10 +11,11 @@ stored executable (missing, corrupt, refused by the index, stale code), the
 call still answers through ``jax.jit`` and the persistent cache, with one
 warning per function: never worse off than plain JAX.
 
-Four modules, one job each: ``calls.py`` fits a call to a bucket on the host (argument
-plans, padding, :func:`mask`, :class:`OutOfBucket`); ``loading.py`` chooses and loads each
-bucket's stored executable (checked against the index); ``runtime.py`` is the
-:class:`Serving` object, its functions' call path and counters; ``reports.py`` what they report.
+Five modules, one job each: ``calls.py`` fits a call to a bucket on the host (argument
+plans, :func:`mask`); ``padding.py`` says what a pytree leaf may be padded with
+(:class:`OutOfBucket`); ``loading.py`` chooses and loads each bucket's stored executable
+(verified by ``service/verified.py``); ``router.py`` is the :class:`Serving` object, its
+functions' call path and counters; ``reports.py`` what they report.
 """
 
 from __future__ import annotations
