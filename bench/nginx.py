@@ -39,26 +39,14 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import machine, machine_line, stats, write_section  # noqa: E402
+from bench.server import _free_port, _pinned  # noqa: E402
+from bench.server import _seed as _server_seed  # noqa: E402
 
 SECTION = "## Server against nginx"
 API = "/api/v1"
 SERVER_CPU, CLIENT_CPU = "0", "1"
 PREFIX = "/_cachectl_files/"
 _TICK = os.sysconf("SC_CLK_TCK")
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _pinned(cpu: str | None) -> list[str]:
-    if cpu is None or (os.cpu_count() or 1) < 2 or not shutil.which("taskset"):
-        return []
-    return ["taskset", "-c", cpu]
 
 
 def _nginx() -> str | None:
@@ -68,50 +56,14 @@ def _nginx() -> str | None:
 
 
 def _seed(tmp: Path) -> dict[str, Any]:
-    """One cache on local disk with a 1 MiB and a 4 KiB entry, and a reader token."""
-    from cachectl.core.fingerprint import Environment
-    from cachectl.index import NewEntry, open_index
-    from cachectl.storage.entries import make_entry, sha256
-    from cachectl.storage.namespace import ensure_namespace
-    from cachectl.storage.store import Store
-    from cachectl.trust import tokens
-
-    db = f"sqlite:///{tmp}/index.db"
-    root = tmp / "cache"
-    index = open_index(db)
-    index.add_cache("bench", str(root))
-    env = Environment(
-        "0.10.2", "0.10.2", "cpu", "cpu", "cpu", 1, 1, "kinds:cpu", (), "zstandard", "none", False
-    )
-    store = Store(str(root))
-    ensure_namespace(store, env)
-    info = index.ensure_environment("bench", env)
-    files: dict[str, tuple[str, int]] = {}
-    new = []
-    for name, size in (("big", 1024**2), ("small", 4096)):
-        key = f"jit_{name}-{sha256(name.encode())}"
-        data = make_entry(os.urandom(size), compile_seconds=1)
-        store.write_bytes(f"{env.namespace}/{key}-cache", data)
-        new.append(
-            NewEntry(
-                key=key,
-                module=key.rsplit("-", 1)[0],
-                size=len(data),
-                sha256=sha256(data),
-                origin="warm",
-            )
-        )
-        files[name] = (key, len(data))
-    index.upsert_entries(info.id, new)
-    reader = tokens.create_token(index, "bench-reader", "reader").token
-    index.close()
+    """One cache on local disk with a 1 MiB and a 4 KiB entry, and a reader token (the server
+    bench's seed, cut to those two)."""
+    seed = _server_seed(tmp, entries=1, small=4096)
+    (small_key, small_size, _), (big_key, big_size, _) = seed["keys"][0], seed["big"]
     return {
-        "db": db,
-        "root": str(root),
-        "namespace": env.namespace,
-        "digest": env.digest,
-        "files": files,
-        "reader": reader,
+        **seed,
+        "namespace": seed["env"].namespace,
+        "files": {"big": (big_key, big_size), "small": (small_key, small_size)},
     }
 
 

@@ -58,8 +58,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _seed(tmp: Path, entries: int = 50) -> dict[str, Any]:
-    """An index with one cache, one environment, ``entries`` 64 KiB entries, a 1 MiB one, and tokens."""
+def _seed(tmp: Path, entries: int = 50, small: int = 64 * 1024) -> dict[str, Any]:
+    """An index with one cache, one environment, ``entries`` entries of ``small`` bytes, a 1 MiB
+    one, and tokens."""
     from cachectl.core.fingerprint import Environment
     from cachectl.index import NewEntry, open_index
     from cachectl.storage.entries import make_entry, sha256
@@ -80,7 +81,7 @@ def _seed(tmp: Path, entries: int = 50) -> dict[str, Any]:
     keys, new = [], []
     for n in range(entries + 1):
         key = f"jit_bench_{n}-{sha256(str(n).encode())}"
-        payload = os.urandom(1024**2 if n == entries else 64 * 1024)
+        payload = os.urandom(1024**2 if n == entries else small)
         data = make_entry(payload, compile_seconds=1)
         store.write_bytes(f"{env.namespace}/{key}-cache", data)
         new.append(
