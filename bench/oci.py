@@ -69,6 +69,14 @@ def _registry(tmp: Path) -> tuple[subprocess.Popen[bytes], str]:
     raise SystemExit("docker-registry did not start")
 
 
+def _children_cpu() -> float:
+    """CPU seconds (user + system) of the child processes waited for so far (tar)."""
+    import resource
+
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
 def _round(tmp: Path, ref: str, url: str, r: int) -> dict[str, float]:
     import oras.client
 
@@ -83,9 +91,10 @@ def _round(tmp: Path, ref: str, url: str, r: int) -> dict[str, float]:
         ctx.environment()  # JAX's backend start is not part of a pull
         ctx.cache()  # nor is creating a fresh machine's index (bench/fleet.py times it apart)
         os.sync()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         result = oci.pull(ctx, ref, insecure=True)
         out["cachectl"] = time.perf_counter() - t0
+        out["cachectl_cpu"] = time.process_time() - c0
         out["install"] = result.install.duration_s  # the bundle install inside the pull
         assert result.install.installed > 0
     finally:
@@ -95,14 +104,16 @@ def _round(tmp: Path, ref: str, url: str, r: int) -> dict[str, float]:
     peer.mkdir()
     dest.mkdir()
     os.sync()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     client = oras.client.OrasClient(hostname=url, insecure=True)
     (pulled,) = client.pull(target=f"{url}/bench/cache:v1", outdir=str(peer))
     out["oras_pull"] = time.perf_counter() - t0
-    t1 = time.perf_counter()
+    oras_cpu = time.process_time() - c0
+    t1, children = time.perf_counter(), _children_cpu()
     subprocess.run(["tar", "--zstd", "-xf", pulled, "-C", str(dest)], check=True)
     out["tar_x"] = time.perf_counter() - t1
     out["peer"] = out["oras_pull"] + out["tar_x"]
+    out["peer_cpu"] = oras_cpu + _children_cpu() - children
     out["bytes"] = os.path.getsize(pulled)
     for d in (peer, dest, tmp / f"dest{r}"):
         shutil.rmtree(d)
@@ -151,6 +162,9 @@ def _workload(entries: int, size: int, where: str | None, quick: bool) -> dict[s
     for k in ("cachectl", "install", "oras_pull", "tar_x", "peer"):
         res[k] = stats([row[k] for row in rows])
     res["ratio"] = stats([row["cachectl"] / row["peer"] for row in rows])
+    for k in ("cachectl_cpu", "peer_cpu"):
+        res[k] = stats([row[k] for row in rows])
+    res["cpu_ratio"] = stats([row["cachectl_cpu"] / row["peer_cpu"] for row in rows])
     return res
 
 
@@ -183,8 +197,8 @@ def markdown(r: dict[str, Any]) -> str:
         "Debian, PyPI or npm here, so its Python library is the peer). Medians (min–max).",
         "",
         "| namespace | cachectl bundle pull | of which bundle install | oras pull | tar -x | "
-        "oras pull + tar -x | ratio (goal ≤ 1.3x) |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        "oras pull + tar -x | ratio (goal ≤ 1.3x) | CPU: cachectl | CPU: peer | CPU ratio |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for w in r["workloads"]:
         mib = w["content_bytes"] / (1 << 20)
@@ -193,7 +207,8 @@ def markdown(r: dict[str, Any]) -> str:
             f"{w['bundle_bytes'] / (1 << 20):.1f} MiB) on {w['where']}, {w['rounds']} rounds | "
             f"{_s(w['cachectl'])} | {_s(w['install'])} | "
             f"{_s(w['oras_pull'])} | {_s(w['tar_x'])} | {_s(w['peer'])} | "
-            f"**{_s(w['ratio'], 'x')}** |"
+            f"**{_s(w['ratio'], 'x')}** | {_s(w['cachectl_cpu'])} | {_s(w['peer_cpu'])} | "
+            f"{_s(w['cpu_ratio'], 'x')} |"
         )
     lines += [
         "",
@@ -212,6 +227,27 @@ def markdown(r: dict[str, Any]) -> str:
         "above); on tmpfs what "
         "remains is Python's per-member work (tar header, sha256, "
         "ingest's entry check, one open/write/close, an index row) against tar's C loop.",
+        "- The CPU columns are CPU seconds (user + system): this process's for each pull (its "
+        "threads included), plus tar's from its rusage for the peer. Other jobs on a shared "
+        "machine stretch wall time far more than CPU time, so the CPU ratio is the steadier "
+        "measure of each tool's own work; the goal is on wall time.",
+        "- Where `bundle install` of 2,000 entries of 8 KiB on tmpfs spends its time (py-spy, "
+        "sampling, 8 installs): creating, writing and closing each file and its sha256 about "
+        "27%, the index rows (one bulk SQLite insert) about 15%, ingest's entry check (each "
+        "entry decompressed within its bound) about 12%, reading the tar stream about 13%. "
+        "tar -x does only the first, in C. Reading plain tar headers off the stream (one read "
+        "with the padding before each header, no TarInfo; any other header is tarfile's), "
+        "summing a header's checksum over the fields that vary, parsing entry names once and "
+        "creating files by directory fd cut the CPU time of that install by about 15% (0.176 s "
+        "to 0.150 s, fastest of 5, two alternating runs of the code before and after). Install "
+        "makes no fsync per file (its files appear by one rename of the staging directory, the "
+        "index rows after), so there is no per-file sync to replace by one syncfs.",
+        "- The code before and after that change, the tmpfs workload alone, run alternately twice "
+        "on the same busy machine (load average about 8): cachectl's CPU per pull 0.21 s and "
+        "0.21 s before, 0.19 s and 0.20 s after; CPU ratio 2.09x and 2.05x before, 1.90x and "
+        "2.14x after (medians of 5). The wall ratios of those runs (2.25x to 4.38x) moved with "
+        "the other jobs, not with the code. What is left on tmpfs is the per-member floor above: "
+        "the ratio stays about 2x in CPU, short of the 1.3x goal.",
         "",
     ]
     return "\n".join(lines)

@@ -279,6 +279,78 @@ def test_bundle_member_headers_are_what_tarfile_writes(name: str) -> None:
             assert (member.offset, member.offset_data) == (0, len(got))
 
 
+def test_install_reads_the_members_tarfile_reads_parsing_plain_headers_itself() -> None:
+    """install's member loop parses plain headers off the stream and puts any other block back
+    for tarfile (a PAX name, a symlink, a global PAX header and every member after it): the
+    members, their kinds, sizes and bytes are tarfile's own."""
+    import io
+    import tarfile
+
+    import zstandard
+
+    from cachectl.bundle.format import ForwardOnly, MemberInfo, _tarinfo, member_header
+    from cachectl.bundle.install import _members
+
+    def pad(data: bytes) -> bytes:
+        return data + b"\0" * (-len(data) % 512)
+
+    def other(info: tarfile.TarInfo, data: bytes = b"") -> bytes:
+        return info.tobuf(tarfile.PAX_FORMAT, "utf-8", "surrogateescape") + pad(data)
+
+    link = tarfile.TarInfo("files/link")
+    link.type, link.linkname = tarfile.SYMTYPE, "files/a"
+    long = "files/jit_" + "long_function_name_" * 5 + "-" + "0" * 64 + "-cache"
+    members = [
+        ("bundle.json", b"{}"),
+        ("files/a", b"a" * 700),
+        ("files/c", b""),
+        ("files/d", b"d" * 512),
+    ]
+    plain = [member_header(n, len(d), 1764000000) + pad(d) for n, d in members]
+    raw = b"".join(
+        [
+            *plain[:2],
+            other(_tarinfo(long, 5, 1764000000), b"b" * 5),
+            plain[2],
+            other(link),
+            plain[3],
+            tarfile.TarInfo.create_pax_global_header({"comment": "after this, tarfile reads"}),
+            member_header("files/e", 3, 1764000000) + pad(b"eee"),
+            b"\0" * 1024,
+        ]
+    )
+    with tarfile.open(fileobj=io.BytesIO(raw), mode="r:") as tar:
+        want = [
+            (
+                m.name,
+                m.isfile(),
+                m.size,
+                (tar.extractfile(m) or io.BytesIO()).read() if m.isfile() else b"",
+            )
+            for m in tar.getmembers()[1:]
+        ]
+    assert [w[0] for w in want] == ["files/a", long, "files/c", "files/link", "files/d", "files/e"]
+    reader = zstandard.ZstdDecompressor().stream_reader(
+        io.BytesIO(zstandard.ZstdCompressor().compress(raw))
+    )
+    stream = ForwardOnly(reader)
+    got, parsed_here = [], []
+    with tarfile.open(fileobj=stream, mode="r:", tarinfo=MemberInfo) as tar:  # type: ignore[arg-type]
+        first = tar.next()
+        assert first is not None and first.name == "bundle.json"
+        stream.seek(first.offset_data)
+        stream.read(first.size)  # install reads bundle.json before the files
+        for name, is_file, size, at, member in _members(tar, first):
+            if name == "bundle.json":
+                continue
+            stream.seek(at)
+            got.append((name, is_file, size, stream.read(size) if is_file else b""))
+            parsed_here.append(member is None)
+    assert got == want
+    # Plain headers before the global PAX header parsed here; after it, tarfile's.
+    assert parsed_here == [True, False, True, False, True, False]
+
+
 def _damaged(header: bytes, at: int, value: bytes, *, fix_chksum: bool) -> bytes:
     """``header`` with ``value`` written at ``at`` (its checksum recomputed, or left as it was)."""
     head = bytearray(header[:at] + value + header[at + len(value) :])

@@ -501,3 +501,13 @@ def test_the_bundle_stream_goes_forward_only_and_a_header_pointing_back_is_damag
     with pytest.raises(tarfile.ReadError):
         stream.seek(0, os.SEEK_END)  # the end of a stream is not known before it is read
     assert stream.read(2) == data[110:112]
+    # Bytes put back (a header install does not parse) are read again where they stood.
+    block = stream.read(20)
+    stream.unread(block)
+    assert stream.tell() == 112
+    with pytest.raises(tarfile.ReadError, match="points back"):
+        stream.seek(111)
+    assert stream.read(5) == data[112:117] and stream.tell() == 117
+    assert stream.seek(120) == 120 and stream.read(20) == data[120:140]  # past some, then on
+    stream.unread(stream.read(8))
+    assert stream.seek(150) == 150 and stream.read(3) == data[150:153]  # past all of them

@@ -579,23 +579,71 @@ def test_registry_auth_tls_and_insecure_as_users_have_them(
     monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.docker/config.json either
     none = invoke("bundle", "pull", src, "--ca-file", OCI_CA, code=2)
     assert "asks for a login and no credentials" in none.stderr, none.stderr
-    # A docker credential helper, as `docker login` with a credsStore/credHelpers leaves it.
-    bindir = tmp_path / "bin"
-    bindir.mkdir()
-    helper = bindir / "docker-credential-cachectltest"
-    helper.write_text(
-        "#!/bin/sh\nread host\n"
-        f'printf \'{{"ServerURL": "%s", "Username": "{OCI_USER}", '
-        f'"Secret": "{OCI_PASSWORD}"}}\' "$host"\n'
-    )
+
+
+def _helper(bindir: Path, name: str, body: str) -> Path:
+    """An executable ``docker-credential-<name>`` in ``bindir`` running ``body`` (sh)."""
+    bindir.mkdir(exist_ok=True)
+    helper = bindir / f"docker-credential-{name}"
+    helper.write_text("#!/bin/sh\n" + body)
     helper.chmod(0o755)
-    monkeypatch.setenv("PATH", f"{bindir}:{os.environ['PATH']}")
-    monkeypatch.setenv(
-        "DOCKER_CONFIG",
-        str(_docker_config(tmp_path / "helper", {"credHelpers": {url: "cachectltest"}})),
+    return helper
+
+
+def test_docker_credential_helpers_log_in_and_a_failing_one_is_one_line_exit_2(
+    tmp_path: Path, node: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """credsStore and credHelpers as `docker login` leaves them: a real helper executable on PATH
+    speaking docker's get protocol (the server on stdin, Username/Secret JSON on stdout)."""
+    url, src = node["url"], f"oci://{node['url']}/{node['repo']}:v1"
+    bindir, asked = tmp_path / "bin", tmp_path / "asked"
+    login = json.dumps({"ServerURL": url, "Username": OCI_USER, "Secret": OCI_PASSWORD})
+    _helper(
+        bindir,
+        "store",
+        f'test "$1" = get || exit 9\nread host\necho "$host" >> {asked}\necho \'{login}\'\n',
     )
+    _helper(bindir, "locked", "echo 'error: the keychain is locked' >&2\nexit 1\n")
+    _helper(bindir, "unknown", "echo 'credentials not found in native keychain'\nexit 1\n")
+    _helper(bindir, "garbled", "echo 'Username: me'\n")
+    _helper(bindir, "stuck", "exec sleep 30\n")
+    monkeypatch.setenv("PATH", f"{bindir}:{os.environ['PATH']}")
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.docker/config.json
+
+    def config(name: str, cfg: dict[str, Any]) -> None:
+        monkeypatch.setenv("DOCKER_CONFIG", str(_docker_config(tmp_path / name, cfg)))
+
+    # `docker login` with a credsStore: an empty auths entry, the login in the store.
+    config("store", {"auths": {url: {}}, "credsStore": "store"})
     done = json.loads(invoke("bundle", "pull", src, "--ca-file", OCI_CA, "--json").stdout)
     assert done["install"]["installed"] == 5
+    assert asked.read_text().split() == [url]
+    # A per-registry credHelpers entry wins over the store.
+    config("helpers", {"credsStore": "locked", "credHelpers": {url: "store"}})
+    invoke("bundle", "pull", src, "--ca-file", OCI_CA)
+    assert asked.read_text().split() == [url, url]
+    # Failures: one line naming the helper, exit 2, nothing pulled (a fresh home each time).
+    for name, cfg, says in (
+        ("locked", {"credsStore": "locked"}, "docker-credential-locked failed for"),
+        ("garbled", {"credHelpers": {url: "garbled"}}, "gave no login for"),
+        ("absent", {"credHelpers": {url: "absent"}}, "which is not on PATH"),
+        ("unknown", {"credsStore": "unknown"}, "asks for a login and no credentials"),
+    ):
+        config(name, cfg)
+        monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / name / "cache"))
+        monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / name / "data"))
+        failed = invoke("bundle", "pull", src, "--ca-file", OCI_CA, code=2)
+        assert says in failed.stderr, (name, failed.stderr)
+        _one_line(failed.stderr)
+        _assert_nothing_installed()
+    # A helper that hangs is bounded by CACHECTL_OCI_TIMEOUT.
+    config("stuck", {"credsStore": "stuck"})
+    monkeypatch.setenv("CACHECTL_OCI_TIMEOUT", "2")
+    t0 = time.monotonic()
+    stuck = invoke("bundle", "pull", src, "--ca-file", OCI_CA, code=2)
+    assert time.monotonic() - t0 < 10
+    assert "did not answer" in stuck.stderr, stuck.stderr
+    _one_line(stuck.stderr)
 
 
 def test_bad_references_are_one_line_exit_2(node: dict[str, Any]) -> None:

@@ -142,32 +142,45 @@ class MemberInfo(tarfile.TarInfo):
 
     @classmethod
     def frombuf(cls, buf: bytes | bytearray, encoding: str, errors: str) -> Self:
-        try:
-            if (
-                len(buf) == tarfile.BLOCKSIZE
-                and buf[156:157] == tarfile.REGTYPE
-                and buf[257:265] == tarfile.POSIX_MAGIC
-                and buf[345] == 0  # no prefix
-                and buf[108:124] == _NO_OWNER
-                and buf[157:257] == _NO_LINK
-                and buf[265:345] == _NO_NAMES
-                and _digits(buf[148:155]) == sum(buf[:148]) + _CHKSUM_AS_SPACES + sum(buf[156:])
-                and buf[155:156] == b" "
-            ):
-                info = cls(buf[:100].split(b"\0", 1)[0].decode("ascii"))
-                info.mode = _digits(buf[100:108])
-                info.size = _digits(buf[124:136])
-                info.mtime = _digits(buf[136:148])
-                info.chksum = _digits(buf[148:155])
-                return info
-        except (ValueError, UnicodeDecodeError):
-            pass
+        if (plain := plain_header(buf)) is not None:
+            info = cls(plain[0])
+            info.size = plain[1]
+            info.mode = _digits(buf[100:108])
+            info.mtime = _digits(buf[136:148])
+            info.chksum = _digits(buf[148:155])
+            return info
         return super().frombuf(buf, encoding, errors)
+
+
+def plain_header(buf: bytes | bytearray) -> tuple[str, int] | None:
+    """(name, size) of a header that is exactly what ``member_header`` writes for a short ASCII
+    name (a regular file, USTAR, no prefix, owner 0, its checksum right); None for any other
+    block, which is tarfile's to read, accept or refuse."""
+    try:
+        if (
+            len(buf) == tarfile.BLOCKSIZE
+            and buf[156:157] == tarfile.REGTYPE
+            and buf[257:265] == tarfile.POSIX_MAGIC
+            and buf[108:124] == _NO_OWNER
+            and buf[157:257] == _NO_LINK
+            and buf[265:] == _NO_NAMES_NOR_PREFIX
+            # The checksum: every byte past the ones summed here was compared just above.
+            and _digits(buf[148:155]) == sum(buf[:108]) + sum(buf[124:148]) + _PLAIN_FIXED_SUM
+            and buf[155:156] == b" "
+        ):
+            _digits(buf[100:108]), _digits(buf[136:148])  # mode and mtime: octal, as written
+            return buf[:100].split(b"\0", 1)[0].decode("ascii"), _digits(buf[124:136])
+    except (ValueError, UnicodeDecodeError):
+        pass
+    return None
 
 
 _NO_OWNER = _octal(0, 8) * 2  # uid, gid
 _NO_LINK = b"\0" * 100
-_NO_NAMES = b"\0" * 80  # uname, gname, devmajor, devminor
+_NO_NAMES_NOR_PREFIX = b"\0" * 247  # uname, gname, devmajor, devminor, prefix, padding
+# What the fixed fields of a plain header add to its checksum (owner, the checksum as spaces,
+# the type, the magic; the rest is NULs).
+_PLAIN_FIXED_SUM = sum(_NO_OWNER) + _CHKSUM_AS_SPACES + sum(tarfile.REGTYPE + tarfile.POSIX_MAGIC)
 
 
 # --------------------------------------------------------------------------- reading
@@ -223,15 +236,38 @@ class ForwardOnly:
 
     def __init__(self, reader: Any) -> None:
         self._reader = reader
-        self.read = reader.read
-        self.tell = reader.tell
+        self._back = b""  # bytes put back by unread, read again first
+        self.read: Callable[..., bytes] = reader.read
+        self.tell: Callable[[], int] = reader.tell
+
+    def unread(self, data: bytes) -> None:
+        """Put back the bytes just read (a header install's own loop does not parse), so that
+        tarfile reads them where they stand. Reads go straight to the reader again once they
+        are taken."""
+        self._back = data + self._back
+        self.read, self.tell = self._read_back, self._tell_back
+
+    def _tell_back(self) -> int:
+        return int(self._reader.tell()) - len(self._back)
+
+    def _read_back(self, size: int | None = -1) -> bytes:
+        data, self._back = self._back, b""
+        self.read, self.tell = self._reader.read, self._reader.tell
+        if size is None or size < 0:
+            return data + self._reader.read()
+        if size < len(data):
+            self.unread(data[size:])
+            return data[:size]
+        return data + self._reader.read(size - len(data)) if size > len(data) else data
 
     def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
-        here = self._reader.tell()
+        here = self.tell()
         target = offset if whence == os.SEEK_SET else here + offset if whence == os.SEEK_CUR else -1
         if target < here:
             raise tarfile.ReadError("a header points back into the stream: damaged or hostile")
-        return int(self._reader.seek(target))
+        if self._back and target > here:
+            self._read_back(min(target - here, len(self._back)))
+        return target if target == self.tell() else int(self._reader.seek(target))
 
 
 @contextmanager
@@ -362,8 +398,13 @@ def content_signature(signed: dict[str, Any]) -> dict[str, Any]:
 
 
 def bundle_entries(meta: dict[str, Any]) -> list[BundleEntry]:
-    names = {f.name for f in BundleEntry.__dataclass_fields__.values()}
-    return [BundleEntry(**{k: v for k, v in e.items() if k in names}) for e in meta["entries"]]
+    """The entry list, each entry's fields this cachectl knows (a newer one's extra fields are
+    dropped; only then is an entry's dict copied, thousands per bundle of small entries)."""
+    names = BundleEntry.__dataclass_fields__.keys()
+    return [
+        BundleEntry(**e) if e.keys() <= names else BundleEntry(**{k: e[k] for k in e if k in names})
+        for e in meta["entries"]
+    ]
 
 
 def describe(path: str | os.PathLike[str]) -> BundleInfo:

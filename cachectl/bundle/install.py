@@ -12,6 +12,7 @@ import tarfile
 import tempfile
 import time
 from collections import deque
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,12 +28,14 @@ from cachectl.bundle.format import (
     STAGING_DIR,
     BadBundle,
     BundleEntry,
+    ForwardOnly,
     InstallResult,
     Outcome,
     bundle_entries,
     content_signature,
     entries_signed,
     open_bundle,
+    plain_header,
     ran_here,
     read_meta,
     room,
@@ -52,6 +55,7 @@ from cachectl.storage.entries import (
     ENV_FILE,
     EXECUTABLE_SUFFIX,
     MAX_KEY_LENGTH,
+    EntryName,
     is_key,
     parse_aot_filename,
     parse_entry_filename,
@@ -91,13 +95,15 @@ _IN_MEMORY_MAX = 16 << 20  # members up to this size are hashed and written in a
 _IN_FLIGHT_MAX = 4 << 20  # bytes read but not yet written: more costs fresh pages (bench/fleet.py)
 
 
-def _write_hashed(dest: str, data: bytes) -> str:
-    """Write ``data`` to a new file and return its sha256 (in a worker: both release the GIL).
-    One write and one hash call each: every GIL release in a worker can wait a switch interval
-    for the decompressing thread to hand it back, so fewer, longer releases run faster."""
-    fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE)
+def _write_hashed(dir_fd: int, name: str, data: bytes) -> str:
+    """Write ``data`` to a new file ``name`` in the directory ``dir_fd`` (no path to walk per
+    member) and return its sha256 (in a worker: both release the GIL). One write and one hash
+    call each: every GIL release in a worker can wait a switch interval for the decompressing
+    thread to hand it back, so fewer, longer releases run faster."""
+    fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE, dir_fd=dir_fd)
     try:
-        write_all(fd, [data])
+        if (n := os.write(fd, data)) != len(data):
+            write_all(fd, [memoryview(data)[n:]])
     finally:
         os.close(fd)
     return hashlib.sha256(data).hexdigest()
@@ -126,13 +132,27 @@ def _stream_hashed(src: IO[bytes], dest: Path, size: int) -> str:
     return digest.hexdigest()
 
 
+@contextlib.contextmanager
+def _dir_fd(path: Path) -> Iterator[int]:
+    """A directory open by fd, for creating its files without walking its path each time."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        yield fd
+    finally:
+        os.close(fd)
+
+
 def _check_member(
-    cache: CacheInfo, name: str, staged: bytes | Path, expected: dict[str, tuple[int, str]]
+    cache: CacheInfo,
+    name: str,
+    staged: bytes | Path,
+    expected: dict[str, tuple[int, str]],
+    entry_names: dict[str, EntryName],
 ) -> int | None:
     """ingest's rules for one verified member, as for every new entry: an entry within the cache's
     max entry size that decompresses into a JAX entry within the expansion bound (its header's
     compile time in ms); an executable intact and made for its key and its entry's listed bytes."""
-    if (entry := parse_entry_filename(name)) is not None:
+    if (entry := entry_names.get(name)) is not None:
         ingest.check_size(cache, entry.key, expected[name][0])
         return ingest.check_entry(staged)
     if (aot := parse_aot_filename(name)) is not None:
@@ -149,6 +169,7 @@ def _extract(
     expected: dict[str, tuple[int, str]],
     staging: Path,
     cache: CacheInfo,
+    entry_names: dict[str, EntryName],
 ) -> dict[str, int]:
     """Every member into ``staging``, each checked against the content list; BadBundle at the first
     that is not listed, repeated, not a file, of another size than listed (before a byte of it is
@@ -158,7 +179,6 @@ def _extract(
     seen: set[str] = set()
     pending: deque[tuple[str, int, Outcome[int | None]]] = deque()
     stream = cast(IO[bytes], tar.fileobj)  # open_bundle's ForwardOnly
-    into = str(staging)
     in_flight = 0
     header_ms: dict[str, int] = {}
 
@@ -169,12 +189,12 @@ def _extract(
                 "(tampered or damaged): nothing installed"
             )
         try:
-            return _check_member(cache, name, staged, expected)
+            return _check_member(cache, name, staged, expected, entry_names)
         except ingest.Refused as exc:
             raise BadBundle(f"{path}: {FILES}{name}: {exc.message}; nothing installed") from None
 
     def small(name: str, data: bytes) -> int | None:
-        return stage(name, data, _write_hashed(f"{into}/{name}", data))  # no Path per member
+        return stage(name, data, _write_hashed(into, name, data))  # no Path per member
 
     def streamed(name: str, src: IO[bytes], size: int) -> int | None:
         dest = staging / name
@@ -187,16 +207,18 @@ def _extract(
             header_ms[name[: -len(CACHE_SUFFIX)]] = ms
         return size
 
-    member = first
-    with ThreadPoolExecutor(max_workers=_WORKERS, thread_name_prefix="cachectl-bundle") as pool:
-        while member is not None:
-            name = _member_name(path, member, expected, seen)
+    with (
+        _dir_fd(staging) as into,  # closed after the pool's last write
+        ThreadPoolExecutor(max_workers=_WORKERS, thread_name_prefix="cachectl-bundle") as pool,
+    ):
+        for tar_name, is_file, tar_size, at, member in _members(tar, first):
+            name = _member_name(path, tar_name, is_file, tar_size, expected, seen)
             size = expected[name][0]
             done: Outcome[int | None]
             if size <= _IN_MEMORY_MAX:
                 # Read where the member's bytes stand, as tar.extractfile's reader does (which
                 # costs ~4 us a member more over an 8 KiB one): only forward, only its listed size.
-                stream.seek(member.offset_data)
+                stream.seek(at)
                 data = _read_exactly(stream, size)
                 done = (
                     ran_here(small, name, data)
@@ -204,7 +226,7 @@ def _extract(
                     else pool.submit(small, name, data)
                 )
             else:
-                src = tar.extractfile(member)
+                src = tar.extractfile(member or _plain_info(tar_name, tar_size, at))
                 assert src is not None
                 done = ran_here(streamed, name, src, size)
             pending.append((name, size, done))
@@ -212,7 +234,6 @@ def _extract(
             while in_flight > _IN_FLIGHT_MAX:
                 in_flight -= settle()
             seen.add(name)
-            member = tar.next()
         while pending:
             settle()
     missing = sorted(set(expected) - seen)
@@ -224,36 +245,82 @@ def _extract(
     return header_ms
 
 
+def _members(
+    tar: tarfile.TarFile, first: tarfile.TarInfo | None
+) -> Iterator[tuple[str, bool, int, int, tarfile.TarInfo | None]]:
+    """(name, is a regular file, size, where its bytes start, TarInfo or None) of each member
+    after ``first``'s, in order. A plain header (``plain_header``: what ``member_header`` writes)
+    is parsed here off the stream, in one read with the padding before it and no TarInfo:
+    tarfile's ``next`` cost a third of an install of 8 KiB entries (BENCHMARKS.md, "OCI"). Any
+    other block is put back for tarfile to read, accept or refuse, as is every header once a
+    global PAX header is in force (tarfile applies it to the members after it)."""
+    stream = cast(ForwardOnly, tar.fileobj)
+    member = first
+    while member is not None:
+        yield member.name, member.isfile(), member.size, member.offset_data, member
+        while not tar.pax_headers:
+            skip = tar.offset - stream.tell()  # the previous member's rest and padding
+            if skip < 0:
+                break  # tarfile's next refuses to go back
+            block = stream.read(skip + tarfile.BLOCKSIZE)[skip:]
+            plain = plain_header(block)
+            if plain is None:
+                stream.unread(block)
+                break
+            name, size = plain
+            at = tar.offset + tarfile.BLOCKSIZE
+            tar.offset = at + -(-size // tarfile.BLOCKSIZE) * tarfile.BLOCKSIZE
+            yield name, True, size, at, None
+        member = tar.next()
+
+
+def _plain_info(name: str, size: int, at: int) -> tarfile.TarInfo:
+    """The TarInfo of a member ``_members`` parsed itself, for tar.extractfile."""
+    info = tarfile.TarInfo(name)
+    info.size, info.offset, info.offset_data = size, at - tarfile.BLOCKSIZE, at
+    return info
+
+
 def _member_name(
-    path: Path, member: tarfile.TarInfo, expected: dict[str, tuple[int, str]], seen: set[str]
+    path: Path,
+    tar_name: str,
+    is_file: bool,
+    tar_size: int,
+    expected: dict[str, tuple[int, str]],
+    seen: set[str],
 ) -> str:
     """The listed file a member holds; BadBundle unless it is one, seen once, a regular file of
     its listed size (checked before a byte of it is read)."""
-    if not member.name.startswith(FILES):
-        raise BadBundle(f"{path}: unexpected member {member.name!r}: nothing installed")
-    name = member.name[len(FILES) :]
+    if not tar_name.startswith(FILES):
+        raise BadBundle(f"{path}: unexpected member {tar_name!r}: nothing installed")
+    name = tar_name[len(FILES) :]
     if name not in expected or "/" in name or name in (".", ".."):
         raise BadBundle(
-            f"{path}: {member.name} is not in the bundle's content list: nothing installed"
+            f"{path}: {tar_name} is not in the bundle's content list: nothing installed"
         )
     if name in seen:
-        raise BadBundle(f"{path}: {member.name} appears twice: nothing installed")
-    if not member.isfile():
-        raise BadBundle(f"{path}: {member.name} is not a regular file: nothing installed")
+        raise BadBundle(f"{path}: {tar_name} appears twice: nothing installed")
+    if not is_file:
+        raise BadBundle(f"{path}: {tar_name} is not a regular file: nothing installed")
     size = expected[name][0]
-    if member.size != size:
+    if tar_size != size:
         raise BadBundle(
-            f"{path}: {member.name} is {member.size} bytes in the tar stream but {size} in "
+            f"{path}: {tar_name} is {tar_size} bytes in the tar stream but {size} in "
             "the content list (tampered or damaged): nothing installed"
         )
     return name
 
 
-def _check_declared(path: Path, cache: CacheInfo, expected: dict[str, tuple[int, str]]) -> None:
+def _check_declared(
+    path: Path, cache: CacheInfo, expected: dict[str, tuple[int, str]]
+) -> dict[str, EntryName]:
     """Before anything is staged: every listed entry within the cache's max entry size, and the
-    files' total within BUNDLE_EXPANSION times the bundle's size."""
+    files' total within BUNDLE_EXPANSION times the bundle's size. Returns the listed entries by
+    file name (parsed once: staging and indexing look them up)."""
+    entry_names = {}
     for name, (size, _) in expected.items():
         if (entry := parse_entry_filename(name)) is not None:
+            entry_names[name] = entry
             try:
                 ingest.check_size(cache, entry.key, size)
             except ingest.Refused as exc:
@@ -266,6 +333,7 @@ def _check_declared(path: Path, cache: CacheInfo, expected: dict[str, tuple[int,
             f"{format_size(own)} bundle (more than {BUNDLE_EXPANSION} times its size: a "
             "decompression bomb?): nothing installed"
         )
+    return entry_names
 
 
 def _check_staged_env(path: Path, staging: Path, env: Environment) -> None:
@@ -328,6 +396,7 @@ class _Staged:
     store: Any
     env: Environment
     entries: list[BundleEntry]
+    entry_names: dict[str, EntryName]  # the listed entries by file name (_check_declared)
     signed: dict[str, Any] | None
     signer: str | None
     staging: Path
@@ -383,11 +452,11 @@ def _install(
         metadata_signed = signed is None or entries_signed(signed, meta, f"bundle {p.name}")
         if not dry_run:
             check_writer(cache, "install a bundle into")
-        _check_declared(p, cache, expected)
+        entry_names = _check_declared(p, cache, expected)
         store = ctx.store(cache)
         staging = staging_dir(store, env.namespace)
         try:
-            header_ms = _extract(p, tar, first, expected, staging, cache)
+            header_ms = _extract(p, tar, first, expected, staging, cache, entry_names)
             _check_staged_env(p, staging, env)
             notes = []
             if not metadata_signed:
@@ -404,7 +473,9 @@ def _install(
                     "(signed by an older cachectl, or a namespace's signature carried over): "
                     "installed without them"
                 )
-            staged = _Staged(cache, store, env, entries, signed, signer, staging, p, started, notes)
+            staged = _Staged(
+                cache, store, env, entries, entry_names, signed, signer, staging, p, started, notes
+            )
             return _commit(ctx, staged, dry_run)
         finally:
             shutil.rmtree(staging, ignore_errors=True)
@@ -501,15 +572,14 @@ def _objects(staged: _Staged, delta: _Delta) -> list[ingest.NewObject]:
     """The staged files to publish: each new entry, and each new executable (beside its entry
     or one the namespace holds); never a conflicting key's."""
     new_keys, by_aot = {e.key for e in delta.new}, {e.key for e in delta.new_aot}
+    conflicts = set(delta.conflicts)
     objects = []
     for e in staged.entries:
-        if e.key in delta.conflicts or (e.key not in new_keys and e.key not in by_aot):
+        if e.key in conflicts or (e.key not in new_keys and e.key not in by_aot):
             continue
-        parsed = parse_entry_filename(e.key + CACHE_SUFFIX)
-        assert parsed is not None
         row = NewEntry(
             key=e.key,
-            module=parsed.module,
+            module=staged.entry_names[e.key + CACHE_SUFFIX].module,
             size=e.size,
             sha256=e.sha256,
             origin=ORIGIN,

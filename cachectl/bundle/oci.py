@@ -16,8 +16,9 @@ refused), and ends in ``bundle install`` (every file verified again, ingest's ch
 staging directory is ``bundle install``'s own: a killed pull leaves only what the next install
 or ``verify --repair`` removes.
 
-The HTTP and auth are oras's (docker ``config.json``, credential helpers, basic and bearer
-token); every request is bounded by ``CACHECTL_OCI_TIMEOUT`` and never retried blindly.
+The HTTP and auth are oras's (docker ``config.json``, basic and bearer token), except the
+docker credential helpers, which are run here (bounded, a failure one line: oras logs and goes
+on anonymously); every request is bounded by ``CACHECTL_OCI_TIMEOUT`` and never retried blindly.
 """
 
 from __future__ import annotations
@@ -208,6 +209,79 @@ def _docker_configs() -> list[str]:
     return [c for c in configs if os.path.exists(c)]
 
 
+_NOT_FOUND = "credentials not found"  # docker-credential-helpers' answer for an unknown server
+
+
+def _helper_for(host: str) -> tuple[str, str] | None:
+    """(helper, config file) that holds ``host``'s login: its ``credHelpers`` entry, else the
+    ``credsStore``, in $DOCKER_CONFIG's or ~/.docker's config.json; None when a config holds the
+    login inline (oras reads those) or names no helper."""
+    home = os.path.expanduser("~/.docker/config.json")
+    names = [host, *([host.replace("127.0.0.1", "localhost")] if "127.0.0.1" in host else [])]
+    store: tuple[str, str] | None = None
+    for path in [*_docker_configs(), *([home] if os.path.exists(home) else [])]:
+        try:
+            cfg = json.loads(Path(path).read_bytes())
+        except (OSError, ValueError) as exc:
+            raise BadInput(f"docker config {path} is not readable JSON ({exc}): fix it") from None
+        if not isinstance(cfg, dict):
+            raise BadInput(f"docker config {path} is not a JSON object: fix it")
+        auths, helpers = cfg.get("auths") or {}, cfg.get("credHelpers") or {}
+        for name in names:
+            inline = auths.get(name) if isinstance(auths, dict) else None
+            if isinstance(inline, dict) and inline.get("auth"):
+                return None
+            if isinstance(helpers, dict) and (helper := helpers.get(name)):
+                return str(helper), path
+        if cfg.get("credsStore") and store is None:
+            store = str(cfg["credsStore"]), path
+    return store
+
+
+def _run_helper(helper: str, config: str, host: str, timeout: float) -> tuple[str, str] | None:
+    """``docker-credential-<helper> get`` for ``host`` (docker's credential helper protocol: the
+    server on stdin, {"Username", "Secret"} JSON on stdout); None when it holds no login for it.
+    Any other failure is one line: a node must not pull anonymously, or hang, because its
+    keychain is broken."""
+    import subprocess
+
+    binary = f"docker-credential-{helper}"
+    fix = f"fix the helper, or its entry in {config}"
+    try:
+        done = subprocess.run(
+            [binary, "get"], input=host.encode(), capture_output=True, timeout=timeout
+        )
+    except FileNotFoundError:
+        raise BadInput(
+            f"{config} names the credential helper {binary} for {host}, which is not on PATH: "
+            "install it, or remove it from the config"
+        ) from None
+    except subprocess.TimeoutExpired:
+        raise BadInput(
+            f"credential helper {binary} did not answer for {host} within {timeout:g} s "
+            f"({TIMEOUT_ENV}): {fix}"
+        ) from None
+    except OSError as exc:
+        raise BadInput(f"credential helper {binary} cannot run ({exc.strerror}): {fix}") from None
+    said = (done.stdout or done.stderr).decode(errors="replace").strip().splitlines()
+    if done.returncode != 0:
+        if said and _NOT_FOUND in said[0].lower():
+            return None
+        why = said[0][:200] if said else f"exit {done.returncode}, no message"
+        raise BadInput(f"credential helper {binary} failed for {host} ({why}): {fix}")
+    try:
+        payload = json.loads(done.stdout)
+        user, secret = payload["Username"], payload["Secret"]
+        if not isinstance(user, str) or not isinstance(secret, str):
+            raise TypeError("Username and Secret are not strings")
+    except (ValueError, KeyError, TypeError) as exc:
+        raise BadInput(
+            f"credential helper {binary} gave no login for {host} (not the protocol's "
+            f'{{"Username", "Secret"}} JSON: {exc}): {fix}'
+        ) from None
+    return user, secret
+
+
 class Registry:
     """One repository of one registry, through oras's HTTP and auth, every request bounded."""
 
@@ -252,8 +326,13 @@ class Registry:
         self.client.auth.session = session
         self.basic = scheme == "basic"
         if scheme is not None:
-            container = oras.container.Container(f"{ref.registry}/{ref.repository}")
-            self.client.auth.load_configs(container, configs=_docker_configs())
+            helper = _helper_for(ref.registry)
+            login = helper and _run_helper(*helper, ref.registry, self.timeout)
+            if login:  # run here, bounded, its failures one line (oras would log and go on)
+                self.client.auth.set_basic_auth(*login)
+            elif helper is None:
+                container = oras.container.Container(f"{ref.registry}/{ref.repository}")
+                self.client.auth.load_configs(container, configs=_docker_configs())
             if not getattr(self.client.auth, "_basic_auth", None) and scheme == "basic":
                 raise BadInput(
                     f"{self.what} asks for a login and no credentials for it were found: add "
