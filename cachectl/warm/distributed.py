@@ -47,7 +47,7 @@ from cachectl.core.errors import (
     Unreachable,
     error_named,
 )
-from cachectl.manifest import manifest_digest
+from cachectl.manifest import LoadedManifest, as_loaded
 from cachectl.storage import ingest
 from cachectl.storage.entries import CACHE_SUFFIX, parse_key, sha256
 from cachectl.storage.jax_storage import jax_storage
@@ -236,7 +236,7 @@ def _exchange(
 
 def _agreement(plan: Any) -> dict[str, Any]:
     return {
-        "manifest_digest": manifest_digest(plan.manifest_path),
+        "manifest_digest": plan.manifest_digest,
         "environment": plan.environment.digest,
         "cache": plan.cache.name,
         "root": plan.cache.root_url,
@@ -285,7 +285,7 @@ def check_agreement(me: ProcessInfo, views: Sequence[dict[str, Any]]) -> None:
 class _Request:
     """What every process of the job was asked to warm (the same in each)."""
 
-    manifest_path: str | Path
+    manifest_path: str | Path | LoadedManifest
     cache: str | None
     jobs: int | None
     paths: Sequence[str]
@@ -301,7 +301,7 @@ def _shown(value: Any, field: str) -> str:
 
 def warm(
     ctx: Context,
-    manifest_path: str | Path,
+    manifest_path: str | Path | LoadedManifest,
     *,
     cache: str | None = None,
     jobs: int | None = None,
@@ -310,12 +310,13 @@ def warm(
     dry_run: bool = False,
     executables: bool = True,
     progress: Any = None,
-    prepare: Callable[[], None] | None = None,
+    prepare: Callable[[LoadedManifest], None] | None = None,
     finish: Callable[[Any], None] | None = None,
 ) -> DistributedWarmReport:
     """The collective warm: every process of the job calls this with the same arguments.
 
-    ``prepare`` runs in every process before planning (the CLI checks the signing key there),
+    ``prepare`` runs in every process before planning, with the manifest as read (the CLI checks
+    the signing key there; the manifest is read once per process, in the exchange),
     ``finish`` in process 0 with its report before the last step (the CLI signs there): a
     failure in either reaches every process instead of leaving them waiting.
     """
@@ -328,7 +329,7 @@ def warm(
         return DistributedWarmReport(
             me,
             warm_mod.warm(
-                ctx, manifest_path, cache=cache, paths=paths, dry_run=True, progress=progress
+                ctx, plan.loaded, cache=cache, paths=paths, dry_run=True, progress=progress
             ),
         )
     if me.index != WRITER:
@@ -341,19 +342,20 @@ def _plan_together(
     me: ProcessInfo,
     request: _Request,
     dry_run: bool,
-    prepare: Callable[[], None] | None,
+    prepare: Callable[[LoadedManifest], None] | None,
 ) -> Any:
     """Plan in every process and refuse unless all agree; returns this process's plan."""
     plans: list[Any] = []
 
     def planned() -> dict[str, Any]:
         if not plans:
+            loaded = as_loaded(request.manifest_path, import_paths=request.paths)
             if prepare is not None:
-                prepare()
+                prepare(loaded)
             plans.append(
                 warm_mod.plan_warm(
                     ctx,
-                    request.manifest_path,
+                    loaded,
                     cache=request.cache,
                     paths=request.paths,
                     writer_check=not dry_run and me.index == WRITER,
@@ -384,7 +386,7 @@ def _lead(
         reports.append(
             warm_mod.warm(
                 ctx,
-                request.manifest_path,
+                plan.loaded,
                 cache=request.cache,
                 jobs=request.jobs,
                 paths=request.paths,
