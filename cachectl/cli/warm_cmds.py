@@ -391,12 +391,12 @@ def warm_cmd(
     emit(report, as_json, print_warm)
     # A deviceless warm (--topology) pushes the slice's namespace, not this machine's.
     env = str(report.environment["digest"]) if topology is not None else None
-    _push_warmed(ctx, manifest, cache_name, sign_key, push_to, insecure, ca_file, as_json, env)
+    _push_warmed(ctx, loaded, cache_name, sign_key, push_to, insecure, ca_file, as_json, env)
 
 
 def _push_warmed(
     ctx: Context,
-    manifest: str,
+    manifest: LoadedManifest,
     cache_name: str | None,
     sign_key: str | None,
     push_to: str,
