@@ -403,3 +403,55 @@ def test_a_signed_cache_two_process_warm_signs_once_and_refuses_without_a_key(
         sum(name.endswith("-cache") for name in files) == 6
         and sum(name.endswith("-aot") for name in files) == 3
     )
+
+
+NOISY_MODULE = (
+    MODULE
+    + """
+import jax
+
+def noisy(x, w):
+    jax.debug.callback(lambda v: None, x)  # a host callback: JAX writes this program nowhere
+    return jnp.tanh(x @ w).sum(axis=1)
+"""
+)
+
+NOISY_MANIFEST = (
+    MANIFEST.replace("[2, 4, 8]", "[2, 4]")
+    + """  - fn: dist_mod:noisy
+    mesh: {axes: {data: 2}}
+    args:
+      - {shape: [batch, 4], dtype: float32, sharding: [data, null]}
+      - {shape: [4, 4], dtype: float32}
+    buckets: {batch: [2]}
+"""
+)
+
+
+def test_every_process_settles_its_buckets_as_warm_does(tmp_path: Path) -> None:
+    """Process 1 compiles through warm's executors (--jobs threads) and judges each bucket as
+    warm's settle does: a program with host callbacks, which JAX writes from no process, is
+    its own failure with the way out, and is never handed to process 0 to store."""
+    (tmp_path / "dist_mod.py").write_text(NOISY_MODULE)
+    manifest = tmp_path / "manifest.yaml"
+    manifest.write_text(NOISY_MANIFEST)
+    args = ["warm", str(manifest), "--json", "--jobs", "2"]
+    done = run_job([cachectl_argv(*args), cachectl_argv(*args)], tmp_path / "warm")
+    assert [p.returncode for p in done] == [1, 1], [p.stderr[-2000:] for p in done]
+    reports = [json.loads(p.stdout) for p in done]
+    for report in reports:
+        assert [(b["function"], b["status"]) for b in report["buckets"]] == [
+            ("step", "compiled"),
+            ("step", "compiled"),
+            ("noisy", "failed"),
+        ], report["buckets"]
+        assert "uses host callbacks" in report["buckets"][2]["error"], report["buckets"][2]
+    follower = reports[1]
+    assert not follower["buckets"][2]["error"].startswith("process 0"), follower["buckets"][2]
+    assert follower["summary"]["jobs"] == 2 and follower["summary"]["executor"] == "thread"
+    # Stored: the plain function's entries of both processes (keys differ per process on CPU),
+    # nothing of the program with host callbacks.
+    stored = {b["key"] for r in reports for b in r["buckets"] if b["status"] == "compiled"}
+    assert len(stored) == 4
+    ns = Path(reports[0]["namespace"])
+    assert {p.name[: -len("-cache")] for p in ns.glob("*-cache")} == stored

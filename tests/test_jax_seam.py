@@ -244,7 +244,7 @@ def test_call_context_reads_source_and_statics_of_a_real_jit_call() -> None:
         return x * n
 
     seen = Seen()
-    tap = SignatureTap(seen, jax_seam.pxla_logger())  # type: ignore[arg-type]
+    tap = SignatureTap(seen, jax_seam.pxla_logger())
     tap.install()
     try:
         jax.jit(scaled, static_argnums=1)(np.ones(3, np.float32), 7)

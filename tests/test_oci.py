@@ -26,7 +26,7 @@ from typing import Any
 import pytest
 import requests
 from support.bundles import environments
-from support.warming import invoke, tiny
+from support.warming import counting_opens, invoke, tiny
 
 from cachectl.core import temps
 
@@ -87,7 +87,13 @@ def source(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]
     with pytest.MonkeyPatch.context() as mp:
         for k, v in env.items():
             mp.setenv(k, v)
-        warmed = invoke("warm", str(manifest), "--json", "--push", f"oci://{url}/{repo}:v1")
+        # A real `cachectl warm --push` process: the warm and the push share one read of the
+        # manifest (tests/test_warm_manifest_once.py counts a plain warm).
+        warmed, opens = counting_opens(
+            manifest, ["warm", str(manifest), "--json", "--push", f"oci://{url}/{repo}:v1"]
+        )
+        assert warmed.returncode == 0, warmed.stderr[-3000:]
+        assert opens == 1
         report = json.loads(warmed.stdout)
         assert "pushed oci://" in warmed.stderr, warmed.stderr
         invoke("key", "generate", str(key))

@@ -32,7 +32,7 @@ from cachectl.bundle.format import (
 from cachectl.context import Context
 from cachectl.core.errors import BadInput, NotFound, OperationFailed
 from cachectl.index import CacheInfo, EnvironmentInfo
-from cachectl.manifest import load_manifest
+from cachectl.manifest import LoadedManifest, as_loaded
 from cachectl.storage.entries import CACHE_SUFFIX, ENV_FILE, EXECUTABLE_SUFFIX
 from cachectl.trust import signing
 
@@ -227,7 +227,7 @@ def create(
     *,
     cache: CacheInfo | None = None,
     env: str | None = None,
-    manifest: str | None = None,
+    manifest: str | LoadedManifest | None = None,
     sign_key: str | None = None,
     level: int = 3,
     dry_run: bool = False,
@@ -241,8 +241,8 @@ def create(
     if manifest is not None and env is not None:
         raise BadInput("give --manifest or --env, not both")
     if cache is None and manifest is not None:
-        m = load_manifest(manifest)
-        cache = ctx.cache(getattr(m, "cache", None) or None)
+        m = as_loaded(manifest).manifest
+        cache = ctx.cache(m.cache or None)
     cache = cache or ctx.cache()
     out = Path(output).expanduser().absolute()
     if not out.parent.is_dir():

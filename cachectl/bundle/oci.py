@@ -44,7 +44,7 @@ from cachectl.core.errors import BadInput, EnvironmentMismatch, NotFound, Unreac
 from cachectl.core.fingerprint import Environment
 from cachectl.core.units import format_size
 from cachectl.index import CacheInfo
-from cachectl.manifest.load import load_manifest, manifest_digest
+from cachectl.manifest.load import LoadedManifest, as_loaded
 from cachectl.storage import ingest
 from cachectl.trust import signing
 
@@ -622,32 +622,34 @@ def push(
     *,
     cache: CacheInfo | None = None,
     env: str | None = None,
-    manifest: str | None = None,
+    manifest: str | LoadedManifest | None = None,
     sign_key: str | None = None,
     level: int = 3,
     insecure: bool = False,
     ca_file: str | None = None,
 ) -> PushResult:
     """Bundle a namespace (as `bundle create`) and push it to ``target``, tagged for its
-    environment (and ``target``'s tag); signed, its signature as a referrer of the bundle."""
+    environment (and ``target``'s tag); signed, its signature as a referrer of the bundle.
+    The manifest is read once (`warm --push` hands over the one warm read)."""
     started = time.monotonic()
     ref = parse_reference(target)
     if ref.digest:
         raise BadInput(f"{target}: push to a tag (oci://REGISTRY/REPO[:TAG]), not a digest")
     key = signing.signing_key(sign_key)
     registry = Registry(ref, insecure=insecure, ca_file=ca_file)  # unreachable: before bundling
+    loaded = as_loaded(manifest) if manifest is not None else None
     with tempfile.TemporaryDirectory(prefix="cachectl-oci-push-") as tmp:
         path = Path(tmp) / "bundle.tar.zst"
         # A manifest names the cache and, without ``env``, this machine's namespace; with ``env``
         # (a deviceless warm's slice) the namespace is that environment's, in the manifest's cache.
-        if env is not None and manifest is not None and cache is None:
-            cache = ctx.cache(getattr(load_manifest(manifest), "cache", None) or None)
+        if env is not None and loaded is not None and cache is None:
+            cache = ctx.cache(loaded.manifest.cache or None)
         info = create(
             ctx,
             path,
             cache=cache,
             env=env,
-            manifest=None if env is not None else manifest,
+            manifest=None if env is not None else loaded,
             sign_key=sign_key,
             level=level,
         )
@@ -660,7 +662,7 @@ def push(
             "namespace": info.namespace,
             "entries": len(info.entries),
             "bytes": info.content_bytes,
-            "manifest_digest": manifest_digest(manifest) if manifest else None,
+            "manifest_digest": loaded.digest if loaded is not None else None,
             "created_at": info.created_at,
         }
         config = _json(summary)
@@ -675,7 +677,7 @@ def push(
         for name, label in _ANNOTATED.items():
             if name in environment:
                 annotations[A + label] = str(environment[name])
-        if manifest:
+        if loaded is not None:
             annotations[A + "manifest-digest"] = "sha256:" + str(summary["manifest_digest"])
         uploaded = registry.put_blob(layer_digest, layer_size, path)
     uploaded += registry.put_blob(_descriptor(CONFIG_TYPE, config)["digest"], len(config), config)

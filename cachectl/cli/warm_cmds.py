@@ -32,6 +32,7 @@ from cachectl.core.jax_seam import host_callbacks_cause
 
 if TYPE_CHECKING:
     from cachectl.context import Context
+    from cachectl.manifest import LoadedManifest
     from cachectl.warm import CheckReport, WarmReport
 
 # The warm stack (JAX, pydantic, SQLAlchemy) is imported by the command bodies when they run,
@@ -190,9 +191,9 @@ def _run_distributed(
 
     signer: list[Any] = []
 
-    def prepare() -> None:
+    def prepare(loaded: LoadedManifest) -> None:
         if not dry_run:
-            signer.append(signer_for(ctx, manifest, cache_name, sign_key, paths))
+            signer.append(signer_for(ctx, loaded, cache_name, sign_key, paths))
 
     def finish(report: WarmReport) -> None:
         if signer and signer[0] is not None:
@@ -329,6 +330,7 @@ def warm_cmd(
     if check_only:
         _run_check(ctx, manifest, cache_name, shard, paths, as_json, shards)
         return
+    from cachectl.manifest import read_manifest
     from cachectl.warm import distributed as dist
     from cachectl.warm import resign_written, signer_for, warm
 
@@ -361,13 +363,14 @@ def warm_cmd(
         )
         return
     with _json_quiet(as_json):
+        loaded = read_manifest(manifest, import_paths=paths)  # read once, handed down
         signer = None
         if not dry_run:
-            signer = signer_for(ctx, manifest, cache_name, sign_key, paths)
+            signer = signer_for(ctx, loaded, cache_name, sign_key, paths)
         with Progress(enabled=not dry_run, terminal=stderr.is_terminal) as progress:
             report = warm(
                 ctx,
-                manifest,
+                loaded,
                 cache=cache_name,
                 jobs=jobs,
                 shard=_shard(shard, shards),
@@ -388,12 +391,12 @@ def warm_cmd(
     emit(report, as_json, print_warm)
     # A deviceless warm (--topology) pushes the slice's namespace, not this machine's.
     env = str(report.environment["digest"]) if topology is not None else None
-    _push_warmed(ctx, manifest, cache_name, sign_key, push_to, insecure, ca_file, as_json, env)
+    _push_warmed(ctx, loaded, cache_name, sign_key, push_to, insecure, ca_file, as_json, env)
 
 
 def _push_warmed(
     ctx: Context,
-    manifest: str,
+    manifest: LoadedManifest,
     cache_name: str | None,
     sign_key: str | None,
     push_to: str,

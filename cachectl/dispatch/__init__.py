@@ -11,11 +11,14 @@ stored executable (missing, corrupt, refused by the index, stale code), the
 call still answers through ``jax.jit`` and the persistent cache, with one
 warning per function: never worse off than plain JAX.
 
-Five modules, one job each: ``calls.py`` fits a call to a bucket on the host (argument
+Six modules, one job each: ``calls.py`` fits a call to a bucket on the host (argument
 plans, :func:`mask`); ``padding.py`` says what a pytree leaf may be padded with
 (:class:`OutOfBucket`); ``loading.py`` chooses and loads each bucket's stored executable
-(verified by ``service/verified.py``); ``router.py`` is the :class:`Serving` object, its
-functions' call path and counters; ``reports.py`` what they report.
+(verified by ``service/verified.py``); ``served_function.py`` is one function's call path
+(:class:`ServedFunction`: fit, call the stored executable or ``jax.jit``, cut, count) and
+the calls no request makes (warm-up, warm-check's); ``router.py`` is the :class:`Serving`
+object (the functions by name, loading and warming up every bucket) and :func:`serving`;
+``reports.py`` what they report.
 """
 
 from __future__ import annotations
@@ -23,13 +26,11 @@ from __future__ import annotations
 from cachectl.dispatch.calls import OutOfBucket, StructureMismatch, mask
 from cachectl.dispatch.loading import namespace_reader
 from cachectl.dispatch.reports import FunctionReport, ServingReport
-from cachectl.dispatch.router import (
+from cachectl.dispatch.router import OVERFLOW_MODES, Serving, serving
+from cachectl.dispatch.served_function import (
     MAX_SIZES_PER_AXIS,
     MAX_SIZES_PER_FLUSH,
-    OVERFLOW_MODES,
     ServedFunction,
-    Serving,
-    serving,
 )
 
 __all__ = [

@@ -39,10 +39,13 @@ from cachectl.manifest.load import (
     DEFAULT_MAX_BUCKETS,
     MAX_BUCKETS_ENV,
     MAX_MANIFEST_NODES,
+    LoadedManifest,
+    as_loaded,
     load_manifest,
     manifest_digest,
     max_buckets,
     parse_manifest,
+    read_manifest,
 )
 from cachectl.manifest.lowering import build_call, compiling_for, jit_function, lowering_scope
 from cachectl.manifest.problems import MAX_PROBLEMS
@@ -82,8 +85,11 @@ __all__ = [
     "is_jitted",
     "jit_function",
     "jit_options",
+    "LoadedManifest",
+    "as_loaded",
     "load_manifest",
     "manifest_digest",
+    "read_manifest",
     "max_buckets",
     "parse_manifest",
     "parse_shard",

@@ -9,6 +9,7 @@ import dataclasses
 import hashlib
 import os
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -60,20 +61,50 @@ def manifest_digest(path: str | Path) -> str:
     return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
+@dataclass(frozen=True)
+class LoadedManifest:
+    """A manifest file read once: its bytes, their sha256 and what they validated to. Warm
+    hands this down (signing check, plan, run row, a distributed job's agreement), so the
+    digest it records is of the very bytes it compiled, and one process reads the file once."""
+
+    path: str
+    data: bytes = field(repr=False)
+    digest: str
+    manifest: Manifest
+
+
+def read_manifest(
+    path: str | Path, *, import_paths: Sequence[str | Path] | None = None
+) -> LoadedManifest:
+    """Read a manifest file once and validate it (:func:`load_manifest`'s errors)."""
+    name = str(path)
+    try:
+        data = Path(path).read_bytes()
+        text = data.decode("utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise BadInput(f"{name}: cannot read manifest: {reason}") from None
+    manifest = parse_manifest(
+        text, name=name, directory=Path(path).resolve().parent, import_paths=import_paths
+    )
+    return LoadedManifest(name, data, hashlib.sha256(data).hexdigest(), manifest)
+
+
+def as_loaded(
+    manifest: str | Path | LoadedManifest, *, import_paths: Sequence[str | Path] | None = None
+) -> LoadedManifest:
+    """The manifest as read already, or read now."""
+    if isinstance(manifest, LoadedManifest):
+        return manifest
+    return read_manifest(manifest, import_paths=import_paths)
+
+
 def load_manifest(
     path: str | Path, *, import_paths: Sequence[str | Path] | None = None
 ) -> Manifest:
     """Read and validate a manifest; one ``BadInput`` lists every problem, a line each naming
     file:line (``import_paths``: see :func:`parse_manifest`)."""
-    name = str(path)
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
-        raise BadInput(f"{name}: cannot read manifest: {reason}") from None
-    return parse_manifest(
-        text, name=name, directory=Path(path).resolve().parent, import_paths=import_paths
-    )
+    return read_manifest(path, import_paths=import_paths).manifest
 
 
 def parse_manifest(

@@ -19,9 +19,10 @@ daemon thread hands the buffer to a pluggable sink every few seconds and at
 exit. The hooks never raise into JAX and never wait on I/O: the only work on
 the compile path is a dict update under an uncontended lock.
 
-Modules: records.py (the batch and its bounds), taps.py (the log taps),
-collector.py (the events, the buffer, the flusher, exit and fork), sinks.py
-(index, server, memory); this package keeps every name importable from here.
+Modules: batch.py (the batch, its bounds, the memory sink), rows.py (the rows a flush
+writes), taps.py (the log taps), collector.py (the events, the buffer, the flusher, exit
+and fork); the index and server sinks are service/telemetry_sinks.py. This package keeps
+every name importable from here.
 """
 
 from __future__ import annotations

@@ -10,12 +10,26 @@ handlers and what the service sees stay exactly as they were.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from cachectl.core import jax_seam
 
-if TYPE_CHECKING:
-    from cachectl.telemetry.collector import Collector
+
+class CompilerCalls(Protocol):
+    """What LogTap hands each compiler log call it reads to (the Collector implements it):
+    a protocol here, so that taps.py needs nothing from collector.py."""
+
+    def _on_log(self, hit: bool, module: str, key: str) -> None: ...
+
+    def _on_not_written(self, module: str) -> None: ...
+
+    def _on_host_callbacks(self, module: str) -> None: ...
+
+
+class Lowerings(Protocol):
+    """What SignatureTap hands each lowering to (the Collector; misses' and tests' recorders)."""
+
+    def _on_lowering(self, module: Any, in_avals: Any, in_shardings: Any) -> None: ...
 
 
 class _Tap:
@@ -23,8 +37,7 @@ class _Tap:
 
     METHODS: tuple[str, ...] = ()
 
-    def __init__(self, collector: Collector, logger: logging.Logger) -> None:
-        self.collector = collector
+    def __init__(self, logger: logging.Logger) -> None:
         self.logger = logger
         self._saved: dict[str, Any] = {}
 
@@ -55,6 +68,10 @@ class LogTap(_Tap):
     """
 
     METHODS = ("log", "debug")
+
+    def __init__(self, collector: CompilerCalls, logger: logging.Logger) -> None:
+        super().__init__(logger)
+        self.collector = collector
 
     def install(self) -> None:
         logger = self.logger
@@ -94,6 +111,10 @@ class SignatureTap(_Tap):
     debug call of JAX's pxla logger (see cachectl.core.jax_seam)."""
 
     METHODS = ("log", "isEnabledFor")
+
+    def __init__(self, collector: Lowerings, logger: logging.Logger) -> None:
+        super().__init__(logger)
+        self.collector = collector
 
     def install(self) -> None:
         logger = self.logger

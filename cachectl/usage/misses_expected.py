@@ -52,7 +52,7 @@ class _Capture:
 @contextlib.contextmanager
 def _capturing() -> Iterator[_Capture]:
     capture = _Capture()
-    tap = SignatureTap(capture, jax_seam.pxla_logger())  # type: ignore[arg-type]
+    tap = SignatureTap(capture, jax_seam.pxla_logger())
     tap.install()
     try:
         yield capture

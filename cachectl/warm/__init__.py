@@ -9,7 +9,8 @@ on abstract shapes: no device memory for inputs.
 The package: ``plan`` (validate before compiling), ``compiling`` (one bucket, warm's
 JAX config), ``jaxlog`` (the JAX log records that name each key), ``executors``
 (one by one, threads, processes), ``run`` (``warm()``: the run row, executors, report),
-``settle`` (each bucket: status, storage, index),
+``settle`` (each bucket: status, storage, index; ``settle_peer`` for a distributed job's
+processes other than 0), ``distributed`` (a multi-process JAX job),
 ``check`` (coverage in a fresh process), ``reports`` (what both return).
 """
 

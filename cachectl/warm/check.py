@@ -28,7 +28,7 @@ from cachectl.core.fingerprint import Environment, current_environment
 from cachectl.core.records import Proof, utcnow
 from cachectl.dispatch import Serving, namespace_reader
 from cachectl.dispatch.loading import Verified
-from cachectl.dispatch.router import NoDummyInput
+from cachectl.dispatch.served_function import NoDummyInput
 from cachectl.manifest import check_imports, expand, load_manifest, select_shard
 from cachectl.service.activate import activate
 from cachectl.warm.canary import EQUAL, compare, fresh_outputs, random_inputs

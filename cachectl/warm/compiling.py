@@ -45,6 +45,10 @@ class Outcome:
     stored: bool = False
     # The custom-call targets of the compiled program (stored with its executable); None: unknown.
     custom_calls: tuple[str, ...] | None = None
+    # In a process JAX never writes from (``peer_entry``): the entry JAX would have written for
+    # a miss, and whether the program has host callbacks (then JAX writes it from no process).
+    entry: bytes | None = None
+    host_callbacks: bool = False
 
 
 def clear_in_memory_executables() -> None:
@@ -90,8 +94,13 @@ def compile_bucket(
     *,
     executables: bool = False,
     present: Callable[[str], bool] | None = None,
+    peer_entry: bool = False,
 ) -> Outcome:
     """Lower and compile one bucket, and say what the persistent cache did.
+
+    With ``peer_entry`` (a distributed job's process other than 0, which JAX never writes
+    from) a miss carries the entry JAX would have written, unless the lowering has host
+    callbacks: JAX's own reason to write it from no process, which its log says only in process 0.
 
     With ``present``, the lowered program's key is computed first (jax_seam.persistent_cache_key: a wrong key can only miss a file);
     when ``present(key)`` says everything warm would write is already stored, the
@@ -127,6 +136,10 @@ def compile_bucket(
     skip = next((e.text for e in events if e.kind == "skip"), None)
     payload, aot_error = _payload(compiled) if executables else (None, None)
     custom_calls = jax_seam.custom_call_targets(compiled) if payload is not None else None
+    entry, host_callbacks = None, False
+    if peer_entry and last.kind == "miss":
+        host_callbacks = jax_seam.lowered_has_host_callbacks(lowered)
+        entry = None if host_callbacks else jax_seam.entry_bytes(compiled, seconds)
     return Outcome(
         last.kind,
         last.key,
@@ -137,6 +150,8 @@ def compile_bucket(
         aot_error,
         lower_seconds,
         custom_calls=custom_calls,
+        entry=entry,
+        host_callbacks=host_callbacks,
     )
 
 

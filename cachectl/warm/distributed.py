@@ -39,6 +39,7 @@ from typing import Any
 from cachectl import warm as warm_mod
 from cachectl.context import Context
 from cachectl.core import jax_seam
+from cachectl.core.config import default_jobs
 from cachectl.core.errors import (
     BadInput,
     CachectlError,
@@ -47,10 +48,22 @@ from cachectl.core.errors import (
     Unreachable,
     error_named,
 )
-from cachectl.manifest import manifest_digest
+from cachectl.manifest import LoadedManifest, as_loaded
 from cachectl.storage import ingest
 from cachectl.storage.entries import CACHE_SUFFIX, parse_key, sha256
 from cachectl.storage.jax_storage import jax_storage
+from cachectl.warm.compiling import Outcome, warm_jax_config
+from cachectl.warm.executors import run_threads
+from cachectl.warm.reports import (
+    CACHED,
+    COMPILED,
+    FAILED,
+    SKIPPED,
+    TOO_LARGE,
+    BucketResult,
+    WarmSummary,
+)
+from cachectl.warm.settle import settle_peer
 
 WRITER = 0
 TIMEOUT_ENV = "CACHECTL_DISTRIBUTED_TIMEOUT"
@@ -236,7 +249,7 @@ def _exchange(
 
 def _agreement(plan: Any) -> dict[str, Any]:
     return {
-        "manifest_digest": manifest_digest(plan.manifest_path),
+        "manifest_digest": plan.manifest_digest,
         "environment": plan.environment.digest,
         "cache": plan.cache.name,
         "root": plan.cache.root_url,
@@ -285,7 +298,7 @@ def check_agreement(me: ProcessInfo, views: Sequence[dict[str, Any]]) -> None:
 class _Request:
     """What every process of the job was asked to warm (the same in each)."""
 
-    manifest_path: str | Path
+    manifest_path: str | Path | LoadedManifest
     cache: str | None
     jobs: int | None
     paths: Sequence[str]
@@ -301,7 +314,7 @@ def _shown(value: Any, field: str) -> str:
 
 def warm(
     ctx: Context,
-    manifest_path: str | Path,
+    manifest_path: str | Path | LoadedManifest,
     *,
     cache: str | None = None,
     jobs: int | None = None,
@@ -310,12 +323,13 @@ def warm(
     dry_run: bool = False,
     executables: bool = True,
     progress: Any = None,
-    prepare: Callable[[], None] | None = None,
+    prepare: Callable[[LoadedManifest], None] | None = None,
     finish: Callable[[Any], None] | None = None,
 ) -> DistributedWarmReport:
     """The collective warm: every process of the job calls this with the same arguments.
 
-    ``prepare`` runs in every process before planning (the CLI checks the signing key there),
+    ``prepare`` runs in every process before planning, with the manifest as read (the CLI checks
+    the signing key there; the manifest is read once per process, in the exchange),
     ``finish`` in process 0 with its report before the last step (the CLI signs there): a
     failure in either reaches every process instead of leaving them waiting.
     """
@@ -328,11 +342,11 @@ def warm(
         return DistributedWarmReport(
             me,
             warm_mod.warm(
-                ctx, manifest_path, cache=cache, paths=paths, dry_run=True, progress=progress
+                ctx, plan.loaded, cache=cache, paths=paths, dry_run=True, progress=progress
             ),
         )
     if me.index != WRITER:
-        return DistributedWarmReport(me, _follow(ctx, plan, me, started))
+        return DistributedWarmReport(me, _follow(ctx, plan, me, request, started))
     return DistributedWarmReport(me, _lead(ctx, plan, me, request, finish))
 
 
@@ -341,19 +355,20 @@ def _plan_together(
     me: ProcessInfo,
     request: _Request,
     dry_run: bool,
-    prepare: Callable[[], None] | None,
+    prepare: Callable[[LoadedManifest], None] | None,
 ) -> Any:
     """Plan in every process and refuse unless all agree; returns this process's plan."""
     plans: list[Any] = []
 
     def planned() -> dict[str, Any]:
         if not plans:
+            loaded = as_loaded(request.manifest_path, import_paths=request.paths)
             if prepare is not None:
-                prepare()
+                prepare(loaded)
             plans.append(
                 warm_mod.plan_warm(
                     ctx,
-                    request.manifest_path,
+                    loaded,
                     cache=request.cache,
                     paths=request.paths,
                     writer_check=not dry_run and me.index == WRITER,
@@ -384,7 +399,7 @@ def _lead(
         reports.append(
             warm_mod.warm(
                 ctx,
-                request.manifest_path,
+                plan.loaded,
                 cache=request.cache,
                 jobs=request.jobs,
                 paths=request.paths,
@@ -486,62 +501,35 @@ def _store_peer_entries(
     return list(published.rows)
 
 
-def _entry_bytes(compiled: Any, seconds: float) -> bytes:
-    """The JAX cache entry of a compiled program, exactly as JAX's own put would write it."""
-    return jax_seam.entry_bytes(compiled, seconds)
-
-
-def _compile_all(
-    plan: Any, ns_url: str
-) -> dict[int, tuple[str | None, str | None, float, bytes | None, str | None]]:
-    """Compile every bucket here: (key, hit or miss, seconds, the entry if JAX missed, error) per position."""
-    config = warm_mod.warm_jax_config(ns_url, plan.environment)
-    jitted, calls = warm_mod.build_calls(plan.manifest, plan.buckets, plan.search_paths)
-    mine: dict[int, tuple[str | None, str | None, float, bytes | None, str | None]] = {}
-    cache = plan.cache
-    with (
-        jax_storage(cache.root_url, cache.storage_options, ns_url),
-        warm_mod.jax_configured(config),
-        warm_mod.CAPTURE.installed(),
-    ):
-        for position, bucket in enumerate(plan.buckets):
-            call = calls[position]
-            if isinstance(call, str):
-                mine[position] = (None, None, 0.0, None, call)
-                continue
-            try:
-                fn = jitted[bucket.function]
-                events, seconds, compiled = warm_mod.compile_once(fn, *call)
-                if not any(e.kind in ("hit", "miss") for e in events):
-                    warm_mod.clear_in_memory_executables()
-                    events, seconds, compiled = warm_mod.compile_once(fn, *call)
-                lookups = [e for e in events if e.kind in ("hit", "miss")]
-                if not lookups:
-                    mine[position] = (
-                        None,
-                        None,
-                        seconds,
-                        None,
-                        "JAX did not consult the persistent cache",
-                    )
-                    continue
-                last = lookups[-1]
-                data = _entry_bytes(compiled, seconds) if last.kind == "miss" else None
-                mine[position] = (last.key, last.kind, seconds, data, None)
-            except Exception as exc:  # noqa: BLE001 - reported per bucket, like warm
-                mine[position] = (None, None, 0.0, None, warm_mod.error_text(exc))
-    return mine
-
-
-def _follow(ctx: Context, plan: Any, me: ProcessInfo, started: float) -> Any:
-    """A process other than 0: compile every bucket as the job does, hand process 0 the entries
-    only this process's key names, and report with process 0's results."""
+def _follow(ctx: Context, plan: Any, me: ProcessInfo, request: _Request, started: float) -> Any:
+    """A process other than 0: compile every bucket as the job does, through warm's executors,
+    each settled as warm settles it with nothing stored here (``settle_peer``); hand process 0
+    the entries only this process's key names, and report with process 0's results."""
 
     ns_url = ctx.store(plan.cache).url_for(plan.environment.namespace)
-    mine: dict[int, tuple[str | None, str | None, float, bytes | None, str | None]] = {}
+    mine: dict[int, BucketResult] = {}
+    entries: dict[int, Outcome] = {}
+    lock = threading.Lock()
+    jobs = default_jobs() if request.jobs is None else request.jobs
+
+    def record(position: int, bucket: Any, outcome: Outcome | None, error: str | None) -> Any:
+        result = settle_peer(bucket, outcome, error)
+        with lock:
+            mine[position] = result
+            if outcome is not None and outcome.entry is not None and result.status == COMPILED:
+                entries[position] = outcome
+            done = len(mine)
+        if request.progress is not None:
+            request.progress(result, done, len(plan.buckets))
+        return result
+
+    retried = [0]
 
     def compiled_all() -> dict[str, Any]:
-        mine.update(_compile_all(plan, ns_url))
+        config = warm_jax_config(ns_url, plan.environment)
+        cache = plan.cache
+        with jax_storage(cache.root_url, cache.storage_options, ns_url):
+            retried[0] = run_threads(plan, config, jobs, request.fail_fast, record, peer_entry=True)
         return {"buckets": [], "run_id": None}
 
     writer = _exchange("result", me, compiled_all)[WRITER]
@@ -550,13 +538,19 @@ def _follow(ctx: Context, plan: Any, me: ProcessInfo, started: float) -> Any:
     def offer() -> dict[str, Any]:
         client = _client()
         offered = []
-        for position, (key, _lookup, seconds, data, _error) in mine.items():
+        for position, outcome in sorted(entries.items()):
             other = theirs.get(position)
+            data, key = outcome.entry, outcome.key
             if data is None or key is None or (other is not None and other["key"] == key):
                 continue  # process 0 wrote this very key (or it was in the cache already)
             client.key_value_set_bytes(f"{_PREFIX}/{_SEQUENCE[0]}/blob/{me.index}/{position}", data)
             offered.append(
-                {"position": position, "key": key, "sha256": sha256(data), "seconds": seconds}
+                {
+                    "position": position,
+                    "key": key,
+                    "sha256": sha256(data),
+                    "seconds": outcome.seconds,
+                }
             )
         return {"entries": offered}
 
@@ -564,33 +558,37 @@ def _follow(ctx: Context, plan: Any, me: ProcessInfo, started: float) -> Any:
     _exchange("done", me, lambda: {"stored": 0})
     results = []
     for position, bucket in enumerate(plan.buckets):
-        key, lookup, seconds, data, error = mine.get(
-            position, (None, None, 0.0, None, "not attempted")
+        result = mine.get(position) or BucketResult(
+            bucket.function,
+            dict(bucket.values),
+            SKIPPED,
+            error="not attempted: --fail-fast stopped the run after a failure",
         )
         other = theirs.get(position) or {}
-        if error is not None:
-            status = warm_mod.FAILED
-        elif other.get("status") == warm_mod.FAILED:
-            status, error = warm_mod.FAILED, f"process {WRITER}: {other.get('error')}"
-        else:
-            status = warm_mod.CACHED if lookup == "hit" else warm_mod.COMPILED
-        results.append(
-            warm_mod.BucketResult(
-                bucket.function,
-                dict(bucket.values),
-                status,
-                key=key,
-                compile_seconds=seconds if status == warm_mod.COMPILED else 0.0,
-                bytes=len(data) if data is not None else other.get("bytes"),
-                error=error,
+        if result.status != FAILED and other.get("status") == FAILED:
+            result = dataclasses.replace(
+                result, status=FAILED, error=f"process {WRITER}: {other.get('error')}"
             )
-        )
-    failed = sum(r.status == warm_mod.FAILED for r in results)
-    compiled_n = sum(r.status == warm_mod.COMPILED for r in results)
-    cached = sum(r.status == warm_mod.CACHED for r in results)
-    compile_seconds = sum(r.compile_seconds or 0.0 for r in results)
-    summary = warm_mod.WarmSummary(
-        len(results), compiled_n, cached, failed, compile_seconds, time.perf_counter() - started
+        if result.bytes is None and other.get("bytes") is not None:
+            result = dataclasses.replace(result, bytes=other["bytes"])
+        results.append(result)
+    failed = sum(r.status in (FAILED, TOO_LARGE) for r in results)
+    compiled_n = sum(r.status == COMPILED for r in results)
+    cached = sum(r.status == CACHED for r in results)
+    compile_seconds = sum(r.compile_seconds or 0.0 for r in results if r.status != CACHED)
+    wall = time.perf_counter() - started
+    summary = WarmSummary(
+        len(results),
+        compiled_n,
+        cached,
+        failed,
+        compile_seconds,
+        wall,
+        sum(r.lower_seconds or 0.0 for r in results),
+        compile_seconds / (wall * jobs) if wall > 0 else None,
+        "thread",
+        jobs,
+        retried[0],
     )
     return warm_mod.WarmReport(
         warm_mod.environment_json(plan.environment),
@@ -600,6 +598,6 @@ def _follow(ctx: Context, plan: Any, me: ProcessInfo, started: float) -> Any:
         cache=plan.cache.name,
         manifest=plan.manifest_path,
         run_id=writer["run_id"],
-        jobs=1,
+        jobs=jobs,
         executor="thread",
     )

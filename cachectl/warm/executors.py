@@ -99,8 +99,10 @@ def run_threads(
     record: RecordFn,
     executables: bool = False,
     present: Callable[[str], bool] | None = None,
+    peer_entry: bool = False,
 ) -> int:
-    """In this process: one by one (``jobs`` 1) or in a pool; ``present`` skips stored buckets.
+    """In this process: one by one (``jobs`` 1) or in a pool; ``present`` skips stored buckets;
+    ``peer_entry``: compile_bucket's, for a process JAX never writes from.
 
     Returns how many buckets failed in the pool and were run again alone (see ``_drive``)."""
     devices = target_devices(plan)
@@ -117,6 +119,7 @@ def run_threads(
             kwargs,
             executables=executables,
             present=present,
+            peer_entry=peer_entry,
         )
 
     with jax_configured(config), CAPTURE.installed(), compiling_for(devices):

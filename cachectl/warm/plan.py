@@ -14,13 +14,14 @@ from cachectl.core.fingerprint import Environment, current_environment
 from cachectl.index import CacheInfo
 from cachectl.manifest import (
     Bucket,
+    LoadedManifest,
     Manifest,
+    as_loaded,
     build_call,
     check_imports,
     compiling_for,
     expand,
     jit_function,
-    load_manifest,
     select_shard,
 )
 from cachectl.trust.permissions import check_writer
@@ -34,8 +35,7 @@ from cachectl.warm.deviceless import DevicelessTarget, resolve
 class WarmPlan:
     """A validated manifest resolved against this machine and a cache."""
 
-    manifest: Manifest
-    manifest_path: str
+    loaded: LoadedManifest  # the file as read, once: its digest is of the bytes compiled
     buckets: list[Bucket]
     cache: CacheInfo
     environment: Environment
@@ -43,6 +43,18 @@ class WarmPlan:
     search_paths: tuple[str, ...]
     # Compiling for a TPU slice this machine does not have (warm --topology): its devices.
     deviceless: DevicelessTarget | None = None
+
+    @property
+    def manifest(self) -> Manifest:
+        return self.loaded.manifest
+
+    @property
+    def manifest_path(self) -> str:
+        return self.loaded.path
+
+    @property
+    def manifest_digest(self) -> str:
+        return self.loaded.digest
 
 
 def environment_json(env: Environment) -> dict[str, Any]:
@@ -64,7 +76,7 @@ def target_problems(manifest: Manifest, env: Environment) -> list[str]:
 
 def plan_warm(
     ctx: Context,
-    manifest_path: str | Path,
+    manifest_path: str | Path | LoadedManifest,
     *,
     cache: str | None = None,
     shard: tuple[int, int] | None = None,
@@ -78,8 +90,10 @@ def plan_warm(
     a target mismatch is returned in ``target_problems`` (callers exit 3). With ``topology``
     (or the manifest's ``target.topology`` on a machine that is no TPU) the buckets compile
     for that TPU slice's compile-only devices, into the slice's namespace (warm/deviceless.py).
+    A manifest already read (``LoadedManifest``) is not read again.
     """
-    manifest = load_manifest(manifest_path, import_paths=paths)  # a bad one: all problems
+    loaded = as_loaded(manifest_path, import_paths=paths)  # a bad one: all problems
+    manifest = loaded.manifest
     cache_info = ctx.cache(cache or manifest.cache or ctx.settings.cache)
     if writer_check:
         check_writer(cache_info, "warm")
@@ -105,9 +119,7 @@ def plan_warm(
     buckets = expand(manifest)
     if shard is not None:
         buckets = select_shard(buckets, *shard)
-    return WarmPlan(
-        manifest, str(manifest_path), buckets, cache_info, env, problems, tuple(paths), deviceless
-    )
+    return WarmPlan(loaded, buckets, cache_info, env, problems, tuple(paths), deviceless)
 
 
 def environment_mismatch(manifest_path: str, problems: Sequence[str]) -> EnvironmentMismatch:

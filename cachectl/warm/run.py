@@ -18,7 +18,7 @@ from cachectl.core.config import default_jobs
 from cachectl.core.errors import BadInput
 from cachectl.core.probe import ONE_PROCESS_BACKENDS
 from cachectl.index import warm_runs
-from cachectl.manifest import Bucket, load_manifest, manifest_digest
+from cachectl.manifest import Bucket, LoadedManifest, as_loaded
 from cachectl.storage.entries import CACHE_SUFFIX, EXECUTABLE_SUFFIX
 from cachectl.storage.jax_storage import jax_storage
 from cachectl.trust import signing
@@ -98,7 +98,7 @@ class _Heartbeat:
 
 def warm(
     ctx: Context,
-    manifest_path: str | Path,
+    manifest_path: str | Path | LoadedManifest,
     *,
     cache: str | None = None,
     jobs: int | None = None,
@@ -223,7 +223,7 @@ class _Tally:
 
 def signer_for(
     ctx: Context,
-    manifest: str | Path,
+    manifest: str | Path | LoadedManifest,
     cache: str | None,
     sign_key: str | None,
     paths: Sequence[str] = (),
@@ -231,7 +231,7 @@ def signer_for(
     """The signing key (``--sign-key``, else the environment's), checked against the target
     cache's trusted keys before anything compiles; None: the warm signs nothing."""
     key = signing.signing_key(sign_key)
-    loaded = load_manifest(manifest, import_paths=paths)  # a bad one: all its problems
+    loaded = as_loaded(manifest, import_paths=paths).manifest  # a bad one: all its problems
     target = ctx.cache(cache or loaded.cache or ctx.settings.cache)
     signing.require_signer(target, key, "warm")
     return key
@@ -333,7 +333,7 @@ def _open_run(ctx: Context, plan: WarmPlan, opts: _Options) -> tuple[RunScope, s
     assert env_info is not None
     run = ctx.index.start_warm_run(
         env_info.id,
-        manifest_digest=manifest_digest(plan.manifest_path),
+        manifest_digest=plan.manifest_digest,
         manifest_path=str(Path(plan.manifest_path).resolve()),
         buckets=len(plan.buckets),
     )

@@ -74,6 +74,29 @@ def settle(
     With executables on (``stored_aot`` not None), a bucket is ``cached`` only
     when its JAX entry and its stored executable are both there already.
     """
+    failed = _failed(bucket, outcome, error)
+    if failed is not None:
+        return failed
+    assert outcome is not None and outcome.key is not None
+    rel = f"{scope.ns_rel}/{outcome.key}{CACHE_SUFFIX}"
+    if outcome.lookup == "miss" and not outcome.written:
+        reason = outcome.skip_reason or "see the warning JAX printed"
+        if jax_seam.is_host_callbacks_text(outcome.skip_reason):
+            reason = jax_seam.host_callbacks_cause([_module(outcome.key)])
+        broken = _broken_entry(scope.store, rel)
+        if broken:  # JAX never rewrites an existing file: a broken one would stay for ever
+            reason = f"{broken}; removed it, rerun warm"
+        return _result(
+            bucket, outcome, FAILED, error=f"compiled but JAX did not write it: {reason}"
+        )
+    if outcome.lookup == "hit":
+        return _settle_hit(scope, bucket, outcome, rel)
+    return _settle_written(scope, bucket, outcome, rel)
+
+
+def _failed(bucket: Bucket, outcome: Outcome | None, error: str | None) -> BucketResult | None:
+    """The bucket's failure before anything was stored: it raised, or JAX never consulted the
+    persistent cache for it; None when it goes on to be settled."""
     if error is not None or outcome is None:
         return BucketResult(
             bucket.function,
@@ -90,20 +113,25 @@ def settle(
             key=None,
             error="JAX did not consult the persistent cache for this program",
         )
-    rel = f"{scope.ns_rel}/{outcome.key}{CACHE_SUFFIX}"
-    if outcome.lookup == "miss" and not outcome.written:
-        reason = outcome.skip_reason or "see the warning JAX printed"
-        if jax_seam.is_host_callbacks_text(outcome.skip_reason):
-            reason = jax_seam.host_callbacks_cause([_module(outcome.key)])
-        broken = _broken_entry(scope.store, rel)
-        if broken:  # JAX never rewrites an existing file: a broken one would stay for ever
-            reason = f"{broken}; removed it, rerun warm"
-        return _result(
-            bucket, outcome, FAILED, error=f"compiled but JAX did not write it: {reason}"
-        )
+    return None
+
+
+def settle_peer(bucket: Bucket, outcome: Outcome | None, error: str | None) -> BucketResult:
+    """A bucket of a process JAX never writes from (a distributed job's process other than 0):
+    the same judgement as :func:`settle` with nothing stored or indexed here. A miss is
+    ``compiled`` with the entry JAX would have written (``outcome.entry``, for process 0 to
+    store when its own key differs); a program with host callbacks fails as in process 0."""
+    failed = _failed(bucket, outcome, error)
+    if failed is not None:
+        return failed
+    assert outcome is not None
     if outcome.lookup == "hit":
-        return _settle_hit(scope, bucket, outcome, rel)
-    return _settle_written(scope, bucket, outcome, rel)
+        return _result(bucket, outcome, CACHED)
+    if outcome.host_callbacks:
+        cause = jax_seam.host_callbacks_cause([_module(outcome.key or "")])
+        return _result(bucket, outcome, FAILED, error=f"compiled but JAX did not write it: {cause}")
+    size = len(outcome.entry) if outcome.entry is not None else None
+    return _result(bucket, outcome, COMPILED, bytes=size)
 
 
 def _result(bucket: Bucket, outcome: Outcome, status: str, **fields: Any) -> BucketResult:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -94,3 +96,42 @@ def service(tmp_path: Path, cache: str = "", env: dict[str, str] | None = None) 
     code = TINY_SERVICE.format(dir=str(tmp_path), cache=repr(cache) if cache else "")
     proc = run_py(code, env, check=True)
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+# `cachectl ARGS` in a fresh process, with every open of one file counted (sys.addaudithook sees
+# each open() of the interpreter, pathlib's included); the count goes to stderr at the end.
+_COUNTED = """
+import os, runpy, sys
+counted = os.path.realpath({path!r})
+opens = []
+
+def hook(event, args):
+    if event == "open" and args and isinstance(args[0], (str, bytes, os.PathLike)):
+        if os.path.realpath(os.fsdecode(args[0])) == counted:
+            opens.append(args[1])
+
+sys.addaudithook(hook)
+{before}
+sys.argv = ["cachectl", *{args!r}]
+try:
+    runpy.run_module("cachectl", run_name="__main__")
+finally:
+    sys.stderr.write(f"\\nOPENS={{len(opens)}}\\n")
+"""
+
+
+def counting_opens(
+    path: Path,
+    args: Sequence[str],
+    *,
+    env: Mapping[str, str] | None = None,
+    cwd: Path | None = None,
+    before: str = "",
+) -> tuple[subprocess.CompletedProcess, int]:
+    """(the finished `cachectl ARGS`, how many times it opened ``path``); ``before``: Python
+    run in that process before the command (after the hook is installed)."""
+    code = _COUNTED.format(path=str(path), args=list(args), before=before)
+    proc = run_py(code, dict(env or {}), cwd=cwd)
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("OPENS=")]
+    assert len(lines) == 1, proc.stderr[-3000:]
+    return proc, int(lines[0].split("=", 1)[1])
