@@ -462,14 +462,15 @@ def markdown(result: dict[str, Any]) -> str:
         f"With two workers, the busier worker did {min(busiest):.0%}–{max(busiest):.0%} of the "
         "servers' CPU work.",
         "",
-        "What two cores can and cannot show. They cannot show two workers with a whole core each "
-        "while the load generator has a core of its own: whatever the load generator uses is "
-        "taken from the workers (the load generator cores above), and so is whatever the other "
-        "users of this machine ran in the same window (the other cores). So the req/s ratio is a "
-        "floor for what two workers give on two free cores. They can show whether a second "
-        "worker makes each request dearer. That is requests per server CPU second: the same for "
-        "one and two workers means the two processes do not slow each other. They can also show "
-        "whether the work is split between the two workers.",
+        "What two cores can and cannot show. Two workers cannot each have a whole core while the "
+        "load generator has one of its own: what it uses (load generator cores) comes out of the "
+        "workers'. On a shared machine the req/s ratio also depends on how much of the two cores "
+        "the other users left each configuration (other cores), and two processes get a larger "
+        "share of a contended machine than one. So here the req/s ratio is not a measure of "
+        "scaling, in either direction. What the machine can show is requests per server CPU "
+        "second: if it is the same for one and two workers, a second worker does not make each "
+        "request dearer. It can also show how the work was split between the two workers "
+        "(connections stay with the worker that accepted them).",
         "",
     ]
     return "\n".join(lines)
