@@ -17,13 +17,17 @@ then nginx sends the file that answer named from that cache's root (``try_files`
 followed). The answer is kept only as long as cachectl says (``X-Accel-Expires: @<unix second>``,
 server/fast_lane.py ``accel_expires``): until the first of the remembered token, environment and
 recorded entry (server/state.py) would be asked for again, rounded down to nginx's whole
-seconds. So a revoked token or a deleted entry stops being served by nginx no later than by
-cachectl itself: ``token_cache_s``. Only an answer that names a file is kept; a refusal, a
-missing entry, an error or an answer without a file (an object store) sends the request on to
-cachectl, which gives its own answer (JSON 401/403/404, or the bytes). Other methods (uploads)
-go to cachectl without the subrequest. The Authorization header is part of nginx's cache key,
-and nginx writes its keys into the cache's files: the cache directory (``auth_cache``) must be
-readable by nginx's user only.
+seconds. So a revoked token stops being served by nginx no later than by cachectl itself
+(``token_cache_s``), and an entry whose file is deleted is a 404 at once. An entry rewritten
+with other bytes is sent with the sha256 header of the kept answer for as long (a client that
+checks it refuses them; cachectl sends the sha256 only while the recorded size matches). Only
+an answer that names a file is kept; a refusal, a missing entry, an error or an answer without
+a file (an object store) sends the request on to cachectl, which gives its own answer (JSON
+401/403/404, or the bytes). Other methods (uploads) go to cachectl without the subrequest.
+cachectl's /metrics count only what reaches it: a download nginx sends on a kept answer is in
+nginx's logs only. The Authorization header is part of nginx's cache key, and nginx writes its
+keys into the cache's files: the cache directory (``auth_cache``) must be readable by nginx's
+user only (nginx makes it so).
 
 The recipe is tested against real nginx (tests/test_server_nginx.py) and measured against nginx
 alone in bench/nginx.py (BENCHMARKS.md, "Server against nginx").
