@@ -10,6 +10,25 @@ token check. Objects in GCS or S3 are not redirected: cachectl reads and sends t
 The headers cachectl computed (the recorded sha256, its ETag, Cache-Control) are copied onto
 nginx's answer from the upstream's (``$upstream_http_*``).
 
+Repeat downloads do not ask cachectl each time. An entry GET or HEAD on a local cache first asks
+cachectl in an ``auth_request`` subrequest (a GET of the same path with the same token), whose
+answer nginx keeps in its ``proxy_cache`` keyed on the Authorization header and the request URI;
+then nginx sends the file that answer named from that cache's root (``try_files``, no symlink
+followed). The answer is kept only as long as cachectl says (``X-Accel-Expires: @<unix second>``,
+server/fast_lane.py ``accel_expires``): until the first of the remembered token, environment and
+recorded entry (server/state.py) would be asked for again, rounded down to nginx's whole
+seconds. So a revoked token stops being served by nginx no later than by cachectl itself
+(``token_cache_s``), and an entry whose file is deleted is a 404 at once. An entry rewritten
+with other bytes is sent with the sha256 header of the kept answer for as long (a client that
+checks it refuses them; cachectl sends the sha256 only while the recorded size matches). Only
+an answer that names a file is kept; a refusal, a missing entry, an error or an answer without
+a file (an object store) sends the request on to cachectl, which gives its own answer (JSON
+401/403/404, or the bytes). Other methods (uploads) go to cachectl without the subrequest.
+cachectl's /metrics count only what reaches it: a download nginx sends on a kept answer is in
+nginx's logs only. The Authorization header is part of nginx's cache key, and nginx writes its
+keys into the cache's files: the cache directory (``auth_cache``) must be readable by nginx's
+user only (nginx makes it so).
+
 The recipe is tested against real nginx (tests/test_server_nginx.py) and measured against nginx
 alone in bench/nginx.py (BENCHMARKS.md, "Server against nginx").
 """
@@ -17,6 +36,7 @@ alone in bench/nginx.py (BENCHMARKS.md, "Server against nginx").
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Sequence
 from urllib.parse import quote
 
@@ -24,7 +44,14 @@ from cachectl.index import CacheInfo
 from cachectl.storage.store import Store
 
 ACCEL_HEADER = "x-accel-redirect"
+# How long nginx may keep a redirect as its answer (fast_lane.accel_expires).
+ACCEL_EXPIRES = b"x-accel-expires"
 DEFAULT_PREFIX = "/_cachectl_files/"
+# Where nginx keeps cachectl's answers to its auth subrequests: under nginx's prefix for a whole
+# printed nginx.conf, Debian's nginx cache directory for an include.
+AUTH_CACHE_STANDALONE = "tmp/cachectl_auth"
+AUTH_CACHE_INCLUDED = "/var/cache/nginx/cachectl_auth"
+ENTRY_PATH = "/api/v1/caches/{cache}/environments/[^/]+/entries/[^/]+"
 
 
 def accel_uri(prefix: str, cache: str, rel: str) -> str:
@@ -55,27 +82,58 @@ def nginx_config(
     prefix: str,
     standalone: bool = True,
     user: str | None = None,
+    auth_cache: str | None = None,
 ) -> str:
     """An nginx configuration for the recipe: ``listen`` proxies to cachectl at ``upstream``, and
     one internal location per local cache sends its files. ``standalone``: a whole nginx.conf whose
     files (pid, temporary bodies) live under nginx's prefix (``nginx -p DIR -c FILE``); otherwise
     only the ``upstream`` and ``server`` blocks, for an ``include`` in an existing http block.
     nginx's workers must be able to read every cache root: ``user`` names whom they run as (nginx
-    started by root otherwise runs them as ``nobody``)."""
+    started by root otherwise runs them as ``nobody``). ``auth_cache``: where nginx keeps cachectl's
+    answers (by default under its prefix, or Debian's cache directory for an include)."""
+    if auth_cache is None:
+        auth_cache = AUTH_CACHE_STANDALONE if standalone else AUTH_CACHE_INCLUDED
+    # Repeated where a location sets headers of its own (nginx then inherits none of these).
+    proxied = [
+        "proxy_http_version 1.1;",
+        'proxy_set_header Connection "";',
+        "proxy_set_header Host $http_host;",
+        "proxy_set_header X-Forwarded-For $proxy_add_x_forwarded_for;",
+        "proxy_set_header X-Forwarded-Proto $scheme;",
+    ]
+    server_proxied, auth_proxied = ("\n" + " " * 8).join(proxied), ("\n" + " " * 12).join(proxied)
     locations = []
     for name, root in roots:
+        headers = """etag off;
+            types { }
+            default_type application/octet-stream;"""
         locations.append(
             f"""
         location {_quoted(prefix + quote(name, safe="") + "/")} {{
             internal;
             alias {_quoted(root.rstrip("/") + "/")};
             disable_symlinks on;
-            etag off;
-            types {{ }}
-            default_type application/octet-stream;
+            {headers}
             add_header Cache-Control $upstream_http_cache_control;
             add_header ETag $upstream_http_etag;
             add_header X-Cachectl-Sha256 $upstream_http_x_cachectl_sha256;
+        }}
+
+        # An entry of {name}: asked of cachectl once per token and path while its answer holds.
+        location ~ {_quoted("^" + ENTRY_PATH.format(cache=re.escape(name)) + "$")} {{
+            auth_request /_cachectl_auth;
+            auth_request_set $cachectl_accel $upstream_http_x_accel_redirect;
+            auth_request_set $cachectl_cc $upstream_http_cache_control;
+            auth_request_set $cachectl_etag $upstream_http_etag;
+            auth_request_set $cachectl_sha $upstream_http_x_cachectl_sha256;
+            error_page 401 403 500 502 503 504 = @cachectl;
+            root {_quoted(root.rstrip("/"))};
+            disable_symlinks on;
+            try_files $cachectl_file @cachectl;
+            {headers}
+            add_header Cache-Control $cachectl_cc;
+            add_header ETag $cachectl_etag;
+            add_header X-Cachectl-Sha256 $cachectl_sha;
         }}"""
         )
     body = f"""
@@ -84,19 +142,59 @@ def nginx_config(
         keepalive 32;
     }}
 
+    # cachectl's answers to the auth subrequests: kept only as long as its X-Accel-Expires says.
+    proxy_cache_path {_quoted(auth_cache)} levels=1:2 keys_zone=cachectl_auth:10m max_size=256m
+                     inactive=10m use_temp_path=off;
+
+    # The file an answer named, as a path in its cache's root (none: cachectl answers).
+    map $cachectl_accel $cachectl_file {{
+        {_quoted("~^" + re.escape(prefix) + "[^/]+(/[^?%]+)$")} $1;
+        default "";
+    }}
+
     server {{
         listen {listen};
         # Uploads go to cachectl as they arrive; it bounds and checks them itself.
         client_max_body_size 0;
         proxy_request_buffering off;
-        proxy_http_version 1.1;
-        proxy_set_header Connection "";
-        proxy_set_header Host $http_host;
-        proxy_set_header X-Forwarded-For $proxy_add_x_forwarded_for;
-        proxy_set_header X-Forwarded-Proto $scheme;
+        {server_proxied}
 
         location / {{
             proxy_pass http://cachectl;
+        }}
+
+        location @cachectl {{
+            proxy_pass http://cachectl;
+        }}
+
+        location @cachectl_no_file {{
+            return 204;
+        }}
+
+        location = /_cachectl_auth {{
+            internal;
+            # Not a read: no subrequest, cachectl answers the request itself.
+            if ($request_method !~ ^(GET|HEAD)$) {{
+                return 204;
+            }}
+            proxy_pass http://cachectl$request_uri;
+            proxy_method GET;
+            proxy_pass_request_body off;
+            {auth_proxied}
+            proxy_set_header Content-Length "";
+            proxy_set_header Range "";
+            proxy_set_header If-Range "";
+            proxy_set_header If-None-Match "";
+            proxy_set_header If-Modified-Since "";
+            # A miss, or any answer but a file or a refusal: no file, and cachectl answers the
+            # request itself (a refusal, 401 or 403, does the same through the entry's error_page).
+            proxy_intercept_errors on;
+            error_page 400 404 405 409 410 416 422 429 = @cachectl_no_file;
+            proxy_cache cachectl_auth;
+            proxy_cache_key "$http_authorization $request_uri";
+            # Kept for as long as X-Accel-Expires says, and for no other reason.
+            proxy_ignore_headers Cache-Control Expires Set-Cookie Vary X-Accel-Redirect
+                                 X-Accel-Limit-Rate X-Accel-Buffering X-Accel-Charset;
         }}
 {"".join(locations)}
     }}

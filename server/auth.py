@@ -56,6 +56,11 @@ class TokenCache:
         info = self._recent.get(hash_token(token))
         return info if info is not None and info.active else None
 
+    def expires(self, token: str) -> float | None:
+        """When a remembered valid token is asked for again (server/recent.py ``expires``); its own
+        expiry, if sooner, is left to the caller's check (``TokenInfo.active``)."""
+        return self._recent.expires(hash_token(token)) if self.get(token) is not None else None
+
     def put(self, token: str, info: TokenInfo) -> None:
         self._recent.put(hash_token(token), info)
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import math
 import os
 import time
 from collections.abc import Awaitable, Callable
@@ -38,11 +39,12 @@ from fastapi.routing import APIRoute
 from starlette.types import Message, Receive, Scope, Send
 
 from cachectl.core.errors import BadInput, CachectlError, NotFound
+from cachectl.core.records import TokenInfo
 from cachectl.storage.store import Store
 from cachectl.storage.store_local import LocalReader
 
 from . import entry_routes, executable_routes
-from .accel import ACCEL_HEADER, accel_uri
+from .accel import ACCEL_EXPIRES, ACCEL_HEADER, accel_uri
 from .api import MAX_CACHE_NAME, MAX_DIGEST
 from .auth import PUBLIC, ROLE_KEY, SCOPE_KEY, bearer_value, refusal
 from .entry_routes import (
@@ -129,6 +131,26 @@ def raw_headers(size: int, sha: str | None) -> list[tuple[bytes, bytes]]:
         headers += [(SHA_HEADER.encode(), sha.encode()), (b"etag", f'"{sha}"'.encode())]
     headers.append(_OCTETS)
     return headers
+
+
+def accel_expires(
+    state: ServerState, bearer: str, token: TokenInfo, params: dict[str, str], executable: bool
+) -> bytes:
+    """How long nginx may keep this redirect as its answer to the same token and path
+    (server/accel.py): ``@<unix second>``, the last whole second before the first of the token,
+    the environment and the recorded entry would be asked of the index again (or the token
+    expires); ``0`` (not kept) when that is less than the current second."""
+    token_until = state.tokens.expires(bearer)
+    known_until = state.known_until(params["cache"], params["digest"], params["key"], executable)
+    if token_until is None or known_until is None:
+        return b"0"
+    now = time.time()
+    wall = now + min(token_until, known_until) - time.monotonic()
+    if token.expires_at is not None:
+        wall = min(wall, token.expires_at.timestamp())
+    # nginx keeps an answer while its clock's whole second is at most this one.
+    last = math.floor(wall) - 1
+    return b"@%d" % last if last >= math.floor(now) else b"0"
 
 
 class _Fd:
@@ -240,7 +262,12 @@ class ByteFastLane:
         authorization, has_body = _head(scope)
         bearer = bearer_value(authorization)
         token = self.state.tokens.get(bearer) if bearer is not None else None
-        if has_body or token is None or refusal(token, lane.role, "cache", cache) is not None:
+        if (
+            has_body
+            or bearer is None
+            or token is None
+            or refusal(token, lane.role, "cache", cache) is not None
+        ):
             return False
         try:
             check_key(key)
@@ -252,7 +279,7 @@ class ByteFastLane:
             if store.kind in INLINE_KINDS and (
                 lane.method == "HEAD" or offered(scope) or self.state.settings.accel_redirect
             ):
-                return await self._inline(lane, params, store, known, scope, send)
+                return await self._inline(lane, params, store, known, (bearer, token), scope, send)
         return await self._threaded(lane, params, scope, receive, send)
 
     def answer_now(
@@ -265,7 +292,7 @@ class ByteFastLane:
         found = self._ready(method, path, headers)
         if found is None:
             return None
-        lane, params, store, (_info, env, recorded) = found
+        lane, params, store, (_info, env, recorded), (bearer, token) = found
         rel = lane.reads.path_of(env, params["key"])
         accel = self.state.settings.accel_redirect if method == "GET" else None
         reader = self.readers.get(store.root)
@@ -292,6 +319,8 @@ class ByteFastLane:
         if accel is not None:
             lines[0] = (b"content-length", b"0")
             lines.append((ACCEL_HEADER.encode(), accel_uri(accel, params["cache"], rel).encode()))
+            expires = accel_expires(self.state, bearer, token, params, lane.reads.executable)
+            lines.append((ACCEL_EXPIRES, expires))
         elif method == "GET":
             self.state.metrics.download_bytes.labels(params["cache"]).inc(size)
         head = b"".join(b"%s: %s\r\n" % (name, value) for name, value in [*date, *lines])
@@ -300,7 +329,16 @@ class ByteFastLane:
 
     def _ready(
         self, method: str, path: str, headers: list[tuple[bytes, bytes]]
-    ) -> tuple[Lane, dict[str, str], Store, tuple[Any, Any, tuple[int, str] | None]] | None:
+    ) -> (
+        tuple[
+            Lane,
+            dict[str, str],
+            Store,
+            tuple[Any, Any, tuple[int, str] | None],
+            tuple[str, TokenInfo],
+        ]
+        | None
+    ):
         """What ``answer_now`` needs, when every check passes and all of it is remembered."""
         for lane in self.lanes:
             if lane.method == method and (m := lane.route.path_regex.match(path)):
@@ -314,7 +352,12 @@ class ByteFastLane:
         authorization, has_body = _head({"headers": headers})
         bearer = bearer_value(authorization)
         token = self.state.tokens.get(bearer) if bearer is not None else None
-        if has_body or token is None or refusal(token, lane.role, "cache", cache) is not None:
+        if (
+            has_body
+            or bearer is None
+            or token is None
+            or refusal(token, lane.role, "cache", cache) is not None
+        ):
             return None
         try:
             check_key(key)
@@ -326,7 +369,7 @@ class ByteFastLane:
         store = self.state.store(known[0])
         if store.kind not in INLINE_KINDS:
             return None
-        return lane, params, store, known
+        return lane, params, store, known, (bearer, token)
 
     async def _inline(
         self,
@@ -334,6 +377,7 @@ class ByteFastLane:
         params: dict[str, str],
         store: Store,
         known: tuple[Any, Any, tuple[int, str] | None],
+        who: tuple[str, TokenInfo],
         scope: Scope,
         send: Send,
     ) -> bool:
@@ -359,6 +403,8 @@ class ByteFastLane:
         if accel is not None:  # nginx sends the bytes (server/accel.py), and counts its own length
             headers[0] = (b"content-length", b"0")
             headers.append((ACCEL_HEADER.encode(), accel_uri(accel, params["cache"], rel).encode()))
+            expires = accel_expires(self.state, *who, params, lane.reads.executable)
+            headers.append((ACCEL_EXPIRES, expires))
         start = {"type": "http.response.start", "status": 200, "headers": headers}
         if fh is None:
             await send(start)

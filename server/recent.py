@@ -35,6 +35,17 @@ class Recent(Generic[K, V]):
             return None
         return item[0]
 
+    def expires(self, key: K) -> float | None:
+        """When ``key``'s remembered value will be asked for again (``time.monotonic``), if it is
+        remembered now: how long an answer made from it may be kept elsewhere (server/accel.py)."""
+        if self.ttl_s <= 0:
+            return None
+        with self._lock:
+            item = self._items.get(key)
+        if item is None or item[1] < time.monotonic():
+            return None
+        return item[1]
+
     def put(self, key: K, value: V) -> None:
         if self.ttl_s <= 0:
             return

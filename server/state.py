@@ -87,6 +87,17 @@ class ServerState:
             return None
         return found[0], found[1], recorded[0]
 
+    def known_until(self, cache: str, digest: str, key: str, executable: bool) -> float | None:
+        """Until when what ``known`` returns now stays remembered (``time.monotonic``), or None."""
+        found = self._where.get((cache, digest.strip().lower()))
+        if found is None:
+            return None
+        until = (
+            self._where.expires((cache, digest.strip().lower())),
+            self._recorded.expires((found[1].id, key, executable)),
+        )
+        return None if None in until else min(t for t in until if t is not None)
+
     def changed(self) -> None:
         """Something this replica changed (a token, a policy, an entry): forget what it remembered."""
         self.tokens.clear()

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,7 +18,9 @@ import pytest
 from support import infra
 from support.server_kit import MAIN, Seed, bearer, entry_key, seed
 
+from cachectl.index import open_index
 from cachectl.storage.entries import sha256
+from cachectl.trust import tokens
 
 API = "/api/v1"
 PREFIX = "/_cachectl_files/"
@@ -164,3 +168,161 @@ def test_missing_entries_and_planted_links_are_cachectls_answers(behind_nginx) -
         assert got.status_code == 404, (key, got.status_code, got.text[:200])
         assert Path("/etc/hostname").read_bytes() not in got.content or not got.content
         assert got.headers["content-type"].startswith("application/json")
+
+
+TTL_S = 4.0  # cachectl's token_cache_s in the fixture below: the staleness bound under test
+
+
+@pytest.fixture()
+def cached_recipe(tmp_path, monkeypatch) -> Iterator[tuple[Seed, infra.Server, infra.Server]]:
+    """The recipe with token_cache_s = TTL_S, on an index of its own (its tests revoke and delete)."""
+    if NGINX is None:
+        pytest.skip("nginx not installed") if NO_NGINX else pytest.fail("nginx is not installed")
+    s = seed(
+        f"sqlite:///{tmp_path}/index.db",
+        str(tmp_path / "main"),
+        str(tmp_path / "other"),
+        entries=3,
+        entry_size=200_000,
+    )
+    monkeypatch.setenv("CACHECTL_SERVER_TOKEN_CACHE", f"{TTL_S:g}s")  # both children read it
+
+    def cachectl_argv(port: int) -> list[str]:
+        return [sys.executable, "-m", "cachectl", "serve", "--db", s.db, "--port", str(port)] + [
+            "--accel-redirect",
+            PREFIX,
+            "--log-level",
+            "warning",
+        ]
+
+    cachectl = infra.start_server(
+        "cachectl-accel",
+        cachectl_argv,
+        tmp_path / "logs",
+        timeout=60,
+        check=lambda srv: httpx.get(srv.url + "/healthz", timeout=5).raise_for_status(),
+    )
+    prefix_dir = tmp_path / "nginx"
+    (prefix_dir / "tmp").mkdir(parents=True)
+
+    def nginx_argv(port: int) -> list[str]:
+        printed = subprocess.run(
+            [sys.executable, "-m", "cachectl", "serve", "--db", s.db, "--port", str(cachectl.port)]
+            + ["--accel-redirect", PREFIX, "--print-nginx-config"]
+            + ["--nginx-listen", f"127.0.0.1:{port}"]
+            + (["--nginx-user", "root"] if os.geteuid() == 0 else []),
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert printed.returncode == 0, printed.stderr
+        conf = prefix_dir / f"nginx-{port}.conf"
+        conf.write_text(printed.stdout)
+        return [str(NGINX), "-p", str(prefix_dir), "-c", str(conf), "-e", "stderr"]
+
+    try:
+        nginx = infra.start_server("nginx", nginx_argv, tmp_path / "logs", timeout=30)
+    except BaseException:
+        cachectl.stop()
+        raise
+    try:
+        yield s, cachectl, nginx
+    finally:
+        nginx.stop()
+        cachectl.stop()
+
+
+def _entry(s: Seed, key: str) -> str:
+    return f"{API}/caches/{MAIN}/environments/{s.digest}/entries/{key}"
+
+
+def test_repeat_downloads_are_sent_by_nginx_without_asking_cachectl(cached_recipe) -> None:
+    s, cachectl, nginx = cached_recipe
+    key, path = s.keys[0], _entry(s, s.keys[0])
+    want = s.entry_bytes[key]
+    reader = bearer(s.tokens["reader"])
+    with httpx.Client(base_url=nginx.url, timeout=10) as client:
+        for _ in range(3):  # cachectl remembers the token and the entry, then nginx its answer
+            got = client.get(path, headers=reader)
+            assert got.status_code == 200 and got.content == want
+        os.kill(cachectl.process.pid, signal.SIGSTOP)  # cachectl answers nothing now
+        try:
+            got = client.get(path, headers=reader, timeout=2)
+            head = client.head(path, headers=reader, timeout=2)
+            ranged = client.get(path, headers={**reader, "range": "bytes=5-9"}, timeout=2)
+        finally:
+            os.kill(cachectl.process.pid, signal.SIGCONT)
+        # nginx's answer is kept per token: another token, or none, is still cachectl's to judge
+        for token in (None, "not-a-token", s.tokens["wrong_scope_reader"], s.tokens["revoked"]):
+            for method in ("GET", "HEAD"):
+                refused = client.request(method, path, headers=bearer(token))
+                assert refused.status_code in (401, 403), (token, method, refused.status_code)
+                assert want[:64] not in refused.content
+                assert refused.headers["content-type"].startswith("application/json")
+    assert got.status_code == 200 and got.content == want
+    assert got.headers["x-cachectl-sha256"] == sha256(want)
+    assert got.headers["etag"] == f'"{sha256(want)}"'
+    assert head.status_code == 200 and int(head.headers["content-length"]) == len(want)
+    assert ranged.status_code == 206 and ranged.content == want[5:10]
+
+
+def _served_until(
+    client: httpx.Client, path: str, headers: dict[str, str], limit_s: float
+) -> float:
+    """Seconds (time.monotonic) when ``path`` was last served: polled until refused or gone."""
+    last = time.monotonic()
+    while time.monotonic() - last < limit_s:
+        got = client.get(path, headers=headers)
+        if got.status_code != 200:
+            return last
+        last = time.monotonic()
+        time.sleep(0.05)
+    raise AssertionError(f"{path} still served {limit_s} s on")
+
+
+def test_a_revoked_token_is_refused_within_token_cache_s(cached_recipe) -> None:
+    s, _cachectl, nginx = cached_recipe
+    index = open_index(s.db)
+    try:
+        token = tokens.create_token(index, "short-lived", "reader").token
+        path = _entry(s, s.keys[1])
+        with httpx.Client(base_url=nginx.url, timeout=10) as client:
+            first = time.monotonic()  # cachectl asks the index for the token now, and remembers it
+            assert client.get(path, headers=bearer(token)).status_code == 200
+            # Late in what cachectl remembers, nginx keeps an answer: for no longer than cachectl
+            # would have (an answer kept token_cache_s from now would outlive the bound).
+            time.sleep(TTL_S - 1.5)
+            for _ in range(3):
+                assert client.get(path, headers=bearer(token)).status_code == 200
+            tokens.revoke_token(index, "short-lived")  # elsewhere: as the CLI or another replica
+            revoked = time.monotonic()
+            last = _served_until(client, path, bearer(token), 3 * TTL_S)
+            refused = client.get(path, headers=bearer(token))
+    finally:
+        index.close()
+    assert refused.status_code == 401 and s.entry_bytes[s.keys[1]][:64] not in refused.content
+    assert last - revoked <= TTL_S
+    # no later than cachectl alone: its own memory of the token ends TTL_S after it asked
+    assert last - first <= TTL_S + 0.5, last - first
+
+
+def test_a_deleted_entry_is_not_sent(cached_recipe) -> None:
+    s, _cachectl, nginx = cached_recipe
+    key, path = s.keys[2], _entry(s, s.keys[2])
+    reader = bearer(s.tokens["reader"])
+    with httpx.Client(base_url=nginx.url, timeout=10) as client:
+        for _ in range(3):
+            assert client.get(path, headers=reader).content == s.entry_bytes[key]
+        index = open_index(s.db)
+        try:  # deleted elsewhere (as `cachectl prune` would): its file, then its row
+            (Path(s.root.removeprefix("file://")) / s.env.namespace / f"{key}-cache").unlink()
+            env_id = index.ensure_environment(MAIN, s.env).id
+            index.delete_entries(env_id, [key])
+        finally:
+            index.close()
+        deleted = time.monotonic()
+        last = _served_until(client, path, reader, 3 * TTL_S)
+        gone = client.get(path, headers=reader)
+    assert last - deleted <= TTL_S
+    assert gone.status_code == 404 and gone.headers["content-type"].startswith("application/json")
+    assert s.entry_bytes[key][:64] not in gone.content
