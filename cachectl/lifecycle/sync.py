@@ -43,7 +43,6 @@ from cachectl.index.sync_queries import (
     observed_entry,
     open_driver,
 )
-from cachectl.lifecycle.checks import check_entry_bytes
 from cachectl.lifecycle.sync_plan import (
     DEFAULT_MIN_AGE,
     NamespaceSync,
@@ -57,6 +56,7 @@ from cachectl.storage.entries import (
     CACHE_SUFFIX,
     EXECUTABLE_SUFFIX,
     CorruptEntry,
+    check_entry_bytes,
     sha256,
 )
 from cachectl.storage.store import Store, ordered_map, read_workers
