@@ -232,3 +232,27 @@ def test_sync_does_every_kind_of_change_on_each_database(db_url: str, tmp_path: 
     finally:
         ctx.close()
         index.close()
+
+
+def test_a_long_list_of_one_action_is_counted_in_one_row(tmp_path: Path, monkeypatch) -> None:
+    """Past LISTED files of one action in a namespace, the table says how many (rendering a row
+    costs about as much as indexing ten entries); --json still lists each."""
+    from click.testing import CliRunner
+
+    from cachectl.cli import cli, sync_cmds
+
+    db = f"sqlite:///{tmp_path / 'index.db'}"
+    index, store = setup_cache(db, str(tmp_path / "root"))
+    index.close()
+    files = _Storage(store)
+    files.first()
+    monkeypatch.setattr(sync_cmds, "LISTED", 5)
+    args = ["--db", db, "--cache", CACHE, "sync", "--dry-run", "--min-age", "0"]
+    out = CliRunner().invoke(cli, args, catch_exceptions=False).output
+    assert "index entry" in out and "6 files (--json lists each)" in out  # 6 > 5: counted
+    assert not any(key in out for key in files.keys[1:])  # keys[0]: its executable is listed
+    for name in files.other_files:  # 2 <= 5: each listed
+        assert name.rsplit("/", 1)[1].removesuffix(CACHE_SUFFIX) in out
+    listed = json.loads(CliRunner().invoke(cli, [*args, "--json"]).output)
+    adds = {e["key"] for ns in listed["plan"]["namespaces"] for e in ns["add"]}
+    assert set(files.keys) <= adds
