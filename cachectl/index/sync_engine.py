@@ -25,6 +25,10 @@ class _Statements:
         self.index = index
         self.conn = conn
 
+    @property
+    def dialect(self) -> str:
+        return self.conn.dialect.name
+
     def _bound(self, sql: str, params: Mapping[str, Any] | None) -> tuple[Any, dict[str, Any]]:
         """The statement and its values; on SQLite, times as the index's UTCDateTime stores them
         (``text()`` knows no column types: the driver's own adapter would add an offset)."""

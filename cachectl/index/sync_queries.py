@@ -112,7 +112,11 @@ AUDIT = (
 
 class Statements(Protocol):
     """One write transaction's statements (a driver's ``write()``); SQL as this module writes it.
-    JSON values are passed as their text (``json.dumps``), times as aware datetimes."""
+    JSON values are passed as their text (``json.dumps``), times as aware datetimes. A
+    cachectl.index.reads Reader too, so the portable reads run inside the transaction."""
+
+    @property
+    def dialect(self) -> str: ...
 
     def rows(self, sql: str, params: Mapping[str, Any] | None = None) -> Sequence[Any]: ...
 
@@ -215,9 +219,9 @@ class SyncIndex:
     def ensure_environment(self, cache: str, env: Environment) -> int:
         """The environment's row id, created if new (with every fingerprint field), revived if it
         was pruned, and marked seen. A row another process creates meanwhile is taken."""
-        cid = reads.cache_id(self.reader, cache)
         now = utcnow()
-        with self.driver.write() as w:
+        with self.driver.write() as w:  # this thread's connection: the reader is the planner's
+            cid = reads.cache_id(w, cache)
             params = {"cid": cid, "digest": env.digest}
             found = w.rows(ENVIRONMENT_ROW, params)
             if not found:

@@ -30,6 +30,8 @@ _JSON_FUNCTIONS = (3, 38, 0)
 class _Statements:
     """One transaction's statements on the writing connection."""
 
+    dialect = "sqlite"
+
     def __init__(self, conn: sqlite3.Connection) -> None:
         self.conn = conn
 
