@@ -18,6 +18,9 @@ from urllib.parse import quote, unquote
 # when a migration is added without looking at them).
 SCHEMA_REVISION = "0011"
 BUSY_TIMEOUT_S = 30.0  # cachectl.index.db.SQLITE_BUSY_TIMEOUT_MS: writers wait, never fail at once
+# SQLite's page cache per connection for the index's writers (cachectl.index.db's engines and
+# sync's stdlib writer, cachectl.index.sync_stdlib).
+SQLITE_CACHE_KIB = 16 * 1024
 
 
 def sqlite_path(url: str) -> Path | None:

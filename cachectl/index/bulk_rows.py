@@ -4,19 +4,19 @@ SQLAlchemy processes every parameter of every row (14 columns a row), most of a 
 time. Here the statement is compiled once, the columns every row shares go through their type's
 bind processor once, and the rows reach the driver as plain tuples: on SQLite (3.38+) one JSON
 array per 10,000 rows to one ``INSERT ... SELECT`` over ``json_each``, which SQLite reads without
-binding a parameter a value from Python and runs without holding the GIL; elsewhere the driver's
+binding a parameter a value from Python and runs without holding the GIL (``bulk_json``); elsewhere the driver's
 ``executemany`` (psycopg pipelines it). A row whose key exists already is never written here: it
 is returned, for the caller's upsert, so re-running stays harmless and counts stay exact.
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from typing import Any
 
 from sqlalchemy.engine import Connection
 
+from cachectl.index.bulk_json import TABLE, insert_json
 from cachectl.index.models import Entry
 
 Row = tuple[Any, ...]  # the varying columns' values as the driver takes them, the key first
@@ -24,7 +24,6 @@ _CHUNK = 500  # keys per existence query: under every driver's bound-parameter l
 _MARKS = {"qmark": "?", "format": "%s", "pyformat": "%s"}
 # SQLite has its JSON functions built in from 3.38 (before, only where compiled in).
 _SQLITE_JSON = (3, 38, 0)
-_JSON_ROWS = 10_000  # rows per SQLite statement: one JSON array of a few MB
 
 
 def bind_processor(column: str, dialect: Any) -> Any:
@@ -60,7 +59,6 @@ def insert_rows(
         return 0, []
     assert varying[0] == "key"
     dialect = conn.dialect
-    table = Entry.__table__.name
     shared = {"environment_id": env_id, **shared}
     constants = tuple(bound(name, dialect, value) for name, value in shared.items())
     quote = dialect.identifier_preparer.quote
@@ -70,65 +68,15 @@ def insert_rows(
         dialect.name == "sqlite"
         and getattr(dialect.dbapi, "sqlite_version_info", (0,)) >= _SQLITE_JSON
     ):
-        return _insert_sqlite_json(
-            conn, table, key_column, columns, len(varying), constants, env_id, rows
+        return insert_json(
+            conn.exec_driver_sql, key_column, columns, len(varying), constants, env_id, rows
         )
     mark = _MARKS[dialect.paramstyle]
     sql = (
-        f"INSERT INTO {table} ({columns}) "
+        f"INSERT INTO {TABLE} ({columns}) "
         f"VALUES ({', '.join([mark] * (len(varying) + len(constants)))})"
     )
-    return _insert_executemany(conn, table, key_column, mark, sql, constants, env_id, rows)
-
-
-def _insert_sqlite_json(
-    conn: Connection,
-    table: str,
-    key_column: str,
-    columns: str,
-    width: int,
-    constants: tuple[Any, ...],
-    env_id: int,
-    rows: Sequence[Row],
-) -> tuple[int, list[Row]]:
-    """SQLite: each batch tried whole under a savepoint, skipping keys that exist: if it inserted
-    every row (nearly always), no key was looked up; else it is rolled back and its existing keys
-    are found first."""
-    lookup = (
-        f"SELECT {key_column} FROM {table} WHERE environment_id = ? "
-        f"AND {key_column} IN (SELECT value FROM json_each(?))"
-    )
-    picks = ", ".join(f"json_extract(value, '$[{i}]')" for i in range(width))
-    insert = (
-        f"INSERT INTO {table} ({columns}) SELECT {picks}, {', '.join('?' * len(constants))} "
-        "FROM json_each(?)"
-    )
-    # "WHERE true": SQLite parses ON CONFLICT after a bare SELECT's FROM as a join's constraint
-    insert_new = f"{insert} WHERE true ON CONFLICT DO NOTHING"
-    inserted = 0
-    existing: list[Row] = []
-    for start in range(0, len(rows), _JSON_ROWS):
-        chunk = rows[start : start + _JSON_ROWS]
-        payload = json.dumps(chunk, ensure_ascii=False)
-        conn.exec_driver_sql("SAVEPOINT bulk_rows")
-        if conn.exec_driver_sql(insert_new, (*constants, payload)).rowcount == len(chunk):
-            conn.exec_driver_sql("RELEASE bulk_rows")
-            inserted += len(chunk)
-            continue
-        conn.exec_driver_sql("ROLLBACK TO bulk_rows")
-        conn.exec_driver_sql("RELEASE bulk_rows")
-        keys = json.dumps([r[0] for r in chunk], ensure_ascii=False)
-        found = {k for (k,) in conn.exec_driver_sql(lookup, (env_id, keys))}
-        new: list[Row] = []
-        for r in chunk:
-            if r[0] in found:
-                existing.append(r)
-            else:
-                new.append(r)
-        if new:
-            conn.exec_driver_sql(insert, (*constants, json.dumps(new, ensure_ascii=False)))
-            inserted += len(new)
-    return inserted, existing
+    return _insert_executemany(conn, TABLE, key_column, mark, sql, constants, env_id, rows)
 
 
 def _insert_executemany(

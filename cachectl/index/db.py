@@ -21,6 +21,7 @@ from sqlalchemy.exc import (
 )
 
 from cachectl.core.errors import BadInput, Unreachable
+from cachectl.core.sqlite_file import SQLITE_CACHE_KIB
 
 log = logging.getLogger(__name__)
 
@@ -33,9 +34,6 @@ def migrations_dir() -> Path:
     import cachectl_migrations
 
     return Path(cachectl_migrations.__file__).parent
-
-
-SQLITE_CACHE_KIB = 16 * 1024
 
 
 def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:

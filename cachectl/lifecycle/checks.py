@@ -9,54 +9,21 @@ their verdict.
 from __future__ import annotations
 
 import hashlib
-import io
 import itertools
 import operator
 from collections.abc import Callable, Iterator
 from typing import NamedTuple
-
-import zstandard
 
 from cachectl.lifecycle.verify_records import CORRUPT, MISMATCH, MISSING
 from cachectl.storage import executables
 from cachectl.storage.entries import (
     CACHE_SUFFIX,
     EXECUTABLE_SUFFIX,
-    ZSTD_MAGIC,
     CorruptEntry,
-    decompress_zstd,
-    header_seconds,
-    scan_entry,
+    check_entry_bytes,
     sha256,
 )
 from cachectl.storage.store import NotRegularFile, Store, ordered_map
-
-# What entries.decompress() allows: sync and verify check any stored entry, however it got there.
-MAX_EXPANDED_BYTES = 1 << 34
-# Decompression output per step: big enough that a real entry (MBs) takes few steps, small
-# enough that the buffer is not a fresh mmap for each of 100,000 small entries.
-SCAN_CHUNK = 1 << 16
-
-
-# A zstd frame declaring at most this many bytes is decompressed in one call: zstandard sizes
-# its output from the declaration and fails if the frame holds more, so memory stays bounded.
-ONE_SHOT_BYTES = 1 << 20
-
-
-def check_entry_bytes(data: bytes) -> None:
-    """An entry's header, checked with a bound (CorruptEntry otherwise): an entry that expands
-    enormously (a decompression bomb) costs time here, never memory. Small zstd entries, most of
-    a cache, take one decompress call and no Header (sync and verify need only the verdict, once
-    per file); the rest one streaming pass."""
-    if data[:4] == ZSTD_MAGIC:
-        try:
-            declared = zstandard.frame_content_size(data[:18])
-        except zstandard.ZstdError:
-            declared = -1
-        if 0 <= declared <= ONE_SHOT_BYTES:
-            header_seconds(decompress_zstd(data))
-            return
-    scan_entry(io.BytesIO(data), MAX_EXPANDED_BYTES, chunk=SCAN_CHUNK)
 
 
 class Check(NamedTuple):

@@ -33,9 +33,16 @@ from typing import Any, TypeVar
 from cachectl.context import Context
 from cachectl.core.bulk_pass import bulk_pass
 from cachectl.core.errors import NotFound
-from cachectl.index import CacheInfo, Index
-from cachectl.index.sync_queries import ObservedRow, insert_observed_rows, observed_entry
-from cachectl.lifecycle.checks import check_entry_bytes
+from cachectl.index import CacheInfo
+from cachectl.index.protocol import IndexBackend
+from cachectl.index.reads import StdlibReads
+from cachectl.index.sync_queries import (
+    ObservedRow,
+    SyncIndex,
+    insert_observed_rows,
+    observed_entry,
+    open_driver,
+)
 from cachectl.lifecycle.sync_plan import (
     DEFAULT_MIN_AGE,
     NamespaceSync,
@@ -49,6 +56,7 @@ from cachectl.storage.entries import (
     CACHE_SUFFIX,
     EXECUTABLE_SUFFIX,
     CorruptEntry,
+    check_entry_bytes,
     sha256,
 )
 from cachectl.storage.store import Store, ordered_map, read_workers
@@ -260,9 +268,17 @@ class _Tally:
     broken: list[str] = field(default_factory=list)
 
 
-def _write(ctx: Context, cache: CacheInfo, pieces: Iterable[_Piece], tally: _Tally) -> None:
-    """The pieces' rows into the index, in order, on this thread: on an index this process opens,
-    WRITE_ROWS at a time and the rest with a namespace's last piece, with its drops and executables."""
+def _write(
+    ctx: Context,
+    cache: CacheInfo,
+    pieces: Iterable[_Piece],
+    tally: _Tally,
+    writes: SyncIndex | None,
+) -> None:
+    """The pieces' rows into the index, in order, on this thread: on an index this process opens
+    (``writes``), WRITE_ROWS at a time and the rest with a namespace's last piece, with its drops
+    and executables; else (the server's) a piece a request."""
+    index: SyncIndex | IndexBackend = writes if writes is not None else ctx.index
     env_id, current = 0, None
     held: list[ObservedRow] = []  # rows read, not yet written: one namespace's, under WRITE_ROWS
     for piece in pieces:
@@ -270,14 +286,18 @@ def _write(ctx: Context, cache: CacheInfo, pieces: Iterable[_Piece], tally: _Tal
         if item is not current:
             assert not held  # a namespace's last piece wrote them
             assert item.environment is not None
-            env_id, current = ctx.index.ensure_environment(cache.name, item.environment).id, item
+            if writes is not None:
+                env_id = writes.ensure_environment(cache.name, item.environment)
+            else:
+                env_id = ctx.index.ensure_environment(cache.name, item.environment).id
+            current = item
             tally.environments_added += item.new_environment
         tally.broken += piece.broken
-        if isinstance(ctx.index, Index):
+        if writes is not None:
             held += piece.rows
             if len(held) < WRITE_ROWS and piece.executables is None:
                 continue
-            ins, upd = insert_observed_rows(ctx.index, env_id, held)
+            ins, upd = insert_observed_rows(writes, env_id, held)
             held = []
         else:  # the server's index, over HTTP: a piece a request, within its body limit
             ins, upd = ctx.index.upsert_entries(env_id, [observed_entry(r) for r in piece.rows])
@@ -286,24 +306,30 @@ def _write(ctx: Context, cache: CacheInfo, pieces: Iterable[_Piece], tally: _Tal
         if piece.executables is None:
             continue
         if item.drop:
-            tally.dropped += ctx.index.delete_entries(env_id, [e.key for e in item.drop])
+            tally.dropped += index.delete_entries(env_id, [e.key for e in item.drop])
         if piece.executables:
-            ctx.index.set_executables(env_id, piece.executables)
+            index.set_executables(env_id, piece.executables)
             tally.recorded += sum(v is not None for v in piece.executables.values())
             tally.cleared += sum(v is None for v in piece.executables.values())
 
 
 def _finish(
-    ctx: Context, cache: CacheInfo, plan: SyncPlan, tally: _Tally, started: float
+    ctx: Context,
+    cache: CacheInfo,
+    plan: SyncPlan,
+    tally: _Tally,
+    started: float,
+    writes: SyncIndex | None,
 ) -> SyncResult:
+    index: SyncIndex | IndexBackend = writes if writes is not None else ctx.index
     gone = 0
     for ns in plan.environments_gone:
-        for env in ctx.index.environment_stats(cache.name):
+        for env in index.environment_stats(cache.name):
             if env.namespace == ns:
-                ctx.index.mark_environment_deleted(env.id)
+                index.mark_environment_deleted(env.id)
                 gone += 1
     duration = time.monotonic() - started
-    ctx.index.audit(
+    index.audit(
         "sync",
         cache=cache.name,
         entries=tally.added + tally.updated + tally.dropped,
@@ -337,7 +363,8 @@ def _finish(
 
 def _unsigned(ctx: Context, cache: CacheInfo, plan: SyncPlan) -> list[str]:
     """The files this sync indexed that a cache with trusted keys has no signature for: sync never
-    signs, so they are marked here, and every reader refuses exactly them."""
+    signs, so they are marked here, and every reader refuses exactly them. Read through
+    ``ctx.index`` (the SQL index: only caches that trust keys load it), after every write."""
     if not cache.trusted_keys:
         return []
     out: list[str] = []
@@ -355,8 +382,11 @@ def _unsigned(ctx: Context, cache: CacheInfo, plan: SyncPlan) -> list[str]:
     return out
 
 
-def execute_sync(ctx: Context, cache: CacheInfo, plan: SyncPlan) -> SyncResult:
-    """Carry out a plan; safe to re-run (every step is an upsert or a delete).
+def execute_sync(
+    ctx: Context, cache: CacheInfo, plan: SyncPlan, writes: SyncIndex | None = None
+) -> SyncResult:
+    """Carry out a plan; safe to re-run (every step is an upsert or a delete). ``writes``: sync's
+    own index (``open_sync_index``) where this process opens one, else None (the server's).
 
     Files are read on a thread a piece ahead of the index writes: the index work (SQLite's
     statements, a server's requests) runs without the GIL, so with a free core the two overlap.
@@ -366,21 +396,41 @@ def execute_sync(ctx: Context, cache: CacheInfo, plan: SyncPlan) -> SyncResult:
     store = Store(cache.root_url, cache.storage_options)
     tally = _Tally()
     with _ahead(_pieces(store, plan.namespaces)) as pieces:
-        _write(ctx, cache, pieces, tally)
-    return _finish(ctx, cache, plan, tally, started)
+        _write(ctx, cache, pieces, tally, writes)
+    return _finish(ctx, cache, plan, tally, started, writes)
 
 
-def _plan_and_execute(ctx: Context, cache: CacheInfo, min_age: timedelta) -> SyncResult:
+def _plan_and_execute(
+    ctx: Context, cache: CacheInfo, min_age: timedelta, writes: SyncIndex
+) -> SyncResult:
     """``execute_sync(plan_sync(...))`` with the plan made on the reading thread too, a namespace
     ahead of the writes (each namespace is planned whole before it is read): the listing, the
     diff and the reads run while the index writes the namespace before. Only for an index this
-    process opens (its engine serves both threads); the plan is the one ``plan_sync`` makes."""
+    process opens (its reads and writes serve both threads); the plan is the one ``plan_sync``
+    makes."""
     started = time.monotonic()
-    planner = SyncPlanner(ctx, cache, min_age, settle=False)
+    planner = SyncPlanner(ctx, cache, min_age, settle=False, index=writes)
     tally = _Tally()
     with _ahead(_pieces(planner.store, planner.namespaces(), planner.cutoff)) as pieces:
-        _write(ctx, cache, pieces, tally)
-    return _finish(ctx, cache, planner.plan(), tally, started)
+        _write(ctx, cache, pieces, tally, writes)
+    return _finish(ctx, cache, planner.plan(), tally, started, writes)
+
+
+def open_sync_index(ctx: Context) -> SyncIndex | None:
+    """The one place that picks sync's index driver from the settings: ``stdlib`` where the
+    context reads through the stdlib already (direct mode, a plain SQLite file at SCHEMA_REVISION,
+    no index handed in or opened: ``Context.reads``), so the command never imports SQLAlchemy;
+    else ``sqlalchemy`` on the SQL index; None with the server's index (server mode), which sync
+    writes through its API. The caller closes it."""
+    if ctx.remote is not None:
+        return None
+    reads = ctx.reads
+    driver = None
+    if isinstance(reads, StdlibReads):
+        driver = open_driver("stdlib", ctx.settings.db, reads.reader)
+    if driver is None:
+        driver = open_driver("sqlalchemy", ctx.index)
+    return None if driver is None else SyncIndex(driver)
 
 
 def sync(
@@ -389,12 +439,17 @@ def sync(
     if not dry_run:
         check_writer(cache, "sync")
     started = time.monotonic()
-    with bulk_pass():
-        if not dry_run and isinstance(ctx.index, Index):
-            return _plan_and_execute(ctx, cache, min_age)
-        plan = plan_sync(ctx, cache, min_age=min_age)
-        if not dry_run:
-            return execute_sync(ctx, cache, plan)
+    writes = open_sync_index(ctx)  # on a local SQLite index, the stdlib: no SQLAlchemy
+    try:
+        with bulk_pass():
+            if not dry_run and writes is not None:
+                return _plan_and_execute(ctx, cache, min_age, writes)
+            plan = plan_sync(ctx, cache, min_age=min_age, index=writes)
+            if not dry_run:
+                return execute_sync(ctx, cache, plan)
+    finally:
+        if writes is not None:
+            writes.close()
     return SyncResult(
         plan,
         environments_added=plan.environments_to_add,

@@ -10,12 +10,12 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 from cachectl.context import Context
 from cachectl.core.errors import BadInput
 from cachectl.core.fingerprint import Environment
-from cachectl.index import CacheInfo
+from cachectl.index import CacheInfo, EnvironmentInfo
 from cachectl.storage.entries import (
     CACHE_SUFFIX,
     ENV_FILE,
@@ -191,6 +191,19 @@ def _on_disk(files: list[Stat]) -> _OnDisk:
     return _OnDisk(entries, executables, has_env)
 
 
+class PlanReads(Protocol):
+    """What planning reads of an index: sync's own (cachectl.index.sync_queries.SyncIndex) or
+    any IndexBackend (the server's)."""
+
+    def environment_stats(
+        self, cache: str, *, include_deleted: bool = False
+    ) -> list[EnvironmentInfo]: ...
+
+    def entry_keys(self, env_id: int) -> dict[str, tuple[int, str]]: ...
+
+    def aot_keys(self, env_id: int) -> dict[str, tuple[int, str]]: ...
+
+
 class SyncPlanner:
     """A sync plan, built a namespace at a time as the listing reaches it (``namespaces``), then
     completed (``plan``) with what only the whole listing shows: environments gone and stray files.
@@ -198,17 +211,24 @@ class SyncPlanner:
     On local disk the listing stats no file: the planner stats the entries the index knows (their
     size says whether they changed) and the executables. A new entry's size and age are stat'ed too
     when ``settle`` is set; else they are left open (``SyncEntry.size`` None, in ``add``) for the
-    read, whose descriptor's fstat gives them at no extra call (``_settle_read``)."""
+    read, whose descriptor's fstat gives them at no extra call (``_settle_read``). ``index``: what
+    it reads (``ctx.index`` when None)."""
 
     def __init__(
-        self, ctx: Context, cache: CacheInfo, min_age: timedelta, *, settle: bool = True
+        self,
+        ctx: Context,
+        cache: CacheInfo,
+        min_age: timedelta,
+        *,
+        settle: bool = True,
+        index: PlanReads | None = None,
     ) -> None:
-        self.index = ctx.index
+        self.index: PlanReads = index if index is not None else ctx.index
         self.cache = cache
         self.store = Store(cache.root_url, cache.storage_options)
         self.store.check_reachable()
         self.known = {
-            e.namespace: e for e in ctx.index.environment_stats(cache.name, include_deleted=True)
+            e.namespace: e for e in self.index.environment_stats(cache.name, include_deleted=True)
         }
         self.cutoff = (datetime.now(UTC) - min_age).timestamp() if min_age > timedelta(0) else None
         self.settle = settle
@@ -330,8 +350,14 @@ class SyncPlanner:
                 files[key] = got
 
 
-def plan_sync(ctx: Context, cache: CacheInfo, *, min_age: timedelta = DEFAULT_MIN_AGE) -> SyncPlan:
-    planner = SyncPlanner(ctx, cache, min_age)
+def plan_sync(
+    ctx: Context,
+    cache: CacheInfo,
+    *,
+    min_age: timedelta = DEFAULT_MIN_AGE,
+    index: PlanReads | None = None,
+) -> SyncPlan:
+    planner = SyncPlanner(ctx, cache, min_age, index=index)
     for _ in planner.namespaces():
         pass
     return planner.plan()
