@@ -23,7 +23,9 @@ class StoreEntry:
 
     module: str  # its backend module (storage/backends/), imported on first use
     schemes: tuple[str, ...]  # the URL schemes (fsspec protocols) naming it; the first is canonical
-    object_store: bool  # reached over the network: services only read it unless a cache allows writes
+    object_store: (
+        bool  # reached over the network: services only read it unless a cache allows writes
+    )
 
 
 # kind -> its registry line.
@@ -42,9 +44,7 @@ PROTOCOLS: dict[str | None, str] = {
 }
 # The scheme a URL of each kind is written with (what JAX, through etils epath, understands).
 URL_SCHEME = {kind: entry.schemes[0] for kind, entry in STORES.items() if kind != "file"}
-_SCHEMES_TEXT = "a local path, " + ", ".join(
-    f"{entry.schemes[0]}://" for entry in STORES.values()
-)
+_SCHEMES_TEXT = "a local path, " + ", ".join(f"{entry.schemes[0]}://" for entry in STORES.values())
 
 
 def split_protocol(url: str) -> tuple[str | None, str]:

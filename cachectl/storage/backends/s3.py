@@ -6,7 +6,12 @@ import copy
 import os
 from typing import Any
 
-from cachectl.core.config import COMMAND_PAUSE_AFTER, JAX_PAUSE_AFTER, STORAGE_PAUSE_S, storage_bounds
+from cachectl.core.config import (
+    COMMAND_PAUSE_AFTER,
+    JAX_PAUSE_AFTER,
+    STORAGE_PAUSE_S,
+    storage_bounds,
+)
 from cachectl.storage.bounded_http import bounded_session
 
 FSSPEC = "s3"
