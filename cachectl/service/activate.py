@@ -28,7 +28,7 @@ from cachectl.core.config import (
 )
 from cachectl.core.errors import BadInput, CachectlError, Unreachable
 from cachectl.core.fingerprint import MANAGED_JAX_CONFIG, Environment, current_environment
-from cachectl.core.urls import is_object_store, normalize_url
+from cachectl.core.urls import is_object_store, normalize_url, url_kind
 from cachectl.service import sqlite_index as service_sqlite
 from cachectl.service.telemetry_sinks import IndexSink, ServerSink
 from cachectl.storage.backends import backend_for
@@ -172,6 +172,8 @@ _FAIL_FAST_S3 = s3_backend.FAIL_FAST
 def fail_fast_options(root_url: str, options: dict[str, Any] | None = None) -> dict[str, Any]:
     """Storage options for a quick probe: one attempt per request where the store's client
     retries (its backend module's ``probe_options``; the bounds are the store's)."""
+    if url_kind(root_url) is None:  # not a store (refused where it is opened)
+        return dict(options or {})
     return backend_for(root_url).probe_options(dict(options or {}))
 
 
@@ -295,7 +297,7 @@ def activate(
     """Resolve this process's namespace and point JAX's persistent cache at it.
 
     Call it before the first compile. ``readonly`` defaults to the cache's
-    policy (``--service-writes``; deny for object stores: gs://, s3://, az://), overridden by the
+    policy (``--service-writes``; deny for object stores), overridden by the
     argument or ``CACHECTL_READONLY``. With ``mirror=DIR`` the namespace's
     verified entries are pulled to DIR first and JAX reads DIR (writes there
     stay local until `cachectl push`). ``telemetry`` installs the hit/miss

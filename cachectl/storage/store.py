@@ -1,7 +1,7 @@
 """One storage abstraction over fsspec for every cache root.
 
-Local paths, ``file://``, ``gs://``, ``s3://``, ``az://`` and ``memory://`` all go through
-the same Store. Dispatch happens once, on the URL's protocol; callers never
+Local paths, ``file://``, ``memory://`` and every object store in the registry
+(``core/urls.py``: ``gs://``, ``s3://``...) go through the same Store. Dispatch happens once, on the URL's protocol; callers never
 branch on schemes. What differs between object stores (options, the bucket to
 check) is asked of the store's backend module (``storage/backends/``). Listing is one recursive call with sizes and times (no
 per-file stat round trips on object stores); deletes are batched so s3fs sends
@@ -83,10 +83,10 @@ def ordered_map(fn: Callable[[T], R], items: Sequence[T], workers: int) -> Itera
         yield from pool.map(fn, items, chunksize=max(1, min(256, len(items) // (workers * 4))))
 
 
-def _mtime(info: dict[str, Any]) -> datetime | None:
-    """Modification time across backends (local mtime, S3 LastModified, GCS updated, Azure
-    last_modified)."""
-    for key in ("mtime", "LastModified", "updated", "last_modified", "created"):
+def _mtime(info: dict[str, Any], own_keys: tuple[str, ...] = ()) -> datetime | None:
+    """Modification time across backends (local mtime, S3 LastModified, GCS updated), after the
+    keys the store's backend names (``MTIME_KEYS``)."""
+    for key in (*own_keys, "mtime", "LastModified", "updated", "created"):
         value = info.get(key)
         if value is None:
             continue
@@ -203,8 +203,9 @@ class Store:
             found = self.fs.find(full, detail=True, withdirs=False)
         except FileNotFoundError:
             return []
+        own_keys = backend(self.kind).MTIME_KEYS
         return [
-            FileInfo(self._rel(name), int(info.get("size") or 0), _mtime(info))
+            FileInfo(self._rel(name), int(info.get("size") or 0), _mtime(info, own_keys))
             for name, info in sorted(found.items())
             if info.get("type", "file") != "directory"
         ]

@@ -7,6 +7,8 @@ A backend module defines, at module level:
 - ``FSSPEC``: fsspec's protocol for its filesystem (``fsspec.filesystem(FSSPEC, **options)``);
 - ``REQUIRES``: the Python module that filesystem needs and the pip command that installs it
   (``None``: fsspec's own), checked before the filesystem is built, with a one-line error;
+- ``MTIME_KEYS``: the keys of its listing that hold a file's modification time, tried before
+  fsspec's common ones (``Store.list``);
 - ``client_options(given)``: the fsspec options cachectl's own client gets: the cache's, the
   environment's endpoint, the storage bounds (``core/config.storage_bounds``);
 - ``jax_options(given)``: the options JAX's own filesystem (etils.epath through fsspec) is handed,
@@ -31,6 +33,7 @@ class Backend(Protocol):
 
     FSSPEC: str
     REQUIRES: tuple[str, str] | None
+    MTIME_KEYS: tuple[str, ...]
 
     def client_options(self, given: dict[str, Any]) -> dict[str, Any]: ...
 

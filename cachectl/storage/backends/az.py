@@ -17,6 +17,8 @@ from cachectl.core.config import storage_bounds
 
 FSSPEC = "az"
 REQUIRES = ("adlfs", "pip install 'cachectl-jax[azure]'")
+# adlfs lists a blob's time as last_modified
+MTIME_KEYS: tuple[str, ...] = ("last_modified",)
 
 
 def client_options(given: dict[str, Any]) -> dict[str, Any]:

@@ -8,6 +8,7 @@ from typing import Any
 
 FSSPEC = "gcs"
 REQUIRES = ("gcsfs", "pip install gcsfs")
+MTIME_KEYS: tuple[str, ...] = ()
 
 
 def client_options(given: dict[str, Any]) -> dict[str, Any]:

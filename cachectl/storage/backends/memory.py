@@ -7,6 +7,7 @@ from typing import Any
 
 FSSPEC = "memory"
 REQUIRES = None
+MTIME_KEYS: tuple[str, ...] = ()
 
 
 def client_options(given: dict[str, Any]) -> dict[str, Any]:

@@ -16,6 +16,7 @@ from cachectl.storage.bounded_http import bounded_session
 
 FSSPEC = "s3"
 REQUIRES = ("s3fs", "pip install s3fs")
+MTIME_KEYS: tuple[str, ...] = ()
 
 # botocore's defaults (5 attempts with backoff, per operation) make an unreachable bucket cost
 # ~25 s; a probe makes one attempt, within the storage bounds. s3fs keeps its own retries for
