@@ -15,17 +15,24 @@ Fixtures (see tests/infra.py for what was found about each service):
                   GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT=false, NO_GCE_CHECK=true);
                   yields that dict.
   gcs_bucket      function. A fresh bucket on the emulator; yields "gs://<bucket>".
+  azurite_server  session. infra.Server for Azurite's Blob service (the Azure
+                  Storage emulator, installed by scripts/test's setup_azurite).
+  az_env          function. Sets AZURE_STORAGE_CONNECTION_STRING; yields that dict.
+  az_container    function. A fresh container on Azurite; yields "az://<container>".
   pg_url          function. A fresh PostgreSQL database (dropped afterwards);
                   yields its SQLAlchemy URL "postgresql+psycopg://...".
   sqlite_url      function. "sqlite:///<tmp_path>/index.db".
   db_url          function, parametrized [sqlite, postgresql]: one of the two.
-  storage_root    function, parametrized [local, memory, s3, gcs]: a fresh root
+  storage_root    function, parametrized [local, memory, s3, gcs, az]: a fresh root
                   URL: <tmp_path>/cache, memory://cachectl-test-<id>,
-                  s3://<fresh bucket>/cachectl, gs://<fresh bucket>/cachectl.
+                  s3://<fresh bucket>/cachectl, gs://<fresh bucket>/cachectl,
+                  az://<fresh container>/cachectl.
 
 Servers start lazily, the first time a test asks for them, and stop at the
 end of the session. Set CACHECTL_TEST_PG_URL (scripts/test does) for the
 PostgreSQL fixtures; CACHECTL_TEST_NO_PG=1 skips them instead of failing.
+Azurite is found through CACHECTL_TEST_AZURITE (scripts/test), the checkout's
+.test-azurite/ or PATH; CACHECTL_TEST_NO_AZURITE=1 skips the az:// tests.
 """
 
 from __future__ import annotations
@@ -45,6 +52,8 @@ infra.configure_process_env()
 # environment, these two included.
 PG_ADMIN_URL = os.environ.get("CACHECTL_TEST_PG_URL") or None
 NO_PG = os.environ.get("CACHECTL_TEST_NO_PG") == "1"
+AZURITE = infra.azurite_command()
+NO_AZURITE = os.environ.get("CACHECTL_TEST_NO_AZURITE") == "1"
 
 
 # Heavy tests (pip installs, full warms, benchmarks) run in CI (.ci/run sets CI=true)
@@ -141,6 +150,40 @@ def gcs_bucket(gcs_env):
     yield f"gs://{name}"
 
 
+# ------------------------------------------------------------ Azure Blob
+
+
+@pytest.fixture(scope="session")
+def azurite_server(tmp_path_factory):
+    if NO_AZURITE:
+        pytest.skip("Azure Blob tests skipped: CACHECTL_TEST_NO_AZURITE=1")
+    if AZURITE is None:
+        pytest.fail(
+            "Azurite (npm package azurite) is not installed. Run the tests through scripts/test, "
+            "which installs it (setup_azurite), or export CACHECTL_TEST_AZURITE=/path/to/azurite-blob, "
+            "or set CACHECTL_TEST_NO_AZURITE=1 to skip the az:// tests.",
+            pytrace=False,
+        )
+    server = infra.start_azurite(AZURITE, tmp_path_factory.mktemp("azurite-logs"))
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def az_env(azurite_server, monkeypatch):
+    env = dict(azurite_server.env)
+    _set_env(monkeypatch, env)
+    yield env
+    infra.clear_fsspec_instance_caches()
+
+
+@pytest.fixture
+def az_container(az_env):
+    name = infra.unique_name()
+    infra.create_az_container(az_env["AZURE_STORAGE_CONNECTION_STRING"], name)
+    yield f"az://{name}"
+
+
 # -------------------------------------------------------------- databases
 
 
@@ -186,7 +229,7 @@ def db_url(request):
 # ---------------------------------------------------------------- storage
 
 
-@pytest.fixture(params=["local", "memory", "s3", "gcs"])
+@pytest.fixture(params=["local", "memory", "s3", "gcs", "az"])
 def storage_root(request, tmp_path):
     kind = request.param
     if kind == "local":
@@ -201,5 +244,7 @@ def storage_root(request, tmp_path):
             fs.rm(url, recursive=True)
     elif kind == "s3":
         yield request.getfixturevalue("s3_bucket") + "/cachectl"
+    elif kind == "az":
+        yield request.getfixturevalue("az_container") + "/cachectl"
     else:
         yield request.getfixturevalue("gcs_bucket") + "/cachectl"

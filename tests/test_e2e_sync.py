@@ -29,12 +29,13 @@ def _cli(*args: str) -> str:
     return result.output
 
 
-@pytest.mark.parametrize("backend", ["local", "s3", "gcs"])
+@pytest.mark.parametrize("backend", ["local", "s3", "gcs", "az"])
 def test_jax_writes_then_sync_indexes(backend: str, request, tmp_path, monkeypatch) -> None:
     root = {
         "local": lambda: str(tmp_path / "shared"),
         "s3": lambda: request.getfixturevalue("s3_bucket") + "/cache",
         "gcs": lambda: request.getfixturevalue("gcs_bucket") + "/cache",
+        "az": lambda: request.getfixturevalue("az_container") + "/cache",
     }[backend]()
     db = f"sqlite:///{tmp_path}/index.db"
     monkeypatch.setenv("CACHECTL_DB", db)

@@ -12,7 +12,7 @@ The quick test runs every unmarked block with a stand-in ``.venv`` in the clone
 made it; its pip refuses to run); the heavy one starts from nothing and runs
 the first command for real.
 The one change made to what the README says: ``scripts/test`` only collects
-(``--co``) with PostgreSQL, Chromium, the OCI registry and nginx off, so the suite never runs itself.
+(``--co``) with PostgreSQL, Chromium, the OCI registry, nginx and Azurite off, so the suite never runs itself.
 
 The Flax NNX and Equinox recipes of the manifest section are written out from
 the README's ```python / ```yaml blocks (named by their first-line comment),
@@ -45,7 +45,7 @@ _SHELL = ("sh", "bash", "console")
 _TEST_COMMAND = re.compile(r"^scripts/test\s*$", re.M)
 _TEST_COMMAND_HERE = (
     "CACHECTL_TEST_NO_PG=1 CACHECTL_TEST_NO_CHROMIUM=1 CACHECTL_TEST_NO_REGISTRY=1 "
-    "CACHECTL_TEST_NO_NGINX=1 "
+    "CACHECTL_TEST_NO_NGINX=1 CACHECTL_TEST_NO_AZURITE=1 "
     "scripts/test --co -q tests/test_cli.py"
 )
 

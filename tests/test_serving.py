@@ -407,11 +407,14 @@ print(json.dumps({{"before": before, "during": during, "devices": jax.device_cou
 # --------------------------------------------------------------------------- object storage
 
 
-def test_serving_from_s3(tmp_path: Path, s3_bucket: str) -> None:
+@pytest.mark.parametrize("store", ["s3", "az"])
+def test_serving_from_an_object_store(tmp_path: Path, store: str, request) -> None:
+    """cachectl.serving loads stored executables from moto's S3 and from Azurite's Blob service."""
+    bucket = request.getfixturevalue({"s3": "s3_bucket", "az": "az_container"}[store])
     (tmp_path / "sv_tiny.py").write_text(TINY_MODULE)
     manifest = tmp_path / "tiny.yaml"
     manifest.write_text(TINY_MANIFEST)
-    result = CliRunner().invoke(cli, ["cache", "add", "remote", f"{s3_bucket}/jax"])
+    result = CliRunner().invoke(cli, ["cache", "add", "remote", f"{bucket}/jax"])
     assert result.exit_code == 0, result.output
     warm(str(manifest), "--cache", "remote")
     out = last_json(
@@ -424,7 +427,7 @@ def test_serving_from_s3(tmp_path: Path, s3_bucket: str) -> None:
     )
     fn = out["report"]["functions"]["affine"]
     assert fn["aot"] == 5 and fn["fallback"] == 0, out["report"]
-    assert out["report"]["namespace"].startswith("s3://")
+    assert out["report"]["namespace"].startswith(f"{bucket}/jax/")
 
 
 def test_warm_check_reports_executable_coverage_from_a_fresh_process(tmp_path: Path) -> None:

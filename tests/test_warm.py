@@ -264,19 +264,24 @@ def test_example_manifest_shard_hits_in_the_real_model(tmp_path: Path) -> None:
     )
 
 
-def test_s3_cache_on_moto(tmp_path: Path, s3_bucket: str) -> None:
-    invoke("cache", "add", "objects", f"{s3_bucket}/jax")
+@pytest.mark.parametrize("store", ["s3", "az"])
+def test_object_store_cache(tmp_path: Path, store: str, request: pytest.FixtureRequest) -> None:
+    """warm into an object store (moto, Azurite), a service hits it, a second warm finds it."""
+    bucket = request.getfixturevalue({"s3": "s3_bucket", "az": "az_container"}[store])
+    # An option of the cache's that JAX's own filesystem must carry too, or the service is refused.
+    options = ["--storage-option", "assume_container_exists=true"] if store == "az" else []
+    invoke("cache", "add", "objects", f"{bucket}/jax", *options)
     manifest = tiny(tmp_path)
     report = warm_json(str(manifest), "--cache", "objects")
     assert report["summary"]["compiled"] == 5
-    assert report["namespace"].startswith(f"{s3_bucket}/jax/")
+    assert report["namespace"].startswith(f"{bucket}/jax/")
 
     import fsspec
 
-    fs = fsspec.filesystem("s3", skip_instance_cache=True)
+    fs = fsspec.filesystem(store, skip_instance_cache=True)
     stored = {
         p.rsplit("/", 1)[1][: -len("-cache")]: fs.cat_file(p)
-        for p in fs.find(report["namespace"][len("s3://") :])
+        for p in fs.find(report["namespace"].split("://", 1)[1])
         if p.endswith("-cache")
     }
     assert set(stored) == {b["key"] for b in report["buckets"]}
@@ -289,6 +294,10 @@ def test_s3_cache_on_moto(tmp_path: Path, s3_bucket: str) -> None:
     assert result["requests"] == 5 and result["hits"] == 5, result
     again = warm_json(str(manifest), "--cache", "objects")
     assert again["summary"]["cached"] == 5
+    if store == "az":  # what `cachectl env` hands a child's JAX (FSSPEC_AZ) carries it
+        variables = json.loads(invoke("--cache", "objects", "env", "--json").stdout)
+        handed = json.loads(variables["FSSPEC_AZ"])
+        assert handed["assume_container_exists"] is True, handed
 
 
 def test_process_executor_writes_the_same_keys(tmp_path: Path) -> None:

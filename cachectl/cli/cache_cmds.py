@@ -60,7 +60,7 @@ def _policy_options(fn: Any) -> Any:
         click.option(
             "--service-writes",
             type=click.Choice(SERVICE_WRITES),
-            help="May services write entries on a miss? (default: deny for gs:// and s3://, allow locally)",
+            help="May services write entries on a miss? (default: deny for object stores, allow locally)",
         ),
         click.option(
             "--group",
@@ -114,7 +114,7 @@ def cache_group() -> None:
 @json_option
 @click.pass_obj
 def add(ctx: Context, name: str, url: str, as_json: bool, **opts: Any) -> None:
-    """Register cache NAME rooted at URL (a path, file://, gs://bucket/prefix, s3://bucket/prefix)."""
+    """Register cache NAME rooted at URL (a path, file://, or an object store's, e.g. s3://bucket/prefix)."""
     from cachectl.trust import caches
 
     info = caches.add_cache(ctx, name, url, **_policy(**opts))

@@ -13,7 +13,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from cachectl.core.sqlite_file import from_json, when
-from cachectl.core.urls import url_kind
+from cachectl.core.urls import is_object_store
 
 # The ``caches`` table's columns, in the order CacheInfo.from_row reads them.
 CACHE_COLUMNS = (
@@ -81,4 +81,4 @@ class CacheInfo:
         """allow/deny; object stores default to deny (services only read them)."""
         if self.service_writes:
             return self.service_writes
-        return "deny" if url_kind(self.root_url) in ("s3", "gcs") else "allow"
+        return "deny" if is_object_store(self.root_url) else "allow"

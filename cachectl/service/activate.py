@@ -28,9 +28,11 @@ from cachectl.core.config import (
 )
 from cachectl.core.errors import BadInput, CachectlError, Unreachable
 from cachectl.core.fingerprint import MANAGED_JAX_CONFIG, Environment, current_environment
-from cachectl.core.urls import normalize_url, url_kind
+from cachectl.core.urls import is_object_store, normalize_url, url_kind
 from cachectl.service import sqlite_index as service_sqlite
 from cachectl.service.telemetry_sinks import IndexSink, ServerSink
+from cachectl.storage.backends import backend_for
+from cachectl.storage.backends import s3 as s3_backend
 from cachectl.storage.jax_storage import JaxStorageRefused, hand_to_jax
 from cachectl.storage.store import Store
 from cachectl.trust import pins
@@ -164,16 +166,15 @@ def _jax_compiled_already() -> bool:
 # request). s3fs keeps its own retries for throttling and dropped connections.
 # A retry policy the process set itself (fsspec's s3 defaults) stays;
 # CACHECTL_S3_FAIL_FAST=0 leaves botocore's.
-_FAIL_FAST_S3 = {"retries": {"max_attempts": 1}}
+_FAIL_FAST_S3 = s3_backend.FAIL_FAST
 
 
 def fail_fast_options(root_url: str, options: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Storage options for a quick probe: one attempt per request (s3 only; the bounds are the
-    store's)."""
-    opts = dict(options or {})
-    if url_kind(root_url) == "s3":
-        opts["config_kwargs"] = {**_FAIL_FAST_S3, **dict(opts.get("config_kwargs") or {})}
-    return opts
+    """Storage options for a quick probe: one attempt per request where the store's client
+    retries (its backend module's ``probe_options``; the bounds are the store's)."""
+    if url_kind(root_url) is None:  # not a store (refused where it is opened)
+        return dict(options or {})
+    return backend_for(root_url).probe_options(dict(options or {}))
 
 
 def _fail_fast() -> dict[str, Any]:
@@ -296,7 +297,7 @@ def activate(
     """Resolve this process's namespace and point JAX's persistent cache at it.
 
     Call it before the first compile. ``readonly`` defaults to the cache's
-    policy (``--service-writes``; deny for gs:// and s3://), overridden by the
+    policy (``--service-writes``; deny for object stores), overridden by the
     argument or ``CACHECTL_READONLY``. With ``mirror=DIR`` the namespace's
     verified entries are pulled to DIR first and JAX reads DIR (writes there
     stay local until `cachectl push`). ``telemetry`` installs the hit/miss
@@ -488,7 +489,7 @@ def _readonly(
     if cache_info is not None and cache_info.root_url == root_url:
         return cache_info.effective_service_writes == "deny"
     # No policy for this root (no index, or CACHECTL_ROOT overrides it): object stores read only.
-    return url_kind(root_url) in ("s3", "gcs")
+    return is_object_store(root_url)
 
 
 def _jax_path(

@@ -25,13 +25,10 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from cachectl.core import jax_seam
-from cachectl.core.config import JAX_PAUSE_AFTER
 from cachectl.core.errors import EnvironmentMismatch
 from cachectl.core.urls import url_kind
-from cachectl.storage.store import bounded_config, options_for
+from cachectl.storage.backends import backend
 
-# The kinds of storage JAX reaches through fsspec, and fsspec's name for each.
-FSSPEC_PROTOCOL = {"s3": "s3", "gcs": "gcs"}
 # Options that are the client's business, not the filesystem's (never handed on).
 _NOT_HANDED = ("skip_instance_cache",)
 
@@ -44,13 +41,13 @@ def jax_options(root_url: str, options: dict[str, Any] | None) -> tuple[str, dic
     """(fsspec protocol, the options JAX's filesystem must carry) for a root on an object store,
     None for one JAX opens as a local path."""
     kind = url_kind(root_url)
-    if kind not in FSSPEC_PROTOCOL:
+    if kind is None:
         return None
-    handed = {k: v for k, v in options_for(kind, options).items() if k not in _NOT_HANDED}
-    if kind == "s3":  # JAX's client pauses after a timeout (storage/bounded_http.py)
-        own_config = dict((options or {}).get("config_kwargs") or {})
-        handed["config_kwargs"] = bounded_config(own_config, pause_after=JAX_PAUSE_AFTER)
-    return FSSPEC_PROTOCOL[kind], handed
+    store = backend(kind)  # the store's backend module says what JAX's filesystem carries
+    handed = store.jax_options(dict(options or {}))
+    if handed is None:
+        return None
+    return store.FSSPEC, {k: v for k, v in handed.items() if k not in _NOT_HANDED}
 
 
 def _carries(carried: Any, wanted: Any) -> bool:
@@ -61,6 +58,12 @@ def _carries(carried: Any, wanted: Any) -> bool:
             _carries(carried.get(k), v) for k, v in wanted.items()
         )
     return bool(carried == wanted)
+
+
+def _protocols(fs: Any) -> tuple[str, ...]:
+    """The fsspec protocols a filesystem answers to."""
+    protocol = getattr(fs, "protocol", ())
+    return (protocol,) if isinstance(protocol, str) else tuple(protocol)
 
 
 def _missing(fs: Any, wanted: dict[str, Any]) -> list[str]:
@@ -118,6 +121,12 @@ def hand_to_jax(
         raise JaxStorageRefused(
             f"JAX reads {root_url} through TensorFlow's gfile here (etils.epath), which takes no "
             "storage options: set EPATH_USE_TF=false, or uninstall tensorflow"
+        )
+    if protocol not in _protocols(fs):
+        restore()
+        raise JaxStorageRefused(
+            f"JAX opens {root_url} as {type(fs).__name__}, not through fsspec's {protocol!r} "
+            "filesystem (an etils.epath without that scheme): upgrade etils"
         )
     missing = _missing(fs, own)
     if missing:

@@ -1,8 +1,9 @@
 """One storage abstraction over fsspec for every cache root.
 
-Local paths, ``file://``, ``gs://``, ``s3://`` and ``memory://`` all go through
-the same Store. Dispatch happens once, on the URL's protocol; callers never
-branch on schemes. Listing is one recursive call with sizes and times (no
+Local paths, ``file://``, ``memory://`` and every object store in the registry
+(``core/urls.py``: ``gs://``, ``s3://``...) go through the same Store. Dispatch happens once, on the URL's protocol; callers never
+branch on schemes. What differs between object stores (options, the bucket to
+check) is asked of the store's backend module (``storage/backends/``). Listing is one recursive call with sizes and times (no
 per-file stat round trips on object stores); deletes are batched so s3fs sends
 DeleteObjects of up to 1000 keys and gcsfs uses batch requests.
 """
@@ -11,7 +12,6 @@ from __future__ import annotations
 
 import builtins
 import contextlib
-import copy
 import io
 import os
 import shutil
@@ -25,13 +25,7 @@ from functools import cached_property
 from typing import Any, BinaryIO, TypeVar
 
 from cachectl.core import temps
-from cachectl.core.config import (
-    COMMAND_PAUSE_AFTER,
-    DELETE_BATCH,
-    STORAGE_PAUSE_S,
-    STORAGE_TIMEOUT_ENV,
-    storage_bounds,
-)
+from cachectl.core.config import DELETE_BATCH, STORAGE_TIMEOUT_ENV, storage_bounds
 from cachectl.core.errors import BadInput, CachectlError, Unreachable
 from cachectl.core.urls import (  # noqa: F401 - URL dispatch, re-exported
     PROTOCOLS,
@@ -41,7 +35,7 @@ from cachectl.core.urls import (  # noqa: F401 - URL dispatch, re-exported
     url_kind,
 )
 from cachectl.storage import store_local as local
-from cachectl.storage.bounded_http import bounded_session
+from cachectl.storage.backends import backend, require
 from cachectl.storage.store_local import Listed
 from cachectl.storage.store_local import (
     NotRegularFile as NotRegularFile,  # raised by reads: callers catch it
@@ -89,9 +83,10 @@ def ordered_map(fn: Callable[[T], R], items: Sequence[T], workers: int) -> Itera
         yield from pool.map(fn, items, chunksize=max(1, min(256, len(items) // (workers * 4))))
 
 
-def _mtime(info: dict[str, Any]) -> datetime | None:
-    """Modification time across backends (local mtime, S3 LastModified, GCS updated)."""
-    for key in ("mtime", "LastModified", "updated", "created"):
+def _mtime(info: dict[str, Any], own_keys: tuple[str, ...] = ()) -> datetime | None:
+    """Modification time across backends (local mtime, S3 LastModified, GCS updated), after the
+    keys the store's backend names (``MTIME_KEYS``)."""
+    for key in (*own_keys, "mtime", "LastModified", "updated", "created"):
         value = info.get(key)
         if value is None:
             continue
@@ -107,43 +102,10 @@ def _mtime(info: dict[str, Any]) -> datetime | None:
     return None
 
 
-def _storage_options(kind: str, options: dict[str, Any] | None) -> dict[str, Any]:
-    opts = copy.deepcopy(dict(options or {}))  # nested options (client_kwargs) stay the cache's
-    if kind == "gcs" and os.environ.get("STORAGE_EMULATOR_HOST") and "token" not in opts:
-        opts["token"] = "anon"
-    if kind == "s3" and os.environ.get("AWS_ENDPOINT_URL") and "endpoint_url" not in opts:
-        opts.setdefault("client_kwargs", {}).setdefault(
-            "endpoint_url", os.environ["AWS_ENDPOINT_URL"]
-        )
-    if kind == "s3":
-        opts["config_kwargs"] = bounded_config(opts.get("config_kwargs"))
-    if kind in ("s3", "gcs"):
-        # Endpoints and credentials come from the environment; a cached instance
-        # could carry an endpoint from before the environment changed.
-        opts["skip_instance_cache"] = True
-    return opts
-
-
-def bounded_config(
-    config_kwargs: dict[str, Any] | None, *, pause_after: int = COMMAND_PAUSE_AFTER
-) -> dict[str, Any]:
-    """botocore's config with this process's storage bounds (config.storage_bounds) where it sets
-    none: connect, silence and, through the HTTP session, the whole request and the pause at an
-    endpoint that timed out ``pause_after`` times in a row (storage/bounded_http.py)."""
-    config = dict(config_kwargs or {})
-    bounds = storage_bounds()
-    config.setdefault("connect_timeout", bounds.connect_s)
-    config.setdefault("read_timeout", bounds.read_s)
-    session = bounded_session(bounds.total_s, STORAGE_PAUSE_S, pause_after)
-    if session is not None:
-        config.setdefault("http_session_cls", session)
-    return config
-
-
 def options_for(kind: str, options: dict[str, Any] | None) -> dict[str, Any]:
-    """The fsspec options a client of this kind of storage gets: the cache's, the environment's
-    endpoint, the bounds (what JAX's own filesystem is handed too: storage/jax_storage.py)."""
-    return _storage_options(kind, options)
+    """The fsspec options cachectl's client of this kind of store gets: the cache's, the
+    environment's endpoint, the bounds (the store's backend module says which)."""
+    return backend(kind).client_options(dict(options or {}))
 
 
 def within_bound(call: Callable[[], T], what: str) -> T:
@@ -185,9 +147,10 @@ class Store:
     def fs(self) -> Any:
         """The fsspec filesystem, built (and fsspec imported) on first use: a read-only service
         only needs the namespace's path."""
+        require(self.kind)  # one line where the store's package is missing
         import fsspec
 
-        return fsspec.filesystem(self.kind, **_storage_options(self.kind, self._options))
+        return fsspec.filesystem(backend(self.kind).FSSPEC, **options_for(self.kind, self._options))
 
     @property
     def is_local(self) -> bool:
@@ -215,10 +178,8 @@ class Store:
     def check_reachable(self) -> None:
         """Fail with one line if the root cannot be reached (bad bucket, no endpoint), within the
         whole storage bound (``CACHECTL_STORAGE_TIMEOUT``) however often the client retries."""
-        if self.kind == "file":
-            return
-        bucket = self.root.split("/", 1)[0] if self.kind in ("s3", "gcs") else self.root
-        if self.kind not in ("s3", "gcs"):
+        bucket = backend(self.kind).bucket(self.root)
+        if bucket is None:
             return
         try:
             fs = self.fs  # built (its modules imported) before the clock starts: no network yet
@@ -242,8 +203,9 @@ class Store:
             found = self.fs.find(full, detail=True, withdirs=False)
         except FileNotFoundError:
             return []
+        own_keys = backend(self.kind).MTIME_KEYS
         return [
-            FileInfo(self._rel(name), int(info.get("size") or 0), _mtime(info))
+            FileInfo(self._rel(name), int(info.get("size") or 0), _mtime(info, own_keys))
             for name, info in sorted(found.items())
             if info.get("type", "file") != "directory"
         ]

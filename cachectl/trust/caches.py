@@ -29,7 +29,19 @@ class RemovedCache:
 
 
 # Option names that carry credentials: those come from the environment, never the index.
-_SECRET_HINTS = ("secret", "password", "token", "credential", "key_id", "access_key", "session")
+_SECRET_HINTS = (
+    "secret",
+    "password",
+    "token",
+    "credential",
+    "key_id",
+    "access_key",
+    "session",
+    "account_key",  # Azure: adlfs's account_key, connection_string, sas_token
+    "connection_string",
+)
+# A value that carries an Azure key or signature (a connection string, a SAS): a credential.
+_AZURE_CREDENTIALS = re.compile(r"(AccountKey|SharedAccessSignature|sig)=", re.IGNORECASE)
 
 
 # A URL with a password in it (scheme://user:password@host): a credential whatever its key.
@@ -40,7 +52,9 @@ def looks_secret(key: str, value: Any) -> bool:
     """A storage option that carries a credential, by its name or by its value."""
     if any(hint in str(key).lower() for hint in _SECRET_HINTS):
         return True
-    return isinstance(value, str) and bool(_URL_CREDENTIALS.match(value.strip()))
+    return isinstance(value, str) and bool(
+        _URL_CREDENTIALS.match(value.strip()) or _AZURE_CREDENTIALS.search(value)
+    )
 
 
 def parse_storage_options(pairs: tuple[str, ...] | list[str]) -> dict[str, Any]:
@@ -59,7 +73,7 @@ def parse_storage_options(pairs: tuple[str, ...] | list[str]) -> dict[str, Any]:
         if looks_secret(key, value):
             raise BadInput(
                 f"storage option {key!r} looks like a credential: the index never stores secrets; "
-                "set it in the environment (AWS_*, GOOGLE_APPLICATION_CREDENTIALS) instead"
+                "set it in the environment (AWS_*, GOOGLE_APPLICATION_CREDENTIALS, AZURE_STORAGE_*) instead"
             )
         target = options
         for part in parts[:-1]:

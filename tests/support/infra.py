@@ -421,6 +421,76 @@ def create_gcs_bucket(endpoint_url: str, name: str) -> None:
         )
 
 
+# ------------------------------------------------------ Azure Blob (Azurite)
+
+# Azurite's one built-in account (its documented development key; nothing real).
+AZURITE_ACCOUNT = "devstoreaccount1"
+AZURITE_KEY = (
+    "Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/KBHBeksoGMGw=="
+)
+
+
+def azurite_command() -> str | None:
+    """The azurite-blob executable: CACHECTL_TEST_AZURITE (scripts/test exports it after
+    setup_azurite), the checkout's .test-azurite/ install, or one on PATH; None when none is."""
+    import shutil
+
+    given = os.environ.get("CACHECTL_TEST_AZURITE")
+    if given:
+        return given
+    local = Path(__file__).resolve().parents[2] / ".test-azurite/node_modules/.bin/azurite-blob"
+    if local.exists():
+        return str(local)
+    return shutil.which("azurite-blob")
+
+
+def start_azurite(command: str, log_dir: Path) -> Server:
+    """Azurite's Blob service (the Azure Storage emulator, npm package ``azurite``), in memory, on
+    a free loopback port. --skipApiVersionCheck: the Python SDK may speak a newer REST version
+    than this Azurite knows; --loose: it ignores headers it does not implement."""
+
+    def check(server: Server) -> None:
+        status, _ = _http("GET", f"{server.url}/{AZURITE_ACCOUNT}?comp=list")
+        if status not in (200, 403):  # listening and answering (403: the request is unsigned)
+            raise RuntimeError(f"GET ?comp=list answered {status}")
+
+    server = start_server(
+        "azurite",
+        lambda port: [
+            command,
+            "--blobHost",
+            LOOPBACK,
+            "--blobPort",
+            str(port),
+            "--inMemoryPersistence",
+            "--skipApiVersionCheck",
+            "--loose",
+            "--disableTelemetry",
+        ],
+        log_dir,
+        check=check,
+    )
+    server.env = az_env_vars(server.url)
+    return server
+
+
+def az_env_vars(endpoint_url: str) -> dict[str, str]:
+    """The environment that points adlfs, and JAX through etils, at Azurite: the connection string
+    adlfs reads (AZURE_STORAGE_CONNECTION_STRING)."""
+    return {
+        "AZURE_STORAGE_CONNECTION_STRING": (
+            f"DefaultEndpointsProtocol=http;AccountName={AZURITE_ACCOUNT};"
+            f"AccountKey={AZURITE_KEY};BlobEndpoint={endpoint_url}/{AZURITE_ACCOUNT};"
+        )
+    }
+
+
+def create_az_container(connection_string: str, name: str) -> None:
+    from azure.storage.blob import BlobServiceClient  # from adlfs
+
+    BlobServiceClient.from_connection_string(connection_string).create_container(name)
+
+
 # ------------------------------------------------------------------ fsspec
 
 
@@ -435,7 +505,11 @@ def clear_fsspec_instance_caches() -> None:
         import fsspec
 
         classes.extend(fsspec.registry.values())
-    for mod_name, attr in (("s3fs", "S3FileSystem"), ("gcsfs", "GCSFileSystem")):
+    for mod_name, attr in (
+        ("s3fs", "S3FileSystem"),
+        ("gcsfs", "GCSFileSystem"),
+        ("adlfs", "AzureBlobFileSystem"),
+    ):
         mod = sys.modules.get(mod_name)
         if mod is not None:
             classes.append(getattr(mod, attr))
