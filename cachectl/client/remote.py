@@ -1,14 +1,37 @@
-"""RemoteIndex: the IndexBackend (cachectl.index.protocol) over the server's HTTP API."""
+"""RemoteIndex: the ``http`` index driver (cachectl.index.open), the IndexBackend over the
+server's HTTP API."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from cachectl.client.server_client import ServerClient
+from cachectl.client.transport import API, seg
 from cachectl.client.wire import decode
 from cachectl.core.errors import BadInput, CachectlError, NotFound, PermissionDenied
-from cachectl.core.records import EnvironmentInfo, actor, pick_environment
+from cachectl.core.records import CacheInfo, EnvironmentInfo, actor, pick_environment
+
+if TYPE_CHECKING:
+    from cachectl.core.config import Settings
+    from cachectl.index.open import Role
+
+# A service's activate() must not wait long on a server that is down: it warns and
+# runs as plain JAX would.
+SERVICE_TIMEOUT_S = 10.0
+SERVICE_CONNECT_TIMEOUT_S = 3.0
+
+
+def service_client(settings: Settings) -> ServerClient:
+    """A client with short timeouts, for activate() and its telemetry."""
+    import httpx
+
+    assert settings.server is not None  # server mode: the callers checked settings.server
+    return ServerClient(
+        settings.server,
+        settings.token,
+        timeout=httpx.Timeout(SERVICE_TIMEOUT_S, connect=SERVICE_CONNECT_TIMEOUT_S),
+    )
 
 
 class RemoteIndex:
@@ -20,6 +43,14 @@ class RemoteIndex:
     """
 
     dialect = "remote"
+
+    @classmethod
+    def open_for(cls, settings: Settings, role: Role) -> RemoteIndex:
+        """The driver's opener: CACHECTL_SERVER with CACHECTL_TOKEN; a service's timeouts are short."""
+        assert settings.server is not None  # open_index chose this driver for server mode
+        if role == "service":
+            return cls(service_client(settings))
+        return cls(ServerClient(settings.server, settings.token))
 
     def __init__(self, client: ServerClient) -> None:
         self.client = client
@@ -51,15 +82,23 @@ class RemoteIndex:
             "unset CACHECTL_SERVER and use --db on a host with index access"
         )
 
+    @property
+    def reader(self) -> NoReturn:
+        raise self.unsupported("reading the index's tables directly")
+
+    @property
+    def sql(self) -> NoReturn:
+        raise self.unsupported("this operation on the SQL index")
+
     # caches
     def list_caches(self) -> list[Any]:
-        return self.client.list_caches()
+        return decode(list[CacheInfo], self.client.get(f"{API}/caches"))
 
     def get_cache(self, name: str) -> Any:
-        return self.client.get_cache(name)
+        return decode(CacheInfo, self.client.get(f"{API}/caches/{seg(name)}"))
 
     def ensure_cache(self, name: str, root_url: str) -> Any:
-        return self.client.get_cache(name)  # the server's caches are the server's to create
+        return self.get_cache(name)  # the server's caches are the server's to create
 
     def add_cache(self, *_args: Any, **_kwargs: Any) -> Any:
         raise self.unsupported("adding a cache")
@@ -72,7 +111,10 @@ class RemoteIndex:
 
     # environments
     def environment_stats(self, cache: str, *, include_deleted: bool = False) -> list[Any]:
-        envs = self.client.environments(cache, include_deleted=include_deleted)
+        data = self.client.get(
+            f"{API}/caches/{seg(cache)}/environments", include_deleted=include_deleted or None
+        )
+        envs = decode(list[EnvironmentInfo], data)
         self._remember(envs)
         return envs
 
@@ -81,7 +123,10 @@ class RemoteIndex:
             return pick_environment(
                 cache, prefix, lambda: self.environment_stats(cache, include_deleted=True)
             )
-        env = self.client.environment(cache, prefix)
+        env = decode(
+            EnvironmentInfo,
+            self.client.get(f"{API}/caches/{seg(cache)}/environments/{seg(prefix)}"),
+        )
         self._remember([env])
         return env
 

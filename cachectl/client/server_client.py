@@ -13,10 +13,8 @@ from cachectl.client.wire import decode, telemetry_wire
 from cachectl.core.errors import CachectlError, OperationFailed, error_named
 from cachectl.core.jsonable import to_jsonable
 from cachectl.core.records import (
-    CacheInfo,
     CreatedToken,
     EntryInfo,
-    EnvironmentInfo,
     TokenInfo,
     WarmRunInfo,
 )
@@ -31,22 +29,7 @@ class ServerClient(Transport):
 
     # -- caches, environments, entries ---------------------------------------------
 
-    def list_caches(self) -> list[Any]:
-        return decode(list[CacheInfo], self.get(f"{API}/caches"))
-
-    def get_cache(self, name: str) -> Any:
-        return decode(CacheInfo, self.get(f"{API}/caches/{seg(name)}"))
-
-    def environments(self, cache: str, *, include_deleted: bool = False) -> list[Any]:
-        data = self.get(
-            f"{API}/caches/{seg(cache)}/environments", include_deleted=include_deleted or None
-        )
-        return decode(list[EnvironmentInfo], data)
-
-    def environment(self, cache: str, prefix: str) -> Any:
-        return decode(
-            EnvironmentInfo, self.get(f"{API}/caches/{seg(cache)}/environments/{seg(prefix)}")
-        )
+    # (a cache's and an environment's reads are RemoteIndex's: cachectl.client.remote)
 
     def iter_entries(self, cache: str, digest: str, **filters: Any) -> Iterator[Any]:
         """Every entry of an environment, page by page."""

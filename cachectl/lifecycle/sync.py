@@ -33,7 +33,7 @@ from typing import Any, TypeVar
 from cachectl.context import Context
 from cachectl.core.bulk_pass import bulk_pass
 from cachectl.core.errors import NotFound
-from cachectl.index import CacheInfo, Index
+from cachectl.index import CacheInfo
 from cachectl.index.sync_queries import ObservedRow, insert_observed_rows, observed_entry
 from cachectl.lifecycle.checks import check_entry_bytes
 from cachectl.lifecycle.sync_plan import (
@@ -273,11 +273,11 @@ def _write(ctx: Context, cache: CacheInfo, pieces: Iterable[_Piece], tally: _Tal
             env_id, current = ctx.index.ensure_environment(cache.name, item.environment).id, item
             tally.environments_added += item.new_environment
         tally.broken += piece.broken
-        if isinstance(ctx.index, Index):
+        if ctx.index.dialect != "remote":  # direct mode: the SQL index's bulk insert
             held += piece.rows
             if len(held) < WRITE_ROWS and piece.executables is None:
                 continue
-            ins, upd = insert_observed_rows(ctx.index, env_id, held)
+            ins, upd = insert_observed_rows(ctx.index.sql, env_id, held)
             held = []
         else:  # the server's index, over HTTP: a piece a request, within its body limit
             ins, upd = ctx.index.upsert_entries(env_id, [observed_entry(r) for r in piece.rows])
@@ -390,7 +390,7 @@ def sync(
         check_writer(cache, "sync")
     started = time.monotonic()
     with bulk_pass():
-        if not dry_run and isinstance(ctx.index, Index):
+        if not dry_run and ctx.index.dialect != "remote":
             return _plan_and_execute(ctx, cache, min_age)
         plan = plan_sync(ctx, cache, min_age=min_age)
         if not dry_run:
