@@ -10,7 +10,7 @@ from cachectl.client.server_client import ServerClient
 from cachectl.client.transport import API, seg
 from cachectl.client.wire import decode
 from cachectl.core.errors import BadInput, CachectlError, NotFound, PermissionDenied
-from cachectl.core.records import CacheInfo, EnvironmentInfo, actor, pick_environment
+from cachectl.core.records import CacheInfo, EnvironmentInfo, pick_environment
 
 if TYPE_CHECKING:
     from cachectl.core.config import Settings
@@ -233,28 +233,10 @@ class RemoteIndex:
         )
 
     # audit
-    def audit(
-        self,
-        operation: str,
-        *,
-        cache: str | None,
-        entries: int = 0,
-        nbytes: int = 0,
-        duration_ms: int | None = None,
-        details: dict[str, Any] | None = None,
-        who: str | None = None,
-    ) -> None:
-        if cache is None:
-            return
-        self.client.audit(
-            cache,
-            operation,
-            entries=entries,
-            nbytes=nbytes,
-            duration_ms=duration_ms,
-            details=details,
-            who=who or actor(),
-        )
+    def audit(self, operation: str, *, cache: str | None, **fields: Any) -> None:
+        """IndexBackend.audit's record, kept by the server (it audits per cache: none without)."""
+        if cache is not None:
+            self.client.audit(cache, operation, **fields)
 
     def audit_log(self, *_args: Any, **_kwargs: Any) -> list[Any]:
         raise self.unsupported("reading the audit log")

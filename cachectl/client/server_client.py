@@ -17,6 +17,7 @@ from cachectl.core.records import (
     EntryInfo,
     TokenInfo,
     WarmRunInfo,
+    actor,
 )
 from cachectl.storage.entries import sha256
 
@@ -110,24 +111,16 @@ class ServerClient(Transport):
             "GET", f"{API}/caches/{seg(cache)}/environments/{digest}/entries/{seg(key)}/aot"
         ).content
 
-    def audit(
-        self,
-        cache: str,
-        operation: str,
-        *,
-        entries: int = 0,
-        nbytes: int = 0,
-        duration_ms: int | None = None,
-        details: dict[str, Any] | None = None,
-        who: str | None = None,
-    ) -> None:
+    def audit(self, cache: str, operation: str, **fields: Any) -> None:
+        """POST one audit record; ``fields`` are IndexBackend.audit's (entries, nbytes,
+        duration_ms, details, who: this user at this host unless given)."""
         body = {
             "operation": operation,
-            "actor": who,
-            "entries": entries,
-            "bytes": nbytes,
-            "duration_ms": duration_ms,
-            "details": to_jsonable(details or {}),
+            "actor": fields.get("who") or actor(),
+            "entries": fields.get("entries", 0),
+            "bytes": fields.get("nbytes", 0),
+            "duration_ms": fields.get("duration_ms"),
+            "details": to_jsonable(fields.get("details") or {}),
         }
         self.request("POST", f"{API}/caches/{seg(cache)}/audit", json=body)
 

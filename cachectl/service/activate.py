@@ -12,7 +12,7 @@ import atexit
 import logging
 import os
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from cachectl import telemetry
@@ -73,13 +73,23 @@ class Activation:
     compiled_before: bool = False
     # The caller (or CACHECTL_RUN_UNVERIFIED_CODE) accepted unverified cache content.
     run_unverified_code: bool = False
-    # The index activate() opened (cachectl.index.open, role "service"), held for this process
-    # and closed at its exit: cachectl.serving and JAX's verifier ask it, never open another.
-    index: IndexBackend | None = field(default=None, compare=False, repr=False)
 
     @property
     def active(self) -> bool:
         return bool(self.path)
+
+    @property
+    def index(self) -> IndexBackend | None:
+        """The index activate() opened (cachectl.index.open, role "service"), held for this
+        process and closed at its exit: cachectl.serving and JAX's verifier read through it
+        rather than open another. Not a field: the record stays plain data (asdict, JSON)."""
+        held: IndexBackend | None = self.__dict__.get("_index")
+        return held
+
+    def holding(self, index: IndexBackend | None) -> Activation:
+        """This record, holding ``index`` (see ``index``)."""
+        object.__setattr__(self, "_index", index)
+        return self
 
 
 def jax_config_for(path: str, env: Environment, readonly: bool) -> dict[str, Any]:
@@ -294,7 +304,7 @@ def activate(
     if problems:
         warning = "cachectl: " + "; ".join(problems)
         _warn(warning)
-    return Activation(
+    activation = Activation(
         cache_name,
         env.namespace,
         target.path,
@@ -307,8 +317,8 @@ def activate(
         pull=pulled,
         compiled_before=compiled_before,
         run_unverified_code=run_unverified,
-        index=index,
     )
+    return activation.holding(index)
 
 
 def _inactive(cache: str, env: Environment, warning: str, compiled_before: bool) -> Activation:
