@@ -11,7 +11,7 @@ from cachectl.core.config import Settings
 from cachectl.core.errors import BadInput
 from cachectl.index import open as index_open
 from cachectl.index import open_index
-from cachectl.index.reads import StdlibReads
+from cachectl.index.stdlib import StdlibReads
 
 
 def _settings(tmp_path: Path, **kw: str) -> Settings:

@@ -22,7 +22,7 @@ from cachectl.core.fingerprint import current_environment
 from cachectl.core.records import NewEntry
 from cachectl.index import open_index
 from cachectl.index.db import migrations_dir
-from cachectl.index.reads import StdlibReads
+from cachectl.index.stdlib import StdlibReads
 from cachectl.index.telemetry_queries import record_telemetry
 from cachectl.telemetry import FunctionCounts, TelemetryBatch
 from cachectl.telemetry.batch import ServingCounts, SignatureCounts
@@ -36,7 +36,7 @@ def test_the_stdlib_path_is_written_for_the_schema_head() -> None:
 
     heads = ScriptDirectory(str(migrations_dir())).get_heads()
     assert heads == [sqlite_file.SCHEMA_REVISION], (
-        "a migration was added: check the stdlib statements (cachectl/index/stdlib_writes.py, "
+        "a migration was added: check the stdlib statements (cachectl.index.stdlib.py, "
         "cachectl/index/reads.py, plan_reads.py, usage.py) against it, then raise SCHEMA_REVISION"
     )
 

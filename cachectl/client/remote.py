@@ -14,7 +14,6 @@ from cachectl.core.records import CacheInfo, EnvironmentInfo, pick_environment
 
 if TYPE_CHECKING:
     from cachectl.core.config import Settings
-    from cachectl.index.open import Role
 
 # A service's activate() must not wait long on a server that is down: it warns and
 # runs as plain JAX would.
@@ -45,7 +44,7 @@ class RemoteIndex:
     dialect = "remote"
 
     @classmethod
-    def open_for(cls, settings: Settings, role: Role) -> RemoteIndex:
+    def open_for(cls, settings: Settings, role: str) -> RemoteIndex:
         """The driver's opener: CACHECTL_SERVER with CACHECTL_TOKEN; a service's timeouts are short."""
         assert settings.server is not None  # open_index chose this driver for server mode
         if role == "service":

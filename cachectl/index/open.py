@@ -3,7 +3,7 @@
 Three drivers, named in :data:`DRIVERS` by dotted path and imported only when chosen (as fsspec's
 registry does), so a plain ``activate()`` never imports SQLAlchemy nor httpx:
 
-- ``stdlib``: :class:`cachectl.index.reads.StdlibReads`, sqlite3 on a plain ``sqlite:///PATH``
+- ``stdlib``: :class:`cachectl.index.stdlib.StdlibReads`, sqlite3 on a plain ``sqlite:///PATH``
   index at SCHEMA_REVISION; it answers reads and a service's writes itself, and opens the
   ``sqlalchemy`` driver behind it only for what it does not run;
 - ``sqlalchemy``: :class:`cachectl.index.sql.Index`, any database, creating and migrating;
@@ -33,7 +33,7 @@ ROLES: tuple[Role, ...] = ("command", "service")
 # name -> "module:callable"; the callable takes (settings, role) and returns the opened index,
 # or None where that driver cannot serve these settings (the next one in open_index's order does).
 DRIVERS: dict[str, str] = {
-    "stdlib": "cachectl.index.reads:StdlibReads.open_for",
+    "stdlib": "cachectl.index.stdlib:StdlibReads.open_for",
     "sqlalchemy": "cachectl.index.sql:Index.open_for",
     "http": "cachectl.client.remote:RemoteIndex.open_for",
 }

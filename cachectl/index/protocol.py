@@ -1,7 +1,7 @@
 """IndexBackend: what the library's operations need from an index, whichever driver it is.
 
 Three drivers implement it (cachectl.index.open, ``DRIVERS``): ``stdlib``
-(:class:`cachectl.index.reads.StdlibReads`), ``sqlalchemy`` (:class:`cachectl.index.sql.Index`)
+(:class:`cachectl.index.stdlib.StdlibReads`), ``sqlalchemy`` (:class:`cachectl.index.sql.Index`)
 and ``http`` (:class:`cachectl.client.remote.RemoteIndex`). :func:`cachectl.index.open.open_index`
 picks one from the settings; nothing else does. The http driver refuses what only the server
 may do (deleting, changing policy, ``reader`` and ``sql``) with BadInput naming the operation.

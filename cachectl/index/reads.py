@@ -17,21 +17,13 @@ import sqlite3
 import threading
 from collections.abc import Mapping, Sequence
 from datetime import datetime
-from typing import TYPE_CHECKING, Any, Protocol, cast
+from typing import Any, Protocol
 
-from cachectl.core.cache_info import CACHE_COLUMNS, CacheInfo, utcnow
+from cachectl.core.cache_info import CACHE_COLUMNS, CacheInfo
 from cachectl.core.errors import NotFound, Unreachable
 from cachectl.core.fingerprint import ENVIRONMENT_FIELDS, Environment
 from cachectl.core.records import EnvironmentInfo, Proof, pick_environment
 from cachectl.core.sqlite_file import connect, from_json, sqlite_path, stamp, when
-from cachectl.index import stdlib_writes
-from cachectl.index.open import driver
-
-if TYPE_CHECKING:
-    from cachectl.core.config import Settings
-    from cachectl.index.open import Role
-    from cachectl.index.sql import Index
-    from cachectl.telemetry.batch import TelemetryBatch
 
 
 class Reader(Protocol):
@@ -162,7 +154,7 @@ def environment(row: Sequence[Any]) -> Environment:
 
 class ReaderQueries:
     """The read queries both SQL drivers run over ``reader`` (the SQL text written once): the
-    SQLAlchemy index (cachectl.index.sql.Index) and the stdlib one (StdlibReads) inherit them."""
+    SQLAlchemy index (cachectl.index.sql.Index) and the stdlib one (cachectl.index.stdlib) inherit them."""
 
     @property
     def reader(self) -> Reader:
@@ -248,103 +240,6 @@ class Queries(ReaderQueries):
     @property
     def reader(self) -> Reader:
         return self._reader
-
-
-# -- the stdlib driver -------------------------------------------------------------------------
-
-
-class StdlibReads(ReaderQueries):
-    """The ``stdlib`` driver (cachectl.index.open): one sqlite3 connection to a plain SQLite index
-    at SCHEMA_REVISION. It runs the read queries and a service's writes (marking an environment
-    seen, a telemetry flush: cachectl.index.stdlib_writes) itself; anything else (creating a
-    cache or an environment, entries, leases) goes to the ``sqlalchemy`` driver, opened behind
-    it on first use. No transaction is held between statements, so each read sees what writers
-    committed before it; the connection may be used from any thread (one statement at a time)."""
-
-    dialect = "sqlite"
-
-    def __init__(self, conn: sqlite3.Connection, settings: Settings, role: Role) -> None:
-        self.conn = conn
-        self.settings = settings
-        self.role: Role = role
-        self._lock = threading.RLock()
-        self._reader = SqliteReader(conn, str(sqlite_path(settings.db)), self._lock)
-        self._sql: Index | None = None
-
-    @classmethod
-    def open_for(cls, settings: Settings, role: Role) -> StdlibReads | None:
-        """The driver's opener: None where the stdlib cannot serve ``settings.db`` (not a plain
-        SQLite file, no file yet, another schema revision: the SQLAlchemy driver creates and
-        migrates)."""
-        conn = connect(settings.db, "foreign_keys = ON", "synchronous = NORMAL")
-        return None if conn is None else cls(conn, settings, role)
-
-    @property
-    def reader(self) -> SqliteReader:
-        return self._reader
-
-    @property
-    def url(self) -> str:
-        return self.settings.db
-
-    @property
-    def sql(self) -> Index:
-        """The ``sqlalchemy`` driver on the same file, opened on first use, closed with this."""
-        with self._lock:
-            if self._sql is None:
-                self._sql = cast("Index", driver("sqlalchemy")(self.settings, self.role))
-            return self._sql
-
-    def __getattr__(self, name: str) -> Any:
-        """What the stdlib does not run (IndexBackend's writes), on the SQLAlchemy index."""
-        if name.startswith("_"):
-            raise AttributeError(name)
-        return getattr(self.sql, name)
-
-    def environment_id(self, cache: str, digest: str) -> int | None:
-        """The environment's id, read only; None when it has no row yet."""
-        rows = self.reader.rows(
-            "SELECT e.id FROM environments e JOIN caches c ON c.id = e.cache_id "
-            "WHERE c.name = :cache AND e.digest = :digest",
-            {"cache": cache, "digest": digest},
-        )
-        return int(rows[0][0]) if rows else None
-
-    def touch_environment(self, cache: str, digest: str, now: datetime) -> int | None:
-        """The environment's id, marked seen (and revived); None when it has no row yet."""
-        with self._lock, self.conn:
-            self.conn.execute("BEGIN IMMEDIATE")
-            return stdlib_writes.touch(self.conn, self.environment_id(cache, digest), now)
-
-    def ensure_environment(self, cache: str, env: Environment) -> EnvironmentInfo:
-        """A known environment marked seen here; a new one created by the SQLAlchemy driver
-        (its row has every fingerprint field)."""
-        if self.touch_environment(cache, env.digest, utcnow()) is None:
-            return self.sql.ensure_environment(cache, env)
-        return self.find_environment(cache, env.digest, include_deleted=True)
-
-    def flush(self, cache: str, digest: str, batch: TelemetryBatch, now: datetime) -> int | None:
-        """Mark the environment seen and record a telemetry batch, in one transaction (a flush at
-        exit commits once); None (nothing written) when the environment has no row yet."""
-        with self._lock, self.conn:
-            self.conn.execute("BEGIN IMMEDIATE")
-            env_id = stdlib_writes.touch(self.conn, self.environment_id(cache, digest), now)
-            if env_id is not None:
-                stdlib_writes.insert_telemetry(self.conn, env_id, batch, now)
-            return env_id
-
-    def record_telemetry(self, env_id: int, batch: TelemetryBatch, now: datetime) -> int:
-        """What cachectl.index.telemetry_queries.record_telemetry writes, in one transaction."""
-        with self._lock, self.conn:
-            self.conn.execute("BEGIN IMMEDIATE")
-            return stdlib_writes.insert_telemetry(self.conn, env_id, batch, now)
-
-    def close(self) -> None:
-        with self._lock:
-            if self._sql is not None:
-                self._sql.close()
-                self._sql = None
-            self.conn.close()
 
 
 # -- what a service loads -----------------------------------------------------------------------

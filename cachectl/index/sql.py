@@ -46,7 +46,6 @@ if TYPE_CHECKING:
     from typing import TypeVar
 
     from cachectl.core.config import Settings
-    from cachectl.index.open import Role
 
     T = TypeVar("T")
 
@@ -269,7 +268,7 @@ class Index(reads.ReaderQueries):
     """One index database (SQLite or PostgreSQL): the ``sqlalchemy`` driver (cachectl.index.open)."""
 
     @classmethod
-    def open_for(cls, settings: Settings, role: Role) -> Index:
+    def open_for(cls, settings: Settings, role: str) -> Index:
         """The driver's opener: a command's index is checked (and an SQLite file migrated) now;
         a service's only when a table is missing (cachectl.index.open)."""
         if role == "command":
@@ -473,12 +472,14 @@ class Index(reads.ReaderQueries):
 
         Only rows that exist and differ are written, so re-running is harmless.
         """
-        return entry_writes.set_executables(self, env_id, executables)
+        with self.session() as s:
+            return entry_writes.set_executables(s, env_id, executables)
 
     def mark_executables(self, env_id: int, verdicts: dict[str, str | None]) -> int:
         """Record warm-check's verdict on stored executables: why one is unusable, or None (it
         ran); rows touched. Only rows that exist and differ are written."""
-        return entry_writes.mark_executables(self, env_id, verdicts)
+        with self.session() as s:
+            return entry_writes.mark_executables(s, env_id, verdicts)
 
     def get_entry(self, env_id: int, key: str) -> EntryInfo | None:
         with self.read_session() as s:
@@ -487,7 +488,8 @@ class Index(reads.ReaderQueries):
 
     def upsert_entries(self, env_id: int, entries: Iterable[NewEntry]) -> tuple[int, int]:
         """Record entries; returns (inserted, updated). Re-running is harmless."""
-        return entry_writes.upsert_entries(self, env_id, entries)
+        with self.session() as s:
+            return entry_writes.upsert_entries(s, env_id, entries)
 
     def delete_entries(self, env_id: int, keys: Iterable[str]) -> int:
         removed = 0
@@ -515,7 +517,10 @@ class Index(reads.ReaderQueries):
         past that either, so no reader can make an entry look fresh (or stale) to gc.
         One Core statement for all keys (telemetry's hot path), in ``session`` if given.
         """
-        return entry_writes.record_hits(self, env_id, hits, not_after=not_after, session=session)
+        if session is not None:
+            return entry_writes.record_hits(session, env_id, hits, not_after=not_after)
+        with self.connection() as conn:
+            return entry_writes.record_hits(conn, env_id, hits, not_after=not_after)
 
     # -- warm runs (cachectl.index.warm_runs) ------------------------------------
 

@@ -29,7 +29,7 @@ from cachectl.core.errors import BadInput, CachectlError, NotFound, Unreachable
 from cachectl.core.fingerprint import MANAGED_JAX_CONFIG, Environment, current_environment
 from cachectl.core.urls import normalize_url, url_kind
 from cachectl.index.open import open_index
-from cachectl.index.reads import StdlibReads
+from cachectl.index.stdlib import StdlibReads
 from cachectl.service.telemetry_sinks import IndexSink, ServerSink
 from cachectl.storage.jax_storage import JaxStorageRefused, hand_to_jax
 from cachectl.storage.store import Store

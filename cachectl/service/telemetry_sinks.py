@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from cachectl.core.cache_info import utcnow
 from cachectl.index.open import driver
-from cachectl.index.reads import StdlibReads
+from cachectl.index.stdlib import StdlibReads
 from cachectl.telemetry.batch import TelemetryBatch
 
 if TYPE_CHECKING:
