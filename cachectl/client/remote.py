@@ -207,17 +207,9 @@ class RemoteIndex:
         except KeyError:
             raise NotFound(f"warm run {run_id} was not started by this client") from None
 
-    def heartbeat_warm_run(
-        self,
-        run_id: int,
-        *,
-        compiled: int | None = None,
-        cached: int | None = None,
-        failed: int | None = None,
-    ) -> None:
-        self.client.update_warm_run(
-            self._run_cache(run_id), run_id, compiled=compiled, cached=cached, failed=failed
-        )
+    def heartbeat_warm_run(self, run_id: int, **counts: int | None) -> None:
+        """IndexBackend.heartbeat_warm_run's counts (compiled, cached, failed), sent on."""
+        self.client.update_warm_run(self._run_cache(run_id), run_id, **counts)
 
     def finish_warm_run(
         self, run_id: int, status: str, *, compiled: int, cached: int, failed: int

@@ -49,16 +49,7 @@ if TYPE_CHECKING:
 
     T = TypeVar("T")
 
-__all__ = [
-    "AuditInfo",
-    "CacheInfo",
-    "EntryInfo",
-    "EnvironmentInfo",
-    "Index",
-    "NewEntry",
-    "actor",
-    "open_url",
-]
+__all__ = ["Index", "index_with", "open_url", "unit_size"]
 
 _CACHE_POLICY_FIELDS = {
     "max_size": "max_size_bytes",

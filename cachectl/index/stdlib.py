@@ -24,15 +24,8 @@ from cachectl.core.records import EnvironmentInfo
 from cachectl.core.sqlite_file import connect, sqlite_path, stamp
 from cachectl.index.open import driver
 from cachectl.index.reads import ReaderQueries, SqliteReader
+from cachectl.telemetry import rows as flush
 from cachectl.telemetry.batch import TelemetryBatch
-from cachectl.telemetry.rows import (
-    SIGNATURE_COUNTERS,
-    by_function,
-    flush_rows,
-    hit_times,
-    merged_signatures,
-    placed_signatures,
-)
 
 if TYPE_CHECKING:
     from cachectl.core.config import Settings
@@ -59,7 +52,7 @@ def insert_telemetry(
     conn: sqlite3.Connection, env_id: int, batch: TelemetryBatch, now: datetime
 ) -> int:
     """record_telemetry's statements, inside the caller's transaction."""
-    rows, serving = flush_rows(env_id, batch, now)
+    rows, serving = flush.flush_rows(env_id, batch, now)
     _insert(conn, "telemetry", _TELEMETRY_COLUMNS, rows)
     _insert(conn, "serving_telemetry", _SERVING_COLUMNS, serving)
     # Last access never moves backwards, nor before the entry was created (Index.record_hits).
@@ -67,9 +60,12 @@ def insert_telemetry(
         "UPDATE entries SET hit_count = hit_count + ?, last_access_at = CASE "
         "WHEN COALESCE(last_access_at, created_at) < ? THEN ? ELSE COALESCE(last_access_at, created_at) END "
         "WHERE environment_id = ? AND key = ?",
-        [(n, stamp(at), stamp(at), env_id, key) for key, (n, at) in hit_times(batch, now).items()],
+        [
+            (n, stamp(at), stamp(at), env_id, key)
+            for key, (n, at) in flush.hit_times(batch, now).items()
+        ],
     )
-    for module, mine in by_function(merged_signatures(batch)):
+    for module, mine in flush.by_function(flush.merged_signatures(batch)):
         _merge_signatures(conn, env_id, module, mine)
     return len(rows) + len(serving)
 
@@ -92,8 +88,8 @@ def _merge_signatures(
         "SELECT COUNT(*) FROM signatures WHERE environment_id = ? AND function = ?",
         (env_id, module),
     ).fetchone()
-    for digest, v, new in placed_signatures(mine, existing, total):
-        counters = tuple(v[k] for k in SIGNATURE_COUNTERS)
+    for digest, v, new in flush.placed_signatures(mine, existing, total):
+        counters = tuple(v[k] for k in flush.SIGNATURE_COUNTERS)
         if new:
             c.execute(
                 "INSERT INTO signatures (environment_id, function, digest, key, leaves, source, statics, "
