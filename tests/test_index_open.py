@@ -68,3 +68,28 @@ def test_opening_the_stdlib_driver_imports_neither_sqlalchemy_nor_httpx(tmp_path
         check=True,
     )
     assert proc.stdout.split() == ["StdlibReads", "[]"], proc.stdout
+
+
+def test_activation_holds_its_index_for_its_own_process_only(tmp_path: Path) -> None:
+    """activate() keeps the index it opened (Activation.index); a forked child never gets the
+    parent's connection (SQLite's rule), so it opens its own."""
+    settings = _settings(tmp_path)
+    index = open_index(settings)
+    index.add_cache("svc", str(tmp_path / "root"))
+    index.close()
+    proc = run_py(
+        f"""
+        import os, cachectl
+        a = cachectl.activate("svc", db={settings.db!r}, telemetry=False)
+        pid = os.fork()
+        if pid == 0:
+            print("child", type(a.index).__name__, flush=True)
+            os._exit(0)
+        os.waitpid(pid, 0)
+        print("parent", type(a.index).__name__, a.indexed, flush=True)
+        """,
+        check=True,
+    )
+    assert sorted(proc.stdout.split("\n")[:2]) == ["child NoneType", "parent StdlibReads True"], (
+        proc.stdout + proc.stderr
+    )

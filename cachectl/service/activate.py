@@ -82,13 +82,14 @@ class Activation:
     def index(self) -> IndexBackend | None:
         """The index activate() opened (cachectl.index.open, role "service"), held for this
         process and closed at its exit: cachectl.serving and JAX's verifier read through it
-        rather than open another. Not a field: the record stays plain data (asdict, JSON)."""
-        held: IndexBackend | None = self.__dict__.get("_index")
-        return held
+        rather than open another. Not a field: the record stays plain data (asdict, JSON).
+        None in a process forked since (a connection is not shared across fork)."""
+        held: tuple[IndexBackend, int] | None = self.__dict__.get("_index")
+        return held[0] if held is not None and held[1] == os.getpid() else None
 
     def holding(self, index: IndexBackend | None) -> Activation:
         """This record, holding ``index`` (see ``index``)."""
-        object.__setattr__(self, "_index", index)
+        object.__setattr__(self, "_index", None if index is None else (index, os.getpid()))
         return self
 
 
@@ -228,6 +229,12 @@ def _touch_environment_later(index: StdlibReads, cache: str, env: Environment) -
     atexit.register(thread.join, RECORD_EXIT_TIMEOUT_S)
 
 
+def _close_at_exit(index: IndexBackend, pid: int) -> None:
+    """Close the held index in the process that opened it (never a forked child's copy)."""
+    if os.getpid() == pid:
+        index.close()
+
+
 class _NotActivated(Exception):
     """Why this process runs on without the managed cache (one warning, never raised out)."""
 
@@ -291,7 +298,7 @@ def activate(
         return _inactive(cache_name, env, exc.message, compiled_before)
     if index is not None:
         # Held for the process (Activation.index), closed at exit after the record thread.
-        atexit.register(index.close)
+        atexit.register(_close_at_exit, index, os.getpid())
     pulled = _prepare_storage(target, index, cache_info, env, mirror, problems)
     _start_jax(target, env, compiled_before, problems)
     run_unverified = _run_unverified(run_unverified_code)
@@ -582,9 +589,11 @@ class NamespaceVerifier(jax_seam.EntryVerifier):
         unverified_ok: bool = False,
         index: IndexBackend | None = None,
     ) -> None:
-        """``index``: the one activate() holds, asked instead of opening one."""
+        """``index``: the one activate() holds, asked instead of opening one (in this process
+        only: a forked child opens its own)."""
         self._args = (settings, digest, namespace, read)
         self._index = index
+        self._index_pid = os.getpid()
         self._warn = warn
         self._unverified_ok = unverified_ok
         self._shas: dict[str, str] | None = None
@@ -604,7 +613,7 @@ class NamespaceVerifier(jax_seam.EntryVerifier):
                     warnings,
                     self._unverified_ok,
                     open_service_index,
-                    held=self._index,
+                    held=self._index if os.getpid() == self._index_pid else None,
                     first_only=True,  # cachectl.serving, which asked first, printed them
                 )
                 self._shas = {k: v.sha256 for k, v in (found or {}).items()}
