@@ -3,8 +3,9 @@
 A query here is SQL text with ``:name`` parameters (a list parameter expands to ``(:p_0, ...)``)
 that SQLite and PostgreSQL both run as written. Two :class:`Reader` s run it: the SQL index's
 engine (cachectl.index.sql.EngineReader, any database) and :class:`SqliteReader`, the stdlib
-driver on a plain ``sqlite:///PATH`` index at SCHEMA_REVISION. The CLI's read commands (``ls``,
-``stats``, ``cache list``, ``prune --dry-run``) take the second and never import SQLAlchemy,
+driver's (cachectl.index.stdlib) on a plain ``sqlite:///PATH`` index at SCHEMA_REVISION. Both
+drivers inherit :class:`ReaderQueries`, the queries an IndexBackend answers. The CLI's read
+commands (``ls``, ``stats``, ``cache list``, ``prune --dry-run``) take the second and never import SQLAlchemy,
 which costs more than the whole command otherwise (BENCHMARKS.md, "CLI startup"). Values come
 back as each driver gives them (SQLite: text for times and JSON); :func:`when` and
 :func:`from_json` read both.
@@ -36,7 +37,7 @@ class Reader(Protocol):
 
 
 class HasReader(Protocol):
-    """An index that can run this module's queries (cachectl.index.sql.Index, ReadIndex)."""
+    """An index that can run this module's queries (the sqlalchemy and stdlib drivers)."""
 
     @property
     def reader(self) -> Reader: ...
