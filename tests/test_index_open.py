@@ -14,8 +14,10 @@ from cachectl.index import open_index
 from cachectl.index.stdlib import StdlibReads
 
 
-def _settings(tmp_path: Path, **kw: str) -> Settings:
-    return Settings(db=f"sqlite:///{tmp_path}/i.db", cache="svc", default_root=str(tmp_path), **kw)
+def _settings(tmp_path: Path, server: str | None = None) -> Settings:
+    return Settings(
+        db=f"sqlite:///{tmp_path}/i.db", cache="svc", default_root=str(tmp_path), server=server
+    )
 
 
 def test_a_plain_sqlite_index_opens_the_stdlib_driver_and_writes_through_sqlalchemy(
