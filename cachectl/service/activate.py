@@ -11,6 +11,7 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import sys
 import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -28,8 +29,7 @@ from cachectl.core.config import (
 from cachectl.core.errors import BadInput, CachectlError, NotFound, Unreachable
 from cachectl.core.fingerprint import MANAGED_JAX_CONFIG, Environment, current_environment
 from cachectl.core.urls import normalize_url, url_kind
-from cachectl.index.open import open_index
-from cachectl.index.stdlib import StdlibReads
+from cachectl.index.open import driver, open_index
 from cachectl.service.telemetry_sinks import IndexSink, ServerSink
 from cachectl.storage.jax_storage import JaxStorageRefused, hand_to_jax
 from cachectl.storage.store import Store
@@ -39,6 +39,7 @@ if TYPE_CHECKING:
     from collections.abc import Callable
 
     from cachectl.index.protocol import IndexBackend
+    from cachectl.index.stdlib import StdlibReads
     from cachectl.service.mirror import PullResult
 
 
@@ -482,8 +483,11 @@ def _record_now(
     if index is None or cache_info is None:
         return False
     try:
+        # The stdlib driver (imported only when open_index chose it) knows a known one at once.
+        stdlib = sys.modules.get("cachectl.index.stdlib")
         if (
-            isinstance(index, StdlibReads)
+            stdlib is not None
+            and isinstance(index, stdlib.StdlibReads)
             and index.environment_id(cache_info.name, env.digest) is not None
         ):
             _touch_environment_later(index, cache_info.name, env)
@@ -550,9 +554,7 @@ def start_telemetry(
     try:
         sink: telemetry.TelemetrySink
         if settings.server:  # server mode: batches go to POST /api/v1/telemetry
-            from cachectl.client.remote import service_client  # server mode only
-
-            sink = ServerSink(service_client(settings))
+            sink = ServerSink(driver("http")(settings, "service"))
         else:
             sink = IndexSink(
                 settings.with_overrides(cache=cache_name),

@@ -14,7 +14,6 @@ from typing import TYPE_CHECKING, Any
 
 from cachectl.core.cache_info import utcnow
 from cachectl.index.open import driver
-from cachectl.index.stdlib import StdlibReads
 from cachectl.telemetry.batch import TelemetryBatch
 
 if TYPE_CHECKING:
@@ -63,6 +62,9 @@ class IndexSink:
         """Write through the stdlib driver when the index allows it (no SQLAlchemy import)."""
         if self._index is not None:
             return False  # the SQLAlchemy index is open already: keep using it
+        # Imported in the flusher thread: the records it reads cost a service's start.
+        from cachectl.index.stdlib import StdlibReads
+
         fast = StdlibReads.open_for(self.settings, "service")
         if fast is None:
             return False
@@ -96,8 +98,9 @@ class IndexSink:
 class ServerSink:
     """Telemetry sink for activate() in server mode: batches go to POST /api/v1/telemetry."""
 
-    def __init__(self, client: Any) -> None:
-        self.client = client  # a cachectl.client.ServerClient
+    def __init__(self, index: Any) -> None:
+        """``index``: the http index driver's (cachectl.client.remote.RemoteIndex), a service's."""
+        self.client = index.client  # a cachectl.client.ServerClient
 
     def describe(self) -> str:
         return f"server {self.client.url}"
