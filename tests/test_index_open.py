@@ -95,3 +95,26 @@ def test_activation_holds_its_index_for_its_own_process_only(tmp_path: Path) -> 
     assert sorted(proc.stdout.split("\n")[:2]) == ["child NoneType", "parent StdlibReads True"], (
         proc.stdout + proc.stderr
     )
+
+
+def test_each_index_read_is_written_once_per_side() -> None:
+    """A cache's and an environment's reads: the SQL text once (index/reads.py, both SQL
+    drivers), the http driver's call and the server's route; nowhere else."""
+    import ast
+
+    root = Path(__file__).resolve().parent.parent
+    found: dict[str, list[str]] = {}
+    for pkg in ("cachectl", "server"):
+        for path in sorted((root / pkg).rglob("*.py")):
+            if path.name == "protocol.py":  # the interface, not an implementation
+                continue
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.FunctionDef):
+                    found.setdefault(node.name, []).append(str(path.relative_to(root)))
+    for name in ("get_cache", "list_caches", "environment_stats", "find_environment"):
+        assert len(found[name]) <= 3, (name, found[name])
+    assert found["get_cache"] == [
+        "cachectl/client/remote.py",
+        "cachectl/index/reads.py",
+        "server/api.py",
+    ]
