@@ -567,7 +567,7 @@ def markdown(r: dict[str, Any]) -> str:
     lines += [
         "",
         "By cache name, the service reads its policy through the stdlib sqlite3 driver "
-        "(cachectl/service/sqlite_index.py), marks its environment seen from a thread (exit waits for it, bounded) and "
+        "(cachectl/index/stdlib.py), marks its environment seen from a thread (exit waits for it, bounded) and "
         "flushes its telemetry at exit in one transaction: no process above imported SQLAlchemy (each one checked "
         "`sys.modules` before exiting). With a root and a mode given, the index is not read before JAX starts. "
         f"cachectl's bytecode: {a.get('bytecode', '?')} before timing; an editable install under "

@@ -97,14 +97,14 @@ class LocalOperations:
         return verify_lib.verify(self.ctx, self.ctx.cache(), options)
 
     def telemetry_stats(self, cache: str, since: str) -> TelemetryStats:
-        return telemetry_stats(self.ctx.direct_reads.reader, cache, parse_duration(since))
+        return telemetry_stats(self.ctx.index.reader, cache, parse_duration(since))
 
     def create_token(
         self, name: str, role: str, caches: list[str] | None, expires: str | None
     ) -> CreatedToken:
         tokens = self._tokens()
         created = tokens.create_token(
-            self.ctx.sql_index, name, role, caches, parse_duration(expires) if expires else None
+            self.ctx.index.sql, name, role, caches, parse_duration(expires) if expires else None
         )
         self.ctx.index.audit(
             "token-create",
@@ -114,19 +114,22 @@ class LocalOperations:
         return created
 
     def list_tokens(self) -> list[TokenInfo]:
-        return self._tokens().list_tokens(self.ctx.sql_index)
+        return self._tokens().list_tokens(self.ctx.index.sql)
 
     def revoke_token(self, name: str) -> TokenInfo:
-        info = self._tokens().revoke_token(self.ctx.sql_index, name)
+        info = self._tokens().revoke_token(self.ctx.index.sql, name)
         self.ctx.index.audit("token-revoke", cache=None, details={"name": name})
         return info
 
 
 def operations(ctx: Context) -> Operations:
     """The one choice of mode: the server's when CACHECTL_SERVER is set, else this host's library."""
-    if ctx.remote is not None:
+    index = ctx.index
+    if index.dialect == "remote":  # the http driver (cachectl.index.open)
         # Imported here: the client and the lifecycle results it decodes cost direct mode ~0.5 s.
+        from cachectl.client.remote import RemoteIndex
         from cachectl.server_operations import ServerOperations
 
-        return ServerOperations(ctx, ctx.remote)
+        assert isinstance(index, RemoteIndex)
+        return ServerOperations(ctx, index.client)
     return LocalOperations(ctx)

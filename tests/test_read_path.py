@@ -96,8 +96,8 @@ def populated(tmp_path: Path) -> str:
 
 def _answers(reader: reads.Reader) -> dict[str, Any]:
     """Every read query's answer on ``reader``, in comparable form."""
-    envs = reads.environment_stats(reader, "svc")
-    ids = [e.id for e in reads.environment_stats(reader, "svc", include_deleted=True)]
+    envs = reads.Queries(reader).environment_stats("svc")
+    ids = [e.id for e in reads.Queries(reader).environment_stats("svc", include_deleted=True)]
     selectors: dict[str, Any] = {
         "created_before": NOW - timedelta(days=4),
         "unused_before": NOW - timedelta(days=2),
@@ -105,11 +105,11 @@ def _answers(reader: reads.Reader) -> dict[str, Any]:
     }
     holder = _Holder(reader)
     return {
-        "caches": reads.list_caches(reader),
-        "svc": reads.get_cache(reader, "svc"),
+        "caches": reads.Queries(reader).list_caches(),
+        "svc": reads.Queries(reader).get_cache("svc"),
         "environments": envs,
-        "with_deleted": reads.environment_stats(reader, "svc", include_deleted=True),
-        "found": reads.find_environment(reader, "svc", envs[0].digest[:8]),
+        "with_deleted": reads.Queries(reader).environment_stats("svc", include_deleted=True),
+        "found": reads.Queries(reader).find_environment("svc", envs[0].digest[:8]),
         "summaries": plan_reads.environments(holder, "svc"),
         "warming": plan_reads.warms_in_progress(holder, ids, now=NOW),
         "counts": plan_reads.selected_counts(holder, ids, **selectors),
@@ -176,7 +176,7 @@ def test_a_failing_stdlib_read_is_unreachable_not_a_traceback(populated: str) ->
     assert reader is not None
     with pytest.raises(Unreachable, match="readonly"):  # query_only: the reader never writes
         reader.rows("DELETE FROM caches")
-    assert len(reads.list_caches(reader)) == 2
+    assert len(reads.Queries(reader).list_caches()) == 2
     path = populated[len("sqlite:///") :]
     with sqlite3.connect(path) as conn:
         conn.execute("DROP TABLE telemetry")
@@ -185,7 +185,7 @@ def test_a_failing_stdlib_read_is_unreachable_not_a_traceback(populated: str) ->
         with pytest.raises(Unreachable, match="no such table: telemetry"):
             usage.telemetry_stats(reader, "svc", timedelta(days=1))
         with pytest.raises(NotFound, match="no cache named 'nope' \\(known: default, svc\\)"):
-            reads.get_cache(reader, "nope")
+            reads.Queries(reader).get_cache("nope")
     finally:
         reader.close()
 

@@ -13,13 +13,17 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from cachectl.core import sqlite_file
+from cachectl.core.config import Settings
+from cachectl.core.errors import NotFound
 from cachectl.core.fingerprint import current_environment
 from cachectl.core.records import NewEntry
 from cachectl.index import open_index
 from cachectl.index.db import migrations_dir
+from cachectl.index.stdlib import StdlibReads
 from cachectl.index.telemetry_queries import record_telemetry
-from cachectl.service import sqlite_index as service_sqlite
 from cachectl.telemetry import FunctionCounts, TelemetryBatch
 from cachectl.telemetry.batch import ServingCounts, SignatureCounts
 from cachectl.telemetry.rows import MAX_SIGNATURES_PER_FUNCTION
@@ -32,9 +36,14 @@ def test_the_stdlib_path_is_written_for_the_schema_head() -> None:
 
     heads = ScriptDirectory(str(migrations_dir())).get_heads()
     assert heads == [sqlite_file.SCHEMA_REVISION], (
-        "a migration was added: check the stdlib statements (cachectl/service/sqlite_index.py, "
+        "a migration was added: check the stdlib statements (cachectl.index.stdlib.py, "
         "cachectl/index/reads.py, plan_reads.py, usage.py) against it, then raise SCHEMA_REVISION"
     )
+
+
+def _stdlib(url: str) -> StdlibReads | None:
+    """The stdlib driver (cachectl.index.open) on ``url``, as a service opens it."""
+    return StdlibReads.open_for(Settings(db=url, cache="svc", default_root="/unused"), "service")
 
 
 def _index(path: Path) -> tuple[str, int, list[str]]:
@@ -136,7 +145,7 @@ def test_both_writers_store_the_same_rows(tmp_path: Path) -> None:
     for b in (first, second):
         record_telemetry(index, slow_env, b)
     index.close()
-    fast = service_sqlite.open_service_sqlite(fast_url)
+    fast = _stdlib(fast_url)
     assert fast is not None
     for b in (first, second):
         fast.record_telemetry(fast_env, b, datetime.now(UTC))
@@ -162,23 +171,25 @@ def test_the_policy_reads_the_same(tmp_path: Path) -> None:
     )
     want = index.get_cache("svc")
     index.close()
-    fast = service_sqlite.open_service_sqlite(url)
-    assert fast is not None and fast.get_cache("svc") == want and fast.get_cache("nope") is None
+    fast = _stdlib(url)
+    assert fast is not None and fast.get_cache("svc") == want
+    with pytest.raises(NotFound, match="no cache named 'nope'"):
+        fast.get_cache("nope")
     fast.close()
 
 
 def test_anything_unexpected_goes_the_sqlalchemy_way(tmp_path: Path) -> None:
-    assert service_sqlite.open_service_sqlite("postgresql+psycopg://u@h/db") is None
-    assert service_sqlite.open_service_sqlite(f"sqlite:///{tmp_path}/missing.db") is None
-    assert service_sqlite.open_service_sqlite("sqlite://") is None
+    assert _stdlib("postgresql+psycopg://u@h/db") is None
+    assert _stdlib(f"sqlite:///{tmp_path}/missing.db") is None
+    assert _stdlib("sqlite://") is None
     url, _, _ = _index(tmp_path / "old.db")
     conn = sqlite3.connect(tmp_path / "old.db")
     conn.execute("UPDATE alembic_version SET version_num = '0005'")
     conn.commit()
     conn.close()
-    assert service_sqlite.open_service_sqlite(url) is None
+    assert _stdlib(url) is None
     (tmp_path / "junk.db").write_bytes(b"not a database" * 100)
-    assert service_sqlite.open_service_sqlite(f"sqlite:///{tmp_path}/junk.db") is None
+    assert _stdlib(f"sqlite:///{tmp_path}/junk.db") is None
 
 
 SERVICE = """

@@ -745,3 +745,33 @@ def test_warmup_runs_every_bucket_before_the_first_request(tmp_path: Path) -> No
     assert out[True]["during_build"] == 4 and out[False]["during_build"] == 0
     assert fn["raw_sizes"] == cold["functions"]["affine"]["raw_sizes"], (fn, cold)
     assert fn["padded"] == cold["functions"]["affine"]["padded"], (fn, cold)
+
+
+OPENS_SERVICE = """
+import json, sys
+opened = []
+
+def _count(event, args):
+    # A real hook, not a patch: every sqlite3 connection this process makes, SQLAlchemy's too.
+    if event == "sqlite3.connect" and "index.db" in str(args[0]):
+        opened.append(str(args[0]))
+
+sys.addaudithook(_count)
+sys.path.insert(0, {dir!r})
+import numpy as np
+import cachectl
+rt = cachectl.serving({manifest!r}, telemetry=False)
+out = rt["affine"](np.ones((2, 8), np.float32), np.eye(8, dtype=np.float32))
+np.asarray(out)
+print(json.dumps({{"opens": opened, "functions": rt.report().to_json()["functions"]}}))
+"""
+
+
+def test_serving_opens_the_index_once(tmp_path: Path) -> None:
+    """activate() opens the index and hands it to cachectl.serving in its Activation: the
+    verified sha256s are read through it, not through a second connection."""
+    manifest, _ = tiny_warmed(tmp_path)
+    proc = run_py(OPENS_SERVICE.format(dir=str(tmp_path), manifest=str(manifest)), check=True)
+    out = last_json(proc)
+    assert out["functions"]["affine"]["aot"] == 1, out  # served, so the index was read
+    assert len(out["opens"]) == 1, out["opens"]

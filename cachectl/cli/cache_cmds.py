@@ -127,7 +127,7 @@ def add(ctx: Context, name: str, url: str, as_json: bool, **opts: Any) -> None:
 def list_(ctx: Context, as_json: bool) -> None:
     """List registered caches and their policies."""
     ctx.cache("default")  # the embedded default exists from first use
-    emit(ctx.reads.list_caches(), as_json, _print_caches)
+    emit(ctx.index.list_caches(), as_json, _print_caches)
 
 
 @cache_group.command("set")

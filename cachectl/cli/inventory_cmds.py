@@ -337,7 +337,7 @@ def stats(ctx, all_caches: bool, since: str | None, as_json: bool) -> None:
 
     if since is not None:
         parse_duration(since)  # bad input before the index is opened
-    caches = ctx.reads.list_caches() if all_caches else [ctx.cache()]
+    caches = ctx.index.list_caches() if all_caches else [ctx.cache()]
     ops = operations(ctx)
     if since is not None:
         result = [ops.telemetry_stats(c.name, since) for c in caches]

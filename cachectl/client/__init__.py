@@ -3,23 +3,20 @@
 The server answers with the library's own dataclasses as JSON (cachectl.core.jsonable);
 ``wire.decode`` rebuilds them, so the CLI prints exactly what it prints in direct mode,
 and server errors come back as the same CachectlError (``transport``: same message, same
-exit code). ``remote.RemoteIndex`` implements the IndexBackend protocol over HTTP, so
-listing, stats and warm registration run unchanged; ``service`` builds the client a
-set of settings asks for (short timeouts for activate()).
+exit code). ``remote.RemoteIndex`` is the ``http`` index driver (cachectl.index.open): the
+IndexBackend protocol over HTTP, so listing, stats and warm registration run unchanged
+(``service_client``: the short timeouts of activate()).
 """
 
 from __future__ import annotations
 
-from cachectl.client.remote import RemoteIndex
-from cachectl.client.server_client import PAGE, ServerClient
-from cachectl.client.service import (
+from cachectl.client.remote import (
     SERVICE_CONNECT_TIMEOUT_S,
     SERVICE_TIMEOUT_S,
-    client_from_settings,
-    open_for_service,
-    remote_index_for_service,
+    RemoteIndex,
     service_client,
 )
+from cachectl.client.server_client import PAGE, ServerClient
 from cachectl.client.transport import API, DEFAULT_TIMEOUT_S, Transport, seg
 from cachectl.client.wire import decode, telemetry_wire
 
@@ -33,10 +30,7 @@ __all__ = [
     "ServerClient",
     "Transport",
     "seg",
-    "client_from_settings",
     "decode",
-    "open_for_service",
-    "remote_index_for_service",
     "service_client",
     "telemetry_wire",
 ]

@@ -1,14 +1,36 @@
-"""RemoteIndex: the IndexBackend (cachectl.index.protocol) over the server's HTTP API."""
+"""RemoteIndex: the ``http`` index driver (cachectl.index.open), the IndexBackend over the
+server's HTTP API."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from cachectl.client.server_client import ServerClient
+from cachectl.client.transport import API, seg
 from cachectl.client.wire import decode
 from cachectl.core.errors import BadInput, CachectlError, NotFound, PermissionDenied
-from cachectl.core.records import EnvironmentInfo, actor, pick_environment
+from cachectl.core.records import CacheInfo, EnvironmentInfo, pick_environment
+
+if TYPE_CHECKING:
+    from cachectl.core.config import Settings
+
+# A service's activate() must not wait long on a server that is down: it warns and
+# runs as plain JAX would.
+SERVICE_TIMEOUT_S = 10.0
+SERVICE_CONNECT_TIMEOUT_S = 3.0
+
+
+def service_client(settings: Settings) -> ServerClient:
+    """A client with short timeouts, for activate() and its telemetry."""
+    import httpx
+
+    assert settings.server is not None  # server mode: the callers checked settings.server
+    return ServerClient(
+        settings.server,
+        settings.token,
+        timeout=httpx.Timeout(SERVICE_TIMEOUT_S, connect=SERVICE_CONNECT_TIMEOUT_S),
+    )
 
 
 class RemoteIndex:
@@ -20,6 +42,14 @@ class RemoteIndex:
     """
 
     dialect = "remote"
+
+    @classmethod
+    def open_for(cls, settings: Settings, role: str) -> RemoteIndex:
+        """The driver's opener: CACHECTL_SERVER with CACHECTL_TOKEN; a service's timeouts are short."""
+        assert settings.server is not None  # open_index chose this driver for server mode
+        if role == "service":
+            return cls(service_client(settings))
+        return cls(ServerClient(settings.server, settings.token))
 
     def __init__(self, client: ServerClient) -> None:
         self.client = client
@@ -51,15 +81,23 @@ class RemoteIndex:
             "unset CACHECTL_SERVER and use --db on a host with index access"
         )
 
+    @property
+    def reader(self) -> NoReturn:
+        raise self.unsupported("reading the index's tables directly")
+
+    @property
+    def sql(self) -> NoReturn:
+        raise self.unsupported("this operation on the SQL index")
+
     # caches
     def list_caches(self) -> list[Any]:
-        return self.client.list_caches()
+        return decode(list[CacheInfo], self.client.get(f"{API}/caches"))
 
     def get_cache(self, name: str) -> Any:
-        return self.client.get_cache(name)
+        return decode(CacheInfo, self.client.get(f"{API}/caches/{seg(name)}"))
 
     def ensure_cache(self, name: str, root_url: str) -> Any:
-        return self.client.get_cache(name)  # the server's caches are the server's to create
+        return self.get_cache(name)  # the server's caches are the server's to create
 
     def add_cache(self, *_args: Any, **_kwargs: Any) -> Any:
         raise self.unsupported("adding a cache")
@@ -72,7 +110,10 @@ class RemoteIndex:
 
     # environments
     def environment_stats(self, cache: str, *, include_deleted: bool = False) -> list[Any]:
-        envs = self.client.environments(cache, include_deleted=include_deleted)
+        data = self.client.get(
+            f"{API}/caches/{seg(cache)}/environments", include_deleted=include_deleted or None
+        )
+        envs = decode(list[EnvironmentInfo], data)
         self._remember(envs)
         return envs
 
@@ -81,7 +122,10 @@ class RemoteIndex:
             return pick_environment(
                 cache, prefix, lambda: self.environment_stats(cache, include_deleted=True)
             )
-        env = self.client.environment(cache, prefix)
+        env = decode(
+            EnvironmentInfo,
+            self.client.get(f"{API}/caches/{seg(cache)}/environments/{seg(prefix)}"),
+        )
         self._remember([env])
         return env
 
@@ -163,17 +207,9 @@ class RemoteIndex:
         except KeyError:
             raise NotFound(f"warm run {run_id} was not started by this client") from None
 
-    def heartbeat_warm_run(
-        self,
-        run_id: int,
-        *,
-        compiled: int | None = None,
-        cached: int | None = None,
-        failed: int | None = None,
-    ) -> None:
-        self.client.update_warm_run(
-            self._run_cache(run_id), run_id, compiled=compiled, cached=cached, failed=failed
-        )
+    def heartbeat_warm_run(self, run_id: int, **counts: int | None) -> None:
+        """IndexBackend.heartbeat_warm_run's counts (compiled, cached, failed), sent on."""
+        self.client.update_warm_run(self._run_cache(run_id), run_id, **counts)
 
     def finish_warm_run(
         self, run_id: int, status: str, *, compiled: int, cached: int, failed: int
@@ -188,28 +224,10 @@ class RemoteIndex:
         )
 
     # audit
-    def audit(
-        self,
-        operation: str,
-        *,
-        cache: str | None,
-        entries: int = 0,
-        nbytes: int = 0,
-        duration_ms: int | None = None,
-        details: dict[str, Any] | None = None,
-        who: str | None = None,
-    ) -> None:
-        if cache is None:
-            return
-        self.client.audit(
-            cache,
-            operation,
-            entries=entries,
-            nbytes=nbytes,
-            duration_ms=duration_ms,
-            details=details,
-            who=who or actor(),
-        )
+    def audit(self, operation: str, *, cache: str | None, **fields: Any) -> None:
+        """IndexBackend.audit's record, kept by the server (it audits per cache: none without)."""
+        if cache is not None:
+            self.client.audit(cache, operation, **fields)
 
     def audit_log(self, *_args: Any, **_kwargs: Any) -> list[Any]:
         raise self.unsupported("reading the audit log")

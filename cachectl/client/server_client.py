@@ -13,12 +13,11 @@ from cachectl.client.wire import decode, telemetry_wire
 from cachectl.core.errors import CachectlError, OperationFailed, error_named
 from cachectl.core.jsonable import to_jsonable
 from cachectl.core.records import (
-    CacheInfo,
     CreatedToken,
     EntryInfo,
-    EnvironmentInfo,
     TokenInfo,
     WarmRunInfo,
+    actor,
 )
 from cachectl.storage.entries import sha256
 
@@ -31,22 +30,7 @@ class ServerClient(Transport):
 
     # -- caches, environments, entries ---------------------------------------------
 
-    def list_caches(self) -> list[Any]:
-        return decode(list[CacheInfo], self.get(f"{API}/caches"))
-
-    def get_cache(self, name: str) -> Any:
-        return decode(CacheInfo, self.get(f"{API}/caches/{seg(name)}"))
-
-    def environments(self, cache: str, *, include_deleted: bool = False) -> list[Any]:
-        data = self.get(
-            f"{API}/caches/{seg(cache)}/environments", include_deleted=include_deleted or None
-        )
-        return decode(list[EnvironmentInfo], data)
-
-    def environment(self, cache: str, prefix: str) -> Any:
-        return decode(
-            EnvironmentInfo, self.get(f"{API}/caches/{seg(cache)}/environments/{seg(prefix)}")
-        )
+    # (a cache's and an environment's reads are RemoteIndex's: cachectl.client.remote)
 
     def iter_entries(self, cache: str, digest: str, **filters: Any) -> Iterator[Any]:
         """Every entry of an environment, page by page."""
@@ -127,24 +111,16 @@ class ServerClient(Transport):
             "GET", f"{API}/caches/{seg(cache)}/environments/{digest}/entries/{seg(key)}/aot"
         ).content
 
-    def audit(
-        self,
-        cache: str,
-        operation: str,
-        *,
-        entries: int = 0,
-        nbytes: int = 0,
-        duration_ms: int | None = None,
-        details: dict[str, Any] | None = None,
-        who: str | None = None,
-    ) -> None:
+    def audit(self, cache: str, operation: str, **fields: Any) -> None:
+        """POST one audit record; ``fields`` are IndexBackend.audit's (entries, nbytes,
+        duration_ms, details, who: this user at this host unless given)."""
         body = {
             "operation": operation,
-            "actor": who,
-            "entries": entries,
-            "bytes": nbytes,
-            "duration_ms": duration_ms,
-            "details": to_jsonable(details or {}),
+            "actor": fields.get("who") or actor(),
+            "entries": fields.get("entries", 0),
+            "bytes": fields.get("nbytes", 0),
+            "duration_ms": fields.get("duration_ms"),
+            "details": to_jsonable(fields.get("details") or {}),
         }
         self.request("POST", f"{API}/caches/{seg(cache)}/audit", json=body)
 

@@ -14,7 +14,7 @@ import json
 import os
 import re
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
@@ -111,6 +111,15 @@ class Environment:
         values["include_metadata_in_key"] = bool(values["include_metadata_in_key"])
         return cls(**values)
 
+    @classmethod
+    def from_columns(cls, values: Sequence[Any]) -> Environment:
+        """Rebuild from an index row's ENVIRONMENT_FIELDS columns, in that order (the JSON
+        column as text from the stdlib driver, as a list from SQLAlchemy)."""
+        data = dict(zip(ENVIRONMENT_FIELDS, values, strict=True))
+        flags = data["xla_flags"]
+        data["xla_flags"] = (json.loads(flags) if isinstance(flags, str) else flags) or ()
+        return cls.from_dict(data)
+
     def env_json(self) -> str:
         """The self-describing file stored in each namespace."""
         data = {
@@ -120,6 +129,11 @@ class Environment:
             **self.to_dict(),
         }
         return json.dumps(data, indent=2, sort_keys=True) + "\n"
+
+
+# The environment's fields, in order: the index's columns of the same names (index/models.py)
+# and every query that reads them (index/reads.py, index/sql.py) come from this one list.
+ENVIRONMENT_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(Environment))
 
 
 def _slug(text: str) -> str:

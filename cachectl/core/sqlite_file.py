@@ -1,8 +1,8 @@
 """An SQLite index file as the stdlib driver sees it: its path, its time format, its schema.
 
-Shared by the two stdlib paths (cachectl/service/sqlite_index.py for services, cachectl/index/reads.py
-for the CLI's read commands), which skip SQLAlchemy's import. Kept apart from both, so a service
-loads none of the index package's records.
+Used by the stdlib index driver (cachectl/index/stdlib.py: a service's index and the CLI's read
+commands) and the read queries' SqliteReader (cachectl/index/reads.py), which skip SQLAlchemy's
+import.
 """
 
 from __future__ import annotations

@@ -247,6 +247,7 @@ def _verified_shas(
         warnings,
         unverified_ok,
         open_service_index,
+        held=getattr(activation, "index", None),  # the index activate() opened: never a second
     )
     if found is not None or unverified_ok:
         return found

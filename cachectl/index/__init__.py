@@ -1,8 +1,10 @@
-"""The index: the SQL index (cachectl.index.sql), its protocol, its queries and records.
+"""The index: its drivers (cachectl.index.open), its protocol, its queries and records.
 
-The records are cheap and imported here; ``Index``, ``open_index`` and ``unit_size`` come from
-cachectl.index.sql, which imports SQLAlchemy (~0.4 s), only when first asked for: the CLI's read
-commands answer from the stdlib (cachectl.index.reads) and never load it.
+Every name here is imported when first asked for: the records (cachectl.core.records), so that
+a service's activate(), which imports cachectl.index.open, loads none before it opens an index;
+``open_index`` (cachectl.index.open); ``Index`` and ``unit_size`` (cachectl.index.sql, which
+imports SQLAlchemy, ~0.4 s): the CLI's read commands answer from the stdlib driver
+(cachectl.index.stdlib) and never load it.
 """
 
 from __future__ import annotations
@@ -10,18 +12,18 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from cachectl.core.records import (
-    AuditInfo,
-    CacheInfo,
-    EntryInfo,
-    EnvironmentInfo,
-    NewEntry,
-    WarmRunInfo,
-    actor,
-)
-
 if TYPE_CHECKING:
-    from cachectl.index.sql import Index, open_index, unit_size
+    from cachectl.core.records import (
+        AuditInfo,
+        CacheInfo,
+        EntryInfo,
+        EnvironmentInfo,
+        NewEntry,
+        WarmRunInfo,
+        actor,
+    )
+    from cachectl.index.open import open_index
+    from cachectl.index.sql import Index, unit_size
 
 __all__ = [
     "AuditInfo",
@@ -36,10 +38,20 @@ __all__ = [
     "unit_size",
 ]
 
-_FROM_SQL = frozenset({"Index", "open_index", "unit_size"})
+_RECORDS = "cachectl.core.records"
+_LAZY = {
+    **dict.fromkeys(
+        ("AuditInfo", "CacheInfo", "EntryInfo", "EnvironmentInfo", "NewEntry", "WarmRunInfo"),
+        _RECORDS,
+    ),
+    "actor": _RECORDS,
+    "Index": "cachectl.index.sql",
+    "unit_size": "cachectl.index.sql",
+    "open_index": "cachectl.index.open",
+}
 
 
 def __getattr__(name: str) -> Any:
-    if name in _FROM_SQL:
-        return getattr(importlib.import_module("cachectl.index.sql"), name)
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'cachectl.index' has no attribute {name!r}")

@@ -1,14 +1,15 @@
 """What the SQL index writes to entry rows: upserts, stored executables' columns and verdicts, hits.
 
-Index's methods of the same names call these (cachectl.index.sql keeps the connection and the
-error mapping); apart so that module stays a readable list of the index's operations.
+Index's methods of the same names call these, each in the session or connection the Index opened
+(cachectl.index.sql keeps the transaction and the error mapping, so this module never imports it);
+apart so that module stays a readable list of the index's operations.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, cast
 
 from sqlalchemy import CursorResult, bindparam, case, func, select, update
 from sqlalchemy.engine import Connection
@@ -17,9 +18,6 @@ from sqlalchemy.orm import Session
 from cachectl.core.records import NewEntry
 from cachectl.index import bulk_rows
 from cachectl.index.models import Entry, UTCDateTime, utcnow
-
-if TYPE_CHECKING:
-    from cachectl.index.sql import Index
 
 CHUNK = 500  # keys per IN (...) list: within every driver's parameter limit
 
@@ -49,31 +47,31 @@ _VARYING = (
 )
 
 
-def upsert_entries(index: Index, env_id: int, entries: Iterable[NewEntry]) -> tuple[int, int]:
-    """Record entries; returns (inserted, updated). Re-running is harmless."""
+def upsert_entries(s: Session, env_id: int, entries: Iterable[NewEntry]) -> tuple[int, int]:
+    """Record entries in the caller's transaction; returns (inserted, updated). Re-running is
+    harmless."""
     items = list(entries)
     inserted = updated = 0
-    with index.session() as s:
-        if len(items) >= BULK_MIN and bulk_rows.supported(index.engine.dialect):
-            inserted, items = _insert_new(s.connection(), env_id, items)
-        for chunk in chunks(items):
-            keys = [e.key for e in chunk]
-            existing = {
-                row.key: row
-                for row in s.scalars(
-                    select(Entry).where(Entry.environment_id == env_id, Entry.key.in_(keys))
-                )
-            }
-            new_rows = []
-            for e in chunk:
-                row = existing.get(e.key)
-                if row is None:
-                    new_rows.append(_new_row(env_id, e))
-                else:
-                    updated += _update_row(row, e)
-            if new_rows:
-                s.execute(Entry.__table__.insert(), new_rows)
-                inserted += len(new_rows)
+    if len(items) >= BULK_MIN and bulk_rows.supported(s.get_bind().dialect):
+        inserted, items = _insert_new(s.connection(), env_id, items)
+    for chunk in chunks(items):
+        keys = [e.key for e in chunk]
+        existing = {
+            row.key: row
+            for row in s.scalars(
+                select(Entry).where(Entry.environment_id == env_id, Entry.key.in_(keys))
+            )
+        }
+        new_rows = []
+        for e in chunk:
+            row = existing.get(e.key)
+            if row is None:
+                new_rows.append(_new_row(env_id, e))
+            else:
+                updated += _update_row(row, e)
+        if new_rows:
+            s.execute(Entry.__table__.insert(), new_rows)
+            inserted += len(new_rows)
     return inserted, updated
 
 
@@ -147,43 +145,41 @@ def _update_row(row: Entry, e: NewEntry) -> bool:
     return changed
 
 
-def set_executables(
-    index: Index, env_id: int, executables: dict[str, tuple[int, str] | None]
-) -> int:
-    """Record (size, sha256) of entries' stored executables, or clear them (None); rows touched."""
+def set_executables(s: Session, env_id: int, executables: dict[str, tuple[int, str] | None]) -> int:
+    """Record (size, sha256) of entries' stored executables, or clear them (None), in the
+    caller's transaction; rows touched."""
     touched = 0
-    with index.session() as s:
-        for chunk in chunks(list(executables)):
-            q = select(Entry.id, Entry.key, Entry.aot_size_bytes, Entry.aot_sha256).where(
-                Entry.environment_id == env_id, Entry.key.in_(chunk)
-            )
-            for row_id, key, size, sha in s.execute(q).all():
-                want = executables[key]
-                new = (None, None) if want is None else (int(want[0]), want[1])
-                if (size, sha) != new:
-                    s.execute(
-                        update(Entry)
-                        .where(Entry.id == row_id)
-                        .values(aot_size_bytes=new[0], aot_sha256=new[1], aot_unusable=None)
-                    )
-                    touched += 1
+    for chunk in chunks(list(executables)):
+        q = select(Entry.id, Entry.key, Entry.aot_size_bytes, Entry.aot_sha256).where(
+            Entry.environment_id == env_id, Entry.key.in_(chunk)
+        )
+        for row_id, key, size, sha in s.execute(q).all():
+            want = executables[key]
+            new = (None, None) if want is None else (int(want[0]), want[1])
+            if (size, sha) != new:
+                s.execute(
+                    update(Entry)
+                    .where(Entry.id == row_id)
+                    .values(aot_size_bytes=new[0], aot_sha256=new[1], aot_unusable=None)
+                )
+                touched += 1
     return touched
 
 
-def mark_executables(index: Index, env_id: int, verdicts: dict[str, str | None]) -> int:
-    """Record warm-check's verdicts on stored executables; rows touched."""
+def mark_executables(s: Session, env_id: int, verdicts: dict[str, str | None]) -> int:
+    """Record warm-check's verdicts on stored executables, in the caller's transaction; rows
+    touched."""
     touched = 0
-    with index.session() as s:
-        for chunk in chunks(list(verdicts)):
-            q = select(Entry.id, Entry.key, Entry.aot_unusable).where(
-                Entry.environment_id == env_id, Entry.key.in_(chunk)
-            )
-            for row_id, key, current in s.execute(q).all():
-                if current != verdicts[key]:
-                    s.execute(
-                        update(Entry).where(Entry.id == row_id).values(aot_unusable=verdicts[key])
-                    )
-                    touched += 1
+    for chunk in chunks(list(verdicts)):
+        q = select(Entry.id, Entry.key, Entry.aot_unusable).where(
+            Entry.environment_id == env_id, Entry.key.in_(chunk)
+        )
+        for row_id, key, current in s.execute(q).all():
+            if current != verdicts[key]:
+                s.execute(
+                    update(Entry).where(Entry.id == row_id).values(aot_unusable=verdicts[key])
+                )
+                touched += 1
     return touched
 
 
@@ -207,14 +203,14 @@ _ADD_HITS = _add_hits_statement()
 
 
 def record_hits(
-    index: Index,
+    conn: Session | Connection,
     env_id: int,
     hits: dict[str, tuple[int, datetime]],
     *,
     not_after: datetime | None = None,
-    session: Session | Connection | None = None,
 ) -> int:
-    """Add hit counts and last-access times learned from telemetry (Index.record_hits says how)."""
+    """Add hit counts and last-access times learned from telemetry, in the caller's transaction
+    (Index.record_hits says how)."""
     params = []
     for key, (count, at) in hits.items():
         if at.tzinfo is None:
@@ -229,10 +225,7 @@ def record_hits(
         )
     if not params:
         return 0
-    if session is not None:
-        return _add_hits(session, params)
-    with index.connection() as conn:
-        return _add_hits(conn, params)
+    return _add_hits(conn, params)
 
 
 def _add_hits(s: Session | Connection, params: list[dict[str, Any]]) -> int:

@@ -1,16 +1,16 @@
-"""IndexBackend: what the library's operations need from an index, whichever one it is.
+"""IndexBackend: what the library's operations need from an index, whichever driver it is.
 
-Two implementations: :class:`cachectl.index.Index` (SQLAlchemy, direct mode) and
-:class:`cachectl.client.RemoteIndex` (the cachectl server's HTTP API, server mode).
-:func:`cachectl.index_choice.open_backend` picks one from the settings; nothing else does.
-A remote backend refuses what only the server may do (deleting, changing policy)
-with BadInput naming the operation.
+Three drivers implement it (cachectl.index.open, ``DRIVERS``): ``stdlib``
+(:class:`cachectl.index.stdlib.StdlibReads`), ``sqlalchemy`` (:class:`cachectl.index.sql.Index`)
+and ``http`` (:class:`cachectl.client.remote.RemoteIndex`). :func:`cachectl.index.open.open_index`
+picks one from the settings; nothing else does. The http driver refuses what only the server
+may do (deleting, changing policy, ``reader`` and ``sql``) with BadInput naming the operation.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from cachectl.core.fingerprint import Environment
 from cachectl.core.records import (
@@ -22,6 +22,10 @@ from cachectl.core.records import (
     WarmRunInfo,
 )
 
+if TYPE_CHECKING:
+    from cachectl.index.reads import Reader
+    from cachectl.index.sql import Index
+
 
 @runtime_checkable
 class IndexBackend(Protocol):
@@ -29,6 +33,16 @@ class IndexBackend(Protocol):
 
     @property
     def dialect(self) -> str: ...
+
+    @property
+    def reader(self) -> Reader:
+        """The portable read queries' runner (cachectl.index.reads); direct mode only."""
+        ...
+
+    @property
+    def sql(self) -> Index:
+        """The SQL index, for what only direct mode runs (leases, deletions, tokens)."""
+        ...
 
     def close(self) -> None: ...
 

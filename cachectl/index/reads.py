@@ -3,8 +3,9 @@
 A query here is SQL text with ``:name`` parameters (a list parameter expands to ``(:p_0, ...)``)
 that SQLite and PostgreSQL both run as written. Two :class:`Reader` s run it: the SQL index's
 engine (cachectl.index.sql.EngineReader, any database) and :class:`SqliteReader`, the stdlib
-driver on a plain ``sqlite:///PATH`` index at SCHEMA_REVISION. The CLI's read commands (``ls``,
-``stats``, ``cache list``, ``prune --dry-run``) take the second and never import SQLAlchemy,
+driver's (cachectl.index.stdlib) on a plain ``sqlite:///PATH`` index at SCHEMA_REVISION. Both
+drivers inherit :class:`ReaderQueries`, the queries an IndexBackend answers. The CLI's read
+commands (``ls``, ``stats``, ``cache list``, ``prune --dry-run``) take the second and never import SQLAlchemy,
 which costs more than the whole command otherwise (BENCHMARKS.md, "CLI startup"). Values come
 back as each driver gives them (SQLite: text for times and JSON); :func:`when` and
 :func:`from_json` read both.
@@ -14,13 +15,14 @@ from __future__ import annotations
 
 import re
 import sqlite3
+import threading
 from collections.abc import Mapping, Sequence
 from datetime import datetime
 from typing import Any, Protocol
 
 from cachectl.core.cache_info import CACHE_COLUMNS, CacheInfo
 from cachectl.core.errors import NotFound, Unreachable
-from cachectl.core.fingerprint import Environment
+from cachectl.core.fingerprint import ENVIRONMENT_FIELDS, Environment
 from cachectl.core.records import EnvironmentInfo, Proof, pick_environment
 from cachectl.core.sqlite_file import connect, from_json, sqlite_path, stamp, when
 
@@ -35,7 +37,7 @@ class Reader(Protocol):
 
 
 class HasReader(Protocol):
-    """An index that can run this module's queries (cachectl.index.sql.Index, ReadIndex)."""
+    """An index that can run this module's queries (the sqlalchemy and stdlib drivers)."""
 
     @property
     def reader(self) -> Reader: ...
@@ -90,9 +92,13 @@ class SqliteReader:
 
     dialect = "sqlite"
 
-    def __init__(self, conn: sqlite3.Connection, path: str = "?") -> None:
+    def __init__(
+        self, conn: sqlite3.Connection, path: str = "?", lock: threading.RLock | None = None
+    ) -> None:
         self.conn = conn
         self.path = path
+        # Shared with the connection's writers (StdlibReads): one statement at a time.
+        self._lock = lock or threading.RLock()
 
     @classmethod
     def open(cls, url: str) -> SqliteReader | None:
@@ -105,7 +111,8 @@ class SqliteReader:
         sql, bound = expand(sql, params or {})
         values = {k: stamp(v) if isinstance(v, datetime) else v for k, v in bound.items()}
         try:
-            return self.conn.execute(sql, values).fetchall()
+            with self._lock:
+                return self.conn.execute(sql, values).fetchall()
         except sqlite3.Error as exc:  # as the SQL index reports its failures
             first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
             raise Unreachable(f"index sqlite:///{self.path} failed: {first}") from exc
@@ -126,20 +133,6 @@ def no_such_cache(reader: Reader, name: str) -> NotFound:
     )
 
 
-def get_cache(reader: Reader, name: str) -> CacheInfo:
-    rows = reader.rows(f"SELECT {_CACHE_SELECT} FROM caches WHERE name = :name", {"name": name})
-    if not rows:
-        raise no_such_cache(reader, name)
-    return CacheInfo.from_row(rows[0])
-
-
-def list_caches(reader: Reader) -> list[CacheInfo]:
-    return [
-        CacheInfo.from_row(r)
-        for r in reader.rows(f"SELECT {_CACHE_SELECT} FROM caches ORDER BY name")
-    ]
-
-
 def cache_id(reader: Reader, cache: str) -> int:
     rows = reader.rows("SELECT id FROM caches WHERE name = :name", {"name": cache})
     if not rows:
@@ -150,131 +143,107 @@ def cache_id(reader: Reader, cache: str) -> int:
 # -- environments -------------------------------------------------------------------------------
 
 _ENV_COLUMNS = (
-    "e.id, e.digest, e.namespace, e.jax_version, e.jaxlib_version, e.backend, e.platform_version, "
-    "e.device_kind, e.device_count, e.process_count, e.topology, e.xla_flags, e.compression, "
-    "e.enable_xla_caches, e.include_metadata_in_key, e.created_at, e.last_seen_at, e.deleted_at"
+    ", ".join(f"e.{c}" for c in ("id", "digest", "namespace", *ENVIRONMENT_FIELDS))
+    + ", e.created_at, e.last_seen_at, e.deleted_at"
 )
 
 
 def environment(row: Sequence[Any]) -> Environment:
-    """The fingerprint fields of an ``environments`` row (``_ENV_COLUMNS`` from jax_version on)."""
-    return Environment(
-        jax_version=row[3],
-        jaxlib_version=row[4],
-        backend=row[5],
-        platform_version=row[6],
-        device_kind=row[7],
-        device_count=int(row[8]),
-        process_count=int(row[9]),
-        topology=row[10],
-        xla_flags=tuple(from_json(row[11]) or ()),
-        compression=row[12],
-        enable_xla_caches=row[13],
-        include_metadata_in_key=bool(row[14]),
-    )
+    """The fingerprint fields of an ``environments`` row (``_ENV_COLUMNS`` from the fourth on)."""
+    return Environment.from_columns(row[3 : 3 + len(ENVIRONMENT_FIELDS)])
 
 
-def environment_stats(
-    reader: Reader, cache: str, *, include_deleted: bool = False
-) -> list[EnvironmentInfo]:
-    """Environments of a cache with entry counts, bytes, stored executables and last access."""
-    cid = cache_id(reader, cache)
-    live = "" if include_deleted else " AND e.deleted_at IS NULL"
-    sql = (
-        f"SELECT {_ENV_COLUMNS}, a.n, a.b, a.la, a.x, a.xb, e.proof FROM environments e "
-        "LEFT OUTER JOIN (SELECT environment_id, COUNT(id) AS n, "
-        f"COALESCE(SUM({UNIT_SIZE}), 0) AS b, MAX(COALESCE(last_access_at, created_at)) AS la, "
-        "COUNT(aot_sha256) AS x, COALESCE(SUM(aot_size_bytes), 0) AS xb FROM entries "
-        "WHERE environment_id IN (SELECT id FROM environments WHERE cache_id = :cid) "
-        "GROUP BY environment_id) a ON a.environment_id = e.id "
-        f"WHERE e.cache_id = :cid{live} ORDER BY e.jax_version, e.backend, e.created_at"
-    )
-    return [
-        EnvironmentInfo(
-            id=int(r[0]),
-            cache=cache,
-            digest=r[1],
-            namespace=r[2],
-            environment=environment(r),
-            created_at=when(r[15]),
-            last_seen_at=when(r[16]),
-            deleted_at=when(r[17]),
-            entries=int(r[18] or 0),
-            bytes=int(r[19] or 0),
-            last_access_at=when(r[20]),
-            executables=int(r[21] or 0),
-            aot_bytes=int(r[22] or 0),
-            proof=Proof.from_row(from_json(r[23])),
-        )
-        for r in reader.rows(sql, {"cid": cid})
-    ]
+class ReaderQueries:
+    """The read queries both SQL drivers run over ``reader`` (the SQL text written once): the
+    SQLAlchemy index (cachectl.index.sql.Index) and the stdlib one (cachectl.index.stdlib) inherit them."""
 
-
-def find_environment(
-    reader: Reader, cache: str, prefix: str, *, include_deleted: bool = False
-) -> EnvironmentInfo:
-    """One environment by digest prefix; ambiguous or unknown prefixes are bad input."""
-    return pick_environment(
-        cache,
-        prefix,
-        lambda: environment_stats(reader, cache, include_deleted=include_deleted),
-    )
-
-
-class IndexReads(Protocol):
-    """What the CLI's read commands ask of an index: the SQL index, the server's, or StdlibReads."""
-
-    def get_cache(self, name: str) -> CacheInfo: ...
-
-    def list_caches(self) -> list[CacheInfo]: ...
-
-    def environment_stats(
-        self, cache: str, *, include_deleted: bool = False
-    ) -> list[EnvironmentInfo]: ...
-
-    def find_environment(
-        self, cache: str, prefix: str, *, include_deleted: bool = False
-    ) -> EnvironmentInfo: ...
-
-
-class StdlibReads:
-    """IndexReads on a plain SQLite index through the stdlib driver (see the module's docstring)."""
-
-    def __init__(self, reader: SqliteReader) -> None:
-        self.reader = reader
-
-    @classmethod
-    def open(cls, url: str) -> StdlibReads | None:
-        reader = SqliteReader.open(url)
-        return None if reader is None else cls(reader)
+    @property
+    def reader(self) -> Reader:
+        raise NotImplementedError
 
     def get_cache(self, name: str) -> CacheInfo:
-        return get_cache(self.reader, name)
+        rows = self.reader.rows(
+            f"SELECT {_CACHE_SELECT} FROM caches WHERE name = :name", {"name": name}
+        )
+        if not rows:
+            raise no_such_cache(self.reader, name)
+        return CacheInfo.from_row(rows[0])
 
     def list_caches(self) -> list[CacheInfo]:
-        return list_caches(self.reader)
+        return [
+            CacheInfo.from_row(r)
+            for r in self.reader.rows(f"SELECT {_CACHE_SELECT} FROM caches ORDER BY name")
+        ]
 
     def environment_stats(
         self, cache: str, *, include_deleted: bool = False
     ) -> list[EnvironmentInfo]:
-        return environment_stats(self.reader, cache, include_deleted=include_deleted)
+        """Environments of a cache with entry counts, bytes, stored executables and last access."""
+        cid = cache_id(self.reader, cache)
+        live = "" if include_deleted else " AND e.deleted_at IS NULL"
+        sql = (
+            f"SELECT {_ENV_COLUMNS}, a.n, a.b, a.la, a.x, a.xb, e.proof FROM environments e "
+            "LEFT OUTER JOIN (SELECT environment_id, COUNT(id) AS n, "
+            f"COALESCE(SUM({UNIT_SIZE}), 0) AS b, MAX(COALESCE(last_access_at, created_at)) AS la, "
+            "COUNT(aot_sha256) AS x, COALESCE(SUM(aot_size_bytes), 0) AS xb FROM entries "
+            "WHERE environment_id IN (SELECT id FROM environments WHERE cache_id = :cid) "
+            "GROUP BY environment_id) a ON a.environment_id = e.id "
+            f"WHERE e.cache_id = :cid{live} ORDER BY e.jax_version, e.backend, e.created_at"
+        )
+        n = len(ENVIRONMENT_FIELDS)
+        return [
+            EnvironmentInfo(
+                id=int(r[0]),
+                cache=cache,
+                digest=r[1],
+                namespace=r[2],
+                environment=environment(r),
+                created_at=when(r[3 + n]),
+                last_seen_at=when(r[4 + n]),
+                deleted_at=when(r[5 + n]),
+                entries=int(r[6 + n] or 0),
+                bytes=int(r[7 + n] or 0),
+                last_access_at=when(r[8 + n]),
+                executables=int(r[9 + n] or 0),
+                aot_bytes=int(r[10 + n] or 0),
+                proof=Proof.from_row(from_json(r[11 + n])),
+            )
+            for r in self.reader.rows(sql, {"cid": cid})
+        ]
 
     def find_environment(
         self, cache: str, prefix: str, *, include_deleted: bool = False
     ) -> EnvironmentInfo:
-        return find_environment(self.reader, cache, prefix, include_deleted=include_deleted)
+        """One environment by digest prefix; ambiguous or unknown prefixes are bad input."""
+        return pick_environment(
+            cache,
+            prefix,
+            lambda: self.environment_stats(cache, include_deleted=include_deleted),
+        )
 
-    def close(self) -> None:
-        self.reader.close()
+    def get_environment(self, cache: str, digest: str) -> EnvironmentInfo:
+        return self.find_environment(cache, digest)
+
+    def content_signature(self, env_id: int) -> dict[str, Any] | None:
+        """The environment's signed content list as last signed (cachectl/trust/signing.py), or None."""
+        rows = self.reader.rows(
+            "SELECT content_signature FROM environments WHERE id = :id", {"id": env_id}
+        )
+        return from_json(rows[0][0]) if rows and rows[0][0] is not None else None
+
+
+class Queries(ReaderQueries):
+    """The read queries over any Reader (for callers that hold a reader, not an index)."""
+
+    def __init__(self, reader: Reader) -> None:
+        self._reader = reader
+
+    @property
+    def reader(self) -> Reader:
+        return self._reader
 
 
 # -- what a service loads -----------------------------------------------------------------------
-
-
-def content_signature(reader: Reader, env_id: int) -> dict[str, Any] | None:
-    """The environment's signed content list as last signed (cachectl/trust/signing.py), or None."""
-    rows = reader.rows("SELECT content_signature FROM environments WHERE id = :id", {"id": env_id})
-    return from_json(rows[0][0]) if rows and rows[0][0] is not None else None
 
 
 def executable_digests(

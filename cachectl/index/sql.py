@@ -10,7 +10,7 @@ import threading
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from datetime import datetime, timedelta
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 from sqlalchemy import CursorResult, bindparam, delete, func, select, text, update
 from sqlalchemy.engine import Connection, Engine, Row, make_url
@@ -19,7 +19,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from cachectl.core.cache_info import CACHE_COLUMNS
 from cachectl.core.errors import BadInput, NotFound, Unreachable
-from cachectl.core.fingerprint import Environment
+from cachectl.core.fingerprint import ENVIRONMENT_FIELDS, Environment
 from cachectl.core.jsonable import bounded
 from cachectl.core.records import (  # noqa: F401 - actor is re-exported
     AuditInfo,
@@ -41,16 +41,15 @@ from cachectl.index import (
 from cachectl.index.models import AuditRecord, Cache, Entry, utcnow
 from cachectl.index.models import Environment as EnvRow
 
-__all__ = [
-    "AuditInfo",
-    "CacheInfo",
-    "EntryInfo",
-    "EnvironmentInfo",
-    "Index",
-    "NewEntry",
-    "actor",
-    "open_index",
-]
+if TYPE_CHECKING:
+    from collections.abc import Callable
+    from typing import TypeVar
+
+    from cachectl.core.config import Settings
+
+    T = TypeVar("T")
+
+__all__ = ["Index", "index_with", "open_url", "unit_size"]
 
 _CACHE_POLICY_FIELDS = {
     "max_size": "max_size_bytes",
@@ -67,7 +66,7 @@ _CACHE_POLICY_FIELDS = {
 }
 
 
-def open_index(url: str, *, auto_migrate: bool | None = None) -> Index:
+def open_url(url: str, *, auto_migrate: bool | None = None) -> Index:
     """Open (and for SQLite files, create and migrate) the index at ``url``."""
     engine = db.make_engine(url)
     if auto_migrate is None:
@@ -76,25 +75,42 @@ def open_index(url: str, *, auto_migrate: bool | None = None) -> Index:
     return Index(engine)
 
 
+def _missing_schema(exc: Exception) -> bool:
+    text = str(exc).lower()
+    return (
+        "no such table" in text
+        or "undefinedtable" in text
+        or ("does not exist" in text and "relation" in text)
+    )
+
+
+def index_with(url: str, first: Callable[[Index], T]) -> tuple[Index, T]:
+    """Open the index without Alembic's schema check (importing Alembic alone costs a service
+    ~0.5 s at start) and run ``first`` on it; migrate a schema-less SQLite file once.
+
+    The caller owns (and closes) the returned index.
+    """
+    index = Index(db.make_engine(url))
+    try:
+        return index, first(index)
+    except Exception as exc:
+        index.close()
+        if not _missing_schema(exc):
+            raise
+    index = open_url(url)  # a new SQLite file: create the schema, then retry
+    try:
+        return index, first(index)
+    except Exception:
+        index.close()
+        raise
+
+
 def cache_info(row: Cache) -> CacheInfo:
     return CacheInfo.from_row([getattr(row, c) for c in CACHE_COLUMNS])
 
 
 def _environment(row: EnvRow) -> Environment:
-    return Environment(
-        jax_version=row.jax_version,
-        jaxlib_version=row.jaxlib_version,
-        backend=row.backend,
-        platform_version=row.platform_version,
-        device_kind=row.device_kind,
-        device_count=row.device_count,
-        process_count=row.process_count,
-        topology=row.topology,
-        xla_flags=tuple(row.xla_flags or ()),
-        compression=row.compression,
-        enable_xla_caches=row.enable_xla_caches,
-        include_metadata_in_key=row.include_metadata_in_key,
-    )
+    return Environment.from_columns([getattr(row, c) for c in ENVIRONMENT_FIELDS])
 
 
 def env_info(
@@ -210,6 +226,10 @@ def entry_infos(rows: Iterable[Sequence[Any]]) -> list[EntryInfo]:
     ]
 
 
+# A statement that fails with "no such table" on a file without the schema, and reads no row.
+_SCHEMA_PROBE = "SELECT id FROM caches WHERE 1 = 0"
+
+
 class EngineReader:
     """cachectl.index.reads' queries on any database, through the engine (with text(), so each
     driver gets its own parameter style); list parameters expand, times bind as the columns hold them."""
@@ -235,8 +255,17 @@ class EngineReader:
             return conn.execute(statement, bound).cursor.fetchall()
 
 
-class Index:
-    """One index database (SQLite or PostgreSQL)."""
+class Index(reads.ReaderQueries):
+    """One index database (SQLite or PostgreSQL): the ``sqlalchemy`` driver (cachectl.index.open)."""
+
+    @classmethod
+    def open_for(cls, settings: Settings, role: str) -> Index:
+        """The driver's opener: a command's index is checked (and an SQLite file migrated) now;
+        a service's only when a table is missing (cachectl.index.open)."""
+        if role == "command":
+            return open_url(settings.db)
+        index, _ = index_with(settings.db, lambda i: i.reader.rows(_SCHEMA_PROBE))
+        return index
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
@@ -253,6 +282,11 @@ class Index:
     def reader(self) -> EngineReader:
         """This index for cachectl.index.reads' portable queries."""
         return EngineReader(self)
+
+    @property
+    def sql(self) -> Index:
+        """This index: what only the SQL index runs (leases, deletions) takes it."""
+        return self
 
     @property
     def dialect(self) -> str:
@@ -320,12 +354,6 @@ class Index:
             except (BadInput, IntegrityError):
                 return self.get_cache(name)  # another process created it first
 
-    def get_cache(self, name: str) -> CacheInfo:
-        return reads.get_cache(self.reader, name)
-
-    def list_caches(self) -> list[CacheInfo]:
-        return reads.list_caches(self.reader)
-
     def update_cache(self, name: str, **policy: Any) -> CacheInfo:
         with self.session() as s:
             row = s.scalar(select(Cache).where(Cache.name == name))
@@ -388,26 +416,6 @@ class Index:
                 continue  # created concurrently by another process: read it
         raise Unreachable(f"could not record environment {digest[:16]} in cache {cache!r}")
 
-    def environment_stats(
-        self, cache: str, *, include_deleted: bool = False
-    ) -> list[EnvironmentInfo]:
-        """Environments of a cache with entry counts, bytes and last access."""
-        return reads.environment_stats(self.reader, cache, include_deleted=include_deleted)
-
-    def get_environment(self, cache: str, digest: str) -> EnvironmentInfo:
-        return self.find_environment(cache, digest)
-
-    def find_environment(
-        self, cache: str, prefix: str, *, include_deleted: bool = False
-    ) -> EnvironmentInfo:
-        """One environment by digest prefix; ambiguous or unknown prefixes are bad input."""
-        return reads.find_environment(self.reader, cache, prefix, include_deleted=include_deleted)
-
-    def content_signature(self, env_id: int) -> dict[str, Any] | None:
-        """The environment's signed content list (cachectl/trust/signing.py), or None."""
-        with self.read_session() as s:
-            return s.scalar(select(EnvRow.content_signature).where(EnvRow.id == env_id))
-
     def set_content_signature(self, env_id: int, signed: dict[str, Any] | None) -> None:
         with self.session() as s:
             s.execute(update(EnvRow).where(EnvRow.id == env_id).values(content_signature=signed))
@@ -455,12 +463,14 @@ class Index:
 
         Only rows that exist and differ are written, so re-running is harmless.
         """
-        return entry_writes.set_executables(self, env_id, executables)
+        with self.session() as s:
+            return entry_writes.set_executables(s, env_id, executables)
 
     def mark_executables(self, env_id: int, verdicts: dict[str, str | None]) -> int:
         """Record warm-check's verdict on stored executables: why one is unusable, or None (it
         ran); rows touched. Only rows that exist and differ are written."""
-        return entry_writes.mark_executables(self, env_id, verdicts)
+        with self.session() as s:
+            return entry_writes.mark_executables(s, env_id, verdicts)
 
     def get_entry(self, env_id: int, key: str) -> EntryInfo | None:
         with self.read_session() as s:
@@ -469,7 +479,8 @@ class Index:
 
     def upsert_entries(self, env_id: int, entries: Iterable[NewEntry]) -> tuple[int, int]:
         """Record entries; returns (inserted, updated). Re-running is harmless."""
-        return entry_writes.upsert_entries(self, env_id, entries)
+        with self.session() as s:
+            return entry_writes.upsert_entries(s, env_id, entries)
 
     def delete_entries(self, env_id: int, keys: Iterable[str]) -> int:
         removed = 0
@@ -497,7 +508,10 @@ class Index:
         past that either, so no reader can make an entry look fresh (or stale) to gc.
         One Core statement for all keys (telemetry's hot path), in ``session`` if given.
         """
-        return entry_writes.record_hits(self, env_id, hits, not_after=not_after, session=session)
+        if session is not None:
+            return entry_writes.record_hits(session, env_id, hits, not_after=not_after)
+        with self.connection() as conn:
+            return entry_writes.record_hits(conn, env_id, hits, not_after=not_after)
 
     # -- warm runs (cachectl.index.warm_runs) ------------------------------------
 

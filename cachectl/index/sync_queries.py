@@ -186,7 +186,7 @@ def observed_inserts(
     return inserted, existing
 
 
-class SyncIndex:
+class SyncIndex(reads.ReaderQueries):
     """What sync asks of an index this process opens, through one ``Driver``."""
 
     def __init__(self, driver: Driver) -> None:
@@ -200,11 +200,6 @@ class SyncIndex:
         self.driver.close()
 
     # -- reads (the planning thread) -------------------------------------------------------
-
-    def environment_stats(
-        self, cache: str, *, include_deleted: bool = False
-    ) -> list[EnvironmentInfo]:
-        return reads.environment_stats(self.reader, cache, include_deleted=include_deleted)
 
     def entry_keys(self, env_id: int) -> dict[str, tuple[int, str]]:
         """key -> (size, sha256) for one environment: what sync diffs against."""

@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import getpass
 import socket
+from contextlib import AbstractContextManager
 from datetime import timedelta
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from sqlalchemy import func, select, update
+from sqlalchemy.orm import Session
 
 from cachectl.core.errors import NotFound
 from cachectl.core.records import WarmRunInfo
@@ -25,8 +27,14 @@ from cachectl.index.models import Cache, WarmRun, utcnow
 from cachectl.index.models import Environment as EnvRow
 from cachectl.index.plan_reads import WARM_HEARTBEAT_WINDOW
 
-if TYPE_CHECKING:
-    from cachectl.index import Index
+
+class Index(Protocol):
+    """What these functions use of cachectl.index.sql.Index (which calls them: so not imported)."""
+
+    def session(self, *, write: bool = True) -> AbstractContextManager[Session]: ...
+
+    def read_session(self) -> Any: ...
+
 
 RUNNING = "running"
 SUCCEEDED = "succeeded"

@@ -100,7 +100,7 @@ def plan_gc(
     limit, env_limit = _limits(cache, max_size)
     now = now or utcnow()
     store = store or ctx.store(cache)
-    envs = environments(ctx.sql_index, cache.name)
+    envs = environments(ctx.index.sql, cache.name)
     by_id = {e.id: e for e in envs}
     criteria: dict[str, object] = {
         "policy": policy,
@@ -109,7 +109,7 @@ def plan_gc(
         "protect_warm": protect_warm,
     }
     deletion = DeletionPlan("gc", cache.name, store.url, criteria)
-    warming = warms_in_progress(ctx.sql_index, list(by_id), now=now)
+    warming = warms_in_progress(ctx.index.sql, list(by_id), now=now)
     for env_id, w in warming.items():
         e = by_id[env_id]
         deletion.protected.append(
@@ -120,14 +120,14 @@ def plan_gc(
                 e.bytes,
             )
         )
-    runs = newest_finished_warm_runs(ctx.sql_index, list(by_id)) if protect_warm else {}
+    runs = newest_finished_warm_runs(ctx.index.sql, list(by_id)) if protect_warm else {}
     for env_id, run_id in sorted(runs.items()):
         if env_id not in warming:
             deletion.protected.append(
                 Protected(by_id[env_id].namespace, f"newest warm run {run_id}")
             )
     cuts = eviction_cuts(
-        ctx.sql_index,
+        ctx.index.sql,
         cache.name,
         policy=policy,
         max_bytes=limit,
@@ -208,7 +208,7 @@ def gc(
     _limits(cache, max_size)
     check_writer(cache, "gc")
     store = ctx.store(cache)
-    with leases.held(ctx.sql_index, cache.name, "gc") as lease:
+    with leases.held(ctx.index.sql, cache.name, "gc") as lease:
         started = time.monotonic()
         plan = plan_gc(
             ctx,
@@ -221,6 +221,6 @@ def gc(
         )
         planning = time.monotonic() - started
         execution = execute_plan(
-            ctx.sql_index, store, plan.deletion, lease=lease, batch_size=batch_size
+            ctx.index.sql, store, plan.deletion, lease=lease, batch_size=batch_size
         )
     return GcResult(plan, execution, False, planning)

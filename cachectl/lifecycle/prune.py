@@ -223,7 +223,7 @@ def _select_environments(
     env_reasons: dict[int, list[str]] = {e.id: [] for e in all_envs}
     candidates = list(all_envs)
     if crit.env:
-        target = ctx.reads.find_environment(cache.name, crit.env)  # unknown/ambiguous: exit 2
+        target = ctx.index.find_environment(cache.name, crit.env)  # unknown/ambiguous: exit 2
         candidates = [e for e in candidates if e.id == target.id]
         for e in candidates:
             env_reasons[e.id].append(f"environment {e.digest[:16]}")
@@ -252,7 +252,7 @@ def _spare_warming(
     ctx: Context, plan: DeletionPlan, candidates: list[EnvSummary], now: datetime
 ) -> list[EnvSummary]:
     """Candidates less those with a warm in progress, which the plan lists as protected."""
-    warming = warms_in_progress(ctx.direct_reads, [e.id for e in candidates], now=now)
+    warming = warms_in_progress(ctx.index, [e.id for e in candidates], now=now)
     for e in candidates:
         if e.id in warming:
             w = warming[e.id]
@@ -273,7 +273,7 @@ def _planned_entries(
     """The picked entries of environments that stay (``partial``), sorted by (namespace, key)."""
     reason = "; ".join(selectors.reasons)
     rows = selected_entries(
-        ctx.direct_reads,
+        ctx.index,
         partial,
         created_before=selectors.created_before,
         unused_before=selectors.unused_before,
@@ -315,14 +315,14 @@ def plan_prune(
             f"no selector given: using the cache's retention, --older-than "
             f"{format_duration(crit.older_than)}"
         )
-    all_envs = environments(ctx.direct_reads, cache.name)
+    all_envs = environments(ctx.index, cache.name)
     candidates, env_reasons = _select_environments(ctx, cache, crit, keep, all_envs, plan)
     candidates = _spare_warming(ctx, plan, candidates, now)
     selectors = _EntrySelectors.of(crit, now)
     by_id = {e.id: e for e in candidates}
     if crit.entry_level:
         picked = selected_counts(
-            ctx.direct_reads,
+            ctx.index,
             list(by_id),
             created_before=selectors.created_before,
             unused_before=selectors.unused_before,
@@ -355,7 +355,7 @@ def _protect_active(
 ) -> list[EnvSummary]:
     """Candidates less each one that is its group's only environment with recent hits."""
     active = environments_with_recent_hits(
-        ctx.direct_reads, [e.id for e in all_envs], now - RECENT_HITS_WINDOW
+        ctx.index, [e.id for e in all_envs], now - RECENT_HITS_WINDOW
     )
     leaving = {e.id for e in candidates}
     served: dict[tuple[object, ...], bool] = defaultdict(bool)
@@ -420,9 +420,9 @@ def prune(
 
     check_writer(cache, "prune")
     store = ctx.store(cache)
-    with leases.held(ctx.sql_index, cache.name, "prune") as lease:
+    with leases.held(ctx.index.sql, cache.name, "prune") as lease:
         started = time.monotonic()
         plan = plan_prune(ctx, cache, crit, now=now, store=store, protect_active=protect_active)
         planning = time.monotonic() - started
-        execution = execute_plan(ctx.sql_index, store, plan, lease=lease, batch_size=batch_size)
+        execution = execute_plan(ctx.index.sql, store, plan, lease=lease, batch_size=batch_size)
     return LifecycleResult(plan, execution, False, planning)

@@ -35,7 +35,7 @@ from cachectl.core.bulk_pass import bulk_pass
 from cachectl.core.errors import NotFound
 from cachectl.index import CacheInfo
 from cachectl.index.protocol import IndexBackend
-from cachectl.index.reads import StdlibReads
+from cachectl.index.stdlib import StdlibReads
 from cachectl.index.sync_queries import (
     ObservedRow,
     SyncIndex,
@@ -417,19 +417,18 @@ def _plan_and_execute(
 
 
 def open_sync_index(ctx: Context) -> SyncIndex | None:
-    """The one place that picks sync's index driver from the settings: ``stdlib`` where the
-    context reads through the stdlib already (direct mode, a plain SQLite file at SCHEMA_REVISION,
-    no index handed in or opened: ``Context.reads``), so the command never imports SQLAlchemy;
-    else ``sqlalchemy`` on the SQL index; None with the server's index (server mode), which sync
-    writes through its API. The caller closes it."""
-    if ctx.remote is not None:
+    """Sync's row writer for the index ``ctx.index`` opened (the one choice of driver is
+    ``open_index``'s): the ``stdlib`` writer on the stdlib driver's SQLite connection, so the
+    command never imports SQLAlchemy; the ``sqlalchemy`` writer on the SQL index; None with the
+    server's index (server mode), which sync writes through its API. The caller closes it."""
+    index = ctx.index
+    if index.dialect == "remote":
         return None
-    reads = ctx.reads
     driver = None
-    if isinstance(reads, StdlibReads):
-        driver = open_driver("stdlib", ctx.settings.db, reads.reader)
+    if isinstance(index, StdlibReads):
+        driver = open_driver("stdlib", ctx.settings.db, index.reader)
     if driver is None:
-        driver = open_driver("sqlalchemy", ctx.index)
+        driver = open_driver("sqlalchemy", index.sql)
     return None if driver is None else SyncIndex(driver)
 
 

@@ -69,7 +69,7 @@ def deep_findings(
         p
         for p in (
             f"{info.namespace}/{key}{CACHE_SUFFIX}"
-            for key in sorted(entry_digests(ctx.sql_index, info.id))
+            for key in sorted(entry_digests(ctx.index.sql, info.id))
         )
         if p not in bad
     ]
@@ -110,7 +110,7 @@ def verify(
         audit(ctx, cache, plan, duration)
         return VerifyResult(plan, 0, 0, 0, 0, False, duration)
     check_writer(cache, "quarantine or repair")
-    with leases.held(ctx.sql_index, cache.name, "verify") as lease:
+    with leases.held(ctx.index.sql, cache.name, "verify") as lease:
         with bulk_pass():
             plan = plan_verify(ctx, cache, options, now=now, lease=lease, store=store)
         if options.deep:

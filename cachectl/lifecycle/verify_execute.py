@@ -163,7 +163,7 @@ def execute_verify(
     for f in by_action[CLEAR_AOT]:
         if f.environment_id is not None and f.key:
             changes.cleared[f.environment_id][f.key] = None
-    dropped = delete_entry_rows(ctx.sql_index, changes.rows) if changes.rows else 0
+    dropped = delete_entry_rows(ctx.index.sql, changes.rows) if changes.rows else 0
     aot_cleared = sum(
         ctx.index.set_executables(env_id, keys) for env_id, keys in changes.cleared.items()
     )

@@ -182,7 +182,7 @@ class _Planner:
         groups, strays = _group_by_namespace(listing)
         self._strays(strays)
         self.warming = set(
-            warms_in_progress(self.ctx.sql_index, [e.id for e in self.envs.values()], now=self.now)
+            warms_in_progress(self.ctx.index.sql, [e.id for e in self.envs.values()], now=self.now)
         )
         for ns in sorted(set(groups) | set(self.envs)):
             self._namespace(ns, groups.get(ns, []), self.envs.get(ns))
@@ -195,7 +195,7 @@ class _Planner:
 
     def _environments(self) -> str:
         """The indexed environments to check (``self.envs``); the listing's scope ("" = the root)."""
-        envs = {e.namespace: e for e in environments(self.ctx.sql_index, self.cache.name)}
+        envs = {e.namespace: e for e in environments(self.ctx.index.sql, self.cache.name)}
         prefix = self.options.env_prefix
         if not prefix:
             self.envs = envs
@@ -258,8 +258,8 @@ class _Planner:
             env,
             names,
             kinds,
-            entry_digests(self.ctx.sql_index, env.id),
-            executable_digests(self.ctx.sql_index, env.id),
+            entry_digests(self.ctx.index.sql, env.id),
+            executable_digests(self.ctx.index.sql, env.id),
         )
         self._subcaches(space)
         if self.cache.effective_service_writes == "deny":
@@ -286,7 +286,7 @@ class _Planner:
 
     def _service_writes(self, space: _Namespace) -> None:
         ns = space.namespace
-        for key, created in service_written_entries(self.ctx.sql_index, space.env.id):
+        for key, created in service_written_entries(self.ctx.index.sql, space.env.id):
             self.plan.findings.append(
                 VerifyFinding(
                     SERVICE_WRITE,

@@ -11,10 +11,10 @@ from __future__ import annotations
 import atexit
 import logging
 import os
-import sqlite3
+import sys
 import threading
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal, TypeVar, overload
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from cachectl import telemetry
 from cachectl.core import jax_seam
@@ -26,10 +26,10 @@ from cachectl.core.config import (
     load_settings,
     parse_bool,
 )
-from cachectl.core.errors import BadInput, CachectlError, Unreachable
+from cachectl.core.errors import BadInput, CachectlError, NotFound, Unreachable
 from cachectl.core.fingerprint import MANAGED_JAX_CONFIG, Environment, current_environment
 from cachectl.core.urls import is_object_store, normalize_url, url_kind
-from cachectl.service import sqlite_index as service_sqlite
+from cachectl.index.open import driver, open_index
 from cachectl.service.telemetry_sinks import IndexSink, ServerSink
 from cachectl.storage.backends import backend_for
 from cachectl.storage.backends import s3 as s3_backend
@@ -39,36 +39,10 @@ from cachectl.trust import pins
 
 if TYPE_CHECKING:
     from collections.abc import Callable
-    from typing import Protocol
 
-    from cachectl.client.server_client import ServerClient
     from cachectl.index.protocol import IndexBackend
+    from cachectl.index.stdlib import StdlibReads
     from cachectl.service.mirror import PullResult
-    from cachectl.service.sqlite_index import ServiceSqlite
-
-    class IndexSide(Protocol):
-        """The module that holds a service's index: ``cachectl.client`` in server mode, else
-        ``service/index_access.py``; imported on first use (mypy checks each module against it)."""
-
-        def open_for_service(self, settings: Settings) -> tuple[IndexBackend, CacheInfo]: ...
-
-    class SqlSide(IndexSide, Protocol):
-        def prepare_mirror(
-            self,
-            index: IndexBackend | None,
-            cache_info: CacheInfo | None,
-            env: Environment,
-            store: Callable[[], Store],
-            directory: str,
-            problems: list[str],
-        ) -> PullResult | None: ...
-
-        def record_environment(
-            self, db_url: str, cache_name: str, env: Environment, create_cache_at: str | None
-        ) -> None: ...
-
-    class ClientSide(IndexSide, Protocol):
-        def service_client(self, settings: Settings) -> ServerClient: ...
 
 
 log = logging.getLogger(__name__)
@@ -106,6 +80,20 @@ class Activation:
     @property
     def active(self) -> bool:
         return bool(self.path)
+
+    @property
+    def index(self) -> IndexBackend | None:
+        """The index activate() opened (cachectl.index.open, role "service"), held for this
+        process and closed at its exit: cachectl.serving and JAX's verifier read through it
+        rather than open another. Not a field: the record stays plain data (asdict, JSON).
+        None in a process forked since (a connection is not shared across fork)."""
+        held: tuple[IndexBackend, int] | None = self.__dict__.get("_index")
+        return held[0] if held is not None and held[1] == os.getpid() else None
+
+    def holding(self, index: IndexBackend | None) -> Activation:
+        """This record, holding ``index`` (see ``index``)."""
+        object.__setattr__(self, "_index", None if index is None else (index, os.getpid()))
+        return self
 
 
 def jax_config_for(path: str, env: Environment, readonly: bool) -> dict[str, Any]:
@@ -185,95 +173,68 @@ def _fail_fast() -> dict[str, Any]:
     return dict(_FAIL_FAST_S3)
 
 
-def _index_side(settings: Settings) -> IndexSide:
-    """Where this service's index lives: the server (CACHECTL_SERVER) or the SQL index. A plain
-    activate() imports neither."""
-    return _client_side() if settings.server else _sql_side()
-
-
-def _client_side() -> ClientSide:
-    """cachectl.client, imported on first use: server mode only."""
-    from cachectl import client
-
-    return client
-
-
-def _sql_side() -> SqlSide:
-    """cachectl.service.index_access: the SQL index, the mirror pull (both need SQLAlchemy)."""
-    from cachectl.service import index_access
-
-    return index_access
-
-
-def _fast_index(settings: Settings) -> tuple[ServiceSqlite, CacheInfo] | None:
-    """The policy read through the stdlib driver (no SQLAlchemy import), where that can answer."""
-    fast = service_sqlite.open_service_sqlite(settings.db)
-    if fast is None:
-        return None
+def _policy(index: IndexBackend, settings: Settings) -> CacheInfo:
+    """This cache's policy; the embedded default is created on first use."""
+    if settings.cache != DEFAULT_CACHE:
+        return index.get_cache(settings.cache)
     try:
-        info = fast.get_cache(settings.cache)
-    except sqlite3.Error:
-        info = None
-    if (
-        info is None
-    ):  # the embedded default not created yet, or a typo: the SQLAlchemy path says which
-        fast.close()
-        return None
-    return fast, info
-
-
-@overload
-def open_service_index(
-    settings: Settings, problems: list[str], *, fast: Literal[False] = False
-) -> tuple[IndexBackend | None, CacheInfo | None]: ...
-
-
-@overload
-def open_service_index(
-    settings: Settings, problems: list[str], *, fast: bool
-) -> tuple[IndexBackend | ServiceSqlite | None, CacheInfo | None]: ...
+        return index.get_cache(settings.cache)
+    except NotFound:
+        return index.ensure_cache(settings.cache, normalize_url(settings.default_root))
 
 
 def open_service_index(
-    settings: Settings, problems: list[str], *, fast: bool = False
-) -> tuple[IndexBackend | ServiceSqlite | None, CacheInfo | None]:
-    """The index and this cache's policy; a failure becomes one problem line.
-
-    ``fast``: a caller that only reads the policy and records the environment may get a
-    ServiceSqlite (SQLite through the stdlib driver) instead of the SQLAlchemy index."""
+    settings: Settings, problems: list[str]
+) -> tuple[IndexBackend | None, CacheInfo | None]:
+    """The index (cachectl.index.open, role "service": the stdlib driver where it serves the
+    file, so no SQLAlchemy import) and this cache's policy; a failure becomes one problem line."""
+    index = None
     try:
-        if fast and not settings.server and (opened := _fast_index(settings)) is not None:
-            return opened
-        return _index_side(settings).open_for_service(settings)
+        index = open_index(settings, "service")
+        return index, _policy(index, settings)
     except Unreachable as exc:
         problems.append(f"index unavailable ({exc.message})")
     except CachectlError as exc:
         problems.append(exc.message)
     except Exception as exc:  # noqa: BLE001 - a service must start anyway
         problems.append(f"index unavailable ({type(exc).__name__}: {exc})".splitlines()[0])
+    if index is not None:
+        index.close()
     return None, None
 
 
 def _record_environment(settings: Settings, env: Environment) -> None:
-    """Record this environment in the SQL index, from a background thread (see activate)."""
-    _sql_side().record_environment(settings.db, settings.cache, env, _default_root(settings))
+    """Record this environment in the index, off the start path; failures only logged."""
+    index, cache_info = open_service_index(settings, [])
+    if index is None or cache_info is None:
+        return
+    try:
+        index.ensure_environment(cache_info.name, env)
+    except Exception as exc:  # noqa: BLE001 - best effort
+        log.debug("cachectl: could not record environment %s: %s", env.digest[:16], exc)
+    finally:
+        index.close()
 
 
-def _touch_environment_later(settings: Settings, env: Environment) -> None:
-    """Mark a known environment seen from a thread: the write, its commit and the WAL checkpoint
-    when its connection closes (fsyncs) stay off the service's start. Exit waits for it,
-    bounded; where the stdlib path cannot, the SQLAlchemy path records it (still in the thread)."""
+def _touch_environment_later(index: StdlibReads, cache: str, env: Environment) -> None:
+    """Mark a known environment seen from a thread, through the held index: the write and its
+    commit stay off the service's start. Exit waits for it (bounded), then closes the index."""
 
     def run() -> None:
         try:
-            if not service_sqlite.touch(settings.db, settings.cache, env.digest):
-                _record_environment(settings, env)
+            index.ensure_environment(cache, env)
         except Exception as exc:  # noqa: BLE001 - a service runs on without it
             log.info("cachectl: could not record environment (%s)", exc)
 
     thread = threading.Thread(target=run, name="cachectl-record-env", daemon=True)
     thread.start()
     atexit.register(thread.join, RECORD_EXIT_TIMEOUT_S)
+
+
+def _close_at_exit(index: IndexBackend, pid: int) -> None:
+    """Close the held index in the process that opened it (never a forked child's copy)."""
+    if os.getpid() == pid:
+        index.close()
 
 
 class _NotActivated(Exception):
@@ -326,35 +287,33 @@ def activate(
     # start, so skip it (and the SQLAlchemy import, ~40% of JAX's own import
     # time); the environment is recorded from a background thread instead.
     deferred = settings.root is not None and settings.readonly is not None and mirror is None
-    index, cache_info = (
-        (None, None) if deferred else open_service_index(settings, problems, fast=mirror is None)
-    )
+    index, cache_info = (None, None) if deferred else open_service_index(settings, problems)
     try:
         target = _target(settings, mirror, cache_info, env, problems)
-    except _NotActivated as exc:
-        _warn(exc.message)
-        return _inactive(cache_name, env, exc.message, compiled_before)
-    try:
         _check_not_opened_elsewhere(target.path)
-    except ActivationError:
+    except (_NotActivated, ActivationError) as exc:
         if index is not None:
             index.close()
-        raise
+        if isinstance(exc, ActivationError):
+            raise
+        _warn(exc.message)
+        return _inactive(cache_name, env, exc.message, compiled_before)
+    if index is not None:
+        # Held for the process (Activation.index), closed at exit after the record thread.
+        atexit.register(_close_at_exit, index, os.getpid())
     pulled = _prepare_storage(target, index, cache_info, env, mirror, problems)
     _start_jax(target, env, compiled_before, problems)
     run_unverified = _run_unverified(run_unverified_code)
     if mirror is None:
-        _install_verifier(settings, target, env, run_unverified)
-    index, indexed = _record_now(index, settings, cache_info, env, problems)
+        _install_verifier(settings, target, env, run_unverified, index)
+    indexed = _record_now(index, cache_info, env, problems)
     collector = _after_start(settings, env, telemetry, deferred, problems)
-    if index is not None:
-        index.close()
 
     warning = None
     if problems:
         warning = "cachectl: " + "; ".join(problems)
         _warn(warning)
-    return Activation(
+    activation = Activation(
         cache_name,
         env.namespace,
         target.path,
@@ -368,6 +327,7 @@ def activate(
         compiled_before=compiled_before,
         run_unverified_code=run_unverified,
     )
+    return activation.holding(index)
 
 
 def _inactive(cache: str, env: Environment, warning: str, compiled_before: bool) -> Activation:
@@ -440,7 +400,7 @@ def _storage_to_jax(cache: str, root_url: str, options: dict[str, Any], path: st
 
 def _prepare_storage(
     target: _Target,
-    index: IndexBackend | ServiceSqlite | None,
+    index: IndexBackend | None,
     cache_info: CacheInfo | None,
     env: Environment,
     mirror: str | os.PathLike[str] | None,
@@ -449,13 +409,13 @@ def _prepare_storage(
     """Before JAX starts: pull the namespace into the mirror, or create it for a writer."""
     root_url, options = target.root_url, target.options
     if mirror is not None:
-        # The object-store client is built only if the mirror lacks something.
-        # With a mirror the SQL index was opened (open_service_index(fast=False)), never the stdlib one.
-        sql_index = None if isinstance(index, service_sqlite.ServiceSqlite) else index
-        pulled: PullResult | None = _sql_side().prepare_mirror(
-            sql_index, cache_info, env, lambda: Store(root_url, options), target.path, problems
+        # The object-store client is built only if the mirror lacks something. Imported here:
+        # the pull needs the entry format and, for its reads, SQLAlchemy's index.
+        from cachectl.service.index_access import prepare_mirror
+
+        return prepare_mirror(
+            index, cache_info, env, lambda: Store(root_url, options), target.path, problems
         )
-        return pulled
     if not target.readonly and target.store is not None:
         _prepare_namespace(
             root_url, fail_fast_options(root_url, options), env, cache_info, problems
@@ -514,31 +474,30 @@ def _jax_path(
 
 
 def _record_now(
-    index: IndexBackend | ServiceSqlite | None,
-    settings: Settings,
+    index: IndexBackend | None,
     cache_info: CacheInfo | None,
     env: Environment,
     problems: list[str],
-) -> tuple[IndexBackend | ServiceSqlite | None, bool]:
-    """Record this environment in the index opened before JAX started: (the index, now maybe
-    the SQLAlchemy one, to close; whether it is recorded)."""
+) -> bool:
+    """Record this environment in the index opened before JAX started; whether it is recorded.
+    A known one on the stdlib driver is marked seen from a thread (off the start path)."""
     if index is None or cache_info is None:
-        return index, False
+        return False
     try:
+        # The stdlib driver (imported only when open_index chose it) knows a known one at once.
+        stdlib = sys.modules.get("cachectl.index.stdlib")
         if (
-            isinstance(index, service_sqlite.ServiceSqlite)
+            stdlib is not None
+            and isinstance(index, stdlib.StdlibReads)
             and index.environment_id(cache_info.name, env.digest) is not None
         ):
-            _touch_environment_later(settings, env)
-        elif index.ensure_environment(cache_info.name, env) is None:
-            # The stdlib path found no row for this environment: create it the SQLAlchemy way.
-            index.close()
-            index, _ = _sql_side().open_for_service(settings)
+            _touch_environment_later(index, cache_info.name, env)
+        else:
             index.ensure_environment(cache_info.name, env)
-        return index, True
+        return True
     except Exception as exc:  # noqa: BLE001
         problems.append(f"could not record environment ({exc})")
-        return index, False
+        return False
 
 
 def _after_start(
@@ -596,9 +555,13 @@ def start_telemetry(
     try:
         sink: telemetry.TelemetrySink
         if settings.server:  # server mode: batches go to POST /api/v1/telemetry
-            sink = ServerSink(_client_side().service_client(settings))
+            sink = ServerSink(driver("http")(settings, "service"))
         else:
-            sink = IndexSink(settings.db, cache_name, env, create_cache_at=_default_root(settings))
+            sink = IndexSink(
+                settings.with_overrides(cache=cache_name),
+                env,
+                create_cache_at=_default_root(settings),
+            )
         telemetry.start(cache=cache_name, environment=env, sink=sink)
         return sink.describe()
     except Exception as exc:  # noqa: BLE001 - telemetry is optional
@@ -627,8 +590,13 @@ class NamespaceVerifier(jax_seam.EntryVerifier):
         read: Callable[[str], bytes],
         warn: Callable[[str], None],
         unverified_ok: bool = False,
+        index: IndexBackend | None = None,
     ) -> None:
+        """``index``: the one activate() holds, asked instead of opening one (in this process
+        only: a forked child opens its own)."""
         self._args = (settings, digest, namespace, read)
+        self._index = index
+        self._index_pid = os.getpid()
         self._warn = warn
         self._unverified_ok = unverified_ok
         self._shas: dict[str, str] | None = None
@@ -648,6 +616,7 @@ class NamespaceVerifier(jax_seam.EntryVerifier):
                     warnings,
                     self._unverified_ok,
                     open_service_index,
+                    held=self._index if os.getpid() == self._index_pid else None,
                     first_only=True,  # cachectl.serving, which asked first, printed them
                 )
                 self._shas = {k: v.sha256 for k, v in (found or {}).items()}
@@ -714,7 +683,11 @@ def _run_unverified(explicit: bool | None) -> bool:
 
 
 def _install_verifier(
-    settings: Settings, target: _Target, env: Environment, run_unverified: bool
+    settings: Settings,
+    target: _Target,
+    env: Environment,
+    run_unverified: bool,
+    index: IndexBackend | None,
 ) -> None:
     """JAX's persistent cache reads only verified entries of the namespace (a mirror holds only
     what its pull verified, and what this owner's processes wrote)."""
@@ -722,7 +695,9 @@ def _install_verifier(
     def read(name: str) -> bytes:
         return Store(target.path, target.options).read_bytes(name)
 
-    verifier = NamespaceVerifier(settings, env.digest, env.namespace, read, _warn, run_unverified)
+    verifier = NamespaceVerifier(
+        settings, env.digest, env.namespace, read, _warn, run_unverified, index
+    )
     jax_seam.install_verifying_cache(target.path, verifier)
 
 

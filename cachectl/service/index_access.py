@@ -1,74 +1,19 @@
-"""The SQL index side of activate() and cachectl.serving: opening it, the mirror pull, telemetry rows.
+"""The mirror pull of activate(mirror=DIR): verified entries into a local directory.
 
-Everything here needs SQLAlchemy, so cachectl.service.activate and the telemetry sink import this
-module only when a service actually talks to an SQL index: a plain activate() with a root
-and a mode never pays for it, and server mode (CACHECTL_SERVER) goes through cachectl.client.
+It needs the entry format and the index's entry rows, so cachectl.service.activate imports this
+module only when a service asks for a mirror.
 """
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
-from typing import TypeVar
 
-from cachectl.core.config import DEFAULT_CACHE, Settings
 from cachectl.core.errors import CachectlError
 from cachectl.core.fingerprint import Environment
-from cachectl.index import CacheInfo, Index, open_index
-from cachectl.index.db import make_engine
+from cachectl.index import CacheInfo
 from cachectl.index.protocol import IndexBackend
-from cachectl.index.telemetry_queries import record_telemetry
 from cachectl.service.mirror import NOT_INDEXED, PullResult, prepare_mirror_dir, pull_namespace
-from cachectl.storage.store import Store, normalize_url
-
-log = logging.getLogger("cachectl.service.activate")
-T = TypeVar("T")
-
-
-def _quick_index(url: str) -> Index:
-    """The index without Alembic's schema check (importing Alembic alone costs ~0.5 s at start)."""
-    return Index(make_engine(url))
-
-
-def _missing_schema(exc: Exception) -> bool:
-    text = str(exc).lower()
-    return (
-        "no such table" in text
-        or "undefinedtable" in text
-        or ("does not exist" in text and "relation" in text)
-    )
-
-
-def index_with(url: str, first: Callable[[Index], T]) -> tuple[Index, T]:
-    """Open the index cheaply and run ``first`` on it; migrate a schema-less SQLite file once.
-
-    The caller owns (and closes) the returned index.
-    """
-    index = _quick_index(url)
-    try:
-        return index, first(index)
-    except Exception as exc:
-        index.close()
-        if not _missing_schema(exc):
-            raise
-    index = open_index(url)  # a new SQLite file: create the schema, then retry
-    try:
-        return index, first(index)
-    except Exception:
-        index.close()
-        raise
-
-
-def open_for_service(settings: Settings) -> tuple[Index, CacheInfo]:
-    """The SQL index and this cache's policy (the embedded default is created on first use).
-
-    A service only reads its cache's row and records its environment, so the
-    schema is checked (and an SQLite file migrated) only when a table is missing.
-    """
-    if settings.cache == DEFAULT_CACHE:
-        root = normalize_url(settings.default_root)
-        return index_with(settings.db, lambda i: i.ensure_cache(settings.cache, root))
-    return index_with(settings.db, lambda i: i.get_cache(settings.cache))
+from cachectl.storage.store import Store
 
 
 def prepare_mirror(
@@ -122,28 +67,4 @@ def prepare_mirror(
     return result
 
 
-def record_environment(
-    db_url: str, cache_name: str, env: Environment, create_cache_at: str | None
-) -> None:
-    """Record this environment in the index, off the start path; failures only logged."""
-
-    def record(index: Index) -> None:
-        if create_cache_at:
-            index.ensure_cache(cache_name, create_cache_at)
-        index.ensure_environment(cache_name, env)
-
-    try:
-        index, _ = index_with(db_url, record)
-        index.close()
-    except Exception as exc:  # noqa: BLE001 - best effort
-        log.debug("cachectl: could not record environment %s: %s", env.digest[:16], exc)
-
-
-__all__ = [
-    "PullResult",
-    "index_with",
-    "open_for_service",
-    "prepare_mirror",
-    "record_environment",
-    "record_telemetry",
-]
+__all__ = ["PullResult", "prepare_mirror"]

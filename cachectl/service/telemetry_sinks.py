@@ -13,31 +13,11 @@ import sqlite3
 from typing import TYPE_CHECKING, Any
 
 from cachectl.core.cache_info import utcnow
-from cachectl.service import sqlite_index as service_sqlite
+from cachectl.index.open import driver
 from cachectl.telemetry.batch import TelemetryBatch
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
-    from typing import Protocol, TypeVar
-
-    from cachectl.index.sql import Index
-
-    T = TypeVar("T")
-
-    class SqlTelemetry(Protocol):
-        """What a sink needs of ``service/index_access.py`` (mypy checks the module against it)."""
-
-        def index_with(self, url: str, first: Callable[[Index], T]) -> tuple[Index, T]: ...
-
-        def record_telemetry(self, index: Index, env_id: int, batch: TelemetryBatch) -> int: ...
-
-
-def _index_side() -> SqlTelemetry:
-    """cachectl.service.index_access, imported in the flusher thread: a service never pays for
-    SQLAlchemy at start."""
-    from cachectl.service import index_access
-
-    return index_access
+    from cachectl.core.config import Settings
 
 
 class IndexSink:
@@ -48,10 +28,11 @@ class IndexSink:
     """
 
     def __init__(
-        self, db_url: str, cache: str, environment: Any, *, create_cache_at: str | None = None
+        self, settings: Settings, environment: Any, *, create_cache_at: str | None = None
     ) -> None:
-        self.db_url = db_url
-        self.cache = cache
+        self.settings = settings
+        self.db_url = settings.db
+        self.cache = settings.cache
         self.environment = environment
         self.create_cache_at = create_cache_at  # the embedded default is created on first use
         self._index: Any = None
@@ -63,22 +44,28 @@ class IndexSink:
 
     def _open(self) -> tuple[Any, int]:
         if self._index is None or self._env_id is None:
-
-            def record(index: Any) -> int:
+            # Opened in the flusher thread: a service never pays for SQLAlchemy at start.
+            index = driver("sqlalchemy")(self.settings, "service")
+            assert index is not None  # the sqlalchemy driver always opens
+            try:
                 if self.create_cache_at:
                     index.ensure_cache(self.cache, self.create_cache_at)
-                return int(index.ensure_environment(self.cache, self.environment).id)
-
-            self._index, env_id = _index_side().index_with(self.db_url, record)
-            self._env_id = env_id
-            return self._index, env_id
+                env_id = int(index.ensure_environment(self.cache, self.environment).id)
+            except Exception:
+                index.close()
+                raise
+            self._index, self._env_id = index, env_id
+            return index, env_id
         return self._index, self._env_id
 
     def _write_fast(self, batch: TelemetryBatch) -> bool:
         """Write through the stdlib driver when the index allows it (no SQLAlchemy import)."""
         if self._index is not None:
             return False  # the SQLAlchemy index is open already: keep using it
-        fast = service_sqlite.open_service_sqlite(self.db_url)
+        # Imported in the flusher thread: the records it reads cost a service's start.
+        from cachectl.index.stdlib import StdlibReads
+
+        fast = StdlibReads.open_for(self.settings, "service")
         if fast is None:
             return False
         try:
@@ -92,8 +79,10 @@ class IndexSink:
         if self._write_fast(batch):
             return
         try:
+            from cachectl.index.telemetry_queries import record_telemetry
+
             index, env_id = self._open()
-            _index_side().record_telemetry(index, env_id, batch)
+            record_telemetry(index, env_id, batch)
         except Exception:
             if self._index is not None:
                 self._index.close()
@@ -109,8 +98,9 @@ class IndexSink:
 class ServerSink:
     """Telemetry sink for activate() in server mode: batches go to POST /api/v1/telemetry."""
 
-    def __init__(self, client: Any) -> None:
-        self.client = client  # a cachectl.client.ServerClient
+    def __init__(self, index: Any) -> None:
+        """``index``: the http index driver's (cachectl.client.remote.RemoteIndex), a service's."""
+        self.client = index.client  # a cachectl.client.ServerClient
 
     def describe(self) -> str:
         return f"server {self.client.url}"

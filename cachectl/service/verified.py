@@ -18,12 +18,11 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from cachectl.core.config import RUN_UNVERIFIED_ENV, Settings
 from cachectl.core.errors import BadInput, NotFound
 from cachectl.index import reads
-from cachectl.index.reads import StdlibReads
 from cachectl.storage.entries import CACHE_SUFFIX, EXECUTABLE_SUFFIX
 from cachectl.trust import pins
 from cachectl.trust.signing import (
@@ -33,6 +32,9 @@ from cachectl.trust.signing import (
     stored_signature,
     verified_files,
 )
+
+if TYPE_CHECKING:
+    from cachectl.index.protocol import IndexBackend
 
 
 class Indexed(NamedTuple):
@@ -82,45 +84,41 @@ OpenIndex = Callable[[Settings, list[str]], tuple[Any, Any]]
 
 
 def _read_index(
-    settings: Settings, digest: str, problems: list[str], open_index: OpenIndex
+    settings: Settings,
+    digest: str,
+    problems: list[str],
+    open_index: OpenIndex,
+    held: IndexBackend | None,
 ) -> _IndexSays:
-    """The cache's trusted keys, the environment's signed list and its recorded sha256s: one
-    connection, three small reads (the stdlib driver on a plain SQLite index)."""
-    fast = None if settings.server else StdlibReads.open(settings.db)
+    """The cache's trusted keys, the environment's signed list and its recorded sha256s: three
+    small reads on ``held`` (the index activate() opened), else on one opened (and closed) here."""
+    index = held if held is not None else open_index(settings, problems)[0]
+    if index is None:
+        return _IndexSays(None, None, None)
     keys: tuple[str, ...] | None = None
     signed: dict[str, Any] | None = None
     shas: dict[str, Indexed] | None = None
-    if fast is not None:
-        try:
-            keys = tuple(fast.get_cache(settings.cache).trusted_keys or ())
-            env = fast.find_environment(settings.cache, digest)
-            signed = reads.content_signature(fast.reader, env.id)
-            shas = {
-                k: Indexed(*row) for k, row in reads.executable_digests(fast.reader, env.id).items()
-            }
-        except NotFound as exc:  # an environment the index does not know yet: nothing verified
-            shas = {} if keys is not None else None
-            problems.append(exc.message)
-        except Exception as exc:  # noqa: BLE001 - unknown environment or index error
-            problems.append(str(exc) or type(exc).__name__)
-        finally:
-            fast.close()
-    elif (index := open_index(settings, problems)[0]) is not None:
-        try:
-            keys = tuple(index.get_cache(settings.cache).trusted_keys or ())
-            env = index.find_environment(settings.cache, digest)
-            if hasattr(index, "content_signature"):
-                signed = index.content_signature(env.id)
+    try:
+        keys = tuple(index.get_cache(settings.cache).trusted_keys or ())
+        env = index.find_environment(settings.cache, digest)
+        if index.dialect == "remote":  # the server's rows, over HTTP
             shas = {
                 e.key: Indexed(e.sha256, e.aot_sha256, getattr(e, "aot_unusable", None))
                 for e in index.list_entries(env.id)
             }
-        except NotFound as exc:
-            shas = {} if keys is not None else None
-            problems.append(exc.message)
-        except Exception as exc:  # noqa: BLE001 - unknown environment or index error
-            problems.append(str(exc) or type(exc).__name__)
-        finally:
+        else:
+            signed = reads.Queries(index.reader).content_signature(env.id)
+            shas = {
+                k: Indexed(*row)
+                for k, row in reads.executable_digests(index.reader, env.id).items()
+            }
+    except NotFound as exc:  # an environment the index does not know yet: nothing verified
+        shas = {} if keys is not None else None
+        problems.append(exc.message)
+    except Exception as exc:  # noqa: BLE001 - unknown environment or index error
+        problems.append(str(exc) or type(exc).__name__)
+    finally:
+        if held is None:
             index.close()
     return _IndexSays(keys, signed, shas)
 
@@ -166,12 +164,13 @@ def _verify(
     warnings: list[str],
     unverified_ok: bool,
     open_index: OpenIndex,
+    held: IndexBackend | None,
 ) -> Verified | None:
     prefix = "cachectl"
     problems: list[str] = []
     where = f"namespace {namespace}"
     try:
-        said = _read_index(settings, digest, problems, open_index)
+        said = _read_index(settings, digest, problems, open_index, held)
         trusted = _trusted(settings, said, warnings, prefix)
     except BadInput as exc:  # a bad pin or CACHECTL_TRUST: nothing can be trusted
         warnings.append(f"{prefix}: {exc.message}; nothing is read from cache {settings.cache!r}")
@@ -226,18 +225,22 @@ def namespace_verified(
     unverified_ok: bool,
     open_index: OpenIndex,
     *,
+    held: IndexBackend | None = None,
     first_only: bool = False,
 ) -> Verified | None:
     """What may load from this namespace (None: nothing can verify it); asked once per process,
     its warnings added to ``warnings`` each time (``first_only``: only by the call that asked,
-    so that one warning is printed once where another caller prints it)."""
+    so that one warning is printed once where another caller prints it). ``held``: an index the
+    caller holds open (Activation.index), asked instead of opening one."""
     ident = (settings.server or settings.db, settings.cache, digest, unverified_ok)
     with _LOCK:
         done = _DONE.get(ident)
         asked = done is None
         if done is None:
             said: list[str] = []
-            found = _verify(settings, digest, namespace, read, said, unverified_ok, open_index)
+            found = _verify(
+                settings, digest, namespace, read, said, unverified_ok, open_index, held
+            )
             done = (found, tuple(said))
             _DONE[ident] = done
     if asked or not first_only:

@@ -359,8 +359,8 @@ def check_fits(index: Any, cache: CacheInfo, env_id: int | None, added: int) -> 
     """QuotaExceeded when ``added`` more bytes do not fit the cache's or the environment's limit
     (``env_id`` None: an environment not recorded yet), checked before anything is written; in
     server mode the server holds the limits."""
-    if isinstance(index, Index) and (cache.max_size is not None or cache.env_max_size is not None):
-        sq.check_quota(index, cache.name, env_id if env_id is not None else -1, added)
+    if index.dialect != "remote" and (cache.max_size is not None or cache.env_max_size is not None):
+        sq.check_quota(index.sql, cache.name, env_id if env_id is not None else -1, added)
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """The rows one telemetry flush adds to the index, without a database in sight.
 
 Two writers store a flush: the SQLAlchemy one (cachectl.index.telemetry_queries, every database)
-and the service's stdlib one for SQLite (cachectl.service.sqlite_index, which spares a service the
+and the service's stdlib one for SQLite (cachectl.index.stdlib, which spares a service the
 SQLAlchemy import). Both take their rows and rules from here, so they cannot drift apart.
 """
 

@@ -62,18 +62,18 @@ class CacheTotals:
 
 
 def list_environments(ctx: Context, cache: CacheInfo) -> EnvironmentListing:
-    return EnvironmentListing(cache.name, cache.root_url, ctx.reads.environment_stats(cache.name))
+    return EnvironmentListing(cache.name, cache.root_url, ctx.index.environment_stats(cache.name))
 
 
 def list_entries(ctx: Context, cache: CacheInfo, env_prefix: str) -> EntryListing:
-    env = ctx.reads.find_environment(cache.name, env_prefix)
+    env = ctx.index.find_environment(cache.name, env_prefix)
     return EntryListing(cache.name, env, ctx.index.list_entries(env.id))
 
 
 def cache_totals(ctx: Context, caches: list[CacheInfo]) -> list[CacheTotals]:
     out = []
     for cache in caches:
-        envs = ctx.reads.environment_stats(cache.name)
+        envs = ctx.index.environment_stats(cache.name)
         accesses = [e.last_access_at for e in envs if e.last_access_at]
         out.append(
             CacheTotals(
