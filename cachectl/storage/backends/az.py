@@ -14,6 +14,7 @@ import copy
 from typing import Any
 
 from cachectl.core.config import storage_bounds
+from cachectl.storage.backends.common import first_segment, given_options
 
 FSSPEC = "az"
 REQUIRES = ("adlfs", "pip install 'cachectl-jax[azure]'")
@@ -38,9 +39,5 @@ def jax_options(given: dict[str, Any]) -> dict[str, Any] | None:
     return client_options(given)
 
 
-def probe_options(given: dict[str, Any]) -> dict[str, Any]:
-    return dict(given)
-
-
-def bucket(root: str) -> str | None:
-    return root.split("/", 1)[0]  # the container
+probe_options = given_options
+bucket = first_segment  # the container

@@ -6,6 +6,8 @@ import copy
 import os
 from typing import Any
 
+from cachectl.storage.backends.common import first_segment, given_options
+
 FSSPEC = "gcs"
 REQUIRES = ("gcsfs", "pip install gcsfs")
 MTIME_KEYS: tuple[str, ...] = ()
@@ -25,9 +27,5 @@ def jax_options(given: dict[str, Any]) -> dict[str, Any] | None:
     return client_options(given)
 
 
-def probe_options(given: dict[str, Any]) -> dict[str, Any]:
-    return dict(given)
-
-
-def bucket(root: str) -> str | None:
-    return root.split("/", 1)[0]
+probe_options = given_options
+bucket = first_segment

@@ -3,24 +3,18 @@ directory itself."""
 
 from __future__ import annotations
 
-from typing import Any
+from cachectl.storage.backends.common import (
+    given_options,
+    no_jax_options,
+    nothing_to_check,
+)
 
 FSSPEC = "file"
 REQUIRES = None
 MTIME_KEYS: tuple[str, ...] = ()
 
 
-def client_options(given: dict[str, Any]) -> dict[str, Any]:
-    return dict(given)
-
-
-def jax_options(given: dict[str, Any]) -> dict[str, Any] | None:
-    return None
-
-
-def probe_options(given: dict[str, Any]) -> dict[str, Any]:
-    return dict(given)
-
-
-def bucket(root: str) -> str | None:
-    return None
+client_options = given_options
+jax_options = no_jax_options
+probe_options = given_options
+bucket = nothing_to_check

@@ -12,6 +12,7 @@ from cachectl.core.config import (
     STORAGE_PAUSE_S,
     storage_bounds,
 )
+from cachectl.storage.backends.common import first_segment
 from cachectl.storage.bounded_http import bounded_session
 
 FSSPEC = "s3"
@@ -69,5 +70,4 @@ def probe_options(given: dict[str, Any]) -> dict[str, Any]:
     return opts
 
 
-def bucket(root: str) -> str | None:
-    return root.split("/", 1)[0]
+bucket = first_segment
