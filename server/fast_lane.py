@@ -8,7 +8,8 @@ that every check passes, and answers it with what the routes themselves use: the
 byte route declares (server/auth.py ``refusal``), the token cache the routes fill, ``check_key``, and
 the same headers. It counts and logs what it answers itself (server/metrics.py ``observe``).
 Under `cachectl serve`, ``answer_now`` goes further for a HEAD and a GET up to ``NOW_MAX``: the
-connection's protocol (server/http_edge.py) writes the whole answer it makes, with no ASGI cycle.
+connection's protocol (server/http_edge.py) writes the whole answer it makes, with no ASGI cycle;
+a larger GET's head is written there too, and its file sent from there with ``sendfile``.
 
 Where the token, the (cache, environment) pair and the entry's recorded sha256 are all remembered
 (server/state.py ``known``: each at most ``token_cache_s`` old, so a revoked token or a deleted
@@ -66,7 +67,8 @@ LANE_THREADS = 40
 # store's HEAD waits on the network, in a thread.
 INLINE_KINDS: tuple[str, ...] = ("file",)
 # A GET up to this size is read and written with its headers in one write, with no ASGI cycle
-# (server/http_edge.py); a larger one is sent with sendfile.
+# (server/http_edge.py); a larger one's head is written, then its file sent with sendfile by the
+# connection's protocol too (server/zero_copy.py ``ProtocolSend``).
 NOW_MAX = 64 * 1024
 _OCTETS = (b"content-type", b"application/octet-stream")
 _PRIVATE = (b"cache-control", b"private, max-age=0")
@@ -151,6 +153,15 @@ def accel_expires(
     # nginx keeps an answer while its clock's whole second is at most this one.
     last = math.floor(wall) - 1
     return b"@%d" % last if last >= math.floor(now) else b"0"
+
+
+@dataclass(frozen=True)
+class FileAnswer:
+    """A GET's head, and its file (an open descriptor the taker closes), ``size`` bytes of it."""
+
+    head: bytes
+    fd: int
+    size: int
 
 
 class _Fd:
@@ -284,10 +295,12 @@ class ByteFastLane:
 
     def answer_now(
         self, method: str, path: str, headers: list[tuple[bytes, bytes]], date: list[Any]
-    ) -> bytes | None:
+    ) -> bytes | FileAnswer | None:
         """The whole HTTP/1.1 answer to a HEAD, or to a GET of at most ``NOW_MAX`` bytes (or one
         nginx sends), made at once from what ``_inline`` would send, for server/http_edge.py to write
-        with no ASGI cycle; None leaves the request to ``answer`` and the app. Counted and logged."""
+        with no ASGI cycle; for a larger GET, its head and the open file, which the protocol sends
+        (server/zero_copy.py ``ProtocolSend``). None leaves the request to ``answer`` and the app.
+        Counted and logged."""
         started = time.perf_counter()
         found = self._ready(method, path, headers)
         if found is None:
@@ -297,19 +310,21 @@ class ByteFastLane:
         accel = self.state.settings.accel_redirect if method == "GET" else None
         reader = self.readers.get(store.root)
         body = b""
+        big: int | None = None
         try:
             if method == "HEAD" or accel is not None:
                 size = reader.size(rel)
             else:
                 fd, size = reader.open_fd(rel)
-                try:
-                    if size > NOW_MAX:
-                        return None
-                    body = os.read(fd, size + 1)
-                finally:
-                    os.close(fd)
-                if len(body) != size:
-                    return None  # replaced while read: the ASGI path answers
+                if size > NOW_MAX:
+                    big = fd  # sent after the headers by the protocol (server/zero_copy.py)
+                else:
+                    try:
+                        body = os.read(fd, size + 1)
+                    finally:
+                        os.close(fd)
+                    if len(body) != size:
+                        return None  # replaced while read: the ASGI path answers
         except (OSError, BadInput):
             return None
         finally:
@@ -325,6 +340,8 @@ class ByteFastLane:
             self.state.metrics.download_bytes.labels(params["cache"]).inc(size)
         head = b"".join(b"%s: %s\r\n" % (name, value) for name, value in [*date, *lines])
         observe(self.state.metrics, method, lane.route.path, 200, time.perf_counter() - started)
+        if big is not None:
+            return FileAnswer(b"HTTP/1.1 200 OK\r\n" + head + b"\r\n", big, size)
         return b"HTTP/1.1 200 OK\r\n" + head + b"\r\n" + body
 
     def _ready(

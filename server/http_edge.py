@@ -12,7 +12,8 @@ head, by ``limits.BodyGuard``. Each GET is offered zero-copy file sends (server/
 
 A HEAD, or a GET of a small file, that the app's byte fast lane can answer whole from what it
 remembers (server/fast_lane.py ``answer_now``) is written here as soon as its head is parsed, with
-no ASGI cycle, task or scope: most of what such a request cost was uvicorn's per-request
+no ASGI cycle, task or scope (a larger file's head likewise, then the file by ``sendfile``,
+server/zero_copy.py ``ProtocolSend``): most of what such a request cost was uvicorn's per-request
 machinery (BENCHMARKS.md "Server against nginx"). Only on a keep-alive HTTP/1.1 connection with
 no response in flight and none queued; anything else goes to the app as before.
 """
@@ -115,8 +116,9 @@ class BoundedHttpTools(HttpToolsProtocol):
         self._in_body = False
         if self._answered:
             self._answered = False
-            self.on_response_complete()  # keep-alive timer, reads resumed, a pipelined request
-            return
+            if self.cycle is None or self.cycle.response_complete:
+                self.on_response_complete()  # keep-alive timer, reads resumed, a pipelined request
+            return  # else a file is still being sent: ``_finish`` goes on when it is done
         super().on_message_complete()
 
     # -- answers written at once -------------------------------------------------------------
@@ -154,9 +156,26 @@ class BoundedHttpTools(HttpToolsProtocol):
         )
         if answer is None:
             return False
-        self.transport.write(answer)
         self._answered = True
+        if isinstance(answer, bytes):
+            self.transport.write(answer)
+            return True
+        self.transport.write(answer.head)
+        sending = zero_copy.ProtocolSend(self.transport, self.flow, answer.fd, answer.size)
+        if not sending.start():
+            # the rest from a task; a pipelined request waits behind it (see ProtocolSend)
+            self.cycle = sending  # type: ignore[assignment]
+            self.flow.pause_reading()
+            task = self.loop.create_task(self._finish(sending))
+            self.tasks.add(task)
+            task.add_done_callback(self.tasks.discard)
         return True
+
+    async def _finish(self, sending: zero_copy.ProtocolSend) -> None:
+        """The rest of a large answer; then the connection's next request (its head was parsed
+        in the same read as this one's, so ``on_message_complete`` has run)."""
+        if await sending.finish():
+            self.on_response_complete()
 
     # -- refusals ----------------------------------------------------------------------------
 

@@ -210,3 +210,105 @@ async def _send_copied(
         offset += len(chunk)
         await plain({"type": "http.response.body", "body": chunk, "more_body": True})
     await plain({"type": "http.response.body", "body": b"", "more_body": more_body})
+
+
+class ProtocolSend:
+    """A file sent by the connection's protocol itself after the headers it wrote
+    (server/http_edge.py, for server/fast_lane.py ``answer_now``), with no ASGI cycle.
+
+    ``sendfile`` first runs at once, on the socket, while the protocol's callback runs: a file the
+    socket takes whole (most of them on a fast link) costs no task and no wait. The rest is sent by
+    a task as ``_send_file`` sends it (a duplicate of the socket waited on, at most ``STALL_S``
+    without progress; a client gone, a stall or a short file closes the connection), with the
+    connection's reads paused. Meanwhile this object stands in the protocol's ``cycle`` as a
+    response not complete, which is what makes uvicorn queue a pipelined request behind it, and
+    what its ``shutdown`` and ``connection_lost`` set (``keep_alive``, ``disconnected``)."""
+
+    def __init__(self, transport: asyncio.Transport, flow: Any, fd: int, size: int) -> None:
+        self.transport, self.flow, self.fd, self.size = transport, flow, fd, size
+        self.sent = 0
+        self.copy = False  # sendfile refused this file: read and written through the transport
+        self.response_complete = False
+        self.keep_alive = True
+        self.disconnected = False
+        self.message_event = asyncio.Event()
+        self.task: asyncio.Task[None] | None = None
+
+    def start(self) -> bool:
+        """Send what the socket takes now; True when the whole answer is sent (or the connection
+        was dropped), False when ``finish`` must send the rest."""
+        try:
+            sock = self.transport.get_extra_info("socket")
+            if self.transport.get_write_buffer_size() or sock is None:
+                self.copy = True  # the headers still wait in the transport: write behind them
+                return False
+            self.sent = _until_full(sock.fileno(), self.fd, 0, self.size)
+        except _Short:
+            return self._drop("the file is shorter than its Content-Length (replaced while sent?)")
+        except OSError as exc:
+            if exc.errno not in _UNSENDABLE:
+                return self._drop(str(exc))
+            self.copy = True
+            return False
+        if self.sent < self.size:
+            return False
+        os.close(self.fd)
+        self.response_complete = True
+        return True
+
+    def _drop(self, why: str) -> bool:
+        log.info("download ended early: %s", why)
+        self.transport.close()
+        os.close(self.fd)
+        self.response_complete = True
+        return True
+
+    async def finish(self) -> bool:
+        """The rest of the file; whether the connection may go on to its next request."""
+        try:
+            if self.copy:
+                await self._copied()
+            else:
+                await self._rest()
+        except _Short:
+            self._drop("the file is shorter than its Content-Length (replaced while sent?)")
+            return False
+        except OSError as exc:
+            self._drop(str(exc))  # the client is gone (EPIPE, ECONNRESET)
+            return False
+        except asyncio.CancelledError:
+            self._drop("the server is shutting down")
+            raise
+        os.close(self.fd)
+        self.response_complete = True
+        if not self.keep_alive:  # shut down meanwhile: the answer ends the connection
+            self.transport.close()
+        return not self.transport.is_closing()
+
+    async def _rest(self) -> None:
+        loop = asyncio.get_running_loop()
+        waiter = os.dup(self.transport.get_extra_info("socket").fileno())
+        try:
+            while self.sent < self.size:
+                if not await _writable(loop, waiter):
+                    raise OSError(errno.ETIMEDOUT, f"the client read nothing for {STALL_S:g} s")
+                if self.transport.is_closing():
+                    raise OSError(errno.ECONNABORTED, "the connection was closed")
+                self.sent += _until_full(waiter, self.fd, self.sent, self.size - self.sent)
+        finally:
+            os.close(waiter)
+
+    async def _copied(self) -> None:
+        loop = asyncio.get_running_loop()
+        while self.sent < self.size:
+            chunk = await loop.run_in_executor(
+                _threads, os.pread, self.fd, min(COPY_CHUNK, self.size - self.sent), self.sent
+            )
+            if not chunk:
+                raise _Short
+            if self.transport.is_closing():
+                raise OSError(errno.ECONNABORTED, "the connection was closed")
+            self.sent += len(chunk)
+            self.transport.write(chunk)
+            if self.flow.write_paused:
+                await self.flow.drain()
