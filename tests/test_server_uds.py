@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import stat
@@ -27,11 +28,16 @@ from cachectl.storage.entries import sha256
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from test_server_nginx import NGINX, NO_NGINX, PREFIX  # noqa: E402
 
 from bench import workers as bench_workers  # noqa: E402
 
 API = "/api/v1"
+PREFIX = "/_cachectl_files/"
+NGINX = shutil.which("nginx") or next(
+    (p for p in ("/usr/sbin/nginx", "/sbin/nginx") if os.access(p, os.X_OK)), None
+)
+# As in tests/test_server_nginx.py: scripts/test installs nginx; CACHECTL_TEST_NO_NGINX=1 skips.
+NO_NGINX = os.environ.get("CACHECTL_TEST_NO_NGINX") == "1"
 
 
 def _cachectl(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
