@@ -7,7 +7,8 @@ requests per second. Run it pinned to a core the server does not use (``taskset 
 
     python bench/loadgen.py URL_JSON   (a JSON spec on stdin or as the argument; prints JSON)
 
-Spec: {"host", "port", "concurrency", "seconds" | "requests", "requests_mix": [[name, weight,
+Spec: {"host", "port" | "uds" (a unix socket path: host and port then only name the Host header),
+"concurrency", "seconds" | "requests", "requests_mix": [[name, weight,
 method, path, headers{}, body_b64 or null, want_status, want_length or null], ...]}.
 """
 
@@ -45,7 +46,14 @@ async def _read_response(reader: asyncio.StreamReader, method: str) -> tuple[int
 
 
 async def run(spec: dict[str, Any]) -> dict[str, Any]:
-    host, port = spec["host"], int(spec["port"])
+    host, port = spec.get("host", "localhost"), int(spec.get("port", 80))
+    uds = spec.get("uds")
+
+    async def connect() -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        if uds:
+            return await asyncio.open_unix_connection(uds)
+        return await asyncio.open_connection(host, port)
+
     mix = []
     for name, weight, method, path, headers, body, want, want_len in spec["requests_mix"]:
         raw = _request(
@@ -60,7 +68,7 @@ async def run(spec: dict[str, Any]) -> dict[str, Any]:
 
     async def worker(offset: int) -> None:
         nonlocal counter
-        reader, writer = await asyncio.open_connection(host, port)
+        reader, writer = await connect()
         i = offset
         while counter < budget and time.perf_counter() < deadline:
             counter += 1
@@ -73,7 +81,7 @@ async def run(spec: dict[str, Any]) -> dict[str, Any]:
             except (asyncio.IncompleteReadError, ConnectionError) as exc:
                 errors[name].append(f"{type(exc).__name__}")
                 writer.close()
-                reader, writer = await asyncio.open_connection(host, port)
+                reader, writer = await connect()
                 continue
             latencies[name].append(time.perf_counter() - t)
             if status != want or (want_len is not None and length != want_len):

@@ -10,8 +10,11 @@ from __future__ import annotations
 import gc
 import logging
 import os
-from collections.abc import AsyncIterator, Callable
-from contextlib import AbstractAsyncContextManager, asynccontextmanager
+import signal
+import socket
+import stat
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import AbstractAsyncContextManager, asynccontextmanager, contextmanager, suppress
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -22,6 +25,7 @@ from starlette.types import Receive, Scope, Send
 
 from cachectl import __version__
 from cachectl.core.errors import (
+    BadInput,
     CachectlError,
     NotFound,
     http_status,
@@ -211,3 +215,81 @@ def worker_app() -> FastAPI:
     app = create_app(settings)
     freeze_startup_heap()
     return app
+
+
+UDS_MODE = 0o660  # owner and group may connect (nginx in the group); never every user
+
+
+def unix_listener(path: str) -> socket.socket:
+    """A listening unix socket at ``path``, created 0660 less the umask (uvicorn's own ``uds=``
+    makes it 0666 for a moment, or for good). A dead server's socket is replaced; a live one, or
+    any other file, is refused, never removed."""
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        raise BadInput(f"--uds {path}: directory {parent} does not exist: create it first")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise BadInput(
+            f"--uds {path}: directory {parent} is not writable by this user: pick another"
+        )
+    if len(os.fsencode(path)) > 107:
+        raise BadInput(f"--uds {path}: a unix socket path is at most 107 bytes: use a shorter one")
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        mode = None
+    if mode is not None:
+        if not stat.S_ISSOCK(mode):
+            raise BadInput(
+                f"--uds {path}: exists and is not a socket: remove it or pick another path"
+            )
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+            try:
+                probe.connect(path)
+            except OSError:
+                os.unlink(path)  # nobody listens: a stopped server's leftover
+            else:
+                raise BadInput(
+                    f"--uds {path}: a server already listens there: stop it or pick another"
+                )
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    old = os.umask(0o077)
+    os.umask(old | (0o777 & ~UDS_MODE))  # the caller's umask, and never o+rwx
+    try:
+        sock.bind(path)
+    except OSError as exc:
+        sock.close()
+        raise BadInput(f"--uds {path}: cannot listen there ({exc.strerror})") from exc
+    finally:
+        os.umask(old)
+    sock.listen(2048)
+    return sock
+
+
+class _Stopped(BaseException):
+    """SIGTERM, re-raised by uvicorn after its graceful shutdown."""
+
+
+@contextmanager
+def listening_on(path: str) -> Iterator[socket.socket]:
+    """``unix_listener(path)``, closed and its file removed however the server stops: uvicorn
+    re-raises SIGTERM once it has shut down, which would end the process before a ``finally``
+    ran. The process still ends by SIGTERM afterwards, as it does on a TCP port."""
+    sock = unix_listener(path)
+    stopped: list[int] = []
+
+    def on_term(signum: int, _frame: object) -> None:
+        stopped.append(signum)
+        raise _Stopped
+
+    previous = signal.signal(signal.SIGTERM, on_term)
+    try:
+        yield sock
+    except _Stopped:
+        pass
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        sock.close()
+        with suppress(FileNotFoundError):
+            os.unlink(path)
+    if stopped:
+        signal.raise_signal(signal.SIGTERM)

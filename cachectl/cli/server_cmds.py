@@ -32,6 +32,12 @@ MAX_WORKERS = 64
     help="TCP port.",
 )
 @click.option(
+    "--uds",
+    metavar="PATH",
+    help="Listen on a unix socket at PATH (created 0660 less the umask, removed on exit) instead "
+    "of --host/--port: for nginx or a load balancer on the same host.",
+)
+@click.option(
     "--db",
     "serve_db",
     metavar="URL",
@@ -105,6 +111,7 @@ def serve(
     ctx: Context,
     host: str,
     port: int,
+    uds: str | None,
     serve_db: str | None,
     maintenance_interval: str | None,
     telemetry_retention: str | None,
@@ -130,21 +137,16 @@ def serve(
                token, in an HttpOnly cookie; or --public-dashboard for a read-only view)
     """
     import logging
-    import os
 
     count = _workers(workers)
+    if uds is not None:
+        _only_uds(click.get_current_context())
     try:
         import uvicorn
 
         import cachectl_server.accel as accel
-        from cachectl_server.app import create_app, freeze_startup_heap
-        from cachectl_server.config import (
-            WORKER_LOG_LEVEL_ENV,
-            WORKER_SETTINGS_ENV,
-            load_server_settings,
-            settings_to_env,
-        )
-        from cachectl_server.http_edge import bounded_http
+        from cachectl_server.app import listening_on
+        from cachectl_server.config import load_server_settings
     except ImportError as exc:
         raise BadInput(
             f"the server needs its extra: pip install 'cachectl-jax[server]' ({exc.name} is missing)"
@@ -171,7 +173,7 @@ def serve(
         click.echo(
             accel.nginx_config(
                 accel.local_roots(caches),
-                upstream=f"{host}:{port}",
+                upstream=f"unix:{uds}" if uds else f"{host}:{port}",
                 listen=nginx_listen,
                 prefix=settings.accel_redirect or accel.DEFAULT_PREFIX,
                 user=nginx_user,
@@ -196,6 +198,22 @@ def serve(
         "server_header": False,
         "timeout_keep_alive": KEEP_ALIVE_S,
     }
+    if uds is None:
+        _run(uvicorn, settings, count, log_level, common)
+        return
+    with listening_on(uds) as listener:
+        common["fd"] = listener.fileno()  # uvicorn listens on it, one process or N workers
+        _run(uvicorn, settings, count, log_level, common)
+
+
+def _run(uvicorn: Any, settings: Any, count: int, log_level: str, common: dict[str, Any]) -> None:
+    """uvicorn with one app object, or N workers that each build their own."""
+    import os
+
+    from cachectl_server.app import create_app, freeze_startup_heap
+    from cachectl_server.config import WORKER_LOG_LEVEL_ENV, WORKER_SETTINGS_ENV, settings_to_env
+    from cachectl_server.http_edge import bounded_http
+
     if count == 1:
         app = create_app(settings)
         freeze_startup_heap()
@@ -212,6 +230,17 @@ def serve(
         http="cachectl_server.http_edge:WorkerHttpTools",
         **common,
     )
+
+
+def _only_uds(click_ctx: click.Context) -> None:
+    """--uds replaces --host/--port: both given is a mistake to name, not to guess at."""
+    for name in ("host", "port"):
+        if click_ctx.get_parameter_source(name) not in (
+            click.core.ParameterSource.DEFAULT,
+            click.core.ParameterSource.DEFAULT_MAP,
+            None,
+        ):
+            raise BadInput(f"--uds listens on a unix socket: drop --{name} (it is for TCP)")
 
 
 def _workers(text: str) -> int:
