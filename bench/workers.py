@@ -129,6 +129,11 @@ def _load(uds: str, route: list[Any], clients: list[int | None], seconds: float)
     }
 
 
+def _progress(started: float, line: str) -> None:
+    """One line per step on stderr, at once: a run that stalls shows where."""
+    print(f"[{time.monotonic() - started:6.1f}s] {line}", file=sys.stderr, flush=True)
+
+
 def run(
     quick: bool = False, rounds: int | None = None, seconds: float | None = None
 ) -> dict[str, Any]:
@@ -143,6 +148,7 @@ def run(
         tmp = Path(tmp_dir)
         os.environ.setdefault("XDG_DATA_HOME", str(tmp / "xdg-data"))
         os.environ.setdefault("XDG_CACHE_HOME", str(tmp / "xdg-cache"))
+        _progress(started, f"{len(cpus)} cores: seeding the cache")
         seed = _seed(tmp, entries=1, small=4096)
         key, size, _ = seed["keys"][0]
         path = f"{API}/caches/bench/environments/{seed['digest']}/entries/{key}"
@@ -159,6 +165,7 @@ def run(
             for n in random.sample(p["counts"], len(p["counts"])):
                 uds = str(tmp / f"w{n}-{r}.sock")
                 pinned = p["server_cpus"][n] if p["refused"] is None else None
+                _progress(started, f"round {r + 1}/{rounds}: starting --workers {n}")
                 proc = _serve(seed["db"], uds, n, pinned, tmp / f"server-{n}.log")
                 try:
                     for route in routes.values():  # every worker's caches filled
@@ -168,6 +175,7 @@ def run(
                         got = _load(uds, route, p["client_cpus"], seconds)
                         used = _tree_cpu(proc.pid) - before
                         cells[n][name]["req_per_s"].append(got["req_per_s"])
+                        _progress(started, f"--workers {n} {name}: {got['req_per_s']:.0f} req/s")
                         cells[n][name]["server_cpu_ms_per_request"].append(
                             used / got["requests"] * 1000
                         )
