@@ -165,6 +165,9 @@ def _workload(entries: int, size: int, where: str | None, quick: bool) -> dict[s
     for k in ("cachectl_cpu", "peer_cpu"):
         res[k] = stats([row[k] for row in rows])
     res["cpu_ratio"] = stats([row["cachectl_cpu"] / row["peer_cpu"] for row in rows])
+    # Cores each side kept busy on average: CPU seconds over wall seconds.
+    res["cachectl_cores"] = stats([row["cachectl_cpu"] / row["cachectl"] for row in rows])
+    res["peer_cores"] = stats([row["peer_cpu"] / row["peer"] for row in rows])
     return res
 
 
@@ -179,7 +182,8 @@ def run(quick: bool = False) -> dict[str, Any]:
 
 
 def _s(s: dict[str, float], unit: str = "s", fmt: str = ".2f") -> str:
-    return f"{s['median']:{fmt}} {unit} ({s['min']:{fmt}}–{s['max']:{fmt}})"
+    unit = f" {unit}" if unit else ""
+    return f"{s['median']:{fmt}}{unit} ({s['min']:{fmt}}–{s['max']:{fmt}})"
 
 
 def markdown(r: dict[str, Any]) -> str:
@@ -197,8 +201,9 @@ def markdown(r: dict[str, Any]) -> str:
         "Debian, PyPI or npm here, so its Python library is the peer). Medians (min–max).",
         "",
         "| namespace | cachectl bundle pull | of which bundle install | oras pull | tar -x | "
-        "oras pull + tar -x | ratio (goal ≤ 1.3x) | CPU: cachectl | CPU: peer | CPU ratio |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "oras pull + tar -x | ratio (goal ≤ 1.3x) | CPU: cachectl | CPU: peer | CPU ratio | "
+        "cores: cachectl | cores: peer |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for w in r["workloads"]:
         mib = w["content_bytes"] / (1 << 20)
@@ -208,7 +213,8 @@ def markdown(r: dict[str, Any]) -> str:
             f"{_s(w['cachectl'])} | {_s(w['install'])} | "
             f"{_s(w['oras_pull'])} | {_s(w['tar_x'])} | {_s(w['peer'])} | "
             f"**{_s(w['ratio'], 'x')}** | {_s(w['cachectl_cpu'])} | {_s(w['peer_cpu'])} | "
-            f"{_s(w['cpu_ratio'], 'x')} |"
+            f"{_s(w['cpu_ratio'], 'x')} | {_s(w['cachectl_cores'], '')} | "
+            f"{_s(w['peer_cores'], '')} |"
         )
     lines += [
         "",
