@@ -655,9 +655,11 @@ class _Download:
             self._buf, self._at = b"", 0
 
     def stop(self) -> None:
-        """Stop the download (an install that ended without reading it all) and wait for it."""
+        """Stop the download (an install that ended without reading it all). A thread still in
+        a socket read ends at its timeout (a daemon: it never holds the process up); after
+        ``finish`` it has ended already."""
         self._stop.set()
-        self._thread.join()
+        self._thread.join(timeout=1)
 
 
 def _short(exc: BaseException) -> str:
