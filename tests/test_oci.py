@@ -365,6 +365,30 @@ def test_a_tampered_blob_is_refused_and_nothing_installed(
     _assert_nothing_installed()
 
 
+def test_a_blob_whose_files_verify_but_whose_digest_does_not_is_refused_before_publishing(
+    private: dict[str, Any], node: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A pull installs the blob as it arrives: here every file it holds is intact (the same tar
+    stream, compressed again) and only bytes past the tar's end differ (a skippable zstd frame
+    pads it to the manifest's size), so only the blob's digest, checked once the last byte is
+    in, can refuse it: nothing is published before that."""
+    import zstandard
+
+    pushed = _push_private(monkeypatch, node, private["url"])
+    manifest, _ = _get_json(private["url"], f"lm/cache/manifests/{pushed['digest']}", MANIFEST_TYPE)
+    blob = _blob_file(private["data"], manifest["layers"][0]["digest"])
+    original = blob.read_bytes()
+    reader = zstandard.ZstdDecompressor().stream_reader(original, read_across_frames=True)
+    again = zstandard.ZstdCompressor(level=19).compress(reader.read())
+    pad = len(original) - len(again) - 8
+    assert pad >= 0, (len(original), len(again))
+    blob.write_bytes(again + b"\x50\x2a\x4d\x18" + pad.to_bytes(4, "little") + b"\x01" * pad)
+    refused = invoke("bundle", "pull", f"oci://{private['url']}/lm/cache:v1", "--insecure", code=2)
+    assert "does not match its digest" in refused.stderr, refused.stderr
+    _one_line(refused.stderr)
+    _assert_nothing_installed()
+
+
 def test_a_wrong_environment_is_refused_before_download_naming_the_field(
     private: dict[str, Any], node: dict[str, Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -423,8 +447,9 @@ class _StallingProxy:
     """A TCP proxy in front of a registry that stops passing the response to a GET of one blob
     after its first bytes: a pull stuck mid-download, to be killed."""
 
-    def __init__(self, upstream: str, blob: str) -> None:
+    def __init__(self, upstream: str, blob: str, limit: int = 4096) -> None:
         self.upstream = upstream.split(":")
+        self.limit = limit  # bytes of the blob's response (its headers too) passed on
         self.blob = blob.encode()
         self.stalled = threading.Event()
         self.server = socket.create_server(("127.0.0.1", 0))
@@ -446,7 +471,7 @@ class _StallingProxy:
         with client, up:
             while data := client.recv(65536):
                 if b"/blobs/" + self.blob in data:
-                    state["limit"] = state["sent"] + 4096
+                    state["limit"] = state["sent"] + self.limit
                 up.sendall(data)
 
     def _down(self, up: socket.socket, client: socket.socket, state: dict[str, Any]) -> None:
@@ -492,15 +517,15 @@ def test_a_pull_killed_mid_download_leaves_nothing_the_next_pull_keeps(
         assert proxy.stalled.wait(120), proc.communicate()
         staging = Path(os.environ["XDG_CACHE_HOME"]) / "cachectl/default" / temps.STAGING_DIR
         deadline = time.monotonic() + 30
-        while not list(staging.glob("*/bundle.tar.zst")):
+        while not staging.is_dir() or not list(staging.iterdir()):
             assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()
             time.sleep(0.05)
         proc.send_signal(signal.SIGKILL)
         proc.communicate()
     finally:
         proxy.close()
-    (dead,) = staging.iterdir()  # the killed pull's download, named for its (dead) pid
-    assert dead.name.startswith(temps.STAGING_PREFIX)
+    dead = list(staging.iterdir())  # the killed pull's staging, named for its (dead) pid
+    assert dead and all(d.name.startswith(temps.STAGING_PREFIX) for d in dead), dead
     assert (
         environments() == [] and [p for p in _namespace_files() if staging not in p.parents] == []
     )
@@ -509,6 +534,43 @@ def test_a_pull_killed_mid_download_leaves_nothing_the_next_pull_keeps(
     )
     assert done["install"]["installed"] == 5 and not staging.exists()
     assert json.loads(invoke("verify", "--json").stdout)["plan"]["findings"] == []
+
+
+def test_a_pull_installs_the_blob_while_it_arrives(
+    private: dict[str, Any], node: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The download and the install overlap: with the blob's last bytes held back, the install
+    has staged files already, and none is visible; killed there, it leaves only staging."""
+    url = private["url"]
+    pushed = _push_private(monkeypatch, node, url)
+    manifest, _ = _get_json(url, f"lm/cache/manifests/{pushed['digest']}", MANIFEST_TYPE)
+    layer = manifest["layers"][0]
+    # All but about the last 2 KiB of the blob (its response headers count too): the end of the
+    # tar stream, compressed, stays held back.
+    proxy = _StallingProxy(url, layer["digest"], limit=layer["size"] - 2048)
+    staging = Path(os.environ["XDG_CACHE_HOME"]) / "cachectl/default" / temps.STAGING_DIR
+    try:
+        proc = _cachectl(
+            "bundle", "pull", f"oci://127.0.0.1:{proxy.port}/lm/cache:v1", "--insecure"
+        )
+        assert proxy.stalled.wait(120), proc.communicate()
+        deadline = time.monotonic() + 30
+        while not [p for p in staging.glob("*/*") if p.name.endswith("-cache")]:
+            assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()
+            time.sleep(0.05)
+        assert (
+            environments() == []
+            and [p for p in _namespace_files() if staging not in p.parents] == []
+        )
+        proc.send_signal(signal.SIGKILL)
+        proc.communicate()
+    finally:
+        proxy.close()
+    assert not list(staging.glob("*/bundle.tar.zst"))  # the blob itself is never written
+    done = json.loads(
+        invoke("bundle", "pull", f"oci://{url}/lm/cache:v1", "--insecure", "--json").stdout
+    )
+    assert done["install"]["installed"] == 5 and not staging.exists()
 
 
 def test_two_pulls_at_once_leave_one_good_copy(node: dict[str, Any]) -> None:

@@ -8,7 +8,7 @@ import json
 import os
 import tarfile
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, Generic, Protocol, Self, TypeVar, cast
@@ -271,16 +271,25 @@ class ForwardOnly:
 
 
 @contextmanager
-def open_bundle(path: Path) -> Iterator[tarfile.TarFile]:
+def open_bundle(path: Path, source: IO[bytes] | None = None) -> Iterator[tarfile.TarFile]:
+    """The bundle at ``path`` as a forward-only tar stream; ``source`` reads its bytes instead
+    of the file when they are still arriving (a pull's download: it has ``peek``)."""
     import zstandard
 
     try:
-        fh: IO[bytes] = open(path, "rb")  # noqa: SIM115 - closed by the with below
+        fh: IO[bytes] = (
+            open(path, "rb")  # noqa: SIM115 - closed by the with below
+            if source is None
+            else source
+        )
     except OSError as exc:
         raise BadInput(f"bundle {path}: {exc.strerror or exc}") from exc
-    with fh:
-        magic = fh.read(4)
-        fh.seek(0)
+    with fh if source is None else nullcontext(fh):  # a source is its owner's to close
+        if source is None:
+            magic = fh.read(4)
+            fh.seek(0)
+        else:
+            magic = source.peek(4)[:4]  # type: ignore[attr-defined]
         if magic != b"\x28\xb5\x2f\xfd":
             raise BadBundle(f"{path} is not a cachectl bundle (not zstd-compressed)")
         reader = zstandard.ZstdDecompressor().stream_reader(fh, read_across_frames=True)
@@ -301,16 +310,19 @@ BUNDLE_FLOOR = 16 << 20
 _JSON_MAX = 256 << 20
 
 
-def room(path: Path) -> int:
-    """The most bytes the files (or one metadata member) of the bundle at ``path`` may hold."""
-    return BUNDLE_EXPANSION * path.stat().st_size + BUNDLE_FLOOR
+def room(path: Path, size: int | None = None) -> int:
+    """The most bytes the files (or one metadata member) of the bundle at ``path`` may hold;
+    ``size`` is its size when it is still arriving (a pull's download, by its manifest)."""
+    return BUNDLE_EXPANSION * (path.stat().st_size if size is None else size) + BUNDLE_FLOOR
 
 
-def _read_json(tar: tarfile.TarFile, member: tarfile.TarInfo, path: Path) -> dict[str, Any]:
+def _read_json(
+    tar: tarfile.TarFile, member: tarfile.TarInfo, path: Path, size: int | None = None
+) -> dict[str, Any]:
     fh = tar.extractfile(member)
     if fh is None:
         raise BadBundle(f"{path}: {member.name} is not a regular file")
-    if member.size > min(_JSON_MAX, room(path)):
+    if member.size > min(_JSON_MAX, room(path, size)):
         raise BadBundle(
             f"{path}: {member.name} is {member.size} bytes, more than a bundle of this size can "
             "hold (a decompression bomb?): nothing installed"
@@ -325,13 +337,14 @@ def _read_json(tar: tarfile.TarFile, member: tarfile.TarInfo, path: Path) -> dic
 
 
 def read_meta(
-    path: Path, tar: tarfile.TarFile
+    path: Path, tar: tarfile.TarFile, size: int | None = None
 ) -> tuple[dict[str, Any], dict[str, Any] | None, tarfile.TarInfo | None]:
-    """bundle.json, signature.json (or None), and the first file member (or None)."""
+    """bundle.json, signature.json (or None), and the first file member (or None); ``size`` as
+    for ``room``."""
     first = tar.next()
     if first is None or first.name != META:
         raise BadBundle(f"{path} is not a cachectl bundle: its first member is not {META}")
-    meta = _read_json(tar, first, path)
+    meta = _read_json(tar, first, path, size)
     if meta.get("format") != FORMAT:
         raise BadBundle(
             f"{path}: unknown bundle format {meta.get('format')!r} (this cachectl reads {FORMAT})"
@@ -342,7 +355,7 @@ def read_meta(
     member = tar.next()
     signed = None
     if member is not None and member.name == SIGNATURE:
-        signed = _read_json(tar, member, path)
+        signed = _read_json(tar, member, path, size)
         member = tar.next()
     return meta, signed, member
 

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any, NamedTuple, cast
+from typing import IO, Any, NamedTuple, Protocol, cast
 
 from cachectl.bundle.format import (
     BUNDLE_EXPANSION,
@@ -312,22 +312,22 @@ def _member_name(
 
 
 def _check_declared(
-    path: Path, cache: CacheInfo, expected: dict[str, tuple[int, str]]
+    path: Path, cache: CacheInfo, expected: dict[str, tuple[int, str]], size: int | None = None
 ) -> dict[str, EntryName]:
     """Before anything is staged: every listed entry within the cache's max entry size, and the
     files' total within BUNDLE_EXPANSION times the bundle's size. Returns the listed entries by
     file name (parsed once: staging and indexing look them up)."""
     entry_names = {}
-    for name, (size, _) in expected.items():
+    for name, (listed, _) in expected.items():
         if (entry := parse_entry_filename(name)) is not None:
             entry_names[name] = entry
             try:
-                ingest.check_size(cache, entry.key, size)
+                ingest.check_size(cache, entry.key, listed)
             except ingest.Refused as exc:
                 raise BadBundle(f"{path}: {exc.message}: nothing installed") from None
-    declared = sum(size for size, _ in expected.values())
-    own = path.stat().st_size
-    if declared > room(path):
+    declared = sum(n for n, _ in expected.values())
+    own = path.stat().st_size if size is None else size
+    if declared > room(path, size):
         raise BadBundle(
             f"{path}: its content list declares {format_size(declared)} of files in a "
             f"{format_size(own)} bundle (more than {BUNDLE_EXPANSION} times its size: a "
@@ -430,16 +430,56 @@ def install(
         return _install(ctx, path, cache=cache, dry_run=dry_run)
 
 
+class Arriving(Protocol):
+    """A bundle's bytes while they still arrive (a pull's download), read as they come."""
+
+    size: int  # the bundle's size, by its manifest
+
+    def read(self, n: int = -1) -> bytes: ...
+
+    def peek(self, n: int = 0) -> bytes: ...
+
+    def finish(self) -> None:
+        """Wait for the last byte; raise if the whole (not only what was read) is not what
+        was announced (its digest)."""
+
+
+def install_arriving(
+    ctx: Context,
+    path: str | os.PathLike[str],
+    source: Arriving,
+    *,
+    cache: CacheInfo | None = None,
+    dry_run: bool = False,
+) -> InstallResult:
+    """``install`` of a bundle read while it arrives (a pull's download), named ``path`` in
+    messages: every check as for a file, and nothing is published before ``source.finish()``
+    verified the whole. Where the install refuses a bundle whose whole does not verify, the
+    download's error is the one raised (the cause, not a symptom)."""
+    with bulk_pass():
+        try:
+            return _install(ctx, path, cache=cache, dry_run=dry_run, source=source)
+        except Exception:
+            source.finish()  # raises the download's own error, if it has one
+            raise
+
+
 def _install(
-    ctx: Context, path: str | os.PathLike[str], *, cache: CacheInfo | None, dry_run: bool
+    ctx: Context,
+    path: str | os.PathLike[str],
+    *,
+    cache: CacheInfo | None,
+    dry_run: bool,
+    source: Arriving | None = None,
 ) -> InstallResult:
     started = time.monotonic()
     p = Path(path).expanduser().absolute()
-    if not p.is_file():
+    if source is None and not p.is_file():
         raise BadInput(f"bundle {p} is not a file")
+    size = None if source is None else source.size
     cache = cache or ctx.cache()
-    with open_bundle(p) as tar:
-        meta, signed, first = read_meta(p, tar)
+    with open_bundle(p, cast("IO[bytes] | None", source)) as tar:
+        meta, signed, first = read_meta(p, tar, size)
         expected = signing.files_of(meta["content"])
         env, entries = _check_meta(p, meta, expected)
         here = ctx.environment()
@@ -452,12 +492,14 @@ def _install(
         metadata_signed = signed is None or entries_signed(signed, meta, f"bundle {p.name}")
         if not dry_run:
             check_writer(cache, "install a bundle into")
-        entry_names = _check_declared(p, cache, expected)
+        entry_names = _check_declared(p, cache, expected, size)
         store = ctx.store(cache)
         staging = staging_dir(store, env.namespace)
         try:
             header_ms = _extract(p, tar, first, expected, staging, cache, entry_names)
             _check_staged_env(p, staging, env)
+            if source is not None:
+                source.finish()  # the whole bundle verified before anything is visible
             notes = []
             if not metadata_signed:
                 # What the signature does not cover is not written: the header's compile time

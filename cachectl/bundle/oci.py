@@ -10,11 +10,12 @@ artifact whose ``subject`` is the bundle (the OCI referrers API, or the referrer
 
 A pull checks, before a byte of the bundle is fetched: the manifest and config by digest, the
 environment against this machine (exit 3 naming the fields), the signature when the cache
-trusts keys, the declared size against the cache's quota and the free disk. It then streams
-the one blob into a staging directory, hashing it as it comes (a blob that is not its digest is
-refused), and ends in ``bundle install`` (every file verified again, ingest's checks). The
-staging directory is ``bundle install``'s own: a killed pull leaves only what the next install
-or ``verify --repair`` removes.
+trusts keys, the declared size against the cache's quota and the free disk. It then installs
+the one blob as it arrives (``_Download``: a thread takes it off the socket and hashes it while
+``bundle install`` reads it, every file verified again, ingest's checks), and publishes nothing
+before the whole blob matched its digest (a blob that is not is refused). The staging
+directories are ``bundle install``'s own: a killed pull leaves only what the next install or
+``verify --repair`` removes.
 
 The HTTP and auth are oras's (docker ``config.json``, basic and bearer token), except the
 docker credential helpers, which are run here (bounded, a failure one line: oras logs and goes
@@ -27,9 +28,11 @@ import contextlib
 import hashlib
 import json
 import os
+import queue
 import re
 import shutil
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -38,7 +41,7 @@ from typing import Any
 
 from cachectl.bundle.create import create
 from cachectl.bundle.format import BadBundle, InstallResult
-from cachectl.bundle.install import environment_diff, install, staging_dir
+from cachectl.bundle.install import environment_diff, install_arriving, staging_dir
 from cachectl.context import Context
 from cachectl.core.errors import BadInput, EnvironmentMismatch, NotFound, Unreachable
 from cachectl.core.fingerprint import Environment
@@ -464,31 +467,10 @@ class Registry:
             )
         return body
 
-    def download(self, digest: str, size: int, dest: Path) -> int:
-        """The blob streamed to ``dest``, hashed as it comes, never more than ``size`` bytes."""
+    def stream(self, digest: str, size: int) -> _Download:
+        """The blob as it arrives, read while a thread downloads and hashes it (``_Download``)."""
         r = self.request("GET", f"{self.base}/blobs/{digest}", stream=True, what="the bundle blob")
-        h, got = hashlib.sha256(), 0
-        try:
-            with open(dest, "xb") as out:
-                for chunk in r.iter_content(1 << 20):
-                    got += len(chunk)
-                    if got > size:
-                        raise BadBundle(
-                            f"{self.ref}: the bundle blob is longer than its manifest says "
-                            f"({size} bytes; tampered or damaged in the registry): nothing installed"
-                        )
-                    h.update(chunk)
-                    out.write(chunk)
-        except self._requests.RequestException as exc:
-            raise self._unreachable(exc) from None
-        finally:
-            r.close()
-        if got != size or "sha256:" + h.hexdigest() != digest:
-            raise BadBundle(
-                f"{self.ref}: the bundle blob does not match its digest {digest[:19]} (tampered "
-                "or damaged in the registry): nothing installed"
-            )
-        return got
+        return _Download(self, r, digest, size)
 
     def tags(self) -> list[str]:
         r = self.request("GET", f"{self.base}/tags/list?n=1000", stream=True, what="tag list")
@@ -569,6 +551,115 @@ class Registry:
             ok=(201,),
             what=f"manifest {reference}",
         )
+
+
+_QUEUED = 32  # chunks of 1 MiB read off the socket but not yet by install: its memory bound
+
+
+class _Download:
+    """A blob's bytes, read by install while a thread takes them off the socket and hashes them:
+    the download and the install overlap (the socket's reads, the hash and zstd release the
+    GIL). Never more than ``size`` bytes are taken; ``finish`` waits for the last and raises
+    unless the whole blob matches its digest, so install publishes nothing before that."""
+
+    def __init__(self, registry: Registry, response: Any, digest: str, size: int) -> None:
+        self.size = size
+        self._registry, self._response, self._digest = registry, response, digest
+        self._chunks: queue.Queue[bytes | None] = queue.Queue(_QUEUED)  # None: the end
+        self._buf, self._at = b"", 0
+        self._ended = False
+        self._error: Exception | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._pump, name="cachectl-pull", daemon=True)
+        self._thread.start()
+
+    def _put(self, chunk: bytes | None) -> bool:
+        while not self._stop.is_set():
+            try:
+                self._chunks.put(chunk, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def _pump(self) -> None:
+        import urllib3
+
+        h, got, ref = hashlib.sha256(), 0, self._registry.ref
+        raw, requests = self._response.raw, self._registry._requests
+        try:
+            # What has arrived, up to 1 MiB (iter_content waits for a whole chunk); an urllib3
+            # before 2.1 has no read1: 64 KiB at a time.
+            read1 = getattr(raw, "read1", None)
+            while chunk := (
+                read1(1 << 20, decode_content=True)
+                if read1
+                else raw.read(64 << 10, decode_content=True)
+            ):
+                got += len(chunk)
+                if got > self.size:
+                    raise BadBundle(
+                        f"{ref}: the bundle blob is longer than its manifest says "
+                        f"({self.size} bytes; tampered or damaged in the registry): nothing "
+                        "installed"
+                    )
+                h.update(chunk)
+                if not self._put(chunk):
+                    return
+            if got != self.size or "sha256:" + h.hexdigest() != self._digest:
+                raise BadBundle(
+                    f"{ref}: the bundle blob does not match its digest {self._digest[:19]} "
+                    "(tampered or damaged in the registry): nothing installed"
+                )
+        except urllib3.exceptions.ReadTimeoutError as exc:
+            self._error = self._registry._unreachable(requests.exceptions.ReadTimeout(exc))
+        except (urllib3.exceptions.HTTPError, OSError) as exc:
+            self._error = self._registry._unreachable(requests.exceptions.ConnectionError(exc))
+        except Exception as exc:  # noqa: BLE001 - raised in the reading thread
+            self._error = exc
+        finally:
+            self._response.close()
+            self._put(None)  # after _error is set: the reader sees both
+
+    def _next(self) -> bool:
+        """The next chunk into the buffer; False at the end (raising the download's error)."""
+        if not self._ended:
+            chunk = self._chunks.get()
+            if chunk is None:
+                self._ended = True
+            else:
+                self._buf, self._at = chunk, 0
+                return True
+        if self._error is not None:
+            raise self._error
+        return False
+
+    def read(self, n: int = -1) -> bytes:
+        if self._at >= len(self._buf) and not self._next():
+            return b""
+        if n is None or n < 0:
+            n = len(self._buf) - self._at
+        data = self._buf[self._at : self._at + n]
+        self._at += len(data)
+        return data
+
+    def peek(self, n: int = 0) -> bytes:
+        if self._at >= len(self._buf) and not self._next():
+            return b""
+        return self._buf[self._at :]
+
+    def finish(self) -> None:
+        """Read to the end (what install did not need of it too), then the download's verdict."""
+        self._buf, self._at = b"", 0
+        while self._next():
+            self._buf, self._at = b"", 0
+
+    def stop(self) -> None:
+        """Stop the download (an install that ended without reading it all). A thread still in
+        a socket read ends at its timeout (a daemon: it never holds the process up); after
+        ``finish`` it has ended already."""
+        self._stop.set()
+        self._thread.join(timeout=1)
 
 
 def _short(exc: BaseException) -> str:
@@ -881,28 +972,23 @@ def _check_signature(registry: Registry, cache: CacheInfo, art: _Artifact) -> st
 
 
 def _check_room(ctx: Context, cache: CacheInfo, art: _Artifact, staging: Path, store: Any) -> None:
-    """The declared bytes against the cache's quota, and the download plus the files against
-    the free disk, before anything is fetched."""
+    """The declared bytes against the cache's quota, and the files against the free disk,
+    before anything is fetched."""
     try:
         ctx.index.get_environment(cache.name, art.env_digest)
     except NotFound:  # a namespace new here: every byte is new (else install checks the delta)
         ingest.check_fits(ctx.index, cache, None, art.content_bytes)
-    # The download, and the files: staged beside a local namespace (renamed into place), or in
-    # the local temporary directory for an object store (install stages there, then uploads).
-    need: dict[int, tuple[Path, int]] = {os.stat(staging).st_dev: (staging, art.layer_size)}
-    files_at = Path(store.url_for("")) if store.is_local else staging
-    dev = os.stat(files_at).st_dev
-    need[dev] = (
-        need.get(dev, (files_at, 0))[0],
-        need.get(dev, (files_at, 0))[1] + art.content_bytes,
-    )
-    for where, nbytes in need.values():
-        free = shutil.disk_usage(where).free
-        if nbytes > free:
-            raise BadInput(
-                f"bundle {art.digest[:19]}: not enough free disk in {where}: it needs "
-                f"{format_size(nbytes)}, {format_size(free)} free: nothing downloaded"
-            )
+    # The files: staged beside a local namespace (renamed into place), or in the local temporary
+    # directory for an object store (install stages there, then uploads). The blob itself is
+    # read as it arrives and never written (``_Download``).
+    where = Path(store.url_for("")) if store.is_local else staging
+    nbytes = art.content_bytes
+    free = shutil.disk_usage(where).free
+    if nbytes > free:
+        raise BadInput(
+            f"bundle {art.digest[:19]}: not enough free disk in {where}: it needs "
+            f"{format_size(nbytes)}, {format_size(free)} free: nothing downloaded"
+        )
 
 
 def pull(
@@ -949,9 +1035,16 @@ def pull(
     staging = staging_dir(store, Environment.from_dict(art.environment).namespace)
     try:
         _check_room(ctx, cache, art, staging, store)
-        path = staging / "bundle.tar.zst"
-        got = registry.download(art.layer_digest, art.layer_size, path)
-        result = install(ctx, path, cache=cache, dry_run=dry_run)
+        # The blob is installed as it arrives (no file: install reads it off the socket, a
+        # thread ahead), and nothing is published before the whole blob matches its digest.
+        download = registry.stream(art.layer_digest, art.layer_size)
+        try:
+            result = install_arriving(
+                ctx, staging / "bundle.tar.zst", download, cache=cache, dry_run=dry_run
+            )
+        finally:
+            download.stop()
+        got = art.layer_size
     finally:
         shutil.rmtree(staging, ignore_errors=True)
         if store.is_local:
