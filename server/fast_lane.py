@@ -267,24 +267,10 @@ class ByteFastLane:
         if matched is None:
             return False
         lane, params = matched
-        cache, digest, key = params["cache"], params["digest"], params["key"]
-        if not (0 < len(cache) <= MAX_CACHE_NAME and 0 < len(digest) <= MAX_DIGEST):
+        allowed = self._allowed(lane, params, scope)
+        if allowed is None:
             return False
-        authorization, has_body = _head(scope)
-        bearer = bearer_value(authorization)
-        token = self.state.tokens.get(bearer) if bearer is not None else None
-        if (
-            has_body
-            or bearer is None
-            or token is None
-            or refusal(token, lane.role, "cache", cache) is not None
-        ):
-            return False
-        try:
-            check_key(key)
-        except HTTPException:
-            return False
-        known = self.state.known(cache, digest, key, lane.reads.executable)
+        bearer, token, known = allowed
         if known is not None:
             store = self.state.store(known[0])
             if store.kind in INLINE_KINDS and (
@@ -344,6 +330,31 @@ class ByteFastLane:
             return FileAnswer(b"HTTP/1.1 200 OK\r\n" + head + b"\r\n", big, size)
         return b"HTTP/1.1 200 OK\r\n" + head + b"\r\n" + body
 
+    def _allowed(
+        self, lane: Lane, params: dict[str, str], scope: Scope
+    ) -> tuple[str, TokenInfo, tuple[Any, Any, tuple[int, str] | None] | None] | None:
+        """The bearer and its remembered token when the lane may answer this request (sane names,
+        no body, a token allowed on the cache, a valid key), with what is remembered of the entry
+        (None: not remembered); None where the ASGI path must answer."""
+        cache, digest, key = params["cache"], params["digest"], params["key"]
+        if not (0 < len(cache) <= MAX_CACHE_NAME and 0 < len(digest) <= MAX_DIGEST):
+            return None
+        authorization, has_body = _head(scope)
+        bearer = bearer_value(authorization)
+        token = self.state.tokens.get(bearer) if bearer is not None else None
+        if (
+            has_body
+            or bearer is None
+            or token is None
+            or refusal(token, lane.role, "cache", cache) is not None
+        ):
+            return None
+        try:
+            check_key(key)
+        except HTTPException:
+            return None
+        return bearer, token, self.state.known(cache, digest, key, lane.reads.executable)
+
     def _ready(
         self, method: str, path: str, headers: list[tuple[bytes, bytes]]
     ) -> (
@@ -363,24 +374,10 @@ class ByteFastLane:
         else:
             return None
         params = m.groupdict()
-        cache, digest, key = params["cache"], params["digest"], params["key"]
-        if not (0 < len(cache) <= MAX_CACHE_NAME and 0 < len(digest) <= MAX_DIGEST):
+        allowed = self._allowed(lane, params, {"headers": headers})
+        if allowed is None:
             return None
-        authorization, has_body = _head({"headers": headers})
-        bearer = bearer_value(authorization)
-        token = self.state.tokens.get(bearer) if bearer is not None else None
-        if (
-            has_body
-            or bearer is None
-            or token is None
-            or refusal(token, lane.role, "cache", cache) is not None
-        ):
-            return None
-        try:
-            check_key(key)
-        except HTTPException:
-            return None
-        known = self.state.known(cache, digest, key, lane.reads.executable)
+        bearer, token, known = allowed
         if known is None:
             return None
         store = self.state.store(known[0])

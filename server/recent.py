@@ -26,25 +26,25 @@ class Recent(Generic[K, V]):
         self._items: dict[K, tuple[V, float]] = {}
         self._lock = threading.Lock()
 
-    def get(self, key: K) -> V | None:
+    def _live(self, key: K) -> tuple[V, float] | None:
+        """``key``'s value and its deadline, while it is remembered."""
         if self.ttl_s <= 0:
             return None
         with self._lock:
             item = self._items.get(key)
         if item is None or item[1] < time.monotonic():
             return None
-        return item[0]
+        return item
+
+    def get(self, key: K) -> V | None:
+        item = self._live(key)
+        return None if item is None else item[0]
 
     def expires(self, key: K) -> float | None:
         """When ``key``'s remembered value will be asked for again (``time.monotonic``), if it is
         remembered now: how long an answer made from it may be kept elsewhere (server/accel.py)."""
-        if self.ttl_s <= 0:
-            return None
-        with self._lock:
-            item = self._items.get(key)
-        if item is None or item[1] < time.monotonic():
-            return None
-        return item[1]
+        item = self._live(key)
+        return None if item is None else item[1]
 
     def put(self, key: K, value: V) -> None:
         if self.ttl_s <= 0:

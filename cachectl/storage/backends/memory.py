@@ -1,20 +1,25 @@
 """fsspec's in-process memory filesystem (``memory://``), for tests and dry runs: one process's,
-so nothing to probe and nothing JAX could share."""
+so nothing to probe and nothing JAX could share: a local store's options and checks."""
 
 from __future__ import annotations
 
-from cachectl.storage.backends.common import (
-    given_options,
-    no_jax_options,
-    nothing_to_check,
+from cachectl.storage.backends.local import (
+    MTIME_KEYS,
+    REQUIRES,
+    bucket,
+    client_options,
+    jax_options,
+    probe_options,
 )
 
 FSSPEC = "memory"
-REQUIRES = None
-MTIME_KEYS: tuple[str, ...] = ()
 
-
-client_options = given_options
-jax_options = no_jax_options
-probe_options = given_options
-bucket = nothing_to_check
+__all__ = [
+    "FSSPEC",
+    "MTIME_KEYS",
+    "REQUIRES",
+    "bucket",
+    "client_options",
+    "jax_options",
+    "probe_options",
+]
