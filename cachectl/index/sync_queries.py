@@ -25,8 +25,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from cachectl.core.cache_info import utcnow
 from cachectl.core.errors import Unreachable
-from cachectl.core.fingerprint import Environment
-from cachectl.core.records import EnvironmentInfo, NewEntry, actor
+from cachectl.core.fingerprint import ENVIRONMENT_FIELDS, Environment
+from cachectl.core.records import NewEntry, actor
 from cachectl.index import reads
 
 if TYPE_CHECKING:
@@ -45,24 +45,10 @@ AOT_KEYS = (
     "WHERE environment_id = :env AND aot_sha256 IS NOT NULL"
 )
 ENVIRONMENT_ROW = "SELECT id FROM environments WHERE cache_id = :cid AND digest = :digest"
-_ENVIRONMENT_FIELDS = (
-    "jax_version",
-    "jaxlib_version",
-    "backend",
-    "platform_version",
-    "device_kind",
-    "device_count",
-    "process_count",
-    "topology",
-    "xla_flags",
-    "compression",
-    "enable_xla_caches",
-    "include_metadata_in_key",
-)
 ENVIRONMENT_NEW = (
     "INSERT INTO environments (cache_id, digest, namespace, "
-    f"{', '.join(_ENVIRONMENT_FIELDS)}, created_at, last_seen_at) VALUES (:cid, :digest, "
-    f":namespace, {', '.join(':' + f for f in _ENVIRONMENT_FIELDS)}, :now, :now) "
+    f"{', '.join(ENVIRONMENT_FIELDS)}, created_at, last_seen_at) VALUES (:cid, :digest, "
+    f":namespace, {', '.join(':' + f for f in ENVIRONMENT_FIELDS)}, :now, :now) "
     "ON CONFLICT DO NOTHING"
 )
 ENVIRONMENT_SEEN = "UPDATE environments SET last_seen_at = :now, deleted_at = NULL WHERE id = :id"
