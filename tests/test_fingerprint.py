@@ -99,3 +99,28 @@ def test_fact1_keys_path_independent_only_without_xla_caches(tmp_path) -> None:
         assert default[0] != default[1]
     # jax 0.12.0.1 on CPU: the default no longer puts the path in the key (measured by
     # scripts/test --matrix, py313); cachectl's "none" is path-independent either way.
+
+
+def test_every_layer_follows_the_one_definition_of_the_environment_key(tmp_path) -> None:
+    """A key field is defined once (core/fingerprint.Environment -> ENVIRONMENT_FIELDS); the typed
+    layers that must spell it again (the ORM table, the server's request schema, the migrated
+    database) are checked against it here, so a field added in one place fails until all agree."""
+    import sqlite3
+
+    from cachectl.core.fingerprint import ENVIRONMENT_FIELDS
+    from cachectl.index import open_index
+    from cachectl.index.models import Environment as EnvironmentRow
+    from cachectl_server.schemas import Fingerprint
+
+    beside_the_key = {"id", "cache_id", "digest", "namespace", "created_at", "last_seen_at"}
+    beside_the_key |= {"deleted_at", "content_signature", "proof"}
+    orm = [c.name for c in EnvironmentRow.__table__.columns if c.name not in beside_the_key]
+    assert orm == list(ENVIRONMENT_FIELDS)
+    wire = [f for f in Fingerprint.model_fields if f not in ("digest", "namespace")]
+    assert wire[: len(ENVIRONMENT_FIELDS)] == list(ENVIRONMENT_FIELDS)
+    assert wire[len(ENVIRONMENT_FIELDS) :] == ["fingerprint_version"]
+    db = tmp_path / "index.db"
+    open_index(f"sqlite:///{db}").close()  # created and migrated to the head
+    with sqlite3.connect(db) as conn:
+        migrated = {r[1] for r in conn.execute("PRAGMA table_info(environments)")}
+    assert set(ENVIRONMENT_FIELDS) <= migrated
