@@ -133,5 +133,9 @@ def counting_opens(
     code = _COUNTED.format(path=str(path), args=list(args), before=before)
     proc = run_py(code, dict(env or {}), cwd=cwd)
     lines = [line for line in proc.stderr.splitlines() if line.startswith("OPENS=")]
-    assert len(lines) == 1, proc.stderr[-3000:]
+    assert len(lines) == 1, (
+        f"`cachectl {' '.join(args)}` exited {proc.returncode} before its count (a negative exit "
+        f"is the signal that ended it)\n--- stdout ---\n{proc.stdout[-2000:]}\n"
+        f"--- stderr ---\n{proc.stderr[-3000:]}"
+    )
     return proc, int(lines[0].split("=", 1)[1])
