@@ -4,6 +4,7 @@ nginx sends the bytes; its internal location cannot be asked for directly."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -39,41 +40,16 @@ def _cachectl(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-@pytest.fixture(scope="module")
-def behind_nginx(tmp_path_factory) -> Iterator[tuple[Seed, infra.Server, infra.Server]]:
-    """The seeded index served by cachectl with --accel-redirect, and nginx in front of it (one
-    pair for the module: each test reads, none changes what the others read)."""
-    if NGINX is None:
-        if NO_NGINX:
-            pytest.skip("nginx not installed and CACHECTL_TEST_NO_NGINX=1")
-        pytest.fail(
-            "nginx is not installed: scripts/test installs it (or set CACHECTL_TEST_NO_NGINX=1 "
-            "to skip these tests)"
-        )
-    tmp_path = tmp_path_factory.mktemp("nginx")
-    s = seed(
-        f"sqlite:///{tmp_path}/index.db",
-        str(tmp_path / "main"),
-        str(tmp_path / "other"),
-        entries=2,
-        entry_size=300_000,
-    )
+@contextlib.contextmanager
+def _recipe(s: Seed, tmp_path: Path) -> Iterator[tuple[infra.Server, infra.Server]]:
+    """cachectl serving ``s`` with --accel-redirect, and nginx in front of it, configured with what
+    `cachectl serve --print-nginx-config` prints; both stopped on the way out."""
     cachectl = infra.start_server(
         "cachectl-accel",
-        lambda port: [
-            sys.executable,
-            "-m",
-            "cachectl",
-            "serve",
-            "--db",
-            s.db,
-            "--port",
-            str(port),
-            "--accel-redirect",
-            PREFIX,
-            "--log-level",
-            "warning",
-        ],
+        lambda port: (
+            [sys.executable, "-m", "cachectl", "serve", "--db", s.db, "--port", str(port)]
+            + ["--accel-redirect", PREFIX, "--log-level", "warning"]
+        ),
         tmp_path / "logs",
         timeout=60,
         check=lambda srv: httpx.get(srv.url + "/healthz", timeout=5).raise_for_status(),
@@ -106,10 +82,33 @@ def behind_nginx(tmp_path_factory) -> Iterator[tuple[Seed, infra.Server, infra.S
         cachectl.stop()
         raise
     try:
-        yield s, cachectl, nginx
+        yield cachectl, nginx
     finally:
         nginx.stop()
         cachectl.stop()
+
+
+@pytest.fixture(scope="module")
+def behind_nginx(tmp_path_factory) -> Iterator[tuple[Seed, infra.Server, infra.Server]]:
+    """The seeded index served by cachectl with --accel-redirect, and nginx in front of it (one
+    pair for the module: each test reads, none changes what the others read)."""
+    if NGINX is None:
+        if NO_NGINX:
+            pytest.skip("nginx not installed and CACHECTL_TEST_NO_NGINX=1")
+        pytest.fail(
+            "nginx is not installed: scripts/test installs it (or set CACHECTL_TEST_NO_NGINX=1 "
+            "to skip these tests)"
+        )
+    tmp_path = tmp_path_factory.mktemp("nginx")
+    s = seed(
+        f"sqlite:///{tmp_path}/index.db",
+        str(tmp_path / "main"),
+        str(tmp_path / "other"),
+        entries=2,
+        entry_size=300_000,
+    )
+    with _recipe(s, tmp_path) as (cachectl, nginx):
+        yield s, cachectl, nginx
 
 
 def test_nginx_sends_the_bytes_cachectl_authorized(behind_nginx) -> None:
@@ -187,49 +186,8 @@ def cached_recipe(tmp_path, monkeypatch) -> Iterator[tuple[Seed, infra.Server, i
     )
     monkeypatch.setenv("CACHECTL_SERVER_TOKEN_CACHE", f"{TTL_S:g}s")  # both children read it
 
-    def cachectl_argv(port: int) -> list[str]:
-        return [sys.executable, "-m", "cachectl", "serve", "--db", s.db, "--port", str(port)] + [
-            "--accel-redirect",
-            PREFIX,
-            "--log-level",
-            "warning",
-        ]
-
-    cachectl = infra.start_server(
-        "cachectl-accel",
-        cachectl_argv,
-        tmp_path / "logs",
-        timeout=60,
-        check=lambda srv: httpx.get(srv.url + "/healthz", timeout=5).raise_for_status(),
-    )
-    prefix_dir = tmp_path / "nginx"
-    (prefix_dir / "tmp").mkdir(parents=True)
-
-    def nginx_argv(port: int) -> list[str]:
-        printed = subprocess.run(
-            [sys.executable, "-m", "cachectl", "serve", "--db", s.db, "--port", str(cachectl.port)]
-            + ["--accel-redirect", PREFIX, "--print-nginx-config"]
-            + ["--nginx-listen", f"127.0.0.1:{port}"]
-            + (["--nginx-user", "root"] if os.geteuid() == 0 else []),
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
-        assert printed.returncode == 0, printed.stderr
-        conf = prefix_dir / f"nginx-{port}.conf"
-        conf.write_text(printed.stdout)
-        return [str(NGINX), "-p", str(prefix_dir), "-c", str(conf), "-e", "stderr"]
-
-    try:
-        nginx = infra.start_server("nginx", nginx_argv, tmp_path / "logs", timeout=30)
-    except BaseException:
-        cachectl.stop()
-        raise
-    try:
+    with _recipe(s, tmp_path) as (cachectl, nginx):
         yield s, cachectl, nginx
-    finally:
-        nginx.stop()
-        cachectl.stop()
 
 
 def _entry(s: Seed, key: str) -> str:
