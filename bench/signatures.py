@@ -133,7 +133,6 @@ def bench_capture(n: int) -> dict[str, Any]:
     import jax
     import jax.numpy as jnp
     from jax import core
-    from jax.sharding import SingleDeviceSharding
 
     from cachectl import telemetry
     from cachectl.core import jax_seam
@@ -144,7 +143,7 @@ def bench_capture(n: int) -> dict[str, Any]:
         core.ShapedArray((64,), jnp.float32),
         core.ShapedArray((), jnp.float32, weak_type=True),
     ]
-    shardings = [SingleDeviceSharding(jax.devices()[0]), None, None]
+    shardings = [jax_seam.single_device_sharding(jax.devices()[0]), None, None]
 
     def one() -> None:  # exactly the shape of pxla's call
         if logger.isEnabledFor(logging.DEBUG):

@@ -13,6 +13,7 @@ import inspect
 import json
 import pickle
 import re
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -403,11 +404,14 @@ def test_jax_opens_an_s3_cache_through_the_filesystem_the_seam_names() -> None:
 
 def test_sharding_names() -> None:
     import jax
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
     dev = jax.devices()[0]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no deprecated constructor on any supported JAX
+        single = jax_seam.single_device_sharding(dev)
     assert (
-        jax_seam.sharding_text(SingleDeviceSharding(dev))
+        jax_seam.sharding_text(single)
         == f"SingleDeviceSharding({dev.platform}:{dev.id})"
     )
     mesh = Mesh([dev], ("x",))

@@ -280,6 +280,21 @@ def classify_record(record: logging.LogRecord) -> tuple[str, str | None, str] | 
 _SHARDING_TEXT: dict[Any, str | None] = {}
 
 
+def single_device_sharding(device: Any) -> Any:
+    """A sharding on one device, by the constructor this JAX prefers.
+
+    jax 0.12.1 deprecated the public ``SingleDeviceSharding`` name in favour of
+    ``make_single_device_sharding``; the object is the same class either way,
+    so ``sharding_text`` names it identically on every supported version.
+    """
+    import jax.sharding
+
+    make = getattr(jax.sharding, "make_single_device_sharding", None)
+    if make is not None:
+        return make(device)
+    return jax.sharding.SingleDeviceSharding(device)
+
+
 def sharding_text(sharding: Any) -> str | None:
     """A short, stable name for an input sharding; None when JAX left it unspecified."""
     try:

@@ -176,9 +176,7 @@ def _check_leaf_axes(
 
 
 def _single_device() -> Any:
-    from jax.sharding import SingleDeviceSharding
-
-    return SingleDeviceSharding(_devices()[0])
+    return jax_seam.single_device_sharding(_devices()[0])
 
 
 _PYTREE_CACHE: dict[tuple[Any, tuple[tuple[str, Any], ...]], Any] = {}
