@@ -410,10 +410,7 @@ def test_sharding_names() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no deprecated constructor on any supported JAX
         single = jax_seam.single_device_sharding(dev)
-    assert (
-        jax_seam.sharding_text(single)
-        == f"SingleDeviceSharding({dev.platform}:{dev.id})"
-    )
+    assert jax_seam.sharding_text(single) == f"SingleDeviceSharding({dev.platform}:{dev.id})"
     mesh = Mesh([dev], ("x",))
     assert (
         jax_seam.sharding_text(NamedSharding(mesh, PartitionSpec("x")))
