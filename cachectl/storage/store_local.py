@@ -177,6 +177,11 @@ class LocalReader:
 
     def size(self, rel: str) -> int:
         """The size of regular file ``rel``: one ``fstatat`` through this reader's directories."""
+        return self.stat(rel).st_size
+
+    def stat(self, rel: str) -> os.stat_result:
+        """The ``lstat`` of regular file ``rel`` (a symlink or special file is refused): one
+        ``fstatat`` through this reader's directories."""
         rel = rel.strip("/")
         if ".." in rel:
             full_path(self._root, rel)
@@ -188,7 +193,7 @@ class LocalReader:
             raise _not_regular(exc, full) from None
         if not stat.S_ISREG(st.st_mode):
             raise NotRegularFile(f"{full}: not a regular file (symlink or special file): not read")
-        return st.st_size
+        return st
 
     def in_dir(self, rel_dir: str, *, times: bool = False) -> Callable[[str], Any]:
         """``read`` for names directly in ``rel_dir``: its descriptor is found once, not per file. If
