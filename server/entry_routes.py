@@ -76,6 +76,12 @@ CHUNK = 1 << 20
 WHOLE_SLOTS = threading.BoundedSemaphore(16)
 
 
+def is_key(key: str) -> bool:
+    """Whether ``check_key`` accepts ``key``: its pattern implies ``parse_key``'s, so one match
+    (server/fast_lane.py asks this on every request; no EntryName, no exception)."""
+    return _KEY_RE.match(key) is not None
+
+
 def check_key(key: str) -> EntryName:
     parsed = parse_key(key) if _KEY_RE.match(key) else None
     if parsed is None:

@@ -5,8 +5,8 @@ a handler that does little: the middleware stack, matching every route in turn, 
 dependencies, a thread hop through anyio (BENCHMARKS.md, "Server"). The app (server/app.py
 ``CachectlApp``) asks this lane first, outside its middleware stack; the lane answers only the request
 that every check passes, and answers it with what the routes themselves use: the role and scope each
-byte route declares (server/auth.py ``refusal``), the token cache the routes fill, ``check_key``, and
-the same headers. It counts and logs what it answers itself (server/metrics.py ``observe``).
+byte route declares (server/auth.py ``refusal``), the token cache the routes fill, ``check_key``'s
+rule (``is_key``), and the same headers. It counts and logs what it answers itself (server/metrics.py ``observe``).
 Under `cachectl serve`, ``answer_now`` goes further for a HEAD and a GET up to ``NOW_MAX``: the
 connection's protocol (server/http_edge.py) writes the whole answer it makes, with no ASGI cycle;
 a larger GET's head is written there too, and its file sent from there with ``sendfile``.
@@ -53,10 +53,10 @@ from .entry_routes import (
     ENTRY,
     SHA_HEADER,
     ByteRoute,
-    check_key,
     discard,
     download_answer,
     head_answer,
+    is_key,
 )
 from .executable_routes import EXECUTABLE
 from .metrics import observe
@@ -458,9 +458,7 @@ class ByteFastLane:
             or refusal(token, lane.role, "cache", cache) is not None
         ):
             return None
-        try:
-            check_key(key)
-        except HTTPException:
+        if not is_key(key):
             return None
         return bearer, token, self.state.known(cache, digest, key, lane.reads.executable)
 
