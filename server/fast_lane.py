@@ -76,6 +76,7 @@ BODIES_MAX_BYTES = 32 * 1024 * 1024
 # A file changed less than this long before it was read is not kept: a change within the same
 # timestamp tick as the read could leave its ctime as it was ("racy" timestamps, as git has them).
 SETTLED_NS = 2_000_000_000
+TAILS = 4096  # header blocks kept by (size, sha256) (``ByteFastLane._tail``)
 _OCTETS = (b"content-type", b"application/octet-stream")
 _PRIVATE = (b"cache-control", b"private, max-age=0")
 # Each byte route's path, as the app serves it, and what it reads.
@@ -309,6 +310,8 @@ class ByteFastLane:
         self.readers = Readers(state.settings.token_cache_s)
         self.bodies = Bodies()
         self._downloaded: dict[str, Any] = {}  # cache name: its download_bytes series
+        self._tails: dict[tuple[int, str | None], bytes] = {}
+        self._date: tuple[list[tuple[bytes, bytes]] | None, bytes] = (None, b"")
 
     def _match(self, scope: Scope) -> tuple[Lane, dict[str, str]] | None:
         if scope.get("root_path"):
@@ -407,27 +410,48 @@ class ByteFastLane:
             return None
         finally:
             self.readers.done(reader)
-        head = b"".join([b"%s: %s\r\n" % (name, value) for name, value in date])
+        head = self._date_lines(date)
         if kept is not None:
             self._count_download(params["cache"], size)
             observe(self.state.metrics, method, lane.route.path, 200, time.perf_counter() - started)
             return b"HTTP/1.1 200 OK\r\n" + head + kept
         sha = recorded[1] if recorded and recorded[0] == size else None
-        lines = raw_headers(size, sha)
         if accel is not None:
+            lines = raw_headers(size, sha)
             lines[0] = (b"content-length", b"0")
             lines.append((ACCEL_HEADER.encode(), accel_uri(accel, params["cache"], rel).encode()))
             expires = accel_expires(self.state, bearer, token, params, lane.reads.executable)
             lines.append((ACCEL_EXPIRES, expires))
-        elif method == "GET":
-            self._count_download(params["cache"], size)
-        tail = b"".join([b"%s: %s\r\n" % (name, value) for name, value in lines]) + b"\r\n"
+            tail = b"".join([b"%s: %s\r\n" % (name, value) for name, value in lines]) + b"\r\n"
+        else:
+            tail = self._tail(size, sha)
+            if method == "GET":
+                self._count_download(params["cache"], size)
         observe(self.state.metrics, method, lane.route.path, 200, time.perf_counter() - started)
         if big is not None:
             return FileAnswer(b"HTTP/1.1 200 OK\r\n" + head + tail, big, size)
         if method == "GET" and accel is None and st is not None:
             self.bodies.put(where, st, recorded, body, tail + body, read_at)
         return b"HTTP/1.1 200 OK\r\n" + head + tail + body
+
+    def _date_lines(self, date: list[tuple[bytes, bytes]]) -> bytes:
+        """The server's default header lines (its Date), joined once per list uvicorn makes (a new
+        one each second); the list is held, so its identity is not reused meanwhile."""
+        if date is not self._date[0]:
+            self._date = (date, b"".join([b"%s: %s\r\n" % (name, value) for name, value in date]))
+        return self._date[1]
+
+    def _tail(self, size: int, sha: str | None) -> bytes:
+        """``raw_headers`` as written after the Date and before the body: the same for every
+        answer of this size and sha256, so made once each (at most ``TAILS`` kept)."""
+        tail = self._tails.get((size, sha))
+        if tail is None:
+            lines = raw_headers(size, sha)
+            tail = b"".join([b"%s: %s\r\n" % (name, value) for name, value in lines]) + b"\r\n"
+            if len(self._tails) >= TAILS:
+                self._tails.clear()
+            self._tails[(size, sha)] = tail
+        return tail
 
     def _count_download(self, cache: str, size: int) -> None:
         """``download_bytes`` counted for ``cache``, its series looked up once (``labels`` takes a

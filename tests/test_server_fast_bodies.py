@@ -169,3 +169,22 @@ def test_bodies_are_bounded_and_only_the_recorded_bytes_are_kept(tmp_path) -> No
     bodies.put(("r", "y"), st, (1000, sha256(data)), data, data, time.time_ns())  # too fresh
     bodies.put(("r", "z"), st, None, data, data, later)  # nothing recorded
     assert all(("r", k) not in bodies for k in "xyz")
+
+
+def test_a_kept_answer_carries_the_current_date(live) -> None:
+    """The Date line is the server's current one (joined once per second), never kept with the
+    body or the headers after it."""
+    s, tmp_path, lane, plain, opened = live
+    path = f"{API}/caches/{MAIN}/environments/{s.digest}/entries/{s.keys[0]}"
+    settle(f"{tmp_path}/main/{s.env.namespace}/{s.keys[0]}-cache")
+    for _ in range(3):
+        lane.get(path)
+    opened.clear()
+    dates = set()
+    for _ in range(3):
+        for method in ("GET", "HEAD"):
+            got = lane.request(method, path)
+            assert got.status_code == 200
+            dates.add((method, got.headers["date"]))
+        time.sleep(1.1)
+    assert opened == [] and len(dates) == 6  # each second's own Date, GET and HEAD alike
