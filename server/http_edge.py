@@ -54,6 +54,7 @@ class BoundedHttpTools(HttpToolsProtocol):
     _in_body = False
     _refusal: str | None = None
     _head_timer: TimerHandle | None = None
+    _head_begun = False  # a request's head is being parsed (its first byte came)
     _lane: Any = None  # server/fast_lane.py ByteFastLane of the app, if it has one
     _answered = False  # this request was answered by _answer_now
 
@@ -72,6 +73,8 @@ class BoundedHttpTools(HttpToolsProtocol):
                 return  # refused already; the connection is closing
             self._head_bytes += len(data)
         super().data_received(data)
+        if self._head_begun and self._head_timer is None and not self.transport.is_closing():
+            self._arm_head_timer()  # a head begun in this read and not yet whole
         if (
             not self._in_body
             and self._head_timer is not None
@@ -85,8 +88,9 @@ class BoundedHttpTools(HttpToolsProtocol):
     def on_message_begin(self) -> None:
         super().on_message_begin()
         self._head_size = self._header_count = 0
-        if self._head_timer is None:
-            self._arm_head_timer()
+        # Timed from here: ``data_received`` arms the timer once this read is parsed, if the head
+        # is not whole by then (most heads arrive in one read: no timer made and cancelled each).
+        self._head_begun = True
 
     def on_url(self, url: bytes) -> None:
         self._grow(len(url))
@@ -101,6 +105,7 @@ class BoundedHttpTools(HttpToolsProtocol):
         super().on_header(name, value)
 
     def on_headers_complete(self) -> None:
+        self._head_begun = False
         self._disarm_head_timer()
         self._in_body = True
         self._head_bytes = 0
