@@ -181,10 +181,11 @@ def test_a_kept_answer_carries_the_current_date(live) -> None:
         lane.get(path)
     opened.clear()
     dates = set()
-    for _ in range(3):
+    for n in range(2):
+        if n:
+            time.sleep(1.1)
         for method in ("GET", "HEAD"):
             got = lane.request(method, path)
             assert got.status_code == 200
             dates.add((method, got.headers["date"]))
-        time.sleep(1.1)
-    assert opened == [] and len(dates) == 6  # each second's own Date, GET and HEAD alike
+    assert opened == [] and len(dates) == 4  # each second's own Date, GET and HEAD alike
