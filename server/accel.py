@@ -3,8 +3,8 @@
 With ``accel_redirect`` set (``cachectl serve --accel-redirect /_cachectl_files/``), a GET of an
 entry or stored executable on local disk that every check passes is answered with no body and an
 ``X-Accel-Redirect`` to ``<prefix><cache>/<path in the cache>``; nginx's internal location for that
-cache (``nginx_config``: ``internal``, ``alias`` to the cache's root, ``disable_symlinks on``)
-then sends the file with its own ``sendfile``, ranges and HEAD included. The internal location
+cache (``nginx_config``: ``internal``, ``alias`` to the cache's root, ``disable_symlinks on``
+below the root) then sends the file with its own ``sendfile``, ranges and HEAD included. The internal location
 cannot be asked for directly (nginx answers 404), so nothing reaches the bytes without cachectl's
 token check. Objects in GCS or S3 are not redirected: cachectl reads and sends them as before.
 The headers cachectl computed (the recorded sha256, its ETag, Cache-Control) are copied onto
