@@ -11,7 +11,9 @@ body after a HEAD) and for everything where wrk is missing; the table says which
 - the recipe of server/accel.py: nginx in front of ``cachectl serve --accel-redirect``, with the
   configuration ``cachectl serve --print-nginx-config`` prints (one nginx worker); cachectl
   checks the token (nginx keeps its answer for as long as cachectl says), nginx sends the bytes;
-- nginx alone (one worker) serving the same files from an ``alias``: no token, no index (the peer).
+- nginx alone (one worker) serving the same files from an ``alias``: no token, no index, and no
+  check for links below the root (the recipe's ``disable_symlinks``: an ``openat`` per level), as
+  a user would serve a directory (the peer). sendfile, tcp_nopush and keep-alive are the same.
 
 Figures, each measured on every server in each round, the servers in a new order each round:
 1 MiB GET on one keep-alive connection (median latency, and CPU per request), HEAD and 4 KiB GET

@@ -3,8 +3,8 @@
 With ``accel_redirect`` set (``cachectl serve --accel-redirect /_cachectl_files/``), a GET of an
 entry or stored executable on local disk that every check passes is answered with no body and an
 ``X-Accel-Redirect`` to ``<prefix><cache>/<path in the cache>``; nginx's internal location for that
-cache (``nginx_config``: ``internal``, ``alias`` to the cache's root, ``disable_symlinks on``)
-then sends the file with its own ``sendfile``, ranges and HEAD included. The internal location
+cache (``nginx_config``: ``internal``, ``alias`` to the cache's root, ``disable_symlinks on``
+below the root) then sends the file with its own ``sendfile``, ranges and HEAD included. The internal location
 cannot be asked for directly (nginx answers 404), so nothing reaches the bytes without cachectl's
 token check. Objects in GCS or S3 are not redirected: cachectl reads and sends them as before.
 The headers cachectl computed (the recorded sha256, its ETag, Cache-Control) are copied onto
@@ -13,8 +13,9 @@ nginx's answer from the upstream's (``$upstream_http_*``).
 Repeat downloads do not ask cachectl each time. An entry GET or HEAD on a local cache first asks
 cachectl in an ``auth_request`` subrequest (a GET of the same path with the same token), whose
 answer nginx keeps in its ``proxy_cache`` keyed on the Authorization header and the request URI;
-then nginx sends the file that answer named from that cache's root (``try_files``, no symlink
-followed). The answer is kept only as long as cachectl says (``X-Accel-Expires: @<unix second>``,
+then nginx sends the file that answer named from that cache's root, from the entry's own location
+(``alias`` to the file, opened once, no symlink followed below the root). The answer is kept
+only as long as cachectl says (``X-Accel-Expires: @<unix second>``,
 server/fast_lane.py ``accel_expires``): until the first of the remembered token, environment and
 recorded entry (server/state.py) would be asked for again, rounded down to nginx's whole
 seconds. So a revoked token stops being served by nginx no later than by cachectl itself
@@ -28,6 +29,14 @@ cachectl's /metrics count only what reaches it: a download nginx sends on a kept
 nginx's logs only. The Authorization header is part of nginx's cache key, and nginx writes its
 keys into the cache's files: the cache directory (``auth_cache``) must be readable by nginx's
 user only (nginx makes it so).
+
+Why an ``auth_request`` subrequest and not ``proxy_cache`` on the entry's location itself, which
+would follow the kept answer's ``X-Accel-Redirect``: nginx does follow the redirect of an answer
+it sends from its cache (ngx_http_upstream_cache_send calls ngx_http_upstream_process_headers),
+but it never stores an answer whose redirect it followed, and following one from the cache
+finalizes the request once too often (ngx_http_upstream_finalize_request finds no cleanup
+handler yet, as the cache is read before one is set): nginx 1.22.1's worker died on signal 11
+on such hits, the file sent at once.
 
 The recipe is tested against real nginx (tests/test_server_nginx.py) and measured against nginx
 alone in bench/nginx.py (BENCHMARKS.md, "Server against nginx").
@@ -52,6 +61,8 @@ DEFAULT_PREFIX = "/_cachectl_files/"
 AUTH_CACHE_STANDALONE = "tmp/cachectl_auth"
 AUTH_CACHE_INCLUDED = "/var/cache/nginx/cachectl_auth"
 ENTRY_PATH = "/api/v1/caches/{cache}/environments/[^/]+/entries/[^/]+"
+# Where an entry's location looks when no file was named: never a file.
+NO_FILE = "/dev/null/cachectl-no-file"
 
 
 def accel_uri(prefix: str, cache: str, rel: str) -> str:
@@ -107,12 +118,16 @@ def nginx_config(
         headers = """etag off;
             types { }
             default_type application/octet-stream;"""
+        root = root.rstrip("/")
+        # Links are refused below the cache's root (where a writer could plant one), not above it:
+        # the root is a real path already (local_roots), and each level checked costs an openat.
+        no_links = f"disable_symlinks on {_quoted('from=' + root)};"
         locations.append(
             f"""
         location {_quoted(prefix + quote(name, safe="") + "/")} {{
             internal;
-            alias {_quoted(root.rstrip("/") + "/")};
-            disable_symlinks on;
+            alias {_quoted(root + "/")};
+            {no_links}
             {headers}
             add_header Cache-Control $upstream_http_cache_control;
             add_header ETag $upstream_http_etag;
@@ -126,16 +141,23 @@ def nginx_config(
             auth_request_set $cachectl_cc $upstream_http_cache_control;
             auth_request_set $cachectl_etag $upstream_http_etag;
             auth_request_set $cachectl_sha $upstream_http_x_cachectl_sha256;
-            error_page 401 403 500 502 503 504 = @cachectl;
-            root {_quoted(root.rstrip("/"))};
-            disable_symlinks on;
-            try_files $cachectl_file @cachectl;
+            # The file the answer named, sent from here (no second lookup, no redirect). No file
+            # named (404: gone, or no file named; 405: not a read) and refusals: cachectl answers.
+            alias $cachectl_file;
+            {no_links}
+            log_not_found off;
+            error_page 401 403 404 405 500 502 503 504 = @cachectl;
             {headers}
             add_header Cache-Control $cachectl_cc;
             add_header ETag $cachectl_etag;
             add_header X-Cachectl-Sha256 $cachectl_sha;
         }}"""
         )
+    files = "\n".join(
+        f"        {_quoted('~^' + re.escape(prefix + quote(name, safe='')) + '(/[^?%]+)$')} "
+        f"{_quoted(root.rstrip('/') + '$1')};"
+        for name, root in roots
+    )
     body = f"""
     upstream cachectl {{
         server {upstream};
@@ -146,10 +168,18 @@ def nginx_config(
     proxy_cache_path {_quoted(auth_cache)} levels=1:2 keys_zone=cachectl_auth:10m max_size=256m
                      inactive=10m use_temp_path=off;
 
-    # The file an answer named, as a path in its cache's root (none: cachectl answers).
+    # The file an answer named, in its cache's root. None: a path that is never a file
+    # (/dev/null is not a directory), so the entry's location hands the request to cachectl.
     map $cachectl_accel $cachectl_file {{
-        {_quoted("~^" + re.escape(prefix) + "[^/]+(/[^?%]+)$")} $1;
-        default "";
+{files}
+        default {_quoted(NO_FILE)};
+    }}
+
+    # Not a read (an upload): no answer to keep, cachectl answers the request itself.
+    map $request_method $cachectl_not_read {{
+        GET "";
+        HEAD "";
+        default 1;
     }}
 
     server {{
@@ -173,8 +203,8 @@ def nginx_config(
 
         location = /_cachectl_auth {{
             internal;
-            # Not a read: no subrequest, cachectl answers the request itself.
-            if ($request_method !~ ^(GET|HEAD)$) {{
+            # Not a read: no file, cachectl answers the request itself.
+            if ($cachectl_not_read) {{
                 return 204;
             }}
             proxy_pass http://cachectl$request_uri;
@@ -195,6 +225,11 @@ def nginx_config(
             # Kept for as long as X-Accel-Expires says, and for no other reason.
             proxy_ignore_headers Cache-Control Expires Set-Cookie Vary X-Accel-Redirect
                                  X-Accel-Limit-Rate X-Accel-Buffering X-Accel-Charset;
+            # The kept answers' files stay open between requests. nginx's cache reopens one that
+            # was replaced (its node records the file's inode), and reads each answer's expiry
+            # from the file on every request. The entries' own files are never kept open.
+            open_file_cache max=1024 inactive=10m;
+            open_file_cache_valid 1h;
         }}
 {"".join(locations)}
     }}
@@ -207,6 +242,7 @@ daemon off;
 {f"user {user};" if user else "# user: whoever may read the cache roots (nginx started by root: nobody)"}
 worker_processes auto;
 pid nginx.pid;
+pcre_jit on;
 error_log stderr warn;
 
 events {{

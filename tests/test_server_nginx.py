@@ -20,7 +20,7 @@ from support import infra
 from support.server_kit import MAIN, Seed, bearer, entry_key, seed
 
 from cachectl.index import open_index
-from cachectl.storage.entries import sha256
+from cachectl.storage.entries import make_entry, sha256
 from cachectl.trust import tokens
 
 API = "/api/v1"
@@ -284,3 +284,70 @@ def test_a_deleted_entry_is_not_sent(cached_recipe) -> None:
     assert last - deleted <= TTL_S
     assert gone.status_code == 404 and gone.headers["content-type"].startswith("application/json")
     assert s.entry_bytes[key][:64] not in gone.content
+
+
+def test_uploads_through_nginx_are_cachectls(behind_nginx) -> None:
+    """An upload to an entry's path is not a read: nginx hands it, body and all, to cachectl."""
+    s, _cachectl, nginx = behind_nginx
+    key = entry_key("jit_uploaded", 11)
+    data = make_entry(os.urandom(5000), compile_seconds=1)
+    path = _entry(s, key)
+    with httpx.Client(base_url=nginx.url, timeout=10) as client:
+        refused = client.put(path, content=data, headers=bearer(s.tokens["reader"]))
+        assert refused.status_code == 403, (refused.status_code, refused.text[:200])
+        assert refused.headers["content-type"].startswith("application/json")
+        put = client.put(
+            path,
+            content=data,
+            headers={**bearer(s.tokens["writer"]), "x-cachectl-sha256": sha256(data)},
+        )
+        assert put.status_code == 201, (put.status_code, put.text[:200])
+        assert put.json()["sha256"] == sha256(data)
+        for _ in range(3):  # then read through nginx like any other entry
+            got = client.get(path, headers=bearer(s.tokens["reader"]))
+            assert got.status_code == 200 and got.content == data
+
+
+def test_links_planted_below_the_root_are_not_followed(cached_recipe, tmp_path) -> None:
+    """While nginx keeps an answer, a writer of the cache root replaces what it names with a link
+    (the file, or a directory on its way): nginx does not follow it (disable_symlinks below the
+    root). cachectl is stopped, so nothing but nginx could send a byte."""
+    s, cachectl, nginx = cached_recipe
+    key, path = s.keys[0], _entry(s, s.keys[0])
+    reader = bearer(s.tokens["reader"])
+    decoy = b"decoy bytes, never to be sent " * 100
+    (tmp_path / "decoy").mkdir()
+    (tmp_path / "decoy" / f"{key}-cache").write_bytes(decoy)
+    leaf = Path(s.root.removeprefix("file://")) / s.env.namespace
+    with httpx.Client(base_url=nginx.url, timeout=10) as client:
+        asked = time.monotonic()  # cachectl asks the index now: answers are kept TTL_S - 1 s on
+        for _ in range(2):  # the first answer is not kept (not yet remembered), the second is
+            assert client.get(path, headers=reader).content == s.entry_bytes[key]
+        os.kill(cachectl.process.pid, signal.SIGSTOP)
+        try:
+            kept = client.get(path, headers=reader, timeout=2)
+            assert kept.status_code == 200 and kept.content == s.entry_bytes[key]  # nginx's own
+            sent = []
+            (leaf / f"{key}-cache").unlink()
+            (leaf / f"{key}-cache").symlink_to(tmp_path / "decoy" / f"{key}-cache")
+            sent.append(_sent_or_none(client, path, reader))
+            (leaf / f"{key}-cache").unlink()
+            leaf.rename(leaf.with_name(leaf.name + ".moved"))
+            leaf.symlink_to(tmp_path / "decoy", target_is_directory=True)
+            sent.append(_sent_or_none(client, path, reader))
+            still_kept = time.monotonic() - asked
+        finally:
+            os.kill(cachectl.process.pid, signal.SIGCONT)
+    assert still_kept < TTL_S - 1, f"the answer may have expired ({still_kept:.1f} s): inconclusive"
+    for got in sent:  # nginx refused the link and asked cachectl, which could not answer
+        assert got is None or (got.status_code != 200 and decoy[:64] not in got.content), got
+
+
+def _sent_or_none(
+    client: httpx.Client, path: str, headers: dict[str, str]
+) -> httpx.Response | None:
+    """nginx's answer, or None when it waited on cachectl (stopped) past a short timeout."""
+    try:
+        return client.get(path, headers=headers, timeout=0.6)
+    except httpx.TimeoutException:
+        return None
