@@ -18,7 +18,9 @@ then nginx sends the file that answer named from that cache's root, from the ent
 only as long as cachectl says (``X-Accel-Expires: @<unix second>``,
 server/fast_lane.py ``accel_expires``): until the first of the remembered token, environment and
 recorded entry (server/state.py) would be asked for again, rounded down to nginx's whole
-seconds. So a revoked token stops being served by nginx no later than by cachectl itself
+seconds; when that is under a whole second, cachectl forgets what it remembered and asks the
+index again (fast_lane ``_nginx_would_not_keep``), so the next answer is kept for most of
+``token_cache_s``. So a revoked token stops being served by nginx no later than by cachectl itself
 (``token_cache_s``), and an entry whose file is deleted is a 404 at once. An entry rewritten
 with other bytes is sent with the sha256 header of the kept answer for as long (a client that
 checks it refuses them; cachectl sends the sha256 only while the recorded size matches). Only

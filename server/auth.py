@@ -64,6 +64,9 @@ class TokenCache:
     def put(self, token: str, info: TokenInfo) -> None:
         self._recent.put(hash_token(token), info)
 
+    def forget(self, token: str) -> None:
+        self._recent.forget(hash_token(token))
+
     def clear(self) -> None:
         self._recent.clear()
 

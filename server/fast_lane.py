@@ -484,7 +484,30 @@ class ByteFastLane:
             return None
         if not is_key(key):
             return None
-        return bearer, token, self.state.known(cache, digest, key, lane.reads.executable)
+        known = self.state.known(cache, digest, key, lane.reads.executable)
+        if known is not None and self._nginx_would_not_keep(lane, params, bearer, token):
+            return None
+        return bearer, token, known
+
+    def _nginx_would_not_keep(
+        self, lane: Lane, params: dict[str, str], bearer: str, token: TokenInfo
+    ) -> bool:
+        """Behind nginx (server/accel.py), True when what is remembered ends before nginx could
+        keep this answer for a whole second: then it is forgotten and the ASGI path asks the index
+        again, so the next answer is kept for most of ``token_cache_s`` instead of nginx asking on
+        every request until the memory ends. Never for a ``token_cache_s`` under a second, where a
+        fresh memory could not be kept either."""
+        if (
+            lane.method != "GET"
+            or self.state.settings.accel_redirect is None
+            or self.state.settings.token_cache_s < 1
+        ):
+            return False
+        executable = lane.reads.executable
+        if accel_expires(self.state, bearer, token, params, executable) != b"0":
+            return False
+        self.state.forget(bearer, params["cache"], params["digest"], params["key"], executable)
+        return True
 
     def _ready(
         self, method: str, path: str, headers: list[tuple[bytes, bytes]]

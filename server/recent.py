@@ -54,6 +54,11 @@ class Recent(Generic[K, V]):
                 self._items.clear()
             self._items[key] = (value, time.monotonic() + self.ttl_s)
 
+    def forget(self, key: K) -> None:
+        """Ask for ``key`` again on its next use."""
+        with self._lock:
+            self._items.pop(key, None)
+
     def clear(self) -> None:
         with self._lock:
             self._items.clear()

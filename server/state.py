@@ -98,6 +98,16 @@ class ServerState:
         )
         return None if None in until else min(t for t in until if t is not None)
 
+    def forget(self, bearer: str, cache: str, digest: str, key: str, executable: bool) -> None:
+        """Ask the index again, on their next use, for what one download was answered from: the
+        token, the environment and the entry's record."""
+        where = (cache, digest.strip().lower())
+        found = self._where.get(where)
+        if found is not None:
+            self._recorded.forget((found[1].id, key, executable))
+        self._where.forget(where)
+        self.tokens.forget(bearer)
+
     def changed(self) -> None:
         """Something this replica changed (a token, a policy, an entry): forget what it remembered."""
         self.tokens.clear()

@@ -264,6 +264,39 @@ def test_a_revoked_token_is_refused_within_token_cache_s(cached_recipe) -> None:
     assert last - first <= TTL_S + 0.5, last - first
 
 
+def _entry_gets(cachectl: infra.Server, token: str) -> float:
+    """How many entry GETs cachectl has answered (its /metrics)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(cachectl.url + "/metrics", headers=bearer(token), timeout=10).text
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == "cachectl_http_requests_total"
+        and sample.labels["method"] == "GET"
+        and sample.labels["route"].endswith("/entries/{key}")
+    )
+
+
+def test_nginx_asks_cachectl_about_once_per_token_cache_s(cached_recipe) -> None:
+    """Late in what cachectl remembers, nginx could keep no answer for a whole second: cachectl
+    then asks the index again rather than answering every request of that last second itself."""
+    s, cachectl, nginx = cached_recipe
+    path, reader = _entry(s, s.keys[0]), bearer(s.tokens["reader"])
+    before = _entry_gets(cachectl, s.tokens["reader"])
+    sent = 0
+    with httpx.Client(base_url=nginx.url, timeout=10) as client:
+        until = time.monotonic() + 1.5 * TTL_S  # at least one whole memory of cachectl's ends
+        while time.monotonic() < until:
+            assert client.get(path, headers=reader).status_code == 200
+            sent += 1
+    asked = _entry_gets(cachectl, s.tokens["reader"]) - before
+    # about two asks per token_cache_s (the index's answer, then one nginx keeps); without the
+    # refresh, every request of each memory's last second reached cachectl
+    assert sent > 200 and asked <= 8, (sent, asked)
+
+
 def test_a_deleted_entry_is_not_sent(cached_recipe) -> None:
     s, _cachectl, nginx = cached_recipe
     key, path = s.keys[2], _entry(s, s.keys[2])
