@@ -615,27 +615,31 @@ def _objects(staged: _Staged, delta: _Delta) -> list[ingest.NewObject]:
     or one the namespace holds); never a conflicting key's."""
     new_keys, by_aot = {e.key for e in delta.new}, {e.key for e in delta.new_aot}
     conflicts = set(delta.conflicts)
+    names, into = staged.entry_names, f"{staged.staging}{os.sep}"
     objects = []
     for e in staged.entries:
-        if e.key in conflicts or (e.key not in new_keys and e.key not in by_aot):
+        key = e.key
+        if key in conflicts or (key not in new_keys and key not in by_aot):
             continue
+        aot = key in by_aot
         row = NewEntry(
-            key=e.key,
-            module=staged.entry_names[e.key + CACHE_SUFFIX].module,
-            size=e.size,
-            sha256=e.sha256,
-            origin=ORIGIN,
-            compile_time_ms=e.compile_time_ms,
-            function=e.function,
-            bucket=e.bucket,
-            aot_size=e.aot_size if e.key in by_aot else None,
-            aot_sha256=e.aot_sha256 if e.key in by_aot else None,
+            key,
+            names[key + CACHE_SUFFIX].module,
+            e.size,
+            e.sha256,
+            ORIGIN,
+            e.compile_time_ms,
+            e.function,
+            e.bucket,
+            aot_size=e.aot_size if aot else None,
+            aot_sha256=e.aot_sha256 if aot else None,
         )
+        # Paths as str: a Path per file cost more than the rest of its object (bench/oci.py).
         objects.append(
             ingest.NewObject(
                 row,
-                staged.staging / (e.key + CACHE_SUFFIX) if e.key in new_keys else None,
-                staged.staging / (e.key + EXECUTABLE_SUFFIX) if e.key in by_aot else None,
+                f"{into}{key}{CACHE_SUFFIX}" if key in new_keys else None,
+                f"{into}{key}{EXECUTABLE_SUFFIX}" if aot else None,
             )
         )
     return objects
