@@ -186,6 +186,20 @@ def test_a_bundle_declaring_far_more_than_it_holds_is_refused_before_staging(
     assert_nothing_installed_but_root()
 
 
+def test_an_entry_above_the_caches_max_entry_size_is_refused_before_staging(
+    bundles: dict[str, Any],
+) -> None:
+    """A cache with a max entry size below the bundle's entries: refused from the content list,
+    one line, nothing installed (install checks the listed sizes only where a limit is set)."""
+    invoke("cache", "set", "default", "--max-entry-size", "100B")
+    result = invoke("bundle", "install", str(bundles["bundle"]), code=2)
+    # Refused from the content list (its message), not by staging's own check of each member.
+    assert "max entry size" in result.stderr and "files/" not in result.stderr, result.stderr
+    assert "nothing installed" in result.stderr, result.stderr
+    _one_line(result.stderr)
+    assert_nothing_installed_but_root()
+
+
 def test_a_metadata_member_far_bigger_than_the_bundle_is_refused_unread(
     tmp_path: Path, bundles: dict[str, Any]
 ) -> None:
