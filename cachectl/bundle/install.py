@@ -181,6 +181,7 @@ def _extract(
     stream = cast(IO[bytes], tar.fileobj)  # open_bundle's ForwardOnly
     in_flight = 0
     header_ms: dict[str, int] = {}
+    suffix = len(CACHE_SUFFIX)
 
     def stage(name: str, staged: bytes | Path, digest: str) -> int | None:
         if digest != expected[name][1]:
@@ -204,7 +205,7 @@ def _extract(
         name, size, done = pending.popleft()
         ms = done.result()
         if ms is not None:
-            header_ms[name[: -len(CACHE_SUFFIX)]] = ms
+            header_ms[name[:-suffix]] = ms
         return size
 
     with (
@@ -214,6 +215,15 @@ def _extract(
         for tar_name, is_file, tar_size, at, member in _members(tar, first):
             name = _member_name(path, tar_name, is_file, tar_size, expected, seen)
             size = expected[name][0]
+            seen.add(name)
+            if size <= INLINE_MAX and not pending:
+                # Nothing before it is still in a worker: checked here, its error raised now (in
+                # member order). A bundle of small entries takes only this path, without an
+                # outcome to queue and settle per member (BENCHMARKS.md, "OCI").
+                stream.seek(at)
+                if (ms := small(name, _read_exactly(stream, size))) is not None:
+                    header_ms[name[:-suffix]] = ms
+                continue
             done: Outcome[int | None]
             if size <= _IN_MEMORY_MAX:
                 # Read where the member's bytes stand, as tar.extractfile's reader does (which
@@ -233,7 +243,6 @@ def _extract(
             in_flight += size
             while in_flight > _IN_FLIGHT_MAX:
                 in_flight -= settle()
-            seen.add(name)
         while pending:
             settle()
     missing = sorted(set(expected) - seen)
