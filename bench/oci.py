@@ -287,6 +287,25 @@ def markdown(r: dict[str, Any]) -> str:
         "pass: small members on worker threads (format.py's INLINE_MAX note: the first pass "
         "measured each GIL hand-back waiting up to the 5 ms switch interval), and an entry "
         "check without a full decompression (it bounds what each entry expands to).",
+        "- Third pass (the tmpfs workload alone, `python bench/oci.py --tmpfs`, the code before"
+        " and after run alternately in five pairs of 5 rounds, load average 1.9 to 2.5): "
+        "ingest's entry check decompresses an entry whose zstd frame declares at most 1 MiB "
+        "(and at most its bound) in one call sized from that declaration (a frame that holds "
+        "more fails; any other entry keeps the streaming pass), install's objects carry their "
+        "staged paths as str (no Path per file), the listed sizes are checked one by one only "
+        "where the cache has a max entry size, and a small member with nothing before it in a "
+        "worker is staged inline (no outcome queued and settled per member). Wall ratio 1.73, "
+        "1.73, 1.77, 1.62, 1.68x before and 1.53, 1.45, 1.65, 1.63, 1.60x after; CPU ratio "
+        "1.76, 1.61, 1.75, 1.67, 1.76x before and 1.57, 1.35, 1.55, 1.59, 1.56x after (each "
+        "run's medians). The goal of 1.3x is still not met on tmpfs. Where the pull's time goes"
+        " after it (py-spy, 20 pulls): creating, writing, closing and hashing each file about "
+        "30%, the index rows about 15% (SQLite's insert into `entries` and its indexes about "
+        "9%), reading bundle.json and checking its entries and content list about 12%, the "
+        "registry requests' own work in Python about 3% (py-spy samples running code only: "
+        "their waits on the registry are not in these shares). Tried and not kept: the rows by one "
+        "`executemany` instead of bulk_json's insert over `json_each` (17 and 29 ms against 20 "
+        "and 35 ms for 2,000 rows in two noisy runs of 8: the inserts into the table and its "
+        "indexes are most of either).",
         "",
     ]
     return "\n".join(lines)
