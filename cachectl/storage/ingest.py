@@ -7,7 +7,8 @@ Every writer of new ``-cache``/``-aot`` objects (the server's uploads, ``push``,
    (a claim that differs is refused);
 2. an entry's size is within the cache's max entry size;
 3. an entry decompresses into a JAX entry within a bound (``check_entry``: ``expansion_bound``
-   of its size, in one streaming pass of ``scan_entry``, never decompressed whole in memory);
+   of its size, in one streaming pass of ``scan_entry``, never decompressed whole in memory; a
+   zstd frame that declares at most ``ONE_SHOT_BYTES`` within the bound, in one call);
    a stored executable is intact and made for this key and its entry's recorded bytes;
 4. quota: a single upload reserves its row first (``server_queries.reserve_entry`` /
    ``reserve_executable``, the cache row locked) and gives it back when the write fails; a
@@ -157,7 +158,8 @@ def check_size(cache: CacheInfo, key: str, size: int) -> None:
 def check_entry(source: bytes | str | os.PathLike[str], expand_to: int | None = None) -> int:
     """The compile time (ms) of entry bytes (in memory or a local file), checked in one streaming
     pass that stops past ``expand_to`` (default: ``expansion_bound`` of its size): memory stays at
-    one read chunk whatever the entry expands to."""
+    one read chunk whatever the entry expands to. Bytes in memory whose zstd frame declares at most
+    ``ONE_SHOT_BYTES`` (within the bound) are decompressed in one call (``_declared_seconds``)."""
     try:
         if isinstance(source, bytes):
             bound = expansion_bound(len(source), expand_to or MAX_EXPANDED)
