@@ -418,9 +418,18 @@ def bundle_entries(meta: dict[str, Any]) -> list[BundleEntry]:
     dropped; only then is an entry's dict copied, thousands per bundle of small entries)."""
     names = BundleEntry.__dataclass_fields__.keys()
     return [
-        BundleEntry(**e) if e.keys() <= names else BundleEntry(**{k: e[k] for k in e if k in names})
+        _entry(e) if e.keys() == names else BundleEntry(**{k: e[k] for k in e if k in names})
         for e in meta["entries"]
     ]
+
+
+def _entry(fields: dict[str, Any]) -> BundleEntry:
+    """A BundleEntry of a dict holding exactly its fields, without the frozen dataclass's
+    ``__init__`` (one ``object.__setattr__`` per field: most of reading a small entry's line);
+    any other dict takes ``__init__``, which refuses a missing field."""
+    entry = object.__new__(BundleEntry)
+    entry.__dict__.update(fields)
+    return entry
 
 
 def describe(path: str | os.PathLike[str]) -> BundleInfo:
