@@ -489,3 +489,38 @@ def test_install_of_many_entries_runs_without_collections(tmp_path: Path, monkey
         ctx.close()
     assert result.installed == 400
     assert len(collections) <= 1  # at most the young one due when the thresholds are put back
+
+
+def test_bundle_entries_are_the_dataclass_s_own_and_a_missing_field_is_refused() -> None:
+    """bundle.json's entries read without the frozen dataclass's __init__ when a line holds
+    exactly its fields: equal, hashable, frozen and signed as ones built by __init__; a newer
+    cachectl's extra field is dropped, a missing one refused (install's BadBundle)."""
+    import dataclasses
+
+    from cachectl.bundle.format import BundleEntry, bundle_entries, entries_document
+
+    line = {
+        "key": "jit_f-" + "0" * 64,
+        "function": "f",
+        "bucket": {"batch": 8},
+        "size": 8192,
+        "sha256": "1" * 64,
+        "compile_time_ms": 5,
+        "aot_size": None,
+        "aot_sha256": None,
+    }
+    built = BundleEntry(**line)
+    (fast,) = bundle_entries({"entries": [dict(reversed(line.items()))]})
+    assert fast == built and dataclasses.asdict(fast) == dataclasses.asdict(built) == line
+    assert hash(dataclasses.replace(fast, bucket=None)) == hash(
+        dataclasses.replace(built, bucket=None)
+    )
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        fast.size = 1  # type: ignore[misc]
+    assert entries_document({"content": {}, "entries": [line]}) == entries_document(
+        {"content": {}, "entries": [dict(reversed(line.items()))]}
+    )
+    (newer,) = bundle_entries({"entries": [{**line, "added_later": 1}]})
+    assert newer == built
+    with pytest.raises(TypeError):
+        bundle_entries({"entries": [{k: v for k, v in line.items() if k != "sha256"}]})

@@ -186,6 +186,20 @@ def test_a_bundle_declaring_far_more_than_it_holds_is_refused_before_staging(
     assert_nothing_installed_but_root()
 
 
+def test_an_entry_above_the_caches_max_entry_size_is_refused_before_staging(
+    bundles: dict[str, Any],
+) -> None:
+    """A cache with a max entry size below the bundle's entries: refused from the content list,
+    one line, nothing installed (install checks the listed sizes only where a limit is set)."""
+    invoke("cache", "set", "default", "--max-entry-size", "100B")
+    result = invoke("bundle", "install", str(bundles["bundle"]), code=2)
+    # Refused from the content list (its message), not by staging's own check of each member.
+    assert "max entry size" in result.stderr and "files/" not in result.stderr, result.stderr
+    assert "nothing installed" in result.stderr, result.stderr
+    _one_line(result.stderr)
+    assert_nothing_installed_but_root()
+
+
 def test_a_metadata_member_far_bigger_than_the_bundle_is_refused_unread(
     tmp_path: Path, bundles: dict[str, Any]
 ) -> None:
@@ -227,12 +241,35 @@ def _bombed(items: Items) -> str:
     return "expands to more than"
 
 
-@pytest.mark.parametrize("change", [_junk, _swapped_executable, _bombed])
+def _declares(frame: bytes, declared: int) -> bytes:
+    """A zstd frame written without its content size (``_bomb``'s) that now declares ``declared``
+    bytes (256 to 65,791: the 2-byte field), whatever it holds."""
+    fhd = frame[4]
+    assert fhd >> 6 == 0 and not fhd & 0x20, "a frame with no content size and a window"
+    at = 6 + (0, 1, 2, 4)[fhd & 3]  # past the descriptor, the window and the dictionary id
+    return (
+        frame[:4]
+        + bytes([fhd | 0x40])
+        + frame[5:at]
+        + (declared - 256).to_bytes(2, "little")
+        + frame[at:]
+    )
+
+
+def _lying_bomb(items: Items) -> str:
+    """A 256 MiB bomb whose frame declares 8 KiB: the size ingest's one-call decompression of a
+    small entry trusts for its output (it fails when the frame holds more)."""
+    _relist(items, _names(items, "-cache")[0], _declares(_bomb(256 << 20), 8 << 10))
+    return "not a JAX cache entry"
+
+
+@pytest.mark.parametrize("change", [_junk, _swapped_executable, _bombed, _lying_bomb])
 def test_a_bundle_goes_through_ingests_entry_checks(
     tmp_path: Path, bundles: dict[str, Any], change: Any
 ) -> None:
     """Consistent bundles (every size and sha256 listed right) whose bytes ingest refuses: junk, an
-    executable of another key, a 256 MiB zstd bomb. Refused with one line, nothing installed."""
+    executable of another key, a 256 MiB zstd bomb, one that declares 8 KiB. Refused with one line,
+    nothing installed."""
     items = _items(bundles["bundle"])
     message = change(items)
     bad = tmp_path / "bad.tar.zst"

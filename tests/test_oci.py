@@ -576,6 +576,79 @@ def test_a_pull_installs_the_blob_while_it_arrives(
     assert done["install"]["installed"] == 5 and not staging.exists()
 
 
+class _RecordingProxy(_StallingProxy):
+    """A TCP proxy in front of a registry that passes everything on and records each request's
+    method and path, in the order the client sent them."""
+
+    def __init__(self, upstream: str) -> None:
+        self.requests: list[str] = []
+        super().__init__(upstream, "none", limit=1 << 40)
+
+    def _up(self, client: socket.socket, up: socket.socket, state: dict[str, Any]) -> None:
+        with client, up:
+            try:
+                while data := client.recv(65536):
+                    if data[:4] in (b"GET ", b"HEAD", b"POST", b"PUT "):
+                        self.requests.append(b" ".join(data.split(b" ", 2)[:2]).decode())
+                    up.sendall(data)
+            except OSError:
+                return
+
+
+def test_a_pull_asks_the_registry_only_for_the_manifest_config_and_blob(
+    private: dict[str, Any], node: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No /v2/ probe before the manifest: a registry that asks for no login answers the
+    manifest request itself (one round trip fewer per pull); a server that is no registry is
+    still named so, from its /v2/ answer."""
+    url = private["url"]
+    pushed = _push_private(monkeypatch, node, url)
+    manifest, _ = _get_json(url, f"lm/cache/manifests/{pushed['digest']}", MANIFEST_TYPE)
+    proxy = _RecordingProxy(url)
+    try:
+        done = json.loads(
+            invoke(
+                "bundle",
+                "pull",
+                f"oci://127.0.0.1:{proxy.port}/lm/cache:v1",
+                "--insecure",
+                "--json",
+            ).stdout
+        )
+    finally:
+        proxy.close()
+    assert done["install"]["installed"] == 5
+    assert proxy.requests == [
+        "GET /v2/lm/cache/manifests/v1",
+        f"GET /v2/lm/cache/blobs/{manifest['config']['digest']}",
+        f"GET /v2/lm/cache/blobs/{manifest['layers'][0]['digest']}",
+    ], proxy.requests
+
+    import http.server
+
+    class NotARegistry(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(404 if self.path != "/v2/" else 302)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), NotARegistry)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        port = server.server_address[1]
+        other = invoke(
+            "bundle", "pull", f"oci://127.0.0.1:{port}/lm/cache:v1", "--insecure", code=2
+        )
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert "answered /v2/ with HTTP 302: is it an OCI registry?" in other.stderr, other.stderr
+    _one_line(other.stderr)
+
+
 def test_two_pulls_at_once_leave_one_good_copy(node: dict[str, Any]) -> None:
     src = f"oci://{node['url']}/{node['repo']}:v1"
     procs = [_cachectl("bundle", "pull", src, "--json") for _ in range(2)]

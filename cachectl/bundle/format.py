@@ -6,6 +6,7 @@ import base64
 import dataclasses
 import json
 import os
+import re
 import tarfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
@@ -155,24 +156,17 @@ class MemberInfo(tarfile.TarInfo):
 def plain_header(buf: bytes | bytearray) -> tuple[str, int] | None:
     """(name, size) of a header that is exactly what ``member_header`` writes for a short ASCII
     name (a regular file, USTAR, no prefix, owner 0, its checksum right); None for any other
-    block, which is tarfile's to read, accept or refuse."""
+    block, which is tarfile's to read, accept or refuse. Every field past the name is checked by
+    one match of ``_PLAIN`` (its octal fields' digits, the fixed bytes): a third of the time of
+    a check per field, for thousands of headers per bundle of small entries."""
+    m = _PLAIN.fullmatch(buf, 100) if len(buf) == tarfile.BLOCKSIZE else None
+    # The checksum: every byte past the ones summed here is fixed by ``_PLAIN``.
+    if m is None or int(m[3], 8) != sum(buf[:108]) + sum(buf[124:148]) + _PLAIN_FIXED_SUM:
+        return None
     try:
-        if (
-            len(buf) == tarfile.BLOCKSIZE
-            and buf[156:157] == tarfile.REGTYPE
-            and buf[257:265] == tarfile.POSIX_MAGIC
-            and buf[108:124] == _NO_OWNER
-            and buf[157:257] == _NO_LINK
-            and buf[265:] == _NO_NAMES_NOR_PREFIX
-            # The checksum: every byte past the ones summed here was compared just above.
-            and _digits(buf[148:155]) == sum(buf[:108]) + sum(buf[124:148]) + _PLAIN_FIXED_SUM
-            and buf[155:156] == b" "
-        ):
-            _digits(buf[100:108]), _digits(buf[136:148])  # mode and mtime: octal, as written
-            return buf[:100].split(b"\0", 1)[0].decode("ascii"), _digits(buf[124:136])
-    except (ValueError, UnicodeDecodeError):
-        pass
-    return None
+        return buf[:100].split(b"\0", 1)[0].decode("ascii"), int(m[1], 8)
+    except UnicodeDecodeError:
+        return None
 
 
 _NO_OWNER = _octal(0, 8) * 2  # uid, gid
@@ -181,6 +175,15 @@ _NO_NAMES_NOR_PREFIX = b"\0" * 247  # uname, gname, devmajor, devminor, prefix, 
 # What the fixed fields of a plain header add to its checksum (owner, the checksum as spaces,
 # the type, the magic; the rest is NULs).
 _PLAIN_FIXED_SUM = sum(_NO_OWNER) + _CHKSUM_AS_SPACES + sum(tarfile.REGTYPE + tarfile.POSIX_MAGIC)
+# A plain header from its mode on (offset 100): octal fields as ``_octal`` writes them (digits,
+# then NUL), the checksum as ``member_header`` writes it (six digits, NUL, space), fixed bytes.
+# Groups: size, mtime, checksum.
+_PLAIN = re.compile(
+    rb"[0-7]{7}\x00"
+    + re.escape(_NO_OWNER)
+    + rb"([0-7]{11})\x00([0-7]{11})\x00([0-7]{6})\x00 "
+    + re.escape(tarfile.REGTYPE + _NO_LINK + tarfile.POSIX_MAGIC + _NO_NAMES_NOR_PREFIX)
+)
 
 
 # --------------------------------------------------------------------------- reading
@@ -415,9 +418,18 @@ def bundle_entries(meta: dict[str, Any]) -> list[BundleEntry]:
     dropped; only then is an entry's dict copied, thousands per bundle of small entries)."""
     names = BundleEntry.__dataclass_fields__.keys()
     return [
-        BundleEntry(**e) if e.keys() <= names else BundleEntry(**{k: e[k] for k in e if k in names})
+        _entry(e) if e.keys() == names else BundleEntry(**{k: e[k] for k in e if k in names})
         for e in meta["entries"]
     ]
+
+
+def _entry(fields: dict[str, Any]) -> BundleEntry:
+    """A BundleEntry of a dict holding exactly its fields, without the frozen dataclass's
+    ``__init__`` (one ``object.__setattr__`` per field: most of reading a small entry's line);
+    any other dict takes ``__init__``, which refuses a missing field."""
+    entry = object.__new__(BundleEntry)
+    entry.__dict__.update(fields)
+    return entry
 
 
 def describe(path: str | os.PathLike[str]) -> BundleInfo:

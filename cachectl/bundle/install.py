@@ -181,6 +181,7 @@ def _extract(
     stream = cast(IO[bytes], tar.fileobj)  # open_bundle's ForwardOnly
     in_flight = 0
     header_ms: dict[str, int] = {}
+    suffix = len(CACHE_SUFFIX)
 
     def stage(name: str, staged: bytes | Path, digest: str) -> int | None:
         if digest != expected[name][1]:
@@ -204,7 +205,7 @@ def _extract(
         name, size, done = pending.popleft()
         ms = done.result()
         if ms is not None:
-            header_ms[name[: -len(CACHE_SUFFIX)]] = ms
+            header_ms[name[:-suffix]] = ms
         return size
 
     with (
@@ -214,6 +215,15 @@ def _extract(
         for tar_name, is_file, tar_size, at, member in _members(tar, first):
             name = _member_name(path, tar_name, is_file, tar_size, expected, seen)
             size = expected[name][0]
+            seen.add(name)
+            if size <= INLINE_MAX and not pending:
+                # Nothing before it is still in a worker: checked here, its error raised now (in
+                # member order). A bundle of small entries takes only this path, without an
+                # outcome to queue and settle per member (BENCHMARKS.md, "OCI").
+                stream.seek(at)
+                if (ms := small(name, _read_exactly(stream, size))) is not None:
+                    header_ms[name[:-suffix]] = ms
+                continue
             done: Outcome[int | None]
             if size <= _IN_MEMORY_MAX:
                 # Read where the member's bytes stand, as tar.extractfile's reader does (which
@@ -233,7 +243,6 @@ def _extract(
             in_flight += size
             while in_flight > _IN_FLIGHT_MAX:
                 in_flight -= settle()
-            seen.add(name)
         while pending:
             settle()
     missing = sorted(set(expected) - seen)
@@ -318,9 +327,12 @@ def _check_declared(
     files' total within BUNDLE_EXPANSION times the bundle's size. Returns the listed entries by
     file name (parsed once: staging and indexing look them up)."""
     entry_names = {}
+    limited = cache.max_entry_size is not None  # else no entry is too large: no call per entry
     for name, (listed, _) in expected.items():
         if (entry := parse_entry_filename(name)) is not None:
             entry_names[name] = entry
+            if not limited:
+                continue
             try:
                 ingest.check_size(cache, entry.key, listed)
             except ingest.Refused as exc:
@@ -615,27 +627,31 @@ def _objects(staged: _Staged, delta: _Delta) -> list[ingest.NewObject]:
     or one the namespace holds); never a conflicting key's."""
     new_keys, by_aot = {e.key for e in delta.new}, {e.key for e in delta.new_aot}
     conflicts = set(delta.conflicts)
+    names, into = staged.entry_names, f"{staged.staging}{os.sep}"
     objects = []
     for e in staged.entries:
-        if e.key in conflicts or (e.key not in new_keys and e.key not in by_aot):
+        key = e.key
+        if key in conflicts or (key not in new_keys and key not in by_aot):
             continue
+        aot = key in by_aot
         row = NewEntry(
-            key=e.key,
-            module=staged.entry_names[e.key + CACHE_SUFFIX].module,
-            size=e.size,
-            sha256=e.sha256,
-            origin=ORIGIN,
-            compile_time_ms=e.compile_time_ms,
-            function=e.function,
-            bucket=e.bucket,
-            aot_size=e.aot_size if e.key in by_aot else None,
-            aot_sha256=e.aot_sha256 if e.key in by_aot else None,
+            key,
+            names[key + CACHE_SUFFIX].module,
+            e.size,
+            e.sha256,
+            ORIGIN,
+            e.compile_time_ms,
+            e.function,
+            e.bucket,
+            aot_size=e.aot_size if aot else None,
+            aot_sha256=e.aot_sha256 if aot else None,
         )
+        # Paths as str: a Path per file cost more than the rest of its object (bench/oci.py).
         objects.append(
             ingest.NewObject(
                 row,
-                staged.staging / (e.key + CACHE_SUFFIX) if e.key in new_keys else None,
-                staged.staging / (e.key + EXECUTABLE_SUFFIX) if e.key in by_aot else None,
+                f"{into}{key}{CACHE_SUFFIX}" if key in new_keys else None,
+                f"{into}{key}{EXECUTABLE_SUFFIX}" if aot else None,
             )
         )
     return objects

@@ -288,9 +288,16 @@ def _run_helper(helper: str, config: str, host: str, timeout: float) -> tuple[st
 class Registry:
     """One repository of one registry, through oras's HTTP and auth, every request bounded."""
 
-    def __init__(self, ref: Reference, *, insecure: bool = False, ca_file: str | None = None):
-        import oras.auth
-        import oras.container
+    def __init__(
+        self,
+        ref: Reference,
+        *,
+        insecure: bool = False,
+        ca_file: str | None = None,
+        probe: bool = True,
+    ):
+        """``probe``: GET /v2/ now for the auth scheme (a push, whose bodies are sent once);
+        without it the first request learns it (``_first``), one round trip fewer."""
         import oras.provider
         import requests
 
@@ -313,20 +320,34 @@ class Registry:
                 kwargs.setdefault("timeout", timeout)
                 return super().request(*args, **kwargs)
 
-        verify: bool | str = ca if ca is not None else True
+        self.verify: bool | str = ca if ca is not None else True
+        self.insecure = insecure
         self.prefix = "http" if insecure else "https"
         self.base = f"{self.prefix}://{ref.registry}/v2/{ref.repository}"
-        session = _Session()
-        session.trust_env = False  # no proxy from the environment for a registry named here
-        scheme = self._probe(session, verify)
+        self.session = _Session()
+        self.session.trust_env = False  # no proxy from the environment for a registry named here
+        # oras retries every failure for minutes (3 + 3**n s); each request here is tried once.
+        self._once = oras.provider.Registry.do_request.__wrapped__
+        self.basic = False
+        self.client: Any = None  # oras's Registry, once the auth the registry asks for is known
+        if probe:
+            self._authenticate(self._probe())
+
+    def _authenticate(self, scheme: str | None) -> None:
+        """oras's client for ``scheme`` (None: the registry asks for no login; "basic" or
+        "bearer"), with the login from the docker config.json or its credential helper."""
+        import oras.container
+        import oras.provider
+
+        ref = self.ref
         self.client = oras.provider.Registry(
             hostname=ref.registry,
-            insecure=insecure,
-            tls_verify=verify,
+            insecure=self.insecure,
+            tls_verify=self.verify,
             auth_backend="basic" if scheme == "basic" else "token",
         )
-        self.client.session = session
-        self.client.auth.session = session
+        self.client.session = self.session
+        self.client.auth.session = self.session
         self.basic = scheme == "basic"
         if scheme is not None:
             helper = _helper_for(ref.registry)
@@ -342,24 +363,45 @@ class Registry:
                     f"them to the docker config.json ($DOCKER_CONFIG or ~/.docker; `docker login "
                     f"{ref.registry}` or `oras login` writes it, credential helpers are used)"
                 )
-        # oras retries every failure for minutes (3 + 3**n s); each request here is tried once.
-        self._once = oras.provider.Registry.do_request.__wrapped__
 
-    def _probe(self, session: Any, verify: bool | str) -> str | None:
+    def _probe(self) -> str | None:
         """GET /v2/: None when it answers without auth, else "basic" or "bearer"."""
         url = f"{self.prefix}://{self.ref.registry}/v2/"
         try:
-            r = session.get(url, verify=verify)
+            r = self.session.get(url, verify=self.verify)
         except Exception as exc:  # noqa: BLE001 - every transport failure is one clear line
             raise self._unreachable(exc) from None
         if r.status_code == 200:
             return None
         if r.status_code == 401:
-            header = r.headers.get("Www-Authenticate", "")
-            return "bearer" if header.lower().startswith("bearer") else "basic"
+            return _scheme(r)
         raise Unreachable(
             f"{self.what} answered /v2/ with HTTP {r.status_code}: is it an OCI registry?"
         )
+
+    def _first(self, method: str, url: str, headers: dict[str, str], stream: bool) -> Any:
+        """A pull's first request, with no /v2/ probe before it (a round trip to a registry that
+        wakes for each, before the manifest's): sent without a login, it is the answer when the
+        registry asks for none; a 401 names the scheme, and the caller sends it again with the
+        login (the probe's checks and errors: no credentials, a refused login). Any other
+        answer (a 404 too) is checked against /v2/ first, so a server that is no registry
+        says so, as with the probe; then the request is sent again (None)."""
+        try:
+            r = self.session.request(
+                method, url, headers=headers, stream=stream, verify=self.verify
+            )
+        except Exception as exc:  # noqa: BLE001 - every transport failure is one clear line
+            raise self._unreachable(exc) from None
+        if r.status_code == 401:
+            r.close()
+            self._authenticate(_scheme(r))
+            return None
+        if r.status_code != 200:
+            r.close()
+            self._authenticate(self._probe())  # raises for a server that is no registry
+            return None
+        self._authenticate(None)
+        return r
 
     def _unreachable(self, exc: Exception) -> Exception:
         r = self._requests
@@ -388,10 +430,18 @@ class Registry:
     ) -> Any:
         """One request, authenticated as the registry asks; a failure is one line."""
         headers = dict(headers or {})
+        first = None
+        if self.client is None:  # no probe yet: only a request without a body goes first
+            if data is not None:
+                self._authenticate(self._probe())
+            else:
+                first = self._first(method, url, headers, stream)
         if self.basic:  # sent up front: a streamed body cannot be sent twice
             headers.update(self.client.auth.get_auth_header())
         try:
-            r = self._once(self.client, url, method, data=data, headers=headers, stream=stream)
+            r = first or self._once(
+                self.client, url, method, data=data, headers=headers, stream=stream
+            )
             if r.status_code == 401 and not self.basic and self.client.auth.token is not None:
                 # A token of a narrower scope (pull, where a push needs pull,push): oras offers the
                 # one it holds again; drop it so the challenge's scope gets a new one, once.
@@ -660,6 +710,12 @@ class _Download:
         ``finish`` it has ended already."""
         self._stop.set()
         self._thread.join(timeout=1)
+
+
+def _scheme(r: Any) -> str:
+    """A 401's challenge: "bearer" (a token service) or "basic"."""
+    header = r.headers.get("Www-Authenticate", "")
+    return "bearer" if header.lower().startswith("bearer") else "basic"
 
 
 def _short(exc: BaseException) -> str:
@@ -1014,7 +1070,7 @@ def pull(
         raise BadInput(f"{source}: give a tag (oci://REGISTRY/REPO:TAG) or --for-this-machine")
     cache = cache or ctx.cache()
     here = ctx.environment()
-    registry = Registry(ref, insecure=insecure, ca_file=ca_file)
+    registry = Registry(ref, insecure=insecure, ca_file=ca_file, probe=False)
     if for_this_machine:
         tag: str | None = environment_tag(here.digest)
         try:

@@ -204,7 +204,7 @@ def _objects(triage: _Triage, executables: dict[str, bytes]) -> list[ingest.NewO
     """The batch to publish: each candidate entry with its executable, then each executable
     beside an entry already shared."""
 
-    def with_executable(row: NewEntry, entry: bytes | Path | None) -> ingest.NewObject:
+    def with_executable(row: NewEntry, entry: ingest.Source | None) -> ingest.NewObject:
         data = executables.get(row.key)
         if data is not None:
             row = dataclasses.replace(row, aot_size=len(data), aot_sha256=sha256(data))

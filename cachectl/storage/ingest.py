@@ -7,7 +7,8 @@ Every writer of new ``-cache``/``-aot`` objects (the server's uploads, ``push``,
    (a claim that differs is refused);
 2. an entry's size is within the cache's max entry size;
 3. an entry decompresses into a JAX entry within a bound (``check_entry``: ``expansion_bound``
-   of its size, in one streaming pass of ``scan_entry``, never decompressed whole in memory);
+   of its size, in one streaming pass of ``scan_entry``, never decompressed whole in memory; a
+   zstd frame that declares at most ``ONE_SHOT_BYTES`` within the bound, in one call);
    a stored executable is intact and made for this key and its entry's recorded bytes;
 4. quota: a single upload reserves its row first (``server_queries.reserve_entry`` /
    ``reserve_executable``, the cache row locked) and gives it back when the write fails; a
@@ -27,6 +28,7 @@ import errno
 import hashlib
 import io
 import os
+import sys
 import tempfile
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
@@ -44,9 +46,13 @@ from cachectl.storage.entries import (
     CACHE_SUFFIX,
     ENV_FILE,
     EXECUTABLE_SUFFIX,
+    ONE_SHOT_BYTES,
+    ZSTD_MAGIC,
     CorruptEntry,
     EntryName,
     EntryTooLarge,
+    decompress_zstd,
+    header_seconds,
     scan_entry,
 )
 from cachectl.storage.namespace import ensure_namespace
@@ -152,10 +158,13 @@ def check_size(cache: CacheInfo, key: str, size: int) -> None:
 def check_entry(source: bytes | str | os.PathLike[str], expand_to: int | None = None) -> int:
     """The compile time (ms) of entry bytes (in memory or a local file), checked in one streaming
     pass that stops past ``expand_to`` (default: ``expansion_bound`` of its size): memory stays at
-    one read chunk whatever the entry expands to."""
+    one read chunk whatever the entry expands to. Bytes in memory whose zstd frame declares at most
+    ``ONE_SHOT_BYTES`` (within the bound) are decompressed in one call (``_declared_seconds``)."""
     try:
         if isinstance(source, bytes):
             bound = expansion_bound(len(source), expand_to or MAX_EXPANDED)
+            if (seconds := _declared_seconds(source, bound)) is not None:
+                return seconds * 1000
             return scan_entry(io.BytesIO(source), bound).compile_seconds * 1000
         with open(source, "rb") as fh:
             bound = expansion_bound(os.fstat(fh.fileno()).st_size, expand_to or MAX_EXPANDED)
@@ -166,6 +175,27 @@ def check_entry(source: bytes | str | os.PathLike[str], expand_to: int | None = 
         ) from None
     except CorruptEntry as exc:
         raise Refused(f"not a JAX cache entry: {exc}", CORRUPT) from None
+
+
+def _declared_seconds(data: bytes, bound: int) -> int | None:
+    """The compile seconds of a zstd entry whose frame declares at most ``ONE_SHOT_BYTES`` (and at
+    most ``bound``), decompressed in one call: zstandard sizes its output from the declaration
+    and fails if the frame holds another amount, so memory stays within the bound (a frame that
+    lies is corrupt). None for any other entry: ``scan_entry``'s streaming pass. A bundle of
+    small entries checks thousands; the stream reader, its 1 MiB reads and its end-of-frame
+    read cost more than decompressing 8 KiB (BENCHMARKS.md, "OCI")."""
+    if data[:4] != ZSTD_MAGIC:
+        return None
+    zstandard = sys.modules.get("zstandard")
+    if zstandard is None:
+        return None  # the streaming pass imports it (or says it is missing)
+    try:
+        declared = zstandard.frame_content_size(data[:18])
+    except zstandard.ZstdError:
+        return None
+    if not 0 <= declared <= min(bound, ONE_SHOT_BYTES):
+        return None
+    return header_seconds(decompress_zstd(data))
 
 
 def check_executable(key: str, data: bytes, entry_sha256: str | None) -> None:
@@ -320,6 +350,11 @@ def ingest_executable(
 # -- a batch: push and bundle install ---------------------------------------------------
 
 
+# An object's bytes in memory, or the path of a verified private staging file (a str where a
+# batch has thousands: bundle install builds no Path per file).
+Source = bytes | Path | str
+
+
 @dataclass(frozen=True)
 class NewObject:
     """One entry (and/or its stored executable) of a batch. ``entry``/``executable`` are the bytes
@@ -328,13 +363,13 @@ class NewObject:
     new executable, or when ``in_storage`` says the entry is new to the index (warm: JAX wrote it)."""
 
     row: NewEntry
-    entry: bytes | Path | None = None
-    executable: bytes | Path | None = None
+    entry: Source | None = None
+    executable: Source | None = None
     in_storage: bool = False
 
 
-def _bytes_of(source: bytes | Path) -> bytes:
-    return source if isinstance(source, bytes) else source.read_bytes()
+def _bytes_of(source: Source) -> bytes:
+    return source if isinstance(source, bytes) else Path(source).read_bytes()
 
 
 def check_new(
@@ -446,8 +481,8 @@ def _write_objects(
     def writer(suffix: str, attr: str) -> Callable[[str], int]:
         def write(key: str) -> int:
             source = getattr(by_key[key], attr)
-            if isinstance(source, Path) and store.is_local:
-                os.replace(source, Path(store.url_for(f"{ns}/{key}{suffix}")))
+            if not isinstance(source, bytes) and store.is_local:
+                os.replace(source, store.url_for(f"{ns}/{key}{suffix}"))
                 return 0
             data = _bytes_of(source)
             store.write_bytes(f"{ns}/{key}{suffix}", data)
