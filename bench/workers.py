@@ -141,6 +141,9 @@ def run(
     rounds = rounds or (1 if quick else 3)
     seconds = seconds or (0.5 if quick else 3.0)
     started = time.monotonic()
+    # Serving bytes needs no accelerator; on a TPU host only one process may hold the chip, and the
+    # servers and load generators started here must never wait for it.
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
     cpus = sorted(os.sched_getaffinity(0))
     p = plan(cpus)
     info = machine()
