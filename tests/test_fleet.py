@@ -216,20 +216,27 @@ def test_indexed_job_three_processes_into_s3_and_postgres_then_warm_check_100(
         for i in range(3)
     ]
     reports = []
-    for pod in pods:
-        try:
-            out, err = pod.communicate(timeout=300)
-        except subprocess.TimeoutExpired:
-            for other in pods:
-                other.kill()
-            pytest.fail(
-                "a pod ran past 300 s and was killed\n"
-                + "\n".join(
-                    f"--- pod {i} stderr:\n{p.communicate()[1][-3000:]}" for i, p in enumerate(pods)
+    try:
+        for pod in pods:
+            try:
+                out, err = pod.communicate(timeout=300)
+            except subprocess.TimeoutExpired:
+                for other in pods:
+                    other.kill()
+                pytest.fail(
+                    "a pod ran past 300 s and was killed\n"
+                    + "\n".join(
+                        f"--- pod {i} stderr:\n{p.communicate()[1][-3000:]}"
+                        for i, p in enumerate(pods)
+                    )
                 )
-            )
-        assert pod.returncode == 0, err
-        reports.append(json.loads(out))
+            assert pod.returncode == 0, err
+            reports.append(json.loads(out))
+    finally:  # a failed pod leaves none of the others running past this test
+        for pod in pods:
+            if pod.poll() is None:
+                pod.kill()
+            pod.communicate()
     assert [r["summary"]["buckets"] for r in reports] == [2, 2, 1]
     assert sum(r["summary"]["compiled"] for r in reports) == 5
     keys = [b["key"] for r in reports for b in r["buckets"]]

@@ -237,3 +237,39 @@ def test_listed_entries_are_what_one_entry_reads(index) -> None:
         "f", {"batch": 4, "seq": [1, 2]}, 77, "it crashed",
     )  # fmt: skip
     assert second.compile_time_ms == 1234 and second.size == 102
+
+
+@pytest.mark.parametrize("count", [1, 100])  # the ORM batch, and the bulk path from BULK_MIN rows
+def test_keys_another_writer_records_between_lookup_and_insert_are_updated(
+    pg_url: str, count: int
+) -> None:
+    """Two warm processes (or pods) into one PostgreSQL index record the same keys at once: the
+    one whose insert meets keys the other committed after its lookup looks again and updates them,
+    instead of failing on the unique key (seen in a sharded warm of three processes)."""
+    from sqlalchemy import event
+
+    engine = index_db.make_engine(pg_url)
+    index_db.upgrade(engine)
+    engine.dispose()
+    first, other = open_index(pg_url), open_index(pg_url)
+    try:
+        first.add_cache("a", "/tmp/a")
+        env = first.ensure_environment("a", ENV)
+        mine = [entry(i) for i in range(count)]
+        theirs = [dataclasses.replace(e, size=e.size + 1) for e in mine[::2]]
+        raced: list[str] = []
+
+        @event.listens_for(first.engine, "before_cursor_execute")
+        def other_writer(conn, cursor, statement, params, context, executemany) -> None:
+            # between this writer's lookup and its insert, the other commits some of the keys
+            if statement.lstrip().upper().startswith("INSERT INTO ENTRIES") and not raced:
+                raced.append(statement)
+                assert other.upsert_entries(env.id, theirs) == (len(theirs), 0)
+
+        assert first.upsert_entries(env.id, mine) == (count - len(theirs), len(theirs))
+        assert raced
+        rows = {e.key: e for e in first.list_entries(env.id)}
+        assert {k: rows[k].size for k in rows} == {e.key: e.size for e in mine}
+    finally:
+        first.close()
+        other.close()

@@ -7,17 +7,21 @@ apart so that module stays a readable list of the index's operations.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from datetime import UTC, datetime
-from typing import Any, cast
+from functools import partial
+from typing import Any, TypeVar, cast
 
 from sqlalchemy import CursorResult, bindparam, case, func, select, update
 from sqlalchemy.engine import Connection
+from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from cachectl.core.records import NewEntry
 from cachectl.index import bulk_rows
 from cachectl.index.models import Entry, UTCDateTime, utcnow
+
+_T = TypeVar("_T")
 
 CHUNK = 500  # keys per IN (...) list: within every driver's parameter limit
 
@@ -47,32 +51,62 @@ _VARYING = (
 )
 
 
+# How often a batch is tried again when another writer recorded some of its keys between its
+# lookup and its insert (two warm processes, or pods, into one PostgreSQL index).
+RACES = 3
+
+
 def upsert_entries(s: Session, env_id: int, entries: Iterable[NewEntry]) -> tuple[int, int]:
     """Record entries in the caller's transaction; returns (inserted, updated). Re-running is
-    harmless."""
+    harmless, and so is another writer recording the same keys at the same time: each batch is
+    looked up then inserted under a savepoint, and a batch that meets a key committed in between
+    is rolled back to it and looked up again."""
     items = list(entries)
     inserted = updated = 0
     if len(items) >= BULK_MIN and bulk_rows.supported(s.get_bind().dialect):
-        inserted, items = _insert_new(s.connection(), env_id, items)
+        bulk = items
+        # s.connection() inside the savepoint: the session emits SAVEPOINT when it next connects
+        inserted, items = _raced(s, lambda: _insert_new(s.connection(), env_id, bulk))
     for chunk in chunks(items):
-        keys = [e.key for e in chunk]
-        existing = {
-            row.key: row
-            for row in s.scalars(
-                select(Entry).where(Entry.environment_id == env_id, Entry.key.in_(keys))
-            )
-        }
-        new_rows = []
-        for e in chunk:
-            row = existing.get(e.key)
-            if row is None:
-                new_rows.append(_new_row(env_id, e))
-            else:
-                updated += _update_row(row, e)
-        if new_rows:
-            s.execute(Entry.__table__.insert(), new_rows)
-            inserted += len(new_rows)
+        added, changed = _raced(s, partial(_upsert_chunk, s, env_id, chunk))
+        inserted += added
+        updated += changed
     return inserted, updated
+
+
+def _raced(s: Session, write: Callable[[], _T]) -> _T:
+    """``write`` under a savepoint; tried again (at most ``RACES`` times) while it meets a key
+    another writer committed after ``write`` looked for it."""
+    for attempt in range(RACES):
+        try:
+            with s.begin_nested():
+                return write()
+        except IntegrityError:
+            if attempt == RACES - 1:
+                raise
+    raise AssertionError("unreachable")
+
+
+def _upsert_chunk(s: Session, env_id: int, chunk: Sequence[NewEntry]) -> tuple[int, int]:
+    """One batch: the keys the environment holds are updated, the others inserted."""
+    keys = [e.key for e in chunk]
+    existing = {
+        row.key: row
+        for row in s.scalars(
+            select(Entry).where(Entry.environment_id == env_id, Entry.key.in_(keys))
+        )
+    }
+    new_rows = []
+    updated = 0
+    for e in chunk:
+        row = existing.get(e.key)
+        if row is None:
+            new_rows.append(_new_row(env_id, e))
+        else:
+            updated += _update_row(row, e)
+    if new_rows:
+        s.execute(Entry.__table__.insert(), new_rows)
+    return len(new_rows), updated
 
 
 def _insert_new(conn: Connection, env_id: int, items: list[NewEntry]) -> tuple[int, list[NewEntry]]:
