@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import hashlib
 import math
 import os
 import time
@@ -42,6 +41,7 @@ from starlette.types import Message, Receive, Scope, Send
 
 from cachectl.core.errors import BadInput, CachectlError, NotFound
 from cachectl.core.records import TokenInfo
+from cachectl.storage.entries import sha256
 from cachectl.storage.store import Store
 from cachectl.storage.store_local import LocalReader
 
@@ -140,6 +140,11 @@ def raw_headers(size: int, sha: str | None) -> list[tuple[bytes, bytes]]:
         headers += [(SHA_HEADER.encode(), sha.encode()), (b"etag", f'"{sha}"'.encode())]
     headers.append(_OCTETS)
     return headers
+
+
+def header_lines(lines: list[tuple[bytes, bytes]]) -> bytes:
+    """HTTP/1.1 header lines as written on the wire, each ending in CRLF."""
+    return b"".join([b"%s: %s\r\n" % (name, value) for name, value in lines])
 
 
 def accel_expires(
@@ -252,7 +257,7 @@ class Bodies:
             or st.st_size != len(body)
             or st.st_ctime_ns > read_at_ns - SETTLED_NS
             or st.st_mtime_ns > read_at_ns - SETTLED_NS
-            or hashlib.sha256(body).hexdigest() != recorded[1]
+            or sha256(body) != recorded[1]
         ):
             return
         self.drop(where)
@@ -422,7 +427,7 @@ class ByteFastLane:
             lines.append((ACCEL_HEADER.encode(), accel_uri(accel, params["cache"], rel).encode()))
             expires = accel_expires(self.state, bearer, token, params, lane.reads.executable)
             lines.append((ACCEL_EXPIRES, expires))
-            tail = b"".join([b"%s: %s\r\n" % (name, value) for name, value in lines]) + b"\r\n"
+            tail = header_lines(lines) + b"\r\n"
         else:
             tail = self._tail(size, sha)
             if method == "GET":
@@ -438,7 +443,7 @@ class ByteFastLane:
         """The server's default header lines (its Date), joined once per list uvicorn makes (a new
         one each second); the list is held, so its identity is not reused meanwhile."""
         if date is not self._date[0]:
-            self._date = (date, b"".join([b"%s: %s\r\n" % (name, value) for name, value in date]))
+            self._date = (date, header_lines(date))
         return self._date[1]
 
     def _tail(self, size: int, sha: str | None) -> bytes:
@@ -447,7 +452,7 @@ class ByteFastLane:
         tail = self._tails.get((size, sha))
         if tail is None:
             lines = raw_headers(size, sha)
-            tail = b"".join([b"%s: %s\r\n" % (name, value) for name, value in lines]) + b"\r\n"
+            tail = header_lines(lines) + b"\r\n"
             if len(self._tails) >= TAILS:
                 self._tails.clear()
             self._tails[(size, sha)] = tail

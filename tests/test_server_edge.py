@@ -17,7 +17,7 @@ from datetime import UTC, datetime, timedelta
 import httpx
 import pytest
 from support import infra
-from support.server_kit import MAIN, bearer, seed, served
+from support.server_kit import MAIN, bearer, read_until_closed, seed, served
 
 from cachectl.core.jsonable import TOO_DEEP
 from cachectl.index import NewEntry, open_index
@@ -207,16 +207,6 @@ def _rss_kib(pid: int) -> int:
     raise AssertionError("no VmRSS")
 
 
-def _answer(sock: socket.socket, timeout: float) -> bytes:
-    """What the server wrote before it closed (or until ``timeout``)."""
-    sock.settimeout(timeout)
-    data = b""
-    with contextlib.suppress(OSError):
-        while chunk := sock.recv(65536):
-            data += chunk
-    return data
-
-
 def _send_huge_header(port: int, total: int) -> tuple[bytes, int, float]:
     """Send one header of ``total`` bytes in 64 KiB writes until the server stops reading; its
     answer, how much was sent, and how long until the connection was answered or closed."""
@@ -230,7 +220,7 @@ def _send_huge_header(port: int, total: int) -> tuple[bytes, int, float]:
                 sock.sendall(chunk)
                 sent += len(chunk)
             sock.sendall(b"\r\n\r\n")
-        answer = _answer(sock, 30)
+        answer = read_until_closed(sock, 30)
     return answer, sent, time.monotonic() - started
 
 
@@ -276,12 +266,12 @@ def test_request_heads_are_bounded_in_size_count_and_time(world, tmp_path, monke
             with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
                 with contextlib.suppress(OSError):
                     sock.sendall(b"GET /healthz HTTP/1.1\r\nhost: x\r\n" + many + b"\r\n")
-                assert _answer(sock, 10).startswith(b"HTTP/1.1 431 ")
+                assert read_until_closed(sock, 10).startswith(b"HTTP/1.1 431 ")
             # a long URL is part of the head too
             with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
                 with contextlib.suppress(OSError):
                     sock.sendall(b"GET /healthz?" + b"q" * (200 << 10) + b" HTTP/1.1\r\n\r\n")
-                assert _answer(sock, 10).startswith(b"HTTP/1.1 431 ")
+                assert read_until_closed(sock, 10).startswith(b"HTTP/1.1 431 ")
             # a head trickled in a byte every 0.2 s is cut off 2 s after it began
             t0 = time.monotonic()
             with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
@@ -291,12 +281,12 @@ def test_request_heads_are_bounded_in_size_count_and_time(world, tmp_path, monke
                         sock.sendall(b"x")
                         time.sleep(0.2)
                 cut_after = time.monotonic() - t0
-                assert _answer(sock, 5).startswith(b"HTTP/1.1 408 ")
+                assert read_until_closed(sock, 5).startswith(b"HTTP/1.1 408 ")
             assert 1.5 < cut_after < 6, cut_after
             # a connection that sends nothing is closed after the same bound
             t0 = time.monotonic()
             with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
-                assert _answer(sock, 8).startswith(b"HTTP/1.1 408 ")
+                assert read_until_closed(sock, 8).startswith(b"HTTP/1.1 408 ")
             assert time.monotonic() - t0 < 6
         finally:
             stop.set()

@@ -7,28 +7,18 @@ time stays open, and one idle that long after its last answer is closed."""
 
 from __future__ import annotations
 
-import contextlib
 import socket
 import threading
 import time
 
 import pytest
-from support.server_kit import MAIN, bearer, seed, served
+from support.server_kit import MAIN, bearer, read_until_closed, seed, served
 
 from cachectl_server.app import create_app
 from cachectl_server.http_edge import bounded_http
 
 API = "/api/v1"
 TIMEOUT_S = 1.0
-
-
-def _until_closed(sock: socket.socket, timeout: float) -> bytes:
-    sock.settimeout(timeout)
-    data = b""
-    with contextlib.suppress(OSError):
-        while chunk := sock.recv(65536):
-            data += chunk
-    return data
 
 
 @pytest.mark.timeout(60)
@@ -55,7 +45,7 @@ def test_a_head_left_unfinished_after_a_whole_request_is_cut_off(tmp_path) -> No
                     sock.sendall(first)
                     time.sleep(pause)
                     sock.sendall(partial)
-                got = _until_closed(sock, 10)
+                got = read_until_closed(sock, 10)
                 took = time.monotonic() - t0
             assert got.startswith(b"HTTP/1.1 200 "), (name, got[:200])
             assert b"HTTP/1.1 408 " in got, (name, got[-300:])

@@ -7,6 +7,7 @@ storage through cachectl.storage.store, uvicorn on 127.0.0.1.
 from __future__ import annotations
 
 import contextlib
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -172,3 +173,13 @@ def served(db: str, **settings: object) -> Iterator[tuple[LiveServer, httpx.Clie
     finally:
         app.state.cachectl.jobs.shutdown()
         app.state.cachectl.index.close()
+
+
+def read_until_closed(sock: socket.socket, timeout: float) -> bytes:
+    """What the server wrote before it closed the connection (or until ``timeout``)."""
+    sock.settimeout(timeout)
+    data = b""
+    with contextlib.suppress(OSError):
+        while chunk := sock.recv(65536):
+            data += chunk
+    return data
