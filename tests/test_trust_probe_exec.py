@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from cachectl.core import probe
+from cachectl.core.fingerprint import Environment
 from cachectl.index import open_index
 
 OTHER_UID = 65534
@@ -344,3 +345,37 @@ def test_pruning_removes_only_remembered_files(tmp_path: Path) -> None:
     names = [p.name for p in memo.parent.iterdir()]
     assert len([n for n in names if n.startswith("notes-")]) == 5
     assert len([n for n in names if probe._MEMO_NAME.fullmatch(n)]) == probe.MEMO_KEEP
+
+
+# platform_version as JAX 0.10.2 with libtpu reported it on a TPU v5e (three lines).
+TPU_PLATFORM_VERSION = (
+    "PJRT C API\nTFRT TPU v5 lite\nBuilt on Jun 17 2026 11:08:48 (1781719728) cl/933746096"
+)
+
+
+def test_a_tpu_environment_is_remembered_and_a_control_character_is_not(tmp_path: Path) -> None:
+    """libtpu's platform_version spans lines: a memo holding it is read back as written (on the
+    chip every `cachectl exec` read the environment afresh while line breaks were refused),
+    while any other control character in it still makes the memo forgotten."""
+    tpu = {  # the rest of that chip's environment too
+        "jax_version": "0.10.2",
+        "jaxlib_version": "0.10.2",
+        "backend": "tpu",
+        "platform_version": TPU_PLATFORM_VERSION,
+        "device_kind": "TPU v5 lite",
+        "device_count": 1,
+        "process_count": 1,
+        "topology": "02ec453b5b091aba",
+        "xla_flags": ["--xla_tpu_use_enhanced_launch_barrier=true"],
+        "compression": "zstandard",
+        "enable_xla_caches": "none",
+        "include_metadata_in_key": False,
+    }
+    memo = tmp_path / f"{'a' * 64}.json"
+    probe._write_memo(memo, "a" * 64, Environment.from_dict(tpu))
+    environment, reason = probe._read_memo(memo, "a" * 64)
+    assert reason is None and environment is not None
+    assert environment.platform_version == TPU_PLATFORM_VERSION
+    for bad in ("\x1b[2J", "\r", "\t", "\x00"):
+        with pytest.raises(ValueError, match="field platform_version"):
+            probe.strict_environment({**tpu, "platform_version": f"PJRT C API{bad}v5"})

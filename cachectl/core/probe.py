@@ -276,9 +276,14 @@ def strict_environment(data: object) -> Environment:
             )
         elif name == "compression":
             ok = value in ("zstandard", "zlib")
+        elif name == "platform_version":
+            # libtpu's spans lines ("PJRT C API\nTFRT TPU v5 lite\nBuilt on ..."), read on a
+            # v5e: refusing line breaks here forgot every remembered TPU environment.
+            ok = isinstance(value, str) and len(value) <= _MAX_TEXT
+            ok = ok and value.replace("\n", "").isprintable()
         else:
             ok = isinstance(value, str) and value.isprintable() and len(value) <= _MAX_TEXT
-            ok = ok and (bool(value) or name in ("enable_xla_caches", "platform_version"))
+            ok = ok and (bool(value) or name == "enable_xla_caches")
         if not ok:
             raise ValueError(f"field {name} is {value!r:.60}")
     environment = Environment.from_dict(data)
