@@ -40,7 +40,7 @@ from typing import Any
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import BENCHMARKS, REPO, machine, machine_line, write_section  # noqa: E402
+from bench.common import BENCHMARKS, REPO, machine, machine_line, tree_cpu, write_section  # noqa: E402
 from bench.loadgen import _request  # noqa: E402
 from bench.server import (  # noqa: E402
     API,
@@ -152,33 +152,9 @@ def _start(server: str, seed: dict[str, Any], tmp: Path) -> tuple[subprocess.Pop
     raise RuntimeError(f"{server} did not start")
 
 
-def _tree_cpu(pid: int) -> float:
-    """CPU seconds (user + system) of a process and all its descendants (granian's worker, say)."""
-    stats: dict[int, tuple[int, float]] = {}
-    tick = os.sysconf("SC_CLK_TCK")
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        stats[int(entry)] = (int(fields[1]), (int(fields[11]) + int(fields[12])) / tick)
-    tree, total, grew = {pid}, 0.0, True
-    while grew:
-        grew = False
-        for p, (ppid, _cpu) in stats.items():
-            if ppid in tree and p not in tree:
-                tree.add(p)
-                grew = True
-    for p in tree:
-        total += stats.get(p, (0, 0.0))[1]
-    return total
-
-
 def _head(port: int, pid: int, seed: dict[str, Any], seconds: float) -> dict[str, Any]:
     route = _routes(seed)["HEAD entry"]
-    before = _tree_cpu(pid)
+    before = tree_cpu(pid)
     out = _loadgen(
         {
             "host": "127.0.0.1",
@@ -188,7 +164,7 @@ def _head(port: int, pid: int, seed: dict[str, Any], seconds: float) -> dict[str
             "requests_mix": [route],
         }
     )
-    cpu = _tree_cpu(pid) - before
+    cpu = tree_cpu(pid) - before
     return {
         "req_per_s": out["req_per_s"],
         "p50_ms": out["p50_ms"],

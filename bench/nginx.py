@@ -48,7 +48,7 @@ from typing import Any
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import machine, machine_line, stats, write_section  # noqa: E402
+from bench.common import machine, machine_line, stats, tree_cpu, write_section  # noqa: E402
 from bench.server import _free_port, _pinned  # noqa: E402
 from bench.server import _seed as _server_seed  # noqa: E402
 
@@ -75,22 +75,6 @@ def _seed(tmp: Path) -> dict[str, Any]:
         "namespace": seed["env"].namespace,
         "files": {"big": (big_key, big_size), "small": (small_key, small_size)},
     }
-
-
-def _tree_cpu(pid: int) -> float:
-    """CPU seconds (user + system) of a process and all its descendants, alive now."""
-    total = 0.0
-    stack = [pid]
-    while stack:
-        p = stack.pop()
-        try:
-            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
-            total += (int(fields[11]) + int(fields[12])) / _TICK
-            for task in Path(f"/proc/{p}/task").iterdir():
-                stack += [int(c) for c in (task / "children").read_text().split()]
-        except (OSError, IndexError, ValueError):
-            continue
-    return total
 
 
 def _wait_http(url: str, proc: subprocess.Popen[bytes], log: Path) -> None:
@@ -295,7 +279,7 @@ def run(quick: bool = False) -> dict[str, Any]:
                 port, pids, with_api = servers[server]
                 name, method, conc = figures[fig]
                 headers = auth if with_api else {}
-                before = sum(_tree_cpu(p.pid) for p in pids)
+                before = sum(tree_cpu(p.pid) for p in pids)
                 got = _load(
                     port,
                     path_of(name, with_api),
@@ -305,7 +289,7 @@ def run(quick: bool = False) -> dict[str, Any]:
                     conc,
                     secs,
                 )
-                used = sum(_tree_cpu(p.pid) for p in pids) - before
+                used = sum(tree_cpu(p.pid) for p in pids) - before
                 if got["errors"]:
                     raise RuntimeError(f"{server} {fig}: {got['error_samples']}")
                 cell = samples[fig][server]
@@ -375,11 +359,11 @@ def _workers(
             try:
                 _load(port, path, "GET", auth, size, 32, 1.0)  # every worker's caches filled
                 pids = [proc.pid] if n == "1" else _worker_pids(proc.pid)
-                before = [_tree_cpu(p) for p in pids]
+                before = [tree_cpu(p) for p in pids]
                 busy, started = _machine_busy(), time.monotonic()
                 got = _load(port, path, "GET", auth, size, 32, secs)
                 wall = time.monotonic() - started
-                used = [_tree_cpu(p) - b for p, b in zip(pids, before, strict=True)]
+                used = [tree_cpu(p) - b for p, b in zip(pids, before, strict=True)]
                 busy = _machine_busy() - busy
                 if got["errors"]:
                     raise RuntimeError(f"--workers {n}: {got['error_samples']}")

@@ -224,6 +224,8 @@ def test_bench_plan_reports_scaling_only_with_cores_to_spare() -> None:
     assert four["server_cpus"][2] == [0, 1] and four["client_cpus"] == [2, 3]
     thirteen = bench_workers.plan(list(range(13)))
     assert thirteen["counts"] == [1, 2, 4] and thirteen["client_cpus"] == list(range(4, 13))
+    fewer = bench_workers.plan(list(range(13)), generators=4, top=2)
+    assert fewer["counts"] == [1, 2] and fewer["client_cpus"] == [2, 3, 4, 5]
 
 
 def test_bench_on_two_cores_refuses_the_scaling_figure(tmp_path: Path) -> None:
@@ -243,7 +245,8 @@ def test_bench_on_two_cores_refuses_the_scaling_figure(tmp_path: Path) -> None:
     assert result["scaling"] is None and result["pinned"] is False
     assert "at least 4 cores" in result["refused"] and "no scaling figure" in got.stdout
     for n in ("1", "2"):
-        for route in ("head", "get_4k"):
+        for route in ("head", "get_4k", "api_cache"):
             cell = result["workers"][n][route]
             assert cell["req_per_s"]["median"] > 0
             assert cell["server_cpu_ms_per_request"]["median"] > 0
+            assert cell["server_cores_busy"]["median"] > 0
