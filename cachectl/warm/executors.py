@@ -182,7 +182,7 @@ def _worker_task(position: int) -> dict[str, Any]:
 
 
 def _written_since() -> list[str]:
-    """The keys the worker wrote since it last said; a write on another thread meanwhile waits."""
+    """The keys the worker wrote since it last said (one written meanwhile goes with the next)."""
     written: set[str] = _WORKER["written_keys"]
     keys = sorted(written)
     written.difference_update(keys)
