@@ -238,6 +238,8 @@ def test_indexed_job_three_processes_into_s3_and_postgres_then_warm_check_100(
                 pod.kill()
             pod.communicate()
     assert [r["summary"]["buckets"] for r in reports] == [2, 2, 1]
+    # The tiny functions run nothing eagerly: no pod claims another's buckets as its own.
+    assert [r["side_programs"] for r in reports] == [[], [], []]
     assert sum(r["summary"]["compiled"] for r in reports) == 5
     keys = [b["key"] for r in reports for b in r["buckets"]]
     assert len(set(keys)) == 5

@@ -6,22 +6,26 @@ warm, warm-run, warm-check --replay, misses and serving's fallback each name the
 cause, with the way out, and warm-run exits non-zero when nothing could be written. A
 function that runs small programs eagerly while traced (equinox's ``jit_convert_element_type``,
 ``jit_bitwise_or``) makes JAX write them into the namespace during a warm: warm indexes them,
-so ``verify`` right after it finds no unknown writer. Every process is a real one.
+so ``verify`` right after it finds no unknown writer, and only them: what another warm writes
+into the namespace meanwhile is that warm's. Every process is a real one.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import sqlite3
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
 from support.infra import run_cachectl, run_py
 
 from cachectl.core import jax_seam
+from cachectl.storage.entries import parse_key
 
 pytestmark = [pytest.mark.timeout(600)]
 
@@ -33,6 +37,7 @@ def jax_version() -> str:
 
 
 MODULE = """
+import os, pathlib, threading, time
 import numpy as np
 import jax, jax.numpy as jnp
 
@@ -45,6 +50,20 @@ def eager(x):
     with jax.ensure_compile_time_eval():
         scale = (jnp.asarray(3, jnp.int32) | jnp.asarray(4, jnp.int32)).astype(jnp.float32)
     return x * scale
+
+def held(x):
+    # eager's programs, then a mark that tracing has begun and a wait for the test's "go".
+    with jax.ensure_compile_time_eval():
+        scale = (jnp.asarray(3, jnp.int32) | jnp.asarray(4, jnp.int32)).astype(jnp.float32)
+    gate = pathlib.Path(os.environ["HC_GATE"])
+    (gate / f"tracing-{os.getpid()}-{threading.get_ident()}").touch()
+    deadline = time.monotonic() + 300
+    while not (gate / "go").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return x * scale
+
+def other(x):
+    return jnp.sin(x) + 1
 """
 
 MANIFEST = """
@@ -80,13 +99,17 @@ WAY_OUT = "EQX_ON_ERROR=nan"
 def _setup(tmp_path: Path) -> None:
     (tmp_path / "hc.py").write_text(textwrap.dedent(MODULE))
     (tmp_path / "checked.yaml").write_text(textwrap.dedent(MANIFEST % "checked"))
-    (tmp_path / "eager.yaml").write_text(textwrap.dedent(MANIFEST % "eager"))
+    for name in ("eager", "held", "other"):
+        (tmp_path / f"{name}.yaml").write_text(textwrap.dedent(MANIFEST % name))
     (tmp_path / "warmup.py").write_text(textwrap.dedent(WARMUP))
 
 
+def _pythonpath(cwd: Path) -> str:
+    return os.pathsep.join(p for p in (str(cwd), os.environ.get("PYTHONPATH")) if p)
+
+
 def _cachectl(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    path = os.pathsep.join(p for p in (str(cwd), os.environ.get("PYTHONPATH")) if p)
-    return run_cachectl(cwd, *args, env={"PYTHONPATH": path})
+    return run_cachectl(cwd, *args, env={"PYTHONPATH": _pythonpath(cwd)})
 
 
 def test_host_callbacks_are_named_by_warm_warm_run_replay_misses_and_serving(
@@ -145,3 +168,68 @@ def test_what_a_function_runs_eagerly_while_traced_is_indexed_and_verify_is_clea
     assert verify.returncode == 0, verify.stdout + verify.stderr
     again = _cachectl(tmp_path, "warm", "eager.yaml", "--json")  # already indexed: nothing new
     assert again.returncode == 0 and json.loads(again.stdout)["side_programs"] == []
+
+
+def _module(key: str) -> str:
+    parsed = parse_key(key)
+    assert parsed is not None, key
+    return parsed.module
+
+
+@pytest.mark.parametrize("executor", ["thread", "process"])
+def test_a_warm_indexes_as_side_programs_only_what_it_wrote_while_another_writes_there(
+    tmp_path: Path, executor: str
+) -> None:
+    """A second warm (a sharded warm's other pod) writes into the namespace while the first one
+    traces: the first run's side_programs, and the entries indexed under its warm run, are its
+    own eager programs and buckets; the second run's bucket stays the second run's."""
+    _setup(tmp_path)
+    gate = tmp_path / "gate"
+    gate.mkdir()
+    out, err = tmp_path / "held.out", tmp_path / "held.err"
+    env = {**os.environ, "PYTHONPATH": _pythonpath(tmp_path), "HC_GATE": str(gate)}
+    argv = [sys.executable, "-m", "cachectl", "warm", "held.yaml", "--json"]
+    with out.open("w") as stdout, err.open("w") as stderr:
+        first = subprocess.Popen(
+            [*argv, "--executor", executor, "--jobs", "2"],
+            cwd=tmp_path,
+            env=env,
+            stdout=stdout,
+            stderr=stderr,
+        )
+    try:
+        deadline = time.monotonic() + 300
+        while not any(gate.glob("tracing-*")):  # its eager programs are written: it waits
+            assert first.poll() is None, err.read_text()
+            assert time.monotonic() < deadline, err.read_text()
+            time.sleep(0.1)
+        second = _cachectl(tmp_path, "warm", "other.yaml", "--json")
+        assert second.returncode == 0, second.stdout + second.stderr
+    finally:
+        (gate / "go").touch()
+        try:
+            first.wait(timeout=300)
+        finally:
+            if first.poll() is None:
+                first.kill()
+                first.wait()
+    assert first.returncode == 0, out.read_text() + err.read_text()
+    ours, theirs = json.loads(out.read_text()), json.loads(second.stdout)
+    their_keys = {b["key"] for b in theirs["buckets"]}
+    assert {_module(k) for k in their_keys} == {"jit_other"}, theirs
+    assert theirs["side_programs"] == [], theirs
+    assert "jit_bitwise_or" in ours["side_programs"], ours["side_programs"]
+    assert "jit_other" not in ours["side_programs"], ours["side_programs"]
+
+    db = sqlite3.connect(Path(os.environ["XDG_DATA_HOME"]) / "cachectl" / "index.db")
+    try:
+        runs = dict(db.execute("SELECT manifest_path, id FROM warm_runs").fetchall())
+        rows = dict(db.execute("SELECT key, warm_run_id FROM entries").fetchall())
+    finally:
+        db.close()
+    mine = runs[str((tmp_path / "held.yaml").resolve())]
+    assert {rows[k] for k in their_keys} == {runs[str((tmp_path / "other.yaml").resolve())]}
+    indexed_mine = {_module(k) for k, run in rows.items() if run == mine}
+    assert indexed_mine == {"jit_held", *ours["side_programs"]}, rows
+    verify = _cachectl(tmp_path, "verify", "--json")  # each file indexed, by its own writer
+    assert verify.returncode == 0, verify.stdout + verify.stderr

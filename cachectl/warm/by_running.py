@@ -209,9 +209,25 @@ def index_new(
 ) -> list[RunEntry]:
     """Check every entry new to the namespace with ingest's rules, index the good ones in one
     batch and remove the rest (a bad file left there would be read by every service)."""
+    names = entry_names(store, ns_rel) - before
+    return index_entries(ctx, cache, env, env_id, store, ns_rel, sorted(names), run_id)
+
+
+def index_entries(
+    ctx: Context,
+    cache: Any,
+    env: Any,
+    env_id: int,
+    store: Any,
+    ns_rel: str,
+    names: Sequence[str],
+    run_id: int,
+) -> list[RunEntry]:
+    """index_new's checks and batch for the named entry files of the namespace (one gone
+    meanwhile is passed over)."""
     out: list[RunEntry] = []
     objects = []
-    for name in sorted(entry_names(store, ns_rel) - before):
+    for name in names:
         key = name[: -len(CACHE_SUFFIX)]
         parsed = parse_key(key)
         module = parsed.module if parsed else key

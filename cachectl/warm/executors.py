@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
@@ -25,6 +26,7 @@ def _drive(
     errors: dict[int, str],
     fail_fast: bool,
     record: RecordFn,
+    written: set[str] | None = None,
 ) -> int:
     """Compile every bucket and record each result as it finishes; returns how many buckets
     were retried alone.
@@ -35,13 +37,14 @@ def _drive(
     bucket that raised in the pool is run again with ``run``, alone, once the pool is done,
     and only that outcome is recorded: tracing in threads at once races on libraries'
     process-global state (NumPyro's effect-handler stack), which no bucket alone does.
+    ``written`` gathers the keys worker processes say they wrote.
     """
 
     def settle(position: int, value: Any, exc: BaseException | None) -> bool:
         if exc is not None:
             result = record(position, buckets[position], None, error_text(exc))
         elif isinstance(value, dict):  # from a worker process
-            outcome, error = _outcome_from(value)
+            outcome, error = _outcome_from(value, written)
             result = record(position, buckets[position], outcome, error)
         else:
             result = record(position, buckets[position], value, None)
@@ -134,6 +137,7 @@ def run_threads(
 # -- processes ---------------------------------------------------------------
 
 _WORKER: dict[str, Any] = {}
+_WORKER_SCOPE = contextlib.ExitStack()  # what a worker keeps open until it exits
 
 
 def _worker_init(
@@ -146,8 +150,10 @@ def _worker_init(
     """A spawned worker: import the functions, build every call, then configure JAX like the parent.
 
     Calls are built before the cache is configured, as in the parent, so programs
-    user code compiles on the way (e.g. in ``param_specs``) are not written.
+    user code compiles on the way (e.g. in ``param_specs``) are not written. Every key JAX
+    writes in the worker is recorded from here on, and handed back with the next bucket's result.
     """
+    _WORKER["written_keys"] = _WORKER_SCOPE.enter_context(CAPTURE.writes())
     manifest = load_manifest(manifest_path)
     check_imports(manifest, paths)
     full = expand(manifest)
@@ -159,10 +165,11 @@ def _worker_init(
 
 
 def _worker_task(position: int) -> dict[str, Any]:
-    """Compile the plan's bucket ``position``; plain data back to the parent."""
+    """Compile the plan's bucket ``position``; plain data back to the parent, with the keys
+    this worker wrote since its last result (``written_keys``: a failed bucket's too)."""
     call = _WORKER["calls"][position]
     if isinstance(call, str):
-        return {"error": call}
+        return {"error": call, "written_keys": _written_since()}
     try:
         outcome = compile_bucket(
             _WORKER["jitted"][_WORKER["buckets"][position].function],
@@ -170,11 +177,25 @@ def _worker_task(position: int) -> dict[str, Any]:
             executables=_WORKER["executables"],
         )
     except Exception as exc:  # noqa: BLE001 - reported as this bucket's error
-        return {"error": error_text(exc)}
-    return dataclasses.asdict(outcome)
+        return {"error": error_text(exc), "written_keys": _written_since()}
+    return {**dataclasses.asdict(outcome), "written_keys": _written_since()}
 
 
-def _outcome_from(data: dict[str, Any]) -> tuple[Outcome | None, str | None]:
+def _written_since() -> list[str]:
+    """The keys the worker wrote since it last said (one written meanwhile goes with the next)."""
+    written: set[str] = _WORKER["written_keys"]
+    keys = sorted(written)
+    written.difference_update(keys)
+    return keys
+
+
+def _outcome_from(
+    data: dict[str, Any], written: set[str] | None
+) -> tuple[Outcome | None, str | None]:
+    data = dict(data)
+    keys = data.pop("written_keys", ())
+    if written is not None:
+        written.update(keys)
     if "error" in data:
         return None, data["error"]  # an ErrorText, traceback included
     return Outcome(**data), None
@@ -187,8 +208,10 @@ def run_processes(
     fail_fast: bool,
     record: RecordFn,
     executables: bool = False,
+    written: set[str] | None = None,
 ) -> None:
-    """One spawned JAX process per job (fork is unsafe once JAX has started threads)."""
+    """One spawned JAX process per job (fork is unsafe once JAX has started threads);
+    ``written`` gathers the keys the workers wrote (CAPTURE.writes in each)."""
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
@@ -205,4 +228,12 @@ def run_processes(
             executables,
         ),
     ) as pool:
-        _drive(lambda p: pool.submit(_worker_task, p), None, plan.buckets, {}, fail_fast, record)
+        _drive(
+            lambda p: pool.submit(_worker_task, p),
+            None,
+            plan.buckets,
+            {},
+            fail_fast,
+            record,
+            written,
+        )

@@ -5,7 +5,9 @@ JAX names a program's persistent-cache key in exactly one place, its DEBUG log
 compilation cache logs the write: the loggers and messages are in cachectl.core.jax_seam). A logging filter
 captures these records into the compiling thread's own list (XLA compiles run in
 the calling thread and release the GIL, so buckets compile concurrently in
-threads), then drops them below the level the user asked for.
+threads), then drops them below the level the user asked for. ``writes()`` collects the key
+of every write this process makes, from any thread: what a warm itself wrote, told apart from
+files other processes write into the same namespace meanwhile.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ class _KeyCapture(logging.Filter):
         self._saved: dict[str, int] = {}
         self._installs = 0
         self._lock = threading.Lock()
+        self._writes: list[set[str]] = []  # one set per open writes(), filled from any thread
 
     @contextlib.contextmanager
     def installed(self) -> Iterator[_KeyCapture]:
@@ -69,6 +72,21 @@ class _KeyCapture(logging.Filter):
                         logger.setLevel(self._saved.get(name, logging.NOTSET))
 
     @contextlib.contextmanager
+    def writes(self, keys: set[str] | None = None) -> Iterator[set[str]]:
+        """The key of every entry JAX writes in this process while open, from any thread, added to
+        ``keys`` (a new set by default; the capture is installed meanwhile): a shared namespace's
+        listing cannot say who wrote a file."""
+        keys = set() if keys is None else keys
+        with self.installed():
+            with self._lock:
+                self._writes.append(keys)
+            try:
+                yield keys
+            finally:
+                with self._lock:
+                    self._writes[:] = [w for w in self._writes if w is not keys]
+
+    @contextlib.contextmanager
     def sink(self) -> Iterator[list[Event]]:
         events: list[Event] = []
         self._local.sink = events
@@ -79,10 +97,14 @@ class _KeyCapture(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         sink = getattr(self._local, "sink", None)
-        if sink is not None:
+        if sink is not None or self._writes:
             event = _classify(record)
-            if event is not None:
+            if event is not None and sink is not None:
                 sink.append(event)
+            if event is not None and event.kind == "write" and event.key is not None:
+                with self._lock:
+                    for keys in self._writes:
+                        keys.add(event.key)
         return record.levelno >= self._floors.get(record.name, logging.WARNING)
 
 

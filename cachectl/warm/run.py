@@ -23,9 +23,10 @@ from cachectl.storage.entries import CACHE_SUFFIX, EXECUTABLE_SUFFIX
 from cachectl.storage.jax_storage import jax_storage
 from cachectl.trust import signing
 from cachectl.trust.signing import SigningKey
-from cachectl.warm.by_running import entry_names, index_new
+from cachectl.warm.by_running import index_entries
 from cachectl.warm.compiling import Outcome, warm_jax_config
 from cachectl.warm.executors import run_processes, run_threads
+from cachectl.warm.jaxlog import CAPTURE
 from cachectl.warm.plan import (
     WarmPlan,
     environment_json,
@@ -248,11 +249,11 @@ def resign_written(ctx: Context, report: WarmReport, signer: SigningKey) -> None
 def _execute(ctx: Context, plan: WarmPlan, opts: _Options, started: float) -> WarmReport:
     """Compile and settle every bucket under a warm-run row, then audit and report it."""
     scope, ns_url, signed = _open_run(ctx, plan, opts)
-    before = entry_names(scope.store, scope.ns_rel)
     tally = _Tally(scope, opts.progress)
-    executor, retried = _compile_all(scope, ns_url, opts, tally, signed)
+    written: set[str] = set()
+    executor, retried = _compile_all(scope, ns_url, opts, tally, signed, written)
     ordered = tally.ordered()
-    side, side_written = _index_side_programs(scope, before, ordered)
+    side, side_written = _index_side_programs(scope, written, ordered)
     counts = tally.counts
     wall = time.perf_counter() - started
     # Every compile this run paid for, a failed bucket's too (JAX compiled it, then did not
@@ -290,26 +291,27 @@ def _execute(ctx: Context, plan: WarmPlan, opts: _Options, started: float) -> Wa
 
 
 def _index_side_programs(
-    scope: RunScope, before: set[str], ordered: list[BucketResult]
+    scope: RunScope, written: set[str], ordered: list[BucketResult]
 ) -> tuple[list[str], tuple[tuple[str, int, str], ...]]:
-    """Index the programs JAX wrote during this run that are no bucket's: what a function ran
-    eagerly while tracing (equinox's ``jit_convert_element_type``), or its module at import in a
-    worker process. Left unindexed they are ``unknown-writer`` files to verify; each passes
-    ingest's rules as warm-run's entries do (a refused one is removed). (module names, the files
-    written, for a signer.)"""
+    """Index the programs this run's JAX wrote (``written``: this process's keys and its
+    workers') that are no bucket's: what a function ran eagerly while tracing (equinox's
+    ``jit_convert_element_type``), or a module imported while tracing in a worker process. Left
+    unindexed they are ``unknown-writer`` files to verify; each passes ingest's rules as
+    warm-run's entries do (a refused one is removed). A file that appeared in the namespace
+    from anyone else (another shard's pod writing there meanwhile) is not this run's: its
+    writer indexes it. (module names, the files written, for a signer.)"""
     ctx, plan = scope.ctx, scope.plan
-    known = set(before) | {k + CACHE_SUFFIX for k in scope.indexed}
-    known |= {r.key + CACHE_SUFFIX for r in ordered if r.key}
-    if not entry_names(scope.store, scope.ns_rel) - known:
+    side = written - set(scope.indexed) - {r.key for r in ordered if r.key}
+    if not side:
         return [], ()
-    entries = index_new(
+    entries = index_entries(
         ctx,
         plan.cache,
         plan.environment,
         scope.env_id,
         scope.store,
         scope.ns_rel,
-        known,
+        [k + CACHE_SUFFIX for k in sorted(side)],
         scope.run_id,
     )
     for e in entries:
@@ -318,12 +320,12 @@ def _index_side_programs(
                 "warm: %s, written while tracing, was refused and removed: %s", e.module, e.error
             )
     rows = ctx.index.entry_keys(scope.env_id)
-    written = tuple(
+    files = tuple(
         (e.key + CACHE_SUFFIX, *rows[e.key])
         for e in entries
         if e.status == "written" and e.key in rows
     )
-    return [e.module for e in entries if e.status == "written"], written
+    return [e.module for e in entries if e.status == "written"], files
 
 
 def _open_run(ctx: Context, plan: WarmPlan, opts: _Options) -> tuple[RunScope, str, bool]:
@@ -365,10 +367,11 @@ def _open_run(ctx: Context, plan: WarmPlan, opts: _Options) -> tuple[RunScope, s
 
 
 def _compile_all(
-    scope: RunScope, ns_url: str, opts: _Options, tally: _Tally, signed: bool
+    scope: RunScope, ns_url: str, opts: _Options, tally: _Tally, signed: bool, written: set[str]
 ) -> tuple[str, int]:
     """Run the executor under a heartbeat and finish the warm-run row whatever happens:
-    (the executor that ran, how many buckets were retried alone)."""
+    (the executor that ran, how many buckets were retried alone). ``written`` gets the key of
+    every entry JAX wrote meanwhile, in this process and in its workers."""
     ctx, plan, counts = scope.ctx, scope.plan, tally.counts
 
     def beat() -> None:
@@ -381,10 +384,16 @@ def _compile_all(
     retried = 0
     try:
         cache = plan.cache
-        with _Heartbeat(beat), jax_storage(cache.root_url, cache.storage_options, ns_url):
+        with (
+            _Heartbeat(beat),
+            jax_storage(cache.root_url, cache.storage_options, ns_url),
+            CAPTURE.writes(written),
+        ):
             config = warm_jax_config(ns_url, plan.environment)
             if executor == "process" and jobs > 1:
-                run_processes(plan, config, jobs, opts.fail_fast, tally.record, opts.executables)
+                run_processes(
+                    plan, config, jobs, opts.fail_fast, tally.record, opts.executables, written
+                )
             else:
                 executor = "thread"  # one job runs in this process, whatever was asked
                 retried = run_threads(
