@@ -56,6 +56,7 @@ from cachectl.storage.entries import (
     ENV_FILE,
     EXECUTABLE_SUFFIX,
     MAX_KEY_LENGTH,
+    all_keys,
     is_key,
     parse_aot_filename,
     parse_entry_filename,
@@ -400,10 +401,12 @@ def _check_meta(
         entries = bundle_entries(meta)
     except (TypeError, AttributeError) as exc:
         raise BadBundle(f"{path}: bad entry list in {META} ({exc}): nothing installed") from None
+    # Before anything is written (an environment row, a staged file): a key JAX cannot have
+    # made was an AssertionError after the environment was created. All at once; one by one
+    # only to name the first that is not.
+    keys_ok = all_keys([e.key for e in entries])
     for e in entries:
-        # Before anything is written (an environment row, a staged file): a key JAX cannot have
-        # made was an AssertionError after the environment was created.
-        if not is_key(e.key):
+        if not keys_ok and not is_key(e.key):
             raise BadBundle(
                 f"{path}: entry {str(e.key)[:80]!r} is not a JAX cache key (<module>-<64 hex "
                 f"digits>, at most {MAX_KEY_LENGTH} bytes): nothing installed"
