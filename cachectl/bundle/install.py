@@ -111,11 +111,14 @@ def _write_hashed(dir_fd: int, name: str, data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
+_TRUNCATED = "a member ends before its size: truncated bundle"
+
+
 def _read_exactly(src: IO[bytes], size: int) -> bytes:
     """``size`` bytes of a member, never more (its tar header said ``size``, as its list does)."""
     data = src.read(size)
     if len(data) != size:
-        raise BadBundle("a member ends before its size: truncated bundle")
+        raise BadBundle(_TRUNCATED)
     return data
 
 
@@ -127,7 +130,7 @@ def _stream_hashed(src: IO[bytes], dest: Path, size: int) -> str:
         while left:
             chunk = src.read(min(CHUNK, left))
             if not chunk:
-                raise BadBundle("a member ends before its size: truncated bundle")
+                raise BadBundle(_TRUNCATED)
             digest.update(chunk)
             dst.write(chunk)
             left -= len(chunk)
@@ -225,7 +228,8 @@ def _extract(
                 # where a plain member's bytes start (``_members`` read its header last).
                 if member is not None:
                     stream.seek(at)
-                data = _read_exactly(stream, size)
+                if len(data := stream.read(size)) != size:  # _read_exactly, without a call
+                    raise BadBundle(_TRUNCATED)
                 if (ms := stage(name, data, _write_hashed(into, name, data))) is not None:
                     header_ms[name[:-suffix]] = ms
                 continue

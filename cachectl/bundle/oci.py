@@ -1057,11 +1057,13 @@ def _check_signature(registry: Registry, cache: CacheInfo, art: _Artifact) -> st
 
 def _check_room(ctx: Context, cache: CacheInfo, art: _Artifact, staging: Path, store: Any) -> None:
     """The declared bytes against the cache's quota, and the files against the free disk,
-    before anything is fetched."""
-    try:
-        ctx.index.get_environment(cache.name, art.env_digest)
-    except NotFound:  # a namespace new here: every byte is new (else install checks the delta)
-        ingest.check_fits(ctx.index, cache, None, art.content_bytes)
+    before anything is fetched (the quota only where the cache has a limit: no index read
+    otherwise)."""
+    if ingest.has_limits(ctx.index, cache):
+        try:
+            ctx.index.get_environment(cache.name, art.env_digest)
+        except NotFound:  # a namespace new here: every byte is new (else install checks the delta)
+            ingest.check_fits(ctx.index, cache, None, art.content_bytes)
     # The files: staged beside a local namespace (renamed into place), or in the local temporary
     # directory for an object store (install stages there, then uploads). The blob itself is
     # read as it arrives and never written (``_Download``).
