@@ -60,6 +60,32 @@ def test_entry_file_matcher_agrees_with_classify() -> None:
         ]
 
 
+def test_all_keys_agrees_with_is_key() -> None:
+    """The one-pass check bundle install runs over a bundle's keys says what a call of is_key
+    per key says, on every way a key can fail (a newline that would join two keys, a long one
+    counted in bytes, a key that is no str)."""
+    h = "0123456789abcdef" * 4
+    longest = "m" * (entries.MAX_KEY_LENGTH - 65) + "-" + h
+    lists: list[list[object]] = [
+        [],
+        [f"jit_f-{h}"],
+        [f"jit_f-{h}", f"jit_a.b-c-{h}", f"é-{h}", longest],
+        [f"jit_f-{h}\njit_g-{h}"],
+        [f"jit_f-{h}\n"],
+        [f"jit_f-{h}", 3],
+        [f"jit_f-{h}", None],
+        ["m" + longest],
+        ["é" * 200 + "-" + h],
+        [f"-{h}"],
+        [f".hidden-{h}"],
+        [f"jit_f-{h.upper()}"],
+        [f"jit_f-{h}-cache"],
+        [f"\ud800-{h}"],
+    ]
+    for keys in lists:
+        assert entries.all_keys(keys) == all(entries.is_key(k) for k in keys), keys
+
+
 def test_keys_lacking_atime_only_where_jax_eviction_runs() -> None:
     """Doctor and verify share the rule: a .lockfile means every -cache entry needs its -atime."""
     a, b = "jit_a-" + "a" * 64, "jit_b-" + "b" * 64

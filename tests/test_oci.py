@@ -256,6 +256,7 @@ def _forge(url: str, pushed: dict[str, Any], tag: str, change: dict[str, Any]) -
         "size": len(body),
     }
     manifest["annotations"]["io.cachectl.environment"] = digest
+    manifest["annotations"]["io.cachectl.bytes"] = str(config["bytes"])
     for k, v in change.get("environment", {}).items():
         manifest["annotations"][f"io.cachectl.{k.replace('_', '-')}"] = str(v)
     raw = json.dumps(manifest).encode()
@@ -595,34 +596,57 @@ class _RecordingProxy(_StallingProxy):
                 return
 
 
-def test_a_pull_asks_the_registry_only_for_the_manifest_config_and_blob(
-    private: dict[str, Any], node: dict[str, Any], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """No /v2/ probe before the manifest: a registry that asks for no login answers the
-    manifest request itself (one round trip fewer per pull); a server that is no registry is
-    still named so, from its /v2/ answer."""
-    url = private["url"]
-    pushed = _push_private(monkeypatch, node, url)
-    manifest, _ = _get_json(url, f"lm/cache/manifests/{pushed['digest']}", MANIFEST_TYPE)
+def _recorded_pull(url: str, tag: str) -> tuple[dict[str, Any], list[str]]:
+    """A pull of ``tag`` through a proxy recording its requests: (its JSON, the requests)."""
     proxy = _RecordingProxy(url)
     try:
         done = json.loads(
             invoke(
                 "bundle",
                 "pull",
-                f"oci://127.0.0.1:{proxy.port}/lm/cache:v1",
+                f"oci://127.0.0.1:{proxy.port}/lm/cache:{tag}",
                 "--insecure",
                 "--json",
             ).stdout
         )
     finally:
         proxy.close()
+    return done, proxy.requests
+
+
+def test_a_pull_asks_the_registry_only_for_the_manifest_and_blob(
+    private: dict[str, Any], node: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No /v2/ probe before the manifest: a registry that asks for no login answers the
+    manifest request itself (one round trip fewer per pull); no config request where the
+    manifest's annotations name this machine's environment (another: below, and
+    test_a_wrong_environment_is_refused_before_download_naming_the_field), while a manifest
+    without them (an older push) is read with its config; a server that is no registry is
+    still named so, from its /v2/ answer."""
+    url = private["url"]
+    pushed = _push_private(monkeypatch, node, url)
+    manifest, _ = _get_json(url, f"lm/cache/manifests/{pushed['digest']}", MANIFEST_TYPE)
+    done, asked = _recorded_pull(url, "v1")
     assert done["install"]["installed"] == 5
-    assert proxy.requests == [
+    assert asked == [
         "GET /v2/lm/cache/manifests/v1",
+        f"GET /v2/lm/cache/blobs/{manifest['layers'][0]['digest']}",
+    ], asked
+
+    older = {**manifest, "annotations": {"org.opencontainers.image.created": "2026-01-01"}}
+    requests.put(
+        f"http://{url}/v2/lm/cache/manifests/older",
+        data=json.dumps(older).encode(),
+        headers={"Content-Type": MANIFEST_TYPE},
+        timeout=10,
+    ).raise_for_status()
+    done, asked = _recorded_pull(url, "older")  # into the same cache: nothing new to install
+    assert done["install"]["already_present"] == 5, done
+    assert asked == [
+        "GET /v2/lm/cache/manifests/older",
         f"GET /v2/lm/cache/blobs/{manifest['config']['digest']}",
         f"GET /v2/lm/cache/blobs/{manifest['layers'][0]['digest']}",
-    ], proxy.requests
+    ], asked
 
     import http.server
 

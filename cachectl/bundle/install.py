@@ -34,6 +34,7 @@ from cachectl.bundle.format import (
     bundle_entries,
     content_signature,
     entries_signed,
+    frozen_from,
     open_bundle,
     plain_header,
     ran_here,
@@ -55,7 +56,7 @@ from cachectl.storage.entries import (
     ENV_FILE,
     EXECUTABLE_SUFFIX,
     MAX_KEY_LENGTH,
-    EntryName,
+    all_keys,
     is_key,
     parse_aot_filename,
     parse_entry_filename,
@@ -89,6 +90,7 @@ def staging_dir(store: Any, ns: str) -> Path:
     return Path(tempfile.mkdtemp(prefix=temps.prefix(temps.LOCAL_STAGING_PREFIX)))
 
 
+_KEY_HASH = 65  # "-" and the 64 hex digits that end a JAX key (is_key)
 FILE_MODE = 0o644  # never world-writable, whatever the umask: readers run what these files hold
 _WORKERS = 2  # threads hashing and writing members while the main thread decompresses
 _IN_MEMORY_MAX = 16 << 20  # members up to this size are hashed and written in a worker thread
@@ -109,11 +111,14 @@ def _write_hashed(dir_fd: int, name: str, data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
+_TRUNCATED = "a member ends before its size: truncated bundle"
+
+
 def _read_exactly(src: IO[bytes], size: int) -> bytes:
     """``size`` bytes of a member, never more (its tar header said ``size``, as its list does)."""
     data = src.read(size)
     if len(data) != size:
-        raise BadBundle("a member ends before its size: truncated bundle")
+        raise BadBundle(_TRUNCATED)
     return data
 
 
@@ -125,7 +130,7 @@ def _stream_hashed(src: IO[bytes], dest: Path, size: int) -> str:
         while left:
             chunk = src.read(min(CHUNK, left))
             if not chunk:
-                raise BadBundle("a member ends before its size: truncated bundle")
+                raise BadBundle(_TRUNCATED)
             digest.update(chunk)
             dst.write(chunk)
             left -= len(chunk)
@@ -143,17 +148,16 @@ def _dir_fd(path: Path) -> Iterator[int]:
 
 
 def _check_member(
-    cache: CacheInfo,
     name: str,
     staged: bytes | Path,
     expected: dict[str, tuple[int, str]],
-    entry_names: dict[str, EntryName],
+    modules: dict[str, str],
 ) -> int | None:
-    """ingest's rules for one verified member, as for every new entry: an entry within the cache's
-    max entry size that decompresses into a JAX entry within the expansion bound (its header's
-    compile time in ms); an executable intact and made for its key and its entry's listed bytes."""
-    if (entry := entry_names.get(name)) is not None:
-        ingest.check_size(cache, entry.key, expected[name][0])
+    """ingest's rules for one verified member, as for every new entry: an entry that decompresses
+    into a JAX entry within the expansion bound (its header's compile time in ms; its size, the
+    listed one, is within the cache's max entry size by ``_check_declared``); an executable intact
+    and made for its key and its entry's listed bytes."""
+    if name in modules:
         return ingest.check_entry(staged)
     if (aot := parse_aot_filename(name)) is not None:
         data = staged if isinstance(staged, bytes) else staged.read_bytes()
@@ -168,8 +172,7 @@ def _extract(
     first: tarfile.TarInfo | None,
     expected: dict[str, tuple[int, str]],
     staging: Path,
-    cache: CacheInfo,
-    entry_names: dict[str, EntryName],
+    modules: dict[str, str],
 ) -> dict[str, int]:
     """Every member into ``staging``, each checked against the content list; BadBundle at the first
     that is not listed, repeated, not a file, of another size than listed (before a byte of it is
@@ -190,7 +193,9 @@ def _extract(
                 "(tampered or damaged): nothing installed"
             )
         try:
-            return _check_member(cache, name, staged, expected, entry_names)
+            if name in modules:  # an entry: the one check on it (_check_member's first)
+                return ingest.check_entry(staged)
+            return _check_member(name, staged, expected, modules)
         except ingest.Refused as exc:
             raise BadBundle(f"{path}: {FILES}{name}: {exc.message}; nothing installed") from None
 
@@ -219,9 +224,13 @@ def _extract(
             if size <= INLINE_MAX and not pending:
                 # Nothing before it is still in a worker: checked here, its error raised now (in
                 # member order). A bundle of small entries takes only this path, without an
-                # outcome to queue and settle per member (BENCHMARKS.md, "OCI").
-                stream.seek(at)
-                if (ms := small(name, _read_exactly(stream, size))) is not None:
+                # outcome to queue and settle per member (BENCHMARKS.md, "OCI"). The stream stands
+                # where a plain member's bytes start (``_members`` read its header last).
+                if member is not None:
+                    stream.seek(at)
+                if len(data := stream.read(size)) != size:  # _read_exactly, without a call
+                    raise BadBundle(_TRUNCATED)
+                if (ms := stage(name, data, _write_hashed(into, name, data))) is not None:
                     header_ms[name[:-suffix]] = ms
                 continue
             done: Outcome[int | None]
@@ -260,7 +269,8 @@ def _members(
     """(name, is a regular file, size, where its bytes start, TarInfo or None) of each member
     after ``first``'s, in order. A plain header (``plain_header``: what ``member_header`` writes)
     is parsed here off the stream, in one read with the padding before it and no TarInfo:
-    tarfile's ``next`` cost a third of an install of 8 KiB entries (BENCHMARKS.md, "OCI"). Any
+    tarfile's ``next`` cost a third of an install of 8 KiB entries (BENCHMARKS.md, "OCI"), and
+    the stream then stands where its bytes start (no seek to them). Any
     other block is put back for tarfile to read, accept or refuse, as is every header once a
     global PAX header is in force (tarfile applies it to the members after it)."""
     stream = cast(ForwardOnly, tar.fileobj)
@@ -321,20 +331,30 @@ def _member_name(
 
 
 def _check_declared(
-    path: Path, cache: CacheInfo, expected: dict[str, tuple[int, str]], size: int | None = None
-) -> dict[str, EntryName]:
+    path: Path,
+    cache: CacheInfo,
+    expected: dict[str, tuple[int, str]],
+    entries: list[BundleEntry],
+    size: int | None = None,
+) -> dict[str, str]:
     """Before anything is staged: every listed entry within the cache's max entry size, and the
-    files' total within BUNDLE_EXPANSION times the bundle's size. Returns the listed entries by
-    file name (parsed once: staging and indexing look them up)."""
-    entry_names = {}
-    limited = cache.max_entry_size is not None  # else no entry is too large: no call per entry
-    for name, (listed, _) in expected.items():
-        if (entry := parse_entry_filename(name)) is not None:
-            entry_names[name] = entry
-            if not limited:
-                continue
+    files' total within BUNDLE_EXPANSION times the bundle's size. Returns the module of each
+    listed entry by file name (found once: staging and indexing look them up)."""
+    # ``entries`` hold JAX keys (``_check_meta``): the module is what stands before "-<hash>",
+    # as parse_key reads it, without a parse and an EntryName per entry. A content list may
+    # name other entry files: parsed.
+    modules = {e.key + CACHE_SUFFIX: e.key[:-_KEY_HASH] for e in entries}
+    for name in expected:
+        if (
+            name.endswith(CACHE_SUFFIX)
+            and name not in modules
+            and (entry := parse_entry_filename(name)) is not None
+        ):
+            modules[name] = entry.module
+    if cache.max_entry_size is not None:  # else no entry is too large: no call per entry
+        for name in modules:
             try:
-                ingest.check_size(cache, entry.key, listed)
+                ingest.check_size(cache, name[: -len(CACHE_SUFFIX)], expected[name][0])
             except ingest.Refused as exc:
                 raise BadBundle(f"{path}: {exc.message}: nothing installed") from None
     declared = sum(n for n, _ in expected.values())
@@ -345,7 +365,7 @@ def _check_declared(
             f"{format_size(own)} bundle (more than {BUNDLE_EXPANSION} times its size: a "
             "decompression bomb?): nothing installed"
         )
-    return entry_names
+    return modules
 
 
 def _check_staged_env(path: Path, staging: Path, env: Environment) -> None:
@@ -385,10 +405,12 @@ def _check_meta(
         entries = bundle_entries(meta)
     except (TypeError, AttributeError) as exc:
         raise BadBundle(f"{path}: bad entry list in {META} ({exc}): nothing installed") from None
+    # Before anything is written (an environment row, a staged file): a key JAX cannot have
+    # made was an AssertionError after the environment was created. All at once; one by one
+    # only to name the first that is not.
+    keys_ok = all_keys([e.key for e in entries])
     for e in entries:
-        # Before anything is written (an environment row, a staged file): a key JAX cannot have
-        # made was an AssertionError after the environment was created.
-        if not is_key(e.key):
+        if not keys_ok and not is_key(e.key):
             raise BadBundle(
                 f"{path}: entry {str(e.key)[:80]!r} is not a JAX cache key (<module>-<64 hex "
                 f"digits>, at most {MAX_KEY_LENGTH} bytes): nothing installed"
@@ -408,7 +430,7 @@ class _Staged:
     store: Any
     env: Environment
     entries: list[BundleEntry]
-    entry_names: dict[str, EntryName]  # the listed entries by file name (_check_declared)
+    modules: dict[str, str]  # the listed entries' modules by file name (_check_declared)
     signed: dict[str, Any] | None
     signer: str | None
     staging: Path
@@ -504,11 +526,11 @@ def _install(
         metadata_signed = signed is None or entries_signed(signed, meta, f"bundle {p.name}")
         if not dry_run:
             check_writer(cache, "install a bundle into")
-        entry_names = _check_declared(p, cache, expected, size)
+        modules = _check_declared(p, cache, expected, entries, size)
         store = ctx.store(cache)
         staging = staging_dir(store, env.namespace)
         try:
-            header_ms = _extract(p, tar, first, expected, staging, cache, entry_names)
+            header_ms = _extract(p, tar, first, expected, staging, modules)
             _check_staged_env(p, staging, env)
             if source is not None:
                 source.finish()  # the whole bundle verified before anything is visible
@@ -528,7 +550,7 @@ def _install(
                     "installed without them"
                 )
             staged = _Staged(
-                cache, store, env, entries, entry_names, signed, signer, staging, p, started, notes
+                cache, store, env, entries, modules, signed, signer, staging, p, started, notes
             )
             return _commit(ctx, staged, dry_run)
         finally:
@@ -627,34 +649,52 @@ def _objects(staged: _Staged, delta: _Delta) -> list[ingest.NewObject]:
     or one the namespace holds); never a conflicting key's."""
     new_keys, by_aot = {e.key for e in delta.new}, {e.key for e in delta.new_aot}
     conflicts = set(delta.conflicts)
-    names, into = staged.entry_names, f"{staged.staging}{os.sep}"
+    modules, into = staged.modules, f"{staged.staging}{os.sep}"
     objects = []
     for e in staged.entries:
         key = e.key
         if key in conflicts or (key not in new_keys and key not in by_aot):
             continue
         aot = key in by_aot
-        row = NewEntry(
-            key,
-            names[key + CACHE_SUFFIX].module,
-            e.size,
-            e.sha256,
-            ORIGIN,
-            e.compile_time_ms,
-            e.function,
-            e.bucket,
-            aot_size=e.aot_size if aot else None,
-            aot_sha256=e.aot_sha256 if aot else None,
+        # Built without the frozen dataclasses' __init__ (frozen_from): every field named,
+        # the ones install does not know at their defaults.
+        row = frozen_from(
+            NewEntry,
+            {
+                **_ROW_DEFAULTS,
+                "key": key,
+                "module": modules[key + CACHE_SUFFIX],
+                "size": e.size,
+                "sha256": e.sha256,
+                "origin": ORIGIN,
+                "compile_time_ms": e.compile_time_ms,
+                "function": e.function,
+                "bucket": e.bucket,
+                "aot_size": e.aot_size if aot else None,
+                "aot_sha256": e.aot_sha256 if aot else None,
+            },
         )
         # Paths as str: a Path per file cost more than the rest of its object (bench/oci.py).
+        entry = f"{into}{key}{CACHE_SUFFIX}" if key in new_keys else None
+        executable = f"{into}{key}{EXECUTABLE_SUFFIX}" if aot else None
         objects.append(
-            ingest.NewObject(
-                row,
-                f"{into}{key}{CACHE_SUFFIX}" if key in new_keys else None,
-                f"{into}{key}{EXECUTABLE_SUFFIX}" if aot else None,
+            frozen_from(
+                ingest.NewObject,
+                {**_OBJECT_DEFAULTS, "row": row, "entry": entry, "executable": executable},
             )
         )
     return objects
+
+
+def _defaults(cls: type) -> dict[str, Any]:
+    """The dataclass ``cls``'s fields with a default, at it (``frozen_from`` takes every field)."""
+    return {
+        f.name: f.default for f in dataclasses.fields(cls) if f.default is not dataclasses.MISSING
+    }
+
+
+_ROW_DEFAULTS = _defaults(NewEntry)
+_OBJECT_DEFAULTS = _defaults(ingest.NewObject)
 
 
 def _result(staged: _Staged, delta: _Delta, duration: float, dry_run: bool) -> InstallResult:

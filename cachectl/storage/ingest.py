@@ -394,8 +394,16 @@ def check_fits(index: Any, cache: CacheInfo, env_id: int | None, added: int) -> 
     """QuotaExceeded when ``added`` more bytes do not fit the cache's or the environment's limit
     (``env_id`` None: an environment not recorded yet), checked before anything is written; in
     server mode the server holds the limits."""
-    if index.dialect != "remote" and (cache.max_size is not None or cache.env_max_size is not None):
+    if has_limits(index, cache):
         sq.check_quota(index.sql, cache.name, env_id if env_id is not None else -1, added)
+
+
+def has_limits(index: Any, cache: CacheInfo) -> bool:
+    """Whether ``check_fits`` has a limit to check here: a size limit on the cache or on its
+    environments, held by this index (in server mode the server holds them)."""
+    return index.dialect != "remote" and (
+        cache.max_size is not None or cache.env_max_size is not None
+    )
 
 
 @dataclass(frozen=True)
