@@ -46,6 +46,14 @@ def _print_run(report: RunWarmReport) -> None:
         stdout.print(
             f"not written: {escape(host_callbacks_cause(report.host_callbacks))}", highlight=False
         )
+    if report.unclaimed:
+        stdout.print(
+            f"not claimed: {len(report.unclaimed)} file(s) new to the namespace that no process "
+            "of the command reported writing (another writer's, or a process without cachectl's "
+            "hook) and nothing indexed; left as they are, `cachectl verify` names them "
+            "unknown-writer",
+            highlight=False,
+        )
 
 
 def _failure(report: RunWarmReport) -> OperationFailed:
