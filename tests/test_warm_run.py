@@ -233,3 +233,7 @@ def test_warm_run_claims_only_what_its_command_wrote_while_others_write_there(
         e["key"] for e in ours["entries"]
     }
     assert runs[ours["run_id"]] == "succeeded"
+    verify = _cachectl(tmp_path, "verify", "--json")  # every other file indexed by its writer
+    assert verify.returncode == 1, verify.stdout + verify.stderr
+    findings = json.loads(verify.stdout)["plan"]["findings"]
+    assert [(f["kind"], Path(f["path"]).name) for f in findings] == [("unknown-writer", stray)]
