@@ -16,6 +16,7 @@ import textwrap
 import time
 from pathlib import Path
 
+import pytest
 from support.infra import run_cachectl  # noqa: E402
 
 LIBRARY = """
@@ -175,23 +176,26 @@ def test_warm_check_replays_the_warm_run_read_only_and_counts_jax_hits(tmp_path:
     assert list(namespace.glob("*-cache")) == []
 
 
+@pytest.mark.parametrize("shell", [False, True], ids=["python", "sh-c"])
 def test_warm_run_claims_only_what_its_command_wrote_while_others_write_there(
-    tmp_path: Path,
+    tmp_path: Path, shell: bool
 ) -> None:
     """While the command is held between its two programs, a manifest warm writes and indexes
     its own program into the same namespace, and a writer without cachectl drops a file there:
-    warm-run indexes, under its run, exactly the command's two programs; the warm's entry stays
-    the warm's, and the stray file is reported unclaimed and left for verify."""
+    warm-run indexes, under its run, exactly the command's two programs (written by Python run
+    directly, or below a shell); the warm's entry stays the warm's, and the stray file is
+    reported unclaimed and left for verify."""
     _setup(tmp_path)
     gate = tmp_path / "gate"
     gate.mkdir()
     out, err = tmp_path / "run.out", tmp_path / "run.err"
     path = os.pathsep.join(p for p in (str(tmp_path), os.environ.get("PYTHONPATH")) if p)
     env = {**os.environ, "PYTHONPATH": path, "WR_GATE": str(gate)}
-    argv = [sys.executable, "-m", "cachectl", "warm-run", "--json", "--", sys.executable]
+    argv = [sys.executable, "-m", "cachectl", "warm-run", "--json", "--"]
+    command = ["sh", "-c", f"'{sys.executable}' held.py"] if shell else [sys.executable, "held.py"]
     with out.open("w") as stdout, err.open("w") as stderr:
         run = subprocess.Popen(
-            [*argv, "held.py"], cwd=tmp_path, env=env, stdout=stdout, stderr=stderr
+            [*argv, *command], cwd=tmp_path, env=env, stdout=stdout, stderr=stderr
         )
     try:
         deadline = time.monotonic() + 300
