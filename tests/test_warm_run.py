@@ -241,3 +241,24 @@ def test_warm_run_claims_only_what_its_command_wrote_while_others_write_there(
     assert verify.returncode == 1, verify.stdout + verify.stderr
     findings = json.loads(verify.stdout)["plan"]["findings"]
     assert [(f["kind"], Path(f["path"]).name) for f in findings] == [("unknown-writer", stray)]
+
+
+def test_a_command_whose_processes_cannot_report_fails_and_claims_nothing(tmp_path: Path) -> None:
+    """Python run with -I ignores PYTHONPATH, so cachectl's hook never starts in it: its JAX still
+    writes into the namespace (the settings are JAX's own variables), but no process says so.
+    warm-run claims nothing, names the file unclaimed and fails; verify names it unknown-writer."""
+    _setup(tmp_path)
+    code = "import jax; jax.jit(lambda x: x * 3 + 1)(1.0)"
+    run = _cachectl(tmp_path, "warm-run", "--json", "--", sys.executable, "-I", "-c", code)
+    assert run.returncode == 1, run.stdout + run.stderr
+    assert "no process of the command reported to cachectl" in run.stderr
+    assert "Traceback" not in run.stderr
+    report = json.loads(run.stdout)
+    assert report["entries"] == [] and report["processes"] == 0, report
+    assert len(report["unclaimed"]) == 1 and report["unclaimed"][0].startswith("jit_")
+    namespace = Path(report["namespace"].removeprefix("file://"))
+    assert (namespace / report["unclaimed"][0]).is_file()
+    db = Path(os.environ["XDG_DATA_HOME"]) / "cachectl" / "index.db"
+    with sqlite3.connect(db) as conn:
+        assert conn.execute("SELECT count(*) FROM entries").fetchone() == (0,)
+        assert conn.execute("SELECT status FROM warm_runs").fetchall() == [("failed",)]

@@ -59,6 +59,12 @@ def _print_run(report: RunWarmReport) -> None:
 def _failure(report: RunWarmReport) -> OperationFailed:
     if report.exit_code != 0:
         return OperationFailed(f"the command exited {report.exit_code}; what it wrote is indexed")
+    if report.unseen:
+        return OperationFailed(
+            f"{len(report.unclaimed)} file(s) appeared in the namespace and no process of the "
+            "command reported to cachectl (not Python, or Python run with -I or -S): none is "
+            "claimed or indexed; run the command's Python without -I/-S"
+        )
     refused = sum(e.status != "written" for e in report.entries)
     if refused:
         return OperationFailed(

@@ -18,7 +18,9 @@ sharded warm) and indexes its own. A file new to the namespace that no process r
 (another writer's, or one from a process without the hook: not Python, ``python -I``, killed
 before JAX's write log reached the hook) is never claimed, because a wrong attribution cannot
 be told from a right one afterwards; those nothing indexed by the end of the run are reported
-(``unclaimed``) and left as they are, for ``verify`` to name as ``unknown-writer``.
+(``unclaimed``) and left as they are, for ``verify`` to name as ``unknown-writer``. Where no
+process of the command reported at all and files appeared, the run fails (``unseen``): what
+the command wrote went unseen, and a warm that indexed nothing must not pass.
 """
 
 from __future__ import annotations
@@ -78,6 +80,14 @@ class RunWarmReport:
     # Entry files new to the namespace that no process of the command reported writing and
     # nothing had indexed when the run ended: not claimed (see module), verify's unknown-writer.
     unclaimed: list[str] = field(default_factory=list)
+    processes: int = 0  # the command's processes that imported JAX and reported to the hook
+
+    @property
+    def unseen(self) -> bool:
+        """Files appeared unclaimed and no process of the command reported at all (not Python,
+        or Python without the hook: ``-I``, ``-S``): what the command wrote went unseen, and is
+        not indexed."""
+        return bool(self.unclaimed) and self.processes == 0
 
     @property
     def written(self) -> int:
@@ -94,6 +104,7 @@ class RunWarmReport:
             self.exit_code == 0
             and all(e.status == "written" for e in self.entries)
             and not self.nothing_written
+            and not self.unseen
         )
 
 
@@ -149,6 +160,7 @@ def warm_by_running(
     exit_code = 127
     counted: list[dict[str, Any]] = []  # the hook's lines: each process's counts, each write
     unclaimed: list[str] = []
+    processes = 0
     try:
         with tempfile.TemporaryDirectory(prefix="cachectl-warm-run-") as tmp:
             counts = Path(tmp) / "counts.jsonl"
@@ -173,11 +185,13 @@ def warm_by_running(
         written_now = sum(e.status == "written" for e in entries)
         requests = sum(int(x.get("requests", 0)) for x in counted)
         hits = sum(int(x.get("hits", 0)) for x in counted)
+        processes = sum(WROTE not in x for x in counted)
         status = (
             warm_runs.SUCCEEDED
             if exit_code == 0
             and all(e.status == "written" for e in entries)
             and (written_now or requests <= hits)
+            and (processes or not unclaimed)  # RunWarmReport.unseen
             else warm_runs.FAILED
         )
     finally:
@@ -215,6 +229,7 @@ def warm_by_running(
         hits=sum(int(x.get("hits", 0)) for x in counted),
         host_callbacks=sorted({m for x in counted for m in x.get("host_callbacks", [])}),
         unclaimed=unclaimed,
+        processes=processes,
     )
 
 
