@@ -14,10 +14,11 @@ again and the command hits what the first run wrote: ``written`` is then 0.
 one appends the key of every entry JAX writes there, as it is written (JAX's write log, the one
 ``warm`` reads with ``CAPTURE.writes``). A listing of the namespace cannot say who wrote a file:
 another process writes into a shared namespace meanwhile (a deploy job, another pod of a
-sharded warm) and indexes its own. A file new to the namespace that no process reported
-(another writer's, or one from a process without the hook: not Python, ``python -I``, killed
-before JAX's write log reached the hook) is never claimed, because a wrong attribution cannot
-be told from a right one afterwards; those nothing indexed by the end of the run are reported
+sharded warm) and indexes its own. JAX logs a write before it writes the file, so a process
+killed afterwards has already reported it. A file new to the namespace that no process reported
+(another writer's, or one from a process without the hook: not Python, or Python run with
+``-I`` or ``-S``) is never claimed, because a wrong attribution cannot be told from a right one
+afterwards; those nothing indexed by the end of the run are reported
 (``unclaimed``) and left as they are, for ``verify`` to name as ``unknown-writer``. Where no
 process of the command reported at all and files appeared, the run fails (``unseen``): what
 the command wrote went unseen, and a warm that indexed nothing must not pass.
@@ -185,7 +186,7 @@ def warm_by_running(
         written_now = sum(e.status == "written" for e in entries)
         requests = sum(int(x.get("requests", 0)) for x in counted)
         hits = sum(int(x.get("hits", 0)) for x in counted)
-        processes = sum(WROTE not in x for x in counted)
+        processes = len({x.get("pid") for x in counted})
         status = (
             warm_runs.SUCCEEDED
             if exit_code == 0
