@@ -17,9 +17,9 @@ PACKAGES = ("cachectl", "server")
 # Function-local imports of project modules are for keeping a cheap path cheap
 # (activate() without SQLAlchemy, `import cachectl` without the serving runtime,
 # `cachectl --help` without the index); everything else imports at the top.
-MAX_LOCAL_PROJECT_IMPORTS = 11  # exec_hook (three) runs in every Python process exec starts: it
-# imports the seam, the probe and activate only once JAX is imported and its variables ask for them;
-# activate's verifier imports service/verified.py (and the index's read SQL) at the first compile
+MAX_LOCAL_PROJECT_IMPORTS = 12  # exec_hook (four) runs in every Python process exec starts: it
+# imports the seam, the write capture, the probe and activate only once JAX is imported and its
+# variables ask for them; activate's verifier imports service/verified.py (and the index's read SQL) at the first compile
 # The read commands' path (`ls`, `stats`, `cache list`, `prune --dry-run` from the stdlib reader,
 # tests/test_cli_startup.py) defers, by (module, imported module), what only the other commands
 # or server mode need: the SQL index, the HTTP client, the executor, gc, verify, tokens.

@@ -13,8 +13,10 @@ import sqlite3
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
+import pytest
 from support.infra import run_cachectl  # noqa: E402
 
 LIBRARY = """
@@ -24,6 +26,33 @@ def predict(x):
     def _predict_step(v):  # private: made anew inside the library on every call
         return jnp.tanh(v @ v.T).sum(axis=-1)
     return jax.jit(_predict_step)(x)
+
+def other(x):  # what another writer warms into the same namespace meanwhile
+    return jnp.sin(x) + 1
+"""
+
+# The warm-up, held after its first program is written until the test says go.
+HELD = """
+import os, pathlib, time
+import numpy as np
+import lib_internal
+gate = pathlib.Path(os.environ["WR_GATE"])
+lib_internal.predict(np.ones((2, 4), np.float32))
+(gate / "wrote").touch()
+deadline = time.monotonic() + 300
+while not (gate / "go").exists() and time.monotonic() < deadline:
+    time.sleep(0.05)
+lib_internal.predict(np.ones((8, 4), np.float32))
+"""
+
+OTHER = """
+version: 1
+target: {backend: cpu}
+functions:
+  - fn: lib_internal:other
+    args:
+      - {shape: [batch, 4], dtype: float32}
+    buckets: {batch: [3]}
 """
 
 WARMUP = """
@@ -63,6 +92,8 @@ def _setup(tmp_path: Path) -> None:
     (tmp_path / "lib_internal.py").write_text(textwrap.dedent(LIBRARY))
     (tmp_path / "warmup.py").write_text(textwrap.dedent(WARMUP))
     (tmp_path / "service.py").write_text(textwrap.dedent(SERVICE))
+    (tmp_path / "held.py").write_text(textwrap.dedent(HELD))
+    (tmp_path / "other.yaml").write_text(textwrap.dedent(OTHER))
 
 
 def test_warm_run_writes_and_indexes_a_private_jit_that_a_service_then_hits(
@@ -143,3 +174,91 @@ def test_warm_check_replays_the_warm_run_read_only_and_counts_jax_hits(tmp_path:
     assert "cache hits: 0/2 compile requests (0.0%) in 1 JAX process(es)" in cold.stdout
     assert "2 of 2 compile requests missed the cache" in cold.stderr
     assert list(namespace.glob("*-cache")) == []
+
+
+@pytest.mark.parametrize("shell", [False, True], ids=["python", "sh-c"])
+def test_warm_run_claims_only_what_its_command_wrote_while_others_write_there(
+    tmp_path: Path, shell: bool
+) -> None:
+    """While the command is held between its two programs, a manifest warm writes and indexes
+    its own program into the same namespace, and a writer without cachectl drops a file there:
+    warm-run indexes, under its run, exactly the command's two programs (written by Python run
+    directly, or below a shell); the warm's entry stays the warm's, and the stray file is
+    reported unclaimed and left for verify."""
+    _setup(tmp_path)
+    gate = tmp_path / "gate"
+    gate.mkdir()
+    out, err = tmp_path / "run.out", tmp_path / "run.err"
+    path = os.pathsep.join(p for p in (str(tmp_path), os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, "PYTHONPATH": path, "WR_GATE": str(gate)}
+    argv = [sys.executable, "-m", "cachectl", "warm-run", "--json", "--"]
+    command = ["sh", "-c", f"'{sys.executable}' held.py"] if shell else [sys.executable, "held.py"]
+    with out.open("w") as stdout, err.open("w") as stderr:
+        run = subprocess.Popen(
+            [*argv, *command], cwd=tmp_path, env=env, stdout=stdout, stderr=stderr
+        )
+    try:
+        deadline = time.monotonic() + 300
+        while not (gate / "wrote").exists():  # its first program is written: it waits
+            assert run.poll() is None, err.read_text()
+            assert time.monotonic() < deadline, err.read_text()
+            time.sleep(0.1)
+        other = _cachectl(tmp_path, "warm", "other.yaml", "--json")
+        assert other.returncode == 0, other.stdout + other.stderr
+        theirs = json.loads(other.stdout)
+        namespace = Path(theirs["namespace"].removeprefix("file://"))
+        stray = f"jit_stray-{'0' * 64}-cache"
+        (namespace / stray).write_bytes(b"not an entry cachectl wrote")
+    finally:
+        (gate / "go").touch()
+        try:
+            run.wait(timeout=300)
+        finally:
+            if run.poll() is None:
+                run.kill()
+                run.wait()
+    assert run.returncode == 0, out.read_text() + err.read_text()
+    ours = json.loads(out.read_text())
+    assert Path(ours["namespace"].removeprefix("file://")) == namespace  # one shared namespace
+    assert [(e["module"], e["status"]) for e in ours["entries"]] == [
+        ("jit__predict_step", "written")
+    ] * 2, ours
+    assert ours["unclaimed"] == [stray], ours
+    assert (namespace / stray).is_file()  # not ours to index, nor to remove
+
+    db = Path(os.environ["XDG_DATA_HOME"]) / "cachectl" / "index.db"
+    with sqlite3.connect(db) as conn:
+        rows = dict(conn.execute("SELECT key, warm_run_id FROM entries").fetchall())
+        runs = dict(conn.execute("SELECT id, status FROM warm_runs").fetchall())
+    their_keys = {b["key"] for b in theirs["buckets"]}
+    assert len(their_keys) == 1 and their_keys <= set(rows), theirs
+    assert {rows[k] for k in their_keys} != {ours["run_id"]}
+    assert {k for k, r in rows.items() if r == ours["run_id"]} == {
+        e["key"] for e in ours["entries"]
+    }
+    assert runs[ours["run_id"]] == "succeeded"
+    verify = _cachectl(tmp_path, "verify", "--json")  # every other file indexed by its writer
+    assert verify.returncode == 1, verify.stdout + verify.stderr
+    findings = json.loads(verify.stdout)["plan"]["findings"]
+    assert [(f["kind"], Path(f["path"]).name) for f in findings] == [("unknown-writer", stray)]
+
+
+def test_a_command_whose_processes_cannot_report_fails_and_claims_nothing(tmp_path: Path) -> None:
+    """Python run with -I ignores PYTHONPATH, so cachectl's hook never starts in it: its JAX still
+    writes into the namespace (the settings are JAX's own variables), but no process says so.
+    warm-run claims nothing, names the file unclaimed and fails; verify names it unknown-writer."""
+    _setup(tmp_path)
+    code = "import jax; jax.jit(lambda x: x * 3 + 1)(1.0)"
+    run = _cachectl(tmp_path, "warm-run", "--json", "--", sys.executable, "-I", "-c", code)
+    assert run.returncode == 1, run.stdout + run.stderr
+    assert "no process of the command reported to cachectl" in run.stderr
+    assert "Traceback" not in run.stderr
+    report = json.loads(run.stdout)
+    assert report["entries"] == [] and report["processes"] == 0, report
+    assert len(report["unclaimed"]) == 1 and report["unclaimed"][0].startswith("jit_")
+    namespace = Path(report["namespace"].removeprefix("file://"))
+    assert (namespace / report["unclaimed"][0]).is_file()
+    db = Path(os.environ["XDG_DATA_HOME"]) / "cachectl" / "index.db"
+    with sqlite3.connect(db) as conn:
+        assert conn.execute("SELECT count(*) FROM entries").fetchone() == (0,)
+        assert conn.execute("SELECT status FROM warm_runs").fetchall() == [("failed",)]

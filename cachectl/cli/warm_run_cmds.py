@@ -46,11 +46,25 @@ def _print_run(report: RunWarmReport) -> None:
         stdout.print(
             f"not written: {escape(host_callbacks_cause(report.host_callbacks))}", highlight=False
         )
+    if report.unclaimed:
+        stdout.print(
+            f"not claimed: {len(report.unclaimed)} file(s) new to the namespace that no process "
+            "of the command reported writing (another writer's, or a process without cachectl's "
+            "hook) and nothing indexed; left as they are, `cachectl verify` names them "
+            "unknown-writer",
+            highlight=False,
+        )
 
 
 def _failure(report: RunWarmReport) -> OperationFailed:
     if report.exit_code != 0:
         return OperationFailed(f"the command exited {report.exit_code}; what it wrote is indexed")
+    if report.unseen:
+        return OperationFailed(
+            f"{len(report.unclaimed)} file(s) appeared in the namespace and no process of the "
+            "command reported to cachectl (not Python, or Python run with -I or -S): none is "
+            "claimed or indexed; run the command's Python without -I/-S"
+        )
     refused = sum(e.status != "written" for e in report.entries)
     if refused:
         return OperationFailed(

@@ -40,8 +40,14 @@ SERVICE_PID_VAR = "CACHECTL_EXEC_PID"
 # What the checking process leaves in CACHECTL_EXEC_PID for its children.
 CLAIMED = "claimed"
 # Set by `cachectl warm-check --replay` and `warm-run`: a file each process appends its JAX cache
-# counts to (and the programs it would not write because of their host callbacks).
+# counts to at exit (and the programs it would not write because of their host callbacks), and,
+# under WRITES_VAR, as JAX writes each entry, a line naming its key (``WROTE``): what warm-run
+# indexes.
 COUNTS_VAR = "CACHECTL_EXEC_COUNTS"
+WROTE = "wrote"
+# Set ("1") by `warm-run` only, whose command writes: the WROTE lines are asked for. A read-only
+# replay's processes neither pay for the capture nor have JAX's cache loggers turned to DEBUG.
+WRITES_VAR = "CACHECTL_EXEC_WRITES"
 # Where exec pointed JAX's persistent cache (service/env.py): the directory the verifier guards.
 JAX_CACHE_DIR_VAR = "JAX_COMPILATION_CACHE_DIR"
 
@@ -105,8 +111,13 @@ def install() -> None:
         sys.meta_path.insert(0, _AfterJaxImport())
 
 
+_WRITES = contextlib.ExitStack()  # the write capture, open until the process exits
+
+
 def _count_cache_events(path: str) -> None:
-    """JAX's own persistent-cache events in this process, one JSON line appended at exit."""
+    """JAX's own persistent-cache events in this process, one JSON line appended at exit; under
+    WRITES_VAR also one line per entry JAX writes, appended as it is written (``{"pid", "wrote":
+    key}``), so a process that dies before its exit handlers has still said which files it wrote."""
     import atexit
 
     import jax
@@ -133,6 +144,10 @@ def _count_cache_events(path: str) -> None:
         with open(path, "a", encoding="utf-8") as f:
             f.write(json.dumps({**counts, "host_callbacks": sorted(set(host_callbacks))}) + "\n")
 
+    def wrote(key: str) -> None:
+        with contextlib.suppress(Exception), open(path, "a", encoding="utf-8") as f:
+            f.write(json.dumps({"pid": os.getpid(), WROTE: key}) + "\n")  # one append: atomic
+
     logger = compiler_logger()
     passed_on = logger.log
 
@@ -145,6 +160,10 @@ def _count_cache_events(path: str) -> None:
     logger.log = log  # type: ignore[method-assign]  # read, then passed on unchanged
     jax.monitoring.register_event_listener(on_event)
     atexit.register(write)
+    if os.environ.get(WRITES_VAR) == "1":
+        from cachectl.core.jaxlog import CAPTURE
+
+        _WRITES.enter_context(CAPTURE.writes(on_write=wrote))
 
 
 def _service_side() -> ModuleType | None:

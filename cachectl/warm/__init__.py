@@ -7,7 +7,7 @@ will compute. Each bucket is ``jax.jit(fn, **jit).lower(*specs, **static).compil
 on abstract shapes: no device memory for inputs.
 
 The package: ``plan`` (validate before compiling), ``compiling`` (one bucket, warm's
-JAX config), ``jaxlog`` (the JAX log records that name each key), ``executors``
+JAX config; the JAX log records that name each key are read by cachectl.core.jaxlog), ``executors``
 (one by one, threads, processes), ``run`` (``warm()``: the run row, executors, report),
 ``settle`` (each bucket: status, storage, index; ``settle_peer`` for a distributed job's
 processes other than 0), ``distributed`` (a multi-process JAX job),
@@ -15,6 +15,7 @@ processes other than 0), ``distributed`` (a multi-process JAX job),
 """
 
 from cachectl.core.config import default_jobs
+from cachectl.core.jaxlog import CAPTURE
 from cachectl.warm.check import call_main, check, check_main
 from cachectl.warm.compiling import (
     WARM_EXTRA_CONFIG,
@@ -28,7 +29,6 @@ from cachectl.warm.compiling import (
     persistent_cache_off,
     warm_jax_config,
 )
-from cachectl.warm.jaxlog import CAPTURE
 from cachectl.warm.plan import WarmPlan, build_calls, environment_json, plan_warm
 from cachectl.warm.reports import (
     CACHED,

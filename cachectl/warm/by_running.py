@@ -6,9 +6,22 @@ warm those is to run what calls them. The command runs with activate()'s JAX set
 warm's (``WARM_EXTRA_CONFIG``: every program written, whatever its compile time, which a
 service never writes below JAX's one-second minimum), as environment variables, so any
 process it starts (a Python script, a shell pipeline) writes into this environment's
-namespace. Afterwards every entry new to the namespace passes ingest's rules and is indexed
-under a warm-runs row, as a manifest warm's are; a refused one is removed. Run it again and
-the command hits what the first run wrote: ``written`` is then 0.
+namespace. Afterwards every entry the command's own processes wrote passes ingest's rules and
+is indexed under a warm-runs row, as a manifest warm's are; a refused one is removed. Run it
+again and the command hits what the first run wrote: ``written`` is then 0.
+
+"The command's own" is what its Python processes report: the exec hook (COUNTS_VAR) in each
+one appends the key of every entry JAX writes there, as it is written (JAX's write log, the one
+``warm`` reads with ``CAPTURE.writes``). A listing of the namespace cannot say who wrote a file:
+another process writes into a shared namespace meanwhile (a deploy job, another pod of a
+sharded warm) and indexes its own. JAX logs a write before it writes the file, so a process
+killed afterwards has already reported it. A file new to the namespace that no process reported
+(another writer's, or one from a process without the hook: not Python, or Python run with
+``-I`` or ``-S``) is never claimed, because a wrong attribution cannot be told from a right one
+afterwards; those nothing indexed by the end of the run are reported
+(``unclaimed``) and left as they are, for ``verify`` to name as ``unknown-writer``. Where no
+process of the command reported at all and files appeared, the run fails (``unseen``): what
+the command wrote went unseen, and a warm that indexed nothing must not pass.
 """
 
 from __future__ import annotations
@@ -29,7 +42,7 @@ from cachectl.context import Context
 from cachectl.core.errors import BadInput
 from cachectl.index import warm_runs
 from cachectl.service.activate import env_vars_for
-from cachectl.service.exec_hook import COUNTS_VAR, child_variables
+from cachectl.service.exec_hook import COUNTS_VAR, WRITES_VAR, WROTE, child_variables
 from cachectl.storage import ingest
 from cachectl.storage.entries import CACHE_SUFFIX, EntryName, Kind, classify, parse_key
 from cachectl.storage.jax_storage import child_env
@@ -65,6 +78,17 @@ class RunWarmReport:
     requests: int = 0
     hits: int = 0
     host_callbacks: list[str] = field(default_factory=list)
+    # Entry files new to the namespace that no process of the command reported writing and
+    # nothing had indexed when the run ended: not claimed (see module), verify's unknown-writer.
+    unclaimed: list[str] = field(default_factory=list)
+    processes: int = 0  # the command's processes that imported JAX and reported to the hook
+
+    @property
+    def unseen(self) -> bool:
+        """Files appeared unclaimed and no process of the command reported at all (not Python,
+        or Python without the hook: ``-I``, ``-S``): what the command wrote went unseen, and is
+        not indexed."""
+        return bool(self.unclaimed) and self.processes == 0
 
     @property
     def written(self) -> int:
@@ -81,6 +105,7 @@ class RunWarmReport:
             self.exit_code == 0
             and all(e.status == "written" for e in self.entries)
             and not self.nothing_written
+            and not self.unseen
         )
 
 
@@ -134,14 +159,16 @@ def warm_by_running(
     status = warm_runs.INTERRUPTED
     entries: list[RunEntry] = []
     exit_code = 127
-    counted: list[dict[str, Any]] = []
+    counted: list[dict[str, Any]] = []  # the hook's lines: each process's counts, each write
+    unclaimed: list[str] = []
+    processes = 0
     try:
         with tempfile.TemporaryDirectory(prefix="cachectl-warm-run-") as tmp:
             counts = Path(tmp) / "counts.jsonl"
             try:
                 exit_code = subprocess.run(
                     list(command),
-                    env={**environ, COUNTS_VAR: str(counts)},
+                    env={**environ, COUNTS_VAR: str(counts), WRITES_VAR: "1"},
                     stdout=child_stdout,
                     check=False,
                 ).returncode
@@ -149,15 +176,23 @@ def warm_by_running(
                 raise BadInput(f"command not found: {command[0]}") from None
             if counts.is_file():
                 counted = [json.loads(x) for x in counts.read_text().splitlines() if x.strip()]
-        entries = index_new(ctx, cache_info, env, info.id, store, ns.relpath, before, run.id)
+        new = entry_names(store, ns.relpath) - before
+        ours = {str(x[WROTE]) + CACHE_SUFFIX for x in counted if WROTE in x} & new
+        entries = index_entries(
+            ctx, cache_info, env, info.id, store, ns.relpath, sorted(ours), run.id
+        )
+        indexed = ctx.index.entry_keys(info.id)
+        unclaimed = sorted(n for n in new - ours if n[: -len(CACHE_SUFFIX)] not in indexed)
         written_now = sum(e.status == "written" for e in entries)
         requests = sum(int(x.get("requests", 0)) for x in counted)
         hits = sum(int(x.get("hits", 0)) for x in counted)
+        processes = len({x.get("pid") for x in counted})
         status = (
             warm_runs.SUCCEEDED
             if exit_code == 0
             and all(e.status == "written" for e in entries)
             and (written_now or requests <= hits)
+            and (processes or not unclaimed)  # RunWarmReport.unseen
             else warm_runs.FAILED
         )
     finally:
@@ -194,23 +229,9 @@ def warm_by_running(
         requests=sum(int(x.get("requests", 0)) for x in counted),
         hits=sum(int(x.get("hits", 0)) for x in counted),
         host_callbacks=sorted({m for x in counted for m in x.get("host_callbacks", [])}),
+        unclaimed=unclaimed,
+        processes=processes,
     )
-
-
-def index_new(
-    ctx: Context,
-    cache: Any,
-    env: Any,
-    env_id: int,
-    store: Any,
-    ns_rel: str,
-    before: set[str],
-    run_id: int,
-) -> list[RunEntry]:
-    """Check every entry new to the namespace with ingest's rules, index the good ones in one
-    batch and remove the rest (a bad file left there would be read by every service)."""
-    names = entry_names(store, ns_rel) - before
-    return index_entries(ctx, cache, env, env_id, store, ns_rel, sorted(names), run_id)
 
 
 def index_entries(
@@ -223,8 +244,9 @@ def index_entries(
     names: Sequence[str],
     run_id: int,
 ) -> list[RunEntry]:
-    """index_new's checks and batch for the named entry files of the namespace (one gone
-    meanwhile is passed over)."""
+    """Check the named entry files of the namespace (what this run's own processes wrote) with
+    ingest's rules, index the good ones in one batch and remove the rest (a bad file left there
+    would be read by every service); one gone meanwhile is passed over."""
     out: list[RunEntry] = []
     objects = []
     for name in names:

@@ -11,10 +11,10 @@ from typing import Any
 from cachectl.core import jax_seam
 from cachectl.core.errors import BadInput
 from cachectl.core.fingerprint import Environment
+from cachectl.core.jaxlog import CAPTURE, Event
 from cachectl.manifest import lowering_scope
 from cachectl.service.activate import apply_jax_config, jax_config_for
 from cachectl.storage.executables import ExecutableError, payload_of
-from cachectl.warm.jaxlog import CAPTURE, Event
 from cachectl.warm.tracebacks import format_user_traceback, location
 
 _ERROR_CHARS = 400

@@ -9,10 +9,10 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import Any
 
 from cachectl.core import jax_seam
+from cachectl.core.jaxlog import CAPTURE
 from cachectl.manifest import Bucket, check_imports, compiling_for, expand, load_manifest
 from cachectl.service.activate import apply_jax_config
 from cachectl.warm.compiling import Outcome, compile_bucket, error_text, jax_configured
-from cachectl.warm.jaxlog import CAPTURE
 from cachectl.warm.plan import WarmPlan, build_calls, target_devices
 from cachectl.warm.reports import FAILED, TOO_LARGE, BucketResult
 

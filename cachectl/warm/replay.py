@@ -25,7 +25,7 @@ from cachectl.context import Context
 from cachectl.core.errors import BadInput, NotFound
 from cachectl.index.models import AuditRecord, WarmRun
 from cachectl.service.env import service_env
-from cachectl.service.exec_hook import COUNTS_VAR, child_variables
+from cachectl.service.exec_hook import COUNTS_VAR, WROTE, child_variables
 from cachectl.warm.by_running import run_digest
 
 
@@ -122,6 +122,7 @@ def replay_warm_run(
         lines: list[dict[str, Any]] = []
         if counts.is_file():
             lines = [json.loads(x) for x in counts.read_text().splitlines() if x.strip()]
+            lines = [x for x in lines if WROTE not in x]  # a process's counts, not its writes
     return ReplayReport(
         cache=info.name,
         namespace=ns.url,

@@ -16,6 +16,7 @@ from pathlib import Path
 from cachectl.context import Context
 from cachectl.core.config import default_jobs
 from cachectl.core.errors import BadInput
+from cachectl.core.jaxlog import CAPTURE
 from cachectl.core.probe import ONE_PROCESS_BACKENDS
 from cachectl.index import warm_runs
 from cachectl.manifest import Bucket, LoadedManifest, as_loaded
@@ -26,7 +27,6 @@ from cachectl.trust.signing import SigningKey
 from cachectl.warm.by_running import index_entries
 from cachectl.warm.compiling import Outcome, warm_jax_config
 from cachectl.warm.executors import run_processes, run_threads
-from cachectl.warm.jaxlog import CAPTURE
 from cachectl.warm.plan import (
     WarmPlan,
     environment_json,

@@ -1,5 +1,8 @@
 """The JAX log records warm reads: which key JAX looked up, hit or missed, wrote or skipped.
 
+In core, below warm and service: warm captures per bucket, and the exec hook in a `warm-run`
+command's processes reports each key written.
+
 JAX names a program's persistent-cache key in exactly one place, its DEBUG log
 (its compiler logs the hit or miss with the key before loading or compiling; its
 compilation cache logs the write: the loggers and messages are in cachectl.core.jax_seam). A logging filter
@@ -7,7 +10,8 @@ captures these records into the compiling thread's own list (XLA compiles run in
 the calling thread and release the GIL, so buckets compile concurrently in
 threads), then drops them below the level the user asked for. ``writes()`` collects the key
 of every write this process makes, from any thread: what a warm itself wrote, told apart from
-files other processes write into the same namespace meanwhile.
+files other processes write into the same namespace meanwhile (warm-run's command reports its
+keys the same way, from the exec hook: cachectl.service.exec_hook).
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from cachectl.core import jax_seam
@@ -47,7 +51,8 @@ class _KeyCapture(logging.Filter):
         self._saved: dict[str, int] = {}
         self._installs = 0
         self._lock = threading.Lock()
-        self._writes: list[set[str]] = []  # one set per open writes(), filled from any thread
+        # One (set, callback) per open writes(), filled from any thread.
+        self._writes: list[tuple[set[str], Callable[[str], None] | None]] = []
 
     @contextlib.contextmanager
     def installed(self) -> Iterator[_KeyCapture]:
@@ -72,19 +77,22 @@ class _KeyCapture(logging.Filter):
                         logger.setLevel(self._saved.get(name, logging.NOTSET))
 
     @contextlib.contextmanager
-    def writes(self, keys: set[str] | None = None) -> Iterator[set[str]]:
+    def writes(
+        self, keys: set[str] | None = None, on_write: Callable[[str], None] | None = None
+    ) -> Iterator[set[str]]:
         """The key of every entry JAX writes in this process while open, from any thread, added to
-        ``keys`` (a new set by default; the capture is installed meanwhile): a shared namespace's
-        listing cannot say who wrote a file."""
+        ``keys`` (a new set by default; the capture is installed meanwhile) and handed to
+        ``on_write`` as it is written (a process that dies later has said it already): a shared
+        namespace's listing cannot say who wrote a file."""
         keys = set() if keys is None else keys
         with self.installed():
             with self._lock:
-                self._writes.append(keys)
+                self._writes.append((keys, on_write))
             try:
                 yield keys
             finally:
                 with self._lock:
-                    self._writes[:] = [w for w in self._writes if w is not keys]
+                    self._writes[:] = [w for w in self._writes if w[0] is not keys]
 
     @contextlib.contextmanager
     def sink(self) -> Iterator[list[Event]]:
@@ -103,8 +111,11 @@ class _KeyCapture(logging.Filter):
                 sink.append(event)
             if event is not None and event.kind == "write" and event.key is not None:
                 with self._lock:
-                    for keys in self._writes:
+                    for keys, _ in self._writes:
                         keys.add(event.key)
+                    callbacks = [f for _, f in self._writes if f is not None]
+                for on_write in callbacks:  # outside the lock: it may do I/O
+                    on_write(event.key)
         return record.levelno >= self._floors.get(record.name, logging.WARNING)
 
 
