@@ -18,11 +18,10 @@ import sqlite3
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
-from support.infra import run_cachectl, run_py
+from support.infra import held, run_cachectl, run_py
 
 from cachectl.core import jax_seam
 from cachectl.storage.entries import parse_key
@@ -197,22 +196,10 @@ def test_a_warm_indexes_as_side_programs_only_what_it_wrote_while_another_writes
             stdout=stdout,
             stderr=stderr,
         )
-    try:
-        deadline = time.monotonic() + 300
-        while not any(gate.glob("tracing-*")):  # its eager programs are written: it waits
-            assert first.poll() is None, err.read_text()
-            assert time.monotonic() < deadline, err.read_text()
-            time.sleep(0.1)
+    # Once its eager programs are written, it waits.
+    with held(first, lambda: any(gate.glob("tracing-*")), gate / "go", err):
         second = _cachectl(tmp_path, "warm", "other.yaml", "--json")
         assert second.returncode == 0, second.stdout + second.stderr
-    finally:
-        (gate / "go").touch()
-        try:
-            first.wait(timeout=300)
-        finally:
-            if first.poll() is None:
-                first.kill()
-                first.wait()
     assert first.returncode == 0, out.read_text() + err.read_text()
     ours, theirs = json.loads(out.read_text()), json.loads(second.stdout)
     their_keys = {b["key"] for b in theirs["buckets"]}

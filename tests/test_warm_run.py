@@ -13,11 +13,10 @@ import sqlite3
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
-from support.infra import run_cachectl  # noqa: E402
+from support.infra import held, run_cachectl  # noqa: E402
 
 LIBRARY = """
 import jax, jax.numpy as jnp
@@ -197,26 +196,14 @@ def test_warm_run_claims_only_what_its_command_wrote_while_others_write_there(
         run = subprocess.Popen(
             [*argv, *command], cwd=tmp_path, env=env, stdout=stdout, stderr=stderr
         )
-    try:
-        deadline = time.monotonic() + 300
-        while not (gate / "wrote").exists():  # its first program is written: it waits
-            assert run.poll() is None, err.read_text()
-            assert time.monotonic() < deadline, err.read_text()
-            time.sleep(0.1)
+    # Once its first program is written, it waits.
+    with held(run, (gate / "wrote").exists, gate / "go", err):
         other = _cachectl(tmp_path, "warm", "other.yaml", "--json")
         assert other.returncode == 0, other.stdout + other.stderr
         theirs = json.loads(other.stdout)
         namespace = Path(theirs["namespace"].removeprefix("file://"))
         stray = f"jit_stray-{'0' * 64}-cache"
         (namespace / stray).write_bytes(b"not an entry cachectl wrote")
-    finally:
-        (gate / "go").touch()
-        try:
-            run.wait(timeout=300)
-        finally:
-            if run.poll() is None:
-                run.kill()
-                run.wait()
     assert run.returncode == 0, out.read_text() + err.read_text()
     ours = json.loads(out.read_text())
     assert Path(ours["namespace"].removeprefix("file://")) == namespace  # one shared namespace

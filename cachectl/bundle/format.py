@@ -438,6 +438,16 @@ def frozen_from(cls: type[T], fields: dict[str, Any]) -> T:
     return obj
 
 
+def field_defaults(cls: type) -> dict[str, Any]:
+    """The dataclass ``cls``'s fields that have a default, at it: what ``frozen_from`` needs
+    beside the fields a caller knows. A field made by a default factory would be left unset
+    (every instance needs its own value): refused."""
+    fields = dataclasses.fields(cls)
+    if any(f.default_factory is not dataclasses.MISSING for f in fields):
+        raise TypeError(f"{cls.__name__} has a default_factory field: build it with __init__")
+    return {f.name: f.default for f in fields if f.default is not dataclasses.MISSING}
+
+
 def describe(path: str | os.PathLike[str]) -> BundleInfo:
     """`bundle ls`: what a bundle holds (reads only its first members)."""
     p = Path(path).expanduser().absolute()

@@ -34,6 +34,7 @@ from cachectl.bundle.format import (
     bundle_entries,
     content_signature,
     entries_signed,
+    field_defaults,
     frozen_from,
     open_bundle,
     plain_header,
@@ -193,8 +194,6 @@ def _extract(
                 "(tampered or damaged): nothing installed"
             )
         try:
-            if name in modules:  # an entry: the one check on it (_check_member's first)
-                return ingest.check_entry(staged)
             return _check_member(name, staged, expected, modules)
         except ingest.Refused as exc:
             raise BadBundle(f"{path}: {FILES}{name}: {exc.message}; nothing installed") from None
@@ -686,15 +685,8 @@ def _objects(staged: _Staged, delta: _Delta) -> list[ingest.NewObject]:
     return objects
 
 
-def _defaults(cls: type) -> dict[str, Any]:
-    """The dataclass ``cls``'s fields with a default, at it (``frozen_from`` takes every field)."""
-    return {
-        f.name: f.default for f in dataclasses.fields(cls) if f.default is not dataclasses.MISSING
-    }
-
-
-_ROW_DEFAULTS = _defaults(NewEntry)
-_OBJECT_DEFAULTS = _defaults(ingest.NewObject)
+_ROW_DEFAULTS = field_defaults(NewEntry)
+_OBJECT_DEFAULTS = field_defaults(ingest.NewObject)
 
 
 def _result(staged: _Staged, delta: _Delta, duration: float, dry_run: bool) -> InstallResult:

@@ -106,7 +106,7 @@ def is_key(key: object) -> bool:
 
 
 # ``is_key``'s pattern for keys joined by newlines (no key holds one: counted apart).
-_JAX_KEYS_RE = re.compile(r"(?:\w[\w.\-]*-[0-9a-f]{64}\n)*")
+_JAX_KEYS_RE = re.compile(rf"(?:{_JAX_KEY_RE.pattern}\n)*")
 
 
 def all_keys(keys: list[object]) -> bool:

@@ -65,9 +65,10 @@ import time
 import urllib.error
 import urllib.request
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 LOOPBACK = "127.0.0.1"
 
@@ -112,6 +113,34 @@ def configure_process_env() -> None:
             "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT=false; every GCS bucket would cost a "
             "60 s probe. Set GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT=false in the environment."
         )
+
+
+@contextlib.contextmanager
+def held(
+    proc: subprocess.Popen[Any],
+    ready: Callable[[], bool],
+    go: Path,
+    log: Path,
+    timeout: float = 300,
+) -> Iterator[None]:
+    """A process that waits for the file ``go``: the body runs once ``ready()`` says the process
+    got to its wait (while it is alive; else its ``log`` fails the test). Afterwards, whatever the
+    body did, ``go`` is created and the process reaped: killed if it has not ended in ``timeout``."""
+    try:
+        deadline = time.monotonic() + timeout
+        while not ready():
+            assert proc.poll() is None, log.read_text()
+            assert time.monotonic() < deadline, log.read_text()
+            time.sleep(0.1)
+        yield
+    finally:
+        go.touch()
+        try:
+            proc.wait(timeout=timeout)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
 
 
 def unique_name(prefix: str = "cachectl-test") -> str:
