@@ -178,3 +178,40 @@ def test_large_upserts_write_what_the_general_path_writes(db_url) -> None:
         assert index.upsert_entries(env.id, rows) == (0, 0)  # re-running is harmless
     finally:
         index.close()
+
+
+def test_a_column_every_row_shares_is_bound_once_and_stored_as_read_from_json() -> None:
+    """bulk_json binds a varying column that holds one value of one type in every row of a batch
+    (a bundle's origin, creation time, empty columns) instead of reading it from each row's JSON;
+    what SQLite stores is the same either way, types included (1 and 1.0 are not one value)."""
+    import json
+    import sqlite3
+
+    from cachectl.index import bulk_json
+
+    columns = ['"key"', '"same"', '"mixed"', '"empty"', '"env"']
+    rows = [(f"k{i}", "bundle", 1 if i % 2 else 1.0, None) for i in range(4)]
+    sql, params = bulk_json._statement("t", columns, 4, (7,), rows)
+    assert sql.count("json_extract") == 2  # the key and the mixed column
+    assert params[:3] == ("bundle", None, 7)
+    assert json.loads(params[-1]) == [[f"k{i}", 1 if i % 2 else 1.0] for i in range(4)]
+
+    conn = sqlite3.connect(":memory:")
+    conn.execute('CREATE TABLE t ("key", "same", "mixed", "empty", "env")')
+    conn.execute(sql, params)
+    per_row = conn.execute(
+        "SELECT key, same, typeof(mixed), mixed, empty, env FROM t ORDER BY key"
+    ).fetchall()
+    conn.execute("DELETE FROM t")
+    # What the driver stores for the same rows bound one by one.
+    conn.executemany("INSERT INTO t VALUES (?, ?, ?, ?, 7)", rows)
+    assert (
+        per_row
+        == conn.execute(
+            "SELECT key, same, typeof(mixed), mixed, empty, env FROM t ORDER BY key"
+        ).fetchall()
+    )
+    assert [r[2] for r in per_row] == ["real", "integer", "real", "integer"]
+    # A batch of one row binds all but its key; an unhashable value is read from the JSON.
+    assert bulk_json._statement("t", columns, 4, (7,), rows[:1])[0].count("json_extract") == 1
+    assert bulk_json._one_value(([1], [1])) is False

@@ -62,7 +62,7 @@ def insert_rows(
     shared = {"environment_id": env_id, **shared}
     constants = tuple(bound(name, dialect, value) for name, value in shared.items())
     quote = dialect.identifier_preparer.quote
-    columns = ", ".join(quote(name) for name in (*varying, *shared))
+    columns = [quote(name) for name in (*varying, *shared)]
     key_column = quote("key")
     if (
         dialect.name == "sqlite"
@@ -73,7 +73,7 @@ def insert_rows(
         )
     mark = _MARKS[dialect.paramstyle]
     sql = (
-        f"INSERT INTO {TABLE} ({columns}) "
+        f"INSERT INTO {TABLE} ({', '.join(columns)}) "
         f"VALUES ({', '.join([mark] * (len(varying) + len(constants)))})"
     )
     return _insert_executemany(conn, TABLE, key_column, mark, sql, constants, env_id, rows)

@@ -50,7 +50,7 @@ class _Statements:
     ) -> tuple[int, list[ObservedRow]]:
         names = ("environment_id", *shared)
         constants = (env_id, *(_stored(name, value) for name, value in shared.items()))
-        columns = ", ".join(f'"{name}"' for name in (*VARYING, *names))
+        columns = [f'"{name}"' for name in (*VARYING, *names)]
         return bulk_json.insert_json(
             self.conn.execute, '"key"', columns, len(VARYING), constants, env_id, rows
         )
