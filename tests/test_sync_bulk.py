@@ -215,3 +215,34 @@ def test_a_column_every_row_shares_is_bound_once_and_stored_as_read_from_json() 
     # A batch of one row binds all but its key; an unhashable value is read from the JSON.
     assert bulk_json._statement("t", columns, 4, (7,), rows[:1])[0].count("json_extract") == 1
     assert bulk_json._one_value(([1], [1])) is False
+
+
+def test_the_bulk_json_text_of_a_bucket_is_json_dumps_text() -> None:
+    """bulk_rows.json_processor writes a dict or list bucket through one reused C encoder: the
+    text is SQLAlchemy's own processor's (``json.dumps``) for every kind of JSON value, and a
+    value JSON cannot hold is refused the same way."""
+    import pytest
+    from sqlalchemy.dialects import sqlite
+
+    from cachectl.index import bulk_rows
+
+    dialect = sqlite.dialect()
+    fast = bulk_rows.json_processor("bucket", dialect)
+    general = bulk_rows.bind_processor("bucket", dialect)
+    assert fast is not general
+    values = [
+        {"batch": 8, "seq": 128},
+        {"name": "é", "x": [1, 2.5, None, True, False, {"a": "\u2028", "b": 'q"\\'}]},
+        [1, "two", [], {}],
+        {"big": 1e300, "nan": float("nan"), "inf": float("-inf"), "zero": -0.0, "n": 10**30},
+        {1: "int key", False: "bool key", None: "none key", 2.5: "float key"},
+        {},
+        [],
+        None,
+        3,
+        "text",
+    ]
+    for value in values:
+        assert fast(value) == general(value)
+    with pytest.raises(TypeError, match="not JSON serializable"):
+        fast({"x": object()})

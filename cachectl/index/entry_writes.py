@@ -113,7 +113,7 @@ def _insert_new(conn: Connection, env_id: int, items: list[NewEntry]) -> tuple[i
     """The rows whose keys the environment does not hold, inserted at driver speed (bulk_rows):
     (how many, the entries whose keys it holds, for the upsert)."""
     dialect = conn.dialect
-    bucket = bulk_rows.bind_processor("bucket", dialect) or (lambda value: value)
+    bucket = bulk_rows.json_processor("bucket", dialect) or (lambda value: value)
     stamp = bulk_rows.bind_processor("created_at", dialect) or (lambda value: value)
     no_bucket, now = bucket(None), stamp(utcnow())  # most rows': converted once
     rows = [
