@@ -16,6 +16,7 @@ import re
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, fields
+from functools import cached_property
 from typing import Any
 
 from cachectl.core import jax_seam
@@ -82,11 +83,13 @@ class Environment:
         data = {"fingerprint_version": FINGERPRINT_VERSION, **self.to_dict()}
         return json.dumps(data, sort_keys=True, separators=(",", ":"))
 
-    @property
+    # Computed once per instance (its fields are immutable): a bundle install asks for both
+    # a few dozen times, each a JSON dump and a sha256 (BENCHMARKS.md, "OCI").
+    @cached_property
     def digest(self) -> str:
         return hashlib.sha256(self.canonical_json().encode()).hexdigest()
 
-    @property
+    @cached_property
     def namespace(self) -> str:
         """Path of this environment's namespace relative to a cache root."""
         return "/".join(
