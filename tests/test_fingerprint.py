@@ -36,6 +36,23 @@ def test_digest_is_stable_and_canonical() -> None:
     assert env.enable_xla_caches == "none"
 
 
+def test_digest_and_namespace_are_computed_once_and_follow_every_copy() -> None:
+    """An environment's digest and namespace are kept on the instance after the first use (a
+    bundle install asks for them dozens of times); a copy with another field gets its own, and a
+    pickled one (a warm worker's) carries the same values."""
+    import dataclasses
+    import pickle
+
+    env = current_environment()
+    assert env.digest is env.digest and env.namespace is env.namespace
+    assert {"digest", "namespace"} <= set(vars(env))
+    other = dataclasses.replace(env, jax_version="0.0.1")
+    assert other.digest != env.digest and other.namespace.startswith("jax-0.0.1/")
+    assert other.digest == Environment.from_dict(other.to_dict()).digest
+    copy = pickle.loads(pickle.dumps(env))
+    assert copy == env and copy.digest == env.digest and copy.namespace == env.namespace
+
+
 def test_flags_normalized_like_jax() -> None:
     flags = normalized_xla_flags(
         {
