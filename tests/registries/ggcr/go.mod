@@ -1,0 +1,3 @@
+module github.com/google/go-containerregistry
+
+go 1.18
