@@ -532,7 +532,11 @@ class Registry:
 
     def referrers(self, digest: str, artifact_type: str) -> list[dict[str, Any]]:
         """Descriptors of the artifacts that refer to ``digest``: the referrers API, else the
-        referrers tag schema (``sha256-<hex>``), else none."""
+        referrers tag schema (``sha256-<hex>``), else none. Those listed as ``artifact_type``
+        come first, then those listed with the empty config's media type or none: an artifact's
+        type is its manifest's ``artifactType`` (OCI distribution 1.1), but go-containerregistry's
+        registry lists its config's media type, the empty descriptor's for an artifact like a
+        signature. The caller checks each manifest's own ``artifactType``."""
         try:
             r = self.request(
                 "GET",
@@ -551,10 +555,9 @@ class Registry:
             raise BadBundle(
                 f"{self.ref}: the referrers of {digest[:19]} are not JSON ({exc})"
             ) from None
-        return [
-            d
-            for d in index.get("manifests") or []
-            if isinstance(d, dict) and d.get("artifactType") == artifact_type
+        listed = [d for d in index.get("manifests") or [] if isinstance(d, dict)]
+        return [d for d in listed if d.get("artifactType") == artifact_type] + [
+            d for d in listed if d.get("artifactType") in (None, EMPTY_TYPE)
         ]
 
     # ----------------------------------------------------------------- writing
@@ -1036,6 +1039,8 @@ def _check_signature(registry: Registry, cache: CacheInfo, art: _Artifact) -> st
                 raise signing.Untrusted(f"{what}: a referrer without a sha256 digest")
             body, _, _ = registry.manifest(str(d.get("digest")))
             m = json.loads(body)
+            if m.get("artifactType") != SIGNATURE_TYPE:
+                continue  # another kind of artifact, listed under its config's media type
             if (m.get("subject") or {}).get("digest") != art.digest:
                 raise signing.Untrusted(f"{what}: a signature refers to another artifact")
             layer = (m.get("layers") or [{}])[0]
