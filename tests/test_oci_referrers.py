@@ -212,3 +212,23 @@ def test_a_signature_through_the_referrers_api_by_an_untrusted_key_is_refused(
     root = Path(os.environ["XDG_CACHE_HOME"]) / "cachectl" / "default"
     assert not root.exists() or not [p for p in root.rglob("*") if p.is_file()]
     assert environments() == []
+
+
+def test_a_pull_for_this_machine_verifies_its_signature_through_the_referrers_api(
+    pushed: dict[str, Any],
+) -> None:
+    """The same through the environment's own tag (``env-<digest>``), which the push wrote too."""
+    invoke("cache", "set", "default", "--trust", str(pushed["pub"]))
+    done = json.loads(
+        invoke(
+            "bundle",
+            "pull",
+            f"oci://{pushed['url']}/{REPO}",
+            "--for-this-machine",
+            "--insecure",
+            "--json",
+        ).stdout
+    )
+    assert done["tag"].startswith("env-") and done["digest"] == pushed["digest"]
+    assert done["signature_verified_by"] == pushed["signed_by"]
+    assert done["install"]["installed"] == 5
