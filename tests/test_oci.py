@@ -9,7 +9,6 @@ tamper with a registry's storage, or need plain HTTP, start a private one from t
 from __future__ import annotations
 
 import base64
-import hashlib
 import json
 import os
 import shutil
@@ -26,6 +25,7 @@ from typing import Any
 import pytest
 import requests
 from support.bundles import environments
+from support.registry import put_blob
 from support.warming import counting_opens, invoke, tiny
 
 from cachectl.core import temps
@@ -225,16 +225,6 @@ def _get_json(url: str, path: str, accept: str = "") -> tuple[dict[str, Any], by
     return r.json(), r.content
 
 
-def _put_blob(url: str, repo: str, body: bytes) -> str:
-    digest = "sha256:" + hashlib.sha256(body).hexdigest()
-    r = requests.post(f"http://{url}/v2/{repo}/blobs/uploads/", timeout=10)
-    loc = r.headers["Location"]
-    loc = loc if loc.startswith("http") else f"http://{url}{loc}"
-    sep = "&" if "?" in loc else "?"
-    requests.put(f"{loc}{sep}digest={digest}", data=body, timeout=10).raise_for_status()
-    return digest
-
-
 MANIFEST_TYPE = "application/vnd.oci.image.manifest.v1+json"
 
 
@@ -252,7 +242,7 @@ def _forge(url: str, pushed: dict[str, Any], tag: str, change: dict[str, Any]) -
     body = json.dumps(config).encode()
     manifest["config"] = {
         **manifest["config"],
-        "digest": _put_blob(url, "lm/cache", body),
+        "digest": put_blob(url, "lm/cache", body),
         "size": len(body),
     }
     manifest["annotations"]["io.cachectl.environment"] = digest

@@ -23,6 +23,7 @@ from typing import Any
 import pytest
 import requests
 from support.bundles import environments
+from support.registry import put_blob
 from support.warming import invoke, tiny
 
 BINARY = os.environ.get("CACHECTL_TEST_REFERRERS_REGISTRY")
@@ -125,14 +126,8 @@ def pushed(
     }
 
 
-def _put_blob(url: str, body: bytes) -> dict[str, Any]:
-    digest = "sha256:" + hashlib.sha256(body).hexdigest()
-    r = requests.post(f"http://{url}/v2/{REPO}/blobs/uploads/", timeout=5)
-    loc = r.headers["Location"]
-    loc = loc if loc.startswith("http") else f"http://{url}{loc}"
-    sep = "&" if "?" in loc else "?"
-    requests.put(f"{loc}{sep}digest={digest}", data=body, timeout=5).raise_for_status()
-    return {"digest": digest, "size": len(body)}
+def _blob(url: str, media_type: str, body: bytes) -> dict[str, Any]:
+    return {"mediaType": media_type, "digest": put_blob(url, REPO, body), "size": len(body)}
 
 
 def _refer(url: str, subject: str, i: int) -> None:
@@ -145,13 +140,8 @@ def _refer(url: str, subject: str, i: int) -> None:
             "schemaVersion": 2,
             "mediaType": MANIFEST_TYPE,
             "artifactType": "application/vnd.example.sbom.v1+json",
-            "config": {"mediaType": EMPTY_TYPE, **_put_blob(url, b"{}")},
-            "layers": [
-                {
-                    "mediaType": "application/json",
-                    **_put_blob(url, json.dumps({"sbom": i}).encode()),
-                }
-            ],
+            "config": _blob(url, EMPTY_TYPE, b"{}"),
+            "layers": [_blob(url, "application/json", json.dumps({"sbom": i}).encode())],
             "subject": {"mediaType": MANIFEST_TYPE, "digest": subject, "size": len(bundle.content)},
         }
     ).encode()
