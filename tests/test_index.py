@@ -13,6 +13,7 @@ from support.environments import ENV
 from cachectl.core.errors import BadInput, NotFound
 from cachectl.index import NewEntry, open_index
 from cachectl.index import db as index_db
+from cachectl.index.reads import Queries, SqliteReader
 
 
 def entry(i: int, **kw) -> NewEntry:
@@ -137,6 +138,47 @@ def test_environment_stats_and_prefix_lookup(index) -> None:
     assert hit is not None and hit.hit_count == 3 and hit.last_access_at == at
     index.mark_environment_deleted(other.id)
     assert [e.digest for e in index.environment_stats("a")] == [env.digest]
+
+
+def test_one_environments_lookup_visits_its_own_entries_only(tmp_path) -> None:
+    """find_environment (install's and pull's lookup by digest) sums the entries of the
+    environment it names, not the whole cache's: over 1,000,000 rows the whole cache's sums
+    took 1.1 s (BENCHMARKS.md, "OCI"). Counted in SQLite's virtual-machine steps, which grow
+    with the rows a statement visits: the lookup costs the same beside 20 or 2,020 entries of
+    another environment."""
+    url = f"sqlite:///{tmp_path}/index.db"
+    idx = open_index(url)
+    idx.add_cache("a", str(tmp_path / "a"))
+    env = idx.ensure_environment("a", ENV)
+    other = idx.ensure_environment("a", dataclasses.replace(ENV, jax_version="0.9.0"))
+    idx.upsert_entries(env.id, [entry(1), entry(2)])
+    reader = SqliteReader.open(url)
+    assert reader is not None
+
+    def steps() -> int:
+        ticks = [0]
+
+        def tick() -> int:
+            ticks[0] += 1
+            return 0  # go on
+
+        reader.conn.set_progress_handler(tick, 10)
+        try:
+            found = Queries(reader).find_environment("a", env.digest)
+        finally:
+            reader.conn.set_progress_handler(None, 0)
+        assert (found.id, found.entries, found.bytes) == (env.id, 2, 101 + 102)
+        return ticks[0]
+
+    try:
+        idx.upsert_entries(other.id, [entry(i) for i in range(100, 120)])
+        beside_few = steps()
+        idx.upsert_entries(other.id, [entry(i) for i in range(1000, 3000)])
+        beside_many = steps()
+    finally:
+        reader.close()
+        idx.close()
+    assert beside_many <= beside_few + 2, (beside_few, beside_many)
 
 
 def test_ambiguous_prefix(index) -> None:

@@ -120,7 +120,7 @@ class RemoteIndex:
     def find_environment(self, cache: str, prefix: str, *, include_deleted: bool = False) -> Any:
         if include_deleted:
             return pick_environment(
-                cache, prefix, lambda: self.environment_stats(cache, include_deleted=True)
+                cache, prefix, lambda _: self.environment_stats(cache, include_deleted=True)
             )
         env = decode(
             EnvironmentInfo,

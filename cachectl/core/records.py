@@ -161,15 +161,17 @@ def actor() -> str:
 
 
 def pick_environment(
-    cache: str, prefix: str, environments: Callable[[], Iterable[EnvironmentInfo]]
+    cache: str, prefix: str, environments: Callable[[str], Iterable[EnvironmentInfo]]
 ) -> EnvironmentInfo:
-    """The one environment whose digest starts with ``prefix``; unknown or ambiguous prefixes are bad input."""
+    """The one environment whose digest starts with ``prefix``; unknown or ambiguous prefixes are
+    bad input. ``environments(prefix)`` lists candidates, given the checked prefix (lower-case
+    hex) to narrow them by; any it lists that do not start with it are left out here."""
     prefix = prefix.strip().lower()
     if not prefix or any(c not in "0123456789abcdef" for c in prefix):
         raise BadInput(
             f"bad environment digest prefix {prefix!r}: use hex digits from `cachectl ls`"
         )
-    matches = [e for e in environments() if e.digest.startswith(prefix)]
+    matches = [e for e in environments(prefix) if e.digest.startswith(prefix)]
     if not matches:
         raise NotFound(
             f"no environment in cache {cache!r} has a digest starting {prefix!r}: see `cachectl ls`"
