@@ -8,21 +8,29 @@ loopback) with its referrers API on. It answers a manifest with a subject withou
 before pulling, so only the API can name the signature. It lists each referrer under its config's
 media type (the empty descriptor's, for a signature and for the other artifacts the tests make
 refer to the bundle), not under the manifest's ``artifactType`` as OCI distribution 1.1 says.
+
+Every test runs twice: against the registry answering the listing at once, and with
+``-referrers-page 1`` (the command's ``paged.go``): one referrer a page, newest push first, each
+page linking the next, as OCI distribution 1.1 lets a registry paginate it. The signature, pushed
+before the other referrers, is then on the last page.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
+import socket
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import urljoin
 
 import pytest
 import requests
-from support.bundles import environments
+from support.bundles import assert_nothing_installed, environments
 from support.registry import put_blob
 from support.warming import invoke, tiny
 
@@ -48,12 +56,12 @@ def _binary() -> str:
     )
 
 
-@pytest.fixture(scope="module")
-def registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
-    """The referrers registry on a free loopback port, and its request log."""
-    log = tmp_path_factory.mktemp("referrers-registry") / "requests.log"
+@contextlib.contextmanager
+def _started(log: Path, *args: str) -> Iterator[str]:
+    """The referrers registry on a free loopback port (HOST:PORT), with ``args``, logging its
+    requests to ``log``."""
     proc = subprocess.Popen(
-        [_binary(), "-addr", "127.0.0.1:0", "-log", str(log)],
+        [_binary(), "-addr", "127.0.0.1:0", "-log", str(log), *args],
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
         text=True,
@@ -64,7 +72,7 @@ def registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any
         assert line.startswith("listening on "), line
         url = line.split()[-1]
         assert requests.get(f"http://{url}/v2/", timeout=5).status_code == 200
-        yield {"url": url, "log": log}
+        yield url
     finally:
         proc.kill()
         proc.wait()
@@ -72,18 +80,32 @@ def registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any
             proc.stdout.close()
 
 
-@pytest.fixture(scope="module")
-def pushed(
-    registry: dict[str, Any], tmp_path_factory: pytest.TempPathFactory
+@pytest.fixture(scope="module", params=[0, 1], ids=["one-answer", "paged"])
+def registry(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[dict[str, Any]]:
-    """The tiny manifest warmed for real in its own home and pushed signed; then the tag schema's
-    index removed from the registry, so a signature is found through the referrers API or not
-    at all."""
-    base = tmp_path_factory.mktemp("referrers-source")
+    """The referrers registry, its request log, and how many referrers it lists a page (0: all
+    in one answer)."""
+    page: int = request.param
+    log = tmp_path_factory.mktemp("referrers-registry") / "requests.log"
+    with _started(log, *(["-referrers-page", str(page)] if page else [])) as url:
+        yield {"url": url, "log": log, "page": page}
+
+
+@pytest.fixture(scope="module")
+def pushed(registry: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """The tiny manifest warmed and pushed signed to ``registry``, as ``_push_signed`` does."""
+    pushed = _push_signed(registry["url"], tmp_path_factory.mktemp("referrers-source"))
+    return {**pushed, "page": registry["page"]}
+
+
+def _push_signed(url: str, base: Path) -> dict[str, Any]:
+    """The tiny manifest warmed for real in its own home under ``base`` and pushed signed; then
+    the tag schema's index removed from the registry, so a signature is found through the
+    referrers API or not at all; then three other artifacts made to refer to the bundle."""
     manifest = tiny(base)
     home = {v: str(base / v.split("_")[1].lower()) for v in XDG}
     key, other = base / "signer.key", base / "other.key"
-    url = registry["url"]
     with pytest.MonkeyPatch.context() as mp:
         for k, v in home.items():
             Path(v).mkdir(parents=True, exist_ok=True)
@@ -118,12 +140,26 @@ def pushed(
     # under the same media type by this registry.
     for i in range(3):
         _refer(url, result["digest"], i)
-    yield {
+    return {
         **result,
         "url": url,
         "pub": Path(str(key) + ".pub"),
         "other_pub": Path(str(other) + ".pub"),
     }
+
+
+def _listing(url: str, digest: str) -> tuple[int, list[dict[str, Any]]]:
+    """The referrers API's whole listing, its pages followed: (pages, descriptors in order)."""
+    pages, listed = 0, []
+    at: str | None = f"http://{url}/v2/{REPO}/referrers/{digest}"
+    while at is not None:
+        r = requests.get(at, timeout=5)
+        assert r.status_code == 200, r.text
+        pages += 1
+        listed += r.json()["manifests"]
+        following = r.links.get("next", {}).get("url")
+        at = urljoin(at, following) if following else None
+    return pages, listed
 
 
 def _blob(url: str, media_type: str, body: bytes) -> dict[str, Any]:
@@ -161,11 +197,14 @@ def test_the_registry_lists_the_signature_under_its_config_media_type(
     """What the client must cope with: this registry lists a referrer's config media type as its
     artifactType (the empty descriptor's, for a signature), not the manifest's artifactType."""
     url, digest = pushed["url"], pushed["digest"]
-    r = requests.get(f"http://{url}/v2/{REPO}/referrers/{digest}", timeout=5)
-    assert r.status_code == 200, r.text
-    listed = {d["digest"]: d["artifactType"] for d in r.json()["manifests"]}
+    pages, order = _listing(url, digest)
+    listed = {d["digest"]: d["artifactType"] for d in order}
     assert len(listed) == 4 and set(listed.values()) == {EMPTY_TYPE}
     assert pushed["signature"] in listed
+    if pushed["page"]:  # one a page, newest first: the signature, pushed first, comes last
+        assert pages == 4 and order[-1]["digest"] == pushed["signature"], (pages, order)
+    else:
+        assert pages == 1
     manifest = requests.get(
         f"http://{url}/v2/{REPO}/manifests/{pushed['signature']}",
         headers={"Accept": MANIFEST_TYPE},
@@ -187,6 +226,8 @@ def test_a_pull_verifies_a_signature_found_only_through_the_referrers_api(
     assert done["install"]["installed"] == 5 and done["install"]["signed_by"] == pushed["signed_by"]
     asked = registry["log"].read_text()[len(before) :]
     assert f"/v2/{REPO}/referrers/{pushed['digest']}" in asked, asked
+    # Paged: the client followed each page's link to the last, where the signature is.
+    assert asked.count("cursor=") == (3 if registry["page"] else 0), asked
     assert len(environments()) == 1
 
 
@@ -201,7 +242,7 @@ def test_a_signature_through_the_referrers_api_by_an_untrusted_key_is_refused(
     assert refused.stderr.count("\n") == 1 and "Traceback" not in refused.stderr
     root = Path(os.environ["XDG_CACHE_HOME"]) / "cachectl" / "default"
     assert not root.exists() or not [p for p in root.rglob("*") if p.is_file()]
-    assert environments() == []
+    assert_nothing_installed()
 
 
 def test_a_pull_for_this_machine_verifies_its_signature_through_the_referrers_api(
@@ -222,3 +263,28 @@ def test_a_pull_for_this_machine_verifies_its_signature_through_the_referrers_ap
     assert done["tag"].startswith("env-") and done["digest"] == pushed["digest"]
     assert done["signature_verified_by"] == pushed["signed_by"]
     assert done["install"]["installed"] == 5
+
+
+def test_a_next_page_on_another_host_is_not_followed(tmp_path: Path) -> None:
+    """A listing whose next page is named on another origin: the client reads no further (a
+    request there would carry what this registry was asked with, a login included), and with the
+    signature on a later page the pull is refused, nothing downloaded. Nothing connects to the
+    other origin, a socket listening for it."""
+    with socket.socket() as elsewhere:
+        elsewhere.bind(("127.0.0.1", 0))
+        elsewhere.listen()
+        elsewhere.setblocking(False)
+        base = f"http://127.0.0.1:{elsewhere.getsockname()[1]}"
+        log = tmp_path / "requests.log"
+        with _started(log, "-referrers-page", "1", "-referrers-link-base", base) as url:
+            (tmp_path / "source").mkdir()
+            pushed = _push_signed(url, tmp_path / "source")
+            r = requests.get(f"http://{url}/v2/{REPO}/referrers/{pushed['digest']}", timeout=5)
+            assert r.links["next"]["url"].startswith(base + "/v2/"), r.headers
+            invoke("cache", "set", "default", "--trust", str(pushed["pub"]))
+            refused = invoke("bundle", "pull", f"oci://{url}/{REPO}:v1", "--insecure", code=2)
+        assert "has no signature by a key cache 'default' trusts" in refused.stderr, refused.stderr
+        assert "nothing downloaded" in refused.stderr
+        with pytest.raises(BlockingIOError):
+            elsewhere.accept()  # nobody came
+    assert_nothing_installed()

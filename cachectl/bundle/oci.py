@@ -34,6 +34,7 @@ import shutil
 import tempfile
 import threading
 import time
+import urllib.parse
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -70,7 +71,8 @@ TIMEOUT_ENV = "CACHECTL_OCI_TIMEOUT"
 CA_ENV = "CACHECTL_OCI_CA_FILE"
 DEFAULT_TIMEOUT_S = 30.0
 _SMALL_MAX = 4 << 20  # a manifest, config or signature larger than this is not ours
-_CANDIDATES_MAX = 64  # env- tags read when no tag matches this machine
+_CANDIDATES_MAX = 64  # env- tags, or signatures' referrers, read at most
+_REFERRER_PAGES_MAX = 16  # pages of a paginated referrers listing read at most
 _LOOPBACK = ("127.0.0.1", "localhost", "[::1]", "::1")
 # The environment fields the annotations carry (the config carries them all).
 _ANNOTATED = {
@@ -538,27 +540,53 @@ class Registry:
         registry lists its config's media type, the empty descriptor's for an artifact like a
         signature. The caller checks each manifest's own ``artifactType``."""
         try:
-            r = self.request(
-                "GET",
-                f"{self.base}/referrers/{digest}?artifactType={artifact_type}",
-                stream=True,
-                what="referrers",
-            )
-            index = json.loads(self._read_small(r, _SMALL_MAX, "referrers"))
+            listed = self._referrers_api(digest, artifact_type)
         except NotFound:
             try:
                 body, _, _ = self.manifest(_fallback_tag(digest))
+                index = json.loads(body)
             except NotFound:
                 return []
-            index = json.loads(body)
-        except ValueError as exc:
-            raise BadBundle(
-                f"{self.ref}: the referrers of {digest[:19]} are not JSON ({exc})"
-            ) from None
-        listed = [d for d in index.get("manifests") or [] if isinstance(d, dict)]
+            except ValueError as exc:
+                raise BadBundle(
+                    f"{self.ref}: the referrers of {digest[:19]} are not a JSON index ({exc})"
+                ) from None
+            listed = [d for d in index.get("manifests") or [] if isinstance(d, dict)]
         return [d for d in listed if d.get("artifactType") == artifact_type] + [
             d for d in listed if d.get("artifactType") in (None, EMPTY_TYPE)
         ]
+
+    def _referrers_api(self, digest: str, artifact_type: str) -> list[dict[str, Any]]:
+        """The referrers API's listing, its pages followed (a registry may paginate it, with a
+        ``Link: <...>; rel="next"`` header) up to ``_CANDIDATES_MAX`` descriptors or
+        ``_REFERRER_PAGES_MAX`` pages, and only on this registry: a link elsewhere is not
+        followed, as no login goes to another host. NotFound: the registry has no API."""
+        url = f"{self.base}/referrers/{digest}?artifactType={artifact_type}"
+        origin = urllib.parse.urlsplit(self.base)[:2]
+        listed: list[dict[str, Any]] = []
+        for page in range(_REFERRER_PAGES_MAX):
+            try:
+                r = self.request("GET", url, stream=True, what="referrers")
+            except NotFound:
+                if page == 0:
+                    raise
+                break  # a page gone since the one before named it: what was listed stands
+            following = r.links.get("next", {}).get("url")
+            try:
+                index = json.loads(self._read_small(r, _SMALL_MAX, "referrers"))
+                if not isinstance(index, dict):
+                    raise ValueError(f"a JSON {type(index).__name__}, not an index")
+            except ValueError as exc:
+                raise BadBundle(
+                    f"{self.ref}: the referrers of {digest[:19]} are not a JSON index ({exc})"
+                ) from None
+            listed += [d for d in index.get("manifests") or [] if isinstance(d, dict)]
+            if not following or len(listed) >= _CANDIDATES_MAX:
+                break
+            url = urllib.parse.urljoin(url, following)
+            if urllib.parse.urlsplit(url)[:2] != origin:
+                break
+        return listed
 
     # ----------------------------------------------------------------- writing
 
