@@ -12,7 +12,9 @@ refer to the bundle), not under the manifest's ``artifactType`` as OCI distribut
 Every test runs twice: against the registry answering the listing at once, and with
 ``-referrers-page 1`` (the command's ``paged.go``): one referrer a page, newest push first, each
 page linking the next, as OCI distribution 1.1 lets a registry paginate it. The signature, pushed
-before the other referrers, is then on the last page.
+before the other referrers, is then on the last page. Two tests start their own: one whose next
+page is named on another host (not followed), one that answers a pushed referrer with
+``OCI-Subject`` (the push writes no tag schema index).
 """
 
 from __future__ import annotations
@@ -99,10 +101,12 @@ def pushed(registry: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) -
     return {**pushed, "page": registry["page"]}
 
 
-def _push_signed(url: str, base: Path) -> dict[str, Any]:
+def _push_signed(url: str, base: Path, *, oci_subject: bool = False) -> dict[str, Any]:
     """The tiny manifest warmed for real in its own home under ``base`` and pushed signed; then
     the tag schema's index removed from the registry, so a signature is found through the
-    referrers API or not at all; then three other artifacts made to refer to the bundle."""
+    referrers API or not at all; then three other artifacts made to refer to the bundle.
+    ``oci_subject``: the registry answers OCI-Subject (``-oci-subject``), so the push writes no
+    tag schema index at all."""
     manifest = tiny(base)
     home = {v: str(base / v.split("_")[1].lower()) for v in XDG}
     key, other = base / "signer.key", base / "other.key"
@@ -127,11 +131,14 @@ def _push_signed(url: str, base: Path) -> dict[str, Any]:
             ).stdout
         )
     fallback = result["digest"].replace(":", "-")
-    # The registry answered the signature's manifest without OCI-Subject: the push listed it in
-    # the tag schema's index as well. Removed here, so a pull cannot find it there.
-    assert result["referrers"] == "tag-schema", result
-    r = requests.delete(f"http://{url}/v2/{REPO}/manifests/{fallback}", timeout=5)
-    assert r.status_code == 202, (r.status_code, r.text)
+    if oci_subject:  # the registry said it keeps the referrer: no index at the fallback tag
+        assert result["referrers"] == "api", result
+    else:
+        # The registry answered the signature's manifest without OCI-Subject: the push listed it
+        # in the tag schema's index as well. Removed here, so a pull cannot find it there.
+        assert result["referrers"] == "tag-schema", result
+        r = requests.delete(f"http://{url}/v2/{REPO}/manifests/{fallback}", timeout=5)
+        assert r.status_code == 202, (r.status_code, r.text)
     gone = requests.get(
         f"http://{url}/v2/{REPO}/manifests/{fallback}", headers={"Accept": INDEX_TYPE}, timeout=5
     )
@@ -288,3 +295,22 @@ def test_a_next_page_on_another_host_is_not_followed(tmp_path: Path) -> None:
         with pytest.raises(BlockingIOError):
             elsewhere.accept()  # nobody came
     assert_nothing_installed()
+
+
+def test_a_registry_that_answers_oci_subject_gets_no_tag_schema_index(tmp_path: Path) -> None:
+    """A registry that answers a pushed referrer with OCI-Subject (OCI distribution 1.1) keeps it
+    in its referrers API: the push says ``api`` and writes no ``sha256-<hex>`` index (checked in
+    ``_push_signed``), and a pull verifies the signature the API lists."""
+    log = tmp_path / "requests.log"
+    (tmp_path / "source").mkdir()
+    with _started(log, "-oci-subject") as url:
+        pushed = _push_signed(url, tmp_path / "source", oci_subject=True)
+        invoke("cache", "set", "default", "--trust", str(pushed["pub"]))
+        done = json.loads(
+            invoke("bundle", "pull", f"oci://{url}/{REPO}:v1", "--insecure", "--json").stdout
+        )
+    assert done["signature_verified_by"] == pushed["signed_by"]
+    assert done["install"]["installed"] == 5
+    pushes = [line for line in log.read_text().splitlines() if "PUT /v2/" in line]
+    assert any(f"/manifests/{pushed['signature']}" in line for line in pushes), pushes
+    assert not any("/manifests/sha256-" in line for line in pushes), pushes

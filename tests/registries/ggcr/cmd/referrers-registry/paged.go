@@ -15,29 +15,31 @@ import (
 	"sync"
 )
 
-// paged serves the referrers API's listings in pages of n, newest push first, each page but the
+// paged serves the referrers API's listings in pages of n (when n > 0), newest push first, each page but the
 // last with a `Link: <...>; rel="next"` header to the next: OCI distribution 1.1 lets a
 // registry paginate them so, and the registry package lists every referrer in one answer, in
 // Go's map order. The order is the pushes' (seen here, by each manifest's digest), so a test
-// knows which page holds what. Every other request goes to the registry as it came.
+// knows which page holds what. With subject, a manifest push that has a subject is answered with
+// OCI-Subject. Every other request goes to the registry as it came.
 type paged struct {
-	inner http.Handler
-	n     int
-	base  string // put before each Link's path: "" (a relative link) or another origin's URL
+	inner   http.Handler
+	n       int    // referrers a page; 0: the registry's one answer
+	base    string // put before each Link's path: "" (a relative link) or another origin's URL
+	subject bool   // answer a pushed manifest that has a subject with its OCI-Subject header
 
 	mu     sync.Mutex
 	pushed map[string]int // manifest digest -> its push's place in the order
 }
 
-func newPaged(inner http.Handler, n int, base string) *paged {
-	return &paged{inner: inner, n: n, base: base, pushed: map[string]int{}}
+func newPaged(inner http.Handler, n int, base string, subject bool) *paged {
+	return &paged{inner: inner, n: n, base: base, subject: subject, pushed: map[string]int{}}
 }
 
 func (p *paged) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	switch {
 	case r.Method == http.MethodPut && strings.Contains(r.URL.Path, "/manifests/"):
 		p.recordPush(w, r)
-	case r.Method == http.MethodGet && strings.Contains(r.URL.Path, "/referrers/"):
+	case p.n > 0 && r.Method == http.MethodGet && strings.Contains(r.URL.Path, "/referrers/"):
 		p.servePage(w, r)
 	default:
 		p.inner.ServeHTTP(w, r)
@@ -58,7 +60,29 @@ func (p *paged) recordPush(w http.ResponseWriter, r *http.Request) {
 	}
 	p.mu.Unlock()
 	r.Body = io.NopCloser(bytes.NewReader(body))
+	var manifest struct {
+		Subject *struct {
+			Digest string `json:"digest"`
+		} `json:"subject"`
+	}
+	if p.subject && json.Unmarshal(body, &manifest) == nil && manifest.Subject != nil {
+		w = &withSubject{ResponseWriter: w, digest: manifest.Subject.Digest}
+	}
 	p.inner.ServeHTTP(w, r)
+}
+
+// withSubject adds OCI-Subject to a manifest push's 201, as OCI distribution 1.1 asks of a
+// registry with the referrers API (the registry package sends none).
+type withSubject struct {
+	http.ResponseWriter
+	digest string
+}
+
+func (w *withSubject) WriteHeader(code int) {
+	if code == http.StatusCreated {
+		w.Header().Set("OCI-Subject", w.digest)
+	}
+	w.ResponseWriter.WriteHeader(code)
 }
 
 func (p *paged) servePage(w http.ResponseWriter, r *http.Request) {
