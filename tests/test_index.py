@@ -143,7 +143,7 @@ def test_environment_stats_and_prefix_lookup(index) -> None:
 def test_one_environments_lookup_visits_its_own_entries_only(tmp_path) -> None:
     """find_environment (install's and pull's lookup by digest) sums the entries of the
     environment it names, not the whole cache's: over 1,000,000 rows the whole cache's sums
-    took 1.1 s (BENCHMARKS.md, "OCI"). Counted in SQLite's virtual-machine steps, which grow
+    took 0.9 CPU s (BENCHMARKS.md, "Planning"). Counted in SQLite's virtual-machine steps, which grow
     with the rows a statement visits: the lookup costs the same beside 20 or 2,020 entries of
     another environment."""
     url = f"sqlite:///{tmp_path}/index.db"

@@ -186,11 +186,15 @@ class ReaderQueries:
     ) -> list[EnvironmentInfo]:
         """``environment_stats``, of the environments whose digest starts with ``prefix`` (hex,
         checked by pick_environment) when given: the totals are summed over their entries
-        alone, not over the whole cache's (1.1 s at 1,000,000 rows in SQLite, BENCHMARKS.md,
-        "OCI"), which one environment's lookup (an install, a pull) does not need."""
+        alone, not over the whole cache's, which one environment's lookup (an install, a pull)
+        does not need (0.9 CPU s at 1,000,000 rows in SQLite; BENCHMARKS.md, "Planning")."""
         cid = cache_id(self.reader, cache)
         live = "" if include_deleted else " AND e.deleted_at IS NULL"
-        only = "" if prefix is None else " AND digest LIKE :prefix"
+        only, only_e = (
+            ("", "")
+            if prefix is None
+            else (" AND digest LIKE :prefix", " AND e.digest LIKE :prefix")
+        )
         sql = (
             f"SELECT {_ENV_COLUMNS}, a.n, a.b, a.la, a.x, a.xb, e.proof FROM environments e "
             "LEFT OUTER JOIN (SELECT environment_id, COUNT(id) AS n, "
@@ -198,7 +202,7 @@ class ReaderQueries:
             "COUNT(aot_sha256) AS x, COALESCE(SUM(aot_size_bytes), 0) AS xb FROM entries "
             f"WHERE environment_id IN (SELECT id FROM environments WHERE cache_id = :cid{only}) "
             "GROUP BY environment_id) a ON a.environment_id = e.id "
-            f"WHERE e.cache_id = :cid{live}{only.replace('digest', 'e.digest')} "
+            f"WHERE e.cache_id = :cid{live}{only_e} "
             "ORDER BY e.jax_version, e.backend, e.created_at"
         )
         params: dict[str, Any] = {"cid": cid}
