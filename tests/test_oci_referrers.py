@@ -314,3 +314,25 @@ def test_a_registry_that_answers_oci_subject_gets_no_tag_schema_index(tmp_path: 
     pushes = [line for line in log.read_text().splitlines() if "PUT /v2/" in line]
     assert any(f"/manifests/{pushed['signature']}" in line for line in pushes), pushes
     assert not any("/manifests/sha256-" in line for line in pushes), pushes
+
+
+def test_a_tag_schema_index_that_is_no_json_object_is_one_line(tmp_path: Path) -> None:
+    """Without the referrers API the pull reads the tag schema's ``sha256-<hex>`` index, by tag,
+    so its bytes are not checked against a digest. This registry keeps a manifest's bytes as
+    pushed: one that is JSON but no object is refused in one line, exit 2, nothing installed."""
+    (tmp_path / "source").mkdir()
+    with _started(tmp_path / "requests.log", "-referrers=false") as url:
+        pushed = _push_signed(url, tmp_path / "source")  # its index removed: one put back
+        fallback = pushed["digest"].replace(":", "-")
+        r = requests.put(
+            f"http://{url}/v2/{REPO}/manifests/{fallback}",
+            data=b"[]",
+            headers={"Content-Type": "application/json"},
+            timeout=5,
+        )
+        assert r.status_code == 201, (r.status_code, r.text)
+        invoke("cache", "set", "default", "--trust", str(pushed["pub"]))
+        refused = invoke("bundle", "pull", f"oci://{url}/{REPO}:v1", "--insecure", code=2)
+    assert "are not a JSON index (a JSON list)" in refused.stderr, refused.stderr
+    assert len(refused.stderr.strip().splitlines()) == 1, refused.stderr
+    assert_nothing_installed()

@@ -544,17 +544,26 @@ class Registry:
         except NotFound:
             try:
                 body, _, _ = self.manifest(_fallback_tag(digest))
-                index = json.loads(body)
             except NotFound:
                 return []
-            except ValueError as exc:
-                raise BadBundle(
-                    f"{self.ref}: the referrers of {digest[:19]} are not a JSON index ({exc})"
-                ) from None
-            listed = [d for d in index.get("manifests") or [] if isinstance(d, dict)]
+            listed = _listed(self.referrers_index(body, digest))
         return [d for d in listed if d.get("artifactType") == artifact_type] + [
             d for d in listed if d.get("artifactType") in (None, EMPTY_TYPE)
         ]
+
+    def referrers_index(self, body: bytes, digest: str) -> dict[str, Any]:
+        """A listing of ``digest``'s referrers (an API page, or the tag schema's index) as a
+        JSON object; BadBundle, one line, for anything else."""
+        try:
+            index = json.loads(body)
+        except ValueError as exc:
+            index = exc
+        if not isinstance(index, dict):
+            what = index if isinstance(index, ValueError) else f"a JSON {type(index).__name__}"
+            raise BadBundle(
+                f"{self.ref}: the referrers of {digest[:19]} are not a JSON index ({what})"
+            )
+        return index
 
     def _referrers_api(self, digest: str, artifact_type: str) -> list[dict[str, Any]]:
         """The referrers API's listing, its pages followed (a registry may paginate it, with a
@@ -572,15 +581,8 @@ class Registry:
                     raise
                 break  # a page gone since the one before named it: what was listed stands
             following = r.links.get("next", {}).get("url")
-            try:
-                index = json.loads(self._read_small(r, _SMALL_MAX, "referrers"))
-                if not isinstance(index, dict):
-                    raise ValueError(f"a JSON {type(index).__name__}, not an index")
-            except ValueError as exc:
-                raise BadBundle(
-                    f"{self.ref}: the referrers of {digest[:19]} are not a JSON index ({exc})"
-                ) from None
-            listed += [d for d in index.get("manifests") or [] if isinstance(d, dict)]
+            body = self._read_small(r, _SMALL_MAX, "referrers")
+            listed += _listed(self.referrers_index(body, digest))
             if not following or len(listed) >= _CANDIDATES_MAX:
                 break
             url = urllib.parse.urljoin(url, following)
@@ -930,7 +932,7 @@ def _push_signature(
     tag = _fallback_tag(digest)
     try:
         existing, _, _ = registry.manifest(tag)
-        index = json.loads(existing)
+        index = registry.referrers_index(existing, digest)
     except NotFound:
         index = {"schemaVersion": 2, "mediaType": INDEX_TYPE, "manifests": []}
     entry = {
@@ -938,10 +940,16 @@ def _push_signature(
         "artifactType": SIGNATURE_TYPE,
         "annotations": {A + "key-id": key.key_id},
     }
-    manifests = [m for m in index.get("manifests") or [] if m.get("digest") != sig_digest]
+    manifests = [m for m in _listed(index) if m.get("digest") != sig_digest]
     index["manifests"] = [*manifests, entry]
     registry.put_manifest(tag, _json(index), INDEX_TYPE)
     return sig_digest, "tag-schema"
+
+
+def _listed(index: dict[str, Any]) -> list[dict[str, Any]]:
+    """The descriptors a referrers listing holds (anything else in its list is left out)."""
+    manifests = index.get("manifests")
+    return [d for d in manifests if isinstance(d, dict)] if isinstance(manifests, list) else []
 
 
 # --------------------------------------------------------------------------- pull

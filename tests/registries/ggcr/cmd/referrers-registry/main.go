@@ -2,13 +2,16 @@
 // with the OCI referrers API on, for cachectl's tests: Debian's docker-registry (distribution
 // 2.8) has no referrers API, so the client's API path is tested against this one.
 //
-//	referrers-registry [-addr 127.0.0.1:0] [-log FILE] [-referrers-page N [-referrers-link-base URL]] [-oci-subject]
+//	referrers-registry [-addr 127.0.0.1:0] [-log FILE] [-referrers=false] [-referrers-page N [-referrers-link-base URL]] [-oci-subject]
 //
 // With -referrers-page N the referrers API answers in pages of N, newest push first, each with a
 // Link header to the next (paged.go), as OCI distribution 1.1 lets a registry paginate them;
 // -referrers-link-base makes those links name another origin (a client must not follow them
 // there, with or without its login). -oci-subject answers a pushed manifest that has a subject
 // with the OCI-Subject header, as OCI distribution 1.1 asks (the registry package sends none).
+//
+// -referrers=false answers the API's path 404, as a registry without it; this registry keeps a
+// manifest's bytes as pushed, whatever they are.
 //
 // It prints "listening on HOST:PORT" once it accepts connections (port 0: a free one) and
 // serves until killed. Plain HTTP, no login: for loopback only.
@@ -30,6 +33,7 @@ func main() {
 	addr := flag.String("addr", "127.0.0.1:0", "address to listen on (port 0: a free one)")
 	logFile := flag.String("log", "", "file for the request log (default: none)")
 	page := flag.Int("referrers-page", 0, "referrers listed per page, newest first (default 0: all in one)")
+	referrers := flag.Bool("referrers", true, "serve the referrers API (false: 404, as a registry without it)")
 	subject := flag.Bool("oci-subject", false, "answer a pushed manifest that has a subject with its OCI-Subject header")
 	linkBase := flag.String("referrers-link-base", "", "with -referrers-page: an origin (http://HOST:PORT) each next-page link names, instead of a relative link")
 	flag.Parse()
@@ -48,7 +52,7 @@ func main() {
 		os.Exit(2)
 	}
 	var handler http.Handler = registry.New(
-		registry.WithReferrersSupport(true),
+		registry.WithReferrersSupport(*referrers),
 		registry.Logger(log.New(out, "", log.LstdFlags)),
 	)
 	if *page > 0 || *subject {
