@@ -713,6 +713,9 @@ def measure_planning(db: str, index: Any) -> dict[str, Any]:
     totals_s, totals_cpu, _ = _best(lambda: environments(index, CACHE), index)
     largest = max(envs, key=lambda e: e.entries)  # as an install or a pull looks it up
     lookup_s, lookup_cpu, _ = _best(lambda: index.get_environment(CACHE, largest.digest), index)
+    from bench.planning_side import install_delta
+
+    delta_s, delta_cpu, _ = _best(install_delta(ctx, cache, largest, index), index)
     plans: dict[str, Any] = {}
     for name, (op, spec) in PLANS.items():
         if op == "prune":
@@ -744,6 +747,8 @@ def measure_planning(db: str, index: Any) -> dict[str, Any]:
         "totals_cpu_s": totals_cpu,
         "lookup_s": lookup_s,
         "lookup_cpu_s": lookup_cpu,
+        "delta_s": delta_s,
+        "delta_cpu_s": delta_cpu,
         "plans": plans,
         "load": os.getloadavg(),
     }
@@ -1069,7 +1074,14 @@ def planning_markdown(pl: dict[str, Any], quick: bool) -> str:
             f"**{dialect}**: filled in {d['fill_s']} s{size}; load average {' '.join(f'{x:.2f}' for x in d['load'])} "
             f"after; environment totals (GROUP BY over the covering index) {d['totals_s']} s wall, "
             f"{d['totals_cpu_s']} CPU s; one environment by digest, with its totals (what every "
-            f"install and pull looks up) {d['lookup_s']} s wall, {d['lookup_cpu_s']} CPU s.\n\n"
+            f"install and pull looks up) {d['lookup_s']} s wall, {d['lookup_cpu_s']} CPU s"
+            + (
+                f"; an install's delta of 2,000 entries into it (1,000 held) {d['delta_s']} s "
+                f"wall, {d['delta_cpu_s']} CPU s"
+                if "delta_s" in d
+                else ""
+            )
+            + ".\n\n"
         )
         w(
             "| plan | wall s | CPU s | entries selected | entry rows in the plan | print table s | print --json s |\n"
@@ -1085,7 +1097,7 @@ def planning_markdown(pl: dict[str, Any], quick: bool) -> str:
             rev = pl.get("against", "?")
             w(
                 f"Against `{rev}`, on the same index in the same run: each tree's gc plans, and its lookup "
-                "of one environment by digest, in a process of "
+                "of one environment by digest and an install's delta into it, in a process of "
                 f"its own, alternating, twice (best CPU s of 2 x 3 plans; "
                 f"{'parallel workers off, ' if dialect == 'postgresql' else ''}every plan made as at one "
                 "time, so both must select the same entries).\n\n"

@@ -4,7 +4,8 @@ cachectl of another tree (a worktree of REV, or this one) over an index already 
 Run as ``python bench/planning_side.py TREE DB_URL NOW``; prints one JSON object: plan name ->
 [best CPU s, entries, a digest of the plan's entries (environment, key, sizes, reason)], every plan
 made as at ``NOW`` (ISO), so both trees' plans can be compared; and the same for the lookup of one
-environment by digest (its entries and totals in the digest).
+environment by digest (its entries and totals in the digest), and for an install's delta into it
+(which entries are new and conflict, in the digest).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import json
 import sys
 from datetime import datetime
 from pathlib import Path
+from typing import Any
 
 
 def main(tree: str, db: str, now: datetime) -> dict[str, list[object]]:
@@ -63,11 +65,46 @@ def main(tree: str, db: str, now: datetime) -> dict[str, list[object]]:
         found.entries,
         hashlib.sha256(f"{found.id} {found.entries} {found.bytes}".encode()).hexdigest()[:16],
     ]
+    # An install's delta into it, by the tree's own bundle/install.py: a bundle of 2,000 entries,
+    # 1,000 of them held (it read every key of the namespace before).
+    _, cpu, delta = bl._best(install_delta(ctx, cache, largest, index), index)
+    out[DELTA] = [
+        cpu,
+        len(delta.new),
+        hashlib.sha256(
+            f"{delta.conflicts} {[e.key for e in delta.new]} {delta.nbytes}".encode()
+        ).hexdigest()[:16],
+    ]
     index.close()
     return out
 
 
+def install_delta(ctx: Any, cache: Any, env: Any, index: Any) -> Any:
+    """The call to time: an install's delta (bundle/install.py ``_delta``, the running tree's)
+    of a bundle of 2,000 entries into ``env``, 1,000 of them held and 1,000 new: which are new,
+    which conflict, their bytes. It read every key of the namespace before. Here, not in
+    bench/lifecycle.py (which imports it): this process imports the other tree's bench."""
+    import importlib
+    from types import SimpleNamespace
+
+    # By name: the package's own `install` is a function of that name.
+    install = importlib.import_module("cachectl.bundle.install")
+    held = sorted(index.entry_keys(env.id).items())[:1000]
+    entries = [
+        SimpleNamespace(key=k, size=size, sha256=sha, aot_size=None, aot_sha256=None)
+        for k, (size, sha) in held
+    ] + [
+        SimpleNamespace(
+            key=f"jit_new-{i:064x}", size=100, sha256="0" * 64, aot_size=None, aot_sha256=None
+        )
+        for i in range(2000 - len(held))
+    ]
+    staged = SimpleNamespace(entries=entries, cache=cache, env=SimpleNamespace(digest=env.digest))
+    return lambda: install._delta(ctx, staged)
+
+
 LOOKUP = "one environment by digest (install's and pull's lookup)"
+DELTA = "an install's delta: 2,000 entries into it, 1,000 held"
 
 
 if __name__ == "__main__":

@@ -63,6 +63,41 @@ def test_bundle_round_trip_on_a_fresh_home(tmp_path: Path, made: dict[str, Any])
     assert (again["installed"], again["already_present"]) == (0, 5)
 
 
+def test_install_into_a_namespace_compares_each_key_with_its_row(
+    tmp_path: Path, made: dict[str, Any]
+) -> None:
+    """An install reads the rows of the bundle's keys (``held_entries``) and sorts each entry: one
+    whose row has another sha256 is a conflict (not written), one held without its stored
+    executable gets the bundle's, the others are already present."""
+    from cachectl.context import Context
+    from cachectl.core.config import load_settings
+    from cachectl.index import NewEntry
+
+    first = json.loads(invoke("bundle", "install", str(made["bundle"]), "--json").stdout)
+    ns = Path(first["dest"])
+    keys = sorted(b["key"] for b in made["report"]["buckets"])
+    bare, other = keys[0], keys[1]
+    ctx = Context(load_settings())
+    try:
+        env = ctx.index.get_environment(first["cache"], first["digest"])
+        ctx.index.set_executables(env.id, {bare: None})
+        (ns / f"{bare}-aot").unlink()
+        row = ctx.index.get_entry(env.id, other)
+        assert row is not None
+        ctx.index.upsert_entries(
+            env.id, [NewEntry(other, row.module, row.size, "f" * 64, row.origin)]
+        )
+    finally:
+        ctx.close()
+    assert environments()[0]["executables"] == 4
+
+    again = json.loads(invoke("bundle", "install", str(made["bundle"]), "--json").stdout)
+    assert (again["installed"], again["already_present"], again["conflicts"]) == (0, 4, [other])
+    assert (ns / f"{bare}-aot").is_file()
+    (env_row,) = environments()
+    assert (env_row["entries"], env_row["executables"]) == (5, 5)
+
+
 def test_bundle_stores_entries_raw_and_stays_a_standard_zstd_tar(
     tmp_path: Path, made: dict[str, Any]
 ) -> None:

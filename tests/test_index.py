@@ -7,10 +7,11 @@ import threading
 from datetime import UTC, datetime, timedelta
 
 import pytest
-from sqlalchemy import inspect
+from sqlalchemy import event, inspect
 from support.environments import ENV
 
 from cachectl.core.errors import BadInput, NotFound
+from cachectl.core.records import HeldEntry
 from cachectl.index import NewEntry, open_index
 from cachectl.index import db as index_db
 from cachectl.index.reads import Queries, SqliteReader
@@ -179,6 +180,62 @@ def test_one_environments_lookup_visits_its_own_entries_only(tmp_path) -> None:
         reader.close()
         idx.close()
     assert beside_many <= beside_few + 2, (beside_few, beside_many)
+
+
+def test_held_entries_are_the_asked_keys_rows(index) -> None:
+    """What an install's delta compares a bundle with: the asked keys the environment holds, each
+    with its size, sha256 and stored executable's; a key it does not hold is absent, another
+    environment's row is not read as this one's."""
+    index.add_cache("a", "/tmp/a")
+    env = index.ensure_environment("a", ENV)
+    other = index.ensure_environment("a", dataclasses.replace(ENV, jax_version="0.9.0"))
+    index.upsert_entries(env.id, [entry(1), entry(2, aot_size=7, aot_sha256="e" * 64)])
+    index.upsert_entries(other.id, [entry(3)])
+    keys = [entry(i).key for i in (1, 2, 3, 4)]
+    assert index.held_entries(env.id, keys + keys[:1]) == {
+        keys[0]: HeldEntry(101, f"{1:064x}"),
+        keys[1]: HeldEntry(102, f"{2:064x}", 7, "e" * 64),
+    }
+    many = [entry(i) for i in range(10, 1210)]  # more keys than one statement's chunk
+    index.upsert_entries(env.id, many)
+    held = index.held_entries(env.id, [e.key for e in many])
+    assert len(held) == 1200 and held[many[-1].key] == HeldEntry(many[-1].size, many[-1].sha256)
+    assert index.held_entries(env.id, []) == {}
+
+
+def test_held_entries_read_the_asked_keys_only(tmp_path) -> None:
+    """An install into a namespace of many thousands of entries looks up its own keys' rows: it
+    read the whole namespace's before (132 ms at 55,555 entries, BENCHMARKS.md "Planning").
+    Counted in SQLite's virtual-machine steps, which grow with the rows a statement visits: the
+    lookup of two keys costs the same beside 20 or 2,020 other entries of the same environment."""
+    idx = open_index(f"sqlite:///{tmp_path}/index.db")
+    idx.add_cache("a", str(tmp_path / "a"))
+    env = idx.ensure_environment("a", ENV)
+    idx.upsert_entries(env.id, [entry(1), entry(2)])
+    ticks = [0]
+
+    def tick() -> int:
+        ticks[0] += 1
+        return 0  # go on
+
+    @event.listens_for(idx.engine, "before_cursor_execute")
+    def count(conn, cursor, statement, parameters, context, executemany) -> None:
+        conn.connection.driver_connection.set_progress_handler(tick, 10)
+
+    def steps() -> int:
+        ticks[0] = 0
+        held = idx.held_entries(env.id, [entry(1).key, entry(2).key])
+        assert set(held) == {entry(1).key, entry(2).key}
+        return ticks[0]
+
+    try:
+        idx.upsert_entries(env.id, [entry(i) for i in range(100, 120)])
+        beside_few = steps()
+        idx.upsert_entries(env.id, [entry(i) for i in range(1000, 3000)])
+        beside_many = steps()
+    finally:
+        idx.close()
+    assert 0 < beside_many <= beside_few + 2, (beside_few, beside_many)
 
 
 def test_ambiguous_prefix(index) -> None:

@@ -13,6 +13,7 @@ from support.server_kit import MAIN, LiveServer, bearer, entry_key, seed
 
 from cachectl.client import RemoteIndex, ServerClient
 from cachectl.core.errors import BadInput, NotFound, PermissionDenied
+from cachectl.core.records import HeldEntry
 from cachectl.index import open_index
 from cachectl.storage import executables
 from cachectl.storage.entries import sha256
@@ -68,6 +69,10 @@ def test_upload_download_and_listing_of_an_entrys_executable(live) -> None:
     listed = {e.key: e for e in remote.list_entries(env.id)}
     assert (listed[key].aot_size, listed[key].aot_sha256) == (len(data), sha256(data))
     assert remote.aot_keys(env.id) == {key: (len(data), sha256(data))}
+    entry_sha = sha256(s.entry_bytes[key])
+    assert remote.held_entries(env.id, [key, "jit_absent-" + "0" * 64]) == {
+        key: HeldEntry(len(s.entry_bytes[key]), entry_sha, len(data), sha256(data))
+    }
     assert remote.find_environment(MAIN, s.digest).executables == 1
     stats = httpx.get(
         f"{server.url}{API}/caches/{MAIN}/stats", headers=bearer(s.tokens["reader"])

@@ -583,20 +583,25 @@ def _check_signature(
 def _delta(ctx: Context, staged: _Staged) -> _Delta:
     """Which entries are new, which conflict, which bring a new executable, and their bytes."""
     entries = staged.entries
+    info: EnvironmentInfo | None
     try:
         info = ctx.index.get_environment(staged.cache.name, staged.env.digest)
-        present = ctx.index.entry_keys(info.id)
-        present_aot = ctx.index.aot_keys(info.id)
     except NotFound:
-        info, present, present_aot = None, {}, {}
-    conflicts = sorted(e.key for e in entries if e.key in present and present[e.key][1] != e.sha256)
-    new = [e for e in entries if e.key not in present]
+        info = None
+    # The bundle's keys' rows only, not the namespace's (BENCHMARKS.md, "Planning").
+    held = ctx.index.held_entries(info.id, [e.key for e in entries]) if info is not None else {}
+    clash = {e.key for e in entries if e.key in held and held[e.key].sha256 != e.sha256}
+    new = [e for e in entries if e.key not in held]
     new_aot = [
-        e for e in entries if e.aot_sha256 and e.key not in conflicts and e.key not in present_aot
+        e
+        for e in entries
+        if e.aot_sha256
+        and e.key not in clash
+        and ((h := held.get(e.key)) is None or h.aot_sha256 is None)
     ]
     # The sizes staging verified (each file against the content list, the list against the rows).
     nbytes = sum(e.size for e in new) + sum(int(e.aot_size or 0) for e in new_aot)
-    return _Delta(info, conflicts, new, new_aot, nbytes)
+    return _Delta(info, sorted(clash), new, new_aot, nbytes)
 
 
 def _commit(ctx: Context, staged: _Staged, dry_run: bool) -> InstallResult:

@@ -10,7 +10,7 @@ from cachectl.client.server_client import ServerClient
 from cachectl.client.transport import API, seg
 from cachectl.client.wire import decode
 from cachectl.core.errors import BadInput, CachectlError, NotFound, PermissionDenied
-from cachectl.core.records import CacheInfo, EnvironmentInfo, pick_environment
+from cachectl.core.records import CacheInfo, EnvironmentInfo, HeldEntry, pick_environment
 
 if TYPE_CHECKING:
     from cachectl.core.config import Settings
@@ -158,6 +158,16 @@ class RemoteIndex:
             e.key: (e.aot_size, e.aot_sha256)
             for e in self.list_entries(env_id)
             if getattr(e, "aot_sha256", None)
+        }
+
+    def held_entries(self, env_id: int, keys: Iterable[str]) -> dict[str, HeldEntry]:
+        """One listing of the environment (the server has no lookup by many keys), kept to
+        ``keys``: entry_keys and aot_keys each list it."""
+        wanted = set(keys)
+        return {
+            e.key: HeldEntry(e.size, e.sha256, e.aot_size, e.aot_sha256)
+            for e in self.list_entries(env_id)
+            if e.key in wanted
         }
 
     def get_entry(self, env_id: int, key: str) -> Any:

@@ -140,6 +140,17 @@ class NewEntry:
 
 
 @dataclass(frozen=True)
+class HeldEntry:
+    """What an environment's row holds for one key: the entry's size and sha256, and its stored
+    executable's (None: it has none). What an install compares a bundle's entries with."""
+
+    size: int
+    sha256: str
+    aot_size: int | None = None
+    aot_sha256: str | None = None
+
+
+@dataclass(frozen=True)
 class AuditInfo:
     at: datetime
     actor: str

@@ -17,6 +17,7 @@ from cachectl.core.records import (
     CacheInfo,
     EntryInfo,
     EnvironmentInfo,
+    HeldEntry,
     NewEntry,
     Proof,
     WarmRunInfo,
@@ -82,6 +83,10 @@ class IndexBackend(Protocol):
     def entry_keys(self, env_id: int) -> dict[str, tuple[int, str]]: ...
 
     def aot_keys(self, env_id: int) -> dict[str, tuple[int, str]]: ...
+
+    def held_entries(self, env_id: int, keys: Iterable[str]) -> dict[str, HeldEntry]:
+        """The rows of ``keys`` (those the environment holds), without reading its other rows."""
+        ...
 
     def set_executables(
         self, env_id: int, executables: dict[str, tuple[int, str] | None]

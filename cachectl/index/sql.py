@@ -26,6 +26,7 @@ from cachectl.core.records import (  # noqa: F401 - actor is re-exported
     CacheInfo,
     EntryInfo,
     EnvironmentInfo,
+    HeldEntry,
     NewEntry,
     Proof,
     WarmRunInfo,
@@ -457,6 +458,21 @@ class Index(reads.ReaderQueries):
                 Entry.environment_id == env_id, Entry.aot_sha256.is_not(None)
             )
             return {k: (size, sha) for k, size, sha in s.execute(q)}
+
+    def held_entries(self, env_id: int, keys: Iterable[str]) -> dict[str, HeldEntry]:
+        """The rows of ``keys`` the environment holds, looked up by key (its unique index), 500
+        keys a statement: an install of a bundle into a namespace of many thousands reads its own
+        keys' rows, not the namespace's (bench/lifecycle.py, "install delta")."""
+        wanted = list(dict.fromkeys(keys))
+        held: dict[str, HeldEntry] = {}
+        q = select(
+            Entry.key, Entry.size_bytes, Entry.sha256, Entry.aot_size_bytes, Entry.aot_sha256
+        ).where(Entry.environment_id == env_id, Entry.key.in_(bindparam("keys", expanding=True)))
+        with self.read_session() as s:
+            for chunk in entry_writes.chunks(wanted):
+                for key, size, sha, aot_size, aot_sha in s.execute(q, {"keys": list(chunk)}):
+                    held[key] = HeldEntry(size, sha, aot_size, aot_sha)
+        return held
 
     def set_executables(self, env_id: int, executables: dict[str, tuple[int, str] | None]) -> int:
         """Record (size, sha256) of entries' stored executables, or clear them (None); rows touched.
