@@ -1100,7 +1100,10 @@ def planning_markdown(pl: dict[str, Any], quick: bool) -> str:
                 "of one environment by digest and an install's delta into it, in a process of "
                 f"its own, alternating, twice (best CPU s of 2 x 3 plans; "
                 f"{'parallel workers off, ' if dialect == 'postgresql' else ''}every plan made as at one "
-                "time, so both must select the same entries).\n\n"
+                "time, so both must select the same entries). The delta is `bundle/install.py`'s "
+                "`_delta` of each tree, its environment lookup included: this tree's reads the rows "
+                "of the bundle's 2,000 keys (`held_entries`, 500 keys a statement by the "
+                "(environment, key) unique index), where it read every row of the namespace.\n\n"
             )
             w(
                 f"| plan | `{rev}` CPU s | this CPU s | ratio | entries | same entries, keys, sizes, reasons |\n"
