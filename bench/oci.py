@@ -585,6 +585,21 @@ def markdown(r: dict[str, Any]) -> str:
         "files on the other core): 123 to 131 ms against 43 to 47 ms for Python's own loop of "
         "creating, writing, closing and hashing 2,000 files on tmpfs (medians of 8, three "
         "alternating runs).",
+        "- Ninth pass: no change to what this bench's pull does (an install into a namespace "
+        "that holds rows now reads only the rows of the bundle's keys, `held_entries`: the "
+        "Lifecycle section's Planning part times it; a pull into a fresh namespace, as here, "
+        "finds no environment and reads no row). Runs of the whole bench on 2026-12-06, back to "
+        "back on a quiet machine (load average 0.4 to 1.4), the tmpfs row's median: 1.26, 1.25, "
+        "1.36, 1.27, 1.28 and 1.19x (the disk rows 0.54 to 0.59x and 1.00 to 1.23x); `--tmpfs` "
+        "alone: 1.24 and 1.21x. So the goal of 1.3x holds at the median of runs (1.26x), without "
+        "much margin: one run in eight was above it. Where the index rows' insert goes (sqlite3 "
+        "alone, 2,000 bundle-like rows into a fresh index, medians of 12, two runs): 11.4 and "
+        "11.7 ms with the `entries` table's 9 indexes, 6.7 ms with none (by `executemany`: 12.4 "
+        "and 12.7 ms, and 3.8 and 3.9 ms), so about 40% of it is keeping indexes that gc, prune "
+        "and the planning reads need. Seen and not kept: a pull takes about 3,000 minor page "
+        "faults (the floor in the same process none); with glibc's mmap and trim thresholds "
+        "raised (`MALLOC_MMAP_THRESHOLD_`, `MALLOC_TRIM_THRESHOLD_`) it took 104, and the same "
+        "118 ms (medians of 10), so fresh pages are not where its time goes on a quiet machine.",
         "",
     ]
     return "\n".join(lines)
