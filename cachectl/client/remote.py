@@ -161,8 +161,8 @@ class RemoteIndex:
         }
 
     def held_entries(self, env_id: int, keys: Iterable[str]) -> dict[str, HeldEntry]:
-        """One listing of the environment (the server has no lookup by many keys), kept to
-        ``keys``: entry_keys and aot_keys each list it."""
+        """One listing of the environment kept to ``keys`` (the server has no lookup by many
+        keys): one listing where entry_keys and aot_keys made one each."""
         wanted = set(keys)
         return {
             e.key: HeldEntry(e.size, e.sha256, e.aot_size, e.aot_sha256)

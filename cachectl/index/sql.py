@@ -462,7 +462,7 @@ class Index(reads.ReaderQueries):
     def held_entries(self, env_id: int, keys: Iterable[str]) -> dict[str, HeldEntry]:
         """The rows of ``keys`` the environment holds, looked up by key (its unique index), 500
         keys a statement: an install of a bundle into a namespace of many thousands reads its own
-        keys' rows, not the namespace's (bench/lifecycle.py, "install delta")."""
+        keys' rows, not the namespace's (BENCHMARKS.md, "Planning": an install's delta)."""
         wanted = list(dict.fromkeys(keys))
         held: dict[str, HeldEntry] = {}
         q = select(
