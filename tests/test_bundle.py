@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -96,6 +97,41 @@ def test_install_into_a_namespace_compares_each_key_with_its_row(
     assert (ns / f"{bare}-aot").is_file()
     (env_row,) = environments()
     assert (env_row["entries"], env_row["executables"]) == (5, 5)
+
+
+def test_an_install_whose_new_namespace_appears_before_its_rename_writes_into_it(
+    made: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two installs of one bundle at once (two pulls on a node): both find no namespace and
+    stage it whole; the first rename makes it. The second's rename then meets a directory that
+    is not empty, and its files go into that namespace one by one: both succeed, one intact
+    copy. Here the other install is a real process run to its end in that window."""
+    from cachectl.storage import ingest
+
+    rename = ingest._rename_staging
+    others: list[dict[str, Any]] = []
+
+    def other_install_lands_first(*args: Any, **kwargs: Any) -> bool:
+        other = subprocess.run(
+            [sys.executable, "-m", "cachectl", "bundle", "install", str(made["bundle"]), "--json"],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert other.returncode == 0, other.stderr
+        others.append(json.loads(other.stdout))
+        return rename(*args, **kwargs)
+
+    monkeypatch.setattr(ingest, "_rename_staging", other_install_lands_first)
+    done = json.loads(invoke("bundle", "install", str(made["bundle"]), "--json").stdout)
+    assert [o["installed"] for o in others] == [5] and done["installed"] == 5, (others, done)
+    (env,) = environments()
+    assert (env["entries"], env["executables"]) == (5, 5)
+    ns = Path(done["dest"])
+    assert len([p for p in ns.iterdir() if p.name != "env.json"]) == 10
+    assert not (default_root() / ".staging").exists()
+    # verify reads every file against its index row: one intact copy, no debris.
+    assert json.loads(invoke("verify", "--json").stdout)["plan"]["findings"] == []
 
 
 def test_bundle_stores_entries_raw_and_stays_a_standard_zstd_tar(

@@ -447,9 +447,13 @@ def publish(
         check_fits(index, cache, env_id, added)
     run = parallel or (lambda fn, keys: [(k, _guarded(fn, k)) for k in keys])
     failed: dict[str, tuple[str, Exception]] = {}
-    if staging is not None and store.is_local and not store.exists(env.namespace):
-        _rename_staging(staging, store, cache, env, objects)
-    else:
+    renamed = (
+        staging is not None
+        and store.is_local
+        and not store.exists(env.namespace)
+        and _rename_staging(staging, store, cache, env, objects)
+    )
+    if not renamed:
         if not namespace_ready:
             ensure_namespace(store, env, group=cache.group)
         failed = _write_objects(store, env.namespace, objects, run)
@@ -461,9 +465,11 @@ def publish(
 
 def _rename_staging(
     staging: Path, store: Store, cache: CacheInfo, env: Environment, objects: list[NewObject]
-) -> None:
+) -> bool:
     """A new namespace from its staging directory: what the batch does not write is removed
-    first, then one rename makes every file appear at once."""
+    first, then one rename makes every file appear at once. False when the namespace appeared
+    after the caller looked (another install's rename won): the batch is then written into it
+    file by file, as into any namespace that exists."""
     keep = {o.row.key + CACHE_SUFFIX for o in objects if o.entry is not None}
     keep |= {o.row.key + EXECUTABLE_SUFFIX for o in objects if o.executable is not None}
     for name in os.listdir(staging):
@@ -472,8 +478,14 @@ def _rename_staging(
     final = Path(store.url_for(env.namespace))
     final.parent.mkdir(parents=True, exist_ok=True)
     os.chmod(staging, 0o2775 if cache.group else 0o755)
-    os.rename(staging, final)
+    try:
+        os.rename(staging, final)
+    except OSError as exc:
+        if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+            raise
+        return False
     ensure_namespace(store, env, group=cache.group)
+    return True
 
 
 def _write_objects(
