@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +17,7 @@ from support.bundles import (
     members,
     write_members,
 )
+from support.infra import run_cachectl
 from support.warming import invoke, service
 
 
@@ -112,12 +112,8 @@ def test_an_install_whose_new_namespace_appears_before_its_rename_writes_into_it
     others: list[dict[str, Any]] = []
 
     def other_install_lands_first(*args: Any, **kwargs: Any) -> bool:
-        other = subprocess.run(
-            [sys.executable, "-m", "cachectl", "bundle", "install", str(made["bundle"]), "--json"],
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
+        bundle = made["bundle"]
+        other = run_cachectl(bundle.parent, "bundle", "install", str(bundle), "--json", timeout=300)
         assert other.returncode == 0, other.stderr
         others.append(json.loads(other.stdout))
         return rename(*args, **kwargs)
