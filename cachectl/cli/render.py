@@ -25,18 +25,29 @@ class _LazyConsole:
         self._options = options
         self._console: Console | None = None
 
-    def __getattr__(self, name: str) -> Any:
+    def real(self) -> Console:
+        """The Console itself, for code that uses it as a context manager (rich's Progress and
+        Live do ``with console:``): special methods are looked up on the type, never forwarded by
+        ``__getattr__``, so the proxy itself would crash there."""
         if self._console is None:
             from rich.console import Console
 
             self._console = Console(**self._options)
-        return getattr(self._console, name)
+        return self._console
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.real(), name)
 
 
 stdout: Console = _LazyConsole(soft_wrap=True)  # type: ignore[assignment]
 stderr: Console = _LazyConsole(stderr=True, soft_wrap=True)  # type: ignore[assignment]
 
 json_option = click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+
+
+def real_console(console: Console) -> Console:
+    """The rich Console behind ``stdout``/``stderr`` (made now if it was not yet)."""
+    return console.real() if isinstance(console, _LazyConsole) else console
 
 
 def print_json(obj: Any) -> None:

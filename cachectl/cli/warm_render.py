@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from cachectl.cli.render import escape, size, stderr, stdout, table
+from cachectl.cli.render import escape, real_console, size, stderr, stdout, table
 from cachectl.core.jax_seam import host_callbacks_cause
 from cachectl.core.units import format_size
 
@@ -207,7 +207,7 @@ class Progress:
                 MofNCompleteColumn(),
                 TimeElapsedColumn(),
                 TextColumn("{task.description}"),
-                console=stderr,
+                console=real_console(stderr),
                 transient=True,
             )
 
