@@ -43,6 +43,34 @@ functions:
 """
 
 
+# A train step that donates its state, as an optimizer step does: the state's buffers are gone
+# after the first call, so every call must get inputs of its own.
+DONATED_MODULE = """
+import jax
+import jax.numpy as jnp
+
+def state_specs():
+    return {"w": jax.ShapeDtypeStruct((8, 8), jnp.float32), "rng": jax.eval_shape(lambda: jax.random.key(0))}
+
+def step(state, x):
+    rng, sub = jax.random.split(state["rng"])
+    noise = jax.random.normal(sub, state["w"].shape) * 0.01
+    return {"w": state["w"] - 0.1 * jnp.tanh(x).mean() * state["w"] + noise, "rng": rng}
+"""
+
+DONATED_MANIFEST = """
+version: 1
+target: {backend: cpu}
+functions:
+  - fn: wc_donated:step
+    args:
+      - {pytree: wc_donated:state_specs}
+      - {shape: [batch, 8], dtype: float32}
+    jit: {donate_argnums: [0]}
+    buckets: {batch: [2, 4]}
+"""
+
+
 def _proof_rows() -> list[dict[str, Any] | None]:
     db = Path(os.environ["XDG_DATA_HOME"]) / "cachectl" / "index.db"
     with sqlite3.connect(db) as conn:
@@ -132,6 +160,18 @@ def test_outputs_that_differ_fail_the_check_and_unprove_the_namespace(
     text = invoke("warm-check", str(manifest), "--canary", code=1).output
     assert "canary: 2 stored executable(s) did not give the outputs of a compile here" in text
     assert "Traceback" not in text
+
+
+def test_canary_of_a_donated_train_step_is_equal(tmp_path: Path) -> None:
+    """Donation deletes the state's buffers at the stored executable's call: the fresh compile
+    must get its own copy of the inputs, or the canary can never prove a train step."""
+    (tmp_path / "wc_donated.py").write_text(DONATED_MODULE)
+    manifest = tmp_path / "donated.yaml"
+    manifest.write_text(DONATED_MANIFEST)
+    invoke("warm", str(manifest), "--json")
+    data = json.loads(invoke("warm-check", str(manifest), "--canary", "--json").stdout)
+    assert [b["canary"] for b in data["buckets"]] == ["equal", "equal"], data["buckets"]
+    assert data["proof"]["proven"] is True
 
 
 def test_canary_with_replay_is_refused_in_one_line() -> None:

@@ -352,6 +352,9 @@ def _canary(rt: Serving, request: dict[str, Any], function: str, bucket: str) ->
     except Exception as exc:  # noqa: BLE001 - said in the report; the check fails on it
         return f"not run (the stored executable on random inputs: {error_text(exc)})"
     try:
+        # Inputs of its own, equal to the stored call's (same seed): that call may have donated
+        # (deleted) its arguments' buffers, as a train step does with its state.
+        args, kwargs = random_inputs(spec, which, request["paths"], position)
         fresh = fresh_outputs(spec, request["paths"], args, kwargs)
     except Exception as exc:  # noqa: BLE001
         return f"not run (jax.jit here: {error_text(exc)})"
