@@ -3,7 +3,7 @@
 A pytree argument declares its bucket dimensions with ``leaf_axes`` (every leaf, or by leaf
 path); cachectl.serving then picks the bucket from those leaves and pads them. A pytree that
 varies with the buckets but declares none is said at warm and at serving start, and a call whose
-leaves are not a bucket's is refused with a message, never a TypeError from deep in JAX. Every
+leaves are not a bucket's goes through jax.jit at its own shapes with one warning, never a TypeError from deep in JAX. Every
 service is a fresh process (infra.run_py); compiles are counted as in tests/test_serving.py.
 """
 
@@ -161,7 +161,7 @@ def test_pytree_leaf_axes_route_and_pad_calls_with_zero_compiles(tmp_path: Path)
     assert "leaf_axes" not in stderr
 
 
-def test_a_pytree_without_leaf_axes_is_said_and_its_calls_refused_with_a_message(
+def test_a_pytree_without_leaf_axes_is_said_and_its_calls_go_through_jit(
     tmp_path: Path,
 ) -> None:
     manifest = _setup(tmp_path, "{pytree: envs:state_specs}")
@@ -177,11 +177,16 @@ def test_a_pytree_without_leaf_axes_is_said_and_its_calls_refused_with_a_message
 
     got, stderr = _serve(tmp_path, manifest)
     assert "declares no leaf_axes" in stderr  # said at serving start too
-    for n in ("step5", "step8"):
-        kind, message = got["errors"][n]
-        assert kind == "OutOfBucket", got["errors"]
-        assert "leaf_axes" in message and "compiled with" in message, message
-    assert got["compiles"][0] == got["compiles"][1]  # refused, not compiled
+    assert got["errors"] == {}, got["errors"]  # answered, never raised
+    step = got["report"]["functions"]["step"]
+    assert (step["aot"], step["fallback"], step["out_of_bucket"]) == (0, 2, 0), step
+    assert [len(got["out"][n]["obs"]) for n in ("step5", "step8")] == [5, 8]  # their own shapes
+    fallback = [line for line in stderr.splitlines() if "serving through jax.jit" in line]
+    assert len(fallback) == 1 and "leaf_axes" in fallback[0], stderr
+    before, during = got["compiles"]  # jit compiled them at their shapes: what plain JAX does
+    assert during.get("/jax/core/compile/backend_compile_duration", 0) > before.get(
+        "/jax/core/compile/backend_compile_duration", 0
+    ), got["compiles"]
     assert got["errors"].get("predict4") is None  # the declared function still serves
 
 
@@ -423,13 +428,53 @@ functions:
 UNDECLARED_SERVICE = """
 import json, sys
 sys.path.insert(0, {dir!r})
+import jax, numpy as np
 import cachectl, graphs
 rt = cachectl.serving({manifest!r})
-try:
-    rt["predict"](graphs.params(), graphs.graph())
-    print(json.dumps(None))
-except Exception as exc:
-    print(json.dumps([type(exc).__name__, str(exc)]))
+params, graph = graphs.params(), graphs.graph()
+got = [np.asarray(rt["predict"](params, graph)).tolist() for _ in range(2)]
+want = np.asarray(jax.jit(graphs.predict)(params, graph)).tolist()
+print(json.dumps([got, want, rt.report().to_json()["functions"]["predict"]]))
+"""
+
+# A Brax/MJX-like environment state without leaf_axes, beside an action array that carries the
+# bucket axis: a call for 5 environments picks bucket 8 by the actions, and the state's leaves
+# (5 rows) are not the executable's (8 rows).
+UNDECLARED_STATE_MANIFEST = """
+version: 1
+target: {backend: cpu}
+functions:
+  - fn: undeclared_envs:env_step
+    args:
+      - {pytree: undeclared_envs:state_specs}
+      - {shape: [n, 3], dtype: float32}
+    buckets: {n: [1, 8, 32]}
+"""
+
+UNDECLARED_STATE_MODULE = """
+import jax, jax.numpy as jnp
+
+def state_specs(n):
+    return {"pipeline_state": {"q": jax.ShapeDtypeStruct((n, 3), jnp.float32),
+                               "time": jax.ShapeDtypeStruct((n,), jnp.float32)}}
+
+def env_step(state, action):
+    ps = state["pipeline_state"]
+    return {"pipeline_state": {"q": ps["q"] + action, "time": ps["time"] + 1.0}}
+"""
+
+UNDECLARED_STATE_SERVICE = """
+import json, sys, warnings
+sys.path.insert(0, {dir!r})
+import jax, numpy as np
+import cachectl, undeclared_envs as envs
+rt = cachectl.serving({manifest!r})
+n = 5
+state = {{"pipeline_state": {{"q": np.ones((n, 3), np.float32), "time": np.zeros((n,), np.float32)}}}}
+action = np.full((n, 3), 0.5, np.float32)
+got = [jax.tree_util.tree_map(lambda a: np.asarray(a).tolist(), rt["env_step"](state, action)) for _ in range(2)]
+want = jax.tree_util.tree_map(lambda a: np.asarray(a).tolist(), jax.jit(envs.env_step)(state, action))
+print(json.dumps([got, want, rt.report().to_json()["functions"]["env_step"]]))
 """
 
 
@@ -444,11 +489,39 @@ def test_an_undeclared_pytree_is_named_by_the_argument_and_leaf_that_differ(
     manifest.write_text(UNDECLARED)
     assert _warm(manifest).exit_code == 0
     proc = run_py(UNDECLARED_SERVICE.format(dir=str(tmp_path), manifest=str(manifest)), check=True)
-    said = [line for line in proc.stderr.splitlines() if "declare" in line and "leaf_axes" in line]
+    said = [line for line in proc.stderr.splitlines() if "shapes no array argument" in line]
     assert len(said) == 1 and "pytree argument 0 and pytree argument 1 declare no" in said[0]
-    kind, message = last_json(proc)
-    assert kind == "OutOfBucket", message
+    said = [line for line in proc.stderr.splitlines() if "serving through jax.jit" in line]
+    assert len(said) == 1, proc.stderr  # one warning, not one per call
     assert (
         "argument 1's leaf n_node is int32[2], compiled as int32[4]; declare its bucket "
-        "dimensions (leaf_axes: {n_node: {0: n_graph}})" in message
-    ), message
+        "dimensions (leaf_axes: {n_node: {0: n_graph}})" in said[0]
+    ), said
+    got, want, counts = last_json(proc)
+    assert got == [want, want], (got, want)  # the call at its own shapes, never a raise
+    assert (counts["aot"], counts["fallback"], counts["out_of_bucket"]) == (0, 2, 0), counts
+
+
+def test_a_pytree_state_without_leaf_axes_between_buckets_goes_through_jit_with_one_warning(
+    tmp_path: Path,
+) -> None:
+    """Brax/MJX's case: 5 environments, buckets 1/8/32, the state declares no leaf_axes. The
+    actions pick bucket 8, the state's leaves are 5 rows: JAX's own TypeError ('compiled with
+    float32[8] and called with float32[5]') was raised to the service; now the call is answered
+    by jit, equal to plain jit, with one warning naming the argument, the leaf and leaf_axes."""
+    (tmp_path / "undeclared_envs.py").write_text(UNDECLARED_STATE_MODULE)
+    manifest = tmp_path / "state.yaml"
+    manifest.write_text(UNDECLARED_STATE_MANIFEST)
+    assert _warm(manifest).exit_code == 0
+    proc = run_py(
+        UNDECLARED_STATE_SERVICE.format(dir=str(tmp_path), manifest=str(manifest)), check=True
+    )
+    got, want, counts = last_json(proc)
+    assert got == [want, want], (got, want)
+    assert (counts["fallback"], counts["out_of_bucket"]) == (2, 0), counts
+    said = [line for line in proc.stderr.splitlines() if "serving through jax.jit" in line]
+    assert len(said) == 1, proc.stderr
+    assert (
+        "argument 0's leaf pipeline_state.q is float32[5, 3], compiled as float32[8, 3]" in said[0]
+    )
+    assert "leaf_axes: {pipeline_state.q: {0: n}}" in said[0], said

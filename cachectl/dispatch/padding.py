@@ -224,7 +224,7 @@ def undeclared_warning(fn: str, unrouted: list[str], pytrees: list[int]) -> str:
     return (
         f"cachectl.serving: {fn}: bucket axis {', '.join(unrouted)} shapes no array argument, "
         f"and {named} declare{'s' if len(pytrees) == 1 else ''} no leaf_axes: calls go to the "
-        "smallest bucket and are refused unless their leaves match it; declare which leaf "
+        "smallest bucket and go through jax.jit at their own shapes unless their leaves match it; declare which leaf "
         f"dimensions each axis sizes, by leaf path (leaf_axes: {{LEAF.PATH: {{0: {unrouted[0]}}}}}), "
         "and a pad_fn or leaf_pad for integer leaves (serving never zero-pads those)"
     )

@@ -49,6 +49,12 @@ class NoDummyInput(ValueError):
     """A stored executable whose arguments have no zero value to call it with (PRNG keys)."""
 
 
+class _LeavesNotWarmed(Exception):
+    """A pytree argument without leaf_axes whose leaves are not the bucket's: the call goes
+    through jit at its own shapes, with a warning naming the leaf and the leaf_axes to declare
+    (OutOfBucket is for ``overflow: error`` alone)."""
+
+
 def _zeros(info: Any) -> Any:
     """Zeros for one abstract argument (a ``jax.stages.ArgInfo``), typed keys included."""
     try:
@@ -129,7 +135,10 @@ class ServedFunction:
             except ExecutableError as exc:
                 raise StructureMismatch(f"{self.name}: {exc}") from None
         if slot.compiled is not None:
-            out = self._call_stored(slot, call_args)
+            try:
+                out = self._call_stored(slot, call_args)
+            except _LeavesNotWarmed as exc:  # jit at the call's own shapes: right, if slower
+                return self._via_jit(self._convert(args, None)[0], kwargs, str(exc), exact=True)
         else:
             out = self._via_jit(call_args, kwargs, slot.error)
         if self._outputs and any(raw[a] != slot.values[a] for a in raw):
@@ -221,19 +230,20 @@ class ServedFunction:
         try:
             out = slot.compiled(*[call_args[i] for i in self._dynamic])
         except TypeError as exc:
-            if "compiled with" in str(exc) and self._unrouted:
-                dynamic = tuple(call_args[i] for i in self._dynamic)
-                raise self._out(
-                    f"{self.name}: the call's pytree leaves are not bucket {slot.values}'s: "
-                    + padding.undeclared(slot, dynamic, self._dynamic, self._unrouted)
-                    + " ("
-                    + "; ".join(str(exc).splitlines()[1:3])
-                    + ")"
-                ) from None
             if "pytree" in str(exc):
                 raise StructureMismatch(
                     f"{self.name}: the arguments' structure differs from the warmed one: "
                     f"{first_difference(slot.compiled.in_tree, ((tuple(call_args[i] for i in self._dynamic)), {}))}"
+                ) from None
+            if "compiled with" in str(exc) and self._exact_pytrees:
+                dynamic = tuple(call_args[i] for i in self._dynamic)
+                axes = self._unrouted or sorted(slot.values)
+                raise _LeavesNotWarmed(
+                    f"the call's pytree leaves are not bucket {slot.values}'s: "
+                    + padding.undeclared(slot, dynamic, self._dynamic, axes)
+                    + " ("
+                    + "; ".join(str(exc).splitlines()[1:3])
+                    + ")"
                 ) from None
             raise
         with self._lock:
