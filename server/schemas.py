@@ -45,6 +45,8 @@ class Fingerprint(Strict):
     compression: Literal["zstandard", "zlib"]
     enable_xla_caches: Annotated[str, Field(max_length=256)]
     include_metadata_in_key: bool
+    enable_x64: bool = False
+    cpu_isa: Annotated[str, Field(max_length=128)] = ""
     digest: Hex64 | None = None
     namespace: Annotated[str, Field(max_length=512)] | None = None
     fingerprint_version: Literal[1] | None = None

@@ -20,6 +20,7 @@ from functools import cached_property
 from typing import Any
 
 from cachectl.core import jax_seam
+from cachectl.core.cpu_isa import host_cpu_isa
 from cachectl.core.errors import BadInput
 
 # Config that cachectl forces on every managed process (activate, warm, env).
@@ -73,6 +74,12 @@ class Environment:
     compression: str
     enable_xla_caches: str
     include_metadata_in_key: bool
+    # jax_enable_x64: JAX's key need not change with it (a float32 program lowers the same), yet
+    # a stored executable refuses a process of the other mode ("different enable_x64 mode").
+    enable_x64: bool = False
+    # The CPU instruction set XLA:CPU compiles for (cachectl.core.cpu_isa), '' off CPU: an entry
+    # compiled with AVX-512 is an illegal instruction on a host without it.
+    cpu_isa: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
@@ -80,7 +87,12 @@ class Environment:
         return data
 
     def canonical_json(self) -> str:
+        """What the digest hashes: fields added later count only where they differ from their
+        default, so every namespace that existed before them keeps its digest."""
         data = {"fingerprint_version": FINGERPRINT_VERSION, **self.to_dict()}
+        for name, default in ADDED_FIELDS.items():
+            if data[name] == default:
+                del data[name]
         return json.dumps(data, sort_keys=True, separators=(",", ":"))
 
     # Computed once per instance (its fields are immutable): a bundle install asks for both
@@ -104,10 +116,12 @@ class Environment:
     def from_dict(cls, data: dict[str, Any]) -> Environment:
         """Rebuild from env.json or an index row; unknown keys are ignored."""
         names = {f.name for f in fields(cls)}
-        missing = names - data.keys()
+        missing = names - data.keys() - ADDED_FIELDS.keys()
         if missing:
             raise ValueError(f"missing fields: {', '.join(sorted(missing))}")
-        values = {k: data[k] for k in names}
+        values: dict[str, Any] = {k: data.get(k, ADDED_FIELDS.get(k)) for k in names}
+        values["enable_x64"] = bool(values["enable_x64"])
+        values["cpu_isa"] = values["cpu_isa"] or ""
         values["xla_flags"] = tuple(values["xla_flags"])
         values["device_count"] = int(values["device_count"])
         values["process_count"] = int(values["process_count"])
@@ -133,6 +147,11 @@ class Environment:
         }
         return json.dumps(data, indent=2, sort_keys=True) + "\n"
 
+
+# Fields added after namespaces existed, with the value every older namespace had: an env.json,
+# bundle or remembered environment without them reads as that value, and the digest leaves them
+# out at it (Environment.canonical_json).
+ADDED_FIELDS: dict[str, Any] = {"enable_x64": False, "cpu_isa": ""}
 
 # The environment's fields, in order: the index's columns of the same names (index/models.py)
 # and every query that reads them (index/reads.py, index/sql.py) come from this one list.
@@ -206,6 +225,7 @@ def current_environment(managed: bool = True) -> Environment:
 
     backend = jax_seam.default_backend()
     devices = jax.devices()
+    flags = normalized_xla_flags()
     # JAX adds its options to Config at run time (setattr): its types declare none of them.
     enable_xla_caches = jax.config.jax_persistent_cache_enable_xla_caches  # type: ignore[attr-defined]
     if managed:
@@ -219,11 +239,13 @@ def current_environment(managed: bool = True) -> Environment:
         device_count=len(devices),
         process_count=jax.process_count(),
         topology=_topology(devices),
-        xla_flags=normalized_xla_flags(),
+        xla_flags=flags,
         compression=compression_name(),
         enable_xla_caches=str(enable_xla_caches or ""),
         # JAX adds its options to Config at run time (setattr): its types declare none of them.
         include_metadata_in_key=bool(jax.config.jax_compilation_cache_include_metadata_in_key),  # type: ignore[attr-defined]
+        enable_x64=bool(jax.config.jax_enable_x64),  # type: ignore[attr-defined]
+        cpu_isa=host_cpu_isa(flags) if backend.platform == "cpu" else "",
     )
 
 
@@ -256,6 +278,7 @@ def compile_only_environment(
         enable_xla_caches=str(MANAGED_JAX_CONFIG["jax_persistent_cache_enable_xla_caches"]),
         # JAX adds its options to Config at run time (setattr): its types declare none of them.
         include_metadata_in_key=bool(jax.config.jax_compilation_cache_include_metadata_in_key),  # type: ignore[attr-defined]
+        enable_x64=bool(jax.config.jax_enable_x64),  # type: ignore[attr-defined]
     )
 
 

@@ -268,7 +268,7 @@ def strict_environment(data: object) -> Environment:
         value = data[name]
         if name in ("device_count", "process_count"):
             ok = type(value) is int and 1 <= value <= _MAX_DEVICES
-        elif name == "include_metadata_in_key":
+        elif name in ("include_metadata_in_key", "enable_x64"):
             ok = type(value) is bool
         elif name == "xla_flags":
             ok = isinstance(value, list) and all(
@@ -283,7 +283,7 @@ def strict_environment(data: object) -> Environment:
             ok = ok and value.replace("\n", "").isprintable()
         else:
             ok = isinstance(value, str) and value.isprintable() and len(value) <= _MAX_TEXT
-            ok = ok and (bool(value) or name == "enable_xla_caches")
+            ok = ok and (bool(value) or name in ("enable_xla_caches", "cpu_isa"))
         if not ok:
             raise ValueError(f"field {name} is {value!r:.60}")
     environment = Environment.from_dict(data)

@@ -16,9 +16,11 @@ from pathlib import Path
 from typing import Any
 
 from cachectl import telemetry as telemetry_mod
+from cachectl.core.fingerprint import current_environment
 from cachectl.dispatch.loading import Executables, Slot, Verified, namespace_reader
 from cachectl.dispatch.reports import ServingReport
 from cachectl.dispatch.served_function import ServedFunction
+from cachectl.dispatch.siblings import closest_environment_hint
 from cachectl.manifest import (
     Manifest,
     check_imports,
@@ -230,6 +232,10 @@ def serving(
     check_imports(spec, search)
     warnings: list[str] = []
     read, names, indexed = namespace_reader(activation, db, warnings)
+    if activation.active and not names:  # say so when another mode of this machine was warmed
+        hint = closest_environment_hint(activation, current_environment())
+        if hint is not None:
+            warnings.append(hint)
     on_load = None
     collector = None
     if telemetry:

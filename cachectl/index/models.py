@@ -23,6 +23,7 @@ from sqlalchemy import (
     Text,
     TypeDecorator,
     UniqueConstraint,
+    false,
     func,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
@@ -99,6 +100,8 @@ class Environment(Base):
     compression: Mapped[str] = mapped_column(String(32))
     enable_xla_caches: Mapped[str] = mapped_column(String(256))
     include_metadata_in_key: Mapped[bool] = mapped_column(Boolean)
+    enable_x64: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
+    cpu_isa: Mapped[str] = mapped_column(String(128), default="", server_default="")
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
     last_seen_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
     deleted_at: Mapped[datetime | None] = mapped_column(UTCDateTime)

@@ -141,6 +141,16 @@ def _metadata_words(_name: str, here: Any, warmed: Any) -> tuple[str, str]:
     )
 
 
+def _x64_words(_name: str, here: Any, warmed: Any) -> tuple[str, str]:
+    mode = {True: "on", False: "off"}
+    return (
+        f"x64 (jax_enable_x64) {mode[bool(here)]} here, {mode[bool(warmed)]} when warmed: a "
+        "stored executable refuses a process of the other mode",
+        f"set JAX_ENABLE_X64={int(bool(warmed))}, or warm again with JAX_ENABLE_X64="
+        f"{int(bool(here))}",
+    )
+
+
 _WORDS: dict[str, _Words] = {
     "compression": _compression_words,
     "jax_version": _version_words,
@@ -168,6 +178,12 @@ _WORDS: dict[str, _Words] = {
         "use cachectl.activate() or `cachectl exec` on both sides (they set 'none')",
     ),
     "include_metadata_in_key": _metadata_words,
+    "enable_x64": _x64_words,
+    "cpu_isa": _template(
+        "CPU instruction set {here!r} vs {warmed!r} (here vs warmed): XLA:CPU code of one "
+        "host can be an illegal instruction on another",
+        "warm on a host of this CPU, or set the same XLA_FLAGS=--xla_cpu_max_isa=LEVEL on both",
+    ),
 }
 
 

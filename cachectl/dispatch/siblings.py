@@ -1,0 +1,54 @@
+"""Why a service's namespace holds nothing: the cache's closest other environment, named.
+
+A service that finds no stored executable is told to run ``cachectl warm``. When the cache holds
+entries under an environment that differs from this process's only in its x64 mode, its CPU
+instruction set or its XLA flags, warming again is not the first fix: the process runs in
+another mode than warm did. The index's environments of the same JAX, backend and devices are
+compared with this one (cachectl.service.doctor's words for each differing field), and the
+closest one that holds entries is named in one warning.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from cachectl.core.fingerprint import Environment
+
+log = logging.getLogger("cachectl.dispatch")
+
+
+def closest_environment_hint(activation: Any, here: Environment) -> str | None:
+    """One warning naming what differs from the closest environment with entries; None where the
+    index is not at hand, holds no such environment, or cannot be read (a hint, never a failure)."""
+    index = getattr(activation, "index", None)
+    if index is None:
+        return None
+    try:
+        from cachectl.service.doctor import compare
+
+        candidates = []
+        for info in index.environment_stats(activation.cache):
+            there = info.environment
+            same_hardware = (there.jax_version, there.backend, there.device_kind) == (
+                here.jax_version,
+                here.backend,
+                here.device_kind,
+            )
+            if info.digest == here.digest or not info.entries or not same_hardware:
+                continue
+            candidates.append((len(compare(here, there)), info.namespace, info, there))
+    except Exception as exc:  # noqa: BLE001 - the hint is extra; serving goes on without it
+        log.debug("cachectl.serving: no hint on the other environments: %s", exc)
+        return None
+    if not candidates:
+        return None
+    _, namespace, info, there = min(candidates, key=lambda c: (c[0], c[1]))
+    differences = compare(here, there)
+    return (
+        f"cachectl.serving: this process's namespace holds no stored executable, while "
+        f"{namespace} holds {info.entries} entries for an environment that differs in "
+        + "; ".join(d.message for d in differences)
+        + ": "
+        + "; ".join(d.fix for d in differences)
+    )
