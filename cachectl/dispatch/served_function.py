@@ -32,6 +32,7 @@ from cachectl.dispatch.calls import (
     smallest_first,
 )
 from cachectl.dispatch.loading import Slot
+from cachectl.dispatch.placement import sharding_difference
 from cachectl.dispatch.reports import FunctionReport
 from cachectl.manifest import FunctionSpec, build_call, is_jitted, jit_options
 from cachectl.storage.executables import ExecutableError, Unbound
@@ -53,6 +54,11 @@ class _LeavesNotWarmed(Exception):
     """A pytree argument without leaf_axes whose leaves are not the bucket's: the call goes
     through jit at its own shapes, with a warning naming the leaf and the leaf_axes to declare
     (OutOfBucket is for ``overflow: error`` alone)."""
+
+
+class _PlacedOtherwise(Exception):
+    """An argument on devices with a sharding the stored executable was not compiled for: the
+    call goes through jit at the service's own shardings, with a warning naming it."""
 
 
 def _zeros(info: Any) -> Any:
@@ -137,7 +143,7 @@ class ServedFunction:
         if slot.compiled is not None:
             try:
                 out = self._call_stored(slot, call_args)
-            except _LeavesNotWarmed as exc:  # jit at the call's own shapes: right, if slower
+            except (_LeavesNotWarmed, _PlacedOtherwise) as exc:  # jit: right, if slower
                 return self._via_jit(self._convert(args, None)[0], kwargs, str(exc), exact=True)
         else:
             out = self._via_jit(call_args, kwargs, slot.error)
@@ -246,6 +252,15 @@ class ServedFunction:
                     + ")"
                 ) from None
             raise
+        except ValueError as exc:
+            if "compiled for input shardings" not in str(exc):
+                raise
+            # The service placed an argument otherwise than warm did (its own NamedSharding
+            # over its mesh): jit at the service's shardings, as plain JAX would, never a raise.
+            dynamic = tuple(call_args[i] for i in self._dynamic)
+            raise _PlacedOtherwise(
+                sharding_difference(slot.compiled, dynamic, self._dynamic)
+            ) from None
         with self._lock:
             self.aot += 1
         return out

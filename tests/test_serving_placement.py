@@ -1,0 +1,82 @@
+"""A service's own shardings: serving passes arrays placed as warm compiled them, places host
+arrays itself, and answers an argument placed otherwise through jit at the service's shardings
+with one warning naming it. Never JAX's "compiled for input shardings that disagree".
+
+8 host devices (XLA_FLAGS), a real warm and a real service in fresh processes.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from support.infra import run_py
+from support.serving import last_json
+
+DEVICES = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+
+MODULE = """
+import jax.numpy as jnp
+
+def forward(w, x):
+    return jnp.tanh(x @ w)
+"""
+
+MANIFEST = """
+version: 1
+target: {backend: cpu}
+functions:
+  - fn: sp_mod:forward
+    mesh: {axes: {model: 8}, axis_types: auto}
+    args:
+      - {shape: [16, 32], dtype: float32}
+      - {shape: [batch, 16], dtype: float32}
+    buckets: {batch: [8]}
+"""
+
+SERVICE = """
+import json, sys
+sys.path.insert(0, {dir!r})
+import jax, numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+import cachectl, sp_mod
+rt = cachectl.serving({manifest!r})
+mesh = Mesh(np.array(jax.devices()), ("model",))
+w = np.linspace(-1, 1, 16 * 32, dtype=np.float32).reshape(16, 32)
+x = np.linspace(0, 1, 8 * 16, dtype=np.float32).reshape(8, 16)
+out = {{}}
+for name, ww in (("host", w), ("sharded", jax.device_put(w, NamedSharding(mesh, P(None, "model"))))):
+    y, ref = rt["forward"](ww, x), jax.jit(sp_mod.forward)(ww, x)
+    out[name] = [np.array_equal(np.asarray(y), np.asarray(ref)), str(y.sharding.spec)
+                 if hasattr(y.sharding, "spec") else None, str(getattr(ref.sharding, "spec", None))]
+print(json.dumps([out, rt.report().to_json()["functions"]["forward"]]))
+"""
+
+
+def test_a_service_that_shards_its_params_its_own_way_is_answered_by_jit_with_one_warning(
+    tmp_path: Path,
+) -> None:
+    (tmp_path / "sp_mod.py").write_text(MODULE)
+    manifest = tmp_path / "sp.yaml"
+    manifest.write_text(MANIFEST)
+    warm = subprocess.run(
+        [sys.executable, "-m", "cachectl", "warm", str(manifest), "--json"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, **DEVICES},
+    )
+    assert warm.returncode == 0, warm.stderr
+    proc = run_py(SERVICE.format(dir=str(tmp_path), manifest=str(manifest)), DEVICES, check=True)
+    out, counts = last_json(proc)
+    assert out["host"][0] is True  # host arrays: the stored executable places them itself
+    equal, spec, plain = out["sharded"]
+    assert equal is True and spec == plain == "P(None, 'model')", out  # the service's placement
+    assert (counts["calls"], counts["aot"], counts["fallback"]) == (2, 1, 1), counts
+    said = [line for line in proc.stderr.splitlines() if "serving through jax.jit" in line]
+    assert len(said) == 1, proc.stderr
+    assert "argument 0 is placed NamedSharding(P(None, 'model'), mesh {'model': 8})" in said[0]
+    assert "the stored executable takes NamedSharding(P" in said[0], said
+    assert "Traceback" not in proc.stderr
