@@ -12,13 +12,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from cachectl.manifest.schema import leaf_path
+
 
 def sharding_difference(compiled: Any, dynamic: tuple[Any, ...], positions: Sequence[int]) -> str:
     """'argument I (leaf PATH) is placed SHARDING; the stored executable takes SHARDING', for the
     first device array whose sharding the executable's input sharding is not equivalent to."""
     import jax
-
-    from cachectl.manifest.schema import leaf_path
 
     try:
         wanted = jax.tree_util.tree_flatten_with_path(compiled.input_shardings[0])[0]

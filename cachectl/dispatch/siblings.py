@@ -14,6 +14,7 @@ import logging
 from typing import Any
 
 from cachectl.core.fingerprint import Environment
+from cachectl.service.doctor import compare
 
 log = logging.getLogger("cachectl.dispatch")
 
@@ -25,8 +26,6 @@ def closest_environment_hint(activation: Any, here: Environment) -> str | None:
     if index is None:
         return None
     try:
-        from cachectl.service.doctor import compare
-
         candidates = []
         for info in index.environment_stats(activation.cache):
             there = info.environment
