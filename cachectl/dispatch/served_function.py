@@ -133,11 +133,8 @@ class ServedFunction:
                 self.padded += 1
         slot.ensure_loaded()
         if isinstance(slot.compiled, Unbound):
-            dynamic = tuple(call_args[i] for i in self._dynamic)
-            import jax
-
             try:
-                slot.compiled = slot.compiled.bind(jax.tree_util.tree_structure((dynamic, {})))
+                self._bind(slot, call_args, {**self._fixed_kwargs, **kwargs})
             except ExecutableError as exc:
                 raise StructureMismatch(f"{self.name}: {exc}") from None
         if slot.compiled is not None:
@@ -274,9 +271,7 @@ class ServedFunction:
         if slot.compiled is None:
             raise ValueError(slot.error or "no stored executable loaded")
         if isinstance(slot.compiled, Unbound):  # the structure comes from the manifest
-            args, _ = build_call(self.spec, slot.bucket, paths)
-            dynamic = tuple(args[i] for i in self._dynamic)
-            slot.compiled = slot.compiled.bind(jax.tree_util.tree_structure((dynamic, {})))
+            self._bind(slot, *build_call(self.spec, slot.bucket, paths))
         args, kwargs = jax.tree_util.tree_map(_zeros, slot.compiled.args_info)
         jax.block_until_ready(slot.compiled(*args, **kwargs))
 
@@ -290,8 +285,22 @@ class ServedFunction:
             raise ValueError(slot.error or "no stored executable loaded")
         dynamic = tuple(args[i] for i in self._dynamic)
         if isinstance(slot.compiled, Unbound):
-            slot.compiled = slot.compiled.bind(jax.tree_util.tree_structure((dynamic, {})))
+            self._bind(slot, args, build_call(self.spec, slot.bucket, self._paths)[1])
         return jax.block_until_ready(slot.compiled(*dynamic))
+
+    def _bind(self, slot: Slot, call_args: Sequence[Any], kwargs: dict[str, Any]) -> None:
+        """Bind the slot's Unbound executable to this call's input structure and, where the
+        outputs' was not stored (static callables in a train state), to the outputs' structure of
+        the function traced on this call: what jit would return, the service's own objects in it."""
+        import jax
+
+        dynamic = tuple(call_args[i] for i in self._dynamic)
+        out_tree = None
+        if slot.compiled.needs_out_tree:
+            out_tree = jax.tree_util.tree_structure(
+                jax.eval_shape(self._jit(), *call_args, **kwargs)
+            )
+        slot.compiled = slot.compiled.bind(jax.tree_util.tree_structure((dynamic, {})), out_tree)
 
     def warm_up(self, slot: Slot, paths: Sequence[str]) -> float:
         """``warmup=True``: the bucket's first execution (XLA's first run of a loaded executable

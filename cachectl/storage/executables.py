@@ -150,17 +150,15 @@ def payload_of(compiled: Any) -> bytes:
         # The devices it runs on: loading onto any other list breaks it (a 1-device
         # program loaded for all 4 host devices expects 4 shards per argument).
         device_ids = jax_seam.executable_device_ids(unloaded)
-        out_tree = compiled.out_tree
-        if not _survives_pickle(out_tree):
-            raise ExecutableError(
-                "the outputs' pytree does not survive pickling (a custom node type): "
-                "return arrays, tuples, lists or dicts"
-            )
-        # A custom node whose unpickled treedef is not the same (Equinox modules) is left out:
-        # the runtime takes the structure from the first call and checks every leaf's aval.
+        # A custom node whose unpickled treedef is not the same (Equinox modules), or whose
+        # static fields are callables pickle cannot take (a flax TrainState's apply_fn and
+        # optax closures), is left out: the runtime takes the inputs' structure from the first
+        # call and the outputs' from the function traced on it (Unbound), and checks every
+        # leaf's aval as for any Compiled.
         stored_in = in_tree if _survives_pickle(in_tree) else None
+        stored_out = compiled.out_tree if _survives_pickle(compiled.out_tree) else None
         return pickle.dumps(
-            (meta, stored_in, out_tree, device_ids), protocol=pickle.HIGHEST_PROTOCOL
+            (meta, stored_in, stored_out, device_ids), protocol=pickle.HIGHEST_PROTOCOL
         )
     except (pickle.PicklingError, TypeError, AttributeError, ValueError) as exc:
         raise ExecutableError(
@@ -176,30 +174,46 @@ def _survives_pickle(tree: Any) -> bool:
 
 
 class Unbound:
-    """A loaded executable whose input structure was not storable: bound at its first call.
+    """A loaded executable whose input or output structure was not storable: bound at its first
+    call.
 
-    ``bind`` takes the call's own structure; the executable then checks every
-    leaf's shape and dtype against what warm compiled, as for any Compiled.
+    ``bind`` takes the call's own input structure, and the outputs' structure from the function
+    traced on that call (``jax.eval_shape``: a trace, no compile) where it was not stored; the
+    executable then checks every leaf's shape and dtype against what warm compiled, as for any
+    Compiled.
     """
 
     def __init__(
-        self, loaded: Any, args_info_flat: list[Any], out_tree: Any, no_kwargs: bool
+        self,
+        loaded: Any,
+        args_info_flat: list[Any],
+        out_tree: Any,
+        no_kwargs: bool,
+        in_tree: Any = None,
     ) -> None:
         self._loaded, self._args_info_flat = loaded, args_info_flat
-        self._out_tree, self._no_kwargs = out_tree, no_kwargs
+        self._out_tree, self._no_kwargs, self._in_tree = out_tree, no_kwargs, in_tree
 
     @property
     def num_leaves(self) -> int:
         return len(self._args_info_flat)
 
-    def bind(self, in_tree: Any) -> Any:
+    @property
+    def needs_out_tree(self) -> bool:
+        return self._out_tree is None
+
+    def bind(self, in_tree: Any, out_tree: Any = None) -> Any:
+        in_tree = self._in_tree if self._in_tree is not None else in_tree
+        out_tree = self._out_tree if self._out_tree is not None else out_tree
+        if out_tree is None:
+            raise ExecutableError("the outputs' structure was not stored and not given")
         if in_tree.num_leaves != len(self._args_info_flat):
             raise ExecutableError(
                 f"the call has {in_tree.num_leaves} array leaves; the stored executable takes "
                 f"{len(self._args_info_flat)}"
             )
         return jax_seam.make_compiled(
-            self._loaded, in_tree.unflatten(self._args_info_flat), self._out_tree, self._no_kwargs
+            self._loaded, in_tree.unflatten(self._args_info_flat), out_tree, self._no_kwargs
         )
 
 
@@ -331,8 +345,8 @@ def load(data: bytes, entry_bytes: bytes, *, devices: Any = None) -> tuple[Execu
         unloaded, args_info_flat, no_kwargs = _EntryRefUnpickler(
             io.BytesIO(meta), backend, execution
         ).load()
-        if in_tree is None:
-            compiled = Unbound(unloaded.load(), args_info_flat, out_tree, no_kwargs)
+        if in_tree is None or out_tree is None:
+            compiled = Unbound(unloaded.load(), args_info_flat, out_tree, no_kwargs, in_tree)
         else:
             compiled = jax_seam.make_compiled(
                 unloaded.load(), in_tree.unflatten(args_info_flat), out_tree, no_kwargs
