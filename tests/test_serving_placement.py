@@ -80,3 +80,63 @@ def test_a_service_that_shards_its_params_its_own_way_is_answered_by_jit_with_on
     assert "argument 0 is placed NamedSharding(P(None, 'model'), mesh {'model': 8})" in said[0]
     assert "the stored executable takes NamedSharding(P" in said[0], said
     assert "Traceback" not in proc.stderr
+
+
+DATA_MANIFEST = """
+version: 1
+target: {backend: cpu}
+functions:
+  - fn: sp_mod:forward
+    mesh: {axes: {data: 8}, axis_types: auto}
+    args:
+      - {shape: [16, 32], dtype: float32}
+      - {shape: [batch, 16], dtype: float32, sharding: [data, null]}
+    buckets: {batch: [8, 16]}
+"""
+
+FALLBACK_SERVICE = """
+import json, sys
+sys.path.insert(0, {dir!r})
+events = dict()
+def _on(e, *a, **kw):
+    events[e] = events.get(e, 0) + 1
+import jax, numpy as np
+jax.monitoring.register_event_listener(_on)
+import cachectl, sp_mod
+rt = cachectl.serving({manifest!r})
+w = np.linspace(-1, 1, 16 * 32, dtype=np.float32).reshape(16, 32)
+before = dict(events)
+specs = []
+for n in (8, 16):
+    y = rt["forward"](w, np.ones((n, 16), np.float32))
+    specs.append(str(getattr(y.sharding, "spec", type(y.sharding).__name__)))
+hits = events.get("/jax/compilation_cache/cache_hits", 0) - before.get("/jax/compilation_cache/cache_hits", 0)
+misses = events.get("/jax/compilation_cache/cache_misses", 0) - before.get("/jax/compilation_cache/cache_misses", 0)
+print(json.dumps([specs, hits, misses, rt.report().to_json()["functions"]["forward"]]))
+"""
+
+
+def test_the_jit_fallback_of_a_mesh_function_places_host_arrays_as_warm_did(
+    tmp_path: Path,
+) -> None:
+    """No stored executables (warm --no-executables): serving's jit fallback places the host
+    arrays with the manifest's shardings, so jit traces warm's program (a persistent-cache hit,
+    no compile) and the outputs keep warm's sharding ('data'), not a single device's."""
+    (tmp_path / "sp_mod.py").write_text(MODULE)
+    manifest = tmp_path / "data.yaml"
+    manifest.write_text(DATA_MANIFEST)
+    warm = subprocess.run(
+        [sys.executable, "-m", "cachectl", "warm", str(manifest), "--no-executables"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, **DEVICES},
+    )
+    assert warm.returncode == 0, warm.stderr
+    proc = run_py(
+        FALLBACK_SERVICE.format(dir=str(tmp_path), manifest=str(manifest)), DEVICES, check=True
+    )
+    specs, hits, misses, counts = last_json(proc)
+    assert counts["fallback"] == 2 and counts["aot"] == 0, counts
+    assert (hits, misses) == (2, 0), (hits, misses, proc.stderr[-2000:])
+    assert specs == ["P('data',)", "P('data',)"], specs

@@ -7,6 +7,7 @@ the manifest and hands it what it needs (its slots, the warning sink, the overfl
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -143,7 +144,7 @@ class ServedFunction:
             except (_LeavesNotWarmed, _PlacedOtherwise) as exc:  # jit: right, if slower
                 return self._via_jit(self._convert(args, None)[0], kwargs, str(exc), exact=True)
         else:
-            out = self._via_jit(call_args, kwargs, slot.error)
+            out = self._via_jit(self._placed_as_warmed(slot, call_args), kwargs, slot.error)
         if self._outputs and any(raw[a] != slot.values[a] for a in raw):
             return self._cut(out, raw)
         return out  # nothing to cut: the device arrays as computed, no host copy
@@ -418,6 +419,29 @@ class ServedFunction:
             )
             self._warn(message)
         return self._jit()(*jit_args, **jit_kwargs)
+
+    def _placed_as_warmed(self, slot: Slot, call_args: list[Any]) -> list[Any]:
+        """The call's host arrays placed with the shardings warm lowered the bucket with (a
+        mesh function's NamedShardings): jit then traces warm's program, hits its entry and
+        gives its output shardings. Device arrays keep the service's own placement; a call
+        whose structure is not the manifest's is left as it is (jit says what is wrong)."""
+        if self.spec.mesh is None and not any(a.sharding for a in self.spec.args):
+            return call_args
+        import jax
+
+        abstract, _ = build_call(self.spec, slot.bucket, self._paths)
+
+        def place(leaf: Any, want: Any) -> Any:
+            sharding = getattr(want, "sharding", None)
+            if sharding is None or isinstance(leaf, jax.Array):
+                return leaf
+            return jax.device_put(leaf, sharding)
+
+        out = list(call_args)
+        for i in self._dynamic:
+            with contextlib.suppress(TypeError, ValueError):
+                out[i] = jax.tree_util.tree_map(place, call_args[i], abstract[i])
+        return out
 
     def _host_callbacks(self, args: list[Any], kwargs: dict[str, Any]) -> bool:
         """Whether this call's program has host callbacks (lowered once, at the first fallback:
