@@ -11,15 +11,17 @@ artifact whose ``subject`` is the bundle (the OCI referrers API, or the referrer
 A pull checks, before a byte of the bundle is fetched: the manifest and config by digest, the
 environment against this machine (exit 3 naming the fields), the signature when the cache
 trusts keys, the declared size against the cache's quota and the free disk. It then installs
-the one blob as it arrives (``_Download``: a thread takes it off the socket and hashes it while
+the one blob as it arrives (``oci_download.Download``: a thread takes it off the socket and hashes it while
 ``bundle install`` reads it, every file verified again, ingest's checks), and publishes nothing
 before the whole blob matched its digest (a blob that is not is refused). The staging
 directories are ``bundle install``'s own: a killed pull leaves only what the next install or
 ``verify --repair`` removes.
 
-The HTTP and auth are oras's (docker ``config.json``, basic and bearer token), except the
-docker credential helpers, which are run here (bounded, a failure one line: oras logs and goes
-on anonymously); every request is bounded by ``CACHECTL_OCI_TIMEOUT`` and never retried blindly.
+This module is the pull; the rest of the client is its own modules: ``oci_artifact`` (references,
+media types, the registry's JSON read shape by shape), ``oci_transport`` (the session: credentials
+only to the registry, every request whole within ``CACHECTL_OCI_TIMEOUT``), ``oci_login`` (docker
+``config.json`` and its credential helpers), ``oci_registry`` (one repository, through oras's
+basic and bearer-token auth, each request tried once), ``oci_download`` and ``oci_push``.
 """
 
 from __future__ import annotations
