@@ -303,8 +303,11 @@ def test_hostile_manifests_and_referrer_listings_are_one_line_exit_2(
             "its digest is not sha256",
         ),
     }
+    many_digits = {**here["notes"], A + "bytes": "9" * 5000}
+    shapes["bytes-5000-digits"] = (_manifest(10, many_digits), "its config's environment")
     routes: dict[str, Route] = {
-        f"/v2/lm/cache/blobs/{config_descriptor['digest']}": _serve(config_bytes)
+        f"/v2/lm/cache/blobs/{_digest(b'{}')}": _serve(b"{}"),
+        f"/v2/lm/cache/blobs/{config_descriptor['digest']}": _serve(config_bytes),
     }
     for tag, (body, _) in shapes.items():
         routes[f"/v2/lm/cache/manifests/{tag}"] = _serve(body)

@@ -121,7 +121,12 @@ def _artifact(
     config."""
     ref = registry.ref
     body, media_type, digest = registry.manifest(reference)
-    where = f"{ref}: {reference}"
+    by_digest = reference.startswith("sha256:")
+    where = str(
+        Reference(ref.registry, ref.repository, None, reference)
+        if by_digest
+        else ref.with_tag(reference)
+    )
     m = load_json(body, f"{where}: its manifest")
     if not isinstance(m, dict) or (media_type or m.get("mediaType")) != MANIFEST_TYPE:
         raise BadBundle(f"{where} is not an artifact manifest (a {media_type or '?'})")

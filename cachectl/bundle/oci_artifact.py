@@ -156,8 +156,9 @@ def listed(index: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def count(text: Any) -> int | None:
-    """A byte count as an annotation writes it (decimal digits), else None."""
-    return int(text) if isinstance(text, str) and text.isascii() and text.isdigit() else None
+    """A byte count as an annotation writes it (decimal digits, at most 16 of them), else None."""
+    digits = isinstance(text, str) and text.isascii() and text.isdigit() and len(text) <= 16
+    return int(text) if digits else None
 
 
 # --------------------------------------------------------------------------- registry JSON

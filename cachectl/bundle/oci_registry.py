@@ -253,7 +253,7 @@ class Registry:
     def _read_small(self, r: Any, limit: int, what: str) -> bytes:
         """A small body whole, refused past ``limit`` (at most one byte more is read)."""
         declared = r.headers.get("Content-Length", "")
-        if declared.isdigit() and int(declared) > limit:
+        if declared.isascii() and declared.isdigit() and int(declared[:19]) > limit:
             r.close()
             raise BadBundle(f"{self.ref}: {what} is larger than {format_size(limit)}")
         try:
