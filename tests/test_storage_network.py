@@ -256,3 +256,55 @@ def test_a_dotted_storage_option_is_nested_and_a_clash_is_one_line(tmp_path: Pat
         "--storage-option", "client_kwargs.aws_secret_access_key=hunter2",
     )  # fmt: skip
     assert secret.returncode == 2 and "credential" in _one_line(secret.stderr)
+
+
+def _refusing_port() -> int:
+    """A loopback port nobody listens on: connections to it are refused at once."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+AZ_GS_BOUNDS = {
+    "CACHECTL_STORAGE_CONNECT_TIMEOUT": "1",
+    "CACHECTL_STORAGE_READ_TIMEOUT": "1",
+    "CACHECTL_STORAGE_TIMEOUT": "5",
+}
+
+
+def test_az_and_gs_endpoints_that_refuse_connections_end_within_the_bounds(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Azure and Google Cloud Storage get the bounds and pause of s3://. With bounds of 1/1/5 s,
+    ``verify`` of an az:// cache whose endpoint refuses connections took 163-167 s (azure's
+    retries, 15 s and more apart) and ended in azure's ServiceRequestError traceback; gcsfs
+    tried a refused request six times, up to 32 s apart, then raised aiohttp's error. Both now
+    stop at the pause, one line."""
+    from support.infra import az_env_vars
+
+    from cachectl.core.errors import Unreachable
+    from cachectl.storage.store import Store
+
+    db = f"sqlite:///{tmp_path / 'index.db'}"
+    index = open_index(db)
+    index.add_cache("azc", "az://cont/jax", storage_options={"assume_container_exists": True})
+    index.close()
+    env = {**AZ_GS_BOUNDS, **az_env_vars(f"http://127.0.0.1:{_refusing_port()}")}
+    started = time.monotonic()
+    verify = run_cachectl(tmp_path, "--db", db, "verify", "--cache", "azc", env=env, timeout=240)
+    took = time.monotonic() - started
+    assert verify.returncode == 2, (verify.returncode, verify.stderr[-2000:])
+    line = _one_line(verify.stderr)
+    assert "storage endpoint http://127.0.0.1:" in line and "fail at once" in line, line
+    assert took < 20, (took, line)
+
+    # gs:// (in this process: a command's verify checks the bucket first, within the bound)
+    for name, value in AZ_GS_BOUNDS.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", f"http://127.0.0.1:{_refusing_port()}")
+    started = time.monotonic()
+    with pytest.raises(Unreachable, match="fail at once"):
+        Store("gs://bkt/jax").list("")
+    assert time.monotonic() - started < 10

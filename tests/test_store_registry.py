@@ -81,7 +81,12 @@ def test_az_options_reach_jax_with_the_bounds(monkeypatch: pytest.MonkeyPatch) -
     protocol, handed = jax_options("az://models/jax", {"account_name": "acct"}) or ("", {})
     assert protocol == "az"
     read_s = storage_bounds().read_s
-    assert handed == {"account_name": "acct", "connection_timeout": 3.0, "read_timeout": read_s}
+    assert handed == {
+        "account_name": "acct",
+        "connection_timeout": 3.0,
+        "read_timeout": read_s,
+        "cachectl_pause_after": 1,  # JAX's client pauses after one failure (backends/az.py)
+    }
     variables = child_env("az://models/jax", {"account_name": "acct"})
     assert json.loads(variables["FSSPEC_AZ"])["account_name"] == "acct"
     assert jax_options("/srv/jax", {}) is None and child_env("memory://x", {}) == {}

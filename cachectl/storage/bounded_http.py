@@ -1,5 +1,7 @@
-"""Bounds for the S3 client (aiobotocore over aiohttp): the whole request, and a pause at an
-endpoint that keeps timing out.
+"""Bounds for the object store clients over aiohttp: the whole request, and a pause at an
+endpoint that keeps timing out (S3: ``bounded_session``; Google Cloud Storage: ``bounded_trace``;
+Azure's transport, in ``backends/az.py``, counts and pauses through ``failed`` and
+``refuse_if_paused``).
 
 botocore bounds the connect and each silence while a response is read (``connect_timeout``,
 ``read_timeout``), never a whole request: a server that answers a byte now and then keeps one
@@ -53,6 +55,29 @@ def paused_until(endpoint: str) -> float | None:
     with _PAUSED_LOCK:
         until = _PAUSED.get(endpoint)
     return until if until is not None and until > time.monotonic() else None
+
+
+def refuse_if_paused(endpoint: str, what: str = "timed out") -> None:
+    """StoragePaused, without the network, while ``endpoint`` is paused."""
+    until = paused_until(endpoint)
+    if until is not None:
+        # Not a timeout nor a connection error: no client library repeats it.
+        raise StoragePaused(
+            f"storage endpoint {endpoint} {what} ({STORAGE_TIMEOUT_ENVS}); requests "
+            f"there fail at once for {until - time.monotonic():.0f} s more: check the "
+            "endpoint, or raise the bounds"
+        )
+
+
+def failed(endpoint: str, pause_s: float, after: int, error: BaseException) -> None:
+    """Count a request at ``endpoint`` that timed out or could not connect (Azure's and Google
+    Cloud Storage's clients: a refused connection counts, their retries wait seconds each)."""
+    _timed_out(endpoint, pause_s, after, after == 1, error)
+
+
+def answered(endpoint: str) -> None:
+    """An answer from ``endpoint``: the failures in a row start again from none."""
+    _answered(endpoint)
 
 
 def _timed_out(endpoint: str, pause_s: float, after: int, warn: bool, error: BaseException) -> None:
@@ -139,3 +164,31 @@ def bounded_session(total_s: float, pause_s: float, after: int) -> type[Any] | N
     name = f"BoundedSession{total_s:g}sPause{pause_s:g}sAfter{after}"
     BoundedSession.__qualname__ = BoundedSession.__name__ = name
     return BoundedSession
+
+
+@functools.lru_cache(maxsize=16)
+def bounded_trace(pause_s: float, after: int) -> Any:
+    """An aiohttp trace (``session_kwargs={"trace_configs": [...]}``, for gcsfs) that counts the
+    requests that time out or cannot connect at an endpoint and, once ``after`` came in a row,
+    refuses the next ones there for ``pause_s`` (gcsfs retries each six times, seconds apart).
+    One per set of arguments, so fsspec sees the same options each time."""
+    import aiohttp
+
+    async def start(session: Any, ctx: Any, params: Any) -> None:
+        refuse_if_paused(_endpoint(str(params.url)), "failed to connect or answer")
+
+    async def end(session: Any, ctx: Any, params: Any) -> None:
+        answered(_endpoint(str(params.url)))
+
+    async def exception(session: Any, ctx: Any, params: Any) -> None:
+        error = params.exception
+        if isinstance(error, (aiohttp.ClientConnectionError, TimeoutError)) and not isinstance(
+            error, StoragePaused
+        ):
+            failed(_endpoint(str(params.url)), pause_s, after, error)
+
+    trace = aiohttp.TraceConfig()
+    trace.on_request_start.append(start)
+    trace.on_request_end.append(end)
+    trace.on_request_exception.append(exception)
+    return trace
