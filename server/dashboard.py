@@ -347,8 +347,10 @@ async def login(request: Request, state: StateDep) -> Response:
         # An admin secret typed into a browser form is one XSS or shared machine away from
         # the whole index: the dashboard only ever needs a reader.
         return _login_page(
-            request, 400, "Admin tokens cannot sign in to the dashboard: use a reader token "
-            "(cachectl token create --name dashboard --role reader)."
+            request,
+            400,
+            "Admin tokens cannot sign in to the dashboard: use a reader token "
+            "(cachectl token create --name dashboard --role reader).",
         )
     try:
         session = await run_in_threadpool(issue_session, state.index, token)
