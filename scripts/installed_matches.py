@@ -1,7 +1,7 @@
 """Exit 0 when this interpreter's environment already holds what `pip install -e '.[all]'` installs.
 
-scripts/test runs it (with the venv's python) before its own pip step, so that a venv the README's
-first command made (`.venv/bin/pip install -e '.[all]'`) is not installed a second time: the
+scripts/test runs it (with the venv's python) before its own pip step, so that a venv someone
+already made with `.venv/bin/pip install -e '.[all]'` is not installed a second time: the
 project is installed in editable mode from this checkout, and every requirement pyproject.toml
 names for the base install and the `all` extra (the extras it names, followed) is installed at
 a version its specifier accepts. Anything else exits 1 with the first thing missing.

@@ -152,7 +152,7 @@ def make_venv(step: str, venv: Path, requirement: str, work: Path) -> None:
 
 
 # The README's service install line: what a user types, and so what the base install runs.
-README_INSTALL = re.compile(r"a service needs only\s+`pip install ([A-Za-z0-9._-]+)`")
+README_INSTALL = re.compile(r"a service needs only\s+`pip install ([A-Za-z0-9._-]+)[^`]*`")
 
 
 def readme_install_name(readme: Path = ROOT / "README.md") -> str:

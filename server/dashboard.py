@@ -4,7 +4,7 @@ Auth: a reader token, sent as ``Authorization: Bearer``, or a session from
 the form at ``/login`` (posted from this server's own page: Origin checked)
 kept in an HttpOnly, SameSite=Strict cookie, Secure unless the server is on
 loopback. The cookie holds a session (cachectl.trust.tokens.issue_session), never
-the token; admin tokens are refused there. The token is never put in a URL,
+the token; reader and writer tokens sign in, admin tokens are refused there. The token is never put in a URL,
 so it never reaches access logs or browser history.
 A token scoped to caches sees only those caches. With
 ``dashboard_public`` the page is served read-only without a token.
@@ -45,7 +45,7 @@ templates.env.filters["pct"] = lambda v: "-" if v is None else f"{v * 100:.1f}%"
 MAX_LOGIN_BODY = 4096
 # What the sign-in page says when it is the answer (server/templates/login.html).
 PAGE_TEXT = {
-    400: "an admin token: the dashboard takes reader tokens only",
+    400: "an admin token: the dashboard takes reader or writer tokens",
     401: "no token, or one not accepted: the sign-in form",
     403: "refused: a token that may not read, or a form posted from another site",
     413: "the form is too large",
@@ -347,7 +347,10 @@ async def login(request: Request, state: StateDep) -> Response:
         # An admin secret typed into a browser form is one XSS or shared machine away from
         # the whole index: the dashboard only ever needs a reader.
         return _login_page(
-            request, 400, "Admin tokens cannot sign in to the dashboard: use a reader token."
+            request,
+            400,
+            "Admin tokens cannot sign in to the dashboard: use a reader token "
+            "(cachectl token create --name dashboard --role reader).",
         )
     try:
         session = await run_in_threadpool(issue_session, state.index, token)

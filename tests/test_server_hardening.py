@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import html
 import os
 import resource
 import socket
@@ -11,6 +12,7 @@ import threading
 import time
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 
 import httpx
 import pytest
@@ -561,6 +563,14 @@ def test_dashboard_sign_in_checks_origin_and_issues_a_session(world) -> None:
             "/login", content=f"token={s.tokens['admin']}", headers={**form, "origin": live.url}
         )
         assert admin.status_code == 400 and "set-cookie" not in admin.headers
+        # The form, its refusal and docs/server.md agree: reader or writer signs in, admin never,
+        # and each names the command that makes a reader.
+        command = "cachectl token create --name dashboard --role reader"
+        form_page = html.unescape(c.get("/login").text)
+        docs = (Path(__file__).resolve().parents[1] / "docs" / "server.md").read_text()
+        assert command in html.unescape(admin.text) and command in form_page and command in docs
+        assert "reader or writer token" in form_page and "admin tokens are refused" in form_page
+        assert "reader or writer" in docs and "admin tokens are refused" in docs
         ok = c.post("/login", content=f"token={reader}", headers={**form, "origin": live.url})
         assert ok.status_code == 303, ok.text
         cookie = ok.headers["set-cookie"]

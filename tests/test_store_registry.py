@@ -133,15 +133,15 @@ def test_a_missing_adlfs_is_one_line_and_exit_2(tmp_path: Path) -> None:
     assert len(lines) == 1 and "adlfs" in lines[0] and "cachectl-jax[azure]" in lines[0], lines
 
 
-def test_the_readme_az_block_runs_as_written_against_azurite(
+def test_the_docs_az_block_runs_as_written_against_azurite(
     tmp_path: Path, az_env: dict[str, str]
 ) -> None:
-    """README.md's az:// commands, unchanged, with Azurite's account in the environment (the
-    README test skips the block: it needs an account)."""
+    """docs/commands.md's az:// commands, unchanged, with Azurite's account in the environment
+    (the docs test skips the block: it needs an account)."""
     from support.infra import create_az_container
 
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    section = readme[readme.index("### Azure Blob Storage (`az://`)") :]
+    page = (Path(__file__).resolve().parents[1] / "docs" / "commands.md").read_text()
+    section = page[page.index("## Azure Blob Storage (`az://`)") :]
     start = section.index("```sh\n") + len("```sh\n")
     block = section[start : section.index("```", start)]
     assert "az://jax-cache/prod" in block, block
