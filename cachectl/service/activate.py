@@ -30,9 +30,11 @@ from cachectl.core.errors import BadInput, CachectlError, NotFound, Unreachable
 from cachectl.core.fingerprint import MANAGED_JAX_CONFIG, Environment, current_environment
 from cachectl.core.urls import is_object_store, normalize_url, url_kind
 from cachectl.index.open import driver, open_index
+from cachectl.service import node_source
 from cachectl.service.telemetry_sinks import IndexSink, ServerSink
 from cachectl.storage.backends import backend_for
 from cachectl.storage.backends import s3 as s3_backend
+from cachectl.storage.entries import CACHE_SUFFIX
 from cachectl.storage.jax_storage import JaxStorageRefused, hand_to_jax
 from cachectl.storage.store import Store
 from cachectl.trust import pins
@@ -366,6 +368,8 @@ class _Target:
     readonly: bool
     store: Store | None
     path: str
+    # The node tier JAX's reads and cachectl.serving's go through (service/node_source.py).
+    node: node_source.RemoteFiles | None = None
 
 
 def _target(
@@ -380,10 +384,33 @@ def _target(
     root_url = _root_url(settings, cache_info, problems)
     readonly = _readonly(settings, mirror, cache_info, root_url)
     options = dict(cache_info.storage_options) if cache_info else {}
+    node = None if mirror is not None else _node_tier(settings, root_url, options, env, problems)
+    if node is not None and node.via_server:  # JAX opens the node tier's directory itself
+        return _Target(root_url, options, readonly, None, node.directory, node)
     store, path = _jax_path(root_url, options, env, mirror, problems)
     if mirror is None:
         _storage_to_jax(settings.cache, root_url, options, path)
-    return _Target(root_url, options, readonly, store, path)
+    return _Target(root_url, options, readonly, store, path, node)
+
+
+def _node_tier(
+    settings: Settings,
+    root_url: str,
+    options: dict[str, Any],
+    env: Environment,
+    problems: list[str],
+) -> node_source.RemoteFiles | None:
+    """The node tier in front of the remote, where one applies (service/node_source.py)."""
+    try:
+        node = node_source.open_remote_files(
+            settings, root_url, options, env.digest, env.namespace, _warn
+        )
+        if node is not None:
+            os.makedirs(node.directory, exist_ok=True)
+        return node
+    except Exception as exc:  # noqa: BLE001 - a node disk we cannot use: read from the remote
+        problems.append(f"node cache off ({type(exc).__name__}: {exc})".splitlines()[0])
+        return None
 
 
 def _storage_to_jax(cache: str, root_url: str, options: dict[str, Any], path: str) -> None:
@@ -591,9 +618,11 @@ class NamespaceVerifier(jax_seam.EntryVerifier):
         warn: Callable[[str], None],
         unverified_ok: bool = False,
         index: IndexBackend | None = None,
+        node: node_source.RemoteFiles | None = None,
     ) -> None:
         """``index``: the one activate() holds, asked instead of opening one (in this process
-        only: a forked child opens its own)."""
+        only: a forked child opens its own); ``node``: the node tier reads go through."""
+        self._node = node
         self._args = (settings, digest, namespace, read)
         self._index = index
         self._index_pid = os.getpid()
@@ -618,6 +647,7 @@ class NamespaceVerifier(jax_seam.EntryVerifier):
                     open_service_index,
                     held=self._index if os.getpid() == self._index_pid else None,
                     first_only=True,  # cachectl.serving, which asked first, printed them
+                    node=self._node.files if self._node is not None else None,
                 )
                 self._shas = {k: v.sha256 for k, v in (found or {}).items()}
                 settings, digest = self._args[0], self._args[1]
@@ -647,6 +677,27 @@ class NamespaceVerifier(jax_seam.EntryVerifier):
             "in memory: someone without a trusted key rewrote it (`cachectl verify` lists such "
             "files)"
         )
+
+    def read_entry(
+        self, key: str, expected: str, base: Callable[[str], bytes | None]
+    ) -> bytes | None:
+        """Through the node tier when there is one: this node's copy, else one fetch."""
+        if self._node is None:
+            return base(key)
+        try:
+            return self._node.read(
+                key + CACHE_SUFFIX, None if expected == jax_seam.ANY_ENTRY else expected
+            )
+        except FileNotFoundError:
+            return None
+        except node_source.Refused as exc:
+            self.refused(key, str(exc))
+            return None
+        except Exception as exc:  # noqa: BLE001 - a remote that is down: JAX compiles
+            self._node.files.tier.warn_once(
+                "fetch", f"cachectl: cannot fetch {key} ({type(exc).__name__}: {exc}); compiling"
+            )
+            return None
 
     def wrote(self, key: str, sha256: str) -> None:
         with self._lock:
@@ -696,8 +747,10 @@ def _install_verifier(
         return Store(target.path, target.options).read_bytes(name)
 
     verifier = NamespaceVerifier(
-        settings, env.digest, env.namespace, read, _warn, run_unverified, index
+        settings, env.digest, env.namespace, read, _warn, run_unverified, index, target.node
     )
+    if target.node is not None:
+        node_source.remember(target.path, target.node)
     jax_seam.install_verifying_cache(target.path, verifier)
 
 
