@@ -715,9 +715,12 @@ def verify_exec_cache(path: str, environment: dict[str, Any]) -> None:
     def read(name: str) -> bytes:
         return Store(path).read_bytes(name)
 
+    node = node_source.for_jax_path(settings, path, env.digest, env.namespace, _warn)
     verifier = NamespaceVerifier(
-        settings, env.digest, env.namespace, read, _warn, _run_unverified(None)
+        settings, env.digest, env.namespace, read, _warn, _run_unverified(None), node=node
     )
+    if node is not None:
+        node_source.remember(path, node)
     jax_seam.install_verifying_cache(path, verifier)
 
 

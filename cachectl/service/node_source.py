@@ -147,6 +147,26 @@ def open_remote_files(
     return RemoteFiles(files, source, settings.cache, fetch_of, through_server)
 
 
+def for_jax_path(
+    settings: Settings, path: str, digest: str, namespace: str, warn: Callable[[str], None]
+) -> RemoteFiles | None:
+    """The node tier behind the JAX directory `cachectl env` handed a process (service/env.py
+    names the node tier's directory in server mode, the bucket's namespace otherwise)."""
+    if settings.server:
+        root = node_dir(settings, "")  # "": no root here, so the server-mode default applies
+        if root is not None and path.startswith(root.rstrip("/") + "/"):
+            tier = tier_at(root, settings.node_cache_size, warn)
+            client = cast("RemoteIndex", driver("http")(settings, "service")).client
+            fetch_of = _server_fetch(client, settings.cache, digest)
+            return RemoteFiles(
+                NodeFiles(tier, path), settings.server, settings.cache, fetch_of, True
+            )
+    if is_object_store(path) and path.endswith("/" + namespace):
+        root_url = path[: -len(namespace) - 1]
+        return open_remote_files(settings, root_url, {}, digest, namespace, warn)
+    return None
+
+
 def remember(path: str, files: RemoteFiles) -> None:
     """What activate() opened for the JAX directory ``path``: serving reads through the same."""
     with _LOCK:
