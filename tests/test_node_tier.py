@@ -10,6 +10,7 @@ request recorder counting the GETs).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shlex
@@ -23,6 +24,8 @@ import httpx
 import pytest
 from support import infra
 from support.warming import TINY_SERVICE, invoke, tiny, warm_json
+
+from cachectl.storage import node_tier
 
 REPO = Path(__file__).resolve().parent.parent
 MANIFEST = str(REPO / "examples" / "manifest.yaml")
@@ -224,3 +227,58 @@ def test_two_nodes_read_each_entry_from_the_bucket_once(tmp_path, monkeypatch) -
             node = "node0" if "Credential=NODE0/" in auth else "node1"
             gets[(node, path.rsplit("/", 1)[1])] += 1
     assert len(gets) == 10 and max(gets.values()) == 1, gets  # 5 entries x 2 nodes, once each
+
+
+def _sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def test_the_tier_evicts_the_least_recently_read_and_bounds_its_wait(tmp_path, monkeypatch) -> None:
+    """In one process, on real files: the size limit evicts by last read; a lock held by another
+    process past the bounded wait makes this one fetch on its own, with one warning."""
+    warnings: list[str] = []
+    tier = node_tier.NodeTier(str(tmp_path / "node"), limit=2500, warn=warnings.append)
+    files = tier.files("s3://bucket/root", "main", "jax-x/cpu/abc")
+    blobs = {f"k{i}-cache": bytes([i]) * 1000 for i in range(3)}
+    fetched: list[str] = []
+
+    def read(name: str) -> bytes:
+        return files.read(name, _sha(blobs[name]), lambda: fetched.append(name) or blobs[name])
+
+    read("k0-cache")
+    read("k1-cache")
+    os.utime(files.path("k0-cache"), (1, 1))  # k0 read long ago, k1 just now
+    os.utime(files.path("k1-cache"), (2, 2))
+    read("k1-cache")  # a hit: k1 is now the most recent
+    read("k2-cache")  # past 2500 bytes: the least recently read goes
+    assert fetched == ["k0-cache", "k1-cache", "k2-cache"]
+    assert not os.path.exists(files.path("k0-cache"))
+    assert os.path.exists(files.path("k1-cache")) and os.path.exists(files.path("k2-cache"))
+    assert tier.counts.evicted == 1
+
+    # another process holds k0's lock: past the (shortened) wait, this one fetches itself
+    monkeypatch.setattr(node_tier, "WAIT_S", 0.3)
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import fcntl, sys, time\n"
+            "from cachectl.storage import node_tier\n"
+            f"files = node_tier.NodeTier({str(tmp_path / 'node')!r}).files("
+            "'s3://bucket/root', 'main', 'jax-x/cpu/abc')\n"
+            "fh = files._lock_file('k0-cache')\n"
+            "fcntl.flock(fh.fileno(), fcntl.LOCK_EX)\n"
+            "print('held', flush=True)\n"
+            "time.sleep(30)\n",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+        assert read("k0-cache") == blobs["k0-cache"]
+    finally:
+        holder.kill()
+        holder.communicate()
+    assert fetched[-1] == "k0-cache"
+    assert any("fetching on our own" in w for w in warnings), warnings
