@@ -34,7 +34,6 @@ from cachectl.service import node_source
 from cachectl.service.telemetry_sinks import IndexSink, ServerSink
 from cachectl.storage.backends import backend_for
 from cachectl.storage.backends import s3 as s3_backend
-from cachectl.storage.entries import CACHE_SUFFIX
 from cachectl.storage.jax_storage import JaxStorageRefused, hand_to_jax
 from cachectl.storage.store import Store
 from cachectl.trust import pins
@@ -384,33 +383,17 @@ def _target(
     root_url = _root_url(settings, cache_info, problems)
     readonly = _readonly(settings, mirror, cache_info, root_url)
     options = dict(cache_info.storage_options) if cache_info else {}
-    node = None if mirror is not None else _node_tier(settings, root_url, options, env, problems)
+    node = (
+        None
+        if mirror is not None
+        else node_source.for_service(settings, root_url, options, env, _warn, problems)
+    )
     if node is not None and node.via_server:  # JAX opens the node tier's directory itself
         return _Target(root_url, options, readonly, None, node.directory, node)
     store, path = _jax_path(root_url, options, env, mirror, problems)
     if mirror is None:
         _storage_to_jax(settings.cache, root_url, options, path)
     return _Target(root_url, options, readonly, store, path, node)
-
-
-def _node_tier(
-    settings: Settings,
-    root_url: str,
-    options: dict[str, Any],
-    env: Environment,
-    problems: list[str],
-) -> node_source.RemoteFiles | None:
-    """The node tier in front of the remote, where one applies (service/node_source.py)."""
-    try:
-        node = node_source.open_remote_files(
-            settings, root_url, options, env.digest, env.namespace, _warn
-        )
-        if node is not None:
-            os.makedirs(node.directory, exist_ok=True)
-        return node
-    except Exception as exc:  # noqa: BLE001 - a node disk we cannot use: read from the remote
-        problems.append(f"node cache off ({type(exc).__name__}: {exc})".splitlines()[0])
-        return None
 
 
 def _storage_to_jax(cache: str, root_url: str, options: dict[str, Any], path: str) -> None:
@@ -684,20 +667,7 @@ class NamespaceVerifier(jax_seam.EntryVerifier):
         """Through the node tier when there is one: this node's copy, else one fetch."""
         if self._node is None:
             return base(key)
-        try:
-            return self._node.read(
-                key + CACHE_SUFFIX, None if expected == jax_seam.ANY_ENTRY else expected
-            )
-        except FileNotFoundError:
-            return None
-        except node_source.Refused as exc:
-            self.refused(key, str(exc))
-            return None
-        except Exception as exc:  # noqa: BLE001 - a remote that is down: JAX compiles
-            self._node.files.tier.warn_once(
-                "fetch", f"cachectl: cannot fetch {key} ({type(exc).__name__}: {exc}); compiling"
-            )
-            return None
+        return node_source.read_entry(self._node, key, expected, self.refused)
 
     def wrote(self, key: str, sha256: str) -> None:
         with self._lock:

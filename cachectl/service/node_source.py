@@ -16,6 +16,7 @@ verifier, ``cachectl.serving`` and warm-check's children read through it.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 from cachectl.core.config import Settings
 from cachectl.core.errors import NotFound
+from cachectl.core.jax_seam import ANY_ENTRY
 from cachectl.core.urls import is_object_store
 from cachectl.index.open import driver
 from cachectl.storage.entries import CACHE_SUFFIX, EXECUTABLE_SUFFIX
@@ -145,6 +147,45 @@ def open_remote_files(
         fetch_of = _store_fetch(root_url, options, namespace)
     files = tier.files(source, settings.cache, namespace)
     return RemoteFiles(files, source, settings.cache, fetch_of, through_server)
+
+
+def for_service(
+    settings: Settings,
+    root_url: str,
+    options: dict[str, Any],
+    env: Any,
+    warn: Callable[[str], None],
+    problems: list[str],
+) -> RemoteFiles | None:
+    """activate()'s node tier, its directory made; None (and a problem said) where the node
+    disk cannot be used: the process then reads from the remote, as without a tier."""
+    try:
+        node = open_remote_files(settings, root_url, options, env.digest, env.namespace, warn)
+        if node is not None:
+            os.makedirs(node.directory, exist_ok=True)
+        return node
+    except Exception as exc:  # noqa: BLE001 - a node disk we cannot use: read from the remote
+        problems.append(f"node cache off ({type(exc).__name__}: {exc})".splitlines()[0])
+        return None
+
+
+def read_entry(
+    node: RemoteFiles, key: str, expected: str, refused: Callable[[str, str], None]
+) -> bytes | None:
+    """JAX's read of ``key`` through the node tier (jax_seam.EntryVerifier.read_entry): None is
+    a miss, and JAX compiles (the remote lacks it, refused it, or cannot be reached)."""
+    try:
+        return node.read(key + CACHE_SUFFIX, None if expected == ANY_ENTRY else expected)
+    except FileNotFoundError:
+        return None
+    except Refused as exc:
+        refused(key, str(exc))
+        return None
+    except Exception as exc:  # noqa: BLE001 - a remote that is down: JAX compiles
+        node.files.tier.warn_once(
+            "fetch", f"cachectl: cannot fetch {key} ({type(exc).__name__}: {exc}); compiling"
+        )
+        return None
 
 
 def for_jax_path(
