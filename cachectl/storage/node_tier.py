@@ -77,8 +77,14 @@ def root_here(root_url: str) -> bool:
 
 def via_server(settings: Settings, root_url: str) -> bool:
     """Whether bytes move over the server's entry routes: server mode, the local-disk root not
-    here (an object-store root is read from the bucket, through the tier when one is set)."""
-    return bool(settings.server) and url_kind(root_url) == "file" and not root_here(root_url)
+    here (an object-store root is read from the bucket, through the tier when one is set), and
+    no CACHECTL_ROOT (which says where the root is on this machine)."""
+    return (
+        bool(settings.server)
+        and settings.root is None
+        and url_kind(root_url) == "file"
+        and not root_here(root_url)
+    )
 
 
 def source_dir(root: str, source: str, cache: str) -> str:
