@@ -144,13 +144,14 @@ class NodeTier:
     # -- size ---------------------------------------------------------------------------------
 
     def _walk(self) -> list[tuple[float, int, str]]:
-        """Every file of the tier: (mtime, size, path); lock files and temporaries left out."""
+        """Every file of the tier: (mtime, size, path); lock files, temporaries and the kept
+        records left out."""
         found = []
         for top, dirs, names in os.walk(self.root):
             dirs[:] = [d for d in dirs if d != LOCKS]
             for name in names:
-                if name.startswith(TEMP_PREFIX):
-                    continue
+                if name.startswith(TEMP_PREFIX) or name == RECORD:
+                    continue  # a write in flight; the record a restart without the remote reads
                 path = os.path.join(top, name)
                 with contextlib.suppress(OSError):
                     st = os.stat(path)
