@@ -119,6 +119,7 @@ ALL_SERVED = {"prefill": (0, 8), "decode_step": (0, 3)}
 
 
 @needs_unshare
+@pytest.mark.timeout(600)  # eight real processes, each importing JAX, on a shared runner
 def test_machine_b_reads_the_server_into_its_node_tier(isolated_home, tmp_path) -> None:
     # Machine A: the test process's HOME; warm the example, a writer token, the real server.
     warmed = invoke("warm", MANIFEST, "--json")
@@ -142,10 +143,14 @@ def test_machine_b_reads_the_server_into_its_node_tier(isolated_home, tmp_path) 
         )
         assert _entry_requests(server.url, token) == 22  # 11 entries + 11 executables, once each
 
-        # the service: every bucket from a stored executable, JAX compiled nothing
+        # the service: every bucket from a stored executable, JAX compiled nothing; a node-tier
+        # file damaged meanwhile is detected by its sha256 and fetched again (one request)
+        damaged = next(b.node.rglob("jit_decode_step-*-aot"))
+        damaged.write_bytes(b"not what the server holds")
         served, stderr = b.serve()
         assert served == ALL_SERVED and "Compiling" not in stderr, stderr[-2000:]
-        assert "run `cachectl" not in stderr
+        assert "run `cachectl" not in stderr and "is damaged" in stderr
+        assert _entry_requests(server.url, token) == 23
 
         # pull copies every entry; warm from B finds all 11 held by the server and exits 0
         pulled = json.loads(
@@ -155,14 +160,6 @@ def test_machine_b_reads_the_server_into_its_node_tier(isolated_home, tmp_path) 
         proc = b.run(*CACHECTL, "warm", MANIFEST, "--json")
         assert proc.returncode == 0, proc.stderr[-2000:]
         assert json.loads(proc.stdout)["summary"]["cached"] == 11
-
-        # a damaged node-tier file: detected by its sha256 and fetched again (one request)
-        damaged = next(b.node.rglob("jit_decode_step-*-aot"))
-        damaged.write_bytes(b"not what the server holds")
-        before = _entry_requests(server.url, token)
-        served, stderr = b.serve()
-        assert served == ALL_SERVED and "is damaged" in stderr, stderr[-2000:]
-        assert _entry_requests(server.url, token) == before + 1
 
         # a full node disk: a warning, and the service is served from the remote all the same
         small = tmp_path / "small-node"
