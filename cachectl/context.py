@@ -12,6 +12,7 @@ from cachectl.core.probe import environment_in_child
 from cachectl.index import CacheInfo, EnvironmentInfo
 from cachectl.index.open import open_index
 from cachectl.storage.namespace import Namespace, ensure_namespace, namespace_of
+from cachectl.storage.node_tier import server_root, via_server
 from cachectl.storage.store import Store, normalize_url
 
 if TYPE_CHECKING:
@@ -48,7 +49,17 @@ class Context:
         return self.index.get_cache(name)
 
     def store(self, cache: CacheInfo) -> Store:
+        """The cache's root; in server mode where the local-disk root is not on this machine,
+        the node tier's directory that stands in for it (storage/node_tier.py ``server_root``):
+        what a command writes lands on this node, and bytes from the root come over the server."""
+        node = server_root(self.settings, cache.name, cache.root_url)
+        if node is not None:
+            return Store(node)
         return Store(cache.root_url, cache.storage_options)
+
+    def reads_via_server(self, cache: CacheInfo) -> bool:
+        """Whether this command reads the cache's bytes over the server's entry routes."""
+        return via_server(self.settings, cache.root_url)
 
     def environment(self) -> Environment:
         """This machine's environment, read in this process (which opens JAX's backend)."""

@@ -15,6 +15,7 @@ from typing import Any
 import platformdirs
 
 from cachectl.core.errors import BadInput
+from cachectl.core.units import parse_size
 
 DEFAULT_CACHE = "default"
 
@@ -149,6 +150,10 @@ class Settings:
     trust: tuple[str, ...] = ()
     db_is_default: bool = False
     config_file: str | None = None
+    # The node-local tier in front of a remote (storage/node_tier.py): its directory ("off": none)
+    # and its size limit in bytes (CACHECTL_NODE_CACHE, CACHECTL_NODE_CACHE_SIZE).
+    node_cache: str | None = None
+    node_cache_size: int | None = None
 
     def with_overrides(self, **overrides: Any) -> Settings:
         return replace(self, **{k: v for k, v in overrides.items() if v is not None})
@@ -229,6 +234,13 @@ def resolve(
     return values
 
 
+def _parse_size(name: str, value: Any) -> int:
+    try:
+        return parse_size(value)
+    except BadInput as exc:
+        raise BadInput(f"{name}: {exc.message}") from None
+
+
 KEYS = (
     Key("db", ENV_PREFIX + "DB", in_file=True),
     Key("cache", ENV_PREFIX + "CACHE", in_file=True),
@@ -237,6 +249,8 @@ KEYS = (
     Key("root", ENV_PREFIX + "ROOT", in_file=True),
     Key("readonly", ENV_PREFIX + "READONLY", parse_bool, in_file=True),
     Key("trust", ENV_PREFIX + "TRUST", lambda _name, value: parse_list(value), in_file=True),
+    Key("node_cache", ENV_PREFIX + "NODE_CACHE", in_file=True),
+    Key("node_cache_size", ENV_PREFIX + "NODE_CACHE_SIZE", _parse_size, in_file=True),
 )
 # The file also names a token file (never the token) and where the embedded default cache lives.
 _FILE_KEYS = {k.field for k in KEYS if k.in_file} | {"token_file", "default_root"}

@@ -782,6 +782,14 @@ class EntryVerifier:
     def wrote(self, key: str, sha256: str) -> None:
         """This process wrote the entry at ``key`` (its own compile): it may read it back."""
 
+    def read_entry(
+        self, key: str, expected: str, base: Callable[[str], bytes | None]
+    ) -> bytes | None:
+        """The read path: the bytes JAX is handed for ``key`` (checked by the caller against
+        ``expected``). ``base`` is JAX's own cache's get; a node tier (service/node_source.py)
+        reads this node's copy first and fetches a missing one from the remote instead."""
+        return base(key)
+
 
 def install_verifying_cache(path: str, verifier: EntryVerifier) -> None:
     """From the next time JAX opens its persistent cache at ``path`` (it does that at its first
@@ -817,7 +825,7 @@ def install_verifying_cache(path: str, verifier: EntryVerifier) -> None:
             expected = verifier.expected(key)
             if expected is None:
                 return None
-            data = self._base.get(key)
+            data = verifier.read_entry(key, expected, self._base.get)
             if data is None or expected == ANY_ENTRY:
                 return data
             if hashlib.sha256(data).hexdigest() != expected:

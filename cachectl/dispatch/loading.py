@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -14,6 +15,7 @@ from typing import Any
 from cachectl.core import jax_seam
 from cachectl.core.config import load_settings
 from cachectl.manifest import Bucket, FunctionSpec
+from cachectl.service import node_source
 from cachectl.service.activate import open_service_index
 from cachectl.service.verified import (
     Verified,
@@ -26,6 +28,7 @@ from cachectl.storage.entries import (
     CorruptEntry,
     parse_aot_filename,
 )
+from cachectl.storage.node_tier import NodeFiles
 from cachectl.storage.store import Store
 
 
@@ -215,6 +218,9 @@ def namespace_reader(
             "cachectl.serving: the cache is not active; every call goes through jax.jit"
         )
         return unreadable, [], None
+    node = node_source.opened(activation.path)
+    if node is not None:
+        return _node_reader(activation, db, node, warnings)
     try:
         store = Store(activation.path)
         names = [
@@ -231,8 +237,36 @@ def namespace_reader(
     return store.read_bytes, names, _verified_shas(activation, db, store.read_bytes, warnings)
 
 
+def _node_reader(
+    activation: Any, db: str | None, node: node_source.RemoteFiles, warnings: list[str]
+) -> tuple[Callable[[str], bytes], list[str], Verified | None]:
+    """Through the node tier (service/node_source.py): the stored executables the verified
+    record names, each read from this node or fetched once from the remote and checked."""
+    verified = _verified_shas(
+        activation, db, lambda name: node.read(name, None), warnings, node.files
+    )
+    if verified is None:  # unverified code opted in: what this node holds
+        names = sorted(n for n in os.listdir(node.directory) if n.endswith(EXECUTABLE_SUFFIX))
+    else:
+        names = sorted(k + EXECUTABLE_SUFFIX for k, v in verified.items() if v.aot_sha256)
+
+    def read(name: str) -> bytes:
+        sha = None
+        for suffix in (EXECUTABLE_SUFFIX, CACHE_SUFFIX):
+            known = verified.get(name[: -len(suffix)]) if verified is not None else None
+            if known is not None and name.endswith(suffix):
+                sha = known.aot_sha256 if suffix == EXECUTABLE_SUFFIX else known.sha256
+        return node.read(name, sha)
+
+    return read, names, verified
+
+
 def _verified_shas(
-    activation: Any, db: str | None, read: Callable[[str], bytes], warnings: list[str]
+    activation: Any,
+    db: str | None,
+    read: Callable[[str], bytes],
+    warnings: list[str],
+    node: NodeFiles | None = None,
 ) -> Verified | None:
     """What executables may load, and their sha256s (cachectl/service/verified.py, the same
     answer JAX's own cache gets); nothing where nothing can verify, unless the process opted in
@@ -248,6 +282,7 @@ def _verified_shas(
         unverified_ok,
         open_service_index,
         held=getattr(activation, "index", None),  # the index activate() opened: never a second
+        node=node,
     )
     if found is not None or unverified_ok:
         return found

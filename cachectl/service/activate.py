@@ -30,6 +30,7 @@ from cachectl.core.errors import BadInput, CachectlError, NotFound, Unreachable
 from cachectl.core.fingerprint import MANAGED_JAX_CONFIG, Environment, current_environment
 from cachectl.core.urls import is_object_store, normalize_url, url_kind
 from cachectl.index.open import driver, open_index
+from cachectl.service import node_source
 from cachectl.service.telemetry_sinks import IndexSink, ServerSink
 from cachectl.storage.backends import backend_for
 from cachectl.storage.backends import s3 as s3_backend
@@ -366,6 +367,8 @@ class _Target:
     readonly: bool
     store: Store | None
     path: str
+    # The node tier JAX's reads and cachectl.serving's go through (service/node_source.py).
+    node: node_source.RemoteFiles | None = None
 
 
 def _target(
@@ -380,10 +383,17 @@ def _target(
     root_url = _root_url(settings, cache_info, problems)
     readonly = _readonly(settings, mirror, cache_info, root_url)
     options = dict(cache_info.storage_options) if cache_info else {}
+    node = (
+        None
+        if mirror is not None
+        else node_source.for_service(settings, root_url, options, env, _warn, problems)
+    )
+    if node is not None and node.via_server:  # JAX opens the node tier's directory itself
+        return _Target(root_url, options, readonly, None, node.directory, node)
     store, path = _jax_path(root_url, options, env, mirror, problems)
     if mirror is None:
         _storage_to_jax(settings.cache, root_url, options, path)
-    return _Target(root_url, options, readonly, store, path)
+    return _Target(root_url, options, readonly, store, path, node)
 
 
 def _storage_to_jax(cache: str, root_url: str, options: dict[str, Any], path: str) -> None:
@@ -591,9 +601,11 @@ class NamespaceVerifier(jax_seam.EntryVerifier):
         warn: Callable[[str], None],
         unverified_ok: bool = False,
         index: IndexBackend | None = None,
+        node: node_source.RemoteFiles | None = None,
     ) -> None:
         """``index``: the one activate() holds, asked instead of opening one (in this process
-        only: a forked child opens its own)."""
+        only: a forked child opens its own); ``node``: the node tier reads go through."""
+        self._node = node
         self._args = (settings, digest, namespace, read)
         self._index = index
         self._index_pid = os.getpid()
@@ -618,6 +630,7 @@ class NamespaceVerifier(jax_seam.EntryVerifier):
                     open_service_index,
                     held=self._index if os.getpid() == self._index_pid else None,
                     first_only=True,  # cachectl.serving, which asked first, printed them
+                    node=self._node.files if self._node is not None else None,
                 )
                 self._shas = {k: v.sha256 for k, v in (found or {}).items()}
                 settings, digest = self._args[0], self._args[1]
@@ -648,6 +661,14 @@ class NamespaceVerifier(jax_seam.EntryVerifier):
             "files)"
         )
 
+    def read_entry(
+        self, key: str, expected: str, base: Callable[[str], bytes | None]
+    ) -> bytes | None:
+        """Through the node tier when there is one: this node's copy, else one fetch."""
+        if self._node is None:
+            return base(key)
+        return node_source.read_entry(self._node, key, expected, self.refused)
+
     def wrote(self, key: str, sha256: str) -> None:
         with self._lock:
             self._mine[key] = sha256
@@ -664,9 +685,12 @@ def verify_exec_cache(path: str, environment: dict[str, Any]) -> None:
     def read(name: str) -> bytes:
         return Store(path).read_bytes(name)
 
+    node = node_source.for_jax_path(settings, path, env.digest, env.namespace, _warn)
     verifier = NamespaceVerifier(
-        settings, env.digest, env.namespace, read, _warn, _run_unverified(None)
+        settings, env.digest, env.namespace, read, _warn, _run_unverified(None), node=node
     )
+    if node is not None:
+        node_source.remember(path, node)
     jax_seam.install_verifying_cache(path, verifier)
 
 
@@ -696,8 +720,10 @@ def _install_verifier(
         return Store(target.path, target.options).read_bytes(name)
 
     verifier = NamespaceVerifier(
-        settings, env.digest, env.namespace, read, _warn, run_unverified, index
+        settings, env.digest, env.namespace, read, _warn, run_unverified, index, target.node
     )
+    if target.node is not None:
+        node_source.remember(target.path, target.node)
     jax_seam.install_verifying_cache(target.path, verifier)
 
 

@@ -38,6 +38,7 @@ from cachectl.core.errors import BadInput, NotFound
 from cachectl.core.fingerprint import Environment
 from cachectl.index import CacheInfo
 from cachectl.index.protocol import IndexBackend
+from cachectl.service.node_source import RemoteNamespace, remote_namespace
 from cachectl.storage.entries import (
     CACHE_SUFFIX,
     ENV_FILE,
@@ -284,7 +285,7 @@ class _Listing(NamedTuple):
     executables: dict[str, int]
 
 
-def _list_namespace(store: Store, ns: str) -> _Listing:
+def _list_namespace(store: Store | RemoteNamespace, ns: str) -> _Listing:
     listing = _Listing({}, {})
     for f in store.list(ns):
         found = file_key(f.path[len(ns) :].lstrip("/") if f.path.startswith(ns) else f.path)
@@ -325,7 +326,7 @@ class _Copies:
 
 
 def _copy(
-    store: Store,
+    store: Store | RemoteNamespace,
     ns: str,
     directory: Path,
     indexed: _Indexed,
@@ -397,7 +398,7 @@ def pull_namespace(
     workers: int = DEFAULT_WORKERS,
     dry_run: bool = False,
     verify_existing: bool = False,
-    store: Store | Callable[[], Store] | None = None,
+    store: Store | RemoteNamespace | Callable[[], Store] | None = None,
     skip_storage_if_complete: bool = False,
 ) -> PullResult:
     """Copy ``env``'s verified entries from ``cache`` to ``dest`` (the library behind pull).
@@ -441,7 +442,7 @@ def pull_namespace(
 
     if store is None:
         store = Store(cache.root_url, cache.storage_options)
-    elif not isinstance(store, Store):
+    elif not isinstance(store, (Store, RemoteNamespace)):
         store = store()
     listing = _list_namespace(store, ns)
     todo = [k for k in todo if k in listing.entries]
@@ -478,6 +479,8 @@ def pull(
     """`cachectl pull --to DIR`: this environment's verified entries, copied locally."""
     cache = cache or ctx.cache()
     env = env or ctx.environment()
+    # Server mode without the root here: the server's rows and entry routes, through the node tier.
+    remote = remote_namespace(ctx.settings, ctx.index, cache.name, cache.root_url, env)
     return pull_namespace(
         ctx.index,
         cache,
@@ -486,5 +489,5 @@ def pull(
         workers=workers,
         dry_run=dry_run,
         verify_existing=verify_existing,
-        store=ctx.store(cache),
+        store=remote or ctx.store(cache),
     )

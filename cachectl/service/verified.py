@@ -35,6 +35,7 @@ from cachectl.trust.signing import (
 
 if TYPE_CHECKING:
     from cachectl.index.protocol import IndexBackend
+    from cachectl.storage.node_tier import NodeFiles
 
 
 class Indexed(NamedTuple):
@@ -165,6 +166,7 @@ def _verify(
     unverified_ok: bool,
     open_index: OpenIndex,
     held: IndexBackend | None,
+    node: NodeFiles | None,
 ) -> Verified | None:
     prefix = "cachectl"
     problems: list[str] = []
@@ -193,7 +195,17 @@ def _verify(
         )
         return Verified({}, f"refused: {why}")
     if said.shas is not None:
+        if node is not None and said.shas:
+            node.keep_record({k: list(v) for k, v in said.shas.items()})
         return Verified(said.shas, UNINDEXED)
+    kept = node.record() if node is not None else None
+    if node is not None and kept:
+        warnings.append(
+            f"{prefix}: the index cannot be reached ({'; '.join(problems)}): reading the "
+            f"{len(kept)} entries this node fetched and verified before ({node.directory})"
+        )
+        shas = {k: Indexed(str(v[0]), v[1], v[2] if len(v) > 2 else None) for k, v in kept.items()}
+        return Verified(shas, UNINDEXED)
     if unverified_ok:
         warnings.append(
             f"{prefix}: cache {settings.cache!r} is read UNVERIFIED ("
@@ -227,11 +239,13 @@ def namespace_verified(
     *,
     held: IndexBackend | None = None,
     first_only: bool = False,
+    node: NodeFiles | None = None,
 ) -> Verified | None:
     """What may load from this namespace (None: nothing can verify it); asked once per process,
     its warnings added to ``warnings`` each time (``first_only``: only by the call that asked,
     so that one warning is printed once where another caller prints it). ``held``: an index the
-    caller holds open (Activation.index), asked instead of opening one."""
+    caller holds open (Activation.index), asked instead of opening one. ``node``: the node tier
+    (storage/node_tier.py), which keeps the index's record for a restart with the index gone."""
     ident = (settings.server or settings.db, settings.cache, digest, unverified_ok)
     with _LOCK:
         done = _DONE.get(ident)
@@ -239,7 +253,7 @@ def namespace_verified(
         if done is None:
             said: list[str] = []
             found = _verify(
-                settings, digest, namespace, read, said, unverified_ok, open_index, held
+                settings, digest, namespace, read, said, unverified_ok, open_index, held, node
             )
             done = (found, tuple(said))
             _DONE[ident] = done

@@ -362,6 +362,7 @@ def _open_run(ctx: Context, plan: WarmPlan, opts: _Options) -> tuple[RunScope, s
         indexed,
         stored_aot,
         function_digests(plan) if opts.executables else {},
+        ctx.reads_via_server(plan.cache),
     )
     return scope, ns.url, carried is not None
 

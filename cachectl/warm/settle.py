@@ -31,6 +31,7 @@ from cachectl.storage.entries import (
 from cachectl.warm.compiling import Outcome
 from cachectl.warm.plan import WarmPlan
 from cachectl.warm.reports import CACHED, COMPILED, FAILED, TOO_LARGE, BucketResult
+from cachectl.warm.upload import upload
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +56,8 @@ class RunScope:
     indexed: Known
     stored_aot: Known | None
     digests: dict[str, tuple[str, str | None]]
+    # Server mode without the root here: the server's rows say what is stored (warm/upload.py).
+    via_server: bool = False
 
 
 class _Published(NamedTuple):
@@ -338,6 +341,16 @@ def _publish(scope: RunScope, row: NewEntry, bucket: Bucket, outcome: Outcome) -
         )
         row = replace(row, aot_size=len(data), aot_sha256=sha256(data))
     plan = scope.plan
+    if scope.via_server:
+        entry = (
+            None
+            if key in scope.indexed
+            else store.read_bytes(f"{scope.ns_rel}/{key}{CACHE_SUFFIX}")
+        )
+        client = scope.ctx.index.client  # type: ignore[attr-defined]  # the http driver's
+        failed_upload = upload(client, plan.cache.name, plan.environment.digest, key, entry, data)
+        if failed_upload is not None:
+            return _Published(None, failed_upload, None)
     published = ingest.publish(
         scope.ctx.index,
         plan.cache,
@@ -370,6 +383,8 @@ def present_check(scope: RunScope, replace: bool = False) -> Callable[[str], boo
 
     def present(key: str) -> bool:
         entry = f"{ns_rel}/{key}{CACHE_SUFFIX}"
+        if scope.via_server:  # the server holds what it indexed: nothing to compile or send
+            return key in indexed and (stored_aot is None or key in stored_aot)
         if key not in indexed:
             if replace and store.exists(entry):
                 log.warning("warm: %s is not signed: removed, compiling it again", entry)

@@ -1,0 +1,281 @@
+"""Machines that do not hold the cache root read it through the server, or a bucket, into a
+node-local tier (cachectl/storage/node_tier.py, cachectl/service/node_source.py).
+
+Machine A warms examples/manifest.yaml into a local-disk cache and runs the real `cachectl serve`
+on loopback. Machine B is its own HOME in its own mount namespace, A's whole home hidden under a
+tmpfs (`unshare -m`), with only CACHECTL_SERVER and a token. For the bucket, two "nodes" (each its
+own node directory and credentials) start three processes each on a warm S3 cache (moto, its
+request recorder counting the GETs).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import httpx
+import pytest
+from support import infra
+from support.warming import TINY_SERVICE, invoke, tiny, warm_json
+
+from cachectl.storage import node_tier
+
+REPO = Path(__file__).resolve().parent.parent
+MANIFEST = str(REPO / "examples" / "manifest.yaml")
+CACHECTL = (sys.executable, "-m", "cachectl")
+ENTRY_ROUTES = (
+    'route="/api/v1/caches/{cache}/environments/{digest}/entries/{key}"',
+    'route="/api/v1/caches/{cache}/environments/{digest}/entries/{key}/aot"',
+)
+
+needs_unshare = pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("unshare") is None,
+    reason="machine B is a mount namespace: needs root and unshare",
+)
+
+
+def _machine_env(home: Path) -> dict[str, str]:
+    env = {"HOME": str(home)}
+    for var, sub in (
+        ("XDG_DATA_HOME", "data"),
+        ("XDG_CACHE_HOME", "cache"),
+        ("XDG_CONFIG_HOME", "config"),
+        ("XDG_STATE_HOME", "state"),
+    ):
+        (home / sub).mkdir(parents=True, exist_ok=True)
+        env[var] = str(home / sub)
+    return env
+
+
+class MachineB:
+    """Commands run as machine B: its own HOME and mount namespace, ``hidden`` under a tmpfs."""
+
+    def __init__(self, home: Path, hidden: Path, server: str, token: str) -> None:
+        base = {
+            k: v for k, v in os.environ.items() if not k.startswith(("CACHECTL_", "XDG_", "JAX_"))
+        }
+        self.env = {**base, **_machine_env(home), "CACHECTL_SERVER": server}
+        self.env["CACHECTL_TOKEN"] = token
+        self.env["PYTHONPATH"] = str(REPO)
+        self.hidden = hidden
+        self.node = Path(self.env["XDG_CACHE_HOME"]) / "cachectl" / "node"
+
+    def run(
+        self, *argv: str, env: dict[str, str] | None = None, small_tmpfs: Path | None = None
+    ) -> subprocess.CompletedProcess[str]:
+        mounts = f"mount --make-rprivate / && mount -t tmpfs tmpfs {shlex.quote(str(self.hidden))}"
+        if small_tmpfs is not None:  # a node disk that is full at its first write
+            small_tmpfs.mkdir(parents=True, exist_ok=True)
+            mounts += f" && mount -t tmpfs -o size=8k tmpfs {shlex.quote(str(small_tmpfs))}"
+        script = f'{mounts} && test -z "$(ls -A {shlex.quote(str(self.hidden))})" && exec "$@"'
+        return subprocess.run(
+            ["unshare", "-m", "bash", "-c", script, "machine-b", *argv],
+            env={**self.env, **(env or {})},
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+
+    def serve(
+        self, env: dict[str, str] | None = None, small_tmpfs: Path | None = None
+    ) -> tuple[dict[str, tuple[int, int]], str]:
+        """examples/serve.py on B: per function (fallback calls, buckets loaded), and stderr
+        (JAX_LOG_COMPILES: every compile is a line of JAX's log)."""
+        proc = self.run(
+            sys.executable,
+            "examples/serve.py",
+            "--json",
+            env={"JAX_LOG_COMPILES": "1", **(env or {})},
+            small_tmpfs=small_tmpfs,
+        )
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        report = json.loads(proc.stdout)
+        return {
+            n: (f["fallback"], f["loaded"]) for n, f in report["functions"].items()
+        }, proc.stderr
+
+
+def _entry_requests(url: str, token: str) -> int:
+    text = httpx.get(f"{url}/metrics", headers={"authorization": f"Bearer {token}"}).text
+    return int(
+        sum(
+            float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines()
+            if line.startswith("cachectl_http_requests_total{")
+            and any(r in line for r in ENTRY_ROUTES)
+        )
+    )
+
+
+ALL_SERVED = {"prefill": (0, 8), "decode_step": (0, 3)}
+
+
+@needs_unshare
+@pytest.mark.timeout(600)  # eight real processes, each importing JAX, on a shared runner
+def test_machine_b_reads_the_server_into_its_node_tier(isolated_home, tmp_path) -> None:
+    # Machine A: the test process's HOME; warm the example, a writer token, the real server.
+    warmed = invoke("warm", MANIFEST, "--json")
+    assert json.loads(warmed.stdout)["summary"]["compiled"] == 11
+    token = (
+        invoke("token", "create", "--name", "b", "--role", "writer").stdout.strip().splitlines()[-1]
+    )
+    server = infra.start_server(
+        "cachectl-serve",
+        lambda port: [sys.executable, "-m", "cachectl", "serve", "--port", str(port)],
+        tmp_path / "logs",
+    )
+    try:
+        b = MachineB(tmp_path / "b", isolated_home, server.url, token)
+
+        # warm-check: 11/11 hits, 11/11 stored executables called, all over the server.
+        proc = b.run(*CACHECTL, "warm-check", MANIFEST, "--json")
+        summary = json.loads(proc.stdout)["summary"]
+        assert (summary["hits"], summary["aot_loaded"], summary["aot_ran"]) == (11, 11, 11), (
+            proc.stderr
+        )
+        assert _entry_requests(server.url, token) == 22  # 11 entries + 11 executables, once each
+
+        # the service: every bucket from a stored executable, JAX compiled nothing; a node-tier
+        # file damaged meanwhile is detected by its sha256 and fetched again (one request)
+        damaged = next(b.node.rglob("jit_decode_step-*-aot"))
+        damaged.write_bytes(b"not what the server holds")
+        served, stderr = b.serve()
+        assert served == ALL_SERVED and "Compiling" not in stderr, stderr[-2000:]
+        assert "run `cachectl" not in stderr and "is damaged" in stderr
+        assert _entry_requests(server.url, token) == 23
+
+        # pull copies every entry; warm from B finds all 11 held by the server and exits 0
+        pulled = json.loads(
+            b.run(*CACHECTL, "pull", "--to", str(tmp_path / "pulled"), "--json").stdout
+        )
+        assert (pulled["copied"], pulled["executables_copied"], pulled["missing"]) == (11, 11, [])
+        proc = b.run(*CACHECTL, "warm", MANIFEST, "--json")
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert json.loads(proc.stdout)["summary"]["cached"] == 11
+
+        # a full node disk: a warning, and the service is served from the remote all the same
+        small = tmp_path / "small-node"
+        served, stderr = b.serve(small_tmpfs=small, env={"CACHECTL_NODE_CACHE": str(small)})
+        assert served == ALL_SERVED and "is full" in stderr, stderr[-2000:]
+
+        # a restart on the node: nothing asked of the server
+        before = _entry_requests(server.url, token)
+        served, _ = b.serve()
+        assert served == ALL_SERVED and _entry_requests(server.url, token) == before
+    finally:
+        server.stop()
+    # the server gone: the service starts from the node tier alone
+    served, stderr = b.serve()
+    assert served == ALL_SERVED and "Compiling" not in stderr, stderr[-2000:]
+    assert "entries this node fetched and verified before" in stderr
+
+
+def test_two_nodes_read_each_entry_from_the_bucket_once(tmp_path, monkeypatch) -> None:
+    # Our own moto, recording every request it answers.
+    monkeypatch.setenv("MOTO_RECORDER_FILEPATH", str(tmp_path / "recording"))
+    moto = infra.start_moto(tmp_path / "moto")
+    try:
+        for key, value in moto.env.items():
+            monkeypatch.setenv(key, value)
+        infra.clear_fsspec_instance_caches()
+        bucket = f"s3://{infra.unique_name()}"
+        infra.create_s3_bucket(moto.url, bucket[5:])
+        invoke("cache", "add", "objects", f"{bucket}/jax")
+        manifest = tiny(tmp_path)
+        assert warm_json(str(manifest), "--cache", "objects")["summary"]["compiled"] == 5
+        httpx.post(f"{moto.url}/moto-api/recorder/start-recording")
+
+        code = TINY_SERVICE.format(dir=str(tmp_path), cache=repr("objects"))
+        procs = []
+        for node in ("node0", "node1"):  # a node: its own tier, its own credentials
+            env = {
+                **os.environ,
+                "CACHECTL_NODE_CACHE": str(tmp_path / node),
+                "AWS_ACCESS_KEY_ID": node.upper(),
+            }
+            procs += [
+                subprocess.Popen(
+                    [sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, text=True
+                )
+                for _ in range(3)
+            ]
+        results = [
+            json.loads(p.communicate(timeout=240)[0].strip().splitlines()[-1]) for p in procs
+        ]
+        httpx.post(f"{moto.url}/moto-api/recorder/stop-recording")
+        recording = httpx.get(f"{moto.url}/moto-api/recorder/download-recording").text
+    finally:
+        moto.stop()
+    assert all(r["hits"] == 5 for r in results), results
+    gets: Counter[tuple[str, str]] = Counter()
+    for line in recording.splitlines():
+        request = json.loads(line)
+        path = request["url"].split("?", 1)[0]
+        if request["method"] == "GET" and path.endswith("-cache"):
+            auth = request["headers"].get("Authorization", "")
+            node = "node0" if "Credential=NODE0/" in auth else "node1"
+            gets[(node, path.rsplit("/", 1)[1])] += 1
+    assert len(gets) == 10 and max(gets.values()) == 1, gets  # 5 entries x 2 nodes, once each
+
+
+def _sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def test_the_tier_evicts_the_least_recently_read_and_bounds_its_wait(tmp_path, monkeypatch) -> None:
+    """In one process, on real files: the size limit evicts by last read; a lock held by another
+    process past the bounded wait makes this one fetch on its own, with one warning."""
+    warnings: list[str] = []
+    tier = node_tier.NodeTier(str(tmp_path / "node"), limit=2500, warn=warnings.append)
+    files = tier.files("s3://bucket/root", "main", "jax-x/cpu/abc")
+    blobs = {f"k{i}-cache": bytes([i]) * 1000 for i in range(3)}
+    fetched: list[str] = []
+
+    def read(name: str) -> bytes:
+        return files.read(name, _sha(blobs[name]), lambda: fetched.append(name) or blobs[name])
+
+    read("k0-cache")
+    read("k1-cache")
+    os.utime(files.path("k0-cache"), (1, 1))  # k0 read long ago, k1 just now
+    os.utime(files.path("k1-cache"), (2, 2))
+    read("k1-cache")  # a hit: k1 is now the most recent
+    read("k2-cache")  # past 2500 bytes: the least recently read goes
+    assert fetched == ["k0-cache", "k1-cache", "k2-cache"]
+    assert not os.path.exists(files.path("k0-cache"))
+    assert os.path.exists(files.path("k1-cache")) and os.path.exists(files.path("k2-cache"))
+    assert tier.counts.evicted == 1
+
+    # another process holds k0's lock: past the (shortened) wait, this one fetches itself
+    monkeypatch.setattr(node_tier, "WAIT_S", 0.3)
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import fcntl, sys, time\n"
+            "from cachectl.storage import node_tier\n"
+            f"files = node_tier.NodeTier({str(tmp_path / 'node')!r}).files("
+            "'s3://bucket/root', 'main', 'jax-x/cpu/abc')\n"
+            "fh = files._lock_file('k0-cache')\n"
+            "fcntl.flock(fh.fileno(), fcntl.LOCK_EX)\n"
+            "print('held', flush=True)\n"
+            "time.sleep(30)\n",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+        assert read("k0-cache") == blobs["k0-cache"]
+    finally:
+        holder.kill()
+        holder.communicate()
+    assert fetched[-1] == "k0-cache"
+    assert any("fetching on our own" in w for w in warnings), warnings
