@@ -395,7 +395,7 @@ def entries_signed(signed: dict[str, Any], meta: dict[str, Any], what: str) -> b
     if sig is None:
         return False
     try:
-        public = signing.parse_public_key(str(signed.get("key", "")))
+        public = signing.parse_public_key(str(signed.get("key", "")), files=False)
         raw = base64.b64decode(public[len(signing.PREFIX) :])
         Ed25519PublicKey.from_public_bytes(raw).verify(
             base64.b64decode(str(sig)), entries_document(meta)

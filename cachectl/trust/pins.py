@@ -17,6 +17,7 @@ from pathlib import Path
 
 from cachectl.core.config import state_dir
 from cachectl.core.temps import atomic_write
+from cachectl.trust.owned import owner_problem
 
 PINS_FILE = "trust-pins.json"
 MAX_PINS_BYTES = 4 * 1024 * 1024
@@ -34,12 +35,9 @@ def pin_id(index: str, cache: str) -> str:
 def _owned(path: Path, problems: list[str]) -> bool:
     """Whether ``path`` and its directory belong to this user and nobody else can write them."""
     for p in (path.parent, path):
-        info = os.lstat(p)
-        if stat.S_ISLNK(info.st_mode):
-            problems.append(f"{p} is a symbolic link")
-            return False
-        if info.st_uid != os.geteuid() or info.st_mode & 0o022:
-            problems.append(f"{p} is not owned by this user alone (others may write it)")
+        problem = owner_problem(os.lstat(p), p)
+        if problem is not None:
+            problems.append(problem)
             return False
     return True
 
