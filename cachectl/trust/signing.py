@@ -219,7 +219,7 @@ def verify(signed: dict[str, Any] | None, trusted: Sequence[str], what: str) -> 
     public = str(signed.get("key", ""))
     trusted_norm = {parse_public_key(k) for k in trusted}
     try:
-        public = parse_public_key(public)
+        public = parse_public_key(public, files=False)  # the signer's claim: never a path
     except BadInput as exc:
         raise Untrusted(f"{what}: signed with an unreadable key ({exc.message})") from exc
     if public not in trusted_norm:
