@@ -44,6 +44,7 @@ import hashlib
 import importlib
 import inspect
 import logging
+import os
 import re
 import sys
 import threading
@@ -56,6 +57,7 @@ from cachectl.core.jax_kernels import (  # noqa: F401 - the seam's API
     custom_call_targets,
     prepare_custom_calls,
 )
+from cachectl.core.temps import without_world_write
 
 # -- loggers -------------------------------------------------------------------------------
 
@@ -784,6 +786,10 @@ class EntryVerifier:
         """This process wrote the entry at ``key`` (its own compile): it may read it back."""
 
 
+# The files JAX's file cache writes per key: the entry, and its access time where it evicts.
+_ENTRY_SUFFIXES = ("-cache", "-atime")
+
+
 def install_verifying_cache(path: str, verifier: EntryVerifier) -> None:
     """From the next time JAX opens its persistent cache at ``path`` (it does that at its first
     compile, and again after reset_persistent_cache), its ``get`` returns an entry's bytes only when
@@ -828,6 +834,10 @@ def install_verifying_cache(path: str, verifier: EntryVerifier) -> None:
 
         def put(self, key: str, value: bytes) -> None:
             self._base.put(key, value)
+            local = str(self._base._path)
+            if "://" not in local:  # JAX writes at the umask's mode: never world-writable
+                for suffix in _ENTRY_SUFFIXES:
+                    without_world_write(os.path.join(local, key + suffix))
             verifier.wrote(key, hashlib.sha256(value).hexdigest())
 
     def get_file_cache(path: str) -> tuple[CacheInterface, str] | None:

@@ -28,6 +28,7 @@ from cachectl.core.config import (
 )
 from cachectl.core.errors import BadInput, CachectlError, NotFound, Unreachable
 from cachectl.core.fingerprint import MANAGED_JAX_CONFIG, Environment, current_environment
+from cachectl.core.temps import current_umask
 from cachectl.core.urls import is_object_store, normalize_url, url_kind
 from cachectl.index.open import driver, open_index
 from cachectl.service.telemetry_sinks import IndexSink, ServerSink
@@ -280,6 +281,7 @@ def activate(
     """
     settings = load_settings(db=db, cache=cache, root=root, readonly=readonly)
     cache_name = settings.cache
+    _warn_umask_000()
     env = current_environment()
     compiled_before = _jax_compiled_already()
     problems: list[str] = []
@@ -328,6 +330,22 @@ def activate(
         run_unverified_code=run_unverified,
     )
     return activation.holding(index)
+
+
+_UMASK_WARNED: list[bool] = []
+
+
+def _warn_umask_000() -> None:
+    """One warning per process under umask 000: what cachectl and JAX write here is kept from
+    being world-writable file by file, but anything else the process writes is not."""
+    if _UMASK_WARNED or current_umask() != 0:
+        return
+    _UMASK_WARNED.append(True)
+    _warn(
+        "cachectl: this process runs under umask 000: the cache files and state it writes are "
+        "kept from being world-writable, anything else it writes is writable by every user "
+        "(run it under umask 022)"
+    )
 
 
 def _inactive(cache: str, env: Environment, warning: str, compiled_before: bool) -> Activation:
