@@ -216,7 +216,7 @@ def namespace_reader(
         )
         return unreadable, [], None
     try:
-        store = Store(activation.path)
+        store = Store(activation.path, getattr(activation, "storage_options", None) or None)
         names = [
             f.path
             for f in store.list("")

@@ -91,9 +91,19 @@ class Activation:
         held: tuple[IndexBackend, int] | None = self.__dict__.get("_index")
         return held[0] if held is not None and held[1] == os.getpid() else None
 
-    def holding(self, index: IndexBackend | None) -> Activation:
-        """This record, holding ``index`` (see ``index``)."""
+    @property
+    def storage_options(self) -> dict[str, Any]:
+        """The cache's storage options for ``path`` (none for a mirror): every store a service
+        opens on its namespace carries them (cachectl.serving's listing included), or the
+        environment's endpoint would collide with the one handed to JAX. Not a field either."""
+        return dict(self.__dict__.get("_options") or {})
+
+    def holding(
+        self, index: IndexBackend | None, options: dict[str, Any] | None = None
+    ) -> Activation:
+        """This record, holding ``index`` (see ``index``) and the storage ``options``."""
         object.__setattr__(self, "_index", None if index is None else (index, os.getpid()))
+        object.__setattr__(self, "_options", dict(options or {}))
         return self
 
 
@@ -329,7 +339,7 @@ def activate(
         compiled_before=compiled_before,
         run_unverified_code=run_unverified,
     )
-    return activation.holding(index)
+    return activation.holding(index, target.options if mirror is None else None)
 
 
 _UMASK_WARNED: list[bool] = []
