@@ -132,6 +132,7 @@ def _count_cache_events(path: str) -> None:
         EVENT_REQUESTS,
         compiler_logger,
         host_callbacks_module,
+        record_puts,
     )
 
     counts = {"pid": os.getpid(), "requests": 0, "hits": 0}
@@ -173,8 +174,6 @@ def _count_cache_events(path: str) -> None:
         from cachectl.core.jaxlog import CAPTURE
 
         _WRITES.enter_context(CAPTURE.writes(on_write=wrote))
-        from cachectl.core.jax_seam import record_puts
-
         record_puts(put)
 
 
