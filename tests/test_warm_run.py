@@ -348,7 +348,7 @@ def test_a_planted_entry_is_never_claimed_by_warm_run_or_warm_and_never_runs(
         indexed = dict(conn.execute("SELECT key, origin FROM entries").fetchall())
     assert indexed == {keys["g"]: "warm", keys["fb"]: "warm"}
 
-    for how, expected in (("activate", {"fb": 2.0, "fa": 3.0}), ("serving", {"fb": 2.0, "aot": 1})):
+    def answers(how: str) -> dict[str, float]:
         done = subprocess.run(
             [sys.executable, "answers.py", how],
             cwd=tmp_path,
@@ -358,4 +358,19 @@ def test_a_planted_entry_is_never_claimed_by_warm_run_or_warm_and_never_runs(
             env={**os.environ, "PYTHONPATH": str(tmp_path)},
         )
         assert done.returncode == 0, done.stderr
-        assert json.loads(done.stdout.splitlines()[-1]) == expected, done.stderr
+        return dict(json.loads(done.stdout.splitlines()[-1]))
+
+    assert answers("activate") == {"fb": 2.0, "fa": 3.0}
+    assert answers("serving") == {"fb": 2.0, "aot": 1}
+
+    # fb's indexed entry rewritten, its executable gone: a re-warm loads the rewritten file and
+    # stores no executable built from it.
+    namespace = Path(json.loads(warm.stdout)["namespace"].removeprefix("file://"))
+    planted = (namespace / f"{keys['g']}-cache").read_bytes()
+    (namespace / f"{keys['fb']}-cache").write_bytes(planted)
+    (namespace / f"{keys['fb']}-aot").unlink()
+    again = _cachectl(tmp_path, "warm", "plant.yaml", "--json")
+    assert again.returncode == 1, again.stdout + again.stderr
+    assert "differ from its index row" in json.loads(again.stdout)["buckets"][0]["error"]
+    assert not (namespace / f"{keys['fb']}-aot").exists()
+    assert answers("serving") == {"fb": 2.0, "aot": 0}

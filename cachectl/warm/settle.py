@@ -166,6 +166,18 @@ def _settle_hit(scope: RunScope, bucket: Bucket, outcome: Outcome, rel: str) -> 
             "replace it",
         )
     size, digest = known
+    try:  # JAX loaded what is on storage: it must be what the row says, or nothing is stored
+        data = scope.store.read_bytes(rel)
+    except FileNotFoundError:
+        return _result(bucket, outcome, CACHED)
+    if sha256(data) != digest:
+        return _result(
+            bucket,
+            outcome,
+            FAILED,
+            error=f"JAX loaded {rel}, whose bytes differ from its index row (another writer "
+            "rewrote it): nothing stored; `cachectl verify` names it",
+        )
     # A hit belongs to this run too: lifecycle protects the newest run's entries.
     row = NewEntry(
         key=key,
