@@ -214,15 +214,6 @@ def _settle_written(scope: RunScope, bucket: Bucket, outcome: Outcome, rel: str)
             bucket, outcome, FAILED, error=f"JAX reported writing {rel} but it is not in the cache"
         )
     size = len(data)
-    if sha256(data) not in outcome.put_sha256s:  # JAX logs a write it skips at a taken key
-        return _result(
-            bucket,
-            outcome,
-            FAILED,
-            bytes=size,
-            error=f"the file at {rel} is not the one this warm wrote (another writer's bytes): "
-            "not indexed; rerun warm to replace it",
-        )
     problem = _entry_problem(data)
     if problem is not None:
         store.delete([rel])
@@ -233,6 +224,15 @@ def _settle_written(scope: RunScope, bucket: Bucket, outcome: Outcome, rel: str)
             bytes=size,
             error=f"JAX wrote a broken entry ({problem}){_space_hint(store, scope.ns_rel)}; "
             "removed it: a rerun with space compiles it again",
+        )
+    if sha256(data) not in outcome.put_sha256s:  # JAX logs a write it skips at a taken key
+        return _result(
+            bucket,
+            outcome,
+            FAILED,
+            bytes=size,
+            error=f"the file at {rel} is not the one this warm wrote (another writer's bytes): "
+            "not indexed; rerun warm to replace it",
         )
     try:  # the rules every new entry meets (ingest.py): max entry size, a JAX entry, its sha256
         row = ingest.check_new(
