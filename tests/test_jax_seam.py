@@ -653,3 +653,31 @@ def test_a_verifying_cache_replaces_the_file_cache_jax_opens(tmp_path: Path) -> 
     assert (refused["hits"], refused["refused"]) == (0, [key])
     assert refused["out"] == first["out"]
     assert run({})["hits"] == 0
+
+
+PUTS = """
+import hashlib, json, pathlib, sys
+import jax
+from jax._src import lru_cache
+from cachectl.core import jax_seam
+jax_seam.record_puts(lambda k, s: print("put", k, s, file=sys.stderr))
+cache = lru_cache.LRUCache({path!r}, max_size=-1)
+cache.put("k", b"first")
+cache.put("k", b"second")  # a file is at the key: JAX writes nothing
+on_disk = (pathlib.Path({path!r}) / "k-cache").read_bytes()
+print(json.dumps({{"disk": on_disk.decode(), "puts": list(jax_seam.put_sha256s("k")),
+                  "second": hashlib.sha256(b"second").hexdigest()}}))
+"""
+
+
+def test_jax_writes_nothing_at_a_taken_key_and_record_puts_says_what_it_was_handed(
+    tmp_path: Path,
+) -> None:
+    """The fact warm and warm-run rely on (issue 62): JAX's LRUCache.put leaves a file already
+    at the key as it is, and record_puts remembers the sha256 of each value handed to it, so
+    a file whose sha256 is not among them is another writer's."""
+    proc = run_py(PUTS.format(path=str(tmp_path)), check=True)
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["disk"] == "first"
+    assert out["second"] in out["puts"] and len(out["puts"]) == 2
+    assert proc.stderr.count("put k ") == 2

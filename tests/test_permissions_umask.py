@@ -89,6 +89,38 @@ def test_exec_keeps_the_world_write_bit_off_for_its_service(tmp_path: Path) -> N
     assert run.stdout.strip() == "0002"
 
 
+# A writing activate() service; the minimum compile time is dropped so JAX writes its programs.
+WRITING_SERVICE = """
+import jax, jax.numpy as jnp
+import cachectl
+cachectl.activate(readonly=False)
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+jax.jit(lambda x: jnp.sin(x) * 3 + 1)(jnp.ones(3))
+"""
+
+
+def test_an_activate_service_under_umask_000_leaves_nothing_world_writable(
+    tmp_path: Path,
+) -> None:
+    """Issue 62 finding 7: a service's own process (not a cachectl command, which sets its umask)
+    writes JAX entries, its index and its state; none is world-writable, and one warning names
+    the umask."""
+    home = tmp_path / "h"
+    run = subprocess.run(
+        ["sh", "-c", 'umask 000; exec "$@"', "sh", sys.executable, "-c", WRITING_SERVICE],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        env={**os.environ, **_home(home), "JAX_PLATFORMS": "cpu"},
+        timeout=300,
+        check=False,
+    )
+    assert run.returncode == 0, run.stderr
+    assert run.stderr.count("runs under umask 000") == 1, run.stderr
+    assert list((home / "cache").rglob("*-cache")) and list((home / "state").rglob("*.txt"))
+    assert _world_writable(home) == []
+
+
 def test_doctor_checks_every_path_cachectl_keeps(tmp_path: Path) -> None:
     home = _home(tmp_path / "h")
     _cachectl(tmp_path, "exec", "--", "true", env=home, umask=0o022)

@@ -775,3 +775,31 @@ def test_serving_opens_the_index_once(tmp_path: Path) -> None:
     out = last_json(proc)
     assert out["functions"]["affine"]["aot"] == 1, out  # served, so the index was read
     assert len(out["opens"]) == 1, out["opens"]
+
+
+def test_serving_an_s3_cache_reads_through_its_own_endpoint_whatever_aws_endpoint_url_says(
+    tmp_path: Path, s3_bucket: str, s3_env: dict[str, str]
+) -> None:
+    """Issue 62 finding 8: the cache names its endpoint (``endpoint_url``) and the service's
+    environment points AWS_ENDPOINT_URL elsewhere. Every store the service opens, serving's own
+    listing included, carries the cache's options: every stored executable loads from the
+    cache's endpoint."""
+    (tmp_path / "sv_tiny.py").write_text(TINY_MODULE)
+    manifest = tmp_path / "tiny.yaml"
+    manifest.write_text(TINY_MANIFEST)
+    endpoint = s3_env["AWS_ENDPOINT_URL"]
+    option = f"endpoint_url={endpoint}"
+    added = CliRunner().invoke(
+        cli, ["cache", "add", "remote", f"{s3_bucket}/jax", "--storage-option", option]
+    )
+    assert added.exit_code == 0, added.output
+    argv = ["cachectl", "warm", str(manifest), "--cache", "remote"]
+    warm_code = f"import sys; sys.argv = {argv!r}\nfrom cachectl.cli import main; main()"
+    # A fresh process: JAX's s3 filesystem is built once per process.
+    run_py(warm_code, {"AWS_ENDPOINT_URL": "http://127.0.0.1:9"}, check=True)
+    code = TINY_SERVICE.replace(
+        "cachectl.serving({manifest!r})", "cachectl.serving({manifest!r}, cache='remote')"
+    ).format(dir=str(tmp_path), manifest=str(manifest))
+    proc = run_py(code, {"AWS_ENDPOINT_URL": "http://127.0.0.1:9"}, check=True)
+    fn = last_json(proc)["report"]["functions"]["affine"]
+    assert fn["aot"] == 5 and fn["fallback"] == 0, proc.stderr[-3000:]

@@ -308,3 +308,30 @@ def test_az_and_gs_endpoints_that_refuse_connections_end_within_the_bounds(
     with pytest.raises(Unreachable, match="fail at once"):
         Store("gs://bkt/jax").list("")
     assert time.monotonic() - started < 10
+
+
+BARE_STORE = """
+import json, fsspec.config
+from cachectl.storage.store import Store
+fsspec.config.conf["s3"] = {{"endpoint_url": {endpoint!r}}}  # what activate() hands JAX
+print(json.dumps(sorted(i.path for i in Store({url!r}).list(""))))
+"""
+
+
+def test_a_store_without_options_reads_where_fsspec_was_pointed_whatever_aws_endpoint_url_says(
+    tmp_path: Path, moto_server, default_endpoint: Peer
+) -> None:
+    """Issue 62 finding 8, in a service's process: once activate() (or `cachectl exec`, through
+    FSSPEC_S3) handed fsspec the cache's endpoint, a store opened there without the cache's
+    options (the exec hook's) reads through that endpoint; AWS_ENDPOINT_URL, set elsewhere, is
+    not added beside it (botocore got the endpoint twice: a TypeError, nothing read)."""
+    import boto3
+
+    bucket = unique_name()
+    create_s3_bucket(moto_server.url, bucket)
+    s3 = boto3.client("s3", endpoint_url=moto_server.url)
+    s3.put_object(Bucket=bucket, Key="jax/a-cache", Body=b"x")
+    code = BARE_STORE.format(endpoint=moto_server.url, url=f"s3://{bucket}/jax")
+    listed = run_py(code, check=True)
+    assert json.loads(listed.stdout.strip().splitlines()[-1]) == ["a-cache"], listed.stderr
+    assert default_endpoint.connections == 0

@@ -99,6 +99,9 @@ def test_az_options_reach_jax_with_the_bounds(monkeypatch: pytest.MonkeyPatch) -
         "account_key=c2VjcmV0",
         "sas_token=sv=2024&sig=abc",
         "account_host=a.blob.core.windows.net?sv=2024&sig=abc",
+        "accountKey=c2VjcmV0",  # camelCase names (issue 62)
+        "connectionString=c2VjcmV0",
+        "accessKeyId=c2VjcmV0",
     ],
 )
 def test_azure_credentials_never_reach_the_index(option: str) -> None:

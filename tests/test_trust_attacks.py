@@ -452,3 +452,34 @@ def test_a_pin_file_others_could_write_is_ignored() -> None:
     pins.pins_path().chmod(0o666)
     assert pins.pinned("sqlite:///x.db", "default", problems) == ()
     assert "not owned by this user alone" in problems[0]
+
+
+@pytest.mark.timeout(600)
+def test_a_trusted_key_file_others_could_write_is_refused_and_nothing_loads(
+    tmp_path: Path, signed: dict[str, Any]
+) -> None:
+    """Issue 62 finding 2: a ``CACHECTL_TRUST`` key file (or a ``.pub`` given to ``cache set
+    --trust``) that is writable by others, owned by another uid, or a symbolic link is refused in
+    one line, and a service trusts nothing by it: nothing loads. The same key in a file only its
+    owner writes loads every bucket."""
+    manifest, pub = signed["manifest"], Path(signed["pub"])
+    text = pub.read_text()
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "world.pub").write_text(text)
+    (bad / "world.pub").chmod(0o666)
+    (bad / "other.pub").write_text(text)
+    os.chown(bad / "other.pub", 4242, 4242)  # the tests run as root
+    (bad / "link.pub").symlink_to(pub)
+    good = serve(tmp_path, manifest, {"CACHECTL_TRUST": str(pub)})
+    assert good["loaded"] == 5, good
+    for name, why in (
+        ("world.pub", "not owned by this user alone"),
+        ("other.pub", "not owned by this user alone"),
+        ("link.pub", "is a symbolic link"),
+    ):
+        refused = serve(tmp_path, manifest, {"CACHECTL_TRUST": str(bad / name)})
+        assert refused["loaded"] == 0, (name, refused)
+        assert any(why in w and "refused" in w for w in refused["warnings"]), refused
+        done = cachectl("cache", "set", "default", "--trust", str(bad / name), code=2)
+        assert done.stderr.count("\n") == 1 and why in done.stderr, done.stderr

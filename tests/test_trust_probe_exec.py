@@ -379,3 +379,26 @@ def test_a_tpu_environment_is_remembered_and_a_control_character_is_not(tmp_path
     for bad in ("\x1b[2J", "\r", "\t", "\x00"):
         with pytest.raises(ValueError, match="field platform_version"):
             probe.strict_environment({**tpu, "platform_version": f"PJRT C API{bad}v5"})
+
+
+def test_verify_deep_and_warm_check_children_never_import_from_the_working_directory(
+    tmp_path: Path,
+) -> None:
+    """Issue 62 finding 5: the children of `verify --deep` and `warm-check` (coverage, then the
+    calls) start isolated as the probe does, so a ``json.py`` in the working directory never
+    runs; the manifest's own modules still import, and both commands pass."""
+    from support.warming import tiny
+
+    manifest = tiny(tmp_path)
+    warm = run_cachectl(tmp_path, "warm", str(manifest), "--json", timeout=600)
+    assert warm.returncode == 0, warm.stderr
+    work = tmp_path / "work"
+    work.mkdir()
+    planted = tmp_path / "planted-code-ran"
+    (work / "json.py").write_text(f"open({str(planted)!r}, 'w').write('ran')\n")
+    check = run_cachectl(work, "warm-check", str(manifest), timeout=600)
+    assert check.returncode == 0, check.stdout + check.stderr
+    assert not planted.exists(), "warm-check"
+    deep = run_cachectl(work, "verify", "--deep", timeout=600)
+    assert deep.returncode == 0, deep.stdout + deep.stderr
+    assert not planted.exists(), "verify --deep"

@@ -249,3 +249,128 @@ def test_a_command_whose_processes_cannot_report_fails_and_claims_nothing(tmp_pa
     with sqlite3.connect(db) as conn:
         assert conn.execute("SELECT count(*) FROM entries").fetchone() == (0,)
         assert conn.execute("SELECT status FROM warm_runs").fetchall() == [("failed",)]
+
+
+# -- issue 62: a co-tenant who can write the namespace (not the index) plants another program -----
+
+PLANT_LIB = """
+def g(x):  # the co-tenant's program: its entry is what gets planted at f's key
+    return x + 1006
+
+def fb(x):  # planted before JAX writes it
+    return x + 1
+
+def fa(x):  # planted after JAX wrote it
+    return x + 2
+"""
+
+PLANT_MANIFEST = """
+version: 1
+target: {backend: cpu}
+functions:
+  - fn: plant_lib:fb
+    args:
+      - {shape: [batch], dtype: float32}
+    buckets: {batch: [1]}
+"""
+
+# The command warm-run runs; it plays the co-tenant too, around its own writes.
+PLANTING = """
+import json, os, pathlib, sys
+import numpy as np, jax
+import plant_lib
+from cachectl.core import jax_seam
+ns = pathlib.Path(os.environ["JAX_COMPILATION_CACHE_DIR"].removeprefix("file://"))
+x = np.ones((1,), np.float32)
+def key(f):
+    return jax_seam.persistent_cache_key(jax.jit(f).lower(x))
+jax.jit(plant_lib.g)(x)
+planted = (ns / f"{key(plant_lib.g)}-cache").read_bytes()
+(ns / f"{key(plant_lib.fb)}-cache").write_bytes(planted)  # before fb's write
+jax.jit(plant_lib.fb)(x)
+jax.jit(plant_lib.fa)(x)
+(ns / f"{key(plant_lib.fa)}-cache").write_bytes(planted)  # after fa's write
+print(json.dumps({"g": key(plant_lib.g), "fb": key(plant_lib.fb), "fa": key(plant_lib.fa)}))
+"""
+
+# f's answers in a fresh process: a plain activate() service, then cachectl.serving.
+ANSWERS = """
+import json, sys
+import numpy as np, jax
+import cachectl
+import plant_lib
+x = np.ones((1,), np.float32)
+if sys.argv[1] == "activate":
+    cachectl.activate(readonly=True)
+    out = {n: float(jax.jit(getattr(plant_lib, n))(x)[0]) for n in ("fb", "fa")}
+else:
+    rt = cachectl.serving("plant.yaml")
+    out = {"fb": float(np.asarray(rt["fb"](x))[0])}
+    out["aot"] = sum(f.loaded for f in rt.report().functions.values())
+print(json.dumps(out))
+"""
+
+
+def test_a_planted_entry_is_never_claimed_by_warm_run_or_warm_and_never_runs(
+    tmp_path: Path,
+) -> None:
+    """Issue 62 finding 1. JAX logs "Writing" and then writes nothing where a file is already at
+    the key: warm-run claims a key only when the file's sha256 is that of the bytes its own
+    process handed JAX, so a program planted at fb's key before its write, or at fa's after, is
+    refused and never indexed. A manifest warm over the unindexed plant compiles fb and replaces
+    it. Services then compute fb and fa, not the planted ``x + 1006``."""
+    (tmp_path / "plant_lib.py").write_text(textwrap.dedent(PLANT_LIB))
+    (tmp_path / "plant.yaml").write_text(textwrap.dedent(PLANT_MANIFEST))
+    (tmp_path / "planting.py").write_text(textwrap.dedent(PLANTING))
+    (tmp_path / "answers.py").write_text(textwrap.dedent(ANSWERS))
+    run = _cachectl(tmp_path, "warm-run", "--json", "--", sys.executable, "planting.py")
+    assert run.returncode == 1, run.stdout + run.stderr
+    line = next(x for x in run.stderr.splitlines() if x.startswith('{"g"'))
+    keys = json.loads(line)  # the command's stdout goes to stderr
+    assert "hold other bytes than it wrote" in run.stderr, run.stderr
+    report = json.loads(run.stdout)
+    status = {e["key"]: (e["status"], e["error"]) for e in report["entries"]}
+    assert status[keys["g"]] == ("written", None), report
+    for name in ("fb", "fa"):
+        assert status[keys[name]][0] == "foreign", report
+        assert "not what the command wrote" in status[keys[name]][1], report
+    db = Path(os.environ["XDG_DATA_HOME"]) / "cachectl" / "index.db"
+    with sqlite3.connect(db) as conn:
+        indexed = dict(conn.execute("SELECT key, origin FROM entries").fetchall())
+    assert indexed == {keys["g"]: "warm"}
+
+    warm = _cachectl(tmp_path, "warm", "plant.yaml", "--json")
+    assert warm.returncode == 0, warm.stdout + warm.stderr
+    bucket = json.loads(warm.stdout)["buckets"][0]
+    assert bucket["key"] == keys["fb"] and bucket["status"] == "compiled", bucket
+    assert "not indexed (another writer's file): removed" in warm.stderr
+    with sqlite3.connect(db) as conn:
+        indexed = dict(conn.execute("SELECT key, origin FROM entries").fetchall())
+    assert indexed == {keys["g"]: "warm", keys["fb"]: "warm"}
+
+    def answers(how: str) -> dict[str, float]:
+        done = subprocess.run(
+            [sys.executable, "answers.py", how],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=600,
+            env={**os.environ, "PYTHONPATH": str(tmp_path)},
+        )
+        assert done.returncode == 0, done.stderr
+        return dict(json.loads(done.stdout.splitlines()[-1]))
+
+    assert answers("activate") == {"fb": 2.0, "fa": 3.0}
+    assert answers("serving") == {"fb": 2.0, "aot": 1}
+
+    # fb's indexed entry rewritten, its executable gone: a re-warm loads the rewritten file and
+    # stores no executable built from it.
+    namespace = Path(json.loads(warm.stdout)["namespace"].removeprefix("file://"))
+    planted = (namespace / f"{keys['g']}-cache").read_bytes()
+    (namespace / f"{keys['fb']}-cache").write_bytes(planted)
+    (namespace / f"{keys['fb']}-aot").unlink()
+    again = _cachectl(tmp_path, "warm", "plant.yaml", "--json")
+    assert again.returncode == 1, again.stdout + again.stderr
+    assert "differ from its index row" in json.loads(again.stdout)["buckets"][0]["error"]
+    assert not (namespace / f"{keys['fb']}-aot").exists()
+    assert answers("serving") == {"fb": 2.0, "aot": 0}

@@ -332,6 +332,8 @@ def _read_json(
         )
     try:
         data = json.loads(fh.read())
+    except RecursionError:
+        raise BadBundle(f"{path}: {member.name} is nested too deeply: nothing installed") from None
     except ValueError as exc:
         raise BadBundle(f"{path}: {member.name} is not JSON ({exc})") from exc
     if not isinstance(data, dict):
@@ -360,7 +362,42 @@ def read_meta(
     if member is not None and member.name == SIGNATURE:
         signed = _read_json(tar, member, path, size)
         member = tar.next()
+    _check_shape(path, meta, signed)
     return meta, signed, member
+
+
+def _check_shape(path: Path, meta: dict[str, Any], signed: dict[str, Any] | None) -> None:
+    """Every field an install reads has the JSON type it reads it as: a malformed bundle.json or
+    signature.json is one line (BadBundle), never a traceback from deep in the install."""
+    problem = _shape_problem(meta, signed)
+    if problem is not None:
+        raise BadBundle(f"{path}: malformed {problem}: nothing installed")
+
+
+def _shape_problem(meta: dict[str, Any], signed: dict[str, Any] | None) -> str | None:
+    if not isinstance(meta["environment"], dict):
+        return f"{META}: 'environment' is not an object"
+    for name in ("digest", "namespace"):
+        if not isinstance(meta[name], str):
+            return f"{META}: {name!r} is not a string"
+    content, entries = meta["content"], meta["entries"]
+    if not isinstance(content, dict) or not isinstance(content.get("files", []), list):
+        return f"{META}: 'content' is not an object with a list of 'files'"
+    for f in content.get("files", []):
+        if not (
+            isinstance(f, dict)
+            and isinstance(f.get("name"), str)
+            and type(f.get("size")) is int
+            and isinstance(f.get("sha256"), str)
+        ):
+            return f"{META}: a content file is not an object of name, size (an integer), sha256"
+    if not isinstance(entries, list) or not all(type(e) is dict for e in entries):
+        return f"{META}: 'entries' is not a list of objects"
+    if signed is not None:
+        for name in ("key", "signature", ENTRIES_SIGNATURE):
+            if not isinstance(signed.get(name, ""), str):
+                return f"{SIGNATURE}: {name!r} is not a string"
+    return None
 
 
 # A signed bundle's entries (what an install writes into the index beyond the content list: function,
@@ -395,7 +432,7 @@ def entries_signed(signed: dict[str, Any], meta: dict[str, Any], what: str) -> b
     if sig is None:
         return False
     try:
-        public = signing.parse_public_key(str(signed.get("key", "")))
+        public = signing.parse_public_key(str(signed.get("key", "")), files=False)
         raw = base64.b64decode(public[len(signing.PREFIX) :])
         Ed25519PublicKey.from_public_bytes(raw).verify(
             base64.b64decode(str(sig)), entries_document(meta)

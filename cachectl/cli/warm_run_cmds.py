@@ -65,6 +65,12 @@ def _failure(report: RunWarmReport) -> OperationFailed:
             "command reported to cachectl (not Python, or Python run with -I or -S): none is "
             "claimed or indexed; run the command's Python without -I/-S"
         )
+    foreign = [e.key for e in report.entries if e.status == "foreign"]
+    if foreign:
+        return OperationFailed(
+            f"{len(foreign)} file(s) at keys the command wrote hold other bytes than it wrote "
+            f"(another writer's, e.g. {foreign[0]}): not indexed; `cachectl verify` names them"
+        )
     refused = sum(e.status != "written" for e in report.entries)
     if refused:
         return OperationFailed(

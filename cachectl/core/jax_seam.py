@@ -40,9 +40,11 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
 import importlib
 import inspect
 import logging
+import os
 import re
 import sys
 import threading
@@ -55,6 +57,7 @@ from cachectl.core.jax_kernels import (  # noqa: F401 - the seam's API
     custom_call_targets,
     prepare_custom_calls,
 )
+from cachectl.core.temps import without_world_write
 
 # -- loggers -------------------------------------------------------------------------------
 
@@ -791,6 +794,10 @@ class EntryVerifier:
         return base(key)
 
 
+# The files JAX's file cache writes per key: the entry, and its access time where it evicts.
+_ENTRY_SUFFIXES = ("-cache", "-atime")
+
+
 def install_verifying_cache(path: str, verifier: EntryVerifier) -> None:
     """From the next time JAX opens its persistent cache at ``path`` (it does that at its first
     compile, and again after reset_persistent_cache), its ``get`` returns an entry's bytes only when
@@ -835,6 +842,10 @@ def install_verifying_cache(path: str, verifier: EntryVerifier) -> None:
 
         def put(self, key: str, value: bytes) -> None:
             self._base.put(key, value)
+            local = str(self._base._path)
+            if "://" not in local:  # JAX writes at the umask's mode: never world-writable
+                for suffix in _ENTRY_SUFFIXES:
+                    without_world_write(os.path.join(local, key + suffix))
             verifier.wrote(key, hashlib.sha256(value).hexdigest())
 
     def get_file_cache(path: str) -> tuple[CacheInterface, str] | None:
@@ -863,3 +874,52 @@ def uninstall_verifying_cache() -> None:
     original = getattr(compilation_cache.get_file_cache, "_cachectl_original", None)
     if original is not None:
         compilation_cache.get_file_cache = original
+
+
+# -- what this process asked JAX's file cache to write ---------------------------------------
+
+# key -> sha256 of every value this process handed JAX's file cache to write (record_puts()).
+_PUTS: dict[str, set[str]] = {}
+_PUT_LISTENERS: list[Callable[[str, str], None]] = []
+_PUTS_LOCK = threading.Lock()
+
+
+def record_puts(listener: Callable[[str, str], None] | None = None) -> None:
+    """From now on remember the sha256 of every entry JAX's file cache is asked to write in this
+    process (and hand ``(key, sha256)`` to ``listener``). JAX logs "Writing" and then its
+    ``LRUCache.put`` returns without writing when a file is already at the key (jax 0.9 to
+    0.12: tests/test_jax_seam.py), so a write is this process's only when the bytes on storage
+    have a sha256 it recorded here: what warm and warm-run check before they index a file."""
+    from jax._src import lru_cache
+
+    with _PUTS_LOCK:
+        if listener is not None:
+            _PUT_LISTENERS.append(listener)
+        cls = lru_cache.LRUCache
+        if getattr(cls.put, "_cachectl_put", False):
+            return
+        original = cls.put
+
+        def put(self: Any, key: str, value: bytes) -> None:
+            original(self, key, value)
+            digest = hashlib.sha256(value).hexdigest()
+            with _PUTS_LOCK:
+                _PUTS.setdefault(key, set()).add(digest)
+                listeners = list(_PUT_LISTENERS)
+            for on_put in listeners:
+                on_put(key, digest)
+
+        put._cachectl_put = True  # type: ignore[attr-defined]
+        cls.put = put  # type: ignore[method-assign]
+
+
+def put_sha256s(key: str) -> tuple[str, ...]:
+    """The sha256s of what this process asked JAX to write at ``key`` (record_puts)."""
+    with _PUTS_LOCK:
+        return tuple(sorted(_PUTS.get(key, ())))
+
+
+def remember_puts(key: str, sha256s: Any) -> None:
+    """A worker process's puts at ``key``, told to the parent that indexes them."""
+    with _PUTS_LOCK:
+        _PUTS.setdefault(key, set()).update(sha256s)

@@ -50,6 +50,18 @@ PROBE_OUTPUT_LIMIT = 1 << 20
 _STDERR_TAIL = 1 << 16  # stderr's last bytes kept for the error message
 
 
+# Where every cachectl child that imports JAX or cachectl starts: not the user's working
+# directory, whose ``json.py`` would shadow the standard library's (with ``-P``: isolated()).
+ISOLATED_CWD = "/"
+
+
+def isolated(code: str) -> list[str]:
+    """The command of a Python child running ``code`` isolated from the working directory: with
+    ``-P`` nothing unsafe is put before the standard library on its path; run it in
+    ``ISOLATED_CWD``. The probe, ``verify --deep`` and ``warm-check``'s children start so."""
+    return [sys.executable, "-P", "-c", code]
+
+
 def environment_in_child(timeout_s: float = PROBE_TIMEOUT_S) -> Environment:
     """The environment a JAX child of this process will see (see module).
 
@@ -58,7 +70,7 @@ def environment_in_child(timeout_s: float = PROBE_TIMEOUT_S) -> Environment:
     than ``PROBE_OUTPUT_LIMIT`` bytes is an error, not memory."""
     if jax_seam.backends_opened():
         return current_environment()
-    command = [sys.executable, "-P", "-c", "from cachectl.core.probe import main; main()"]
+    command = isolated("from cachectl.core.probe import main; main()")
     returncode, stdout, stderr = _run_bounded(command, timeout_s)
     for line in reversed(stdout.splitlines()):
         if line.startswith(_MARK.encode()):
@@ -79,7 +91,7 @@ def _run_bounded(command: list[str], timeout_s: float) -> tuple[int, bytes, byte
         stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
-        cwd="/",
+        cwd=ISOLATED_CWD,
         env=dict(os.environ),
     )
     out, err = bytearray(), bytearray()

@@ -52,6 +52,41 @@ def no_world_writes() -> int:
     return old
 
 
+def current_umask() -> int:
+    """This process's umask, read without changing it where Linux says it (/proc)."""
+    with contextlib.suppress(OSError, ValueError, StopIteration):
+        with open("/proc/self/status", encoding="ascii", errors="replace") as fh:
+            line = next(x for x in fh if x.startswith("Umask:"))
+        return int(line.split()[1], 8)
+    old = os.umask(0o022)
+    os.umask(old)
+    return old
+
+
+def without_world_write(path: str | os.PathLike[str]) -> None:
+    """Drop the world-write bit of a local file or directory this process made, whatever the
+    umask (under umask 000 anyone could rewrite it before it is indexed); one this process may
+    not change (another owner's) is left as it is."""
+    with contextlib.suppress(OSError):
+        mode = os.lstat(path).st_mode & 0o7777
+        if mode & 0o002:
+            os.chmod(path, mode & ~0o002)
+
+
+def makedirs(path: str | os.PathLike[str], mode: int = 0o777) -> None:
+    """``os.makedirs(path, mode, exist_ok=True)``, each directory it creates (parents too, which
+    os.makedirs leaves at the umask's mode) without the world-write bit whatever the umask."""
+    missing = []
+    here = os.path.abspath(path)
+    while not os.path.isdir(here) and os.path.dirname(here) != here:
+        missing.append(here)
+        here = os.path.dirname(here)
+    for directory in reversed(missing):
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(directory, mode)
+            without_world_write(directory)
+
+
 def atomic_write(full: str, mode: int, write: Callable[[BinaryIO], object]) -> None:
     """Write a local file through a temporary sibling and a rename: readers never see half."""
     directory = os.path.dirname(full)

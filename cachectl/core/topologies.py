@@ -95,7 +95,8 @@ class TpuTopology:
 
 
 def _refuse(name: str, why: str) -> BadInput:
-    return BadInput(f"unknown TPU topology {name!r}: {why}; use e.g. {KNOWN}")
+    shown = name if len(name) <= 40 else name[:40] + "..."
+    return BadInput(f"unknown TPU topology {shown!r}: {why}; use e.g. {KNOWN}")
 
 
 def parse_topology(name: str) -> TpuTopology:
@@ -104,7 +105,9 @@ def parse_topology(name: str) -> TpuTopology:
     BadInput (exit 2) for a name no TPU has, and for a slice over several hosts: deviceless
     warm compiles for one host's processes (a multi-host slice compiles collectively)."""
     text = name.strip()
-    cloud = re.fullmatch(r"(v5litepod|v5e|v6e|v5p)-(\d+)", text.lower())
+    # No slice's size or dimension has more than a few digits: a longer number names none
+    # (and int() of thousands of digits raises ValueError, not BadInput).
+    cloud = re.fullmatch(r"(v5litepod|v5e|v6e|v5p)-(\d{1,6})", text.lower())
     if cloud:
         gen = _GENERATIONS[_ALIASES[cloud.group(1)]]
         size = int(cloud.group(2))
@@ -116,7 +119,7 @@ def parse_topology(name: str) -> TpuTopology:
             raise _refuse(name, f"no {cloud.group(1)} slice has {size}")
         shape: tuple[int, ...] = table[count]
     else:
-        parts = re.fullmatch(r"([A-Za-z0-9 ]+?)\s*:\s*(\d+(?:x\d+){1,2})", text)
+        parts = re.fullmatch(r"([A-Za-z0-9 ]+?)\s*:\s*(\d{1,6}(?:x\d{1,6}){1,2})", text)
         if not parts or parts.group(1).lower() not in _ALIASES:
             raise _refuse(name, "write GENERATION:SHAPE (v5e, v6e, v5p) or a cloud type")
         gen = _GENERATIONS[_ALIASES[parts.group(1).lower()]]

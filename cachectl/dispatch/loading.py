@@ -222,7 +222,7 @@ def namespace_reader(
     if node is not None:
         return _node_reader(activation, db, node, warnings)
     try:
-        store = Store(activation.path)
+        store = Store(activation.path, getattr(activation, "storage_options", None) or None)
         names = [
             f.path
             for f in store.list("")

@@ -22,6 +22,7 @@ from sqlalchemy.exc import (
 
 from cachectl.core.errors import BadInput, Unreachable
 from cachectl.core.sqlite_file import SQLITE_CACHE_KIB
+from cachectl.core.temps import makedirs, without_world_write
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +75,7 @@ def make_engine(url: str) -> Engine:
     backend = parsed.get_backend_name()
     if backend == "sqlite":
         if parsed.database and parsed.database != ":memory:":
-            Path(parsed.database).expanduser().parent.mkdir(parents=True, exist_ok=True)
+            makedirs(Path(parsed.database).expanduser().parent)  # no o+w, whatever the umask
         engine = create_engine(
             url, connect_args={"timeout": SQLITE_BUSY_TIMEOUT_MS / 1000, "isolation_level": None}
         )
@@ -202,6 +203,7 @@ def ensure_schema(engine: Engine, auto_migrate: bool) -> None:
         return
     try:
         lock = open(f"{database}.migrate-lock", "a")  # noqa: SIM115 - held across the migration
+        without_world_write(f"{database}.migrate-lock")
     except OSError:  # a directory we cannot write: the migration itself will say so
         _check_or_migrate(engine, auto_migrate)
         return

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cachectl.core import jax_seam
+from cachectl.core.probe import ISOLATED_CWD, isolated
 from cachectl.storage.entries import CorruptEntry, entry_payload
 from cachectl.storage.store import Store
 
@@ -61,8 +62,9 @@ def _run_child(files: list[str], timeout_s: float) -> tuple[int, dict[int, str],
     """(loaded, {index: error}, index being loaded when the child died or None, why it died)."""
     try:
         proc = subprocess.run(
-            [sys.executable, "-c", "from cachectl.lifecycle.deep import _main; _main()"],
+            isolated("from cachectl.lifecycle.deep import _main; _main()"),
             input=json.dumps(files),
+            cwd=ISOLATED_CWD,
             capture_output=True,
             text=True,
             timeout=timeout_s,

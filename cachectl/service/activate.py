@@ -28,6 +28,7 @@ from cachectl.core.config import (
 )
 from cachectl.core.errors import BadInput, CachectlError, NotFound, Unreachable
 from cachectl.core.fingerprint import MANAGED_JAX_CONFIG, Environment, current_environment
+from cachectl.core.temps import current_umask
 from cachectl.core.urls import is_object_store, normalize_url, url_kind
 from cachectl.index.open import driver, open_index
 from cachectl.service import node_source
@@ -91,9 +92,19 @@ class Activation:
         held: tuple[IndexBackend, int] | None = self.__dict__.get("_index")
         return held[0] if held is not None and held[1] == os.getpid() else None
 
-    def holding(self, index: IndexBackend | None) -> Activation:
-        """This record, holding ``index`` (see ``index``)."""
+    @property
+    def storage_options(self) -> dict[str, Any]:
+        """The cache's storage options for ``path`` (none for a mirror): every store a service
+        opens on its namespace carries them (cachectl.serving's listing included), or the
+        environment's endpoint would collide with the one handed to JAX. Not a field either."""
+        return dict(self.__dict__.get("_options") or {})
+
+    def holding(
+        self, index: IndexBackend | None, options: dict[str, Any] | None = None
+    ) -> Activation:
+        """This record, holding ``index`` (see ``index``) and the storage ``options``."""
         object.__setattr__(self, "_index", None if index is None else (index, os.getpid()))
+        object.__setattr__(self, "_options", dict(options or {}))
         return self
 
 
@@ -281,6 +292,7 @@ def activate(
     """
     settings = load_settings(db=db, cache=cache, root=root, readonly=readonly)
     cache_name = settings.cache
+    _warn_umask_000()
     env = current_environment()
     compiled_before = _jax_compiled_already()
     problems: list[str] = []
@@ -328,7 +340,23 @@ def activate(
         compiled_before=compiled_before,
         run_unverified_code=run_unverified,
     )
-    return activation.holding(index)
+    return activation.holding(index, target.options if mirror is None else None)
+
+
+_UMASK_WARNED: list[bool] = []
+
+
+def _warn_umask_000() -> None:
+    """One warning per process under umask 000: what cachectl and JAX write here is kept from
+    being world-writable file by file, but anything else the process writes is not."""
+    if _UMASK_WARNED or current_umask() != 0:
+        return
+    _UMASK_WARNED.append(True)
+    _warn(
+        "cachectl: this process runs under umask 000: the cache files and state it writes are "
+        "kept from being world-writable, anything else it writes is writable by every user "
+        "(run it under umask 022)"
+    )
 
 
 def _inactive(cache: str, env: Environment, warning: str, compiled_before: bool) -> Activation:

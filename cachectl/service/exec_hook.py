@@ -45,6 +45,11 @@ CLAIMED = "claimed"
 # indexes.
 COUNTS_VAR = "CACHECTL_EXEC_COUNTS"
 WROTE = "wrote"
+# Under WRITES_VAR, as JAX's file cache is handed each entry, a line with its key (``PUT``) and
+# the sha256 of the bytes (``SHA256``): a file is the process's own only with that sha256 (JAX
+# logs a write, then writes nothing where a file is already at the key).
+PUT = "put"
+SHA256 = "sha256"
 # Set ("1") by `warm-run` only, whose command writes: the WROTE lines are asked for. A read-only
 # replay's processes neither pay for the capture nor have JAX's cache loggers turned to DEBUG.
 WRITES_VAR = "CACHECTL_EXEC_WRITES"
@@ -127,6 +132,7 @@ def _count_cache_events(path: str) -> None:
         EVENT_REQUESTS,
         compiler_logger,
         host_callbacks_module,
+        record_puts,
     )
 
     counts = {"pid": os.getpid(), "requests": 0, "hits": 0}
@@ -148,6 +154,10 @@ def _count_cache_events(path: str) -> None:
         with contextlib.suppress(Exception), open(path, "a", encoding="utf-8") as f:
             f.write(json.dumps({"pid": os.getpid(), WROTE: key}) + "\n")  # one append: atomic
 
+    def put(key: str, sha256: str) -> None:
+        with contextlib.suppress(Exception), open(path, "a", encoding="utf-8") as f:
+            f.write(json.dumps({"pid": os.getpid(), PUT: key, SHA256: sha256}) + "\n")
+
     logger = compiler_logger()
     passed_on = logger.log
 
@@ -164,6 +174,7 @@ def _count_cache_events(path: str) -> None:
         from cachectl.core.jaxlog import CAPTURE
 
         _WRITES.enter_context(CAPTURE.writes(on_write=wrote))
+        record_puts(put)
 
 
 def _service_side() -> ModuleType | None:

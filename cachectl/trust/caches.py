@@ -28,17 +28,19 @@ class RemovedCache:
     dry_run: bool
 
 
-# Option names that carry credentials: those come from the environment, never the index.
+# Option names that carry credentials: those come from the environment, never the index. Matched
+# against the name lowercased without '_', '-' or '.': account_key, accountKey and AccountKey
+# alike.
 _SECRET_HINTS = (
     "secret",
     "password",
     "token",
     "credential",
-    "key_id",
-    "access_key",
+    "keyid",
+    "accesskey",
     "session",
-    "account_key",  # Azure: adlfs's account_key, connection_string, sas_token
-    "connection_string",
+    "accountkey",  # Azure: adlfs's account_key, connection_string, sas_token
+    "connectionstring",
 )
 # A value that carries an Azure key or signature (a connection string, a SAS): a credential.
 _AZURE_CREDENTIALS = re.compile(r"(AccountKey|SharedAccessSignature|sig)=", re.IGNORECASE)
@@ -50,7 +52,8 @@ _URL_CREDENTIALS = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://[^/@\s]*:[^/@\s]*@")
 
 def looks_secret(key: str, value: Any) -> bool:
     """A storage option that carries a credential, by its name or by its value."""
-    if any(hint in str(key).lower() for hint in _SECRET_HINTS):
+    name = re.sub(r"[_.\-]", "", str(key)).lower()
+    if any(hint in name for hint in _SECRET_HINTS):
         return True
     return isinstance(value, str) and bool(
         _URL_CREDENTIALS.match(value.strip()) or _AZURE_CREDENTIALS.search(value)

@@ -16,7 +16,8 @@ import stat
 from pathlib import Path
 
 from cachectl.core.config import state_dir
-from cachectl.core.temps import atomic_write
+from cachectl.core.temps import atomic_write, makedirs
+from cachectl.trust.owned import owner_problem
 
 PINS_FILE = "trust-pins.json"
 MAX_PINS_BYTES = 4 * 1024 * 1024
@@ -34,12 +35,9 @@ def pin_id(index: str, cache: str) -> str:
 def _owned(path: Path, problems: list[str]) -> bool:
     """Whether ``path`` and its directory belong to this user and nobody else can write them."""
     for p in (path.parent, path):
-        info = os.lstat(p)
-        if stat.S_ISLNK(info.st_mode):
-            problems.append(f"{p} is a symbolic link")
-            return False
-        if info.st_uid != os.geteuid() or info.st_mode & 0o022:
-            problems.append(f"{p} is not owned by this user alone (others may write it)")
+        problem = owner_problem(os.lstat(p), p)
+        if problem is not None:
+            problems.append(problem)
             return False
     return True
 
@@ -82,7 +80,7 @@ def pin(index: str, cache: str, keys: tuple[str, ...], problems: list[str]) -> N
     """Pin ``keys`` for this cache (a first sight: an existing pin is never replaced here)."""
     path = pins_path()
     try:
-        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        makedirs(path.parent, 0o700)
         os.chmod(path.parent, stat.S_IMODE(os.lstat(path.parent).st_mode) & ~0o022)
         pins = read_pins(problems) if path.exists() else {}
         ident = pin_id(index, cache)
@@ -118,7 +116,7 @@ def remember_written(index: str, cache: str, digest: str, key: str, sha256: str)
     owner's later services may read back before anyone indexes it. Never raises."""
     path = _written_path(index, cache, digest)
     try:
-        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        makedirs(path.parent, 0o700)
         if not _owned_dir(path.parent) or not _owned_dir(path.parent.parent):
             return
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o600)

@@ -34,6 +34,7 @@ from typing import Any
 from cachectl.core.config import SIGNING_KEY_ENV as KEY_ENV
 from cachectl.core.errors import BadInput, CachectlError, PermissionDenied
 from cachectl.storage.entries import CACHE_SUFFIX, ENV_FILE, EXECUTABLE_SUFFIX, SIGNATURE_FILE
+from cachectl.trust.owned import read_trusted_file
 
 PREFIX = "ed25519:"
 CONTENT_FORMAT = "cachectl-content/1"
@@ -98,13 +99,14 @@ def _public_text(private: Any) -> str:
     return PREFIX + base64.b64encode(raw).decode()
 
 
-def parse_public_key(text: str) -> str:
-    """A public key given as its ``ed25519:...`` line or as the path of a .pub file, normalized."""
+def parse_public_key(text: str, *, files: bool = True) -> str:
+    """A public key given as its ``ed25519:...`` line or (``files``) as the path of a .pub file,
+    normalized; a key file others could have written is refused (BadInput: trust/owned.py)."""
     candidate = text.strip()
-    if not candidate.startswith(PREFIX):
+    if files and not candidate.startswith(PREFIX):
         path = Path(candidate).expanduser()
-        if path.is_file():
-            candidate = path.read_text().strip()
+        if os.path.lexists(path):
+            candidate = read_trusted_file(path).decode(errors="replace").strip()
     raw = _raw(candidate)
     return PREFIX + base64.b64encode(raw).decode()
 
@@ -217,7 +219,7 @@ def verify(signed: dict[str, Any] | None, trusted: Sequence[str], what: str) -> 
     public = str(signed.get("key", ""))
     trusted_norm = {parse_public_key(k) for k in trusted}
     try:
-        public = parse_public_key(public)
+        public = parse_public_key(public, files=False)  # the signer's claim: never a path
     except BadInput as exc:
         raise Untrusted(f"{what}: signed with an unreadable key ({exc.message})") from exc
     if public not in trusted_norm:

@@ -12,7 +12,9 @@ again and the command hits what the first run wrote: ``written`` is then 0.
 
 "The command's own" is what its Python processes report: the exec hook (COUNTS_VAR) in each
 one appends the key of every entry JAX writes there, as it is written (JAX's write log, the one
-``warm`` reads with ``CAPTURE.writes``). A listing of the namespace cannot say who wrote a file:
+``warm`` reads with ``CAPTURE.writes``), and the sha256 of the bytes it handed JAX's file cache:
+JAX logs a write and then writes nothing where a file is at the key already, so a file is
+claimed only when its sha256 is one its processes handed JAX. A listing of the namespace cannot say who wrote a file:
 another process writes into a shared namespace meanwhile (a deploy job, another pod of a
 sharded warm) and indexes its own. JAX logs a write before it writes the file, so a process
 killed afterwards has already reported it. A file new to the namespace that no process reported
@@ -42,7 +44,7 @@ from cachectl.context import Context
 from cachectl.core.errors import BadInput
 from cachectl.index import warm_runs
 from cachectl.service.activate import env_vars_for
-from cachectl.service.exec_hook import COUNTS_VAR, WRITES_VAR, WROTE, child_variables
+from cachectl.service.exec_hook import COUNTS_VAR, PUT, SHA256, WRITES_VAR, child_variables
 from cachectl.storage import ingest
 from cachectl.storage.entries import CACHE_SUFFIX, EntryName, Kind, classify, parse_key
 from cachectl.storage.jax_storage import child_env
@@ -58,7 +60,9 @@ class RunEntry:
     module: str
     bytes: int
     compile_ms: int | None
-    status: str  # "written" (checked and indexed) or "refused" (removed: error says why)
+    # "written" (checked and indexed), "refused" (removed: error says why) or "foreign" (the
+    # bytes at the key are not the ones the command handed JAX: another writer's, left there)
+    status: str
     error: str | None = None
 
 
@@ -177,9 +181,13 @@ def warm_by_running(
             if counts.is_file():
                 counted = [json.loads(x) for x in counts.read_text().splitlines() if x.strip()]
         new = entry_names(store, ns.relpath) - before
-        ours = {str(x[WROTE]) + CACHE_SUFFIX for x in counted if WROTE in x} & new
+        produced: dict[str, set[str]] = {}  # key -> the sha256s its processes handed JAX
+        for x in counted:
+            if PUT in x:
+                produced.setdefault(str(x[PUT]), set()).add(str(x.get(SHA256)))
+        ours = {k + CACHE_SUFFIX for k in produced} & new
         entries = index_entries(
-            ctx, cache_info, env, info.id, store, ns.relpath, sorted(ours), run.id
+            ctx, cache_info, env, info.id, store, ns.relpath, sorted(ours), run.id, produced
         )
         indexed = ctx.index.entry_keys(info.id)
         unclaimed = sorted(n for n in new - ours if n[: -len(CACHE_SUFFIX)] not in indexed)
@@ -243,10 +251,13 @@ def index_entries(
     ns_rel: str,
     names: Sequence[str],
     run_id: int,
+    produced: dict[str, set[str]],
 ) -> list[RunEntry]:
     """Check the named entry files of the namespace (what this run's own processes wrote) with
     ingest's rules, index the good ones in one batch and remove the rest (a bad file left there
-    would be read by every service); one gone meanwhile is passed over."""
+    would be read by every service); one gone meanwhile is passed over. A file whose sha256 is
+    none of those its key's processes handed JAX (``produced``) is another writer's: refused,
+    left for ``verify``, never indexed."""
     out: list[RunEntry] = []
     objects = []
     for name in names:
@@ -258,6 +269,10 @@ def index_entries(
             data = store.read_bytes(rel)
         except FileNotFoundError:
             continue  # removed again by the command itself
+        if hashlib.sha256(data).hexdigest() not in produced.get(key, ()):
+            why = "the file at this key is not what the command wrote (another writer's bytes)"
+            out.append(RunEntry(key, module, len(data), None, "foreign", why + ": not indexed"))
+            continue
         try:
             row = ingest.check_new(
                 cache,

@@ -25,6 +25,7 @@ from typing import Any
 from cachectl.context import Context
 from cachectl.core.errors import BadInput, CachectlError, EnvironmentMismatch, OperationFailed
 from cachectl.core.fingerprint import Environment, current_environment
+from cachectl.core.probe import ISOLATED_CWD, isolated
 from cachectl.core.records import Proof, utcnow
 from cachectl.dispatch import Serving, namespace_reader
 from cachectl.dispatch.loading import Verified
@@ -85,17 +86,18 @@ def check(
         "cache": cache_info.name,
         "db": ctx.settings.db,
         "canary": canary,
+        "cwd": os.getcwd(),  # the child starts in ISOLATED_CWD, then works from here
     }
     with tempfile.TemporaryDirectory(prefix="cachectl-check-") as tmp:
         out = Path(tmp) / "result.json"
         request["out"] = str(out)
         proc = subprocess.run(
-            [sys.executable, "-c", "from cachectl.warm import check_main; check_main()"],
+            isolated("from cachectl.warm import check_main; check_main()"),
             input=json.dumps(request),
             text=True,
             capture_output=True,
             timeout=timeout,
-            cwd=os.getcwd(),
+            cwd=ISOLATED_CWD,
             env=dict(os.environ),
         )
         if not out.exists():
@@ -257,12 +259,12 @@ def _call_executables(
             detail = ""  # and the tail of its output
             try:
                 proc = subprocess.run(
-                    [sys.executable, "-c", "from cachectl.warm import call_main; call_main()"],
+                    isolated("from cachectl.warm import call_main; call_main()"),
                     input=json.dumps(child),
                     text=True,
                     capture_output=True,
                     timeout=timeout,
-                    cwd=os.getcwd(),
+                    cwd=ISOLATED_CWD,
                     env=dict(os.environ),
                 )
                 if proc.returncode != 0:
@@ -307,6 +309,7 @@ def call_main() -> None:
     """Entry point of a fresh calling process: load every executable as cachectl.serving does,
     then call the requested ones on zeros, one progress line before and after each call."""
     request = json.loads(sys.stdin.read())
+    os.chdir(request["cwd"])  # started isolated (probe.isolated); the user's paths from here
     with open(request["progress"], "a", buffering=1) as progress:
 
         def say(**item: Any) -> None:
@@ -394,6 +397,7 @@ def _serving_for(request: dict[str, Any]) -> Serving:
 def check_main() -> None:
     """Entry point of the fresh check process: request JSON on stdin, result JSON to a file."""
     request = json.loads(sys.stdin.read())
+    os.chdir(request["cwd"])  # started isolated (probe.isolated); the user's paths from here
     out = Path(request["out"])
     try:
         result = _check_in_this_process(request)

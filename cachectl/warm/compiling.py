@@ -49,6 +49,9 @@ class Outcome:
     # a miss, and whether the program has host callbacks (then JAX writes it from no process).
     entry: bytes | None = None
     host_callbacks: bool = False
+    # The sha256s of what this process asked JAX to write at ``key`` (jax_seam.record_puts): a
+    # file there with another sha256 is not this run's (JAX logs a write it then skips).
+    put_sha256s: tuple[str, ...] = ()
 
 
 def clear_in_memory_executables() -> None:
@@ -110,6 +113,7 @@ def compile_bucket(
     never reaches the persistent one (no key is logged); then the in-memory
     executables are dropped and the bucket compiled again, which now hits.
     """
+    jax_seam.record_puts()
     with CAPTURE.installed():
         lowered, lower_seconds = _lower(jitted, args, kwargs)
         if present is not None:
@@ -152,6 +156,7 @@ def compile_bucket(
         custom_calls=custom_calls,
         entry=entry,
         host_callbacks=host_callbacks,
+        put_sha256s=jax_seam.put_sha256s(last.key) if written and last.key else (),
     )
 
 

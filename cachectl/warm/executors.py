@@ -154,6 +154,7 @@ def _worker_init(
     writes in the worker is recorded from here on, and handed back with the next bucket's result.
     """
     _WORKER["written_keys"] = _WORKER_SCOPE.enter_context(CAPTURE.writes())
+    jax_seam.record_puts()
     manifest = load_manifest(manifest_path)
     check_imports(manifest, paths)
     full = expand(manifest)
@@ -181,19 +182,22 @@ def _worker_task(position: int) -> dict[str, Any]:
     return {**dataclasses.asdict(outcome), "written_keys": _written_since()}
 
 
-def _written_since() -> list[str]:
-    """The keys the worker wrote since it last said (one written meanwhile goes with the next)."""
+def _written_since() -> dict[str, tuple[str, ...]]:
+    """The keys the worker wrote since it last said (one written meanwhile goes with the next),
+    each with the sha256s of what it handed JAX there (jax_seam.record_puts)."""
     written: set[str] = _WORKER["written_keys"]
     keys = sorted(written)
     written.difference_update(keys)
-    return keys
+    return {k: jax_seam.put_sha256s(k) for k in keys}
 
 
 def _outcome_from(
     data: dict[str, Any], written: set[str] | None
 ) -> tuple[Outcome | None, str | None]:
     data = dict(data)
-    keys = data.pop("written_keys", ())
+    keys = data.pop("written_keys", {})
+    for key, shas in keys.items():  # a worker's puts count as this run's (side programs)
+        jax_seam.remember_puts(key, shas)
     if written is not None:
         written.update(keys)
     if "error" in data:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cachectl.context import Context
+from cachectl.core import jax_seam
 from cachectl.core.config import default_jobs
 from cachectl.core.errors import BadInput
 from cachectl.core.jaxlog import CAPTURE
@@ -313,6 +314,7 @@ def _index_side_programs(
         scope.ns_rel,
         [k + CACHE_SUFFIX for k in sorted(side)],
         scope.run_id,
+        {k: set(jax_seam.put_sha256s(k)) for k in side},
     )
     for e in entries:
         if e.status != "written":

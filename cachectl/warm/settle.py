@@ -159,15 +159,28 @@ def _module(key: str) -> str:
 def _settle_hit(scope: RunScope, bucket: Bucket, outcome: Outcome, rel: str) -> BucketResult:
     """JAX loaded the entry: index it as observed, and store its executable if it is new."""
     key = outcome.key or ""
-    known = scope.indexed.get(key)
-    if known is not None:
-        size, digest = known
-    else:
-        try:
-            data = scope.store.read_bytes(rel)
-        except FileNotFoundError:
-            return _result(bucket, outcome, CACHED)
-        size, digest = len(data), sha256(data)
+    known = scope.indexed.get(key) or _indexed_now(scope, key)
+    if known is None:  # a file no writer indexed: never this run's to claim (issue 62)
+        return _result(
+            bucket,
+            outcome,
+            FAILED,
+            error=f"JAX loaded {rel}, which no writer indexed: not indexed; rerun warm to "
+            "replace it",
+        )
+    size, digest = known
+    try:  # JAX loaded what is on storage: it must be what the row says, or nothing is stored
+        data = scope.store.read_bytes(rel)
+    except FileNotFoundError:
+        return _result(bucket, outcome, CACHED)
+    if sha256(data) != digest:
+        return _result(
+            bucket,
+            outcome,
+            FAILED,
+            error=f"JAX loaded {rel}, whose bytes differ from its index row (another writer "
+            "rewrote it): nothing stored; `cachectl verify` names it",
+        )
     # A hit belongs to this run too: lifecycle protects the newest run's entries.
     row = NewEntry(
         key=key,
@@ -214,6 +227,15 @@ def _settle_written(scope: RunScope, bucket: Bucket, outcome: Outcome, rel: str)
             bytes=size,
             error=f"JAX wrote a broken entry ({problem}){_space_hint(store, scope.ns_rel)}; "
             "removed it: a rerun with space compiles it again",
+        )
+    if sha256(data) not in outcome.put_sha256s:  # JAX logs a write it skips at a taken key
+        return _result(
+            bucket,
+            outcome,
+            FAILED,
+            bytes=size,
+            error=f"the file at {rel} is not the one this warm wrote (another writer's bytes): "
+            "not indexed; rerun warm to replace it",
         )
     try:  # the rules every new entry meets (ingest.py): max entry size, a JAX entry, its sha256
         row = ingest.check_new(
@@ -371,13 +393,21 @@ def _publish(scope: RunScope, row: NewEntry, bucket: Bucket, outcome: Outcome) -
     return _Published(row.aot_size, error, (len(data), row.aot_sha256 or ""))
 
 
+def _indexed_now(scope: RunScope, key: str) -> tuple[int, str] | None:
+    """(size, sha256) of ``key``'s row now: another writer may have indexed it since the run
+    began."""
+    held = scope.ctx.index.held_entries(scope.env_id, [key]).get(key)
+    return None if held is None else (held.size, held.sha256)
+
+
 def present_check(scope: RunScope, replace: bool = False) -> Callable[[str], bool]:
     """Whether a key is fully warmed already: indexed, its entry (and stored executable) on storage.
 
     Called from the compiling threads once a bucket is lowered; a yes means
-    the bucket is ``cached`` without being compiled or loaded. With ``replace`` (a signed
-    warm: ``indexed`` holds only signed entries) a file at a key it does not hold is removed
-    first, so JAX compiles the bucket and writes it again instead of loading that file.
+    the bucket is ``cached`` without being compiled or loaded. A file at a key ``indexed`` does
+    not hold is removed first (with ``replace``, a signed warm, whose ``indexed`` holds only
+    signed entries; else one the index does not hold either: another writer's), so JAX compiles
+    the bucket and writes it again instead of loading that file.
     """
     store, ns_rel, indexed, stored_aot = scope.store, scope.ns_rel, scope.indexed, scope.stored_aot
 
@@ -386,8 +416,9 @@ def present_check(scope: RunScope, replace: bool = False) -> Callable[[str], boo
         if scope.via_server:  # the server holds what it indexed: nothing to compile or send
             return key in indexed and (stored_aot is None or key in stored_aot)
         if key not in indexed:
-            if replace and store.exists(entry):
-                log.warning("warm: %s is not signed: removed, compiling it again", entry)
+            if store.exists(entry) and (replace or _indexed_now(scope, key) is None):
+                why = "not signed" if replace else "not indexed (another writer's file)"
+                log.warning("warm: %s is %s: removed, compiling it again", entry, why)
                 store.delete([entry, f"{ns_rel}/{key}{EXECUTABLE_SUFFIX}"])
             return False
         if not store.exists(entry):

@@ -41,12 +41,26 @@ def bounded_config(
     return config
 
 
+def _endpoint_handed_to_fsspec() -> bool:
+    """Whether fsspec's defaults for s3 name an endpoint (activate() handed JAX the cache's, or
+    `cachectl exec` did through FSSPEC_S3): fsspec adds it to every client, so AWS_ENDPOINT_URL
+    given too would reach botocore twice (a TypeError, nothing read)."""
+    import fsspec.config
+
+    conf = fsspec.config.conf.get("s3") or {}
+    return "endpoint_url" in conf
+
+
 def client_options(given: dict[str, Any]) -> dict[str, Any]:
-    """The cache's options (nested ones stay the cache's), AWS_ENDPOINT_URL where none is given,
-    the bounds; never a cached instance, which could carry an endpoint from before the environment
-    changed."""
+    """The cache's options (nested ones stay the cache's), AWS_ENDPOINT_URL where none is given
+    (by them or by fsspec's defaults), the bounds; never a cached instance, which could carry an
+    endpoint from before the environment changed."""
     opts = copy.deepcopy(given)
-    if os.environ.get("AWS_ENDPOINT_URL") and "endpoint_url" not in opts:
+    if (
+        os.environ.get("AWS_ENDPOINT_URL")
+        and "endpoint_url" not in opts
+        and not _endpoint_handed_to_fsspec()
+    ):
         opts.setdefault("client_kwargs", {}).setdefault(
             "endpoint_url", os.environ["AWS_ENDPOINT_URL"]
         )
