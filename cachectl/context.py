@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import logging
+import sys
 from functools import cached_property
 from typing import TYPE_CHECKING
 
 from cachectl.core.config import DEFAULT_CACHE, Settings, load_settings
 from cachectl.core.errors import NotFound
 from cachectl.core.fingerprint import Environment, current_environment
-from cachectl.core.probe import environment_in_child
+from cachectl.core.probe import environment_in_child, remembered_environment
 from cachectl.index import CacheInfo, EnvironmentInfo
 from cachectl.index.open import open_index
 from cachectl.storage.namespace import Namespace, ensure_namespace, namespace_of
@@ -51,8 +53,16 @@ class Context:
         return Store(cache.root_url, cache.storage_options)
 
     def environment(self) -> Environment:
-        """This machine's environment, read in this process (which opens JAX's backend)."""
-        return current_environment()
+        """This machine's environment. A process that has not imported JAX (a CLI command that
+        compiles nothing) takes the one remembered for this machine's state (the memo `cachectl
+        exec` keeps, cachectl.core.probe), else has a child read and remember it: it never
+        imports JAX. One that has imported JAX, which may have configured it, reads its own."""
+        if "jax" in sys.modules:
+            return current_environment()
+        probed = remembered_environment()
+        if probed.warning:
+            logging.getLogger(__name__).warning("%s", probed.warning)
+        return probed.environment
 
     @cached_property
     def environment_for_children(self) -> Environment:
