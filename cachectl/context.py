@@ -4,13 +4,19 @@ from __future__ import annotations
 
 import logging
 import sys
+from dataclasses import replace
 from functools import cached_property
 from typing import TYPE_CHECKING
 
 from cachectl.core.config import DEFAULT_CACHE, Settings, load_settings
 from cachectl.core.errors import NotFound
 from cachectl.core.fingerprint import Environment, current_environment
-from cachectl.core.probe import environment_in_child, remembered_environment
+from cachectl.core.probe import (
+    ProbedEnvironment,
+    environment_in_child,
+    forget,
+    remembered_environment,
+)
 from cachectl.index import CacheInfo, EnvironmentInfo
 from cachectl.index.open import open_index
 from cachectl.storage.namespace import Namespace, ensure_namespace, namespace_of
@@ -52,17 +58,50 @@ class Context:
     def store(self, cache: CacheInfo) -> Store:
         return Store(cache.root_url, cache.storage_options)
 
-    def environment(self) -> Environment:
+    def environment(self, *, registers: bool = True) -> Environment:
         """This machine's environment. A process that has not imported JAX (a CLI command that
-        compiles nothing) takes the one remembered for this machine's state (the memo `cachectl
-        exec` keeps, cachectl.core.probe), else has a child read and remember it: it never
-        imports JAX. One that has imported JAX, which may have configured it, reads its own."""
+        compiles nothing) takes the one remembered for this machine's state
+        (:meth:`remembered_environment`), so it never imports JAX. One that has imported JAX,
+        which may have configured it, reads its own. ``registers``: the caller may record it
+        in the index (only then is a remembered one checked against the index)."""
         if "jax" in sys.modules:
             return current_environment()
-        probed = remembered_environment()
+        probed = self.remembered_environment(checked=registers)
         if probed.warning:
             logging.getLogger(__name__).warning("%s", probed.warning)
         return probed.environment
+
+    def remembered_environment(
+        self, *, fresh: bool = False, checked: bool = True
+    ) -> ProbedEnvironment:
+        """The environment a child read and remembered for this machine's state (the memo
+        `cachectl exec` keeps, cachectl.core.probe), read by a child where none is. With
+        ``checked``, a remembered one the index never recorded is forgotten and read afresh: a
+        file edited by hand never registers a made-up environment."""
+        probed = remembered_environment(fresh=fresh)
+        if not (checked and probed.remembered and probed.memo) or self._recorded(
+            probed.environment
+        ):
+            return probed
+        forget(probed.memo)
+        said = (
+            f"cachectl: the remembered environment {probed.memo} names an environment the "
+            "index never recorded; it is forgotten and read afresh"
+        )
+        again = remembered_environment(fresh=True)
+        warning = "\n".join(w for w in (probed.warning, said, again.warning) if w)
+        return replace(again, warning=warning)
+
+    def _recorded(self, env: Environment) -> bool:
+        """Whether the index knows ``env``; True where it cannot answer (nothing is recorded
+        then)."""
+        try:
+            self.index.find_environment(self.cache().name, env.digest)
+        except NotFound:
+            return False
+        except Exception:  # noqa: BLE001 - index down: the command falls back, records nothing
+            return True
+        return True
 
     @cached_property
     def environment_for_children(self) -> Environment:
