@@ -213,6 +213,16 @@ def markdown_nothing_compiled(r: dict[str, Any]) -> str:
             + (f" {row['before']:.3f} |" if before else "")
             + f" {NOTHING_GOAL:.2f} | {'yes' if row['met'] else 'no'} |"
         )
+    lines += [
+        "",
+        "What the commands no longer do: import JAX to read this machine's environment (they",
+        "take the one `cachectl exec` remembers, `Context.environment`, checked against the index",
+        "before anything registers it), import JAX for doctor's config checks (a process that has",
+        "not imported JAX has configured nothing: the `JAX_*` variables say it all), or import the",
+        "warm stack before the manifest is read. `token create` still imports SQLAlchemy to write",
+        "the token (the stdlib driver writes no tokens): it is the one left near or over the goal.",
+        "On a machine this loaded, compare the ratios to `python3 -c pass`, not the seconds.",
+    ]
     return "\n".join(lines) + "\n"
 
 

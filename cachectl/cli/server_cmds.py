@@ -10,7 +10,7 @@ import click
 
 from cachectl.cli.render import emit, json_option, stdout, table, when
 from cachectl.core.config import SERVER_HOST, SERVER_PORT, TOKEN_ROLES
-from cachectl.core.errors import BadInput
+from cachectl.core.errors import BadInput, OperationFailed
 
 if TYPE_CHECKING:
     from cachectl.context import Context
@@ -285,10 +285,11 @@ def _run(
         server = Announcing(uvicorn.Config(app, http=bounded_http(settings), **common))
         with contextlib.suppress(KeyboardInterrupt):  # as uvicorn.run: Ctrl-C ends it quietly
             server.run()
-        if not server.started:
-            sys.exit(3)  # uvicorn's STARTUP_FAILURE, as uvicorn.run exits
+        if not server.started:  # stopped before it listened (uvicorn says why in the log)
+            raise OperationFailed("the server stopped before it listened: see the log above")
         return
-    announce(common["host"], common["port"])  # the parent binds the workers' socket: as given
+    if common["port"]:  # the parent binds the workers' socket later: the port as given
+        announce(common["host"], common["port"])
     # Several processes on one socket: uvicorn starts each as a fresh interpreter that builds its
     # own app (server/app.py worker_app) and replaces one that dies.
     os.environ[WORKER_SETTINGS_ENV] = settings_to_env(settings)

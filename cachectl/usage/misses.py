@@ -69,8 +69,8 @@ class MissesReport:
     findings: list[MissFinding]
     # JAX-internal or fast programs JAX never writes (jit_stage, ...), not in the manifest: {module: requests}
     uncacheable_functions: dict[str, int] = field(default_factory=dict)
-    # Every manifest explained against: --manifest, else the one that warmed each function
-    # (``manifest`` is the first: the latest warm's)
+    # Every manifest explained against: --manifest, else the one that warmed each function and
+    # the latest warm's for the functions none warmed (``manifest`` is the first of them)
     manifests: list[str] = field(default_factory=list)
 
     __json_extra__ = ("coverage", "ok")
@@ -170,10 +170,13 @@ class _ManifestSide:
 
 
 def _manifest_side(
-    manifests: Sequence[str | Path], function: str | None, owner: dict[str, str] | None = None
+    manifests: Sequence[str | Path],
+    function: str | None,
+    owner: dict[str, str] | None = None,
+    fallback: str | None = None,
 ) -> _ManifestSide:
     """The buckets of ``manifests``, lowered; with ``owner`` ({module: manifest}), a module's
-    buckets come from its own manifest only (``owner[""]``'s, the latest warm's, for a module
+    buckets come from its own manifest only (``fallback``'s, the latest warm's, for a module
     none owns)."""
     expected: list[ExpectedSignature] = []
     for manifest in manifests:
@@ -181,7 +184,7 @@ def _manifest_side(
         lowered = expected_signatures(manifest)
         logging.getLogger("jax").setLevel(previous)
         if owner is not None:
-            lowered = [e for e in lowered if owner.get(e.module, owner.get("")) == str(manifest)]
+            lowered = [e for e in lowered if owner.get(e.module, fallback) == str(manifest)]
         expected.extend(lowered)
     names = {e.module: e.name for e in expected}
     modules = None
@@ -439,6 +442,7 @@ def misses(
     info = ctx.cache(cache)
     rows = signature_usage(ctx.index, info.name, since, function=None)
     owner: dict[str, str] | None = None
+    latest: str | None = None
     if manifest is not None:
         if not Path(manifest).is_file():
             raise BadInput(f"--manifest: no such file: {path_words(manifest)}")
@@ -448,8 +452,7 @@ def misses(
         unowned = any(r.misses and r.function not in owner and r.digest != "*" for r in rows)
         latest = warmed_manifest(ctx.index, info.name) if unowned or not owner else None
         manifests = list(dict.fromkeys([*owner.values(), *([latest] if latest else [])]))
-        owner = {**owner, "": latest} if latest else owner
-    side = _manifest_side(manifests, function, owner)
+    side = _manifest_side(manifests, function, owner, latest)
     if side.modules is not None:
         rows = [r for r in rows if r.function in side.modules]
     tally = _Tally()
