@@ -94,9 +94,15 @@ class Context:
 
     def _recorded(self, env: Environment) -> bool:
         """Whether the index knows ``env``; True where it cannot answer (nothing is recorded
-        then)."""
+        then). A cache that does not exist is the command's error, not the memo's."""
         try:
-            self.index.find_environment(self.cache().name, env.digest)
+            cache = self.cache()
+        except NotFound:
+            raise
+        except Exception:  # noqa: BLE001 - index down: the command falls back, records nothing
+            return True
+        try:
+            self.index.find_environment(cache.name, env.digest)
         except NotFound:
             return False
         except Exception:  # noqa: BLE001 - index down: the command falls back, records nothing

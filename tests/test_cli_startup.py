@@ -186,6 +186,13 @@ def test_commands_that_compile_nothing_import_no_jax(tmp_path) -> None:
             assert f"{tmp_path}/missing.yaml (relative to the working directory" in proc.stderr
     memos = list((Path(os.environ["XDG_STATE_HOME"]) / "cachectl" / "environments").iterdir())
     assert len(memos) == 1, memos  # read once, then remembered
+    # A remembered environment edited by hand is never registered: the index never recorded it.
+    memo = json.loads(memos[0].read_text())
+    memo["environment"]["device_kind"] = "made-up"
+    memos[0].write_text(json.dumps(memo))
+    proc, _ = run_fresh(tmp_path, "path")
+    assert proc.returncode == 0 and "made-up" not in proc.stdout, proc.stdout
+    assert "names an environment the index never recorded" in proc.stderr, proc.stderr
     # Last: importing JAX sets variables (TF_CPP_MIN_LOG_LEVEL) the memo's key includes.
     assert digest == current_environment().digest
 
