@@ -2,13 +2,21 @@
 
 from __future__ import annotations
 
+import logging
+import sys
+from dataclasses import replace
 from functools import cached_property
 from typing import TYPE_CHECKING
 
 from cachectl.core.config import DEFAULT_CACHE, Settings, load_settings
 from cachectl.core.errors import NotFound
 from cachectl.core.fingerprint import Environment, current_environment
-from cachectl.core.probe import environment_in_child
+from cachectl.core.probe import (
+    ProbedEnvironment,
+    environment_in_child,
+    forget,
+    remembered_environment,
+)
 from cachectl.index import CacheInfo, EnvironmentInfo
 from cachectl.index.open import open_index
 from cachectl.storage.namespace import Namespace, ensure_namespace, namespace_of
@@ -61,9 +69,56 @@ class Context:
         """Whether this command reads the cache's bytes over the server's entry routes."""
         return via_server(self.settings, cache.root_url)
 
-    def environment(self) -> Environment:
-        """This machine's environment, read in this process (which opens JAX's backend)."""
-        return current_environment()
+    def environment(self, *, registers: bool = True) -> Environment:
+        """This machine's environment. A process that has not imported JAX (a CLI command that
+        compiles nothing) takes the one remembered for this machine's state
+        (:meth:`remembered_environment`), so it never imports JAX. One that has imported JAX,
+        which may have configured it, reads its own. ``registers``: the caller may record it
+        in the index (only then is a remembered one checked against the index)."""
+        if "jax" in sys.modules:
+            return current_environment()
+        probed = self.remembered_environment(checked=registers)
+        if probed.warning:
+            logging.getLogger(__name__).warning("%s", probed.warning)
+        return probed.environment
+
+    def remembered_environment(
+        self, *, fresh: bool = False, checked: bool = True
+    ) -> ProbedEnvironment:
+        """The environment a child read and remembered for this machine's state (the memo
+        `cachectl exec` keeps, cachectl.core.probe), read by a child where none is. With
+        ``checked``, a remembered one the index never recorded is forgotten and read afresh: a
+        file edited by hand never registers a made-up environment."""
+        probed = remembered_environment(fresh=fresh)
+        if not (checked and probed.remembered and probed.memo) or self._recorded(
+            probed.environment
+        ):
+            return probed
+        forget(probed.memo)
+        said = (
+            f"cachectl: the remembered environment {probed.memo} names an environment the "
+            "index never recorded; it is forgotten and read afresh"
+        )
+        again = remembered_environment(fresh=True)
+        warning = "\n".join(w for w in (probed.warning, said, again.warning) if w)
+        return replace(again, warning=warning)
+
+    def _recorded(self, env: Environment) -> bool:
+        """Whether the index knows ``env``; True where it cannot answer (nothing is recorded
+        then). A cache that does not exist is the command's error, not the memo's."""
+        try:
+            cache = self.cache()
+        except NotFound:
+            raise
+        except Exception:  # noqa: BLE001 - index down: the command falls back, records nothing
+            return True
+        try:
+            self.index.find_environment(cache.name, env.digest)
+        except NotFound:
+            return False
+        except Exception:  # noqa: BLE001 - index down: the command falls back, records nothing
+            return True
+        return True
 
     @cached_property
     def environment_for_children(self) -> Environment:

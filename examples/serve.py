@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.json:
         print(
             f"ready in {ready:.2f}s ({len(rt.names)} functions, "
-            f"{sum(f['loaded'] for f in rt.report().to_json()['functions'].values())} executables loaded)"
+            f"{sum(f['loaded'] for f in rt.report().to_dict()['functions'].values())} executables loaded)"
         )
 
     for n in range(args.requests):
@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"in {ms:7.1f} ms  first row {np.stack(out, 1)[0].tolist()}"
             )
 
-    report = rt.report().to_json()
+    report = rt.report().to_dict()
     print(json.dumps(report if args.json else report["functions"], indent=None if args.json else 1))
     return 0
 

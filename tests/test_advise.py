@@ -91,7 +91,7 @@ embed = rt["embed"]
 for n in {sizes!r}:
     out = embed(np.ones((1, n), np.int32))
     assert np.asarray(out).shape == (1, n)
-print(json.dumps(rt.report().to_json()["functions"]["embed"]))
+print(json.dumps(rt.report().to_dict()["functions"]["embed"]))
 """
 
 SIZES = [3, 3, 3, 4, 5, 5, 6, 20, 21, 21, 22, 22, 40, 41, 41, 41, 60]

@@ -155,6 +155,48 @@ def test_jax_free_commands_import_no_jax(tmp_path, args, code, setup) -> None:
     assert loaded.isdisjoint(NO_JAX), loaded
 
 
+# Commands that compile nothing: they read this machine's environment from the memo `cachectl
+# exec` keeps (cachectl.core.probe), never from JAX in their own process.
+NOTHING_COMPILED = [
+    (["path"], 0),
+    (["env"], 0),
+    (["fingerprint", "--json"], 0),
+    (["doctor", "--json"], 0),
+    (["warm", "missing.yaml"], 2),
+]
+
+
+def test_commands_that_compile_nothing_import_no_jax(tmp_path) -> None:
+    """Once the environment is remembered and recorded, every one of them answers without JAX,
+    NumPy, SQLAlchemy or pydantic in its own process (fast: BENCHMARKS.md, "Commands that compile
+    nothing"), and the environment it names is this machine's."""
+    from cachectl.core.fingerprint import current_environment
+
+    # Set-up: the first run creates the embedded default's index and records this environment
+    # in it (SQLAlchemy writes both), and has a child read the environment and remember it.
+    first, _ = run_fresh(tmp_path, "path")
+    assert first.returncode == 0, first.stderr
+    for args, code in NOTHING_COMPILED:
+        proc, loaded = run_fresh(tmp_path, *args)
+        assert proc.returncode == code, (args, proc.stdout, proc.stderr)
+        assert loaded.isdisjoint({*NO_JAX, "numpy", "sqlalchemy", "pydantic"}), (args, loaded)
+        if args[0] == "fingerprint":
+            digest = json.loads(proc.stdout)["digest"]
+        if args[0] == "warm":
+            assert f"{tmp_path}/missing.yaml (relative to the working directory" in proc.stderr
+    memos = list((Path(os.environ["XDG_STATE_HOME"]) / "cachectl" / "environments").iterdir())
+    assert len(memos) == 1, memos  # read once, then remembered
+    # A remembered environment edited by hand is never registered: the index never recorded it.
+    memo = json.loads(memos[0].read_text())
+    memo["environment"]["device_kind"] = "made-up"
+    memos[0].write_text(json.dumps(memo))
+    proc, _ = run_fresh(tmp_path, "path")
+    assert proc.returncode == 0 and "made-up" not in proc.stdout, proc.stdout
+    assert "names an environment the index never recorded" in proc.stderr, proc.stderr
+    # Last: importing JAX sets variables (TF_CPP_MIN_LOG_LEVEL) the memo's key includes.
+    assert digest == current_environment().digest
+
+
 def help_paths() -> list[tuple[str, ...]]:
     """Every command of the table and, walking each group, every subcommand under it."""
     paths: list[tuple[str, ...]] = []

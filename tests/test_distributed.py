@@ -70,7 +70,7 @@ for batch, (host, x) in inputs.items():
     rows_here = [i for s in out.addressable_shards for i in range(batch)[s.index[0]]]
     got = np.concatenate([np.asarray(s.data) for s in out.addressable_shards])
     correct.append(bool(np.allclose(got, want[rows_here], atol=1e-5)))
-served = rt.report().to_json()
+served = rt.report().to_dict()
 print(json.dumps({{"process": jax.process_index(), "digest": activation.digest,
                   "requests": jit.get(REQUESTS, 0), "hits": jit.get(HITS, 0),
                   "serving_compile_requests": counts.get(REQUESTS, 0) - jit.get(REQUESTS, 0),

@@ -88,7 +88,7 @@ rt = cachectl.serving({manifest!r})
 x = np.ones((3, 4), np.float32)
 out = rt["checked"](x)
 assert np.allclose(np.asarray(out)[:3], jax.jit(hc.checked)(np.pad(x, ((0, 1), (0, 0))))[:3])
-print(rt.report().to_json()["functions"]["checked"]["fallback_reason"])
+print(rt.report().to_dict()["functions"]["checked"]["fallback_reason"])
 """
 
 CAUSE = "uses host callbacks"

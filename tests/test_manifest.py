@@ -471,6 +471,31 @@ def test_manifest_digest_and_missing_file(tmp_path: Path) -> None:
         load_manifest(tmp_path / "nope.yaml")
 
 
+def test_a_relative_manifest_path_is_named_absolute_with_the_working_directory(
+    tmp_path: Path,
+) -> None:
+    """serving("mlp.yaml") from another directory: the error names the file it looked for and
+    the working directory it was relative to, not the bare name."""
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    code = (
+        "import cachectl\n"
+        "from cachectl.core.errors import BadInput\n"
+        "try:\n"
+        "    cachectl.serving('mlp.yaml')\n"
+        "except BadInput as exc:\n"
+        "    print(exc.message)\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=elsewhere, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == (
+        f"{elsewhere}/mlp.yaml (relative to the working directory {elsewhere}): "
+        "cannot read manifest: No such file or directory"
+    )
+
+
 def test_target_mismatches() -> None:
     target = Target(backend="gpu", device_kind="NVIDIA H100*", device_count=8)
     assert target.mismatches("gpu", "NVIDIA H100 80GB HBM3", 8) == []

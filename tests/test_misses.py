@@ -504,3 +504,54 @@ def test_a_bucket_missed_under_other_xla_flags_names_the_flags(tmp_path, monkeyp
         f"XLA flags: the service has {served}, the entries were built without it; "
         f"the entries were built with {built}, the service runs without it"
     ) in f["message"]
+
+
+OTHER = """
+version: 1
+functions:
+  - fn: svc_other:scale
+    args:
+      - {shape: [n], dtype: float32}
+    buckets:
+      n: [8]
+"""
+
+
+def test_each_function_against_the_manifest_that_warmed_it(warmed, monkeypatch) -> None:
+    """Another service warmed its own manifest into the cache after this one: this service's
+    calls are still explained against the manifest that warmed them (the latest warm's named
+    none of them: "not in the manifest", 0% coverage), and a batch above every bucket names the
+    largest bucket as the nearest, not the first."""
+    home = Path(warmed["HOME_DIR"])
+    (home / "svc_other.py").write_text("def scale(x):\n    return x * 3\n")
+    other = home / "other.yaml"
+    other.write_text(OTHER)
+    env = {k: v for k, v in warmed.items() if k != "HOME_DIR"}
+    warm = f"""
+        import sys
+        from cachectl.cli import main
+        sys.argv = ["cachectl", "warm", {str(other)!r}, "--json"]
+        main()
+    """
+    try:
+        run_py(warm, env, check=True, timeout=600)
+        body = MATCHING + 'total({"x": np.ones((50, 4), np.float32)}).block_until_ready()\n'
+        report = _service(warmed, body, monkeypatch)
+        human = CliRunner().invoke(cli, ["misses"])
+    finally:
+        other.unlink()  # the module's other tests see the first manifest as the latest again
+    assert report["manifests"] == [str(home / "manifest.yaml")], report["manifests"]
+    assert report["coverage"] == 5 / 6, report["coverage"]
+    f = _only(report)
+    assert (f["function"], f["kind"], f["bucket"], f["observed"]) == (
+        "jit_total",
+        "shape",
+        "batch=8",
+        50,
+    )
+    assert f["message"] == (
+        "jit_total arg 0 (batch_in) leaf ['x']: batch 50 above the largest bucket (1, 4, 8): add 50"
+    )
+    assert "above the largest bucket (1, 4, 8): add 50 (nearest bucket [batch=8]); 1 missed" in (
+        human.stdout
+    )

@@ -430,7 +430,7 @@ before = len([e for e in events if e.endswith(("jaxpr_trace_duration", "backend_
 shapes = [(rt["nnx_forward"](state, np.ones((n, 16), np.float32)).shape,
            rt["eqx_forward"](params, np.ones((n, 16), np.float32)).shape) for n in (1, 3, 8)]
 after = len([e for e in events if e.endswith(("jaxpr_trace_duration", "backend_compile_duration"))])
-report = rt.report().to_json()["functions"]
+report = rt.report().to_dict()["functions"]
 print(json.dumps({"compiles": after - before, "aot": [report[f]["aot"] for f in ("nnx_forward", "eqx_forward")],
                   "shapes": [[list(a), list(b)] for a, b in shapes]}))
 """

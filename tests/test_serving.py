@@ -97,7 +97,7 @@ for step in range(3):
     token, kv = decode(params, kv, token, np.int32(41 + step), key, sampling="greedy")
 np.asarray(token)
 during = compiles()
-report = rt.report().to_json()
+report = rt.report().to_dict()
 # References, after the counting: jax.jit on the same padded inputs, and the unpadded call.
 ref = jax.jit(lm.prefill)
 worst_padded = worst_valid = 0.0
@@ -113,6 +113,7 @@ for tokens, logits, kv in served[::9] + [served[-1]]:
     exact = np.asarray(exact_logits)
     worst_valid = max(worst_valid, float(np.max(np.abs(exact - logits)) / np.max(np.abs(exact))))
 print(json.dumps({{"before": before, "during": during, "report": report, "calls": len(served),
+                  "text": rt.report().to_json(),
                   "shapes": [list(l.shape) for _, l, _ in served[:3]],
                   "worst_padded": worst_padded, "worst_valid": worst_valid}}))
 """
@@ -131,6 +132,10 @@ def test_fresh_service_serves_every_length_with_zero_compiles(warmed_example) ->
     )  # nothing traced or compiled
     prefill = out["report"]["functions"]["prefill"]
     assert prefill["calls"] == 128 and prefill["aot"] == 128 and prefill["fallback"] == 0
+    # to_json() is JSON text (a log line), to_dict() the same data
+    assert (
+        isinstance(out["text"], str) and json.loads(out["text"])["functions"]["prefill"] == prefill
+    )
     assert prefill["loaded"] == prefill["buckets"] == 8
     assert prefill["padded"] > 100
     assert (
@@ -175,8 +180,8 @@ except cachectl.OutOfBucket as exc:
 rt2 = cachectl.serving({str(EXAMPLE)!r}, overflow="compile")
 logits, _ = rt2["prefill"](params, tokens)
 print(json.dumps({{"error": error, "is_value_error": is_value_error, "static_error": static_error,
-                  "shape": list(np.shape(logits)), "report": rt2.report().to_json()["functions"]["prefill"],
-                  "first": rt.report().to_json()["functions"]["prefill"]}}))
+                  "shape": list(np.shape(logits)), "report": rt2.report().to_dict()["functions"]["prefill"],
+                  "first": rt.report().to_dict()["functions"]["prefill"]}}))
 """
     )
     out = last_json(run_py(code, env, check=True))
@@ -248,7 +253,7 @@ import cachectl
 rt = cachectl.serving({manifest!r})
 f = rt["affine"]
 outs = [np.asarray(f(np.ones((n, 8), np.float32), np.eye(8, dtype=np.float32))).tolist() for n in (1, 2, 3, 4, 1)]
-print(json.dumps({{"report": rt.report().to_json(), "requests": requests, "outs": outs}}))
+print(json.dumps({{"report": rt.report().to_dict(), "requests": requests, "outs": outs}}))
 """
 )
 
@@ -392,7 +397,7 @@ outs = [rt["step"](np.ones((n, 16), np.float32), w) for n in (1, 4, 5, 8)]
 shardings = [str(o.sharding) for o in outs]
 during = compiles()
 print(json.dumps({{"before": before, "during": during, "devices": jax.device_count(),
-                  "shapes": [list(o.shape) for o in outs], "report": rt.report().to_json()["functions"]["step"],
+                  "shapes": [list(o.shape) for o in outs], "report": rt.report().to_dict()["functions"]["step"],
                   "sharding": shardings[-1]}}))
 """
     )
@@ -604,7 +609,7 @@ rng = np.random.default_rng(0)
 args = ({inputs})
 rt = cachectl.serving({manifest!r})
 out = np.asarray(rt[{name!r}](*args))
-report = rt.report().to_json()["functions"][{name!r}]
+report = rt.report().to_dict()["functions"][{name!r}]
 import jax, sv_kernels
 expected = np.asarray(jax.jit(getattr(sv_kernels, {name!r}))(*args))
 print(json.dumps(dict(report=report, out=out.tolist(), expected=expected.tolist())))
@@ -669,7 +674,7 @@ import cachectl
 rt = cachectl.serving({manifest!r})  # imports sv_import
 at_import = requests["n"]
 out = np.asarray(rt["scale"](np.ones((2, 8), np.float32))).tolist()
-print(json.dumps(dict(report=rt.report().to_json(), at_import=at_import, after=requests["n"], out=out)))
+print(json.dumps(dict(report=rt.report().to_dict(), at_import=at_import, after=requests["n"], out=out)))
 """
 
 
@@ -714,7 +719,7 @@ for n in (2, 4, 2, 4):
     started = time.perf_counter()
     np.asarray(f(np.ones((n, 8), np.float32), w))
     seconds.append(time.perf_counter() - started)
-print(json.dumps(dict(report=rt.report().to_json(), compiles=compiles(), seconds=seconds,
+print(json.dumps(dict(report=rt.report().to_dict(), compiles=compiles(), seconds=seconds,
                       during_build=during_build, passes=router.SERVED_WARMUP_PASSES)))
 """
 )
@@ -763,7 +768,7 @@ import cachectl
 rt = cachectl.serving({manifest!r}, telemetry=False)
 out = rt["affine"](np.ones((2, 8), np.float32), np.eye(8, dtype=np.float32))
 np.asarray(out)
-print(json.dumps({{"opens": opened, "functions": rt.report().to_json()["functions"]}}))
+print(json.dumps({{"opens": opened, "functions": rt.report().to_dict()["functions"]}}))
 """
 
 

@@ -114,7 +114,7 @@ expected = dict(
     step5=jax.tree_util.tree_map(lambda a: np.asarray(a).tolist(), jax.jit(envs.step)(pad8)),
     predict4=np.asarray(jax.jit(envs.predict_step)(np.float32(2.0), (x,))).tolist(),
 )
-report = rt.report().to_json()
+report = rt.report().to_dict()
 print(json.dumps(dict(out=out, errors=errors, expected=expected, report=report,
                       compiles=[before, during])))
 """
@@ -363,7 +363,7 @@ out["refused"] = [flat(rt["refused"](graphs.params(), graphs.graph())) for _ in 
 # plain jax.jit at the call's own shapes: the right answers
 expected = dict(graph=flat(jax.jit(graphs.predict)(graphs.params(), graphs.graph())),
                 sample=flat(jax.jit(graphs.sample)(state)))
-report = rt.report().to_json()
+report = rt.report().to_dict()
 print(json.dumps(dict(out=out, expected=expected, report=report, compiles=[before, during])))
 """
 )

@@ -89,7 +89,7 @@ prefill = rt["prefill"]
 params = jax.tree.map(lambda s: np.ones(s.shape, s.dtype) * 0.01, lm.param_specs())
 for b, s in ((1, 20), (3, 50), (1, 32), (2, 100)):
     np.asarray(prefill(params, np.zeros((b, s), np.int32))[0])
-report = rt.report().to_json()
+report = rt.report().to_dict()
 print(json.dumps({{"log": jax_log, "loaded": {{n: f["loaded"] for n, f in report["functions"].items()}},
                   "calls": sum(f["calls"] for f in report["functions"].values())}}))
 """

@@ -124,7 +124,7 @@ import cachectl
 rt = cachectl.serving({manifest!r})
 x = np.ones((2, 8), np.float32)
 outs = {{name: np.asarray(rt[name](x)).tolist() for name in ("crashes", "raises", "fine")}}
-print(json.dumps(dict(report=rt.report().to_json(), outs=outs, requests=requests)))
+print(json.dumps(dict(report=rt.report().to_dict(), outs=outs, requests=requests)))
 """
 
 UNUSABLE = {("crashes", 2), ("crashes", 4), ("raises", 2)}

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import IO, Any, Generic, Protocol, Self, TypeVar, cast
 
 from cachectl.core import temps
-from cachectl.core.errors import BadInput
+from cachectl.core.errors import BadInput, path_words
 from cachectl.trust import signing
 
 FORMAT = "cachectl-bundle/1"
@@ -286,7 +286,7 @@ def open_bundle(path: Path, source: IO[bytes] | None = None) -> Iterator[tarfile
             else source
         )
     except OSError as exc:
-        raise BadInput(f"bundle {path}: {exc.strerror or exc}") from exc
+        raise BadInput(f"bundle {path_words(path)}: {exc.strerror or exc}") from exc
     with fh if source is None else nullcontext(fh):  # a source is its owner's to close
         if source is None:
             magic = fh.read(4)

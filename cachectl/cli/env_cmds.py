@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 @click.pass_obj
 def fingerprint(ctx: Context, as_json: bool) -> None:
     """Show this machine's environment: everything in JAX's cache key but the program."""
-    env = ctx.environment()
+    env = ctx.environment(registers=False)
     data = {"digest": env.digest, "namespace": env.namespace, **env.to_dict()}
 
     def human(d: dict) -> None:

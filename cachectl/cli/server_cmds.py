@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
+import sys
 from typing import TYPE_CHECKING, Any
 
 import click
 
 from cachectl.cli.render import emit, json_option, stdout, table, when
 from cachectl.core.config import SERVER_HOST, SERVER_PORT, TOKEN_ROLES
-from cachectl.core.errors import BadInput
+from cachectl.core.errors import BadInput, OperationFailed
 
 if TYPE_CHECKING:
     from cachectl.context import Context
@@ -198,15 +200,68 @@ def serve(
         "server_header": False,
         "timeout_keep_alive": KEEP_ALIVE_S,
     }
+    announce = _announcer(settings, uds)
     if uds is None:
-        _run(uvicorn, settings, count, log_level, common)
+        _run(uvicorn, settings, count, log_level, common, announce)
         return
     with listening_on(uds) as listener:
         common["fd"] = listener.fileno()  # uvicorn listens on it, one process or N workers
-        _run(uvicorn, settings, count, log_level, common)
+        _run(uvicorn, settings, count, log_level, common, announce)
 
 
-def _run(uvicorn: Any, settings: Any, count: int, log_level: str, common: dict[str, Any]) -> None:
+def _token_command(db: str) -> str:
+    """The command that makes a reader token on the server's index: ``--db`` only where a plain
+    command would open another index (its password never printed)."""
+    from cachectl.core.config import load_settings
+
+    command = "cachectl token create --name NAME --role reader"
+    if db == load_settings().db:
+        return command
+    from cachectl.index.db import safe_url
+
+    return f"{command} --db '{safe_url(db)}'"
+
+
+def serve_banner(settings: Any, base: str | None, uds: str | None = None) -> list[str]:
+    """What `cachectl serve` prints once it listens: where the API and the dashboard are, and
+    how to get the token the dashboard's sign-in asks for. ``base``: http://HOST:PORT."""
+    if base is None:  # a unix socket: a proxy in front gives it its URL
+        where = f"unix socket {uds} (curl --unix-socket {uds} http://localhost/healthz)"
+        lines = [f"cachectl server listening on {where}"]
+        lines.append("dashboard: / through the proxy in front of the socket")
+    else:
+        lines = [f"cachectl server listening on {base} (API {base}/api/v1)"]
+        lines.append(
+            f"dashboard: {base}/ (read-only, public)"
+            if settings.dashboard_public
+            else f"dashboard: {base}/ (sign in at {base}/login with a reader token)"
+        )
+    lines.append(f"a reader token: {_token_command(settings.db)}")
+    return lines
+
+
+def _announcer(settings: Any, uds: str | None) -> Any:
+    """A callback for uvicorn's bound sockets: prints the banner with the port really bound."""
+
+    def announce(host: str | None, port: int | None) -> None:
+        base = None
+        if uds is None and port is not None:
+            shown = host or "0.0.0.0"
+            base = f"http://[{shown}]:{port}" if ":" in shown else f"http://{shown}:{port}"
+        click.echo("\n".join(serve_banner(settings, base, uds)))
+        sys.stdout.flush()
+
+    return announce
+
+
+def _run(
+    uvicorn: Any,
+    settings: Any,
+    count: int,
+    log_level: str,
+    common: dict[str, Any],
+    announce: Any,
+) -> None:
     """uvicorn with one app object, or N workers that each build their own."""
     import os
 
@@ -217,8 +272,24 @@ def _run(uvicorn: Any, settings: Any, count: int, log_level: str, common: dict[s
     if count == 1:
         app = create_app(settings)
         freeze_startup_heap()
-        uvicorn.run(app, http=bounded_http(settings), **common)
+
+        class Announcing(uvicorn.Server):
+            """uvicorn's server, which says where it listens once its sockets are bound."""
+
+            def _log_started_message(self, listeners: Any) -> None:
+                super()._log_started_message(listeners)
+                bound = listeners[0].getsockname() if listeners else None
+                port = bound[1] if isinstance(bound, tuple) else None
+                announce(common["host"], port)
+
+        server = Announcing(uvicorn.Config(app, http=bounded_http(settings), **common))
+        with contextlib.suppress(KeyboardInterrupt):  # as uvicorn.run: Ctrl-C ends it quietly
+            server.run()
+        if not server.started:  # stopped before it listened (uvicorn says why in the log)
+            raise OperationFailed("the server stopped before it listened: see the log above")
         return
+    if common["port"]:  # the parent binds the workers' socket later: the port as given
+        announce(common["host"], common["port"])
     # Several processes on one socket: uvicorn starts each as a fresh interpreter that builds its
     # own app (server/app.py worker_app) and replaces one that dies.
     os.environ[WORKER_SETTINGS_ENV] = settings_to_env(settings)

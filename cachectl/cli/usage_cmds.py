@@ -28,7 +28,13 @@ def _print_misses(r: misses_lib.MissesReport) -> None:
     stdout.print(
         f"cache {r.cache}: {r.signatures} signatures, {r.requests} compile requests, {r.hits} hits, "
         f"{r.misses} misses, {r.uncacheable} not cacheable since {r.since:%Y-%m-%d %H:%M} UTC"
-        + (f"; manifest {r.manifest}" if r.manifest else "; no manifest (warm one, or --manifest)"),
+        + (
+            f"; manifests {', '.join(r.manifests)} (each function against the one that warmed it)"
+            if len(r.manifests) > 1
+            else f"; manifest {r.manifest}"
+            if r.manifest
+            else "; no manifest (warm one, or --manifest)"
+        ),
         highlight=False,
     )
     if r.coverage is not None:
@@ -74,7 +80,8 @@ def _print_misses(r: misses_lib.MissesReport) -> None:
     "--manifest",
     metavar="M",
     type=click.Path(dir_okay=False),
-    help="Explain against this manifest (default: the latest warm run's manifest).",
+    help="Explain against this manifest (default: each function against the manifest of the "
+    "warm run that stored it; the latest warm run's for the rest).",
 )
 @json_option
 @click.pass_obj

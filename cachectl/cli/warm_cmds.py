@@ -46,6 +46,8 @@ def _verbosity() -> int:
 
 
 def _shard(text: str | None, shards: int | None = None) -> tuple[int, int] | None:
+    if text is None and shards is None:
+        return None  # the whole manifest: the warm stack stays unimported until needed
     from cachectl.warm.sharding import resolve_shard
 
     return resolve_shard(text, shards)
@@ -330,16 +332,17 @@ def warm_cmd(
     if check_only:
         _run_check(ctx, manifest, cache_name, shard, paths, as_json, shards)
         return
+    from cachectl.core.config import distributed_requested
     from cachectl.manifest import read_manifest
-    from cachectl.warm import distributed as dist
-    from cachectl.warm import resign_written, signer_for, warm
 
     _shard(shard, shards)  # a bad --shard/--shards is bad input before anything is opened
     if push_to is not None:
         from cachectl.bundle import oci
 
         oci.parse_reference(push_to)
-    if dist.requested(distributed):
+    if distributed_requested(distributed):
+        from cachectl.warm import distributed as dist
+
         if shard is not None or push_to is not None:
             raise BadInput(
                 dist.SHARD_REFUSAL
@@ -364,6 +367,9 @@ def warm_cmd(
         return
     with _json_quiet(as_json):
         loaded = read_manifest(manifest, import_paths=paths)  # read once, handed down
+        # The warm stack (JAX, SQLAlchemy) after the manifest: a manifest error answers fast.
+        from cachectl.warm import resign_written, signer_for, warm
+
         signer = None
         if not dry_run:
             signer = signer_for(ctx, loaded, cache_name, sign_key, paths)

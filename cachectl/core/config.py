@@ -116,6 +116,13 @@ ENV_PREFIX = "CACHECTL_"
 
 # The XDG base directories (XDG_DATA_HOME, XDG_CACHE_HOME, XDG_STATE_HOME, XDG_CONFIG_HOME),
 # read at each call.
+def distributed_requested(flag: bool | None) -> bool:
+    """warm's --distributed, --no-distributed, or auto: a coordinator address in the environment."""
+    if flag is not None:
+        return flag
+    return bool(os.environ.get("JAX_COORDINATOR_ADDRESS", "").strip())
+
+
 def data_dir() -> Path:
     return Path(platformdirs.user_data_dir("cachectl", appauthor=False))
 

@@ -11,6 +11,8 @@ leaves the CLI with the same message and exit code as in direct mode.
 
 from __future__ import annotations
 
+import os
+
 
 class CachectlError(Exception):
     """Base class: a one-line message for people, and an exit code for scripts."""
@@ -104,6 +106,19 @@ _STATUS_ERRORS: dict[int, type[CachectlError]] = {
 }
 
 
+def path_words(path: str | os.PathLike[str]) -> str:
+    """A path as an error names it: absolute, and a relative one with the working directory it
+    was read against (a library caller's working directory is not always the user's shell's)."""
+    text = os.fspath(path)
+    if os.path.isabs(text):
+        return text
+    try:
+        cwd = os.getcwd()
+    except OSError:  # the working directory was removed
+        return f"{text} (relative to a working directory that no longer exists)"
+    return f"{os.path.normpath(os.path.join(cwd, text))} (relative to the working directory {cwd})"
+
+
 _OS_DENIED = {"EACCES", "EPERM", "EROFS"}
 _OS_FULL = {"ENOSPC", "EDQUOT"}
 
@@ -115,7 +130,10 @@ def from_os_error(exc: OSError) -> CachectlError:
     import errno
 
     name = errno.errorcode.get(exc.errno or 0, "")
-    where = f": {exc.filename}" if exc.filename else ""
+    filename = exc.filename
+    where = (
+        f": {path_words(filename) if isinstance(filename, str) else filename}" if filename else ""
+    )
     what = f"{exc.strerror or exc}{where}"
     if name in _OS_DENIED:
         return PermissionDenied(f"{what}: run it as a user who may write there")

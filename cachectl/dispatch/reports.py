@@ -6,6 +6,7 @@ from cachectl.dispatch.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,7 +23,8 @@ class FunctionReport:
     fallback_reason: str | None = None
     raw_sizes: dict[str, dict[int, int]] = field(default_factory=dict)
 
-    def to_json(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, Any]:
+        """The report as plain data (what :meth:`to_json` writes)."""
         return {
             "calls": self.calls,
             "aot": self.aot,
@@ -37,10 +39,15 @@ class FunctionReport:
             },
         }
 
+    def to_json(self) -> str:
+        """JSON text, for a log line: ``print(report.to_json())`` prints JSON, not Python."""
+        return json.dumps(self.to_dict())
+
 
 @dataclass(frozen=True)
 class ServingReport:
-    """What the runtime loaded and how calls were served; ``to_json`` for logs and dashboards."""
+    """What the runtime loaded and how calls were served: ``to_dict`` for code, ``to_json`` (text)
+    for logs and dashboards."""
 
     namespace: str
     functions: dict[str, FunctionReport]
@@ -56,10 +63,11 @@ class ServingReport:
     def ok(self) -> bool:
         return all(f.fallback == 0 and f.loaded == f.buckets for f in self.functions.values())
 
-    def to_json(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, Any]:
+        """The report as plain data (what :meth:`to_json` writes)."""
         return {
             "namespace": self.namespace,
-            "functions": {n: f.to_json() for n, f in self.functions.items()},
+            "functions": {n: f.to_dict() for n, f in self.functions.items()},
             "load_seconds": round(self.load_seconds, 4),
             "ready_seconds": round(self.ready_seconds, 4),
             "warmup_seconds": round(self.warmup_seconds, 4),
@@ -68,3 +76,7 @@ class ServingReport:
             else round(self.warm_ready_seconds, 4),
             "warnings": list(self.warnings),
         }
+
+    def to_json(self) -> str:
+        """JSON text, for a log line: ``print(rt.report().to_json())`` prints JSON, not Python."""
+        return json.dumps(self.to_dict())

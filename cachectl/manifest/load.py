@@ -16,7 +16,7 @@ from typing import Any
 import yaml
 
 from cachectl.core.config import DEFAULT_MAX_BUCKETS, MAX_BUCKETS_ENV
-from cachectl.core.errors import BadInput
+from cachectl.core.errors import BadInput, path_words
 from cachectl.core.jsonable import type_adapter
 from cachectl.manifest.checks import semantic_problems
 from cachectl.manifest.imports import import_problems
@@ -83,7 +83,7 @@ def read_manifest(
         text = data.decode("utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
-        raise BadInput(f"{name}: cannot read manifest: {reason}") from None
+        raise BadInput(f"{path_words(path)}: cannot read manifest: {reason}") from None
     manifest = parse_manifest(
         text, name=name, directory=Path(path).resolve().parent, import_paths=import_paths
     )

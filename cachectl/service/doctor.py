@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import stat
+import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any, NamedTuple
@@ -250,11 +251,12 @@ def check_process_config(
         xla_env if xla_env is not None else jax_config.get("jax_persistent_cache_enable_xla_caches")
     )
     if cache_dir and str(xla_caches) != "none":
+        caches = "JAX's default" if xla_caches is None else repr(xla_caches)
         out.append(
             Diagnosis(
                 ERROR,
                 "config",
-                f"this process points JAX at {cache_dir} with enable_xla_caches={xla_caches!r}: keys then "
+                f"this process points JAX at {cache_dir} with enable_xla_caches={caches}: keys then "
                 "depend on the cache path, so nothing warm wrote (with 'none') can hit",
                 "start the service with cachectl.activate() or `cachectl exec`, or export "
                 "JAX_PERSISTENT_CACHE_ENABLE_XLA_CACHES=none",
@@ -467,6 +469,11 @@ def check_owned_paths(settings: Settings) -> list[Diagnosis]:
 
 
 def _jax_config_values() -> dict[str, Any]:
+    """JAX's cache config in this process. Where JAX is not imported, nothing set it: JAX
+    would read the variables check_process_config reads first, its defaults reading as unset
+    there, so JAX is not imported for them (doctor then answers without JAX)."""
+    if "jax" not in sys.modules:
+        return {}
     import jax
 
     names = (

@@ -20,9 +20,7 @@ from cachectl.core.fingerprint import Environment
 from cachectl.core.probe import (
     MEMO_MAX_BYTES,
     Untrusted,
-    forget,
     read_private,
-    remembered_environment,
 )
 from cachectl.core.temps import atomic_write
 from cachectl.service.activate import env_vars_for, fail_fast_options, jax_config_for
@@ -111,16 +109,8 @@ def exec_variables(
 
     A remembered environment the index never recorded is forgotten and read afresh: a file
     edited by hand never registers a made-up environment."""
-    probed = remembered_environment(fresh=fresh)
+    probed = ctx.remembered_environment(fresh=fresh)
     warnings = [probed.warning] if probed.warning else []
-    if probed.remembered and probed.memo and not _recorded(ctx, probed.environment):
-        forget(probed.memo)
-        warnings.append(
-            f"cachectl: the remembered environment {probed.memo} names an environment the "
-            "index never recorded; it is forgotten and read afresh"
-        )
-        probed = remembered_environment(fresh=True)
-        warnings += [probed.warning] if probed.warning else []
     result = service_env(ctx, readonly=readonly, environment=probed.environment)
     warning = "\n".join([*warnings, *([result.warning] if result.warning else [])]) or None
     result = replace(result, warning=warning)
@@ -133,17 +123,6 @@ def exec_variables(
         remembered=remembered,
     )
     return replace(result, variables={**result.variables, **added})
-
-
-def _recorded(ctx: Context, env: Environment) -> bool:
-    """Whether the index knows ``env``; True where it cannot answer (nothing is recorded then)."""
-    try:
-        ctx.index.find_environment(ctx.cache().name, env.digest)
-    except NotFound:
-        return False
-    except Exception:  # noqa: BLE001 - index down: service_env falls back, records nothing
-        return True
-    return True
 
 
 def _fallback(ctx: Context, readonly: bool | None, exc: Exception, env: Environment) -> ServiceEnv:

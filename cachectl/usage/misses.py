@@ -17,10 +17,10 @@ from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import select
+from sqlalchemy import func, select
 
 from cachectl.core import jax_seam
-from cachectl.core.errors import BadInput
+from cachectl.core.errors import BadInput, path_words
 from cachectl.core.fingerprint import Environment
 from cachectl.index.models import Cache, Entry, WarmRun, utcnow
 from cachectl.index.models import Environment as EnvRow
@@ -29,10 +29,10 @@ from cachectl.service.doctor import compare
 from cachectl.usage.misses_expected import ExpectedSignature, expected_signatures
 from cachectl.usage.misses_explain import (
     MissFinding,
-    distance,
     explain,
     explosion_findings,
     leaf_of,
+    nearest_bucket,
     not_in_manifest_finding,
     static_finding,
     weak_variants,
@@ -69,6 +69,9 @@ class MissesReport:
     findings: list[MissFinding]
     # JAX-internal or fast programs JAX never writes (jit_stage, ...), not in the manifest: {module: requests}
     uncacheable_functions: dict[str, int] = field(default_factory=dict)
+    # Every manifest explained against: --manifest, else the one that warmed each function and
+    # the latest warm's for the functions none warmed (``manifest`` is the first of them)
+    manifests: list[str] = field(default_factory=list)
 
     __json_extra__ = ("coverage", "ok")
 
@@ -124,6 +127,35 @@ def warmed_manifest(index: Any, cache: str) -> str | None:
     return None
 
 
+def manifests_that_warmed(index: Any, cache: str, modules: Sequence[str]) -> dict[str, str]:
+    """{module: the manifest of the latest warm run into ``cache`` that stored a program of it},
+    for the manifests still on disk: each function is explained against the manifest that warmed
+    it, not against whichever service warmed last."""
+    if not modules:
+        return {}
+    with index.read_session() as s:
+        latest = func.max(WarmRun.started_at)
+        rows = s.execute(
+            select(Entry.module, WarmRun.manifest_path, latest)
+            .join(WarmRun, WarmRun.id == Entry.warm_run_id)
+            .join(EnvRow, EnvRow.id == Entry.environment_id)
+            .join(Cache, Cache.id == EnvRow.cache_id)
+            .where(
+                Cache.name == cache,
+                Entry.module.in_(sorted(set(modules))),
+                WarmRun.manifest_path.is_not(None),
+            )
+            .group_by(Entry.module, WarmRun.manifest_path)
+            .order_by(latest.desc())
+        ).all()
+    out: dict[str, str] = {}
+    on_disk: dict[str, bool] = {}
+    for module, path, _ in rows:
+        if module not in out and on_disk.setdefault(path, Path(path).is_file()):
+            out[module] = str(path)
+    return out
+
+
 @dataclass(frozen=True)
 class _ManifestSide:
     """The manifest's buckets as lowered, by JAX's module name; ``modules``: the missed
@@ -137,12 +169,23 @@ class _ManifestSide:
     modules: set[str] | None
 
 
-def _manifest_side(manifest: str | Path | None, function: str | None) -> _ManifestSide:
+def _manifest_side(
+    manifests: Sequence[str | Path],
+    function: str | None,
+    owner: dict[str, str] | None = None,
+    fallback: str | None = None,
+) -> _ManifestSide:
+    """The buckets of ``manifests``, lowered; with ``owner`` ({module: manifest}), a module's
+    buckets come from its own manifest only (``fallback``'s, the latest warm's, for a module
+    none owns)."""
     expected: list[ExpectedSignature] = []
-    if manifest is not None:
+    for manifest in manifests:
         previous = logging.getLogger("jax").level
-        expected = expected_signatures(manifest)
+        lowered = expected_signatures(manifest)
         logging.getLogger("jax").setLevel(previous)
+        if owner is not None:
+            lowered = [e for e in lowered if owner.get(e.module, fallback) == str(manifest)]
+        expected.extend(lowered)
     names = {e.module: e.name for e in expected}
     modules = None
     if function is not None:
@@ -253,7 +296,7 @@ def _tally_row(tally: _Tally, r: SignatureRow, side: _ManifestSide) -> None:
     if not r.misses:  # a miss is a miss, written or not; a manifest function's always is
         return
     candidates = [e for e in side.by_module.get(r.function, []) if len(e.leaves) == len(leaves)]
-    nearest = min(candidates, key=lambda e: distance(leaves, e.leaves)) if candidates else None
+    nearest = nearest_bucket(leaves, candidates)
     tally.missed.append(
         MissedSignature(
             r.function,
@@ -333,7 +376,8 @@ def _environment_findings(
             for r in mine:  # as before: the row against its nearest bucket
                 leaves = tuple(leaf_of(x) for x in r.leaves)
                 candidates = [e for e in side.by_module[r.function] if len(e.leaves) == len(leaves)]
-                nearest = min(candidates, key=lambda e: distance(leaves, e.leaves))
+                nearest = nearest_bucket(leaves, candidates)
+                assert nearest is not None  # the row's signature is a bucket of the manifest
                 out.extend(_row_findings(r, nearest, candidates, side))
             continue
         here = ctx.index.get_environment(cache, digest).environment
@@ -397,11 +441,18 @@ def misses(
     """Every missed signature in ``cache`` over the window, explained against the manifest."""
     info = ctx.cache(cache)
     rows = signature_usage(ctx.index, info.name, since, function=None)
-    if manifest is None:
-        manifest = warmed_manifest(ctx.index, info.name)
-    elif not Path(manifest).is_file():
-        raise BadInput(f"--manifest: no such file: {manifest}")
-    side = _manifest_side(manifest, function)
+    owner: dict[str, str] | None = None
+    latest: str | None = None
+    if manifest is not None:
+        if not Path(manifest).is_file():
+            raise BadInput(f"--manifest: no such file: {path_words(manifest)}")
+        manifests = [str(manifest)]
+    else:  # each function against the manifest that warmed it; the latest for the rest
+        owner = manifests_that_warmed(ctx.index, info.name, [r.function for r in rows])
+        unowned = any(r.misses and r.function not in owner and r.digest != "*" for r in rows)
+        latest = warmed_manifest(ctx.index, info.name) if unowned or not owner else None
+        manifests = list(dict.fromkeys([*owner.values(), *([latest] if latest else [])]))
+    side = _manifest_side(manifests, function, owner, latest)
     if side.modules is not None:
         rows = [r for r in rows if r.function in side.modules]
     tally = _Tally()
@@ -412,7 +463,8 @@ def misses(
     return MissesReport(
         cache=info.name,
         since=utcnow() - since,
-        manifest=str(manifest) if manifest else None,
+        manifest=manifests[0] if manifests else None,
+        manifests=manifests,
         signatures=len(rows),
         requests=sum(r.requests for r in rows),
         hits=sum(r.hits for r in rows),

@@ -66,6 +66,27 @@ def distance(a: Sequence[jax_seam.Leaf], b: Sequence[jax_seam.Leaf]) -> float:
     return d
 
 
+def _gap(a: Sequence[jax_seam.Leaf], b: Sequence[jax_seam.Leaf]) -> int:
+    """How far apart two signatures' sizes are, summed over the dimensions that differ."""
+    return sum(
+        abs(p - q)
+        for x, y in zip(a, b, strict=True)
+        if len(x[0]) == len(y[0])
+        for p, q in zip(x[0], y[0], strict=True)
+        if isinstance(p, int) and isinstance(q, int)
+    )
+
+
+def nearest_bucket(
+    leaves: Sequence[jax_seam.Leaf], candidates: Sequence[ExpectedSignature]
+) -> ExpectedSignature | None:
+    """The bucket a missed signature is nearest: fewest differing fields (``distance``), then the
+    closest sizes, so a call above every bucket names the largest, not the first."""
+    if not candidates:
+        return None
+    return min(candidates, key=lambda e: (distance(leaves, e.leaves), _gap(leaves, e.leaves)))
+
+
 def _where(module: str, exp: ExpectedSignature, i: int) -> tuple[Any, str | None, str]:
     """(argument, parameter name, leaf path) of flat input ``i``; (None, None, "input i of n")
     when the manifest's arguments do not flatten to the program's inputs."""

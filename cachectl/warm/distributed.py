@@ -109,13 +109,6 @@ class DistributedWarmReport:
         }
 
 
-def requested(flag: bool | None) -> bool:
-    """--distributed, --no-distributed, or auto: a coordinator address in the environment."""
-    if flag is not None:
-        return flag
-    return bool(os.environ.get("JAX_COORDINATOR_ADDRESS", "").strip())
-
-
 def _int_env(name: str) -> int | None:
     raw = os.environ.get(name, "").strip()
     if not raw:

@@ -55,7 +55,7 @@ served, expected = [], []
 for name, args, padded in case.calls():
     served.append(np.asarray(rt[name](*args))[: len(args[0])])
     expected.append(np.asarray(jax.jit(getattr(case, name))(*padded))[: len(args[0])])
-report = rt.report().to_json()["functions"]["solve"]
+report = rt.report().to_dict()["functions"]["solve"]
 print(json.dumps(dict(counts=counts, report=report,
     close=all(np.allclose(s, e, rtol=1e-5, atol=1e-6) for s, e in zip(served, expected)))))
 """
@@ -79,7 +79,7 @@ for x, y in case.batches():
     n = 4 if len(x) <= 4 else 16
     params, opt_state, value = plain(params, opt_state, case._pad(x, n), case._pad(y, n))
     expected.append(float(value))
-report = rt.report().to_json()["functions"]["train_step"]
+report = rt.report().to_dict()["functions"]["train_step"]
 print(json.dumps(dict(before=before, during=during, served=served, expected=expected,
                       report=report)))
 """

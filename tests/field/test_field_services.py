@@ -72,7 +72,7 @@ close = all(
     all(np.allclose(a, b, rtol=1e-4, atol=1e-5) for a, b in zip(flat(s), flat(e), strict=True))
     for s, e in zip(served, expected, strict=True)
 )
-report = rt.report().to_json()
+report = rt.report().to_dict()
 print(json.dumps(dict(start=start, during=during, close=close, report=report,
                       ready_s=report["ready_seconds"], first_calls_s=first_calls,
                       wall_s=time.perf_counter() - t0)))
@@ -234,7 +234,7 @@ zeros = jax.tree_util.tree_map(
     g, jraph.GraphsTuple(nodes=16, edges=32, senders=32, receivers=32, globals=3, n_node=3, n_edge=3))
 zero_filled = np.asarray(jax.jit(case.predict)(case.PARAMS, zeros)).tolist()[:2]
 print(json.dumps(dict(served=served, right=right, zero_filled=zero_filled, compiled=compiled,
-                      report=rt.report().to_json())))
+                      report=rt.report().to_dict())))
 """
 
 
