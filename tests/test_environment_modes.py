@@ -51,7 +51,7 @@ rt = cachectl.serving({manifest!r})
 x = np.ones((2, 4), np.float32)
 got = np.asarray(rt["double"](x)).tolist()
 want = np.asarray(jax.jit(em_mod.double)(x)).tolist()
-report = rt.report().to_json()
+report = rt.report().to_dict()
 print(json.dumps([got == want, report["functions"]["double"], report["warnings"],
                   bool(jax.config.jax_enable_x64)]))
 """

@@ -51,7 +51,7 @@ for name, ww in (("host", w), ("sharded", jax.device_put(w, NamedSharding(mesh, 
     y, ref = rt["forward"](ww, x), jax.jit(sp_mod.forward)(ww, x)
     out[name] = [np.array_equal(np.asarray(y), np.asarray(ref)), str(y.sharding.spec)
                  if hasattr(y.sharding, "spec") else None, str(getattr(ref.sharding, "spec", None))]
-print(json.dumps([out, rt.report().to_json()["functions"]["forward"]]))
+print(json.dumps([out, rt.report().to_dict()["functions"]["forward"]]))
 """
 
 
@@ -112,7 +112,7 @@ for n in (8, 16):
     specs.append(str(getattr(y.sharding, "spec", type(y.sharding).__name__)))
 hits = events.get("/jax/compilation_cache/cache_hits", 0) - before.get("/jax/compilation_cache/cache_hits", 0)
 misses = events.get("/jax/compilation_cache/cache_misses", 0) - before.get("/jax/compilation_cache/cache_misses", 0)
-print(json.dumps([specs, hits, misses, rt.report().to_json()["functions"]["forward"]]))
+print(json.dumps([specs, hits, misses, rt.report().to_dict()["functions"]["forward"]]))
 """
 
 

@@ -434,7 +434,7 @@ rt = cachectl.serving({manifest!r})
 params, graph = graphs.params(), graphs.graph()
 got = [np.asarray(rt["predict"](params, graph)).tolist() for _ in range(2)]
 want = np.asarray(jax.jit(graphs.predict)(params, graph)).tolist()
-print(json.dumps([got, want, rt.report().to_json()["functions"]["predict"]]))
+print(json.dumps([got, want, rt.report().to_dict()["functions"]["predict"]]))
 """
 
 # A Brax/MJX-like environment state without leaf_axes, beside an action array that carries the
@@ -474,7 +474,7 @@ state = {{"pipeline_state": {{"q": np.ones((n, 3), np.float32), "time": np.zeros
 action = np.full((n, 3), 0.5, np.float32)
 got = [jax.tree_util.tree_map(lambda a: np.asarray(a).tolist(), rt["env_step"](state, action)) for _ in range(2)]
 want = jax.tree_util.tree_map(lambda a: np.asarray(a).tolist(), jax.jit(envs.env_step)(state, action))
-print(json.dumps([got, want, rt.report().to_json()["functions"]["env_step"]]))
+print(json.dumps([got, want, rt.report().to_dict()["functions"]["env_step"]]))
 """
 
 

@@ -65,7 +65,7 @@ for _ in range(3):
     plain = jax.jit(ts_mod.step)(plain, x)
 print(json.dumps(dict(
     equal=bool(np.array_equal(np.asarray(served.params["w"]), np.asarray(plain.params["w"]))),
-    step=int(served.step), counts=rt.report().to_json()["functions"]["step"],
+    step=int(served.step), counts=rt.report().to_dict()["functions"]["step"],
     compiles=[before, during])))
 """
 )

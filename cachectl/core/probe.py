@@ -35,6 +35,7 @@ from typing import Any
 
 from cachectl.core import jax_seam
 from cachectl.core.config import state_dir
+from cachectl.core.cpu_isa import host_cpu_isa
 from cachectl.core.errors import CachectlError, OperationFailed
 from cachectl.core.fingerprint import Environment, check_versions, current_environment
 from cachectl.core.temps import atomic_write
@@ -204,6 +205,7 @@ def memo_key() -> str | None:
         return None
     lines = [f"memo {MEMO_VERSION}", f"boot {boot}", f"python {os.path.realpath(sys.executable)}"]
     lines.append(f"version {sys.version}")  # the probe child runs in /, never from the cwd
+    lines.append(f"cpu {host_cpu_isa()}")  # a CPU environment names what XLA:CPU compiles for
     lines += [
         f"env {k}={v}"
         for k, v in sorted(os.environ.items())
