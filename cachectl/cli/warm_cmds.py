@@ -136,12 +136,7 @@ def _run_check(
         report = check(
             ctx, manifest, cache=cache_name, shard=_shard(shard, shards), paths=paths, canary=canary
         )
-    emit(
-        report,
-        as_json,
-        print_check,
-        failure=_check_failure,
-    )
+    emit(report, as_json, lambda r: print_check(r, manifest), failure=_check_failure)
 
 
 def _check_failure(report: CheckReport) -> OperationFailed:
