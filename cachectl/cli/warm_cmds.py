@@ -380,10 +380,14 @@ def warm_cmd(
             )
     if signer is not None and not report.target_problems:
         resign_written(ctx, report, signer)
+
+    def human(r: WarmReport) -> None:
+        print_warm(r, logged=progress.logged)
+
     if push_to is None or dry_run or not report.ok:
-        emit(report, as_json, print_warm, failure=_warm_failure)
+        emit(report, as_json, human, failure=_warm_failure)
         return
-    emit(report, as_json, print_warm)
+    emit(report, as_json, human)
     # A deviceless warm (--topology) pushes the slice's namespace, not this machine's.
     env = str(report.environment["digest"]) if topology is not None else None
     _push_warmed(ctx, loaded, cache_name, sign_key, push_to, insecure, ca_file, as_json, env)
@@ -435,7 +439,7 @@ def _warm_failure(report: Any) -> CachectlError:
     hint = "; -v prints the traceback of your code" if traced and _verbosity() < 1 else ""
     return OperationFailed(
         f"{report.summary.failed} of {report.summary.buckets} bucket(s) "
-        f"failed; see the error column{hint}"
+        f"failed; see each failed bucket's error{hint}"
     )
 
 

@@ -53,8 +53,11 @@ def _styled(status: str) -> Styled | str:
     return Styled(status, style) if style else status
 
 
-def print_warm(report: WarmReport) -> None:
-    """The human report of a warm: its buckets (or its plan, with --dry-run) and a summary."""
+def print_warm(report: WarmReport, logged: bool = False) -> None:
+    """The human report of a warm: its buckets (or its plan, with --dry-run) and a summary.
+
+    Each bucket is printed once: when ``Progress`` ``logged`` a line per bucket (not a
+    terminal), the summary alone follows; after the terminal's transient bar, the table."""
     if report.dry_run:
         rows: list[tuple[str | Styled, ...]] = [
             (b.function, _bucket_text(b.bucket)) for b in report.buckets
@@ -74,6 +77,12 @@ def print_warm(report: WarmReport) -> None:
         else:
             stdout.print("target: matches this machine")
         return
+    if not logged:
+        _print_bucket_table(report)
+    _print_summary(report)
+
+
+def _print_bucket_table(report: WarmReport) -> None:
     rows = [
         (
             b.function,
@@ -93,8 +102,12 @@ def print_warm(report: WarmReport) -> None:
             ["function", "bucket", "status", "key", "compile s", "size", "aot", "error"],
             rows,
             justify_right=("compile s", "size", "aot"),
+            keep=("bucket", "status", "key"),
         )
     )
+
+
+def _print_summary(report: WarmReport) -> None:
     s = report.summary
     aot_bytes = sum(b.aot_bytes or 0 for b in report.buckets)
     stdout.print(
@@ -205,6 +218,7 @@ class Progress:
 
     def __init__(self, enabled: bool, terminal: bool) -> None:
         self.enabled = enabled
+        self.logged = False  # a line per bucket was printed: the report leaves out its table
         self.bar: Any = None
         self.task: Any = None
         if enabled and terminal:
@@ -240,11 +254,28 @@ class Progress:
             return
         label = f"{result.function}[{plain(result.bucket)}] {result.status}"
         if self.bar is None:
-            click.echo(f"warm {done}/{total} {label} {_bucket_seconds(result)}", err=True)
+            self.logged = True
+            click.echo(
+                f"warm {done}/{total} {label} {_bucket_seconds(result)}{_what(result)}", err=True
+            )
             return
         if self.task is None:
             self.task = self.bar.add_task("", total=total)
         self.bar.update(self.task, completed=done, description=escape(label))
+
+
+def _what(result: Any) -> str:
+    """What the table's row would add to a progress line: key, sizes, error."""
+    parts = []
+    if result.key:
+        parts.append(f"key {result.key.rsplit('-', 1)[-1][:12]}")
+    if result.bytes is not None:
+        parts.append(
+            size(result.bytes) + (f" + {size(result.aot_bytes)} aot" if result.aot_bytes else "")
+        )
+    text = f" ({', '.join(parts)})" if parts else ""
+    error = result.error or result.aot_error
+    return f"{text}: {error}" if error else text
 
 
 def _bucket_seconds(result: Any) -> str:
