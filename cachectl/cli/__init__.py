@@ -306,6 +306,7 @@ class CachectlGroup(click.Group):
 
 @click.group(
     cls=CachectlGroup,
+    subcommand_metavar="COMMAND [ARGS...]",  # no help line ends in "...": that marks a cut
     context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100},
 )
 @click.option(

@@ -319,8 +319,8 @@ def warm_cmd(
     cachectl warm examples/manifest.yaml
     cachectl warm manifest.yaml --shard 2/4 --jobs 8
     cachectl warm manifest.yaml --shard auto --shards 4   # pod of an Indexed Job
-    cachectl warm manifest.yaml --topology v5e:2x2   # for a TPU slice, on a CPU machine
-    cachectl warm-check manifest.yaml      # prove it: 100% hits in a fresh process
+    cachectl warm manifest.yaml --topology v5e:2x2   # a TPU slice's, on a CPU
+    cachectl warm-check manifest.yaml   # prove it: 100% hits in a fresh process
     """
     if check_only:
         _run_check(ctx, manifest, cache_name, shard, paths, as_json, shards)
