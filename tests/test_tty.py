@@ -144,10 +144,13 @@ def warmed(tmp_path_factory: pytest.TempPathFactory) -> Warmed:
 
 
 def test_warm_on_a_terminal_compiles_and_shows_each_bucket_once(warmed: Warmed) -> None:
-    session, raw, _ = warmed
+    session, raw, env = warmed
     assert "━" in raw and "/11" in raw, raw[-2000:]  # the transient bar was drawn
-    text = "\n".join(screen_lines(raw))
-    assert "11 bucket(s): 11 compiled, 0 cached, 0 failed" in " ".join(text.split())
+    lines = screen_lines(raw)
+    assert "11 bucket(s): 11 compiled, 0 cached, 0 failed" in " ".join(" ".join(lines).split())
+    entries = json.loads(session.piped("ls", "--env", env["digest"][:12], "--json").stdout)
+    for e in entries["entries"]:  # the table after the bar: each bucket's key, unbroken
+        assert any(e["key"].rsplit("-", 1)[-1][:12] in line for line in lines), (e, lines)
     # Again, through a pipe: a line per bucket on stderr, no table on stdout; with --json
     # on the pty, the same exit.
     again = session.piped("warm", MANIFEST)

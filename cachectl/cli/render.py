@@ -136,8 +136,8 @@ def table(
 ) -> WholeCellTable:
     """A table of ``rows`` under ``title``. Cells of the ``keep`` columns (digests, keys, dates)
     and the ``justify_right`` ones (numbers) are never broken; the others wrap when the table
-    must fit a width. The ``optional`` columns are left out, in that order, while the table
-    would not fit otherwise (--wide shows them)."""
+    must fit a width. There, the ``optional`` columns are left out, in that order, while the
+    table would not fit otherwise (--wide shows them), and so is a column with every cell empty."""
     return WholeCellTable(
         title,
         [
@@ -240,6 +240,8 @@ class WholeCellTable:
         def need(cols: list[int], size: Callable[[int], int]) -> int:
             return sum(size(i) for i in cols) + overhead(cols)
 
+        # A column with nothing in it (no bucket failed: the error column) says nothing.
+        shown = [i for i in shown if any(cells(row[i]) for row in self.rows) or not self.rows]
         dropped: list[str] = []
         for name in self.optional:
             if need(shown, floor) <= width:

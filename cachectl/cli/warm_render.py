@@ -103,6 +103,7 @@ def _print_bucket_table(report: WarmReport) -> None:
             rows,
             justify_right=("compile s", "size", "aot"),
             keep=("bucket", "status", "key"),
+            optional=("aot", "size", "compile s"),
         )
     )
 
@@ -163,6 +164,8 @@ def print_check(report: CheckReport, manifest: str = "MANIFEST") -> None:
             [*columns, *(["canary"] if canary else []), "error"],
             rows,
             justify_right=("load s",),
+            keep=("bucket", "status", "key"),
+            optional=("load s", "executable"),
         )
     )
     s = report.summary
