@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from cachectl import __version__
+from cachectl.cli.render import want_wide
 from cachectl.core.config import load_settings
 from cachectl.core.errors import BadInput, CachectlError, ProblemsReported, from_os_error
 from cachectl.core.temps import no_world_writes
@@ -179,10 +180,7 @@ _GLOBAL_OPTIONS: tuple[tuple[tuple[str, ...], dict[str, Any]], ...] = (
 
 
 def _wide(ctx: click.Context, param: click.Parameter, value: bool) -> None:
-    if value:
-        from cachectl.cli.render import want_wide
-
-        want_wide(ctx, param, value)
+    want_wide(ctx, param, value)
 
 
 def accept_global_options(cmd: click.Command) -> None:
