@@ -482,6 +482,7 @@ def test_tables_in_a_pipe_keep_every_identifier_on_one_line(tmp_path) -> None:
         ],
     }
     for args, identifiers in expected.items():
-        for lines in (piped(*args).splitlines(), piped(*args, "--wide", columns="40").splitlines()):
+        for out in (piped(*args), piped(*args, "--wide", columns="40")):
+            lines = out.splitlines()
             for identifier in identifiers:
-                assert any(identifier in line for line in lines), (args, identifier, "\n".join(lines))
+                assert any(identifier in line for line in lines), (args, identifier, out)
