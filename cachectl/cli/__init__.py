@@ -240,6 +240,17 @@ class CachectlGroup(click.Group):
     def list_commands(self, ctx: click.Context) -> list[str]:
         return sorted({*self.commands, *COMMANDS})
 
+    def make_context(
+        self,
+        info_name: str | None,
+        args: list[str],
+        parent: click.Context | None = None,
+        **extra: Any,
+    ) -> click.Context:
+        """A command's context; --wide is this command's alone (CliRunner runs many in one process)."""
+        want_wide(value=False)
+        return super().make_context(info_name, args, parent, **extra)
+
     def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
         cmd = self.commands.get(cmd_name)
         if cmd is None and cmd_name in COMMANDS:

@@ -72,9 +72,8 @@ _wide = [False]  # --wide was given (one command per process)
 
 
 def want_wide(_ctx: click.Context | None = None, _param: object = None, value: bool = True) -> bool:
-    """``--wide``'s callback (a command's own option, or the global one)."""
-    if value:
-        _wide[0] = True
+    """``--wide``'s callback (a command's own option, or the global one); False: a new command."""
+    _wide[0] = value or (_ctx is not None and _wide[0])
     return value
 
 
