@@ -219,9 +219,11 @@ def test_help_on_a_terminal(warmed: Warmed) -> None:
     assert not [line for line in lines if line.rstrip().endswith("...")], lines
     for section in ("Set up", "Warm", "Inspect", "Lifecycle", "Ship", "Serve"):
         assert f"{section} commands:" in lines, lines
-    code, raw = session.tty(80, "wram")
-    assert code == 2 and screen_lines(raw) == [
-        "cachectl: error: no command 'wram': did you mean warm?"
-    ], raw
+    for typo, said in (
+        (["wram"], "no command 'wram': did you mean warm?"),
+        (["bundle", "craete"], "no command 'craete' in cachectl bundle: did you mean create?"),
+    ):
+        code, raw = session.tty(80, *typo)
+        assert (code, screen_lines(raw)) == (2, [f"cachectl: error: {said}"]), raw
     assert "Usage: cachectl warm [OPTIONS] MANIFEST" in shown(session, 80, "help", "warm")
     assert "Usage: cachectl [OPTIONS] COMMAND [ARGS...]" in shown(session, 80, "help")

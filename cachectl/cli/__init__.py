@@ -202,8 +202,25 @@ def accept_global_options(cmd: click.Command) -> None:
             )
     cmd._cachectl_globals = True  # type: ignore[attr-defined]
     if isinstance(cmd, click.Group):
+        group_resolve = cmd.resolve_command
+
+        def resolve(
+            ctx: click.Context, args: list[str]
+        ) -> tuple[str | None, click.Command | None, list[str]]:
+            _refuse_unknown(cmd, ctx, args)
+            return group_resolve(ctx, args)
+
+        cmd.resolve_command = resolve  # type: ignore[method-assign]
         for sub in cmd.commands.values():
             accept_global_options(sub)
+
+
+def _refuse_unknown(group: click.Group, ctx: click.Context, args: list[str]) -> None:
+    """A mistyped command is bad input in one line, naming the command it was likely meant."""
+    name = click.utils.make_str(args[0])
+    if name.startswith("-") or ctx.resilient_parsing or group.get_command(ctx, name):
+        return  # an option: click says what is wrong with it
+    raise BadInput(_no_such_command(name, group.list_commands(ctx), ctx.command_path))
 
 
 class _LazyContext:
@@ -285,10 +302,7 @@ class CachectlGroup(click.Group):
     def resolve_command(
         self, ctx: click.Context, args: list[str]
     ) -> tuple[str | None, click.Command | None, list[str]]:
-        """A mistyped command is bad input in one line, naming the command it was likely meant."""
-        name = click.utils.make_str(args[0])
-        if self.get_command(ctx, name) is None and not ctx.resilient_parsing:
-            raise BadInput(_no_such_command(name, self.list_commands(ctx)))
+        _refuse_unknown(self, ctx, args)
         return super().resolve_command(ctx, args)
 
     def invoke(self, ctx: click.Context) -> Any:
@@ -361,12 +375,13 @@ def cli(ctx: click.Context, db: str | None, cache_name: str | None, verbose: int
     ctx.call_on_close(ctx.obj.close)
 
 
-def _no_such_command(name: str, names: list[str]) -> str:
+def _no_such_command(name: str, names: list[str], where: str = "cachectl") -> str:
     import difflib
 
     close = difflib.get_close_matches(name, names, n=1, cutoff=0.6)
-    hint = f"did you mean {close[0]}?" if close else "`cachectl help` lists the commands"
-    return f"no command {name!r}: {hint}"
+    hint = f"did you mean {close[0]}?" if close else f"`{where} --help` lists the commands"
+    scope = "" if where == "cachectl" else f" in {where}"
+    return f"no command {name!r}{scope}: {hint}"
 
 
 @cli.command("help", hidden=False)
@@ -381,7 +396,8 @@ def help_cmd(ctx: click.Context, names: tuple[str, ...]) -> None:
         group = target if isinstance(target, click.Group) else None
         found = group.get_command(sub, name) if group is not None else None
         if group is None or found is None:
-            raise BadInput(_no_such_command(name, group.list_commands(sub) if group else []))
+            where = sub.command_path
+            raise BadInput(_no_such_command(name, group.list_commands(sub) if group else [], where))
         if isinstance(group, CachectlGroup):
             accept_global_options(found)
         target = found
