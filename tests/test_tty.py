@@ -203,7 +203,7 @@ def test_other_commands_on_a_terminal(warmed: Warmed, tmp_path: Path) -> None:
     fixes = [f["fix"] for f in json.loads(session.piped("doctor", "--json").stdout)["findings"]]
     said = " ".join(" ".join(doctor).split())
     for fix in filter(None, fixes):  # brackets included: pip install 'cachectl-jax[tpu]'
-        assert " ".join(fix.split()) in said, (fix, doctor)
+        assert "fix: " + " ".join(fix.split()) in said, (fix, doctor)
     shown(session, 80, "verify")
     shown(session, 100, "misses", "--manifest", MANIFEST)
     shown(session, 120, "stats", "--since", "1h", "--explain")
