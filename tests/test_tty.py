@@ -206,7 +206,11 @@ def test_other_commands_on_a_terminal(warmed: Warmed, tmp_path: Path) -> None:
         assert "fix: " + " ".join(fix.split()) in said, (fix, doctor)
     shown(session, 80, "verify")
     shown(session, 100, "misses", "--manifest", MANIFEST)
-    shown(session, 120, "stats", "--since", "1h", "--explain")
+    service = "import cachectl, jax; cachectl.activate(); jax.jit(lambda x: x + 1)(1.0)"
+    ran = subprocess.run([sys.executable, "-c", service], env=session.env, cwd=session.base)
+    assert ran.returncode == 0  # telemetry for the usage tables
+    usage = shown(session, 80, "stats", "--since", "1h", "--explain")
+    assert any("jit__lambda" in line for line in usage), usage
     bundle = str(tmp_path / "b.tar.zst")
     shown(session, 80, "bundle", "create", "-o", bundle, "--env", env["digest"][:12])
     shown(session, 80, "bundle", "install", bundle)

@@ -223,6 +223,10 @@ def _label(r: UsageRow) -> str:
     return f"{r.name} ({r.function})" if r.name and r.name != r.function else r.function
 
 
+# Left out first where the usage tables must fit a width: requests, hits, misses, hit rate stay.
+_USAGE_OPTIONAL = ("writes", "saved", "not cacheable", "loads", "served", "procs")
+
+
 def _print_usage(u: TelemetryStats, explain: bool = False) -> None:
     if not u.environments:
         stdout.print(f"cache {u.cache}: {NO_TELEMETRY_HINT}", highlight=False)
@@ -261,6 +265,7 @@ def _print_usage(u: TelemetryStats, explain: bool = False) -> None:
             env_rows,
             justify_right=right,
             keep=("environment",),
+            optional=_USAGE_OPTIONAL,
         )
     )
     if u.functions:
@@ -269,7 +274,15 @@ def _print_usage(u: TelemetryStats, explain: bool = False) -> None:
             (_label(r) + (f" @{r.environment[:8]}" if several else ""), *values(r))
             for r in u.functions
         ]
-        stdout.print(table("per function", ["function", *columns], fn_rows, justify_right=right))
+        stdout.print(
+            table(
+                "per function",
+                ["function", *columns],
+                fn_rows,
+                justify_right=right,
+                optional=_USAGE_OPTIONAL,
+            )
+        )
         for r in u.functions:
             if r.cause:
                 stdout.print(
