@@ -4,7 +4,9 @@ Fixtures (see tests/infra.py for what was found about each service):
 
   isolated_home   autouse. XDG_DATA_HOME / XDG_CACHE_HOME / XDG_CONFIG_HOME /
                   XDG_STATE_HOME -> fresh dirs under tmp_path; every CACHECTL_*
-                  and JAX_* variable removed. Yields the tmp "home" Path.
+                  and JAX_* variable removed, and COLUMNS and LINES (xdist's workers
+                  set COLUMNS; a test's commands print as to a log). Yields the tmp
+                  "home" Path.
   moto_server     session. infra.Server for moto's S3 API (.url, .port, .env).
   s3_env          function. Sets AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID,
                   AWS_SECRET_ACCESS_KEY, AWS_DEFAULT_REGION; yields that dict.
@@ -78,7 +80,9 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(autouse=True)
 def isolated_home(tmp_path_factory, monkeypatch):
-    """Point XDG dirs at a fresh tmp dir and drop CACHECTL_*/JAX_* variables."""
+    """Point XDG dirs at a fresh tmp dir and drop CACHECTL_*/JAX_* variables, and COLUMNS
+    (pytest-xdist's workers set it): a command's output is a log's, whole lines, unless a
+    test gives COLUMNS or a terminal (tests/test_tty.py)."""
     home = tmp_path_factory.mktemp("home")
     for var, sub in (
         ("XDG_DATA_HOME", "data"),
@@ -89,7 +93,7 @@ def isolated_home(tmp_path_factory, monkeypatch):
         (home / sub).mkdir()
         monkeypatch.setenv(var, str(home / sub))
     for var in list(os.environ):
-        if var.startswith(("CACHECTL_", "JAX_")):
+        if var.startswith(("CACHECTL_", "JAX_")) or var in ("COLUMNS", "LINES"):
             monkeypatch.delenv(var)
     yield home
 

@@ -430,21 +430,22 @@ functions:
 
 
 def test_tables_in_a_pipe_keep_every_identifier_on_one_line(tmp_path) -> None:
-    """Logs are read by grep: with a narrow COLUMNS and stdout a pipe, no key, digest, path,
-    bucket label or cache name is wrapped, folded or cut."""
+    """Logs are read by grep: with stdout a pipe and no COLUMNS, or with --wide under a narrow
+    COLUMNS, no key, digest, path, bucket label or cache name is wrapped, folded or cut."""
     (tmp_path / "cm_log_tables.py").write_text(LOG_MODULE.lstrip("\n"))
     (tmp_path / "m.yaml").write_text(LOG_MANIFEST)
     name = "team-cache-with-a-name-wider-than-the-terminal"
     root = tmp_path / "a-cache-root-whose-path-is-far-wider-than-forty-columns" / "team"
 
-    def piped(*args: str) -> str:
+    def piped(*args: str, columns: str | None = None) -> str:
+        env = {k: v for k, v in os.environ.items() if k != "COLUMNS"}
         proc = subprocess.run(
             [sys.executable, "-m", "cachectl", "--cache", name, *args],
             cwd=tmp_path,
             capture_output=True,
             text=True,
             timeout=300,
-            env={**os.environ, "COLUMNS": "40"},
+            env={**env, **({"COLUMNS": columns} if columns else {})},
         )
         assert proc.returncode == 0, (args, proc.stdout, proc.stderr)
         return proc.stdout
@@ -481,6 +482,7 @@ def test_tables_in_a_pipe_keep_every_identifier_on_one_line(tmp_path) -> None:
         ],
     }
     for args, identifiers in expected.items():
-        lines = piped(*args).splitlines()
-        for identifier in identifiers:
-            assert any(identifier in line for line in lines), (args, identifier, "\n".join(lines))
+        for out in (piped(*args), piped(*args, "--wide", columns="40")):
+            lines = out.splitlines()
+            for identifier in identifiers:
+                assert any(identifier in line for line in lines), (args, identifier, out)

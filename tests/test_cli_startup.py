@@ -18,7 +18,7 @@ import pytest
 from click.testing import CliRunner
 
 from cachectl import __version__
-from cachectl.cli import COMMANDS, CachectlGroup, cli
+from cachectl.cli import COMMANDS, GROUPS, CachectlGroup, cli
 
 ROOT = Path(__file__).resolve().parent.parent
 HEAVY = ("jax", "numpy", "ml_dtypes", "sqlalchemy", "pydantic", "rich", "fsspec")
@@ -88,6 +88,11 @@ def test_command_table_lists_every_registered_command() -> None:
         assert cmd is getattr(importlib.import_module(f"cachectl.cli.{module}"), attribute)
 
 
+def test_every_command_is_in_one_help_section() -> None:
+    grouped = [name for _, names in GROUPS for name in names]
+    assert sorted(grouped) == sorted(COMMANDS)
+
+
 def test_the_lazy_listing_is_the_loaded_one() -> None:
     def listing(group: click.Group) -> str:
         ctx = click.Context(group, info_name="cachectl")
@@ -95,7 +100,7 @@ def test_the_lazy_listing_is_the_loaded_one() -> None:
         group.format_commands(ctx, formatter)
         return formatter.getvalue()
 
-    loaded = click.Group(commands={name: cli.get_command(None, name) for name in COMMANDS})  # type: ignore[arg-type]
+    loaded = CachectlGroup(commands={name: cli.get_command(None, name) for name in COMMANDS})  # type: ignore[arg-type]
     lazy = CachectlGroup(name="cachectl")
     assert lazy.commands == {}
     assert listing(lazy) == listing(loaded)

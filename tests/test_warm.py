@@ -199,7 +199,9 @@ def test_warm_through_a_pipe_logs_one_line_per_bucket(tmp_path: Path) -> None:
     report = json.loads(proc.stdout)
     lines = [line for line in proc.stderr.splitlines() if line.startswith("warm ")]
     assert len(lines) == 5, proc.stderr
-    pattern = re.compile(r"warm (\d)/5 (\w+)\[(\S*)\] (compiled|cached|failed) (\d+\.\d\d)s")
+    pattern = re.compile(
+        r"warm (\d)/5 (\w+)\[(\S*)\] (compiled|cached|failed) (\d+\.\d\d)s \(key (\w{12}), .*\)"
+    )
     seen = []
     for line in lines:
         match = pattern.fullmatch(line)

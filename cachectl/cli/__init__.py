@@ -15,8 +15,9 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from cachectl import __version__
+from cachectl.cli.render import want_wide
 from cachectl.core.config import load_settings
-from cachectl.core.errors import CachectlError, ProblemsReported, from_os_error
+from cachectl.core.errors import BadInput, CachectlError, ProblemsReported, from_os_error
 from cachectl.core.temps import no_world_writes
 
 if TYPE_CHECKING:
@@ -138,6 +139,17 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
 }
 
 
+# The top-level help's sections: every command of COMMANDS in one (tests/test_cli_startup.py).
+GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("Set up", ("cache", "db", "key", "fingerprint", "path", "env", "exec")),
+    ("Warm", ("warm", "warm-check", "warm-run")),
+    ("Inspect", ("ls", "stats", "misses", "advise", "doctor")),
+    ("Lifecycle", ("prune", "gc", "verify", "sync")),
+    ("Ship", ("bundle", "push", "pull")),
+    ("Serve", ("serve", "token")),
+)
+
+
 def _log_level(verbose: int) -> int:
     return (logging.WARNING, logging.INFO, logging.DEBUG)[min(verbose, 2)]
 
@@ -147,7 +159,9 @@ def _global_option_seen(ctx: click.Context, param: click.Parameter, value: Any) 
     if not value or ctx.resilient_parsing:
         return
     root = ctx.find_root()
-    if param.name == "_global_verbose":
+    if param.name == "_global_wide":
+        _wide(ctx, param, value)
+    elif param.name == "_global_verbose":
         root.params["verbose"] = (root.params.get("verbose") or 0) + value
         if root.meta.get("cachectl.configured_logging"):  # the root's basicConfig took
             logging.getLogger().setLevel(_log_level(root.params["verbose"]))
@@ -161,7 +175,12 @@ _GLOBAL_OPTIONS: tuple[tuple[tuple[str, ...], dict[str, Any]], ...] = (
     (("--db", "_global_db"), {"metavar": "URL"}),
     (("--cache", "_global_cache_name"), {"metavar": "NAME"}),
     (("-v", "--verbose", "_global_verbose"), {"count": True}),
+    (("--wide", "_global_wide"), {"is_flag": True}),
 )
+
+
+def _wide(ctx: click.Context, param: click.Parameter, value: bool) -> None:
+    want_wide(ctx, param, value)
 
 
 def accept_global_options(cmd: click.Command) -> None:
@@ -183,8 +202,25 @@ def accept_global_options(cmd: click.Command) -> None:
             )
     cmd._cachectl_globals = True  # type: ignore[attr-defined]
     if isinstance(cmd, click.Group):
+        group_resolve = cmd.resolve_command
+
+        def resolve(
+            ctx: click.Context, args: list[str]
+        ) -> tuple[str | None, click.Command | None, list[str]]:
+            _refuse_unknown(cmd, ctx, args)
+            return group_resolve(ctx, args)
+
+        cmd.resolve_command = resolve  # type: ignore[method-assign]
         for sub in cmd.commands.values():
             accept_global_options(sub)
+
+
+def _refuse_unknown(group: click.Group, ctx: click.Context, args: list[str]) -> None:
+    """A mistyped command is bad input in one line, naming the command it was likely meant."""
+    name = click.utils.make_str(args[0])
+    if name.startswith("-") or ctx.resilient_parsing or group.get_command(ctx, name):
+        return  # an option: click says what is wrong with it
+    raise BadInput(_no_such_command(name, group.list_commands(ctx), ctx.command_path))
 
 
 class _LazyContext:
@@ -221,6 +257,17 @@ class CachectlGroup(click.Group):
     def list_commands(self, ctx: click.Context) -> list[str]:
         return sorted({*self.commands, *COMMANDS})
 
+    def make_context(
+        self,
+        info_name: str | None,
+        args: list[str],
+        parent: click.Context | None = None,
+        **extra: Any,
+    ) -> click.Context:
+        """A command's context; --wide is this command's alone (CliRunner runs many in one process)."""
+        want_wide(value=False)
+        return super().make_context(info_name, args, parent, **extra)
+
     def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
         cmd = self.commands.get(cmd_name)
         if cmd is None and cmd_name in COMMANDS:
@@ -231,17 +278,32 @@ class CachectlGroup(click.Group):
         return cmd
 
     def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
-        """click's listing, with the short help of a command not loaded yet from ``COMMANDS``."""
-        commands = []
-        for name in self.list_commands(ctx):
-            cmd = self.commands.get(name) or click.Command(name, help=COMMANDS[name][2])
-            if not cmd.hidden:
-                commands.append((name, cmd))
-        if commands:
-            limit = formatter.width - 6 - max(len(name) for name, _ in commands)
-            rows = [(name, cmd.get_short_help_str(limit)) for name, cmd in commands]
-            with formatter.section("Commands"):
-                formatter.write_dl(rows)
+        """The commands in GROUPS' sections, each with its whole short help (wrapped, never cut
+        with "..."), from ``COMMANDS`` for a command not loaded yet."""
+        shown = [n for n in self.list_commands(ctx) if not self._command(n).hidden]
+        sections = [(title, [n for n in names if n in shown]) for title, names in GROUPS]
+        grouped = {n for _, names in sections for n in names}
+        sections.append(("Other", [n for n in shown if n not in grouped]))
+        width = max(len(n) for n in shown)  # one column for every section
+        for title, names in sections:
+            if names:
+                with formatter.section(f"{title} commands"):
+                    formatter.write_dl([(n.ljust(width), self._short_help(n)) for n in names])
+
+    def _command(self, name: str) -> click.Command:
+        return self.commands.get(name) or click.Command(name, help=COMMANDS[name][2])
+
+    def _short_help(self, name: str) -> str:
+        cmd = self.commands.get(name)
+        if cmd is None:
+            return COMMANDS[name][2]
+        return cmd.get_short_help_str(10**6)
+
+    def resolve_command(
+        self, ctx: click.Context, args: list[str]
+    ) -> tuple[str | None, click.Command | None, list[str]]:
+        _refuse_unknown(self, ctx, args)
+        return super().resolve_command(ctx, args)
 
     def invoke(self, ctx: click.Context) -> Any:
         try:
@@ -267,6 +329,7 @@ class CachectlGroup(click.Group):
 
 @click.group(
     cls=CachectlGroup,
+    subcommand_metavar="COMMAND [ARGS...]",  # no help line ends in "...": that marks a cut
     context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100},
 )
 @click.option(
@@ -283,6 +346,14 @@ class CachectlGroup(click.Group):
     help="Cache to work on (default: 'default'). [env: CACHECTL_CACHE]",
 )
 @click.option("-v", "--verbose", count=True, help="More log output (-vv for debug).")
+@click.option(
+    "--wide",
+    is_flag=True,
+    expose_value=False,
+    callback=_wide,
+    help="Tables with whole digests, keys and paths, as wide as their widest row (else they "
+    "fit the terminal, or COLUMNS in a pipe; a pipe with no COLUMNS gets them whole).",
+)
 @click.version_option(__version__, prog_name="cachectl", message="%(prog)s %(version)s")
 @click.pass_context
 def cli(ctx: click.Context, db: str | None, cache_name: str | None, verbose: int) -> None:
@@ -302,6 +373,36 @@ def cli(ctx: click.Context, db: str | None, cache_name: str | None, verbose: int
     logging.basicConfig(level=_log_level(verbose), format="%(levelname)s %(name)s: %(message)s")
     ctx.obj = _LazyContext(ctx)
     ctx.call_on_close(ctx.obj.close)
+
+
+def _no_such_command(name: str, names: list[str], where: str = "cachectl") -> str:
+    import difflib
+
+    close = difflib.get_close_matches(name, names, n=1, cutoff=0.6)
+    hint = f"did you mean {close[0]}?" if close else f"`{where} --help` lists the commands"
+    scope = "" if where == "cachectl" else f" in {where}"
+    return f"no command {name!r}{scope}: {hint}"
+
+
+@cli.command("help", hidden=False)
+@click.argument("names", nargs=-1, metavar="[COMMAND]...")
+@click.pass_context
+def help_cmd(ctx: click.Context, names: tuple[str, ...]) -> None:
+    """Show the help of COMMAND (`cachectl help bundle create`), or of cachectl."""
+    root = ctx.find_root()
+    target: click.Command = root.command
+    sub = root
+    for name in names:
+        group = target if isinstance(target, click.Group) else None
+        found = group.get_command(sub, name) if group is not None else None
+        if group is None or found is None:
+            where = sub.command_path
+            raise BadInput(_no_such_command(name, group.list_commands(sub) if group else [], where))
+        if isinstance(group, CachectlGroup):
+            accept_global_options(found)
+        target = found
+        sub = click.Context(found, info_name=name, parent=sub)
+    click.echo(target.get_help(sub))
 
 
 def main() -> None:

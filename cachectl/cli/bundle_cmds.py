@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 import click
 
 from cachectl.cli.oci_options import ca_file_option, insecure_option, print_push
-from cachectl.cli.render import emit, escape, json_option, size, stdout, table
+from cachectl.cli.render import emit, json_option, key, size, stdout, table
 from cachectl.core.config import SIGNING_KEY_ENV
 
 if TYPE_CHECKING:
@@ -64,9 +64,9 @@ def bundle_group() -> None:
 def _print_info(b: bundle_lib.BundleInfo) -> None:
     rows = [
         (
-            escape(e.function or "-"),
-            escape(",".join(f"{k}={v}" for k, v in (e.bucket or {}).items()) or "-"),
-            e.key.rsplit("-", 1)[-1][:12],
+            e.function or "-",
+            ",".join(f"{k}={v}" for k, v in (e.bucket or {}).items()) or "-",
+            key(e.key),
             size(e.size),
             size(e.aot_size),
             "-" if e.compile_time_ms is None else f"{e.compile_time_ms / 1000:.2f}",

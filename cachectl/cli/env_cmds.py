@@ -126,7 +126,7 @@ def exec_(
     it depends on change; the service checks it against its own runtime.
 
     \b
-    cachectl exec -- python -c 'import os; print(os.environ["JAX_COMPILATION_CACHE_DIR"])'
+    cachectl exec -- printenv JAX_COMPILATION_CACHE_DIR
     cachectl exec --readonly -- python my_service.py
     """
     from cachectl.service.env import exec_variables

@@ -7,7 +7,19 @@ from typing import TYPE_CHECKING
 
 import click
 
-from cachectl.cli.render import emit, json_option, shortened, size, stdout, table, when
+from cachectl.cli.render import (
+    digest,
+    emit,
+    json_option,
+    key,
+    size,
+    stdout,
+    table,
+    unproven_because,
+    when,
+    whole,
+    wide_option,
+)
 from cachectl.core.units import parse_duration
 
 if TYPE_CHECKING:
@@ -20,26 +32,21 @@ if TYPE_CHECKING:
 
 
 def _proven(proof: Proof | None) -> str:
-    """The last warm-check on the hardware: "yes, <when> on <devices> (<host>)", "no: <why>", or "-"."""
+    """The last warm-check on the hardware: "yes, <when> on <devices> (<host>)", "no: <why>; <when>
+    on ...", or "-"; where the table fits a width (``whole``), "yes" or "no: <why>" alone."""
     if proof is None:
         return "-"
     where = f"{when(proof.at)} on {proof.devices} ({proof.host})"
     if proof.proven:
-        return f"yes, {where}"
-    why = []
-    if proof.hits < proof.buckets:
-        why.append(f"{proof.hits}/{proof.buckets} hit")
-    if proof.executables_called < proof.buckets:
-        why.append(f"{proof.executables_called}/{proof.buckets} executables ran")
-    if proof.canary != "equal":
-        why.append(f"canary {proof.canary}")
-    return f"no: {', '.join(why)}; {where}"
+        return f"yes, {where}" if whole() else "yes"
+    why = unproven_because(proof)
+    return f"no: {', '.join(why)}" + (f"; {where}" if whole() else "")
 
 
 def _print_environments(listing: inventory.EnvironmentListing) -> None:
     rows = [
         (
-            e.digest[:16],
+            digest(e.digest),
             e.environment.jax_version,
             e.environment.backend,
             f"{e.environment.device_kind} x{e.environment.device_count}",
@@ -71,6 +78,8 @@ def _print_environments(listing: inventory.EnvironmentListing) -> None:
             ],
             rows,
             justify_right=("entries", "executables", "aot bytes", "bytes"),
+            keep=("environment", "last access"),
+            optional=("aot bytes", "executables", "xla flags", "backend", "last access"),
         )
     )
 
@@ -78,7 +87,7 @@ def _print_environments(listing: inventory.EnvironmentListing) -> None:
 def _print_entries(listing: inventory.EntryListing) -> None:
     rows = [
         (
-            shortened(e.key, 48),
+            key(e.key),
             e.function or e.module,
             ",".join(f"{k}={v}" for k, v in (e.bucket or {}).items()) or "-",
             size(e.size),
@@ -109,6 +118,8 @@ def _print_entries(listing: inventory.EntryListing) -> None:
             ],
             rows,
             justify_right=("bytes", "aot", "compile ms", "hits"),
+            keep=("key", "bucket", "created", "last access"),
+            optional=("origin", "created", "compile ms", "aot", "last access"),
         )
     )
 
@@ -118,6 +129,7 @@ def _print_entries(listing: inventory.EntryListing) -> None:
     "--env", "env_prefix", metavar="DIGEST-PREFIX", help="List one environment's entries."
 )
 @json_option
+@wide_option
 @click.pass_obj
 def ls(ctx, env_prefix: str | None, as_json: bool) -> None:
     """List a cache's environments, or one environment's entries."""
@@ -163,6 +175,8 @@ def _print_totals(items: list[inventory.CacheTotals]) -> None:
             ],
             rows,
             justify_right=("environments", "entries", "executables", "aot bytes", "bytes"),
+            keep=("cache", "max size", "last access"),
+            optional=("aot bytes", "executables", "max size", "last access"),
         )
     )
     from cachectl.usage.inventory import EnvironmentListing
@@ -209,7 +223,11 @@ def _label(r: UsageRow) -> str:
     return f"{r.name} ({r.function})" if r.name and r.name != r.function else r.function
 
 
-def _print_usage(u: TelemetryStats) -> None:
+# Left out first where the usage tables must fit a width: requests, hits, misses, hit rate stay.
+_USAGE_OPTIONAL = ("writes", "saved", "not cacheable", "loads", "served", "procs")
+
+
+def _print_usage(u: TelemetryStats, explain: bool = False) -> None:
     if not u.environments:
         stdout.print(f"cache {u.cache}: {NO_TELEMETRY_HINT}", highlight=False)
         return
@@ -239,13 +257,15 @@ def _print_usage(u: TelemetryStats) -> None:
             f"{r.saved_estimate_seconds:.1f}s",
         )
 
-    env_rows = [(r.environment[:16], r.processes, *values(r)) for r in u.environments]
+    env_rows = [(digest(r.environment), r.processes, *values(r)) for r in u.environments]
     stdout.print(
         table(
             f"cache {u.cache}: service telemetry since {when(u.since)} UTC",
             ["environment", "procs", *columns],
             env_rows,
             justify_right=right,
+            keep=("environment",),
+            optional=_USAGE_OPTIONAL,
         )
     )
     if u.functions:
@@ -254,7 +274,15 @@ def _print_usage(u: TelemetryStats) -> None:
             (_label(r) + (f" @{r.environment[:8]}" if several else ""), *values(r))
             for r in u.functions
         ]
-        stdout.print(table("per function", ["function", *columns], fn_rows, justify_right=right))
+        stdout.print(
+            table(
+                "per function",
+                ["function", *columns],
+                fn_rows,
+                justify_right=right,
+                optional=_USAGE_OPTIONAL,
+            )
+        )
         for r in u.functions:
             if r.cause:
                 stdout.print(
@@ -262,12 +290,13 @@ def _print_usage(u: TelemetryStats) -> None:
                     highlight=False,
                     markup=False,
                 )
-    stdout.print(_CATEGORIES_NOTE, highlight=False)
-    stdout.print(
-        "saved (an estimate): hits x (a miss's compile stage as services measured it, else warm's "
-        "compile time) - what the hits still cost",
-        highlight=False,
-    )
+    if explain:
+        stdout.print(_CATEGORIES_NOTE, highlight=False)
+        stdout.print(
+            "saved (an estimate): hits x (a miss's compile stage as services measured it, else "
+            "warm's compile time) - what the hits still cost",
+            highlight=False,
+        )
     dropped = sum(r.dropped for r in u.environments)
     if dropped:
         stdout.print(
@@ -311,7 +340,7 @@ def _print_hit_rates(items: list[inventory.CacheTotals]) -> None:
                     if r.loads
                     else f"hit rate {_rate(r)} ({r.hits} hits, {r.misses} misses)"
                 )
-                stdout.print(f"  environment {r.environment[:16]}: {what}", highlight=False)
+                stdout.print(f"  environment {digest(r.environment)}: {what}", highlight=False)
 
 
 def _print_totals_and_rates(items: list[inventory.CacheTotals]) -> None:
@@ -327,9 +356,15 @@ def _print_totals_and_rates(items: list[inventory.CacheTotals]) -> None:
     help="Service telemetry over this window instead: hit rate, misses, writes and compile "
     "time saved per environment and function, e.g. 24h.",
 )
+@click.option(
+    "--explain",
+    is_flag=True,
+    help="With --since: what each column counts (hit rate, served, saved).",
+)
 @json_option
+@wide_option
 @click.pass_obj
-def stats(ctx, all_caches: bool, since: str | None, as_json: bool) -> None:
+def stats(ctx, all_caches: bool, since: str | None, explain: bool, as_json: bool) -> None:
     """Totals per cache and per environment with the hit rate over the last 24h; with --since,
     hits and misses from services per environment and function."""
     from cachectl.operations import operations
@@ -344,7 +379,7 @@ def stats(ctx, all_caches: bool, since: str | None, as_json: bool) -> None:
 
         def human(r: TelemetryStats | list[TelemetryStats]) -> None:
             for u in r if isinstance(r, list) else [r]:
-                _print_usage(u)
+                _print_usage(u, explain)
 
         emit(result if all_caches else result[0], as_json, human)
         return

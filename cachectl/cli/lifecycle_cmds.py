@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import click
 
-from cachectl.cli.render import emit, json_option, shortened, size, stdout, table
+from cachectl.cli.render import digest, emit, json_option, key, size, stdout, table
 from cachectl.core.config import DELETE_BATCH, GC_POLICIES
 from cachectl.core.errors import ProblemsReported
 
@@ -33,7 +33,7 @@ _SHOW = 50
 def _print_plan(plan: DeletionPlan, dry_run: bool) -> None:
     if plan.namespaces:
         rows: list[tuple[object, ...]] = [
-            (n.namespace, n.digest[:16], n.jax_version, n.entries, size(n.bytes), n.reason)
+            (n.namespace, digest(n.digest), n.jax_version, n.entries, size(n.bytes), n.reason)
             for n in plan.namespaces[:_SHOW]
         ]
         stdout.print(
@@ -42,6 +42,7 @@ def _print_plan(plan: DeletionPlan, dry_run: bool) -> None:
                 ["namespace", "environment", "jax", "entries", "bytes", "reason"],
                 rows,
                 justify_right=("entries", "bytes"),
+                keep=("environment",),
             )
         )
         if len(plan.namespaces) > _SHOW:
@@ -50,7 +51,7 @@ def _print_plan(plan: DeletionPlan, dry_run: bool) -> None:
             )
     if plan.entries:
         rows = [
-            (e.namespace, shortened(e.key, 48), size(e.size), size(e.aot_size), e.reason)
+            (e.namespace, key(e.key), size(e.size), size(e.aot_size), e.reason)
             for e in plan.entries[:_SHOW]
         ]
         stdout.print(
@@ -59,6 +60,7 @@ def _print_plan(plan: DeletionPlan, dry_run: bool) -> None:
                 ["namespace", "key", "bytes", "aot", "reason"],
                 rows,
                 justify_right=("bytes", "aot"),
+                keep=("key",),
             )
         )
         if len(plan.entries) > _SHOW:

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 import click
 
-from cachectl.cli.render import emit, json_option, shortened, size, stdout, table
+from cachectl.cli.render import emit, escape, json_option, key, size, stdout, table
 from cachectl.core.config import MIRROR_WORKERS, SIGNING_KEY_ENV
 
 if TYPE_CHECKING:
@@ -39,7 +39,7 @@ def _print_doctor(report: doctor_lib.DoctorReport) -> None:
         )
     for f in report.findings:
         style = _STYLE.get(f.severity, "")
-        stdout.print(f"[{style}]{f.severity:<7}[/] {f.message}", highlight=False)
+        stdout.print(f"[{style}]{f.severity:<7}[/] {escape(f.message)}", markup=True)
         if f.fix:
             stdout.print(f"        fix: {f.fix}", highlight=False)
     stdout.print(f"{report.errors} error(s), {report.warnings} warning(s)", highlight=False)
@@ -63,8 +63,8 @@ def doctor(ctx: Context, as_json: bool) -> None:
 
 def _problems_table(title: str, items: list[mirror_lib.EntryProblem]) -> None:
     if items:
-        rows = [(shortened(p.key, 56), p.reason) for p in items[:_SHOW]]
-        stdout.print(table(title, ["key", "reason"], rows))
+        rows = [(key(p.key), p.reason) for p in items[:_SHOW]]
+        stdout.print(table(title, ["key", "reason"], rows, keep=("key",)))
         if len(items) > _SHOW:
             stdout.print(f"... and {len(items) - _SHOW} more (--json lists all)")
 

@@ -138,12 +138,7 @@ def _run_check(
         report = check(
             ctx, manifest, cache=cache_name, shard=_shard(shard, shards), paths=paths, canary=canary
         )
-    emit(
-        report,
-        as_json,
-        print_check,
-        failure=_check_failure,
-    )
+    emit(report, as_json, lambda r: print_check(r, manifest), failure=_check_failure)
 
 
 def _check_failure(report: CheckReport) -> OperationFailed:
@@ -326,8 +321,8 @@ def warm_cmd(
     cachectl warm examples/manifest.yaml
     cachectl warm manifest.yaml --shard 2/4 --jobs 8
     cachectl warm manifest.yaml --shard auto --shards 4   # pod of an Indexed Job
-    cachectl warm manifest.yaml --topology v5e:2x2   # for a TPU slice, on a CPU machine
-    cachectl warm-check manifest.yaml      # prove it: 100% hits in a fresh process
+    cachectl warm manifest.yaml --topology v5e:2x2   # a TPU slice's, on a CPU
+    cachectl warm-check manifest.yaml   # prove it: 100% hits in a fresh process
     """
     if check_only:
         _run_check(ctx, manifest, cache_name, shard, paths, as_json, shards)
@@ -391,10 +386,14 @@ def warm_cmd(
             )
     if signer is not None and not report.target_problems:
         resign_written(ctx, report, signer)
+
+    def human(r: WarmReport) -> None:
+        print_warm(r, logged=progress.logged)
+
     if push_to is None or dry_run or not report.ok:
-        emit(report, as_json, print_warm, failure=_warm_failure)
+        emit(report, as_json, human, failure=_warm_failure)
         return
-    emit(report, as_json, print_warm)
+    emit(report, as_json, human)
     # A deviceless warm (--topology) pushes the slice's namespace, not this machine's.
     env = str(report.environment["digest"]) if topology is not None else None
     _push_warmed(ctx, loaded, cache_name, sign_key, push_to, insecure, ca_file, as_json, env)
@@ -446,7 +445,7 @@ def _warm_failure(report: Any) -> CachectlError:
     hint = "; -v prints the traceback of your code" if traced and _verbosity() < 1 else ""
     return OperationFailed(
         f"{report.summary.failed} of {report.summary.buckets} bucket(s) "
-        f"failed; see the error column{hint}"
+        f"failed; see each failed bucket's error{hint}"
     )
 
 

@@ -10,7 +10,17 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from cachectl.cli.render import escape, real_console, size, stderr, stdout, table
+from cachectl.cli.render import (
+    Styled,
+    escape,
+    key,
+    real_console,
+    size,
+    stderr,
+    stdout,
+    table,
+    unproven_because,
+)
 from cachectl.core.jax_seam import host_callbacks_cause
 from cachectl.core.units import format_size
 
@@ -31,28 +41,26 @@ def named(bucket: Any) -> str:
 
 
 def _bucket_text(values: dict[str, Any]) -> str:
-    return escape(plain(values)) or "-"
-
-
-def _key_text(key: str | None) -> str:
-    """The hash part of a key, shortened: enough to find the file."""
-    return (key or "-").rsplit("-", 1)[-1][:12]
+    return plain(values) or "-"
 
 
 def _seconds(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}"
 
 
-def _styled(status: str) -> str:
+def _styled(status: str) -> Styled | str:
     style = _STATUS_STYLE.get(status, "red" if status in ("failed", "too-large", "miss") else "")
-    return f"[{style}]{status}[/{style}]" if style else status
+    return Styled(status, style) if style else status
 
 
-def print_warm(report: WarmReport) -> None:
-    """The human report of a warm: its buckets (or its plan, with --dry-run) and a summary."""
+def print_warm(report: WarmReport, logged: bool = False) -> None:
+    """The human report of a warm: its buckets (or its plan, with --dry-run) and a summary.
+
+    Each bucket is printed once: when ``Progress`` ``logged`` a line per bucket (not a
+    terminal), the summary alone follows; after the terminal's transient bar, the table."""
     if report.dry_run:
-        rows: list[tuple[str, ...]] = [
-            (escape(b.function), _bucket_text(b.bucket)) for b in report.buckets
+        rows: list[tuple[str | Styled, ...]] = [
+            (b.function, _bucket_text(b.bucket)) for b in report.buckets
         ]
         stdout.print(
             table(
@@ -63,21 +71,28 @@ def print_warm(report: WarmReport) -> None:
         )
         if report.target_problems:
             stdout.print(
-                "target: [red]does not match[/red]: " + escape("; ".join(report.target_problems))
+                "target: [red]does not match[/red]: " + escape("; ".join(report.target_problems)),
+                markup=True,
             )
         else:
             stdout.print("target: matches this machine")
         return
+    if not logged:
+        _print_bucket_table(report)
+    _print_summary(report)
+
+
+def _print_bucket_table(report: WarmReport) -> None:
     rows = [
         (
-            escape(b.function),
+            b.function,
             _bucket_text(b.bucket),
             _styled(b.status),
-            _key_text(b.key),
+            key(b.key),
             _seconds(b.compile_seconds),
             size(b.bytes),
             size(b.aot_bytes),
-            escape(b.error or b.aot_error or ""),
+            b.error or b.aot_error or "",
         )
         for b in report.buckets
     ]
@@ -87,8 +102,13 @@ def print_warm(report: WarmReport) -> None:
             ["function", "bucket", "status", "key", "compile s", "size", "aot", "error"],
             rows,
             justify_right=("compile s", "size", "aot"),
+            keep=("bucket", "status", "key"),
+            optional=("aot", "size", "compile s"),
         )
     )
+
+
+def _print_summary(report: WarmReport) -> None:
     s = report.summary
     aot_bytes = sum(b.aot_bytes or 0 for b in report.buckets)
     stdout.print(
@@ -102,7 +122,7 @@ def print_warm(report: WarmReport) -> None:
         names = ", ".join(sorted(set(report.side_programs)))
         stdout.print(
             f"also indexed {len(report.side_programs)} program(s) JAX wrote while tracing, "
-            f"run eagerly by the functions: {escape(names)}",
+            f"run eagerly by the functions: {names}",
             highlight=False,
         )
     if s.buckets and s.cached == s.buckets:
@@ -120,19 +140,20 @@ def _retried(summary: Any) -> str:
     return f", {n} retried alone after failing among threads" if n else ""
 
 
-def print_check(report: CheckReport) -> None:
-    """The human report of warm-check: each bucket's hit or miss and the coverage."""
+def print_check(report: CheckReport, manifest: str = "MANIFEST") -> None:
+    """The human report of warm-check: each bucket's hit or miss, the coverage, and the proof
+    recorded (not proven: why, and the command that proves it)."""
     canary = any(b.canary is not None for b in report.buckets)
     rows = [
         (
-            escape(b.function),
+            b.function,
             _bucket_text(b.bucket),
             _styled(b.status),
-            _key_text(b.key),
+            key(b.key),
             _seconds(b.seconds),
-            escape(b.aot or "-"),
-            *((escape(b.canary or "-"),) if canary else ()),
-            escape(b.error or ""),
+            b.aot or "-",
+            *((b.canary or "-",) if canary else ()),
+            b.error or "",
         )
         for b in report.buckets
     ]
@@ -143,6 +164,8 @@ def print_check(report: CheckReport) -> None:
             [*columns, *(["canary"] if canary else []), "error"],
             rows,
             justify_right=("load s",),
+            keep=("bucket", "status", "key"),
+            optional=("load s", "executable"),
         )
     )
     s = report.summary
@@ -160,7 +183,7 @@ def print_check(report: CheckReport) -> None:
         note = "" if report.mark_error is None else f" ({report.mark_error})"
         stdout.print(
             f"{where}{note}: cachectl.serving serves "
-            + ", ".join(escape(named(b)) for b in report.unusable)
+            + ", ".join(named(b) for b in report.unusable)
             + " through jax.jit",
             highlight=False,
         )
@@ -171,14 +194,22 @@ def print_check(report: CheckReport) -> None:
             highlight=False,
         )
     if report.proof is not None and report.proof_error is None:
-        verdict = "proven" if report.proof.proven else "not proven"
+        proof = report.proof
+        verdict = "proven" if proof.proven else "not proven"
+        why = "" if proof.proven else ": " + "; ".join(unproven_because(proof))
         stdout.print(
-            f"recorded in the index: {verdict} on {escape(report.proof.devices)} "
-            f"({report.proof.host}, {report.proof.machine_digest[:16]})",
-            highlight=False,
+            f"recorded in the index: {verdict} on {proof.devices} "
+            f"({proof.host}, {proof.machine_digest[:16]}){why}",
         )
+        if proof.hits < proof.buckets:
+            stdout.print(f"to prove it: cachectl warm {manifest}, then this check again")
+        elif not proof.proven and proof.canary.startswith("not run (--canary"):
+            stdout.print(
+                f"to prove it: cachectl warm-check {manifest} --canary (compiles each bucket "
+                "here once more and compares its outputs with the stored executable's)"
+            )
     elif report.proof_error is not None:
-        stdout.print(f"proof {escape(report.proof_error)}", highlight=False)
+        stdout.print(f"proof {report.proof_error}", highlight=False)
 
 
 class Progress:
@@ -190,6 +221,7 @@ class Progress:
 
     def __init__(self, enabled: bool, terminal: bool) -> None:
         self.enabled = enabled
+        self.logged = False  # a line per bucket was printed: the report leaves out its table
         self.bar: Any = None
         self.task: Any = None
         if enabled and terminal:
@@ -225,11 +257,28 @@ class Progress:
             return
         label = f"{result.function}[{plain(result.bucket)}] {result.status}"
         if self.bar is None:
-            click.echo(f"warm {done}/{total} {label} {_bucket_seconds(result)}", err=True)
+            self.logged = True
+            click.echo(
+                f"warm {done}/{total} {label} {_bucket_seconds(result)}{_what(result)}", err=True
+            )
             return
         if self.task is None:
             self.task = self.bar.add_task("", total=total)
         self.bar.update(self.task, completed=done, description=escape(label))
+
+
+def _what(result: Any) -> str:
+    """What the table's row would add to a progress line: key, sizes, error."""
+    parts = []
+    if result.key:
+        parts.append(f"key {result.key.rsplit('-', 1)[-1][:12]}")
+    if result.bytes is not None:
+        parts.append(
+            size(result.bytes) + (f" + {size(result.aot_bytes)} aot" if result.aot_bytes else "")
+        )
+    text = f" ({', '.join(parts)})" if parts else ""
+    error = result.error or result.aot_error
+    return f"{text}: {error}" if error else text
 
 
 def _bucket_seconds(result: Any) -> str:
@@ -243,13 +292,11 @@ def print_replay(r: Any) -> None:
     """The human report of warm-check --replay: the command's exit and its cache hits."""
     rate = "-" if r.hit_rate is None else f"{r.hit_rate:.1%}"
     stdout.print(
-        f"replayed warm run {r.run_id} read-only: {escape(' '.join(r.command))} (in "
-        f"{escape(r.cwd)}) exited {r.exit_code} after {r.seconds:.1f}s\n"
+        f"replayed warm run {r.run_id} read-only: {' '.join(r.command)} (in "
+        f"{r.cwd}) exited {r.exit_code} after {r.seconds:.1f}s\n"
         f"cache hits: {r.hits}/{r.requests} compile requests ({rate}) in {r.processes} JAX "
         "process(es)",
         highlight=False,
     )
     if r.host_callbacks:
-        stdout.print(
-            f"not cacheable: {escape(host_callbacks_cause(r.host_callbacks))}", highlight=False
-        )
+        stdout.print(f"not cacheable: {host_callbacks_cause(r.host_callbacks)}", highlight=False)

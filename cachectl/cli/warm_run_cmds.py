@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 import click
 
-from cachectl.cli.render import emit, escape, size, stdout, table
+from cachectl.cli.render import emit, key, size, stdout, table
 from cachectl.core.errors import OperationFailed
 from cachectl.core.jax_seam import host_callbacks_cause
 
@@ -19,11 +19,11 @@ if TYPE_CHECKING:
 def _print_run(report: RunWarmReport) -> None:
     rows = [
         (
-            escape(e.module),
-            e.key.rsplit("-", 1)[-1][:12],
+            e.module,
+            key(e.key),
             e.status,
             size(e.bytes),
-            escape(e.error or ""),
+            e.error or "",
         )
         for e in report.entries
     ]
@@ -43,9 +43,7 @@ def _print_run(report: RunWarmReport) -> None:
         highlight=False,
     )
     if report.host_callbacks:
-        stdout.print(
-            f"not written: {escape(host_callbacks_cause(report.host_callbacks))}", highlight=False
-        )
+        stdout.print(f"not written: {host_callbacks_cause(report.host_callbacks)}", highlight=False)
     if report.unclaimed:
         stdout.print(
             f"not claimed: {len(report.unclaimed)} file(s) new to the namespace that no process "
