@@ -115,7 +115,8 @@ def _print_summary(report: WarmReport) -> None:
         f"{s.buckets} bucket(s): {s.compiled} compiled, {s.cached} cached, {s.failed} failed; "
         f"compile {s.compile_seconds:.1f}s, wall {s.wall_seconds:.1f}s "
         f"({report.jobs} {report.executor} job(s), warm run {report.run_id}{_retried(s)}); "
-        f"{report.executables} stored executable(s), {format_size(aot_bytes)}",
+        f"{report.executables} stored executable(s), {format_size(aot_bytes)}; "
+        f"{_mode(report.environment)}",
         highlight=False,
     )
     if report.side_programs:
@@ -132,6 +133,14 @@ def _print_summary(report: WarmReport) -> None:
             "nothing it depends on changed",
             highlight=False,
         )
+
+
+def _mode(environment: dict[str, Any]) -> str:
+    """The mode the programs were compiled in (a service of the other mode reads another
+    namespace): x64, and on CPU the instruction set XLA targeted."""
+    x64 = "x64 on" if environment.get("enable_x64") else "x64 off"
+    isa = environment.get("cpu_isa")
+    return f"{x64}, CPU {isa}" if isa else x64
 
 
 def _retried(summary: Any) -> str:
