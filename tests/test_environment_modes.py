@@ -124,11 +124,7 @@ def test_x64_and_x32_services_each_serve_their_own_warm(tmp_path: Path) -> None:
     assert report["environment"]["enable_x64"] is True
     assert report["summary"]["compiled"] == 1  # its own namespace: nothing of x32's counts
     human = _cachectl("warm", str(manifest), env={"JAX_ENABLE_X64": "1"})
-    assert (
-        "stored executable(s)" in human.stdout
-        and "x64 on, CPU x86_64:" in human.stdout
-        or ("x64 on" in human.stdout)
-    ), human.stdout  # warm says which mode it compiled in
+    assert "; x64 on" in human.stdout, human.stdout  # warm says which mode it compiled in
 
     for env in ({"JAX_ENABLE_X64": "1"}, {}):
         equal, counts, warnings, _ = _serve(tmp_path, manifest, env)
