@@ -591,10 +591,15 @@ class NamespaceVerifier(jax_seam.EntryVerifier):
         warn: Callable[[str], None],
         unverified_ok: bool = False,
         index: IndexBackend | None = None,
+        writer: bool = False,
     ) -> None:
         """``index``: the one activate() holds, asked instead of opening one (in this process
-        only: a forked child opens its own)."""
+        only: a forked child opens its own). ``writer``: JAX writes the namespace (it may take
+        compile leases, service/compile_lease.py)."""
         self._args = (settings, digest, namespace, read)
+        self._writer = writer
+        self._leases: Any = None
+        self._no_lease = False  # the cache trusts keys, or nothing verifies it
         self._index = index
         self._index_pid = os.getpid()
         self._warn = warn
@@ -620,6 +625,7 @@ class NamespaceVerifier(jax_seam.EntryVerifier):
                     first_only=True,  # cachectl.serving, which asked first, printed them
                 )
                 self._shas = {k: v.sha256 for k, v in (found or {}).items()}
+                self._no_lease = found is None or found.trusted
                 settings, digest = self._args[0], self._args[1]
                 mine = pins.written(
                     settings.server or settings.db, settings.cache, digest, warnings
@@ -653,6 +659,34 @@ class NamespaceVerifier(jax_seam.EntryVerifier):
             self._mine[key] = sha256
         settings, digest = self._args[0], self._args[1]
         pins.remember_written(settings.server or settings.db, settings.cache, digest, key, sha256)
+        if self._leases:
+            self._leases.wrote(key)
+
+    def missed(self, key: str, read: Callable[[str], bytes | None]) -> bytes | None:
+        """A miss: through the compile lease (wait for another process's compile, or hold the
+        lease while compiling), unless the cache trusts keys or nothing verifies it."""
+        self._known()
+        with self._lock:
+            if self._leases is None:
+                self._leases = self._compile_leases()
+        return self._leases.missed(key, read) if self._leases else None
+
+    def _compile_leases(self) -> Any:
+        """The process's compile leases (False: none). A cache that trusts keys has none: a
+        service's entry counts there only when a trusted key signed it, so nobody would wait."""
+        from cachectl.service import compile_lease
+
+        if self._no_lease or not compile_lease.lease_enabled():
+            return False
+        settings, digest = self._args[0], self._args[1]
+
+        def lessor() -> compile_lease.Lessor | None:
+            index = self._index if os.getpid() == self._index_pid else None
+            if index is None:
+                index = open_service_index(settings, [])[0]
+            return compile_lease.lessor_for(index, settings.cache, digest)
+
+        return compile_lease.CompileLeases(lessor, writer=self._writer, warn=self._warn)
 
 
 def verify_exec_cache(path: str, environment: dict[str, Any]) -> None:
@@ -696,7 +730,7 @@ def _install_verifier(
         return Store(target.path, target.options).read_bytes(name)
 
     verifier = NamespaceVerifier(
-        settings, env.digest, env.namespace, read, _warn, run_unverified, index
+        settings, env.digest, env.namespace, read, _warn, run_unverified, index, not target.readonly
     )
     jax_seam.install_verifying_cache(target.path, verifier)
 
