@@ -111,6 +111,11 @@ class ServerClient(Transport):
             "GET", f"{API}/caches/{seg(cache)}/environments/{digest}/entries/{seg(key)}/aot"
         ).content
 
+    def compile_lease(self, cache: str, digest: str, action: str, body: dict[str, Any]) -> Any:
+        """One compile-lease call (server/lease_routes.py): its ``result``."""
+        path = f"{API}/caches/{seg(cache)}/environments/{digest}/compile-lease/{action}"
+        return self.request("POST", path, json=body).json()["result"]
+
     def audit(self, cache: str, operation: str, **fields: Any) -> None:
         """POST one audit record; ``fields`` are IndexBackend.audit's (entries, nbytes,
         duration_ms, details, who: this user at this host unless given)."""

@@ -407,12 +407,10 @@ def on_compile_stage_end(callback: Callable[[], None]) -> None:
     write, and also when the compile raised: JAX records it on the context manager's exit)."""
     from jax import monitoring
 
-    def on_duration(event: str, _secs: float, **_kwargs: Any) -> None:
+    def on_duration(event: str, duration_secs: float, **kwargs: str | int) -> None:
         if event == EVENT_BACKEND_COMPILE:
-            try:
+            with contextlib.suppress(Exception):  # never raise into JAX's compile path
                 callback()
-            except Exception:  # noqa: BLE001 - never raise into JAX's compile path
-                pass
 
     monitoring.register_event_duration_secs_listener(on_duration)
 

@@ -167,7 +167,9 @@ _COLUMNS = "holder, state, sha256, hedger, {age} AS age_s, {left} AS left_s"
 
 
 def _seen(sql: _Sql, run: Any, scope: str, key: str, mine: bool) -> Seen | None:
-    cols = _COLUMNS.format(age=sql.seconds_since("acquired_at"), left=sql.seconds_until("expires_at"))
+    cols = _COLUMNS.format(
+        age=sql.seconds_since("acquired_at"), left=sql.seconds_until("expires_at")
+    )
     rows, _ = run(
         f"SELECT {cols} FROM compile_leases WHERE scope = :scope AND key = :key",
         sql.params(scope=scope, key=key),
@@ -271,9 +273,7 @@ def finish(
                 f"UPDATE compile_leases SET state = '{UNWRITTEN}', compile_ms = :ms, "
                 f"expires_at = {sql.later('retain_s')} WHERE scope = :scope AND key = :key "
                 f"AND holder = :holder AND state = '{COMPILING}'",
-                sql.params(
-                    scope=scope, key=key, holder=holder, ms=compile_ms, retain_s=RETAIN_S
-                ),
+                sql.params(scope=scope, key=key, holder=holder, ms=compile_ms, retain_s=RETAIN_S),
             )
 
 
