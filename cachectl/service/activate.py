@@ -30,6 +30,7 @@ from cachectl.core.errors import BadInput, CachectlError, NotFound, Unreachable
 from cachectl.core.fingerprint import MANAGED_JAX_CONFIG, Environment, current_environment
 from cachectl.core.urls import is_object_store, normalize_url, url_kind
 from cachectl.index.open import driver, open_index
+from cachectl.service import compile_lease
 from cachectl.service.telemetry_sinks import IndexSink, ServerSink
 from cachectl.storage.backends import backend_for
 from cachectl.storage.backends import s3 as s3_backend
@@ -674,8 +675,6 @@ class NamespaceVerifier(jax_seam.EntryVerifier):
     def _compile_leases(self) -> Any:
         """The process's compile leases (False: none). A cache that trusts keys has none: a
         service's entry counts there only when a trusted key signed it, so nobody would wait."""
-        from cachectl.service import compile_lease
-
         if self._no_lease or not compile_lease.lease_enabled():
             return False
         settings, digest = self._args[0], self._args[1]
