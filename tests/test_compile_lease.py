@@ -204,3 +204,33 @@ def test_server_route_leases_for_writers_and_answers_readers(
         assert call("writer", "renew", key="jit_train-k", holder="b", ttl_s=5) is False
         late = call("writer", "take", key="jit_train-k", holder="c", ttl_s=5, module="jit_train")
         assert not late["mine"] and late["state"] == "written"
+
+
+def test_heartbeat_renews_then_stops_at_its_bound(sqlite_url: str, monkeypatch) -> None:
+    """A holder whose compile never ends (no put, no end of JAX's compile stage): its heartbeat
+    keeps the lease past the ttl, then stops at CACHECTL_COMPILE_LEASE_MAX_S, and the lease
+    expires a ttl later, so waiters take over instead of waiting forever."""
+    from cachectl.index import compile_leases as q
+    from cachectl.index import open_index
+    from cachectl.service.compile_lease import CompileLeases, SqlLessor
+
+    monkeypatch.setenv("CACHECTL_COMPILE_LEASE_TTL_S", "0.6")
+    monkeypatch.setenv("CACHECTL_COMPILE_LEASE_MAX_S", "1.5")
+    index = open_index(sqlite_url)
+    try:
+        runner = q.runner_for(index)
+        assert runner is not None
+        warned: list[str] = []
+        holder = CompileLeases(lambda: SqlLessor(runner, "c", "d"), writer=True, warn=warned.append)
+        assert holder.missed("k", lambda key: None) is None  # took it: compile here
+        started = time.monotonic()
+        time.sleep(1.2)  # two ttls: only the heartbeat keeps it
+        alive = q.look(runner, "c/d", "k")
+        assert alive is not None and alive.state == "compiling" and alive.left_s > 0
+        while (seen := q.look(runner, "c/d", "k")) is not None and seen.left_s > 0:
+            assert time.monotonic() - started < 1.5 + 0.6 + 2, "the heartbeat never stopped"
+            time.sleep(0.05)
+        taken = q.take(runner, "c/d", "k", "other", ttl_s=5, module=None)
+        assert taken is not None and taken.mine and not warned
+    finally:
+        index.close()

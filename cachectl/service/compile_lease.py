@@ -200,6 +200,8 @@ class CompileLeases:
         lessor = self._get_lessor()
         if lessor is None:
             return None
+        if getattr(self._local, "key", None) is not None:
+            self._compile_ended()  # this thread's last compile has ended, whatever JAX said
         module = jax_seam.compiling_module(1)
         try:
             seen = self._take(lessor, key, module, None, read) if self.writer else lessor.look(key)
