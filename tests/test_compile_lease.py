@@ -37,7 +37,7 @@ if os.environ.get("PLAIN") != "1":
     import cachectl
     cachectl.activate(telemetry=False)
 def body(x):
-    for i in range(400):
+    for i in range(int(os.environ["N"])):
         x = jnp.sin(x) * (1.0 + i * 1e-3) + jnp.cos(x * float(os.environ["SALT"]))
     return x
 body.__name__ = os.environ.get("FN", "slow")
@@ -55,7 +55,10 @@ def _env(home: Path, db: str, **extra: str) -> dict[str, str]:
         JAX_PLATFORMS="cpu",
         PYTHONPATH=str(REPO),
         SALT="0.5",
+        N="1500",  # about 1.5 s to compile on an idle core
         CACHECTL_COMPILE_LEASE_TTL_S="3",
+        # JAX writes only programs that took over 1 s to compile: how long depends on the machine.
+        JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
     )
     env.update(extra)
     return env
@@ -119,7 +122,7 @@ def test_processes_started_together_compile_once(tmp_path: Path, request, index:
         return  # the kill runs once, on the index several hosts share (CI time is counted)
 
     # The holder killed mid-compile (another program: FN names it, no compile time recorded).
-    killed_env = dict(env, FN="slow_killed")
+    killed_env = dict(env, FN="slow_killed", N="6000")  # long enough to be killed in
     holder = _start(killed_env)
     deadline = time.monotonic() + 120
     while not any(r[2] == "jit_slow_killed" and r[1] == "compiling" for r in _rows(db)):
@@ -128,16 +131,16 @@ def test_processes_started_together_compile_once(tmp_path: Path, request, index:
     (row,) = [r for r in _rows(db) if r[2] == "jit_slow_killed"]
     assert f":{holder.pid}:" in row[0]
     others = [_start(killed_env) for _ in range(2)]
-    time.sleep(1.0)
+    time.sleep(0.3)
     os.kill(holder.pid, signal.SIGKILL)
     killed_at = time.monotonic()
     holder.communicate()
     finished = [_done(p)[0] for p in others]
     took = time.monotonic() - killed_at
-    assert sum(r["compiles"] for r in finished) == 1, finished
+    assert sum(r["compiles"] for r in finished) == 1, (finished, _rows(db))
     assert all(r["out"] == finished[0]["out"] for r in finished)
-    # Expiry (3 s here) plus one compile, with room for this shared machine's noise.
-    assert took <= 3 + 2 * compile_s + 10, (took, compile_s)
+    # Expiry (3 s here) plus one compile (4x the first program's), with room for a shared machine.
+    assert took <= 3 + 2 * 4 * compile_s + 10, (took, compile_s)
 
 
 def test_index_down_or_unable_to_lease_costs_one_warning_and_no_wait(
@@ -178,12 +181,15 @@ def test_server_route_leases_for_writers_and_answers_readers(
     with served(sqlite_url) as (_live, client):
 
         def call(token: str, action: str, **body: Any) -> Any:
-            r = client.post(f"{base}/{action}", json=body, headers=bearer(s.tokens[token]))
+            path = f"{base}/read" if action in ("look", "recorded") else base
+            r = client.post(path, json={**body, "action": action}, headers=bearer(s.tokens[token]))
             assert r.status_code == 200, r.text
             return r.json()["result"]
 
         refused = client.post(
-            f"{base}/take", json={"key": "k", "holder": "r"}, headers=bearer(s.tokens["reader"])
+            base,
+            json={"action": "take", "key": "k", "holder": "r"},
+            headers=bearer(s.tokens["reader"]),
         )
         assert refused.status_code == 403
         first = call("writer", "take", key="jit_train-k", holder="a", ttl_s=0.5, module="jit_train")

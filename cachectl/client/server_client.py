@@ -113,8 +113,9 @@ class ServerClient(Transport):
 
     def compile_lease(self, cache: str, digest: str, action: str, body: dict[str, Any]) -> Any:
         """One compile-lease call (server/lease_routes.py): its ``result``."""
-        path = f"{API}/caches/{seg(cache)}/environments/{digest}/compile-lease/{action}"
-        return self.request("POST", path, json=body).json()["result"]
+        path = f"{API}/caches/{seg(cache)}/environments/{digest}/compile-lease"
+        path += "/read" if action in ("look", "recorded") else ""
+        return self.request("POST", path, json={**body, "action": action}).json()["result"]
 
     def audit(self, cache: str, operation: str, **fields: Any) -> None:
         """POST one audit record; ``fields`` are IndexBackend.audit's (entries, nbytes,
