@@ -224,6 +224,9 @@ def markdown(r: dict[str, Any]) -> str:
             "together compete for them (importing JAX, starting the backend), which a fleet of machines does "
             "not; the lone replica and the fleets are timed in the same run, alternating, and only the ratios "
             "are the result.",
+            "- The compile counts are exact; the times are this machine's at the load average above (other "
+            "work shares it), so the time columns are indications only: the issue's goal (slowest replica "
+            "within 1.3x of a lone one) needs a run on a quiet machine with a core per replica.",
             "- Not measured yet (they need the node-local tier): entry fetches per key per node through the "
             "server or a bucket, and a restart's fetches.",
             "",
