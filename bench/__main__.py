@@ -36,6 +36,7 @@ MODULES = (
     "hostile",
     "signatures",
     "fleet",
+    "fleet_start",
     "manifest",
     "wire",
     "seam",

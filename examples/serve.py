@@ -35,6 +35,12 @@ def main(argv: list[str] | None = None) -> int:
         "--cache", default=None, help="cachectl cache name (default: CACHECTL_CACHE)"
     )
     parser.add_argument("--json", action="store_true", help="print the runtime report as JSON only")
+    parser.add_argument(
+        "--writes",
+        action="store_true",
+        help="write what this replica compiles to the cache (replicas of a fleet on a cold cache: "
+        "with the compile lease, one compiles each program and the others read it)",
+    )
     args = parser.parse_args(argv)
 
     started = time.perf_counter()
@@ -43,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     import cachectl
     from examples import lm
 
-    rt = cachectl.serving(args.manifest, cache=args.cache)
+    rt = cachectl.serving(args.manifest, cache=args.cache, readonly=not args.writes)
     prefill, decode = rt["prefill"], rt["decode_step"]
     ready = time.perf_counter() - started
     # Weights and the sampling key come from the host (a real service restores a checkpoint):

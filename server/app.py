@@ -33,7 +33,7 @@ from cachectl.core.errors import (
 from cachectl.index import open_index
 from cachectl.lifecycle import sweep
 
-from . import admin, api, dashboard, entry_routes, executable_routes, health
+from . import admin, api, dashboard, entry_routes, executable_routes, health, lease_routes
 from .auth import PUBLIC, ROLE_KEY, hides_caches
 from .config import WORKER_LOG_LEVEL_ENV, WORKER_SETTINGS_ENV, ServerSettings, settings_from_env
 from .fast_lane import ByteFastLane
@@ -190,6 +190,7 @@ def create_app(
     app.include_router(entry_routes.router)
     app.include_router(executable_routes.router)
     app.include_router(api.router)
+    app.include_router(lease_routes.router)
     app.include_router(admin.router)
     app.include_router(dashboard.router)
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]

@@ -240,6 +240,25 @@ class TelemetryAcceptedOut(Out):
     rows: int
 
 
+class CompileLeaseSeenOut(Out):
+    """A compile-lease row as the caller saw it (cachectl/index/compile_leases.py ``Seen``)."""
+
+    mine: bool
+    holder: str
+    state: str
+    sha256: str | None
+    hedger: str | None
+    age_s: float
+    left_s: float
+
+
+class CompileLeaseOut(Out):
+    """What a compile-lease call answered: the row (take, look), whether it acted (renew,
+    hedge, finish), or the longest compile recorded for a module in ms (recorded)."""
+
+    result: CompileLeaseSeenOut | bool | int | None
+
+
 class RegisteredOut(Out):
     inserted: int
     updated: int

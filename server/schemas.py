@@ -172,6 +172,20 @@ class TelemetryIn(Strict):
     batches: Annotated[list[TelemetryBatchIn], Field(min_length=1, max_length=100)]
 
 
+class CompileLeaseIn(Strict):
+    """One compile-lease call (cachectl/index/compile_leases.py): which fields an action reads.
+    Writes (take, renew, hedge, finish) and reads (look, recorded) have a route each."""
+
+    action: Literal["take", "renew", "hedge", "finish", "look", "recorded"]
+    key: Annotated[str, Field(min_length=1, max_length=MAX_KEY_LENGTH)] | None = None
+    holder: Annotated[str, Field(min_length=1, max_length=256)] | None = None
+    ttl_s: Annotated[float, Field(gt=0, le=3600)] = 10.0
+    module: Annotated[str, Field(max_length=512)] | None = None
+    stale: Annotated[str, Field(max_length=64)] | None = None
+    sha256: Annotated[str, Field(min_length=64, max_length=64)] | None = None
+    compile_ms: Annotated[int, Field(ge=0, le=2**53)] | None = None
+
+
 class AuditIn(Strict):
     operation: Annotated[str, Field(min_length=1, max_length=64)]
     actor: Annotated[str, Field(max_length=256)] | None = None

@@ -111,6 +111,12 @@ class ServerClient(Transport):
             "GET", f"{API}/caches/{seg(cache)}/environments/{digest}/entries/{seg(key)}/aot"
         ).content
 
+    def compile_lease(self, cache: str, digest: str, action: str, body: dict[str, Any]) -> Any:
+        """One compile-lease call (server/lease_routes.py): its ``result``."""
+        path = f"{API}/caches/{seg(cache)}/environments/{digest}/compile-lease"
+        path += "/read" if action in ("look", "recorded") else ""
+        return self.request("POST", path, json={**body, "action": action}).json()["result"]
+
     def audit(self, cache: str, operation: str, **fields: Any) -> None:
         """POST one audit record; ``fields`` are IndexBackend.audit's (entries, nbytes,
         duration_ms, details, who: this user at this host unless given)."""

@@ -382,6 +382,42 @@ def call_context(skip: int = 2) -> tuple[str | None, tuple[tuple[Any, str], ...]
     return source, statics
 
 
+# The frame of JAX's compiler that reads the persistent cache (compiler._cache_read, jax 0.9 to
+# 0.12), whose ``module_name`` names the program a cache lookup is for.
+CACHE_READ_FRAME = "_cache_read"
+
+
+def compiling_module(skip: int = 2) -> str | None:
+    """The module name of the program whose persistent-cache lookup is on this thread's stack
+    (the compile lease records and looks up compile times by it); None where JAX does not say."""
+    try:
+        frame: Any = sys._getframe(skip)
+    except ValueError:
+        return None
+    for _ in range(8):
+        if frame is None:
+            return None
+        if frame.f_code.co_name == CACHE_READ_FRAME:
+            name = frame.f_locals.get("module_name")
+            return name if isinstance(name, str) else None
+        frame = frame.f_back
+    return None
+
+
+def on_compile_stage_end(callback: Callable[[], None]) -> None:
+    """Call ``callback`` on the compiling thread each time pxla's compile stage around the
+    persistent cache ends (EVENT_BACKEND_COMPILE: after a hit's load, or a miss's compile and
+    write, and also when the compile raised: JAX records it on the context manager's exit)."""
+    from jax import monitoring
+
+    def on_duration(event: str, duration_secs: float, **kwargs: str | int) -> None:
+        if event == EVENT_BACKEND_COMPILE:
+            with contextlib.suppress(Exception):  # never raise into JAX's compile path
+                callback()
+
+    monitoring.register_event_duration_secs_listener(on_duration)
+
+
 # -- the persistent cache's process state --------------------------------------------------
 
 
@@ -793,6 +829,12 @@ class EntryVerifier:
         reads this node's copy first and fetches a missing one from the remote instead."""
         return base(key)
 
+    def missed(self, key: str, read: Callable[[str], bytes | None]) -> bytes | None:
+        """Nothing verified is stored at ``key``: the entry's bytes to use after all (another
+        process compiled them meanwhile: service/compile_lease.py), or None to compile. ``read``
+        reads what is stored at a key."""
+        return None
+
 
 # The files JAX's file cache writes per key: the entry, and its access time where it evicts.
 _ENTRY_SUFFIXES = ("-cache", "-atime")
@@ -831,14 +873,21 @@ def install_verifying_cache(path: str, verifier: EntryVerifier) -> None:
         def get(self, key: str) -> bytes | None:
             expected = verifier.expected(key)
             if expected is None:
-                return None
+                return verifier.missed(key, self._read_any)
             data = verifier.read_entry(key, expected, self._base.get)
+            if data is None and expected != ANY_ENTRY:
+                return verifier.missed(key, self._read_any)
             if data is None or expected == ANY_ENTRY:
                 return data
             if hashlib.sha256(data).hexdigest() != expected:
                 verifier.refused(key, "its sha256 differs from its verified record")
                 return None
             return bytes(data)
+
+        def _read_any(self, key: str) -> bytes | None:
+            """What is stored at ``key`` now, read as JAX reads it (through a node tier): a
+            waiter's read of the entry another process compiled; the waiter checks its sha256."""
+            return verifier.read_entry(key, ANY_ENTRY, self._base.get)
 
         def put(self, key: str, value: bytes) -> None:
             self._base.put(key, value)

@@ -222,6 +222,28 @@ class Lease(Base):
     expires_at: Mapped[datetime] = mapped_column(UTCDateTime)
 
 
+class CompileLease(Base):
+    """One program's compile across a fleet (cachectl/index/compile_leases.py): who compiles it,
+    until when (a heartbeat pushes ``expires_at``), and what was written (migration 0013)."""
+
+    __tablename__ = "compile_leases"
+    __table_args__ = (
+        Index("ix_compile_leases_module", "scope", "module"),
+        Index("ix_compile_leases_expires", "expires_at"),
+    )
+
+    scope: Mapped[str] = mapped_column(String(256), primary_key=True)  # cache/environment digest
+    key: Mapped[str] = mapped_column(String(512), primary_key=True)
+    holder: Mapped[str] = mapped_column(String(256))
+    state: Mapped[str] = mapped_column(String(16))  # compiling | written | unwritten
+    module: Mapped[str | None] = mapped_column(String(512))
+    hedger: Mapped[str | None] = mapped_column(String(256))
+    sha256: Mapped[str | None] = mapped_column(String(64))
+    compile_ms: Mapped[int | None] = mapped_column(BigInteger)
+    acquired_at: Mapped[datetime] = mapped_column(UTCDateTime)
+    expires_at: Mapped[datetime] = mapped_column(UTCDateTime)
+
+
 class TelemetryRecord(Base):
     """One flush of one process's counters for one environment."""
 

@@ -31,7 +31,7 @@ from cachectl.core.fingerprint import MANAGED_JAX_CONFIG, Environment, current_e
 from cachectl.core.temps import current_umask
 from cachectl.core.urls import is_object_store, normalize_url, url_kind
 from cachectl.index.open import driver, open_index
-from cachectl.service import node_source
+from cachectl.service import compile_lease, node_source
 from cachectl.service.telemetry_sinks import IndexSink, ServerSink
 from cachectl.storage.backends import backend_for
 from cachectl.storage.backends import s3 as s3_backend
@@ -630,11 +630,17 @@ class NamespaceVerifier(jax_seam.EntryVerifier):
         unverified_ok: bool = False,
         index: IndexBackend | None = None,
         node: node_source.RemoteFiles | None = None,
+        writer: bool = False,
     ) -> None:
         """``index``: the one activate() holds, asked instead of opening one (in this process
-        only: a forked child opens its own); ``node``: the node tier reads go through."""
+        only: a forked child opens its own); ``node``: the node tier reads go through.
+        ``writer``: JAX writes the namespace (it may take compile leases,
+        service/compile_lease.py)."""
         self._node = node
         self._args = (settings, digest, namespace, read)
+        self._writer = writer
+        self._leases: Any = None
+        self._no_lease = False  # the cache trusts keys, or nothing verifies it
         self._index = index
         self._index_pid = os.getpid()
         self._warn = warn
@@ -661,6 +667,7 @@ class NamespaceVerifier(jax_seam.EntryVerifier):
                     node=self._node.files if self._node is not None else None,
                 )
                 self._shas = {k: v.sha256 for k, v in (found or {}).items()}
+                self._no_lease = found is None or found.trusted
                 settings, digest = self._args[0], self._args[1]
                 mine = pins.written(
                     settings.server or settings.db, settings.cache, digest, warnings
@@ -702,6 +709,32 @@ class NamespaceVerifier(jax_seam.EntryVerifier):
             self._mine[key] = sha256
         settings, digest = self._args[0], self._args[1]
         pins.remember_written(settings.server or settings.db, settings.cache, digest, key, sha256)
+        if self._leases:
+            self._leases.wrote(key)
+
+    def missed(self, key: str, read: Callable[[str], bytes | None]) -> bytes | None:
+        """A miss: through the compile lease (wait for another process's compile, or hold the
+        lease while compiling), unless the cache trusts keys or nothing verifies it."""
+        self._known()
+        with self._lock:
+            if self._leases is None:
+                self._leases = self._compile_leases()
+        return self._leases.missed(key, read) if self._leases else None
+
+    def _compile_leases(self) -> Any:
+        """The process's compile leases (False: none). A cache that trusts keys has none: a
+        service's entry counts there only when a trusted key signed it, so nobody would wait."""
+        if self._no_lease or not compile_lease.lease_enabled():
+            return False
+        settings, digest = self._args[0], self._args[1]
+
+        def lessor() -> compile_lease.Lessor | None:
+            index = self._index if os.getpid() == self._index_pid else None
+            if index is None:
+                index = open_service_index(settings, [])[0]
+            return compile_lease.lessor_for(index, settings.cache, digest)
+
+        return compile_lease.CompileLeases(lessor, writer=self._writer, warn=self._warn)
 
 
 def verify_exec_cache(path: str, environment: dict[str, Any]) -> None:
@@ -748,7 +781,15 @@ def _install_verifier(
         return Store(target.path, target.options).read_bytes(name)
 
     verifier = NamespaceVerifier(
-        settings, env.digest, env.namespace, read, _warn, run_unverified, index, target.node
+        settings,
+        env.digest,
+        env.namespace,
+        read,
+        _warn,
+        run_unverified,
+        index,
+        target.node,
+        not target.readonly,
     )
     if target.node is not None:
         node_source.remember(target.path, target.node)

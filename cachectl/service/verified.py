@@ -51,9 +51,10 @@ class Verified(dict[str, Indexed]):
     """key -> (entry sha256, executable sha256) from a verified record: the index's rows, or
     a content list a trusted key signed. ``refusal`` is a bucket's reason when its key is absent."""
 
-    def __init__(self, shas: dict[str, Indexed], refusal: str) -> None:
+    def __init__(self, shas: dict[str, Indexed], refusal: str, *, trusted: bool = False) -> None:
         super().__init__(shas)
         self.refusal = refusal
+        self.trusted = trusted  # the cache trusts signing keys: only a signed list counts
 
 
 UNINDEXED = "the index does not know this stored executable (run `cachectl sync`)"
@@ -176,7 +177,7 @@ def _verify(
         trusted = _trusted(settings, said, warnings, prefix)
     except BadInput as exc:  # a bad pin or CACHECTL_TRUST: nothing can be trusted
         warnings.append(f"{prefix}: {exc.message}; nothing is read from cache {settings.cache!r}")
-        return Verified({}, f"refused: {exc.message}")
+        return Verified({}, f"refused: {exc.message}", trusted=True)
     if trusted:
         reasons = []
         for doc in [d for d in (said.signed, stored_signature(read)) if d is not None]:
@@ -186,14 +187,16 @@ def _verify(
                 reasons.append(exc.message)
                 continue
             marks = {k: v.unusable for k, v in (said.shas or {}).items()}
-            return _from_signed(files, Coverage(files).reason(), marks)
+            found = _from_signed(files, Coverage(files).reason(), marks)
+            found.trusted = True
+            return found
         why = "; ".join(reasons) or f"{where} has no signed content list"
         warnings.append(
             f"{prefix}: nothing is read from cache {settings.cache!r} ({why}): it trusts only "
             "content a trusted key signed; every program compiles in memory (sign it with a "
             "trusted key: `cachectl warm --sign-key`)"
         )
-        return Verified({}, f"refused: {why}")
+        return Verified({}, f"refused: {why}", trusted=True)
     if said.shas is not None:
         if node is not None and said.shas:
             node.keep_record({k: list(v) for k, v in said.shas.items()})

@@ -1,0 +1,381 @@
+"""One compile per program across a fleet: the compile lease on a miss of JAX's persistent cache.
+
+JAX's cache asks ``get(key)``; on a miss it compiles and calls ``put(key)``. A process that may
+write takes the key's lease in the index before compiling (cachectl/index/compile_leases.py, or
+the server's routes in server mode) and a thread renews it every ttl/3 (CACHECTL_COMPILE_LEASE_TTL_S,
+10 s): a holder killed with kill -9 loses it within the ttl. ``put`` marks it ``written`` with
+the stored entry's sha256; a compile that ended without one (JAX did not write it, or it raised)
+marks it ``unwritten`` when pxla's compile stage ends, and the heartbeat stops after
+CACHECTL_COMPILE_LEASE_MAX_S whatever happens, so nothing holds a lease forever.
+
+Another process that misses the same key waits and polls the row: ``written`` -> it reads the
+entry and checks it against that sha256 (the index's record, as for any entry in a cache that
+trusts no keys); ``unwritten`` -> it compiles. Its wait is bounded: when the heartbeat stops, one
+waiter takes the lease; past about twice the longest compile recorded for that function, one
+waiter (the one whose hedge claim lands) compiles too. A read-only process never takes a lease
+and waits only while a writer holds one. Anything the index cannot answer turns the lease off
+for the process with one warning: it compiles what it misses, as plain JAX does.
+CACHECTL_COMPILE_LEASE=0 turns it off. A cache that trusts signing keys never leases: a service's
+entry counts there only when a trusted key signed it, so waiting for one would not help.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from cachectl.core import jax_seam
+from cachectl.index import compile_leases as q
+
+log = logging.getLogger(__name__)
+
+LEASE_ENV = "CACHECTL_COMPILE_LEASE"
+TTL_ENV = "CACHECTL_COMPILE_LEASE_TTL_S"
+MAX_ENV = "CACHECTL_COMPILE_LEASE_MAX_S"
+DEFAULT_TTL_S = 10.0
+DEFAULT_MAX_S = 1800.0
+POLL_S = 0.1
+MAX_POLL_S = 0.5
+
+
+def lease_enabled() -> bool:
+    """CACHECTL_COMPILE_LEASE: on unless 0/false/no/off."""
+    return os.environ.get(LEASE_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def _seconds(name: str, default: float) -> float:
+    try:
+        value = float(os.environ.get(name, "") or default)
+    except ValueError:
+        log.warning("cachectl: ignoring %s=%r: use a number of seconds", name, os.environ[name])
+        return default
+    return value if value > 0 else default
+
+
+@dataclass
+class _Held:
+    key: str
+    module: str | None
+    started: float
+    read: Callable[[str], bytes | None]
+    hedge: bool = False  # compiling as the hedge of another holder's compile, not holding
+
+
+class Lessor:
+    """What one leasing process asks: the index's driver (SQL here, or the server's routes)."""
+
+    def take(
+        self, key: str, holder: str, ttl_s: float, module: str | None, stale: str | None
+    ) -> q.Seen | None:
+        raise NotImplementedError
+
+    def look(self, key: str) -> q.Seen | None:
+        raise NotImplementedError
+
+    def renew(self, key: str, holder: str, ttl_s: float) -> bool:
+        raise NotImplementedError
+
+    def hedge(self, key: str, holder: str) -> bool:
+        raise NotImplementedError
+
+    def finish(self, key: str, holder: str, sha256: str | None, compile_ms: int | None) -> None:
+        raise NotImplementedError
+
+    def recorded_ms(self, module: str) -> int | None:
+        raise NotImplementedError
+
+
+class SqlLessor(Lessor):
+    """The lease on an index this process opened (stdlib sqlite3 or SQLAlchemy)."""
+
+    def __init__(self, runner: q.Runner, cache: str, digest: str) -> None:
+        self.r, self.cache, self.digest = runner, cache, digest
+        self.scope = f"{cache}/{digest}"
+
+    def take(
+        self, key: str, holder: str, ttl_s: float, module: str | None, stale: str | None
+    ) -> q.Seen | None:
+        return q.take(
+            self.r, self.scope, key, holder, ttl_s=ttl_s, module=module, stale_sha256=stale
+        )
+
+    def look(self, key: str) -> q.Seen | None:
+        return q.look(self.r, self.scope, key)
+
+    def renew(self, key: str, holder: str, ttl_s: float) -> bool:
+        return q.renew(self.r, self.scope, key, holder, ttl_s=ttl_s)
+
+    def hedge(self, key: str, holder: str) -> bool:
+        return q.hedge(self.r, self.scope, key, holder)
+
+    def finish(self, key: str, holder: str, sha256: str | None, compile_ms: int | None) -> None:
+        q.finish(self.r, self.scope, key, holder, sha256=sha256, compile_ms=compile_ms)
+
+    def recorded_ms(self, module: str) -> int | None:
+        return q.recorded_ms(self.r, self.scope, self.cache, self.digest, module)
+
+
+class RemoteLessor(Lessor):
+    """The lease through the server's routes (a process in server mode)."""
+
+    def __init__(self, client: Any, cache: str, digest: str) -> None:
+        self.client, self.cache, self.digest = client, cache, digest
+
+    def _call(self, action: str, **body: Any) -> Any:
+        return self.client.compile_lease(self.cache, self.digest, action, body)
+
+    def take(
+        self, key: str, holder: str, ttl_s: float, module: str | None, stale: str | None
+    ) -> q.Seen | None:
+        doc = self._call("take", key=key, holder=holder, ttl_s=ttl_s, module=module, stale=stale)
+        return q.Seen.from_json(doc) if doc else None
+
+    def look(self, key: str) -> q.Seen | None:
+        doc = self._call("look", key=key)
+        return q.Seen.from_json(doc) if doc else None
+
+    def renew(self, key: str, holder: str, ttl_s: float) -> bool:
+        return bool(self._call("renew", key=key, holder=holder, ttl_s=ttl_s))
+
+    def hedge(self, key: str, holder: str) -> bool:
+        return bool(self._call("hedge", key=key, holder=holder))
+
+    def finish(self, key: str, holder: str, sha256: str | None, compile_ms: int | None) -> None:
+        self._call("finish", key=key, holder=holder, sha256=sha256, compile_ms=compile_ms)
+
+    def recorded_ms(self, module: str) -> int | None:
+        value = self._call("recorded", module=module)
+        return int(value) if value is not None else None
+
+
+def lessor_for(index: Any, cache: str, digest: str) -> Lessor | None:
+    """The lessor over the index a process holds; None where it has none to lease through."""
+    if index is None:
+        return None
+    if getattr(index, "dialect", None) == "remote":
+        client = getattr(index, "client", None)
+        return RemoteLessor(client, cache, digest) if client is not None else None
+    runner = q.runner_for(index)
+    return SqlLessor(runner, cache, digest) if runner is not None else None
+
+
+class CompileLeases:
+    """The lease side of one process's verifying cache (service/activate.py NamespaceVerifier)."""
+
+    def __init__(
+        self,
+        lessor: Callable[[], Lessor | None],
+        *,
+        writer: bool,
+        warn: Callable[[str], None],
+    ) -> None:
+        self._lessor_of = lessor
+        self._lessor: Lessor | None = None
+        self._opened = False
+        self.writer = writer
+        self._warn = warn
+        self._off = False
+        self.ttl_s = _seconds(TTL_ENV, DEFAULT_TTL_S)
+        self.max_s = _seconds(MAX_ENV, DEFAULT_MAX_S)
+        self.me = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        self._held: dict[str, _Held] = {}
+        self._lock = threading.Lock()
+        self._local = threading.local()
+        self._beat: threading.Thread | None = None
+        self._hooked = False
+
+    # -- the verifying cache's calls ----------------------------------------------------------
+
+    def missed(self, key: str, read: Callable[[str], bytes | None]) -> bytes | None:
+        """On a miss: None to compile (holding the lease, hedging, or with no lease at all), or
+        the entry another process stored meanwhile, checked against the sha256 it recorded."""
+        lessor = self._get_lessor()
+        if lessor is None:
+            return None
+        if getattr(self._local, "key", None) is not None:
+            self._compile_ended()  # this thread's last compile has ended, whatever JAX said
+        module = jax_seam.compiling_module(1)
+        try:
+            seen = self._take(lessor, key, module, None, read) if self.writer else lessor.look(key)
+            return self._wait(lessor, key, module, seen, read)
+        except Exception as exc:  # noqa: BLE001 - the index is down: compile as plain JAX
+            self._turn_off(exc)
+            return None
+
+    def wrote(self, key: str) -> None:
+        """``put`` stored the entry: mark the lease written with the sha256 of what is stored
+        (JAX keeps the first file when two processes write one key)."""
+        with self._lock:
+            held = self._held.pop(key, None)
+        if held is None or self._lessor is None:
+            return
+        data = held.read(key)
+        sha = hashlib.sha256(data).hexdigest() if data is not None else None
+        self._finish(held, sha)
+
+    def _compile_ended(self) -> None:
+        """pxla's compile stage ended on this thread: a lease its put did not finish ends
+        ``unwritten`` (JAX did not write the program, or the compile raised)."""
+        key = getattr(self._local, "key", None)
+        if key is None:
+            return
+        self._local.key = None
+        with self._lock:
+            held = self._held.pop(key, None)
+        if held is not None:
+            self._finish(held, None)
+
+    # -- the steps ------------------------------------------------------------------------------
+
+    def _get_lessor(self) -> Lessor | None:
+        if self._off:
+            return None
+        if not self._opened:
+            self._opened = True
+            try:
+                self._lessor = self._lessor_of()
+            except Exception as exc:  # noqa: BLE001
+                self._turn_off(exc)
+        return self._lessor
+
+    def _take(
+        self,
+        lessor: Lessor,
+        key: str,
+        module: str | None,
+        stale: str | None,
+        read: Callable[[str], bytes | None],
+    ) -> q.Seen | None:
+        for _ in range(3):
+            seen = lessor.take(key, self.me, self.ttl_s, module, stale)
+            if seen is not None:
+                if seen.mine:
+                    self._hold(key, module, read, hedge=False)
+                return seen
+        return None
+
+    def _wait(
+        self,
+        lessor: Lessor,
+        key: str,
+        module: str | None,
+        seen: q.Seen | None,
+        read: Callable[[str], bytes | None],
+    ) -> bytes | None:
+        """Poll the row until the entry is written (read it), the compile ended without one, the
+        holder's heartbeat stopped (one waiter takes over), or the hedge is due."""
+        started = time.monotonic()
+        hedge_after: float | None = None
+        asked_record = False
+        while True:
+            if seen is None or seen.mine:
+                return None  # no lease to wait for (a reader), or ours: compile
+            if seen.state == q.WRITTEN:
+                data = read(key)
+                if data is not None and hashlib.sha256(data).hexdigest() == seen.sha256:
+                    return data
+                if not self.writer:
+                    return None
+                seen = self._take(lessor, key, module, seen.sha256, read)  # stored bytes gone: ours
+                continue
+            if seen.state != q.COMPILING:
+                return None  # unwritten: the holder's compile stored nothing; compile here
+            if seen.left_s <= 0:  # the heartbeat stopped
+                if not self.writer:
+                    return None
+                seen = self._take(lessor, key, module, None, read)
+                continue
+            if not asked_record and module is not None:
+                asked_record = True
+                ms = lessor.recorded_ms(module)
+                if ms is not None:
+                    hedge_after = max(2.0 * ms / 1000.0, ms / 1000.0 + 1.0)
+            if hedge_after is not None and seen.age_s > hedge_after and seen.hedger is None:
+                if not self.writer:
+                    return None
+                if lessor.hedge(key, self.me):
+                    self._hold(key, module, read, hedge=True)
+                    return None
+            waited = time.monotonic() - started
+            if waited > self.max_s + self.ttl_s:
+                return None  # a backstop past any heartbeat: never wait without end
+            time.sleep(min(MAX_POLL_S, POLL_S + waited / 20.0))
+            seen = lessor.look(key)
+            if seen is None and self.writer:
+                seen = self._take(lessor, key, module, None, read)
+
+    def _hold(
+        self,
+        key: str,
+        module: str | None,
+        read: Callable[[str], bytes | None],
+        *,
+        hedge: bool,
+    ) -> None:
+        self._hook()
+        with self._lock:
+            self._held[key] = _Held(key, module, time.monotonic(), read, hedge)
+            if not hedge and (self._beat is None or not self._beat.is_alive()):
+                self._beat = threading.Thread(
+                    target=self._heartbeat, name="cachectl-compile-lease", daemon=True
+                )
+                self._beat.start()
+        self._local.key = key
+
+    def _hook(self) -> None:
+        if not self._hooked:
+            self._hooked = True
+            jax_seam.on_compile_stage_end(self._compile_ended)
+
+    def _finish(self, held: _Held, sha256: str | None) -> None:
+        lessor = self._lessor
+        if lessor is None or (held.hedge and sha256 is None):
+            return  # a hedge that stored nothing leaves the holder's lease to the holder
+        ms = int((time.monotonic() - held.started) * 1000)
+        try:
+            lessor.finish(held.key, self.me, sha256, ms)
+        except Exception as exc:  # noqa: BLE001 - the lease expires on its own
+            self._turn_off(exc)
+
+    def _heartbeat(self) -> None:
+        """Renew every held lease each ttl/3, each for at most max_s (a compile that never ends
+        stops holding its lease: it expires a ttl later)."""
+        while True:
+            time.sleep(self.ttl_s / 3)
+            now = time.monotonic()
+            with self._lock:
+                due = [h for h in self._held.values() if not h.hedge]
+                for h in due:
+                    if now - h.started > self.max_s:
+                        self._held.pop(h.key, None)
+                if not self._held:
+                    self._beat = None
+                    return
+            lessor = self._lessor
+            for h in due:
+                if now - h.started > self.max_s or lessor is None:
+                    continue
+                try:
+                    if not lessor.renew(h.key, self.me, self.ttl_s):
+                        with self._lock:
+                            self._held.pop(h.key, None)  # finished by a hedger, or taken over
+                except Exception:  # noqa: BLE001 - an index hiccup: the next beat tries again
+                    continue
+
+    def _turn_off(self, exc: BaseException) -> None:
+        if self._off:
+            return
+        self._off = True
+        text = (getattr(exc, "message", None) or f"{type(exc).__name__}: {exc}").splitlines()[0]
+        self._warn(
+            f"cachectl: compile lease off ({text[:300]}): this process compiles what it misses "
+            "without waiting for other processes"
+        )

@@ -1,0 +1,243 @@
+"""The compile lease: processes started together on one index compile each program once.
+
+Real processes, a real index (an SQLite file, and PostgreSQL), real JAX compiles of a function
+that takes a second or two to compile; compiles are counted from JAX's own monitoring events
+(requests that use the cache, less hits).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+
+REPO = Path(__file__).resolve().parent.parent
+
+CHILD = """
+import json, os, sys, time
+import numpy as np
+import jax, jax.numpy as jnp
+from jax import monitoring
+counts = {"requests": 0, "hits": 0}
+def on_event(event, **kw):
+    if event == "/jax/compilation_cache/compile_requests_use_cache":
+        counts["requests"] += 1
+    elif event == "/jax/compilation_cache/cache_hits":
+        counts["hits"] += 1
+monitoring.register_event_listener(on_event)
+if os.environ.get("PLAIN") != "1":
+    import cachectl
+    cachectl.activate(telemetry=False)
+def body(x):
+    for i in range(int(os.environ["N"])):
+        x = jnp.sin(x) * (1.0 + i * 1e-3) + jnp.cos(x * float(os.environ["SALT"]))
+    return x
+body.__name__ = os.environ.get("FN", "slow")
+t0 = time.monotonic()
+out = np.asarray(jax.jit(body)(np.arange(8, dtype=np.float32)))
+print(json.dumps({"pid": os.getpid(), "compiles": counts["requests"] - counts["hits"],
+                  "requests": counts["requests"], "out": out.tolist(), "t": time.monotonic() - t0}))
+"""
+
+
+def _env(home: Path, db: str, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("CACHECTL_", "JAX_"))}
+    env.update(
+        CACHECTL_DB=db,
+        JAX_PLATFORMS="cpu",
+        PYTHONPATH=str(REPO),
+        SALT="0.5",
+        N="1500",  # about 1.5 s to compile on an idle core
+        CACHECTL_COMPILE_LEASE_TTL_S="3",
+        # JAX writes only programs that took over 1 s to compile: how long depends on the machine.
+        JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+    )
+    env.update(extra)
+    return env
+
+
+def _start(env: dict[str, str], **extra: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-c", CHILD],
+        env=dict(env, **extra),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def _done(proc: subprocess.Popen[str]) -> tuple[dict[str, Any], str]:
+    out, err = proc.communicate(timeout=240)
+    assert proc.returncode == 0, err[-3000:]
+    return json.loads(out.strip().splitlines()[-1]), err
+
+
+def _upgrade(env: dict[str, str]) -> None:
+    subprocess.run(
+        [sys.executable, "-m", "cachectl", "db", "upgrade"],
+        env=env,
+        check=True,
+        capture_output=True,
+    )
+
+
+def _rows(db: str) -> list[Any]:
+    engine = sa.create_engine(db)
+    try:
+        with engine.connect() as conn:
+            return list(conn.execute(sa.text("SELECT holder, state, module FROM compile_leases")))
+    finally:
+        engine.dispose()
+
+
+@pytest.mark.parametrize("index", ["sqlite", "postgresql"])
+def test_processes_started_together_compile_once(tmp_path: Path, request, index: str) -> None:
+    """Cold cache: 3 writers and a read-only process started together compile the program at
+    most twice in all (once with the lease: the others read what the holder wrote); each
+    output equals plain jit. Then the holder killed with kill -9 mid-compile: the other two
+    finish, one of them compiling, within the lease's expiry plus a compile (on PostgreSQL)."""
+    db = request.getfixturevalue("sqlite_url" if index == "sqlite" else "pg_url")
+    env = _env(tmp_path, db, XDG_DATA_HOME=str(tmp_path / "data"))
+    _upgrade(env)
+    plain = _start(env, PLAIN="1")
+    procs = [_start(env) for _ in range(3)] + [_start(env, CACHECTL_READONLY="1")]
+    results = [_done(p)[0] for p in procs]
+    expected = _done(plain)[0]
+    assert all(r["out"] == expected["out"] for r in results)
+    assert all(r["requests"] == 1 for r in results)
+    compiles = sum(r["compiles"] for r in results)
+    assert compiles <= 2, results
+    written = [r for r in _rows(db) if r[2] == "jit_slow"]
+    assert [r[1] for r in written] == ["written"]
+    assert f":{results[3]['pid']}:" not in written[0][0]  # the read-only process took no lease
+    compile_s = expected["t"]
+    if index != "postgresql":
+        return  # the kill runs once, on the index several hosts share (CI time is counted)
+
+    # The holder killed mid-compile (another program: FN names it, no compile time recorded).
+    killed_env = dict(env, FN="slow_killed", N="6000")  # long enough to be killed in
+    holder = _start(killed_env)
+    deadline = time.monotonic() + 120
+    while not any(r[2] == "jit_slow_killed" and r[1] == "compiling" for r in _rows(db)):
+        assert time.monotonic() < deadline and holder.poll() is None, "the holder never leased"
+        time.sleep(0.05)
+    (row,) = [r for r in _rows(db) if r[2] == "jit_slow_killed"]
+    assert f":{holder.pid}:" in row[0]
+    others = [_start(killed_env) for _ in range(2)]
+    time.sleep(0.3)
+    os.kill(holder.pid, signal.SIGKILL)
+    killed_at = time.monotonic()
+    holder.communicate()
+    finished = [_done(p)[0] for p in others]
+    took = time.monotonic() - killed_at
+    assert sum(r["compiles"] for r in finished) == 1, (finished, _rows(db))
+    assert all(r["out"] == finished[0]["out"] for r in finished)
+    # Expiry (3 s here) plus one compile (4x the first program's), with room for a shared machine.
+    assert took <= 3 + 2 * 4 * compile_s + 10, (took, compile_s)
+
+
+def test_index_down_or_unable_to_lease_costs_one_warning_and_no_wait(
+    tmp_path: Path, sqlite_url: str
+) -> None:
+    """An unreachable index (a bad URL) and an index that cannot answer the lease (its table
+    gone), processes started together: every one compiles, none waits for another; the
+    unreachable one warns as activate() always did, the other once that the lease is off."""
+    env = _env(tmp_path, sqlite_url, XDG_DATA_HOME=str(tmp_path / "data"))
+    _upgrade(env)
+    engine = sa.create_engine(sqlite_url)
+    with engine.begin() as conn:
+        conn.execute(sa.text("DROP TABLE compile_leases"))
+    engine.dispose()
+    down = dict(
+        env,
+        CACHECTL_DB="postgresql+psycopg://u:p@127.0.0.1:1/x",
+        CACHECTL_ROOT=str(tmp_path / "root"),
+    )
+    done = [_done(p) for p in [_start(down), _start(down), _start(env)]]
+    assert [r["compiles"] for r, _ in done] == [1, 1, 1]
+    for _, err in done[:2]:
+        assert err.count("cachectl: index unavailable") == 1 and "compile lease" not in err, err
+    assert done[2][1].count("compile lease off") == 1, done[2][1]
+    assert all(r["t"] < 60 for r, _ in done)  # a wait would last the lease's 1800 s bound
+
+
+def test_server_route_leases_for_writers_and_answers_readers(
+    tmp_path: Path, sqlite_url: str
+) -> None:
+    """Server mode's route (the same statements on the server's index): a reader may look but
+    not take; one writer takes, another sees it held, one hedge lands, an expired lease is taken
+    over, the holder's write is what everyone then sees, and warm's compile times bound the hedge."""
+    from support.server_kit import MAIN, bearer, seed, served
+
+    s = seed(sqlite_url, str(tmp_path / "root"), str(tmp_path / "other"))
+    base = f"/api/v1/caches/{MAIN}/environments/{s.digest}/compile-lease"
+    with served(sqlite_url) as (_live, client):
+
+        def call(token: str, action: str, **body: Any) -> Any:
+            path = f"{base}/read" if action in ("look", "recorded") else base
+            r = client.post(path, json={**body, "action": action}, headers=bearer(s.tokens[token]))
+            assert r.status_code == 200, r.text
+            return r.json()["result"]
+
+        refused = client.post(
+            base,
+            json={"action": "take", "key": "k", "holder": "r"},
+            headers=bearer(s.tokens["reader"]),
+        )
+        assert refused.status_code == 403
+        first = call("writer", "take", key="jit_train-k", holder="a", ttl_s=0.5, module="jit_train")
+        assert first["mine"] and first["state"] == "compiling"
+        second = call("writer", "take", key="jit_train-k", holder="b", ttl_s=5, module="jit_train")
+        assert not second["mine"] and second["holder"] == "a" and second["left_s"] > 0
+        assert call("reader", "look", key="jit_train-k")["holder"] == "a"
+        assert call("writer", "hedge", key="jit_train-k", holder="b") is True
+        assert call("writer", "hedge", key="jit_train-k", holder="c") is False
+        assert call("reader", "recorded", module="jit_train") == 3000  # warm's entries: 1 s, 3 s
+        time.sleep(0.6)  # a's heartbeat stopped: its lease expired
+        taken = call("writer", "take", key="jit_train-k", holder="b", ttl_s=5, module="jit_train")
+        assert taken["mine"] and taken["holder"] == "b"
+        assert call("writer", "renew", key="jit_train-k", holder="a", ttl_s=5) is False
+        call("writer", "finish", key="jit_train-k", holder="b", sha256="f" * 64, compile_ms=1500)
+        seen = call("reader", "look", key="jit_train-k")
+        assert seen["state"] == "written" and seen["sha256"] == "f" * 64
+        assert call("writer", "renew", key="jit_train-k", holder="b", ttl_s=5) is False
+        late = call("writer", "take", key="jit_train-k", holder="c", ttl_s=5, module="jit_train")
+        assert not late["mine"] and late["state"] == "written"
+
+
+def test_heartbeat_renews_then_stops_at_its_bound(sqlite_url: str, monkeypatch) -> None:
+    """A holder whose compile never ends (no put, no end of JAX's compile stage): its heartbeat
+    keeps the lease past the ttl, then stops at CACHECTL_COMPILE_LEASE_MAX_S, and the lease
+    expires a ttl later, so waiters take over instead of waiting forever."""
+    from cachectl.index import compile_leases as q
+    from cachectl.index import open_index
+    from cachectl.service.compile_lease import CompileLeases, SqlLessor
+
+    monkeypatch.setenv("CACHECTL_COMPILE_LEASE_TTL_S", "0.6")
+    monkeypatch.setenv("CACHECTL_COMPILE_LEASE_MAX_S", "1.5")
+    index = open_index(sqlite_url)
+    try:
+        runner = q.runner_for(index)
+        assert runner is not None
+        warned: list[str] = []
+        holder = CompileLeases(lambda: SqlLessor(runner, "c", "d"), writer=True, warn=warned.append)
+        assert holder.missed("k", lambda key: None) is None  # took it: compile here
+        started = time.monotonic()
+        time.sleep(1.2)  # two ttls: only the heartbeat keeps it
+        alive = q.look(runner, "c/d", "k")
+        assert alive is not None and alive.state == "compiling" and alive.left_s > 0
+        while (seen := q.look(runner, "c/d", "k")) is not None and seen.left_s > 0:
+            assert time.monotonic() - started < 1.5 + 0.6 + 2, "the heartbeat never stopped"
+            time.sleep(0.05)
+        taken = q.take(runner, "c/d", "k", "other", ttl_s=5, module=None)
+        assert taken is not None and taken.mine and not warned
+    finally:
+        index.close()
