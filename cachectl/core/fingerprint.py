@@ -213,6 +213,15 @@ def _topology(devices: list[Any]) -> str:
         return "kinds:" + ",".join(d.device_kind for d in devices)
 
 
+def x64_enabled() -> bool:
+    """Whether this process runs JAX in x64 mode, read the way every JAX version answers it:
+    what float64 canonicalizes to (the config attribute's name has moved between versions)."""
+    import jax
+    import numpy as np
+
+    return bool(jax.dtypes.canonicalize_dtype(np.float64) == np.dtype("float64"))
+
+
 def current_environment(managed: bool = True) -> Environment:
     """Collect this process's Environment from the live JAX runtime.
 
@@ -244,7 +253,7 @@ def current_environment(managed: bool = True) -> Environment:
         enable_xla_caches=str(enable_xla_caches or ""),
         # JAX adds its options to Config at run time (setattr): its types declare none of them.
         include_metadata_in_key=bool(jax.config.jax_compilation_cache_include_metadata_in_key),  # type: ignore[attr-defined]
-        enable_x64=bool(jax.config.jax_enable_x64),  # type: ignore[attr-defined]
+        enable_x64=x64_enabled(),
         cpu_isa=host_cpu_isa(flags) if backend.platform == "cpu" else "",
     )
 
@@ -278,7 +287,7 @@ def compile_only_environment(
         enable_xla_caches=str(MANAGED_JAX_CONFIG["jax_persistent_cache_enable_xla_caches"]),
         # JAX adds its options to Config at run time (setattr): its types declare none of them.
         include_metadata_in_key=bool(jax.config.jax_compilation_cache_include_metadata_in_key),  # type: ignore[attr-defined]
-        enable_x64=bool(jax.config.jax_enable_x64),  # type: ignore[attr-defined]
+        enable_x64=x64_enabled(),
     )
 
 

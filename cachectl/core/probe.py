@@ -149,7 +149,7 @@ def main() -> None:
 
 # -- the remembered environment (exec) ------------------------------------------------------
 
-MEMO_VERSION = 1
+MEMO_VERSION = 2  # 2: environments name x64 and the CPU instruction set
 # Variables the environment's reading depends on: JAX's config, XLA's and the device runtimes'
 # settings, the interpreter's path and library search.
 MEMO_VARIABLE_PREFIXES = (
