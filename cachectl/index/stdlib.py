@@ -3,8 +3,8 @@
 Importing SQLAlchemy and the index models costs a service 0.3-0.5 s, more than its whole start on
 a warmed cache, and the CLI's read commands more than their whole run (BENCHMARKS.md, "CLI
 startup"). This driver runs the read queries (cachectl.index.reads, the same SQL text the
-SQLAlchemy driver runs) and the only writes a service makes on a known environment: marking it
-seen and a telemetry flush. The rows and their rules come from cachectl.telemetry.rows, shared
+SQLAlchemy driver runs), the only writes a service makes on a known environment (marking it
+seen, a telemetry flush) and `cachectl token create`'s token and audit rows. The rows and their rules come from cachectl.telemetry.rows, shared
 with the SQLAlchemy writer (index/telemetry_queries.py); tests/test_service_sqlite.py checks that
 both write the same rows.
 """

@@ -3,7 +3,9 @@
 Only a sha256 of each token is stored: the secret is shown once, when it is
 created, and a leaked index does not leak usable tokens. Tokens are 256-bit
 ``secrets.token_urlsafe`` strings, so a plain (unsalted) hash is enough; the
-lookup is by hash and the final comparison is constant-time.
+lookup is by hash and the final comparison is constant-time. How a new token is made
+(name, role, expiry, scope, secret) is cachectl.trust.token_rules', shared with the stdlib
+driver's writer.
 """
 
 from __future__ import annotations
