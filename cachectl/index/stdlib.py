@@ -4,9 +4,10 @@ Importing SQLAlchemy and the index models costs a service 0.3-0.5 s, more than i
 a warmed cache, and the CLI's read commands more than their whole run (BENCHMARKS.md, "CLI
 startup"). This driver runs the read queries (cachectl.index.reads, the same SQL text the
 SQLAlchemy driver runs), the only writes a service makes on a known environment (marking it
-seen, a telemetry flush) and `cachectl token create`'s token and audit rows. The rows and their rules come from cachectl.telemetry.rows, shared
-with the SQLAlchemy writer (index/telemetry_queries.py); tests/test_service_sqlite.py checks that
-both write the same rows.
+seen, a telemetry flush) and `cachectl token create`'s token and audit rows. The telemetry rows
+and their rules come from cachectl.telemetry.rows, shared with the SQLAlchemy writer
+(index/telemetry_queries.py; tests/test_service_sqlite.py checks that both write the same rows);
+a token is made by cachectl.trust.token_rules for both writers (tests/test_server_auth.py).
 """
 
 from __future__ import annotations
