@@ -219,8 +219,9 @@ def markdown_nothing_compiled(r: dict[str, Any]) -> str:
         "take the one `cachectl exec` remembers, `Context.environment`, checked against the index",
         "before anything registers it), import JAX for doctor's config checks (a process that has",
         "not imported JAX has configured nothing: the `JAX_*` variables say it all), or import the",
-        "warm stack before the manifest is read. `token create` still imports SQLAlchemy to write",
-        "the token (the stdlib driver writes no tokens): it is the one left near or over the goal.",
+        "warm stack before the manifest is read, or import SQLAlchemy and the index models for",
+        "`token create` (on a plain SQLite index the stdlib driver writes the token row and its",
+        "audit row in one sqlite3 transaction, by the rules of `cachectl/trust/token_rules.py`).",
         "On a machine this loaded, compare the ratios to `python3 -c pass`, not the seconds.",
     ]
     return "\n".join(lines) + "\n"

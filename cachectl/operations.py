@@ -13,14 +13,17 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from cachectl.context import Context
 from cachectl.core.config import DELETE_BATCH
+from cachectl.core.records import CreatedToken
 from cachectl.core.units import parse_duration, parse_min_age
+from cachectl.index.stdlib import StdlibReads
 from cachectl.index.usage import TelemetryStats, telemetry_stats
 from cachectl.lifecycle import prune as prune_lib
 from cachectl.lifecycle.plan import LifecycleResult
 from cachectl.lifecycle.requests import GcRequest, PruneRequest, VerifyRequest
+from cachectl.trust import token_rules
 
 if TYPE_CHECKING:
-    from cachectl.core.records import CreatedToken, TokenInfo
+    from cachectl.core.records import TokenInfo
     from cachectl.lifecycle.gc import GcResult
     from cachectl.lifecycle.verify_records import VerifyResult
 
@@ -102,16 +105,21 @@ class LocalOperations:
     def create_token(
         self, name: str, role: str, caches: list[str] | None, expires: str | None
     ) -> CreatedToken:
-        tokens = self._tokens()
-        created = tokens.create_token(
-            self.ctx.index.sql, name, role, caches, parse_duration(expires) if expires else None
+        """On a plain SQLite index the stdlib driver writes the token and its audit row (no
+        SQLAlchemy import: BENCHMARKS.md, "Commands that compile nothing"); else the SQL index."""
+        new = token_rules.new_token(
+            name, role, caches, parse_duration(expires) if expires else None
         )
-        self.ctx.index.audit(
-            "token-create",
-            cache=None,
-            details={"name": name, "role": role, "caches": list(caches or ())},
-        )
-        return created
+        details = token_rules.audit_details(new)
+        index = self.ctx.index
+        if isinstance(index, StdlibReads):
+            info = index.create_token(new, details)
+            if info is None:
+                raise token_rules.name_taken(name)
+        else:
+            info = self._tokens().store_token(index.sql, new)
+            index.audit("token-create", cache=None, details=details)
+        return CreatedToken(info, new.secret)
 
     def list_tokens(self) -> list[TokenInfo]:
         return self._tokens().list_tokens(self.ctx.index.sql)

@@ -168,6 +168,7 @@ NOTHING_COMPILED = [
     (["fingerprint", "--json"], 0),
     (["doctor", "--json"], 0),
     (["warm", "missing.yaml"], 2),
+    (["token", "create", "--name", "t1", "--role", "reader"], 0),  # the stdlib driver writes it
 ]
 
 

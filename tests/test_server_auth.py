@@ -8,8 +8,14 @@ editing this file.
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
+import os
+import subprocess
+import sys
 import tempfile
+from datetime import datetime, timedelta
+from pathlib import Path
 
 import pytest
 from fastapi.testclient import TestClient
@@ -243,12 +249,12 @@ def test_created_token_works_at_once_and_revocation_is_immediate(world) -> None:
     )
     assert made.status_code == 201, made.text
     secret = made.json()["token"]
-    assert client.get(f"/api/v1/caches/{MAIN}", headers=bearer(secret)).status_code == 200
+    assert client.get("/api/v1/caches", headers=bearer(secret)).status_code == 200
     assert client.get(f"/api/v1/caches/{OTHER}", headers=bearer(secret)).status_code == 403
     listed = client.get("/api/v1/tokens", headers=admin).json()
     assert secret not in repr(listed) and "fresh" in {t["name"] for t in listed}
     assert client.delete("/api/v1/tokens/fresh", headers=admin).status_code == 200
-    assert client.get(f"/api/v1/caches/{MAIN}", headers=bearer(secret)).status_code == 401
+    assert client.get("/api/v1/caches", headers=bearer(secret)).status_code == 401
     made = client.post(
         "/api/v1/tokens", json={"name": "fresh2", "role": "reader", "bogus": 1}, headers=admin
     )
@@ -296,3 +302,72 @@ def test_token_cli_prints_secret_alone_on_last_line(tmp_path) -> None:
     assert r.exit_code == 0
     r = runner.invoke(cli, ["--db", db, "token", "revoke", "nope"])
     assert r.exit_code == 2 and "no token named" in r.output
+
+
+# `cachectl ARGS` in a new interpreter that writes, at exit, whether SQLAlchemy was imported.
+_PROBE = """
+import atexit, os, sys
+atexit.register(lambda: open(os.environ["PROBE_OUT"], "w").write(str("sqlalchemy" in sys.modules)))
+from cachectl.cli import main
+sys.argv = ["cachectl", *sys.argv[1:]]
+main()
+"""
+
+
+def _fresh(out: Path, *args: str) -> tuple[subprocess.CompletedProcess[str], bool]:
+    """(the process, whether it imported SQLAlchemy)."""
+    proc = subprocess.run(
+        [sys.executable, "-c", _PROBE, *args],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PROBE_OUT": str(out)},
+        timeout=120,
+    )
+    return proc, out.read_text() == "True"
+
+
+def test_token_create_in_a_fresh_process_makes_the_servers_token(db_url, tmp_path) -> None:
+    """`token create` on an index that exists: on SQLite the stdlib driver writes it without
+    SQLAlchemy (fast: BENCHMARKS.md); on both the server accepts it, `token list` shows it as one
+    the SQL index wrote, the name and the scope are checked, and the audit log records it."""
+    index = open_index(db_url, auto_migrate=True)
+    index.add_cache(MAIN, str(tmp_path / "main"))
+    tokens.create_token(index, "before", "writer", [MAIN], timedelta(days=90))
+    out = tmp_path / "probe.txt"
+    made, heavy = _fresh(
+        out, "--db", db_url, "token", "create", "--name", "ci", "--role", "writer",
+        "--cache", MAIN, "--cache", MAIN, "--expires", "90d",
+    )  # fmt: skip
+    assert made.returncode == 0, made.stderr
+    assert heavy == db_url.startswith("postgresql"), "SQLite's token create imported SQLAlchemy"
+    secret = made.stdout.strip().splitlines()[-1]
+    app = create_app(db_url)
+    try:
+        r = TestClient(app).get("/api/v1/caches", headers=bearer(secret))
+        assert r.status_code == 200, r.text
+    finally:
+        app.state.cachectl.index.close()
+    info = tokens.authenticate(index, secret)
+    assert (info.name, info.role, info.caches) == ("ci", "writer", (MAIN,))
+
+    listed, _ = _fresh(out, "--db", db_url, "token", "list", "--json")
+    rows = {t["name"]: t for t in json.loads(listed.stdout)}
+    assert sorted(rows) == ["before", "ci"]
+    for row in rows.values():
+        created, expires = (datetime.fromisoformat(row[k]) for k in ("created_at", "expires_at"))
+        assert created.utcoffset() == timedelta(0) and expires - created == timedelta(days=90), row
+    assert {k: v for k, v in rows["ci"].items() if k not in ("id", "name", "created_at", "expires_at", "last_used_at")} == {
+        k: v for k, v in rows["before"].items() if k not in ("id", "name", "created_at", "expires_at", "last_used_at")
+    }  # fmt: skip
+
+    for args, error in (
+        (["--name", "ci", "--role", "reader"], "error: a token named 'ci' exists"),
+        (["--name", "new", "--role", "reader", "--cache", "nope"], "error: no cache named 'nope'"),
+    ):
+        bad, _ = _fresh(out, "--db", db_url, "token", "create", *args)
+        assert bad.returncode == 2 and bad.stdout == "", bad
+        assert bad.stderr.count("\n") == 1 and error in bad.stderr, bad.stderr
+    assert [t.name for t in tokens.list_tokens(index)] == ["before", "ci"]  # nothing half-written
+    audits = [a for a in index.audit_log() if a.operation == "token-create"]
+    assert [a.details for a in audits] == [{"name": "ci", "role": "writer", "caches": [MAIN]}]
+    index.close()

@@ -229,6 +229,27 @@ class CreatedToken:
 
 
 @dataclass(frozen=True)
+class NewToken:
+    """A token row about to be written, checked by cachectl.trust.token_rules (``new_token``):
+    either driver stores it as it is. ``secret`` is returned once and never stored."""
+
+    name: str
+    role: str
+    caches: list[str] | None
+    token_hash: str
+    created_at: datetime
+    expires_at: datetime | None
+    secret: str
+
+    def info(self, token_id: int) -> TokenInfo:
+        """The stored row as listed."""
+        caches = tuple(self.caches) if self.caches is not None else None
+        return TokenInfo(
+            token_id, self.name, self.role, caches, self.created_at, self.expires_at, None, None
+        )
+
+
+@dataclass(frozen=True)
 class WarmRunInfo:
     """One warm run as the index recorded it."""
 

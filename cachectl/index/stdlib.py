@@ -3,10 +3,11 @@
 Importing SQLAlchemy and the index models costs a service 0.3-0.5 s, more than its whole start on
 a warmed cache, and the CLI's read commands more than their whole run (BENCHMARKS.md, "CLI
 startup"). This driver runs the read queries (cachectl.index.reads, the same SQL text the
-SQLAlchemy driver runs) and the only writes a service makes on a known environment: marking it
-seen and a telemetry flush. The rows and their rules come from cachectl.telemetry.rows, shared
-with the SQLAlchemy writer (index/telemetry_queries.py); tests/test_service_sqlite.py checks that
-both write the same rows.
+SQLAlchemy driver runs), the only writes a service makes on a known environment (marking it
+seen, a telemetry flush) and `cachectl token create`'s token and audit rows. The telemetry rows
+and their rules come from cachectl.telemetry.rows, shared with the SQLAlchemy writer
+(index/telemetry_queries.py; tests/test_service_sqlite.py checks that both write the same rows);
+a token is made by cachectl.trust.token_rules for both writers (tests/test_server_auth.py).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 from cachectl.core.cache_info import utcnow
 from cachectl.core.fingerprint import Environment
-from cachectl.core.records import EnvironmentInfo
+from cachectl.core.records import EnvironmentInfo, NewToken, TokenInfo, actor
 from cachectl.core.sqlite_file import connect, sqlite_path, stamp
 from cachectl.index.open import driver
 from cachectl.index.reads import ReaderQueries, SqliteReader
@@ -252,6 +253,37 @@ class StdlibReads(ReaderQueries):
         with self._lock, self.conn:
             self.conn.execute("BEGIN IMMEDIATE")
             return insert_telemetry(self.conn, env_id, batch, now)
+
+    def create_token(self, new: NewToken, details: dict[str, Any]) -> TokenInfo | None:
+        """Store a token made by cachectl.trust.token_rules and its ``token-create`` audit row, in
+        one transaction, as cachectl.trust.tokens ``store_token`` and ``Index.audit`` write them;
+        None, writing nothing, where a token has the name. NotFound names a scoped cache that
+        does not exist (a typo would make a token that can do nothing)."""
+        for cache in new.caches or ():
+            self.get_cache(cache)
+        now = stamp(new.created_at)
+        with self._lock, self.conn:
+            self.conn.execute("BEGIN IMMEDIATE")
+            if self.conn.execute("SELECT 1 FROM tokens WHERE name = ?", (new.name,)).fetchone():
+                return None
+            cursor = self.conn.execute(
+                "INSERT INTO tokens (name, role, caches, token_hash, created_at, expires_at) "
+                "VALUES (?, ?, ?, ?, ?, ?)",
+                (
+                    new.name,
+                    new.role,
+                    _json(new.caches),
+                    new.token_hash,
+                    now,
+                    stamp(new.expires_at) if new.expires_at else None,
+                ),
+            )
+            self.conn.execute(
+                "INSERT INTO audit_log (at, actor, operation, cache_name, entries, bytes, details) "
+                "VALUES (?, ?, 'token-create', NULL, 0, 0, ?)",
+                (now, actor(), _json(details)),
+            )
+            return new.info(int(cast("int", cursor.lastrowid)))
 
     def close(self) -> None:
         with self._lock:

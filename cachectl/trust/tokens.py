@@ -3,7 +3,9 @@
 Only a sha256 of each token is stored: the secret is shown once, when it is
 created, and a leaked index does not leak usable tokens. Tokens are 256-bit
 ``secrets.token_urlsafe`` strings, so a plain (unsalted) hash is enough; the
-lookup is by hash and the final comparison is constant-time.
+lookup is by hash and the final comparison is constant-time. How a new token is made
+(name, role, expiry, scope, secret) is cachectl.trust.token_rules', shared with the stdlib
+driver's writer.
 """
 
 from __future__ import annotations
@@ -11,19 +13,23 @@ from __future__ import annotations
 import hashlib
 import hmac
 import re
-import secrets
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
 from sqlalchemy import select, update
 
-from cachectl.core.errors import BadInput, CachectlError, NotFound
-from cachectl.core.records import ROLE_RANK, ROLES, CreatedToken, TokenInfo  # noqa: F401 - re-exported
+from cachectl.core.errors import CachectlError, NotFound
+from cachectl.core.records import (  # noqa: F401 - re-exported
+    ROLE_RANK,
+    ROLES,
+    CreatedToken,
+    NewToken,
+    TokenInfo,
+)
 from cachectl.index import Index
 from cachectl.index.models import Token, utcnow
+from cachectl.trust.token_rules import TOKEN_PREFIX, hash_token, name_taken, new_token  # noqa: F401
 
-TOKEN_PREFIX = "cct_"
-_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.@-]{0,127}$")
 # Refresh last_used_at at most this often: a write per request would make
 # every read a database write.
 _LAST_USED_GRANULARITY = timedelta(minutes=1)
@@ -31,10 +37,6 @@ _LAST_USED_GRANULARITY = timedelta(minutes=1)
 
 class InvalidToken(Exception):
     """Unknown, expired or revoked: the server answers 401 without saying which."""
-
-
-def hash_token(token: str) -> str:
-    return hashlib.sha256(token.encode("utf-8", "surrogatepass")).hexdigest()
 
 
 def _info(row: Token) -> TokenInfo:
@@ -58,38 +60,29 @@ def create_token(
     expires_in: timedelta | None = None,
 ) -> CreatedToken:
     """Mint a token; the secret is returned here and never again."""
-    if not _NAME_RE.match(name or ""):
-        raise BadInput(
-            f"bad token name {name!r}: use letters, digits, '.', '_', '@' or '-' (at most 128)"
-        )
-    if role not in ROLES:
-        raise BadInput(f"bad role {role!r}: use reader, writer or admin")
-    if expires_in is not None and expires_in.total_seconds() <= 0:
-        raise BadInput("token expiry must be in the future, e.g. --expires 90d")
-    scope = None if caches is None else sorted(set(caches))
-    if scope == []:  # stored as NULL it would read every cache
-        raise BadInput(
-            "a token scoped to no cache (caches: []) could do nothing: name its caches, or "
-            "leave the scope out for every cache"
-        )
-    if scope is not None:
-        for cache in scope:
-            index.get_cache(cache)  # a typo would make a token that can do nothing
-    secret = TOKEN_PREFIX + secrets.token_urlsafe(32)
+    new = new_token(name, role, caches, expires_in)
+    return CreatedToken(store_token(index, new), new.secret)
+
+
+def store_token(index: Index, new: NewToken) -> TokenInfo:
+    """Write a token made by cachectl.trust.token_rules on the SQL index (the stdlib driver's
+    twin: cachectl.index.stdlib ``StdlibReads.create_token``)."""
+    for cache in new.caches or ():
+        index.get_cache(cache)  # a typo would make a token that can do nothing
     with index.session() as s:
-        if s.scalar(select(Token.id).where(Token.name == name)) is not None:
-            raise BadInput(f"a token named {name!r} exists: revoke it first or pick another name")
+        if s.scalar(select(Token.id).where(Token.name == new.name)) is not None:
+            raise name_taken(new.name)
         row = Token(
-            name=name,
-            role=role,
-            caches=scope,
-            token_hash=hash_token(secret),
-            expires_at=utcnow() + expires_in if expires_in else None,
+            name=new.name,
+            role=new.role,
+            caches=new.caches,
+            token_hash=new.token_hash,
+            created_at=new.created_at,
+            expires_at=new.expires_at,
         )
         s.add(row)
         s.flush()
-        info = _info(row)
-    return CreatedToken(info, secret)
+        return _info(row)
 
 
 def list_tokens(index: Index, *, include_revoked: bool = True) -> list[TokenInfo]:
