@@ -56,6 +56,8 @@ def test_names_as_users_write_them(
     assert topology.chips == chips and topology.hosts == 1
     assert topology.chips_per_host_bounds == bounds
     assert topology.wrap == (False, False, False)
+    # The cloud name libtpu is told at start-up (TPU_ACCELERATOR_TYPE) names the same slice.
+    assert parse_topology(topology.accelerator_type).libtpu_name == libtpu
 
 
 @pytest.mark.parametrize(

@@ -37,6 +37,8 @@ if jax_seam.libtpu_version() is None:
 
 FIXTURE = Path(__file__).resolve().parent / "fixtures" / "tpu-v5e-1x1-env.json"
 BARRIER = "--xla_tpu_use_enhanced_launch_barrier=true"
+# What a TPU VM's metadata server tells libtpu at start-up; a deviceless warm sets them.
+STARTUP_VARIABLES = ("TPU_ACCELERATOR_TYPE", "TPU_WORKER_HOSTNAMES")
 
 MODULE = """
 import jax
@@ -288,3 +290,28 @@ def test_warm_topology_push_sends_the_slices_namespace_not_this_machines(tmp_pat
         "bundle", "pull", ref.rsplit(":", 1)[0], "--for-this-machine", cwd=tmp_path, env=env
     )
     assert code != 0 and "TPU v5 lite" in err, err
+
+
+def test_libtpus_start_up_warnings_show_only_with_verbose(tmp_path: Path) -> None:
+    """On a machine that is no TPU VM libtpu finds no metadata server and says so at start-up
+    (accelerator type, worker hostnames); warm tells libtpu the slice's instead, unless -v."""
+    one = MANIFEST.split("  - fn: dl_tiny:layer")[0].replace(
+        "[1, 2], mode: [relu, tanh]", "[1], mode: [relu]"
+    )
+    manifest = tiny(tmp_path, one)
+    # (a user's own settings are kept: the test's process has none)
+    env = {k: v for k, v in os.environ.items() if k not in STARTUP_VARIABLES}
+    noise = ("could not determine TPU", "Logging before InitGoogle", "common_lib.cc")
+    for verbose in ((), ("-v",)):
+        proc = subprocess.run(
+            [sys.executable, "-m", "cachectl", *verbose, "warm", str(manifest), "--topology", "v5e:1x1"],
+            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stderr
+        assert "1 bucket(s): " in proc.stdout and " 0 failed" in proc.stdout, proc.stdout
+        shown = [n for n in noise if n in proc.stderr]
+        assert shown == (list(noise) if verbose else []), proc.stderr
+    # What libtpu says when it fails still reaches the user without -v.
+    env["LIBTPU_INIT_ARGS"] = "--xla_no_such_flag=1"
+    code, _, err = cachectl("warm", str(manifest), "--topology", "v5e:1x1", cwd=tmp_path, env=env)
+    assert code != 0 and "Unknown command line flag 'xla_no_such_flag'" in err, err

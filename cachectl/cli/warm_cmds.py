@@ -383,6 +383,7 @@ def warm_cmd(
                 executables=not no_executables,
                 signer=signer,
                 topology=topology,
+                libtpu_startup_warnings=_verbosity() >= 1,
             )
     if signer is not None and not report.target_problems:
         resign_written(ctx, report, signer)

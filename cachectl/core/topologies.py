@@ -87,6 +87,13 @@ class TpuTopology:
         return n
 
     @property
+    def accelerator_type(self) -> str:
+        """The slice's cloud name, as a TPU VM's metadata gives it: chips for v5e/v6e,
+        TensorCores (2 a chip) for v5p."""
+        prefix = "v5litepod" if self.generation == "v5e" else self.generation
+        return f"{prefix}-{self.chips * (2 if self.generation == 'v5p' else 1)}"
+
+    @property
     def hosts(self) -> int:
         per_host = 1
         for d in self.chips_per_host_bounds:
@@ -156,6 +163,13 @@ def libtpu_init_args(current: str | None) -> str:
         if flag.split("=")[0] not in {f.split("=")[0] for f in flags}:
             flags.append(flag)
     return " ".join(flags)
+
+
+def libtpu_startup_env(topology: TpuTopology) -> dict[str, str]:
+    """What a TPU VM's metadata server tells libtpu when it starts. Elsewhere libtpu finds no
+    metadata and prints warnings and an INVALID_ARGUMENT error to stderr before its logging is
+    set up (no log-level variable silences them); the compile-only devices come out the same."""
+    return {"TPU_ACCELERATOR_TYPE": topology.accelerator_type, "TPU_WORKER_HOSTNAMES": "localhost"}
 
 
 INSTALL_HINT = "pip install 'cachectl-jax[tpu]' (it brings the jax[tpu] of the installed JAX)"

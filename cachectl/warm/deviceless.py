@@ -22,7 +22,13 @@ from typing import Any
 from cachectl.core import jax_seam
 from cachectl.core.errors import BadInput, EnvironmentMismatch
 from cachectl.core.fingerprint import Environment, compile_only_environment
-from cachectl.core.topologies import INSTALL_HINT, TpuTopology, libtpu_init_args, parse_topology
+from cachectl.core.topologies import (
+    INSTALL_HINT,
+    TpuTopology,
+    libtpu_init_args,
+    libtpu_startup_env,
+    parse_topology,
+)
 
 
 @dataclass(frozen=True)
@@ -40,9 +46,13 @@ def set_cloud_tpu_flags() -> None:
     os.environ["LIBTPU_INIT_ARGS"] = libtpu_init_args(os.environ.get("LIBTPU_INIT_ARGS"))
 
 
-def resolve(name: str) -> DevicelessTarget:
+def resolve(name: str, *, startup_warnings: bool = False) -> DevicelessTarget:
     """The slice named ``name``: BadInput (2) for an unknown name, EnvironmentMismatch (3) where
-    this machine cannot compile for TPU (no libtpu)."""
+    this machine cannot compile for TPU (no libtpu).
+
+    libtpu is told the slice's accelerator type and worker (as a TPU VM's metadata would; a
+    user's own values are kept), which keeps its start-up warnings off stderr; with
+    ``startup_warnings`` (``-v``) it is told nothing and prints them. Its errors print either way."""
     topology = parse_topology(name)
     version = jax_seam.libtpu_version()
     if version is None:
@@ -50,6 +60,9 @@ def resolve(name: str) -> DevicelessTarget:
             f"cannot compile for TPU topology {name!r} here: libtpu is not installed; {INSTALL_HINT}"
         )
     set_cloud_tpu_flags()
+    if not startup_warnings:
+        for variable, value in libtpu_startup_env(topology).items():
+            os.environ.setdefault(variable, value)
     try:
         devices = jax_seam.tpu_topology_devices(
             topology.libtpu_name, topology.chips_per_host_bounds, topology.wrap

@@ -83,13 +83,15 @@ def plan_warm(
     paths: Sequence[str] = (),
     writer_check: bool = True,
     topology: str | None = None,
+    libtpu_startup_warnings: bool = False,
 ) -> WarmPlan:
     """Validate everything that can fail before compiling: manifest, cache, permission, imports.
 
     Raises BadInput (2) for the manifest, PermissionDenied (4) for a non-writer;
     a target mismatch is returned in ``target_problems`` (callers exit 3). With ``topology``
     (or the manifest's ``target.topology`` on a machine that is no TPU) the buckets compile
-    for that TPU slice's compile-only devices, into the slice's namespace (warm/deviceless.py).
+    for that TPU slice's compile-only devices, into the slice's namespace (warm/deviceless.py);
+    ``libtpu_startup_warnings`` (-v) lets libtpu print its start-up warnings there.
     A manifest already read (``LoadedManifest``) is not read again.
     """
     loaded = as_loaded(manifest_path, import_paths=paths)  # a bad one: all problems
@@ -107,10 +109,10 @@ def plan_warm(
         if here is not None and here.backend == "tpu":
             env = here
         else:
-            deviceless = resolve(named)
+            deviceless = resolve(named, startup_warnings=libtpu_startup_warnings)
             env = deviceless.environment
     elif named is not None:
-        deviceless = resolve(named)
+        deviceless = resolve(named, startup_warnings=libtpu_startup_warnings)
         env = deviceless.environment
     else:
         env = current_environment()

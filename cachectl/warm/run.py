@@ -113,6 +113,7 @@ def warm(
     executables: bool = True,
     signer: SigningKey | None = None,
     topology: str | None = None,
+    libtpu_startup_warnings: bool = False,
 ) -> WarmReport:
     """Compile every bucket of a manifest into this environment's namespace and index them.
 
@@ -125,7 +126,8 @@ def warm(
     as warmed only when a list it trusts signed it (signing.carried_files): any other file at a
     key of the manifest is removed and compiled again, so the signer signs only its own work.
     With ``topology`` ("v5e:2x2") the buckets compile for that TPU slice without one
-    (warm/deviceless.py), into the namespace the slice's own fingerprint names.
+    (warm/deviceless.py), into the namespace the slice's own fingerprint names;
+    ``libtpu_startup_warnings`` (-v) lets libtpu print its start-up warnings.
     """
     if executor not in EXECUTORS:
         raise BadInput(f"unknown executor {executor!r}: use one of {', '.join(EXECUTORS)}")
@@ -141,6 +143,7 @@ def warm(
         paths=paths,
         writer_check=not dry_run,
         topology=topology,
+        libtpu_startup_warnings=libtpu_startup_warnings,
     )
     env = plan.environment
     if executor == "process" and plan.deviceless is not None:
