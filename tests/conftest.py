@@ -39,6 +39,7 @@ Azurite is found through CACHECTL_TEST_AZURITE (scripts/test), the checkout's
 
 from __future__ import annotations
 
+import copy
 import os
 
 import pytest
@@ -95,7 +96,14 @@ def isolated_home(tmp_path_factory, monkeypatch):
     for var in list(os.environ):
         if var.startswith(("CACHECTL_", "JAX_")) or var in ("COLUMNS", "LINES"):
             monkeypatch.delenv(var)
+    # fsspec's per-protocol defaults are process-wide: an in-process activate() hands them a
+    # cache's endpoint and bounds (storage/jax_storage.py), which the next test must not inherit.
+    import fsspec.config
+
+    saved = copy.deepcopy(fsspec.config.conf)
     yield home
+    fsspec.config.conf.clear()
+    fsspec.config.conf.update(saved)
 
 
 def _set_env(monkeypatch, values: dict[str, str]) -> None:

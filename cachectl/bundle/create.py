@@ -46,7 +46,7 @@ def _sha(data: bytes) -> str:
 def _resolve_env(ctx: Context, cache: CacheInfo, env: str | None) -> EnvironmentInfo:
     if env:
         return ctx.index.find_environment(cache.name, env)
-    here = ctx.environment()
+    here = ctx.environment(registers=False)  # read only: nothing is recorded
     try:
         return ctx.index.get_environment(cache.name, here.digest)
     except NotFound:

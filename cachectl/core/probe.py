@@ -37,7 +37,7 @@ from cachectl.core import jax_seam
 from cachectl.core.config import state_dir
 from cachectl.core.cpu_isa import host_cpu_isa
 from cachectl.core.errors import CachectlError, OperationFailed
-from cachectl.core.fingerprint import Environment, check_versions, current_environment
+from cachectl.core.fingerprint import ADDED_FIELDS, Environment, check_versions, current_environment
 from cachectl.core.temps import atomic_write
 
 # Backends one process at a time may hold: no two JAX processes share one of them.
@@ -276,8 +276,9 @@ def strict_environment(data: object) -> Environment:
     if not isinstance(data, dict):
         raise ValueError("not an object")
     names = {f.name for f in fields(Environment)}
-    if set(data) != names:
+    if not names - ADDED_FIELDS.keys() <= set(data) <= names:
         raise ValueError(f"fields differ: {sorted(set(data) ^ names)}")
+    data = {**ADDED_FIELDS, **data}  # recorded before these fields: their defaults
     for name in names:
         value = data[name]
         if name in ("device_count", "process_count"):

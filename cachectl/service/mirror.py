@@ -478,7 +478,7 @@ def pull(
 ) -> PullResult:
     """`cachectl pull --to DIR`: this environment's verified entries, copied locally."""
     cache = cache or ctx.cache()
-    env = env or ctx.environment()
+    env = env or ctx.environment(registers=False)  # read only: nothing is recorded
     # Server mode without the root here: the server's rows and entry routes, through the node tier.
     remote = remote_namespace(ctx.settings, ctx.index, cache.name, cache.root_url, env)
     return pull_namespace(
