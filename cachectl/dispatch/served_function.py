@@ -98,6 +98,7 @@ class ServedFunction:
         self._axis_kwargs = {k: v["axis"] for k, v in spec.kwargs.items() if isinstance(v, dict)}
         self._slots = smallest_first(slots, self._shape_axes, set(self._axis_kwargs.values()))
         self._lock = threading.Lock()
+        self._warmed_abstract: dict[int, Any] = {}  # slot -> its abstract call (mesh placement)
         self.calls = self.aot = self.fallback = self.out_of_bucket = self.padded = 0
         self.fallback_reason: str | None = None
         self._sizes: dict[str, Counter[int]] = {a: Counter() for a in sorted(self._shape_axes)}
@@ -429,7 +430,11 @@ class ServedFunction:
             return call_args
         import jax
 
-        abstract, _ = build_call(self.spec, slot.bucket, self._paths)
+        abstract = self._warmed_abstract.get(id(slot))
+        if abstract is None:  # built once per bucket: a fallback call is a request's hot path
+            abstract = self._warmed_abstract[id(slot)] = build_call(
+                self.spec, slot.bucket, self._paths
+            )[0]
 
         def place(leaf: Any, want: Any) -> Any:
             sharding = getattr(want, "sharding", None)
