@@ -23,7 +23,7 @@ from pathlib import Path
 import httpx
 import pytest
 from support import infra
-from support.warming import TINY_SERVICE, invoke, tiny, warm_json
+from support.warming import TINY_SERVICE, invoke, tiny
 
 from cachectl.storage import node_tier
 
@@ -190,7 +190,18 @@ def test_two_nodes_read_each_entry_from_the_bucket_once(tmp_path, monkeypatch) -
         infra.create_s3_bucket(moto.url, bucket[5:])
         invoke("cache", "add", "objects", f"{bucket}/jax")
         manifest = tiny(tmp_path)
-        assert warm_json(str(manifest), "--cache", "objects")["summary"]["compiled"] == 5
+        # In a process of its own: JAX's persistent cache and its object-store client are
+        # process-wide, and an earlier test of this worker may have pointed them at another S3.
+        warm = subprocess.run(
+            [sys.executable, "-m", "cachectl", "warm", str(manifest), "--cache", "objects"]
+            + ["--json"],
+            capture_output=True,
+            text=True,
+            timeout=600,
+            env=dict(os.environ),
+        )
+        assert warm.returncode == 0, warm.stderr
+        assert json.loads(warm.stdout)["summary"]["compiled"] == 5
         httpx.post(f"{moto.url}/moto-api/recorder/start-recording")
 
         code = TINY_SERVICE.format(dir=str(tmp_path), cache=repr("objects"))
