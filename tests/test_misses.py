@@ -439,6 +439,35 @@ def test_json_stays_json_when_a_manifest_module_prints_on_import(warmed, monkeyp
         json.loads(result.stdout)
 
 
+def test_a_function_that_fails_to_lower_is_a_finding_not_a_traceback(warmed, monkeypatch) -> None:
+    """When a manifest function no longer lowers is exactly when `misses` is needed: that
+    function is one finding naming its bucket and error; the others are explained as ever."""
+    home = Path(warmed["HOME_DIR"])
+    (home / "svc_broken.py").write_text(
+        "import jax.numpy as jnp\n\n"
+        "def scale(x):\n    return x * 2\n\n"
+        "def broken(x):\n    raise ValueError('the reshape does not fit')\n"
+    )
+    broken = home / "broken.yaml"
+    broken.write_text(
+        "version: 1\nfunctions:\n"
+        "  - fn: svc_broken:scale\n    args:\n      - {shape: [n], dtype: float32}\n"
+        "    buckets:\n      n: [8]\n"
+        "  - fn: svc_broken:broken\n    args:\n      - {shape: [n], dtype: float32}\n"
+        "    buckets:\n      n: [8, 16]\n"
+    )
+    _service(warmed, MATCHING, monkeypatch)
+    result = CliRunner().invoke(cli, ["misses", "--manifest", str(broken), "--json"])
+    assert result.exit_code == 0, result.output  # nothing missed: as documented
+    report = json.loads(result.stdout)
+    (finding,) = [f for f in report["findings"] if f["kind"] == "lowering"]
+    assert finding["function"] == "broken" and finding["bucket"] == "n=8", finding
+    assert "ValueError: the reshape does not fit" in finding["message"], finding
+    human = CliRunner().invoke(cli, ["misses", "--manifest", str(broken)])
+    assert human.exit_code == 0 and "Traceback" not in human.output, human.output
+    assert "broken[n=8] does not lower: ValueError: the reshape does not fit" in human.output
+
+
 def _row(function: str, key: str, source: str | None, leaves: list[Any]) -> Any:
     from datetime import UTC, datetime
 

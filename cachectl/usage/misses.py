@@ -26,7 +26,11 @@ from cachectl.index.models import Cache, Entry, WarmRun, utcnow
 from cachectl.index.models import Environment as EnvRow
 from cachectl.index.telemetry_queries import SignatureRow, signature_usage
 from cachectl.service.doctor import compare
-from cachectl.usage.misses_expected import ExpectedSignature, expected_signatures
+from cachectl.usage.misses_expected import (
+    ExpectedSignature,
+    LoweringFailure,
+    expected_signatures,
+)
 from cachectl.usage.misses_explain import (
     MissFinding,
     explain,
@@ -167,6 +171,7 @@ class _ManifestSide:
     buckets_of: dict[str, dict[str, list[Any]]]  # module -> axis -> values
     signatures: set[tuple[str, tuple[jax_seam.Leaf, ...]]]
     modules: set[str] | None
+    failures: list[LoweringFailure] = field(default_factory=list)  # buckets that did not lower
 
 
 def _manifest_side(
@@ -179,9 +184,10 @@ def _manifest_side(
     buckets come from its own manifest only (``fallback``'s, the latest warm's, for a module
     none owns)."""
     expected: list[ExpectedSignature] = []
+    failures: list[LoweringFailure] = []
     for manifest in manifests:
         previous = logging.getLogger("jax").level
-        lowered = expected_signatures(manifest)
+        lowered = expected_signatures(manifest, failures=failures)
         logging.getLogger("jax").setLevel(previous)
         if owner is not None:
             lowered = [e for e in lowered if owner.get(e.module, fallback) == str(manifest)]
@@ -200,7 +206,9 @@ def _manifest_side(
             if v not in axes.setdefault(k, []):
                 axes[k].append(v)
     signatures = {(e.module, e.leaves) for e in expected}
-    return _ManifestSide(expected, names, by_module, buckets_of, signatures, modules)
+    if function is not None:  # --function names the manifest function or its jit module
+        failures = [f for f in failures if function in (f.function, f"jit_{f.function}")]
+    return _ManifestSide(expected, names, by_module, buckets_of, signatures, modules, failures)
 
 
 @dataclass
@@ -215,6 +223,25 @@ class _Tally:
     not_in_manifest: dict[str, list[SignatureRow]] = field(default_factory=dict)
     # Missed rows whose signature is exactly a bucket: the key differs elsewhere (environment).
     bucket_matched: list[SignatureRow] = field(default_factory=list)
+
+
+def _lowering_findings(failures: list[LoweringFailure]) -> list[MissFinding]:
+    """A manifest function that did not lower: its buckets cannot be compared, and a warm of
+    them fails too; one finding per function, its first bucket's error (as warm words it)."""
+    first: dict[str, LoweringFailure] = {}
+    for f in failures:
+        first.setdefault(f.function, f)
+    return [
+        MissFinding(
+            f.function,
+            f.function,
+            "lowering",
+            f"{f.function}[{f.bucket}] does not lower: {f.error}; fix the function or its "
+            "manifest entry (`cachectl warm` reports the same error per bucket)",
+            bucket=f.bucket,
+        )
+        for f in first.values()
+    ]
 
 
 def _rejit(r: SignatureRow, name: str | None) -> MissFinding:
@@ -460,6 +487,7 @@ def misses(
         _tally_row(tally, r, side)
     tally.findings.extend(_environment_findings(ctx, info.name, tally.bucket_matched, side))
     tally.findings.extend(_function_findings(ctx, info.name, tally, side))
+    tally.findings.extend(_lowering_findings(side.failures))
     return MissesReport(
         cache=info.name,
         since=utcnow() - since,

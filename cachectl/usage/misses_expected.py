@@ -19,7 +19,7 @@ from typing import Any
 from cachectl.core import jax_seam
 from cachectl.manifest import build_call, expand, jit_function, load_manifest
 from cachectl.telemetry import SignatureTap
-from cachectl.warm import persistent_cache_off
+from cachectl.warm import error_text, persistent_cache_off
 
 
 @dataclass(frozen=True)
@@ -119,18 +119,36 @@ def _statics(spec: Any, bucket_values: dict[str, Any], names: list[str]) -> dict
     return out
 
 
+@dataclass(frozen=True)
+class LoweringFailure:
+    """A bucket that did not lower: what `misses` reports instead of a traceback (the moment a
+    manifest function fails to lower is when `misses` is needed)."""
+
+    function: str
+    bucket: str
+    error: str
+
+
 def expected_signatures(
-    manifest_path: str | Path, *, function: str | None = None
+    manifest_path: str | Path,
+    *,
+    function: str | None = None,
+    failures: list[LoweringFailure] | None = None,
 ) -> list[ExpectedSignature]:
-    """Lower every bucket of the manifest (no compile) and record its signature."""
+    """Lower every bucket of the manifest (no compile) and record its signature. With
+    ``failures``, a bucket that does not lower is appended there and the others go on; without,
+    its error propagates."""
 
     # A manifest's module may print on import (mujoco's warp warning): never into --json's stdout.
     with contextlib.redirect_stdout(sys.stderr):
-        return _expected_signatures(manifest_path, function=function)
+        return _expected_signatures(manifest_path, function=function, failures=failures)
 
 
 def _expected_signatures(
-    manifest_path: str | Path, *, function: str | None = None
+    manifest_path: str | Path,
+    *,
+    function: str | None = None,
+    failures: list[LoweringFailure] | None = None,
 ) -> list[ExpectedSignature]:
     manifest = load_manifest(manifest_path)
     paths = [str(Path(manifest.path).parent)]
@@ -146,13 +164,20 @@ def _expected_signatures(
             if spec.name not in jitted:
                 jitted[spec.name] = jit_function(spec, paths)
             fn = jitted[spec.name]
-            args, kwargs = build_call(spec, bucket, paths)
-            with _capturing() as capture:
-                lowered = (
-                    fn.trace(*args, **kwargs).lower()
-                    if hasattr(fn, "trace")
-                    else fn.lower(*args, **kwargs)
-                )
+            try:
+                args, kwargs = build_call(spec, bucket, paths)
+                with _capturing() as capture:
+                    lowered = (
+                        fn.trace(*args, **kwargs).lower()
+                        if hasattr(fn, "trace")
+                        else fn.lower(*args, **kwargs)
+                    )
+            except Exception as exc:  # noqa: BLE001 - the user's function: said, never a traceback
+                if failures is None:
+                    raise
+                if function is None or function == spec.name:
+                    failures.append(LoweringFailure(spec.name, bucket.label, error_text(exc)))
+                continue
             module = str(lowered.compiler_ir("stablehlo").operation.attributes["sym_name"]).strip(
                 '"'
             )
