@@ -135,24 +135,25 @@ def _attach(conn: Any) -> None:
         deadline.attach(conn)
 
 
-class _Conn(HTTPConnection):
+class _Deadlined:
+    """A connection that attaches the current request's deadline when it connects and sends,
+    plain or TLS alike (mixed in before urllib3's connection class)."""
+
     def connect(self) -> None:
-        super().connect()
+        super().connect()  # type: ignore[misc]
         _attach(self)
 
     def request(self, *args: Any, **kwargs: Any) -> None:
         _attach(self)
-        super().request(*args, **kwargs)
+        super().request(*args, **kwargs)  # type: ignore[misc]
 
 
-class _TLSConn(HTTPSConnection):
-    def connect(self) -> None:
-        super().connect()
-        _attach(self)
+class _Conn(_Deadlined, HTTPConnection):
+    pass
 
-    def request(self, *args: Any, **kwargs: Any) -> None:
-        _attach(self)
-        super().request(*args, **kwargs)
+
+class _TLSConn(_Deadlined, HTTPSConnection):
+    pass
 
 
 class _Pool(HTTPConnectionPool):
