@@ -110,6 +110,13 @@ functions:
       - {batch: 32, seq: 512}
 """
 
+# The same step with its state donated, as trainers write it: the canary must give each call
+# inputs of its own, or the first call deletes them (issue: "Array has been deleted").
+MANIFEST_DONATED = MANIFEST.replace(
+    "    fn: nnx_train:train_step\n",
+    "    fn: nnx_train:train_step\n    jit: {donate_argnums: [0, 1]}\n",
+)
+
 SERVICE = """
 import time
 t0 = time.perf_counter()
