@@ -136,7 +136,8 @@ def serve(
     Health:    /healthz (alive), /readyz (index and storage reachable)
     Metrics:   /metrics (unscoped reader token, or --public-metrics)
     Dashboard: / (sign in at /login with a reader token: a session, never the
-               token, in an HttpOnly cookie; or --public-dashboard for a read-only view)
+               token, in an HttpOnly cookie; or --public-dashboard for a
+               read-only view)
     """
     import logging
 
