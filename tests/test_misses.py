@@ -395,6 +395,7 @@ def test_a_weak_typed_leaf_is_compared_as_jax_keys_it(warmed, monkeypatch) -> No
     assert report["coverage"] == 2 / 3, report
     f = _only(report)
     assert (f["function"], f["kind"], f["leaf"]) == ("jit_count_into", "weak_type", "['step']")
+    assert f["message"].endswith("make that leaf jnp.int32(...) in the pytree function"), f
 
 
 def test_a_pytree_axis_is_named_and_the_buckets_told_as_they_are(warmed, monkeypatch) -> None:
