@@ -42,6 +42,16 @@ def batch_specs(batch):
 
 def total(batch_in):
     return batch_in["x"].sum()
+
+def state_specs():
+    # a train state as eval_shape builds it: the Python-int step is a weak-typed int32
+    return jax.eval_shape(lambda: {"step": 0, "k": jnp.zeros(4, jnp.int8)})
+
+def train_step(state):
+    return {"step": state["step"] + 1, "k": state["k"] * 2}  # the same program either way
+
+def count_into(state):
+    return state["k"] + state["step"]  # a weak step keeps int8, a strong one promotes to int32
 """
 
 MANIFEST = """
@@ -76,6 +86,10 @@ functions:
       - {pytree: svc_model:batch_specs}   # the batch axis lives inside a pytree
     buckets:
       batch: [1, 4, 8]
+  - fn: svc_model:train_step
+    args: [{pytree: svc_model:state_specs}]
+  - fn: svc_model:count_into
+    args: [{pytree: svc_model:state_specs}]
 """
 
 SERVICE = """
@@ -352,6 +366,36 @@ step(np.ones(5, np.float32), np.float32(0.1)).block_until_ready()
         "weak_type at jit_step arg 1 (lr):"
     )
     assert weak["observed"] == ["arg 1 (lr)"] and weak["misses"] == 2
+
+
+WEAK_STEP = """
+import os
+hits = []
+jax.monitoring.register_event_listener(
+    lambda e, **_: hits.append(e) if e == "/jax/compilation_cache/cache_hits" else None
+)
+state = {"step": np.int32(3), "k": np.ones(4, np.int8)}  # restored: a strong int32 step
+jax.jit(m.train_step)(state)["k"].block_until_ready()
+jax.jit(m.count_into)(state).block_until_ready()
+step(np.ones(4, np.float32), np.float32(0.1)).block_until_ready()
+with open(os.path.join(sys.path[0], "jax-hits"), "w") as f:
+    f.write(str(len(hits)))
+"""
+
+
+def test_a_weak_typed_leaf_is_compared_as_jax_keys_it(warmed, monkeypatch) -> None:
+    """The manifest's train state comes from jax.eval_shape (a weak-typed int32 step), the
+    service's is restored (a strong one). JAX's key holds the program, not the weak type: where
+    the program is the same (train_step) JAX hits and the call is covered; where the weak type
+    changed it (count_into's int8 sum promotes to int32) JAX misses and weak_type is named."""
+    report = _service(warmed, WEAK_STEP, monkeypatch)
+    jax_hits = int((Path(warmed["HOME_DIR"]) / "jax-hits").read_text())
+    assert (report["requests"], report["hits"], report["misses"]) == (3, 2, 1), report
+    assert jax_hits == report["hits"]
+    assert report["coverage"] == 2 / 3, report
+    f = _only(report)
+    assert (f["function"], f["kind"], f["leaf"]) == ("jit_count_into", "weak_type", "['step']")
+    assert f["message"].endswith("make that leaf jnp.int32(...) in the pytree function"), f
 
 
 def test_a_pytree_axis_is_named_and_the_buckets_told_as_they_are(warmed, monkeypatch) -> None:

@@ -27,7 +27,7 @@ from cachectl.core.fingerprint import current_environment
 from cachectl.index import NewEntry, open_index, plan_reads, reads, usage
 from cachectl.index.reads import SqliteReader
 from cachectl.index.telemetry_queries import record_telemetry
-from cachectl.telemetry.batch import FunctionCounts, TelemetryBatch
+from cachectl.telemetry.batch import FunctionCounts, SignatureCounts, TelemetryBatch
 
 ROOT = Path(__file__).resolve().parent.parent
 NOW = datetime.now(UTC)
@@ -74,15 +74,32 @@ def _populate(path: Path) -> str:
     index.upsert_entries(dead, entries[:2])
     index.mark_environment_deleted(dead)
     index.start_warm_run(old, manifest_digest="0" * 64, manifest_path="m.yaml", buckets=3)
+    # Two manifest functions under one jit name (two modules' generate): told apart by key.
+    index.upsert_entries(
+        live,
+        [
+            NewEntry(f"jit_g-{n}", "jit_g", 10, f"{n:064x}", "warm", 500, function=f"g{n}")
+            for n in (1, 2)
+        ],
+    )
+    leaves = (((4,), "float32", False, None),)
+    signatures = {
+        ("jit_g", leaves, key, None): SignatureCounts(leaves, key, hits + misses, hits, misses)
+        for key, hits, misses in (("jit_g-1", 2, 0), ("jit_g-2", 1, 0), ("jit_g-9", 0, 1))
+    }
     batch = TelemetryBatch(
         "host:1",
         "svc",
         env.digest,
         NOW - timedelta(minutes=2),
         NOW - timedelta(minutes=1),
-        {"jit_f": FunctionCounts(requests=7, hits=4, writes=1, saved_seconds=2.5, uncacheable=1)},
+        {
+            "jit_f": FunctionCounts(requests=7, hits=4, writes=1, saved_seconds=2.5, uncacheable=1),
+            "jit_g": FunctionCounts(requests=6, hits=5, writes=1),
+        },
         {"jit_f-001": (3, NOW - timedelta(minutes=1))},
         dropped=1,
+        signatures=signatures,
     )
     record_telemetry(index, live, batch)
     index.close()
@@ -148,13 +165,21 @@ def test_both_drivers_answer_every_read_alike(populated: str) -> None:
     assert [c.name for c in mine["caches"]] == ["default", "svc"]
     assert mine["svc"].trusted_keys == ("ed25519:AAAA",) and mine["svc"].writers == ("ci",)
     assert len(mine["environments"]) == 2 and len(mine["with_deleted"]) == 3
-    assert sorted(e.entries for e in mine["environments"]) == [5, 12]
+    assert sorted(e.entries for e in mine["environments"]) == [5, 14]
     assert mine["environments"][0].created_at.tzinfo is not None
     assert len(mine["warming"]) == 1
     assert sum(mine["counts"].values()) == sum(len(v) for v in mine["selected"].values()) > 0
     assert len(mine["recent_hits"]) == 1
     (row,) = mine["usage"].environments
-    assert (row.requests, row.hits, row.misses, row.uncacheable) == (7, 4, 2, 1)
+    assert (row.requests, row.hits, row.misses, row.uncacheable) == (13, 9, 3, 1)
+    # jit_g's 5 hits split 2:1 by the keys its signatures looked up (largest remainder), its
+    # miss and write to no manifest function's key: one row each, summing to the jit name's.
+    g = {
+        r.name: (r.requests, r.hits, r.misses, r.writes)
+        for r in mine["usage"].functions
+        if r.function == "jit_g"
+    }
+    assert g == {"g1": (3, 3, 0, 0), "g2": (2, 2, 0, 0), None: (1, 0, 1, 1)}, g
 
 
 def test_the_stdlib_reader_refuses_what_it_cannot_serve(tmp_path: Path, populated: str) -> None:

@@ -128,14 +128,19 @@ def telemetry_stats(reader: Reader, cache: str, since: timedelta) -> TelemetrySt
         "GROUP BY e.digest, e.namespace, t.function ORDER BY e.namespace, t.function",
         params,
     )
-    # What warm knows of each module: the manifest's name and the compile time it measured.
+    # What warm knows of each manifest function: its jit module and the compile time it measured.
     warm = reader.rows(
-        "SELECT e.digest, n.module, MAX(n.function), AVG(n.compile_time_ms) "
+        "SELECT e.digest, n.module, n.function, AVG(n.compile_time_ms) "
         "FROM environments e JOIN entries n ON n.environment_id = e.id "
-        "WHERE e.cache_id = :cid AND n.function IS NOT NULL GROUP BY e.digest, n.module",
+        "WHERE e.cache_id = :cid AND n.function IS NOT NULL "
+        "GROUP BY e.digest, n.module, n.function",
         {"cid": cid},
     )
-    known = {(d, m): (name, None if ms is None else float(ms)) for d, m, name, ms in warm}
+    named: dict[tuple[str, str], dict[str, float | None]] = {}
+    for d, m, name, ms in warm:
+        named.setdefault((d, m), {})[name] = None if ms is None else float(ms)
+    known = {k: next(iter(v.items())) for k, v in named.items() if len(v) == 1}
+    shared = {k for k, v in named.items() if len(v) > 1}
     # The collector counts two kinds of program as not cacheable, and the telemetry rows do not
     # say which (no reason column): JAX-internal staging programs, which the signatures count as
     # not cacheable too, and programs with host callbacks, which they keep as misses (JAX's
@@ -150,11 +155,18 @@ def telemetry_stats(reader: Reader, cache: str, since: timedelta) -> TelemetrySt
         )
     }
 
-    def row(digest: str, namespace: str, fn: str | None, values: tuple) -> UsageRow:
+    def row(
+        digest: str, namespace: str, fn: str | None, values: tuple, of: str | None = None
+    ) -> UsageRow:
         procs, req, hits, _misses, writes, saved, dropped, uncacheable, loads, miss_s, hit_s = (
             values
         )
-        name, ms = known.get((digest, fn), (None, None)) if fn is not None else (None, None)
+        name: str | None = None
+        ms: float | None = None
+        if fn is not None and (digest, fn) in shared:  # one of the functions it holds, or none
+            name, ms = of, named[(digest, fn)].get(of) if of is not None else None
+        elif fn is not None:
+            name, ms = known.get((digest, fn), (None, None))
         warm_saved = max(int(hits) * (ms or 0.0) / 1000.0, 0.0)
         # Every looked-up request is a hit, a miss or not cacheable: misses are what is left.
         misses = max(int(req) - int(hits) - int(uncacheable), 0)
@@ -184,10 +196,12 @@ def telemetry_stats(reader: Reader, cache: str, since: timedelta) -> TelemetrySt
             jax_seam.host_callbacks_cause([fn]) if callbacks and fn is not None else None,
         )
 
+    by_key = _keyed_counts(reader, cid, start, shared) if shared else {}
     fns = [
-        row(r[0], r[1], r[2], tuple(r[3:]))
+        row(r[0], r[1], r[2], values, of)
         for r in per_fn
         if r[2] is not None or int(r[4]) or int(r[-1])
+        for of, values in _split(tuple(r[3:]), by_key.get((r[0], r[2]))).items()
     ]
     envs = []
     for r in per_env:
@@ -202,3 +216,85 @@ def telemetry_stats(reader: Reader, cache: str, since: timedelta) -> TelemetrySt
             )
         )
     return TelemetryStats(cache, start, since.total_seconds(), envs, fns)
+
+
+# A signature's counts: requests' hits, misses and not-cacheable requests.
+_Counts = tuple[int, int, int]
+
+
+def _keyed_counts(
+    reader: Reader, cid: int, start: datetime, shared: set[tuple[str, str]]
+) -> dict[tuple[str, str], dict[str | None, _Counts]]:
+    """{(environment, jit name): {manifest function or None: (hits, misses, not cacheable)}}
+    for the jit names several manifest functions compile under: each signature's key looked up
+    among the entries warm recorded with their manifest function (None: a key none holds)."""
+    rows = reader.rows(
+        "SELECT e.digest, s.function, n.function, COALESCE(SUM(s.hits), 0), "
+        "COALESCE(SUM(s.misses), 0), COALESCE(SUM(s.uncacheable), 0) "
+        "FROM environments e JOIN signatures s ON s.environment_id = e.id "
+        "LEFT JOIN entries n ON n.environment_id = e.id AND n.key = s.key "
+        "AND n.function IS NOT NULL "
+        "WHERE e.cache_id = :cid AND s.last_seen >= :start AND s.function IN :modules "
+        "GROUP BY e.digest, s.function, n.function",
+        {"cid": cid, "start": start, "modules": sorted({m for _, m in shared})},
+    )
+    out: dict[tuple[str, str], dict[str | None, _Counts]] = {}
+    for digest, module, name, hits, misses, uncacheable in rows:
+        if (digest, module) in shared:
+            out.setdefault((digest, module), {})[name] = (int(hits), int(misses), int(uncacheable))
+    return out
+
+
+def _split(values: tuple, keyed: dict[str | None, _Counts] | None) -> dict[str | None, tuple]:
+    """One jit name's telemetry counters split among the manifest functions whose keys its
+    calls looked up, in proportion to the signatures' counts (the signatures hold keys, the
+    telemetry rows do not): hits, the compile time saved and a hit's cost by hits; misses,
+    writes and a miss's cost by misses; not-cacheable requests by theirs. What no signature
+    weighs (loads, dropped events, a count whose signatures hold no key of a manifest
+    function) stays with the jit name (None). Each part sums to the telemetry's total."""
+    if not keyed or not any(name is not None for name in keyed):
+        return {None: values}
+    procs, req, hits, _misses, writes, saved, dropped, uncacheable, loads, miss_s, hit_s = values
+    misses = max(int(req) - int(hits) - int(uncacheable), 0)
+    names = sorted((n for n in keyed if n is not None), key=str)
+    weights = [keyed[n] for n in names] + [keyed.get(None, (0, 0, 0))]  # None last
+    by_hits = _apportion(int(hits), [w[0] for w in weights])
+    by_misses = _apportion(misses, [w[1] for w in weights])
+    by_unc = _apportion(int(uncacheable), [w[2] for w in weights])
+    by_writes = _apportion(int(writes), [w[1] for w in weights])
+    out: dict[str | None, tuple] = {}
+    for i, name in enumerate([*names, None]):
+        h, m, u = by_hits[i], by_misses[i], by_unc[i]
+        hit_share = h / int(hits) if int(hits) else 0.0
+        miss_share = m / misses if misses else 0.0
+        rest = name is None
+        if rest and not (h or m or u or by_writes[i] or int(loads) or int(dropped)):
+            continue
+        out[name] = (
+            procs,
+            h + m + u,
+            h,
+            m,
+            by_writes[i],
+            float(saved) * hit_share,
+            dropped if rest else 0,
+            u,
+            loads if rest else 0,
+            float(miss_s) * miss_share,
+            float(hit_s) * hit_share,
+        )
+    return out
+
+
+def _apportion(total: int, weights: list[int]) -> list[int]:
+    """``total`` in whole parts proportional to ``weights`` (largest remainders first), summing
+    to ``total``; with no weight at all, everything to the last part (the jit name's own)."""
+    whole = sum(weights)
+    if not whole:
+        return [0] * (len(weights) - 1) + [total]
+    exact = [total * w / whole for w in weights]
+    parts = [int(x) for x in exact]
+    by_remainder = sorted(range(len(weights)), key=lambda i: parts[i] - exact[i])
+    for i in by_remainder[: total - sum(parts)]:
+        parts[i] += 1
+    return parts

@@ -171,6 +171,9 @@ class _ManifestSide:
     buckets_of: dict[str, dict[str, list[Any]]]  # module -> axis -> values
     signatures: set[tuple[str, tuple[jax_seam.Leaf, ...]]]
     modules: set[str] | None
+    # The same, weak types dropped: a program whose leaves differ from a bucket's in weak types
+    # alone is that bucket exactly when JAX's key says so (``_Tally.warmed_keys``).
+    strong: set[tuple[str, tuple[jax_seam.Leaf, ...]]] = field(default_factory=set)
     failures: list[LoweringFailure] = field(default_factory=list)  # buckets that did not lower
 
 
@@ -206,9 +209,44 @@ def _manifest_side(
             if v not in axes.setdefault(k, []):
                 axes[k].append(v)
     signatures = {(e.module, e.leaves) for e in expected}
+    strong = {(e.module, strong_leaves(e.leaves)) for e in expected}
     if function is not None:  # --function names the manifest function or its jit module
         failures = [f for f in failures if function in (f.function, f"jit_{f.function}")]
-    return _ManifestSide(expected, names, by_module, buckets_of, signatures, modules, failures)
+    return _ManifestSide(
+        expected, names, by_module, buckets_of, signatures, modules, strong, failures
+    )
+
+
+def strong_leaves(leaves: Sequence[jax_seam.Leaf]) -> tuple[jax_seam.Leaf, ...]:
+    """Leaves without their weak types, which JAX's cache key does not hold: it hashes the
+    lowered program, and a weak type is in it only where it changed an operation (a promotion's
+    convert), so the key, not the flag, says whether two programs are one."""
+    return tuple((shape, dtype, False, sharding) for shape, dtype, _weak, sharding in leaves)
+
+
+def leaves_of(r: SignatureRow) -> tuple[jax_seam.Leaf, ...]:
+    return tuple(leaf_of(x) for x in r.leaves)
+
+
+def warmed_keys(ctx: Any, cache: str, keys: set[str]) -> set[str]:
+    """Which of ``keys`` warm stored in ``cache`` for a manifest function."""
+    found: set[str] = set()
+    ordered = sorted(keys)
+    with ctx.index.read_session() as s:
+        for i in range(0, len(ordered), 500):
+            found.update(
+                s.scalars(
+                    select(Entry.key)
+                    .join(EnvRow, EnvRow.id == Entry.environment_id)
+                    .join(Cache, Cache.id == EnvRow.cache_id)
+                    .where(
+                        Cache.name == cache,
+                        Entry.function.is_not(None),
+                        Entry.key.in_(ordered[i : i + 500]),
+                    )
+                ).all()
+            )
+    return found
 
 
 @dataclass
@@ -223,6 +261,9 @@ class _Tally:
     not_in_manifest: dict[str, list[SignatureRow]] = field(default_factory=dict)
     # Missed rows whose signature is exactly a bucket: the key differs elsewhere (environment).
     bucket_matched: list[SignatureRow] = field(default_factory=list)
+    # Keys warm stored for a manifest function, among those of rows that are a bucket but for
+    # weak types: such a row is covered when its key is one of them (``strong_leaves``).
+    warmed_keys: set[str] = field(default_factory=set)
 
 
 def _lowering_findings(failures: list[LoweringFailure]) -> list[MissFinding]:
@@ -314,7 +355,7 @@ def _row_findings(
 
 def _tally_row(tally: _Tally, r: SignatureRow, side: _ManifestSide) -> None:
     leaves = tuple(leaf_of(x) for x in r.leaves)
-    if (r.function, leaves) in side.signatures:
+    if (r.function, leaves) in side.signatures or r.key in tally.warmed_keys:
         tally.covered += r.requests
     if r.uncacheable and not r.misses and not r.hits:
         # JAX-internal staging: not cacheable, never a miss, never a re-jit to fix
@@ -482,7 +523,14 @@ def misses(
     side = _manifest_side(manifests, function, owner, latest)
     if side.modules is not None:
         rows = [r for r in rows if r.function in side.modules]
-    tally = _Tally()
+    weak_only = {  # keys of the rows that are a bucket but for weak types
+        r.key
+        for r in rows
+        if r.key
+        and (r.function, leaves_of(r)) not in side.signatures
+        and (r.function, strong_leaves(leaves_of(r))) in side.strong
+    }
+    tally = _Tally(warmed_keys=warmed_keys(ctx, info.name, weak_only) if weak_only else set())
     for r in rows:
         _tally_row(tally, r, side)
     tally.findings.extend(_environment_findings(ctx, info.name, tally.bucket_matched, side))

@@ -242,10 +242,16 @@ def _shape_findings(
         found.add(inp, "shape", message, f"shape[{d}]", ov, held if len(held) > 1 else ev)
 
 
-def _weak_message(where: str, o: jax_seam.Leaf, e: jax_seam.Leaf) -> str:
+def _weak_message(where: str, o: jax_seam.Leaf, e: jax_seam.Leaf, leaf: bool = False) -> str:
     if o[2]:
         py = _PY_SCALAR.get(o[1], "scalar")
         return f"{where}: {o[1]} weak_type (a Python {py}) vs {e[1]}: pass np.{e[1]}(...)"
+    if leaf:  # a pytree function's leaf: jax.eval_shape of a Python scalar is weakly typed
+        return (
+            f"{where}: {o[1]} vs {e[1]} weak_type in the manifest's pytree (a Python scalar "
+            f"through jax.eval_shape), and it changed the program: make that leaf "
+            f"jnp.{e[1]}(...) in the pytree function"
+        )
     return f"{where}: {o[1]} vs {e[1]} weak_type in the manifest: pass a Python scalar, or drop weak_type"
 
 
@@ -283,7 +289,8 @@ def explain(
             message = f"{inp.where}: dtype {o[1]} vs {e[1]}: cast it to {e[1]}"
             found.add(inp, "dtype", message, "dtype", o[1], e[1])
         if o[2] != e[2]:
-            found.add(inp, "weak_type", _weak_message(inp.where, o, e), "weak_type", o[2], e[2])
+            message = _weak_message(inp.where, o, e, leaf=bool(inp.path))
+            found.add(inp, "weak_type", message, "weak_type", o[2], e[2])
         if o[3] != e[3]:
             message = _sharding_message(inp.where, o[3], e[3])
             found.add(inp, "sharding", message, "sharding", o[3], e[3])
