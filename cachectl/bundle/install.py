@@ -51,7 +51,7 @@ from cachectl.core.fingerprint import Environment
 from cachectl.core.units import format_size
 from cachectl.index import CacheInfo, EnvironmentInfo, NewEntry
 from cachectl.lifecycle import sweep
-from cachectl.storage import ingest
+from cachectl.storage import ingest, ingest_rules
 from cachectl.storage.entries import (
     CACHE_SUFFIX,
     ENV_FILE,
@@ -159,11 +159,11 @@ def _check_member(
     listed one, is within the cache's max entry size by ``_check_declared``); an executable intact
     and made for its key and its entry's listed bytes."""
     if name in modules:
-        return ingest.check_entry(staged)
+        return ingest_rules.check_entry(staged)
     if (aot := parse_aot_filename(name)) is not None:
         data = staged if isinstance(staged, bytes) else staged.read_bytes()
         listed = expected.get(aot.key + CACHE_SUFFIX)
-        ingest.check_executable(aot.key, data, listed[1] if listed else None)
+        ingest_rules.check_executable(aot.key, data, listed[1] if listed else None)
     return None
 
 
@@ -195,7 +195,7 @@ def _extract(
             )
         try:
             return _check_member(name, staged, expected, modules)
-        except ingest.Refused as exc:
+        except ingest_rules.Refused as exc:
             raise BadBundle(f"{path}: {FILES}{name}: {exc.message}; nothing installed") from None
 
     def small(name: str, data: bytes) -> int | None:
@@ -353,8 +353,8 @@ def _check_declared(
     if cache.max_entry_size is not None:  # else no entry is too large: no call per entry
         for name in modules:
             try:
-                ingest.check_size(cache, name[: -len(CACHE_SUFFIX)], expected[name][0])
-            except ingest.Refused as exc:
+                ingest_rules.check_size(cache, name[: -len(CACHE_SUFFIX)], expected[name][0])
+            except ingest_rules.Refused as exc:
                 raise BadBundle(f"{path}: {exc.message}: nothing installed") from None
     declared = sum(n for n, _ in expected.values())
     own = path.stat().st_size if size is None else size
