@@ -8,7 +8,8 @@ into a JAX entry (422) in one streaming pass that stops at a bound tied to
 that size (413), the key holds no other bytes already (409, unless an admin
 says to overwrite: audited), and the quota is reserved in the index
 atomically (413). Only then is it written, atomically; a full disk is 507. The rules are
-cachectl/storage/ingest.py's (this module streams the body and turns refusals into statuses).
+cachectl/storage/ingest.py's (its checks in ingest_rules.py; this module streams the body and
+turns refusals into statuses).
 Downloads serve only regular files inside the namespace (no symlinks); a download is located in
 the index and opened in one worker-thread hop. Under `cachectl serve` a file on local disk is then
 handed to the server whole, which sends it with ``sendfile`` (server/zero_copy.py: uvicorn offers
@@ -34,7 +35,7 @@ from cachectl.core.errors import EntryConflict, QuotaExceeded
 from cachectl.core.units import format_size
 from cachectl.index import CacheInfo, EnvironmentInfo, NewEntry, warm_runs
 from cachectl.index import server_queries as sq
-from cachectl.storage import ingest
+from cachectl.storage import ingest, ingest_rules
 from cachectl.storage.entries import CACHE_SUFFIX, MAX_KEY_LENGTH, EntryName, parse_key
 
 from . import responses as out
@@ -104,18 +105,18 @@ def _too_large(what: str) -> HTTPException:
     return HTTPException(413, what)
 
 
-# Why cachectl.storage.ingest refused an upload, as the HTTP status the client gets.
+# Why cachectl.storage.ingest refused an upload (ingest_rules' rule), as the HTTP status the client gets.
 _REFUSED_STATUS = {
-    ingest.SHA256: 422,
-    ingest.CORRUPT: 422,
-    ingest.EXECUTABLE: 422,
-    ingest.MISMATCH: 422,
-    ingest.TOO_LARGE: 413,
-    ingest.EXPANDS: 413,
+    ingest_rules.SHA256: 422,
+    ingest_rules.CORRUPT: 422,
+    ingest_rules.EXECUTABLE: 422,
+    ingest_rules.MISMATCH: 422,
+    ingest_rules.TOO_LARGE: 413,
+    ingest_rules.EXPANDS: 413,
 }
 
 
-def refused(exc: ingest.Refused) -> HTTPException:
+def refused(exc: ingest_rules.Refused) -> HTTPException:
     return HTTPException(_REFUSED_STATUS[exc.rule], exc.message)
 
 
@@ -159,7 +160,9 @@ def expansion_limit(settings: ServerSettings, limit: int) -> int:
 
 
 def upload_limit(state: ServerState, info: CacheInfo) -> tuple[int, str]:
-    return ingest.size_limit(info, state.settings.max_upload_bytes, "the server's upload limit")
+    return ingest_rules.size_limit(
+        info, state.settings.max_upload_bytes, "the server's upload limit"
+    )
 
 
 def store_upload(
@@ -173,7 +176,7 @@ def store_upload(
             claim_name=SHA_HEADER,
             **kwargs,
         )
-    except ingest.Refused as exc:
+    except ingest_rules.Refused as exc:
         raise refused(exc) from None
     except QuotaExceeded as exc:
         raise _too_large(exc.message) from None
@@ -566,7 +569,7 @@ def register_entries(
             replace_existing=replace,
             who=f"token {token.name}",
         )
-    except ingest.Refused as exc:
+    except ingest_rules.Refused as exc:
         raise refused(exc) from None
     except EntryConflict as exc:
         raise HTTPException(

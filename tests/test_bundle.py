@@ -355,8 +355,8 @@ def test_install_reads_the_members_tarfile_reads_parsing_plain_headers_itself() 
 
     import zstandard
 
+    from cachectl.bundle import extract
     from cachectl.bundle.format import ForwardOnly, MemberInfo, _tarinfo, member_header
-    from cachectl.bundle.install import _members
 
     def pad(data: bytes) -> bytes:
         return data + b"\0" * (-len(data) % 512)
@@ -407,7 +407,7 @@ def test_install_reads_the_members_tarfile_reads_parsing_plain_headers_itself() 
         assert first is not None and first.name == "bundle.json"
         stream.seek(first.offset_data)
         stream.read(first.size)  # install reads bundle.json before the files
-        for name, is_file, size, at, member in _members(tar, first):
+        for name, is_file, size, at, member in extract.members(tar, first):
             if name == "bundle.json":
                 continue
             stream.seek(at)

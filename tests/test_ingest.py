@@ -13,7 +13,7 @@ from support.environments import ENV
 from cachectl.core.errors import EntryConflict, QuotaExceeded
 from cachectl.index import NewEntry, open_index
 from cachectl.index import db as index_db
-from cachectl.storage import ingest
+from cachectl.storage import ingest, ingest_rules
 from cachectl.storage.entries import make_entry, parse_key
 from cachectl.storage.store import Store
 
@@ -55,13 +55,13 @@ def test_one_upload_refused_claim_bomb_then_stored_once(
     data = make_entry(os.urandom(2000), 3)
     body = _spool(tmp_path, data)
     assert (body.size, body.sha256) == (len(data), hashlib.sha256(data).hexdigest())
-    with pytest.raises(ingest.Refused) as claim:
+    with pytest.raises(ingest_rules.Refused) as claim:
         ingest.ingest_entry(
             target, _key(1), body, origin="upload", expand_to=1 << 20, claimed_sha256="0" * 64
         )
-    with pytest.raises(ingest.Refused) as bomb:
+    with pytest.raises(ingest_rules.Refused) as bomb:
         ingest.ingest_entry(target, _key(1), body, origin="upload", expand_to=100)
-    assert (claim.value.rule, bomb.value.rule) == (ingest.SHA256, ingest.EXPANDS)
+    assert (claim.value.rule, bomb.value.rule) == (ingest_rules.SHA256, ingest_rules.EXPANDS)
     assert _files(target) == [] and target.index.get_entry(target.env.id, _key(1).key) is None
 
     done = ingest.ingest_entry(
@@ -98,9 +98,9 @@ def test_check_new_computes_the_sha256_and_refuses_what_is_not_an_entry(
         2000,
         "f",
     )
-    with pytest.raises(ingest.Refused) as exc:
+    with pytest.raises(ingest_rules.Refused) as exc:
         ingest.check_new(target.cache, _key(2), b"\x28\xb5\x2f\xfd not zstd", origin="push")
-    assert exc.value.rule == ingest.CORRUPT
+    assert exc.value.rule == ingest_rules.CORRUPT
 
 
 def test_a_batch_over_a_limit_writes_nothing(target: ingest.Target) -> None:
@@ -113,9 +113,9 @@ def test_a_batch_over_a_limit_writes_nothing(target: ingest.Target) -> None:
     with pytest.raises(QuotaExceeded):
         ingest.publish(target.index, small, ENV, target.env.id, target.store, objects)
     strict = target.index.update_cache("c", max_size=None, max_entry_size=1000)
-    with pytest.raises(ingest.Refused) as exc:
+    with pytest.raises(ingest_rules.Refused) as exc:
         ingest.publish(target.index, strict, ENV, target.env.id, target.store, objects)
-    assert exc.value.rule == ingest.TOO_LARGE
+    assert exc.value.rule == ingest_rules.TOO_LARGE
     assert _files(target) == [] and target.index.entry_keys(target.env.id) == {}
 
     free = target.index.update_cache("c", max_entry_size=None)

@@ -154,7 +154,7 @@ class Environment:
 ADDED_FIELDS: dict[str, Any] = {"enable_x64": False, "cpu_isa": ""}
 
 # The environment's fields, in order: the index's columns of the same names (index/models.py)
-# and every query that reads them (index/reads.py, index/sql.py) come from this one list.
+# and every query that reads them (index/reads.py, index/row_records.py) come from this one list.
 ENVIRONMENT_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(Environment))
 
 

@@ -4,7 +4,7 @@ A service that finds no stored executable is told to run ``cachectl warm``. When
 entries under an environment that differs from this process's only in its x64 mode, its CPU
 instruction set or its XLA flags, warming again is not the first fix: the process runs in
 another mode than warm did. The index's environments of the same JAX, backend and devices are
-compared with this one (cachectl.service.doctor's words for each differing field), and the
+compared with this one (cachectl.service.env_differences' words for each differing field), and the
 closest one that holds entries is named in one warning.
 """
 
@@ -14,7 +14,7 @@ import logging
 from typing import Any
 
 from cachectl.core.fingerprint import Environment
-from cachectl.service.doctor import compare
+from cachectl.service.env_differences import compare
 
 log = logging.getLogger("cachectl.dispatch")
 

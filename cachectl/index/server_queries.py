@@ -19,7 +19,8 @@ from cachectl.core.units import format_size
 from cachectl.index import CacheInfo, EntryInfo, EnvironmentInfo, NewEntry
 from cachectl.index.models import Cache, Entry, Job, TelemetryRecord, utcnow
 from cachectl.index.models import Environment as EnvRow
-from cachectl.index.sql import Index, cache_info, entry_info, env_info, unit_size
+from cachectl.index.row_records import cache_info, entry_info, env_info
+from cachectl.index.sql import Index, unit_size
 from cachectl.index.telemetry_queries import counter_sum
 
 QUEUED = "queued"

@@ -30,7 +30,7 @@ from cachectl.service.mirror import (
     parallel,
     read_mirror_env,
 )
-from cachectl.storage import ingest
+from cachectl.storage import ingest, ingest_rules
 from cachectl.storage.entries import (
     CACHE_SUFFIX,
     ENV_FILE,
@@ -157,7 +157,7 @@ def _triage(
             out.candidates.append(
                 ingest.NewObject(ingest.check_new(cache, parsed, data, origin="push"), data)
             )
-        except ingest.Refused as exc:
+        except ingest_rules.Refused as exc:
             out.refused.append(EntryProblem(key, f"{exc.message}: not uploaded"))
     return out
 
@@ -192,8 +192,8 @@ def _executables_to_push(
                 )
             continue
         try:
-            ingest.check_executable(key, data, entry_sha[key])
-        except ingest.Refused as exc:
+            ingest_rules.check_executable(key, data, entry_sha[key])
+        except ingest_rules.Refused as exc:
             triage.refused.append(EntryProblem(key, AOT_REASON + f"{exc.message}: not uploaded"))
             continue
         out[key] = data

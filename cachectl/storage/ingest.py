@@ -1,7 +1,8 @@
 """The one way new entries and stored executables enter a cache (issue 12).
 
 Every writer of new ``-cache``/``-aot`` objects (the server's uploads, ``push``,
-``bundle install``) comes through here, so each rule is written once:
+``bundle install``) comes through here, so each rule is written once (the checks of 1 to 3
+in ingest_rules.py, which writes nothing; the writes here):
 
 1. the sha256 recorded is the one computed here from the bytes, never a client's claim
    (a claim that differs is refused);
@@ -17,7 +18,7 @@ Every writer of new ``-cache``/``-aot`` objects (the server's uploads, ``push``,
    verified staging directory), entries before executables, and only then indexed, all rows
    of a batch in one ``upsert_entries`` call.
 
-A refusal is ``Refused`` with the rule that refused it, so the server can answer with its
+A refusal is ``Refused`` (ingest_rules.py) with the rule that refused it, so the server can answer with its
 HTTP status and the CLI with one line.
 """
 
@@ -26,9 +27,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import hashlib
-import io
 import os
-import sys
 import tempfile
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
@@ -36,44 +35,28 @@ from pathlib import Path
 from typing import Any
 
 from cachectl.core import temps
-from cachectl.core.errors import BadInput, EntryConflict
+from cachectl.core.errors import EntryConflict
 from cachectl.core.fingerprint import Environment
-from cachectl.core.units import format_size
 from cachectl.index import CacheInfo, EntryInfo, EnvironmentInfo, Index, NewEntry
 from cachectl.index import server_queries as sq
-from cachectl.storage import executables
 from cachectl.storage.entries import (
     CACHE_SUFFIX,
     ENV_FILE,
     EXECUTABLE_SUFFIX,
-    ONE_SHOT_BYTES,
-    ZSTD_MAGIC,
-    CorruptEntry,
     EntryName,
-    EntryTooLarge,
-    decompress_zstd,
-    header_seconds,
-    scan_entry,
+)
+from cachectl.storage.ingest_rules import (
+    EXECUTABLE,
+    MISMATCH,
+    TOO_LARGE,
+    Refused,
+    check_claim,
+    check_entry,
+    check_executable,
+    check_size,
 )
 from cachectl.storage.namespace import ensure_namespace
 from cachectl.storage.store import Store
-
-# Why ingest refused: the server answers 422 for these ...
-SHA256 = "sha256"
-CORRUPT = "corrupt"
-EXECUTABLE = "executable"
-MISMATCH = "mismatch"  # a registration that storage (or the warm run) contradicts
-# ... and 413 for these.
-TOO_LARGE = "too-large"
-EXPANDS = "expands"
-
-
-class Refused(BadInput):
-    """Bytes that may not enter the cache; ``rule`` names the rule (SHA256, CORRUPT, ...)."""
-
-    def __init__(self, message: str, rule: str) -> None:
-        super().__init__(message)
-        self.rule = rule
 
 
 def is_disk_full(exc: BaseException) -> bool:
@@ -111,107 +94,6 @@ class Spool:
         self._fh.close()
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
-
-
-def size_limit(cache: CacheInfo, cap: int, cap_name: str) -> tuple[int, str]:
-    """The most bytes one object may have in ``cache`` and what sets it: the cache's max entry
-    size, or ``cap`` (e.g. the server's upload limit) when that is smaller."""
-    if cache.max_entry_size is not None and cache.max_entry_size < cap:
-        return cache.max_entry_size, f"cache {cache.name!r}'s max entry size"
-    return cap, cap_name
-
-
-def _check_claim(sha: str, claimed: str | None, claim_name: str) -> None:
-    if claimed is not None and claimed.lower() != sha:
-        raise Refused(
-            f"body sha256 is {sha}, not the {claim_name} sent: corrupted in transit?", SHA256
-        )
-
-
-def _check_size(cache: CacheInfo, key: str, size: int) -> None:
-    if cache.max_entry_size is not None and size > cache.max_entry_size:
-        raise Refused(
-            f"entry {key} ({format_size(size)}) is above cache {cache.name!r}'s max entry size "
-            f"({format_size(cache.max_entry_size)})",
-            TOO_LARGE,
-        )
-
-
-# How far an entry may decompress: ENTRY_EXPANSION times its own size (JAX entries expand a few
-# times; a decompression bomb a thousand times or more), at least EXPANSION_FLOOR, at most
-# MAX_EXPANDED, whoever writes it. The server's bound for an upload may be smaller.
-ENTRY_EXPANSION = 64
-EXPANSION_FLOOR = 64 << 20
-MAX_EXPANDED = 4 << 30
-
-
-def expansion_bound(size: int, cap: int = MAX_EXPANDED) -> int:
-    """The most bytes an entry of ``size`` bytes may decompress to (``cap``: a caller's own bound)."""
-    return min(cap, MAX_EXPANDED, max(EXPANSION_FLOOR, size * ENTRY_EXPANSION))
-
-
-def check_size(cache: CacheInfo, key: str, size: int) -> None:
-    """Refused (TOO_LARGE) when an entry of ``size`` bytes is above the cache's max entry size."""
-    _check_size(cache, key, size)
-
-
-def check_entry(source: bytes | str | os.PathLike[str], expand_to: int | None = None) -> int:
-    """The compile time (ms) of entry bytes (in memory or a local file), checked in one streaming
-    pass that stops past ``expand_to`` (default: ``expansion_bound`` of its size): memory stays at
-    one read chunk whatever the entry expands to. Bytes in memory whose zstd frame declares at most
-    ``ONE_SHOT_BYTES`` (within the bound) are decompressed in one call (``_declared_seconds``)."""
-    try:
-        if isinstance(source, bytes):
-            bound = expansion_bound(len(source), expand_to or MAX_EXPANDED)
-            if (seconds := _declared_seconds(source, bound)) is not None:
-                return seconds * 1000
-            return scan_entry(io.BytesIO(source), bound).compile_seconds * 1000
-        with open(source, "rb") as fh:
-            bound = expansion_bound(os.fstat(fh.fileno()).st_size, expand_to or MAX_EXPANDED)
-            return scan_entry(fh, bound).compile_seconds * 1000
-    except EntryTooLarge as exc:
-        raise Refused(
-            f"entry expands to more than {format_size(exc.limit)}: refused", EXPANDS
-        ) from None
-    except CorruptEntry as exc:
-        raise Refused(f"not a JAX cache entry: {exc}", CORRUPT) from None
-
-
-def _declared_seconds(data: bytes, bound: int) -> int | None:
-    """The compile seconds of a zstd entry whose frame declares at most ``ONE_SHOT_BYTES`` (and at
-    most ``bound``), decompressed in one call: zstandard sizes its output from the declaration
-    and fails if the frame holds another amount, so memory stays within the bound (a frame that
-    lies is corrupt). None for any other entry: ``scan_entry``'s streaming pass. A bundle of
-    small entries checks thousands; the stream reader, its 1 MiB reads and its end-of-frame
-    read cost more than decompressing 8 KiB (BENCHMARKS.md, "OCI")."""
-    if data[:4] != ZSTD_MAGIC:
-        return None
-    zstandard = sys.modules.get("zstandard")
-    if zstandard is None:
-        return None  # the streaming pass imports it (or says it is missing)
-    try:
-        declared = zstandard.frame_content_size(data[:18])
-    except zstandard.ZstdError:
-        return None
-    if not 0 <= declared <= min(bound, ONE_SHOT_BYTES):
-        return None
-    return header_seconds(decompress_zstd(data))
-
-
-def check_executable(key: str, data: bytes, entry_sha256: str | None) -> None:
-    """An intact stored executable made for ``key`` and the entry bytes with ``entry_sha256``."""
-    try:
-        header = executables.read_header(data)
-    except CorruptEntry as exc:
-        raise Refused(f"not a cachectl stored executable: {exc}", EXECUTABLE) from None
-    if header.key != key:
-        raise Refused("the stored executable's header names another key: refused", EXECUTABLE)
-    if entry_sha256 is not None and header.entry_sha256 != entry_sha256:
-        raise Refused(
-            "the stored executable was made for other entry bytes than the indexed "
-            "entry's (entry_sha256 differs): refused",
-            EXECUTABLE,
-        )
 
 
 # -- one upload: reserve, write, or give the reservation back -----------------------------
@@ -264,8 +146,8 @@ def ingest_entry(
     EntryConflict when the key holds other bytes (unless ``replace_existing``: audited),
     QuotaExceeded, Refused; a failed write gives the reservation back.
     """
-    _check_claim(body.sha256, claimed_sha256, claim_name)
-    _check_size(t.cache, key.key, body.size)
+    check_claim(body.sha256, claimed_sha256, claim_name)
+    check_size(t.cache, key.key, body.size)
     compile_ms = check_entry(body.path, expand_to)
     new = NewEntry(
         key=key.key,
@@ -318,8 +200,8 @@ def ingest_executable(
     claim_name: str = "sha256",
 ) -> Ingested:
     """Check, reserve quota for, write and record the stored executable of an indexed entry."""
-    _check_claim(body.sha256, claimed_sha256, claim_name)
-    _check_size(t.cache, key.key, body.size)
+    check_claim(body.sha256, claimed_sha256, claim_name)
+    check_size(t.cache, key.key, body.size)
     with open(body.path, "rb") as fh:
         data = fh.read()  # bounded by the size limit; artifacts are a few KiB
     check_executable(key.key, data, None)
@@ -377,7 +259,7 @@ def check_new(
 ) -> NewEntry:
     """The index row of entry bytes that pass the rules: size, a JAX entry within the expansion
     bound (one streaming pass, never the whole entry decompressed), the sha256 computed here."""
-    _check_size(cache, key.key, len(data))
+    check_size(cache, key.key, len(data))
     compile_ms = check_entry(data)
     fields.setdefault("compile_time_ms", compile_ms)
     return NewEntry(
@@ -440,7 +322,7 @@ def publish(
     objects = list(objects)
     for o in objects:
         if o.entry is not None:
-            _check_size(cache, o.row.key, o.row.size)
+            check_size(cache, o.row.key, o.row.size)
     added = sum(o.row.size for o in objects if o.entry is not None)
     added += sum(o.row.aot_size or 0 for o in objects if o.executable is not None)
     if quota:

@@ -25,7 +25,7 @@ from cachectl.core.fingerprint import Environment
 from cachectl.index.models import Cache, Entry, WarmRun, utcnow
 from cachectl.index.models import Environment as EnvRow
 from cachectl.index.telemetry_queries import SignatureRow, signature_usage
-from cachectl.service.doctor import compare
+from cachectl.service.env_differences import compare
 from cachectl.usage.misses_expected import (
     ExpectedSignature,
     LoweringFailure,
@@ -430,7 +430,7 @@ def _environment_findings(
     ctx: Any, cache: str, rows: list[SignatureRow], side: _ManifestSide
 ) -> list[MissFinding]:
     """Misses of programs that are exactly a bucket: the service's environment differs from the
-    one warm filled in a component of JAX's key; each differing one named (doctor.compare), the
+    one warm filled in a component of JAX's key; each differing one named (env_differences.compare), the
     XLA flags with the flags themselves. A row of the warmed environment itself is explained as
     any other row."""
     if not rows:

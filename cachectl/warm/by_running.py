@@ -45,7 +45,7 @@ from cachectl.core.errors import BadInput
 from cachectl.index import warm_runs
 from cachectl.service.activate import env_vars_for
 from cachectl.service.exec_hook import COUNTS_VAR, PUT, SHA256, WRITES_VAR, child_variables
-from cachectl.storage import ingest
+from cachectl.storage import ingest, ingest_rules
 from cachectl.storage.entries import CACHE_SUFFIX, EntryName, Kind, classify, parse_key
 from cachectl.storage.jax_storage import child_env
 from cachectl.trust.permissions import check_writer
@@ -282,7 +282,7 @@ def index_entries(
                 function=module.removeprefix("jit_"),
                 warm_run_id=run_id,
             )
-        except ingest.Refused as exc:
+        except ingest_rules.Refused as exc:
             store.delete([rel])
             out.append(RunEntry(key, module, len(data), None, "refused", exc.message))
             continue

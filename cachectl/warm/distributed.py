@@ -49,7 +49,7 @@ from cachectl.core.errors import (
     error_named,
 )
 from cachectl.manifest import LoadedManifest, as_loaded
-from cachectl.storage import ingest
+from cachectl.storage import ingest, ingest_rules
 from cachectl.storage.entries import CACHE_SUFFIX, parse_key, sha256
 from cachectl.storage.jax_storage import jax_storage
 from cachectl.warm.compiling import Outcome, warm_jax_config
@@ -480,7 +480,7 @@ def _store_peer_entries(
                     warm_run_id=run_id,
                     **timed,
                 )
-            except ingest.Refused:
+            except ingest_rules.Refused:
                 continue
             if row.sha256 != item["sha256"]:
                 continue  # changed on the way: never stored

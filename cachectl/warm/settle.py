@@ -18,7 +18,7 @@ from cachectl.core import jax_seam
 from cachectl.core.units import format_size
 from cachectl.index import NewEntry
 from cachectl.manifest import Bucket, resolve_callable
-from cachectl.storage import executables, ingest
+from cachectl.storage import executables, ingest, ingest_rules
 from cachectl.storage.entries import (
     CACHE_SUFFIX,
     EXECUTABLE_SUFFIX,
@@ -248,10 +248,10 @@ def _settle_written(scope: RunScope, bucket: Bucket, outcome: Outcome, rel: str)
             bucket=dict(bucket.values),
             warm_run_id=scope.run_id,
         )
-    except ingest.Refused as exc:
+    except ingest_rules.Refused as exc:
         store.delete([rel])
         limit = cache.max_entry_size
-        if exc.rule == ingest.TOO_LARGE and limit is not None:
+        if exc.rule == ingest_rules.TOO_LARGE and limit is not None:
             error = (
                 f"entry is {format_size(size)}, above the max entry size of cache "
                 f"{cache.name!r} ({format_size(limit)}): removed, not kept"
