@@ -1,4 +1,4 @@
-"""server/fast_lane.py ``Bodies``: a small GET answered again from memory, after one ``fstatat``
+"""server/lane_memory.py ``Bodies`` (kept by server/fast_lane.py): a small GET answered again from memory, after one ``fstatat``
 (no open, no read), and never with bytes other than the file's own: a file replaced, written in
 place (even with its mtime set back), too fresh to trust its timestamps, or deleted is read again
 or refused, as the app's own route answers it."""
@@ -15,7 +15,7 @@ from support.server_kit import MAIN, LiveServer, bearer, seed
 from cachectl.storage.entries import sha256
 from cachectl.storage.store_local import LocalReader
 from cachectl_server.app import create_app
-from cachectl_server.fast_lane import SETTLED_NS, Bodies
+from cachectl_server.lane_memory import SETTLED_NS, Bodies
 
 API = "/api/v1"
 
