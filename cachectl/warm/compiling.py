@@ -13,6 +13,7 @@ from cachectl.core.errors import BadInput
 from cachectl.core.fingerprint import Environment
 from cachectl.core.jaxlog import CAPTURE, Event
 from cachectl.manifest import lowering_scope
+from cachectl.manifest.mesh import explain_mesh_error
 from cachectl.service.activate import apply_jax_config, jax_config_for
 from cachectl.storage.executables import ExecutableError, payload_of
 from cachectl.warm.tracebacks import format_user_traceback, location
@@ -172,8 +173,11 @@ class ErrorText(str):
 
 def error_text(exc: BaseException) -> ErrorText:
     """One line: the error, ended by ``(at file:line)`` of the user's code that raised it."""
+    explained = explain_mesh_error(exc)
     if isinstance(exc, BadInput):
         message = exc.message
+    elif explained is not None:
+        message = explained
     else:
         text = str(exc).strip().splitlines()
         first = text[0] if text else ""
