@@ -339,6 +339,26 @@ functions:
     args:
       - {shape: [16, 64], dtype: float32, sharding: [data, null]}
       - {pytree: dl_tiny:weights}
+  - name: layer_leaves
+    fn: dl_tiny:layer
+    mesh: {axes: {data: 2, model: 2}}
+    args:
+      - {shape: [16, 64], dtype: float32, sharding: [data, null]}
+      - {pytree: dl_leaves:weights}
+"""
+
+# Per-leaf PartitionSpecs over an AbstractMesh: no devices, so they import on the CPU runner.
+LEAVES_MODULE = """
+import jax
+import jax.numpy as jnp
+from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec as P
+
+SPECS = {"w": P(None, "model"), "b": P("model")}
+
+def weights():
+    mesh = AbstractMesh((2, 2), ("data", "model"))
+    return {"w": jax.ShapeDtypeStruct((64, 64), jnp.float32, sharding=NamedSharding(mesh, SPECS["w"])),
+            "b": jax.ShapeDtypeStruct((64,), jnp.float32, sharding=NamedSharding(mesh, SPECS["b"]))}
 """
 
 # A service on the slice, its keys computed here: the slice's devices in jax.devices() order.
@@ -351,17 +371,17 @@ import jax, jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from cachectl.core import jax_seam
 sys.path.insert(0, ".")
-import dl_tiny
+import dl_leaves, dl_tiny
 
-def key(mesh):
+def key(mesh, specs={}):
     x = jax.ShapeDtypeStruct((16, 64), jnp.float32, sharding=NamedSharding(mesh, P("data", None)))
-    p = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=NamedSharding(mesh, P()))
+    p = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=NamedSharding(mesh, specs.get(k, P())))
          for k, v in dl_tiny.weights().items()}
     return jax_seam.persistent_cache_key(jax.jit(dl_tiny.layer).lower(x, p))
 
 own = Mesh(np.array(devices).reshape(2, 2), ("data", "model"))
 made = jax.make_mesh((2, 2), ("data", "model"), devices=devices)
-print(json.dumps({"mesh": key(own), "make_mesh": key(made),
+print(json.dumps({"mesh": key(own), "make_mesh": key(made), "leaves": key(own, dl_leaves.SPECS),
                   "orders": [[d.id for d in own.devices.flat], [d.id for d in made.devices.flat]]}))
 """
 
@@ -369,8 +389,10 @@ print(json.dumps({"mesh": key(own), "make_mesh": key(made),
 def test_the_slices_mesh_is_the_one_a_service_builds_over_jax_devices(tmp_path: Path) -> None:
     """warm's v5e:2x2 mesh is Mesh(jax.devices()) with Auto axes, key for key; a service that
     calls jax.make_mesh (Explicit axes, the slice's physical order) matches the manifest's
-    ``axis_types: explicit, device_order: make_mesh``."""
+    ``axis_types: explicit, device_order: make_mesh``; per-leaf PartitionSpecs over an
+    AbstractMesh are the service's own leaf shardings."""
     manifest = tiny(tmp_path, ORDER_MANIFEST)
+    (tmp_path / "dl_leaves.py").write_text(LEAVES_MODULE)
     code, report, err = cachectl("warm", str(manifest), "--json", cwd=tmp_path)
     assert code == 0, err
     warmed = {b["function"]: b["key"] for b in report["buckets"]}
@@ -380,8 +402,12 @@ def test_the_slices_mesh_is_the_one_a_service_builds_over_jax_devices(tmp_path: 
     )  # fmt: skip
     service = json.loads(proc.stdout.strip().splitlines()[-1])
     assert service["orders"] == [[0, 1, 2, 3], [0, 1, 3, 2]]  # the two orders differ here
-    assert warmed == {"layer": service["mesh"], "layer_make_mesh": service["make_mesh"]}
-    assert service["mesh"] != service["make_mesh"]
+    assert warmed == {
+        "layer": service["mesh"],
+        "layer_make_mesh": service["make_mesh"],
+        "layer_leaves": service["leaves"],
+    }
+    assert len({service["mesh"], service["make_mesh"], service["leaves"]}) == 3
 
 
 def test_a_mesh_bigger_than_the_topology_is_refused(tmp_path: Path) -> None:

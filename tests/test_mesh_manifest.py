@@ -72,6 +72,12 @@ p = {{"w": place(np.ones((16, 16), np.float32), None, "model"), "b": place(np.on
 step = jax.jit(mm_mod.step)
 for n in (8, 16):
     step(place(np.ones((n, 16), np.float32), "data", None), p).block_until_ready()
+# Pre-jitted over the service's mesh, called with host arrays: the same programs.
+spec = lambda *s: NamedSharding(mesh, P(*s))
+pinned = jax.jit(mm_mod.step, in_shardings=(spec("data", None), {{"w": spec(None, "model"), "b": spec("model")}}))
+host = {{"w": np.ones((16, 16), np.float32), "b": np.ones(16, np.float32)}}
+for n in (8, 16):
+    pinned(np.ones((n, 16), np.float32), host).block_until_ready()
 print(json.dumps([counts.get("/jax/compilation_cache/compile_requests_use_cache", 0),
                   counts.get("/jax/compilation_cache/cache_hits", 0)]))
 """
@@ -101,6 +107,8 @@ def test_the_manifests_mesh_is_the_services_with_per_leaf_specs(tmp_path: Path) 
     assert "mesh: {axis_types: explicit} (or auto)" in error and "AbstractMesh" in error, error
 
     # A service that builds its own Mesh(jax.devices()) and places the leaves as params()
-    # declares them hits both buckets: same axis types, device order and per-leaf specs.
+    # declares them hits both buckets: same axis types, device order and per-leaf specs; and so
+    # does its jax.jit(step, in_shardings=...) over that mesh (what a deviceless warm of a
+    # pre-jitted function is told to declare instead).
     proc = run_py(SERVICE.format(dir=str(tmp_path)), DEVICES, check=True)
-    assert last_json(proc) == [2, 2], proc.stderr
+    assert last_json(proc) == [4, 4], proc.stderr

@@ -84,9 +84,10 @@ def _import_ref(ref: str, where: str = "") -> Any:
     if obj is None:
         raise _RefError(
             f"{ref} is None, not a function, when {module_name!r} is imported{where or ' here'} "
-            "(does the module build it only where it finds enough devices?): define it on any "
-            "machine, over a jax.sharding.AbstractMesh, or name the plain function and declare "
-            "the manifest's mesh: and sharding:"
+            "(does the module build it only where it finds enough devices?): name a function "
+            "it defines on any machine, such as the one jax.jit wraps, and declare its shardings "
+            "in the manifest (mesh: and sharding:, or pytree leaves over a "
+            "jax.sharding.AbstractMesh)"
         )
     if not callable(obj):
         raise _RefError(f"{ref} is not callable: it is {describe(obj)}")

@@ -29,9 +29,14 @@ from cachectl.manifest.lowering import target_platform
 
 log = logging.getLogger("cachectl.warm")
 
+# What works (tests/test_mesh_manifest.py): the plain function with the manifest's mesh and
+# shardings compiles the program a service's jax.jit(f, in_shardings=...) over its own
+# Mesh(jax.devices()) runs, key for key. A jit whose in_shardings are over an AbstractMesh does
+# not lower in JAX 0.10 (memory kinds differ), so it is no way out for a jitted function.
 FIX = (
-    "build its shardings over a jax.sharding.AbstractMesh (no devices), or name the plain "
-    "function and declare the manifest's mesh: and sharding:"
+    "name the function jax.jit wraps, not the jitted one, and declare its shardings in the "
+    "manifest (mesh: and each argument's sharding:; a pytree's leaves may carry a "
+    "NamedSharding over a jax.sharding.AbstractMesh)"
 )
 
 
