@@ -229,8 +229,185 @@ def test_multi_chip_topologies_compile_with_the_manifests_mesh(
     ns = Path(report["namespace"])
     _, payload = executables._split((ns / f"{bucket['key']}-aot").read_bytes())
     device_ids = pickle.loads(payload)[3]
-    # (in the order jax.make_mesh picks from the slice's physical layout, as on the pod)
-    assert sorted(device_ids) == list(range(devices))
+    # (in jax.devices() order, as a service's Mesh(jax.devices()) lays them out)
+    assert device_ids == list(range(devices))
+
+
+CONCRETE_MODULE = """
+import numpy as np
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+def _forward(x, w):
+    return jnp.tanh(x @ w)
+
+if len(jax.devices()) >= 4:  # pre-jitted over this machine's own devices (a Mesh of jax.devices())
+    mesh = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("data", "model"))
+    forward_tp = jax.jit(_forward, in_shardings=(NamedSharding(mesh, P("data", None)),
+                                                 NamedSharding(mesh, P(None, "model"))))
+else:
+    forward_tp = None
+
+def table():  # computed on this machine's CPU while tracing: JAX compiles and writes side programs
+    with jax.ensure_compile_time_eval(), jax.default_device(jax.devices("cpu")[0]):
+        return np.asarray(jnp.cos(jnp.arange(64.0, dtype=jnp.float32)))
+
+def step(x, p):
+    return jnp.tanh(x @ p["w"] + table())
+
+def params(batch):  # big batches: over the module's own mesh of this machine's devices
+    w = jax.ShapeDtypeStruct((64, 64), jnp.float32)
+    if batch >= 16:
+        mesh = Mesh(np.array(jax.devices()[:4]), ("model",))
+        w = jax.ShapeDtypeStruct((64, 64), jnp.float32, sharding=NamedSharding(mesh, P(None, "model")))
+    return {"w": w}
+"""
+
+CONCRETE_MANIFEST = """
+version: 1
+target: {backend: tpu, topology: v5e:2x2}
+functions:
+  - fn: dl_concrete:forward_tp
+    args:
+      - {shape: [batch, 64], dtype: float32}
+      - {shape: [64, 64], dtype: float32}
+    buckets: {batch: [8, 16]}
+"""
+
+STEP_MANIFEST = """
+version: 1
+target: {backend: tpu, topology: v5e:2x2}
+functions:
+  - fn: dl_concrete:step
+    args:
+      - {shape: [batch, 64], dtype: float32}
+      - {pytree: dl_concrete:params}
+    buckets: {batch: [8, 16]}
+"""
+
+
+def test_nothing_compiled_for_this_machines_devices_lands_in_the_slices_namespace(
+    tmp_path: Path,
+) -> None:
+    """A function over this machine's own devices is refused before anything compiles (one line,
+    exit 2, the fix named); a bucket that lowers for them fails alone, and what JAX compiles for
+    this CPU while tracing is not written: the TPU namespace holds the TPU bucket's files only."""
+    (tmp_path / "dl_concrete.py").write_text(CONCRETE_MODULE)
+    manifest = tmp_path / "concrete.yaml"
+    manifest.write_text(CONCRETE_MANIFEST)
+    four = {"XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+    fix = "jax.sharding.AbstractMesh"
+    # One host device: the module builds no mesh, and the message says why that matters here.
+    code, _, err = cachectl("warm", str(manifest), cwd=tmp_path)
+    assert code == 2 and err.count("\n") == 1, err
+    said = "forward_tp is None, not a function, when 'dl_concrete' is imported on this machine"
+    assert said in err and "to warm for the TPU slice v5e:2x2" in err and fix in err, err
+    # Four: pre-jitted over them. Refused, nothing compiled.
+    code, _, err = cachectl("warm", str(manifest), cwd=tmp_path, env=four)
+    assert code == 2 and err.count("\n") == 1, err
+    assert "forward_tp cannot be warmed for a TPU slice: it lowers for this machine's cpu" in err
+    assert fix in err, err
+    assert not [p for p in tmp_path.rglob("*") if p.name.endswith(("-cache", "-aot"))]
+
+    manifest.write_text(STEP_MANIFEST)
+    code, report, err = cachectl(
+        "warm", str(manifest), "--json", "--jobs", "1", cwd=tmp_path, env=four
+    )
+    assert code == 1, err
+    ok, foreign = report["buckets"]
+    assert ok["status"] == "compiled" and ok["aot_bytes"], ok
+    assert foreign["status"] == "failed" and foreign["key"] is None, foreign
+    assert foreign["error"].startswith("not compiled: it lowers for this machine's cpu devices")
+    assert "not written to the TPU namespace: JAX compiled it for this machine's cpu" in err, err
+    names = {p.name for p in Path(report["namespace"]).iterdir()}
+    assert names == {"env.json", f"{ok['key']}-cache", f"{ok['key']}-aot"}, names
+
+
+ORDER_MANIFEST = """
+version: 1
+target: {backend: tpu, topology: v5e:2x2}
+functions:
+  - fn: dl_tiny:layer
+    mesh: {axes: {data: 2, model: 2}}
+    args:
+      - {shape: [16, 64], dtype: float32, sharding: [data, null]}
+      - {pytree: dl_tiny:weights}
+  - name: layer_make_mesh
+    fn: dl_tiny:layer
+    mesh: {axes: {data: 2, model: 2}, axis_types: explicit, device_order: make_mesh}
+    args:
+      - {shape: [16, 64], dtype: float32, sharding: [data, null]}
+      - {pytree: dl_tiny:weights}
+  - name: layer_leaves
+    fn: dl_tiny:layer
+    mesh: {axes: {data: 2, model: 2}}
+    args:
+      - {shape: [16, 64], dtype: float32, sharding: [data, null]}
+      - {pytree: dl_leaves:weights}
+"""
+
+# Per-leaf PartitionSpecs over an AbstractMesh: no devices, so they import on the CPU runner.
+LEAVES_MODULE = """
+import jax
+import jax.numpy as jnp
+from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec as P
+
+SPECS = {"w": P(None, "model"), "b": P("model")}
+
+def weights():
+    mesh = AbstractMesh((2, 2), ("data", "model"))
+    return {"w": jax.ShapeDtypeStruct((64, 64), jnp.float32, sharding=NamedSharding(mesh, SPECS["w"])),
+            "b": jax.ShapeDtypeStruct((64,), jnp.float32, sharding=NamedSharding(mesh, SPECS["b"]))}
+"""
+
+# A service on the slice, its keys computed here: the slice's devices in jax.devices() order.
+SERVICE_KEYS = """
+import json, sys
+import numpy as np
+from cachectl.warm.deviceless import resolve
+devices = list(resolve("v5e:2x2").devices)
+import jax, jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from cachectl.core import jax_seam
+sys.path.insert(0, ".")
+import dl_leaves, dl_tiny
+
+def key(mesh, specs={}):
+    x = jax.ShapeDtypeStruct((16, 64), jnp.float32, sharding=NamedSharding(mesh, P("data", None)))
+    p = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=NamedSharding(mesh, specs.get(k, P())))
+         for k, v in dl_tiny.weights().items()}
+    return jax_seam.persistent_cache_key(jax.jit(dl_tiny.layer).lower(x, p))
+
+own = Mesh(np.array(devices).reshape(2, 2), ("data", "model"))
+made = jax.make_mesh((2, 2), ("data", "model"), devices=devices)
+print(json.dumps({"mesh": key(own), "make_mesh": key(made), "leaves": key(own, dl_leaves.SPECS),
+                  "orders": [[d.id for d in own.devices.flat], [d.id for d in made.devices.flat]]}))
+"""
+
+
+def test_the_slices_mesh_is_the_one_a_service_builds_over_jax_devices(tmp_path: Path) -> None:
+    """warm's v5e:2x2 mesh is Mesh(jax.devices()) with Auto axes, key for key; a service that
+    calls jax.make_mesh (Explicit axes, the slice's physical order) matches the manifest's
+    ``axis_types: explicit, device_order: make_mesh``; per-leaf PartitionSpecs over an
+    AbstractMesh are the service's own leaf shardings."""
+    manifest = tiny(tmp_path, ORDER_MANIFEST)
+    (tmp_path / "dl_leaves.py").write_text(LEAVES_MODULE)
+    code, report, err = cachectl("warm", str(manifest), "--json", cwd=tmp_path)
+    assert code == 0, err
+    warmed = {b["function"]: b["key"] for b in report["buckets"]}
+    proc = subprocess.run(
+        [sys.executable, "-c", SERVICE_KEYS],
+        cwd=tmp_path, capture_output=True, text=True, timeout=120, check=True,
+    )  # fmt: skip
+    service = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert service["orders"] == [[0, 1, 2, 3], [0, 1, 3, 2]]  # the two orders differ here
+    assert warmed == {
+        "layer": service["mesh"],
+        "layer_make_mesh": service["make_mesh"],
+        "layer_leaves": service["leaves"],
+    }
+    assert len({service["mesh"], service["make_mesh"], service["leaves"]}) == 3
 
 
 def test_a_mesh_bigger_than_the_topology_is_refused(tmp_path: Path) -> None:

@@ -46,8 +46,8 @@ import cachectl
 activation = cachectl.activate(readonly=True)
 sys.path.insert(0, {dir!r})
 import dist_mod
-from jax.sharding import NamedSharding, PartitionSpec as P
-mesh = jax.make_mesh((2,), ("data",))  # as the manifest builds it
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+mesh = Mesh(np.array(jax.devices()), ("data",))  # as the manifest builds it (Auto axes)
 rows, rep = NamedSharding(mesh, P("data", None)), NamedSharding(mesh, P())
 step = jax.jit(dist_mod.step)
 counts = {{}}

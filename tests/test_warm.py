@@ -327,14 +327,14 @@ version: 1
 target: {backend: cpu, device_count: 4}
 functions:
   - fn: wm_mesh:step
-    mesh: {axes: {data: 4}}
+    mesh: {axes: {data: 4}, axis_types: explicit}  # the service calls jax.make_mesh
     args:
       - {shape: [batch, 16], dtype: float32, sharding: [data, null]}
       - {pytree: wm_mesh:weights}
     buckets: {batch: [4, 8]}
   - name: step_2x2
     fn: wm_mesh:step
-    mesh: {axes: {data: 2, model: 2}}
+    mesh: {axes: {data: 2, model: 2}, axis_types: explicit}
     args:
       - {shape: [8, 16], dtype: float32, sharding: [data, null]}
       - {pytree: wm_mesh:weights, sharding: [null, model]}

@@ -5,7 +5,8 @@ log calls (the only place that names a key), the lowering log (the only place th
 names a program's input avals), a few private attributes and functions of
 ``jax._src``. All of it lives in this module, behind a small typed API, and
 tests/test_jax_seam.py pins each fact against the installed JAX. No other module but
-jax_kernels.py (the kernels a stored executable calls, re-exported here) imports ``jax._src``
+jax_kernels.py (the kernels a stored executable calls, re-exported here) and jax_platforms.py
+(which platform a program is for: deviceless warm's guard) imports ``jax._src``
 or matches a JAX log message (tests/test_jax_seam.py greps).
 
 Importing this module costs nothing: JAX is imported inside the functions, as the

@@ -50,7 +50,7 @@ class _RefError(Exception):
     pass
 
 
-def _import_ref(ref: str) -> Any:
+def _import_ref(ref: str, where: str = "") -> Any:
     if not REF_RE.fullmatch(ref):
         raise _RefError(
             f"{ref!r} is not of the form module:attribute (e.g. examples.lm:decode_step)"
@@ -64,9 +64,13 @@ def _import_ref(ref: str) -> Any:
                 f"cannot import {module_name!r}: no module named {exc.name!r} "
                 "(add its directory with --path)"
             ) from None
-        raise _RefError(f"importing {module_name!r} failed: {type(exc).__name__}: {exc}") from None
+        raise _RefError(
+            f"importing {module_name!r}{where} failed: {type(exc).__name__}: {exc}"
+        ) from None
     except Exception as exc:
-        raise _RefError(f"importing {module_name!r} failed: {type(exc).__name__}: {exc}") from None
+        raise _RefError(
+            f"importing {module_name!r}{where} failed: {type(exc).__name__}: {exc}"
+        ) from None
     walked = module_name
     for part in attr.split("."):
         if not hasattr(obj, part):
@@ -77,6 +81,14 @@ def _import_ref(ref: str) -> Any:
             raise _RefError(f"{walked!r} has no attribute {part!r}{hint}")
         obj = getattr(obj, part)
         walked += ("." if walked != module_name else ":") + part
+    if obj is None:
+        raise _RefError(
+            f"{ref} is None, not a function, when {module_name!r} is imported{where or ' here'} "
+            "(does the module build it only where it finds enough devices?): name a function "
+            "it defines on any machine, such as the one jax.jit wraps, and declare its shardings "
+            "in the manifest (mesh: and sharding:, or pytree leaves over a "
+            "jax.sharding.AbstractMesh)"
+        )
     if not callable(obj):
         raise _RefError(f"{ref} is not callable: it is {describe(obj)}")
     return obj
@@ -136,18 +148,21 @@ def _needs_static(value: Any) -> bool:
     return True
 
 
-def check_imports(manifest: Manifest, search_paths: Sequence[str | Path] = ()) -> dict[str, Any]:
+def check_imports(
+    manifest: Manifest, search_paths: Sequence[str | Path] = (), where: str = ""
+) -> dict[str, Any]:
     """Import every function and pytree the manifest names; return {function name: callable}.
 
     Also checks what can only be known with the function in hand: the arguments bind to
     its signature, non-array static values are declared static, and an already-jitted
     function carries no ``jit:`` options (the service calls it with its own). One
-    ``BadInput`` lists every problem, a line each.
+    ``BadInput`` lists every problem, a line each. ``where`` says where the modules are
+    imported when that is not the machine the programs are for (`` on this machine, for ...``).
     """
     resolved: dict[str, Any] = {}
     problems: list[tuple[Loc, str]] = []
     for spec in manifest.functions:
-        fn = _spec_problems(spec, search_paths, problems)
+        fn = _spec_problems(spec, search_paths, problems, where)
         if fn is not None:
             resolved[spec.name] = fn
     if problems:
@@ -190,18 +205,22 @@ def _resolve(
     source: Source,
     search_paths: Sequence[str | Path],
     problems: list[tuple[Loc, str]],
+    where: str = "",
 ) -> Any:
     """The object ``ref`` names, or None with the problem added to ``problems``."""
     _add_to_sys_path(_search_paths(source, search_paths), front=len(search_paths))
     try:
-        return _import_ref(ref)
+        return _import_ref(ref, where)
     except _RefError as exc:
         problems.append((loc, str(exc)))
         return None
 
 
 def _spec_problems(
-    spec: FunctionSpec, search_paths: Sequence[str | Path], problems: list[tuple[Loc, str]]
+    spec: FunctionSpec,
+    search_paths: Sequence[str | Path],
+    problems: list[tuple[Loc, str]],
+    where: str = "",
 ) -> Any:
     """Add one function entry's import problems to ``problems``; its callable, or None."""
 
@@ -209,12 +228,11 @@ def _spec_problems(
         problems.append((spec._loc(*loc), problem))
 
     before = len(problems)
-    fn = _resolve(spec.fn, spec._loc("fn"), spec._source, search_paths, problems)
+    fn = _resolve(spec.fn, spec._loc("fn"), spec._source, search_paths, problems, where)
     for a, arg in enumerate(spec.args):
         if arg.pytree is not None:
-            _resolve(
-                arg.pytree, spec._loc("args", a, "pytree"), spec._source, search_paths, problems
-            )
+            loc = spec._loc("args", a, "pytree")
+            _resolve(arg.pytree, loc, spec._source, search_paths, problems, where)
     if fn is None:
         return None
     if _is_filter_jit(fn):

@@ -13,9 +13,9 @@ from pathlib import Path
 from typing import Any
 
 from cachectl.core import jax_seam
-from cachectl.core.errors import EnvironmentMismatch
 from cachectl.manifest.buckets import Bucket
 from cachectl.manifest.imports import identity, is_jitted, resolve_in
+from cachectl.manifest.mesh import build_mesh
 from cachectl.manifest.schema import ArgSpec, FunctionSpec, dtype_named, jit_options, leaf_path
 
 log = logging.getLogger("cachectl.manifest")
@@ -35,6 +35,11 @@ def compiling_for(devices: list[Any] | None) -> Iterator[None]:
         yield
     finally:
         _TARGET_DEVICES = saved
+
+
+def target_platform() -> str | None:
+    """The platform warm compiles for when not this machine's ("tpu"); None: this machine's."""
+    return None if _TARGET_DEVICES is None else str(_TARGET_DEVICES[0].platform)
 
 
 def lowering_scope() -> contextlib.AbstractContextManager[Any]:
@@ -69,30 +74,7 @@ def _freeze(value: Any) -> Any:
 
 
 def _build_mesh(spec: FunctionSpec) -> Any:
-    import jax
-    from jax.sharding import AxisType
-
-    assert spec.mesh is not None
-    devices = _devices()
-    if spec.mesh.size > len(devices):
-        raise EnvironmentMismatch(
-            spec._source.message(
-                spec._loc("mesh", "axes"),
-                f"the mesh needs {spec.mesh.size} devices; this machine has {len(devices)} "
-                f"{devices[0].platform} device{'s' if len(devices) != 1 else ''}",
-            )
-        )
-    types = None
-    if spec.mesh.axis_types is not None:
-        kind = {"auto": AxisType.Auto, "explicit": AxisType.Explicit, "manual": AxisType.Manual}
-        types = (kind[spec.mesh.axis_types],) * len(spec.mesh.axes)
-    return jax.make_mesh(
-        tuple(spec.mesh.axes.values()),
-        tuple(spec.mesh.axes),
-        axis_types=types,
-        # Over the target's devices exactly as jax.devices() would be passed on that hardware.
-        devices=None if _TARGET_DEVICES is None else devices,
-    )
+    return build_mesh(spec, _devices())
 
 
 def _partition_spec(entries: Sequence[Any]) -> Any:

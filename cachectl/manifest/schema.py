@@ -193,13 +193,18 @@ class JitSpec(_Schema):
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class MeshSpec(_Schema):
-    """A device mesh, built as ``jax.make_mesh(sizes, names)`` over ``jax.devices()``."""
+    """A device mesh, built as a service's ``jax.sharding.Mesh(np.array(jax.devices()[:n])
+    .reshape(sizes), names)`` is (manifest/mesh.py): Auto axes, ``jax.devices()`` order."""
 
     axes: Annotated[dict[str, int], _After(_positive_axes)] = dataclasses.field(
         metadata={"min_length": 1}
     )
-    # None follows jax.make_mesh's own default; set it to match how the service builds its mesh.
-    axis_types: Literal["auto", "explicit", "manual"] | None = None
+    # The axis types of the service's mesh: jax.sharding.Mesh's default is auto, jax.make_mesh's
+    # (JAX 0.10) explicit. Both are in JAX's key.
+    axis_types: Literal["auto", "explicit", "manual"] = "auto"
+    # The devices' order: "devices" as jax.devices() lists them; "make_mesh" as jax.make_mesh
+    # lays them out (the physical order on a TPU slice, v5e:2x2: 0, 1, 3, 2). In JAX's key.
+    device_order: Literal["devices", "make_mesh"] = "devices"
 
     @property
     def size(self) -> int:

@@ -13,8 +13,10 @@ from cachectl.core.errors import BadInput
 from cachectl.core.fingerprint import Environment
 from cachectl.core.jaxlog import CAPTURE, Event
 from cachectl.manifest import lowering_scope
+from cachectl.manifest.mesh import explain_mesh_error
 from cachectl.service.activate import apply_jax_config, jax_config_for
 from cachectl.storage.executables import ExecutableError, payload_of
+from cachectl.warm.slice_guard import refuse_foreign_program
 from cachectl.warm.tracebacks import format_user_traceback, location
 
 _ERROR_CHARS = 400
@@ -116,6 +118,7 @@ def compile_bucket(
     jax_seam.record_puts()
     with CAPTURE.installed():
         lowered, lower_seconds = _lower(jitted, args, kwargs)
+        refuse_foreign_program(lowered)  # a deviceless warm: nothing for this machine's backend
         if present is not None:
             started = time.perf_counter()
             key = jax_seam.persistent_cache_key(lowered)
@@ -172,8 +175,11 @@ class ErrorText(str):
 
 def error_text(exc: BaseException) -> ErrorText:
     """One line: the error, ended by ``(at file:line)`` of the user's code that raised it."""
+    explained = explain_mesh_error(exc)
     if isinstance(exc, BadInput):
         message = exc.message
+    elif explained is not None:
+        message = explained
     else:
         text = str(exc).strip().splitlines()
         first = text[0] if text else ""

@@ -79,3 +79,13 @@ def resolve(name: str, *, startup_warnings: bool = False) -> DevicelessTarget:
             f"devices, expected {topology.chips} {topology.device_kind!r}"
         )
     return DevicelessTarget(topology, tuple(devices), compile_only_environment(devices), version)
+
+
+def deviceless_import_words(target: DevicelessTarget) -> str:
+    """Where warm --topology imports the user's modules, for their import errors: here, whose
+    ``jax.devices()`` are not the slice's."""
+    t = target.topology
+    return (
+        f" on this machine to warm for the TPU slice {t.name} (jax.devices() here are this "
+        f"machine's, not the slice's {t.chips} {t.device_kind})"
+    )

@@ -15,6 +15,7 @@ from cachectl.service.activate import apply_jax_config
 from cachectl.warm.compiling import Outcome, compile_bucket, error_text, jax_configured
 from cachectl.warm.plan import WarmPlan, build_calls, target_devices
 from cachectl.warm.reports import FAILED, TOO_LARGE, BucketResult
+from cachectl.warm.slice_guard import only_target_programs
 
 RecordFn = Callable[[int, Bucket, "Outcome | None", "str | None"], BucketResult]
 
@@ -125,7 +126,12 @@ def run_threads(
             peer_entry=peer_entry,
         )
 
-    with jax_configured(config), CAPTURE.installed(), compiling_for(devices):
+    with (
+        jax_configured(config),
+        CAPTURE.installed(),
+        compiling_for(devices),
+        only_target_programs(devices),
+    ):
         if jobs == 1:
             return _drive(None, task, plan.buckets, errors, fail_fast, record)
         with ThreadPoolExecutor(max_workers=jobs, thread_name_prefix="cachectl-warm") as pool:

@@ -26,7 +26,8 @@ from cachectl.manifest import (
 )
 from cachectl.trust.permissions import check_writer
 from cachectl.warm.compiling import error_text, persistent_cache_off
-from cachectl.warm.deviceless import DevicelessTarget, resolve
+from cachectl.warm.deviceless import DevicelessTarget, deviceless_import_words, resolve
+from cachectl.warm.slice_guard import refuse_concrete_devices
 
 # --------------------------------------------------------------------------- planning
 
@@ -117,7 +118,8 @@ def plan_warm(
     else:
         env = current_environment()
     problems = target_problems(manifest, env)
-    check_imports(manifest, paths)
+    where = "" if deviceless is None else deviceless_import_words(deviceless)
+    check_imports(manifest, paths, where)
     buckets = expand(manifest)
     if shard is not None:
         buckets = select_shard(buckets, *shard)
@@ -176,3 +178,14 @@ def build_calls(
             except Exception as exc:  # noqa: BLE001 - one bad bucket must not stop the rest
                 calls[position] = error_text(exc)
     return jitted, calls
+
+
+def refuse_foreign_functions(plan: WarmPlan) -> None:
+    """For a TPU slice (warm --topology): a function whose program would be for this machine's
+    own devices is refused (BadInput, 2) before anything compiles (warm/slice_guard.py)."""
+    devices = target_devices(plan)
+    if devices is None:
+        return
+    firsts = list({b.function: b for b in plan.buckets[::-1]}.values())  # one per function
+    jitted, calls = build_calls(plan.manifest, firsts, plan.search_paths, devices)
+    refuse_concrete_devices(plan.manifest.functions, firsts, jitted, calls, devices)

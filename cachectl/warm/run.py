@@ -34,6 +34,7 @@ from cachectl.warm.plan import (
     environment_mismatch,
     plan_warm,
     raise_build_problems,
+    refuse_foreign_functions,
 )
 from cachectl.warm.reports import (
     CACHED,
@@ -156,6 +157,8 @@ def warm(
             f"--executor process cannot run on {env.backend}: one process at a time holds "
             "the accelerator, and this one already does; use --executor thread"
         )
+    if not plan.target_problems:
+        refuse_foreign_functions(plan)  # warm --topology: nothing for this machine's devices
     if dry_run:
         if not plan.target_problems:  # on other hardware a mesh cannot be built: exit 3 says so
             raise_build_problems(plan)
