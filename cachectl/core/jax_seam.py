@@ -3,11 +3,14 @@
 cachectl reads more from JAX than its public API offers: the persistent cache's
 log calls (the only place that names a key), the lowering log (the only place that
 names a program's input avals), a few private attributes and functions of
-``jax._src``. All of it lives in this module, behind a small typed API, and
-tests/test_jax_seam.py pins each fact against the installed JAX. No other module but
-jax_kernels.py (the kernels a stored executable calls, re-exported here) and jax_platforms.py
-(which platform a program is for: deviceless warm's guard) imports ``jax._src``
-or matches a JAX log message (tests/test_jax_seam.py greps).
+``jax._src``. All of it lives behind this module's small typed API, and
+tests/test_jax_seam.py pins each fact against the installed JAX. The seam is this module (JAX's
+logs, events and lowering frames, and what the key is made of) and the ones whose names it
+re-exports, each with one job: jax_cache_io.py (the persistent cache as this process opens,
+reads and writes it), jax_cache_key.py (the key a lowering looks up), jax_executables.py
+(compile-only TPU devices, stored executables), jax_kernels.py (the kernels a stored executable
+calls); and jax_platforms.py (which platform a program is for: deviceless warm's guard). No
+other module imports ``jax._src`` or matches a JAX log message (tests/test_jax_seam.py greps).
 
 Importing this module costs nothing: JAX is imported inside the functions, as the
 callers did before (``import cachectl`` and ``activate()`` never wait for it here).
@@ -41,24 +44,57 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import hashlib
 import importlib
 import inspect
 import logging
-import os
 import re
 import sys
-import threading
 from collections.abc import Callable
 from typing import Any
 
-# The kernels a stored executable calls: jax_kernels.py, the seam's other module.
+# The seam's other modules, re-exported: callers name every JAX internal as jax_seam.X.
+from cachectl.core.jax_cache_io import (  # noqa: F401 - the seam's API
+    ANY_ENTRY,
+    EntryVerifier,
+    cache_checked,
+    cache_filesystem,
+    entry_bytes,
+    install_verifying_cache,
+    opened_cache_dir,
+    put_sha256s,
+    record_puts,
+    remember_puts,
+    reset_persistent_cache,
+    uninstall_verifying_cache,
+)
+from cachectl.core.jax_cache_key import (  # noqa: F401 - the seam's API
+    key_components,
+    persistent_cache_key,
+)
+from cachectl.core.jax_executables import (  # noqa: F401 - the seam's API
+    captures_constants,
+    closes_over_mutable,
+    default_device,
+    device_client,
+    device_list,
+    distributed_client,
+    executable_device_ids,
+    libtpu_version,
+    make_compiled,
+    no_kwargs,
+    pjrt_pickler_classes,
+    tpu_chips_here,
+    tpu_topology_devices,
+    unloaded_executable,
+    unloaded_executable_type,
+)
+
+# The kernels a stored executable calls: jax_kernels.py, another of the seam's modules.
 from cachectl.core.jax_kernels import (  # noqa: F401 - the seam's API
     KERNEL_FAMILIES,
     custom_call_targets,
     prepare_custom_calls,
 )
-from cachectl.core.temps import without_world_write
 
 # -- loggers -------------------------------------------------------------------------------
 
@@ -419,58 +455,6 @@ def on_compile_stage_end(callback: Callable[[], None]) -> None:
     monitoring.register_event_duration_secs_listener(on_duration)
 
 
-# -- the persistent cache's process state --------------------------------------------------
-
-
-def reset_persistent_cache() -> None:
-    """Close the cache JAX opened, so its next compile opens the configured one (and re-decides
-    whether to use a cache at all: JAX decides that once per process)."""
-    from jax._src import compilation_cache
-
-    compilation_cache.reset_cache()
-
-
-def opened_cache_dir() -> str | None:
-    """The directory JAX's persistent cache already opened in this process, if any."""
-    from jax._src import compilation_cache
-
-    cache = getattr(compilation_cache, "_cache", None)
-    if cache is None:
-        return None
-    return str(getattr(cache, "_path", "") or "") or None
-
-
-def cache_filesystem(url: str) -> Any | None:
-    """The fsspec filesystem JAX's persistent cache opens ``url`` (not local) through: etils.epath's,
-    one per protocol and process, built at its first use with fsspec's defaults for the protocol
-    (``jax._src.path.Path`` is ``epath.Path``). None where JAX reads it another way (pathlib
-    without etils, TensorFlow's gfile)."""
-    from jax._src import path as jax_path
-
-    if not getattr(jax_path, "epath_installed", False):
-        return None
-    backend = getattr(jax_path.Path(url), "_backend", None)
-    fs = getattr(backend, "fs", None)
-    return fs(url) if callable(fs) else None
-
-
-def cache_checked() -> bool:
-    """True once JAX compiled anything in this process (it checks its cache on the first compile)."""
-    from jax._src import compilation_cache
-
-    return bool(getattr(compilation_cache, "_cache_checked", False))
-
-
-def entry_bytes(compiled: Any, seconds: float) -> bytes:
-    """The JAX cache entry of a ``jax.stages.Compiled``, exactly as JAX's own put would write it."""
-    from jax._src import compilation_cache
-
-    executable = compiled._executable.xla_executable
-    return compilation_cache.compress_executable(
-        compilation_cache.combine_executable_and_time(executable.serialize(), int(seconds))
-    )
-
-
 # -- what the key is made of ---------------------------------------------------------------
 
 
@@ -523,453 +507,3 @@ def default_backend() -> Any:
     from jax._src import xla_bridge
 
     return xla_bridge.get_backend()
-
-
-# -- compiling for a TPU this machine does not have ----------------------------------------
-
-
-def tpu_topology_devices(
-    name: str, chips_per_host_bounds: tuple[int, int, int], wrap: tuple[bool, bool, bool]
-) -> list[Any]:
-    """Compile-only devices of a TPU slice, described by libtpu (no TPU needed; the default
-    backend stays what it was). Raises when libtpu is missing or refuses the name."""
-    from jax.experimental import topologies
-
-    desc = topologies.get_topology_desc(
-        topology_name=name,
-        platform="tpu",
-        chip_config_name="default",
-        chips_per_host_bounds=chips_per_host_bounds,
-        num_slices=1,
-        wrap=wrap,
-    )
-    return list(desc.devices)
-
-
-def tpu_chips_here() -> int | None:
-    """How many TPU chips this machine has, read the way cloud_tpu_init reads it (PCI devices),
-    without opening any backend; None when this JAX cannot say."""
-    try:
-        from jax._src import hardware_utils
-
-        return int(hardware_utils.num_available_tpu_chips_and_device_id()[0])
-    except Exception:  # noqa: BLE001 - another JAX: the caller opens the backend instead
-        return None
-
-
-def device_client(device: Any) -> Any:
-    """The client a device compiles with: its platform_version goes into JAX's key (for a
-    compile-only device, libtpu's, the same string the chip's backend reports)."""
-    return device.client
-
-
-def libtpu_version() -> str | None:
-    """The installed libtpu wheel's version; None when there is none."""
-    from importlib import metadata
-
-    for name in ("libtpu", "libtpu-nightly"):
-        try:
-            return metadata.version(name)
-        except metadata.PackageNotFoundError:
-            continue
-    return None
-
-
-def default_device(device: Any) -> Any:
-    """``jax.default_device(device)``: lowering a plain jit inside it gives the program a
-    service's uncommitted arrays compile (tests/test_deviceless.py); thread-local, like JAX's."""
-    import jax
-
-    return jax.default_device(device)
-
-
-# -- executables and jax.distributed -------------------------------------------------------
-
-
-def pjrt_pickler_classes() -> tuple[type, type, type]:
-    """(pickler, unpickler, LoadedExecutable) of jax.experimental.serialize_executable."""
-    from jax._src.lib import xla_client
-    from jax.experimental import serialize_executable
-
-    return (
-        serialize_executable._JaxPjrtPickler,
-        serialize_executable._JaxPjrtUnpickler,
-        xla_client.LoadedExecutable,
-    )
-
-
-def unloaded_executable_type() -> type:
-    """The executable a compile for compile-only devices holds (not loaded on any device);
-    serialize_executable pickles it by ``serialize()``, the bytes JAX's entry holds."""
-    from jax._src.lib import _jax
-
-    return _jax.Executable
-
-
-def unloaded_executable(compiled: Any) -> Any | None:
-    """The picklable (unloaded) executable behind a ``jax.stages.Compiled``; None where JAX has none."""
-    return getattr(getattr(compiled, "_executable", None), "_unloaded_executable", None)
-
-
-def closes_over_mutable(unloaded: Any) -> bool:
-    """True when the program closes over a mutable array (its executable cannot be stored)."""
-    mut = getattr(unloaded, "mut", None)
-    return bool(mut is not None and getattr(mut, "in_mut", None))
-
-
-def captures_constants(compiled: Any) -> bool:
-    """True when the program captured constants (closed-over arrays), which are not pickled with it.
-    ``const_args`` exists from jax 0.7 (before it, captured constants were folded into the HLO)."""
-    return bool(getattr(getattr(compiled, "_params", None), "const_args", None))
-
-
-def no_kwargs(compiled: Any) -> bool:
-    """Whether the compiled program refuses keyword arguments (stored with it, as JAX pickles it)."""
-    return bool(compiled._no_kwargs)
-
-
-def executable_device_ids(unloaded: Any) -> list[int]:
-    """The ids of the devices an unloaded executable runs on (jax < 0.7 names the list
-    ``device_assignment``)."""
-    devices = getattr(unloaded, "device_list", None)
-    if devices is None:
-        devices = unloaded.device_assignment
-    return [d.id for d in devices]
-
-
-def make_compiled(loaded: Any, args_info: Any, out_tree: Any, no_kwargs: bool) -> Any:
-    """``jax.stages.Compiled`` from its parts, as serialize_executable.deserialize_and_load builds it:
-    from jax 0.7 its constructor takes ``const_args`` second (none: they are refused at store)."""
-    import inspect
-
-    import jax
-
-    # Its types describe the installed JAX's constructor; the two calls are two versions' own.
-    compiled: Any = jax.stages.Compiled
-    if "const_args" in inspect.signature(jax.stages.Compiled.__init__).parameters:
-        return compiled(loaded, [], args_info, out_tree, no_kwargs=no_kwargs)
-    return compiled(loaded, args_info, out_tree, no_kwargs=no_kwargs)  # jax 0.6.2
-
-
-def device_list(devices: Any) -> Any:
-    """An XLA DeviceList of ``devices``, as a backend's deserialize_executable takes it."""
-    from jax._src.lib import xla_client
-
-    return xla_client.DeviceList(tuple(devices))
-
-
-def distributed_client() -> Any:
-    """jax.distributed's coordination client in this process; None before initialize()."""
-    from jax._src import distributed
-
-    return distributed.global_state.client
-
-
-def persistent_cache_key(lowered: Any) -> str | None:
-    """The key ``lowered.compile()`` would look up (pxla.UnloadedMeshExecutable.from_hlo ->
-    compiler.compile_or_get_cached, in jax 0.9 to 0.12: tests/test_jax_seam.py compares it with the
-    key JAX logs, on every version the matrix runs); None where that path differs: PGLE, shape
-    polymorphism, auto-SPMD or pmap, a program over several processes, an unknown JAX. Re-warm then
-    compiles as before."""
-    try:
-        return _persistent_cache_key(lowered)
-    except Exception:  # noqa: BLE001 - internals of another JAX: the caller compiles instead
-        return None
-
-
-def _persistent_cache_key(lowered: Any) -> str | None:
-    from jax._src import compilation_cache
-
-    inputs = _key_inputs(lowered)
-    if inputs is None:
-        return None
-    key: str = compilation_cache.get_cache_key(*inputs)
-    return key
-
-
-# What jax/_src/cache_key.py's get() logs at DEBUG for each (name, hashfn) pair of the key: the
-# sha256 of that component alone (the other line it logs is the running hash).
-_COMPONENT_LOG = "get_cache_key hash of serialized %s: %s"
-_KEY_LOG_LOCK = threading.Lock()
-
-
-def key_components(lowered: Any) -> dict[str, str] | None:
-    """JAX's own digest of each component of the key ``lowered.compile()`` would look up
-    ("computation", "jax_lib version", "backend version", "XLA flags", "compile_options",
-    "accelerator_config", "compression", "custom_hook" in jax 0.10), read off the debug record
-    cache_key.get() writes for each; None where :func:`persistent_cache_key` is None. Two keys
-    that differ differ in at least one of these: the names say where."""
-    try:
-        inputs = _key_inputs(lowered)
-        if inputs is None:
-            return None
-        from jax._src import cache_key as jax_cache_key
-        from jax._src import compilation_cache
-
-        found: dict[str, str] = {}
-        me = threading.get_ident()
-
-        class _Components(logging.Handler):
-            def emit(self, record: logging.LogRecord) -> None:
-                # Only this call's records: another thread may compute a key meanwhile.
-                if record.thread != me or record.msg != _COMPONENT_LOG:
-                    return
-                if len(record.args or ()) == 2:
-                    name, digest = record.args  # type: ignore[misc]
-                    found[str(name)] = str(digest)
-
-        logger = jax_cache_key.logger
-        handler = _Components(logging.DEBUG)
-        with _KEY_LOG_LOCK:  # one reader at a time sets and restores the logger
-            level, propagate = logger.level, logger.propagate
-            logger.addHandler(handler)
-            logger.setLevel(logging.DEBUG)
-            logger.propagate = False  # these records are ours, not the user's log's
-            try:
-                compilation_cache.get_cache_key(*inputs)
-            finally:
-                logger.removeHandler(handler)
-                logger.setLevel(level)
-                logger.propagate = propagate
-        return found or None
-    except Exception:  # noqa: BLE001 - internals of another JAX: no components, as no key
-        return None
-
-
-def _key_inputs(lowered: Any) -> tuple[Any, ...] | None:
-    """The arguments compilation_cache.get_cache_key takes for ``lowered``, as
-    compiler.compile_or_get_cached builds them; None where that path differs."""
-    import numpy as np
-    from jax._src import cache_key as jax_cache_key
-    from jax._src import config
-    from jax._src.interpreters import pxla
-
-    computation = getattr(lowered, "_lowering", None)
-    if not isinstance(computation, pxla.MeshComputation):
-        return None
-    if config.enable_pgle.value or config.compilation_cache_expect_pgle.value:
-        return None
-    args = computation.compile_args
-    poly = args.get("shape_poly_state")
-    if poly is not None and poly.uses_dim_vars:
-        return None
-    if args.get("auto_spmd_lowering") or args.get("pmap_nreps", 1) != 1:
-        return None
-    devices = computation._device_list
-    if devices is None or len({d.process_index for d in devices}) > 1:
-        return None  # a program over several processes compiles collectively: every process must call it
-    in_shardings = tuple(pxla.maybe_concretize_mesh(s, devices) for s in args["in_shardings"])
-    out_shardings = tuple(pxla.maybe_concretize_mesh(s, devices) for s in args["out_shardings"])
-    to_inputs, to_outputs = pxla.get_prop_to_input_output(
-        in_shardings, out_shardings, len(args["ordered_effects"])
-    )
-    device_array = np.vectorize(lambda i: devices[i], otypes=[object])(np.arange(len(devices)))
-    hlo, backend = computation._hlo, args["backend"]
-    options = dict(computation._compiler_options_kvs)
-    # Typed for the installed JAX only: each branch calls one version's signature.
-    create_compile_options: Any = pxla.create_compile_options
-    if "spmd_lowering" in _parameters(
-        pxla.create_compile_options
-    ):  # jax 0.9: mesh, SPMD and pmap arguments
-        options = create_compile_options(
-            hlo,
-            None,
-            args["spmd_lowering"],
-            args["tuple_args"],
-            False,
-            to_inputs,
-            to_outputs,
-            backend,
-            device_array,
-            1,
-            options,
-        )
-    else:  # jax 0.10 - 0.12
-        options = create_compile_options(
-            hlo, args["tuple_args"], to_inputs, to_outputs, backend, device_array, options
-        )
-    # The callback-ignoring mode as compiler._get_cache_key picks it (an enum in 0.9 and 0.10, a bool
-    # in 0.12); not that function itself, whose is_cache_used() would open the cache as a side effect.
-    remove = config.remove_custom_partitioning_ptr_from_cache_key.value
-    modes = getattr(jax_cache_key, "IgnoreCallbacks", None)
-    ignore = remove if modes is None else (modes.CUSTOM_PARTITIONING if remove else modes.NO)
-    return (hlo, device_array, options, backend, ignore)
-
-
-@functools.cache
-def _parameters(function: Any) -> frozenset[str]:
-    return frozenset(inspect.signature(function).parameters)
-
-
-# -- a verifying persistent cache ----------------------------------------------------------------
-
-
-# What EntryVerifier.expected answers for a process that opted in to unverified code.
-ANY_ENTRY = "*"
-
-
-class EntryVerifier:
-    """What a verifying cache asks before it hands JAX an entry (cachectl/service/verified.py)."""
-
-    def expected(self, key: str) -> str | None:
-        """The sha256 the entry at ``key`` must have; None: report a miss without reading;
-        ANY_ENTRY: whatever is there (the process opted in to unverified code)."""
-        raise NotImplementedError
-
-    def refused(self, key: str, why: str) -> None:
-        """The entry at ``key`` was read and refused (``why``); JAX compiles it in memory."""
-
-    def wrote(self, key: str, sha256: str) -> None:
-        """This process wrote the entry at ``key`` (its own compile): it may read it back."""
-
-    def read_entry(
-        self, key: str, expected: str, base: Callable[[str], bytes | None]
-    ) -> bytes | None:
-        """The read path: the bytes JAX is handed for ``key`` (checked by the caller against
-        ``expected``). ``base`` is JAX's own cache's get; a node tier (service/node_source.py)
-        reads this node's copy first and fetches a missing one from the remote instead."""
-        return base(key)
-
-    def missed(self, key: str, read: Callable[[str], bytes | None]) -> bytes | None:
-        """Nothing verified is stored at ``key``: the entry's bytes to use after all (another
-        process compiled them meanwhile: service/compile_lease.py), or None to compile. ``read``
-        reads what is stored at a key."""
-        return None
-
-
-# The files JAX's file cache writes per key: the entry, and its access time where it evicts.
-_ENTRY_SUFFIXES = ("-cache", "-atime")
-
-
-def install_verifying_cache(path: str, verifier: EntryVerifier) -> None:
-    """From the next time JAX opens its persistent cache at ``path`` (it does that at its first
-    compile, and again after reset_persistent_cache), its ``get`` returns an entry's bytes only when
-    their sha256 is the one ``verifier`` expects for that key, and otherwise reports a miss, so JAX
-    compiles in memory. JAX opens the cache in ``compilation_cache._initialize_cache`` through the
-    module's ``get_file_cache(path)`` (jax 0.9 to 0.12: tests/test_jax_seam.py); the wrapper
-    replaces that function once, and a later call replaces the verifier."""
-    import hashlib
-
-    from jax._src import compilation_cache
-    from jax._src.compilation_cache_interface import CacheInterface
-
-    original = getattr(compilation_cache.get_file_cache, "_cachectl_original", None)
-    original = original or compilation_cache.get_file_cache
-    wanted = str(path).rstrip("/")
-
-    class VerifyingCache(CacheInterface):
-        """JAX's own file cache, read only through ``verifier``."""
-
-        def __init__(self, base: Any) -> None:
-            self._base = base
-
-        @property
-        def _path(self) -> Any:  # JAX and opened_cache_dir() read the directory here
-            return self._base._path
-
-        @_path.setter
-        def _path(self, value: Any) -> None:
-            self._base._path = value
-
-        def get(self, key: str) -> bytes | None:
-            expected = verifier.expected(key)
-            if expected is None:
-                return verifier.missed(key, self._read_any)
-            data = verifier.read_entry(key, expected, self._base.get)
-            if data is None and expected != ANY_ENTRY:
-                return verifier.missed(key, self._read_any)
-            if data is None or expected == ANY_ENTRY:
-                return data
-            if hashlib.sha256(data).hexdigest() != expected:
-                verifier.refused(key, "its sha256 differs from its verified record")
-                return None
-            return bytes(data)
-
-        def _read_any(self, key: str) -> bytes | None:
-            """What is stored at ``key`` now, read as JAX reads it (through a node tier): a
-            waiter's read of the entry another process compiled; the waiter checks its sha256."""
-            return verifier.read_entry(key, ANY_ENTRY, self._base.get)
-
-        def put(self, key: str, value: bytes) -> None:
-            self._base.put(key, value)
-            local = str(self._base._path)
-            if "://" not in local:  # JAX writes at the umask's mode: never world-writable
-                for suffix in _ENTRY_SUFFIXES:
-                    without_world_write(os.path.join(local, key + suffix))
-            verifier.wrote(key, hashlib.sha256(value).hexdigest())
-
-    def get_file_cache(path: str) -> tuple[CacheInterface, str] | None:
-        made = original(path)
-        if made is None or str(path).rstrip("/") != wanted:
-            return made
-        return VerifyingCache(made[0]), made[1]
-
-    get_file_cache._cachectl_original = original  # type: ignore[attr-defined]
-    compilation_cache.get_file_cache = get_file_cache
-    opened = compilation_cache._cache
-    if opened is not None and str(getattr(opened, "_path", "")).rstrip("/") == wanted:
-        # Opened already (activate() again): wrap JAX's own cache in place.
-        base = (
-            getattr(opened, "_base", opened)
-            if type(opened).__name__ == "VerifyingCache"
-            else opened
-        )
-        compilation_cache._cache = VerifyingCache(base)
-
-
-def uninstall_verifying_cache() -> None:
-    """JAX's own get_file_cache again (a process that opts out of verification)."""
-    from jax._src import compilation_cache
-
-    original = getattr(compilation_cache.get_file_cache, "_cachectl_original", None)
-    if original is not None:
-        compilation_cache.get_file_cache = original
-
-
-# -- what this process asked JAX's file cache to write ---------------------------------------
-
-# key -> sha256 of every value this process handed JAX's file cache to write (record_puts()).
-_PUTS: dict[str, set[str]] = {}
-_PUT_LISTENERS: list[Callable[[str, str], None]] = []
-_PUTS_LOCK = threading.Lock()
-
-
-def record_puts(listener: Callable[[str, str], None] | None = None) -> None:
-    """From now on remember the sha256 of every entry JAX's file cache is asked to write in this
-    process (and hand ``(key, sha256)`` to ``listener``). JAX logs "Writing" and then its
-    ``LRUCache.put`` returns without writing when a file is already at the key (jax 0.9 to
-    0.12: tests/test_jax_seam.py), so a write is this process's only when the bytes on storage
-    have a sha256 it recorded here: what warm and warm-run check before they index a file."""
-    from jax._src import lru_cache
-
-    with _PUTS_LOCK:
-        if listener is not None:
-            _PUT_LISTENERS.append(listener)
-        cls = lru_cache.LRUCache
-        if getattr(cls.put, "_cachectl_put", False):
-            return
-        original = cls.put
-
-        def put(self: Any, key: str, value: bytes) -> None:
-            original(self, key, value)
-            digest = hashlib.sha256(value).hexdigest()
-            with _PUTS_LOCK:
-                _PUTS.setdefault(key, set()).add(digest)
-                listeners = list(_PUT_LISTENERS)
-            for on_put in listeners:
-                on_put(key, digest)
-
-        put._cachectl_put = True  # type: ignore[attr-defined]
-        cls.put = put  # type: ignore[method-assign]
-
-
-def put_sha256s(key: str) -> tuple[str, ...]:
-    """The sha256s of what this process asked JAX to write at ``key`` (record_puts)."""
-    with _PUTS_LOCK:
-        return tuple(sorted(_PUTS.get(key, ())))
-
-
-def remember_puts(key: str, sha256s: Any) -> None:
-    """A worker process's puts at ``key``, told to the parent that indexes them."""
-    with _PUTS_LOCK:
-        _PUTS.setdefault(key, set()).update(sha256s)

@@ -1,0 +1,242 @@
+"""The JAX seam's persistent cache as this process opens, reads and writes it: its process state,
+the verifying cache JAX's reads go through, and the sha256 of every entry this process asked it to
+write (part of the seam, cachectl/core/jax_seam.py, which re-exports the public names; split off
+so each module stays short).
+
+Importing this module costs nothing: JAX is imported inside the functions.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from cachectl.core.temps import without_world_write
+
+# -- the persistent cache's process state --------------------------------------------------
+
+
+def reset_persistent_cache() -> None:
+    """Close the cache JAX opened, so its next compile opens the configured one (and re-decides
+    whether to use a cache at all: JAX decides that once per process)."""
+    from jax._src import compilation_cache
+
+    compilation_cache.reset_cache()
+
+
+def opened_cache_dir() -> str | None:
+    """The directory JAX's persistent cache already opened in this process, if any."""
+    from jax._src import compilation_cache
+
+    cache = getattr(compilation_cache, "_cache", None)
+    if cache is None:
+        return None
+    return str(getattr(cache, "_path", "") or "") or None
+
+
+def cache_filesystem(url: str) -> Any | None:
+    """The fsspec filesystem JAX's persistent cache opens ``url`` (not local) through: etils.epath's,
+    one per protocol and process, built at its first use with fsspec's defaults for the protocol
+    (``jax._src.path.Path`` is ``epath.Path``). None where JAX reads it another way (pathlib
+    without etils, TensorFlow's gfile)."""
+    from jax._src import path as jax_path
+
+    if not getattr(jax_path, "epath_installed", False):
+        return None
+    backend = getattr(jax_path.Path(url), "_backend", None)
+    fs = getattr(backend, "fs", None)
+    return fs(url) if callable(fs) else None
+
+
+def cache_checked() -> bool:
+    """True once JAX compiled anything in this process (it checks its cache on the first compile)."""
+    from jax._src import compilation_cache
+
+    return bool(getattr(compilation_cache, "_cache_checked", False))
+
+
+def entry_bytes(compiled: Any, seconds: float) -> bytes:
+    """The JAX cache entry of a ``jax.stages.Compiled``, exactly as JAX's own put would write it."""
+    from jax._src import compilation_cache
+
+    executable = compiled._executable.xla_executable
+    return compilation_cache.compress_executable(
+        compilation_cache.combine_executable_and_time(executable.serialize(), int(seconds))
+    )
+
+
+# -- a verifying persistent cache ----------------------------------------------------------------
+
+
+# What EntryVerifier.expected answers for a process that opted in to unverified code.
+ANY_ENTRY = "*"
+
+
+class EntryVerifier:
+    """What a verifying cache asks before it hands JAX an entry (cachectl/service/verified.py)."""
+
+    def expected(self, key: str) -> str | None:
+        """The sha256 the entry at ``key`` must have; None: report a miss without reading;
+        ANY_ENTRY: whatever is there (the process opted in to unverified code)."""
+        raise NotImplementedError
+
+    def refused(self, key: str, why: str) -> None:
+        """The entry at ``key`` was read and refused (``why``); JAX compiles it in memory."""
+
+    def wrote(self, key: str, sha256: str) -> None:
+        """This process wrote the entry at ``key`` (its own compile): it may read it back."""
+
+    def read_entry(
+        self, key: str, expected: str, base: Callable[[str], bytes | None]
+    ) -> bytes | None:
+        """The read path: the bytes JAX is handed for ``key`` (checked by the caller against
+        ``expected``). ``base`` is JAX's own cache's get; a node tier (service/node_source.py)
+        reads this node's copy first and fetches a missing one from the remote instead."""
+        return base(key)
+
+    def missed(self, key: str, read: Callable[[str], bytes | None]) -> bytes | None:
+        """Nothing verified is stored at ``key``: the entry's bytes to use after all (another
+        process compiled them meanwhile: service/compile_lease.py), or None to compile. ``read``
+        reads what is stored at a key."""
+        return None
+
+
+# The files JAX's file cache writes per key: the entry, and its access time where it evicts.
+_ENTRY_SUFFIXES = ("-cache", "-atime")
+
+
+def install_verifying_cache(path: str, verifier: EntryVerifier) -> None:
+    """From the next time JAX opens its persistent cache at ``path`` (it does that at its first
+    compile, and again after reset_persistent_cache), its ``get`` returns an entry's bytes only when
+    their sha256 is the one ``verifier`` expects for that key, and otherwise reports a miss, so JAX
+    compiles in memory. JAX opens the cache in ``compilation_cache._initialize_cache`` through the
+    module's ``get_file_cache(path)`` (jax 0.9 to 0.12: tests/test_jax_seam.py); the wrapper
+    replaces that function once, and a later call replaces the verifier."""
+    import hashlib
+
+    from jax._src import compilation_cache
+    from jax._src.compilation_cache_interface import CacheInterface
+
+    original = getattr(compilation_cache.get_file_cache, "_cachectl_original", None)
+    original = original or compilation_cache.get_file_cache
+    wanted = str(path).rstrip("/")
+
+    class VerifyingCache(CacheInterface):
+        """JAX's own file cache, read only through ``verifier``."""
+
+        def __init__(self, base: Any) -> None:
+            self._base = base
+
+        @property
+        def _path(self) -> Any:  # JAX and opened_cache_dir() read the directory here
+            return self._base._path
+
+        @_path.setter
+        def _path(self, value: Any) -> None:
+            self._base._path = value
+
+        def get(self, key: str) -> bytes | None:
+            expected = verifier.expected(key)
+            if expected is None:
+                return verifier.missed(key, self._read_any)
+            data = verifier.read_entry(key, expected, self._base.get)
+            if data is None and expected != ANY_ENTRY:
+                return verifier.missed(key, self._read_any)
+            if data is None or expected == ANY_ENTRY:
+                return data
+            if hashlib.sha256(data).hexdigest() != expected:
+                verifier.refused(key, "its sha256 differs from its verified record")
+                return None
+            return bytes(data)
+
+        def _read_any(self, key: str) -> bytes | None:
+            """What is stored at ``key`` now, read as JAX reads it (through a node tier): a
+            waiter's read of the entry another process compiled; the waiter checks its sha256."""
+            return verifier.read_entry(key, ANY_ENTRY, self._base.get)
+
+        def put(self, key: str, value: bytes) -> None:
+            self._base.put(key, value)
+            local = str(self._base._path)
+            if "://" not in local:  # JAX writes at the umask's mode: never world-writable
+                for suffix in _ENTRY_SUFFIXES:
+                    without_world_write(os.path.join(local, key + suffix))
+            verifier.wrote(key, hashlib.sha256(value).hexdigest())
+
+    def get_file_cache(path: str) -> tuple[CacheInterface, str] | None:
+        made = original(path)
+        if made is None or str(path).rstrip("/") != wanted:
+            return made
+        return VerifyingCache(made[0]), made[1]
+
+    get_file_cache._cachectl_original = original  # type: ignore[attr-defined]
+    compilation_cache.get_file_cache = get_file_cache
+    opened = compilation_cache._cache
+    if opened is not None and str(getattr(opened, "_path", "")).rstrip("/") == wanted:
+        # Opened already (activate() again): wrap JAX's own cache in place.
+        base = (
+            getattr(opened, "_base", opened)
+            if type(opened).__name__ == "VerifyingCache"
+            else opened
+        )
+        compilation_cache._cache = VerifyingCache(base)
+
+
+def uninstall_verifying_cache() -> None:
+    """JAX's own get_file_cache again (a process that opts out of verification)."""
+    from jax._src import compilation_cache
+
+    original = getattr(compilation_cache.get_file_cache, "_cachectl_original", None)
+    if original is not None:
+        compilation_cache.get_file_cache = original
+
+
+# -- what this process asked JAX's file cache to write ---------------------------------------
+
+# key -> sha256 of every value this process handed JAX's file cache to write (record_puts()).
+_PUTS: dict[str, set[str]] = {}
+_PUT_LISTENERS: list[Callable[[str, str], None]] = []
+_PUTS_LOCK = threading.Lock()
+
+
+def record_puts(listener: Callable[[str, str], None] | None = None) -> None:
+    """From now on remember the sha256 of every entry JAX's file cache is asked to write in this
+    process (and hand ``(key, sha256)`` to ``listener``). JAX logs "Writing" and then its
+    ``LRUCache.put`` returns without writing when a file is already at the key (jax 0.9 to
+    0.12: tests/test_jax_seam.py), so a write is this process's only when the bytes on storage
+    have a sha256 it recorded here: what warm and warm-run check before they index a file."""
+    from jax._src import lru_cache
+
+    with _PUTS_LOCK:
+        if listener is not None:
+            _PUT_LISTENERS.append(listener)
+        cls = lru_cache.LRUCache
+        if getattr(cls.put, "_cachectl_put", False):
+            return
+        original = cls.put
+
+        def put(self: Any, key: str, value: bytes) -> None:
+            original(self, key, value)
+            digest = hashlib.sha256(value).hexdigest()
+            with _PUTS_LOCK:
+                _PUTS.setdefault(key, set()).add(digest)
+                listeners = list(_PUT_LISTENERS)
+            for on_put in listeners:
+                on_put(key, digest)
+
+        put._cachectl_put = True  # type: ignore[attr-defined]
+        cls.put = put  # type: ignore[method-assign]
+
+
+def put_sha256s(key: str) -> tuple[str, ...]:
+    """The sha256s of what this process asked JAX to write at ``key`` (record_puts)."""
+    with _PUTS_LOCK:
+        return tuple(sorted(_PUTS.get(key, ())))
+
+
+def remember_puts(key: str, sha256s: Any) -> None:
+    """A worker process's puts at ``key``, told to the parent that indexes them."""
+    with _PUTS_LOCK:
+        _PUTS.setdefault(key, set()).update(sha256s)
