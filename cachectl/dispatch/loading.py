@@ -16,7 +16,7 @@ from cachectl.core import jax_seam
 from cachectl.core.config import load_settings
 from cachectl.manifest import Bucket, FunctionSpec
 from cachectl.service import node_source
-from cachectl.service.activate import open_service_index
+from cachectl.service.service_index import open_service_index
 from cachectl.service.verified import (
     Verified,
     namespace_verified,

@@ -21,27 +21,27 @@ from cachectl.core import jax_seam
 from cachectl.core.cache_info import CacheInfo
 from cachectl.core.config import (
     DEFAULT_CACHE,
-    RUN_UNVERIFIED_ENV,
     Settings,
     load_settings,
-    parse_bool,
 )
-from cachectl.core.errors import BadInput, CachectlError, NotFound, Unreachable
+from cachectl.core.errors import BadInput, CachectlError
 from cachectl.core.fingerprint import MANAGED_JAX_CONFIG, Environment, current_environment
 from cachectl.core.temps import current_umask
-from cachectl.core.urls import is_object_store, normalize_url, url_kind
-from cachectl.index.open import driver, open_index
-from cachectl.service import compile_lease, node_source
+from cachectl.core.urls import is_object_store, normalize_url
+from cachectl.index.open import driver
+from cachectl.service import node_source
+from cachectl.service.namespace_verifier import (  # noqa: F401 - exec_hook calls it here
+    install_verifier,
+    run_unverified,
+    verify_exec_cache,
+)
+from cachectl.service.service_index import fail_fast_options, open_service_index
 from cachectl.service.telemetry_sinks import IndexSink, ServerSink
-from cachectl.storage.backends import backend_for
 from cachectl.storage.backends import s3 as s3_backend
 from cachectl.storage.jax_storage import JaxStorageRefused, hand_to_jax
 from cachectl.storage.store import Store
-from cachectl.trust import pins
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
-
     from cachectl.index.protocol import IndexBackend
     from cachectl.index.stdlib import StdlibReads
     from cachectl.service.mirror import PullResult
@@ -169,50 +169,12 @@ def _jax_compiled_already() -> bool:
 _FAIL_FAST_S3 = s3_backend.FAIL_FAST
 
 
-def fail_fast_options(root_url: str, options: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Storage options for a quick probe: one attempt per request where the store's client
-    retries (its backend module's ``probe_options``; the bounds are the store's)."""
-    if url_kind(root_url) is None:  # not a store (refused where it is opened)
-        return dict(options or {})
-    return backend_for(root_url).probe_options(dict(options or {}))
-
-
 def _fail_fast() -> dict[str, Any]:
     """botocore settings for JAX's own object-store client: one attempt per request unless
     CACHECTL_S3_FAIL_FAST=0 (the storage bounds apply either way)."""
     if os.environ.get("CACHECTL_S3_FAIL_FAST", "1").strip().lower() in ("0", "false", "no"):
         return {}
     return dict(_FAIL_FAST_S3)
-
-
-def _policy(index: IndexBackend, settings: Settings) -> CacheInfo:
-    """This cache's policy; the embedded default is created on first use."""
-    if settings.cache != DEFAULT_CACHE:
-        return index.get_cache(settings.cache)
-    try:
-        return index.get_cache(settings.cache)
-    except NotFound:
-        return index.ensure_cache(settings.cache, normalize_url(settings.default_root))
-
-
-def open_service_index(
-    settings: Settings, problems: list[str]
-) -> tuple[IndexBackend | None, CacheInfo | None]:
-    """The index (cachectl.index.open, role "service": the stdlib driver where it serves the
-    file, so no SQLAlchemy import) and this cache's policy; a failure becomes one problem line."""
-    index = None
-    try:
-        index = open_index(settings, "service")
-        return index, _policy(index, settings)
-    except Unreachable as exc:
-        problems.append(f"index unavailable ({exc.message})")
-    except CachectlError as exc:
-        problems.append(exc.message)
-    except Exception as exc:  # noqa: BLE001 - a service must start anyway
-        problems.append(f"index unavailable ({type(exc).__name__}: {exc})".splitlines()[0])
-    if index is not None:
-        index.close()
-    return None, None
 
 
 def _record_environment(settings: Settings, env: Environment) -> None:
@@ -316,9 +278,18 @@ def activate(
         atexit.register(_close_at_exit, index, os.getpid())
     pulled = _prepare_storage(target, index, cache_info, env, mirror, problems)
     _start_jax(target, env, compiled_before, problems)
-    run_unverified = _run_unverified(run_unverified_code)
+    unverified_ok = run_unverified(run_unverified_code)
     if mirror is None:
-        _install_verifier(settings, target, env, run_unverified, index)
+        install_verifier(
+            settings,
+            env,
+            target.path,
+            target.options,
+            target.node,
+            not target.readonly,
+            unverified_ok,
+            index,
+        )
     indexed = _record_now(index, cache_info, env, problems)
     collector = _after_start(settings, env, telemetry, deferred, problems)
 
@@ -338,7 +309,7 @@ def activate(
         mirror=target.path if mirror is not None else None,
         pull=pulled,
         compiled_before=compiled_before,
-        run_unverified_code=run_unverified,
+        run_unverified_code=unverified_ok,
     )
     return activation.holding(index, target.options if mirror is None else None)
 
@@ -612,188 +583,6 @@ def start_exec_telemetry(environment: dict[str, Any]) -> None:
     (cachectl.service.exec_hook: reading it here would open the backend early)."""
     settings = load_settings()
     start_telemetry(settings, settings.cache, Environment.from_dict(environment), [])
-
-
-class NamespaceVerifier(jax_seam.EntryVerifier):
-    """What JAX's persistent cache may read in this namespace: the entry sha256s of
-    :func:`namespace_verified` (asked at the first lookup, not at activate) and what this process
-    wrote itself (and what this owner's services wrote before, ``pins.written``); one warning for
-    the first refused entry."""
-
-    def __init__(
-        self,
-        settings: Settings,
-        digest: str,
-        namespace: str,
-        read: Callable[[str], bytes],
-        warn: Callable[[str], None],
-        unverified_ok: bool = False,
-        index: IndexBackend | None = None,
-        node: node_source.RemoteFiles | None = None,
-        writer: bool = False,
-    ) -> None:
-        """``index``: the one activate() holds, asked instead of opening one (in this process
-        only: a forked child opens its own); ``node``: the node tier reads go through.
-        ``writer``: JAX writes the namespace (it may take compile leases,
-        service/compile_lease.py)."""
-        self._node = node
-        self._args = (settings, digest, namespace, read)
-        self._writer = writer
-        self._leases: Any = None
-        self._no_lease = False  # the cache trusts keys, or nothing verifies it
-        self._index = index
-        self._index_pid = os.getpid()
-        self._warn = warn
-        self._unverified_ok = unverified_ok
-        self._shas: dict[str, str] | None = None
-        self._any = False
-        self._mine: dict[str, str] = {}
-        self._lock = threading.Lock()
-        self._warned = False
-
-    def _known(self) -> dict[str, str]:
-        with self._lock:
-            if self._shas is None:
-                from cachectl.service.verified import namespace_verified
-
-                warnings: list[str] = []
-                found = namespace_verified(
-                    *self._args,
-                    warnings,
-                    self._unverified_ok,
-                    open_service_index,
-                    held=self._index if os.getpid() == self._index_pid else None,
-                    first_only=True,  # cachectl.serving, which asked first, printed them
-                    node=self._node.files if self._node is not None else None,
-                )
-                self._shas = {k: v.sha256 for k, v in (found or {}).items()}
-                self._no_lease = found is None or found.trusted
-                settings, digest = self._args[0], self._args[1]
-                mine = pins.written(
-                    settings.server or settings.db, settings.cache, digest, warnings
-                )
-                self._mine = {**mine, **self._mine}
-                self._any = found is None and self._unverified_ok
-                for line in warnings:
-                    self._warn(line)
-            return self._shas
-
-    def expected(self, key: str) -> str | None:
-        known = self._known()
-        if self._any:
-            return jax_seam.ANY_ENTRY
-        return self._mine.get(key) or known.get(key)
-
-    def refused(self, key: str, why: str) -> None:
-        with self._lock:
-            if self._warned:
-                return
-            self._warned = True
-        settings = self._args[0]
-        self._warn(
-            f"cachectl: refused JAX entry {key} of cache {settings.cache!r} ({why}); it compiles "
-            "in memory: someone without a trusted key rewrote it (`cachectl verify` lists such "
-            "files)"
-        )
-
-    def read_entry(
-        self, key: str, expected: str, base: Callable[[str], bytes | None]
-    ) -> bytes | None:
-        """Through the node tier when there is one: this node's copy, else one fetch."""
-        if self._node is None:
-            return base(key)
-        return node_source.read_entry(self._node, key, expected, self.refused)
-
-    def wrote(self, key: str, sha256: str) -> None:
-        with self._lock:
-            self._mine[key] = sha256
-        settings, digest = self._args[0], self._args[1]
-        pins.remember_written(settings.server or settings.db, settings.cache, digest, key, sha256)
-        if self._leases:
-            self._leases.wrote(key)
-
-    def missed(self, key: str, read: Callable[[str], bytes | None]) -> bytes | None:
-        """A miss: through the compile lease (wait for another process's compile, or hold the
-        lease while compiling), unless the cache trusts keys or nothing verifies it."""
-        self._known()
-        with self._lock:
-            if self._leases is None:
-                self._leases = self._compile_leases()
-        return self._leases.missed(key, read) if self._leases else None
-
-    def _compile_leases(self) -> Any:
-        """The process's compile leases (False: none). A cache that trusts keys has none: a
-        service's entry counts there only when a trusted key signed it, so nobody would wait."""
-        if self._no_lease or not compile_lease.lease_enabled():
-            return False
-        settings, digest = self._args[0], self._args[1]
-
-        def lessor() -> compile_lease.Lessor | None:
-            index = self._index if os.getpid() == self._index_pid else None
-            if index is None:
-                index = open_service_index(settings, [])[0]
-            return compile_lease.lessor_for(index, settings.cache, digest)
-
-        return compile_lease.CompileLeases(lessor, writer=self._writer, warn=self._warn)
-
-
-def verify_exec_cache(path: str, environment: dict[str, Any]) -> None:
-    """In a process `cachectl exec` started (service/exec_hook.py): JAX's cache at ``path`` reads
-    only what activate()'s would verify for the environment exec resolved."""
-    settings = load_settings()
-    env = Environment.from_dict(environment)
-
-    def read(name: str) -> bytes:
-        return Store(path).read_bytes(name)
-
-    node = node_source.for_jax_path(settings, path, env.digest, env.namespace, _warn)
-    verifier = NamespaceVerifier(
-        settings, env.digest, env.namespace, read, _warn, _run_unverified(None), node=node
-    )
-    if node is not None:
-        node_source.remember(path, node)
-    jax_seam.install_verifying_cache(path, verifier)
-
-
-def _run_unverified(explicit: bool | None) -> bool:
-    """The caller's choice, else ``CACHECTL_RUN_UNVERIFIED_CODE``; False unless asked for."""
-    if explicit is not None:
-        return explicit
-    value = os.environ.get(RUN_UNVERIFIED_ENV, "").strip()
-    try:
-        return parse_bool(RUN_UNVERIFIED_ENV, value)
-    except BadInput:
-        _warn(f"cachectl: ignoring {RUN_UNVERIFIED_ENV}={value!r}: use 1 or 0")
-        return False
-
-
-def _install_verifier(
-    settings: Settings,
-    target: _Target,
-    env: Environment,
-    run_unverified: bool,
-    index: IndexBackend | None,
-) -> None:
-    """JAX's persistent cache reads only verified entries of the namespace (a mirror holds only
-    what its pull verified, and what this owner's processes wrote)."""
-
-    def read(name: str) -> bytes:
-        return Store(target.path, target.options).read_bytes(name)
-
-    verifier = NamespaceVerifier(
-        settings,
-        env.digest,
-        env.namespace,
-        read,
-        _warn,
-        run_unverified,
-        index,
-        target.node,
-        not target.readonly,
-    )
-    if target.node is not None:
-        node_source.remember(target.path, target.node)
-    jax_seam.install_verifying_cache(target.path, verifier)
 
 
 def _warn(message: str) -> None:

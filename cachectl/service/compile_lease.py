@@ -168,7 +168,7 @@ def lessor_for(index: Any, cache: str, digest: str) -> Lessor | None:
 
 
 class CompileLeases:
-    """The lease side of one process's verifying cache (service/activate.py NamespaceVerifier)."""
+    """The lease side of one process's verifying cache (service/namespace_verifier.py NamespaceVerifier)."""
 
     def __init__(
         self,

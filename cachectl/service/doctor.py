@@ -25,8 +25,8 @@ from cachectl.core.sqlite_file import sqlite_path
 from cachectl.core.topologies import tpu_compiler
 from cachectl.core.units import format_size
 from cachectl.index import CacheInfo, EnvironmentInfo
-from cachectl.service.activate import fail_fast_options
 from cachectl.service.env_differences import Difference, nearest
+from cachectl.service.service_index import fail_fast_options
 from cachectl.storage.entries import Kind, classify, keys_lacking_atime
 from cachectl.storage.store import Store, normalize_url
 

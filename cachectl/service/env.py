@@ -23,8 +23,9 @@ from cachectl.core.probe import (
     read_private,
 )
 from cachectl.core.temps import atomic_write
-from cachectl.service.activate import env_vars_for, fail_fast_options, jax_config_for
+from cachectl.service.activate import env_vars_for, jax_config_for
 from cachectl.service.exec_hook import child_variables
+from cachectl.service.service_index import fail_fast_options
 from cachectl.storage.jax_storage import child_env
 from cachectl.storage.store import Store, normalize_url
 

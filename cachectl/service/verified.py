@@ -10,7 +10,7 @@ process opted in to running unverified code (``CACHECTL_RUN_UNVERIFIED_CODE=1``,
 ``activate(run_unverified_code=True)``).
 
 :func:`namespace_verified` is also what JAX's own persistent cache asks in a service
-(``service/activate.py`` ``NamespaceVerifier``, through ``jax_seam.install_verifying_cache``):
+(``service/namespace_verifier.py`` ``NamespaceVerifier``, through ``jax_seam.install_verifying_cache``):
 ``cachectl.serving`` and a plain ``activate()`` service refuse the same bytes.
 """
 
