@@ -31,7 +31,7 @@ from cachectl.core.fingerprint import MANAGED_JAX_CONFIG, Environment, current_e
 from cachectl.core.temps import current_umask
 from cachectl.core.urls import is_object_store, normalize_url, url_kind
 from cachectl.index.open import driver, open_index
-from cachectl.service import compile_lease, node_source
+from cachectl.service import compile_lease, node_source, node_upload
 from cachectl.service.telemetry_sinks import IndexSink, ServerSink
 from cachectl.storage.backends import backend_for
 from cachectl.storage.backends import s3 as s3_backend
@@ -637,6 +637,7 @@ class NamespaceVerifier(jax_seam.EntryVerifier):
         ``writer``: JAX writes the namespace (it may take compile leases,
         service/compile_lease.py)."""
         self._node = node
+        self._uploads = node_upload.for_service(settings, node, digest, writer, warn)
         self._args = (settings, digest, namespace, read)
         self._writer = writer
         self._leases: Any = None
@@ -709,6 +710,8 @@ class NamespaceVerifier(jax_seam.EntryVerifier):
             self._mine[key] = sha256
         settings, digest = self._args[0], self._args[1]
         pins.remember_written(settings.server or settings.db, settings.cache, digest, key, sha256)
+        if self._uploads is not None:  # on the server before the lease says written
+            self._uploads.wrote(key)
         if self._leases:
             self._leases.wrote(key)
 
