@@ -1,7 +1,7 @@
 """A process that compiles one slow program through activate() and counts its compiles from
 JAX's own monitoring events (requests that use the persistent cache, less hits); PLAIN=1 runs it
 without cachectl. N (its length: N=1500 takes about 1.5 s to compile on an idle core), SALT and
-FN (its name) choose the program. It prints one JSON line: pid, compiles, requests, out, t.
+FN (its name) choose the program; EXIT_AFTER=S compiles it on a thread and exits S seconds after it took the lease. It prints one JSON line: pid, compiles, requests, out, t.
 """
 
 CHILD = """
@@ -25,6 +25,13 @@ def body(x):
     return x
 body.__name__ = os.environ.get("FN", "slow")
 t0 = time.monotonic()
+if os.environ.get("EXIT_AFTER"):  # a normal exit while a thread compiles
+    import threading
+    threading.Thread(target=jax.jit(body), args=(np.arange(8, dtype=np.float32),), daemon=True).start()
+    while not any(t.name == "cachectl-compile-lease" for t in threading.enumerate()):
+        time.sleep(0.02)  # until it holds the lease (its heartbeat runs)
+    time.sleep(float(os.environ["EXIT_AFTER"]))
+    sys.exit(0)
 out = np.asarray(jax.jit(body)(np.arange(8, dtype=np.float32)))
 print(json.dumps({"pid": os.getpid(), "compiles": counts["requests"] - counts["hits"],
                   "requests": counts["requests"], "out": out.tolist(), "t": time.monotonic() - t0}))
