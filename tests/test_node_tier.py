@@ -231,7 +231,7 @@ def test_a_cold_fleet_across_nodes_compiles_each_program_once(isolated_home, tmp
     finally:
         server.stop()
     expected = json.loads(plain.communicate(timeout=300)[0].strip().splitlines()[-1])["out"]
-    for (n, (out, err)), (_, p) in zip(done, procs, strict=True):
+    for (n, (_out, err)), (_, p) in zip(done, procs, strict=True):
         assert p.returncode == 0 and "could not upload" not in err, (n, err[-3000:])
     results = [(n, json.loads(out.strip().splitlines()[-1])) for n, (out, _) in done]
     assert all(r["out"] == expected and r["requests"] == 1 for _, r in results), results
@@ -350,3 +350,59 @@ def test_the_tier_evicts_the_least_recently_read_and_bounds_its_wait(tmp_path, m
         holder.communicate()
     assert fetched[-1] == "k0-cache"
     assert any("fetching on our own" in w for w in warnings), warnings
+
+
+def test_a_writer_services_upload_is_quiet_on_a_conflict_and_warns_once(
+    tmp_path, sqlite_url
+) -> None:
+    """service/node_upload.py against a live server: an entry JAX wrote into the node tier is
+    uploaded and served; the same key with other bytes (another node's compile, a hedge) is
+    left to the server's first, with no warning; a reader token costs one warning, then no more
+    uploads."""
+    from support.server_kit import MAIN, entry_key, seed, served
+
+    from cachectl.client.server_client import ServerClient
+    from cachectl.service.node_upload import ServiceUploads
+    from cachectl.storage.entries import make_entry
+
+    s = seed(sqlite_url, str(tmp_path / "root"), str(tmp_path / "other"), entries=1)
+    node = tmp_path / "node"
+    node.mkdir()
+    keys = [entry_key("jit_fleet", n) for n in range(3)]
+    with served(sqlite_url) as (live, client):
+        warned: list[str] = []
+        clients: list[ServerClient] = []
+
+        def uploads(token: str) -> ServiceUploads:
+            def client() -> ServerClient:
+                clients.append(ServerClient(live.url, s.tokens[token]))
+                return clients[-1]
+
+            return ServiceUploads(
+                client,
+                MAIN,
+                s.digest,
+                str(node),
+                warned.append,
+            )
+
+        writer = uploads("writer")
+        first = make_entry(b"first compile" * 100, compile_seconds=1)
+        (node / f"{keys[0]}-cache").write_bytes(first)
+        writer.wrote(keys[0])
+        path = f"/api/v1/caches/{MAIN}/environments/{s.digest}/entries/{keys[0]}"
+        got = client.get(path, headers={"authorization": f"Bearer {s.tokens['reader']}"})
+        assert got.status_code == 200 and got.content == first
+
+        (node / f"{keys[0]}-cache").write_bytes(make_entry(b"a hedge" * 100, compile_seconds=2))
+        writer.wrote(keys[0])  # 409 from the server: its first bytes stay
+        assert writer.sent == 1 and warned == []
+
+        reader = uploads("reader")
+        for key in keys[1:]:
+            (node / f"{key}-cache").write_bytes(make_entry(key.encode() * 50, compile_seconds=1))
+            reader.wrote(key)
+        assert reader.sent == 0 and len(warned) == 1, warned
+        assert "could not upload entry" in warned[0] and "other nodes compile" in warned[0]
+        for made in clients:
+            made.close()

@@ -74,6 +74,9 @@ class ServiceUploads:
             with self._lock:
                 if self._client is None:
                     self._client = self._client_of()
+            if self._client is None:  # no server client after all: nothing to send to
+                self._off = True
+                return
             self._client.upload_entry(self.cache, self.digest, key, data)
             self.sent += 1
         except EntryConflict:
@@ -102,6 +105,7 @@ def for_service(
         return None
 
     def client() -> Any:
-        return driver("http")(settings, "service").client  # the service's short timeouts
+        index = driver("http")(settings, "service")  # the http driver: the service's timeouts
+        return getattr(index, "client", None)
 
     return ServiceUploads(client, settings.cache, digest, node.directory, warn)

@@ -18,6 +18,7 @@ from cachectl.core import jax_seam
 from cachectl.core.units import format_size
 from cachectl.index import NewEntry
 from cachectl.manifest import Bucket, resolve_callable
+from cachectl.service.node_upload import upload
 from cachectl.storage import executables, ingest
 from cachectl.storage.entries import (
     CACHE_SUFFIX,
@@ -31,7 +32,6 @@ from cachectl.storage.entries import (
 from cachectl.warm.compiling import Outcome
 from cachectl.warm.plan import WarmPlan
 from cachectl.warm.reports import CACHED, COMPILED, FAILED, TOO_LARGE, BucketResult
-from cachectl.service.node_upload import upload
 
 log = logging.getLogger(__name__)
 
