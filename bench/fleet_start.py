@@ -9,6 +9,14 @@ index (SQLite, or PostgreSQL where CACHECTL_TEST_PG_URL names a server). Compile
 from JAX's own monitoring events in each replica (requests that use the cache, less hits),
 and per program from JAX's miss log (its module names). In one run, alternating: one cold
 replica alone, 6 together with the lease, 6 together with CACHECTL_COMPILE_LEASE=0.
+
+The node-local tier, once per run: machine A warms the manifest into a local-disk cache; 6
+read-only replicas start on it reading the root (the reference), then through ``cachectl serve``
+from nodes that do not hold A's home (each replica in a mount namespace with it under an empty
+tmpfs: root and ``unshare``), first start and a restart on the same nodes (entry-route requests
+from the server's /metrics, files from the node tiers). The same with the cache in an S3 bucket
+(moto, its request log counting GETs per file per node) and CACHECTL_NODE_CACHE per node. And a
+cold fleet of writers through the server, lease on and off (the holder uploads what it compiled).
 """
 
 from __future__ import annotations
