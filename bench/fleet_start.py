@@ -9,12 +9,21 @@ index (SQLite, or PostgreSQL where CACHECTL_TEST_PG_URL names a server). Compile
 from JAX's own monitoring events in each replica (requests that use the cache, less hits),
 and per program from JAX's miss log (its module names). In one run, alternating: one cold
 replica alone, 6 together with the lease, 6 together with CACHECTL_COMPILE_LEASE=0.
+
+The node-local tier, once per run: machine A warms the manifest into a local-disk cache; 6
+read-only replicas start on it reading the root (the reference), then through ``cachectl serve``
+from nodes that do not hold A's home (each replica in a mount namespace with it under an empty
+tmpfs: root and ``unshare``), first start and a restart on the same nodes (entry-route requests
+from the server's /metrics, files from the node tiers). The same with the cache in an S3 bucket
+(moto, its request log counting GETs per file per node) and CACHECTL_NODE_CACHE per node. And a
+cold fleet of writers through the server, lease on and off (the holder uploads what it compiled).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -31,6 +40,14 @@ from bench.common import REPO, machine_line, stats, write_section
 
 SECTION = "## Fleet start"
 NODES, PER_NODE = 2, 3
+WRITES = ["--requests", "2", "--writes"]
+READS = ["--requests", "2"]
+# A node that does not hold machine A's home (its cache root and index): "$0" under a tmpfs.
+HIDE = 'mount --make-rprivate / && mount -t tmpfs tmpfs "$0" && exec "$@"'
+ENTRY_ROUTES = (
+    'route="/api/v1/caches/{cache}/environments/{digest}/entries/{key}"',
+    'route="/api/v1/caches/{cache}/environments/{digest}/entries/{key}/aot"',
+)
 
 REPLICA = r"""
 import time
@@ -57,7 +74,7 @@ compiler.propagate = False
 from examples import serve
 buf = io.StringIO()
 with contextlib.redirect_stdout(buf):
-    serve.main(["--requests", "2", "--writes"])
+    serve.main({args!r})
 text = buf.getvalue()
 rows = re.findall(r"first row (\[[^\]]*\])", text)
 print(json.dumps({{"ready": time.perf_counter() - t0, "compiles": counts["requests"] - counts["hits"],
@@ -118,16 +135,22 @@ def _start_fleet(base: Path, n: int, lease: bool, *, again: bool = False) -> dic
         check=True,
         capture_output=True,
     )
-    code = REPLICA.format(repo=str(REPO))
     t0 = time.perf_counter()
+    out = _launch(envs, WRITES)
+    return _fleet(kind, n, time.perf_counter() - t0, out)
+
+
+def _launch(
+    envs: list[dict[str, str]], args: list[str], hide: Path | None = None
+) -> list[dict[str, Any]]:
+    """One replica per env, started together (``hide``: each in its own mount namespace with
+    that directory under an empty tmpfs, a machine that does not hold it); their reports."""
+    argv = [sys.executable, "-c", REPLICA.format(repo=str(REPO), args=args)]
+    if hide is not None:
+        argv = ["unshare", "-m", "bash", "-c", HIDE, str(hide), *argv]
     procs = [
         subprocess.Popen(
-            [sys.executable, "-c", code],
-            env=e,
-            cwd=REPO,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
+            argv, env=e, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
         )
         for e in envs
     ]
@@ -137,6 +160,10 @@ def _start_fleet(base: Path, n: int, lease: bool, *, again: bool = False) -> dic
         if p.returncode != 0:
             raise RuntimeError(stderr[-3000:])
         out.append(json.loads(stdout.strip().splitlines()[-1]))
+    return out
+
+
+def _fleet(kind: str, n: int, wall: float, out: list[dict[str, Any]]) -> dict[str, Any]:
     per_program = Counter(
         key
         for r in out
@@ -146,7 +173,7 @@ def _start_fleet(base: Path, n: int, lease: bool, *, again: bool = False) -> dic
     return {
         "index": kind,
         "replicas": n,
-        "wall": time.perf_counter() - t0,
+        "wall": wall,
         "ready": [r["ready"] for r in out],
         "compiles": sum(r["compiles"] for r in out),
         "requests": sum(r["requests"] for r in out),
@@ -155,6 +182,183 @@ def _start_fleet(base: Path, n: int, lease: bool, *, again: bool = False) -> dic
         "max_per_program": max(per_program.values(), default=0),
         "rows": [r["rows"] for r in out],
     }
+
+
+# -- the node-local tier: a warm cache behind the server and behind moto -------------------------
+
+MANIFEST = str(REPO / "examples" / "manifest.yaml")
+
+
+def _can_hide() -> bool:
+    """The server parts need a node without machine A's root: a mount namespace (root)."""
+    return os.geteuid() == 0 and shutil.which("unshare") is not None
+
+
+def _infra() -> Any:
+    sys.path.insert(0, str(REPO / "tests"))  # tests/support/infra.py: moto, free ports
+    from support import infra
+
+    return infra
+
+
+def _cachectl(env: dict[str, str], *args: str) -> str:
+    done = subprocess.run(
+        [sys.executable, "-m", "cachectl", *args], env=env, cwd=REPO, capture_output=True, text=True
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"cachectl {' '.join(args)}: {done.stderr[-3000:]}")
+    return done.stdout
+
+
+def _machine_a(base: Path) -> dict[str, str]:
+    """Machine A: its own HOME under ``base/a`` holding the cache root and the SQLite index."""
+    env = _home(base, "a")
+    env["CACHECTL_DB"] = f"sqlite:///{base / 'a' / 'index.db'}"
+    return env
+
+
+def _serve(base: Path, a: dict[str, str]) -> Any:
+    infra = _infra()
+    pinned = [f"{k}={v}" for k, v in a.items() if k.startswith(("XDG_", "CACHECTL_"))]
+    return infra.start_server(
+        "cachectl-serve",
+        lambda port: [
+            "env",
+            *pinned,
+            sys.executable,
+            "-m",
+            "cachectl",
+            "serve",
+            "--port",
+            str(port),
+        ],
+        base / "logs",
+    )
+
+
+def _entry_requests(url: str, token: str) -> int:
+    import httpx
+
+    text = httpx.get(f"{url}/metrics", headers={"authorization": f"Bearer {token}"}).text
+    return int(
+        sum(
+            float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines()
+            if line.startswith("cachectl_http_requests_total{")
+            and any(r in line for r in ENTRY_ROUTES)
+        )
+    )
+
+
+def _node_files(base: Path) -> int:
+    """Entries and stored executables held in the nodes' tiers (what they fetched)."""
+    return sum(
+        1
+        for n in range(NODES)
+        for p in (base / f"node{n}").rglob("*")
+        if p.is_file() and p.name.endswith(("-cache", "-aot")) and "/.locks/" not in str(p)
+    )
+
+
+def _ready(out: list[dict[str, Any]]) -> dict[str, Any]:
+    return {"ready": [r["ready"] for r in out], "rows": [r["rows"] for r in out]}
+
+
+def _server_fleets(base: Path) -> dict[str, Any]:
+    """A warm local-disk cache: 6 replicas reading the root here, then through the server from
+    nodes without it (first start, restart on the same nodes); entry requests from /metrics."""
+    a = _machine_a(base)
+    _cachectl(a, "warm", MANIFEST)
+    token = _cachectl(a, "token", "create", "--name", "bench", "--role", "reader").split()[-1]
+    nodes = [_home(base, f"node{i % NODES}") for i in range(NODES * PER_NODE)]
+    local = _launch([dict(e, CACHECTL_DB=a["CACHECTL_DB"]) for e in nodes], READS)
+    res: dict[str, Any] = {"local": _ready(local)}
+    server = _serve(base, a)
+    try:
+        remote = [dict(e, CACHECTL_SERVER=server.url, CACHECTL_TOKEN=token) for e in nodes]
+        for name in ("server", "server_restart"):
+            before = _entry_requests(server.url, token)
+            out = _launch(remote, READS, hide=base / "a")
+            res[name] = dict(_ready(out), fetches=_entry_requests(server.url, token) - before)
+            res[name]["files"] = _node_files(base)
+    finally:
+        server.stop()
+    return res
+
+
+def _moto_fleets(base: Path) -> dict[str, Any]:
+    """A warm cache in an S3 bucket (moto, recording its requests): 6 replicas with a node tier
+    each node, first start and restart; GETs per file per node from moto's request log."""
+    import httpx
+
+    infra = _infra()
+    os.environ["MOTO_RECORDER_FILEPATH"] = str(base / "recording")
+    moto = infra.start_moto(base / "logs")
+    try:
+        a = {**_machine_a(base), **moto.env}
+        bucket = infra.unique_name("fleet")
+        infra.create_s3_bucket(moto.url, bucket)
+        _cachectl(a, "cache", "add", "objects", f"s3://{bucket}/jax")
+        _cachectl(a, "warm", MANIFEST, "--cache", "objects")
+        envs = []
+        for i in range(NODES * PER_NODE):
+            node = f"node{i % NODES}"
+            env = {**_home(base, node), **moto.env, "CACHECTL_DB": a["CACHECTL_DB"]}
+            env.update(
+                CACHECTL_CACHE="objects",
+                CACHECTL_NODE_CACHE=str(base / node / "tier"),
+                AWS_ACCESS_KEY_ID=node.upper(),  # which node asked, in moto's log
+            )
+            envs.append(env)
+        res: dict[str, Any] = {}
+        for name in ("moto", "moto_restart"):
+            httpx.post(f"{moto.url}/moto-api/recorder/reset-recording")
+            httpx.post(f"{moto.url}/moto-api/recorder/start-recording")
+            out = _launch(envs, READS)
+            httpx.post(f"{moto.url}/moto-api/recorder/stop-recording")
+            log = httpx.get(f"{moto.url}/moto-api/recorder/download-recording").text
+            gets: Counter[tuple[str, str]] = Counter()
+            for line in log.splitlines():
+                request = json.loads(line)
+                path = request["url"].split("?", 1)[0]
+                if request["method"] == "GET" and path.endswith(("-cache", "-aot")):
+                    auth = request["headers"].get("Authorization", "")
+                    node = "node0" if "Credential=NODE0/" in auth else "node1"
+                    gets[(node, path.rsplit("/", 1)[1])] += 1
+            res[name] = dict(
+                _ready(out),
+                fetches=sum(gets.values()),
+                files=_node_files(base),
+                max_per_file=max(gets.values(), default=0),
+            )
+    finally:
+        moto.stop()
+        os.environ.pop("MOTO_RECORDER_FILEPATH", None)
+    return res
+
+
+def _cold_server(base: Path, lease: bool) -> dict[str, Any]:
+    """6 writer replicas on nodes without the root, started together on an empty cache through
+    the server: the lease's holder uploads each entry it compiled, the other node reads it."""
+    base.mkdir(parents=True)
+    a = _machine_a(base)
+    _cachectl(a, "path")  # the default cache registered, empty
+    token = _cachectl(a, "token", "create", "--name", "bench", "--role", "writer").split()[-1]
+    server = _serve(base, a)
+    try:
+        envs = []
+        for i in range(NODES * PER_NODE):
+            env = _home(base, f"node{i % NODES}")
+            env.update(CACHECTL_SERVER=server.url, CACHECTL_TOKEN=token)
+            env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+            if not lease:
+                env["CACHECTL_COMPILE_LEASE"] = "0"
+            envs.append(env)
+        t0 = time.perf_counter()
+        out = _launch(envs, WRITES, hide=base / "a")
+        return _fleet("server", len(envs), time.perf_counter() - t0, out)
+    finally:
+        server.stop()
 
 
 def run(quick: bool = False) -> dict[str, Any]:
@@ -167,11 +371,25 @@ def run(quick: bool = False) -> dict[str, Any]:
             res["lease"].append(_start_fleet(tmp / f"lease{r}", NODES * PER_NODE, True))
             res["warm"].append(_start_fleet(tmp / f"lease{r}", NODES * PER_NODE, True, again=True))
             res["off"].append(_start_fleet(tmp / f"off{r}", NODES * PER_NODE, False))
+        hide = _can_hide()
+        if hide:
+            res["server_lease"] = [_cold_server(tmp / "cold-server-lease", True)]
+            res["server_off"] = [_cold_server(tmp / "cold-server-off", False)]
+        tier = {**(_server_fleets(tmp / "warm-server") if hide else {})}
+        tier.update(_moto_fleets(tmp / "warm-moto"))
     programs = res["alone"][0]["programs"]
     same = all(
         rows == res["alone"][0]["rows"][0] for k in res for x in res[k] for rows in x["rows"]
     )
-    return {"runs": res, "programs": programs, "outputs_equal": same}
+    served = [rows for t in tier.values() for rows in t["rows"]]
+    return {
+        "runs": res,
+        "programs": programs,
+        "outputs_equal": same,
+        "tier": tier,
+        "tier_outputs_equal": all(rows == served[0] for rows in served),
+        "hidden": hide,
+    }
 
 
 def markdown(r: dict[str, Any]) -> str:
@@ -227,11 +445,78 @@ def markdown(r: dict[str, Any]) -> str:
             "- The compile counts are exact; the times are this machine's at the load average above (other "
             "work shares it), so the time columns are indications only: the issue's goal (slowest replica "
             "within 1.3x of a lone one) needs a run on a quiet machine with a core per replica.",
-            "- Not measured yet (they need the node-local tier): entry fetches per key per node through the "
-            "server or a bucket, and a restart's fetches.",
             "",
+            *_tier_markdown(r),
         ]
     )
+
+
+def _tier_markdown(r: dict[str, Any]) -> list[str]:
+    tier = r["tier"]
+    local = tier.get("local")
+    base = max(local["ready"]) if local else None
+
+    def row(name: str, label: str) -> str:
+        t = tier[name]
+        slow = max(t["ready"])
+        per = (
+            f"{t['max_per_file']} (most of one file)"
+            if "max_per_file" in t
+            else (f"{t['fetches'] / t['files']:.2f} (mean)" if t["files"] else "-")
+        )
+        ratio = f"**{slow / base:.2f}x**" if base else "-"
+        return f"| {label} | {t['fetches']} | {t['files']} | {per} | {slow:.1f} s | {ratio} |"
+
+    lines = [
+        f"**A warm cache read through the node-local tier.** `examples/manifest.yaml` warmed on machine "
+        f"A (11 buckets: 11 entries and 11 stored executables), then {NODES} nodes x {PER_NODE} "
+        "replicas of `examples/serve.py` (read-only, 2 requests) started together on it; then again on "
+        "the same nodes (a restart: their node tiers kept). Server: `cachectl serve` on A with a "
+        "local-disk cache, each node its own HOME in its own mount namespace with A's home (root and "
+        "index) under an empty tmpfs, `CACHECTL_SERVER` and a reader token; fetches are the server's "
+        "entry-route requests (`/metrics`), files what the node tiers hold after the run. Bucket: moto "
+        "S3 with `CACHECTL_NODE_CACHE` per node; fetches are GETs of entries and executables in moto's "
+        "request log, per node by its credentials.",
+        "",
+        "| start | entry fetches | files (per node, summed) | fetches per file per node | "
+        "slowest replica done | slowest / local disk |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    if local:
+        lines.append(
+            f"| local disk (the root on each node), for reference | - | - | - | {base:.1f} s | 1.00x |"
+        )
+    for name, label in (
+        ("server", "through the server, first start"),
+        ("server_restart", "through the server, restart on the same nodes"),
+        ("moto", "through S3 (moto), first start"),
+        ("moto_restart", "through S3 (moto), restart on the same nodes"),
+    ):
+        if name in tier:
+            lines.append(row(name, label))
+    lines.append("")
+    lines.append(
+        f"- Every replica's served tokens are equal across these starts: {r['tier_outputs_equal']}."
+    )
+    if not r["hidden"]:
+        lines.append(
+            "- The server rows and the cold fleet through the server need a node without A's root "
+            "(a mount namespace: root and `unshare`); not run here."
+        )
+    runs = r["runs"]
+    if "server_lease" in runs:
+        on, off = runs["server_lease"][0], runs["server_off"][0]
+        lines.append(
+            f"- **A cold fleet through the server** ({NODES} nodes x {PER_NODE} writer replicas, "
+            "`--writes`, a writer token, the same mount namespaces, an empty cache): the manifest's "
+            f"programs compiled {on['program_compiles']} times with the lease (at most "
+            f"{on['max_per_program']} of one program; the holder uploads each entry before its lease "
+            f"says written, so the other node reads it), {off['program_compiles']} times with "
+            f"`CACHECTL_COMPILE_LEASE=0` (at most {off['max_per_program']}); slowest replica "
+            f"{max(on['ready']):.1f} s against {max(off['ready']):.1f} s."
+        )
+    lines.append("")
+    return lines
 
 
 if __name__ == "__main__":

@@ -180,9 +180,9 @@ def store_upload(
         raise refused(exc) from None
     except QuotaExceeded as exc:
         raise _too_large(exc.message) from None
-    except EntryConflict as exc:
-        raise HTTPException(
-            409, f"{exc.message}: send {OVERWRITE_HEADER}: true with an admin token"
+    except EntryConflict as exc:  # 409, named: a client tells it from other failures
+        raise EntryConflict(
+            f"{exc.message}: send {OVERWRITE_HEADER}: true with an admin token"
         ) from None
     except OSError as exc:
         if ingest.is_disk_full(exc):

@@ -2,8 +2,8 @@
 runs on an index a process opens, run here on the server's index
 (cachectl/service/compile_lease.py ``RemoteLessor`` is the client).
 
-Reading the lease (look, recorded) needs the reader role; taking, renewing, hedging and
-finishing one need the writer role: only a process that may write the cache compiles for others.
+Reading the lease (look, recorded) needs the reader role; taking, renewing, hedging,
+finishing and releasing one need the writer role: only a process that may write the cache compiles for others.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from .state import ServerState
 router = APIRouter(prefix="/api/v1")
 
 PATH = "/caches/{cache}/environments/{digest}/compile-lease"
-WRITES = ("take", "renew", "hedge", "finish")
+WRITES = ("take", "renew", "hedge", "finish", "release")
 
 
 def _need(value: str | None, name: str) -> str:
@@ -46,7 +46,7 @@ def _runner(state: ServerState) -> q.Runner:
     "POST",
     PATH,
     role="writer",
-    summary="Take, renew, hedge or finish a program's compile lease",
+    summary="Take, renew, hedge, finish or release a program's compile lease",
     response_model=out.CompileLeaseOut,
     responses=errors(400, 404),
 )
@@ -78,6 +78,8 @@ def compile_lease(
         result = q.renew(runner, scope, key, holder, ttl_s=body.ttl_s)
     elif body.action == "hedge":
         result = q.hedge(runner, scope, key, holder)
+    elif body.action == "release":
+        result = q.release(runner, scope, key, holder)
     else:
         q.finish(runner, scope, key, holder, sha256=body.sha256, compile_ms=body.compile_ms)
         result = True

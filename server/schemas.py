@@ -174,9 +174,9 @@ class TelemetryIn(Strict):
 
 class CompileLeaseIn(Strict):
     """One compile-lease call (cachectl/index/compile_leases.py): which fields an action reads.
-    Writes (take, renew, hedge, finish) and reads (look, recorded) have a route each."""
+    Writes (take, renew, hedge, finish, release) and reads (look, recorded) have a route each."""
 
-    action: Literal["take", "renew", "hedge", "finish", "look", "recorded"]
+    action: Literal["take", "renew", "hedge", "finish", "release", "look", "recorded"]
     key: Annotated[str, Field(min_length=1, max_length=MAX_KEY_LENGTH)] | None = None
     holder: Annotated[str, Field(min_length=1, max_length=256)] | None = None
     ttl_s: Annotated[float, Field(gt=0, le=3600)] = 10.0

@@ -23,6 +23,7 @@ from pathlib import Path
 import httpx
 import pytest
 from support import infra
+from support.compiles import CHILD
 from support.warming import TINY_SERVICE, invoke, tiny
 
 from cachectl.storage import node_tier
@@ -67,21 +68,35 @@ class MachineB:
         self.hidden = hidden
         self.node = Path(self.env["XDG_CACHE_HOME"]) / "cachectl" / "node"
 
-    def run(
-        self, *argv: str, env: dict[str, str] | None = None, small_tmpfs: Path | None = None
-    ) -> subprocess.CompletedProcess[str]:
+    def _argv(self, argv: tuple[str, ...], small_tmpfs: Path | None) -> list[str]:
         mounts = f"mount --make-rprivate / && mount -t tmpfs tmpfs {shlex.quote(str(self.hidden))}"
         if small_tmpfs is not None:  # a node disk that is full at its first write
             small_tmpfs.mkdir(parents=True, exist_ok=True)
             mounts += f" && mount -t tmpfs -o size=8k tmpfs {shlex.quote(str(small_tmpfs))}"
         script = f'{mounts} && test -z "$(ls -A {shlex.quote(str(self.hidden))})" && exec "$@"'
+        return ["unshare", "-m", "bash", "-c", script, "machine-b", *argv]
+
+    def run(
+        self, *argv: str, env: dict[str, str] | None = None, small_tmpfs: Path | None = None
+    ) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
-            ["unshare", "-m", "bash", "-c", script, "machine-b", *argv],
+            self._argv(argv, small_tmpfs),
             env={**self.env, **(env or {})},
             cwd=REPO,
             capture_output=True,
             text=True,
             timeout=300,
+        )
+
+    def start(self, *argv: str, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
+        """``argv`` on this machine, started (several run together)."""
+        return subprocess.Popen(
+            self._argv(argv, None),
+            env={**self.env, **(env or {})},
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
         )
 
     def serve(
@@ -176,6 +191,51 @@ def test_machine_b_reads_the_server_into_its_node_tier(isolated_home, tmp_path) 
     served, stderr = b.serve()
     assert served == ALL_SERVED and "Compiling" not in stderr, stderr[-2000:]
     assert "entries this node fetched and verified before" in stderr
+
+
+@needs_unshare
+@pytest.mark.timeout(400)
+def test_a_cold_fleet_across_nodes_compiles_each_program_once(isolated_home, tmp_path) -> None:
+    """2 nodes x 2 writer processes started together on an empty cache through the real server:
+    one takes the compile lease and compiles; it uploads the entry JAX wrote into its node tier
+    (cachectl/service/node_upload.py) before the lease says written, so the other node's
+    waiters read it from the server. Nothing records a compile time yet (no hedge): one compile
+    in all; without the upload, the other node compiles it again (2)."""
+    invoke("path")  # machine A: the default cache registered, empty
+    token = (
+        invoke("token", "create", "--name", "fleet", "--role", "writer")
+        .stdout.strip()
+        .splitlines()[-1]
+    )
+    job = {
+        "JAX_PLATFORMS": "cpu",
+        "N": "1500",
+        "SALT": "0.25",
+        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+    }
+    plain = subprocess.Popen(
+        [sys.executable, "-c", CHILD],
+        env={**os.environ, **job, "PLAIN": "1", "PYTHONPATH": str(REPO)},
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    server = infra.start_server(
+        "cachectl-serve",
+        lambda port: [sys.executable, "-m", "cachectl", "serve", "--port", str(port)],
+        tmp_path / "logs",
+    )
+    try:
+        nodes = [MachineB(tmp_path / f"node{i}", isolated_home, server.url, token) for i in (0, 1)]
+        procs = [(n, nodes[n].start(sys.executable, "-c", CHILD, env=job)) for n in (0, 0, 1, 1)]
+        done = [(n, p.communicate(timeout=300)) for n, p in procs]
+    finally:
+        server.stop()
+    expected = json.loads(plain.communicate(timeout=300)[0].strip().splitlines()[-1])["out"]
+    for (n, (_out, err)), (_, p) in zip(done, procs, strict=True):
+        assert p.returncode == 0 and "could not upload" not in err, (n, err[-3000:])
+    results = [(n, json.loads(out.strip().splitlines()[-1])) for n, (out, _) in done]
+    assert all(r["out"] == expected and r["requests"] == 1 for _, r in results), results
+    assert sum(r["compiles"] for _, r in results) == 1, results
 
 
 def test_two_nodes_read_each_entry_from_the_bucket_once(tmp_path, monkeypatch) -> None:
@@ -290,3 +350,59 @@ def test_the_tier_evicts_the_least_recently_read_and_bounds_its_wait(tmp_path, m
         holder.communicate()
     assert fetched[-1] == "k0-cache"
     assert any("fetching on our own" in w for w in warnings), warnings
+
+
+def test_a_writer_services_upload_is_quiet_on_a_conflict_and_warns_once(
+    tmp_path, sqlite_url
+) -> None:
+    """service/node_upload.py against a live server: an entry JAX wrote into the node tier is
+    uploaded and served; the same key with other bytes (another node's compile, a hedge) is
+    left to the server's first, with no warning; a reader token costs one warning, then no more
+    uploads."""
+    from support.server_kit import MAIN, entry_key, seed, served
+
+    from cachectl.client.server_client import ServerClient
+    from cachectl.service.node_upload import ServiceUploads
+    from cachectl.storage.entries import make_entry
+
+    s = seed(sqlite_url, str(tmp_path / "root"), str(tmp_path / "other"), entries=1)
+    node = tmp_path / "node"
+    node.mkdir()
+    keys = [entry_key("jit_fleet", n) for n in range(3)]
+    with served(sqlite_url) as (live, client):
+        warned: list[str] = []
+        clients: list[ServerClient] = []
+
+        def uploads(token: str) -> ServiceUploads:
+            def client() -> ServerClient:
+                clients.append(ServerClient(live.url, s.tokens[token]))
+                return clients[-1]
+
+            return ServiceUploads(
+                client,
+                MAIN,
+                s.digest,
+                str(node),
+                warned.append,
+            )
+
+        writer = uploads("writer")
+        first = make_entry(b"first compile" * 100, compile_seconds=1)
+        (node / f"{keys[0]}-cache").write_bytes(first)
+        writer.wrote(keys[0])
+        path = f"/api/v1/caches/{MAIN}/environments/{s.digest}/entries/{keys[0]}"
+        got = client.get(path, headers={"authorization": f"Bearer {s.tokens['reader']}"})
+        assert got.status_code == 200 and got.content == first
+
+        (node / f"{keys[0]}-cache").write_bytes(make_entry(b"a hedge" * 100, compile_seconds=2))
+        writer.wrote(keys[0])  # 409 from the server: its first bytes stay
+        assert writer.sent == 1 and warned == []
+
+        reader = uploads("reader")
+        for key in keys[1:]:
+            (node / f"{key}-cache").write_bytes(make_entry(key.encode() * 50, compile_seconds=1))
+            reader.wrote(key)
+        assert reader.sent == 0 and len(warned) == 1, warned
+        assert "could not upload entry" in warned[0] and "other nodes compile" in warned[0]
+        for made in clients:
+            made.close()

@@ -236,6 +236,20 @@ def renew(r: Runner, scope: str, key: str, holder: str, *, ttl_s: float) -> bool
     return n > 0
 
 
+def release(r: Runner, scope: str, key: str, holder: str) -> bool:
+    """End ``holder``'s compile now, as if its heartbeat had stopped a ttl ago: its process
+    exits, or is gone from this host (a waiter saw it). The next take wins it; True if it was
+    ``holder``'s compile."""
+    sql = r.sql
+    with r.tx() as run:
+        _, n = run(
+            f"UPDATE compile_leases SET expires_at = {sql.now()} WHERE scope = :scope "
+            f"AND key = :key AND holder = :holder AND state = '{COMPILING}'",
+            sql.params(scope=scope, key=key, holder=holder),
+        )
+    return n > 0
+
+
 def hedge(r: Runner, scope: str, key: str, who: str) -> bool:
     """Claim the one hedge of a compile in progress: True for the one waiter that compiles too."""
     with r.tx() as run:

@@ -12,7 +12,10 @@ Another process that misses the same key waits and polls the row: ``written`` ->
 entry and checks it against that sha256 (the index's record, as for any entry in a cache that
 trusts no keys); ``unwritten`` -> it compiles. Its wait is bounded: when the heartbeat stops, one
 waiter takes the lease; past about twice the longest compile recorded for that function, one
-waiter (the one whose hedge claim lands) compiles too. A read-only process never takes a lease
+waiter (the one whose hedge claim lands) compiles too. A holder ends its leases when its process
+exits (atexit), and a waiter on the holder's host whose process is gone (killed, even with
+kill -9) takes the lease over at once rather than at its expiry (the holder's name says its host
+and pid namespace, and its pid). A read-only process never takes a lease
 and waits only while a writer holds one. Anything the index cannot answer turns the lease off
 for the process with one warning: it compiles what it misses, as plain JAX does.
 CACHECTL_COMPILE_LEASE=0 turns it off. A cache that trusts signing keys never leases: a service's
@@ -21,6 +24,7 @@ entry counts there only when a trusted key signed it, so waiting for one would n
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import logging
 import os
@@ -49,6 +53,36 @@ MAX_POLL_S = 0.5
 def lease_enabled() -> bool:
     """CACHECTL_COMPILE_LEASE: on unless 0/false/no/off."""
     return os.environ.get(LEASE_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def _host() -> str:
+    """This host as a holder's name says it: its name and pid namespace (two containers with one
+    host name do not see each other's processes)."""
+    try:
+        ns = os.readlink("/proc/self/ns/pid").strip("pid:[]")
+    except OSError:
+        ns = ""
+    return f"{socket.gethostname()}/{ns}" if ns else socket.gethostname()
+
+
+def gone_here(holder: str, host: str) -> bool:
+    """Whether ``holder`` (``host:pid:tag``) was a process on this host that no longer runs (or
+    is a zombie: killed, not yet reaped). Another host's, or a live one's: False."""
+    where, _, rest = holder.rpartition(":")[0].rpartition(":")
+    if where != host or not rest.isdigit() or int(rest) == os.getpid():
+        return False
+    pid = int(rest)
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:
+        return False  # it runs, as another user
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            return fh.read().rpartition(b")")[2].split()[0] == b"Z"
+    except (OSError, IndexError):
+        return False
 
 
 def _seconds(name: str, default: float) -> float:
@@ -86,6 +120,9 @@ class Lessor:
     def hedge(self, key: str, holder: str) -> bool:
         raise NotImplementedError
 
+    def release(self, key: str, holder: str) -> bool:
+        raise NotImplementedError
+
     def finish(self, key: str, holder: str, sha256: str | None, compile_ms: int | None) -> None:
         raise NotImplementedError
 
@@ -115,6 +152,9 @@ class SqlLessor(Lessor):
 
     def hedge(self, key: str, holder: str) -> bool:
         return q.hedge(self.r, self.scope, key, holder)
+
+    def release(self, key: str, holder: str) -> bool:
+        return q.release(self.r, self.scope, key, holder)
 
     def finish(self, key: str, holder: str, sha256: str | None, compile_ms: int | None) -> None:
         q.finish(self.r, self.scope, key, holder, sha256=sha256, compile_ms=compile_ms)
@@ -147,6 +187,9 @@ class RemoteLessor(Lessor):
 
     def hedge(self, key: str, holder: str) -> bool:
         return bool(self._call("hedge", key=key, holder=holder))
+
+    def release(self, key: str, holder: str) -> bool:
+        return bool(self._call("release", key=key, holder=holder))
 
     def finish(self, key: str, holder: str, sha256: str | None, compile_ms: int | None) -> None:
         self._call("finish", key=key, holder=holder, sha256=sha256, compile_ms=compile_ms)
@@ -185,7 +228,8 @@ class CompileLeases:
         self._off = False
         self.ttl_s = _seconds(TTL_ENV, DEFAULT_TTL_S)
         self.max_s = _seconds(MAX_ENV, DEFAULT_MAX_S)
-        self.me = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        self.host = _host()
+        self.me = f"{self.host}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self._held: dict[str, _Held] = {}
         self._lock = threading.Lock()
         self._local = threading.local()
@@ -288,9 +332,11 @@ class CompileLeases:
                 continue
             if seen.state != q.COMPILING:
                 return None  # unwritten: the holder's compile stored nothing; compile here
-            if seen.left_s <= 0:  # the heartbeat stopped
+            if seen.left_s <= 0 or gone_here(seen.holder, self.host):  # the holder stopped
                 if not self.writer:
                     return None
+                if seen.left_s > 0:
+                    lessor.release(key, seen.holder)  # gone from this host: no need to wait
                 seen = self._take(lessor, key, module, None, read)
                 continue
             if not asked_record and module is not None:
@@ -334,6 +380,23 @@ class CompileLeases:
         if not self._hooked:
             self._hooked = True
             jax_seam.on_compile_stage_end(self._compile_ended)
+            atexit.register(self._release_all, os.getpid())
+
+    def _release_all(self, pid: int) -> None:
+        """At exit: end the leases this process still holds (a compile on a thread the exit cut
+        short), so a waiter takes them over now rather than at their expiry."""
+        if pid != os.getpid():
+            return  # a forked child's exit: the leases are its parent's
+        with self._lock:
+            held = [h.key for h in self._held.values() if not h.hedge]
+            self._held.clear()
+        lessor = self._lessor
+        for key in held:
+            try:
+                if lessor is not None:
+                    lessor.release(key, self.me)
+            except Exception:  # noqa: BLE001 - the lease expires on its own
+                return
 
     def _finish(self, held: _Held, sha256: str | None) -> None:
         lessor = self._lessor

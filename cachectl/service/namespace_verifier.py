@@ -18,7 +18,7 @@ from cachectl.core import jax_seam
 from cachectl.core.config import RUN_UNVERIFIED_ENV, Settings, load_settings, parse_bool
 from cachectl.core.errors import BadInput
 from cachectl.core.fingerprint import Environment
-from cachectl.service import compile_lease, node_source
+from cachectl.service import compile_lease, node_source, node_upload
 from cachectl.service.service_index import open_service_index
 from cachectl.storage.store import Store
 from cachectl.trust import pins
@@ -54,6 +54,7 @@ class NamespaceVerifier(jax_seam.EntryVerifier):
         ``writer``: JAX writes the namespace (it may take compile leases,
         service/compile_lease.py)."""
         self._node = node
+        self._uploads = node_upload.for_service(settings, node, digest, writer, warn)
         self._args = (settings, digest, namespace, read)
         self._writer = writer
         self._leases: Any = None
@@ -126,6 +127,8 @@ class NamespaceVerifier(jax_seam.EntryVerifier):
             self._mine[key] = sha256
         settings, digest = self._args[0], self._args[1]
         pins.remember_written(settings.server or settings.db, settings.cache, digest, key, sha256)
+        if self._uploads is not None:  # on the server before the lease says written
+            self._uploads.wrote(key)
         if self._leases:
             self._leases.wrote(key)
 

@@ -18,6 +18,7 @@ from cachectl.core import jax_seam
 from cachectl.core.units import format_size
 from cachectl.index import NewEntry
 from cachectl.manifest import Bucket, resolve_callable
+from cachectl.service.node_upload import upload
 from cachectl.storage import executables, ingest, ingest_rules
 from cachectl.storage.entries import (
     CACHE_SUFFIX,
@@ -31,7 +32,6 @@ from cachectl.storage.entries import (
 from cachectl.warm.compiling import Outcome
 from cachectl.warm.plan import WarmPlan
 from cachectl.warm.reports import CACHED, COMPILED, FAILED, TOO_LARGE, BucketResult
-from cachectl.warm.upload import upload
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +56,7 @@ class RunScope:
     indexed: Known
     stored_aot: Known | None
     digests: dict[str, tuple[str, str | None]]
-    # Server mode without the root here: the server's rows say what is stored (warm/upload.py).
+    # Server mode without the root here: the server's rows say what is stored (service/node_upload.py).
     via_server: bool = False
 
 
