@@ -65,15 +65,23 @@ jax.block_until_ready(served)
 first_calls = time.perf_counter() - t1
 during = dict(counts)
 flat = lambda tree: [np.asarray(leaf).tolist() for leaf in jax.tree_util.tree_leaves(tree)]
-# the manifest's jit options where the case has them (donation): the same program as warm's
-expected = [jax.jit(getattr(case, name), **getattr(case, "JIT", {{}}))(*padded)
-            for name, _, padded in calls]
+# the manifest's jit options where the case has them (donation), or the case's own jitted
+# function (in and out shardings): the same program as warm's
+jitted = lambda fn: fn if hasattr(fn, "lower") else jax.jit(fn, **getattr(case, "JIT", {{}}))
+expected = [jitted(getattr(case, name))(*padded) for name, _, padded in calls]
 close = all(
     all(np.allclose(a, b, rtol=1e-4, atol=1e-5) for a, b in zip(flat(s), flat(e), strict=True))
     for s, e in zip(served, expected, strict=True)
 )
+# each output leaf's dtype and sharding as plain jit's (a mesh's NamedSharding, x64's float64)
+placed = lambda tree: [(str(leaf.dtype), leaf.sharding, leaf.ndim)
+                       for leaf in jax.tree_util.tree_leaves(tree)]
+unlike = [(name, str(s), str(e))
+          for (name, _, _), sv, ev in zip(calls, served, expected, strict=True)
+          for s, e in zip(placed(sv), placed(ev), strict=True)
+          if s[0] != e[0] or not s[1].is_equivalent_to(e[1], e[2])]
 report = rt.report().to_dict()
-print(json.dumps(dict(start=start, during=during, close=close, report=report,
+print(json.dumps(dict(start=start, during=during, close=close, unlike=unlike, report=report,
                       ready_s=report["ready_seconds"], first_calls_s=first_calls,
                       wall_s=time.perf_counter() - t0)))
 """
@@ -96,17 +104,25 @@ print(json.dumps(dict(counts=counts, calls=len(out), wall_s=time.perf_counter() 
 
 
 from support.field_cases import CASES, REQUIRES  # noqa: E402
+from support.field_cases_models import MODEL_CASES, MODEL_REQUIRES  # noqa: E402
+
+CASES = {**CASES, **MODEL_CASES}
+REQUIRES = {**REQUIRES, **MODEL_REQUIRES}
 
 
-def _cachectl(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
+def _cachectl(
+    cwd: Path, *args: str, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
     # The case's directory first, then this checkout's own path (not another one installed)
     path = os.pathsep.join(p for p in (str(cwd), os.environ.get("PYTHONPATH")) if p)
-    return run_cachectl(cwd, *args, env={"PYTHONPATH": path, "KERAS_BACKEND": "jax"})
+    return run_cachectl(
+        cwd, *args, env={"PYTHONPATH": path, "KERAS_BACKEND": "jax", **(env or {})}
+    )
 
 
-def _run(code: str) -> dict[str, Any]:
-    proc = run_py(code, {"KERAS_BACKEND": "jax"}, timeout=600, check=True)  # a crash fails here
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+def _run(code: str, env: dict[str, str] | None = None) -> dict[str, Any]:
+    proc = run_py(code, {"KERAS_BACKEND": "jax", **(env or {})}, timeout=600, check=True)
+    return json.loads(proc.stdout.strip().splitlines()[-1])  # a crash failed above
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
@@ -118,13 +134,13 @@ def test_field_service(tmp_path: Path, name: str) -> None:
     case = CASES[name]
     (tmp_path / "case.py").write_text(textwrap.dedent(case.module))
     plain = PLAIN.format(dir=str(tmp_path), activate=False)
-    cold = _run(plain)  # (a): no cache at all
+    cold = _run(plain, case.env)  # (a): no cache at all
     assert cold["counts"]["compiles"] > 0
 
     if case.manifest is not None:
         manifest = tmp_path / "field.yaml"
         manifest.write_text(textwrap.dedent(case.manifest))
-        warm = _cachectl(tmp_path, "warm", str(manifest), "--json")
+        warm = _cachectl(tmp_path, "warm", str(manifest), "--json", env=case.env)
         assert warm.returncode == 0, warm.stderr
         report = json.loads(warm.stdout)
         assert report["summary"]["failed"] == 0
@@ -133,7 +149,7 @@ def test_field_service(tmp_path: Path, name: str) -> None:
             assert aot_errors == {None}, aot_errors
         else:
             assert all(case.not_stored in (e or "") for e in aot_errors), aot_errors
-        check = _cachectl(tmp_path, "warm-check", str(manifest))
+        check = _cachectl(tmp_path, "warm-check", str(manifest), env=case.env)
         assert "coverage: " in check.stdout and "buckets hit (100.0%)" in check.stdout, (
             check.stdout + check.stderr
         )
@@ -143,17 +159,19 @@ def test_field_service(tmp_path: Path, name: str) -> None:
             assert f"stored executables: {calls}/{calls} load and run (100.0%)" in check.stdout
     if case.warmup is not None:
         (tmp_path / "warmup.py").write_text(case.warmup)
-        warm = _cachectl(tmp_path, "warm-run", "--json", "--", sys.executable, "warmup.py")
+        warm = _cachectl(
+            tmp_path, "warm-run", "--json", "--", sys.executable, "warmup.py", env=case.env
+        )
         assert warm.returncode == 0, warm.stderr
         assert json.loads(warm.stdout)["exit_code"] == 0
 
     # Every program the warm wrote (eager ones a library ran while tracing included) is indexed.
-    verified = _cachectl(tmp_path, "verify")
+    verified = _cachectl(tmp_path, "verify", env=case.env)
     assert verified.returncode == 0 and "no problems" in verified.stdout, (
         verified.stdout + verified.stderr
     )
 
-    activated = _run(PLAIN.format(dir=str(tmp_path), activate=True))  # (b)
+    activated = _run(PLAIN.format(dir=str(tmp_path), activate=True), case.env)  # (b)
     counts = activated["counts"]
     if case.warmup is not None:  # warm-run wrote every program its run compiled, eager ones too
         # (a backend_compile_duration event fires around a persistent-cache hit too: the hit
@@ -163,7 +181,7 @@ def test_field_service(tmp_path: Path, name: str) -> None:
         assert counts["hits"] >= activated["calls"] > 0, counts
 
     if case.manifest is None:  # warm-check replays the warm-run's command read-only: all hits
-        replay = _cachectl(tmp_path, "warm-check", "--replay", "--json")
+        replay = _cachectl(tmp_path, "warm-check", "--replay", "--json", env=case.env)
         assert replay.returncode == 0, replay.stdout + replay.stderr
         replayed = json.loads(replay.stdout)
         assert replayed["exit_code"] == 0 and replayed["processes"] == 1, replayed
@@ -171,8 +189,10 @@ def test_field_service(tmp_path: Path, name: str) -> None:
 
     timings = {"a_no_cache_s": cold["wall_s"], "b_activate_s": activated["wall_s"]}
     if case.manifest is not None:  # (c)
-        served = _run(SERVING.format(dir=str(tmp_path), manifest=str(tmp_path / "field.yaml")))
-        assert served["close"], served
+        served = _run(
+            SERVING.format(dir=str(tmp_path), manifest=str(tmp_path / "field.yaml")), case.env
+        )
+        assert served["close"] and served["unlike"] == [], served
         if case.not_stored is None:
             traced = served["during"]["traces"] - served["start"]["traces"]
             calls = sum(rep["calls"] for rep in served["report"]["functions"].values())
@@ -191,7 +211,7 @@ def test_field_service(tmp_path: Path, name: str) -> None:
         timings |= {"c_serving_s": served["wall_s"], "c_ready_s": served["ready_s"]}
 
     # What (b) and (c) recorded (telemetry is on under activate() and serving): nothing missed.
-    missed = _cachectl(tmp_path, "misses", "--json")
+    missed = _cachectl(tmp_path, "misses", "--json", env=case.env)
     assert missed.returncode == 0, missed.stdout + missed.stderr
     seen = json.loads(missed.stdout)
     assert seen["requests"] > 0, seen  # the services' signatures were recorded at all
