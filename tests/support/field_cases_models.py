@@ -1,8 +1,8 @@
 """The field suite's model services: a sharded restore, state, masks, loops, kernels and x64.
 
 Each is a service as an ML engineer writes it on a real library (or JAX's own parts), served by
-tests/field/test_field_services.py like the cases of support/field_cases.py. ``env`` is set in
-every process of a case: warm, warm-check, the services and misses alike.
+tests/field/test_field_models.py as support/field_cases.py's are (support/field_run.py).
+``env`` is set in every process of a case: warm, warm-check, the services and misses alike.
 """
 
 from __future__ import annotations
