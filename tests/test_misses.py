@@ -545,6 +545,27 @@ def test_with_no_manifest_a_missed_program_still_has_its_cause() -> None:
     assert own.kind == "not_in_manifest" and "no manifest names it" in own.message
 
 
+def test_a_mesh_function_missed_for_its_jit_shardings_names_the_jitted_function() -> None:
+    """A service jits a mesh function with in_shardings/out_shardings, the manifest names the
+    plain function: same arguments, another program (the result's sharding is in it). `misses`
+    said only "a jit option differs", which `jit:` cannot declare; it now names the fix. Seen
+    on the field suite's orbax-sharded service (8 host devices) with the manifest naming the
+    plain function; here as the index's rows."""
+    from cachectl.usage.misses_expected import ExpectedSignature
+    from cachectl.usage.misses_explain import static_finding
+
+    mesh = "NamedSharding(mesh={'data': 2, 'model': 4}, spec=('data', None))"
+    for sharding, named in ((mesh, True), (None, False)):
+        leaves = (((8, 16), "float32", False, sharding),)
+        exp = ExpectedSignature(
+            "_forward", "jit__forward", {"batch": 8}, "batch=8", leaves, None, {}
+        )
+        row = _row("jit__forward", "k", "_forward at /srv/case.py:3", [list(x) for x in leaves])
+        f = static_finding(row, exp, {}, 1)
+        assert f.kind == "static" and "a jit option differs" in f.message, f
+        assert ("name its jitted function in the manifest" in f.message) is named, f.message
+
+
 def test_a_bucket_missed_under_other_xla_flags_names_the_flags(tmp_path, monkeypatch) -> None:
     """Warm under one XLA_FLAGS, serve under another: every call is a bucket of the manifest and
     misses, and misses names the key component that differs, with the flags themselves."""

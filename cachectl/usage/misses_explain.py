@@ -297,6 +297,14 @@ def explain(
     return found.found
 
 
+# A mesh function's jax.jit in_shardings/out_shardings are in its program (the result's sharding
+# is written into it), and a manifest's `jit:` cannot declare them: what to name instead.
+_MESH_JIT_OPTIONS = (
+    "; over a mesh, jax.jit's in_shardings and out_shardings are part of the program: where the "
+    "service jits with them, name its jitted function in the manifest (fn: module:jitted)"
+)
+
+
 def static_finding(
     row: SignatureRow, exp: ExpectedSignature, statics: dict[str, list[Any]], n_missed: int
 ) -> MissFinding:
@@ -329,6 +337,8 @@ def static_finding(
             f"{module} arguments match bucket [{exp.label}] but the program differs: a static argument "
             "or a jit option differs from the manifest's"
         )
+    if any((leaf[3] or "").startswith("NamedSharding") for leaf in exp.leaves):
+        msg += _MESH_JIT_OPTIONS
     return MissFinding(
         module,
         exp.name,

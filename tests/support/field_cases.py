@@ -6,7 +6,7 @@ tests/field/test_field_truth.py (cachectl's telemetry against JAX's own log).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
@@ -21,6 +21,8 @@ class Case:
     # activation, a flax TrainState's apply_fn and optax closures): stored all the same, and
     # the function is traced (never compiled) once per bucket at its first call to rebuild it.
     traced_at_first_call: bool = False
+    # Set in every process of the case (warm, the services, misses): 8 host devices, x64.
+    env: dict[str, str] = field(default_factory=dict)
 
 
 # A service that builds its model at start (Flax's nnx.Rngs and initializers, Equinox's MLP,
