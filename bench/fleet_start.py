@@ -361,8 +361,9 @@ def _cold_server(base: Path, lease: bool) -> dict[str, Any]:
         server.stop()
 
 
-def run(quick: bool = False) -> dict[str, Any]:
-    rounds = 1 if quick else 2
+def run(quick: bool = False, local_only: bool = False, rounds: int | None = None) -> dict[str, Any]:
+    """``local_only``: the local-disk fleets alone (a machine with no loopback sockets or root)."""
+    rounds = rounds or (1 if quick else 2)
     res: dict[str, list[dict[str, Any]]] = {"alone": [], "lease": [], "off": [], "warm": []}
     with tempfile.TemporaryDirectory(prefix="cachectl-bench-fleet-start-") as t:
         tmp = Path(t)
@@ -371,12 +372,13 @@ def run(quick: bool = False) -> dict[str, Any]:
             res["lease"].append(_start_fleet(tmp / f"lease{r}", NODES * PER_NODE, True))
             res["warm"].append(_start_fleet(tmp / f"lease{r}", NODES * PER_NODE, True, again=True))
             res["off"].append(_start_fleet(tmp / f"off{r}", NODES * PER_NODE, False))
-        hide = _can_hide()
+        hide = _can_hide() and not local_only
         if hide:
             res["server_lease"] = [_cold_server(tmp / "cold-server-lease", True)]
             res["server_off"] = [_cold_server(tmp / "cold-server-off", False)]
         tier = {**(_server_fleets(tmp / "warm-server") if hide else {})}
-        tier.update(_moto_fleets(tmp / "warm-moto"))
+        if not local_only:
+            tier.update(_moto_fleets(tmp / "warm-moto"))
     programs = res["alone"][0]["programs"]
     same = all(
         rows == res["alone"][0]["rows"][0] for k in res for x in res[k] for rows in x["rows"]
@@ -520,7 +522,14 @@ def _tier_markdown(r: dict[str, Any]) -> list[str]:
 
 
 if __name__ == "__main__":
-    out = run(quick="--quick" in sys.argv)
+    rounds_arg = next((a.split("=", 1)[1] for a in sys.argv if a.startswith("--rounds=")), None)
+    out = run(
+        quick="--quick" in sys.argv,
+        local_only="--local-only" in sys.argv,
+        rounds=int(rounds_arg) if rounds_arg else None,
+    )
+    if "--json" in sys.argv:
+        print(json.dumps(out, default=str))
     text = markdown(out)
     print(text)
     if "--no-write" not in sys.argv:
