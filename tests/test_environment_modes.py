@@ -117,6 +117,11 @@ def test_x64_and_x32_services_each_serve_their_own_warm(tmp_path: Path) -> None:
     assert (counts["aot"], counts["fallback"]) == (0, 1), counts
     said = [w for w in warnings if "x64" in w]
     assert said and "off when warmed" in said[0] and "JAX_ENABLE_X64=0" in said[0], warnings
+    # warm-check in x64 over the x32 warm: a miss that names x64, not only "run warm".
+    check = _cachectl("warm-check", str(manifest), env={"JAX_ENABLE_X64": "1"})
+    assert check.returncode == 1, check.stderr
+    assert "warm-check: this process's namespace holds no stored executable" in check.stdout
+    assert "x64" in check.stdout and "JAX_ENABLE_X64=0" in check.stdout, check.stdout
 
     warm64 = _cachectl("warm", str(manifest), "--json", env={"JAX_ENABLE_X64": "1"})
     assert warm64.returncode == 0, warm64.stderr

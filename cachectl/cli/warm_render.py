@@ -187,6 +187,8 @@ def print_check(report: CheckReport, manifest: str = "MANIFEST") -> None:
         f"({report.aot_coverage:.1f}%){failed}",
         highlight=False,
     )
+    if report.closest:
+        stdout.print(report.closest, highlight=False)
     if report.unusable:
         where = "marked unusable in the index" if report.mark_error is None else "NOT marked"
         note = "" if report.mark_error is None else f" ({report.mark_error})"
@@ -210,7 +212,7 @@ def print_check(report: CheckReport, manifest: str = "MANIFEST") -> None:
             f"recorded in the index: {verdict} on {proof.devices} "
             f"({proof.host}, {proof.machine_digest[:16]}){why}",
         )
-        if proof.hits < proof.buckets:
+        if proof.hits < proof.buckets and not report.closest:  # else the fix is said above
             stdout.print(f"to prove it: cachectl warm {manifest}, then this check again")
         elif not proof.proven and proof.canary.startswith("not run (--canary"):
             stdout.print(

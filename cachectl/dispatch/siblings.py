@@ -19,9 +19,12 @@ from cachectl.service.env_differences import compare
 log = logging.getLogger("cachectl.dispatch")
 
 
-def closest_environment_hint(activation: Any, here: Environment) -> str | None:
+def closest_environment_hint(
+    activation: Any, here: Environment, who: str = "cachectl.serving"
+) -> str | None:
     """One warning naming what differs from the closest environment with entries; None where the
-    index is not at hand, holds no such environment, or cannot be read (a hint, never a failure)."""
+    index is not at hand, holds no such environment, or cannot be read (a hint, never a failure).
+    ``who`` starts the line (serving's warning, or warm-check's report)."""
     index = getattr(activation, "index", None)
     if index is None:
         return None
@@ -45,7 +48,7 @@ def closest_environment_hint(activation: Any, here: Environment) -> str | None:
     _, namespace, info, there = min(candidates, key=lambda c: (c[0], c[1]))
     differences = compare(here, there)
     return (
-        f"cachectl.serving: this process's namespace holds no stored executable, while "
+        f"{who}: this process's namespace holds no stored executable, while "
         f"{namespace} holds {info.entries} entries for an environment that differs in "
         + "; ".join(d.message for d in differences)
         + ": "

@@ -30,6 +30,7 @@ from cachectl.core.records import Proof, utcnow
 from cachectl.dispatch import Serving, namespace_reader
 from cachectl.dispatch.loading import Verified
 from cachectl.dispatch.served_function import NoDummyInput
+from cachectl.dispatch.siblings import closest_environment_hint
 from cachectl.manifest import check_imports, expand, load_manifest, select_shard
 from cachectl.service.activate import activate
 from cachectl.warm.canary import EQUAL, compare, fresh_outputs, random_inputs
@@ -125,6 +126,7 @@ def check(
         cache_info.name,
         buckets,
         warning=data.get("warning"),
+        closest=data.get("closest"),
         marked=marked,
         mark_error=mark_error,
     )
@@ -446,9 +448,15 @@ def _check_in_this_process(request: dict[str, Any]) -> dict[str, Any]:
                 "error": error,
             }
         )
+    # Nothing hit: where another mode of this machine (x64, the CPU instruction set, XLA flags)
+    # was warmed, say so, as serving does; "run warm" is not the first fix then.
+    closest = None
+    if results and not any(r["status"] == HIT for r in results):
+        closest = closest_environment_hint(activation, environment, who="warm-check")
     return {
         "namespace": activation.path,
         "warning": activation.warning,
+        "closest": closest,
         "buckets": results,
         "environment": environment.to_dict(),
     }

@@ -172,6 +172,9 @@ class CheckReport:
     cache: str = field(metadata=_NOT_JSON)
     buckets: list[CheckBucket]
     warning: str | None = field(default=None, metadata=_NOT_JSON)
+    # Nothing hit, and the cache holds another environment of this machine's JAX, backend and
+    # devices (x64, CPU instruction set, XLA flags): what differs and its fix.
+    closest: str | None = None
     # Stored executables whose verdict (unusable, or usable again) the index recorded, or why
     # it could not record them.
     marked: int = 0
