@@ -361,9 +361,15 @@ def _cold_server(base: Path, lease: bool) -> dict[str, Any]:
         server.stop()
 
 
-def run(quick: bool = False, local_only: bool = False, rounds: int | None = None) -> dict[str, Any]:
-    """``local_only``: the local-disk fleets alone (a machine with no loopback sockets or root)."""
-    rounds = rounds or (1 if quick else 2)
+def run(
+    quick: bool = False,
+    local_only: bool = False,
+    rounds: int | None = None,
+    tier_only: bool = False,
+) -> dict[str, Any]:
+    """``local_only``: the local-disk fleets alone (a machine with no loopback sockets or root);
+    ``tier_only``: the node-tier parts and the cold fleet through the server alone."""
+    rounds = 0 if tier_only else (rounds or (1 if quick else 2))
     res: dict[str, list[dict[str, Any]]] = {"alone": [], "lease": [], "off": [], "warm": []}
     with tempfile.TemporaryDirectory(prefix="cachectl-bench-fleet-start-") as t:
         tmp = Path(t)
@@ -379,9 +385,11 @@ def run(quick: bool = False, local_only: bool = False, rounds: int | None = None
         tier = {**(_server_fleets(tmp / "warm-server") if hide else {})}
         if not local_only:
             tier.update(_moto_fleets(tmp / "warm-moto"))
-    programs = res["alone"][0]["programs"]
-    same = all(
-        rows == res["alone"][0]["rows"][0] for k in res for x in res[k] for rows in x["rows"]
+    programs = res["alone"][0]["programs"] if res["alone"] else None
+    same = (
+        all(rows == res["alone"][0]["rows"][0] for k in res for x in res[k] for rows in x["rows"])
+        if res["alone"]
+        else None
     )
     served = [rows for t in tier.values() for rows in t["rows"]]
     return {
@@ -396,6 +404,8 @@ def run(quick: bool = False, local_only: bool = False, rounds: int | None = None
 
 def markdown(r: dict[str, Any]) -> str:
     runs, programs = r["runs"], r["programs"]
+    if not runs["alone"]:  # --tier-only
+        return "\n".join([SECTION, "", f"{machine_line()}", "", *_tier_markdown(r)])
     alone = [x["ready"][0] for x in runs["alone"]]
 
     def row(name: str, label: str) -> str:
@@ -527,6 +537,7 @@ if __name__ == "__main__":
         quick="--quick" in sys.argv,
         local_only="--local-only" in sys.argv,
         rounds=int(rounds_arg) if rounds_arg else None,
+        tier_only="--tier-only" in sys.argv,
     )
     if "--json" in sys.argv:
         print(json.dumps(out, default=str))
