@@ -562,3 +562,17 @@ def private_imports() -> list[str]:
 
 def test_no_module_imports_another_modules_private_name() -> None:
     assert private_imports() == []
+
+
+MAX_MODULE_LINES = 600
+
+
+def test_no_module_of_the_package_or_the_server_is_over_600_lines() -> None:
+    """One module, one job: a module grown past 600 lines is split along its jobs."""
+    long = [
+        f"{path.relative_to(ROOT)}: {n} lines"
+        for pkg in ("cachectl", "server")
+        for path in sorted((ROOT / pkg).rglob("*.py"))
+        if (n := len(path.read_text().splitlines())) > MAX_MODULE_LINES
+    ]
+    assert long == []
