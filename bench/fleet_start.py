@@ -337,9 +337,10 @@ def _moto_fleets(base: Path) -> dict[str, Any]:
     return res
 
 
-def _cold_server(base: Path, lease: bool) -> dict[str, Any]:
-    """6 writer replicas on nodes without the root, started together on an empty cache through
-    the server: the lease's holder uploads each entry it compiled, the other node reads it."""
+def _cold_server(base: Path, lease: bool, n: int = NODES * PER_NODE) -> dict[str, Any]:
+    """``n`` writer replicas on nodes without the root, started together on an empty cache
+    through the server: the lease's holder uploads each entry it compiled, the other node reads
+    it (``n`` 1: one cold replica alone, the floor the fleet is compared with)."""
     base.mkdir(parents=True)
     a = _machine_a(base)
     _cachectl(a, "path")  # the default cache registered, empty
@@ -347,7 +348,7 @@ def _cold_server(base: Path, lease: bool) -> dict[str, Any]:
     server = _serve(base, a)
     try:
         envs = []
-        for i in range(NODES * PER_NODE):
+        for i in range(n):
             env = _home(base, f"node{i % NODES}")
             env.update(CACHECTL_SERVER=server.url, CACHECTL_TOKEN=token)
             env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
@@ -380,6 +381,7 @@ def run(
             res["off"].append(_start_fleet(tmp / f"off{r}", NODES * PER_NODE, False))
         hide = _can_hide() and not local_only
         if hide:
+            res["server_alone"] = [_cold_server(tmp / "cold-server-alone", True, 1)]
             res["server_lease"] = [_cold_server(tmp / "cold-server-lease", True)]
             res["server_off"] = [_cold_server(tmp / "cold-server-off", False)]
         tier = {**(_server_fleets(tmp / "warm-server") if hide else {})}
@@ -518,6 +520,7 @@ def _tier_markdown(r: dict[str, Any]) -> list[str]:
     runs = r["runs"]
     if "server_lease" in runs:
         on, off = runs["server_lease"][0], runs["server_off"][0]
+        alone = max(runs["server_alone"][0]["ready"]) if runs.get("server_alone") else None
         lines.append(
             f"- **A cold fleet through the server** ({NODES} nodes x {PER_NODE} writer replicas, "
             "`--writes`, a writer token, the same mount namespaces, an empty cache): the manifest's "
@@ -525,7 +528,14 @@ def _tier_markdown(r: dict[str, Any]) -> list[str]:
             f"{on['max_per_program']} of one program; the holder uploads each entry before its lease "
             f"says written, so the other node reads it), {off['program_compiles']} times with "
             f"`CACHECTL_COMPILE_LEASE=0` (at most {off['max_per_program']}); slowest replica "
-            f"{max(on['ready']):.1f} s against {max(off['ready']):.1f} s."
+            f"{max(on['ready']):.1f} s against {max(off['ready']):.1f} s"
+            + (
+                f"; one cold replica alone through the server {alone:.1f} s (slowest / alone: "
+                f"**{max(on['ready']) / alone:.2f}x** with the lease, "
+                f"{max(off['ready']) / alone:.2f}x without)."
+                if alone
+                else "."
+            )
         )
     lines.append("")
     return lines
