@@ -452,13 +452,13 @@ def markdown(r: dict[str, Any]) -> str:
             "- With the lease one replica compiles each program and the others wait for its entry and read "
             "it; without it each replica compiles every program, all at once. The last row is the floor this "
             "machine sets: the same 6 replicas with nothing to compile, so the lease fleet's time over it is "
-            "what waiting for the compiles cost. This machine is shared and has 2 cores: 6 replicas starting "
-            "together compete for them (importing JAX, starting the backend), which a fleet of machines does "
-            "not; the lone replica and the fleets are timed in the same run, alternating, and only the ratios "
-            "are the result.",
-            "- The compile counts are exact; the times are this machine's at the load average above (other "
-            "work shares it), so the time columns are indications only: the issue's goal (slowest replica "
-            "within 1.3x of a lone one) needs a run on a quiet machine with a core per replica.",
+            "what waiting for the compiles cost. Where the machine has fewer cores than replicas, 6 replicas "
+            "starting together compete for them (importing JAX, starting the backend), which a fleet of "
+            "machines does not; the lone replica and the fleets are timed in the same run, alternating, and "
+            "only the ratios are the result.",
+            "- The compile counts are exact; the times are this machine's at the load average above, so "
+            "compare ratios only, and only on a machine with a core per replica (the goal: the slowest "
+            "replica within 1.3x of a lone one).",
             "",
             *_tier_markdown(r),
         ]
