@@ -297,6 +297,65 @@ def test_two_nodes_read_each_entry_from_the_bucket_once(tmp_path, monkeypatch) -
     assert len(gets) == 10 and max(gets.values()) == 1, gets  # 5 entries x 2 nodes, once each
 
 
+def test_two_nodes_read_each_entry_from_an_azure_container_once(tmp_path, monkeypatch) -> None:
+    """The same through az:// (Azurite): 6 processes on 2 nodes, each entry fetched once per node,
+    so twice in all (moto tells nodes apart by credentials; Azurite's log does not: 2 GETs of
+    each entry with every process hitting means one per node)."""
+    if os.environ.get("CACHECTL_TEST_NO_AZURITE"):
+        pytest.skip("Azure Blob tests skipped: CACHECTL_TEST_NO_AZURITE=1")
+    command = infra.azurite_command()
+    assert command is not None, "Azurite is not installed: run the tests through scripts/test"
+    log = tmp_path / "azurite-debug.log"
+    azurite = infra.start_azurite(command, tmp_path / "azurite", debug_log=log)
+    try:
+        for key, value in azurite.env.items():
+            monkeypatch.setenv(key, value)
+        infra.clear_fsspec_instance_caches()
+        container = infra.unique_name()
+        infra.create_az_container(azurite.env["AZURE_STORAGE_CONNECTION_STRING"], container)
+        invoke("cache", "add", "objects", f"az://{container}/jax")
+        manifest = tiny(tmp_path)
+        warm = subprocess.run(
+            [sys.executable, "-m", "cachectl", "warm", str(manifest), "--cache", "objects"]
+            + ["--json"],
+            capture_output=True,
+            text=True,
+            timeout=600,
+            env=dict(os.environ),
+        )
+        assert warm.returncode == 0, warm.stderr
+        assert json.loads(warm.stdout)["summary"]["compiled"] == 5
+        start = log.stat().st_size
+        code = TINY_SERVICE.format(dir=str(tmp_path), cache=repr("objects"))
+        procs = [
+            subprocess.Popen(
+                [sys.executable, "-c", code],
+                env={**os.environ, "CACHECTL_NODE_CACHE": str(tmp_path / node)},
+                stdout=subprocess.PIPE,
+                text=True,
+            )
+            for node in ("node0", "node1")
+            for _ in range(3)
+        ]
+        results = [
+            json.loads(p.communicate(timeout=240)[0].strip().splitlines()[-1]) for p in procs
+        ]
+        with log.open("rb") as f:
+            f.seek(start)
+            lines = f.read().decode(errors="replace").splitlines()
+    finally:
+        azurite.stop()
+    assert all(r["hits"] == 5 for r in results), results
+    gets: Counter[str] = Counter()
+    for line in lines:
+        if "RequestMethod=GET " not in line:
+            continue
+        url = line.split("RequestURL=", 1)[1].split(" ", 1)[0].split("?", 1)[0]
+        if url.endswith("-cache"):
+            gets[url.rsplit("/", 1)[1]] += 1
+    assert len(gets) == 5 and set(gets.values()) == {2}, gets  # 5 entries, once per node
+
+
 def _sha(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 

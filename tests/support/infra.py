@@ -473,10 +473,11 @@ def azurite_command() -> str | None:
     return shutil.which("azurite-blob")
 
 
-def start_azurite(command: str, log_dir: Path) -> Server:
+def start_azurite(command: str, log_dir: Path, debug_log: Path | None = None) -> Server:
     """Azurite's Blob service (the Azure Storage emulator, npm package ``azurite``), in memory, on
     a free loopback port. --skipApiVersionCheck: the Python SDK may speak a newer REST version
-    than this Azurite knows; --loose: it ignores headers it does not implement."""
+    than this Azurite knows; --loose: it ignores headers it does not implement. ``debug_log``:
+    Azurite's --debug log, one ``RequestMethod=... RequestURL=...`` line per request answered."""
 
     def check(server: Server) -> None:
         status, _ = _http("GET", f"{server.url}/{AZURITE_ACCOUNT}?comp=list")
@@ -495,6 +496,7 @@ def start_azurite(command: str, log_dir: Path) -> Server:
             "--skipApiVersionCheck",
             "--loose",
             "--disableTelemetry",
+            *(["--debug", str(debug_log)] if debug_log is not None else []),
         ],
         log_dir,
         check=check,
