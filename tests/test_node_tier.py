@@ -195,12 +195,18 @@ def test_machine_b_reads_the_server_into_its_node_tier(isolated_home, tmp_path) 
 
 @needs_unshare
 @pytest.mark.timeout(400)
-def test_a_cold_fleet_across_nodes_compiles_each_program_once(isolated_home, tmp_path) -> None:
-    """2 nodes x 2 writer processes started together on an empty cache through the real server:
-    one takes the compile lease and compiles; it uploads the entry JAX wrote into its node tier
-    (cachectl/service/node_upload.py) before the lease says written, so the other node's
-    waiters read it from the server. Nothing records a compile time yet (no hedge): one compile
-    in all; without the upload, the other node compiles it again (2)."""
+@pytest.mark.parametrize("index", ["sqlite", "postgresql"])
+def test_a_cold_fleet_across_nodes_compiles_each_program_once(
+    isolated_home, tmp_path, monkeypatch, request, index: str
+) -> None:
+    """2 nodes x 2 writer processes started together on an empty cache through the real server
+    (its index SQLite or PostgreSQL): one takes the compile lease and compiles; it uploads the
+    entry JAX wrote into its node tier (cachectl/service/node_upload.py) before the lease says
+    written, so the other node's waiters read it from the server. Nothing records a compile time
+    yet (no hedge): one compile in all; without the upload, the other node compiles it again (2)."""
+    if index == "postgresql":  # machine A's index, and so the server's
+        monkeypatch.setenv("CACHECTL_DB", request.getfixturevalue("pg_url"))
+        invoke("db", "upgrade")
     invoke("path")  # machine A: the default cache registered, empty
     token = (
         invoke("token", "create", "--name", "fleet", "--role", "writer")
