@@ -28,6 +28,10 @@ from support.warming import TINY_SERVICE, invoke, tiny
 
 from cachectl.storage import node_tier
 
+# Read at import: isolated_home clears CACHECTL_* before each test.
+NO_AZURITE = os.environ.get("CACHECTL_TEST_NO_AZURITE") == "1"
+AZURITE = infra.azurite_command()
+
 REPO = Path(__file__).resolve().parent.parent
 MANIFEST = str(REPO / "examples" / "manifest.yaml")
 CACHECTL = (sys.executable, "-m", "cachectl")
@@ -307,9 +311,9 @@ def test_two_nodes_read_each_entry_from_an_azure_container_once(tmp_path, monkey
     """The same through az:// (Azurite): 6 processes on 2 nodes, each entry fetched once per node,
     so twice in all (moto tells nodes apart by credentials; Azurite's log does not: 2 GETs of
     each entry with every process hitting means one per node)."""
-    if os.environ.get("CACHECTL_TEST_NO_AZURITE"):
+    if NO_AZURITE:
         pytest.skip("Azure Blob tests skipped: CACHECTL_TEST_NO_AZURITE=1")
-    command = infra.azurite_command()
+    command = AZURITE
     assert command is not None, "Azurite is not installed: run the tests through scripts/test"
     log = tmp_path / "azurite-debug.log"
     azurite = infra.start_azurite(command, tmp_path / "azurite", debug_log=log)
