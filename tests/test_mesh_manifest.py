@@ -8,12 +8,9 @@ AbstractMesh, and JAX's "Mesh for all inputs should be equal" comes back naming 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
-from support.infra import run_py
+from support.infra import run_cachectl, run_py
 from support.serving import last_json
 
 DEVICES = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
@@ -87,13 +84,7 @@ def test_the_manifests_mesh_is_the_services_with_per_leaf_specs(tmp_path: Path) 
     (tmp_path / "mm_mod.py").write_text(MODULE)
     manifest = tmp_path / "mesh.yaml"
     manifest.write_text(MANIFEST)
-    warm = subprocess.run(
-        [sys.executable, "-m", "cachectl", "warm", str(manifest), "--json"],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env={**os.environ, **DEVICES},
-    )
+    warm = run_cachectl(tmp_path, "warm", str(manifest), "--json", env=DEVICES)
     assert warm.returncode == 1, warm.stderr
     report = json.loads(warm.stdout)["buckets"]
     buckets = {(b["function"], b["bucket"].get("batch")): b for b in report}

@@ -262,14 +262,7 @@ def test_two_nodes_read_each_entry_from_the_bucket_once(tmp_path, monkeypatch) -
         manifest = tiny(tmp_path)
         # In a process of its own: JAX's persistent cache and its object-store client are
         # process-wide, and an earlier test of this worker may have pointed them at another S3.
-        warm = subprocess.run(
-            [sys.executable, "-m", "cachectl", "warm", str(manifest), "--cache", "objects"]
-            + ["--json"],
-            capture_output=True,
-            text=True,
-            timeout=600,
-            env=dict(os.environ),
-        )
+        warm = infra.run_cachectl(tmp_path, "warm", str(manifest), "--cache", "objects", "--json")
         assert warm.returncode == 0, warm.stderr
         assert json.loads(warm.stdout)["summary"]["compiled"] == 5
         httpx.post(f"{moto.url}/moto-api/recorder/start-recording")
@@ -325,14 +318,7 @@ def test_two_nodes_read_each_entry_from_an_azure_container_once(tmp_path, monkey
         infra.create_az_container(azurite.env["AZURE_STORAGE_CONNECTION_STRING"], container)
         invoke("cache", "add", "objects", f"az://{container}/jax")
         manifest = tiny(tmp_path)
-        warm = subprocess.run(
-            [sys.executable, "-m", "cachectl", "warm", str(manifest), "--cache", "objects"]
-            + ["--json"],
-            capture_output=True,
-            text=True,
-            timeout=600,
-            env=dict(os.environ),
-        )
+        warm = infra.run_cachectl(tmp_path, "warm", str(manifest), "--cache", "objects", "--json")
         assert warm.returncode == 0, warm.stderr
         assert json.loads(warm.stdout)["summary"]["compiled"] == 5
         start = log.stat().st_size

@@ -7,12 +7,9 @@ with one warning naming it. Never JAX's "compiled for input shardings that disag
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
-from support.infra import run_py
+from support.infra import run_cachectl, run_py
 from support.serving import last_json
 
 DEVICES = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
@@ -61,13 +58,7 @@ def test_a_service_that_shards_its_params_its_own_way_is_answered_by_jit_with_on
     (tmp_path / "sp_mod.py").write_text(MODULE)
     manifest = tmp_path / "sp.yaml"
     manifest.write_text(MANIFEST)
-    warm = subprocess.run(
-        [sys.executable, "-m", "cachectl", "warm", str(manifest), "--json"],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env={**os.environ, **DEVICES},
-    )
+    warm = run_cachectl(tmp_path, "warm", str(manifest), "--json", env=DEVICES)
     assert warm.returncode == 0, warm.stderr
     proc = run_py(SERVICE.format(dir=str(tmp_path), manifest=str(manifest)), DEVICES, check=True)
     out, counts = last_json(proc)
@@ -125,13 +116,7 @@ def test_the_jit_fallback_of_a_mesh_function_places_host_arrays_as_warm_did(
     (tmp_path / "sp_mod.py").write_text(MODULE)
     manifest = tmp_path / "data.yaml"
     manifest.write_text(DATA_MANIFEST)
-    warm = subprocess.run(
-        [sys.executable, "-m", "cachectl", "warm", str(manifest), "--no-executables"],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env={**os.environ, **DEVICES},
-    )
+    warm = run_cachectl(tmp_path, "warm", str(manifest), "--no-executables", env=DEVICES)
     assert warm.returncode == 0, warm.stderr
     proc = run_py(
         FALLBACK_SERVICE.format(dir=str(tmp_path), manifest=str(manifest)), DEVICES, check=True
