@@ -19,6 +19,7 @@ from cachectl.core.errors import BadInput, NotFound
 from cachectl.core.units import parse_duration, parse_size
 from cachectl.index import EnvironmentInfo, warm_runs
 from cachectl.index import server_queries as sq
+from cachectl.index.misses_queries import misses_facts
 from cachectl.index.telemetry_queries import record_telemetry, telemetry_stats
 from cachectl.storage.namespace import ensure_namespace
 from cachectl.telemetry import FunctionCounts, ServingCounts, SignatureCounts, TelemetryBatch
@@ -151,6 +152,24 @@ def update_policy(
 )
 def cache_stats(state: StateDep, cache: CacheName) -> JSONResponse:
     return ok(inventory.cache_totals(state.ctx, [state.index.get_cache(cache)])[0])
+
+
+@route(
+    router,
+    "GET",
+    "/caches/{cache}/misses-facts",
+    role="reader",
+    summary="What `cachectl misses` explains: signatures seen and what warm recorded of them",
+    response_model=out.MissesFactsOut,
+    responses=errors(400, 404),
+)
+def cache_misses_facts(
+    state: StateDep,
+    cache: CacheName,
+    since: Annotated[str, Query(max_length=16, description="Window, e.g. 24h, 7d")] = "7d",
+) -> JSONResponse:
+    state.index.get_cache(cache)  # 404 for a cache the index does not know
+    return ok(misses_facts(state.index, cache, parse_duration(since)))
 
 
 @route(

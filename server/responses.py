@@ -34,7 +34,9 @@ from cachectl.core.records import (
     TokenInfo,
     WarmRunInfo,
 )
+from cachectl.index.misses_queries import MissesFacts
 from cachectl.index.server_queries import EntryPage, JobInfo
+from cachectl.index.telemetry_queries import SignatureRow
 from cachectl.index.usage import TelemetryStats, UsageRow
 from cachectl.trust.caches import looks_secret
 from cachectl.usage.inventory import CacheTotals
@@ -202,6 +204,8 @@ ProofOut = record_model(Proof, "ProofOut")
 EnvironmentOut = record_model(EnvironmentInfo, "EnvironmentOut")
 UsageRowOut = record_model(UsageRow, "UsageRowOut")
 TelemetryStatsOut = record_model(TelemetryStats, "TelemetryStatsOut")
+SignatureRowOut = record_model(SignatureRow, "SignatureRowOut")
+MissesFactsOut = record_model(MissesFacts, "MissesFactsOut")
 CacheTotalsOut = record_model(CacheTotals, "CacheTotalsOut")
 AuditOut = record_model(AuditInfo, "AuditOut")
 EntryOut = record_model(EntryInfo, "EntryOut")

@@ -651,3 +651,32 @@ def test_each_function_against_the_manifest_that_warmed_it(warmed, monkeypatch) 
     assert "above the largest bucket (1, 4, 8): add 50 (nearest bucket [batch=8]); 1 missed" in (
         human.stdout
     )
+
+
+def test_server_mode_explains_what_direct_mode_explains(warmed, monkeypatch, tmp_path) -> None:
+    """A node that reaches the index only through `cachectl serve` (CACHECTL_SERVER and a reader
+    token, no index of its own) gets the same findings and exit code as direct mode: misses reads
+    the index's facts from the server (GET /caches/{cache}/misses-facts) and explains them here."""
+    from support.server_kit import served
+
+    direct = _service(
+        warmed, "apply(params, np.zeros((48, 16), np.int32)).block_until_ready()", monkeypatch
+    )
+    assert direct["exit_code"] == 1
+    db = f"sqlite:///{Path(warmed['XDG_DATA_HOME']) / 'cachectl' / 'index.db'}"
+    made = CliRunner().invoke(cli, ["token", "create", "--name", "node", "--role", "reader", "--json"])
+    assert made.exit_code == 0, made.output
+    secret = json.loads(made.stdout)["token"]
+    with served(db) as (live, _):
+        for name in ("XDG_DATA_HOME", "XDG_CACHE_HOME", "XDG_CONFIG_HOME"):
+            monkeypatch.setenv(name, str(tmp_path / name))  # no index of the node's own
+        monkeypatch.setenv("CACHECTL_SERVER", live.url)
+        monkeypatch.setenv("CACHECTL_TOKEN", secret)
+        remote = CliRunner().invoke(cli, ["misses", "--since", "1h", "--json"])
+        human = CliRunner().invoke(cli, ["misses", "--since", "1h"])
+    assert remote.exit_code == 1, remote.output
+    report = json.loads(remote.stdout)
+    assert report["findings"] == direct["findings"]
+    assert (report["misses"], report["signatures"]) == (direct["misses"], direct["signatures"])
+    assert human.exit_code == 1 and "Traceback" not in human.output
+    assert "batch 48 not a bucket (16, 64): pad to 64, or add 48" in human.stdout

@@ -117,6 +117,11 @@ class RemoteIndex:
         self._remember(envs)
         return envs
 
+    def misses_facts(self, cache: str, since: str) -> Any:
+        """The server's MissesFacts for ``cache`` over ``since``, as JSON (usage/misses.py
+        rebuilds it: this module stays free of the SQL index's imports)."""
+        return self.client.get(f"{API}/caches/{seg(cache)}/misses-facts", since=since)
+
     def find_environment(self, cache: str, prefix: str, *, include_deleted: bool = False) -> Any:
         if include_deleted:
             return pick_environment(

@@ -17,14 +17,13 @@ from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import func, select
-
 from cachectl.core import jax_seam
 from cachectl.core.errors import BadInput, path_words
 from cachectl.core.fingerprint import Environment
-from cachectl.index.models import Cache, Entry, WarmRun, utcnow
-from cachectl.index.models import Environment as EnvRow
-from cachectl.index.telemetry_queries import SignatureRow, signature_usage
+from cachectl.core.jsonable import from_jsonable
+from cachectl.index.misses_queries import MissesFacts, misses_facts
+from cachectl.index.models import utcnow
+from cachectl.index.telemetry_queries import SignatureRow
 from cachectl.service.env_differences import compare
 from cachectl.usage.misses_expected import (
     ExpectedSignature,
@@ -97,66 +96,40 @@ class MissesReport:
 # --------------------------------------------------------------------------- the command
 
 
-def _warmed_programs(ctx: Any, cache: str, missed: dict[str, list[SignatureRow]]) -> dict[str, int]:
+def _warmed_programs(facts: MissesFacts, missed: dict[str, list[SignatureRow]]) -> dict[str, int]:
     """{module: programs of it the cache's index holds}, for the missed modules; the keys the
     service looked up are not among them (a hit would have found them)."""
     looked_up = {r.key for rows in missed.values() for r in rows if r.key}
-    with ctx.index.read_session() as s:
-        rows = s.execute(
-            select(Entry.module, Entry.key)
-            .join(EnvRow, EnvRow.id == Entry.environment_id)
-            .join(Cache, Cache.id == EnvRow.cache_id)
-            .where(Cache.name == cache, Entry.module.in_(sorted(missed)))
-        ).all()
     out: dict[str, int] = {}
-    for module, key in rows:
-        if key not in looked_up:
-            out[module] = out.get(module, 0) + 1
+    for module in missed:
+        held = [k for k in facts.programs.get(module, []) if k not in looked_up]
+        if held:
+            out[module] = len(held)
     return out
 
 
-def warmed_manifest(index: Any, cache: str) -> str | None:
-    """The manifest of the latest finished warm run into ``cache`` that still exists on disk."""
-    with index.read_session() as s:
-        paths = s.scalars(
-            select(WarmRun.manifest_path)
-            .join(EnvRow, EnvRow.id == WarmRun.environment_id)
-            .join(Cache, Cache.id == EnvRow.cache_id)
-            .where(Cache.name == cache, WarmRun.manifest_path.is_not(None))
-            .order_by(WarmRun.started_at.desc())
-        ).all()
+def _on_disk(paths: Sequence[str], seen: dict[str, bool]) -> str | None:
     for p in paths:
-        if p and Path(p).is_file():
+        if p and seen.setdefault(p, Path(p).is_file()):
             return str(p)
     return None
 
 
-def manifests_that_warmed(index: Any, cache: str, modules: Sequence[str]) -> dict[str, str]:
-    """{module: the manifest of the latest warm run into ``cache`` that stored a program of it},
+def warmed_manifest(facts: MissesFacts) -> str | None:
+    """The manifest of the latest finished warm run into the cache that still exists on disk."""
+    return _on_disk(facts.warm_manifests, {})
+
+
+def manifests_that_warmed(facts: MissesFacts, modules: Sequence[str]) -> dict[str, str]:
+    """{module: the manifest of the latest warm run into the cache that stored a program of it},
     for the manifests still on disk: each function is explained against the manifest that warmed
     it, not against whichever service warmed last."""
-    if not modules:
-        return {}
-    with index.read_session() as s:
-        latest = func.max(WarmRun.started_at)
-        rows = s.execute(
-            select(Entry.module, WarmRun.manifest_path, latest)
-            .join(WarmRun, WarmRun.id == Entry.warm_run_id)
-            .join(EnvRow, EnvRow.id == Entry.environment_id)
-            .join(Cache, Cache.id == EnvRow.cache_id)
-            .where(
-                Cache.name == cache,
-                Entry.module.in_(sorted(set(modules))),
-                WarmRun.manifest_path.is_not(None),
-            )
-            .group_by(Entry.module, WarmRun.manifest_path)
-            .order_by(latest.desc())
-        ).all()
+    seen: dict[str, bool] = {}
     out: dict[str, str] = {}
-    on_disk: dict[str, bool] = {}
-    for module, path, _ in rows:
-        if module not in out and on_disk.setdefault(path, Path(path).is_file()):
-            out[module] = str(path)
+    for module in dict.fromkeys(modules):
+        found = _on_disk(facts.manifests_by_module.get(module, []), seen)
+        if found:
+            out[module] = found
     return out
 
 
@@ -226,27 +199,6 @@ def strong_leaves(leaves: Sequence[jax_seam.Leaf]) -> tuple[jax_seam.Leaf, ...]:
 
 def leaves_of(r: SignatureRow) -> tuple[jax_seam.Leaf, ...]:
     return tuple(leaf_of(x) for x in r.leaves)
-
-
-def warmed_keys(ctx: Any, cache: str, keys: set[str]) -> set[str]:
-    """Which of ``keys`` warm stored in ``cache`` for a manifest function."""
-    found: set[str] = set()
-    ordered = sorted(keys)
-    with ctx.index.read_session() as s:
-        for i in range(0, len(ordered), 500):
-            found.update(
-                s.scalars(
-                    select(Entry.key)
-                    .join(EnvRow, EnvRow.id == Entry.environment_id)
-                    .join(Cache, Cache.id == EnvRow.cache_id)
-                    .where(
-                        Cache.name == cache,
-                        Entry.function.is_not(None),
-                        Entry.key.in_(ordered[i : i + 500]),
-                    )
-                ).all()
-            )
-    return found
 
 
 @dataclass
@@ -392,19 +344,6 @@ def _tally_row(tally: _Tally, r: SignatureRow, side: _ManifestSide) -> None:
         tally.findings.extend(_row_findings(r, nearest, candidates, side))
 
 
-def _warmed_environments(ctx: Any, cache: str) -> list[Environment]:
-    """The environments warm filled in ``cache`` (those with a warm run), newest first."""
-    with ctx.index.read_session() as s:
-        digests = s.scalars(
-            select(EnvRow.digest)
-            .join(WarmRun, WarmRun.environment_id == EnvRow.id)
-            .join(Cache, Cache.id == EnvRow.cache_id)
-            .where(Cache.name == cache)
-            .order_by(WarmRun.started_at.desc())
-        ).all()
-    return [ctx.index.get_environment(cache, d).environment for d in dict.fromkeys(digests)]
-
-
 def flags_words(here: Sequence[str], warmed: Sequence[str]) -> str:
     """'XLA flags: the service has X, the entries were built without it; ...'."""
 
@@ -427,7 +366,7 @@ def flags_words(here: Sequence[str], warmed: Sequence[str]) -> str:
 
 
 def _environment_findings(
-    ctx: Any, cache: str, rows: list[SignatureRow], side: _ManifestSide
+    facts: MissesFacts, rows: list[SignatureRow], side: _ManifestSide
 ) -> list[MissFinding]:
     """Misses of programs that are exactly a bucket: the service's environment differs from the
     one warm filled in a component of JAX's key; each differing one named (env_differences.compare), the
@@ -435,7 +374,7 @@ def _environment_findings(
     any other row."""
     if not rows:
         return []
-    warmed = _warmed_environments(ctx, cache)
+    warmed = [Environment.from_dict(e) for e in facts.warmed_environments]
     by_digest = {w.digest: w for w in warmed}
     out: list[MissFinding] = []
     for digest in dict.fromkeys(r.environment for r in rows):
@@ -448,7 +387,9 @@ def _environment_findings(
                 assert nearest is not None  # the row's signature is a bucket of the manifest
                 out.extend(_row_findings(r, nearest, candidates, side))
             continue
-        here = ctx.index.get_environment(cache, digest).environment
+        if digest not in facts.environments:  # deleted since: nothing to compare
+            continue
+        here = Environment.from_dict(facts.environments[digest])
         nearest_env = min(warmed, key=lambda w: len(compare(here, w)))
         diffs = compare(here, nearest_env)
         words = [
@@ -473,12 +414,10 @@ def _environment_findings(
     return out
 
 
-def _function_findings(
-    ctx: Any, cache: str, tally: _Tally, side: _ManifestSide
-) -> list[MissFinding]:
+def _function_findings(facts: MissesFacts, tally: _Tally, side: _ManifestSide) -> list[MissFinding]:
     """Said once per function: not in the manifest, weak-type variants, shape explosions."""
     missing = tally.not_in_manifest
-    warmed = _warmed_programs(ctx, cache, missing) if missing else {}
+    warmed = _warmed_programs(facts, missing) if missing else {}
     out = [
         not_in_manifest_finding(
             module, mrows, manifest=bool(side.by_module), warmed=warmed.get(module, 0)
@@ -498,6 +437,14 @@ def _function_findings(
     return out
 
 
+def _facts(index: Any, cache: str, since: timedelta) -> MissesFacts:
+    """What the index says: read here, or asked of the server in server mode."""
+    if getattr(index, "dialect", None) == "remote":
+        window = f"{max(1, int(since.total_seconds()))}s"
+        return from_jsonable(MissesFacts, index.misses_facts(cache, window))
+    return misses_facts(index, cache, since)
+
+
 def misses(
     ctx: Any,
     *,
@@ -505,10 +452,15 @@ def misses(
     function: str | None = None,
     manifest: str | Path | None = None,
     cache: str | None = None,
+    facts: MissesFacts | None = None,
 ) -> MissesReport:
-    """Every missed signature in ``cache`` over the window, explained against the manifest."""
+    """Every missed signature in ``cache`` over the window, explained against the manifest.
+    ``facts``: what the index says (read from ``ctx.index`` when not given: the server sends
+    them in server mode)."""
     info = ctx.cache(cache)
-    rows = signature_usage(ctx.index, info.name, since, function=None)
+    if facts is None:
+        facts = _facts(ctx.index, info.name, since)
+    rows = list(facts.rows)
     owner: dict[str, str] | None = None
     latest: str | None = None
     if manifest is not None:
@@ -516,9 +468,9 @@ def misses(
             raise BadInput(f"--manifest: no such file: {path_words(manifest)}")
         manifests = [str(manifest)]
     else:  # each function against the manifest that warmed it; the latest for the rest
-        owner = manifests_that_warmed(ctx.index, info.name, [r.function for r in rows])
+        owner = manifests_that_warmed(facts, [r.function for r in rows])
         unowned = any(r.misses and r.function not in owner and r.digest != "*" for r in rows)
-        latest = warmed_manifest(ctx.index, info.name) if unowned or not owner else None
+        latest = warmed_manifest(facts) if unowned or not owner else None
         manifests = list(dict.fromkeys([*owner.values(), *([latest] if latest else [])]))
     side = _manifest_side(manifests, function, owner, latest)
     if side.modules is not None:
@@ -530,11 +482,11 @@ def misses(
         and (r.function, leaves_of(r)) not in side.signatures
         and (r.function, strong_leaves(leaves_of(r))) in side.strong
     }
-    tally = _Tally(warmed_keys=warmed_keys(ctx, info.name, weak_only) if weak_only else set())
+    tally = _Tally(warmed_keys=weak_only & set(facts.warmed_keys))
     for r in rows:
         _tally_row(tally, r, side)
-    tally.findings.extend(_environment_findings(ctx, info.name, tally.bucket_matched, side))
-    tally.findings.extend(_function_findings(ctx, info.name, tally, side))
+    tally.findings.extend(_environment_findings(facts, tally.bucket_matched, side))
+    tally.findings.extend(_function_findings(facts, tally, side))
     tally.findings.extend(_lowering_findings(side.failures))
     return MissesReport(
         cache=info.name,
