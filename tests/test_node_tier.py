@@ -162,6 +162,20 @@ def test_machine_b_reads_the_server_into_its_node_tier(isolated_home, tmp_path) 
         )
         assert _entry_requests(server.url, token) == 22  # 11 entries + 11 executables, once each
 
+        # every command says what is true on a node (no root here, the server holds it): no
+        # drift, no advice to sync, no traceback
+        doctor = b.run(*CACHECTL, "doctor", "--json")
+        said = json.loads(doctor.stdout)["findings"]
+        assert not [f for f in said if f["severity"] != "info"], said
+        assert any("is on the server's machine" in f["message"] for f in said), said
+        synced = b.run(*CACHECTL, "sync", "--dry-run")
+        assert synced.returncode == 2 and "Run `cachectl sync` on that machine" in synced.stderr
+        assert "Traceback" not in synced.stderr and synced.stdout == ""
+        listed = b.run(*CACHECTL, "ls")
+        assert "on the server's machine: read here through" in listed.stdout, listed.stdout
+        missed = b.run(*CACHECTL, "misses", "--manifest", MANIFEST)
+        assert missed.returncode == 0 and "nothing missed" in missed.stdout, missed.stderr
+
         # the service: every bucket from a stored executable, JAX compiled nothing; a node-tier
         # file damaged meanwhile is detected by its sha256 and fetched again (one request)
         damaged = next(b.node.rglob("jit_decode_step-*-aot"))

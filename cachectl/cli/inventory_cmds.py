@@ -62,7 +62,12 @@ def _print_environments(listing: inventory.EnvironmentListing) -> None:
     ]
     stdout.print(
         table(
-            f"cache {listing.cache} at {listing.root}",
+            f"cache {listing.cache} at {listing.root}"
+            + (
+                f" (on the server's machine: read here through {listing.through_server})"
+                if listing.through_server
+                else ""
+            ),
             [
                 "environment",
                 "jax",

@@ -32,7 +32,7 @@ from typing import Any, TypeVar
 
 from cachectl.context import Context
 from cachectl.core.bulk_pass import bulk_pass
-from cachectl.core.errors import NotFound
+from cachectl.core.errors import BadInput, NotFound
 from cachectl.index import CacheInfo
 from cachectl.index.protocol import IndexBackend
 from cachectl.index.stdlib import StdlibReads
@@ -59,6 +59,7 @@ from cachectl.storage.entries import (
     check_entry_bytes,
     sha256,
 )
+from cachectl.storage.node_tier import via_server
 from cachectl.storage.store import Store, ordered_map, read_workers
 from cachectl.trust import signing
 from cachectl.trust.permissions import check_writer
@@ -435,6 +436,12 @@ def open_sync_index(ctx: Context) -> SyncIndex | None:
 def sync(
     ctx: Context, cache: CacheInfo, *, dry_run: bool = False, min_age: timedelta = DEFAULT_MIN_AGE
 ) -> SyncResult:
+    if via_server(ctx.settings, cache.root_url):
+        raise BadInput(
+            f"sync compares a root with the index, and the root of cache {cache.name!r} "
+            f"({cache.root_url}) is on the server's machine, not here: this machine reads it "
+            f"through {ctx.settings.server}. Run `cachectl sync` on that machine"
+        )
     if not dry_run:
         check_writer(cache, "sync")
     started = time.monotonic()

@@ -28,6 +28,7 @@ from cachectl.index import CacheInfo, EnvironmentInfo
 from cachectl.service.env_differences import Difference, nearest
 from cachectl.service.service_index import fail_fast_options
 from cachectl.storage.entries import Kind, classify, keys_lacking_atime
+from cachectl.storage.node_tier import node_dir, via_server
 from cachectl.storage.store import Store, normalize_url
 
 ERROR, WARNING, INFO = "error", "warning", "info"
@@ -352,6 +353,22 @@ def _open_storage(
 ) -> _Storage:
     root = ctx.settings.root or (cache.root_url if cache else None)
     if not root:
+        return _Storage(root, None, None)
+    if cache is not None and via_server(ctx.settings, cache.root_url):
+        tier = node_dir(ctx.settings, cache.root_url)
+        findings.append(
+            Diagnosis(
+                INFO,
+                "storage",
+                f"the root {root} is on the server's machine: this machine reads its entries "
+                f"through {ctx.settings.server}"
+                + (
+                    f" into the node tier {tier}"
+                    if tier
+                    else " (no node tier: CACHECTL_NODE_CACHE=off)"
+                ),
+            )
+        )
         return _Storage(root, None, None)
     try:
         url = normalize_url(root)

@@ -8,6 +8,7 @@ from datetime import datetime
 from cachectl.context import Context
 from cachectl.index import CacheInfo, EntryInfo, EnvironmentInfo
 from cachectl.index.usage import TelemetryStats, served_rate
+from cachectl.storage.node_tier import via_server
 
 
 @dataclass(frozen=True)
@@ -15,6 +16,8 @@ class EnvironmentListing:
     cache: str
     root: str
     environments: list[EnvironmentInfo]
+    # server mode on a machine without the root: the server this machine reads it through
+    through_server: str | None = None
 
 
 @dataclass(frozen=True)
@@ -62,7 +65,10 @@ class CacheTotals:
 
 
 def list_environments(ctx: Context, cache: CacheInfo) -> EnvironmentListing:
-    return EnvironmentListing(cache.name, cache.root_url, ctx.index.environment_stats(cache.name))
+    through = ctx.settings.server if via_server(ctx.settings, cache.root_url) else None
+    return EnvironmentListing(
+        cache.name, cache.root_url, ctx.index.environment_stats(cache.name), through
+    )
 
 
 def list_entries(ctx: Context, cache: CacheInfo, env_prefix: str) -> EntryListing:
