@@ -262,6 +262,38 @@ def test_a_cold_fleet_across_nodes_compiles_each_program_once(
     assert sum(r["compiles"] for _, r in results) == 1, results
 
 
+@needs_unshare
+@pytest.mark.timeout(400)
+def test_a_named_cache_serves_from_the_node_tier_with_the_server_down(
+    isolated_home, tmp_path
+) -> None:
+    """A node picks a named cache with CACHECTL_CACHE. Its root comes from the index; with the
+    server down the node still knows it (service/server_roots.py) and serves from its node tier,
+    as the default cache does. Before: `cache 'team' not activated: index unavailable`, every
+    call through jit."""
+    invoke("cache", "add", "team", str(isolated_home / "team-root"))
+    manifest = tiny(tmp_path)
+    warm = infra.run_cachectl(tmp_path, "warm", str(manifest), "--cache", "team", "--json")
+    assert warm.returncode == 0 and json.loads(warm.stdout)["summary"]["compiled"] == 5, warm.stderr
+    token = invoke("token", "create", "--name", "n", "--role", "reader").stdout.split()[-1]
+    server = infra.start_server(
+        "cachectl-serve",
+        lambda port: [sys.executable, "-m", "cachectl", "serve", "--port", str(port)],
+        tmp_path / "logs",
+    )
+    b = MachineB(tmp_path / "b", isolated_home, server.url, token)
+    code = TINY_SERVICE.format(dir=str(tmp_path), cache="")
+    try:
+        up = b.run(sys.executable, "-c", code, env={"CACHECTL_CACHE": "team"})
+    finally:
+        server.stop()
+    down = b.run(sys.executable, "-c", code, env={"CACHECTL_CACHE": "team"})
+    for proc in (up, down):
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert json.loads(proc.stdout.strip().splitlines()[-1])["hits"] == 5, proc.stderr[-2000:]
+    assert "entries this node fetched and verified before" in down.stderr, down.stderr
+
+
 def test_two_nodes_read_each_entry_from_the_bucket_once(tmp_path, monkeypatch) -> None:
     # Our own moto, recording every request it answers.
     monkeypatch.setenv("MOTO_RECORDER_FILEPATH", str(tmp_path / "recording"))

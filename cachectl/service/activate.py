@@ -29,7 +29,7 @@ from cachectl.core.fingerprint import MANAGED_JAX_CONFIG, Environment, current_e
 from cachectl.core.temps import current_umask
 from cachectl.core.urls import is_object_store, normalize_url
 from cachectl.index.open import driver
-from cachectl.service import node_source
+from cachectl.service import node_source, server_roots
 from cachectl.service.namespace_verifier import (  # noqa: F401 - exec_hook calls it here
     install_verifier,
     run_unverified,
@@ -343,10 +343,13 @@ def _root_url(settings: Settings, cache_info: CacheInfo | None, problems: list[s
     root_url = settings.root or (cache_info.root_url if cache_info else None)
     if root_url is None and settings.cache == DEFAULT_CACHE:
         root_url = settings.default_root
+    if root_url is None and settings.server:  # the server down: the root it named last time
+        root_url = server_roots.remembered(settings.server, settings.cache)
     if root_url is None:
         raise _NotActivated(
             f"cachectl: cache {settings.cache!r} not activated: {'; '.join(problems)}; "
-            "set CACHECTL_ROOT to run without the index"
+            f"set CACHECTL_ROOT to cache {settings.cache!r}'s root URL as this machine reaches "
+            "it (`cachectl cache list` names it where the index answers) to run without the index"
         )
     try:
         return normalize_url(root_url)
@@ -387,6 +390,8 @@ def _target(
         if mirror is not None
         else node_source.for_service(settings, root_url, options, env, _warn, problems)
     )
+    if settings.server and cache_info is not None and settings.root is None:
+        server_roots.remember(settings.server, settings.cache, root_url)
     if node is not None and node.via_server:  # JAX opens the node tier's directory itself
         return _Target(root_url, options, readonly, None, node.directory, node)
     store, path = _jax_path(root_url, options, env, mirror, problems)

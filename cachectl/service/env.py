@@ -146,7 +146,8 @@ def _fallback(ctx: Context, readonly: bool | None, exc: Exception, env: Environm
     if url is None:
         raise BadInput(
             f"index unavailable ({reason}) and no namespace known for cache {settings.cache!r}: "
-            "set CACHECTL_ROOT to run without the index"
+            f"set CACHECTL_ROOT to cache {settings.cache!r}'s root URL as this machine reaches it "
+            "(`cachectl cache list` names it where the index answers) to run without the index"
         )
     if readonly is None:
         readonly = settings.readonly if settings.readonly is not None else True
