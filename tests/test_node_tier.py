@@ -293,6 +293,39 @@ def test_a_named_cache_serves_from_the_node_tier_with_the_server_down(
         assert json.loads(proc.stdout.strip().splitlines()[-1])["hits"] == 5, proc.stderr[-2000:]
     assert "entries this node fetched and verified before" in down.stderr, down.stderr
 
+    # serving's reason for each function names the real cause, not "run `cachectl warm`"
+    serving = (
+        f"import json, sys; sys.path.insert(0, {str(tmp_path)!r}); import cachectl; "
+        f"r = cachectl.serving({str(manifest)!r}).report().to_dict()['functions']; "
+        "print(json.dumps(sorted({f['fallback_reason'] for f in r.values()})))"
+    )
+    server = infra.start_server(
+        "cachectl-serve",
+        lambda port: [sys.executable, "-m", "cachectl", "serve", "--port", str(port)],
+        tmp_path / "logs",
+    )
+    causes = {
+        "refused the token": {
+            "CACHECTL_CACHE": "team",
+            "CACHECTL_TOKEN": "cct_wrong",
+            "CACHECTL_SERVER": server.url,
+        },
+        "no cache named 'nosuch'": {"CACHECTL_CACHE": "nosuch", "CACHECTL_SERVER": server.url},
+        "is unreachable": {"CACHECTL_CACHE": "default", "CACHECTL_SERVER": "http://127.0.0.1:9"},
+    }
+    try:
+        said = {
+            cause: b.run(sys.executable, "-c", serving, env={**env, "CACHECTL_NODE_CACHE": "off"})
+            for cause, env in causes.items()
+        }
+    finally:
+        server.stop()
+    for cause, proc in said.items():
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        reasons = json.loads(proc.stdout.strip().splitlines()[-1])
+        assert len(reasons) == 1 and cause in reasons[0], (cause, reasons)
+        assert "run `cachectl warm`" not in reasons[0]
+
 
 def test_two_nodes_read_each_entry_from_the_bucket_once(tmp_path, monkeypatch) -> None:
     # Our own moto, recording every request it answers.

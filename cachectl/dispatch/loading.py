@@ -66,6 +66,27 @@ class Slot:
                 self._loader(self)
 
 
+NOTHING_WARMED = "no stored executable for this bucket (run `cachectl warm`)"
+
+
+class NothingReadable(Verified):
+    """No stored executable of the namespace can be read, for one cause every bucket shares
+    (the cache is not active, or nothing can verify it): serving's fallback reason names it,
+    not "run warm" (a wrong token, an unknown cache or a server down is no missing warm)."""
+
+    def __init__(self, cause: str) -> None:
+        super().__init__({}, cause)
+        self.cause = cause
+
+
+def _short(text: str, limit: int = 300) -> str:
+    """A warning's cause: "... it cannot be verified (WHY): no index to ..." gives WHY."""
+    head, sep, rest = text.partition("it cannot be verified (")
+    if sep:
+        text = rest.rsplit("): no index", 1)[0]
+    return text[:limit]
+
+
 class Executables:
     """A namespace's stored executables: every header read once (in parallel), one chosen per
     bucket by :meth:`bind`, its bytes loaded (and checked against the index) by :meth:`load`."""
@@ -115,7 +136,7 @@ class Executables:
         """Choose this bucket's stored executable, or say why it will be served by jit."""
         candidates = self._headers.get((spec.name, json.dumps(slot.values, sort_keys=True)), [])
         if not candidates:
-            slot.error = "no stored executable for this bucket (run `cachectl warm`)"
+            slot.error = getattr(self._indexed, "cause", None) or NOTHING_WARMED
             return
         reasons = []
         for key, header in candidates:
@@ -217,7 +238,12 @@ def namespace_reader(
         warnings.append(
             "cachectl.serving: the cache is not active; every call goes through jax.jit"
         )
-        return unreadable, [], None
+        why = (activation.warning or "").removeprefix("cachectl: ").splitlines()
+        return (
+            unreadable,
+            [],
+            NothingReadable("the cache is not active" + (f" ({_short(why[0])})" if why else "")),
+        )
     node = node_source.opened(activation.path)
     if node is not None:
         return _node_reader(activation, db, node, warnings)
@@ -273,17 +299,23 @@ def _verified_shas(
     to running unverified code: then None, and the warning says so."""
     settings = load_settings(db=db, cache=activation.cache)
     unverified_ok = bool(getattr(activation, "run_unverified_code", False))
+    said: list[str] = []
     found = namespace_verified(
         settings,
         activation.digest,
         activation.namespace,
         read,
-        warnings,
+        said,
         unverified_ok,
         open_service_index,
         held=getattr(activation, "index", None),  # the index activate() opened: never a second
         node=node,
     )
+    warnings.extend(said)
     if found is not None or unverified_ok:
         return found
-    return Verified({}, f"refused: cache {activation.cache!r} cannot be verified")
+    why = next((w for w in said if "cannot be verified" in w), "")
+    return NothingReadable(
+        f"refused: cache {activation.cache!r} cannot be verified"
+        + (f" ({_short(why)})" if why else "")
+    )
