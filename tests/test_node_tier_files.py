@@ -127,6 +127,7 @@ from cachectl.storage.node_tier import RECORD, NodeTier
 warnings = []
 files = NodeTier(sys.argv[1], warn=warnings.append).files("s3://bucket/root", "main", "jax-x/cpu/abc")
 assert files.usable()
+os.makedirs(files.directory, exist_ok=True)
 os.mkfifo(files.path(RECORD))
 os.mkfifo(files.path("k-cache"))
 start = time.monotonic()
