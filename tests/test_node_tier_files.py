@@ -94,6 +94,7 @@ def test_a_symlink_in_the_tier_is_never_followed(tmp_path) -> None:
     assert not os.path.exists(files.path(KEY + "-cache")), "kept in a refused tier"
     assert fetched == [KEY, KEY] and tier.counts.hits == 0
     assert len(warnings) == 1 and f"{root / LOCKS} is a symbolic link" in warnings[0], warnings
+    assert "(remove it: cachectl makes the directory again)" in warnings[0]
 
     # a tier of this user's: a lock file planted as a link to a file that does not exist yet
     good = tmp_path / "good"
@@ -119,6 +120,7 @@ def test_a_symlink_in_the_tier_is_never_followed(tmp_path) -> None:
     tier, files, warnings = _tier(linked)
     assert files.record() is None and not files.usable()
     assert len(warnings) == 1 and f"{linked} is a symbolic link" in warnings[0], warnings
+    assert "set CACHECTL_NODE_CACHE to a directory of your own" in warnings[0]
 
 
 _FIFO_CHILD = """

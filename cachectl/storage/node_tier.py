@@ -121,21 +121,25 @@ class Refused(OSError):
     """Fetched bytes whose sha256 is not the verified record's: never written, never used."""
 
 
-def dir_problem(info: os.stat_result, path: str) -> str | None:
-    """Why the directory ``path`` (its lstat ``info``) could hold files someone else put there,
-    and what to do; None when it is a real directory of this user that nobody else may write."""
+def dir_problem(info: os.stat_result, path: str, root: bool = False) -> str | None:
+    """Why the directory ``path`` (its lstat ``info``; ``root``: the tier's own directory) could
+    hold files someone else put there, and what to do; None when it is a real directory of this
+    user that nobody else may write."""
     me = os.geteuid()
+    elsewhere = ", or set CACHECTL_NODE_CACHE to a directory of your own" if root else ""
     if stat.S_ISLNK(info.st_mode):
-        return (
-            f"{path} is a symbolic link (make it a directory of your own, or set "
-            "CACHECTL_NODE_CACHE to the directory it points to)"
-        )
+        if root:
+            return (
+                f"{path} is a symbolic link (set CACHECTL_NODE_CACHE to a directory of your "
+                "own, or to the one it points to if that is yours alone)"
+            )
+        return f"{path} is a symbolic link (remove it: cachectl makes the directory again)"
     if not stat.S_ISDIR(info.st_mode):
-        return f"{path} is not a directory (remove it)"
+        return f"{path} is not a directory (remove it{elsewhere})"
     if info.st_uid != me:
         return (
             f"{path} is owned by uid {info.st_uid}, not this user (uid {me}) (remove it, or "
-            f"`chown -R {me} {path}`, or set CACHECTL_NODE_CACHE to a directory of your own)"
+            f"`chown -R {me} {path}`{elsewhere})"
         )
     if info.st_mode & 0o022:
         return (
@@ -223,7 +227,7 @@ class NodeTier:
             for path in dict.fromkeys(_below(root, directory) + [os.path.join(root, LOCKS)]):
                 with contextlib.suppress(FileExistsError):
                     os.mkdir(path, DIR_MODE)
-                why = dir_problem(os.lstat(path), path)
+                why = dir_problem(os.lstat(path), path, root=path == root)
                 if why is not None:
                     self.warn_once(
                         "owner",
