@@ -66,17 +66,30 @@ def _cotenant() -> pwd.struct_passwd:
 
 
 def test_a_tier_cachectl_makes_is_0700_whatever_the_umask(tmp_path) -> None:
+    """Made 0700 under umask 000, and made so again when deleted while a process uses it."""
     old = os.umask(0)
     try:
         files = _kept(tmp_path / "node")
+        modes = _modes(tmp_path / "node", files)
+        shutil.rmtree(tmp_path / "node")
+        fetched: list[str] = []
+        assert _read(files, fetched) == BLOB and fetched == [KEY]
+        assert os.path.isfile(files.path(KEY + "-cache"))
+        again = _modes(tmp_path / "node", files)
     finally:
         os.umask(old)
-    made = [tmp_path / "node", tmp_path / "node" / LOCKS]
+    assert set(modes.values()) == {"0o700"}, modes
+    assert set(again.values()) == {"0o700"}, again
+
+
+def _modes(root: Path, files: NodeFiles) -> dict[str, str]:
+    """Each directory of the tier (from the namespace's up to the root, and .locks): its mode."""
+    made = [root / LOCKS]
     here = Path(files.directory)
-    while here != tmp_path / "node":
+    while here != root.parent:
         made.append(here)
         here = here.parent
-    assert {oct(p.stat().st_mode & 0o777) for p in made} == {"0o700"}, made
+    return {str(p): oct(p.stat().st_mode & 0o777) for p in made if p.exists()}
 
 
 def test_a_symlink_in_the_tier_is_never_followed(tmp_path) -> None:

@@ -212,13 +212,14 @@ class NodeTier:
         """The files of ``namespace`` of ``cache`` from the remote named ``source`` (a URL)."""
         return NodeFiles(self, os.path.join(source_dir(self.root, source, cache), namespace))
 
-    def refusal(self, directory: str) -> str | None:
+    def refusal(self, directory: str, fresh: bool = False) -> str | None:
         """Why this process may not use the tier for ``directory`` (one of its directories), or
         None: every directory from the root down to it, and ``.locks``, each made 0700 where
-        missing and checked with lstat (dir_problem). Checked once per directory and process:
-        a directory only this user can write stays so. A refusal is said once."""
+        missing and checked with lstat (dir_problem). Checked once per directory and process
+        (a directory only this user can write stays so), and again before each write
+        (``fresh``: the tier may have been deleted meanwhile). A refusal is said once."""
         with self._lock:
-            if directory in self._checked:
+            if directory in self._checked and not fresh:
                 return self._checked[directory]
         root = os.path.abspath(self.root)
         why = None
@@ -313,7 +314,7 @@ class NodeFiles:
     def keep_record(self, record: dict[str, list[str | None]]) -> None:
         """Keep the verified record the index gave (key -> its sha256s) beside the files, so a
         restart with the remote gone still knows which of them it may read."""
-        if not self.usable():
+        if self.tier.refusal(self.directory, fresh=True) is not None:
             return
         text = json.dumps(record, sort_keys=True).encode()
         with contextlib.suppress(OSError, ValueError):
@@ -466,7 +467,7 @@ class NodeFiles:
                 errno.EIO, f"{name} from the remote differs from its verified record (sha256)"
             )
         self.tier.counts.fetched += 1
-        if not keep:
+        if not keep or self.tier.refusal(self.directory, fresh=True) is not None:
             return data
         try:
             atomic_write(self.path(name), FILE_MODE, lambda fh: fh.write(data))
