@@ -234,7 +234,7 @@ def test_a_co_tenant_can_neither_edit_the_record_nor_plant_the_tier(tmp_path) ->
     a tier directory the co-tenant made first, or any directory of it the co-tenant owns, is
     refused in one line, its record unused."""
     other = _cotenant()
-    base = Path(tempfile.mkdtemp(prefix="cachectl-cotenant-", dir="/tmp"))
+    base = Path(tempfile.mkdtemp(prefix="cachectl-node-tier-", dir="/tmp"))
     try:
         base.chmod(0o755)  # the co-tenant may reach the tier, as on a shared scratch disk
         old = os.umask(0)
