@@ -74,9 +74,12 @@ class MachineB:
 
     def _argv(self, argv: tuple[str, ...], small_tmpfs: Path | None) -> list[str]:
         mounts = f"mount --make-rprivate / && mount -t tmpfs tmpfs {shlex.quote(str(self.hidden))}"
-        if small_tmpfs is not None:  # a node disk that is full at its first write
+        if small_tmpfs is not None:  # a node disk that is full at its first write (0700: a
+            # node directory group or others may write is refused before any write)
             small_tmpfs.mkdir(parents=True, exist_ok=True)
-            mounts += f" && mount -t tmpfs -o size=8k tmpfs {shlex.quote(str(small_tmpfs))}"
+            mounts += (
+                f" && mount -t tmpfs -o size=8k,mode=0700 tmpfs {shlex.quote(str(small_tmpfs))}"
+            )
         script = f'{mounts} && test -z "$(ls -A {shlex.quote(str(self.hidden))})" && exec "$@"'
         return ["unshare", "-m", "bash", "-c", script, "machine-b", *argv]
 

@@ -16,7 +16,6 @@ verifier, ``cachectl.serving`` and warm-check's children read through it.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -157,12 +156,13 @@ def for_service(
     warn: Callable[[str], None],
     problems: list[str],
 ) -> RemoteFiles | None:
-    """activate()'s node tier, its directory made; None (and a problem said) where the node
-    disk cannot be used: the process then reads from the remote, as without a tier."""
+    """activate()'s node tier, its directories made (0700) and checked: one this user does not
+    own alone is said once, and its reads then go to the remote (storage/node_tier.py
+    ``NodeTier.refusal``). None (and a problem said) where the settings cannot open one."""
     try:
         node = open_remote_files(settings, root_url, options, env.digest, env.namespace, warn)
         if node is not None:
-            os.makedirs(node.directory, exist_ok=True)
+            node.files.usable()
         return node
     except Exception as exc:  # noqa: BLE001 - a node disk we cannot use: read from the remote
         problems.append(f"node cache off ({type(exc).__name__}: {exc})".splitlines()[0])
