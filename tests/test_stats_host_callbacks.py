@@ -98,6 +98,17 @@ def test_stats_names_the_functions_whose_programs_use_host_callbacks(tmp_path: P
     assert WAY_OUT in text, table.stdout
     assert "jit_plain:" not in text, table.stdout
 
+    # `misses` counts what `stats` counts: the host-callback programs are not cacheable, never
+    # misses, each counted once; only jit_plain's miss is a miss
+    missed = _cachectl(tmp_path, "misses", "--since", "1h", "--json")
+    assert missed.returncode == 1, missed.stdout + missed.stderr  # jit_plain missed
+    report = json.loads(missed.stdout)
+    assert report["host_callback_functions"] == {"jit_checked": jax_missed}, report
+    assert [m["function"] for m in report["missed"]] == ["jit_plain"], report["missed"]
+    assert report["misses"] == sum(f["misses"] for f in fns.values()) == 1, report
+    assert report["uncacheable"] == sum(f["uncacheable"] for f in fns.values()), report
+    assert CAUSE in report["host_callbacks_cause"], report
+
 
 REGISTER = """
 version: 1

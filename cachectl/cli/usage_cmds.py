@@ -67,6 +67,11 @@ def _print_misses(r: misses_lib.MissesReport) -> None:
             f"one primitive, e.g. jit_stage from jnp.asarray(numpy)): {names}",
             highlight=False,
         )
+    if r.host_callback_functions:
+        names = ", ".join(f"{k} ({v})" for k, v in sorted(r.host_callback_functions.items()))
+        stdout.print(
+            f"not cacheable, counted apart ({r.host_callbacks_cause}): {names}", highlight=False
+        )
     if r.ok:
         stdout.print("nothing missed", highlight=False)
 

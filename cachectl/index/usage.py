@@ -142,17 +142,19 @@ def telemetry_stats(reader: Reader, cache: str, since: timedelta) -> TelemetrySt
     known = {k: next(iter(v.items())) for k, v in named.items() if len(v) == 1}
     shared = {k for k, v in named.items() if len(v) > 1}
     # The collector counts two kinds of program as not cacheable, and the telemetry rows do not
-    # say which (no reason column): JAX-internal staging programs, which the signatures count as
-    # not cacheable too, and programs with host callbacks, which they keep as misses (JAX's
-    # count). So a function with not-cacheable requests and no staging signature has host callbacks.
+    # say which (no reason column): JAX-internal staging programs and programs with host
+    # callbacks. The signatures count both as not cacheable too, and a staging program's
+    # signature names JAX's eager dispatch as its source (jax_seam.is_staging): a function with
+    # not-cacheable requests and no staging signature has host callbacks.
     staging = {
         (d, m)
-        for d, m in reader.rows(
-            "SELECT DISTINCT e.digest, s.function FROM environments e "
+        for d, m, source in reader.rows(
+            "SELECT DISTINCT e.digest, s.function, s.source FROM environments e "
             "JOIN signatures s ON s.environment_id = e.id "
             "WHERE e.cache_id = :cid AND s.uncacheable > 0",
             {"cid": cid},
         )
+        if jax_seam.is_staging(source)
     }
 
     def row(

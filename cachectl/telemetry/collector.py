@@ -6,7 +6,7 @@ module named by the compiler's log call just before them on the same thread
 up and not found, whether JAX then writes it or not: too fast to compile, a read-only
 service); not cacheable (a JAX-internal staging program, the eager dispatch of one
 primitive, which no manifest can name, or a program with host callbacks, which JAX never
-writes: the per-function counts only, signatures keep it a miss). Executables cachectl.serving
+writes: in the per-function counts and in the signatures alike, so `stats` and `misses` agree). Executables cachectl.serving
 loads are counted apart as loads: JAX never looked them up. Everything lands in a bounded in-memory buffer
 (full = drop and count); a daemon thread hands the buffer to the sink every few
 seconds and at exit (bounded in time), and a forked child starts clean. The hooks
@@ -198,9 +198,10 @@ class Collector:
 
     def _on_host_callbacks(self, module: str) -> None:
         """JAX will not write the program just missed because it uses host callbacks: no warm
-        can ever serve it, so its request is counted as not cacheable, as staging programs are
-        (the index has no reason column: `stats` tells the two apart by the signatures, whose
-        counts stay JAX's own, a miss). Its compile stage is not a miss's cost either."""
+        can ever serve it, so its request is counted as not cacheable, as staging programs are,
+        in the function's counts and in its signature's (`stats` tells the two kinds apart by
+        the signature's source, jax_seam.is_staging). Its compile stage is not a miss's cost
+        either."""
         state = self._thread_state()
         if state[1] != module or state[5] is not False:  # not the miss this thread just logged
             return
@@ -209,6 +210,10 @@ class Collector:
             counts = self._counts(module)
             if counts is not None:
                 counts.uncacheable += 1
+            signature = state[3]
+            if signature is not None and signature.misses > 0:
+                signature.misses -= 1
+                signature.uncacheable += 1
 
     def _on_log(self, hit: bool, module: str, key: str) -> None:
         state = self._thread_state()

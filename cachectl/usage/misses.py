@@ -75,13 +75,26 @@ class MissesReport:
     # Every manifest explained against: --manifest, else the one that warmed each function and
     # the latest warm's for the functions none warmed (``manifest`` is the first of them)
     manifests: list[str] = field(default_factory=list)
+    # Programs with host callbacks, which JAX never writes (so no warm can serve them): not
+    # cacheable and never a miss, as `stats` counts them: {module: requests}
+    host_callback_functions: dict[str, int] = field(default_factory=dict)
 
-    __json_extra__ = ("coverage", "ok")
+    __json_extra__ = ("coverage", "ok", "host_callbacks_cause")
+
+    @property
+    def host_callbacks_cause(self) -> str | None:
+        """Why the programs with host callbacks are not cacheable, and the way out."""
+        funcs = self.host_callback_functions
+        return jax_seam.host_callbacks_cause(sorted(funcs)) if funcs else None
 
     @property
     def coverage(self) -> float | None:
         """Share of the service's observed cacheable compile requests that match a bucket."""
-        total = self.requests - sum(self.uncacheable_functions.values())
+        total = (
+            self.requests
+            - sum(self.uncacheable_functions.values())
+            - sum(self.host_callback_functions.values())
+        )
         if self.covered is None or total <= 0:
             return None
         return self.covered / total
@@ -209,6 +222,7 @@ class _Tally:
     findings: list[MissFinding] = field(default_factory=list)
     missed: list[MissedSignature] = field(default_factory=list)
     uncacheable: dict[str, int] = field(default_factory=dict)  # module -> requests
+    host_callbacks: dict[str, int] = field(default_factory=dict)  # module -> requests
     per_module: dict[str, list[SignatureRow]] = field(default_factory=dict)  # missed rows
     not_in_manifest: dict[str, list[SignatureRow]] = field(default_factory=dict)
     # Missed rows whose signature is exactly a bucket: the key differs elsewhere (environment).
@@ -310,8 +324,9 @@ def _tally_row(tally: _Tally, r: SignatureRow, side: _ManifestSide) -> None:
     if (r.function, leaves) in side.signatures or r.key in tally.warmed_keys:
         tally.covered += r.requests
     if r.uncacheable and not r.misses and not r.hits:
-        # JAX-internal staging: not cacheable, never a miss, never a re-jit to fix
-        tally.uncacheable[r.function] = tally.uncacheable.get(r.function, 0) + r.requests
+        # JAX-internal staging, or host callbacks: not cacheable, never a miss, never a re-jit
+        kind = tally.uncacheable if jax_seam.is_staging(r.source) else tally.host_callbacks
+        kind[r.function] = kind.get(r.function, 0) + r.requests
         return
     if not r.misses:  # a miss is a miss, written or not; a manifest function's always is
         return
@@ -502,4 +517,5 @@ def misses(
         missed=tally.missed,
         findings=tally.findings,
         uncacheable_functions=tally.uncacheable,
+        host_callback_functions=tally.host_callbacks,
     )
