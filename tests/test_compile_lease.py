@@ -176,44 +176,58 @@ def test_server_route_leases_for_writers_and_answers_readers(
 ) -> None:
     """Server mode's route (the same statements on the server's index): a reader may look but
     not take; one writer takes, another sees it held, one hedge lands, an expired lease is taken
-    over once its holder released it, the holder's write is what everyone then sees, and warm's compile times bound the hedge."""
+    over once its holder released it, the holder's write is what everyone then sees, and warm's
+    compile time of the key bounds the hedge. The server names holders (``token<id>|tag``): another
+    writer token asking for the same tag is another holder, and may neither finish nor release
+    the lease (403); a take asking 3600 s is granted the server's maximum ttl."""
     from support.server_kit import MAIN, bearer, seed, served
 
     s = seed(sqlite_url, str(tmp_path / "root"), str(tmp_path / "other"))
     base = f"/api/v1/caches/{MAIN}/environments/{s.digest}/compile-lease"
-    with served(sqlite_url) as (_live, client):
+    with served(sqlite_url, lease_max_ttl_s=30.0) as (_live, client):
+
+        def post(token: str, action: str, **body: Any) -> Any:
+            path = f"{base}/read" if action in ("look", "recorded") else base
+            return client.post(path, json={**body, "action": action}, headers=bearer(s.tokens[token]))
 
         def call(token: str, action: str, **body: Any) -> Any:
-            path = f"{base}/read" if action in ("look", "recorded") else base
-            r = client.post(path, json={**body, "action": action}, headers=bearer(s.tokens[token]))
+            r = post(token, action, **body)
             assert r.status_code == 200, r.text
             return r.json()["result"]
 
-        refused = client.post(
-            base,
-            json={"action": "take", "key": "k", "holder": "r"},
-            headers=bearer(s.tokens["reader"]),
-        )
-        assert refused.status_code == 403
+        assert post("reader", "take", key="k", holder="r").status_code == 403
         first = call("writer", "take", key="jit_train-k", holder="a", ttl_s=0.5, module="jit_train")
         assert first["mine"] and first["state"] == "compiling"
+        a = first["holder"]
+        assert a.startswith("token") and a.endswith("|a")  # the server's name, the tag a suffix
         second = call("writer", "take", key="jit_train-k", holder="b", ttl_s=5, module="jit_train")
-        assert not second["mine"] and second["holder"] == "a" and second["left_s"] > 0
-        assert call("reader", "look", key="jit_train-k")["holder"] == "a"
+        assert not second["mine"] and second["holder"] == a and second["left_s"] > 0
+        assert call("reader", "look", key="jit_train-k")["holder"] == a
+        # Another writer token acting as holder "a": not the holder.
+        for action in ("finish", "release"):
+            refused = post("scoped_writer", action, key="jit_train-k", holder="a", sha256="e" * 64)
+            assert refused.status_code == 403, refused.text
+        assert call("reader", "look", key="jit_train-k")["state"] == "compiling"
         assert call("writer", "hedge", key="jit_train-k", holder="b") is True
         assert call("writer", "hedge", key="jit_train-k", holder="c") is False
-        assert call("reader", "recorded", module="jit_train") == 3000  # warm's entries: 1 s, 3 s
-        assert call("writer", "release", key="jit_train-k", holder="b") is False  # not b's
+        assert call("reader", "recorded", key=s.keys[2]) == 3000  # warm's entry row for that key
+        assert call("reader", "recorded", key="jit_train-k") is None
+        assert post("writer", "release", key="jit_train-k", holder="b").status_code == 403
         assert call("writer", "release", key="jit_train-k", holder="a") is True  # a has gone
         taken = call("writer", "take", key="jit_train-k", holder="b", ttl_s=5, module="jit_train")
-        assert taken["mine"] and taken["holder"] == "b"
+        assert taken["mine"] and taken["holder"].endswith("|b")
         assert call("writer", "renew", key="jit_train-k", holder="a", ttl_s=5) is False
         call("writer", "finish", key="jit_train-k", holder="b", sha256="f" * 64, compile_ms=1500)
         seen = call("reader", "look", key="jit_train-k")
         assert seen["state"] == "written" and seen["sha256"] == "f" * 64
+        assert call("reader", "recorded", key="jit_train-k") == 1500  # the key's last compile
         assert call("writer", "renew", key="jit_train-k", holder="b", ttl_s=5) is False
         late = call("writer", "take", key="jit_train-k", holder="c", ttl_s=5, module="jit_train")
         assert not late["mine"] and late["state"] == "written"
+        forged = call("writer", "take", key="jit_other-k", holder="x", ttl_s=3600)
+        assert forged["mine"] and 0 < forged["left_s"] <= 30.0  # clamped to the server's maximum
+        assert call("writer", "renew", key="jit_other-k", holder="x", ttl_s=3600) is True
+        assert 0 < call("reader", "look", key="jit_other-k")["left_s"] <= 30.0
 
 
 def test_heartbeat_renews_then_stops_at_its_bound(sqlite_url: str, monkeypatch) -> None:
