@@ -142,6 +142,8 @@ def read_compile_lease(
     runner = _runner(state)
     if body.action == "recorded":
         key = _need(body.key, "key")
-        return ok({"result": q.recorded_ms(runner, f"{cache}/{env.digest}", cache, env.digest, key)})
+        return ok(
+            {"result": q.recorded_ms(runner, f"{cache}/{env.digest}", cache, env.digest, key)}
+        )
     seen = q.look(runner, f"{cache}/{env.digest}", _need(body.key, "key"))
     return ok({"result": seen.to_json() if seen else None})

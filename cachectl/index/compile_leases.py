@@ -318,7 +318,12 @@ def finish(
                 f"WHERE scope = :scope AND key = :key AND state <> '{WRITTEN}' "
                 "AND (holder = :holder OR hedger = :holder)",
                 sql.params(
-                    scope=scope, key=key, holder=holder, sha=sha256, ms=compile_ms, retain_s=RETAIN_S
+                    scope=scope,
+                    key=key,
+                    holder=holder,
+                    sha=sha256,
+                    ms=compile_ms,
+                    retain_s=RETAIN_S,
                 ),
             )
         else:
