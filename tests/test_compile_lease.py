@@ -345,6 +345,7 @@ def test_a_forged_lease_stalls_no_writer_or_reader_past_the_servers_ttl(
             # expired, or reads what the writer wrote if that came first.
             assert waited["writer"][0] is None and waited["reader"][0] in (None, entry)
             stalled = {name: at - forged_at for name, (_, at) in waited.items()}
+            print(f"forged lease (ttl_s 3600 asked, 2 s granted): stalled {stalled}")
             assert all(v < 2.0 + 0.3 + 3.0 for v in stalled.values()), stalled
             seen = client.post(
                 base + "/read",
@@ -412,6 +413,7 @@ def test_a_row_lock_on_compile_leases_costs_the_lock_timeout_then_one_warning(
                 thread = threading.Thread(target=miss)
                 thread.start()
                 thread.join(timeout=40)
+                print(f"row lock held: the miss waited {waited} s; warned {warned}")
                 assert waited and waited[0] < q.LOCK_TIMEOUT_MS / 1000 + 3.0, waited
                 assert len(warned) == 1 and "compile lease off" in warned[0], warned
                 started = time.monotonic()
