@@ -36,6 +36,8 @@ DEFAULT_TELEMETRY_RETENTION_S = 30 * 86400.0
 # cannot hold a connection longer. Generous: a loaded client may pause seconds between connecting
 # and writing its request.
 DEFAULT_HEADER_TIMEOUT_S = 30.0
+# cachectl/index/compile_leases.py MAX_TTL_S: the longest compile lease a take is granted.
+DEFAULT_LEASE_MAX_TTL_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -72,6 +74,9 @@ class ServerSettings:
     # Behind nginx (server/accel.py): a GET of bytes on local disk is answered with an
     # X-Accel-Redirect to this internal location, and nginx sends the file. None: sent here.
     accel_redirect: str | None = None
+    # The longest ttl a compile lease's take or renew is granted (server/lease_routes.py): a holder
+    # whose heartbeat stops loses its lease within this, whatever it asked for.
+    lease_max_ttl_s: float = DEFAULT_LEASE_MAX_TTL_S
 
     def with_overrides(self, **overrides: Any) -> ServerSettings:
         return replace(self, **{k: v for k, v in overrides.items() if v is not None})
@@ -130,6 +135,7 @@ SERVER_KEYS = (
     Key("header_timeout_s", "CACHECTL_SERVER_HEADER_TIMEOUT", _seconds),
     Key("token_cache_s", "CACHECTL_SERVER_TOKEN_CACHE", _staleness),
     Key("accel_redirect", "CACHECTL_SERVER_ACCEL_REDIRECT", _accel_prefix),
+    Key("lease_max_ttl_s", "CACHECTL_SERVER_LEASE_MAX_TTL", _seconds),
 )
 
 # `cachectl serve --workers N`: each worker process builds its app from the settings the command

@@ -4,6 +4,13 @@ runs on an index a process opens, run here on the server's index
 
 Reading the lease (look, recorded) needs the reader role; taking, renewing, hedging,
 finishing and releasing one need the writer role: only a process that may write the cache compiles for others.
+
+The server names holders: a caller's holder is ``token<id>|<tag>``, its token's id with the tag
+it asked for as a suffix (``holder_for``), so no token acts as another's holder. A take or renew
+lives at most the server's ``lease_max_ttl_s`` (CACHECTL_SERVER_LEASE_MAX_TTL, 60 s; a larger
+ask is clamped, and the answer's ``left_s`` says what was granted). Finishing or releasing a
+lease that is another holder's is refused (403; a hedger may record its write). A lease
+statement that waits past its lock or statement timeout answers 503.
 """
 
 from __future__ import annotations
@@ -13,6 +20,7 @@ from fastapi.responses import JSONResponse
 
 from cachectl.core.errors import BadInput
 from cachectl.index import compile_leases as q
+from cachectl.trust.tokens import TokenInfo
 
 from . import responses as out
 from . import schemas
@@ -26,6 +34,25 @@ router = APIRouter(prefix="/api/v1")
 
 PATH = "/caches/{cache}/environments/{digest}/compile-lease"
 WRITES = ("take", "renew", "hedge", "finish", "release")
+# What the holder's name keeps of the tag a caller asked for (its host, pid and a nonce).
+MAX_TAG = 200
+
+
+def holder_for(token: TokenInfo, tag: str) -> str:
+    """The holder a caller acts as: its token's, with its tag as a suffix."""
+    return f"token{token.id}|{tag[:MAX_TAG]}"
+
+
+def _refuse_unless_owner(
+    runner: q.Runner, scope: str, key: str, holder: str, token: TokenInfo, action: str, hedged: bool
+) -> None:
+    """403 when ``key``'s lease is another holder's (a hedger may record its write: ``hedged``)."""
+    owners = q.owners(runner, scope, key)
+    if owners is None or owners[0] == holder or (hedged and owners[1] == holder):
+        return
+    raise HTTPException(
+        403, f"token {token.name!r} may not {action} compile lease {key}: another holder's"
+    )
 
 
 def _need(value: str | None, name: str) -> str:
@@ -48,7 +75,7 @@ def _runner(state: ServerState) -> q.Runner:
     role="writer",
     summary="Take, renew, hedge, finish or release a program's compile lease",
     response_model=out.CompileLeaseOut,
-    responses=errors(400, 404),
+    responses=errors(400, 403, 404, 503),
 )
 def compile_lease(
     state: StateDep,
@@ -61,7 +88,9 @@ def compile_lease(
         raise BadInput(f"{body.action!r} is a read: POST it to {PATH}/read")
     env = state.where(cache, digest)[1]
     runner, scope = _runner(state), f"{cache}/{env.digest}"
-    key, holder = _need(body.key, "key"), _need(body.holder, "holder")
+    key = _need(body.key, "key")
+    holder = holder_for(token, _need(body.holder, "holder"))
+    max_ttl = state.settings.lease_max_ttl_s
     result: object
     if body.action == "take":
         got = q.take(
@@ -72,17 +101,22 @@ def compile_lease(
             ttl_s=body.ttl_s,
             module=body.module,
             stale_sha256=body.stale,
+            max_ttl_s=max_ttl,
         )
         result = got.to_json() if got else None
     elif body.action == "renew":
-        result = q.renew(runner, scope, key, holder, ttl_s=body.ttl_s)
+        result = q.renew(runner, scope, key, holder, ttl_s=body.ttl_s, max_ttl_s=max_ttl)
     elif body.action == "hedge":
         result = q.hedge(runner, scope, key, holder)
     elif body.action == "release":
+        _refuse_unless_owner(runner, scope, key, holder, token, "release", hedged=False)
         result = q.release(runner, scope, key, holder)
     else:
-        q.finish(runner, scope, key, holder, sha256=body.sha256, compile_ms=body.compile_ms)
-        result = True
+        written = body.sha256 is not None
+        _refuse_unless_owner(runner, scope, key, holder, token, "finish", hedged=written)
+        result = q.finish(
+            runner, scope, key, holder, sha256=body.sha256, compile_ms=body.compile_ms
+        )
     return ok({"result": result})
 
 
@@ -91,9 +125,9 @@ def compile_lease(
     "POST",
     PATH + "/read",
     role="reader",
-    summary="Read a program's compile lease, or the longest compile recorded for a module",
+    summary="Read a program's compile lease, or how long its key took to compile",
     response_model=out.CompileLeaseOut,
-    responses=errors(400, 404),
+    responses=errors(400, 404, 503),
 )
 def read_compile_lease(
     state: StateDep,
@@ -107,9 +141,9 @@ def read_compile_lease(
     env = state.where(cache, digest)[1]
     runner = _runner(state)
     if body.action == "recorded":
-        module = _need(body.module, "module")
+        key = _need(body.key, "key")
         return ok(
-            {"result": q.recorded_ms(runner, f"{cache}/{env.digest}", cache, env.digest, module)}
+            {"result": q.recorded_ms(runner, f"{cache}/{env.digest}", cache, env.digest, key)}
         )
     seen = q.look(runner, f"{cache}/{env.digest}", _need(body.key, "key"))
     return ok({"result": seen.to_json() if seen else None})

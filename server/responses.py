@@ -258,7 +258,7 @@ class CompileLeaseSeenOut(Out):
 
 class CompileLeaseOut(Out):
     """What a compile-lease call answered: the row (take, look), whether it acted (renew,
-    hedge, finish), or the longest compile recorded for a module in ms (recorded)."""
+    hedge, finish, release), or the compile time recorded for a key in ms (recorded)."""
 
     result: CompileLeaseSeenOut | bool | int | None
 

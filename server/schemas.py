@@ -178,7 +178,9 @@ class CompileLeaseIn(Strict):
 
     action: Literal["take", "renew", "hedge", "finish", "release", "look", "recorded"]
     key: Annotated[str, Field(min_length=1, max_length=MAX_KEY_LENGTH)] | None = None
+    # The caller's tag: the server names the holder ``token<id>|<tag>`` (server/lease_routes.py).
     holder: Annotated[str, Field(min_length=1, max_length=256)] | None = None
+    # Above 3600: 422; above the server's lease_max_ttl_s: granted that maximum.
     ttl_s: Annotated[float, Field(gt=0, le=3600)] = 10.0
     module: Annotated[str, Field(max_length=512)] | None = None
     stale: Annotated[str, Field(max_length=64)] | None = None

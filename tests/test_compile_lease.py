@@ -7,11 +7,13 @@ that takes a second or two to compile; compiles are counted from JAX's own monit
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -176,44 +178,60 @@ def test_server_route_leases_for_writers_and_answers_readers(
 ) -> None:
     """Server mode's route (the same statements on the server's index): a reader may look but
     not take; one writer takes, another sees it held, one hedge lands, an expired lease is taken
-    over once its holder released it, the holder's write is what everyone then sees, and warm's compile times bound the hedge."""
+    over once its holder released it, the holder's write is what everyone then sees, and warm's
+    compile time of the key bounds the hedge. The server names holders (``token<id>|tag``): another
+    writer token asking for the same tag is another holder, and may neither finish nor release
+    the lease (403); a take asking 3600 s is granted the server's maximum ttl."""
     from support.server_kit import MAIN, bearer, seed, served
 
     s = seed(sqlite_url, str(tmp_path / "root"), str(tmp_path / "other"))
     base = f"/api/v1/caches/{MAIN}/environments/{s.digest}/compile-lease"
-    with served(sqlite_url) as (_live, client):
+    with served(sqlite_url, lease_max_ttl_s=30.0) as (_live, client):
+
+        def post(token: str, action: str, **body: Any) -> Any:
+            path = f"{base}/read" if action in ("look", "recorded") else base
+            return client.post(
+                path, json={**body, "action": action}, headers=bearer(s.tokens[token])
+            )
 
         def call(token: str, action: str, **body: Any) -> Any:
-            path = f"{base}/read" if action in ("look", "recorded") else base
-            r = client.post(path, json={**body, "action": action}, headers=bearer(s.tokens[token]))
+            r = post(token, action, **body)
             assert r.status_code == 200, r.text
             return r.json()["result"]
 
-        refused = client.post(
-            base,
-            json={"action": "take", "key": "k", "holder": "r"},
-            headers=bearer(s.tokens["reader"]),
-        )
-        assert refused.status_code == 403
+        assert post("reader", "take", key="k", holder="r").status_code == 403
         first = call("writer", "take", key="jit_train-k", holder="a", ttl_s=0.5, module="jit_train")
         assert first["mine"] and first["state"] == "compiling"
+        a = first["holder"]
+        assert a.startswith("token") and a.endswith("|a")  # the server's name, the tag a suffix
         second = call("writer", "take", key="jit_train-k", holder="b", ttl_s=5, module="jit_train")
-        assert not second["mine"] and second["holder"] == "a" and second["left_s"] > 0
-        assert call("reader", "look", key="jit_train-k")["holder"] == "a"
+        assert not second["mine"] and second["holder"] == a and second["left_s"] > 0
+        assert call("reader", "look", key="jit_train-k")["holder"] == a
+        # Another writer token acting as holder "a": not the holder.
+        for action in ("finish", "release"):
+            refused = post("scoped_writer", action, key="jit_train-k", holder="a", sha256="e" * 64)
+            assert refused.status_code == 403, refused.text
+        assert call("reader", "look", key="jit_train-k")["state"] == "compiling"
         assert call("writer", "hedge", key="jit_train-k", holder="b") is True
         assert call("writer", "hedge", key="jit_train-k", holder="c") is False
-        assert call("reader", "recorded", module="jit_train") == 3000  # warm's entries: 1 s, 3 s
-        assert call("writer", "release", key="jit_train-k", holder="b") is False  # not b's
+        assert call("reader", "recorded", key=s.keys[2]) == 3000  # warm's entry row for that key
+        assert call("reader", "recorded", key="jit_train-k") is None
+        assert post("writer", "release", key="jit_train-k", holder="b").status_code == 403
         assert call("writer", "release", key="jit_train-k", holder="a") is True  # a has gone
         taken = call("writer", "take", key="jit_train-k", holder="b", ttl_s=5, module="jit_train")
-        assert taken["mine"] and taken["holder"] == "b"
+        assert taken["mine"] and taken["holder"].endswith("|b")
         assert call("writer", "renew", key="jit_train-k", holder="a", ttl_s=5) is False
         call("writer", "finish", key="jit_train-k", holder="b", sha256="f" * 64, compile_ms=1500)
         seen = call("reader", "look", key="jit_train-k")
         assert seen["state"] == "written" and seen["sha256"] == "f" * 64
+        assert call("reader", "recorded", key="jit_train-k") == 1500  # the key's last compile
         assert call("writer", "renew", key="jit_train-k", holder="b", ttl_s=5) is False
         late = call("writer", "take", key="jit_train-k", holder="c", ttl_s=5, module="jit_train")
         assert not late["mine"] and late["state"] == "written"
+        forged = call("writer", "take", key="jit_other-k", holder="x", ttl_s=3600)
+        assert forged["mine"] and 0 < forged["left_s"] <= 30.0  # clamped to the server's maximum
+        assert call("writer", "renew", key="jit_other-k", holder="x", ttl_s=3600) is True
+        assert 0 < call("reader", "look", key="jit_other-k")["left_s"] <= 30.0
 
 
 def test_heartbeat_renews_then_stops_at_its_bound(sqlite_url: str, monkeypatch) -> None:
@@ -243,4 +261,166 @@ def test_heartbeat_renews_then_stops_at_its_bound(sqlite_url: str, monkeypatch) 
         taken = q.take(runner, "c/d", "k", "other", ttl_s=5, module=None)
         assert taken is not None and taken.mine and not warned
     finally:
+        index.close()
+
+
+def test_a_fast_program_is_compiled_once_by_processes_started_together(
+    tmp_path: Path, sqlite_url: str
+) -> None:
+    """A program that compiles in well under JAX's 1 s minimum (its default threshold, not 0):
+    the lease's holder writes it all the same, so the processes started with it read it instead
+    of compiling: one compile in all, where each would compile if the holder wrote nothing."""
+    env = _env(
+        tmp_path,
+        sqlite_url,
+        XDG_DATA_HOME=str(tmp_path / "data"),
+        N="40",
+        FN="fast",
+        JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="1",
+    )
+    _upgrade(env)
+    results = [_done(p)[0] for p in [_start(env) for _ in range(3)]]
+    assert all(r["out"] == results[0]["out"] for r in results)
+    assert sum(r["compiles"] for r in results) == 1, (results, _rows(sqlite_url))
+    assert [r[1] for r in _rows(sqlite_url) if r[2] == "jit_fast"] == ["written"]
+
+
+def test_a_forged_lease_stalls_no_writer_or_reader_past_the_servers_ttl(
+    tmp_path: Path, sqlite_url: str, monkeypatch
+) -> None:
+    """Issue 67's case 5: one take through the server with ttl_s 3600 and a made-up holder,
+    never renewed. A writer of another token and a read-only process that miss that key wait no
+    longer than the server's maximum ttl (2 s here; 60 s by default): the writer then takes the
+    lease over and compiles, the reader compiles (or reads what the writer wrote). Nothing
+    warns, and the writer's write is what the lease then says."""
+    import jax.monitoring  # noqa: F401 - a service has imported JAX before its first miss
+    from support.server_kit import MAIN, bearer, seed, served
+
+    from cachectl.client.server_client import ServerClient
+    from cachectl.service.compile_lease import CompileLeases, RemoteLessor
+
+    monkeypatch.setenv("CACHECTL_COMPILE_LEASE_HEDGE_S", "30")  # no hedge within the test's bound
+    s = seed(sqlite_url, str(tmp_path / "root"), str(tmp_path / "other"))
+    base = f"/api/v1/caches/{MAIN}/environments/{s.digest}/compile-lease"
+    key = "jit_f-" + "0" * 64
+    with served(sqlite_url, lease_max_ttl_s=2.0) as (live, client):
+        forged = client.post(
+            base,
+            json={"action": "take", "key": key, "holder": "made-up", "ttl_s": 3600},
+            headers=bearer(s.tokens["writer"]),
+        )
+        assert forged.status_code == 200 and forged.json()["result"]["mine"], forged.text
+        forged_at = time.monotonic()
+        warned: list[str] = []
+        clients = {
+            n: ServerClient(live.url, s.tokens[t])
+            for n, t in (("writer", "scoped_writer"), ("reader", "reader"))
+        }
+        processes = {
+            name: CompileLeases(
+                lambda c=c: RemoteLessor(c, MAIN, s.digest),
+                writer=name == "writer",
+                warn=warned.append,
+            )
+            for name, c in clients.items()
+        }
+        waited: dict[str, tuple[bytes | None, float]] = {}
+
+        entry = b"the entry the writer compiled"
+
+        def miss(name: str) -> None:
+            waited[name] = (processes[name].missed(key, lambda _k: entry), time.monotonic())
+            if name == "writer":  # it compiles (0.3 s) and JAX's put is handed the entry
+                time.sleep(0.3)
+                processes[name].wrote(key, hashlib.sha256(entry).hexdigest())
+
+        threads = [threading.Thread(target=miss, args=(name,)) for name in processes]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=60)
+        try:
+            assert set(waited) == {"writer", "reader"}, waited
+            # The writer took it over and compiles; the reader compiles too once the forged lease
+            # expired, or reads what the writer wrote if that came first.
+            assert waited["writer"][0] is None and waited["reader"][0] in (None, entry)
+            stalled = {name: at - forged_at for name, (_, at) in waited.items()}
+            print(f"forged lease (ttl_s 3600 asked, 2 s granted): stalled {stalled}")
+            assert all(v < 2.0 + 0.3 + 3.0 for v in stalled.values()), stalled
+            seen = client.post(
+                base + "/read",
+                json={"action": "look", "key": key},
+                headers=bearer(s.tokens["reader"]),
+            ).json()["result"]
+            assert seen["holder"].endswith("|" + processes["writer"].me), seen  # taken over
+            assert seen["state"] == "written"
+            assert not warned, warned
+        finally:
+            processes["writer"]._release_all(os.getpid())
+            for c in clients.values():
+                c.close()
+
+
+def test_a_row_lock_on_compile_leases_costs_the_lock_timeout_then_one_warning(
+    tmp_path: Path, pg_url: str
+) -> None:
+    """Issue 67's case 7: another connection holds a row lock on a compile_leases row. A writer
+    on the PostgreSQL index, directly and through the server, waits at most the lease's lock
+    timeout, warns once that the lease is off, and compiles; its next miss asks nothing. Every
+    index connection carries a lock and a statement timeout."""
+    from support.server_kit import MAIN, seed, served
+
+    from cachectl.client.server_client import ServerClient
+    from cachectl.index import compile_leases as q
+    from cachectl.index import db, open_index
+    from cachectl.service.compile_lease import CompileLeases, RemoteLessor, SqlLessor
+
+    engine = db.make_engine(pg_url)
+    db.upgrade(engine)
+    engine.dispose()
+    s = seed(pg_url, str(tmp_path / "root"), str(tmp_path / "other"))
+    scope, key = f"{MAIN}/{s.digest}", "jit_f-" + "1" * 64
+    index = open_index(pg_url)
+    locker = sa.create_engine(pg_url.replace("postgresql://", "postgresql+psycopg://", 1))
+    try:
+        with index.connection() as conn:
+            timeouts = [
+                conn.execute(sa.text(f"SHOW {n}_timeout")).scalar() for n in ("lock", "statement")
+            ]
+        assert timeouts == ["30s", "10min"], timeouts
+        runner = q.runner_for(index)
+        assert runner is not None
+        taken = q.take(runner, scope, key, "someone", ttl_s=30, module=None)
+        assert taken is not None and taken.mine
+        with served(pg_url) as (live, _client), locker.connect() as held:
+            remote = ServerClient(live.url, s.tokens["writer"])
+            held.execute(
+                sa.text("SELECT * FROM compile_leases WHERE key = :k FOR UPDATE"), {"k": key}
+            )
+            for lessor in (
+                lambda: SqlLessor(runner, MAIN, s.digest),
+                lambda: RemoteLessor(remote, MAIN, s.digest),  # the server's route waits
+            ):
+                warned: list[str] = []
+                leases = CompileLeases(lessor, writer=True, warn=warned.append)
+                waited: list[float] = []
+
+                def miss(leases: CompileLeases = leases, waited: list[float] = waited) -> None:
+                    started = time.monotonic()
+                    assert leases.missed(key, lambda _k: None) is None
+                    waited.append(time.monotonic() - started)
+
+                thread = threading.Thread(target=miss)
+                thread.start()
+                thread.join(timeout=40)
+                print(f"row lock held: the miss waited {waited} s; warned {warned}")
+                assert waited and waited[0] < q.LOCK_TIMEOUT_MS / 1000 + 3.0, waited
+                assert len(warned) == 1 and "compile lease off" in warned[0], warned
+                started = time.monotonic()
+                assert leases.missed(key, lambda _k: None) is None  # off: no question asked
+                assert time.monotonic() - started < 0.5 and len(warned) == 1
+            held.rollback()
+            remote.close()
+    finally:
+        locker.dispose()
         index.close()

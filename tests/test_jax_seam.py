@@ -685,3 +685,46 @@ def test_jax_writes_nothing_at_a_taken_key_and_record_puts_says_what_it_was_hand
     assert out["disk"] == "first"
     assert out["second"] in out["puts"] and len(out["puts"]) == 2
     assert proc.stderr.count("put k ") == 2
+
+
+FAST_WRITE = """
+import json, os, threading, numpy as np, jax, jax.numpy as jnp
+from cachectl.core import jax_seam
+jax.config.update("jax_compilation_cache_dir", {cache!r})
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 3600)  # nothing is that slow
+jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+writes = []
+jax.monitoring.register_event_listener(
+    lambda e, **kw: writes.append(e) if e == "/jax/compilation_cache/cache_misses" else None)
+x = np.float32(1.0)
+out = {{}}
+def holder():
+    restore = jax_seam.write_whatever_compile_time()
+    jax.jit(lambda v: v * 7.0)(x)  # while it holds: written, however fast
+    out["held"] = len(writes)
+    restore()
+    jax.jit(lambda v: v * 8.0)(x)  # restored: JAX's threshold again
+    out["restored"] = len(writes)
+t = threading.Thread(target=holder)
+t.start(); t.join()
+jax.jit(lambda v: v * 9.0)(x)  # another thread never saw the change
+out["other_thread"] = len(writes)
+out["files"] = len([n for n in os.listdir({cache!r}) if n.endswith("-cache")])
+print(json.dumps(out))
+"""
+
+
+def test_the_minimum_compile_time_is_read_per_thread_after_the_compile(tmp_path: Path) -> None:
+    """The compile lease's fact (issue 68): JAX checks jax_persistent_cache_min_compile_time_secs
+    in ``compiler._cache_write``, after the compile and on the compiling thread, through the
+    option's ``.value``, a thread-local State: write_whatever_compile_time makes this thread's
+    compiles written however fast, until restored, and no other thread's."""
+    from jax._src import compiler
+
+    assert "persistent_cache_min_compile_time_secs.value" in inspect.getsource(
+        compiler._cache_write
+    )
+    cache = str(tmp_path / "jc")
+    proc = run_py(FAST_WRITE.format(cache=cache), check=True)
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out == {"held": 1, "restored": 1, "other_thread": 1, "files": 1}, out

@@ -68,6 +68,27 @@ def entry_bytes(compiled: Any, seconds: float) -> bytes:
     )
 
 
+def write_whatever_compile_time() -> Callable[[], None]:
+    """Until the returned call, on this thread: JAX writes what it compiles to its persistent
+    cache however fast the compile was. JAX reads ``jax_persistent_cache_min_compile_time_secs``
+    in ``compiler._cache_write``, after the compile, on the compiling thread, and the option is a
+    State with a thread-local value (``swap_local``/``set_local``, what its context manager uses;
+    jax 0.10: tests/test_jax_seam.py): 0 here for this thread only. The returned call restores
+    the thread's own value. Where this JAX has no such State, nothing changes."""
+    try:
+        from jax._src import config
+
+        state: Any = config.persistent_cache_min_compile_time_secs
+        previous = state.swap_local(0.0)
+    except Exception:  # noqa: BLE001 - another JAX: its own threshold stays
+        return lambda: None
+
+    def restore() -> None:
+        state.set_local(previous)
+
+    return restore
+
+
 # -- a verifying persistent cache ----------------------------------------------------------------
 
 

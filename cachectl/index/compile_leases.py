@@ -12,6 +12,13 @@ States: ``compiling`` (held until ``expires_at``; the holder's heartbeat pushes 
 ``written`` (the entry is stored; ``sha256`` is its digest) and ``unwritten`` (the compile ended
 without an entry: JAX did not write it, or it failed). A finished row stays for RETAIN_S, so a
 waiter that polls late still reads the outcome; rows expired a day are deleted at the next take.
+
+Bounds: a take or renew asks for at most ``max_ttl_s`` (MAX_TTL_S, or the server's setting; a
+larger ask is clamped), so a holder whose heartbeat stops loses the lease within it whatever it
+asked; only the holder finishes or releases its lease (and a hedger records its write); on
+PostgreSQL each transaction waits at most LOCK_TIMEOUT_MS for a lock and STATEMENT_TIMEOUT_MS for
+a statement (SET LOCAL), on SQLite at most the connection's busy timeout; past it the call raises
+and the caller turns the lease off for its process.
 """
 
 from __future__ import annotations
@@ -30,6 +37,13 @@ from cachectl.core.sqlite_file import stamp
 RETAIN_S = 3600.0
 # Rows expired this long ago are deleted by the next take.
 PURGE_AFTER_S = 86400.0
+# The longest ttl a take or renew is granted (the server's CACHECTL_SERVER_LEASE_MAX_TTL): a holder
+# whose heartbeat stops loses its lease within this, whatever ttl it asked for.
+MAX_TTL_S = 60.0
+# How long one lease transaction on PostgreSQL waits for a row lock, and how long one statement may
+# run: a lease that cannot answer within them is turned off for the process, not awaited.
+LOCK_TIMEOUT_MS = 2000
+STATEMENT_TIMEOUT_MS = 5000
 COMPILING, WRITTEN, UNWRITTEN = "compiling", "written", "unwritten"
 
 
@@ -123,7 +137,7 @@ def _sqlite3_tx(conn: sqlite3.Connection, lock: Any) -> Callable[[], Any]:
     @contextmanager
     def tx() -> Iterator[Callable[[str, dict[str, Any]], tuple[Sequence[Any], int]]]:
         with lock, conn:
-            conn.execute("BEGIN IMMEDIATE")
+            conn.execute("BEGIN IMMEDIATE")  # waits at most the connection's busy timeout
 
             def run(sql: str, params: dict[str, Any]) -> tuple[Sequence[Any], int]:
                 cur = conn.execute(sql, params)
@@ -141,6 +155,9 @@ def _engine_tx(index: Any) -> Callable[[], Any]:
     @contextmanager
     def tx() -> Iterator[Callable[[str, dict[str, Any]], tuple[Sequence[Any], int]]]:
         with index.connection() as conn:
+            if index.dialect == "postgresql":  # a held row lock costs at most the lock timeout
+                conn.execute(text(f"SET LOCAL lock_timeout = {LOCK_TIMEOUT_MS}"))
+                conn.execute(text(f"SET LOCAL statement_timeout = {STATEMENT_TIMEOUT_MS}"))
 
             def run(sql: str, params: dict[str, Any]) -> tuple[Sequence[Any], int]:
                 result = conn.execute(text(sql), params)
@@ -189,17 +206,20 @@ def take(
     ttl_s: float,
     module: str | None,
     stale_sha256: str | None = None,
+    max_ttl_s: float = MAX_TTL_S,
 ) -> Seen | None:
     """Take the lease when nobody holds it (no row, or it expired, or it says ``written`` with
     ``stale_sha256``, an entry the caller found gone or different); else the row as it is. None
-    only when the row vanished between the two statements (the caller asks again)."""
+    only when the row vanished between the two statements (the caller asks again). The lease
+    lives ``ttl_s``, at most ``max_ttl_s``. The row keeps the key's last ``compile_ms``."""
     sql = r.sql
+    ttl_s = min(ttl_s, max_ttl_s)
     statement = (
         "INSERT INTO compile_leases (scope, key, holder, state, module, acquired_at, expires_at) "
         f"VALUES (:scope, :key, :holder, '{COMPILING}', :module, {sql.now()}, {sql.later('ttl_s')}) "
         "ON CONFLICT (scope, key) DO UPDATE SET holder = excluded.holder, "
         f"state = '{COMPILING}', module = excluded.module, hedger = NULL, sha256 = NULL, "
-        "compile_ms = NULL, acquired_at = excluded.acquired_at, expires_at = excluded.expires_at "
+        "acquired_at = excluded.acquired_at, expires_at = excluded.expires_at "
         f"WHERE compile_leases.expires_at <= {sql.now()} OR (compile_leases.state = '{WRITTEN}' "
         "AND compile_leases.sha256 = :stale) RETURNING holder"
     )
@@ -224,9 +244,13 @@ def look(r: Runner, scope: str, key: str) -> Seen | None:
         return _seen(r.sql, run, scope, key, False)
 
 
-def renew(r: Runner, scope: str, key: str, holder: str, *, ttl_s: float) -> bool:
-    """The heartbeat: push the expiry out; False once the lease is not this holder's compile."""
+def renew(
+    r: Runner, scope: str, key: str, holder: str, *, ttl_s: float, max_ttl_s: float = MAX_TTL_S
+) -> bool:
+    """The heartbeat: push the expiry out (at most ``max_ttl_s``); False once the lease is not
+    this holder's compile."""
     sql = r.sql
+    ttl_s = min(ttl_s, max_ttl_s)
     with r.tx() as run:
         _, n = run(
             f"UPDATE compile_leases SET expires_at = {sql.later('ttl_s')} WHERE scope = :scope "
@@ -261,6 +285,17 @@ def hedge(r: Runner, scope: str, key: str, who: str) -> bool:
     return n > 0
 
 
+def owners(r: Runner, scope: str, key: str) -> tuple[str, str | None] | None:
+    """(holder, hedger) of the key's row; None when there is none (the server's check that only
+    the holder finishes or releases, and only it or its hedger records a write)."""
+    with r.tx() as run:
+        rows, _ = run(
+            "SELECT holder, hedger FROM compile_leases WHERE scope = :scope AND key = :key",
+            {"scope": scope, "key": key},
+        )
+    return (str(rows[0][0]), rows[0][1]) if rows else None
+
+
 def finish(
     r: Runner,
     scope: str,
@@ -269,39 +304,53 @@ def finish(
     *,
     sha256: str | None,
     compile_ms: int | None,
-) -> None:
-    """The compile ended: ``written`` with the stored entry's sha256 (the first writer's stays:
-    a hedger's or a late holder's bytes were not stored), else ``unwritten`` (only the holder's
-    own row: a hedger that wrote nothing leaves the holder to finish)."""
+) -> bool:
+    """The compile ended: ``written`` with the sha256 of the bytes ``holder`` handed JAX's put
+    (the first writer's stays: a hedger's or a late holder's bytes were not stored), else
+    ``unwritten``. Only the row's holder, or its hedger for a write, changes it (a hedger that
+    wrote nothing leaves the holder to finish). True when the row changed."""
     sql = r.sql
     with r.tx() as run:
         if sha256 is not None:
-            run(
+            _, n = run(
                 f"UPDATE compile_leases SET state = '{WRITTEN}', sha256 = :sha, "
                 f"compile_ms = :ms, expires_at = {sql.later('retain_s')} "
-                f"WHERE scope = :scope AND key = :key AND state <> '{WRITTEN}'",
-                sql.params(scope=scope, key=key, sha=sha256, ms=compile_ms, retain_s=RETAIN_S),
+                f"WHERE scope = :scope AND key = :key AND state <> '{WRITTEN}' "
+                "AND (holder = :holder OR hedger = :holder)",
+                sql.params(
+                    scope=scope,
+                    key=key,
+                    holder=holder,
+                    sha=sha256,
+                    ms=compile_ms,
+                    retain_s=RETAIN_S,
+                ),
             )
         else:
-            run(
+            _, n = run(
                 f"UPDATE compile_leases SET state = '{UNWRITTEN}', compile_ms = :ms, "
                 f"expires_at = {sql.later('retain_s')} WHERE scope = :scope AND key = :key "
                 f"AND holder = :holder AND state = '{COMPILING}'",
                 sql.params(scope=scope, key=key, holder=holder, ms=compile_ms, retain_s=RETAIN_S),
             )
+    return n > 0
 
 
-def recorded_ms(r: Runner, scope: str, cache: str, digest: str, module: str) -> int | None:
-    """The longest compile recorded for ``module`` in this environment: by earlier leases, or by
-    warm's entries (``entries.compile_time_ms``); None when nothing was recorded."""
+def recorded_ms(r: Runner, scope: str, cache: str, digest: str, key: str) -> int | None:
+    """How long ``key`` took to compile: its last lease's record, else warm's (the entry row
+    warm wrote for that bucket, ``entries.compile_time_ms``); None when neither recorded it."""
     with r.tx() as run:
         rows, _ = run(
-            "SELECT MAX(ms) FROM (SELECT compile_ms AS ms FROM compile_leases "
-            "WHERE scope = :scope AND module = :module UNION ALL "
-            "SELECT e.compile_time_ms AS ms FROM entries e "
-            "JOIN environments v ON v.id = e.environment_id JOIN caches c ON c.id = v.cache_id "
-            "WHERE c.name = :cache AND v.digest = :digest AND e.module = :module) AS t",
-            {"scope": scope, "module": module, "cache": cache, "digest": digest},
+            "SELECT compile_ms FROM compile_leases WHERE scope = :scope AND key = :key "
+            "AND compile_ms IS NOT NULL",
+            {"scope": scope, "key": key},
         )
+        if not rows:
+            rows, _ = run(
+                "SELECT MAX(e.compile_time_ms) FROM entries e "
+                "JOIN environments v ON v.id = e.environment_id JOIN caches c ON c.id = v.cache_id "
+                "WHERE c.name = :cache AND v.digest = :digest AND e.key = :key",
+                {"cache": cache, "digest": digest, "key": key},
+            )
     value = rows[0][0] if rows else None
     return int(value) if value is not None else None

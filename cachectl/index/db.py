@@ -28,6 +28,13 @@ log = logging.getLogger(__name__)
 
 CONNECT_TIMEOUT_S = 5
 SQLITE_BUSY_TIMEOUT_MS = 30_000
+# PostgreSQL's bounds on every statement of the index (SQLite's is its busy timeout): a row lock
+# held elsewhere costs at most the lock timeout, a statement at most the statement timeout, then
+# the statement fails (an Unreachable index: a warning, never a hang). The compile lease's own
+# transactions set shorter ones (cachectl/index/compile_leases.py); migrations run unbounded.
+PG_LOCK_TIMEOUT_MS = SQLITE_BUSY_TIMEOUT_MS
+PG_STATEMENT_TIMEOUT_MS = 600_000
+PG_TIMEOUTS = f"-c lock_timeout={PG_LOCK_TIMEOUT_MS} -c statement_timeout={PG_STATEMENT_TIMEOUT_MS}"
 
 
 def migrations_dir() -> Path:
@@ -86,7 +93,9 @@ def make_engine(url: str) -> Engine:
         if parsed.drivername == "postgresql":
             parsed = parsed.set(drivername="postgresql+psycopg")
         return create_engine(
-            parsed, pool_pre_ping=True, connect_args={"connect_timeout": CONNECT_TIMEOUT_S}
+            parsed,
+            pool_pre_ping=True,
+            connect_args={"connect_timeout": CONNECT_TIMEOUT_S, "options": PG_TIMEOUTS},
         )
     raise BadInput(
         f"unsupported index database {backend!r} in {url!r}: use sqlite:/// or postgresql+psycopg://"
@@ -167,6 +176,8 @@ def upgrade(engine: Engine, revision: str = "head") -> None:
 
     try:
         with engine.begin() as conn:
+            if engine.dialect.name == "postgresql":  # an index build on a large table takes long
+                conn.exec_driver_sql("SET LOCAL statement_timeout = 0")
             command.upgrade(_alembic_config(engine, conn), revision)
     except OperationalError as exc:
         raise Unreachable(f"index {safe_url(engine)} is unreachable: {_first_line(exc)}") from exc

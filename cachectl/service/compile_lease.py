@@ -3,16 +3,22 @@
 JAX's cache asks ``get(key)``; on a miss it compiles and calls ``put(key)``. A process that may
 write takes the key's lease in the index before compiling (cachectl/index/compile_leases.py, or
 the server's routes in server mode) and a thread renews it every ttl/3 (CACHECTL_COMPILE_LEASE_TTL_S,
-10 s): a holder killed with kill -9 loses it within the ttl. ``put`` marks it ``written`` with
-the stored entry's sha256; a compile that ended without one (JAX did not write it, or it raised)
+10 s; at most compile_leases.MAX_TTL_S or the server's maximum, 60 s): a holder killed with
+kill -9 loses it within the ttl, and a lease taken with a longer ttl is granted no more. While
+it holds the lease, the compiling thread has JAX write what it compiles however fast
+(jax_seam.write_whatever_compile_time: JAX's 1 s minimum would leave a fast program unwritten
+and every waiter compiling). ``put`` marks it ``written`` with the sha256 of the bytes this
+process handed JAX's put (never of a file read back at the key: one planted there is not
+vouched for); a compile that ended without one (JAX did not write it, or it raised)
 marks it ``unwritten`` when pxla's compile stage ends, and the heartbeat stops after
 CACHECTL_COMPILE_LEASE_MAX_S whatever happens, so nothing holds a lease forever.
 
 Another process that misses the same key waits and polls the row: ``written`` -> it reads the
 entry and checks it against that sha256 (the index's record, as for any entry in a cache that
 trusts no keys); ``unwritten`` -> it compiles. Its wait is bounded: when the heartbeat stops, one
-waiter takes the lease; past about twice the longest compile recorded for that function, one
-waiter (the one whose hedge claim lands) compiles too. A holder ends its leases when its process
+waiter takes the lease (within the granted ttl); past about twice that key's recorded compile
+time (its last lease's, else warm's entry row for it, else CACHECTL_COMPILE_LEASE_HEDGE_S, 60 s),
+one waiter (the one whose hedge claim lands) compiles too. A holder ends its leases when its process
 exits (atexit), and a waiter on the holder's host whose process is gone (killed, even with
 kill -9) takes the lease over at once rather than at its expiry (the holder's name says its host
 and pid namespace, and its pid). A read-only process never takes a lease
@@ -37,6 +43,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from cachectl.core import jax_seam
+from cachectl.core.errors import PermissionDenied
 from cachectl.index import compile_leases as q
 
 log = logging.getLogger(__name__)
@@ -44,8 +51,11 @@ log = logging.getLogger(__name__)
 LEASE_ENV = "CACHECTL_COMPILE_LEASE"
 TTL_ENV = "CACHECTL_COMPILE_LEASE_TTL_S"
 MAX_ENV = "CACHECTL_COMPILE_LEASE_MAX_S"
+HEDGE_ENV = "CACHECTL_COMPILE_LEASE_HEDGE_S"
 DEFAULT_TTL_S = 10.0
 DEFAULT_MAX_S = 1800.0
+# The hedge bound of a key with no recorded compile time: one waiter compiles too past it.
+DEFAULT_HEDGE_S = 60.0
 POLL_S = 0.1
 MAX_POLL_S = 0.5
 
@@ -65,10 +75,16 @@ def _host() -> str:
     return f"{socket.gethostname()}/{ns}" if ns else socket.gethostname()
 
 
+def tag_of(holder: str) -> str:
+    """The tag a holder asked for (``host:pid:nonce``): the server's name for it is
+    ``token<id>|<tag>`` (server/lease_routes.py), an index opened here stores the tag itself."""
+    return holder.partition("|")[2] if "|" in holder else holder
+
+
 def gone_here(holder: str, host: str) -> bool:
     """Whether ``holder`` (``host:pid:tag``) was a process on this host that no longer runs (or
     is a zombie: killed, not yet reaped). Another host's, or a live one's: False."""
-    where, _, rest = holder.rpartition(":")[0].rpartition(":")
+    where, _, rest = tag_of(holder).rpartition(":")[0].rpartition(":")
     if where != host or not rest.isdigit() or int(rest) == os.getpid():
         return False
     pid = int(rest)
@@ -123,10 +139,10 @@ class Lessor:
     def release(self, key: str, holder: str) -> bool:
         raise NotImplementedError
 
-    def finish(self, key: str, holder: str, sha256: str | None, compile_ms: int | None) -> None:
+    def finish(self, key: str, holder: str, sha256: str | None, compile_ms: int | None) -> bool:
         raise NotImplementedError
 
-    def recorded_ms(self, module: str) -> int | None:
+    def recorded_ms(self, key: str) -> int | None:
         raise NotImplementedError
 
 
@@ -156,11 +172,11 @@ class SqlLessor(Lessor):
     def release(self, key: str, holder: str) -> bool:
         return q.release(self.r, self.scope, key, holder)
 
-    def finish(self, key: str, holder: str, sha256: str | None, compile_ms: int | None) -> None:
-        q.finish(self.r, self.scope, key, holder, sha256=sha256, compile_ms=compile_ms)
+    def finish(self, key: str, holder: str, sha256: str | None, compile_ms: int | None) -> bool:
+        return q.finish(self.r, self.scope, key, holder, sha256=sha256, compile_ms=compile_ms)
 
-    def recorded_ms(self, module: str) -> int | None:
-        return q.recorded_ms(self.r, self.scope, self.cache, self.digest, module)
+    def recorded_ms(self, key: str) -> int | None:
+        return q.recorded_ms(self.r, self.scope, self.cache, self.digest, key)
 
 
 class RemoteLessor(Lessor):
@@ -189,13 +205,23 @@ class RemoteLessor(Lessor):
         return bool(self._call("hedge", key=key, holder=holder))
 
     def release(self, key: str, holder: str) -> bool:
-        return bool(self._call("release", key=key, holder=holder))
+        """``holder``: the tag; the server acts for this token's holder of that tag (403 for
+        another token's lease: not ours to end, the waiter waits for its expiry)."""
+        try:
+            return bool(self._call("release", key=key, holder=tag_of(holder)))
+        except PermissionDenied:
+            return False
 
-    def finish(self, key: str, holder: str, sha256: str | None, compile_ms: int | None) -> None:
-        self._call("finish", key=key, holder=holder, sha256=sha256, compile_ms=compile_ms)
+    def finish(self, key: str, holder: str, sha256: str | None, compile_ms: int | None) -> bool:
+        try:
+            return bool(
+                self._call("finish", key=key, holder=holder, sha256=sha256, compile_ms=compile_ms)
+            )
+        except PermissionDenied:  # taken over meanwhile: no longer ours to finish
+            return False
 
-    def recorded_ms(self, module: str) -> int | None:
-        value = self._call("recorded", module=module)
+    def recorded_ms(self, key: str) -> int | None:
+        value = self._call("recorded", key=key)
         return int(value) if value is not None else None
 
 
@@ -226,8 +252,9 @@ class CompileLeases:
         self.writer = writer
         self._warn = warn
         self._off = False
-        self.ttl_s = _seconds(TTL_ENV, DEFAULT_TTL_S)
+        self.ttl_s = min(_seconds(TTL_ENV, DEFAULT_TTL_S), q.MAX_TTL_S)
         self.max_s = _seconds(MAX_ENV, DEFAULT_MAX_S)
+        self.hedge_s = _seconds(HEDGE_ENV, DEFAULT_HEDGE_S)
         self.host = _host()
         self.me = f"{self.host}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self._held: dict[str, _Held] = {}
@@ -254,20 +281,23 @@ class CompileLeases:
             self._turn_off(exc)
             return None
 
-    def wrote(self, key: str) -> None:
-        """``put`` stored the entry: mark the lease written with the sha256 of what is stored
-        (JAX keeps the first file when two processes write one key)."""
+    def wrote(self, key: str, sha256: str) -> None:
+        """``put`` was handed the entry: mark the lease written with ``sha256``, that of the
+        bytes this process handed JAX's put, never of a file read back at the key (a file
+        planted there is not this process's compile). Waiters check what they read against it."""
         with self._lock:
             held = self._held.pop(key, None)
         if held is None or self._lessor is None:
             return
-        data = held.read(key)
-        sha = hashlib.sha256(data).hexdigest() if data is not None else None
-        self._finish(held, sha)
+        self._finish(held, sha256)
 
     def _compile_ended(self) -> None:
         """pxla's compile stage ended on this thread: a lease its put did not finish ends
         ``unwritten`` (JAX did not write the program, or the compile raised)."""
+        restore = getattr(self._local, "restore", None)
+        if restore is not None:
+            self._local.restore = None
+            restore()  # JAX's own minimum compile time again on this thread
         key = getattr(self._local, "key", None)
         if key is None:
             return
@@ -302,6 +332,8 @@ class CompileLeases:
             seen = lessor.take(key, self.me, self.ttl_s, module, stale)
             if seen is not None:
                 if seen.mine:
+                    if 0 < seen.left_s < 0.8 * self.ttl_s:  # granted less: beat to its pace
+                        self.ttl_s = max(seen.left_s, 0.3)
                     self._hold(key, module, read, hedge=False)
                 return seen
         return None
@@ -318,7 +350,6 @@ class CompileLeases:
         holder's heartbeat stopped (one waiter takes over), or the hedge is due."""
         started = time.monotonic()
         hedge_after: float | None = None
-        asked_record = False
         while True:
             if seen is None or seen.mine:
                 return None  # no lease to wait for (a reader), or ours: compile
@@ -339,12 +370,11 @@ class CompileLeases:
                     lessor.release(key, seen.holder)  # gone from this host: no need to wait
                 seen = self._take(lessor, key, module, None, read)
                 continue
-            if not asked_record and module is not None:
-                asked_record = True
-                ms = lessor.recorded_ms(module)
-                if ms is not None:
-                    hedge_after = max(2.0 * ms / 1000.0, ms / 1000.0 + 1.0)
-            if hedge_after is not None and seen.age_s > hedge_after and seen.hedger is None:
+            if hedge_after is None:  # this key's own compile time bounds the wait, not its module's
+                ms = lessor.recorded_ms(key)
+                took = ms / 1000.0 if ms is not None else None
+                hedge_after = self.hedge_s if took is None else max(2.0 * took, took + 1.0)
+            if seen.age_s > hedge_after and seen.hedger is None:
                 if not self.writer:
                     return None
                 if lessor.hedge(key, self.me):
@@ -375,6 +405,8 @@ class CompileLeases:
                 )
                 self._beat.start()
         self._local.key = key
+        if getattr(self._local, "restore", None) is None:  # waiters read it, however fast
+            self._local.restore = jax_seam.write_whatever_compile_time()
 
     def _hook(self) -> None:
         if not self._hooked:

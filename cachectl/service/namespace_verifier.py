@@ -129,8 +129,8 @@ class NamespaceVerifier(jax_seam.EntryVerifier):
         pins.remember_written(settings.server or settings.db, settings.cache, digest, key, sha256)
         if self._uploads is not None:  # on the server before the lease says written
             self._uploads.wrote(key)
-        if self._leases:
-            self._leases.wrote(key)
+        if self._leases:  # the bytes handed to put, never a file read back at the key
+            self._leases.wrote(key, sha256)
 
     def missed(self, key: str, read: Callable[[str], bytes | None]) -> bytes | None:
         """A miss: through the compile lease (wait for another process's compile, or hold the
