@@ -94,7 +94,7 @@ MAX_WORKERS = 64
     default="127.0.0.1:8080",
     show_default=True,
     metavar="ADDR:PORT",
-    help="Where the printed nginx configuration listens.",
+    help="Where the printed nginx configuration listens (or unix:PATH, a unix socket).",
 )
 @click.option(
     "--nginx-user",
