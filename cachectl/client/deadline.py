@@ -129,5 +129,5 @@ def transport(uds: str | None = None) -> httpx.HTTPTransport:
         raise RuntimeError(
             "this httpx/httpcore cannot keep a request's deadline"
         )  # pragma: no cover
-    pool._network_backend = _Backend(pool._network_backend)
+    pool._network_backend = _Backend(pool._network_backend)  # type: ignore[assignment]
     return made
