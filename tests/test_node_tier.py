@@ -232,6 +232,8 @@ def test_machine_b_reaches_a_unix_socket_server(isolated_home, tmp_path) -> None
     server = _serve_uds(sock, tmp_path / "serve.log")
     try:
         b = MachineB(tmp_path / "b", isolated_home, f"unix://{sock}", token)
+        banner = (tmp_path / "serve.log").read_text()
+        assert f"clients on this host: CACHECTL_SERVER=unix://{sock}" in banner, banner
         proc = b.run(*CACHECTL, "warm-check", MANIFEST, "--json")
         assert proc.returncode == 0, proc.stderr[-3000:]
         summary = json.loads(proc.stdout)["summary"]
