@@ -275,3 +275,24 @@ def test_manifests_nested_too_deep_binary_or_past_int64_are_one_line(tmp_path) -
     from cachectl.manifest import parse_manifest
 
     parse_manifest(fits.read_text(), name="fits.yaml")
+
+
+def test_an_index_in_a_missing_directory_is_refused_until_db_upgrade_makes_it(tmp_path) -> None:
+    """`--db sqlite:///…/no/such/x.db` (or CACHECTL_DB): one line, exit 2, nothing created (the
+    suite runs as root too, which could create any directory); `db upgrade` creates it."""
+    missing = tmp_path / "no" / "such"
+    db = f"sqlite:///{missing}/x.db"
+    for args, env in (
+        (("--db", db, "ls"), None),
+        (("--db", db, "cache", "list", "--json"), None),
+        (("token", "create", "--name", "a", "--role", "reader"), {"CACHECTL_DB": db}),
+        (("--db", db, "db", "current"), None),
+    ):
+        done = cachectl(*args, env=env)
+        assert_bad_input(done)
+        assert f"directory {missing} does not exist" in done.stderr and "db upgrade" in done.stderr
+        assert not (tmp_path / "no").exists(), args
+    made = cachectl("--db", db, "db", "upgrade")
+    assert made.returncode == 0 and (missing / "x.db").is_file(), made.stderr
+    listed = cachectl("--db", db, "cache", "list", "--json")
+    assert listed.returncode == 0, listed.stderr

@@ -10,13 +10,17 @@ request recorder counting the GETs).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import shlex
 import shutil
+import signal
+import socket
 import subprocess
 import sys
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -212,6 +216,62 @@ def test_machine_b_reads_the_server_into_its_node_tier(isolated_home, tmp_path) 
     served, stderr = b.serve()
     assert served == ALL_SERVED and "Compiling" not in stderr, stderr[-2000:]
     assert "entries this node fetched and verified before" in stderr
+
+
+def _serve_uds(sock: Path, log: Path) -> subprocess.Popen[bytes]:
+    """`cachectl serve --uds` on machine A, once it answers /healthz on the socket."""
+    with open(log, "wb") as fh:
+        proc = subprocess.Popen(
+            [*CACHECTL, "serve", "--uds", str(sock)], stdout=fh, stderr=subprocess.STDOUT
+        )
+    deadline = time.monotonic() + 60
+    while True:
+        assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-2000:]
+        with contextlib.suppress(OSError), socket.socket(socket.AF_UNIX) as probe:
+            probe.connect(str(sock))
+            probe.sendall(b"GET /healthz HTTP/1.1\r\nHost: a\r\nConnection: close\r\n\r\n")
+            if probe.recv(64).startswith(b"HTTP/1.1 200"):
+                return proc
+        time.sleep(0.05)
+
+
+@needs_unshare
+@pytest.mark.timeout(600)
+def test_machine_b_reaches_a_unix_socket_server(isolated_home, tmp_path) -> None:
+    """CACHECTL_SERVER=unix:///PATH: machine B (its own mount namespace) reads the cache over
+    A's `cachectl serve --uds`, the CLI, the node tier's fetch and the lease's routes alike."""
+    warmed = invoke("warm", MANIFEST, "--json")
+    assert json.loads(warmed.stdout)["summary"]["compiled"] == 11
+    token = invoke("token", "create", "--name", "u", "--role", "writer").stdout.split()[-1]
+    run = tmp_path / "run"
+    run.mkdir()
+    sock = run / "cachectl.sock"
+    server = _serve_uds(sock, tmp_path / "serve.log")
+    try:
+        b = MachineB(tmp_path / "b", isolated_home, f"unix://{sock}", token)
+        banner = (tmp_path / "serve.log").read_text()
+        assert f"clients on this host: CACHECTL_SERVER=unix://{sock}" in banner, banner
+        proc = b.run(*CACHECTL, "warm-check", MANIFEST, "--json")
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        summary = json.loads(proc.stdout)["summary"]
+        print("warm-check over the unix socket:", {k: summary[k] for k in ("hits", "aot_loaded")})
+        assert (summary["hits"], summary["aot_loaded"], summary["aot_ran"]) == (11, 11, 11), (
+            proc.stderr
+        )
+        assert len(list(b.node.rglob("*-aot"))) == 11  # fetched into B's node tier
+        # the lease's routes over the same socket (what a writer service on B asks)
+        from cachectl.client import ServerClient
+
+        client = ServerClient(f"unix://{sock}", token)
+        try:
+            digest = client.get("/api/v1/caches/default/environments")[0]["digest"]
+            assert client.compile_lease("default", digest, "look", {"key": "jit_f-0"}) is None
+        finally:
+            client.close()
+    finally:
+        server.send_signal(signal.SIGTERM)
+        server.wait(30)
+    assert not sock.exists()
 
 
 @needs_unshare

@@ -371,3 +371,57 @@ def test_token_create_in_a_fresh_process_makes_the_servers_token(db_url, tmp_pat
     audits = [a for a in index.audit_log() if a.operation == "token-create"]
     assert [a.details for a in audits] == [{"name": "ci", "role": "writer", "caches": [MAIN]}]
     index.close()
+
+
+def test_a_revoked_tokens_name_can_be_used_again(db_url, tmp_path) -> None:
+    """A token made, revoked, then made again under its name: on an index made before migration
+    0014 (upgraded with the revoked row in it) and by both writers (on SQLite the stdlib driver's
+    `token create`; the SQL index's library call). The revoked rows and their audit rows stay;
+    only the new token authenticates; a name a token not revoked holds is still refused."""
+    from cachectl.core.errors import BadInput
+    from cachectl.index import db as index_db
+    from cachectl.index.models import utcnow
+
+    engine = index_db.make_engine(db_url)
+    index_db.upgrade(engine, "0013")  # an index as it was: names unique over every row
+    with engine.begin() as conn:
+        now = utcnow()
+        conn.execute(
+            Token.__table__.insert().values(
+                name="ci-warm",
+                role="writer",
+                token_hash=tokens.hash_token("cct_first"),
+                created_at=now,
+                revoked_at=now,
+            )
+        )
+    index_db.upgrade(engine)  # migration 0014, the revoked row in it
+    engine.dispose()
+    index = open_index(db_url)
+    out = tmp_path / "probe.txt"
+    made, _ = _fresh(
+        out, "--db", db_url, "token", "create", "--name", "ci-warm", "--role", "writer"
+    )
+    assert made.returncode == 0, made.stderr
+    second = made.stdout.strip().splitlines()[-1]
+    with pytest.raises(BadInput, match="exists"):  # held by the token just made
+        tokens.create_token(index, "ci-warm", "reader")
+    bad, _ = _fresh(out, "--db", db_url, "token", "create", "--name", "ci-warm", "--role", "reader")
+    assert bad.returncode == 2 and "a token named 'ci-warm' exists" in bad.stderr, bad.stderr
+    with pytest.raises(tokens.InvalidToken):
+        tokens.authenticate(index, "cct_first")
+    assert tokens.authenticate(index, second).name == "ci-warm"
+    tokens.revoke_token(index, "ci-warm")  # the second one: revoked by its name
+    with pytest.raises(tokens.InvalidToken):
+        tokens.authenticate(index, second)
+    third = tokens.create_token(index, "ci-warm", "reader")  # the library's writer, a third time
+    assert tokens.authenticate(index, third.token).role == "reader"
+    listed = [(t.name, t.role, t.revoked_at is not None) for t in tokens.list_tokens(index)]
+    assert listed == [
+        ("ci-warm", "writer", True),
+        ("ci-warm", "writer", True),
+        ("ci-warm", "reader", False),
+    ]
+    creates = [a for a in index.audit_log() if a.operation == "token-create"]
+    assert len(creates) >= 1 and all(a.details["name"] == "ci-warm" for a in creates)
+    index.close()

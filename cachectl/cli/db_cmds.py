@@ -37,10 +37,11 @@ def db_group() -> None:
 @json_option
 @click.pass_obj
 def upgrade(ctx: Context, revision: str, as_json: bool) -> None:
-    """Create or migrate the index schema (SQLite or PostgreSQL)."""
+    """Create or migrate the index schema (SQLite or PostgreSQL); an SQLite file's missing
+    directory is created."""
     from cachectl.index import db as index_db
 
-    engine = index_db.make_engine(ctx.settings.db)
+    engine = index_db.make_engine(ctx.settings.db, create=True)
     before = index_db.current_revision(engine)
     index_db.upgrade(engine, revision)
     state = SchemaState(

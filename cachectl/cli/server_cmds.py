@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 from typing import TYPE_CHECKING, Any
 
@@ -94,7 +95,7 @@ MAX_WORKERS = 64
     default="127.0.0.1:8080",
     show_default=True,
     metavar="ADDR:PORT",
-    help="Where the printed nginx configuration listens.",
+    help="Where the printed nginx configuration listens (or unix:PATH, a unix socket).",
 )
 @click.option(
     "--nginx-user",
@@ -229,6 +230,7 @@ def serve_banner(settings: Any, base: str | None, uds: str | None = None) -> lis
     if base is None:  # a unix socket: a proxy in front gives it its URL
         where = f"unix socket {uds} (curl --unix-socket {uds} http://localhost/healthz)"
         lines = [f"cachectl server listening on {where}"]
+        lines.append(f"clients on this host: CACHECTL_SERVER=unix://{os.path.abspath(uds or '')}")
         lines.append("dashboard: / through the proxy in front of the socket")
     else:
         lines = [f"cachectl server listening on {base} (API {base}/api/v1)"]

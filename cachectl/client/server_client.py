@@ -8,9 +8,9 @@ import time
 from collections.abc import Iterable, Iterator
 from typing import Any, TypeVar
 
-from cachectl.client.transport import API, Transport, seg
+from cachectl.client.transport import API, BodyRefused, Transport, seg
 from cachectl.client.wire import decode, telemetry_wire
-from cachectl.core.errors import CachectlError, OperationFailed, error_named
+from cachectl.core.errors import CachectlError, NotFound, OperationFailed, error_named
 from cachectl.core.jsonable import to_jsonable
 from cachectl.core.records import (
     CreatedToken,
@@ -23,6 +23,20 @@ from cachectl.storage.entries import sha256
 
 T = TypeVar("T")
 PAGE = 1000
+
+# What the index records of each entry this process listed: (server, cache, digest, key) ->
+# (size, sha256, executable's size, executable's sha256). A download reads a body only up to
+# its recorded size (Transport.read_body); the listing a verified record came from is usually
+# already here, so knowing the size costs no request. Dropped whole past RECORDED_MAX rows.
+Recorded = tuple[int, str, int | None, str | None]
+_RECORDED: dict[tuple[str, str, str, str], Recorded] = {}
+RECORDED_MAX = 200_000
+
+
+def _remember(url: str, cache: str, digest: str, e: Any) -> None:
+    if len(_RECORDED) >= RECORDED_MAX:
+        _RECORDED.clear()
+    _RECORDED[(url, cache, digest, e.key)] = (e.size, e.sha256, e.aot_size, e.aot_sha256)
 
 
 class ServerClient(Transport):
@@ -43,7 +57,9 @@ class ServerClient(Transport):
                 **filters,
             )
             for item in page["items"]:
-                yield decode(EntryInfo, item)
+                entry = decode(EntryInfo, item)
+                _remember(self.url, cache, digest, entry)
+                yield entry
             if page.get("next_offset") is None:
                 return
             offset = page["next_offset"]
@@ -92,9 +108,41 @@ class ServerClient(Transport):
         return decode(EntryInfo, response.json())
 
     def download_entry(self, cache: str, digest: str, key: str) -> bytes:
-        return self.request(
-            "GET", f"{API}/caches/{seg(cache)}/environments/{digest}/entries/{seg(key)}"
-        ).content
+        """An entry's bytes, exactly as the index records them (size and sha256), else
+        BodyRefused; NotFound when the index lists no such entry."""
+        return self._download(cache, digest, key, executable=False)
+
+    def _recorded(
+        self, cache: str, digest: str, key: str, executable: bool, fresh: bool = False
+    ) -> tuple[int, str]:
+        """The index's (size, sha256) of ``key``'s entry or executable: remembered from a
+        listing, else (or ``fresh``) looked up in one."""
+        at = (self.url, cache, digest, key)
+        row = None if fresh else _RECORDED.get(at)
+        if row is None or (executable and row[3] is None):
+            _RECORDED.pop(at, None)
+            for _ in self.iter_entries(cache, digest, key_prefix=key):
+                pass  # iter_entries remembers each row
+            row = _RECORDED.get(at)
+        if row is None:
+            raise NotFound(f"the index lists no entry {key} in cache {cache!r}: not fetched")
+        size, sha = (row[2], row[3]) if executable else (row[0], row[1])
+        if size is None or sha is None:
+            raise NotFound(f"the index lists no stored executable of {key} in cache {cache!r}")
+        return size, sha
+
+    def _download(self, cache: str, digest: str, key: str, *, executable: bool) -> bytes:
+        path = f"{API}/caches/{seg(cache)}/environments/{digest}/entries/{seg(key)}"
+        path += "/aot" if executable else ""
+        recorded = self._recorded(cache, digest, key, executable)
+        try:
+            return self.read_body(path, *recorded)
+        except BodyRefused:
+            # the row remembered may be older than the entry (rewritten since): asked once more
+            now = self._recorded(cache, digest, key, executable, fresh=True)
+            if now == recorded:
+                raise
+            return self.read_body(path, *now)
 
     def upload_executable(self, cache: str, digest: str, key: str, data: bytes) -> Any:
         """PUT an entry's stored executable (``<key>-aot``); the entry must be indexed already."""
@@ -107,9 +155,8 @@ class ServerClient(Transport):
         return decode(EntryInfo, response.json())
 
     def download_executable(self, cache: str, digest: str, key: str) -> bytes:
-        return self.request(
-            "GET", f"{API}/caches/{seg(cache)}/environments/{digest}/entries/{seg(key)}/aot"
-        ).content
+        """An entry's stored executable, exactly as the index records it (``download_entry``)."""
+        return self._download(cache, digest, key, executable=True)
 
     def compile_lease(self, cache: str, digest: str, action: str, body: dict[str, Any]) -> Any:
         """One compile-lease call (server/lease_routes.py): its ``result``."""

@@ -16,7 +16,7 @@ from urllib.parse import quote, unquote
 
 # The Alembic head the stdlib statements are written for (tests/test_service_sqlite.py fails
 # when a migration is added without looking at them).
-SCHEMA_REVISION = "0013"
+SCHEMA_REVISION = "0014"
 BUSY_TIMEOUT_S = 30.0  # cachectl.index.db.SQLITE_BUSY_TIMEOUT_MS: writers wait, never fail at once
 # SQLite's page cache per connection for the index's writers (cachectl.index.db's engines and
 # sync's stdlib writer, cachectl.index.sync_stdlib).

@@ -20,6 +20,7 @@ from sqlalchemy.exc import (
     SQLAlchemyError,
 )
 
+from cachectl.core.config import data_dir
 from cachectl.core.errors import BadInput, Unreachable
 from cachectl.core.sqlite_file import SQLITE_CACHE_KIB
 from cachectl.core.temps import makedirs, without_world_write
@@ -71,8 +72,10 @@ def _sqlite_begin(conn: Any) -> None:
     conn.exec_driver_sql("BEGIN IMMEDIATE" if immediate else "BEGIN")
 
 
-def make_engine(url: str) -> Engine:
-    """An engine with the settings that make the index safe to share."""
+def make_engine(url: str, *, create: bool = False) -> Engine:
+    """An engine with the settings that make the index safe to share. An SQLite file's directory
+    is made only for the default index (under the data directory) or with ``create`` (`db
+    upgrade`); another missing directory is a mistyped --db, refused before anything is made."""
     try:
         parsed = make_url(url)
     except ArgumentError as exc:
@@ -82,7 +85,7 @@ def make_engine(url: str) -> Engine:
     backend = parsed.get_backend_name()
     if backend == "sqlite":
         if parsed.database and parsed.database != ":memory:":
-            makedirs(Path(parsed.database).expanduser().parent)  # no o+w, whatever the umask
+            _sqlite_directory(url, Path(parsed.database).expanduser().parent, create)
         engine = create_engine(
             url, connect_args={"timeout": SQLITE_BUSY_TIMEOUT_MS / 1000, "isolation_level": None}
         )
@@ -99,6 +102,21 @@ def make_engine(url: str) -> Engine:
         )
     raise BadInput(
         f"unsupported index database {backend!r} in {url!r}: use sqlite:/// or postgresql+psycopg://"
+    )
+
+
+def _sqlite_directory(url: str, directory: Path, create: bool) -> None:
+    """``directory`` made (no o+w, whatever the umask) where it may be; else, when missing,
+    BadInput: `--db sqlite:////no/such/x.db` must not make /no/such (as root it could)."""
+    if directory.is_dir():
+        return
+    if create or directory.absolute() == data_dir().absolute():
+        makedirs(directory)
+        return
+    shown = make_url(url).render_as_string(hide_password=True)
+    raise BadInput(
+        f"index {shown}: directory {directory} does not exist: fix --db/CACHECTL_DB, "
+        f"or create the index there with `cachectl --db {shown} db upgrade`"
     )
 
 

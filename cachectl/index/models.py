@@ -25,6 +25,7 @@ from sqlalchemy import (
     UniqueConstraint,
     false,
     func,
+    text,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 
@@ -321,9 +322,20 @@ class SignatureRecord(Base):
 
 class Token(Base):
     __tablename__ = "tokens"
+    # A name is unique among the tokens not revoked: a revoked token's row (and the audit rows
+    # that name it) stays, and its name can be given to a new token (migration 0014).
+    __table_args__ = (
+        Index(
+            "ix_tokens_active_name",
+            "name",
+            unique=True,
+            sqlite_where=text("revoked_at IS NULL"),
+            postgresql_where=text("revoked_at IS NULL"),
+        ),
+    )
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
-    name: Mapped[str] = mapped_column(String(128), unique=True)
+    name: Mapped[str] = mapped_column(String(128))
     role: Mapped[str] = mapped_column(String(16))
     caches: Mapped[list[str] | None] = mapped_column(JSON)
     token_hash: Mapped[str] = mapped_column(String(128), unique=True)

@@ -257,14 +257,15 @@ class StdlibReads(ReaderQueries):
     def create_token(self, new: NewToken, details: dict[str, Any]) -> TokenInfo | None:
         """Store a token made by cachectl.trust.token_rules and its ``token-create`` audit row, in
         one transaction, as cachectl.trust.tokens ``store_token`` and ``Index.audit`` write them;
-        None, writing nothing, where a token has the name. NotFound names a scoped cache that
+        None, writing nothing, where a token not revoked has the name. NotFound names a scoped cache that
         does not exist (a typo would make a token that can do nothing)."""
         for cache in new.caches or ():
             self.get_cache(cache)
         now = stamp(new.created_at)
         with self._lock, self.conn:
             self.conn.execute("BEGIN IMMEDIATE")
-            if self.conn.execute("SELECT 1 FROM tokens WHERE name = ?", (new.name,)).fetchone():
+            held = "SELECT 1 FROM tokens WHERE name = ? AND revoked_at IS NULL"
+            if self.conn.execute(held, (new.name,)).fetchone():  # a revoked one's name is free
                 return None
             cursor = self.conn.execute(
                 "INSERT INTO tokens (name, role, caches, token_hash, created_at, expires_at) "

@@ -15,12 +15,14 @@ verifier, ``cachectl.serving`` and warm-check's children read through it.
 
 from __future__ import annotations
 
+import errno
 import logging
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
+from cachectl.client.transport import BodyRefused
 from cachectl.core.config import Settings
 from cachectl.core.errors import NotFound
 from cachectl.core.jax_seam import ANY_ENTRY
@@ -81,7 +83,9 @@ def tier_at(directory: str, limit: int | None, warn: Callable[[str], None]) -> N
 def _server_fetch(
     client: ServerClient, cache: str, digest: str
 ) -> Callable[[str], Callable[[], bytes]]:
-    """A file's fetch over the server's entry routes (the fast lane): a 404 is a missing file."""
+    """A file's fetch over the server's entry routes (the fast lane): a 404 is a missing file; a
+    body is read only up to the index's recorded size, each request within the client's deadline
+    (cachectl/client/transport.py ``read_body``)."""
 
     def fetch_of(name: str) -> Callable[[], bytes]:
         def fetch() -> bytes:
@@ -94,6 +98,8 @@ def _server_fetch(
                 return bytes(client.download_entry(cache, digest, name[: -len(CACHE_SUFFIX)]))
             except NotFound as exc:
                 raise FileNotFoundError(name) from exc
+            except BodyRefused as exc:  # longer than, or other than, the index's record of it
+                raise Refused(errno.EIO, exc.message) from exc
 
         return fetch
 

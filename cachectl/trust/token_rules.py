@@ -61,7 +61,7 @@ def new_token(
 
 
 def name_taken(name: str) -> BadInput:
-    """The error for a name another token holds (revoked ones too: names stay unique)."""
+    """The error for a name a token not revoked holds (a revoked token's name is free again)."""
     return BadInput(f"a token named {name!r} exists: revoke it first or pick another name")
 
 

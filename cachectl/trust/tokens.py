@@ -70,7 +70,8 @@ def store_token(index: Index, new: NewToken) -> TokenInfo:
     for cache in new.caches or ():
         index.get_cache(cache)  # a typo would make a token that can do nothing
     with index.session() as s:
-        if s.scalar(select(Token.id).where(Token.name == new.name)) is not None:
+        held = select(Token.id).where(Token.name == new.name, Token.revoked_at.is_(None))
+        if s.scalar(held) is not None:  # a revoked token's name is free again
             raise name_taken(new.name)
         row = Token(
             name=new.name,
@@ -87,16 +88,22 @@ def store_token(index: Index, new: NewToken) -> TokenInfo:
 
 def list_tokens(index: Index, *, include_revoked: bool = True) -> list[TokenInfo]:
     with index.session() as s:
-        q = select(Token).order_by(Token.name)
+        q = select(Token).order_by(Token.name, Token.id)
         if not include_revoked:
             q = q.where(Token.revoked_at.is_(None))
         return [_info(r) for r in s.scalars(q)]
 
 
 def revoke_token(index: Index, name: str) -> TokenInfo:
-    """Revoke by name; revoking twice is harmless."""
+    """Revoke by name (the token that holds it; else the latest revoked one, unchanged):
+    revoking twice is harmless."""
     with index.session() as s:
-        row = s.scalar(select(Token).where(Token.name == name))
+        row = s.scalar(
+            select(Token)
+            .where(Token.name == name)
+            .order_by(Token.revoked_at.is_(None).desc(), Token.id.desc())
+            .limit(1)
+        )
         if row is None:
             raise NotFound(f"no token named {name!r}: see `cachectl token list`")
         if row.revoked_at is None:
