@@ -664,7 +664,9 @@ def test_server_mode_explains_what_direct_mode_explains(warmed, monkeypatch, tmp
     )
     assert direct["exit_code"] == 1
     db = f"sqlite:///{Path(warmed['XDG_DATA_HOME']) / 'cachectl' / 'index.db'}"
-    made = CliRunner().invoke(cli, ["token", "create", "--name", "node", "--role", "reader", "--json"])
+    made = CliRunner().invoke(
+        cli, ["token", "create", "--name", "node", "--role", "reader", "--json"]
+    )
     assert made.exit_code == 0, made.output
     secret = json.loads(made.stdout)["token"]
     with served(db) as (live, _):
