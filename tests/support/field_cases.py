@@ -547,6 +547,177 @@ DIFFRAX_NAN = Case(
     module='import os\nos.environ["EQX_ON_ERROR"] = "nan"\n' + _DIFFRAX, manifest=_DIFFRAX_MANIFEST
 )
 
+# A KV-cache decode loop: the cache is donated to each step, written at the step's position and
+# read under a causal mask; the batch is padded to its bucket (the padded rows are their own).
+KV_DECODE = Case(
+    module="""
+import numpy as np
+import jax, jax.numpy as jnp
+
+D, T = 16, 32
+JIT = dict(donate_argnums=(1,))
+
+def param_specs():
+    return {"wq": jax.ShapeDtypeStruct((D, D), jnp.float32), "wo": jax.ShapeDtypeStruct((D, D), jnp.float32)}
+
+def host_params(seed=0):
+    rng = np.random.default_rng(seed)
+    return {k: (rng.standard_normal((D, D)) / 4).astype(np.float32) for k in ("wq", "wo")}
+
+def decode_step(params, cache, x, pos):
+    q = jnp.tanh(x @ params["wq"])
+    cache = jax.lax.dynamic_update_slice_in_dim(cache, q[:, None, :], pos, axis=1)
+    seen = (jnp.arange(T) <= pos)[None, :, None]
+    ctx = jnp.sum(jnp.where(seen, cache, 0.0), axis=1) / (pos + 1).astype(jnp.float32)
+    return cache, ctx @ params["wo"]
+
+def _pad(x, n):
+    return np.concatenate([x, np.zeros((n - len(x),) + x.shape[1:], x.dtype)])
+
+def calls():
+    rng = np.random.default_rng(1)
+    params, out = host_params(), []
+    for batch, pos in ((3, 0), (3, 5), (7, 2)):
+        n = 4 if batch <= 4 else 8
+        cache = rng.standard_normal((batch, T, D)).astype(np.float32)
+        x = rng.standard_normal((batch, D)).astype(np.float32)
+        p = np.int32(pos)
+        out.append(("decode_step", (params, cache, x, p), (params, _pad(cache, n), _pad(x, n), p)))
+    return out
+
+def run():
+    step = jax.jit(decode_step, **JIT)
+    params, last = host_params(), {}
+    for n in (4, 8):  # a decode loop per bucket: the donated cache carried step to step
+        cache = jnp.zeros((n, T, D), jnp.float32)
+        x = np.ones((n, D), np.float32)
+        for pos in range(3):
+            cache, y = step(params, cache, x, np.int32(pos))
+        last[n] = y
+    return [last[n] for n in sorted(last)]
+""",
+    manifest="""
+version: 1
+target: {backend: cpu}
+functions:
+  - fn: case:decode_step
+    jit: {donate_argnums: [1]}
+    args:
+      - {pytree: case:param_specs}
+      - {shape: [batch, 32, 16], dtype: float32}
+      - {shape: [batch, 16], dtype: float32}
+      - {shape: [], dtype: int32}
+    buckets: {batch: [4, 8]}
+""",
+)
+
+# Low-precision weights, as quantized checkpoints hold them: bfloat16, int4 (with a float32
+# scale) and float8_e4m3fn, each widened inside the program.
+LOW_PRECISION = Case(
+    module="""
+import ml_dtypes
+import numpy as np
+import jax, jax.numpy as jnp
+
+def param_specs():
+    return {
+        "w_bf16": jax.ShapeDtypeStruct((8, 16), jnp.bfloat16),
+        "w_int4": jax.ShapeDtypeStruct((16, 16), jnp.int4),
+        "scale": jax.ShapeDtypeStruct((16,), jnp.float32),
+        "w_fp8": jax.ShapeDtypeStruct((16, 4), jnp.float8_e4m3fn),
+    }
+
+def host_params(seed=0):
+    rng = np.random.default_rng(seed)
+    return {
+        "w_bf16": (rng.standard_normal((8, 16)) / 3).astype(ml_dtypes.bfloat16),
+        "w_int4": rng.integers(-8, 8, (16, 16)).astype(ml_dtypes.int4),
+        "scale": np.full((16,), 0.05, np.float32),
+        "w_fp8": (rng.standard_normal((16, 4)) / 3).astype(ml_dtypes.float8_e4m3fn),
+    }
+
+def forward(params, x):
+    h = jax.nn.relu(x @ params["w_bf16"].astype(jnp.float32))
+    h = jax.nn.relu(h @ (params["w_int4"].astype(jnp.float32) * params["scale"]))
+    return h @ params["w_fp8"].astype(jnp.float32)
+
+def _pad(x, n):
+    return np.concatenate([x, np.zeros((n - len(x),) + x.shape[1:], x.dtype)])
+
+def calls():
+    rng = np.random.default_rng(2)
+    params, out = host_params(), []
+    for batch in (3, 11):
+        n = 4 if batch <= 4 else 16
+        x = rng.standard_normal((batch, 8)).astype(np.float32)
+        out.append(("forward", (params, x), (params, _pad(x, n))))
+    return out
+
+def run():
+    params = host_params()
+    return [jax.jit(forward)(params, np.ones((n, 8), np.float32)) for n in (4, 16)]
+""",
+    manifest="""
+version: 1
+target: {backend: cpu}
+functions:
+  - fn: case:forward
+    args:
+      - {pytree: case:param_specs}
+      - {shape: [batch, 8], dtype: float32}
+    buckets: {batch: [4, 16]}
+""",
+)
+
+# shard_map with collectives over 8 host devices: a data-parallel mean (psum over data) and a
+# model-parallel matmul whose partial sums meet in a psum over model.
+SHARD_MAP = Case(
+    module="""
+import numpy as np
+import jax, jax.numpy as jnp
+from jax.sharding import Mesh, PartitionSpec as P
+try:
+    from jax import shard_map
+except ImportError:  # JAX before shard_map moved out of experimental
+    from jax.experimental.shard_map import shard_map
+
+MESH = Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ("data", "model"))
+
+def _block(x, w):
+    partial = x @ w                           # [batch/4, 8] from this shard's features
+    y = jax.lax.psum(partial, "model")        # the model axis's partial sums
+    return y - jax.lax.pmean(y.mean(0), "data")  # centred on the whole batch's mean
+
+def layer(x, w):
+    return shard_map(_block, mesh=MESH, in_specs=(P("data", "model"), P("model", None)),
+                     out_specs=P("data", None))(x, w)
+
+def _pad(x, n):
+    return np.concatenate([x, np.zeros((n - len(x),) + x.shape[1:], x.dtype)])
+
+def calls():
+    rng = np.random.default_rng(3)
+    w = (rng.standard_normal((16, 8)) / 4).astype(np.float32)
+    x = rng.standard_normal((8, 16)).astype(np.float32)
+    return [("layer", (x, w), (x, w))]
+
+def run():
+    w = np.ones((16, 8), np.float32) / 16
+    return [jax.jit(layer)(np.ones((n, 16), np.float32), w) for n in (8, 16)]
+""",
+    manifest="""
+version: 1
+target: {backend: cpu}
+functions:
+  - fn: case:layer                 # its shard_map names the mesh; its inputs are the host's
+    args:
+      - {shape: [batch, 16], dtype: float32}
+      - {shape: [16, 8], dtype: float32}
+    buckets: {batch: [8, 16]}
+""",
+    env={"XLA_FLAGS": "--xla_force_host_platform_device_count=8"},
+)
+
 CASES = {
     "blackjax": BLACKJAX,
     "brax-mjx": BRAX_MJX,
@@ -558,6 +729,9 @@ CASES = {
     "numpyro": NUMPYRO,
     "optax-donation": OPTAX_DONATION,
     "diffrax-nan": DIFFRAX_NAN,
+    "kv-decode-donation": KV_DECODE,
+    "low-precision-weights": LOW_PRECISION,
+    "shard-map-collectives": SHARD_MAP,
 }
 REQUIRES = {
     "blackjax": "blackjax",
