@@ -420,10 +420,23 @@ class Collector:
                 self._dropped,
             )
             signatures, sig_dropped = self._signatures, self._sig_dropped
-            for state in self._threads.values():  # counts now belong to the batch taken
-                state[3] = None
+            # A miss still compiling keeps its signature for the next batch: JAX says only after
+            # the compile whether it will never write it (host callbacks), which moves the
+            # signature's miss to not cacheable (_on_host_callbacks), as the function's counts.
+            compiling = {
+                id(state[3])
+                for state in self._threads.values()
+                if state[3] is not None and state[5] is False
+            }
+            kept = {i: c for i, c in signatures.items() if id(c) in compiling}
+            for ident in kept:
+                del signatures[ident]
+            for state in self._threads.values():  # the others now belong to the batch taken
+                if id(state[3]) not in compiling:
+                    state[3] = None
             ended = self._clock()
             self._reset_buffer()
+            self._signatures.update(kept)
             sources = list(self._sources)
         serving: dict[str, ServingCounts] = {}
         for source in sources:
