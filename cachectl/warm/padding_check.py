@@ -28,8 +28,11 @@ import numpy as np
 
 from cachectl.core.jsonable import to_jsonable
 from cachectl.dispatch import padding as pads
+from cachectl.manifest import build_call, expand
 from cachectl.manifest.buckets import Bucket
 from cachectl.manifest.schema import FunctionSpec, Manifest
+from cachectl.warm.canary import fresh_outputs
+from cachectl.warm.compiling import error_text
 
 EQUAL, DIFFERS, SKIPPED, NOT_RUN = "equal", "differs", "skipped", "not-run"
 NOT_PADDED = "not-padded"  # serving does not pad this call (it goes through jax.jit)
@@ -150,8 +153,6 @@ def raw_inputs(
     """The call at ``bucket``'s (raw) sizes with seeded random host values (the rule above)."""
     import jax
 
-    from cachectl.manifest import build_call
-
     args, kwargs = build_call(spec, bucket, paths)
     rng = np.random.default_rng(seed)
 
@@ -176,7 +177,7 @@ def raw_inputs(
 def check_bucket(rt: Any, request: dict[str, Any], function: str, bucket: str) -> list[Any]:
     """Every sample of one bucket (``bucket``: its values as sorted JSON), in the calling child:
     [axis, raw, status, leaves or None, why or None]."""
-    buckets = _expand(rt.manifest)
+    buckets = expand(rt.manifest)
     which = next(
         b
         for b in buckets
@@ -189,12 +190,6 @@ def check_bucket(rt: Any, request: dict[str, Any], function: str, bucket: str) -
     ]
 
 
-def _expand(manifest: Manifest) -> list[Bucket]:
-    from cachectl.manifest import expand
-
-    return expand(manifest)
-
-
 def _sample(
     rt: Any,
     paths: Sequence[str],
@@ -205,9 +200,6 @@ def _sample(
     raw: int,
     options: dict[str, Any],
 ) -> list[Any]:
-    from cachectl.warm.canary import fresh_outputs
-    from cachectl.warm.compiling import error_text
-
     spec = rt[function].spec
     small = Bucket(function, {**which.values, axis: raw}, which.index)
     seed = zlib.crc32(f"{function}/{bucket}/{axis}/{raw}".encode())
