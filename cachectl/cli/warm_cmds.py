@@ -14,6 +14,7 @@ from cachectl.cli.render import emit, stderr, stdout
 from cachectl.cli.warm_render import (
     Progress,
     named,
+    padding_failure,
     plain,
     print_check,
     print_replay,
@@ -131,12 +132,19 @@ def _run_check(
     as_json: bool,
     shards: int | None = None,
     canary: bool = False,
+    padding: dict[str, float | None] | None = None,
 ) -> None:
     from cachectl.warm import check
 
     with _json_quiet(as_json):
         report = check(
-            ctx, manifest, cache=cache_name, shard=_shard(shard, shards), paths=paths, canary=canary
+            ctx,
+            manifest,
+            cache=cache_name,
+            shard=_shard(shard, shards),
+            paths=paths,
+            canary=canary,
+            padding=padding,
         )
     emit(report, as_json, lambda r: print_check(r, manifest), failure=_check_failure)
 
@@ -161,6 +169,8 @@ def _check_failure(report: CheckReport) -> OperationFailed:
             "of a compile here: "
             + ", ".join(f"{named(b)} ({b.canary})" for b in report.canary_failed)
         )
+    if report.padding is not None and report.padding.failed:
+        problems.append(padding_failure(report.padding))
     if report.hits < len(report.buckets):
         problems.append(
             f"coverage {report.coverage:.1f}% is below 100%: "
@@ -493,6 +503,29 @@ def _run_replay(ctx: Context, run: str, cache_name: str | None, as_json: bool) -
     "bit (same backend, same compiler), NaN equal to NaN, dtype and shape included. A "
     "difference exits 1. Costs one compile per bucket, as much as the warm did; off by default.",
 )
+@click.option(
+    "--padding",
+    is_flag=True,
+    help="Also prove that padding changes no answer: for each bucket, a few raw sizes below it "
+    "on each padded axis, padded to it as cachectl.serving pads a request, through the stored "
+    "executable, cut back and compared with jax.jit at the raw shape (a tolerance per dtype; "
+    "exact for integers and bools). A difference exits 1, naming the function and the axis. "
+    "Compiles each raw size once.",
+)
+@click.option(
+    "--rtol",
+    type=click.FloatRange(min=0),
+    metavar="X",
+    help="With --padding: the relative tolerance for every floating output (default per dtype: "
+    "float32 1e-5, bfloat16 1.6e-2, float16 2e-3, float64 1e-10).",
+)
+@click.option(
+    "--atol",
+    type=click.FloatRange(min=0),
+    metavar="X",
+    help="With --padding: the absolute tolerance for every floating output (default per dtype: "
+    "float32 1e-6, bfloat16 1e-2, float16 1e-3, float64 1e-12).",
+)
 @click.pass_obj
 def warm_check_cmd(
     ctx: Context,
@@ -504,6 +537,9 @@ def warm_check_cmd(
     as_json: bool,
     replay: str | None,
     canary: bool,
+    padding: bool,
+    rtol: float | None,
+    atol: float | None,
 ) -> None:
     """Prove coverage: in a fresh process, activate the cache read-only and load every bucket.
 
@@ -516,19 +552,24 @@ def warm_check_cmd(
     \b
     cachectl warm-check manifest.yaml
     cachectl warm-check manifest.yaml --canary
+    cachectl warm-check manifest.yaml --padding --rtol 1e-4
     cachectl warm-check --replay          # the latest warm-run's command
     cachectl warm-check --replay 12 --json
     """
     if replay is not None:
         if manifest is not None:
             raise BadInput("give a MANIFEST or --replay, not both")
-        if canary:
-            raise BadInput("--canary checks a MANIFEST's buckets; it does not go with --replay")
+        if canary or padding:
+            which = "--canary" if canary else "--padding"
+            raise BadInput(f"{which} checks a MANIFEST's buckets; it does not go with --replay")
         _run_replay(ctx, replay, cache_name, as_json)
         return
     if manifest is None:
         raise BadInput("give the MANIFEST to check, or --replay for a warm-run's command")
-    _run_check(ctx, manifest, cache_name, shard, paths, as_json, shards, canary)
+    if not padding and (rtol is not None or atol is not None):
+        raise BadInput("--rtol and --atol are --padding's tolerances: add --padding")
+    options = {"rtol": rtol, "atol": atol} if padding else None
+    _run_check(ctx, manifest, cache_name, shard, paths, as_json, shards, canary, options)
 
 
 def register(cli: click.Group) -> None:

@@ -27,7 +27,12 @@ from cachectl.core.units import format_size
 if TYPE_CHECKING:
     from cachectl.warm import CheckReport, WarmReport
 
-_STATUS_STYLE = {"compiled": "green", "cached": "cyan", "hit": "green"}  # cachectl.warm.reports
+_STATUS_STYLE = {
+    "compiled": "green",
+    "cached": "cyan",
+    "hit": "green",
+    "equal": "green",
+}  # cachectl.warm.reports
 
 
 def plain(values: dict[str, Any]) -> str:
@@ -49,7 +54,9 @@ def _seconds(value: float | None) -> str:
 
 
 def _styled(status: str) -> Styled | str:
-    style = _STATUS_STYLE.get(status, "red" if status in ("failed", "too-large", "miss") else "")
+    style = _STATUS_STYLE.get(
+        status, "red" if status in ("failed", "too-large", "miss", "differs", "not-run") else ""
+    )
     return Styled(status, style) if style else status
 
 
@@ -204,6 +211,8 @@ def print_check(report: CheckReport, manifest: str = "MANIFEST") -> None:
             "give the outputs of a compile here (exact equality: same backend)",
             highlight=False,
         )
+    if report.padding is not None:
+        print_padding(report.padding)
     if report.proof is not None and report.proof_error is None:
         proof = report.proof
         verdict = "proven" if proof.proven else "not proven"
@@ -221,6 +230,108 @@ def print_check(report: CheckReport, manifest: str = "MANIFEST") -> None:
             )
     elif report.proof_error is not None:
         stdout.print(f"proof {report.proof_error}", highlight=False)
+
+
+def _where(f: Any) -> str:
+    """'seq 33 -> 64 (batch=2,seq=64)': the raw size and the bucket it was padded to."""
+    if f.axis is None or f.bucket is None:
+        return "-"
+    return f"{f.axis} {f.raw} -> {f.bucket[f.axis]} ({plain(f.bucket)})"
+
+
+def _tolerance(leaf: Any) -> str:
+    return (
+        "exact" if leaf.rtol == 0 and leaf.atol == 0 else f"rtol {leaf.rtol:g}, atol {leaf.atol:g}"
+    )
+
+
+def _leaf_note(f: Any, leaf: Any, n: int) -> str:
+    said = [f.note] if n == 0 and f.note else []
+    if not leaf.judged:
+        said.append("outputs: null, not judged")
+    if leaf.uncut:
+        said.append("compared uncut")
+    return "; ".join(said)
+
+
+def print_padding(padding: Any) -> None:
+    """warm-check --padding: each function's largest difference, per output leaf, where."""
+    rows: list[tuple[str | Styled, ...]] = []
+    for f in padding.functions:
+        if not f.leaves:
+            diff = "-" if f.max_abs is None else f"{f.max_abs:.3g}"
+            rows.append(
+                (
+                    f.function,
+                    _styled(f.status),
+                    str(f.samples),
+                    "-",
+                    diff,
+                    _where(f),
+                    "-",
+                    f.note or "",
+                )
+            )
+            continue
+        for n, leaf in enumerate(f.leaves):
+            rows.append(
+                (
+                    f.function if n == 0 else "",
+                    _styled(f.status) if n == 0 else "",
+                    str(f.samples) if n == 0 else "",
+                    f"{leaf.leaf} {leaf.dtype}",
+                    f"{leaf.max_abs:.3g}" + ("" if leaf.ok else " > tol"),
+                    _where(leaf),
+                    _tolerance(leaf),
+                    _leaf_note(f, leaf, n),
+                )
+            )
+    stdout.print(
+        table(
+            "padding: stored executables on padded inputs against jax.jit at the raw shape",
+            [
+                "function",
+                "padding",
+                "sizes",
+                "output",
+                "largest diff",
+                "where",
+                "tolerance",
+                "note",
+            ],
+            rows,
+            justify_right=("sizes", "largest diff"),
+            keep=("padding",),
+            optional=("tolerance",),
+        )
+    )
+    counts = {s: sum(f.status == s for f in padding.functions) for s in _PADDING_STATES}
+    stdout.print(
+        "padding: "
+        + ", ".join(f"{n} {s}" for s, n in counts.items() if n or s == "equal")
+        + f" of {len(padding.functions)} function(s)",
+        highlight=False,
+    )
+
+
+_PADDING_STATES = ("equal", "differs", "not-run", "skipped")
+
+
+def padding_failure(padding: Any) -> str:
+    """Exit 1's line: the functions whose padded answers differ (by axis) or were not compared."""
+    differ, unproven = [], []
+    for f in padding.failed:
+        axes = ", ".join(f.axes) or "?"
+        if f.status == "differs":
+            size = "" if f.max_abs is None else f" by up to {f.max_abs:.3g}"
+            where = "" if f.bucket is None else f" (bucket {plain(f.bucket)}, {f.axis}={f.raw})"
+            differ.append(f"{f.function} along axis {axes}{size}{where}")
+        else:
+            unproven.append(f"{f.function} along axis {axes}: {f.note}")
+    said = ["padding changes the answer of " + "; ".join(differ)] if differ else []
+    if unproven:
+        said.append("padding not compared for " + "; ".join(unproven))
+    return "; ".join(said)
 
 
 class Progress:

@@ -162,6 +162,12 @@ class Serving:
         fn, slot = self._slot(function, bucket)
         return fn.stored_call(slot, args)
 
+    def padded_outputs(self, function: str, bucket: str, args: tuple[Any, ...]) -> Any:
+        """``args``, smaller than the bucket, padded to it as a request is, its stored executable
+        called and the outputs cut back as a request's are (warm-check --padding)."""
+        fn, slot = self._slot(function, bucket)
+        return fn.padded_call(slot, args)
+
     def _slot(self, function: str, bucket: str) -> tuple[ServedFunction, Slot]:
         fn = self[function]
         for slot in fn._slots:

@@ -290,6 +290,23 @@ class ServedFunction:
             self._bind(slot, args, build_call(self.spec, slot.bucket, self._paths)[1])
         return jax.block_until_ready(slot.compiled(*dynamic))
 
+    def padded_call(self, slot: Slot, args: tuple[Any, ...]) -> Any:
+        """``args`` (a call below ``slot``'s bucket) padded to that bucket as a request is
+        (``_convert``: each argument's ``pad``, a mask's False, pytree leaves by padding.py's rule
+        or ``pad_fn``), the stored executable called on it and its outputs cut back as a
+        request's are (``_cut``): warm-check --padding. Counted nowhere; raises what fitting or
+        the call raises (``padding.Unpaddable``: serving runs such a call through jax.jit)."""
+        flat: dict[int, DeclaredLeaves] = {}
+        raw = self._raw_sizes(args, flat)
+        try:
+            call_args, _ = self._convert(args, dict(slot.values), flat)
+        except padding.Unpaddable as exc:
+            raise padding.Unpaddable.explained(exc, self.name, self._plans) from None
+        out = self.stored_call(slot, tuple(call_args))
+        if self._outputs and any(raw[a] != slot.values[a] for a in raw):
+            return self._cut(out, raw)
+        return out
+
     def _bind(self, slot: Slot, call_args: Sequence[Any], kwargs: dict[str, Any]) -> None:
         """Bind the slot's Unbound executable to this call's input structure and, where the
         outputs' was not stored (static callables in a train state), to the outputs' structure of

@@ -33,6 +33,7 @@ from cachectl.dispatch.served_function import NoDummyInput
 from cachectl.dispatch.siblings import closest_environment_hint
 from cachectl.manifest import check_imports, expand, load_manifest, select_shard
 from cachectl.service.activate import activate
+from cachectl.warm import padding_check
 from cachectl.warm.canary import EQUAL, compare, fresh_outputs, random_inputs
 from cachectl.warm.compiling import compile_bucket, error_text
 from cachectl.warm.plan import build_calls, environment_json, environment_mismatch, target_problems
@@ -63,12 +64,16 @@ def check(
     paths: Sequence[str] = (),
     timeout: float | None = None,
     canary: bool = False,
+    padding: dict[str, float | None] | None = None,
 ) -> CheckReport:
     """Load every bucket in a fresh, read-only activated process: hit or miss, and coverage.
 
     With ``canary``, each stored executable that runs is also called on seeded random inputs
     and compared with a fresh compile of the same function here (cachectl.warm.canary). The
     result is recorded on the namespace's index row (a :class:`Proof`) unless a shard was checked.
+    With ``padding`` (``{"rtol": ..., "atol": ...}``, None for a dtype's default), each bucket's
+    stored executable is also run on inputs padded to it from raw sizes below it and compared
+    with jax.jit at the raw shape (cachectl.warm.padding_check).
 
     A fresh process is the only honest test: this one may hold executables in
     memory, and a service starts from nothing but ``activate()``. This process never
@@ -87,6 +92,7 @@ def check(
         "cache": cache_info.name,
         "db": ctx.settings.db,
         "canary": canary,
+        "padding": padding,
         "cwd": os.getcwd(),  # the child starts in ISOLATED_CWD, then works from here
     }
     with tempfile.TemporaryDirectory(prefix="cachectl-check-") as tmp:
@@ -112,7 +118,7 @@ def check(
         raise errors.get(data.get("exit_code", 1), OperationFailed)(data["error"])
     environment = Environment.from_dict(data["environment"])
     todo = [(b["function"], json.dumps(b["bucket"], sort_keys=True)) for b in data["buckets"]]
-    loaded, called, canaries = _call_executables(request, todo, timeout)
+    loaded, called, canaries, paddings = _call_executables(request, todo, timeout)
     buckets = [_with_call(b, loaded, called, canaries, canary) for b in data["buckets"]]
     verdicts: dict[str, str | None] = {}
     for where, (outcome, text) in called.items():
@@ -129,6 +135,7 @@ def check(
         closest=data.get("closest"),
         marked=marked,
         mark_error=mark_error,
+        padding=None if padding is None else _padding_report(request, paddings, called, padding),
     )
     if shard is not None:
         return replace(report, proof_error="not recorded: a shard checks part of the manifest")
@@ -162,6 +169,21 @@ def _proof(report: CheckReport, environment: Environment, canary: bool) -> Proof
         hits=report.hits,
         executables_called=report.summary.aot_ran,
         canary=result,
+    )
+
+
+def _padding_report(
+    request: dict[str, Any],
+    paddings: dict[tuple[str, str], list[Any]],
+    called: dict[tuple[str, str], tuple[str, str | None]],
+    options: dict[str, float | None],
+) -> padding_check.PaddingReport:
+    manifest = load_manifest(request["manifest"])
+    buckets = expand(manifest)
+    checked = select_shard(buckets, *request["shard"]) if request.get("shard") else None
+    ran = {where for where, (outcome, _) in called.items() if outcome == CALL_OK}
+    return padding_check.report(
+        manifest, buckets, paddings, ran, options.get("rtol"), options.get("atol"), checked
     )
 
 
@@ -240,16 +262,19 @@ def _call_executables(
     dict[tuple[str, str], tuple[str | None, str | None]],
     dict[tuple[str, str], tuple[str, str | None]],
     dict[tuple[str, str], str],
+    dict[tuple[str, str], list[Any]],
 ]:
     """Load and call every bucket's stored executable in fresh child processes.
 
     Returns (function, bucket JSON) -> (key, None when loaded else why not), -> (call
-    outcome, its error), and -> the canary's verdict (when the request asks for it). A child that dies mid-call names that bucket (crashed) and a new
+    outcome, its error), -> the canary's verdict and -> the padding samples (when the request
+    asks for them). A child that dies mid-call names that bucket (crashed) and a new
     child goes on after it; one that dies elsewhere leaves the rest not called.
     """
     loaded: dict[tuple[str, str], tuple[str | None, str | None]] | None = None
     called: dict[tuple[str, str], tuple[str, str | None]] = {}
     canaries: dict[tuple[str, str], str] = {}
+    paddings: dict[tuple[str, str], list[Any]] = {}
     remaining = list(todo)
     with tempfile.TemporaryDirectory(prefix="cachectl-call-") as tmp:
         for round_ in range(len(todo) + 1):
@@ -291,6 +316,8 @@ def _call_executables(
                     started = None
                 elif "canary" in item:
                     canaries[(item["canary"][0], item["canary"][1])] = item["result"]
+                elif "padding" in item:
+                    paddings[(item["padding"][0], item["padding"][1])] = item["result"]
                 elif "fatal" in item:
                     died, detail = "failed", ": " + item["fatal"]
             if started is not None:
@@ -304,7 +331,7 @@ def _call_executables(
                     loaded = {w: (None, why) for w in todo}
                 break
             remaining = [w for w in remaining if w not in called]
-    return loaded or {}, called, canaries
+    return loaded or {}, called, canaries, paddings
 
 
 def call_main() -> None:
@@ -340,6 +367,9 @@ def call_main() -> None:
                 continue
             if request.get("canary"):
                 say(canary=[function, bucket], result=_canary(rt, request, function, bucket))
+            if request.get("padding") is not None:
+                result = padding_check.check_bucket(rt, request, function, bucket)
+                say(padding=[function, bucket], result=result)
 
 
 def _canary(rt: Serving, request: dict[str, Any], function: str, bucket: str) -> str:

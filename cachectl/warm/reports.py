@@ -13,6 +13,7 @@ from typing import Any
 from cachectl.core.config import DEFAULT_WARM_EXECUTOR, WARM_EXECUTORS
 from cachectl.core.jsonable import to_jsonable
 from cachectl.core.records import Proof
+from cachectl.warm.padding_check import PaddingReport
 
 # Statuses of a bucket in a warm report.
 COMPILED = "compiled"  # compiled and written (and indexed)
@@ -182,6 +183,8 @@ class CheckReport:
     # What the index now keeps on the namespace's row (None: not recorded, see proof_error).
     proof: Proof | None = None
     proof_error: str | None = None
+    # With --padding: each function's padded answers against jax.jit at the raw shapes.
+    padding: PaddingReport | None = None
 
     def __post_init__(self) -> None:
         n, hits = len(self.buckets), sum(b.status == HIT for b in self.buckets)
@@ -240,6 +243,7 @@ class CheckReport:
             and not self.unusable
             and not self.not_called
             and not self.canary_failed
+            and (self.padding is None or self.padding.ok)
         )
 
     @property
