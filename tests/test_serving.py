@@ -401,6 +401,50 @@ def test_executables_stored_before_per_bucket_binding(tmp_path: Path) -> None:
     assert code == 0 and "stored executables: 2/2 load and run" in output, output
 
 
+# A module that reads a file at import (as a service deserializes an exported model): the value
+# is baked into the program, and serving, which never lowers, cannot see the file change.
+SCALED_MODULE = """
+import json, pathlib
+import jax.numpy as jnp
+SCALE = json.loads((pathlib.Path(__file__).parent / "scale.json").read_text())["scale"]
+
+def affine(x, w):
+    return jnp.tanh(x @ w) * SCALE
+"""
+
+
+def test_a_changed_depends_on_file_is_never_served_stale(tmp_path: Path) -> None:
+    """depends_on binds each file's sha256 into the executables: a changed file refuses them
+    (serving falls back with a warning naming it, warm-check fails naming it); a missing one is
+    bad input to warm."""
+    import numpy as np
+
+    (tmp_path / "sv_scaled.py").write_text(SCALED_MODULE)  # a name no other test imports
+    scale = tmp_path / "scale.json"
+    scale.write_text('{"scale": 2.0}')
+    manifest = tmp_path / "tiny.yaml"
+    manifest.write_text(
+        TINY_MANIFEST.replace("sv_tiny:", "sv_scaled:").replace(
+            "    args:", "    depends_on: [scale.json]\n    args:", 1
+        )
+    )
+    warm(str(manifest))
+    out, _ = serve_tiny(tmp_path, manifest)
+    assert out["report"]["functions"]["affine"]["aot"] == 5
+    scale.write_text('{"scale": 3.0}')  # a new model exported to the same file
+    out, stderr = serve_tiny(tmp_path, manifest)
+    fn = out["report"]["functions"]["affine"]
+    assert (fn["aot"], fn["fallback"]) == (0, 5), fn
+    assert "scale.json (depends_on) changed since warm" in stderr, stderr
+    assert out["outs"][1][0][0] == pytest.approx(3 * float(np.tanh(1.0)), rel=1e-6)  # not 2x
+    code, output = check_tiny(manifest)
+    assert code == 1 and "scale.json (depends_on) changed since warm" in output, output
+    scale.unlink()
+    result = CliRunner().invoke(cli, ["warm", str(manifest)])
+    assert result.exit_code == 2, result.output
+    assert "depends_on[0]: scale.json is not a file" in result.output
+
+
 def test_rewarm_reports_cached_only_when_both_kinds_are_present(tmp_path: Path) -> None:
     manifest, first = tiny_warmed(tmp_path)
     assert {b["status"] for b in first["buckets"]} == {"compiled"}

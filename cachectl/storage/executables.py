@@ -70,6 +70,9 @@ class ExecutableHeader:
     # binding_entry's digest with this bucket's values; None: stored before it was recorded,
     # then spec_digest (the whole entry) must match.
     binding_digest: str | None = None
+    # The sha256 of each file the function's ``depends_on`` names (by the name written there);
+    # None: stored before it was recorded, or for a function that names none.
+    depends_on: dict[str, str] | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -86,6 +89,7 @@ class ExecutableHeader:
             "custom_calls": self.custom_calls,
             "platform_version": self.platform_version,
             "binding_digest": self.binding_digest,
+            "depends_on": self.depends_on,
         }
 
 
@@ -134,15 +138,25 @@ class FunctionBinding:
     entry: str
     spec_digest: str
     source_digest: str | None
+    # (name as depends_on writes it, the file's sha256 here; None: it cannot be read here).
+    files: tuple[tuple[str, str | None], ...] = ()
 
     @classmethod
     def of(cls, spec: Any, fn: Any) -> FunctionBinding:
+        files = tuple((name, _file_sha256(path)) for name, path in spec.depends_on_files())
         return cls(
-            binding_entry(spec), spec_digest(spec), source_digest(fn) if fn is not None else None
+            binding_entry(spec),
+            spec_digest(spec),
+            source_digest(fn) if fn is not None else None,
+            files,
         )
 
     def digest(self, bucket: dict[str, Any]) -> str:
         return binding_digest(self.entry, bucket)
+
+    def depends_on(self) -> dict[str, str] | None:
+        """What a header records of the ``depends_on`` files (only those read here)."""
+        return {name: sha for name, sha in self.files if sha is not None} or None
 
     def refusal(self, header: ExecutableHeader, bucket: dict[str, Any]) -> str | None:
         """Why ``header``'s executable must not serve ``bucket`` of this function; None: it
@@ -165,7 +179,30 @@ class FunctionBinding:
             and header.source_digest != self.source_digest
         ):
             return "stored for other source code of the function (its file changed since warm)"
+        stored = header.depends_on or {}
+        for name, sha in self.files:
+            if sha is None:
+                return f"refused: {name} (depends_on) cannot be read here"
+            if name not in stored:
+                return f"stored before {name} was named in depends_on (run `cachectl warm`)"
+            if stored[name] != sha:
+                return (
+                    f"refused: {name} (depends_on) changed since warm: its sha256 is not the "
+                    "one this executable was stored with (run `cachectl warm`)"
+                )
         return None
+
+
+def _file_sha256(path: Any) -> str | None:
+    """sha256 of a file's bytes; None when it cannot be read."""
+    digest = hashlib.sha256()
+    try:
+        with open(path, "rb") as fh:
+            while block := fh.read(1 << 20):
+                digest.update(block)
+    except OSError:
+        return None
+    return digest.hexdigest()
 
 
 def source_digest(fn: Any) -> str | None:
@@ -304,6 +341,7 @@ def pack(
     custom_calls: Any = None,
     platform_version: str | None = None,
     binding_digest: str | None = None,
+    depends_on: dict[str, str] | None = None,
 ) -> bytes:
     """Artifact bytes: a JSON header (readable without unpickling) and the payload."""
     import jax
@@ -322,6 +360,7 @@ def pack(
         custom_calls=None if custom_calls is None else sorted(custom_calls),
         platform_version=platform_version,
         binding_digest=binding_digest,
+        depends_on=depends_on,
     )
     head = json.dumps(header.to_json(), sort_keys=True).encode()
     return MAGIC + len(head).to_bytes(_LEN_BYTES, "big") + head + payload

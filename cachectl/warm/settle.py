@@ -383,6 +383,7 @@ def _publish(scope: RunScope, row: NewEntry, bucket: Bucket, outcome: Outcome) -
             custom_calls=outcome.custom_calls,
             platform_version=scope.plan.environment.platform_version,
             binding_digest=binding.digest(dict(bucket.values)) if binding else None,
+            depends_on=binding.depends_on() if binding else None,
         )
         row = replace(row, aot_size=len(data), aot_sha256=sha256(data))
     plan = scope.plan
