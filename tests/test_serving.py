@@ -393,6 +393,7 @@ def test_executables_stored_before_per_bucket_binding(tmp_path: Path) -> None:
     code, output = check_tiny(manifest)
     assert code == 1, output
     assert "2 stored executable(s) a service will not use: affine[batch=2]" in output
+    assert "0/2 load and run (0.0%); 2 stored but refused (a service would trace them)" in output
     assert "before executables were bound per bucket" in output
     again = warm(str(manifest))
     assert [b["status"] for b in again["buckets"]] == ["compiled", "compiled"]  # stored anew
