@@ -173,3 +173,35 @@ def test_a_host_of_another_instruction_set_reads_another_namespace(tmp_path: Pat
     assert there["digest"] != here["digest"] and there["namespace"] != here["namespace"]
     assert check["namespace"].endswith(there["namespace"]), check
     assert check["summary"]["hits"] == 0, check["summary"]
+
+
+def test_a_jax_version_skew_is_named_by_warm_check_and_serving(tmp_path: Path) -> None:
+    """Warmed with another JAX (the index holds an environment of this backend and device kind,
+    with entries, recorded with jax and jaxlib 0.9.2: what a warm with that JAX records), checked
+    and served with this one: both name the versions and the fix, not only "run warm"."""
+    from dataclasses import replace
+
+    from cachectl.context import Context
+    from cachectl.core.config import load_settings
+    from cachectl.core.fingerprint import current_environment
+    from cachectl.index import NewEntry
+
+    manifest = _setup(tmp_path)
+    here = current_environment()
+    warmed = replace(here, jax_version="0.9.2", jaxlib_version="0.9.2")
+    ctx = Context(load_settings())
+    try:
+        info = ctx.index.ensure_environment(ctx.cache().name, warmed)
+        row = NewEntry(f"jit_double-{0:064x}", "jit_double", 10, "0" * 64, "warm")
+        ctx.index.upsert_entries(info.id, [row])
+    finally:
+        ctx.close()
+    named = f"jax {here.jax_version} vs 0.9.2 (here vs warmed)"
+    check = _cachectl("warm-check", str(manifest))
+    assert check.returncode == 1, check.stderr
+    assert "warm-check: this process's namespace holds no stored executable" in check.stdout
+    assert named in check.stdout and "install jax==0.9.2" in check.stdout, check.stdout
+    assert f"jaxlib {here.jaxlib_version} vs 0.9.2" in check.stdout, check.stdout
+    equal, counts, warnings, _ = _serve(tmp_path, manifest, {})
+    assert equal is True and (counts["aot"], counts["fallback"]) == (0, 1), counts
+    assert any(named in w and "install jax==0.9.2" in w for w in warnings), warnings

@@ -870,6 +870,7 @@ functions:
     buckets: {batch: [1, 2, 4]}
     exclude: [{batch: 2}]
     outputs: [{shape: [batch, 8]}, null]
+    depends_on: [model.bin, conf/x.json]
   - name: g.v-2
     fn: mod.sub:g
     mesh: {axes: {data: 1}, axis_types: explicit}
@@ -986,7 +987,8 @@ def test_builder_refuses_every_malformed_manifest_pydantic_refuses(
 def test_spec_digests_are_the_bytes_pydantic_dumped() -> None:
     """Stored executables record their function entry's digest (spec_digest); these are the
     digests the pydantic models' model_dump_json gave for these entries, before the schema
-    became dataclasses: executables stored then still match."""
+    became dataclasses: executables stored then still match. ``depends_on`` (f names two files)
+    is bound by the files' sha256, not in this digest."""
     from cachectl.storage.executables import spec_digest
 
     rich = parse_manifest(RICH, name="rich.yaml")

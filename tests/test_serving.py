@@ -8,6 +8,7 @@ the calls only.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import sqlite3
@@ -329,6 +330,120 @@ def test_changed_source_is_never_served_from_a_stale_executable(tmp_path: Path) 
     assert out["outs"][1][0][0] == pytest.approx(
         float(np.sin(1.0)), rel=1e-6
     )  # the new code's answer
+
+
+def check_tiny(manifest: Path) -> tuple[int, str]:
+    result = CliRunner().invoke(cli, ["warm-check", str(manifest)])
+    return result.exit_code, result.output
+
+
+def test_a_manifest_that_grows_keeps_every_bucket_trace_free(tmp_path: Path) -> None:
+    """Executables are bound to the function and the bucket, not to the whole manifest entry:
+    a bucket added, or a second manifest naming the function at some of the buckets (a CI
+    subset), leaves every stored executable in use (issue 69)."""
+    manifest, _ = tiny_warmed(tmp_path)  # batch [2, 4]
+    manifest.write_text(TINY_MANIFEST.replace("[2, 4]", "[2, 4, 8]"))
+    grown = warm(str(manifest))
+    assert [b["status"] for b in grown["buckets"]] == ["cached", "cached", "compiled"]
+    subset = tmp_path / "subset.yaml"
+    subset.write_text(TINY_MANIFEST.replace("[2, 4]", "[4]"))
+    assert warm(str(subset))["summary"]["cached"] == 1
+    code, output = check_tiny(manifest)
+    assert code == 0, output
+    assert "stored executables: 3/3 load and run" in output
+    for served in (manifest, subset):
+        out, stderr = serve_tiny(tmp_path, served)
+        fn = out["report"]["functions"]["affine"]
+        assert (fn["aot"], fn["fallback"]) == (5, 0), (served.name, fn, stderr)
+        assert out["requests"]["n"] == 0  # nothing traced through jit
+
+
+def _as_stored_before_binding(namespace: Path, key: str, spec: Any) -> None:
+    """Rewrite ``key``'s executable as cachectl wrote it before per-bucket binding (the whole
+    manifest entry's digest, no binding digest), and its index row to match."""
+    from cachectl.storage import executables
+
+    path = namespace / f"{key}-aot"
+    header, payload = executables._split(path.read_bytes())
+    fields = {**header.to_json(), "spec_digest": executables.spec_digest(spec)}
+    for name in ("format", "jax_version", "jaxlib_version", "payload_sha256", "binding_digest"):
+        fields.pop(name, None)
+    data = executables.pack(payload, **fields)
+    path.write_bytes(data)
+    db = Path(os.environ["XDG_DATA_HOME"]) / "cachectl" / "index.db"
+    with sqlite3.connect(db) as conn:
+        sha = hashlib.sha256(data).hexdigest()
+        conn.execute("UPDATE entries SET aot_sha256 = ? WHERE key = ?", (sha, key))
+
+
+def test_executables_stored_before_per_bucket_binding(tmp_path: Path) -> None:
+    """One stored for the same whole entry still serves; after the entry grows it is refused,
+    warm-check fails on it (it hits, and a service would trace it), and warm stores it again."""
+    from cachectl.manifest import parse_manifest
+
+    manifest, first = tiny_warmed(tmp_path)
+    namespace = Path(first["namespace"])
+    spec = parse_manifest(TINY_MANIFEST, "tiny.yaml").functions[0]
+    for b in first["buckets"]:
+        _as_stored_before_binding(namespace, b["key"], spec)
+    out, _ = serve_tiny(tmp_path, manifest)
+    assert out["report"]["functions"]["affine"]["aot"] == 5  # the entry it was stored for
+    # The same buckets, by another entry: a bucket listed, and excluded.
+    manifest.write_text(TINY_MANIFEST.replace("[2, 4]}", "[2, 4, 8]}\n    exclude: [{batch: 8}]"))
+    code, output = check_tiny(manifest)
+    assert code == 1, output
+    assert "2 stored executable(s) a service will not use: affine[batch=2]" in output
+    assert "0/2 load and run (0.0%); 2 stored but refused (a service would trace them)" in output
+    assert "before executables were bound per bucket" in output
+    again = warm(str(manifest))
+    assert [b["status"] for b in again["buckets"]] == ["compiled", "compiled"]  # stored anew
+    assert warm(str(manifest))["summary"]["cached"] == 2
+    code, output = check_tiny(manifest)
+    assert code == 0 and "stored executables: 2/2 load and run" in output, output
+
+
+# A module that reads a file at import (as a service deserializes an exported model): the value
+# is baked into the program, and serving, which never lowers, cannot see the file change.
+SCALED_MODULE = """
+import json, pathlib
+import jax.numpy as jnp
+SCALE = json.loads((pathlib.Path(__file__).parent / "scale.json").read_text())["scale"]
+
+def affine(x, w):
+    return jnp.tanh(x @ w) * SCALE
+"""
+
+
+def test_a_changed_depends_on_file_is_never_served_stale(tmp_path: Path) -> None:
+    """depends_on binds each file's sha256 into the executables: a changed file refuses them
+    (serving falls back with a warning naming it, warm-check fails naming it); a missing one is
+    bad input to warm."""
+    import numpy as np
+
+    (tmp_path / "sv_scaled.py").write_text(SCALED_MODULE)  # a name no other test imports
+    scale = tmp_path / "scale.json"
+    scale.write_text('{"scale": 2.0}')
+    manifest = tmp_path / "tiny.yaml"
+    manifest.write_text(
+        TINY_MANIFEST.replace("sv_tiny:", "sv_scaled:").replace(
+            "    args:", "    depends_on: [scale.json]\n    args:", 1
+        )
+    )
+    warm(str(manifest))
+    out, _ = serve_tiny(tmp_path, manifest)
+    assert out["report"]["functions"]["affine"]["aot"] == 5
+    scale.write_text('{"scale": 3.0}')  # a new model exported to the same file
+    out, stderr = serve_tiny(tmp_path, manifest)
+    fn = out["report"]["functions"]["affine"]
+    assert (fn["aot"], fn["fallback"]) == (0, 5), fn
+    assert "scale.json (depends_on) changed since warm" in stderr, stderr
+    assert out["outs"][1][0][0] == pytest.approx(3 * float(np.tanh(1.0)), rel=1e-6)  # not 2x
+    code, output = check_tiny(manifest)
+    assert code == 1 and "scale.json (depends_on) changed since warm" in output, output
+    scale.unlink()
+    result = CliRunner().invoke(cli, ["warm", str(manifest)])
+    assert result.exit_code == 2, result.output
+    assert "depends_on[0]: scale.json is not a file" in result.output
 
 
 def test_rewarm_reports_cached_only_when_both_kinds_are_present(tmp_path: Path) -> None:

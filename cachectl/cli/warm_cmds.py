@@ -158,6 +158,11 @@ def _check_failure(report: CheckReport) -> OperationFailed:
             f"{len(report.unusable)} stored executable(s) raised or crashed when called: "
             + ", ".join(named(b) for b in report.unusable)
         )
+    if report.refused:
+        problems.append(
+            f"{len(report.refused)} stored executable(s) a service will not use: "
+            + ", ".join(f"{named(b)} ({b.aot})" for b in report.refused)
+        )
     if report.not_called:
         problems.append(
             f"{len(report.not_called)} stored executable(s) loaded but not called: "

@@ -188,6 +188,8 @@ def print_check(report: CheckReport, manifest: str = "MANIFEST") -> None:
     failed = f"; {s.aot_failed} raised or crashed when called" if s.aot_failed else ""
     if report.not_called:
         failed += f"; {len(report.not_called)} loaded but not called"
+    if report.refused:
+        failed += f"; {len(report.refused)} stored but refused (a service would trace them)"
     stdout.print(
         f"coverage: {report.hits}/{len(report.buckets)} buckets hit ({report.coverage:.1f}%); "
         f"stored executables: {s.aot_ran}/{len(report.buckets)} load and run "

@@ -44,6 +44,7 @@ class Slot:
         "error",
         "lock",
         "load_seconds",
+        "refused",
         "_loader",
     )
 
@@ -56,6 +57,9 @@ class Slot:
         self.error: str | None = None
         self.lock = threading.Lock()
         self.load_seconds = 0.0
+        # A stored executable exists for this bucket and none may serve it here (warm-check
+        # fails on it: serving would not use what warm stored).
+        self.refused = False
         self._loader: Callable[[Slot], None] | None = None
 
     def ensure_loaded(self) -> None:
@@ -132,29 +136,18 @@ class Executables:
                     found.setdefault(where, []).append((key, header))
         return found
 
-    def bind(self, slot: Slot, spec: FunctionSpec, digests: tuple[str, str | None]) -> None:
+    def bind(self, slot: Slot, spec: FunctionSpec, binding: executables.FunctionBinding) -> None:
         """Choose this bucket's stored executable, or say why it will be served by jit."""
         candidates = self._headers.get((spec.name, json.dumps(slot.values, sort_keys=True)), [])
         if not candidates:
             slot.error = getattr(self._indexed, "cause", None) or NOTHING_WARMED
             return
+        slot.refused = True  # until one is chosen: stored, and not usable here
         reasons = []
         for key, header in candidates:
-            refused = self._other_backend(header)
+            refused = self._other_backend(header) or binding.refusal(header, slot.values)
             if refused is not None:
                 reasons.append(refused)
-                continue
-            if header.spec_digest is not None and header.spec_digest != digests[0]:
-                reasons.append("stored for another version of this function's manifest entry")
-                continue
-            if (
-                header.source_digest is not None
-                and digests[1] is not None
-                and header.source_digest != digests[1]
-            ):
-                reasons.append(
-                    "stored for other source code of the function (its file changed since warm)"
-                )
                 continue
             if self._indexed is not None:
                 known = self._indexed.get(key)
@@ -167,7 +160,7 @@ class Executables:
                     )
                     continue
             slot.key, slot.header, slot._loader = key, header, self.load
-            slot.error = None
+            slot.error, slot.refused = None, False
             return
         slot.error = reasons[0]
 

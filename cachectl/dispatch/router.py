@@ -29,7 +29,7 @@ from cachectl.manifest import (
     resolve_callable,
 )
 from cachectl.service.activate import activate
-from cachectl.storage.executables import source_digest, spec_digest
+from cachectl.storage.executables import FunctionBinding
 
 log = logging.getLogger("cachectl.dispatch")
 
@@ -71,11 +71,11 @@ class Serving:
         buckets = expand(manifest)
         for spec in manifest.functions:
             fn = resolve_callable(spec.fn, paths)
-            digests = (spec_digest(spec), source_digest(fn))
+            binding = FunctionBinding.of(spec, fn)
             slots = []
             for bucket in (b for b in buckets if b.function == spec.name):
                 slot = Slot(bucket)
-                executables.bind(slot, spec, digests)
+                executables.bind(slot, spec, binding)
                 slots.append(slot)
             self._functions[spec.name] = ServedFunction(
                 spec, fn, slots, warn=self._warn, paths=paths, overflow=overflow
@@ -142,12 +142,14 @@ class Serving:
             for s in self._slots
         }
 
-    def stored(self) -> dict[tuple[str, str], tuple[str | None, str | None]]:
-        """(function, bucket JSON) -> (its stored executable's key, None when loaded else why not)."""
+    def stored(self) -> dict[tuple[str, str], tuple[str | None, str | None, bool]]:
+        """(function, bucket JSON) -> (its stored executable's key, None when loaded else why
+        not, whether one is stored for it that this process will not use: refused or failed)."""
         return {
             (s.bucket.function, json.dumps(s.values, sort_keys=True)): (
                 s.key,
                 None if s.compiled is not None else (s.error or "not loaded"),
+                s.compiled is None and (s.refused or s.key is not None),
             )
             for s in self._slots
         }

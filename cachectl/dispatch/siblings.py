@@ -2,10 +2,11 @@
 
 A service that finds no stored executable is told to run ``cachectl warm``. When the cache holds
 entries under an environment that differs from this process's only in its x64 mode, its CPU
-instruction set or its XLA flags, warming again is not the first fix: the process runs in
-another mode than warm did. The index's environments of the same JAX, backend and devices are
-compared with this one (cachectl.service.env_differences' words for each differing field), and the
-closest one that holds entries is named in one warning.
+instruction set, its XLA flags or its JAX and jaxlib versions (version skew: warmed with one
+JAX, served with another), warming again is not the first fix: the process runs in another mode,
+or with another JAX, than warm did. The index's environments of the same backend and device kind
+are compared with this one (cachectl.service.env_differences' words for each differing field),
+and the closest one that holds entries is named in one warning.
 """
 
 from __future__ import annotations
@@ -32,11 +33,8 @@ def closest_environment_hint(
         candidates = []
         for info in index.environment_stats(activation.cache):
             there = info.environment
-            same_hardware = (there.jax_version, there.backend, there.device_kind) == (
-                here.jax_version,
-                here.backend,
-                here.device_kind,
-            )
+            # Any JAX and jaxlib: a version skew is named with the version warm had.
+            same_hardware = (there.backend, there.device_kind) == (here.backend, here.device_kind)
             if info.digest == here.digest or not info.entries or not same_hardware:
                 continue
             candidates.append((len(compare(here, there)), info.namespace, info, there))

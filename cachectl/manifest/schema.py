@@ -20,9 +20,10 @@ import re
 import types
 import typing
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal, Union, get_args, get_origin
 
-from cachectl.core.errors import BadInput
+from cachectl.core.errors import BadInput, path_words
 from cachectl.manifest.source import NO_SOURCE, Loc, Source
 
 if TYPE_CHECKING:
@@ -316,6 +317,11 @@ class FunctionSpec(_Schema):
     mesh: MeshSpec | None = None
     # One per output leaf (null: returned as computed, padded), for cachectl.serving.
     outputs: list[OutputSpec | None] | None = None
+    # Files the function reads (an exported model, weights, a config read at import), relative
+    # to the manifest's directory: each file's sha256 binds its stored executables (one stored
+    # with another version of the file is refused), so these are bound apart from the entry's
+    # JSON (not in as_data(program=True): naming none leaves spec_digest as it was).
+    depends_on: list[str] = dataclasses.field(default_factory=list, metadata={"bound_apart": True})
 
     # Where it was read (set by located(); not fields: not compared, not in as_data).
     _source: ClassVar[Source] = NO_SOURCE
@@ -325,6 +331,23 @@ class FunctionSpec(_Schema):
 
     def _loc(self, *rest: str | int) -> Loc:
         return ("functions", self._index, *rest)
+
+    def depends_on_files(self) -> list[tuple[str, Path]]:
+        """Each ``depends_on`` path as written, and the file it names: relative to the
+        manifest's directory (the working directory for a manifest not read from a file)."""
+        base = self._source.directory or Path()
+        return [(name, base / name) for name in self.depends_on]
+
+    def missing_depends_on(self) -> BadInput | None:
+        """The first ``depends_on`` file that is not there, as bad input naming its line."""
+        for position, (name, path) in enumerate(self.depends_on_files()):
+            if not path.is_file():
+                return self._bad(
+                    ("depends_on", position),
+                    f"{name} is not a file (looked for {path_words(path)}); depends_on names "
+                    "files relative to the manifest's directory",
+                )
+        return None
 
     def _bad(self, loc: Loc, problem: str) -> BadInput:
         return BadInput(self._source.message(self._loc(*loc), problem))
@@ -447,13 +470,13 @@ def _hints(cls: Any) -> dict[str, Any]:
 def as_data(obj: Any, program: bool = False) -> Any:
     """A schema object as plain JSON data, every field in declared order (UNSET as null).
     ``program``: only what the compiled program depends on (fields marked ``serving_only``
-    left out), what the stored executables' ``spec_digest`` hashes, byte for byte pydantic's
+    left out, and ``depends_on``, bound by its files' sha256 instead), what the stored executables' ``spec_digest`` hashes, byte for byte pydantic's
     dump before: declaring how serving pads does not make stored executables stale."""
     if isinstance(obj, _Schema):
         return {
             f.name: as_data(getattr(obj, f.name), program)
             for f in dataclasses.fields(obj)  # type: ignore[arg-type]
-            if not (program and f.metadata.get("serving_only"))
+            if not (program and (f.metadata.get("serving_only") or f.metadata.get("bound_apart")))
         }
     if isinstance(obj, (list, tuple)):
         return [as_data(v, program) for v in obj]

@@ -54,8 +54,10 @@ class ExecutableHeader:
     jaxlib_version: str
     payload_sha256: str
     format: int = FORMAT
-    # What the runtime compares before loading: the function's manifest entry and
-    # the file defining it. An executable of other code must not be served.
+    # What the runtime compares before loading (FunctionBinding.refusal): the function's
+    # manifest entry (whole, as stored before per-bucket binding), the file defining it, and
+    # (binding_digest) the function's entry as it shapes this bucket's program, with the
+    # bucket's values. An executable of other code must not be served.
     spec_digest: str | None = None
     source_digest: str | None = None
     # The custom-call targets the executable calls (jax_seam.custom_call_targets), which the
@@ -65,6 +67,12 @@ class ExecutableHeader:
     # refuses it on any other backend version, where loading may crash the process. None:
     # stored before it was recorded.
     platform_version: str | None = None
+    # binding_entry's digest with this bucket's values; None: stored before it was recorded,
+    # then spec_digest (the whole entry) must match.
+    binding_digest: str | None = None
+    # The sha256 of each file the function's ``depends_on`` names (by the name written there);
+    # None: stored before it was recorded, or for a function that names none.
+    depends_on: dict[str, str] | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -80,6 +88,8 @@ class ExecutableHeader:
             "source_digest": self.source_digest,
             "custom_calls": self.custom_calls,
             "platform_version": self.platform_version,
+            "binding_digest": self.binding_digest,
+            "depends_on": self.depends_on,
         }
 
 
@@ -91,6 +101,108 @@ def spec_digest(spec: Any) -> str:
         as_data(spec, program=True), separators=(",", ":"), ensure_ascii=False, default=str
     )
     return hashlib.sha256(text.encode()).hexdigest()
+
+
+# Fields of a function entry that shape no bucket's program: which buckets exist (``buckets``,
+# ``exclude``) and how serving cuts outputs. With each argument's ``pad`` (what serving pads
+# with), they are left out of the binding, so adding a bucket, or naming the function in a
+# second manifest with other buckets, leaves every other bucket's executable bound.
+_UNBOUND_FIELDS = ("buckets", "exclude", "outputs")
+_UNBOUND_ARG_FIELDS = ("pad",)
+
+
+def binding_entry(spec: Any) -> str:
+    """The part of a function's manifest entry one bucket's program depends on, as compact
+    JSON: its name and ``fn``, args, kwargs, jit options and mesh (``as_data(program=True)``
+    without the fields above)."""
+    data = as_data(spec, program=True)
+    for name in _UNBOUND_FIELDS:
+        data.pop(name, None)
+    data["args"] = [
+        {k: v for k, v in arg.items() if k not in _UNBOUND_ARG_FIELDS} for arg in data["args"]
+    ]
+    return json.dumps(data, sort_keys=True, separators=(",", ":"), ensure_ascii=False, default=str)
+
+
+def binding_digest(entry: str, bucket: dict[str, Any]) -> str:
+    """What one bucket's executable is bound to: ``binding_entry`` and the bucket's values."""
+    values = json.dumps(bucket, sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(f"{entry}\n{values}".encode()).hexdigest()
+
+
+@dataclass(frozen=True)
+class FunctionBinding:
+    """What a function's stored executables must have been stored for, computed once per
+    function by warm and by the runtime; :meth:`refusal` is the one check both make."""
+
+    entry: str
+    spec_digest: str
+    source_digest: str | None
+    # (name as depends_on writes it, the file's sha256 here; None: it cannot be read here).
+    files: tuple[tuple[str, str | None], ...] = ()
+
+    @classmethod
+    def of(cls, spec: Any, fn: Any) -> FunctionBinding:
+        files = tuple((name, _file_sha256(path)) for name, path in spec.depends_on_files())
+        return cls(
+            binding_entry(spec),
+            spec_digest(spec),
+            source_digest(fn) if fn is not None else None,
+            files,
+        )
+
+    def digest(self, bucket: dict[str, Any]) -> str:
+        return binding_digest(self.entry, bucket)
+
+    def depends_on(self) -> dict[str, str] | None:
+        """What a header records of the ``depends_on`` files (only those read here)."""
+        return {name: sha for name, sha in self.files if sha is not None} or None
+
+    def refusal(self, header: ExecutableHeader, bucket: dict[str, Any]) -> str | None:
+        """Why ``header``'s executable must not serve ``bucket`` of this function; None: it
+        may. One stored before per-bucket binding (no binding_digest) is accepted only when
+        its whole manifest entry is this one, which proves the program the same."""
+        if header.binding_digest is not None:
+            if header.binding_digest != self.digest(bucket):
+                return (
+                    "stored for another program of this bucket: the function's args, kwargs, "
+                    "jit options or mesh in the manifest differ from warm's (run `cachectl warm`)"
+                )
+        elif header.spec_digest is not None and header.spec_digest != self.spec_digest:
+            return (
+                "stored for another version of this function's manifest entry, before "
+                "executables were bound per bucket (run `cachectl warm`: it stores it again)"
+            )
+        if (
+            header.source_digest is not None
+            and self.source_digest is not None
+            and header.source_digest != self.source_digest
+        ):
+            return "stored for other source code of the function (its file changed since warm)"
+        stored = header.depends_on or {}
+        for name, sha in self.files:
+            if sha is None:
+                return f"refused: {name} (depends_on) cannot be read here"
+            if name not in stored:
+                return f"stored before {name} was named in depends_on (run `cachectl warm`)"
+            if stored[name] != sha:
+                return (
+                    f"refused: {name} (depends_on) changed since warm: its sha256 is not the "
+                    "one this executable was stored with (run `cachectl warm`)"
+                )
+        return None
+
+
+def _file_sha256(path: Any) -> str | None:
+    """sha256 of a file's bytes; None when it cannot be read."""
+    digest = hashlib.sha256()
+    try:
+        with open(path, "rb") as fh:
+            while block := fh.read(1 << 20):
+                digest.update(block)
+    except OSError:
+        return None
+    return digest.hexdigest()
 
 
 def source_digest(fn: Any) -> str | None:
@@ -228,6 +340,8 @@ def pack(
     source_digest: str | None = None,
     custom_calls: Any = None,
     platform_version: str | None = None,
+    binding_digest: str | None = None,
+    depends_on: dict[str, str] | None = None,
 ) -> bytes:
     """Artifact bytes: a JSON header (readable without unpickling) and the payload."""
     import jax
@@ -245,6 +359,8 @@ def pack(
         source_digest=source_digest,
         custom_calls=None if custom_calls is None else sorted(custom_calls),
         platform_version=platform_version,
+        binding_digest=binding_digest,
+        depends_on=depends_on,
     )
     head = json.dumps(header.to_json(), sort_keys=True).encode()
     return MAGIC + len(head).to_bytes(_LEN_BYTES, "big") + head + payload

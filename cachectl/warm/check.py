@@ -122,7 +122,7 @@ def check(
     buckets = [_with_call(b, loaded, called, canaries, canary) for b in data["buckets"]]
     verdicts: dict[str, str | None] = {}
     for where, (outcome, text) in called.items():
-        key = loaded.get(where, (None, None))[0]
+        key = loaded.get(where, (None, None, False))[0]
         if key is not None and outcome in (CALL_OK, *CALL_FAILED):
             verdicts[key] = _failure_text(outcome, text) if outcome in CALL_FAILED else None
     marked, mark_error = _record_verdicts(ctx, cache_info.name, environment.digest, verdicts)
@@ -199,7 +199,7 @@ def _record_proof(ctx: Context, cache: str, proof: Proof) -> str | None:
 
 def _with_call(
     bucket: dict[str, Any],
-    loaded: dict[tuple[str, str], tuple[str | None, str | None]],
+    loaded: dict[tuple[str, str], tuple[str | None, str | None, bool]],
     called: dict[tuple[str, str], tuple[str, str | None]],
     canaries: dict[tuple[str, str], str],
     canary: bool,
@@ -207,10 +207,10 @@ def _with_call(
     """The coverage child's bucket with what loading and calling its executable did, and
     (with ``canary``) what the canary found."""
     where = (bucket["function"], json.dumps(bucket["bucket"], sort_keys=True))
-    _, load_error = loaded.get(where, (None, "not checked"))
+    _, load_error, refused = loaded.get(where, (None, "not checked", False))
     if load_error is not None:
         verdict = "not run (no stored executable loaded)" if canary else None
-        return CheckBucket(**bucket, aot=load_error, canary=verdict)
+        return CheckBucket(**bucket, aot=load_error, aot_refused=refused, canary=verdict)
     outcome, text = called.get(where, (CALL_SKIPPED, "not called"))
     if outcome == CALL_OK:
         aot = "loaded"
@@ -259,19 +259,20 @@ def _exit_text(returncode: int) -> str:
 def _call_executables(
     request: dict[str, Any], todo: list[tuple[str, str]], timeout: float | None
 ) -> tuple[
-    dict[tuple[str, str], tuple[str | None, str | None]],
+    dict[tuple[str, str], tuple[str | None, str | None, bool]],
     dict[tuple[str, str], tuple[str, str | None]],
     dict[tuple[str, str], str],
     dict[tuple[str, str], list[Any]],
 ]:
     """Load and call every bucket's stored executable in fresh child processes.
 
-    Returns (function, bucket JSON) -> (key, None when loaded else why not), -> (call
-    outcome, its error), -> the canary's verdict and -> the padding samples (when the request
-    asks for them). A child that dies mid-call names that bucket (crashed) and a new
+    Returns (function, bucket JSON) -> (key, None when loaded else why not, whether a stored
+    executable was refused or failed to load), -> (call outcome, its error), -> the canary's
+    verdict and -> the padding samples (when the request asks for them). A child that dies
+    mid-call names that bucket (crashed) and a new
     child goes on after it; one that dies elsewhere leaves the rest not called.
     """
-    loaded: dict[tuple[str, str], tuple[str | None, str | None]] | None = None
+    loaded: dict[tuple[str, str], tuple[str | None, str | None, bool]] | None = None
     called: dict[tuple[str, str], tuple[str, str | None]] = {}
     canaries: dict[tuple[str, str], str] = {}
     paddings: dict[tuple[str, str], list[Any]] = {}
@@ -305,7 +306,10 @@ def _call_executables(
             for line in lines:
                 item = json.loads(line)
                 if "loaded" in item and loaded is None:
-                    loaded = {(f, b): (key, error) for f, b, key, error in item["loaded"]}
+                    loaded = {
+                        (f, b): (key, error, bool(refused))
+                        for f, b, key, error, refused in item["loaded"]
+                    }
                 elif "start" in item:
                     started = (item["start"][0], item["start"][1])
                 elif "done" in item:
@@ -328,7 +332,7 @@ def _call_executables(
                 for where in remaining:
                     called.setdefault(where, (CALL_SKIPPED, why))
                 if loaded is None:
-                    loaded = {w: (None, why) for w in todo}
+                    loaded = {w: (None, why, False) for w in todo}
                 break
             remaining = [w for w in remaining if w not in called]
     return loaded or {}, called, canaries, paddings
@@ -350,9 +354,9 @@ def call_main() -> None:
             say(fatal=error_text(exc))
             return
         stored = rt.stored()
-        say(loaded=[[f, b, key, error] for (f, b), (key, error) in stored.items()])
+        say(loaded=[[f, b, *found] for (f, b), found in stored.items()])
         for function, bucket in request["todo"]:
-            key, error = stored.get((function, bucket), (None, "not checked"))
+            key, error, _ = stored.get((function, bucket), (None, "not checked", False))
             if error is not None:
                 continue
             say(start=[function, bucket])

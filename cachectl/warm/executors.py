@@ -102,7 +102,7 @@ def run_threads(
     fail_fast: bool,
     record: RecordFn,
     executables: bool = False,
-    present: Callable[[str], bool] | None = None,
+    present: Callable[[str, Bucket], bool] | None = None,
     peer_entry: bool = False,
 ) -> int:
     """In this process: one by one (``jobs`` 1) or in a pool; ``present`` skips stored buckets;
@@ -117,12 +117,13 @@ def run_threads(
         call = calls[position]
         assert not isinstance(call, str)  # buckets in errors are never compiled
         args, kwargs = call
+        bucket = plan.buckets[position]
         return compile_bucket(
-            jitted[plan.buckets[position].function],
+            jitted[bucket.function],
             args,
             kwargs,
             executables=executables,
-            present=present,
+            present=None if present is None else (lambda key: present(key, bucket)),
             peer_entry=peer_entry,
         )
 

@@ -118,6 +118,10 @@ def plan_warm(
     else:
         env = current_environment()
     problems = target_problems(manifest, env)
+    for spec in manifest.functions:  # a file the executables would be bound to must be there
+        missing = spec.missing_depends_on()
+        if missing is not None:
+            raise missing
     where = "" if deviceless is None else deviceless_import_words(deviceless)
     check_imports(manifest, paths, where)
     buckets = expand(manifest)

@@ -139,6 +139,9 @@ class CheckBucket:
     aot: str | None = None
     # What its call did: ok | raised | crashed | not-called; None: no executable loaded.
     aot_call: str | None = None
+    # A stored executable is there for this bucket and a service will not use it (refused:
+    # stored for another program or backend, unverified; or it failed to load): ``aot`` says why.
+    aot_refused: bool = False
     # With --canary: "equal", "differs (...)" or "not run (why)" (cachectl.warm.canary); None:
     # no canary asked for.
     canary: str | None = None
@@ -223,6 +226,12 @@ class CheckReport:
         ]
 
     @property
+    def refused(self) -> list[CheckBucket]:
+        """Buckets that hit whose stored executable a service will not use (``aot`` says why):
+        serving would trace them through jax.jit although warm stored them."""
+        return [b for b in self.buckets if b.aot_refused and b.status == HIT]
+
+    @property
     def not_called(self) -> list[CheckBucket]:
         """Buckets whose stored executable loaded but was not called: not proven to run."""
         return [b for b in self.buckets if b.aot_call == CALL_SKIPPED]
@@ -241,6 +250,7 @@ class CheckReport:
         return (
             self.hits == len(self.buckets)
             and not self.unusable
+            and not self.refused
             and not self.not_called
             and not self.canary_failed
             and (self.padding is None or self.padding.ok)

@@ -49,7 +49,7 @@ from cachectl.warm.reports import (
     WarmReport,
     WarmSummary,
 )
-from cachectl.warm.settle import RunScope, function_digests, present_check, settle
+from cachectl.warm.settle import RunScope, function_bindings, present_check, settle
 
 log = logging.getLogger(__name__)
 
@@ -369,7 +369,7 @@ def _open_run(ctx: Context, plan: WarmPlan, opts: _Options) -> tuple[RunScope, s
         run.id,
         indexed,
         stored_aot,
-        function_digests(plan) if opts.executables else {},
+        function_bindings(plan) if opts.executables else {},
         ctx.reads_via_server(plan.cache),
     )
     return scope, ns.url, carried is not None

@@ -7,6 +7,7 @@ that module drives the run and this one judges each bucket.
 
 from __future__ import annotations
 
+import json
 import logging
 import shutil
 from collections.abc import Callable
@@ -55,7 +56,8 @@ class RunScope:
     run_id: int
     indexed: Known
     stored_aot: Known | None
-    digests: dict[str, tuple[str, str | None]]
+    # Per function: what its stored executables are bound to (executables.FunctionBinding).
+    bindings: dict[str, executables.FunctionBinding]
     # Server mode without the root here: the server's rows say what is stored (service/node_upload.py).
     via_server: bool = False
 
@@ -318,19 +320,39 @@ def _space_hint(store: Any, ns_rel: str) -> str:
     return f", no space left on {path} ({free} bytes free)" if free < (1 << 20) else ""
 
 
-def function_digests(plan: WarmPlan) -> dict[str, tuple[str, str | None]]:
-    """Per function: its manifest entry's and its source file's digests, bound into each executable."""
-    out: dict[str, tuple[str, str | None]] = {}
+def function_bindings(plan: WarmPlan) -> dict[str, executables.FunctionBinding]:
+    """Per function: what each of its stored executables is bound to (its entry as it shapes a
+    bucket's program, its source file), computed once for the run."""
+    out: dict[str, executables.FunctionBinding] = {}
     for spec in plan.manifest.functions:
         try:
             fn = resolve_callable(spec.fn, plan.search_paths)
         except Exception:  # noqa: BLE001 - the bucket reports the import error itself
             fn = None
-        out[spec.name] = (
-            executables.spec_digest(spec),
-            executables.source_digest(fn) if fn is not None else None,
-        )
+        out[spec.name] = executables.FunctionBinding.of(spec, fn)
     return out
+
+
+def _bound_here(scope: RunScope, key: str, bucket: Bucket) -> bool:
+    """Whether the stored executable at ``key`` is one serving would use for ``bucket``: its
+    header bound to this function's entry, this bucket and its source. One stored for another
+    version of the entry (or before per-bucket binding, for an entry since changed) is not:
+    warm stores it again, so that it never reports an executable serving refuses."""
+    binding = scope.bindings.get(bucket.function)
+    if binding is None:
+        return True
+    try:
+        header = executables.read_header(
+            scope.store.read_bytes(f"{scope.ns_rel}/{key}{EXECUTABLE_SUFFIX}")
+        )
+    except (FileNotFoundError, OSError, CorruptEntry):
+        return False
+    values = dict(bucket.values)
+    return (
+        header.function == bucket.function
+        and json.dumps(header.bucket, sort_keys=True) == json.dumps(values, sort_keys=True)
+        and binding.refusal(header, values) is None
+    )
 
 
 def _publish(scope: RunScope, row: NewEntry, bucket: Bucket, outcome: Outcome) -> _Published:
@@ -343,23 +365,25 @@ def _publish(scope: RunScope, row: NewEntry, bucket: Bucket, outcome: Outcome) -
     if stored is None:
         pass
     elif known is not None and (
-        outcome.stored or store.exists(f"{scope.ns_rel}/{key}{EXECUTABLE_SUFFIX}")
+        outcome.stored or (not scope.via_server and _bound_here(scope, key, bucket))
     ):
         row = replace(row, aot_size=known[0], aot_sha256=known[1])  # stored: present() just looked
     elif outcome.payload is None:
         error = outcome.aot_error or "no executable to store"
     else:
-        spec_digest, source = scope.digests.get(bucket.function, (None, None))
+        binding = scope.bindings.get(bucket.function)
         data = executables.pack(
             outcome.payload,
             key=key,
             entry_sha256=row.sha256,
             function=bucket.function,
             bucket=dict(bucket.values),
-            spec_digest=spec_digest,
-            source_digest=source,
+            spec_digest=binding.spec_digest if binding else None,
+            source_digest=binding.source_digest if binding else None,
             custom_calls=outcome.custom_calls,
             platform_version=scope.plan.environment.platform_version,
+            binding_digest=binding.digest(dict(bucket.values)) if binding else None,
+            depends_on=binding.depends_on() if binding else None,
         )
         row = replace(row, aot_size=len(data), aot_sha256=sha256(data))
     plan = scope.plan
@@ -400,8 +424,9 @@ def _indexed_now(scope: RunScope, key: str) -> tuple[int, str] | None:
     return None if held is None else (held.size, held.sha256)
 
 
-def present_check(scope: RunScope, replace: bool = False) -> Callable[[str], bool]:
-    """Whether a key is fully warmed already: indexed, its entry (and stored executable) on storage.
+def present_check(scope: RunScope, replace: bool = False) -> Callable[[str, Bucket], bool]:
+    """Whether a bucket's key is fully warmed already: indexed, its entry (and stored executable,
+    bound to this bucket: ``_bound_here``) on storage.
 
     Called from the compiling threads once a bucket is lowered; a yes means
     the bucket is ``cached`` without being compiled or loaded. A file at a key ``indexed`` does
@@ -411,7 +436,7 @@ def present_check(scope: RunScope, replace: bool = False) -> Callable[[str], boo
     """
     store, ns_rel, indexed, stored_aot = scope.store, scope.ns_rel, scope.indexed, scope.stored_aot
 
-    def present(key: str) -> bool:
+    def present(key: str, bucket: Bucket) -> bool:
         entry = f"{ns_rel}/{key}{CACHE_SUFFIX}"
         if scope.via_server:  # the server holds what it indexed: nothing to compile or send
             return key in indexed and (stored_aot is None or key in stored_aot)
@@ -423,8 +448,6 @@ def present_check(scope: RunScope, replace: bool = False) -> Callable[[str], boo
             return False
         if not store.exists(entry):
             return False
-        return stored_aot is None or (
-            key in stored_aot and store.exists(f"{ns_rel}/{key}{EXECUTABLE_SUFFIX}")
-        )
+        return stored_aot is None or (key in stored_aot and _bound_here(scope, key, bucket))
 
     return present
