@@ -1,5 +1,6 @@
 """The runtime object: :class:`Serving` (the manifest's functions by name, every bucket's
-executable loaded and warmed up, the reports) and :func:`serving`, which builds it.
+executable loaded, in the background (preload.py) or before it returns when warmed up, the
+reports) and :func:`serving`, which builds it.
 
 Each function's call path is :class:`~cachectl.dispatch.served_function.ServedFunction`.
 """
@@ -233,8 +234,9 @@ def serving(
 ) -> Serving:
     """Activate the cache as :func:`cachectl.activate` does and load every bucket's executable.
 
-    ``preload`` loads all of them now, in a thread pool (readiness is the
-    slowest load, not their sum); otherwise each loads at its bucket's first
+    ``preload`` loads all of them in background threads (``workers``, default 8), in manifest
+    order, behind the first calls: a call to a bucket not loaded yet loads it at once, and
+    :meth:`Serving.wait_loaded` waits for the rest; otherwise each loads at its bucket's first
     call. ``overflow`` says what a call above the largest bucket does:
     ``"error"`` raises :class:`OutOfBucket`, ``"compile"`` runs ``jax.jit`` at
     the exact shape. Raises BadInput for a bad manifest; a cache, index or
