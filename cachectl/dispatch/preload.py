@@ -61,7 +61,12 @@ class Preloader:
     def _run(self) -> None:
         try:
             while (slot := self._next()) is not None:
-                slot.ensure_loaded()  # a slot a call is loading: waits for that load
+                try:
+                    slot.ensure_loaded()  # a slot a call is loading: waits for that load
+                except Exception as exc:  # noqa: BLE001 - that bucket goes to jit; the rest load
+                    with slot.lock:
+                        if slot.compiled is None and slot.error is None:
+                            slot.error = f"loading it raised {type(exc).__name__}: {exc}"
         finally:
             with self._lock:
                 self._running -= 1
