@@ -26,6 +26,7 @@ MODULES = (
     "warm",
     "service",
     "serving",
+    "first_answer",
     "field",
     "hidden_model",
     "size_limit",

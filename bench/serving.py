@@ -82,9 +82,12 @@ if mode == "serving":
     import cachectl
     t_build = time.perf_counter()
     rt = cachectl.serving({manifest!r}, telemetry=False, preload={preload!r})
+    rt.wait_loaded()  # the loads run behind serving(): what this table compares is all of them
     build = time.perf_counter() - t_build
     loaded = time.perf_counter() - t0
-    load = rt.report().ready_seconds  # finding, checking and loading the executables
+    report = rt.report()
+    # finding, checking and loading the executables
+    load = report.loaded_seconds if report.loaded_seconds is not None else report.ready_seconds
     prefill, decode = rt["prefill"], rt["decode_step"]
 elif mode == "floor":
     # What a team writes by hand: read the serialized executables, load them in the pool

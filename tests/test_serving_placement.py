@@ -125,3 +125,86 @@ def test_the_jit_fallback_of_a_mesh_function_places_host_arrays_as_warm_did(
     assert counts["fallback"] == 2 and counts["aot"] == 0, counts
     assert (hits, misses) == (2, 0), (hits, misses, proc.stderr[-2000:])
     assert specs == ["P('data',)", "P('data',)"], specs
+
+
+SHARD_MAP_MODULE = """
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import Mesh, PartitionSpec as P
+
+MESH = Mesh(np.array(jax.devices()).reshape(4, 2), ("data", "model"))
+
+def _block(w, x):
+    return jnp.tanh(x @ w)
+
+def forward(w, x):  # tensor-parallel: the batch split over data, the columns over model
+    return jax.shard_map(_block, mesh=MESH, in_specs=(P(None, "model"), P("data", None)),
+                         out_specs=P("data", "model"))(w, x)
+"""
+
+SHARD_MAP_MANIFEST = """
+version: 1
+target: {{backend: cpu}}
+functions:
+  - fn: sm_mod:forward
+    name: {name}
+    mesh: {{axes: {{data: 4, model: 2}}, axis_types: auto}}
+    args:
+      - {{shape: [16, 32], dtype: float32, sharding: [null, model]}}
+      - {{shape: [batch, 16], dtype: float32, sharding: [data, null]}}
+    outputs:
+      - {{shape: [batch, 32]}}
+    buckets: {{batch: [4, 8]}}
+"""
+
+SHARD_MAP_SERVICE = """
+import json, sys
+sys.path.insert(0, {dir!r})
+import jax, numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+import cachectl, sm_mod
+w = np.linspace(-1, 1, 16 * 32, dtype=np.float32).reshape(16, 32)
+# The service shards its params otherwise than the manifest says (rows over model).
+w_own = jax.device_put(w, NamedSharding(sm_mod.MESH, P("model", None)))
+plain = jax.jit(sm_mod.forward)
+out = {{}}
+for manifest in ({warmed!r}, {cold!r}):
+    rt = cachectl.serving(manifest)
+    name = rt.names[0]
+    rows = []
+    for n in (1, 3, 5, 8):
+        x = np.linspace(0, 1, n * 16, dtype=np.float32).reshape(n, 16)
+        try:
+            y = np.asarray(rt[name](w_own, x))
+        except Exception as exc:
+            rows.append([n, type(exc).__name__ + ": " + str(exc).splitlines()[0]])
+            continue
+        bucket = 4 if n <= 4 else 8
+        padded = np.zeros((bucket, 16), np.float32)
+        padded[:n] = x
+        ref = np.asarray(plain(w_own, padded))[:n]  # plain jit at the padded shape, cut
+        rows.append([n, list(y.shape), bool(np.array_equal(y, ref))])
+    f = rt.report().to_dict()["functions"][name]
+    out[name] = dict(rows=rows, aot=f["aot"], fallback=f["fallback"])
+print(json.dumps(out))
+"""
+
+
+def test_the_jit_fallback_pads_to_the_bucket_so_a_shard_map_service_is_answered(
+    tmp_path: Path,
+) -> None:
+    """A tensor-parallel service (mesh data: 4, model: 2) whose params are sharded otherwise
+    than its manifest says, and the same function with nothing warmed: every request (batch 1,
+    3, 5: not divisible by data's 4) is answered by jit padded to the bucket and cut, equal to
+    plain jit at the padded shape; never shard_map's 'not evenly divisible' ValueError."""
+    (tmp_path / "sm_mod.py").write_text(SHARD_MAP_MODULE)
+    warmed, cold = tmp_path / "sm.yaml", tmp_path / "cold.yaml"
+    warmed.write_text(SHARD_MAP_MANIFEST.format(name="forward"))
+    cold.write_text(SHARD_MAP_MANIFEST.format(name="forward_never_warmed"))
+    warm = run_cachectl(tmp_path, "warm", str(warmed), "--json", env=DEVICES)
+    assert warm.returncode == 0, warm.stderr
+    code = SHARD_MAP_SERVICE.format(dir=str(tmp_path), warmed=str(warmed), cold=str(cold))
+    out = last_json(run_py(code, DEVICES, check=True))
+    for name in ("forward", "forward_never_warmed"):
+        rows = out[name]["rows"]
+        assert rows == [[n, [n, 32], True] for n in (1, 3, 5, 8)], (name, rows)
+        assert (out[name]["aot"], out[name]["fallback"]) == (0, 4), out

@@ -18,7 +18,8 @@ plans, :func:`mask`); ``padding.py`` says what a pytree leaf may be padded with
 (:class:`ServedFunction`: fit, call the stored executable or ``jax.jit``, cut, count) and
 the calls no request makes (warm-up, warm-check's); ``router.py`` is the :class:`Serving`
 object (the functions by name, loading and warming up every bucket) and :func:`serving`;
-``reports.py`` what they report.
+``reports.py`` what they report. ``preload.py`` says when each bucket loads: in background
+threads, behind the first calls.
 """
 
 from __future__ import annotations

@@ -126,14 +126,23 @@ class Executables:
                 self._warn(f"cachectl.serving: ignoring {name}: {exc}")
                 return parsed.key, None
 
+        def read_run(run: list[str]) -> list[tuple[str, executables.ExecutableHeader | None]]:
+            return [read(name) for name in run]
+
         found: dict[tuple[str, str], list[tuple[str, executables.ExecutableHeader]]] = {}
         if not names:
             return found
-        with ThreadPoolExecutor(max_workers=workers or min(8, len(names))) as pool:
-            for key, header in pool.map(read, names):
-                if header is not None and header.function is not None:
-                    where = (header.function, json.dumps(header.bucket, sort_keys=True))
-                    found.setdefault(where, []).append((key, header))
+        # One task per thread, a run of names each, in order: a task per name cost more than
+        # the reads (1,000 names: ~0.3 s of futures, on the way to the first answer).
+        count = workers or min(8, len(names))
+        size = -(-len(names) // count)
+        runs = [names[i : i + size] for i in range(0, len(names), size)]
+        with ThreadPoolExecutor(max_workers=count) as pool:
+            for run in pool.map(read_run, runs):
+                for key, header in run:
+                    if header is not None and header.function is not None:
+                        where = (header.function, json.dumps(header.bucket, sort_keys=True))
+                        found.setdefault(where, []).append((key, header))
         return found
 
     def bind(self, slot: Slot, spec: FunctionSpec, binding: executables.FunctionBinding) -> None:

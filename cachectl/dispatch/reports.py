@@ -52,12 +52,17 @@ class ServingReport:
     namespace: str
     functions: dict[str, FunctionReport]
     load_seconds: float  # sum of every bucket's load
-    ready_seconds: float  # construction to every preloaded bucket ready
+    # construction to the first answer possible (the loads run behind it; with ``warmup=True``
+    # every bucket loaded)
+    ready_seconds: float
     warnings: list[str]
     # ``warmup=True``: the sum of every bucket's warm-up call, and construction to every bucket
     # loaded and warmed up (None: no warm-up).
     warmup_seconds: float = 0.0
     warm_ready_seconds: float | None = None
+    # construction to every bucket's executable loaded or failed (None: still loading, or
+    # ``preload=False``, where each loads at its bucket's first call)
+    loaded_seconds: float | None = None
 
     @property
     def ok(self) -> bool:
@@ -70,6 +75,9 @@ class ServingReport:
             "functions": {n: f.to_dict() for n, f in self.functions.items()},
             "load_seconds": round(self.load_seconds, 4),
             "ready_seconds": round(self.ready_seconds, 4),
+            "loaded_seconds": None
+            if self.loaded_seconds is None
+            else round(self.loaded_seconds, 4),
             "warmup_seconds": round(self.warmup_seconds, 4),
             "warm_ready_seconds": None
             if self.warm_ready_seconds is None

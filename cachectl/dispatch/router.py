@@ -1,5 +1,6 @@
 """The runtime object: :class:`Serving` (the manifest's functions by name, every bucket's
-executable loaded and warmed up, the reports) and :func:`serving`, which builds it.
+executable loaded, in the background (preload.py) or before it returns when warmed up, the
+reports) and :func:`serving`, which builds it.
 
 Each function's call path is :class:`~cachectl.dispatch.served_function.ServedFunction`.
 """
@@ -18,6 +19,7 @@ from typing import Any
 from cachectl import telemetry as telemetry_mod
 from cachectl.core.fingerprint import current_environment
 from cachectl.dispatch.loading import Executables, Slot, Verified, namespace_reader
+from cachectl.dispatch.preload import Preloader
 from cachectl.dispatch.reports import ServingReport
 from cachectl.dispatch.served_function import ServedFunction
 from cachectl.dispatch.siblings import closest_environment_hint
@@ -87,26 +89,50 @@ class Serving:
         owner = {id(s): f for f in self._functions.values() for s in f._slots}
         self.warmup_seconds = 0.0
         self.warm_ready_seconds: float | None = None
+        self._preloader: Preloader | None = None
+        self._loaded_seconds: float | None = None
+        if not warmup:
+            # The first answer waits for no other bucket: loads run behind it, in manifest
+            # order; a call to a bucket not loaded yet loads that one at once (preload.py).
+            # warmup=True keeps its meaning: every bucket loaded and warmed up before this
+            # returns.
+            if todo:
+                self._preloader = Preloader(todo, workers or 8, started)
+            self.ready_seconds = time.perf_counter() - started
+            if preload and not todo:
+                self._loaded_seconds = self.ready_seconds
+            return
         with ThreadPoolExecutor(
             max_workers=workers or min(8, max(1, len(todo))), thread_name_prefix="cachectl-load"
         ) as pool:
             list(pool.map(Slot.ensure_loaded, todo))
-            self.ready_seconds = time.perf_counter() - started
+            self.ready_seconds = self._loaded_seconds = time.perf_counter() - started
             # Warm-up apart from loading, so that both readinesses are known.
-            if warmup:
-                self.warmup_seconds = sum(
-                    pool.map(lambda s: owner[id(s)].warm_up(s, self._paths), todo)
-                )
-        if warmup:
-            # Then through the request path (pick, pad, convert, call), here, where requests
-            # often arrive, every bucket in turn, twice: after one pass the first requests
-            # still ran about 1.15x of steady state, after two at it (bench/field.py).
-            t = time.perf_counter()
-            for _ in range(SERVED_WARMUP_PASSES):
-                for s in todo:
-                    owner[id(s)].served_warm_up(s)
-            self.warmup_seconds += time.perf_counter() - t
-            self.warm_ready_seconds = time.perf_counter() - started
+            self.warmup_seconds = sum(
+                pool.map(lambda s: owner[id(s)].warm_up(s, self._paths), todo)
+            )
+        # Then through the request path (pick, pad, convert, call), here, where requests
+        # often arrive, every bucket in turn, twice: after one pass the first requests
+        # still ran about 1.15x of steady state, after two at it (bench/field.py).
+        t = time.perf_counter()
+        for _ in range(SERVED_WARMUP_PASSES):
+            for s in todo:
+                owner[id(s)].served_warm_up(s)
+        self.warmup_seconds += time.perf_counter() - t
+        self.warm_ready_seconds = time.perf_counter() - started
+
+    @property
+    def loaded_seconds(self) -> float | None:
+        """Construction to every bucket's executable loaded (or failed to); None while loads
+        are still running, or with ``preload=False`` (each loads at its first call)."""
+        if self._preloader is not None:
+            return self._preloader.loaded_seconds
+        return self._loaded_seconds
+
+    def wait_loaded(self, timeout: float | None = None) -> bool:
+        """Wait for the background loads (every bucket loaded or failed to, as ``preload=True``
+        used to before returning); False when ``timeout`` seconds came first."""
+        return self._preloader.wait(timeout) if self._preloader is not None else True
 
     def _warn(self, message: str) -> None:
         with self._warn_lock:
@@ -134,7 +160,9 @@ class Serving:
         return {name: f.take_counts() for name, f in self._functions.items()}
 
     def executables(self) -> dict[tuple[str, str], str | None]:
-        """(function, bucket JSON) -> None when its executable is loaded, else why not."""
+        """(function, bucket JSON) -> None when its executable is loaded, else why not (after
+        the background loads)."""
+        self.wait_loaded()
         return {
             (s.bucket.function, json.dumps(s.values, sort_keys=True)): None
             if s.compiled is not None
@@ -144,7 +172,9 @@ class Serving:
 
     def stored(self) -> dict[tuple[str, str], tuple[str | None, str | None, bool]]:
         """(function, bucket JSON) -> (its stored executable's key, None when loaded else why
-        not, whether one is stored for it that this process will not use: refused or failed)."""
+        not, whether one is stored for it that this process will not use: refused or failed),
+        after the background loads."""
+        self.wait_loaded()
         return {
             (s.bucket.function, json.dumps(s.values, sort_keys=True)): (
                 s.key,
@@ -177,7 +207,11 @@ class Serving:
                 return fn, slot
         raise KeyError(f"{function} has no bucket {bucket}")
 
-    def report(self) -> ServingReport:
+    def report(self, wait: bool = True) -> ServingReport:
+        """What was loaded and how calls were served; ``wait`` (default) first waits for the
+        background loads, so that every count is whole; ``wait=False``: as of now."""
+        if wait:
+            self.wait_loaded()
         return ServingReport(
             self.namespace,
             {n: f.report() for n, f in self._functions.items()},
@@ -186,6 +220,7 @@ class Serving:
             list(self._warnings),
             self.warmup_seconds,
             self.warm_ready_seconds,
+            self.loaded_seconds,
         )
 
 
@@ -207,8 +242,9 @@ def serving(
 ) -> Serving:
     """Activate the cache as :func:`cachectl.activate` does and load every bucket's executable.
 
-    ``preload`` loads all of them now, in a thread pool (readiness is the
-    slowest load, not their sum); otherwise each loads at its bucket's first
+    ``preload`` loads all of them in background threads (``workers``, default 8), in manifest
+    order, behind the first calls: a call to a bucket not loaded yet loads it at once, and
+    :meth:`Serving.wait_loaded` waits for the rest; otherwise each loads at its bucket's first
     call. ``overflow`` says what a call above the largest bucket does:
     ``"error"`` raises :class:`OutOfBucket`, ``"compile"`` runs ``jax.jit`` at
     the exact shape. Raises BadInput for a bad manifest; a cache, index or

@@ -59,7 +59,8 @@ class _LeavesNotWarmed(Exception):
 
 class _PlacedOtherwise(Exception):
     """An argument on devices with a sharding the stored executable was not compiled for: the
-    call goes through jit at the service's own shardings, with a warning naming it."""
+    call goes through jit at the service's own shardings (padded to the bucket, as the stored
+    executable would have been, and cut), with a warning naming it."""
 
 
 def _zeros(info: Any) -> Any:
@@ -142,8 +143,12 @@ class ServedFunction:
         if slot.compiled is not None:
             try:
                 out = self._call_stored(slot, call_args)
-            except (_LeavesNotWarmed, _PlacedOtherwise) as exc:  # jit: right, if slower
+            except _LeavesNotWarmed as exc:  # jit at the call's own shapes: right, if slower
                 return self._via_jit(self._convert(args, None)[0], kwargs, str(exc), exact=True)
+            except _PlacedOtherwise as exc:
+                # jit at the service's shardings, padded to the bucket as the stored executable
+                # would have been (a shard_map needs the bucket's divisible sizes), then cut.
+                out = self._via_jit(call_args, kwargs, str(exc), exact=True)
         else:
             out = self._via_jit(self._placed_as_warmed(slot, call_args), kwargs, slot.error)
         if self._outputs and any(raw[a] != slot.values[a] for a in raw):
@@ -416,8 +421,9 @@ class ServedFunction:
     def _via_jit(
         self, call_args: list[Any], kwargs: dict[str, Any], reason: str | None, exact: bool = False
     ) -> Any:
-        """The same padded call through jax.jit, which hits the persistent cache warm filled
-        (``exact``: the call unpadded, at its own shapes, which compile)."""
+        """The call through jax.jit: padded to its bucket, it hits the persistent cache warm
+        filled (``exact``: a program warm did not compile, at the call's own shapes or the
+        service's own shardings, which compiles; only the warning differs)."""
         with self._lock:
             self.fallback += 1
             first = not self._warned

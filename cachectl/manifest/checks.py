@@ -185,6 +185,7 @@ def _axis_problems(spec: FunctionSpec, loc: Loc, shape_axes: set[str]) -> Iterat
         vloc = loc + ("buckets", axis)
         if not values:
             yield vloc, "an axis needs a non-empty list of values"
+        seen: set[tuple[bool, Any]] = set()  # same_value's equality, hashed: linear in the values
         for v, value in enumerate(values):
             if axis in shape_axes and not (_is_int(value) and value >= 0):
                 yield (
@@ -196,8 +197,10 @@ def _axis_problems(spec: FunctionSpec, loc: Loc, shape_axes: set[str]) -> Iterat
                     vloc + (v,),
                     f"axis values must be scalars (int, float, string, bool), got {describe(value)}",
                 )
-            elif _contains(values[:v], value):
+            elif (isinstance(value, bool), value) in seen:
                 yield vloc + (v,), f"duplicate value {value!r} in axis {axis!r}"
+            else:
+                seen.add((isinstance(value, bool), value))
 
 
 def _exclude_problems(spec: FunctionSpec, loc: Loc) -> Iterator[tuple[Loc, str]]:
