@@ -41,7 +41,12 @@ print(json.dumps({{n: {{"fallback": f["fallback"], "loaded": f["loaded"]}}
 """
 
 
-def _fleet(isolated_home: Path, tmp_path: Path) -> tuple[infra.Server, str, Path, list[MachineB]]:
+ALL_LOADED = {"affine": {"fallback": 0, "loaded": 4}, "layer": {"fallback": 0, "loaded": 1}}
+
+
+def _fleet(
+    isolated_home: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> tuple[infra.Server, str, Path, list[MachineB]]:
     """Machine A (the root of an empty named cache, a writer token, the real server) and four
     other machines: three replicas and the deploy, each with its own node tier."""
     root = isolated_home / "root"
@@ -52,6 +57,7 @@ def _fleet(isolated_home: Path, tmp_path: Path) -> tuple[infra.Server, str, Path
         .splitlines()[-1]
     )
     manifest = tiny(tmp_path)
+    monkeypatch.setenv("CACHECTL_SERVER_TOKEN_CACHE", "0")  # a policy set on A holds at once
     server = infra.start_server(
         "cachectl-serve",
         lambda port: [sys.executable, "-m", "cachectl", "serve", "--port", str(port)],
@@ -78,8 +84,10 @@ def _serving(machine: MachineB, manifest: Path, readonly: bool) -> dict[str, dic
 
 @needs_unshare
 @pytest.mark.timeout(600)
-def test_a_cold_fleet_then_the_deploy_warm_ends_trace_free(isolated_home, tmp_path) -> None:
-    server, _token, manifest, machines = _fleet(isolated_home, tmp_path)
+def test_a_cold_fleet_then_the_deploy_warm_ends_trace_free(
+    isolated_home, tmp_path, monkeypatch
+) -> None:
+    server, _token, manifest, machines = _fleet(isolated_home, tmp_path, monkeypatch)
     replicas, deploy = machines[:3], machines[3]
     try:
         code = TINY_SERVICE.format(dir=str(manifest.parent), cache=repr(CACHE))
@@ -89,6 +97,20 @@ def test_a_cold_fleet_then_the_deploy_warm_ends_trace_free(isolated_home, tmp_pa
         for p in procs:
             out, err = p.communicate(timeout=300)
             assert p.returncode == 0 and "could not upload" not in err, err[-3000:]
+
+        # The server refuses every executable (each above the cache's max entry size now): each
+        # bucket fails, and warm exits 1.
+        invoke("cache", "set", CACHE, "--max-entry-size", "2KiB")
+        proc = deploy.run(*CACHECTL, "warm", str(manifest), "--json")
+        assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+        report = json.loads(proc.stdout)
+        s = report["summary"]
+        assert (s["compiled"], s["cached"], s["failed"]) == (0, 0, BUCKETS), proc.stdout[-3000:]
+        errors = [b["error"] for b in report["buckets"]]
+        assert all(
+            "could not upload it to the server" in e and "max entry size" in e for e in errors
+        ), errors
+        invoke("cache", "set", CACHE, "--max-entry-size", "1GiB")
 
         # The deploy warm: every entry is the server's; none compiled, each executable stored.
         proc = deploy.run(*CACHECTL, "warm", str(manifest), "--json")
@@ -105,9 +127,29 @@ def test_a_cold_fleet_then_the_deploy_warm_ends_trace_free(isolated_home, tmp_pa
 
         # A later replica: every bucket from a stored executable.
         served = _serving(replicas[0], manifest, readonly=True)
-        assert served == {
-            "affine": {"fallback": 0, "loaded": 4},
-            "layer": {"fallback": 0, "loaded": 1},
-        }
+        assert served == ALL_LOADED, served
+    finally:
+        server.stop()
+
+
+@needs_unshare
+@pytest.mark.timeout(600)
+def test_writer_replicas_on_serving_store_what_they_compiled(
+    isolated_home, tmp_path, monkeypatch
+) -> None:
+    """Write-back (cachectl/dispatch/write_back.py): three writer replicas on cachectl.serving
+    start together on the empty cache; each bucket they compile is stored with its executable
+    and uploaded, so a later replica is trace-free with no warm in between."""
+    server, _token, manifest, machines = _fleet(isolated_home, tmp_path, monkeypatch)
+    replicas = machines[:3]
+    fast = {"JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
+    try:
+        code = TINY_SERVING.format(dir=str(manifest.parent), manifest=str(manifest), readonly=False)
+        procs = [r.start(sys.executable, "-c", code, env=fast) for r in replicas]
+        for p in procs:
+            out, err = p.communicate(timeout=300)
+            assert p.returncode == 0 and "could not" not in err, err[-3000:]
+        served = _serving(machines[3], manifest, readonly=True)
+        assert served == ALL_LOADED, served
     finally:
         server.stop()
