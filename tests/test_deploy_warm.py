@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 from support import infra
+from support.machines import CACHECTL, MachineB, needs_unshare
 from support.warming import TINY_SERVICE, invoke, tiny
-from test_node_tier import CACHECTL, MachineB, needs_unshare
 
 CACHE = "fleet"
 BUCKETS = 5  # the tiny manifest: affine x 4, layer x 1
