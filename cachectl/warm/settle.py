@@ -462,14 +462,20 @@ def present_check(scope: RunScope, replace: bool = False) -> Callable[[str], boo
     def present(key: str) -> bool:
         entry = f"{ns_rel}/{key}{CACHE_SUFFIX}"
         if scope.via_server:  # the server holds what it indexed: nothing to compile or send
-            if key not in indexed:
-                return False
-            if stored_aot is None or key in stored_aot:
+            held = indexed.get(key)
+            if held is None:
+                held = _indexed_now(scope, key) if store.exists(entry) else None
+                if held is None:  # this node's own file (an upload that failed): compiled again
+                    if store.exists(entry):
+                        log.warning("warm: %s is not on the server: removed, compiling it", entry)
+                        store.delete([entry, f"{ns_rel}/{key}{EXECUTABLE_SUFFIX}"])
+                    return False
+            elif stored_aot is None or key in stored_aot:
                 return True
             # No executable yet: JAX loads the server's entry (a hit, not a compile), and the
             # executable is made for it.
             assert scope.server is not None  # set whenever via_server is
-            _, why = scope.server.bring(key, indexed[key][1])
+            _, why = scope.server.bring(key, held[1])
             if why is not None:
                 log.warning("warm: cannot read %s from the server (%s): compiling it", key, why)
             return False
