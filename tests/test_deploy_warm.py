@@ -47,8 +47,8 @@ ALL_LOADED = {"affine": {"fallback": 0, "loaded": 4}, "layer": {"fallback": 0, "
 def _fleet(
     isolated_home: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> tuple[infra.Server, str, Path, list[MachineB]]:
-    """Machine A (the root of an empty named cache, a writer token, the real server) and four
-    other machines: three replicas and the deploy, each with its own node tier."""
+    """Machine A (the root of an empty named cache, a writer token, the real server) and five
+    other machines: three replicas, the deploy and one more, each with its own node tier."""
     root = isolated_home / "root"
     invoke("cache", "add", CACHE, str(root), "--service-writes", "allow")
     token = (
@@ -64,7 +64,7 @@ def _fleet(
         tmp_path / "logs",
     )
     machines = []
-    for name in ("r0", "r1", "r2", "deploy"):
+    for name in ("r0", "r1", "r2", "deploy", "fresh"):
         m = MachineB(tmp_path / name, isolated_home, server.url, token)
         m.env.update(
             CACHECTL_CACHE=CACHE,
@@ -155,5 +155,17 @@ def test_writer_replicas_on_serving_store_what_they_compiled(
             assert p.returncode == 0 and "could not" not in err, err[-3000:]
         served = _serving(machines[3], manifest, readonly=True)
         assert served == ALL_LOADED, served
+
+        # A warm through worker processes afterwards, on a node that read nothing yet, compiles
+        # every bucket (they ask nothing first), binds each executable to the server's entry (its
+        # own compile's bytes differ), and the server takes them all.
+        proc = machines[4].run(
+            *CACHECTL, "warm", str(manifest), "--json", "--executor", "process", "--jobs", "2"
+        )
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        s = json.loads(proc.stdout)["summary"]
+        assert (s["compiled"], s["failed"]) == (BUCKETS, 0), (
+            proc.stdout[-3000:] + proc.stderr[-3000:]
+        )
     finally:
         server.stop()
