@@ -18,6 +18,7 @@ from typing import Any
 
 from cachectl import telemetry as telemetry_mod
 from cachectl.core.fingerprint import current_environment
+from cachectl.dispatch import write_back
 from cachectl.dispatch.loading import Executables, Slot, Verified, namespace_reader
 from cachectl.dispatch.preload import Preloader
 from cachectl.dispatch.reports import ServingReport
@@ -299,6 +300,9 @@ def serving(
         warnings=warnings,
         warmup=warmup,
     )
+    wb = write_back.for_serving(activation, tuple(search), rt._warn)
+    for served in rt._functions.values():
+        served.write_back = wb
     if collector is not None:
         collector.add_serving_source(rt.take_counts)
     return rt

@@ -104,6 +104,7 @@ class ServedFunction:
         self.fallback_reason: str | None = None
         self._sizes: dict[str, Counter[int]] = {a: Counter() for a in sorted(self._shape_axes)}
         self._warned = False
+        self.write_back: Any = None  # dispatch/write_back.py: a writer service in server mode
         self._outputs = spec.outputs
         self._taken = (0, 0, 0, 0, 0)  # counters already handed to telemetry
         self._sizes_new: dict[str, Counter[int]] = {a: Counter() for a in sorted(self._shape_axes)}
@@ -140,9 +141,15 @@ class ServedFunction:
                 self._bind(slot, call_args, {**self._fixed_kwargs, **kwargs})
             except ExecutableError as exc:
                 raise StructureMismatch(f"{self.name}: {exc}") from None
+        first = slot.compiled is None and self.write_back is not None and slot.key is None
+        if first:  # no stored executable: compiled here once, its executable stored
+            slot.compiled = self.write_back.compiled(self, slot)
+            with self._lock:
+                self.fallback += slot.compiled is not None
+                self.fallback_reason = self.fallback_reason or slot.error
         if slot.compiled is not None:
             try:
-                out = self._call_stored(slot, call_args)
+                out = self._call_stored(slot, call_args, counted=not first)
             except _LeavesNotWarmed as exc:  # jit at the call's own shapes: right, if slower
                 return self._via_jit(self._convert(args, None)[0], kwargs, str(exc), exact=True)
             except _PlacedOtherwise as exc:
@@ -234,8 +241,9 @@ class ServedFunction:
                 if size in fresh or len(fresh) < MAX_SIZES_PER_FLUSH:
                     fresh[size] += 1
 
-    def _call_stored(self, slot: Slot, call_args: list[Any]) -> Any:
-        """Call the bucket's stored executable; a structure it was not compiled for says why."""
+    def _call_stored(self, slot: Slot, call_args: list[Any], counted: bool = True) -> Any:
+        """Call the bucket's stored executable; a structure it was not compiled for says why
+        (``counted``: as a stored executable's call; not the call that compiled it here)."""
         assert slot.compiled is not None
         try:
             out = slot.compiled(*[call_args[i] for i in self._dynamic])
@@ -265,8 +273,9 @@ class ServedFunction:
             raise _PlacedOtherwise(
                 sharding_difference(slot.compiled, dynamic, self._dynamic)
             ) from None
-        with self._lock:
-            self.aot += 1
+        if counted:
+            with self._lock:
+                self.aot += 1
         return out
 
     def zeros_call(self, slot: Slot, paths: Sequence[str]) -> None:

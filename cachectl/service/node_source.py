@@ -154,6 +154,25 @@ def open_remote_files(
     return RemoteFiles(files, source, settings.cache, fetch_of, through_server)
 
 
+def server_files(
+    settings: Settings,
+    client: ServerClient,
+    cache: Any,
+    digest: str,
+    namespace: str,
+    warn: Callable[[str], None],
+) -> RemoteFiles | None:
+    """A command's node tier in front of the server for ``cache`` (read over ``client``, the
+    command's own): the directory warm's JAX opens in server mode; None without a tier."""
+    directory = node_dir(settings, cache.root_url)
+    if directory is None or not settings.server:
+        return None
+    tier = tier_at(directory, settings.node_cache_size, warn)
+    files = tier.files(settings.server, cache.name, namespace)
+    fetch_of = _server_fetch(client, cache.name, digest)
+    return RemoteFiles(files, settings.server, cache.name, fetch_of, True)
+
+
 def for_service(
     settings: Settings,
     root_url: str,

@@ -28,12 +28,16 @@ log = logging.getLogger(__name__)
 def upload(
     client: Any, cache: str, digest: str, key: str, entry: bytes | None, executable: bytes | None
 ) -> str | None:
-    """Send ``entry`` (None: the server holds it) and ``executable``; why not, or None."""
+    """Send ``entry`` (None: the server holds it) and ``executable``; why not, or None. An
+    entry the server holds with other bytes raises EntryConflict: the caller binds to the
+    server's (warm/server_held.py)."""
     try:
         if entry is not None:
             client.upload_entry(cache, digest, key, entry)
         if executable is not None:
             client.upload_executable(cache, digest, key, executable)
+    except EntryConflict:
+        raise
     except (CachectlError, OSError) as exc:
         return f"could not upload it to the server: {getattr(exc, 'message', None) or exc}"
     return None

@@ -49,6 +49,7 @@ from cachectl.warm.reports import (
     WarmReport,
     WarmSummary,
 )
+from cachectl.warm.server_held import ServerEntries
 from cachectl.warm.settle import RunScope, function_bindings, present_check, settle
 
 log = logging.getLogger(__name__)
@@ -360,6 +361,7 @@ def _open_run(ctx: Context, plan: WarmPlan, opts: _Options) -> tuple[RunScope, s
                 for k, v in stored_aot.items()
                 if k in indexed and carried.get(k + EXECUTABLE_SUFFIX) == v
             }
+    via_server = ctx.reads_via_server(plan.cache)
     scope = RunScope(
         ctx,
         plan,
@@ -370,7 +372,8 @@ def _open_run(ctx: Context, plan: WarmPlan, opts: _Options) -> tuple[RunScope, s
         indexed,
         stored_aot,
         function_bindings(plan) if opts.executables else {},
-        ctx.reads_via_server(plan.cache),
+        via_server,
+        ServerEntries(ctx, plan.cache, plan.environment) if via_server else None,
     )
     return scope, ns.url, carried is not None
 

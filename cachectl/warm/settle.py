@@ -16,6 +16,7 @@ from typing import Any, NamedTuple
 
 from cachectl.context import Context
 from cachectl.core import jax_seam
+from cachectl.core.errors import EntryConflict
 from cachectl.core.units import format_size
 from cachectl.index import NewEntry
 from cachectl.manifest import Bucket, resolve_callable
@@ -33,6 +34,7 @@ from cachectl.storage.entries import (
 from cachectl.warm.compiling import Outcome
 from cachectl.warm.plan import WarmPlan
 from cachectl.warm.reports import CACHED, COMPILED, FAILED, TOO_LARGE, BucketResult
+from cachectl.warm.server_held import ServerEntries
 
 log = logging.getLogger(__name__)
 
@@ -58,8 +60,10 @@ class RunScope:
     stored_aot: Known | None
     # Per function: what its stored executables are bound to (executables.FunctionBinding).
     bindings: dict[str, executables.FunctionBinding]
-    # Server mode without the root here: the server's rows say what is stored (service/node_upload.py).
+    # Server mode without the root here: the server's rows say what is stored (service/node_upload.py),
+    # and the server's entries are read into the node tier for JAX (warm/server_held.py).
     via_server: bool = False
+    server: ServerEntries | None = None
 
 
 class _Published(NamedTuple):
@@ -69,6 +73,11 @@ class _Published(NamedTuple):
     aot_error: str | None
     # (size, sha256) of the executable written now; None when none was written.
     aot_file: tuple[int, str] | None
+    # The bucket failed: the server refused its upload (``aot_error`` says why).
+    failed: bool = False
+    # (size, sha256) of the entry the row names: the server's where it held the key with other
+    # bytes (the executable is bound to those); None: the row's own.
+    entry: tuple[int, str] | None = None
 
 
 def settle(
@@ -195,10 +204,14 @@ def _settle_hit(scope: RunScope, bucket: Bucket, outcome: Outcome, rel: str) -> 
         origin="observed",
     )
     published = _publish(scope, row, bucket, outcome)
+    if published.failed:
+        return _result(bucket, outcome, FAILED, bytes=size, error=published.aot_error)
+    # In server mode the server held the entry: nothing was compiled, whatever was stored.
+    new_here = published.aot_file is not None and not scope.via_server
     return _result(
         bucket,
         outcome,
-        COMPILED if published.aot_file is not None else CACHED,
+        COMPILED if new_here else CACHED,
         bytes=size,
         aot_bytes=published.aot_bytes,
         aot_error=published.aot_error,
@@ -262,15 +275,19 @@ def _settle_written(scope: RunScope, bucket: Bucket, outcome: Outcome, rel: str)
         error = f"JAX wrote an entry that is not kept ({exc.message}); removed it"
         return _result(bucket, outcome, FAILED, bytes=size, error=error)
     published = _publish(scope, row, bucket, outcome)
-    scope.indexed[key] = (size, row.sha256)
+    if published.failed:
+        return _result(bucket, outcome, FAILED, bytes=size, error=published.aot_error)
+    entry = published.entry or (size, row.sha256)
+    scope.indexed[key] = entry
     return _result(
         bucket,
         outcome,
         COMPILED,
-        bytes=size,
+        bytes=entry[0],
         aot_bytes=published.aot_bytes,
         aot_error=published.aot_error,
-        written=_written(key, (size, row.sha256), published.aot_file),
+        # the server's entry, where it held the key, is not this run's file
+        written=_written(key, None if published.entry else entry, published.aot_file),
     )
 
 
@@ -357,10 +374,18 @@ def _bound_here(scope: RunScope, key: str, bucket: Bucket) -> bool:
 
 def _publish(scope: RunScope, row: NewEntry, bucket: Bucket, outcome: Outcome) -> _Published:
     """Index the entry JAX wrote, with ``<key>-aot`` written beside it unless the same one is
-    there, through ingest.publish."""
+    there, through ingest.publish. In server mode both go to the server first (an upload it
+    refuses fails the bucket), and the executable is made for the server's entry bytes."""
     key, stored, store = row.key, scope.stored_aot, scope.store
     data: bytes | None = None
     error: str | None = None
+    rebound: tuple[int, str] | None = None
+    if scope.via_server:
+        held = _server_entry(scope, row)
+        if isinstance(held, str):
+            return _Published(None, held, None, failed=True)
+        if held is not None:
+            row, rebound = replace(row, size=held[0], sha256=held[1]), held
     known = stored.get(key) if stored is not None else None
     if stored is None:
         pass
@@ -387,16 +412,11 @@ def _publish(scope: RunScope, row: NewEntry, bucket: Bucket, outcome: Outcome) -
         )
         row = replace(row, aot_size=len(data), aot_sha256=sha256(data))
     plan = scope.plan
-    if scope.via_server:
-        entry = (
-            None
-            if key in scope.indexed
-            else store.read_bytes(f"{scope.ns_rel}/{key}{CACHE_SUFFIX}")
-        )
+    if scope.via_server and data is not None:
         client = scope.ctx.index.client  # type: ignore[attr-defined]  # the http driver's
-        failed_upload = upload(client, plan.cache.name, plan.environment.digest, key, entry, data)
+        failed_upload = upload(client, plan.cache.name, plan.environment.digest, key, None, data)
         if failed_upload is not None:
-            return _Published(None, failed_upload, None)
+            return _Published(None, f"the executable: {failed_upload}", None, failed=True)
     published = ingest.publish(
         scope.ctx.index,
         plan.cache,
@@ -411,10 +431,38 @@ def _publish(scope: RunScope, row: NewEntry, bucket: Bucket, outcome: Outcome) -
     if failure is not None:
         return _Published(None, f"could not store the executable: {failure[1]}", None)
     if data is None:
-        return _Published(row.aot_size, error, None)
+        return _Published(row.aot_size, error, None, entry=rebound)
     assert stored is not None  # an executable is packed only with executables on
     stored[key] = (len(data), row.aot_sha256 or "")
-    return _Published(row.aot_size, error, (len(data), row.aot_sha256 or ""))
+    return _Published(row.aot_size, error, (len(data), row.aot_sha256 or ""), entry=rebound)
+
+
+def _server_entry(scope: RunScope, row: NewEntry) -> tuple[int, str] | str | None:
+    """Server mode: the entry this bucket's executable is bound to. None: the row's own (the
+    server holds those bytes, or took them now); (size, sha256) of the server's entry where it
+    holds the key with other bytes (a replica's compile of the same program), read into the node
+    tier in place of this run's; a str: why the bucket fails (an upload the server refused)."""
+    key = row.key
+    held = scope.indexed.get(key)
+    if held is None:  # the server lacks it: this run's entry goes up first
+        client = scope.ctx.index.client  # type: ignore[attr-defined]  # the http driver's
+        plan = scope.plan
+        data = scope.store.read_bytes(f"{scope.ns_rel}/{key}{CACHE_SUFFIX}")
+        try:
+            failed = upload(client, plan.cache.name, plan.environment.digest, key, data, None)
+        except EntryConflict:  # a replica's upload of the same program landed meanwhile
+            held = _indexed_now(scope, key)
+            if held is None:
+                return "the server refused the entry (it holds other bytes) but lists no row"
+        else:
+            return None if failed is None else f"the entry: {failed}"
+    if held[1] == row.sha256:
+        return None
+    assert scope.server is not None  # set whenever via_server is
+    _, why = scope.server.bring(key, held[1])
+    if why is not None:
+        return f"the server holds this program with other bytes, which could not be read: {why}"
+    return held
 
 
 def _indexed_now(scope: RunScope, key: str) -> tuple[int, str] | None:
@@ -439,7 +487,23 @@ def present_check(scope: RunScope, replace: bool = False) -> Callable[[str, Buck
     def present(key: str, bucket: Bucket) -> bool:
         entry = f"{ns_rel}/{key}{CACHE_SUFFIX}"
         if scope.via_server:  # the server holds what it indexed: nothing to compile or send
-            return key in indexed and (stored_aot is None or key in stored_aot)
+            held = indexed.get(key)
+            if held is None:
+                held = _indexed_now(scope, key) if store.exists(entry) else None
+                if held is None:  # this node's own file (an upload that failed): compiled again
+                    if store.exists(entry):
+                        log.warning("warm: %s is not on the server: removed, compiling it", entry)
+                        store.delete([entry, f"{ns_rel}/{key}{EXECUTABLE_SUFFIX}"])
+                    return False
+            elif stored_aot is None or key in stored_aot:
+                return True
+            # No executable yet: JAX loads the server's entry (a hit, not a compile), and the
+            # executable is made for it.
+            assert scope.server is not None  # set whenever via_server is
+            _, why = scope.server.bring(key, held[1])
+            if why is not None:
+                log.warning("warm: cannot read %s from the server (%s): compiling it", key, why)
+            return False
         if key not in indexed:
             if store.exists(entry) and (replace or _indexed_now(scope, key) is None):
                 why = "not signed" if replace else "not indexed (another writer's file)"
