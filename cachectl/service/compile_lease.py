@@ -4,7 +4,7 @@ JAX's cache asks ``get(key)``; on a miss it compiles and calls ``put(key)``. A p
 write takes the key's lease in the index before compiling (cachectl/index/compile_leases.py, or
 the server's routes in server mode) and a thread renews it every ttl/3 (CACHECTL_COMPILE_LEASE_TTL_S,
 10 s): a holder killed with kill -9 loses it within the ttl. ``put`` marks it ``written`` with
-the stored entry's sha256; a compile that ended without one (JAX did not write it, or it raised)
+the sha256 of the bytes handed to ``put``; a compile that ended without one (JAX did not write it, or it raised)
 marks it ``unwritten`` when pxla's compile stage ends, and the heartbeat stops after
 CACHECTL_COMPILE_LEASE_MAX_S whatever happens, so nothing holds a lease forever.
 
@@ -254,16 +254,15 @@ class CompileLeases:
             self._turn_off(exc)
             return None
 
-    def wrote(self, key: str) -> None:
-        """``put`` stored the entry: mark the lease written with the sha256 of what is stored
-        (JAX keeps the first file when two processes write one key)."""
+    def wrote(self, key: str, sha256: str) -> None:
+        """JAX's ``put`` was handed the entry: mark the lease written with the sha256 of the
+        bytes handed to it (trust/gate.py ``EntryGate.put``), never of a file read back: JAX's
+        put skips a key whose file exists, and that file may be a co-tenant's plant."""
         with self._lock:
             held = self._held.pop(key, None)
         if held is None or self._lessor is None:
             return
-        data = held.read(key)
-        sha = hashlib.sha256(data).hexdigest() if data is not None else None
-        self._finish(held, sha)
+        self._finish(held, sha256)
 
     def _compile_ended(self) -> None:
         """pxla's compile stage ended on this thread: a lease its put did not finish ends
