@@ -192,3 +192,109 @@ def test_a_lease_never_vouches_for_a_planted_entry(tmp_path: Path, request, inde
         later, err_b = service(owners["b"])
         assert later["out"] == 2.0, err_b[-3000:]
         assert later["hits"] == 0
+
+
+needs_unshare = pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("unshare") is None,
+    reason="a machine without the cache root is a mount namespace: needs root and unshare",
+)
+
+
+def _elsewhere(hidden: Path, argv: list[str]) -> list[str]:
+    """``argv`` on a machine where ``hidden`` (the server's cache root) is an empty directory."""
+    script = f'mount --make-rprivate / && mount -t tmpfs tmpfs {hidden} && exec "$@"'
+    return ["unshare", "-m", "bash", "-c", script, "elsewhere", *argv]
+
+
+def node_service(hidden: Path, env: dict[str, str]) -> tuple[dict[str, Any], str]:
+    done = subprocess.run(
+        _elsewhere(hidden, [sys.executable, "-c", SERVICE]),
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    return json.loads(done.stdout.strip().splitlines()[-1]), done.stderr
+
+
+@needs_unshare
+@pytest.mark.timeout(600)
+def test_a_node_upload_sends_the_bytes_put_was_handed(isolated_home, tmp_path: Path) -> None:
+    """Case 1. Server mode, the cache root on the server's machine only. The co-tenant makes
+    the writer node's tier directory first (a shared node cache) and plants ``x + 1006`` at f's
+    key. The writer service compiles f (2); JAX's put skips the taken key; what the service
+    uploads is the bytes it handed put, never the file found at the key, so the server indexes
+    f's own program and a second node computes 2, never 1007."""
+    from support.warming import invoke
+
+    from cachectl.storage.node_tier import source_dir
+
+    rel, evil = learned_entries(tmp_path)
+    invoke("path")  # the server's machine: the default cache, empty
+    token = invoke("token", "create", "--name", "nodes", "--role", "writer").stdout.split()[-1]
+    server = infra.start_server(
+        "cachectl-serve",
+        lambda port: [sys.executable, "-m", "cachectl", "serve", "--port", str(port)],
+        tmp_path / "logs",
+    )
+    try:
+        with shared_dir() as shared:
+            node_root = shared / "node"
+            node_root.mkdir()
+            node_root.chmod(0o1777)  # a node cache every tenant of the machine shares
+            plant(evil, Path(source_dir(str(node_root), server.url, "default")) / rel, shared / "s")
+            on_node = {"CACHECTL_SERVER": server.url, "CACHECTL_TOKEN": token}
+            writer = _base_env(tmp_path / "a", **on_node, CACHECTL_NODE_CACHE=str(node_root))
+            first, err = node_service(isolated_home, writer)
+            assert first["out"] == 2.0, err[-3000:]
+            assert "could not upload" not in err, err[-3000:]
+            other, err = node_service(isolated_home, _base_env(tmp_path / "b", **on_node))
+            assert other["out"] == 2.0, err[-3000:]
+            assert other["hits"] == 1, err[-3000:]  # f's own program, from the server
+    finally:
+        server.stop()
+
+
+MLP_SERVICE = r"""
+import json
+import numpy as np
+import jax
+from jax import monitoring
+seen = {"hits": 0}
+def on_event(event, **kw):
+    if event == "/jax/compilation_cache/cache_hits":
+        seen["hits"] += 1
+monitoring.register_event_listener(on_event)
+import cachectl
+cachectl.activate(telemetry=False)
+from examples import mlp
+f = jax.jit(mlp.forward)
+for b in (1, 8, 32):
+    f(mlp.init_params(), np.ones((b, 16), np.float32))
+print(json.dumps(seen))
+"""
+
+
+@pytest.mark.timeout(600)
+def test_an_entry_warm_rewrote_is_the_one_later_services_load(tmp_path: Path) -> None:
+    """Case 8, the README's MLP. A first deploy's service writes its 3 programs (and records
+    their sha256s in its owner's state); ``warm`` then rewrites those files and indexes them.
+    The owner's next service loads the warmed entries (3 hits, none refused): the index row is
+    the fact, the owner's own record counts only where the index has no row. verify is clean."""
+    env = _base_env(tmp_path / "owner")
+    first = subprocess.run(
+        [sys.executable, "-c", MLP_SERVICE], env=env, capture_output=True, text=True, cwd=REPO
+    )
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert list((Path(env["XDG_STATE_HOME"]) / "cachectl" / "written").iterdir())
+    warmed = json.loads(cachectl(env, "warm", "examples/mlp.yaml", "--json"))
+    assert warmed["summary"]["compiled"] == 3
+    again = subprocess.run(
+        [sys.executable, "-c", MLP_SERVICE], env=env, capture_output=True, text=True, cwd=REPO
+    )
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "refused JAX entry" not in again.stderr, again.stderr[-3000:]
+    assert json.loads(again.stdout.strip().splitlines()[-1])["hits"] == 3
+    assert json.loads(cachectl(env, "verify", "--json"))["plan"]["findings"] == []
