@@ -599,6 +599,9 @@ STORED_BYTES_OUTSIDE_THE_GATE = {
     ("cachectl/lifecycle/sync.py", "read_namespace", "read"),
     ("cachectl/service/mirror_push.py", "_triage", "read"),
     ("cachectl/service/mirror_push.py", "_executables_to_push", "read"),
+    # pull copies a file into a mirror when the gate's comparison (matches) says its bytes are
+    # the index row's; JAX reads the mirror through the gate.
+    ("cachectl/service/mirror.py", "_copy", "read"),
     # The node tier's fetch and read: the bytes go back to the gate (EntryGate.get, the
     # verified record's sha256 checked), which alone hands them to JAX.
     ("cachectl/service/node_source.py", "fetch", "read"),
@@ -608,7 +611,11 @@ STORED_BYTES_OUTSIDE_THE_GATE = {
 }
 _DESERIALIZERS = {"deserialize_executable", "deserialize_and_load"}
 _PICKLES = {"pickle", "_pickle", "cloudpickle", "dill", "marshal"}
-_READS = {"read_bytes", "read_text", "read", "open", "download_entry", "download_executable"}
+_READ_WORDS = ("read", "open", "download", "fetch", "cat")  # read_bytes, self._read, fs.cat_file
+
+
+def _a_read(name: str) -> bool:
+    return any(word in name.lower() for word in _READ_WORDS)
 _SUFFIX_NAMES = {"CACHE_SUFFIX", "EXECUTABLE_SUFFIX"}
 
 
@@ -646,7 +653,7 @@ def stored_byte_loaders(rel: str, source: str) -> set[tuple[str, str, str]]:
                     found.add((rel, where, "deserialize"))
                 elif owner in _PICKLES and name in ("loads", "load") and not _a_round_trip(child):
                     found.add((rel, where, "unpickle"))
-                elif name in _READS and any(_names_an_entry_file(p) for p in paths):
+                elif _a_read(name) and any(_names_an_entry_file(p) for p in paths):
                     found.add((rel, where, "read"))
             elif isinstance(child, (ast.Name, ast.Attribute)):
                 ident = child.id if isinstance(child, ast.Name) else child.attr
