@@ -616,6 +616,8 @@ _READ_WORDS = ("read", "open", "download", "fetch", "cat")  # read_bytes, self._
 
 def _a_read(name: str) -> bool:
     return any(word in name.lower() for word in _READ_WORDS)
+
+
 _SUFFIX_NAMES = {"CACHE_SUFFIX", "EXECUTABLE_SUFFIX"}
 
 

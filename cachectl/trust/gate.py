@@ -384,12 +384,6 @@ class EntryGate(jax_seam.EntryVerifier):
                 found.append(earlier)
         return tuple(found)
 
-    def expected(self, key: str) -> str | None:
-        accepted = self.accepts(key)
-        if accepted is None:
-            return jax_seam.ANY_ENTRY
-        return accepted[0] if accepted else None
-
     def get(self, key: str, base: Callable[[str], bytes | None]) -> bytes | None:
         """JAX's ``get``: the entry's bytes when a record names their sha256, else a miss
         (through the compile lease: ``missed``), so JAX compiles."""
