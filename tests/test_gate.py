@@ -146,10 +146,12 @@ def shared_dir() -> Iterator[Path]:
         shutil.rmtree(path, ignore_errors=True)
 
 
-def learned_entries(home: Path) -> tuple[str, bytes]:
+@pytest.fixture(scope="module")
+def learned(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, bytes]:
     """What the co-tenant learns in caches of its own: f's entry path relative to the cache root
     (the namespace is the environment's, the same on every machine like this one) and the bytes
-    of ``x + 1006`` compiled under the same name."""
+    of ``x + 1006`` compiled under the same name (once for the module's tests)."""
+    home = tmp_path_factory.mktemp("cotenant-own")
     found: dict[str, tuple[str, bytes]] = {}
     for add in ("1", "1006"):
         own = home / f"own-{add}"
@@ -163,13 +165,15 @@ def learned_entries(home: Path) -> tuple[str, bytes]:
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("index", ["sqlite", "postgresql"])
-def test_a_lease_never_vouches_for_a_planted_entry(tmp_path: Path, request, index: str) -> None:
+def test_a_lease_never_vouches_for_a_planted_entry(
+    tmp_path: Path, request, index: str, learned: tuple[str, bytes]
+) -> None:
     """Case 2. The co-tenant plants ``x + 1006`` at f's key in the shared cache before any
     compile. Owner A's service misses, takes the compile lease, compiles (2); JAX's put skips the
     taken key, and the lease is marked written with the sha256 of the bytes A handed put, not of
     the plant. Owner B's service on the same cache and index waits on that row, finds the plant's
     sha256 differs, and compiles: 2, never 1007."""
-    rel, evil = learned_entries(tmp_path)
+    rel, evil = learned
     with shared_dir() as shared:
         db = (
             f"sqlite:///{shared}/index.db"
@@ -221,7 +225,9 @@ def node_service(hidden: Path, env: dict[str, str]) -> tuple[dict[str, Any], str
 
 @needs_unshare
 @pytest.mark.timeout(600)
-def test_a_node_upload_sends_the_bytes_put_was_handed(isolated_home, tmp_path: Path) -> None:
+def test_a_node_upload_sends_the_bytes_put_was_handed(
+    isolated_home, tmp_path: Path, learned: tuple[str, bytes]
+) -> None:
     """Case 1. Server mode, the cache root on the server's machine only. The co-tenant makes
     the writer node's tier directory first (a shared node cache) and plants ``x + 1006`` at f's
     key. The writer service compiles f (2); JAX's put skips the taken key; what the service
@@ -231,7 +237,7 @@ def test_a_node_upload_sends_the_bytes_put_was_handed(isolated_home, tmp_path: P
 
     from cachectl.storage.node_tier import source_dir
 
-    rel, evil = learned_entries(tmp_path)
+    rel, evil = learned
     invoke("path")  # the server's machine: the default cache, empty
     token = invoke("token", "create", "--name", "nodes", "--role", "writer").stdout.split()[-1]
     server = infra.start_server(
