@@ -17,9 +17,10 @@ PACKAGES = ("cachectl", "server")
 # Function-local imports of project modules are for keeping a cheap path cheap
 # (activate() without SQLAlchemy, `import cachectl` without the serving runtime,
 # `cachectl --help` without the index); everything else imports at the top.
-MAX_LOCAL_PROJECT_IMPORTS = 12  # exec_hook (four) runs in every Python process exec starts: it
+MAX_LOCAL_PROJECT_IMPORTS = 13  # exec_hook (four) runs in every Python process exec starts: it
 # imports the seam, the write capture, the probe and activate only once JAX is imported and its
-# variables ask for them; activate's verifier imports service/verified.py (and the index's read SQL) at the first compile
+# variables ask for them; the gate (trust/gate.py) imports the index's read SQL at a service's
+# first compile, and storage/executables.py (the manifest's schema) at the first stored load
 # The read commands' path (`ls`, `stats`, `cache list`, `prune --dry-run` from the stdlib reader,
 # tests/test_cli_startup.py) defers, by (module, imported module), what only the other commands
 # or server mode need: the SQL index, the HTTP client, the executor, gc, verify, tokens.
@@ -576,3 +577,161 @@ def test_no_module_of_the_package_or_the_server_is_over_600_lines() -> None:
         if (n := len(path.read_text().splitlines())) > MAX_MODULE_LINES
     ]
     assert long == []
+
+
+# The gate (cachectl/trust/gate.py, ARCHITECTURE.md "The gate"): no other module reads an entry or
+# a stored executable for loading, or deserializes one. Found by ast: a call of a deserializer
+# (a backend's deserialize_executable, serialize_executable.deserialize_and_load), an unpickle
+# (pickle/cloudpickle/dill/marshal loads, any Unpickler; a round trip of one's own object,
+# ``pickle.loads(pickle.dumps(x))``, is not one), a read whose path names an entry or executable
+# file (CACHE_SUFFIX, EXECUTABLE_SUFFIX, "-cache", "-aot"), a class JAX's cache would call.
+GATE = "cachectl/trust/gate.py"
+# (module, enclosing function or class, what) outside the gate, each with why it loads nothing.
+STORED_BYTES_OUTSIDE_THE_GATE = {
+    # The seam's plumbing: JAX's get returns what the gate returns (tested below), nothing else.
+    ("cachectl/core/jax_cache_io.py", "VerifyingCache", "jax-cache"),
+    # The seam names JAX's unpickler class; only the gate unpickles with it.
+    ("cachectl/core/jax_executables.py", "pjrt_pickler_classes", "unpickle"),
+    # verify checks an executable's header and checksum: unpickles nothing.
+    ("cachectl/lifecycle/checks.py", "check_executable", "read"),
+    # sync hashes files to index them, and push uploads a mirror's files: nothing loads.
+    ("cachectl/lifecycle/sync.py", "_observe", "read"),
+    ("cachectl/lifecycle/sync.py", "read_namespace", "read"),
+    ("cachectl/service/mirror_push.py", "_triage", "read"),
+    ("cachectl/service/mirror_push.py", "_executables_to_push", "read"),
+    # pull copies a file into a mirror when the gate's comparison (matches) says its bytes are
+    # the index row's; JAX reads the mirror through the gate.
+    ("cachectl/service/mirror.py", "_copy", "read"),
+    # The node tier's fetch and read: the bytes go back to the gate (EntryGate.get, the
+    # verified record's sha256 checked), which alone hands them to JAX.
+    ("cachectl/service/node_source.py", "fetch", "read"),
+    ("cachectl/service/node_source.py", "read_entry", "read"),
+    # warm hashes the file at a bucket's key against what its put was handed, to index it.
+    ("cachectl/warm/settle.py", "_publish", "read"),
+}
+_DESERIALIZERS = {"deserialize_executable", "deserialize_and_load"}
+_PICKLES = {"pickle", "_pickle", "cloudpickle", "dill", "marshal"}
+_READ_WORDS = ("read", "open", "download", "fetch", "cat")  # read_bytes, self._read, fs.cat_file
+
+
+def _a_read(name: str) -> bool:
+    return any(word in name.lower() for word in _READ_WORDS)
+
+
+_SUFFIX_NAMES = {"CACHE_SUFFIX", "EXECUTABLE_SUFFIX"}
+
+
+def _names_an_entry_file(node: ast.AST) -> bool:
+    for sub in ast.walk(node):
+        if isinstance(sub, ast.Name) and sub.id in _SUFFIX_NAMES:
+            return True
+        if isinstance(sub, ast.Attribute) and sub.attr in _SUFFIX_NAMES:
+            return True
+        if isinstance(sub, ast.Constant) and str(sub.value).endswith(("-cache", "-aot")):
+            return True
+    return False
+
+
+def _a_round_trip(call: ast.Call) -> bool:
+    first = call.args[0] if call.args else None
+    return isinstance(first, ast.Call) and ast.unparse(first.func).endswith("dumps")
+
+
+def stored_byte_loaders(rel: str, source: str) -> set[tuple[str, str, str]]:
+    """(module, enclosing function or class, what) of each place ``source`` reads an entry or
+    executable file, deserializes or unpickles bytes, or makes a class JAX's cache calls."""
+    found: set[tuple[str, str, str]] = set()
+
+    def visit(node: ast.AST, where: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.Call):
+                func = child.func
+                name = ast.unparse(func).rsplit(".", 1)[-1]
+                owner = ast.unparse(func.value) if isinstance(func, ast.Attribute) else ""
+                paths = [*child.args, *(k.value for k in child.keywords)]
+                if name in ("read_bytes", "read_text") and isinstance(func, ast.Attribute):
+                    paths.append(func.value)  # Path(...).read_bytes()
+                if name in _DESERIALIZERS:
+                    found.add((rel, where, "deserialize"))
+                elif owner in _PICKLES and name in ("loads", "load") and not _a_round_trip(child):
+                    found.add((rel, where, "unpickle"))
+                elif _a_read(name) and any(_names_an_entry_file(p) for p in paths):
+                    found.add((rel, where, "read"))
+            elif isinstance(child, (ast.Name, ast.Attribute)):
+                ident = child.id if isinstance(child, ast.Name) else child.attr
+                if "unpickler" in ident.lower():
+                    found.add((rel, where, "unpickle"))
+            elif isinstance(child, ast.ClassDef) and any(
+                "CacheInterface" in ast.unparse(b) for b in child.bases
+            ):
+                found.add((rel, child.name, "jax-cache"))
+            inner = (
+                child.name
+                if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+                else where
+            )
+            visit(child, inner)
+
+    visit(ast.parse(source, filename=rel), "<module>")
+    return found
+
+
+def _loaders_outside_the_gate(sources: dict[str, str]) -> set[tuple[str, str, str]]:
+    found: set[tuple[str, str, str]] = set()
+    for rel, source in sources.items():
+        found |= stored_byte_loaders(rel, source)
+    return {f for f in found if f[0] != GATE} - STORED_BYTES_OUTSIDE_THE_GATE
+
+
+def _package_sources() -> dict[str, str]:
+    return {
+        str(p.relative_to(ROOT)): p.read_text()
+        for pkg in PACKAGES
+        for p in sorted((ROOT / pkg).rglob("*.py"))
+    }
+
+
+def test_only_the_gate_loads_stored_bytes() -> None:
+    sources = _package_sources()
+    gate = stored_byte_loaders(GATE, sources[GATE])
+    assert {w for _, _, w in gate} >= {"read", "deserialize", "unpickle"}, gate
+    outside = _loaders_outside_the_gate(sources)
+    assert outside == set(), (
+        "read stored bytes for loading, and deserialize or unpickle them, only in "
+        f"cachectl/trust/gate.py (the gate): {sorted(outside)}"
+    )
+    everywhere: set[tuple[str, str, str]] = set()
+    for rel, source in sources.items():
+        everywhere |= stored_byte_loaders(rel, source)
+    gone = STORED_BYTES_OUTSIDE_THE_GATE - everywhere
+    assert gone == set(), f"a listed reader is gone: take it off the list: {sorted(gone)}"
+    # The seam's verifying cache hands JAX what the gate returns, and tells it every put.
+    seam = ast.parse(sources["cachectl/core/jax_cache_io.py"])
+    (cache,) = [
+        n for n in ast.walk(seam) if isinstance(n, ast.ClassDef) and n.name == "VerifyingCache"
+    ]
+    methods = {f.name: f for f in cache.body if isinstance(f, ast.FunctionDef)}
+    assert [ast.unparse(s) for s in methods["get"].body] == [
+        "return verifier.get(key, self._base.get)"
+    ]
+    assert ast.unparse(methods["put"].body[-1]) == "verifier.put(key, bytes(value))"
+
+
+def test_the_gate_check_finds_a_module_that_loads_outside_it() -> None:
+    planted = """
+import pickle
+from cachectl.storage.entries import CACHE_SUFFIX, EXECUTABLE_SUFFIX
+
+def serve(store, key, backend):
+    meta = pickle.loads(store.read_bytes(key + EXECUTABLE_SUFFIX))
+    return backend.deserialize_executable(store.read_bytes(f"{key}{CACHE_SUFFIX}"), meta)
+
+def copy(path):
+    return pickle.loads(pickle.dumps(path))  # a round trip of one's own object
+"""
+    found = _loaders_outside_the_gate({"cachectl/dispatch/planted.py": planted})
+    assert found == {
+        ("cachectl/dispatch/planted.py", "serve", "read"),
+        ("cachectl/dispatch/planted.py", "serve", "unpickle"),
+        ("cachectl/dispatch/planted.py", "serve", "deserialize"),
+    }

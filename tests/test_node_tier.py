@@ -499,20 +499,19 @@ def test_a_writer_services_upload_is_quiet_on_a_conflict_and_warns_once(
 
         writer = uploads("writer")
         first = make_entry(b"first compile" * 100, compile_seconds=1)
-        (node / f"{keys[0]}-cache").write_bytes(first)
-        writer.wrote(keys[0])
+        writer.wrote(keys[0], first)
         path = f"/api/v1/caches/{MAIN}/environments/{s.digest}/entries/{keys[0]}"
         got = client.get(path, headers={"authorization": f"Bearer {s.tokens['reader']}"})
         assert got.status_code == 200 and got.content == first
 
-        (node / f"{keys[0]}-cache").write_bytes(make_entry(b"a hedge" * 100, compile_seconds=2))
-        writer.wrote(keys[0])  # 409 from the server: its first bytes stay
+        writer.wrote(
+            keys[0], make_entry(b"a hedge" * 100, compile_seconds=2)
+        )  # 409 from the server: its first bytes stay
         assert writer.sent == 1 and warned == []
 
         reader = uploads("reader")
         for key in keys[1:]:
-            (node / f"{key}-cache").write_bytes(make_entry(key.encode() * 50, compile_seconds=1))
-            reader.wrote(key)
+            reader.wrote(key, make_entry(key.encode() * 50, compile_seconds=1))
         assert reader.sent == 0 and len(warned) == 1, warned
         assert "could not upload entry" in warned[0] and "other nodes compile" in warned[0]
         for made in clients:

@@ -124,6 +124,12 @@ def test_a_planted_entry_is_refused_alone_and_a_signed_rewarm_never_signs_it(
 
     synced = json.loads(cachectl("sync", "--min-age", "0", "--json").stdout)
     assert synced["entries_added"] == 1
+    # verify names the records that disagree: index rows no signed list vouches for (issue 67).
+    checked = json.loads(cachectl("verify", "--json", code=None).stdout)["plan"]["findings"]
+    assert {(f["kind"], f["path"].rsplit("/", 1)[-1]) for f in checked} == {
+        ("records-disagree", f"{EVIL_KEY}-cache"),
+        ("records-disagree", f"{EVIL_KEY}-aot"),
+    }, checked
 
     # One planted file is not a denial of service: every signed bucket still loads.
     served = serve(tmp_path, manifest)

@@ -35,7 +35,7 @@ MAX_BUCKETS_ENV = "CACHECTL_MAX_BUCKETS"
 # The library modules named import them from here.
 # cachectl.trust.signing: the private key writers sign with when --sign-key is not given.
 SIGNING_KEY_ENV = "CACHECTL_SIGNING_KEY"
-# cachectl.service.verified: a service reads a cache nothing can verify only with this opt-in.
+# cachectl.trust.gate: a service reads a cache nothing can verify only with this opt-in.
 RUN_UNVERIFIED_ENV = "CACHECTL_RUN_UNVERIFIED_CODE"
 # cachectl.core.records (cachectl.trust.tokens): a server token's roles, least to most privileged.
 TOKEN_ROLES = ("reader", "writer", "admin")

@@ -92,37 +92,22 @@ def write_whatever_compile_time() -> Callable[[], None]:
 # -- a verifying persistent cache ----------------------------------------------------------------
 
 
-# What EntryVerifier.expected answers for a process that opted in to unverified code.
+# What the gate expects of an entry in a process that opted in to unverified code.
 ANY_ENTRY = "*"
 
 
 class EntryVerifier:
-    """What a verifying cache asks before it hands JAX an entry (cachectl/service/verified.py)."""
+    """What a verifying cache asks before it hands JAX an entry: the gate
+    (cachectl/trust/gate.py ``EntryGate``), which alone decides; this seam only plumbs."""
 
-    def expected(self, key: str) -> str | None:
-        """The sha256 the entry at ``key`` must have; None: report a miss without reading;
-        ANY_ENTRY: whatever is there (the process opted in to unverified code)."""
+    def get(self, key: str, base: Callable[[str], bytes | None]) -> bytes | None:
+        """The bytes JAX's ``get`` returns for ``key`` (None: a miss, JAX compiles). ``base``
+        is JAX's own file cache's get."""
         raise NotImplementedError
 
-    def refused(self, key: str, why: str) -> None:
-        """The entry at ``key`` was read and refused (``why``); JAX compiles it in memory."""
-
-    def wrote(self, key: str, sha256: str) -> None:
-        """This process wrote the entry at ``key`` (its own compile): it may read it back."""
-
-    def read_entry(
-        self, key: str, expected: str, base: Callable[[str], bytes | None]
-    ) -> bytes | None:
-        """The read path: the bytes JAX is handed for ``key`` (checked by the caller against
-        ``expected``). ``base`` is JAX's own cache's get; a node tier (service/node_source.py)
-        reads this node's copy first and fetches a missing one from the remote instead."""
-        return base(key)
-
-    def missed(self, key: str, read: Callable[[str], bytes | None]) -> bytes | None:
-        """Nothing verified is stored at ``key``: the entry's bytes to use after all (another
-        process compiled them meanwhile: service/compile_lease.py), or None to compile. ``read``
-        reads what is stored at a key."""
-        return None
+    def put(self, key: str, value: bytes) -> None:
+        """JAX's ``put`` was handed ``value`` for ``key`` (JAX wrote it, or skipped it because a
+        file was already at the key)."""
 
 
 # The files JAX's file cache writes per key: the entry, and its access time where it evicts.
@@ -131,13 +116,10 @@ _ENTRY_SUFFIXES = ("-cache", "-atime")
 
 def install_verifying_cache(path: str, verifier: EntryVerifier) -> None:
     """From the next time JAX opens its persistent cache at ``path`` (it does that at its first
-    compile, and again after reset_persistent_cache), its ``get`` returns an entry's bytes only when
-    their sha256 is the one ``verifier`` expects for that key, and otherwise reports a miss, so JAX
-    compiles in memory. JAX opens the cache in ``compilation_cache._initialize_cache`` through the
+    compile, and again after reset_persistent_cache), its ``get`` returns what ``verifier`` (the
+    gate) returns for that key, and its ``put`` tells the verifier the bytes it was handed. JAX opens the cache in ``compilation_cache._initialize_cache`` through the
     module's ``get_file_cache(path)`` (jax 0.9 to 0.12: tests/test_jax_seam.py); the wrapper
     replaces that function once, and a later call replaces the verifier."""
-    import hashlib
-
     from jax._src import compilation_cache
     from jax._src.compilation_cache_interface import CacheInterface
 
@@ -160,23 +142,7 @@ def install_verifying_cache(path: str, verifier: EntryVerifier) -> None:
             self._base._path = value
 
         def get(self, key: str) -> bytes | None:
-            expected = verifier.expected(key)
-            if expected is None:
-                return verifier.missed(key, self._read_any)
-            data = verifier.read_entry(key, expected, self._base.get)
-            if data is None and expected != ANY_ENTRY:
-                return verifier.missed(key, self._read_any)
-            if data is None or expected == ANY_ENTRY:
-                return data
-            if hashlib.sha256(data).hexdigest() != expected:
-                verifier.refused(key, "its sha256 differs from its verified record")
-                return None
-            return bytes(data)
-
-        def _read_any(self, key: str) -> bytes | None:
-            """What is stored at ``key`` now, read as JAX reads it (through a node tier): a
-            waiter's read of the entry another process compiled; the waiter checks its sha256."""
-            return verifier.read_entry(key, ANY_ENTRY, self._base.get)
+            return verifier.get(key, self._base.get)
 
         def put(self, key: str, value: bytes) -> None:
             self._base.put(key, value)
@@ -184,7 +150,7 @@ def install_verifying_cache(path: str, verifier: EntryVerifier) -> None:
             if "://" not in local:  # JAX writes at the umask's mode: never world-writable
                 for suffix in _ENTRY_SUFFIXES:
                     without_world_write(os.path.join(local, key + suffix))
-            verifier.wrote(key, hashlib.sha256(value).hexdigest())
+            verifier.put(key, bytes(value))
 
     def get_file_cache(path: str) -> tuple[CacheInterface, str] | None:
         made = original(path)

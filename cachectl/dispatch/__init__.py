@@ -14,7 +14,7 @@ warning per function: never worse off than plain JAX.
 Six modules, one job each: ``calls.py`` fits a call to a bucket on the host (argument
 plans, :func:`mask`); ``padding.py`` says what a pytree leaf may be padded with
 (:class:`OutOfBucket`); ``loading.py`` chooses and loads each bucket's stored executable
-(verified by ``service/verified.py``); ``served_function.py`` is one function's call path
+(verified by ``trust/gate.py``); ``served_function.py`` is one function's call path
 (:class:`ServedFunction`: fit, call the stored executable or ``jax.jit``, cut, count) and
 the calls no request makes (warm-up, warm-check's); ``router.py`` is the :class:`Serving`
 object (the functions by name, loading and warming up every bucket) and :func:`serving`;

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
 import threading
@@ -17,10 +16,6 @@ from cachectl.core.config import load_settings
 from cachectl.manifest import Bucket, FunctionSpec
 from cachectl.service import node_source
 from cachectl.service.service_index import open_service_index
-from cachectl.service.verified import (
-    Verified,
-    namespace_verified,
-)
 from cachectl.storage import executables
 from cachectl.storage.entries import (
     CACHE_SUFFIX,
@@ -30,6 +25,7 @@ from cachectl.storage.entries import (
 )
 from cachectl.storage.node_tier import NodeFiles
 from cachectl.storage.store import Store
+from cachectl.trust.gate import Verified, load_executable, namespace_verified
 
 
 class Slot:
@@ -192,24 +188,13 @@ class Executables:
         return reason  # the function's one fallback warning says it (router._via_jit)
 
     def load(self, slot: Slot) -> None:
-        """Read the bucket's executable and JAX entry, refuse either if its sha256 is not the
-        index's, deserialize; any failure becomes the slot's reason to serve through jit."""
+        """Load the bucket's executable through the gate (trust/gate.py ``load_executable``:
+        both files' sha256s against the verified record, then deserialize); any failure
+        becomes the slot's reason to serve through jit."""
         started = time.perf_counter()
         assert slot.key is not None
         try:
-            data = self._read(slot.key + EXECUTABLE_SUFFIX)
-            entry = self._read(slot.key + CACHE_SUFFIX)
-            if self._indexed is not None:
-                entry_sha, aot_sha, _ = self._indexed[slot.key]
-                if hashlib.sha256(data).hexdigest() != aot_sha:
-                    raise executables.ExecutableError(
-                        "refused: its sha256 differs from its verified record"
-                    )
-                if hashlib.sha256(entry).hexdigest() != entry_sha:
-                    raise executables.ExecutableError(
-                        "refused: the JAX entry's sha256 differs from its verified record"
-                    )
-            header, compiled = executables.load(data, entry)
+            header, compiled = load_executable(slot.key, self._read, self._indexed)
             # Kernels JAX readies only when it lowers (LAPACK, ...): ready before the first call.
             problems = jax_seam.prepare_custom_calls(header.custom_calls)
             if problems:
@@ -296,7 +281,7 @@ def _verified_shas(
     warnings: list[str],
     node: NodeFiles | None = None,
 ) -> Verified | None:
-    """What executables may load, and their sha256s (cachectl/service/verified.py, the same
+    """What executables may load, and their sha256s (cachectl/trust/gate.py, the same
     answer JAX's own cache gets); nothing where nothing can verify, unless the process opted in
     to running unverified code: then None, and the warning says so."""
     settings = load_settings(db=db, cache=activation.cache)

@@ -13,14 +13,14 @@ import json
 import subprocess
 import sys
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from cachectl.core import jax_seam
 from cachectl.core.probe import ISOLATED_CWD, isolated
-from cachectl.storage.entries import CorruptEntry, entry_payload
+from cachectl.storage.entries import CorruptEntry
 from cachectl.storage.store import Store
+from cachectl.trust.gate import deserialize_entry
 
 # One load should take well under a second; a child stuck this long is killed.
 DEFAULT_TIMEOUT_S = 600.0
@@ -33,18 +33,20 @@ class DeepProblem:
 
 
 def load_all(
-    store: Store, paths: Sequence[str], *, timeout_s: float = DEFAULT_TIMEOUT_S
+    store: Store, rows: Mapping[str, str], *, timeout_s: float = DEFAULT_TIMEOUT_S
 ) -> list[DeepProblem]:
-    """Load each entry at ``paths`` (relative to the store) in child processes; report failures."""
-    if not paths:
+    """Load each entry at ``rows``' paths (relative to the store) in child processes, each only
+    when its bytes have the sha256 of its index row (the gate, trust/gate.py); report failures."""
+    if not rows:
         return []
     problems: list[DeepProblem] = []
+    paths = list(rows)
     with tempfile.TemporaryDirectory(prefix="cachectl-deep-") as tmp:
         files = []
         for n, path in enumerate(paths):
             local = Path(tmp) / f"{n}.entry"
             local.write_bytes(store.read_bytes(path))
-            files.append(str(local))
+            files.append([str(local), rows[path]])
         todo = list(range(len(paths)))
         while todo:
             done, failed, crashed_at, detail = _run_child([files[i] for i in todo], timeout_s)
@@ -58,7 +60,9 @@ def load_all(
     return problems
 
 
-def _run_child(files: list[str], timeout_s: float) -> tuple[int, dict[int, str], int | None, str]:
+def _run_child(
+    files: list[list[str]], timeout_s: float
+) -> tuple[int, dict[int, str], int | None, str]:
     """(loaded, {index: error}, index being loaded when the child died or None, why it died)."""
     try:
         proc = subprocess.run(
@@ -103,21 +107,16 @@ def _run_child(files: list[str], timeout_s: float) -> tuple[int, dict[int, str],
 
 
 def _main() -> None:
-    """The child: load each file as JAX's own cache hit does, one line of progress per file."""
+    """The child: load each file as JAX's own cache hit does, through the gate (its bytes must
+    have their index row's sha256), one line of progress per file."""
     import jax
 
     files = json.loads(sys.stdin.read())
-    backend = jax.devices()[0].client
-    every = jax_seam.device_list(backend.devices())
-    first = jax_seam.device_list(backend.devices()[:1])
-    for n, path in enumerate(files):
+    every = jax.devices()[0].client.devices()
+    for n, (path, sha256) in enumerate(files):
         print("start", n, flush=True)
         try:
-            data = entry_payload(Path(path).read_bytes())
-            try:
-                backend.deserialize_executable(data, executable_devices=every)
-            except Exception:  # noqa: BLE001 - a one-device program: try its own device list
-                backend.deserialize_executable(data, executable_devices=first)
+            deserialize_entry(Path(path).read_bytes(), sha256, every)
         except CorruptEntry as exc:
             print("error", n, f"not an entry: {exc}".replace("\n", " "), flush=True)
             continue

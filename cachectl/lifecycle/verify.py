@@ -65,14 +65,14 @@ def deep_findings(
     except Exception:  # noqa: BLE001 - this machine's environment is not in this cache
         return []
     bad = {f.path for f in plan.findings}
-    paths = [
-        p
-        for p in (
-            f"{info.namespace}/{key}{CACHE_SUFFIX}"
-            for key in sorted(entry_digests(ctx.index.sql, info.id))
+    rows = entry_digests(ctx.index.sql, info.id)
+    paths = {
+        p: sha
+        for p, sha in (
+            (f"{info.namespace}/{key}{CACHE_SUFFIX}", rows[key][1]) for key in sorted(rows)
         )
         if p not in bad
-    ]
+    }
     return [
         VerifyFinding(
             NOT_LOADABLE,

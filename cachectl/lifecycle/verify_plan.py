@@ -49,6 +49,7 @@ from cachectl.lifecycle.verify_records import (
     ORPHAN_AOT,
     ORPHAN_ATIME,
     QUARANTINE,
+    RECORDS_DISAGREE,
     SERVICE_WRITE,
     STALE_TEMP,
     STRAY,
@@ -72,6 +73,7 @@ from cachectl.storage.entries import (
 )
 from cachectl.storage.namespace import QUARANTINE_DIR, read_env_json
 from cachectl.storage.store import Store, ordered_map, read_workers
+from cachectl.trust import signing
 
 
 class Unknown(NamedTuple):
@@ -264,6 +266,8 @@ class _Planner:
         self._subcaches(space)
         if self.cache.effective_service_writes == "deny":
             self._service_writes(space)
+        if self.cache.trusted_keys:
+            self._disagreeing(space)
         entry_keys, aot_keys = self._files(space)
         self._missing(space, entry_keys, aot_keys)
 
@@ -298,6 +302,28 @@ class _Planner:
                     environment_id=space.env.id,
                     key=key,
                 )
+            )
+
+    def _disagreeing(self, space: _Namespace) -> None:
+        """Files the gate refuses although the index lists them: the cache trusts keys, and no
+        list a trusted key signed names the index row's sha256 (trust/gate.py)."""
+        ns = space.namespace
+        try:
+            info = self.ctx.index.get_environment(self.cache.name, space.env.digest)
+            names = signing.unsigned_files(self.ctx.index, self.cache, info) or []
+        except Exception as exc:  # noqa: BLE001 - an unreadable list: every file is refused
+            names, why = [ns], f"the signed content list cannot be read ({exc})"
+        else:
+            why = (
+                "the index row and the content list a trusted key signed disagree (or the list "
+                "lacks it): every service refuses this file and compiles its program; re-sign "
+                "with a trusted key (`cachectl warm --sign-key`)"
+            )
+        for name in sorted(names):
+            path = name if name == ns else f"{ns}/{name}"
+            key = name.removesuffix(CACHE_SUFFIX).removesuffix(EXECUTABLE_SUFFIX)
+            self.plan.findings.append(
+                VerifyFinding(RECORDS_DISAGREE, ns, path, why, environment_id=space.env.id, key=key)
             )
 
     def _files(self, space: _Namespace) -> tuple[set[str], set[str]]:

@@ -28,6 +28,9 @@ XLA_SUBCACHE = "xla-subcache"  # an XLA sub-cache directory: keys become path-de
 STRAY = "stray-file"  # a file in the root outside every namespace: reported
 SERVICE_WRITE = "service-write"  # a service wrote an entry although the cache denies service writes
 NOT_LOADABLE = "not-loadable"  # --deep: the header is fine but JAX cannot load the executable
+# The records the gate trusts (trust/gate.py) disagree so that it refuses a file: an index row that
+# no list a trusted key signed vouches for (another sha256, or not listed): reported.
+RECORDS_DISAGREE = "records-disagree"
 # A dead writer's .tmp-* file or bundle staging directory (lifecycle/sweep.py): deleted (repair).
 # One whose writer may still be writing is not a finding.
 STALE_TEMP = "stale-temp"

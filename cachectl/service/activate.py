@@ -247,7 +247,7 @@ def activate(
     Nothing here raises for a broken index or bucket; the only error is asking
     for a different cache directory than the one JAX already opened.
 
-    JAX reads only entries it can verify (cachectl/service/verified.py: a trusted key's signed
+    JAX reads only entries it can verify (cachectl/trust/gate.py: a trusted key's signed
     list, else the sha256s the index recorded), asked once at the first compile; anything else
     compiles in memory, with one warning. ``run_unverified_code=True`` (or
     ``CACHECTL_RUN_UNVERIFIED_CODE=1``) reads whatever is there when nothing can verify.

@@ -197,8 +197,9 @@ def for_service(
 def read_entry(
     node: RemoteFiles, key: str, expected: str, refused: Callable[[str, str], None]
 ) -> bytes | None:
-    """JAX's read of ``key`` through the node tier (jax_seam.EntryVerifier.read_entry): None is
-    a miss, and JAX compiles (the remote lacks it, refused it, or cannot be reached)."""
+    """JAX's read of ``key`` through the node tier (the gate's read path, trust/gate.py
+    ``EntryGate.read_entry``): None is a miss, and JAX compiles (the remote lacks it, refused
+    it, or cannot be reached)."""
     try:
         return node.read(key + CACHE_SUFFIX, None if expected == ANY_ENTRY else expected)
     except FileNotFoundError:

@@ -8,7 +8,8 @@ the server checks and indexes as any upload (cachectl/storage/ingest.py, the one
 Two writers send that way: ``cachectl warm`` (warm/settle.py) and a service allowed to write
 (``--service-writes allow`` and a writer token), at each entry JAX stores, before its compile
 lease is marked written (service/compile_lease.py), so a waiter on another node finds the
-entry on the server when it reads.
+entry on the server when it reads. What is sent is the bytes the process handed JAX's ``put``
+(trust/gate.py ``EntryGate.put``), never the file found at the key.
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ from typing import Any
 
 from cachectl.core.errors import CachectlError, EntryConflict, PermissionDenied
 from cachectl.index.open import driver
-from cachectl.storage.entries import CACHE_SUFFIX
 
 log = logging.getLogger(__name__)
 
@@ -68,13 +68,13 @@ class ServiceUploads:
         self._lock = threading.Lock()
         self.sent = 0
 
-    def wrote(self, key: str) -> None:
-        """JAX stored ``key`` in the node tier: send it to the server (before the lease says so)."""
+    def wrote(self, key: str, data: bytes) -> None:
+        """JAX's put was handed ``data`` for ``key``: send those bytes to the server (before the
+        lease says written), never the file at the key, which JAX's put leaves as it found it
+        (a co-tenant's plant in a shared node directory)."""
         if self._off:
             return
         try:
-            with open(f"{self.directory}/{key}{CACHE_SUFFIX}", "rb") as fh:
-                data = fh.read()
             with self._lock:
                 if self._client is None:
                     self._client = self._client_of()

@@ -9,8 +9,9 @@ reads both files, checks the entry is the one the artifact was made with
 (sha256), and rebuilds a ``jax.stages.Compiled``. So a namespace gains a few KB
 per bucket, not a second copy of every program (docs/jax-facts.md, fact 7 for why loading is trusted).
 
-Loading an artifact is code execution, like loading a JAX entry: only load
-what a trusted writer stored, and refuse bytes the index does not know.
+Loading an artifact is code execution, like loading a JAX entry: only the gate
+(cachectl/trust/gate.py ``load_executable``) loads one, after its sha256 and its entry's
+matched a record the cache trusts; this module packs artifacts and reads their headers.
 
 Every JAX internal this reads (the pickler classes, the private parts of a
 ``jax.stages.Compiled``) is in cachectl/core/jax_seam.py, pinned by tests/test_jax_seam.py.
@@ -27,7 +28,7 @@ from typing import Any
 
 from cachectl.core import jax_seam
 from cachectl.manifest.schema import as_data
-from cachectl.storage.entries import EXECUTABLE_SUFFIX, CorruptEntry, entry_payload
+from cachectl.storage.entries import EXECUTABLE_SUFFIX, CorruptEntry
 
 MAGIC = b"CCTLAOT\x01"
 FORMAT = 1
@@ -35,7 +36,7 @@ FORMAT = 1
 _MAX_HEADER = 64 * 1024
 _LEN_BYTES = 4
 # What the payload holds in place of the XLA executable.
-_ENTRY_REF = ("cachectl-entry",)
+ENTRY_REF = ("cachectl-entry",)
 
 
 class ExecutableError(Exception):
@@ -242,7 +243,7 @@ def payload_of(compiled: Any) -> bytes:
     class _EntryRefPickler(pickler_base):  # type: ignore[misc, valid-type]
         def persistent_id(self, obj: Any) -> Any:
             if isinstance(obj, executable_types):
-                return _ENTRY_REF
+                return ENTRY_REF
             return super().persistent_id(obj)
 
     unloaded = jax_seam.unloaded_executable(compiled)
@@ -387,11 +388,11 @@ def serialize(
 
 def read_header(data: bytes) -> ExecutableHeader:
     """Parse and check an artifact's header and payload checksum; unpickles nothing."""
-    header, _ = _split(data)
+    header, _ = split_artifact(data)
     return header
 
 
-def _split(data: bytes) -> tuple[ExecutableHeader, bytes]:
+def split_artifact(data: bytes) -> tuple[ExecutableHeader, bytes]:
     if not data.startswith(MAGIC):
         raise CorruptEntry("not a cachectl stored executable (bad magic)")
     start = len(MAGIC) + _LEN_BYTES
@@ -415,62 +416,3 @@ def _split(data: bytes) -> tuple[ExecutableHeader, bytes]:
             "stored executable payload does not match its checksum (truncated or altered)"
         )
     return header, payload
-
-
-def load(data: bytes, entry_bytes: bytes, *, devices: Any = None) -> tuple[ExecutableHeader, Any]:
-    """Rebuild the ``jax.stages.Compiled`` from an artifact and its JAX entry's bytes.
-
-    Raises CorruptEntry for bytes that are not an intact artifact, ExecutableError when
-    the entry is not the one the artifact was made with or JAX refuses to load it.
-    """
-    import jax
-
-    header, payload = _split(data)
-    if hashlib.sha256(entry_bytes).hexdigest() != header.entry_sha256:
-        raise ExecutableError(
-            "the JAX entry is not the one this executable was stored with (sha256 differs)"
-        )
-    if header.jax_version != jax.__version__:
-        raise ExecutableError(
-            f"stored with jax {header.jax_version}, this process runs jax {jax.__version__}"
-        )
-    executable = entry_payload(entry_bytes)
-    _, unpickler_base, _ = _pickler_classes()
-
-    class _EntryRefUnpickler(unpickler_base):  # type: ignore[misc, valid-type]
-        def persistent_load(self, pid: Any) -> Any:
-            if tuple(pid) == _ENTRY_REF:
-                return self.backend.deserialize_executable(
-                    executable, executable_devices=self.execution_devices
-                )
-            return super().persistent_load(pid)
-
-    try:
-        meta, in_tree, out_tree, device_ids = pickle.loads(payload)
-        backend = (devices[0] if devices else jax.devices()[0]).client
-        if devices:
-            execution = list(devices)
-        else:
-            by_id = {d.id: d for d in backend.devices()}
-            missing = [i for i in device_ids if i not in by_id]
-            if missing:
-                raise ExecutableError(
-                    f"stored for devices {device_ids}; this process has no device {missing[0]}"
-                )
-            execution = [by_id[i] for i in device_ids]
-        unloaded, args_info_flat, no_kwargs = _EntryRefUnpickler(
-            io.BytesIO(meta), backend, execution
-        ).load()
-        if in_tree is None or out_tree is None:
-            compiled = Unbound(unloaded.load(), args_info_flat, out_tree, no_kwargs, in_tree)
-        else:
-            compiled = jax_seam.make_compiled(
-                unloaded.load(), in_tree.unflatten(args_info_flat), out_tree, no_kwargs
-            )
-    except (CorruptEntry, ExecutableError):
-        raise
-    except Exception as exc:  # noqa: BLE001 - whatever JAX raises, the caller falls back to jit
-        raise ExecutableError(
-            f"JAX could not load the stored executable: {type(exc).__name__}: {exc}"
-        ) from None
-    return header, compiled
