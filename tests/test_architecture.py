@@ -606,8 +606,12 @@ STORED_BYTES_OUTSIDE_THE_GATE = {
     # verified record's sha256 checked), which alone hands them to JAX.
     ("cachectl/service/node_source.py", "fetch", "read"),
     ("cachectl/service/node_source.py", "read_entry", "read"),
-    # warm hashes the file at a bucket's key against what its put was handed, to index it.
-    ("cachectl/warm/settle.py", "_publish", "read"),
+    # warm, in server mode, uploads the file at a bucket's key only when its sha256 is still
+    # its row's, which is one this run's put was handed.
+    ("cachectl/warm/settle.py", "_server_entry", "read"),
+    # a stored executable's header (no unpickle), to tell whether serving would use it or warm
+    # stores it again; serving loads it through the gate.
+    ("cachectl/warm/settle.py", "_bound_here", "read"),
 }
 _DESERIALIZERS = {"deserialize_executable", "deserialize_and_load"}
 _PICKLES = {"pickle", "_pickle", "cloudpickle", "dill", "marshal"}

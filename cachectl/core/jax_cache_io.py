@@ -109,6 +109,21 @@ class EntryVerifier:
         """JAX's ``put`` was handed ``value`` for ``key`` (JAX wrote it, or skipped it because a
         file was already at the key)."""
 
+    def handed(self, key: str) -> str | None:
+        """The sha256 of the entry this process handed JAX for ``key`` (one the gate let through
+        ``get``, or one JAX's ``put`` was handed); None: none. What a writer binds to it (a stored
+        executable) is bound to those bytes, never to a file read back at the key."""
+        return None
+
+
+# The verifier installed for each cache directory (install_verifying_cache), by its path.
+_VERIFIERS: dict[str, EntryVerifier] = {}
+
+
+def verifier_at(path: str) -> EntryVerifier | None:
+    """The gate JAX's cache at ``path`` reads through in this process, or None."""
+    return _VERIFIERS.get(str(path).rstrip("/"))
+
 
 # The files JAX's file cache writes per key: the entry, and its access time where it evicts.
 _ENTRY_SUFFIXES = ("-cache", "-atime")
@@ -126,6 +141,7 @@ def install_verifying_cache(path: str, verifier: EntryVerifier) -> None:
     original = getattr(compilation_cache.get_file_cache, "_cachectl_original", None)
     original = original or compilation_cache.get_file_cache
     wanted = str(path).rstrip("/")
+    _VERIFIERS[wanted] = verifier
 
     class VerifyingCache(CacheInterface):
         """JAX's own file cache, read only through ``verifier``."""

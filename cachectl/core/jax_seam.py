@@ -66,6 +66,7 @@ from cachectl.core.jax_cache_io import (  # noqa: F401 - the seam's API
     remember_puts,
     reset_persistent_cache,
     uninstall_verifying_cache,
+    verifier_at,
     write_whatever_compile_time,
 )
 from cachectl.core.jax_cache_key import (  # noqa: F401 - the seam's API

@@ -16,9 +16,7 @@ whose executable cannot be made or is refused is served through jit as before, w
 
 from __future__ import annotations
 
-import hashlib
 import logging
-import os
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -30,7 +28,6 @@ from cachectl.manifest import build_call, lowering_scope
 from cachectl.service import node_source
 from cachectl.service.node_upload import upload
 from cachectl.storage import executables
-from cachectl.storage.entries import CACHE_SUFFIX
 
 log = logging.getLogger("cachectl.dispatch")
 
@@ -75,11 +72,10 @@ class WriteBack:
         if key is None:
             self._say(served.name, "JAX gave this program no persistent-cache key")
             return compiled
-        try:
-            with open(os.path.join(self.directory, key + CACHE_SUFFIX), "rb") as fh:
-                entry_sha256 = hashlib.sha256(fh.read()).hexdigest()
-        except OSError:
-            self._say(served.name, "JAX did not keep its entry on this node")
+        gate = jax_seam.verifier_at(self.directory)
+        entry_sha256 = gate.handed(key) if gate is not None else None
+        if entry_sha256 is None:  # bound to the bytes the gate handed JAX, never a file read back
+            self._say(served.name, "JAX was handed no verified entry for it on this node")
             return compiled
         data = executables.pack(
             payload,

@@ -332,6 +332,7 @@ class EntryGate(jax_seam.EntryVerifier):
         self._any = False
         self._earlier: dict[str, str] = {}  # pins.written: this owner's earlier puts
         self._puts: dict[str, set[str]] = {}  # this process's own puts
+        self._handed: dict[str, str] = {}  # key -> sha256 of the bytes last handed to JAX
         self._lock = threading.Lock()
 
     def records(self) -> dict[str, str]:
@@ -395,10 +396,17 @@ class EntryGate(jax_seam.EntryVerifier):
         data = self.read_entry(key, accepted[0], base)
         if data is None:
             return self.missed(key, lambda k: self.read_entry(k, jax_seam.ANY_ENTRY, base))
-        if sha256_of(data) not in accepted:
+        sha = sha256_of(data)
+        if sha not in accepted:
             self.refused(key, "its sha256 differs from its verified record")
             return None
+        with self._lock:
+            self._handed[key] = sha
         return bytes(data)
+
+    def handed(self, key: str) -> str | None:
+        with self._lock:
+            return self._handed.get(key)
 
     def put(self, key: str, value: bytes) -> None:
         """JAX's ``put`` was handed ``value`` for ``key`` (whether or not it wrote it: JAX skips a
@@ -407,6 +415,7 @@ class EntryGate(jax_seam.EntryVerifier):
         sha = sha256_of(value)
         with self._lock:
             self._puts.setdefault(key, set()).add(sha)
+            self._handed[key] = sha
         settings, digest = self._args[0], self._args[1]
         pins.remember_written(settings.server or settings.db, settings.cache, digest, key, sha)
         self.after_put(key, sha, value)

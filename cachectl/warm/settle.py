@@ -448,6 +448,8 @@ def _server_entry(scope: RunScope, row: NewEntry) -> tuple[int, str] | str | Non
         client = scope.ctx.index.client  # type: ignore[attr-defined]  # the http driver's
         plan = scope.plan
         data = scope.store.read_bytes(f"{scope.ns_rel}/{key}{CACHE_SUFFIX}")
+        if sha256(data) != row.sha256:  # the row's sha256 is one this run's put was handed
+            return "the file at its key changed since this run's JAX wrote it: not uploaded"
         try:
             failed = upload(client, plan.cache.name, plan.environment.digest, key, data, None)
         except EntryConflict:  # a replica's upload of the same program landed meanwhile
