@@ -315,10 +315,14 @@ def _through_server(w: World, mode: str, moment: str, db: str) -> dict[str, Seen
     index = _index(w, db, machine) if fresh else (machine / "index-url").read_text()
     (machine / "index-url").write_text(index)
     host = cotenant.clean_env(**cotenant.home(machine / "home"), CACHECTL_DB=index)
-    cache = f"c{len(w.outcomes)}"
-    _cachectl(
-        host, machine, "cache", "add", cache, str(machine / cache), "--service-writes", "allow"
-    )
+    if mode == "down":  # the default cache: a node finds its root without the index
+        cache = "default"
+        _cachectl(host, machine, "path")
+        _cachectl(host, machine, "cache", "set", cache, "--service-writes", "allow")
+    else:
+        cache = f"c{len(w.outcomes)}"
+        root = str(machine / cache)
+        _cachectl(host, machine, "cache", "add", cache, root, "--service-writes", "allow")
     if fresh:
         token = _cachectl(host, machine, "token", "create", "--name", "n", "--role", "writer")
         (machine / "token").write_text(token.stdout.strip().splitlines()[-1])

@@ -124,12 +124,13 @@ def file_plant(source: Path, target: Path) -> list[str]:
 def bucket_plant(endpoint: str, source: Path, url: str) -> list[str]:
     """The command by which the co-tenant puts ``source``'s bytes at ``url`` (s3://) with its own
     bucket credential."""
-    bucket, _, key = url.removeprefix("s3://").partition("/")
     code = (
-        "import sys, httpx; r = httpx.put(sys.argv[1], content=open(sys.argv[2], 'rb').read(), "
-        "headers={'authorization': 'AWS4-HMAC-SHA256 Credential=COTENANT/'}); r.raise_for_status()"
+        "import sys, s3fs\n"
+        "fs = s3fs.S3FileSystem(key='COTENANT', secret='cotenant', "
+        "client_kwargs={'endpoint_url': sys.argv[1]}, skip_instance_cache=True)\n"
+        "fs.pipe(sys.argv[2], open(sys.argv[3], 'rb').read())\n"
     )
-    return [sys.executable, "-c", code, f"{endpoint}/{bucket}/{key}", str(source)]
+    return [sys.executable, "-c", code, endpoint, url, str(source)]
 
 
 def plant(command: list[str]) -> None:
@@ -180,4 +181,5 @@ def last_json(done: subprocess.CompletedProcess[str]) -> dict[str, object]:
     )
     found = json.loads(lines[-1])
     assert isinstance(found, dict)
-    return found
+    said = [x[:300] for x in done.stderr.splitlines() if x.startswith("cachectl")]
+    return {**found, "said": said[-4:]}
