@@ -14,7 +14,8 @@ A cell's test id reads ``path-mode-moment-db``.
 - **moment** of the plant: ``before`` the writer service's compile; ``between`` the bytes JAX's
   put wrote and the records cachectl keeps of them (the writer's script runs the co-tenant's
   plant the moment JAX's ``LRUCache.put`` returns: test code in the victim's process, no knob in
-  cachectl); ``after`` the records (the indexed file, and the node tiers, rewritten); ``down``:
+  cachectl); ``after`` the records (in the direct modes the writer service, then ``cachectl warm``
+  of f: its index row and stored executable; the indexed file, and the node tiers, rewritten); ``down``:
   while the server is down (the node's kept record edited and the entry swapped).
 - **db**: the index on SQLite or PostgreSQL (the server's, in the server modes).
 - **path**: ``activate`` (activate()'s reads of JAX's cache; through the node tier in the server
@@ -22,14 +23,16 @@ A cell's test id reads ``path-mode-moment-db``.
   ``lease`` (the same service with the compile lease on: a waiter reads what the lease row
   vouches for), ``exec`` (``cachectl exec`` of plain JAX), ``warm-check`` (and its children: a
   hit on the planted bytes is a load of them), ``pull`` (the mirror JAX reads unchecked: the
-  planted bytes copied there are a service computing 1007).
+  planted bytes copied there are a service computing 1007), ``bundle`` (``bundle create`` of the
+  cache, then ``bundle install`` into another cache: the planted bytes installed likewise).
 
 Cells left out, because the moment or path does not exist there: the ``down`` moment outside the
 ``down`` mode, and the ``before``/``between``/``after`` moments in it (the server is up then:
 that is the ``server`` mode); ``lease``, ``warm-check`` and ``pull`` in the ``down`` mode (the
-lease, warm-check's coverage and pull need the server). ``bundle install`` is not a path here yet:
-``bundle create`` bundles indexed entries only, and no moment here indexes f's entry (a service's
-writes are recorded in its owner's state, not the index; ``sync`` would index a plant by design).
+lease, warm-check's coverage and pull need the server). ``bundle`` only in the ``after`` moment of the direct
+modes: ``bundle create`` bundles indexed entries, and only there does a warm index f's entry (a
+service's writes are recorded in its owner's state, not the index; the server's machine holds the
+root in the server modes).
 
 On PostgreSQL only ``activate``, ``serving`` and ``lease`` run (the paths whose answer is the
 index's own rows and lease rows); ``exec``, ``warm-check`` and ``pull`` read through the same
@@ -83,8 +86,14 @@ DBS = ("sqlite", "postgresql")
 PG_PATHS = ("activate", "serving", "lease")
 
 
-def _paths(mode: str, db: str) -> tuple[str, ...]:
-    return PATHS[mode] if db == "sqlite" else tuple(p for p in PATHS[mode] if p in PG_PATHS)
+# bundle create bundles indexed entries: only after a warm's record, in the direct modes.
+BUNDLED = {("local", "after"), ("s3", "after")}
+
+
+def _paths(mode: str, moment: str, db: str) -> tuple[str, ...]:
+    if db != "sqlite":
+        return tuple(p for p in PATHS[mode] if p in PG_PATHS)
+    return PATHS[mode] + (("bundle",) if (mode, moment) in BUNDLED else ())
 
 
 CELLS = [
@@ -92,7 +101,7 @@ CELLS = [
     for mode in PATHS
     for moment in MOMENTS[mode]
     for db in DBS
-    for path in _paths(mode, db)
+    for path in _paths(mode, moment, db)
 ]
 
 
@@ -269,7 +278,8 @@ def _direct(w: World, mode: str, moment: str, db: str) -> dict[str, Seen]:
     if moment == "before":
         cotenant.plant(plant)
     wrote = _service(writer, cell, plant if moment == "between" else None)
-    if moment == "after":
+    if moment == "after":  # the record: also a warm's index row for f, and its stored executable
+        _cachectl(writer, cell, "warm", "f.yaml", "--path", str(cell))
         cotenant.plant(plant)
 
     def at_key() -> bytes | None:
@@ -292,9 +302,26 @@ def _direct(w: World, mode: str, moment: str, db: str) -> dict[str, Seen]:
         pulled = cotenant.run(argv, reader, cell)
         mirror = _find(cell / "mirror", f"{w.learned.key}-cache")
         seen["pull"] = _bytes_verdict(mirror, f"pull (exit {pulled.returncode})", w)
+    if (mode, moment) in BUNDLED and db == "sqlite":
+        seen["bundle"] = _bundle(reader, cell, w)
     for s in seen.values():
         s.detail += f" | writer saw {json.dumps(wrote)}"
     return seen
+
+
+def _bundle(reader: dict[str, str], cell: Path, w: World) -> Seen:
+    """bundle create of the cache, then bundle install into a cache of the reader's own."""
+    bundle = cell / "f.tar.zst"
+    argv = [*CACHECTL, "bundle", "create", "-o", str(bundle), "--manifest", "f.yaml"]
+    made = cotenant.run(argv, reader, cell)
+    if made.returncode != 0:
+        return Seen(F_ANSWER, f"bundle create refused it (exit {made.returncode}): {made.stderr}")
+    _cachectl(reader, cell, "cache", "add", "other", str(cell / "other"))
+    argv = [*CACHECTL, "bundle", "install", str(bundle), "--cache", "other"]
+    done = cotenant.run(argv, reader, cell)
+    installed = _find(cell / "other", f"{w.learned.key}-cache")
+    said = f"bundle install (exit {done.returncode}: {done.stderr.strip()[-300:]})"
+    return _bytes_verdict(installed, said, w)
 
 
 # -- the server modes: a node without the root, through its node tier ----------------------------
@@ -487,4 +514,5 @@ def test_a_cotenants_plant_never_computes(
 
 def test_the_matrix_size() -> None:
     """The closing line's size: paths x modes x moments x databases, less the cells left out."""
-    assert len(CELLS) == sum(len(_paths(m, d)) * len(MOMENTS[m]) for m in PATHS for d in DBS)
+    sizes = [len(_paths(m, t, d)) for m in PATHS for t in MOMENTS[m] for d in DBS]
+    assert len(CELLS) == sum(sizes) == 88
