@@ -314,8 +314,10 @@ def _bundle(reader: dict[str, str], cell: Path, w: World) -> Seen:
     bundle = cell / "f.tar.zst"
     argv = [*CACHECTL, "bundle", "create", "-o", str(bundle), "--manifest", "f.yaml"]
     made = cotenant.run(argv, reader, cell)
+    if made.returncode != 0 and "differs from the index" in made.stderr:
+        return Seen(F_ANSWER, f"bundle create refused the rewritten file: {made.stderr[-300:]}")
     if made.returncode != 0:
-        return Seen(F_ANSWER, f"bundle create refused it (exit {made.returncode}): {made.stderr}")
+        return Seen(None, f"bundle create exited {made.returncode}: {made.stderr[-1500:]}")
     _cachectl(reader, cell, "cache", "add", "other", str(cell / "other"))
     argv = [*CACHECTL, "bundle", "install", str(bundle), "--cache", "other"]
     done = cotenant.run(argv, reader, cell)
