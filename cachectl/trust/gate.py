@@ -391,11 +391,13 @@ class EntryGate(jax_seam.EntryVerifier):
         accepted = self.accepts(key)
         if accepted is None:
             return self.read_entry(key, jax_seam.ANY_ENTRY, base)
-        if not accepted:
-            return self.missed(key, lambda k: self.read_entry(k, jax_seam.ANY_ENTRY, base))
-        data = self.read_entry(key, accepted[0], base)
-        if data is None:
-            return self.missed(key, lambda k: self.read_entry(k, jax_seam.ANY_ENTRY, base))
+        data = self.read_entry(key, accepted[0], base) if accepted else None
+        if data is None:  # a waiter's read, checked by the lease against its holder's put
+            data = self.missed(key, lambda k: self.read_entry(k, jax_seam.ANY_ENTRY, base))
+            if data is not None:
+                with self._lock:
+                    self._handed[key] = sha256_of(data)
+            return data
         sha = sha256_of(data)
         if sha not in accepted:
             self.refused(key, "its sha256 differs from its verified record")
