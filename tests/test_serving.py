@@ -364,7 +364,7 @@ def _as_stored_before_binding(namespace: Path, key: str, spec: Any) -> None:
     from cachectl.storage import executables
 
     path = namespace / f"{key}-aot"
-    header, payload = executables._split(path.read_bytes())
+    header, payload = executables.split_artifact(path.read_bytes())
     fields = {**header.to_json(), "spec_digest": executables.spec_digest(spec)}
     for name in ("format", "jax_version", "jaxlib_version", "payload_sha256", "binding_digest"):
         fields.pop(name, None)
