@@ -37,6 +37,7 @@ MODULES = (
     "signatures",
     "fleet",
     "fleet_start",
+    "lease_scale",
     "manifest",
     "wire",
     "seam",

@@ -2,6 +2,7 @@
 
     python bench/lease_scale.py [--replicas 256] [--keys 50] [--die 0.1] [--nodes 64]
                                 [--per-node 4] [--json] [--no-write]
+    python -m bench --only lease_scale [--quick]   (--quick: 64 x 20, 16 nodes)
 
 No JAX. The server is a real ``cachectl serve --workers 2`` on PostgreSQL (a fresh database on
 the server CACHECTL_TEST_PG_URL names; SQLite where it is unset, said in the output), with a
@@ -45,6 +46,7 @@ import hashlib
 import json
 import multiprocessing
 import os
+import platform
 import random
 import statistics
 import subprocess
@@ -61,7 +63,7 @@ from typing import Any
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import machine, machine_line, tree_cpu, write_section  # noqa: E402
+from bench.common import machine_line, tree_cpu, write_section  # noqa: E402
 
 SECTION = "## Lease at scale"
 API = "/api/v1"
@@ -96,6 +98,25 @@ def _drop(db: str) -> None:
     admin = os.environ["CACHECTL_TEST_PG_URL"].replace("postgresql+psycopg://", "postgresql://")
     with psycopg.connect(admin, autocommit=True) as c:
         c.execute(f'DROP DATABASE IF EXISTS "{db.rsplit("/", 1)[1]}" WITH (FORCE)')
+
+
+def _pg_sessions(db: str) -> int | None:
+    """Sessions PostgreSQL has opened on ``db`` so far (pg_stat_database; PostgreSQL 14+): how
+    many connections the server made, a pool that keeps its connections makes few."""
+    if not db.startswith("postgresql"):
+        return None
+    import psycopg
+
+    admin = os.environ["CACHECTL_TEST_PG_URL"].replace("postgresql+psycopg://", "postgresql://")
+    try:
+        with psycopg.connect(admin, autocommit=True) as c:
+            c.execute("SELECT pg_stat_clear_snapshot()")
+            row = c.execute(
+                "SELECT sessions FROM pg_stat_database WHERE datname = %s", (db.rsplit("/", 1)[1],)
+            ).fetchone()
+    except psycopg.Error:
+        return None
+    return int(row[0]) if row and row[0] is not None else None
 
 
 def _env(tmp: Path, db: str) -> dict[str, str]:
@@ -227,7 +248,7 @@ class Record:
     misses: list[dict[str, Any]] = field(default_factory=list)
     requests: Counter[str] = field(default_factory=Counter)
     errors: Counter[str] = field(default_factory=Counter)
-    latency: list[float] = field(default_factory=list)
+    latency: dict[str, list[float]] = field(default_factory=dict)
     deaths: list[dict[str, Any]] = field(default_factory=list)
     takeovers: list[dict[str, Any]] = field(default_factory=list)
     lease_off: int = 0
@@ -264,8 +285,12 @@ class Replica:
         except Exception as exc:
             self.rec.errors[f"{action}: {type(exc).__name__}"] += 1
             raise LeaseOff from exc
-        self.rec.latency.append(time.perf_counter() - t0)
+        self.rec.latency.setdefault(action, []).append(time.perf_counter() - t0)
         self.rec.requests[action] += 1
+        if r.status_code == 403 and action in ("finish", "release"):
+            # RemoteLessor's: taken over meanwhile, no longer ours to end (the lease stays on)
+            self.rec.errors[f"{action}: 403 (taken over meanwhile)"] += 1
+            return False
         if r.status_code != 200:
             self.rec.errors[f"{action}: {r.status_code}"] += 1
             raise LeaseOff(r.text[:200])
@@ -437,6 +462,8 @@ def lease_round(
         )
         for p in range(procs)
     ]
+    db = seed["env"]["CACHECTL_DB"]
+    sessions0 = _pg_sessions(db)
     cpu0 = tree_cpu(pid)
     with multiprocessing.get_context("fork").Pool(procs) as pool:
         recs = pool.map(_run_part, parts)
@@ -447,7 +474,11 @@ def lease_round(
     errors: Counter[str] = sum((r.errors for r in recs), Counter())
     deaths = [d for r in recs for d in r.deaths]
     takeovers = [t for r in recs for t in r.takeovers]
-    latency = [x for r in recs for x in r.latency]
+    by_action: dict[str, list[float]] = {}
+    for r in recs:
+        for action, xs in r.latency.items():
+            by_action.setdefault(action, []).extend(xs)
+    latency = [x for xs in by_action.values() for x in xs]
     started = Counter(m["key"] for m in misses if m["how"] != "read")
     started.update(d["key"] for d in deaths)
     written = Counter(m["key"] for m in misses if m["how"] in ("compiled", "hedged"))
@@ -484,6 +515,11 @@ def lease_round(
         "lease_off_replicas": sum(r.lease_off for r in recs),
         "lease_requests_per_s": lease_requests / wall,
         "lease_request_ms": {"p50": _pct(latency, 0.5) * 1000, "p99": _pct(latency, 0.99) * 1000},
+        "lease_request_ms_by_action": {
+            a: {"p50": _pct(xs, 0.5) * 1000, "p99": _pct(xs, 0.99) * 1000, "max": max(xs) * 1000}
+            for a, xs in sorted(by_action.items())
+        },
+        "pg_sessions_opened": None if sessions0 is None else (_pg_sessions(db) or 0) - sessions0,
         "server_cpu_s": cpu,
         "server_cores": cpu / wall,
         "keys_list": keys,
@@ -623,7 +659,20 @@ def _say(text: str) -> None:
     print(f"lease_scale: {text}", file=sys.stderr, flush=True)
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
+QUICK = ["--replicas", "64", "--keys", "20", "--nodes", "16"]
+
+
+def run(quick: bool = False) -> dict[str, Any]:
+    """The suite's entry (bench/__main__.py): the default sizes, or ``QUICK``'s."""
+    flags = QUICK if quick else []
+    return measure(
+        parser().parse_args(flags),
+        "python -m bench --only lease_scale" + (" --quick" if quick else ""),
+    )
+
+
+def measure(args: argparse.Namespace, command: str) -> dict[str, Any]:
+    load = os.getloadavg()
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="cachectl-bench-lease-scale-") as t:
         tmp = Path(t)
@@ -659,6 +708,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for r in rounds:
         r.pop("keys_list")
     return {
+        "command": command,
+        "machine": {
+            "cores": os.cpu_count(),
+            "python": platform.python_version(),
+            "jax": "not imported",
+            "backend": "none",
+            "load_average": " ".join(f"{x:.2f}" for x in load),
+        },
         "total_s": time.monotonic() - t0,
         "index": kind,
         "workers": args.workers,
@@ -673,7 +730,8 @@ def _round_name(die: float) -> str:
     return "everyone healthy" if not die else f"{die:.0%} of holders killed"
 
 
-def markdown(r: dict[str, Any], command: str) -> str:
+def markdown(r: dict[str, Any]) -> str:
+    command = r["command"]
     lines = [
         SECTION,
         "",
@@ -773,21 +831,14 @@ def main(argv: list[str] | None = None) -> int:
             parser().error(f"--{name.replace('_', '-')} must be at least 1")
     if not 0 <= args.die < 1:
         parser().error("--die is a chance: from 0 to below 1")
-    load = os.getloadavg()
-    out = run(args)
-    # JAX's version (a child process) only where the markdown says it: the smoke test skips it
-    out["machine"] = (
-        {"cores": os.cpu_count(), "load_average": " ".join(f"{x:.2f}" for x in load)}
-        if args.json and args.no_write
-        else {**machine(), "load_average": " ".join(f"{x:.2f}" for x in load)}
-    )
     command = "python bench/lease_scale.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    out = measure(args, command.strip())
     if args.json:
         print(json.dumps(out, default=str))
     else:
-        print(markdown(out, command.strip()))
+        print(markdown(out))
     if not args.no_write:
-        write_section(SECTION, markdown(out, command.strip()))
+        write_section(SECTION, markdown(out))
     ok = all(x["written_per_key"]["min"] >= 1 for x in out["rounds"]) and not (
         out["tier"] and out["tier"]["problem_count"]
     )
