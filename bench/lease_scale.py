@@ -726,6 +726,10 @@ def measure(args: argparse.Namespace, command: str) -> dict[str, Any]:
     }
 
 
+def _after(x: dict[str, Any]) -> str:
+    return f"{x['takeover_after_death_s']['max']:.1f} s" if x["deaths"] else "-"
+
+
 def _round_name(die: float) -> str:
     return "everyone healthy" if not die else f"{die:.0%} of holders killed"
 
@@ -752,7 +756,7 @@ def markdown(r: dict[str, Any]) -> str:
             f"| {_round_name(x['die'])} "
             f"| {x['replicas']} x {x['keys']} | {x['compiles_per_key']['max']} "
             f"| {x['written_per_key']['min']}–{x['written_per_key']['max']} | {x['deaths']} "
-            f"| {x['takeovers']} ({x['takeover_after_death_s']['max']:.1f} s; ttl {x['ttl_s']:.0f} s) "
+            f"| {x['takeovers']} ({_after(x)}; ttl {x['ttl_s']:.0f} s) "
             f"| {x['waits_s']['p50']:.2f} / {x['waits_s']['p99']:.2f} s "
             f"| {x['wait_over_compile']['p50']:.2f} / {x['wait_over_compile']['p99']:.2f} "
             f"| {x['lease_requests_per_s']:.0f} | {x['server_cores']:.2f} cores "
@@ -764,7 +768,41 @@ def markdown(r: dict[str, Any]) -> str:
         f"- Compile times: median {first['compile_s']['p50']:.2f} s, longest "
         f"{first['compile_s']['max']:.2f} s. A wait is a miss another replica compiled, from "
         "the miss to the entry read and checked; its ratio is to that key's compile time (a "
-        "waiter that missed the key late waits less than the compile).",
+        "waiter that missed the key late waits less than the compile). Compiles per key count "
+        "every compile begun: a holder's (a killed one's too), a hedge's, and a replica's "
+        "with its lease off.",
+    ]
+    for x in r["rounds"]:
+        lat = x.get("lease_request_ms_by_action", {})
+        spurious = x["takeovers"] - x["deaths"]
+        lines.append(
+            f"- {_round_name(x['die']).capitalize()}: {x['wall_s']:.0f} s; misses ended "
+            + ", ".join(f"{k} {v}" for k, v in sorted(x["outcomes"].items()))
+            + "; lease requests p50 / p99 / most: "
+            + ", ".join(
+                f"{a} {v['p50']:.0f} / {v['p99']:.0f} / {v.get('max', 0):.0f} ms"
+                for a, v in lat.items()
+            )
+            + (
+                f"; {x['pg_sessions_opened']} PostgreSQL sessions opened"
+                if x.get("pg_sessions_opened") is not None
+                else ""
+            )
+            + (
+                f"; **{spurious} takeovers more than holders killed**: leases that expired while "
+                "their holder lived, its renew or finish answered later than the ttl"
+                if spurious > 0
+                else ""
+            )
+            + (
+                f"; {x['lease_off_replicas']} replicas turned their lease off (a request failed) "
+                "and compiled what they missed after it"
+                if x["lease_off_replicas"]
+                else ""
+            )
+            + "."
+        )
+    lines.append(
         "- Requests per round: "
         + "; ".join(
             f"{x['name']}: "
@@ -772,8 +810,8 @@ def markdown(r: dict[str, Any]) -> str:
             + (f" (errors: {x['errors']})" if x["errors"] else ", no errors")
             for x in r["rounds"]
         )
-        + f". Server tracebacks logged: {r['server_tracebacks']}.",
-    ]
+        + f". Server tracebacks logged: {r['server_tracebacks']}."
+    )
     t = r["tier"]
     if t:
         lines += [
@@ -792,8 +830,12 @@ def markdown(r: dict[str, Any]) -> str:
         "processes' own CPU is absent and the clients, 2 processes of asyncio, share this "
         "machine's cores with the server and PostgreSQL); holders on one host seen gone at "
         "once (every simulated replica is its own host here, so a dead holder is found only "
-        "by its expiry); a network between nodes and the server (loopback here); the hedge "
-        "(no key's compile reaches the 60 s bound of a key with no recorded time).",
+        "by its expiry); a network between nodes and the server (loopback here)"
+        + (
+            "; the hedge (no key's compile reaches the 60 s bound of a key with no recorded time)."
+            if not any(x["outcomes"].get("hedged") for x in r["rounds"])
+            else "."
+        ),
         "",
     ]
     return "\n".join(lines)
