@@ -235,10 +235,12 @@ def node_mode() -> str:
     """How a node without A's root is made here, as the results say it."""
     unshare = _unshare()
     if unshare is not None:
-        return f"its own mount namespace (`{' '.join(unshare)}`) with A's home under an empty tmpfs"
+        return (
+            f"in its own mount namespace (`{' '.join(unshare)}`) with A's home under an empty tmpfs"
+        )
     return (
-        "no mount namespace (this host has none): each replica is told A's home is not on its "
-        "machine (node_tier.root_here answers False for it), the files still on the same disk"
+        "without a mount namespace (this host has none), each replica told A's home is not on "
+        "its machine (node_tier.root_here answers False for it; the files stay on the same disk)"
     )
 
 
@@ -664,7 +666,7 @@ def _tier_markdown(r: dict[str, Any]) -> list[str]:
             "- The server rows and the cold fleet through the server: not run (--local-only)."
         )
     elif tier:
-        lines.append(f"- A node without A's root, here: {r.get('nodes')}.")
+        lines.append(f"- Each node, here: {r.get('nodes')}.")
     runs = r["runs"]
     if "server_lease" in runs:
         on, off = runs["server_lease"][0], runs["server_off"][0]
