@@ -40,6 +40,7 @@ def test_lease_scale_smallest_run_compiles_each_key_once(pg_admin_url: str) -> N
     assert healthy["written_per_key"] == {"min": 1, "max": 1}
     assert healthy["outcomes"] == {"compiled": 3, "read": 21}
     assert healthy["errors"] == {} and healthy["lease_off_replicas"] == 0
+    assert healthy["takeovers"] == 0 and healthy["deaths"] == 0
     assert healthy["lease_requests_per_s"] > 0 and healthy["server_cpu_s"] > 0
     tier = out["tier"]
     assert tier["problem_count"] == 0, tier["problems"]
