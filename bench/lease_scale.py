@@ -44,6 +44,7 @@ import argparse
 import asyncio
 import hashlib
 import json
+import math
 import multiprocessing
 import os
 import platform
@@ -254,13 +255,15 @@ class Record:
     lease_off: int = 0
 
 
-def entry_bytes(key: str, size: int) -> bytes:
-    """The entry a holder of ``key`` uploads: the same bytes from every holder (a hedge's too)."""
+def entry_bytes(key: str, size: int, took: float) -> bytes:
+    """The entry a holder of ``key`` uploads: the same bytes from every holder (a hedge's too).
+    Its header says the key's compile time (whole seconds, rounded up), as JAX's does: the
+    index records it, and a waiter's hedge bound is twice it."""
     from cachectl.storage.entries import make_entry
 
     seed = hashlib.sha256(key.encode()).digest()
     body = (seed * (size // len(seed) + 1))[:size]
-    return make_entry(body, compile_seconds=1, compression="zlib")
+    return make_entry(body, compile_seconds=max(1, math.ceil(took)), compression="zlib")
 
 
 class LeaseOff(Exception):
@@ -379,7 +382,7 @@ class Replica:
         finally:
             if beat is not None:
                 beat.cancel()
-        data = entry_bytes(key, self.part.entry_bytes)
+        data = entry_bytes(key, self.part.entry_bytes, took)
         sha = hashlib.sha256(data).hexdigest()
         r = await self.client.put(
             f"{self.base}/entries/{key}",
