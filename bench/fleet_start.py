@@ -714,7 +714,7 @@ SERVER_SECTION = "## Fleet start through the server"
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     p.add_argument("--quick", action="store_true", help="one round of the local fleets")
     p.add_argument("--rounds", type=int, help="rounds of the local fleets (2)")
     p.add_argument("--local-only", action="store_true", help="the local-disk fleets alone")
