@@ -38,6 +38,7 @@ MODULES = (
     "signatures",
     "fleet",
     "fleet_start",
+    "lease_scale",
     "manifest",
     "wire",
     "seam",

@@ -17,10 +17,19 @@ tmpfs: root and ``unshare``), first start and a restart on the same nodes (entry
 from the server's /metrics, files from the node tiers). The same with the cache in an S3 bucket
 (moto, its request log counting GETs per file per node) and CACHECTL_NODE_CACHE per node. And a
 cold fleet of writers through the server, lease on and off (the holder uploads what it compiled).
+
+``--uds``: the server rows over a unix socket (``cachectl serve --uds PATH``, the replicas with
+``CACHECTL_SERVER=unix://PATH``), for a host with no TCP sockets: the moto rows (a TCP server) are
+left out, and the index is SQLite unless CACHECTL_TEST_PG_URL names a server. A node that does
+not hold A's home is a mount namespace: ``unshare -m`` as root, else ``unshare -r -m`` (a user
+namespace, no root needed where the kernel allows unprivileged ones). ``--server-only``: only the
+cold fleet through the server (one replica alone, 6 with the lease, 6 without), ``--server-rounds``
+times alternating; the result states the slowest of 6 over one replica alone.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -54,6 +63,12 @@ import time
 t0 = time.perf_counter()
 import contextlib, io, json, logging, re, sys
 sys.path.insert(0, {repo!r})
+import os
+_away = os.environ.get("FLEET_BENCH_NOT_HERE")
+if _away:  # a node without A's root on a host with no mount namespaces: told it is not here
+    from cachectl.storage import node_tier
+    _here = node_tier.root_here
+    node_tier.root_here = lambda url: False if str(url).startswith(_away) else _here(url)
 from jax import monitoring
 counts = {{"requests": 0, "hits": 0}}
 def on_event(event, **kw):
@@ -144,10 +159,14 @@ def _launch(
     envs: list[dict[str, str]], args: list[str], hide: Path | None = None
 ) -> list[dict[str, Any]]:
     """One replica per env, started together (``hide``: each in its own mount namespace with
-    that directory under an empty tmpfs, a machine that does not hold it); their reports."""
+    that directory under an empty tmpfs, a machine that does not hold it; where the host has no
+    mount namespaces, each told that directory is not on its machine); their reports."""
     argv = [sys.executable, "-c", REPLICA.format(repo=str(REPO), args=args)]
-    if hide is not None:
-        argv = ["unshare", "-m", "bash", "-c", HIDE, str(hide), *argv]
+    unshare = _unshare() if hide is not None else None
+    if hide is not None and unshare is not None:
+        argv = [*unshare, "bash", "-c", HIDE, str(hide), *argv]
+    elif hide is not None:  # no mount namespaces (a sandbox): each replica is told A's is away
+        envs = [dict(e, FLEET_BENCH_NOT_HERE=str(hide)) for e in envs]
     procs = [
         subprocess.Popen(
             argv, env=e, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
@@ -189,9 +208,40 @@ def _fleet(kind: str, n: int, wall: float, out: list[dict[str, Any]]) -> dict[st
 MANIFEST = str(REPO / "examples" / "manifest.yaml")
 
 
+@functools.cache
+def _unshare() -> list[str] | None:
+    """How a replica gets a mount namespace of its own (a node without machine A's root):
+    ``unshare -m`` as root, else ``unshare -r -m`` (an unprivileged user namespace, where the
+    kernel allows one); None where neither works."""
+    if shutil.which("unshare") is None:
+        return None
+    argv = ["unshare", "-m"] if os.geteuid() == 0 else ["unshare", "-r", "-m"]
+    with tempfile.TemporaryDirectory(prefix="cachectl-bench-unshare-") as t:
+        done = subprocess.run(
+            [*argv, "bash", "-c", HIDE, t, "true"], capture_output=True, timeout=30
+        )
+    return argv if done.returncode == 0 else None
+
+
 def _can_hide() -> bool:
-    """The server parts need a node without machine A's root: a mount namespace (root)."""
-    return os.geteuid() == 0 and shutil.which("unshare") is not None
+    """The server parts need a node without machine A's root: a mount namespace, else (a host
+    that has none, such as a sandbox) each replica told that A's home is not on its machine
+    (``FLEET_BENCH_NOT_HERE``: node_tier.root_here answers False for it in that process, so it
+    takes a remote node's path: the server's routes into its node tier)."""
+    return True
+
+
+def node_mode() -> str:
+    """How a node without A's root is made here, as the results say it."""
+    unshare = _unshare()
+    if unshare is not None:
+        return (
+            f"in its own mount namespace (`{' '.join(unshare)}`) with A's home under an empty tmpfs"
+        )
+    return (
+        "without a mount namespace (this host has none), each replica told A's home is not on "
+        "its machine (node_tier.root_here answers False for it; the files stay on the same disk)"
+    )
 
 
 def _infra() -> Any:
@@ -217,7 +267,64 @@ def _machine_a(base: Path) -> dict[str, str]:
     return env
 
 
+# Set by --uds: the server rows listen on a unix socket, never on TCP.
+UDS = {"on": False}
+
+
+class _UdsServer:
+    """``cachectl serve --uds PATH`` (the socket outside A's home: the nodes reach it)."""
+
+    def __init__(self, base: Path, env: dict[str, str]) -> None:
+        import httpx
+
+        (base / "sock").mkdir(parents=True, exist_ok=True)
+        (base / "logs").mkdir(parents=True, exist_ok=True)
+        self.path = str(base / "sock" / "cachectl.sock")
+        self.url = f"unix://{self.path}"
+        self.log = base / "logs" / "cachectl-serve-uds.log"
+        with open(self.log, "wb") as fh:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "cachectl", "serve", "--uds", self.path],
+                env=env,
+                stdout=fh,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+            )
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline and self.process.poll() is None:
+            try:
+                with _http(self.url) as c:
+                    if c.get("/healthz", timeout=2).status_code == 200:
+                        return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        self.stop()
+        raise RuntimeError(f"cachectl serve --uds did not start: {self.log.read_text()[-2000:]}")
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(20)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+
+
+def _http(url: str) -> Any:
+    """An httpx client of the server at ``url`` (``unix:///PATH`` or ``http://HOST:PORT``)."""
+    import httpx
+
+    if url.startswith("unix://"):
+        return httpx.Client(
+            base_url="http://cachectl", transport=httpx.HTTPTransport(uds=url[len("unix://") :])
+        )
+    return httpx.Client(base_url=url)
+
+
 def _serve(base: Path, a: dict[str, str]) -> Any:
+    if UDS["on"]:
+        return _UdsServer(base, {**a, "JAX_PLATFORMS": "cpu"})
     infra = _infra()
     pinned = [f"{k}={v}" for k, v in a.items() if k.startswith(("XDG_", "CACHECTL_"))]
     return infra.start_server(
@@ -237,9 +344,8 @@ def _serve(base: Path, a: dict[str, str]) -> Any:
 
 
 def _entry_requests(url: str, token: str) -> int:
-    import httpx
-
-    text = httpx.get(f"{url}/metrics", headers={"authorization": f"Bearer {token}"}).text
+    with _http(url) as c:
+        text = c.get("/metrics", headers={"authorization": f"Bearer {token}"}).text
     return int(
         sum(
             float(line.rsplit(" ", 1)[1])
@@ -367,11 +473,19 @@ def run(
     local_only: bool = False,
     rounds: int | None = None,
     tier_only: bool = False,
+    *,
+    uds: bool = False,
+    server_only: bool = False,
+    server_rounds: int = 1,
 ) -> dict[str, Any]:
     """``local_only``: the local-disk fleets alone (a machine with no loopback sockets or root);
-    ``tier_only``: the node-tier parts and the cold fleet through the server alone."""
-    rounds = 0 if tier_only else (rounds or (1 if quick else 2))
+    ``tier_only``: the node-tier parts and the cold fleet through the server alone; ``uds``: the
+    server over a unix socket (no moto rows: moto is a TCP server); ``server_only``: the cold
+    fleet through the server alone, ``server_rounds`` times."""
+    UDS["on"] = uds
+    rounds = 0 if (tier_only or server_only) else (rounds or (1 if quick else 2))
     res: dict[str, list[dict[str, Any]]] = {"alone": [], "lease": [], "off": [], "warm": []}
+    tier: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="cachectl-bench-fleet-start-") as t:
         tmp = Path(t)
         for r in range(rounds):
@@ -380,12 +494,21 @@ def run(
             res["warm"].append(_start_fleet(tmp / f"lease{r}", NODES * PER_NODE, True, again=True))
             res["off"].append(_start_fleet(tmp / f"off{r}", NODES * PER_NODE, False))
         hide = _can_hide() and not local_only
+        if server_only and not hide:
+            raise RuntimeError(
+                "--server-only needs a node without A's root: a mount namespace (unshare as "
+                "root, or unprivileged user namespaces), and neither works here"
+            )
         if hide:
-            res["server_alone"] = [_cold_server(tmp / "cold-server-alone", True, 1)]
-            res["server_lease"] = [_cold_server(tmp / "cold-server-lease", True)]
-            res["server_off"] = [_cold_server(tmp / "cold-server-off", False)]
-        tier = {**(_server_fleets(tmp / "warm-server") if hide else {})}
-        if not local_only:
+            for name in ("server_alone", "server_lease", "server_off"):
+                res[name] = []
+            for r in range(server_rounds):  # alternating, so the ratios share the machine's load
+                res["server_alone"].append(_cold_server(tmp / f"cold-server-alone{r}", True, 1))
+                res["server_lease"].append(_cold_server(tmp / f"cold-server-lease{r}", True))
+                res["server_off"].append(_cold_server(tmp / f"cold-server-off{r}", False))
+        if hide and not server_only:
+            tier.update(_server_fleets(tmp / "warm-server"))
+        if not local_only and not server_only and not uds:
             tier.update(_moto_fleets(tmp / "warm-moto"))
     programs = res["alone"][0]["programs"] if res["alone"] else None
     same = (
@@ -401,13 +524,34 @@ def run(
         "tier": tier,
         "tier_outputs_equal": all(rows == served[0] for rows in served),
         "hidden": hide,
+        "uds": uds,
+        "nodes": node_mode() if hide else None,
+        "server_ratio": _server_ratio(res),
     }
 
 
-def markdown(r: dict[str, Any]) -> str:
+def _server_ratio(res: dict[str, list[dict[str, Any]]]) -> dict[str, Any] | None:
+    """Slowest of the 6 through the server / one replica alone through it, each round."""
+    if not res.get("server_alone"):
+        return None
+    alone = [max(x["ready"]) for x in res["server_alone"]]
+    out: dict[str, Any] = {"alone_s": alone}
+    for name in ("server_lease", "server_off"):
+        slow = [max(x["ready"]) for x in res[name]]
+        out[name] = {
+            "slowest_s": slow,
+            "ratio": [s / a for s, a in zip(slow, alone, strict=True)],
+            "program_compiles": [x["program_compiles"] for x in res[name]],
+            "max_per_program": max(x["max_per_program"] for x in res[name]),
+        }
+    return out
+
+
+def markdown(r: dict[str, Any], section: str = SECTION, flags: str = "") -> str:
     runs, programs = r["runs"], r["programs"]
-    if not runs["alone"]:  # --tier-only
-        return "\n".join([SECTION, "", f"{machine_line()}", "", *_tier_markdown(r)])
+    if not runs["alone"]:  # --tier-only, --server-only
+        command = f"`python bench/fleet_start.py {flags}`. " if flags else ""
+        return "\n".join([section, "", f"{command}{machine_line()}", "", *_tier_markdown(r)])
     alone = [x["ready"][0] for x in runs["alone"]]
 
     def row(name: str, label: str) -> str:
@@ -481,21 +625,25 @@ def _tier_markdown(r: dict[str, Any]) -> list[str]:
         ratio = f"**{slow / base:.2f}x**" if base else "-"
         return f"| {label} | {t['fetches']} | {t['files']} | {per} | {slow:.1f} s | {ratio} |"
 
-    lines = [
-        f"**A warm cache read through the node-local tier.** `examples/manifest.yaml` warmed on machine "
-        f"A (11 buckets: 11 entries and 11 stored executables), then {NODES} nodes x {PER_NODE} "
-        "replicas of `examples/serve.py` (read-only, 2 requests) started together on it; then again on "
-        "the same nodes (a restart: their node tiers kept). Server: `cachectl serve` on A with a "
-        "local-disk cache, each node its own HOME in its own mount namespace with A's home (root and "
-        "index) under an empty tmpfs, `CACHECTL_SERVER` and a reader token; fetches are the server's "
-        "entry-route requests (`/metrics`), files what the node tiers hold after the run. Bucket: moto "
-        "S3 with `CACHECTL_NODE_CACHE` per node; fetches are GETs of entries and executables in moto's "
-        "request log, per node by its credentials.",
-        "",
-        "| start | entry fetches | files (per node, summed) | fetches per file per node | "
-        "slowest replica done | slowest / local disk |",
-        "|---|---:|---:|---:|---:|---:|",
-    ]
+    lines = (
+        []
+        if not tier
+        else [
+            f"**A warm cache read through the node-local tier.** `examples/manifest.yaml` warmed on machine "
+            f"A (11 buckets: 11 entries and 11 stored executables), then {NODES} nodes x {PER_NODE} "
+            "replicas of `examples/serve.py` (read-only, 2 requests) started together on it; then again on "
+            "the same nodes (a restart: their node tiers kept). Server: `cachectl serve` on A with a "
+            "local-disk cache, each node its own HOME in its own mount namespace with A's home (root and "
+            "index) under an empty tmpfs, `CACHECTL_SERVER` and a reader token; fetches are the server's "
+            "entry-route requests (`/metrics`), files what the node tiers hold after the run. Bucket: moto "
+            "S3 with `CACHECTL_NODE_CACHE` per node; fetches are GETs of entries and executables in moto's "
+            "request log, per node by its credentials.",
+            "",
+            "| start | entry fetches | files (per node, summed) | fetches per file per node | "
+            "slowest replica done | slowest / local disk |",
+            "|---|---:|---:|---:|---:|---:|",
+        ]
+    )
     if local:
         lines.append(
             f"| local disk (the root on each node), for reference | - | - | - | {base:.1f} s | 1.00x |"
@@ -509,49 +657,100 @@ def _tier_markdown(r: dict[str, Any]) -> list[str]:
         if name in tier:
             lines.append(row(name, label))
     lines.append("")
-    lines.append(
-        f"- Every replica's served tokens are equal across these starts: {r['tier_outputs_equal']}."
-    )
+    if tier:
+        lines.append(
+            f"- Every replica's served tokens are equal across these starts: {r['tier_outputs_equal']}."
+        )
     if not r["hidden"]:
         lines.append(
-            "- The server rows and the cold fleet through the server need a node without A's root "
-            "(a mount namespace: root and `unshare`); not run here."
+            "- The server rows and the cold fleet through the server: not run (--local-only)."
         )
+    elif tier:
+        lines.append(f"- Each node, here: {r.get('nodes')}.")
     runs = r["runs"]
     if "server_lease" in runs:
         on, off = runs["server_lease"][0], runs["server_off"][0]
         alone = max(runs["server_alone"][0]["ready"]) if runs.get("server_alone") else None
         lines.append(
             f"- **A cold fleet through the server** ({NODES} nodes x {PER_NODE} writer replicas, "
-            "`--writes`, a writer token, the same mount namespaces, an empty cache): the manifest's "
+            f"`--writes`, a writer token, each node {r.get('nodes') or 'as above'}, an empty cache): "
+            "the manifest's "
             f"programs compiled {on['program_compiles']} times with the lease (at most "
             f"{on['max_per_program']} of one program; the holder uploads each entry before its lease "
             f"says written, so the other node reads it), {off['program_compiles']} times with "
             f"`CACHECTL_COMPILE_LEASE=0` (at most {off['max_per_program']}); slowest replica "
             f"{max(on['ready']):.1f} s against {max(off['ready']):.1f} s"
-            + (
-                f"; one cold replica alone through the server {alone:.1f} s (slowest / alone: "
-                f"**{max(on['ready']) / alone:.2f}x** with the lease, "
-                f"{max(off['ready']) / alone:.2f}x without)."
-                if alone
-                else "."
+            + (f"; one cold replica alone through the server {alone:.1f} s." if alone else ".")
+        )
+    ratio = r.get("server_ratio")
+    if ratio:
+        via = "a unix socket (`cachectl serve --uds`)" if r.get("uds") else "TCP loopback"
+        lease, off = ratio["server_lease"], ratio["server_off"]
+
+        def said(xs: list[float]) -> str:
+            m = stats(xs)
+            return f"{m['median']:.2f}x" + (
+                f" (median of {len(xs)} rounds, {m['min']:.2f}–{m['max']:.2f})"
+                if len(xs) > 1
+                else ""
             )
+
+        lines.append(
+            f"- **Slowest of {NODES * PER_NODE} / one replica alone, through the server over {via}, "
+            f"on {os.cpu_count()} cores: {said(lease['ratio'])} with the lease, "
+            f"{said(off['ratio'])} with `CACHECTL_COMPILE_LEASE=0`** (goal: within 1.3x with a "
+            f"core per replica). One replica alone: {', '.join(f'{a:.1f} s' for a in ratio['alone_s'])}; "
+            f"slowest of {NODES * PER_NODE} with the lease "
+            f"{', '.join(f'{a:.1f} s' for a in lease['slowest_s'])}, without "
+            f"{', '.join(f'{a:.1f} s' for a in off['slowest_s'])}."
         )
     lines.append("")
     return lines
 
 
-if __name__ == "__main__":
-    rounds_arg = next((a.split("=", 1)[1] for a in sys.argv if a.startswith("--rounds=")), None)
-    out = run(
-        quick="--quick" in sys.argv,
-        local_only="--local-only" in sys.argv,
-        rounds=int(rounds_arg) if rounds_arg else None,
-        tier_only="--tier-only" in sys.argv,
+SERVER_SECTION = "## Fleet start through the server"
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    p = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
+    p.add_argument("--quick", action="store_true", help="one round of the local fleets")
+    p.add_argument("--rounds", type=int, help="rounds of the local fleets (2)")
+    p.add_argument("--local-only", action="store_true", help="the local-disk fleets alone")
+    p.add_argument("--tier-only", action="store_true", help="the node-tier parts alone")
+    p.add_argument(
+        "--uds", action="store_true", help="the server over a unix socket (a host with no TCP)"
     )
-    if "--json" in sys.argv:
+    p.add_argument(
+        "--server-only",
+        action="store_true",
+        help=f"only the cold fleet through the server (its own section, {SERVER_SECTION!r})",
+    )
+    p.add_argument("--server-rounds", type=int, default=1, help="rounds of the server rows (1)")
+    p.add_argument("--json", action="store_true", help="also print the results as JSON")
+    p.add_argument("--no-write", action="store_true", help="leave BENCHMARKS.md alone")
+    args = p.parse_args(argv)
+    if args.server_rounds < 1 or (args.rounds is not None and args.rounds < 1):
+        p.error("--rounds and --server-rounds must be at least 1")
+    out = run(
+        quick=args.quick,
+        local_only=args.local_only,
+        rounds=args.rounds,
+        tier_only=args.tier_only,
+        uds=args.uds,
+        server_only=args.server_only,
+        server_rounds=args.server_rounds,
+    )
+    if args.json:
         print(json.dumps(out, default=str))
-    text = markdown(out)
+    section = SERVER_SECTION if args.server_only else SECTION
+    text = markdown(out, section, " ".join(argv if argv is not None else sys.argv[1:]))
     print(text)
-    if "--no-write" not in sys.argv:
-        write_section(SECTION, text)
+    if not args.no_write:
+        write_section(section, text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
