@@ -499,13 +499,21 @@ def test_a_function_that_fails_to_lower_is_a_finding_not_a_traceback(warmed, mon
         "    buckets:\n      n: [8]\n"
         "  - fn: svc_broken:broken\n    args:\n      - {shape: [n], dtype: float32}\n"
         "    buckets:\n      n: [8, 16]\n"
+        # A mesh larger than this process's devices (a jax.distributed job's, seen from outside
+        # it): the machine, not the manifest, and said so.
+        "  - fn: svc_broken:scale\n    name: wide\n    mesh: {axes: {data: 4096}}\n"
+        "    args:\n      - {shape: [n], dtype: float32, sharding: [data]}\n"
+        "    buckets:\n      n: [4096]\n"
     )
     _service(warmed, MATCHING, monkeypatch)
     result = CliRunner().invoke(cli, ["misses", "--manifest", str(broken), "--json"])
     assert result.exit_code == 0, result.output  # nothing missed: as documented
     report = json.loads(result.stdout)
-    (finding,) = [f for f in report["findings"] if f["kind"] == "lowering"]
+    finding, wide = [f for f in report["findings"] if f["kind"] == "lowering"]
     assert finding["function"] == "broken" and finding["bucket"] == "n=8", finding
+    assert wide["function"] == "wide" and "cannot lower here" in wide["message"], wide
+    assert "the mesh needs 4096 devices" in wide["message"], wide
+    assert "fix the" not in wide["message"] and "JAX_COORDINATOR_ADDRESS" in wide["message"]
     assert "ValueError: the reshape does not fit" in finding["message"], finding
     human = CliRunner().invoke(cli, ["misses", "--manifest", str(broken)])
     assert human.exit_code == 0 and "Traceback" not in human.output, human.output

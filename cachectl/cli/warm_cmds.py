@@ -131,12 +131,19 @@ def _run_check(
     as_json: bool,
     shards: int | None = None,
     canary: bool = False,
+    distributed: bool | None = None,
 ) -> None:
     from cachectl.warm import check
 
     with _json_quiet(as_json):
         report = check(
-            ctx, manifest, cache=cache_name, shard=_shard(shard, shards), paths=paths, canary=canary
+            ctx,
+            manifest,
+            cache=cache_name,
+            shard=_shard(shard, shards),
+            paths=paths,
+            canary=canary,
+            distributed=distributed,
         )
     emit(report, as_json, lambda r: print_check(r, manifest), failure=_check_failure)
 
@@ -325,7 +332,7 @@ def warm_cmd(
     cachectl warm-check manifest.yaml   # prove it: 100% hits in a fresh process
     """
     if check_only:
-        _run_check(ctx, manifest, cache_name, shard, paths, as_json, shards)
+        _run_check(ctx, manifest, cache_name, shard, paths, as_json, shards, False, distributed)
         return
     from cachectl.core.config import distributed_requested
     from cachectl.manifest import read_manifest
@@ -493,6 +500,12 @@ def _run_replay(ctx: Context, run: str, cache_name: str | None, as_json: bool) -
     "bit (same backend, same compiler), NaN equal to NaN, dtype and shape included. A "
     "difference exits 1. Costs one compile per bucket, as much as the warm did; off by default.",
 )
+@click.option(
+    "--distributed/--no-distributed",
+    default=None,
+    help="Check from inside a jax.distributed job (every process runs this command; the children "
+    "join the job first, as its services do). Default: on when JAX_COORDINATOR_ADDRESS is set.",
+)
 @click.pass_obj
 def warm_check_cmd(
     ctx: Context,
@@ -504,6 +517,7 @@ def warm_check_cmd(
     as_json: bool,
     replay: str | None,
     canary: bool,
+    distributed: bool | None,
 ) -> None:
     """Prove coverage: in a fresh process, activate the cache read-only and load every bucket.
 
@@ -528,7 +542,7 @@ def warm_check_cmd(
         return
     if manifest is None:
         raise BadInput("give the MANIFEST to check, or --replay for a warm-run's command")
-    _run_check(ctx, manifest, cache_name, shard, paths, as_json, shards, canary)
+    _run_check(ctx, manifest, cache_name, shard, paths, as_json, shards, canary, distributed)
 
 
 def register(cli: click.Group) -> None:

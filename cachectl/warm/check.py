@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from cachectl.context import Context
+from cachectl.core.config import distributed_requested
 from cachectl.core.errors import BadInput, CachectlError, EnvironmentMismatch, OperationFailed
 from cachectl.core.fingerprint import Environment, current_environment
 from cachectl.core.probe import ISOLATED_CWD, isolated
@@ -63,6 +64,7 @@ def check(
     paths: Sequence[str] = (),
     timeout: float | None = None,
     canary: bool = False,
+    distributed: bool | None = None,
 ) -> CheckReport:
     """Load every bucket in a fresh, read-only activated process: hit or miss, and coverage.
 
@@ -74,6 +76,12 @@ def check(
     memory, and a service starts from nothing but ``activate()``. This process never
     opens JAX's backend (an accelerator held here would refuse the children): the
     child reads the environment, checks the manifest's target and imports its modules.
+
+    Inside a ``jax.distributed`` job (``distributed``, by default when
+    ``JAX_COORDINATOR_ADDRESS`` is set; every process runs the check) each child joins the job
+    first (warm/distributed.py ``join``), as a service initializes before ``activate()``: the
+    job's namespace, its global devices and meshes are checked from every process. Process 0
+    alone records the verdicts and the proof.
     """
     manifest = load_manifest(manifest_path, import_paths=paths)  # a bad one: all problems
     cache_info = ctx.cache(cache or manifest.cache or ctx.settings.cache)
@@ -87,6 +95,7 @@ def check(
         "cache": cache_info.name,
         "db": ctx.settings.db,
         "canary": canary,
+        "distributed": distributed_requested(distributed),
         "cwd": os.getcwd(),  # the child starts in ISOLATED_CWD, then works from here
     }
     with tempfile.TemporaryDirectory(prefix="cachectl-check-") as tmp:
@@ -119,6 +128,9 @@ def check(
         key = loaded.get(where, (None, None))[0]
         if key is not None and outcome in (CALL_OK, *CALL_FAILED):
             verdicts[key] = _failure_text(outcome, text) if outcome in CALL_FAILED else None
+    process = data.get("process") or [0, 1]
+    if process[0] != 0:  # a job's process 0 records for the job
+        verdicts = {}
     marked, mark_error = _record_verdicts(ctx, cache_info.name, environment.digest, verdicts)
     report = CheckReport(
         environment_json(environment),
@@ -132,6 +144,10 @@ def check(
     )
     if shard is not None:
         return replace(report, proof_error="not recorded: a shard checks part of the manifest")
+    if process[0] != 0:
+        return replace(
+            report, proof_error=f"recorded by process 0 of the job (this is process {process[0]})"
+        )
     proof = _proof(report, environment, canary)
     error = _record_proof(ctx, cache_info.name, proof)
     return replace(report, proof=None if error else proof, proof_error=error)
@@ -251,8 +267,11 @@ def _call_executables(
     called: dict[tuple[str, str], tuple[str, str | None]] = {}
     canaries: dict[tuple[str, str], str] = {}
     remaining = list(todo)
+    # In a job every process's child calls together: a child that died leaves the others' calls
+    # without it, so a job's check has one calling child per process and names what it left.
+    rounds = 1 if request.get("distributed") else len(todo) + 1
     with tempfile.TemporaryDirectory(prefix="cachectl-call-") as tmp:
-        for round_ in range(len(todo) + 1):
+        for round_ in range(rounds):
             if not remaining:
                 break
             progress = Path(tmp) / f"progress-{round_}.jsonl"
@@ -304,6 +323,8 @@ def _call_executables(
                     loaded = {w: (None, why) for w in todo}
                 break
             remaining = [w for w in remaining if w not in called]
+        for where in remaining:  # a job's one round ended early
+            called.setdefault(where, (CALL_SKIPPED, "the job's calling process ended before it"))
     return loaded or {}, called, canaries
 
 
@@ -318,6 +339,7 @@ def call_main() -> None:
             progress.write(json.dumps(item) + "\n")  # line-buffered: on disk before the call
 
         try:
+            _join_job(request)
             rt = _serving_for(request)
         except Exception as exc:  # noqa: BLE001 - reported by the parent
             say(fatal=error_text(exc))
@@ -396,13 +418,25 @@ def _serving_for(request: dict[str, Any]) -> Serving:
     )
 
 
+def _join_job(request: dict[str, Any]) -> list[int]:
+    """Join the jax.distributed job first, as its services do (before activate()); this
+    process's [index, count]."""
+    if not request.get("distributed"):
+        return [0, 1]
+    from cachectl.warm.distributed import join
+
+    me = join()
+    return [me.index, me.count]
+
+
 def check_main() -> None:
     """Entry point of the fresh check process: request JSON on stdin, result JSON to a file."""
     request = json.loads(sys.stdin.read())
     os.chdir(request["cwd"])  # started isolated (probe.isolated); the user's paths from here
     out = Path(request["out"])
     try:
-        result = _check_in_this_process(request)
+        process = _join_job(request)
+        result = {**_check_in_this_process(request), "process": process}
     except (BadInput, EnvironmentMismatch) as exc:
         result = {"error": exc.message, "exit_code": exc.exit_code}
     except Exception as exc:  # noqa: BLE001 - reported by the parent
