@@ -70,16 +70,6 @@ def _zeros(info: Any) -> Any:
         raise NoDummyInput(f"no zero value for an argument of dtype {info.dtype}") from None
 
 
-def _global_zeros(value: Any, sharding: Any) -> Any:
-    """Host zeros as the global array a multi-process job's executable takes (every process
-    holds the same zeros, its own shards of them)."""
-    import jax
-
-    if getattr(sharding, "is_fully_addressable", True):
-        return value
-    return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])
-
-
 class ServedFunction:
     """A manifest function: call it like the function itself; calls go to stored executables."""
 
@@ -285,10 +275,6 @@ class ServedFunction:
         if isinstance(slot.compiled, Unbound):  # the structure comes from the manifest
             self._bind(slot, *build_call(self.spec, slot.bucket, paths))
         args, kwargs = jax.tree_util.tree_map(_zeros, slot.compiled.args_info)
-        if jax.process_count() > 1:  # a job's program: global arrays over its devices
-            args, kwargs = jax.tree_util.tree_map(
-                _global_zeros, (args, kwargs), tuple(slot.compiled.input_shardings)
-            )
         jax.block_until_ready(slot.compiled(*args, **kwargs))
 
     def stored_call(self, slot: Slot, args: tuple[Any, ...]) -> Any:
