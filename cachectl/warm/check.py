@@ -148,7 +148,7 @@ def check(
         return replace(
             report, proof_error=f"recorded by process 0 of the job (this is process {process[0]})"
         )
-    proof = _proof(report, environment, canary)
+    proof = replace(_proof(report, environment, canary), manifest=request["manifest"])
     error = _record_proof(ctx, cache_info.name, proof)
     return replace(report, proof=None if error else proof, proof_error=error)
 
@@ -169,6 +169,11 @@ def _proof(report: CheckReport, environment: Environment, canary: bool) -> Proof
             result = f"differs in {differs} of {n}"
         else:
             result = f"not run for {n - equal} of {n}"
+    proved = {
+        b.key
+        for b in report.buckets
+        if b.status == HIT and b.aot_call == CALL_OK and (not canary or b.canary == EQUAL)
+    }
     return Proof(
         at=utcnow(),
         machine_digest=environment.digest,
@@ -178,6 +183,7 @@ def _proof(report: CheckReport, environment: Environment, canary: bool) -> Proof
         hits=report.hits,
         executables_called=report.summary.aot_ran,
         canary=result,
+        entries_proven=len(proved),
     )
 
 
