@@ -148,7 +148,7 @@ def check(
         return replace(
             report, proof_error=f"recorded by process 0 of the job (this is process {process[0]})"
         )
-    proof = replace(_proof(report, environment, canary), manifest=request["manifest"])
+    proof = replace(_proof(report, environment, canary), manifest=str(request["manifest"]))
     error = _record_proof(ctx, cache_info.name, proof)
     return replace(report, proof=None if error else proof, proof_error=error)
 
