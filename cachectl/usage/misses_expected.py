@@ -21,6 +21,7 @@ from cachectl.core.config import distributed_requested
 from cachectl.manifest import build_call, expand, jit_function, load_manifest
 from cachectl.telemetry import SignatureTap
 from cachectl.warm import error_text, persistent_cache_off
+from cachectl.warm.job import join
 
 
 @dataclass(frozen=True)
@@ -159,8 +160,6 @@ def _expected_signatures(
     if distributed_requested(None):
         # Inside a jax.distributed job (every process runs the command) its meshes span the
         # job's devices: join it first, as its services do, or a mesh over them cannot be built.
-        from cachectl.warm.distributed import join
-
         join()
     import jax
 

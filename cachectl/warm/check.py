@@ -36,6 +36,7 @@ from cachectl.manifest import check_imports, expand, load_manifest, select_shard
 from cachectl.service.activate import activate
 from cachectl.warm.canary import EQUAL, compare, fresh_outputs, random_inputs
 from cachectl.warm.compiling import compile_bucket, error_text
+from cachectl.warm.job import join
 from cachectl.warm.plan import build_calls, environment_json, environment_mismatch, target_problems
 from cachectl.warm.reports import (
     CALL_CRASHED,
@@ -79,7 +80,7 @@ def check(
 
     Inside a ``jax.distributed`` job (``distributed``, by default when
     ``JAX_COORDINATOR_ADDRESS`` is set; every process runs the check) each child joins the job
-    first (warm/distributed.py ``join``), as a service initializes before ``activate()``: the
+    first (warm/job.py ``join``), as a service initializes before ``activate()``: the
     job's namespace, its global devices and meshes are checked from every process. Process 0
     alone records the verdicts and the proof.
     """
@@ -429,8 +430,6 @@ def _join_job(request: dict[str, Any]) -> list[int]:
     process's [index, count]."""
     if not request.get("distributed"):
         return [0, 1]
-    from cachectl.warm.distributed import join
-
     me = join()
     return [me.index, me.count]
 
