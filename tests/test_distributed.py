@@ -496,3 +496,11 @@ def test_warm_check_inside_the_job_checks_the_jobs_namespace_from_every_process(
     assert reports[0]["namespace"] == reports[1]["namespace"]
     assert reports[0]["proof"] is not None and reports[0]["proof"]["buckets"] == 2
     assert reports[1]["proof"] is None and "process 0" in reports[1]["proof_error"]
+
+    # misses in the job lowers the job's mesh too: no "does not lower ... fix the manifest".
+    misses = ["misses", "--manifest", str(manifest), "--json"]
+    done = run_job([cachectl_argv(*misses), cachectl_argv(*misses)], tmp_path / "misses")
+    for proc in done:
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        found = json.loads(proc.stdout)["findings"]
+        assert not [f for f in found if f["kind"] == "lowering"], found
