@@ -455,3 +455,52 @@ def test_every_process_settles_its_buckets_as_warm_does(tmp_path: Path) -> None:
     assert len(stored) == 4
     ns = Path(reports[0]["namespace"])
     assert {p.name[: -len("-cache")] for p in ns.glob("*-cache")} == stored
+
+
+# The issue's job: 2 processes of 2 CPU devices each, a global mesh of 4.
+MESH4 = (
+    MANIFEST.replace("device_count: 2", "device_count: 4")
+    .replace("data: 2", "data: 4")
+    .replace("[2, 4, 8]", "[4, 8]")
+)
+
+
+def test_warm_check_inside_the_job_checks_the_jobs_namespace_from_every_process(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """warm-check (and warm --check) in a jax.distributed job: each child joins the job before
+    activate(), so the job's 4-device mesh and namespace are checked from both processes (it
+    exited 3 there: "needs a mesh of 4 devices; this machine has 2"). Process 0 records."""
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
+    (tmp_path / "dist_mod.py").write_text(MODULE)
+    manifest = tmp_path / "manifest.yaml"
+    manifest.write_text(MESH4)
+    warm = ["warm", str(manifest), "--json", "--jobs", "1"]
+    for proc in run_job([cachectl_argv(*warm), cachectl_argv(*warm)], tmp_path / "warm"):
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    # Process 0 through `warm --check`, process 1 through `warm-check`: the same check.
+    done = run_job(
+        [
+            cachectl_argv("warm", str(manifest), "--check", "--json"),
+            cachectl_argv("warm-check", str(manifest), "--json"),
+        ],
+        tmp_path / "check",
+    )
+    for proc in done:
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    reports = [json.loads(p.stdout) for p in done]
+    for r in reports:
+        assert r["environment"]["device_count"] == 4 and r["environment"]["process_count"] == 2
+        assert [b["status"] for b in r["buckets"]] == ["hit", "hit"], r["buckets"]
+        assert [b["aot"] for b in r["buckets"]] == ["loaded", "loaded"], r["buckets"]
+    assert reports[0]["namespace"] == reports[1]["namespace"]
+    assert reports[0]["proof"] is not None and reports[0]["proof"]["buckets"] == 2
+    assert reports[1]["proof"] is None and "process 0" in reports[1]["proof_error"]
+
+    # misses in the job lowers the job's mesh too: no "does not lower ... fix the manifest".
+    misses = ["misses", "--manifest", str(manifest), "--json"]
+    done = run_job([cachectl_argv(*misses), cachectl_argv(*misses)], tmp_path / "misses")
+    for proc in done:
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        found = json.loads(proc.stdout)["findings"]
+        assert not [f for f in found if f["kind"] == "lowering"], found

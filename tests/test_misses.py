@@ -499,13 +499,21 @@ def test_a_function_that_fails_to_lower_is_a_finding_not_a_traceback(warmed, mon
         "    buckets:\n      n: [8]\n"
         "  - fn: svc_broken:broken\n    args:\n      - {shape: [n], dtype: float32}\n"
         "    buckets:\n      n: [8, 16]\n"
+        # A mesh larger than this process's devices (a jax.distributed job's, seen from outside
+        # it): the machine, not the manifest, and said so.
+        "  - fn: svc_broken:scale\n    name: wide\n    mesh: {axes: {data: 4096}}\n"
+        "    args:\n      - {shape: [n], dtype: float32, sharding: [data]}\n"
+        "    buckets:\n      n: [4096]\n"
     )
     _service(warmed, MATCHING, monkeypatch)
     result = CliRunner().invoke(cli, ["misses", "--manifest", str(broken), "--json"])
     assert result.exit_code == 0, result.output  # nothing missed: as documented
     report = json.loads(result.stdout)
-    (finding,) = [f for f in report["findings"] if f["kind"] == "lowering"]
+    finding, wide = [f for f in report["findings"] if f["kind"] == "lowering"]
     assert finding["function"] == "broken" and finding["bucket"] == "n=8", finding
+    assert wide["function"] == "wide" and "cannot lower here" in wide["message"], wide
+    assert "the mesh needs 4096 devices" in wide["message"], wide
+    assert "fix the" not in wide["message"] and "JAX_COORDINATOR_ADDRESS" in wide["message"]
     assert "ValueError: the reshape does not fit" in finding["message"], finding
     human = CliRunner().invoke(cli, ["misses", "--manifest", str(broken)])
     assert human.exit_code == 0 and "Traceback" not in human.output, human.output
@@ -682,3 +690,58 @@ def test_server_mode_explains_what_direct_mode_explains(warmed, monkeypatch, tmp
     assert (report["misses"], report["signatures"]) == (direct["misses"], direct["signatures"])
     assert human.exit_code == 1 and "Traceback" not in human.output
     assert "batch 48 not a bucket (16, 64): pad to 64, or add 48" in human.stdout
+
+
+PAIR = """
+version: 1
+functions:
+  - fn: svc_pair:mix
+    args:
+      - {shape: [batch, seq], dtype: float32}
+      - {shape: [batch, seq], dtype: float32}
+    buckets:
+      batch: [4, 8]
+      seq: [16]
+"""
+
+
+def test_one_line_per_missed_signature(warmed, monkeypatch) -> None:
+    """Three missed signatures of a function whose two arguments share its bucket axes: three
+    lines, each naming both arguments once (it printed a line per argument and axis: 8 lines
+    for 3 misses), broken between clauses only at a width; --json keeps a finding per field."""
+    home = Path(warmed["HOME_DIR"])
+    (home / "svc_pair.py").write_text("def mix(x, y):\n    return x * y\n")
+    pair = home / "pair.yaml"
+    pair.write_text(PAIR)
+    body = (
+        "import svc_pair\nmix = jax.jit(svc_pair.mix)\n"
+        "for b, s in ((3, 16), (5, 16), (6, 20)):\n"
+        "    mix(np.ones((b, s), np.float32), np.ones((b, s), np.float32)).block_until_ready()\n"
+    )
+    _service(warmed, MATCHING + body, monkeypatch)
+    report = json.loads(
+        CliRunner().invoke(cli, ["misses", "--manifest", str(pair), "--json"]).stdout
+    )
+    mine = [f for f in report["findings"] if f["function"] == "jit_mix"]
+    assert len(mine) == 8 and len({f["signature"] for f in mine}) == 3, mine  # detailed
+    human = CliRunner().invoke(cli, ["misses", "--manifest", str(pair)])
+    assert human.exit_code == 1, human.output
+    lines = human.stdout.split("mix:\n", 1)[1].split("\n")
+    lines = [line for line in lines[: lines.index("") if "" in lines else None] if line]
+    mix_lines = [line for line in lines if line.startswith("  jit_mix")]
+    assert sorted(mix_lines) == [
+        "  jit_mix arg 0 (x), arg 1 (y): batch 3 not a bucket (4, 8): pad to 4, or add 3 "
+        "(nearest bucket [batch=4,seq=16]); 1 missed",
+        "  jit_mix arg 0 (x), arg 1 (y): batch 5 not a bucket (4, 8): pad to 8, or add 5 "
+        "(nearest bucket [batch=8,seq=16]); 1 missed",
+        "  jit_mix arg 0 (x), arg 1 (y): batch 6 not a bucket (4, 8): pad to 8, or add 6; "
+        "arg 0 (x), arg 1 (y): seq 20 above the largest bucket (16): add 20 "
+        "(nearest bucket [batch=8,seq=16]); 1 missed",
+    ], human.stdout
+    # At a width, a line breaks between clauses, continued deeper; never mid-phrase.
+    monkeypatch.setenv("COLUMNS", "80")
+    narrow = CliRunner().invoke(cli, ["misses", "--manifest", str(pair)]).stdout
+    assert (
+        "\n    arg 0 (x), arg 1 (y): seq 20 above the largest bucket (16): add 20 (nearest"
+        in narrow
+    )

@@ -75,7 +75,8 @@ def _proof_rows() -> list[dict[str, Any] | None]:
     db = Path(os.environ["XDG_DATA_HOME"]) / "cachectl" / "index.db"
     with sqlite3.connect(db) as conn:
         rows = conn.execute("SELECT proof FROM environments WHERE deleted_at IS NULL").fetchall()
-    return [json.loads(proof) if proof is not None else None for (proof,) in rows]
+    # One manifest per test: its proof, of the per-manifest rows the column keeps.
+    return [json.loads(proof)["manifests"][-1] if proof is not None else None for (proof,) in rows]
 
 
 def test_canary_equal_on_every_bucket_proves_the_namespace(tmp_path: Path) -> None:
@@ -239,3 +240,59 @@ def test_the_index_keeps_the_last_proof_on_sqlite_and_postgresql(index: Any) -> 
     index.record_proof(env.id, later)
     again = index.find_environment("c", env.digest).proof
     assert again == later and not again.proven
+
+
+TWO_MODULE = """
+import jax.numpy as jnp
+
+def scaled(x):
+    return jnp.tanh(x) * 2
+
+def shifted(x):
+    return jnp.tanh(x) + 1
+"""
+
+PART_MANIFEST = """
+version: 1
+target: {{backend: cpu}}
+functions:
+  - fn: wc_two:{fn}
+    args: [{{shape: [batch, 8], dtype: float32}}]
+    buckets: {{batch: {buckets}}}
+"""
+
+
+def test_one_manifests_check_never_proves_the_whole_namespace(tmp_path: Path) -> None:
+    """Two manifests warmed one namespace (3 entries); the canary of the one with 1 bucket proves
+    its own entry, not the namespace: `ls` said the whole environment `proven: yes`. Each
+    manifest's proof is kept apart; the namespace is proven once a check covers every entry."""
+    (tmp_path / "wc_two.py").write_text(TWO_MODULE)
+    small, big = tmp_path / "small.yaml", tmp_path / "big.yaml"
+    small.write_text(PART_MANIFEST.format(fn="shifted", buckets="[2]"))
+    big.write_text(PART_MANIFEST.format(fn="scaled", buckets="[2, 4]"))
+    invoke("warm", str(small), "--json")
+    invoke("warm", str(big), "--json")
+    data = json.loads(invoke("warm-check", str(small), "--canary", "--json").stdout)
+    assert data["proof"]["proven"] is True and data["proof"]["entries_proven"] == 1, data["proof"]
+    (env,) = json.loads(invoke("ls", "--json").stdout)["environments"]
+    assert env["entries"] == 3 and env["proven"] is False, env
+    assert "no: small.yaml proved 1 of 3 entries" in invoke("ls").output
+    assert json.loads(invoke("stats", "--json").stdout)[0]["proven"] == 0
+
+    # The other manifest's check is kept beside it, not over it; neither alone covers all 3.
+    invoke("warm-check", str(big), "--canary", "--json")
+    (env,) = json.loads(invoke("ls", "--json").stdout)["environments"]
+    assert sorted((Path(p["manifest"]).name, p["entries_proven"]) for p in env["proofs"]) == [
+        ("big.yaml", 2),
+        ("small.yaml", 1),
+    ]
+    assert env["proven"] is False and "no: big.yaml proved 2 of 3 entries" in invoke("ls").output
+
+    # A manifest naming both functions proves every entry: the namespace is proven.
+    both = tmp_path / "both.yaml"
+    both.write_text(big.read_text() + small.read_text().split("functions:\n", 1)[1])
+    invoke("warm-check", str(both), "--canary", "--json")
+    (env,) = json.loads(invoke("ls", "--json").stdout)["environments"]
+    assert env["proven"] is True and len(env["proofs"]) == 3, env
+    assert "yes," in invoke("ls").output
+    assert json.loads(invoke("stats", "--json").stdout)[0]["proven"] == 1

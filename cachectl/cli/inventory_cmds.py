@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import click
@@ -23,7 +24,7 @@ from cachectl.cli.render import (
 from cachectl.core.units import parse_duration
 
 if TYPE_CHECKING:
-    from cachectl.core.records import Proof
+    from cachectl.core.records import EnvironmentInfo
     from cachectl.index.usage import TelemetryStats, UsageRow
     from cachectl.usage import inventory
 
@@ -31,15 +32,29 @@ if TYPE_CHECKING:
 # bodies when they run, never at import: `cachectl ls --help` stays cheap.
 
 
-def _proven(proof: Proof | None) -> str:
-    """The last warm-check on the hardware: "yes, <when> on <devices> (<host>)", "no: <why>; <when>
-    on ...", or "-"; where the table fits a width (``whole``), "yes" or "no: <why>" alone."""
+def _proven(e: EnvironmentInfo) -> str:
+    """The warm-checks on the hardware: "yes, <when> on <devices> (<host>)" when a check proved
+    every entry the namespace holds, "no: <why>; <when> on ..." (one manifest's check of part of
+    it: how many entries it proved), or "-"; where the table fits a width (``whole``), "yes" or
+    "no: <why>" alone."""
+    proof = e.proof
     if proof is None:
         return "-"
-    where = f"{when(proof.at)} on {proof.devices} ({proof.host})"
-    if proof.proven:
+    covering = [p for p in e.proofs if p.proven and (p.entries_proven or 0) >= e.entries]
+    shown = max(covering, key=lambda p: p.at) if covering else proof
+    where = f"{when(shown.at)} on {shown.devices} ({shown.host})"
+    if e.proven:
         return f"yes, {where}" if whole() else "yes"
-    why = unproven_because(proof)
+    partial = [p for p in e.proofs if p.proven]
+    if partial:
+        best = max(partial, key=lambda p: p.entries_proven or 0)
+        named = Path(best.manifest).name if best.manifest else "a manifest"
+        proved = "an unrecorded number" if best.entries_proven is None else best.entries_proven
+        why = [f"{named} proved {proved} of {e.entries} entries"]
+        shown = best
+        where = f"{when(shown.at)} on {shown.devices} ({shown.host})"
+    else:
+        why = unproven_because(proof)
     return f"no: {', '.join(why)}" + (f"; {where}" if whole() else "")
 
 
@@ -56,7 +71,7 @@ def _print_environments(listing: inventory.EnvironmentListing) -> None:
             size(e.aot_bytes),
             size(e.bytes),
             when(e.last_access_at),
-            _proven(e.proof),
+            _proven(e),
         )
         for e in listing.environments
     ]

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 import click
 
-from cachectl.cli.render import emit, json_option, stdout, table
+from cachectl.cli.render import emit, json_option, stdout, table, whole
 from cachectl.core.units import parse_duration
 
 if TYPE_CHECKING:
@@ -44,20 +44,22 @@ def _print_misses(r: misses_lib.MissesReport) -> None:
     by_fn: dict[str, list[misses_lib.MissFinding]] = {}
     for f in r.findings:
         by_fn.setdefault(f.name or f.function, []).append(f)
+    width = None if whole() else stdout.width
     for fn, items in by_fn.items():
         stdout.print(f"{fn}:", highlight=False)
-        # The same explanation for several signatures is said once, with its total.
-        grouped: dict[str, list[misses_lib.MissFinding]] = {}
-        for f in items:
-            grouped.setdefault(f.message, []).append(f)
-        for message, same in list(grouped.items())[:_SHOW]:
-            buckets = sorted({f.bucket for f in same if f.bucket})
+        # One line per missed signature (its findings, one per argument and field, together);
+        # the same line for several signatures is said once, with its total.
+        grouped: dict[str, list[list[misses_lib.MissFinding]]] = {}
+        for same_signature in _by_signature(items):
+            grouped.setdefault(_signature_text(same_signature), []).append(same_signature)
+        for text, signatures in list(grouped.items())[:_SHOW]:
+            buckets = sorted({f.bucket for s in signatures for f in s if f.bucket})
             near = f" (nearest bucket [{buckets[0]}])" if len(buckets) == 1 else ""
-            times = f", {len(same)} signatures" if len(same) > 1 else ""
-            missed = sum(f.misses for f in same)
-            stdout.print(
-                f"  {message}{near}; {missed} missed{times}", highlight=False, markup=False
-            )
+            times = f", {len(signatures)} signatures" if len(signatures) > 1 else ""
+            missed = sum(s[0].misses for s in signatures)
+            clauses = f"{text}{near}".split("; ") + [f"{missed} missed{times}"]
+            for line in _wrapped(clauses, width):
+                stdout.print(line, highlight=False, markup=False, soft_wrap=True)
         if len(grouped) > _SHOW:
             stdout.print(f"... and {len(grouped) - _SHOW} more (--json lists all)")
     if r.uncacheable_functions:
@@ -74,6 +76,56 @@ def _print_misses(r: misses_lib.MissesReport) -> None:
         )
     if r.ok:
         stdout.print("nothing missed", highlight=False)
+
+
+def _by_signature(
+    items: list[misses_lib.MissFinding],
+) -> list[list[misses_lib.MissFinding]]:
+    """A function's findings, those of one missed signature together (in order); a finding of
+    no one signature (a whole function's) alone."""
+    out: dict[object, list[misses_lib.MissFinding]] = {}
+    for i, f in enumerate(items):
+        out.setdefault(f.signature if f.signature is not None else i, []).append(f)
+    return list(out.values())
+
+
+def _signature_text(findings: list[misses_lib.MissFinding]) -> str:
+    """One signature's findings as one text: arguments that differ the same way named together
+    (``jit_f arg 0 (x), arg 1 (y): batch 3 not a bucket ...``), the function named once."""
+    module = findings[0].function
+    heads: dict[str, list[str]] = {}  # what differs -> the arguments it differs in
+    for f in findings:
+        head, sep, rest = f.message.partition(": ")
+        if f.signature is None or not sep or not head.startswith(module):
+            heads.setdefault(f.message, [])
+            continue
+        heads.setdefault(rest, []).append(head)
+    parts = []
+    for rest, where in heads.items():
+        if not where:
+            parts.append(rest)
+            continue
+        named = [where[0], *(w.removeprefix(f"{module} ") for w in where[1:])]
+        parts.append(f"{', '.join(dict.fromkeys(named))}: {rest}")
+    first, *others = parts
+    return "; ".join([first, *(p.removeprefix(f"{module} ") for p in others)])
+
+
+def _wrapped(clauses: list[str], width: int | None) -> list[str]:
+    """``  a; b; c`` as lines that break only between clauses (never mid-phrase), continued
+    with a deeper indent; one line where the output has no width."""
+    lines: list[str] = []
+    current = ""
+    for clause in clauses:
+        joined = f"{current}; {clause}" if current else clause
+        indent = 2 if not lines else 4
+        if current and width is not None and indent + len(joined) > width:
+            lines.append(current)
+            current = clause
+        else:
+            current = joined
+    lines.append(current)
+    return [("  " if i == 0 else "    ") + line for i, line in enumerate(lines)]
 
 
 @click.command("misses")

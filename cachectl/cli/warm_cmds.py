@@ -133,6 +133,7 @@ def _run_check(
     shards: int | None = None,
     canary: bool = False,
     padding: dict[str, float | None] | None = None,
+    distributed: bool | None = None,
 ) -> None:
     from cachectl.warm import check
 
@@ -145,6 +146,7 @@ def _run_check(
             paths=paths,
             canary=canary,
             padding=padding,
+            distributed=distributed,
         )
     emit(report, as_json, lambda r: print_check(r, manifest), failure=_check_failure)
 
@@ -340,7 +342,9 @@ def warm_cmd(
     cachectl warm-check manifest.yaml   # prove it: 100% hits in a fresh process
     """
     if check_only:
-        _run_check(ctx, manifest, cache_name, shard, paths, as_json, shards)
+        _run_check(
+            ctx, manifest, cache_name, shard, paths, as_json, shards, distributed=distributed
+        )
         return
     from cachectl.core.config import distributed_requested
     from cachectl.manifest import read_manifest
@@ -531,6 +535,12 @@ def _run_replay(ctx: Context, run: str, cache_name: str | None, as_json: bool) -
     help="With --padding: the absolute tolerance for every floating output (default per dtype: "
     "float32 1e-6, bfloat16 1e-2, float16 1e-3, float64 1e-12).",
 )
+@click.option(
+    "--distributed/--no-distributed",
+    default=None,
+    help="Check from inside a jax.distributed job (every process runs this command; the children "
+    "join the job first, as its services do). Default: on when JAX_COORDINATOR_ADDRESS is set.",
+)
 @click.pass_obj
 def warm_check_cmd(
     ctx: Context,
@@ -545,6 +555,7 @@ def warm_check_cmd(
     padding: bool,
     rtol: float | None,
     atol: float | None,
+    distributed: bool | None,
 ) -> None:
     """Prove coverage: in a fresh process, activate the cache read-only and load every bucket.
 
@@ -574,7 +585,9 @@ def warm_check_cmd(
     if not padding and (rtol is not None or atol is not None):
         raise BadInput("--rtol and --atol are --padding's tolerances: add --padding")
     options = {"rtol": rtol, "atol": atol} if padding else None
-    _run_check(ctx, manifest, cache_name, shard, paths, as_json, shards, canary, options)
+    _run_check(
+        ctx, manifest, cache_name, shard, paths, as_json, shards, canary, options, distributed
+    )
 
 
 def register(cli: click.Group) -> None:

@@ -34,6 +34,12 @@ class Proof:
     executables_called: int
     # "equal", "differs in N of M", or "not run (why)".
     canary: str
+    # The manifest checked (its path), and how many of the namespace's entries this check proved
+    # (distinct keys that hit, ran and, with --canary, gave a compile's outputs): a namespace is
+    # proven only by checks that cover its every entry (``EnvironmentInfo.proven``), never by one
+    # manifest's check of part of it. None: a proof recorded before either was kept.
+    manifest: str | None = None
+    entries_proven: int | None = None
 
     __json_extra__ = ("proven",)
 
@@ -57,6 +63,8 @@ class Proof:
             "hits": self.hits,
             "executables_called": self.executables_called,
             "canary": self.canary,
+            "manifest": self.manifest,
+            "entries_proven": self.entries_proven,
         }
 
     @classmethod
@@ -74,9 +82,29 @@ class Proof:
                 hits=int(data["hits"]),
                 executables_called=int(data["executables_called"]),
                 canary=str(data["canary"]),
+                manifest=None if data.get("manifest") is None else str(data["manifest"]),
+                entries_proven=(
+                    None if data.get("entries_proven") is None else int(data["entries_proven"])
+                ),
             )
         except (KeyError, TypeError, ValueError):
             return None
+
+
+def proofs_from_row(data: Any) -> dict[str, Any]:
+    """``EnvironmentInfo``'s ``proof`` (the latest check) and ``proofs`` (the latest of each
+    manifest) from the stored JSON: ``{"manifests": [row, ...]}``, or one row as kept before."""
+    rows = data.get("manifests") if isinstance(data, dict) and "manifests" in data else [data]
+    proofs = tuple(p for p in map(Proof.from_row, rows or []) if p is not None)
+    latest = max(proofs, key=lambda p: p.at) if proofs else None
+    return {"proof": latest, "proofs": proofs}
+
+
+def proofs_to_row(stored: Any, proof: Proof) -> dict[str, Any]:
+    """The stored JSON with ``proof`` recorded: it replaces the last check of its own manifest
+    only, so another manifest's check of part of a namespace never replaces (or stands for) this."""
+    kept = [p for p in proofs_from_row(stored)["proofs"] if p.manifest != proof.manifest]
+    return {"manifests": [p.to_row() for p in (*kept, proof)]}
 
 
 @dataclass(frozen=True)
@@ -96,8 +124,20 @@ class EnvironmentInfo:
     # Entries with a stored executable (``<key>-aot``), and those executables' bytes (within ``bytes``).
     executables: int = 0
     aot_bytes: int = 0
-    # The last warm-check on a machine of this fingerprint (None: never checked).
+    # The last warm-check on a machine of this fingerprint (None: never checked), and the last
+    # of each manifest checked.
     proof: Proof | None = None
+    proofs: tuple[Proof, ...] = ()
+
+    __json_extra__ = ("proven",)
+
+    @property
+    def proven(self) -> bool:
+        """Proven: a check proved every entry the namespace holds now, not part of them."""
+        return self.entries > 0 and any(
+            p.proven and p.entries_proven is not None and p.entries_proven >= self.entries
+            for p in self.proofs
+        )
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ from typing import Any, Protocol
 from cachectl.core.cache_info import CACHE_COLUMNS, CacheInfo
 from cachectl.core.errors import NotFound, Unreachable
 from cachectl.core.fingerprint import ENVIRONMENT_FIELDS, Environment
-from cachectl.core.records import EnvironmentInfo, Proof, pick_environment
+from cachectl.core.records import EnvironmentInfo, pick_environment, proofs_from_row
 from cachectl.core.sqlite_file import connect, from_json, sqlite_path, stamp, when
 
 
@@ -224,7 +224,7 @@ class ReaderQueries:
                 last_access_at=when(r[8 + n]),
                 executables=int(r[9 + n] or 0),
                 aot_bytes=int(r[10 + n] or 0),
-                proof=Proof.from_row(from_json(r[11 + n])),
+                **proofs_from_row(from_json(r[11 + n])),
             )
             for r in self.reader.rows(sql, params)
         ]

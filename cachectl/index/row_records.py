@@ -15,7 +15,7 @@ from sqlalchemy.engine import Row
 from cachectl.core.cache_info import CACHE_COLUMNS
 from cachectl.core.fingerprint import ENVIRONMENT_FIELDS, Environment
 from cachectl.core.jsonable import bounded
-from cachectl.core.records import CacheInfo, EntryInfo, EnvironmentInfo, Proof
+from cachectl.core.records import CacheInfo, EntryInfo, EnvironmentInfo, proofs_from_row
 from cachectl.index.models import Cache, Entry
 from cachectl.index.models import Environment as EnvRow
 
@@ -51,7 +51,7 @@ def env_info(
         last_access_at=last_access,
         executables=int(executables or 0),
         aot_bytes=int(aot_bytes or 0),
-        proof=Proof.from_row(row.proof),
+        **proofs_from_row(row.proof),
     )
 
 

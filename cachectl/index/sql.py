@@ -31,6 +31,7 @@ from cachectl.core.records import (  # noqa: F401 - actor is re-exported
     WarmRunInfo,
     actor,
     pick_environment,
+    proofs_to_row,
 )
 from cachectl.index import (
     db,
@@ -312,9 +313,14 @@ class Index(reads.ReaderQueries):
             s.execute(update(EnvRow).where(EnvRow.id == env_id).values(content_signature=signed))
 
     def record_proof(self, env_id: int, proof: Proof) -> None:
-        """Keep warm-check's result on the namespace's row: the last check replaces the one before."""
+        """Keep warm-check's result on the namespace's row: the last check of a manifest replaces
+        that manifest's before (``proofs_to_row``)."""
         with self.session() as s:
-            s.execute(update(EnvRow).where(EnvRow.id == env_id).values(proof=proof.to_row()))
+            stored = s.execute(
+                select(EnvRow.proof).where(EnvRow.id == env_id).with_for_update()
+            ).scalar()
+            row = proofs_to_row(stored, proof)
+            s.execute(update(EnvRow).where(EnvRow.id == env_id).values(proof=row))
 
     def mark_environment_deleted(self, env_id: int) -> None:
         with self.session() as s:

@@ -37,7 +37,7 @@ class CacheTotals:
     per_environment: list[EnvironmentInfo]
     executables: int = 0
     aot_bytes: int = 0
-    # Namespaces whose last warm-check proved them on their hardware (EnvironmentInfo.proof).
+    # Namespaces whose every entry a warm-check proved on their hardware (EnvironmentInfo.proven).
     proven: int = 0
     # service telemetry over the default window (plain `cachectl stats`): per environment too
     telemetry: TelemetryStats | None = None
@@ -91,7 +91,7 @@ def cache_totals(ctx: Context, caches: list[CacheInfo]) -> list[CacheTotals]:
                 envs,
                 executables=sum(e.executables for e in envs),
                 aot_bytes=sum(e.aot_bytes for e in envs),
-                proven=sum(e.proof is not None and e.proof.proven for e in envs),
+                proven=sum(e.proven for e in envs),
             )
         )
     return out

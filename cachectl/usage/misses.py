@@ -243,12 +243,21 @@ def _lowering_findings(failures: list[LoweringFailure]) -> list[MissFinding]:
             f.function,
             f.function,
             "lowering",
-            f"{f.function}[{f.bucket}] does not lower: {f.error}; fix the function or its "
+            f"{f.function}[{f.bucket}] cannot lower here: {f.error}; run `cachectl misses` "
+            "where the service runs (inside a jax.distributed job: in every process, with "
+            "JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and JAX_PROCESS_ID set)"
+            if _MESH_TOO_BIG in f.error
+            else f"{f.function}[{f.bucket}] does not lower: {f.error}; fix the function or its "
             "manifest entry (`cachectl warm` reports the same error per bucket)",
             bucket=f.bucket,
         )
         for f in first.values()
     ]
+
+
+# manifest/mesh.py's words for a mesh larger than this process's devices: the machine (or a job
+# this process has not joined), not the manifest.
+_MESH_TOO_BIG = "the mesh needs"
 
 
 def _rejit(r: SignatureRow, name: str | None) -> MissFinding:

@@ -17,9 +17,11 @@ from pathlib import Path
 from typing import Any
 
 from cachectl.core import jax_seam
+from cachectl.core.config import distributed_requested
 from cachectl.manifest import build_call, expand, jit_function, load_manifest
 from cachectl.telemetry import SignatureTap
 from cachectl.warm import error_text, persistent_cache_off
+from cachectl.warm.job import join
 
 
 @dataclass(frozen=True)
@@ -155,6 +157,10 @@ def _expected_signatures(
     specs = {s.name: s for s in manifest.functions}
     out: list[ExpectedSignature] = []
     jitted: dict[str, Any] = {}
+    if distributed_requested(None):
+        # Inside a jax.distributed job (every process runs the command) its meshes span the
+        # job's devices: join it first, as its services do, or a mesh over them cannot be built.
+        join()
     import jax
 
     jax.clear_caches()  # a lowering already cached in this process would not be logged again

@@ -39,6 +39,9 @@ class MissFinding:
     bucket: str | None = None
     requests: int = 0
     misses: int = 0
+    # The missed signature this finding explains (its digest): one signature's findings, one per
+    # argument and field, are one line of `cachectl misses`.
+    signature: str | None = None
 
 
 def leaf_of(value: Any) -> jax_seam.Leaf:
@@ -167,6 +170,7 @@ class _Findings:
                 bucket=self.exp.label,
                 requests=self.row.requests,
                 misses=self.n_missed,
+                signature=self.row.digest,
             )
         )
 
@@ -325,6 +329,7 @@ def static_finding(
                 bucket=exp.label,
                 requests=row.requests,
                 misses=n_missed,
+                signature=row.digest,
             )
     if statics:
         known = "; ".join(f"{k} among {_fmt(v)}" for k, v in statics.items())
@@ -349,6 +354,7 @@ def static_finding(
         bucket=exp.label,
         requests=row.requests,
         misses=n_missed,
+        signature=row.digest,
     )
 
 

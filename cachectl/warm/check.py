@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from cachectl.context import Context
+from cachectl.core.config import distributed_requested
 from cachectl.core.errors import BadInput, CachectlError, EnvironmentMismatch, OperationFailed
 from cachectl.core.fingerprint import Environment, current_environment
 from cachectl.core.probe import ISOLATED_CWD, isolated
@@ -36,6 +37,7 @@ from cachectl.service.activate import activate
 from cachectl.warm import padding_check
 from cachectl.warm.canary import EQUAL, compare, fresh_outputs, random_inputs
 from cachectl.warm.compiling import compile_bucket, error_text
+from cachectl.warm.job import join
 from cachectl.warm.plan import build_calls, environment_json, environment_mismatch, target_problems
 from cachectl.warm.reports import (
     CALL_CRASHED,
@@ -65,6 +67,7 @@ def check(
     timeout: float | None = None,
     canary: bool = False,
     padding: dict[str, float | None] | None = None,
+    distributed: bool | None = None,
 ) -> CheckReport:
     """Load every bucket in a fresh, read-only activated process: hit or miss, and coverage.
 
@@ -79,6 +82,12 @@ def check(
     memory, and a service starts from nothing but ``activate()``. This process never
     opens JAX's backend (an accelerator held here would refuse the children): the
     child reads the environment, checks the manifest's target and imports its modules.
+
+    Inside a ``jax.distributed`` job (``distributed``, by default when
+    ``JAX_COORDINATOR_ADDRESS`` is set; every process runs the check) each child joins the job
+    first (warm/job.py ``join``), as a service initializes before ``activate()``: the
+    job's namespace, its global devices and meshes are checked from every process. Process 0
+    alone records the verdicts and the proof.
     """
     manifest = load_manifest(manifest_path, import_paths=paths)  # a bad one: all problems
     cache_info = ctx.cache(cache or manifest.cache or ctx.settings.cache)
@@ -93,6 +102,7 @@ def check(
         "db": ctx.settings.db,
         "canary": canary,
         "padding": padding,
+        "distributed": distributed_requested(distributed),
         "cwd": os.getcwd(),  # the child starts in ISOLATED_CWD, then works from here
     }
     with tempfile.TemporaryDirectory(prefix="cachectl-check-") as tmp:
@@ -125,6 +135,9 @@ def check(
         key = loaded.get(where, (None, None, False))[0]
         if key is not None and outcome in (CALL_OK, *CALL_FAILED):
             verdicts[key] = _failure_text(outcome, text) if outcome in CALL_FAILED else None
+    process = data.get("process") or [0, 1]
+    if process[0] != 0:  # a job's process 0 records for the job
+        verdicts = {}
     marked, mark_error = _record_verdicts(ctx, cache_info.name, environment.digest, verdicts)
     report = CheckReport(
         environment_json(environment),
@@ -139,7 +152,11 @@ def check(
     )
     if shard is not None:
         return replace(report, proof_error="not recorded: a shard checks part of the manifest")
-    proof = _proof(report, environment, canary)
+    if process[0] != 0:
+        return replace(
+            report, proof_error=f"recorded by process 0 of the job (this is process {process[0]})"
+        )
+    proof = replace(_proof(report, environment, canary), manifest=str(request["manifest"]))
     error = _record_proof(ctx, cache_info.name, proof)
     return replace(report, proof=None if error else proof, proof_error=error)
 
@@ -160,6 +177,11 @@ def _proof(report: CheckReport, environment: Environment, canary: bool) -> Proof
             result = f"differs in {differs} of {n}"
         else:
             result = f"not run for {n - equal} of {n}"
+    proved = {
+        b.key
+        for b in report.buckets
+        if b.status == HIT and b.aot_call == CALL_OK and (not canary or b.canary == EQUAL)
+    }
     return Proof(
         at=utcnow(),
         machine_digest=environment.digest,
@@ -169,6 +191,7 @@ def _proof(report: CheckReport, environment: Environment, canary: bool) -> Proof
         hits=report.hits,
         executables_called=report.summary.aot_ran,
         canary=result,
+        entries_proven=len(proved),
     )
 
 
@@ -277,8 +300,11 @@ def _call_executables(
     canaries: dict[tuple[str, str], str] = {}
     paddings: dict[tuple[str, str], list[Any]] = {}
     remaining = list(todo)
+    # In a job every process's child calls together: a child that died leaves the others' calls
+    # without it, so a job's check has one calling child per process and names what it left.
+    rounds = 1 if request.get("distributed") else len(todo) + 1
     with tempfile.TemporaryDirectory(prefix="cachectl-call-") as tmp:
-        for round_ in range(len(todo) + 1):
+        for round_ in range(rounds):
             if not remaining:
                 break
             progress = Path(tmp) / f"progress-{round_}.jsonl"
@@ -335,6 +361,8 @@ def _call_executables(
                     loaded = {w: (None, why, False) for w in todo}
                 break
             remaining = [w for w in remaining if w not in called]
+        for where in remaining:  # a job's one round ended early
+            called.setdefault(where, (CALL_SKIPPED, "the job's calling process ended before it"))
     return loaded or {}, called, canaries, paddings
 
 
@@ -349,6 +377,7 @@ def call_main() -> None:
             progress.write(json.dumps(item) + "\n")  # line-buffered: on disk before the call
 
         try:
+            _join_job(request)
             rt = _serving_for(request)
         except Exception as exc:  # noqa: BLE001 - reported by the parent
             say(fatal=error_text(exc))
@@ -430,13 +459,23 @@ def _serving_for(request: dict[str, Any]) -> Serving:
     )
 
 
+def _join_job(request: dict[str, Any]) -> list[int]:
+    """Join the jax.distributed job first, as its services do (before activate()); this
+    process's [index, count]."""
+    if not request.get("distributed"):
+        return [0, 1]
+    me = join()
+    return [me.index, me.count]
+
+
 def check_main() -> None:
     """Entry point of the fresh check process: request JSON on stdin, result JSON to a file."""
     request = json.loads(sys.stdin.read())
     os.chdir(request["cwd"])  # started isolated (probe.isolated); the user's paths from here
     out = Path(request["out"])
     try:
-        result = _check_in_this_process(request)
+        process = _join_job(request)
+        result = {**_check_in_this_process(request), "process": process}
     except (BadInput, EnvironmentMismatch) as exc:
         result = {"error": exc.message, "exit_code": exc.exit_code}
     except Exception as exc:  # noqa: BLE001 - reported by the parent

@@ -27,8 +27,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -41,7 +39,6 @@ from cachectl.context import Context
 from cachectl.core import jax_seam
 from cachectl.core.config import default_jobs
 from cachectl.core.errors import (
-    BadInput,
     CachectlError,
     EnvironmentMismatch,
     OperationFailed,
@@ -54,6 +51,15 @@ from cachectl.storage.entries import CACHE_SUFFIX, parse_key, sha256
 from cachectl.storage.jax_storage import jax_storage
 from cachectl.warm.compiling import Outcome, warm_jax_config
 from cachectl.warm.executors import run_threads
+from cachectl.warm.job import (  # noqa: F401 - joining the job lives there; re-exported
+    DEFAULT_TIMEOUT_S,
+    TIMEOUT_ENV,
+    WRITER,
+    ProcessInfo,
+    first_line,
+    join,
+    timeout_seconds,
+)
 from cachectl.warm.reports import (
     CACHED,
     COMPILED,
@@ -65,10 +71,6 @@ from cachectl.warm.reports import (
 )
 from cachectl.warm.settle import settle_peer
 
-WRITER = 0
-TIMEOUT_ENV = "CACHECTL_DISTRIBUTED_TIMEOUT"
-DEFAULT_TIMEOUT_S = 600
-_JAX_GRACE_S = 30  # JAX's own init timeout comes this much later than ours
 _PREFIX = "cachectl/warm"
 # Every process of a JAX job compiles every bucket together (each program spans the job's
 # devices), so the job is the unit of work: a shard of the manifest per process would leave
@@ -78,13 +80,6 @@ SHARD_REFUSAL = (
     "bucket together; to split a manifest across jobs, give each job its own manifest"
 )
 _SEQUENCE = [0]  # one exchange namespace per collective warm of this process
-
-
-@dataclass(frozen=True)
-class ProcessInfo:
-    index: int
-    count: int
-    writer: int = WRITER
 
 
 @dataclass(frozen=True)
@@ -109,88 +104,12 @@ class DistributedWarmReport:
         }
 
 
-def _int_env(name: str) -> int | None:
-    raw = os.environ.get(name, "").strip()
-    if not raw:
-        return None
-    if not raw.isdigit():
-        raise BadInput(f"{name} must be a whole number, got {raw!r}")
-    return int(raw)
-
-
-def timeout_seconds() -> int:
-    """How long any process waits for the others, at each step (joining included): every wait is bounded."""
-    value = _int_env(TIMEOUT_ENV)
-    if value == 0:
-        raise BadInput(f"{TIMEOUT_ENV} must be at least 1 (seconds)")
-    return DEFAULT_TIMEOUT_S if value is None else value
-
-
-def join() -> ProcessInfo:
-    """Initialize jax.distributed (once) and say which process this is.
-
-    Nothing that can fail on one process only may run before this: a process that exits
-    before joining leaves the others waiting in ``initialize`` (bounded by the timeout).
-    """
-    import jax
-
-    if jax_seam.distributed_client() is None:
-        timeout = timeout_seconds()
-        kwargs: dict[str, Any] = {}
-        address = os.environ.get("JAX_COORDINATOR_ADDRESS", "").strip() or None
-        count, rank = _int_env("JAX_NUM_PROCESSES"), _int_env("JAX_PROCESS_ID")
-        if address:
-            kwargs["coordinator_address"] = address
-        if count is not None:
-            kwargs["num_processes"] = count
-        if rank is not None:
-            kwargs["process_id"] = rank
-        # JAX aborts the process (SIGABRT, a C++ stack) when its own init timeout passes: this
-        # watchdog ends it first, with the one-line error and exit code of Unreachable.
-        watchdog = threading.Timer(
-            timeout,
-            _give_up,
-            args=(
-                f"--distributed: the JAX job's other processes did not join within {timeout} s ({TIMEOUT_ENV}); "
-                "did one of them fail before joining?",
-            ),
-        )
-        watchdog.daemon = True
-        watchdog.start()
-        try:
-            try:
-                jax.distributed.initialize(**kwargs, initialization_timeout=timeout + _JAX_GRACE_S)
-            except Exception as exc:  # noqa: BLE001 - JAX raises RuntimeError, ValueError or its own error
-                raise EnvironmentMismatch(
-                    f"--distributed: could not join the JAX job ({_first_line(exc)}); set JAX_COORDINATOR_ADDRESS, "
-                    "JAX_NUM_PROCESSES and JAX_PROCESS_ID, or run where JAX detects the cluster"
-                ) from exc
-            # Creating the backend exchanges every process's devices: it waits for all of them too.
-            return ProcessInfo(jax.process_index(), jax.process_count())
-        finally:
-            watchdog.cancel()
-    return ProcessInfo(jax.process_index(), jax.process_count())
-
-
-def _give_up(message: str) -> None:
-    """End this process now with cachectl's one-line error (exit 2, Unreachable): JAX's threads hold
-    no state of ours yet, and its shutdown at exit would wait for the peers that never came."""
-    sys.stderr.write(f"cachectl: error: {message}\n")
-    sys.stderr.flush()
-    os._exit(Unreachable.exit_code)
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
-
-
 def _client() -> Any:
     return jax_seam.distributed_client()
 
 
 def _error_view(exc: Exception) -> dict[str, Any]:
-    text = getattr(exc, "message", None) or _first_line(exc)
+    text = getattr(exc, "message", None) or first_line(exc)
     return {"error": text, "kind": type(exc).__name__ if isinstance(exc, CachectlError) else None}
 
 
@@ -224,7 +143,7 @@ def _exchange(
         if failure is not None:
             raise failure from None
         waited = f"process {len(views)} of {me.count}" if len(views) < me.count else "every process"
-        detail = _first_line(exc).split(" [type.googleapis.com", 1)[0]
+        detail = first_line(exc).split(" [type.googleapis.com", 1)[0]
         raise Unreachable(
             f"--distributed: {waited} did not reach the {tag!r} step within {timeout} s "
             f"({TIMEOUT_ENV}): {detail}"
