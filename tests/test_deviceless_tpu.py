@@ -227,7 +227,7 @@ def test_multi_chip_topologies_compile_with_the_manifests_mesh(
     assert bucket["aot_bytes"], bucket
     # The program is the sharded one: it runs on every device of the slice, not on one.
     ns = Path(report["namespace"])
-    _, payload = executables._split((ns / f"{bucket['key']}-aot").read_bytes())
+    _, payload = executables.split_artifact((ns / f"{bucket['key']}-aot").read_bytes())
     device_ids = pickle.loads(payload)[3]
     # (in jax.devices() order, as a service's Mesh(jax.devices()) lays them out)
     assert device_ids == list(range(devices))
