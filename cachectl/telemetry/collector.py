@@ -423,10 +423,10 @@ class Collector:
             # A miss still compiling keeps its signature for the next batch: JAX says only after
             # the compile whether it will never write it (host callbacks), which moves the
             # signature's miss to not cacheable (_on_host_callbacks), as the function's counts.
-            compiling = {
+            compiling = {  # none at the process's last flush: nothing comes after it
                 id(state[3])
                 for state in self._threads.values()
-                if state[3] is not None and state[5] is False
+                if state[3] is not None and state[5] is False and not self._final
             }
             kept = {i: c for i, c in signatures.items() if id(c) in compiling}
             for ident in kept:
