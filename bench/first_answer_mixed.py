@@ -40,22 +40,8 @@ def forward(params, tokens):
     return nnx.merge(GRAPHDEF, params)(tokens)
 """
 
-MANIFEST = """
-version: 1
-functions:
-  - name: train_step
-    fn: nnx_train:train_step
-    args:
-      - {pytree: nnx_train:params_specs}
-      - {pytree: nnx_train:opt_specs}
-      - {shape: [batch, seq], dtype: int32}
-      - {shape: [batch, seq], dtype: int32}
-    buckets:
-      batch: [8, 32]
-      seq: [128, 512]
-    exclude:
-      - {batch: 32, seq: 512}
-  - name: forward
+# The train step's manifest (scripts/tpu_train_step.py), then its forward at one bucket.
+FORWARD_ENTRY = """  - name: forward
     fn: nnx_train:forward
     args:
       - {pytree: nnx_train:params_specs}
@@ -93,14 +79,18 @@ print(json.dumps(dict(first_answer_s=t2 - t0, serving_to_answer_s=t2 - t1, built
 """
 
 
-def _model(small: bool) -> str:
+def _train_step_module() -> Any:
     spec = importlib.util.spec_from_file_location(
         "tpu_train_step", REPO / "scripts" / "tpu_train_step.py"
     )
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    model = str(module.MODEL)
+    return module
+
+
+def _model(small: bool) -> str:
+    model = str(_train_step_module().MODEL)
     if small:
         model = model.replace(
             "WIDTH, LAYERS, VOCAB = 512, 4, 1024", "WIDTH, LAYERS, VOCAB = 64, 2, 128"
@@ -124,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     work = args.work.resolve()
     work.mkdir(parents=True, exist_ok=True)
     (work / "nnx_train.py").write_text(_model(args.small))
-    (work / "manifest.yaml").write_text(MANIFEST)
+    (work / "manifest.yaml").write_text(_train_step_module().MANIFEST + FORWARD_ENTRY)
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join(p for p in (str(work), os.environ.get("PYTHONPATH")) if p),

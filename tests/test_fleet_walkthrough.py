@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 from support import infra
+from support.machines import machine_env
 
 REPO = Path(__file__).resolve().parent.parent
 PAGE = REPO / "docs" / "fleet.md"
@@ -42,16 +43,7 @@ def walkthrough_blocks() -> list[str]:
 
 def _machine_env(home: Path) -> dict[str, str]:
     base = {k: v for k, v in os.environ.items() if not k.startswith(("CACHECTL_", "XDG_", "JAX_"))}
-    env = {**base, "HOME": str(home), "PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu"}
-    for var, sub in (
-        ("XDG_DATA_HOME", "data"),
-        ("XDG_CACHE_HOME", "cache"),
-        ("XDG_CONFIG_HOME", "config"),
-        ("XDG_STATE_HOME", "state"),
-    ):
-        (home / sub).mkdir(parents=True, exist_ok=True)
-        env[var] = str(home / sub)
-    return env
+    return {**base, **machine_env(home), "PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu"}
 
 
 def _on_b(home: Path, hidden: Path, script: str) -> subprocess.CompletedProcess[str]:

@@ -22,7 +22,7 @@ needs_unshare = pytest.mark.skipif(
 )
 
 
-def _machine_env(home: Path) -> dict[str, str]:
+def machine_env(home: Path) -> dict[str, str]:
     env = {"HOME": str(home)}
     for var, sub in (
         ("XDG_DATA_HOME", "data"),
@@ -42,7 +42,7 @@ class MachineB:
         base = {
             k: v for k, v in os.environ.items() if not k.startswith(("CACHECTL_", "XDG_", "JAX_"))
         }
-        self.env = {**base, **_machine_env(home), "CACHECTL_SERVER": server}
+        self.env = {**base, **machine_env(home), "CACHECTL_SERVER": server}
         self.env["CACHECTL_TOKEN"] = token
         self.env["PYTHONPATH"] = str(REPO)
         self.hidden = hidden
