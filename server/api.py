@@ -40,6 +40,8 @@ router = APIRouter(prefix="/api/v1")
 MAX_CACHE_NAME = 128
 MAX_DIGEST = 64
 CacheName = Annotated[str, Path(min_length=1, max_length=MAX_CACHE_NAME)]
+# A telemetry window (stats, misses): a duration, e.g. 24h.
+Window = Annotated[str, Query(max_length=16, description="Window, e.g. 24h, 7d")]
 # No patterns on names and digests: the library validates them with the messages
 # direct mode prints (the CLI's client shows the same text); both only ever
 # match index rows, never build paths.
@@ -166,7 +168,7 @@ def cache_stats(state: StateDep, cache: CacheName) -> JSONResponse:
 def cache_misses_facts(
     state: StateDep,
     cache: CacheName,
-    since: Annotated[str, Query(max_length=16, description="Window, e.g. 24h, 7d")] = "7d",
+    since: Window = "7d",
 ) -> JSONResponse:
     state.index.get_cache(cache)  # 404 for a cache the index does not know
     return ok(misses_facts(state.index, cache, parse_duration(since)))
@@ -184,7 +186,7 @@ def cache_misses_facts(
 def cache_telemetry(
     state: StateDep,
     cache: CacheName,
-    since: Annotated[str, Query(max_length=16, description="Window, e.g. 24h, 7d")] = "7d",
+    since: Window = "7d",
 ) -> JSONResponse:
     return ok(telemetry_stats(state.index, cache, parse_duration(since)))
 
