@@ -346,8 +346,9 @@ class Replica:
             if seen["left_s"] <= 0:  # the holder's heartbeat stopped: one waiter takes over
                 seen = await self.take(key)
                 continue
-            if hedge_after is None:
-                ms = await self._lease("recorded", key=key)
+            if hedge_after is None:  # the row's compile_ms, else the "recorded" call
+                ms = seen.get("compile_ms")
+                ms = await self._lease("recorded", key=key) if ms is None else ms
                 took = ms / 1000.0 if ms is not None else None
                 hedge_after = DEFAULT_HEDGE_S if took is None else max(2.0 * took, took + 1.0)
             due = seen["age_s"] > hedge_after and seen["hedger"] is None

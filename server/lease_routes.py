@@ -10,7 +10,9 @@ it asked for as a suffix (``holder_for``), so no token acts as another's holder.
 lives at most the server's ``lease_max_ttl_s`` (CACHECTL_SERVER_LEASE_MAX_TTL, 60 s; a larger
 ask is clamped, and the answer's ``left_s`` says what was granted). Finishing or releasing a
 lease that is another holder's is refused (403; a hedger may record its write). A lease
-statement that waits past its lock or statement timeout answers 503.
+statement that waits past its lock or statement timeout answers 503. A key's recorded compile
+time, which every waiter of a cold key asks for at once, is remembered for
+``token_cache_s`` (ServerState.compile_ms; a finish through this replica forgets it).
 """
 
 from __future__ import annotations
@@ -117,6 +119,7 @@ def compile_lease(
         result = q.finish(
             runner, scope, key, holder, sha256=body.sha256, compile_ms=body.compile_ms
         )
+        state.compile_ms_changed(scope, key)
     return ok({"result": result})
 
 
@@ -141,9 +144,10 @@ def read_compile_lease(
     env = state.where(cache, digest)[1]
     runner = _runner(state)
     if body.action == "recorded":
-        key = _need(body.key, "key")
-        return ok(
-            {"result": q.recorded_ms(runner, f"{cache}/{env.digest}", cache, env.digest, key)}
+        key, scope = _need(body.key, "key"), f"{cache}/{env.digest}"
+        ms = state.compile_ms(
+            scope, key, lambda: q.recorded_ms(runner, scope, cache, env.digest, key)
         )
+        return ok({"result": ms})
     seen = q.look(runner, f"{cache}/{env.digest}", _need(body.key, "key"))
     return ok({"result": seen.to_json() if seen else None})

@@ -254,6 +254,8 @@ class CompileLeaseSeenOut(Out):
     hedger: str | None
     age_s: float
     left_s: float
+    # The key's last finished compile in ms: a waiter's hedge bound without a "recorded" call.
+    compile_ms: int | None = None
 
 
 class CompileLeaseOut(Out):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,6 +39,9 @@ class ServerState:
     # (environment id, key, executable?) -> the (size, sha256) recorded, or None: the byte routes'
     # one index query, remembered for the same bound
     _recorded: Recent[tuple[int, str, bool], tuple[tuple[int, str] | None]] = field(init=False)
+    # (lease scope, key) -> how long the key took to compile, or None: every waiter of a cold key
+    # asks at once (the lease's "recorded"), one index query answers them for the same bound
+    _compile_ms: Recent[tuple[str, str], tuple[int | None]] = field(init=False)
     jobs: Any = None  # server.jobs.JobRunner, set by create_app
     maintenance: Any = None  # server.maintenance.Scheduler, set by create_app
 
@@ -49,6 +53,7 @@ class ServerState:
         self.tokens = TokenCache(self.settings.token_cache_s)
         self._where = Recent(self.settings.token_cache_s)
         self._recorded = Recent(self.settings.token_cache_s)
+        self._compile_ms = Recent(self.settings.token_cache_s)
 
     def where(self, cache: str, digest: str) -> tuple[CacheInfo, EnvironmentInfo]:
         """A cache's policy and one environment by digest or unique prefix, as the read routes need
@@ -73,6 +78,19 @@ class ServerState:
             found = (sq.recorded_digest(self.index, env_id, key, executable=executable),)
             self._recorded.put(item, found)
         return found[0]
+
+    def compile_ms(self, scope: str, key: str, ask: Callable[[], int | None]) -> int | None:
+        """A key's recorded compile time (``ask`` queries the index), remembered like ``where``:
+        a waiter's hedge bound, which a time recorded ``token_cache_s`` later barely moves."""
+        found = self._compile_ms.get((scope, key))
+        if found is None:
+            found = (ask(),)
+            self._compile_ms.put((scope, key), found)
+        return found[0]
+
+    def compile_ms_changed(self, scope: str, key: str) -> None:
+        """A finish through this replica recorded the key's compile time: ask the index again."""
+        self._compile_ms.forget((scope, key))
 
     def known(
         self, cache: str, digest: str, key: str, executable: bool

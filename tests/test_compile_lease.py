@@ -394,6 +394,11 @@ def test_a_row_lock_on_compile_leases_costs_the_lock_timeout_then_one_warning(
         assert taken is not None and taken.mine
         with served(pg_url) as (live, _client), locker.connect() as held:
             remote = ServerClient(live.url, s.tokens["writer"])
+            # Expired: a take must write the row (a live holder's row is read without a lock).
+            held.execute(
+                sa.text("UPDATE compile_leases SET expires_at = now() - interval '1 second'")
+            )
+            held.commit()
             held.execute(
                 sa.text("SELECT * FROM compile_leases WHERE key = :k FOR UPDATE"), {"k": key}
             )
@@ -424,3 +429,52 @@ def test_a_row_lock_on_compile_leases_costs_the_lock_timeout_then_one_warning(
     finally:
         locker.dispose()
         index.close()
+
+
+def test_takers_of_a_held_key_lock_nothing_so_its_holder_renews_at_once(pg_url: str) -> None:
+    """bench/lease_scale.py at 256 replicas: on PostgreSQL ``INSERT ... ON CONFLICT DO UPDATE``
+    locks the row even when its WHERE is false, so every taker of a key another replica holds
+    queued on that lock and the holder's heartbeat behind them; leases expired under live
+    holders. A take of a held (or written) key is now a plain read: with a taker's transaction
+    still open, the holder renews and finishes at once."""
+    from contextlib import contextmanager
+
+    from cachectl.index import compile_leases as q
+    from cachectl.index import db, open_index
+
+    engine = db.make_engine(pg_url)
+    db.upgrade(engine)
+    index = open_index(pg_url)
+    scope, key = "c/" + "d" * 64, "jit_f-" + "2" * 64
+    try:
+        runner = q.runner_for(index)
+        assert runner is not None
+        assert (held := q.take(runner, scope, key, "holder", ttl_s=30, module=None)) and held.mine
+        with engine.connect() as taker:  # a taker's transaction, left open
+            tx = taker.begin()
+
+            @contextmanager
+            def open_tx():  # type: ignore[no-untyped-def]
+                def run(sql: str, params: dict[str, Any]) -> tuple[Any, int]:
+                    result = taker.execute(sa.text(sql), params)
+                    return (result.fetchall() if result.returns_rows else []), result.rowcount
+
+                yield run
+
+            seen = q.take(
+                q.Runner("postgresql", open_tx), scope, key, "taker", ttl_s=30, module=None
+            )
+            assert seen is not None and not seen.mine and seen.holder == "holder"
+            started = time.monotonic()
+            renewed = q.renew(runner, scope, key, "holder", ttl_s=30)
+            finished = q.finish(runner, scope, key, "holder", sha256="a" * 64, compile_ms=1500)
+            took = time.monotonic() - started
+            print(f"renew and finish with a taker's transaction open: {took:.3f} s")
+            assert renewed and finished and took < 1.0, took
+            tx.rollback()
+        seen = q.take(runner, scope, key, "late", ttl_s=30, module=None)
+        assert seen is not None and not seen.mine and seen.state == q.WRITTEN
+        assert seen.compile_ms == 1500  # the waiter's hedge bound, without a "recorded" call
+    finally:
+        index.close()
+        engine.dispose()

@@ -5,8 +5,12 @@ sqlite3 connection (a service on an SQLite file imports no SQLAlchemy), or the S
 (PostgreSQL, or SQLite behind it); the server runs the same calls for a process in server mode
 (server/lease_routes.py). The take is one atomic statement on both databases, as
 cachectl/lifecycle/lease.py's: ``INSERT ... ON CONFLICT DO UPDATE ... WHERE expired
-RETURNING``, so of several takers only one sees its row come back. PostgreSQL's clock decides
-expiry there (hosts with skewed clocks agree); on SQLite, one file on one host, this process's.
+RETURNING``, so of several takers only one sees its row come back. It runs only when a plain read
+of the row finds it takeable: on PostgreSQL, ``ON CONFLICT DO UPDATE`` locks the row even when its
+WHERE is false, so hundreds of takers of a key another holds would queue on that lock, and the
+holder's heartbeat behind them (bench/lease_scale.py measured leases expiring under live holders).
+PostgreSQL's clock decides expiry there (hosts with skewed clocks agree); on SQLite, one file on
+one host, this process's.
 
 States: ``compiling`` (held until ``expires_at``; the holder's heartbeat pushes it out),
 ``written`` (the entry is stored; ``sha256`` is its digest) and ``unwritten`` (the compile ended
@@ -50,7 +54,9 @@ COMPILING, WRITTEN, UNWRITTEN = "compiling", "written", "unwritten"
 @dataclass(frozen=True)
 class Seen:
     """A lease row as one caller saw it. ``mine``: this call took it. ``age_s``: since the holder
-    took it; ``left_s``: until it expires (negative: expired, the heartbeat stopped)."""
+    took it; ``left_s``: until it expires (negative: expired, the heartbeat stopped).
+    ``compile_ms``: the key's last finished compile (a waiter's hedge bound without another call;
+    None where none finished, or from a server that does not say)."""
 
     mine: bool
     holder: str
@@ -59,6 +65,13 @@ class Seen:
     hedger: str | None
     age_s: float
     left_s: float
+    compile_ms: int | None = None
+
+    def takeable(self, stale_sha256: str | None) -> bool:
+        """Whether a take would win this row: expired, or ``written`` with the stale digest."""
+        return self.left_s <= 0 or (
+            self.state == WRITTEN and stale_sha256 is not None and self.sha256 == stale_sha256
+        )
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -69,6 +82,7 @@ class Seen:
             "hedger": self.hedger,
             "age_s": self.age_s,
             "left_s": self.left_s,
+            "compile_ms": self.compile_ms,
         }
 
     @classmethod
@@ -81,6 +95,7 @@ class Seen:
             doc.get("hedger"),
             float(doc["age_s"]),
             float(doc["left_s"]),
+            int(doc["compile_ms"]) if doc.get("compile_ms") is not None else None,
         )
 
 
@@ -180,7 +195,7 @@ def runner_for(index: Any) -> Runner | None:
     return None
 
 
-_COLUMNS = "holder, state, sha256, hedger, {age} AS age_s, {left} AS left_s"
+_COLUMNS = "holder, state, sha256, hedger, {age} AS age_s, {left} AS left_s, compile_ms"
 
 
 def _seen(sql: _Sql, run: Any, scope: str, key: str, mine: bool) -> Seen | None:
@@ -193,8 +208,17 @@ def _seen(sql: _Sql, run: Any, scope: str, key: str, mine: bool) -> Seen | None:
     )
     if not rows:
         return None
-    holder, state, sha, hedger, age, left = rows[0]
-    return Seen(mine, holder, state, sha, hedger, float(age or 0.0), float(left or 0.0))
+    holder, state, sha, hedger, age, left, ms = rows[0]
+    return Seen(
+        mine,
+        holder,
+        state,
+        sha,
+        hedger,
+        float(age or 0.0),
+        float(left or 0.0),
+        int(ms) if ms is not None else None,
+    )
 
 
 def take(
@@ -224,6 +248,9 @@ def take(
         "AND compile_leases.sha256 = :stale) RETURNING holder"
     )
     with r.tx() as run:
+        seen = _seen(sql, run, scope, key, False)  # a plain read: no row lock
+        if seen is not None and not seen.takeable(stale_sha256):
+            return seen  # held, or written: what nearly every taker of a shared key finds
         got, _ = run(
             statement,
             sql.params(

@@ -371,7 +371,7 @@ class CompileLeases:
                 seen = self._take(lessor, key, module, None, read)
                 continue
             if hedge_after is None:  # this key's own compile time bounds the wait, not its module's
-                ms = lessor.recorded_ms(key)
+                ms = seen.compile_ms if seen.compile_ms is not None else lessor.recorded_ms(key)
                 took = ms / 1000.0 if ms is not None else None
                 hedge_after = self.hedge_s if took is None else max(2.0 * took, took + 1.0)
             if seen.age_s > hedge_after and seen.hedger is None:
