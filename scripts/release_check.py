@@ -27,6 +27,7 @@ Exit 0 when every step passed; otherwise 1, naming the step and showing its outp
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import contextlib
 import json
 import os
@@ -370,8 +371,15 @@ def main(argv: list[str] | None = None) -> int:
     log(f"work directory {work} (outside the checkout {ROOT})")
     try:
         sdist, wheel = build(work / "dist")
-        base_install(wheel, work)
-        server_install(sdist, work, args.pg_url)
+        # The two installs share nothing but the build: side by side, as two users would (most
+        # of each is pip fetching and unpacking dependencies, about 100 s apiece).
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            done = [
+                pool.submit(base_install, wheel, work),
+                pool.submit(server_install, sdist, work, args.pg_url),
+            ]
+        for future in done:
+            future.result()
     except (StepFailed, subprocess.TimeoutExpired) as exc:
         log(f"FAILED {exc}")
         log(f"work directory kept: {work}")
