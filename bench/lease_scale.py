@@ -8,7 +8,7 @@ No JAX. The server is a real ``cachectl serve --workers 2`` on PostgreSQL (a fre
 the server CACHECTL_TEST_PG_URL names; SQLite where it is unset, said in the output), with a
 local-disk cache, one environment and a few writer tokens (a replica uses token ``i % tokens``).
 
-**The lease.** ``--replicas`` simulated replicas (asyncio tasks with httpx.AsyncClient, spread
+**The lease.** ``--replicas`` simulated replicas (asyncio tasks on raw HTTP/1.1 keep-alive connections, bench/loadgen.py, spread
 over ``--client-procs`` processes) start together, and each misses every one of ``--keys`` keys
 in its own random order, one at a time, as a JAX process compiles. Each miss does what
 cachectl/service/compile_lease.py ``CompileLeases.missed`` does, over the real routes
@@ -65,6 +65,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import machine_line, tree_cpu, write_section  # noqa: E402
+from bench.loadgen import KeepAliveClient  # noqa: E402
 
 SECTION = "## Lease at scale"
 API = "/api/v1"
@@ -253,6 +254,7 @@ class Record:
     deaths: list[dict[str, Any]] = field(default_factory=list)
     starts: list[dict[str, Any]] = field(default_factory=list)
     lease_off: int = 0
+    cpu_s: float = 0.0  # this client process's CPU (user + system) for the round
 
 
 def entry_bytes(key: str, size: int, took: float) -> bytes:
@@ -414,20 +416,39 @@ class Replica:
 
 
 async def _replicas(part: Part) -> Record:
-    import httpx
-
+    """This process's replicas, on one raw keep-alive client (bench/loadgen.py): httpx's CPU per
+    request, times hundreds of replicas on this machine, starved the server it measured."""
     rec = Record()
-    n = len(part.replicas)
-    limits = httpx.Limits(max_connections=n, max_keepalive_connections=n)
-    async with httpx.AsyncClient(
-        base_url=part.url, limits=limits, timeout=60.0, trust_env=False
-    ) as client:
+    client = KeepAliveClient(part.url, timeout=60.0)
+    try:
         await asyncio.gather(*(Replica(part, i, client, rec).run() for i in part.replicas))
+    finally:
+        await client.aclose()
     return rec
 
 
 def _run_part(part: Part) -> Record:
-    return asyncio.run(_replicas(part))
+    cpu0 = time.process_time()
+    rec = asyncio.run(_replicas(part))
+    rec.cpu_s = time.process_time() - cpu0
+    return rec
+
+
+def _postgres_cpu() -> float:
+    """CPU seconds of the PostgreSQL processes alive now (its backends, by their name)."""
+    tick, total = os.sysconf("SC_CLK_TCK"), 0.0
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        name, rest = stat.split("(", 1)[1].rsplit(")", 1)
+        if name == "postgres":
+            fields = rest.split()
+            total += (int(fields[11]) + int(fields[12])) / tick
+    return total
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -468,11 +489,11 @@ def lease_round(
     ]
     db = seed["env"]["CACHECTL_DB"]
     sessions0 = _pg_sessions(db)
-    cpu0 = tree_cpu(pid)
+    cpu0, pg0 = tree_cpu(pid), _postgres_cpu()
     with multiprocessing.get_context("fork").Pool(procs) as pool:
         recs = pool.map(_run_part, parts)
     wall = time.time() - start_at
-    cpu = tree_cpu(pid) - cpu0
+    cpu, pg_cpu = tree_cpu(pid) - cpu0, _postgres_cpu() - pg0
     misses = [m for r in recs for m in r.misses]
     requests: Counter[str] = sum((r.requests for r in recs), Counter())
     errors: Counter[str] = sum((r.errors for r in recs), Counter())
@@ -535,6 +556,10 @@ def lease_round(
         "pg_sessions_opened": None if sessions0 is None else (_pg_sessions(db) or 0) - sessions0,
         "server_cpu_s": cpu,
         "server_cores": cpu / wall,
+        # Where the machine's cores went: the simulated replicas' processes, and PostgreSQL's
+        # backends alive at the end (every replica shares this machine with them here).
+        "clients_cores": sum(r.cpu_s for r in recs) / wall,
+        "postgres_cores": pg_cpu / wall,
         "keys_list": keys,
     }
 
@@ -760,7 +785,7 @@ def markdown(r: dict[str, Any]) -> str:
         f"`{command}` ({r['total_s'] / 60:.1f} minutes). {machine_line(r['machine'])}",
         "",
         f"`cachectl serve --workers {r['workers']}` on {r['index']} (a fresh database), "
-        f"{r['tokens']} writer tokens; simulated replicas (asyncio, httpx) on the real lease "
+        f"{r['tokens']} writer tokens; simulated replicas (asyncio, raw HTTP/1.1 keep-alive: bench/loadgen.py) on the real lease "
         "routes, each doing what `CompileLeases` does on a miss; no JAX: a compile is a sleep "
         "of the key's compile time (lognormal, seeded), then a real upload of the entry.",
         "",
@@ -807,6 +832,13 @@ def markdown(r: dict[str, Any]) -> str:
                 else ""
             )
             + (
+                f"; the machine's cores went to the simulated replicas "
+                f"{x['clients_cores']:.2f}, the server {x['server_cores']:.2f}, PostgreSQL "
+                f"{x['postgres_cores']:.2f}"
+                if "clients_cores" in x
+                else ""
+            )
+            + (
                 f"; **{spurious} takeovers more than holders killed**: leases that expired while "
                 "their holder lived (its take answered, or its renew came, later than the ttl)"
                 if spurious > 0
@@ -845,7 +877,7 @@ def markdown(r: dict[str, Any]) -> str:
         ]
     lines += [
         "- What this does not show: real compiles (a sleep stands in, so JAX's and the "
-        "processes' own CPU is absent and the clients, 2 processes of asyncio, share this "
+        "processes' own CPU is absent and the clients, 2 processes of asyncio on raw HTTP/1.1, share this "
         "machine's cores with the server and PostgreSQL); holders on one host seen gone at "
         "once (every simulated replica is its own host here, so a dead holder is found only "
         "by its expiry); a network between nodes and the server (loopback here)"

@@ -45,6 +45,98 @@ async def _read_response(reader: asyncio.StreamReader, method: str) -> tuple[int
     return status, length
 
 
+class Response:
+    """What ``KeepAliveClient`` answers: httpx's names for the parts a bench reads."""
+
+    def __init__(self, status_code: int, content: bytes) -> None:
+        self.status_code, self.content = status_code, content
+
+    @property
+    def text(self) -> str:
+        return self.content.decode("utf-8", "replace")
+
+    def json(self) -> Any:
+        return json.loads(self.content)
+
+
+async def _read_body(reader: asyncio.StreamReader) -> tuple[int, bytes, bool]:
+    """(status, body, whether the server keeps the connection): Content-Length or chunked."""
+    head = await reader.readuntil(b"\r\n\r\n")
+    status, length, chunked, keep = int(head[9:12]), 0, False, True
+    for line in head.split(b"\r\n")[1:]:
+        name, _, value = line.partition(b":")
+        name, value = name.strip().lower(), value.strip().lower()
+        if name == b"content-length":
+            length = int(value)
+        elif name == b"transfer-encoding" and b"chunked" in value:
+            chunked = True
+        elif name == b"connection" and value == b"close":
+            keep = False
+    if not chunked:
+        return status, await reader.readexactly(length) if length else b"", keep
+    parts = []
+    while True:
+        size = int((await reader.readline()).split(b";")[0], 16)
+        if size == 0:
+            while (await reader.readline()) not in (b"\r\n", b""):
+                pass  # trailers
+            return status, b"".join(parts), keep
+        parts.append(await reader.readexactly(size))
+        await reader.readline()
+
+
+class KeepAliveClient:
+    """httpx.AsyncClient's post/get/put for a load generator: raw HTTP/1.1 over kept
+    connections, a fraction of httpx's CPU per request, so hundreds of simulated clients on
+    this machine leave its cores to the server they measure (bench/lease_scale.py)."""
+
+    def __init__(self, base_url: str, timeout: float = 60.0) -> None:
+        rest = base_url.removeprefix("http://").rstrip("/")
+        self.host, _, port = rest.partition(":")
+        self.port, self.timeout = int(port or 80), timeout
+        self._idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
+
+    async def request(
+        self, method: str, path: str, headers: dict[str, str] | None = None, body: bytes = b""
+    ) -> Response:
+        conn = (
+            self._idle.pop() if self._idle else await asyncio.open_connection(self.host, self.port)
+        )
+        reader, writer = conn
+        raw = _request(method, path, f"{self.host}:{self.port}", headers or {}, body)
+        try:
+            writer.write(raw)
+            status, content, keep = await asyncio.wait_for(_read_body(reader), self.timeout)
+        except BaseException:
+            writer.close()
+            raise
+        if keep:
+            self._idle.append(conn)
+        else:
+            writer.close()
+        return Response(status, content)
+
+    async def post(self, path: str, json: Any, headers: dict[str, str]) -> Response:
+        body = _json_dumps(json).encode()
+        return await self.request(
+            "POST", path, {**headers, "content-type": "application/json"}, body
+        )
+
+    async def get(self, path: str, headers: dict[str, str]) -> Response:
+        return await self.request("GET", path, headers)
+
+    async def put(self, path: str, content: bytes, headers: dict[str, str]) -> Response:
+        return await self.request("PUT", path, headers, content)
+
+    async def aclose(self) -> None:
+        for _, writer in self._idle:
+            writer.close()
+        self._idle.clear()
+
+
+_json_dumps = json.dumps
+
+
 async def run(spec: dict[str, Any]) -> dict[str, Any]:
     host, port = spec.get("host", "localhost"), int(spec.get("port", 80))
     uds = spec.get("uds")

@@ -377,3 +377,56 @@ def test_keys_another_writer_records_between_lookup_and_insert_are_updated(
     finally:
         first.close()
         other.close()
+
+
+def test_a_burst_of_requests_reuses_the_pools_postgresql_sessions(pg_url: str) -> None:
+    """A server's threads check out up to PG_POOL_SIZE connections at once; every one is kept,
+    so a second burst opens no PostgreSQL session (SQLAlchemy's default kept 5 and opened and
+    closed the rest per burst: a backend forked each time)."""
+    import time
+
+    import sqlalchemy as sa
+
+    from cachectl.index import db
+
+    engine = db.make_engine(pg_url)
+    name = sa.engine.make_url(pg_url).database
+
+    def sessions() -> int:
+        with engine.connect() as c:
+            c.execute(sa.text("SELECT pg_stat_clear_snapshot()"))
+            found = c.execute(
+                sa.text("SELECT sessions FROM pg_stat_database WHERE datname = :n"), {"n": name}
+            ).scalar()
+        return int(found or 0)
+
+    def burst(n: int) -> None:
+        ready, go = threading.Barrier(n), threading.Event()
+
+        def hold() -> None:
+            with engine.connect() as c:
+                c.execute(sa.text("SELECT 1"))
+                ready.wait(timeout=30)
+                go.wait(timeout=30)
+
+        threads = [threading.Thread(target=hold) for _ in range(n)]
+        for t in threads:
+            t.start()
+        try:
+            time.sleep(0.5)
+        finally:
+            go.set()
+            for t in threads:
+                t.join(timeout=60)
+
+    try:
+        n = 14  # within db.PG_POOL_SIZE (15), past SQLAlchemy's default 5 kept
+        burst(n)  # the first burst opens its sessions
+        before = sessions()
+        burst(n)
+        burst(n)
+        opened = sessions() - before
+        print(f"sessions opened by two more bursts of {n}: {opened}")
+        assert opened == 0, opened
+    finally:
+        engine.dispose()

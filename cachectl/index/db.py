@@ -36,6 +36,11 @@ SQLITE_BUSY_TIMEOUT_MS = 30_000
 PG_LOCK_TIMEOUT_MS = SQLITE_BUSY_TIMEOUT_MS
 PG_STATEMENT_TIMEOUT_MS = 600_000
 PG_TIMEOUTS = f"-c lock_timeout={PG_LOCK_TIMEOUT_MS} -c statement_timeout={PG_STATEMENT_TIMEOUT_MS}"
+# PostgreSQL connections a process keeps open, and the most it opens: the same bound as
+# SQLAlchemy's default (5 kept, 10 more opened and closed per burst), but all kept. A server under
+# hundreds of clients otherwise forked a PostgreSQL backend per request burst (bench/lease_scale.py:
+# ~2,200 sessions a round); a command or a service opens only the few it uses.
+PG_POOL_SIZE = 15
 
 
 def migrations_dir() -> Path:
@@ -98,6 +103,8 @@ def make_engine(url: str, *, create: bool = False) -> Engine:
         return create_engine(
             parsed,
             pool_pre_ping=True,
+            pool_size=PG_POOL_SIZE,
+            max_overflow=0,
             connect_args={"connect_timeout": CONNECT_TIMEOUT_S, "options": PG_TIMEOUTS},
         )
     raise BadInput(
