@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 from support import infra
-from support.machines import CACHECTL, MachineB, needs_unshare
+from support.machines import CACHECTL, MachineB, fleet, needs_unshare
 from support.warming import TINY_SERVICE, invoke, tiny
 
 CACHE = "fleet"
@@ -63,16 +63,9 @@ def _fleet(
         lambda port: [sys.executable, "-m", "cachectl", "serve", "--port", str(port)],
         tmp_path / "logs",
     )
-    machines = []
-    for name in ("r0", "r1", "r2", "deploy", "fresh"):
-        m = MachineB(tmp_path / name, isolated_home, server.url, token)
-        m.env.update(
-            CACHECTL_CACHE=CACHE,
-            CACHECTL_NODE_CACHE=str(tmp_path / name / "node"),
-            JAX_PLATFORMS="cpu",
-        )
-        machines.append(m)
-    return server, token, manifest, machines
+    names = ("r0", "r1", "r2", "deploy", "fresh")
+    machines = fleet(names, tmp_path, isolated_home, server.url, token, CACHE)
+    return server, token, manifest, list(machines.values())
 
 
 def _serving(machine: MachineB, manifest: Path, readonly: bool) -> dict[str, dict[str, int]]:

@@ -23,23 +23,17 @@ from typing import Any
 import pytest
 from support import infra
 from support.field_cases import FLAX_NNX
-from support.machines import CACHECTL, MachineB, needs_unshare
+from support.machines import CACHECTL, fleet, needs_unshare
 from support.warming import invoke
 
 pytestmark = [pytest.mark.slow, needs_unshare, pytest.mark.timeout(900)]
 
 CACHE = "nnx"
 BUCKETS = 4
-MANIFEST = """
-version: 1
-target: {backend: cpu}
-functions:
-  - fn: case:forward
-    args:
-      - {pytree: case:state_specs}
-      - {shape: [batch, seq], dtype: int32}
-    buckets: {batch: [1, 2], seq: [8, 16]}
-"""
+# The field case's manifest at four buckets.
+ALL_BUCKETS = "buckets: {batch: [1, 2, 4], seq: [8, 16, 32, 64]}"
+assert FLAX_NNX.manifest is not None and ALL_BUCKETS in FLAX_NNX.manifest
+MANIFEST = FLAX_NNX.manifest.replace(ALL_BUCKETS, "buckets: {batch: [1, 2], seq: [8, 16]}")
 
 # A replica: the model built, then one call per bucket; JAX's log of what it compiled, by key.
 REPLICA = """
@@ -114,16 +108,10 @@ def test_a_cold_nnx_fleet_compiles_each_program_once_and_ends_trace_free(
         lambda port: [sys.executable, "-m", "cachectl", "serve", "--port", str(port)],
         tmp_path / "logs",
     )
-    machines = {}
-    for name in ("r0", "r1", "r2", "deploy", "later"):
-        m = MachineB(tmp_path / name, isolated_home, server.url, token)
-        m.env.update(
-            CACHECTL_CACHE=CACHE,
-            CACHECTL_NODE_CACHE=str(tmp_path / name / "node"),
-            JAX_PLATFORMS="cpu",
-            PYTHONPATH=f"{tmp_path}:{m.env['PYTHONPATH']}",
-        )
-        machines[name] = m
+    names = ("r0", "r1", "r2", "deploy", "later")
+    machines = fleet(names, tmp_path, isolated_home, server.url, token, CACHE)
+    for m in machines.values():  # the case's module, for warm's and the services' imports
+        m.env["PYTHONPATH"] = f"{tmp_path}:{m.env['PYTHONPATH']}"
     try:
         code = REPLICA.format(dir=str(tmp_path), cache=CACHE)
         procs = [machines[n].start(sys.executable, "-c", code) for n in ("r0", "r1", "r2")]

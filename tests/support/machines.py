@@ -99,3 +99,20 @@ class MachineB:
         return {
             n: (f["fallback"], f["loaded"]) for n, f in report["functions"].items()
         }, proc.stderr
+
+
+def fleet(
+    names: tuple[str, ...], base: Path, hidden: Path, server: str, token: str, cache: str
+) -> dict[str, MachineB]:
+    """Machines of a fleet on one named cache: each its own HOME under ``base/NAME``, its node
+    tier there (CACHECTL_NODE_CACHE), JAX on the CPU."""
+    machines = {}
+    for name in names:
+        m = MachineB(base / name, hidden, server, token)
+        m.env.update(
+            CACHECTL_CACHE=cache,
+            CACHECTL_NODE_CACHE=str(base / name / "node"),
+            JAX_PLATFORMS="cpu",
+        )
+        machines[name] = m
+    return machines
